@@ -1,0 +1,321 @@
+"""Activation statistics of MAN section 2 and the output-level quantities of MAN sections 5-5.3.
+
+Per activation layer (every module of :data:`sharpcli.models.activations.ACTIVATION_TYPES`,
+one entry per call of the module in a forward pass), over the analysis set of B samples:
+
+- an *output* is one entry of the layer's per-sample output: a unit of a dense layer, one
+  (channel, position) of a convolutional feature map; N is their number per sample;
+- an output is *active* on sample i where its pre-activation (the module's input) is ``> 0``
+  (so ReLU, GELU, beta-GELU, ... are all counted the same way); ``M_i`` = inactive outputs;
+- an output is *dead* when it is inactive for every one of the B samples; P = dead outputs;
+- death frequency ``xi = P / N`` (MAN section 2);
+- activation frequency ``eta = 1 - (1/B) sum_i M_i / N`` computed *excluding* the dead outputs,
+  as MAN states ("activation frequency is computed excluding such dead outputs"): with
+  ``N' = N - P`` and ``M'_i = M_i - P``, ``eta = 1 - (1/B) sum_i M'_i / N'
+  = (sum_i A_i) / (B N')`` where ``A_i = N - M_i`` is the number of active outputs of sample i
+  (a dead output is never active, so ``A_i`` counts alive outputs only). ``eta`` is undefined
+  (``None``) when every output is dead. The frequency over all outputs, ``sum_i A_i / (B N)``,
+  is reported beside it as ``activation_frequency_including_dead``;
+- ``mean_sq_norm``: ``(1/B) sum_i ||a_i||^2`` of the layer's output (post-activation), the
+  ``s_{l-1}`` of MAN section 3.1.
+
+Output level, with ``p = softmax(z)`` (cross-entropy models): Gini impurity
+``(1/B) sum_i (1 - ||p_i||^2)`` (MAN section 5), entropy ``-(1/B) sum_i sum_c p_ic log p_ic``
+(nats), confidence ``(1/B) sum_i max_c p_ic``, loss (the analysis loss), accuracy.
+
+``penultimate_sq_norm``: ``(1/B) sum_i ||h_i^(L-1)||^2`` of the input of the classifier head
+(the last ``nn.Linear``), the activation-decay penalty of AD Theorem 2.
+
+``input_jacobian_fro``: ``(1/B) sum_i ||d z_i / d x_i||_F``, the Frobenius norm of the
+input-output Jacobian of the logits over all input entries (MAN Table 3, "over all pixels"),
+averaged over samples; ``input_jacobian_fro_softmax`` is the same for the probabilities
+``p_i`` (Novak et al. 2018's variant): ``d p_c/dx = p_c (d z_c/dx - sum_k p_k d z_k/dx)``.
+Both come from C + 1 reverse passes per batch, ``r_c = d (sum_i z_ic) / dx`` (row c of every
+sample's Jacobian, since samples do not interact in eval mode) and ``rbar = d (sum_i p_i . z_i)/dx``
+with ``p`` held constant.
+
+All sums over samples go through :func:`sharpcli.curvature.data.all_reduce_sum`, so the
+statistics are the same under data parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.errors import NumericalError
+from sharpcli.losses import per_sample_loss
+
+__all__ = [
+    "ActivationStatsResult",
+    "LayerActivationStats",
+    "OutputStats",
+    "activation_stats",
+]
+
+
+@dataclass
+class LayerActivationStats:
+    """MAN section 2 statistics of one activation layer (see the module docstring for the formulas)."""
+
+    name: str
+    kind: str
+    output_shape: list[int]
+    outputs: int
+    dead_outputs: int
+    death_frequency: float
+    activation_frequency: float | None
+    activation_frequency_including_dead: float
+    mean_sq_norm: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class OutputStats:
+    """Output-level statistics: Gini impurity ``1 - ||p||^2``, entropy, confidence, loss, accuracy.
+
+    The softmax quantities and accuracy are ``None`` for regression (mse) models.
+    """
+
+    gini_impurity: float | None
+    entropy: float | None
+    confidence: float | None
+    loss: float
+    accuracy: float | None
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class ActivationStatsResult:
+    """Everything ``sharp activation-stats`` reports (SPEC section 7 keys)."""
+
+    layers: list[LayerActivationStats]
+    output: OutputStats
+    penultimate_sq_norm: float | None
+    penultimate_layer: str | None
+    input_jacobian_fro: float | None
+    input_jacobian_fro_softmax: float | None
+    samples: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict with the keys of SPEC section 7 (``layers``, ``output``, ...)."""
+        return {
+            "layers": [layer.to_dict() for layer in self.layers],
+            "output": self.output.to_dict(),
+            "penultimate_sq_norm": self.penultimate_sq_norm,
+            "penultimate_layer": self.penultimate_layer,
+            "input_jacobian_fro": self.input_jacobian_fro,
+            "input_jacobian_fro_softmax": self.input_jacobian_fro_softmax,
+            "samples": self.samples,
+            "notes": list(self.notes),
+        }
+
+
+class _LayerAccumulator:
+    """Running sums of one activation layer: per-output active counts, ``sum ||a||^2``."""
+
+    def __init__(self, name: str, kind: str, output_shape: tuple[int, ...], device: torch.device):
+        self.name = name
+        self.kind = kind
+        self.output_shape = list(output_shape)
+        self.outputs = math.prod(output_shape) if output_shape else 1
+        self.active_counts = torch.zeros(self.outputs, dtype=torch.float64, device=device)
+        self.sq_norm_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, pre_activation: torch.Tensor, activation: torch.Tensor) -> None:
+        batch = pre_activation.shape[0]
+        active = (pre_activation.detach().reshape(batch, -1) > 0).to(torch.float64)
+        if active.shape[1] != self.outputs:
+            raise NumericalError(
+                f"activation layer {self.name} changed its output size between batches "
+                f"({self.outputs} then {active.shape[1]})",
+                source="activation-stats",
+            )
+        self.active_counts += active.sum(dim=0)
+        a = activation.detach().reshape(batch, -1).to(torch.float64)
+        self.sq_norm_sum += (a * a).sum()
+
+    def finish(self, num_samples: int) -> LayerActivationStats:
+        dead = int((self.active_counts == 0).sum())
+        total_active = float(self.active_counts.sum())
+        alive = self.outputs - dead
+        eta = total_active / (num_samples * alive) if alive > 0 else None
+        return LayerActivationStats(
+            name=self.name,
+            kind=self.kind,
+            output_shape=self.output_shape,
+            outputs=self.outputs,
+            dead_outputs=dead,
+            death_frequency=dead / self.outputs,
+            activation_frequency=eta,
+            activation_frequency_including_dead=total_active / (num_samples * self.outputs),
+            mean_sq_norm=float(self.sq_norm_sum) / num_samples,
+        )
+
+
+def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from sharpcli.models.zoo import activation_modules
+
+    return activation_modules(model)
+
+
+def _kind(module: nn.Module) -> str:
+    from sharpcli.models.activations import activation_spec
+
+    try:
+        spec = activation_spec(module)
+    except Exception:  # a foreign activation type: its class name says what it is
+        spec = None
+    return spec or type(module).__name__
+
+
+def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    from sharpcli.errors import UsageError
+    from sharpcli.models.zoo import final_linear
+
+    try:
+        return final_linear(model)
+    except UsageError:
+        return None
+
+
+def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = True) -> ActivationStatsResult:
+    """MAN section 2 activation statistics, output statistics, the AD penalty and ``||J_x||_F``.
+
+    ``model`` must be in eval mode (samples independent); ``data`` is the analysis set (its
+    ``loss`` decides whether softmax statistics apply). ``jacobian=False`` skips the C + 1
+    reverse passes per batch of the input-output Jacobian (both Jacobian norms are then ``None``).
+    Raises :class:`NumericalError` when the logits are not finite.
+    """
+    layers = _activation_layers(model)
+    head = _head(model)
+    accumulators: dict[tuple[str, int], _LayerAccumulator] = {}
+    order: list[tuple[str, int]] = []
+    calls: dict[str, int] = {}
+
+    def make_hook(name: str):
+        def hook(module, inputs, output):
+            index = calls.get(name, 0)
+            calls[name] = index + 1
+            key = (name, index)
+            pre = inputs[0]
+            if key not in accumulators:
+                label = name if index == 0 else f"{name}#{index + 1}"
+                accumulators[key] = _LayerAccumulator(label, _kind(module), tuple(pre.shape[1:]), pre.device)
+                order.append(key)
+            accumulators[key].add(pre, output)
+
+        return hook
+
+    def head_hook(module, inputs):
+        h = inputs[0].detach().reshape(inputs[0].shape[0], -1).to(torch.float64)
+        penultimate["sum"] += (h * h).sum()
+
+    params = list(model.parameters())
+    dtype = params[0].dtype if params else torch.get_default_dtype()
+    device = params[0].device if params else torch.device("cpu")
+    penultimate = {"sum": torch.zeros((), dtype=torch.float64, device=device)}
+    handles = [module.register_forward_hook(make_hook(name)) for name, module in layers]
+    if head is not None:
+        handles.append(head[1].register_forward_pre_hook(head_hook))
+
+    classification = data.loss == "cross-entropy"
+    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in
+            ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")}
+    jacobian_possible = jacobian
+    notes: list[str] = []
+    try:
+        for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+            x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
+            calls.clear()
+            use_jacobian = jacobian_possible and x_b.is_floating_point()
+            if jacobian_possible and not x_b.is_floating_point():
+                jacobian_possible = False
+                notes.append("inputs are not floating point: no input-output Jacobian")
+            if use_jacobian:
+                x_b = x_b.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    z = model(x_b)
+            else:
+                with torch.no_grad():
+                    z = model(x_b)
+            if not torch.isfinite(z).all():
+                raise NumericalError(f"logits are not finite on batch {batch_index}", source="activation-stats")
+            zd = z.detach()
+            sums["loss"] += per_sample_loss(data.loss, zd, y_b).to(torch.float64).sum()
+            if classification:
+                p = torch.softmax(zd.to(torch.float64), dim=-1)
+                sums["gini"] += (1.0 - (p * p).sum(dim=-1)).sum()
+                sums["entropy"] += (-torch.special.xlogy(p, p).sum(dim=-1)).sum()
+                sums["confidence"] += p.max(dim=-1).values.sum()
+                sums["correct"] += (zd.argmax(dim=-1) == y_b).to(torch.float64).sum()
+            if use_jacobian:
+                logit_sq, softmax_sq = _jacobian_sq_norms(x_b, z)
+                sums["jac"] += logit_sq.sqrt().sum()
+                sums["jac_softmax"] += softmax_sq.sqrt().sum()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    n = data.num_samples
+    reduced = [acc.active_counts for acc in (accumulators[k] for k in order)]
+    reduced += [acc.sq_norm_sum for acc in (accumulators[k] for k in order)]
+    reduced += [sums[k] for k in sums] + [penultimate["sum"]]
+    all_reduce_sum(reduced)
+    layer_stats = [accumulators[key].finish(n) for key in order]
+    output = OutputStats(
+        gini_impurity=float(sums["gini"]) / n if classification else None,
+        entropy=float(sums["entropy"]) / n if classification else None,
+        confidence=float(sums["confidence"]) / n if classification else None,
+        loss=float(sums["loss"]) / n,
+        accuracy=float(sums["correct"]) / n if classification else None,
+    )
+    if not layers:
+        notes.append("the model has no activation layer modules")
+    if head is None:
+        notes.append("the model has no nn.Linear head: no penultimate activation norm")
+    return ActivationStatsResult(
+        layers=layer_stats,
+        output=output,
+        penultimate_sq_norm=float(penultimate["sum"]) / n if head is not None else None,
+        penultimate_layer=head[0] if head is not None else None,
+        input_jacobian_fro=float(sums["jac"]) / n if jacobian_possible else None,
+        input_jacobian_fro_softmax=(float(sums["jac_softmax"]) / n if jacobian_possible and classification
+                                    else None),
+        samples=n,
+        notes=notes,
+    )
+
+
+def _jacobian_sq_norms(x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``||dz_i/dx_i||_F^2`` and ``||dp_i/dx_i||_F^2`` (shape ``(B,)`` each, float64).
+
+    Row c of every sample's logit Jacobian is ``r_c = d(sum_i z_ic)/dx`` (samples independent);
+    ``rbar = d(sum_i sum_k p_ik z_ik)/dx`` with ``p`` constant is ``sum_k p_k r_k``; the
+    probability Jacobian's rows are ``p_c (r_c - rbar)``.
+    """
+    batch, classes = z.shape
+    p = torch.softmax(z.detach(), dim=-1)
+    (rbar,) = torch.autograd.grad((z * p).sum(), x, retain_graph=True)
+    rbar = rbar.reshape(batch, -1).to(torch.float64)
+    logit_sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
+    softmax_sq = torch.zeros(batch, dtype=torch.float64, device=x.device)
+    p64 = p.to(torch.float64)
+    for c in range(classes):
+        (row,) = torch.autograd.grad(z[:, c].sum(), x, retain_graph=c < classes - 1)
+        row = row.reshape(batch, -1).to(torch.float64)
+        logit_sq += (row * row).sum(dim=1)
+        diff = row - rbar
+        softmax_sq += p64[:, c] ** 2 * (diff * diff).sum(dim=1)
+    return logit_sq, softmax_sq

@@ -1,0 +1,661 @@
+"""Checks of the activation-decay bounds (AD Corollary 1, Theorems 2-3) and NSO's trace gap (NSO Fig. 2).
+
+**Corollary 1** (AD section 3.1, adapted from Delattre et al. 2024). If ``grad L`` is H-Lipschitz and
+``||grad L(theta)||_2 <= eps``, then for ``Delta ~ N(0, sigma^2 I)`` over the scope
+
+    || grad^2 E_Delta L(theta + Delta) ||_2  <=  H erf( eps / (sqrt(2) H sigma) ).
+
+Measured here per sigma (default scope: the final layer's weight, as AD Fig. 1a):
+
+- ``H``: the gradient's Lipschitz constant on the region the smoothing sees, estimated as the
+  largest ``|eigenvalue|`` of the Hessian at theta and at every sampled point ``theta + D_j``
+  (Lanczos, both ends of the spectrum);
+- ``epsilon``: ``||grad L(theta)||`` over the whole analysis set (``full``), or the mean over
+  minibatches of the minibatch gradient norm (``minibatch``, what AD used: "averaging the
+  gradient's norm near the minimum"); both are always reported;
+- ``empirical``: a Monte-Carlo estimate of the left side. Since ``grad^2 E L(theta + Delta) =
+  E grad^2 L(theta + Delta)``, it is ``|| (1/m) sum_j H(theta + D_j) ||_2`` with fixed
+  perturbations ``D_j = sigma Z_j``, ``Z_j ~ N(0, I)`` drawn once from the seed and reused for
+  every sigma (common random numbers, so the curve over sigma is smooth), computed by Lanczos on
+  the averaged operator ``v -> (1/m) sum_j H(theta + D_j) v``;
+- ``empirical_ci``: a percentile bootstrap over the m perturbations. Every product the Lanczos
+  run makes is recorded as ``u_a^T H_j u_b`` for all recorded vectors ``u``, so a bootstrap
+  replicate (perturbations resampled with replacement) is the Rayleigh-Ritz value
+  ``max |eig|`` of ``(1/m) sum_j w_j U^T H_j U`` in the Krylov subspace ``U`` of the full
+  average -- no further Hessian products. Within a subspace Ritz values can only underestimate
+  a replicate's norm; the subspace holds the dominant directions of the average, which the
+  replicates share, so the error is second order in the replicates' spread;
+- ``plain_lambda_max``: the largest eigenvalue of ``H(theta)`` (what AD Fig. 1a plots);
+- ``bound``, ``ratio = empirical / bound``, ``holds = empirical <= bound``.
+
+**Theorem 2** (AD section 3.2): for cross-entropy with noise ``Delta ~ N(0, sigma^2 I)`` on the
+final layer's weight ``W`` (logits ``z = W h + b``), ``Delta h ~ N(0, sigma^2 ||h||^2 I_c)``, so
+the smoothed loss is ``E_g CE(z + t g, y)`` with ``t = sigma ||h||``, ``g ~ N(0, I_c)``, and
+
+    E_g CE(z + t g, y)  <=  CE(z, y) + sigma^2/2 ||h||^2.
+
+**Theorem 3** (AD appendix B.4): ``E CE ~ CE + sigma^2/2 ||h||^2 sum_i p_i (1 - p_i)``.
+The smoothed loss per sample is estimated with ``K`` antithetic pairs ``+-g`` (which cancel
+every odd-order term, including ``-t g_y``) and a control variate: the quadratic term
+``q(g) = t^2/2 g^T (diag p - p p^T) g`` has known mean ``t^2/2 sum_i p_i (1 - p_i)``; the
+estimate is ``mean(Y) - beta (mean(q) - E q)`` with ``Y = (lse(z + t g) + lse(z - t g))/2 - z_y``
+and the fitted coefficient ``beta = Cov(Y, q)/Var(q)``; its standard error is the sample
+standard deviation of ``Y - beta q`` over the pairs divided by ``sqrt(K)``.
+
+**Noise stability** (NSO section 2.2, eq. 4, Fig. 2): for ``U ~ N(0, sigma^2 I)`` over the scope,
+``E_U L(theta + U) - L(theta) ~ sigma^2/2 tr(H)``. The left side is estimated with antithetic
+pairs, ``(L(theta + U_j) + L(theta - U_j))/2 - L(theta)`` (the first-order term cancels exactly),
+with common random numbers across sigmas; ``tr(H)`` by Hutch++ from the curvature engine. Beside
+it, with the same ``U_j``, the paired quadratic term ``sigma^2/2 Z_j^T H Z_j`` and the Taylor
+residual (gap minus quadratic term, the higher-order part NSO neglects).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureOperator, CurvaturePass
+from sharpcli.curvature.scope import ParamScope, gaussian_like
+from sharpcli.errors import NumericalError, UsageError
+from sharpcli.losses import loss_fn
+
+__all__ = [
+    "AveragedOperator",
+    "BoundCheckResult",
+    "BoundRow",
+    "NoiseStabilityRow",
+    "Theorem2Row",
+    "bound_check",
+    "corollary1_bound",
+    "default_bound_scope",
+    "gradient_norms",
+    "noise_stability_check",
+    "smoothed_cross_entropy",
+    "theorem2_check",
+]
+
+CHECKS = ("theorem2", "noise-stability")
+EPSILON_KINDS = ("full", "minibatch")
+
+
+def corollary1_bound(H: float, epsilon: float, sigma: float) -> float:
+    """AD Corollary 1: ``H erf(epsilon / (sqrt(2) H sigma))`` (``0`` when ``H = 0``)."""
+    if H <= 0:
+        return 0.0
+    return H * math.erf(epsilon / (math.sqrt(2.0) * H * sigma))
+
+
+def default_bound_scope(model: nn.Module) -> str:
+    """The final layer's weight (AD Fig. 1a: "Hessian is computed only w.r.t. W^(L)") as a scope spec."""
+    from sharpcli.models.zoo import final_linear
+
+    name, _ = final_linear(model)
+    return f"{name}.weight" if name else "weight"
+
+
+def _scope_on(model: nn.Module, scope: ParamScope) -> ParamScope:
+    """The parameters of ``model`` with the same names as ``scope`` (for copies of a model)."""
+    named = dict(model.named_parameters())
+    return ParamScope(list(scope.names), [named[n] for n in scope.names], spec=scope.spec)
+
+
+def _perturbed_copy(model: nn.Module, scope: ParamScope, delta: torch.Tensor) -> tuple[nn.Module, ParamScope]:
+    """A deep copy of ``model`` with ``delta`` (flat, over ``scope``) added to the scope's parameters."""
+    twin = copy.deepcopy(model)
+    twin_scope = _scope_on(twin, scope)
+    with torch.no_grad():
+        for p, d in zip(twin_scope.params, scope.unflatten(delta)):
+            p.add_(d)
+    return twin, twin_scope
+
+
+def _standard_normal_directions(scope: ParamScope, count: int, seed: int) -> torch.Tensor:
+    """``count`` fixed ``N(0, I)`` vectors over the scope, shape ``(P, count)``, from ``seed`` (CPU draw)."""
+    generator = torch.Generator().manual_seed(int(seed))
+    return gaussian_like(scope.numel, generator, scope.dtype, scope.device, count)
+
+
+class AveragedOperator(CurvatureOperator):
+    """``v -> (1/m) sum_j A_j v`` for symmetric operators ``A_j``, recording projections for a bootstrap.
+
+    Every input vector ``u`` is kept (up to ``record_limit``) together with ``u_a^T A_j u_b`` for all
+    recorded pairs, per operator j: ``projections()`` returns ``(U^T U, [U^T A_j U]_j)``, from which
+    the Rayleigh-Ritz value of any reweighting ``sum_j w_j A_j`` in ``span(U)`` follows without
+    further products (:meth:`ritz_norm`).
+    """
+
+    name = "averaged Hessian"
+
+    def __init__(self, operators: list[CurvatureOperator], record_limit: int = 400):
+        first = operators[0]
+        super().__init__(first.shape[0], first.dtype, first.device)
+        self.operators = operators
+        self.record_limit = int(record_limit)
+        self._inputs = torch.zeros(first.shape[0], 0, dtype=first.dtype, device=first.device)
+        self._proj = torch.zeros(len(operators), 0, 0, dtype=torch.float64)
+        self.recording = True
+
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
+        outs = [op.matmat(V) for op in self.operators]
+        if self.recording:
+            if self._inputs.shape[1] + V.shape[1] > self.record_limit:
+                self.recording = False
+            else:
+                self._record(V, outs)
+        return torch.stack(outs).mean(0)
+
+    def _record(self, V: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        old = self._inputs.shape[1]
+        U = torch.cat([self._inputs, V], 1)
+        r = U.shape[1]
+        proj = torch.zeros(len(self.operators), r, r, dtype=torch.float64)
+        proj[:, :old, :old] = self._proj
+        for j, out in enumerate(outs):
+            block = (U.T @ out).to(torch.float64).cpu()  # (r, k): u_a^T A_j v_b
+            proj[j, :, old:] = block
+            proj[j, old:, :old] = block[:old].T
+        self._inputs = U
+        self._proj = proj
+
+    def projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(S, M)``: Gram matrix ``U^T U`` (r, r) and ``M[j] = U^T A_j U`` symmetrised (m, r, r), float64."""
+        S = (self._inputs.T @ self._inputs).to(torch.float64).cpu()
+        M = (self._proj + self._proj.transpose(1, 2)) / 2
+        return S, M
+
+    @staticmethod
+    def ritz_norm(S: torch.Tensor, M: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Rayleigh-Ritz ``max |eig|`` of ``sum_j w_j A_j`` in ``span(U)`` for each row of ``weights`` (B, m).
+
+        With ``S = E diag(s) E^T`` and ``W = E_+ diag(s_+)^{-1/2}`` (directions with
+        ``s > 1e-10 max s``), the Ritz values are the eigenvalues of ``W^T (sum_j w_j M_j) W``.
+        """
+        s, E = torch.linalg.eigh(S)
+        keep = s > 1e-10 * s.max()
+        W = E[:, keep] / s[keep].sqrt()
+        reduced = torch.einsum("ra,jrs,sb->jab", W, M, W)  # (m, r', r')
+        out = []
+        for chunk in torch.split(weights.to(torch.float64), 128):
+            combined = torch.einsum("bj,jab->bab", chunk, reduced)
+            combined = (combined + combined.transpose(1, 2)) / 2
+            out.append(torch.linalg.eigvalsh(combined).abs().max(dim=1).values)
+        return torch.cat(out)
+
+
+def _spectral_norm(op, *, tol: float, max_matvecs: int | None, seed: int) -> tuple[float, float, bool]:
+    """``(max |eig|, largest eig, converged)`` of a symmetric operator by Lanczos (both ends)."""
+    from sharpcli.curvature.lanczos import lanczos
+
+    result = lanczos(op, 1, "both", tol=tol, max_matvecs=max_matvecs, seed=seed)
+    values = result.eigenvalues
+    norm = max(abs(v) for v in values)
+    return norm, max(values), all(result.converged)
+
+
+def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> dict:
+    """``||grad L(theta)||`` over the analysis set and the mean minibatch gradient norm.
+
+    ``full``: the norm of the gradient of ``L = (1/N) sum_i l_i`` restricted to the scope.
+    ``minibatch``: ``(1/n_b) sum_b ||grad L_b||`` with ``L_b`` the mean loss of batch b
+    (batches of ``data.batch_size``, the last one possibly smaller), AD section 4.1's estimate.
+    """
+    loss = loss_fn(data.loss)
+    full = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=scope.device)
+    for index, (x_b, y_b, weight) in enumerate(data.batches()):
+        x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+        with torch.enable_grad():
+            loss_b = loss(model(x_b), y_b)
+            parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+        flat = torch.cat([torch.zeros(s, dtype=scope.dtype, device=scope.device) if g is None else g.reshape(-1)
+                          for g, s in zip(parts, scope.sizes)])
+        if not torch.isfinite(flat).all():
+            raise NumericalError(f"gradient is not finite on batch {index}", source="bound-check")
+        full += weight * flat
+        sums[0] += float(torch.linalg.vector_norm(flat))
+        sums[1] += 1.0
+    all_reduce_sum([full, sums])
+    return {"full": float(torch.linalg.vector_norm(full)), "minibatch": float(sums[0] / sums[1])}
+
+
+@dataclass
+class BoundRow:
+    """AD Corollary 1 at one sigma (see the module docstring)."""
+
+    sigma: float
+    H: float
+    H_at_theta: float
+    H_perturbed_max: float
+    epsilon: float
+    bound: float
+    empirical: float
+    empirical_ci: list[float]
+    plain_lambda_max: float
+    holds: bool
+    ratio: float | None
+    converged: bool
+    matvecs: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (SPEC section 7 keys plus H's parts, convergence and cost)."""
+        return asdict(self)
+
+
+@dataclass
+class Theorem2Row:
+    """AD Theorems 2 and 3 at one sigma, means over the analysis set and the per-sample verdict."""
+
+    sigma: float
+    cross_entropy: float
+    smoothed_cross_entropy: float
+    smoothed_stderr: float
+    bound: float
+    taylor: float
+    fraction_holds: float
+    violations: int
+    min_margin: float
+    mean_taylor_abs_error: float
+    samples: int
+    mc_pairs: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class NoiseStabilityRow:
+    """NSO eq. 4 at one sigma: the perturbation gap against ``sigma^2/2 tr(H)``."""
+
+    sigma: float
+    gap: float
+    gap_stderr: float
+    predicted: float
+    predicted_stderr: float | None
+    relative_error: float | None
+    paired_quadratic: float
+    taylor_residual: float
+    taylor_residual_stderr: float
+    pairs: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class BoundCheckResult:
+    """Everything ``sharp bound-check`` reports: ``rows`` (SPEC section 7) and the optional checks."""
+
+    rows: list[BoundRow]
+    params: str
+    num_params: int
+    epsilon_kind: str
+    epsilon_full: float
+    epsilon_minibatch: float
+    perturbations: int
+    ci_level: float
+    lambda_max_at_theta: float
+    theorem2: list[Theorem2Row] | None = None
+    noise_stability: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    matvecs: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; ``theorem2``/``noise_stability`` only when those checks ran."""
+        out = {
+            "rows": [row.to_dict() for row in self.rows],
+            "params": self.params,
+            "num_params": self.num_params,
+            "epsilon_kind": self.epsilon_kind,
+            "epsilon_full": self.epsilon_full,
+            "epsilon_minibatch": self.epsilon_minibatch,
+            "perturbations": self.perturbations,
+            "ci_level": self.ci_level,
+            "lambda_max_at_theta": self.lambda_max_at_theta,
+            "notes": list(self.notes),
+        }
+        if self.theorem2 is not None:
+            out["theorem2"] = [row.to_dict() for row in self.theorem2]
+        if self.noise_stability is not None:
+            out["noise_stability"] = self.noise_stability
+        return out
+
+
+def _check_sigmas(sigmas: list[float]) -> None:
+    if not sigmas:
+        raise UsageError("needs at least one sigma", source="--sigma")
+    for sigma in sigmas:
+        if not (sigma > 0 and math.isfinite(sigma)):
+            raise UsageError(f"every sigma must be a finite number > 0, got {sigma:g}", source="--sigma")
+
+
+def bound_check(
+    model: nn.Module,
+    data: AnalysisData,
+    sigmas: list[float],
+    *,
+    params: str | None = None,
+    perturbations: int = 8,
+    epsilon_kind: str = "full",
+    tol: float = 1e-3,
+    max_matvecs: int | None = None,
+    bootstrap: int = 1000,
+    ci_level: float = 0.95,
+    checks: tuple[str, ...] = (),
+    mc_pairs: int = 256,
+    noise_pairs: int = 32,
+    trace_tol: float = 1e-2,
+    trace_max_matvecs: int = 300,
+    seed: int = 0,
+    progress=None,
+) -> BoundCheckResult:
+    """AD Corollary 1 per sigma, plus ``checks`` ``theorem2`` and ``noise-stability`` (module docstring).
+
+    ``params`` is a scope spec (default: the final layer's weight). ``perturbations`` is m, the
+    number of fixed perturbations of the Monte-Carlo smoothed Hessian; ``bootstrap`` replicates
+    give the ``ci_level`` percentile interval. ``model`` is not modified.
+    """
+    _check_sigmas(sigmas)
+    if epsilon_kind not in EPSILON_KINDS:
+        raise UsageError(f"unknown epsilon {epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
+                         source="--epsilon")
+    if int(perturbations) < 1:
+        raise UsageError(f"must be >= 1, got {perturbations}", source="--perturbations")
+    if not 0 < ci_level < 1:
+        raise UsageError(f"must be in (0, 1), got {ci_level}", source="--ci-level")
+    if int(bootstrap) < 1:
+        raise UsageError(f"must be >= 1, got {bootstrap}", source="--bootstrap")
+    for check in checks:
+        if check not in CHECKS:
+            raise UsageError(f"unknown check {check!r}; accepted: {', '.join(CHECKS)}", source="--check")
+    spec = params if params is not None else default_bound_scope(model)
+    scope = ParamScope.resolve(model, spec)
+    m = int(perturbations)
+    notes: list[str] = []
+    matvecs = 0
+
+    eps = gradient_norms(model, data, scope)
+    epsilon = eps[epsilon_kind]
+    base_pass = CurvaturePass(model, data, scope)
+    base_h = base_pass.hessian()
+    h_theta, plain_lambda_max, _ = _spectral_norm(base_h, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    matvecs += base_h.matvecs
+    Z = _standard_normal_directions(scope, m, seed)
+    generator = torch.Generator().manual_seed(int(seed) + 7919)
+    draws = torch.randint(0, m, (int(bootstrap), m), generator=generator)
+    weights = torch.nn.functional.one_hot(draws, m).sum(1).to(torch.float64) / m  # (bootstrap, m)
+    alpha_tail = (1 - ci_level) / 2
+    rows: list[BoundRow] = []
+    total_steps = len(sigmas) + len(checks)
+    for step, sigma in enumerate(sigmas):
+        operators, norms, all_converged = [], [], True
+        for j in range(m):
+            twin, twin_scope = _perturbed_copy(model, scope, sigma * Z[:, j])
+            op = CurvaturePass(twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)).hessian()
+            norm_j, _, conv_j = _spectral_norm(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+            norms.append(norm_j)
+            all_converged &= conv_j
+            operators.append(op)
+        averaged = AveragedOperator(operators)
+        empirical, _, conv = _spectral_norm(averaged, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        all_converged &= conv
+        if m > 1 and averaged.recording:
+            S, M = averaged.projections()
+            replicates = AveragedOperator.ritz_norm(S, M, weights)
+            lo = float(torch.quantile(replicates, alpha_tail))
+            hi = float(torch.quantile(replicates, 1 - alpha_tail))
+            ci = [min(lo, empirical), max(hi, empirical)]
+        else:
+            ci = [empirical, empirical]
+            if m > 1 and f"sigma {sigma:g}" not in notes:
+                notes.append(f"sigma {sigma:g}: too many Lanczos vectors to record; no bootstrap interval")
+        H = max([h_theta] + norms)
+        bound = corollary1_bound(H, epsilon, sigma)
+        matvecs += sum(op.matvecs for op in operators)
+        rows.append(BoundRow(
+            sigma=float(sigma), H=H, H_at_theta=h_theta, H_perturbed_max=max(norms), epsilon=epsilon,
+            bound=bound, empirical=empirical, empirical_ci=ci, plain_lambda_max=plain_lambda_max,
+            holds=bool(empirical <= bound), ratio=empirical / bound if bound > 0 else None,
+            converged=bool(all_converged), matvecs=sum(op.matvecs for op in operators),
+        ))
+        del operators, averaged
+        if progress is not None:
+            progress(step + 1, total_steps, f"sigma {sigma:g}")
+    if m == 1:
+        notes.append("one perturbation: the confidence interval is degenerate")
+
+    result = BoundCheckResult(
+        rows=rows, params=scope.spec, num_params=scope.numel, epsilon_kind=epsilon_kind,
+        epsilon_full=eps["full"], epsilon_minibatch=eps["minibatch"], perturbations=m, ci_level=ci_level,
+        lambda_max_at_theta=plain_lambda_max, notes=notes,
+    )
+    done = len(sigmas)
+    if "theorem2" in checks:
+        result.theorem2 = theorem2_check(model, data, sigmas, mc_pairs=mc_pairs, seed=seed)
+        done += 1
+        if progress is not None:
+            progress(done, total_steps, "theorem 2")
+    if "noise-stability" in checks:
+        result.noise_stability = noise_stability_check(
+            model, data, sigmas, scope, pairs=noise_pairs, trace_tol=trace_tol,
+            trace_max_matvecs=trace_max_matvecs, seed=seed,
+        )
+        matvecs += result.noise_stability["matvecs"]
+        done += 1
+        if progress is not None:
+            progress(done, total_steps, "noise stability")
+    result.matvecs = matvecs
+    return result
+
+
+# ----------------------------------------------------------------------------- Theorem 2 / 3
+def smoothed_cross_entropy(z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``E_g CE(z + t g, y)`` for ``g ~ N(0, I_c)``: ``(estimate, stderr)``, shapes ``(B,)``.
+
+    ``z`` (B, c) logits, ``y`` (B,) labels, ``t`` (B,) noise scales (``sigma ||h||``), ``g`` (K, c)
+    standard normal draws used as antithetic pairs ``+-g``. Control variate: the quadratic
+    term ``q = t^2/2 g^T (diag p - p p^T) g`` with exact mean ``t^2/2 sum_i p_i (1 - p_i)``
+    (module docstring); all in float64.
+    """
+    z = z.to(torch.float64)
+    g = g.to(torch.float64)
+    t = t.to(torch.float64)
+    p = torch.softmax(z, dim=-1)
+    noise = t[:, None, None] * g[None, :, :]  # (B, K, c)
+    lse_plus = torch.logsumexp(z[:, None, :] + noise, dim=-1)
+    lse_minus = torch.logsumexp(z[:, None, :] - noise, dim=-1)
+    target = z.gather(1, y[:, None].to(torch.long))  # (B, 1)
+    Y = (lse_plus + lse_minus) / 2 - target  # (B, K)
+    pg = g @ p.T  # (K, B): p . g
+    quad_form = (g * g) @ p.T - pg * pg  # (K, B): g^T (diag p - p p^T) g
+    q = (t * t / 2)[:, None] * quad_form.T  # (B, K)
+    q_mean = t * t / 2 * (p * (1 - p)).sum(dim=-1)
+    K = g.shape[0]
+    if K > 2:
+        qc = q - q.mean(dim=1, keepdim=True)
+        Yc = Y - Y.mean(dim=1, keepdim=True)
+        var_q = (qc * qc).sum(dim=1)
+        beta = torch.where(var_q > 0, (qc * Yc).sum(dim=1) / torch.where(var_q > 0, var_q, 1.0),
+                           torch.zeros_like(var_q))
+    else:
+        beta = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
+    adjusted = Y - beta[:, None] * (q - q_mean[:, None])
+    estimate = adjusted.mean(dim=1)
+    stderr = adjusted.std(dim=1, unbiased=True) / math.sqrt(K) if K > 1 else torch.full_like(estimate, math.inf)
+    return estimate, stderr
+
+
+def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
+    """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
+    from sharpcli.models.zoo import final_linear
+
+    name, head = final_linear(model, source="--check")
+    captured = {}
+
+    def hook(module, inputs, output):
+        captured["h"] = inputs[0].detach()
+        captured["out"] = output
+
+    handle = head.register_forward_hook(hook)
+    params = list(model.parameters())
+    dtype, device = params[0].dtype, params[0].device
+    try:
+        for x_b, y_b, _ in data.batches():
+            x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
+            captured.clear()
+            with torch.no_grad():
+                z = model(x_b)
+            if captured.get("out") is not z:
+                raise UsageError(
+                    f"the classifier head {name!r} is not the model's last operation, so noise on its "
+                    "weight does not act on the logits as Theorem 2 assumes",
+                    source="--check",
+                )
+            h = captured["h"].reshape(z.shape[0], -1)
+            yield h, z, y_b
+    finally:
+        handle.remove()
+
+
+def theorem2_check(model: nn.Module, data: AnalysisData, sigmas: list[float], *, mc_pairs: int = 256,
+                   seed: int = 0) -> list[Theorem2Row]:
+    """AD Theorem 2 (and the Theorem 3 Taylor value) per sample, for each sigma.
+
+    Per sample: ``CE``, the smoothed ``E CE`` (:func:`smoothed_cross_entropy`, the same draws for
+    every sample and sigma), the bound ``CE + sigma^2/2 ||h||^2`` and the Taylor value
+    ``CE + sigma^2/2 ||h||^2 sum_i p_i (1 - p_i)``; the row gives their means over the analysis set,
+    the fraction of samples with ``smoothed <= bound``, the smallest margin ``bound - smoothed``
+    and the mean ``|taylor - smoothed|``. Needs cross-entropy.
+    """
+    _check_sigmas(sigmas)
+    if data.loss != "cross-entropy":
+        raise UsageError(f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="--check")
+    if int(mc_pairs) < 2:
+        raise UsageError(f"must be >= 2, got {mc_pairs}", source="--mc-samples")
+    from sharpcli.analyses.rescale import _global_max
+
+    ns = len(sigmas)
+    sums = torch.zeros(ns, 7, dtype=torch.float64)  # ce, smoothed, var, bound, taylor, holds, |taylor-smoothed|
+    min_margin = torch.full((ns,), math.inf, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(int(seed) + 104729)
+    g = None
+    for h, z, y in _penultimate_and_logits(model, data):
+        if g is None:
+            g = torch.randn(int(mc_pairs), z.shape[1], generator=generator, dtype=torch.float64)
+        z64 = z.to(torch.float64).cpu()
+        y = y.cpu()
+        h_sq = (h.to(torch.float64) ** 2).sum(dim=1).cpu()
+        ce = torch.logsumexp(z64, dim=1) - z64.gather(1, y[:, None]).squeeze(1)
+        p = torch.softmax(z64, dim=1)
+        spread = (p * (1 - p)).sum(dim=1)
+        for i, sigma in enumerate(sigmas):
+            rows_per_chunk = max(1, (1 << 22) // (g.shape[0] * z.shape[1]))
+            for start in range(0, z64.shape[0], rows_per_chunk):
+                sl = slice(start, start + rows_per_chunk)
+                t = sigma * h_sq[sl].sqrt()
+                smoothed, stderr = smoothed_cross_entropy(z64[sl], y[sl], t, g)
+                bound = ce[sl] + sigma ** 2 / 2 * h_sq[sl]
+                taylor = ce[sl] + sigma ** 2 / 2 * h_sq[sl] * spread[sl]
+                sums[i, 0] += ce[sl].sum()
+                sums[i, 1] += smoothed.sum()
+                sums[i, 2] += (stderr ** 2).sum()
+                sums[i, 3] += bound.sum()
+                sums[i, 4] += taylor.sum()
+                sums[i, 5] += (smoothed <= bound).to(torch.float64).sum()
+                sums[i, 6] += (taylor - smoothed).abs().sum()
+                min_margin[i] = min(float(min_margin[i]), float((bound - smoothed).min()))
+    all_reduce_sum(sums)
+    n = data.num_samples
+    rows = []
+    for i, sigma in enumerate(sigmas):
+        margin = -_global_max(-float(min_margin[i]), torch.device("cpu"))
+        rows.append(Theorem2Row(
+            sigma=float(sigma), cross_entropy=float(sums[i, 0]) / n, smoothed_cross_entropy=float(sums[i, 1]) / n,
+            smoothed_stderr=math.sqrt(float(sums[i, 2])) / n, bound=float(sums[i, 3]) / n,
+            taylor=float(sums[i, 4]) / n, fraction_holds=float(sums[i, 5]) / n,
+            violations=int(round(n - float(sums[i, 5]))), min_margin=margin,
+            mean_taylor_abs_error=float(sums[i, 6]) / n, samples=n, mc_pairs=int(mc_pairs),
+        ))
+    return rows
+
+
+# ----------------------------------------------------------------------------- noise stability
+def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
+    """``L(theta) = (1/N) sum_i l_i`` over the analysis set (forward passes only)."""
+    loss = loss_fn(data.loss)
+    params = list(model.parameters())
+    dtype, device = params[0].dtype, params[0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for index, (x_b, y_b, weight) in enumerate(data.batches()):
+            x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
+            value = loss(model(x_b), y_b) * weight
+            if not torch.isfinite(value):
+                raise NumericalError(f"loss is not finite on batch {index}", source="noise-stability")
+            total += value.to(torch.float64)
+    all_reduce_sum(total)
+    return float(total)
+
+
+def noise_stability_check(model: nn.Module, data: AnalysisData, sigmas: list[float], scope: ParamScope, *,
+                          pairs: int = 32, trace_tol: float = 1e-2, trace_max_matvecs: int = 300,
+                          seed: int = 0) -> dict:
+    """NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
+
+    ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..pairs, shared by all
+    sigmas), each used as the antithetic pair ``+-U_j``. Returns ``{"trace", "trace_stderr",
+    "rows": [...], "matvecs"}``; ``relative_error = (gap - predicted) / predicted``.
+    """
+    from sharpcli.curvature.trace import hutchpp
+
+    _check_sigmas(sigmas)
+    if int(pairs) < 2:
+        raise UsageError(f"must be >= 2, got {pairs}", source="--noise-pairs")
+    curvature_pass = CurvaturePass(model, data, scope)
+    hessian = curvature_pass.hessian()
+    trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
+    trace_stderr = trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None
+    Z = _standard_normal_directions(scope, int(pairs), int(seed) + 15485863)
+    quadratic = (Z * hessian.matmat(Z)).sum(dim=0).to(torch.float64)  # Z_j^T H Z_j
+    base = _mean_loss(model, data)
+    twin = copy.deepcopy(model)
+    twin_scope = _scope_on(twin, scope)
+    original = [p.detach().clone() for p in twin_scope.params]
+    rows = []
+    for sigma in sigmas:
+        gaps = torch.zeros(int(pairs), dtype=torch.float64)
+        for j in range(int(pairs)):
+            values = []
+            for sign in (1.0, -1.0):
+                with torch.no_grad():
+                    for p, p0, d in zip(twin_scope.params, original, scope.unflatten(Z[:, j])):
+                        p.copy_(p0 + sign * sigma * d)
+                values.append(_mean_loss(twin, data))
+            gaps[j] = (values[0] + values[1]) / 2 - base
+        quad = sigma ** 2 / 2 * quadratic
+        residual = gaps - quad
+        gap = float(gaps.mean())
+        predicted = sigma ** 2 / 2 * trace.estimate
+        rows.append(NoiseStabilityRow(
+            sigma=float(sigma), gap=gap, gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(pairs),
+            predicted=predicted,
+            predicted_stderr=None if trace_stderr is None else sigma ** 2 / 2 * trace_stderr,
+            relative_error=(gap - predicted) / predicted if predicted != 0 else None,
+            paired_quadratic=float(quad.mean()), taylor_residual=float(residual.mean()),
+            taylor_residual_stderr=float(residual.std(unbiased=True)) / math.sqrt(pairs), pairs=int(pairs),
+        ))
+    return {
+        "trace": trace.estimate,
+        "trace_stderr": trace_stderr,
+        "trace_estimator": "hutchpp",
+        "rows": [row.to_dict() for row in rows],
+        "matvecs": trace.matvecs + int(pairs),
+    }

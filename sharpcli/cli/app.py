@@ -1,0 +1,84 @@
+"""The ``sharp`` command: one Typer app, every command group registered here.
+
+Only commands that work are registered. ``main`` runs the app so that a usage
+error (unknown option, bad value) is one line on stderr with exit code 2 (and
+a JSON error object when ``--json -`` was asked) instead of a usage panel.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from sharpcli import __version__
+from sharpcli.cli import common
+
+app = typer.Typer(
+    name="sharp",
+    help="Measure and control the sharpness of neural-network loss landscapes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"sharp {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    """Measure and control the sharpness of neural-network loss landscapes."""
+    common.state()["debug"] = debug
+
+
+def _register() -> None:
+    # Each module adds its commands to ``app``; imported here, in one place.
+    from sharpcli.cli import cmd_train  # noqa: F401
+
+
+_register()
+
+
+def _json_requested(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--json" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--json="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``sharp`` console script."""
+    from sharpcli.errors import UsageError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = app(argv, prog_name="sharp", standalone_mode=False)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("sharp: aborted", file=sys.stderr)
+        sys.exit(130)
+    except typer.exceptions.TyperException as exc:  # the vendored click's usage errors
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
+        err = UsageError(message)
+        print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
+        if _json_requested(argv) == "-":
+            sys.stdout.write(common.dumps(common.error_document(command, err)))
+        sys.exit(getattr(exc, "exit_code", 2) or 2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

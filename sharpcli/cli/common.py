@@ -1,0 +1,201 @@
+"""What every command shares: the common options, the run wrapper, output.
+
+``run_command`` is the one place that turns a library call into output and an
+exit code: it times the call, renders tables (stdout) or writes JSON
+(``--json PATH`` atomically, ``--json -`` as the only thing on stdout), turns
+``SharpError`` into one line on stderr plus a JSON error object, and maps
+errors to the exit codes of SPEC section 7.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from sharpcli import SCHEMA_ID, __version__
+from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
+from sharpcli.io.atomic import check_writable, write_text_atomic
+from sharpcli.report.envelope import dumps
+
+stdout_console = Console(highlight=False)
+stderr_console = Console(stderr=True, highlight=False)
+
+# Annotated option types, declared once and reused by every command.
+DataOpt = Annotated[Optional[str], typer.Option("--data", help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, .csv/.parquet, CIFAR or MNIST folder). Default: the checkpoint's own data.")]
+LabelColumnOpt = Annotated[Optional[str], typer.Option("--label-column", help="Label column of a .csv/.parquet dataset (default 'label').")]
+SplitOpt = Annotated[str, typer.Option("--split", help="Analysis split: train or test.")]
+SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Use a fixed seeded random subset of N samples.")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps ...")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or float64.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
+ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="Architecture of a foreign state_dict (mlp, cnn, vgg-small, resnet).")]
+ArchArgsOpt = Annotated[Optional[str], typer.Option("--arch-args", help="JSON arguments for --arch or --model-factory.")]
+FactoryOpt = Annotated[Optional[str], typer.Option("--model-factory", help="module:function returning the nn.Module for a foreign state_dict.")]
+TrustPickleOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow loading a pickled whole module (runs code from the file).")]
+ParamsOpt = Annotated[Optional[str], typer.Option("--params", help="Parameter scope: all (default), last (final linear layer), or a glob on parameter names.")]
+
+
+@dataclass
+class CommonOptions:
+    """The options of SPEC section 4 shared by the analysis commands."""
+
+    data: str | None = None
+    label_column: str | None = None
+    split: str = "train"
+    samples: int | None = None
+    batch_size: int = 256
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    json: str | None = None
+    quiet: bool = False
+    arch: str | None = None
+    arch_args: str | None = None
+    model_factory: str | None = None
+    trust_pickle: bool = False
+
+    def settings(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("json", "quiet")}
+
+
+@dataclass
+class Outcome:
+    """What a command body returns: the report and how to show it to a person."""
+
+    report: dict
+    render: Callable[[Console], None] | None = None
+    gate_tripped: bool = False
+
+
+def state() -> dict:
+    """Global flags set by the app callback (``--debug``)."""
+    return _STATE
+
+
+_STATE = {"debug": False}
+
+
+def error_document(command: str, err: SharpError) -> dict:
+    return {"schema": SCHEMA_ID, "command": command, "version": __version__, "error": err.to_json()}
+
+
+def run_command(command: str, json_path: str | None, quiet: bool, body: Callable[[], Outcome]) -> None:
+    """Run ``body``, print or write its report, and exit with the right code."""
+    try:
+        if json_path not in (None, "-"):
+            check_writable(json_path, "--json")
+        start = time.perf_counter()
+        outcome = body()
+        outcome.report.setdefault("timing", {})
+        outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
+    except SharpError as err:
+        _report_error(command, json_path, err)
+        raise typer.Exit(err.exit_code)
+    except KeyboardInterrupt:
+        stderr_console.print("sharp: interrupted", markup=False)
+        raise typer.Exit(130)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # a bug, not a user error: say so, traceback under --debug
+        if _STATE["debug"]:
+            traceback.print_exc()
+        err = SharpError(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        err.exit_code = 4
+        _report_error(command, json_path, err)
+        raise typer.Exit(4)
+
+    from sharpcli.report.envelope import to_jsonable
+
+    if json_path == "-":
+        sys.stdout.write(dumps(outcome.report))
+    else:
+        if json_path is not None:
+            write_text_atomic(json_path, dumps(outcome.report))
+        if not quiet and outcome.render is not None:
+            outcome.render(stdout_console)
+    raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
+
+
+def _report_error(command: str, json_path: str | None, err: SharpError) -> None:
+    if _STATE["debug"]:
+        traceback.print_exc()
+    print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
+    if json_path == "-":
+        sys.stdout.write(dumps(error_document(command, err)))
+    elif json_path is not None:
+        try:
+            write_text_atomic(json_path, dumps(error_document(command, err)))
+        except OSError:
+            pass
+
+
+def parse_json_option(text: str | None, option: str) -> dict | None:
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"not valid JSON ({exc.msg})", source=option) from exc
+    if not isinstance(value, dict):
+        raise UsageError("must be a JSON object", source=option)
+    return value
+
+
+def parse_float_list(text: str, option: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"{text!r} is not a comma-separated list of numbers", source=option) from None
+    if not values:
+        raise UsageError("needs at least one number", source=option)
+    return values
+
+
+def require(condition: bool, message: str, option: str) -> None:
+    if not condition:
+        raise UsageError(message, source=option)
+
+
+class _NoProgress:
+    def __call__(self, *args, **kwargs) -> None:
+        return None
+
+
+def epoch_progress(disabled: bool, description: str):
+    """A rich progress bar on stderr; yields ``callback(done, total, info)``."""
+    import contextlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def manager():
+        if disabled or not stderr_console.is_terminal:  # no bars in logs and pipes
+            yield _NoProgress()
+            return
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=stderr_console,
+                      transient=True) as progress:
+            task = progress.add_task(description, total=None, info="")
+
+            def callback(done: int, total: int | None, info=None) -> None:
+                text = ""
+                if isinstance(info, dict) and "train_loss" in info:
+                    text = f"loss {info['train_loss']:.4g}"
+                elif isinstance(info, str):
+                    text = info
+                progress.update(task, completed=done, total=total, info=text)
+
+            yield callback
+
+    return manager()

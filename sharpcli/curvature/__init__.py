@@ -1,0 +1,60 @@
+"""Curvature engine: the analysis set, parameter scopes, matrix-free H/G/N products and the
+estimators built on them (Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton
+traces, stochastic Lanczos quadrature) plus the PyHessian parity engine. SPEC sections 1-3, 8."""
+
+from sharpcli.curvature.data import (
+    AnalysisData,
+    all_reduce_sum,
+    determinism_check,
+    distributed_rank_and_world,
+    prepare_model_for_analysis,
+    train_mode_modules,
+)
+from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
+from sharpcli.curvature.operators import (
+    DEFAULT_CACHE_BYTES,
+    CurvatureOperator,
+    CurvaturePass,
+    GGNOperator,
+    HessianOperator,
+    MatrixOperator,
+    NMEOperator,
+)
+from sharpcli.curvature.power import power_iteration
+from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace import (
+    TraceResult,
+    exact_ggn_trace,
+    frobenius_sq,
+    hutchinson,
+    hutchpp,
+    sampled_label_ggn_trace,
+)
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "AnalysisData",
+    "CurvatureOperator",
+    "CurvaturePass",
+    "EigenResult",
+    "GGNOperator",
+    "HessianOperator",
+    "MatrixOperator",
+    "NMEOperator",
+    "ParamScope",
+    "TraceResult",
+    "all_reduce_sum",
+    "determinism_check",
+    "distributed_rank_and_world",
+    "exact_ggn_trace",
+    "frobenius_sq",
+    "hutchinson",
+    "hutchpp",
+    "lanczos",
+    "lanczos_tridiagonal",
+    "power_iteration",
+    "prepare_model_for_analysis",
+    "ritz_residuals",
+    "sampled_label_ggn_trace",
+    "train_mode_modules",
+]

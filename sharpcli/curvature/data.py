@@ -1,0 +1,189 @@
+"""The analysis set and the ONE pass over it (SPEC sections 1 and 8).
+
+Every curvature quantity is an average over the analysis set,
+``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``. The set is streamed in
+batches; a batch of ``B_b`` samples enters with weight ``B_b / N`` applied to
+its *mean* loss, so the result is the mean over samples whatever the batch
+size (never a mean of per-batch means, the hessian-eigenthings bug).
+
+Data parallel (SPEC section 8): when ``torch.distributed`` is initialised,
+rank ``r`` of ``W`` takes the contiguous shard ``[floor(r N / W), floor((r+1) N / W))``
+of the set, ``N`` stays the global count, and every sum over data goes through
+:func:`all_reduce_sum`, so the reduced result equals the single-process one
+up to float summation order. Sharding happens here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+from sharpcli.losses import loss_fn
+
+__all__ = [
+    "AnalysisData",
+    "all_reduce_sum",
+    "distributed_rank_and_world",
+    "determinism_check",
+    "prepare_model_for_analysis",
+    "train_mode_modules",
+]
+
+
+def distributed_rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the running ``torch.distributed`` group, ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(value):
+    """Sum ``value`` over all ranks: the single reduction point of every data sum.
+
+    Accepts a tensor, a list/tuple of tensors, or a Python float. Tensors are
+    reduced in place (and returned); a float is returned reduced. Without an
+    initialised process group (or with one rank) this is the identity.
+    """
+    _, world = distributed_rank_and_world()
+    if world == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return value
+        flat = torch.cat([t.reshape(-1) for t in value])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for t in value:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return value
+    tensor = torch.tensor(float(value), dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return float(tensor)
+
+
+class AnalysisData:
+    """The analysis set ``(x, y)`` with its loss name and batch size.
+
+    ``batches()`` yields ``(x_b, y_b, weight_b)`` with ``weight_b = B_b / N``:
+    ``sum_b weight_b * mean_loss_b = (1/N) sum_i l_i``. Under torch.distributed
+    each rank iterates over its contiguous shard only; ``N`` (``num_samples``)
+    is the global count and ``local_num_samples`` the shard's.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, loss: str, batch_size: int):
+        loss_fn(loss)  # validates the loss name (UsageError source="--loss")
+        if int(batch_size) < 1:
+            raise UsageError(f"batch size must be >= 1, got {batch_size}", source="--batch-size")
+        if x.shape[0] != y.shape[0]:
+            raise UsageError(
+                f"inputs have {x.shape[0]} samples but targets have {y.shape[0]}", source="--data"
+            )
+        if x.shape[0] == 0:
+            raise UsageError("the analysis set is empty", source="--samples")
+        self.loss = loss
+        self.batch_size = int(batch_size)
+        self.num_samples = int(x.shape[0])
+        rank, world = distributed_rank_and_world()
+        start = (rank * self.num_samples) // world
+        stop = ((rank + 1) * self.num_samples) // world
+        self.rank, self.world_size = rank, world
+        self.x = x[start:stop]
+        self.y = y[start:stop]
+        self.local_num_samples = stop - start
+
+    @property
+    def num_batches(self) -> int:
+        """Number of batches on this rank."""
+        return -(-self.local_num_samples // self.batch_size)
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Yield ``(x_b, y_b, B_b / N)`` over this rank's shard, in a fixed order."""
+        for start in range(0, self.local_num_samples, self.batch_size):
+            x_b = self.x[start : start + self.batch_size]
+            y_b = self.y[start : start + self.batch_size]
+            yield x_b, y_b, x_b.shape[0] / self.num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def prepare_model_for_analysis(model: nn.Module) -> nn.Module:
+    """Put ``model`` in eval mode (BatchNorm on running statistics, dropout off), as PyHessian does."""
+    model.eval()
+    return model
+
+
+def _module_changes_in_train_mode(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd) or isinstance(module, nn.AlphaDropout):
+        return module.p > 0
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return True
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.track_running_stats
+    return "Dropout" in type(module).__name__
+
+
+def train_mode_modules(model: nn.Module) -> list[str]:
+    """Names of modules in training mode whose output differs from eval mode (dropout, BatchNorm)."""
+    return [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if module.training and _module_changes_in_train_mode(module)
+    ]
+
+
+def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0) -> None:
+    """Check the analysis is deterministic, as curvlinops does at construction.
+
+    First, modules that behave differently in training mode (dropout with p > 0,
+    BatchNorm, tracked InstanceNorm) must be in eval mode: otherwise the loss
+    being analysed is random or depends on batch composition. Then two passes
+    of ``op`` (any operator with ``matvec``; its first-order cache is cleared
+    before each pass when it has one) with the same seeded Rademacher vector
+    must agree exactly. Raises :class:`UsageError` naming the offending modules
+    or the mismatch.
+    """
+    offenders = train_mode_modules(model)
+    if offenders:
+        raise UsageError(
+            "the model is in training mode with dropout/BatchNorm active in "
+            f"{', '.join(offenders[:5])}{' ...' if len(offenders) > 5 else ''}: curvature "
+            "would be random; call model.eval() (sharpcli.curvature.prepare_model_for_analysis)",
+            source="--model",
+        )
+    generator = torch.Generator().manual_seed(seed)
+    dim = op.shape[0]
+    v = (torch.randint(0, 2, (dim,), generator=generator) * 2 - 1).to(dtype=op.dtype, device=op.device)
+    results = []
+    for _ in range(2):
+        clear = getattr(op, "clear_cache", None)
+        if clear is not None:
+            clear()
+        results.append(op.matvec(v))
+    if not torch.equal(results[0], results[1]):
+        diff = (results[0] - results[1]).abs().max().item()
+        raise UsageError(
+            f"two passes over the same data gave different curvature products (max difference "
+            f"{diff:.3g}): the model or data pipeline is not deterministic (random layers, "
+            "shuffling, or non-deterministic kernels)",
+            source="--model",
+        )
+
+
+def to_model_batch(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, device) -> tuple:
+    """Move a batch to the model's device; floating inputs/targets take the model's dtype."""
+    x = x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device=device)
+    y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device=device)
+    return x, y
+
+
+def batch_list(data: AnalysisData) -> Sequence[tuple[torch.Tensor, torch.Tensor, float]]:
+    """All batches of this rank as a list (for engines that need a re-iterable loader)."""
+    return list(data.batches())

@@ -1,0 +1,388 @@
+"""Matrix-free curvature products on flat parameter vectors (SPEC section 2, NME eq. 2).
+
+For the analysis loss ``L(theta) = (1/N) sum_i l(z_i, y_i)``, ``z_i = f(theta, x_i)``:
+
+- Hessian      ``H = d^2 L / dtheta^2``
+- Gauss-Newton ``G = (1/N) sum_i J_i^T H_z,i J_i``, ``J_i = dz_i/dtheta``, ``H_z,i = d^2 l/dz_i^2``
+- NME          ``N = H - G = (1/N) sum_i sum_c (dl/dz_ic) d^2 z_ic / dtheta^2``   (NME eq. 2)
+
+How the products are computed (one pass over the data per product or block of products).
+Per batch the first-order graph is built once,
+
+    g_z = dL_b/dz (create_graph),   g = J^T g_z (create_graph),
+
+and kept in a cache bounded by a memory budget (``cache_bytes``; batches beyond the budget
+are rebuilt for every product). Differentiating ``<g, v>`` back through that graph gives
+
+    d<g, v>/dtheta = H v          (both paths: through J^T and through g_z(z(theta)))
+    d<g, v>/dg_z   = J v          (g is linear in g_z)
+
+in ONE reverse pass, so the Gauss-Newton product only adds ``u = H_z (J v)`` (a backward
+through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; the NME is
+``N v = H v - G v`` from the same pass, so ``H = G + N`` holds per vector to rounding.
+The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
+product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.scope import ParamScope
+from sharpcli.errors import NumericalError
+from sharpcli.losses import loss_fn
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "CurvatureOperator",
+    "CurvaturePass",
+    "GGNOperator",
+    "HessianOperator",
+    "MatrixOperator",
+    "NMEOperator",
+]
+
+DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB of retained first-order graphs
+
+
+@dataclass
+class _BatchGraph:
+    """First-order graph of one batch: logits ``z``, ``g_z = dL_b/dz``, ``g = J^T g_z`` (with graphs)."""
+
+    z: torch.Tensor
+    gz: torch.Tensor
+    grads: list  # tensors of the scope's gradient that depend on theta (require grad)
+    grad_index: list  # their positions in the scope
+    nbytes: int = 0
+
+
+@dataclass
+class _ByteCounter:
+    seen: set = field(default_factory=set)
+    nbytes: int = 0
+
+    def pack(self, tensor):
+        try:
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in self.seen:
+                self.seen.add(key)
+                self.nbytes += storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor):
+        return tensor
+
+
+class CurvaturePass:
+    """The engine behind every curvature operator: batched H, G (and H+G jointly) products.
+
+    ``matmat(V, want)`` multiplies a block ``V`` of shape ``(P, k)`` in ONE pass over the
+    data (each batch's first-order graph is used for all k columns). ``want`` is ``"H"``,
+    ``"G"`` or ``"HG"`` (both, from the same reverse pass; see the module docstring).
+    The per-batch graphs are cached while their retained bytes fit ``cache_bytes``
+    (0 disables caching); the cache is dropped automatically when any parameter or buffer
+    of the model changes in place (its version counter moves).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: AnalysisData,
+        scope: ParamScope,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
+        self.model = model
+        self.data = data
+        self.scope = scope
+        self.loss = loss_fn(data.loss)
+        self.cache_bytes = int(cache_bytes)
+        self._cache: dict[int, _BatchGraph] = {}
+        self._cached_bytes = 0
+        self._versions = None
+        self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
+
+    # ----------------------------------------------------------------- cache management
+    def _state_versions(self):
+        return tuple(t._version for t in self.model.parameters()) + tuple(
+            t._version for t in self.model.buffers()
+        )
+
+    def clear_cache(self) -> None:
+        """Drop every cached first-order graph (call after changing the model's weights)."""
+        self._cache.clear()
+        self._cached_bytes = 0
+        self._versions = None
+
+    @property
+    def cached_batches(self) -> int:
+        """Number of batches whose first-order graph is currently cached."""
+        return len(self._cache)
+
+    def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> _BatchGraph:
+        counter = _ByteCounter()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            z = self.model(x_b)
+            loss_b = self.loss(z, y_b) * weight
+            if not torch.isfinite(loss_b):
+                raise NumericalError(
+                    f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
+                )
+            (gz,) = torch.autograd.grad(loss_b, z, create_graph=True)
+            grads = torch.autograd.grad(
+                z, self.scope.params, grad_outputs=gz, create_graph=True, allow_unused=True
+            )
+        kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+        nbytes += 2 * z.numel() * z.element_size()
+        return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+
+    def _graphs(self):
+        """Yield ``(batch_index, graph)`` over this rank's batches, from the cache when possible."""
+        versions = self._state_versions()
+        if self._versions is not None and versions != self._versions:
+            self.clear_cache()
+        self._versions = versions
+        dtype, device = self.scope.dtype, self.scope.device
+        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
+            graph = self._cache.get(index)
+            if graph is None:
+                x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
+                graph = self._build_graph(x_b, y_b, weight, index)
+                if self._cached_bytes + graph.nbytes <= self.cache_bytes:
+                    self._cache[index] = graph
+                    self._cached_bytes += graph.nbytes
+            yield index, graph
+
+    # ----------------------------------------------------------------- products
+    def _flat(self, tensors, like_index=None) -> torch.Tensor:
+        scope = self.scope
+        out = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            j = i if like_index is None else like_index[i]
+            out[scope.offsets[j] : scope.offsets[j + 1]] = t.reshape(-1)
+        return out
+
+    def matmat(self, V: torch.Tensor, want: str = "H", *, operator: str = "curvature"):
+        """Products with the columns of ``V`` (shape ``(P, k)`` or ``(P,)``): returns ``(HV, GV)``.
+
+        Entries not asked for by ``want`` (``"H"``, ``"G"`` or ``"HG"``) are ``None``.
+        Raises :class:`NumericalError` naming ``operator`` and the batch on NaN/Inf.
+        """
+        squeeze = V.dim() == 1
+        if squeeze:
+            V = V[:, None]
+        scope = self.scope
+        if V.shape[0] != scope.numel:
+            raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
+        V = V.to(dtype=scope.dtype, device=scope.device)
+        k = V.shape[1]
+        want_h, want_g = "H" in want, "G" in want
+        HV = torch.zeros_like(V) if want_h else None
+        GV = torch.zeros_like(V) if want_g else None
+        params = scope.params
+        for index, graph in self._graphs():
+            if not graph.grads:  # the loss does not depend on theta in scope on this batch
+                continue
+            h_batch = torch.zeros_like(V) if want_h else None
+            g_batch = torch.zeros_like(V) if want_g else None
+            for j in range(k):
+                v_parts = scope.unflatten(V[:, j])
+                v_out = [v_parts[i] for i in graph.grad_index]
+                inputs = (list(params) if want_h else []) + ([graph.gz] if want_g else [])
+                with torch.enable_grad():
+                    outs = torch.autograd.grad(
+                        graph.grads, inputs, grad_outputs=v_out, retain_graph=True, allow_unused=True
+                    )
+                    if want_h:
+                        h_batch[:, j] = self._flat(outs[: len(params)])
+                    if want_g:
+                        jv = outs[-1]
+                        if jv is None:
+                            continue
+                        (hz_jv,) = torch.autograd.grad(
+                            graph.gz, graph.z, grad_outputs=jv, retain_graph=True
+                        )
+                        gv = torch.autograd.grad(
+                            graph.z, params, grad_outputs=hz_jv, retain_graph=True, allow_unused=True
+                        )
+                        g_batch[:, j] = self._flat(gv)
+            for label, block in (("Hessian", h_batch), ("Gauss-Newton", g_batch)):
+                if block is not None and not torch.isfinite(block).all():
+                    raise NumericalError(
+                        f"{operator} product ({label} part) is not finite on batch {index}",
+                        source=f"{operator} operator",
+                    )
+            if want_h:
+                HV += h_batch
+            if want_g:
+                GV += g_batch
+        if want_h:
+            all_reduce_sum(HV)
+        if want_g:
+            all_reduce_sum(GV)
+        if squeeze:
+            HV = HV[:, 0] if HV is not None else None
+            GV = GV[:, 0] if GV is not None else None
+        return HV, GV
+
+    def hessian_and_ggn_matvec(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(H v, G v)`` from ONE pass over the data; ``N v = H v - G v`` (NME eq. 2)."""
+        HV, GV = self.matmat(v, "HG", operator="Hessian+Gauss-Newton")
+        self.matvecs += 1 if v.dim() == 1 else v.shape[1]
+        return HV, GV
+
+    def hessian_and_ggn_matmat(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block version of :meth:`hessian_and_ggn_matvec` for ``V`` of shape ``(P, k)``."""
+        return self.hessian_and_ggn_matvec(V)
+
+    def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
+        """``(L(theta), grad L(theta))`` over the analysis set (plain backward, no graph kept)."""
+        scope = self.scope
+        total_loss = torch.zeros((), dtype=torch.float64, device=scope.device)
+        grad = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
+        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
+            x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+            with torch.enable_grad():
+                loss_b = self.loss(self.model(x_b), y_b) * weight
+                parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+            flat = self._flat(parts)
+            if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):
+                raise NumericalError(f"gradient is not finite on batch {index}", source="gradient")
+            grad += flat
+            total_loss += loss_b.detach().to(torch.float64)
+        all_reduce_sum([total_loss, grad])
+        return float(total_loss), grad
+
+    # ----------------------------------------------------------------- operator views
+    def hessian(self) -> "HessianOperator":
+        """The Hessian operator sharing this pass (and its cache)."""
+        return HessianOperator(self.model, self.data, self.scope, curvature_pass=self)
+
+    def ggn(self) -> "GGNOperator":
+        """The Gauss-Newton operator sharing this pass (and its cache)."""
+        return GGNOperator(self.model, self.data, self.scope, curvature_pass=self)
+
+    def nme(self) -> "NMEOperator":
+        """The NME operator sharing this pass (and its cache)."""
+        return NMEOperator(self.model, self.data, self.scope, curvature_pass=self)
+
+
+class CurvatureOperator:
+    """A symmetric P x P linear operator given by products: ``shape``, ``dtype``, ``device``,
+    ``matvec``, ``matmat``, ``@``, ``to_dense`` and a counter ``matvecs`` of vectors multiplied."""
+
+    name = "operator"
+
+    def __init__(self, dim: int, dtype: torch.dtype, device):
+        self.shape = (dim, dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.matvecs = 0
+
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def matmat(self, V: torch.Tensor) -> torch.Tensor:
+        """``A V`` for ``V`` of shape ``(P, k)``, in one pass over the data."""
+        if V.dim() != 2 or V.shape[0] != self.shape[1]:
+            raise ValueError(f"{self.name}: expected a ({self.shape[1]}, k) block, got {tuple(V.shape)}")
+        out = self._matmat(V.to(dtype=self.dtype, device=self.device))
+        self.matvecs += V.shape[1]
+        return out
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``A v`` for a flat vector ``v`` of length P."""
+        return self.matmat(v.reshape(-1, 1))[:, 0]
+
+    def __matmul__(self, other: torch.Tensor) -> torch.Tensor:
+        return self.matvec(other) if other.dim() == 1 else self.matmat(other)
+
+    def to_dense(self, block: int = 64) -> torch.Tensor:
+        """The dense P x P matrix (products with identity columns); only for tiny P (``--exact``)."""
+        dim = self.shape[0]
+        eye = torch.eye(dim, dtype=self.dtype, device=self.device)
+        return torch.cat([self.matmat(eye[:, s : s + block]) for s in range(0, dim, block)], dim=1)
+
+    def clear_cache(self) -> None:
+        """Drop cached state (no-op for operators without a cache)."""
+
+
+class _PassOperator(CurvatureOperator):
+    def __init__(
+        self,
+        model: nn.Module,
+        data: AnalysisData,
+        scope: ParamScope,
+        *,
+        curvature_pass: CurvaturePass | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
+        super().__init__(scope.numel, scope.dtype, scope.device)
+        self.scope = scope
+        self.curvature_pass = curvature_pass or CurvaturePass(model, data, scope, cache_bytes=cache_bytes)
+
+    def clear_cache(self) -> None:
+        self.curvature_pass.clear_cache()
+
+
+class HessianOperator(_PassOperator):
+    """Hessian of the analysis loss w.r.t. the scope: ``H v = (1/N) sum_i d^2 l_i/dtheta^2 v``.
+
+    Double backward through the (cached) first-order graph ``g = J^T g_z`` of each batch.
+    """
+
+    name = "Hessian"
+
+    def _matmat(self, V):
+        return self.curvature_pass.matmat(V, "H", operator=self.name)[0]
+
+
+class GGNOperator(_PassOperator):
+    """Generalised Gauss-Newton ``G v = (1/N) sum_i J_i^T H_z,i J_i v`` (NME eq. 2, first term).
+
+    ``J v`` comes from differentiating ``<J^T g_z, v>`` w.r.t. ``g_z``; ``H_z`` is the logit
+    Hessian of the loss (cross-entropy: ``diag(p) - p p^T``; mse: ``(2/C) I``). G is PSD.
+    """
+
+    name = "Gauss-Newton"
+
+    def _matmat(self, V):
+        return self.curvature_pass.matmat(V, "G", operator=self.name)[1]
+
+
+class NMEOperator(_PassOperator):
+    """Nonlinear modelling error ``N v = H v - G v = (1/N) sum_i sum_c (dl_i/dz_ic) d^2 z_ic/dtheta^2 v``
+    (NME eq. 2, second term): H and G from the same pass; zero where ``dl/dz = 0``."""
+
+    name = "NME"
+
+    def _matmat(self, V):
+        HV, GV = self.curvature_pass.matmat(V, "HG", operator=self.name)
+        return HV - GV
+
+
+class MatrixOperator(CurvatureOperator):
+    """A dense symmetric matrix as an operator (exact small problems, tests): ``A v``."""
+
+    name = "matrix"
+
+    def __init__(self, matrix: torch.Tensor, name: str = "matrix"):
+        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise ValueError(f"expected a square matrix, got shape {tuple(matrix.shape)}")
+        super().__init__(matrix.shape[0], matrix.dtype, matrix.device)
+        self.matrix = matrix
+        self.name = name
+
+    def _matmat(self, V):
+        return self.matrix @ V

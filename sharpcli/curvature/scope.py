@@ -1,0 +1,163 @@
+"""Parameter scopes: which parameters the curvature is taken with respect to (SPEC section 1).
+
+A scope selects trainable parameters ``theta_S``; curvature w.r.t. a subset is
+the principal sub-block ``H_SS`` of the full Hessian. Vectors in scope are flat
+(length ``numel``), laid out parameter by parameter in ``named_parameters``
+order; ``blocks()`` gives the per-layer diagonal blocks (a layer = the module
+that owns the parameters) used for per-layer traces.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+
+__all__ = ["ParamScope"]
+
+
+@dataclass
+class ParamScope:
+    """An ordered selection of trainable parameters and the flat layout of vectors over them."""
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    spec: str = "all"
+
+    def __post_init__(self):
+        self.shapes = [p.shape for p in self.params]
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for size in self.sizes:
+            self.offsets.append(self.offsets[-1] + size)
+
+    @property
+    def numel(self) -> int:
+        """Number of scalar parameters P in scope."""
+        return self.offsets[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @classmethod
+    def resolve(cls, model: nn.Module, spec: str | None = None) -> "ParamScope":
+        """Build a scope from ``spec``.
+
+        - ``None`` / ``"all"``: every parameter with ``requires_grad``;
+        - ``"last"``: weight and bias of the last ``nn.Linear`` in ``named_modules()`` order
+          (the classifier head);
+        - otherwise comma-separated ``fnmatch`` globs on parameter names (``"0.*,4.weight"``).
+
+        Raises ``UsageError(source="--params")`` when nothing trainable matches.
+        """
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise UsageError("the model has no trainable parameters", source="--params")
+        text = "all" if spec is None else str(spec).strip()
+        if text in ("", "all"):
+            chosen = trainable
+            text = "all"
+        elif text == "last":
+            last_name = None
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear):
+                    last_name = name
+            if last_name is None:
+                raise UsageError("'last' needs an nn.Linear layer, the model has none", source="--params")
+            prefix = f"{last_name}." if last_name else ""
+            chosen = [
+                (n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix):]
+            ]
+            if not chosen:
+                raise UsageError(
+                    f"the last linear layer {last_name!r} has no trainable parameters", source="--params"
+                )
+        else:
+            patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
+            chosen = [
+                (n, p) for n, p in trainable if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)
+            ]
+            if not chosen:
+                available = ", ".join(n for n, _ in trainable[:8])
+                raise UsageError(
+                    f"{text!r} matches no trainable parameter (names: {available}"
+                    f"{', ...' if len(trainable) > 8 else ''})",
+                    source="--params",
+                )
+        dtypes = {p.dtype for _, p in chosen}
+        if len(dtypes) > 1:
+            raise UsageError(
+                f"parameters in scope mix dtypes {sorted(map(str, dtypes))}; use one --dtype",
+                source="--params",
+            )
+        return cls([n for n, _ in chosen], [p for _, p in chosen], spec=text)
+
+    def flatten(self, tensors) -> torch.Tensor:
+        """Concatenate parameter-shaped tensors (one per parameter in scope) into a flat vector."""
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def unflatten(self, vec: torch.Tensor) -> list[torch.Tensor]:
+        """Split a flat vector of length ``numel`` into parameter-shaped views."""
+        if vec.shape[0] != self.numel:
+            raise ValueError(f"vector of length {vec.shape[0]} does not match scope size {self.numel}")
+        return [
+            vec[start:stop].view(shape)
+            for start, stop, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes)
+        ]
+
+    def module_of(self, name: str) -> str:
+        """The owning module of a parameter name (``"features.3.weight" -> "features.3"``)."""
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    def blocks(self) -> "OrderedDict[str, slice]":
+        """Per-layer diagonal blocks ``{module_name: slice}`` in layout order.
+
+        The parameters a module owns directly are contiguous in ``named_parameters`` order,
+        so each layer is one slice; the root module's own parameters are called ``"(root)"``.
+        """
+        out: OrderedDict[str, slice] = OrderedDict()
+        for name, start, stop in zip(self.names, self.offsets[:-1], self.offsets[1:]):
+            layer = self.module_of(name) or "(root)"
+            if layer in out:
+                previous = out[layer]
+                if previous.stop != start:
+                    raise ValueError(f"parameters of layer {layer!r} are not contiguous")
+                out[layer] = slice(previous.start, stop)
+            else:
+                out[layer] = slice(start, stop)
+        return out
+
+    def rademacher(self, generator: torch.Generator, columns: int | None = None) -> torch.Tensor:
+        """Seeded Rademacher probe(s) (+-1 entries), shape ``(numel,)`` or ``(numel, columns)``.
+
+        Drawn on the CPU generator and moved to the scope's device/dtype, so a seed gives
+        the same probes on every device.
+        """
+        return rademacher_like(self.numel, generator, self.dtype, self.device, columns)
+
+    def gaussian(self, generator: torch.Generator, columns: int | None = None) -> torch.Tensor:
+        """Seeded standard Gaussian probe(s), shape ``(numel,)`` or ``(numel, columns)``."""
+        return gaussian_like(self.numel, generator, self.dtype, self.device, columns)
+
+
+def rademacher_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):
+    """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper)."""
+    shape = (dim,) if columns is None else (dim, columns)
+    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8) * 2 - 1
+    return signs.to(dtype=dtype, device=device)
+
+
+def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):
+    """Standard Gaussian vector(s) of length ``dim`` from a CPU ``generator`` (float64 draw, then cast)."""
+    shape = (dim,) if columns is None else (dim, columns)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)

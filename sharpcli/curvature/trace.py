@@ -1,0 +1,534 @@
+"""Trace estimators with standard errors and per-layer (diagonal block) traces (SPEC section 3).
+
+- :func:`hutchinson`: ``tr(A) = E[g^T A g]`` for Rademacher ``g`` (Hutchinson 1989); per layer
+  ``tr(A_bb) = E[g_b^T (A g)_b]`` from the same probes, so layer traces sum to the total
+  probe by probe.
+- :func:`hutchpp`: Hutch++ (Meyer, Musco, Musco, Woodruff 2021) with an adaptive sketch:
+  ``tr(A) = tr(Q^T A Q) + tr(P A P)``, ``P = I - Q Q^T``, the first term exact from the
+  sketch, the second by Hutchinson with its sample standard error.
+- :func:`frobenius_sq`: ``Tr(A^2) = ||A||_F^2 = E||A g||^2`` (the flatness of FA eq. 1);
+  per layer ``E||(A g)_b||^2 = Tr((A^2)_bb)``.
+- :func:`exact_ggn_trace`: ``tr(G)`` exactly, C backward passes per batch (vmapped per-sample
+  Jacobians), cross-entropy and mse.
+- :func:`sampled_label_ggn_trace`: NME eq. 20, ``tr(G) = E_{y^ ~ Cat(softmax z)} ||grad l(y^)||^2``
+  with per-sample gradients.
+
+Standard errors are sample standard deviations over probes divided by sqrt(#probes);
+stopping at relative standard error ``tol`` or at ``max_matvecs``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.scope import ParamScope, rademacher_like
+from sharpcli.errors import NumericalError, UsageError
+
+__all__ = [
+    "TraceResult",
+    "exact_ggn_trace",
+    "frobenius_sq",
+    "hutchinson",
+    "hutchpp",
+    "sampled_label_ggn_trace",
+]
+
+_CHUNK_BYTES = 64 << 20  # memory for one chunk of per-sample Jacobians / gradients
+
+
+@dataclass
+class TraceResult:
+    """A trace (or ``Tr(A^2)``) estimate with standard error and per-layer breakdown.
+
+    ``by_layer`` maps a layer (module) name to ``{"estimate", "stderr"}``; layer estimates
+    sum to ``estimate``. ``stderr`` is ``None`` when the engine gives none.
+    """
+
+    estimate: float
+    stderr: float | None
+    matvecs: int
+    samples: int
+    estimator: str
+    quantity: str = "trace"
+    converged: bool = True
+    tol: float | None = None
+    by_layer: dict = field(default_factory=dict)
+    engine: str = "native"
+    sketch_size: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def relative_stderr(self) -> float | None:
+        if self.stderr is None or self.estimate == 0:
+            return None
+        return abs(self.stderr / self.estimate)
+
+    def to_dict(self) -> dict:
+        return {
+            "estimate": self.estimate,
+            "stderr": self.stderr,
+            "matvecs": self.matvecs,
+            "samples": self.samples,
+            "estimator": self.estimator,
+            "quantity": self.quantity,
+            "converged": self.converged,
+            "tol": self.tol,
+            "by_layer": {k: dict(v) for k, v in self.by_layer.items()},
+            "engine": self.engine,
+            "sketch_size": self.sketch_size,
+            "notes": list(self.notes),
+        }
+
+
+def _blocks_of(op, blocks):
+    if blocks is not None:
+        return dict(blocks)
+    scope = getattr(op, "scope", None)
+    return dict(scope.blocks()) if scope is not None else {}
+
+
+def _segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
+    """``values`` (P, k) -> (1 + L, k): total, then the sum over each layer's slice, in float64."""
+    values = values.to(torch.float64)
+    rows = [values.sum(0)] + [values[sl].sum(0) for sl in blocks.values()]
+    return torch.stack(rows)
+
+
+def _mean_stderr(samples: torch.Tensor):
+    """Column-wise mean and standard error of the mean over rows (n, m)."""
+    n = samples.shape[0]
+    mean = samples.mean(0)
+    if n < 2:
+        return mean, torch.full_like(mean, float("inf"))
+    return mean, samples.std(0, unbiased=True) / math.sqrt(n)
+
+
+def _check_budget(tol, max_matvecs, block_size):
+    if not tol > 0:
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="--tol")
+    if int(max_matvecs) < 2:
+        raise UsageError(f"max matvecs must be >= 2, got {max_matvecs}", source="--max-matvecs")
+    if int(block_size) < 1:
+        raise ValueError("block_size must be >= 1")
+
+
+def _layer_dict(names, mean, stderr, offset=None):
+    out = {}
+    for i, name in enumerate(names):
+        est = float(mean[i + 1]) + (float(offset[i + 1]) if offset is not None else 0.0)
+        out[name] = {"estimate": est, "stderr": float(stderr[i + 1])}
+    return out
+
+
+def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks):
+    """Shared Hutchinson-type loop: per probe a (1+L) vector of (total, per-layer) values."""
+    _check_budget(tol, max_matvecs, block_size)
+    dim = op.shape[0]
+    generator = torch.Generator().manual_seed(int(seed))
+    rows = []
+    matvecs = 0
+    converged = False
+    while matvecs < int(max_matvecs):
+        k = min(int(block_size), int(max_matvecs) - matvecs)
+        G = rademacher_like(dim, generator, op.dtype, op.device, k)
+        AG = op.matmat(G)
+        matvecs += k
+        values = G * AG if quantity == "trace" else AG * AG
+        rows.append(_segment_sums(values, blocks).T)
+        samples = torch.cat(rows)
+        mean, stderr = _mean_stderr(samples)
+        if samples.shape[0] >= min_samples and stderr[0] <= tol * abs(mean[0]):
+            converged = True
+            break
+    samples = torch.cat(rows)
+    mean, stderr = _mean_stderr(samples)
+    return mean, stderr, matvecs, samples.shape[0], converged
+
+
+def hutchinson(
+    op,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+    blocks: dict | None = None,
+) -> TraceResult:
+    """Hutchinson's estimator ``tr(A) ~ (1/n) sum_j g_j^T A g_j``, Rademacher ``g_j`` (seeded).
+
+    Stops at relative standard error ``tol`` (after ``min_samples`` probes) or at
+    ``max_matvecs``. Variance per probe: ``2 (||A||_F^2 - sum_i A_ii^2)``. Per-layer traces
+    ``g_b^T (A g)_b`` over ``blocks`` (default: the operator's scope blocks).
+    """
+    blocks = _blocks_of(op, blocks)
+    mean, stderr, matvecs, n, converged = _probe_loop(
+        op, "trace", tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
+        min_samples=min_samples, blocks=blocks,
+    )
+    return TraceResult(
+        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=matvecs, samples=n,
+        estimator="hutchinson", converged=converged, tol=tol,
+        by_layer=_layer_dict(list(blocks), mean, stderr),
+    )
+
+
+def frobenius_sq(
+    op,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+    blocks: dict | None = None,
+) -> TraceResult:
+    """``Tr(A^2) = ||A||_F^2 = E ||A g||^2`` (Rademacher g), the FA-paper flatness (FA eq. 1).
+
+    Per layer ``||(A g)_b||^2`` estimates ``Tr((A^2)_bb)`` (the squared norm of block b's rows).
+    """
+    blocks = _blocks_of(op, blocks)
+    mean, stderr, matvecs, n, converged = _probe_loop(
+        op, "square", tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
+        min_samples=min_samples, blocks=blocks,
+    )
+    return TraceResult(
+        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=matvecs, samples=n,
+        estimator="hutchinson", quantity="trace_of_square", converged=converged, tol=tol,
+        by_layer=_layer_dict(list(blocks), mean, stderr),
+    )
+
+
+class _Sketch:
+    """Orthonormal ``Q`` (P, s) with ``AQ``; the exact part ``tr(Q^T A Q)`` and its layer split.
+
+    Per layer the exact part of ``A = PAP + (A - PAP)``... precisely, with ``Pi = Q Q^T`` and
+    ``A = Pi A + A Pi - Pi A Pi + (I-Pi) A (I-Pi)``, the diagonal block b of the first three
+    terms is ``sum_{i in b} [2 <Q_i, (AQ)_i> - <Q_i M, Q_i>]``, ``M = Q^T A Q`` (their total is
+    ``tr M``); the last term is left to Hutchinson.
+    """
+
+    def __init__(self, dim, dtype, device):
+        self.Q = torch.zeros(dim, 0, dtype=dtype, device=device)
+        self.AQ = torch.zeros(dim, 0, dtype=dtype, device=device)
+
+    @property
+    def size(self):
+        return self.Q.shape[1]
+
+    def extend(self, op, columns, generator) -> int:
+        dim = op.shape[0]
+        S = rademacher_like(dim, generator, op.dtype, op.device, columns)
+        Y = op.matmat(S)
+        used = columns
+        for _ in range(2):
+            Y = Y - self.Q @ (self.Q.T @ Y)
+        Qn, R = torch.linalg.qr(Y)
+        diag = R.diagonal().abs()
+        keep = diag > (torch.finfo(op.dtype).eps * 100 * max(float(diag.max()), 1e-300))
+        Qn = Qn[:, keep]
+        if Qn.shape[1]:
+            Qn = Qn - self.Q @ (self.Q.T @ Qn)
+            Qn, _ = torch.linalg.qr(Qn)
+            AQn = op.matmat(Qn)
+            used += Qn.shape[1]
+            self.Q = torch.cat([self.Q, Qn], 1)
+            self.AQ = torch.cat([self.AQ, AQn], 1)
+        return used
+
+    def exact_part(self, blocks) -> torch.Tensor:
+        """(1 + L,) exact contribution: total ``tr(Q^T A Q)`` then per layer."""
+        if self.size == 0:
+            return torch.zeros(1 + len(blocks), dtype=torch.float64)
+        M = self.Q.T @ self.AQ
+        M = (M + M.T) / 2
+        per_row = 2 * (self.Q * self.AQ).sum(1) - ((self.Q @ M) * self.Q).sum(1)
+        out = _segment_sums(per_row[:, None], blocks)[:, 0]
+        out[0] = torch.trace(M).to(torch.float64)
+        return out
+
+    def residual_values(self, G, AG, blocks) -> torch.Tensor:
+        """(k, 1 + L) Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``."""
+        C = self.Q.T @ G
+        PG = G - self.Q @ C
+        APG = AG - self.AQ @ C
+        return _segment_sums(PG * APG, blocks).T
+
+
+def hutchpp(
+    op,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+    initial_sketch: int = 16,
+    max_sketch: int = 512,
+    blocks: dict | None = None,
+) -> TraceResult:
+    """Adaptive Hutch++ (Meyer et al. 2021): exact trace on a sketched top subspace + Hutchinson.
+
+    ``Q = orth(A S)`` for Rademacher ``S``; ``tr(A) = tr(Q^T A Q) + tr((I-QQ^T) A (I-QQ^T))``,
+    the second term by Rademacher probes ``g`` as ``(Pg)^T (A g - AQ Q^T g)`` (one matvec per
+    probe). The standard error is the residual probes' sample standard error (the sketch
+    part is exact given Q). Adaptivity: starting from ``initial_sketch`` columns, once
+    ``min_samples`` residual probes exist, the sketch is doubled (``2 s`` matvecs) while the
+    estimated remaining probes exceed ``3 s`` and each doubling cut the residual variance
+    by at least 30%; stored residual probes are re-evaluated for the new Q at no matvec cost.
+    Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
+    """
+    _check_budget(tol, max_matvecs, block_size)
+    blocks = _blocks_of(op, blocks)
+    dim = op.shape[0]
+    budget = int(max_matvecs)
+    generator = torch.Generator().manual_seed(int(seed))
+    sketch = _Sketch(dim, op.dtype, op.device)
+    cap = max(0, min(dim, int(max_sketch), budget // 3))
+    matvecs = 0
+    first = min(int(initial_sketch), cap)
+    if first > 0:
+        matvecs += sketch.extend(op, first, generator)
+    exact = sketch.exact_part(blocks)
+    stored_G, stored_AG = [], []
+    growing = sketch.size < cap
+    rows = []
+    converged = sketch.size == dim
+    notes = []
+    while not converged and matvecs < budget:
+        k = min(int(block_size), budget - matvecs)
+        G = rademacher_like(dim, generator, op.dtype, op.device, k)
+        AG = op.matmat(G)
+        matvecs += k
+        if growing:
+            stored_G.append(G)
+            stored_AG.append(AG)
+        rows.append(sketch.residual_values(G, AG, blocks))
+        samples = torch.cat(rows)
+        mean, stderr = _mean_stderr(samples)
+        estimate = exact[0] + mean[0]
+        n = samples.shape[0]
+        if n >= min_samples and stderr[0] <= tol * abs(estimate):
+            converged = True
+            break
+        if growing and n >= min_samples:
+            target = (stderr[0] * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
+            step = min(sketch.size, cap - sketch.size)
+            if target - n > 3 * sketch.size and step > 0 and matvecs + 2 * step < budget:
+                old_var = float(samples[:, 0].var())
+                matvecs += sketch.extend(op, step, generator)
+                exact = sketch.exact_part(blocks)
+                rows = [sketch.residual_values(g, ag, blocks) for g, ag in zip(stored_G, stored_AG)]
+                new_var = float(torch.cat(rows)[:, 0].var())
+                if new_var > 0.7 * old_var or sketch.size >= cap:
+                    growing = False
+            else:
+                growing = False
+            if not growing:
+                stored_G, stored_AG = [], []
+            if sketch.size == dim:
+                converged = True
+    if rows:
+        samples = torch.cat(rows)
+        mean, stderr = _mean_stderr(samples)
+    else:
+        mean = torch.zeros(1 + len(blocks), dtype=torch.float64)
+        stderr = torch.zeros_like(mean)
+    if sketch.size == dim:
+        stderr = torch.zeros_like(stderr)
+        mean = torch.zeros_like(mean)
+        notes.append("the sketch spans the whole space: the trace is exact")
+    total = exact + mean
+    by_layer = {
+        name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
+        for i, name in enumerate(blocks)
+    }
+    return TraceResult(
+        estimate=float(total[0]), stderr=float(stderr[0]), matvecs=matvecs,
+        samples=sum(r.shape[0] for r in rows), estimator="hutchpp", converged=converged, tol=tol,
+        by_layer=by_layer, sketch_size=sketch.size, notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------- Gauss-Newton traces
+def _functional_logits(model: nn.Module, scope: ParamScope):
+    """``f(params_tuple, x_single) -> z`` for one sample (torch.func), params in scope only."""
+    from torch.func import functional_call
+
+    names = scope.names
+
+    def logits(params, x_single):
+        return functional_call(model, dict(zip(names, params)), (x_single.unsqueeze(0),)).squeeze(0)
+
+    return logits
+
+
+def _param_to_layer(scope: ParamScope) -> list[int]:
+    blocks = scope.blocks()
+    index = []
+    for start in scope.offsets[:-1]:
+        for j, sl in enumerate(blocks.values()):
+            if sl.start <= start < sl.stop:
+                index.append(j)
+                break
+    return index
+
+
+def _chunks(x, y, rows_per_chunk):
+    for s in range(0, x.shape[0], rows_per_chunk):
+        yield x[s : s + rows_per_chunk], y[s : s + rows_per_chunk]
+
+
+def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> TraceResult:
+    """Exact ``tr(G) = (1/N) sum_i tr(J_i^T H_z,i J_i)`` with per-layer traces.
+
+    Cross-entropy: ``H_z = diag(p) - p p^T = S S^T`` with ``S = diag(sqrt p) - p sqrt(p)^T``
+    (check: ``S S^T = diag(p) - 2 p p^T + p (sqrt p . sqrt p) p^T`` and ``sum p = 1``); its
+    column c is ``sqrt(p_c) (e_c - p)``, so
+
+        tr(J^T H_z J) = ||S^T J||_F^2 = sum_c p_c ||J^T (e_c - p)||^2
+                      = sum_c p_c ||grad_theta l(z, c)||^2,
+
+    the exact expectation of NME eq. 20. mse with ``l = (1/C)||z - y||^2``:
+    ``H_z = (2/C) I`` and ``tr = (2/C) ||J||_F^2``. Per-sample Jacobians come from
+    ``vmap(jacrev)`` (C backward passes per batch), in chunks of bounded memory.
+    """
+    from torch.func import jacrev, vmap
+
+    if data.loss not in ("cross-entropy", "mse"):
+        raise UsageError(f"exact GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
+    logits = _functional_logits(model, scope)
+    jac = vmap(jacrev(logits), in_dims=(None, 0))
+    params = tuple(p.detach() for p in scope.params)
+    layer_of = _param_to_layer(scope)
+    blocks = scope.blocks()
+    per_param = torch.zeros(len(params), dtype=torch.float64, device=scope.device)
+    N = data.num_samples
+    for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+        x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+        with torch.no_grad():
+            z_b = model(x_b)
+        classes = z_b.shape[-1]
+        rows = max(1, _CHUNK_BYTES // max(1, classes * scope.numel * z_b.element_size()))
+        for start in range(0, x_b.shape[0], rows):
+            x_c = x_b[start : start + rows]
+            z_c = z_b[start : start + rows]
+            J = jac(params, x_c)  # per param: (B, C, *shape)
+            if data.loss == "cross-entropy":
+                p = torch.softmax(z_c, dim=-1)
+                sqrt_p = p.sqrt()
+            for i, Ji in enumerate(J):
+                Ji = Ji.reshape(Ji.shape[0], classes, -1)
+                if data.loss == "cross-entropy":
+                    mean_row = (p[:, :, None] * Ji).sum(1, keepdim=True)
+                    M = sqrt_p[:, :, None] * (Ji - mean_row)
+                    per_param[i] += (M * M).sum().to(torch.float64)
+                else:
+                    per_param[i] += (2.0 / classes) * (Ji * Ji).sum().to(torch.float64)
+        if not torch.isfinite(per_param).all():
+            raise NumericalError(f"exact GGN trace is not finite on batch {batch_index}", source="Gauss-Newton")
+    all_reduce_sum(per_param)
+    per_param /= N
+    per_layer = torch.zeros(len(blocks), dtype=torch.float64)
+    for i, j in enumerate(layer_of):
+        per_layer[j] += float(per_param[i])
+    return TraceResult(
+        estimate=float(per_param.sum()), stderr=0.0, matvecs=0, samples=N, estimator="exact",
+        converged=True,
+        by_layer={name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)},
+        notes=[f"exact Gauss-Newton trace over {N} samples ({data.loss})"],
+    )
+
+
+def sampled_label_ggn_trace(
+    model: nn.Module,
+    data: AnalysisData,
+    scope: ParamScope,
+    samples: int = 1,
+    generator: torch.Generator | None = None,
+) -> TraceResult:
+    """NME eq. 20: ``tr(G) = (1/N) sum_i E_{y^ ~ p(z_i)} ||grad_theta l(z_i, y^)||^2``.
+
+    Cross-entropy: ``y^ ~ Cat(softmax z_i)``. mse (``l = (1/C)||z - y||^2``): ``y^ ~ N(z_i, (C/2) I)``,
+    for which ``E||J^T (2/C)(z - y^)||^2 = (2/C)||J||_F^2`` as well. ``samples`` labels are drawn
+    per data point (CPU ``generator``); per-sample gradients come from ``vmap(grad)``. Standard
+    error of the mean over the label draws, the data set being fixed: with ``samples >= 2``,
+    ``sqrt(sum_i s_i^2 / samples) / N`` from each point's unbiased variance ``s_i^2``; with one
+    draw the pooled variance over points is used (conservative: it includes between-point spread).
+    """
+    from torch.func import grad, vmap
+
+    import torch.nn.functional as F
+
+    if int(samples) < 1:
+        raise UsageError(f"samples must be >= 1, got {samples}", source="--samples")
+    if data.loss not in ("cross-entropy", "mse"):
+        raise UsageError(f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    logits = _functional_logits(model, scope)
+
+    def single_loss(params, x_single, label):
+        z = logits(params, x_single)
+        if data.loss == "cross-entropy":
+            return F.cross_entropy(z[None], label[None])
+        return F.mse_loss(z, label)
+
+    per_sample_grad = vmap(grad(single_loss), in_dims=(None, 0, 0))
+    params = tuple(p.detach() for p in scope.params)
+    layer_of = _param_to_layer(scope)
+    blocks = scope.blocks()
+    L = len(blocks)
+    S = int(samples)
+    sums = torch.zeros(1 + L, dtype=torch.float64)  # sum_i mean_s v_is
+    var_sums = torch.zeros(1 + L, dtype=torch.float64)  # sum_i s_i^2 / S  (S >= 2)
+    sq_sums = torch.zeros(1 + L, dtype=torch.float64)  # sum_i v_i^2      (S == 1)
+    N = data.num_samples
+    for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+        x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+        with torch.no_grad():
+            z_b = model(x_b)
+        rows = max(1, _CHUNK_BYTES // max(1, scope.numel * z_b.element_size()))
+        for start in range(0, x_b.shape[0], rows):
+            x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
+            draws = torch.zeros(S, x_c.shape[0], 1 + L, dtype=torch.float64)
+            for s in range(S):
+                if data.loss == "cross-entropy":
+                    probs = torch.softmax(z_c.detach().to("cpu", torch.float64), dim=-1)
+                    labels = torch.multinomial(probs, 1, generator=generator)[:, 0].to(z_c.device)
+                else:
+                    noise = torch.randn(z_c.shape, generator=generator, dtype=torch.float64)
+                    scale = math.sqrt(z_c.shape[-1] / 2.0)
+                    labels = z_c.detach() + scale * noise.to(device=z_c.device, dtype=z_c.dtype)
+                grads = per_sample_grad(params, x_c, labels)
+                for i, g in enumerate(grads):
+                    sq = (g.reshape(g.shape[0], -1) ** 2).sum(1).to(torch.float64).cpu()
+                    draws[s, :, 0] += sq
+                    draws[s, :, 1 + layer_of[i]] += sq
+            if not torch.isfinite(draws).all():
+                raise NumericalError(
+                    f"per-sample gradient is not finite on batch {batch_index}", source="Gauss-Newton"
+                )
+            point_means = draws.mean(0)
+            sums += point_means.sum(0)
+            if S >= 2:
+                var_sums += (draws.var(0, unbiased=True) / S).sum(0)
+            else:
+                sq_sums += (point_means**2).sum(0)
+    all_reduce_sum([sums, var_sums, sq_sums])
+    mean = sums / N
+    if S >= 2:
+        stderr = var_sums.sqrt() / N
+    else:
+        pooled = (sq_sums - N * mean**2).clamp_min(0) / max(N - 1, 1)
+        stderr = (pooled / N).sqrt()
+    return TraceResult(
+        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=0, samples=N * S,
+        estimator="sampled-label", converged=True,
+        by_layer={name: {"estimate": float(mean[j + 1]), "stderr": float(stderr[j + 1])} for j, name in enumerate(blocks)},
+        notes=[f"NME eq. 20 with {S} label draw(s) per sample; per-sample gradients via torch.func"],
+    )

@@ -1,0 +1,64 @@
+"""User-facing error types and their exit codes (SPEC section 7).
+
+Every error a user can cause is raised as one of these; the CLI turns it into
+one line on stderr (``sharp: error: <file>: <problem>``), a JSON error object
+when ``--json`` was asked, and the exit code below. Anything else is a bug and
+shows a traceback only under ``--debug``.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_GATE = 1
+EXIT_USAGE = 2
+EXIT_NUMERICAL = 3
+
+
+class SharpError(Exception):
+    """Base class: a message for the user, the file or option it concerns, an exit code."""
+
+    exit_code = EXIT_USAGE
+    kind = "error"
+
+    def __init__(self, message: str, *, source: str | None = None, **details):
+        super().__init__(message)
+        self.message = message
+        self.source = source  # file path or option name the problem is about
+        self.details = details
+
+    def one_line(self) -> str:
+        text = f"{self.source}: {self.message}" if self.source else self.message
+        return " ".join(text.split())  # never more than one line
+
+    def to_json(self) -> dict:
+        out = {"type": self.kind, "message": self.one_line(), "exit_code": self.exit_code}
+        if self.source is not None:
+            out["source"] = self.source
+        out.update({k: v for k, v in self.details.items() if v is not None})
+        return out
+
+
+class UsageError(SharpError):
+    """Bad or contradictory options (exit 2)."""
+
+    kind = "usage"
+
+
+class InputError(SharpError):
+    """A missing, corrupt or inconsistent file or dataset (exit 2)."""
+
+    kind = "input"
+
+
+class NumericalError(SharpError):
+    """NaN/Inf or a breakdown during a computation (exit 3)."""
+
+    exit_code = EXIT_NUMERICAL
+    kind = "numerical"
+
+
+class GateTripped(SharpError):
+    """A ``--fail-if`` condition held (exit 1)."""
+
+    exit_code = EXIT_GATE
+    kind = "gate"

@@ -1,0 +1,283 @@
+"""Datasets for analysis and training: ``load_dataset``, ``subset``, ``validate_for_model``.
+
+SPEC section 5 ("Datasets") and docs/architecture.md ("datasets"). A data spec is
+either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
+
+- built-ins, no download, the default: ``blobs[:k=v,...]`` (Gaussian mixture; args
+  n, dim, classes, seed, test_fraction, separation) and ``images[:k=v,...]`` (small
+  class-template images; args n, size, channels, classes, seed, test_fraction,
+  contrast, noise); see ``datasets_builtin``. As a dict:
+  ``{"kind": "builtin", "name": "blobs", "args": {...}}``.
+- a path: ``.safetensors``/``.pt``/``.pth``/``.npz`` tensor files and ``.csv``/``.parquet``
+  tables (``datasets_files``), or a directory holding a CIFAR-10/100 (python or
+  binary) or MNIST idx layout (``datasets_vision``). As a dict:
+  ``{"kind": "file", "path": "<absolute path>", "format": "<format>", "label_column": ...}``
+  with the format one of ``FILE_FORMATS``.
+
+A built-in name wins over a file of the same name in the working directory (write
+``./blobs`` for the file). ``Dataset.spec`` is always the complete dict form, so
+``load_dataset(ds.spec)`` rebuilds the same tensors. Bad files raise
+``InputError(source=<path>)`` and bad spec arguments ``UsageError(source="--data")``,
+each with a one-line message; no library exception escapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sharpcli.errors import InputError, UsageError
+from sharpcli.io.datasets_builtin import BUILTIN_ARGS, BUILTIN_NAMES, load_builtin, resolve_builtin_args
+from sharpcli.io.datasets_common import Dataset
+from sharpcli.io.datasets_files import read_table, read_tensor_file
+from sharpcli.io.datasets_vision import VISION_FORMATS, find_layout, probe_folder, read_cifar, read_mnist
+
+__all__ = [
+    "BUILTIN_ARGS",
+    "BUILTIN_NAMES",
+    "DEFAULT_DATA",
+    "Dataset",
+    "FILE_FORMATS",
+    "format_data_spec",
+    "load_dataset",
+    "parse_data_spec",
+    "subset",
+    "validate_for_model",
+]
+
+DEFAULT_DATA = "blobs"
+EXTENSION_FORMATS = {
+    ".safetensors": "safetensors",
+    ".pt": "pt",
+    ".pth": "pt",
+    ".npz": "npz",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+TENSOR_FORMATS = ("safetensors", "pt", "npz")
+TABLE_FORMATS = ("csv", "parquet")
+FILE_FORMATS = TENSOR_FORMATS + TABLE_FORMATS + VISION_FORMATS
+
+
+def _parse_builtin_args(name: str, text: str) -> dict:
+    """``"n=100,seed=3"`` -> ``{"n": "100", "seed": "3"}`` (typed later by ``resolve_builtin_args``)."""
+    args: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"{name}: expected key=value, got {item!r}", source="--data")
+        if key.strip() in args:
+            raise UsageError(f"{name}: {key.strip()} given twice", source="--data")
+        args[key.strip()] = value.strip()
+    return args
+
+
+def parse_data_spec(spec: str | dict, *, label_column: str | None = None) -> dict:
+    """Turn a ``--data`` string or a spec dict into the complete dict form (without loading data).
+
+    Built-in arguments are completed with their defaults and type-checked; a path is
+    made absolute and its format detected (by extension, or by probing a directory
+    for CIFAR/MNIST layouts). ``label_column`` fills the dict's ``label_column`` when
+    that is unset; a conflicting value raises ``UsageError(source="--label-column")``.
+    """
+    if isinstance(spec, dict):
+        return _normalise_dict(spec, label_column)
+    if not isinstance(spec, str):
+        raise UsageError(f"a data spec is a string or a dict, got {type(spec).__name__}", source="--data")
+    text = spec.strip()
+    if not text:
+        raise UsageError("empty data spec", source="--data")
+    name, sep, rest = text.partition(":")
+    if name in BUILTIN_NAMES:
+        if label_column is not None:
+            raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
+        args = _parse_builtin_args(name, rest) if sep else {}
+        return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
+    return _normalise_dict({"kind": "file", "path": text}, label_column)
+
+
+def _normalise_dict(spec: dict, label_column: str | None) -> dict:
+    """Check a dict spec and complete it (absolute path, detected format, full built-in args)."""
+    kind = spec.get("kind")
+    if kind == "builtin":
+        unknown = sorted(set(spec) - {"kind", "name", "args"})
+        if unknown:
+            raise UsageError(f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data")
+        name, args = spec.get("name"), spec.get("args") or {}
+        if not isinstance(args, dict):
+            raise UsageError(f"builtin data spec 'args' must be a dict, got {type(args).__name__}", source="--data")
+        if label_column is not None:
+            raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
+        return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
+    if kind != "file":
+        raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data")
+    unknown = sorted(set(spec) - {"kind", "path", "format", "label_column"})
+    if unknown:
+        raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="--data")
+    path = spec.get("path")
+    if not isinstance(path, str) or not path:
+        raise UsageError("file data spec needs a 'path' string", source="--data")
+    column = spec.get("label_column")
+    if label_column is not None and column is not None and label_column != column:
+        raise UsageError(
+            f"label column {label_column!r} contradicts the data spec's {column!r}", source="--label-column"
+        )
+    column = column if column is not None else label_column
+    if column is not None and not isinstance(column, str):
+        raise UsageError(f"label column must be a string, got {column!r}", source="--label-column")
+    path = os.path.abspath(os.path.expanduser(path))
+    fmt = spec.get("format")
+    if fmt is not None and fmt not in FILE_FORMATS:
+        raise UsageError(f"unknown data format {fmt!r}; accepted: {', '.join(FILE_FORMATS)}", source="--data")
+    if not os.path.exists(path):
+        hint = f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in spec["path"] else ""
+        raise InputError(f"no such file or directory{hint}", source=path)
+    if os.path.isdir(path):
+        if fmt is None:
+            path, fmt = find_layout(path)
+        elif fmt not in VISION_FORMATS:
+            raise InputError(f"is a directory, but format {fmt!r} is a single file", source=path)
+        elif probe_folder(path) != fmt:
+            raise InputError(f"does not hold a {fmt} layout", source=path)
+    else:
+        if fmt is None:
+            fmt = _format_from_extension(path)
+        elif fmt in VISION_FORMATS:
+            raise InputError(f"format {fmt!r} needs a directory, this is a file", source=path)
+    if column is not None and fmt not in TABLE_FORMATS and not fmt.startswith("cifar100-"):
+        raise UsageError(f"applies to tables and CIFAR-100, not to {fmt} data", source="--label-column")
+    return {"kind": "file", "path": path, "format": fmt, "label_column": column}
+
+
+def _format_from_extension(path: str) -> str:
+    """File format from the extension (case-insensitive); unknown -> InputError listing the known ones."""
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in EXTENSION_FORMATS:
+        known = ", ".join(EXTENSION_FORMATS)
+        raise InputError(
+            f"unknown data file extension {extension or '(none)'!r}; accepted: {known}, or a CIFAR/MNIST folder",
+            source=path,
+        )
+    return EXTENSION_FORMATS[extension]
+
+
+def format_data_spec(spec: dict) -> str:
+    """The ``--data`` string of a complete spec dict (``blobs:n=2000,...`` or the path)."""
+    if spec.get("kind") == "builtin":
+        args = ",".join(f"{key}={value}" for key, value in spec.get("args", {}).items())
+        return f"{spec['name']}:{args}" if args else spec["name"]
+    return spec["path"]
+
+
+def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = None) -> Dataset:
+    """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
+
+    Returns a ``Dataset`` whose features are float32 ``(N, D)`` or ``(N, C, H, W)`` and
+    whose targets are int64 class labels or float32 regression targets, checked for
+    matching lengths, finiteness and non-emptiness. Raises ``InputError`` (bad file)
+    or ``UsageError`` (bad spec or option); nothing else escapes for a bad input.
+    """
+    full = parse_data_spec(spec, label_column=label_column)
+    if full["kind"] == "builtin":
+        return load_builtin(full["name"], full["args"])
+    path, fmt, column = full["path"], full["format"], full["label_column"]
+    if fmt in TENSOR_FORMATS:
+        return read_tensor_file(path, fmt, full)
+    if fmt in TABLE_FORMATS:
+        return read_table(path, fmt, column, full)
+    if fmt == "mnist-idx":
+        return read_mnist(path, column, full)
+    return read_cifar(path, fmt, column, full)
+
+
+def subset(x: torch.Tensor, y: torch.Tensor, samples: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random subset of ``samples`` rows without replacement (``--samples N``, ``--seed``).
+
+    Indices are the first ``samples`` entries of ``randperm(N)`` drawn from a CPU
+    ``torch.Generator`` seeded with ``seed``, then sorted, so the subset keeps the data
+    order, is the same on every run, and the subsets of one seed are nested
+    (``samples=m`` is contained in ``samples=m'`` for ``m <= m'``). ``samples=None``
+    returns the data unchanged; ``samples`` outside ``1..N`` raises
+    ``UsageError(source="--samples")``.
+    """
+    if samples is None:
+        return x, y
+    n = x.shape[0]
+    if isinstance(samples, bool) or not isinstance(samples, int):
+        raise UsageError(f"must be an integer, got {samples!r}", source="--samples")
+    if samples < 1:
+        raise UsageError(f"must be at least 1, got {samples}", source="--samples")
+    if samples > n:
+        raise UsageError(f"{samples} samples requested but the split has only {n}", source="--samples")
+    generator = torch.Generator().manual_seed(int(seed))
+    index = torch.randperm(n, generator=generator)[:samples].sort().values
+    return x[index], y[index]
+
+
+def validate_for_model(
+    data: Dataset | tuple[torch.Tensor, torch.Tensor],
+    input_shape: tuple[int, ...] | list[int],
+    num_classes: int | None,
+    source: str | None = None,
+) -> None:
+    """Check data against a model: per-sample feature shape, labels in ``[0, num_classes)``, finiteness.
+
+    ``data`` is a ``Dataset`` (every split present is checked) or one ``(x, y)`` pair.
+    ``input_shape`` is the model's per-sample input shape (``(16,)``, ``(3, 32, 32)``);
+    ``num_classes`` is its number of outputs (``None`` skips the target check): class
+    labels must lie in ``[0, num_classes)``, regression targets must have
+    ``num_classes`` values per sample. ``source`` names the data in messages (default:
+    the dataset's own). Raises ``InputError(source=source)`` with a one-line message,
+    e.g. ``features have 12 columns but the model expects 16``.
+    """
+    if isinstance(data, Dataset):
+        source = source or data.source
+        pairs = [("train", data.x_train, data.y_train)]
+        if data.x_test is not None:
+            pairs.append(("test", data.x_test, data.y_test))
+        task = data.task
+    else:
+        x, y = data
+        pairs = [("", x, y)]
+        task = "regression" if torch.is_floating_point(y) else "classification"
+    expected = tuple(int(d) for d in input_shape)
+    for split, x, y in pairs:
+        where = f"{split} " if split else ""
+        if x.shape[0] == 0:
+            raise InputError(f"{where}split is empty", source=source)
+        if y.shape[0] != x.shape[0]:
+            raise InputError(f"{where}features have {x.shape[0]} rows but targets {y.shape[0]}", source=source)
+        got = tuple(x.shape[1:])
+        if got != expected:
+            if len(got) == 1 and len(expected) == 1:
+                problem = f"{where}features have {got[0]} columns but the model expects {expected[0]}"
+            else:
+                problem = f"{where}samples have shape {got} but the model expects {expected}"
+            raise InputError(problem, source=source)
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise InputError(f"{where}features have {bad} non-finite value(s)", source=source)
+        if num_classes is None:
+            continue
+        if task == "classification":
+            low, high = int(y.min()), int(y.max())
+            if low < 0 or high >= num_classes:
+                label = low if low < 0 else high
+                raise InputError(
+                    f"{where}labels include {label} but the model has {num_classes} classes (labels 0..{num_classes - 1})",
+                    source=source,
+                )
+        else:
+            per_sample = 1 if y.dim() == 1 else int(y[0].numel())
+            if per_sample != num_classes:
+                raise InputError(
+                    f"{where}targets have {per_sample} value(s) per sample but the model has {num_classes} outputs",
+                    source=source,
+                )
+            bad = int((~torch.isfinite(y)).sum())
+            if bad:
+                raise InputError(f"{where}targets have {bad} non-finite value(s)", source=source)

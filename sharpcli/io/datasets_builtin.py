@@ -1,0 +1,177 @@
+"""Built-in synthetic datasets: need no download, deterministic for a seed (SPEC section 5).
+
+- ``blobs``: a Gaussian mixture in ``R^dim`` with ``classes`` balanced classes.
+  Class means ``mu_c ~ N(0, (separation^2 / dim) I)`` (so ``||mu_c|| ~= separation``),
+  samples ``x = mu_{y} + eps``, ``eps ~ N(0, I)``. At the defaults (dim 16, 4 classes,
+  separation 3) the nearest-mean rule is right about 95% of the time: learnable, not
+  trivially separable, so curvature is not zero at a minimum.
+- ``images``: ``channels x size x size`` images, one smooth template per class
+  (a ``N(0, 1)`` pattern on a coarse ``size/4`` grid, bilinearly upsampled), shown as
+  ``x = 0.5 + contrast * T_y + noise * eps`` with ``eps ~ N(0, I)``. Class evidence is
+  spatially structured, so a small CNN learns it in a few epochs.
+
+Draw order (all from one ``torch.Generator`` seeded with ``seed``, on the CPU, so the
+same arguments give the same tensors on every run): class parameters first (so they do
+not depend on ``n``), then a random permutation of the balanced labels
+``arange(n) % classes``, then the noise. The first ``n - round(n * test_fraction)``
+samples are the train split, the rest the test split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sharpcli.errors import UsageError
+from sharpcli.io.datasets_common import Dataset, finalize_dataset
+
+MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a typo
+
+# name -> {arg: (type, default)}
+BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
+    "blobs": {
+        "n": (int, 2000),
+        "dim": (int, 16),
+        "classes": (int, 4),
+        "seed": (int, 0),
+        "test_fraction": (float, 0.25),
+        "separation": (float, 3.0),
+    },
+    "images": {
+        "n": (int, 1000),
+        "size": (int, 8),
+        "channels": (int, 3),
+        "classes": (int, 10),
+        "seed": (int, 0),
+        "test_fraction": (float, 0.25),
+        "contrast": (float, 0.25),
+        "noise": (float, 0.5),
+    },
+}
+BUILTIN_NAMES = tuple(BUILTIN_ARGS)
+
+
+def _convert(name: str, key: str, value, kind: type):
+    """Convert one argument (a string from ``--data`` or a JSON value) to ``kind``."""
+    if kind is int:
+        if isinstance(value, bool):
+            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="--data")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip())
+        except ValueError:
+            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="--data") from None
+    if isinstance(value, bool):
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="--data")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="--data") from None
+    if not math.isfinite(out):
+        raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="--data")
+    return out
+
+
+def resolve_builtin_args(name: str, args: dict) -> dict:
+    """Complete and check the arguments of built-in ``name``; returns all of them, typed.
+
+    Unknown names or keys and out-of-range values raise ``UsageError(source="--data")``.
+    """
+    if name not in BUILTIN_ARGS:
+        raise UsageError(f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}", source="--data")
+    table = BUILTIN_ARGS[name]
+    unknown = sorted(set(args) - set(table))
+    if unknown:
+        raise UsageError(
+            f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(table)}", source="--data"
+        )
+    out = {key: _convert(name, key, args.get(key, default), kind) for key, (kind, default) in table.items()}
+
+    def need(condition: bool, text: str):
+        if not condition:
+            raise UsageError(f"{name}: {text}", source="--data")
+
+    need(out["n"] >= 2, f"n must be at least 2, got {out['n']}")
+    need(out["classes"] >= 2, f"classes must be at least 2, got {out['classes']}")
+    need(0.0 <= out["test_fraction"] < 1.0, f"test_fraction must be in [0, 1), got {out['test_fraction']}")
+    need(0 <= out["seed"] < 2**63, f"seed must be in [0, 2^63), got {out['seed']}")
+    n_test = round(out["n"] * out["test_fraction"])
+    need(
+        out["test_fraction"] == 0.0 or 1 <= n_test < out["n"],
+        f"n={out['n']} with test_fraction={out['test_fraction']} leaves an empty split",
+    )
+    if name == "blobs":
+        need(out["dim"] >= 1, f"dim must be at least 1, got {out['dim']}")
+        need(out["separation"] >= 0.0, f"separation must be >= 0, got {out['separation']}")
+        elements = out["n"] * out["dim"]
+    else:
+        need(out["size"] >= 1, f"size must be at least 1, got {out['size']}")
+        need(out["channels"] >= 1, f"channels must be at least 1, got {out['channels']}")
+        need(out["noise"] >= 0.0, f"noise must be >= 0, got {out['noise']}")
+        elements = out["n"] * out["channels"] * out["size"] ** 2
+    need(elements <= MAX_ELEMENTS, f"{elements} feature values requested; the limit is {MAX_ELEMENTS}")
+    return out
+
+
+def _balanced_labels(n: int, classes: int, generator: torch.Generator) -> torch.Tensor:
+    """``arange(n) % classes`` in a seeded random order (class counts differ by at most one)."""
+    return (torch.arange(n, dtype=torch.int64) % classes)[torch.randperm(n, generator=generator)]
+
+
+def make_blobs(n: int, dim: int, classes: int, seed: int, separation: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` of the Gaussian mixture described in the module docstring.
+
+    ``mu_c = separation / sqrt(dim) * g_c`` with ``g_c ~ N(0, I_dim)``; ``x_i = mu_{y_i} + eps_i``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    means = torch.randn(classes, dim, generator=generator) * (separation / math.sqrt(dim))
+    y = _balanced_labels(n, classes, generator)
+    x = means[y] + torch.randn(n, dim, generator=generator)
+    return x, y
+
+
+def class_templates_images(size: int, channels: int, classes: int, generator: torch.Generator) -> torch.Tensor:
+    """Per-class templates ``T_c`` (classes, channels, size, size): coarse N(0,1) patterns upsampled bilinearly."""
+    coarse = max(2, size // 4)
+    patterns = torch.randn(classes, channels, coarse, coarse, generator=generator)
+    return F.interpolate(patterns, size=(size, size), mode="bilinear", align_corners=False)
+
+
+def make_images(
+    n: int, size: int, channels: int, classes: int, seed: int, contrast: float, noise: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` with ``x = 0.5 + contrast * T_y + noise * eps`` (module docstring), x of shape (n, C, H, W)."""
+    generator = torch.Generator().manual_seed(seed)
+    templates = class_templates_images(size, channels, classes, generator)
+    y = _balanced_labels(n, classes, generator)
+    x = 0.5 + contrast * templates[y] + noise * torch.randn(n, channels, size, size, generator=generator)
+    return x, y
+
+
+def load_builtin(name: str, args: dict) -> Dataset:
+    """Generate built-in dataset ``name`` with ``args`` (completed by ``resolve_builtin_args``)."""
+    full = resolve_builtin_args(name, args)
+    if name == "blobs":
+        x, y = make_blobs(full["n"], full["dim"], full["classes"], full["seed"], full["separation"])
+    else:
+        x, y = make_images(
+            full["n"], full["size"], full["channels"], full["classes"], full["seed"], full["contrast"], full["noise"]
+        )
+    n_test = round(full["n"] * full["test_fraction"])
+    n_train = full["n"] - n_test
+    x_test, y_test = (x[n_train:], y[n_train:]) if n_test else (None, None)
+    return finalize_dataset(
+        x[:n_train],
+        y[:n_train],
+        x_test,
+        y_test,
+        source=f"builtin:{name}",
+        spec={"kind": "builtin", "name": name, "args": full},
+        task="classification",
+        num_classes=full["classes"],
+    )

@@ -1,0 +1,275 @@
+"""The ``Dataset`` container and the checks every loader's arrays go through.
+
+Every reader (built-in generators, tensor files, tables, CIFAR, MNIST) hands its
+raw arrays to ``finalize_dataset``, which turns them into the one representation
+the rest of sharpcli relies on (docs/architecture.md, "datasets"):
+
+- features ``x``: ``float32``, shape ``(N, D)`` for vectors or ``(N, C, H, W)``
+  for images (a 1-D array becomes ``(N, 1)``, a 3-D array ``(N, H, W)`` becomes
+  single-channel images ``(N, 1, H, W)``);
+- classification targets (integer or boolean ``y``): ``int64`` labels of shape
+  ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
+- regression targets (floating ``y``): ``float32`` of shape ``(N,)`` or ``(N, K)``;
+- ``N > 0``, ``x`` and ``y`` of equal length, every value finite, test features
+  shaped like the training features.
+
+Anything else raises ``InputError(source=<file>)`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sharpcli.errors import InputError, UsageError
+
+TASKS = ("classification", "regression")
+SPLITS = ("train", "test")
+MAX_CLASSES = 1_000_000  # a label above this is a corrupt file, not a class
+
+
+@dataclass
+class Dataset:
+    """A loaded dataset: train split, optional test split, task and provenance.
+
+    ``x_*`` are float32 feature tensors ``(N, D)`` or ``(N, C, H, W)``; ``y_*`` are
+    int64 labels ``(N,)`` for ``task == "classification"`` (with ``num_classes``
+    classes) or float32 targets ``(N,)``/``(N, K)`` for ``task == "regression"``
+    (``num_classes is None``). ``x_test``/``y_test`` are both ``None`` when the
+    source has no test split. ``spec`` is a JSON-serialisable dict that
+    ``load_dataset`` accepts to rebuild exactly this data (a checkpoint stores it);
+    ``source`` is the file path or ``builtin:<name>`` that error messages name.
+    ``class_names`` lists the label names when the source had textual labels.
+    """
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor | None
+    y_test: torch.Tensor | None
+    num_classes: int | None
+    task: str
+    spec: dict
+    source: str
+    class_names: list[str] | None = field(default=None)
+
+    def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(x, y)`` of split ``"train"`` or ``"test"``.
+
+        A missing test split raises ``InputError`` naming the source; an unknown
+        split name raises ``UsageError(source="--split")``.
+        """
+        if name == "train":
+            return self.x_train, self.y_train
+        if name == "test":
+            if self.x_test is None or self.y_test is None:
+                raise InputError(f"has no test split ({_how_to_add_test(self.spec)})", source=self.source)
+            return self.x_test, self.y_test
+        raise UsageError(f"unknown split {name!r}; accepted: {', '.join(SPLITS)}", source="--split")
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's features, e.g. ``(16,)`` or ``(3, 32, 32)``."""
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def has_test(self) -> bool:
+        """Whether the dataset has a test split."""
+        return self.x_test is not None
+
+    @property
+    def output_size(self) -> int:
+        """Number of model outputs the data calls for: classes, or regression targets per sample."""
+        if self.task == "classification":
+            return int(self.num_classes)
+        return 1 if self.y_train.dim() == 1 else int(self.y_train.shape[1])
+
+
+def _how_to_add_test(spec: dict) -> str:
+    """A hint on how the given kind of source would provide a test split."""
+    fmt = spec.get("format") if isinstance(spec, dict) else None
+    if fmt in ("csv", "parquet"):
+        return "add a column named 'split' with values train/test"
+    if fmt in ("safetensors", "pt", "npz"):
+        return "add tensors x_test and y_test"
+    if isinstance(spec, dict) and spec.get("kind") == "builtin":
+        return "use test_fraction > 0"
+    return "the folder holds no test files"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One-line, bounded ``Type: message`` text of a library exception for an InputError."""
+    text = " ".join(str(exc).split())
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def read_failure(what: str, exc: BaseException, source: str) -> InputError:
+    """``InputError`` for a file a library could not parse, naming the file and the cause."""
+    return InputError(f"cannot read {what} ({describe_exception(exc)})", source=source)
+
+
+def as_tensor(value, name: str, source: str) -> torch.Tensor:
+    """Convert a numpy array or tensor holding real numbers to a CPU strided tensor.
+
+    Object, string, complex or sparse arrays raise ``InputError`` naming ``name``.
+    """
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            raise InputError(f"{name} has dtype {value.dtype}, expected numbers", source=source)
+        if value.dtype.kind == "f" and value.dtype.itemsize > 8:  # float128: no torch dtype
+            value = value.astype(np.float64)
+        if value.dtype.byteorder not in "=|":  # big-endian data (as in idx files)
+            value = value.astype(value.dtype.newbyteorder("="))
+        if not value.flags.writeable:
+            value = value.copy()
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise InputError(f"{name} is a {value.layout} tensor, expected a dense tensor", source=source)
+        if value.is_complex() or value.dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2):
+            raise InputError(f"{name} has dtype {value.dtype}, expected real numbers", source=source)
+        return value.detach().to("cpu")
+    raise InputError(f"{name} is a {type(value).__name__}, expected a tensor", source=source)
+
+
+def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
+    """Features as float32 ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite."""
+    if x.dim() == 0:
+        raise InputError(f"{name} is a scalar, expected one row per sample", source=source)
+    if x.dim() == 1:
+        x = x.unsqueeze(1)
+    elif x.dim() == 3:
+        x = x.unsqueeze(1)  # (N, H, W) single-channel images
+    elif x.dim() > 4:
+        raise InputError(
+            f"{name} has shape {tuple(x.shape)}; expected (N, D) vectors or (N, C, H, W) images", source=source
+        )
+    if x.shape[0] == 0:
+        raise InputError(f"{name} is empty (0 samples)", source=source)
+    if x[0].numel() == 0:
+        raise InputError(f"{name} has no features (shape {tuple(x.shape)})", source=source)
+    x = x.to(torch.float32).contiguous()
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise InputError(
+            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)", source=source
+        )
+    return x
+
+
+def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
+    """Integer/boolean class labels as int64 ``(N,)``, non-negative."""
+    if y.dim() == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.dim() != 1:
+        raise InputError(f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,)", source=source)
+    if y.shape[0] != n:
+        raise InputError(f"{name} has {y.shape[0]} labels but the features have {n} rows", source=source)
+    wide = y.to(torch.float64)  # exact for every label below 2**53; larger ones are refused anyway
+    low, high = float(wide.min()), float(wide.max())
+    if low < 0:
+        raise InputError(f"{name} has a negative label ({low:.0f}); labels must be 0..C-1", source=source)
+    if high >= MAX_CLASSES:
+        raise InputError(f"{name} has label {high:.0f}, beyond {MAX_CLASSES} classes", source=source)
+    return y.to(torch.int64).contiguous()
+
+
+def _targets(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
+    """Regression targets as float32 ``(N,)`` or ``(N, K)``, finite."""
+    if y.dim() not in (1, 2):
+        raise InputError(f"{name} has shape {tuple(y.shape)}; regression targets must be (N,) or (N, K)", source=source)
+    if y.shape[0] != n:
+        raise InputError(f"{name} has {y.shape[0]} targets but the features have {n} rows", source=source)
+    if y.dim() == 2 and y.shape[1] == 0:
+        raise InputError(f"{name} has no target columns", source=source)
+    y = y.to(torch.float32).contiguous()
+    bad = int((~torch.isfinite(y)).sum())
+    if bad:
+        raise InputError(f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)", source=source)
+    return y
+
+
+def infer_task(y) -> str:
+    """``"classification"`` for integer or boolean targets, ``"regression"`` for floating ones."""
+    if isinstance(y, np.ndarray):
+        return "regression" if y.dtype.kind == "f" else "classification"
+    return "regression" if torch.is_floating_point(y) else "classification"
+
+
+def finalize_dataset(
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    *,
+    source: str,
+    spec: dict,
+    task: str | None = None,
+    num_classes: int | None = None,
+    class_names: list[str] | None = None,
+    names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
+) -> Dataset:
+    """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
+
+    ``task`` defaults to ``infer_task(y_train)``; for classification ``num_classes``
+    defaults to ``1 + max label`` over both splits, and a given ``num_classes`` is
+    enforced as an upper bound on the labels. ``names`` are what messages call the
+    four arrays (the keys of a tensor file, ``images``/``labels`` for CIFAR, ...).
+    """
+    n_x, n_y, n_xt, n_yt = names
+    if (x_test is None) != (y_test is None):
+        present, missing = (n_xt, n_yt) if y_test is None else (n_yt, n_xt)
+        raise InputError(f"has {present} but no {missing}; give both or neither", source=source)
+    x_train = _features(as_tensor(x_train, n_x, source), n_x, source)
+    y_train = as_tensor(y_train, n_y, source)
+    task = task or infer_task(y_train)
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    n = x_train.shape[0]
+    if task == "classification":
+        y_train = _labels(y_train, n_y, n, source)
+    else:
+        y_train = _targets(y_train, n_y, n, source)
+    if x_test is not None:
+        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source)
+        if x_test.shape[1:] != x_train.shape[1:]:
+            raise InputError(
+                f"{n_xt} has per-sample shape {tuple(x_test.shape[1:])} but {n_x} has {tuple(x_train.shape[1:])}",
+                source=source,
+            )
+        y_test = as_tensor(y_test, n_yt, source)
+        if infer_task(y_test) != task:
+            raise InputError(f"{n_yt} has dtype {y_test.dtype} but {n_y} has {y_train.dtype}", source=source)
+        if task == "classification":
+            y_test = _labels(y_test, n_yt, x_test.shape[0], source)
+        else:
+            y_test = _targets(y_test, n_yt, x_test.shape[0], source)
+            if y_test.shape[1:] != y_train.shape[1:]:
+                raise InputError(
+                    f"{n_yt} has per-sample shape {tuple(y_test.shape[1:])} but {n_y} has {tuple(y_train.shape[1:])}",
+                    source=source,
+                )
+    if task == "classification":
+        seen = int(y_train.max()) + 1
+        if y_test is not None:
+            seen = max(seen, int(y_test.max()) + 1)
+        if num_classes is None:
+            num_classes = seen
+        elif seen > num_classes:
+            raise InputError(f"has label {seen - 1} but the format has {num_classes} classes", source=source)
+    else:
+        num_classes = None
+    return Dataset(
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
+        num_classes=num_classes,
+        task=task,
+        spec=spec,
+        source=source,
+        class_names=class_names,
+    )

@@ -1,0 +1,206 @@
+"""Readers for tensor files and tables (SPEC section 5).
+
+Tensor files (``.safetensors``, ``.pt``/``.pth``, ``.npz``) hold a flat mapping with
+keys ``x`` and ``y`` and, optionally, ``x_test`` and ``y_test``; any other key is
+refused (a misspelt ``x_tset`` would otherwise drop the test split silently).
+``.pt`` files are read with ``torch.load(weights_only=True)`` and ``.npz`` with
+``numpy.load(allow_pickle=False)``, so no file can run code.
+
+Tables (``.csv``, ``.parquet``) are read through pandas: the label column (option
+``--label-column``, default ``label``) is the target and every other column is a
+numeric feature, except an optional column named ``split`` whose values
+``train``/``test`` (case-insensitive) assign each row to a split; without that
+column the whole table is the train split. Integer or boolean labels are classes
+``0..C-1``; textual labels are mapped to classes by sorted name
+(``Dataset.class_names``); floating labels make a regression target.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import torch
+
+from sharpcli.errors import InputError, UsageError
+from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
+
+TENSOR_KEYS = ("x", "y", "x_test", "y_test")
+DEFAULT_LABEL_COLUMN = "label"
+SPLIT_COLUMN = "split"
+
+
+def _read_mapping(path: str, fmt: str) -> dict:
+    """Read the key -> array mapping of a tensor file, wrapping every library error."""
+    if fmt == "safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                return {key: handle.get_tensor(key) for key in handle.keys()}
+        except Exception as exc:
+            raise read_failure("safetensors file", exc, path) from exc
+    if fmt == "pt":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                content = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise read_failure("torch file with weights_only=True (tensors only, no pickled code)", exc, path) from exc
+        if not isinstance(content, dict):
+            raise InputError(
+                f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y (optional x_test, y_test)",
+                source=path,
+            )
+        return content
+    if fmt == "npz":
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except Exception as exc:
+            raise read_failure("npz archive", exc, path) from exc
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise InputError("is a single .npy array, expected an .npz archive with keys x and y", source=path)
+        try:
+            with archive:
+                return {key: archive[key] for key in archive.files}
+        except Exception as exc:
+            raise read_failure("npz archive", exc, path) from exc
+    raise ValueError(f"not a tensor file format: {fmt}")
+
+
+def read_tensor_file(path: str, fmt: str, spec: dict) -> Dataset:
+    """Load a ``.safetensors`` / ``.pt`` / ``.npz`` file with keys x, y [, x_test, y_test]."""
+    content = _read_mapping(path, fmt)
+    keys = [str(key) for key in content]
+    unexpected = sorted(key for key in keys if key not in TENSOR_KEYS)
+    if unexpected or not all(isinstance(key, str) for key in content):
+        raise InputError(
+            f"has unexpected key(s) {', '.join(unexpected)}; expected x, y and optionally x_test, y_test", source=path
+        )
+    missing = [key for key in ("x", "y") if key not in content]
+    if missing:
+        found = ", ".join(sorted(keys)) or "none"
+        raise InputError(f"has no {' or '.join(missing)} (keys found: {found}); expected x and y", source=path)
+    return finalize_dataset(
+        content["x"], content["y"], content.get("x_test"), content.get("y_test"), source=path, spec=spec
+    )
+
+
+def _read_table(path: str, fmt: str) -> pd.DataFrame:
+    """Read a csv or parquet file into a DataFrame, wrapping every library error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if fmt == "csv":
+                return pd.read_csv(path)
+            return pd.read_parquet(path)
+    except Exception as exc:
+        raise read_failure(f"{fmt} table", exc, path) from exc
+
+
+def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, list[str] | None]:
+    """Labels of a table column: numbers as they are, text mapped to sorted class indices."""
+    values = column.to_numpy()
+    if values.dtype.kind in "biuf":
+        return values, None
+    if pd.api.types.is_bool_dtype(column.dtype) or pd.api.types.is_integer_dtype(column.dtype):
+        if column.isna().any():
+            raise InputError(f"label column {name!r} has {int(column.isna().sum())} missing value(s)", source=path)
+        return column.to_numpy(dtype=np.int64), None
+    if pd.api.types.is_float_dtype(column.dtype):
+        return column.to_numpy(dtype=np.float64, na_value=np.nan), None
+    if column.isna().any():
+        raise InputError(f"label column {name!r} has {int(column.isna().sum())} missing value(s)", source=path)
+    text = column.astype(str)
+    names = sorted(text.unique())
+    index = {label: i for i, label in enumerate(names)}
+    return text.map(index).to_numpy(dtype=np.int64), names
+
+
+def _is_missing(value) -> bool:
+    """Whether a table cell is empty (None, NaN, pandas NA)."""
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def read_table(path: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
+    """Load a csv/parquet table (rules in the module docstring).
+
+    pandas/pyarrow decode some cells lazily (e.g. invalid UTF-8 in a parquet string
+    column fails only when the cell is converted), so any library error raised while
+    the table is turned into arrays is reported as an InputError naming the file.
+    """
+    frame = _read_table(path, fmt)
+    try:
+        return _table_dataset(frame, path, fmt, label_column, spec)
+    except (InputError, UsageError):
+        raise
+    except Exception as exc:
+        raise read_failure(f"{fmt} table contents", exc, path) from exc
+
+
+def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
+    """Split a table into features, labels and (with a 'split' column) train/test parts."""
+    label = label_column or DEFAULT_LABEL_COLUMN
+    columns = [str(c) for c in frame.columns]
+    frame.columns = columns
+    if len(set(columns)) != len(columns):
+        duplicates = sorted({c for c in columns if columns.count(c) > 1})
+        raise InputError(f"has duplicate column name(s) {', '.join(duplicates)}", source=path)
+    if label not in columns:
+        shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
+        raise InputError(
+            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with --label-column", source=path
+        )
+    if len(frame) == 0:
+        raise InputError("table has no rows", source=path)
+    feature_names = [c for c in columns if c not in (label, SPLIT_COLUMN)]
+    if not feature_names:
+        raise InputError(f"has no feature columns besides the label column {label!r}", source=path)
+    non_numeric = [
+        c for c in feature_names if not (pd.api.types.is_numeric_dtype(frame[c]) or pd.api.types.is_bool_dtype(frame[c]))
+    ]
+    if non_numeric:
+        shown = ", ".join(non_numeric[:8]) + (", ..." if len(non_numeric) > 8 else "")
+        raise InputError(f"has non-numeric feature column(s) {shown}; every column but the label must be a number",
+                         source=path)
+    try:
+        features = frame[feature_names].to_numpy(dtype=np.float64, na_value=np.nan)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise read_failure("feature columns as numbers", exc, path) from exc
+    missing = np.isnan(features)
+    if missing.any():
+        row, col = np.argwhere(missing)[0]
+        raise InputError(
+            f"feature column {feature_names[col]!r} has a missing or NaN value (row {row + 1}); "
+            f"{int(missing.sum())} in all",
+            source=path,
+        )
+    labels, class_names = _label_array(frame[label], label, path)
+    if SPLIT_COLUMN not in columns:
+        return finalize_dataset(
+            features, labels, None, None, source=path, spec=spec, class_names=class_names,
+            task="classification" if class_names else None,
+            num_classes=len(class_names) if class_names else None,
+            names=("features", f"label column {label!r}", "test features", f"test label column {label!r}"),
+        )
+    split = np.array(
+        ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]], dtype=object
+    )
+    bad = sorted(set(split) - {"train", "test"})
+    if bad:
+        shown = ", ".join(v if v == "<missing>" else repr(v) for v in bad[:5])
+        raise InputError(f"column 'split' has value(s) {shown}; expected train or test", source=path)
+    is_train, is_test = split == "train", split == "test"
+    if not is_train.any():
+        raise InputError("column 'split' marks no row as train", source=path)
+    x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
+    return finalize_dataset(
+        features[is_train], labels[is_train], x_test, y_test, source=path, spec=spec, class_names=class_names,
+        task="classification" if class_names else None,
+        num_classes=len(class_names) if class_names else None,
+        names=("train features", f"label column {label!r}", "test features", f"test labels in column {label!r}"),
+    )

@@ -1,0 +1,68 @@
+"""Model zoo and activations with controlled second derivatives.
+
+- :mod:`sharpcli.models.zoo`: ``mlp``, ``cnn``, ``vgg-small`` (MAN Table 6), CIFAR ``resnet``
+  (He et al. 2016) built from JSON-serialisable specs ``{"name": ..., "args": {...}}``, and
+  introspection helpers (``final_linear``, ``activation_modules``) that work on any module.
+- :mod:`sharpcli.models.activations`: ``relu``, ``gelu``, ``beta-gelu``, ``augmented-relu``,
+  ``diminished-gelu`` (NME sections 4.3-4.4) and ``make_activation("name[:k=v,...]")``.
+"""
+
+from sharpcli.models.activations import (
+    ACTIVATION_NAMES,
+    ACTIVATION_TYPES,
+    AugmentedReLU,
+    BetaGELU,
+    DiminishedGELU,
+    GELU,
+    ReLU,
+    activation_spec,
+    augmented_relu,
+    beta_gelu,
+    canonical_activation_spec,
+    diminished_gelu,
+    is_positively_homogeneous,
+    make_activation,
+    parse_activation_spec,
+)
+from sharpcli.models.zoo import (
+    MODEL_NAMES,
+    MLP,
+    CifarResNet,
+    SmallCNN,
+    VGGSmall,
+    activation_modules,
+    build_model,
+    default_model_args,
+    final_linear,
+    model_input_shape,
+    validate_model_spec,
+)
+
+__all__ = [
+    "ACTIVATION_NAMES",
+    "ACTIVATION_TYPES",
+    "AugmentedReLU",
+    "BetaGELU",
+    "DiminishedGELU",
+    "GELU",
+    "ReLU",
+    "activation_spec",
+    "augmented_relu",
+    "beta_gelu",
+    "canonical_activation_spec",
+    "diminished_gelu",
+    "is_positively_homogeneous",
+    "make_activation",
+    "parse_activation_spec",
+    "MODEL_NAMES",
+    "MLP",
+    "CifarResNet",
+    "SmallCNN",
+    "VGGSmall",
+    "activation_modules",
+    "build_model",
+    "default_model_args",
+    "final_linear",
+    "model_input_shape",
+    "validate_model_spec",
+]

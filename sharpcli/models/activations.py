@@ -1,0 +1,471 @@
+"""Activation functions with controlled second derivatives (NME paper, sections 4.3-4.4).
+
+The nonlinear modeling error ``N = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` (NME eq. 2) depends on the
+second derivative ``phi''`` of every activation (NME eq. 11). This module provides:
+
+``relu``             ``max(x, 0)``; under autograd ``phi' = Theta(x)`` (0 at the origin) and
+                     ``phi'' = 0`` everywhere, so the diagonal of N vanishes (NME 4.3).
+``gelu``             exact GELU ``x Phi(x)`` with the erf form of the Gaussian CDF ``Phi``.
+``beta-gelu``        ``x Phi(beta x)`` (NME eq. 13); ``beta = 1`` is GELU, ``beta -> inf`` tends to
+                     ReLU. Default ``beta = 1.0``.
+``augmented-relu``   forward ReLU, first AD derivative the step ``Theta(x)``, second AD derivative
+                     the Gaussian ``beta / sqrt(2 pi) exp(-beta^2 x^2 / 2)`` (NME eq. 15), a
+                     smoothed Dirac delta of unit mass. Default ``beta = 1.0`` (the paper's
+                     "beta of O(1)", numerically stable).
+``diminished-gelu``  forward and first AD derivative of GELU, second AD derivative 0 (NME eq. 16).
+
+The two custom-derivative activations are ``torch.autograd.Function`` s in the ``setup_context``
+style with ``generate_vmap_rule = True`` and a ``jvp`` rule. Their backward and jvp rules are
+themselves built from another ``autograd.Function`` (``_HeavisideWithGaussianDerivative``,
+``_GeluDerivativeWithZeroDerivative``), so the custom second derivative is what
+``torch.autograd.grad(..., create_graph=True)`` followed by another ``grad`` returns, and what the
+``torch.func`` transforms (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``, ``hessian``, ``vmap``)
+return, in every nesting except forward-over-forward (``jacfwd(jacfwd(f))``), where PyTorch drops
+the derivative of a custom jvp rule (pytorch/pytorch#197867); that nesting raises a RuntimeError
+instead of returning a silently wrong zero. ``torch.func.hessian`` is forward-over-reverse and exact.
+
+``make_activation("name[:k=v,...]")`` builds a module; every module has ``.spec``, the canonical
+string that ``make_activation`` accepts again (used in checkpoint metadata).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+
+try:  # private, but the only way to see the functorch transform stack; absent -> no check
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _functorch_stack
+    from torch._C._functorch import TransformType as _TransformType
+except ImportError:  # pragma: no cover - depends on the torch build
+    _functorch_stack = None
+    _TransformType = None
+
+_SQRT2 = math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def gaussian_cdf(x: torch.Tensor) -> torch.Tensor:
+    """Standard normal CDF ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` (differentiable)."""
+    return 0.5 * (1.0 + torch.erf(x / _SQRT2))
+
+
+def gaussian_pdf(x: torch.Tensor) -> torch.Tensor:
+    """Standard normal density ``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)`` (differentiable)."""
+    return _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+
+
+def gelu_derivative(x: torch.Tensor) -> torch.Tensor:
+    """Exact GELU derivative ``d/dx [x Phi(x)] = Phi(x) + x phi(x)``."""
+    return gaussian_cdf(x) + x * gaussian_pdf(x)
+
+
+def augmented_relu_second_derivative(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """The augmented ReLU's second AD derivative ``beta / sqrt(2 pi) exp(-beta^2 x^2 / 2)`` (NME eq. 15)."""
+    return beta * gaussian_pdf(beta * x)
+
+
+def beta_gelu_second_derivative(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """Closed form ``d^2/dx^2 [x Phi(beta x)] = beta phi(beta x) (2 - beta^2 x^2)``.
+
+    This is NME eq. 14 with the prefactor corrected: the paper prints ``1 / (sqrt(2 pi) beta^-2)``
+    (i.e. ``beta^2``), but differentiating eq. 13 twice gives ``beta``, which is also what makes the
+    integral over x equal to 1 for every beta, as the paper states below eq. 14.
+    """
+    bx = beta * x
+    return beta * gaussian_pdf(bx) * (2.0 - bx * bx)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd.Functions
+# --------------------------------------------------------------------------------------------
+
+
+def _refuse_forward_over_forward(name: str) -> None:
+    """Raise when a jvp rule runs under two nested ``torch.func`` forward-mode transforms.
+
+    PyTorch evaluates a custom Function's ``jvp`` rule with forward-mode AD switched off, so an
+    outer forward transform (``jacfwd(jacfwd(f))``, ``jvp`` of ``jvp``) silently sees a zero
+    derivative of the rule (pytorch/pytorch#197867): the second derivative would come out 0
+    instead of the Gaussian. Refusing is better than a silently wrong curvature; every other
+    nesting (``hessian`` = ``jacfwd(jacrev)``, ``jacrev(jacrev)``, ``jacrev(jacfwd)``, double
+    backward, forward-over-double-backward) is exact.
+    """
+    if _functorch_stack is None:
+        return
+    forward_levels = sum(1 for interp in _functorch_stack() if interp.key() == _TransformType.Jvp)
+    if forward_levels >= 2:
+        raise RuntimeError(
+            f"{name}: forward-over-forward differentiation (jacfwd of jacfwd, jvp of jvp) through a "
+            "custom-derivative activation is not supported by PyTorch (pytorch/pytorch#197867, it "
+            "would silently drop the second derivative); use torch.func.hessian / jacfwd(jacrev(...)) "
+            "or reverse-over-forward instead"
+        )
+
+
+class _HeavisideWithGaussianDerivative(torch.autograd.Function):
+    """``Theta(x)`` (1 for x > 0, else 0) whose AD derivative is ``beta phi(beta x)`` (NME eq. 15).
+
+    This is the first AD derivative of the augmented ReLU; differentiating it once more gives the
+    Gaussian second derivative. Its own backward/jvp use ordinary differentiable ops, so third
+    derivatives are the true derivatives of that Gaussian.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, beta: float) -> torch.Tensor:
+        return (x > 0).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, beta = inputs
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        ctx.beta = beta
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * augmented_relu_second_derivative(x, ctx.beta), None
+
+    @staticmethod
+    def jvp(ctx, x_tangent, beta_tangent):
+        _refuse_forward_over_forward("augmented-relu")
+        (x,) = ctx.saved_tensors
+        return x_tangent * augmented_relu_second_derivative(x, ctx.beta)
+
+
+class _AugmentedReLUFunction(torch.autograd.Function):
+    """``ReLU(x)`` with first AD derivative ``Theta(x)`` and second AD derivative ``beta phi(beta x)``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, beta: float) -> torch.Tensor:
+        return torch.clamp_min(x, 0.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, beta = inputs
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        ctx.beta = beta
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * _HeavisideWithGaussianDerivative.apply(x, ctx.beta), None
+
+    @staticmethod
+    def jvp(ctx, x_tangent, beta_tangent):
+        _refuse_forward_over_forward("augmented-relu")
+        (x,) = ctx.saved_tensors
+        return x_tangent * _HeavisideWithGaussianDerivative.apply(x, ctx.beta)
+
+
+class _GeluDerivativeWithZeroDerivative(torch.autograd.Function):
+    """``g(x) = Phi(x) + x phi(x)`` (the GELU derivative) whose AD derivative is defined as 0 (NME eq. 16)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return gelu_derivative(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return torch.zeros_like(grad_output)
+
+    @staticmethod
+    def jvp(ctx, x_tangent):
+        return torch.zeros_like(x_tangent)
+
+
+class _DiminishedGELUFunction(torch.autograd.Function):
+    """``GELU(x)`` with first AD derivative ``g(x) = Phi(x) + x phi(x)`` and second AD derivative 0."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x)  # bit-identical to nn.GELU()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * _GeluDerivativeWithZeroDerivative.apply(x)
+
+    @staticmethod
+    def jvp(ctx, x_tangent):
+        _refuse_forward_over_forward("diminished-gelu")
+        (x,) = ctx.saved_tensors
+        return x_tangent * _GeluDerivativeWithZeroDerivative.apply(x)
+
+
+def augmented_relu(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """Augmented ReLU (NME 4.4): ``ReLU(x)``; AD derivatives ``Theta(x)`` and ``beta phi(beta x)`` (eq. 15)."""
+    return _AugmentedReLUFunction.apply(x, float(beta))
+
+
+def diminished_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Diminished GELU (NME 4.4): ``x Phi(x)``; AD derivatives ``Phi(x) + x phi(x)`` and 0 (eq. 16)."""
+    return _DiminishedGELUFunction.apply(x)
+
+
+def beta_gelu(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """beta-GELU (NME eq. 13): ``x Phi(beta x)`` with true derivatives of every order."""
+    return x * gaussian_cdf(beta * x)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+def _format_number(value: float) -> str:
+    """Shortest round-tripping text of a float (``repr``), used in canonical specs."""
+    return repr(float(value))
+
+
+class ReLU(nn.ReLU):
+    """``max(x, 0)`` as ``nn.ReLU`` (AD: ``phi' = Theta(x)``, ``phi'' = 0``); spec ``relu``."""
+
+    spec = "relu"
+
+
+class GELU(nn.GELU):
+    """Exact GELU ``x Phi(x)`` (erf form, ``approximate='none'``); spec ``gelu``."""
+
+    spec = "gelu"
+
+    def __init__(self) -> None:
+        super().__init__(approximate="none")
+
+
+class BetaGELU(nn.Module):
+    """beta-GELU ``x Phi(beta x)`` (NME eq. 13); spec ``beta-gelu:beta=B``.
+
+    ``phi''(x) = beta phi(beta x)(2 - beta^2 x^2)`` (NME eq. 14, see
+    :func:`beta_gelu_second_derivative`); beta = 1 is GELU, beta -> inf approaches ReLU.
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        self.beta = float(beta)
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
+        return f"beta-gelu:beta={_format_number(self.beta)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise ``x Phi(beta x)``."""
+        return beta_gelu(x, self.beta)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}"
+
+
+class AugmentedReLU(nn.Module):
+    """Augmented ReLU (NME 4.4, eq. 15); spec ``augmented-relu:beta=B``.
+
+    Forward ``max(x, 0)``; first AD derivative ``Theta(x)``; second AD derivative
+    ``beta / sqrt(2 pi) exp(-beta^2 x^2 / 2)``, so Hessian-vector products see a Gaussian-smoothed
+    delta at every ReLU kink while the forward pass and the gradient stay those of ReLU.
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        self.beta = float(beta)
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string, e.g. ``augmented-relu:beta=4.0``."""
+        return f"augmented-relu:beta={_format_number(self.beta)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise ``max(x, 0)`` with the augmented AD derivatives."""
+        return augmented_relu(x, self.beta)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}"
+
+
+class DiminishedGELU(nn.Module):
+    """Diminished GELU (NME 4.4, eq. 16); spec ``diminished-gelu``.
+
+    Forward ``x Phi(x)``; first AD derivative ``Phi(x) + x phi(x)``; second AD derivative 0, so the
+    activation's contribution to the NME diagonal is switched off as for ReLU.
+    """
+
+    spec = "diminished-gelu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise GELU with the diminished AD derivatives."""
+        return diminished_gelu(x)
+
+
+# name -> (module class, {parameter: (default, description)})
+_ACTIVATIONS: dict[str, tuple[type[nn.Module], dict[str, tuple[float, str]]]] = {
+    "relu": (ReLU, {}),
+    "gelu": (GELU, {}),
+    "beta-gelu": (BetaGELU, {"beta": (1.0, "sharpness, > 0; 1 = GELU")}),
+    "augmented-relu": (AugmentedReLU, {"beta": (1.0, "inverse width of the Gaussian, > 0")}),
+    "diminished-gelu": (DiminishedGELU, {}),
+}
+
+ACTIVATION_NAMES: tuple[str, ...] = tuple(_ACTIVATIONS)
+
+# Every class counted as an activation layer by activation_modules(): ours and torch's common ones
+# (so foreign models are covered too). Our ReLU/GELU subclass nn.ReLU/nn.GELU.
+ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.GELU,
+    BetaGELU,
+    AugmentedReLU,
+    DiminishedGELU,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ReLU6,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.Hardtanh,
+    nn.Tanh,
+    nn.Sigmoid,
+)
+
+_POSITIVELY_HOMOGENEOUS_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    AugmentedReLU,
+    nn.LeakyReLU,
+    nn.PReLU,
+)
+
+
+def is_positively_homogeneous(module: nn.Module) -> bool:
+    """True when the module's forward map satisfies ``f(a x) = a f(x)`` for every ``a > 0``.
+
+    That is ReLU, augmented ReLU (ReLU in the forward pass), leaky ReLU and PReLU. Rescaling one
+    layer by ``alpha`` and the next by ``1 / alpha`` preserves the network function exactly only
+    through such activations (Dinh et al. 2017; MAN Fig. 1). False for the GELU family and every
+    other activation (``nn.ReLU6`` clips, so it is not).
+    """
+    if isinstance(module, nn.ReLU6):
+        return False
+    return isinstance(module, _POSITIVELY_HOMOGENEOUS_TYPES)
+
+
+def _accepted_names_text() -> str:
+    parts = []
+    for name, (_, params) in _ACTIVATIONS.items():
+        if params:
+            parts.append(name + ":" + ",".join(f"{p}={_format_number(d[0])}" for p, d in params.items()))
+        else:
+            parts.append(name)
+    return ", ".join(parts)
+
+
+def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """Parse ``name[:k=v,...]`` into ``(canonical name, complete parameter dict)``.
+
+    Names are case-insensitive and ``_`` may stand for ``-``; every parameter is a finite number
+    > 0; missing parameters take their defaults. Raises ``UsageError(source="--activation")``.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise UsageError(
+            f"activation must be a non-empty string like 'relu' or 'beta-gelu:beta=4'; got {spec!r}; "
+            f"accepted: {_accepted_names_text()}",
+            source="--activation",
+        )
+    text = spec.strip()
+    name_part, _, param_part = text.partition(":")
+    name = name_part.strip().lower().replace("_", "-")
+    if name not in _ACTIVATIONS:
+        raise UsageError(
+            f"unknown activation {name_part.strip()!r}; accepted: {_accepted_names_text()}",
+            source="--activation",
+        )
+    _, defaults = _ACTIVATIONS[name]
+    params = {key: value[0] for key, value in defaults.items()}
+    if param_part.strip():
+        for item in param_part.split(","):
+            key, eq, value_text = item.partition("=")
+            key = key.strip().lower()
+            if not eq or not key:
+                raise UsageError(
+                    f"activation {text!r}: expected key=value, got {item.strip()!r}",
+                    source="--activation",
+                )
+            if key not in defaults:
+                accepted = ", ".join(defaults) if defaults else "none"
+                raise UsageError(
+                    f"activation {name!r} has no parameter {key!r}; its parameters: {accepted}",
+                    source="--activation",
+                )
+            try:
+                value = float(value_text.strip())
+            except ValueError:
+                raise UsageError(
+                    f"activation {text!r}: {key}={value_text.strip()!r} is not a number",
+                    source="--activation",
+                ) from None
+            if not math.isfinite(value) or value <= 0:
+                raise UsageError(
+                    f"activation {text!r}: {key} must be a finite number > 0, got {value_text.strip()}",
+                    source="--activation",
+                )
+            params[key] = value
+    return name, params
+
+
+def make_activation(spec: str) -> nn.Module:
+    """Build a fresh activation module from ``name[:k=v,...]``.
+
+    Names: ``relu``, ``gelu``, ``beta-gelu[:beta=B]``, ``augmented-relu[:beta=B]``,
+    ``diminished-gelu`` (NME 4.3-4.4). The module's ``.spec`` is the canonical form (parameters
+    written out), and ``make_activation(m.spec)`` rebuilds an identical module. Unknown names or
+    bad parameters raise ``UsageError(source="--activation")`` listing the accepted names.
+    """
+    name, params = parse_activation_spec(spec)
+    cls, _ = _ACTIVATIONS[name]
+    return cls(**params)
+
+
+def canonical_activation_spec(spec: str) -> str:
+    """The canonical spelling of an activation spec (``'BETA_GELU:beta=4'`` -> ``'beta-gelu:beta=4.0'``)."""
+    return make_activation(spec).spec
+
+
+def activation_spec(module: nn.Module) -> str | None:
+    """The spec string of an activation module built here, or None for foreign modules.
+
+    Plain ``nn.ReLU`` maps to ``relu`` and exact ``nn.GELU`` to ``gelu``, since they compute the same
+    function with the same derivatives.
+    """
+    spec = getattr(module, "spec", None)
+    if isinstance(spec, str):
+        return spec
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    return None

@@ -1,0 +1,351 @@
+"""The training loop of ``sharp train`` (SPEC section 6).
+
+One epoch: a seeded shuffle, optional image augmentation (random crop with
+padding 4, horizontal flip) and input Gaussian noise, then per batch one
+``training_step`` of the regularizer registry (which leaves the gradient of the
+regularised objective in ``.grad``) and a plain optimizer step; the learning
+rate follows a constant or cosine schedule per epoch. After each epoch the
+test split is evaluated, curvature is optionally tracked, and the resumable
+state (model, optimizer, every RNG, history) is written atomically beside the
+checkpoint, so a run interrupted after epoch k and resumed ends with the same
+weights, bit for bit on CPU, as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from sharpcli.errors import InputError, NumericalError, UsageError
+from sharpcli.io.atomic import atomic_path, check_writable, write_text_atomic
+from sharpcli.io.checkpoints import save_checkpoint
+from sharpcli.losses import loss_fn
+
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("constant", "cosine")
+STATE_VERSION = 1
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run; stored in the checkpoint's ``sharpcli.train``."""
+
+    model: str = "mlp"
+    model_args: dict = field(default_factory=dict)
+    data: str | dict = "blobs"
+    label_column: str | None = None
+    epochs: int = 5
+    batch_size: int = 64
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    schedule: str = "constant"
+    label_noise: float = 0.0
+    augment: bool = False
+    input_noise: float = 0.0
+    seed: int = 0
+    regs: list = field(default_factory=lambda: ["none"])
+    dtype: str = "float32"
+    device: str = "cpu"
+    track: list = field(default_factory=list)
+    track_every: int = 1
+    track_samples: int = 512
+    loss: str | None = None
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the run it continues."""
+        d = asdict(self)
+        d.pop("epochs")
+        return d
+
+
+@dataclass
+class TrainResult:
+    history: list
+    final: dict
+    checkpoint: dict
+    model_spec: dict
+    data_spec: dict
+    config: dict
+    history_csv: str
+    resumed_from_epoch: int = 0
+
+
+def state_path_for(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".state.pt")
+
+
+def history_csv_path_for(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + ".history.csv")
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    if cfg.epochs < 1:
+        raise UsageError("must be at least 1", source="--epochs")
+    if cfg.batch_size < 1:
+        raise UsageError("must be at least 1", source="--batch-size")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}", source="--optimizer")
+    if cfg.schedule not in SCHEDULES:
+        raise UsageError(f"unknown schedule {cfg.schedule!r}; accepted: {', '.join(SCHEDULES)}", source="--schedule")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise UsageError("must be a positive number", source="--lr")
+    if not (0.0 <= cfg.label_noise < 1.0):
+        raise UsageError("must be in [0, 1)", source="--label-noise")
+    if cfg.input_noise < 0:
+        raise UsageError("must be >= 0", source="--input-noise")
+    if cfg.track_every < 1:
+        raise UsageError("must be at least 1", source="--track-every")
+
+
+def apply_label_noise(y: torch.Tensor, fraction: float, num_classes: int, seed: int) -> torch.Tensor:
+    """Replace a seeded ``fraction`` of labels by a uniformly drawn *different* class (AD Fig. 3)."""
+    if fraction <= 0:
+        return y
+    g = torch.Generator().manual_seed(seed + 7919)
+    n = y.shape[0]
+    idx = torch.randperm(n, generator=g)[: int(round(fraction * n))]
+    shift = torch.randint(1, num_classes, (idx.numel(),), generator=g)
+    y = y.clone()
+    y[idx] = (y[idx] + shift) % num_classes
+    return y
+
+
+def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random crop with zero padding 4 and random horizontal flip, per sample, in torch ops."""
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    dy = torch.randint(0, 9, (n,), generator=generator)
+    dx = torch.randint(0, 9, (n,), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.5
+    rows = (dy[:, None] + torch.arange(h)[None, :])  # (n, h)
+    cols = (dx[:, None] + torch.arange(w)[None, :])  # (n, w)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch = torch.arange(n)[:, None, None]
+    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (n, h, w, c)
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, batch_size: int = 1024) -> dict:
+    """Mean loss and accuracy over (x, y) in eval mode."""
+    was_training = model.training
+    model.eval()
+    f = loss_fn(loss_name)
+    total, correct, n = 0.0, 0, x.shape[0]
+    for start in range(0, n, batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        z = model(xb)
+        total += float(f(z, yb)) * xb.shape[0]
+        if loss_name == "cross-entropy":
+            correct += int((z.argmax(1) == yb).sum())
+    model.train(was_training)
+    out = {"loss": total / max(n, 1)}
+    out["accuracy"] = correct / max(n, 1) if loss_name == "cross-entropy" else None
+    return out
+
+
+def _lr_at(cfg: TrainConfig, epoch: int) -> float:
+    if cfg.schedule == "cosine":
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / cfg.epochs))
+    return cfg.lr
+
+
+def _make_optimizer(cfg: TrainConfig, model: nn.Module):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.Adam(params, lr=cfg.lr)
+
+
+def _write_history_csv(path: Path, history: list) -> None:
+    import pandas as pd
+
+    flat = pd.json_normalize(history, sep=".")
+    write_text_atomic(path, flat.to_csv(index=False))
+
+
+def train(
+    cfg: TrainConfig,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+    tracker: Callable[[nn.Module, int], dict] | None = None,
+) -> TrainResult:
+    """Train per ``cfg`` and write the checkpoint ``out`` (atomically) and its history CSV.
+
+    ``stop_after=k`` ends the run after epoch k as an interruption would (the
+    resumable state is kept); ``resume=True`` continues from that state.
+    ``tracker(model, epoch)`` returns curvature metrics recorded in the history.
+    """
+    from sharpcli.io.datasets import load_dataset
+    from sharpcli.models import build_model, default_model_args
+    from sharpcli.training.regularizers import model_overrides, parse_reg, training_step, validate_combination
+
+    validate_config(cfg)
+    out = check_writable(out, "--out")
+    state_file = state_path_for(out)
+    regs = [parse_reg(r) for r in cfg.regs]
+    validate_combination(regs)
+    cfg.regs = [r.spec() for r in regs]
+
+    from sharpcli.session import check_model_accepts, loss_for_task, resolve_device, resolve_dtype
+
+    dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
+    dataset = load_dataset(cfg.data, label_column=cfg.label_column)
+    cfg.data = dataset.spec
+    cfg.loss = cfg.loss or loss_for_task(dataset.task)
+    x_train, y_train = dataset.split("train")
+    has_test = dataset.x_test is not None
+    x_test, y_test = dataset.split("test") if has_test else (None, None)
+    if dataset.task == "classification":
+        num_outputs = int(dataset.num_classes)
+        y_train = apply_label_noise(y_train, cfg.label_noise, num_outputs, cfg.seed)
+    else:
+        num_outputs = 1 if y_train.ndim == 1 else int(y_train.shape[1])
+
+    args = default_model_args(cfg.model, tuple(dataset.input_shape), num_outputs, **cfg.model_args)
+    args.update(model_overrides(regs))
+    model_spec = {"name": cfg.model, "args": args}
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_spec).to(device=device, dtype=dtype)
+    x_train, y_train = x_train.to(device=device, dtype=dtype), y_train.to(device)
+    if dataset.task == "regression":
+        y_train = y_train.to(dtype)
+    if has_test:
+        x_test, y_test = x_test.to(device=device, dtype=dtype), y_test.to(device)
+        if dataset.task == "regression":
+            y_test = y_test.to(dtype)
+    check_model_accepts(model, x_train, y_train, dataset.task, dataset.source)
+    optimizer = _make_optimizer(cfg, model)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    step_gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    aug_gen = torch.Generator().manual_seed(cfg.seed + 3)
+    history: list = []
+    start_epoch = 0
+
+    if resume:
+        if not state_file.exists():
+            raise InputError("no resumable state for this output; run without --resume first", source=str(state_file))
+        try:
+            state = torch.load(str(state_file), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise InputError(f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})", source=str(state_file)) from exc
+        saved_identity = json.loads(state["config"])
+        saved_identity.pop("epochs", None)
+        if saved_identity != json.loads(json.dumps(cfg.identity())):
+            diff = sorted(k for k in set(saved_identity) | set(cfg.identity())
+                          if saved_identity.get(k) != json.loads(json.dumps(cfg.identity())).get(k))
+            raise UsageError(f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
+                             source="--resume")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_global"])
+        shuffle_gen.set_state(state["rng_shuffle"])
+        step_gen.set_state(state["rng_step"])
+        aug_gen.set_state(state["rng_aug"])
+        history = json.loads(state["history"])
+        start_epoch = int(state["epoch"])
+    else:
+        torch.manual_seed(cfg.seed + 4)
+
+    f = loss_fn(cfg.loss)
+    n = x_train.shape[0]
+    last_epoch = cfg.epochs if stop_after is None else min(cfg.epochs, stop_after)
+    for epoch in range(start_epoch, last_epoch):
+        t0 = time.perf_counter()
+        lr = _lr_at(cfg, epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        model.train()
+        perm = torch.randperm(n, generator=shuffle_gen)
+        sums = {"loss": 0.0, "objective": 0.0, "correct": 0, "count": 0, "grad_evals": 0}
+        penalty_sums: dict = {}
+        for start in range(0, n, cfg.batch_size):
+            idx = perm[start:start + cfg.batch_size].to(device)
+            xb, yb = x_train[idx], y_train[idx]
+            if cfg.augment and xb.ndim == 4:
+                xb = augment_images(xb.cpu(), aug_gen).to(device)
+            if cfg.input_noise > 0:
+                xb = xb + cfg.input_noise * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(device)
+            stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
+            if not math.isfinite(stats.objective):
+                raise NumericalError(
+                    f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
+                    "lower --lr or the regularizer strength", source="train")
+            optimizer.step()
+            b = stats.count
+            sums["loss"] += stats.loss * b
+            sums["objective"] += stats.objective * b
+            sums["correct"] += stats.correct
+            sums["count"] += b
+            sums["grad_evals"] += stats.grad_evals
+            for k, v in stats.penalties.items():
+                penalty_sums[k] = penalty_sums.get(k, 0.0) + v * b
+        row = {
+            "epoch": epoch + 1,
+            "lr": lr,
+            "train_loss": sums["loss"] / sums["count"],
+            "train_objective": sums["objective"] / sums["count"],
+            "train_accuracy": sums["correct"] / sums["count"] if cfg.loss == "cross-entropy" else None,
+            "grad_evals": sums["grad_evals"],
+            "penalties": {k: v / sums["count"] for k, v in penalty_sums.items()},
+        }
+        if has_test:
+            ev = evaluate(model, x_test, y_test, cfg.loss)
+            row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
+        row["seconds"] = time.perf_counter() - t0
+        if tracker is not None and ((epoch + 1) % cfg.track_every == 0 or epoch + 1 == cfg.epochs):
+            t1 = time.perf_counter()
+            row["tracked"] = tracker(model, epoch + 1)
+            row["tracking_seconds"] = time.perf_counter() - t1
+        history.append(row)
+        _save_state(state_file, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch + 1)
+        if progress is not None:
+            progress(epoch + 1, cfg.epochs, row)
+
+    final_train = evaluate(model, x_train, y_train, cfg.loss)
+    final = {"epochs_completed": len(history), "train_loss": final_train["loss"], "train_accuracy": final_train["accuracy"]}
+    if has_test:
+        ev = evaluate(model, x_test, y_test, cfg.loss)
+        final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
+    final["grad_evals"] = sum(r["grad_evals"] for r in history)
+    final["seconds"] = sum(r["seconds"] for r in history)
+    if not all(math.isfinite(v) for v in (final["train_loss"],)):
+        raise NumericalError("the final training loss is not finite", source="train")
+    cfg_dict = json.loads(json.dumps(asdict(cfg)))
+    sha = save_checkpoint(out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final)
+    csv_path = history_csv_path_for(out)
+    _write_history_csv(csv_path, history)
+    return TrainResult(history=history, final=final, checkpoint={"path": str(out), "sha256": sha, "model": model_spec},
+                       model_spec=model_spec, data_spec=dataset.spec, config=cfg_dict, history_csv=str(csv_path),
+                       resumed_from_epoch=start_epoch)
+
+
+def _save_state(path: Path, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch: int) -> None:
+    state = {
+        "version": STATE_VERSION,
+        "epoch": epoch,
+        "config": json.dumps(asdict(cfg), sort_keys=True),
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": optimizer.state_dict(),
+        "rng_global": torch.get_rng_state(),
+        "rng_shuffle": shuffle_gen.get_state(),
+        "rng_step": step_gen.get_state(),
+        "rng_aug": aug_gen.get_state(),
+        "history": json.dumps(history),
+    }
+    with atomic_path(path) as tmp:
+        torch.save(state, str(tmp))

@@ -1,0 +1,718 @@
+"""Registry of the sharpness regularizers of ``sharp train`` (SPEC section 6) as gradient oracles.
+
+``--reg NAME[:k=v,...]`` (repeatable) selects them; :func:`parse_reg` turns one option
+into a :class:`Regularizer`, :func:`validate_combination` checks a list, and
+:func:`training_step` leaves the gradient of the regularised objective at theta in
+``p.grad`` of every trainable parameter. The optimizer and the schedule stay plain
+(LESSONS "SAM, ASAM, NSO reference code": each regularizer is a gradient oracle).
+
+Three kinds of regularizer combine:
+
+- *model* (``dropout``): changes how the model is built (:func:`model_overrides`).
+- *additive penalties* (``wd``, ``ad``, ``gp``, ``hessian-trace``, ``gn-trace``, ``fa``):
+  the objective is ``O(theta) = L(theta) + sum_k P_k(theta)``, ``L`` the batch-mean
+  task loss of :func:`sharpcli.losses.loss_fn`.
+- at most one *perturbation oracle* (``sam``, ``usam``, ``asam``, ``weight-noise``,
+  ``nso``): the gradient it returns is ``grad O`` evaluated at perturbed weights,
+  applied at theta. Without an oracle the gradient is ``grad O(theta)``.
+
+Every random draw (weight noise, Hutchinson probes, sampled labels) comes from the
+step's ``generator`` so a resumed run reproduces bit-for-bit; dropout masks come from
+the global torch RNG and every pass of a step replays the same masks. Extra passes
+leave BatchNorm running statistics as the clean pass left them; perturbed weights are
+restored by copy. ``StepStats.grad_evals`` counts gradient evaluations as defined in
+:mod:`sharpcli.training.step` (plain gradient 1, double-backward 2, triple 4); each
+class documents its count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+from sharpcli.training.step import (
+    PassContext,
+    PassResult,
+    StepEngine,
+    StepStats,
+    gaussian_like,
+    global_norm,
+    rademacher_like,
+)
+
+__all__ = [
+    "StepStats",
+    "HyperParam",
+    "Regularizer",
+    "REGISTRY",
+    "parse_reg",
+    "validate_combination",
+    "model_overrides",
+    "training_step",
+    "describe_registry",
+]
+
+_OPTION = "--reg"
+
+
+# --------------------------------------------------------------------------- hyper-parameters
+@dataclass(frozen=True)
+class HyperParam:
+    """One hyper-parameter of a regularizer: name, type (``float``/``int``/``choice``),
+    default, a one-line description, and the admissible values."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    minimum: float | None = None  # inclusive lower bound
+    below: float | None = None  # exclusive upper bound
+    positive: bool = False  # strictly > 0
+    choices: tuple = ()
+
+    def describe(self) -> str:
+        allowed = ""
+        if self.choices:
+            allowed = " in {" + ", ".join(str(c) for c in self.choices) + "}"
+        return f"{self.name}={_format_value(self.default)}{allowed}: {self.doc}"
+
+    def convert(self, reg_name: str, text: str) -> Any:
+        """Parse ``text`` into this hyper-parameter's value or raise UsageError naming it."""
+        raw = text.strip()
+        if self.kind == "choice":
+            value: Any = raw
+            if raw.lower() in self.choices:
+                value = raw.lower()
+            else:
+                try:
+                    as_num = float(raw)
+                    value = int(as_num) if as_num.is_integer() else as_num
+                except ValueError:
+                    pass
+            if value not in self.choices:
+                raise UsageError(
+                    f"{reg_name}: {self.name} must be one of {', '.join(str(c) for c in self.choices)}; got {raw!r}",
+                    source=_OPTION,
+                )
+            return value
+        try:
+            number = float(raw)
+        except ValueError:
+            raise UsageError(f"{reg_name}: {self.name} must be a number; got {raw!r}", source=_OPTION) from None
+        if not math.isfinite(number):
+            raise UsageError(f"{reg_name}: {self.name} must be finite; got {raw!r}", source=_OPTION)
+        if self.kind == "int":
+            if not number.is_integer():
+                raise UsageError(f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_OPTION)
+            number = int(number)
+        if self.positive and number <= 0:
+            raise UsageError(f"{reg_name}: {self.name} must be > 0; got {raw!r}", source=_OPTION)
+        if self.minimum is not None and number < self.minimum:
+            raise UsageError(f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}", source=_OPTION)
+        if self.below is not None and number >= self.below:
+            raise UsageError(f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_OPTION)
+        return number
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------- base classes
+class Regularizer:
+    """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
+
+    ``HYPERPARAMS`` lists the hyper-parameters in their documented positional order;
+    ``params`` maps each name to its value (JSON-serialisable); ``spec()`` is the
+    canonical ``name:k=v,...`` that :func:`parse_reg` accepts again.
+    """
+
+    name: str = ""
+    kind: str = ""  # "none", "model", "penalty" or "oracle"
+    HYPERPARAMS: tuple[HyperParam, ...] = ()
+    summary: str = ""
+
+    def __init__(self, **params: Any):
+        known = {h.name: h for h in self.HYPERPARAMS}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise UsageError(
+                f"{self.name}: unknown hyper-parameter {unknown[0]!r}; accepted: {_accepted_params(self)}",
+                source=_OPTION,
+            )
+        self.params: dict[str, Any] = {}
+        for h in self.HYPERPARAMS:
+            value = params.get(h.name, h.default)
+            self.params[h.name] = h.convert(self.name, value if isinstance(value, str) else _format_value(value))
+
+    def spec(self) -> str:
+        """Canonical text form ``name:k=v,...`` (``name`` alone without hyper-parameters)."""
+        if not self.params:
+            return self.name
+        body = ",".join(f"{k}={_format_value(v)}" for k, v in self.params.items())
+        return f"{self.name}:{body}"
+
+    def __repr__(self) -> str:
+        return f"Regularizer({self.spec()!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Regularizer) and self.spec() == other.spec()
+
+    def __hash__(self) -> int:
+        return hash(self.spec())
+
+
+def _accepted_params(reg: type[Regularizer] | Regularizer) -> str:
+    if not reg.HYPERPARAMS:
+        return "(none)"
+    return ", ".join(h.name for h in reg.HYPERPARAMS)
+
+
+class Penalty(Regularizer):
+    """An additive penalty ``P(theta)``: its value enters the objective and its gradient
+    enters the step's gradient.
+
+    Protocol used by :class:`sharpcli.training.step.StepEngine`:
+    ``term(ctx)`` returns ``P`` at the current weights (differentiable through the
+    graph when ``grad_from_graph``); ``analytic_grad(params)`` a closed-form gradient
+    (when not from the graph); ``extra_grad(engine, ctx)`` a gradient from extra passes.
+    """
+
+    kind = "penalty"
+    needs_penultimate = False  # needs the input of the final nn.Linear
+    needs_autograd = False  # needs autograd even to compute its value
+    grad_from_graph = True
+    has_extra_grad = False
+
+    def first_grad_mode(self, want_grad: bool) -> str | None:
+        """Whether the pass must compute ``grad L``: None, ``"value"`` or ``"graph"`` (with create_graph)."""
+        return None
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def analytic_grad(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        return None
+
+    def extra_grad(self, engine: StepEngine, ctx: PassContext) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class Oracle(Regularizer):
+    """A perturbation oracle: returns the gradient of the objective at perturbed weights.
+
+    ``gradient(engine) -> (clean PassResult at theta, gradient list)``.
+    """
+
+    kind = "oracle"
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- none / dropout
+class NoRegularizer(Regularizer):
+    """``none``: the plain loss ``L(theta)``; 1 gradient evaluation per step."""
+
+    name = "none"
+    kind = "none"
+    summary = "plain loss"
+
+
+class Dropout(Regularizer):
+    """``dropout:p``: dropout with probability ``p`` on the hidden layers (AD section 4.2).
+
+    The model is built with it (:func:`model_overrides` returns ``{"dropout": p}``); the
+    step itself is a plain gradient (1 evaluation), its masks drawn from the global RNG.
+    Default ``p = 0.1``, the best rate of AD Fig. 2.
+    """
+
+    name = "dropout"
+    kind = "model"
+    summary = "dropout p on hidden layers (AD 4.2)"
+    HYPERPARAMS = (HyperParam("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
+
+
+# --------------------------------------------------------------------------- additive penalties
+class WeightDecay(Penalty):
+    """``wd:sigma``: ``P = sigma^2/2 ||theta||^2`` over every trainable parameter (AD section 2.3).
+
+    Value and gradient ``sigma^2 theta`` are closed-form (no backward pass: 0 extra
+    evaluations). Default ``sigma = 1e-3``, the best weight-decay strength of AD Fig. 2.
+    """
+
+    name = "wd"
+    summary = "L + s^2/2 ||theta||^2 (AD 2.3)"
+    HYPERPARAMS = (HyperParam("sigma", "float", 1e-3, "smoothing scale; coefficient sigma^2/2", minimum=0.0),)
+    grad_from_graph = False
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        sigma = self.params["sigma"]
+        with torch.no_grad():
+            sq = torch.stack(torch._foreach_norm([p.detach() for p in ctx.params])).square().sum()
+        return 0.5 * sigma**2 * sq
+
+    def analytic_grad(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        coeff = self.params["sigma"] ** 2
+        return list(torch._foreach_mul([p.detach() for p in params], coeff))
+
+
+class ActivationDecay(Penalty):
+    """``ad:sigma``: ``P = sigma^2/2 * (1/B) sum_b ||h_b||^2``, ``h`` the penultimate activation.
+
+    AD Theorem 2: Gaussian noise ``N(0, sigma^2 I)`` on the final weight matrix smooths
+    cross-entropy to at most ``CE + sigma^2/2 ||h^(L-1)||^2``. ``h`` is the input of the
+    last ``nn.Linear`` in ``model.named_modules()``, captured by a forward hook (no extra
+    pass; its gradient flows through the clean backward: 0 extra evaluations). With
+    ``--loss mse`` the same penalty is added (for mse the exact smoothing would be
+    ``sigma^2 ||h||^2``; the table's form is kept for both). Default ``sigma = 0.1``
+    (best AD strength of AD Fig. 2).
+    """
+
+    name = "ad"
+    summary = "CE + s^2/2 mean ||h^(L-1)||^2 (AD Thm 2)"
+    HYPERPARAMS = (HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),)
+    needs_penultimate = True
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        h = ctx.penultimate
+        per_sample = h.reshape(h.shape[0], -1).pow(2).sum(dim=1)
+        return 0.5 * self.params["sigma"] ** 2 * per_sample.mean()
+
+
+class GradientPenalty(Penalty):
+    """``gp:rho,p,mode``: ``P = rho ||grad L||^p``, ``p`` in {1, 2} (NME eq. 7).
+
+    ``p = 1`` is penalty SAM, ``p = 2`` penalty USAM (NME App. B eq. 46-47); the
+    gradient is ``grad L + rho p ||g||^(p-2) H g`` (NME eq. 8 for ``p = 1``).
+
+    - ``mode=exact`` (default): double backprop; ``g = grad L`` with ``create_graph`` (1)
+      and one backward through the doubled graph (2): **3** evaluations. Through ReLU it
+      sees zero second derivative (the NME paper's point; use ``augmented-relu``).
+    - ``mode=fd``: ``H g`` by a central finite difference along ``u = g/||g||``:
+      ``H g ~= ||g|| (grad L(theta + eps u) - grad L(theta - eps u)) / (2 eps)``, each
+      gradient at the clean pass's dropout masks and BatchNorm state; it sees ReLU kinks
+      within ``eps``. 1 (clean, ``grad L`` kept apart) + 2 = **3** evaluations (+1 when
+      another graph penalty such as ``ad`` needs its own backward).
+
+    Defaults ``rho = 0.01``, ``p = 1`` (the case NME section 4 studies), ``eps = 1e-3``
+    (length of the finite-difference step in parameter space, fd mode only).
+    """
+
+    name = "gp"
+    summary = "L + rho ||grad L||^p, p in {1,2} (NME eq. 7)"
+    HYPERPARAMS = (
+        HyperParam("rho", "float", 0.01, "penalty strength", minimum=0.0),
+        HyperParam("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
+        HyperParam("mode", "choice", "exact", "exact double backprop or finite-difference HVP", choices=("exact", "fd")),
+        HyperParam("eps", "float", 1e-3, "finite-difference step length (mode=fd)", positive=True),
+    )
+    needs_autograd = True
+
+    @property
+    def grad_from_graph(self) -> bool:  # type: ignore[override]
+        return self.params["mode"] == "exact"
+
+    @property
+    def has_extra_grad(self) -> bool:  # type: ignore[override]
+        return self.params["mode"] == "fd"
+
+    def first_grad_mode(self, want_grad: bool) -> str | None:
+        return "graph" if (want_grad and self.params["mode"] == "exact") else "value"
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        grads = ctx.first_grad()
+        sq = sum((g * g).sum() for g in grads)
+        if self.params["mode"] == "fd":
+            sq = sq.detach()
+        if self.params["p"] == 2:
+            return self.params["rho"] * sq
+        # clamp keeps the gradient finite (zero) at an exact stationary point
+        return self.params["rho"] * torch.sqrt(sq.clamp_min(torch.finfo(sq.dtype).tiny))
+
+    def extra_grad(self, engine: StepEngine, ctx: PassContext) -> list[torch.Tensor]:
+        grads = [g.detach() for g in ctx.first_grad()]
+        norm = global_norm(grads)
+        if float(norm) == 0.0:
+            return [torch.zeros_like(g) for g in grads]
+        eps = self.params["eps"]
+        step = [eps * g / norm for g in grads]
+        with engine.perturbed(step):
+            plus = engine.loss_gradient()
+        with engine.perturbed([-s for s in step]):
+            minus = engine.loss_gradient()
+        # (g+ - g-)/(2 eps) ~= H u;  d/dtheta rho ||g||^p = rho p ||g||^(p-1) H u
+        scale = self.params["rho"] * self.params["p"] * norm ** (self.params["p"] - 1) / (2 * eps)
+        return [scale * (a - b) for a, b in zip(plus, minus)]
+
+
+class HessianTrace(Penalty):
+    """``hessian-trace:sigma2,probes``: ``P = sigma2 * (1/m) sum_j v_j^T H v_j`` (NME eq. 19).
+
+    Hutchinson's estimator of ``sigma2 tr(H)`` with ``m = probes`` Rademacher vectors
+    ``v_j`` from the step's generator (``E[v^T H v] = tr(H)``); ``H v`` by double backward
+    reusing the first-order graph. Its gradient is exact (third order through the
+    graph): ``grad L`` (1) + ``m`` HVPs (2 each) + the final backward over
+    ``2 + 2m`` units = **3 + 4m** evaluations (7 for one probe). Defaults
+    ``sigma2 = 0.01``, ``probes = 1`` (NME draws a single sample).
+    """
+
+    name = "hessian-trace"
+    summary = "L + s^2 v^T H v, v Rademacher (NME eq. 19)"
+    HYPERPARAMS = (
+        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+        HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
+    )
+    needs_autograd = True
+
+    def first_grad_mode(self, want_grad: bool) -> str | None:
+        return "graph"
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        total = 0.0
+        m = self.params["probes"]
+        for _ in range(m):
+            v = rademacher_like(ctx.params, ctx.generator)
+            hv = ctx.hvp(v, create_graph=ctx.want_grad)
+            total = total + sum((a * b).sum() for a, b in zip(v, hv))
+        return self.params["sigma2"] * total / m
+
+
+class GaussNewtonTrace(Penalty):
+    """``gn-trace:sigma2``: ``P = sigma2 * B ||grad_theta Lhat||^2``, an unbiased estimate of
+    ``sigma2 tr(G)`` (NME eq. 20, Wei et al. 2020).
+
+    ``G = (1/B) sum_i J_i^T H_z,i J_i`` is the Gauss-Newton matrix of the batch-mean loss
+    and ``Lhat = (1/B) sum_i l(z_i, yhat_i)`` the loss at labels sampled from the model
+    with no gradient through the sampling: cross-entropy ``yhat_i ~ Cat(softmax(z_i))``;
+    mse ``yhat_i = z_i + sqrt(C/2) xi_i``, ``xi_i ~ N(0, I)`` (the model's Gaussian with
+    covariance matching ``H_z = (2/C) I``). Per sample ``a_i = J_i^T grad_z l(z_i, yhat_i)``
+    has ``E[a_i a_i^T] = J_i^T H_z,i J_i`` (Fisher identity) and ``E[a_i] = 0``
+    (``E[grad_z l] = p - E[e_yhat] = 0``), and the ``a_i`` are independent, so
+    ``E ||(1/B) sum_i a_i||^2 = (1/B^2) sum_i tr(J_i^T H_z,i J_i) = tr(G)/B``: the cross
+    terms vanish and ``B ||grad Lhat||^2`` is unbiased for ``tr(G)`` without per-sample
+    gradients. ``Lhat`` shares the clean forward pass; ``grad Lhat`` with graph (1) and
+    the backward through it (2): **3** evaluations. Default ``sigma2 = 0.01``.
+    """
+
+    name = "gn-trace"
+    summary = "L + s^2 tr(G), sampled-label estimator (NME eq. 20)"
+    HYPERPARAMS = (HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),)
+    needs_autograd = True
+
+    def sample_labels(self, logits: torch.Tensor, loss_name: str, generator: torch.Generator) -> torch.Tensor:
+        """Labels drawn from the model's predictive distribution at ``logits`` (detached)."""
+        z = logits.detach()
+        if loss_name == "cross-entropy":
+            probs = torch.softmax(z.to(torch.float64), dim=-1).to(generator.device)
+            return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(z.device)
+        noise = torch.randn(z.shape, dtype=z.dtype, generator=generator, device=generator.device).to(z.device)
+        return z + math.sqrt(z.shape[-1] / 2.0) * noise
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        y_hat = self.sample_labels(ctx.logits, ctx.loss_name, ctx.generator)
+        sampled_loss = ctx.loss_of(ctx.logits, y_hat)
+        grads = ctx.gradient_of(sampled_loss, create_graph=ctx.want_grad)
+        batch = ctx.logits.shape[0]
+        return self.params["sigma2"] * batch * sum((g * g).sum() for g in grads)
+
+
+class FlatnessAware(Penalty):
+    """``fa:lambda``: ``P = lambda * ||H v||^2 / B``, ``v`` Rademacher (FA eq. 1).
+
+    Hutchinson for the squared Hessian: ``E[v^T H^2 v] = E||H v||^2 = Tr(H^2)`` for ``v``
+    with independent zero-mean unit-variance entries; ``B`` the batch size as in FA eq. 1.
+    ``H v`` by double backward with graph; exact gradient: 1 + 2 + 4 = **7** evaluations.
+    Default ``lambda = 0.01`` (FA's best strength).
+    """
+
+    name = "fa"
+    summary = "L + lambda Tr(H^2)/B, Tr(H^2) = ||Hv||^2 (FA eq. 1)"
+    HYPERPARAMS = (HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),)
+    needs_autograd = True
+
+    def first_grad_mode(self, want_grad: bool) -> str | None:
+        return "graph"
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        v = rademacher_like(ctx.params, ctx.generator)
+        hv = ctx.hvp(v, create_graph=ctx.want_grad)
+        batch = ctx.logits.shape[0]
+        return self.params["lambda"] * sum((h * h).sum() for h in hv) / batch
+
+
+# --------------------------------------------------------------------------- perturbation oracles
+class _AscentOracle(Oracle):
+    """Two-step sharpness-aware oracle: clean gradient ``g = grad O(theta)``, perturbation
+    ``e(g)``, returned gradient ``grad O(theta + e)`` (NME App. B eq. 42-43).
+
+    2 x (evaluations of one objective gradient): **2** with no penalty.
+    """
+
+    def perturbation(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        clean = engine.evaluate(want_grad=True)
+        deltas = self.perturbation([p.detach() for p in engine.params], clean.grads)
+        with engine.perturbed(deltas):
+            at_perturbed = engine.evaluate(want_grad=True)
+        return clean, at_perturbed.grads
+
+
+class SAM(_AscentOracle):
+    """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), NME eq. 42.
+
+    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` (Foret et al.). 2 evaluations.
+    """
+
+    name = "sam"
+    summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
+
+    def perturbation(self, params, grads):
+        norm = global_norm(grads)
+        if float(norm) == 0.0:
+            return [torch.zeros_like(g) for g in grads]
+        return [self.params["rho"] * g / norm for g in grads]
+
+
+class USAM(_AscentOracle):
+    """``usam:rho``: unnormalised SAM, ``e = rho g`` (NME eq. 43). Default ``rho = 0.05``. 2 evaluations."""
+
+    name = "usam"
+    summary = "gradient at theta + rho g (NME App. B eq. 43)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
+
+    def perturbation(self, params, grads):
+        return [self.params["rho"] * g for g in grads]
+
+
+class ASAM(_AscentOracle):
+    """``asam:rho,eta``: adaptive SAM (Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
+
+    ``T = diag(|w| + eta)`` on weights (parameters with ``dim > 1``) and ``T = I`` on the
+    others (biases, normalisation scales), as LESSONS records of ASAM's reference code
+    (whose bias handling applies a single factor; here ``T = I`` on them throughout).
+    With ``eta = 0`` zero weights are never perturbed. ``e = 0`` when ``T g = 0``.
+    Defaults ``rho = 0.5`` (ASAM's recommended radius), ``eta = 0.01``. 2 evaluations.
+    """
+
+    name = "asam"
+    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (AD Table 1)"
+    HYPERPARAMS = (
+        HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
+        HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
+    )
+
+    def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""
+        return [p.abs() + self.params["eta"] if p.dim() > 1 else None for p in params]
+
+    def perturbation(self, params, grads):
+        scales = self.scales(params)
+        scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
+        norm = global_norm(scaled)
+        if float(norm) == 0.0:
+            return [torch.zeros_like(g) for g in grads]
+        return [self.params["rho"] * (s if t is None else t * s) / norm for t, s in zip(scales, scaled)]
+
+
+class WeightNoise(Oracle):
+    """``weight-noise:sigma``: gradient of O at ``theta + U``, ``U ~ N(0, sigma^2 I)``, applied
+    at theta (WP-SGD, NSO section 2.1; ``E_U[L(theta+U)] ~ L + sigma^2/2 tr(H)``, NME eq. 19).
+
+    The clean pass only reports ``L(theta)``: it is a forward under ``torch.no_grad()``
+    (0 evaluations) unless a gradient-based penalty needs autograd for its value. **1**
+    evaluation with no penalty. ``U`` is drawn per trainable parameter in order with
+    :func:`sharpcli.training.step.gaussian_like`. Default ``sigma = 0.01``.
+    """
+
+    name = "weight-noise"
+    summary = "gradient at theta + U, U ~ N(0, s^2 I) (NSO 2.1)"
+    HYPERPARAMS = (HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),)
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        clean = engine.evaluate(want_grad=False)
+        noise = gaussian_like([p.detach() for p in engine.params], self.params["sigma"], engine.generator)
+        with engine.perturbed(noise):
+            at_noisy = engine.evaluate(want_grad=True)
+        return clean, at_noisy.grads
+
+
+class NSO(Oracle):
+    """``nso:sigma,k``: noise stability optimization, NSO Algorithm 1 / section 2.2.
+
+    Returns ``(1/2k) sum_{j=1..k} [grad O(theta + U_j) + grad O(theta - U_j)]`` with
+    ``U_j ~ N(0, sigma^2 I)`` independent, one global ``sigma`` on every trainable
+    parameter (the authors' code). The two-point average cancels the first-order term of
+    the perturbation, leaving ``grad [L + sigma^2/2 tr(H)]`` to second order (NSO eq. 4).
+    The clean gradient is not used: the clean pass is a forward for the reported loss.
+    ``U_j`` drawn with :func:`sharpcli.training.step.gaussian_like`, ``j = 1..k`` in order.
+    **2k** evaluations with no penalty. Defaults ``sigma = 0.01``, ``k = 1``.
+    """
+
+    name = "nso"
+    summary = "gradient averaged over theta +- U_j, j = 1..k (NSO Alg. 1)"
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        HyperParam("k", "int", 1, "number of noise pairs per step", minimum=1),
+    )
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        clean = engine.evaluate(want_grad=False)
+        params = [p.detach() for p in engine.params]
+        total = [torch.zeros_like(p) for p in params]
+        k = self.params["k"]
+        for _ in range(k):
+            noise = gaussian_like(params, self.params["sigma"], engine.generator)
+            for sign in (1.0, -1.0):
+                with engine.perturbed([sign * u for u in noise]):
+                    grads = engine.evaluate(want_grad=True).grads
+                total = [t + g for t, g in zip(total, grads)]
+        return clean, [t / (2 * k) for t in total]
+
+
+# --------------------------------------------------------------------------- registry and parsing
+REGISTRY: dict[str, type[Regularizer]] = {
+    cls.name: cls
+    for cls in (
+        NoRegularizer,
+        WeightDecay,
+        Dropout,
+        ActivationDecay,
+        SAM,
+        USAM,
+        ASAM,
+        GradientPenalty,
+        HessianTrace,
+        GaussNewtonTrace,
+        WeightNoise,
+        NSO,
+        FlatnessAware,
+    )
+}
+
+
+def describe_registry() -> list[dict[str, Any]]:
+    """One row per regularizer (for ``--help`` and reports): name, kind, summary, and its
+    hyper-parameters with defaults, in positional order."""
+    return [
+        {
+            "name": name,
+            "kind": cls.kind,
+            "summary": cls.summary,
+            "hyperparameters": [
+                {"name": h.name, "default": h.default, "doc": h.doc, "choices": list(h.choices) or None}
+                for h in cls.HYPERPARAMS
+            ],
+        }
+        for name, cls in REGISTRY.items()
+    ]
+
+
+def parse_reg(text: str) -> Regularizer:
+    """Parse one ``--reg`` value: ``NAME``, ``NAME:v1,v2`` (positional in the documented
+    order), ``NAME:k=v,...`` or a mix (positional first). Missing hyper-parameters take
+    their defaults. Raises UsageError(source="--reg") listing the accepted names for an
+    unknown regularizer and the accepted hyper-parameters for an unknown or bad one."""
+    raw = text.strip()
+    name, _, body = raw.partition(":")
+    name = name.strip().lower()
+    if name not in REGISTRY:
+        shown = name or raw
+        raise UsageError(
+            f"unknown regularizer {shown!r}; accepted: {', '.join(REGISTRY)}",
+            source=_OPTION,
+        )
+    cls = REGISTRY[name]
+    given: dict[str, str] = {}
+    items = [item.strip() for item in body.split(",")] if body.strip() else []
+    seen_keyword = False
+    for position, item in enumerate(items):
+        if not item:
+            raise UsageError(f"{name}: empty hyper-parameter in {raw!r}; accepted: {_accepted_params(cls)}", source=_OPTION)
+        if "=" in item:
+            key, _, value = item.partition("=")
+            key = key.strip().lower()
+            seen_keyword = True
+            if key not in {h.name for h in cls.HYPERPARAMS}:
+                raise UsageError(
+                    f"{name}: unknown hyper-parameter {key!r}; accepted: {_accepted_params(cls)}", source=_OPTION
+                )
+        else:
+            if seen_keyword:
+                raise UsageError(f"{name}: positional value {item!r} after a keyword in {raw!r}", source=_OPTION)
+            if position >= len(cls.HYPERPARAMS):
+                raise UsageError(
+                    f"{name} takes at most {len(cls.HYPERPARAMS)} positional hyper-parameter(s) "
+                    f"({_accepted_params(cls)}); got {len(items)} in {raw!r}",
+                    source=_OPTION,
+                )
+            key, value = cls.HYPERPARAMS[position].name, item
+        if key in given:
+            raise UsageError(f"{name}: {key} given twice in {raw!r}", source=_OPTION)
+        given[key] = value.strip()
+    return cls(**given)
+
+
+def validate_combination(regs: Sequence[Regularizer]) -> None:
+    """Check that ``--reg`` options combine: each name at most once and at most one
+    perturbation oracle (sam, usam, asam, weight-noise, nso). Raises UsageError."""
+    seen: set[str] = set()
+    for reg in regs:
+        if reg.name in seen and reg.name != "none":
+            raise UsageError(f"{reg.name} given more than once", source=_OPTION)
+        seen.add(reg.name)
+    oracles = [r.name for r in regs if r.kind == "oracle"]
+    if len(oracles) > 1:
+        accepted = ", ".join(n for n, c in REGISTRY.items() if c.kind == "oracle")
+        raise UsageError(
+            f"at most one perturbation regularizer ({accepted}) per run; got {', '.join(oracles)}",
+            source=_OPTION,
+        )
+
+
+def model_overrides(regs: Sequence[Regularizer]) -> dict[str, Any]:
+    """Model-construction arguments implied by the regularizers: ``{"dropout": p}`` for ``dropout:p``."""
+    out: dict[str, Any] = {}
+    for reg in regs:
+        if reg.kind == "model" and reg.name == "dropout":
+            out["dropout"] = reg.params["p"]
+    return out
+
+
+def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, regs: Sequence[Regularizer], generator: torch.Generator) -> StepStats:
+    """One regularised step's gradient: sets ``p.grad`` of every trainable parameter to the
+    gradient of the regularised objective at theta (as defined by the oracle, if any) and
+    returns the clean pass's statistics. Weights are unchanged on return (restored by
+    copy); the optimizer is not called; the model's train/eval mode is left as given.
+    """
+    validate_combination(regs)
+    penalties = [r for r in regs if r.kind == "penalty"]
+    oracles = [r for r in regs if r.kind == "oracle"]
+    engine = StepEngine(model, x, y, loss_name, penalties, generator)
+    try:
+        if oracles:
+            clean, grads = oracles[0].gradient(engine)
+        else:
+            clean = engine.evaluate(want_grad=True)
+            grads = clean.grads
+    finally:
+        engine.finish()
+    engine.write_grads(grads)
+    return StepStats(
+        loss=float(clean.loss),
+        objective=float(clean.objective),
+        correct=int(clean.correct),
+        count=int(x.shape[0]),
+        grad_evals=int(engine.grad_evals),
+        penalties={k: float(v) for k, v in clean.penalties.items()},
+    )

@@ -1,0 +1,436 @@
+"""The machinery of one regularised training step: passes, perturbations, accounting.
+
+A training step evaluates the regularised objective
+
+    O(theta) = L(theta) + sum_k P_k(theta)
+
+(``L`` the batch-mean task loss of :mod:`sharpcli.losses`, ``P_k`` the additive
+penalties of :mod:`sharpcli.training.regularizers`) once at the clean point and,
+for the perturbation oracles, at perturbed points ``theta + delta``. This module
+holds what every such evaluation needs and the regularizers share:
+
+- :class:`StepEngine`: one batch, one model; ``evaluate`` runs a forward pass and
+  the penalties, returns values and (optionally) the gradient of ``O`` as tensors;
+  ``perturbed(deltas)`` moves the weights to ``theta + delta`` and restores them
+  *by copy* (never by subtraction, LESSONS "SAM, ASAM, NSO reference code").
+- Extra passes (every pass after the first of the step) see the same dropout masks
+  as the first (the global torch RNG is replayed from its state at the start of
+  the step, and left as the first pass left it), and leave every module buffer
+  (BatchNorm running statistics, ``num_batches_tracked``) as the first pass left it.
+- :class:`PassContext`: what a penalty sees during one pass (logits, loss,
+  penultimate activations, the shared first-order gradient of ``L``), and the
+  bookkeeping of reverse-mode sweeps.
+
+Cost accounting (``StepStats.grad_evals``): a forward graph is 1 *unit*. A
+reverse sweep over a graph of ``U`` units costs ``U`` gradient evaluations, and
+when it is taken with ``create_graph=True`` it adds the units it traversed to the
+graph (a double-backward graph holds a forward and a backward, 2 units). Hence a
+plain gradient costs 1, a gradient penalty ``||grad L||^p`` costs 1 (``grad L``
+with graph) + 2 (backward through the doubled graph) = 3, a Hessian-vector product
+taken from that graph costs 2, and the gradient of ``v^T H v`` costs
+1 + 2 + 4 = 7. A forward pass without a backward costs 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from sharpcli.errors import NumericalError, UsageError
+from sharpcli.losses import loss_fn
+
+__all__ = [
+    "StepStats",
+    "PassContext",
+    "PassResult",
+    "StepEngine",
+    "final_linear_module",
+    "rademacher_like",
+    "gaussian_like",
+    "global_norm",
+]
+
+
+@dataclass
+class StepStats:
+    """What one training step reports (all batch means over the clean pass at theta).
+
+    - ``loss``: task loss ``L(theta)`` from the clean pass.
+    - ``objective``: ``L(theta) + sum_k P_k(theta)``, the quantity minimised.
+    - ``correct``: correct predictions of the clean pass (0 for regression).
+    - ``count``: batch size.
+    - ``grad_evals``: gradient evaluations the step used, counted as in the module
+      docstring (a double-backward counts its true number of backward passes).
+    - ``penalties``: value of each additive penalty at theta, keyed by regularizer name.
+    """
+
+    loss: float
+    objective: float
+    correct: int
+    count: int
+    grad_evals: int
+    penalties: dict[str, float] = field(default_factory=dict)
+
+
+def final_linear_module(model: nn.Module) -> tuple[str, nn.Linear]:
+    """The classifier head: the last ``nn.Linear`` in ``model.named_modules()`` order.
+
+    Its input is the penultimate activation ``h^(L-1)`` that activation decay
+    penalises (AD Theorem 2).
+    """
+    found: tuple[str, nn.Linear] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            found = (name, module)
+    if found is None:
+        raise UsageError(
+            "activation decay needs a final nn.Linear layer (its input is the penultimate "
+            f"activation); the model {type(model).__name__} has none",
+            source="--reg",
+        )
+    return found
+
+
+def rademacher_like(tensors: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+    """Independent Rademacher (+-1, probability 1/2 each) tensors shaped like ``tensors``.
+
+    Drawn from ``generator`` on its own device, in the order of ``tensors``, then moved
+    to each tensor's device and dtype (so a CPU generator drives a CUDA model identically).
+    """
+    out = []
+    for t in tensors:
+        bits = torch.randint(0, 2, t.shape, generator=generator, device=generator.device)
+        out.append((bits.to(dtype=t.dtype) * 2 - 1).to(t.device))
+    return out
+
+
+def gaussian_like(tensors: Sequence[torch.Tensor], sigma: float, generator: torch.Generator) -> list[torch.Tensor]:
+    """Independent ``N(0, sigma^2)`` tensors shaped like ``tensors``.
+
+    Draw order: ``torch.randn(t.shape, dtype=t.dtype, generator=generator)`` on the
+    generator's device for each ``t`` in order, multiplied by ``sigma``, moved to ``t``'s
+    device. Tests reproduce a step's noise by repeating exactly these draws.
+    """
+    out = []
+    for t in tensors:
+        noise = torch.randn(t.shape, dtype=t.dtype, generator=generator, device=generator.device)
+        out.append((noise * sigma).to(t.device))
+    return out
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Euclidean norm of the concatenation of ``tensors``: ``sqrt(sum_t ||t||^2)``."""
+    return torch.sqrt(sum((t.detach().double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+
+
+class _RngReplay:
+    """Replays the global torch RNG so every pass of a step sees the same dropout masks.
+
+    ``start()`` records the state before the first pass; ``first_done()`` the state after
+    it; ``replay()`` rewinds to the start before an extra pass; ``finish()`` leaves the
+    RNG as the first pass left it, so a step with extra passes consumes the global RNG
+    exactly like a plain step (dropout masks are the one thing drawn from it).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.before: tuple | None = None
+        self.after: tuple | None = None
+
+    def _get(self) -> tuple:
+        cpu = torch.get_rng_state()
+        gpu = torch.cuda.get_rng_state(self.device) if self.cuda else None
+        return cpu, gpu
+
+    def _set(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+    def start(self) -> None:
+        self.before = self._get()
+
+    def first_done(self) -> None:
+        self.after = self._get()
+
+    def replay(self) -> None:
+        self._set(self.before)
+
+    def finish(self) -> None:
+        if self.after is not None:
+            self._set(self.after)
+
+
+@dataclass
+class PassResult:
+    """Values of one evaluation of the objective (tensors detached, on the model's device).
+
+    ``grads`` is the gradient of the objective with respect to each trainable parameter
+    (in ``StepEngine.params`` order) when it was asked for, else ``None``.
+    """
+
+    loss: torch.Tensor
+    objective: torch.Tensor
+    penalties: dict[str, torch.Tensor]
+    correct: int
+    grads: list[torch.Tensor] | None
+
+
+class PassContext:
+    """What a penalty sees during one evaluation of the objective at the current weights.
+
+    Attributes: ``model``, ``params`` (trainable, in order), ``x``, ``y``, ``logits``,
+    ``loss`` (batch-mean task loss tensor with its graph), ``loss_name``, ``generator``,
+    ``penultimate`` (input of the final ``nn.Linear`` when a penalty asked for it),
+    ``want_grad`` (whether the objective will be differentiated in this pass).
+    """
+
+    def __init__(self, engine: "StepEngine", logits, loss, penultimate, want_grad: bool, first_grad_graph: bool):
+        self.engine = engine
+        self.model = engine.model
+        self.params = engine.params
+        self.x = engine.x
+        self.y = engine.y
+        self.loss_name = engine.loss_name
+        self.loss_of = engine.loss_of
+        self.generator = engine.generator
+        self.logits = logits
+        self.loss = loss
+        self.penultimate = penultimate
+        self.want_grad = want_grad
+        self.units = 1  # the forward graph
+        self._first_grad_graph = first_grad_graph
+        self._first_grad: list[torch.Tensor] | None = None
+
+    def count(self, sweeps: int) -> None:
+        """Record ``sweeps`` gradient evaluations on the engine's counter."""
+        self.engine.grad_evals += sweeps
+
+    def first_grad(self) -> list[torch.Tensor]:
+        """``grad_theta L`` at the current weights, computed once per pass and shared.
+
+        Taken with ``create_graph=True`` when any penalty differentiates through it
+        (gradient penalty, Hessian-vector products), which adds 1 unit to the graph.
+        Costs 1 gradient evaluation.
+        """
+        if self._first_grad is None:
+            grads = torch.autograd.grad(
+                self.loss, self.params, create_graph=self._first_grad_graph, retain_graph=True, allow_unused=True
+            )
+            self._first_grad = [
+                torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)
+            ]
+            self.count(1)
+            if self._first_grad_graph:
+                self.units += 1
+        return self._first_grad
+
+    def hvp(self, vectors: Sequence[torch.Tensor], create_graph: bool) -> list[torch.Tensor]:
+        """Hessian-vector product ``H v = grad_theta (grad L . v)`` by double backward.
+
+        Reuses the first-order graph of :meth:`first_grad` (which must have been built
+        with a graph). Costs 2 gradient evaluations; with ``create_graph`` it adds 2
+        units to the graph that a later backward traverses.
+        """
+        grads = self.first_grad()
+        dot = sum((g * v).sum() for g, v in zip(grads, vectors))
+        out = torch.autograd.grad(dot, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True)
+        self.count(2)
+        if create_graph:
+            self.units += 2
+        return [torch.zeros_like(p) if h is None else h for p, h in zip(self.params, out)]
+
+    def gradient_of(self, scalar: torch.Tensor, create_graph: bool) -> list[torch.Tensor]:
+        """``grad_theta scalar`` for a scalar computed from the forward graph (1 evaluation;
+        adds 1 unit when ``create_graph``)."""
+        out = torch.autograd.grad(scalar, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True)
+        self.count(1)
+        if create_graph:
+            self.units += 1
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
+
+
+class StepEngine:
+    """Evaluates the regularised objective on one batch, at theta or at perturbed points.
+
+    ``penalties`` are objects with the penalty protocol of
+    :class:`sharpcli.training.regularizers.Penalty`: ``name``, ``needs_penultimate``,
+    ``first_grad_mode(want_grad) -> None | "value" | "graph"``, ``needs_autograd``,
+    ``term(ctx) -> Tensor`` (value, differentiable through the graph when its gradient
+    comes from autograd), ``analytic_grad(params) -> list | None`` (closed-form gradient
+    when the term is not in the graph) and ``extra_grad(engine, ctx) -> list | None``
+    (a gradient obtained by extra passes, e.g. finite differences).
+
+    The first call of :meth:`evaluate` is the clean pass; it fixes the dropout RNG state
+    and the module buffers every later pass of the step reuses.
+    """
+
+    def __init__(self, model: nn.Module, x, y, loss_name: str, penalties: Sequence, generator: torch.Generator):
+        self.model = model
+        self.x = x
+        self.y = y
+        self.loss_name = loss_name
+        self.loss_of: Callable = loss_fn(loss_name)
+        self.penalties = list(penalties)
+        self.generator = generator
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise UsageError("the model has no trainable parameters", source="--reg")
+        self.grad_evals = 0
+        device = self.params[0].device
+        self._rng = _RngReplay(device)
+        self._passes = 0
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._head = final_linear_module(model)[1] if any(p.needs_penultimate for p in self.penalties) else None
+
+    # ----------------------------------------------------------------- state control
+    @contextlib.contextmanager
+    def perturbed(self, deltas: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Weights at ``theta + delta`` inside the block; restored by copy on exit (bitwise)."""
+        saved = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                for p, d in zip(self.params, deltas):
+                    p.add_(d)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    def _begin_pass(self) -> bool:
+        first = self._passes == 0
+        self._passes += 1
+        if first:
+            self._rng.start()
+        else:
+            if self._buffers is None:
+                # Nothing ran since the clean pass closed: the buffers are as it left them.
+                self._buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+            self._rng.replay()
+        return first
+
+    def _end_pass(self, first: bool) -> None:
+        if first:
+            self._rng.first_done()
+        elif self._buffers is not None:
+            with torch.no_grad():
+                for live, saved in self._buffers:
+                    live.copy_(saved)
+
+    def finish(self) -> None:
+        """Leave the global RNG as the clean pass left it (call once at the end of a step)."""
+        self._rng.finish()
+
+    # ----------------------------------------------------------------- evaluations
+    def _forward(self):
+        captured: dict[str, torch.Tensor] = {}
+        handle = None
+        if self._head is not None:
+            def hook(module, inputs, output):
+                captured["h"] = inputs[0]
+
+            handle = self._head.register_forward_hook(hook)
+        try:
+            logits = self.model(self.x)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return logits, captured.get("h")
+
+    def loss_gradient(self) -> list[torch.Tensor]:
+        """``grad_theta L`` (task loss only) at the current weights as an extra pass: 1 evaluation."""
+        first = self._begin_pass()
+        try:
+            with torch.enable_grad():
+                logits = self.model(self.x)
+                loss = self.loss_of(logits, self.y)
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            self.grad_evals += 1
+            return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads)]
+        finally:
+            self._end_pass(first)
+
+    def evaluate(self, want_grad: bool) -> PassResult:
+        """One pass: forward, loss, every penalty; with ``want_grad`` the gradient of the objective.
+
+        Without ``want_grad`` and when no penalty needs autograd to compute its value
+        (``wd``, ``ad``), the pass runs under ``torch.no_grad()`` (a forward only, 0
+        gradient evaluations).
+        """
+        first = self._begin_pass()
+        try:
+            result, ctx = self._evaluate(want_grad, first)
+        finally:
+            self._end_pass(first)
+        if want_grad:
+            # Gradients from extra passes (finite differences) run after this pass has
+            # closed, so they replay its dropout masks and restore its buffers.
+            for pen in self.penalties:
+                if pen.has_extra_grad:
+                    extra = pen.extra_grad(self, ctx)
+                    result.grads = [g + e for g, e in zip(result.grads, extra)]
+        return result
+
+    def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
+        modes = [p.first_grad_mode(want_grad) for p in self.penalties]
+        need_autograd = want_grad or any(p.needs_autograd for p in self.penalties)
+        with torch.set_grad_enabled(need_autograd):
+            logits, penultimate = self._forward()
+            loss = self.loss_of(logits, self.y)
+            ctx = PassContext(self, logits, loss, penultimate, want_grad, first_grad_graph="graph" in modes)
+            values: dict[str, torch.Tensor] = {}
+            graph_terms: list[torch.Tensor] = []
+            for pen in self.penalties:
+                value = pen.term(ctx)
+                values[pen.name] = value.detach()
+                if value.requires_grad and pen.grad_from_graph:
+                    graph_terms.append(value)
+            objective = loss.detach() + sum(values.values()) if values else loss.detach()
+            objective_value = float(objective)
+            if not math.isfinite(objective_value):
+                names = ", ".join(p.name for p in self.penalties) or "none"
+                raise NumericalError(
+                    f"the training objective became {objective_value} (regularizers: {names}); "
+                    "lower the learning rate or the regularization strength",
+                    source="--reg",
+                )
+            correct = 0
+            if first and self.loss_name == "cross-entropy":
+                correct = int((logits.detach().argmax(dim=-1) == self.y).sum().item())
+            grads = None
+            if want_grad:
+                grads = self._objective_gradient(ctx, loss, graph_terms)
+        return PassResult(loss.detach(), objective, values, correct, grads), ctx
+
+    def _objective_gradient(self, ctx: PassContext, loss, graph_terms) -> list[torch.Tensor]:
+        extras = [p for p in self.penalties if p.has_extra_grad]
+        if extras:
+            # grad L is needed alone (finite-difference directions), so keep it separate.
+            grads = [g.detach().clone() for g in ctx.first_grad()]
+            if graph_terms:
+                rest = torch.autograd.grad(sum(graph_terms), self.params, allow_unused=True)
+                self.grad_evals += ctx.units
+                grads = [g if r is None else g + r for g, r in zip(grads, rest)]
+        else:
+            total = loss + sum(graph_terms) if graph_terms else loss
+            out = torch.autograd.grad(total, self.params, allow_unused=True)
+            self.grad_evals += ctx.units
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
+        grads = [g.detach() for g in grads]
+        for pen in self.penalties:
+            analytic = pen.analytic_grad(self.params)
+            if analytic is not None:
+                torch._foreach_add_(grads, analytic)
+        return grads
+
+    def write_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """Set ``p.grad`` of every trainable parameter to the given gradient (replacing what was there)."""
+        for p, g in zip(self.params, grads):
+            p.grad = g.detach()

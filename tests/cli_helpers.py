@@ -1,0 +1,54 @@
+"""Run the ``sharp`` CLI in-process (fast) or as a real subprocess (for exit codes end to end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict:
+        return json.loads(self.out)
+
+
+def run_cli(capsys, *args: str) -> Run:
+    """Call ``sharpcli.cli.app.main`` with ``args``; return exit code, stdout, stderr."""
+    from sharpcli.cli import common
+    from sharpcli.cli.app import main
+
+    capsys.readouterr()
+    common.state()["debug"] = False
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    captured = capsys.readouterr()
+    return Run(code, captured.out, captured.err)
+
+
+def run_process(*args: str, cwd=None, timeout: int = 300) -> Run:
+    """Run ``python -m sharpcli ARGS`` as a subprocess."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, "-m", "sharpcli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_one_line_error(run: Run, code: int, *needles: str) -> None:
+    """An error: the exit code, exactly one line on stderr naming what it is about, no traceback."""
+    assert run.code == code, (run.code, run.out, run.err)
+    lines = [l for l in run.err.splitlines() if l.strip()]
+    assert len(lines) == 1, run.err
+    assert "Traceback" not in run.err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -1,0 +1,214 @@
+"""H, G, N operators against dense torch.func matrices in float64 (SPEC section 2 identities)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import dense_reference, make_cnn, make_data, make_mlp
+from torch import nn
+
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvaturePass,
+    GGNOperator,
+    HessianOperator,
+    NMEOperator,
+    ParamScope,
+    determinism_check,
+)
+from sharpcli.errors import NumericalError, UsageError
+
+
+def _setup(kind: str, loss: str = "cross-entropy", batch_size: int = 5):
+    model = make_cnn() if kind == "cnn" else make_mlp(kind)
+    x, y = make_data("image" if kind == "cnn" else "vector")
+    if loss == "mse":
+        y = torch.randn(x.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    data = AnalysisData(x, y, loss, batch_size)
+    scope = ParamScope.resolve(model)
+    return model, x, y, data, scope
+
+
+@pytest.mark.parametrize(
+    "kind,loss", [("gelu", "cross-entropy"), ("relu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")]
+)
+def test_operators_equal_dense_matrices(kind, loss):
+    model, x, y, data, scope = _setup(kind, loss)
+    H, G, _ = dense_reference(model, x, y, loss)
+    cp = CurvaturePass(model, data, scope)
+    H_op, G_op, N_op = cp.hessian().to_dense(), cp.ggn().to_dense(), cp.nme().to_dense()
+    assert H_op.shape == (scope.numel, scope.numel) and H_op.dtype == torch.float64
+    assert torch.allclose(H_op, H, atol=1e-10, rtol=0)
+    assert torch.allclose(G_op, G, atol=1e-10, rtol=0)
+    assert torch.allclose(N_op, H - G, atol=1e-10, rtol=0)
+    # G is PSD; N is indefinite in general
+    eig_G = torch.linalg.eigvalsh(G_op)
+    assert eig_G.min() >= -1e-12 * eig_G.max()
+    assert H.abs().max() > 1e-3  # the comparison is not trivially between zeros
+
+
+def test_joint_pass_splits_h_into_g_plus_n_per_vector(gelu_setup):
+    model, x, y = gelu_setup
+    data = AnalysisData(x, y, "cross-entropy", 5)
+    scope = ParamScope.resolve(model)
+    H, G, _ = dense_reference(model, x, y, "cross-entropy")
+    cp = CurvaturePass(model, data, scope)
+    v = scope.gaussian(torch.Generator().manual_seed(3))
+    Hv, Gv = cp.hessian_and_ggn_matvec(v)
+    assert torch.allclose(Hv, H @ v, atol=1e-12, rtol=0)
+    assert torch.allclose(Gv, G @ v, atol=1e-12, rtol=0)
+    assert torch.allclose(cp.nme().matvec(v), Hv - Gv, atol=1e-14, rtol=0)
+    assert torch.allclose(HessianOperator(model, data, scope).matvec(v), Hv, atol=1e-14, rtol=0)
+    V = scope.gaussian(torch.Generator().manual_seed(4), 3)
+    HV, GV = cp.hessian_and_ggn_matmat(V)
+    assert torch.allclose(HV, H @ V, atol=1e-12, rtol=0) and torch.allclose(GV, G @ V, atol=1e-12, rtol=0)
+    assert cp.matvecs == 4
+
+
+def test_relu_network_nme_has_zero_diagonal_but_gelu_does_not():
+    for kind, zero in (("relu", True), ("gelu", False)):
+        model, x, y, data, scope = _setup(kind)
+        N = NMEOperator(model, data, scope).to_dense()
+        assert N.abs().max() > 1e-3  # the NME itself is not zero (off-diagonal blocks)
+        if zero:
+            assert N.diagonal().abs().max() < 1e-13  # NME section 4.3
+        else:
+            assert N.diagonal().abs().max() > 1e-4
+
+
+def test_linear_model_under_cross_entropy_has_h_equal_g():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double().eval()
+    x, y = make_data("vector")
+    data = AnalysisData(x, y, "cross-entropy", 6)
+    scope = ParamScope.resolve(model)
+    cp = CurvaturePass(model, data, scope)
+    H, G = cp.hessian().to_dense(), cp.ggn().to_dense()
+    assert H.abs().max() > 1e-2
+    assert torch.allclose(H, G, atol=1e-14, rtol=0)
+    assert cp.nme().to_dense().abs().max() < 1e-14
+
+
+def test_nme_vanishes_where_logit_gradient_is_zero(gelu_setup):
+    model, x, _ = gelu_setup
+    with torch.no_grad():
+        targets = model(x)  # MSE with targets equal to outputs: dl/dz = 0 on every sample
+    data = AnalysisData(x, targets, "mse", 7)
+    scope = ParamScope.resolve(model)
+    cp = CurvaturePass(model, data, scope)
+    G = cp.ggn().to_dense()
+    assert G.abs().max() > 1e-3
+    assert cp.nme().to_dense().abs().max() < 1e-14
+    assert torch.allclose(cp.hessian().to_dense(), G, atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 7, 10])
+def test_batch_weighting_is_a_mean_over_samples(gelu_setup, batch_size):
+    model, x, y = gelu_setup  # 23 samples: none of these batch sizes divides N except 1
+    scope = ParamScope.resolve(model)
+    v = scope.gaussian(torch.Generator().manual_seed(0))
+    full = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), scope)
+    part = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size), scope)
+    Hv_full, Gv_full = full.hessian_and_ggn_matvec(v)
+    Hv, Gv = part.hessian_and_ggn_matvec(v)
+    assert torch.allclose(Hv, Hv_full, atol=1e-12, rtol=0)
+    assert torch.allclose(Gv, Gv_full, atol=1e-12, rtol=0)
+    loss_full, grad_full = full.loss_and_gradient()
+    loss_part, grad_part = part.loss_and_gradient()
+    assert abs(loss_full - loss_part) < 1e-12 and torch.allclose(grad_part, grad_full, atol=1e-12, rtol=0)
+    assert abs(loss_full - torch.nn.functional.cross_entropy(model(x), y).item()) < 1e-12
+
+
+def test_cache_budget_and_invalidation(gelu_setup):
+    model, x, y = gelu_setup
+    data = AnalysisData(x, y, "cross-entropy", 5)
+    scope = ParamScope.resolve(model)
+    v = scope.gaussian(torch.Generator().manual_seed(1))
+    cached = CurvaturePass(model, data, scope)
+    uncached = CurvaturePass(model, data, scope, cache_bytes=0)
+    Hv = cached.hessian().matvec(v)
+    assert cached.cached_batches == 5 and uncached.cached_batches == 0
+    assert torch.allclose(uncached.hessian().matvec(v), Hv, atol=1e-15, rtol=0)
+    # a budget for about two batches caches two and recomputes the rest, same numbers
+    one = cached._cache[0].nbytes
+    partial = CurvaturePass(model, data, scope, cache_bytes=2 * one + one // 2)
+    assert torch.allclose(partial.ggn().matvec(v), cached.ggn().matvec(v), atol=1e-15, rtol=0)
+    assert partial.cached_batches == 2
+    # changing the weights in place drops the cache: the product follows the new weights
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+    fresh = CurvaturePass(model, data, scope, cache_bytes=0).hessian().matvec(v)
+    assert not torch.allclose(fresh, Hv, atol=1e-6)
+    assert torch.allclose(cached.hessian().matvec(v), fresh, atol=1e-14, rtol=0)
+
+
+def test_scope_last_and_glob_give_principal_sub_blocks(gelu_setup):
+    model, x, y = gelu_setup
+    data = AnalysisData(x, y, "cross-entropy", 8)
+    H_full, G_full, names = dense_reference(model, x, y, "cross-entropy")
+    full = ParamScope.resolve(model, "all")
+    for spec, expected in (("last", ["4.weight", "4.bias"]), ("0.*,4.bias", ["0.weight", "0.bias", "4.bias"])):
+        scope = ParamScope.resolve(model, spec)
+        assert scope.names == expected
+        index = torch.cat(
+            [torch.arange(full.offsets[names.index(n)], full.offsets[names.index(n) + 1]) for n in expected]
+        )
+        cp = CurvaturePass(model, data, scope)
+        assert torch.allclose(cp.hessian().to_dense(), H_full[index][:, index], atol=1e-12, rtol=0)
+        assert torch.allclose(cp.ggn().to_dense(), G_full[index][:, index], atol=1e-12, rtol=0)
+
+
+def test_float32_model_gives_float32_operators(gelu_setup):
+    model, x, y = gelu_setup
+    model32 = make_mlp("gelu").float()
+    data = AnalysisData(x, y, "cross-entropy", 8)  # float64 inputs are cast to the model's dtype
+    scope = ParamScope.resolve(model32)
+    op = GGNOperator(model32, data, scope)
+    v = scope.rademacher(torch.Generator().manual_seed(0))
+    assert v.dtype == torch.float32 and op.dtype == torch.float32 and op.matvec(v).dtype == torch.float32
+    _, G, _ = dense_reference(model, x, y, "cross-entropy")
+    assert torch.allclose(op.matvec(v).double(), G @ v.double(), atol=1e-5, rtol=0)
+    assert op.matvecs == 2
+
+
+def test_non_finite_product_names_operator_and_batch(gelu_setup):
+    model, x, y = gelu_setup
+    x = x.clone()
+    x[12, 0] = float("inf")  # sample 12 lives in batch 2 with batch size 5
+    data = AnalysisData(x, y, "cross-entropy", 5)
+    scope = ParamScope.resolve(model)
+    v = scope.rademacher(torch.Generator().manual_seed(0))
+    with pytest.raises(NumericalError, match="batch 2") as info:
+        HessianOperator(model, data, scope).matvec(v)
+    assert info.value.exit_code == 3
+    with pytest.raises(NumericalError, match="Gauss-Newton|batch 2"):
+        GGNOperator(model, data, scope).matvec(v)
+
+
+def test_determinism_check_catches_train_mode_dropout_and_batchnorm(gelu_setup):
+    model, x, y = gelu_setup
+    data = AnalysisData(x, y, "cross-entropy", 8)
+    scope = ParamScope.resolve(model)
+    determinism_check(model, data, HessianOperator(model, data, scope))  # eval MLP passes
+    dropped = nn.Sequential(model[0], model[1], nn.Dropout(0.3), model[2], model[3], model[4]).train()
+    with pytest.raises(UsageError, match=r"training mode.*\b2\b") as info:
+        determinism_check(dropped, data, HessianOperator(dropped, data, ParamScope.resolve(dropped)))
+    assert info.value.source == "--model"
+    cnn = make_cnn().train()
+    x_img, y_img = make_data("image")
+    img = AnalysisData(x_img, y_img, "cross-entropy", 8)
+    with pytest.raises(UsageError, match="BatchNorm|training mode"):
+        determinism_check(cnn, img, HessianOperator(cnn, img, ParamScope.resolve(cnn)))
+
+
+def test_determinism_check_catches_nondeterministic_forward(gelu_setup):
+    model, x, y = gelu_setup
+
+    class Noisy(nn.Module):  # random in eval mode too, not a known layer type
+        def forward(self, h):
+            return h + 1e-3 * torch.randn_like(h)
+
+    noisy = nn.Sequential(model[0], Noisy(), model[1], model[2]).eval()
+    data = AnalysisData(x, torch.randn(23, 6, dtype=torch.float64), "mse", 8)
+    with pytest.raises(UsageError, match="not deterministic"):
+        determinism_check(noisy, data, HessianOperator(noisy, data, ParamScope.resolve(noisy)))
