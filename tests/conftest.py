@@ -86,6 +86,26 @@ def dense_reference(model: nn.Module, x, y, loss: str, param_names=None):
     return H.detach(), G.detach(), names
 
 
+_REFERENCES: dict = {}
+
+
+def setup_and_reference(kind: str = "gelu", loss: str = "cross-entropy"):
+    """Fresh ``(model, x, y)`` for ``kind`` in {gelu, relu, cnn} plus its cached exact ``(H, G)``.
+
+    mse targets are seeded Gaussians with 3 outputs.
+    """
+    model = make_cnn() if kind == "cnn" else make_mlp(kind)
+    x, y = make_data("image" if kind == "cnn" else "vector")
+    if loss == "mse":
+        y = torch.randn(x.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    key = (kind, loss)
+    if key not in _REFERENCES:
+        H, G, _ = dense_reference(model, x, y, loss)
+        _REFERENCES[key] = (H, G)
+    H, G = _REFERENCES[key]
+    return model, x, y, H, G
+
+
 @pytest.fixture
 def gelu_setup():
     model = make_mlp("gelu")

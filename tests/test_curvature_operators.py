@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import dense_reference, make_cnn, make_data, make_mlp
+from conftest import make_cnn, make_data, make_mlp, setup_and_reference
 from torch import nn
 
 from sharpcli.curvature import (
@@ -20,21 +20,17 @@ from sharpcli.errors import NumericalError, UsageError
 
 
 def _setup(kind: str, loss: str = "cross-entropy", batch_size: int = 5):
-    model = make_cnn() if kind == "cnn" else make_mlp(kind)
-    x, y = make_data("image" if kind == "cnn" else "vector")
-    if loss == "mse":
-        y = torch.randn(x.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    model, x, y, H, G = setup_and_reference(kind, loss)
     data = AnalysisData(x, y, loss, batch_size)
     scope = ParamScope.resolve(model)
-    return model, x, y, data, scope
+    return model, x, y, data, scope, H, G
 
 
 @pytest.mark.parametrize(
     "kind,loss", [("gelu", "cross-entropy"), ("relu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")]
 )
 def test_operators_equal_dense_matrices(kind, loss):
-    model, x, y, data, scope = _setup(kind, loss)
-    H, G, _ = dense_reference(model, x, y, loss)
+    model, x, y, data, scope, H, G = _setup(kind, loss)
     cp = CurvaturePass(model, data, scope)
     H_op, G_op, N_op = cp.hessian().to_dense(), cp.ggn().to_dense(), cp.nme().to_dense()
     assert H_op.shape == (scope.numel, scope.numel) and H_op.dtype == torch.float64
@@ -47,11 +43,8 @@ def test_operators_equal_dense_matrices(kind, loss):
     assert H.abs().max() > 1e-3  # the comparison is not trivially between zeros
 
 
-def test_joint_pass_splits_h_into_g_plus_n_per_vector(gelu_setup):
-    model, x, y = gelu_setup
-    data = AnalysisData(x, y, "cross-entropy", 5)
-    scope = ParamScope.resolve(model)
-    H, G, _ = dense_reference(model, x, y, "cross-entropy")
+def test_joint_pass_splits_h_into_g_plus_n_per_vector():
+    model, x, y, data, scope, H, G = _setup("gelu")
     cp = CurvaturePass(model, data, scope)
     v = scope.gaussian(torch.Generator().manual_seed(3))
     Hv, Gv = cp.hessian_and_ggn_matvec(v)
@@ -67,7 +60,7 @@ def test_joint_pass_splits_h_into_g_plus_n_per_vector(gelu_setup):
 
 def test_relu_network_nme_has_zero_diagonal_but_gelu_does_not():
     for kind, zero in (("relu", True), ("gelu", False)):
-        model, x, y, data, scope = _setup(kind)
+        model, x, y, data, scope, _, _ = _setup(kind)
         N = NMEOperator(model, data, scope).to_dense()
         assert N.abs().max() > 1e-3  # the NME itself is not zero (off-diagonal blocks)
         if zero:
@@ -142,11 +135,10 @@ def test_cache_budget_and_invalidation(gelu_setup):
     assert torch.allclose(cached.hessian().matvec(v), fresh, atol=1e-14, rtol=0)
 
 
-def test_scope_last_and_glob_give_principal_sub_blocks(gelu_setup):
-    model, x, y = gelu_setup
+def test_scope_last_and_glob_give_principal_sub_blocks():
+    model, x, y, _, full, H_full, G_full = _setup("gelu")
     data = AnalysisData(x, y, "cross-entropy", 8)
-    H_full, G_full, names = dense_reference(model, x, y, "cross-entropy")
-    full = ParamScope.resolve(model, "all")
+    names = full.names
     for spec, expected in (("last", ["4.weight", "4.bias"]), ("0.*,4.bias", ["0.weight", "0.bias", "4.bias"])):
         scope = ParamScope.resolve(model, spec)
         assert scope.names == expected
@@ -158,15 +150,14 @@ def test_scope_last_and_glob_give_principal_sub_blocks(gelu_setup):
         assert torch.allclose(cp.ggn().to_dense(), G_full[index][:, index], atol=1e-12, rtol=0)
 
 
-def test_float32_model_gives_float32_operators(gelu_setup):
-    model, x, y = gelu_setup
+def test_float32_model_gives_float32_operators():
+    _, x, y, _, _, _, G = _setup("gelu")
     model32 = make_mlp("gelu").float()
     data = AnalysisData(x, y, "cross-entropy", 8)  # float64 inputs are cast to the model's dtype
     scope = ParamScope.resolve(model32)
     op = GGNOperator(model32, data, scope)
     v = scope.rademacher(torch.Generator().manual_seed(0))
     assert v.dtype == torch.float32 and op.dtype == torch.float32 and op.matvec(v).dtype == torch.float32
-    _, G, _ = dense_reference(model, x, y, "cross-entropy")
     assert torch.allclose(op.matvec(v).double(), G @ v.double(), atol=1e-5, rtol=0)
     assert op.matvecs == 2
 

@@ -577,3 +577,14 @@ def test_format_given_in_spec_must_fit_the_path(tmp_path):
     assert torch.equal(ds.x_train, t(table.x_train))
     expect_error(UsageError, "--data", "unknown data format 'tsv'", load_dataset,
                  {"kind": "file", "path": str(copy), "format": "tsv"})
+
+
+@pytest.mark.parametrize("x,message", [
+    (torch.empty(2, 2, device="meta"), "x is a meta tensor"),
+    (torch.ones(2, 2).to_sparse(), "x is a torch.sparse_coo tensor, expected a dense tensor"),
+    (torch.ones(2, 2, dtype=torch.complex64), "x has dtype torch.complex64, expected real numbers"),
+])
+def test_pt_tensor_kinds_refused(tmp_path, x, message):
+    path = tmp_path / "odd.pt"
+    torch.save({"x": x, "y": torch.zeros(2, dtype=torch.long)}, path)
+    expect_error(InputError, str(path), message, load_dataset, str(path))

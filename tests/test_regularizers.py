@@ -32,6 +32,15 @@ DT = torch.float64
 
 
 # --------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny float64 models: thread wake-ups on shared cores cost more than the math."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_model(act: type[nn.Module] = nn.Tanh, seed: int = 0, width: int = 4) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(3, width), act(), nn.Linear(width, 3)).to(DT)

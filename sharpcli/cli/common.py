@@ -199,3 +199,75 @@ def epoch_progress(disabled: bool, description: str):
             yield callback
 
     return manager()
+
+
+_COMMON_PARAMS = [
+    ("data", DataOpt, None),
+    ("label_column", LabelColumnOpt, None),
+    ("split", SplitOpt, "train"),
+    ("samples", SamplesOpt, None),
+    ("batch_size", BatchSizeOpt, 256),
+    ("device", DeviceOpt, "cpu"),
+    ("dtype", DtypeOpt, "float32"),
+    ("seed", SeedOpt, 0),
+    ("json", JsonOpt, None),
+    ("quiet", QuietOpt, False),
+    ("arch", ArchOpt, None),
+    ("arch_args", ArchArgsOpt, None),
+    ("model_factory", FactoryOpt, None),
+    ("trust_pickle", TrustPickleOpt, False),
+]
+
+
+def analysis_command(app, name: str):
+    """Register ``func(opts: CommonOptions, checkpoint, **own_options) -> Outcome`` as command ``name``.
+
+    The common options of SPEC section 4 are added to the command's signature
+    here, once, so every analysis command spells them the same way.
+    """
+    import functools
+    import inspect
+
+    import typing
+
+    def decorate(func):
+        sig = inspect.signature(func)
+        hints = typing.get_type_hints(func, include_extras=True)  # resolve string annotations in func's module
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.name != "opts"]
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+                 for n, a, d in _COMMON_PARAMS]
+        positional = [p for p in own if p.kind != inspect.Parameter.KEYWORD_ONLY]
+        keyword = [p for p in own if p.kind == inspect.Parameter.KEYWORD_ONLY]
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            common = {n: kwargs.pop(n) for n, _, _ in _COMMON_PARAMS}
+            opts = CommonOptions(**common)
+            run_command(name, opts.json, opts.quiet, lambda: func(opts, *args, **kwargs))
+
+        wrapper.__signature__ = sig.replace(parameters=positional + keyword + extra, return_annotation=None)
+        wrapper.__annotations__ = {p.name: p.annotation for p in positional + keyword + extra}
+        wrapper.__wrapped__ = None
+        del wrapper.__wrapped__
+        return app.command(name)(wrapper)
+
+    return decorate
+
+
+def open_session(checkpoint: str, opts: CommonOptions):
+    """Build the analysis session from a checkpoint and the common options."""
+    from sharpcli.session import build_session
+
+    kwargs = opts.settings()
+    kwargs["arch_args"] = parse_json_option(opts.arch_args, "--arch-args")
+    return build_session(checkpoint, **kwargs)
+
+
+def status(disabled: bool, text: str):
+    """A spinner on stderr while a computation runs (no output in pipes, logs or --quiet)."""
+    import contextlib
+
+    if disabled or not stderr_console.is_terminal:
+        return contextlib.nullcontext()
+    return stderr_console.status(text)

@@ -110,6 +110,12 @@ def _tridiagonal(alphas, betas) -> np.ndarray:
     return T
 
 
+def _eigh(T: np.ndarray):
+    """Eigen-decomposition of the small tridiagonal matrix (torch LAPACK on CPU, float64)."""
+    theta, S = torch.linalg.eigh(torch.from_numpy(T))
+    return theta.numpy(), S.numpy()
+
+
 def _unit_random(dim, generator, dtype, device, basis=None):
     q = gaussian_like(dim, generator, dtype, device)
     if basis is not None and basis.shape[1] > 0:
@@ -215,7 +221,7 @@ def lanczos(
             w = w - B @ (B.T @ w)
         beta = float(torch.linalg.vector_norm(w))
         alphas.append(alpha)
-        theta, S = np.linalg.eigh(_tridiagonal(alphas, betas))
+        theta, S = _eigh(_tridiagonal(alphas, betas))
         scale = max(scale, float(np.abs(theta).max()), abs(alpha))
         exact_level = 100 * eps * max(scale, np.finfo(np.float64).tiny)
         residuals = beta * np.abs(S[-1, :])

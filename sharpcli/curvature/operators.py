@@ -89,7 +89,9 @@ class CurvaturePass:
     ``"G"`` or ``"HG"`` (both, from the same reverse pass; see the module docstring).
     The per-batch graphs are cached while their retained bytes fit ``cache_bytes``
     (0 disables caching); the cache is dropped automatically when any parameter or buffer
-    of the model changes in place (its version counter moves).
+    of the model changes in place (its version counter moves). Blocks are multiplied
+    ``vectorize`` columns at a time in one vmapped reverse pass (``is_grads_batched``), with
+    a per-column fallback for layers lacking a batched backward rule.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class CurvaturePass:
         scope: ParamScope,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        vectorize: int = 32,
     ):
         self.model = model
         self.data = data
@@ -108,6 +111,8 @@ class CurvaturePass:
         self._cache: dict[int, _BatchGraph] = {}
         self._cached_bytes = 0
         self._versions = None
+        self.vectorize = int(vectorize)
+        self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
 
     # ----------------------------------------------------------------- cache management
@@ -173,6 +178,43 @@ class CurvaturePass:
             out[scope.offsets[j] : scope.offsets[j + 1]] = t.reshape(-1)
         return out
 
+    def _products(self, graph, V, want_h, want_g, h_out, g_out, cols, batched):
+        """Write ``H V`` / ``G V`` of one batch graph into ``h_out[:, cols]`` / ``g_out[:, cols]``.
+
+        ``batched`` multiplies all columns in one vmapped reverse pass (``is_grads_batched``);
+        otherwise ``V`` has one column.
+        """
+        scope, params = self.scope, self.scope.params
+        if batched:
+            parts = [
+                V[a:b].T.reshape(V.shape[1], *shape)
+                for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
+            ]
+        else:
+            parts = scope.unflatten(V[:, 0])
+        v_out = [parts[i] for i in graph.grad_index]
+        inputs = (list(params) if want_h else []) + ([graph.gz] if want_g else [])
+        kw = {"retain_graph": True, "is_grads_batched": batched}
+        with torch.enable_grad():
+            outs = torch.autograd.grad(graph.grads, inputs, grad_outputs=v_out, allow_unused=True, **kw)
+            if want_h:
+                h_out[:, cols] = self._flat_block(outs[: len(params)], V.shape[1], batched)
+            if want_g and outs[-1] is not None:
+                (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=outs[-1], **kw)
+                gv = torch.autograd.grad(graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw)
+                g_out[:, cols] = self._flat_block(gv, V.shape[1], batched)
+
+    def _flat_block(self, tensors, k, batched) -> torch.Tensor:
+        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros."""
+        scope = self.scope
+        out = torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            a, b = scope.offsets[i], scope.offsets[i + 1]
+            out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
+        return out
+
     def matmat(self, V: torch.Tensor, want: str = "H", *, operator: str = "curvature"):
         """Products with the columns of ``V`` (shape ``(P, k)`` or ``(P,)``): returns ``(HV, GV)``.
 
@@ -190,33 +232,21 @@ class CurvaturePass:
         want_h, want_g = "H" in want, "G" in want
         HV = torch.zeros_like(V) if want_h else None
         GV = torch.zeros_like(V) if want_g else None
-        params = scope.params
         for index, graph in self._graphs():
             if not graph.grads:  # the loss does not depend on theta in scope on this batch
                 continue
             h_batch = torch.zeros_like(V) if want_h else None
             g_batch = torch.zeros_like(V) if want_g else None
-            for j in range(k):
-                v_parts = scope.unflatten(V[:, j])
-                v_out = [v_parts[i] for i in graph.grad_index]
-                inputs = (list(params) if want_h else []) + ([graph.gz] if want_g else [])
-                with torch.enable_grad():
-                    outs = torch.autograd.grad(
-                        graph.grads, inputs, grad_outputs=v_out, retain_graph=True, allow_unused=True
-                    )
-                    if want_h:
-                        h_batch[:, j] = self._flat(outs[: len(params)])
-                    if want_g:
-                        jv = outs[-1]
-                        if jv is None:
-                            continue
-                        (hz_jv,) = torch.autograd.grad(
-                            graph.gz, graph.z, grad_outputs=jv, retain_graph=True
-                        )
-                        gv = torch.autograd.grad(
-                            graph.z, params, grad_outputs=hz_jv, retain_graph=True, allow_unused=True
-                        )
-                        g_batch[:, j] = self._flat(gv)
+            for start in range(0, k, self.vectorize):
+                cols = slice(start, min(k, start + self.vectorize))
+                if self._batched_ok and cols.stop - cols.start > 1:
+                    try:
+                        self._products(graph, V[:, cols], want_h, want_g, h_batch, g_batch, cols, True)
+                        continue
+                    except RuntimeError:  # an op without a batched (vmap) backward rule
+                        self._batched_ok = False
+                for j in range(cols.start, cols.stop):
+                    self._products(graph, V[:, j : j + 1], want_h, want_g, h_batch, g_batch, slice(j, j + 1), False)
             for label, block in (("Hessian", h_batch), ("Gauss-Newton", g_batch)):
                 if block is not None and not torch.isfinite(block).all():
                     raise NumericalError(

@@ -268,7 +268,8 @@ def validate_for_model(
             if low < 0 or high >= num_classes:
                 label = low if low < 0 else high
                 raise InputError(
-                    f"{where}labels include {label} but the model has {num_classes} classes (labels 0..{num_classes - 1})",
+                    f"{where}labels include {label} but the model has {num_classes} classes "
+                    f"(labels 0..{num_classes - 1})",
                     source=source,
                 )
         else:

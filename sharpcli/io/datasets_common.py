@@ -111,6 +111,14 @@ def read_failure(what: str, exc: BaseException, source: str) -> InputError:
     return InputError(f"cannot read {what} ({describe_exception(exc)})", source=source)
 
 
+_TORCH_REAL_DTYPES = frozenset(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+     torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+       if hasattr(torch, name)]
+)
+
+
 def as_tensor(value, name: str, source: str) -> torch.Tensor:
     """Convert a numpy array or tensor holding real numbers to a CPU strided tensor.
 
@@ -129,8 +137,10 @@ def as_tensor(value, name: str, source: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided:
             raise InputError(f"{name} is a {value.layout} tensor, expected a dense tensor", source=source)
-        if value.is_complex() or value.dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2):
+        if value.dtype not in _TORCH_REAL_DTYPES:
             raise InputError(f"{name} has dtype {value.dtype}, expected real numbers", source=source)
+        if value.device.type == "meta":
+            raise InputError(f"{name} is a meta tensor (shape only, no data)", source=source)
         return value.detach().to("cpu")
     raise InputError(f"{name} is a {type(value).__name__}, expected a tensor", source=source)
 

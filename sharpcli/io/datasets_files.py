@@ -50,7 +50,8 @@ def _read_mapping(path: str, fmt: str) -> dict:
             raise read_failure("torch file with weights_only=True (tensors only, no pickled code)", exc, path) from exc
         if not isinstance(content, dict):
             raise InputError(
-                f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y (optional x_test, y_test)",
+                f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y "
+                "(optional x_test, y_test)",
                 source=path,
             )
         return content
@@ -161,7 +162,9 @@ def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str |
     if not feature_names:
         raise InputError(f"has no feature columns besides the label column {label!r}", source=path)
     non_numeric = [
-        c for c in feature_names if not (pd.api.types.is_numeric_dtype(frame[c]) or pd.api.types.is_bool_dtype(frame[c]))
+        c
+        for c in feature_names
+        if not (pd.api.types.is_numeric_dtype(frame[c]) or pd.api.types.is_bool_dtype(frame[c]))
     ]
     if non_numeric:
         shown = ", ".join(non_numeric[:8]) + (", ..." if len(non_numeric) > 8 else "")

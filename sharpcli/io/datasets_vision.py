@@ -230,15 +230,16 @@ def read_cifar(folder: str, fmt: str, label_column: str | None, spec: dict) -> D
         return _cifar_dataset(train, test, 10, folder, spec)
     coarse = _CIFAR100_LABELS[label_column] == "coarse"
     classes = 20 if coarse else 100
-    paths = {split: os.path.join(folder, split + (".bin" if fmt == "cifar100-binary" else "")) for split in ("train", "test")}
-    for split, path in paths.items():
-        if split == "train" and not os.path.isfile(path):
-            raise InputError("CIFAR-100 folder has no 'train' file", source=folder)
-    if fmt == "cifar100-python":
-        key = "coarse_labels" if coarse else "fine_labels"
-        read = lambda path: _python_batch(path, key)  # noqa: E731
-    else:
-        read = lambda path: _binary_batch(path, 2, 0 if coarse else 1)  # noqa: E731
+    extension = ".bin" if fmt == "cifar100-binary" else ""
+    paths = {split: os.path.join(folder, split + extension) for split in ("train", "test")}
+    if not os.path.isfile(paths["train"]):
+        raise InputError(f"CIFAR-100 folder has no {os.path.basename(paths['train'])!r} file", source=folder)
+
+    def read(path: str) -> tuple[np.ndarray, np.ndarray]:
+        if fmt == "cifar100-python":
+            return _python_batch(path, "coarse_labels" if coarse else "fine_labels")
+        return _binary_batch(path, 2, 0 if coarse else 1)  # record: coarse byte, fine byte, pixels
+
     train = [read(paths["train"])]
     test = [read(paths["test"])] if os.path.isfile(paths["test"]) else []
     return _cifar_dataset(train, test, classes, folder, spec)

@@ -1,0 +1,87 @@
+"""``sharp analyze``: several metrics of one checkpoint in one report, for CI gates.
+
+Results are keyed so that ``--fail-if`` reads them as dotted paths:
+``loss``, ``accuracy``, ``hessian.lambda_max``, ``hessian.lambda_min``,
+``hessian.eigenvalues``, ``hessian.trace``, ``hessian.trace_stderr``,
+``hessian.frobenius_sq``, ``ggn.*`` and ``nme.*`` and ``nme_share`` (gn-nme),
+``activations.*`` (activation-stats).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharpcli.errors import UsageError
+
+METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
+DEFAULT_METRICS = ("eigen", "trace")
+
+
+def parse_metrics(text: str | None) -> list[str]:
+    names = [m.strip() for m in (text or ",".join(DEFAULT_METRICS)).split(",") if m.strip()]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown or not names:
+        raise UsageError(f"unknown metric {', '.join(unknown) or '(none)'}; accepted: {', '.join(METRICS)}",
+                         source="--metrics")
+    return list(dict.fromkeys(names))
+
+
+@torch.no_grad()
+def loss_and_accuracy(session) -> dict:
+    from sharpcli.losses import per_sample_loss
+
+    total, correct = 0.0, 0
+    for start in range(0, session.num_samples, session.batch_size):
+        xb, yb = session.x[start:start + session.batch_size], session.y[start:start + session.batch_size]
+        z = session.model(xb)
+        total += float(per_sample_loss(session.loss, z, yb).sum())
+        if session.loss == "cross-entropy":
+            correct += int((z.argmax(1) == yb).sum())
+    n = session.num_samples
+    return {"loss": total / n, "accuracy": correct / n if session.loss == "cross-entropy" else None}
+
+
+def analyze(session, metrics: list[str], *, top_k: int = 1, tol: float = 1e-2, eig_tol: float = 1e-3,
+            max_matvecs: int = 1000, params: str | None = None) -> tuple[dict, int]:
+    """Run ``metrics`` on one session; return (results, matvecs)."""
+    from sharpcli.analyses import spectrum
+
+    results: dict = loss_and_accuracy(session)
+    results["metrics"] = list(metrics)
+    hessian: dict = {}
+    matvecs = 0
+    if "eigen" in metrics:
+        e = spectrum.eigen(session, top_k=top_k, which="largest", tol=eig_tol, params=params)
+        hessian.update(lambda_max=e["eigenvalues"][0], eigenvalues=e["eigenvalues"], eigen_residuals=e["residuals"],
+                       eigen_converged=e["converged"])
+        matvecs += e["matvecs"]
+    if "trace" in metrics:
+        t = spectrum.trace(session, tol=tol, max_matvecs=max_matvecs, params=params)
+        hessian.update(trace=t["trace"]["estimate"], trace_stderr=t["trace"]["stderr"],
+                       trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()})
+        matvecs += t["trace"]["matvecs"]
+    if "frobenius" in metrics:
+        f = spectrum.trace(session, square=True, tol=tol, max_matvecs=max_matvecs, params=params)
+        hessian.update(frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"])
+        matvecs += f["trace"]["matvecs"]
+    if "gn-nme" in metrics:
+        g = spectrum.gn_nme(session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params)
+        for name in ("ggn", "nme"):
+            results[name] = {"trace": g[name]["trace"]["estimate"], "trace_stderr": g[name]["trace"]["stderr"],
+                             "lambda_max": g[name]["lambda_max"], "lambda_min": g[name]["lambda_min"],
+                             "frobenius_sq": g[name]["frobenius_sq"]}
+        hessian.setdefault("lambda_max", g["hessian"]["lambda_max"])
+        hessian.setdefault("trace", g["hessian"]["trace"]["estimate"])
+        hessian.setdefault("trace_stderr", g["hessian"]["trace"]["stderr"])
+        hessian.setdefault("frobenius_sq", g["hessian"]["frobenius_sq"])
+        hessian["lambda_min"] = g["hessian"]["lambda_min"]
+        results["nme_share"] = g["nme_share"]
+        results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
+        matvecs += g["matvecs"]
+    if "activation-stats" in metrics:
+        from sharpcli.analyses.activations import activation_stats
+
+        results["activations"] = activation_stats(session)
+    if hessian:
+        results["hessian"] = hessian
+    return results, matvecs

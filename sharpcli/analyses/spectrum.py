@@ -1,0 +1,197 @@
+"""Spectrum questions: eigenvalues, traces, Tr(A^2), spectral density, the GN/NME split.
+
+Each function takes a :class:`~sharpcli.session.Session` and returns the
+``results`` dict of its command's JSON report (SPEC section 7). All products go
+through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
+share their cached first-order graphs.
+
+Operators (SPEC section 2; NME paper eq. 2):
+``H`` the Hessian of the analysis loss, ``G = J^T H_z J`` the Gauss-Newton
+matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
+modeling error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sharpcli.errors import UsageError
+
+OPERATORS = ("hessian", "ggn", "nme")
+METHODS = ("lanczos", "power")
+ESTIMATORS = ("hutchinson", "hutchpp", "exact")
+ENGINES = ("native", "pyhessian")
+
+
+def check_choice(value: str, accepted: tuple, option: str) -> str:
+    if value not in accepted:
+        raise UsageError(f"unknown value {value!r}; accepted: {', '.join(accepted)}", source=option)
+    return value
+
+
+def curvature_pass(session, params: str | None):
+    """One shared pass (H and G products with cached graphs) over the session's analysis set."""
+    from sharpcli.curvature import CurvaturePass
+
+    scope = session.scope(params)
+    return CurvaturePass(session.model, session.analysis_data(), scope)
+
+
+def operator_of(cpass, operator: str):
+    check_choice(operator, OPERATORS, "--operator")
+    return {"hessian": cpass.hessian, "ggn": cpass.ggn, "nme": cpass.nme}[operator]()
+
+
+def scope_info(scope) -> dict:
+    return {"parameters": list(scope.names), "numel": int(scope.numel), "layers": list(scope.blocks().keys())}
+
+
+def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "largest", method: str = "lanczos",
+          tol: float = 1e-3, max_matvecs: int | None = None, params: str | None = None, engine: str = "native",
+          seed: int | None = None) -> dict:
+    """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
+    from sharpcli.curvature import lanczos, power_iteration
+
+    check_choice(method, METHODS, "--method")
+    check_choice(engine, ENGINES, "--engine")
+    seed = session.seed if seed is None else seed
+    if engine == "pyhessian":
+        from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues
+
+        if operator != "hessian":
+            raise UsageError("the pyhessian engine computes only the Hessian", source="--engine")
+        if which != "largest":
+            raise UsageError("the pyhessian engine finds only the largest |eigenvalue|s", source="--engine")
+        result = pyhessian_eigenvalues(session.model, session.analysis_data(), session.scope(params), top_k=top_k,
+                                       tol=tol, max_iter=max_matvecs or 100, seed=seed)
+        out = result.to_dict()
+        out.update(operator=operator, scope=scope_info(session.scope(params)))
+        return out
+    cpass = curvature_pass(session, params)
+    op = operator_of(cpass, operator)
+    if method == "lanczos":
+        result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    else:
+        if which != "largest":
+            raise UsageError("power iteration finds the largest |eigenvalue|s only; use --method lanczos",
+                             source="--which")
+        result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
+    out = result.to_dict()
+    out.update(operator=operator, scope=scope_info(cpass.scope))
+    return out
+
+
+def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol: float = 1e-2,
+          max_matvecs: int = 1000, square: bool = False, params: str | None = None, engine: str = "native",
+          seed: int | None = None) -> dict:
+    """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
+    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, hutchinson, hutchpp
+
+    check_choice(estimator, ESTIMATORS, "--estimator")
+    check_choice(engine, ENGINES, "--engine")
+    seed = session.seed if seed is None else seed
+    if engine == "pyhessian":
+        from sharpcli.curvature.pyhessian_engine import pyhessian_trace
+
+        if operator != "hessian" or square:
+            raise UsageError("the pyhessian engine computes only tr(H)", source="--engine")
+        result = pyhessian_trace(session.model, session.analysis_data(), session.scope(params), tol=tol,
+                                 max_iter=max_matvecs, seed=seed)
+        scope = session.scope(params)
+    else:
+        cpass = curvature_pass(session, params)
+        scope = cpass.scope
+        if estimator == "exact":
+            if operator != "ggn" or square:
+                raise UsageError("the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
+                                 source="--estimator")
+            result = exact_ggn_trace(session.model, session.analysis_data(), scope)
+        else:
+            op = operator_of(cpass, operator)
+            if square:
+                result = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+            elif estimator == "hutchinson":
+                result = hutchinson(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+            else:
+                result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    d = result.to_dict()
+    by_layer = d.pop("by_layer")
+    return {"trace": d, "by_layer": by_layer, "operator": operator, "square": square, "scope": scope_info(scope)}
+
+
+def density(session, *, operator: str = "hessian", probes: int = 4, steps: int = 64, grid_points: int = 512,
+            broadening: float | None = None, params: str | None = None, seed: int | None = None) -> dict:
+    """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019), Gaussian-broadened."""
+    from sharpcli.curvature.density import slq_density
+
+    seed = session.seed if seed is None else seed
+    cpass = curvature_pass(session, params)
+    op = operator_of(cpass, operator)
+    result = slq_density(op, probes=probes, steps=steps, grid_points=grid_points, sigma=broadening, seed=seed)
+    out = result.to_dict()
+    out.update(operator=operator, scope=scope_info(cpass.scope))
+    return out
+
+
+def _extremes(op, tol, max_matvecs, seed) -> dict:
+    from sharpcli.curvature import lanczos
+
+    res = lanczos(op, k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
+    return {"lambda_max": res.eigenvalues[0], "lambda_min": res.eigenvalues[-1],
+            "residuals": [res.residuals[0], res.residuals[-1]], "converged": [res.converged[0], res.converged[-1]],
+            "matvecs": res.matvecs}
+
+
+def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: int = 1000,
+           params: str | None = None, seed: int | None = None, label_samples: int = 4) -> dict:
+    """The NME paper's split (section 2): for H, G and N the trace (+- stderr), the largest and
+    smallest eigenvalue and ``Tr(A^2)``; the NME share ``tr(N)/tr(H)`` and ``||N||_F/||H||_F``;
+    per-layer traces; G's trace cross-checked by the exact (C backward passes) and the sampled-label
+    (NME eq. 20) estimators."""
+    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, hutchpp, sampled_label_ggn_trace
+
+    seed = session.seed if seed is None else seed
+    cpass = curvature_pass(session, params)
+    out: dict = {}
+    total_matvecs = 0
+    for name in OPERATORS:
+        op = operator_of(cpass, name)
+        tr = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        fro = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed + 1)
+        ext = _extremes(op, eig_tol, None, seed)
+        d = tr.to_dict()
+        by_layer = d.pop("by_layer")
+        out[name] = {"trace": d, "by_layer": by_layer, "frobenius_sq": fro.estimate,
+                     "frobenius_sq_stderr": fro.stderr, **ext}
+        total_matvecs += op.matvecs
+    h, n = out["hessian"], out["nme"]
+    out["nme_share"] = (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
+    out["nme_frobenius_ratio"] = (math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"])
+                                  if h["frobenius_sq"] else None)
+    checks = {}
+    if session.loss in ("cross-entropy", "mse"):
+        data = session.analysis_data()
+        exact = exact_ggn_trace(session.model, data, cpass.scope)
+        sampled = sampled_label_ggn_trace(session.model, data, cpass.scope, samples=label_samples,
+                                          generator=torch.Generator().manual_seed(seed))
+        checks = {"exact": exact.estimate, "sampled_label": sampled.estimate,
+                  "sampled_label_stderr": sampled.stderr, "hutchpp": out["ggn"]["trace"]["estimate"],
+                  "hutchpp_stderr": out["ggn"]["trace"]["stderr"]}
+    out["ggn_trace_check"] = checks
+    out["layers"] = _layer_rows(out)
+    out["scope"] = scope_info(cpass.scope)
+    out["matvecs"] = total_matvecs
+    return out
+
+
+def _layer_rows(out: dict) -> list[dict]:
+    rows = []
+    for layer in out["hessian"]["by_layer"]:
+        h = out["hessian"]["by_layer"][layer]["estimate"]
+        g = out["ggn"]["by_layer"][layer]["estimate"]
+        n = out["nme"]["by_layer"][layer]["estimate"]
+        rows.append({"layer": layer, "hessian_trace": h, "ggn_trace": g, "nme_trace": n,
+                     "nme_share": n / h if h else None})
+    return rows
