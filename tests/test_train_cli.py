@@ -113,3 +113,23 @@ def test_augment_images_crop_and_flip_preserve_content():
         for c in range(3):
             vals = set(y[i, c].flatten().tolist()) - {0.0}
             assert vals <= set(x[i, c].flatten().tolist())
+
+
+def test_tracked_curvature_in_history_json_and_csv_without_changing_training(tmp_path, capsys):
+    base = ["train", "--epochs", "2", "--data", "blobs:n=200,dim=6,classes=3", "--width", "8", "--quiet"]
+    tracked, plain = tmp_path / "tracked.safetensors", tmp_path / "plain.safetensors"
+    run = run_cli(capsys, *base, "--out", tracked, "--track", "eigen,trace,gn-nme", "--track-samples", "64",
+                  "--json", "-")
+    assert run.code == 0, run.err
+    history = run.json()["results"]["history"]
+    for row in history:
+        t = row["tracked"]
+        assert t["lambda_max"] > 0 and t["trace"] > 0
+        assert t["nme_share"] == pytest.approx(t["nme_trace"] / (t["ggn_trace"] + t["nme_trace"]), rel=1e-9)
+    rows = list(csv.DictReader(open(run.json()["results"]["history_csv"])))
+    assert [float(r["tracked.lambda_max"]) for r in rows] == pytest.approx([h["tracked"]["lambda_max"] for h in history])
+    assert run_cli(capsys, *base, "--out", plain).code == 0
+    a, b = load_file(str(tracked)), load_file(str(plain))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bad = run_cli(capsys, *base, "--out", plain, "--track", "vibes")
+    assert_one_line_error(bad, 2, "--track")

@@ -149,23 +149,34 @@ def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: in
     """The NME paper's split (section 2): for H, G and N the trace (+- stderr), the largest and
     smallest eigenvalue and ``Tr(A^2)``; the NME share ``tr(N)/tr(H)`` and ``||N||_F/||H||_F``;
     per-layer traces; G's trace cross-checked by the exact (C backward passes) and the sampled-label
-    (NME eq. 20) estimators."""
-    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, hutchpp, sampled_label_ggn_trace
+    (NME eq. 20) estimators.
+
+    Traces and ``Tr(A^2)`` come from shared probes and joint H/G products
+    (:func:`sharpcli.curvature.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
+    for the estimates."""
+    from sharpcli.curvature import exact_ggn_trace, sampled_label_ggn_trace
+    from sharpcli.curvature.split import gn_nme_split
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
+    split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
     out: dict = {}
-    total_matvecs = 0
+    total_matvecs = split.matvecs
     for name in OPERATORS:
         op = operator_of(cpass, name)
-        tr = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        fro = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed + 1)
         ext = _extremes(op, eig_tol, None, seed)
-        d = tr.to_dict()
-        by_layer = d.pop("by_layer")
-        out[name] = {"trace": d, "by_layer": by_layer, "frobenius_sq": fro.estimate,
-                     "frobenius_sq_stderr": fro.stderr, **ext}
-        total_matvecs += op.matvecs
+        tr = split.values[name]["trace"]
+        fro = split.values[name]["frobenius_sq"]
+        out[name] = {
+            "trace": {"estimate": tr["estimate"], "stderr": tr["stderr"], "matvecs": split.matvecs,
+                      "samples": split.samples, "estimator": "hutchinson (shared probes)",
+                      "converged": split.converged},
+            "by_layer": tr["by_layer"],
+            "frobenius_sq": fro["estimate"],
+            "frobenius_sq_stderr": fro["stderr"],
+            **ext,
+        }
+        total_matvecs += ext["matvecs"]
     h, n = out["hessian"], out["nme"]
     out["nme_share"] = (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
     out["nme_frobenius_ratio"] = (math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"])
@@ -177,8 +188,8 @@ def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: in
         sampled = sampled_label_ggn_trace(session.model, data, cpass.scope, samples=label_samples,
                                           generator=torch.Generator().manual_seed(seed))
         checks = {"exact": exact.estimate, "sampled_label": sampled.estimate,
-                  "sampled_label_stderr": sampled.stderr, "hutchpp": out["ggn"]["trace"]["estimate"],
-                  "hutchpp_stderr": out["ggn"]["trace"]["stderr"]}
+                  "sampled_label_stderr": sampled.stderr, "hutchinson": out["ggn"]["trace"]["estimate"],
+                  "hutchinson_stderr": out["ggn"]["trace"]["stderr"]}
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)
     out["scope"] = scope_info(cpass.scope)

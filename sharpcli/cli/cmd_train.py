@@ -62,10 +62,13 @@ def train_command(
             track_every=track_every, track_samples=track_samples,
         )
         tracker = None
+        from sharpcli.analyses.tracking import check_tracked
+
+        check_tracked(tracked)
         if tracked:
             from sharpcli.analyses.tracking import make_tracker
 
-            tracker = make_tracker(tracked, samples=track_samples, seed=seed)
+            tracker = make_tracker(tracked, seed=seed)
         with common.epoch_progress(quiet or json_out == "-", "training") as progress:
             result = train(cfg, out, resume=resume, stop_after=stop_after, progress=progress, tracker=tracker)
         results = {

@@ -10,6 +10,7 @@ from sharpcli.curvature.data import (
     prepare_model_for_analysis,
     train_mode_modules,
 )
+from sharpcli.curvature.density import SpectralDensity, plot_density, spectral_density
 from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -21,6 +22,7 @@ from sharpcli.curvature.operators import (
     NMEOperator,
 )
 from sharpcli.curvature.power import power_iteration
+from sharpcli.curvature.pyhessian_engine import pyhessian_density, pyhessian_eigenvalues, pyhessian_trace
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import (
     TraceResult,
@@ -42,6 +44,7 @@ __all__ = [
     "MatrixOperator",
     "NMEOperator",
     "ParamScope",
+    "SpectralDensity",
     "TraceResult",
     "all_reduce_sum",
     "determinism_check",
@@ -52,9 +55,14 @@ __all__ = [
     "hutchpp",
     "lanczos",
     "lanczos_tridiagonal",
+    "plot_density",
     "power_iteration",
     "prepare_model_for_analysis",
+    "pyhessian_density",
+    "pyhessian_eigenvalues",
+    "pyhessian_trace",
     "ritz_residuals",
     "sampled_label_ggn_trace",
+    "spectral_density",
     "train_mode_modules",
 ]

@@ -182,13 +182,14 @@ def train(
     resume: bool = False,
     stop_after: int | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
-    tracker: Callable[[nn.Module, int], dict] | None = None,
+    tracker: Callable[..., dict] | None = None,
 ) -> TrainResult:
     """Train per ``cfg`` and write the checkpoint ``out`` (atomically) and its history CSV.
 
     ``stop_after=k`` ends the run after epoch k as an interruption would (the
     resumable state is kept); ``resume=True`` continues from that state.
-    ``tracker(model, epoch)`` returns curvature metrics recorded in the history.
+    ``tracker(model, x, y, loss, epoch)`` returns curvature metrics recorded in the history; it
+    sees a fixed seeded subset of ``cfg.track_samples`` training samples.
     """
     from sharpcli.io.datasets import load_dataset
     from sharpcli.models import build_model, default_model_args
@@ -261,8 +262,9 @@ def train(
     else:
         torch.manual_seed(cfg.seed + 4)
 
-    f = loss_fn(cfg.loss)
     n = x_train.shape[0]
+    track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[: cfg.track_samples]
+    x_track, y_track = x_train[track_idx.to(device)], y_train[track_idx.to(device)]
     last_epoch = cfg.epochs if stop_after is None else min(cfg.epochs, stop_after)
     for epoch in range(start_epoch, last_epoch):
         t0 = time.perf_counter()
@@ -309,7 +311,7 @@ def train(
         row["seconds"] = time.perf_counter() - t0
         if tracker is not None and ((epoch + 1) % cfg.track_every == 0 or epoch + 1 == cfg.epochs):
             t1 = time.perf_counter()
-            row["tracked"] = tracker(model, epoch + 1)
+            row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
             row["tracking_seconds"] = time.perf_counter() - t1
         history.append(row)
         _save_state(state_file, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch + 1)

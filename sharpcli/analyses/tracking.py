@@ -1,0 +1,70 @@
+"""Curvature tracked during training (``sharp train --track``), as the manipulation paper's
+training-dynamics figures (Fig. 3/5) record it.
+
+Every K epochs the model is put in eval mode and, on a fixed seeded subset of
+the training set, the chosen quantities are computed with the same curvature
+engine as ``sharp eigen/trace/gn-nme``:
+
+- ``eigen``:  ``lambda_max`` of the Hessian (Lanczos, residual tol 1e-3);
+- ``trace``:  ``tr(H)`` by Hutch++ (5% relative standard error, at most 200 matvecs);
+- ``gn-nme``: ``tr(G)``, ``tr(N)`` and the NME share from shared probes;
+- ``frobenius``: ``Tr(H^2)`` (the flatness-aware paper's flatness).
+
+Nothing here draws from the global RNG, so tracking does not change the
+training trajectory (resume stays bit for bit).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+
+TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
+
+
+def check_tracked(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in TRACKABLE]
+    if unknown:
+        raise UsageError(f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="--track")
+    return names
+
+
+def make_tracker(names: list[str], *, seed: int = 0, batch_size: int = 256,
+                 tol: float = 5e-2, max_matvecs: int = 200) -> Callable:
+    """``tracker(model, x, y, loss, epoch) -> dict`` of the tracked quantities."""
+    check_tracked(names)
+
+    def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
+        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, hutchpp, lanczos
+        from sharpcli.curvature.split import gn_nme_split
+
+        was_training = model.training
+        model.eval()
+        try:
+            cpass = CurvaturePass(model, AnalysisData(x, y, loss=loss, batch_size=batch_size),
+                                  ParamScope.resolve(model, None))
+            out: dict = {}
+            if "eigen" in names:
+                out["lambda_max"] = lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed).eigenvalues[0]
+            if "trace" in names:
+                out["trace"] = hutchpp(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed).estimate
+            if "frobenius" in names:
+                from sharpcli.curvature import frobenius_sq
+
+                out["frobenius_sq"] = frobenius_sq(cpass.hessian(), tol=tol, max_matvecs=max_matvecs,
+                                                   seed=seed).estimate
+            if "gn-nme" in names:
+                split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+                h = split.values["hessian"]["trace"]["estimate"]
+                out["ggn_trace"] = split.values["ggn"]["trace"]["estimate"]
+                out["nme_trace"] = split.values["nme"]["trace"]["estimate"]
+                out["nme_share"] = out["nme_trace"] / h if h else None
+            return out
+        finally:
+            model.train(was_training)
+
+    return tracker

@@ -1,0 +1,144 @@
+"""Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019; Papyan 2020).
+
+For a unit probe ``v`` (normalised Rademacher), m Lanczos steps give ``T_m = S diag(theta) S^T``;
+the Gauss quadrature nodes ``theta_j`` and weights ``tau_j = S_{1j}^2`` (sum 1) satisfy
+``v^T f(A) v ~ sum_j tau_j f(theta_j)``. Averaged over probes this approximates the spectral
+density ``phi(t) = (1/P) sum_i delta(t - lambda_i)``; broadening each node with a Gaussian
+of width ``sigma`` gives the plotted density
+
+    phi_sigma(t) = (1/n_v) sum_v sum_j tau_j^(v) exp(-(t - theta_j^(v))^2 / (2 sigma^2)) / (sigma sqrt(2 pi)),
+
+which integrates to 1. The same quadrature gives a trace estimate ``P * mean_v sum_j tau_j theta_j``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sharpcli.curvature.lanczos import lanczos_tridiagonal
+from sharpcli.curvature.scope import rademacher_like
+from sharpcli.errors import UsageError
+
+__all__ = ["SpectralDensity", "plot_density", "spectral_density"]
+
+
+@dataclass
+class SpectralDensity:
+    """SLQ nodes/weights per probe and the Gaussian-broadened density on a grid."""
+
+    nodes: list[list[float]]
+    weights: list[list[float]]
+    grid: list[float]
+    density: list[float]
+    sigma: float
+    matvecs: int
+    lanczos_steps: int
+    probes: int
+    dimension: int
+    engine: str = "native"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trace_estimate(self) -> float:
+        """``P * mean_v sum_j tau_j theta_j`` (the quadrature's trace estimate)."""
+        per_probe = [sum(t * w for t, w in zip(n, ws)) for n, ws in zip(self.nodes, self.weights)]
+        return self.dimension * float(np.mean(per_probe))
+
+    def to_dict(self) -> dict:
+        return {
+            "nodes": self.nodes,
+            "weights": self.weights,
+            "grid": self.grid,
+            "density": self.density,
+            "sigma": self.sigma,
+            "matvecs": self.matvecs,
+            "lanczos_steps": self.lanczos_steps,
+            "probes": self.probes,
+            "trace_estimate": self.trace_estimate,
+            "engine": self.engine,
+            "notes": list(self.notes),
+        }
+
+
+def spectral_density(
+    op,
+    *,
+    probes: int = 1,
+    lanczos_steps: int = 80,
+    grid_points: int = 1000,
+    sigma: float | None = None,
+    sigma_relative: float = 0.01,
+    seed: int = 0,
+) -> SpectralDensity:
+    """SLQ density of symmetric ``op``: ``probes`` seeded Rademacher starts, ``lanczos_steps`` each.
+
+    ``sigma`` defaults to ``sigma_relative`` times the node range; the grid spans the nodes
+    padded by ``5 sigma``. Costs ``probes * lanczos_steps`` matvecs (fewer at a breakdown).
+    """
+    if int(probes) < 1:
+        raise UsageError(f"probes must be >= 1, got {probes}", source="--probes")
+    if int(lanczos_steps) < 1:
+        raise UsageError(f"Lanczos steps must be >= 1, got {lanczos_steps}", source="--lanczos-steps")
+    dim = op.shape[0]
+    generator = torch.Generator().manual_seed(int(seed))
+    all_nodes, all_weights = [], []
+    matvecs = 0
+    for _ in range(int(probes)):
+        start = rademacher_like(dim, generator, op.dtype, op.device)
+        alphas, betas, _ = lanczos_tridiagonal(op, start, int(lanczos_steps))
+        matvecs += len(alphas)
+        m = len(alphas)
+        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        if m > 1:
+            off = torch.tensor(betas[: m - 1], dtype=torch.float64)
+            T = T + torch.diag(off, 1) + torch.diag(off, -1)
+        theta, S = torch.linalg.eigh(T)
+        all_nodes.append(theta.tolist())
+        all_weights.append((S[0, :] ** 2).tolist())
+    flat_nodes = np.concatenate([np.asarray(n) for n in all_nodes])
+    lo, hi = float(flat_nodes.min()), float(flat_nodes.max())
+    span = hi - lo if hi > lo else max(abs(hi), 1.0)
+    if sigma is None:
+        sigma = sigma_relative * span
+    if not sigma > 0:
+        raise UsageError(f"sigma must be > 0, got {sigma}", source="--sigma")
+    grid = np.linspace(lo - 5 * sigma, hi + 5 * sigma, int(grid_points))
+    density = np.zeros_like(grid)
+    for nodes, weights in zip(all_nodes, all_weights):
+        for t, w in zip(nodes, weights):
+            density += w * np.exp(-((grid - t) ** 2) / (2 * sigma**2))
+    density /= len(all_nodes) * sigma * math.sqrt(2 * math.pi)
+    return SpectralDensity(
+        nodes=all_nodes, weights=all_weights, grid=grid.tolist(), density=density.tolist(),
+        sigma=float(sigma), matvecs=matvecs, lanczos_steps=int(lanczos_steps), probes=int(probes),
+        dimension=dim,
+    )
+
+
+def plot_density(result: SpectralDensity, path, *, title: str | None = None, log_scale: bool = True) -> str:
+    """Write the broadened density as a PNG (matplotlib Agg canvas, no global backend change).
+
+    The y axis is logarithmic by default (as in Ghorbani et al. Fig. 1), clipped at 1e-12.
+    Returns the path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axis = figure.add_subplot(1, 1, 1)
+    values = np.maximum(np.asarray(result.density), 1e-12)
+    axis.plot(result.grid, values, color="tab:blue", linewidth=1.2)
+    if log_scale:
+        axis.set_yscale("log")
+    axis.set_xlabel("eigenvalue")
+    axis.set_ylabel("density")
+    axis.set_title(title or f"spectral density (SLQ, {result.probes} probe(s), {result.lanczos_steps} steps)")
+    axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(str(path), format="png")
+    return str(path)

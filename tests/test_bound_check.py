@@ -1,0 +1,232 @@
+"""sharp bound-check: AD Corollary 1 (recomputable, sigma -> 0 limit, exact MC operator),
+AD Theorem 2 on every sample, NSO's noise-stability gap."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, hessian
+
+from cli_helpers import assert_one_line_error, run_cli
+from sharpcli.analyses.bounds import (
+    AveragedOperator,
+    _standard_normal_directions,
+    bound_check,
+    corollary1_bound,
+    noise_stability_check,
+    smoothed_cross_entropy,
+    theorem2_check,
+)
+from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
+from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.scope import ParamScope
+from sharpcli.io.checkpoints import save_checkpoint
+from sharpcli.models.zoo import build_model
+from sharpcli.report.envelope import validate_report
+
+SPEC = {"name": "mlp", "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4, "activation": "relu"}}
+
+
+def _trained(steps=200, seed=0):
+    """The tiny ReLU MLP after full-batch Adam on a learnable labelling of 40 Gaussian points."""
+    torch.manual_seed(seed)
+    model = build_model(SPEC).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 3, dtype=torch.float64, generator=gen)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval(), x, y
+
+
+def _dense_hessian(model, x, y, names, delta=None):
+    params = dict(model.named_parameters())
+    flat0 = torch.cat([params[n].detach().reshape(-1) for n in names])
+    if delta is not None:
+        flat0 = flat0 + delta
+
+    def loss(flat):
+        parts, start = dict(params), 0
+        for n in names:
+            parts[n] = flat[start:start + params[n].numel()].view(params[n].shape)
+            start += params[n].numel()
+        return F.cross_entropy(functional_call(model, parts, (x,)), y)
+
+    return hessian(loss)(flat0).detach()
+
+
+def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
+    model, x, y = _trained()
+    data = AnalysisData(x, y, "cross-entropy", 16)
+    sigmas = [0.05, 0.5]
+    result = bound_check(model, data, sigmas, perturbations=4, tol=1e-10, bootstrap=200, seed=3)
+    assert result.params == "4.weight" and result.num_params == 12  # default: the final layer's weight
+    names = ["4.weight"]
+    H0 = _dense_hessian(model, x, y, names)
+    eig0 = torch.linalg.eigvalsh(H0)
+    # epsilon: full-data gradient norm, and the mean minibatch norm (batches of 16, 16, 8)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert result.epsilon_full == pytest.approx(float(model[4].weight.grad.norm()), rel=1e-10)
+    norms = []
+    for start in range(0, 40, 16):
+        model.zero_grad()
+        F.cross_entropy(model(x[start:start + 16]), y[start:start + 16]).backward()
+        norms.append(float(model[4].weight.grad.norm()))
+    assert result.epsilon_minibatch == pytest.approx(sum(norms) / len(norms), rel=1e-10)
+    scope = ParamScope.resolve(model, "4.weight")
+    Z = _standard_normal_directions(scope, 4, 3)
+    for row, sigma in zip(result.rows, sigmas):
+        assert row.plain_lambda_max == pytest.approx(float(eig0[-1]), rel=1e-9)
+        assert row.H_at_theta == pytest.approx(float(eig0.abs().max()), rel=1e-9)
+        # the bound recomputes from the reported H and epsilon
+        assert row.bound == pytest.approx(row.H * math.erf(row.epsilon / (math.sqrt(2) * row.H * sigma)), rel=1e-12)
+        assert row.holds == (row.empirical <= row.bound)
+        assert row.ratio == pytest.approx(row.empirical / row.bound, rel=1e-12)
+        # the Monte-Carlo smoothed Hessian, densely, on the same fixed perturbations
+        perturbed = [_dense_hessian(model, x, y, names, sigma * Z[:, j]) for j in range(4)]
+        mean_h = torch.stack(perturbed).mean(0)
+        assert row.empirical == pytest.approx(float(torch.linalg.matrix_norm(mean_h, ord=2)), rel=1e-8)
+        assert row.H == pytest.approx(max(float(torch.linalg.eigvalsh(h).abs().max()) for h in perturbed + [H0]),
+                                      rel=1e-8)
+        lo, hi = row.empirical_ci
+        assert lo <= row.empirical <= hi
+
+
+def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
+    model, x, y = _trained()
+    result = bound_check(model, AnalysisData(x, y, "cross-entropy", 40), [1e-6, 1e-3, 1.0], perturbations=3,
+                         tol=1e-10, bootstrap=100)
+    tiny, small, large = result.rows
+    deviation = [abs(r.empirical / r.plain_lambda_max - 1) for r in result.rows]
+    assert deviation[0] < 1e-4 and deviation[1] < 1e-1
+    assert deviation[0] < deviation[1] / 100 < deviation[2]  # first order in sigma near 0
+    assert tiny.empirical_ci[1] - tiny.empirical_ci[0] <= 1e-5 * tiny.empirical
+
+
+def test_bootstrap_ritz_values_reproduce_the_average():
+    a = torch.diag(torch.tensor([3.0, 1.0, -0.5], dtype=torch.float64))
+    b = torch.diag(torch.tensor([1.0, 2.0, -4.0], dtype=torch.float64))
+    from sharpcli.curvature.operators import MatrixOperator
+
+    avg = AveragedOperator([MatrixOperator(a), MatrixOperator(b)])
+    for v in torch.eye(3, dtype=torch.float64):
+        avg.matvec(v)
+    S, M = avg.projections()
+    weights = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    norms = AveragedOperator.ritz_norm(S, M, weights)
+    assert norms.tolist() == pytest.approx([2.25, 3.0, 4.0], rel=1e-14)
+
+
+def test_corollary1_bound_formula():
+    assert corollary1_bound(2.0, 0.3, 0.1) == pytest.approx(2.0 * math.erf(0.3 / (math.sqrt(2) * 0.2)), rel=1e-15)
+    assert corollary1_bound(2.0, 1.0, 1e-9) == pytest.approx(2.0)  # sigma -> 0: the bound is H
+    assert corollary1_bound(0.0, 1.0, 0.1) == 0.0
+
+
+def test_smoothed_cross_entropy_matches_quadrature_for_two_classes():
+    # for c = 2, CE(z + t g, y) = softplus(d + t (g_o - g_y)), d = z_o - z_y, g_o - g_y ~ N(0, 2)
+    z = torch.tensor([[2.0, -1.0], [0.3, 0.1], [-1.0, 4.0]], dtype=torch.float64)
+    y = torch.tensor([0, 1, 0])
+    t = torch.tensor([0.5, 1.5, 3.0], dtype=torch.float64)
+    g = torch.randn(4000, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    estimate, stderr = smoothed_cross_entropy(z, y, t, g)
+    nodes, weights = np.polynomial.hermite_e.hermegauss(120)
+    for i in range(3):
+        d = float(z[i, 1 - y[i]] - z[i, y[i]])
+        values = np.logaddexp(0.0, d + float(t[i]) * math.sqrt(2) * nodes)
+        exact = float((weights * values).sum() / math.sqrt(2 * math.pi))
+        assert abs(float(estimate[i]) - exact) <= max(4 * float(stderr[i]), 1e-12), (i, estimate[i], exact)
+        assert float(stderr[i]) < 2e-3
+
+
+def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
+    model, x, y = _trained()
+    data = AnalysisData(x, y, "cross-entropy", 16)
+    sigmas = [0.01, 0.3, 1.0]
+    rows = theorem2_check(model, data, sigmas, mc_pairs=256)
+    with torch.no_grad():
+        h = model[:4](x)
+        z = model(x)
+    ce = F.cross_entropy(z, y, reduction="none")
+    p = torch.softmax(z, 1)
+    h_sq = (h * h).sum(1)
+    for row, sigma in zip(rows, sigmas):
+        assert row.fraction_holds == 1.0 and row.violations == 0 and row.min_margin > 0
+        assert row.cross_entropy == pytest.approx(float(ce.mean()), rel=1e-12)
+        assert row.bound == pytest.approx(float((ce + sigma ** 2 / 2 * h_sq).mean()), rel=1e-12)
+        taylor = ce + sigma ** 2 / 2 * h_sq * (p * (1 - p)).sum(1)
+        assert row.taylor == pytest.approx(float(taylor.mean()), rel=1e-12)
+        assert row.cross_entropy <= row.smoothed_cross_entropy <= row.bound  # Jensen both ways
+    # the Taylor value is the tighter approximation for small sigma
+    assert rows[0].mean_taylor_abs_error < 1e-6
+    assert rows[0].mean_taylor_abs_error < (rows[0].bound - rows[0].smoothed_cross_entropy)
+
+
+def test_noise_stability_gap_matches_half_sigma_squared_trace():
+    model, x, y = _trained(steps=300)
+    data = AnalysisData(x, y, "cross-entropy", 40)
+    scope = ParamScope.resolve(model, "all")
+    out = noise_stability_check(model, data, [1e-3, 0.3], scope, pairs=600, trace_max_matvecs=400)
+    names = [n for n, _ in model.named_parameters()]
+    trace = float(_dense_hessian(model, x, y, names).trace())
+    assert abs(out["trace"] - trace) <= 4 * out["trace_stderr"] + 1e-12 * trace  # Hutch++ from the engine
+    assert abs(out["trace"] / trace - 1) < 1e-2
+    small, large = out["rows"]
+    assert small["predicted"] == pytest.approx(1e-6 / 2 * out["trace"], rel=1e-12)
+    assert abs(small["relative_error"]) < 0.1
+    assert abs(small["relative_error_plain"]) < 0.1  # the plain antithetic Monte-Carlo gap, 600 pairs
+    assert abs(small["gap"] - small["predicted"]) < 4 * small["gap_stderr"]
+    # higher-order terms: the Taylor residual is negligible at sigma = 1e-3, not at sigma = 0.3
+    assert abs(small["taylor_residual"]) < 1e-3 * small["predicted"]
+    assert abs(large["taylor_residual"]) > abs(small["taylor_residual"]) / 1e-6 * 1e-3
+
+
+def _write_fixture(tmp_path, model, x, y):
+    data_path = tmp_path / "data.pt"
+    torch.save({"x": x.float(), "y": y}, data_path)
+    ckpt = tmp_path / "model.safetensors"
+    save_checkpoint(ckpt, model, SPEC, data_spec=str(data_path))
+    return ckpt
+
+
+def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
+    model, x, y = _trained()
+    ckpt = _write_fixture(tmp_path, model, x, y)
+    plot = tmp_path / "bound.png"
+    run = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.01,0.1", "--perturbations", "3", "--dtype", "float64",
+                  "--check", "theorem2,noise-stability", "--noise-pairs", "8", "--bootstrap", "50",
+                  "--plot", plot, "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    results = report["results"]
+    assert [r["sigma"] for r in results["rows"]] == [0.01, 0.1]
+    for row in results["rows"]:
+        assert row["bound"] == pytest.approx(corollary1_bound(row["H"], row["epsilon"], row["sigma"]), rel=1e-12)
+        assert len(row["empirical_ci"]) == 2
+    assert all(r["fraction_holds"] == 1.0 for r in results["theorem2"])
+    assert len(results["noise_stability"]["rows"]) == 2
+    assert report["settings"]["params"] == "4.weight" and report["timing"]["matvecs"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    minibatch = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--epsilon", "minibatch", "--batch-size", "16",
+                        "--perturbations", "2", "--dtype", "float64", "--json", "-")
+    assert minibatch.code == 0, minibatch.err
+    mb = minibatch.json()["results"]
+    assert mb["rows"][0]["epsilon"] == mb["epsilon_minibatch"] != mb["epsilon_full"]
+    table = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--perturbations", "2")
+    assert table.code == 0 and "Corollary 1" in table.out
+
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--sigma", "0"), 2, "--sigma")
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1,-2"), 2, "--sigma")
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--sigma", "abc"), 2, "--sigma")
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--check", "theorem9"), 2, "--check")
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--params", "nope.*"), 2, "--params")
+    assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--epsilon", "max"), 2, "--epsilon")

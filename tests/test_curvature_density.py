@@ -1,0 +1,56 @@
+"""Stochastic Lanczos quadrature: quadrature identities against exact spectra, PNG output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import setup_and_reference
+
+from sharpcli.curvature import AnalysisData, CurvaturePass, MatrixOperator, ParamScope, plot_density, spectral_density
+from sharpcli.errors import UsageError
+
+
+def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
+    model, x, y, H, _ = setup_and_reference("gelu")
+    op = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)).hessian()
+    result = spectral_density(op, probes=2, lanczos_steps=93, seed=0)
+    v = torch.randint(0, 2, (93,), generator=torch.Generator().manual_seed(0), dtype=torch.int8) * 2 - 1
+    v = v.double() / 93**0.5  # the first probe, as drawn by the seeded Rademacher helper
+    exact = torch.linalg.eigvalsh(H)
+    for nodes, weights in zip(result.nodes, result.weights):
+        assert sum(weights) == pytest.approx(1.0, abs=1e-12)
+        # with P steps the nodes are the eigenvalues (Gauss quadrature is exact for polynomials
+        # of degree < 2P): v^T H v = sum tau theta and v^T H^2 v = sum tau theta^2, |v| = 1
+        assert max(nodes) == pytest.approx(float(exact[-1]), rel=1e-8)
+        assert min(nodes) == pytest.approx(float(exact[0]), rel=1e-8)
+    tau, theta = torch.tensor(result.weights[0]), torch.tensor(result.nodes[0])
+    assert float((tau * theta).sum()) == pytest.approx(float(v @ H @ v), rel=1e-10)
+    assert float((tau * theta**2).sum()) == pytest.approx(float(v @ H @ H @ v), rel=1e-10)
+    assert result.matvecs <= 2 * 93  # a breakdown may end a probe early (invariant subspace)
+    # the broadened density integrates to one
+    grid, density = np.asarray(result.grid), np.asarray(result.density)
+    assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-3)
+    # SLQ trace: P * v^T H v averaged over 2 normalised Rademacher probes = Hutchinson with 2 probes
+    assert abs(result.trace_estimate - float(H.trace())) < 4 * float((H * H).sum().sqrt())
+
+
+def test_density_of_a_known_spectrum_and_png(tmp_path):
+    A = MatrixOperator(torch.diag(torch.tensor([0.0] * 8 + [5.0] * 2, dtype=torch.float64)))
+    result = spectral_density(A, probes=3, lanczos_steps=10, sigma=0.1, grid_points=501, seed=1)
+    grid, density = np.asarray(result.grid), np.asarray(result.density)
+    mass_high = np.trapezoid(np.where(grid > 2.5, density, 0.0), grid)
+    # quadrature weight at eigenvalue 5 = mean over probes of |v_top|^2 = 2/10 exactly for Rademacher
+    assert mass_high == pytest.approx(0.2, abs=1e-3)
+    assert result.matvecs == 3 * 2  # two distinct eigenvalues: breakdown after 2 steps
+    path = plot_density(result, tmp_path / "density.png", title="test")
+    data = (tmp_path / "density.png").read_bytes()
+    assert path.endswith("density.png") and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_density_arguments():
+    A = MatrixOperator(torch.eye(3, dtype=torch.float64))
+    with pytest.raises(UsageError):
+        spectral_density(A, probes=0)
+    single = spectral_density(A, probes=1, lanczos_steps=5)
+    assert single.nodes == [[pytest.approx(1.0)]] and single.sigma > 0

@@ -1,0 +1,127 @@
+"""eigen / trace / gn-nme / analyze through the CLI: numbers against dense float64 Hessians,
+JSON keys and schema, --fail-if gates, bad options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call, hessian
+
+from cli_helpers import assert_one_line_error, run_cli
+from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
+from sharpcli.io.checkpoints import load_checkpoint
+from sharpcli.io.datasets import load_dataset
+from sharpcli.report.envelope import validate_report
+
+DATA = "blobs:n=96,dim=5,classes=3,seed=4"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GELU MLP checkpoint on tiny blobs, and its dense float64 Hessian over the train split."""
+    folder = tmp_path_factory.mktemp("spectrum")
+    spec = tiny_mlp_spec(d_in=5, classes=3, width=6, depth=1, activation="gelu")
+    path = write_own_checkpoint(folder / "tiny.safetensors", spec, data_spec=DATA, seed=5)
+    model = load_checkpoint(path).model.double().eval()
+    x, y = load_dataset(DATA).split("train")
+    x = x.double()
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    sizes = [p.numel() for p in params.values()]
+
+    def loss(flat):
+        chunks = torch.split(flat, sizes)
+        ps = {n: c.reshape(params[n].shape) for n, c in zip(names, chunks)}
+        return torch.nn.functional.cross_entropy(functional_call(model, ps, (x,)), y)
+
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    H = hessian(loss)(flat)
+    return path, torch.linalg.eigvalsh(H), H
+
+
+def test_eigen_matches_dense_hessian(tiny, capsys):
+    path, evals, _ = tiny
+    run = run_cli(capsys, "eigen", path, "--top-k", "3", "--which", "both", "--dtype", "float64",
+                  "--tol", "1e-8", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    got = report["results"]["eigenvalues"]
+    want = torch.cat([evals[-3:].flip(0), evals[:3].flip(0)]).tolist()
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert all(report["results"]["converged"])
+    assert report["timing"]["matvecs"] > 0 and report["checkpoint"]["sha256"]
+
+
+def test_trace_exact_ggn_and_hutchpp_within_stderr(tiny, capsys):
+    path, _, H = tiny
+    run = run_cli(capsys, "trace", path, "--dtype", "float64", "--tol", "0.02", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    t = report["results"]["trace"]
+    exact = float(torch.trace(H))
+    assert abs(t["estimate"] - exact) <= 4 * t["stderr"] + 1e-9
+    layers = report["results"]["by_layer"]
+    assert sum(v["estimate"] for v in layers.values()) == pytest.approx(t["estimate"], rel=1e-10)
+    sq = run_cli(capsys, "trace", path, "--dtype", "float64", "--square", "--tol", "0.02", "--json", "-").json()
+    exact_sq = float((H * H).sum())
+    assert abs(sq["results"]["trace"]["estimate"] - exact_sq) <= 4 * sq["results"]["trace"]["stderr"] + 1e-9
+
+
+def test_gn_nme_identity_and_schema(tiny, capsys):
+    path, _, H = tiny
+    run = run_cli(capsys, "gn-nme", path, "--dtype", "float64", "--tol", "0.05", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    r = report["results"]
+    # same probes for H, G and N: the trace estimates satisfy tr(H) = tr(G) + tr(N) per probe
+    assert r["hessian"]["trace"]["estimate"] == pytest.approx(r["ggn"]["trace"]["estimate"] + r["nme"]["trace"]["estimate"], rel=1e-6)
+    assert r["ggn"]["lambda_min"] >= -1e-10  # G is PSD
+    check = r["ggn_trace_check"]
+    assert abs(check["hutchinson"] - check["exact"]) <= 4 * check["hutchinson_stderr"] + 1e-9
+    assert abs(check["sampled_label"] - check["exact"]) <= 4 * check["sampled_label_stderr"] + 1e-9
+    assert r["hessian"]["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)
+
+
+def test_analyze_gate_trips_and_passes(tiny, capsys):
+    path, evals, _ = tiny
+    lam = float(evals[-1])
+    tripped = run_cli(capsys, "analyze", path, "--dtype", "float64", "--fail-if", f"hessian.lambda_max > {lam / 2}",
+                      "--json", "-")
+    assert tripped.code == 1
+    report = tripped.json()
+    validate_report(report)
+    assert report["results"]["hessian"]["lambda_max"] == pytest.approx(lam, rel=1e-6)
+    assert report["results"]["gates"][0]["tripped"] is True
+    passed = run_cli(capsys, "analyze", path, "--dtype", "float64", "--fail-if", f"hessian.lambda_max > {lam * 2}",
+                     "--fail-if", "accuracy < -1", "--quiet")
+    assert passed.code == 0, passed.err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["eigen", "--top-k", "0"], "--top-k"),
+        (["eigen", "--tol", "0"], "--tol"),
+        (["eigen", "--operator", "fisher"], "--operator"),
+        (["eigen", "--params", "nomatch*"], "--params"),
+        (["trace", "--estimator", "magic"], "--estimator"),
+        (["analyze", "--metrics", "vibes"], "--metrics"),
+        (["analyze", "--fail-if", "hessian.lambda_max >> 3"], "--fail-if"),
+        (["analyze", "--fail-if", "hessian.nothing > 3"], "--fail-if"),
+        (["eigen", "--split", "validation"], "--split"),
+        (["eigen", "--dtype", "float16"], "--dtype"),
+    ],
+)
+def test_bad_options_exit_2(tiny, capsys, args, needle):
+    path = tiny[0]
+    run = run_cli(capsys, args[0], path, *args[1:])
+    assert_one_line_error(run, 2, needle)
+
+
+def test_missing_checkpoint_names_the_file(tmp_path, capsys):
+    run = run_cli(capsys, "eigen", tmp_path / "absent.safetensors", "--json", "-")
+    assert_one_line_error(run, 2, "absent.safetensors")
+    assert run.json()["error"]["type"] == "input"
