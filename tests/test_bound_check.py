@@ -31,10 +31,10 @@ from sharpcli.report.envelope import validate_report
 SPEC = {"name": "mlp", "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4, "activation": "relu"}}
 
 
-def _trained(steps=200, seed=0):
-    """The tiny ReLU MLP after full-batch Adam on a learnable labelling of 40 Gaussian points."""
+def _trained(steps=200, seed=0, activation="relu"):
+    """The tiny MLP after full-batch Adam on a learnable labelling of 40 Gaussian points."""
     torch.manual_seed(seed)
-    model = build_model(SPEC).double()
+    model = build_model({"name": "mlp", "args": dict(SPEC["args"], activation=activation)}).double()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 3, dtype=torch.float64, generator=gen)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
@@ -108,7 +108,8 @@ def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
     deviation = [abs(r.empirical / r.plain_lambda_max - 1) for r in result.rows]
     assert deviation[0] < 1e-4 and deviation[1] < 1e-1
     assert deviation[0] < deviation[1] / 100 < deviation[2]  # first order in sigma near 0
-    assert tiny.empirical_ci[1] - tiny.empirical_ci[0] <= 1e-5 * tiny.empirical
+    assert tiny.empirical_ci[0] <= tiny.plain_lambda_max <= tiny.empirical_ci[1]
+    assert tiny.empirical_ci[1] - tiny.empirical_ci[0] <= 1e-4 * tiny.empirical
 
 
 def test_bootstrap_ritz_values_reproduce_the_average():
@@ -171,7 +172,9 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
 
 
 def test_noise_stability_gap_matches_half_sigma_squared_trace():
-    model, x, y = _trained(steps=300)
+    # a smooth (GELU) network: with ReLU, perturbing every weight crosses kinks of pre-activations
+    # lying within ~sigma of 0, which adds a non-Taylor term NSO eq. 4 does not have
+    model, x, y = _trained(steps=300, activation="gelu")
     data = AnalysisData(x, y, "cross-entropy", 40)
     scope = ParamScope.resolve(model, "all")
     out = noise_stability_check(model, data, [1e-3, 0.3], scope, pairs=600, trace_max_matvecs=400)

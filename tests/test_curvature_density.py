@@ -24,7 +24,8 @@ def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
         # of degree < 2P): v^T H v = sum tau theta and v^T H^2 v = sum tau theta^2, |v| = 1
         assert max(nodes) == pytest.approx(float(exact[-1]), rel=1e-8)
         assert min(nodes) == pytest.approx(float(exact[0]), rel=1e-8)
-    tau, theta = torch.tensor(result.weights[0]), torch.tensor(result.nodes[0])
+    tau = torch.tensor(result.weights[0], dtype=torch.float64)
+    theta = torch.tensor(result.nodes[0], dtype=torch.float64)
     assert float((tau * theta).sum()) == pytest.approx(float(v @ H @ v), rel=1e-10)
     assert float((tau * theta**2).sum()) == pytest.approx(float(v @ H @ H @ v), rel=1e-10)
     assert result.matvecs <= 2 * 93  # a breakdown may end a probe early (invariant subspace)
