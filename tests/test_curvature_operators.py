@@ -203,3 +203,16 @@ def test_determinism_check_catches_nondeterministic_forward(gelu_setup):
     data = AnalysisData(x, torch.randn(23, 6, dtype=torch.float64), "mse", 8)
     with pytest.raises(UsageError, match="not deterministic"):
         determinism_check(noisy, data, HessianOperator(noisy, data, ParamScope.resolve(noisy)))
+
+
+def test_parameter_without_gradient_gets_zero_rows():
+    # PyHessian issue #12: a trainable parameter the loss does not use crashed it
+    model, x, y, data, scope, H, G = _setup("gelu")
+    model.register_parameter("unused", nn.Parameter(torch.ones(2, dtype=torch.float64)))
+    scope = ParamScope.resolve(model)
+    assert scope.names[0] == "unused" and scope.numel == 95  # the root's own parameters come first
+    assert list(scope.blocks())[0] == "(root)"
+    cp = CurvaturePass(model, data, scope)
+    H_op, G_op = cp.hessian().to_dense(), cp.ggn().to_dense()
+    assert torch.allclose(H_op[2:, 2:], H, atol=1e-12, rtol=0) and H_op[:2].abs().max() == 0
+    assert torch.allclose(G_op[2:, 2:], G, atol=1e-12, rtol=0) and G_op[:, :2].abs().max() == 0

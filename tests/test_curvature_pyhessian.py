@@ -34,7 +34,11 @@ def test_pyhessian_top_eigenvalue_agrees_with_exact_largest_magnitude():
 
 def test_pyhessian_trace_with_its_samples_standard_error():
     model, x, y, H, _ = setup_and_reference("gelu")
-    result = pyhessian_trace(model, AnalysisData(x, y, "cross-entropy", 10), tol=1e-12, max_iter=200, seed=0)
+    data = AnalysisData(x, y, "cross-entropy", 10)
+    early = pyhessian_trace(model, data, tol=1e-12, max_iter=200, seed=0)
+    # its stop rule divides by the signed running mean: a negative first sample stops it at once
+    assert early.samples == 2 and early.converged
+    result = pyhessian_trace(model, data, max_iter=200, seed=0, run_all=True)
     assert result.engine == "pyhessian" and result.samples == 200 == result.matvecs
     assert result.by_layer == {} and result.stderr is not None
     assert abs(result.estimate - float(H.trace())) <= 4 * result.stderr

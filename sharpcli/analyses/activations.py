@@ -134,6 +134,7 @@ class _LayerAccumulator:
         self.sq_norm_sum = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, pre_activation: torch.Tensor, activation: torch.Tensor) -> None:
+        """Count ``pre_activation > 0`` per output over the batch and add ``sum_i ||a_i||^2``."""
         batch = pre_activation.shape[0]
         active = (pre_activation.detach().reshape(batch, -1) > 0).to(torch.float64)
         if active.shape[1] != self.outputs:
@@ -147,6 +148,7 @@ class _LayerAccumulator:
         self.sq_norm_sum += (a * a).sum()
 
     def finish(self, num_samples: int) -> LayerActivationStats:
+        """The layer's statistics from the (all-reduced) sums over ``num_samples`` samples."""
         dead = int((self.active_counts == 0).sum())
         total_active = float(self.active_counts.sum())
         alive = self.outputs - dead
@@ -173,11 +175,7 @@ def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _kind(module: nn.Module) -> str:
     from sharpcli.models.activations import activation_spec
 
-    try:
-        spec = activation_spec(module)
-    except Exception:  # a foreign activation type: its class name says what it is
-        spec = None
-    return spec or type(module).__name__
+    return activation_spec(module) or type(module).__name__  # foreign types: their class name
 
 
 def _head(model: nn.Module) -> tuple[str, nn.Module] | None:

@@ -81,7 +81,7 @@ def analyze(session, metrics: list[str], *, top_k: int = 1, tol: float = 1e-2, e
     if "activation-stats" in metrics:
         from sharpcli.analyses.activations import activation_stats
 
-        results["activations"] = activation_stats(session)
+        results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
     if hessian:
         results["hessian"] = hessian
     return results, matvecs

@@ -42,7 +42,7 @@ def _root(
 
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here, in one place.
-    from sharpcli.cli import cmd_analyze, cmd_spectrum, cmd_train  # noqa: F401
+    from sharpcli.cli import cmd_analyze, cmd_compare, cmd_diagnostics, cmd_spectrum, cmd_train  # noqa: F401
 
 
 _register()
@@ -58,10 +58,24 @@ def _json_requested(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``sharp`` console script."""
-    from sharpcli.errors import UsageError
+    """Entry point of the ``sharp`` console script.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) the process group is joined first and left on exit
+    (:mod:`sharpcli.distributed`); only rank 0 prints.
+    """
+    from sharpcli import distributed
+    from sharpcli.errors import SharpError, UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        distributed.init_from_environment(argv)
+    except SharpError as err:
+        print(f"sharp: error: {err.one_line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"sharp: error: torch.distributed: could not join the process group ({first})", file=sys.stderr)
+        sys.exit(2)
     try:
         code = app(argv, prog_name="sharp", standalone_mode=False)
     except typer.Exit as exc:
@@ -73,10 +87,13 @@ def main(argv: list[str] | None = None) -> None:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
         err = UsageError(message)
-        print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
-        if _json_requested(argv) == "-":
-            sys.stdout.write(common.dumps(common.error_document(command, err)))
+        if distributed.is_main_process():
+            print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
+            if _json_requested(argv) == "-":
+                sys.stdout.write(common.dumps(common.error_document(command, err)))
         sys.exit(getattr(exc, "exit_code", 2) or 2)
+    finally:
+        distributed.cleanup()
     sys.exit(code if isinstance(code, int) else 0)
 
 

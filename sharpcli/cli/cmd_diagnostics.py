@@ -288,6 +288,10 @@ def _render_bound_check(console, result) -> None:
         f"epsilon = {result.epsilon_kind} gradient norm)",
         rows, ["sigma", "H", "epsilon", "bound", "empirical", "empirical_ci", "plain_lambda_max", "ratio", "holds"],
     ))
+    console.print(records_table(
+        "with epsilon = the largest gradient norm at theta and the perturbed points (the corollary's assumption)",
+        rows, ["sigma", "epsilon_region", "bound_region", "holds_region"],
+    ))
     if result.theorem2 is not None:
         console.print(records_table(
             "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (means over samples; Theorem 3 Taylor value)",

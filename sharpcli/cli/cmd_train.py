@@ -97,7 +97,7 @@ def _render(console, result) -> None:
     cols = ["epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "grad_evals", "seconds"]
     tracked_keys = sorted({k for row in result.history for k in (row.get("tracked") or {})})
     for c in cols + tracked_keys:
-        table.add_column(c, justify="right")
+        table.add_column(c, justify="right", overflow="fold")
     for row in result.history:
         table.add_row(*[fmt(row.get(c)) for c in cols], *[fmt((row.get("tracked") or {}).get(k)) for k in tracked_keys])
     console.print(table)

@@ -18,7 +18,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.console import Console
 
-from sharpcli import SCHEMA_ID, __version__
+from sharpcli import SCHEMA_ID, __version__, distributed
 from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
 from sharpcli.io.atomic import check_writable, write_text_atomic
 from sharpcli.report.envelope import dumps
@@ -97,9 +97,9 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
         outcome = body()
         outcome.report.setdefault("timing", {})
         outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
+        distributed.raise_if_peer_failed()  # data-parallel: did another rank fail after our last reduction?
     except SharpError as err:
-        _report_error(command, json_path, err)
-        raise typer.Exit(err.exit_code)
+        raise typer.Exit(_report_error(command, json_path, err).exit_code)
     except KeyboardInterrupt:
         stderr_console.print("sharp: interrupted", markup=False)
         raise typer.Exit(130)
@@ -110,11 +110,10 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
             traceback.print_exc()
         err = SharpError(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
         err.exit_code = 4
-        _report_error(command, json_path, err)
-        raise typer.Exit(4)
+        raise typer.Exit(_report_error(command, json_path, err).exit_code)
 
-    from sharpcli.report.envelope import to_jsonable
-
+    if not distributed.is_main_process():  # data-parallel: rank 0 alone prints and writes
+        raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
     if json_path == "-":
         sys.stdout.write(dumps(outcome.report))
     else:
@@ -125,9 +124,16 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
 
 
-def _report_error(command: str, json_path: str | None, err: SharpError) -> None:
+def _report_error(command: str, json_path: str | None, err: SharpError) -> SharpError:
+    """Print (rank 0 only) and return the error every rank agrees on (see :mod:`sharpcli.distributed`)."""
     if _STATE["debug"]:
         traceback.print_exc()
+    try:
+        err = distributed.announce_failure(err)
+    except RuntimeError:  # the process group itself is broken: report this rank's own error
+        pass
+    if not distributed.is_main_process():
+        return err
     print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
     if json_path == "-":
         sys.stdout.write(dumps(error_document(command, err)))
@@ -136,6 +142,7 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> None:
             write_text_atomic(json_path, dumps(error_document(command, err)))
         except OSError:
             pass
+    return err
 
 
 def parse_json_option(text: str | None, option: str) -> dict | None:
@@ -180,7 +187,7 @@ def epoch_progress(disabled: bool, description: str):
 
     @contextlib.contextmanager
     def manager():
-        if disabled or not stderr_console.is_terminal:  # no bars in logs and pipes
+        if disabled or not stderr_console.is_terminal or not distributed.is_main_process():  # no bars in logs, pipes, ranks > 0
             yield _NoProgress()
             return
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -268,6 +275,6 @@ def status(disabled: bool, text: str):
     """A spinner on stderr while a computation runs (no output in pipes, logs or --quiet)."""
     import contextlib
 
-    if disabled or not stderr_console.is_terminal:
+    if disabled or not stderr_console.is_terminal or not distributed.is_main_process():
         return contextlib.nullcontext()
     return stderr_console.status(text)

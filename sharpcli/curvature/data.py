@@ -46,26 +46,44 @@ def all_reduce_sum(value):
     Accepts a tensor, a list/tuple of tensors, or a Python float. Tensors are
     reduced in place (and returned); a float is returned reduced. Without an
     initialised process group (or with one rank) this is the identity.
+
+    Every reduction first runs the collective status check of
+    :func:`sharpcli.distributed.raise_if_peer_failed`, so a rank that failed (NaN on its
+    shard, say) stops every rank with its error instead of leaving them waiting here.
+    Under NCCL, CPU tensors travel through a copy on the rank's GPU.
     """
     _, world = distributed_rank_and_world()
     if world == 1:
         return value
+    from sharpcli.distributed import raise_if_peer_failed
+
+    raise_if_peer_failed()
     if isinstance(value, torch.Tensor):
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+        _all_reduce_tensor(value)
         return value
     if isinstance(value, (list, tuple)):
         if not value:
             return value
         flat = torch.cat([t.reshape(-1) for t in value])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        _all_reduce_tensor(flat)
         offset = 0
         for t in value:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         return value
     tensor = torch.tensor(float(value), dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    _all_reduce_tensor(tensor)
     return float(tensor)
+
+
+def _all_reduce_tensor(tensor: torch.Tensor) -> None:
+    """In-place SUM all-reduce; CPU tensors go through the GPU under the NCCL backend."""
+    if tensor.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(on_gpu, op=torch.distributed.ReduceOp.SUM)
+        tensor.copy_(on_gpu.cpu())
+        return
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
 
 
 class AnalysisData:
@@ -94,6 +112,7 @@ class AnalysisData:
         start = (rank * self.num_samples) // world
         stop = ((rank + 1) * self.num_samples) // world
         self.rank, self.world_size = rank, world
+        self.shard_start = start  # global index of this rank's first sample
         self.x = x[start:stop]
         self.y = y[start:stop]
         self.local_num_samples = stop - start

@@ -86,12 +86,16 @@ def spectral_density(
     dim = op.shape[0]
     generator = torch.Generator().manual_seed(int(seed))
     all_nodes, all_weights = [], []
+    notes: list[str] = []
     matvecs = 0
-    for _ in range(int(probes)):
+    for probe in range(int(probes)):
         start = rademacher_like(dim, generator, op.dtype, op.device)
         alphas, betas, _ = lanczos_tridiagonal(op, start, int(lanczos_steps))
         matvecs += len(alphas)
         m = len(alphas)
+        if m < min(int(lanczos_steps), dim):
+            notes.append(f"probe {probe}: Lanczos breakdown (invariant subspace) after {m} of "
+                         f"{int(lanczos_steps)} steps; its {m} nodes are exact eigenvalues")
         T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
         if m > 1:
             off = torch.tensor(betas[: m - 1], dtype=torch.float64)
@@ -115,7 +119,7 @@ def spectral_density(
     return SpectralDensity(
         nodes=all_nodes, weights=all_weights, grid=grid.tolist(), density=density.tolist(),
         sigma=float(sigma), matvecs=matvecs, lanczos_steps=int(lanczos_steps), probes=int(probes),
-        dimension=dim,
+        dimension=dim, notes=notes,
     )
 
 

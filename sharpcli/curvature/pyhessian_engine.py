@@ -11,8 +11,11 @@ Known limitations of pyhessian 0.1, kept visible in the results' ``notes``:
   ``tol`` relative (default 1e-3), which can end several percent low when the gap is small.
   It reports no residual: sharpcli computes ``||H u - lambda u||`` for its eigenvectors with
   one native Hessian product each.
-- ``trace()`` is Hutchinson stopping when the running mean changes by less than ``tol``; it
-  reports no standard error (sharpcli computes one from its samples, with that caveat).
+- ``trace()`` is Hutchinson stopping when the running mean changes by less than ``tol``
+  relative to the previous mean *without absolute value*: once the running mean is negative
+  it stops at once (seen after 2 samples on a tiny GELU net). It reports no standard error
+  (sharpcli computes one from its samples, with that caveat). ``run_all=True`` passes
+  ``tol=-inf`` so it takes exactly ``max_iter`` samples.
 - ``density()`` calls ``torch.eig``, removed from torch: refused here.
 - It always uses every parameter with ``requires_grad``: a scope other than ``all`` is refused.
 - In dataloader mode every product redoes forward, backward and double backward per batch.
@@ -167,17 +170,19 @@ def pyhessian_trace(
     max_iter: int = 100,
     seed: int = 0,
     params: str | None = None,
+    run_all: bool = False,
 ) -> TraceResult:
     """Hessian trace by pyhessian's Hutchinson (running-mean stop rule, no per-layer split).
 
     ``estimate`` is the mean of its samples ``v^T H v``; ``stderr`` is computed here from those
     samples (sample std / sqrt(n), ``None`` with one sample) since pyhessian gives none; its
     stop rule is not a standard-error rule, so ``converged`` only says it stopped before
-    ``max_iter``.
+    ``max_iter``. ``run_all`` disables its stop rule (``tol=-inf``): exactly ``max_iter`` samples.
     """
     _check_scope(params)
+    rule_tol = float("-inf") if run_all else float(tol)
     with _pyhessian_session(model, data, seed) as (h, counter):
-        samples = [float(s) for s in h.trace(maxIter=int(max_iter), tol=float(tol))]
+        samples = [float(s) for s in h.trace(maxIter=int(max_iter), tol=rule_tol)]
         matvecs = counter["matvecs"]
     n = len(samples)
     mean = sum(samples) / n
@@ -189,8 +194,9 @@ def pyhessian_trace(
         estimate=mean, stderr=stderr, matvecs=matvecs, samples=n, estimator="hutchinson",
         converged=n < int(max_iter), tol=float(tol), by_layer={}, engine=ENGINE,
         notes=[
-            f"pyhessian 0.1 Hutchinson: stopped after {n} samples on a running-mean change < {tol} "
-            "rule; it reports no standard error (computed here from its samples); no per-layer traces"
+            f"pyhessian 0.1 Hutchinson: {n} samples, "
+            + ("stop rule disabled" if run_all else f"running-mean change < {tol} stop rule (signed denominator)")
+            + "; it reports no standard error (computed here from its samples); no per-layer traces"
         ],
     )
 

@@ -279,8 +279,9 @@ def hutchpp(
     probe). The standard error is the residual probes' sample standard error (the sketch
     part is exact given Q). Adaptivity: starting from ``initial_sketch`` columns, once
     ``min_samples`` residual probes exist, the sketch is doubled (``2 s`` matvecs) while the
-    estimated remaining probes exceed ``3 s`` and each doubling cut the residual variance
-    by at least 30%; stored residual probes are re-evaluated for the new Q at no matvec cost.
+    estimated remaining probes exceed ``3 s`` and the previous doubling reduced the estimated
+    number of probes still needed by at least its own cost; stored residual probes are
+    re-evaluated for the new Q at no matvec cost (``P A P g = A g - AQ Q^T g``).
     Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
     """
     _check_budget(tol, max_matvecs, block_size)
@@ -319,13 +320,17 @@ def hutchpp(
         if growing and n >= min_samples:
             target = (stderr[0] * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
             step = min(sketch.size, cap - sketch.size)
-            if target - n > 3 * sketch.size and step > 0 and matvecs + 2 * step < budget:
-                old_var = float(samples[:, 0].var())
+            if target - n > 3 * step and step > 0 and matvecs + 2 * step < budget:
                 matvecs += sketch.extend(op, step, generator)
                 exact = sketch.exact_part(blocks)
                 rows = [sketch.residual_values(g, ag, blocks) for g, ag in zip(stored_G, stored_AG)]
-                new_var = float(torch.cat(rows)[:, 0].var())
-                if new_var > 0.7 * old_var or sketch.size >= cap:
+                samples = torch.cat(rows)
+                new_mean, new_stderr = _mean_stderr(samples)
+                new_target = (
+                    new_stderr[0] * math.sqrt(n) / (tol * abs(exact[0] + new_mean[0]) + 1e-300)
+                ) ** 2
+                # keep doubling while the last doubling saved at least the 2*step products it cost
+                if target - new_target < 2 * step or sketch.size >= cap:
                     growing = False
             else:
                 growing = False
@@ -445,6 +450,29 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     )
 
 
+_DRAW_BLOCK = 1024  # samples per independently seeded block of label draws
+
+
+def _per_sample_draws(base_seed: int, start: int, stop: int, samples: int, kind: str, tail: tuple) -> torch.Tensor:
+    """Random numbers for the global sample indices ``[start, stop)``, shape ``(samples, stop - start, *tail)``.
+
+    Sample ``i`` takes its numbers from block ``i // 1024``, whose CPU generator is seeded with
+    ``base_seed * 2**20 + block``: every rank and every batch size sees the same numbers for
+    the same sample. ``kind`` is ``"uniform"`` (U[0, 1)) or ``"normal"`` (N(0, 1)), float64.
+    """
+    draw = torch.rand if kind == "uniform" else torch.randn
+    parts = []
+    for block in range(start // _DRAW_BLOCK, (stop - 1) // _DRAW_BLOCK + 1 if stop > start else start // _DRAW_BLOCK):
+        generator = torch.Generator().manual_seed(base_seed * 2**20 + block)
+        values = draw((samples, _DRAW_BLOCK, *tail), generator=generator, dtype=torch.float64)
+        lo = max(start, block * _DRAW_BLOCK) - block * _DRAW_BLOCK
+        hi = min(stop, (block + 1) * _DRAW_BLOCK) - block * _DRAW_BLOCK
+        parts.append(values[:, lo:hi])
+    if not parts:
+        return torch.zeros((samples, 0, *tail), dtype=torch.float64)
+    return torch.cat(parts, dim=1)
+
+
 def sampled_label_ggn_trace(
     model: nn.Module,
     data: AnalysisData,
@@ -456,7 +484,10 @@ def sampled_label_ggn_trace(
 
     Cross-entropy: ``y^ ~ Cat(softmax z_i)``. mse (``l = (1/C)||z - y||^2``): ``y^ ~ N(z_i, (C/2) I)``,
     for which ``E||J^T (2/C)(z - y^)||^2 = (2/C)||J||_F^2`` as well. ``samples`` labels are drawn
-    per data point (CPU ``generator``); per-sample gradients come from ``vmap(grad)``. Standard
+    per data point from random numbers keyed by the point's global index in the analysis set
+    (:func:`_per_sample_draws`, base seed from the CPU ``generator``), so the draws, and the
+    result, do not depend on the batch size or on how ranks shard the set; per-sample
+    gradients come from ``vmap(grad)``. Standard
     error of the mean over the label draws, the data set being fixed: with ``samples >= 2``,
     ``sqrt(sum_i s_i^2 / samples) / N`` from each point's unbiased variance ``s_i^2``; with one
     draw the pooled variance over points is used (conservative: it includes between-point spread).
@@ -488,22 +519,29 @@ def sampled_label_ggn_trace(
     var_sums = torch.zeros(1 + L, dtype=torch.float64)  # sum_i s_i^2 / S  (S >= 2)
     sq_sums = torch.zeros(1 + L, dtype=torch.float64)  # sum_i v_i^2      (S == 1)
     N = data.num_samples
+    base_seed = int(torch.randint(0, 2**40, (1,), generator=generator))
+    first = getattr(data, "shard_start", 0)  # global index of this rank's first sample
     for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.no_grad():
             z_b = model(x_b)
+        kind = "uniform" if data.loss == "cross-entropy" else "normal"
+        batch_draws = _per_sample_draws(base_seed, first, first + x_b.shape[0], S, kind,
+                                        () if kind == "uniform" else tuple(z_b.shape[1:]))
+        first += x_b.shape[0]
         rows = max(1, _CHUNK_BYTES // max(1, scope.numel * z_b.element_size()))
         for start in range(0, x_b.shape[0], rows):
             x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
             draws = torch.zeros(S, x_c.shape[0], 1 + L, dtype=torch.float64)
             for s in range(S):
+                random_c = batch_draws[s, start : start + x_c.shape[0]]
                 if data.loss == "cross-entropy":
-                    probs = torch.softmax(z_c.detach().to("cpu", torch.float64), dim=-1)
-                    labels = torch.multinomial(probs, 1, generator=generator)[:, 0].to(z_c.device)
+                    # inverse CDF: y^ = #{c : u > P(Y <= c)} ~ Cat(softmax z)
+                    cdf = torch.softmax(z_c.detach().to("cpu", torch.float64), dim=-1).cumsum(-1)
+                    labels = (random_c[:, None] > cdf).sum(-1).clamp_max(cdf.shape[-1] - 1).to(z_c.device)
                 else:
-                    noise = torch.randn(z_c.shape, generator=generator, dtype=torch.float64)
                     scale = math.sqrt(z_c.shape[-1] / 2.0)
-                    labels = z_c.detach() + scale * noise.to(device=z_c.device, dtype=z_c.dtype)
+                    labels = z_c.detach() + scale * random_c.to(device=z_c.device, dtype=z_c.dtype)
                 grads = per_sample_grad(params, x_c, labels)
                 for i, g in enumerate(grads):
                     sq = (g.reshape(g.shape[0], -1) ** 2).sum(1).to(torch.float64).cpu()

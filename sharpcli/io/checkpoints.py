@@ -56,7 +56,8 @@ class LoadedCheckpoint:
 
     def info(self) -> dict:
         """The ``checkpoint`` block of the JSON report."""
-        return {"path": self.path, "sha256": self.sha256, "model": self.model_spec, "origin": self.origin}
+        return {"path": self.path, "sha256": self.sha256, "model": self.model_spec, "origin": self.origin,
+                "train": self.train_config}
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -4,7 +4,8 @@ Tensor files (``.safetensors``, ``.pt``/``.pth``, ``.npz``) hold a flat mapping 
 keys ``x`` and ``y`` and, optionally, ``x_test`` and ``y_test``; any other key is
 refused (a misspelt ``x_tset`` would otherwise drop the test split silently).
 ``.pt`` files are read with ``torch.load(weights_only=True)`` and ``.npz`` with
-``numpy.load(allow_pickle=False)``, so no file can run code.
+``numpy.load(allow_pickle=False)``, so no file can run code. Feature values are
+kept as stored (cast to float32; uint8 images are *not* rescaled to [0, 1]).
 
 Tables (``.csv``, ``.parquet``) are read through pandas: the label column (option
 ``--label-column``, default ``label``) is the target and every other column is a

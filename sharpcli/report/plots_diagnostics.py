@@ -85,7 +85,11 @@ def plot_bound_check(rows: list[dict], path: str | os.PathLike, *, noise_rows: l
         ax2.errorbar(s2, [r["gap"] for r in noise_rows], yerr=[r["gap_stderr"] for r in noise_rows], fmt="s--",
                      capsize=3, label="E L(W+U) - L(W)")
         ax2.set_xscale("log")
-        ax2.set_yscale("symlog", linthresh=min(abs(r["predicted"]) for r in noise_rows) or 1e-12)
+        values = [r["predicted"] for r in noise_rows] + [r["gap"] for r in noise_rows]
+        if all(v > 0 for v in values):
+            ax2.set_yscale("log")
+        else:  # a Monte-Carlo gap can come out negative: linear near zero
+            ax2.set_yscale("symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12)
         ax2.set_xlabel("sigma")
         ax2.set_title("NSO noise stability")
         ax2.grid(True, which="both", alpha=0.3)

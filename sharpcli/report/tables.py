@@ -38,7 +38,7 @@ def records_table(title: str, records: list[dict], columns: list[str] | None = N
     columns = columns or list(dict.fromkeys(k for r in records for k in r))
     table = Table(title=title)
     for c in columns:
-        table.add_column(c, justify="right")
+        table.add_column(c, justify="right", overflow="fold")
     for r in records:
         table.add_row(*[fmt(r.get(c)) for c in columns])
     return table

@@ -1,0 +1,55 @@
+"""``sharp compare REPORT.json...``: runs side by side (pandas), as a table, CSV, Markdown or JSON."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from sharpcli.cli import common
+from sharpcli.cli.app import app
+
+
+@app.command("compare")
+def compare_command(
+    reports: Annotated[list[str], typer.Argument(help="JSON reports written by sharp commands (--json).")],
+    columns: Annotated[Optional[str], typer.Option("--columns", help="Comma list of columns: canonical names (regularizers, test_accuracy, lambda_max, trace, frobenius_sq, nme_share, ...) or dotted report keys (results.hessian.trace_stderr, settings.lr).")] = None,
+    sort: Annotated[Optional[str], typer.Option("--sort", help="Column to sort by; prefix '-' for descending.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv, markdown or json.")] = "table",
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the CSV/Markdown/JSON table to PATH instead of stdout.")] = None,
+    json_out: common.JsonOpt = None,
+    quiet: common.QuietOpt = False,
+) -> None:
+    """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
+
+    def body() -> common.Outcome:
+        from sharpcli.io.atomic import check_writable, write_text_atomic
+        from sharpcli.report.compare import FORMATS, compare_table, render
+        from sharpcli.report.envelope import environment_info, make_report
+        from sharpcli.report.tables import records_table
+
+        common.require(fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format")
+        if out is not None:
+            check_writable(out, "--out")
+        cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+        frame = compare_table(list(reports), columns=cols, sort=sort)
+        records = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+        text = render(frame, "csv" if fmt == "table" else fmt)
+        if out is not None:
+            write_text_atomic(out, text)
+        report = make_report("compare", settings={"reports": list(reports), "columns": cols, "sort": sort,
+                                                  "format": fmt, "out": out},
+                             results={"rows": records, "columns": list(frame.columns)},
+                             environment=environment_info())
+
+        def show(console):
+            if out is not None:
+                console.print(f"{len(records)} runs written to {out}")
+            elif fmt == "table":
+                console.print(records_table("runs", records, list(frame.columns)))
+            else:
+                console.file.write(text)
+
+        return common.Outcome(report, show)
+
+    common.run_command("compare", json_out, quiet, body)

@@ -1,0 +1,157 @@
+"""``sharp compare``: reports of several runs side by side in one pandas table.
+
+Each report becomes one row. Besides every scalar result (flattened to dotted
+column names such as ``results.hessian.lambda_max``), a few *canonical*
+columns gather the same quantity from whichever command produced it, so that a
+``train`` report, an ``analyze`` report and a ``gn-nme`` report line up:
+
+| column        | taken from (first present)                                                     |
+|---------------|--------------------------------------------------------------------------------|
+| regularizers  | settings.regs (train), checkpoint.train.regs (analyses)                       |
+| train_accuracy| results.final.train_accuracy, results.accuracy (split train)                  |
+| test_accuracy | results.final.test_accuracy, results.accuracy (split test)                    |
+| loss          | results.loss, results.final.train_loss                                        |
+| lambda_max    | results.hessian.lambda_max, results.eigenvalues[0] (eigen of the Hessian)     |
+| trace         | results.hessian.trace(.estimate), results.trace.estimate (trace of H)         |
+| frobenius_sq  | results.hessian.frobenius_sq, results.trace.estimate (trace --square)         |
+| nme_share     | results.nme_share                                                             |
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sharpcli.errors import InputError, UsageError
+
+SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
+CANONICAL = ("run", "command", "regularizers", "train_accuracy", "test_accuracy", "loss", "lambda_max", "trace",
+             "frobenius_sq", "nme_share")
+FORMATS = ("table", "csv", "markdown", "json")
+
+
+def read_report(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such file", source=str(p))
+    try:
+        report = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"not a JSON report ({exc})", source=str(p)) from exc
+    if not isinstance(report, dict) or "schema" not in report:
+        raise InputError("not a sharp report (no 'schema' key)", source=str(p))
+    if report["schema"] not in SUPPORTED_SCHEMAS:
+        raise InputError(f"report schema {report['schema']!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_SCHEMAS)}", source=str(p))
+    if "error" in report:
+        raise InputError("is the report of a failed run (it holds an error object)", source=str(p))
+    return report
+
+
+def _get(d, *path):
+    for part in path:
+        if isinstance(d, dict) and part in d:
+            d = d[part]
+        elif isinstance(d, list) and isinstance(part, int) and -len(d) <= part < len(d):
+            d = d[part]
+        else:
+            return None
+    return d
+
+
+def _number(value):
+    if isinstance(value, dict):
+        value = value.get("estimate")
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def canonical_row(report: dict, name: str) -> dict:
+    """The canonical columns of one report (None where the report does not say)."""
+    res = report.get("results", {})
+    settings = report.get("settings", {})
+    command = report.get("command")
+    split = _get(report, "data", "split")
+    regs = settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
+    row = {"run": name, "command": command, "regularizers": " + ".join(regs) if regs else None}
+    row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
+    row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
+    if row["train_accuracy"] is None and split == "train":
+        row["train_accuracy"] = _number(res.get("accuracy"))
+    if row["test_accuracy"] is None and split == "test":
+        row["test_accuracy"] = _number(res.get("accuracy"))
+    row["loss"] = _number(res.get("loss")) if res.get("loss") is not None else _number(_get(res, "final", "train_loss"))
+    lam = _number(_get(res, "hessian", "lambda_max"))
+    if lam is None and command == "eigen" and settings.get("operator", "hessian") == "hessian":
+        lam = _number(_get(res, "eigenvalues", 0))
+    row["lambda_max"] = lam
+    tr = _number(_get(res, "hessian", "trace"))
+    fro = _number(_get(res, "hessian", "frobenius_sq"))
+    if command == "trace" and settings.get("operator", "hessian") == "hessian":
+        if settings.get("square"):
+            fro = _number(_get(res, "trace"))
+        else:
+            tr = _number(_get(res, "trace"))
+    row["trace"], row["frobenius_sq"] = tr, fro
+    row["nme_share"] = _number(res.get("nme_share"))
+    return row
+
+
+def _flat_scalars(report: dict) -> dict:
+    import pandas as pd
+
+    flat = pd.json_normalize({"results": report.get("results", {}), "settings": report.get("settings", {})},
+                             sep=".").to_dict(orient="records")[0]
+    return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: str | None = None):
+    """A DataFrame, one row per report: canonical columns, then (without ``columns``) none else.
+
+    ``columns`` picks columns by name: canonical names or dotted keys of the flattened reports
+    (``results.hessian.trace_stderr``, ``settings.lr``).
+    """
+    import pandas as pd
+
+    if not paths:
+        raise UsageError("give at least one report", source="REPORT")
+    rows = []
+    for path in paths:
+        report = read_report(path)
+        row = canonical_row(report, Path(path).stem)
+        extra = _flat_scalars(report)
+        for col in columns or []:
+            if col not in CANONICAL:
+                row[col] = extra.get(col)
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    if columns:
+        unknown = [c for c in columns if c not in frame.columns]
+        if unknown:
+            raise UsageError(f"unknown column {', '.join(unknown)}", source="--columns")
+        frame = frame[["run"] + [c for c in columns if c != "run"]]
+    else:
+        keep = [c for c in CANONICAL if c in ("run", "command") or frame[c].notna().any()]
+        frame = frame[keep]
+    if sort:
+        descending = sort.startswith("-")
+        key = sort.lstrip("-")
+        if key not in frame.columns:
+            raise UsageError(f"cannot sort by {key!r}; columns: {', '.join(frame.columns)}", source="--sort")
+        frame = frame.sort_values(key, ascending=not descending, kind="stable", na_position="last")
+    return frame.reset_index(drop=True)
+
+
+def render(frame, fmt: str) -> str:
+    """The table as CSV, Markdown or JSON text."""
+    if fmt == "csv":
+        return frame.to_csv(index=False)
+    if fmt == "markdown":
+        cols = list(frame.columns)
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        for _, row in frame.iterrows():
+            lines.append("| " + " | ".join("" if v is None or v != v else (f"{v:.6g}" if isinstance(v, float) else str(v))
+                                          for v in row.tolist()) + " |")
+        return "\n".join(lines) + "\n"
+    if fmt == "json":
+        return frame.to_json(orient="records", indent=2) + "\n"
+    raise UsageError(f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", source="--format")

@@ -1,0 +1,85 @@
+"""sharp compare: reports of different commands line up; CSV numbers equal the reports' numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from cli_helpers import assert_one_line_error, run_cli
+from sharpcli.report.envelope import validate_report
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compare")
+    from _pytest.capture import CaptureFixture  # noqa: F401  (run_cli needs a capsys-like object)
+
+    class Cap:
+        def readouterr(self):
+            return type("C", (), {"out": "", "err": ""})()
+
+    paths = {}
+    import subprocess, sys
+
+    def sharp(*args):
+        proc = subprocess.run([sys.executable, "-m", "sharpcli", *map(str, args)], capture_output=True, text=True)
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc
+
+    data = "blobs:n=160,dim=6,classes=3"
+    for reg in ("none", "ad:sigma=0.5"):
+        ck = folder / f"{reg.split(':')[0]}.safetensors"
+        sharp("train", "--epochs", "2", "--data", data, "--width", "8", "--reg", reg, "--out", ck,
+              "--json", folder / f"train-{reg.split(':')[0]}.json", "--quiet")
+        sharp("analyze", ck, "--metrics", "eigen,trace,gn-nme", "--split", "test", "--json",
+              folder / f"analyze-{reg.split(':')[0]}.json", "--quiet")
+        paths[reg] = ck
+    sharp("eigen", paths["none"], "--json", folder / "eigen-none.json", "--quiet")
+    return folder
+
+
+def test_compare_csv_matches_reports(reports, capsys, tmp_path):
+    files = sorted(reports.glob("*.json"))
+    out = tmp_path / "table.csv"
+    run = run_cli(capsys, "compare", *files, "--format", "csv", "--out", out, "--sort", "run", "--json", "-")
+    assert run.code == 0, run.err
+    validate_report(run.json())
+    rows = {r["run"]: r for r in csv.DictReader(open(out))}
+    assert set(rows) == {f.stem for f in files}
+    for f in files:
+        report = json.loads(f.read_text())
+        row = rows[f.stem]
+        res = report["results"]
+        if report["command"] == "train":
+            assert float(row["test_accuracy"]) == pytest.approx(res["final"]["test_accuracy"], rel=1e-12)
+            assert row["regularizers"] == " + ".join(report["settings"]["regs"])
+        elif report["command"] == "analyze":
+            assert float(row["lambda_max"]) == pytest.approx(res["hessian"]["lambda_max"], rel=1e-12)
+            assert float(row["trace"]) == pytest.approx(res["hessian"]["trace"], rel=1e-12)
+            assert float(row["nme_share"]) == pytest.approx(res["nme_share"], rel=1e-12)
+            assert float(row["test_accuracy"]) == pytest.approx(res["accuracy"], rel=1e-12)
+            assert row["regularizers"] == " + ".join(report["checkpoint"]["train"]["regs"])
+        else:  # eigen of the Hessian
+            assert float(row["lambda_max"]) == pytest.approx(res["eigenvalues"][0], rel=1e-12)
+
+
+def test_compare_columns_sort_and_markdown(reports, capsys):
+    files = sorted(reports.glob("analyze-*.json"))
+    run = run_cli(capsys, "compare", *files, "--columns", "regularizers,lambda_max,results.hessian.trace_stderr",
+                  "--sort", "-lambda_max", "--format", "markdown")
+    assert run.code == 0, run.err
+    lines = run.out.strip().splitlines()
+    assert lines[0] == "| run | regularizers | lambda_max | results.hessian.trace_stderr |"
+    values = [float(l.split("|")[3]) for l in lines[2:]]
+    assert values == sorted(values, reverse=True) and len(values) == 2
+
+
+def test_compare_rejects_bad_reports(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert_one_line_error(run_cli(capsys, "compare", bad), 2, "bad.json")
+    future = tmp_path / "future.json"
+    future.write_text(json.dumps({"schema": "sharpcli.report/9", "results": {}}))
+    assert_one_line_error(run_cli(capsys, "compare", future), 2, "future.json", "not supported")
