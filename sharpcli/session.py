@@ -73,6 +73,42 @@ def check_model_accepts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task
     return n_out
 
 
+
+def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
+    """Refuse a model that is not deterministic in analysis mode (SPEC section 1: eval mode).
+
+    The analysis loss ``L(theta)`` must be a function of ``theta``: a module still in training
+    mode that behaves differently there (dropout with p > 0, BatchNorm on batch statistics,
+    see :func:`sharpcli.curvature.data.train_mode_modules`; possible when a foreign model
+    overrides ``train()``), or a forward that draws random numbers whatever the mode (e.g.
+    ``F.dropout(x, training=True)``), would make every curvature product random. Checked on the
+    first batch: two forward passes must give bit-identical logits (the global RNG state is
+    restored afterwards). Raises :class:`UsageError` naming the modules or the difference.
+    """
+    from sharpcli.curvature.data import train_mode_modules
+
+    offenders = train_mode_modules(model)
+    if offenders:
+        shown = ", ".join(offenders[:5]) + (" ..." if len(offenders) > 5 else "")
+        raise UsageError(
+            f"the model stays in training mode after eval() in {shown} (dropout/BatchNorm active): "
+            "curvature would be random", source=source)
+    if x.shape[0] == 0:
+        return
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        first = model(x)
+        second = model(x)
+    if not torch.equal(first, second):
+        both_nan = torch.isnan(first) & torch.isnan(second)
+        if not torch.equal(first[~both_nan], second[~both_nan]):
+            diff = float((first - second)[~both_nan].abs().max())
+            raise UsageError(
+                f"the model is not deterministic in eval mode: two forward passes on the same inputs differ "
+                f"by up to {diff:.3g} (a layer draws random numbers, e.g. dropout with training=True): "
+                "curvature would be random", source=source)
+
+
 @dataclass
 class Session:
     """A model in analysis mode and its analysis set, with what produced them."""
@@ -177,5 +213,6 @@ def build_session(
         y = y.to(torch_dtype)
     loss = (ckpt.train_config or {}).get("loss") or loss_for_task(dataset.task)
     n_out = check_model_accepts(model, x, y, dataset.task, dataset.source)
+    check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     return Session(checkpoint=ckpt, model=model, dataset=dataset, x=x, y=y, loss=loss, split=split,
                    batch_size=batch_size, device=torch_device, dtype=torch_dtype, seed=seed, num_outputs=n_out)

@@ -58,11 +58,15 @@ __all__ = [
 
 @dataclass
 class StepStats:
-    """What one training step reports (all batch means over the clean pass at theta).
+    """What one training step reports: batch means over its *reported pass*.
 
-    - ``loss``: task loss ``L(theta)`` from the clean pass.
-    - ``objective``: ``L(theta) + sum_k P_k(theta)``, the quantity minimised.
-    - ``correct``: correct predictions of the clean pass (0 for regression).
+    The reported pass is the clean pass at theta, except for the noise oracles
+    (``weight-noise``, ``nso``) with ``report=perturbed`` (their default), which report the
+    passes whose gradients they return, at ``theta + U`` (see their docstrings).
+
+    - ``loss``: task loss ``L`` of the reported pass.
+    - ``objective``: ``L + sum_k P_k`` at the same weights, the quantity minimised.
+    - ``correct``: correct predictions of the reported pass (0 for regression).
     - ``count``: batch size.
     - ``grad_evals``: gradient evaluations the step used, counted as in the module
       docstring (a double-backward counts its true number of backward passes).
@@ -96,31 +100,43 @@ def final_linear_module(model: nn.Module) -> tuple[str, nn.Linear]:
     return found
 
 
+def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors`` (consecutive slices in order), moved to each
+    tensor's device."""
+    out, start = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[start:start + n].view(t.shape).to(device=t.device, dtype=t.dtype))
+        start += n
+    return out
+
+
 def rademacher_like(tensors: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
     """Independent Rademacher (+-1, probability 1/2 each) tensors shaped like ``tensors``.
 
-    Drawn from ``generator`` on its own device, in the order of ``tensors``, then moved
-    to each tensor's device and dtype (so a CPU generator drives a CUDA model identically).
+    One draw per call: ``b = torch.randint(0, 2, (P,), generator=generator, dtype=dtype)``
+    on the generator's device, ``P`` the total number of entries, ``dtype`` the first
+    tensor's; the entries are ``2 b - 1`` split into consecutive slices in the order of
+    ``tensors`` and moved to each tensor's device (so a CPU generator drives a CUDA model
+    identically). One flat draw instead of one per tensor: a step pays one generator call.
     """
-    out = []
-    for t in tensors:
-        bits = torch.randint(0, 2, t.shape, generator=generator, device=generator.device)
-        out.append((bits.to(dtype=t.dtype) * 2 - 1).to(t.device))
-    return out
+    total = sum(t.numel() for t in tensors)
+    bits = torch.randint(0, 2, (total,), generator=generator, device=generator.device, dtype=tensors[0].dtype)
+    return _flat_split(bits.mul_(2).sub_(1), tensors)
 
 
 def gaussian_like(tensors: Sequence[torch.Tensor], sigma: float, generator: torch.Generator) -> list[torch.Tensor]:
     """Independent ``N(0, sigma^2)`` tensors shaped like ``tensors``.
 
-    Draw order: ``torch.randn(t.shape, dtype=t.dtype, generator=generator)`` on the
-    generator's device for each ``t`` in order, multiplied by ``sigma``, moved to ``t``'s
-    device. Tests reproduce a step's noise by repeating exactly these draws.
+    Draw order: one flat ``torch.empty(P, dtype=dtype).normal_(generator=generator)`` on the
+    generator's device (``P`` the total number of entries, ``dtype`` the first tensor's),
+    multiplied by ``sigma`` in place, split into consecutive slices in the order of
+    ``tensors`` and moved to each tensor's device. Tests reproduce a step's noise by
+    repeating exactly this draw.
     """
-    out = []
-    for t in tensors:
-        noise = torch.randn(t.shape, dtype=t.dtype, generator=generator, device=generator.device)
-        out.append((noise * sigma).to(t.device))
-    return out
+    total = sum(t.numel() for t in tensors)
+    flat = torch.empty(total, dtype=tensors[0].dtype, device=generator.device).normal_(generator=generator)
+    return _flat_split(flat.mul_(sigma), tensors)
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -264,10 +280,14 @@ class StepEngine:
     ``first_grad_mode(want_grad) -> None | "value" | "graph"``, ``needs_autograd``,
     ``term(ctx) -> Tensor`` (value, differentiable through the graph when its gradient
     comes from autograd), ``analytic_grad(params) -> list | None`` (closed-form gradient
-    when the term is not in the graph) and ``extra_grad(engine, ctx) -> list | None``
-    (a gradient obtained by extra passes, e.g. finite differences).
+    when the term is not in the graph), ``has_extra_passes`` / ``deferred_value`` and
+    ``extra_passes(engine, ctx, want_grad) -> (value | None, gradient | None)`` (a value
+    and/or gradient obtained by extra passes after the pass, e.g. finite differences of
+    ``grad L``; a penalty with ``deferred_value`` gets no ``term`` call and returns its
+    value there).
 
-    The first call of :meth:`evaluate` is the clean pass; it fixes the dropout RNG state
+    The first pass of a step (:meth:`evaluate`, :meth:`forward_only` or
+    :meth:`loss_gradient`, usually the clean pass at theta) fixes the dropout RNG state
     and the module buffers every later pass of the step reuses.
     """
 
@@ -288,6 +308,7 @@ class StepEngine:
         self._passes = 0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._head = final_linear_module(model)[1] if any(p.needs_penultimate for p in self.penalties) else None
+        self.has_buffers = any(True for _ in model.buffers())
 
     # ----------------------------------------------------------------- state control
     @contextlib.contextmanager
@@ -344,6 +365,17 @@ class StepEngine:
                 handle.remove()
         return logits, captured.get("h")
 
+    def forward_only(self) -> None:
+        """A forward pass at the current weights under ``torch.no_grad()``, its output unused:
+        as the first pass of a step it sets the module buffers (BatchNorm running
+        statistics) and the dropout RNG as a clean pass would. 0 gradient evaluations."""
+        first = self._begin_pass()
+        try:
+            with torch.no_grad():
+                self.model(self.x)
+        finally:
+            self._end_pass(first)
+
     def loss_gradient(self) -> list[torch.Tensor]:
         """``grad_theta L`` (task loss only) at the current weights as an extra pass: 1 evaluation."""
         first = self._begin_pass()
@@ -369,14 +401,34 @@ class StepEngine:
             result, ctx = self._evaluate(want_grad, first)
         finally:
             self._end_pass(first)
-        if want_grad:
-            # Gradients from extra passes (finite differences) run after this pass has
-            # closed, so they replay its dropout masks and restore its buffers.
-            for pen in self.penalties:
-                if pen.has_extra_grad:
-                    extra = pen.extra_grad(self, ctx)
-                    result.grads = [g + e for g, e in zip(result.grads, extra)]
+        # Extra passes (finite differences) run after this pass has closed, so they
+        # replay its dropout masks and restore its buffers.
+        deferred: dict[str, torch.Tensor] = {}
+        for pen in self.penalties:
+            if pen.has_extra_passes:
+                value, extra = pen.extra_passes(self, ctx, want_grad)
+                if value is not None:
+                    deferred[pen.name] = value.detach()
+                if want_grad and extra is not None:
+                    torch._foreach_add_(result.grads, extra)
+        if deferred:
+            result.penalties = {
+                pen.name: deferred[pen.name] if pen.name in deferred else result.penalties[pen.name]
+                for pen in self.penalties
+            }
+            result.objective = result.objective + sum(deferred.values())
+            self._check_finite(result.objective)
         return result
+
+    def _check_finite(self, objective: torch.Tensor) -> None:
+        objective_value = float(objective)
+        if not math.isfinite(objective_value):
+            names = ", ".join(p.name for p in self.penalties) or "none"
+            raise NumericalError(
+                f"the training objective became {objective_value} (regularizers: {names}); "
+                "lower the learning rate or the regularization strength",
+                source="--reg",
+            )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
         modes = [p.first_grad_mode(want_grad) for p in self.penalties]
@@ -388,19 +440,14 @@ class StepEngine:
             values: dict[str, torch.Tensor] = {}
             graph_terms: list[torch.Tensor] = []
             for pen in self.penalties:
+                if pen.deferred_value:
+                    continue
                 value = pen.term(ctx)
                 values[pen.name] = value.detach()
                 if value.requires_grad and pen.grad_from_graph:
                     graph_terms.append(value)
             objective = loss.detach() + sum(values.values()) if values else loss.detach()
-            objective_value = float(objective)
-            if not math.isfinite(objective_value):
-                names = ", ".join(p.name for p in self.penalties) or "none"
-                raise NumericalError(
-                    f"the training objective became {objective_value} (regularizers: {names}); "
-                    "lower the learning rate or the regularization strength",
-                    source="--reg",
-                )
+            self._check_finite(objective)
             correct = 0
             if first and self.loss_name == "cross-entropy":
                 correct = int((logits.detach().argmax(dim=-1) == self.y).sum().item())
@@ -410,7 +457,7 @@ class StepEngine:
         return PassResult(loss.detach(), objective, values, correct, grads), ctx
 
     def _objective_gradient(self, ctx: PassContext, loss, graph_terms) -> list[torch.Tensor]:
-        extras = [p for p in self.penalties if p.has_extra_grad]
+        extras = [p for p in self.penalties if p.has_extra_passes]
         if extras:
             # grad L is needed alone (finite-difference directions), so keep it separate.
             grads = [g.detach().clone() for g in ctx.first_grad()]
