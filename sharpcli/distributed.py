@@ -177,7 +177,8 @@ def _gather_failures(mine: dict | None) -> list[dict]:
 def _error_from(failure: dict) -> SharpError:
     cls = _ERROR_CLASSES.get(failure["kind"], SharpError)
     rank, world = failure["rank"], failure["world_size"]
-    err = cls(f"{failure['message']} [on rank {rank} of {world}]", source=failure["source"], rank=rank)
+    err = cls(f"{failure['message']} [on rank {rank} of {world}; batches counted within its shard]",
+              source=failure["source"], rank=rank)
     err.exit_code = failure["exit_code"]
     err.propagated = True
     return err

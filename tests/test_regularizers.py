@@ -226,36 +226,60 @@ def test_asam_with_zero_eta_never_perturbs_zero_weights():
 
 
 def _gaussian_draws(model, sigma, gen):
-    return torch.cat(
-        [torch.randn(p.shape, dtype=p.dtype, generator=gen).reshape(-1) * sigma for p in model.parameters()]
-    )
+    """The documented draw of ``gaussian_like``: one flat normal_ over all parameters, times sigma."""
+    total = sum(p.numel() for p in model.parameters())
+    return torch.empty(total, dtype=DT).normal_(generator=gen) * sigma
 
 
-def test_weight_noise_gradient_is_gradient_at_drawn_noise():
+@pytest.mark.parametrize("report", ["perturbed", "clean"])
+def test_weight_noise_gradient_is_gradient_at_drawn_noise(report):
     model, (x, y) = tiny_model(nn.GELU), batch()
     theta = flat_params(model)
     u = _gaussian_draws(model, 0.2, torch.Generator().manual_seed(5))
     expected, _ = grad_at(model, theta + u, x, y)
-    stats = step(model, x, y, ["weight-noise:0.2"], seed=5)
+    stats = step(model, x, y, [f"weight-noise:0.2,report={report}"], seed=5)
     assert rel_err(produced_grad(model), expected) < 1e-12
-    assert stats.loss == pytest.approx(float(ce_at(model, theta, x, y)), rel=1e-12)
+    at = theta + u if report == "perturbed" else theta
+    assert stats.loss == pytest.approx(float(ce_at(model, at, x, y)), rel=1e-12)
+    assert stats.objective == stats.loss
+    assert stats.correct == int((logits_at(model, at, x).argmax(1) == y).sum())
     assert stats.grad_evals == 1
 
 
+@pytest.mark.parametrize("report", ["perturbed", "clean"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_nso_gradient_is_two_point_average(k):
+def test_nso_gradient_is_two_point_average(k, report):
     model, (x, y) = tiny_model(nn.GELU), batch()
     theta = flat_params(model)
     gen = torch.Generator().manual_seed(9)
     expected = torch.zeros_like(theta)
+    losses, first_point = [], None
     for _ in range(k):
         u = _gaussian_draws(model, 0.1, gen)
+        first_point = theta + u if first_point is None else first_point
         expected += grad_at(model, theta + u, x, y)[0] + grad_at(model, theta - u, x, y)[0]
+        losses += [float(ce_at(model, theta + u, x, y)), float(ce_at(model, theta - u, x, y))]
     expected /= 2 * k
-    stats = step(model, x, y, [f"nso:sigma=0.1,k={k}"], seed=9)
+    stats = step(model, x, y, [f"nso:sigma=0.1,k={k},report={report}"], seed=9)
     assert rel_err(produced_grad(model), expected) < 1e-12
-    assert stats.loss == pytest.approx(float(ce_at(model, theta, x, y)), rel=1e-12)
+    if report == "clean":
+        assert stats.loss == pytest.approx(float(ce_at(model, theta, x, y)), rel=1e-12)
+        assert stats.correct == int((logits_at(model, theta, x).argmax(1) == y).sum())
+    else:  # mean over the 2k passes; accuracy of the pass at theta + U_1
+        assert stats.loss == pytest.approx(sum(losses) / (2 * k), rel=1e-12)
+        assert stats.correct == int((logits_at(model, first_point, x).argmax(1) == y).sum())
     assert stats.grad_evals == 2 * k
+
+
+def test_nso_perturbed_report_averages_penalties_over_the_passes():
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    theta = flat_params(model)
+    u = _gaussian_draws(model, 0.1, torch.Generator().manual_seed(3))
+    wd = lambda v: 0.5 * 0.3**2 * float((v**2).sum())
+    stats = step(model, x, y, ["nso:sigma=0.1", "wd:0.3"], seed=3)
+    assert stats.penalties["wd"] == pytest.approx((wd(theta + u) + wd(theta - u)) / 2, rel=1e-12)
+    mean_loss = (float(ce_at(model, theta + u, x, y)) + float(ce_at(model, theta - u, x, y))) / 2
+    assert stats.objective == pytest.approx(mean_loss + stats.penalties["wd"], rel=1e-12)
 
 
 def test_sam_ascends_on_the_penalised_objective_and_descends_on_it():
@@ -349,9 +373,9 @@ def test_hessian_trace_estimator_is_unbiased_for_trace_of_hessian():
 
 
 def _rademacher_draws(model, gen):
-    return torch.cat(
-        [(torch.randint(0, 2, p.shape, generator=gen).to(DT) * 2 - 1).reshape(-1) for p in model.parameters()]
-    )
+    """The documented draw of ``rademacher_like``: one flat randint(0, 2) over all parameters."""
+    total = sum(p.numel() for p in model.parameters())
+    return torch.randint(0, 2, (total,), generator=gen, dtype=DT) * 2 - 1
 
 
 def _hvp_at(model, v, x, y, probe):
@@ -366,21 +390,93 @@ def test_fa_and_hessian_trace_gradients_match_finite_differences_with_fixed_prob
     probe = _rademacher_draws(model, torch.Generator().manual_seed(2))
     b = x.shape[0]
     fa_objective = lambda v: ce_at(model, v, x, y) + 0.3 * (_hvp_at(model, v, x, y, probe) ** 2).sum() / b
-    stats = step(model, x, y, ["fa:lambda=0.3"], seed=2)
+    stats = step(model, x, y, ["fa:lambda=0.3,mode=exact"], seed=2)
     assert rel_err(produced_grad(model), central_fd(fa_objective, theta)) < 1e-6
     assert stats.objective == pytest.approx(float(fa_objective(theta)), rel=1e-12)
     assert stats.grad_evals == 7
 
     ht_objective = lambda v: ce_at(model, v, x, y) + 0.3 * probe @ _hvp_at(model, v, x, y, probe)
-    stats = step(model, x, y, ["hessian-trace:sigma2=0.3"], seed=2)
+    stats = step(model, x, y, ["hessian-trace:sigma2=0.3,mode=exact"], seed=2)
     assert rel_err(produced_grad(model), central_fd(ht_objective, theta)) < 1e-6
     assert stats.grad_evals == 7
+
+
+def _third_derivative_contraction(model, x, y, theta, a, b):
+    """``D^3 L[a, b, .]`` at theta by triple autograd on the flat parameter vector (float64)."""
+    g, v = grad_at(model, theta, x, y, create_graph=True)
+    (hb,) = torch.autograd.grad(g @ b, v, create_graph=True)
+    (out,) = torch.autograd.grad(hb @ a, v)
+    return out
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.GELU])
+def test_finite_difference_modes_match_exact_third_order_gradients(act):
+    """fd of hessian-trace (central, O(eps^2)) and fa (forward, O(eps)) against triple autograd
+    in float64, with the documented step lengths s = eps/||v||, t = eps/||H v||."""
+    model, (x, y) = tiny_model(act), batch()
+    theta = flat_params(model)
+    probe = _rademacher_draws(model, torch.Generator().manual_seed(2))
+    b = x.shape[0]
+    g = grad_at(model, theta, x, y)[0]
+    hv = _hvp_at(model, theta, x, y, probe)
+
+    stats = step(model, x, y, ["hessian-trace:sigma2=0.3,eps=1e-4"], seed=2)
+    expected = g + 0.3 * _third_derivative_contraction(model, x, y, theta, probe, probe)
+    assert rel_err(produced_grad(model), expected) < 1e-6
+    assert stats.penalties["hessian-trace"] == pytest.approx(0.3 * float(probe @ hv), rel=1e-7)
+    assert stats.grad_evals == 3
+    exact = produced_grad(model).clone()
+    step(model, x, y, ["hessian-trace:sigma2=0.3,mode=exact"], seed=2)
+    assert rel_err(exact, produced_grad(model)) < 1e-6
+
+    stats = step(model, x, y, ["fa:lambda=0.3,eps=1e-5"], seed=2)
+    expected = g + 0.3 * 2 / b * _third_derivative_contraction(model, x, y, theta, probe, hv)
+    assert rel_err(produced_grad(model), expected) < 1e-4
+    assert stats.penalties["fa"] == pytest.approx(0.3 * float(hv @ hv) / b, rel=1e-4)
+    assert stats.grad_evals == 4
+    fd = produced_grad(model).clone()
+    step(model, x, y, ["fa:lambda=0.3,mode=exact"], seed=2)
+    assert rel_err(fd, produced_grad(model)) < 1e-4
+
+
+def test_fa_fd_truncation_error_is_first_order_in_eps():
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    theta = flat_params(model)
+    probe = _rademacher_draws(model, torch.Generator().manual_seed(2))
+    hv = _hvp_at(model, theta, x, y, probe)
+    exact = 2 / x.shape[0] * _third_derivative_contraction(model, x, y, theta, probe, hv)
+    g = grad_at(model, theta, x, y)[0]
+    errors = []
+    for eps in (1e-2, 1e-3):
+        step(model, x, y, [f"fa:lambda=1,eps={eps}"], seed=2)
+        errors.append(rel_err(produced_grad(model) - g, exact))
+    assert 5 < errors[0] / errors[1] < 20  # O(eps): ten times smaller step, about ten times smaller error
+
+
+def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    theta = flat_params(model)
+    probe = _rademacher_draws(model, torch.Generator().manual_seed(4))
+
+    def objective(v):
+        pr = unflatten(model, v)
+        h = F.gelu(x @ pr["0.weight"].T + pr["0.bias"])
+        return (
+            ce_at(model, v, x, y) + 0.3 * probe @ _hvp_at(model, v, x, y, probe)
+            + 0.02 * h.pow(2).sum(1).mean() + 0.005 * (v**2).sum()
+        )
+
+    stats = step(model, x, y, ["hessian-trace:0.3,eps=1e-4", "ad:0.2", "wd:0.1"], seed=4)
+    assert rel_err(produced_grad(model), central_fd(objective, theta)) < 1e-6
+    assert stats.objective == pytest.approx(float(objective(theta)), rel=1e-7)
+    assert list(stats.penalties) == ["hessian-trace", "ad", "wd"]
 
 
 # --------------------------------------------------------------------------- state: weights, BatchNorm, dropout RNG
 ALL_SPECS = [
     "none", "wd", "dropout", "ad", "sam", "usam", "asam", "gp", "gp:mode=fd", "gp:p=2",
-    "hessian-trace", "gn-trace", "weight-noise", "nso:k=2", "fa",
+    "hessian-trace", "hessian-trace:mode=exact", "gn-trace", "weight-noise", "weight-noise:report=clean",
+    "nso:k=2", "nso:k=2,report=clean", "fa", "fa:mode=exact", "sam|hessian-trace",
 ]
 
 
@@ -400,7 +496,7 @@ def test_weights_are_bitwise_unchanged_and_buffers_as_after_one_clean_pass(spec)
     rng_after_clean = torch.get_rng_state()
     before = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(123)
-    step(model, x, y, [spec])
+    step(model, x, y, spec.split("|"))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     for (name, buf), ref in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(buf, ref), name
@@ -442,10 +538,13 @@ def test_sam_passes_share_dropout_masks():
         (["none"], 1), (["wd"], 1), (["ad"], 1), (["dropout"], 1), (["ad", "wd"], 1),
         (["sam"], 2), (["usam"], 2), (["asam"], 2), (["weight-noise"], 1), (["nso:k=1"], 2), (["nso:k=3"], 6),
         (["gp"], 3), (["gp:mode=fd"], 3), (["gp:mode=fd", "ad"], 4), (["gn-trace"], 3),
-        (["hessian-trace"], 7), (["hessian-trace:probes=2"], 11), (["fa"], 7),
-        (["gp", "hessian-trace"], 7),  # the first-order graph is shared
-        (["sam", "gp"], 6), (["ad", "sam"], 2),
-        (["weight-noise", "gp"], 4),  # clean value of ||grad L|| (1) + penalised gradient at theta+U (3)
+        (["hessian-trace:mode=exact"], 7), (["hessian-trace:probes=2,mode=exact"], 11), (["fa:mode=exact"], 7),
+        (["hessian-trace"], 3), (["hessian-trace:probes=2"], 5), (["fa"], 4), (["hessian-trace", "ad"], 4),
+        (["gp", "hessian-trace:mode=exact"], 7),  # the first-order graph is shared
+        (["sam", "gp"], 6), (["ad", "sam"], 2), (["sam", "fa"], 8),
+        (["weight-noise", "gp"], 3),  # penalised gradient at theta+U (3), reported there
+        (["weight-noise:report=clean", "gp"], 4),  # + clean value of ||grad L|| (1)
+        (["nso:report=clean"], 2), (["weight-noise", "hessian-trace"], 3),
     ],
 )
 def test_grad_evals_follow_the_documented_counts(specs, evals):
@@ -476,9 +575,11 @@ def test_parse_positional_keyword_and_defaults():
     assert parse_reg("asam:0.2").params == {"rho": 0.2, "eta": 0.01}
     assert parse_reg("gp:0.1,2").params == {"rho": 0.1, "p": 2, "mode": "exact", "eps": 1e-3}
     assert parse_reg("gp:0.1,mode=fd").params["mode"] == "fd"
-    assert parse_reg("nso:0.02,4").params == {"sigma": 0.02, "k": 4}
-    assert parse_reg("hessian-trace").params == {"sigma2": 0.01, "probes": 1}
-    assert parse_reg("fa:lambda=0.1").params == {"lambda": 0.1}
+    assert parse_reg("nso:0.02,4").params == {"sigma": 0.02, "k": 4, "report": "perturbed"}
+    assert parse_reg("hessian-trace").params == {"sigma2": 0.01, "probes": 1, "mode": "fd", "eps": 1e-2}
+    assert parse_reg("fa").params == {"lambda": 0.01, "mode": "fd", "eps": 1e-2}
+    assert parse_reg("weight-noise").params == {"sigma": 0.01, "report": "perturbed"}
+    assert parse_reg("fa:lambda=0.1").params == {"lambda": 0.1, "mode": "fd", "eps": 1e-2}
     assert parse_reg("none").spec() == "none"
     assert parse_reg(" WD : 0.1 ").params == {"sigma": 0.1}
 

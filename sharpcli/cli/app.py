@@ -42,7 +42,7 @@ def _root(
 
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here, in one place.
-    from sharpcli.cli import cmd_analyze, cmd_compare, cmd_diagnostics, cmd_spectrum, cmd_train  # noqa: F401
+    from sharpcli.cli import cmd_analyze, cmd_compare, cmd_diagnostics, cmd_spectrum, cmd_sweep, cmd_train  # noqa: F401
 
 
 _register()

@@ -17,6 +17,9 @@ def compare_command(
     sort: Annotated[Optional[str], typer.Option("--sort", help="Column to sort by; prefix '-' for descending.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv, markdown or json.")] = "table",
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the CSV/Markdown/JSON table to PATH instead of stdout.")] = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG scatter of sharpness against accuracy to PATH.")] = None,
+    plot_x: Annotated[str, typer.Option("--plot-x", help="Column on the scatter's x axis.")] = "lambda_max",
+    plot_y: Annotated[str, typer.Option("--plot-y", help="Column on the scatter's y axis.")] = "test_accuracy",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
 ) -> None:
@@ -31,14 +34,20 @@ def compare_command(
         common.require(fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format")
         if out is not None:
             check_writable(out, "--out")
+        if plot is not None:
+            check_writable(plot, "--plot")
         cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
         frame = compare_table(list(reports), columns=cols, sort=sort)
         records = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
         text = render(frame, "csv" if fmt == "table" else fmt)
         if out is not None:
             write_text_atomic(out, text)
+        if plot is not None:
+            from sharpcli.report.plots import plot_compare_scatter
+
+            plot_compare_scatter(records, plot, x=plot_x, y=plot_y)
         report = make_report("compare", settings={"reports": list(reports), "columns": cols, "sort": sort,
-                                                  "format": fmt, "out": out},
+                                                  "format": fmt, "out": out, "plot": plot},
                              results={"rows": records, "columns": list(frame.columns)},
                              environment=environment_info())
 

@@ -111,16 +111,27 @@ def gn_nme_command(
     eig_tol: Annotated[float, typer.Option("--eig-tol", help="Residual tolerance of the extreme eigenvalues.")] = 1e-3,
     max_matvecs: Annotated[int, typer.Option("--max-matvecs", help="Budget per trace estimate.")] = 1000,
     params: common.ParamsOpt = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG of the per-layer H, G, N traces to PATH.")] = None,
 ) -> common.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--tol")
     _positive(eig_tol, "--eig-tol")
+    if plot is not None:
+        from sharpcli.io.atomic import check_writable
+
+        check_writable(plot, "--plot")
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "Gauss-Newton / NME split"):
         results = spectrum.gn_nme(session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params)
-    settings = opts.settings() | {"tol": tol, "eig_tol": eig_tol, "max_matvecs": max_matvecs, "params": params}
+    if plot is not None:
+        from sharpcli.report.plots import plot_gn_nme_layers
+
+        plot_gn_nme_layers(results, plot)
+        results["plot"] = plot
+    settings = opts.settings() | {"tol": tol, "eig_tol": eig_tol, "max_matvecs": max_matvecs, "params": params,
+                                  "plot": plot}
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):

@@ -37,6 +37,7 @@ def train_command(
     track: Annotated[Optional[str], typer.Option("--track", help="Curvature to record during training: comma list of trace, eigen, gn-nme.")] = None,
     track_every: Annotated[int, typer.Option("--track-every", help="Track every K epochs.")] = 1,
     track_samples: Annotated[int, typer.Option("--track-samples", help="Training samples used for tracking.")] = 512,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG of the training curves (and tracked curvature) to PATH.")] = None,
     seed: common.SeedOpt = 0,
     device: common.DeviceOpt = "cpu",
     dtype: common.DtypeOpt = "float32",
@@ -46,9 +47,12 @@ def train_command(
     """Train a model on built-in or file data under sharpness regularizers; write a checkpoint."""
 
     def body() -> common.Outcome:
-        from sharpcli.report.envelope import environment_info, make_report
-        from sharpcli.training.loop import TrainConfig, train
+        from sharpcli.training.loop import TrainConfig, train, train_report
 
+        if plot is not None:
+            from sharpcli.io.atomic import check_writable
+
+            check_writable(plot, "--plot")
         margs = common.parse_json_option(model_args, "--model-args") or {}
         for key, value in (("depth", depth), ("width", width), ("activation", activation)):
             if value is not None:
@@ -71,22 +75,12 @@ def train_command(
             tracker = make_tracker(tracked, seed=seed)
         with common.epoch_progress(quiet or json_out == "-", "training") as progress:
             result = train(cfg, out, resume=resume, stop_after=stop_after, progress=progress, tracker=tracker)
-        results = {
-            "history": result.history,
-            "final": result.final,
-            "checkpoint": result.checkpoint,
-            "history_csv": result.history_csv,
-            "resumed_from_epoch": result.resumed_from_epoch,
-        }
-        report = make_report(
-            "train",
-            settings=result.config | {"out": out, "resume": resume, "stop_after": stop_after},
-            results=results,
-            checkpoint=result.checkpoint,
-            data={"spec": result.data_spec, "split": "train", "samples": None},
-            timing={"seconds": 0.0, "matvecs": 0},
-            environment=environment_info(device, dtype),
-        )
+        if plot is not None:
+            from sharpcli.report.plots import plot_training_history
+
+            plot_training_history(result.history, plot, title=f"{model} with {' + '.join(result.config['regs'])}")
+        report = train_report(result, {"resume": resume, "stop_after": stop_after, "plot": plot}, out=out,
+                              device=device, dtype=dtype)
         return common.Outcome(report, render=lambda console: _render(console, result))
 
     common.run_command("train", json_out, quiet, body)

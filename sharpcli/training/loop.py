@@ -79,6 +79,29 @@ class TrainResult:
     resumed_from_epoch: int = 0
 
 
+def train_report(result: TrainResult, settings: dict, *, out: str, device: str = "cpu",
+                 dtype: str = "float32") -> dict:
+    """The JSON report of a training run (SPEC section 7: results.history, .final, .checkpoint)."""
+    from sharpcli.report.envelope import environment_info, make_report
+
+    results = {
+        "history": result.history,
+        "final": result.final,
+        "checkpoint": result.checkpoint,
+        "history_csv": result.history_csv,
+        "resumed_from_epoch": result.resumed_from_epoch,
+    }
+    return make_report(
+        "train",
+        settings=result.config | settings | {"out": str(out)},
+        results=results,
+        checkpoint=result.checkpoint | {"train": result.config},
+        data={"spec": result.data_spec, "split": "train", "samples": None},
+        timing={"seconds": 0.0, "matvecs": 0},
+        environment=environment_info(device, dtype),
+    )
+
+
 def state_path_for(out: str | Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".state.pt")
@@ -200,6 +223,9 @@ def train(
     state_file = state_path_for(out)
     regs = [parse_reg(r) for r in cfg.regs]
     validate_combination(regs)
+    rank, world = data_parallel_rank_and_world()
+    if world > 1:
+        check_data_parallel_regs(regs)
     cfg.regs = [r.spec() for r in regs]
 
     from sharpcli.session import check_model_accepts, loss_for_task, resolve_device, resolve_dtype
@@ -272,6 +298,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         model.train()
+        if world > 1:  # dropout masks: independent per rank, reproducible per epoch (resume)
+            torch.manual_seed(cfg.seed * 1_000_003 + 7 * epoch * world + rank + 11)
         perm = torch.randperm(n, generator=shuffle_gen)
         sums = {"loss": 0.0, "objective": 0.0, "correct": 0, "count": 0, "grad_evals": 0}
         penalty_sums: dict = {}
@@ -282,7 +310,10 @@ def train(
                 xb = augment_images(xb.cpu(), aug_gen).to(device)
             if cfg.input_noise > 0:
                 xb = xb + cfg.input_noise * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(device)
-            stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
+            if world > 1:
+                stats = data_parallel_step(model, xb, yb, cfg.loss, regs, step_gen)
+            else:
+                stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
             if not math.isfinite(stats.objective):
                 raise NumericalError(
                     f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
@@ -314,7 +345,8 @@ def train(
             row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
             row["tracking_seconds"] = time.perf_counter() - t1
         history.append(row)
-        _save_state(state_file, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch + 1)
+        if rank == 0:
+            _save_state(state_file, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch + 1)
         if progress is not None:
             progress(epoch + 1, cfg.epochs, row)
 
@@ -328,9 +360,11 @@ def train(
     if not all(math.isfinite(v) for v in (final["train_loss"],)):
         raise NumericalError("the final training loss is not finite", source="train")
     cfg_dict = json.loads(json.dumps(asdict(cfg)))
-    sha = save_checkpoint(out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final)
     csv_path = history_csv_path_for(out)
-    _write_history_csv(csv_path, history)
+    sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
+    if rank == 0:
+        sha = save_checkpoint(out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final)
+        _write_history_csv(csv_path, history)
     return TrainResult(history=history, final=final, checkpoint={"path": str(out), "sha256": sha, "model": model_spec},
                        model_spec=model_spec, data_spec=dataset.spec, config=cfg_dict, history_csv=str(csv_path),
                        resumed_from_epoch=start_epoch)
@@ -351,3 +385,116 @@ def _save_state(path: Path, cfg, model, optimizer, shuffle_gen, step_gen, aug_ge
     }
     with atomic_path(path) as tmp:
         torch.save(state, str(tmp))
+
+
+# --------------------------------------------------------------------------- data-parallel training
+# Under torchrun (WORLD_SIZE > 1, see sharpcli.distributed) every rank runs the same loop with the
+# same seeds: the same initial weights, shuffle, augmentation and step generator. Each global batch
+# (augmented and noised whole, so the random streams match a single process) is split into
+# contiguous per-rank rows; a rank runs ``training_step`` on its rows and the gradients are then
+# all-reduced as the row-weighted average sum_r (B_r / B) grad_r, which is the gradient of the
+# global batch whenever the regularised objective is an average over samples of terms that
+# share every random draw across ranks. Per regularizer:
+#
+# - none, wd, ad, dropout: objective linear in the batch mean (wd's gradient is the same on every
+#   rank): exact; dropout masks differ from a single process (independent per rank, reseeded per
+#   epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw.
+# - weight-noise, nso: the noise U comes from the step generator, identical on every rank, and
+#   grad L(theta + U) is linear in the batch: exact.
+# - hessian-trace: v^T H v with the same probe v on every rank is linear in the batch: exact.
+# - gp (||grad L||^p), fa (||H v||^2 / B) and gn-trace (B ||grad Lhat||^2): nonlinear in the batch
+#   gradient or Hessian product, so averaging per-rank values is a different objective: refused.
+# - sam, usam, asam: the ascent step e(g) needs the global gradient g before the second pass;
+#   per-rank perturbations ("local SAM") are a different algorithm: refused.
+# - BatchNorm: batch statistics over each rank's rows (as torch DDP without SyncBatchNorm), not
+#   over the global batch; running statistics are row-weighted averages of the ranks' updates,
+#   so every rank keeps the same buffers. Results then differ from a single process.
+# The model is not wrapped in torch's DistributedDataParallel: a step may run several forward and
+# backward passes (oracles, double backward) and only the final gradient is to be averaged.
+
+DATA_PARALLEL_REFUSED = {
+    "gp": "its penalty ||grad L||^p is nonlinear in the batch gradient",
+    "fa": "its penalty ||H v||^2 is nonlinear in the batch Hessian product",
+    "gn-trace": "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient",
+    "sam": "its ascent step needs the global gradient norm before the second pass",
+    "usam": "its ascent step needs the global gradient before the second pass",
+    "asam": "its ascent step needs the global scaled gradient norm before the second pass",
+}
+
+
+def data_parallel_rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the torchrun process group, ``(0, 1)`` in a single process."""
+    from sharpcli.distributed import rank_and_world
+
+    return rank_and_world()
+
+
+def check_data_parallel_regs(regs) -> None:
+    """Refuse (UsageError on ``--reg``) the regularizers whose per-rank gradients cannot be averaged."""
+    refused = [r.name for r in regs if r.name in DATA_PARALLEL_REFUSED]
+    if refused:
+        reasons = "; ".join(f"{name}: {DATA_PARALLEL_REFUSED[name]}" for name in refused)
+        raise UsageError(f"cannot train data-parallel with {', '.join(refused)} ({reasons}); "
+                         "run it in one process", source="--reg")
+
+
+def data_parallel_step(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, loss_name: str, regs,
+                       generator: torch.Generator):
+    """One training step on this rank's rows of the global batch, gradients averaged over ranks.
+
+    Rank ``r`` of ``W`` takes rows ``[floor(r B / W), floor((r+1) B / W))`` (``B_r`` of them) and
+    runs :func:`training_step`; then ONE all-reduce (``sharpcli.curvature.data.all_reduce_sum``)
+    sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
+    (BatchNorm running statistics), and the step statistics (loss, objective and penalties
+    weighted by ``B_r``, correct and count summed). A rank with no rows contributes zeros.
+    ``grad_evals`` stays the per-rank count. Returns the global batch's :class:`StepStats`.
+    """
+    from sharpcli.curvature.data import all_reduce_sum
+    from sharpcli.training.regularizers import StepStats, training_step
+
+    rank, world = data_parallel_rank_and_world()
+    total = xb.shape[0]
+    lo, hi = (rank * total) // world, ((rank + 1) * total) // world
+    rows = hi - lo
+    params = [p for p in model.parameters() if p.requires_grad]
+    penalty_names = [r.name for r in regs if r.kind == "penalty"]
+    if rows > 0:
+        stats = training_step(model, xb[lo:hi], yb[lo:hi], loss_name, regs, generator)
+    else:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        stats = StepStats(loss=0.0, objective=0.0, correct=0, count=0, grad_evals=0)
+    weight = rows / total
+    float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+    int_buffers = [b for b in model.buffers() if not b.is_floating_point()]
+    has_rows = 1.0 if rows > 0 else 0.0
+    head = [stats.loss * rows, stats.objective * rows, float(stats.correct), float(stats.count), has_rows]
+    head += [stats.penalties.get(name, 0.0) * rows for name in penalty_names]
+    parts = [torch.tensor(head, dtype=torch.float64)]
+    parts += [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64).cpu() * weight
+              for p in params]
+    parts += [b.reshape(-1).to(torch.float64).cpu() * weight for b in float_buffers]
+    parts += [b.reshape(-1).to(torch.float64).cpu() * has_rows for b in int_buffers]
+    flat = torch.cat(parts)
+    all_reduce_sum(flat)
+    offset = len(head)
+    reduced_head = flat[:offset].tolist()
+    tagged = [("grad", p) for p in params] + [("float", b) for b in float_buffers] + [("int", b) for b in int_buffers]
+    for kind, tensor in tagged:
+        piece = flat[offset: offset + tensor.numel()].view(tensor.shape)
+        offset += tensor.numel()
+        if kind == "grad":
+            tensor.grad = piece.to(device=tensor.device, dtype=tensor.dtype).clone()
+        elif kind == "float":
+            tensor.copy_(piece.to(tensor.dtype))
+        else:  # integer buffers (num_batches_tracked): the common value of the ranks with rows
+            tensor.copy_(torch.round(piece / reduced_head[4]).to(tensor.dtype))
+    count = reduced_head[3]
+    return StepStats(
+        loss=reduced_head[0] / count,
+        objective=reduced_head[1] / count,
+        correct=int(round(reduced_head[2])),
+        count=int(round(count)),
+        grad_evals=int(stats.grad_evals),
+        penalties={name: reduced_head[5 + i] / count for i, name in enumerate(penalty_names)},
+    )

@@ -449,7 +449,7 @@ class StepEngine:
             objective = loss.detach() + sum(values.values()) if values else loss.detach()
             self._check_finite(objective)
             correct = 0
-            if first and self.loss_name == "cross-entropy":
+            if self.loss_name == "cross-entropy":
                 correct = int((logits.detach().argmax(dim=-1) == self.y).sum().item())
             grads = None
             if want_grad:

@@ -1,0 +1,145 @@
+"""PNG plots for people (matplotlib, Agg backend, no display needed).
+
+Every function writes one PNG atomically at a fixed size (``FIGSIZE`` inches at
+``DPI``, i.e. 960 x 600 pixels) and returns the path.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+from sharpcli.io.atomic import atomic_path
+
+FIGSIZE = (8.0, 5.0)
+DPI = 120
+PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
+
+
+def _figure(nrows: int = 1, ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=FIGSIZE, dpi=DPI)
+    return plt, fig, axes
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; raises ValueError if the file is not a PNG."""
+    data = Path(path).read_bytes()[:24]
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError(f"{path} is not a PNG file")
+    return struct.unpack(">II", data[16:24])
+
+
+def _finite(values):
+    return [v if isinstance(v, (int, float)) and v is not None and math.isfinite(v) else float("nan") for v in values]
+
+
+def plot_training_history(history: list[dict], path: str | Path, title: str = "training") -> Path:
+    """Loss and accuracy per epoch (train and test); tracked curvature in a second panel."""
+    tracked_keys = sorted({k for row in history for k in (row.get("tracked") or {})})
+    plt, fig, axes = _figure(1, 2 if tracked_keys else 1)
+    ax = axes[0] if tracked_keys else axes
+    epochs = [row["epoch"] for row in history]
+    for key, style in (("train_loss", "-"), ("test_loss", "--")):
+        if any(row.get(key) is not None for row in history):
+            ax.plot(epochs, _finite([row.get(key) for row in history]), style, label=key.replace("_", " "))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    acc = ax.twinx()
+    for key, style in (("train_accuracy", "-"), ("test_accuracy", "--")):
+        if any(row.get(key) is not None for row in history):
+            acc.plot(epochs, _finite([row.get(key) for row in history]), style, color="tab:green",
+                     label=key.replace("_", " "))
+    acc.set_ylabel("accuracy")
+    ax.legend(loc="upper left", fontsize=8)
+    acc.legend(loc="lower left", fontsize=8)
+    ax.set_title(title)
+    if tracked_keys:
+        cax = axes[1]
+        for key in tracked_keys:
+            points = [(row["epoch"], (row.get("tracked") or {}).get(key)) for row in history if row.get("tracked")]
+            cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
+        cax.set_xlabel("epoch")
+        cax.set_title("tracked curvature")
+        if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
+            cax.set_yscale("symlog")
+        cax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
+    """Per-layer traces of H, G and N as grouped bars (the NME paper's split, layer by layer)."""
+    rows = results["layers"]
+    plt, fig, ax = _figure()
+    names = [r["layer"] for r in rows]
+    width = 0.27
+    xs = list(range(len(rows)))
+    for offset, key, label in ((-width, "hessian_trace", "tr H"), (0.0, "ggn_trace", "tr G"),
+                               (width, "nme_trace", "tr N")):
+        ax.bar([x + offset for x in xs], _finite([r[key] for r in rows]), width, label=label)
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("diagonal-block trace")
+    ax.set_title(f"H = G + N per layer (NME share {results.get('nme_share', float('nan')):.3g})")
+    ax.legend()
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def plot_compare_scatter(records: list[dict], path: str | Path, x: str = "lambda_max",
+                         y: str = "test_accuracy") -> Path:
+    """Sharpness against accuracy, one labelled point per run."""
+    plt, fig, ax = _figure()
+    points = [(r.get(x), r.get(y), r.get("run")) for r in records
+              if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    for px, py, label in points:
+        ax.annotate(str(label), (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if points and min(p[0] for p in points) > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(f"{y} against {x}" + ("" if points else " (no run has both)"))
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def plot_sweep(rows: list[dict], param: str, path: str | Path, accuracy_key: str = "test_accuracy",
+               sharpness_keys: tuple = ("lambda_max", "trace")) -> Path:
+    """Accuracy and sharpness against a swept hyper-parameter (mean and std over seeds),
+    as the activation-decay paper's Fig. 2 and the flatness-aware paper's table."""
+    plt, fig, ax = _figure()
+    xs = [r[param] for r in rows]
+    acc_mean = _finite([r.get(f"{accuracy_key}_mean") for r in rows])
+    acc_std = [v if v == v else 0.0 for v in _finite([r.get(f"{accuracy_key}_std") for r in rows])]
+    ax.errorbar(xs, acc_mean, yerr=acc_std, fmt="o-", color="tab:blue", capsize=3, label=accuracy_key)
+    ax.set_xlabel(param)
+    ax.set_ylabel(accuracy_key, color="tab:blue")
+    if xs and min(xs) > 0 and max(xs) / min(xs) >= 20:
+        ax.set_xscale("log")
+    right = ax.twinx()
+    for key, color in zip(sharpness_keys, ("tab:red", "tab:orange")):
+        means = _finite([r.get(f"{key}_mean") for r in rows])
+        if any(m == m for m in means):
+            stds = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_std") for r in rows])]
+            right.errorbar(xs, means, yerr=stds, fmt="s--", color=color, capsize=3, label=key)
+    right.set_ylabel("sharpness")
+    right.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"accuracy and sharpness against {param}")
+    fig.tight_layout()
+    return _save(plt, fig, path)

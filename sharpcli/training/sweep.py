@@ -1,0 +1,184 @@
+"""``sharp sweep``: train (then analyse) over a grid of regularizer hyper-parameters and seeds.
+
+Each grid point x seed is one run named ``<reg>-<k>=<v>[-...]-seed<s>`` in the
+output folder, with its checkpoint, its train report (``.train.json``) and its
+analysis report (``.analyze.json``). The sweep is resumable: a run whose
+analysis report exists is skipped, a trained run is only analysed, and a run
+interrupted during training continues from its resumable state (so it ends bit
+for bit as an uninterrupted one). At the end the per-run table and the
+per-value summary (mean and standard deviation over seeds) are written as CSV
+and Markdown with a plot of accuracy and sharpness against the swept value, as
+the activation-decay paper's Fig. 2 and the flatness-aware paper's table do.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from sharpcli.errors import UsageError
+from sharpcli.io.atomic import write_text_atomic
+
+
+@dataclass
+class SweepResult:
+    runs: list[dict]
+    summary: list[dict]
+    table_csv: str
+    summary_csv: str
+    summary_markdown: str
+    plot: str | None
+    skipped: list[str] = field(default_factory=list)
+    completed: bool = True
+
+
+def parse_grid(items: list[str]) -> dict[str, list[float]]:
+    """``["sigma=0.01,0.05", "eta=0,0.1"]`` -> ``{"sigma": [0.01, 0.05], "eta": [0.0, 0.1]}``."""
+    grid: dict[str, list[float]] = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"{item!r} is not NAME=V1,V2,...", source="--grid")
+        name, values = item.split("=", 1)
+        try:
+            grid[name.strip()] = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise UsageError(f"{item!r}: values must be numbers", source="--grid") from None
+        if not grid[name.strip()]:
+            raise UsageError(f"{item!r} has no values", source="--grid")
+    if not grid:
+        raise UsageError("give at least one NAME=V1,V2,...", source="--grid")
+    return grid
+
+
+def _fmt_value(v: float) -> str:
+    return f"{v:g}"
+
+
+def _run_name(reg: str, point: dict, seed: int) -> str:
+    return "-".join([reg] + [f"{k}={_fmt_value(v)}" for k, v in point.items()] + [f"seed{seed}"])
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], out_dir: str | Path, *,
+              metrics: list[str], extra_regs: list[str] = (), analyze_samples: int | None = 512,
+              max_runs: int | None = None, progress: Callable | None = None) -> SweepResult:
+    """Run the sweep (see module docstring); ``max_runs`` stops after that many new runs, as an interruption."""
+    from sharpcli.analyses.analyze import analyze, parse_metrics
+    from sharpcli.session import build_session
+    from sharpcli.training.loop import history_csv_path_for, state_path_for, train, train_report
+    from sharpcli.training.regularizers import parse_reg
+
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        out_dir.mkdir(parents=True)
+    if not out_dir.is_dir():
+        raise UsageError("is not a folder", source=str(out_dir))
+    metrics = parse_metrics(",".join(metrics))
+    if not seeds:
+        raise UsageError("give at least one seed", source="--seeds")
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for point in points:  # validate every grid point before any work
+        parse_reg(f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()))
+    runs, done_now, skipped = [], 0, []
+    total = len(points) * len(seeds)
+    for point in points:
+        for seed in seeds:
+            name = _run_name(reg, point, seed)
+            ckpt = out_dir / f"{name}.safetensors"
+            train_json, analyze_json = out_dir / f"{name}.train.json", out_dir / f"{name}.analyze.json"
+            train_doc, analyze_doc = _read_json(train_json), _read_json(analyze_json)
+            if train_doc is None or analyze_doc is None:
+                if max_runs is not None and done_now >= max_runs:
+                    return _finish(runs, out_dir, reg, grid, completed=False, skipped=skipped)
+                if train_doc is None:
+                    cfg = copy.deepcopy(base)
+                    cfg.seed = seed
+                    cfg.regs = [f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()), *extra_regs]
+                    resume = state_path_for(ckpt).exists()
+                    result = train(cfg, ckpt, resume=resume)
+                    train_doc = train_report(result, {"sweep": name}, out=str(ckpt), device=cfg.device,
+                                             dtype=cfg.dtype)
+                    from sharpcli.report.envelope import dumps
+
+                    write_text_atomic(train_json, dumps(train_doc))
+                has_test = train_doc["results"]["final"].get("test_accuracy") is not None
+                session = build_session(str(ckpt), split="test" if has_test else "train", samples=None,
+                                        dtype=base.dtype, device=base.device, seed=seed)
+                if analyze_samples is not None and session.num_samples > analyze_samples:
+                    session = build_session(str(ckpt), split="test" if has_test else "train",
+                                            samples=analyze_samples, dtype=base.dtype, device=base.device, seed=seed)
+                results, matvecs = analyze(session, metrics)
+                analyze_doc = session.report("analyze", {"metrics": metrics, "sweep": name}, results, matvecs)
+                from sharpcli.report.envelope import dumps
+
+                write_text_atomic(analyze_json, dumps(analyze_doc))
+                done_now += 1
+            else:
+                skipped.append(name)
+            runs.append(_row(name, point, seed, train_doc, analyze_doc))
+            if progress is not None:
+                progress(len(runs), total, name)
+    return _finish(runs, out_dir, reg, grid, completed=True, skipped=skipped)
+
+
+def _row(name, point, seed, train_doc, analyze_doc) -> dict:
+    final = train_doc["results"]["final"]
+    res = analyze_doc["results"]
+    hessian = res.get("hessian", {})
+    return {"run": name, **point, "seed": seed, "train_accuracy": final.get("train_accuracy"),
+            "test_accuracy": final.get("test_accuracy"), "train_loss": final.get("train_loss"),
+            "test_loss": final.get("test_loss"), "lambda_max": hessian.get("lambda_max"),
+            "trace": hessian.get("trace"), "frobenius_sq": hessian.get("frobenius_sq"),
+            "nme_share": res.get("nme_share")}
+
+
+def _summary(runs: list[dict], grid: dict) -> list[dict]:
+    import pandas as pd
+
+    frame = pd.DataFrame(runs)
+    keys = list(grid)
+    out = []
+    for values, group in frame.groupby(keys, sort=True):
+        values = values if isinstance(values, tuple) else (values,)
+        row = dict(zip(keys, [float(v) for v in values]))
+        row["seeds"] = int(len(group))
+        for col in ("train_accuracy", "test_accuracy", "lambda_max", "trace", "frobenius_sq", "nme_share"):
+            series = pd.to_numeric(group[col], errors="coerce").dropna()
+            row[f"{col}_mean"] = float(series.mean()) if len(series) else None
+            row[f"{col}_std"] = float(series.std(ddof=1)) if len(series) > 1 else (0.0 if len(series) else None)
+        out.append(row)
+    return out
+
+
+def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list) -> SweepResult:
+    import pandas as pd
+
+    from sharpcli.report.compare import render
+    from sharpcli.report.plots import plot_sweep
+
+    table_csv = out_dir / "sweep-runs.csv"
+    summary_csv, summary_md = out_dir / "sweep-summary.csv", out_dir / "sweep-summary.md"
+    summary = _summary(runs, grid) if runs else []
+    plot = None
+    if runs:
+        write_text_atomic(table_csv, pd.DataFrame(runs).to_csv(index=False))
+        frame = pd.DataFrame(summary)
+        write_text_atomic(summary_csv, frame.to_csv(index=False))
+        write_text_atomic(summary_md, render(frame, "markdown"))
+        if completed:
+            param = next(iter(grid))
+            keys = ("lambda_max", "trace") if any(r.get("trace_mean") is not None for r in summary) else ("lambda_max",)
+            plot = str(plot_sweep(summary, param, out_dir / "sweep.png", sharpness_keys=keys))
+    return SweepResult(runs=runs, summary=summary, table_csv=str(table_csv), summary_csv=str(summary_csv),
+                       summary_markdown=str(summary_md), plot=plot, skipped=skipped, completed=completed)

@@ -1,0 +1,221 @@
+"""Data-parallel commands (SPEC section 8): 2 gloo ranks on CPU equal 1 process, rank 0 alone prints.
+
+One ``torch.multiprocessing`` spawn of 2 ranks runs, through ``sharpcli.cli.app.main`` with
+torchrun's environment variables, eigen, trace and gn-nme (float64), a command that hits
+Inf on rank 1's shard, ``train`` (weight-noise + wd, exact under DDP) and a refused ``train``
+(sam). Each rank's stdout goes to its own file. The single-process references run in the
+test process. A slow test runs the real ``torch.distributed.run`` launcher once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cli_helpers import run_cli
+
+RELATIVE = 1e-10
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _make_files(tmp_path):
+    """A tiny GELU MLP checkpoint on 120 samples (16 features, 4 classes) and a data file whose
+    sample 100 is 1e25 (its Hessian products overflow float32: Inf on batch 6 of 16 samples,
+    i.e. batch 2 of rank 1's shard [60, 120))."""
+    from safetensors.torch import save_file
+
+    from sharpcli.io.checkpoints import save_checkpoint
+    from sharpcli.models import build_model, default_model_args
+
+    spec = {"name": "mlp", "args": default_model_args("mlp", (16,), 4, width=10, depth=2, activation="gelu")}
+    torch.manual_seed(0)
+    ckpt = tmp_path / "model.safetensors"
+    save_checkpoint(ckpt, build_model(spec), spec, data_spec="blobs:n=120,dim=16,classes=4,seed=3")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 16, generator=gen)
+    y = torch.randint(0, 4, (120,), generator=gen)
+    x[100] = 1e25
+    bad = tmp_path / "overflow.safetensors"
+    save_file({"x": x, "y": y}, str(bad))
+    return ckpt, bad
+
+
+def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
+    common = ["--dtype", "float64", "--batch-size", "16", "--json", "-", "--quiet"]
+    train = ["train", "--data", "blobs:n=90,dim=6,classes=3", "--epochs", "2", "--batch-size", "25",
+             "--dtype", "float64", "--width", "6", "--depth", "2", "--json", "-", "--quiet"]
+    return {
+        "eigen": ["eigen", str(ckpt), "--top-k", "2", "--which", "both", *common],
+        "trace": ["trace", str(ckpt), "--estimator", "hutchinson", "--tol", "1e-9", "--max-matvecs", "24", *common],
+        "gn-nme": ["gn-nme", str(ckpt), "--tol", "1e-9", "--max-matvecs", "16", *common],
+        "overflow": ["eigen", str(ckpt), "--data", str(bad), "--batch-size", "16", "--json", "-", "--quiet"],
+        "train": [*train, "--reg", "wd", "--reg", "weight-noise", "--out", str(tmp_path / out_name)],
+        "train-sam": [*train, "--reg", "sam", "--out", str(tmp_path / ("sam-" + out_name))],
+    }
+
+
+def _rank_main(rank: int, world: int, ports: list[int], tmp: str, ckpt: str, bad: str, codes) -> None:
+    """One rank: torchrun's environment, then ``main`` per command with stdout in a per-rank file."""
+    from pathlib import Path
+
+    from sharpcli.cli import common
+    from sharpcli.cli.app import main
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    commands = _commands(Path(tmp), ckpt, bad, "ddp.safetensors")
+    for (name, argv), port in zip(commands.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        common.state()["debug"] = False
+        with open(Path(tmp) / f"{name}.rank{rank}.out", "w") as out, \
+                open(Path(tmp) / f"{name}.rank{rank}.err", "w") as err:
+            sys.stdout, sys.stderr = out, err
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            finally:
+                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        codes[f"{name}.{rank}"] = code
+
+
+def _one_json_document(text: str) -> dict:
+    decoder = json.JSONDecoder()
+    doc, end = decoder.raw_decode(text.lstrip())
+    assert text.lstrip()[end:].strip() == "", "more than one JSON document on stdout"
+    return doc
+
+
+def _close(a: float, b: float, scale: float = 0.0) -> bool:
+    """Equal to ``RELATIVE`` relative; ``scale`` (the operator's norm) for values at rounding level,
+    e.g. the Gauss-Newton matrix's smallest eigenvalue, zero up to ``eps ||G||``."""
+    return abs(a - b) <= RELATIVE * max(abs(a), abs(b), abs(scale), 1e-300)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    ckpt, bad = _make_files(tmp)
+    manager = mp.Manager()
+    codes = manager.dict()
+    ports = [_free_port() for _ in range(6)]
+    mp.spawn(_rank_main, args=(2, ports, str(tmp), str(ckpt), str(bad), codes), nprocs=2, join=True)
+    outputs = {}
+    for name in _commands(tmp, ckpt, bad, "ddp.safetensors"):
+        for rank in (0, 1):
+            outputs[name, rank] = ((tmp / f"{name}.rank{rank}.out").read_text(),
+                                   (tmp / f"{name}.rank{rank}.err").read_text(), codes[f"{name}.{rank}"])
+    return tmp, ckpt, bad, outputs
+
+
+@pytest.mark.parametrize("name", ["eigen", "trace", "gn-nme"])
+def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, name):
+    tmp, ckpt, bad, outputs = two_ranks
+    out0, err0, code0 = outputs[name, 0]
+    out1, err1, code1 = outputs[name, 1]
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert out1 == "" and err1 == ""  # rank 1 prints and writes nothing
+    parallel = _one_json_document(out0)
+    assert parallel["environment"]["world_size"] == 2
+    single = run_cli(capsys, *_commands(tmp, ckpt, bad, "single.safetensors")[name])
+    assert single.code == 0, single.err
+    reference = single.json()
+    assert reference["environment"]["world_size"] == 1
+    ref, par = reference["results"], parallel["results"]
+    if name == "eigen":
+        assert len(ref["eigenvalues"]) == 4
+        norm = max(abs(v) for v in ref["eigenvalues"])
+        assert all(_close(a, b, norm) for a, b in zip(ref["eigenvalues"], par["eigenvalues"]))
+        assert ref["converged"] == par["converged"] and ref["matvecs"] == par["matvecs"]
+    elif name == "trace":
+        assert ref["trace"]["samples"] == par["trace"]["samples"] == 24
+        assert _close(ref["trace"]["estimate"], par["trace"]["estimate"])
+        assert _close(ref["trace"]["stderr"], par["trace"]["stderr"])
+        for layer, value in ref["by_layer"].items():
+            assert _close(value["estimate"], par["by_layer"][layer]["estimate"])
+    else:
+        for op in ("hessian", "ggn", "nme"):
+            norm = max(abs(ref[op]["lambda_max"]), abs(ref[op]["lambda_min"]))
+            for key in ("lambda_max", "lambda_min"):
+                assert _close(ref[op][key], par[op][key], norm), (op, key)
+            assert _close(ref[op]["frobenius_sq"], par[op]["frobenius_sq"]), op
+            assert _close(ref[op]["trace"]["estimate"], par[op]["trace"]["estimate"])
+        assert _close(ref["nme_share"], par["nme_share"])
+        # exact GN trace (all-reduced per-parameter sums) and the sampled-label estimator, whose
+        # label draws are keyed by the global sample index, hence rank-independent
+        for key in ("exact", "sampled_label", "sampled_label_stderr"):
+            assert _close(ref["ggn_trace_check"][key], par["ggn_trace_check"][key]), key
+        assert abs(par["ggn_trace_check"]["sampled_label"] - par["ggn_trace_check"]["exact"]) <= \
+            4 * par["ggn_trace_check"]["sampled_label_stderr"]
+
+
+def test_inf_on_one_rank_stops_every_rank_with_exit_3(two_ranks):
+    _, _, _, outputs = two_ranks
+    out0, err0, code0 = outputs["overflow", 0]
+    out1, err1, code1 = outputs["overflow", 1]
+    assert (code0, code1) == (3, 3)  # every rank exits with the numerical-failure code
+    assert out1 == "" and err1 == ""
+    lines = [line for line in err0.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err0
+    assert "Hessian" in lines[0] and "batch 2" in lines[0] and "rank 1 of 2" in lines[0]
+    error = _one_json_document(out0)["error"]
+    assert error["exit_code"] == 3 and error["type"] == "numerical" and error["rank"] == 1
+
+
+def test_data_parallel_training_equals_one_process(two_ranks, capsys):
+    from safetensors.torch import load_file
+
+    tmp, ckpt, bad, outputs = two_ranks
+    out0, err0, code0 = outputs["train", 0]
+    assert (code0, outputs["train", 1][2]) == (0, 0), err0
+    assert outputs["train", 1][0] == ""
+    parallel = _one_json_document(out0)
+    single = run_cli(capsys, *_commands(tmp, ckpt, bad, "single.safetensors")["train"])
+    assert single.code == 0, single.err
+    # wd + weight-noise: the same noise on every rank, gradients linear in the batch -> same weights
+    a, b = load_file(str(tmp / "single.safetensors")), load_file(str(tmp / "ddp.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-10, atol=1e-12), key
+    for row_a, row_b in zip(single.json()["results"]["history"], parallel["results"]["history"]):
+        assert _close(row_a["train_loss"], row_b["train_loss"])
+        assert _close(row_a["penalties"]["wd"], row_b["penalties"]["wd"])
+
+
+def test_data_parallel_training_refuses_sam(two_ranks):
+    _, _, _, outputs = two_ranks
+    out0, err0, code0 = outputs["train-sam", 0]
+    assert (code0, outputs["train-sam", 1][2]) == (2, 2)
+    assert outputs["train-sam", 1][1] == ""
+    line = err0.strip()
+    assert "--reg" in line and "sam" in line and "global gradient" in line
+
+
+@pytest.mark.slow
+def test_torchrun_launcher_prints_one_json_document(tmp_path):
+    ckpt, _ = _make_files(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["eigen", str(ckpt), "--dtype", "float64", "--batch-size", "16", "--json", "-"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), "-m", "sharpcli", *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    parallel = _one_json_document(proc.stdout)
+    single = subprocess.run([sys.executable, "-m", "sharpcli", *argv], capture_output=True, text=True,
+                            timeout=300, env=env)
+    reference = json.loads(single.stdout)
+    assert parallel["environment"]["world_size"] == 2
+    assert _close(parallel["results"]["eigenvalues"][0], reference["results"]["eigenvalues"][0])

@@ -1,0 +1,66 @@
+"""Every plot is a valid PNG of the documented size; sharp sweep completes, resumes, tabulates and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from cli_helpers import run_cli
+from sharpcli.report.plots import PIXELS, png_size
+
+DATA = "blobs:n=160,dim=6,classes=3"
+
+
+def test_train_and_gn_nme_and_compare_plots(tmp_path, capsys):
+    ck = tmp_path / "m.safetensors"
+    run = run_cli(capsys, "train", "--epochs", "2", "--data", DATA, "--width", "8", "--track", "eigen",
+                  "--track-samples", "48", "--out", ck, "--plot", tmp_path / "train.png", "--json", tmp_path / "t.json",
+                  "--quiet")
+    assert run.code == 0, run.err
+    assert png_size(tmp_path / "train.png") == PIXELS
+    run = run_cli(capsys, "gn-nme", ck, "--samples", "48", "--tol", "0.2", "--plot", tmp_path / "gn.png",
+                  "--json", tmp_path / "g.json", "--quiet")
+    assert run.code == 0, run.err
+    assert png_size(tmp_path / "gn.png") == PIXELS
+    run = run_cli(capsys, "analyze", ck, "--split", "test", "--json", tmp_path / "a.json", "--quiet")
+    assert run.code == 0, run.err
+    run = run_cli(capsys, "compare", tmp_path / "a.json", tmp_path / "t.json", "--plot", tmp_path / "cmp.png",
+                  "--quiet")
+    assert run.code == 0, run.err
+    assert png_size(tmp_path / "cmp.png") == PIXELS
+
+
+def test_png_size_rejects_non_png(tmp_path):
+    bad = tmp_path / "x.png"
+    bad.write_bytes(b"GIF89a....")
+    with pytest.raises(ValueError):
+        png_size(bad)
+
+
+def test_sweep_three_values_two_seeds_resumes_after_interruption(tmp_path, capsys):
+    args = ["sweep", "--reg", "ad", "--grid", "sigma=0.01,0.1,0.5", "--seeds", "0,1", "--data", DATA,
+            "--epochs", "2", "--width", "8", "--analyze-samples", "40", "--out-dir", tmp_path / "sw"]
+    first = run_cli(capsys, *args, "--max-runs", "2", "--json", "-")
+    assert first.code == 0, first.err
+    assert first.json()["results"]["completed"] is False and len(first.json()["results"]["runs"]) == 2
+    second = run_cli(capsys, *args, "--json", "-")
+    assert second.code == 0, second.err
+    res = second.json()["results"]
+    assert res["completed"] is True and len(res["runs"]) == 6 and len(res["skipped"]) == 2
+    assert res["runs"][:2] == first.json()["results"]["runs"]  # resumed runs are read back, not redone
+    rows = list(csv.DictReader(open(res["tables"]["runs_csv"])))
+    assert len(rows) == 6
+    for row, run in zip(rows, res["runs"]):
+        report = json.loads((tmp_path / "sw" / f"{run['run']}.analyze.json").read_text())
+        assert float(row["lambda_max"]) == pytest.approx(report["results"]["hessian"]["lambda_max"], rel=1e-12)
+    summary = list(csv.DictReader(open(res["tables"]["summary_csv"])))
+    assert [float(r["sigma"]) for r in summary] == [0.01, 0.1, 0.5]
+    assert all(int(r["seeds"]) == 2 for r in summary)
+    assert png_size(res["plot"]) == PIXELS
+    # the checkpoint of each run records its swept value
+    from sharpcli.io.checkpoints import load_checkpoint
+
+    ck = load_checkpoint(tmp_path / "sw" / f"{res['runs'][-1]['run']}.safetensors")
+    assert ck.train_config["regs"] == ["ad:sigma=0.5"] and ck.train_config["seed"] == 1
