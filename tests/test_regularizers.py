@@ -576,10 +576,10 @@ def test_parse_positional_keyword_and_defaults():
     assert parse_reg("gp:0.1,2").params == {"rho": 0.1, "p": 2, "mode": "exact", "eps": 1e-3}
     assert parse_reg("gp:0.1,mode=fd").params["mode"] == "fd"
     assert parse_reg("nso:0.02,4").params == {"sigma": 0.02, "k": 4, "report": "perturbed"}
-    assert parse_reg("hessian-trace").params == {"sigma2": 0.01, "probes": 1, "mode": "fd", "eps": 1e-2}
-    assert parse_reg("fa").params == {"lambda": 0.01, "mode": "fd", "eps": 1e-2}
+    assert parse_reg("hessian-trace").params == {"sigma2": 0.01, "probes": 1, "mode": "fd", "eps": 0.1}
+    assert parse_reg("fa").params == {"lambda": 0.01, "mode": "fd", "eps": 0.03}
     assert parse_reg("weight-noise").params == {"sigma": 0.01, "report": "perturbed"}
-    assert parse_reg("fa:lambda=0.1").params == {"lambda": 0.1, "mode": "fd", "eps": 1e-2}
+    assert parse_reg("fa:lambda=0.1").params == {"lambda": 0.1, "mode": "fd", "eps": 0.03}
     assert parse_reg("none").spec() == "none"
     assert parse_reg(" WD : 0.1 ").params == {"sigma": 0.1}
 

@@ -125,3 +125,37 @@ def test_missing_checkpoint_names_the_file(tmp_path, capsys):
     run = run_cli(capsys, "eigen", tmp_path / "absent.safetensors", "--json", "-")
     assert_one_line_error(run, 2, "absent.safetensors")
     assert run.json()["error"]["type"] == "input"
+
+
+def test_density_integrates_to_one_and_plots(tiny, capsys, tmp_path):
+    path, evals, _ = tiny
+    plot = tmp_path / "density.png"
+    run = run_cli(capsys, "density", path, "--dtype", "float64", "--steps", "40", "--probes", "2",
+                  "--plot", plot, "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    r = report["results"]
+    grid, dens = torch.tensor(r["grid"]), torch.tensor(r["density"])
+    assert float(torch.trapezoid(dens, grid)) == pytest.approx(1.0, abs=0.02)
+    # the extreme Ritz values bracket the spectrum and reach its ends (Lanczos converges there first)
+    assert r["lambda_max"] == pytest.approx(float(evals[-1]), rel=1e-6)
+    assert r["lambda_min"] == pytest.approx(float(evals[0]), rel=1e-6, abs=1e-8)
+    from sharpcli.report.plots import png_size
+
+    assert png_size(plot)[0] > 100
+
+
+def test_pyhessian_engine_agrees_with_native_within_its_tolerance(tiny, capsys):
+    path, evals, _ = tiny
+    largest_abs = float(evals.abs().max())
+    run = run_cli(capsys, "eigen", path, "--engine", "pyhessian", "--dtype", "float64", "--json", "-")
+    assert run.code == 0, run.err
+    r = run.json()["results"]
+    assert r["engine"] == "pyhessian"
+    # pyhessian stops on a 1e-3 relative change: its value is within a few times that of the truth
+    assert abs(abs(r["eigenvalues"][0]) - largest_abs) <= 5e-3 * largest_abs
+    native = run_cli(capsys, "eigen", path, "--dtype", "float64", "--json", "-").json()["results"]
+    assert abs(abs(r["eigenvalues"][0]) - abs(native["eigenvalues"][0])) <= 5e-3 * largest_abs
+    refused = run_cli(capsys, "eigen", path, "--engine", "pyhessian", "--which", "smallest")
+    assert_one_line_error(refused, 2, "--engine")

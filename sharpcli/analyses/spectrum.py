@@ -64,8 +64,8 @@ def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "l
             raise UsageError("the pyhessian engine computes only the Hessian", source="--engine")
         if which != "largest":
             raise UsageError("the pyhessian engine finds only the largest |eigenvalue|s", source="--engine")
-        result = pyhessian_eigenvalues(session.model, session.analysis_data(), session.scope(params), top_k=top_k,
-                                       tol=tol, max_iter=max_matvecs or 100, seed=seed)
+        result = pyhessian_eigenvalues(session.model, session.analysis_data(), top_n=top_k, tol=tol,
+                                       max_iter=max_matvecs or 100, seed=seed, params=params)
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
@@ -97,8 +97,8 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
 
         if operator != "hessian" or square:
             raise UsageError("the pyhessian engine computes only tr(H)", source="--engine")
-        result = pyhessian_trace(session.model, session.analysis_data(), session.scope(params), tol=tol,
-                                 max_iter=max_matvecs, seed=seed)
+        result = pyhessian_trace(session.model, session.analysis_data(), tol=tol, max_iter=max_matvecs, seed=seed,
+                                 params=params)
         scope = session.scope(params)
     else:
         cpass = curvature_pass(session, params)
@@ -124,13 +124,16 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
 def density(session, *, operator: str = "hessian", probes: int = 4, steps: int = 64, grid_points: int = 512,
             broadening: float | None = None, params: str | None = None, seed: int | None = None) -> dict:
     """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019), Gaussian-broadened."""
-    from sharpcli.curvature.density import slq_density
+    from sharpcli.curvature.density import spectral_density
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
     op = operator_of(cpass, operator)
-    result = slq_density(op, probes=probes, steps=steps, grid_points=grid_points, sigma=broadening, seed=seed)
+    result = spectral_density(op, probes=probes, lanczos_steps=steps, grid_points=grid_points, sigma=broadening,
+                              seed=seed)
     out = result.to_dict()
+    nodes = [t for probe in result.nodes for t in probe]
+    out.update(lambda_min=min(nodes), lambda_max=max(nodes))
     out.update(operator=operator, scope=scope_info(cpass.scope))
     return out
 

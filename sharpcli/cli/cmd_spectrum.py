@@ -179,16 +179,19 @@ def density_command(
         results = spectrum.density(session, operator=operator, probes=probes, steps=steps, grid_points=grid_points,
                                    broadening=broadening, params=params)
     if plot is not None:
-        from sharpcli.curvature.density import plot_density
+        from sharpcli.curvature.density import SpectralDensity, plot_density
 
-        plot_density(results, plot, title=f"{operator} spectral density")
+        fields = {k: results[k] for k in ("nodes", "weights", "grid", "density", "sigma", "matvecs", "lanczos_steps",
+                                          "probes")}
+        plot_density(SpectralDensity(dimension=results["scope"]["numel"], **fields), plot,
+                     title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.settings() | {"operator": operator, "probes": probes, "steps": steps,
                                   "grid_points": grid_points, "broadening": broadening, "params": params, "plot": plot}
     report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
 
     def render(console):
-        summary = {k: results[k] for k in ("lambda_min", "lambda_max", "trace_estimate", "broadening", "matvecs")
+        summary = {k: results[k] for k in ("lambda_min", "lambda_max", "trace_estimate", "sigma", "matvecs")
                    if k in results}
         console.print(key_value_table(f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary))
         if plot:

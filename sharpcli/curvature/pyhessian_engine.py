@@ -73,6 +73,13 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     criterion = loss_fn(data.loss)
     counter = {"matvecs": 0}
     original_hvp = pyhessian_module.hessian_vector_product
+    # pyhessian calls backward(create_graph=True) (its memory leak, issue #25); torch warns on every
+    # call. The cycle is broken by clearing .grad below; keep the user's terminal clean.
+    import warnings
+
+    warning_filter = warnings.catch_warnings()
+    warning_filter.__enter__()
+    warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
 
     def counting_hvp(*args, **kwargs):
         counter["matvecs"] += 1
@@ -104,6 +111,7 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
             source="--engine",
         ) from error
     finally:
+        warning_filter.__exit__(None, None, None)
         pyhessian_module.hessian_vector_product = original_hvp
         torch.set_default_dtype(old_dtype)
         model.zero_grad(set_to_none=True)

@@ -382,7 +382,14 @@ class HessianTrace(Penalty):
 
     fd is the default because exact third-order autograd costs about 5x a plain step
     and misses the <= 4x budget (docs/benchmarks.md, "Training regularizers").
-    Defaults ``sigma2 = 0.01``, ``probes = 1`` (NME draws a single sample), ``eps = 1e-2``.
+    Accuracy: float32 gradients carry rounding noise of relative size ~1e-7 that the
+    division by ``s^2`` amplifies as ``1/eps^2``, while truncation grows as ``eps^2``. On a
+    26k-parameter GELU MLP (64-128-128-10, batch 128) the float32 penalty gradient's
+    relative error against float64 exact autograd was 0.5 at ``eps = 1e-2``, 5e-3 at
+    ``eps = 0.1`` and 6e-4 at ``eps = 0.3`` (float64: 4e-5 at 0.1; 1e-4 needs only
+    ``eps <= 0.3``); the default ``eps = 0.1`` is sized for float32, and float64 runs may
+    use smaller steps. Defaults ``sigma2 = 0.01``, ``probes = 1`` (NME draws a single
+    sample), ``eps = 0.1``.
     """
 
     name = "hessian-trace"
@@ -391,7 +398,7 @@ class HessianTrace(Penalty):
         HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
         HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
         HyperParam("mode", "choice", "fd", "finite differences of grad L or exact third-order autograd", choices=("fd", "exact")),
-        HyperParam("eps", "float", 1e-2, "finite-difference step length (mode=fd)", positive=True),
+        HyperParam("eps", "float", 0.1, "finite-difference step length (mode=fd)", positive=True),
     )
 
     @property
@@ -503,8 +510,14 @@ class FlatnessAware(Penalty):
 
     fd is the default because exact third-order autograd costs about 5x a plain step
     and misses the <= 4x budget (docs/benchmarks.md, "Training regularizers"; the FA
-    paper reports about 38x for its exact penalty). Defaults ``lambda = 0.01`` (FA's
-    best strength), ``eps = 1e-2``.
+    paper reports about 38x for its exact penalty). Accuracy: truncation is first order
+    (relative error about ``0.8 eps`` on the MLP below) and float32 rounding grows as
+    ``1/eps^2``; on a 26k-parameter GELU MLP (64-128-128-10, batch 128) the float32
+    penalty gradient's relative error against float64 exact autograd was 0.5 at
+    ``eps = 3e-3``, 5e-2 at ``1e-2``, 2.5e-2 at ``0.03`` (the optimum) and 8e-2 at ``0.1``;
+    the reported value ``||H v||^2`` was within 5e-4. Float64 runs may use smaller steps
+    (``eps = 1e-5`` gives 1e-4 on the tests' models). Defaults ``lambda = 0.01`` (FA's
+    best strength), ``eps = 0.03``.
     """
 
     name = "fa"
@@ -512,7 +525,7 @@ class FlatnessAware(Penalty):
     HYPERPARAMS = (
         HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),
         HyperParam("mode", "choice", "fd", "finite differences of grad L or exact third-order autograd", choices=("fd", "exact")),
-        HyperParam("eps", "float", 1e-2, "finite-difference step length (mode=fd)", positive=True),
+        HyperParam("eps", "float", 0.03, "finite-difference step length (mode=fd)", positive=True),
     )
     needs_autograd = True
 

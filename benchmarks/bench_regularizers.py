@@ -1,0 +1,183 @@
+"""Per-epoch cost of the ``sharp train`` regularizers relative to ``--reg none``.
+
+Runs ``python -m sharpcli train`` as whole processes (public CLI only), one process per
+(regularizer, repetition), each immediately followed or preceded (alternating) by a
+``--reg none`` run of the same model and data, so slow drifts of a shared machine's
+load hit both sides of a pair. Per run it reads the per-epoch ``seconds`` of the JSON
+report's ``results.history`` and drops epoch 1 (warm-up: allocator, lazy imports).
+
+Reported per regularizer:
+
+- ``median s/epoch``: median over every kept epoch of every repetition;
+- ``ratio``: median over repetitions of (median kept epoch of the run) / (median kept
+  epoch of its paired ``none`` run), the cost relative to plain training;
+- ``grad evals/step``: ``results.final.grad_evals`` of the run over that of its ``none``
+  run (one evaluation per plain step), the counted cost;
+- ``target`` and whether the ratio meets it.
+
+Usage (the defaults are those of docs/benchmarks.md, "Training regularizers")::
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_regularizers.py --reps 5 [--markdown out.md]
+
+Prints a Markdown table and the exact ``sharp train`` command line of each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: Budgets (epoch time / epoch time of ``--reg none``) the regularizers are held to.
+TARGETS: dict[str, float] = {
+    "ad": 1.1,
+    "weight-noise": 1.2,
+    "sam": 2.2,
+    "usam": 2.2,
+    "asam": 2.2,
+    "nso": 2.2,
+    "gp": 4.0,
+    "gn-trace": 4.0,
+    "hessian-trace": 4.0,
+    "fa": 4.0,
+}
+
+DEFAULT_REGS = [
+    "wd", "dropout", "ad", "sam", "usam", "asam", "weight-noise", "nso", "gp", "gn-trace",
+    "hessian-trace", "fa",
+    # non-default modes, for reference
+    "weight-noise:report=clean", "nso:report=clean", "gp:mode=fd",
+    "hessian-trace:mode=exact", "fa:mode=exact",
+]
+
+
+def train_command(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> list[str]:
+    """The ``sharp train`` command line of one run (``python -m sharpcli train ...``)."""
+    return [
+        sys.executable, "-m", "sharpcli", "train",
+        "--data", args.data,
+        "--model", args.model, "--width", str(args.width), "--depth", str(args.depth),
+        "--activation", args.activation,
+        "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
+        "--seed", str(args.seed),
+        "--reg", reg,
+        "--out", str(out_dir / f"{tag}.safetensors"),
+        "--json", str(out_dir / f"{tag}.json"),
+    ]
+
+
+def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dict:
+    """Run one training process; return its kept epoch seconds and gradient evaluations."""
+    cmd = train_command(args, reg, out_dir, tag)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"bench: {shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    report = json.loads((out_dir / f"{tag}.json").read_text())
+    history = report["results"]["history"]
+    seconds = [row["seconds"] for row in history[1:]]  # epoch 1 is warm-up
+    return {
+        "seconds": seconds,
+        "median": statistics.median(seconds),
+        "grad_evals": report["results"]["final"]["grad_evals"],
+        "threads": report["environment"]["threads"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regs", nargs="+", default=DEFAULT_REGS, help="regularizer specs to time")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (pairs) per regularizer")
+    parser.add_argument("--data", default="blobs:n=8192,dim=64,classes=10")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--activation", default="gelu")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS unless already set")
+    parser.add_argument("--markdown", type=Path, help="also write the Markdown table here")
+    parser.add_argument("--raw", type=Path, help="write every run's numbers as JSON here")
+    args = parser.parse_args(argv)
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (epoch 1 is dropped as warm-up)")
+
+    rows = []
+    raw: dict = {"none": [], "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-regs-") as tmp:
+        out_dir = Path(tmp)
+        for rep in range(args.reps):
+            for i, reg in enumerate(args.regs):
+                order = [("none", "base"), (reg, "reg")]
+                if (rep + i) % 2:
+                    order.reverse()  # alternate which side of the pair runs first
+                pair = {}
+                for spec, side in order:
+                    pair[side] = run_once(args, spec, out_dir, f"r{rep}-{i}-{side}")
+                raw["none"].append(pair["base"])
+                raw["runs"].setdefault(reg, []).append({
+                    **pair["reg"],
+                    "ratio": pair["reg"]["median"] / pair["base"]["median"],
+                    # a plain step is 1 gradient evaluation, so the none run counts the steps
+                    "grad_evals_per_step": pair["reg"]["grad_evals"] / pair["base"]["grad_evals"],
+                })
+                print(
+                    f"rep {rep + 1}/{args.reps} {reg:28s} {pair['reg']['median']:.3f} s/epoch "
+                    f"vs none {pair['base']['median']:.3f} -> {pair['reg']['median'] / pair['base']['median']:.2f}x",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        example = train_command(args, "REG", Path("OUT"), "run")
+
+    none_epochs = [s for run in raw["none"] for s in run["seconds"]]
+    none_median = statistics.median(none_epochs)
+    rows.append(("none", none_median, 1.0, 1.0, None))
+    for reg in args.regs:
+        runs = raw["runs"][reg]
+        epochs = [s for run in runs for s in run["seconds"]]
+        ratio = statistics.median(run["ratio"] for run in runs)
+        evals = statistics.median(run["grad_evals_per_step"] for run in runs)
+        rows.append((reg, statistics.median(epochs), ratio, evals, TARGETS.get(reg)))
+
+    threads = raw["none"][0]["threads"]
+    lines = [
+        f"Date: {_dt.date.today().isoformat()}; host: {platform.machine()}, {os.cpu_count()} cores "
+        f"(shared); torch threads: {threads}; {args.reps} alternating pairs per regularizer; "
+        f"epochs 2-{args.epochs} of each run kept.",
+        "",
+        "| regularizer | median s/epoch | ratio to none | grad evals/step | target | met |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for reg, median, ratio, evals, target in rows:
+        met = "" if target is None else ("yes" if ratio <= target else "**no**")
+        target_text = "" if target is None else f"<= {target:g}x"
+        lines.append(f"| `{reg}` | {median:.3f} | {ratio:.2f}x | {evals:.2f} | {target_text} | {met} |")
+    lines += [
+        "",
+        "Each run: `" + " ".join(shlex.quote(a) for a in example[1:]).replace(sys.executable, "python")
+        + "` (`python -m sharpcli train ...`, REG replaced by the row's spec, `--reg none` for the pair).",
+        "",
+        "Benchmark command: `OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads))
+        + " python benchmarks/bench_regularizers.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])) + "`",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    if args.raw:
+        args.raw.write_text(json.dumps(raw, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
