@@ -1,16 +1,19 @@
 """Per-epoch cost of the ``sharp train`` regularizers relative to ``--reg none``.
 
 Runs ``python -m sharpcli train`` as whole processes (public CLI only), one process per
-(regularizer, repetition), each immediately followed or preceded (alternating) by a
-``--reg none`` run of the same model and data, so slow drifts of a shared machine's
-load hit both sides of a pair. Per run it reads the per-epoch ``seconds`` of the JSON
-report's ``results.history`` and drops epoch 1 (warm-up: allocator, lazy imports).
+(regularizer, repetition). Each repetition alternates ``--reg none`` runs with
+regularizer runs, ``none A B none C D none ...`` (the regularizer order reversed on
+every other repetition), so every regularizer run has a ``none`` run of the same model
+and data beside it and slow drifts of a shared machine's load hit both. Per run it
+reads the per-epoch ``seconds`` of the JSON report's ``results.history`` and drops
+epoch 1 (warm-up: allocator, lazy imports).
 
 Reported per regularizer:
 
 - ``median s/epoch``: median over every kept epoch of every repetition;
-- ``ratio``: median over repetitions of (median kept epoch of the run) / (median kept
-  epoch of its paired ``none`` run), the cost relative to plain training;
+- ``ratio``: median over repetitions of (median kept epoch of the run) / (mean of the
+  median kept epochs of the ``none`` runs on either side of it), the cost relative to
+  plain training;
 - ``grad evals/step``: ``results.final.grad_evals`` of the run over that of its ``none``
   run (one evaluation per plain step), the counted cost;
 - ``target`` and whether the ratio meets it.
@@ -51,11 +54,9 @@ TARGETS: dict[str, float] = {
 }
 
 DEFAULT_REGS = [
-    "wd", "dropout", "ad", "sam", "usam", "asam", "weight-noise", "nso", "gp", "gn-trace",
-    "hessian-trace", "fa",
+    "ad", "weight-noise", "sam", "usam", "asam", "nso", "gp", "gn-trace", "hessian-trace", "fa",
     # non-default modes, for reference
-    "weight-noise:report=clean", "nso:report=clean", "gp:mode=fd",
-    "hessian-trace:mode=exact", "fa:mode=exact",
+    "weight-noise:report=clean", "hessian-trace:mode=exact", "fa:mode=exact",
 ]
 
 
@@ -96,7 +97,8 @@ def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regs", nargs="+", default=DEFAULT_REGS, help="regularizer specs to time")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions (pairs) per regularizer")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per regularizer")
+    parser.add_argument("--group", type=int, default=2, help="regularizer runs between two none runs")
     parser.add_argument("--data", default="blobs:n=8192,dim=64,classes=10")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--width", type=int, default=128)
@@ -117,26 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-regs-") as tmp:
         out_dir = Path(tmp)
         for rep in range(args.reps):
-            for i, reg in enumerate(args.regs):
-                order = [("none", "base"), (reg, "reg")]
-                if (rep + i) % 2:
-                    order.reverse()  # alternate which side of the pair runs first
-                pair = {}
-                for spec, side in order:
-                    pair[side] = run_once(args, spec, out_dir, f"r{rep}-{i}-{side}")
-                raw["none"].append(pair["base"])
-                raw["runs"].setdefault(reg, []).append({
-                    **pair["reg"],
-                    "ratio": pair["reg"]["median"] / pair["base"]["median"],
-                    # a plain step is 1 gradient evaluation, so the none run counts the steps
-                    "grad_evals_per_step": pair["reg"]["grad_evals"] / pair["base"]["grad_evals"],
-                })
-                print(
-                    f"rep {rep + 1}/{args.reps} {reg:28s} {pair['reg']['median']:.3f} s/epoch "
-                    f"vs none {pair['base']['median']:.3f} -> {pair['reg']['median'] / pair['base']['median']:.2f}x",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            regs = list(args.regs) if rep % 2 == 0 else list(reversed(args.regs))
+            base = [run_once(args, "none", out_dir, f"r{rep}-none0")]
+            raw["none"].append(base[0])
+            for j in range(0, len(regs), args.group):
+                group = regs[j:j + args.group]
+                results = {reg: run_once(args, reg, out_dir, f"r{rep}-{j + k}") for k, reg in enumerate(group)}
+                after = run_once(args, "none", out_dir, f"r{rep}-none{j + 1}")
+                raw["none"].append(after)
+                for reg, res in results.items():
+                    flank = [base[-1], after]
+                    none_median = statistics.mean(r["median"] for r in flank)
+                    none_evals = flank[0]["grad_evals"]  # a plain step is 1 evaluation: the step count
+                    raw["runs"].setdefault(reg, []).append(
+                        {**res, "ratio": res["median"] / none_median, "grad_evals_per_step": res["grad_evals"] / none_evals}
+                    )
+                    print(
+                        f"rep {rep + 1}/{args.reps} {reg:28s} {res['median']:.3f} s/epoch vs none "
+                        f"{none_median:.3f} -> {res['median'] / none_median:.2f}x",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                base.append(after)
         example = train_command(args, "REG", Path("OUT"), "run")
 
     none_epochs = [s for run in raw["none"] for s in run["seconds"]]
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = raw["none"][0]["threads"]
     lines = [
         f"Date: {_dt.date.today().isoformat()}; host: {platform.machine()}, {os.cpu_count()} cores "
-        f"(shared); torch threads: {threads}; {args.reps} alternating pairs per regularizer; "
+        f"(shared); torch threads: {threads}; {args.reps} repetitions per regularizer, a none run "
+        f"every {args.group} regularizer runs; "
         f"epochs 2-{args.epochs} of each run kept.",
         "",
         "| regularizer | median s/epoch | ratio to none | grad evals/step | target | met |",
@@ -164,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| `{reg}` | {median:.3f} | {ratio:.2f}x | {evals:.2f} | {target_text} | {met} |")
     lines += [
         "",
-        "Each run: `" + " ".join(shlex.quote(a) for a in example[1:]).replace(sys.executable, "python")
-        + "` (`python -m sharpcli train ...`, REG replaced by the row's spec, `--reg none` for the pair).",
+        "Each run: `OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads)) + " python "
+        + shlex.join(example[1:]) + "` (REG the row's spec, or `none`).",
         "",
         "Benchmark command: `OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads))
         + " python benchmarks/bench_regularizers.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])) + "`",

@@ -229,7 +229,8 @@ def test_parameters_are_float32_under_a_float64_default_and_convert():
 def test_default_model_args_fill_from_the_data():
     assert default_model_args("mlp", (2, 3, 4), 7) == {
         "in_features": 24, "num_classes": 7, "depth": 2, "width": 64,
-        "activation": "relu", "bias": True, "dropout": 0.0,
+        "activation": "relu", "bias": True, "dropout": 0.0, "mask_ratio": 0.0, "mask_seed": 0,
+        "per_sample_norm": False,
     }
     assert default_model_args("resnet", (1, 28, 28), 10)["in_channels"] == 1
     assert default_model_args("mlp", (16,), 3, in_features=16, activation=None)["activation"] == "relu"

@@ -30,6 +30,10 @@ def train_command(
     label_noise: Annotated[float, typer.Option("--label-noise", help="Fraction of training labels replaced by another class.")] = 0.0,
     augment: Annotated[bool, typer.Option("--augment/--no-augment", help="Random crop (padding 4) and horizontal flip for images.")] = False,
     input_noise: Annotated[float, typer.Option("--input-noise", help="Std of Gaussian noise added to inputs.")] = 0.0,
+    mask_ratio: Annotated[Optional[float], typer.Option("--mask-ratio", help="Zero a fixed random fraction of every activation layer's outputs for the whole run (MAN Table 1).")] = None,
+    per_sample_norm: Annotated[bool, typer.Option("--per-sample-norm", help="Strict per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1).")] = False,
+    repeat_batch: Annotated[int, typer.Option("--repeat-batch", help="Optimizer steps on each batch before the next (MAN Table 2).")] = 1,
+    noise_finetune: Annotated[float, typer.Option("--noise-finetune", help="Add one final epoch with input Gaussian noise of this std (MAN Table 4).")] = 0.0,
     reg: Annotated[Optional[list[str]], typer.Option("--reg", help="Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01).")] = None,
     out: Annotated[str, typer.Option("--out", "-o", help="Checkpoint to write (.safetensors).")] = "model.safetensors",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run of the same options.")] = False,
@@ -54,14 +58,17 @@ def train_command(
 
             check_writable(plot, "--plot")
         margs = common.parse_json_option(model_args, "--model-args") or {}
-        for key, value in (("depth", depth), ("width", width), ("activation", activation)):
+        if per_sample_norm:
+            margs["per_sample_norm"] = True
+        for key, value in (("depth", depth), ("width", width), ("activation", activation), ("mask_ratio", mask_ratio)):
             if value is not None:
                 margs[key] = value
         tracked = [t.strip() for t in track.split(",") if t.strip()] if track else []
         cfg = TrainConfig(
             model=model, model_args=margs, data=data, label_column=label_column, epochs=epochs,
             batch_size=batch_size, optimizer=optimizer, lr=lr, momentum=momentum, schedule=schedule,
-            label_noise=label_noise, augment=augment, input_noise=input_noise, seed=seed,
+            label_noise=label_noise, augment=augment, input_noise=input_noise, repeat_batch=repeat_batch,
+            noise_finetune=noise_finetune, seed=seed,
             regs=list(reg) if reg else ["none"], dtype=dtype, device=device, track=tracked,
             track_every=track_every, track_samples=track_samples,
         )

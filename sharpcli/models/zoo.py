@@ -318,6 +318,9 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "bias": _Arg("bool", True, help="Linear layers have biases"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout after each activation"),
+        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
     },
     "cnn": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -327,6 +330,9 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
+        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
     },
     "vgg-small": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -336,6 +342,9 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
+        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
     },
     "resnet": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -345,6 +354,9 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
         "activation": _Arg("activation", "relu", help="activation spec"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before fc"),
+        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
     },
 }
 
@@ -553,6 +565,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     """
     complete = validate_model_spec(spec)
     model = _BUILDERS[complete["name"]](complete["args"])
+    from sharpcli.models.manipulations import apply_manipulations
+
+    model = apply_manipulations(model, complete["args"], model_input_shape(complete))
     model = model.to(torch.float32)
     model.model_spec = complete
     model.input_shape = model_input_shape(complete)

@@ -51,6 +51,8 @@ class TrainConfig:
     label_noise: float = 0.0
     augment: bool = False
     input_noise: float = 0.0
+    repeat_batch: int = 1
+    noise_finetune: float = 0.0
     seed: int = 0
     regs: list = field(default_factory=lambda: ["none"])
     dtype: str = "float32"
@@ -125,6 +127,10 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UsageError("must be a positive number", source="--lr")
     if not (0.0 <= cfg.label_noise < 1.0):
         raise UsageError("must be in [0, 1)", source="--label-noise")
+    if cfg.repeat_batch < 1:
+        raise UsageError("must be at least 1", source="--repeat-batch")
+    if cfg.noise_finetune < 0:
+        raise UsageError("must be >= 0", source="--noise-finetune")
     if cfg.input_noise < 0:
         raise UsageError("must be >= 0", source="--input-noise")
     if cfg.track_every < 1:
@@ -291,10 +297,14 @@ def train(
     n = x_train.shape[0]
     track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[: cfg.track_samples]
     x_track, y_track = x_train[track_idx.to(device)], y_train[track_idx.to(device)]
-    last_epoch = cfg.epochs if stop_after is None else min(cfg.epochs, stop_after)
+    # MAN Table 4: one extra final epoch with input noise of std ``noise_finetune``
+    total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
+    last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
     for epoch in range(start_epoch, last_epoch):
         t0 = time.perf_counter()
-        lr = _lr_at(cfg, epoch)
+        finetune = epoch >= cfg.epochs
+        noise_std = cfg.noise_finetune if finetune else cfg.input_noise
+        lr = _lr_at(cfg, min(epoch, cfg.epochs - 1))
         for group in optimizer.param_groups:
             group["lr"] = lr
         model.train()
@@ -308,25 +318,26 @@ def train(
             xb, yb = x_train[idx], y_train[idx]
             if cfg.augment and xb.ndim == 4:
                 xb = augment_images(xb.cpu(), aug_gen).to(device)
-            if cfg.input_noise > 0:
-                xb = xb + cfg.input_noise * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(device)
-            if world > 1:
-                stats = data_parallel_step(model, xb, yb, cfg.loss, regs, step_gen)
-            else:
-                stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
-            if not math.isfinite(stats.objective):
-                raise NumericalError(
-                    f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
-                    "lower --lr or the regularizer strength", source="train")
-            optimizer.step()
-            b = stats.count
-            sums["loss"] += stats.loss * b
-            sums["objective"] += stats.objective * b
-            sums["correct"] += stats.correct
-            sums["count"] += b
-            sums["grad_evals"] += stats.grad_evals
-            for k, v in stats.penalties.items():
-                penalty_sums[k] = penalty_sums.get(k, 0.0) + v * b
+            if noise_std > 0:
+                xb = xb + noise_std * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(device)
+            for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
+                if world > 1:
+                    stats = data_parallel_step(model, xb, yb, cfg.loss, regs, step_gen)
+                else:
+                    stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
+                if not math.isfinite(stats.objective):
+                    raise NumericalError(
+                        f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
+                        "lower --lr or the regularizer strength", source="train")
+                optimizer.step()
+                b = stats.count
+                sums["loss"] += stats.loss * b
+                sums["objective"] += stats.objective * b
+                sums["correct"] += stats.correct
+                sums["count"] += b
+                sums["grad_evals"] += stats.grad_evals
+                for k, v in stats.penalties.items():
+                    penalty_sums[k] = penalty_sums.get(k, 0.0) + v * b
         row = {
             "epoch": epoch + 1,
             "lr": lr,
@@ -335,12 +346,13 @@ def train(
             "train_accuracy": sums["correct"] / sums["count"] if cfg.loss == "cross-entropy" else None,
             "grad_evals": sums["grad_evals"],
             "penalties": {k: v / sums["count"] for k, v in penalty_sums.items()},
+            "noise_finetune": finetune,
         }
         if has_test:
             ev = evaluate(model, x_test, y_test, cfg.loss)
             row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
         row["seconds"] = time.perf_counter() - t0
-        if tracker is not None and ((epoch + 1) % cfg.track_every == 0 or epoch + 1 == cfg.epochs):
+        if tracker is not None and ((epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs):
             t1 = time.perf_counter()
             row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
             row["tracking_seconds"] = time.perf_counter() - t1

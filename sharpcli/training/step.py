@@ -27,14 +27,21 @@ when it is taken with ``create_graph=True`` it adds the units it traversed to th
 graph (a double-backward graph holds a forward and a backward, 2 units). Hence a
 plain gradient costs 1, a gradient penalty ``||grad L||^p`` costs 1 (``grad L``
 with graph) + 2 (backward through the doubled graph) = 3, a Hessian-vector product
-taken from that graph costs 2, and the gradient of ``v^T H v`` costs
-1 + 2 + 4 = 7. A forward pass without a backward costs 0.
+taken from that graph costs 2, and the exact gradient of ``v^T H v`` costs
+1 + 2 + 4 = 7. A forward pass without a backward costs 0, and every extra pass of a
+finite-difference scheme (:meth:`StepEngine.loss_gradient`, a plain ``grad L`` at
+perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and that
+of ``||H v||^2`` 1 + 3 = 4.
+
+Random draws (:func:`rademacher_like`, :func:`gaussian_like`) are one flat draw over
+all parameters per call: a step pays one generator call per probe or noise sample.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -142,6 +149,24 @@ def gaussian_like(tensors: Sequence[torch.Tensor], sigma: float, generator: torc
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Euclidean norm of the concatenation of ``tensors``: ``sqrt(sum_t ||t||^2)``."""
     return torch.sqrt(sum((t.detach().double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+
+
+_MODEL_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _model_facts(model: nn.Module, key: str):
+    """Structural facts of ``model`` a step needs, computed once per model object (a step
+    is built per batch; walking ``named_modules`` every batch is measurable on small
+    models): ``"head"`` the :func:`final_linear_module`, ``"has_buffers"`` whether any
+    module holds a buffer (BatchNorm running statistics). The model's structure must not
+    change after its first step."""
+    facts = _MODEL_FACTS.setdefault(model, {})
+    if key not in facts:
+        if key == "head":
+            facts[key] = final_linear_module(model)[1]
+        else:
+            facts[key] = any(True for _ in model.buffers())
+    return facts[key]
 
 
 class _RngReplay:
@@ -307,8 +332,8 @@ class StepEngine:
         self._rng = _RngReplay(device)
         self._passes = 0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._head = final_linear_module(model)[1] if any(p.needs_penultimate for p in self.penalties) else None
-        self.has_buffers = any(True for _ in model.buffers())
+        self._head = _model_facts(model, "head") if any(p.needs_penultimate for p in self.penalties) else None
+        self.has_buffers = _model_facts(model, "has_buffers")
 
     # ----------------------------------------------------------------- state control
     @contextlib.contextmanager
