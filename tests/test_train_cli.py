@@ -89,7 +89,9 @@ def test_json_error_object(tmp_path, capsys):
     run = run_cli(capsys, "train", "--data", tmp_path / "nope.npz", "--json", "-")
     assert run.code == 2
     doc = run.json()
+    validate_report(doc)  # error documents are part of the schema too
     assert doc["error"]["type"] == "input" and "nope.npz" in doc["error"]["message"]
+    assert doc["error"]["exit_code"] == 2
 
 
 def test_label_noise_flips_exact_fraction():

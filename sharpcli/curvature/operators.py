@@ -320,8 +320,8 @@ class CurvatureOperator:
         self.device = torch.device(device)
         self.matvecs = 0
 
-    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:  # each subclass supplies its product
+        raise TypeError(f"{type(self).__name__} defines no product; subclass CurvatureOperator and define _matmat")
 
     def matmat(self, V: torch.Tensor) -> torch.Tensor:
         """``A V`` for ``V`` of shape ``(P, k)``, in one pass over the data."""
