@@ -125,6 +125,7 @@ class Session:
     dtype: torch.dtype
     seed: int
     num_outputs: int
+    cache_bytes: int = 1 << 30  # budget of cached first-order graphs in curvature passes
     extra: dict = field(default_factory=dict)
 
     @property
@@ -181,6 +182,7 @@ def build_session(
     arch_args: dict | None = None,
     model_factory: str | None = None,
     trust_pickle: bool = False,
+    cache_mb: int = 1024,
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError."""
@@ -192,6 +194,8 @@ def build_session(
         raise UsageError("must be at least 1", source="--batch-size")
     if samples is not None and samples < 1:
         raise UsageError("must be at least 1", source="--samples")
+    if cache_mb < 0:
+        raise UsageError("must be >= 0", source="--cache-mb")
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
 
@@ -215,4 +219,5 @@ def build_session(
     n_out = check_model_accepts(model, x, y, dataset.task, dataset.source)
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     return Session(checkpoint=ckpt, model=model, dataset=dataset, x=x, y=y, loss=loss, split=split,
-                   batch_size=batch_size, device=torch_device, dtype=torch_dtype, seed=seed, num_outputs=n_out)
+                   batch_size=batch_size, device=torch_device, dtype=torch_dtype, seed=seed, num_outputs=n_out,
+                   cache_bytes=int(cache_mb) << 20)

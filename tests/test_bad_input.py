@@ -33,6 +33,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from cli_helpers import Run, run_cli
@@ -552,9 +554,6 @@ def test_bad_input(case: Case, files, outdir, capsys):
 
 
 # ---------------------------------------------------------------------------------------------- random data contents
-
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 SPECIAL_VALUES = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39]
 

@@ -28,17 +28,19 @@ def parse_metrics(text: str | None) -> list[str]:
 
 @torch.no_grad()
 def loss_and_accuracy(session) -> dict:
+    from sharpcli.curvature.data import all_reduce_sum
     from sharpcli.losses import per_sample_loss
 
-    total, correct = 0.0, 0
-    for start in range(0, session.num_samples, session.batch_size):
-        xb, yb = session.x[start:start + session.batch_size], session.y[start:start + session.batch_size]
+    sums = torch.zeros(2, dtype=torch.float64)  # loss sum, correct count over this rank's shard
+    data = session.analysis_data()
+    for xb, yb, _ in data.batches():
         z = session.model(xb)
-        total += float(per_sample_loss(session.loss, z, yb).sum())
+        sums[0] += float(per_sample_loss(session.loss, z, yb).double().sum())
         if session.loss == "cross-entropy":
-            correct += int((z.argmax(1) == yb).sum())
-    n = session.num_samples
-    return {"loss": total / n, "accuracy": correct / n if session.loss == "cross-entropy" else None}
+            sums[1] += int((z.argmax(1) == yb).sum())
+    all_reduce_sum(sums)
+    n = data.num_samples
+    return {"loss": float(sums[0]) / n, "accuracy": float(sums[1]) / n if session.loss == "cross-entropy" else None}
 
 
 def analyze(session, metrics: list[str], *, top_k: int = 1, tol: float = 1e-2, eig_tol: float = 1e-3,

@@ -36,7 +36,7 @@ def curvature_pass(session, params: str | None):
     from sharpcli.curvature import CurvaturePass
 
     scope = session.scope(params)
-    return CurvaturePass(session.model, session.analysis_data(), scope)
+    return CurvaturePass(session.model, session.analysis_data(), scope, cache_bytes=session.cache_bytes)
 
 
 def operator_of(cpass, operator: str):

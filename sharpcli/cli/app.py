@@ -87,10 +87,23 @@ def main(argv: list[str] | None = None) -> None:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
         err = UsageError(message)
+        line = err.one_line()  # click's message already names the option
+        param = getattr(exc, "param", None)
+        opts = list(getattr(param, "opts", None) or [])
+        err.source = opts[0] if opts else getattr(param, "name", None)  # for the JSON error object
         if distributed.is_main_process():
-            print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
-            if _json_requested(argv) == "-":
+            print(f"sharp {command}: error: {line}", file=sys.stderr)
+            target = _json_requested(argv)
+            if target == "-":
                 sys.stdout.write(common.dumps(common.error_document(command, err)))
+            elif target is not None:
+                try:
+                    from sharpcli.io.atomic import check_writable, write_text_atomic
+
+                    check_writable(target, "--json")
+                    write_text_atomic(target, common.dumps(common.error_document(command, err)))
+                except (OSError, SharpError):
+                    pass
         sys.exit(getattr(exc, "exit_code", 2) or 2)
     finally:
         distributed.cleanup()

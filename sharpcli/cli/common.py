@@ -41,6 +41,7 @@ ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="Architecture of 
 ArchArgsOpt = Annotated[Optional[str], typer.Option("--arch-args", help="JSON arguments for --arch or --model-factory.")]
 FactoryOpt = Annotated[Optional[str], typer.Option("--model-factory", help="module:function returning the nn.Module for a foreign state_dict.")]
 TrustPickleOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow loading a pickled whole module (runs code from the file).")]
+CacheOpt = Annotated[int, typer.Option("--cache-mb", help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.")]
 ParamsOpt = Annotated[Optional[str], typer.Option("--params", help="Parameter scope: all (default), last (final linear layer), or a glob on parameter names.")]
 
 
@@ -62,6 +63,7 @@ class CommonOptions:
     arch_args: str | None = None
     model_factory: str | None = None
     trust_pickle: bool = False
+    cache_mb: int = 1024
 
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("json", "quiet")}
@@ -118,7 +120,12 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
         sys.stdout.write(dumps(outcome.report))
     else:
         if json_path is not None:
-            write_text_atomic(json_path, dumps(outcome.report))
+            try:
+                write_text_atomic(json_path, dumps(outcome.report))
+            except OSError as exc:
+                err = UsageError(f"cannot write the report ({exc.strerror or exc})", source=json_path)
+                _report_error(command, None, err)
+                raise typer.Exit(err.exit_code) from None
         if not quiet and outcome.render is not None:
             outcome.render(stdout_console)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
@@ -223,6 +230,7 @@ _COMMON_PARAMS = [
     ("arch_args", ArchArgsOpt, None),
     ("model_factory", FactoryOpt, None),
     ("trust_pickle", TrustPickleOpt, False),
+    ("cache_mb", CacheOpt, 1024),
 ]
 
 

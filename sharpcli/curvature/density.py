@@ -144,5 +144,7 @@ def plot_density(result: SpectralDensity, path, *, title: str | None = None, log
     axis.set_title(title or f"spectral density (SLQ, {result.probes} probe(s), {result.lanczos_steps} steps)")
     axis.grid(True, alpha=0.3)
     figure.tight_layout()
-    figure.savefig(str(path), format="png")
+    from sharpcli.io.atomic import write_atomic
+
+    write_atomic(path, lambda tmp: figure.savefig(str(tmp), format="png"))
     return str(path)

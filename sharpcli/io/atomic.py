@@ -23,6 +23,8 @@ def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
         raise UsageError("is a directory, not a file path", source=str(p))
     if not parent.exists():
         raise UsageError(f"folder {parent} does not exist", source=str(p))
+    if not parent.is_dir():
+        raise UsageError(f"{parent} is a file, not a folder", source=str(p))
     if not os.access(parent, os.W_OK):
         raise UsageError(f"folder {parent} is not writable", source=str(p))
     if p.exists() and not os.access(p, os.W_OK):

@@ -179,6 +179,12 @@ def _load_state(model: nn.Module, state: dict, path: Path) -> None:
             parts.append(f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
         raise InputError(f"state_dict does not match the model: {'; '.join(parts)}", source=str(path))
     for key, value in state.items():
+        if own[key].is_floating_point() != value.is_floating_point():
+            raise InputError(
+                f"dtype mismatch for {key}: checkpoint {str(value.dtype).replace('torch.', '')}, "
+                f"model {str(own[key].dtype).replace('torch.', '')}",
+                source=str(path),
+            )
         if tuple(value.shape) != tuple(own[key].shape):
             raise InputError(
                 f"shape mismatch for {key}: checkpoint {tuple(value.shape)}, model {tuple(own[key].shape)}",
@@ -247,7 +253,12 @@ def load_checkpoint(
             model_spec = {"name": f"factory:{model_factory}", "args": arch_args or {}}
         else:
             model_spec = {"name": arch, "args": arch_args or {}}
-            model = build_model(model_spec)
+            try:
+                model = build_model(model_spec)
+            except UsageError as exc:
+                # the zoo names --model/--arch-args; here the user typed --arch
+                source = "--arch" if exc.source == "--model" else exc.source
+                raise UsageError(exc.message, source=source) from exc
         origin = "state_dict" if origin != "sharpcli" else origin
     elif model_spec is None:
         raise InputError(

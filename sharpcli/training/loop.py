@@ -84,6 +84,7 @@ class TrainResult:
 def train_report(result: TrainResult, settings: dict, *, out: str, device: str = "cpu",
                  dtype: str = "float32") -> dict:
     """The JSON report of a training run (SPEC section 7: results.history, .final, .checkpoint)."""
+    from sharpcli.distributed import rank_and_world
     from sharpcli.report.envelope import environment_info, make_report
 
     results = {
@@ -100,7 +101,7 @@ def train_report(result: TrainResult, settings: dict, *, out: str, device: str =
         checkpoint=result.checkpoint | {"train": result.config},
         data={"spec": result.data_spec, "split": "train", "samples": None},
         timing={"seconds": 0.0, "matvecs": 0},
-        environment=environment_info(device, dtype),
+        environment=environment_info(device, dtype, rank_and_world()[1]),
     )
 
 

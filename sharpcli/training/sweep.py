@@ -79,17 +79,22 @@ def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], ou
     from sharpcli.training.loop import history_csv_path_for, state_path_for, train, train_report
     from sharpcli.training.regularizers import parse_reg
 
-    out_dir = Path(out_dir)
-    if not out_dir.exists():
-        out_dir.mkdir(parents=True)
-    if not out_dir.is_dir():
-        raise UsageError("is not a folder", source=str(out_dir))
+    # validate everything before creating anything
     metrics = parse_metrics(",".join(metrics))
     if not seeds:
         raise UsageError("give at least one seed", source="--seeds")
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    for point in points:  # validate every grid point before any work
+    for point in points:
         parse_reg(f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()))
+    for extra in extra_regs:
+        parse_reg(extra)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError("is not a folder", source=str(out_dir))
+    if not out_dir.exists():
+        if not out_dir.parent.is_dir():
+            raise UsageError(f"folder {out_dir.parent} does not exist", source=str(out_dir))
+        out_dir.mkdir()
     runs, done_now, skipped = [], 0, []
     total = len(points) * len(seeds)
     for point in points:
