@@ -27,7 +27,8 @@ class SharpError(Exception):
         self.details = details
 
     def one_line(self) -> str:
-        text = f"{self.source}: {self.message}" if self.source else self.message
+        named = self.source and self.source not in self.message  # never name it twice
+        text = f"{self.source}: {self.message}" if named else self.message
         return " ".join(text.split())  # never more than one line
 
     def to_json(self) -> dict:

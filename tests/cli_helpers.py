@@ -52,3 +52,22 @@ def assert_one_line_error(run: Run, code: int, *needles: str) -> None:
     assert "Traceback" not in run.err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def run_in_process(*args: str) -> Run:
+    """Like ``run_cli`` without pytest's capsys (for module-scoped fixtures)."""
+    import contextlib
+    import io
+
+    from sharpcli.cli import common
+    from sharpcli.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    common.state()["debug"] = False
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return Run(code, out.getvalue(), err.getvalue())

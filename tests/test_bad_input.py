@@ -98,9 +98,7 @@ CASES = [
     C("ckpt-inf-weights-own", ("gn-nme", "$inf_own"), 2, ("$inf_own", "NaN or Inf", "2.bias")),
     C("ckpt-integer-weights-dtype-mismatch", ("eigen", "$int_st", "--arch", "mlp", "--arch-args", "$args",
                                                    "--data", "blobs:n=64"), 2,
-      ("$int_st", "dtype"),
-      xfail="int64 weights for float32 parameters are silently cast and analysed (exit 0); expected exit 2 "
-            "naming the file and the dtype (sharpcli/io/checkpoints.py _load_state)"),
+      ("$int_st", "dtype")),
     C("ckpt-metadata-not-json", ("eigen", "$badmeta"), 2, ("$badmeta", "sharpcli.model")),
     C("ckpt-metadata-unknown-model", ("trace", "$unkmodel"), 2, ("$unkmodel", "transformer")),
     C("ckpt-metadata-data-file-missing", ("eigen", "$missingdata"), 2, ("$fixdir/gone.npz",)),
@@ -140,10 +138,7 @@ CASES = [
       ("--arch-args", "JSON object")),
     C("opt-arch-args-unknown-key", ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "$bogus_args"), 2,
       ("--arch-args", "bogus")),
-    C("opt-arch-unknown", ("eigen", "$foreign_st", "--arch", "transformer"), 2, ("--arch", "transformer"),
-      xfail="the message names option --model, which eigen does not have ('--model: unknown model'); expected "
-            "--arch (sharpcli/io/checkpoints.py load_checkpoint: re-raise build_model's UsageError with "
-            "source='--arch')"),
+    C("opt-arch-unknown", ("eigen", "$foreign_st", "--arch", "transformer"), 2, ("--arch", "transformer")),
     C("opt-model-factory-no-colon", ("eigen", "$foreign_st", "--model-factory", "usermodel"), 2,
       ("--model-factory", "module:function")),
     C("opt-model-factory-unimportable", ("eigen", "$foreign_st", "--model-factory", "no_such_module_xyz:make"), 2,
@@ -154,18 +149,9 @@ CASES = [
     C("opt-json-into-read-only-folder", ("eigen", "$own", "--json", "$outdir/readonly/report.json"), 2,
       ("$outdir/readonly/report.json", "not writable"), json=False, needs_non_root=True),
     C("opt-json-below-a-regular-file", ("eigen", "$own", "--quiet", "--json", "$plain/report.json"), 2,
-      ("$plain/report.json",), json=False,
-      xfail="check_writable accepts a parent that is a regular file; the command then runs and the final JSON "
-            "write raises NotADirectoryError outside run_command's try: a raw traceback, exit 1 (fix: "
-            "sharpcli/io/atomic.py check_writable must require parent.is_dir(); sharpcli/cli/common.py "
-            "run_command should turn OSError of the final write into InputError)"),
-    C("opt-typer-bad-integer", ("eigen", "$own", "--top-k", "abc"), 2, ("--top-k",),
-      xfail="usage errors caught by Typer/click (bad integer, unknown option) write no JSON error object to "
-            "--json PATH (only to '-') and the object has no 'source' (fix: sharpcli/cli/app.py main: write "
-            "error_document atomically to the requested path; source from exc.param.opts)"),
-    C("opt-typer-unknown-option", ("trace", "$own", "--no-such-option"), 2, ("--no-such-option",),
-      xfail="usage errors caught by Typer/click write no JSON error object to --json PATH and the object has no "
-            "'source' (fix: sharpcli/cli/app.py main)"),
+      ("$plain/report.json",), json=False),
+    C("opt-typer-bad-integer", ("eigen", "$own", "--top-k", "abc"), 2, ("--top-k",)),
+    C("opt-typer-unknown-option", ("trace", "$own", "--no-such-option"), 2, ("--no-such-option",)),
     # ------------------------------------------------------------------ eigen / trace / gn-nme / density options
     C("eigen-top-k-zero", ("eigen", "$own", "--top-k", "0"), 2, ("--top-k",)),
     C("eigen-tol-negative", ("eigen", "$own", "--tol", "-1"), 2, ("--tol", "> 0")),
@@ -193,11 +179,7 @@ CASES = [
       ("$outdir/none/density.png", "does not exist")),
     C("density-plot-onto-directory", ("density", "$own", "--plot", "$outdir"), 2, ("$outdir", "directory")),
     C("density-plot-below-a-regular-file", ("density", "$own", "--steps", "4", "--probes", "1",
-                                            "--plot", "$plain/density.png"), 2, ("$plain/density.png",),
-      xfail="check_writable accepts a parent that is a regular file; savefig then fails: 'internal error: "
-            "NotADirectoryError', exit 4 (fix: sharpcli/io/atomic.py check_writable must require "
-            "parent.is_dir(); also sharpcli/curvature/density.py plot_density writes the PNG in place, not "
-            "through write_atomic)"),
+                                            "--plot", "$plain/density.png"), 2, ("$plain/density.png",)),
     # ------------------------------------------------------------------ analyze
     C("analyze-top-k-zero", ("analyze", "$own", "--top-k", "0"), 2, ("--top-k",)),
     C("analyze-unknown-metric", ("analyze", "$own", "--metrics", "eigen,curvyness"), 2, ("--metrics", "curvyness")),
@@ -230,10 +212,7 @@ CASES = [
     C("train-out-into-read-only-folder", ("train", "--out", "$outdir/readonly/model.safetensors"), 2,
       ("$outdir/readonly/model.safetensors", "not writable"), needs_non_root=True),
     C("train-out-below-a-regular-file", ("train", "--data", "blobs:n=64", "--epochs", "1",
-                                         "--out", "$plain/model.safetensors"), 2, ("$plain/model.safetensors",),
-      xfail="check_writable accepts a parent that is a regular file; the first state write then fails with "
-            "NotADirectoryError, reported as 'internal error', exit 4 (fix: sharpcli/io/atomic.py "
-            "check_writable must require parent.is_dir())"),
+                                         "--out", "$plain/model.safetensors"), 2, ("$plain/model.safetensors",)),
     C("train-dtype-float16", ("train", "--dtype", "float16", "--out", "$out"), 2, ("--dtype", "float16")),
     C("train-device-cuda", ("train", "--device", "cuda", "--data", "blobs:n=64", "--out", "$out"), 2,
       ("--device", "CUDA")),
@@ -256,10 +235,7 @@ CASES = [
     C("train-empty-data", ("train", "--data", "$empty_npz", "--out", "$out"), 2, ("$empty_npz", "empty")),
     # ------------------------------------------------------------------ sweep
     C("sweep-unknown-reg", ("sweep", "--reg", "sharpen", "--grid", "sigma=0.1", "--out-dir", "$outdir/sweep"), 2,
-      ("--reg", "sharpen"),
-      xfail="a failed sweep leaves the --out-dir folder it created before validating --reg behind (an empty "
-            "folder after exit 2; fix: sharpcli/training/sweep.py run_sweep: parse regs, metrics and data "
-            "before creating out_dir)"),
+      ("--reg", "sharpen")),
     C("sweep-grid-malformed", ("sweep", "--reg", "ad", "--grid", "sigma", "--out-dir", "$outdir/sweep"), 2,
       ("--grid", "NAME=V1,V2")),
     C("sweep-seeds-not-integers", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--seeds", "a,b",
@@ -294,10 +270,7 @@ CASES = [
     C("weight-rescale-plot-into-missing-folder", ("weight-rescale", "$own", "--plot", "$outdir/none/r.png"), 2,
       ("$outdir/none/r.png", "does not exist")),
     C("weight-rescale-plot-below-a-regular-file", ("weight-rescale", "$own", "--alpha", "2",
-                                                   "--plot", "$plain/rescale.png"), 2, ("$plain/rescale.png",),
-      xfail="check_writable accepts a parent that is a regular file; the plot write then fails: 'internal "
-            "error: NotADirectoryError', exit 4 (fix: sharpcli/io/atomic.py check_writable must require "
-            "parent.is_dir())"),
+                                                   "--plot", "$plain/rescale.png"), 2, ("$plain/rescale.png",)),
     C("bound-check-negative-sigma", ("bound-check", "$own", "--sigma", "-0.1"), 2, ("--sigma",)),
     C("bound-check-unknown-check", ("bound-check", "$own", "--check", "theorem9"), 2, ("--check", "theorem9")),
     C("bound-check-unknown-epsilon", ("bound-check", "$own", "--epsilon", "sometimes"), 2, ("--epsilon",)),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cli_helpers import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli, run_in_process
 from sharpcli.report.envelope import validate_report
 
 
@@ -15,12 +15,11 @@ from sharpcli.report.envelope import validate_report
 def reports(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compare")
     paths = {}
-    import subprocess, sys
 
     def sharp(*args):
-        proc = subprocess.run([sys.executable, "-m", "sharpcli", *map(str, args)], capture_output=True, text=True)
-        assert proc.returncode in (0, 1), proc.stderr
-        return proc
+        run = run_in_process(*args)
+        assert run.code in (0, 1), run.err
+        return run
 
     data = "blobs:n=160,dim=6,classes=3"
     for reg in ("none", "ad:sigma=0.5"):

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         line = err.one_line()  # click's message already names the option
         param = getattr(exc, "param", None)
         opts = list(getattr(param, "opts", None) or [])
-        err.source = opts[0] if opts else getattr(param, "name", None)  # for the JSON error object
+        err.source = (opts[0] if opts else getattr(param, "name", None)) or getattr(exc, "option_name", None)
         if distributed.is_main_process():
             print(f"sharp {command}: error: {line}", file=sys.stderr)
             target = _json_requested(argv)
