@@ -68,7 +68,7 @@ def train_command(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -
         "--model", args.model, "--width", str(args.width), "--depth", str(args.depth),
         "--activation", args.activation,
         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-        "--seed", str(args.seed),
+        "--seed", str(args.seed), "--lr", str(args.lr),
         "--reg", reg,
         "--out", str(out_dir / f"{tag}.safetensors"),
         "--json", str(out_dir / f"{tag}.json"),
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01, help="small enough that no penalty diverges")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS unless already set")
     parser.add_argument("--markdown", type=Path, help="also write the Markdown table here")
     parser.add_argument("--raw", type=Path, help="write every run's numbers as JSON here")

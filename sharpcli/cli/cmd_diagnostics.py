@@ -22,21 +22,6 @@ TraceTolOpt = Annotated[float, typer.Option("--trace-tol", help="Hutch++ relativ
 TraceMaxOpt = Annotated[int, typer.Option("--trace-max-matvecs", help="Hutch++ matvec budget per trace.")]
 
 
-def _common(**kwargs) -> common.CommonOptions:
-    return common.CommonOptions(**kwargs)
-
-
-def _session(checkpoint: str, opts: common.CommonOptions):
-    from sharpcli.session import build_session
-
-    return build_session(
-        checkpoint, data=opts.data, label_column=opts.label_column, split=opts.split, samples=opts.samples,
-        batch_size=opts.batch_size, device=opts.device, dtype=opts.dtype, seed=opts.seed, arch=opts.arch,
-        arch_args=common.parse_json_option(opts.arch_args, "--arch-args"), model_factory=opts.model_factory,
-        trust_pickle=opts.trust_pickle,
-    )
-
-
 def _check_plot(path: str | None) -> None:
     if path is not None:
         from sharpcli.io.atomic import check_writable
@@ -45,41 +30,21 @@ def _check_plot(path: str | None) -> None:
 
 
 # --------------------------------------------------------------------------------------- activation-stats
-@app.command("activation-stats")
+@common.analysis_command(app, "activation-stats")
 def activation_stats_command(
+    opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
     jacobian: Annotated[bool, typer.Option("--jacobian/--no-jacobian", help="Compute the input-output Jacobian norm (C+1 backward passes per batch).")] = True,
-    data: common.DataOpt = None,
-    label_column: common.LabelColumnOpt = None,
-    split: common.SplitOpt = "train",
-    samples: common.SamplesOpt = None,
-    batch_size: common.BatchSizeOpt = 256,
-    device: common.DeviceOpt = "cpu",
-    dtype: common.DtypeOpt = "float32",
-    seed: common.SeedOpt = 0,
-    arch: common.ArchOpt = None,
-    arch_args: common.ArchArgsOpt = None,
-    model_factory: common.FactoryOpt = None,
-    trust_pickle: common.TrustPickleOpt = False,
-    json_out: common.JsonOpt = None,
-    quiet: common.QuietOpt = False,
-) -> None:
+) -> common.Outcome:
     """Activation and death frequency per activation layer, output Gini impurity/entropy, the AD penalty
     ||h^(L-1)||^2 and the input-output Jacobian norm (MAN sections 2, 5, Table 3)."""
-    opts = _common(data=data, label_column=label_column, split=split, samples=samples, batch_size=batch_size,
-                   device=device, dtype=dtype, seed=seed, json=json_out, quiet=quiet, arch=arch,
-                   arch_args=arch_args, model_factory=model_factory, trust_pickle=trust_pickle)
+    from sharpcli.analyses.activations import activation_stats
 
-    def body() -> common.Outcome:
-        from sharpcli.analyses.activations import activation_stats
-
-        session = _session(checkpoint, opts)
-        result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
-        settings = opts.settings() | {"checkpoint": checkpoint, "jacobian": jacobian}
-        report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
-        return common.Outcome(report, render=lambda console: _render_activation_stats(console, result))
-
-    common.run_command("activation-stats", json_out, quiet, body)
+    session = common.open_session(checkpoint, opts)
+    result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
+    settings = opts.settings() | {"checkpoint": checkpoint, "jacobian": jacobian}
+    report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
+    return common.Outcome(report, render=lambda console: _render_activation_stats(console, result))
 
 
 def _render_activation_stats(console, result) -> None:
@@ -104,8 +69,9 @@ def _render_activation_stats(console, result) -> None:
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
-@app.command("weight-rescale")
+@common.analysis_command(app, "weight-rescale")
 def weight_rescale_command(
+    opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
     alpha: Annotated[str, typer.Option("--alpha", help="Scale factors, comma-separated (e.g. 0.1,10).")] = "0.1,10",
     mode: Annotated[str, typer.Option("--mode", help="global (all parameters times alpha) or layer (Dinh et al.: layer times alpha, next layer's weight times 1/alpha).")] = "layer",
@@ -117,60 +83,39 @@ def weight_rescale_command(
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 200,
     plot: PlotOpt = None,
-    data: common.DataOpt = None,
-    label_column: common.LabelColumnOpt = None,
-    split: common.SplitOpt = "train",
-    samples: common.SamplesOpt = None,
-    batch_size: common.BatchSizeOpt = 256,
-    device: common.DeviceOpt = "cpu",
-    dtype: common.DtypeOpt = "float32",
-    seed: common.SeedOpt = 0,
-    arch: common.ArchOpt = None,
-    arch_args: common.ArchArgsOpt = None,
-    model_factory: common.FactoryOpt = None,
-    trust_pickle: common.TrustPickleOpt = False,
-    json_out: common.JsonOpt = None,
-    quiet: common.QuietOpt = False,
-) -> None:
+) -> common.Outcome:
     """Rescale weights (MAN Fig. 1; Dinh et al.) and show how lambda_max and the trace move while the
     function and the rescale-invariant sharpness diag(|w|) H diag(|w|) (ASAM) do not."""
-    opts = _common(data=data, label_column=label_column, split=split, samples=samples, batch_size=batch_size,
-                   device=device, dtype=dtype, seed=seed, json=json_out, quiet=quiet, arch=arch,
-                   arch_args=arch_args, model_factory=model_factory, trust_pickle=trust_pickle)
+    from sharpcli.analyses.rescale import MODES, weight_rescale
 
-    def body() -> common.Outcome:
-        from sharpcli.analyses.rescale import MODES, weight_rescale
+    alphas = common.parse_float_list(alpha, "--alpha")
+    for value in alphas:
+        common.require(value > 0 and value != float("inf"), f"every alpha must be a finite number > 0, got {value:g}",
+                       "--alpha")
+    common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
+    common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
+    _check_plot(plot)
+    session = common.open_session(checkpoint, opts)
+    with common.epoch_progress(opts.quiet or opts.json == "-", "rescaling") as progress:
+        result = weight_rescale(
+            session.model, session.analysis_data(), alphas, mode=mode, layer=layer, force=force, params=params,
+            tol=tol, max_matvecs=max_matvecs, trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs,
+            seed=opts.seed, progress=progress,
+        )
+    results = result.to_dict()
+    if plot is not None:
+        from sharpcli.report.plots_diagnostics import plot_weight_rescale
 
-        alphas = common.parse_float_list(alpha, "--alpha")
-        for value in alphas:
-            common.require(value > 0 and value != float("inf"), f"every alpha must be a finite number > 0, got {value:g}",
-                           "--alpha")
-        common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
-        common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
-        _check_plot(plot)
-        session = _session(checkpoint, opts)
-        with common.epoch_progress(quiet or json_out == "-", "rescaling") as progress:
-            result = weight_rescale(
-                session.model, session.analysis_data(), alphas, mode=mode, layer=layer, force=force, params=params,
-                tol=tol, max_matvecs=max_matvecs, trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs,
-                seed=seed, progress=progress,
-            )
-        results = result.to_dict()
-        if plot is not None:
-            from sharpcli.report.plots_diagnostics import plot_weight_rescale
-
-            plot_weight_rescale(results["rows"] + [results["baseline"]], plot,
-                                title=f"weight rescaling ({result.plan.mode} mode)")
-            results["plot"] = plot
-        settings = opts.settings() | {
-            "checkpoint": checkpoint, "alpha": alphas, "mode": mode, "layer": layer, "force": force,
-            "params": params, "tol": tol, "max_matvecs": max_matvecs, "trace_tol": trace_tol,
-            "trace_max_matvecs": trace_max_matvecs, "plot": plot,
-        }
-        report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
-        return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
-
-    common.run_command("weight-rescale", json_out, quiet, body)
+        plot_weight_rescale(results["rows"] + [results["baseline"]], plot,
+                            title=f"weight rescaling ({result.plan.mode} mode)")
+        results["plot"] = plot
+    settings = opts.settings() | {
+        "checkpoint": checkpoint, "alpha": alphas, "mode": mode, "layer": layer, "force": force,
+        "params": params, "tol": tol, "max_matvecs": max_matvecs, "trace_tol": trace_tol,
+        "trace_max_matvecs": trace_max_matvecs, "plot": plot,
+    }
+    report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
+    return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
 
 
 def _render_weight_rescale(console, result) -> None:
@@ -192,8 +137,9 @@ def _render_weight_rescale(console, result) -> None:
 
 
 # --------------------------------------------------------------------------------------- bound-check
-@app.command("bound-check")
+@common.analysis_command(app, "bound-check")
 def bound_check_command(
+    opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
     sigma: Annotated[str, typer.Option("--sigma", help="Noise standard deviations, comma-separated.")] = "0.01,0.1,1",
     params: Annotated[Optional[str], typer.Option("--params", help="Parameter scope (default: the final layer's weight, as AD Fig. 1a); all, last, or a glob.")] = None,
@@ -209,72 +155,51 @@ def bound_check_command(
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 300,
     plot: PlotOpt = None,
-    data: common.DataOpt = None,
-    label_column: common.LabelColumnOpt = None,
-    split: common.SplitOpt = "train",
-    samples: common.SamplesOpt = None,
-    batch_size: common.BatchSizeOpt = 256,
-    device: common.DeviceOpt = "cpu",
-    dtype: common.DtypeOpt = "float32",
-    seed: common.SeedOpt = 0,
-    arch: common.ArchOpt = None,
-    arch_args: common.ArchArgsOpt = None,
-    model_factory: common.FactoryOpt = None,
-    trust_pickle: common.TrustPickleOpt = False,
-    json_out: common.JsonOpt = None,
-    quiet: common.QuietOpt = False,
-) -> None:
+) -> common.Outcome:
     """AD Corollary 1: ||grad^2 E L(theta + D)||_2 <= H erf(eps / (sqrt(2) H sigma)) per sigma, measured by
     Monte Carlo; optionally AD Theorem 2 and NSO's noise-stability gap."""
-    opts = _common(data=data, label_column=label_column, split=split, samples=samples, batch_size=batch_size,
-                   device=device, dtype=dtype, seed=seed, json=json_out, quiet=quiet, arch=arch,
-                   arch_args=arch_args, model_factory=model_factory, trust_pickle=trust_pickle)
+    from sharpcli.analyses.bounds import CHECKS, EPSILON_KINDS, bound_check
 
-    def body() -> common.Outcome:
-        from sharpcli.analyses.bounds import CHECKS, EPSILON_KINDS, bound_check
+    sigmas = common.parse_float_list(sigma, "--sigma")
+    for value in sigmas:
+        common.require(value > 0 and value != float("inf"), f"every sigma must be a finite number > 0, got {value:g}",
+                       "--sigma")
+    checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
+    for name in checks:
+        common.require(name in CHECKS, f"unknown check {name!r}; accepted: {', '.join(CHECKS)}", "--check")
+    common.require(epsilon in EPSILON_KINDS, f"unknown epsilon {epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
+                   "--epsilon")
+    common.require(perturbations >= 1, f"must be >= 1, got {perturbations}", "--perturbations")
+    common.require(bootstrap >= 1, f"must be >= 1, got {bootstrap}", "--bootstrap")
+    common.require(0 < ci_level < 1, f"must be in (0, 1), got {ci_level:g}", "--ci-level")
+    common.require(mc_samples >= 2, f"must be >= 2, got {mc_samples}", "--mc-samples")
+    common.require(noise_pairs >= 2, f"must be >= 2, got {noise_pairs}", "--noise-pairs")
+    common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
+    _check_plot(plot)
+    session = common.open_session(checkpoint, opts)
+    with common.epoch_progress(opts.quiet or opts.json == "-", "bound check") as progress:
+        result = bound_check(
+            session.model, session.analysis_data(), sigmas, params=params, perturbations=perturbations,
+            epsilon_kind=epsilon, tol=tol, max_matvecs=max_matvecs, bootstrap=bootstrap, ci_level=ci_level,
+            checks=tuple(dict.fromkeys(checks)), mc_pairs=mc_samples, noise_pairs=noise_pairs,
+            trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs, seed=opts.seed, progress=progress,
+        )
+    results = result.to_dict()
+    if plot is not None:
+        from sharpcli.report.plots_diagnostics import plot_bound_check
 
-        sigmas = common.parse_float_list(sigma, "--sigma")
-        for value in sigmas:
-            common.require(value > 0 and value != float("inf"), f"every sigma must be a finite number > 0, got {value:g}",
-                           "--sigma")
-        checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
-        for name in checks:
-            common.require(name in CHECKS, f"unknown check {name!r}; accepted: {', '.join(CHECKS)}", "--check")
-        common.require(epsilon in EPSILON_KINDS, f"unknown epsilon {epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
-                       "--epsilon")
-        common.require(perturbations >= 1, f"must be >= 1, got {perturbations}", "--perturbations")
-        common.require(bootstrap >= 1, f"must be >= 1, got {bootstrap}", "--bootstrap")
-        common.require(0 < ci_level < 1, f"must be in (0, 1), got {ci_level:g}", "--ci-level")
-        common.require(mc_samples >= 2, f"must be >= 2, got {mc_samples}", "--mc-samples")
-        common.require(noise_pairs >= 2, f"must be >= 2, got {noise_pairs}", "--noise-pairs")
-        common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
-        _check_plot(plot)
-        session = _session(checkpoint, opts)
-        with common.epoch_progress(quiet or json_out == "-", "bound check") as progress:
-            result = bound_check(
-                session.model, session.analysis_data(), sigmas, params=params, perturbations=perturbations,
-                epsilon_kind=epsilon, tol=tol, max_matvecs=max_matvecs, bootstrap=bootstrap, ci_level=ci_level,
-                checks=tuple(dict.fromkeys(checks)), mc_pairs=mc_samples, noise_pairs=noise_pairs,
-                trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs, seed=seed, progress=progress,
-            )
-        results = result.to_dict()
-        if plot is not None:
-            from sharpcli.report.plots_diagnostics import plot_bound_check
-
-            noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
-            plot_bound_check(results["rows"], plot, noise_rows=noise_rows,
-                             title=f"AD Corollary 1 on {result.params}")
-            results["plot"] = plot
-        settings = opts.settings() | {
-            "checkpoint": checkpoint, "sigma": sigmas, "params": result.params, "perturbations": perturbations,
-            "epsilon": epsilon, "check": checks, "bootstrap": bootstrap, "ci_level": ci_level,
-            "mc_samples": mc_samples, "noise_pairs": noise_pairs, "tol": tol, "max_matvecs": max_matvecs,
-            "trace_tol": trace_tol, "trace_max_matvecs": trace_max_matvecs, "plot": plot,
-        }
-        report = session.report("bound-check", settings, results, matvecs=result.matvecs)
-        return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
-
-    common.run_command("bound-check", json_out, quiet, body)
+        noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
+        plot_bound_check(results["rows"], plot, noise_rows=noise_rows,
+                         title=f"AD Corollary 1 on {result.params}")
+        results["plot"] = plot
+    settings = opts.settings() | {
+        "checkpoint": checkpoint, "sigma": sigmas, "params": result.params, "perturbations": perturbations,
+        "epsilon": epsilon, "check": checks, "bootstrap": bootstrap, "ci_level": ci_level,
+        "mc_samples": mc_samples, "noise_pairs": noise_pairs, "tol": tol, "max_matvecs": max_matvecs,
+        "trace_tol": trace_tol, "trace_max_matvecs": trace_max_matvecs, "plot": plot,
+    }
+    report = session.report("bound-check", settings, results, matvecs=result.matvecs)
+    return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
 
 
 def _render_bound_check(console, result) -> None:
