@@ -230,7 +230,9 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     assert all(r["fraction_holds"] == 1.0 for r in results["theorem2"])
     assert len(results["noise_stability"]["rows"]) == 2
     assert report["settings"]["params"] == "4.weight" and report["timing"]["matvecs"] > 0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from sharpcli.report.plots import PIXELS, png_size
+
+    assert png_size(plot) == PIXELS
     minibatch = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--epsilon", "minibatch", "--batch-size", "16",
                         "--perturbations", "2", "--dtype", "float64", "--json", "-")
     assert minibatch.code == 0, minibatch.err

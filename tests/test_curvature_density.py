@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import setup_and_reference
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, MatrixOperator, ParamScope, plot_density, spectral_density
+from sharpcli.curvature import AnalysisData, CurvaturePass, MatrixOperator, ParamScope, spectral_density
+from sharpcli.report.plots import PIXELS, plot_density, png_size
 from sharpcli.errors import UsageError
 
 
@@ -44,9 +45,8 @@ def test_density_of_a_known_spectrum_and_png(tmp_path):
     # quadrature weight at eigenvalue 5 = mean over probes of |v_top|^2 = 2/10 exactly for Rademacher
     assert mass_high == pytest.approx(0.2, abs=1e-3)
     assert result.matvecs == 3 * 2  # two distinct eigenvalues: breakdown after 2 steps
-    path = plot_density(result, tmp_path / "density.png", title="test")
-    data = (tmp_path / "density.png").read_bytes()
-    assert path.endswith("density.png") and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    path = plot_density(result.to_dict(), tmp_path / "density.png", title="test")
+    assert png_size(path) == PIXELS
 
 
 def test_density_arguments():

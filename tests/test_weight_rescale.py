@@ -187,7 +187,9 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
     assert [r["alpha"] for r in rows] == [0.1, 10.0]
     assert all(r["max_logit_change"] <= 1e-10 for r in rows)
     assert report["settings"]["alpha"] == [0.1, 10.0] and report["timing"]["matvecs"] > 0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from sharpcli.report.plots import PIXELS, png_size
+
+    assert png_size(plot) == PIXELS
     table = run_cli(capsys, "weight-rescale", ckpt, "--alpha", "10", "--dtype", "float64")
     assert table.code == 0, table.err
     assert "weight rescaling" in table.out and "0.1" not in table.out.split("\n", 3)[-1].split()[0]

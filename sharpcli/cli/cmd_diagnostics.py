@@ -104,7 +104,7 @@ def weight_rescale_command(
         )
     results = result.to_dict()
     if plot is not None:
-        from sharpcli.report.plots_diagnostics import plot_weight_rescale
+        from sharpcli.report.plots import plot_weight_rescale
 
         plot_weight_rescale(results["rows"] + [results["baseline"]], plot,
                             title=f"weight rescaling ({result.plan.mode} mode)")
@@ -186,7 +186,7 @@ def bound_check_command(
         )
     results = result.to_dict()
     if plot is not None:
-        from sharpcli.report.plots_diagnostics import plot_bound_check
+        from sharpcli.report.plots import plot_bound_check
 
         noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
         plot_bound_check(results["rows"], plot, noise_rows=noise_rows,

@@ -179,12 +179,9 @@ def density_command(
         results = spectrum.density(session, operator=operator, probes=probes, steps=steps, grid_points=grid_points,
                                    broadening=broadening, params=params)
     if plot is not None:
-        from sharpcli.curvature.density import SpectralDensity, plot_density
+        from sharpcli.report.plots import plot_density
 
-        fields = {k: results[k] for k in ("nodes", "weights", "grid", "density", "sigma", "matvecs", "lanczos_steps",
-                                          "probes")}
-        plot_density(SpectralDensity(dimension=results["scope"]["numel"], **fields), plot,
-                     title=f"{operator} spectral density")
+        plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.settings() | {"operator": operator, "probes": probes, "steps": steps,
                                   "grid_points": grid_points, "broadening": broadening, "params": params, "plot": plot}

@@ -10,7 +10,7 @@ from sharpcli.curvature.data import (
     prepare_model_for_analysis,
     train_mode_modules,
 )
-from sharpcli.curvature.density import SpectralDensity, plot_density, spectral_density
+from sharpcli.curvature.density import SpectralDensity, spectral_density
 from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -55,7 +55,6 @@ __all__ = [
     "hutchpp",
     "lanczos",
     "lanczos_tridiagonal",
-    "plot_density",
     "power_iteration",
     "prepare_model_for_analysis",
     "pyhessian_density",

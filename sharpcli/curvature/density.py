@@ -23,7 +23,7 @@ from sharpcli.curvature.lanczos import lanczos_tridiagonal
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.errors import UsageError
 
-__all__ = ["SpectralDensity", "plot_density", "spectral_density"]
+__all__ = ["SpectralDensity", "spectral_density"]
 
 
 @dataclass
@@ -121,30 +121,3 @@ def spectral_density(
         sigma=float(sigma), matvecs=matvecs, lanczos_steps=int(lanczos_steps), probes=int(probes),
         dimension=dim, notes=notes,
     )
-
-
-def plot_density(result: SpectralDensity, path, *, title: str | None = None, log_scale: bool = True) -> str:
-    """Write the broadened density as a PNG (matplotlib Agg canvas, no global backend change).
-
-    The y axis is logarithmic by default (as in Ghorbani et al. Fig. 1), clipped at 1e-12.
-    Returns the path written.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 4), dpi=100)
-    FigureCanvasAgg(figure)
-    axis = figure.add_subplot(1, 1, 1)
-    values = np.maximum(np.asarray(result.density), 1e-12)
-    axis.plot(result.grid, values, color="tab:blue", linewidth=1.2)
-    if log_scale:
-        axis.set_yscale("log")
-    axis.set_xlabel("eigenvalue")
-    axis.set_ylabel("density")
-    axis.set_title(title or f"spectral density (SLQ, {result.probes} probe(s), {result.lanczos_steps} steps)")
-    axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    from sharpcli.io.atomic import write_atomic
-
-    write_atomic(path, lambda tmp: figure.savefig(str(tmp), format="png"))
-    return str(path)
