@@ -48,6 +48,11 @@ Usage (the figures of docs/benchmarks.md, "Curvature: sharp vs PyHessian")::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_curvature.py --repeats 5 [--markdown out.md]
     OMP_NUM_THREADS=1 python benchmarks/bench_curvature.py --quick   # a smoke run
+    OMP_NUM_THREADS=1 python benchmarks/bench_curvature.py --blocks-only --repeats 7
+
+``--blocks-only`` prints only the cost of a block of 8 Hessian products done in one vmapped
+reverse pass (the ``CurvaturePass`` default, used by the trace estimators) against the same
+8 products column by column.
 
 Prints Markdown tables. Public tools only: the ``sharp`` CLI, ``sharpcli``'s public library
 API and PyPI ``pyhessian`` 0.1.
@@ -268,6 +273,41 @@ def matvec_costs(session, repeats: int) -> dict:
         "HG_cold/H_cold": median([a / b for a, b in zip(times["HG_cold"], times["H_cold"])]),
     }
     return {"seconds": med, "ratio": ratio, "numel": scope.numel, "batches": data.num_batches}
+
+
+def block_costs(session, repeats: int, k: int = 8) -> dict:
+    """Seconds for a block of ``k`` Hessian products (cached graph): one vmapped reverse pass
+    (``CurvaturePass`` default, ``vectorize=32``) vs column by column (``vectorize=1``), alternating.
+
+    The trace estimators multiply blocks of 8 probes, so this is their per-product cost.
+    """
+    import torch
+
+    from sharpcli.curvature import CurvaturePass
+
+    data, scope = session.analysis_data(), session.scope(None)
+    vmapped = CurvaturePass(session.model, data, scope)
+    columns = CurvaturePass(session.model, data, scope, vectorize=1)
+    V = torch.randn(scope.numel, k, generator=torch.Generator().manual_seed(0))
+    jobs = {"vmapped": lambda: vmapped.matmat(V, "H"), "columns": lambda: columns.matmat(V, "H")}
+    for fn in jobs.values():
+        fn()
+    times = {name: [] for name in jobs}
+    for r in range(max(5, repeats)):
+        for name in (("vmapped", "columns") if r % 2 == 0 else ("columns", "vmapped")):
+            times[name].append(timed(jobs[name])[0])
+    return {"k": k, "vmapped": median(times["vmapped"]), "columns": median(times["columns"]),
+            "ratio": median([a / b for a, b in zip(times["vmapped"], times["columns"])])}
+
+
+def blocks_table(ckpts: dict, repeats: int, batch_size: int) -> str:
+    """Markdown table of :func:`block_costs` for each model."""
+    lines = ["#### Blocks of 8 Hessian products (cached graph): vmapped vs column by column\n",
+             "| model | batch | vmapped block s | column-by-column s | vmapped / columns |", "|---|---|---|---|---|"]
+    for name, ckpt in ckpts.items():
+        b = block_costs(load(ckpt, batch_size), repeats)
+        lines.append(f"| {name} | {batch_size} | {fmt(b['vmapped'])} | {fmt(b['columns'])} | {b['ratio']:.2f}x |")
+    return "\n".join(lines)
 
 
 class _PyHessianRun:
@@ -597,6 +637,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     parser.add_argument("--workdir", help="where checkpoints and reports go (default: a temporary folder)")
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process part B")
+    parser.add_argument("--blocks-only", action="store_true",
+                        help="only the table of vmapped vs column-by-column blocks of products")
     parser.add_argument("--markdown", help="also write the Markdown output to this file")
     args = parser.parse_args(argv)
     models = ["mlp"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
@@ -618,14 +660,17 @@ def main(argv=None) -> int:
             parts.append(f"- `{name}`: {MODELS[name]['label']}; trained by "
                          f"`sharp train {' '.join(MODELS[name]['train'])} --seed 0`")
         parts.append("")
-        if not args.skip_processes:
+        if args.blocks_only:
+            parts.append(blocks_table(ckpts, repeats, args.batch_size))
+        elif not args.skip_processes:
             rows, commands = part_a(ckpts, repeats, args.batch_size, args.threads, workdir)
             parts.append(f"#### Whole processes, alternating pairs ({repeats} per row), medians\n")
             parts.append(table_a(rows))
             parts.append("\nCommand lines (`--json PATH` added):\n")
             parts += [f"    {c}" for c in commands]
             parts.append("")
-        parts.append(part_b(ckpts, repeats, args.batch_size, args.quick, 1 if args.quick else args.trace_seeds))
+        if not args.blocks_only:
+            parts.append(part_b(ckpts, repeats, args.batch_size, args.quick, 1 if args.quick else args.trace_seeds))
         text = "\n".join(parts)
         print(text)
         if args.markdown:

@@ -23,6 +23,10 @@ Usage (the defaults are those of docs/benchmarks.md, "Training regularizers")::
     OMP_NUM_THREADS=1 python benchmarks/bench_regularizers.py --reps 5 [--markdown out.md]
 
 Prints a Markdown table and the exact ``sharp train`` command line of each run.
+
+``--in-process`` instead times ``training_step`` + ``optimizer.step`` per step inside one
+process (public library API), the regularizers interleaved every 20 steps: much less
+noisy on a shared machine, but without data loading and evaluation.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: Budgets (epoch time / epoch time of ``--reg none``) the regularizers are held to.
@@ -94,6 +99,54 @@ def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dic
     }
 
 
+def in_process(args: argparse.Namespace) -> str:
+    """Per-step cost inside one process: ``training_step`` + ``optimizer.step`` on one fixed
+    batch, regularizers interleaved in rounds of 20 steps (so load drifts hit all alike),
+    median per-step time over ``7 * reps`` rounds. Cheaper and far less noisy than whole
+    processes on a loaded machine; it leaves out data loading and evaluation."""
+    import torch
+
+    from sharpcli.io.datasets import load_dataset
+    from sharpcli.models import build_model, default_model_args
+    from sharpcli.training.regularizers import parse_reg, training_step
+
+    torch.set_num_threads(args.threads)
+    data = load_dataset(args.data)
+    x, y = data.split("train")
+    x, y = x[: args.batch_size].float(), y[: args.batch_size]
+    model_args = default_model_args(args.model, tuple(data.input_shape), int(data.num_classes),
+                                    depth=args.depth, width=args.width, activation=args.activation)
+    torch.manual_seed(args.seed)
+    model = build_model({"name": args.model, "args": model_args})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    generator = torch.Generator().manual_seed(args.seed)
+    specs = ["none", *args.regs]
+    regs = {spec: [parse_reg(spec)] for spec in specs}
+
+    def steps(spec: str, n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            training_step(model, x, y, "cross-entropy", regs[spec], generator)
+            optimizer.step()
+        return (time.perf_counter() - start) / n
+
+    for spec in specs:
+        steps(spec, 5)  # warm-up
+    times: dict[str, list[float]] = {spec: [] for spec in specs}
+    for _ in range(7 * args.reps):
+        for spec in specs:
+            times[spec].append(steps(spec, 20))
+    base = statistics.median(times["none"])
+    lines = ["| regularizer | median ms/step | ratio to none | target | met |", "|---|---:|---:|---:|---|"]
+    for spec in specs:
+        med = statistics.median(times[spec])
+        target = TARGETS.get(spec)
+        met = "" if target is None else ("yes" if med / base <= target else "**no**")
+        lines.append(f"| `{spec}` | {med * 1e3:.2f} | {med / base:.2f}x | "
+                     f"{'' if target is None else f'<= {target:g}x'} | {met} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regs", nargs="+", default=DEFAULT_REGS, help="regularizer specs to time")
@@ -111,7 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS unless already set")
     parser.add_argument("--markdown", type=Path, help="also write the Markdown table here")
     parser.add_argument("--raw", type=Path, help="write every run's numbers as JSON here")
+    parser.add_argument("--in-process", action="store_true",
+                        help="time training_step per step inside one process instead of whole runs")
     args = parser.parse_args(argv)
+    if args.in_process:
+        table = in_process(args)
+        command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads)) + \
+            " python benchmarks/bench_regularizers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        text = f"Date: {_dt.date.today().isoformat()}; per step, in process.\n\n{table}\n\nBenchmark command: `{command}`"
+        print(text)
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        return 0
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (epoch 1 is dropped as warm-up)")
 
