@@ -72,7 +72,7 @@ class _ByteCounter:
             if key not in self.seen:
                 self.seen.add(key)
                 self.nbytes += storage.nbytes()
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse) count by size
             self.nbytes += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -199,7 +199,7 @@ class Penalty(Regularizer):
         return None
 
     def term(self, ctx: PassContext) -> torch.Tensor:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} is a penalty without a term(); define term() or extra_passes()")
 
     def analytic_grad(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         return None
@@ -207,7 +207,7 @@ class Penalty(Regularizer):
     def extra_passes(
         self, engine: StepEngine, ctx: PassContext, want_grad: bool
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} sets has_extra_passes but defines no extra_passes()")
 
 
 class Oracle(Regularizer):
@@ -219,7 +219,7 @@ class Oracle(Regularizer):
     kind = "oracle"
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} is an oracle without gradient()")
 
 
 # --------------------------------------------------------------------------- none / dropout
@@ -583,7 +583,7 @@ class _AscentOracle(Oracle):
     """
 
     def perturbation(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} defines no perturbation()")
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         clean = engine.evaluate(want_grad=True)
