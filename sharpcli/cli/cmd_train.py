@@ -10,6 +10,12 @@ from rich.table import Table
 from sharpcli.cli import common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt
+from sharpcli.training.regularizers import describe_registry
+
+REG_HELP = "Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01). " + "; ".join(
+    f"{row['name']}" + (f"({', '.join(h['name'] + '=' + str(h['default']) for h in row['hyperparameters'])})"
+                        if row["hyperparameters"] else "")
+    for row in describe_registry())
 
 
 @app.command("train")
@@ -34,7 +40,7 @@ def train_command(
     per_sample_norm: Annotated[bool, typer.Option("--per-sample-norm", help="Strict per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1).")] = False,
     repeat_batch: Annotated[int, typer.Option("--repeat-batch", help="Optimizer steps on each batch before the next (MAN Table 2).")] = 1,
     noise_finetune: Annotated[float, typer.Option("--noise-finetune", help="Add one final epoch with input Gaussian noise of this std (MAN Table 4).")] = 0.0,
-    reg: Annotated[Optional[list[str]], typer.Option("--reg", help="Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01).")] = None,
+    reg: Annotated[Optional[list[str]], typer.Option("--reg", help=REG_HELP)] = None,
     out: Annotated[str, typer.Option("--out", "-o", help="Checkpoint to write (.safetensors).")] = "model.safetensors",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run of the same options.")] = False,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", help="Stop after this epoch as an interruption would; continue later with --resume.")] = None,
