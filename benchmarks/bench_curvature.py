@@ -209,6 +209,7 @@ def part_a(ckpts: dict, repeats: int, batch_size: int, threads: int, workdir: Pa
 
 
 def table_a(rows) -> str:
+    """Markdown table of the whole-process comparison."""
     lines = [
         "| model | command | sharp wall s | PyHessian wall s | wall ratio | sharp body s | PyHessian body s "
         "| body ratio | sharp matvecs | PyHessian matvecs | sharp result | PyHessian result |",
@@ -504,10 +505,7 @@ def magnitude_demo() -> dict:
 
 # --------------------------------------------------------------------------- part B tables
 def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds: int) -> str:
-    import torch
-
-    from sharpcli.curvature import ParamScope  # noqa: F401  (public API import check)
-
+    """All in-process measurements as Markdown tables, ending with the targets table."""
     out = []
     cost_rows, eig_rows, acc_rows, tr_rows, py_tr_rows = [], [], [], [], []
     targets = {}
@@ -608,11 +606,11 @@ def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds:
     out.append("|---|---|---|")
     for target, measured, met in rows:
         out.append(f"| {target} | {measured} | {'met' if met else 'NOT met'} |")
-    del torch
     return "\n".join(out)
 
 
 def environment(threads: int) -> str:
+    """One line: date, CPU, usable cores, threads, Python, torch, pyhessian, sharpcli versions."""
     import torch
 
     try:
@@ -628,6 +626,7 @@ def environment(threads: int) -> str:
 
 
 def main(argv=None) -> int:
+    """Parse options, train the checkpoints, run parts A and B, print (and save) the Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="process pairs / in-process rounds / probe seeds")
     parser.add_argument("--trace-seeds", type=int, default=3, help="probe seeds of the trace study")

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
-import click
 import jsonschema
 import pytest
 import typer
+from typer.exceptions import TyperException
 
 from cli_helpers import run_cli
 
@@ -47,7 +48,12 @@ def _commands(page: Path):
     return run_guide.extract_commands(page.read_text(encoding="utf-8"), source=str(page.relative_to(ROOT)))
 
 
-def _cli_group() -> click.Group:
+def _python_blocks(page: Path) -> list[str]:
+    """The page's fenced ``python`` blocks, in order."""
+    return re.findall(r"^```python\n(.*?)^```$", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+
+
+def _cli_group():
     from sharpcli.cli.app import app
 
     return typer.main.get_command(app)
@@ -97,8 +103,8 @@ def test_every_guide_command_parses_against_the_cli():
             assert name in group.commands, where
             try:
                 group.commands[name].make_context(name, list(args))
-            except click.ClickException as exc:  # unknown option, bad type, missing argument
-                pytest.fail(f"{where}: {exc.format_message()}")
+            except TyperException as exc:  # unknown option, bad value type, missing argument
+                pytest.fail(f"{where}: {exc}")
             total += 1
     assert total >= 60
 
@@ -120,6 +126,8 @@ def test_command_page_examples_run_as_documented(tmp_path, monkeypatch, capsys):
                 jsonschema.validate(json.loads(run.out), schema)
             elif target is not None and (tmp_path / target).exists():  # a report or an error object
                 jsonschema.validate(json.loads((tmp_path / target).read_text()), schema)
+        for block in _python_blocks(page):  # e.g. json.md's "reading a report in a script"
+            exec(compile(block, f"{page.name}:python", "exec"), {"__name__": "__docs__"})
 
 
 # ----------------------------------------------------------------------------- reproduce.md
