@@ -13,6 +13,7 @@ from sharpcli.curvature import (
     ParamScope,
     exact_ggn_trace,
     frobenius_sq,
+    gn_split_trace,
     hutchinson,
     hutchpp,
     sampled_label_ggn_trace,
@@ -70,6 +71,42 @@ def test_hutchpp_needs_fewer_matvecs_than_hutchinson_at_equal_tolerance():
     assert plain.converged and sketched.converged
     assert sketched.matvecs <= plain.matvecs / 2
     assert abs(sketched.estimate - float(G.trace())) <= 4 * sketched.stderr
+
+
+@pytest.mark.parametrize("kind,loss", [("gelu", "cross-entropy"), ("relu", "cross-entropy"), ("cnn", "cross-entropy"),
+                                       ("gelu", "mse")])
+def test_gn_split_trace_within_four_standard_errors_of_the_hessian_trace(kind, loss):
+    model, data, scope, H, G = _setup(kind, loss, batch_size=10)
+    result = gn_split_trace(CurvaturePass(model, data, scope), tol=2e-2, max_matvecs=400, seed=5)
+    exact = float(H.trace())
+    assert result.estimator == "gn-split" and result.stderr > 0
+    assert abs(result.estimate - exact) <= 4 * result.stderr + 1e-10 * abs(exact)
+    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, rel=1e-10)
+    for name, value in _block_traces(H, scope).items():
+        layer = result.by_layer[name]
+        assert abs(layer["estimate"] - value) <= 4.5 * layer["stderr"] + 1e-10
+
+
+def test_gn_split_beats_hutchinson_when_the_gauss_newton_part_dominates():
+    # a well-fit GELU net: dl/dz is small, so N = H - G is small against H (NME eq. 2)
+    model, data, scope, H, G = _setup(batch_size=23)
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(300):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.x), data.y).backward()
+        opt.step()
+    from conftest import dense_reference
+
+    H, G, _ = dense_reference(model, data.x, data.y, "cross-entropy")
+    N = H - G
+    assert float((N * N).sum()) < 0.05 * float((H * H).sum())
+    cp = CurvaturePass(model, data, scope)
+    split = gn_split_trace(cp, tol=1e-2, max_matvecs=4000, seed=0, block_size=16)
+    plain = hutchinson(cp.hessian(), tol=1e-2, max_matvecs=4000, seed=0, block_size=16)
+    assert split.converged and plain.converged
+    assert split.matvecs <= plain.matvecs / 4
+    assert abs(split.estimate - float(H.trace())) <= 4 * split.stderr
 
 
 def test_hutchinson_hand_counts():

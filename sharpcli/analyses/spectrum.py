@@ -21,7 +21,7 @@ from sharpcli.errors import UsageError
 
 OPERATORS = ("hessian", "ggn", "nme")
 METHODS = ("lanczos", "power")
-ESTIMATORS = ("hutchinson", "hutchpp", "exact")
+ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
 ENGINES = ("native", "pyhessian")
 
 
@@ -87,7 +87,7 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
           max_matvecs: int = 1000, square: bool = False, params: str | None = None, engine: str = "native",
           seed: int | None = None) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
-    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, hutchinson, hutchpp
+    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, gn_split_trace, hutchinson, hutchpp
 
     check_choice(estimator, ESTIMATORS, "--estimator")
     check_choice(engine, ENGINES, "--engine")
@@ -108,6 +108,11 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
                 raise UsageError("the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
                                  source="--estimator")
             result = exact_ggn_trace(session.model, session.analysis_data(), scope)
+        elif estimator == "gn-split":
+            if operator != "hessian" or square:
+                raise UsageError("the gn-split estimator is for the Hessian trace (--operator hessian, no --square)",
+                                 source="--estimator")
+            result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
         else:
             op = operator_of(cpass, operator)
             if square:

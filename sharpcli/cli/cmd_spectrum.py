@@ -68,7 +68,7 @@ def trace_command(
     opts: common.CommonOptions,
     checkpoint: CheckpointArg,
     operator: OperatorOpt = "hessian",
-    estimator: Annotated[str, typer.Option("--estimator", help="hutchpp (default), hutchinson, or exact (Gauss-Newton).")] = "hutchpp",
+    estimator: Annotated[str, typer.Option("--estimator", help="hutchpp (default), hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or exact (Gauss-Newton).")] = "hutchpp",
     tol: Annotated[float, typer.Option("--tol", help="Stop at this relative standard error.")] = 1e-2,
     max_matvecs: Annotated[int, typer.Option("--max-matvecs", help="Budget of operator products.")] = 1000,
     square: Annotated[bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")] = False,

@@ -27,6 +27,7 @@ from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import (
     TraceResult,
     exact_ggn_trace,
+    gn_split_trace,
     frobenius_sq,
     hutchinson,
     hutchpp,
@@ -50,6 +51,7 @@ __all__ = [
     "determinism_check",
     "distributed_rank_and_world",
     "exact_ggn_trace",
+    "gn_split_trace",
     "frobenius_sq",
     "hutchinson",
     "hutchpp",

@@ -91,7 +91,9 @@ class CurvaturePass:
     (0 disables caching); the cache is dropped automatically when any parameter or buffer
     of the model changes in place (its version counter moves). Blocks are multiplied
     ``vectorize`` columns at a time in one vmapped reverse pass (``is_grads_batched``), with
-    a per-column fallback for layers lacking a batched backward rule.
+    a per-column fallback for layers lacking a batched backward rule. The default is 32 on
+    accelerators and 1 (column by column) on CPU, where the vmapped double backward measured
+    1.5-1.8x slower per product than the same products one at a time (docs/benchmarks.md).
     """
 
     def __init__(
@@ -101,7 +103,7 @@ class CurvaturePass:
         scope: ParamScope,
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
-        vectorize: int = 32,
+        vectorize: int | None = None,
     ):
         self.model = model
         self.data = data
@@ -111,6 +113,8 @@ class CurvaturePass:
         self._cache: dict[int, _BatchGraph] = {}
         self._cached_bytes = 0
         self._versions = None
+        if vectorize is None:
+            vectorize = 1 if scope.device.type == "cpu" else 32
         self.vectorize = int(vectorize)
         self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat

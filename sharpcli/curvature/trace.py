@@ -33,6 +33,7 @@ __all__ = [
     "TraceResult",
     "exact_ggn_trace",
     "frobenius_sq",
+    "gn_split_trace",
     "hutchinson",
     "hutchpp",
     "sampled_label_ggn_trace",
@@ -260,6 +261,9 @@ class _Sketch:
         return _segment_sums(PG * APG, blocks).T
 
 
+_FIRST_SKETCH = 16  # columns of a sketch started lazily (initial_sketch=0)
+
+
 def hutchpp(
     op,
     *,
@@ -271,6 +275,7 @@ def hutchpp(
     initial_sketch: int = 16,
     max_sketch: int = 512,
     blocks: dict | None = None,
+    known: torch.Tensor | None = None,
 ) -> TraceResult:
     """Adaptive Hutch++ (Meyer et al. 2021): exact trace on a sketched top subspace + Hutchinson.
 
@@ -282,6 +287,10 @@ def hutchpp(
     estimated remaining probes exceed ``3 s`` and the previous doubling reduced the estimated
     number of probes still needed by at least its own cost; stored residual probes are
     re-evaluated for the new Q at no matvec cost (``P A P g = A g - AQ Q^T g``).
+    ``initial_sketch=0`` starts as plain Hutchinson and sketches (16 columns, then doubling)
+    only when the first probes say it pays. ``known`` (total, then per block) is an exactly
+    known part of the trace added to the estimate, so ``tol`` is relative to the sum (the
+    control variate of :func:`gn_split_trace`).
     Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
     """
     _check_budget(tol, max_matvecs, block_size)
@@ -295,7 +304,8 @@ def hutchpp(
     first = min(int(initial_sketch), cap)
     if first > 0:
         matvecs += sketch.extend(op, first, generator)
-    exact = sketch.exact_part(blocks)
+    offset = torch.zeros(1 + len(blocks), dtype=torch.float64) if known is None else known.to(torch.float64)
+    exact = sketch.exact_part(blocks) + offset
     stored_G, stored_AG = [], []
     growing = sketch.size < cap
     rows = []
@@ -319,10 +329,10 @@ def hutchpp(
             break
         if growing and n >= min_samples:
             target = (stderr[0] * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
-            step = min(sketch.size, cap - sketch.size)
+            step = min(sketch.size or _FIRST_SKETCH, cap - sketch.size)
             if target - n > 3 * step and step > 0 and matvecs + 2 * step < budget:
                 matvecs += sketch.extend(op, step, generator)
-                exact = sketch.exact_part(blocks)
+                exact = sketch.exact_part(blocks) + offset
                 rows = [sketch.residual_values(g, ag, blocks) for g, ag in zip(stored_G, stored_AG)]
                 samples = torch.cat(rows)
                 new_mean, new_stderr = _mean_stderr(samples)
@@ -389,52 +399,82 @@ def _chunks(x, y, rows_per_chunk):
         yield x[s : s + rows_per_chunk], y[s : s + rows_per_chunk]
 
 
+def _ggn_directions(z: torch.Tensor, loss: str) -> list[torch.Tensor]:
+    """Columns ``s_c`` (each shaped like ``z``) with ``H_z = sum_c s_c s_c^T`` per sample.
+
+    Cross-entropy: ``H_z = diag(p) - p p^T = S S^T`` with ``S = diag(sqrt p) - p sqrt(p)^T``
+    (check: ``S S^T = diag(p) - 2 p p^T + p (sqrt p . sqrt p) p^T`` and ``sum p = 1``), whose
+    column c is ``s_c = sqrt(p_c) (e_c - p)``. mse (``l = (1/C)||z - y||^2``): ``H_z = (2/C) I``,
+    ``s_c = sqrt(2/C) e_c``.
+    """
+    classes = z.shape[-1]
+    eye = torch.eye(classes, dtype=z.dtype, device=z.device)
+    if loss == "cross-entropy":
+        p = torch.softmax(z.detach(), dim=-1)
+        return [p[:, c : c + 1].sqrt() * (eye[c] - p) for c in range(classes)]
+    scale = math.sqrt(2.0 / classes)
+    return [scale * eye[c].expand_as(z) for c in range(classes)]
+
+
+def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, loss, per_param) -> None:
+    """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
+    per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks."""
+    from torch.func import functional_call, jacrev, vmap
+
+    names = [scope.names[i] for i in indices]
+
+    def logits(params, x_single):
+        return functional_call(model, dict(zip(names, params)), (x_single.unsqueeze(0),)).squeeze(0)
+
+    jac = vmap(jacrev(logits), in_dims=(None, 0))
+    params = tuple(scope.params[i].detach() for i in indices)
+    classes = z_b.shape[-1]
+    numel = sum(p.numel() for p in params)
+    rows = max(1, _CHUNK_BYTES // max(1, classes * numel * z_b.element_size()))
+    for start in range(0, x_b.shape[0], rows):
+        x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
+        S = torch.stack(_ggn_directions(z_c, loss), dim=1)  # (B, C columns, C)
+        with torch.no_grad():  # torch.func differentiates anyway; no graph to the other parameters
+            J = jac(params, x_c)
+        for i, Ji in zip(indices, J):  # Ji: (B, C, *shape)
+            M = S @ Ji.reshape(Ji.shape[0], classes, -1)  # rows s_c^T J
+            per_param[i] += (M * M).sum().to(torch.float64)
+
+
 def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> TraceResult:
     """Exact ``tr(G) = (1/N) sum_i tr(J_i^T H_z,i J_i)`` with per-layer traces.
 
-    Cross-entropy: ``H_z = diag(p) - p p^T = S S^T`` with ``S = diag(sqrt p) - p sqrt(p)^T``
-    (check: ``S S^T = diag(p) - 2 p p^T + p (sqrt p . sqrt p) p^T`` and ``sum p = 1``); its
-    column c is ``sqrt(p_c) (e_c - p)``, so
+    With ``H_z = sum_c s_c s_c^T`` (:func:`_ggn_directions`),
 
-        tr(J^T H_z J) = ||S^T J||_F^2 = sum_c p_c ||J^T (e_c - p)||^2
-                      = sum_c p_c ||grad_theta l(z, c)||^2,
+        tr(J^T H_z J) = sum_c ||J^T s_c||^2,
 
-    the exact expectation of NME eq. 20. mse with ``l = (1/C)||z - y||^2``:
-    ``H_z = (2/C) I`` and ``tr = (2/C) ||J||_F^2``. Per-sample Jacobians come from
-    ``vmap(jacrev)`` (C backward passes per batch), in chunks of bounded memory.
+    and for cross-entropy ``J^T s_c = sqrt(p_c) grad_theta l(z, c)``, so this is
+    ``sum_c p_c ||grad_theta l(z, c)||^2``, the exact expectation of NME eq. 20.
+    Each ``||J_i^T s_c||^2`` is a per-sample squared gradient norm: for ``nn.Linear`` and
+    ``nn.Conv2d`` layers it comes from one backward pass per class and batch to the layers'
+    outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no per-sample gradients
+    formed); any other parameter (BatchNorm, custom layers) from per-sample Jacobians
+    (``vmap(jacrev)``).
     """
-    from torch.func import jacrev, vmap
+    from sharpcli.curvature.persample import LayerTaps
 
     if data.loss not in ("cross-entropy", "mse"):
         raise UsageError(f"exact GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
-    logits = _functional_logits(model, scope)
-    jac = vmap(jacrev(logits), in_dims=(None, 0))
-    params = tuple(p.detach() for p in scope.params)
     layer_of = _param_to_layer(scope)
     blocks = scope.blocks()
-    per_param = torch.zeros(len(params), dtype=torch.float64, device=scope.device)
+    per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
+    taps = LayerTaps(model, scope)
     N = data.num_samples
     for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
-        with torch.no_grad():
+        with torch.enable_grad(), taps:
             z_b = model(x_b)
-        classes = z_b.shape[-1]
-        rows = max(1, _CHUNK_BYTES // max(1, classes * scope.numel * z_b.element_size()))
-        for start in range(0, x_b.shape[0], rows):
-            x_c = x_b[start : start + rows]
-            z_c = z_b[start : start + rows]
-            J = jac(params, x_c)  # per param: (B, C, *shape)
-            if data.loss == "cross-entropy":
-                p = torch.softmax(z_c, dim=-1)
-                sqrt_p = p.sqrt()
-            for i, Ji in enumerate(J):
-                Ji = Ji.reshape(Ji.shape[0], classes, -1)
-                if data.loss == "cross-entropy":
-                    mean_row = (p[:, :, None] * Ji).sum(1, keepdim=True)
-                    M = sqrt_p[:, :, None] * (Ji - mean_row)
-                    per_param[i] += (M * M).sum().to(torch.float64)
-                else:
-                    per_param[i] += (2.0 / classes) * (Ji * Ji).sum().to(torch.float64)
+        for direction in _ggn_directions(z_b, data.loss):
+            taps.accumulate(z_b, direction, per_param)
+        rest = taps.uncovered
+        if rest:
+            _jacobian_ggn_sums(model, scope, rest, x_b, z_b.detach(), data.loss, per_param)
+        del z_b
         if not torch.isfinite(per_param).all():
             raise NumericalError(f"exact GGN trace is not finite on batch {batch_index}", source="Gauss-Newton")
     all_reduce_sum(per_param)
@@ -448,6 +488,42 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
         by_layer={name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)},
         notes=[f"exact Gauss-Newton trace over {N} samples ({data.loss})"],
     )
+
+
+def gn_split_trace(
+    curvature_pass,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+) -> TraceResult:
+    """``tr(H) = tr(G) + tr(N)``: the exact Gauss-Newton trace plus Hutch++ on the NME (NME eq. 2).
+
+    The Gauss-Newton term is a control variate known exactly (:func:`exact_ggn_trace`, C
+    backward passes per batch), so only ``tr(N)`` is estimated, from probes of
+    ``N = H - G`` (one joint H+G pass each; :class:`~sharpcli.curvature.NMEOperator`).
+    Per probe the variance drops from ``2 (||H||_F^2 - sum H_ii^2)`` to
+    ``2 (||N||_F^2 - sum N_ii^2)``: large savings wherever the Gauss-Newton part dominates
+    the Hessian, as it does near a minimum, where ``dl/dz -> 0`` and ``N -> 0``. Hutch++ starts
+    unsketched (``initial_sketch=0``) and sketches N only when its probes say it pays. The
+    standard error is that of the ``tr(N)`` estimate; ``tol`` is relative to ``tr(H)``; per
+    layer, the exact Gauss-Newton block traces plus N's. ``matvecs`` counts the joint H+G
+    products; the exact part's cost is in ``notes``.
+    """
+    data, scope = curvature_pass.data, curvature_pass.scope
+    ggn = exact_ggn_trace(curvature_pass.model, data, scope)
+    known = torch.tensor([ggn.estimate] + [v["estimate"] for v in ggn.by_layer.values()], dtype=torch.float64)
+    nme = hutchpp(curvature_pass.nme(), tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
+                  min_samples=min_samples, initial_sketch=0, known=known)
+    nme.estimator = "gn-split"
+    nme.notes = [
+        f"tr(H) = tr(G) + tr(N): exact tr(G) = {ggn.estimate:.6g} ({data.loss}, one backward pass per class "
+        f"and batch), tr(N) estimated from {nme.matvecs} H+G products",
+        *nme.notes,
+    ]
+    return nme
 
 
 _DRAW_BLOCK = 1024  # samples per independently seeded block of label draws
