@@ -69,6 +69,18 @@ def test_compare_columns_sort_and_markdown(reports, capsys):
     assert values == sorted(values, reverse=True) and len(values) == 2
 
 
+def test_compare_training_settings_of_analyses_and_unknown_columns(reports, capsys):
+    files = sorted(reports.glob("analyze-*.json")) + sorted(reports.glob("train-*.json"))
+    run = run_cli(capsys, "compare", *files, "--columns", "checkpoint.train.lr,checkpoint.train.epochs,settings.lr",
+                  "--format", "json", "--json", "-")
+    assert run.code == 0, run.err
+    rows = run.json()["results"]["rows"]
+    assert [r["checkpoint.train.lr"] for r in rows] == [0.05] * 4
+    assert [r["checkpoint.train.epochs"] for r in rows] == [2] * 4
+    assert [r["settings.lr"] is None for r in rows] == [True, True, False, False]  # analyses have no lr setting
+    assert_one_line_error(run_cli(capsys, "compare", *files, "--columns", "lamda_max"), 2, "--columns", "lamda_max")
+
+
 def test_compare_rejects_bad_reports(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
