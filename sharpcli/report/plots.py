@@ -131,6 +131,11 @@ def plot_sweep(rows: list[dict], param: str, path: str | Path, accuracy_key: str
     ax.set_ylabel(accuracy_key, color="tab:blue")
     if xs and min(xs) > 0 and max(xs) / min(xs) >= 20:
         ax.set_xscale("log")
+        if len(set(xs)) > 1:  # every swept value on the axis, even one whose runs diverged
+            ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
+    elif len(set(xs)) > 1:
+        pad = 0.05 * (max(xs) - min(xs))
+        ax.set_xlim(min(xs) - pad, max(xs) + pad)
     right = ax.twinx()
     for key, color in zip(sharpness_keys, ("tab:red", "tab:orange")):
         means = _finite([r.get(f"{key}_mean") for r in rows])
