@@ -73,9 +73,11 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
             points = [(row["epoch"], (row.get("tracked") or {}).get(key)) for row in history if row.get("tracked")]
             cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
         cax.set_xlabel("epoch")
+        cax.set_ylabel("curvature")
         cax.set_title("tracked curvature")
         if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
             cax.set_yscale("symlog")
+            cax.set_ylabel("curvature (symlog scale)")
         cax.legend(fontsize=8)
     fig.tight_layout()
     return _save(plt, fig, path)
@@ -93,6 +95,7 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
         ax.bar([x + offset for x in xs], _finite([r[key] for r in rows]), width, label=label)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
+    ax.set_xlabel("layer (module name)")
     ax.set_ylabel("diagonal-block trace")
     ax.set_title(f"H = G + N per layer (NME share {results.get('nme_share', float('nan')):.3g})")
     ax.legend()
@@ -109,7 +112,7 @@ def plot_compare_scatter(records: list[dict], path: str | Path, x: str = "lambda
     ax.scatter([p[0] for p in points], [p[1] for p in points])
     for px, py, label in points:
         ax.annotate(str(label), (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    if points and min(p[0] for p in points) > 0:
+    if points and min(p[0] for p in points) > 0 and max(p[0] for p in points) / min(p[0] for p in points) >= 20:
         ax.set_xscale("log")
     ax.set_xlabel(x)
     ax.set_ylabel(y)
