@@ -37,6 +37,15 @@ def test_png_size_rejects_non_png(tmp_path):
     bad.write_bytes(b"GIF89a....")
     with pytest.raises(ValueError):
         png_size(bad)
+    from sharpcli.report.plots import plot_compare_scatter
+
+    good = plot_compare_scatter([{"run": "a", "lambda_max": 1.0, "test_accuracy": 0.5}], tmp_path / "good.png")
+    assert png_size(good) == PIXELS
+    data = good.read_bytes()
+    for broken in (data[:-20], data[:200] + bytes([data[200] ^ 1]) + data[201:]):  # truncated; one bit flipped
+        bad.write_bytes(broken)
+        with pytest.raises(ValueError):
+            png_size(bad)
 
 
 def test_sweep_three_values_two_seeds_resumes_after_interruption(tmp_path, capsys):
