@@ -30,6 +30,8 @@ def reports(tmp_path_factory):
               folder / f"analyze-{reg.split(':')[0]}.json", "--quiet")
         paths[reg] = ck
     sharp("eigen", paths["none"], "--json", folder / "eigen-none.json", "--quiet")
+    sharp("gn-nme", paths["none"], "--samples", "48", "--tol", "0.2", "--json", folder / "gn-nme-none.json", "--quiet")
+    sharp("trace", paths["none"], "--square", "--tol", "0.2", "--json", folder / "square-none.json", "--quiet")
     return folder
 
 
@@ -54,7 +56,16 @@ def test_compare_csv_matches_reports(reports, capsys, tmp_path):
             assert float(row["nme_share"]) == pytest.approx(res["nme_share"], rel=1e-12)
             assert float(row["test_accuracy"]) == pytest.approx(res["accuracy"], rel=1e-12)
             assert row["regularizers"] == " + ".join(report["checkpoint"]["train"]["regs"])
+        elif report["command"] == "gn-nme":
+            assert float(row["lambda_max"]) == pytest.approx(res["hessian"]["lambda_max"], rel=1e-12)
+            assert float(row["trace"]) == pytest.approx(res["hessian"]["trace"]["estimate"], rel=1e-12)
+            assert float(row["frobenius_sq"]) == pytest.approx(res["hessian"]["frobenius_sq"], rel=1e-12)
+            assert float(row["nme_share"]) == pytest.approx(res["nme_share"], rel=1e-12)
+        elif report["command"] == "trace":  # --square: Tr(H^2)
+            assert float(row["frobenius_sq"]) == pytest.approx(res["trace"]["estimate"], rel=1e-12)
+            assert row["trace"] == ""
         else:  # eigen of the Hessian
+            assert report["command"] == "eigen"
             assert float(row["lambda_max"]) == pytest.approx(res["eigenvalues"][0], rel=1e-12)
 
 
@@ -67,6 +78,18 @@ def test_compare_columns_sort_and_markdown(reports, capsys):
     assert lines[0] == "| run | regularizers | lambda_max | results.hessian.trace_stderr |"
     values = [float(l.split("|")[3]) for l in lines[2:]]
     assert values == sorted(values, reverse=True) and len(values) == 2
+
+
+def test_compare_training_settings_of_analyses_and_unknown_columns(reports, capsys):
+    files = sorted(reports.glob("analyze-*.json")) + sorted(reports.glob("train-*.json"))
+    run = run_cli(capsys, "compare", *files, "--columns", "checkpoint.train.lr,checkpoint.train.epochs,settings.lr",
+                  "--format", "json", "--json", "-")
+    assert run.code == 0, run.err
+    rows = run.json()["results"]["rows"]
+    assert [r["checkpoint.train.lr"] for r in rows] == [0.05] * 4
+    assert [r["checkpoint.train.epochs"] for r in rows] == [2] * 4
+    assert [r["settings.lr"] is None for r in rows] == [True, True, False, False]  # analyses have no lr setting
+    assert_one_line_error(run_cli(capsys, "compare", *files, "--columns", "lamda_max"), 2, "--columns", "lamda_max")
 
 
 def test_compare_rejects_bad_reports(tmp_path, capsys):

@@ -65,3 +65,8 @@ def test_repeat_batch_and_noise_finetune(tmp_path, capsys):
     assert part.code == 0, part.err
     a, d = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "d.safetensors"))
     assert all(torch.equal(a[k], d[k]) for k in a)
+    # the third epoch differs from a plain third epoch (same batches, same lr) only by the input noise
+    plain = run_cli(capsys, *base[:-3], "--epochs", "3", "--quiet", "--out", tmp_path / "e.safetensors")
+    assert plain.code == 0, plain.err
+    c, e = load_file(str(tmp_path / "c.safetensors")), load_file(str(tmp_path / "e.safetensors"))
+    assert not all(torch.equal(c[k], e[k]) for k in c)

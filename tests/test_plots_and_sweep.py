@@ -37,6 +37,15 @@ def test_png_size_rejects_non_png(tmp_path):
     bad.write_bytes(b"GIF89a....")
     with pytest.raises(ValueError):
         png_size(bad)
+    from sharpcli.report.plots import plot_compare_scatter
+
+    good = plot_compare_scatter([{"run": "a", "lambda_max": 1.0, "test_accuracy": 0.5}], tmp_path / "good.png")
+    assert png_size(good) == PIXELS
+    data = good.read_bytes()
+    for broken in (data[:-20], data[:200] + bytes([data[200] ^ 1]) + data[201:]):  # truncated; one bit flipped
+        bad.write_bytes(broken)
+        with pytest.raises(ValueError):
+            png_size(bad)
 
 
 def test_sweep_three_values_two_seeds_resumes_after_interruption(tmp_path, capsys):
@@ -64,3 +73,20 @@ def test_sweep_three_values_two_seeds_resumes_after_interruption(tmp_path, capsy
 
     ck = load_checkpoint(tmp_path / "sw" / f"{res['runs'][-1]['run']}.safetensors")
     assert ck.train_config["regs"] == ["ad:sigma=0.5"] and ck.train_config["seed"] == 1
+
+
+def test_sweep_records_a_diverging_value_and_goes_on(tmp_path, capsys):
+    args = ["sweep", "--reg", "wd", "--grid", "sigma=0.01,100", "--data", DATA, "--epochs", "2", "--width", "8",
+            "--analyze-samples", "40", "--out-dir", tmp_path / "sw", "--json", "-"]
+    run = run_cli(capsys, *args)
+    assert run.code == 0, run.err
+    res = run.json()["results"]
+    assert res["completed"] is True and res["diverged"] == ["wd-sigma=100-seed0"]
+    record = json.loads((tmp_path / "sw" / "wd-sigma=100-seed0.diverged.json").read_text())
+    assert record["regs"] == ["wd:sigma=100.0"] and ("nan" in record["error"] or "finite" in record["error"])
+    rows = {r["run"]: r for r in csv.DictReader(open(res["tables"]["runs_csv"]))}
+    assert rows["wd-sigma=100-seed0"]["lambda_max"] == "" and float(rows["wd-sigma=0.01-seed0"]["lambda_max"]) > 0
+    assert [int(r["seeds"]) for r in res["summary"]] == [1, 0]
+    assert png_size(res["plot"]) == PIXELS
+    again = run_cli(capsys, *args).json()["results"]  # resumed: the diverged run is not retrained
+    assert again["skipped"] == ["wd-sigma=0.01-seed0", "wd-sigma=100-seed0"] and again["diverged"] == res["diverged"]

@@ -45,7 +45,7 @@ def sweep_command(
     metrics: Annotated[str, typer.Option("--metrics", help="Analyses per run (as sharp analyze --metrics).")] = "eigen,trace",
     out_dir: Annotated[str, typer.Option("--out-dir", help="Folder for checkpoints, reports, tables and the plot.")] = "sweep",
     max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Stop after this many new runs (continue later by running the same command).")] = None,
-    analyze_samples: Annotated[int, typer.Option("--analyze-samples", help="Samples of the analysis split per run.")] = 512,
+    analyze_samples: Annotated[int, typer.Option("--analyze-samples", help="Samples of the analysis split per run (the test split when the data has one, else the training split).")] = 512,
     model: Annotated[str, typer.Option("--model")] = "mlp",
     data: Annotated[str, typer.Option("--data")] = "blobs",
     epochs: Annotated[int, typer.Option("--epochs")] = 5,
@@ -87,7 +87,7 @@ def sweep_command(
                     "metrics": metrics, "out_dir": out_dir, "max_runs": max_runs,
                     "train": dataclasses.asdict(cfg)}
         results = {"runs": result.runs, "summary": result.summary, "completed": result.completed,
-                   "skipped": result.skipped, "tables": {"runs_csv": result.table_csv,
+                   "skipped": result.skipped, "diverged": result.diverged, "tables": {"runs_csv": result.table_csv,
                                                          "summary_csv": result.summary_csv,
                                                          "summary_markdown": result.summary_markdown},
                    "plot": result.plot}
@@ -98,6 +98,8 @@ def sweep_command(
                                                       for s in ("mean", "std")]
             console.print(records_table("sweep summary (over seeds)", result.summary,
                                         [c for c in shown if any(r.get(c) is not None for r in result.summary)]))
+            if result.diverged:
+                console.print(f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}")
             if not result.completed:
                 console.print(f"stopped after --max-runs {max_runs}; run the same command again to continue")
             if result.plot:

@@ -99,7 +99,8 @@ def canonical_row(report: dict, name: str) -> dict:
 def _flat_scalars(report: dict) -> dict:
     import pandas as pd
 
-    flat = pd.json_normalize({"results": report.get("results", {}), "settings": report.get("settings", {})},
+    flat = pd.json_normalize({"results": report.get("results", {}), "settings": report.get("settings", {}),
+                              "checkpoint": report.get("checkpoint") or {}},
                              sep=".").to_dict(orient="records")[0]
     return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
@@ -114,18 +115,19 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
 
     if not paths:
         raise UsageError("give at least one report", source="REPORT")
-    rows = []
+    rows, seen = [], set()
     for path in paths:
         report = read_report(path)
         row = canonical_row(report, Path(path).stem)
         extra = _flat_scalars(report)
+        seen.update(extra)
         for col in columns or []:
             if col not in CANONICAL:
                 row[col] = extra.get(col)
         rows.append(row)
     frame = pd.DataFrame(rows)
     if columns:
-        unknown = [c for c in columns if c not in frame.columns]
+        unknown = [c for c in columns if c not in CANONICAL and c not in seen]
         if unknown:
             raise UsageError(f"unknown column {', '.join(unknown)}", source="--columns")
         frame = frame[["run"] + [c for c in columns if c != "run"]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 from pathlib import Path
 
 from sharpcli.io.atomic import atomic_path
@@ -36,10 +37,21 @@ def _save(plt, fig, path: str | Path) -> Path:
 
 
 def png_size(path: str | Path) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk; raises ValueError if the file is not a PNG."""
-    data = Path(path).read_bytes()[:24]
+    """(width, height) from a PNG's IHDR chunk; raises ValueError if the file is not a complete,
+    valid PNG (signature, IHDR first, every chunk's CRC, image data, IEND last)."""
+    data = Path(path).read_bytes()
     if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
         raise ValueError(f"{path} is not a PNG file")
+    pos, kinds = 8, []
+    while pos + 12 <= len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        end = pos + 8 + length
+        if end + 4 > len(data) or zlib.crc32(data[pos + 4:end]) != struct.unpack(">I", data[end:end + 4])[0]:
+            raise ValueError(f"{path} is not a valid PNG file (chunk {kind!r} is truncated or corrupt)")
+        kinds.append(kind)
+        pos = end + 4
+    if b"IDAT" not in kinds or kinds[-1] != b"IEND" or pos != len(data):
+        raise ValueError(f"{path} is not a complete PNG file")
     return struct.unpack(">II", data[16:24])
 
 
@@ -73,9 +85,11 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
             points = [(row["epoch"], (row.get("tracked") or {}).get(key)) for row in history if row.get("tracked")]
             cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
         cax.set_xlabel("epoch")
+        cax.set_ylabel("curvature")
         cax.set_title("tracked curvature")
         if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
             cax.set_yscale("symlog")
+            cax.set_ylabel("curvature (symlog scale)")
         cax.legend(fontsize=8)
     fig.tight_layout()
     return _save(plt, fig, path)
@@ -93,6 +107,7 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
         ax.bar([x + offset for x in xs], _finite([r[key] for r in rows]), width, label=label)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
+    ax.set_xlabel("layer (module name)")
     ax.set_ylabel("diagonal-block trace")
     ax.set_title(f"H = G + N per layer (NME share {results.get('nme_share', float('nan')):.3g})")
     ax.legend()
@@ -109,7 +124,7 @@ def plot_compare_scatter(records: list[dict], path: str | Path, x: str = "lambda
     ax.scatter([p[0] for p in points], [p[1] for p in points])
     for px, py, label in points:
         ax.annotate(str(label), (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    if points and min(p[0] for p in points) > 0:
+    if points and min(p[0] for p in points) > 0 and max(p[0] for p in points) / min(p[0] for p in points) >= 20:
         ax.set_xscale("log")
     ax.set_xlabel(x)
     ax.set_ylabel(y)
@@ -131,6 +146,11 @@ def plot_sweep(rows: list[dict], param: str, path: str | Path, accuracy_key: str
     ax.set_ylabel(accuracy_key, color="tab:blue")
     if xs and min(xs) > 0 and max(xs) / min(xs) >= 20:
         ax.set_xscale("log")
+        if len(set(xs)) > 1:  # every swept value on the axis, even one whose runs diverged
+            ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
+    elif len(set(xs)) > 1:
+        pad = 0.05 * (max(xs) - min(xs))
+        ax.set_xlim(min(xs) - pad, max(xs) + pad)
     right = ax.twinx()
     for key, color in zip(sharpness_keys, ("tab:red", "tab:orange")):
         means = _finite([r.get(f"{key}_mean") for r in rows])

@@ -5,8 +5,10 @@ output folder, with its checkpoint, its train report (``.train.json``) and its
 analysis report (``.analyze.json``). The sweep is resumable: a run whose
 analysis report exists is skipped, a trained run is only analysed, and a run
 interrupted during training continues from its resumable state (so it ends bit
-for bit as an uninterrupted one). At the end the per-run table and the
-per-value summary (mean and standard deviation over seeds) are written as CSV
+for bit as an uninterrupted one). A run whose training diverges (NaN/Inf) is
+recorded in ``<run>.diverged.json`` and in the table with empty metrics, and the
+sweep goes on: a sweep over a regularizer's strength often reaches one that
+diverges. At the end the per-run table and the per-value summary (mean and standard deviation over seeds) are written as CSV
 and Markdown with a plot of accuracy and sharpness against the swept value, as
 the activation-decay paper's Fig. 2 and the flatness-aware paper's table do.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from sharpcli.errors import UsageError
+from sharpcli.errors import NumericalError, UsageError
 from sharpcli.io.atomic import write_text_atomic
 
 
@@ -35,6 +37,7 @@ class SweepResult:
     plot: str | None
     skipped: list[str] = field(default_factory=list)
     completed: bool = True
+    diverged: list[str] = field(default_factory=list)
 
 
 def parse_grid(items: list[str]) -> dict[str, list[float]]:
@@ -95,23 +98,38 @@ def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], ou
         if not out_dir.parent.is_dir():
             raise UsageError(f"folder {out_dir.parent} does not exist", source=str(out_dir))
         out_dir.mkdir()
-    runs, done_now, skipped = [], 0, []
+    runs, done_now, skipped, diverged = [], 0, [], []
     total = len(points) * len(seeds)
     for point in points:
         for seed in seeds:
             name = _run_name(reg, point, seed)
             ckpt = out_dir / f"{name}.safetensors"
             train_json, analyze_json = out_dir / f"{name}.train.json", out_dir / f"{name}.analyze.json"
+            diverged_json = out_dir / f"{name}.diverged.json"
             train_doc, analyze_doc = _read_json(train_json), _read_json(analyze_json)
-            if train_doc is None or analyze_doc is None:
+            if diverged_json.exists():
+                skipped.append(name)
+                diverged.append(name)
+                runs.append(_row(name, point, seed, None, None))
+            elif train_doc is None or analyze_doc is None:
                 if max_runs is not None and done_now >= max_runs:
-                    return _finish(runs, out_dir, reg, grid, completed=False, skipped=skipped)
+                    return _finish(runs, out_dir, reg, grid, completed=False, skipped=skipped, diverged=diverged)
                 if train_doc is None:
                     cfg = copy.deepcopy(base)
                     cfg.seed = seed
                     cfg.regs = [f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()), *extra_regs]
                     resume = state_path_for(ckpt).exists()
-                    result = train(cfg, ckpt, resume=resume)
+                    try:
+                        result = train(cfg, ckpt, resume=resume)
+                    except NumericalError as exc:
+                        write_text_atomic(diverged_json, json.dumps({"run": name, "regs": cfg.regs, "seed": seed,
+                                                                     "error": str(exc)}, indent=2) + "\n")
+                        done_now += 1
+                        diverged.append(name)
+                        runs.append(_row(name, point, seed, None, None))
+                        if progress is not None:
+                            progress(len(runs), total, name)
+                        continue
                     train_doc = train_report(result, {"sweep": name}, out=str(ckpt), device=cfg.device,
                                              dtype=cfg.dtype)
                     from sharpcli.report.envelope import dumps
@@ -129,17 +147,19 @@ def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], ou
 
                 write_text_atomic(analyze_json, dumps(analyze_doc))
                 done_now += 1
+                runs.append(_row(name, point, seed, train_doc, analyze_doc))
             else:
                 skipped.append(name)
-            runs.append(_row(name, point, seed, train_doc, analyze_doc))
+                runs.append(_row(name, point, seed, train_doc, analyze_doc))
             if progress is not None:
                 progress(len(runs), total, name)
-    return _finish(runs, out_dir, reg, grid, completed=True, skipped=skipped)
+    return _finish(runs, out_dir, reg, grid, completed=True, skipped=skipped, diverged=diverged)
 
 
 def _row(name, point, seed, train_doc, analyze_doc) -> dict:
-    final = train_doc["results"]["final"]
-    res = analyze_doc["results"]
+    """One run's row; a diverged run (no reports) has every metric None."""
+    final = train_doc["results"]["final"] if train_doc else {}
+    res = analyze_doc["results"] if analyze_doc else {}
     hessian = res.get("hessian", {})
     return {"run": name, **point, "seed": seed, "train_accuracy": final.get("train_accuracy"),
             "test_accuracy": final.get("test_accuracy"), "train_loss": final.get("train_loss"),
@@ -157,7 +177,7 @@ def _summary(runs: list[dict], grid: dict) -> list[dict]:
     for values, group in frame.groupby(keys, sort=True):
         values = values if isinstance(values, tuple) else (values,)
         row = dict(zip(keys, [float(v) for v in values]))
-        row["seeds"] = int(len(group))
+        row["seeds"] = int(pd.to_numeric(group["train_accuracy"], errors="coerce").notna().sum())  # not diverged
         for col in ("train_accuracy", "test_accuracy", "lambda_max", "trace", "frobenius_sq", "nme_share"):
             series = pd.to_numeric(group[col], errors="coerce").dropna()
             row[f"{col}_mean"] = float(series.mean()) if len(series) else None
@@ -166,7 +186,8 @@ def _summary(runs: list[dict], grid: dict) -> list[dict]:
     return out
 
 
-def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list) -> SweepResult:
+def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list,
+            diverged: list) -> SweepResult:
     import pandas as pd
 
     from sharpcli.report.compare import render
@@ -186,4 +207,5 @@ def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipp
             keys = ("lambda_max", "trace") if any(r.get("trace_mean") is not None for r in summary) else ("lambda_max",)
             plot = str(plot_sweep(summary, param, out_dir / "sweep.png", sharpness_keys=keys))
     return SweepResult(runs=runs, summary=summary, table_csv=str(table_csv), summary_csv=str(summary_csv),
-                       summary_markdown=str(summary_md), plot=plot, skipped=skipped, completed=completed)
+                       summary_markdown=str(summary_md), plot=plot, skipped=skipped, completed=completed,
+                       diverged=diverged)
