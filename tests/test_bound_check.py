@@ -181,6 +181,12 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
     # the Taylor value is the tighter approximation for small sigma
     assert rows[0].mean_taylor_abs_error < 1e-6
     assert rows[0].mean_taylor_abs_error < (rows[0].bound - rows[0].smoothed_cross_entropy)
+    # and on every sample of held-out test data the model never saw
+    gen = torch.Generator().manual_seed(2)
+    x_test = torch.randn(300, 3, dtype=torch.float64, generator=gen)
+    y_test = (x_test[:, 0] > 0).long() + (x_test[:, 1] > 0).long()
+    for row in theorem2_check(model, AnalysisData(x_test, y_test, "cross-entropy", 64), sigmas, mc_pairs=256):
+        assert row.samples == 300 and row.violations == 0 and row.fraction_holds == 1.0 and row.min_margin > 0
 
 
 def test_noise_stability_gap_matches_half_sigma_squared_trace():

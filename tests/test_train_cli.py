@@ -135,3 +135,15 @@ def test_tracked_curvature_in_history_json_and_csv_without_changing_training(tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
     bad = run_cli(capsys, *base, "--out", plain, "--track", "vibes")
     assert_one_line_error(bad, 2, "--track")
+
+
+def test_track_every_k_tracks_every_kth_and_the_last_epoch(tmp_path, capsys):
+    run = run_cli(capsys, "train", "--epochs", "5", "--data", "blobs:n=120,dim=6,classes=3", "--width", "8",
+                  "--quiet", "--out", tmp_path / "m.safetensors", "--track", "trace", "--track-every", "2",
+                  "--track-samples", "32", "--json", "-")
+    assert run.code == 0, run.err
+    history = run.json()["results"]["history"]
+    assert [row["epoch"] for row in history if row.get("tracked")] == [2, 4, 5]
+    assert all(row["tracked"]["trace"] > 0 for row in history if row.get("tracked"))
+    rows = list(csv.DictReader(open(run.json()["results"]["history_csv"])))
+    assert [r["tracked.trace"] != "" for r in rows] == [False, True, False, True, True]

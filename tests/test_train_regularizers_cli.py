@@ -51,6 +51,12 @@ def test_combined_regularizers_and_nme_activations(tmp_path, capsys):
     ckpt = load_checkpoint(out)
     assert [r.split(":")[0] for r in ckpt.train_config["regs"]] == ["ad", "sam"]
     assert ckpt.model_spec["args"]["activation"] == "augmented-relu:beta=4.0"
+    both = run_cli(capsys, "train", "--epochs", "1", "--data", DATA, "--width", "8", "--reg", "ad:sigma=0.1",
+                   "--reg", "wd:sigma=0.01", "--out", tmp_path / "adwd.safetensors", "--json", "-")
+    assert both.code == 0, both.err
+    row = both.json()["results"]["history"][0]
+    assert math.isfinite(row["train_loss"]) and row["penalties"]["ad"] > 0 and row["penalties"]["wd"] > 0
+    assert load_checkpoint(tmp_path / "adwd.safetensors").train_config["regs"] == ["ad:sigma=0.1", "wd:sigma=0.01"]
     for act in ("beta-gelu:beta=4", "diminished-gelu"):
         assert run_cli(capsys, "train", "--epochs", "1", "--data", DATA, "--width", "8", "--activation", act,
                        "--out", tmp_path / "a.safetensors", "--quiet").code == 0

@@ -123,9 +123,9 @@ def _render_weight_rescale(console, result) -> None:
     if plan.mode == "global":
         what = "every parameter times alpha (not function preserving)"
     elif plan.mode == "batchnorm":
-        what = f"{plan.layer} times alpha, BatchNorm {plan.batchnorm} running statistics adjusted"
+        what = f"layer {plan.layer} (weight, bias) times alpha, BatchNorm {plan.batchnorm} running statistics adjusted"
     else:
-        what = f"{plan.layer} times alpha, {plan.next_layer}.weight times 1/alpha"
+        what = f"layer {plan.layer} (weight, bias) times alpha, layer {plan.next_layer} weight times 1/alpha"
     if plan.problems:
         what += f" (forced: {'; '.join(plan.problems)})"
     rows = [result.baseline.to_dict()] + [row.to_dict() for row in result.rows]

@@ -9,6 +9,7 @@ errors to the exit codes of SPEC section 7.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -25,6 +26,17 @@ from sharpcli.report.envelope import dumps
 
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
+# Width of tables written to a pipe or a file (rich's default there is 80 columns, which folds
+# the digits of a number across lines in the wider tables: 0.00010 / 2546).
+PIPE_WIDTH = 200
+
+
+def table_console() -> Console:
+    """The console tables are rendered on: ``stdout_console`` on a terminal (its width) or when
+    ``COLUMNS`` is set; otherwise (stdout is a pipe or a file) one ``PIPE_WIDTH`` columns wide."""
+    if stdout_console.is_terminal or os.environ.get("COLUMNS"):
+        return stdout_console
+    return Console(highlight=False, width=PIPE_WIDTH)
 
 # Annotated option types, declared once and reused by every command.
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, .csv/.parquet, CIFAR or MNIST folder). Default: the checkpoint's own data.")]
@@ -127,7 +139,7 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
                 _report_error(command, None, err)
                 raise typer.Exit(err.exit_code) from None
         if not quiet and outcome.render is not None:
-            outcome.render(stdout_console)
+            outcome.render(table_console())
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
 
 
