@@ -80,6 +80,14 @@ def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "l
         result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
     out = result.to_dict()
     out.update(operator=operator, scope=scope_info(cpass.scope))
+    rank_bound = session.num_samples * max(1, session.num_outputs - (1 if session.loss == "cross-entropy" else 0))
+    if operator == "ggn" and which != "largest" and rank_bound < cpass.scope.numel:
+        # G = (1/N) sum_i J_i^T H_z,i J_i has rank <= N * rank(H_z) (C - 1 for cross-entropy, whose H_z
+        # annihilates the all-ones vector): a null space of dimension >= P - that bound. A Krylov method
+        # sees each distinct eigenvalue once, so the repeated 0 appears once among the smallest.
+        out.setdefault("notes", []).append(
+            f"G has rank <= {rank_bound} < {cpass.scope.numel} parameters: 0 is an eigenvalue of multiplicity "
+            f">= {cpass.scope.numel - rank_bound}, reported once (Lanczos finds distinct eigenvalues)")
     return out
 
 
