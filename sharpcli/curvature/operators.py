@@ -20,6 +20,8 @@ are rebuilt for every product). Differentiating ``<g, v>`` back through that gra
 in ONE reverse pass, so the Gauss-Newton product only adds ``u = H_z (J v)`` (a backward
 through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; the NME is
 ``N v = H v - G v`` from the same pass, so ``H = G + N`` holds per vector to rounding.
+The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` with ``g_z``
+held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
 The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
 product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
 """
@@ -58,6 +60,7 @@ class _BatchGraph:
     grads: list  # tensors of the scope's gradient that depend on theta (require grad)
     grad_index: list  # their positions in the scope
     nbytes: int = 0
+    nme_view: "_BatchGraph | None" = None  # g_N = J^T g_z with g_z held constant (built on first N product)
 
 
 @dataclass
@@ -154,6 +157,28 @@ class CurvaturePass:
         nbytes += 2 * z.numel() * z.element_size()
         return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
 
+    def _nme_graph(self, graph: _BatchGraph, cached: bool) -> _BatchGraph:
+        """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
+
+        Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
+        (NME eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
+        about the cost of one Hessian product instead of a joint H+G one. Built once per batch
+        on the first N product and cached with the batch's graph.
+        """
+        if graph.nme_view is None:
+            counter = _ByteCounter()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                grads = torch.autograd.grad(
+                    graph.z, self.scope.params, grad_outputs=graph.gz.detach(), create_graph=True, allow_unused=True
+                )
+            kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
+            nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+            graph.nme_view = _BatchGraph(graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+            if cached:
+                graph.nbytes += nbytes
+                self._cached_bytes += nbytes
+        return graph.nme_view
+
     def _graphs(self):
         """Yield ``(batch_index, graph)`` over this rank's batches, from the cache when possible."""
         versions = self._state_versions()
@@ -222,7 +247,8 @@ class CurvaturePass:
     def matmat(self, V: torch.Tensor, want: str = "H", *, operator: str = "curvature"):
         """Products with the columns of ``V`` (shape ``(P, k)`` or ``(P,)``): returns ``(HV, GV)``.
 
-        Entries not asked for by ``want`` (``"H"``, ``"G"`` or ``"HG"``) are ``None``.
+        Entries not asked for by ``want`` (``"H"``, ``"G"`` or ``"HG"``) are ``None``. ``want="N"``
+        returns ``(NV, None)``: the NME product straight from :meth:`_nme_graph`.
         Raises :class:`NumericalError` naming ``operator`` and the batch on NaN/Inf.
         """
         squeeze = V.dim() == 1
@@ -233,10 +259,13 @@ class CurvaturePass:
             raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
         V = V.to(dtype=scope.dtype, device=scope.device)
         k = V.shape[1]
-        want_h, want_g = "H" in want, "G" in want
+        direct_nme = want == "N"
+        want_h, want_g = "H" in want or direct_nme, "G" in want
         HV = torch.zeros_like(V) if want_h else None
         GV = torch.zeros_like(V) if want_g else None
         for index, graph in self._graphs():
+            if direct_nme:
+                graph = self._nme_graph(graph, cached=self._cache.get(index) is graph)
             if not graph.grads:  # the loss does not depend on theta in scope on this batch
                 continue
             h_batch = torch.zeros_like(V) if want_h else None
@@ -251,7 +280,7 @@ class CurvaturePass:
                         self._batched_ok = False
                 for j in range(cols.start, cols.stop):
                     self._products(graph, V[:, j : j + 1], want_h, want_g, h_batch, g_batch, slice(j, j + 1), False)
-            for label, block in (("Hessian", h_batch), ("Gauss-Newton", g_batch)):
+            for label, block in (("NME" if direct_nme else "Hessian", h_batch), ("Gauss-Newton", g_batch)):
                 if block is not None and not torch.isfinite(block).all():
                     raise NumericalError(
                         f"{operator} product ({label} part) is not finite on batch {index}",
@@ -397,13 +426,18 @@ class GGNOperator(_PassOperator):
 
 class NMEOperator(_PassOperator):
     """Nonlinear modelling error ``N v = H v - G v = (1/N) sum_i sum_c (dl_i/dz_ic) d^2 z_ic/dtheta^2 v``
-    (NME eq. 2, second term): H and G from the same pass; zero where ``dl/dz = 0``."""
+    (NME eq. 2, second term); zero where ``dl/dz = 0``.
+
+    Computed directly as the Hessian of ``<z, g_z>`` with ``g_z`` held constant (one double
+    backward, about the cost of ``H v``; :meth:`CurvaturePass._nme_graph`). It equals
+    ``H v - G v`` of the joint pass to rounding; estimators that need H, G and N of the same
+    probe (``sharp gn-nme``) take all three from ``hessian_and_ggn_matmat``.
+    """
 
     name = "NME"
 
     def _matmat(self, V):
-        HV, GV = self.curvature_pass.matmat(V, "HG", operator=self.name)
-        return HV - GV
+        return self.curvature_pass.matmat(V, "N", operator=self.name)[0]
 
 
 class MatrixOperator(CurvatureOperator):
