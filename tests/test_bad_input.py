@@ -152,6 +152,10 @@ CASES = [
       ("$plain/report.json",), json=False),
     C("opt-typer-bad-integer", ("eigen", "$own", "--top-k", "abc"), 2, ("--top-k",)),
     C("opt-typer-unknown-option", ("trace", "$own", "--no-such-option"), 2, ("--no-such-option",)),
+    C("opt-json-onto-the-checkpoint", ("eigen", "$own", "--json", "$own"), 2, ("--json", "$own", "also an input"),
+      json=False),
+    C("opt-plot-onto-the-checkpoint", ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "$own"), 2,
+      ("--plot", "$own", "also an input")),
     # ------------------------------------------------------------------ eigen / trace / gn-nme / density options
     C("eigen-top-k-zero", ("eigen", "$own", "--top-k", "0"), 2, ("--top-k",)),
     C("eigen-tol-negative", ("eigen", "$own", "--tol", "-1"), 2, ("--tol", "> 0")),
@@ -233,6 +237,10 @@ CASES = [
     C("train-csv-without-label-column", ("train", "--data", "$nolabel_csv", "--out", "$out"), 2,
       ("$nolabel_csv", "label")),
     C("train-empty-data", ("train", "--data", "$empty_npz", "--out", "$out"), 2, ("$empty_npz", "empty")),
+    C("train-out-onto-the-data-file", ("train", "--data", "$ok_npz", "--epochs", "1", "--out", "$ok_npz"), 2,
+      ("--out", "$ok_npz", "also an input")),
+    C("train-json-onto-out", ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--json", "$out"),
+      2, ("--json", "$out", "--out"), json=False),
     # ------------------------------------------------------------------ sweep
     C("sweep-unknown-reg", ("sweep", "--reg", "sharpen", "--grid", "sigma=0.1", "--out-dir", "$outdir/sweep"), 2,
       ("--reg", "sharpen")),
