@@ -257,6 +257,8 @@ CASES = [
       ("$garbage_json", "not a JSON report")),
     C("compare-binary-file", ("compare", "$own"), 2, ("$own",)),
     C("compare-error-report", ("compare", "$error_json"), 2, ("$error_json", "failed run")),
+    C("compare-report-with-results-not-an-object", ("compare", "$weird_json"), 2,
+      ("$weird_json", "not a valid sharpcli.report/1 report", "results")),
     C("compare-missing-report", ("compare", "$fixdir/nope.json"), 2, ("$fixdir/nope.json", "no such file")),
     C("compare-unknown-format", ("compare", "$garbage_json", "--format", "xlsx"), 2, ("--format", "xlsx")),
     # ------------------------------------------------------------------ activation-stats / weight-rescale / bound-check
@@ -427,6 +429,11 @@ def files(tmp_path_factory) -> dict[str, str]:
                                            "error": {"type": "input", "message": "x: no such file", "exit_code": 2,
                                                      "source": "x"}}))
 
+    f["weird_json"] = root / "weird.json"  # a report's envelope around results that are not an object
+    f["weird_json"].write_text(json.dumps({
+        "schema": SCHEMA_ID, "command": "compare", "version": __version__, "checkpoint": None, "data": None,
+        "settings": {}, "results": "not an object", "timing": {"seconds": 0.0, "matvecs": 0},
+        "environment": {"python": "3", "torch": "2", "device": "cpu", "dtype": "float32", "threads": 1}}))
     f["args"] = json.dumps(spec["args"])
     f["wide_args"] = json.dumps(spec["args"] | {"width": 9})
     f["deep_args"] = json.dumps(spec["args"] | {"depth": 2})
