@@ -252,6 +252,8 @@ CASES = [
                                 "--out-dir", "$outdir/sweep"), 2, ("--set", "warp")),
     C("sweep-out-dir-is-a-file", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--out-dir", "$plain"), 2,
       ("$plain", "not a folder")),
+    C("sweep-grid-name-repeated", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--grid", "sigma=0.2",
+                                   "--out-dir", "$outdir/sweep"), 2, ("--grid", "'sigma' is given twice")),
     # ------------------------------------------------------------------ compare
     C("compare-garbage-report", ("compare", "$garbage_json", "--format", "csv", "--out", "$out"), 2,
       ("$garbage_json", "not a JSON report")),
