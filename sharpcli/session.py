@@ -36,6 +36,16 @@ def resolve_device(name: str) -> torch.device:
         raise UsageError("CUDA was asked for but this torch build sees no CUDA device", source="--device")
     if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise UsageError("MPS was asked for but is not available", source="--device")
+    # torch.device() accepts every device type torch knows of (meta, xpu, hpu, ...), available or
+    # not; a value that holds and returns a number is one the analyses and training can run on.
+    # 'meta' tensors have shapes but no data, so nothing could be computed there.
+    try:
+        usable = torch.ones(1, device=device).add(1).item() == 2.0
+    except Exception as exc:  # RuntimeError, NotImplementedError, AssertionError: not built/available
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"device {name!r} cannot hold data here ({first})", source="--device") from None
+    if not usable:
+        raise UsageError(f"device {name!r} does not compute correctly", source="--device")
     return device
 
 

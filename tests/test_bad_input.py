@@ -130,6 +130,7 @@ CASES = [
     C("opt-dtype-float16", ("eigen", "$own", "--dtype", "float16"), 2, ("--dtype", "float16")),
     C("opt-device-cuda-on-cpu-machine", ("trace", "$own", "--device", "cuda"), 2, ("--device", "CUDA")),
     C("opt-device-unknown", ("eigen", "$own", "--device", "quantum"), 2, ("--device", "quantum")),
+    C("opt-device-meta-holds-no-data", ("gn-nme", "$own", "--device", "meta"), 2, ("--device", "'meta'")),
     C("opt-arch-with-model-factory", ("eigen", "$foreign_st", "--arch", "mlp", "--model-factory", "usermodel:make"),
       2, ("--arch", "--model-factory")),
     C("opt-arch-args-bad-json", ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "{in_features: 16"), 2,
@@ -152,6 +153,10 @@ CASES = [
       ("$plain/report.json",), json=False),
     C("opt-typer-bad-integer", ("eigen", "$own", "--top-k", "abc"), 2, ("--top-k",)),
     C("opt-typer-unknown-option", ("trace", "$own", "--no-such-option"), 2, ("--no-such-option",)),
+    C("opt-json-onto-the-checkpoint", ("eigen", "$own", "--json", "$own"), 2, ("--json", "$own", "also an input"),
+      json=False),
+    C("opt-plot-onto-the-checkpoint", ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "$own"), 2,
+      ("--plot", "$own", "also an input")),
     # ------------------------------------------------------------------ eigen / trace / gn-nme / density options
     C("eigen-top-k-zero", ("eigen", "$own", "--top-k", "0"), 2, ("--top-k",)),
     C("eigen-tol-negative", ("eigen", "$own", "--tol", "-1"), 2, ("--tol", "> 0")),
@@ -216,6 +221,8 @@ CASES = [
     C("train-dtype-float16", ("train", "--dtype", "float16", "--out", "$out"), 2, ("--dtype", "float16")),
     C("train-device-cuda", ("train", "--device", "cuda", "--data", "blobs:n=64", "--out", "$out"), 2,
       ("--device", "CUDA")),
+    C("train-device-meta", ("train", "--device", "meta", "--data", "blobs:n=64", "--out", "$out"), 2,
+      ("--device", "'meta'")),
     C("train-epochs-zero", ("train", "--epochs", "0", "--out", "$out"), 2, ("--epochs",)),
     C("train-negative-lr", ("train", "--lr", "-0.1", "--out", "$out"), 2, ("--lr",)),
     C("train-unknown-optimizer", ("train", "--optimizer", "lion", "--out", "$out"), 2, ("--optimizer", "lion")),
@@ -233,6 +240,10 @@ CASES = [
     C("train-csv-without-label-column", ("train", "--data", "$nolabel_csv", "--out", "$out"), 2,
       ("$nolabel_csv", "label")),
     C("train-empty-data", ("train", "--data", "$empty_npz", "--out", "$out"), 2, ("$empty_npz", "empty")),
+    C("train-out-onto-the-data-file", ("train", "--data", "$ok_npz", "--epochs", "1", "--out", "$ok_npz"), 2,
+      ("--out", "$ok_npz", "also an input")),
+    C("train-json-onto-out", ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--json", "$out"),
+      2, ("--json", "$out", "--out"), json=False),
     # ------------------------------------------------------------------ sweep
     C("sweep-unknown-reg", ("sweep", "--reg", "sharpen", "--grid", "sigma=0.1", "--out-dir", "$outdir/sweep"), 2,
       ("--reg", "sharpen")),
@@ -244,11 +255,15 @@ CASES = [
                                 "--out-dir", "$outdir/sweep"), 2, ("--set", "warp")),
     C("sweep-out-dir-is-a-file", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--out-dir", "$plain"), 2,
       ("$plain", "not a folder")),
+    C("sweep-grid-name-repeated", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--grid", "sigma=0.2",
+                                   "--out-dir", "$outdir/sweep"), 2, ("--grid", "'sigma' is given twice")),
     # ------------------------------------------------------------------ compare
     C("compare-garbage-report", ("compare", "$garbage_json", "--format", "csv", "--out", "$out"), 2,
       ("$garbage_json", "not a JSON report")),
     C("compare-binary-file", ("compare", "$own"), 2, ("$own",)),
     C("compare-error-report", ("compare", "$error_json"), 2, ("$error_json", "failed run")),
+    C("compare-report-with-results-not-an-object", ("compare", "$weird_json"), 2,
+      ("$weird_json", "not a valid sharpcli.report/1 report", "results")),
     C("compare-missing-report", ("compare", "$fixdir/nope.json"), 2, ("$fixdir/nope.json", "no such file")),
     C("compare-unknown-format", ("compare", "$garbage_json", "--format", "xlsx"), 2, ("--format", "xlsx")),
     # ------------------------------------------------------------------ activation-stats / weight-rescale / bound-check
@@ -419,6 +434,11 @@ def files(tmp_path_factory) -> dict[str, str]:
                                            "error": {"type": "input", "message": "x: no such file", "exit_code": 2,
                                                      "source": "x"}}))
 
+    f["weird_json"] = root / "weird.json"  # a report's envelope around results that are not an object
+    f["weird_json"].write_text(json.dumps({
+        "schema": SCHEMA_ID, "command": "compare", "version": __version__, "checkpoint": None, "data": None,
+        "settings": {}, "results": "not an object", "timing": {"seconds": 0.0, "matvecs": 0},
+        "environment": {"python": "3", "torch": "2", "device": "cpu", "dtype": "float32", "threads": 1}}))
     f["args"] = json.dumps(spec["args"])
     f["wide_args"] = json.dumps(spec["args"] | {"width": 9})
     f["deep_args"] = json.dumps(spec["args"] | {"depth": 2})

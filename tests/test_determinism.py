@@ -125,3 +125,40 @@ def test_inf_during_a_hessian_product_exits_3_naming_operator_and_batch(checkpoi
     assert "\n" not in line and "Hessian" in line and "batch 2" in line
     error = run.json()["error"]
     assert error["type"] == "numerical" and error["exit_code"] == 3 and "batch 2" in error["message"]
+
+
+def test_float32_overflow_of_a_finite_product_is_blamed_on_its_own_batch(tmp_path, capsys):
+    """A ReLU net and one huge input: that batch's Hessian product is finite entry by entry, but
+    its norm (and so the Lanczos normalisation) overflows float32. The error must name that batch,
+    not the next product's first batch (which then sees the NaN vector Lanczos made of it)."""
+    from safetensors.torch import save_file
+
+    from sharpcli.io.checkpoints import save_checkpoint
+    from sharpcli.models import build_model, default_model_args
+
+    spec = {"name": "mlp", "args": default_model_args("mlp", (8,), 3, width=8, depth=2, activation="relu")}
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    checkpoint = tmp_path / "relu.safetensors"
+    save_checkpoint(checkpoint, model, spec, data_spec="blobs:n=96,dim=8,classes=3,seed=2")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen)
+    y = torch.randint(0, 3, (64,), generator=gen)
+    x[37] = 1e30  # batch 2 of 16 samples
+    with torch.no_grad():
+        logits = model(x[37:38])
+    assert torch.isfinite(logits).all() and logits.abs().max() > 1e25  # finite, but enormous
+    # a label the saturated softmax gets wrong: dl/dz != 0, so the NME part (dl/dz times the
+    # bilinear second derivatives of the ReLU net, ~1e30) is large; a right label would zero it
+    y[37] = (int(logits.argmax()) + 1) % 3
+    data = tmp_path / "overflow.safetensors"
+    save_file({"x": x, "y": y}, str(data))
+
+    run = run_cli(capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16", "--json", "-")
+    assert run.code == 3, run.err
+    line = run.err.strip()
+    assert "\n" not in line and "Hessian" in line and "batch 2" in line and "float32" in line, line
+    assert "batch 2" in run.json()["error"]["message"]
+    # float64 has the range: the same data is analysed
+    assert run_cli(capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16",
+                   "--dtype", "float64", "--quiet").code == 0

@@ -281,9 +281,21 @@ class CurvaturePass:
                 for j in range(cols.start, cols.stop):
                     self._products(graph, V[:, j : j + 1], want_h, want_g, h_batch, g_batch, slice(j, j + 1), False)
             for label, block in (("NME" if direct_nme else "Hessian", h_batch), ("Gauss-Newton", g_batch)):
-                if block is not None and not torch.isfinite(block).all():
+                if block is None:
+                    continue
+                if not torch.isfinite(block).all():
                     raise NumericalError(
                         f"{operator} product ({label} part) is not finite on batch {index}",
+                        source=f"{operator} operator",
+                    )
+                # Finite entries can still have a norm beyond the dtype's range (float32: entries
+                # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
+                # the product, so it would turn into Inf/NaN there and the NEXT product would be
+                # blamed on its first batch; stop here, naming the batch that did it.
+                if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
+                    raise NumericalError(
+                        f"{operator} product ({label} part) on batch {index} is too large for "
+                        f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try --dtype float64)",
                         source=f"{operator} operator",
                     )
             if want_h:

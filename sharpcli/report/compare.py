@@ -45,6 +45,17 @@ def read_report(path: str | Path) -> dict:
                          f"{', '.join(SUPPORTED_SCHEMAS)}", source=str(p))
     if "error" in report:
         raise InputError("is the report of a failed run (it holds an error object)", source=str(p))
+    # The shipped schema (what every command's JSON obeys): a hand-edited or truncated report
+    # with, say, ``"results": "..."`` is bad input, not a crash further down.
+    import jsonschema
+
+    from sharpcli.report.envelope import validate_report
+
+    try:
+        validate_report(report)
+    except jsonschema.ValidationError as exc:
+        where = ".".join(str(part) for part in exc.absolute_path) or "top level"
+        raise InputError(f"not a valid {report['schema']} report ({where}: {exc.message})", source=str(p)) from None
     return report
 
 

@@ -47,12 +47,17 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
         if "=" not in item:
             raise UsageError(f"{item!r} is not NAME=V1,V2,...", source="--grid")
         name, values = item.split("=", 1)
+        if name.strip() in grid:  # a second --grid NAME=... would silently replace the first's values
+            raise UsageError(f"{name.strip()!r} is given twice; list all its values in one NAME=V1,V2,...",
+                             source="--grid")
         try:
             grid[name.strip()] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
             raise UsageError(f"{item!r}: values must be numbers", source="--grid") from None
         if not grid[name.strip()]:
             raise UsageError(f"{item!r} has no values", source="--grid")
+        if len(set(grid[name.strip()])) != len(grid[name.strip()]):  # same run name twice
+            raise UsageError(f"{item!r} repeats a value", source="--grid")
     if not grid:
         raise UsageError("give at least one NAME=V1,V2,...", source="--grid")
     return grid
