@@ -114,8 +114,9 @@ def in_process(args: argparse.Namespace) -> str:
     data = load_dataset(args.data)
     x, y = data.split("train")
     x, y = x[: args.batch_size].float(), y[: args.batch_size]
+    sizes = {"depth": args.depth, "width": args.width} if args.model == "mlp" else {}  # image models: zoo defaults
     model_args = default_model_args(args.model, tuple(data.input_shape), int(data.num_classes),
-                                    depth=args.depth, width=args.width, activation=args.activation)
+                                    activation=args.activation, **sizes)
     torch.manual_seed(args.seed)
     model = build_model({"name": args.model, "args": model_args})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
