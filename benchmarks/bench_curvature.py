@@ -491,6 +491,12 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
     }
 
 
+def unsketched_variance(runs) -> str:
+    """Median per-probe variance of the runs that stayed plain Hutchinson (no sketch), as text."""
+    plain = [r.stderr ** 2 * r.samples for r in runs if r.sketch_size == 0]
+    return fmt(median(plain)) if plain else "(sketched: Hutch++ on N)"
+
+
 def magnitude_demo() -> dict:
     """PyHessian power iteration on H = diag(1, -3): it answers -3 (largest |lambda|), not 1."""
     import torch
@@ -594,7 +600,7 @@ def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds:
             f"{median([r.estimate for r in gs]):.5g} | {median(mv)} ({min(mv)}-{max(mv)}) | "
             f"{t['gn_split_fraction']:.2f} | {fmt(median(t['gn_split_s']))} | {t['gn_split_time_fraction']:.2f} | "
             f"{fmt(median([r.stderr ** 2 * r.samples for r in t['hutchinson']]))} / "
-            f"{fmt(median([r.stderr ** 2 * r.samples for r in gs if r.sketch_size == 0] or [float('nan')]))} |")
+            f"{unsketched_variance(gs)} |")
     out.append("\n#### PyHessian trace() at defaults (maxIter=100, tol=1e-3), per seed\n")
     out.append("| model | seed | samples taken | estimate | error vs reference | rel. stderr of its samples | s |")
     out.append("|---|---|---|---|---|---|---|")
