@@ -104,6 +104,7 @@ def test_analyze_gate_trips_and_passes(tiny, capsys):
     "args, needle",
     [
         (["eigen", "--top-k", "0"], "--top-k"),
+        (["eigen", "--top-k", "30", "--max-matvecs", "20"], "--top-k"),
         (["eigen", "--tol", "0"], "--tol"),
         (["eigen", "--operator", "fisher"], "--operator"),
         (["eigen", "--params", "nomatch*"], "--params"),

@@ -72,6 +72,17 @@ def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "l
     cpass = curvature_pass(session, params)
     op = operator_of(cpass, operator)
     if method == "lanczos":
+        from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
+
+        dim = cpass.scope.numel
+        budget = min(dim, int(max_matvecs) if max_matvecs else DEFAULT_MAX_MATVECS)
+        wanted = min(int(top_k) * (2 if which == "both" else 1), dim)
+        if wanted > budget:
+            # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
+            # return fewer eigenvalues than asked, none converged
+            raise UsageError(f"--top-k {top_k} asks for {wanted} eigenvalues but a Krylov space of {budget} products "
+                             f"(--max-matvecs) holds at most {budget}; lower --top-k or raise --max-matvecs",
+                             source="--top-k")
         result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
     else:
         if which != "largest":
