@@ -100,7 +100,7 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
     offenders = train_mode_modules(model)
     if offenders:
         shown = ", ".join(offenders[:5]) + (" ..." if len(offenders) > 5 else "")
-        raise UsageError(
+        raise InputError(
             f"the model stays in training mode after eval() in {shown} (dropout/BatchNorm active): "
             "curvature would be random", source=source)
     if x.shape[0] == 0:
@@ -113,7 +113,7 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
         both_nan = torch.isnan(first) & torch.isnan(second)
         if not torch.equal(first[~both_nan], second[~both_nan]):
             diff = float((first - second)[~both_nan].abs().max())
-            raise UsageError(
+            raise InputError(
                 f"the model is not deterministic in eval mode: two forward passes on the same inputs differ "
                 f"by up to {diff:.3g} (a layer draws random numbers, e.g. dropout with training=True): "
                 "curvature would be random", source=source)

@@ -64,7 +64,7 @@ def test_determinism_check_detects_dropout_in_train_mode():
 
 
 def test_session_refuses_batchnorm_stuck_in_training_mode():
-    from sharpcli.errors import UsageError
+    from sharpcli.errors import InputError
     from sharpcli.session import check_deterministic_forward
 
     class StuckBatchNorm(nn.BatchNorm1d):
@@ -73,7 +73,7 @@ def test_session_refuses_batchnorm_stuck_in_training_mode():
 
     model = nn.Sequential(nn.Linear(4, 5), StuckBatchNorm(5), nn.ReLU(), nn.Linear(5, 3)).double().eval()
     x, _ = make_data("vector")
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(InputError) as info:  # a problem of the model file, not of the options
         check_deterministic_forward(model, x, source="model.pt")
     assert "training mode after eval() in 1 (" in info.value.message
     check_deterministic_forward(make_mlp(), x, source="model.pt")  # a plain eval-mode MLP passes
