@@ -454,6 +454,14 @@ def bound_check(
             progress(step + 1, total_steps, f"sigma {sigma:g}")
     if m == 1:
         notes.append("one perturbation: the confidence interval is degenerate")
+    failed = [row.sigma for row in rows if not row.holds]
+    if failed:
+        # not a counterexample to the corollary: its H and eps are suprema, ours are sampled
+        notes.append(
+            "empirical above the bound at sigma " + ", ".join(f"{s:g}" for s in failed) + ": Corollary 1 takes H "
+            "and eps as bounds on the Hessian norm and gradient norm everywhere the smoothing looks; here they are "
+            f"measured at theta and {m} sampled points (lower estimates of those suprema), so the check can fail "
+            "where the corollary does not (see bound_region / holds_region, eps over the sampled points)")
 
     result = BoundCheckResult(
         rows=rows, params=scope.spec, num_params=scope.numel, epsilon_kind=epsilon_kind,
