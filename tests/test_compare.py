@@ -99,3 +99,16 @@ def test_compare_rejects_bad_reports(tmp_path, capsys):
     future = tmp_path / "future.json"
     future.write_text(json.dumps({"schema": "sharpcli.report/9", "results": {}}))
     assert_one_line_error(run_cli(capsys, "compare", future), 2, "future.json", "not supported")
+
+
+def test_rows_of_same_named_reports_in_different_folders_are_told_apart(reports, tmp_path, capsys):
+    from sharpcli.report.compare import run_names
+
+    for run in ("seed0", "seed1"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "report.json").write_text((reports / "eigen-none.json").read_text())
+    out = run_cli(capsys, "compare", tmp_path / "seed0" / "report.json", tmp_path / "seed1" / "report.json",
+                  reports / "train-none.json", "--format", "json")
+    assert out.code == 0, out.err
+    assert [row["run"] for row in json.loads(out.out)] == ["seed0/report", "seed1/report", "train-none"]
+    assert run_names(["x/a/r.json", "y/a/r.json", "r2.json"])[:2] == ["x/a/r", "y/a/r"]

@@ -116,6 +116,21 @@ def _flat_scalars(report: dict) -> dict:
     return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
+def run_names(paths: list[str]) -> list[str]:
+    """Row names: each file's stem, lengthened by parent folders only where stems collide
+    (``a/report.json`` and ``b/report.json`` become ``a/report`` and ``b/report``)."""
+    parts = [Path(p).resolve().with_suffix("").parts for p in paths]
+    depth = [1] * len(paths)
+    while True:
+        names = ["/".join(p[-d:]) for p, d in zip(parts, depth)]
+        clashes = {n for n in names if names.count(n) > 1}
+        grow = [i for i, n in enumerate(names) if n in clashes and depth[i] < len(parts[i])]
+        if not grow:
+            return names
+        for i in grow:
+            depth[i] += 1
+
+
 def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: str | None = None):
     """A DataFrame, one row per report: canonical columns, then (without ``columns``) none else.
 
@@ -127,9 +142,9 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
     if not paths:
         raise UsageError("give at least one report", source="REPORT")
     rows, seen = [], set()
-    for path in paths:
+    for path, name in zip(paths, run_names(paths)):
         report = read_report(path)
-        row = canonical_row(report, Path(path).stem)
+        row = canonical_row(report, name)
         extra = _flat_scalars(report)
         seen.update(extra)
         for col in columns or []:
