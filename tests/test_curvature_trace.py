@@ -32,6 +32,13 @@ def _block_traces(A, scope, square=False):
     return {name: float(M[sl, sl].trace()) for name, sl in scope.blocks().items()}
 
 
+def _assert_layers_within_stderr(result, dense, scope):
+    """Per-layer estimates match the dense diagonal blocks' traces within 4.5 of their standard errors."""
+    for name, value in _block_traces(dense, scope).items():
+        layer = result.by_layer[name]
+        assert abs(layer["estimate"] - value) <= 4.5 * layer["stderr"] + 1e-10
+
+
 @pytest.mark.parametrize("kind,loss", [("gelu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")])
 def test_exact_ggn_trace_and_layers(kind, loss):
     model, data, scope, _, G = _setup(kind, loss, batch_size=10)
@@ -58,9 +65,7 @@ def test_stochastic_traces_within_four_standard_errors(estimator, operator):
         assert result.stderr <= 3e-2 * abs(result.estimate)
     # per-layer traces sum to the total and match the dense diagonal blocks
     assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, abs=1e-12)
-    for name, value in _block_traces(dense, scope).items():
-        layer = result.by_layer[name]
-        assert abs(layer["estimate"] - value) <= 4.5 * layer["stderr"] + 1e-10
+    _assert_layers_within_stderr(result, dense, scope)
 
 
 def test_hutchpp_needs_fewer_matvecs_than_hutchinson_at_equal_tolerance():
@@ -82,9 +87,7 @@ def test_gn_split_trace_within_four_standard_errors_of_the_hessian_trace(kind, l
     assert result.estimator == "gn-split" and result.stderr > 0
     assert abs(result.estimate - exact) <= 4 * result.stderr + 1e-10 * abs(exact)
     assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, rel=1e-10)
-    for name, value in _block_traces(H, scope).items():
-        layer = result.by_layer[name]
-        assert abs(layer["estimate"] - value) <= 4.5 * layer["stderr"] + 1e-10
+    _assert_layers_within_stderr(result, H, scope)
 
 
 def test_gn_split_beats_hutchinson_when_the_gauss_newton_part_dominates():

@@ -371,11 +371,10 @@ def hutchpp(
 
 
 # --------------------------------------------------------------------------- Gauss-Newton traces
-def _functional_logits(model: nn.Module, scope: ParamScope):
-    """``f(params_tuple, x_single) -> z`` for one sample (torch.func), params in scope only."""
+def _functional_logits(model: nn.Module, names: list[str]):
+    """``f(params_tuple, x_single) -> z`` for one sample (torch.func); ``params_tuple`` replaces
+    the parameters ``names``, the others are the module's own."""
     from torch.func import functional_call
-
-    names = scope.names
 
     def logits(params, x_single):
         return functional_call(model, dict(zip(names, params)), (x_single.unsqueeze(0),)).squeeze(0)
@@ -392,11 +391,6 @@ def _param_to_layer(scope: ParamScope) -> list[int]:
                 index.append(j)
                 break
     return index
-
-
-def _chunks(x, y, rows_per_chunk):
-    for s in range(0, x.shape[0], rows_per_chunk):
-        yield x[s : s + rows_per_chunk], y[s : s + rows_per_chunk]
 
 
 def _ggn_directions(z: torch.Tensor, loss: str) -> list[torch.Tensor]:
@@ -419,13 +413,9 @@ def _ggn_directions(z: torch.Tensor, loss: str) -> list[torch.Tensor]:
 def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, loss, per_param) -> None:
     """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
     per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks."""
-    from torch.func import functional_call, jacrev, vmap
+    from torch.func import jacrev, vmap
 
-    names = [scope.names[i] for i in indices]
-
-    def logits(params, x_single):
-        return functional_call(model, dict(zip(names, params)), (x_single.unsqueeze(0),)).squeeze(0)
-
+    logits = _functional_logits(model, [scope.names[i] for i in indices])
     jac = vmap(jacrev(logits), in_dims=(None, 0))
     params = tuple(scope.params[i].detach() for i in indices)
     classes = z_b.shape[-1]
@@ -450,11 +440,11 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
 
     and for cross-entropy ``J^T s_c = sqrt(p_c) grad_theta l(z, c)``, so this is
     ``sum_c p_c ||grad_theta l(z, c)||^2``, the exact expectation of NME eq. 20.
-    Each ``||J_i^T s_c||^2`` is a per-sample squared gradient norm: for ``nn.Linear`` and
-    ``nn.Conv2d`` layers it comes from one backward pass per class and batch to the layers'
-    outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no per-sample gradients
-    formed); any other parameter (BatchNorm, custom layers) from per-sample Jacobians
-    (``vmap(jacrev)``).
+    Each ``||J_i^T s_c||^2`` is a per-sample squared gradient norm: for ``nn.Linear``,
+    ``nn.Conv2d`` and eval-mode BatchNorm layers it comes from one backward pass per class and
+    batch to the layers' outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no
+    per-sample gradients formed); any other parameter (custom layers, shared weights) from
+    per-sample Jacobians (``vmap(jacrev)``).
     """
     from sharpcli.curvature.persample import LayerTaps
 
@@ -577,7 +567,7 @@ def sampled_label_ggn_trace(
     if data.loss not in ("cross-entropy", "mse"):
         raise UsageError(f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    logits = _functional_logits(model, scope)
+    logits = _functional_logits(model, list(scope.names))
 
     def single_loss(params, x_single, label):
         z = logits(params, x_single)
