@@ -75,8 +75,20 @@ from pathlib import Path
 
 MODELS = {
     "mlp": {
-        "train": ["--data", "blobs:n=2000,dim=64,classes=10", "--model", "mlp", "--width", "256",
-                  "--depth", "2", "--activation", "gelu", "--epochs", "5"],
+        "train": [
+            "--data",
+            "blobs:n=2000,dim=64,classes=10",
+            "--model",
+            "mlp",
+            "--width",
+            "256",
+            "--depth",
+            "2",
+            "--activation",
+            "gelu",
+            "--epochs",
+            "5",
+        ],
         "label": "GELU MLP 64-256-256-10, blobs n=2000 dim=64 (1500 train samples)",
     },
     "cnn": {
@@ -116,7 +128,9 @@ def fmt(x, digits=3):
 def child_env(threads: int) -> dict:
     """Environment of every child process: fixed thread counts, no colour, no progress bars."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), NO_COLOR="1", TERM="dumb")
+    env.update(
+        OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), NO_COLOR="1", TERM="dumb"
+    )
     return env
 
 
@@ -132,8 +146,19 @@ def train_checkpoints(models, workdir: Path, threads: int) -> dict:
     for name in models:
         ckpt = workdir / f"{name}.safetensors"
         if not ckpt.exists():
-            cmd = sharp(["train", *MODELS[name]["train"], "--seed", "0", "--out", str(ckpt), "-q",
-                         "--json", str(workdir / f"{name}_train.json")])
+            cmd = sharp(
+                [
+                    "train",
+                    *MODELS[name]["train"],
+                    "--seed",
+                    "0",
+                    "--out",
+                    str(ckpt),
+                    "-q",
+                    "--json",
+                    str(workdir / f"{name}_train.json"),
+                ]
+            )
             subprocess.run(cmd, check=True, env=child_env(threads), stdout=subprocess.DEVNULL)
         paths[name] = ckpt
     return paths
@@ -150,18 +175,27 @@ def process_commands(ckpt: Path, command: str, batch_size: int, out: Path) -> di
         common[0] = "trace"
         native = common + (["--estimator", "gn-split"] if command == "trace-gn-split" else [])
         baseline = common + ["--engine", "pyhessian", "--tol", "0.001", "--max-matvecs", "100"]
-    return {"sharp": native + ["--json", str(out / "sharp.json")],
-            "pyhessian": baseline + ["--json", str(out / "pyhessian.json")]}
+    return {
+        "sharp": native + ["--json", str(out / "sharp.json")],
+        "pyhessian": baseline + ["--json", str(out / "pyhessian.json")],
+    }
 
 
 def run_process(argv: list[str], json_path: Path, threads: int) -> dict:
     """Run one ``sharp`` process; return wall seconds, body seconds and its results."""
     start = time.perf_counter()
-    proc = subprocess.run(sharp(argv), env=child_env(threads), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        sharp(argv),
+        env=child_env(threads),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"sharp {' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-800:]}")
+        raise RuntimeError(
+            f"sharp {' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-800:]}"
+        )
     report = json.loads(json_path.read_text())
     return {"wall": wall, "body": report["timing"]["seconds"], "results": report["results"]}
 
@@ -171,15 +205,23 @@ def summary_of(command: str, results: dict) -> dict:
     if command == "eigen":
         lam = results["eigenvalues"][0]
         res = results["residuals"][0]
-        return {"matvecs": results["matvecs"], "value": lam,
-                "detail": f"lambda_max {lam:.5g}, rel. residual {fmt(res / abs(lam))}"}
+        return {
+            "matvecs": results["matvecs"],
+            "value": lam,
+            "detail": f"lambda_max {lam:.5g}, rel. residual {fmt(res / abs(lam))}",
+        }
     t = results["trace"]
     rel = None if t["stderr"] is None else t["stderr"] / abs(t["estimate"])
-    return {"matvecs": t["matvecs"], "value": t["estimate"],
-            "detail": f"trace {t['estimate']:.4g}, rel. stderr {fmt(rel)}"}
+    return {
+        "matvecs": t["matvecs"],
+        "value": t["estimate"],
+        "detail": f"trace {t['estimate']:.4g}, rel. stderr {fmt(rel)}",
+    }
 
 
-def part_a(ckpts: dict, repeats: int, batch_size: int, threads: int, workdir: Path) -> tuple[list, list]:
+def part_a(
+    ckpts: dict, repeats: int, batch_size: int, threads: int, workdir: Path
+) -> tuple[list, list]:
     """Alternating whole-process runs; returns table rows and the exact command lines used."""
     rows, commands = [], []
     for name, ckpt in ckpts.items():
@@ -193,19 +235,27 @@ def part_a(ckpts: dict, repeats: int, batch_size: int, threads: int, workdir: Pa
                 order = ("sharp", "pyhessian") if r % 2 == 0 else ("pyhessian", "sharp")
                 for side in order:
                     runs[side].append(run_process(argvs[side], out / f"{side}.json", threads))
-            wall_ratio = median([p["wall"] / s["wall"] for s, p in zip(runs["sharp"], runs["pyhessian"])])
-            body_ratio = median([p["body"] / s["body"] for s, p in zip(runs["sharp"], runs["pyhessian"])])
+            wall_ratio = median(
+                [p["wall"] / s["wall"] for s, p in zip(runs["sharp"], runs["pyhessian"])]
+            )
+            body_ratio = median(
+                [p["body"] / s["body"] for s, p in zip(runs["sharp"], runs["pyhessian"])]
+            )
             last = {k: summary_of(command, v[-1]["results"]) for k, v in runs.items()}
-            rows.append({
-                "model": name, "command": command,
-                "sharp_wall": median([r["wall"] for r in runs["sharp"]]),
-                "py_wall": median([r["wall"] for r in runs["pyhessian"]]),
-                "wall_ratio": wall_ratio,
-                "sharp_body": median([r["body"] for r in runs["sharp"]]),
-                "py_body": median([r["body"] for r in runs["pyhessian"]]),
-                "body_ratio": body_ratio,
-                "sharp": last["sharp"], "pyhessian": last["pyhessian"],
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "command": command,
+                    "sharp_wall": median([r["wall"] for r in runs["sharp"]]),
+                    "py_wall": median([r["wall"] for r in runs["pyhessian"]]),
+                    "wall_ratio": wall_ratio,
+                    "sharp_body": median([r["body"] for r in runs["sharp"]]),
+                    "py_body": median([r["body"] for r in runs["pyhessian"]]),
+                    "body_ratio": body_ratio,
+                    "sharp": last["sharp"],
+                    "pyhessian": last["pyhessian"],
+                }
+            )
     return rows, commands
 
 
@@ -265,7 +315,7 @@ def matvec_costs(session, repeats: int) -> dict:
     rounds = max(5, 3 * repeats)
     names = list(jobs)
     for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
+        for k in names if r % 2 == 0 else names[::-1]:
             times[k].append(timed(jobs[k])[0])
     med = {k: median(t) for k, t in times.items()}
     ratio = {  # medians of per-round ratios (each round's products ran back to back)
@@ -296,19 +346,28 @@ def block_costs(session, repeats: int, k: int = 8) -> dict:
         fn()
     times = {name: [] for name in jobs}
     for r in range(max(5, repeats)):
-        for name in (("vmapped", "columns") if r % 2 == 0 else ("columns", "vmapped")):
+        for name in ("vmapped", "columns") if r % 2 == 0 else ("columns", "vmapped"):
             times[name].append(timed(jobs[name])[0])
-    return {"k": k, "vmapped": median(times["vmapped"]), "columns": median(times["columns"]),
-            "ratio": median([a / b for a, b in zip(times["vmapped"], times["columns"])])}
+    return {
+        "k": k,
+        "vmapped": median(times["vmapped"]),
+        "columns": median(times["columns"]),
+        "ratio": median([a / b for a, b in zip(times["vmapped"], times["columns"])]),
+    }
 
 
 def blocks_table(ckpts: dict, repeats: int, batch_size: int) -> str:
     """Markdown table of :func:`block_costs` for each model."""
-    lines = ["#### Blocks of 8 Hessian products (cached graph): vmapped vs column by column\n",
-             "| model | batch | vmapped block s | column-by-column s | vmapped / columns |", "|---|---|---|---|---|"]
+    lines = [
+        "#### Blocks of 8 Hessian products (cached graph): vmapped vs column by column\n",
+        "| model | batch | vmapped block s | column-by-column s | vmapped / columns |",
+        "|---|---|---|---|---|",
+    ]
     for name, ckpt in ckpts.items():
         b = block_costs(load(ckpt, batch_size), repeats)
-        lines.append(f"| {name} | {batch_size} | {fmt(b['vmapped'])} | {fmt(b['columns'])} | {b['ratio']:.2f}x |")
+        lines.append(
+            f"| {name} | {batch_size} | {fmt(b['vmapped'])} | {fmt(b['columns'])} | {b['ratio']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -332,8 +391,10 @@ class _PyHessianRun:
         s.model.zero_grad(set_to_none=True)
         if s.batch_size >= s.num_samples:
             return hessian(s.model, self.criterion, data=(s.x, s.y), cuda=False)
-        loader = [(s.x[i : i + s.batch_size], s.y[i : i + s.batch_size])
-                  for i in range(0, s.num_samples, s.batch_size)]
+        loader = [
+            (s.x[i : i + s.batch_size], s.y[i : i + s.batch_size])
+            for i in range(0, s.num_samples, s.batch_size)
+        ]
         return hessian(s.model, self.criterion, dataloader=loader, cuda=False)
 
     def eigenvalues(self, seed: int):
@@ -366,7 +427,9 @@ class _PyHessianRun:
         finally:
             module.hessian_vector_product = original
         vec = [t.detach().clone() for t in vectors[0]]
-        self.session.model.zero_grad(set_to_none=True)  # break PyHessian's graph-carrying .grad cycle
+        self.session.model.zero_grad(
+            set_to_none=True
+        )  # break PyHessian's graph-carrying .grad cycle
         return values[0], vec, count[0]
 
     def trace(self, seed: int):
@@ -394,7 +457,7 @@ def eigen_speed(session, repeats: int) -> dict:
     nat, pyh, pairs = [], [], []
     for r in range(repeats):
         first_native = r % 2 == 0
-        for side in (("n", "p") if first_native else ("p", "n")):
+        for side in ("n", "p") if first_native else ("p", "n"):
             if side == "n":
                 tn, res_n = timed(lambda: native(r))
                 nat.append((tn, res_n))
@@ -403,7 +466,8 @@ def eigen_speed(session, repeats: int) -> dict:
                 pyh.append((tp, res_p))
         pairs.append(pyh[-1][0] / nat[-1][0])
     return {
-        "native_s": median([t for t, _ in nat]), "pyhessian_s": median([t for t, _ in pyh]),
+        "native_s": median([t for t, _ in nat]),
+        "pyhessian_s": median([t for t, _ in pyh]),
         "speedup": median(pairs),
         "native_matvecs": [res.matvecs for _, res in nat],
         "native_results": [res for _, res in nat],
@@ -433,12 +497,19 @@ def eigen_accuracy(ckpt: Path, speed: dict) -> dict:
         u = u / torch.linalg.vector_norm(u)
         return float(torch.linalg.vector_norm(op.matvec(u) - lam * u)) / abs(lam)
 
-    native = [(r.eigenvalues[0], rel_residual(r.eigenvalues[0], r.eigenvectors[:, 0]))
-              for r in speed["native_results"]]
-    pyh = [(lam, rel_residual(lam, scope.flatten(vec))) for lam, vec, _ in speed["pyhessian_results"]]
+    native = [
+        (r.eigenvalues[0], rel_residual(r.eigenvalues[0], r.eigenvectors[:, 0]))
+        for r in speed["native_results"]
+    ]
+    pyh = [
+        (lam, rel_residual(lam, scope.flatten(vec))) for lam, vec, _ in speed["pyhessian_results"]
+    ]
     return {
-        "lambda_ref": lam_ref, "lambda_min_ref": lam_min, "ref_matvecs": ref.matvecs,
-        "ref_residual": ref.residuals[0] / abs(lam_ref), "ref_converged": ref.converged,
+        "lambda_ref": lam_ref,
+        "lambda_min_ref": lam_min,
+        "ref_matvecs": ref.matvecs,
+        "ref_residual": ref.residuals[0] / abs(lam_ref),
+        "ref_converged": ref.converged,
         "native_relerr": [abs(l - lam_ref) / abs(lam_ref) for l, _ in native],
         "native_resid": [r for _, r in native],
         "py_relerr": [abs(l - lam_ref) / abs(lam_ref) for l, _ in pyh],
@@ -449,7 +520,13 @@ def eigen_accuracy(ckpt: Path, speed: dict) -> dict:
 
 def trace_study(session, repeats: int, reference_tol: float) -> dict:
     """Matvecs to 1% relative stderr (Hutch++ vs Hutchinson) and PyHessian trace() at defaults."""
-    from sharpcli.curvature import CurvaturePass, exact_ggn_trace, gn_split_trace, hutchinson, hutchpp
+    from sharpcli.curvature import (
+        CurvaturePass,
+        exact_ggn_trace,
+        gn_split_trace,
+        hutchinson,
+        hutchpp,
+    )
 
     scope = session.scope(None)
     cpass = CurvaturePass(session.model, session.analysis_data(), scope)
@@ -464,7 +541,7 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
     }
     names = list(estimators)
     for seed in range(repeats):
-        for name in names[seed % 3:] + names[: seed % 3]:  # rotate the order
+        for name in names[seed % 3 :] + names[: seed % 3]:  # rotate the order
             t, res = timed(lambda: estimators[name](seed))
             runs[name][0].append(res)
             runs[name][1].append(t)
@@ -477,13 +554,26 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
         n = len(samples)
         mean = sum(samples) / n
         sd = statistics.stdev(samples) if n > 1 else float("nan")
-        py_runs.append({"n": n, "estimate": mean, "seconds": t,
-                        "error": (mean - ref.estimate) / abs(ref.estimate),
-                        "rel_stderr": sd / n ** 0.5 / abs(mean)})
+        py_runs.append(
+            {
+                "n": n,
+                "estimate": mean,
+                "seconds": t,
+                "error": (mean - ref.estimate) / abs(ref.estimate),
+                "rel_stderr": sd / n**0.5 / abs(mean),
+            }
+        )
     return {
-        "ref": ref, "ref_seconds": ref_t,
-        "hutchpp": pp, "hutchinson": hu, "hutchpp_s": pp_s, "hutchinson_s": hu_s,
-        "gn_split": gs, "gn_split_s": gs_s, "ggn_exact": ggn, "ggn_exact_s": ggn_s,
+        "ref": ref,
+        "ref_seconds": ref_t,
+        "hutchpp": pp,
+        "hutchinson": hu,
+        "hutchpp_s": pp_s,
+        "hutchinson_s": hu_s,
+        "gn_split": gs,
+        "gn_split_s": gs_s,
+        "ggn_exact": ggn,
+        "ggn_exact_s": ggn_s,
         "fraction": median([a.matvecs / b.matvecs for a, b in zip(pp, hu)]),
         "gn_split_fraction": median([a.matvecs / b.matvecs for a, b in zip(gs, hu)]),
         "gn_split_time_fraction": median([a / b for a, b in zip(gs_s, hu_s)]),
@@ -493,7 +583,7 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
 
 def unsketched_variance(runs) -> str:
     """Median per-probe variance of the runs that stayed plain Hutchinson (no sketch), as text."""
-    plain = [r.stderr ** 2 * r.samples for r in runs if r.sketch_size == 0]
+    plain = [r.stderr**2 * r.samples for r in runs if r.sketch_size == 0]
     return fmt(median(plain)) if plain else "(sketched: Hutch++ on N)"
 
 
@@ -507,7 +597,9 @@ def magnitude_demo() -> dict:
     model = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.eye(2))
-    x = torch.eye(2)  # z = x W^T: z_ij = W_ji; loss = 0.5 * sum_i c_i W_ii^2 + const -> H = diag(c) on the diagonal
+    x = torch.eye(
+        2
+    )  # z = x W^T: z_ij = W_ji; loss = 0.5 * sum_i c_i W_ii^2 + const -> H = diag(c) on the diagonal
     c = torch.tensor([1.0, -3.0])
 
     def criterion(z, _y):
@@ -516,7 +608,9 @@ def magnitude_demo() -> dict:
     torch.manual_seed(0)
     model.zero_grad(set_to_none=True)
     values, _ = hessian(model, criterion, data=(x, torch.zeros(2)), cuda=False).eigenvalues()
-    dense = torch.diag(torch.tensor([1.0, 0.0, 0.0, -3.0], dtype=torch.float64))  # W flattened row-major
+    dense = torch.diag(
+        torch.tensor([1.0, 0.0, 0.0, -3.0], dtype=torch.float64)
+    )  # W flattened row-major
     native = lanczos(MatrixOperator(dense), k=1)
     return {"pyhessian": values[0], "native": native.eigenvalues[0]}
 
@@ -525,8 +619,7 @@ def magnitude_demo() -> dict:
 def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds: int) -> str:
     """All in-process measurements as Markdown tables, ending with the targets table."""
     out = []
-    cost_rows, eig_rows, acc_rows, tr_rows, py_tr_rows = [], [], [], [], []
-    targets = {}
+    cost_rows, eig_rows, acc_rows, tr_rows, _py_tr_rows = [], [], [], [], []
     batch_sizes = [batch_size] if quick or batch_size == 256 else [batch_size, 256]
     for name, ckpt in ckpts.items():
         for bs in batch_sizes:
@@ -543,38 +636,55 @@ def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds:
     demo = magnitude_demo()
 
     out.append("#### Product costs (in-process, medians of alternating rounds)\n")
-    out.append("| model | batch | P | batches | gradient ms | H ms (cached graph) | H ms (rebuilt) "
-               "| H / gradient | H rebuilt / gradient | H+G ms | H+G / H | H+G rebuilt / H rebuilt |")
+    out.append(
+        "| model | batch | P | batches | gradient ms | H ms (cached graph) | H ms (rebuilt) "
+        "| H / gradient | H rebuilt / gradient | H+G ms | H+G / H | H+G rebuilt / H rebuilt |"
+    )
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, bs, c in cost_rows:
         s, r = c["seconds"], c["ratio"]
-        out.append(f"| {name} | {bs} | {c['numel']} | {c['batches']} | {s['grad'] * 1e3:.1f} | {s['H'] * 1e3:.1f} | "
-                   f"{s['H_cold'] * 1e3:.1f} | {r['H/grad']:.2f}x | {r['H_cold/grad']:.2f}x | {s['HG'] * 1e3:.1f} | "
-                   f"{r['HG/H']:.2f}x | {r['HG_cold/H_cold']:.2f}x |")
+        out.append(
+            f"| {name} | {bs} | {c['numel']} | {c['batches']} | {s['grad'] * 1e3:.1f} | {s['H'] * 1e3:.1f} | "
+            f"{s['H_cold'] * 1e3:.1f} | {r['H/grad']:.2f}x | {r['H_cold/grad']:.2f}x | {s['HG'] * 1e3:.1f} | "
+            f"{r['HG/H']:.2f}x | {r['HG_cold/H_cold']:.2f}x |"
+        )
     out.append("\n#### Top eigenvalue: native Lanczos vs PyHessian eigenvalues() in one process\n")
-    out.append("| model | batch | PyHessian mode | native s | PyHessian s | speed-up (median of pairs) "
-               "| native matvecs (median) | PyHessian products (median) |")
+    out.append(
+        "| model | batch | PyHessian mode | native s | PyHessian s | speed-up (median of pairs) "
+        "| native matvecs (median) | PyHessian products (median) |"
+    )
     out.append("|---|---|---|---|---|---|---|---|")
     for name, bs, sp in eig_rows:
         mode = "data=(x, y)" if bs >= TRAIN_SAMPLES else "dataloader"
-        out.append(f"| {name} | {bs} | {mode} | {fmt(sp['native_s'])} | {fmt(sp['pyhessian_s'])} | "
-                   f"{sp['speedup']:.2f}x | {median(sp['native_matvecs'])} | "
-                   f"{median([n for _, _, n in sp['pyhessian_results']])} |")
-    out.append("\n#### Accuracy of lambda_max against a float64 reference (Lanczos, residual <= 1e-10 |lambda|)\n")
-    out.append("| model | lambda_max (ref) | lambda_min (ref) | native rel. error (median, max) "
-               "| native rel. residual (max) | PyHessian rel. error (median, max) | PyHessian signed error range "
-               "| PyHessian rel. residual (median, max) |")
+        out.append(
+            f"| {name} | {bs} | {mode} | {fmt(sp['native_s'])} | {fmt(sp['pyhessian_s'])} | "
+            f"{sp['speedup']:.2f}x | {median(sp['native_matvecs'])} | "
+            f"{median([n for _, _, n in sp['pyhessian_results']])} |"
+        )
+    out.append(
+        "\n#### Accuracy of lambda_max against a float64 reference (Lanczos, residual <= 1e-10 |lambda|)\n"
+    )
+    out.append(
+        "| model | lambda_max (ref) | lambda_min (ref) | native rel. error (median, max) "
+        "| native rel. residual (max) | PyHessian rel. error (median, max) | PyHessian signed error range "
+        "| PyHessian rel. residual (median, max) |"
+    )
     out.append("|---|---|---|---|---|---|---|---|")
     for name, a in acc_rows:
         out.append(
             f"| {name} | {a['lambda_ref']:.7g} | {a['lambda_min_ref']:.4g} | {fmt(median(a['native_relerr']))}, "
             f"{fmt(max(a['native_relerr']))} | {fmt(max(a['native_resid']))} | {fmt(median(a['py_relerr']))}, "
             f"{fmt(max(a['py_relerr']))} | {fmt(min(a['py_signed']))} .. {fmt(max(a['py_signed']))} | "
-            f"{fmt(median(a['py_resid']))}, {fmt(max(a['py_resid']))} |")
-    out.append(f"\n#### Trace: matvecs to 1% relative standard error (probe seeds 0..{trace_seeds - 1})\n")
-    out.append("| model | reference trace (Hutch++, rel. stderr) | Hutch++ matvecs (median, range) "
-               "| Hutchinson matvecs (median, range) | Hutch++ / Hutchinson (median of seeds) "
-               "| Hutch++ sketch | per-probe variance: Hutchinson / Hutch++ residual | Hutch++ s | Hutchinson s |")
+            f"{fmt(median(a['py_resid']))}, {fmt(max(a['py_resid']))} |"
+        )
+    out.append(
+        f"\n#### Trace: matvecs to 1% relative standard error (probe seeds 0..{trace_seeds - 1})\n"
+    )
+    out.append(
+        "| model | reference trace (Hutch++, rel. stderr) | Hutch++ matvecs (median, range) "
+        "| Hutchinson matvecs (median, range) | Hutch++ / Hutchinson (median of seeds) "
+        "| Hutch++ sketch | per-probe variance: Hutchinson / Hutch++ residual | Hutch++ s | Hutchinson s |"
+    )
     out.append("|---|---|---|---|---|---|---|---|---|")
     for name, t in tr_rows:
         pp = [r.matvecs for r in t["hutchpp"]]
@@ -584,13 +694,18 @@ def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds:
             f"| {name} | {ref.estimate:.5g} ({fmt(ref.stderr / abs(ref.estimate))}, {ref.matvecs} matvecs) | "
             f"{median(pp)} ({min(pp)}-{max(pp)}) | {median(hu)} ({min(hu)}-{max(hu)}) | {t['fraction']:.2f} | "
             f"{sorted({r.sketch_size for r in t['hutchpp']})} | "
-            f"{fmt(median([r.stderr ** 2 * r.samples for r in t['hutchinson']]))} / "
-            f"{fmt(median([r.stderr ** 2 * r.samples for r in t['hutchpp']]))} | {fmt(median(t['hutchpp_s']))} | "
-            f"{fmt(median(t['hutchinson_s']))} |")
-    out.append("\n#### Trace: gn-split (exact tr(G) + Hutch++ on tr(N)) against plain Hutchinson, same seeds\n")
-    out.append("| model | exact tr(G) (its s) | gn-split estimate (median) | gn-split matvecs (median, range) "
-               "| gn-split / Hutchinson matvecs | gn-split s (incl. exact tr(G)) | gn-split / Hutchinson time "
-               "| per-probe variance: Hutchinson on H / Hutchinson on N |")
+            f"{fmt(median([r.stderr**2 * r.samples for r in t['hutchinson']]))} / "
+            f"{fmt(median([r.stderr**2 * r.samples for r in t['hutchpp']]))} | {fmt(median(t['hutchpp_s']))} | "
+            f"{fmt(median(t['hutchinson_s']))} |"
+        )
+    out.append(
+        "\n#### Trace: gn-split (exact tr(G) + Hutch++ on tr(N)) against plain Hutchinson, same seeds\n"
+    )
+    out.append(
+        "| model | exact tr(G) (its s) | gn-split estimate (median) | gn-split matvecs (median, range) "
+        "| gn-split / Hutchinson matvecs | gn-split s (incl. exact tr(G)) | gn-split / Hutchinson time "
+        "| per-probe variance: Hutchinson on H / Hutchinson on N |"
+    )
     out.append("|---|---|---|---|---|---|---|---|")
     for name, t in tr_rows:
         gs = t["gn_split"]
@@ -599,42 +714,77 @@ def part_b(ckpts: dict, repeats: int, batch_size: int, quick: bool, trace_seeds:
             f"| {name} | {t['ggn_exact'].estimate:.5g} ({fmt(t['ggn_exact_s'])} s) | "
             f"{median([r.estimate for r in gs]):.5g} | {median(mv)} ({min(mv)}-{max(mv)}) | "
             f"{t['gn_split_fraction']:.2f} | {fmt(median(t['gn_split_s']))} | {t['gn_split_time_fraction']:.2f} | "
-            f"{fmt(median([r.stderr ** 2 * r.samples for r in t['hutchinson']]))} / "
-            f"{unsketched_variance(gs)} |")
+            f"{fmt(median([r.stderr**2 * r.samples for r in t['hutchinson']]))} / "
+            f"{unsketched_variance(gs)} |"
+        )
     out.append("\n#### PyHessian trace() at defaults (maxIter=100, tol=1e-3), per seed\n")
-    out.append("| model | seed | samples taken | estimate | error vs reference | rel. stderr of its samples | s |")
+    out.append(
+        "| model | seed | samples taken | estimate | error vs reference | rel. stderr of its samples | s |"
+    )
     out.append("|---|---|---|---|---|---|---|")
     for name, t in tr_rows:
         for seed, r in enumerate(t["pyhessian"]):
-            out.append(f"| {name} | {seed} | {r['n']} | {r['estimate']:.5g} | {r['error'] * 100:+.2f}% | "
-                       f"{r['rel_stderr'] * 100:.2f}% | {fmt(r['seconds'])} |")
-    out.append(f"\nPyHessian power iteration on H = diag(1, -3) (2 trainable directions, 2 null): returns "
-               f"{demo['pyhessian']:.6g}; native Lanczos `which=largest` returns {demo['native']:.6g}.\n")
+            out.append(
+                f"| {name} | {seed} | {r['n']} | {r['estimate']:.5g} | {r['error'] * 100:+.2f}% | "
+                f"{r['rel_stderr'] * 100:.2f}% | {fmt(r['seconds'])} |"
+            )
+    out.append(
+        f"\nPyHessian power iteration on H = diag(1, -3) (2 trainable directions, 2 null): returns "
+        f"{demo['pyhessian']:.6g}; native Lanczos `which=largest` returns {demo['native']:.6g}.\n"
+    )
 
     # targets
-    mlp_cost = next(c for n, bs, c in cost_rows if n == "mlp" and bs == batch_size) if "mlp" in ckpts else None
+    mlp_cost = (
+        next(c for n, bs, c in cost_rows if n == "mlp" and bs == batch_size)
+        if "mlp" in ckpts
+        else None
+    )
     rows = []
     if mlp_cost:
         worst = max(c["ratio"]["H/grad"] for _, bs, c in cost_rows if bs == batch_size)
-        rows.append(("one curvature matvec <= 2.2x a gradient pass", "H (cached graph) / gradient, worst model "
-                     f"at batch {batch_size}: {worst:.2f}x", worst <= TARGET_MATVEC_OVER_GRAD))
+        rows.append(
+            (
+                "one curvature matvec <= 2.2x a gradient pass",
+                f"H (cached graph) / gradient, worst model at batch {batch_size}: {worst:.2f}x",
+                worst <= TARGET_MATVEC_OVER_GRAD,
+            )
+        )
         joint = max(c["ratio"]["HG/H"] for _, bs, c in cost_rows if bs == batch_size)
-        rows.append(("H and G in one pass <= 1.6x H alone", f"worst model at batch {batch_size}: {joint:.2f}x",
-                     joint <= TARGET_JOINT_OVER_H))
+        rows.append(
+            (
+                "H and G in one pass <= 1.6x H alone",
+                f"worst model at batch {batch_size}: {joint:.2f}x",
+                joint <= TARGET_JOINT_OVER_H,
+            )
+        )
     best = min(sp["speedup"] for _, bs, sp in eig_rows if bs == batch_size)
-    rows.append(("`sharp eigen --top-k 1` >= 10x faster than PyHessian (in-process)",
-                 f"slowest model at batch {batch_size}: {best:.2f}x", best >= TARGET_EIGEN_SPEEDUP))
+    rows.append(
+        (
+            "`sharp eigen --top-k 1` >= 10x faster than PyHessian (in-process)",
+            f"slowest model at batch {batch_size}: {best:.2f}x",
+            best >= TARGET_EIGEN_SPEEDUP,
+        )
+    )
     worst_res = max(max(a["native_resid"]) for _, a in acc_rows)
     more_accurate = all(max(a["native_relerr"]) < median(a["py_relerr"]) for _, a in acc_rows)
-    rows.append(("... and more accurate, residual-certified to 1e-3",
-                 f"native rel. residual <= {fmt(worst_res)}; native error below PyHessian's median error on "
-                 f"{'every' if more_accurate else 'not every'} model", worst_res <= TARGET_RESIDUAL and more_accurate))
+    rows.append(
+        (
+            "... and more accurate, residual-certified to 1e-3",
+            f"native rel. residual <= {fmt(worst_res)}; native error below PyHessian's median error on "
+            f"{'every' if more_accurate else 'not every'} model",
+            worst_res <= TARGET_RESIDUAL and more_accurate,
+        )
+    )
     if "mlp" in ckpts:
         t = next(t for n, t in tr_rows if n == "mlp")
-        rows.append(("trace to 1% with <= half the matvecs of Hutchinson (MLP)",
-                     f"Hutch++/Hutchinson = {t['fraction']:.2f}; gn-split/Hutchinson = {t['gn_split_fraction']:.2f} "
-                     f"(time {t['gn_split_time_fraction']:.2f})",
-                     min(t["fraction"], t["gn_split_fraction"]) <= TARGET_HUTCHPP_FRACTION))
+        rows.append(
+            (
+                "trace to 1% with <= half the matvecs of Hutchinson (MLP)",
+                f"Hutch++/Hutchinson = {t['fraction']:.2f}; gn-split/Hutchinson = {t['gn_split_fraction']:.2f} "
+                f"(time {t['gn_split_time_fraction']:.2f})",
+                min(t["fraction"], t["gn_split_fraction"]) <= TARGET_HUTCHPP_FRACTION,
+            )
+        )
     out.append("#### Targets (in-process figures)\n")
     out.append("| target | measured | met |")
     out.append("|---|---|---|")
@@ -653,25 +803,38 @@ def environment(threads: int) -> str:
         cores = os.cpu_count()
     import importlib.metadata as md
 
-    return (f"{_dt.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
-            f"{cores} usable core(s) (os.cpu_count {os.cpu_count()}), shared with other jobs, "
-            f"{threads} thread(s) (OMP_NUM_THREADS={threads}), Python {platform.python_version()}, "
-            f"torch {torch.__version__}, pyhessian {md.version('pyhessian')}, sharpcli {md.version('sharpcli')}")
+    return (
+        f"{_dt.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
+        f"{cores} usable core(s) (os.cpu_count {os.cpu_count()}), shared with other jobs, "
+        f"{threads} thread(s) (OMP_NUM_THREADS={threads}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, pyhessian {md.version('pyhessian')}, sharpcli {md.version('sharpcli')}"
+    )
 
 
 def main(argv=None) -> int:
     """Parse options, train the checkpoints, run parts A and B, print (and save) the Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="process pairs / in-process rounds / probe seeds")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="process pairs / in-process rounds / probe seeds"
+    )
     parser.add_argument("--trace-seeds", type=int, default=3, help="probe seeds of the trace study")
-    parser.add_argument("--quick", action="store_true", help="smoke run: MLP only, 1 repeat, full batch only")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: MLP only, 1 repeat, full batch only"
+    )
     parser.add_argument("--models", default="mlp,cnn", help="comma list of mlp, cnn")
-    parser.add_argument("--batch-size", type=int, default=TRAIN_SAMPLES, help="analysis batch size (both sides)")
+    parser.add_argument(
+        "--batch-size", type=int, default=TRAIN_SAMPLES, help="analysis batch size (both sides)"
+    )
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
-    parser.add_argument("--workdir", help="where checkpoints and reports go (default: a temporary folder)")
+    parser.add_argument(
+        "--workdir", help="where checkpoints and reports go (default: a temporary folder)"
+    )
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process part B")
-    parser.add_argument("--blocks-only", action="store_true",
-                        help="only the table of vmapped vs column-by-column blocks of products")
+    parser.add_argument(
+        "--blocks-only",
+        action="store_true",
+        help="only the table of vmapped vs column-by-column blocks of products",
+    )
     parser.add_argument("--markdown", help="also write the Markdown output to this file")
     args = parser.parse_args(argv)
     models = ["mlp"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
@@ -686,12 +849,16 @@ def main(argv=None) -> int:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         ckpts = train_checkpoints(models, workdir, args.threads)
-        parts = [f"Machine: {environment(args.threads)}.\n",
-                 "Command: `OMP_NUM_THREADS=%d python benchmarks/bench_curvature.py %s`\n"
-                 % (args.threads, " ".join(argv if argv is not None else sys.argv[1:]))]
+        parts = [
+            f"Machine: {environment(args.threads)}.\n",
+            "Command: `OMP_NUM_THREADS=%d python benchmarks/bench_curvature.py %s`\n"
+            % (args.threads, " ".join(argv if argv is not None else sys.argv[1:])),
+        ]
         for name in models:
-            parts.append(f"- `{name}`: {MODELS[name]['label']}; trained by "
-                         f"`sharp train {' '.join(MODELS[name]['train'])} --seed 0`")
+            parts.append(
+                f"- `{name}`: {MODELS[name]['label']}; trained by "
+                f"`sharp train {' '.join(MODELS[name]['train'])} --seed 0`"
+            )
         parts.append("")
         if args.blocks_only:
             parts.append(blocks_table(ckpts, repeats, args.batch_size))
@@ -703,7 +870,15 @@ def main(argv=None) -> int:
             parts += [f"    {c}" for c in commands]
             parts.append("")
         if not args.blocks_only:
-            parts.append(part_b(ckpts, repeats, args.batch_size, args.quick, 1 if args.quick else args.trace_seeds))
+            parts.append(
+                part_b(
+                    ckpts,
+                    repeats,
+                    args.batch_size,
+                    args.quick,
+                    1 if args.quick else args.trace_seeds,
+                )
+            )
         text = "\n".join(parts)
         print(text)
         if args.markdown:

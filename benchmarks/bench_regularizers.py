@@ -59,24 +59,54 @@ TARGETS: dict[str, float] = {
 }
 
 DEFAULT_REGS = [
-    "ad", "weight-noise", "sam", "usam", "asam", "nso", "gp", "gn-trace", "hessian-trace", "fa",
+    "ad",
+    "weight-noise",
+    "sam",
+    "usam",
+    "asam",
+    "nso",
+    "gp",
+    "gn-trace",
+    "hessian-trace",
+    "fa",
     # non-default modes, for reference
-    "weight-noise:report=clean", "hessian-trace:mode=exact", "fa:mode=exact",
+    "weight-noise:report=clean",
+    "hessian-trace:mode=exact",
+    "fa:mode=exact",
 ]
 
 
 def train_command(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> list[str]:
     """The ``sharp train`` command line of one run (``python -m sharpcli train ...``)."""
     return [
-        sys.executable, "-m", "sharpcli", "train",
-        "--data", args.data,
-        "--model", args.model, "--width", str(args.width), "--depth", str(args.depth),
-        "--activation", args.activation,
-        "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-        "--seed", str(args.seed), "--lr", str(args.lr),
-        "--reg", reg,
-        "--out", str(out_dir / f"{tag}.safetensors"),
-        "--json", str(out_dir / f"{tag}.json"),
+        sys.executable,
+        "-m",
+        "sharpcli",
+        "train",
+        "--data",
+        args.data,
+        "--model",
+        args.model,
+        "--width",
+        str(args.width),
+        "--depth",
+        str(args.depth),
+        "--activation",
+        args.activation,
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        str(args.epochs),
+        "--seed",
+        str(args.seed),
+        "--lr",
+        str(args.lr),
+        "--reg",
+        reg,
+        "--out",
+        str(out_dir / f"{tag}.safetensors"),
+        "--json",
+        str(out_dir / f"{tag}.json"),
     ]
 
 
@@ -85,9 +115,13 @@ def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dic
     cmd = train_command(args, reg, out_dir, tag)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    done = subprocess.run(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     if done.returncode != 0:
-        raise SystemExit(f"bench: {shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        raise SystemExit(
+            f"bench: {shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+        )
     report = json.loads((out_dir / f"{tag}.json").read_text())
     history = report["results"]["history"]
     seconds = [row["seconds"] for row in history[1:]]  # epoch 1 is warm-up
@@ -114,9 +148,16 @@ def in_process(args: argparse.Namespace) -> str:
     data = load_dataset(args.data)
     x, y = data.split("train")
     x, y = x[: args.batch_size].float(), y[: args.batch_size]
-    sizes = {"depth": args.depth, "width": args.width} if args.model == "mlp" else {}  # image models: zoo defaults
-    model_args = default_model_args(args.model, tuple(data.input_shape), int(data.num_classes),
-                                    activation=args.activation, **sizes)
+    sizes = (
+        {"depth": args.depth, "width": args.width} if args.model == "mlp" else {}
+    )  # image models: zoo defaults
+    model_args = default_model_args(
+        args.model,
+        tuple(data.input_shape),
+        int(data.num_classes),
+        activation=args.activation,
+        **sizes,
+    )
     torch.manual_seed(args.seed)
     model = build_model({"name": args.model, "args": model_args})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
@@ -138,13 +179,18 @@ def in_process(args: argparse.Namespace) -> str:
         for spec in specs:
             times[spec].append(steps(spec, 20))
     base = statistics.median(times["none"])
-    lines = ["| regularizer | median ms/step | ratio to none | target | met |", "|---|---:|---:|---:|---|"]
+    lines = [
+        "| regularizer | median ms/step | ratio to none | target | met |",
+        "|---|---:|---:|---:|---|",
+    ]
     for spec in specs:
         med = statistics.median(times[spec])
         target = TARGETS.get(spec)
         met = "" if target is None else ("yes" if med / base <= target else "**no**")
-        lines.append(f"| `{spec}` | {med * 1e3:.2f} | {med / base:.2f}x | "
-                     f"{'' if target is None else f'<= {target:g}x'} | {met} |")
+        lines.append(
+            f"| `{spec}` | {med * 1e3:.2f} | {med / base:.2f}x | "
+            f"{'' if target is None else f'<= {target:g}x'} | {met} |"
+        )
     return "\n".join(lines)
 
 
@@ -152,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regs", nargs="+", default=DEFAULT_REGS, help="regularizer specs to time")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per regularizer")
-    parser.add_argument("--group", type=int, default=2, help="regularizer runs between two none runs")
+    parser.add_argument(
+        "--group", type=int, default=2, help="regularizer runs between two none runs"
+    )
     parser.add_argument("--data", default="blobs:n=8192,dim=64,classes=10")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--width", type=int, default=128)
@@ -161,17 +209,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=0.01, help="small enough that no penalty diverges")
+    parser.add_argument(
+        "--lr", type=float, default=0.01, help="small enough that no penalty diverges"
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS unless already set")
     parser.add_argument("--markdown", type=Path, help="also write the Markdown table here")
     parser.add_argument("--raw", type=Path, help="write every run's numbers as JSON here")
-    parser.add_argument("--in-process", action="store_true",
-                        help="time training_step per step inside one process instead of whole runs")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time training_step per step inside one process instead of whole runs",
+    )
     args = parser.parse_args(argv)
     if args.in_process:
         table = in_process(args)
-        command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads)) + \
-            " python benchmarks/bench_regularizers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        command = (
+            "OMP_NUM_THREADS="
+            + os.environ.get("OMP_NUM_THREADS", str(args.threads))
+            + " python benchmarks/bench_regularizers.py "
+            + shlex.join(argv if argv is not None else sys.argv[1:])
+        )
         text = f"Date: {_dt.date.today().isoformat()}; per step, in process.\n\n{table}\n\nBenchmark command: `{command}`"
         print(text)
         if args.markdown:
@@ -189,16 +246,25 @@ def main(argv: list[str] | None = None) -> int:
             base = [run_once(args, "none", out_dir, f"r{rep}-none0")]
             raw["none"].append(base[0])
             for j in range(0, len(regs), args.group):
-                group = regs[j:j + args.group]
-                results = {reg: run_once(args, reg, out_dir, f"r{rep}-{j + k}") for k, reg in enumerate(group)}
+                group = regs[j : j + args.group]
+                results = {
+                    reg: run_once(args, reg, out_dir, f"r{rep}-{j + k}")
+                    for k, reg in enumerate(group)
+                }
                 after = run_once(args, "none", out_dir, f"r{rep}-none{j + 1}")
                 raw["none"].append(after)
                 for reg, res in results.items():
                     flank = [base[-1], after]
                     none_median = statistics.mean(r["median"] for r in flank)
-                    none_evals = flank[0]["grad_evals"]  # a plain step is 1 evaluation: the step count
+                    none_evals = flank[0][
+                        "grad_evals"
+                    ]  # a plain step is 1 evaluation: the step count
                     raw["runs"].setdefault(reg, []).append(
-                        {**res, "ratio": res["median"] / none_median, "grad_evals_per_step": res["grad_evals"] / none_evals}
+                        {
+                            **res,
+                            "ratio": res["median"] / none_median,
+                            "grad_evals_per_step": res["grad_evals"] / none_evals,
+                        }
                     )
                     print(
                         f"rep {rep + 1}/{args.reps} {reg:28s} {res['median']:.3f} s/epoch vs none "
@@ -232,14 +298,22 @@ def main(argv: list[str] | None = None) -> int:
     for reg, median, ratio, evals, target in rows:
         met = "" if target is None else ("yes" if ratio <= target else "**no**")
         target_text = "" if target is None else f"<= {target:g}x"
-        lines.append(f"| `{reg}` | {median:.3f} | {ratio:.2f}x | {evals:.2f} | {target_text} | {met} |")
+        lines.append(
+            f"| `{reg}` | {median:.3f} | {ratio:.2f}x | {evals:.2f} | {target_text} | {met} |"
+        )
     lines += [
         "",
-        "Each run: `OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads)) + " python "
-        + shlex.join(example[1:]) + "` (REG the row's spec, or `none`).",
+        "Each run: `OMP_NUM_THREADS="
+        + os.environ.get("OMP_NUM_THREADS", str(args.threads))
+        + " python "
+        + shlex.join(example[1:])
+        + "` (REG the row's spec, or `none`).",
         "",
-        "Benchmark command: `OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", str(args.threads))
-        + " python benchmarks/bench_regularizers.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])) + "`",
+        "Benchmark command: `OMP_NUM_THREADS="
+        + os.environ.get("OMP_NUM_THREADS", str(args.threads))
+        + " python benchmarks/bench_regularizers.py "
+        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        + "`",
     ]
     table = "\n".join(lines)
     print(table)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,8 +40,14 @@ def build_checkpoint(path: Path, samples: int) -> int:
     from sharpcli.io.checkpoints import save_checkpoint
     from sharpcli.models import build_model, default_model_args
 
-    args = default_model_args("mlp", (ARCH["in_features"],), ARCH["num_classes"], depth=ARCH["depth"],
-                              width=ARCH["width"], activation=ARCH["activation"])
+    args = default_model_args(
+        "mlp",
+        (ARCH["in_features"],),
+        ARCH["num_classes"],
+        depth=ARCH["depth"],
+        width=ARCH["width"],
+        activation=ARCH["activation"],
+    )
     spec = {"name": "mlp", "args": args}
     torch.manual_seed(0)
     model = build_model(spec)
@@ -61,7 +66,9 @@ def peak_rss_of(argv: list[str]) -> tuple[int, float, str]:
         "print(json.dumps({'rss': rss, 'seconds': dt, 'code': p.returncode, 'out': p.stdout, 'err': p.stderr}))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    result = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, check=True
+    )
     info = json.loads(result.stdout)
     if info["code"] != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({info['code']}): {info['err'].strip()}")
@@ -82,17 +89,47 @@ def main() -> None:
     sharp = [sys.executable, "-m", "sharpcli"]
     common = ["--batch-size", str(args.batch_size), "--quiet", "--json", "-"]
     runs = [
-        ("baseline (import + load model)", [sys.executable, "-c",
-         "import sys, sharpcli.cli.app; from sharpcli.io.checkpoints import load_checkpoint; "
-         f"load_checkpoint({str(ckpt)!r})"]),
-        (f"eigen --top-k 1 --max-matvecs {args.max_matvecs}",
-         [*sharp, "eigen", str(ckpt), "--top-k", "1", "--max-matvecs", str(args.max_matvecs), *common]),
-        (f"trace --estimator hutchinson --max-matvecs {args.max_matvecs}",
-         [*sharp, "trace", str(ckpt), "--estimator", "hutchinson", "--max-matvecs", str(args.max_matvecs), *common]),
+        (
+            "baseline (import + load model)",
+            [
+                sys.executable,
+                "-c",
+                "import sys, sharpcli.cli.app; from sharpcli.io.checkpoints import load_checkpoint; "
+                f"load_checkpoint({str(ckpt)!r})",
+            ],
+        ),
+        (
+            f"eigen --top-k 1 --max-matvecs {args.max_matvecs}",
+            [
+                *sharp,
+                "eigen",
+                str(ckpt),
+                "--top-k",
+                "1",
+                "--max-matvecs",
+                str(args.max_matvecs),
+                *common,
+            ],
+        ),
+        (
+            f"trace --estimator hutchinson --max-matvecs {args.max_matvecs}",
+            [
+                *sharp,
+                "trace",
+                str(ckpt),
+                "--estimator",
+                "hutchinson",
+                "--max-matvecs",
+                str(args.max_matvecs),
+                *common,
+            ],
+        ),
     ]
     vector_bytes = params * 4
-    print(f"P = {params:,} float32 parameters; one P-vector = {vector_bytes / 1e6:.1f} MB; "
-          f"analysis set {args.samples} samples x 256 features, batch {args.batch_size}")
+    print(
+        f"P = {params:,} float32 parameters; one P-vector = {vector_bytes / 1e6:.1f} MB; "
+        f"analysis set {args.samples} samples x 256 features, batch {args.batch_size}"
+    )
     print()
     print("| command | peak RSS (MB) | seconds | Krylov basis (MB) |")
     print("|---|---|---|---|")

@@ -52,7 +52,12 @@ __all__ = [
 ]
 
 STATUS_OK = 0
-_ERROR_CLASSES = {"usage": UsageError, "input": InputError, "numerical": NumericalError, "gate": GateTripped}
+_ERROR_CLASSES = {
+    "usage": UsageError,
+    "input": InputError,
+    "numerical": NumericalError,
+    "gate": GateTripped,
+}
 _STATE = {"owned": False}  # True when this module created the process group (and so destroys it)
 
 
@@ -77,8 +82,11 @@ def _env_int(name: str, default: int | None = None) -> int:
     text = os.environ.get(name)
     if text is None:
         if default is None:
-            raise UsageError(f"torchrun variable {name} is not set (WORLD_SIZE > 1 needs RANK, LOCAL_RANK, "
-                             "MASTER_ADDR and MASTER_PORT)", source=name)
+            raise UsageError(
+                f"torchrun variable {name} is not set (WORLD_SIZE > 1 needs RANK, LOCAL_RANK, "
+                "MASTER_ADDR and MASTER_PORT)",
+                source=name,
+            )
         return default
     try:
         value = int(text)
@@ -129,11 +137,16 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
     backend = "gloo"
     if device.startswith("cuda"):
         if ":" in device:
-            raise UsageError("under torchrun use --device cuda: each rank takes cuda:LOCAL_RANK", source="--device")
+            raise UsageError(
+                "under torchrun use --device cuda: each rank takes cuda:LOCAL_RANK",
+                source="--device",
+            )
         if torch.cuda.is_available() and torch.distributed.is_nccl_available():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             backend = "nccl"
-    torch.distributed.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world)
+    torch.distributed.init_process_group(
+        backend=backend, init_method="env://", rank=rank, world_size=world
+    )
     _STATE["owned"] = True
     return True
 
@@ -177,8 +190,11 @@ def _gather_failures(mine: dict | None) -> list[dict]:
 def _error_from(failure: dict) -> SharpError:
     cls = _ERROR_CLASSES.get(failure["kind"], SharpError)
     rank, world = failure["rank"], failure["world_size"]
-    err = cls(f"{failure['message']} [on rank {rank} of {world}; batches counted within its shard]",
-              source=failure["source"], rank=rank)
+    err = cls(
+        f"{failure['message']} [on rank {rank} of {world}; batches counted within its shard]",
+        source=failure["source"],
+        rank=rank,
+    )
     err.exit_code = failure["exit_code"]
     err.propagated = True
     return err
@@ -209,8 +225,14 @@ def announce_failure(err: SharpError) -> SharpError:
     rank, world = rank_and_world()
     if world == 1 or getattr(err, "propagated", False):
         return err
-    payload = {"kind": err.kind, "message": err.message, "source": err.source, "exit_code": int(err.exit_code),
-               "rank": rank, "world_size": world}
+    payload = {
+        "kind": err.kind,
+        "message": err.message,
+        "source": err.source,
+        "exit_code": int(err.exit_code),
+        "rank": rank,
+        "world_size": world,
+    }
     _exchange_status(max(1, int(err.exit_code)))
     failures = _gather_failures(payload)
     first = min(failures, key=lambda f: f["rank"])

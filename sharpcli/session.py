@@ -33,17 +33,25 @@ def resolve_device(name: str) -> torch.device:
     except (RuntimeError, ValueError):
         raise UsageError(f"unknown device {name!r}", source="--device") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("CUDA was asked for but this torch build sees no CUDA device", source="--device")
-    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UsageError(
+            "CUDA was asked for but this torch build sees no CUDA device", source="--device"
+        )
+    if device.type == "mps" and not (
+        hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    ):
         raise UsageError("MPS was asked for but is not available", source="--device")
     # torch.device() accepts every device type torch knows of (meta, xpu, hpu, ...), available or
     # not; a value that holds and returns a number is one the analyses and training can run on.
     # 'meta' tensors have shapes but no data, so nothing could be computed there.
     try:
         usable = torch.ones(1, device=device).add(1).item() == 2.0
-    except Exception as exc:  # RuntimeError, NotImplementedError, AssertionError: not built/available
+    except (
+        Exception
+    ) as exc:  # RuntimeError, NotImplementedError, AssertionError: not built/available
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"device {name!r} cannot hold data here ({first})", source="--device") from None
+        raise UsageError(
+            f"device {name!r} cannot hold data here ({first})", source="--device"
+        ) from None
     if not usable:
         raise UsageError(f"device {name!r} does not compute correctly", source="--device")
     return device
@@ -53,7 +61,9 @@ def loss_for_task(task: str) -> str:
     return "mse" if task == "regression" else "cross-entropy"
 
 
-def check_model_accepts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, source: str) -> int:
+def check_model_accepts(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, source: str
+) -> int:
     """Run one sample through the model; return its number of outputs.
 
     Catches what a user can get wrong: features of the wrong shape, labels out
@@ -67,21 +77,28 @@ def check_model_accepts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task
     except (RuntimeError, ValueError, IndexError) as exc:
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"samples of shape {shape} do not fit the model ({first})", source=source) from None
+        raise InputError(
+            f"samples of shape {shape} do not fit the model ({first})", source=source
+        ) from None
     if out.ndim != 2:
-        raise InputError(f"the model returns outputs of shape {tuple(out.shape)}, expected (batch, classes)", source=source)
+        raise InputError(
+            f"the model returns outputs of shape {tuple(out.shape)}, expected (batch, classes)",
+            source=source,
+        )
     n_out = out.shape[1]
     if task == "classification":
         if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_out):
             raise InputError(
-                f"labels range over [{int(y.min())}, {int(y.max())}] but the model has {n_out} classes", source=source
+                f"labels range over [{int(y.min())}, {int(y.max())}] but the model has {n_out} classes",
+                source=source,
             )
     else:
         width = 1 if y.ndim == 1 else y.shape[1]
         if width != n_out:
-            raise InputError(f"targets have {width} columns but the model has {n_out} outputs", source=source)
+            raise InputError(
+                f"targets have {width} columns but the model has {n_out} outputs", source=source
+            )
     return n_out
-
 
 
 def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
@@ -102,7 +119,9 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
         shown = ", ".join(offenders[:5]) + (" ..." if len(offenders) > 5 else "")
         raise InputError(
             f"the model stays in training mode after eval() in {shown} (dropout/BatchNorm active): "
-            "curvature would be random", source=source)
+            "curvature would be random",
+            source=source,
+        )
     if x.shape[0] == 0:
         return
     devices = [x.device] if x.device.type == "cuda" else []
@@ -116,7 +135,9 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
             raise InputError(
                 f"the model is not deterministic in eval mode: two forward passes on the same inputs differ "
                 f"by up to {diff:.3g} (a layer draws random numbers, e.g. dropout with training=True): "
-                "curvature would be random", source=source)
+                "curvature would be random",
+                source=source,
+            )
 
 
 @dataclass
@@ -209,11 +230,18 @@ def build_session(
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
 
-    ckpt = load_checkpoint(checkpoint, arch=arch, arch_args=arch_args, model_factory=model_factory,
-                           trust_pickle=trust_pickle)
+    ckpt = load_checkpoint(
+        checkpoint,
+        arch=arch,
+        arch_args=arch_args,
+        model_factory=model_factory,
+        trust_pickle=trust_pickle,
+    )
     data_spec = data if data is not None else ckpt.data_spec
     if data_spec is None:
-        raise UsageError(f"the checkpoint {checkpoint} names no dataset; pass --data", source="--data")
+        raise UsageError(
+            f"the checkpoint {checkpoint} names no dataset; pass --data", source="--data"
+        )
     dataset = load_dataset(data_spec, label_column=label_column)
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
@@ -228,6 +256,18 @@ def build_session(
     loss = (ckpt.train_config or {}).get("loss") or loss_for_task(dataset.task)
     n_out = check_model_accepts(model, x, y, dataset.task, dataset.source)
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
-    return Session(checkpoint=ckpt, model=model, dataset=dataset, x=x, y=y, loss=loss, split=split,
-                   batch_size=batch_size, device=torch_device, dtype=torch_dtype, seed=seed, num_outputs=n_out,
-                   cache_bytes=int(cache_mb) << 20)
+    return Session(
+        checkpoint=ckpt,
+        model=model,
+        dataset=dataset,
+        x=x,
+        y=y,
+        loss=loss,
+        split=split,
+        batch_size=batch_size,
+        device=torch_device,
+        dtype=torch_dtype,
+        seed=seed,
+        num_outputs=n_out,
+        cache_bytes=int(cache_mb) << 20,
+    )

@@ -39,8 +39,14 @@ def run_process(*args: str, cwd=None, timeout: int = 300) -> Run:
     """Run ``python -m sharpcli ARGS`` as a subprocess."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, "-m", "sharpcli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharpcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
+    )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -97,7 +97,9 @@ def setup_and_reference(kind: str = "gelu", loss: str = "cross-entropy"):
     model = make_cnn() if kind == "cnn" else make_mlp(kind)
     x, y = make_data("image" if kind == "cnn" else "vector")
     if loss == "mse":
-        y = torch.randn(x.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        y = torch.randn(
+            x.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)
+        )
     key = (kind, loss)
     if key not in _REFERENCES:
         H, G, _ = dense_reference(model, x, y, loss)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import assert_one_line_error, run_cli
 from torch.func import jacrev
 
-from cli_helpers import assert_one_line_error, run_cli
 from sharpcli.analyses.activations import activation_stats
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
 from sharpcli.curvature.data import AnalysisData
@@ -18,8 +18,16 @@ from sharpcli.report.envelope import validate_report
 
 def _mlp(activation="relu", in_features=2, width=4, depth=1, classes=3, seed=0):
     torch.manual_seed(seed)
-    spec = {"name": "mlp", "args": {"in_features": in_features, "num_classes": classes, "depth": depth,
-                                    "width": width, "activation": activation}}
+    spec = {
+        "name": "mlp",
+        "args": {
+            "in_features": in_features,
+            "num_classes": classes,
+            "depth": depth,
+            "width": width,
+            "activation": activation,
+        },
+    }
     return build_model(spec).double().eval(), spec
 
 
@@ -29,7 +37,9 @@ def _hand_model():
     with torch.no_grad():
         model[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [-1.0, -1.0]]))
         model[0].bias.copy_(torch.tensor([0.0, 0.0, -1.0, 0.0]))
-    x = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0], [2.0, 0.5]], dtype=torch.float64)
+    x = torch.tensor(
+        [[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0], [2.0, 0.5]], dtype=torch.float64
+    )
     y = torch.tensor([0, 1, 2, 0, 1])
     return model, spec, x, y
 
@@ -67,8 +77,12 @@ def test_output_level_statistics_and_jacobian_match_direct_computation():
     rows = torch.arange(x.shape[0])
     J = jacrev(model)(x).detach()[rows, :, rows]  # (B, C, B, D) -> per-sample (B, C, D)
     Jp = jacrev(lambda inputs: torch.softmax(model(inputs), 1))(x).detach()[rows, :, rows]
-    assert result.input_jacobian_fro == pytest.approx(float(torch.linalg.matrix_norm(J).mean()), rel=1e-12)
-    assert result.input_jacobian_fro_softmax == pytest.approx(float(torch.linalg.matrix_norm(Jp).mean()), rel=1e-12)
+    assert result.input_jacobian_fro == pytest.approx(
+        float(torch.linalg.matrix_norm(J).mean()), rel=1e-12
+    )
+    assert result.input_jacobian_fro_softmax == pytest.approx(
+        float(torch.linalg.matrix_norm(Jp).mean()), rel=1e-12
+    )
     # penultimate = input of the head (model[4]) = output of the second activation
     with torch.no_grad():
         h = model[:4](x)
@@ -94,7 +108,10 @@ def test_gelu_counts_come_from_pre_activation_signs():
 
 def test_cnn_counts_every_channel_position():
     torch.manual_seed(0)
-    spec = {"name": "cnn", "args": {"in_channels": 1, "image_size": 4, "num_classes": 3, "channels": [2]}}
+    spec = {
+        "name": "cnn",
+        "args": {"in_channels": 1, "image_size": 4, "num_classes": 3, "channels": [2]},
+    }
     model = build_model(spec).double().eval()
     conv = model.features[0]
     with torch.no_grad():
@@ -103,13 +120,17 @@ def test_cnn_counts_every_channel_position():
     x = torch.randn(9, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     y = torch.zeros(9, dtype=torch.long)
     (layer,) = activation_stats(model, AnalysisData(x, y, "cross-entropy", 4)).layers
-    pre = F.conv2d(x, conv.weight, conv.bias, padding=1).reshape(9, -1)  # 2 x 4 x 4 outputs per sample
+    pre = F.conv2d(x, conv.weight, conv.bias, padding=1).reshape(
+        9, -1
+    )  # 2 x 4 x 4 outputs per sample
     active = pre > 0
     dead = ~active.any(0)
     assert layer.outputs == 32 and layer.output_shape == [2, 4, 4]
     assert layer.dead_outputs == int(dead.sum()) >= 16
     assert layer.death_frequency == int(dead.sum()) / 32
-    assert layer.activation_frequency == pytest.approx(float(active.sum()) / (9 * (32 - int(dead.sum()))), abs=1e-15)
+    assert layer.activation_frequency == pytest.approx(
+        float(active.sum()) / (9 * (32 - int(dead.sum()))), abs=1e-15
+    )
 
 
 def _write_fixture(tmp_path, model, spec, x, y):
@@ -141,5 +162,9 @@ def test_cli_json_validates_and_matches_library(tmp_path, capsys):
 def test_cli_bad_options_are_one_line_errors(tmp_path, capsys):
     model, spec, x, y = _hand_model()
     ckpt = _write_fixture(tmp_path, model, spec, x, y)
-    assert_one_line_error(run_cli(capsys, "activation-stats", ckpt, "--samples", "0"), 2, "--samples")
-    assert_one_line_error(run_cli(capsys, "activation-stats", tmp_path / "missing.safetensors"), 2, "missing")
+    assert_one_line_error(
+        run_cli(capsys, "activation-stats", ckpt, "--samples", "0"), 2, "--samples"
+    )
+    assert_one_line_error(
+        run_cli(capsys, "activation-stats", tmp_path / "missing.safetensors"), 2, "missing"
+    )

@@ -33,7 +33,9 @@ from sharpcli.models import (
 
 DT = torch.float64
 # many points, including the kink, both tails and points within 1/beta of the origin
-POINTS = torch.cat([torch.linspace(-6.0, 6.0, 241, dtype=DT), torch.tensor([0.0, 1e-9, -1e-9, 0.3], dtype=DT)])
+POINTS = torch.cat(
+    [torch.linspace(-6.0, 6.0, 241, dtype=DT), torch.tensor([0.0, 1e-9, -1e-9, 0.3], dtype=DT)]
+)
 BETAS = [0.5, 1.0, 4.0, 25.0]
 
 
@@ -96,7 +98,9 @@ def test_augmented_relu_second_derivative_is_the_gaussian_by_double_backward(bet
     first, second, third = autograd_derivatives(lambda t: augmented_relu(t, beta), POINTS, 3)
     torch.testing.assert_close(second, gaussian_bump(POINTS, beta), rtol=0, atol=1e-12)
     # third AD derivative: the true derivative of the Gaussian, -beta^2 x * bump
-    torch.testing.assert_close(third, -(beta**2) * POINTS * gaussian_bump(POINTS, beta), rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        third, -(beta**2) * POINTS * gaussian_bump(POINTS, beta), rtol=0, atol=1e-10
+    )
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -108,7 +112,10 @@ def test_augmented_relu_second_derivative_is_the_gaussian_under_torch_func(beta)
 
 @pytest.mark.parametrize(
     "f, expected",
-    [(lambda t: augmented_relu(t, 3.0), lambda x: gaussian_bump(x, 3.0)), (diminished_gelu, torch.zeros_like)],
+    [
+        (lambda t: augmented_relu(t, 3.0), lambda x: gaussian_bump(x, 3.0)),
+        (diminished_gelu, torch.zeros_like),
+    ],
     ids=["augmented", "diminished"],
 )
 def test_plain_forward_ad_over_double_backward(f, expected):
@@ -130,7 +137,9 @@ def test_augmented_relu_second_derivative_has_unit_mass():
     assert abs(torch.trapezoid(second, x).item() - 1.0) < 1e-9
 
 
-@pytest.mark.parametrize("f", [lambda t: augmented_relu(t, 2.0), diminished_gelu], ids=["augmented", "diminished"])
+@pytest.mark.parametrize(
+    "f", [lambda t: augmented_relu(t, 2.0), diminished_gelu], ids=["augmented", "diminished"]
+)
 def test_forward_over_forward_is_refused_not_silently_wrong(f):
     """PyTorch drops a custom jvp rule's derivative under nested jacfwd (pytorch#197867)."""
     with pytest.raises(RuntimeError, match="forward-over-forward"):
@@ -170,7 +179,9 @@ def test_diminished_gelu_second_derivative_is_zero_both_ways():
         assert torch.equal(value, torch.zeros_like(POINTS)), path
     # plain GELU's second derivative is not zero: phi(x)(2 - x^2)
     (_, gelu_second) = autograd_derivatives(F.gelu, POINTS, 2)
-    torch.testing.assert_close(gelu_second, normal_pdf(POINTS) * (2 - POINTS**2), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        gelu_second, normal_pdf(POINTS) * (2 - POINTS**2), rtol=0, atol=1e-12
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,7 +191,9 @@ def test_diminished_gelu_second_derivative_is_zero_both_ways():
 
 def test_beta_gelu_with_beta_one_is_gelu():
     torch.testing.assert_close(BetaGELU(1.0)(POINTS), F.gelu(POINTS), rtol=0, atol=1e-15)
-    torch.testing.assert_close(make_activation("beta-gelu")(POINTS), F.gelu(POINTS), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        make_activation("beta-gelu")(POINTS), F.gelu(POINTS), rtol=0, atol=1e-15
+    )
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -212,7 +225,9 @@ def test_beta_gelu_second_derivative_integrates_to_one_and_peaks_at_two_beta_phi
         x = torch.linspace(-40.0 / beta, 40.0 / beta, 40001, dtype=DT)
         (_, second) = autograd_derivatives(lambda t: beta_gelu(t, beta), x, 2)
         assert abs(torch.trapezoid(second, x).item() - 1.0) < 1e-8
-        (_, at_zero) = autograd_derivatives(lambda t: beta_gelu(t, beta), torch.zeros(1, dtype=DT), 2)
+        (_, at_zero) = autograd_derivatives(
+            lambda t: beta_gelu(t, beta), torch.zeros(1, dtype=DT), 2
+        )
         assert at_zero.item() == pytest.approx(2 * beta / math.sqrt(2 * math.pi), rel=1e-14)
 
 
@@ -269,7 +284,9 @@ def test_parameter_hessian_of_tiny_mlp_matches_double_backward_and_closed_form(s
     # the same Hessian by autograd double backward, row by row
     flat = flat0.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(loss(flat), flat, create_graph=True)
-    hess_autograd = torch.stack([torch.autograd.grad(g[i], flat, retain_graph=True)[0] for i in range(P)])
+    hess_autograd = torch.stack(
+        [torch.autograd.grad(g[i], flat, retain_graph=True)[0] for i in range(P)]
+    )
     torch.testing.assert_close(hess_func, hess_autograd, rtol=0, atol=1e-13)
 
     # first-layer weight block of the Hessian of the logit z_c:
@@ -314,9 +331,17 @@ def test_make_activation_canonical_specs_round_trip():
         assert activation_spec(module) == canonical
     assert make_activation("augmented-relu:beta=4").beta == 4.0
     assert parse_activation_spec("beta-gelu:beta=2.5") == ("beta-gelu", {"beta": 2.5})
-    assert set(ACTIVATION_NAMES) == {"relu", "gelu", "beta-gelu", "augmented-relu", "diminished-gelu"}
+    assert set(ACTIVATION_NAMES) == {
+        "relu",
+        "gelu",
+        "beta-gelu",
+        "augmented-relu",
+        "diminished-gelu",
+    }
     assert activation_spec(nn.ReLU()) == "relu" and activation_spec(nn.GELU()) == "gelu"
-    assert activation_spec(nn.GELU(approximate="tanh")) is None and activation_spec(nn.Tanh()) is None
+    assert (
+        activation_spec(nn.GELU(approximate="tanh")) is None and activation_spec(nn.Tanh()) is None
+    )
 
 
 def test_make_activation_returns_fresh_instances_of_activation_types():
@@ -353,9 +378,17 @@ def test_bad_activation_specs_raise_usage_error(spec, fragment):
 
 def test_positive_homogeneity_flags_match_the_forward_maps():
     x = torch.randn(200, dtype=DT)
-    modules = [make_activation(name) for name in ACTIVATION_NAMES] + [nn.ReLU(), nn.LeakyReLU(0.1), nn.ReLU6(), nn.Tanh()]
+    modules = [make_activation(name) for name in ACTIVATION_NAMES] + [
+        nn.ReLU(),
+        nn.LeakyReLU(0.1),
+        nn.ReLU6(),
+        nn.Tanh(),
+    ]
     for module in modules:
-        homogeneous = all(torch.allclose(module(a * x), a * module(x), rtol=1e-14, atol=0) for a in (0.3, 2.0, 7.0))
+        homogeneous = all(
+            torch.allclose(module(a * x), a * module(x), rtol=1e-14, atol=0)
+            for a in (0.3, 2.0, 7.0)
+        )
         assert is_positively_homogeneous(module) == homogeneous, module
     assert is_positively_homogeneous(make_activation("relu"))
     assert is_positively_homogeneous(make_activation("augmented-relu:beta=2"))

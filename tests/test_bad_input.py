@@ -33,11 +33,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from cli_helpers import Run, run_cli
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from cli_helpers import Run, run_cli
 from fixtures.make_checkpoint_fixtures import (
     tiny_mlp_spec,
     write_broken_files,
@@ -76,225 +76,723 @@ class Case:
 C = Case
 CASES = [
     # ------------------------------------------------------------------ checkpoints: corrupt, wrong format
-    C("ckpt-garbage-safetensors", ("eigen", "$garbage_st"), 2, ("$garbage_st", "not a readable safetensors")),
+    C(
+        "ckpt-garbage-safetensors",
+        ("eigen", "$garbage_st"),
+        2,
+        ("$garbage_st", "not a readable safetensors"),
+    ),
     C("ckpt-truncated-safetensors", ("trace", "$truncated_st"), 2, ("$truncated_st",)),
     C("ckpt-empty-safetensors", ("gn-nme", "$empty_st"), 2, ("$empty_st",)),
-    C("ckpt-garbage-pt", ("density", "$garbage_pt"), 2, ("$garbage_pt", "not a readable PyTorch file")),
-    C("ckpt-truncated-pt", ("analyze", "$truncated_pt", "--arch", "mlp", "--arch-args", "$args"), 2,
-      ("$truncated_pt",)),
-    C("ckpt-wrong-extension", ("eigen", "$own_txt"), 2, ("$own_txt", "unknown checkpoint format .txt")),
+    C(
+        "ckpt-garbage-pt",
+        ("density", "$garbage_pt"),
+        2,
+        ("$garbage_pt", "not a readable PyTorch file"),
+    ),
+    C(
+        "ckpt-truncated-pt",
+        ("analyze", "$truncated_pt", "--arch", "mlp", "--arch-args", "$args"),
+        2,
+        ("$truncated_pt",),
+    ),
+    C(
+        "ckpt-wrong-extension",
+        ("eigen", "$own_txt"),
+        2,
+        ("$own_txt", "unknown checkpoint format .txt"),
+    ),
     C("ckpt-torch-zip-named-safetensors", ("eigen", "$zip_st"), 2, ("$zip_st",)),
-    C("ckpt-missing-file", ("trace", "$fixdir/no_such.safetensors"), 2, ("$fixdir/no_such.safetensors", "no such file")),
+    C(
+        "ckpt-missing-file",
+        ("trace", "$fixdir/no_such.safetensors"),
+        2,
+        ("$fixdir/no_such.safetensors", "no such file"),
+    ),
     C("ckpt-is-a-folder", ("eigen", "$fixdir"), 2, ("$fixdir", "folder")),
-    C("ckpt-pickled-module-without-trust", ("eigen", "$pickled"), 2, ("$pickled", "--trust-pickle")),
-    C("ckpt-list-not-state-dict", ("trace", "$list_pt", "--arch", "mlp", "--arch-args", "$args"), 2,
-      ("$list_pt", "state_dict")),
-    C("ckpt-shape-mismatch-arch-args", ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "$wide_args"), 2,
-      ("$foreign_st", "shape mismatch")),
-    C("ckpt-missing-keys-arch-args", ("gn-nme", "$foreign_pt", "--arch", "mlp", "--arch-args", "$deep_args"), 2,
-      ("$foreign_pt", "missing")),
-    C("ckpt-nan-weights", ("analyze", "$nan_st", "--arch", "mlp", "--arch-args", "$args"), 2,
-      ("$nan_st", "NaN or Inf", "0.weight")),
+    C(
+        "ckpt-pickled-module-without-trust",
+        ("eigen", "$pickled"),
+        2,
+        ("$pickled", "--trust-pickle"),
+    ),
+    C(
+        "ckpt-list-not-state-dict",
+        ("trace", "$list_pt", "--arch", "mlp", "--arch-args", "$args"),
+        2,
+        ("$list_pt", "state_dict"),
+    ),
+    C(
+        "ckpt-shape-mismatch-arch-args",
+        ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "$wide_args"),
+        2,
+        ("$foreign_st", "shape mismatch"),
+    ),
+    C(
+        "ckpt-missing-keys-arch-args",
+        ("gn-nme", "$foreign_pt", "--arch", "mlp", "--arch-args", "$deep_args"),
+        2,
+        ("$foreign_pt", "missing"),
+    ),
+    C(
+        "ckpt-nan-weights",
+        ("analyze", "$nan_st", "--arch", "mlp", "--arch-args", "$args"),
+        2,
+        ("$nan_st", "NaN or Inf", "0.weight"),
+    ),
     C("ckpt-inf-weights-own", ("gn-nme", "$inf_own"), 2, ("$inf_own", "NaN or Inf", "2.bias")),
-    C("ckpt-integer-weights-dtype-mismatch", ("eigen", "$int_st", "--arch", "mlp", "--arch-args", "$args",
-                                                   "--data", "blobs:n=64"), 2,
-      ("$int_st", "dtype")),
+    C(
+        "ckpt-integer-weights-dtype-mismatch",
+        ("eigen", "$int_st", "--arch", "mlp", "--arch-args", "$args", "--data", "blobs:n=64"),
+        2,
+        ("$int_st", "dtype"),
+    ),
     C("ckpt-metadata-not-json", ("eigen", "$badmeta"), 2, ("$badmeta", "sharpcli.model")),
     C("ckpt-metadata-unknown-model", ("trace", "$unkmodel"), 2, ("$unkmodel", "transformer")),
     C("ckpt-metadata-data-file-missing", ("eigen", "$missingdata"), 2, ("$fixdir/gone.npz",)),
     C("ckpt-foreign-without-arch", ("eigen", "$foreign_st"), 2, ("$foreign_st", "--arch")),
     # ------------------------------------------------------------------ data: content and format
-    C("data-wrong-feature-count", ("trace", "$own", "--data", "$wrongfeat_npz"), 2, ("$wrongfeat_npz", "(5,)")),
-    C("data-labels-out-of-range", ("eigen", "$own", "--data", "$labels_npz"), 2, ("$labels_npz", "4 classes")),
+    C(
+        "data-wrong-feature-count",
+        ("trace", "$own", "--data", "$wrongfeat_npz"),
+        2,
+        ("$wrongfeat_npz", "(5,)"),
+    ),
+    C(
+        "data-labels-out-of-range",
+        ("eigen", "$own", "--data", "$labels_npz"),
+        2,
+        ("$labels_npz", "4 classes"),
+    ),
     C("data-nan-features", ("gn-nme", "$own", "--data", "$nan_npz"), 2, ("$nan_npz", "non-finite")),
     C("data-inf-in-csv", ("analyze", "$own", "--data", "$inf_csv"), 2, ("$inf_csv", "non-finite")),
     C("data-empty", ("eigen", "$own", "--data", "$empty_npz"), 2, ("$empty_npz", "empty")),
-    C("data-csv-without-label-column", ("trace", "$own", "--data", "$nolabel_csv"), 2, ("$nolabel_csv", "label")),
-    C("data-label-column-not-in-csv", ("eigen", "$own", "--data", "$ok_csv", "--label-column", "klass"), 2,
-      ("$ok_csv", "klass")),
+    C(
+        "data-csv-without-label-column",
+        ("trace", "$own", "--data", "$nolabel_csv"),
+        2,
+        ("$nolabel_csv", "label"),
+    ),
+    C(
+        "data-label-column-not-in-csv",
+        ("eigen", "$own", "--data", "$ok_csv", "--label-column", "klass"),
+        2,
+        ("$ok_csv", "klass"),
+    ),
     C("data-npz-without-x", ("eigen", "$own", "--data", "$nox_npz"), 2, ("$nox_npz", "features")),
-    C("data-length-mismatch", ("trace", "$own", "--data", "$mismatch_npz"), 2, ("$mismatch_npz", "7 labels")),
+    C(
+        "data-length-mismatch",
+        ("trace", "$own", "--data", "$mismatch_npz"),
+        2,
+        ("$mismatch_npz", "7 labels"),
+    ),
     C("data-string-features", ("eigen", "$own", "--data", "$strx_npz"), 2, ("$strx_npz", "dtype")),
-    C("data-float-labels-for-classifier", ("eigen", "$own", "--data", "$floaty_npz"), 2, ("$floaty_npz", "4 outputs")),
-    C("data-x-test-without-y-test", ("gn-nme", "$own", "--data", "$xtestonly_npz"), 2, ("$xtestonly_npz", "y_test")),
+    C(
+        "data-float-labels-for-classifier",
+        ("eigen", "$own", "--data", "$floaty_npz"),
+        2,
+        ("$floaty_npz", "4 outputs"),
+    ),
+    C(
+        "data-x-test-without-y-test",
+        ("gn-nme", "$own", "--data", "$xtestonly_npz"),
+        2,
+        ("$xtestonly_npz", "y_test"),
+    ),
     C("data-garbage-npz", ("trace", "$own", "--data", "$garbage_npz"), 2, ("$garbage_npz",)),
     C("data-unknown-extension", ("eigen", "$own", "--data", "$data_xyz"), 2, ("$data_xyz",)),
-    C("data-missing-file", ("eigen", "$own", "--data", "$fixdir/nothere.npz"), 2, ("$fixdir/nothere.npz",)),
-    C("data-no-test-split", ("trace", "$own", "--data", "$ok_npz", "--split", "test"), 2, ("$ok_npz", "test")),
-    C("data-builtin-bad-argument", ("eigen", "$own", "--data", "blobs:n=abc"), 2, ("--data", "n must be an integer")),
+    C(
+        "data-missing-file",
+        ("eigen", "$own", "--data", "$fixdir/nothere.npz"),
+        2,
+        ("$fixdir/nothere.npz",),
+    ),
+    C(
+        "data-no-test-split",
+        ("trace", "$own", "--data", "$ok_npz", "--split", "test"),
+        2,
+        ("$ok_npz", "test"),
+    ),
+    C(
+        "data-builtin-bad-argument",
+        ("eigen", "$own", "--data", "blobs:n=abc"),
+        2,
+        ("--data", "n must be an integer"),
+    ),
     # ------------------------------------------------------------------ common options
     C("opt-unknown-split", ("eigen", "$own", "--split", "val"), 2, ("--split", "'val'")),
-    C("opt-samples-larger-than-set", ("trace", "$own", "--samples", "100000"), 2, ("--samples", "only 48")),
+    C(
+        "opt-samples-larger-than-set",
+        ("trace", "$own", "--samples", "100000"),
+        2,
+        ("--samples", "only 48"),
+    ),
     C("opt-samples-zero", ("gn-nme", "$own", "--samples", "0"), 2, ("--samples",)),
     C("opt-batch-size-zero", ("analyze", "$own", "--batch-size", "0"), 2, ("--batch-size",)),
     C("opt-dtype-float16", ("eigen", "$own", "--dtype", "float16"), 2, ("--dtype", "float16")),
-    C("opt-device-cuda-on-cpu-machine", ("trace", "$own", "--device", "cuda"), 2, ("--device", "CUDA")),
+    C(
+        "opt-device-cuda-on-cpu-machine",
+        ("trace", "$own", "--device", "cuda"),
+        2,
+        ("--device", "CUDA"),
+    ),
     C("opt-device-unknown", ("eigen", "$own", "--device", "quantum"), 2, ("--device", "quantum")),
-    C("opt-device-meta-holds-no-data", ("gn-nme", "$own", "--device", "meta"), 2, ("--device", "'meta'")),
-    C("opt-arch-with-model-factory", ("eigen", "$foreign_st", "--arch", "mlp", "--model-factory", "usermodel:make"),
-      2, ("--arch", "--model-factory")),
-    C("opt-arch-args-bad-json", ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "{in_features: 16"), 2,
-      ("--arch-args", "not valid JSON")),
-    C("opt-arch-args-not-object", ("trace", "$foreign_st", "--arch", "mlp", "--arch-args", "[16, 4]"), 2,
-      ("--arch-args", "JSON object")),
-    C("opt-arch-args-unknown-key", ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "$bogus_args"), 2,
-      ("--arch-args", "bogus")),
-    C("opt-arch-unknown", ("eigen", "$foreign_st", "--arch", "transformer"), 2, ("--arch", "transformer")),
-    C("opt-model-factory-no-colon", ("eigen", "$foreign_st", "--model-factory", "usermodel"), 2,
-      ("--model-factory", "module:function")),
-    C("opt-model-factory-unimportable", ("eigen", "$foreign_st", "--model-factory", "no_such_module_xyz:make"), 2,
-      ("--model-factory", "no_such_module_xyz")),
-    C("opt-json-into-missing-folder", ("eigen", "$own", "--json", "$outdir/missing/report.json"), 2,
-      ("$outdir/missing/report.json", "does not exist"), json=False),
-    C("opt-json-onto-directory", ("trace", "$own", "--json", "$outdir"), 2, ("$outdir", "directory"), json=False),
-    C("opt-json-into-read-only-folder", ("eigen", "$own", "--json", "$outdir/readonly/report.json"), 2,
-      ("$outdir/readonly/report.json", "not writable"), json=False, needs_non_root=True),
-    C("opt-json-below-a-regular-file", ("eigen", "$own", "--quiet", "--json", "$plain/report.json"), 2,
-      ("$plain/report.json",), json=False),
+    C(
+        "opt-device-meta-holds-no-data",
+        ("gn-nme", "$own", "--device", "meta"),
+        2,
+        ("--device", "'meta'"),
+    ),
+    C(
+        "opt-arch-with-model-factory",
+        ("eigen", "$foreign_st", "--arch", "mlp", "--model-factory", "usermodel:make"),
+        2,
+        ("--arch", "--model-factory"),
+    ),
+    C(
+        "opt-arch-args-bad-json",
+        ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "{in_features: 16"),
+        2,
+        ("--arch-args", "not valid JSON"),
+    ),
+    C(
+        "opt-arch-args-not-object",
+        ("trace", "$foreign_st", "--arch", "mlp", "--arch-args", "[16, 4]"),
+        2,
+        ("--arch-args", "JSON object"),
+    ),
+    C(
+        "opt-arch-args-unknown-key",
+        ("eigen", "$foreign_st", "--arch", "mlp", "--arch-args", "$bogus_args"),
+        2,
+        ("--arch-args", "bogus"),
+    ),
+    C(
+        "opt-arch-unknown",
+        ("eigen", "$foreign_st", "--arch", "transformer"),
+        2,
+        ("--arch", "transformer"),
+    ),
+    C(
+        "opt-model-factory-no-colon",
+        ("eigen", "$foreign_st", "--model-factory", "usermodel"),
+        2,
+        ("--model-factory", "module:function"),
+    ),
+    C(
+        "opt-model-factory-unimportable",
+        ("eigen", "$foreign_st", "--model-factory", "no_such_module_xyz:make"),
+        2,
+        ("--model-factory", "no_such_module_xyz"),
+    ),
+    C(
+        "opt-json-into-missing-folder",
+        ("eigen", "$own", "--json", "$outdir/missing/report.json"),
+        2,
+        ("$outdir/missing/report.json", "does not exist"),
+        json=False,
+    ),
+    C(
+        "opt-json-onto-directory",
+        ("trace", "$own", "--json", "$outdir"),
+        2,
+        ("$outdir", "directory"),
+        json=False,
+    ),
+    C(
+        "opt-json-into-read-only-folder",
+        ("eigen", "$own", "--json", "$outdir/readonly/report.json"),
+        2,
+        ("$outdir/readonly/report.json", "not writable"),
+        json=False,
+        needs_non_root=True,
+    ),
+    C(
+        "opt-json-below-a-regular-file",
+        ("eigen", "$own", "--quiet", "--json", "$plain/report.json"),
+        2,
+        ("$plain/report.json",),
+        json=False,
+    ),
     C("opt-typer-bad-integer", ("eigen", "$own", "--top-k", "abc"), 2, ("--top-k",)),
     C("opt-typer-unknown-option", ("trace", "$own", "--no-such-option"), 2, ("--no-such-option",)),
-    C("opt-json-onto-the-checkpoint", ("eigen", "$own", "--json", "$own"), 2, ("--json", "$own", "also an input"),
-      json=False),
-    C("opt-plot-onto-the-checkpoint", ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "$own"), 2,
-      ("--plot", "$own", "also an input")),
+    C(
+        "opt-json-onto-the-checkpoint",
+        ("eigen", "$own", "--json", "$own"),
+        2,
+        ("--json", "$own", "also an input"),
+        json=False,
+    ),
+    C(
+        "opt-plot-onto-the-checkpoint",
+        ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "$own"),
+        2,
+        ("--plot", "$own", "also an input"),
+    ),
     # ------------------------------------------------------------------ eigen / trace / gn-nme / density options
     C("eigen-top-k-zero", ("eigen", "$own", "--top-k", "0"), 2, ("--top-k",)),
     C("eigen-tol-negative", ("eigen", "$own", "--tol", "-1"), 2, ("--tol", "> 0")),
-    C("eigen-unknown-operator", ("eigen", "$own", "--operator", "jacobian"), 2, ("--operator", "jacobian")),
+    C(
+        "eigen-unknown-operator",
+        ("eigen", "$own", "--operator", "jacobian"),
+        2,
+        ("--operator", "jacobian"),
+    ),
     C("eigen-unknown-which", ("eigen", "$own", "--which", "sideways"), 2, ("--which", "sideways")),
-    C("eigen-power-cannot-find-smallest", ("eigen", "$own", "--method", "power", "--which", "smallest"), 2,
-      ("--which", "lanczos")),
-    C("eigen-pyhessian-only-hessian", ("eigen", "$own", "--engine", "pyhessian", "--operator", "ggn"), 2,
-      ("--engine",)),
-    C("eigen-params-glob-matches-nothing", ("eigen", "$own", "--params", "encoder.*"), 2,
-      ("--params", "encoder.*")),
+    C(
+        "eigen-power-cannot-find-smallest",
+        ("eigen", "$own", "--method", "power", "--which", "smallest"),
+        2,
+        ("--which", "lanczos"),
+    ),
+    C(
+        "eigen-pyhessian-only-hessian",
+        ("eigen", "$own", "--engine", "pyhessian", "--operator", "ggn"),
+        2,
+        ("--engine",),
+    ),
+    C(
+        "eigen-params-glob-matches-nothing",
+        ("eigen", "$own", "--params", "encoder.*"),
+        2,
+        ("--params", "encoder.*"),
+    ),
     C("eigen-max-matvecs-zero", ("eigen", "$own", "--max-matvecs", "0"), 2, ("--max-matvecs",)),
     C("trace-tol-negative", ("trace", "$own", "--tol", "-1"), 2, ("--tol",)),
-    C("trace-unknown-operator", ("trace", "$own", "--operator", "fisher"), 2, ("--operator", "fisher")),
-    C("trace-exact-needs-ggn", ("trace", "$own", "--estimator", "exact", "--operator", "hessian"), 2,
-      ("--estimator", "--operator ggn")),
-    C("trace-unknown-estimator", ("trace", "$own", "--estimator", "magic"), 2, ("--estimator", "magic")),
-    C("trace-params-glob-matches-nothing", ("trace", "$own", "--params", "*.gamma"), 2, ("--params", "*.gamma")),
+    C(
+        "trace-unknown-operator",
+        ("trace", "$own", "--operator", "fisher"),
+        2,
+        ("--operator", "fisher"),
+    ),
+    C(
+        "trace-exact-needs-ggn",
+        ("trace", "$own", "--estimator", "exact", "--operator", "hessian"),
+        2,
+        ("--estimator", "--operator ggn"),
+    ),
+    C(
+        "trace-unknown-estimator",
+        ("trace", "$own", "--estimator", "magic"),
+        2,
+        ("--estimator", "magic"),
+    ),
+    C(
+        "trace-params-glob-matches-nothing",
+        ("trace", "$own", "--params", "*.gamma"),
+        2,
+        ("--params", "*.gamma"),
+    ),
     C("trace-max-matvecs-one", ("trace", "$own", "--max-matvecs", "1"), 2, ("--max-matvecs",)),
     C("gn-nme-eig-tol-zero", ("gn-nme", "$own", "--eig-tol", "0"), 2, ("--eig-tol",)),
-    C("density-unknown-operator-keeps-plot", ("density", "$own", "--operator", "nme2", "--plot", "$plot"), 2,
-      ("--operator", "nme2")),
+    C(
+        "density-unknown-operator-keeps-plot",
+        ("density", "$own", "--operator", "nme2", "--plot", "$plot"),
+        2,
+        ("--operator", "nme2"),
+    ),
     C("density-steps-one", ("density", "$own", "--steps", "1", "--plot", "$plot"), 2, ("--steps",)),
-    C("density-plot-into-missing-folder", ("density", "$own", "--plot", "$outdir/none/density.png"), 2,
-      ("$outdir/none/density.png", "does not exist")),
-    C("density-plot-onto-directory", ("density", "$own", "--plot", "$outdir"), 2, ("$outdir", "directory")),
-    C("density-plot-below-a-regular-file", ("density", "$own", "--steps", "4", "--probes", "1",
-                                            "--plot", "$plain/density.png"), 2, ("$plain/density.png",)),
+    C(
+        "density-plot-into-missing-folder",
+        ("density", "$own", "--plot", "$outdir/none/density.png"),
+        2,
+        ("$outdir/none/density.png", "does not exist"),
+    ),
+    C(
+        "density-plot-onto-directory",
+        ("density", "$own", "--plot", "$outdir"),
+        2,
+        ("$outdir", "directory"),
+    ),
+    C(
+        "density-plot-below-a-regular-file",
+        ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "$plain/density.png"),
+        2,
+        ("$plain/density.png",),
+    ),
     # ------------------------------------------------------------------ analyze
     C("analyze-top-k-zero", ("analyze", "$own", "--top-k", "0"), 2, ("--top-k",)),
-    C("analyze-unknown-metric", ("analyze", "$own", "--metrics", "eigen,curvyness"), 2, ("--metrics", "curvyness")),
-    C("analyze-fail-if-malformed", ("analyze", "$own", "--fail-if", "hessian.lambda_max >> 3"), 2,
-      ("--fail-if", ">>")),
-    C("analyze-fail-if-not-a-number", ("analyze", "$own", "--fail-if", "hessian.lambda_max > lots"), 2,
-      ("--fail-if",)),
-    C("analyze-fail-if-unknown-key", ("analyze", "$own", "--quiet", "--fail-if", "hessian.sharpness > 1"), 2,
-      ("--fail-if", "hessian.sharpness")),
+    C(
+        "analyze-unknown-metric",
+        ("analyze", "$own", "--metrics", "eigen,curvyness"),
+        2,
+        ("--metrics", "curvyness"),
+    ),
+    C(
+        "analyze-fail-if-malformed",
+        ("analyze", "$own", "--fail-if", "hessian.lambda_max >> 3"),
+        2,
+        ("--fail-if", ">>"),
+    ),
+    C(
+        "analyze-fail-if-not-a-number",
+        ("analyze", "$own", "--fail-if", "hessian.lambda_max > lots"),
+        2,
+        ("--fail-if",),
+    ),
+    C(
+        "analyze-fail-if-unknown-key",
+        ("analyze", "$own", "--quiet", "--fail-if", "hessian.sharpness > 1"),
+        2,
+        ("--fail-if", "hessian.sharpness"),
+    ),
     # ------------------------------------------------------------------ numerical failures (exit 3)
     C("nan-during-eigen", ("eigen", "$huge_own"), 3, ("nan",)),
     C("nan-during-trace", ("trace", "$huge_own"), 3, ("nan",)),
     C("nan-during-gn-nme", ("gn-nme", "$huge_own"), 3, ("nan",)),
     C("nan-during-analyze", ("analyze", "$huge_own"), 3, ("nan",)),
     C("nan-during-density-keeps-plot", ("density", "$huge_own", "--plot", "$plot"), 3, ("nan",)),
-    C("nan-during-training-keeps-out", ("train", "--data", "blobs:n=64", "--epochs", "1", "--batch-size", "8",
-                                        "--lr", "1e30", "--out", "$out"), 3, ("nan",)),
+    C(
+        "nan-during-training-keeps-out",
+        (
+            "train",
+            "--data",
+            "blobs:n=64",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e30",
+            "--out",
+            "$out",
+        ),
+        3,
+        ("nan",),
+    ),
     # ------------------------------------------------------------------ train
     C("train-unknown-reg", ("train", "--reg", "sharpen", "--out", "$out"), 2, ("--reg", "sharpen")),
-    C("train-bad-reg-hyperparameter", ("train", "--reg", "sam:rho=-1", "--out", "$out"), 2, ("--reg", "rho")),
-    C("train-reg-hyperparameter-not-number", ("train", "--reg", "wd:sigma=big", "--out", "$out"), 2,
-      ("--reg", "sigma")),
-    C("train-reg-unknown-hyperparameter", ("train", "--reg", "sam:radius=0.1", "--out", "$out"), 2,
-      ("--reg", "radius")),
-    C("train-reg-given-twice", ("train", "--reg", "sam", "--reg", "sam:rho=0.1", "--out", "$out"), 2,
-      ("--reg", "sam")),
+    C(
+        "train-bad-reg-hyperparameter",
+        ("train", "--reg", "sam:rho=-1", "--out", "$out"),
+        2,
+        ("--reg", "rho"),
+    ),
+    C(
+        "train-reg-hyperparameter-not-number",
+        ("train", "--reg", "wd:sigma=big", "--out", "$out"),
+        2,
+        ("--reg", "sigma"),
+    ),
+    C(
+        "train-reg-unknown-hyperparameter",
+        ("train", "--reg", "sam:radius=0.1", "--out", "$out"),
+        2,
+        ("--reg", "radius"),
+    ),
+    C(
+        "train-reg-given-twice",
+        ("train", "--reg", "sam", "--reg", "sam:rho=0.1", "--out", "$out"),
+        2,
+        ("--reg", "sam"),
+    ),
     C("train-out-onto-directory", ("train", "--out", "$outdir"), 2, ("$outdir", "directory")),
-    C("train-out-into-missing-folder", ("train", "--out", "$outdir/none/model.safetensors"), 2,
-      ("$outdir/none/model.safetensors", "does not exist")),
-    C("train-out-into-read-only-folder", ("train", "--out", "$outdir/readonly/model.safetensors"), 2,
-      ("$outdir/readonly/model.safetensors", "not writable"), needs_non_root=True),
-    C("train-out-below-a-regular-file", ("train", "--data", "blobs:n=64", "--epochs", "1",
-                                         "--out", "$plain/model.safetensors"), 2, ("$plain/model.safetensors",)),
-    C("train-dtype-float16", ("train", "--dtype", "float16", "--out", "$out"), 2, ("--dtype", "float16")),
-    C("train-device-cuda", ("train", "--device", "cuda", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("--device", "CUDA")),
-    C("train-device-meta", ("train", "--device", "meta", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("--device", "'meta'")),
+    C(
+        "train-out-into-missing-folder",
+        ("train", "--out", "$outdir/none/model.safetensors"),
+        2,
+        ("$outdir/none/model.safetensors", "does not exist"),
+    ),
+    C(
+        "train-out-into-read-only-folder",
+        ("train", "--out", "$outdir/readonly/model.safetensors"),
+        2,
+        ("$outdir/readonly/model.safetensors", "not writable"),
+        needs_non_root=True,
+    ),
+    C(
+        "train-out-below-a-regular-file",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$plain/model.safetensors"),
+        2,
+        ("$plain/model.safetensors",),
+    ),
+    C(
+        "train-dtype-float16",
+        ("train", "--dtype", "float16", "--out", "$out"),
+        2,
+        ("--dtype", "float16"),
+    ),
+    C(
+        "train-device-cuda",
+        ("train", "--device", "cuda", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("--device", "CUDA"),
+    ),
+    C(
+        "train-device-meta",
+        ("train", "--device", "meta", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("--device", "'meta'"),
+    ),
     C("train-epochs-zero", ("train", "--epochs", "0", "--out", "$out"), 2, ("--epochs",)),
     C("train-negative-lr", ("train", "--lr", "-0.1", "--out", "$out"), 2, ("--lr",)),
-    C("train-unknown-optimizer", ("train", "--optimizer", "lion", "--out", "$out"), 2, ("--optimizer", "lion")),
-    C("train-label-noise-above-one", ("train", "--label-noise", "1.5", "--out", "$out"), 2, ("--label-noise",)),
-    C("train-model-args-bad-json", ("train", "--model-args", "{width: 3}", "--out", "$out"), 2, ("--model-args",)),
-    C("train-cnn-on-vector-data", ("train", "--model", "cnn", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("--model", "cnn")),
-    C("train-unknown-activation", ("train", "--activation", "swishy", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("swishy",)),
-    C("train-unknown-track", ("train", "--track", "wobble", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("--track", "wobble")),
-    C("train-resume-without-state", ("train", "--resume", "--data", "blobs:n=64", "--out", "$out"), 2,
-      ("$out.state.pt", "resum")),
-    C("train-nan-in-data", ("train", "--data", "$nan_npz", "--out", "$out"), 2, ("$nan_npz", "non-finite")),
-    C("train-csv-without-label-column", ("train", "--data", "$nolabel_csv", "--out", "$out"), 2,
-      ("$nolabel_csv", "label")),
-    C("train-empty-data", ("train", "--data", "$empty_npz", "--out", "$out"), 2, ("$empty_npz", "empty")),
-    C("train-out-onto-the-data-file", ("train", "--data", "$ok_npz", "--epochs", "1", "--out", "$ok_npz"), 2,
-      ("--out", "$ok_npz", "also an input")),
-    C("train-json-onto-out", ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--json", "$out"),
-      2, ("--json", "$out", "--out"), json=False),
+    C(
+        "train-unknown-optimizer",
+        ("train", "--optimizer", "lion", "--out", "$out"),
+        2,
+        ("--optimizer", "lion"),
+    ),
+    C(
+        "train-label-noise-above-one",
+        ("train", "--label-noise", "1.5", "--out", "$out"),
+        2,
+        ("--label-noise",),
+    ),
+    C(
+        "train-model-args-bad-json",
+        ("train", "--model-args", "{width: 3}", "--out", "$out"),
+        2,
+        ("--model-args",),
+    ),
+    C(
+        "train-cnn-on-vector-data",
+        ("train", "--model", "cnn", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("--model", "cnn"),
+    ),
+    C(
+        "train-unknown-activation",
+        ("train", "--activation", "swishy", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("swishy",),
+    ),
+    C(
+        "train-unknown-track",
+        ("train", "--track", "wobble", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("--track", "wobble"),
+    ),
+    C(
+        "train-resume-without-state",
+        ("train", "--resume", "--data", "blobs:n=64", "--out", "$out"),
+        2,
+        ("$out.state.pt", "resum"),
+    ),
+    C(
+        "train-nan-in-data",
+        ("train", "--data", "$nan_npz", "--out", "$out"),
+        2,
+        ("$nan_npz", "non-finite"),
+    ),
+    C(
+        "train-csv-without-label-column",
+        ("train", "--data", "$nolabel_csv", "--out", "$out"),
+        2,
+        ("$nolabel_csv", "label"),
+    ),
+    C(
+        "train-empty-data",
+        ("train", "--data", "$empty_npz", "--out", "$out"),
+        2,
+        ("$empty_npz", "empty"),
+    ),
+    C(
+        "train-out-onto-the-data-file",
+        ("train", "--data", "$ok_npz", "--epochs", "1", "--out", "$ok_npz"),
+        2,
+        ("--out", "$ok_npz", "also an input"),
+    ),
+    C(
+        "train-json-onto-out",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--json", "$out"),
+        2,
+        ("--json", "$out", "--out"),
+        json=False,
+    ),
     # ------------------------------------------------------------------ sweep
-    C("sweep-unknown-reg", ("sweep", "--reg", "sharpen", "--grid", "sigma=0.1", "--out-dir", "$outdir/sweep"), 2,
-      ("--reg", "sharpen")),
-    C("sweep-grid-malformed", ("sweep", "--reg", "ad", "--grid", "sigma", "--out-dir", "$outdir/sweep"), 2,
-      ("--grid", "NAME=V1,V2")),
-    C("sweep-seeds-not-integers", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--seeds", "a,b",
-                                   "--out-dir", "$outdir/sweep"), 2, ("--seeds",)),
-    C("sweep-unknown-setting", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--set", "warp=9",
-                                "--out-dir", "$outdir/sweep"), 2, ("--set", "warp")),
-    C("sweep-out-dir-is-a-file", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--out-dir", "$plain"), 2,
-      ("$plain", "not a folder")),
-    C("sweep-grid-name-repeated", ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--grid", "sigma=0.2",
-                                   "--out-dir", "$outdir/sweep"), 2, ("--grid", "'sigma' is given twice")),
+    C(
+        "sweep-unknown-reg",
+        ("sweep", "--reg", "sharpen", "--grid", "sigma=0.1", "--out-dir", "$outdir/sweep"),
+        2,
+        ("--reg", "sharpen"),
+    ),
+    C(
+        "sweep-grid-malformed",
+        ("sweep", "--reg", "ad", "--grid", "sigma", "--out-dir", "$outdir/sweep"),
+        2,
+        ("--grid", "NAME=V1,V2"),
+    ),
+    C(
+        "sweep-seeds-not-integers",
+        (
+            "sweep",
+            "--reg",
+            "ad",
+            "--grid",
+            "sigma=0.1",
+            "--seeds",
+            "a,b",
+            "--out-dir",
+            "$outdir/sweep",
+        ),
+        2,
+        ("--seeds",),
+    ),
+    C(
+        "sweep-unknown-setting",
+        (
+            "sweep",
+            "--reg",
+            "ad",
+            "--grid",
+            "sigma=0.1",
+            "--set",
+            "warp=9",
+            "--out-dir",
+            "$outdir/sweep",
+        ),
+        2,
+        ("--set", "warp"),
+    ),
+    C(
+        "sweep-out-dir-is-a-file",
+        ("sweep", "--reg", "ad", "--grid", "sigma=0.1", "--out-dir", "$plain"),
+        2,
+        ("$plain", "not a folder"),
+    ),
+    C(
+        "sweep-grid-name-repeated",
+        (
+            "sweep",
+            "--reg",
+            "ad",
+            "--grid",
+            "sigma=0.1",
+            "--grid",
+            "sigma=0.2",
+            "--out-dir",
+            "$outdir/sweep",
+        ),
+        2,
+        ("--grid", "'sigma' is given twice"),
+    ),
     # ------------------------------------------------------------------ compare
-    C("compare-garbage-report", ("compare", "$garbage_json", "--format", "csv", "--out", "$out"), 2,
-      ("$garbage_json", "not a JSON report")),
+    C(
+        "compare-garbage-report",
+        ("compare", "$garbage_json", "--format", "csv", "--out", "$out"),
+        2,
+        ("$garbage_json", "not a JSON report"),
+    ),
     C("compare-binary-file", ("compare", "$own"), 2, ("$own",)),
     C("compare-error-report", ("compare", "$error_json"), 2, ("$error_json", "failed run")),
-    C("compare-report-with-results-not-an-object", ("compare", "$weird_json"), 2,
-      ("$weird_json", "not a valid sharpcli.report/1 report", "results")),
-    C("compare-missing-report", ("compare", "$fixdir/nope.json"), 2, ("$fixdir/nope.json", "no such file")),
-    C("compare-unknown-format", ("compare", "$garbage_json", "--format", "xlsx"), 2, ("--format", "xlsx")),
+    C(
+        "compare-report-with-results-not-an-object",
+        ("compare", "$weird_json"),
+        2,
+        ("$weird_json", "not a valid sharpcli.report/1 report", "results"),
+    ),
+    C(
+        "compare-missing-report",
+        ("compare", "$fixdir/nope.json"),
+        2,
+        ("$fixdir/nope.json", "no such file"),
+    ),
+    C(
+        "compare-unknown-format",
+        ("compare", "$garbage_json", "--format", "xlsx"),
+        2,
+        ("--format", "xlsx"),
+    ),
     # ------------------------------------------------------------------ activation-stats / weight-rescale / bound-check
-    C("activation-stats-garbage-checkpoint", ("activation-stats", "$garbage_st"), 2, ("$garbage_st",)),
-    C("activation-stats-labels-out-of-range", ("activation-stats", "$own", "--data", "$labels_npz"), 2,
-      ("$labels_npz", "4 classes")),
-    C("activation-stats-pickle-without-trust", ("activation-stats", "$pickled"), 2, ("$pickled", "--trust-pickle")),
+    C(
+        "activation-stats-garbage-checkpoint",
+        ("activation-stats", "$garbage_st"),
+        2,
+        ("$garbage_st",),
+    ),
+    C(
+        "activation-stats-labels-out-of-range",
+        ("activation-stats", "$own", "--data", "$labels_npz"),
+        2,
+        ("$labels_npz", "4 classes"),
+    ),
+    C(
+        "activation-stats-pickle-without-trust",
+        ("activation-stats", "$pickled"),
+        2,
+        ("$pickled", "--trust-pickle"),
+    ),
     C("activation-stats-nan-during-forward", ("activation-stats", "$huge_own"), 3, ("not finite",)),
     C("weight-rescale-alpha-zero", ("weight-rescale", "$own", "--alpha", "0"), 2, ("--alpha",)),
-    C("weight-rescale-alpha-not-numbers", ("weight-rescale", "$own", "--alpha", "ten"), 2, ("--alpha", "ten")),
-    C("weight-rescale-unknown-mode", ("weight-rescale", "$own", "--mode", "shuffle", "--plot", "$plot"), 2,
-      ("--mode", "shuffle")),
-    C("weight-rescale-unknown-layer", ("weight-rescale", "$own", "--mode", "layer", "--layer", "encoder.9"), 2,
-      ("--layer", "encoder.9")),
-    C("weight-rescale-gelu-not-homogeneous", ("weight-rescale", "$gelu_own", "--mode", "layer"), 2,
-      ("homogeneous",)),
-    C("weight-rescale-nan-weights", ("weight-rescale", "$nan_st", "--arch", "mlp", "--arch-args", "$args"), 2,
-      ("$nan_st", "NaN or Inf")),
-    C("weight-rescale-plot-into-missing-folder", ("weight-rescale", "$own", "--plot", "$outdir/none/r.png"), 2,
-      ("$outdir/none/r.png", "does not exist")),
-    C("weight-rescale-plot-below-a-regular-file", ("weight-rescale", "$own", "--alpha", "2",
-                                                   "--plot", "$plain/rescale.png"), 2, ("$plain/rescale.png",)),
+    C(
+        "weight-rescale-alpha-not-numbers",
+        ("weight-rescale", "$own", "--alpha", "ten"),
+        2,
+        ("--alpha", "ten"),
+    ),
+    C(
+        "weight-rescale-unknown-mode",
+        ("weight-rescale", "$own", "--mode", "shuffle", "--plot", "$plot"),
+        2,
+        ("--mode", "shuffle"),
+    ),
+    C(
+        "weight-rescale-unknown-layer",
+        ("weight-rescale", "$own", "--mode", "layer", "--layer", "encoder.9"),
+        2,
+        ("--layer", "encoder.9"),
+    ),
+    C(
+        "weight-rescale-gelu-not-homogeneous",
+        ("weight-rescale", "$gelu_own", "--mode", "layer"),
+        2,
+        ("homogeneous",),
+    ),
+    C(
+        "weight-rescale-nan-weights",
+        ("weight-rescale", "$nan_st", "--arch", "mlp", "--arch-args", "$args"),
+        2,
+        ("$nan_st", "NaN or Inf"),
+    ),
+    C(
+        "weight-rescale-plot-into-missing-folder",
+        ("weight-rescale", "$own", "--plot", "$outdir/none/r.png"),
+        2,
+        ("$outdir/none/r.png", "does not exist"),
+    ),
+    C(
+        "weight-rescale-plot-below-a-regular-file",
+        ("weight-rescale", "$own", "--alpha", "2", "--plot", "$plain/rescale.png"),
+        2,
+        ("$plain/rescale.png",),
+    ),
     C("bound-check-negative-sigma", ("bound-check", "$own", "--sigma", "-0.1"), 2, ("--sigma",)),
-    C("bound-check-unknown-check", ("bound-check", "$own", "--check", "theorem9"), 2, ("--check", "theorem9")),
-    C("bound-check-unknown-epsilon", ("bound-check", "$own", "--epsilon", "sometimes"), 2, ("--epsilon",)),
-    C("bound-check-ci-level-above-one", ("bound-check", "$own", "--ci-level", "1.5"), 2, ("--ci-level",)),
-    C("bound-check-params-glob-matches-nothing", ("bound-check", "$own", "--params", "decoder.*"), 2,
-      ("--params", "decoder.*")),
-    C("bound-check-shape-mismatch", ("bound-check", "$foreign_st", "--arch", "mlp", "--arch-args", "$wide_args"), 2,
-      ("$foreign_st", "shape mismatch")),
-    C("bound-check-nan-during-gradient", ("bound-check", "$huge_own", "--sigma", "0.1"), 3, ("not finite",)),
+    C(
+        "bound-check-unknown-check",
+        ("bound-check", "$own", "--check", "theorem9"),
+        2,
+        ("--check", "theorem9"),
+    ),
+    C(
+        "bound-check-unknown-epsilon",
+        ("bound-check", "$own", "--epsilon", "sometimes"),
+        2,
+        ("--epsilon",),
+    ),
+    C(
+        "bound-check-ci-level-above-one",
+        ("bound-check", "$own", "--ci-level", "1.5"),
+        2,
+        ("--ci-level",),
+    ),
+    C(
+        "bound-check-params-glob-matches-nothing",
+        ("bound-check", "$own", "--params", "decoder.*"),
+        2,
+        ("--params", "decoder.*"),
+    ),
+    C(
+        "bound-check-shape-mismatch",
+        ("bound-check", "$foreign_st", "--arch", "mlp", "--arch-args", "$wide_args"),
+        2,
+        ("$foreign_st", "shape mismatch"),
+    ),
+    C(
+        "bound-check-nan-during-gradient",
+        ("bound-check", "$huge_own", "--sigma", "0.1"),
+        3,
+        ("not finite",),
+    ),
 ]
 
 
@@ -313,7 +811,11 @@ def params():
         if case.needs_non_root and os.geteuid() == 0:
             marks.append(pytest.mark.skip(reason="root writes into read-only folders"))
         if case.argv[0] not in available:
-            marks.append(pytest.mark.skip(reason=f"command {case.argv[0]!r} is not registered in sharpcli.cli.app"))
+            marks.append(
+                pytest.mark.skip(
+                    reason=f"command {case.argv[0]!r} is not registered in sharpcli.cli.app"
+                )
+            )
         if case.xfail:
             marks.append(pytest.mark.xfail(strict=True, reason=case.xfail))
         out.append(pytest.param(case, id=case.id, marks=marks))
@@ -334,8 +836,12 @@ def test_table_covers_every_command_and_enough_cases():
 
 def _digest(folder: Path) -> dict[str, str]:
     """Name -> sha256 of every file (``"folder"`` for folders) below ``folder``: what a run must not change."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "folder"
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -348,9 +854,14 @@ def files(tmp_path_factory) -> dict[str, str]:
     f: dict[str, Path | str] = {"fixdir": root}
 
     f["own"] = write_own_checkpoint(root / "own.safetensors", spec, data_spec=DATA)
-    f["gelu_own"] = write_own_checkpoint(root / "gelu.safetensors", tiny_mlp_spec(activation="gelu"), data_spec=DATA)
+    f["gelu_own"] = write_own_checkpoint(
+        root / "gelu.safetensors", tiny_mlp_spec(activation="gelu"), data_spec=DATA
+    )
     broken = write_broken_files(root)
-    f["garbage_st"], f["truncated_st"] = broken["garbage.safetensors"], broken["truncated.safetensors"]
+    f["garbage_st"], f["truncated_st"] = (
+        broken["garbage.safetensors"],
+        broken["truncated.safetensors"],
+    )
     f["empty_st"], f["garbage_pt"] = broken["empty.safetensors"], broken["garbage.pt"]
     f["foreign_st"] = write_foreign_state_dict(root / "foreign.safetensors", model)
     f["foreign_pt"] = write_foreign_state_dict(root / "foreign.pt", model)
@@ -369,31 +880,56 @@ def files(tmp_path_factory) -> dict[str, str]:
     with_nan["0.weight"][2, 3] = float("nan")
     save_file(with_nan, str(root / "nan.safetensors"))
     f["nan_st"] = root / "nan.safetensors"
-    save_file({k: (v * 100).round().to(torch.int64) for k, v in state.items()}, str(root / "int.safetensors"))
+    save_file(
+        {k: (v * 100).round().to(torch.int64) for k, v in state.items()},
+        str(root / "int.safetensors"),
+    )
     f["int_st"] = root / "int.safetensors"
 
     inf_model = build_model(spec)
     with torch.no_grad():
         inf_model[2].bias[1] = float("inf")
-    save_checkpoint(root / "inf_own.safetensors", inf_model, spec, data_spec={"kind": "builtin", "name": "blobs",
-                                                                                "args": {"n": 64}})
+    save_checkpoint(
+        root / "inf_own.safetensors",
+        inf_model,
+        spec,
+        data_spec={"kind": "builtin", "name": "blobs", "args": {"n": 64}},
+    )
     f["inf_own"] = root / "inf_own.safetensors"
     huge = build_model(spec)  # finite weights ~1e25: the logits overflow to Inf, the loss is NaN
     with torch.no_grad():
         for p in huge.parameters():
             p.mul_(1e25)
     f["huge_own"] = root / "huge.safetensors"
-    save_checkpoint(f["huge_own"], huge, spec, data_spec={"kind": "builtin", "name": "blobs", "args": {"n": 64}})
+    save_checkpoint(
+        f["huge_own"], huge, spec, data_spec={"kind": "builtin", "name": "blobs", "args": {"n": 64}}
+    )
 
     f["badmeta"] = root / "badmeta.safetensors"
-    save_file(state, str(f["badmeta"]), metadata={"sharpcli.format": "1", "sharpcli.model": "{not json"})
+    save_file(
+        state, str(f["badmeta"]), metadata={"sharpcli.format": "1", "sharpcli.model": "{not json"}
+    )
     f["unkmodel"] = root / "unkmodel.safetensors"
-    save_file(state, str(f["unkmodel"]), metadata={"sharpcli.format": "1",
-                                                   "sharpcli.model": json.dumps({"name": "transformer", "args": {}})})
+    save_file(
+        state,
+        str(f["unkmodel"]),
+        metadata={
+            "sharpcli.format": "1",
+            "sharpcli.model": json.dumps({"name": "transformer", "args": {}}),
+        },
+    )
     f["missingdata"] = root / "missingdata.safetensors"
-    save_file(state, str(f["missingdata"]), metadata={
-        "sharpcli.format": "1", "sharpcli.model": json.dumps(spec),
-        "sharpcli.data": json.dumps({"kind": "file", "path": str(root / "gone.npz"), "format": "npz"})})
+    save_file(
+        state,
+        str(f["missingdata"]),
+        metadata={
+            "sharpcli.format": "1",
+            "sharpcli.model": json.dumps(spec),
+            "sharpcli.data": json.dumps(
+                {"kind": "file", "path": str(root / "gone.npz"), "format": "npz"}
+            ),
+        },
+    )
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((20, 16)).astype(np.float32)
@@ -423,22 +959,55 @@ def files(tmp_path_factory) -> dict[str, str]:
     f["ok_csv"] = root / "ok.csv"
     table.assign(label=y).to_csv(f["ok_csv"], index=False)
     f["inf_csv"] = root / "inf.csv"
-    table.assign(label=y).assign(f4=np.where(np.arange(20) == 5, np.inf, x[:, 4])).to_csv(f["inf_csv"], index=False)
+    table.assign(label=y).assign(f4=np.where(np.arange(20) == 5, np.inf, x[:, 4])).to_csv(
+        f["inf_csv"], index=False
+    )
 
     f["plain"] = root / "plain.txt"
     f["plain"].write_text("a regular file, not a folder\n")
     f["garbage_json"] = root / "garbage.json"
     f["garbage_json"].write_text("{this is not json")
     f["error_json"] = root / "error.json"
-    f["error_json"].write_text(json.dumps({"schema": SCHEMA_ID, "command": "eigen", "version": __version__,
-                                           "error": {"type": "input", "message": "x: no such file", "exit_code": 2,
-                                                     "source": "x"}}))
+    f["error_json"].write_text(
+        json.dumps(
+            {
+                "schema": SCHEMA_ID,
+                "command": "eigen",
+                "version": __version__,
+                "error": {
+                    "type": "input",
+                    "message": "x: no such file",
+                    "exit_code": 2,
+                    "source": "x",
+                },
+            }
+        )
+    )
 
-    f["weird_json"] = root / "weird.json"  # a report's envelope around results that are not an object
-    f["weird_json"].write_text(json.dumps({
-        "schema": SCHEMA_ID, "command": "compare", "version": __version__, "checkpoint": None, "data": None,
-        "settings": {}, "results": "not an object", "timing": {"seconds": 0.0, "matvecs": 0},
-        "environment": {"python": "3", "torch": "2", "device": "cpu", "dtype": "float32", "threads": 1}}))
+    f["weird_json"] = (
+        root / "weird.json"
+    )  # a report's envelope around results that are not an object
+    f["weird_json"].write_text(
+        json.dumps(
+            {
+                "schema": SCHEMA_ID,
+                "command": "compare",
+                "version": __version__,
+                "checkpoint": None,
+                "data": None,
+                "settings": {},
+                "results": "not an object",
+                "timing": {"seconds": 0.0, "matvecs": 0},
+                "environment": {
+                    "python": "3",
+                    "torch": "2",
+                    "device": "cpu",
+                    "dtype": "float32",
+                    "threads": 1,
+                },
+            }
+        )
+    )
     f["args"] = json.dumps(spec["args"])
     f["wide_args"] = json.dumps(spec["args"] | {"width": 9})
     f["deep_args"] = json.dumps(spec["args"] | {"depth": 2})
@@ -458,7 +1027,11 @@ def click_command_built_once():
     original = typer.main.get_command
     built = original(app)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(typer.main, "get_command", lambda instance: built if instance is app else original(instance))
+        patch.setattr(
+            typer.main,
+            "get_command",
+            lambda instance: built if instance is app else original(instance),
+        )
         yield
 
 
@@ -478,8 +1051,12 @@ def outdir(tmp_path) -> Path:
 
 
 def expand(text: str, files: dict, outdir: Path) -> str:
-    names = files | {"outdir": str(outdir), "out": str(outdir / "out.safetensors"), "plot": str(outdir / "plot.png"),
-                     "report": str(outdir / "report.json")}
+    names = files | {
+        "outdir": str(outdir),
+        "out": str(outdir / "out.safetensors"),
+        "plot": str(outdir / "plot.png"),
+        "report": str(outdir / "report.json"),
+    }
     return Template(text).substitute(names)
 
 
@@ -494,13 +1071,17 @@ def check_one_line(run: Run, case: Case, needles: list[str]) -> str:
     assert lines[0].startswith(prefix), lines[0]
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
-    return lines[0][len(prefix):]
+    return lines[0][len(prefix) :]
 
 
 def check_error_document(doc: dict, case: Case, message: str) -> None:
     """The JSON error object of SPEC section 7, agreeing with the stderr line."""
     assert set(doc) == {"schema", "command", "version", "error"}, doc
-    assert doc["schema"] == SCHEMA_ID and doc["command"] == case.argv[0] and doc["version"] == __version__
+    assert (
+        doc["schema"] == SCHEMA_ID
+        and doc["command"] == case.argv[0]
+        and doc["version"] == __version__
+    )
     error = doc["error"]
     assert error["exit_code"] == case.code
     expected_types = ("numerical",) if case.code == 3 else ("usage", "input")
@@ -509,7 +1090,9 @@ def check_error_document(doc: dict, case: Case, message: str) -> None:
     assert isinstance(error.get("source"), str) and error["source"], error
 
 
-def check_untouched(outdir: Path, before: dict, files_before: dict, files: dict, allowed_new: set[str] = frozenset()):
+def check_untouched(
+    outdir: Path, before: dict, files_before: dict, files: dict, allowed_new: set[str] = frozenset()
+):
     """The old outputs keep their bytes, nothing else appears, the input files are unchanged."""
     after = _digest(outdir)
     assert set(after) - set(before) <= allowed_new, sorted(set(after) - set(before))
@@ -568,11 +1151,18 @@ def data_contents(draw):
     y = rng.integers(0, 4, size=n_y)
     if n_y and draw(st.booleans()):
         y[rng.integers(n_y)] = draw(st.sampled_from([-1, 4, 9]))
-    return {"x": x, "y": y.astype(draw(st.sampled_from([np.int64, np.int64, np.int32, np.float32, np.bool_])))}
+    return {
+        "x": x,
+        "y": y.astype(draw(st.sampled_from([np.int64, np.int64, np.int32, np.float32, np.bool_]))),
+    }
 
 
-@settings(max_examples=30, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(arrays=data_contents())
 def test_random_data_contents_through_the_cli(files, capsys, tmp_path_factory, arrays):
     """Any x/y content in a --data file: exit 0 with a report, or the error contract (2, or 3 for numerics).
@@ -583,7 +1173,9 @@ def test_random_data_contents_through_the_cli(files, capsys, tmp_path_factory, a
     path = folder / "data.npz"
     np.savez(path, **arrays)
     data_bytes = path.read_bytes()
-    run = run_cli(capsys, "eigen", files["own"], "--data", str(path), "--max-matvecs", "6", "--json", "-")
+    run = run_cli(
+        capsys, "eigen", files["own"], "--data", str(path), "--max-matvecs", "6", "--json", "-"
+    )
     assert "Traceback" not in run.err
     event(f"exit {run.code}")
     if run.code == 0:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import assert_one_line_error, run_cli
 from torch.func import functional_call, hessian
 
-from cli_helpers import assert_one_line_error, run_cli
 from sharpcli.analyses.bounds import (
     AveragedOperator,
     _standard_normal_directions,
@@ -28,7 +28,10 @@ from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model
 from sharpcli.report.envelope import validate_report
 
-SPEC = {"name": "mlp", "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4, "activation": "relu"}}
+SPEC = {
+    "name": "mlp",
+    "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4, "activation": "relu"},
+}
 
 
 def _trained(steps=200, seed=0, activation="relu"):
@@ -55,7 +58,7 @@ def _dense_hessian(model, x, y, names, delta=None):
     def loss(flat):
         parts, start = dict(params), 0
         for n in names:
-            parts[n] = flat[start:start + params[n].numel()].view(params[n].shape)
+            parts[n] = flat[start : start + params[n].numel()].view(params[n].shape)
             start += params[n].numel()
         return F.cross_entropy(functional_call(model, parts, (x,)), y)
 
@@ -67,7 +70,9 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
     data = AnalysisData(x, y, "cross-entropy", 16)
     sigmas = [0.05, 0.5]
     result = bound_check(model, data, sigmas, perturbations=4, tol=1e-10, bootstrap=200, seed=3)
-    assert result.params == "4.weight" and result.num_params == 12  # default: the final layer's weight
+    assert (
+        result.params == "4.weight" and result.num_params == 12
+    )  # default: the final layer's weight
     names = ["4.weight"]
     H0 = _dense_hessian(model, x, y, names)
     eig0 = torch.linalg.eigvalsh(H0)
@@ -78,7 +83,7 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
     norms = []
     for start in range(0, 40, 16):
         model.zero_grad()
-        F.cross_entropy(model(x[start:start + 16]), y[start:start + 16]).backward()
+        F.cross_entropy(model(x[start : start + 16]), y[start : start + 16]).backward()
         norms.append(float(model[4].weight.grad.norm()))
     assert result.epsilon_minibatch == pytest.approx(sum(norms) / len(norms), rel=1e-10)
     scope = ParamScope.resolve(model, "4.weight")
@@ -87,15 +92,20 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         assert row.plain_lambda_max == pytest.approx(float(eig0[-1]), rel=1e-9)
         assert row.H_at_theta == pytest.approx(float(eig0.abs().max()), rel=1e-9)
         # the bound recomputes from the reported H and epsilon
-        assert row.bound == pytest.approx(row.H * math.erf(row.epsilon / (math.sqrt(2) * row.H * sigma)), rel=1e-12)
+        assert row.bound == pytest.approx(
+            row.H * math.erf(row.epsilon / (math.sqrt(2) * row.H * sigma)), rel=1e-12
+        )
         assert row.holds == (row.empirical <= row.bound)
         assert row.ratio == pytest.approx(row.empirical / row.bound, rel=1e-12)
         # the Monte-Carlo smoothed Hessian, densely, on the same fixed perturbations
         perturbed = [_dense_hessian(model, x, y, names, sigma * Z[:, j]) for j in range(4)]
         mean_h = torch.stack(perturbed).mean(0)
-        assert row.empirical == pytest.approx(float(torch.linalg.matrix_norm(mean_h, ord=2)), rel=1e-8)
-        assert row.H == pytest.approx(max(float(torch.linalg.eigvalsh(h).abs().max()) for h in perturbed + [H0]),
-                                      rel=1e-8)
+        assert row.empirical == pytest.approx(
+            float(torch.linalg.matrix_norm(mean_h, ord=2)), rel=1e-8
+        )
+        assert row.H == pytest.approx(
+            max(float(torch.linalg.eigvalsh(h).abs().max()) for h in perturbed + [H0]), rel=1e-8
+        )
         lo, hi = row.empirical_ci
         assert lo <= row.empirical <= hi
         # epsilon over the region: the largest full-data gradient norm at theta and theta + D_j
@@ -108,15 +118,25 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
             F.cross_entropy(twin(x), y).backward()
             region.append(float(twin[4].weight.grad.norm()))
         assert row.epsilon_region == pytest.approx(max(region), rel=1e-10)
-        assert row.bound_region == pytest.approx(corollary1_bound(row.H, row.epsilon_region, sigma), rel=1e-12)
+        assert row.bound_region == pytest.approx(
+            corollary1_bound(row.H, row.epsilon_region, sigma), rel=1e-12
+        )
         assert row.holds_region == (row.empirical <= row.bound_region)
-    assert any(n.startswith("empirical above the bound") for n in result.notes) == (not all(r.holds for r in result.rows))
+    assert any(n.startswith("empirical above the bound") for n in result.notes) == (
+        not all(r.holds for r in result.rows)
+    )
 
 
 def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
     model, x, y = _trained()
-    result = bound_check(model, AnalysisData(x, y, "cross-entropy", 40), [1e-6, 1e-3, 1.0], perturbations=3,
-                         tol=1e-10, bootstrap=100)
+    result = bound_check(
+        model,
+        AnalysisData(x, y, "cross-entropy", 40),
+        [1e-6, 1e-3, 1.0],
+        perturbations=3,
+        tol=1e-10,
+        bootstrap=100,
+    )
     tiny, small, large = result.rows
     # a failed row is explained (sampled H and eps are lower estimates of the corollary's suprema)
     failed = [r.sigma for r in result.rows if not r.holds]
@@ -145,7 +165,9 @@ def test_bootstrap_ritz_values_reproduce_the_average():
 
 
 def test_corollary1_bound_formula():
-    assert corollary1_bound(2.0, 0.3, 0.1) == pytest.approx(2.0 * math.erf(0.3 / (math.sqrt(2) * 0.2)), rel=1e-15)
+    assert corollary1_bound(2.0, 0.3, 0.1) == pytest.approx(
+        2.0 * math.erf(0.3 / (math.sqrt(2) * 0.2)), rel=1e-15
+    )
     assert corollary1_bound(2.0, 1.0, 1e-9) == pytest.approx(2.0)  # sigma -> 0: the bound is H
     assert corollary1_bound(0.0, 1.0, 0.1) == 0.0
 
@@ -162,7 +184,11 @@ def test_smoothed_cross_entropy_matches_quadrature_for_two_classes():
         d = float(z[i, 1 - y[i]] - z[i, y[i]])
         values = np.logaddexp(0.0, d + float(t[i]) * math.sqrt(2) * nodes)
         exact = float((weights * values).sum() / math.sqrt(2 * math.pi))
-        assert abs(float(estimate[i]) - exact) <= max(4 * float(stderr[i]), 1e-12), (i, estimate[i], exact)
+        assert abs(float(estimate[i]) - exact) <= max(4 * float(stderr[i]), 1e-12), (
+            i,
+            estimate[i],
+            exact,
+        )
         assert float(stderr[i]) < 2e-3
 
 
@@ -180,8 +206,8 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
     for row, sigma in zip(rows, sigmas):
         assert row.fraction_holds == 1.0 and row.violations == 0 and row.min_margin > 0
         assert row.cross_entropy == pytest.approx(float(ce.mean()), rel=1e-12)
-        assert row.bound == pytest.approx(float((ce + sigma ** 2 / 2 * h_sq).mean()), rel=1e-12)
-        taylor = ce + sigma ** 2 / 2 * h_sq * (p * (1 - p)).sum(1)
+        assert row.bound == pytest.approx(float((ce + sigma**2 / 2 * h_sq).mean()), rel=1e-12)
+        taylor = ce + sigma**2 / 2 * h_sq * (p * (1 - p)).sum(1)
         assert row.taylor == pytest.approx(float(taylor.mean()), rel=1e-12)
         assert row.cross_entropy <= row.smoothed_cross_entropy <= row.bound  # Jensen both ways
     # the Taylor value is the tighter approximation for small sigma
@@ -191,8 +217,15 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
     gen = torch.Generator().manual_seed(2)
     x_test = torch.randn(300, 3, dtype=torch.float64, generator=gen)
     y_test = (x_test[:, 0] > 0).long() + (x_test[:, 1] > 0).long()
-    for row in theorem2_check(model, AnalysisData(x_test, y_test, "cross-entropy", 64), sigmas, mc_pairs=256):
-        assert row.samples == 300 and row.violations == 0 and row.fraction_holds == 1.0 and row.min_margin > 0
+    for row in theorem2_check(
+        model, AnalysisData(x_test, y_test, "cross-entropy", 64), sigmas, mc_pairs=256
+    ):
+        assert (
+            row.samples == 300
+            and row.violations == 0
+            and row.fraction_holds == 1.0
+            and row.min_margin > 0
+        )
 
 
 def test_noise_stability_gap_matches_half_sigma_squared_trace():
@@ -204,12 +237,16 @@ def test_noise_stability_gap_matches_half_sigma_squared_trace():
     out = noise_stability_check(model, data, [1e-3, 0.3], scope, pairs=600, trace_max_matvecs=400)
     names = [n for n, _ in model.named_parameters()]
     trace = float(_dense_hessian(model, x, y, names).trace())
-    assert abs(out["trace"] - trace) <= 4 * out["trace_stderr"] + 1e-12 * trace  # Hutch++ from the engine
+    assert (
+        abs(out["trace"] - trace) <= 4 * out["trace_stderr"] + 1e-12 * trace
+    )  # Hutch++ from the engine
     assert abs(out["trace"] / trace - 1) < 1e-2
     small, large = out["rows"]
     assert small["predicted"] == pytest.approx(1e-6 / 2 * out["trace"], rel=1e-12)
     assert abs(small["relative_error"]) < 0.1
-    assert abs(small["relative_error_plain"]) < 0.1  # the plain antithetic Monte-Carlo gap, 600 pairs
+    assert (
+        abs(small["relative_error_plain"]) < 0.1
+    )  # the plain antithetic Monte-Carlo gap, 600 pairs
     assert abs(small["gap"] - small["predicted"]) < 4 * small["gap_stderr"]
     # higher-order terms: the Taylor residual is negligible at sigma = 1e-3, not at sigma = 0.3
     assert abs(small["taylor_residual"]) < 1e-2 * small["predicted"]
@@ -228,16 +265,36 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     model, x, y = _trained()
     ckpt = _write_fixture(tmp_path, model, x, y)
     plot = tmp_path / "bound.png"
-    run = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.01,0.1", "--perturbations", "3", "--dtype", "float64",
-                  "--check", "theorem2,noise-stability", "--noise-pairs", "8", "--bootstrap", "50",
-                  "--plot", plot, "--json", "-")
+    run = run_cli(
+        capsys,
+        "bound-check",
+        ckpt,
+        "--sigma",
+        "0.01,0.1",
+        "--perturbations",
+        "3",
+        "--dtype",
+        "float64",
+        "--check",
+        "theorem2,noise-stability",
+        "--noise-pairs",
+        "8",
+        "--bootstrap",
+        "50",
+        "--plot",
+        plot,
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     report = run.json()
     validate_report(report)
     results = report["results"]
     assert [r["sigma"] for r in results["rows"]] == [0.01, 0.1]
     for row in results["rows"]:
-        assert row["bound"] == pytest.approx(corollary1_bound(row["H"], row["epsilon"], row["sigma"]), rel=1e-12)
+        assert row["bound"] == pytest.approx(
+            corollary1_bound(row["H"], row["epsilon"], row["sigma"]), rel=1e-12
+        )
         assert len(row["empirical_ci"]) == 2
     assert all(r["fraction_holds"] == 1.0 for r in results["theorem2"])
     assert len(results["noise_stability"]["rows"]) == 2
@@ -245,8 +302,23 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     from sharpcli.report.plots import PIXELS, png_size
 
     assert png_size(plot) == PIXELS
-    minibatch = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--epsilon", "minibatch", "--batch-size", "16",
-                        "--perturbations", "2", "--dtype", "float64", "--json", "-")
+    minibatch = run_cli(
+        capsys,
+        "bound-check",
+        ckpt,
+        "--sigma",
+        "0.1",
+        "--epsilon",
+        "minibatch",
+        "--batch-size",
+        "16",
+        "--perturbations",
+        "2",
+        "--dtype",
+        "float64",
+        "--json",
+        "-",
+    )
     assert minibatch.code == 0, minibatch.err
     mb = minibatch.json()["results"]
     assert mb["rows"][0]["epsilon"] == mb["epsilon_minibatch"] != mb["epsilon_full"]

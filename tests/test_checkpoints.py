@@ -78,7 +78,9 @@ def test_pickled_module_refused_unless_trusted(tmp_path):
     assert ckpt.origin == "pickle" and torch.equal(ckpt.model(x), model(x))
 
 
-@pytest.mark.parametrize("name", ["garbage.safetensors", "truncated.safetensors", "empty.safetensors", "garbage.pt"])
+@pytest.mark.parametrize(
+    "name", ["garbage.safetensors", "truncated.safetensors", "empty.safetensors", "garbage.pt"]
+)
 def test_broken_files_are_input_errors(tmp_path, name):
     files = write_broken_files(tmp_path)
     with pytest.raises(InputError) as info:

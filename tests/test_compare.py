@@ -6,8 +6,8 @@ import csv
 import json
 
 import pytest
-
 from cli_helpers import assert_one_line_error, run_cli, run_in_process
+
 from sharpcli.report.envelope import validate_report
 
 
@@ -24,21 +24,67 @@ def reports(tmp_path_factory):
     data = "blobs:n=160,dim=6,classes=3"
     for reg in ("none", "ad:sigma=0.5"):
         ck = folder / f"{reg.split(':')[0]}.safetensors"
-        sharp("train", "--epochs", "2", "--data", data, "--width", "8", "--reg", reg, "--out", ck,
-              "--json", folder / f"train-{reg.split(':')[0]}.json", "--quiet")
-        sharp("analyze", ck, "--metrics", "eigen,trace,gn-nme", "--split", "test", "--tol", "0.1", "--json",
-              folder / f"analyze-{reg.split(':')[0]}.json", "--quiet")
+        sharp(
+            "train",
+            "--epochs",
+            "2",
+            "--data",
+            data,
+            "--width",
+            "8",
+            "--reg",
+            reg,
+            "--out",
+            ck,
+            "--json",
+            folder / f"train-{reg.split(':')[0]}.json",
+            "--quiet",
+        )
+        sharp(
+            "analyze",
+            ck,
+            "--metrics",
+            "eigen,trace,gn-nme",
+            "--split",
+            "test",
+            "--tol",
+            "0.1",
+            "--json",
+            folder / f"analyze-{reg.split(':')[0]}.json",
+            "--quiet",
+        )
         paths[reg] = ck
     sharp("eigen", paths["none"], "--json", folder / "eigen-none.json", "--quiet")
-    sharp("gn-nme", paths["none"], "--samples", "48", "--tol", "0.2", "--json", folder / "gn-nme-none.json", "--quiet")
-    sharp("trace", paths["none"], "--square", "--tol", "0.2", "--json", folder / "square-none.json", "--quiet")
+    sharp(
+        "gn-nme",
+        paths["none"],
+        "--samples",
+        "48",
+        "--tol",
+        "0.2",
+        "--json",
+        folder / "gn-nme-none.json",
+        "--quiet",
+    )
+    sharp(
+        "trace",
+        paths["none"],
+        "--square",
+        "--tol",
+        "0.2",
+        "--json",
+        folder / "square-none.json",
+        "--quiet",
+    )
     return folder
 
 
 def test_compare_csv_matches_reports(reports, capsys, tmp_path):
     files = sorted(reports.glob("*.json"))
     out = tmp_path / "table.csv"
-    run = run_cli(capsys, "compare", *files, "--format", "csv", "--out", out, "--sort", "run", "--json", "-")
+    run = run_cli(
+        capsys, "compare", *files, "--format", "csv", "--out", out, "--sort", "run", "--json", "-"
+    )
     assert run.code == 0, run.err
     validate_report(run.json())
     rows = {r["run"]: r for r in csv.DictReader(open(out))}
@@ -48,18 +94,28 @@ def test_compare_csv_matches_reports(reports, capsys, tmp_path):
         row = rows[f.stem]
         res = report["results"]
         if report["command"] == "train":
-            assert float(row["test_accuracy"]) == pytest.approx(res["final"]["test_accuracy"], rel=1e-12)
+            assert float(row["test_accuracy"]) == pytest.approx(
+                res["final"]["test_accuracy"], rel=1e-12
+            )
             assert row["regularizers"] == " + ".join(report["settings"]["regs"])
         elif report["command"] == "analyze":
-            assert float(row["lambda_max"]) == pytest.approx(res["hessian"]["lambda_max"], rel=1e-12)
+            assert float(row["lambda_max"]) == pytest.approx(
+                res["hessian"]["lambda_max"], rel=1e-12
+            )
             assert float(row["trace"]) == pytest.approx(res["hessian"]["trace"], rel=1e-12)
             assert float(row["nme_share"]) == pytest.approx(res["nme_share"], rel=1e-12)
             assert float(row["test_accuracy"]) == pytest.approx(res["accuracy"], rel=1e-12)
             assert row["regularizers"] == " + ".join(report["checkpoint"]["train"]["regs"])
         elif report["command"] == "gn-nme":
-            assert float(row["lambda_max"]) == pytest.approx(res["hessian"]["lambda_max"], rel=1e-12)
-            assert float(row["trace"]) == pytest.approx(res["hessian"]["trace"]["estimate"], rel=1e-12)
-            assert float(row["frobenius_sq"]) == pytest.approx(res["hessian"]["frobenius_sq"], rel=1e-12)
+            assert float(row["lambda_max"]) == pytest.approx(
+                res["hessian"]["lambda_max"], rel=1e-12
+            )
+            assert float(row["trace"]) == pytest.approx(
+                res["hessian"]["trace"]["estimate"], rel=1e-12
+            )
+            assert float(row["frobenius_sq"]) == pytest.approx(
+                res["hessian"]["frobenius_sq"], rel=1e-12
+            )
             assert float(row["nme_share"]) == pytest.approx(res["nme_share"], rel=1e-12)
         elif report["command"] == "trace":  # --square: Tr(H^2)
             assert float(row["frobenius_sq"]) == pytest.approx(res["trace"]["estimate"], rel=1e-12)
@@ -71,8 +127,17 @@ def test_compare_csv_matches_reports(reports, capsys, tmp_path):
 
 def test_compare_columns_sort_and_markdown(reports, capsys):
     files = sorted(reports.glob("analyze-*.json"))
-    run = run_cli(capsys, "compare", *files, "--columns", "regularizers,lambda_max,results.hessian.trace_stderr",
-                  "--sort", "-lambda_max", "--format", "markdown")
+    run = run_cli(
+        capsys,
+        "compare",
+        *files,
+        "--columns",
+        "regularizers,lambda_max,results.hessian.trace_stderr",
+        "--sort",
+        "-lambda_max",
+        "--format",
+        "markdown",
+    )
     assert run.code == 0, run.err
     lines = run.out.strip().splitlines()
     assert lines[0] == "| run | regularizers | lambda_max | results.hessian.trace_stderr |"
@@ -82,14 +147,30 @@ def test_compare_columns_sort_and_markdown(reports, capsys):
 
 def test_compare_training_settings_of_analyses_and_unknown_columns(reports, capsys):
     files = sorted(reports.glob("analyze-*.json")) + sorted(reports.glob("train-*.json"))
-    run = run_cli(capsys, "compare", *files, "--columns", "checkpoint.train.lr,checkpoint.train.epochs,settings.lr",
-                  "--format", "json", "--json", "-")
+    run = run_cli(
+        capsys,
+        "compare",
+        *files,
+        "--columns",
+        "checkpoint.train.lr,checkpoint.train.epochs,settings.lr",
+        "--format",
+        "json",
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     rows = run.json()["results"]["rows"]
     assert [r["checkpoint.train.lr"] for r in rows] == [0.05] * 4
     assert [r["checkpoint.train.epochs"] for r in rows] == [2] * 4
-    assert [r["settings.lr"] is None for r in rows] == [True, True, False, False]  # analyses have no lr setting
-    assert_one_line_error(run_cli(capsys, "compare", *files, "--columns", "lamda_max"), 2, "--columns", "lamda_max")
+    assert [r["settings.lr"] is None for r in rows] == [
+        True,
+        True,
+        False,
+        False,
+    ]  # analyses have no lr setting
+    assert_one_line_error(
+        run_cli(capsys, "compare", *files, "--columns", "lamda_max"), 2, "--columns", "lamda_max"
+    )
 
 
 def test_compare_rejects_bad_reports(tmp_path, capsys):
@@ -107,8 +188,19 @@ def test_rows_of_same_named_reports_in_different_folders_are_told_apart(reports,
     for run in ("seed0", "seed1"):
         (tmp_path / run).mkdir()
         (tmp_path / run / "report.json").write_text((reports / "eigen-none.json").read_text())
-    out = run_cli(capsys, "compare", tmp_path / "seed0" / "report.json", tmp_path / "seed1" / "report.json",
-                  reports / "train-none.json", "--format", "json")
+    out = run_cli(
+        capsys,
+        "compare",
+        tmp_path / "seed0" / "report.json",
+        tmp_path / "seed1" / "report.json",
+        reports / "train-none.json",
+        "--format",
+        "json",
+    )
     assert out.code == 0, out.err
-    assert [row["run"] for row in json.loads(out.out)] == ["seed0/report", "seed1/report", "train-none"]
+    assert [row["run"] for row in json.loads(out.out)] == [
+        "seed0/report",
+        "seed1/report",
+        "train-none",
+    ]
     assert run_names(["x/a/r.json", "y/a/r.json", "r2.json"])[:2] == ["x/a/r", "y/a/r"]

@@ -7,16 +7,27 @@ import pytest
 import torch
 from conftest import setup_and_reference
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, MatrixOperator, ParamScope, spectral_density
-from sharpcli.report.plots import PIXELS, plot_density, png_size
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvaturePass,
+    MatrixOperator,
+    ParamScope,
+    spectral_density,
+)
 from sharpcli.errors import UsageError
+from sharpcli.report.plots import PIXELS, plot_density, png_size
 
 
 def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
     model, x, y, H, _ = setup_and_reference("gelu")
-    op = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)).hessian()
+    op = CurvaturePass(
+        model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
+    ).hessian()
     result = spectral_density(op, probes=2, lanczos_steps=93, seed=0)
-    v = torch.randint(0, 2, (93,), generator=torch.Generator().manual_seed(0), dtype=torch.int8) * 2 - 1
+    v = (
+        torch.randint(0, 2, (93,), generator=torch.Generator().manual_seed(0), dtype=torch.int8) * 2
+        - 1
+    )
     v = v.double() / 93**0.5  # the first probe, as drawn by the seeded Rademacher helper
     exact = torch.linalg.eigvalsh(H)
     for nodes, weights in zip(result.nodes, result.weights):

@@ -112,7 +112,9 @@ def test_power_iteration_deflation_on_a_known_spectrum():
     # the converged flag is the residual criterion and says so
     assert all(1e-7 < r < 1e-3 for r in result.residuals) and result.converged == [False, False]
     loose = power_iteration(MatrixOperator(torch.diag(diag)), 2, tol=1e-3, max_iter=500, seed=2)
-    assert loose.converged == [r <= 1e-3 * abs(v) for r, v in zip(loose.residuals, loose.eigenvalues)]
+    assert loose.converged == [
+        r <= 1e-3 * abs(v) for r, v in zip(loose.residuals, loose.eigenvalues)
+    ]
     assert result.method == "power" and result.matvecs > loose.matvecs
 
 

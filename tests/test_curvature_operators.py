@@ -27,7 +27,13 @@ def _setup(kind: str, loss: str = "cross-entropy", batch_size: int = 5):
 
 
 @pytest.mark.parametrize(
-    "kind,loss", [("gelu", "cross-entropy"), ("relu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")]
+    "kind,loss",
+    [
+        ("gelu", "cross-entropy"),
+        ("relu", "cross-entropy"),
+        ("cnn", "cross-entropy"),
+        ("gelu", "mse"),
+    ],
 )
 def test_operators_equal_dense_matrices(kind, loss):
     model, x, y, data, scope, H, G = _setup(kind, loss)
@@ -54,7 +60,9 @@ def test_joint_pass_splits_h_into_g_plus_n_per_vector():
     assert torch.allclose(HessianOperator(model, data, scope).matvec(v), Hv, atol=1e-14, rtol=0)
     V = scope.gaussian(torch.Generator().manual_seed(4), 3)
     HV, GV = cp.hessian_and_ggn_matmat(V)
-    assert torch.allclose(HV, H @ V, atol=1e-12, rtol=0) and torch.allclose(GV, G @ V, atol=1e-12, rtol=0)
+    assert torch.allclose(HV, H @ V, atol=1e-12, rtol=0) and torch.allclose(
+        GV, G @ V, atol=1e-12, rtol=0
+    )
     assert cp.matvecs == 4
 
 
@@ -108,7 +116,9 @@ def test_batch_weighting_is_a_mean_over_samples(gelu_setup, batch_size):
     assert torch.allclose(Gv, Gv_full, atol=1e-12, rtol=0)
     loss_full, grad_full = full.loss_and_gradient()
     loss_part, grad_part = part.loss_and_gradient()
-    assert abs(loss_full - loss_part) < 1e-12 and torch.allclose(grad_part, grad_full, atol=1e-12, rtol=0)
+    assert abs(loss_full - loss_part) < 1e-12 and torch.allclose(
+        grad_part, grad_full, atol=1e-12, rtol=0
+    )
     assert abs(loss_full - torch.nn.functional.cross_entropy(model(x), y).item()) < 1e-12
 
 
@@ -139,11 +149,17 @@ def test_scope_last_and_glob_give_principal_sub_blocks():
     model, x, y, _, full, H_full, G_full = _setup("gelu")
     data = AnalysisData(x, y, "cross-entropy", 8)
     names = full.names
-    for spec, expected in (("last", ["4.weight", "4.bias"]), ("0.*,4.bias", ["0.weight", "0.bias", "4.bias"])):
+    for spec, expected in (
+        ("last", ["4.weight", "4.bias"]),
+        ("0.*,4.bias", ["0.weight", "0.bias", "4.bias"]),
+    ):
         scope = ParamScope.resolve(model, spec)
         assert scope.names == expected
         index = torch.cat(
-            [torch.arange(full.offsets[names.index(n)], full.offsets[names.index(n) + 1]) for n in expected]
+            [
+                torch.arange(full.offsets[names.index(n)], full.offsets[names.index(n) + 1])
+                for n in expected
+            ]
         )
         cp = CurvaturePass(model, data, scope)
         assert torch.allclose(cp.hessian().to_dense(), H_full[index][:, index], atol=1e-12, rtol=0)
@@ -157,7 +173,11 @@ def test_float32_model_gives_float32_operators():
     scope = ParamScope.resolve(model32)
     op = GGNOperator(model32, data, scope)
     v = scope.rademacher(torch.Generator().manual_seed(0))
-    assert v.dtype == torch.float32 and op.dtype == torch.float32 and op.matvec(v).dtype == torch.float32
+    assert (
+        v.dtype == torch.float32
+        and op.dtype == torch.float32
+        and op.matvec(v).dtype == torch.float32
+    )
     assert torch.allclose(op.matvec(v).double(), G @ v.double(), atol=1e-5, rtol=0)
     assert op.matvecs == 2
 
@@ -181,9 +201,13 @@ def test_determinism_check_catches_train_mode_dropout_and_batchnorm(gelu_setup):
     data = AnalysisData(x, y, "cross-entropy", 8)
     scope = ParamScope.resolve(model)
     determinism_check(model, data, HessianOperator(model, data, scope))  # eval MLP passes
-    dropped = nn.Sequential(model[0], model[1], nn.Dropout(0.3), model[2], model[3], model[4]).train()
+    dropped = nn.Sequential(
+        model[0], model[1], nn.Dropout(0.3), model[2], model[3], model[4]
+    ).train()
     with pytest.raises(UsageError, match=r"training mode.*\b2\b") as info:
-        determinism_check(dropped, data, HessianOperator(dropped, data, ParamScope.resolve(dropped)))
+        determinism_check(
+            dropped, data, HessianOperator(dropped, data, ParamScope.resolve(dropped))
+        )
     assert info.value.source == "--model"
     cnn = make_cnn().train()
     x_img, y_img = make_data("image")

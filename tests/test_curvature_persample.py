@@ -47,9 +47,14 @@ class _Twice(nn.Module):
 def _conv_net():
     """Strided, padded and dilated convolutions, an in-place ReLU, eval BatchNorm with running statistics."""
     net = nn.Sequential(
-        nn.Conv2d(1, 3, 3, stride=2, padding=1), nn.ReLU(inplace=True),
-        nn.Conv2d(3, 4, 2, dilation=2, bias=False), nn.BatchNorm2d(4), nn.GELU(),
-        nn.Flatten(), nn.Linear(4, 3), nn.BatchNorm1d(3),
+        nn.Conv2d(1, 3, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(3, 4, 2, dilation=2, bias=False),
+        nn.BatchNorm2d(4),
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+        nn.BatchNorm1d(3),
     )
     with torch.no_grad():
         for bn in (net[3], net[7]):
@@ -75,15 +80,20 @@ def test_exact_ggn_trace_matches_dense_gauss_newton(case, loss):
     model = make().double().eval()
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(17, *shape, dtype=torch.float64, generator=gen)
-    y = torch.randint(0, 3, (17,), generator=gen) if loss == "cross-entropy" else torch.randn(
-        17, 3, dtype=torch.float64, generator=gen)
+    y = (
+        torch.randint(0, 3, (17,), generator=gen)
+        if loss == "cross-entropy"
+        else torch.randn(17, 3, dtype=torch.float64, generator=gen)
+    )
     _, G, names = dense_reference(model, x, y, loss)
     scope = ParamScope.resolve(model)
     assert list(scope.names) == names
     result = exact_ggn_trace(model, AnalysisData(x, y, loss, batch_size=5), scope)
     assert result.estimate == pytest.approx(float(G.trace()), rel=1e-10)
     for name, sl in scope.blocks().items():
-        assert result.by_layer[name]["estimate"] == pytest.approx(float(G[sl, sl].trace()), rel=1e-9, abs=1e-14)
+        assert result.by_layer[name]["estimate"] == pytest.approx(
+            float(G[sl, sl].trace()), rel=1e-9, abs=1e-14
+        )
 
 
 def test_taps_cover_plain_layers_and_leave_the_rest_to_jacobians():

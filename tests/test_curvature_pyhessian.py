@@ -19,12 +19,16 @@ def test_pyhessian_top_eigenvalue_agrees_with_exact_largest_magnitude():
     model, x, y, H, _ = setup_and_reference("gelu")
     exact = torch.linalg.eigvalsh(H)
     largest_magnitude = float(exact[exact.abs().argmax()])
-    one_batch = pyhessian_eigenvalues(model, AnalysisData(x, y, "cross-entropy", 23), top_n=1, seed=0)
+    one_batch = pyhessian_eigenvalues(
+        model, AnalysisData(x, y, "cross-entropy", 23), top_n=1, seed=0
+    )
     assert one_batch.engine == "pyhessian" and one_batch.method == "power"
     # its relative-change rule (1e-3) stops early: within a few percent of |lambda|_max
     assert abs(one_batch.eigenvalues[0] - largest_magnitude) <= 0.05 * abs(largest_magnitude)
     assert one_batch.residuals[0] is not None and one_batch.matvecs >= 2
-    tight = pyhessian_eigenvalues(model, AnalysisData(x, y, "cross-entropy", 23), tol=1e-9, max_iter=2000, seed=0)
+    tight = pyhessian_eigenvalues(
+        model, AnalysisData(x, y, "cross-entropy", 23), tol=1e-9, max_iter=2000, seed=0
+    )
     assert abs(tight.eigenvalues[0] - largest_magnitude) <= 1e-5 * abs(largest_magnitude)
     # dataloader mode (several batches, weighted by size) follows the same iterates
     loader = pyhessian_eigenvalues(model, AnalysisData(x, y, "cross-entropy", 10), top_n=1, seed=0)

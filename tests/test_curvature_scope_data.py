@@ -10,7 +10,13 @@ import torch
 import torch.multiprocessing as mp
 from conftest import make_cnn, make_data, make_mlp
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, all_reduce_sum, exact_ggn_trace
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvaturePass,
+    ParamScope,
+    all_reduce_sum,
+    exact_ggn_trace,
+)
 from sharpcli.errors import UsageError
 
 
@@ -21,8 +27,17 @@ def test_scope_specs_layout_and_blocks():
     assert full.numel == 24 + 6 + 36 + 6 + 18 + 3 == 93 and full.spec == "all"
     assert ParamScope.resolve(model, "all").names == full.names
     assert ParamScope.resolve(model, "last").names == ["4.weight", "4.bias"]
-    assert ParamScope.resolve(model, "*.bias, 0.weight").names == ["0.weight", "0.bias", "2.bias", "4.bias"]
-    assert list(full.blocks().items()) == [("0", slice(0, 30)), ("2", slice(30, 72)), ("4", slice(72, 93))]
+    assert ParamScope.resolve(model, "*.bias, 0.weight").names == [
+        "0.weight",
+        "0.bias",
+        "2.bias",
+        "4.bias",
+    ]
+    assert list(full.blocks().items()) == [
+        ("0", slice(0, 30)),
+        ("2", slice(30, 72)),
+        ("4", slice(72, 93)),
+    ]
     assert ParamScope.resolve(make_cnn(), "last").names == ["4.weight", "4.bias"]
     assert list(ParamScope.resolve(make_cnn()).blocks()) == ["0", "1", "4"]  # conv, batchnorm, head
     vec = torch.arange(93, dtype=torch.float64)
@@ -115,6 +130,10 @@ def test_data_parallel_equals_single_process():
     for r in range(world):
         local, total, Hv_r, Gv_r, loss_r, grad_r, trace_r = out[r]
         assert total == 23
-        assert torch.allclose(Hv_r, Hv, atol=1e-14, rtol=0) and torch.allclose(Gv_r, Gv, atol=1e-14, rtol=0)
-        assert loss_r == pytest.approx(loss, abs=1e-14) and torch.allclose(grad_r, grad, atol=1e-14, rtol=0)
+        assert torch.allclose(Hv_r, Hv, atol=1e-14, rtol=0) and torch.allclose(
+            Gv_r, Gv, atol=1e-14, rtol=0
+        )
+        assert loss_r == pytest.approx(loss, abs=1e-14) and torch.allclose(
+            grad_r, grad, atol=1e-14, rtol=0
+        )
         assert trace_r == pytest.approx(trace, abs=1e-13)

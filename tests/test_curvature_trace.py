@@ -39,7 +39,9 @@ def _assert_layers_within_stderr(result, dense, scope):
         assert abs(layer["estimate"] - value) <= 4.5 * layer["stderr"] + 1e-10
 
 
-@pytest.mark.parametrize("kind,loss", [("gelu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")])
+@pytest.mark.parametrize(
+    "kind,loss", [("gelu", "cross-entropy"), ("cnn", "cross-entropy"), ("gelu", "mse")]
+)
 def test_exact_ggn_trace_and_layers(kind, loss):
     model, data, scope, _, G = _setup(kind, loss, batch_size=10)
     result = exact_ggn_trace(model, data, scope)
@@ -64,7 +66,9 @@ def test_stochastic_traces_within_four_standard_errors(estimator, operator):
     if result.converged:
         assert result.stderr <= 3e-2 * abs(result.estimate)
     # per-layer traces sum to the total and match the dense diagonal blocks
-    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, abs=1e-12)
+    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(
+        result.estimate, abs=1e-12
+    )
     _assert_layers_within_stderr(result, dense, scope)
 
 
@@ -78,15 +82,24 @@ def test_hutchpp_needs_fewer_matvecs_than_hutchinson_at_equal_tolerance():
     assert abs(sketched.estimate - float(G.trace())) <= 4 * sketched.stderr
 
 
-@pytest.mark.parametrize("kind,loss", [("gelu", "cross-entropy"), ("relu", "cross-entropy"), ("cnn", "cross-entropy"),
-                                       ("gelu", "mse")])
+@pytest.mark.parametrize(
+    "kind,loss",
+    [
+        ("gelu", "cross-entropy"),
+        ("relu", "cross-entropy"),
+        ("cnn", "cross-entropy"),
+        ("gelu", "mse"),
+    ],
+)
 def test_gn_split_trace_within_four_standard_errors_of_the_hessian_trace(kind, loss):
     model, data, scope, H, G = _setup(kind, loss, batch_size=10)
     result = gn_split_trace(CurvaturePass(model, data, scope), tol=2e-2, max_matvecs=400, seed=5)
     exact = float(H.trace())
     assert result.estimator == "gn-split" and result.stderr > 0
     assert abs(result.estimate - exact) <= 4 * result.stderr + 1e-10 * abs(exact)
-    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, rel=1e-10)
+    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(
+        result.estimate, rel=1e-10
+    )
     _assert_layers_within_stderr(result, H, scope)
 
 
@@ -116,33 +129,53 @@ def test_hutchinson_hand_counts():
     diagonal = MatrixOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)))
     exact = hutchinson(diagonal, tol=1e-3, max_matvecs=40, block_size=4, min_samples=10)
     # g^T D g = tr(D) for every Rademacher g: zero variance, stops at min_samples (rounded to blocks)
-    assert exact.estimate == 10.0 and exact.stderr == 0.0 and exact.matvecs == 12 and exact.converged
+    assert (
+        exact.estimate == 10.0 and exact.stderr == 0.0 and exact.matvecs == 12 and exact.converged
+    )
     A = torch.tensor([[2.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
     capped = hutchinson(MatrixOperator(A), tol=1e-6, max_matvecs=20, block_size=8)
     # g^T A g = 1 + 2 g1 g2 in {-1, 3}: never reaches 1e-6, stops at the budget
     assert not capped.converged and capped.matvecs == 20 and capped.samples == 20
     assert capped.estimate in {-1 + 4 * k / 20 for k in range(21)}
     full = hutchpp(MatrixOperator(A), tol=1e-6, max_matvecs=30, initial_sketch=2)
-    assert full.estimate == pytest.approx(1.0, abs=1e-14) and full.stderr == 0.0 and full.sketch_size == 2
+    assert (
+        full.estimate == pytest.approx(1.0, abs=1e-14)
+        and full.stderr == 0.0
+        and full.sketch_size == 2
+    )
 
 
 def test_frobenius_sq_matches_trace_of_square():
     model, data, scope, H, _ = _setup()
-    result = frobenius_sq(CurvaturePass(model, data, scope).hessian(), tol=2e-2, max_matvecs=400, seed=3, block_size=16)
+    result = frobenius_sq(
+        CurvaturePass(model, data, scope).hessian(),
+        tol=2e-2,
+        max_matvecs=400,
+        seed=3,
+        block_size=16,
+    )
     exact = float((H * H).sum())
     assert result.quantity == "trace_of_square"
     assert abs(result.estimate - exact) <= 4 * result.stderr
-    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, rel=1e-12)
+    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(
+        result.estimate, rel=1e-12
+    )
     for name, value in _block_traces(H, scope, square=True).items():
-        assert abs(result.by_layer[name]["estimate"] - value) <= 4.5 * result.by_layer[name]["stderr"]
+        assert (
+            abs(result.by_layer[name]["estimate"] - value) <= 4.5 * result.by_layer[name]["stderr"]
+        )
 
 
 @pytest.mark.parametrize("loss,samples", [("cross-entropy", 3), ("cross-entropy", 1), ("mse", 3)])
 def test_sampled_label_ggn_trace_within_four_standard_errors(loss, samples):
     model, data, scope, _, G = _setup("gelu", loss, batch_size=10)
-    result = sampled_label_ggn_trace(model, data, scope, samples=samples, generator=torch.Generator().manual_seed(7))
+    result = sampled_label_ggn_trace(
+        model, data, scope, samples=samples, generator=torch.Generator().manual_seed(7)
+    )
     exact = float(G.trace())
     assert 0 < result.stderr < 0.5 * exact
     assert abs(result.estimate - exact) <= 4 * result.stderr
     assert result.samples == 23 * samples
-    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(result.estimate, rel=1e-12)
+    assert sum(v["estimate"] for v in result.by_layer.values()) == pytest.approx(
+        result.estimate, rel=1e-12
+    )

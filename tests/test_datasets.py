@@ -17,7 +17,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets import (
@@ -79,7 +78,12 @@ def test_cifar10_python_matches_written_batches_and_pixel_layout(tmp_path):
     assert ds.x_train[4, 1, 2, 3].item() == np.float32(rows[4, 1024 + 2 * 32 + 3]) / np.float32(255)
     assert ds.x_train[0, 2, 31, 0].item() == np.float32(rows[0, 2048 + 31 * 32]) / np.float32(255)
     assert float(ds.x_train.min()) >= 0.0 and float(ds.x_train.max()) <= 1.0
-    assert ds.spec == {"kind": "file", "path": written.path, "format": "cifar10-python", "label_column": None}
+    assert ds.spec == {
+        "kind": "file",
+        "path": written.path,
+        "format": "cifar10-python",
+        "label_column": None,
+    }
 
 
 def test_cifar10_python_fixture_is_a_real_python2_pickle(tmp_path):
@@ -103,10 +107,14 @@ def test_cifar_python_batches_repickled_by_python3_load(tmp_path, protocol, key_
     key = (lambda s: s.encode()) if key_type is bytes else (lambda s: s)
     rows = rng.integers(0, 256, size=(5, 3072), dtype=np.uint8)
     labels = [3, 1, 4, 1, 5]
-    (root / "data_batch_1").write_bytes(pickle.dumps({key("data"): rows, key("labels"): labels}, protocol=protocol))
+    (root / "data_batch_1").write_bytes(
+        pickle.dumps({key("data"): rows, key("labels"): labels}, protocol=protocol)
+    )
     ds = load_dataset(str(root))
     assert torch.equal(ds.y_train, torch.tensor(labels))
-    assert torch.equal(ds.x_train, t(rows.reshape(5, 3, 32, 32).astype(np.float32) / np.float32(255)))
+    assert torch.equal(
+        ds.x_train, t(rows.reshape(5, 3, 32, 32).astype(np.float32) / np.float32(255))
+    )
     assert ds.x_test is None
 
 
@@ -137,7 +145,9 @@ def test_cifar100_binary_fine_and_coarse(tmp_path):
     assert_matches(fine, written)
     assert fine.num_classes == 100
     coarse = load_dataset(written.path, label_column="coarse_labels")
-    assert torch.equal(coarse.y_train, t(written.extra["coarse_train"])) and coarse.num_classes == 20
+    assert (
+        torch.equal(coarse.y_train, t(written.extra["coarse_train"])) and coarse.num_classes == 20
+    )
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -185,9 +195,9 @@ def test_parquet_with_split(tmp_path):
 
 def test_table_text_labels_and_float_targets(tmp_path):
     path = tmp_path / "animals.csv"
-    pd.DataFrame({"a": [1.0, 2.0, 3.0, 4.0], "label": ["dog", "cat", "dog", "emu"], "b": [0, 1, 0, 1]}).to_csv(
-        path, index=False
-    )
+    pd.DataFrame(
+        {"a": [1.0, 2.0, 3.0, 4.0], "label": ["dog", "cat", "dog", "emu"], "b": [0, 1, 0, 1]}
+    ).to_csv(path, index=False)
     ds = load_dataset(str(path))
     assert ds.class_names == ["cat", "dog", "emu"]
     assert ds.y_train.tolist() == [1, 0, 1, 2] and ds.num_classes == 3
@@ -199,8 +209,10 @@ def test_table_text_labels_and_float_targets(tmp_path):
     assert reg.y_train.dtype == torch.float32 and reg.y_train.tolist() == [0.5, -1.25, 2.0]
 
 
-@pytest.mark.parametrize("writer,ext", [(fx.write_safetensors, "safetensors"), (fx.write_pt, "pt"),
-                                        (fx.write_npz, "npz")])
+@pytest.mark.parametrize(
+    "writer,ext",
+    [(fx.write_safetensors, "safetensors"), (fx.write_pt, "pt"), (fx.write_npz, "npz")],
+)
 def test_tensor_files_match(tmp_path, writer, ext):
     written = writer(str(tmp_path), test=True)
     ds = load_dataset(written.path)
@@ -213,11 +225,18 @@ def test_tensor_files_match(tmp_path, writer, ext):
 
 def test_pth_extension_and_regression_targets(tmp_path):
     rng = np.random.default_rng(0)
-    arrays = {"x": rng.standard_normal((6, 3)), "y": rng.standard_normal((6, 2))}  # float64 in the file
+    arrays = {
+        "x": rng.standard_normal((6, 3)),
+        "y": rng.standard_normal((6, 2)),
+    }  # float64 in the file
     written = fx.write_pt(str(tmp_path), name="reg.pth", arrays=arrays)
     ds = load_dataset(written.path)
     assert ds.task == "regression" and ds.num_classes is None and ds.spec["format"] == "pt"
-    assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.float32 and ds.y_train.shape == (6, 2)
+    assert (
+        ds.x_train.dtype == torch.float32
+        and ds.y_train.dtype == torch.float32
+        and ds.y_train.shape == (6, 2)
+    )
     assert torch.equal(ds.y_train, t(arrays["y"]).float())
     assert ds.output_size == 2
 
@@ -225,14 +244,23 @@ def test_pth_extension_and_regression_targets(tmp_path):
 def test_tensor_file_shape_conventions(tmp_path):
     """(N, H, W) uint8 -> (N, 1, H, W) float (values kept), (N, 1) integer labels -> (N,), bool labels -> 0/1."""
     x = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
-    written = fx.write_npz(str(tmp_path), arrays={"x": x, "y": np.array([[1], [0]], dtype=np.int32)})
+    written = fx.write_npz(
+        str(tmp_path), arrays={"x": x, "y": np.array([[1], [0]], dtype=np.int32)}
+    )
     ds = load_dataset(written.path)
     assert ds.x_train.shape == (2, 1, 3, 4) and ds.x_train[1, 0, 2, 3].item() == 23.0
     assert ds.y_train.tolist() == [1, 0] and ds.y_train.dtype == torch.int64
-    written = fx.write_safetensors(str(tmp_path), name="b.safetensors",
-                                   arrays={"x": np.ones((3, 2), np.float16), "y": np.array([True, False, True])})
+    written = fx.write_safetensors(
+        str(tmp_path),
+        name="b.safetensors",
+        arrays={"x": np.ones((3, 2), np.float16), "y": np.array([True, False, True])},
+    )
     ds = load_dataset(written.path)
-    assert ds.y_train.tolist() == [1, 0, 1] and ds.num_classes == 2 and ds.x_train.dtype == torch.float32
+    assert (
+        ds.y_train.tolist() == [1, 0, 1]
+        and ds.num_classes == 2
+        and ds.x_train.dtype == torch.float32
+    )
 
 
 # ----------------------------------------------------------------------------- built-ins
@@ -265,11 +293,16 @@ def test_builtins_deterministic_per_seed_and_different_across_seeds():
         c = load_dataset(name + ",seed=1")
         assert not torch.equal(a.x_train, c.x_train)
     # class means do not depend on n: the first draws are the class parameters
-    small, large = load_dataset("blobs:n=8,test_fraction=0,separation=100"), load_dataset(
-        "blobs:n=4000,test_fraction=0,separation=100")
+    small, large = (
+        load_dataset("blobs:n=8,test_fraction=0,separation=100"),
+        load_dataset("blobs:n=4000,test_fraction=0,separation=100"),
+    )
     for c in range(4):
-        assert torch.allclose(small.x_train[small.y_train == c].mean(0), large.x_train[large.y_train == c].mean(0),
-                              atol=6.0)  # mean norm ~100, noise of 2 samples ~ 1/sqrt(2)
+        assert torch.allclose(
+            small.x_train[small.y_train == c].mean(0),
+            large.x_train[large.y_train == c].mean(0),
+            atol=6.0,
+        )  # mean norm ~100, noise of 2 samples ~ 1/sqrt(2)
 
 
 def test_images_builtin_is_learnable_and_shaped():
@@ -279,7 +312,9 @@ def test_images_builtin_is_learnable_and_shaped():
     assert abs(float(ds.x_train.mean()) - 0.5) < 0.05
     flat = ds.x_train.flatten(1)
     means = torch.stack([flat[ds.y_train == c].mean(0) for c in range(10)])
-    accuracy = float((torch.cdist(ds.x_test.flatten(1), means).argmin(1) == ds.y_test).float().mean())
+    accuracy = float(
+        (torch.cdist(ds.x_test.flatten(1), means).argmin(1) == ds.y_test).float().mean()
+    )
     assert accuracy > 0.9
     gray = load_dataset("images:n=40,size=5,channels=1,classes=3,test_fraction=0")
     assert gray.x_train.shape == (40, 1, 5, 5) and gray.x_test is None
@@ -287,8 +322,18 @@ def test_images_builtin_is_learnable_and_shaped():
 
 def test_builtin_spec_round_trip_and_json():
     ds = load_dataset("blobs:n=100, dim=3 ,seed=7")
-    assert ds.spec == {"kind": "builtin", "name": "blobs", "args": {
-        "n": 100, "dim": 3, "classes": 4, "seed": 7, "test_fraction": 0.25, "separation": 3.0}}
+    assert ds.spec == {
+        "kind": "builtin",
+        "name": "blobs",
+        "args": {
+            "n": 100,
+            "dim": 3,
+            "classes": 4,
+            "seed": 7,
+            "test_fraction": 0.25,
+            "separation": 3.0,
+        },
+    }
     again = load_dataset(json.loads(json.dumps(ds.spec)))
     assert torch.equal(again.x_train, ds.x_train) and torch.equal(again.y_test, ds.y_test)
     text = format_data_spec(ds.spec)
@@ -344,23 +389,81 @@ def test_split_and_input_shape():
 def test_validate_for_model():
     ds = load_dataset("blobs:n=40,dim=12,classes=4")
     validate_for_model(ds, (12,), 4, "data.csv")
-    expect_error(InputError, "data.csv", "features have 12 columns but the model expects 16",
-                 validate_for_model, ds, (16,), 4, "data.csv")
-    expect_error(InputError, "builtin:blobs", "labels include 3 but the model has 3 classes",
-                 validate_for_model, ds, [12], 3, None)
+    expect_error(
+        InputError,
+        "data.csv",
+        "features have 12 columns but the model expects 16",
+        validate_for_model,
+        ds,
+        (16,),
+        4,
+        "data.csv",
+    )
+    expect_error(
+        InputError,
+        "builtin:blobs",
+        "labels include 3 but the model has 3 classes",
+        validate_for_model,
+        ds,
+        [12],
+        3,
+        None,
+    )
     images = load_dataset("images:n=20,size=4")
-    expect_error(InputError, "img", "shape (3, 4, 4) but the model expects (3, 8, 8)",
-                 validate_for_model, (images.x_train, images.y_train), (3, 8, 8), 10, "img")
+    expect_error(
+        InputError,
+        "img",
+        "shape (3, 4, 4) but the model expects (3, 8, 8)",
+        validate_for_model,
+        (images.x_train, images.y_train),
+        (3, 8, 8),
+        10,
+        "img",
+    )
     x = torch.ones(3, 2)
     x[1, 1] = float("nan")
-    expect_error(InputError, "p", "1 non-finite", validate_for_model, (x, torch.zeros(3, dtype=torch.long)), (2,), 2,
-                 "p")
-    expect_error(InputError, "p", "empty", validate_for_model, (torch.ones(0, 2), torch.zeros(0)), (2,), 2, "p")
+    expect_error(
+        InputError,
+        "p",
+        "1 non-finite",
+        validate_for_model,
+        (x, torch.zeros(3, dtype=torch.long)),
+        (2,),
+        2,
+        "p",
+    )
+    expect_error(
+        InputError,
+        "p",
+        "empty",
+        validate_for_model,
+        (torch.ones(0, 2), torch.zeros(0)),
+        (2,),
+        2,
+        "p",
+    )
     reg = (torch.ones(4, 2), torch.ones(4, 3))
     validate_for_model(reg, (2,), 3, "r")
-    expect_error(InputError, "r", "3 value(s) per sample but the model has 1 outputs", validate_for_model, reg, (2,),
-                 1, "r")
-    expect_error(InputError, "r", "-1", validate_for_model, (torch.ones(2, 2), torch.tensor([0, -1])), (2,), 2, "r")
+    expect_error(
+        InputError,
+        "r",
+        "3 value(s) per sample but the model has 1 outputs",
+        validate_for_model,
+        reg,
+        (2,),
+        1,
+        "r",
+    )
+    expect_error(
+        InputError,
+        "r",
+        "-1",
+        validate_for_model,
+        (torch.ones(2, 2), torch.tensor([0, -1])),
+        (2,),
+        2,
+        "r",
+    )
 
 
 # ----------------------------------------------------------------------------- malicious pickles
@@ -369,20 +472,39 @@ def test_validate_for_model():
 def test_malicious_cifar_batch_is_refused_not_executed(tmp_path):
     marker = tmp_path / "PWNED"
     folder = fx.write_malicious_cifar10_python(str(tmp_path / "evil"), str(marker))
-    expect_error(InputError, os.path.join(folder, "data_batch_1"), "refusing to unpickle os.system",
-                 load_dataset, folder)
+    expect_error(
+        InputError,
+        os.path.join(folder, "data_batch_1"),
+        "refusing to unpickle os.system",
+        load_dataset,
+        folder,
+    )
     assert not marker.exists()
     # the payload is real: a plain pickle.loads would have run the command
     pickle.loads(Path(folder, "data_batch_1").read_bytes(), encoding="bytes")
     assert marker.exists()
 
 
-@pytest.mark.parametrize("module,name", [("builtins", "eval"), ("subprocess", "Popen"), ("numpy", "load"),
-                                         ("posix", "system"), ("numpy.testing", "_private")])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("builtins", "eval"),
+        ("subprocess", "Popen"),
+        ("numpy", "load"),
+        ("posix", "system"),
+        ("numpy.testing", "_private"),
+    ],
+)
 def test_restricted_unpickler_refuses_globals(module, name):
     stream = b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\nU\x01x\x85R."
-    expect_error(InputError, "f.pkl", f"refusing to unpickle {module}.{name}", restricted_loads, stream,
-                 source="f.pkl")
+    expect_error(
+        InputError,
+        "f.pkl",
+        f"refusing to unpickle {module}.{name}",
+        restricted_loads,
+        stream,
+        source="f.pkl",
+    )
 
 
 def test_restricted_codecs_encode_only_latin1():
@@ -395,38 +517,80 @@ def test_restricted_codecs_encode_only_latin1():
 
 
 def test_missing_path_and_unknown_extension(tmp_path):
-    expect_error(InputError, "blob", "no such file or directory; built-in datasets: blobs, images", load_dataset,
-                 "blob")
+    expect_error(
+        InputError,
+        "blob",
+        "no such file or directory; built-in datasets: blobs, images",
+        load_dataset,
+        "blob",
+    )
     missing = str(tmp_path / "nope.safetensors")
     expect_error(InputError, missing, "no such file", load_dataset, missing)
     odd = tmp_path / "data.txt"
     odd.write_text("1,2\n")
     expect_error(InputError, str(odd), "unknown data file extension '.txt'", load_dataset, str(odd))
-    expect_error(InputError, str(tmp_path), "not a recognised dataset folder", load_dataset, str(tmp_path))
+    expect_error(
+        InputError, str(tmp_path), "not a recognised dataset folder", load_dataset, str(tmp_path)
+    )
 
 
 def test_builtin_and_spec_usage_errors():
     expect_error(UsageError, "--data", "unknown argument(s) dims", load_dataset, "blobs:dims=3")
     expect_error(UsageError, "--data", "n must be an integer", load_dataset, "blobs:n=ten")
-    expect_error(UsageError, "--data", "test_fraction must be in [0, 1)", load_dataset, "blobs:test_fraction=1")
+    expect_error(
+        UsageError,
+        "--data",
+        "test_fraction must be in [0, 1)",
+        load_dataset,
+        "blobs:test_fraction=1",
+    )
     expect_error(UsageError, "--data", "expected key=value", load_dataset, "images:size")
-    expect_error(UsageError, "--data", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1")
+    expect_error(
+        UsageError, "--data", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1"
+    )
     expect_error(UsageError, "--data", "kind", load_dataset, {"kind": "web", "url": "x"})
-    expect_error(UsageError, "--label-column", "no label column", load_dataset, "blobs", label_column="y")
+    expect_error(
+        UsageError, "--label-column", "no label column", load_dataset, "blobs", label_column="y"
+    )
 
 
 def test_label_column_rules(tmp_path):
     written = fx.write_safetensors(str(tmp_path))
-    expect_error(UsageError, "--label-column", "not to safetensors", load_dataset, written.path, label_column="y")
+    expect_error(
+        UsageError,
+        "--label-column",
+        "not to safetensors",
+        load_dataset,
+        written.path,
+        label_column="y",
+    )
     cifar = fx.write_cifar10_binary(str(tmp_path))
-    expect_error(UsageError, "--label-column", "not to cifar10-binary data", load_dataset, cifar.path,
-                 label_column="fine")
+    expect_error(
+        UsageError,
+        "--label-column",
+        "not to cifar10-binary data",
+        load_dataset,
+        cifar.path,
+        label_column="fine",
+    )
     c100 = fx.write_cifar100_binary(str(tmp_path))
-    expect_error(UsageError, "--label-column", "'fine' (100 classes) or 'coarse'", load_dataset, c100.path,
-                 label_column="superclass")
+    expect_error(
+        UsageError,
+        "--label-column",
+        "'fine' (100 classes) or 'coarse'",
+        load_dataset,
+        c100.path,
+        label_column="superclass",
+    )
     table = fx.write_csv(str(tmp_path))
-    expect_error(UsageError, "--label-column", "contradicts", load_dataset,
-                 {"kind": "file", "path": table.path, "label_column": "a"}, label_column="b")
+    expect_error(
+        UsageError,
+        "--label-column",
+        "contradicts",
+        load_dataset,
+        {"kind": "file", "path": table.path, "label_column": "a"},
+        label_column="b",
+    )
 
 
 def test_truncated_and_corrupt_tensor_files(tmp_path):
@@ -453,23 +617,55 @@ def test_pt_with_pickled_code_is_refused(tmp_path):
     expect_error(InputError, str(path), "holds a list", load_dataset, str(path))
 
 
-@pytest.mark.parametrize("arrays,message", [
-    ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "unexpected key(s) X"),
-    ({"x": np.ones((2, 2))}, "has no y (keys found: x)"),
-    ({"x": np.ones((3, 2)), "y": np.zeros(2, np.int64)}, "y has 2 labels but the features have 3 rows"),
-    ({"x": np.ones((2, 2)), "y": np.zeros(2, np.int64), "x_test": np.ones((1, 2))}, "has x_test but no y_test"),
-    ({"x": np.ones((2, 2)), "y": np.zeros(2, np.int64), "x_test": np.ones((1, 3)), "y_test": np.zeros(1, np.int64)},
-     "x_test has per-sample shape (3,) but x has (2,)"),
-    ({"x": np.array([[1.0, np.inf]]), "y": np.zeros(1, np.int64)}, "x has 1 non-finite value(s)"),
-    ({"x": np.array([[1e39]]), "y": np.zeros(1, np.int64)}, "beyond the float32 range"),
-    ({"x": np.ones((0, 2)), "y": np.zeros(0, np.int64)}, "x is empty"),
-    ({"x": np.ones((2, 2)), "y": np.array([0, -3])}, "negative label (-3)"),
-    ({"x": np.ones((2, 2)), "y": np.array([0.5, np.nan])}, "y has 1 non-finite"),
-    ({"x": np.ones((2, 2)), "y": np.zeros((2, 2), np.int64)}, "class labels must be one per sample"),
-    ({"x": np.ones((2, 2, 2, 2, 2)), "y": np.zeros(2, np.int64)}, "expected (N, D) vectors or (N, C, H, W)"),
-    ({"x": np.ones((2, 2)), "y": np.zeros(2, np.int64), "x_test": np.ones((1, 2)), "y_test": np.ones(1)},
-     "y_test has dtype torch.float64 but y has torch.int64"),
-])
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "unexpected key(s) X"),
+        ({"x": np.ones((2, 2))}, "has no y (keys found: x)"),
+        (
+            {"x": np.ones((3, 2)), "y": np.zeros(2, np.int64)},
+            "y has 2 labels but the features have 3 rows",
+        ),
+        (
+            {"x": np.ones((2, 2)), "y": np.zeros(2, np.int64), "x_test": np.ones((1, 2))},
+            "has x_test but no y_test",
+        ),
+        (
+            {
+                "x": np.ones((2, 2)),
+                "y": np.zeros(2, np.int64),
+                "x_test": np.ones((1, 3)),
+                "y_test": np.zeros(1, np.int64),
+            },
+            "x_test has per-sample shape (3,) but x has (2,)",
+        ),
+        (
+            {"x": np.array([[1.0, np.inf]]), "y": np.zeros(1, np.int64)},
+            "x has 1 non-finite value(s)",
+        ),
+        ({"x": np.array([[1e39]]), "y": np.zeros(1, np.int64)}, "beyond the float32 range"),
+        ({"x": np.ones((0, 2)), "y": np.zeros(0, np.int64)}, "x is empty"),
+        ({"x": np.ones((2, 2)), "y": np.array([0, -3])}, "negative label (-3)"),
+        ({"x": np.ones((2, 2)), "y": np.array([0.5, np.nan])}, "y has 1 non-finite"),
+        (
+            {"x": np.ones((2, 2)), "y": np.zeros((2, 2), np.int64)},
+            "class labels must be one per sample",
+        ),
+        (
+            {"x": np.ones((2, 2, 2, 2, 2)), "y": np.zeros(2, np.int64)},
+            "expected (N, D) vectors or (N, C, H, W)",
+        ),
+        (
+            {
+                "x": np.ones((2, 2)),
+                "y": np.zeros(2, np.int64),
+                "x_test": np.ones((1, 2)),
+                "y_test": np.ones(1),
+            },
+            "y_test has dtype torch.float64 but y has torch.int64",
+        ),
+    ],
+)
 def test_bad_tensor_contents(tmp_path, arrays, message):
     written = fx.write_npz(str(tmp_path), arrays=arrays)
     expect_error(InputError, written.path, message, load_dataset, written.path)
@@ -482,14 +678,26 @@ def test_bad_tables(tmp_path):
         return str(path)
 
     path = csv("nolabel.csv", pd.DataFrame({"a": [1], "b": [2]}))
-    expect_error(InputError, path, "has no label column 'label' (columns: a, b)", load_dataset, path)
+    expect_error(
+        InputError, path, "has no label column 'label' (columns: a, b)", load_dataset, path
+    )
     path = csv("text.csv", pd.DataFrame({"a": [1, 2], "city": ["x", "y"], "label": [0, 1]}))
     expect_error(InputError, path, "non-numeric feature column(s) city", load_dataset, path)
     path = csv("nan.csv", pd.DataFrame({"a": [1.0, None, 3.0], "label": [0, 1, 0]}))
-    expect_error(InputError, path, "feature column 'a' has a missing or NaN value (row 2)", load_dataset, path)
-    path = csv("split.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["train", "valid"]}))
+    expect_error(
+        InputError,
+        path,
+        "feature column 'a' has a missing or NaN value (row 2)",
+        load_dataset,
+        path,
+    )
+    path = csv(
+        "split.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["train", "valid"]})
+    )
     expect_error(InputError, path, "'valid'; expected train or test", load_dataset, path)
-    path = csv("onlytest.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["test", "test"]}))
+    path = csv(
+        "onlytest.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["test", "test"]})
+    )
     expect_error(InputError, path, "marks no row as train", load_dataset, path)
     path = csv("onlylabel.csv", pd.DataFrame({"label": [0, 1]}))
     expect_error(InputError, path, "no feature columns", load_dataset, path)
@@ -509,8 +717,13 @@ def test_bad_cifar_folders(tmp_path):
     written = fx.write_cifar10_binary(str(tmp_path / "a"))
     batch = Path(written.path, "data_batch_2.bin")
     batch.write_bytes(batch.read_bytes()[:-5])
-    expect_error(InputError, str(batch), "not a positive multiple of the 3073-byte record", load_dataset,
-                 written.path)
+    expect_error(
+        InputError,
+        str(batch),
+        "not a positive multiple of the 3073-byte record",
+        load_dataset,
+        written.path,
+    )
     # a gap in the numbering
     written = fx.write_cifar10_binary(str(tmp_path / "b"))
     os.remove(os.path.join(written.path, "data_batch_3.bin"))
@@ -520,33 +733,66 @@ def test_bad_cifar_folders(tmp_path):
     root.mkdir(parents=True)
     rows = np.zeros((2, 3072), np.uint8)
     (root / "data_batch_1").write_bytes(fx.py2_pickle({b"data": rows, b"labels": [3, 10]}))
-    expect_error(InputError, str(root), "has label 10 but the format has 10 classes", load_dataset, str(root))
+    expect_error(
+        InputError, str(root), "has label 10 but the format has 10 classes", load_dataset, str(root)
+    )
     (root / "data_batch_1").write_bytes(fx.py2_pickle({b"data": rows[:, :100], b"labels": [3, 1]}))
-    expect_error(InputError, str(root / "data_batch_1"), "expected uint8 (n, 3072)", load_dataset, str(root))
+    expect_error(
+        InputError, str(root / "data_batch_1"), "expected uint8 (n, 3072)", load_dataset, str(root)
+    )
     (root / "data_batch_1").write_bytes(fx.py2_pickle({b"data": rows, b"labels": [3]}))
-    expect_error(InputError, str(root / "data_batch_1"), "2 images but 1 labels", load_dataset, str(root))
+    expect_error(
+        InputError, str(root / "data_batch_1"), "2 images but 1 labels", load_dataset, str(root)
+    )
     (root / "data_batch_1").write_bytes(fx.py2_pickle({b"data": rows, b"labels": [3, 1]})[:-40])
-    expect_error(InputError, str(root / "data_batch_1"), "cannot read pickle data", load_dataset, str(root))
+    expect_error(
+        InputError, str(root / "data_batch_1"), "cannot read pickle data", load_dataset, str(root)
+    )
     (root / "data_batch_1").write_bytes(fx.py2_pickle({b"pixels": rows}))
-    expect_error(InputError, str(root / "data_batch_1"), "no 'data' entry (keys: pixels)", load_dataset, str(root))
+    expect_error(
+        InputError,
+        str(root / "data_batch_1"),
+        "no 'data' entry (keys: pixels)",
+        load_dataset,
+        str(root),
+    )
     # two layouts below one folder
     fx.write_cifar10_binary(str(tmp_path / "two"))
     fx.write_mnist_idx(str(tmp_path / "two"))
-    expect_error(InputError, str(tmp_path / "two"), "holds several datasets", load_dataset, str(tmp_path / "two"))
+    expect_error(
+        InputError,
+        str(tmp_path / "two"),
+        "holds several datasets",
+        load_dataset,
+        str(tmp_path / "two"),
+    )
 
 
 def test_bad_mnist_folders(tmp_path):
     written = fx.write_mnist_idx(str(tmp_path / "a"), gz=False)
     labels = Path(written.path, "train-labels-idx1-ubyte")
     labels.write_bytes(fx.idx_bytes(np.zeros(5, np.uint8)))  # 5 labels for 6 images
-    expect_error(InputError, written.path, "has 6 images but train-labels-idx1-ubyte has 5 labels", load_dataset,
-                 written.path)
+    expect_error(
+        InputError,
+        written.path,
+        "has 6 images but train-labels-idx1-ubyte has 5 labels",
+        load_dataset,
+        written.path,
+    )
     labels.write_bytes(fx.idx_bytes(np.zeros(6, np.uint8))[:-2])
-    expect_error(InputError, str(labels), "truncated: 4 of 6 data bytes", load_dataset, written.path)
+    expect_error(
+        InputError, str(labels), "truncated: 4 of 6 data bytes", load_dataset, written.path
+    )
     labels.write_bytes(fx.idx_bytes(np.zeros(6, np.uint8)) + b"\x00")
     expect_error(InputError, str(labels), "trailing bytes", load_dataset, written.path)
     labels.write_bytes(b"\x01\x02\x08\x01" + struct.pack(">I", 6) + bytes(6))
-    expect_error(InputError, str(labels), "not an idx file (magic bytes 01020801)", load_dataset, written.path)
+    expect_error(
+        InputError,
+        str(labels),
+        "not an idx file (magic bytes 01020801)",
+        load_dataset,
+        written.path,
+    )
     labels.write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 6) + bytes([0, 1, 2, 3, 4, 11]))
     validated = load_dataset(written.path)
     assert validated.num_classes == 12  # an EMNIST-style label beyond 9 widens the class count
@@ -566,24 +812,47 @@ def test_bad_mnist_folders(tmp_path):
 
 def test_format_given_in_spec_must_fit_the_path(tmp_path):
     written = fx.write_cifar10_binary(str(tmp_path))
-    expect_error(InputError, written.path, "does not hold a mnist-idx layout", load_dataset,
-                 {"kind": "file", "path": written.path, "format": "mnist-idx"})
+    expect_error(
+        InputError,
+        written.path,
+        "does not hold a mnist-idx layout",
+        load_dataset,
+        {"kind": "file", "path": written.path, "format": "mnist-idx"},
+    )
     table = fx.write_csv(str(tmp_path))
-    expect_error(InputError, table.path, "needs a directory", load_dataset,
-                 {"kind": "file", "path": table.path, "format": "cifar10-binary"})
+    expect_error(
+        InputError,
+        table.path,
+        "needs a directory",
+        load_dataset,
+        {"kind": "file", "path": table.path, "format": "cifar10-binary"},
+    )
     copy = tmp_path / "table.dat"
     shutil.copy(table.path, copy)
-    ds = load_dataset({"kind": "file", "path": str(copy), "format": "csv"})  # format overrides the extension
+    ds = load_dataset(
+        {"kind": "file", "path": str(copy), "format": "csv"}
+    )  # format overrides the extension
     assert torch.equal(ds.x_train, t(table.x_train))
-    expect_error(UsageError, "--data", "unknown data format 'tsv'", load_dataset,
-                 {"kind": "file", "path": str(copy), "format": "tsv"})
+    expect_error(
+        UsageError,
+        "--data",
+        "unknown data format 'tsv'",
+        load_dataset,
+        {"kind": "file", "path": str(copy), "format": "tsv"},
+    )
 
 
-@pytest.mark.parametrize("x,message", [
-    (torch.empty(2, 2, device="meta"), "x is a meta tensor"),
-    (torch.ones(2, 2).to_sparse(), "x is a torch.sparse_coo tensor, expected a dense tensor"),
-    (torch.ones(2, 2, dtype=torch.complex64), "x has dtype torch.complex64, expected real numbers"),
-])
+@pytest.mark.parametrize(
+    "x,message",
+    [
+        (torch.empty(2, 2, device="meta"), "x is a meta tensor"),
+        (torch.ones(2, 2).to_sparse(), "x is a torch.sparse_coo tensor, expected a dense tensor"),
+        (
+            torch.ones(2, 2, dtype=torch.complex64),
+            "x has dtype torch.complex64, expected real numbers",
+        ),
+    ],
+)
 def test_pt_tensor_kinds_refused(tmp_path, x, message):
     path = tmp_path / "odd.pt"
     torch.save({"x": x, "y": torch.zeros(2, dtype=torch.long)}, path)

@@ -28,13 +28,17 @@ if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not
     _spec.loader.exec_module(sys.modules["make_data_fixtures"])
 fx = sys.modules["make_data_fixtures"]
 
-FUZZ = settings(max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 EXTENSIONS = [".safetensors", ".pt", ".pth", ".npz", ".csv", ".parquet"]
 
 
 def check_contract(ds: Dataset) -> None:
     """A successfully loaded dataset satisfies the Dataset contract."""
-    assert ds.x_train.dtype == torch.float32 and ds.x_train.dim() in (2, 4) and ds.x_train.shape[0] > 0
+    assert (
+        ds.x_train.dtype == torch.float32 and ds.x_train.dim() in (2, 4) and ds.x_train.shape[0] > 0
+    )
     assert bool(torch.isfinite(ds.x_train).all())
     assert ds.y_train.shape[0] == ds.x_train.shape[0]
     if ds.task == "classification":
@@ -44,7 +48,9 @@ def check_contract(ds: Dataset) -> None:
         assert ds.num_classes is None and ds.y_train.dtype == torch.float32
         assert bool(torch.isfinite(ds.y_train).all())
     if ds.x_test is not None:
-        assert ds.x_test.shape[1:] == ds.x_train.shape[1:] and ds.y_test.shape[0] == ds.x_test.shape[0]
+        assert (
+            ds.x_test.shape[1:] == ds.x_train.shape[1:] and ds.y_test.shape[0] == ds.x_test.shape[0]
+        )
 
 
 def load_or_input_error(path: str) -> None:
@@ -108,9 +114,17 @@ def test_mutated_valid_files(valid_files, ext, edits, cut):
 
 
 @FUZZ
-@given(edits=byte_edits, cut=st.none() | st.integers(0, 7000), random_stream=st.none() | st.binary(max_size=300))
+@given(
+    edits=byte_edits,
+    cut=st.none() | st.integers(0, 7000),
+    random_stream=st.none() | st.binary(max_size=300),
+)
 def test_mutated_cifar_pickles_only_raise_input_error(valid_files, edits, cut, random_stream):
-    data = random_stream if random_stream is not None else mutate(valid_files["data_batch_1"], edits, cut)
+    data = (
+        random_stream
+        if random_stream is not None
+        else mutate(valid_files["data_batch_1"], edits, cut)
+    )
     try:
         restricted_loads(data, source="batch")
     except InputError as exc:
@@ -123,8 +137,12 @@ def test_mutated_cifar_pickles_only_raise_input_error(valid_files, edits, cut, r
 
 
 @FUZZ
-@given(layout=st.sampled_from(["cifar10-binary", "cifar100-binary", "mnist-raw", "mnist-gz"]),
-       payload=st.binary(max_size=8000), edits=byte_edits, use_valid=st.booleans())
+@given(
+    layout=st.sampled_from(["cifar10-binary", "cifar100-binary", "mnist-raw", "mnist-gz"]),
+    payload=st.binary(max_size=8000),
+    edits=byte_edits,
+    use_valid=st.booleans(),
+)
 def test_random_vision_files(valid_files, layout, payload, edits, use_valid):
     with tempfile.TemporaryDirectory() as folder:
         if layout == "cifar10-binary":
@@ -135,29 +153,46 @@ def test_random_vision_files(valid_files, layout, payload, edits, use_valid):
         else:
             gz = layout == "mnist-gz"
             suffix = ".gz" if gz else ""
-            images = mutate(valid_files["train-images-idx3-ubyte"], edits, None) if use_valid else payload
+            images = (
+                mutate(valid_files["train-images-idx3-ubyte"], edits, None)
+                if use_valid
+                else payload
+            )
             labels = valid_files["train-labels-idx1-ubyte"] if use_valid else payload[:64]
-            for name, data in (("train-images-idx3-ubyte", images), ("train-labels-idx1-ubyte", labels)):
+            for name, data in (
+                ("train-images-idx3-ubyte", images),
+                ("train-labels-idx1-ubyte", labels),
+            ):
                 Path(folder, name + suffix).write_bytes(gzip.compress(data) if gz else data)
         load_or_input_error(folder)
 
 
 DTYPES = [np.float32, np.float64, np.float16, np.int64, np.int32, np.uint8, np.int8, np.bool_]
-special_floats = st.sampled_from([0.0, -1.0, 1.5, 3.0, 1e39, -1e39, float("nan"), float("inf"), 2.0**40, -7.0])
+special_floats = st.sampled_from(
+    [0.0, -1.0, 1.5, 3.0, 1e39, -1e39, float("nan"), float("inf"), 2.0**40, -7.0]
+)
 
 
 @st.composite
 def tensor_dicts(draw):
     """Random dicts with keys drawn from x, y, x_test, y_test (and a stray one), random shapes and dtypes."""
-    keys = draw(st.lists(st.sampled_from(["x", "y", "x_test", "y_test", "extra"]), unique=True, max_size=5))
+    keys = draw(
+        st.lists(st.sampled_from(["x", "y", "x_test", "y_test", "extra"]), unique=True, max_size=5)
+    )
     out = {}
     for key in keys:
         ndim = draw(st.integers(0, 5))
         shape = tuple(draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim)))
         dtype = draw(st.sampled_from(DTYPES))
         size = int(np.prod(shape)) if shape else 1
-        values = np.array(draw(st.lists(special_floats | st.integers(-3, 9).map(float), min_size=size,
-                                        max_size=size)), dtype=np.float64)
+        values = np.array(
+            draw(
+                st.lists(
+                    special_floats | st.integers(-3, 9).map(float), min_size=size, max_size=size
+                )
+            ),
+            dtype=np.float64,
+        )
         with np.errstate(all="ignore"):
             if np.dtype(dtype).kind in "iub":
                 values = np.nan_to_num(values, nan=0, posinf=0, neginf=0).clip(-100, 100)
@@ -179,10 +214,20 @@ def test_random_tensor_dicts(arrays, fmt):
 
 
 @FUZZ
-@given(rows=st.lists(st.lists(st.one_of(st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=3),
-                                        st.none()), min_size=3, max_size=3), max_size=6),
-       columns=st.lists(st.sampled_from(["a", "b", "label", "split", "c"]), min_size=3, max_size=3),
-       fmt=st.sampled_from(["csv", "parquet"]))
+@given(
+    rows=st.lists(
+        st.lists(
+            st.one_of(
+                st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=3), st.none()
+            ),
+            min_size=3,
+            max_size=3,
+        ),
+        max_size=6,
+    ),
+    columns=st.lists(st.sampled_from(["a", "b", "label", "split", "c"]), min_size=3, max_size=3),
+    fmt=st.sampled_from(["csv", "parquet"]),
+)
 def test_random_tables(rows, columns, fmt):
     import pandas as pd
 

@@ -14,10 +14,9 @@ import textwrap
 
 import pytest
 import torch
-from torch import nn
-
 from cli_helpers import assert_one_line_error, run_cli
 from conftest import make_data, make_mlp
+from torch import nn
 
 
 @pytest.fixture
@@ -25,7 +24,10 @@ def checkpoint(tmp_path):
     from sharpcli.io.checkpoints import save_checkpoint
     from sharpcli.models import build_model, default_model_args
 
-    spec = {"name": "mlp", "args": default_model_args("mlp", (8,), 3, width=8, depth=2, activation="gelu")}
+    spec = {
+        "name": "mlp",
+        "args": default_model_args("mlp", (8,), 3, width=8, depth=2, activation="gelu"),
+    }
     torch.manual_seed(0)
     path = tmp_path / "model.safetensors"
     save_checkpoint(path, build_model(spec), spec, data_spec="blobs:n=96,dim=8,classes=3,seed=2")
@@ -33,8 +35,22 @@ def checkpoint(tmp_path):
 
 
 def test_two_analyze_runs_with_the_same_seed_give_identical_results(checkpoint, capsys):
-    argv = ["analyze", str(checkpoint), "--metrics", "eigen,trace,gn-nme", "--seed", "5", "--samples", "60",
-            "--batch-size", "32", "--max-matvecs", "24", "--json", "-"]
+    argv = [
+        "analyze",
+        str(checkpoint),
+        "--metrics",
+        "eigen,trace,gn-nme",
+        "--seed",
+        "5",
+        "--samples",
+        "60",
+        "--batch-size",
+        "32",
+        "--max-matvecs",
+        "24",
+        "--json",
+        "-",
+    ]
     first = run_cli(capsys, *argv)
     second = run_cli(capsys, *argv)
     assert first.code == second.code == 0, first.err
@@ -71,7 +87,11 @@ def test_session_refuses_batchnorm_stuck_in_training_mode():
         def train(self, mode: bool = True):  # ignores eval(): stays on batch statistics
             return super().train(True)
 
-    model = nn.Sequential(nn.Linear(4, 5), StuckBatchNorm(5), nn.ReLU(), nn.Linear(5, 3)).double().eval()
+    model = (
+        nn.Sequential(nn.Linear(4, 5), StuckBatchNorm(5), nn.ReLU(), nn.Linear(5, 3))
+        .double()
+        .eval()
+    )
     x, _ = make_data("vector")
     with pytest.raises(InputError) as info:  # a problem of the model file, not of the options
         check_deterministic_forward(model, x, source="model.pt")
@@ -82,7 +102,8 @@ def test_session_refuses_batchnorm_stuck_in_training_mode():
 def test_cli_refuses_a_model_that_is_random_in_eval_mode(tmp_path, capsys, monkeypatch):
     from safetensors.torch import save_file
 
-    (tmp_path / "noisy_factory.py").write_text(textwrap.dedent("""
+    (tmp_path / "noisy_factory.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -97,7 +118,8 @@ def test_cli_refuses_a_model_that_is_random_in_eval_mode(tmp_path, capsys, monke
 
         def build():
             return AlwaysDropout()
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     torch.manual_seed(0)
     import importlib
@@ -105,12 +127,21 @@ def test_cli_refuses_a_model_that_is_random_in_eval_mode(tmp_path, capsys, monke
     module = importlib.import_module("noisy_factory")
     weights = tmp_path / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in module.build().state_dict().items()}, str(weights))
-    run = run_cli(capsys, "eigen", str(weights), "--model-factory", "noisy_factory:build",
-                  "--data", "blobs:n=40,dim=8,classes=3")
+    run = run_cli(
+        capsys,
+        "eigen",
+        str(weights),
+        "--model-factory",
+        "noisy_factory:build",
+        "--data",
+        "blobs:n=40,dim=8,classes=3",
+    )
     assert_one_line_error(run, 2, "not deterministic", str(weights))
 
 
-def test_inf_during_a_hessian_product_exits_3_naming_operator_and_batch(checkpoint, tmp_path, capsys):
+def test_inf_during_a_hessian_product_exits_3_naming_operator_and_batch(
+    checkpoint, tmp_path, capsys
+):
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(0)
@@ -119,12 +150,16 @@ def test_inf_during_a_hessian_product_exits_3_naming_operator_and_batch(checkpoi
     x[37] = 1e25  # finite input; its second derivatives overflow float32 (batch 2 of 16 samples)
     data = tmp_path / "overflow.safetensors"
     save_file({"x": x, "y": y}, str(data))
-    run = run_cli(capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16", "--json", "-")
+    run = run_cli(
+        capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16", "--json", "-"
+    )
     assert run.code == 3, run.err
     line = run.err.strip()
     assert "\n" not in line and "Hessian" in line and "batch 2" in line
     error = run.json()["error"]
-    assert error["type"] == "numerical" and error["exit_code"] == 3 and "batch 2" in error["message"]
+    assert (
+        error["type"] == "numerical" and error["exit_code"] == 3 and "batch 2" in error["message"]
+    )
 
 
 def test_float32_overflow_of_a_finite_product_is_blamed_on_its_own_batch(tmp_path, capsys):
@@ -136,7 +171,10 @@ def test_float32_overflow_of_a_finite_product_is_blamed_on_its_own_batch(tmp_pat
     from sharpcli.io.checkpoints import save_checkpoint
     from sharpcli.models import build_model, default_model_args
 
-    spec = {"name": "mlp", "args": default_model_args("mlp", (8,), 3, width=8, depth=2, activation="relu")}
+    spec = {
+        "name": "mlp",
+        "args": default_model_args("mlp", (8,), 3, width=8, depth=2, activation="relu"),
+    }
     torch.manual_seed(0)
     model = build_model(spec).eval()
     checkpoint = tmp_path / "relu.safetensors"
@@ -154,11 +192,26 @@ def test_float32_overflow_of_a_finite_product_is_blamed_on_its_own_batch(tmp_pat
     data = tmp_path / "overflow.safetensors"
     save_file({"x": x, "y": y}, str(data))
 
-    run = run_cli(capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16", "--json", "-")
+    run = run_cli(
+        capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16", "--json", "-"
+    )
     assert run.code == 3, run.err
     line = run.err.strip()
     assert "\n" not in line and "Hessian" in line and "batch 2" in line and "float32" in line, line
     assert "batch 2" in run.json()["error"]["message"]
     # float64 has the range: the same data is analysed
-    assert run_cli(capsys, "eigen", str(checkpoint), "--data", str(data), "--batch-size", "16",
-                   "--dtype", "float64", "--quiet").code == 0
+    assert (
+        run_cli(
+            capsys,
+            "eigen",
+            str(checkpoint),
+            "--data",
+            str(data),
+            "--batch-size",
+            "16",
+            "--dtype",
+            "float64",
+            "--quiet",
+        ).code
+        == 0
+    )

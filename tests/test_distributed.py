@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from cli_helpers import run_cli
 
 RELATIVE = 1e-10
@@ -39,7 +38,10 @@ def _make_files(tmp_path):
     from sharpcli.io.checkpoints import save_checkpoint
     from sharpcli.models import build_model, default_model_args
 
-    spec = {"name": "mlp", "args": default_model_args("mlp", (16,), 4, width=10, depth=2, activation="gelu")}
+    spec = {
+        "name": "mlp",
+        "args": default_model_args("mlp", (16,), 4, width=10, depth=2, activation="gelu"),
+    }
     torch.manual_seed(0)
     ckpt = tmp_path / "model.safetensors"
     save_checkpoint(ckpt, build_model(spec), spec, data_spec="blobs:n=120,dim=16,classes=4,seed=3")
@@ -54,19 +56,65 @@ def _make_files(tmp_path):
 
 def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
     common = ["--dtype", "float64", "--batch-size", "16", "--json", "-", "--quiet"]
-    train = ["train", "--data", "blobs:n=90,dim=6,classes=3", "--epochs", "2", "--batch-size", "25",
-             "--dtype", "float64", "--width", "6", "--depth", "2", "--json", "-", "--quiet"]
+    train = [
+        "train",
+        "--data",
+        "blobs:n=90,dim=6,classes=3",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "25",
+        "--dtype",
+        "float64",
+        "--width",
+        "6",
+        "--depth",
+        "2",
+        "--json",
+        "-",
+        "--quiet",
+    ]
     return {
         "eigen": ["eigen", str(ckpt), "--top-k", "2", "--which", "both", *common],
-        "trace": ["trace", str(ckpt), "--estimator", "hutchinson", "--tol", "1e-9", "--max-matvecs", "24", *common],
+        "trace": [
+            "trace",
+            str(ckpt),
+            "--estimator",
+            "hutchinson",
+            "--tol",
+            "1e-9",
+            "--max-matvecs",
+            "24",
+            *common,
+        ],
         "gn-nme": ["gn-nme", str(ckpt), "--tol", "1e-9", "--max-matvecs", "16", *common],
-        "overflow": ["eigen", str(ckpt), "--data", str(bad), "--batch-size", "16", "--json", "-", "--quiet"],
-        "train": [*train, "--reg", "wd", "--reg", "weight-noise", "--out", str(tmp_path / out_name)],
+        "overflow": [
+            "eigen",
+            str(ckpt),
+            "--data",
+            str(bad),
+            "--batch-size",
+            "16",
+            "--json",
+            "-",
+            "--quiet",
+        ],
+        "train": [
+            *train,
+            "--reg",
+            "wd",
+            "--reg",
+            "weight-noise",
+            "--out",
+            str(tmp_path / out_name),
+        ],
         "train-sam": [*train, "--reg", "sam", "--out", str(tmp_path / ("sam-" + out_name))],
     }
 
 
-def _rank_main(rank: int, world: int, ports: list[int], tmp: str, ckpt: str, bad: str, codes) -> None:
+def _rank_main(
+    rank: int, world: int, ports: list[int], tmp: str, ckpt: str, bad: str, codes
+) -> None:
     """One rank: torchrun's environment, then ``main`` per command with stdout in a per-rank file."""
     from pathlib import Path
 
@@ -74,13 +122,17 @@ def _rank_main(rank: int, world: int, ports: list[int], tmp: str, ckpt: str, bad
     from sharpcli.cli.app import main
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
+    )
     commands = _commands(Path(tmp), ckpt, bad, "ddp.safetensors")
     for (name, argv), port in zip(commands.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
         common.state()["debug"] = False
-        with open(Path(tmp) / f"{name}.rank{rank}.out", "w") as out, \
-                open(Path(tmp) / f"{name}.rank{rank}.err", "w") as err:
+        with (
+            open(Path(tmp) / f"{name}.rank{rank}.out", "w") as out,
+            open(Path(tmp) / f"{name}.rank{rank}.err", "w") as err,
+        ):
             sys.stdout, sys.stderr = out, err
             try:
                 main(argv)
@@ -116,8 +168,11 @@ def two_ranks(tmp_path_factory):
     outputs = {}
     for name in _commands(tmp, ckpt, bad, "ddp.safetensors"):
         for rank in (0, 1):
-            outputs[name, rank] = ((tmp / f"{name}.rank{rank}.out").read_text(),
-                                   (tmp / f"{name}.rank{rank}.err").read_text(), codes[f"{name}.{rank}"])
+            outputs[name, rank] = (
+                (tmp / f"{name}.rank{rank}.out").read_text(),
+                (tmp / f"{name}.rank{rank}.err").read_text(),
+                codes[f"{name}.{rank}"],
+            )
     return tmp, ckpt, bad, outputs
 
 
@@ -158,8 +213,10 @@ def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, na
         # label draws are keyed by the global sample index, hence rank-independent
         for key in ("exact", "sampled_label", "sampled_label_stderr"):
             assert _close(ref["ggn_trace_check"][key], par["ggn_trace_check"][key]), key
-        assert abs(par["ggn_trace_check"]["sampled_label"] - par["ggn_trace_check"]["exact"]) <= \
-            4 * par["ggn_trace_check"]["sampled_label_stderr"]
+        assert (
+            abs(par["ggn_trace_check"]["sampled_label"] - par["ggn_trace_check"]["exact"])
+            <= 4 * par["ggn_trace_check"]["sampled_label_stderr"]
+        )
 
 
 def test_inf_on_one_rank_stops_every_rank_with_exit_3(two_ranks):
@@ -209,13 +266,33 @@ def test_torchrun_launcher_prints_one_json_document(tmp_path):
     ckpt, _ = _make_files(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = ["eigen", str(ckpt), "--dtype", "float64", "--batch-size", "16", "--json", "-"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), "-m", "sharpcli", *argv],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "sharpcli",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     parallel = _one_json_document(proc.stdout)
-    single = subprocess.run([sys.executable, "-m", "sharpcli", *argv], capture_output=True, text=True,
-                            timeout=300, env=env)
+    single = subprocess.run(
+        [sys.executable, "-m", "sharpcli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     reference = json.loads(single.stdout)
     assert parallel["environment"]["world_size"] == 2
     assert _close(parallel["results"]["eigenvalues"][0], reference["results"]["eigenvalues"][0])

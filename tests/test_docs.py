@@ -21,9 +21,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import typer
-from typer.exceptions import TyperException
-
 from cli_helpers import run_cli
+from typer.exceptions import TyperException
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -45,12 +44,16 @@ run_guide = _load_runner()
 
 
 def _commands(page: Path):
-    return run_guide.extract_commands(page.read_text(encoding="utf-8"), source=str(page.relative_to(ROOT)))
+    return run_guide.extract_commands(
+        page.read_text(encoding="utf-8"), source=str(page.relative_to(ROOT))
+    )
 
 
 def _python_blocks(page: Path) -> list[str]:
     """The page's fenced ``python`` blocks, in order."""
-    return re.findall(r"^```python\n(.*?)^```$", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return re.findall(
+        r"^```python\n(.*?)^```$", page.read_text(encoding="utf-8"), flags=re.S | re.M
+    )
 
 
 def _cli_group():
@@ -67,13 +70,20 @@ def _schema() -> dict:
 
 # ----------------------------------------------------------------------------- fast checks
 def test_page_parser_refuses_what_it_would_not_run():
-    text = "```sh\nsharp analyze m.safetensors --fail-if \"hessian.lambda_max > 500\"  # exit 1\n```\n"
+    text = (
+        '```sh\nsharp analyze m.safetensors --fail-if "hessian.lambda_max > 500"  # exit 1\n```\n'
+    )
     (command,) = run_guide.extract_commands(text)
     assert command.args == ("analyze", "m.safetensors", "--fail-if", "hessian.lambda_max > 500")
     assert command.expected_exit == 1 and command.line == 2
     assert command.option("--fail-if") == "hessian.lambda_max > 500"
-    for bad in ("sharp eigen m | head", "sharp eigen $CKPT", "sharp eigen m > out.txt", "python -m sharpcli eigen m",
-                "sharp train && sharp eigen m"):
+    for bad in (
+        "sharp eigen m | head",
+        "sharp eigen $CKPT",
+        "sharp eigen m > out.txt",
+        "python -m sharpcli eigen m",
+        "sharp train && sharp eigen m",
+    ):
         with pytest.raises(ValueError):
             run_guide.extract_commands(f"```sh\n{bad}\n```\n")
     # other fenced blocks (text, yaml, json) are never run
@@ -120,7 +130,9 @@ def test_command_page_examples_run_as_documented(tmp_path, monkeypatch, capsys):
         for command in _commands(page):
             where = f"{page.name}:{command.line}: {command.text}"
             run = run_cli(capsys, *command.args)
-            assert run.code == command.expected_exit, f"{where}\nexit {run.code}\n{run.out[-2000:]}\n{run.err[-2000:]}"
+            assert run.code == command.expected_exit, (
+                f"{where}\nexit {run.code}\n{run.out[-2000:]}\n{run.err[-2000:]}"
+            )
             target = command.option("--json")
             if target == "-":
                 jsonschema.validate(json.loads(run.out), schema)
@@ -159,7 +171,10 @@ def test_reproduce_guide_claims(tmp_path):
     for row in theorem2.values():
         assert row["fraction_holds"] == 1.0 and row["violations"] == 0
         assert row["cross_entropy"] <= row["smoothed_cross_entropy"] <= row["bound"]
-    assert abs(theorem2[0.1]["taylor"] - theorem2[0.1]["smoothed_cross_entropy"]) < 0.01 * theorem2[0.1]["smoothed_cross_entropy"]
+    assert (
+        abs(theorem2[0.1]["taylor"] - theorem2[0.1]["smoothed_cross_entropy"])
+        < 0.01 * theorem2[0.1]["smoothed_cross_entropy"]
+    )
     assert theorem2[1.0]["taylor"] < 0.5 * theorem2[1.0]["smoothed_cross_entropy"]
 
     # 2. AD Corollary 1 over models trained with ad:sigma: bound and smoothed norm fall with
@@ -172,7 +187,9 @@ def test_reproduce_guide_claims(tmp_path):
     assert smoothed[0] > smoothed[1] > smoothed[2]
     assert all(row["holds"] for row in corollary)
     assert plain[0] > plain[1] and plain[2] > plain[1]
-    assert report("ad-1-train.json")["results"]["final"]["train_accuracy"] < 0.6  # sigma=1 underfits
+    assert (
+        report("ad-1-train.json")["results"]["final"]["train_accuracy"] < 0.6
+    )  # sigma=1 underfits
 
     # 3. H = G + N; ReLU: tr(N) = 0 within noise (zero diagonal), N itself not zero;
     #    GELU: tr(N) clearly positive. tr(G) by Hutchinson agrees with the exact tr(G).
@@ -217,8 +234,14 @@ def test_reproduce_guide_claims(tmp_path):
     # 6. Dead units (fixed 70 % mask): most units dead, lower trace and lambda_max.
     layers = report("dead-activations.json")["results"]["layers"]
     assert all(layer["death_frequency"] >= 0.6 for layer in layers)
-    plain_h, masked_h = report("dead-relu.json")["results"]["hessian"], report("dead-masked.json")["results"]["hessian"]
-    assert masked_h["trace"] + 3 * (masked_h["trace_stderr"] + plain_h["trace_stderr"]) < plain_h["trace"]
+    plain_h, masked_h = (
+        report("dead-relu.json")["results"]["hessian"],
+        report("dead-masked.json")["results"]["hessian"],
+    )
+    assert (
+        masked_h["trace"] + 3 * (masked_h["trace_stderr"] + plain_h["trace_stderr"])
+        < plain_h["trace"]
+    )
     assert masked_h["lambda_max"] < plain_h["lambda_max"]
 
     # 7. FA: Tr(H^2) falls as lambda grows (0 -> 0.01 -> 0.1); lambda = 1 diverged (exit 3 above).
@@ -227,5 +250,8 @@ def test_reproduce_guide_claims(tmp_path):
         assert narrower["estimate"] + 3 * (narrower["stderr"] + wider["stderr"]) < wider["estimate"]
     baseline_test = report("relu-train.json")["results"]["final"]["test_accuracy"]
     for lam in ("0.01", "0.1"):
-        assert abs(report(f"fa-{lam}-train.json")["results"]["final"]["test_accuracy"] - baseline_test) <= 0.02
+        assert (
+            abs(report(f"fa-{lam}-train.json")["results"]["final"]["test_accuracy"] - baseline_test)
+            <= 0.02
+        )
     assert not (tmp_path / "fa-1.safetensors").exists()

@@ -25,6 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from fixtures.make_checkpoint_fixtures import (
+    tiny_mlp_spec,
+    write_foreign_state_dict,
+    write_own_checkpoint,
+)
 from sharpcli.errors import SharpError
 from sharpcli.io.checkpoints import (
     META_DATA,
@@ -36,13 +41,9 @@ from sharpcli.io.checkpoints import (
     load_checkpoint,
 )
 
-from fixtures.make_checkpoint_fixtures import (
-    tiny_mlp_spec,
-    write_foreign_state_dict,
-    write_own_checkpoint,
+FUZZ = settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
-
-FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 EXTENSIONS = [".safetensors", ".pt", ".pth", ".bin"]
 
 # A 4 -> 3 -> 2 ReLU MLP: state_dict names 0.weight (3, 4), 0.bias (3,), 2.weight (2, 3), 2.bias (2,).
@@ -51,7 +52,9 @@ ARCH_ARGS = SPEC["args"]
 TRUE_SHAPES = {"0.weight": (3, 4), "0.bias": (3,), "2.weight": (2, 3), "2.bias": (2,)}
 
 
-def load_or_sharp_error(path: str, *, override: bool, trust_pickle: bool = False) -> LoadedCheckpoint | None:
+def load_or_sharp_error(
+    path: str, *, override: bool, trust_pickle: bool = False
+) -> LoadedCheckpoint | None:
     """Load ``path``; only SharpError may escape, and a successful load must meet the contract."""
     kwargs = {"arch": "mlp", "arch_args": dict(ARCH_ARGS)} if override else {}
     try:
@@ -59,7 +62,10 @@ def load_or_sharp_error(path: str, *, override: bool, trust_pickle: bool = False
     except SharpError as exc:
         line = exc.one_line()
         assert line and "\n" not in line
-        assert exc.exit_code == 2, (type(exc).__name__, line)  # a bad file is bad input, never "numerical"
+        assert exc.exit_code == 2, (
+            type(exc).__name__,
+            line,
+        )  # a bad file is bad input, never "numerical"
         return None
     check_loaded(loaded, path)
     return loaded
@@ -95,12 +101,16 @@ def valid_bytes(tmp_path_factory) -> dict[str, bytes]:
     root = tmp_path_factory.mktemp("valid_checkpoints")
     torch.manual_seed(0)
     model = build_model(SPEC)
-    own = write_own_checkpoint(root / "own.safetensors", spec=SPEC, data_spec={"kind": "builtin", "name": "blobs",
-                                                                                "args": {"n": 8, "dim": 4,
-                                                                                         "classes": 2}})
+    own = write_own_checkpoint(
+        root / "own.safetensors",
+        spec=SPEC,
+        data_spec={"kind": "builtin", "name": "blobs", "args": {"n": 8, "dim": 4, "classes": 2}},
+    )
     return {
         "own.safetensors": own.read_bytes(),
-        "foreign.safetensors": write_foreign_state_dict(root / "foreign.safetensors", model).read_bytes(),
+        "foreign.safetensors": write_foreign_state_dict(
+            root / "foreign.safetensors", model
+        ).read_bytes(),
         "foreign.pt": write_foreign_state_dict(root / "foreign.pt", model).read_bytes(),
     }
 
@@ -116,8 +126,12 @@ def test_unmutated_fixtures_load(valid_bytes, tmp_path):
 
 
 @FUZZ
-@given(ext=st.sampled_from(EXTENSIONS), payload=st.binary(max_size=600), override=st.booleans(),
-       trust_pickle=st.booleans())
+@given(
+    ext=st.sampled_from(EXTENSIONS),
+    payload=st.binary(max_size=600),
+    override=st.booleans(),
+    trust_pickle=st.booleans(),
+)
 def test_random_bytes_under_every_extension(ext, payload, override, trust_pickle):
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model" + ext)
@@ -126,9 +140,13 @@ def test_random_bytes_under_every_extension(ext, payload, override, trust_pickle
 
 
 @FUZZ
-@given(source=st.sampled_from(["own.safetensors", "foreign.safetensors", "foreign.pt"]), edits=byte_edits,
-       cut=st.none() | st.integers(0, 4000), override=st.booleans(),
-       rename=st.sampled_from([None, ".safetensors", ".pt", ".pth"]))
+@given(
+    source=st.sampled_from(["own.safetensors", "foreign.safetensors", "foreign.pt"]),
+    edits=byte_edits,
+    cut=st.none() | st.integers(0, 4000),
+    override=st.booleans(),
+    rename=st.sampled_from([None, ".safetensors", ".pt", ".pth"]),
+)
 def test_mutated_and_truncated_valid_checkpoints(valid_bytes, source, edits, cut, override, rename):
     """Flipped bytes, truncation, and a valid file under the other format's extension."""
     ext = rename or Path(source).suffix
@@ -138,10 +156,20 @@ def test_mutated_and_truncated_valid_checkpoints(valid_bytes, source, edits, cut
         load_or_sharp_error(path, override=override)
 
 
-TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
-                torch.uint8, torch.bool]
-special_values = st.sampled_from([0.0, -1.0, 0.5, 2.0, 1e39, -1e39, float("nan"), float("inf"), float("-inf"),
-                                  1e30, -3.0])
+TORCH_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+special_values = st.sampled_from(
+    [0.0, -1.0, 0.5, 2.0, 1e39, -1e39, float("nan"), float("inf"), float("-inf"), 1e30, -3.0]
+)
 
 
 @st.composite
@@ -152,8 +180,10 @@ def tensors(draw, shape=None):
         shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
     dtype = draw(st.sampled_from(TORCH_DTYPES))
     size = int(np.prod(shape)) if shape else 1
-    values = torch.tensor(draw(st.lists(special_values | st.floats(-4, 4), min_size=size, max_size=size)),
-                          dtype=torch.float64).reshape(shape)
+    values = torch.tensor(
+        draw(st.lists(special_values | st.floats(-4, 4), min_size=size, max_size=size)),
+        dtype=torch.float64,
+    ).reshape(shape)
     if not dtype.is_floating_point:
         values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0).clamp(-100, 100)
         if dtype == torch.uint8:
@@ -164,8 +194,13 @@ def tensors(draw, shape=None):
 @st.composite
 def state_dicts(draw):
     """Names drawn from the MLP's own (with right or wrong shapes) plus strays; any subset."""
-    names = draw(st.lists(st.sampled_from([*TRUE_SHAPES, "1.weight", "head.bias", "", "0.weight.extra"]),
-                          unique=True, max_size=6))
+    names = draw(
+        st.lists(
+            st.sampled_from([*TRUE_SHAPES, "1.weight", "head.bias", "", "0.weight.extra"]),
+            unique=True,
+            max_size=6,
+        )
+    )
     out = {}
     for name in names:
         right_shape = name in TRUE_SHAPES and draw(st.booleans())
@@ -173,29 +208,52 @@ def state_dicts(draw):
     return out
 
 
-json_scalars = st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False, width=32) | st.text(
-    max_size=8)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=6), inner, max_size=3), max_leaves=8)
-model_args = st.fixed_dictionaries({}, optional={
-    "in_features": st.integers(-2, 6), "num_classes": st.integers(-2, 4), "width": st.integers(-1, 5),
-    "depth": st.integers(-1, 2), "activation": st.sampled_from(["relu", "gelu", "tanh", "beta-gelu:beta=x", ""]),
-    "bias": st.booleans() | st.integers(0, 2), "bogus": json_scalars,
-})
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 40)
+    | st.floats(allow_nan=False, width=32)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+model_args = st.fixed_dictionaries(
+    {},
+    optional={
+        "in_features": st.integers(-2, 6),
+        "num_classes": st.integers(-2, 4),
+        "width": st.integers(-1, 5),
+        "depth": st.integers(-1, 2),
+        "activation": st.sampled_from(["relu", "gelu", "tanh", "beta-gelu:beta=x", ""]),
+        "bias": st.booleans() | st.integers(0, 2),
+        "bogus": json_scalars,
+    },
+)
 model_meta = st.one_of(
-    st.builds(lambda name, args: json.dumps({"name": name, "args": args}),
-              st.sampled_from(["mlp", "cnn", "resnet", "transformer", ""]), model_args),
+    st.builds(
+        lambda name, args: json.dumps({"name": name, "args": args}),
+        st.sampled_from(["mlp", "cnn", "resnet", "transformer", ""]),
+        model_args,
+    ),
     json_values.map(json.dumps),
     st.text(max_size=20),  # not JSON at all
 )
-metadata = st.fixed_dictionaries({}, optional={
-    META_FORMAT: st.sampled_from(["1", "2", "", "x"]),
-    META_MODEL: model_meta | st.just(json.dumps(SPEC)),
-    META_DATA: json_values.map(json.dumps) | st.text(max_size=10),
-    META_TRAIN: json_values.map(json.dumps) | st.text(max_size=10),
-    META_METRICS: json_values.map(json.dumps) | st.text(max_size=10),
-    "other": st.text(max_size=10),
-})
+metadata = st.fixed_dictionaries(
+    {},
+    optional={
+        META_FORMAT: st.sampled_from(["1", "2", "", "x"]),
+        META_MODEL: model_meta | st.just(json.dumps(SPEC)),
+        META_DATA: json_values.map(json.dumps) | st.text(max_size=10),
+        META_TRAIN: json_values.map(json.dumps) | st.text(max_size=10),
+        META_METRICS: json_values.map(json.dumps) | st.text(max_size=10),
+        "other": st.text(max_size=10),
+    },
+)
 
 
 @FUZZ
@@ -213,8 +271,11 @@ def test_random_safetensors_state_dicts_with_random_metadata(state, meta, overri
 
 
 @FUZZ
-@given(dtypes=st.lists(st.sampled_from(TORCH_DTYPES), min_size=4, max_size=4), data=st.data(),
-       own=st.booleans())
+@given(
+    dtypes=st.lists(st.sampled_from(TORCH_DTYPES), min_size=4, max_size=4),
+    data=st.data(),
+    own=st.booleans(),
+)
 def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own):
     """Names and shapes fit the model; dtypes and values are random (NaN, Inf, beyond float32).
 
@@ -225,7 +286,10 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
     from sharpcli.errors import InputError
 
     state = {name: data.draw(tensors(shape)) for name, shape in TRUE_SHAPES.items()}
-    state = {name: t.to(dtype) if t.dtype != dtype else t for (name, t), dtype in zip(state.items(), dtypes)}
+    state = {
+        name: t.to(dtype) if t.dtype != dtype else t
+        for (name, t), dtype in zip(state.items(), dtypes)
+    }
     cast = {name: t.to(torch.float32) for name, t in state.items()}
     all_finite = all(bool(torch.isfinite(t).all()) for t in cast.values())
     with tempfile.TemporaryDirectory() as folder:
@@ -234,7 +298,9 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=meta)
         if not all_finite:
             with pytest.raises(InputError) as info:
-                load_checkpoint(path, **({} if own else {"arch": "mlp", "arch_args": dict(ARCH_ARGS)}))
+                load_checkpoint(
+                    path, **({} if own else {"arch": "mlp", "arch_args": dict(ARCH_ARGS)})
+                )
             assert info.value.source == path
             return
         loaded = load_or_sharp_error(path, override=not own)
@@ -244,12 +310,20 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
 
 
 @FUZZ
-@given(state=state_dicts(), wrap=st.sampled_from(["plain", "state_dict", "list", "tensor"]),
-       ext=st.sampled_from([".pt", ".pth", ".bin"]), trust_pickle=st.booleans())
+@given(
+    state=state_dicts(),
+    wrap=st.sampled_from(["plain", "state_dict", "list", "tensor"]),
+    ext=st.sampled_from([".pt", ".pth", ".bin"]),
+    trust_pickle=st.booleans(),
+)
 def test_random_torch_state_dicts(state, wrap, ext, trust_pickle):
     """``torch.save`` of a random state_dict, a {'state_dict': ...} wrapper, a list, or a bare tensor."""
-    payload = {"plain": state, "state_dict": {"state_dict": state, "epoch": 3},
-               "list": list(state.values()), "tensor": torch.zeros(2)}[wrap]
+    payload = {
+        "plain": state,
+        "state_dict": {"state_dict": state, "epoch": 3},
+        "list": list(state.values()),
+        "tensor": torch.zeros(2),
+    }[wrap]
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model" + ext)
         torch.save(payload, path)

@@ -35,7 +35,12 @@ NUM_CLASSES = 5
 def tiny_model(name: str, seed: int = 0, **extra) -> nn.Module:
     shape, overrides, _ = TINY[name]
     torch.manual_seed(seed)
-    return build_model({"name": name, "args": default_model_args(name, shape, NUM_CLASSES, **{**overrides, **extra})})
+    return build_model(
+        {
+            "name": name,
+            "args": default_model_args(name, shape, NUM_CLASSES, **{**overrides, **extra}),
+        }
+    )
 
 
 def resnet_parameter_count(depth: int, width: int, in_channels: int, classes: int) -> int:
@@ -82,7 +87,9 @@ def test_every_model_builds_runs_and_round_trips_its_state_dict(name):
     assert len({id(m) for _, m in acts}) == activation_count
     assert all(isinstance(m, ACTIVATION_TYPES) for _, m in acts)
     seen = []
-    handles = [m.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape)) for _, m in acts]
+    handles = [
+        m.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape)) for _, m in acts
+    ]
     model(x)
     for handle in handles:
         handle.remove()
@@ -102,20 +109,40 @@ def test_every_model_builds_runs_and_round_trips_its_state_dict(name):
 
 def test_mlp_state_dict_names_and_layout():
     model = tiny_model("mlp")
-    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert list(model.state_dict()) == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "4.weight",
+        "4.bias",
+    ]
     assert isinstance(model, nn.Sequential)
     assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
-    assert model[0].in_features == 16 and model[0].out_features == 8 and model[4].out_features == NUM_CLASSES
+    assert (
+        model[0].in_features == 16
+        and model[0].out_features == 8
+        and model[4].out_features == NUM_CLASSES
+    )
 
     with_dropout = tiny_model("mlp", dropout=0.25)
-    assert list(with_dropout.state_dict()) == ["0.weight", "0.bias", "3.weight", "3.bias", "6.weight", "6.bias"]
+    assert list(with_dropout.state_dict()) == [
+        "0.weight",
+        "0.bias",
+        "3.weight",
+        "3.bias",
+        "6.weight",
+        "6.bias",
+    ]
     assert [m.p for m in with_dropout if isinstance(m, nn.Dropout)] == [0.25, 0.25]
 
     no_bias = tiny_model("mlp", bias=False, depth=1)
     assert list(no_bias.state_dict()) == ["0.weight", "2.weight"]
 
     logistic = tiny_model("mlp", depth=0)
-    assert list(logistic.state_dict()) == ["0.weight", "0.bias"] and activation_modules(logistic) == []
+    assert (
+        list(logistic.state_dict()) == ["0.weight", "0.bias"] and activation_modules(logistic) == []
+    )
     assert final_linear(logistic)[0] == "0"
 
 
@@ -137,9 +164,16 @@ def test_cnn_layout():
     assert final_linear(model)[0] == "classifier.1"
     assert model.classifier[1].in_features == 6 * 2 * 2  # 8x8 pooled twice
     bn = tiny_model("cnn", batch_norm=True, dropout=0.5)
-    assert [type(m).__name__ for m in bn.features] == ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d"] * 2
+    assert [type(m).__name__ for m in bn.features] == [
+        "Conv2d",
+        "BatchNorm2d",
+        "ReLU",
+        "MaxPool2d",
+    ] * 2
     assert final_linear(bn)[0] == "classifier.2" and isinstance(bn.classifier[1], nn.Dropout)
-    wide = build_model({"name": "cnn", "args": default_model_args("cnn", (1, 6, 10), 3, channels=[2])})
+    wide = build_model(
+        {"name": "cnn", "args": default_model_args("cnn", (1, 6, 10), 3, channels=[2])}
+    )
     assert wide.model_spec["args"]["image_size"] == [6, 10]
     assert wide.classifier[1].in_features == 2 * 3 * 5
     assert wide(torch.randn(2, 1, 6, 10)).shape == (2, 3)
@@ -154,7 +188,12 @@ def test_vgg_small_is_man_table_6():
     model = build_model({"name": "vgg-small", "args": args})
     convs = {int(n): m for n, m in model.features.named_children() if isinstance(m, nn.Conv2d)}
     assert sorted(convs) == [0, 3, 6, 9]
-    assert [(c.in_channels, c.out_channels) for c in convs.values()] == [(3, 64), (64, 128), (128, 256), (256, 512)]
+    assert [(c.in_channels, c.out_channels) for c in convs.values()] == [
+        (3, 64),
+        (64, 128),
+        (128, 256),
+        (256, 512),
+    ]
     assert all(c.kernel_size == (3, 3) and c.padding == (1, 1) for c in convs.values())
     assert all(isinstance(model.features[i], nn.ReLU) for i in (1, 4, 7, 10))
     assert all(isinstance(model.features[i], nn.MaxPool2d) for i in (2, 5, 8, 11))
@@ -186,8 +225,14 @@ def test_resnet20_has_the_standard_parameter_count():
 
 
 def test_resnet56_parameter_count_and_tiny_shapes():
-    model = build_model({"name": "resnet", "args": default_model_args("resnet", (3, 32, 32), 10, depth=56)})
-    assert sum(p.numel() for p in model.parameters()) == resnet_parameter_count(56, 16, 3, 10) == 853_018
+    model = build_model(
+        {"name": "resnet", "args": default_model_args("resnet", (3, 32, 32), 10, depth=56)}
+    )
+    assert (
+        sum(p.numel() for p in model.parameters())
+        == resnet_parameter_count(56, 16, 3, 10)
+        == 853_018
+    )
     tiny = tiny_model("resnet")
     x = torch.randn(2, 3, 8, 8)
     out = tiny.layer2(tiny.layer1(tiny.act1(tiny.bn1(tiny.conv1(x)))))
@@ -197,7 +242,9 @@ def test_resnet56_parameter_count_and_tiny_shapes():
     padded = shortcut(y)
     assert padded.shape == (2, 8, 4, 4)
     assert torch.equal(padded[:, 2:6], y[:, :, ::2, ::2])
-    assert torch.equal(padded[:, :2], torch.zeros(2, 2, 4, 4)) and torch.equal(padded[:, 6:], torch.zeros(2, 2, 4, 4))
+    assert torch.equal(padded[:, :2], torch.zeros(2, 2, 4, 4)) and torch.equal(
+        padded[:, 6:], torch.zeros(2, 2, 4, 4)
+    )
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -228,40 +275,110 @@ def test_parameters_are_float32_under_a_float64_default_and_convert():
 
 def test_default_model_args_fill_from_the_data():
     assert default_model_args("mlp", (2, 3, 4), 7) == {
-        "in_features": 24, "num_classes": 7, "depth": 2, "width": 64,
-        "activation": "relu", "bias": True, "dropout": 0.0, "mask_ratio": 0.0, "mask_seed": 0,
+        "in_features": 24,
+        "num_classes": 7,
+        "depth": 2,
+        "width": 64,
+        "activation": "relu",
+        "bias": True,
+        "dropout": 0.0,
+        "mask_ratio": 0.0,
+        "mask_seed": 0,
         "per_sample_norm": False,
     }
     assert default_model_args("resnet", (1, 28, 28), 10)["in_channels"] == 1
-    assert default_model_args("mlp", (16,), 3, in_features=16, activation=None)["activation"] == "relu"
+    assert (
+        default_model_args("mlp", (16,), 3, in_features=16, activation=None)["activation"] == "relu"
+    )
     assert default_model_args("mlp", (16,), 3, dropout=0)["dropout"] == 0.0
     assert default_model_args("mlp", (16,), 3, depth=3.0)["depth"] == 3
-    assert model_input_shape({"name": "cnn", "args": default_model_args("cnn", (3, 8, 8), 2)}) == (3, 8, 8)
+    assert model_input_shape({"name": "cnn", "args": default_model_args("cnn", (3, 8, 8), 2)}) == (
+        3,
+        8,
+        8,
+    )
     assert model_input_shape({"name": "mlp", "args": {"in_features": 5, "num_classes": 2}}) == (5,)
     # build_model fills optional args that a hand-written spec leaves out
-    assert validate_model_spec({"name": "mlp", "args": {"in_features": 5, "num_classes": 2}})["args"]["width"] == 64
+    assert (
+        validate_model_spec({"name": "mlp", "args": {"in_features": 5, "num_classes": 2}})["args"][
+            "width"
+        ]
+        == 64
+    )
 
 
 @pytest.mark.parametrize(
     "call, source, fragment",
     [
-        (lambda: default_model_args("transformer", (4,), 2), "--model", "unknown model 'transformer'"),
-        (lambda: build_model({"name": "vgg", "args": {}}), "--model", "accepted: mlp, cnn, vgg-small, resnet"),
+        (
+            lambda: default_model_args("transformer", (4,), 2),
+            "--model",
+            "unknown model 'transformer'",
+        ),
+        (
+            lambda: build_model({"name": "vgg", "args": {}}),
+            "--model",
+            "accepted: mlp, cnn, vgg-small, resnet",
+        ),
         (lambda: build_model(["mlp"]), "--model", "JSON object"),
         (lambda: default_model_args("cnn", (16,), 2), "--model", "needs image inputs"),
-        (lambda: default_model_args("mlp", (4,), 2, heads=3), "--arch-args", "unknown argument(s) heads"),
-        (lambda: default_model_args("mlp", (4,), 2, depth="2"), "--arch-args", "depth must be an integer"),
-        (lambda: default_model_args("mlp", (4,), 2, depth=True), "--arch-args", "depth must be an integer"),
+        (
+            lambda: default_model_args("mlp", (4,), 2, heads=3),
+            "--arch-args",
+            "unknown argument(s) heads",
+        ),
+        (
+            lambda: default_model_args("mlp", (4,), 2, depth="2"),
+            "--arch-args",
+            "depth must be an integer",
+        ),
+        (
+            lambda: default_model_args("mlp", (4,), 2, depth=True),
+            "--arch-args",
+            "depth must be an integer",
+        ),
         (lambda: default_model_args("mlp", (4,), 2, width=0), "--arch-args", "width must be >= 1"),
-        (lambda: default_model_args("mlp", (4,), 2, dropout=1.0), "--arch-args", "dropout must be < 1"),
-        (lambda: default_model_args("mlp", (4,), 2, bias="yes"), "--arch-args", "bias must be true or false"),
-        (lambda: default_model_args("mlp", (4,), 2, in_features=5), "--arch-args", "contradicts the data"),
-        (lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[]), "--arch-args", "non-empty list"),
-        (lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[2, 2, 2, 2]), "--arch-args", "at least 16 pixels"),
-        (lambda: default_model_args("vgg-small", (3, 8, 8), 2, width_multiplier=0), "--arch-args", "must be > 0"),
+        (
+            lambda: default_model_args("mlp", (4,), 2, dropout=1.0),
+            "--arch-args",
+            "dropout must be < 1",
+        ),
+        (
+            lambda: default_model_args("mlp", (4,), 2, bias="yes"),
+            "--arch-args",
+            "bias must be true or false",
+        ),
+        (
+            lambda: default_model_args("mlp", (4,), 2, in_features=5),
+            "--arch-args",
+            "contradicts the data",
+        ),
+        (
+            lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[]),
+            "--arch-args",
+            "non-empty list",
+        ),
+        (
+            lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[2, 2, 2, 2]),
+            "--arch-args",
+            "at least 16 pixels",
+        ),
+        (
+            lambda: default_model_args("vgg-small", (3, 8, 8), 2, width_multiplier=0),
+            "--arch-args",
+            "must be > 0",
+        ),
         (lambda: default_model_args("resnet", (3, 8, 8), 2, depth=21), "--arch-args", "6n+2"),
-        (lambda: build_model({"name": "mlp", "args": {"num_classes": 2}}), "--arch-args", "missing required argument in_features"),
-        (lambda: default_model_args("mlp", (4,), 2, activation="swish"), "--activation", "unknown activation"),
+        (
+            lambda: build_model({"name": "mlp", "args": {"num_classes": 2}}),
+            "--arch-args",
+            "missing required argument in_features",
+        ),
+        (
+            lambda: default_model_args("mlp", (4,), 2, activation="swish"),
+            "--activation",
+            "unknown activation",
+        ),
     ],
 )
 def test_bad_model_specs_raise_usage_errors(call, source, fragment):
@@ -273,7 +390,9 @@ def test_bad_model_specs_raise_usage_errors(call, source, fragment):
 
 
 def test_final_linear_on_foreign_modules():
-    foreign = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3))
+    foreign = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3)
+    )
     assert final_linear(foreign) == ("4", foreign[4])
     assert [n for n, _ in activation_modules(foreign)] == ["3"]
     with pytest.raises(UsageError) as info:

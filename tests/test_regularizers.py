@@ -167,7 +167,12 @@ def test_gradient_penalty_combines_with_activation_decay_and_weight_decay():
         g, _ = grad_at(model, v, x, y)
         pr = unflatten(model, v)
         h = F.gelu(x @ pr["0.weight"].T + pr["0.bias"])
-        return ce_at(model, v, x, y) + 0.1 * g.norm() + 0.02 * h.pow(2).sum(1).mean() + 0.005 * (v**2).sum()
+        return (
+            ce_at(model, v, x, y)
+            + 0.1 * g.norm()
+            + 0.02 * h.pow(2).sum(1).mean()
+            + 0.005 * (v**2).sum()
+        )
 
     for mode in ("exact", "fd"):
         stats = step(model, x, y, [f"gp:0.1,1,mode={mode},eps=1e-4", "ad:0.2", "wd:0.1"])
@@ -202,9 +207,7 @@ def test_usam_gradient_is_gradient_at_unnormalised_ascent_point():
 
 def test_asam_gradient_is_gradient_at_adaptive_ascent_point():
     model, (x, y) = tiny_model(nn.GELU), batch()
-    is_weight = torch.cat(
-        [torch.full((p.numel(),), p.dim() > 1) for p in model.parameters()]
-    )
+    is_weight = torch.cat([torch.full((p.numel(),), p.dim() > 1) for p in model.parameters()])
 
     def perturb(theta, g):
         t = torch.where(is_weight, theta.abs() + 0.05, torch.ones_like(theta))
@@ -216,11 +219,13 @@ def test_asam_gradient_is_gradient_at_adaptive_ascent_point():
 
 
 def test_asam_with_zero_eta_never_perturbs_zero_weights():
-    model, (x, y) = tiny_model(nn.GELU), batch()
+    model, (_x, _y) = tiny_model(nn.GELU), batch()
     with torch.no_grad():
         model[0].weight[0].zero_()
     reg = parse_reg("asam:rho=0.5,eta=0")
-    deltas = reg.perturbation([p.detach() for p in model.parameters()], [torch.ones_like(p) for p in model.parameters()])
+    deltas = reg.perturbation(
+        [p.detach() for p in model.parameters()], [torch.ones_like(p) for p in model.parameters()]
+    )
     assert torch.count_nonzero(deltas[0][0]) == 0
     assert torch.count_nonzero(deltas[0][1:]) == deltas[0][1:].numel()
 
@@ -355,7 +360,9 @@ def test_fa_estimator_is_unbiased_for_trace_of_squared_hessian():
     model, (x, y) = tiny_model(nn.GELU), batch(n=5)
     hess = _dense_hessian(model, x, y)
     exact = float(torch.trace(hess @ hess))
-    values = [v * x.shape[0] for v in _estimator_values(model, x, y, "fa:1.0", 400)]  # fa reports ||Hv||^2 / B
+    values = [
+        v * x.shape[0] for v in _estimator_values(model, x, y, "fa:1.0", 400)
+    ]  # fa reports ||Hv||^2 / B
     mean, se = _sample_stats(values)
     assert abs(mean - exact) < 4 * se
     assert se < 0.05 * exact
@@ -389,7 +396,9 @@ def test_fa_and_hessian_trace_gradients_match_finite_differences_with_fixed_prob
     theta = flat_params(model)
     probe = _rademacher_draws(model, torch.Generator().manual_seed(2))
     b = x.shape[0]
-    fa_objective = lambda v: ce_at(model, v, x, y) + 0.3 * (_hvp_at(model, v, x, y, probe) ** 2).sum() / b
+    fa_objective = lambda v: (
+        ce_at(model, v, x, y) + 0.3 * (_hvp_at(model, v, x, y, probe) ** 2).sum() / b
+    )
     stats = step(model, x, y, ["fa:lambda=0.3,mode=exact"], seed=2)
     assert rel_err(produced_grad(model), central_fd(fa_objective, theta)) < 1e-6
     assert stats.objective == pytest.approx(float(fa_objective(theta)), rel=1e-12)
@@ -450,7 +459,9 @@ def test_fa_fd_truncation_error_is_first_order_in_eps():
     for eps in (1e-2, 1e-3):
         step(model, x, y, [f"fa:lambda=1,eps={eps}"], seed=2)
         errors.append(rel_err(produced_grad(model) - g, exact))
-    assert 5 < errors[0] / errors[1] < 20  # O(eps): ten times smaller step, about ten times smaller error
+    assert (
+        5 < errors[0] / errors[1] < 20
+    )  # O(eps): ten times smaller step, about ten times smaller error
 
 
 def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
@@ -462,8 +473,10 @@ def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
         pr = unflatten(model, v)
         h = F.gelu(x @ pr["0.weight"].T + pr["0.bias"])
         return (
-            ce_at(model, v, x, y) + 0.3 * probe @ _hvp_at(model, v, x, y, probe)
-            + 0.02 * h.pow(2).sum(1).mean() + 0.005 * (v**2).sum()
+            ce_at(model, v, x, y)
+            + 0.3 * probe @ _hvp_at(model, v, x, y, probe)
+            + 0.02 * h.pow(2).sum(1).mean()
+            + 0.005 * (v**2).sum()
         )
 
     stats = step(model, x, y, ["hessian-trace:0.3,eps=1e-4", "ad:0.2", "wd:0.1"], seed=4)
@@ -474,9 +487,26 @@ def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
 
 # --------------------------------------------------------------------------- state: weights, BatchNorm, dropout RNG
 ALL_SPECS = [
-    "none", "wd", "dropout", "ad", "sam", "usam", "asam", "gp", "gp:mode=fd", "gp:p=2",
-    "hessian-trace", "hessian-trace:mode=exact", "gn-trace", "weight-noise", "weight-noise:report=clean",
-    "nso:k=2", "nso:k=2,report=clean", "fa", "fa:mode=exact", "sam|hessian-trace",
+    "none",
+    "wd",
+    "dropout",
+    "ad",
+    "sam",
+    "usam",
+    "asam",
+    "gp",
+    "gp:mode=fd",
+    "gp:p=2",
+    "hessian-trace",
+    "hessian-trace:mode=exact",
+    "gn-trace",
+    "weight-noise",
+    "weight-noise:report=clean",
+    "nso:k=2",
+    "nso:k=2,report=clean",
+    "fa",
+    "fa:mode=exact",
+    "sam|hessian-trace",
 ]
 
 
@@ -492,7 +522,9 @@ def test_weights_are_bitwise_unchanged_and_buffers_as_after_one_clean_pass(spec)
     model, (x, y) = bn_dropout_model(), batch(n=8)
     reference = bn_dropout_model()
     torch.manual_seed(123)
-    reference(x)  # one plain train-mode forward: BatchNorm statistics and RNG as a clean pass leaves them
+    reference(
+        x
+    )  # one plain train-mode forward: BatchNorm statistics and RNG as a clean pass leaves them
     rng_after_clean = torch.get_rng_state()
     before = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(123)
@@ -535,16 +567,36 @@ def test_sam_passes_share_dropout_masks():
 @pytest.mark.parametrize(
     "specs, evals",
     [
-        (["none"], 1), (["wd"], 1), (["ad"], 1), (["dropout"], 1), (["ad", "wd"], 1),
-        (["sam"], 2), (["usam"], 2), (["asam"], 2), (["weight-noise"], 1), (["nso:k=1"], 2), (["nso:k=3"], 6),
-        (["gp"], 3), (["gp:mode=fd"], 3), (["gp:mode=fd", "ad"], 4), (["gn-trace"], 3),
-        (["hessian-trace:mode=exact"], 7), (["hessian-trace:probes=2,mode=exact"], 11), (["fa:mode=exact"], 7),
-        (["hessian-trace"], 3), (["hessian-trace:probes=2"], 5), (["fa"], 4), (["hessian-trace", "ad"], 4),
+        (["none"], 1),
+        (["wd"], 1),
+        (["ad"], 1),
+        (["dropout"], 1),
+        (["ad", "wd"], 1),
+        (["sam"], 2),
+        (["usam"], 2),
+        (["asam"], 2),
+        (["weight-noise"], 1),
+        (["nso:k=1"], 2),
+        (["nso:k=3"], 6),
+        (["gp"], 3),
+        (["gp:mode=fd"], 3),
+        (["gp:mode=fd", "ad"], 4),
+        (["gn-trace"], 3),
+        (["hessian-trace:mode=exact"], 7),
+        (["hessian-trace:probes=2,mode=exact"], 11),
+        (["fa:mode=exact"], 7),
+        (["hessian-trace"], 3),
+        (["hessian-trace:probes=2"], 5),
+        (["fa"], 4),
+        (["hessian-trace", "ad"], 4),
         (["gp", "hessian-trace:mode=exact"], 7),  # the first-order graph is shared
-        (["sam", "gp"], 6), (["ad", "sam"], 2), (["sam", "fa"], 8),
+        (["sam", "gp"], 6),
+        (["ad", "sam"], 2),
+        (["sam", "fa"], 8),
         (["weight-noise", "gp"], 3),  # penalised gradient at theta+U (3), reported there
         (["weight-noise:report=clean", "gp"], 4),  # + clean value of ||grad L|| (1)
-        (["nso:report=clean"], 2), (["weight-noise", "hessian-trace"], 3),
+        (["nso:report=clean"], 2),
+        (["weight-noise", "hessian-trace"], 3),
     ],
 )
 def test_grad_evals_follow_the_documented_counts(specs, evals):
@@ -576,7 +628,12 @@ def test_parse_positional_keyword_and_defaults():
     assert parse_reg("gp:0.1,2").params == {"rho": 0.1, "p": 2, "mode": "exact", "eps": 1e-3}
     assert parse_reg("gp:0.1,mode=fd").params["mode"] == "fd"
     assert parse_reg("nso:0.02,4").params == {"sigma": 0.02, "k": 4, "report": "perturbed"}
-    assert parse_reg("hessian-trace").params == {"sigma2": 0.01, "probes": 1, "mode": "fd", "eps": 0.1}
+    assert parse_reg("hessian-trace").params == {
+        "sigma2": 0.01,
+        "probes": 1,
+        "mode": "fd",
+        "eps": 0.1,
+    }
     assert parse_reg("fa").params == {"lambda": 0.01, "mode": "fd", "eps": 0.03}
     assert parse_reg("weight-noise").params == {"sigma": 0.01, "report": "perturbed"}
     assert parse_reg("fa:lambda=0.1").params == {"lambda": 0.1, "mode": "fd", "eps": 0.03}
@@ -596,7 +653,10 @@ def test_spec_round_trips_and_documents_hyperparameters(name):
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ("samm:0.1", "accepted: none, wd, dropout, ad, sam, usam, asam, gp, hessian-trace, gn-trace, weight-noise, nso, fa"),
+        (
+            "samm:0.1",
+            "accepted: none, wd, dropout, ad, sam, usam, asam, gp, hessian-trace, gn-trace, weight-noise, nso, fa",
+        ),
         ("sam:radius=0.1", "accepted: rho"),
         ("asam:foo=1", "accepted: rho, eta"),
         ("sam:abc", "rho must be a number"),
@@ -650,7 +710,10 @@ def test_gradient_penalty_sees_augmented_relu_curvature():
     activations = pytest.importorskip("sharpcli.models.activations")
     x, y = batch(n=8)
     grads = {}
-    for key, act in (("relu", nn.ReLU()), ("augmented", activations.make_activation("augmented-relu:beta=4"))):
+    for key, act in (
+        ("relu", nn.ReLU()),
+        ("augmented", activations.make_activation("augmented-relu:beta=4")),
+    ):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 6), act, nn.Linear(6, 3)).to(DT)
         step(model, x, y, ["gp:rho=0.5,p=1"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run_cli
 from torch.func import functional_call, hessian
 
-from cli_helpers import assert_one_line_error, run_cli
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
@@ -41,8 +41,21 @@ def tiny(tmp_path_factory):
 
 def test_eigen_matches_dense_hessian(tiny, capsys):
     path, evals, _ = tiny
-    run = run_cli(capsys, "eigen", path, "--top-k", "3", "--which", "both", "--dtype", "float64",
-                  "--tol", "1e-8", "--json", "-")
+    run = run_cli(
+        capsys,
+        "eigen",
+        path,
+        "--top-k",
+        "3",
+        "--which",
+        "both",
+        "--dtype",
+        "float64",
+        "--tol",
+        "1e-8",
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     report = run.json()
     validate_report(report)
@@ -64,9 +77,14 @@ def test_trace_exact_ggn_and_hutchpp_within_stderr(tiny, capsys):
     assert abs(t["estimate"] - exact) <= 4 * t["stderr"] + 1e-9
     layers = report["results"]["by_layer"]
     assert sum(v["estimate"] for v in layers.values()) == pytest.approx(t["estimate"], rel=1e-10)
-    sq = run_cli(capsys, "trace", path, "--dtype", "float64", "--square", "--tol", "0.02", "--json", "-").json()
+    sq = run_cli(
+        capsys, "trace", path, "--dtype", "float64", "--square", "--tol", "0.02", "--json", "-"
+    ).json()
     exact_sq = float((H * H).sum())
-    assert abs(sq["results"]["trace"]["estimate"] - exact_sq) <= 4 * sq["results"]["trace"]["stderr"] + 1e-9
+    assert (
+        abs(sq["results"]["trace"]["estimate"] - exact_sq)
+        <= 4 * sq["results"]["trace"]["stderr"] + 1e-9
+    )
 
 
 def test_gn_nme_identity_and_schema(tiny, capsys):
@@ -77,26 +95,49 @@ def test_gn_nme_identity_and_schema(tiny, capsys):
     validate_report(report)
     r = report["results"]
     # same probes for H, G and N: the trace estimates satisfy tr(H) = tr(G) + tr(N) per probe
-    assert r["hessian"]["trace"]["estimate"] == pytest.approx(r["ggn"]["trace"]["estimate"] + r["nme"]["trace"]["estimate"], rel=1e-6)
+    assert r["hessian"]["trace"]["estimate"] == pytest.approx(
+        r["ggn"]["trace"]["estimate"] + r["nme"]["trace"]["estimate"], rel=1e-6
+    )
     assert r["ggn"]["lambda_min"] >= -1e-10  # G is PSD
     check = r["ggn_trace_check"]
     assert abs(check["hutchinson"] - check["exact"]) <= 4 * check["hutchinson_stderr"] + 1e-9
     assert abs(check["sampled_label"] - check["exact"]) <= 4 * check["sampled_label_stderr"] + 1e-9
-    assert r["hessian"]["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)
+    assert r["hessian"]["lambda_max"] == pytest.approx(
+        float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6
+    )
 
 
 def test_analyze_gate_trips_and_passes(tiny, capsys):
     path, evals, _ = tiny
     lam = float(evals[-1])
-    tripped = run_cli(capsys, "analyze", path, "--dtype", "float64", "--fail-if", f"hessian.lambda_max > {lam / 2}",
-                      "--json", "-")
+    tripped = run_cli(
+        capsys,
+        "analyze",
+        path,
+        "--dtype",
+        "float64",
+        "--fail-if",
+        f"hessian.lambda_max > {lam / 2}",
+        "--json",
+        "-",
+    )
     assert tripped.code == 1
     report = tripped.json()
     validate_report(report)
     assert report["results"]["hessian"]["lambda_max"] == pytest.approx(lam, rel=1e-6)
     assert report["results"]["gates"][0]["tripped"] is True
-    passed = run_cli(capsys, "analyze", path, "--dtype", "float64", "--fail-if", f"hessian.lambda_max > {lam * 2}",
-                     "--fail-if", "accuracy < -1", "--quiet")
+    passed = run_cli(
+        capsys,
+        "analyze",
+        path,
+        "--dtype",
+        "float64",
+        "--fail-if",
+        f"hessian.lambda_max > {lam * 2}",
+        "--fail-if",
+        "accuracy < -1",
+        "--quiet",
+    )
     assert passed.code == 0, passed.err
 
 
@@ -131,8 +172,21 @@ def test_missing_checkpoint_names_the_file(tmp_path, capsys):
 def test_density_integrates_to_one_and_plots(tiny, capsys, tmp_path):
     path, evals, _ = tiny
     plot = tmp_path / "density.png"
-    run = run_cli(capsys, "density", path, "--dtype", "float64", "--steps", "40", "--probes", "2",
-                  "--plot", plot, "--json", "-")
+    run = run_cli(
+        capsys,
+        "density",
+        path,
+        "--dtype",
+        "float64",
+        "--steps",
+        "40",
+        "--probes",
+        "2",
+        "--plot",
+        plot,
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     report = run.json()
     validate_report(report)
@@ -150,7 +204,9 @@ def test_density_integrates_to_one_and_plots(tiny, capsys, tmp_path):
 def test_pyhessian_engine_agrees_with_native_within_its_tolerance(tiny, capsys):
     path, evals, _ = tiny
     largest_abs = float(evals.abs().max())
-    run = run_cli(capsys, "eigen", path, "--engine", "pyhessian", "--dtype", "float64", "--json", "-")
+    run = run_cli(
+        capsys, "eigen", path, "--engine", "pyhessian", "--dtype", "float64", "--json", "-"
+    )
     assert run.code == 0, run.err
     r = run.json()["results"]
     assert r["engine"] == "pyhessian"

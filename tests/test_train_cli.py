@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run_cli
 from safetensors.torch import load_file
 
-from cli_helpers import assert_one_line_error, run_cli
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
 from sharpcli.report.envelope import validate_report
@@ -25,7 +24,9 @@ def test_train_writes_checkpoint_that_rebuilds_identical_logits(tmp_path, capsys
     assert [r["epoch"] for r in report["results"]["history"]] == [1, 2]
     assert report["results"]["final"]["train_accuracy"] > 0.5  # blobs are learnable in 2 epochs
     ckpt = load_checkpoint(out)
-    assert ckpt.sha256 == report["results"]["checkpoint"]["sha256"] == report["checkpoint"]["sha256"]
+    assert (
+        ckpt.sha256 == report["results"]["checkpoint"]["sha256"] == report["checkpoint"]["sha256"]
+    )
     assert ckpt.train_config["seed"] == 0 and ckpt.train_config["regs"] == ["none"]
     data = load_dataset(ckpt.data_spec)
     x, _ = data.split("test")
@@ -39,11 +40,24 @@ def test_train_writes_checkpoint_that_rebuilds_identical_logits(tmp_path, capsys
     assert torch.equal(ckpt.model(x), twin(x))
     # history CSV mirrors the JSON history
     rows = list(csv.DictReader(open(report["results"]["history_csv"])))
-    assert [float(r["train_loss"]) for r in rows] == pytest.approx([h["train_loss"] for h in report["results"]["history"]], rel=1e-12)
+    assert [float(r["train_loss"]) for r in rows] == pytest.approx(
+        [h["train_loss"] for h in report["results"]["history"]], rel=1e-12
+    )
 
 
 def test_resume_after_interruption_is_bit_for_bit(tmp_path, capsys):
-    common = ["train", "--epochs", "4", "--schedule", "cosine", "--reg", "dropout:p=0.2", "--seed", "3", "--quiet"]
+    common = [
+        "train",
+        "--epochs",
+        "4",
+        "--schedule",
+        "cosine",
+        "--reg",
+        "dropout:p=0.2",
+        "--seed",
+        "3",
+        "--quiet",
+    ]
     full, part = tmp_path / "full.safetensors", tmp_path / "part.safetensors"
     assert run_cli(capsys, *common, "--out", full).code == 0
     assert run_cli(capsys, *common, "--out", part, "--stop-after", "2").code == 0
@@ -58,7 +72,10 @@ def test_resume_after_interruption_is_bit_for_bit(tmp_path, capsys):
 
 def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     out = tmp_path / "m.safetensors"
-    assert run_cli(capsys, "train", "--epochs", "2", "--stop-after", "1", "--out", out, "--quiet").code == 0
+    assert (
+        run_cli(capsys, "train", "--epochs", "2", "--stop-after", "1", "--out", out, "--quiet").code
+        == 0
+    )
     run = run_cli(capsys, "train", "--epochs", "2", "--lr", "0.2", "--out", out, "--resume")
     assert_one_line_error(run, 2, "--resume", "lr")
 
@@ -118,18 +135,41 @@ def test_augment_images_crop_and_flip_preserve_content():
 
 
 def test_tracked_curvature_in_history_json_and_csv_without_changing_training(tmp_path, capsys):
-    base = ["train", "--epochs", "2", "--data", "blobs:n=200,dim=6,classes=3", "--width", "8", "--quiet"]
+    base = [
+        "train",
+        "--epochs",
+        "2",
+        "--data",
+        "blobs:n=200,dim=6,classes=3",
+        "--width",
+        "8",
+        "--quiet",
+    ]
     tracked, plain = tmp_path / "tracked.safetensors", tmp_path / "plain.safetensors"
-    run = run_cli(capsys, *base, "--out", tracked, "--track", "eigen,trace,gn-nme", "--track-samples", "64",
-                  "--json", "-")
+    run = run_cli(
+        capsys,
+        *base,
+        "--out",
+        tracked,
+        "--track",
+        "eigen,trace,gn-nme",
+        "--track-samples",
+        "64",
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     history = run.json()["results"]["history"]
     for row in history:
         t = row["tracked"]
         assert t["lambda_max"] > 0 and t["trace"] > 0
-        assert t["nme_share"] == pytest.approx(t["nme_trace"] / (t["ggn_trace"] + t["nme_trace"]), rel=1e-5)
+        assert t["nme_share"] == pytest.approx(
+            t["nme_trace"] / (t["ggn_trace"] + t["nme_trace"]), rel=1e-5
+        )
     rows = list(csv.DictReader(open(run.json()["results"]["history_csv"])))
-    assert [float(r["tracked.lambda_max"]) for r in rows] == pytest.approx([h["tracked"]["lambda_max"] for h in history])
+    assert [float(r["tracked.lambda_max"]) for r in rows] == pytest.approx(
+        [h["tracked"]["lambda_max"] for h in history]
+    )
     assert run_cli(capsys, *base, "--out", plain).code == 0
     a, b = load_file(str(tracked)), load_file(str(plain))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -138,9 +178,27 @@ def test_tracked_curvature_in_history_json_and_csv_without_changing_training(tmp
 
 
 def test_track_every_k_tracks_every_kth_and_the_last_epoch(tmp_path, capsys):
-    run = run_cli(capsys, "train", "--epochs", "5", "--data", "blobs:n=120,dim=6,classes=3", "--width", "8",
-                  "--quiet", "--out", tmp_path / "m.safetensors", "--track", "trace", "--track-every", "2",
-                  "--track-samples", "32", "--json", "-")
+    run = run_cli(
+        capsys,
+        "train",
+        "--epochs",
+        "5",
+        "--data",
+        "blobs:n=120,dim=6,classes=3",
+        "--width",
+        "8",
+        "--quiet",
+        "--out",
+        tmp_path / "m.safetensors",
+        "--track",
+        "trace",
+        "--track-every",
+        "2",
+        "--track-samples",
+        "32",
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     history = run.json()["results"]["history"]
     assert [row["epoch"] for row in history if row.get("tracked")] == [2, 4, 5]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import assert_one_line_error, run_cli
 from torch.func import functional_call, hessian
 
-from cli_helpers import assert_one_line_error, run_cli
 from sharpcli.analyses.rescale import apply_rescale, plan_rescale, weight_rescale
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
 from sharpcli.curvature.data import AnalysisData
@@ -21,15 +21,31 @@ TIGHT = dict(tol=1e-10, trace_tol=1e-6, trace_max_matvecs=400)
 
 def _mlp(activation="relu", seed=0):
     torch.manual_seed(seed)
-    spec = {"name": "mlp", "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4,
-                                    "activation": activation}}
+    spec = {
+        "name": "mlp",
+        "args": {
+            "in_features": 3,
+            "num_classes": 3,
+            "depth": 2,
+            "width": 4,
+            "activation": activation,
+        },
+    }
     return build_model(spec).double().eval(), spec
 
 
 def _cnn(batch_norm=False, seed=0):
     torch.manual_seed(seed)
-    spec = {"name": "cnn", "args": {"in_channels": 1, "image_size": 4, "num_classes": 3, "channels": [2, 2],
-                                    "batch_norm": batch_norm}}
+    spec = {
+        "name": "cnn",
+        "args": {
+            "in_channels": 1,
+            "image_size": 4,
+            "num_classes": 3,
+            "channels": [2, 2],
+            "batch_norm": batch_norm,
+        },
+    }
     model = build_model(spec).double()
     if batch_norm:
         with torch.no_grad():
@@ -43,12 +59,16 @@ def _cnn(batch_norm=False, seed=0):
 
 def _vector_data(n=32, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, dtype=torch.float64, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    return torch.randn(n, 3, dtype=torch.float64, generator=gen), torch.randint(
+        0, 3, (n,), generator=gen
+    )
 
 
 def _image_data(n=16, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 4, 4, dtype=torch.float64, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    return torch.randn(n, 1, 4, 4, dtype=torch.float64, generator=gen), torch.randint(
+        0, 3, (n,), generator=gen
+    )
 
 
 def _dense_hessian(model, x, y):
@@ -59,7 +79,7 @@ def _dense_hessian(model, x, y):
     def loss(flat):
         parts, start = {}, 0
         for n in names:
-            parts[n] = flat[start:start + params[n].numel()].view(params[n].shape)
+            parts[n] = flat[start : start + params[n].numel()].view(params[n].shape)
             start += params[n].numel()
         return F.cross_entropy(functional_call(model, parts, (x,)), y)
 
@@ -83,7 +103,9 @@ def test_layer_rescale_of_relu_mlp_moves_lambda_max_but_not_function_or_invarian
     model, x, y = _trained_mlp()
     data = AnalysisData(x, y, "cross-entropy", 16)
     result = weight_rescale(model, data, [10.0, 0.1], mode="layer", layer="2", **TIGHT)
-    assert result.plan.mode == "layer" and result.plan.next_layer == "4" and result.plan.path == ["3"]
+    assert (
+        result.plan.mode == "layer" and result.plan.next_layer == "4" and result.plan.path == ["3"]
+    )
     assert result.plan.function_preserving
     H, flat0, names, params = _dense_hessian(model, x, y)
     base_eigs = torch.linalg.eigvalsh(H)
@@ -95,8 +117,16 @@ def test_layer_rescale_of_relu_mlp_moves_lambda_max_but_not_function_or_invarian
         alpha = row.alpha
         assert row.max_logit_change <= 1e-10
         # H' = D^-1 H D^-1 with D = alpha on layer 2 (weight, bias), 1/alpha on 4.weight
-        d = torch.cat([torch.full((params[n].numel(),), alpha if n.startswith("2.") else
-                                  (1 / alpha if n == "4.weight" else 1.0), dtype=torch.float64) for n in names])
+        d = torch.cat(
+            [
+                torch.full(
+                    (params[n].numel(),),
+                    alpha if n.startswith("2.") else (1 / alpha if n == "4.weight" else 1.0),
+                    dtype=torch.float64,
+                )
+                for n in names
+            ]
+        )
         exact = torch.linalg.eigvalsh(H / d[:, None] / d[None, :])[-1]
         assert row.lambda_max == pytest.approx(float(exact), rel=1e-9)
         assert row.invariant_lambda_max == pytest.approx(invariant, rel=1e-6)
@@ -113,7 +143,9 @@ def test_layer_rescale_of_relu_cnn_preserves_logits_and_invariant():
     model, _ = _cnn()
     x, y = _image_data()
     data = AnalysisData(x, y, "cross-entropy", 8)
-    result = weight_rescale(model, data, [10.0], mode="layer", **TIGHT)  # default: the first hidden layer
+    result = weight_rescale(
+        model, data, [10.0], mode="layer", **TIGHT
+    )  # default: the first hidden layer
     assert result.plan.layer == "features.0" and result.plan.next_layer == "features.3"
     assert result.plan.path == ["features.1", "features.2"]  # ReLU, max-pool
     (row,) = result.rows
@@ -130,7 +162,9 @@ def test_batchnorm_followed_layer_rescale_preserves_function():
     assert result.plan.mode == "batchnorm" and result.plan.batchnorm == "features.1"
     for row in result.rows:
         assert row.max_logit_change <= 1e-10
-        assert row.invariant_lambda_max == pytest.approx(result.baseline.invariant_lambda_max, rel=1e-6)
+        assert row.invariant_lambda_max == pytest.approx(
+            result.baseline.invariant_lambda_max, rel=1e-6
+        )
     # scale invariance of a batch-normalised layer: its Hessian block shrinks by 1/alpha^2
     assert result.rows[0].lambda_max != pytest.approx(result.baseline.lambda_max, rel=1e-3)
     # the adjusted running statistics, by hand
@@ -138,7 +172,9 @@ def test_batchnorm_followed_layer_rescale_preserves_function():
     apply_rescale(twin, result.plan, 10.0)
     bn = twin.features[1]
     assert torch.allclose(bn.running_mean, torch.tensor([3.0, -2.0], dtype=torch.float64))
-    assert torch.allclose(bn.running_var, 100 * (torch.tensor([0.5, 2.0], dtype=torch.float64) + bn.eps) - bn.eps)
+    assert torch.allclose(
+        bn.running_var, 100 * (torch.tensor([0.5, 2.0], dtype=torch.float64) + bn.eps) - bn.eps
+    )
 
 
 def test_gelu_layer_rescale_is_refused_unless_forced():
@@ -154,7 +190,9 @@ def test_gelu_layer_rescale_is_refused_unless_forced():
 def test_global_mode_scales_every_parameter():
     model, _ = _mlp()
     x, y = _vector_data()
-    result = weight_rescale(model, AnalysisData(x, y, "cross-entropy", 32), [2.0], mode="global", **TIGHT)
+    result = weight_rescale(
+        model, AnalysisData(x, y, "cross-entropy", 32), [2.0], mode="global", **TIGHT
+    )
     twin = _mlp()[0]
     with torch.no_grad():
         for p in twin.parameters():
@@ -162,7 +200,9 @@ def test_global_mode_scales_every_parameter():
         expected = (twin(x) - model(x)).abs().max()
     assert not result.plan.function_preserving
     assert result.rows[0].max_logit_change == pytest.approx(float(expected), rel=1e-12)
-    assert result.rows[0].loss == pytest.approx(float(F.cross_entropy(twin(x), y).detach()), rel=1e-12)
+    assert result.rows[0].loss == pytest.approx(
+        float(F.cross_entropy(twin(x), y).detach()), rel=1e-12
+    )
 
 
 def _write_fixture(tmp_path, model, spec, x, y):
@@ -178,8 +218,21 @@ def test_cli_json_plot_and_errors(tmp_path, capsys, monkeypatch):
     x, y = _vector_data()
     ckpt = _write_fixture(tmp_path, model, spec, x, y)
     plot = tmp_path / "rescale.png"
-    run = run_cli(capsys, "weight-rescale", ckpt, "--alpha", "0.1,10", "--dtype", "float64", "--tol", "1e-8",
-                  "--plot", plot, "--json", "-")
+    run = run_cli(
+        capsys,
+        "weight-rescale",
+        ckpt,
+        "--alpha",
+        "0.1,10",
+        "--dtype",
+        "float64",
+        "--tol",
+        "1e-8",
+        "--plot",
+        plot,
+        "--json",
+        "-",
+    )
     assert run.code == 0, run.err
     report = run.json()
     validate_report(report)
@@ -202,9 +255,15 @@ def test_cli_json_plot_and_errors(tmp_path, capsys, monkeypatch):
 
     assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--alpha", "0"), 2, "--alpha")
     assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--alpha", "-1,2"), 2, "--alpha")
-    assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--layer", "nope"), 2, "--layer", "nope")
-    assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--layer", "4"), 2, "--layer")  # the head
-    assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--mode", "diagonal"), 2, "--mode")
+    assert_one_line_error(
+        run_cli(capsys, "weight-rescale", ckpt, "--layer", "nope"), 2, "--layer", "nope"
+    )
+    assert_one_line_error(
+        run_cli(capsys, "weight-rescale", ckpt, "--layer", "4"), 2, "--layer"
+    )  # the head
+    assert_one_line_error(
+        run_cli(capsys, "weight-rescale", ckpt, "--mode", "diagonal"), 2, "--mode"
+    )
 
     gelu, gelu_spec = _mlp("gelu")
     gelu_dir = tmp_path / "gelu"
@@ -213,7 +272,17 @@ def test_cli_json_plot_and_errors(tmp_path, capsys, monkeypatch):
     refused = run_cli(capsys, "weight-rescale", gelu_ckpt, "--alpha", "10", "--json", "-")
     assert_one_line_error(refused, 2, "--layer", "gelu", "--force")
     assert refused.json()["error"]["exit_code"] == 2
-    forced = run_cli(capsys, "weight-rescale", gelu_ckpt, "--alpha", "10", "--force", "--dtype", "float64",
-                     "--json", "-")
+    forced = run_cli(
+        capsys,
+        "weight-rescale",
+        gelu_ckpt,
+        "--alpha",
+        "10",
+        "--force",
+        "--dtype",
+        "float64",
+        "--json",
+        "-",
+    )
     assert forced.code == 0, forced.err
     assert forced.json()["results"]["rows"][0]["max_logit_change"] > 1e-3

@@ -137,14 +137,18 @@ def run_command(command: GuideCommand, workdir: Path, timeout: float = 600.0) ->
         timeout=timeout,
         env=env,
     )
-    return CommandRun(command, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
+    return CommandRun(
+        command, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: run a page's commands in order; 0 when all exit as documented."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_page = Path(__file__).resolve().parent.parent / "reproduce.md"
-    parser.add_argument("page", nargs="?", default=str(default_page), help="guide page (default docs/reproduce.md)")
+    parser.add_argument(
+        "page", nargs="?", default=str(default_page), help="guide page (default docs/reproduce.md)"
+    )
     parser.add_argument("--workdir", default="reproduce-run", help="folder to run in (created)")
     options = parser.parse_args(argv)
     page = Path(options.page)
@@ -161,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         status = "ok" if result.as_documented else f"FAILED (expected exit {command.expected_exit})"
         print(f"[exit {result.code}, {result.seconds:.1f} s, {status}]\n", flush=True)
         failures += not result.as_documented
-    print(f"{len(commands)} commands, {failures} not as documented, {time.perf_counter() - total:.0f} s")
+    print(
+        f"{len(commands)} commands, {failures} not as documented, {time.perf_counter() - total:.0f} s"
+    )
     return 1 if failures else 0
 
 

@@ -188,7 +188,9 @@ def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
         return None
 
 
-def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = True) -> ActivationStatsResult:
+def activation_stats(
+    model: nn.Module, data: AnalysisData, *, jacobian: bool = True
+) -> ActivationStatsResult:
     """MAN section 2 activation statistics, output statistics, the AD penalty and ``||J_x||_F``.
 
     ``model`` must be in eval mode (samples independent); ``data`` is the analysis set (its
@@ -210,7 +212,9 @@ def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = T
             pre = inputs[0]
             if key not in accumulators:
                 label = name if index == 0 else f"{name}#{index + 1}"
-                accumulators[key] = _LayerAccumulator(label, _kind(module), tuple(pre.shape[1:]), pre.device)
+                accumulators[key] = _LayerAccumulator(
+                    label, _kind(module), tuple(pre.shape[1:]), pre.device
+                )
                 order.append(key)
             accumulators[key].add(pre, output)
 
@@ -229,8 +233,10 @@ def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = T
         handles.append(head[1].register_forward_pre_hook(head_hook))
 
     classification = data.loss == "cross-entropy"
-    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in
-            ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")}
+    sums = {
+        k: torch.zeros((), dtype=torch.float64, device=device)
+        for k in ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")
+    }
     jacobian_possible = jacobian
     notes: list[str] = []
     try:
@@ -249,7 +255,9 @@ def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = T
                 with torch.no_grad():
                     z = model(x_b)
             if not torch.isfinite(z).all():
-                raise NumericalError(f"logits are not finite on batch {batch_index}", source="activation-stats")
+                raise NumericalError(
+                    f"logits are not finite on batch {batch_index}", source="activation-stats"
+                )
             zd = z.detach()
             sums["loss"] += per_sample_loss(data.loss, zd, y_b).to(torch.float64).sum()
             if classification:
@@ -289,8 +297,9 @@ def activation_stats(model: nn.Module, data: AnalysisData, *, jacobian: bool = T
         penultimate_sq_norm=float(penultimate["sum"]) / n if head is not None else None,
         penultimate_layer=head[0] if head is not None else None,
         input_jacobian_fro=float(sums["jac"]) / n if jacobian_possible else None,
-        input_jacobian_fro_softmax=(float(sums["jac_softmax"]) / n if jacobian_possible and classification
-                                    else None),
+        input_jacobian_fro_softmax=(
+            float(sums["jac_softmax"]) / n if jacobian_possible and classification else None
+        ),
         samples=n,
         notes=notes,
     )

@@ -21,8 +21,10 @@ def parse_metrics(text: str | None) -> list[str]:
     names = [m.strip() for m in (text or ",".join(DEFAULT_METRICS)).split(",") if m.strip()]
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
-        raise UsageError(f"unknown metric {', '.join(unknown) or '(none)'}; accepted: {', '.join(METRICS)}",
-                         source="--metrics")
+        raise UsageError(
+            f"unknown metric {', '.join(unknown) or '(none)'}; accepted: {', '.join(METRICS)}",
+            source="--metrics",
+        )
     return list(dict.fromkeys(names))
 
 
@@ -40,11 +42,22 @@ def loss_and_accuracy(session) -> dict:
             sums[1] += int((z.argmax(1) == yb).sum())
     all_reduce_sum(sums)
     n = data.num_samples
-    return {"loss": float(sums[0]) / n, "accuracy": float(sums[1]) / n if session.loss == "cross-entropy" else None}
+    return {
+        "loss": float(sums[0]) / n,
+        "accuracy": float(sums[1]) / n if session.loss == "cross-entropy" else None,
+    }
 
 
-def analyze(session, metrics: list[str], *, top_k: int = 1, tol: float = 1e-2, eig_tol: float = 1e-3,
-            max_matvecs: int = 1000, params: str | None = None) -> tuple[dict, int]:
+def analyze(
+    session,
+    metrics: list[str],
+    *,
+    top_k: int = 1,
+    tol: float = 1e-2,
+    eig_tol: float = 1e-3,
+    max_matvecs: int = 1000,
+    params: str | None = None,
+) -> tuple[dict, int]:
     """Run ``metrics`` on one session; return (results, matvecs)."""
     from sharpcli.analyses import spectrum
 
@@ -54,24 +67,39 @@ def analyze(session, metrics: list[str], *, top_k: int = 1, tol: float = 1e-2, e
     matvecs = 0
     if "eigen" in metrics:
         e = spectrum.eigen(session, top_k=top_k, which="largest", tol=eig_tol, params=params)
-        hessian.update(lambda_max=e["eigenvalues"][0], eigenvalues=e["eigenvalues"], eigen_residuals=e["residuals"],
-                       eigen_converged=e["converged"])
+        hessian.update(
+            lambda_max=e["eigenvalues"][0],
+            eigenvalues=e["eigenvalues"],
+            eigen_residuals=e["residuals"],
+            eigen_converged=e["converged"],
+        )
         matvecs += e["matvecs"]
     if "trace" in metrics:
         t = spectrum.trace(session, tol=tol, max_matvecs=max_matvecs, params=params)
-        hessian.update(trace=t["trace"]["estimate"], trace_stderr=t["trace"]["stderr"],
-                       trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()})
+        hessian.update(
+            trace=t["trace"]["estimate"],
+            trace_stderr=t["trace"]["stderr"],
+            trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()},
+        )
         matvecs += t["trace"]["matvecs"]
     if "frobenius" in metrics:
         f = spectrum.trace(session, square=True, tol=tol, max_matvecs=max_matvecs, params=params)
-        hessian.update(frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"])
+        hessian.update(
+            frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"]
+        )
         matvecs += f["trace"]["matvecs"]
     if "gn-nme" in metrics:
-        g = spectrum.gn_nme(session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params)
+        g = spectrum.gn_nme(
+            session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
+        )
         for name in ("ggn", "nme"):
-            results[name] = {"trace": g[name]["trace"]["estimate"], "trace_stderr": g[name]["trace"]["stderr"],
-                             "lambda_max": g[name]["lambda_max"], "lambda_min": g[name]["lambda_min"],
-                             "frobenius_sq": g[name]["frobenius_sq"]}
+            results[name] = {
+                "trace": g[name]["trace"]["estimate"],
+                "trace_stderr": g[name]["trace"]["stderr"],
+                "lambda_max": g[name]["lambda_max"],
+                "lambda_min": g[name]["lambda_min"],
+                "frobenius_sq": g[name]["frobenius_sq"],
+            }
         hessian.setdefault("lambda_max", g["hessian"]["lambda_max"])
         hessian.setdefault("trace", g["hessian"]["trace"]["estimate"])
         hessian.setdefault("trace_stderr", g["hessian"]["trace"]["stderr"])

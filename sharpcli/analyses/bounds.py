@@ -120,7 +120,9 @@ def _scope_on(model: nn.Module, scope: ParamScope) -> ParamScope:
     return ParamScope(list(scope.names), [named[n] for n in scope.names], spec=scope.spec)
 
 
-def _perturbed_copy(model: nn.Module, scope: ParamScope, delta: torch.Tensor) -> tuple[nn.Module, ParamScope]:
+def _perturbed_copy(
+    model: nn.Module, scope: ParamScope, delta: torch.Tensor
+) -> tuple[nn.Module, ParamScope]:
     """A deep copy of ``model`` with ``delta`` (flat, over ``scope``) added to the scope's parameters."""
     twin = copy.deepcopy(model)
     twin_scope = _scope_on(twin, scope)
@@ -203,7 +205,9 @@ class AveragedOperator(CurvatureOperator):
         return torch.cat(out)
 
 
-def _spectral_norm(op, *, tol: float, max_matvecs: int | None, seed: int) -> tuple[float, float, bool]:
+def _spectral_norm(
+    op, *, tol: float, max_matvecs: int | None, seed: int
+) -> tuple[float, float, bool]:
     """``(max |eig|, largest eig, converged)`` of a symmetric operator by Lanczos (both ends)."""
     from sharpcli.curvature.lanczos import lanczos
 
@@ -228,8 +232,14 @@ def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> d
         with torch.enable_grad():
             loss_b = loss(model(x_b), y_b)
             parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
-        flat = torch.cat([torch.zeros(s, dtype=scope.dtype, device=scope.device) if g is None else g.reshape(-1)
-                          for g, s in zip(parts, scope.sizes)])
+        flat = torch.cat(
+            [
+                torch.zeros(s, dtype=scope.dtype, device=scope.device)
+                if g is None
+                else g.reshape(-1)
+                for g, s in zip(parts, scope.sizes)
+            ]
+        )
         if not torch.isfinite(flat).all():
             raise NumericalError(f"gradient is not finite on batch {index}", source="bound-check")
         full += weight * flat
@@ -354,7 +364,9 @@ def _check_sigmas(sigmas: list[float]) -> None:
         raise UsageError("needs at least one sigma", source="--sigma")
     for sigma in sigmas:
         if not (sigma > 0 and math.isfinite(sigma)):
-            raise UsageError(f"every sigma must be a finite number > 0, got {sigma:g}", source="--sigma")
+            raise UsageError(
+                f"every sigma must be a finite number > 0, got {sigma:g}", source="--sigma"
+            )
 
 
 def bound_check(
@@ -385,8 +397,10 @@ def bound_check(
     """
     _check_sigmas(sigmas)
     if epsilon_kind not in EPSILON_KINDS:
-        raise UsageError(f"unknown epsilon {epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
-                         source="--epsilon")
+        raise UsageError(
+            f"unknown epsilon {epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
+            source="--epsilon",
+        )
     if int(perturbations) < 1:
         raise UsageError(f"must be >= 1, got {perturbations}", source="--perturbations")
     if not 0 < ci_level < 1:
@@ -395,7 +409,9 @@ def bound_check(
         raise UsageError(f"must be >= 1, got {bootstrap}", source="--bootstrap")
     for check in checks:
         if check not in CHECKS:
-            raise UsageError(f"unknown check {check!r}; accepted: {', '.join(CHECKS)}", source="--check")
+            raise UsageError(
+                f"unknown check {check!r}; accepted: {', '.join(CHECKS)}", source="--check"
+            )
     spec = params if params is not None else default_bound_scope(model)
     scope = ParamScope.resolve(model, spec)
     m = int(perturbations)
@@ -406,7 +422,9 @@ def bound_check(
     epsilon = eps[epsilon_kind]
     base_pass = CurvaturePass(model, data, scope)
     base_h = base_pass.hessian()
-    h_theta, plain_lambda_max, _ = _spectral_norm(base_h, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    h_theta, plain_lambda_max, _ = _spectral_norm(
+        base_h, tol=tol, max_matvecs=max_matvecs, seed=seed
+    )
     matvecs += base_h.matvecs
     Z = _standard_normal_directions(scope, m, seed)
     generator = torch.Generator().manual_seed(int(seed) + 7919)
@@ -420,7 +438,9 @@ def bound_check(
         for j in range(m):
             twin, twin_scope = _perturbed_copy(model, scope, sigma * Z[:, j])
             region_eps.append(gradient_norms(twin, data, twin_scope)[epsilon_kind])
-            op = CurvaturePass(twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)).hessian()
+            op = CurvaturePass(
+                twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
+            ).hessian()
             norm_j, _, conv_j = _spectral_norm(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
             norms.append(norm_j)
             all_converged &= conv_j
@@ -437,18 +457,33 @@ def bound_check(
         else:
             ci = [empirical, empirical]
             if m > 1 and f"sigma {sigma:g}" not in notes:
-                notes.append(f"sigma {sigma:g}: too many Lanczos vectors to record; no bootstrap interval")
+                notes.append(
+                    f"sigma {sigma:g}: too many Lanczos vectors to record; no bootstrap interval"
+                )
         H = max([h_theta] + norms)
         bound = corollary1_bound(H, epsilon, sigma)
         bound_region = corollary1_bound(H, max(region_eps), sigma)
         matvecs += sum(op.matvecs for op in operators)
-        rows.append(BoundRow(
-            sigma=float(sigma), H=H, H_at_theta=h_theta, H_perturbed_max=max(norms), epsilon=epsilon,
-            bound=bound, empirical=empirical, empirical_ci=ci, plain_lambda_max=plain_lambda_max,
-            holds=bool(empirical <= bound), ratio=empirical / bound if bound > 0 else None,
-            epsilon_region=max(region_eps), bound_region=bound_region, holds_region=bool(empirical <= bound_region),
-            converged=bool(all_converged), matvecs=sum(op.matvecs for op in operators),
-        ))
+        rows.append(
+            BoundRow(
+                sigma=float(sigma),
+                H=H,
+                H_at_theta=h_theta,
+                H_perturbed_max=max(norms),
+                epsilon=epsilon,
+                bound=bound,
+                empirical=empirical,
+                empirical_ci=ci,
+                plain_lambda_max=plain_lambda_max,
+                holds=bool(empirical <= bound),
+                ratio=empirical / bound if bound > 0 else None,
+                epsilon_region=max(region_eps),
+                bound_region=bound_region,
+                holds_region=bool(empirical <= bound_region),
+                converged=bool(all_converged),
+                matvecs=sum(op.matvecs for op in operators),
+            )
+        )
         del operators, averaged
         if progress is not None:
             progress(step + 1, total_steps, f"sigma {sigma:g}")
@@ -458,15 +493,25 @@ def bound_check(
     if failed:
         # not a counterexample to the corollary: its H and eps are suprema, ours are sampled
         notes.append(
-            "empirical above the bound at sigma " + ", ".join(f"{s:g}" for s in failed) + ": Corollary 1 takes H "
+            "empirical above the bound at sigma "
+            + ", ".join(f"{s:g}" for s in failed)
+            + ": Corollary 1 takes H "
             "and eps as bounds on the Hessian norm and gradient norm everywhere the smoothing looks; here they are "
             f"measured at theta and {m} sampled points (lower estimates of those suprema), so the check can fail "
-            "where the corollary does not (see bound_region / holds_region, eps over the sampled points)")
+            "where the corollary does not (see bound_region / holds_region, eps over the sampled points)"
+        )
 
     result = BoundCheckResult(
-        rows=rows, params=scope.spec, num_params=scope.numel, epsilon_kind=epsilon_kind,
-        epsilon_full=eps["full"], epsilon_minibatch=eps["minibatch"], perturbations=m, ci_level=ci_level,
-        lambda_max_at_theta=plain_lambda_max, notes=notes,
+        rows=rows,
+        params=scope.spec,
+        num_params=scope.numel,
+        epsilon_kind=epsilon_kind,
+        epsilon_full=eps["full"],
+        epsilon_minibatch=eps["minibatch"],
+        perturbations=m,
+        ci_level=ci_level,
+        lambda_max_at_theta=plain_lambda_max,
+        notes=notes,
     )
     done = len(sigmas)
     if "theorem2" in checks:
@@ -476,8 +521,14 @@ def bound_check(
             progress(done, total_steps, "theorem 2")
     if "noise-stability" in checks:
         result.noise_stability = noise_stability_check(
-            model, data, sigmas, scope, pairs=noise_pairs, trace_tol=trace_tol,
-            trace_max_matvecs=trace_max_matvecs, seed=seed,
+            model,
+            data,
+            sigmas,
+            scope,
+            pairs=noise_pairs,
+            trace_tol=trace_tol,
+            trace_max_matvecs=trace_max_matvecs,
+            seed=seed,
         )
         matvecs += result.noise_stability["matvecs"]
         done += 1
@@ -488,8 +539,9 @@ def bound_check(
 
 
 # ----------------------------------------------------------------------------- Theorem 2 / 3
-def smoothed_cross_entropy(z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def smoothed_cross_entropy(
+    z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``E_g CE(z + t g, y)`` for ``g ~ N(0, I_c)``: ``(estimate, stderr)``, shapes ``(B,)``.
 
     ``z`` (B, c) logits, ``y`` (B,) labels, ``t`` (B,) noise scales (``sigma ||h||``), ``g`` (K, c)
@@ -515,13 +567,20 @@ def smoothed_cross_entropy(z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g:
         qc = q - q.mean(dim=1, keepdim=True)
         Yc = Y - Y.mean(dim=1, keepdim=True)
         var_q = (qc * qc).sum(dim=1)
-        beta = torch.where(var_q > 0, (qc * Yc).sum(dim=1) / torch.where(var_q > 0, var_q, 1.0),
-                           torch.zeros_like(var_q))
+        beta = torch.where(
+            var_q > 0,
+            (qc * Yc).sum(dim=1) / torch.where(var_q > 0, var_q, 1.0),
+            torch.zeros_like(var_q),
+        )
     else:
         beta = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
     adjusted = Y - beta[:, None] * (q - q_mean[:, None])
     estimate = adjusted.mean(dim=1)
-    stderr = adjusted.std(dim=1, unbiased=True) / math.sqrt(K) if K > 1 else torch.full_like(estimate, math.inf)
+    stderr = (
+        adjusted.std(dim=1, unbiased=True) / math.sqrt(K)
+        if K > 1
+        else torch.full_like(estimate, math.inf)
+    )
     return estimate, stderr
 
 
@@ -557,8 +616,9 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
         handle.remove()
 
 
-def theorem2_check(model: nn.Module, data: AnalysisData, sigmas: list[float], *, mc_pairs: int = 256,
-                   seed: int = 0) -> list[Theorem2Row]:
+def theorem2_check(
+    model: nn.Module, data: AnalysisData, sigmas: list[float], *, mc_pairs: int = 256, seed: int = 0
+) -> list[Theorem2Row]:
     """AD Theorem 2 (and the Theorem 3 Taylor value) per sample, for each sigma.
 
     Per sample: ``CE``, the smoothed ``E CE`` (:func:`smoothed_cross_entropy`, the same draws for
@@ -569,13 +629,17 @@ def theorem2_check(model: nn.Module, data: AnalysisData, sigmas: list[float], *,
     """
     _check_sigmas(sigmas)
     if data.loss != "cross-entropy":
-        raise UsageError(f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="--check")
+        raise UsageError(
+            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="--check"
+        )
     if int(mc_pairs) < 2:
         raise UsageError(f"must be >= 2, got {mc_pairs}", source="--mc-samples")
     from sharpcli.analyses.rescale import _global_max
 
     ns = len(sigmas)
-    sums = torch.zeros(ns, 7, dtype=torch.float64)  # ce, smoothed, var, bound, taylor, holds, |taylor-smoothed|
+    sums = torch.zeros(
+        ns, 7, dtype=torch.float64
+    )  # ce, smoothed, var, bound, taylor, holds, |taylor-smoothed|
     min_margin = torch.full((ns,), math.inf, dtype=torch.float64)
     generator = torch.Generator().manual_seed(int(seed) + 104729)
     g = None
@@ -594,11 +658,11 @@ def theorem2_check(model: nn.Module, data: AnalysisData, sigmas: list[float], *,
                 sl = slice(start, start + rows_per_chunk)
                 t = sigma * h_sq[sl].sqrt()
                 smoothed, stderr = smoothed_cross_entropy(z64[sl], y[sl], t, g)
-                bound = ce[sl] + sigma ** 2 / 2 * h_sq[sl]
-                taylor = ce[sl] + sigma ** 2 / 2 * h_sq[sl] * spread[sl]
+                bound = ce[sl] + sigma**2 / 2 * h_sq[sl]
+                taylor = ce[sl] + sigma**2 / 2 * h_sq[sl] * spread[sl]
                 sums[i, 0] += ce[sl].sum()
                 sums[i, 1] += smoothed.sum()
-                sums[i, 2] += (stderr ** 2).sum()
+                sums[i, 2] += (stderr**2).sum()
                 sums[i, 3] += bound.sum()
                 sums[i, 4] += taylor.sum()
                 sums[i, 5] += (smoothed <= bound).to(torch.float64).sum()
@@ -609,13 +673,22 @@ def theorem2_check(model: nn.Module, data: AnalysisData, sigmas: list[float], *,
     rows = []
     for i, sigma in enumerate(sigmas):
         margin = -_global_max(-float(min_margin[i]), torch.device("cpu"))
-        rows.append(Theorem2Row(
-            sigma=float(sigma), cross_entropy=float(sums[i, 0]) / n, smoothed_cross_entropy=float(sums[i, 1]) / n,
-            smoothed_stderr=math.sqrt(float(sums[i, 2])) / n, bound=float(sums[i, 3]) / n,
-            taylor=float(sums[i, 4]) / n, fraction_holds=float(sums[i, 5]) / n,
-            violations=int(round(n - float(sums[i, 5]))), min_margin=margin,
-            mean_taylor_abs_error=float(sums[i, 6]) / n, samples=n, mc_pairs=int(mc_pairs),
-        ))
+        rows.append(
+            Theorem2Row(
+                sigma=float(sigma),
+                cross_entropy=float(sums[i, 0]) / n,
+                smoothed_cross_entropy=float(sums[i, 1]) / n,
+                smoothed_stderr=math.sqrt(float(sums[i, 2])) / n,
+                bound=float(sums[i, 3]) / n,
+                taylor=float(sums[i, 4]) / n,
+                fraction_holds=float(sums[i, 5]) / n,
+                violations=int(round(n - float(sums[i, 5]))),
+                min_margin=margin,
+                mean_taylor_abs_error=float(sums[i, 6]) / n,
+                samples=n,
+                mc_pairs=int(mc_pairs),
+            )
+        )
     return rows
 
 
@@ -631,15 +704,25 @@ def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
             x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
             value = loss(model(x_b), y_b) * weight
             if not torch.isfinite(value):
-                raise NumericalError(f"loss is not finite on batch {index}", source="noise-stability")
+                raise NumericalError(
+                    f"loss is not finite on batch {index}", source="noise-stability"
+                )
             total += value.to(torch.float64)
     all_reduce_sum(total)
     return float(total)
 
 
-def noise_stability_check(model: nn.Module, data: AnalysisData, sigmas: list[float], scope: ParamScope, *,
-                          pairs: int = 32, trace_tol: float = 1e-2, trace_max_matvecs: int = 300,
-                          seed: int = 0) -> dict:
+def noise_stability_check(
+    model: nn.Module,
+    data: AnalysisData,
+    sigmas: list[float],
+    scope: ParamScope,
+    *,
+    pairs: int = 32,
+    trace_tol: float = 1e-2,
+    trace_max_matvecs: int = 300,
+    seed: int = 0,
+) -> dict:
     """NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
 
     ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..pairs, shared by all
@@ -654,7 +737,9 @@ def noise_stability_check(model: nn.Module, data: AnalysisData, sigmas: list[flo
     curvature_pass = CurvaturePass(model, data, scope)
     hessian = curvature_pass.hessian()
     trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
-    trace_stderr = trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None
+    trace_stderr = (
+        trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None
+    )
     Z = _standard_normal_directions(scope, int(pairs), int(seed) + 15485863)
     quadratic = (Z * hessian.matmat(Z)).sum(dim=0).to(torch.float64)  # Z_j^T H Z_j
     base = _mean_loss(model, data)
@@ -672,23 +757,30 @@ def noise_stability_check(model: nn.Module, data: AnalysisData, sigmas: list[flo
                         p.copy_(p0 + sign * sigma * d)
                 values.append(_mean_loss(twin, data))
             gaps[j] = (values[0] + values[1]) / 2 - base
-        quad = sigma ** 2 / 2 * quadratic
+        quad = sigma**2 / 2 * quadratic
         residual = gaps - quad
         gap = float(gaps.mean())
-        predicted = sigma ** 2 / 2 * trace.estimate
-        predicted_stderr = None if trace_stderr is None else sigma ** 2 / 2 * trace_stderr
+        predicted = sigma**2 / 2 * trace.estimate
+        predicted_stderr = None if trace_stderr is None else sigma**2 / 2 * trace_stderr
         residual_stderr = float(residual.std(unbiased=True)) / math.sqrt(pairs)
         gap_cv = predicted + float(residual.mean())
-        rows.append(NoiseStabilityRow(
-            sigma=float(sigma), gap=gap, gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(pairs),
-            gap_control_variate=gap_cv,
-            gap_control_variate_stderr=math.hypot(residual_stderr, predicted_stderr or 0.0),
-            predicted=predicted, predicted_stderr=predicted_stderr,
-            relative_error=(gap_cv - predicted) / predicted if predicted != 0 else None,
-            relative_error_plain=(gap - predicted) / predicted if predicted != 0 else None,
-            paired_quadratic=float(quad.mean()), taylor_residual=float(residual.mean()),
-            taylor_residual_stderr=residual_stderr, pairs=int(pairs),
-        ))
+        rows.append(
+            NoiseStabilityRow(
+                sigma=float(sigma),
+                gap=gap,
+                gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(pairs),
+                gap_control_variate=gap_cv,
+                gap_control_variate_stderr=math.hypot(residual_stderr, predicted_stderr or 0.0),
+                predicted=predicted,
+                predicted_stderr=predicted_stderr,
+                relative_error=(gap_cv - predicted) / predicted if predicted != 0 else None,
+                relative_error_plain=(gap - predicted) / predicted if predicted != 0 else None,
+                paired_quadratic=float(quad.mean()),
+                taylor_residual=float(residual.mean()),
+                taylor_residual_stderr=residual_stderr,
+                pairs=int(pairs),
+            )
+        )
     return {
         "trace": trace.estimate,
         "trace_stderr": trace_stderr,

@@ -36,7 +36,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, distributed_rank_and_world, to_model_batch
+from sharpcli.curvature.data import (
+    AnalysisData,
+    all_reduce_sum,
+    distributed_rank_and_world,
+    to_model_batch,
+)
 from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -140,6 +145,7 @@ def _execution_trace(model: nn.Module, example: torch.Tensor) -> list[_Call]:
     for name, module in model.named_modules():
         leaf = not any(True for _ in module.children())
         if leaf or isinstance(module, _WEIGHTED_TYPES + _BATCHNORM_TYPES):
+
             def hook(mod, inputs, output, _name=name):
                 first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
                 out = output if isinstance(output, torch.Tensor) else None
@@ -168,8 +174,14 @@ def _layer_candidates(calls: list[_Call]) -> list[str]:
     return seen
 
 
-def plan_rescale(model: nn.Module, example: torch.Tensor, mode: str, layer: str | None = None,
-                 *, force: bool = False) -> RescalePlan:
+def plan_rescale(
+    model: nn.Module,
+    example: torch.Tensor,
+    mode: str,
+    layer: str | None = None,
+    *,
+    force: bool = False,
+) -> RescalePlan:
     """Work out a rescaling of ``model`` (see :class:`RescalePlan` and the module docstring).
 
     ``example`` is a small input batch: one forward pass records the order in which modules run
@@ -191,7 +203,9 @@ def plan_rescale(model: nn.Module, example: torch.Tensor, mode: str, layer: str 
     modules = dict(model.named_modules())
     if layer is None:
         if not candidates:
-            raise UsageError("the model has no nn.Linear or convolution layer to rescale", source="--layer")
+            raise UsageError(
+                "the model has no nn.Linear or convolution layer to rescale", source="--layer"
+            )
         layer = candidates[0]
     if layer not in modules or layer == "":
         raise UsageError(
@@ -202,7 +216,9 @@ def plan_rescale(model: nn.Module, example: torch.Tensor, mode: str, layer: str 
     module = modules[layer]
     if isinstance(module, _BATCHNORM_TYPES):
         if not module.affine:
-            raise UsageError(f"BatchNorm {layer!r} has no affine weight and bias to rescale", source="--layer")
+            raise UsageError(
+                f"BatchNorm {layer!r} has no affine weight and bias to rescale", source="--layer"
+            )
     elif not isinstance(module, _WEIGHTED_TYPES):
         raise UsageError(
             f"module {layer!r} is a {type(module).__name__}, not a linear, convolution or BatchNorm layer; "
@@ -213,21 +229,29 @@ def plan_rescale(model: nn.Module, example: torch.Tensor, mode: str, layer: str 
     if not positions:
         raise UsageError(f"layer {layer!r} is not used in the forward pass", source="--layer")
     if len(positions) > 1:
-        raise UsageError(f"layer {layer!r} is called more than once per forward pass", source="--layer")
+        raise UsageError(
+            f"layer {layer!r} is called more than once per forward pass", source="--layer"
+        )
 
     plan = RescalePlan(mode="layer", layer=layer, forced=force)
     current = calls[positions[0]].output
-    for call in calls[positions[0] + 1:]:
+    for call in calls[positions[0] + 1 :]:
         if current is None:
             break
         if call.input is not current:
             continue
         consumers = [c.name for c in calls if c.input is current and c.output is not c.input]
         if len(consumers) > 1:
-            plan.problems.append(f"the output of {plan.path[-1] if plan.path else layer} feeds several modules "
-                                 f"({', '.join(consumers)})")
+            plan.problems.append(
+                f"the output of {plan.path[-1] if plan.path else layer} feeds several modules "
+                f"({', '.join(consumers)})"
+            )
         mod = call.module
-        if isinstance(mod, _BATCHNORM_TYPES) and not plan.path and not isinstance(module, _BATCHNORM_TYPES):
+        if (
+            isinstance(mod, _BATCHNORM_TYPES)
+            and not plan.path
+            and not isinstance(module, _BATCHNORM_TYPES)
+        ):
             plan.mode = "batchnorm"
             plan.batchnorm = call.name
             break
@@ -244,7 +268,9 @@ def plan_rescale(model: nn.Module, example: torch.Tensor, mode: str, layer: str 
                 "(phi(a u) != a phi(u))"
             )
         else:
-            plan.problems.append(f"module {call.name} ({type(mod).__name__}) does not commute with scaling")
+            plan.problems.append(
+                f"module {call.name} ({type(mod).__name__}) does not commute with scaling"
+            )
         current = call.output
     if plan.mode == "layer" and plan.next_layer is None:
         where = f" after {plan.path[-1]}" if plan.path else ""
@@ -280,7 +306,9 @@ def _is_positively_homogeneous(module: nn.Module) -> bool:
     return is_positively_homogeneous(module)
 
 
-def _verify_function_preserved(model: nn.Module, example: torch.Tensor, plan: RescalePlan, force: bool) -> None:
+def _verify_function_preserved(
+    model: nn.Module, example: torch.Tensor, plan: RescalePlan, force: bool
+) -> None:
     """Check on ``example`` that the plan with alpha = 2 keeps the logits; record a problem if not.
 
     Hooks see modules, not functional operations: a tensor consumed both by the next layer and by
@@ -362,7 +390,9 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
             x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
             z = model(x_b)
             if not torch.isfinite(z).all():
-                raise NumericalError(f"logits are not finite on batch {index}", source="weight-rescale")
+                raise NumericalError(
+                    f"logits are not finite on batch {index}", source="weight-rescale"
+                )
             logits.append(z)
             sums[0] += per_sample_loss(data.loss, z, y_b).to(torch.float64).sum()
             if data.loss == "cross-entropy":
@@ -431,9 +461,19 @@ class WeightRescaleResult:
         }
 
 
-def _curvature_row(model: nn.Module, data: AnalysisData, params: str | None, alpha: float,
-                   reference: torch.Tensor | None, *, tol: float, max_matvecs: int | None,
-                   trace_tol: float, trace_max_matvecs: int, seed: int) -> tuple[RescaleRow, int]:
+def _curvature_row(
+    model: nn.Module,
+    data: AnalysisData,
+    params: str | None,
+    alpha: float,
+    reference: torch.Tensor | None,
+    *,
+    tol: float,
+    max_matvecs: int | None,
+    trace_tol: float,
+    trace_max_matvecs: int,
+    seed: int,
+) -> tuple[RescaleRow, int]:
     from sharpcli.curvature.lanczos import lanczos
 
     evaluation = evaluate_outputs(model, data)
@@ -468,7 +508,9 @@ def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) ->
     from sharpcli.curvature.trace import hutchpp
 
     result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-    stderr = None if result.stderr is None or not math.isfinite(result.stderr) else float(result.stderr)
+    stderr = (
+        None if result.stderr is None or not math.isfinite(result.stderr) else float(result.stderr)
+    )
     return {"estimate": float(result.estimate), "stderr": stderr}
 
 
@@ -499,13 +541,22 @@ def weight_rescale(
         raise UsageError("needs at least one alpha", source="--alpha")
     for alpha in alphas:
         if not (alpha > 0 and math.isfinite(alpha)):
-            raise UsageError(f"every alpha must be a finite number > 0, got {alpha:g}", source="--alpha")
+            raise UsageError(
+                f"every alpha must be a finite number > 0, got {alpha:g}", source="--alpha"
+            )
     example = next(iter(data.batches()))[0]
     p0 = next(model.parameters())
-    example = example[:8].to(device=p0.device, dtype=p0.dtype if example.is_floating_point() else example.dtype)
+    example = example[:8].to(
+        device=p0.device, dtype=p0.dtype if example.is_floating_point() else example.dtype
+    )
     plan = plan_rescale(model, example, mode, layer, force=force)
-    kwargs = dict(tol=tol, max_matvecs=max_matvecs, trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs,
-                  seed=seed)
+    kwargs = dict(
+        tol=tol,
+        max_matvecs=max_matvecs,
+        trace_tol=trace_tol,
+        trace_max_matvecs=trace_max_matvecs,
+        seed=seed,
+    )
     total = len(alphas) + 1
     baseline_model = copy.deepcopy(model)
     reference = evaluate_outputs(baseline_model, data).logits
@@ -521,4 +572,6 @@ def weight_rescale(
         rows.append(row)
         if progress is not None:
             progress(i + 2, total, f"alpha {alpha:g}")
-    return WeightRescaleResult(rows=rows, baseline=baseline, plan=plan, params=params or "all", num_params=numel)
+    return WeightRescaleResult(
+        rows=rows, baseline=baseline, plan=plan, params=params or "all", num_params=numel
+    )

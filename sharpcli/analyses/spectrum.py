@@ -36,7 +36,9 @@ def curvature_pass(session, params: str | None):
     from sharpcli.curvature import CurvaturePass
 
     scope = session.scope(params)
-    return CurvaturePass(session.model, session.analysis_data(), scope, cache_bytes=session.cache_bytes)
+    return CurvaturePass(
+        session.model, session.analysis_data(), scope, cache_bytes=session.cache_bytes
+    )
 
 
 def operator_of(cpass, operator: str):
@@ -45,12 +47,26 @@ def operator_of(cpass, operator: str):
 
 
 def scope_info(scope) -> dict:
-    return {"parameters": list(scope.names), "numel": int(scope.numel), "layers": list(scope.blocks().keys())}
+    return {
+        "parameters": list(scope.names),
+        "numel": int(scope.numel),
+        "layers": list(scope.blocks().keys()),
+    }
 
 
-def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "largest", method: str = "lanczos",
-          tol: float = 1e-3, max_matvecs: int | None = None, params: str | None = None, engine: str = "native",
-          seed: int | None = None) -> dict:
+def eigen(
+    session,
+    *,
+    operator: str = "hessian",
+    top_k: int = 1,
+    which: str = "largest",
+    method: str = "lanczos",
+    tol: float = 1e-3,
+    max_matvecs: int | None = None,
+    params: str | None = None,
+    engine: str = "native",
+    seed: int | None = None,
+) -> dict:
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
     from sharpcli.curvature import lanczos, power_iteration
 
@@ -63,9 +79,18 @@ def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "l
         if operator != "hessian":
             raise UsageError("the pyhessian engine computes only the Hessian", source="--engine")
         if which != "largest":
-            raise UsageError("the pyhessian engine finds only the largest |eigenvalue|s", source="--engine")
-        result = pyhessian_eigenvalues(session.model, session.analysis_data(), top_n=top_k, tol=tol,
-                                       max_iter=max_matvecs or 100, seed=seed, params=params)
+            raise UsageError(
+                "the pyhessian engine finds only the largest |eigenvalue|s", source="--engine"
+            )
+        result = pyhessian_eigenvalues(
+            session.model,
+            session.analysis_data(),
+            top_n=top_k,
+            tol=tol,
+            max_iter=max_matvecs or 100,
+            seed=seed,
+            params=params,
+        )
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
@@ -80,33 +105,55 @@ def eigen(session, *, operator: str = "hessian", top_k: int = 1, which: str = "l
         if wanted > budget:
             # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
             # return fewer eigenvalues than asked, none converged
-            raise UsageError(f"--top-k {top_k} asks for {wanted} eigenvalues but a Krylov space of {budget} products "
-                             f"(--max-matvecs) holds at most {budget}; lower --top-k or raise --max-matvecs",
-                             source="--top-k")
+            raise UsageError(
+                f"--top-k {top_k} asks for {wanted} eigenvalues but a Krylov space of {budget} products "
+                f"(--max-matvecs) holds at most {budget}; lower --top-k or raise --max-matvecs",
+                source="--top-k",
+            )
         result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
     else:
         if which != "largest":
-            raise UsageError("power iteration finds the largest |eigenvalue|s only; use --method lanczos",
-                             source="--which")
+            raise UsageError(
+                "power iteration finds the largest |eigenvalue|s only; use --method lanczos",
+                source="--which",
+            )
         result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
     out = result.to_dict()
     out.update(operator=operator, scope=scope_info(cpass.scope))
-    rank_bound = session.num_samples * max(1, session.num_outputs - (1 if session.loss == "cross-entropy" else 0))
+    rank_bound = session.num_samples * max(
+        1, session.num_outputs - (1 if session.loss == "cross-entropy" else 0)
+    )
     if operator == "ggn" and which != "largest" and rank_bound < cpass.scope.numel:
         # G = (1/N) sum_i J_i^T H_z,i J_i has rank <= N * rank(H_z) (C - 1 for cross-entropy, whose H_z
         # annihilates the all-ones vector): a null space of dimension >= P - that bound. A Krylov method
         # sees each distinct eigenvalue once, so the repeated 0 appears once among the smallest.
         out.setdefault("notes", []).append(
             f"G has rank <= {rank_bound} < {cpass.scope.numel} parameters: 0 is an eigenvalue of multiplicity "
-            f">= {cpass.scope.numel - rank_bound}, reported once (Lanczos finds distinct eigenvalues)")
+            f">= {cpass.scope.numel - rank_bound}, reported once (Lanczos finds distinct eigenvalues)"
+        )
     return out
 
 
-def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol: float = 1e-2,
-          max_matvecs: int = 1000, square: bool = False, params: str | None = None, engine: str = "native",
-          seed: int | None = None) -> dict:
+def trace(
+    session,
+    *,
+    operator: str = "hessian",
+    estimator: str = "hutchpp",
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    square: bool = False,
+    params: str | None = None,
+    engine: str = "native",
+    seed: int | None = None,
+) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
-    from sharpcli.curvature import exact_ggn_trace, frobenius_sq, gn_split_trace, hutchinson, hutchpp
+    from sharpcli.curvature import (
+        exact_ggn_trace,
+        frobenius_sq,
+        gn_split_trace,
+        hutchinson,
+        hutchpp,
+    )
 
     check_choice(estimator, ESTIMATORS, "--estimator")
     check_choice(engine, ENGINES, "--engine")
@@ -116,21 +163,31 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
 
         if operator != "hessian" or square:
             raise UsageError("the pyhessian engine computes only tr(H)", source="--engine")
-        result = pyhessian_trace(session.model, session.analysis_data(), tol=tol, max_iter=max_matvecs, seed=seed,
-                                 params=params)
+        result = pyhessian_trace(
+            session.model,
+            session.analysis_data(),
+            tol=tol,
+            max_iter=max_matvecs,
+            seed=seed,
+            params=params,
+        )
         scope = session.scope(params)
     else:
         cpass = curvature_pass(session, params)
         scope = cpass.scope
         if estimator == "exact":
             if operator != "ggn" or square:
-                raise UsageError("the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
-                                 source="--estimator")
+                raise UsageError(
+                    "the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
+                    source="--estimator",
+                )
             result = exact_ggn_trace(session.model, session.analysis_data(), scope)
         elif estimator == "gn-split":
             if operator != "hessian" or square:
-                raise UsageError("the gn-split estimator is for the Hessian trace (--operator hessian, no --square)",
-                                 source="--estimator")
+                raise UsageError(
+                    "the gn-split estimator is for the Hessian trace (--operator hessian, no --square)",
+                    source="--estimator",
+                )
             result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
         else:
             op = operator_of(cpass, operator)
@@ -142,19 +199,35 @@ def trace(session, *, operator: str = "hessian", estimator: str = "hutchpp", tol
                 result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
     d = result.to_dict()
     by_layer = d.pop("by_layer")
-    return {"trace": d, "by_layer": by_layer, "operator": operator, "square": square, "scope": scope_info(scope)}
+    return {
+        "trace": d,
+        "by_layer": by_layer,
+        "operator": operator,
+        "square": square,
+        "scope": scope_info(scope),
+    }
 
 
-def density(session, *, operator: str = "hessian", probes: int = 4, steps: int = 64, grid_points: int = 512,
-            broadening: float | None = None, params: str | None = None, seed: int | None = None) -> dict:
+def density(
+    session,
+    *,
+    operator: str = "hessian",
+    probes: int = 4,
+    steps: int = 64,
+    grid_points: int = 512,
+    broadening: float | None = None,
+    params: str | None = None,
+    seed: int | None = None,
+) -> dict:
     """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019), Gaussian-broadened."""
     from sharpcli.curvature.density import spectral_density
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
     op = operator_of(cpass, operator)
-    result = spectral_density(op, probes=probes, lanczos_steps=steps, grid_points=grid_points, sigma=broadening,
-                              seed=seed)
+    result = spectral_density(
+        op, probes=probes, lanczos_steps=steps, grid_points=grid_points, sigma=broadening, seed=seed
+    )
     out = result.to_dict()
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))
@@ -166,13 +239,25 @@ def _extremes(op, tol, max_matvecs, seed) -> dict:
     from sharpcli.curvature import lanczos
 
     res = lanczos(op, k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
-    return {"lambda_max": res.eigenvalues[0], "lambda_min": res.eigenvalues[-1],
-            "residuals": [res.residuals[0], res.residuals[-1]], "converged": [res.converged[0], res.converged[-1]],
-            "matvecs": res.matvecs}
+    return {
+        "lambda_max": res.eigenvalues[0],
+        "lambda_min": res.eigenvalues[-1],
+        "residuals": [res.residuals[0], res.residuals[-1]],
+        "converged": [res.converged[0], res.converged[-1]],
+        "matvecs": res.matvecs,
+    }
 
 
-def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: int = 1000,
-           params: str | None = None, seed: int | None = None, label_samples: int = 4) -> dict:
+def gn_nme(
+    session,
+    *,
+    tol: float = 1e-2,
+    eig_tol: float = 1e-3,
+    max_matvecs: int = 1000,
+    params: str | None = None,
+    seed: int | None = None,
+    label_samples: int = 4,
+) -> dict:
     """The NME paper's split (section 2): for H, G and N the trace (+- stderr), the largest and
     smallest eigenvalue and ``Tr(A^2)``; the NME share ``tr(N)/tr(H)`` and ``||N||_F/||H||_F``;
     per-layer traces; G's trace cross-checked by the exact (C backward passes) and the sampled-label
@@ -195,9 +280,14 @@ def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: in
         tr = split.values[name]["trace"]
         fro = split.values[name]["frobenius_sq"]
         out[name] = {
-            "trace": {"estimate": tr["estimate"], "stderr": tr["stderr"], "matvecs": split.matvecs,
-                      "samples": split.samples, "estimator": "hutchinson (shared probes)",
-                      "converged": split.converged},
+            "trace": {
+                "estimate": tr["estimate"],
+                "stderr": tr["stderr"],
+                "matvecs": split.matvecs,
+                "samples": split.samples,
+                "estimator": "hutchinson (shared probes)",
+                "converged": split.converged,
+            },
             "by_layer": tr["by_layer"],
             "frobenius_sq": fro["estimate"],
             "frobenius_sq_stderr": fro["stderr"],
@@ -205,18 +295,30 @@ def gn_nme(session, *, tol: float = 1e-2, eig_tol: float = 1e-3, max_matvecs: in
         }
         total_matvecs += ext["matvecs"]
     h, n = out["hessian"], out["nme"]
-    out["nme_share"] = (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
-    out["nme_frobenius_ratio"] = (math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"])
-                                  if h["frobenius_sq"] else None)
+    out["nme_share"] = (
+        (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
+    )
+    out["nme_frobenius_ratio"] = (
+        math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"]) if h["frobenius_sq"] else None
+    )
     checks = {}
     if session.loss in ("cross-entropy", "mse"):
         data = session.analysis_data()
         exact = exact_ggn_trace(session.model, data, cpass.scope)
-        sampled = sampled_label_ggn_trace(session.model, data, cpass.scope, samples=label_samples,
-                                          generator=torch.Generator().manual_seed(seed))
-        checks = {"exact": exact.estimate, "sampled_label": sampled.estimate,
-                  "sampled_label_stderr": sampled.stderr, "hutchinson": out["ggn"]["trace"]["estimate"],
-                  "hutchinson_stderr": out["ggn"]["trace"]["stderr"]}
+        sampled = sampled_label_ggn_trace(
+            session.model,
+            data,
+            cpass.scope,
+            samples=label_samples,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        checks = {
+            "exact": exact.estimate,
+            "sampled_label": sampled.estimate,
+            "sampled_label_stderr": sampled.stderr,
+            "hutchinson": out["ggn"]["trace"]["estimate"],
+            "hutchinson_stderr": out["ggn"]["trace"]["stderr"],
+        }
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)
     out["scope"] = scope_info(cpass.scope)
@@ -230,6 +332,13 @@ def _layer_rows(out: dict) -> list[dict]:
         h = out["hessian"]["by_layer"][layer]["estimate"]
         g = out["ggn"]["by_layer"][layer]["estimate"]
         n = out["nme"]["by_layer"][layer]["estimate"]
-        rows.append({"layer": layer, "hessian_trace": h, "ggn_trace": g, "nme_trace": n,
-                     "nme_share": n / h if h else None})
+        rows.append(
+            {
+                "layer": layer,
+                "hessian_trace": h,
+                "ggn_trace": g,
+                "nme_trace": n,
+                "nme_share": n / h if h else None,
+            }
+        )
     return rows

@@ -29,12 +29,20 @@ TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
 def check_tracked(names: list[str]) -> list[str]:
     unknown = [n for n in names if n not in TRACKABLE]
     if unknown:
-        raise UsageError(f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="--track")
+        raise UsageError(
+            f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="--track"
+        )
     return names
 
 
-def make_tracker(names: list[str], *, seed: int = 0, batch_size: int = 256,
-                 tol: float = 5e-2, max_matvecs: int = 200) -> Callable:
+def make_tracker(
+    names: list[str],
+    *,
+    seed: int = 0,
+    batch_size: int = 256,
+    tol: float = 5e-2,
+    max_matvecs: int = 200,
+) -> Callable:
     """``tracker(model, x, y, loss, epoch) -> dict`` of the tracked quantities."""
     check_tracked(names)
 
@@ -45,18 +53,26 @@ def make_tracker(names: list[str], *, seed: int = 0, batch_size: int = 256,
         was_training = model.training
         model.eval()
         try:
-            cpass = CurvaturePass(model, AnalysisData(x, y, loss=loss, batch_size=batch_size),
-                                  ParamScope.resolve(model, None))
+            cpass = CurvaturePass(
+                model,
+                AnalysisData(x, y, loss=loss, batch_size=batch_size),
+                ParamScope.resolve(model, None),
+            )
             out: dict = {}
             if "eigen" in names:
-                out["lambda_max"] = lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed).eigenvalues[0]
+                out["lambda_max"] = lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed).eigenvalues[
+                    0
+                ]
             if "trace" in names:
-                out["trace"] = hutchpp(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed).estimate
+                out["trace"] = hutchpp(
+                    cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed
+                ).estimate
             if "frobenius" in names:
                 from sharpcli.curvature import frobenius_sq
 
-                out["frobenius_sq"] = frobenius_sq(cpass.hessian(), tol=tol, max_matvecs=max_matvecs,
-                                                   seed=seed).estimate
+                out["frobenius_sq"] = frobenius_sq(
+                    cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed
+                ).estimate
             if "gn-nme" in names:
                 split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
                 h = split.values["hessian"]["trace"]["estimate"]

@@ -35,7 +35,12 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+    version: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
 ) -> None:
     """Measure and control the sharpness of neural-network loss landscapes."""
@@ -44,7 +49,7 @@ def _root(
 
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here, in one place.
-    from sharpcli.cli import cmd_analyze, cmd_compare, cmd_diagnostics, cmd_spectrum, cmd_sweep, cmd_train  # noqa: F401
+    pass  # noqa: F401
 
 
 _register()
@@ -104,12 +109,16 @@ def _output_clash(argv: list[str]):
             continue
         for token in others:
             if os.path.isfile(token) and _same_file(path, token):
-                return UsageError(f"{path} is also an input of this command; writing there would destroy it",
-                                  source=option), (path, token)
+                return UsageError(
+                    f"{path} is also an input of this command; writing there would destroy it",
+                    source=option,
+                ), (path, token)
         for other_option, other in seen:
             if _same_file(path, other):
-                return UsageError(f"{path} is also the {other_option} file; one would overwrite the other",
-                                  source=option), (path, other)
+                return UsageError(
+                    f"{path} is also the {other_option} file; one would overwrite the other",
+                    source=option,
+                ), (path, other)
         seen.append((option, path))
     return None
 
@@ -146,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(err.exit_code)
     except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"sharp: error: torch.distributed: could not join the process group ({first})", file=sys.stderr)
+        print(
+            f"sharp: error: torch.distributed: could not join the process group ({first})",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         clash = _output_clash(argv)
@@ -170,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         line = err.one_line()  # click's message already names the option
         param = getattr(exc, "param", None)
         opts = list(getattr(param, "opts", None) or [])
-        err.source = (opts[0] if opts else getattr(param, "name", None)) or getattr(exc, "option_name", None)
+        err.source = (opts[0] if opts else getattr(param, "name", None)) or getattr(
+            exc, "option_name", None
+        )
         if distributed.is_main_process():
             print(f"sharp {command}: error: {line}", file=sys.stderr)
             _write_json_error(argv, command, err)

@@ -12,14 +12,36 @@ from sharpcli.cli.app import app
 
 @app.command("compare")
 def compare_command(
-    reports: Annotated[list[str], typer.Argument(help="JSON reports written by sharp commands (--json).")],
-    columns: Annotated[Optional[str], typer.Option("--columns", help="Comma list of columns: canonical names (regularizers, test_accuracy, lambda_max, trace, frobenius_sq, nme_share, ...) or dotted report keys (results.hessian.trace_stderr, settings.lr).")] = None,
-    sort: Annotated[Optional[str], typer.Option("--sort", help="Column to sort by; prefix '-' for descending.")] = None,
+    reports: Annotated[
+        list[str], typer.Argument(help="JSON reports written by sharp commands (--json).")
+    ],
+    columns: Annotated[
+        Optional[str],
+        typer.Option(
+            "--columns",
+            help="Comma list of columns: canonical names (regularizers, test_accuracy, lambda_max, trace, frobenius_sq, nme_share, ...) or dotted report keys (results.hessian.trace_stderr, settings.lr).",
+        ),
+    ] = None,
+    sort: Annotated[
+        Optional[str], typer.Option("--sort", help="Column to sort by; prefix '-' for descending.")
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv, markdown or json.")] = "table",
-    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Write the CSV/Markdown/JSON table to PATH instead of stdout.")] = None,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG scatter of sharpness against accuracy to PATH.")] = None,
-    plot_x: Annotated[str, typer.Option("--plot-x", help="Column on the scatter's x axis.")] = "lambda_max",
-    plot_y: Annotated[str, typer.Option("--plot-y", help="Column on the scatter's y axis.")] = "test_accuracy",
+    out: Annotated[
+        Optional[str],
+        typer.Option(
+            "--out", "-o", help="Write the CSV/Markdown/JSON table to PATH instead of stdout."
+        ),
+    ] = None,
+    plot: Annotated[
+        Optional[str],
+        typer.Option("--plot", help="Write a PNG scatter of sharpness against accuracy to PATH."),
+    ] = None,
+    plot_x: Annotated[
+        str, typer.Option("--plot-x", help="Column on the scatter's x axis.")
+    ] = "lambda_max",
+    plot_y: Annotated[
+        str, typer.Option("--plot-y", help="Column on the scatter's y axis.")
+    ] = "test_accuracy",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
 ) -> None:
@@ -31,7 +53,9 @@ def compare_command(
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table
 
-        common.require(fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format")
+        common.require(
+            fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format"
+        )
         if out is not None:
             check_writable(out, "--out")
         if plot is not None:
@@ -46,10 +70,19 @@ def compare_command(
             from sharpcli.report.plots import plot_compare_scatter
 
             plot_compare_scatter(records, plot, x=plot_x, y=plot_y)
-        report = make_report("compare", settings={"reports": list(reports), "columns": cols, "sort": sort,
-                                                  "format": fmt, "out": out, "plot": plot},
-                             results={"rows": records, "columns": list(frame.columns)},
-                             environment=environment_info())
+        report = make_report(
+            "compare",
+            settings={
+                "reports": list(reports),
+                "columns": cols,
+                "sort": sort,
+                "format": fmt,
+                "out": out,
+                "plot": plot,
+            },
+            results={"rows": records, "columns": list(frame.columns)},
+            environment=environment_info(),
+        )
 
         def show(console):
             if out is not None:

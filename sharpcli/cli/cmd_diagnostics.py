@@ -14,12 +14,30 @@ from sharpcli.cli import common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
-ForceOpt = Annotated[bool, typer.Option("--force", help="Rescale even when the rescaling changes the network function (e.g. through GELU).")]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Rescale even when the rescaling changes the network function (e.g. through GELU).",
+    ),
+]
 PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="Write a PNG plot to PATH.")]
-TolOpt = Annotated[float, typer.Option("--tol", help="Lanczos tolerance: converged when ||A u - lambda u|| <= tol |lambda|.")]
-MaxMatvecsOpt = Annotated[Optional[int], typer.Option("--max-matvecs", help="Lanczos Krylov dimension cap (default min(P, 100)).")]
-TraceTolOpt = Annotated[float, typer.Option("--trace-tol", help="Hutch++ relative standard error target for traces.")]
-TraceMaxOpt = Annotated[int, typer.Option("--trace-max-matvecs", help="Hutch++ matvec budget per trace.")]
+TolOpt = Annotated[
+    float,
+    typer.Option(
+        "--tol", help="Lanczos tolerance: converged when ||A u - lambda u|| <= tol |lambda|."
+    ),
+]
+MaxMatvecsOpt = Annotated[
+    Optional[int],
+    typer.Option("--max-matvecs", help="Lanczos Krylov dimension cap (default min(P, 100))."),
+]
+TraceTolOpt = Annotated[
+    float, typer.Option("--trace-tol", help="Hutch++ relative standard error target for traces.")
+]
+TraceMaxOpt = Annotated[
+    int, typer.Option("--trace-max-matvecs", help="Hutch++ matvec budget per trace.")
+]
 
 
 def _check_plot(path: str | None) -> None:
@@ -34,7 +52,13 @@ def _check_plot(path: str | None) -> None:
 def activation_stats_command(
     opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
-    jacobian: Annotated[bool, typer.Option("--jacobian/--no-jacobian", help="Compute the input-output Jacobian norm (C+1 backward passes per batch).")] = True,
+    jacobian: Annotated[
+        bool,
+        typer.Option(
+            "--jacobian/--no-jacobian",
+            help="Compute the input-output Jacobian norm (C+1 backward passes per batch).",
+        ),
+    ] = True,
 ) -> common.Outcome:
     """Activation and death frequency per activation layer, output Gini impurity/entropy, the AD penalty
     ||h^(L-1)||^2 and the input-output Jacobian norm (MAN sections 2, 5, Table 3)."""
@@ -49,18 +73,31 @@ def activation_stats_command(
 
 def _render_activation_stats(console, result) -> None:
     layers = [
-        {"layer": layer.name, "kind": layer.kind, "shape": "x".join(str(s) for s in layer.output_shape),
-         "N": layer.outputs, "eta": layer.activation_frequency, "eta_all": layer.activation_frequency_including_dead,
-         "xi": layer.death_frequency, "dead": layer.dead_outputs, "mean ||a||^2": layer.mean_sq_norm}
+        {
+            "layer": layer.name,
+            "kind": layer.kind,
+            "shape": "x".join(str(s) for s in layer.output_shape),
+            "N": layer.outputs,
+            "eta": layer.activation_frequency,
+            "eta_all": layer.activation_frequency_including_dead,
+            "xi": layer.death_frequency,
+            "dead": layer.dead_outputs,
+            "mean ||a||^2": layer.mean_sq_norm,
+        }
         for layer in result.layers
     ]
-    console.print(records_table(
-        f"activation layers ({result.samples} samples): eta = activation frequency over alive outputs, "
-        "eta_all = over all outputs, xi = death frequency", layers,
-        ["layer", "kind", "shape", "N", "eta", "eta_all", "xi", "dead", "mean ||a||^2"],
-    ))
+    console.print(
+        records_table(
+            f"activation layers ({result.samples} samples): eta = activation frequency over alive outputs, "
+            "eta_all = over all outputs, xi = death frequency",
+            layers,
+            ["layer", "kind", "shape", "N", "eta", "eta_all", "xi", "dead", "mean ||a||^2"],
+        )
+    )
     summary = dict(result.output.to_dict())
-    summary[f"penultimate ||h||^2 (input of {result.penultimate_layer})"] = result.penultimate_sq_norm
+    summary[f"penultimate ||h||^2 (input of {result.penultimate_layer})"] = (
+        result.penultimate_sq_norm
+    )
     summary["input-output Jacobian ||dz/dx||_F"] = result.input_jacobian_fro
     summary["input-output Jacobian ||dp/dx||_F"] = result.input_jacobian_fro_softmax
     console.print(key_value_table("output", summary))
@@ -73,9 +110,23 @@ def _render_activation_stats(console, result) -> None:
 def weight_rescale_command(
     opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
-    alpha: Annotated[str, typer.Option("--alpha", help="Scale factors, comma-separated (e.g. 0.1,10).")] = "0.1,10",
-    mode: Annotated[str, typer.Option("--mode", help="global (all parameters times alpha) or layer (Dinh et al.: layer times alpha, next layer's weight times 1/alpha).")] = "layer",
-    layer: Annotated[Optional[str], typer.Option("--layer", help="Module name of the layer to rescale (e.g. 0, features.3); default the first hidden layer.")] = None,
+    alpha: Annotated[
+        str, typer.Option("--alpha", help="Scale factors, comma-separated (e.g. 0.1,10).")
+    ] = "0.1,10",
+    mode: Annotated[
+        str,
+        typer.Option(
+            "--mode",
+            help="global (all parameters times alpha) or layer (Dinh et al.: layer times alpha, next layer's weight times 1/alpha).",
+        ),
+    ] = "layer",
+    layer: Annotated[
+        Optional[str],
+        typer.Option(
+            "--layer",
+            help="Module name of the layer to rescale (e.g. 0, features.3); default the first hidden layer.",
+        ),
+    ] = None,
     force: ForceOpt = False,
     params: common.ParamsOpt = None,
     tol: TolOpt = 1e-3,
@@ -90,29 +141,53 @@ def weight_rescale_command(
 
     alphas = common.parse_float_list(alpha, "--alpha")
     for value in alphas:
-        common.require(value > 0 and value != float("inf"), f"every alpha must be a finite number > 0, got {value:g}",
-                       "--alpha")
+        common.require(
+            value > 0 and value != float("inf"),
+            f"every alpha must be a finite number > 0, got {value:g}",
+            "--alpha",
+        )
     common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
     _check_plot(plot)
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "rescaling") as progress:
         result = weight_rescale(
-            session.model, session.analysis_data(), alphas, mode=mode, layer=layer, force=force, params=params,
-            tol=tol, max_matvecs=max_matvecs, trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs,
-            seed=opts.seed, progress=progress,
+            session.model,
+            session.analysis_data(),
+            alphas,
+            mode=mode,
+            layer=layer,
+            force=force,
+            params=params,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            trace_tol=trace_tol,
+            trace_max_matvecs=trace_max_matvecs,
+            seed=opts.seed,
+            progress=progress,
         )
     results = result.to_dict()
     if plot is not None:
         from sharpcli.report.plots import plot_weight_rescale
 
-        plot_weight_rescale(results["rows"] + [results["baseline"]], plot,
-                            title=f"weight rescaling ({result.plan.mode} mode)")
+        plot_weight_rescale(
+            results["rows"] + [results["baseline"]],
+            plot,
+            title=f"weight rescaling ({result.plan.mode} mode)",
+        )
         results["plot"] = plot
     settings = opts.settings() | {
-        "checkpoint": checkpoint, "alpha": alphas, "mode": mode, "layer": layer, "force": force,
-        "params": params, "tol": tol, "max_matvecs": max_matvecs, "trace_tol": trace_tol,
-        "trace_max_matvecs": trace_max_matvecs, "plot": plot,
+        "checkpoint": checkpoint,
+        "alpha": alphas,
+        "mode": mode,
+        "layer": layer,
+        "force": force,
+        "params": params,
+        "tol": tol,
+        "max_matvecs": max_matvecs,
+        "trace_tol": trace_tol,
+        "trace_max_matvecs": trace_max_matvecs,
+        "plot": plot,
     }
     report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
@@ -129,11 +204,22 @@ def _render_weight_rescale(console, result) -> None:
     if plan.problems:
         what += f" (forced: {'; '.join(plan.problems)})"
     rows = [result.baseline.to_dict()] + [row.to_dict() for row in result.rows]
-    console.print(records_table(
-        f"weight rescaling: {what}; curvature w.r.t. {result.params} ({result.num_params} parameters)", rows,
-        ["alpha", "accuracy", "loss", "max_logit_change", "lambda_max", "trace", "trace_stderr",
-         "invariant_lambda_max"],
-    ))
+    console.print(
+        records_table(
+            f"weight rescaling: {what}; curvature w.r.t. {result.params} ({result.num_params} parameters)",
+            rows,
+            [
+                "alpha",
+                "accuracy",
+                "loss",
+                "max_logit_change",
+                "lambda_max",
+                "trace",
+                "trace_stderr",
+                "invariant_lambda_max",
+            ],
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------- bound-check
@@ -141,15 +227,59 @@ def _render_weight_rescale(console, result) -> None:
 def bound_check_command(
     opts: common.CommonOptions,
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
-    sigma: Annotated[str, typer.Option("--sigma", help="Noise standard deviations, comma-separated.")] = "0.01,0.1,1",
-    params: Annotated[Optional[str], typer.Option("--params", help="Parameter scope (default: the final layer's weight, as AD Fig. 1a); all, last, or a glob.")] = None,
-    perturbations: Annotated[int, typer.Option("--perturbations", help="Fixed perturbations D_j = sigma Z_j averaged for the smoothed Hessian.")] = 8,
-    epsilon: Annotated[str, typer.Option("--epsilon", help="full (gradient norm over the analysis set) or minibatch (mean minibatch gradient norm, as AD used).")] = "full",
-    check: Annotated[Optional[list[str]], typer.Option("--check", help="Extra checks: theorem2, noise-stability (repeat or comma-separate).")] = None,
-    bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap replicates over perturbations for the confidence interval.")] = 1000,
-    ci_level: Annotated[float, typer.Option("--ci-level", help="Confidence level of the interval.")] = 0.95,
-    mc_samples: Annotated[int, typer.Option("--mc-samples", help="Antithetic noise pairs per sample for Theorem 2's smoothed cross-entropy.")] = 256,
-    noise_pairs: Annotated[int, typer.Option("--noise-pairs", help="Antithetic perturbation pairs +-U for the noise-stability gap.")] = 32,
+    sigma: Annotated[
+        str, typer.Option("--sigma", help="Noise standard deviations, comma-separated.")
+    ] = "0.01,0.1,1",
+    params: Annotated[
+        Optional[str],
+        typer.Option(
+            "--params",
+            help="Parameter scope (default: the final layer's weight, as AD Fig. 1a); all, last, or a glob.",
+        ),
+    ] = None,
+    perturbations: Annotated[
+        int,
+        typer.Option(
+            "--perturbations",
+            help="Fixed perturbations D_j = sigma Z_j averaged for the smoothed Hessian.",
+        ),
+    ] = 8,
+    epsilon: Annotated[
+        str,
+        typer.Option(
+            "--epsilon",
+            help="full (gradient norm over the analysis set) or minibatch (mean minibatch gradient norm, as AD used).",
+        ),
+    ] = "full",
+    check: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--check", help="Extra checks: theorem2, noise-stability (repeat or comma-separate)."
+        ),
+    ] = None,
+    bootstrap: Annotated[
+        int,
+        typer.Option(
+            "--bootstrap",
+            help="Bootstrap replicates over perturbations for the confidence interval.",
+        ),
+    ] = 1000,
+    ci_level: Annotated[
+        float, typer.Option("--ci-level", help="Confidence level of the interval.")
+    ] = 0.95,
+    mc_samples: Annotated[
+        int,
+        typer.Option(
+            "--mc-samples",
+            help="Antithetic noise pairs per sample for Theorem 2's smoothed cross-entropy.",
+        ),
+    ] = 256,
+    noise_pairs: Annotated[
+        int,
+        typer.Option(
+            "--noise-pairs", help="Antithetic perturbation pairs +-U for the noise-stability gap."
+        ),
+    ] = 32,
     tol: TolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
@@ -162,13 +292,21 @@ def bound_check_command(
 
     sigmas = common.parse_float_list(sigma, "--sigma")
     for value in sigmas:
-        common.require(value > 0 and value != float("inf"), f"every sigma must be a finite number > 0, got {value:g}",
-                       "--sigma")
+        common.require(
+            value > 0 and value != float("inf"),
+            f"every sigma must be a finite number > 0, got {value:g}",
+            "--sigma",
+        )
     checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
     for name in checks:
-        common.require(name in CHECKS, f"unknown check {name!r}; accepted: {', '.join(CHECKS)}", "--check")
-    common.require(epsilon in EPSILON_KINDS, f"unknown epsilon {epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
-                   "--epsilon")
+        common.require(
+            name in CHECKS, f"unknown check {name!r}; accepted: {', '.join(CHECKS)}", "--check"
+        )
+    common.require(
+        epsilon in EPSILON_KINDS,
+        f"unknown epsilon {epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
+        "--epsilon",
+    )
     common.require(perturbations >= 1, f"must be >= 1, got {perturbations}", "--perturbations")
     common.require(bootstrap >= 1, f"must be >= 1, got {bootstrap}", "--bootstrap")
     common.require(0 < ci_level < 1, f"must be in (0, 1), got {ci_level:g}", "--ci-level")
@@ -179,24 +317,49 @@ def bound_check_command(
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "bound check") as progress:
         result = bound_check(
-            session.model, session.analysis_data(), sigmas, params=params, perturbations=perturbations,
-            epsilon_kind=epsilon, tol=tol, max_matvecs=max_matvecs, bootstrap=bootstrap, ci_level=ci_level,
-            checks=tuple(dict.fromkeys(checks)), mc_pairs=mc_samples, noise_pairs=noise_pairs,
-            trace_tol=trace_tol, trace_max_matvecs=trace_max_matvecs, seed=opts.seed, progress=progress,
+            session.model,
+            session.analysis_data(),
+            sigmas,
+            params=params,
+            perturbations=perturbations,
+            epsilon_kind=epsilon,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            bootstrap=bootstrap,
+            ci_level=ci_level,
+            checks=tuple(dict.fromkeys(checks)),
+            mc_pairs=mc_samples,
+            noise_pairs=noise_pairs,
+            trace_tol=trace_tol,
+            trace_max_matvecs=trace_max_matvecs,
+            seed=opts.seed,
+            progress=progress,
         )
     results = result.to_dict()
     if plot is not None:
         from sharpcli.report.plots import plot_bound_check
 
         noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
-        plot_bound_check(results["rows"], plot, noise_rows=noise_rows,
-                         title=f"AD Corollary 1 on {result.params}")
+        plot_bound_check(
+            results["rows"], plot, noise_rows=noise_rows, title=f"AD Corollary 1 on {result.params}"
+        )
         results["plot"] = plot
     settings = opts.settings() | {
-        "checkpoint": checkpoint, "sigma": sigmas, "params": result.params, "perturbations": perturbations,
-        "epsilon": epsilon, "check": checks, "bootstrap": bootstrap, "ci_level": ci_level,
-        "mc_samples": mc_samples, "noise_pairs": noise_pairs, "tol": tol, "max_matvecs": max_matvecs,
-        "trace_tol": trace_tol, "trace_max_matvecs": trace_max_matvecs, "plot": plot,
+        "checkpoint": checkpoint,
+        "sigma": sigmas,
+        "params": result.params,
+        "perturbations": perturbations,
+        "epsilon": epsilon,
+        "check": checks,
+        "bootstrap": bootstrap,
+        "ci_level": ci_level,
+        "mc_samples": mc_samples,
+        "noise_pairs": noise_pairs,
+        "tol": tol,
+        "max_matvecs": max_matvecs,
+        "trace_tol": trace_tol,
+        "trace_max_matvecs": trace_max_matvecs,
+        "plot": plot,
     }
     report = session.report("bound-check", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
@@ -208,29 +371,65 @@ def _render_bound_check(console, result) -> None:
         d = row.to_dict()
         d["empirical_ci"] = f"[{d['empirical_ci'][0]:.4g}, {d['empirical_ci'][1]:.4g}]"
         rows.append(d)
-    console.print(records_table(
-        f"AD Corollary 1 on {result.params} ({result.num_params} parameters, {result.perturbations} perturbations, "
-        f"epsilon = {result.epsilon_kind} gradient norm)",
-        rows, ["sigma", "H", "epsilon", "bound", "empirical", "empirical_ci", "plain_lambda_max", "ratio", "holds"],
-    ))
-    console.print(records_table(
-        "with epsilon = the largest gradient norm at theta and the perturbed points (the corollary's assumption)",
-        rows, ["sigma", "epsilon_region", "bound_region", "holds_region"],
-    ))
+    console.print(
+        records_table(
+            f"AD Corollary 1 on {result.params} ({result.num_params} parameters, {result.perturbations} perturbations, "
+            f"epsilon = {result.epsilon_kind} gradient norm)",
+            rows,
+            [
+                "sigma",
+                "H",
+                "epsilon",
+                "bound",
+                "empirical",
+                "empirical_ci",
+                "plain_lambda_max",
+                "ratio",
+                "holds",
+            ],
+        )
+    )
+    console.print(
+        records_table(
+            "with epsilon = the largest gradient norm at theta and the perturbed points (the corollary's assumption)",
+            rows,
+            ["sigma", "epsilon_region", "bound_region", "holds_region"],
+        )
+    )
     if result.theorem2 is not None:
-        console.print(records_table(
-            "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (means over samples; Theorem 3 Taylor value)",
-            [row.to_dict() for row in result.theorem2],
-            ["sigma", "cross_entropy", "smoothed_cross_entropy", "bound", "taylor", "fraction_holds", "violations",
-             "min_margin"],
-        ))
+        console.print(
+            records_table(
+                "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (means over samples; Theorem 3 Taylor value)",
+                [row.to_dict() for row in result.theorem2],
+                [
+                    "sigma",
+                    "cross_entropy",
+                    "smoothed_cross_entropy",
+                    "bound",
+                    "taylor",
+                    "fraction_holds",
+                    "violations",
+                    "min_margin",
+                ],
+            )
+        )
     if result.noise_stability is not None:
         ns = result.noise_stability
-        console.print(records_table(
-            f"NSO noise stability: E L(W+U) - L(W) vs sigma^2/2 tr(H), tr(H) = {ns['trace']:.6g}",
-            ns["rows"],
-            ["sigma", "gap", "gap_stderr", "gap_control_variate", "predicted", "relative_error",
-             "relative_error_plain", "taylor_residual"],
-        ))
+        console.print(
+            records_table(
+                f"NSO noise stability: E L(W+U) - L(W) vs sigma^2/2 tr(H), tr(H) = {ns['trace']:.6g}",
+                ns["rows"],
+                [
+                    "sigma",
+                    "gap",
+                    "gap_stderr",
+                    "gap_control_variate",
+                    "predicted",
+                    "relative_error",
+                    "relative_error_plain",
+                    "taylor_residual",
+                ],
+            )
+        )
     for note in result.notes:
         console.print(f"note: {note}", markup=False)

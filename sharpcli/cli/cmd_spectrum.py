@@ -11,10 +11,18 @@ from sharpcli.cli import common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
-CheckpointArg = Annotated[str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")]
-OperatorOpt = Annotated[str, typer.Option("--operator", help="hessian, ggn (Gauss-Newton) or nme (H - G).")]
-EngineOpt = Annotated[str, typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity).")]
-MaxMatvecsOpt = Annotated[Optional[int], typer.Option("--max-matvecs", help="Budget of operator products.")]
+CheckpointArg = Annotated[
+    str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
+]
+OperatorOpt = Annotated[
+    str, typer.Option("--operator", help="hessian, ggn (Gauss-Newton) or nme (H - G).")
+]
+EngineOpt = Annotated[
+    str, typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity).")
+]
+MaxMatvecsOpt = Annotated[
+    Optional[int], typer.Option("--max-matvecs", help="Budget of operator products.")
+]
 
 
 def _positive(value, option: str, strict: bool = True) -> None:
@@ -25,11 +33,17 @@ def _positive(value, option: str, strict: bool = True) -> None:
 def eigen_command(
     opts: common.CommonOptions,
     checkpoint: CheckpointArg,
-    top_k: Annotated[int, typer.Option("--top-k", help="Number of eigenvalues (at each end with --which both).")] = 1,
+    top_k: Annotated[
+        int, typer.Option("--top-k", help="Number of eigenvalues (at each end with --which both).")
+    ] = 1,
     which: Annotated[str, typer.Option("--which", help="largest, smallest or both.")] = "largest",
     operator: OperatorOpt = "hessian",
-    method: Annotated[str, typer.Option("--method", help="lanczos (default) or power (PyHessian's method).")] = "lanczos",
-    tol: Annotated[float, typer.Option("--tol", help="Converged when ||Au - lambda u|| <= tol |lambda|.")] = 1e-3,
+    method: Annotated[
+        str, typer.Option("--method", help="lanczos (default) or power (PyHessian's method).")
+    ] = "lanczos",
+    tol: Annotated[
+        float, typer.Option("--tol", help="Converged when ||Au - lambda u|| <= tol |lambda|.")
+    ] = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
@@ -42,21 +56,44 @@ def eigen_command(
     _positive(max_matvecs, "--max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, f"eigenvalues of the {operator}"):
-        results = spectrum.eigen(session, operator=operator, top_k=top_k, which=which, method=method, tol=tol,
-                                 max_matvecs=max_matvecs, params=params, engine=engine)
-    settings = opts.settings() | {"top_k": top_k, "which": which, "operator": operator, "method": method,
-                                  "tol": tol, "max_matvecs": max_matvecs, "params": params, "engine": engine}
+        results = spectrum.eigen(
+            session,
+            operator=operator,
+            top_k=top_k,
+            which=which,
+            method=method,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            params=params,
+            engine=engine,
+        )
+    settings = opts.settings() | {
+        "top_k": top_k,
+        "which": which,
+        "operator": operator,
+        "method": method,
+        "tol": tol,
+        "max_matvecs": max_matvecs,
+        "params": params,
+        "engine": engine,
+    }
     report = session.report("eigen", settings, results, matvecs=results["matvecs"])
 
     def render(console):
-        table = Table(title=f"{operator} eigenvalues ({results['method']}, engine {results['engine']})")
+        table = Table(
+            title=f"{operator} eigenvalues ({results['method']}, engine {results['engine']})"
+        )
         for col in ("#", "eigenvalue", "residual", "converged"):
             table.add_column(col, justify="right")
-        for i, (v, r, c) in enumerate(zip(results["eigenvalues"], results["residuals"], results["converged"]), 1):
+        for i, (v, r, c) in enumerate(
+            zip(results["eigenvalues"], results["residuals"], results["converged"]), 1
+        ):
             table.add_row(str(i), fmt(v, 8), fmt(r, 3), fmt(c))
         console.print(table)
-        console.print(f"{results['matvecs']} matvecs over {session.num_samples} samples, "
-                      f"{results['scope']['numel']} parameters")
+        console.print(
+            f"{results['matvecs']} matvecs over {session.num_samples} samples, "
+            f"{results['scope']['numel']} parameters"
+        )
         for note in results.get("notes") or []:
             console.print(f"note: {note}")
 
@@ -68,10 +105,22 @@ def trace_command(
     opts: common.CommonOptions,
     checkpoint: CheckpointArg,
     operator: OperatorOpt = "hessian",
-    estimator: Annotated[str, typer.Option("--estimator", help="hutchpp (default), hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or exact (Gauss-Newton).")] = "hutchpp",
-    tol: Annotated[float, typer.Option("--tol", help="Stop at this relative standard error.")] = 1e-2,
-    max_matvecs: Annotated[int, typer.Option("--max-matvecs", help="Budget of operator products.")] = 1000,
-    square: Annotated[bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")] = False,
+    estimator: Annotated[
+        str,
+        typer.Option(
+            "--estimator",
+            help="hutchpp (default), hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or exact (Gauss-Newton).",
+        ),
+    ] = "hutchpp",
+    tol: Annotated[
+        float, typer.Option("--tol", help="Stop at this relative standard error.")
+    ] = 1e-2,
+    max_matvecs: Annotated[
+        int, typer.Option("--max-matvecs", help="Budget of operator products.")
+    ] = 1000,
+    square: Annotated[
+        bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")
+    ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
 ) -> common.Outcome:
@@ -82,19 +131,46 @@ def trace_command(
     common.require(max_matvecs >= 2, "must be at least 2", "--max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, f"trace of the {operator}"):
-        results = spectrum.trace(session, operator=operator, estimator=estimator, tol=tol, max_matvecs=max_matvecs,
-                                 square=square, params=params, engine=engine)
-    settings = opts.settings() | {"operator": operator, "estimator": estimator, "tol": tol,
-                                  "max_matvecs": max_matvecs, "square": square, "params": params, "engine": engine}
+        results = spectrum.trace(
+            session,
+            operator=operator,
+            estimator=estimator,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            square=square,
+            params=params,
+            engine=engine,
+        )
+    settings = opts.settings() | {
+        "operator": operator,
+        "estimator": estimator,
+        "tol": tol,
+        "max_matvecs": max_matvecs,
+        "square": square,
+        "params": params,
+        "engine": engine,
+    }
     report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
 
     def render(console):
         t = results["trace"]
         quantity = f"Tr({operator}^2)" if square else f"tr({operator})"
-        console.print(key_value_table(f"{quantity} ({t['estimator']}, engine {t['engine']})", {
-            "estimate": t["estimate"], "stderr": t["stderr"], "matvecs": t["matvecs"], "probes": t["samples"],
-            "converged": t["converged"]}))
-        rows = [{"layer": k, "estimate": v["estimate"], "stderr": v.get("stderr")} for k, v in results["by_layer"].items()]
+        console.print(
+            key_value_table(
+                f"{quantity} ({t['estimator']}, engine {t['engine']})",
+                {
+                    "estimate": t["estimate"],
+                    "stderr": t["stderr"],
+                    "matvecs": t["matvecs"],
+                    "probes": t["samples"],
+                    "converged": t["converged"],
+                },
+            )
+        )
+        rows = [
+            {"layer": k, "estimate": v["estimate"], "stderr": v.get("stderr")}
+            for k, v in results["by_layer"].items()
+        ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
         for note in t.get("notes") or []:
@@ -107,11 +183,20 @@ def trace_command(
 def gn_nme_command(
     opts: common.CommonOptions,
     checkpoint: CheckpointArg,
-    tol: Annotated[float, typer.Option("--tol", help="Relative standard error of the traces.")] = 1e-2,
-    eig_tol: Annotated[float, typer.Option("--eig-tol", help="Residual tolerance of the extreme eigenvalues.")] = 1e-3,
-    max_matvecs: Annotated[int, typer.Option("--max-matvecs", help="Budget per trace estimate.")] = 1000,
+    tol: Annotated[
+        float, typer.Option("--tol", help="Relative standard error of the traces.")
+    ] = 1e-2,
+    eig_tol: Annotated[
+        float, typer.Option("--eig-tol", help="Residual tolerance of the extreme eigenvalues.")
+    ] = 1e-3,
+    max_matvecs: Annotated[
+        int, typer.Option("--max-matvecs", help="Budget per trace estimate.")
+    ] = 1000,
     params: common.ParamsOpt = None,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG of the per-layer H, G, N traces to PATH.")] = None,
+    plot: Annotated[
+        Optional[str],
+        typer.Option("--plot", help="Write a PNG of the per-layer H, G, N traces to PATH."),
+    ] = None,
 ) -> common.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
     from sharpcli.analyses import spectrum
@@ -124,14 +209,21 @@ def gn_nme_command(
         check_writable(plot, "--plot")
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "Gauss-Newton / NME split"):
-        results = spectrum.gn_nme(session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params)
+        results = spectrum.gn_nme(
+            session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
+        )
     if plot is not None:
         from sharpcli.report.plots import plot_gn_nme_layers
 
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
-    settings = opts.settings() | {"tol": tol, "eig_tol": eig_tol, "max_matvecs": max_matvecs, "params": params,
-                                  "plot": plot}
+    settings = opts.settings() | {
+        "tol": tol,
+        "eig_tol": eig_tol,
+        "max_matvecs": max_matvecs,
+        "params": params,
+        "plot": plot,
+    }
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
@@ -140,11 +232,24 @@ def gn_nme_command(
             table.add_column(col, justify="right")
         for name, label in (("hessian", "H"), ("ggn", "G"), ("nme", "N")):
             r = results[name]
-            table.add_row(label, fmt(r["trace"]["estimate"]), fmt(r["trace"]["stderr"], 3), fmt(r["lambda_max"]),
-                          fmt(r["lambda_min"]), fmt(r["frobenius_sq"]))
+            table.add_row(
+                label,
+                fmt(r["trace"]["estimate"]),
+                fmt(r["trace"]["stderr"], 3),
+                fmt(r["lambda_max"]),
+                fmt(r["lambda_min"]),
+                fmt(r["frobenius_sq"]),
+            )
         console.print(table)
-        console.print(key_value_table("NME share", {"tr(N)/tr(H)": results["nme_share"],
-                                                    "||N||_F/||H||_F": results["nme_frobenius_ratio"]}))
+        console.print(
+            key_value_table(
+                "NME share",
+                {
+                    "tr(N)/tr(H)": results["nme_share"],
+                    "||N||_F/||H||_F": results["nme_frobenius_ratio"],
+                },
+            )
+        )
         if results["ggn_trace_check"]:
             console.print(key_value_table("tr(G) by three estimators", results["ggn_trace_check"]))
         console.print(records_table("per layer", results["layers"]))
@@ -159,10 +264,19 @@ def density_command(
     operator: OperatorOpt = "hessian",
     probes: Annotated[int, typer.Option("--probes", help="Random start vectors (SLQ runs).")] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Lanczos steps per probe.")] = 64,
-    grid_points: Annotated[int, typer.Option("--grid-points", help="Points of the density grid.")] = 512,
-    broadening: Annotated[Optional[float], typer.Option("--broadening", help="Gaussian broadening width (default: from the spectrum's range).")] = None,
+    grid_points: Annotated[
+        int, typer.Option("--grid-points", help="Points of the density grid.")
+    ] = 512,
+    broadening: Annotated[
+        Optional[float],
+        typer.Option(
+            "--broadening", help="Gaussian broadening width (default: from the spectrum's range)."
+        ),
+    ] = None,
     params: common.ParamsOpt = None,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG plot of the density to PATH.")] = None,
+    plot: Annotated[
+        Optional[str], typer.Option("--plot", help="Write a PNG plot of the density to PATH.")
+    ] = None,
 ) -> common.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""
     from sharpcli.analyses import spectrum
@@ -176,21 +290,42 @@ def density_command(
         check_writable(plot, "--plot")
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "stochastic Lanczos quadrature"):
-        results = spectrum.density(session, operator=operator, probes=probes, steps=steps, grid_points=grid_points,
-                                   broadening=broadening, params=params)
+        results = spectrum.density(
+            session,
+            operator=operator,
+            probes=probes,
+            steps=steps,
+            grid_points=grid_points,
+            broadening=broadening,
+            params=params,
+        )
     if plot is not None:
         from sharpcli.report.plots import plot_density
 
         plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
-    settings = opts.settings() | {"operator": operator, "probes": probes, "steps": steps,
-                                  "grid_points": grid_points, "broadening": broadening, "params": params, "plot": plot}
+    settings = opts.settings() | {
+        "operator": operator,
+        "probes": probes,
+        "steps": steps,
+        "grid_points": grid_points,
+        "broadening": broadening,
+        "params": params,
+        "plot": plot,
+    }
     report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
 
     def render(console):
-        summary = {k: results[k] for k in ("lambda_min", "lambda_max", "trace_estimate", "sigma", "matvecs")
-                   if k in results}
-        console.print(key_value_table(f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary))
+        summary = {
+            k: results[k]
+            for k in ("lambda_min", "lambda_max", "trace_estimate", "sigma", "matvecs")
+            if k in results
+        }
+        console.print(
+            key_value_table(
+                f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
+            )
+        )
         if plot:
             console.print(f"plot written to {plot}")
 

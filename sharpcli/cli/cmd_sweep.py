@@ -12,11 +12,21 @@ from sharpcli.cli import common
 from sharpcli.cli.app import app
 
 
-def _train_config(model, data, epochs, batch_size, lr, optimizer, schedule, width, depth, activation, dtype, sets):
+def _train_config(
+    model, data, epochs, batch_size, lr, optimizer, schedule, width, depth, activation, dtype, sets
+):
     from sharpcli.training.loop import TrainConfig
 
-    cfg = TrainConfig(model=model, data=data, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                      schedule=schedule, dtype=dtype)
+    cfg = TrainConfig(
+        model=model,
+        data=data,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        schedule=schedule,
+        dtype=dtype,
+    )
     for key, value in (("width", width), ("depth", depth), ("activation", activation)):
         if value is not None:
             cfg.model_args[key] = value
@@ -26,8 +36,10 @@ def _train_config(model, data, epochs, batch_size, lr, optimizer, schedule, widt
             raise common.UsageError(f"{item!r} is not KEY=VALUE", source="--set")
         key, raw = item.split("=", 1)
         if key not in fields:
-            raise common.UsageError(f"unknown training setting {key!r}; accepted: {', '.join(sorted(fields))}",
-                                    source="--set")
+            raise common.UsageError(
+                f"unknown training setting {key!r}; accepted: {', '.join(sorted(fields))}",
+                source="--set",
+            )
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -38,14 +50,42 @@ def _train_config(model, data, epochs, batch_size, lr, optimizer, schedule, widt
 
 @app.command("sweep")
 def sweep_command(
-    reg: Annotated[str, typer.Option("--reg", help="Regularizer whose hyper-parameters are swept, e.g. ad.")],
-    grid: Annotated[list[str], typer.Option("--grid", help="NAME=V1,V2,... (repeat for a product grid), e.g. sigma=0.01,0.05,0.1.")],
+    reg: Annotated[
+        str, typer.Option("--reg", help="Regularizer whose hyper-parameters are swept, e.g. ad.")
+    ],
+    grid: Annotated[
+        list[str],
+        typer.Option(
+            "--grid", help="NAME=V1,V2,... (repeat for a product grid), e.g. sigma=0.01,0.05,0.1."
+        ),
+    ],
     seeds: Annotated[str, typer.Option("--seeds", help="Comma list of seeds.")] = "0",
-    extra_reg: Annotated[Optional[list[str]], typer.Option("--extra-reg", help="Fixed regularizers added to every run (e.g. wd:sigma=0.01).")] = None,
-    metrics: Annotated[str, typer.Option("--metrics", help="Analyses per run (as sharp analyze --metrics).")] = "eigen,trace",
-    out_dir: Annotated[str, typer.Option("--out-dir", help="Folder for checkpoints, reports, tables and the plot.")] = "sweep",
-    max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Stop after this many new runs (continue later by running the same command).")] = None,
-    analyze_samples: Annotated[int, typer.Option("--analyze-samples", help="Samples of the analysis split per run (the test split when the data has one, else the training split).")] = 512,
+    extra_reg: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--extra-reg", help="Fixed regularizers added to every run (e.g. wd:sigma=0.01)."
+        ),
+    ] = None,
+    metrics: Annotated[
+        str, typer.Option("--metrics", help="Analyses per run (as sharp analyze --metrics).")
+    ] = "eigen,trace",
+    out_dir: Annotated[
+        str, typer.Option("--out-dir", help="Folder for checkpoints, reports, tables and the plot.")
+    ] = "sweep",
+    max_runs: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-runs",
+            help="Stop after this many new runs (continue later by running the same command).",
+        ),
+    ] = None,
+    analyze_samples: Annotated[
+        int,
+        typer.Option(
+            "--analyze-samples",
+            help="Samples of the analysis split per run (the test split when the data has one, else the training split).",
+        ),
+    ] = 512,
     model: Annotated[str, typer.Option("--model")] = "mlp",
     data: Annotated[str, typer.Option("--data")] = "blobs",
     epochs: Annotated[int, typer.Option("--epochs")] = 5,
@@ -57,7 +97,12 @@ def sweep_command(
     depth: Annotated[Optional[int], typer.Option("--depth")] = None,
     activation: Annotated[Optional[str], typer.Option("--activation")] = None,
     dtype: common.DtypeOpt = "float32",
-    sets: Annotated[Optional[list[str]], typer.Option("--set", help="Any other training setting KEY=VALUE (JSON value), e.g. label_noise=0.3.")] = None,
+    sets: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--set", help="Any other training setting KEY=VALUE (JSON value), e.g. label_noise=0.3."
+        ),
+    ] = None,
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
 ) -> None:
@@ -73,35 +118,90 @@ def sweep_command(
         try:
             seed_list = [int(s) for s in seeds.split(",") if s.strip()]
         except ValueError:
-            raise common.UsageError(f"{seeds!r} is not a comma list of integers", source="--seeds") from None
+            raise common.UsageError(
+                f"{seeds!r} is not a comma list of integers", source="--seeds"
+            ) from None
         common.require(max_runs is None or max_runs >= 1, "must be at least 1", "--max-runs")
-        cfg = _train_config(model, data, epochs, batch_size, lr, optimizer, schedule, width, depth, activation,
-                            dtype, sets)
+        cfg = _train_config(
+            model,
+            data,
+            epochs,
+            batch_size,
+            lr,
+            optimizer,
+            schedule,
+            width,
+            depth,
+            activation,
+            dtype,
+            sets,
+        )
         validate_config(cfg)
         with common.epoch_progress(quiet or json_out == "-", "sweep") as progress:
-            result = run_sweep(cfg, reg, parsed_grid, seed_list, out_dir,
-                               metrics=[m.strip() for m in metrics.split(",") if m.strip()],
-                               extra_regs=list(extra_reg or []), analyze_samples=analyze_samples,
-                               max_runs=max_runs, progress=progress)
-        settings = {"reg": reg, "grid": parsed_grid, "seeds": seed_list, "extra_regs": list(extra_reg or []),
-                    "metrics": metrics, "out_dir": out_dir, "max_runs": max_runs,
-                    "train": dataclasses.asdict(cfg)}
-        results = {"runs": result.runs, "summary": result.summary, "completed": result.completed,
-                   "skipped": result.skipped, "diverged": result.diverged, "tables": {"runs_csv": result.table_csv,
-                                                         "summary_csv": result.summary_csv,
-                                                         "summary_markdown": result.summary_markdown},
-                   "plot": result.plot}
-        report = make_report("sweep", settings=settings, results=results, environment=environment_info("cpu", dtype))
+            result = run_sweep(
+                cfg,
+                reg,
+                parsed_grid,
+                seed_list,
+                out_dir,
+                metrics=[m.strip() for m in metrics.split(",") if m.strip()],
+                extra_regs=list(extra_reg or []),
+                analyze_samples=analyze_samples,
+                max_runs=max_runs,
+                progress=progress,
+            )
+        settings = {
+            "reg": reg,
+            "grid": parsed_grid,
+            "seeds": seed_list,
+            "extra_regs": list(extra_reg or []),
+            "metrics": metrics,
+            "out_dir": out_dir,
+            "max_runs": max_runs,
+            "train": dataclasses.asdict(cfg),
+        }
+        results = {
+            "runs": result.runs,
+            "summary": result.summary,
+            "completed": result.completed,
+            "skipped": result.skipped,
+            "diverged": result.diverged,
+            "tables": {
+                "runs_csv": result.table_csv,
+                "summary_csv": result.summary_csv,
+                "summary_markdown": result.summary_markdown,
+            },
+            "plot": result.plot,
+        }
+        report = make_report(
+            "sweep", settings=settings, results=results, environment=environment_info("cpu", dtype)
+        )
 
         def render(console):
-            shown = list(parsed_grid) + ["seeds"] + [f"{k}_{s}" for k in ("test_accuracy", "lambda_max", "trace")
-                                                      for s in ("mean", "std")]
-            console.print(records_table("sweep summary (over seeds)", result.summary,
-                                        [c for c in shown if any(r.get(c) is not None for r in result.summary)]))
+            shown = (
+                list(parsed_grid)
+                + ["seeds"]
+                + [
+                    f"{k}_{s}"
+                    for k in ("test_accuracy", "lambda_max", "trace")
+                    for s in ("mean", "std")
+                ]
+            )
+            console.print(
+                records_table(
+                    "sweep summary (over seeds)",
+                    result.summary,
+                    [c for c in shown if any(r.get(c) is not None for r in result.summary)],
+                )
+            )
             if result.diverged:
-                console.print(f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}")
+                console.print(
+                    f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}"
+                )
             if not result.completed:
-                console.print(f"stopped after --max-runs {max_runs}; run the same command again to continue")
+                console.print(
+                    f"stopped after --max-runs {max_runs}; run the same command again to continue"
+                )
             if result.plot:
                 console.print(f"plot: {result.plot}")
 

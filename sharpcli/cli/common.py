@@ -38,23 +38,76 @@ def table_console() -> Console:
         return stdout_console
     return Console(highlight=False, width=PIPE_WIDTH)
 
+
 # Annotated option types, declared once and reused by every command.
-DataOpt = Annotated[Optional[str], typer.Option("--data", help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, .csv/.parquet, CIFAR or MNIST folder). Default: the checkpoint's own data.")]
-LabelColumnOpt = Annotated[Optional[str], typer.Option("--label-column", help="Label column of a .csv/.parquet dataset (default 'label').")]
+DataOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--data",
+        help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, .csv/.parquet, CIFAR or MNIST folder). Default: the checkpoint's own data.",
+    ),
+]
+LabelColumnOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--label-column", help="Label column of a .csv/.parquet dataset (default 'label')."
+    ),
+]
 SplitOpt = Annotated[str, typer.Option("--split", help="Analysis split: train or test.")]
-SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Use a fixed seeded random subset of N samples.")]
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")]
+SamplesOpt = Annotated[
+    Optional[int], typer.Option("--samples", help="Use a fixed seeded random subset of N samples.")
+]
+BatchSizeOpt = Annotated[
+    int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps ...")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or float64.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")]
-JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).")]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")
+]
+JsonOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--json",
+        help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).",
+    ),
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
-ArchOpt = Annotated[Optional[str], typer.Option("--arch", help="Architecture of a foreign state_dict (mlp, cnn, vgg-small, resnet).")]
-ArchArgsOpt = Annotated[Optional[str], typer.Option("--arch-args", help="JSON arguments for --arch or --model-factory.")]
-FactoryOpt = Annotated[Optional[str], typer.Option("--model-factory", help="module:function returning the nn.Module for a foreign state_dict.")]
-TrustPickleOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow loading a pickled whole module (runs code from the file).")]
-CacheOpt = Annotated[int, typer.Option("--cache-mb", help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.")]
-ParamsOpt = Annotated[Optional[str], typer.Option("--params", help="Parameter scope: all (default), last (final linear layer), or a glob on parameter names.")]
+ArchOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--arch", help="Architecture of a foreign state_dict (mlp, cnn, vgg-small, resnet)."
+    ),
+]
+ArchArgsOpt = Annotated[
+    Optional[str], typer.Option("--arch-args", help="JSON arguments for --arch or --model-factory.")
+]
+FactoryOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model-factory", help="module:function returning the nn.Module for a foreign state_dict."
+    ),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle", help="Allow loading a pickled whole module (runs code from the file)."
+    ),
+]
+CacheOpt = Annotated[
+    int,
+    typer.Option(
+        "--cache-mb",
+        help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
+    ),
+]
+ParamsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--params",
+        help="Parameter scope: all (default), last (final linear layer), or a glob on parameter names.",
+    ),
+]
 
 
 @dataclass
@@ -102,7 +155,9 @@ def error_document(command: str, err: SharpError) -> dict:
     return {"schema": SCHEMA_ID, "command": command, "version": __version__, "error": err.to_json()}
 
 
-def run_command(command: str, json_path: str | None, quiet: bool, body: Callable[[], Outcome]) -> None:
+def run_command(
+    command: str, json_path: str | None, quiet: bool, body: Callable[[], Outcome]
+) -> None:
     """Run ``body``, print or write its report, and exit with the right code."""
     try:
         if json_path not in (None, "-"):
@@ -122,7 +177,9 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
     except Exception as exc:  # a bug, not a user error: say so, traceback under --debug
         if _STATE["debug"]:
             traceback.print_exc()
-        err = SharpError(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        err = SharpError(
+            f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        )
         err.exit_code = 4
         raise typer.Exit(_report_error(command, json_path, err).exit_code)
 
@@ -135,7 +192,9 @@ def run_command(command: str, json_path: str | None, quiet: bool, body: Callable
             try:
                 write_text_atomic(json_path, dumps(outcome.report))
             except OSError as exc:
-                err = UsageError(f"cannot write the report ({exc.strerror or exc})", source=json_path)
+                err = UsageError(
+                    f"cannot write the report ({exc.strerror or exc})", source=json_path
+                )
                 _report_error(command, None, err)
                 raise typer.Exit(err.exit_code) from None
         if not quiet and outcome.render is not None:
@@ -182,7 +241,9 @@ def parse_float_list(text: str, option: str) -> list[float]:
     try:
         values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise UsageError(f"{text!r} is not a comma-separated list of numbers", source=option) from None
+        raise UsageError(
+            f"{text!r} is not a comma-separated list of numbers", source=option
+        ) from None
     if not values:
         raise UsageError("needs at least one number", source=option)
     return values
@@ -206,12 +267,20 @@ def epoch_progress(disabled: bool, description: str):
 
     @contextlib.contextmanager
     def manager():
-        if disabled or not stderr_console.is_terminal or not distributed.is_main_process():  # no bars in logs, pipes, ranks > 0
+        if (
+            disabled or not stderr_console.is_terminal or not distributed.is_main_process()
+        ):  # no bars in logs, pipes, ranks > 0
             yield _NoProgress()
             return
-        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=stderr_console,
-                      transient=True) as progress:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=stderr_console,
+            transient=True,
+        ) as progress:
             task = progress.add_task(description, total=None, info="")
 
             def callback(done: int, total: int | None, info=None) -> None:
@@ -254,16 +323,22 @@ def analysis_command(app, name: str):
     """
     import functools
     import inspect
-
     import typing
 
     def decorate(func):
         sig = inspect.signature(func)
-        hints = typing.get_type_hints(func, include_extras=True)  # resolve string annotations in func's module
-        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
-               if p.name != "opts"]
-        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-                 for n, a, d in _COMMON_PARAMS]
+        hints = typing.get_type_hints(
+            func, include_extras=True
+        )  # resolve string annotations in func's module
+        own = [
+            p.replace(annotation=hints.get(p.name, p.annotation))
+            for p in sig.parameters.values()
+            if p.name != "opts"
+        ]
+        extra = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+            for n, a, d in _COMMON_PARAMS
+        ]
         positional = [p for p in own if p.kind != inspect.Parameter.KEYWORD_ONLY]
         keyword = [p for p in own if p.kind == inspect.Parameter.KEYWORD_ONLY]
 
@@ -273,7 +348,9 @@ def analysis_command(app, name: str):
             opts = CommonOptions(**common)
             run_command(name, opts.json, opts.quiet, lambda: func(opts, *args, **kwargs))
 
-        wrapper.__signature__ = sig.replace(parameters=positional + keyword + extra, return_annotation=None)
+        wrapper.__signature__ = sig.replace(
+            parameters=positional + keyword + extra, return_annotation=None
+        )
         wrapper.__annotations__ = {p.name: p.annotation for p in positional + keyword + extra}
         wrapper.__wrapped__ = None
         del wrapper.__wrapped__

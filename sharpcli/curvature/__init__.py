@@ -22,13 +22,17 @@ from sharpcli.curvature.operators import (
     NMEOperator,
 )
 from sharpcli.curvature.power import power_iteration
-from sharpcli.curvature.pyhessian_engine import pyhessian_density, pyhessian_eigenvalues, pyhessian_trace
+from sharpcli.curvature.pyhessian_engine import (
+    pyhessian_density,
+    pyhessian_eigenvalues,
+    pyhessian_trace,
+)
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import (
     TraceResult,
     exact_ggn_trace,
-    gn_split_trace,
     frobenius_sq,
+    gn_split_trace,
     hutchinson,
     hutchpp,
     sampled_label_ggn_trace,

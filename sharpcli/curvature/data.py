@@ -179,7 +179,9 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
         )
     generator = torch.Generator().manual_seed(seed)
     dim = op.shape[0]
-    v = (torch.randint(0, 2, (dim,), generator=generator) * 2 - 1).to(dtype=op.dtype, device=op.device)
+    v = (torch.randint(0, 2, (dim,), generator=generator) * 2 - 1).to(
+        dtype=op.dtype, device=op.device
+    )
     results = []
     for _ in range(2):
         clear = getattr(op, "clear_cache", None)

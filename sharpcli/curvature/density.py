@@ -82,7 +82,9 @@ def spectral_density(
     if int(probes) < 1:
         raise UsageError(f"probes must be >= 1, got {probes}", source="--probes")
     if int(lanczos_steps) < 1:
-        raise UsageError(f"Lanczos steps must be >= 1, got {lanczos_steps}", source="--lanczos-steps")
+        raise UsageError(
+            f"Lanczos steps must be >= 1, got {lanczos_steps}", source="--lanczos-steps"
+        )
     dim = op.shape[0]
     generator = torch.Generator().manual_seed(int(seed))
     all_nodes, all_weights = [], []
@@ -94,8 +96,10 @@ def spectral_density(
         matvecs += len(alphas)
         m = len(alphas)
         if m < min(int(lanczos_steps), dim):
-            notes.append(f"probe {probe}: Lanczos breakdown (invariant subspace) after {m} of "
-                         f"{int(lanczos_steps)} steps; its {m} nodes are exact eigenvalues")
+            notes.append(
+                f"probe {probe}: Lanczos breakdown (invariant subspace) after {m} of "
+                f"{int(lanczos_steps)} steps; its {m} nodes are exact eigenvalues"
+            )
         T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
         if m > 1:
             off = torch.tensor(betas[: m - 1], dtype=torch.float64)
@@ -117,7 +121,14 @@ def spectral_density(
             density += w * np.exp(-((grid - t) ** 2) / (2 * sigma**2))
     density /= len(all_nodes) * sigma * math.sqrt(2 * math.pi)
     return SpectralDensity(
-        nodes=all_nodes, weights=all_weights, grid=grid.tolist(), density=density.tolist(),
-        sigma=float(sigma), matvecs=matvecs, lanczos_steps=int(lanczos_steps), probes=int(probes),
-        dimension=dim, notes=notes,
+        nodes=all_nodes,
+        weights=all_weights,
+        grid=grid.tolist(),
+        density=density.tolist(),
+        sigma=float(sigma),
+        matvecs=matvecs,
+        lanczos_steps=int(lanczos_steps),
+        probes=int(probes),
+        dimension=dim,
+        notes=notes,
     )

@@ -79,7 +79,9 @@ class EigenResult:
 
 def _check_args(op, k: int, which: str, tol: float):
     if which not in WHICH:
-        raise UsageError(f"which must be one of {', '.join(WHICH)}, got {which!r}", source="--which")
+        raise UsageError(
+            f"which must be one of {', '.join(WHICH)}, got {which!r}", source="--which"
+        )
     if int(k) < 1:
         raise UsageError(f"top-k must be >= 1, got {k}", source="--top-k")
     if not tol > 0:
@@ -143,7 +145,9 @@ def lanczos_tridiagonal(op, start: torch.Tensor, steps: int, *, keep_basis: bool
         basis[:, j] = q
         w = op.matvec(q)
         if not torch.isfinite(w).all():
-            raise NumericalError(f"{getattr(op, 'name', 'operator')} product is not finite", source="lanczos")
+            raise NumericalError(
+                f"{getattr(op, 'name', 'operator')} product is not finite", source="lanczos"
+            )
         alpha = float(q @ w)
         w = w - alpha * q
         if j > 0:
@@ -235,7 +239,9 @@ def lanczos(
             if limit == dim:
                 exhaust = True
                 if breakdown is None:
-                    breakdown = f"invariant subspace after {m} steps; restarted to reach dimension {dim}"
+                    breakdown = (
+                        f"invariant subspace after {m} steps; restarted to reach dimension {dim}"
+                    )
                 betas.append(0.0)
                 q = _unit_random(dim, generator, op.dtype, op.device, basis[:, :m])
                 continue
@@ -250,7 +256,9 @@ def lanczos(
         q = w / beta
     m = len(alphas)
     if m < dim and m == limit and not converged.all():
-        notes.append(f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged")
+        notes.append(
+            f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged"
+        )
     result = EigenResult(
         eigenvalues=[float(t) for t in theta[idx]],
         residuals=[float(r) for r in residuals[idx]],

@@ -60,7 +60,9 @@ class _BatchGraph:
     grads: list  # tensors of the scope's gradient that depend on theta (require grad)
     grad_index: list  # their positions in the scope
     nbytes: int = 0
-    nme_view: "_BatchGraph | None" = None  # g_N = J^T g_z with g_z held constant (built on first N product)
+    nme_view: "_BatchGraph | None" = (
+        None  # g_N = J^T g_z with g_z held constant (built on first N product)
+    )
 
 
 @dataclass
@@ -75,7 +77,10 @@ class _ByteCounter:
             if key not in self.seen:
                 self.seen.add(key)
                 self.nbytes += storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse) count by size
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # tensors without storage (e.g. sparse) count by size
             self.nbytes += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -141,7 +146,10 @@ class CurvaturePass:
 
     def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> _BatchGraph:
         counter = _ByteCounter()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+        ):
             z = self.model(x_b)
             loss_b = self.loss(z, y_b) * weight
             if not torch.isfinite(loss_b):
@@ -167,13 +175,22 @@ class CurvaturePass:
         """
         if graph.nme_view is None:
             counter = _ByteCounter()
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+            ):
                 grads = torch.autograd.grad(
-                    graph.z, self.scope.params, grad_outputs=graph.gz.detach(), create_graph=True, allow_unused=True
+                    graph.z,
+                    self.scope.params,
+                    grad_outputs=graph.gz.detach(),
+                    create_graph=True,
+                    allow_unused=True,
                 )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-            graph.nme_view = _BatchGraph(graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+            graph.nme_view = _BatchGraph(
+                graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
+            )
             if cached:
                 graph.nbytes += nbytes
                 self._cached_bytes += nbytes
@@ -225,12 +242,16 @@ class CurvaturePass:
         inputs = (list(params) if want_h else []) + ([graph.gz] if want_g else [])
         kw = {"retain_graph": True, "is_grads_batched": batched}
         with torch.enable_grad():
-            outs = torch.autograd.grad(graph.grads, inputs, grad_outputs=v_out, allow_unused=True, **kw)
+            outs = torch.autograd.grad(
+                graph.grads, inputs, grad_outputs=v_out, allow_unused=True, **kw
+            )
             if want_h:
                 h_out[:, cols] = self._flat_block(outs[: len(params)], V.shape[1], batched)
             if want_g and outs[-1] is not None:
                 (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=outs[-1], **kw)
-                gv = torch.autograd.grad(graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw)
+                gv = torch.autograd.grad(
+                    graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
+                )
                 g_out[:, cols] = self._flat_block(gv, V.shape[1], batched)
 
     def _flat_block(self, tensors, k, batched) -> torch.Tensor:
@@ -274,13 +295,27 @@ class CurvaturePass:
                 cols = slice(start, min(k, start + self.vectorize))
                 if self._batched_ok and cols.stop - cols.start > 1:
                     try:
-                        self._products(graph, V[:, cols], want_h, want_g, h_batch, g_batch, cols, True)
+                        self._products(
+                            graph, V[:, cols], want_h, want_g, h_batch, g_batch, cols, True
+                        )
                         continue
                     except RuntimeError:  # an op without a batched (vmap) backward rule
                         self._batched_ok = False
                 for j in range(cols.start, cols.stop):
-                    self._products(graph, V[:, j : j + 1], want_h, want_g, h_batch, g_batch, slice(j, j + 1), False)
-            for label, block in (("NME" if direct_nme else "Hessian", h_batch), ("Gauss-Newton", g_batch)):
+                    self._products(
+                        graph,
+                        V[:, j : j + 1],
+                        want_h,
+                        want_g,
+                        h_batch,
+                        g_batch,
+                        slice(j, j + 1),
+                        False,
+                    )
+            for label, block in (
+                ("NME" if direct_nme else "Hessian", h_batch),
+                ("Gauss-Newton", g_batch),
+            ):
                 if block is None:
                     continue
                 if not torch.isfinite(block).all():
@@ -366,12 +401,16 @@ class CurvatureOperator:
         self.matvecs = 0
 
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:  # each subclass supplies its product
-        raise TypeError(f"{type(self).__name__} defines no product; subclass CurvatureOperator and define _matmat")
+        raise TypeError(
+            f"{type(self).__name__} defines no product; subclass CurvatureOperator and define _matmat"
+        )
 
     def matmat(self, V: torch.Tensor) -> torch.Tensor:
         """``A V`` for ``V`` of shape ``(P, k)``, in one pass over the data."""
         if V.dim() != 2 or V.shape[0] != self.shape[1]:
-            raise ValueError(f"{self.name}: expected a ({self.shape[1]}, k) block, got {tuple(V.shape)}")
+            raise ValueError(
+                f"{self.name}: expected a ({self.shape[1]}, k) block, got {tuple(V.shape)}"
+            )
         out = self._matmat(V.to(dtype=self.dtype, device=self.device))
         self.matvecs += V.shape[1]
         return out
@@ -405,7 +444,9 @@ class _PassOperator(CurvatureOperator):
     ):
         super().__init__(scope.numel, scope.dtype, scope.device)
         self.scope = scope
-        self.curvature_pass = curvature_pass or CurvaturePass(model, data, scope, cache_bytes=cache_bytes)
+        self.curvature_pass = curvature_pass or CurvaturePass(
+            model, data, scope, cache_bytes=cache_bytes
+        )
 
     def clear_cache(self) -> None:
         self.curvature_pass.clear_cache()

@@ -84,7 +84,9 @@ class LayerTaps:
         owners: dict[int, int] = {}
         taps = []
         for module in model.modules():
-            if not (_is_plain_linear(module) or _is_plain_conv2d(module) or _is_eval_batchnorm(module)):
+            if not (
+                _is_plain_linear(module) or _is_plain_conv2d(module) or _is_eval_batchnorm(module)
+            ):
                 continue
             w = index.get(id(module.weight))
             b = index.get(id(module.bias)) if module.bias is not None else None
@@ -153,7 +155,11 @@ class LayerTaps:
         if not active:
             return
         deltas = torch.autograd.grad(
-            z, [t.outputs[0] for t in active], grad_outputs=direction, retain_graph=True, allow_unused=True
+            z,
+            [t.outputs[0] for t in active],
+            grad_outputs=direction,
+            retain_graph=True,
+            allow_unused=True,
         )
         for tap, delta in zip(active, deltas):
             if delta is None:
@@ -171,7 +177,9 @@ def _layer_sq_norms(module: nn.Module, a: torch.Tensor, delta: torch.Tensor, wan
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         # eval mode: out = gamma * a_hat + beta per channel (dim 1), a_hat from running statistics
         shape = (1, -1) + (1,) * (a.dim() - 2)
-        a_hat = (a - module.running_mean.reshape(shape)) / (module.running_var.reshape(shape) + module.eps).sqrt()
+        a_hat = (a - module.running_mean.reshape(shape)) / (
+            module.running_var.reshape(shape) + module.eps
+        ).sqrt()
         dims = tuple(range(2, delta.dim()))
         b_sq = (delta.sum(dims) if dims else delta).square().sum(1)
         if not want_weight:
@@ -184,7 +192,13 @@ def _layer_sq_norms(module: nn.Module, a: torch.Tensor, delta: torch.Tensor, wan
         b_sq = delta.sum(2).square().sum(1)
         if not want_weight:
             return None, b_sq
-        U = F.unfold(a, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        U = F.unfold(
+            a,
+            module.kernel_size,
+            dilation=module.dilation,
+            padding=module.padding,
+            stride=module.stride,
+        )
         return _positions_sq_norm(delta.transpose(1, 2), U.transpose(1, 2)), b_sq
     # Linear: a (B, ..., d_in), delta (B, ..., d_out)
     if delta.dim() == 2:

@@ -86,9 +86,7 @@ def power_iteration(
         method="power",
         which="largest-magnitude",
         tol=float(tol),
-        notes=[
-            "power iteration: largest |eigenvalue| first, relative-change stop rule (PyHessian)"
-        ]
+        notes=["power iteration: largest |eigenvalue| first, relative-change stop rule (PyHessian)"]
         + ([f"{stalled} eigenvalue(s) hit max_iter={max_iter}"] if stalled else []),
     )
     if return_eigenvectors:

@@ -63,7 +63,9 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     pyhessian_hessian_module_class = pyhessian_module.hessian
 
     if data.world_size > 1:
-        raise UsageError("pyhessian cannot run data-parallel; use --engine native", source="--engine")
+        raise UsageError(
+            "pyhessian cannot run data-parallel; use --engine native", source="--engine"
+        )
     prepare_model_for_analysis(model)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype, device = params[0].dtype, params[0].device
@@ -155,7 +157,9 @@ def pyhessian_eigenvalues(
             u = u / torch.linalg.vector_norm(u)
             residuals[i] = float(torch.linalg.vector_norm(op.matvec(u) - lam * u))
             converged[i] = residuals[i] <= tol * abs(lam)
-        notes.append(f"residuals computed by sharpcli's native Hessian ({op.matvecs} extra products)")
+        notes.append(
+            f"residuals computed by sharpcli's native Hessian ({op.matvecs} extra products)"
+        )
     order = sorted(range(len(values)), key=lambda i: -values[i])
     return EigenResult(
         eigenvalues=[float(values[i]) for i in order],
@@ -199,11 +203,22 @@ def pyhessian_trace(
         variance = sum((s - mean) ** 2 for s in samples) / (n - 1)
         stderr = math.sqrt(variance / n)
     return TraceResult(
-        estimate=mean, stderr=stderr, matvecs=matvecs, samples=n, estimator="hutchinson",
-        converged=n < int(max_iter), tol=float(tol), by_layer={}, engine=ENGINE,
+        estimate=mean,
+        stderr=stderr,
+        matvecs=matvecs,
+        samples=n,
+        estimator="hutchinson",
+        converged=n < int(max_iter),
+        tol=float(tol),
+        by_layer={},
+        engine=ENGINE,
         notes=[
             f"pyhessian 0.1 Hutchinson: {n} samples, "
-            + ("stop rule disabled" if run_all else f"running-mean change < {tol} stop rule (signed denominator)")
+            + (
+                "stop rule disabled"
+                if run_all
+                else f"running-mean change < {tol} stop rule (signed denominator)"
+            )
             + "; it reports no standard error (computed here from its samples); no per-layer traces"
         ],
     )

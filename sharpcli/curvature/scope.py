@@ -73,14 +73,17 @@ class ParamScope:
                 if isinstance(module, nn.Linear):
                     last_name = name
             if last_name is None:
-                raise UsageError("'last' needs an nn.Linear layer, the model has none", source="--params")
+                raise UsageError(
+                    "'last' needs an nn.Linear layer, the model has none", source="--params"
+                )
             prefix = f"{last_name}." if last_name else ""
             chosen = [
-                (n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix):]
+                (n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix) :]
             ]
             if not chosen:
                 raise UsageError(
-                    f"the last linear layer {last_name!r} has no trainable parameters", source="--params"
+                    f"the last linear layer {last_name!r} has no trainable parameters",
+                    source="--params",
                 )
         else:
             patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
@@ -109,7 +112,9 @@ class ParamScope:
     def unflatten(self, vec: torch.Tensor) -> list[torch.Tensor]:
         """Split a flat vector of length ``numel`` into parameter-shaped views."""
         if vec.shape[0] != self.numel:
-            raise ValueError(f"vector of length {vec.shape[0]} does not match scope size {self.numel}")
+            raise ValueError(
+                f"vector of length {vec.shape[0]} does not match scope size {self.numel}"
+            )
         return [
             vec[start:stop].view(shape)
             for start, stop, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes)
@@ -150,7 +155,9 @@ class ParamScope:
         return gaussian_like(self.numel, generator, self.dtype, self.device, columns)
 
 
-def rademacher_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):
+def rademacher_like(
+    dim: int, generator: torch.Generator, dtype, device, columns: int | None = None
+):
     """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper)."""
     shape = (dim,) if columns is None else (dim, columns)
     signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8) * 2 - 1
@@ -160,4 +167,6 @@ def rademacher_like(dim: int, generator: torch.Generator, dtype, device, columns
 def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):
     """Standard Gaussian vector(s) of length ``dim`` from a CPU ``generator`` (float64 draw, then cast)."""
     shape = (dim,) if columns is None else (dim, columns)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(
+        dtype=dtype, device=device
+    )

@@ -31,15 +31,24 @@ OPERATORS = ("hessian", "ggn", "nme")
 class SplitEstimate:
     """Per operator and quantity: estimate, stderr and per-layer values, from shared probes."""
 
-    values: dict = field(default_factory=dict)  # values[op][quantity] = {"estimate", "stderr", "by_layer"}
+    values: dict = field(
+        default_factory=dict
+    )  # values[op][quantity] = {"estimate", "stderr", "by_layer"}
     matvecs: int = 0
     samples: int = 0
     converged: bool = False
     tol: float = 0.0
 
 
-def gn_nme_split(cpass, *, tol: float = 1e-2, max_matvecs: int = 1000, seed: int = 0, block_size: int = 8,
-                 min_samples: int = 10) -> SplitEstimate:
+def gn_nme_split(
+    cpass,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+) -> SplitEstimate:
     """Traces and ``Tr(A^2)`` of H, G and N = H - G from shared Rademacher probes (one joint pass each)."""
     _check_budget(tol, max_matvecs, block_size)
     scope = cpass.scope
@@ -76,7 +85,9 @@ def gn_nme_split(cpass, *, tol: float = 1e-2, max_matvecs: int = 1000, seed: int
             out.values[name][quantity] = {
                 "estimate": float(mean[0]),
                 "stderr": float(stderr[0]),
-                "by_layer": {layer: {"estimate": float(mean[i + 1]), "stderr": float(stderr[i + 1])}
-                             for i, layer in enumerate(blocks)},
+                "by_layer": {
+                    layer: {"estimate": float(mean[i + 1]), "stderr": float(stderr[i + 1])}
+                    for i, layer in enumerate(blocks)
+                },
             }
     return out

@@ -169,12 +169,23 @@ def hutchinson(
     """
     blocks = _blocks_of(op, blocks)
     mean, stderr, matvecs, n, converged = _probe_loop(
-        op, "trace", tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
-        min_samples=min_samples, blocks=blocks,
+        op,
+        "trace",
+        tol=tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+        block_size=block_size,
+        min_samples=min_samples,
+        blocks=blocks,
     )
     return TraceResult(
-        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=matvecs, samples=n,
-        estimator="hutchinson", converged=converged, tol=tol,
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=n,
+        estimator="hutchinson",
+        converged=converged,
+        tol=tol,
         by_layer=_layer_dict(list(blocks), mean, stderr),
     )
 
@@ -195,12 +206,24 @@ def frobenius_sq(
     """
     blocks = _blocks_of(op, blocks)
     mean, stderr, matvecs, n, converged = _probe_loop(
-        op, "square", tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
-        min_samples=min_samples, blocks=blocks,
+        op,
+        "square",
+        tol=tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+        block_size=block_size,
+        min_samples=min_samples,
+        blocks=blocks,
     )
     return TraceResult(
-        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=matvecs, samples=n,
-        estimator="hutchinson", quantity="trace_of_square", converged=converged, tol=tol,
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=n,
+        estimator="hutchinson",
+        quantity="trace_of_square",
+        converged=converged,
+        tol=tol,
         by_layer=_layer_dict(list(blocks), mean, stderr),
     )
 
@@ -304,7 +327,11 @@ def hutchpp(
     first = min(int(initial_sketch), cap)
     if first > 0:
         matvecs += sketch.extend(op, first, generator)
-    offset = torch.zeros(1 + len(blocks), dtype=torch.float64) if known is None else known.to(torch.float64)
+    offset = (
+        torch.zeros(1 + len(blocks), dtype=torch.float64)
+        if known is None
+        else known.to(torch.float64)
+    )
     exact = sketch.exact_part(blocks) + offset
     stored_G, stored_AG = [], []
     growing = sketch.size < cap
@@ -364,9 +391,16 @@ def hutchpp(
         for i, name in enumerate(blocks)
     }
     return TraceResult(
-        estimate=float(total[0]), stderr=float(stderr[0]), matvecs=matvecs,
-        samples=sum(r.shape[0] for r in rows), estimator="hutchpp", converged=converged, tol=tol,
-        by_layer=by_layer, sketch_size=sketch.size, notes=notes,
+        estimate=float(total[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=sum(r.shape[0] for r in rows),
+        estimator="hutchpp",
+        converged=converged,
+        tol=tol,
+        by_layer=by_layer,
+        sketch_size=sketch.size,
+        notes=notes,
     )
 
 
@@ -449,7 +483,9 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     from sharpcli.curvature.persample import LayerTaps
 
     if data.loss not in ("cross-entropy", "mse"):
-        raise UsageError(f"exact GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
+        raise UsageError(
+            f"exact GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss"
+        )
     layer_of = _param_to_layer(scope)
     blocks = scope.blocks()
     per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
@@ -466,16 +502,24 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
             _jacobian_ggn_sums(model, scope, rest, x_b, z_b.detach(), data.loss, per_param)
         del z_b
         if not torch.isfinite(per_param).all():
-            raise NumericalError(f"exact GGN trace is not finite on batch {batch_index}", source="Gauss-Newton")
+            raise NumericalError(
+                f"exact GGN trace is not finite on batch {batch_index}", source="Gauss-Newton"
+            )
     all_reduce_sum(per_param)
     per_param /= N
     per_layer = torch.zeros(len(blocks), dtype=torch.float64)
     for i, j in enumerate(layer_of):
         per_layer[j] += float(per_param[i])
     return TraceResult(
-        estimate=float(per_param.sum()), stderr=0.0, matvecs=0, samples=N, estimator="exact",
+        estimate=float(per_param.sum()),
+        stderr=0.0,
+        matvecs=0,
+        samples=N,
+        estimator="exact",
         converged=True,
-        by_layer={name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)},
+        by_layer={
+            name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)
+        },
         notes=[f"exact Gauss-Newton trace over {N} samples ({data.loss})"],
     )
 
@@ -504,9 +548,19 @@ def gn_split_trace(
     """
     data, scope = curvature_pass.data, curvature_pass.scope
     ggn = exact_ggn_trace(curvature_pass.model, data, scope)
-    known = torch.tensor([ggn.estimate] + [v["estimate"] for v in ggn.by_layer.values()], dtype=torch.float64)
-    nme = hutchpp(curvature_pass.nme(), tol=tol, max_matvecs=max_matvecs, seed=seed, block_size=block_size,
-                  min_samples=min_samples, initial_sketch=0, known=known)
+    known = torch.tensor(
+        [ggn.estimate] + [v["estimate"] for v in ggn.by_layer.values()], dtype=torch.float64
+    )
+    nme = hutchpp(
+        curvature_pass.nme(),
+        tol=tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+        block_size=block_size,
+        min_samples=min_samples,
+        initial_sketch=0,
+        known=known,
+    )
     nme.estimator = "gn-split"
     nme.notes = [
         f"tr(H) = tr(G) + tr(N): exact tr(G) = {ggn.estimate:.6g} ({data.loss}, one backward pass per class "
@@ -519,7 +573,9 @@ def gn_split_trace(
 _DRAW_BLOCK = 1024  # samples per independently seeded block of label draws
 
 
-def _per_sample_draws(base_seed: int, start: int, stop: int, samples: int, kind: str, tail: tuple) -> torch.Tensor:
+def _per_sample_draws(
+    base_seed: int, start: int, stop: int, samples: int, kind: str, tail: tuple
+) -> torch.Tensor:
     """Random numbers for the global sample indices ``[start, stop)``, shape ``(samples, stop - start, *tail)``.
 
     Sample ``i`` takes its numbers from block ``i // 1024``, whose CPU generator is seeded with
@@ -528,7 +584,10 @@ def _per_sample_draws(base_seed: int, start: int, stop: int, samples: int, kind:
     """
     draw = torch.rand if kind == "uniform" else torch.randn
     parts = []
-    for block in range(start // _DRAW_BLOCK, (stop - 1) // _DRAW_BLOCK + 1 if stop > start else start // _DRAW_BLOCK):
+    for block in range(
+        start // _DRAW_BLOCK,
+        (stop - 1) // _DRAW_BLOCK + 1 if stop > start else start // _DRAW_BLOCK,
+    ):
         generator = torch.Generator().manual_seed(base_seed * 2**20 + block)
         values = draw((samples, _DRAW_BLOCK, *tail), generator=generator, dtype=torch.float64)
         lo = max(start, block * _DRAW_BLOCK) - block * _DRAW_BLOCK
@@ -558,14 +617,16 @@ def sampled_label_ggn_trace(
     ``sqrt(sum_i s_i^2 / samples) / N`` from each point's unbiased variance ``s_i^2``; with one
     draw the pooled variance over points is used (conservative: it includes between-point spread).
     """
-    from torch.func import grad, vmap
-
     import torch.nn.functional as F
+    from torch.func import grad, vmap
 
     if int(samples) < 1:
         raise UsageError(f"samples must be >= 1, got {samples}", source="--samples")
     if data.loss not in ("cross-entropy", "mse"):
-        raise UsageError(f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss")
+        raise UsageError(
+            f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}",
+            source="--loss",
+        )
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     logits = _functional_logits(model, list(scope.names))
 
@@ -592,8 +653,14 @@ def sampled_label_ggn_trace(
         with torch.no_grad():
             z_b = model(x_b)
         kind = "uniform" if data.loss == "cross-entropy" else "normal"
-        batch_draws = _per_sample_draws(base_seed, first, first + x_b.shape[0], S, kind,
-                                        () if kind == "uniform" else tuple(z_b.shape[1:]))
+        batch_draws = _per_sample_draws(
+            base_seed,
+            first,
+            first + x_b.shape[0],
+            S,
+            kind,
+            () if kind == "uniform" else tuple(z_b.shape[1:]),
+        )
         first += x_b.shape[0]
         rows = max(1, _CHUNK_BYTES // max(1, scope.numel * z_b.element_size()))
         for start in range(0, x_b.shape[0], rows):
@@ -604,7 +671,12 @@ def sampled_label_ggn_trace(
                 if data.loss == "cross-entropy":
                     # inverse CDF: y^ = #{c : u > P(Y <= c)} ~ Cat(softmax z)
                     cdf = torch.softmax(z_c.detach().to("cpu", torch.float64), dim=-1).cumsum(-1)
-                    labels = (random_c[:, None] > cdf).sum(-1).clamp_max(cdf.shape[-1] - 1).to(z_c.device)
+                    labels = (
+                        (random_c[:, None] > cdf)
+                        .sum(-1)
+                        .clamp_max(cdf.shape[-1] - 1)
+                        .to(z_c.device)
+                    )
                 else:
                     scale = math.sqrt(z_c.shape[-1] / 2.0)
                     labels = z_c.detach() + scale * random_c.to(device=z_c.device, dtype=z_c.dtype)
@@ -615,7 +687,8 @@ def sampled_label_ggn_trace(
                     draws[s, :, 1 + layer_of[i]] += sq
             if not torch.isfinite(draws).all():
                 raise NumericalError(
-                    f"per-sample gradient is not finite on batch {batch_index}", source="Gauss-Newton"
+                    f"per-sample gradient is not finite on batch {batch_index}",
+                    source="Gauss-Newton",
                 )
             point_means = draws.mean(0)
             sums += point_means.sum(0)
@@ -631,8 +704,17 @@ def sampled_label_ggn_trace(
         pooled = (sq_sums - N * mean**2).clamp_min(0) / max(N - 1, 1)
         stderr = (pooled / N).sqrt()
     return TraceResult(
-        estimate=float(mean[0]), stderr=float(stderr[0]), matvecs=0, samples=N * S,
-        estimator="sampled-label", converged=True,
-        by_layer={name: {"estimate": float(mean[j + 1]), "stderr": float(stderr[j + 1])} for j, name in enumerate(blocks)},
-        notes=[f"NME eq. 20 with {S} label draw(s) per sample; per-sample gradients via torch.func"],
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=0,
+        samples=N * S,
+        estimator="sampled-label",
+        converged=True,
+        by_layer={
+            name: {"estimate": float(mean[j + 1]), "stderr": float(stderr[j + 1])}
+            for j, name in enumerate(blocks)
+        },
+        notes=[
+            f"NME eq. 20 with {S} label draw(s) per sample; per-sample gradients via torch.func"
+        ],
     )

@@ -24,7 +24,7 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,8 +56,13 @@ class LoadedCheckpoint:
 
     def info(self) -> dict:
         """The ``checkpoint`` block of the JSON report."""
-        return {"path": self.path, "sha256": self.sha256, "model": self.model_spec, "origin": self.origin,
-                "train": self.train_config}
+        return {
+            "path": self.path,
+            "sha256": self.sha256,
+            "model": self.model_spec,
+            "origin": self.origin,
+            "train": self.train_config,
+        }
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -102,7 +107,9 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)
     except Exception as exc:  # safetensors raises its own error type for corrupt files
-        raise InputError(f"not a readable safetensors file ({_first_line(exc)})", source=str(path)) from exc
+        raise InputError(
+            f"not a readable safetensors file ({_first_line(exc)})", source=str(path)
+        ) from exc
     return tensors, meta
 
 
@@ -118,7 +125,9 @@ def _read_torch_file(path: Path, trust_pickle: bool):
         text = str(exc)
         pickled_object = "Unsupported global" in text or "GLOBAL" in text
         if not pickled_object:
-            raise InputError(f"not a readable PyTorch file ({_first_line(exc)})", source=str(path)) from exc
+            raise InputError(
+                f"not a readable PyTorch file ({_first_line(exc)})", source=str(path)
+            ) from exc
         if not trust_pickle:
             raise InputError(
                 "holds a pickled Python object, not a plain state_dict; unpickling runs code, "
@@ -152,7 +161,9 @@ def factory_from_string(spec: str, arch_args: dict | None = None) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise UsageError(f"cannot import {module_name!r} ({_first_line(exc)})", source="--model-factory") from exc
+        raise UsageError(
+            f"cannot import {module_name!r} ({_first_line(exc)})", source="--model-factory"
+        ) from exc
     func = getattr(module, func_name, None)
     if not callable(func):
         raise UsageError(f"{module_name!r} has no function {func_name!r}", source="--model-factory")
@@ -161,13 +172,18 @@ def factory_from_string(spec: str, arch_args: dict | None = None) -> nn.Module:
     except Exception as exc:
         raise UsageError(f"{spec} failed ({_first_line(exc)})", source="--model-factory") from exc
     if not isinstance(model, nn.Module):
-        raise UsageError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module", source="--model-factory")
+        raise UsageError(
+            f"{spec} returned {type(model).__name__}, not a torch.nn.Module",
+            source="--model-factory",
+        )
     return model
 
 
 def _load_state(model: nn.Module, state: dict, path: Path) -> None:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InputError("does not hold a state_dict (a mapping of names to tensors)", source=str(path))
+        raise InputError(
+            "does not hold a state_dict (a mapping of names to tensors)", source=str(path)
+        )
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -176,8 +192,12 @@ def _load_state(model: nn.Module, state: dict, path: Path) -> None:
         if missing:
             parts.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
         if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
-        raise InputError(f"state_dict does not match the model: {'; '.join(parts)}", source=str(path))
+            parts.append(
+                f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}"
+            )
+        raise InputError(
+            f"state_dict does not match the model: {'; '.join(parts)}", source=str(path)
+        )
     for key, value in state.items():
         if own[key].is_floating_point() != value.is_floating_point():
             raise InputError(
@@ -237,9 +257,18 @@ def load_checkpoint(
             origin = "pickle"
             model = state
             check_finite_weights(model, str(p))
-            return LoadedCheckpoint(model=model, path=str(p), sha256=digest, origin=origin,
-                                    model_spec={"name": type(model).__name__, "args": {}})
-        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            return LoadedCheckpoint(
+                model=model,
+                path=str(p),
+                sha256=digest,
+                origin=origin,
+                model_spec={"name": type(model).__name__, "args": {}},
+            )
+        if (
+            isinstance(state, dict)
+            and "state_dict" in state
+            and isinstance(state["state_dict"], dict)
+        ):
             state = state["state_dict"]
     else:
         raise InputError(
@@ -270,8 +299,18 @@ def load_checkpoint(
         try:
             model = build_model(model_spec)
         except UsageError as exc:
-            raise InputError(f"metadata names a model that cannot be built ({exc.message})", source=str(p)) from exc
+            raise InputError(
+                f"metadata names a model that cannot be built ({exc.message})", source=str(p)
+            ) from exc
     _load_state(model, state, p)
     check_finite_weights(model, str(p))
-    return LoadedCheckpoint(model=model, path=str(p), sha256=digest, model_spec=model_spec, data_spec=data_spec,
-                            train_config=train_config, metrics=metrics, origin=origin)
+    return LoadedCheckpoint(
+        model=model,
+        path=str(p),
+        sha256=digest,
+        model_spec=model_spec,
+        data_spec=data_spec,
+        train_config=train_config,
+        metrics=metrics,
+        origin=origin,
+    )

@@ -28,10 +28,21 @@ import os
 import torch
 
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets_builtin import BUILTIN_ARGS, BUILTIN_NAMES, load_builtin, resolve_builtin_args
+from sharpcli.io.datasets_builtin import (
+    BUILTIN_ARGS,
+    BUILTIN_NAMES,
+    load_builtin,
+    resolve_builtin_args,
+)
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.datasets_files import read_table, read_tensor_file
-from sharpcli.io.datasets_vision import VISION_FORMATS, find_layout, probe_folder, read_cifar, read_mnist
+from sharpcli.io.datasets_vision import (
+    VISION_FORMATS,
+    find_layout,
+    probe_folder,
+    read_cifar,
+    read_mnist,
+)
 
 __all__ = [
     "BUILTIN_ARGS",
@@ -87,7 +98,9 @@ def parse_data_spec(spec: str | dict, *, label_column: str | None = None) -> dic
     if isinstance(spec, dict):
         return _normalise_dict(spec, label_column)
     if not isinstance(spec, str):
-        raise UsageError(f"a data spec is a string or a dict, got {type(spec).__name__}", source="--data")
+        raise UsageError(
+            f"a data spec is a string or a dict, got {type(spec).__name__}", source="--data"
+        )
     text = spec.strip()
     if not text:
         raise UsageError("empty data spec", source="--data")
@@ -106,15 +119,22 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
     if kind == "builtin":
         unknown = sorted(set(spec) - {"kind", "name", "args"})
         if unknown:
-            raise UsageError(f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data")
+            raise UsageError(
+                f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data"
+            )
         name, args = spec.get("name"), spec.get("args") or {}
         if not isinstance(args, dict):
-            raise UsageError(f"builtin data spec 'args' must be a dict, got {type(args).__name__}", source="--data")
+            raise UsageError(
+                f"builtin data spec 'args' must be a dict, got {type(args).__name__}",
+                source="--data",
+            )
         if label_column is not None:
             raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
         return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
     if kind != "file":
-        raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data")
+        raise UsageError(
+            f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data"
+        )
     unknown = sorted(set(spec) - {"kind", "path", "format", "label_column"})
     if unknown:
         raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="--data")
@@ -124,7 +144,8 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
     column = spec.get("label_column")
     if label_column is not None and column is not None and label_column != column:
         raise UsageError(
-            f"label column {label_column!r} contradicts the data spec's {column!r}", source="--label-column"
+            f"label column {label_column!r} contradicts the data spec's {column!r}",
+            source="--label-column",
         )
     column = column if column is not None else label_column
     if column is not None and not isinstance(column, str):
@@ -132,9 +153,13 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
     path = os.path.abspath(os.path.expanduser(path))
     fmt = spec.get("format")
     if fmt is not None and fmt not in FILE_FORMATS:
-        raise UsageError(f"unknown data format {fmt!r}; accepted: {', '.join(FILE_FORMATS)}", source="--data")
+        raise UsageError(
+            f"unknown data format {fmt!r}; accepted: {', '.join(FILE_FORMATS)}", source="--data"
+        )
     if not os.path.exists(path):
-        hint = f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in spec["path"] else ""
+        hint = (
+            f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in spec["path"] else ""
+        )
         raise InputError(f"no such file or directory{hint}", source=path)
     if os.path.isdir(path):
         if fmt is None:
@@ -149,7 +174,9 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
         elif fmt in VISION_FORMATS:
             raise InputError(f"format {fmt!r} needs a directory, this is a file", source=path)
     if column is not None and fmt not in TABLE_FORMATS and not fmt.startswith("cifar100-"):
-        raise UsageError(f"applies to tables and CIFAR-100, not to {fmt} data", source="--label-column")
+        raise UsageError(
+            f"applies to tables and CIFAR-100, not to {fmt} data", source="--label-column"
+        )
     return {"kind": "file", "path": path, "format": fmt, "label_column": column}
 
 
@@ -194,7 +221,9 @@ def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = 
     return read_cifar(path, fmt, column, full)
 
 
-def subset(x: torch.Tensor, y: torch.Tensor, samples: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def subset(
+    x: torch.Tensor, y: torch.Tensor, samples: int | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed random subset of ``samples`` rows without replacement (``--samples N``, ``--seed``).
 
     Indices are the first ``samples`` entries of ``randperm(N)`` drawn from a CPU
@@ -212,7 +241,9 @@ def subset(x: torch.Tensor, y: torch.Tensor, samples: int | None, seed: int) -> 
     if samples < 1:
         raise UsageError(f"must be at least 1, got {samples}", source="--samples")
     if samples > n:
-        raise UsageError(f"{samples} samples requested but the split has only {n}", source="--samples")
+        raise UsageError(
+            f"{samples} samples requested but the split has only {n}", source="--samples"
+        )
     generator = torch.Generator().manual_seed(int(seed))
     index = torch.randperm(n, generator=generator)[:samples].sort().values
     return x[index], y[index]
@@ -250,11 +281,15 @@ def validate_for_model(
         if x.shape[0] == 0:
             raise InputError(f"{where}split is empty", source=source)
         if y.shape[0] != x.shape[0]:
-            raise InputError(f"{where}features have {x.shape[0]} rows but targets {y.shape[0]}", source=source)
+            raise InputError(
+                f"{where}features have {x.shape[0]} rows but targets {y.shape[0]}", source=source
+            )
         got = tuple(x.shape[1:])
         if got != expected:
             if len(got) == 1 and len(expected) == 1:
-                problem = f"{where}features have {got[0]} columns but the model expects {expected[0]}"
+                problem = (
+                    f"{where}features have {got[0]} columns but the model expects {expected[0]}"
+                )
             else:
                 problem = f"{where}samples have shape {got} but the model expects {expected}"
             raise InputError(problem, source=source)

@@ -65,13 +65,17 @@ def _convert(name: str, key: str, value, kind: type):
         try:
             return int(str(value).strip())
         except ValueError:
-            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="--data") from None
+            raise UsageError(
+                f"{name}: {key} must be an integer, got {value!r}", source="--data"
+            ) from None
     if isinstance(value, bool):
         raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="--data")
     try:
         out = float(value)
     except (TypeError, ValueError):
-        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="--data") from None
+        raise UsageError(
+            f"{name}: {key} must be a number, got {value!r}", source="--data"
+        ) from None
     if not math.isfinite(out):
         raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="--data")
     return out
@@ -83,14 +87,21 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
     Unknown names or keys and out-of-range values raise ``UsageError(source="--data")``.
     """
     if name not in BUILTIN_ARGS:
-        raise UsageError(f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}", source="--data")
+        raise UsageError(
+            f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}",
+            source="--data",
+        )
     table = BUILTIN_ARGS[name]
     unknown = sorted(set(args) - set(table))
     if unknown:
         raise UsageError(
-            f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(table)}", source="--data"
+            f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(table)}",
+            source="--data",
         )
-    out = {key: _convert(name, key, args.get(key, default), kind) for key, (kind, default) in table.items()}
+    out = {
+        key: _convert(name, key, args.get(key, default), kind)
+        for key, (kind, default) in table.items()
+    }
 
     def need(condition: bool, text: str):
         if not condition:
@@ -98,7 +109,10 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
 
     need(out["n"] >= 2, f"n must be at least 2, got {out['n']}")
     need(out["classes"] >= 2, f"classes must be at least 2, got {out['classes']}")
-    need(0.0 <= out["test_fraction"] < 1.0, f"test_fraction must be in [0, 1), got {out['test_fraction']}")
+    need(
+        0.0 <= out["test_fraction"] < 1.0,
+        f"test_fraction must be in [0, 1), got {out['test_fraction']}",
+    )
     need(0 <= out["seed"] < 2**63, f"seed must be in [0, 2^63), got {out['seed']}")
     n_test = round(out["n"] * out["test_fraction"])
     need(
@@ -114,7 +128,10 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
         need(out["channels"] >= 1, f"channels must be at least 1, got {out['channels']}")
         need(out["noise"] >= 0.0, f"noise must be >= 0, got {out['noise']}")
         elements = out["n"] * out["channels"] * out["size"] ** 2
-    need(elements <= MAX_ELEMENTS, f"{elements} feature values requested; the limit is {MAX_ELEMENTS}")
+    need(
+        elements <= MAX_ELEMENTS,
+        f"{elements} feature values requested; the limit is {MAX_ELEMENTS}",
+    )
     return out
 
 
@@ -123,7 +140,9 @@ def _balanced_labels(n: int, classes: int, generator: torch.Generator) -> torch.
     return (torch.arange(n, dtype=torch.int64) % classes)[torch.randperm(n, generator=generator)]
 
 
-def make_blobs(n: int, dim: int, classes: int, seed: int, separation: float) -> tuple[torch.Tensor, torch.Tensor]:
+def make_blobs(
+    n: int, dim: int, classes: int, seed: int, separation: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, y)`` of the Gaussian mixture described in the module docstring.
 
     ``mu_c = separation / sqrt(dim) * g_c`` with ``g_c ~ N(0, I_dim)``; ``x_i = mu_{y_i} + eps_i``.
@@ -135,7 +154,9 @@ def make_blobs(n: int, dim: int, classes: int, seed: int, separation: float) -> 
     return x, y
 
 
-def class_templates_images(size: int, channels: int, classes: int, generator: torch.Generator) -> torch.Tensor:
+def class_templates_images(
+    size: int, channels: int, classes: int, generator: torch.Generator
+) -> torch.Tensor:
     """Per-class templates ``T_c`` (classes, channels, size, size): coarse N(0,1) patterns upsampled bilinearly."""
     coarse = max(2, size // 4)
     patterns = torch.randn(classes, channels, coarse, coarse, generator=generator)
@@ -149,7 +170,11 @@ def make_images(
     generator = torch.Generator().manual_seed(seed)
     templates = class_templates_images(size, channels, classes, generator)
     y = _balanced_labels(n, classes, generator)
-    x = 0.5 + contrast * templates[y] + noise * torch.randn(n, channels, size, size, generator=generator)
+    x = (
+        0.5
+        + contrast * templates[y]
+        + noise * torch.randn(n, channels, size, size, generator=generator)
+    )
     return x, y
 
 
@@ -160,7 +185,13 @@ def load_builtin(name: str, args: dict) -> Dataset:
         x, y = make_blobs(full["n"], full["dim"], full["classes"], full["seed"], full["separation"])
     else:
         x, y = make_images(
-            full["n"], full["size"], full["channels"], full["classes"], full["seed"], full["contrast"], full["noise"]
+            full["n"],
+            full["size"],
+            full["channels"],
+            full["classes"],
+            full["seed"],
+            full["contrast"],
+            full["noise"],
         )
     n_test = round(full["n"] * full["test_fraction"])
     n_train = full["n"] - n_test

@@ -64,7 +64,9 @@ class Dataset:
             return self.x_train, self.y_train
         if name == "test":
             if self.x_test is None or self.y_test is None:
-                raise InputError(f"has no test split ({_how_to_add_test(self.spec)})", source=self.source)
+                raise InputError(
+                    f"has no test split ({_how_to_add_test(self.spec)})", source=self.source
+                )
             return self.x_test, self.y_test
         raise UsageError(f"unknown split {name!r}; accepted: {', '.join(SPLITS)}", source="--split")
 
@@ -112,10 +114,26 @@ def read_failure(what: str, exc: BaseException, source: str) -> InputError:
 
 
 _TORCH_REAL_DTYPES = frozenset(
-    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
-     torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
-    + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-       if hasattr(torch, name)]
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    ]
+    + [
+        getattr(torch, name)
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, name)
+    ]
 )
 
 
@@ -136,9 +154,13 @@ def as_tensor(value, name: str, source: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided:
-            raise InputError(f"{name} is a {value.layout} tensor, expected a dense tensor", source=source)
+            raise InputError(
+                f"{name} is a {value.layout} tensor, expected a dense tensor", source=source
+            )
         if value.dtype not in _TORCH_REAL_DTYPES:
-            raise InputError(f"{name} has dtype {value.dtype}, expected real numbers", source=source)
+            raise InputError(
+                f"{name} has dtype {value.dtype}, expected real numbers", source=source
+            )
         if value.device.type == "meta":
             raise InputError(f"{name} is a meta tensor (shape only, no data)", source=source)
         return value.detach().to("cpu")
@@ -155,7 +177,8 @@ def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
         x = x.unsqueeze(1)  # (N, H, W) single-channel images
     elif x.dim() > 4:
         raise InputError(
-            f"{name} has shape {tuple(x.shape)}; expected (N, D) vectors or (N, C, H, W) images", source=source
+            f"{name} has shape {tuple(x.shape)}; expected (N, D) vectors or (N, C, H, W) images",
+            source=source,
         )
     if x.shape[0] == 0:
         raise InputError(f"{name} is empty (0 samples)", source=source)
@@ -165,7 +188,8 @@ def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
     bad = int((~torch.isfinite(x)).sum())
     if bad:
         raise InputError(
-            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)", source=source
+            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)",
+            source=source,
         )
     return x
 
@@ -175,30 +199,47 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
     if y.dim() == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.dim() != 1:
-        raise InputError(f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,)", source=source)
+        raise InputError(
+            f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,)",
+            source=source,
+        )
     if y.shape[0] != n:
-        raise InputError(f"{name} has {y.shape[0]} labels but the features have {n} rows", source=source)
+        raise InputError(
+            f"{name} has {y.shape[0]} labels but the features have {n} rows", source=source
+        )
     wide = y.to(torch.float64)  # exact for every label below 2**53; larger ones are refused anyway
     low, high = float(wide.min()), float(wide.max())
     if low < 0:
-        raise InputError(f"{name} has a negative label ({low:.0f}); labels must be 0..C-1", source=source)
+        raise InputError(
+            f"{name} has a negative label ({low:.0f}); labels must be 0..C-1", source=source
+        )
     if high >= MAX_CLASSES:
-        raise InputError(f"{name} has label {high:.0f}, beyond {MAX_CLASSES} classes", source=source)
+        raise InputError(
+            f"{name} has label {high:.0f}, beyond {MAX_CLASSES} classes", source=source
+        )
     return y.to(torch.int64).contiguous()
 
 
 def _targets(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
     """Regression targets as float32 ``(N,)`` or ``(N, K)``, finite."""
     if y.dim() not in (1, 2):
-        raise InputError(f"{name} has shape {tuple(y.shape)}; regression targets must be (N,) or (N, K)", source=source)
+        raise InputError(
+            f"{name} has shape {tuple(y.shape)}; regression targets must be (N,) or (N, K)",
+            source=source,
+        )
     if y.shape[0] != n:
-        raise InputError(f"{name} has {y.shape[0]} targets but the features have {n} rows", source=source)
+        raise InputError(
+            f"{name} has {y.shape[0]} targets but the features have {n} rows", source=source
+        )
     if y.dim() == 2 and y.shape[1] == 0:
         raise InputError(f"{name} has no target columns", source=source)
     y = y.to(torch.float32).contiguous()
     bad = int((~torch.isfinite(y)).sum())
     if bad:
-        raise InputError(f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)", source=source)
+        raise InputError(
+            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)",
+            source=source,
+        )
     return y
 
 
@@ -252,7 +293,9 @@ def finalize_dataset(
             )
         y_test = as_tensor(y_test, n_yt, source)
         if infer_task(y_test) != task:
-            raise InputError(f"{n_yt} has dtype {y_test.dtype} but {n_y} has {y_train.dtype}", source=source)
+            raise InputError(
+                f"{n_yt} has dtype {y_test.dtype} but {n_y} has {y_train.dtype}", source=source
+            )
         if task == "classification":
             y_test = _labels(y_test, n_yt, x_test.shape[0], source)
         else:
@@ -269,7 +312,9 @@ def finalize_dataset(
         if num_classes is None:
             num_classes = seen
         elif seen > num_classes:
-            raise InputError(f"has label {seen - 1} but the format has {num_classes} classes", source=source)
+            raise InputError(
+                f"has label {seen - 1} but the format has {num_classes} classes", source=source
+            )
     else:
         num_classes = None
     return Dataset(

@@ -48,7 +48,9 @@ def _read_mapping(path: str, fmt: str) -> dict:
                 warnings.simplefilter("ignore")
                 content = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise read_failure("torch file with weights_only=True (tensors only, no pickled code)", exc, path) from exc
+            raise read_failure(
+                "torch file with weights_only=True (tensors only, no pickled code)", exc, path
+            ) from exc
         if not isinstance(content, dict):
             raise InputError(
                 f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y "
@@ -62,7 +64,9 @@ def _read_mapping(path: str, fmt: str) -> dict:
         except Exception as exc:
             raise read_failure("npz archive", exc, path) from exc
         if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise InputError("is a single .npy array, expected an .npz archive with keys x and y", source=path)
+            raise InputError(
+                "is a single .npy array, expected an .npz archive with keys x and y", source=path
+            )
         try:
             with archive:
                 return {key: archive[key] for key in archive.files}
@@ -78,14 +82,22 @@ def read_tensor_file(path: str, fmt: str, spec: dict) -> Dataset:
     unexpected = sorted(key for key in keys if key not in TENSOR_KEYS)
     if unexpected or not all(isinstance(key, str) for key in content):
         raise InputError(
-            f"has unexpected key(s) {', '.join(unexpected)}; expected x, y and optionally x_test, y_test", source=path
+            f"has unexpected key(s) {', '.join(unexpected)}; expected x, y and optionally x_test, y_test",
+            source=path,
         )
     missing = [key for key in ("x", "y") if key not in content]
     if missing:
         found = ", ".join(sorted(keys)) or "none"
-        raise InputError(f"has no {' or '.join(missing)} (keys found: {found}); expected x and y", source=path)
+        raise InputError(
+            f"has no {' or '.join(missing)} (keys found: {found}); expected x and y", source=path
+        )
     return finalize_dataset(
-        content["x"], content["y"], content.get("x_test"), content.get("y_test"), source=path, spec=spec
+        content["x"],
+        content["y"],
+        content.get("x_test"),
+        content.get("y_test"),
+        source=path,
+        spec=spec,
     )
 
 
@@ -108,12 +120,17 @@ def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, l
         return values, None
     if pd.api.types.is_bool_dtype(column.dtype) or pd.api.types.is_integer_dtype(column.dtype):
         if column.isna().any():
-            raise InputError(f"label column {name!r} has {int(column.isna().sum())} missing value(s)", source=path)
+            raise InputError(
+                f"label column {name!r} has {int(column.isna().sum())} missing value(s)",
+                source=path,
+            )
         return column.to_numpy(dtype=np.int64), None
     if pd.api.types.is_float_dtype(column.dtype):
         return column.to_numpy(dtype=np.float64, na_value=np.nan), None
     if column.isna().any():
-        raise InputError(f"label column {name!r} has {int(column.isna().sum())} missing value(s)", source=path)
+        raise InputError(
+            f"label column {name!r} has {int(column.isna().sum())} missing value(s)", source=path
+        )
     text = column.astype(str)
     names = sorted(text.unique())
     index = {label: i for i, label in enumerate(names)}
@@ -144,7 +161,9 @@ def read_table(path: str, fmt: str, label_column: str | None, spec: dict) -> Dat
         raise read_failure(f"{fmt} table contents", exc, path) from exc
 
 
-def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
+def _table_dataset(
+    frame: pd.DataFrame, path: str, fmt: str, label_column: str | None, spec: dict
+) -> Dataset:
     """Split a table into features, labels and (with a 'split' column) train/test parts."""
     label = label_column or DEFAULT_LABEL_COLUMN
     columns = [str(c) for c in frame.columns]
@@ -155,7 +174,8 @@ def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str |
     if label not in columns:
         shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
         raise InputError(
-            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with --label-column", source=path
+            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with --label-column",
+            source=path,
         )
     if len(frame) == 0:
         raise InputError("table has no rows", source=path)
@@ -169,8 +189,10 @@ def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str |
     ]
     if non_numeric:
         shown = ", ".join(non_numeric[:8]) + (", ..." if len(non_numeric) > 8 else "")
-        raise InputError(f"has non-numeric feature column(s) {shown}; every column but the label must be a number",
-                         source=path)
+        raise InputError(
+            f"has non-numeric feature column(s) {shown}; every column but the label must be a number",
+            source=path,
+        )
     try:
         features = frame[feature_names].to_numpy(dtype=np.float64, na_value=np.nan)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -186,25 +208,50 @@ def _table_dataset(frame: pd.DataFrame, path: str, fmt: str, label_column: str |
     labels, class_names = _label_array(frame[label], label, path)
     if SPLIT_COLUMN not in columns:
         return finalize_dataset(
-            features, labels, None, None, source=path, spec=spec, class_names=class_names,
+            features,
+            labels,
+            None,
+            None,
+            source=path,
+            spec=spec,
+            class_names=class_names,
             task="classification" if class_names else None,
             num_classes=len(class_names) if class_names else None,
-            names=("features", f"label column {label!r}", "test features", f"test label column {label!r}"),
+            names=(
+                "features",
+                f"label column {label!r}",
+                "test features",
+                f"test label column {label!r}",
+            ),
         )
     split = np.array(
-        ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]], dtype=object
+        ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]],
+        dtype=object,
     )
     bad = sorted(set(split) - {"train", "test"})
     if bad:
         shown = ", ".join(v if v == "<missing>" else repr(v) for v in bad[:5])
-        raise InputError(f"column 'split' has value(s) {shown}; expected train or test", source=path)
+        raise InputError(
+            f"column 'split' has value(s) {shown}; expected train or test", source=path
+        )
     is_train, is_test = split == "train", split == "test"
     if not is_train.any():
         raise InputError("column 'split' marks no row as train", source=path)
     x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
     return finalize_dataset(
-        features[is_train], labels[is_train], x_test, y_test, source=path, spec=spec, class_names=class_names,
+        features[is_train],
+        labels[is_train],
+        x_test,
+        y_test,
+        source=path,
+        spec=spec,
+        class_names=class_names,
         task="classification" if class_names else None,
         num_classes=len(class_names) if class_names else None,
-        names=("train features", f"label column {label!r}", "test features", f"test labels in column {label!r}"),
+        names=(
+            "train features",
+            f"label column {label!r}",
+            "test features",
+            f"test labels in column {label!r}",
+        ),
     )

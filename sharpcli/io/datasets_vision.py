@@ -40,10 +40,22 @@ from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
 from sharpcli.io.safe_pickle import restricted_loads
 
 CIFAR_PIXELS = 3 * 32 * 32
-VISION_FORMATS = ("cifar10-python", "cifar10-binary", "cifar100-python", "cifar100-binary", "mnist-idx")
+VISION_FORMATS = (
+    "cifar10-python",
+    "cifar10-binary",
+    "cifar100-python",
+    "cifar100-binary",
+    "mnist-idx",
+)
 MAX_IDX_BYTES = 2**31  # larger than any MNIST-family file; a header promising more is corrupt
 _IDX_TYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-_CIFAR100_LABELS = {None: "fine", "fine": "fine", "fine_labels": "fine", "coarse": "coarse", "coarse_labels": "coarse"}
+_CIFAR100_LABELS = {
+    None: "fine",
+    "fine": "fine",
+    "fine_labels": "fine",
+    "coarse": "coarse",
+    "coarse_labels": "coarse",
+}
 _MNIST_STEMS = {
     ("train", "images"): ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
     ("train", "labels"): ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
@@ -84,6 +96,7 @@ def _mnist_file(folder: str, split: str, kind: str) -> str | None:
 
 def probe_folder(folder: str) -> str | None:
     """The vision layout ``folder`` holds directly (one of ``VISION_FORMATS``), or None."""
+
     def has(name: str) -> bool:
         return os.path.isfile(os.path.join(folder, name))
 
@@ -123,7 +136,9 @@ def find_layout(folder: str) -> tuple[str, str]:
         return found[0]
     if found:
         listed = ", ".join(f"{os.path.relpath(path, folder)} ({fmt})" for path, fmt in found)
-        raise InputError(f"holds several datasets: {listed}; point --data at one of them", source=folder)
+        raise InputError(
+            f"holds several datasets: {listed}; point --data at one of them", source=folder
+        )
     raise InputError(
         "is not a recognised dataset folder (expected CIFAR-10/100 python or binary batches, or MNIST idx files)",
         source=folder,
@@ -153,23 +168,41 @@ def _entry(batch: dict, key: str, path: str):
 
 def _pixels_to_images(data: np.ndarray) -> torch.Tensor:
     """uint8 rows of 3072 CIFAR values -> float32 (n, 3, 32, 32) in [0, 1]."""
-    return torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, 3, 32, 32).to(torch.float32).div_(255.0)
+    return (
+        torch.from_numpy(np.ascontiguousarray(data))
+        .reshape(-1, 3, 32, 32)
+        .to(torch.float32)
+        .div_(255.0)
+    )
 
 
 def _python_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(data uint8 (n, 3072), labels (n,))`` of one CIFAR python batch, checked."""
     batch = restricted_loads(_read_bytes(path), source=path)
     if not isinstance(batch, dict):
-        raise InputError(f"CIFAR batch holds a {type(batch).__name__}, expected a dict", source=path)
-    data = _entry(batch, "data", path)
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != CIFAR_PIXELS:
-        described = (
-            f"array {data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise InputError(
+            f"CIFAR batch holds a {type(batch).__name__}, expected a dict", source=path
         )
-        raise InputError(f"CIFAR 'data' is {described}; expected uint8 (n, {CIFAR_PIXELS})", source=path)
+    data = _entry(batch, "data", path)
+    if (
+        not isinstance(data, np.ndarray)
+        or data.dtype != np.uint8
+        or data.ndim != 2
+        or data.shape[1] != CIFAR_PIXELS
+    ):
+        described = (
+            f"array {data.dtype} {data.shape}"
+            if isinstance(data, np.ndarray)
+            else type(data).__name__
+        )
+        raise InputError(
+            f"CIFAR 'data' is {described}; expected uint8 (n, {CIFAR_PIXELS})", source=path
+        )
     raw_labels = _entry(batch, label_key, path)
     if not isinstance(raw_labels, (list, tuple, np.ndarray)):
-        raise InputError(f"CIFAR {label_key!r} is a {type(raw_labels).__name__}, expected a list", source=path)
+        raise InputError(
+            f"CIFAR {label_key!r} is a {type(raw_labels).__name__}, expected a list", source=path
+        )
     try:
         labels = np.asarray(raw_labels)
     except Exception as exc:
@@ -177,7 +210,9 @@ def _python_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     if labels.ndim != 1 or (labels.size and labels.dtype.kind not in "iu"):
         raise InputError(f"CIFAR {label_key!r} must be a list of integers", source=path)
     if labels.shape[0] != data.shape[0]:
-        raise InputError(f"CIFAR batch has {data.shape[0]} images but {labels.shape[0]} labels", source=path)
+        raise InputError(
+            f"CIFAR batch has {data.shape[0]} images but {labels.shape[0]} labels", source=path
+        )
     return data, labels.astype(np.int64)
 
 
@@ -204,15 +239,24 @@ def _cifar_dataset(train_parts, test_parts, num_classes: int, source: str, spec:
         x_test = _pixels_to_images(np.concatenate([d for d, _ in test_parts]))
         y_test = np.concatenate([y for _, y in test_parts])
     return finalize_dataset(
-        x_train, y_train, x_test, y_test, source=source, spec=spec, task="classification",
-        num_classes=num_classes, names=("images", "labels", "test images", "test labels"),
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        source=source,
+        spec=spec,
+        task="classification",
+        num_classes=num_classes,
+        names=("images", "labels", "test images", "test labels"),
     )
 
 
 def read_cifar(folder: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
     """Load a CIFAR-10/100 folder in python-pickle or binary format (module docstring)."""
     if fmt.startswith("cifar10-") and label_column is not None:
-        raise UsageError("CIFAR-10 has one label set; --label-column does not apply", source="--label-column")
+        raise UsageError(
+            "CIFAR-10 has one label set; --label-column does not apply", source="--label-column"
+        )
     if fmt.startswith("cifar100-") and label_column not in _CIFAR100_LABELS:
         raise UsageError(
             f"CIFAR-100 labels are 'fine' (100 classes) or 'coarse' (20), got {label_column!r}",
@@ -233,7 +277,9 @@ def read_cifar(folder: str, fmt: str, label_column: str | None, spec: dict) -> D
     extension = ".bin" if fmt == "cifar100-binary" else ""
     paths = {split: os.path.join(folder, split + extension) for split in ("train", "test")}
     if not os.path.isfile(paths["train"]):
-        raise InputError(f"CIFAR-100 folder has no {os.path.basename(paths['train'])!r} file", source=folder)
+        raise InputError(
+            f"CIFAR-100 folder has no {os.path.basename(paths['train'])!r} file", source=folder
+        )
 
     def read(path: str) -> tuple[np.ndarray, np.ndarray]:
         if fmt == "cifar100-python":
@@ -254,7 +300,10 @@ def _read_exactly(handle, count: int, path: str) -> bytes:
     while remaining:
         chunk = handle.read(min(remaining, 1 << 20))
         if not chunk:
-            raise InputError(f"idx file is truncated: {count - remaining} of {count} data bytes present", source=path)
+            raise InputError(
+                f"idx file is truncated: {count - remaining} of {count} data bytes present",
+                source=path,
+            )
         chunks.append(chunk)
         remaining -= len(chunk)
     return b"".join(chunks)
@@ -272,7 +321,9 @@ def read_idx(path: str) -> np.ndarray:
         with opener(path, "rb") as handle:
             magic = handle.read(4)
             if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_TYPES:
-                raise InputError(f"not an idx file (magic bytes {magic.hex() or 'missing'})", source=path)
+                raise InputError(
+                    f"not an idx file (magic bytes {magic.hex() or 'missing'})", source=path
+                )
             ndim = magic[3]
             if ndim == 0:
                 raise InputError("idx header declares 0 dimensions", source=path)
@@ -283,22 +334,32 @@ def read_idx(path: str) -> np.ndarray:
             dtype = np.dtype(_IDX_TYPES[magic[2]])
             size = math.prod(dims) * dtype.itemsize
             if size > MAX_IDX_BYTES:
-                raise InputError(f"idx header declares shape {dims} ({size} bytes), beyond any real file", source=path)
+                raise InputError(
+                    f"idx header declares shape {dims} ({size} bytes), beyond any real file",
+                    source=path,
+                )
             payload = _read_exactly(handle, size, path)
             if handle.read(1):
-                raise InputError(f"idx file has trailing bytes after the {size} declared by its header {dims}",
-                                 source=path)
+                raise InputError(
+                    f"idx file has trailing bytes after the {size} declared by its header {dims}",
+                    source=path,
+                )
     except InputError:
         raise
     except Exception as exc:  # gzip/zlib/OS errors
         raise read_failure("idx file", exc, path) from exc
     # one copy: native byte order, and writable (torch refuses read-only buffers)
-    return np.frombuffer(payload, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="), copy=True)
+    return (
+        np.frombuffer(payload, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="), copy=True)
+    )
 
 
 def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | None:
     """``(images (n, 1, H, W) in [0, 1], labels (n,))`` of one split, or None if its files are absent."""
-    images_path, labels_path = _mnist_file(folder, split, "images"), _mnist_file(folder, split, "labels")
+    images_path, labels_path = (
+        _mnist_file(folder, split, "images"),
+        _mnist_file(folder, split, "labels"),
+    )
     if images_path is None and labels_path is None and split == "test":
         return None
     if images_path is None or labels_path is None:
@@ -306,9 +367,15 @@ def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | N
         raise InputError(f"MNIST folder has no {missing}(.gz)", source=folder)
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.ndim != 3:
-        raise InputError(f"idx images must have 3 dimensions (n, rows, cols), found {images.shape}", source=images_path)
+        raise InputError(
+            f"idx images must have 3 dimensions (n, rows, cols), found {images.shape}",
+            source=images_path,
+        )
     if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise InputError(f"idx labels must be 1-D integers, found {labels.dtype} {labels.shape}", source=labels_path)
+        raise InputError(
+            f"idx labels must be 1-D integers, found {labels.dtype} {labels.shape}",
+            source=labels_path,
+        )
     if images.shape[0] != labels.shape[0]:
         raise InputError(
             f"{os.path.basename(images_path)} has {images.shape[0]} images but "
@@ -324,14 +391,22 @@ def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | N
 def read_mnist(folder: str, label_column: str | None, spec: dict) -> Dataset:
     """Load an MNIST-family idx folder; classes: ``max(10, 1 + largest label)``."""
     if label_column is not None:
-        raise UsageError("MNIST idx folders have one label set; --label-column does not apply",
-                         source="--label-column")
+        raise UsageError(
+            "MNIST idx folders have one label set; --label-column does not apply",
+            source="--label-column",
+        )
     train = _mnist_split(folder, "train")
     test = _mnist_split(folder, "test")
     labels = [train[1]] + ([test[1]] if test else [])
     largest = max(int(part.max()) if part.size else 0 for part in labels)
     return finalize_dataset(
-        train[0], train[1], test[0] if test else None, test[1] if test else None,
-        source=folder, spec=spec, task="classification", num_classes=max(10, largest + 1),
+        train[0],
+        train[1],
+        test[0] if test else None,
+        test[1] if test else None,
+        source=folder,
+        spec=spec,
+        task="classification",
+        num_classes=max(10, largest + 1),
         names=("images", "labels", "test images", "test labels"),
     )

@@ -47,8 +47,9 @@ except ImportError:  # numpy 1.x
 
 from sharpcli.errors import InputError
 
-
-_LATIN1_NAMES = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "iso_8859_1", "l1"})
+_LATIN1_NAMES = frozenset(
+    {"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "iso_8859_1", "l1"}
+)
 
 
 def _latin1_encode(text, encoding="latin1", errors="strict"):

@@ -10,10 +10,10 @@
 from sharpcli.models.activations import (
     ACTIVATION_NAMES,
     ACTIVATION_TYPES,
+    GELU,
     AugmentedReLU,
     BetaGELU,
     DiminishedGELU,
-    GELU,
     ReLU,
     activation_spec,
     augmented_relu,
@@ -25,8 +25,8 @@ from sharpcli.models.activations import (
     parse_activation_spec,
 )
 from sharpcli.models.zoo import (
-    MODEL_NAMES,
     MLP,
+    MODEL_NAMES,
     CifarResNet,
     SmallCNN,
     VGGSmall,

@@ -38,8 +38,8 @@ from torch import nn
 from sharpcli.errors import UsageError
 
 try:  # private, but the only way to see the functorch transform stack; absent -> no check
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _functorch_stack
     from torch._C._functorch import TransformType as _TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _functorch_stack
 except ImportError:  # pragma: no cover - depends on the torch build
     _functorch_stack = None
     _TransformType = None
@@ -378,7 +378,9 @@ def _accepted_names_text() -> str:
     parts = []
     for name, (_, params) in _ACTIVATIONS.items():
         if params:
-            parts.append(name + ":" + ",".join(f"{p}={_format_number(d[0])}" for p, d in params.items()))
+            parts.append(
+                name + ":" + ",".join(f"{p}={_format_number(d[0])}" for p, d in params.items())
+            )
         else:
             parts.append(name)
     return ", ".join(parts)

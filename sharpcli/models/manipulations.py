@@ -75,7 +75,9 @@ def _parent_and_name(model: nn.Module, qualified: str) -> tuple[nn.Module, str]:
     return parent, parts[-1]
 
 
-def _pre_activation_shapes(model: nn.Module, names: list[str], input_shape: tuple) -> dict[str, tuple]:
+def _pre_activation_shapes(
+    model: nn.Module, names: list[str], input_shape: tuple
+) -> dict[str, tuple]:
     shapes: dict[str, tuple] = {}
     modules = dict(model.named_modules())
 

@@ -318,9 +318,19 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "bias": _Arg("bool", True, help="Linear layers have biases"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout after each activation"),
-        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_ratio": _Arg(
+            "float",
+            0.0,
+            minimum=0.0,
+            below=1.0,
+            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+        ),
         "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
+        "per_sample_norm": _Arg(
+            "bool",
+            False,
+            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+        ),
     },
     "cnn": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -330,9 +340,19 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_ratio": _Arg(
+            "float",
+            0.0,
+            minimum=0.0,
+            below=1.0,
+            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+        ),
         "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
+        "per_sample_norm": _Arg(
+            "bool",
+            False,
+            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+        ),
     },
     "vgg-small": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -342,9 +362,19 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "activation": _Arg("activation", "relu", help="activation spec"),
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_ratio": _Arg(
+            "float",
+            0.0,
+            minimum=0.0,
+            below=1.0,
+            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+        ),
         "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
+        "per_sample_norm": _Arg(
+            "bool",
+            False,
+            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+        ),
     },
     "resnet": {
         "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
@@ -354,9 +384,19 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
         "activation": _Arg("activation", "relu", help="activation spec"),
         "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before fc"),
-        "mask_ratio": _Arg("float", 0.0, minimum=0.0, below=1.0, help="fixed fraction of activation outputs zeroed (MAN Table 1)"),
+        "mask_ratio": _Arg(
+            "float",
+            0.0,
+            minimum=0.0,
+            below=1.0,
+            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+        ),
         "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg("bool", False, help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)"),
+        "per_sample_norm": _Arg(
+            "bool",
+            False,
+            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+        ),
     },
 }
 
@@ -408,15 +448,21 @@ def _canonical_value(model: str, key: str, spec: _Arg, value: Any) -> Any:
         return canonical_activation_spec(value)
     if spec.kind == "int_list":
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-            raise _bad(f"{model}: {key} must be a non-empty list of positive integers, got {value!r}")
+            raise _bad(
+                f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
+            )
         items = [_as_int(model, key, item) for item in value]
         if any(item < 1 for item in items):
-            raise _bad(f"{model}: {key} must be a non-empty list of positive integers, got {value!r}")
+            raise _bad(
+                f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
+            )
         return items
     if spec.kind == "image_size":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             sides = [_as_int(model, key, value)] * 2
-        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2:
+        elif (
+            isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
+        ):
             sides = [_as_int(model, key, side) for side in value]
         else:
             raise _bad(f"{model}: {key} must be an integer or [height, width], got {value!r}")
@@ -439,7 +485,7 @@ def _check_architecture(name: str, args: dict[str, Any]) -> None:
         blocks = len(args["channels"])
         if min(height, width) >> blocks < 1:
             raise _bad(
-                f"cnn: {blocks} pooling blocks need images of at least {2 ** blocks} pixels a side, "
+                f"cnn: {blocks} pooling blocks need images of at least {2**blocks} pixels a side, "
                 f"got {height}x{width}; use fewer channels entries"
             )
     if name == "resnet":
@@ -477,7 +523,9 @@ def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
     schema = _MODEL_ARGS[name]
     unknown = sorted(set(args) - set(schema))
     if unknown:
-        raise _bad(f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(schema)}")
+        raise _bad(
+            f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(schema)}"
+        )
     complete: dict[str, Any] = {}
     for key, arg in schema.items():
         if key in args and args[key] is not None:
@@ -490,7 +538,9 @@ def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "args": complete}
 
 
-def default_model_args(name: str, input_shape: Sequence[int], num_classes: int, **overrides: Any) -> dict:
+def default_model_args(
+    name: str, input_shape: Sequence[int], num_classes: int, **overrides: Any
+) -> dict:
     """Complete args for model ``name`` on inputs of shape ``input_shape`` with ``num_classes`` logits.
 
     ``mlp`` takes ``in_features = prod(input_shape)``; image models need ``input_shape = (C, H, W)``
@@ -541,15 +591,31 @@ def model_input_shape(spec: dict[str, Any]) -> tuple[int, ...]:
 
 _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "mlp": lambda a: MLP(
-        a["in_features"], a["num_classes"], a["depth"], a["width"], a["activation"], a["bias"], a["dropout"]
+        a["in_features"],
+        a["num_classes"],
+        a["depth"],
+        a["width"],
+        a["activation"],
+        a["bias"],
+        a["dropout"],
     ),
     "cnn": lambda a: SmallCNN(
-        a["in_channels"], _image_hw(a["image_size"]), a["num_classes"], a["channels"],
-        a["activation"], a["batch_norm"], a["dropout"],
+        a["in_channels"],
+        _image_hw(a["image_size"]),
+        a["num_classes"],
+        a["channels"],
+        a["activation"],
+        a["batch_norm"],
+        a["dropout"],
     ),
     "vgg-small": lambda a: VGGSmall(
-        a["in_channels"], _image_hw(a["image_size"]), a["num_classes"], a["width_multiplier"],
-        a["activation"], a["batch_norm"], a["dropout"],
+        a["in_channels"],
+        _image_hw(a["image_size"]),
+        a["num_classes"],
+        a["width_multiplier"],
+        a["activation"],
+        a["batch_norm"],
+        a["dropout"],
     ),
     "resnet": lambda a: CifarResNet(
         a["in_channels"], a["num_classes"], a["depth"], a["width"], a["activation"], a["dropout"]
@@ -606,4 +672,8 @@ def activation_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     (ours and torch's common ones). Its forward hook sees the pre-activation (input) and the
     activation (output) used by activation statistics (MAN section 2).
     """
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, ACTIVATION_TYPES)]
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, ACTIVATION_TYPES)
+    ]

@@ -25,8 +25,18 @@ from pathlib import Path
 from sharpcli.errors import InputError, UsageError
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
-CANONICAL = ("run", "command", "regularizers", "train_accuracy", "test_accuracy", "loss", "lambda_max", "trace",
-             "frobenius_sq", "nme_share")
+CANONICAL = (
+    "run",
+    "command",
+    "regularizers",
+    "train_accuracy",
+    "test_accuracy",
+    "loss",
+    "lambda_max",
+    "trace",
+    "frobenius_sq",
+    "nme_share",
+)
 FORMATS = ("table", "csv", "markdown", "json")
 
 
@@ -41,8 +51,11 @@ def read_report(path: str | Path) -> dict:
     if not isinstance(report, dict) or "schema" not in report:
         raise InputError("not a sharp report (no 'schema' key)", source=str(p))
     if report["schema"] not in SUPPORTED_SCHEMAS:
-        raise InputError(f"report schema {report['schema']!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_SCHEMAS)}", source=str(p))
+        raise InputError(
+            f"report schema {report['schema']!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_SCHEMAS)}",
+            source=str(p),
+        )
     if "error" in report:
         raise InputError("is the report of a failed run (it holds an error object)", source=str(p))
     # The shipped schema (what every command's JSON obeys): a hand-edited or truncated report
@@ -55,7 +68,9 @@ def read_report(path: str | Path) -> dict:
         validate_report(report)
     except jsonschema.ValidationError as exc:
         where = ".".join(str(part) for part in exc.absolute_path) or "top level"
-        raise InputError(f"not a valid {report['schema']} report ({where}: {exc.message})", source=str(p)) from None
+        raise InputError(
+            f"not a valid {report['schema']} report ({where}: {exc.message})", source=str(p)
+        ) from None
     return report
 
 
@@ -82,7 +97,9 @@ def canonical_row(report: dict, name: str) -> dict:
     settings = report.get("settings", {})
     command = report.get("command")
     split = _get(report, "data", "split")
-    regs = settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
+    regs = (
+        settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
+    )
     row = {"run": name, "command": command, "regularizers": " + ".join(regs) if regs else None}
     row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
     row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
@@ -90,7 +107,11 @@ def canonical_row(report: dict, name: str) -> dict:
         row["train_accuracy"] = _number(res.get("accuracy"))
     if row["test_accuracy"] is None and split == "test":
         row["test_accuracy"] = _number(res.get("accuracy"))
-    row["loss"] = _number(res.get("loss")) if res.get("loss") is not None else _number(_get(res, "final", "train_loss"))
+    row["loss"] = (
+        _number(res.get("loss"))
+        if res.get("loss") is not None
+        else _number(_get(res, "final", "train_loss"))
+    )
     lam = _number(_get(res, "hessian", "lambda_max"))
     if lam is None and command == "eigen" and settings.get("operator", "hessian") == "hessian":
         lam = _number(_get(res, "eigenvalues", 0))
@@ -110,9 +131,14 @@ def canonical_row(report: dict, name: str) -> dict:
 def _flat_scalars(report: dict) -> dict:
     import pandas as pd
 
-    flat = pd.json_normalize({"results": report.get("results", {}), "settings": report.get("settings", {}),
-                              "checkpoint": report.get("checkpoint") or {}},
-                             sep=".").to_dict(orient="records")[0]
+    flat = pd.json_normalize(
+        {
+            "results": report.get("results", {}),
+            "settings": report.get("settings", {}),
+            "checkpoint": report.get("checkpoint") or {},
+        },
+        sep=".",
+    ).to_dict(orient="records")[0]
     return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
@@ -164,7 +190,9 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
         descending = sort.startswith("-")
         key = sort.lstrip("-")
         if key not in frame.columns:
-            raise UsageError(f"cannot sort by {key!r}; columns: {', '.join(frame.columns)}", source="--sort")
+            raise UsageError(
+                f"cannot sort by {key!r}; columns: {', '.join(frame.columns)}", source="--sort"
+            )
         frame = frame.sort_values(key, ascending=not descending, kind="stable", na_position="last")
     return frame.reset_index(drop=True)
 
@@ -177,8 +205,14 @@ def render(frame, fmt: str) -> str:
         cols = list(frame.columns)
         lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
         for _, row in frame.iterrows():
-            lines.append("| " + " | ".join("" if v is None or v != v else (f"{v:.6g}" if isinstance(v, float) else str(v))
-                                          for v in row.tolist()) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    "" if v is None or v != v else (f"{v:.6g}" if isinstance(v, float) else str(v))
+                    for v in row.tolist()
+                )
+                + " |"
+            )
         return "\n".join(lines) + "\n"
     if fmt == "json":
         return frame.to_json(orient="records", indent=2) + "\n"

@@ -92,7 +92,11 @@ def lookup(report_or_results: dict, dotted: str):
         for part in dotted.split("."):
             if isinstance(node, dict) and part in node:
                 node = node[part]
-            elif isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            elif (
+                isinstance(node, list)
+                and part.lstrip("-").isdigit()
+                and -len(node) <= int(part) < len(node)
+            ):
                 node = node[int(part)]
             else:
                 ok = False

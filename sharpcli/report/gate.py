@@ -13,8 +13,17 @@ from dataclasses import dataclass
 from sharpcli.errors import UsageError
 from sharpcli.report.envelope import lookup
 
-_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
-_PATTERN = re.compile(r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|==|!=|>|<)\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)\s*$")
+_OPS = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+_PATTERN = re.compile(
+    r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|==|!=|>|<)\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,9 @@ class Gate:
         try:
             value = lookup(report, self.key)
         except KeyError:
-            raise UsageError(f"{self.text!r}: the report has no key {self.key!r}", source="--fail-if") from None
+            raise UsageError(
+                f"{self.text!r}: the report has no key {self.key!r}", source="--fail-if"
+            ) from None
         if isinstance(value, dict) and "estimate" in value:
             value = value["estimate"]
         if isinstance(value, list):
@@ -37,11 +48,18 @@ class Gate:
             value = value[0]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise UsageError(f"{self.text!r}: {self.key} is not a number", source="--fail-if")
-        return {"expr": self.text, "key": self.key, "value": value, "tripped": bool(_OPS[self.op](value, self.threshold))}
+        return {
+            "expr": self.text,
+            "key": self.key,
+            "value": value,
+            "tripped": bool(_OPS[self.op](value, self.threshold)),
+        }
 
 
 def parse_gate(text: str) -> Gate:
     m = _PATTERN.match(text)
     if not m:
-        raise UsageError(f"{text!r} is not KEY OP NUMBER (OP one of > >= < <= == !=)", source="--fail-if")
+        raise UsageError(
+            f"{text!r} is not KEY OP NUMBER (OP one of > >= < <= == !=)", source="--fail-if"
+        )
     return Gate(key=m.group(1), op=m.group(2), threshold=float(m.group(3)), text=text.strip())

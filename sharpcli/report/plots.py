@@ -44,10 +44,15 @@ def png_size(path: str | Path) -> tuple[int, int]:
         raise ValueError(f"{path} is not a PNG file")
     pos, kinds = 8, []
     while pos + 12 <= len(data):
-        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        (length,), kind = struct.unpack(">I", data[pos : pos + 4]), data[pos + 4 : pos + 8]
         end = pos + 8 + length
-        if end + 4 > len(data) or zlib.crc32(data[pos + 4:end]) != struct.unpack(">I", data[end:end + 4])[0]:
-            raise ValueError(f"{path} is not a valid PNG file (chunk {kind!r} is truncated or corrupt)")
+        if (
+            end + 4 > len(data)
+            or zlib.crc32(data[pos + 4 : end]) != struct.unpack(">I", data[end : end + 4])[0]
+        ):
+            raise ValueError(
+                f"{path} is not a valid PNG file (chunk {kind!r} is truncated or corrupt)"
+            )
         kinds.append(kind)
         pos = end + 4
     if b"IDAT" not in kinds or kinds[-1] != b"IEND" or pos != len(data):
@@ -56,7 +61,10 @@ def png_size(path: str | Path) -> tuple[int, int]:
 
 
 def _finite(values):
-    return [v if isinstance(v, (int, float)) and v is not None and math.isfinite(v) else float("nan") for v in values]
+    return [
+        v if isinstance(v, (int, float)) and v is not None and math.isfinite(v) else float("nan")
+        for v in values
+    ]
 
 
 def plot_training_history(history: list[dict], path: str | Path, title: str = "training") -> Path:
@@ -67,14 +75,24 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
     epochs = [row["epoch"] for row in history]
     for key, style in (("train_loss", "-"), ("test_loss", "--")):
         if any(row.get(key) is not None for row in history):
-            ax.plot(epochs, _finite([row.get(key) for row in history]), style, label=key.replace("_", " "))
+            ax.plot(
+                epochs,
+                _finite([row.get(key) for row in history]),
+                style,
+                label=key.replace("_", " "),
+            )
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     acc = ax.twinx()
     for key, style in (("train_accuracy", "-"), ("test_accuracy", "--")):
         if any(row.get(key) is not None for row in history):
-            acc.plot(epochs, _finite([row.get(key) for row in history]), style, color="tab:green",
-                     label=key.replace("_", " "))
+            acc.plot(
+                epochs,
+                _finite([row.get(key) for row in history]),
+                style,
+                color="tab:green",
+                label=key.replace("_", " "),
+            )
     acc.set_ylabel("accuracy")
     ax.legend(loc="upper left", fontsize=8)
     acc.legend(loc="lower left", fontsize=8)
@@ -82,7 +100,11 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
     if tracked_keys:
         cax = axes[1]
         for key in tracked_keys:
-            points = [(row["epoch"], (row.get("tracked") or {}).get(key)) for row in history if row.get("tracked")]
+            points = [
+                (row["epoch"], (row.get("tracked") or {}).get(key))
+                for row in history
+                if row.get("tracked")
+            ]
             cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
         cax.set_xlabel("epoch")
         cax.set_ylabel("curvature")
@@ -102,8 +124,11 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     names = [r["layer"] for r in rows]
     width = 0.27
     xs = list(range(len(rows)))
-    for offset, key, label in ((-width, "hessian_trace", "tr H"), (0.0, "ggn_trace", "tr G"),
-                               (width, "nme_trace", "tr N")):
+    for offset, key, label in (
+        (-width, "hessian_trace", "tr H"),
+        (0.0, "ggn_trace", "tr G"),
+        (width, "nme_trace", "tr N"),
+    ):
         ax.bar([x + offset for x in xs], _finite([r[key] for r in rows]), width, label=label)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
@@ -115,16 +140,24 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     return _save(plt, fig, path)
 
 
-def plot_compare_scatter(records: list[dict], path: str | Path, x: str = "lambda_max",
-                         y: str = "test_accuracy") -> Path:
+def plot_compare_scatter(
+    records: list[dict], path: str | Path, x: str = "lambda_max", y: str = "test_accuracy"
+) -> Path:
     """Sharpness against accuracy, one labelled point per run."""
     plt, fig, ax = _figure()
-    points = [(r.get(x), r.get(y), r.get("run")) for r in records
-              if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    points = [
+        (r.get(x), r.get(y), r.get("run"))
+        for r in records
+        if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))
+    ]
     ax.scatter([p[0] for p in points], [p[1] for p in points])
     for px, py, label in points:
         ax.annotate(str(label), (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    if points and min(p[0] for p in points) > 0 and max(p[0] for p in points) / min(p[0] for p in points) >= 20:
+    if (
+        points
+        and min(p[0] for p in points) > 0
+        and max(p[0] for p in points) / min(p[0] for p in points) >= 20
+    ):
         ax.set_xscale("log")
     ax.set_xlabel(x)
     ax.set_ylabel(y)
@@ -133,15 +166,22 @@ def plot_compare_scatter(records: list[dict], path: str | Path, x: str = "lambda
     return _save(plt, fig, path)
 
 
-def plot_sweep(rows: list[dict], param: str, path: str | Path, accuracy_key: str = "test_accuracy",
-               sharpness_keys: tuple = ("lambda_max", "trace")) -> Path:
+def plot_sweep(
+    rows: list[dict],
+    param: str,
+    path: str | Path,
+    accuracy_key: str = "test_accuracy",
+    sharpness_keys: tuple = ("lambda_max", "trace"),
+) -> Path:
     """Accuracy and sharpness against a swept hyper-parameter (mean and std over seeds),
     as the activation-decay paper's Fig. 2 and the flatness-aware paper's table."""
     plt, fig, ax = _figure()
     xs = [r[param] for r in rows]
     acc_mean = _finite([r.get(f"{accuracy_key}_mean") for r in rows])
     acc_std = [v if v == v else 0.0 for v in _finite([r.get(f"{accuracy_key}_std") for r in rows])]
-    ax.errorbar(xs, acc_mean, yerr=acc_std, fmt="o-", color="tab:blue", capsize=3, label=accuracy_key)
+    ax.errorbar(
+        xs, acc_mean, yerr=acc_std, fmt="o-", color="tab:blue", capsize=3, label=accuracy_key
+    )
     ax.set_xlabel(param)
     ax.set_ylabel(accuracy_key, color="tab:blue")
     if xs and min(xs) > 0 and max(xs) / min(xs) >= 20:
@@ -173,9 +213,11 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     """
     rows = sorted(rows, key=lambda r: r["alpha"])
     plt, fig, ax = _figure()
-    for key, label, style in (("lambda_max", "lambda_max(H)", "o-"),
-                              ("invariant_lambda_max", "lambda_max(|w| H |w|) (ASAM)", "s--"),
-                              ("trace", "tr(H)", "^:")):
+    for key, label, style in (
+        ("lambda_max", "lambda_max(H)", "o-"),
+        ("invariant_lambda_max", "lambda_max(|w| H |w|) (ASAM)", "s--"),
+        ("trace", "tr(H)", "^:"),
+    ):
         points = [(r["alpha"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
@@ -190,8 +232,9 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     return _save(plt, fig, path)
 
 
-def plot_bound_check(rows: list[dict], path: str | Path, *, noise_rows: list[dict] | None = None,
-                     title: str = "") -> Path:
+def plot_bound_check(
+    rows: list[dict], path: str | Path, *, noise_rows: list[dict] | None = None, title: str = ""
+) -> Path:
     """AD Corollary 1 bound and the Monte-Carlo smoothed-Hessian norm (with its interval) against sigma.
 
     The plain lambda_max at theta is drawn as a horizontal reference. With ``noise_rows``
@@ -206,9 +249,18 @@ def plot_bound_check(rows: list[dict], path: str | Path, *, noise_rows: list[dic
     empirical = [r["empirical"] for r in rows]
     lower = [r["empirical"] - r["empirical_ci"][0] for r in rows]
     upper = [r["empirical_ci"][1] - r["empirical"] for r in rows]
-    ax.errorbar(sigmas, empirical, yerr=[lower, upper], fmt="s--", capsize=3, label="||E H(theta+D)||_2 (MC)")
+    ax.errorbar(
+        sigmas,
+        empirical,
+        yerr=[lower, upper],
+        fmt="s--",
+        capsize=3,
+        label="||E H(theta+D)||_2 (MC)",
+    )
     if rows:
-        ax.axhline(rows[0]["plain_lambda_max"], color="gray", linestyle=":", label="lambda_max at theta")
+        ax.axhline(
+            rows[0]["plain_lambda_max"], color="gray", linestyle=":", label="lambda_max at theta"
+        )
     ax.set_xscale("log")
     ax.set_xlabel("sigma")
     ax.set_ylabel("spectral norm")
@@ -220,14 +272,22 @@ def plot_bound_check(rows: list[dict], path: str | Path, *, noise_rows: list[dic
         noise_rows = sorted(noise_rows, key=lambda r: r["sigma"])
         s2 = [r["sigma"] for r in noise_rows]
         ax2.plot(s2, [r["predicted"] for r in noise_rows], "o-", label="sigma^2/2 tr(H)")
-        ax2.errorbar(s2, [r["gap"] for r in noise_rows], yerr=[r["gap_stderr"] for r in noise_rows], fmt="s--",
-                     capsize=3, label="E L(W+U) - L(W)")
+        ax2.errorbar(
+            s2,
+            [r["gap"] for r in noise_rows],
+            yerr=[r["gap_stderr"] for r in noise_rows],
+            fmt="s--",
+            capsize=3,
+            label="E L(W+U) - L(W)",
+        )
         ax2.set_xscale("log")
         values = [r["predicted"] for r in noise_rows] + [r["gap"] for r in noise_rows]
         if all(v > 0 for v in values):
             ax2.set_yscale("log")
         else:  # a Monte-Carlo gap can come out negative: linear near zero
-            ax2.set_yscale("symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12)
+            ax2.set_yscale(
+                "symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12
+            )
         ax2.set_xlabel("sigma")
         ax2.set_title("NSO noise stability")
         ax2.grid(True, which="both", alpha=0.3)
@@ -236,17 +296,27 @@ def plot_bound_check(rows: list[dict], path: str | Path, *, noise_rows: list[dic
     return _save(plt, fig, path)
 
 
-def plot_density(results: dict, path: str | Path, title: str | None = None, log_scale: bool = True) -> Path:
+def plot_density(
+    results: dict, path: str | Path, title: str | None = None, log_scale: bool = True
+) -> Path:
     """The Gaussian-broadened SLQ density (``sharp density`` results: ``grid``, ``density``) as a PNG;
     logarithmic y axis by default (as in Ghorbani et al. 2019, Fig. 1), clipped at 1e-12."""
     plt, fig, ax = _figure()
-    ax.plot(results["grid"], [max(v, 1e-12) for v in results["density"]], color="tab:blue", linewidth=1.2)
+    ax.plot(
+        results["grid"],
+        [max(v, 1e-12) for v in results["density"]],
+        color="tab:blue",
+        linewidth=1.2,
+    )
     if log_scale:
         ax.set_yscale("log")
     ax.set_xlabel("eigenvalue")
     ax.set_ylabel("density")
-    ax.set_title(title or f"spectral density (SLQ, {results.get('probes')} probe(s), "
-                          f"{results.get('lanczos_steps')} steps)")
+    ax.set_title(
+        title
+        or f"spectral density (SLQ, {results.get('probes')} probe(s), "
+        f"{results.get('lanczos_steps')} steps)"
+    )
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     return _save(plt, fig, path)

@@ -81,8 +81,9 @@ class TrainResult:
     resumed_from_epoch: int = 0
 
 
-def train_report(result: TrainResult, settings: dict, *, out: str, device: str = "cpu",
-                 dtype: str = "float32") -> dict:
+def train_report(
+    result: TrainResult, settings: dict, *, out: str, device: str = "cpu", dtype: str = "float32"
+) -> dict:
     """The JSON report of a training run (SPEC section 7: results.history, .final, .checkpoint)."""
     from sharpcli.distributed import rank_and_world
     from sharpcli.report.envelope import environment_info, make_report
@@ -121,9 +122,15 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.batch_size < 1:
         raise UsageError("must be at least 1", source="--batch-size")
     if cfg.optimizer not in OPTIMIZERS:
-        raise UsageError(f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}", source="--optimizer")
+        raise UsageError(
+            f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}",
+            source="--optimizer",
+        )
     if cfg.schedule not in SCHEDULES:
-        raise UsageError(f"unknown schedule {cfg.schedule!r}; accepted: {', '.join(SCHEDULES)}", source="--schedule")
+        raise UsageError(
+            f"unknown schedule {cfg.schedule!r}; accepted: {', '.join(SCHEDULES)}",
+            source="--schedule",
+        )
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise UsageError("must be a positive number", source="--lr")
     if not (0.0 <= cfg.label_noise < 1.0):
@@ -138,7 +145,9 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UsageError("must be at least 1", source="--track-every")
 
 
-def apply_label_noise(y: torch.Tensor, fraction: float, num_classes: int, seed: int) -> torch.Tensor:
+def apply_label_noise(
+    y: torch.Tensor, fraction: float, num_classes: int, seed: int
+) -> torch.Tensor:
     """Replace a seeded ``fraction`` of labels by a uniformly drawn *different* class (AD Fig. 3)."""
     if fraction <= 0:
         return y
@@ -158,8 +167,8 @@ def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     dy = torch.randint(0, 9, (n,), generator=generator)
     dx = torch.randint(0, 9, (n,), generator=generator)
     flip = torch.rand(n, generator=generator) < 0.5
-    rows = (dy[:, None] + torch.arange(h)[None, :])  # (n, h)
-    cols = (dx[:, None] + torch.arange(w)[None, :])  # (n, w)
+    rows = dy[:, None] + torch.arange(h)[None, :]  # (n, h)
+    cols = dx[:, None] + torch.arange(w)[None, :]  # (n, w)
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     batch = torch.arange(n)[:, None, None]
     out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (n, h, w, c)
@@ -167,14 +176,16 @@ def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, batch_size: int = 1024) -> dict:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, batch_size: int = 1024
+) -> dict:
     """Mean loss and accuracy over (x, y) in eval mode."""
     was_training = model.training
     model.eval()
     f = loss_fn(loss_name)
     total, correct, n = 0.0, 0, x.shape[0]
     for start in range(0, n, batch_size):
-        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         z = model(xb)
         total += float(f(z, yb)) * xb.shape[0]
         if loss_name == "cross-entropy":
@@ -223,7 +234,12 @@ def train(
     """
     from sharpcli.io.datasets import load_dataset
     from sharpcli.models import build_model, default_model_args
-    from sharpcli.training.regularizers import model_overrides, parse_reg, training_step, validate_combination
+    from sharpcli.training.regularizers import (
+        model_overrides,
+        parse_reg,
+        training_step,
+        validate_combination,
+    )
 
     validate_config(cfg)
     out = check_writable(out, "--out")
@@ -272,18 +288,29 @@ def train(
 
     if resume:
         if not state_file.exists():
-            raise InputError("no resumable state for this output; run without --resume first", source=str(state_file))
+            raise InputError(
+                "no resumable state for this output; run without --resume first",
+                source=str(state_file),
+            )
         try:
             state = torch.load(str(state_file), map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise InputError(f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})", source=str(state_file)) from exc
+            raise InputError(
+                f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})",
+                source=str(state_file),
+            ) from exc
         saved_identity = json.loads(state["config"])
         saved_identity.pop("epochs", None)
         if saved_identity != json.loads(json.dumps(cfg.identity())):
-            diff = sorted(k for k in set(saved_identity) | set(cfg.identity())
-                          if saved_identity.get(k) != json.loads(json.dumps(cfg.identity())).get(k))
-            raise UsageError(f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
-                             source="--resume")
+            diff = sorted(
+                k
+                for k in set(saved_identity) | set(cfg.identity())
+                if saved_identity.get(k) != json.loads(json.dumps(cfg.identity())).get(k)
+            )
+            raise UsageError(
+                f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
+                source="--resume",
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng_global"])
@@ -296,7 +323,9 @@ def train(
         torch.manual_seed(cfg.seed + 4)
 
     n = x_train.shape[0]
-    track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[: cfg.track_samples]
+    track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[
+        : cfg.track_samples
+    ]
     x_track, y_track = x_train[track_idx.to(device)], y_train[track_idx.to(device)]
     # MAN Table 4: one extra final epoch with input noise of std ``noise_finetune``
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
@@ -315,12 +344,14 @@ def train(
         sums = {"loss": 0.0, "objective": 0.0, "correct": 0, "count": 0, "grad_evals": 0}
         penalty_sums: dict = {}
         for start in range(0, n, cfg.batch_size):
-            idx = perm[start:start + cfg.batch_size].to(device)
+            idx = perm[start : start + cfg.batch_size].to(device)
             xb, yb = x_train[idx], y_train[idx]
             if cfg.augment and xb.ndim == 4:
                 xb = augment_images(xb.cpu(), aug_gen).to(device)
             if noise_std > 0:
-                xb = xb + noise_std * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(device)
+                xb = xb + noise_std * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(
+                    device
+                )
             for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
                 if world > 1:
                     stats = data_parallel_step(model, xb, yb, cfg.loss, regs, step_gen)
@@ -329,7 +360,9 @@ def train(
                 if not math.isfinite(stats.objective):
                     raise NumericalError(
                         f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
-                        "lower --lr or the regularizer strength", source="train")
+                        "lower --lr or the regularizer strength",
+                        source="train",
+                    )
                 optimizer.step()
                 b = stats.count
                 sums["loss"] += stats.loss * b
@@ -344,7 +377,9 @@ def train(
             "lr": lr,
             "train_loss": sums["loss"] / sums["count"],
             "train_objective": sums["objective"] / sums["count"],
-            "train_accuracy": sums["correct"] / sums["count"] if cfg.loss == "cross-entropy" else None,
+            "train_accuracy": sums["correct"] / sums["count"]
+            if cfg.loss == "cross-entropy"
+            else None,
             "grad_evals": sums["grad_evals"],
             "penalties": {k: v / sums["count"] for k, v in penalty_sums.items()},
             "noise_finetune": finetune,
@@ -353,18 +388,34 @@ def train(
             ev = evaluate(model, x_test, y_test, cfg.loss)
             row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
         row["seconds"] = time.perf_counter() - t0
-        if tracker is not None and ((epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs):
+        if tracker is not None and (
+            (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
+        ):
             t1 = time.perf_counter()
             row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
             row["tracking_seconds"] = time.perf_counter() - t1
         history.append(row)
         if rank == 0:
-            _save_state(state_file, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch + 1)
+            _save_state(
+                state_file,
+                cfg,
+                model,
+                optimizer,
+                shuffle_gen,
+                step_gen,
+                aug_gen,
+                history,
+                epoch + 1,
+            )
         if progress is not None:
             progress(epoch + 1, cfg.epochs, row)
 
     final_train = evaluate(model, x_train, y_train, cfg.loss)
-    final = {"epochs_completed": len(history), "train_loss": final_train["loss"], "train_accuracy": final_train["accuracy"]}
+    final = {
+        "epochs_completed": len(history),
+        "train_loss": final_train["loss"],
+        "train_accuracy": final_train["accuracy"],
+    }
     if has_test:
         ev = evaluate(model, x_test, y_test, cfg.loss)
         final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
@@ -376,14 +427,25 @@ def train(
     csv_path = history_csv_path_for(out)
     sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
     if rank == 0:
-        sha = save_checkpoint(out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final)
+        sha = save_checkpoint(
+            out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final
+        )
         _write_history_csv(csv_path, history)
-    return TrainResult(history=history, final=final, checkpoint={"path": str(out), "sha256": sha, "model": model_spec},
-                       model_spec=model_spec, data_spec=dataset.spec, config=cfg_dict, history_csv=str(csv_path),
-                       resumed_from_epoch=start_epoch)
+    return TrainResult(
+        history=history,
+        final=final,
+        checkpoint={"path": str(out), "sha256": sha, "model": model_spec},
+        model_spec=model_spec,
+        data_spec=dataset.spec,
+        config=cfg_dict,
+        history_csv=str(csv_path),
+        resumed_from_epoch=start_epoch,
+    )
 
 
-def _save_state(path: Path, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch: int) -> None:
+def _save_state(
+    path: Path, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch: int
+) -> None:
     state = {
         "version": STATE_VERSION,
         "epoch": epoch,
@@ -447,12 +509,21 @@ def check_data_parallel_regs(regs) -> None:
     refused = [r.name for r in regs if r.name in DATA_PARALLEL_REFUSED]
     if refused:
         reasons = "; ".join(f"{name}: {DATA_PARALLEL_REFUSED[name]}" for name in refused)
-        raise UsageError(f"cannot train data-parallel with {', '.join(refused)} ({reasons}); "
-                         "run it in one process", source="--reg")
+        raise UsageError(
+            f"cannot train data-parallel with {', '.join(refused)} ({reasons}); "
+            "run it in one process",
+            source="--reg",
+        )
 
 
-def data_parallel_step(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, loss_name: str, regs,
-                       generator: torch.Generator):
+def data_parallel_step(
+    model: nn.Module,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    loss_name: str,
+    regs,
+    generator: torch.Generator,
+):
     """One training step on this rank's rows of the global batch, gradients averaged over ranks.
 
     Rank ``r`` of ``W`` takes rows ``[floor(r B / W), floor((r+1) B / W))`` (``B_r`` of them) and
@@ -481,20 +552,33 @@ def data_parallel_step(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, los
     float_buffers = [b for b in model.buffers() if b.is_floating_point()]
     int_buffers = [b for b in model.buffers() if not b.is_floating_point()]
     has_rows = 1.0 if rows > 0 else 0.0
-    head = [stats.loss * rows, stats.objective * rows, float(stats.correct), float(stats.count), has_rows]
+    head = [
+        stats.loss * rows,
+        stats.objective * rows,
+        float(stats.correct),
+        float(stats.count),
+        has_rows,
+    ]
     head += [stats.penalties.get(name, 0.0) * rows for name in penalty_names]
     parts = [torch.tensor(head, dtype=torch.float64)]
-    parts += [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64).cpu() * weight
-              for p in params]
+    parts += [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64).cpu()
+        * weight
+        for p in params
+    ]
     parts += [b.reshape(-1).to(torch.float64).cpu() * weight for b in float_buffers]
     parts += [b.reshape(-1).to(torch.float64).cpu() * has_rows for b in int_buffers]
     flat = torch.cat(parts)
     all_reduce_sum(flat)
     offset = len(head)
     reduced_head = flat[:offset].tolist()
-    tagged = [("grad", p) for p in params] + [("float", b) for b in float_buffers] + [("int", b) for b in int_buffers]
+    tagged = (
+        [("grad", p) for p in params]
+        + [("float", b) for b in float_buffers]
+        + [("int", b) for b in int_buffers]
+    )
     for kind, tensor in tagged:
-        piece = flat[offset: offset + tensor.numel()].view(tensor.shape)
+        piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
         offset += tensor.numel()
         if kind == "grad":
             tensor.grad = piece.to(device=tensor.device, dtype=tensor.dtype).clone()

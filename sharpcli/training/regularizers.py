@@ -103,19 +103,27 @@ class HyperParam:
         try:
             number = float(raw)
         except ValueError:
-            raise UsageError(f"{reg_name}: {self.name} must be a number; got {raw!r}", source=_OPTION) from None
+            raise UsageError(
+                f"{reg_name}: {self.name} must be a number; got {raw!r}", source=_OPTION
+            ) from None
         if not math.isfinite(number):
             raise UsageError(f"{reg_name}: {self.name} must be finite; got {raw!r}", source=_OPTION)
         if self.kind == "int":
             if not number.is_integer():
-                raise UsageError(f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_OPTION)
+                raise UsageError(
+                    f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_OPTION
+                )
             number = int(number)
         if self.positive and number <= 0:
             raise UsageError(f"{reg_name}: {self.name} must be > 0; got {raw!r}", source=_OPTION)
         if self.minimum is not None and number < self.minimum:
-            raise UsageError(f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}", source=_OPTION)
+            raise UsageError(
+                f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}", source=_OPTION
+            )
         if self.below is not None and number >= self.below:
-            raise UsageError(f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_OPTION)
+            raise UsageError(
+                f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_OPTION
+            )
         return number
 
 
@@ -150,7 +158,9 @@ class Regularizer:
         self.params: dict[str, Any] = {}
         for h in self.HYPERPARAMS:
             value = params.get(h.name, h.default)
-            self.params[h.name] = h.convert(self.name, value if isinstance(value, str) else _format_value(value))
+            self.params[h.name] = h.convert(
+                self.name, value if isinstance(value, str) else _format_value(value)
+            )
 
     def spec(self) -> str:
         """Canonical text form ``name:k=v,...`` (``name`` alone without hyper-parameters)."""
@@ -199,7 +209,9 @@ class Penalty(Regularizer):
         return None
 
     def term(self, ctx: PassContext) -> torch.Tensor:
-        raise TypeError(f"{type(self).__name__} is a penalty without a term(); define term() or extra_passes()")
+        raise TypeError(
+            f"{type(self).__name__} is a penalty without a term(); define term() or extra_passes()"
+        )
 
     def analytic_grad(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         return None
@@ -207,7 +219,9 @@ class Penalty(Regularizer):
     def extra_passes(
         self, engine: StepEngine, ctx: PassContext, want_grad: bool
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
-        raise TypeError(f"{type(self).__name__} sets has_extra_passes but defines no extra_passes()")
+        raise TypeError(
+            f"{type(self).__name__} sets has_extra_passes but defines no extra_passes()"
+        )
 
 
 class Oracle(Regularizer):
@@ -255,7 +269,9 @@ class WeightDecay(Penalty):
 
     name = "wd"
     summary = "L + s^2/2 ||theta||^2 (AD 2.3)"
-    HYPERPARAMS = (HyperParam("sigma", "float", 1e-3, "smoothing scale; coefficient sigma^2/2", minimum=0.0),)
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 1e-3, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
+    )
     grad_from_graph = False
 
     def term(self, ctx: PassContext) -> torch.Tensor:
@@ -283,7 +299,9 @@ class ActivationDecay(Penalty):
 
     name = "ad"
     summary = "CE + s^2/2 mean ||h^(L-1)||^2 (AD Thm 2)"
-    HYPERPARAMS = (HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),)
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
+    )
     needs_penultimate = True
 
     def term(self, ctx: PassContext) -> torch.Tensor:
@@ -316,7 +334,13 @@ class GradientPenalty(Penalty):
     HYPERPARAMS = (
         HyperParam("rho", "float", 0.01, "penalty strength", minimum=0.0),
         HyperParam("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
-        HyperParam("mode", "choice", "exact", "exact double backprop or finite-difference HVP", choices=("exact", "fd")),
+        HyperParam(
+            "mode",
+            "choice",
+            "exact",
+            "exact double backprop or finite-difference HVP",
+            choices=("exact", "fd"),
+        ),
         HyperParam("eps", "float", 1e-3, "finite-difference step length (mode=fd)", positive=True),
     )
     needs_autograd = True
@@ -397,7 +421,13 @@ class HessianTrace(Penalty):
     HYPERPARAMS = (
         HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
         HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
-        HyperParam("mode", "choice", "fd", "finite differences of grad L or exact third-order autograd", choices=("fd", "exact")),
+        HyperParam(
+            "mode",
+            "choice",
+            "fd",
+            "finite differences of grad L or exact third-order autograd",
+            choices=("fd", "exact"),
+        ),
         HyperParam("eps", "float", 0.1, "finite-difference step length (mode=fd)", positive=True),
     )
 
@@ -443,7 +473,9 @@ class HessianTrace(Penalty):
             value = value + sum((a * (b - c)).sum() for a, b, c in zip(v, plus, minus)) / (2 * s)
             if want_grad:
                 # (g+ - g0) + (g- - g0): each difference of nearby values is exact in floating point
-                second = torch._foreach_add(torch._foreach_sub(plus, g0), torch._foreach_sub(minus, g0))
+                second = torch._foreach_add(
+                    torch._foreach_sub(plus, g0), torch._foreach_sub(minus, g0)
+                )
                 torch._foreach_add_(curvature, second, alpha=1.0 / s**2)
         grad = torch._foreach_mul(curvature, sigma2 / m) if want_grad else None
         return sigma2 * value / m, grad
@@ -468,16 +500,22 @@ class GaussNewtonTrace(Penalty):
 
     name = "gn-trace"
     summary = "L + s^2 tr(G), sampled-label estimator (NME eq. 20)"
-    HYPERPARAMS = (HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),)
+    HYPERPARAMS = (
+        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+    )
     needs_autograd = True
 
-    def sample_labels(self, logits: torch.Tensor, loss_name: str, generator: torch.Generator) -> torch.Tensor:
+    def sample_labels(
+        self, logits: torch.Tensor, loss_name: str, generator: torch.Generator
+    ) -> torch.Tensor:
         """Labels drawn from the model's predictive distribution at ``logits`` (detached)."""
         z = logits.detach()
         if loss_name == "cross-entropy":
             probs = torch.softmax(z.to(torch.float64), dim=-1).to(generator.device)
             return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(z.device)
-        noise = torch.randn(z.shape, dtype=z.dtype, generator=generator, device=generator.device).to(z.device)
+        noise = torch.randn(
+            z.shape, dtype=z.dtype, generator=generator, device=generator.device
+        ).to(z.device)
         return z + math.sqrt(z.shape[-1] / 2.0) * noise
 
     def term(self, ctx: PassContext) -> torch.Tensor:
@@ -524,7 +562,13 @@ class FlatnessAware(Penalty):
     summary = "L + lambda Tr(H^2)/B, Tr(H^2) = ||Hv||^2 (FA eq. 1)"
     HYPERPARAMS = (
         HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),
-        HyperParam("mode", "choice", "fd", "finite differences of grad L or exact third-order autograd", choices=("fd", "exact")),
+        HyperParam(
+            "mode",
+            "choice",
+            "fd",
+            "finite differences of grad L or exact third-order autograd",
+            choices=("fd", "exact"),
+        ),
         HyperParam("eps", "float", 0.03, "finite-difference step length (mode=fd)", positive=True),
     )
     needs_autograd = True
@@ -582,7 +626,9 @@ class _AscentOracle(Oracle):
     2 x (evaluations of one objective gradient): **2** with no penalty.
     """
 
-    def perturbation(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def perturbation(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
         raise TypeError(f"{type(self).__name__} defines no perturbation()")
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
@@ -648,7 +694,9 @@ class ASAM(_AscentOracle):
         norm = global_norm(scaled)
         if float(norm) == 0.0:
             return [torch.zeros_like(g) for g in grads]
-        return [self.params["rho"] * (s if t is None else t * s) / norm for t, s in zip(scales, scaled)]
+        return [
+            self.params["rho"] * (s if t is None else t * s) / norm for t, s in zip(scales, scaled)
+        ]
 
 
 _REPORT = HyperParam(
@@ -682,7 +730,10 @@ class WeightNoise(Oracle):
 
     name = "weight-noise"
     summary = "gradient at theta + U, U ~ N(0, s^2 I) (NSO 2.1)"
-    HYPERPARAMS = (HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0), _REPORT)
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        _REPORT,
+    )
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         report = self.params["report"]
@@ -691,7 +742,9 @@ class WeightNoise(Oracle):
             clean = engine.evaluate(want_grad=False)
         elif engine.has_buffers:
             engine.forward_only()
-        noise = gaussian_like([p.detach() for p in engine.params], self.params["sigma"], engine.generator)
+        noise = gaussian_like(
+            [p.detach() for p in engine.params], self.params["sigma"], engine.generator
+        )
         with engine.perturbed(noise):
             at_noisy = engine.evaluate(want_grad=True)
         return (clean if clean is not None else at_noisy), at_noisy.grads
@@ -751,7 +804,9 @@ class NSO(Oracle):
         mean = PassResult(
             loss=sum(r.loss for r in passes) / n,
             objective=sum(r.objective for r in passes) / n,
-            penalties={name: sum(r.penalties[name] for r in passes) / n for name in passes[0].penalties},
+            penalties={
+                name: sum(r.penalties[name] for r in passes) / n for name in passes[0].penalties
+            },
             correct=passes[0].correct,
             grads=None,
         )
@@ -788,7 +843,12 @@ def describe_registry() -> list[dict[str, Any]]:
             "kind": cls.kind,
             "summary": cls.summary,
             "hyperparameters": [
-                {"name": h.name, "default": h.default, "doc": h.doc, "choices": list(h.choices) or None}
+                {
+                    "name": h.name,
+                    "default": h.default,
+                    "doc": h.doc,
+                    "choices": list(h.choices) or None,
+                }
                 for h in cls.HYPERPARAMS
             ],
         }
@@ -816,18 +876,24 @@ def parse_reg(text: str) -> Regularizer:
     seen_keyword = False
     for position, item in enumerate(items):
         if not item:
-            raise UsageError(f"{name}: empty hyper-parameter in {raw!r}; accepted: {_accepted_params(cls)}", source=_OPTION)
+            raise UsageError(
+                f"{name}: empty hyper-parameter in {raw!r}; accepted: {_accepted_params(cls)}",
+                source=_OPTION,
+            )
         if "=" in item:
             key, _, value = item.partition("=")
             key = key.strip().lower()
             seen_keyword = True
             if key not in {h.name for h in cls.HYPERPARAMS}:
                 raise UsageError(
-                    f"{name}: unknown hyper-parameter {key!r}; accepted: {_accepted_params(cls)}", source=_OPTION
+                    f"{name}: unknown hyper-parameter {key!r}; accepted: {_accepted_params(cls)}",
+                    source=_OPTION,
                 )
         else:
             if seen_keyword:
-                raise UsageError(f"{name}: positional value {item!r} after a keyword in {raw!r}", source=_OPTION)
+                raise UsageError(
+                    f"{name}: positional value {item!r} after a keyword in {raw!r}", source=_OPTION
+                )
             if position >= len(cls.HYPERPARAMS):
                 raise UsageError(
                     f"{name} takes at most {len(cls.HYPERPARAMS)} positional hyper-parameter(s) "
@@ -867,7 +933,14 @@ def model_overrides(regs: Sequence[Regularizer]) -> dict[str, Any]:
     return out
 
 
-def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, regs: Sequence[Regularizer], generator: torch.Generator) -> StepStats:
+def training_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_name: str,
+    regs: Sequence[Regularizer],
+    generator: torch.Generator,
+) -> StepStats:
     """One regularised step's gradient: sets ``p.grad`` of every trainable parameter to the
     gradient of the regularised objective at theta (as defined by the oracle, if any) and
     returns the reported pass's statistics (the clean pass at theta unless a noise

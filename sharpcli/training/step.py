@@ -113,12 +113,14 @@ def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[tor
     out, start = [], 0
     for t in tensors:
         n = t.numel()
-        out.append(flat[start:start + n].view(t.shape).to(device=t.device, dtype=t.dtype))
+        out.append(flat[start : start + n].view(t.shape).to(device=t.device, dtype=t.dtype))
         start += n
     return out
 
 
-def rademacher_like(tensors: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+def rademacher_like(
+    tensors: Sequence[torch.Tensor], generator: torch.Generator
+) -> list[torch.Tensor]:
     """Independent Rademacher (+-1, probability 1/2 each) tensors shaped like ``tensors``.
 
     One draw per call: ``b = torch.randint(0, 2, (P,), generator=generator, dtype=dtype)``
@@ -128,11 +130,15 @@ def rademacher_like(tensors: Sequence[torch.Tensor], generator: torch.Generator)
     identically). One flat draw instead of one per tensor: a step pays one generator call.
     """
     total = sum(t.numel() for t in tensors)
-    bits = torch.randint(0, 2, (total,), generator=generator, device=generator.device, dtype=tensors[0].dtype)
+    bits = torch.randint(
+        0, 2, (total,), generator=generator, device=generator.device, dtype=tensors[0].dtype
+    )
     return _flat_split(bits.mul_(2).sub_(1), tensors)
 
 
-def gaussian_like(tensors: Sequence[torch.Tensor], sigma: float, generator: torch.Generator) -> list[torch.Tensor]:
+def gaussian_like(
+    tensors: Sequence[torch.Tensor], sigma: float, generator: torch.Generator
+) -> list[torch.Tensor]:
     """Independent ``N(0, sigma^2)`` tensors shaped like ``tensors``.
 
     Draw order: one flat ``torch.empty(P, dtype=dtype).normal_(generator=generator)`` on the
@@ -142,7 +148,9 @@ def gaussian_like(tensors: Sequence[torch.Tensor], sigma: float, generator: torc
     repeating exactly this draw.
     """
     total = sum(t.numel() for t in tensors)
-    flat = torch.empty(total, dtype=tensors[0].dtype, device=generator.device).normal_(generator=generator)
+    flat = torch.empty(total, dtype=tensors[0].dtype, device=generator.device).normal_(
+        generator=generator
+    )
     return _flat_split(flat.mul_(sigma), tensors)
 
 
@@ -232,7 +240,15 @@ class PassContext:
     ``want_grad`` (whether the objective will be differentiated in this pass).
     """
 
-    def __init__(self, engine: "StepEngine", logits, loss, penultimate, want_grad: bool, first_grad_graph: bool):
+    def __init__(
+        self,
+        engine: "StepEngine",
+        logits,
+        loss,
+        penultimate,
+        want_grad: bool,
+        first_grad_graph: bool,
+    ):
         self.engine = engine
         self.model = engine.model
         self.params = engine.params
@@ -262,7 +278,11 @@ class PassContext:
         """
         if self._first_grad is None:
             grads = torch.autograd.grad(
-                self.loss, self.params, create_graph=self._first_grad_graph, retain_graph=True, allow_unused=True
+                self.loss,
+                self.params,
+                create_graph=self._first_grad_graph,
+                retain_graph=True,
+                allow_unused=True,
             )
             self._first_grad = [
                 torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)
@@ -281,7 +301,9 @@ class PassContext:
         """
         grads = self.first_grad()
         dot = sum((g * v).sum() for g, v in zip(grads, vectors))
-        out = torch.autograd.grad(dot, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True)
+        out = torch.autograd.grad(
+            dot, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True
+        )
         self.count(2)
         if create_graph:
             self.units += 2
@@ -290,7 +312,9 @@ class PassContext:
     def gradient_of(self, scalar: torch.Tensor, create_graph: bool) -> list[torch.Tensor]:
         """``grad_theta scalar`` for a scalar computed from the forward graph (1 evaluation;
         adds 1 unit when ``create_graph``)."""
-        out = torch.autograd.grad(scalar, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True)
+        out = torch.autograd.grad(
+            scalar, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True
+        )
         self.count(1)
         if create_graph:
             self.units += 1
@@ -316,7 +340,15 @@ class StepEngine:
     and the module buffers every later pass of the step reuses.
     """
 
-    def __init__(self, model: nn.Module, x, y, loss_name: str, penalties: Sequence, generator: torch.Generator):
+    def __init__(
+        self,
+        model: nn.Module,
+        x,
+        y,
+        loss_name: str,
+        penalties: Sequence,
+        generator: torch.Generator,
+    ):
         self.model = model
         self.x = x
         self.y = y
@@ -332,7 +364,11 @@ class StepEngine:
         self._rng = _RngReplay(device)
         self._passes = 0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._head = _model_facts(model, "head") if any(p.needs_penultimate for p in self.penalties) else None
+        self._head = (
+            _model_facts(model, "head")
+            if any(p.needs_penultimate for p in self.penalties)
+            else None
+        )
         self.has_buffers = _model_facts(model, "has_buffers")
 
     # ----------------------------------------------------------------- state control
@@ -379,6 +415,7 @@ class StepEngine:
         captured: dict[str, torch.Tensor] = {}
         handle = None
         if self._head is not None:
+
             def hook(module, inputs, output):
                 captured["h"] = inputs[0]
 
@@ -410,7 +447,9 @@ class StepEngine:
                 loss = self.loss_of(logits, self.y)
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             self.grad_evals += 1
-            return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads)]
+            return [
+                torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads)
+            ]
         finally:
             self._end_pass(first)
 
@@ -461,7 +500,9 @@ class StepEngine:
         with torch.set_grad_enabled(need_autograd):
             logits, penultimate = self._forward()
             loss = self.loss_of(logits, self.y)
-            ctx = PassContext(self, logits, loss, penultimate, want_grad, first_grad_graph="graph" in modes)
+            ctx = PassContext(
+                self, logits, loss, penultimate, want_grad, first_grad_graph="graph" in modes
+            )
             values: dict[str, torch.Tensor] = {}
             graph_terms: list[torch.Tensor] = []
             for pen in self.penalties:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,9 +46,13 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
         if "=" not in item:
             raise UsageError(f"{item!r} is not NAME=V1,V2,...", source="--grid")
         name, values = item.split("=", 1)
-        if name.strip() in grid:  # a second --grid NAME=... would silently replace the first's values
-            raise UsageError(f"{name.strip()!r} is given twice; list all its values in one NAME=V1,V2,...",
-                             source="--grid")
+        if (
+            name.strip() in grid
+        ):  # a second --grid NAME=... would silently replace the first's values
+            raise UsageError(
+                f"{name.strip()!r} is given twice; list all its values in one NAME=V1,V2,...",
+                source="--grid",
+            )
         try:
             grid[name.strip()] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
@@ -78,13 +81,23 @@ def _read_json(path: Path):
         return None
 
 
-def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], out_dir: str | Path, *,
-              metrics: list[str], extra_regs: list[str] = (), analyze_samples: int | None = 512,
-              max_runs: int | None = None, progress: Callable | None = None) -> SweepResult:
+def run_sweep(
+    base,
+    reg: str,
+    grid: dict[str, list[float]],
+    seeds: list[int],
+    out_dir: str | Path,
+    *,
+    metrics: list[str],
+    extra_regs: list[str] = (),
+    analyze_samples: int | None = 512,
+    max_runs: int | None = None,
+    progress: Callable | None = None,
+) -> SweepResult:
     """Run the sweep (see module docstring); ``max_runs`` stops after that many new runs, as an interruption."""
     from sharpcli.analyses.analyze import analyze, parse_metrics
     from sharpcli.session import build_session
-    from sharpcli.training.loop import history_csv_path_for, state_path_for, train, train_report
+    from sharpcli.training.loop import state_path_for, train, train_report
     from sharpcli.training.regularizers import parse_reg
 
     # validate everything before creating anything
@@ -109,7 +122,10 @@ def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], ou
         for seed in seeds:
             name = _run_name(reg, point, seed)
             ckpt = out_dir / f"{name}.safetensors"
-            train_json, analyze_json = out_dir / f"{name}.train.json", out_dir / f"{name}.analyze.json"
+            train_json, analyze_json = (
+                out_dir / f"{name}.train.json",
+                out_dir / f"{name}.analyze.json",
+            )
             diverged_json = out_dir / f"{name}.diverged.json"
             train_doc, analyze_doc = _read_json(train_json), _read_json(analyze_json)
             if diverged_json.exists():
@@ -118,36 +134,68 @@ def run_sweep(base, reg: str, grid: dict[str, list[float]], seeds: list[int], ou
                 runs.append(_row(name, point, seed, None, None))
             elif train_doc is None or analyze_doc is None:
                 if max_runs is not None and done_now >= max_runs:
-                    return _finish(runs, out_dir, reg, grid, completed=False, skipped=skipped, diverged=diverged)
+                    return _finish(
+                        runs,
+                        out_dir,
+                        reg,
+                        grid,
+                        completed=False,
+                        skipped=skipped,
+                        diverged=diverged,
+                    )
                 if train_doc is None:
                     cfg = copy.deepcopy(base)
                     cfg.seed = seed
-                    cfg.regs = [f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()), *extra_regs]
+                    cfg.regs = [
+                        f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()),
+                        *extra_regs,
+                    ]
                     resume = state_path_for(ckpt).exists()
                     try:
                         result = train(cfg, ckpt, resume=resume)
                     except NumericalError as exc:
-                        write_text_atomic(diverged_json, json.dumps({"run": name, "regs": cfg.regs, "seed": seed,
-                                                                     "error": str(exc)}, indent=2) + "\n")
+                        write_text_atomic(
+                            diverged_json,
+                            json.dumps(
+                                {"run": name, "regs": cfg.regs, "seed": seed, "error": str(exc)},
+                                indent=2,
+                            )
+                            + "\n",
+                        )
                         done_now += 1
                         diverged.append(name)
                         runs.append(_row(name, point, seed, None, None))
                         if progress is not None:
                             progress(len(runs), total, name)
                         continue
-                    train_doc = train_report(result, {"sweep": name}, out=str(ckpt), device=cfg.device,
-                                             dtype=cfg.dtype)
+                    train_doc = train_report(
+                        result, {"sweep": name}, out=str(ckpt), device=cfg.device, dtype=cfg.dtype
+                    )
                     from sharpcli.report.envelope import dumps
 
                     write_text_atomic(train_json, dumps(train_doc))
                 has_test = train_doc["results"]["final"].get("test_accuracy") is not None
-                session = build_session(str(ckpt), split="test" if has_test else "train", samples=None,
-                                        dtype=base.dtype, device=base.device, seed=seed)
+                session = build_session(
+                    str(ckpt),
+                    split="test" if has_test else "train",
+                    samples=None,
+                    dtype=base.dtype,
+                    device=base.device,
+                    seed=seed,
+                )
                 if analyze_samples is not None and session.num_samples > analyze_samples:
-                    session = build_session(str(ckpt), split="test" if has_test else "train",
-                                            samples=analyze_samples, dtype=base.dtype, device=base.device, seed=seed)
+                    session = build_session(
+                        str(ckpt),
+                        split="test" if has_test else "train",
+                        samples=analyze_samples,
+                        dtype=base.dtype,
+                        device=base.device,
+                        seed=seed,
+                    )
                 results, matvecs = analyze(session, metrics)
-                analyze_doc = session.report("analyze", {"metrics": metrics, "sweep": name}, results, matvecs)
+                analyze_doc = session.report(
+                    "analyze", {"metrics": metrics, "sweep": name}, results, matvecs
+                )
                 from sharpcli.report.envelope import dumps
 
                 write_text_atomic(analyze_json, dumps(analyze_doc))
@@ -166,11 +214,19 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
     final = train_doc["results"]["final"] if train_doc else {}
     res = analyze_doc["results"] if analyze_doc else {}
     hessian = res.get("hessian", {})
-    return {"run": name, **point, "seed": seed, "train_accuracy": final.get("train_accuracy"),
-            "test_accuracy": final.get("test_accuracy"), "train_loss": final.get("train_loss"),
-            "test_loss": final.get("test_loss"), "lambda_max": hessian.get("lambda_max"),
-            "trace": hessian.get("trace"), "frobenius_sq": hessian.get("frobenius_sq"),
-            "nme_share": res.get("nme_share")}
+    return {
+        "run": name,
+        **point,
+        "seed": seed,
+        "train_accuracy": final.get("train_accuracy"),
+        "test_accuracy": final.get("test_accuracy"),
+        "train_loss": final.get("train_loss"),
+        "test_loss": final.get("test_loss"),
+        "lambda_max": hessian.get("lambda_max"),
+        "trace": hessian.get("trace"),
+        "frobenius_sq": hessian.get("frobenius_sq"),
+        "nme_share": res.get("nme_share"),
+    }
 
 
 def _summary(runs: list[dict], grid: dict) -> list[dict]:
@@ -182,17 +238,29 @@ def _summary(runs: list[dict], grid: dict) -> list[dict]:
     for values, group in frame.groupby(keys, sort=True):
         values = values if isinstance(values, tuple) else (values,)
         row = dict(zip(keys, [float(v) for v in values]))
-        row["seeds"] = int(pd.to_numeric(group["train_accuracy"], errors="coerce").notna().sum())  # not diverged
-        for col in ("train_accuracy", "test_accuracy", "lambda_max", "trace", "frobenius_sq", "nme_share"):
+        row["seeds"] = int(
+            pd.to_numeric(group["train_accuracy"], errors="coerce").notna().sum()
+        )  # not diverged
+        for col in (
+            "train_accuracy",
+            "test_accuracy",
+            "lambda_max",
+            "trace",
+            "frobenius_sq",
+            "nme_share",
+        ):
             series = pd.to_numeric(group[col], errors="coerce").dropna()
             row[f"{col}_mean"] = float(series.mean()) if len(series) else None
-            row[f"{col}_std"] = float(series.std(ddof=1)) if len(series) > 1 else (0.0 if len(series) else None)
+            row[f"{col}_std"] = (
+                float(series.std(ddof=1)) if len(series) > 1 else (0.0 if len(series) else None)
+            )
         out.append(row)
     return out
 
 
-def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list,
-            diverged: list) -> SweepResult:
+def _finish(
+    runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list, diverged: list
+) -> SweepResult:
     import pandas as pd
 
     from sharpcli.report.compare import render
@@ -209,8 +277,20 @@ def _finish(runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipp
         write_text_atomic(summary_md, render(frame, "markdown"))
         if completed:
             param = next(iter(grid))
-            keys = ("lambda_max", "trace") if any(r.get("trace_mean") is not None for r in summary) else ("lambda_max",)
+            keys = (
+                ("lambda_max", "trace")
+                if any(r.get("trace_mean") is not None for r in summary)
+                else ("lambda_max",)
+            )
             plot = str(plot_sweep(summary, param, out_dir / "sweep.png", sharpness_keys=keys))
-    return SweepResult(runs=runs, summary=summary, table_csv=str(table_csv), summary_csv=str(summary_csv),
-                       summary_markdown=str(summary_md), plot=plot, skipped=skipped, completed=completed,
-                       diverged=diverged)
+    return SweepResult(
+        runs=runs,
+        summary=summary,
+        table_csv=str(table_csv),
+        summary_csv=str(summary_csv),
+        summary_markdown=str(summary_md),
+        plot=plot,
+        skipped=skipped,
+        completed=completed,
+        diverged=diverged,
+    )
