@@ -49,7 +49,14 @@ def _root(
 
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here, in one place.
-    pass  # noqa: F401
+    from sharpcli.cli import (  # noqa: F401
+        cmd_analyze,
+        cmd_compare,
+        cmd_diagnostics,
+        cmd_spectrum,
+        cmd_sweep,
+        cmd_train,
+    )
 
 
 _register()
