@@ -246,9 +246,9 @@ def build_session(
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
+    # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
+    # outside the default scope (sharpcli.curvature.scope.ParamScope.resolve)
     model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
-    for p in model.parameters():
-        p.requires_grad_(True)
     x = x.to(device=torch_device, dtype=torch_dtype)
     y = y.to(device=torch_device)
     if dataset.task == "regression":

@@ -48,7 +48,7 @@ def test_scope_specs_layout_and_blocks():
 
 def test_scope_errors_name_the_option():
     model = make_mlp("gelu")
-    with pytest.raises(UsageError, match="matches no trainable parameter") as info:
+    with pytest.raises(UsageError, match="matches no parameter") as info:
         ParamScope.resolve(model, "encoder.*")
     assert info.value.source == "--params"
     frozen = make_mlp("gelu")

@@ -47,11 +47,8 @@ def operator_of(cpass, operator: str):
 
 
 def scope_info(scope) -> dict:
-    return {
-        "parameters": list(scope.names),
-        "numel": int(scope.numel),
-        "layers": list(scope.blocks().keys()),
-    }
+    """``results.scope``: names, size, layers, and which frozen parameters are in or out."""
+    return scope.info()
 
 
 def eigen(

@@ -198,8 +198,25 @@ def run_command(
                 _report_error(command, None, err)
                 raise typer.Exit(err.exit_code) from None
         if not quiet and outcome.render is not None:
-            outcome.render(table_console())
+            console = table_console()
+            outcome.render(console)
+            for note in scope_notes(outcome.report.get("results")):
+                console.print(f"note: {note}", markup=False)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
+
+
+def scope_notes(results, depth: int = 3) -> list[str]:
+    """The notes of every ``scope`` record in ``results`` (frozen parameters in or out), once each."""
+    found: list[str] = []
+    if not isinstance(results, dict) or depth < 0:
+        return found
+    scope = results.get("scope")
+    if isinstance(scope, dict):
+        found.extend(scope.get("notes") or [])
+    for key, value in results.items():
+        if key != "scope" and isinstance(value, dict):
+            found.extend(n for n in scope_notes(value, depth - 1) if n not in found)
+    return list(dict.fromkeys(found))
 
 
 def _report_error(command: str, json_path: str | None, err: SharpError) -> SharpError:

@@ -11,23 +11,34 @@ from __future__ import annotations
 
 import fnmatch
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
 
-__all__ = ["ParamScope"]
+__all__ = ["ParamScope", "is_frozen"]
+
+
+def is_frozen(p: torch.nn.Parameter) -> bool:
+    """Whether the model froze ``p`` (``requires_grad=False``), even if a scope later thawed it."""
+    return bool(getattr(p, "_sharp_frozen", False)) or not p.requires_grad
 
 
 @dataclass
 class ParamScope:
-    """An ordered selection of trainable parameters and the flat layout of vectors over them."""
+    """An ordered selection of parameters and the flat layout of vectors over them.
+
+    ``frozen`` names the parameters in scope that the model froze (included only because a
+    glob named them); ``frozen_excluded`` the frozen parameters left out of the scope.
+    """
 
     names: list[str]
     params: list[torch.nn.Parameter]
     spec: str = "all"
+    frozen: list[str] = field(default_factory=list)
+    frozen_excluded: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.shapes = [p.shape for p in self.params]
@@ -49,61 +60,89 @@ class ParamScope:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def notes(self) -> list[str]:
+        """What a reader must know about frozen parameters and this scope (empty if none)."""
+        out = []
+        if self.frozen:
+            numel = sum(p.numel() for n, p in zip(self.names, self.params) if n in self.frozen)
+            out.append(
+                f"the scope includes {len(self.frozen)} frozen parameter tensor(s) ({numel} "
+                f"values, requires_grad=False in the model) because --params {self.spec!r} "
+                f"names them: {_short_list(self.frozen)}"
+            )
+        elif self.frozen_excluded:
+            out.append(
+                f"{len(self.frozen_excluded)} frozen parameter tensor(s) (requires_grad=False) "
+                f"are not in the scope: {_short_list(self.frozen_excluded)}; name them with "
+                "--params to include them"
+            )
+        return out
+
+    def info(self) -> dict:
+        """The JSON ``results.scope`` record."""
+        return {
+            "spec": self.spec,
+            "parameters": list(self.names),
+            "numel": int(self.numel),
+            "layers": list(self.blocks().keys()),
+            "frozen_included": list(self.frozen),
+            "frozen_excluded": list(self.frozen_excluded),
+            "notes": self.notes,
+        }
+
     @classmethod
     def resolve(cls, model: nn.Module, spec: str | None = None) -> "ParamScope":
         """Build a scope from ``spec``.
 
-        - ``None`` / ``"all"``: every parameter with ``requires_grad``;
-        - ``"last"``: weight and bias of the last ``nn.Linear`` in ``named_modules()`` order
-          (the classifier head);
+        - ``None`` / ``"all"``: every trainable parameter (``requires_grad``); frozen ones,
+          as in fine-tuning with a frozen backbone, are left out and listed in
+          ``frozen_excluded``;
+        - ``"last"``: the trainable weight and bias of the last ``nn.Linear`` in
+          ``named_modules()`` order (the classifier head);
         - otherwise comma-separated ``fnmatch`` globs on parameter names (``"0.*,4.weight"``).
+          A glob may name frozen parameters: they are included, listed in ``frozen`` (the
+          report says so), and their ``requires_grad`` is switched on so that curvature can be
+          taken with respect to them.
 
-        Raises ``UsageError(source="--params")`` when nothing trainable matches.
+        Raises ``UsageError(source="--params")`` when nothing matches.
         """
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not trainable:
-            raise UsageError("the model has no trainable parameters", source="--params")
+        named = list(model.named_parameters())
+        trainable = [(n, p) for n, p in named if not is_frozen(p)]
+        frozen_names = [n for n, p in named if is_frozen(p)]
         text = "all" if spec is None else str(spec).strip()
         if text in ("", "all"):
-            chosen = trainable
             text = "all"
+            chosen = trainable
+            if not chosen:
+                raise UsageError(
+                    f"the model has no trainable parameters (all {len(named)} have "
+                    "requires_grad=False); name them with --params GLOB to analyse them anyway",
+                    source="--params",
+                )
         elif text == "last":
-            last_name = None
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Linear):
-                    last_name = name
-            if last_name is None:
-                raise UsageError(
-                    "'last' needs an nn.Linear layer, the model has none", source="--params"
-                )
-            prefix = f"{last_name}." if last_name else ""
-            chosen = [
-                (n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix) :]
-            ]
-            if not chosen:
-                raise UsageError(
-                    f"the last linear layer {last_name!r} has no trainable parameters",
-                    source="--params",
-                )
+            chosen = _last_linear(model, trainable)
         else:
-            patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
-            chosen = [
-                (n, p) for n, p in trainable if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)
-            ]
-            if not chosen:
-                available = ", ".join(n for n, _ in trainable[:8])
-                raise UsageError(
-                    f"{text!r} matches no trainable parameter (names: {available}"
-                    f"{', ...' if len(trainable) > 8 else ''})",
-                    source="--params",
-                )
+            chosen = _matching(text, named)
+        frozen = [n for n, p in chosen if is_frozen(p)]
+        for _, p in chosen:
+            if not p.requires_grad:
+                p._sharp_frozen = True  # remembered, so a later default scope still skips it
+                p.requires_grad_(True)
         dtypes = {p.dtype for _, p in chosen}
         if len(dtypes) > 1:
             raise UsageError(
                 f"parameters in scope mix dtypes {sorted(map(str, dtypes))}; use one --dtype",
                 source="--params",
             )
-        return cls([n for n, _ in chosen], [p for _, p in chosen], spec=text)
+        names = [n for n, _ in chosen]
+        return cls(
+            names,
+            [p for _, p in chosen],
+            spec=text,
+            frozen=frozen,
+            frozen_excluded=[n for n in frozen_names if n not in names],
+        )
 
     def flatten(self, tensors) -> torch.Tensor:
         """Concatenate parameter-shaped tensors (one per parameter in scope) into a flat vector."""
@@ -170,3 +209,37 @@ def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: 
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(
         dtype=dtype, device=device
     )
+
+
+def _short_list(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _last_linear(model: nn.Module, trainable: list) -> list:
+    last_name = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last_name = name
+    if last_name is None:
+        raise UsageError("'last' needs an nn.Linear layer, the model has none", source="--params")
+    prefix = f"{last_name}." if last_name else ""
+    chosen = [(n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix) :]]
+    if not chosen:
+        raise UsageError(
+            f"the last linear layer {last_name!r} has no trainable parameters; name them with "
+            "--params GLOB to include frozen ones",
+            source="--params",
+        )
+    return chosen
+
+
+def _matching(text: str, named: list) -> list:
+    patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
+    chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+    if not chosen:
+        available = ", ".join(n for n, _ in named[:8])
+        raise UsageError(
+            f"{text!r} matches no parameter (names: {available}{', ...' if len(named) > 8 else ''})",
+            source="--params",
+        )
+    return chosen

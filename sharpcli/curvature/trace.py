@@ -495,6 +495,7 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.enable_grad(), taps:
             z_b = model(x_b)
+        taps.resolve(z_b)
         for direction in _ggn_directions(z_b, data.loss):
             taps.accumulate(z_b, direction, per_param)
         rest = taps.uncovered
