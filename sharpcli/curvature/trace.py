@@ -5,7 +5,8 @@
   probe by probe.
 - :func:`hutchpp`: Hutch++ (Meyer, Musco, Musco, Woodruff 2021) with an adaptive sketch:
   ``tr(A) = tr(Q^T A Q) + tr(P A P)``, ``P = I - Q Q^T``, the first term exact from the
-  sketch, the second by Hutchinson with its sample standard error.
+  sketch, the second by Hutchinson with its sample standard error; per layer
+  ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb) + E[g_b^T (P A P g)_b]``, ``Pi = Q Q^T``.
 - :func:`frobenius_sq`: ``Tr(A^2) = ||A||_F^2 = E||A g||^2`` (the flatness of FA eq. 1);
   per layer ``E||(A g)_b||^2 = Tr((A^2)_bb)``.
 - :func:`exact_ggn_trace`: ``tr(G)`` exactly, C backward passes per batch (vmapped per-sample
@@ -231,10 +232,12 @@ def frobenius_sq(
 class _Sketch:
     """Orthonormal ``Q`` (P, s) with ``AQ``; the exact part ``tr(Q^T A Q)`` and its layer split.
 
-    Per layer the exact part of ``A = PAP + (A - PAP)``... precisely, with ``Pi = Q Q^T`` and
-    ``A = Pi A + A Pi - Pi A Pi + (I-Pi) A (I-Pi)``, the diagonal block b of the first three
-    terms is ``sum_{i in b} [2 <Q_i, (AQ)_i> - <Q_i M, Q_i>]``, ``M = Q^T A Q`` (their total is
-    ``tr M``); the last term is left to Hutchinson.
+    With ``Pi = Q Q^T``, ``P = I - Pi`` and ``A`` symmetric,
+    ``A = (Pi A + A Pi - Pi A Pi) + P A P``. The trace of the first term's diagonal block b
+    is exact, ``sum_{i in b} [2 <Q_i, (AQ)_i> - <Q_i M, Q_i>]`` with rows ``Q_i`` and
+    ``M = Q^T A Q`` (total ``tr M``); that of ``P A P`` is left to Hutchinson,
+    ``E[g_b^T (P A P g)_b] = tr((P A P)_bb)`` (:meth:`residual_values`). Both terms are block
+    traces of the same split, so layer estimates are unbiased and sum to the total.
     """
 
     def __init__(self, dim, dtype, device):
@@ -277,11 +280,19 @@ class _Sketch:
         return out
 
     def residual_values(self, G, AG, blocks) -> torch.Tensor:
-        """(k, 1 + L) Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``."""
-        C = self.Q.T @ G
-        PG = G - self.Q @ C
-        APG = AG - self.AQ @ C
-        return _segment_sums(PG * APG, blocks).T
+        """(k, 1 + L) Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``.
+
+        Per probe and layer ``g_b^T (P A P g)_b``, whose mean is ``tr((P A P)_bb)`` exactly,
+        from the stored ``A g`` (no new product): ``A P g = A g - AQ (Q^T g)`` and
+        ``P A P g = A P g - Q (Q^T A P g)``. Summed over the layers this is
+        ``g^T P A P g = (P g)^T A (P g)``, the total's usual value.
+        """
+        # (Pg)_b . (APg)_b would be cheaper but has mean tr(P E_b A P) = tr((A P)_bb), which
+        # differs from tr((P A P)_bb) by tr((Pi A P)_bb): it sums to the right total but is
+        # biased per layer against the exact part's tr((Pi A + A Pi - Pi A Pi)_bb).
+        APG = AG - self.AQ @ (self.Q.T @ G)
+        PAPG = APG - self.Q @ (self.Q.T @ APG)
+        return _segment_sums(G * PAPG, blocks).T
 
 
 _FIRST_SKETCH = 16  # columns of a sketch started lazily (initial_sketch=0)
@@ -303,13 +314,16 @@ def hutchpp(
     """Adaptive Hutch++ (Meyer et al. 2021): exact trace on a sketched top subspace + Hutchinson.
 
     ``Q = orth(A S)`` for Rademacher ``S``; ``tr(A) = tr(Q^T A Q) + tr((I-QQ^T) A (I-QQ^T))``,
-    the second term by Rademacher probes ``g`` as ``(Pg)^T (A g - AQ Q^T g)`` (one matvec per
-    probe). The standard error is the residual probes' sample standard error (the sketch
-    part is exact given Q). Adaptivity: starting from ``initial_sketch`` columns, once
-    ``min_samples`` residual probes exist, the sketch is doubled (``2 s`` matvecs) while the
-    estimated remaining probes exceed ``3 s`` and the previous doubling reduced the estimated
-    number of probes still needed by at least its own cost; stored residual probes are
-    re-evaluated for the new Q at no matvec cost (``P A P g = A g - AQ Q^T g``).
+    the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
+    (one matvec per probe). Per layer b, ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb)``
+    (exact, :class:`_Sketch`) ``+ E[g_b^T (P A P g)_b]``, with
+    ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is the
+    residual probes' sample standard error (the sketch part is exact given Q). Adaptivity:
+    starting from ``initial_sketch`` columns, once ``min_samples`` residual probes exist, the
+    sketch is doubled (``2 s`` matvecs) while the estimated remaining probes exceed ``3 s`` and
+    the previous doubling reduced the estimated number of probes still needed by at least its
+    own cost; stored residual probes are re-evaluated for the new Q at no matvec cost (from
+    the stored ``A g``, as above).
     ``initial_sketch=0`` starts as plain Hutchinson and sketches (16 columns, then doubling)
     only when the first probes say it pays. ``known`` (total, then per block) is an exactly
     known part of the trace added to the estimate, so ``tol`` is relative to the sum (the
