@@ -5,7 +5,8 @@ foreign state_dict), moved to the device and dtype, put in eval mode
 (BatchNorm uses running statistics, dropout off, as PyHessian does); the
 analysis set is the chosen split, optionally a fixed seeded subset, checked
 against the model (features it accepts, labels within its classes, finite
-values).
+values). Features take the analysis dtype, except token ids looked up by an
+``nn.Embedding``, which reach the model as int64 (:func:`prepare_features`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,211 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
             )
 
 
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Embedding``/``nn.EmbeddingBag`` in ``model``."""
+    return [
+        (name or type(model).__name__, module)
+        for name, module in model.named_modules()
+        if isinstance(module, EMBEDDING_TYPES)
+    ]
+
+
+def _lookup_input(args: tuple, kwargs: dict):
+    """The index tensor an embedding's forward receives (positional or ``input=``)."""
+    return args[0] if args else kwargs.get("input")
+
+
+def embeddings_fed_by_input(model: nn.Module, probe: torch.Tensor) -> list[tuple[str, nn.Module]]:
+    """The embeddings that look up the model's input itself: ``(name, module)`` in call order.
+
+    ``probe`` (a few samples, already on the model's device, as the model would get them) is
+    run through ``model`` with a forward pre-hook on every ``nn.Embedding``/``nn.EmbeddingBag``;
+    an embedding counts when the tensor it receives *is* ``probe`` or a view of it (the same
+    storage: ``x.view``, ``x[:, :T]``, ``x.flatten(1)``, ``x.long()`` on int64 all qualify),
+    i.e. the data's features are its token ids. An embedding that gets ids the model computed
+    (``x.long()`` on float features, positions from ``arange``) does not count: the model
+    converts those itself. The forward may fail (float ids reaching an embedding, integer
+    features reaching an ``nn.Linear``): every pre-hook on the way has run by then, so the
+    answer holds, and the failure itself is left to :func:`check_model_accepts`.
+    """
+    embeddings = _embedding_modules(model)
+    if not embeddings:
+        return []
+    storage = probe.untyped_storage().data_ptr()
+    fed: list[tuple[str, nn.Module]] = []
+
+    def make_hook(name: str):
+        def hook(module, args, kwargs):
+            ids = _lookup_input(args, kwargs)
+            if (
+                isinstance(ids, torch.Tensor)
+                and ids.device == probe.device
+                and ids.untyped_storage().data_ptr() == storage
+                and all(module is not m for _, m in fed)
+            ):
+                fed.append((name, module))
+
+        return hook
+
+    handles = [
+        module.register_forward_pre_hook(make_hook(name), with_kwargs=True)
+        for name, module in embeddings
+    ]
+    devices = [probe.device] if probe.device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            model(probe)
+    except Exception:  # only the hooks' findings matter here (docstring)
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return fed
+
+
+def check_embedding_ids(model: nn.Module, x: torch.Tensor, batch_size: int, source: str) -> None:
+    """Refuse data whose token ids an embedding of ``model`` cannot look up (``InputError``).
+
+    ``nn.Embedding`` raises ``IndexError: index out of range`` for an id outside
+    ``[0, num_embeddings)``, and in the middle of a curvature pass that would be an internal
+    error. So, for a model with embeddings, the whole of ``x`` (as the model gets it) is run
+    through it once, without gradients, in batches of ``batch_size``; a forward pre-hook on
+    every embedding records the smallest and largest integer id it receives (from the data or
+    computed by the model from it) and clamps out-of-range ids so the pass finishes. Any id
+    outside an embedding's rows raises ``InputError(source=source)`` naming the embedding and
+    the range seen. Other failures of the forward are left to :func:`check_model_accepts`.
+    """
+    embeddings = _embedding_modules(model)
+    if not embeddings or x.shape[0] == 0:
+        return
+    seen: dict[str, list[int]] = {}
+
+    def make_hook(name: str):
+        def hook(module, args, kwargs):
+            ids = _lookup_input(args, kwargs)
+            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+                return None
+            low, high = int(ids.min()), int(ids.max())
+            bounds = seen.setdefault(name, [low, high])
+            bounds[0], bounds[1] = min(bounds[0], low), max(bounds[1], high)
+            rows = int(module.num_embeddings)
+            if low >= 0 and high < rows:
+                return None
+            clamped = ids.clamp(0, rows - 1)
+            if args:
+                return (clamped, *args[1:]), kwargs
+            return args, {**kwargs, "input": clamped}
+
+        return hook
+
+    handles = [
+        module.register_forward_pre_hook(make_hook(name), with_kwargs=True)
+        for name, module in embeddings
+    ]
+    devices = [x.device] if x.device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for start in range(0, x.shape[0], max(1, int(batch_size))):
+                model(x[start : start + batch_size])
+    except Exception:  # a model that does not fit the data: check_model_accepts
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module in embeddings:
+        if name not in seen:
+            continue
+        low, high = seen[name]
+        rows = int(module.num_embeddings)
+        if low < 0 or high >= rows:
+            raise InputError(
+                f"token ids range over [{low}, {high}] but the model's "
+                f"{type(module).__name__} {name!r} has {rows} rows (ids 0..{rows - 1})",
+                source=source,
+            )
+
+
+def prepare_features(
+    model: nn.Module,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    batch_size: int = 256,
+) -> tuple[torch.Tensor, list[str]]:
+    """Features as ``model`` takes them, on ``device``: ``(x, notes)``.
+
+    How the dtype is decided (``model`` already on ``device`` in ``dtype``, in eval mode):
+
+    - a model without ``nn.Embedding``/``nn.EmbeddingBag``: ``x`` in the analysis ``dtype``
+      (integer features such as uint8 pixels or counts become floats, as always);
+    - otherwise a probe of two samples finds the embeddings that look up the input itself
+      (:func:`embeddings_fed_by_input`: the model is *tried*, not guessed from its layer
+      order). None: as above. Some, with integer features: int64, never the float dtype.
+      Some, with floating features: every value must be a whole number (else
+      ``InputError``: an embedding cannot look up 2.5), and they become int64 with a note
+      saying so (``notes``, carried into the report and printed by the CLI);
+    - for any model with embeddings, :func:`check_embedding_ids` then checks every id of the
+      set against the embeddings' rows, so an out-of-range id is an ``InputError`` naming
+      ``source`` (exit 2) instead of an ``IndexError`` deep inside an analysis.
+    """
+    if not _embedding_modules(model):
+        return x.to(device=device, dtype=dtype), []
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()  # the probes must not touch BatchNorm statistics of a model about to train
+    try:
+        return _prepare_for_embeddings(model, x, dtype, device, source, batch_size)
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _prepare_for_embeddings(
+    model: nn.Module,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    batch_size: int,
+) -> tuple[torch.Tensor, list[str]]:
+    """:func:`prepare_features` for a model with embeddings (in eval mode)."""
+    floating = x.is_floating_point()
+    probe = x[:2].to(device=device, dtype=dtype if floating else torch.int64).clone()
+    fed = embeddings_fed_by_input(model, probe)
+    notes: list[str] = []
+    if not fed:
+        x = x.to(device=device, dtype=dtype)
+    elif not floating:
+        x = x.to(device=device, dtype=torch.int64)
+    else:
+        names = ", ".join(f"{type(m).__name__} {n!r}" for n, m in fed)
+        fractional = x != torch.round(x)
+        if bool(fractional.any()):
+            example = float(x[fractional][0])
+            raise InputError(
+                f"features feed the model's {names}, which looks up integer token ids, but are "
+                f"not whole numbers (e.g. {example:g})",
+                source=source,
+            )
+        widest = float(x.abs().max())
+        if widest >= 2.0**62:
+            raise InputError(
+                f"features feed the model's {names} but hold whole numbers as large as "
+                f"{widest:.3g}, beyond any token id",
+                source=source,
+            )
+        x = x.to(device=device, dtype=torch.int64)
+        notes.append(
+            f"{source}: floating-point features, all whole numbers, feed the model's {names}: "
+            "converted to int64 token ids"
+        )
+    check_embedding_ids(model, x, batch_size, source)
+    return x, notes
+
+
 @dataclass
 class Session:
     """A model in analysis mode and its analysis set, with what produced them."""
@@ -158,13 +364,18 @@ class Session:
     num_outputs: int
     cache_bytes: int = 1 << 30  # budget of cached first-order graphs in curvature passes
     extra: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was done to the data (report, stderr)
 
     @property
     def num_samples(self) -> int:
         return int(self.x.shape[0])
 
     def data_info(self) -> dict:
-        return {"spec": self.dataset.spec, "split": self.split, "samples": self.num_samples}
+        """The report's ``data`` section; ``notes`` (e.g. float ids converted) when there are any."""
+        info = {"spec": self.dataset.spec, "split": self.split, "samples": self.num_samples}
+        if self.notes:
+            info["notes"] = list(self.notes)
+        return info
 
     def analysis_data(self):
         """The analysis set as the curvature engine streams it."""
@@ -249,7 +460,9 @@ def build_session(
     # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
     # outside the default scope (sharpcli.curvature.scope.ParamScope.resolve)
     model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
-    x = x.to(device=torch_device, dtype=torch_dtype)
+    x, notes = prepare_features(
+        model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
+    )
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = y.to(torch_dtype)
@@ -270,4 +483,5 @@ def build_session(
         seed=seed,
         num_outputs=n_out,
         cache_bytes=int(cache_mb) << 20,
+        notes=notes,
     )

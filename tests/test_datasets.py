@@ -242,13 +242,14 @@ def test_pth_extension_and_regression_targets(tmp_path):
 
 
 def test_tensor_file_shape_conventions(tmp_path):
-    """(N, H, W) uint8 -> (N, 1, H, W) float (values kept), (N, 1) integer labels -> (N,), bool labels -> 0/1."""
+    """(N, H, W) uint8 -> (N, 1, H, W) int64 (values kept), (N, 1) integer labels -> (N,), bool labels -> 0/1."""
     x = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     written = fx.write_npz(
         str(tmp_path), arrays={"x": x, "y": np.array([[1], [0]], dtype=np.int32)}
     )
     ds = load_dataset(written.path)
-    assert ds.x_train.shape == (2, 1, 3, 4) and ds.x_train[1, 0, 2, 3].item() == 23.0
+    assert ds.x_train.shape == (2, 1, 3, 4) and ds.x_train[1, 0, 2, 3].item() == 23
+    assert ds.x_train.dtype == torch.int64  # integer features stay exact (token ids)
     assert ds.y_train.tolist() == [1, 0] and ds.y_train.dtype == torch.int64
     written = fx.write_safetensors(
         str(tmp_path),

@@ -36,9 +36,8 @@ EXTENSIONS = [".safetensors", ".pt", ".pth", ".npz", ".csv", ".parquet"]
 
 def check_contract(ds: Dataset) -> None:
     """A successfully loaded dataset satisfies the Dataset contract."""
-    assert (
-        ds.x_train.dtype == torch.float32 and ds.x_train.dim() in (2, 4) and ds.x_train.shape[0] > 0
-    )
+    assert ds.x_train.dtype in (torch.float32, torch.int64)  # int64: integer sources, exact
+    assert ds.x_train.dim() in (2, 4) and ds.x_train.shape[0] > 0
     assert bool(torch.isfinite(ds.x_train).all())
     assert ds.y_train.shape[0] == ds.x_train.shape[0]
     if ds.task == "classification":
@@ -51,6 +50,7 @@ def check_contract(ds: Dataset) -> None:
         assert (
             ds.x_test.shape[1:] == ds.x_train.shape[1:] and ds.y_test.shape[0] == ds.x_test.shape[0]
         )
+        assert ds.x_test.dtype == ds.x_train.dtype
 
 
 def load_or_input_error(path: str) -> None:

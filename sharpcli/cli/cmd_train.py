@@ -194,6 +194,7 @@ def train_command(
             result = train(
                 cfg, out, resume=resume, stop_after=stop_after, progress=progress, tracker=tracker
             )
+        common.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history
 

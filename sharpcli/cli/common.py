@@ -377,12 +377,27 @@ def analysis_command(app, name: str):
 
 
 def open_session(checkpoint: str, opts: CommonOptions):
-    """Build the analysis session from a checkpoint and the common options."""
+    """Build the analysis session from a checkpoint and the common options.
+
+    The session's notes (what was done to the data, e.g. float token ids converted to int64)
+    go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
+    carries them in ``data.notes`` either way.
+    """
     from sharpcli.session import build_session
 
     kwargs = opts.settings()
     kwargs["arch_args"] = parse_json_option(opts.arch_args, "--arch-args")
-    return build_session(checkpoint, **kwargs)
+    session = build_session(checkpoint, **kwargs)
+    print_notes(session.notes, opts.quiet)
+    return session
+
+
+def print_notes(notes: list[str], quiet: bool) -> None:
+    """One ``sharp: note: ...`` line on stderr per note (rank 0 only, nothing under --quiet)."""
+    if quiet or not distributed.is_main_process():
+        return
+    for note in notes:
+        print(f"sharp: note: {' '.join(note.split())}", file=sys.stderr)
 
 
 def status(disabled: bool, text: str):

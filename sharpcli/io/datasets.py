@@ -203,7 +203,8 @@ def format_data_spec(spec: dict) -> str:
 def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = None) -> Dataset:
     """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
 
-    Returns a ``Dataset`` whose features are float32 ``(N, D)`` or ``(N, C, H, W)`` and
+    Returns a ``Dataset`` whose features are float32 ``(N, D)`` or ``(N, C, H, W)`` (int64
+    when the file stores integers: token ids stay exact; see ``datasets_common``) and
     whose targets are int64 class labels or float32 regression targets, checked for
     matching lengths, finiteness and non-emptiness. Raises ``InputError`` (bad file)
     or ``UsageError`` (bad spec or option); nothing else escapes for a bad input.

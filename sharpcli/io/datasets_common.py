@@ -4,9 +4,10 @@ Every reader (built-in generators, tensor files, tables, CIFAR, MNIST) hands its
 raw arrays to ``finalize_dataset``, which turns them into the one representation
 the rest of sharpcli relies on (docs/architecture.md, "datasets"):
 
-- features ``x``: ``float32``, shape ``(N, D)`` for vectors or ``(N, C, H, W)``
-  for images (a 1-D array becomes ``(N, 1)``, a 3-D array ``(N, H, W)`` becomes
-  single-channel images ``(N, 1, H, W)``);
+- features ``x``: ``float32``, or ``int64`` when the source stores integers (token ids
+  for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), shape
+  ``(N, D)`` for vectors or ``(N, C, H, W)`` for images (a 1-D array becomes ``(N, 1)``,
+  a 3-D array ``(N, H, W)`` becomes single-channel images ``(N, 1, H, W)``);
 - classification targets (integer or boolean ``y``): ``int64`` labels of shape
   ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
 - regression targets (floating ``y``): ``float32`` of shape ``(N,)`` or ``(N, K)``;
@@ -34,11 +35,11 @@ MAX_CLASSES = 1_000_000  # a label above this is a corrupt file, not a class
 class Dataset:
     """A loaded dataset: train split, optional test split, task and provenance.
 
-    ``x_*`` are float32 feature tensors ``(N, D)`` or ``(N, C, H, W)``; ``y_*`` are
-    int64 labels ``(N,)`` for ``task == "classification"`` (with ``num_classes``
-    classes) or float32 targets ``(N,)``/``(N, K)`` for ``task == "regression"``
-    (``num_classes is None``). ``x_test``/``y_test`` are both ``None`` when the
-    source has no test split. ``spec`` is a JSON-serialisable dict that
+    ``x_*`` are float32 (or, for integer sources, int64) feature tensors ``(N, D)`` or
+    ``(N, C, H, W)``; ``y_*`` are int64 labels ``(N,)`` for ``task == "classification"``
+    (with ``num_classes`` classes) or float32 targets ``(N,)``/``(N, K)`` for
+    ``task == "regression"`` (``num_classes is None``). ``x_test``/``y_test`` are both
+    ``None`` when the source has no test split. ``spec`` is a JSON-serialisable dict that
     ``load_dataset`` accepts to rebuild exactly this data (a checkpoint stores it);
     ``source`` is the file path or ``builtin:<name>`` that error messages name.
     ``class_names`` lists the label names when the source had textual labels.
@@ -167,8 +168,29 @@ def as_tensor(value, name: str, source: str) -> torch.Tensor:
     raise InputError(f"{name} is a {type(value).__name__}, expected a tensor", source=source)
 
 
+def _integer_features(x: torch.Tensor) -> bool:
+    """Whether features ``x`` are kept as int64 (see :func:`_features`).
+
+    Signed and unsigned integer dtypes qualify; ``uint64`` only when every value fits in
+    int64 (a value of 2**63 or more cannot be a token id and keeps the float32 path).
+    Booleans are flags, not ids: they become 0.0/1.0 floats as before.
+    """
+    if x.dtype == torch.bool or x.is_floating_point():
+        return False
+    if x.dtype == torch.uint64:
+        return not bool((x.view(torch.int64) < 0).any())
+    return True
+
+
 def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
-    """Features as float32 ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite."""
+    """Features as ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite: int64 or float32.
+
+    Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
+    to float32: a model whose first layer is an ``nn.Embedding`` needs the ids as integers,
+    and float32 holds integers exactly only up to 2**24. Whether they reach the model as
+    int64 or in the analysis dtype is decided against the model in
+    :func:`sharpcli.session.prepare_features`. Every other dtype becomes float32.
+    """
     if x.dim() == 0:
         raise InputError(f"{name} is a scalar, expected one row per sample", source=source)
     if x.dim() == 1:
@@ -184,6 +206,8 @@ def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
         raise InputError(f"{name} is empty (0 samples)", source=source)
     if x[0].numel() == 0:
         raise InputError(f"{name} has no features (shape {tuple(x.shape)})", source=source)
+    if _integer_features(x):
+        return x.to(torch.int64).contiguous()
     x = x.to(torch.float32).contiguous()
     bad = int((~torch.isfinite(x)).sum())
     if bad:
@@ -291,6 +315,8 @@ def finalize_dataset(
                 f"{n_xt} has per-sample shape {tuple(x_test.shape[1:])} but {n_x} has {tuple(x_train.shape[1:])}",
                 source=source,
             )
+        if x_test.dtype != x_train.dtype:  # integers in one split only: both float32, as before
+            x_train, x_test = x_train.to(torch.float32), x_test.to(torch.float32)
         y_test = as_tensor(y_test, n_yt, source)
         if infer_task(y_test) != task:
             raise InputError(

@@ -5,11 +5,13 @@ keys ``x`` and ``y`` and, optionally, ``x_test`` and ``y_test``; any other key i
 refused (a misspelt ``x_tset`` would otherwise drop the test split silently).
 ``.pt`` files are read with ``torch.load(weights_only=True)`` and ``.npz`` with
 ``numpy.load(allow_pickle=False)``, so no file can run code. Feature values are
-kept as stored (cast to float32; uint8 images are *not* rescaled to [0, 1]).
+kept as stored: integer features (token ids, counts, uint8 pixels) as int64, any other
+dtype cast to float32; uint8 images are *not* rescaled to [0, 1].
 
 Tables (``.csv``, ``.parquet``) are read through pandas: the label column (option
 ``--label-column``, default ``label``) is the target and every other column is a
-numeric feature, except an optional column named ``split`` whose values
+numeric feature (read as int64 when every feature column holds integers, as float64
+otherwise), except an optional column named ``split`` whose values
 ``train``/``test`` (case-insensitive) assign each row to a split; without that
 column the whole table is the train split. Integer or boolean labels are classes
 ``0..C-1``; textual labels are mapped to classes by sorted name
@@ -145,6 +147,25 @@ def _is_missing(value) -> bool:
         return False
 
 
+def _integer_columns(frame: pd.DataFrame, names: list[str]) -> bool:
+    """Whether every feature column holds integers only (no bool, no missing cell, no uint64).
+
+    Such features (token ids, counts) are read exactly as int64 instead of through float64;
+    one floating, boolean or partly empty column sends the whole table down the float path.
+    """
+    for name in names:
+        column = frame[name]
+        if pd.api.types.is_bool_dtype(column.dtype) or not pd.api.types.is_integer_dtype(
+            column.dtype
+        ):
+            return False
+        if pd.api.types.is_unsigned_integer_dtype(column.dtype) and column.dtype.itemsize >= 8:
+            return False
+        if column.isna().any():
+            return False
+    return True
+
+
 def read_table(path: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
     """Load a csv/parquet table (rules in the module docstring).
 
@@ -194,10 +215,13 @@ def _table_dataset(
             source=path,
         )
     try:
-        features = frame[feature_names].to_numpy(dtype=np.float64, na_value=np.nan)
+        if _integer_columns(frame, feature_names):
+            features = frame[feature_names].to_numpy(dtype=np.int64)
+        else:
+            features = frame[feature_names].to_numpy(dtype=np.float64, na_value=np.nan)
     except (TypeError, ValueError, OverflowError) as exc:
         raise read_failure("feature columns as numbers", exc, path) from exc
-    missing = np.isnan(features)
+    missing = np.isnan(features) if features.dtype.kind == "f" else np.zeros(features.shape, bool)
     if missing.any():
         row, col = np.argwhere(missing)[0]
         raise InputError(

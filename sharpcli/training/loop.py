@@ -79,6 +79,7 @@ class TrainResult:
     config: dict
     history_csv: str
     resumed_from_epoch: int = 0
+    notes: list = field(default_factory=list)  # what was done to the data (float ids -> int64)
 
 
 def train_report(
@@ -100,7 +101,8 @@ def train_report(
         settings=result.config | settings | {"out": str(out)},
         results=results,
         checkpoint=result.checkpoint | {"train": result.config},
-        data={"spec": result.data_spec, "split": "train", "samples": None},
+        data={"spec": result.data_spec, "split": "train", "samples": None}
+        | ({"notes": list(result.notes)} if result.notes else {}),
         timing={"seconds": 0.0, "matvecs": 0},
         environment=environment_info(device, dtype, rank_and_world()[1]),
     )
@@ -251,7 +253,13 @@ def train(
         check_data_parallel_regs(regs)
     cfg.regs = [r.spec() for r in regs]
 
-    from sharpcli.session import check_model_accepts, loss_for_task, resolve_device, resolve_dtype
+    from sharpcli.session import (
+        check_model_accepts,
+        loss_for_task,
+        prepare_features,
+        resolve_device,
+        resolve_dtype,
+    )
 
     dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
@@ -271,13 +279,33 @@ def train(
     model_spec = {"name": cfg.model, "args": args}
     torch.manual_seed(cfg.seed)
     model = build_model(model_spec).to(device=device, dtype=dtype)
-    x_train, y_train = x_train.to(device=device, dtype=dtype), y_train.to(device)
+    # Features in the training dtype, except token ids an nn.Embedding looks up: int64
+    # (sharpcli.session.prepare_features; a zoo model without embeddings gets x.to(dtype)).
+    x_train, notes = prepare_features(
+        model, x_train, dtype, device, dataset.source, batch_size=cfg.batch_size
+    )
+    y_train = y_train.to(device)
     if dataset.task == "regression":
         y_train = y_train.to(dtype)
     if has_test:
-        x_test, y_test = x_test.to(device=device, dtype=dtype), y_test.to(device)
+        x_test, test_notes = prepare_features(
+            model, x_test, dtype, device, dataset.source, batch_size=cfg.batch_size
+        )
+        notes += [note for note in test_notes if note not in notes]
+        y_test = y_test.to(device)
         if dataset.task == "regression":
             y_test = y_test.to(dtype)
+    if not x_train.is_floating_point():
+        for option, value in (
+            ("--input-noise", cfg.input_noise),
+            ("--noise-finetune", cfg.noise_finetune),
+            ("--augment", cfg.augment),
+        ):
+            if value:
+                raise UsageError(
+                    "perturbs input features, but this model takes integer token ids",
+                    source=option,
+                )
     check_model_accepts(model, x_train, y_train, dataset.task, dataset.source)
     optimizer = _make_optimizer(cfg, model)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -440,6 +468,7 @@ def train(
         config=cfg_dict,
         history_csv=str(csv_path),
         resumed_from_epoch=start_epoch,
+        notes=notes,
     )
 
 
