@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from sharpcli.curvature.data import AnalysisData, prepare_model_for_analysis, to_model_batch
-from sharpcli.curvature.lanczos import EigenResult
+from sharpcli.curvature.lanczos import EigenResult, ritz_residuals
 from sharpcli.curvature.operators import HessianOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import TraceResult
@@ -154,8 +154,8 @@ def pyhessian_eigenvalues(
         op = HessianOperator(model, data, scope)
         for i, (lam, vec) in enumerate(zip(values, vectors)):
             u = scope.flatten(vec).to(dtype=scope.dtype)
-            u = u / torch.linalg.vector_norm(u)
-            residuals[i] = float(torch.linalg.vector_norm(op.matvec(u) - lam * u))
+            # float64 subtraction and norm around the product (see ritz_residuals)
+            residuals[i] = ritz_residuals(op, [lam], u[:, None])[0]
             converged[i] = residuals[i] <= tol * abs(lam)
         notes.append(
             f"residuals computed by sharpcli's native Hessian ({op.matvecs} extra products)"
