@@ -94,4 +94,4 @@ def compare_command(
 
         return common.Outcome(report, show)
 
-    common.run_command("compare", json_out, quiet, body)
+    common.run_command("compare", json_out, quiet, body, uses_models=False)

@@ -9,6 +9,7 @@ errors to the exit codes of SPEC section 7.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -156,14 +157,28 @@ def error_document(command: str, err: SharpError) -> dict:
 
 
 def run_command(
-    command: str, json_path: str | None, quiet: bool, body: Callable[[], Outcome]
+    command: str,
+    json_path: str | None,
+    quiet: bool,
+    body: Callable[[], Outcome],
+    *,
+    uses_models: bool = True,
 ) -> None:
-    """Run ``body``, print or write its report, and exit with the right code."""
+    """Run ``body``, print or write its report, and exit with the right code.
+
+    A command that runs models (``uses_models``) runs with attention that can be
+    differentiated twice (:func:`sharpcli.curvature.attention.differentiable_attention`).
+    """
     try:
         if json_path not in (None, "-"):
             check_writable(json_path, "--json")
         start = time.perf_counter()
-        outcome = body()
+        with contextlib.ExitStack() as stack:
+            if uses_models:
+                from sharpcli.curvature.attention import differentiable_attention
+
+                stack.enter_context(differentiable_attention())
+            outcome = body()
         outcome.report.setdefault("timing", {})
         outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
         distributed.raise_if_peer_failed()  # data-parallel: did another rank fail after our last reduction?
