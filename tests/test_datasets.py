@@ -858,3 +858,151 @@ def test_pt_tensor_kinds_refused(tmp_path, x, message):
     path = tmp_path / "odd.pt"
     torch.save({"x": x, "y": torch.zeros(2, dtype=torch.long)}, path)
     expect_error(InputError, str(path), message, load_dataset, str(path))
+
+
+# ----------------------------------------------------------------------------- format registry
+
+
+def test_every_format_record_is_complete_and_routes_in_order():
+    from sharpcli.io.formats import FORMATS
+
+    assert list(FORMATS) == [
+        "safetensors",
+        "pt",
+        "npz",
+        "csv",
+        "parquet",
+        "cifar10-python",
+        "cifar10-binary",
+        "cifar100-binary",
+        "cifar100-python",
+        "mnist-idx",
+    ]
+    for name, fmt in FORMATS.items():
+        assert fmt.name == name and fmt.description and fmt.test_split
+        assert callable(fmt.probe) and callable(fmt.read)
+        assert fmt.directory == (not fmt.extensions), name
+        assert not fmt.probe("/nonexistent/path/x" + (fmt.extensions or ("",))[0]), name
+    takers = [n for n, f in FORMATS.items() if "label_column" in f.spec_keys]
+    assert takers == ["csv", "parquet", "cifar100-binary", "cifar100-python"]
+
+
+@pytest.mark.parametrize(
+    "writer, fmt",
+    [
+        (fx.write_safetensors, "safetensors"),
+        (fx.write_pt, "pt"),
+        (fx.write_npz, "npz"),
+        (lambda folder: fx.write_parquet(folder, label="label"), "parquet"),
+    ],
+)
+def test_files_with_other_extensions_are_recognised_by_their_contents(tmp_path, writer, fmt):
+    written = writer(str(tmp_path))
+    renamed = tmp_path / "data.bin"
+    os.rename(written.path, renamed)
+    ds = load_dataset(str(renamed))
+    assert ds.spec["format"] == fmt
+    assert torch.equal(ds.x_train, t(written.x_train))
+    assert torch.equal(ds.y_train, t(written.y_train))
+
+
+def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
+    table = fx.write_csv(str(tmp_path))
+    text = tmp_path / "table.txt"
+    shutil.copy(table.path, text)  # csv text has no signature: only .csv routes it
+    error = expect_error(
+        InputError, str(text), "unknown data file extension '.txt'", load_dataset, str(text)
+    )
+    assert "accepted: .safetensors, .pt, .pth, .npz, .csv, .parquet" in error.message
+    assert "cifar10-python" in error.message and "mnist-idx" in error.message
+    error = expect_error(
+        UsageError,
+        "--data",
+        "unknown data format 'cifar'",
+        load_dataset,
+        {"kind": "file", "path": str(tmp_path), "format": "cifar"},
+    )
+    assert "accepted: safetensors, pt, npz, csv, parquet, cifar10-python" in error.message
+    expect_error(
+        InputError,
+        str(tmp_path),
+        "expected a layout of: cifar10-python",
+        load_dataset,
+        str(tmp_path),
+    )
+
+
+def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
+    """A toy ``.csv`` rival with its own spec key: the probe decides between the claimants,
+    the key is completed into the spec and refused for other formats."""
+    from sharpcli.io import formats
+    from sharpcli.io.datasets_common import finalize_dataset
+
+    def is_semicolon_table(path):
+        with open(path, encoding="utf-8") as handle:
+            return ";" in handle.readline()
+
+    def read_semicolon_table(spec):
+        rows = Path(spec["path"]).read_text().split()
+        values = np.array([[float(v) for v in row.split(spec["delimiter"] or ";")] for row in rows])
+        return finalize_dataset(
+            values[:, :-1],
+            values[:, -1].astype(np.int64),
+            None,
+            None,
+            source=spec["path"],
+            spec=spec,
+        )
+
+    with pytest.raises(TypeError, match="name not yet registered"):
+        formats.register(formats.FORMATS["csv"])
+    with pytest.raises(TypeError, match="lower-case with their dot"):
+        formats.register(formats.DataFormat("toy", ("CSV",), bool, bool))
+    formats.register(
+        formats.DataFormat(
+            "semicolon",
+            (".csv",),
+            is_semicolon_table,
+            read_semicolon_table,
+            ("delimiter",),
+            "semicolon-separated numbers, the class last",
+        )
+    )
+    try:
+        toy = tmp_path / "toy.csv"
+        toy.write_text("1;2;0\n3;4;1\n")
+        ds = load_dataset(str(toy))
+        assert ds.spec == {
+            "kind": "file",
+            "path": str(toy),
+            "format": "semicolon",
+            "label_column": None,
+            "delimiter": None,
+        }
+        assert ds.x_train.tolist() == [[1.0, 2.0], [3.0, 4.0]] and ds.y_train.tolist() == [0, 1]
+        table = fx.write_csv(str(tmp_path))  # commas: the probe declines, csv reads it
+        assert load_dataset(table.path).spec["format"] == "csv"
+        expect_error(
+            UsageError,
+            "--data",
+            "delimiter do not apply to csv data",
+            load_dataset,
+            {"kind": "file", "path": table.path, "delimiter": ","},
+        )
+        expect_error(
+            UsageError,
+            "--label-column",
+            "applies to csv, parquet, cifar100-binary, cifar100-python data, not to semicolon",
+            load_dataset,
+            str(toy),
+            label_column="y",
+        )
+    finally:
+        formats.unregister("semicolon")
+    expect_error(
+        UsageError,
+        "--data",
+        "unknown key(s) delimiter",
+        load_dataset,
+        {"kind": "file", "path": str(toy), "delimiter": ";"},
+    )

@@ -253,12 +253,54 @@ def test_data_parallel_training_equals_one_process(two_ranks, capsys):
 
 
 def test_data_parallel_training_refuses_sam(two_ranks):
+    from sharpcli.training.regularizers import SAM
+
     _, _, _, outputs = two_ranks
     out0, err0, code0 = outputs["train-sam", 0]
     assert (code0, outputs["train-sam", 1][2]) == (2, 2)
     assert outputs["train-sam", 1][1] == ""
     line = err0.strip()
     assert "--reg" in line and "sam" in line and "global gradient" in line
+    assert SAM.data_parallel in line  # the reason is the one the class declares
+
+
+def _registry():
+    from sharpcli.training.regularizers import REGISTRY
+
+    return REGISTRY
+
+
+# the regularizers whose per-rank gradients do not average to the global batch's gradient
+NOT_EXACT = {"gp", "fa", "gn-trace", "sam", "usam", "asam"}
+
+
+@pytest.mark.parametrize("name", sorted(_registry()))
+def test_every_regularizer_declares_data_parallel_exactness(name):
+    cls = _registry()[name]
+    assert "data_parallel" in vars(cls), f"{name} must set data_parallel in its own class body"
+    reason = cls.data_parallel
+    assert reason is None or (isinstance(reason, str) and reason.strip())
+    assert (reason is not None) == (name in NOT_EXACT)
+
+
+@pytest.mark.parametrize("name", sorted(_registry()))
+def test_refusal_under_torchrun_names_the_declared_reason(name, tmp_path, monkeypatch):
+    """``train`` as one of 2 ranks: a regularizer that is not exact is refused on ``--reg`` with
+    its class's reason, before any data is read; an exact one passes the check."""
+    from sharpcli.errors import UsageError
+    from sharpcli.training import loop
+    from sharpcli.training.regularizers import parse_reg
+
+    reason = _registry()[name].data_parallel
+    if reason is None:
+        loop.check_data_parallel_regs([parse_reg(name)])
+        return
+    monkeypatch.setattr(loop, "data_parallel_rank_and_world", lambda: (0, 2))
+    cfg = loop.TrainConfig(data=str(tmp_path / "never-read.safetensors"), regs=[name, "wd"])
+    with pytest.raises(UsageError) as info:
+        loop.train(cfg, tmp_path / "model.safetensors")
+    assert info.value.source == "--reg"
+    assert f"{name}: {reason}" in info.value.message and "wd" not in info.value.message
 
 
 @pytest.mark.slow

@@ -703,6 +703,53 @@ def test_registry_description_lists_every_regularizer():
     assert [r["name"] for r in rows] == list(REGISTRY)
     gp = next(r for r in rows if r["name"] == "gp")
     assert [h["name"] for h in gp["hyperparameters"]] == ["rho", "p", "mode", "eps"]
+    assert gp["data_parallel"] and gp["needs_penultimate"] is False
+    assert next(r for r in rows if r["name"] == "ad")["needs_penultimate"] is True
+
+
+ALL_NAMES = "none wd dropout ad sam usam asam gp hessian-trace gn-trace weight-noise nso fa".split()
+
+
+def _sam_variant(**body):
+    """A new SAM variant class (not registered); ``body`` its own class attributes."""
+    attributes = {"__doc__": "``sam2:rho``: a SAM variant.", "name": "sam2", **body}
+    return type("SAM2", (R.SAM,), attributes)
+
+
+def test_register_requires_data_parallel_in_the_class_body():
+    # SAM's own "not exact" is deliberately not inherited: a variant must say it again.
+    with pytest.raises(TypeError, match="set data_parallel in the class body"):
+        R.register(_sam_variant())
+    with pytest.raises(TypeError, match="non-empty reason"):
+        R.register(_sam_variant(data_parallel=""))
+    assert "sam2" not in REGISTRY
+    # a class put into the registry by hand without the declaration is refused, not exact
+    assert "does not declare" in R.data_parallel_refusal(_sam_variant())
+    cls = R.register(_sam_variant(data_parallel="its ascent step needs the global gradient"))
+    try:
+        assert REGISTRY["sam2"] is cls and parse_reg("sam2:0.1").params == {"rho": 0.1}
+        assert R.data_parallel_refusal(parse_reg("sam2")) == cls.data_parallel
+        with pytest.raises(TypeError, match="already registered"):
+            R.register(cls)
+    finally:
+        R.unregister("sam2")
+    assert "sam2" not in REGISTRY
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"name": "Sam2"}, "lower-case"),
+        ({"name": "sam:2"}, "without :,="),
+        ({"kind": "penalty"}, "kind 'penalty' must be one of"),
+        ({"__doc__": "no name here"}, "docstring that names 'sam2'"),
+        ({"summary": ""}, "needs a summary"),
+    ],
+)
+def test_register_checks_every_entry_carries_its_record(body, fragment):
+    with pytest.raises(TypeError, match=fragment):
+        R.register(_sam_variant(data_parallel=None, **body))
+    assert set(REGISTRY) == set(ALL_NAMES)
 
 
 # --------------------------------------------------------------------------- NME activations

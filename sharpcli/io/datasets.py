@@ -12,7 +12,9 @@ either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
   tables (``datasets_files``), or a directory holding a CIFAR-10/100 (python or
   binary) or MNIST idx layout (``datasets_vision``). As a dict:
   ``{"kind": "file", "path": "<absolute path>", "format": "<format>", "label_column": ...}``
-  with the format one of ``FILE_FORMATS``.
+  with the format a name in the registry ``sharpcli.io.formats.FORMATS``, which routes a
+  path to its format and holds each format's reader (plus the optional spec keys the
+  format reads).
 
 A built-in name wins over a file of the same name in the working directory (write
 ``./blobs`` for the file). ``Dataset.spec`` is always the complete dict form, so
@@ -35,21 +37,14 @@ from sharpcli.io.datasets_builtin import (
     resolve_builtin_args,
 )
 from sharpcli.io.datasets_common import Dataset
-from sharpcli.io.datasets_files import read_table, read_tensor_file
-from sharpcli.io.datasets_vision import (
-    VISION_FORMATS,
-    find_layout,
-    probe_folder,
-    read_cifar,
-    read_mnist,
-)
+from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
 
 __all__ = [
     "BUILTIN_ARGS",
     "BUILTIN_NAMES",
     "DEFAULT_DATA",
     "Dataset",
-    "FILE_FORMATS",
+    "FORMATS",
     "format_data_spec",
     "load_dataset",
     "parse_data_spec",
@@ -58,17 +53,6 @@ __all__ = [
 ]
 
 DEFAULT_DATA = "blobs"
-EXTENSION_FORMATS = {
-    ".safetensors": "safetensors",
-    ".pt": "pt",
-    ".pth": "pt",
-    ".npz": "npz",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
-TENSOR_FORMATS = ("safetensors", "pt", "npz")
-TABLE_FORMATS = ("csv", "parquet")
-FILE_FORMATS = TENSOR_FORMATS + TABLE_FORMATS + VISION_FORMATS
 
 
 def _parse_builtin_args(name: str, text: str) -> dict:
@@ -117,79 +101,88 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
     """Check a dict spec and complete it (absolute path, detected format, full built-in args)."""
     kind = spec.get("kind")
     if kind == "builtin":
-        unknown = sorted(set(spec) - {"kind", "name", "args"})
-        if unknown:
-            raise UsageError(
-                f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data"
-            )
-        name, args = spec.get("name"), spec.get("args") or {}
-        if not isinstance(args, dict):
-            raise UsageError(
-                f"builtin data spec 'args' must be a dict, got {type(args).__name__}",
-                source="--data",
-            )
-        if label_column is not None:
-            raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
-        return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
-    if kind != "file":
+        return _normalise_builtin(spec, label_column)
+    if kind == "file":
+        return _normalise_file(spec, label_column)
+    raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data")
+
+
+def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
+    """The complete form of ``{"kind": "builtin", "name", "args"}`` (arguments typed, defaults in)."""
+    unknown = sorted(set(spec) - {"kind", "name", "args"})
+    if unknown:
         raise UsageError(
-            f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data"
+            f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data"
         )
-    unknown = sorted(set(spec) - {"kind", "path", "format", "label_column"})
+    name, args = spec.get("name"), spec.get("args") or {}
+    if not isinstance(args, dict):
+        raise UsageError(
+            f"builtin data spec 'args' must be a dict, got {type(args).__name__}",
+            source="--data",
+        )
+    if label_column is not None:
+        raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
+    return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
+
+
+def _normalise_file(spec: dict, label_column: str | None) -> dict:
+    """The complete form of a file spec: absolute path, its format, the format's spec keys."""
+    unknown = sorted(set(spec) - {"kind", "path", "format", *optional_spec_keys()})
     if unknown:
         raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="--data")
-    path = spec.get("path")
-    if not isinstance(path, str) or not path:
+    given_path = spec.get("path")
+    if not isinstance(given_path, str) or not given_path:
         raise UsageError("file data spec needs a 'path' string", source="--data")
-    column = spec.get("label_column")
-    if label_column is not None and column is not None and label_column != column:
+    column = _label_column(spec.get("label_column"), label_column)
+    named = None if spec.get("format") is None else data_format(spec["format"])
+    path, fmt = route(_existing_path(given_path), named)
+    options = _format_options(fmt, spec, column)
+    return {"kind": "file", "path": path, "format": fmt.name, "label_column": column, **options}
+
+
+def _label_column(in_spec, from_option: str | None) -> str | None:
+    """The label column of the spec or of ``--label-column`` (which must agree), or None."""
+    if from_option is not None and in_spec is not None and from_option != in_spec:
         raise UsageError(
-            f"label column {label_column!r} contradicts the data spec's {column!r}",
+            f"label column {from_option!r} contradicts the data spec's {in_spec!r}",
             source="--label-column",
         )
-    column = column if column is not None else label_column
+    column = in_spec if in_spec is not None else from_option
     if column is not None and not isinstance(column, str):
         raise UsageError(f"label column must be a string, got {column!r}", source="--label-column")
-    path = os.path.abspath(os.path.expanduser(path))
-    fmt = spec.get("format")
-    if fmt is not None and fmt not in FILE_FORMATS:
-        raise UsageError(
-            f"unknown data format {fmt!r}; accepted: {', '.join(FILE_FORMATS)}", source="--data"
-        )
+    return column
+
+
+def _existing_path(given: str) -> str:
+    """``given`` made absolute; a missing path is an InputError (hinting at the built-ins
+    when it looks like a misspelt built-in name rather than a path)."""
+    path = os.path.abspath(os.path.expanduser(given))
     if not os.path.exists(path):
-        hint = (
-            f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in spec["path"] else ""
-        )
+        hint = f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in given else ""
         raise InputError(f"no such file or directory{hint}", source=path)
-    if os.path.isdir(path):
-        if fmt is None:
-            path, fmt = find_layout(path)
-        elif fmt not in VISION_FORMATS:
-            raise InputError(f"is a directory, but format {fmt!r} is a single file", source=path)
-        elif probe_folder(path) != fmt:
-            raise InputError(f"does not hold a {fmt} layout", source=path)
-    else:
-        if fmt is None:
-            fmt = _format_from_extension(path)
-        elif fmt in VISION_FORMATS:
-            raise InputError(f"format {fmt!r} needs a directory, this is a file", source=path)
-    if column is not None and fmt not in TABLE_FORMATS and not fmt.startswith("cifar100-"):
+    return path
+
+
+def _format_options(fmt: DataFormat, spec: dict, column: str | None) -> dict:
+    """The values of ``fmt``'s own spec keys (besides ``label_column``); a key (or
+    ``--label-column``) that only other formats read is a UsageError."""
+    if column is not None and "label_column" not in fmt.spec_keys:
+        takers = [other.name for other in FORMATS.values() if "label_column" in other.spec_keys]
         raise UsageError(
-            f"applies to tables and CIFAR-100, not to {fmt} data", source="--label-column"
+            f"applies to {', '.join(takers)} data, not to {fmt.name} data",
+            source="--label-column",
         )
-    return {"kind": "file", "path": path, "format": fmt, "label_column": column}
-
-
-def _format_from_extension(path: str) -> str:
-    """File format from the extension (case-insensitive); unknown -> InputError listing the known ones."""
-    extension = os.path.splitext(path)[1].lower()
-    if extension not in EXTENSION_FORMATS:
-        known = ", ".join(EXTENSION_FORMATS)
-        raise InputError(
-            f"unknown data file extension {extension or '(none)'!r}; accepted: {known}, or a CIFAR/MNIST folder",
-            source=path,
+    foreign = [
+        key
+        for key in optional_spec_keys()
+        if key != "label_column" and key not in fmt.spec_keys and spec.get(key) is not None
+    ]
+    if foreign:
+        raise UsageError(
+            f"file data spec key(s) {', '.join(foreign)} do not apply to {fmt.name} data",
+            source="--data",
         )
-    return EXTENSION_FORMATS[extension]
+    return {key: spec.get(key) for key in fmt.spec_keys if key != "label_column"}
 
 
 def format_data_spec(spec: dict) -> str:
@@ -203,6 +196,10 @@ def format_data_spec(spec: dict) -> str:
 def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = None) -> Dataset:
     """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
 
+    A file spec is read by its format's ``read`` in ``sharpcli.io.formats.FORMATS``; a
+    path no format claims is an ``InputError`` and an unknown format a ``UsageError``,
+    both listing the accepted ones.
+
     Returns a ``Dataset`` whose features are float32 ``(N, D)`` or ``(N, C, H, W)`` (int64
     when the file stores integers: token ids stay exact; see ``datasets_common``) and
     whose targets are int64 class labels or float32 regression targets, checked for
@@ -212,14 +209,7 @@ def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = 
     full = parse_data_spec(spec, label_column=label_column)
     if full["kind"] == "builtin":
         return load_builtin(full["name"], full["args"])
-    path, fmt, column = full["path"], full["format"], full["label_column"]
-    if fmt in TENSOR_FORMATS:
-        return read_tensor_file(path, fmt, full)
-    if fmt in TABLE_FORMATS:
-        return read_table(path, fmt, column, full)
-    if fmt == "mnist-idx":
-        return read_mnist(path, column, full)
-    return read_cifar(path, fmt, column, full)
+    return data_format(full["format"]).read(full)
 
 
 def subset(

@@ -90,15 +90,15 @@ class Dataset:
 
 
 def _how_to_add_test(spec: dict) -> str:
-    """A hint on how the given kind of source would provide a test split."""
-    fmt = spec.get("format") if isinstance(spec, dict) else None
-    if fmt in ("csv", "parquet"):
-        return "add a column named 'split' with values train/test"
-    if fmt in ("safetensors", "pt", "npz"):
-        return "add tensors x_test and y_test"
+    """A hint on how the given kind of source would provide a test split (a file format's
+    ``test_split`` in its registry record)."""
+    from sharpcli.io.formats import FORMATS  # the registry imports this module
+
     if isinstance(spec, dict) and spec.get("kind") == "builtin":
         return "use test_fraction > 0"
-    return "the folder holds no test files"
+    name = spec.get("format") if isinstance(spec, dict) else None
+    fmt = FORMATS.get(name) if isinstance(name, str) else None
+    return fmt.test_split if fmt is not None else "the folder holds no test files"
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -16,11 +16,19 @@ otherwise), except an optional column named ``split`` whose values
 column the whole table is the train split. Integer or boolean labels are classes
 ``0..C-1``; textual labels are mapped to classes by sorted name
 (``Dataset.class_names``); floating labels make a regression target.
+
+Each format's record (extensions, probe, reader) is in :mod:`sharpcli.io.formats`. The
+probes recognise a file by its signature when its extension routes it nowhere: the
+safetensors header, the zip archives of ``torch.save`` and ``numpy.savez`` (told apart by
+their member names), parquet's ``PAR1`` marks. Plain-text csv has no signature and is
+routed by its ``.csv`` extension only.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+import zipfile
 
 import numpy as np
 import pandas as pd
@@ -77,8 +85,10 @@ def _read_mapping(path: str, fmt: str) -> dict:
     raise ValueError(f"not a tensor file format: {fmt}")
 
 
-def read_tensor_file(path: str, fmt: str, spec: dict) -> Dataset:
-    """Load a ``.safetensors`` / ``.pt`` / ``.npz`` file with keys x, y [, x_test, y_test]."""
+def read_tensor_file(spec: dict) -> Dataset:
+    """Load the ``.safetensors`` / ``.pt`` / ``.npz`` file of a complete file spec (keys
+    x, y [, x_test, y_test])."""
+    path, fmt = spec["path"], spec["format"]
     content = _read_mapping(path, fmt)
     keys = [str(key) for key in content]
     unexpected = sorted(key for key in keys if key not in TENSOR_KEYS)
@@ -166,13 +176,14 @@ def _integer_columns(frame: pd.DataFrame, names: list[str]) -> bool:
     return True
 
 
-def read_table(path: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
-    """Load a csv/parquet table (rules in the module docstring).
+def read_table(spec: dict) -> Dataset:
+    """Load the csv/parquet table of a complete file spec (rules in the module docstring).
 
     pandas/pyarrow decode some cells lazily (e.g. invalid UTF-8 in a parquet string
     column fails only when the cell is converted), so any library error raised while
     the table is turned into arrays is reported as an InputError naming the file.
     """
+    path, fmt, label_column = spec["path"], spec["format"], spec["label_column"]
     frame = _read_table(path, fmt)
     try:
         return _table_dataset(frame, path, fmt, label_column, spec)
@@ -279,3 +290,68 @@ def _table_dataset(
             f"test labels in column {label!r}",
         ),
     )
+
+
+# ----------------------------------------------------------------------------- probes
+def _head(path: str, size: int) -> bytes:
+    """The first ``size`` bytes of a file (fewer when it is shorter; none when unreadable)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError:
+        return b""
+
+
+def _zip_members(path: str) -> list[str]:
+    """Member names of a zip archive; empty for anything else."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return []
+
+
+def is_safetensors(path: str) -> bool:
+    """A little-endian u64 header length that fits the file, then a JSON object."""
+    head = _head(path, 9)
+    if len(head) < 9:
+        return False
+    header_length = int.from_bytes(head[:8], "little")
+    try:
+        return head[8:9] == b"{" and 0 < header_length <= os.path.getsize(path) - 8
+    except OSError:
+        return False
+
+
+# torch.save's legacy (pre-zip) files open with a pickled magic number (torch.serialization)
+_TORCH_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def is_torch_file(path: str) -> bool:
+    """A ``torch.save`` archive (a zip holding ``<name>/data.pkl``) or a legacy torch file."""
+    head = _head(path, 14)
+    if head[:1] == b"\x80" and head[2:4] == b"\x8a\x0a" and head[4:14] == _TORCH_LEGACY_MAGIC:
+        return True
+    return any(name == "data.pkl" or name.endswith("/data.pkl") for name in _zip_members(path))
+
+
+def is_npz(path: str) -> bool:
+    """A zip archive of ``.npy`` members only (``numpy.savez``)."""
+    members = _zip_members(path)
+    return bool(members) and all(name.endswith(".npy") for name in members)
+
+
+def is_parquet(path: str) -> bool:
+    """``PAR1`` at both ends of the file."""
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(4)
+            handle.seek(-4, os.SEEK_END)
+            return start == b"PAR1" and handle.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
+def is_csv(path: str) -> bool:
+    """Plain text carries no signature: a csv file is routed by its ``.csv`` extension only."""
+    return False

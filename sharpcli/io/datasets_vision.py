@@ -22,6 +22,9 @@ Images come out as float32 ``(N, C, H, W)`` scaled to ``[0, 1]`` (byte / 255).
 CIFAR-100 uses the 100 fine labels unless ``label_column="coarse"`` (20 classes).
 The train split of a CIFAR-10 folder is every ``data_batch_k`` present, which must be
 numbered 1..K without gaps.
+
+Each layout's record (probe, reader) is in :mod:`sharpcli.io.formats`, which also finds
+a layout in the subfolders of the directory given to ``--data``.
 """
 
 from __future__ import annotations
@@ -40,13 +43,6 @@ from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
 from sharpcli.io.safe_pickle import restricted_loads
 
 CIFAR_PIXELS = 3 * 32 * 32
-VISION_FORMATS = (
-    "cifar10-python",
-    "cifar10-binary",
-    "cifar100-python",
-    "cifar100-binary",
-    "mnist-idx",
-)
 MAX_IDX_BYTES = 2**31  # larger than any MNIST-family file; a header promising more is corrupt
 _IDX_TYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 _CIFAR100_LABELS = {
@@ -94,55 +90,33 @@ def _mnist_file(folder: str, split: str, kind: str) -> str | None:
     return None
 
 
-def probe_folder(folder: str) -> str | None:
-    """The vision layout ``folder`` holds directly (one of ``VISION_FORMATS``), or None."""
-
-    def has(name: str) -> bool:
-        return os.path.isfile(os.path.join(folder, name))
-
-    if has("data_batch_1"):
-        return "cifar10-python"
-    if has("data_batch_1.bin"):
-        return "cifar10-binary"
-    if has("train.bin") and has("test.bin"):
-        return "cifar100-binary"
-    if has("train") and has("test"):
-        return "cifar100-python"
-    if _mnist_file(folder, "train", "images"):
-        return "mnist-idx"
-    return None
+def _has_files(folder: str, *names: str) -> bool:
+    return all(os.path.isfile(os.path.join(folder, name)) for name in names)
 
 
-def find_layout(folder: str) -> tuple[str, str]:
-    """``(dataset folder, format)`` for a directory given to ``--data``.
+def is_cifar10_python(folder: str) -> bool:
+    """``data_batch_1`` (python pickle batches of ``cifar-10-batches-py``)."""
+    return _has_files(folder, "data_batch_1")
 
-    The directory itself is probed first, then its subdirectories and their ``raw/``
-    folders (the torchvision layout ``root/MNIST/raw``), so both ``data/`` and
-    ``data/cifar-10-batches-py`` work. Several candidates, or none, raise InputError.
-    """
-    fmt = probe_folder(folder)
-    if fmt:
-        return folder, fmt
-    found = []
-    try:
-        children = sorted(os.listdir(folder))
-    except OSError as exc:
-        raise read_failure("directory", exc, folder) from exc
-    for name in children:
-        for candidate in (os.path.join(folder, name), os.path.join(folder, name, "raw")):
-            if os.path.isdir(candidate) and (sub := probe_folder(candidate)):
-                found.append((candidate, sub))
-    if len(found) == 1:
-        return found[0]
-    if found:
-        listed = ", ".join(f"{os.path.relpath(path, folder)} ({fmt})" for path, fmt in found)
-        raise InputError(
-            f"holds several datasets: {listed}; point --data at one of them", source=folder
-        )
-    raise InputError(
-        "is not a recognised dataset folder (expected CIFAR-10/100 python or binary batches, or MNIST idx files)",
-        source=folder,
-    )
+
+def is_cifar10_binary(folder: str) -> bool:
+    """``data_batch_1.bin`` (binary records of ``cifar-10-batches-bin``)."""
+    return _has_files(folder, "data_batch_1.bin")
+
+
+def is_cifar100_binary(folder: str) -> bool:
+    """``train.bin`` and ``test.bin`` (``cifar-100-binary``)."""
+    return _has_files(folder, "train.bin", "test.bin")
+
+
+def is_cifar100_python(folder: str) -> bool:
+    """``train`` and ``test`` pickles (``cifar-100-python``)."""
+    return _has_files(folder, "train", "test")
+
+
+def is_mnist_idx(folder: str) -> bool:
+    """A training-images idx file, plain or ``.gz``, under either of its usual names."""
+    return os.path.isdir(folder) and _mnist_file(folder, "train", "images") is not None
 
 
 # ----------------------------------------------------------------------------- CIFAR
@@ -251,8 +225,10 @@ def _cifar_dataset(train_parts, test_parts, num_classes: int, source: str, spec:
     )
 
 
-def read_cifar(folder: str, fmt: str, label_column: str | None, spec: dict) -> Dataset:
-    """Load a CIFAR-10/100 folder in python-pickle or binary format (module docstring)."""
+def read_cifar(spec: dict) -> Dataset:
+    """Load the CIFAR-10/100 folder of a complete file spec, python-pickle or binary
+    (module docstring)."""
+    folder, fmt, label_column = spec["path"], spec["format"], spec["label_column"]
     if fmt.startswith("cifar10-") and label_column is not None:
         raise UsageError(
             "CIFAR-10 has one label set; --label-column does not apply", source="--label-column"
@@ -388,9 +364,11 @@ def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | N
     return x, labels.astype(np.int64)
 
 
-def read_mnist(folder: str, label_column: str | None, spec: dict) -> Dataset:
-    """Load an MNIST-family idx folder; classes: ``max(10, 1 + largest label)``."""
-    if label_column is not None:
+def read_mnist(spec: dict) -> Dataset:
+    """Load the MNIST-family idx folder of a complete file spec; classes: ``max(10, 1 +
+    largest label)``."""
+    folder = spec["path"]
+    if spec["label_column"] is not None:
         raise UsageError(
             "MNIST idx folders have one label set; --label-column does not apply",
             source="--label-column",

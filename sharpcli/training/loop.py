@@ -498,32 +498,15 @@ def _save_state(
 # contiguous per-rank rows; a rank runs ``training_step`` on its rows and the gradients are then
 # all-reduced as the row-weighted average sum_r (B_r / B) grad_r, which is the gradient of the
 # global batch whenever the regularised objective is an average over samples of terms that
-# share every random draw across ranks. Per regularizer:
-#
-# - none, wd, ad, dropout: objective linear in the batch mean (wd's gradient is the same on every
-#   rank): exact; dropout masks differ from a single process (independent per rank, reseeded per
-#   epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw.
-# - weight-noise, nso: the noise U comes from the step generator, identical on every rank, and
-#   grad L(theta + U) is linear in the batch: exact.
-# - hessian-trace: v^T H v with the same probe v on every rank is linear in the batch: exact.
-# - gp (||grad L||^p), fa (||H v||^2 / B) and gn-trace (B ||grad Lhat||^2): nonlinear in the batch
-#   gradient or Hessian product, so averaging per-rank values is a different objective: refused.
-# - sam, usam, asam: the ascent step e(g) needs the global gradient g before the second pass;
-#   per-rank perturbations ("local SAM") are a different algorithm: refused.
-# - BatchNorm: batch statistics over each rank's rows (as torch DDP without SyncBatchNorm), not
-#   over the global batch; running statistics are row-weighted averages of the ranks' updates,
-#   so every rank keeps the same buffers. Results then differ from a single process.
+# share every random draw across ranks. Whether that holds is part of each regularizer's own
+# record: its class attribute ``data_parallel`` (sharpcli.training.regularizers) is None when
+# exact and otherwise the reason it is not (a penalty nonlinear in the batch gradient; an
+# ascent step that needs the global gradient first), and such regularizers are refused.
+# BatchNorm: batch statistics over each rank's rows (as torch DDP without SyncBatchNorm), not
+# over the global batch; running statistics are row-weighted averages of the ranks' updates,
+# so every rank keeps the same buffers. Results then differ from a single process.
 # The model is not wrapped in torch's DistributedDataParallel: a step may run several forward and
 # backward passes (oracles, double backward) and only the final gradient is to be averaged.
-
-DATA_PARALLEL_REFUSED = {
-    "gp": "its penalty ||grad L||^p is nonlinear in the batch gradient",
-    "fa": "its penalty ||H v||^2 is nonlinear in the batch Hessian product",
-    "gn-trace": "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient",
-    "sam": "its ascent step needs the global gradient norm before the second pass",
-    "usam": "its ascent step needs the global gradient before the second pass",
-    "asam": "its ascent step needs the global scaled gradient norm before the second pass",
-}
 
 
 def data_parallel_rank_and_world() -> tuple[int, int]:
@@ -534,10 +517,14 @@ def data_parallel_rank_and_world() -> tuple[int, int]:
 
 
 def check_data_parallel_regs(regs) -> None:
-    """Refuse (UsageError on ``--reg``) the regularizers whose per-rank gradients cannot be averaged."""
-    refused = [r.name for r in regs if r.name in DATA_PARALLEL_REFUSED]
+    """Refuse (UsageError on ``--reg``) the regularizers whose per-rank gradients cannot be
+    averaged, quoting each one's ``data_parallel`` reason."""
+    from sharpcli.training.regularizers import data_parallel_refusal
+
+    reasons_by_name = {r.name: data_parallel_refusal(r) for r in regs}
+    refused = [name for name, reason in reasons_by_name.items() if reason is not None]
     if refused:
-        reasons = "; ".join(f"{name}: {DATA_PARALLEL_REFUSED[name]}" for name in refused)
+        reasons = "; ".join(f"{name}: {reasons_by_name[name]}" for name in refused)
         raise UsageError(
             f"cannot train data-parallel with {', '.join(refused)} ({reasons}); "
             "run it in one process",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ __all__ = [
     "HyperParam",
     "Regularizer",
     "REGISTRY",
+    "register",
+    "unregister",
+    "data_parallel_refusal",
     "parse_reg",
     "validate_combination",
     "model_overrides",
@@ -137,15 +140,33 @@ def _format_value(value: Any) -> str:
 class Regularizer:
     """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
 
-    ``HYPERPARAMS`` lists the hyper-parameters in their documented positional order;
-    ``params`` maps each name to its value (JSON-serialisable); ``spec()`` is the
-    canonical ``name:k=v,...`` that :func:`parse_reg` accepts again.
+    A registered class carries everything about itself (:func:`register` checks it):
+
+    - ``name``: what ``--reg`` calls it; ``kind``: ``"none"``, ``"model"``, ``"penalty"``
+      (subclass :class:`Penalty`) or ``"oracle"`` (subclass :class:`Oracle`);
+    - ``HYPERPARAMS``: the hyper-parameters with defaults, in documented positional order;
+    - ``summary``: one line for ``--help``; the class docstring: the formula, the paper
+      key (NME, NSO, AD, FA, MAN, SAM, ASAM) and the cost in gradient evaluations;
+    - ``data_parallel``: ``None`` when the row-weighted average of per-rank gradients
+      (``sharpcli.training.loop.data_parallel_step``) is the gradient of the global batch,
+      otherwise the reason it is not, which the refusal under torchrun quotes. Every
+      registered class states it in its own body, never by inheritance: a new SAM variant
+      that inherited "exact" would silently run as local SAM;
+    - ``needs_penultimate``: whether it needs the input of the final ``nn.Linear``;
+    - :meth:`model_args`: what it changes in the model's construction.
+
+    ``params`` maps each hyper-parameter name to its value (JSON-serialisable); ``spec()``
+    is the canonical ``name:k=v,...`` that :func:`parse_reg` accepts again.
     """
 
-    name: str = ""
-    kind: str = ""  # "none", "model", "penalty" or "oracle"
-    HYPERPARAMS: tuple[HyperParam, ...] = ()
-    summary: str = ""
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # "none", "model", "penalty" or "oracle"
+    HYPERPARAMS: ClassVar[tuple[HyperParam, ...]] = ()
+    summary: ClassVar[str] = ""
+    needs_penultimate: ClassVar[bool] = False  # needs the input of the final nn.Linear
+    # Deliberately no default (see the class docstring); :func:`register` refuses a class
+    # whose own body does not set it.
+    data_parallel: ClassVar[str | None]
 
     def __init__(self, **params: Any):
         known = {h.name: h for h in self.HYPERPARAMS}
@@ -161,6 +182,10 @@ class Regularizer:
             self.params[h.name] = h.convert(
                 self.name, value if isinstance(value, str) else _format_value(value)
             )
+
+    def model_args(self) -> dict[str, Any]:
+        """Model-construction arguments this regularizer implies (none unless ``kind == "model"``)."""
+        return {}
 
     def spec(self) -> str:
         """Canonical text form ``name:k=v,...`` (``name`` alone without hyper-parameters)."""
@@ -198,7 +223,6 @@ class Penalty(Regularizer):
     """
 
     kind = "penalty"
-    needs_penultimate = False  # needs the input of the final nn.Linear
     needs_autograd = False  # needs autograd even to compute its value
     grad_from_graph = True
     has_extra_passes = False
@@ -243,6 +267,7 @@ class NoRegularizer(Regularizer):
     name = "none"
     kind = "none"
     summary = "plain loss"
+    data_parallel = None  # the batch-mean loss is linear in the batch
 
 
 class Dropout(Regularizer):
@@ -257,6 +282,12 @@ class Dropout(Regularizer):
     kind = "model"
     summary = "dropout p on hidden layers (AD 4.2)"
     HYPERPARAMS = (HyperParam("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
+    # Linear in the batch. The masks differ from a single process (independent per rank,
+    # reseeded per epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw.
+    data_parallel = None
+
+    def model_args(self) -> dict[str, Any]:
+        return {"dropout": self.params["p"]}
 
 
 # --------------------------------------------------------------------------- additive penalties
@@ -273,6 +304,7 @@ class WeightDecay(Penalty):
         HyperParam("sigma", "float", 1e-3, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
     )
     grad_from_graph = False
+    data_parallel = None  # sigma^2 theta is the same on every rank; the row weights sum to 1
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         sigma = self.params["sigma"]
@@ -303,6 +335,7 @@ class ActivationDecay(Penalty):
         HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
     )
     needs_penultimate = True
+    data_parallel = None  # a mean over samples: linear in the batch
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         h = ctx.penultimate
@@ -344,6 +377,7 @@ class GradientPenalty(Penalty):
         HyperParam("eps", "float", 1e-3, "finite-difference step length (mode=fd)", positive=True),
     )
     needs_autograd = True
+    data_parallel = "its penalty ||grad L||^p is nonlinear in the batch gradient"
 
     @property
     def grad_from_graph(self) -> bool:  # type: ignore[override]
@@ -430,6 +464,9 @@ class HessianTrace(Penalty):
         ),
         HyperParam("eps", "float", 0.1, "finite-difference step length (mode=fd)", positive=True),
     )
+    # The probes v come from the step generator, identical on every rank, and v^T H v (its
+    # finite differences too) is linear in the batch.
+    data_parallel = None
 
     @property
     def needs_autograd(self) -> bool:  # type: ignore[override]
@@ -504,6 +541,7 @@ class GaussNewtonTrace(Penalty):
         HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
     )
     needs_autograd = True
+    data_parallel = "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient"
 
     def sample_labels(
         self, logits: torch.Tensor, loss_name: str, generator: torch.Generator
@@ -572,6 +610,7 @@ class FlatnessAware(Penalty):
         HyperParam("eps", "float", 0.03, "finite-difference step length (mode=fd)", positive=True),
     )
     needs_autograd = True
+    data_parallel = "its penalty ||H v||^2 is nonlinear in the batch Hessian product"
 
     @property
     def has_extra_passes(self) -> bool:  # type: ignore[override]
@@ -642,12 +681,14 @@ class _AscentOracle(Oracle):
 class SAM(_AscentOracle):
     """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), NME eq. 42.
 
-    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` (Foret et al.). 2 evaluations.
+    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` (SAM, Foret et al.). 2 evaluations.
     """
 
     name = "sam"
     summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
     HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
+    # Per-rank ascent steps ("local SAM") would be a different algorithm.
+    data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
         norm = global_norm(grads)
@@ -662,13 +703,14 @@ class USAM(_AscentOracle):
     name = "usam"
     summary = "gradient at theta + rho g (NME App. B eq. 43)"
     HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
+    data_parallel = "its ascent step needs the global gradient before the second pass"
 
     def perturbation(self, params, grads):
         return [self.params["rho"] * g for g in grads]
 
 
 class ASAM(_AscentOracle):
-    """``asam:rho,eta``: adaptive SAM (Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
+    """``asam:rho,eta``: adaptive SAM (ASAM, Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
 
     ``T = diag(|w| + eta)`` on weights (parameters with ``dim > 1``) and ``T = I`` on the
     others (biases, normalisation scales), as LESSONS records of ASAM's reference code
@@ -683,6 +725,7 @@ class ASAM(_AscentOracle):
         HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
         HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
     )
+    data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
 
     def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""
@@ -734,6 +777,9 @@ class WeightNoise(Oracle):
         HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
         _REPORT,
     )
+    # U comes from the step generator, identical on every rank; grad L(theta + U) is linear
+    # in the batch.
+    data_parallel = None
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         report = self.params["report"]
@@ -778,6 +824,7 @@ class NSO(Oracle):
         HyperParam("k", "int", 1, "number of noise pairs per step", minimum=1),
         _REPORT,
     )
+    data_parallel = None  # as weight-noise: the same U_j on every rank, linear in the batch
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         report = self.params["report"]
@@ -814,34 +861,103 @@ class NSO(Oracle):
 
 
 # --------------------------------------------------------------------------- registry and parsing
-REGISTRY: dict[str, type[Regularizer]] = {
-    cls.name: cls
-    for cls in (
-        NoRegularizer,
-        WeightDecay,
-        Dropout,
-        ActivationDecay,
-        SAM,
-        USAM,
-        ASAM,
-        GradientPenalty,
-        HessianTrace,
-        GaussNewtonTrace,
-        WeightNoise,
-        NSO,
-        FlatnessAware,
-    )
+REGISTRY: dict[str, type[Regularizer]] = {}
+_KIND_BASES: dict[str, type[Regularizer]] = {
+    "none": Regularizer,
+    "model": Regularizer,
+    "penalty": Penalty,
+    "oracle": Oracle,
 }
+_NAME_FORBIDDEN = set(":,= ")  # characters that would break NAME:k=v,... parsing
+
+
+def register(cls: type[Regularizer]) -> type[Regularizer]:
+    """Add a regularizer class to :data:`REGISTRY` (usable as a class decorator).
+
+    Checks what every entry must carry (see :class:`Regularizer`): a new lower-case name
+    that ``--reg`` can parse, a known ``kind`` with the matching base class, a summary, a
+    docstring naming the regularizer, ``data_parallel`` set in the class's own body
+    (``None`` or a non-empty reason), and defaults its own hyper-parameters accept.
+    Raises TypeError (a programming error, met at import) naming what is missing.
+    """
+    name = cls.name
+    where = f"regularizer class {cls.__name__}"
+    if not name or name != name.lower() or _NAME_FORBIDDEN & set(name):
+        raise TypeError(
+            f"{where}: name {name!r} must be non-empty, lower-case, without :,= or space"
+        )
+    if name in REGISTRY:
+        raise TypeError(
+            f"{where}: name {name!r} is already registered by {REGISTRY[name].__name__}"
+        )
+    base = _KIND_BASES.get(cls.kind)
+    if base is None or not issubclass(cls, base):
+        raise TypeError(
+            f"{where}: kind {cls.kind!r} must be one of {', '.join(_KIND_BASES)}, "
+            "a penalty subclassing Penalty and an oracle subclassing Oracle"
+        )
+    if not cls.summary or not cls.__doc__ or name not in cls.__doc__:
+        raise TypeError(f"{where}: needs a summary and a docstring that names {name!r}")
+    if "data_parallel" not in vars(cls):
+        raise TypeError(
+            f"{where}: set data_parallel in the class body: None when averaging per-rank "
+            "gradients is exact, else the reason it is not"
+        )
+    reason = cls.data_parallel
+    if reason is not None and not (isinstance(reason, str) and reason.strip()):
+        raise TypeError(f"{where}: data_parallel must be None or a non-empty reason")
+    cls()  # the defaults must pass the hyper-parameters' own checks
+    REGISTRY[name] = cls
+    return cls
+
+
+def unregister(name: str) -> type[Regularizer]:
+    """Remove and return the class registered as ``name`` (KeyError when there is none)."""
+    return REGISTRY.pop(name)
+
+
+for _builtin in (
+    NoRegularizer,
+    WeightDecay,
+    Dropout,
+    ActivationDecay,
+    SAM,
+    USAM,
+    ASAM,
+    GradientPenalty,
+    HessianTrace,
+    GaussNewtonTrace,
+    WeightNoise,
+    NSO,
+    FlatnessAware,
+):
+    register(_builtin)
+del _builtin
+
+
+def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
+    """Why averaging per-rank gradients is not exact for ``reg``, or None when it is.
+
+    A class that does not state ``data_parallel`` in its own body (one put into
+    :data:`REGISTRY` without :func:`register`) is refused rather than assumed exact.
+    """
+    cls = reg if isinstance(reg, type) else type(reg)
+    if "data_parallel" not in vars(cls):
+        return "it does not declare whether averaging per-rank gradients is exact (data_parallel)"
+    return cls.data_parallel
 
 
 def describe_registry() -> list[dict[str, Any]]:
-    """One row per regularizer (for ``--help`` and reports): name, kind, summary, and its
-    hyper-parameters with defaults, in positional order."""
+    """One row per regularizer (for ``--help`` and reports): name, kind, summary, its
+    hyper-parameters with defaults in positional order, ``data_parallel`` (None when exact
+    under torchrun, else why not) and ``needs_penultimate``."""
     return [
         {
             "name": name,
             "kind": cls.kind,
             "summary": cls.summary,
+            "data_parallel": data_parallel_refusal(cls),
+            "needs_penultimate": cls.needs_penultimate,
             "hyperparameters": [
                 {
                     "name": h.name,
@@ -925,11 +1041,11 @@ def validate_combination(regs: Sequence[Regularizer]) -> None:
 
 
 def model_overrides(regs: Sequence[Regularizer]) -> dict[str, Any]:
-    """Model-construction arguments implied by the regularizers: ``{"dropout": p}`` for ``dropout:p``."""
+    """Model-construction arguments implied by the regularizers (each one's
+    :meth:`Regularizer.model_args`): ``{"dropout": p}`` for ``dropout:p``."""
     out: dict[str, Any] = {}
     for reg in regs:
-        if reg.kind == "model" and reg.name == "dropout":
-            out["dropout"] = reg.params["p"]
+        out.update(reg.model_args())
     return out
 
 
