@@ -62,14 +62,39 @@ def loss_for_task(task: str) -> str:
     return "mse" if task == "regression" else "cross-entropy"
 
 
-def check_model_accepts(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, source: str
-) -> int:
-    """Run one sample through the model; return its number of outputs.
+def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> str:
+    """The loss a model's outputs and labels call for, when the checkpoint names none.
 
-    Catches what a user can get wrong: features of the wrong shape, labels out
-    of the model's range, regression targets of the wrong width.
+    Regression targets: ``mse``. Class labels: ``token-cross-entropy`` for sequence outputs
+    (batch, length, vocabulary) with labels (batch, length); ``binary-cross-entropy`` for one
+    logit per sample; ``cross-entropy`` otherwise.
     """
+    if task == "regression":
+        return "mse"
+    if out.ndim == 3 and y.ndim == 2:
+        return "token-cross-entropy"
+    if out.ndim == 1 or (out.ndim == 2 and out.shape[1] == 1):
+        return "binary-cross-entropy"
+    return "cross-entropy"
+
+
+def check_model_accepts(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    task: str,
+    source: str,
+    loss: str | None = None,
+) -> tuple[int, str]:
+    """Run one sample through the model; return its outputs per sample and the loss.
+
+    Catches what a user can get wrong: features of the wrong shape, labels out of the
+    model's range, targets of the wrong width (each loss's own check,
+    :attr:`sharpcli.losses.Loss.check`). ``loss`` (from the checkpoint) or, if absent, the
+    loss :func:`infer_loss` picks.
+    """
+    from sharpcli.losses import get_loss
+
     if x.shape[0] == 0:
         raise InputError("the analysis set is empty", source=source)
     try:
@@ -81,25 +106,15 @@ def check_model_accepts(
         raise InputError(
             f"samples of shape {shape} do not fit the model ({first})", source=source
         ) from None
-    if out.ndim != 2:
+    if not isinstance(out, torch.Tensor):
         raise InputError(
-            f"the model returns outputs of shape {tuple(out.shape)}, expected (batch, classes)",
-            source=source,
+            f"the model returns a {type(out).__name__}, not a tensor of logits", source=source
         )
-    n_out = out.shape[1]
-    if task == "classification":
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_out):
-            raise InputError(
-                f"labels range over [{int(y.min())}, {int(y.max())}] but the model has {n_out} classes",
-                source=source,
-            )
-    else:
-        width = 1 if y.ndim == 1 else y.shape[1]
-        if width != n_out:
-            raise InputError(
-                f"targets have {width} columns but the model has {n_out} outputs", source=source
-            )
-    return n_out
+    loss = loss or infer_loss(task, out, y)
+    problem = get_loss(loss).check(out, y)
+    if problem:
+        raise InputError(problem, source=source)
+    return int(out[0].numel()), loss
 
 
 def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
@@ -466,8 +481,9 @@ def build_session(
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = y.to(torch_dtype)
-    loss = (ckpt.train_config or {}).get("loss") or loss_for_task(dataset.task)
-    n_out = check_model_accepts(model, x, y, dataset.task, dataset.source)
+    n_out, loss = check_model_accepts(
+        model, x, y, dataset.task, dataset.source, (ckpt.train_config or {}).get("loss")
+    )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     return Session(
         checkpoint=ckpt,

@@ -29,6 +29,7 @@ from torch import nn
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.scope import ParamScope, rademacher_like
 from sharpcli.errors import NumericalError, UsageError
+from sharpcli.losses import get_loss
 
 __all__ = [
     "TraceResult",
@@ -441,24 +442,18 @@ def _param_to_layer(scope: ParamScope) -> list[int]:
     return index
 
 
-def _ggn_directions(z: torch.Tensor, loss: str) -> list[torch.Tensor]:
-    """Columns ``s_c`` (each shaped like ``z``) with ``H_z = sum_c s_c s_c^T`` per sample.
+def _ggn_directions(z: torch.Tensor, y: torch.Tensor, loss: str) -> list[torch.Tensor]:
+    """Columns ``s`` (each shaped like ``z``) with ``H_z = sum_s s s^T`` per sample.
 
-    Cross-entropy: ``H_z = diag(p) - p p^T = S S^T`` with ``S = diag(sqrt p) - p sqrt(p)^T``
-    (check: ``S S^T = diag(p) - 2 p p^T + p (sqrt p . sqrt p) p^T`` and ``sum p = 1``), whose
-    column c is ``s_c = sqrt(p_c) (e_c - p)``. mse (``l = (1/C)||z - y||^2``): ``H_z = (2/C) I``,
-    ``s_c = sqrt(2/C) e_c``.
+    The loss's own factor (:attr:`sharpcli.losses.Loss.ggn_factor`): for cross-entropy
+    ``s_c = sqrt(p_c) (e_c - p)``, since ``diag(p) - p p^T = S S^T`` (``sum p = 1``); for mse
+    ``s_c = sqrt(2/C) e_c``; one column ``sqrt(s(z)(1 - s(z)))`` for binary cross-entropy; one
+    per (position, class) for token cross-entropy, whose ``H_z`` is block diagonal.
     """
-    classes = z.shape[-1]
-    eye = torch.eye(classes, dtype=z.dtype, device=z.device)
-    if loss == "cross-entropy":
-        p = torch.softmax(z.detach(), dim=-1)
-        return [p[:, c : c + 1].sqrt() * (eye[c] - p) for c in range(classes)]
-    scale = math.sqrt(2.0 / classes)
-    return [scale * eye[c].expand_as(z) for c in range(classes)]
+    return list(get_loss(loss).ggn_factor(z, y))
 
 
-def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, loss, per_param) -> None:
+def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) -> None:
     """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
     per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks."""
     from torch.func import jacrev, vmap
@@ -466,16 +461,17 @@ def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, loss, per_param) -> None
     logits = _functional_logits(model, [scope.names[i] for i in indices])
     jac = vmap(jacrev(logits), in_dims=(None, 0))
     params = tuple(scope.params[i].detach() for i in indices)
-    classes = z_b.shape[-1]
+    outputs = z_b[0].numel()  # C, or T x V for sequence outputs
     numel = sum(p.numel() for p in params)
-    rows = max(1, _CHUNK_BYTES // max(1, classes * numel * z_b.element_size()))
+    rows = max(1, _CHUNK_BYTES // max(1, outputs * numel * z_b.element_size()))
     for start in range(0, x_b.shape[0], rows):
         x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
-        S = torch.stack(_ggn_directions(z_c, loss), dim=1)  # (B, C columns, C)
+        S = torch.stack(_ggn_directions(z_c, y_b[start : start + rows], loss), dim=1)
+        S = S.reshape(S.shape[0], S.shape[1], outputs)  # (B, columns, outputs)
         with torch.no_grad():  # torch.func differentiates anyway; no graph to the other parameters
             J = jac(params, x_c)
         for i, Ji in zip(indices, J):  # Ji: (B, C, *shape)
-            M = S @ Ji.reshape(Ji.shape[0], classes, -1)  # rows s_c^T J
+            M = S @ Ji.reshape(Ji.shape[0], outputs, -1)  # rows s^T J
             per_param[i] += (M * M).sum().to(torch.float64)
 
 
@@ -496,10 +492,6 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     """
     from sharpcli.curvature.persample import LayerTaps
 
-    if data.loss not in ("cross-entropy", "mse"):
-        raise UsageError(
-            f"exact GGN trace supports cross-entropy and mse, not {data.loss!r}", source="--loss"
-        )
     layer_of = _param_to_layer(scope)
     blocks = scope.blocks()
     per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
@@ -510,11 +502,11 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
         with torch.enable_grad(), taps:
             z_b = model(x_b)
         taps.resolve(z_b)
-        for direction in _ggn_directions(z_b, data.loss):
+        for direction in _ggn_directions(z_b, y_b, data.loss):
             taps.accumulate(z_b, direction, per_param)
         rest = taps.uncovered
         if rest:
-            _jacobian_ggn_sums(model, scope, rest, x_b, z_b.detach(), data.loss, per_param)
+            _jacobian_ggn_sums(model, scope, rest, x_b, z_b.detach(), y_b, data.loss, per_param)
         del z_b
         if not torch.isfinite(per_param).all():
             raise NumericalError(

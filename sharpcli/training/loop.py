@@ -306,7 +306,7 @@ def train(
                     "perturbs input features, but this model takes integer token ids",
                     source=option,
                 )
-    check_model_accepts(model, x_train, y_train, dataset.task, dataset.source)
+    check_model_accepts(model, x_train, y_train, dataset.task, dataset.source, cfg.loss)
     optimizer = _make_optimizer(cfg, model)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
     step_gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
