@@ -1,7 +1,7 @@
 """Losses ``l(z, y)`` on logits and their Hessians with respect to the logits.
 
 Both are batch means, as the analysis loss ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``
-of SPEC section 1 (so a batch of size B contributes with weight B/N).
+of :mod:`sharpcli.curvature.data` (so a batch of size B contributes with weight B/N).
 
 - cross-entropy: ``l = -log softmax(z)_y``;  ``H_z = diag(p) - p p^T`` per sample.
 - mse: ``l = (1/C) ||z - y||^2`` (torch's ``mse_loss`` with mean reduction over

@@ -1,4 +1,7 @@
-"""Lanczos with full reorthogonalisation for extreme eigenvalues of a symmetric operator (SPEC 3).
+"""Lanczos with full reorthogonalisation for extreme eigenvalues of a symmetric operator.
+
+The method is [Lanczos1950]; the reorthogonalisation and the Ritz residual below follow
+[Parlett1998]. User guide: docs/commands/eigen.md.
 
 After m steps from a unit start vector q_1 the Lanczos relation reads
 
@@ -12,10 +15,10 @@ with ``T_m`` tridiagonal (alphas on the diagonal, betas beside it). For an eigen
 which costs nothing to evaluate and is exact as long as Q_m stays orthonormal; full
 reorthogonalisation (classical Gram-Schmidt applied twice, "CGS2") keeps it so, which is
 why the residuals reported are honest (``ritz_residuals`` recomputes them explicitly).
-A Ritz value is *converged* when ``||A u - theta u|| <= tol * |theta|`` (SPEC default
-tol 1e-3), or when the residual is at rounding level (``100 eps ||T_m||``), which covers
-zero eigenvalues. The iteration stops when all requested Ritz values have converged or the
-matvec budget is spent. A breakdown (``beta_m`` at rounding level) means an invariant
+A Ritz value is *converged* when ``||A u - theta u|| <= tol * |theta|`` (default tol 1e-3,
+docs/commands/eigen.md), or when the residual is at rounding level (``100 eps ||T_m||``),
+which covers zero eigenvalues. The iteration stops when all requested Ritz values have
+converged or the matvec budget is spent. A breakdown (``beta_m`` at rounding level) means an invariant
 subspace was found: its Ritz values are exact eigenvalues. When the whole space fits the
 budget (P <= max_matvecs, tiny problems) the iteration restarts with a fresh random vector
 orthogonal to Q and runs to dimension P, so multiplicities are found and every eigenvalue
