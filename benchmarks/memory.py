@@ -7,7 +7,7 @@ each child, which is the maximum over the children so far, so the commands run f
 smallest expected footprint up, each in a fresh measuring process). A baseline child that
 only imports torch and sharpcli and loads the model gives the fixed cost.
 
-Memory model (SPEC section 8): one batch of activations and its first-order graph, plus a
+Memory model (docs/benchmarks.md): one batch of activations and its first-order graph, plus a
 few parameter-sized vectors per estimator. One P-vector is ``P * 4`` bytes in float32
 (20.6 MB here). Lanczos keeps its Krylov basis, ``krylov_dim x P x bytes`` (``krylov_dim =
 min(P, --max-matvecs)``, default 100); Hutchinson keeps a block of ``block_size = 8``

@@ -1,4 +1,4 @@
-"""Data-parallel runs under ``torchrun`` (SPEC section 8): process group, output rank, failures.
+"""Data-parallel runs under ``torchrun`` (README.md): process group, output rank, failures.
 
 ``torchrun --nproc_per_node W -m sharpcli CMD ...`` (or ``python -m torch.distributed.run``)
 starts W copies of the command with the environment variables ``RANK``, ``WORLD_SIZE``,

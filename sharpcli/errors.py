@@ -1,4 +1,4 @@
-"""User-facing error types and their exit codes (SPEC section 7).
+"""User-facing error types and their exit codes (docs/index.md, "Exit codes"; docs/json.md).
 
 Every error a user can cause is raised as one of these; the CLI turns it into
 one line on stderr (``sharp: error: <file>: <problem>``), a JSON error object

@@ -118,7 +118,7 @@ def check_model_accepts(
 
 
 def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
-    """Refuse a model that is not deterministic in analysis mode (SPEC section 1: eval mode).
+    """Refuse a model that is not deterministic in analysis mode (eval mode, as [PyHessian]).
 
     The analysis loss ``L(theta)`` must be a function of ``theta``: a module still in training
     mode that behaves differently there (dropout with p > 0, BatchNorm on batch statistics,

@@ -1,4 +1,4 @@
-"""Bad input, everywhere: the error contract of SPEC section 7, one table of cases across all commands.
+"""Bad input, everywhere: the error contract of docs/json.md, one table of cases across all commands.
 
 Each case is a command line with one thing wrong (a corrupt, truncated or wrong-format
 checkpoint or data file, a shape or dtype mismatch, NaN/Inf in weights or data, labels out of
@@ -1075,7 +1075,7 @@ def check_one_line(run: Run, case: Case, needles: list[str]) -> str:
 
 
 def check_error_document(doc: dict, case: Case, message: str) -> None:
-    """The JSON error object of SPEC section 7, agreeing with the stderr line."""
+    """The JSON error object of docs/json.md ("The error object"), agreeing with the stderr line."""
     assert set(doc) == {"schema", "command", "version", "error"}, doc
     assert (
         doc["schema"] == SCHEMA_ID
@@ -1131,7 +1131,7 @@ def test_bad_input(case: Case, files, outdir, capsys):
 
 # ---------------------------------------------------------------------------------------------- random data contents
 
-SPECIAL_VALUES = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39]
+EXTREME_VALUES = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39]
 
 
 @st.composite
@@ -1144,7 +1144,7 @@ def data_contents(draw):
     x_shape = draw(st.sampled_from([(n, 16), (n, 16), (n, 16), (n, 5), (n,), (n, 4, 4), (n, 0)]))
     x = rng.standard_normal(x_shape)
     for _ in range(draw(st.sampled_from([0, 0, 1, 3])) if x.size else 0):
-        x.flat[rng.integers(x.size)] = draw(st.sampled_from(SPECIAL_VALUES))
+        x.flat[rng.integers(x.size)] = draw(st.sampled_from(EXTREME_VALUES))
     with np.errstate(over="ignore"):
         x = x.astype(draw(st.sampled_from([np.float32, np.float64])))
     n_y = draw(st.sampled_from([n, n, n, n + 1, max(n - 1, 0)]))

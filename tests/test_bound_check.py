@@ -28,7 +28,7 @@ from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model
 from sharpcli.report.envelope import validate_report
 
-SPEC = {
+MLP = {
     "name": "mlp",
     "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 4, "activation": "relu"},
 }
@@ -37,7 +37,7 @@ SPEC = {
 def _trained(steps=200, seed=0, activation="relu"):
     """The tiny MLP after full-batch Adam on a learnable labelling of 40 Gaussian points."""
     torch.manual_seed(seed)
-    model = build_model({"name": "mlp", "args": dict(SPEC["args"], activation=activation)}).double()
+    model = build_model({"name": "mlp", "args": dict(MLP["args"], activation=activation)}).double()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 3, dtype=torch.float64, generator=gen)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
@@ -111,7 +111,7 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         # epsilon over the region: the largest full-data gradient norm at theta and theta + D_j
         region = [result.epsilon_full]
         for j in range(4):
-            twin = build_model(SPEC).double().eval()
+            twin = build_model(MLP).double().eval()
             twin.load_state_dict(model.state_dict())
             with torch.no_grad():
                 twin[4].weight.add_(sigma * Z[:, j].view(3, 4))
@@ -257,7 +257,7 @@ def _write_fixture(tmp_path, model, x, y):
     data_path = tmp_path / "data.pt"
     torch.save({"x": x.float(), "y": y}, data_path)
     ckpt = tmp_path / "model.safetensors"
-    save_checkpoint(ckpt, model, SPEC, data_spec=str(data_path))
+    save_checkpoint(ckpt, model, MLP, data_spec=str(data_path))
     return ckpt
 
 

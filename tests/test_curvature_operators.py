@@ -1,4 +1,4 @@
-"""H, G, N operators against dense torch.func matrices in float64 (SPEC section 2 identities)."""
+"""H, G, N operators against dense torch.func matrices in float64 (the identities of [NME] eq. 2)."""
 
 from __future__ import annotations
 

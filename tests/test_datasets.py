@@ -1,4 +1,4 @@
-"""Dataset loading (SPEC section 5): every format against the values its writer put on disk,
+"""Dataset loading (``--data``, docs/index.md): every format against the values its writer put on disk,
 built-in generators, seeded subsets, the restricted unpickler, and every bad-input error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-parallel commands (SPEC section 8): 2 gloo ranks on CPU equal 1 process, rank 0 alone prints.
+"""Data-parallel commands (README.md): 2 gloo ranks on CPU equal 1 process, rank 0 alone prints.
 
 One ``torch.multiprocessing`` spawn of 2 ranks runs, through ``sharpcli.cli.app.main`` with
 torchrun's environment variables, eigen, trace and gn-nme (float64), a command that hits

@@ -47,8 +47,8 @@ FUZZ = settings(
 EXTENSIONS = [".safetensors", ".pt", ".pth", ".bin"]
 
 # A 4 -> 3 -> 2 ReLU MLP: state_dict names 0.weight (3, 4), 0.bias (3,), 2.weight (2, 3), 2.bias (2,).
-SPEC = tiny_mlp_spec(d_in=4, classes=2, width=3, depth=1)
-ARCH_ARGS = SPEC["args"]
+TINY_MLP = tiny_mlp_spec(d_in=4, classes=2, width=3, depth=1)
+ARCH_ARGS = TINY_MLP["args"]
 TRUE_SHAPES = {"0.weight": (3, 4), "0.bias": (3,), "2.weight": (2, 3), "2.bias": (2,)}
 
 
@@ -100,10 +100,10 @@ def valid_bytes(tmp_path_factory) -> dict[str, bytes]:
 
     root = tmp_path_factory.mktemp("valid_checkpoints")
     torch.manual_seed(0)
-    model = build_model(SPEC)
+    model = build_model(TINY_MLP)
     own = write_own_checkpoint(
         root / "own.safetensors",
-        spec=SPEC,
+        spec=TINY_MLP,
         data_spec={"kind": "builtin", "name": "blobs", "args": {"n": 8, "dim": 4, "classes": 2}},
     )
     return {
@@ -247,7 +247,7 @@ metadata = st.fixed_dictionaries(
     {},
     optional={
         META_FORMAT: st.sampled_from(["1", "2", "", "x"]),
-        META_MODEL: model_meta | st.just(json.dumps(SPEC)),
+        META_MODEL: model_meta | st.just(json.dumps(TINY_MLP)),
         META_DATA: json_values.map(json.dumps) | st.text(max_size=10),
         META_TRAIN: json_values.map(json.dumps) | st.text(max_size=10),
         META_METRICS: json_values.map(json.dumps) | st.text(max_size=10),
@@ -294,7 +294,7 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
     all_finite = all(bool(torch.isfinite(t).all()) for t in cast.values())
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.safetensors")
-        meta = {META_FORMAT: "1", META_MODEL: json.dumps(SPEC)} if own else None
+        meta = {META_FORMAT: "1", META_MODEL: json.dumps(TINY_MLP)} if own else None
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata=meta)
         if not all_finite:
             with pytest.raises(InputError) as info:
@@ -339,7 +339,7 @@ def test_nan_and_inf_weights_are_refused_naming_the_tensor(tmp_path):
     from sharpcli.models import build_model
 
     torch.manual_seed(0)
-    state = build_model(SPEC).state_dict()
+    state = build_model(TINY_MLP).state_dict()
     for bad in (float("nan"), float("inf")):
         broken = {k: v.clone() for k, v in state.items()}
         broken["2.bias"][1] = bad

@@ -1,4 +1,4 @@
-"""Regularizer registry and gradient oracles of ``sharp train`` (SPEC section 6).
+"""Regularizer registry and gradient oracles of ``sharp train`` (docs/commands/train.md).
 
 Every gradient is checked against an independent float64 computation on tiny models:
 central finite differences of the stated objective (ad, wd, gp, gn-trace, fa,
@@ -486,7 +486,7 @@ def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
 
 
 # --------------------------------------------------------------------------- state: weights, BatchNorm, dropout RNG
-ALL_SPECS = [
+ALL_REG_OPTIONS = [
     "none",
     "wd",
     "dropout",
@@ -517,7 +517,7 @@ def bn_dropout_model(p_drop=0.3):
     ).to(DT)
 
 
-@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("spec", ALL_REG_OPTIONS)
 def test_weights_are_bitwise_unchanged_and_buffers_as_after_one_clean_pass(spec):
     model, (x, y) = bn_dropout_model(), batch(n=8)
     reference = bn_dropout_model()

@@ -12,7 +12,7 @@ from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.training.regularizers import REGISTRY
 
 DATA = "blobs:n=128,dim=6,classes=3"
-SPECS = {
+REG_OPTIONS = {
     "none": "none",
     "wd": "wd:sigma=0.01",
     "dropout": "dropout:p=0.2",
@@ -30,10 +30,10 @@ SPECS = {
 
 
 def test_every_registered_regularizer_is_covered():
-    assert set(SPECS) == set(REGISTRY)
+    assert set(REG_OPTIONS) == set(REGISTRY)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(REG_OPTIONS))
 def test_short_run_of_each_regularizer(tmp_path, capsys, name):
     out = tmp_path / f"{name}.safetensors"
     run = run_cli(
@@ -48,7 +48,7 @@ def test_short_run_of_each_regularizer(tmp_path, capsys, name):
         "--batch-size",
         "32",
         "--reg",
-        SPECS[name],
+        REG_OPTIONS[name],
         "--out",
         out,
         "--json",
@@ -64,7 +64,7 @@ def test_short_run_of_each_regularizer(tmp_path, capsys, name):
     ckpt = load_checkpoint(out)
     recorded = ckpt.train_config["regs"]
     assert len(recorded) == 1 and recorded[0].split(":")[0] == name
-    for key_value in SPECS[name].split(":")[1:]:
+    for key_value in REG_OPTIONS[name].split(":")[1:]:
         for kv in key_value.split(","):
             k, v = kv.split("=")
             assert f"{k}=" in recorded[0] and float(

@@ -1,4 +1,4 @@
-"""Activation statistics of MAN section 2 and the output-level quantities of MAN sections 5-5.3.
+"""Activation statistics of [MAN] section 2 and the output-level quantities of MAN sections 5-5.3.
 
 Per activation layer (every module of :data:`sharpcli.models.activations.ACTIVATION_TYPES`,
 one entry per call of the module in a forward pass), over the analysis set of B samples:
@@ -29,7 +29,7 @@ Output level, with ``p = softmax(z)`` (cross-entropy models): Gini impurity
 ``input_jacobian_fro``: ``(1/B) sum_i ||d z_i / d x_i||_F``, the Frobenius norm of the
 input-output Jacobian of the logits over all input entries (MAN Table 3, "over all pixels"),
 averaged over samples; ``input_jacobian_fro_softmax`` is the same for the probabilities
-``p_i`` (Novak et al. 2018's variant): ``d p_c/dx = p_c (d z_c/dx - sum_k p_k d z_k/dx)``.
+``p_i`` (the variant of [Novak2018]): ``d p_c/dx = p_c (d z_c/dx - sum_k p_k d z_k/dx)``.
 Both come from C + 1 reverse passes per batch, ``r_c = d (sum_i z_ic) / dx`` (row c of every
 sample's Jacobian, since samples do not interact in eval mode) and ``rbar = d (sum_i p_i . z_i)/dx``
 with ``p`` held constant.
@@ -97,7 +97,7 @@ class OutputStats:
 
 @dataclass
 class ActivationStatsResult:
-    """Everything ``sharp activation-stats`` reports (SPEC section 7 keys)."""
+    """Everything ``sharp activation-stats`` reports (the keys of docs/json.md)."""
 
     layers: list[LayerActivationStats]
     output: OutputStats
@@ -109,7 +109,7 @@ class ActivationStatsResult:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready dict with the keys of SPEC section 7 (``layers``, ``output``, ...)."""
+        """JSON-ready dict with the keys of docs/json.md (``layers``, ``output``, ...)."""
         return {
             "layers": [layer.to_dict() for layer in self.layers],
             "output": self.output.to_dict(),

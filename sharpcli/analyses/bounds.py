@@ -1,6 +1,6 @@
-"""Checks of the activation-decay bounds (AD Corollary 1, Theorems 2-3) and NSO's trace gap (NSO Fig. 2).
+"""Checks of the activation-decay bounds ([AD] Corollary 1, Theorems 2-3) and [NSO] Fig. 2's gap.
 
-**Corollary 1** (AD section 3.1, adapted from Delattre et al. 2024). If ``grad L`` is H-Lipschitz and
+**Corollary 1** (AD section 3.1, adapted from [Delattre2024]). If ``grad L`` is H-Lipschitz and
 ``||grad L(theta)||_2 <= eps``, then for ``Delta ~ N(0, sigma^2 I)`` over the scope
 
     || grad^2 E_Delta L(theta + Delta) ||_2  <=  H erf( eps / (sqrt(2) H sigma) ).
@@ -53,7 +53,7 @@ standard deviation of ``Y - beta q`` over the pairs divided by ``sqrt(K)``.
 **Noise stability** (NSO section 2.2, eq. 4, Fig. 2): for ``U ~ N(0, sigma^2 I)`` over the scope,
 ``E_U L(theta + U) - L(theta) ~ sigma^2/2 tr(H)``. The left side is estimated with antithetic
 pairs, ``(L(theta + U_j) + L(theta - U_j))/2 - L(theta)`` (the first-order term cancels exactly),
-with common random numbers across sigmas; ``tr(H)`` by Hutch++ from the curvature engine. Beside
+with common random numbers across sigmas; ``tr(H)`` by [Hutch++] from the curvature engine. Beside
 it, with the same ``U_j``, the paired quadratic term ``sigma^2/2 Z_j^T H Z_j`` and the Taylor
 residual (gap minus quadratic term, the higher-order part NSO neglects; for ReLU networks it also
 holds the effect of pre-activations within ~sigma of a kink, which no Taylor term has). The plain gap's
@@ -271,7 +271,7 @@ class BoundRow:
     matvecs: int
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (SPEC section 7 keys plus H's parts, convergence and cost)."""
+        """JSON-ready dict (the keys of docs/json.md plus H's parts, convergence and cost)."""
         return asdict(self)
 
 
@@ -322,7 +322,7 @@ class NoiseStabilityRow:
 
 @dataclass
 class BoundCheckResult:
-    """Everything ``sharp bound-check`` reports: ``rows`` (SPEC section 7) and the optional checks."""
+    """Everything ``sharp bound-check`` reports: ``rows`` (docs/json.md) and the optional checks."""
 
     rows: list[BoundRow]
     params: str

@@ -1,4 +1,4 @@
-"""Weight rescaling and rescale-invariant sharpness (MAN Fig. 1; Dinh et al. 2017; ASAM).
+"""Weight rescaling and rescale-invariant sharpness ([MAN] Fig. 1; [Dinh2017]; [ASAM]).
 
 Three rescalings of a model's parameters theta, each with a factor ``alpha > 0``:
 
@@ -431,7 +431,7 @@ class RescaleRow:
     matvecs: int
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (the keys of SPEC section 7 plus convergence and cost)."""
+        """JSON-ready dict (the keys of docs/json.md plus convergence and cost)."""
         return asdict(self)
 
 
@@ -451,7 +451,7 @@ class WeightRescaleResult:
         return self.baseline.matvecs + sum(row.matvecs for row in self.rows)
 
     def to_dict(self) -> dict:
-        """JSON-ready dict: ``rows`` (SPEC section 7), ``baseline``, ``plan``, scope."""
+        """JSON-ready dict: ``rows`` (docs/json.md), ``baseline``, ``plan``, scope."""
         return {
             "rows": [row.to_dict() for row in self.rows],
             "baseline": self.baseline.to_dict(),

@@ -1,11 +1,11 @@
 """Spectrum questions: eigenvalues, traces, Tr(A^2), spectral density, the GN/NME split.
 
 Each function takes a :class:`~sharpcli.session.Session` and returns the
-``results`` dict of its command's JSON report (SPEC section 7). All products go
+``results`` dict of its command's JSON report (docs/json.md). All products go
 through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
 share their cached first-order graphs.
 
-Operators (SPEC section 2; NME paper eq. 2):
+Operators ([NME] eq. 2; docs/commands/gn-nme.md):
 ``H`` the Hessian of the analysis loss, ``G = J^T H_z J`` the Gauss-Newton
 matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
 modeling error.
@@ -216,7 +216,7 @@ def density(
     params: str | None = None,
     seed: int | None = None,
 ) -> dict:
-    """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019), Gaussian-broadened."""
+    """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened."""
     from sharpcli.curvature.density import spectral_density
 
     seed = session.seed if seed is None else seed

@@ -1,14 +1,14 @@
-"""Curvature tracked during training (``sharp train --track``), as the manipulation paper's
-training-dynamics figures (Fig. 3/5) record it.
+"""Curvature tracked during training (``sharp train --track``), as the training-dynamics
+figures of [MAN] (Fig. 3 and 5) record it.
 
 Every K epochs the model is put in eval mode and, on a fixed seeded subset of
 the training set, the chosen quantities are computed with the same curvature
 engine as ``sharp eigen/trace/gn-nme``:
 
 - ``eigen``:  ``lambda_max`` of the Hessian (Lanczos, residual tol 1e-3);
-- ``trace``:  ``tr(H)`` by Hutch++ (5% relative standard error, at most 200 matvecs);
+- ``trace``:  ``tr(H)`` by [Hutch++] (5% relative standard error, at most 200 matvecs);
 - ``gn-nme``: ``tr(G)``, ``tr(N)`` and the NME share from shared probes;
-- ``frobenius``: ``Tr(H^2)`` (the flatness-aware paper's flatness).
+- ``frobenius``: ``Tr(H^2)`` (the flatness of [FA] eq. 1).
 
 Nothing here draws from the global RNG, so tracking does not change the
 training trajectory (resume stays bit for bit).

@@ -1,4 +1,4 @@
-"""``sharp activation-stats``, ``sharp weight-rescale`` and ``sharp bound-check`` (SPEC section 4).
+"""``sharp activation-stats``, ``sharp weight-rescale`` and ``sharp bound-check`` (docs/commands/).
 
 Thin commands: parse the options, build a :class:`sharpcli.session.Session`, call the analysis
 in :mod:`sharpcli.analyses` (activations, rescale, bounds), render tables or write the JSON.

@@ -4,7 +4,7 @@
 exit code: it times the call, renders tables (stdout) or writes JSON
 (``--json PATH`` atomically, ``--json -`` as the only thing on stdout), turns
 ``SharpError`` into one line on stderr plus a JSON error object, and maps
-errors to the exit codes of SPEC section 7.
+errors to the exit codes of docs/index.md ("Exit codes").
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ ParamsOpt = Annotated[
 
 @dataclass
 class CommonOptions:
-    """The options of SPEC section 4 shared by the analysis commands."""
+    """The options shared by the analysis commands (docs/index.md, "Options every analysis ...")."""
 
     data: str | None = None
     label_column: str | None = None
@@ -350,7 +350,7 @@ _COMMON_PARAMS = [
 def analysis_command(app, name: str):
     """Register ``func(opts: CommonOptions, checkpoint, **own_options) -> Outcome`` as command ``name``.
 
-    The common options of SPEC section 4 are added to the command's signature
+    The common options (docs/index.md) are added to the command's signature
     here, once, so every analysis command spells them the same way.
     """
     import functools

@@ -1,6 +1,12 @@
 """Curvature engine: the analysis set, parameter scopes, matrix-free H/G/N products and the
 estimators built on them (Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton
-traces, stochastic Lanczos quadrature) plus the PyHessian parity engine. SPEC sections 1-3, 8."""
+traces, stochastic Lanczos quadrature) plus the PyHessian parity engine.
+
+Methods, by key of docs/references.md: the H = G + N split [NME] eq. 2, Gauss-Newton products
+[Schraudolph2002], Lanczos [Lanczos1950] with full reorthogonalisation [Parlett1998], traces by
+[Hutchinson1989] and [Hutch++], per-sample gradient norms [Goodfellow2015] [Rochette2019],
+spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. User guide: the command
+pages docs/commands/eigen.md, trace.md, gn-nme.md, density.md and docs/scope.md."""
 
 from sharpcli.curvature.data import (
     AnalysisData,

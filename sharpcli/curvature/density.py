@@ -1,4 +1,4 @@
-"""Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019; Papyan 2020).
+"""Spectral density by stochastic Lanczos quadrature ([Ubaru2017]; [Ghorbani2019]; [Papyan2020]).
 
 For a unit probe ``v`` (normalised Rademacher), m Lanczos steps give ``T_m = S diag(theta) S^T``;
 the Gauss quadrature nodes ``theta_j`` and weights ``tau_j = S_{1j}^2`` (sum 1) satisfy

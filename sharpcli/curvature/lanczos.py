@@ -1,4 +1,7 @@
-"""Lanczos with full reorthogonalisation for extreme eigenvalues of a symmetric operator (SPEC 3).
+"""Lanczos with full reorthogonalisation for extreme eigenvalues of a symmetric operator.
+
+The method is [Lanczos1950]; the reorthogonalisation and the Ritz residual below follow
+[Parlett1998]. User guide: docs/commands/eigen.md.
 
 After m steps from a unit start vector q_1 the Lanczos relation reads
 
@@ -33,7 +36,7 @@ float64 operator the estimate agrees with the explicit residual to rounding (pin
 tests), so no product is spent on it unless asked.
 
 A Ritz value is *converged* when its reported residual satisfies
-``||A u - theta u|| <= tol * |theta|`` (SPEC default tol 1e-3), or is at the products'
+``||A u - theta u|| <= tol * |theta|`` (default tol 1e-3, docs/commands/eigen.md), or is at the products'
 rounding level (``100 eps(dtype) ||T_m||``), which covers zero eigenvalues. The iteration
 stops when the estimates of all requested Ritz values have converged or the matvec budget is
 spent; a pair whose explicit residual then fails the test is reported as not converged.

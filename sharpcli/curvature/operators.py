@@ -1,10 +1,13 @@
-"""Matrix-free curvature products on flat parameter vectors (SPEC section 2, NME eq. 2).
+"""Matrix-free curvature products on flat parameter vectors ([NME] eq. 2; docs/commands/gn-nme.md).
 
 For the analysis loss ``L(theta) = (1/N) sum_i l(z_i, y_i)``, ``z_i = f(theta, x_i)``:
 
 - Hessian      ``H = d^2 L / dtheta^2``
 - Gauss-Newton ``G = (1/N) sum_i J_i^T H_z,i J_i``, ``J_i = dz_i/dtheta``, ``H_z,i = d^2 l/dz_i^2``
 - NME          ``N = H - G = (1/N) sum_i sum_c (dl/dz_ic) d^2 z_ic / dtheta^2``   (NME eq. 2)
+
+The matrix-free Gauss-Newton product ``J^T H_z J v`` follows [Schraudolph2002] (see also [Martens2020]);
+the split and the name NME (nonlinear modeling error) are those of [NME] section 2.
 
 How the products are computed (one pass over the data per product or block of products).
 Per batch the first-order graph is built once,

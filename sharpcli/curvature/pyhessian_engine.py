@@ -1,4 +1,7 @@
-"""``--engine pyhessian``: eigenvalues and trace through PyPI ``pyhessian`` 0.1 (SPEC section 3).
+"""``--engine pyhessian``: eigenvalues and trace through PyPI ``pyhessian`` 0.1 [PyHessian].
+
+User guide: docs/commands/eigen.md; measurements: docs/benchmarks.md ("Curvature: sharp vs
+PyHessian").
 
 Runs ``pyhessian.hessian`` on the same model, loss and batches as the native engine (CPU,
 ``cuda=False``; a single ``data=(x, y)`` batch when the analysis set is one batch, otherwise

@@ -1,10 +1,10 @@
-"""Joint stochastic estimates of the GN/NME split ``H = G + N`` (NME paper, section 2).
+"""Joint stochastic estimates of the GN/NME split ``H = G + N`` ([NME] section 2, eq. 2).
 
 One Rademacher probe ``v`` and one joint pass give ``Hv`` and ``Gv`` (so
 ``Nv = Hv - Gv``) and, from the same products,
 
-    tr(A)   ~ v^T A v          (Hutchinson),
-    Tr(A^2) ~ ||A v||^2        (squared Frobenius norm, the flatness-aware paper's quantity),
+    tr(A)   ~ v^T A v          ([Hutchinson1989]),
+    Tr(A^2) ~ ||A v||^2        (squared Frobenius norm, the quantity of [FA] eq. 1),
 
 for A in {H, G, N}, with per-layer (diagonal block) values. Because the three
 operators see the same probes, the identity ``tr(H) = tr(G) + tr(N)`` holds for

@@ -1,17 +1,19 @@
-"""Trace estimators with standard errors and per-layer (diagonal block) traces (SPEC section 3).
+"""Trace estimators with standard errors and per-layer (diagonal block) traces.
 
-- :func:`hutchinson`: ``tr(A) = E[g^T A g]`` for Rademacher ``g`` (Hutchinson 1989); per layer
+User guide: docs/commands/trace.md.
+
+- :func:`hutchinson`: ``tr(A) = E[g^T A g]`` for Rademacher ``g`` [Hutchinson1989]; per layer
   ``tr(A_bb) = E[g_b^T (A g)_b]`` from the same probes, so layer traces sum to the total
   probe by probe.
-- :func:`hutchpp`: Hutch++ (Meyer, Musco, Musco, Woodruff 2021) with an adaptive sketch:
+- :func:`hutchpp`: [Hutch++] (Meyer, Musco, Musco, Woodruff 2021) with an adaptive sketch:
   ``tr(A) = tr(Q^T A Q) + tr(P A P)``, ``P = I - Q Q^T``, the first term exact from the
   sketch, the second by Hutchinson with its sample standard error; per layer
   ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb) + E[g_b^T (P A P g)_b]``, ``Pi = Q Q^T``.
-- :func:`frobenius_sq`: ``Tr(A^2) = ||A||_F^2 = E||A g||^2`` (the flatness of FA eq. 1);
+- :func:`frobenius_sq`: ``Tr(A^2) = ||A||_F^2 = E||A g||^2`` (the flatness of [FA] eq. 1);
   per layer ``E||(A g)_b||^2 = Tr((A^2)_bb)``.
 - :func:`exact_ggn_trace`: ``tr(G)`` exactly, C backward passes per batch (vmapped per-sample
   Jacobians), cross-entropy and mse.
-- :func:`sampled_label_ggn_trace`: NME eq. 20, ``tr(G) = E_{y^ ~ Cat(softmax z)} ||grad l(y^)||^2``
+- :func:`sampled_label_ggn_trace`: [NME] eq. 20, ``tr(G) = E_{y^ ~ Cat(softmax z)} ||grad l(y^)||^2``
   with per-sample gradients.
 
 Standard errors are sample standard deviations over probes divided by sqrt(#probes);
@@ -312,7 +314,7 @@ def hutchpp(
     blocks: dict | None = None,
     known: torch.Tensor | None = None,
 ) -> TraceResult:
-    """Adaptive Hutch++ (Meyer et al. 2021): exact trace on a sketched top subspace + Hutchinson.
+    """Adaptive Hutch++ [Hutch++]: exact trace on a sketched top subspace + Hutchinson.
 
     ``Q = orth(A S)`` for Rademacher ``S``; ``tr(A) = tr(Q^T A Q) + tr((I-QQ^T) A (I-QQ^T))``,
     the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``

@@ -1,6 +1,6 @@
 """Checkpoints: the tool's own self-describing ``.safetensors`` files and foreign ones.
 
-Own format (SPEC section 5): one ``.safetensors`` file whose tensors are the
+Own format (docs/commands/train.md): one ``.safetensors`` file whose tensors are the
 model's state_dict and whose string metadata holds
 
 - ``sharpcli.format``  format version (``"1"``),

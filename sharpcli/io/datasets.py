@@ -1,6 +1,6 @@
 """Datasets for analysis and training: ``load_dataset``, ``subset``, ``validate_for_model``.
 
-SPEC section 5 ("Datasets") and docs/architecture.md ("datasets"). A data spec is
+docs/index.md (``--data``) and docs/architecture.md ("datasets"). A data spec is
 either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
 
 - built-ins, no download, the default: ``blobs[:k=v,...]`` (Gaussian mixture; args

@@ -1,4 +1,4 @@
-"""Built-in synthetic datasets: need no download, deterministic for a seed (SPEC section 5).
+"""Built-in synthetic datasets: need no download, deterministic for a seed (docs/index.md).
 
 - ``blobs``: a Gaussian mixture in ``R^dim`` with ``classes`` balanced classes.
   Class means ``mu_c ~ N(0, (separation^2 / dim) I)`` (so ``||mu_c|| ~= separation``),

@@ -1,4 +1,4 @@
-"""Readers for tensor files and tables (SPEC section 5).
+"""Readers for tensor files and tables (docs/index.md, ``--data``).
 
 Tensor files (``.safetensors``, ``.pt``/``.pth``, ``.npz``) hold a flat mapping with
 keys ``x`` and ``y`` and, optionally, ``x_test`` and ``y_test``; any other key is

@@ -1,4 +1,4 @@
-"""Readers for the standard CIFAR-10/100 and MNIST download folders (SPEC section 5).
+"""Readers for the standard CIFAR-10/100 and MNIST download folders (docs/index.md, ``--data``).
 
 Everything is read from disk (never downloaded). Layouts, as the official archives
 unpack:

@@ -3,7 +3,7 @@
 The CIFAR-10/100 "python version" downloads are pickled dicts of numpy arrays
 and lists. A plain ``pickle.load`` runs whatever callable the file names (a
 pickle is a small program: ``GLOBAL os system`` + ``REDUCE`` calls
-``os.system``), so SPEC section 5 forbids it for data. ``RestrictedUnpickler``
+``os.system``), so it is never used for data. ``RestrictedUnpickler``
 resolves a global only if it is on a short allow-list of the callables that
 rebuild numpy arrays and plain containers; any other name raises
 ``InputError("refusing to unpickle <module>.<name>")`` *before* anything is

@@ -1,7 +1,7 @@
-"""Activation functions with controlled second derivatives (NME paper, sections 4.3-4.4).
+"""Activation functions with controlled second derivatives ([NME] sections 4.3-4.4).
 
 The nonlinear modeling error ``N = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` (NME eq. 2) depends on the
-second derivative ``phi''`` of every activation (NME eq. 11). This module provides:
+second derivative ``phi''`` of every activation (NME eq. 11-12). This module provides:
 
 ``relu``             ``max(x, 0)``; under autograd ``phi' = Theta(x)`` (0 at the origin) and
                      ``phi'' = 0`` everywhere, so the diagonal of N vanishes (NME 4.3).

@@ -1,4 +1,4 @@
-"""The model zoo: ``mlp``, ``cnn``, ``vgg-small`` (MAN Table 6) and CIFAR ``resnet`` (He et al. 2016).
+"""The model zoo: ``mlp``, ``cnn``, ``vgg-small`` ([MAN] Table 6) and CIFAR ``resnet`` ([He2016]).
 
 A model is described by a JSON-serialisable spec ``{"name": NAME, "args": {...}}`` whose args are
 complete (input size and number of classes included), so a checkpoint's metadata rebuilds the

@@ -1,4 +1,4 @@
-"""The JSON envelope every command's report shares (SPEC section 7).
+"""The JSON envelope every command's report shares (docs/json.md, "The envelope").
 
 ``{"schema", "command", "version", "checkpoint", "data", "settings", "results",
 "timing", "environment"}``; ``schema.json`` beside this file validates it, and

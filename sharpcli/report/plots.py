@@ -300,7 +300,7 @@ def plot_density(
     results: dict, path: str | Path, title: str | None = None, log_scale: bool = True
 ) -> Path:
     """The Gaussian-broadened SLQ density (``sharp density`` results: ``grid``, ``density``) as a PNG;
-    logarithmic y axis by default (as in Ghorbani et al. 2019, Fig. 1), clipped at 1e-12."""
+    logarithmic y axis by default (as in [Ghorbani2019], Fig. 1), clipped at 1e-12."""
     plt, fig, ax = _figure()
     ax.plot(
         results["grid"],

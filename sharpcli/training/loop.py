@@ -1,4 +1,4 @@
-"""The training loop of ``sharp train`` (SPEC section 6).
+"""The training loop of ``sharp train`` (docs/commands/train.md).
 
 One epoch: a seeded shuffle, optional image augmentation (random crop with
 padding 4, horizontal flip) and input Gaussian noise, then per batch one
@@ -85,7 +85,7 @@ class TrainResult:
 def train_report(
     result: TrainResult, settings: dict, *, out: str, device: str = "cpu", dtype: str = "float32"
 ) -> dict:
-    """The JSON report of a training run (SPEC section 7: results.history, .final, .checkpoint)."""
+    """The JSON report of a training run (docs/json.md: results.history, .final, .checkpoint)."""
     from sharpcli.distributed import rank_and_world
     from sharpcli.report.envelope import environment_info, make_report
 

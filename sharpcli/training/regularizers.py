@@ -1,10 +1,18 @@
-"""Registry of the sharpness regularizers of ``sharp train`` (SPEC section 6) as gradient oracles.
+"""Registry of the sharpness regularizers of ``sharp train`` as gradient oracles.
 
 ``--reg NAME[:k=v,...]`` (repeatable) selects them; :func:`parse_reg` turns one option
 into a :class:`Regularizer`, :func:`validate_combination` checks a list, and
 :func:`training_step` leaves the gradient of the regularised objective at theta in
-``p.grad`` of every trainable parameter. The optimizer and the schedule stay plain
-(LESSONS "SAM, ASAM, NSO reference code": each regularizer is a gradient oracle).
+``p.grad`` of every trainable parameter. The optimizer and the schedule stay plain: each
+regularizer is a gradient oracle. User guide: docs/commands/train.md ("Regularizers").
+
+Sources, by key of docs/references.md: ``wd`` [AD] section 2.3; ``dropout`` [AD] section 4.2;
+``ad`` [AD] Theorem 2; ``gp`` [NME] eq. 7 (its update eq. 8; penalty SAM/USAM, App. B
+eq. 46-47); ``hessian-trace`` [NME] section 5.2, eq. 19, by Hutchinson's estimator
+[Hutchinson1989]; ``gn-trace`` [NME] eq. 20 [Wei2020]; ``sam`` [SAM] as in [NME] App. B
+eq. 42; ``usam`` [USAM] as in [NME] App. B eq. 43; ``asam`` [ASAM] (combined with ``ad`` in
+[AD] Table 1); ``weight-noise`` WP-SGD of [NSO] section 2.1 ([NME] eq. 17); ``nso`` [NSO]
+Algorithm 1, eq. 4; ``fa`` [FA] eq. 1.
 
 Three kinds of regularizer combine:
 
@@ -271,7 +279,7 @@ class NoRegularizer(Regularizer):
 
 
 class Dropout(Regularizer):
-    """``dropout:p``: dropout with probability ``p`` on the hidden layers (AD section 4.2).
+    """``dropout:p``: dropout with probability ``p`` on the hidden layers ([AD] section 4.2).
 
     The model is built with it (:func:`model_overrides` returns ``{"dropout": p}``); the
     step itself is a plain gradient (1 evaluation), its masks drawn from the global RNG.
@@ -292,7 +300,7 @@ class Dropout(Regularizer):
 
 # --------------------------------------------------------------------------- additive penalties
 class WeightDecay(Penalty):
-    """``wd:sigma``: ``P = sigma^2/2 ||theta||^2`` over every trainable parameter (AD section 2.3).
+    """``wd:sigma``: ``P = sigma^2/2 ||theta||^2`` over all trainable parameters ([AD] section 2.3).
 
     Value and gradient ``sigma^2 theta`` are closed-form (no backward pass: 0 extra
     evaluations). Default ``sigma = 1e-3``, the best weight-decay strength of AD Fig. 2.
@@ -320,7 +328,7 @@ class WeightDecay(Penalty):
 class ActivationDecay(Penalty):
     """``ad:sigma``: ``P = sigma^2/2 * (1/B) sum_b ||h_b||^2``, ``h`` the penultimate activation.
 
-    AD Theorem 2: Gaussian noise ``N(0, sigma^2 I)`` on the final weight matrix smooths
+    [AD] Theorem 2: Gaussian noise ``N(0, sigma^2 I)`` on the final weight matrix smooths
     cross-entropy to at most ``CE + sigma^2/2 ||h^(L-1)||^2``. ``h`` is the input of the
     last ``nn.Linear`` in ``model.named_modules()``, captured by a forward hook (no extra
     pass; its gradient flows through the clean backward: 0 extra evaluations). With
@@ -344,7 +352,7 @@ class ActivationDecay(Penalty):
 
 
 class GradientPenalty(Penalty):
-    """``gp:rho,p,mode``: ``P = rho ||grad L||^p``, ``p`` in {1, 2} (NME eq. 7).
+    """``gp:rho,p,mode``: ``P = rho ||grad L||^p``, ``p`` in {1, 2} ([NME] eq. 7).
 
     ``p = 1`` is penalty SAM, ``p = 2`` penalty USAM (NME App. B eq. 46-47); the
     gradient is ``grad L + rho p ||g||^(p-2) H g`` (NME eq. 8 for ``p = 1``).
@@ -419,9 +427,10 @@ class GradientPenalty(Penalty):
 
 
 class HessianTrace(Penalty):
-    """``hessian-trace:sigma2,probes,mode,eps``: ``P = sigma2 * (1/m) sum_j v_j^T H v_j`` (NME eq. 19).
+    """``hessian-trace:sigma2,probes,mode,eps``: ``P = sigma2 (1/m) sum_j v_j^T H v_j`` ([NME] eq. 19).
 
-    Hutchinson's estimator of ``sigma2 tr(H)`` with ``m = probes`` Rademacher vectors
+    The Hessian trace penalty of [NME] section 5.2: Hutchinson's estimator [Hutchinson1989]
+    of ``sigma2 tr(H)`` with ``m = probes`` Rademacher vectors
     ``v_j`` from the step's generator (``E[v^T H v] = tr(H)``). Its gradient (``v`` held
     fixed) is the third-derivative contraction ``grad_theta v^T H v = D^3 L[v, v, .]``.
 
@@ -520,7 +529,7 @@ class HessianTrace(Penalty):
 
 class GaussNewtonTrace(Penalty):
     """``gn-trace:sigma2``: ``P = sigma2 * B ||grad_theta Lhat||^2``, an unbiased estimate of
-    ``sigma2 tr(G)`` (NME eq. 20, Wei et al. 2020).
+    ``sigma2 tr(G)`` ([NME] eq. 20, the estimator of [Wei2020]).
 
     ``G = (1/B) sum_i J_i^T H_z,i J_i`` is the Gauss-Newton matrix of the batch-mean loss
     and ``Lhat = (1/B) sum_i l(z_i, yhat_i)`` the loss at labels sampled from the model
@@ -565,10 +574,11 @@ class GaussNewtonTrace(Penalty):
 
 
 class FlatnessAware(Penalty):
-    """``fa:lambda,mode,eps``: ``P = lambda * ||H v||^2 / B``, ``v`` Rademacher (FA eq. 1).
+    """``fa:lambda,mode,eps``: ``P = lambda * ||H v||^2 / B``, ``v`` Rademacher ([FA] eq. 1).
 
-    Hutchinson for the squared Hessian: ``E[v^T H^2 v] = E||H v||^2 = Tr(H^2)`` for ``v``
-    with independent zero-mean unit-variance entries; ``B`` the batch size as in FA eq. 1.
+    Hutchinson's estimator [Hutchinson1989] for the squared Hessian:
+    ``E[v^T H^2 v] = E||H v||^2 = Tr(H^2)`` for ``v`` with independent zero-mean
+    unit-variance entries; ``B`` the batch size as in FA eq. 1.
     With ``v`` held fixed and ``u = H v``, ``grad_theta ||H v||^2 = 2 D^3 L[v, u, .]``
     (the third-derivative tensor contracted with ``v`` and ``H v``).
 
@@ -660,7 +670,7 @@ class FlatnessAware(Penalty):
 # --------------------------------------------------------------------------- perturbation oracles
 class _AscentOracle(Oracle):
     """Two-step sharpness-aware oracle: clean gradient ``g = grad O(theta)``, perturbation
-    ``e(g)``, returned gradient ``grad O(theta + e)`` (NME App. B eq. 42-43).
+    ``e(g)``, returned gradient ``grad O(theta + e)`` ([NME] App. B eq. 42-43).
 
     2 x (evaluations of one objective gradient): **2** with no penalty.
     """
@@ -679,9 +689,10 @@ class _AscentOracle(Oracle):
 
 
 class SAM(_AscentOracle):
-    """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), NME eq. 42.
+    """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), [SAM] as
+    written in [NME] eq. 42.
 
-    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` (SAM, Foret et al.). 2 evaluations.
+    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` ([SAM]). 2 evaluations.
     """
 
     name = "sam"
@@ -698,7 +709,10 @@ class SAM(_AscentOracle):
 
 
 class USAM(_AscentOracle):
-    """``usam:rho``: unnormalised SAM, ``e = rho g`` (NME eq. 43). Default ``rho = 0.05``. 2 evaluations."""
+    """``usam:rho``: unnormalised SAM [USAM], ``e = rho g`` ([NME] eq. 43).
+
+    Default ``rho = 0.05``. 2 evaluations.
+    """
 
     name = "usam"
     summary = "gradient at theta + rho g (NME App. B eq. 43)"
@@ -710,17 +724,18 @@ class USAM(_AscentOracle):
 
 
 class ASAM(_AscentOracle):
-    """``asam:rho,eta``: adaptive SAM (ASAM, Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
+    """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
 
-    ``T = diag(|w| + eta)`` on weights (parameters with ``dim > 1``) and ``T = I`` on the
-    others (biases, normalisation scales), as LESSONS records of ASAM's reference code
-    (whose bias handling applies a single factor; here ``T = I`` on them throughout).
+    [AD] Table 1 trains it alone and combined with ``ad``. ``T = diag(|w| + eta)`` on weights
+    (parameters with ``dim > 1``) and ``T = I`` on the others (biases, normalisation scales),
+    following ASAM's reference code (whose bias handling applies a single factor; here
+    ``T = I`` on them throughout).
     With ``eta = 0`` zero weights are never perturbed. ``e = 0`` when ``T g = 0``.
     Defaults ``rho = 0.5`` (ASAM's recommended radius), ``eta = 0.01``. 2 evaluations.
     """
 
     name = "asam"
-    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (AD Table 1)"
+    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)"
     HYPERPARAMS = (
         HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
         HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
@@ -753,8 +768,8 @@ _REPORT = HyperParam(
 
 class WeightNoise(Oracle):
     """``weight-noise:sigma,report``: gradient of O at ``theta + U``, ``U ~ N(0, sigma^2 I)``,
-    applied at theta (WP-SGD, NSO section 2.1; ``E_U[L(theta+U)] ~ L + sigma^2/2 tr(H)``,
-    NME eq. 19).
+    applied at theta (WP-SGD, [NSO] section 2.1; ``E_U[L(theta+U)] ~ L + sigma^2/2 tr(H)``:
+    [NME] eq. 17, written there without the 1/2, and its Gauss-Newton/NME split, eq. 19).
 
     **1** evaluation with no penalty. ``U`` is drawn over all trainable parameters in
     order with :func:`sharpcli.training.step.gaussian_like`. What the step reports:
@@ -797,7 +812,7 @@ class WeightNoise(Oracle):
 
 
 class NSO(Oracle):
-    """``nso:sigma,k,report``: noise stability optimization, NSO Algorithm 1 / section 2.2.
+    """``nso:sigma,k,report``: noise stability optimization, [NSO] Algorithm 1 / section 2.2.
 
     Returns ``(1/2k) sum_{j=1..k} [grad O(theta + U_j) + grad O(theta - U_j)]`` with
     ``U_j ~ N(0, sigma^2 I)`` independent, one global ``sigma`` on every trainable

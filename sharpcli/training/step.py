@@ -12,7 +12,7 @@ holds what every such evaluation needs and the regularizers share:
 - :class:`StepEngine`: one batch, one model; ``evaluate`` runs a forward pass and
   the penalties, returns values and (optionally) the gradient of ``O`` as tensors;
   ``perturbed(deltas)`` moves the weights to ``theta + delta`` and restores them
-  *by copy* (never by subtraction, LESSONS "SAM, ASAM, NSO reference code").
+  *by copy* (never by subtraction, which does not give theta back exactly in floating point).
 - Extra passes (every pass after the first of the step) see the same dropout masks
   as the first (the global torch RNG is replayed from its state at the start of
   the step, and left as the first pass left it), and leave every module buffer
