@@ -379,7 +379,9 @@ class Session:
     num_outputs: int
     cache_bytes: int = 1 << 30  # budget of cached first-order graphs in curvature passes
     extra: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # what was done to the data (report, stderr)
+    # what was done to the checkpoint and the data (stderr); the report keeps the checkpoint's
+    # in checkpoint.notes and the rest in data.notes
+    notes: list[str] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -388,8 +390,9 @@ class Session:
     def data_info(self) -> dict:
         """The report's ``data`` section; ``notes`` (e.g. float ids converted) when there are any."""
         info = {"spec": self.dataset.spec, "split": self.split, "samples": self.num_samples}
-        if self.notes:
-            info["notes"] = list(self.notes)
+        notes = [note for note in self.notes if note not in self.checkpoint.notes]
+        if notes:
+            info["notes"] = notes
         return info
 
     def analysis_data(self):
@@ -499,5 +502,5 @@ def build_session(
         seed=seed,
         num_outputs=n_out,
         cache_bytes=int(cache_mb) << 20,
-        notes=notes,
+        notes=[*ckpt.notes, *notes],
     )

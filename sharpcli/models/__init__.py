@@ -2,7 +2,8 @@
 
 - :mod:`sharpcli.models.zoo`: ``mlp``, ``cnn``, ``vgg-small`` (MAN Table 6), CIFAR ``resnet``
   (He et al. 2016) built from JSON-serialisable specs ``{"name": ..., "args": {...}}``, and
-  introspection helpers (``final_linear``, ``activation_modules``) that work on any module.
+  introspection helpers (``final_linear``, ``activation_modules``) that work on any module, and
+  ``estimate_state_size`` (a spec's state_dict size, computed without building the model).
 - :mod:`sharpcli.models.activations`: ``relu``, ``gelu``, ``beta-gelu``, ``augmented-relu``,
   ``diminished-gelu`` (NME sections 4.3-4.4) and ``make_activation("name[:k=v,...]")``.
 """
@@ -29,10 +30,12 @@ from sharpcli.models.zoo import (
     MODEL_NAMES,
     CifarResNet,
     SmallCNN,
+    StateSize,
     VGGSmall,
     activation_modules,
     build_model,
     default_model_args,
+    estimate_state_size,
     final_linear,
     model_input_shape,
     validate_model_spec,
@@ -58,10 +61,12 @@ __all__ = [
     "MLP",
     "CifarResNet",
     "SmallCNN",
+    "StateSize",
     "VGGSmall",
     "activation_modules",
     "build_model",
     "default_model_args",
+    "estimate_state_size",
     "final_linear",
     "model_input_shape",
     "validate_model_spec",

@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -409,15 +409,25 @@ def _bad(message: str) -> UsageError:
     return UsageError(message, source=_ARGS_OPTION)
 
 
+def _show_number(value: float) -> str:
+    """``value`` for an error message; an int too large for a float (JSON allows 4300 digits,
+    ``f"{value:g}"`` would raise OverflowError) is shown by its number of digits."""
+    if isinstance(value, int) and abs(value) >= 10**16:
+        return f"a {len(str(abs(value)))}-digit integer"
+    return f"{value:g}"
+
+
 def _check_number(model: str, key: str, spec: _Arg, value: float) -> None:
-    if not math.isfinite(value):
+    # math.isfinite(int) converts to float and overflows beyond 1e308; an int is always finite
+    if not isinstance(value, int) and not math.isfinite(value):
         raise _bad(f"{model}: {key} must be finite, got {value}")
+    shown = _show_number(value)
     if spec.minimum is not None and value < spec.minimum:
-        raise _bad(f"{model}: {key} must be >= {spec.minimum:g}, got {value:g}")
+        raise _bad(f"{model}: {key} must be >= {spec.minimum:g}, got {shown}")
     if spec.above is not None and value <= spec.above:
-        raise _bad(f"{model}: {key} must be > {spec.above:g}, got {value:g}")
+        raise _bad(f"{model}: {key} must be > {spec.above:g}, got {shown}")
     if spec.below is not None and value >= spec.below:
-        raise _bad(f"{model}: {key} must be < {spec.below:g}, got {value:g}")
+        raise _bad(f"{model}: {key} must be < {spec.below:g}, got {shown}")
 
 
 def _as_int(model: str, key: str, value: Any) -> int:
@@ -485,7 +495,8 @@ def _check_architecture(name: str, args: dict[str, Any]) -> None:
         blocks = len(args["channels"])
         if min(height, width) >> blocks < 1:
             raise _bad(
-                f"cnn: {blocks} pooling blocks need images of at least {2**blocks} pixels a side, "
+                f"cnn: {blocks} pooling blocks need images of at least "
+                f"{2**blocks if blocks < 50 else f'2**{blocks}'} pixels a side, "
                 f"got {height}x{width}; use fewer channels entries"
             )
     if name == "resnet":
@@ -587,6 +598,99 @@ def model_input_shape(spec: dict[str, Any]) -> tuple[int, ...]:
     if complete["name"] in _IMAGE_MODELS:
         return (args["in_channels"], *_image_hw(args["image_size"]))
     return (args["in_features"],)
+
+
+class StateSize(NamedTuple):
+    """How big a model's state_dict is: its number of tensors and of values (elements)."""
+
+    tensors: int
+    values: int
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool) -> StateSize:
+    return StateSize(1 + bias, fan_in * fan_out + bias * fan_out)
+
+
+def _conv3x3(in_channels: int, out_channels: int, bias: bool) -> StateSize:
+    return StateSize(1 + bias, 9 * in_channels * out_channels + bias * out_channels)
+
+
+def _batch_norm(channels: int, present: bool = True) -> StateSize:
+    # weight, bias, running_mean, running_var (channels each) and num_batches_tracked (one value)
+    return StateSize(5, 4 * channels + 1) if present else StateSize(0, 0)
+
+
+def _mask(values: int, present: bool) -> StateSize:
+    """A :class:`~sharpcli.models.manipulations.FeatureMask` buffer over one pre-activation."""
+    return StateSize(1, values) if present else StateSize(0, 0)
+
+
+def _total(*parts: StateSize, times: int = 1) -> StateSize:
+    return StateSize(times * sum(p.tensors for p in parts), times * sum(p.values for p in parts))
+
+
+def estimate_state_size(spec: dict[str, Any]) -> StateSize:
+    """The size of the state_dict ``build_model(spec)`` would return, from the arguments alone.
+
+    Exact (parameters, BatchNorm buffers and ``mask_ratio`` masks; ``per_sample_norm`` renames
+    weights but adds no tensor), computed with Python integers in time independent of
+    ``depth`` and ``width``: nothing is built or allocated. Why: a checkpoint's metadata (or
+    ``--arch-args``) decides what :func:`build_model` allocates, so a file can ask for
+    ``width = 10**9`` (64 GB) or ``depth = 200000`` (minutes and gigabytes of modules before
+    any weight is compared); :func:`sharpcli.io.checkpoints.load_checkpoint` compares this
+    estimate with what the file stores and refuses absurd models before building them.
+    Raises what :func:`validate_model_spec` raises for a bad spec.
+    """
+    complete = validate_model_spec(spec)
+    name, a = complete["name"], complete["args"]
+    masked = a.get("mask_ratio", 0.0) > 0.0
+    if name == "mlp":
+        depth, width, bias = a["depth"], a["width"], a["bias"]
+        head_in = width if depth > 0 else a["in_features"]
+        parts = [_linear(head_in, a["num_classes"], bias)]
+        if depth > 0:
+            parts.append(_total(_linear(a["in_features"], width, bias), _mask(width, masked)))
+            parts.append(_total(_linear(width, width, bias), _mask(width, masked), times=depth - 1))
+        return _total(*parts)
+    height, width_px = _image_hw(a["image_size"])
+    if name in ("cnn", "vgg-small"):
+        if name == "cnn":
+            channels = a["channels"]
+        else:
+            channels = [vgg_small_width(base, a["width_multiplier"]) for base in VGG_SMALL_CHANNELS]
+        parts, prev = [], a["in_channels"]
+        for out in channels:
+            pixels = out * height * width_px  # the mask covers the pre-activation before pooling
+            parts += [_conv3x3(prev, out, True), _batch_norm(out, a["batch_norm"])]
+            parts.append(_mask(pixels, masked))
+            if name == "cnn" or min(height, width_px) >= 2:  # vgg-small skips a too-small pool
+                height, width_px = height // 2, width_px // 2
+            prev = out
+        if name == "cnn":
+            parts.append(_linear(prev * height * width_px, a["num_classes"], True))
+        else:
+            parts.append(_linear(prev * 4, a["num_classes"], False))
+        return _total(*parts)
+    # resnet: conv1, bn1, act1; three stages of n basic blocks; fc
+    blocks, base = (a["depth"] - 2) // 6, a["width"]
+    parts = [
+        _conv3x3(a["in_channels"], base, False),
+        _batch_norm(base),
+        _mask(base * height * width_px, masked),
+    ]
+    prev = base
+    for stage, out in enumerate((base, 2 * base, 4 * base)):
+        if stage > 0:  # stride 2 in the stage's first block: padding 1, kernel 3
+            height, width_px = (height - 1) // 2 + 1, (width_px - 1) // 2 + 1
+        mask = _mask(out * height * width_px, masked)
+        tail = _total(_conv3x3(out, out, False), _batch_norm(out), mask)
+        parts.append(_total(_conv3x3(prev, out, False), _batch_norm(out), mask, tail))
+        parts.append(
+            _total(_conv3x3(out, out, False), _batch_norm(out), mask, tail, times=blocks - 1)
+        )
+        prev = out
+    parts.append(_linear(prev, a["num_classes"], True))
+    return _total(*parts)
 
 
 _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
