@@ -240,3 +240,36 @@ def test_parameter_without_gradient_gets_zero_rows():
     H_op, G_op = cp.hessian().to_dense(), cp.ggn().to_dense()
     assert torch.allclose(H_op[2:, 2:], H, atol=1e-12, rtol=0) and H_op[:2].abs().max() == 0
     assert torch.allclose(G_op[2:, 2:], G, atol=1e-12, rtol=0) and G_op[:, :2].abs().max() == 0
+
+
+@pytest.mark.parametrize("vectorize", [2, 3, 32])
+def test_vmapped_blocks_equal_dense_products(vectorize):
+    # accelerators multiply `vectorize` columns per vmapped reverse pass (the CPU default is 1);
+    # 7 columns leave a remainder block (and, for 3, a last block of one column)
+    model, x, y, data, scope, H, G = _setup("gelu")
+    V = torch.randn(scope.numel, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    cp = CurvaturePass(model, data, scope, vectorize=vectorize)
+    assert torch.allclose(cp.hessian_matmat(V), H @ V, atol=1e-10, rtol=0)
+    assert torch.allclose(cp.ggn_matmat(V), G @ V, atol=1e-10, rtol=0)
+    assert torch.allclose(cp.nme_matmat(V), (H - G) @ V, atol=1e-10, rtol=0)
+    HV, GV = cp.hessian_and_ggn_matmat(V)
+    assert torch.allclose(HV, H @ V, atol=1e-10, rtol=0)
+    assert torch.allclose(GV, G @ V, atol=1e-10, rtol=0)
+    assert cp._batched_ok and cp.matvecs == 7
+
+
+def test_layer_without_batched_backward_falls_back_to_columns():
+    model, x, y, data, scope, H, G = _setup("gelu")
+
+    class NoBatchedBackward(CurvaturePass):  # as a layer lacking a vmap rule makes autograd do
+        def _joint_batch(self, graph, V, batched):
+            if batched:
+                raise RuntimeError("Batching rule not implemented")
+            return super()._joint_batch(graph, V, batched)
+
+    V = torch.randn(scope.numel, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    cp = NoBatchedBackward(model, data, scope, vectorize=4)
+    HV, GV = cp.hessian_and_ggn_matmat(V)
+    assert not cp._batched_ok
+    assert torch.allclose(HV, H @ V, atol=1e-10, rtol=0)
+    assert torch.allclose(GV, G @ V, atol=1e-10, rtol=0)

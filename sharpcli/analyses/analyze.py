@@ -60,6 +60,7 @@ def analyze(
 ) -> tuple[dict, int]:
     """Run ``metrics`` on one session; return (results, matvecs)."""
     from sharpcli.analyses import spectrum
+    from sharpcli.curvature.registry import GGN, HESSIAN, NME
 
     results: dict = loss_and_accuracy(session)
     results["metrics"] = list(metrics)
@@ -92,7 +93,7 @@ def analyze(
         g = spectrum.gn_nme(
             session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
         )
-        for name in ("ggn", "nme"):
+        for name in (GGN, NME):
             results[name] = {
                 "trace": g[name]["trace"]["estimate"],
                 "trace_stderr": g[name]["trace"]["stderr"],
@@ -100,11 +101,12 @@ def analyze(
                 "lambda_min": g[name]["lambda_min"],
                 "frobenius_sq": g[name]["frobenius_sq"],
             }
-        hessian.setdefault("lambda_max", g["hessian"]["lambda_max"])
-        hessian.setdefault("trace", g["hessian"]["trace"]["estimate"])
-        hessian.setdefault("trace_stderr", g["hessian"]["trace"]["stderr"])
-        hessian.setdefault("frobenius_sq", g["hessian"]["frobenius_sq"])
-        hessian["lambda_min"] = g["hessian"]["lambda_min"]
+        h = g[HESSIAN]
+        hessian.setdefault("lambda_max", h["lambda_max"])
+        hessian.setdefault("trace", h["trace"]["estimate"])
+        hessian.setdefault("trace_stderr", h["trace"]["stderr"])
+        hessian.setdefault("frobenius_sq", h["frobenius_sq"])
+        hessian["lambda_min"] = h["lambda_min"]
         results["nme_share"] = g["nme_share"]
         results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
         matvecs += g["matvecs"]
@@ -113,5 +115,5 @@ def analyze(
 
         results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
     if hessian:
-        results["hessian"] = hessian
+        results[HESSIAN] = hessian
     return results, matvecs

@@ -5,10 +5,10 @@ Each function takes a :class:`~sharpcli.session.Session` and returns the
 through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
 share their cached first-order graphs.
 
-Operators ([NME] eq. 2; docs/commands/gn-nme.md):
-``H`` the Hessian of the analysis loss, ``G = J^T H_z J`` the Gauss-Newton
-matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
-modeling error.
+Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``--operator`` name in
+:mod:`sharpcli.curvature.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
+the Gauss-Newton matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
+modeling error, and any operator registered there.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import math
 
 import torch
 
+from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
 
-OPERATORS = ("hessian", "ggn", "nme")
 METHODS = ("lanczos", "power")
 ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
 ENGINES = ("native", "pyhessian")
@@ -42,8 +42,8 @@ def curvature_pass(session, params: str | None):
 
 
 def operator_of(cpass, operator: str):
-    check_choice(operator, OPERATORS, "--operator")
-    return {"hessian": cpass.hessian, "ggn": cpass.ggn, "nme": cpass.nme}[operator]()
+    """The registered operator ``operator`` on ``cpass``; UsageError naming the accepted ones."""
+    return build_operator(operator, cpass)
 
 
 def scope_info(scope) -> dict:
@@ -54,7 +54,7 @@ def scope_info(scope) -> dict:
 def eigen(
     session,
     *,
-    operator: str = "hessian",
+    operator: str = HESSIAN,
     top_k: int = 1,
     which: str = "largest",
     method: str = "lanczos",
@@ -73,7 +73,7 @@ def eigen(
     if engine == "pyhessian":
         from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues
 
-        if operator != "hessian":
+        if operator != HESSIAN:
             raise UsageError("the pyhessian engine computes only the Hessian", source="--engine")
         if which != "largest":
             raise UsageError(
@@ -117,24 +117,32 @@ def eigen(
         result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
     out = result.to_dict()
     out.update(operator=operator, scope=scope_info(cpass.scope))
-    rank_bound = session.num_samples * max(
-        1, session.num_outputs - (1 if session.loss == "cross-entropy" else 0)
-    )
-    if operator == "ggn" and which != "largest" and rank_bound < cpass.scope.numel:
-        # G = (1/N) sum_i J_i^T H_z,i J_i has rank <= N * rank(H_z) (C - 1 for cross-entropy, whose H_z
-        # annihilates the all-ones vector): a null space of dimension >= P - that bound. A Krylov method
-        # sees each distinct eigenvalue once, so the repeated 0 appears once among the smallest.
-        out.setdefault("notes", []).append(
-            f"G has rank <= {rank_bound} < {cpass.scope.numel} parameters: 0 is an eigenvalue of multiplicity "
-            f">= {cpass.scope.numel - rank_bound}, reported once (Lanczos finds distinct eigenvalues)"
-        )
+    if which != "largest":
+        _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
     return out
+
+
+def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
+    """Note a null space the operator's rank bound proves (e.g. G: rank <= N * rank(H_z)).
+
+    A Krylov method sees each distinct eigenvalue once, so the repeated 0 appears once among
+    the smallest eigenvalues.
+    """
+    if spec.rank_bound is None:
+        return
+    rank_bound = spec.rank_bound(session.num_samples, session.num_outputs, session.loss)
+    if rank_bound < numel:
+        out.setdefault("notes", []).append(
+            f"{spec.symbol} has rank <= {rank_bound} < {numel} parameters: 0 is an eigenvalue "
+            f"of multiplicity >= {numel - rank_bound}, reported once (Lanczos finds distinct "
+            "eigenvalues)"
+        )
 
 
 def trace(
     session,
     *,
-    operator: str = "hessian",
+    operator: str = HESSIAN,
     estimator: str = "hutchpp",
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -158,7 +166,7 @@ def trace(
     if engine == "pyhessian":
         from sharpcli.curvature.pyhessian_engine import pyhessian_trace
 
-        if operator != "hessian" or square:
+        if operator != HESSIAN or square:
             raise UsageError("the pyhessian engine computes only tr(H)", source="--engine")
         result = pyhessian_trace(
             session.model,
@@ -173,14 +181,14 @@ def trace(
         cpass = curvature_pass(session, params)
         scope = cpass.scope
         if estimator == "exact":
-            if operator != "ggn" or square:
+            if operator != GGN or square:
                 raise UsageError(
                     "the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
                     source="--estimator",
                 )
             result = exact_ggn_trace(session.model, session.analysis_data(), scope)
         elif estimator == "gn-split":
-            if operator != "hessian" or square:
+            if operator != HESSIAN or square:
                 raise UsageError(
                     "the gn-split estimator is for the Hessian trace (--operator hessian, no --square)",
                     source="--estimator",
@@ -208,7 +216,7 @@ def trace(
 def density(
     session,
     *,
-    operator: str = "hessian",
+    operator: str = HESSIAN,
     probes: int = 4,
     steps: int = 64,
     grid_points: int = 512,
@@ -271,7 +279,7 @@ def gn_nme(
     split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
     out: dict = {}
     total_matvecs = split.matvecs
-    for name in OPERATORS:
+    for name in SPLIT:
         op = operator_of(cpass, name)
         ext = _extremes(op, eig_tol, None, seed)
         tr = split.values[name]["trace"]
@@ -291,7 +299,7 @@ def gn_nme(
             **ext,
         }
         total_matvecs += ext["matvecs"]
-    h, n = out["hessian"], out["nme"]
+    h, n = out[HESSIAN], out[NME]
     out["nme_share"] = (
         (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
     )
@@ -313,8 +321,8 @@ def gn_nme(
             "exact": exact.estimate,
             "sampled_label": sampled.estimate,
             "sampled_label_stderr": sampled.stderr,
-            "hutchinson": out["ggn"]["trace"]["estimate"],
-            "hutchinson_stderr": out["ggn"]["trace"]["stderr"],
+            "hutchinson": out[GGN]["trace"]["estimate"],
+            "hutchinson_stderr": out[GGN]["trace"]["stderr"],
         }
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)
@@ -325,10 +333,8 @@ def gn_nme(
 
 def _layer_rows(out: dict) -> list[dict]:
     rows = []
-    for layer in out["hessian"]["by_layer"]:
-        h = out["hessian"]["by_layer"][layer]["estimate"]
-        g = out["ggn"]["by_layer"][layer]["estimate"]
-        n = out["nme"]["by_layer"][layer]["estimate"]
+    for layer in out[HESSIAN]["by_layer"]:
+        h, g, n = (out[name]["by_layer"][layer]["estimate"] for name in SPLIT)
         rows.append(
             {
                 "layer": layer,

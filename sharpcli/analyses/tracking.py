@@ -48,6 +48,7 @@ def make_tracker(
 
     def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
         from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, hutchpp, lanczos
+        from sharpcli.curvature.registry import GGN, HESSIAN, NME
         from sharpcli.curvature.split import gn_nme_split
 
         was_training = model.training
@@ -75,9 +76,9 @@ def make_tracker(
                 ).estimate
             if "gn-nme" in names:
                 split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-                h = split.values["hessian"]["trace"]["estimate"]
-                out["ggn_trace"] = split.values["ggn"]["trace"]["estimate"]
-                out["nme_trace"] = split.values["nme"]["trace"]["estimate"]
+                h = split.values[HESSIAN]["trace"]["estimate"]
+                out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
+                out["nme_trace"] = split.values[NME]["trace"]["estimate"]
                 out["nme_share"] = out["nme_trace"] / h if h else None
             return out
         finally:

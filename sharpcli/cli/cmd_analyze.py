@@ -42,6 +42,7 @@ def analyze_command(
 ) -> common.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     from sharpcli.analyses.analyze import analyze, parse_metrics
+    from sharpcli.curvature.registry import SPLIT
     from sharpcli.report.gate import parse_gate
 
     chosen = parse_metrics(metrics)
@@ -76,7 +77,7 @@ def analyze_command(
 
     def render(console):
         flat = {"loss": results["loss"], "accuracy": results["accuracy"]}
-        for group in ("hessian", "ggn", "nme"):
+        for group in SPLIT:  # the result groups named after the operators of H = G + N
             for k, v in (results.get(group) or {}).items():
                 if not isinstance(v, (dict, list)):
                     flat[f"{group}.{k}"] = v

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from typer.models import OptionInfo
 
 from sharpcli.cli import common
 from sharpcli.cli.app import app
@@ -14,9 +15,27 @@ from sharpcli.report.tables import fmt, key_value_table, records_table
 CheckpointArg = Annotated[
     str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
 ]
-OperatorOpt = Annotated[
-    str, typer.Option("--operator", help="hessian, ggn (Gauss-Newton) or nme (H - G).")
-]
+
+
+class _OperatorOption(OptionInfo):
+    """``--operator``, whose help lists the registered operators.
+
+    Typer reads ``help`` when it builds the command (each time the app runs), not when this
+    module is imported, so an operator registered later (an extension) is listed too.
+    """
+
+    @property
+    def help(self) -> str:
+        from sharpcli.curvature.registry import operator_help
+
+        return f"{operator_help()}."
+
+    @help.setter
+    def help(self, value) -> None:  # OptionInfo.__init__ assigns one; the registry decides
+        pass
+
+
+OperatorOpt = Annotated[str, _OperatorOption(default="--operator", param_decls=())]
 EngineOpt = Annotated[
     str, typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity).")
 ]
@@ -227,13 +246,15 @@ def gn_nme_command(
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
+        from sharpcli.curvature.registry import OPERATORS, SPLIT
+
         table = Table(title="H = G + N (NME paper, section 2)")
         for col in ("operator", "trace", "± stderr", "lambda_max", "lambda_min", "Tr(A^2)"):
             table.add_column(col, justify="right")
-        for name, label in (("hessian", "H"), ("ggn", "G"), ("nme", "N")):
+        for name in SPLIT:
             r = results[name]
             table.add_row(
-                label,
+                OPERATORS[name].symbol,
                 fmt(r["trace"]["estimate"]),
                 fmt(r["trace"]["stderr"], 3),
                 fmt(r["lambda_max"]),

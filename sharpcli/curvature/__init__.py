@@ -1,6 +1,7 @@
-"""Curvature engine: the analysis set, parameter scopes, matrix-free H/G/N products and the
-estimators built on them (Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton
-traces, stochastic Lanczos quadrature) plus the PyHessian parity engine.
+"""Curvature engine: the analysis set, parameter scopes, matrix-free H/G/N products (the
+operators by name: :mod:`sharpcli.curvature.registry`) and the estimators built on them
+(Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton traces, stochastic Lanczos
+quadrature) plus the PyHessian parity engine.
 
 Methods, by key of docs/references.md: the H = G + N split [NME] eq. 2, Gauss-Newton products
 [Schraudolph2002], Lanczos [Lanczos1950] with full reorthogonalisation [Parlett1998], traces by
@@ -33,6 +34,13 @@ from sharpcli.curvature.pyhessian_engine import (
     pyhessian_eigenvalues,
     pyhessian_trace,
 )
+from sharpcli.curvature.registry import (
+    OPERATORS,
+    OperatorSpec,
+    build_operator,
+    register_operator,
+    unregister_operator,
+)
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import (
     TraceResult,
@@ -46,6 +54,7 @@ from sharpcli.curvature.trace import (
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
+    "OPERATORS",
     "AnalysisData",
     "CurvatureOperator",
     "CurvaturePass",
@@ -54,10 +63,12 @@ __all__ = [
     "HessianOperator",
     "MatrixOperator",
     "NMEOperator",
+    "OperatorSpec",
     "ParamScope",
     "SpectralDensity",
     "TraceResult",
     "all_reduce_sum",
+    "build_operator",
     "determinism_check",
     "distributed_rank_and_world",
     "exact_ggn_trace",
@@ -72,8 +83,10 @@ __all__ = [
     "pyhessian_density",
     "pyhessian_eigenvalues",
     "pyhessian_trace",
+    "register_operator",
     "ritz_residuals",
     "sampled_label_ggn_trace",
     "spectral_density",
     "train_mode_modules",
+    "unregister_operator",
 ]

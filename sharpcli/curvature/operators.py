@@ -4,6 +4,7 @@ For the analysis loss ``L(theta) = (1/N) sum_i l(z_i, y_i)``, ``z_i = f(theta, x
 
 - Hessian      ``H = d^2 L / dtheta^2``
 - Gauss-Newton ``G = (1/N) sum_i J_i^T H_z,i J_i``, ``J_i = dz_i/dtheta``, ``H_z,i = d^2 l/dz_i^2``
+  [Schraudolph2002]
 - NME          ``N = H - G = (1/N) sum_i sum_c (dl/dz_ic) d^2 z_ic / dtheta^2``   (NME eq. 2)
 
 The matrix-free Gauss-Newton product ``J^T H_z J v`` follows [Schraudolph2002] (see also [Martens2020]);
@@ -27,6 +28,9 @@ The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` wit
 held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
 The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
 product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
+
+The operators by ``--operator`` name, and the paper keys [NME] and [Schraudolph2002]:
+:mod:`sharpcli.curvature.registry`.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class _BatchGraph:
     nme_view: "_BatchGraph | None" = (
         None  # g_N = J^T g_z with g_z held constant (built on first N product)
     )
+    cached: bool = False  # held in CurvaturePass._cache (its NME view then counts there too)
 
 
 @dataclass
@@ -92,12 +97,18 @@ class _ByteCounter:
         return tensor
 
 
+def _write_columns(blocks: list, cols: slice, results: tuple) -> None:
+    """Write each product of ``results`` into the columns ``cols`` of its block."""
+    for block, result in zip(blocks, results):
+        block[:, cols] = result
+
+
 class CurvaturePass:
     """The engine behind every curvature operator: batched H, G (and H+G jointly) products.
 
-    ``matmat(V, want)`` multiplies a block ``V`` of shape ``(P, k)`` in ONE pass over the
-    data (each batch's first-order graph is used for all k columns). ``want`` is ``"H"``,
-    ``"G"`` or ``"HG"`` (both, from the same reverse pass; see the module docstring).
+    ``hessian_matmat``, ``ggn_matmat``, ``nme_matmat`` and ``hessian_and_ggn_matmat`` (both
+    from the same reverse pass; see the module docstring) multiply a block ``V`` of shape
+    ``(P, k)`` in ONE pass over the data (each batch's first-order graph serves all k columns).
     The per-batch graphs are cached while their retained bytes fit ``cache_bytes``
     (0 disables caching); the cache is dropped automatically when any parameter or buffer
     of the model changes in place (its version counter moves). Blocks are multiplied
@@ -168,7 +179,7 @@ class CurvaturePass:
         nbytes += 2 * z.numel() * z.element_size()
         return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
 
-    def _nme_graph(self, graph: _BatchGraph, cached: bool) -> _BatchGraph:
+    def _nme_graph(self, graph: _BatchGraph) -> _BatchGraph:
         """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
 
         Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
@@ -194,7 +205,7 @@ class CurvaturePass:
             graph.nme_view = _BatchGraph(
                 graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
             )
-            if cached:
+            if graph.cached:
                 graph.nbytes += nbytes
                 self._cached_bytes += nbytes
         return graph.nme_view
@@ -214,6 +225,7 @@ class CurvaturePass:
                 if self._cached_bytes + graph.nbytes <= self.cache_bytes:
                     self._cache[index] = graph
                     self._cached_bytes += graph.nbytes
+                    graph.cached = True
             yield index, graph
 
     # ----------------------------------------------------------------- products
@@ -227,35 +239,70 @@ class CurvaturePass:
             out[scope.offsets[j] : scope.offsets[j + 1]] = t.reshape(-1)
         return out
 
-    def _products(self, graph, V, want_h, want_g, h_out, g_out, cols, batched):
-        """Write ``H V`` / ``G V`` of one batch graph into ``h_out[:, cols]`` / ``g_out[:, cols]``.
+    # One batch's products. Each takes the batch's first-order graph, a block ``V`` of columns
+    # and ``batched`` (multiply all columns in one vmapped reverse pass, ``is_grads_batched``;
+    # otherwise ``V`` has one column) and returns a tuple of ``(P, k)`` blocks.
+    def _param_shaped(self, V: torch.Tensor, batched: bool) -> list[torch.Tensor]:
+        """The columns of ``V`` as parameter-shaped tensors (with a leading k dim when batched)."""
+        scope = self.scope
+        if not batched:
+            return scope.unflatten(V[:, 0])
+        return [
+            V[a:b].T.reshape(V.shape[1], *shape)
+            for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
+        ]
 
-        ``batched`` multiplies all columns in one vmapped reverse pass (``is_grads_batched``);
-        otherwise ``V`` has one column.
+    def _reverse_through_gradient(self, graph: _BatchGraph, V, batched: bool, inputs) -> tuple:
+        """``d<g, v>/d inputs`` for the batch's ``g = J^T g_z`` and each column ``v`` of ``V``.
+
+        With respect to the parameters this is ``H v``, with respect to ``g_z`` it is ``J v``
+        (``g`` is linear in ``g_z``); asking for both costs one reverse pass. The graph is
+        retained: it serves every block of every product while it is cached.
         """
-        scope, params = self.scope, self.scope.params
-        if batched:
-            parts = [
-                V[a:b].T.reshape(V.shape[1], *shape)
-                for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
-            ]
-        else:
-            parts = scope.unflatten(V[:, 0])
-        v_out = [parts[i] for i in graph.grad_index]
-        inputs = (list(params) if want_h else []) + ([graph.gz] if want_g else [])
+        parts = self._param_shaped(V, batched)
+        with torch.enable_grad():
+            return torch.autograd.grad(
+                graph.grads,
+                inputs,
+                grad_outputs=[parts[i] for i in graph.grad_index],
+                allow_unused=True,
+                retain_graph=True,
+                is_grads_batched=batched,
+            )
+
+    def _ggn_from_jv(self, graph: _BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
+        """``G v = J^T H_z (J v)`` [Schraudolph2002] from ``J v``: a backward through the tiny ``g_z(z)``
+        graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta."""
+        if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
+            scope = self.scope
+            return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
         kw = {"retain_graph": True, "is_grads_batched": batched}
         with torch.enable_grad():
-            outs = torch.autograd.grad(
-                graph.grads, inputs, grad_outputs=v_out, allow_unused=True, **kw
+            (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=jv, **kw)
+            gv = torch.autograd.grad(
+                graph.z, self.scope.params, grad_outputs=hz_jv, allow_unused=True, **kw
             )
-            if want_h:
-                h_out[:, cols] = self._flat_block(outs[: len(params)], V.shape[1], batched)
-            if want_g and outs[-1] is not None:
-                (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=outs[-1], **kw)
-                gv = torch.autograd.grad(
-                    graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
-                )
-                g_out[:, cols] = self._flat_block(gv, V.shape[1], batched)
+        return self._flat_block(gv, k, batched)
+
+    def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+        """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
+        outs = self._reverse_through_gradient(graph, V, batched, list(self.scope.params))
+        return (self._flat_block(outs, V.shape[1], batched),)
+
+    def _ggn_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+        """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
+        (jv,) = self._reverse_through_gradient(graph, V, batched, [graph.gz])
+        return (self._ggn_from_jv(graph, jv, V.shape[1], batched),)
+
+    def _joint_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
+        """``(H_b V, G_b V)`` from ONE reverse pass w.r.t. the parameters and ``g_z`` together."""
+        params = list(self.scope.params)
+        outs = self._reverse_through_gradient(graph, V, batched, params + [graph.gz])
+        k = V.shape[1]
+        return (
+            self._flat_block(outs[: len(params)], k, batched),
+            self._ggn_from_jv(graph, outs[-1], k, batched),
+        )
 
     def _flat_block(self, tensors, k, batched) -> torch.Tensor:
         """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros."""
@@ -268,90 +315,109 @@ class CurvaturePass:
             out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
         return out
 
-    def matmat(self, V: torch.Tensor, want: str = "H", *, operator: str = "curvature"):
-        """Products with the columns of ``V`` (shape ``(P, k)`` or ``(P,)``): returns ``(HV, GV)``.
+    # ----------------------------------------------------------------- the pass over the data
+    def _batch_blocks(self, graph: _BatchGraph, V, batch_product, count: int) -> list:
+        """``batch_product`` of one batch for every column of ``V``, as ``count`` blocks.
 
-        Entries not asked for by ``want`` (``"H"``, ``"G"`` or ``"HG"``) are ``None``. ``want="N"``
-        returns ``(NV, None)``: the NME product straight from :meth:`_nme_graph`.
-        Raises :class:`NumericalError` naming ``operator`` and the batch on NaN/Inf.
+        ``vectorize`` columns go through one vmapped reverse pass; column by column when
+        ``vectorize`` is 1 (the CPU default) or once a layer without a batched backward rule
+        has raised (then for the rest of this pass's life).
         """
-        squeeze = V.dim() == 1
-        if squeeze:
+        k = V.shape[1]
+        blocks = [torch.zeros_like(V) for _ in range(count)]
+        for start in range(0, k, self.vectorize):
+            cols = slice(start, min(k, start + self.vectorize))
+            if self._batched_ok and cols.stop - cols.start > 1:
+                try:
+                    _write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
+                    continue
+                except RuntimeError:  # an op without a batched (vmap) backward rule
+                    self._batched_ok = False
+            for j in range(cols.start, cols.stop):
+                column = slice(j, j + 1)
+                _write_columns(blocks, column, batch_product(graph, V[:, column], False))
+        return blocks
+
+    @staticmethod
+    def _check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
+        """Raise :class:`NumericalError` naming ``operator``, its ``part`` and the batch when a
+        batch's product is not finite, or finite with a norm beyond the dtype's range."""
+        if not torch.isfinite(block).all():
+            raise NumericalError(
+                f"{operator} product ({part} part) is not finite on batch {index}",
+                source=f"{operator} operator",
+            )
+        # Finite entries can still have a norm beyond the dtype's range (float32: entries
+        # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
+        # the product, so it would turn into Inf/NaN there and the NEXT product would be
+        # blamed on its first batch; stop here, naming the batch that did it.
+        if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
+            raise NumericalError(
+                f"{operator} product ({part} part) on batch {index} is too large for "
+                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try --dtype "
+                "float64)",
+                source=f"{operator} operator",
+            )
+
+    def _as_block(self, V: torch.Tensor) -> torch.Tensor:
+        """``V`` as a ``(P, k)`` block in the scope's dtype and device (a vector is one column)."""
+        if V.dim() == 1:
             V = V[:, None]
         scope = self.scope
         if V.shape[0] != scope.numel:
             raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
-        V = V.to(dtype=scope.dtype, device=scope.device)
-        k = V.shape[1]
-        direct_nme = want == "N"
-        want_h, want_g = "H" in want or direct_nme, "G" in want
-        HV = torch.zeros_like(V) if want_h else None
-        GV = torch.zeros_like(V) if want_g else None
+        return V.to(dtype=scope.dtype, device=scope.device)
+
+    def _apply(self, V, batch_product, parts: tuple[str, ...], operator: str, view=None) -> tuple:
+        """The sum of ``batch_product`` over this rank's batches and over all ranks.
+
+        One ``(P, k)`` block per name in ``parts`` (the names the NaN/Inf errors give them),
+        ``(P,)`` for a vector ``V``. ``view`` maps a batch's first-order graph to the graph the
+        product differentiates (the NME's ``g_N``). Every batch's blocks are checked before they
+        are added, so an error names the batch that produced it (and ``operator``).
+        """
+        squeeze = V.dim() == 1
+        V = self._as_block(V)
+        totals = [torch.zeros_like(V) for _ in parts]
         for index, graph in self._graphs():
-            if direct_nme:
-                graph = self._nme_graph(graph, cached=self._cache.get(index) is graph)
+            if view is not None:
+                graph = view(graph)
             if not graph.grads:  # the loss does not depend on theta in scope on this batch
                 continue
-            h_batch = torch.zeros_like(V) if want_h else None
-            g_batch = torch.zeros_like(V) if want_g else None
-            for start in range(0, k, self.vectorize):
-                cols = slice(start, min(k, start + self.vectorize))
-                if self._batched_ok and cols.stop - cols.start > 1:
-                    try:
-                        self._products(
-                            graph, V[:, cols], want_h, want_g, h_batch, g_batch, cols, True
-                        )
-                        continue
-                    except RuntimeError:  # an op without a batched (vmap) backward rule
-                        self._batched_ok = False
-                for j in range(cols.start, cols.stop):
-                    self._products(
-                        graph,
-                        V[:, j : j + 1],
-                        want_h,
-                        want_g,
-                        h_batch,
-                        g_batch,
-                        slice(j, j + 1),
-                        False,
-                    )
-            for label, block in (
-                ("NME" if direct_nme else "Hessian", h_batch),
-                ("Gauss-Newton", g_batch),
-            ):
-                if block is None:
-                    continue
-                if not torch.isfinite(block).all():
-                    raise NumericalError(
-                        f"{operator} product ({label} part) is not finite on batch {index}",
-                        source=f"{operator} operator",
-                    )
-                # Finite entries can still have a norm beyond the dtype's range (float32: entries
-                # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
-                # the product, so it would turn into Inf/NaN there and the NEXT product would be
-                # blamed on its first batch; stop here, naming the batch that did it.
-                if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
-                    raise NumericalError(
-                        f"{operator} product ({label} part) on batch {index} is too large for "
-                        f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try --dtype float64)",
-                        source=f"{operator} operator",
-                    )
-            if want_h:
-                HV += h_batch
-            if want_g:
-                GV += g_batch
-        if want_h:
-            all_reduce_sum(HV)
-        if want_g:
-            all_reduce_sum(GV)
-        if squeeze:
-            HV = HV[:, 0] if HV is not None else None
-            GV = GV[:, 0] if GV is not None else None
-        return HV, GV
+            blocks = self._batch_blocks(graph, V, batch_product, len(parts))
+            for part, block in zip(parts, blocks):
+                self._check_finite(block, part, operator, index)
+            for total, block in zip(totals, blocks):
+                total += block
+        for total in totals:
+            all_reduce_sum(total)
+        return tuple(total[:, 0] if squeeze else total for total in totals)
+
+    # ----------------------------------------------------------------- products over the data
+    def hessian_matmat(self, V: torch.Tensor, *, operator: str = "Hessian") -> torch.Tensor:
+        """``H V`` for ``V`` of shape ``(P, k)`` (``H v`` for ``(P,)``), in one pass over the data.
+
+        ``operator`` names the product in NaN/Inf errors (which also name the batch).
+        """
+        (HV,) = self._apply(V, self._hessian_batch, ("Hessian",), operator)
+        return HV
+
+    def ggn_matmat(self, V: torch.Tensor, *, operator: str = "Gauss-Newton") -> torch.Tensor:
+        """``G V = (1/N) sum_i J_i^T H_z,i J_i V`` ([NME] eq. 2, [Schraudolph2002]), one pass over the data."""
+        (GV,) = self._apply(V, self._ggn_batch, ("Gauss-Newton",), operator)
+        return GV
+
+    def nme_matmat(self, V: torch.Tensor, *, operator: str = "NME") -> torch.Tensor:
+        """``N V = (H - G) V`` ([NME] eq. 2) straight from the graph of :meth:`_nme_graph`
+        (about the cost of ``H V``; equal to ``H V - G V`` of the joint pass to rounding)."""
+        (NV,) = self._apply(V, self._hessian_batch, ("NME",), operator, view=self._nme_graph)
+        return NV
 
     def hessian_and_ggn_matvec(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(H v, G v)`` from ONE pass over the data; ``N v = H v - G v`` (NME eq. 2)."""
-        HV, GV = self.matmat(v, "HG", operator="Hessian+Gauss-Newton")
+        HV, GV = self._apply(
+            v, self._joint_batch, ("Hessian", "Gauss-Newton"), "Hessian+Gauss-Newton"
+        )
         self.matvecs += 1 if v.dim() == 1 else v.shape[1]
         return HV, GV
 
@@ -464,11 +530,11 @@ class HessianOperator(_PassOperator):
     name = "Hessian"
 
     def _matmat(self, V):
-        return self.curvature_pass.matmat(V, "H", operator=self.name)[0]
+        return self.curvature_pass.hessian_matmat(V, operator=self.name)
 
 
 class GGNOperator(_PassOperator):
-    """Generalised Gauss-Newton ``G v = (1/N) sum_i J_i^T H_z,i J_i v`` (NME eq. 2, first term).
+    """Generalised Gauss-Newton ``G v = (1/N) sum_i J_i^T H_z,i J_i v`` [Schraudolph2002] (NME eq. 2, 1st term).
 
     ``J v`` comes from differentiating ``<J^T g_z, v>`` w.r.t. ``g_z``; ``H_z`` is the logit
     Hessian of the loss (cross-entropy: ``diag(p) - p p^T``; mse: ``(2/C) I``). G is PSD.
@@ -477,7 +543,7 @@ class GGNOperator(_PassOperator):
     name = "Gauss-Newton"
 
     def _matmat(self, V):
-        return self.curvature_pass.matmat(V, "G", operator=self.name)[1]
+        return self.curvature_pass.ggn_matmat(V, operator=self.name)
 
 
 class NMEOperator(_PassOperator):
@@ -493,7 +559,7 @@ class NMEOperator(_PassOperator):
     name = "NME"
 
     def _matmat(self, V):
-        return self.curvature_pass.matmat(V, "N", operator=self.name)[0]
+        return self.curvature_pass.nme_matmat(V, operator=self.name)
 
 
 class MatrixOperator(CurvatureOperator):

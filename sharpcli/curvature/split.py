@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.trace import _check_budget, _mean_stderr, _segment_sums
 
 QUANTITIES = ("trace", "frobenius_sq")
-OPERATORS = ("hessian", "ggn", "nme")
 
 
 @dataclass
@@ -54,7 +54,7 @@ def gn_nme_split(
     scope = cpass.scope
     blocks = dict(scope.blocks())
     generator = torch.Generator().manual_seed(int(seed))
-    rows = {(o, q): [] for o in OPERATORS for q in QUANTITIES}
+    rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
     matvecs = 0
     converged = False
     while matvecs < int(max_matvecs):
@@ -63,20 +63,20 @@ def gn_nme_split(
         HV, GV = cpass.hessian_and_ggn_matmat(V)
         NV = HV - GV
         matvecs += k
-        for name, AV in (("hessian", HV), ("ggn", GV), ("nme", NV)):
+        for name, AV in zip(SPLIT, (HV, GV, NV)):
             rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
             rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)
-        n = sum(r.shape[0] for r in rows[("hessian", "trace")])
+        n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
         if n >= min_samples:
             ok = True
-            for name in ("hessian", "ggn"):
+            for name in (HESSIAN, GGN):
                 mean, stderr = _mean_stderr(torch.cat(rows[(name, "trace")]))
                 ok = ok and bool(stderr[0] <= tol * abs(mean[0]))
             if ok:
                 converged = True
                 break
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
-    for name in OPERATORS:
+    for name in SPLIT:
         out.values[name] = {}
         for quantity in QUANTITIES:
             samples = torch.cat(rows[(name, quantity)])
