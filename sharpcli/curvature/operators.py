@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharpcli.curvature.attention import differentiable_attention
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError
@@ -368,6 +369,7 @@ class CurvaturePass:
             raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
         return V.to(dtype=scope.dtype, device=scope.device)
 
+    @differentiable_attention()
     def _apply(self, V, batch_product, parts: tuple[str, ...], operator: str, view=None) -> tuple:
         """The sum of ``batch_product`` over this rank's batches and over all ranks.
 
@@ -425,6 +427,7 @@ class CurvaturePass:
         """Block version of :meth:`hessian_and_ggn_matvec` for ``V`` of shape ``(P, k)``."""
         return self.hessian_and_ggn_matvec(V)
 
+    @differentiable_attention()
     def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
         """``(L(theta), grad L(theta))`` over the analysis set (plain backward, no graph kept)."""
         scope = self.scope
