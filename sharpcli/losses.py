@@ -4,7 +4,7 @@ The analysis loss is ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``, a mean ov
 (a batch of size B contributes with weight B/N; see :mod:`sharpcli.curvature.data`). Each
 loss is a :class:`Loss` record in :data:`LOSSES` carrying everything about itself: the batch
 mean, the per-sample loss, ``H_z u`` and a square-root factor of ``H_z = d^2 l / dz^2`` for
-the exact Gauss-Newton trace ([GGN]; ``tr(J^T H_z J) = sum_c ||J^T s_c||^2`` when
+the exact Gauss-Newton trace ([Schraudolph2002]; ``tr(J^T H_z J) = sum_c ||J^T s_c||^2`` when
 ``H_z = sum_c s_c s_c^T``), how it counts correct predictions, and which outputs and labels
 it accepts.
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
+from sharpcli.models.outputs import attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -389,7 +390,12 @@ class Session:
 
     def data_info(self) -> dict:
         """The report's ``data`` section; ``notes`` (e.g. float ids converted) when there are any."""
-        info = {"spec": self.dataset.spec, "split": self.split, "samples": self.num_samples}
+        info = {
+            "spec": self.dataset.spec,
+            "split": self.split,
+            "samples": self.num_samples,
+            "loss": self.loss,
+        }
         notes = [note for note in self.notes if note not in self.checkpoint.notes]
         if notes:
             info["notes"] = notes
@@ -443,6 +449,7 @@ def build_session(
     model_factory: str | None = None,
     trust_pickle: bool = False,
     cache_mb: int = 1024,
+    output: str | None = None,
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError."""
@@ -478,6 +485,8 @@ def build_session(
     # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
     # outside the default scope (sharpcli.curvature.scope.ParamScope.resolve)
     model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
+    # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs)
+    attach_output_selector(model, output)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )

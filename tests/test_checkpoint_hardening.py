@@ -40,8 +40,8 @@ HEADROOM = 768 << 20  # bytes of address space a row may add to the imported int
 ROW_SECONDS = 15.0  # a refusal takes milliseconds; the old depth=200000 build took 117 s
 BATCH_TIMEOUT = 400
 
-SPEC = tiny_mlp_spec()  # 16 -> 8 -> 4: 172 values in 4 tensors
-ARGS = SPEC["args"]
+TINY_MLP = tiny_mlp_spec()  # 16 -> 8 -> 4: 172 values in 4 tensors
+ARGS = TINY_MLP["args"]
 
 
 # ------------------------------------------------------------------------------- the estimate
@@ -277,7 +277,7 @@ def _write_files(folder: Path) -> dict[str, list[str]]:
     """Each row's file and command line."""
     from safetensors import safe_open
 
-    own = write_own_checkpoint(folder / "own.safetensors", spec=SPEC)
+    own = write_own_checkpoint(folder / "own.safetensors", spec=TINY_MLP)
     with safe_open(str(own), framework="pt") as fh:
         meta = fh.metadata()
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}

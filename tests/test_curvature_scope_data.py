@@ -83,7 +83,7 @@ def test_batches_weights_and_validation():
     assert info.value.source == "--batch-size"
     with pytest.raises(UsageError) as info:
         AnalysisData(x, y, "hinge", 4)
-    assert info.value.source == "--loss"
+    assert info.value.source == "loss"  # the library names its parameter
     t = torch.ones(3)
     assert all_reduce_sum(t) is t and all_reduce_sum(2.5) == 2.5
 

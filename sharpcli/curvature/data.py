@@ -96,7 +96,7 @@ class AnalysisData:
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, loss: str, batch_size: int):
-        loss_fn(loss)  # validates the loss name (UsageError source="--loss")
+        loss_fn(loss)  # validates the loss name (UsageError source="loss")
         if int(batch_size) < 1:
             raise UsageError(f"batch size must be >= 1, got {batch_size}", source="--batch-size")
         if x.shape[0] != y.shape[0]:

@@ -637,7 +637,7 @@ def sampled_label_ggn_trace(
     if data.loss not in ("cross-entropy", "mse"):
         raise UsageError(
             f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}",
-            source="--loss",
+            source="loss",
         )
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     logits = _functional_logits(model, list(scope.names))

@@ -1,0 +1,85 @@
+"""One logits tensor from whatever a model returns.
+
+Researchers' models return a tensor, a tuple or list (logits plus auxiliary outputs), a dict
+or a HuggingFace-style output object with a ``.logits`` attribute. Every analysis needs one
+logits tensor, so the model's output is mapped by a *selector* (``--output``):
+
+- absent (the default): the tensor itself; ``.logits`` or the ``"logits"`` key when there is
+  one; otherwise the first tensor of a tuple, list or dict (in its order);
+- an integer (``"0"``, ``"1"``, ``"-1"``): that element of a tuple or list;
+- any other word: that key of a dict, or that attribute of an output object.
+
+:func:`attach_output_selector` installs the mapping as a forward hook on the root module,
+so parameter names, ``functional_call`` and ``torch.func`` transforms are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+
+__all__ = ["attach_output_selector", "describe_output", "select_output"]
+
+
+def describe_output(out) -> str:
+    """A short description of a model output, for messages: ``tuple(Tensor(2, 3), dict)``."""
+    if isinstance(out, torch.Tensor):
+        return f"Tensor{tuple(out.shape)}"
+    if isinstance(out, (tuple, list)):
+        inner = ", ".join(describe_output(o) for o in list(out)[:4])
+        return f"{type(out).__name__}({inner}{', ...' if len(out) > 4 else ''})"
+    if isinstance(out, dict):
+        return f"{type(out).__name__} with keys {', '.join(map(str, list(out)[:6]))}"
+    return type(out).__name__
+
+
+def _default(out):
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, dict):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+def select_output(out, selector: str | None = None) -> torch.Tensor:
+    """The logits in ``out`` by ``selector`` (module docstring); UsageError if there are none."""
+    if isinstance(out, torch.Tensor) and selector is None:
+        return out
+    if selector is None:
+        chosen = _default(out)
+    elif isinstance(out, (tuple, list)) and selector.lstrip("-").isdigit():
+        index = int(selector)
+        chosen = out[index] if -len(out) <= index < len(out) else None
+    elif isinstance(out, dict):
+        chosen = out.get(selector)
+    else:
+        chosen = getattr(out, selector, None)
+    if not isinstance(chosen, torch.Tensor):
+        missing = "no logits tensor in it" if selector is None else f"no tensor at {selector!r}"
+        raise UsageError(
+            f"the model returns {describe_output(out)}, {missing}; choose one with "
+            "--output (an index, a key or an attribute)",
+            source="--output",
+        )
+    return chosen
+
+
+def attach_output_selector(model: nn.Module, selector: str | None = None):
+    """Make ``model(x)`` return :func:`select_output` of its output; returns the hook handle.
+
+    Nothing is attached for a model that already returns a tensor and needs no selector.
+    """
+
+    def hook(module, args, out):
+        return select_output(out, selector)
+
+    return model.register_forward_hook(hook)
