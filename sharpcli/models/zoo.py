@@ -645,12 +645,16 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def final_linear(model: nn.Module, *, source: str = "--params") -> tuple[str, nn.Linear]:
+def final_linear(
+    model: nn.Module, *, source: str = "--params", missing: str | None = None
+) -> tuple[str, nn.Linear]:
     """The classifier head: the last ``nn.Linear`` in ``named_modules()`` order, as ``(name, module)``.
 
-    Its input is the penultimate representation ``h^(L-1)`` (AD Theorem 2) and its parameters are
-    the scope ``--params last`` (AD Corollary 1 bound on the final layer). Raises
-    ``UsageError(source=source)`` when the model has no ``nn.Linear``.
+    Its input is the penultimate representation ``h^(L-1)`` (AD Theorem 2, the activation-decay
+    penalty) and its parameters are the scope ``--params last`` (AD Corollary 1 bound on the
+    final layer). The one place that finds the head: analyses, scopes and training steps call it.
+    Raises ``UsageError(source=source)`` when the model has no ``nn.Linear``, with the message
+    ``missing`` when given (what the caller needed the head for).
     """
     found: tuple[str, nn.Linear] | None = None
     for name, module in model.named_modules():
@@ -658,8 +662,9 @@ def final_linear(model: nn.Module, *, source: str = "--params") -> tuple[str, nn
             found = (name, module)
     if found is None:
         raise UsageError(
-            f"the model ({type(model).__name__}) has no nn.Linear layer, so it has no final linear "
-            "classifier head",
+            missing
+            or f"the model ({type(model).__name__}) has no nn.Linear layer, so it has no final "
+            "linear classifier head",
             source=source,
         )
     return found
