@@ -309,94 +309,72 @@ class _Arg:
     help: str = ""
 
 
+# Arguments several architectures share, declared once. Order matters: a model spec's ``args``
+# (and so a checkpoint's metadata) lists them in schema order.
+_NUM_CLASSES_ARG = _Arg("int", required=True, minimum=1, help="number of logits")
+_IMAGE_INPUT_ARGS = {
+    "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
+    "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
+    "num_classes": _NUM_CLASSES_ARG,
+}
+_ACTIVATION_ARG = _Arg("activation", "relu", help="activation spec")
+# The manipulations of sharpcli.models.manipulations (MAN), available on every architecture.
+_MANIPULATION_ARGS = {
+    "mask_ratio": _Arg(
+        "float",
+        0.0,
+        minimum=0.0,
+        below=1.0,
+        help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+    ),
+    "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+    "per_sample_norm": _Arg(
+        "bool",
+        False,
+        help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+    ),
+}
+
+
+def _dropout_arg(where: str) -> _Arg:
+    """The dropout probability in [0, 1), applied ``where``."""
+    return _Arg("float", 0.0, minimum=0.0, below=1.0, help=f"dropout {where}")
+
+
 _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
     "mlp": {
         "in_features": _Arg("int", required=True, minimum=1, help="flattened input size"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        "num_classes": _NUM_CLASSES_ARG,
         "depth": _Arg("int", 2, minimum=0, help="number of hidden layers"),
         "width": _Arg("int", 64, minimum=1, help="hidden units per layer"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "bias": _Arg("bool", True, help="Linear layers have biases"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout after each activation"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("after each activation"),
+        **_MANIPULATION_ARGS,
     },
     "cnn": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "channels": _Arg("int_list", [16, 32], help="conv channels per block"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("before the head"),
+        **_MANIPULATION_ARGS,
     },
     "vgg-small": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "width_multiplier": _Arg("float", 1.0, above=0.0, help="scales 64-128-256-512 channels"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("before the head"),
+        **_MANIPULATION_ARGS,
     },
     "resnet": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "depth": _Arg("int", 20, minimum=8, help="6n+2: 20, 32, 44, 56, 110"),
         "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before fc"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "activation": _ACTIVATION_ARG,
+        "dropout": _dropout_arg("before fc"),
+        **_MANIPULATION_ARGS,
     },
 }
 
