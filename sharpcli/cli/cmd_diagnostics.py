@@ -66,7 +66,7 @@ def activation_stats_command(
 
     session = common.open_session(checkpoint, opts)
     result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
-    settings = opts.settings() | {"checkpoint": checkpoint, "jacobian": jacobian}
+    settings = opts.report_settings()
     report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
     return common.Outcome(report, render=lambda console: _render_activation_stats(console, result))
 
@@ -176,19 +176,7 @@ def weight_rescale_command(
             title=f"weight rescaling ({result.plan.mode} mode)",
         )
         results["plot"] = plot
-    settings = opts.settings() | {
-        "checkpoint": checkpoint,
-        "alpha": alphas,
-        "mode": mode,
-        "layer": layer,
-        "force": force,
-        "params": params,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "trace_tol": trace_tol,
-        "trace_max_matvecs": trace_max_matvecs,
-        "plot": plot,
-    }
+    settings = opts.report_settings(alpha=alphas)
     report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
 
@@ -322,23 +310,7 @@ def bound_check_command(
             results["rows"], plot, noise_rows=noise_rows, title=f"AD Corollary 1 on {result.params}"
         )
         results["plot"] = plot
-    settings = opts.settings() | {
-        "checkpoint": checkpoint,
-        "sigma": sigmas,
-        "params": result.params,
-        "perturbations": perturbations,
-        "epsilon": epsilon,
-        "check": checks,
-        "bootstrap": bootstrap,
-        "ci_level": ci_level,
-        "mc_samples": mc_samples,
-        "noise_pairs": noise_pairs,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "trace_tol": trace_tol,
-        "trace_max_matvecs": trace_max_matvecs,
-        "plot": plot,
-    }
+    settings = opts.report_settings(sigma=sigmas, params=result.params, check=checks)
     report = session.report("bound-check", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
 

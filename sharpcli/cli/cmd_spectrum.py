@@ -67,16 +67,7 @@ def eigen_command(
             params=params,
             engine=engine,
         )
-    settings = opts.settings() | {
-        "top_k": top_k,
-        "which": which,
-        "operator": operator,
-        "method": method,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "params": params,
-        "engine": engine,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("eigen", settings, results, matvecs=results["matvecs"])
 
     def render(console):
@@ -141,15 +132,7 @@ def trace_command(
             params=params,
             engine=engine,
         )
-    settings = opts.settings() | {
-        "operator": operator,
-        "estimator": estimator,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "square": square,
-        "params": params,
-        "engine": engine,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
 
     def render(console):
@@ -217,13 +200,7 @@ def gn_nme_command(
 
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
-    settings = opts.settings() | {
-        "tol": tol,
-        "eig_tol": eig_tol,
-        "max_matvecs": max_matvecs,
-        "params": params,
-        "plot": plot,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
@@ -304,15 +281,7 @@ def density_command(
 
         plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
-    settings = opts.settings() | {
-        "operator": operator,
-        "probes": probes,
-        "steps": steps,
-        "grid_points": grid_points,
-        "broadening": broadening,
-        "params": params,
-        "plot": plot,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
 
     def render(console):
