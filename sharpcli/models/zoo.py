@@ -92,7 +92,39 @@ def _pooled(size: tuple[int, int]) -> tuple[int, int]:
     return size[0] // 2, size[1] // 2
 
 
-class SmallCNN(nn.Module):
+def _conv_act(
+    in_channels: int, out_channels: int, activation: str, batch_norm: bool
+) -> list[nn.Module]:
+    """The start of a SmallCNN / VGG-small block: ``Conv2d(k=3, pad=1) -> (BatchNorm2d) -> act``
+    (created in this order, so a seed gives the same initial weights)."""
+    layers: list[nn.Module] = [nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)]
+    if batch_norm:
+        layers.append(nn.BatchNorm2d(out_channels))
+    layers.append(make_activation(activation))
+    return layers
+
+
+def _classifier(
+    pool: list[nn.Module], features: int, num_classes: int, dropout: float, bias: bool = True
+) -> nn.Sequential:
+    """``[*pool, Flatten, (Dropout), Linear(features, num_classes)]``: a conv net's head, whose
+    ``Linear`` input is the penultimate representation."""
+    head: list[nn.Module] = [*pool, nn.Flatten()]
+    if dropout > 0:
+        head.append(nn.Dropout(dropout))
+    head.append(nn.Linear(features, num_classes, bias=bias))
+    return nn.Sequential(*head)
+
+
+class _FeaturesThenClassifier(nn.Module):
+    """A conv net made of ``features`` and ``classifier`` (SmallCNN, VGG-small)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of an image batch ``(N, C, H, W)``."""
+        return self.classifier(self.features(x))
+
+
+class SmallCNN(_FeaturesThenClassifier):
     """A small conv net: ``features`` blocks ``Conv3x3 -> (BatchNorm) -> act -> MaxPool2d(2)``,
     then ``classifier = [Flatten, (Dropout), Linear(c_last * h * w, num_classes)]``.
 
@@ -116,29 +148,18 @@ class SmallCNN(nn.Module):
         prev = in_channels
         size = tuple(image_size)
         for width in channels:
-            blocks.append(nn.Conv2d(prev, width, kernel_size=3, padding=1))
-            if batch_norm:
-                blocks.append(nn.BatchNorm2d(width))
-            blocks.append(make_activation(activation))
+            blocks += _conv_act(prev, width, activation, batch_norm)
             blocks.append(nn.MaxPool2d(2))
             size = _pooled(size)
             prev = width
         self.features = nn.Sequential(*blocks)
-        head: list[nn.Module] = [nn.Flatten()]
-        if dropout > 0:
-            head.append(nn.Dropout(dropout))
-        head.append(nn.Linear(prev * size[0] * size[1], num_classes))
-        self.classifier = nn.Sequential(*head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of an image batch ``(N, C, H, W)``."""
-        return self.classifier(self.features(x))
+        self.classifier = _classifier([], prev * size[0] * size[1], num_classes, dropout)
 
 
 VGG_SMALL_CHANNELS = (64, 128, 256, 512)
 
 
-class VGGSmall(nn.Module):
+class VGGSmall(_FeaturesThenClassifier):
     """The custom VGG-small of MAN Appendix B.2, Table 6 (no batch norm, no residuals).
 
     ``features``: four blocks ``Conv2d(k=3, pad=1) -> (BatchNorm2d) -> act -> MaxPool2d(2)`` with
@@ -166,10 +187,7 @@ class VGGSmall(nn.Module):
         size = tuple(image_size)
         for base in VGG_SMALL_CHANNELS:
             width = vgg_small_width(base, width_multiplier)
-            blocks.append(nn.Conv2d(prev, width, kernel_size=3, padding=1))
-            if batch_norm:
-                blocks.append(nn.BatchNorm2d(width))
-            blocks.append(make_activation(activation))
+            blocks += _conv_act(prev, width, activation, batch_norm)
             if min(size) >= 2:
                 blocks.append(nn.MaxPool2d(2))
                 size = _pooled(size)
@@ -177,15 +195,8 @@ class VGGSmall(nn.Module):
                 blocks.append(nn.Identity())
             prev = width
         self.features = nn.Sequential(*blocks)
-        head: list[nn.Module] = [nn.AdaptiveAvgPool2d((2, 2)), nn.Flatten()]
-        if dropout > 0:
-            head.append(nn.Dropout(dropout))
-        head.append(nn.Linear(prev * 4, num_classes, bias=False))
-        self.classifier = nn.Sequential(*head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of an image batch ``(N, C, H, W)``."""
-        return self.classifier(self.features(x))
+        pool = [nn.AdaptiveAvgPool2d((2, 2))]
+        self.classifier = _classifier(pool, prev * 4, num_classes, dropout, bias=False)
 
 
 def vgg_small_width(base: int, width_multiplier: float) -> int:
