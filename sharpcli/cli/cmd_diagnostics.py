@@ -40,13 +40,6 @@ TraceMaxOpt = Annotated[
 ]
 
 
-def _check_plot(path: str | None) -> None:
-    if path is not None:
-        from sharpcli.io.atomic import check_writable
-
-        check_writable(path, "--plot")
-
-
 # --------------------------------------------------------------------------------------- activation-stats
 @common.analysis_command(app, "activation-stats")
 def activation_stats_command(
@@ -148,7 +141,7 @@ def weight_rescale_command(
         )
     common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
-    _check_plot(plot)
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "rescaling") as progress:
         result = weight_rescale(
@@ -297,7 +290,7 @@ def bound_check_command(
         seed=opts.seed,
     )
     config.validate()  # before the checkpoint is read: option errors first
-    _check_plot(plot)
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "bound check") as progress:
         result = bound_check(session.model, session.analysis_data(), config, progress=progress)

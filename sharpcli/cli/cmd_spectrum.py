@@ -186,10 +186,7 @@ def gn_nme_command(
 
     _positive(tol, "--tol")
     _positive(eig_tol, "--eig-tol")
-    if plot is not None:
-        from sharpcli.io.atomic import check_writable
-
-        check_writable(plot, "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "Gauss-Newton / NME split"):
         results = spectrum.gn_nme(
@@ -257,14 +254,12 @@ def density_command(
 ) -> common.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""
     from sharpcli.analyses import spectrum
-    from sharpcli.io.atomic import check_writable
 
     common.require(probes >= 1, "must be at least 1", "--probes")
     common.require(steps >= 2, "must be at least 2", "--steps")
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
-    if plot is not None:
-        check_writable(plot, "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "stochastic Lanczos quadrature"):
         results = spectrum.density(

@@ -287,6 +287,13 @@ def parse_float_list(text: str, option: str) -> list[float]:
     return values
 
 
+def check_output(path: str | None, option: str = "--plot") -> None:
+    """UsageError on ``option`` unless ``path`` can be written (nothing to check for None): an
+    output file is checked before the work that fills it starts."""
+    if path is not None:
+        check_writable(path, option)
+
+
 def require(condition: bool, message: str, option: str) -> None:
     if not condition:
         raise UsageError(message, source=option)
