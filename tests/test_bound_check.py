@@ -14,6 +14,7 @@ from torch.func import functional_call, hessian
 
 from sharpcli.analyses.bounds import (
     AveragedOperator,
+    BoundCheckConfig,
     _standard_normal_directions,
     bound_check,
     corollary1_bound,
@@ -24,6 +25,7 @@ from sharpcli.analyses.bounds import (
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.errors import UsageError
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model
 from sharpcli.report.envelope import validate_report
@@ -69,7 +71,8 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
     model, x, y = _trained()
     data = AnalysisData(x, y, "cross-entropy", 16)
     sigmas = [0.05, 0.5]
-    result = bound_check(model, data, sigmas, perturbations=4, tol=1e-10, bootstrap=200, seed=3)
+    config = BoundCheckConfig(sigmas, perturbations=4, tol=1e-10, bootstrap=200, seed=3)
+    result = bound_check(model, data, config)
     assert (
         result.params == "4.weight" and result.num_params == 12
     )  # default: the final layer's weight
@@ -132,10 +135,7 @@ def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
     result = bound_check(
         model,
         AnalysisData(x, y, "cross-entropy", 40),
-        [1e-6, 1e-3, 1.0],
-        perturbations=3,
-        tol=1e-10,
-        bootstrap=100,
+        BoundCheckConfig([1e-6, 1e-3, 1.0], perturbations=3, tol=1e-10, bootstrap=100),
     )
     tiny, small, large = result.rows
     # a failed row is explained (sampled H and eps are lower estimates of the corollary's suprema)
@@ -162,6 +162,27 @@ def test_bootstrap_ritz_values_reproduce_the_average():
     weights = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     norms = AveragedOperator.ritz_norm(S, M, weights)
     assert norms.tolist() == pytest.approx([2.25, 3.0, 4.0], rel=1e-14)
+
+
+def test_config_validation_names_the_option_of_the_first_bad_setting():
+    BoundCheckConfig().validate()  # the CLI defaults are valid
+    cases = [
+        (dict(sigmas=[]), "--sigma"),
+        (dict(sigmas=[0.1, float("nan")]), "--sigma"),
+        (dict(checks=("theorem9",)), "--check"),
+        (dict(epsilon_kind="max"), "--epsilon"),
+        (dict(perturbations=0), "--perturbations"),
+        (dict(bootstrap=0), "--bootstrap"),
+        (dict(ci_level=1.0), "--ci-level"),
+        (dict(mc_pairs=1), "--mc-samples"),
+        (dict(noise_pairs=1), "--noise-pairs"),
+        (dict(tol=0.0), "--tol"),
+        (dict(epsilon_kind="max", perturbations=0), "--epsilon"),
+    ]
+    for changes, option in cases:
+        with pytest.raises(UsageError) as info:
+            BoundCheckConfig(**changes).validate()
+        assert info.value.source == option, (changes, info.value.source)
 
 
 def test_corollary1_bound_formula():

@@ -188,6 +188,91 @@ def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
         return None
 
 
+class _ActivationRecorder:
+    """The hooks of one analysis: a forward hook on every activation layer (one accumulator per
+    layer and call in a forward pass, in call order) and a forward pre-hook on the classifier
+    head summing ``||h||^2`` of its input. A context manager: the hooks live inside ``with``."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.layers = _activation_layers(model)
+        self.head = _head(model)
+        self.accumulators: dict[tuple[str, int], _LayerAccumulator] = {}
+        self.order: list[tuple[str, int]] = []
+        self.calls: dict[str, int] = {}
+        self.penultimate = torch.zeros((), dtype=torch.float64, device=device)
+        self._handles: list = []
+
+    def __enter__(self) -> "_ActivationRecorder":
+        self._handles = [
+            module.register_forward_hook(self._layer_hook(name)) for name, module in self.layers
+        ]
+        if self.head is not None:
+            self._handles.append(self.head[1].register_forward_pre_hook(self._head_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _layer_hook(self, name: str):
+        def hook(module, inputs, output):
+            index = self.calls.get(name, 0)
+            self.calls[name] = index + 1
+            key = (name, index)
+            pre = inputs[0]
+            if key not in self.accumulators:
+                label = name if index == 0 else f"{name}#{index + 1}"
+                self.accumulators[key] = _LayerAccumulator(
+                    label, _kind(module), tuple(pre.shape[1:]), pre.device
+                )
+                self.order.append(key)
+            self.accumulators[key].add(pre, output)
+
+        return hook
+
+    def _head_hook(self, module, inputs) -> None:
+        h = inputs[0].detach().reshape(inputs[0].shape[0], -1).to(torch.float64)
+        self.penultimate += (h * h).sum()
+
+    def layer_sums(self) -> list[torch.Tensor]:
+        """The layers' running sums, to all-reduce in place: active counts, then ``sum ||a||^2``."""
+        accumulators = [self.accumulators[k] for k in self.order]
+        return [acc.active_counts for acc in accumulators] + [
+            acc.sq_norm_sum for acc in accumulators
+        ]
+
+
+_OUTPUT_SUMS = ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")
+
+
+def _forward(model: nn.Module, x: torch.Tensor, with_graph: bool, batch_index: int):
+    """The logits of batch ``x``; with ``with_graph`` ``x`` requires grad and the graph is kept
+    (for the Jacobian). NumericalError when a logit is not finite."""
+    if with_graph:
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            z = model(x)
+    else:
+        with torch.no_grad():
+            z = model(x)
+    if not torch.isfinite(z).all():
+        raise NumericalError(
+            f"logits are not finite on batch {batch_index}", source="activation-stats"
+        )
+    return x, z
+
+
+def _add_output_sums(sums: dict, loss: str, z: torch.Tensor, y: torch.Tensor) -> None:
+    """Add a batch's loss and (cross-entropy) softmax statistics and correct count to ``sums``."""
+    sums["loss"] += per_sample_loss(loss, z, y).to(torch.float64).sum()
+    if loss == "cross-entropy":
+        p = torch.softmax(z.to(torch.float64), dim=-1)
+        sums["gini"] += (1.0 - (p * p).sum(dim=-1)).sum()
+        sums["entropy"] += (-torch.special.xlogy(p, p).sum(dim=-1)).sum()
+        sums["confidence"] += p.max(dim=-1).values.sum()
+        sums["correct"] += (z.argmax(dim=-1) == y).to(torch.float64).sum()
+
+
 def activation_stats(
     model: nn.Module, data: AnalysisData, *, jacobian: bool = True
 ) -> ActivationStatsResult:
@@ -195,111 +280,62 @@ def activation_stats(
 
     ``model`` must be in eval mode (samples independent); ``data`` is the analysis set (its
     ``loss`` decides whether softmax statistics apply). ``jacobian=False`` skips the C + 1
-    reverse passes per batch of the input-output Jacobian (both Jacobian norms are then ``None``).
-    Raises :class:`NumericalError` when the logits are not finite.
+    reverse passes per batch of the input-output Jacobian (both Jacobian norms are then ``None``,
+    as they are for integer inputs). Raises :class:`NumericalError` when the logits are not
+    finite.
     """
-    layers = _activation_layers(model)
-    head = _head(model)
-    accumulators: dict[tuple[str, int], _LayerAccumulator] = {}
-    order: list[tuple[str, int]] = []
-    calls: dict[str, int] = {}
-
-    def make_hook(name: str):
-        def hook(module, inputs, output):
-            index = calls.get(name, 0)
-            calls[name] = index + 1
-            key = (name, index)
-            pre = inputs[0]
-            if key not in accumulators:
-                label = name if index == 0 else f"{name}#{index + 1}"
-                accumulators[key] = _LayerAccumulator(
-                    label, _kind(module), tuple(pre.shape[1:]), pre.device
-                )
-                order.append(key)
-            accumulators[key].add(pre, output)
-
-        return hook
-
-    def head_hook(module, inputs):
-        h = inputs[0].detach().reshape(inputs[0].shape[0], -1).to(torch.float64)
-        penultimate["sum"] += (h * h).sum()
-
     params = list(model.parameters())
     dtype = params[0].dtype if params else torch.get_default_dtype()
     device = params[0].device if params else torch.device("cpu")
-    penultimate = {"sum": torch.zeros((), dtype=torch.float64, device=device)}
-    handles = [module.register_forward_hook(make_hook(name)) for name, module in layers]
-    if head is not None:
-        handles.append(head[1].register_forward_pre_hook(head_hook))
-
-    classification = data.loss == "cross-entropy"
-    sums = {
-        k: torch.zeros((), dtype=torch.float64, device=device)
-        for k in ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")
-    }
-    jacobian_possible = jacobian
+    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in _OUTPUT_SUMS}
+    use_jacobian = jacobian
     notes: list[str] = []
-    try:
+    with _ActivationRecorder(model, device) as recorder:
         for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
             x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
-            calls.clear()
-            use_jacobian = jacobian_possible and x_b.is_floating_point()
-            if jacobian_possible and not x_b.is_floating_point():
-                jacobian_possible = False
+            recorder.calls.clear()
+            if use_jacobian and not x_b.is_floating_point():
+                use_jacobian = False
                 notes.append("inputs are not floating point: no input-output Jacobian")
-            if use_jacobian:
-                x_b = x_b.detach().requires_grad_(True)
-                with torch.enable_grad():
-                    z = model(x_b)
-            else:
-                with torch.no_grad():
-                    z = model(x_b)
-            if not torch.isfinite(z).all():
-                raise NumericalError(
-                    f"logits are not finite on batch {batch_index}", source="activation-stats"
-                )
-            zd = z.detach()
-            sums["loss"] += per_sample_loss(data.loss, zd, y_b).to(torch.float64).sum()
-            if classification:
-                p = torch.softmax(zd.to(torch.float64), dim=-1)
-                sums["gini"] += (1.0 - (p * p).sum(dim=-1)).sum()
-                sums["entropy"] += (-torch.special.xlogy(p, p).sum(dim=-1)).sum()
-                sums["confidence"] += p.max(dim=-1).values.sum()
-                sums["correct"] += (zd.argmax(dim=-1) == y_b).to(torch.float64).sum()
+            x_b, z = _forward(model, x_b, use_jacobian, batch_index)
+            _add_output_sums(sums, data.loss, z.detach(), y_b)
             if use_jacobian:
                 logit_sq, softmax_sq = _jacobian_sq_norms(x_b, z)
                 sums["jac"] += logit_sq.sqrt().sum()
                 sums["jac_softmax"] += softmax_sq.sqrt().sum()
-    finally:
-        for handle in handles:
-            handle.remove()
+    all_reduce_sum(recorder.layer_sums() + list(sums.values()) + [recorder.penultimate])
+    return _result(recorder, sums, data, use_jacobian, notes)
 
+
+def _result(
+    recorder: _ActivationRecorder, sums: dict, data: AnalysisData, jacobian: bool, notes: list
+) -> ActivationStatsResult:
+    """The statistics from the all-reduced sums: per-sample means over the analysis set."""
     n = data.num_samples
-    reduced = [acc.active_counts for acc in (accumulators[k] for k in order)]
-    reduced += [acc.sq_norm_sum for acc in (accumulators[k] for k in order)]
-    reduced += [sums[k] for k in sums] + [penultimate["sum"]]
-    all_reduce_sum(reduced)
-    layer_stats = [accumulators[key].finish(n) for key in order]
+    classification = data.loss == "cross-entropy"
+
+    def mean(key: str, applies: bool = True) -> float | None:
+        return float(sums[key]) / n if applies else None
+
     output = OutputStats(
-        gini_impurity=float(sums["gini"]) / n if classification else None,
-        entropy=float(sums["entropy"]) / n if classification else None,
-        confidence=float(sums["confidence"]) / n if classification else None,
-        loss=float(sums["loss"]) / n,
-        accuracy=float(sums["correct"]) / n if classification else None,
+        gini_impurity=mean("gini", classification),
+        entropy=mean("entropy", classification),
+        confidence=mean("confidence", classification),
+        loss=mean("loss"),
+        accuracy=mean("correct", classification),
     )
-    if not layers:
+    if not recorder.layers:
         notes.append("the model has no activation layer modules")
+    head = recorder.head
     if head is None:
         notes.append("the model has no nn.Linear head: no penultimate activation norm")
     return ActivationStatsResult(
-        layers=layer_stats,
+        layers=[recorder.accumulators[key].finish(n) for key in recorder.order],
         output=output,
-        penultimate_sq_norm=float(penultimate["sum"]) / n if head is not None else None,
+        penultimate_sq_norm=float(recorder.penultimate) / n if head is not None else None,
         penultimate_layer=head[0] if head is not None else None,
-        input_jacobian_fro=float(sums["jac"]) / n if jacobian_possible else None,
-        input_jacobian_fro_softmax=(
-            float(sums["jac_softmax"]) / n if jacobian_possible and classification else None
-        ),
+        input_jacobian_fro=mean("jac", jacobian),
+        input_jacobian_fro_softmax=mean("jac_softmax", jacobian and classification),
         samples=n,
         notes=notes,
     )

@@ -82,6 +82,7 @@ from sharpcli.losses import loss_fn
 
 __all__ = [
     "AveragedOperator",
+    "BoundCheckConfig",
     "BoundCheckResult",
     "BoundRow",
     "NoiseStabilityRow",
@@ -359,6 +360,64 @@ class BoundCheckResult:
         return out
 
 
+@dataclass
+class BoundCheckConfig:
+    """The settings of :func:`bound_check`, with the defaults of ``sharp bound-check``.
+
+    ``sigmas``: the noise standard deviations. ``params``: a scope spec (default: the final
+    layer's weight). ``perturbations``: m, the fixed perturbations averaged for the Monte-Carlo
+    smoothed Hessian. ``epsilon_kind``: ``full`` or ``minibatch`` gradient norm. ``tol`` and
+    ``max_matvecs``: Lanczos. ``bootstrap`` replicates give the ``ci_level`` percentile interval.
+    ``checks``: extra checks, ``theorem2`` (with ``mc_pairs`` antithetic pairs per sample) and
+    ``noise-stability`` (``noise_pairs`` pairs, Hutch++ ``trace_tol``/``trace_max_matvecs``).
+    """
+
+    sigmas: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
+    params: str | None = None
+    perturbations: int = 8
+    epsilon_kind: str = "full"
+    tol: float = 1e-3
+    max_matvecs: int | None = None
+    bootstrap: int = 1000
+    ci_level: float = 0.95
+    checks: tuple[str, ...] = ()
+    mc_pairs: int = 256
+    noise_pairs: int = 32
+    trace_tol: float = 1e-2
+    trace_max_matvecs: int = 300
+    seed: int = 0
+
+    def validate(self) -> None:
+        """UsageError naming the option (``--sigma``, ``--check``, ...) of the first bad setting."""
+        _check_sigmas(self.sigmas)
+        for check in self.checks:
+            _require(
+                check in CHECKS,
+                f"unknown check {check!r}; accepted: {', '.join(CHECKS)}",
+                "--check",
+            )
+        _require(
+            self.epsilon_kind in EPSILON_KINDS,
+            f"unknown epsilon {self.epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
+            "--epsilon",
+        )
+        positive_counts = (
+            (self.perturbations, 1, "--perturbations"),
+            (self.bootstrap, 1, "--bootstrap"),
+        )
+        for value, least, option in positive_counts:
+            _require(int(value) >= least, f"must be >= {least}, got {value}", option)
+        _require(0 < self.ci_level < 1, f"must be in (0, 1), got {self.ci_level:g}", "--ci-level")
+        for value, option in ((self.mc_pairs, "--mc-samples"), (self.noise_pairs, "--noise-pairs")):
+            _require(int(value) >= 2, f"must be >= 2, got {value}", option)
+        _require(self.tol > 0, f"must be > 0, got {self.tol:g}", "--tol")
+
+
+def _require(condition: bool, message: str, option: str) -> None:
+    if not condition:
+        raise UsageError(message, source=option)
+
+
 def _check_sigmas(sigmas: list[float]) -> None:
     if not sigmas:
         raise UsageError("needs at least one sigma", source="--sigma")
@@ -369,124 +428,127 @@ def _check_sigmas(sigmas: list[float]) -> None:
             )
 
 
-def bound_check(
+@dataclass
+class _AtTheta:
+    """What every sigma's Corollary 1 row shares: measured at theta, drawn once from the seed.
+
+    ``eps``: both gradient norms (:func:`gradient_norms`); ``epsilon`` the configured one.
+    ``h_theta``/``plain_lambda_max``: ``max |eig|`` and the largest eigenvalue of ``H(theta)``.
+    ``Z``: the m fixed directions (P, m). ``weights``: the bootstrap's resampling weights (B, m).
+    """
+
+    eps: dict
+    epsilon: float
+    h_theta: float
+    plain_lambda_max: float
+    Z: torch.Tensor
+    weights: torch.Tensor
+    matvecs: int
+
+
+def _measure_at_theta(
+    model: nn.Module, data: AnalysisData, scope: ParamScope, config: BoundCheckConfig
+) -> _AtTheta:
+    """Gradient norms and Hessian spectral norm at theta, perturbation directions, bootstrap weights."""
+    m = int(config.perturbations)
+    eps = gradient_norms(model, data, scope)
+    base_h = CurvaturePass(model, data, scope).hessian()
+    h_theta, plain_lambda_max, _ = _spectral_norm(
+        base_h, tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed
+    )
+    Z = _standard_normal_directions(scope, m, config.seed)
+    generator = torch.Generator().manual_seed(int(config.seed) + 7919)
+    draws = torch.randint(0, m, (int(config.bootstrap), m), generator=generator)
+    weights = torch.nn.functional.one_hot(draws, m).sum(1).to(torch.float64) / m  # (bootstrap, m)
+    return _AtTheta(
+        eps=eps,
+        epsilon=eps[config.epsilon_kind],
+        h_theta=h_theta,
+        plain_lambda_max=plain_lambda_max,
+        Z=Z,
+        weights=weights,
+        matvecs=base_h.matvecs,
+    )
+
+
+def _corollary1_row(
     model: nn.Module,
     data: AnalysisData,
-    sigmas: list[float],
-    *,
-    params: str | None = None,
-    perturbations: int = 8,
-    epsilon_kind: str = "full",
-    tol: float = 1e-3,
-    max_matvecs: int | None = None,
-    bootstrap: int = 1000,
-    ci_level: float = 0.95,
-    checks: tuple[str, ...] = (),
-    mc_pairs: int = 256,
-    noise_pairs: int = 32,
-    trace_tol: float = 1e-2,
-    trace_max_matvecs: int = 300,
-    seed: int = 0,
-    progress=None,
-) -> BoundCheckResult:
-    """AD Corollary 1 per sigma, plus ``checks`` ``theorem2`` and ``noise-stability`` (module docstring).
-
-    ``params`` is a scope spec (default: the final layer's weight). ``perturbations`` is m, the
-    number of fixed perturbations of the Monte-Carlo smoothed Hessian; ``bootstrap`` replicates
-    give the ``ci_level`` percentile interval. ``model`` is not modified.
-    """
-    _check_sigmas(sigmas)
-    if epsilon_kind not in EPSILON_KINDS:
-        raise UsageError(
-            f"unknown epsilon {epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
-            source="--epsilon",
-        )
-    if int(perturbations) < 1:
-        raise UsageError(f"must be >= 1, got {perturbations}", source="--perturbations")
-    if not 0 < ci_level < 1:
-        raise UsageError(f"must be in (0, 1), got {ci_level}", source="--ci-level")
-    if int(bootstrap) < 1:
-        raise UsageError(f"must be >= 1, got {bootstrap}", source="--bootstrap")
-    for check in checks:
-        if check not in CHECKS:
-            raise UsageError(
-                f"unknown check {check!r}; accepted: {', '.join(CHECKS)}", source="--check"
+    scope: ParamScope,
+    config: BoundCheckConfig,
+    sigma: float,
+    at_theta: _AtTheta,
+    notes: list[str],
+) -> BoundRow:
+    """AD Corollary 1 at ``sigma``: the smoothed Hessian's norm on the m perturbed copies, its
+    bootstrap interval and the bound (module docstring); a note when no interval can be had."""
+    m = int(config.perturbations)
+    lanczos_kw = dict(tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed)
+    operators, norms, all_converged, region_eps = [], [], True, [at_theta.epsilon]
+    for j in range(m):
+        twin, twin_scope = _perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
+        region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon_kind])
+        op = CurvaturePass(
+            twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
+        ).hessian()
+        norm_j, _, conv_j = _spectral_norm(op, **lanczos_kw)
+        norms.append(norm_j)
+        all_converged &= conv_j
+        operators.append(op)
+    averaged = AveragedOperator(operators)
+    empirical, _, conv = _spectral_norm(averaged, **lanczos_kw)
+    all_converged &= conv
+    ci = _bootstrap_interval(averaged, empirical, at_theta.weights, config.ci_level)
+    if ci is None:
+        ci = [empirical, empirical]
+        if m > 1 and f"sigma {sigma:g}" not in notes:
+            notes.append(
+                f"sigma {sigma:g}: too many Lanczos vectors to record; no bootstrap interval"
             )
-    spec = params if params is not None else default_bound_scope(model)
-    scope = ParamScope.resolve(model, spec)
-    m = int(perturbations)
-    notes: list[str] = []
-    matvecs = 0
-
-    eps = gradient_norms(model, data, scope)
-    epsilon = eps[epsilon_kind]
-    base_pass = CurvaturePass(model, data, scope)
-    base_h = base_pass.hessian()
-    h_theta, plain_lambda_max, _ = _spectral_norm(
-        base_h, tol=tol, max_matvecs=max_matvecs, seed=seed
+    H = max([at_theta.h_theta] + norms)
+    bound = corollary1_bound(H, at_theta.epsilon, sigma)
+    bound_region = corollary1_bound(H, max(region_eps), sigma)
+    return BoundRow(
+        sigma=float(sigma),
+        H=H,
+        H_at_theta=at_theta.h_theta,
+        H_perturbed_max=max(norms),
+        epsilon=at_theta.epsilon,
+        bound=bound,
+        empirical=empirical,
+        empirical_ci=ci,
+        plain_lambda_max=at_theta.plain_lambda_max,
+        holds=bool(empirical <= bound),
+        ratio=empirical / bound if bound > 0 else None,
+        epsilon_region=max(region_eps),
+        bound_region=bound_region,
+        holds_region=bool(empirical <= bound_region),
+        converged=bool(all_converged),
+        matvecs=sum(op.matvecs for op in operators),
     )
-    matvecs += base_h.matvecs
-    Z = _standard_normal_directions(scope, m, seed)
-    generator = torch.Generator().manual_seed(int(seed) + 7919)
-    draws = torch.randint(0, m, (int(bootstrap), m), generator=generator)
-    weights = torch.nn.functional.one_hot(draws, m).sum(1).to(torch.float64) / m  # (bootstrap, m)
+
+
+def _bootstrap_interval(
+    averaged: AveragedOperator, empirical: float, weights: torch.Tensor, ci_level: float
+) -> list[float] | None:
+    """The percentile interval of the bootstrap's Ritz values, widened to hold ``empirical``.
+
+    None with one perturbation, or when the Lanczos vectors were too many to record.
+    """
+    if weights.shape[1] <= 1 or not averaged.recording:
+        return None
     alpha_tail = (1 - ci_level) / 2
-    rows: list[BoundRow] = []
-    total_steps = len(sigmas) + len(checks)
-    for step, sigma in enumerate(sigmas):
-        operators, norms, all_converged, region_eps = [], [], True, [epsilon]
-        for j in range(m):
-            twin, twin_scope = _perturbed_copy(model, scope, sigma * Z[:, j])
-            region_eps.append(gradient_norms(twin, data, twin_scope)[epsilon_kind])
-            op = CurvaturePass(
-                twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
-            ).hessian()
-            norm_j, _, conv_j = _spectral_norm(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-            norms.append(norm_j)
-            all_converged &= conv_j
-            operators.append(op)
-        averaged = AveragedOperator(operators)
-        empirical, _, conv = _spectral_norm(averaged, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        all_converged &= conv
-        if m > 1 and averaged.recording:
-            S, M = averaged.projections()
-            replicates = AveragedOperator.ritz_norm(S, M, weights)
-            lo = float(torch.quantile(replicates, alpha_tail))
-            hi = float(torch.quantile(replicates, 1 - alpha_tail))
-            ci = [min(lo, empirical), max(hi, empirical)]
-        else:
-            ci = [empirical, empirical]
-            if m > 1 and f"sigma {sigma:g}" not in notes:
-                notes.append(
-                    f"sigma {sigma:g}: too many Lanczos vectors to record; no bootstrap interval"
-                )
-        H = max([h_theta] + norms)
-        bound = corollary1_bound(H, epsilon, sigma)
-        bound_region = corollary1_bound(H, max(region_eps), sigma)
-        matvecs += sum(op.matvecs for op in operators)
-        rows.append(
-            BoundRow(
-                sigma=float(sigma),
-                H=H,
-                H_at_theta=h_theta,
-                H_perturbed_max=max(norms),
-                epsilon=epsilon,
-                bound=bound,
-                empirical=empirical,
-                empirical_ci=ci,
-                plain_lambda_max=plain_lambda_max,
-                holds=bool(empirical <= bound),
-                ratio=empirical / bound if bound > 0 else None,
-                epsilon_region=max(region_eps),
-                bound_region=bound_region,
-                holds_region=bool(empirical <= bound_region),
-                converged=bool(all_converged),
-                matvecs=sum(op.matvecs for op in operators),
-            )
-        )
-        del operators, averaged
-        if progress is not None:
-            progress(step + 1, total_steps, f"sigma {sigma:g}")
+    S, M = averaged.projections()
+    replicates = AveragedOperator.ritz_norm(S, M, weights)
+    lo = float(torch.quantile(replicates, alpha_tail))
+    hi = float(torch.quantile(replicates, 1 - alpha_tail))
+    return [min(lo, empirical), max(hi, empirical)]
+
+
+def _corollary1_notes(rows: list[BoundRow], m: int) -> list[str]:
+    """Notes on the rows: a degenerate interval (m = 1), and why a row above the bound is not a
+    counterexample to the corollary."""
+    notes = []
     if m == 1:
         notes.append("one perturbation: the confidence interval is degenerate")
     failed = [row.sigma for row in rows if not row.holds]
@@ -500,42 +562,86 @@ def bound_check(
             f"measured at theta and {m} sampled points (lower estimates of those suprema), so the check can fail "
             "where the corollary does not (see bound_region / holds_region, eps over the sampled points)"
         )
+    return notes
 
+
+def bound_check(
+    model: nn.Module,
+    data: AnalysisData,
+    config: BoundCheckConfig | None = None,
+    *,
+    progress=None,
+) -> BoundCheckResult:
+    """AD Corollary 1 per sigma, plus ``config.checks`` ``theorem2`` and ``noise-stability``.
+
+    See the module docstring for what is measured and :class:`BoundCheckConfig` for the
+    settings (UsageError on a bad one). ``progress(done, total, what)`` is called after each
+    sigma and each extra check. ``model`` is not modified.
+    """
+    config = config if config is not None else BoundCheckConfig()
+    config.validate()
+    spec = config.params if config.params is not None else default_bound_scope(model)
+    scope = ParamScope.resolve(model, spec)
+    m = int(config.perturbations)
+    at_theta = _measure_at_theta(model, data, scope, config)
+    total_steps = len(config.sigmas) + len(config.checks)
+    rows: list[BoundRow] = []
+    notes: list[str] = []
+    for step, sigma in enumerate(config.sigmas):
+        rows.append(_corollary1_row(model, data, scope, config, sigma, at_theta, notes))
+        if progress is not None:
+            progress(step + 1, total_steps, f"sigma {sigma:g}")
+    notes += _corollary1_notes(rows, m)
     result = BoundCheckResult(
         rows=rows,
         params=scope.spec,
         num_params=scope.numel,
-        epsilon_kind=epsilon_kind,
-        epsilon_full=eps["full"],
-        epsilon_minibatch=eps["minibatch"],
+        epsilon_kind=config.epsilon_kind,
+        epsilon_full=at_theta.eps["full"],
+        epsilon_minibatch=at_theta.eps["minibatch"],
         perturbations=m,
-        ci_level=ci_level,
-        lambda_max_at_theta=plain_lambda_max,
+        ci_level=config.ci_level,
+        lambda_max_at_theta=at_theta.plain_lambda_max,
         notes=notes,
+        matvecs=at_theta.matvecs + sum(row.matvecs for row in rows),
     )
-    done = len(sigmas)
-    if "theorem2" in checks:
-        result.theorem2 = theorem2_check(model, data, sigmas, mc_pairs=mc_pairs, seed=seed)
+    _run_extra_checks(result, model, data, scope, config, progress)
+    return result
+
+
+def _run_extra_checks(
+    result: BoundCheckResult,
+    model: nn.Module,
+    data: AnalysisData,
+    scope: ParamScope,
+    config: BoundCheckConfig,
+    progress,
+) -> None:
+    """Run ``config.checks`` (Theorem 2, noise stability) into ``result``, counting their products."""
+    total_steps = len(config.sigmas) + len(config.checks)
+    done = len(config.sigmas)
+    if "theorem2" in config.checks:
+        result.theorem2 = theorem2_check(
+            model, data, config.sigmas, mc_pairs=config.mc_pairs, seed=config.seed
+        )
         done += 1
         if progress is not None:
             progress(done, total_steps, "theorem 2")
-    if "noise-stability" in checks:
+    if "noise-stability" in config.checks:
         result.noise_stability = noise_stability_check(
             model,
             data,
-            sigmas,
+            config.sigmas,
             scope,
-            pairs=noise_pairs,
-            trace_tol=trace_tol,
-            trace_max_matvecs=trace_max_matvecs,
-            seed=seed,
+            pairs=config.noise_pairs,
+            trace_tol=config.trace_tol,
+            trace_max_matvecs=config.trace_max_matvecs,
+            seed=config.seed,
         )
-        matvecs += result.noise_stability["matvecs"]
+        result.matvecs += result.noise_stability["matvecs"]
         done += 1
         if progress is not None:
             progress(done, total_steps, "noise stability")
-    result.matvecs = matvecs
-    return result
 
 
 # ----------------------------------------------------------------------------- Theorem 2 / 3

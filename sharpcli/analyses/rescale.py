@@ -199,7 +199,23 @@ def plan_rescale(
             raise UsageError("--layer applies to --mode layer only", source="--layer")
         return RescalePlan(mode="global", problems=["global scaling changes the network function"])
     calls = _execution_trace(model, example)
+    layer, position = _resolve_layer(model, calls, layer)
+    plan = RescalePlan(mode="layer", layer=layer, forced=force)
+    _follow_output(plan, calls, position)
+    _check_compensated(plan, force)
+    if not plan.problems:
+        _verify_function_preserved(model, example, plan, force)
+    return plan
+
+
+def _resolve_layer(model: nn.Module, calls: list[_Call], layer: str | None) -> tuple[str, int]:
+    """The layer to rescale (default: the first weighted layer to run) and its index in ``calls``.
+
+    UsageError (``--layer``) unless it is a linear, convolution or affine BatchNorm layer called
+    exactly once per forward pass.
+    """
     candidates = _layer_candidates(calls)
+    listed = f"{', '.join(candidates[:12])}{' ...' if len(candidates) > 12 else ''}"
     modules = dict(model.named_modules())
     if layer is None:
         if not candidates:
@@ -209,9 +225,7 @@ def plan_rescale(
         layer = candidates[0]
     if layer not in modules or layer == "":
         raise UsageError(
-            f"no module named {layer!r}; layers with weights: {', '.join(candidates[:12])}"
-            f"{' ...' if len(candidates) > 12 else ''}",
-            source="--layer",
+            f"no module named {layer!r}; layers with weights: {listed}", source="--layer"
         )
     module = modules[layer]
     if isinstance(module, _BATCHNORM_TYPES):
@@ -232,10 +246,20 @@ def plan_rescale(
         raise UsageError(
             f"layer {layer!r} is called more than once per forward pass", source="--layer"
         )
+    return layer, positions[0]
 
-    plan = RescalePlan(mode="layer", layer=layer, forced=force)
-    current = calls[positions[0]].output
-    for call in calls[positions[0] + 1 :]:
+
+def _follow_output(plan: RescalePlan, calls: list[_Call], position: int) -> None:
+    """Follow the output of ``calls[position]`` (``plan.layer``) to what compensates the scaling.
+
+    Fills ``plan.path`` with the modules it passes, stops at the next weighted layer
+    (``plan.next_layer``) or, directly after a weighted layer, at a BatchNorm (``batchnorm``
+    mode), and records in ``plan.problems`` every module that does not commute with scaling
+    and every tensor that feeds more than one module.
+    """
+    layer_is_batchnorm = isinstance(calls[position].module, _BATCHNORM_TYPES)
+    current = calls[position].output
+    for call in calls[position + 1 :]:
         if current is None:
             break
         if call.input is not current:
@@ -243,35 +267,40 @@ def plan_rescale(
         consumers = [c.name for c in calls if c.input is current and c.output is not c.input]
         if len(consumers) > 1:
             plan.problems.append(
-                f"the output of {plan.path[-1] if plan.path else layer} feeds several modules "
+                f"the output of {plan.path[-1] if plan.path else plan.layer} feeds several modules "
                 f"({', '.join(consumers)})"
             )
         mod = call.module
-        if (
-            isinstance(mod, _BATCHNORM_TYPES)
-            and not plan.path
-            and not isinstance(module, _BATCHNORM_TYPES)
-        ):
+        if isinstance(mod, _BATCHNORM_TYPES) and not plan.path and not layer_is_batchnorm:
             plan.mode = "batchnorm"
             plan.batchnorm = call.name
-            break
+            return
         if isinstance(mod, _WEIGHTED_TYPES):
             plan.next_layer = call.name
-            break
+            return
         plan.path.append(call.name)
-        if _is_positively_homogeneous(mod):
-            current = call.output
-            continue
-        if _is_activation(mod):
-            plan.problems.append(
-                f"activation {call.name} ({_describe(mod)}) is not positively homogeneous "
-                "(phi(a u) != a phi(u))"
-            )
-        else:
-            plan.problems.append(
-                f"module {call.name} ({type(mod).__name__}) does not commute with scaling"
-            )
+        problem = _scaling_problem(call.name, mod)
+        if problem:
+            plan.problems.append(problem)
         current = call.output
+
+
+def _scaling_problem(name: str, module: nn.Module) -> str | None:
+    """Why scaling does not pass through ``module`` unchanged, or None when it does."""
+    if _is_positively_homogeneous(module):
+        return None
+    if _is_activation(module):
+        return (
+            f"activation {name} ({_describe(module)}) is not positively homogeneous "
+            "(phi(a u) != a phi(u))"
+        )
+    return f"module {name} ({type(module).__name__}) does not commute with scaling"
+
+
+def _check_compensated(plan: RescalePlan, force: bool) -> None:
+    """UsageError (``--layer``) when nothing compensates the scaling of ``plan.layer``, or --
+    unless ``force`` -- when the path to what does changes the network function."""
+    layer = plan.layer
     if plan.mode == "layer" and plan.next_layer is None:
         where = f" after {plan.path[-1]}" if plan.path else ""
         raise UsageError(
@@ -287,9 +316,6 @@ def plan_rescale(
             f"{'; '.join(plan.problems)}; pass --force to rescale anyway",
             source="--layer",
         )
-    if not plan.problems:
-        _verify_function_preserved(model, example, plan, force)
-    return plan
 
 
 def _is_activation(module: nn.Module) -> bool:

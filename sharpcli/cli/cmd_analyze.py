@@ -61,15 +61,9 @@ def analyze_command(
             max_matvecs=max_matvecs,
             params=params,
         )
-    settings = opts.settings() | {
-        "metrics": chosen,
-        "fail_if": [g.text for g in gates],
-        "top_k": top_k,
-        "tol": tol,
-        "eig_tol": eig_tol,
-        "max_matvecs": max_matvecs,
-        "params": params,
-    }
+    settings = opts.report_settings(
+        skip=("checkpoint",), metrics=chosen, fail_if=[g.text for g in gates]
+    )
     report = session.report("analyze", settings, results, matvecs=matvecs)
     verdicts = [g.evaluate(report) for g in gates]
     report["results"]["gates"] = verdicts

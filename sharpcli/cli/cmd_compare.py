@@ -48,7 +48,7 @@ def compare_command(
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
     def body() -> common.Outcome:
-        from sharpcli.io.atomic import check_writable, write_text_atomic
+        from sharpcli.io.atomic import write_text_atomic
         from sharpcli.report.compare import FORMATS, compare_table, render
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table
@@ -56,10 +56,8 @@ def compare_command(
         common.require(
             fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format"
         )
-        if out is not None:
-            check_writable(out, "--out")
-        if plot is not None:
-            check_writable(plot, "--plot")
+        common.check_output(out, "--out")
+        common.check_output(plot)
         cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
         frame = compare_table(list(reports), columns=cols, sort=sort)
         records = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")

@@ -40,13 +40,6 @@ TraceMaxOpt = Annotated[
 ]
 
 
-def _check_plot(path: str | None) -> None:
-    if path is not None:
-        from sharpcli.io.atomic import check_writable
-
-        check_writable(path, "--plot")
-
-
 # --------------------------------------------------------------------------------------- activation-stats
 @common.analysis_command(app, "activation-stats")
 def activation_stats_command(
@@ -66,7 +59,7 @@ def activation_stats_command(
 
     session = common.open_session(checkpoint, opts)
     result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
-    settings = opts.settings() | {"checkpoint": checkpoint, "jacobian": jacobian}
+    settings = opts.report_settings()
     report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
     return common.Outcome(report, render=lambda console: _render_activation_stats(console, result))
 
@@ -148,7 +141,7 @@ def weight_rescale_command(
         )
     common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
-    _check_plot(plot)
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "rescaling") as progress:
         result = weight_rescale(
@@ -176,19 +169,7 @@ def weight_rescale_command(
             title=f"weight rescaling ({result.plan.mode} mode)",
         )
         results["plot"] = plot
-    settings = opts.settings() | {
-        "checkpoint": checkpoint,
-        "alpha": alphas,
-        "mode": mode,
-        "layer": layer,
-        "force": force,
-        "params": params,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "trace_tol": trace_tol,
-        "trace_max_matvecs": trace_max_matvecs,
-        "plot": plot,
-    }
+    settings = opts.report_settings(alpha=alphas)
     report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
 
@@ -288,53 +269,31 @@ def bound_check_command(
 ) -> common.Outcome:
     """AD Corollary 1: ||grad^2 E L(theta + D)||_2 <= H erf(eps / (sqrt(2) H sigma)) per sigma, measured by
     Monte Carlo; optionally AD Theorem 2 and NSO's noise-stability gap."""
-    from sharpcli.analyses.bounds import CHECKS, EPSILON_KINDS, bound_check
+    from sharpcli.analyses.bounds import BoundCheckConfig, bound_check
 
     sigmas = common.parse_float_list(sigma, "--sigma")
-    for value in sigmas:
-        common.require(
-            value > 0 and value != float("inf"),
-            f"every sigma must be a finite number > 0, got {value:g}",
-            "--sigma",
-        )
     checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
-    for name in checks:
-        common.require(
-            name in CHECKS, f"unknown check {name!r}; accepted: {', '.join(CHECKS)}", "--check"
-        )
-    common.require(
-        epsilon in EPSILON_KINDS,
-        f"unknown epsilon {epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
-        "--epsilon",
+    config = BoundCheckConfig(
+        sigmas=sigmas,
+        params=params,
+        perturbations=perturbations,
+        epsilon_kind=epsilon,
+        tol=tol,
+        max_matvecs=max_matvecs,
+        bootstrap=bootstrap,
+        ci_level=ci_level,
+        checks=tuple(dict.fromkeys(checks)),
+        mc_pairs=mc_samples,
+        noise_pairs=noise_pairs,
+        trace_tol=trace_tol,
+        trace_max_matvecs=trace_max_matvecs,
+        seed=opts.seed,
     )
-    common.require(perturbations >= 1, f"must be >= 1, got {perturbations}", "--perturbations")
-    common.require(bootstrap >= 1, f"must be >= 1, got {bootstrap}", "--bootstrap")
-    common.require(0 < ci_level < 1, f"must be in (0, 1), got {ci_level:g}", "--ci-level")
-    common.require(mc_samples >= 2, f"must be >= 2, got {mc_samples}", "--mc-samples")
-    common.require(noise_pairs >= 2, f"must be >= 2, got {noise_pairs}", "--noise-pairs")
-    common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
-    _check_plot(plot)
+    config.validate()  # before the checkpoint is read: option errors first
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.epoch_progress(opts.quiet or opts.json == "-", "bound check") as progress:
-        result = bound_check(
-            session.model,
-            session.analysis_data(),
-            sigmas,
-            params=params,
-            perturbations=perturbations,
-            epsilon_kind=epsilon,
-            tol=tol,
-            max_matvecs=max_matvecs,
-            bootstrap=bootstrap,
-            ci_level=ci_level,
-            checks=tuple(dict.fromkeys(checks)),
-            mc_pairs=mc_samples,
-            noise_pairs=noise_pairs,
-            trace_tol=trace_tol,
-            trace_max_matvecs=trace_max_matvecs,
-            seed=opts.seed,
-            progress=progress,
-        )
+        result = bound_check(session.model, session.analysis_data(), config, progress=progress)
     results = result.to_dict()
     if plot is not None:
         from sharpcli.report.plots import plot_bound_check
@@ -344,23 +303,7 @@ def bound_check_command(
             results["rows"], plot, noise_rows=noise_rows, title=f"AD Corollary 1 on {result.params}"
         )
         results["plot"] = plot
-    settings = opts.settings() | {
-        "checkpoint": checkpoint,
-        "sigma": sigmas,
-        "params": result.params,
-        "perturbations": perturbations,
-        "epsilon": epsilon,
-        "check": checks,
-        "bootstrap": bootstrap,
-        "ci_level": ci_level,
-        "mc_samples": mc_samples,
-        "noise_pairs": noise_pairs,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "trace_tol": trace_tol,
-        "trace_max_matvecs": trace_max_matvecs,
-        "plot": plot,
-    }
+    settings = opts.report_settings(sigma=sigmas, params=result.params, check=checks)
     report = session.report("bound-check", settings, results, matvecs=result.matvecs)
     return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
 

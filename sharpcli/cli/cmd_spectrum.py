@@ -86,16 +86,7 @@ def eigen_command(
             params=params,
             engine=engine,
         )
-    settings = opts.settings() | {
-        "top_k": top_k,
-        "which": which,
-        "operator": operator,
-        "method": method,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "params": params,
-        "engine": engine,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("eigen", settings, results, matvecs=results["matvecs"])
 
     def render(console):
@@ -160,15 +151,7 @@ def trace_command(
             params=params,
             engine=engine,
         )
-    settings = opts.settings() | {
-        "operator": operator,
-        "estimator": estimator,
-        "tol": tol,
-        "max_matvecs": max_matvecs,
-        "square": square,
-        "params": params,
-        "engine": engine,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
 
     def render(console):
@@ -222,10 +205,7 @@ def gn_nme_command(
 
     _positive(tol, "--tol")
     _positive(eig_tol, "--eig-tol")
-    if plot is not None:
-        from sharpcli.io.atomic import check_writable
-
-        check_writable(plot, "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "Gauss-Newton / NME split"):
         results = spectrum.gn_nme(
@@ -236,13 +216,7 @@ def gn_nme_command(
 
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
-    settings = opts.settings() | {
-        "tol": tol,
-        "eig_tol": eig_tol,
-        "max_matvecs": max_matvecs,
-        "params": params,
-        "plot": plot,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
@@ -301,14 +275,12 @@ def density_command(
 ) -> common.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""
     from sharpcli.analyses import spectrum
-    from sharpcli.io.atomic import check_writable
 
     common.require(probes >= 1, "must be at least 1", "--probes")
     common.require(steps >= 2, "must be at least 2", "--steps")
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
-    if plot is not None:
-        check_writable(plot, "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.status(opts.quiet, "stochastic Lanczos quadrature"):
         results = spectrum.density(
@@ -325,15 +297,7 @@ def density_command(
 
         plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
-    settings = opts.settings() | {
-        "operator": operator,
-        "probes": probes,
-        "steps": steps,
-        "grid_points": grid_points,
-        "broadening": broadening,
-        "params": params,
-        "plot": plot,
-    }
+    settings = opts.report_settings(skip=("checkpoint",))
     report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
 
     def render(console):

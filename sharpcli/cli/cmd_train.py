@@ -142,10 +142,7 @@ def train_command(
     def body() -> common.Outcome:
         from sharpcli.training.loop import TrainConfig, train, train_report
 
-        if plot is not None:
-            from sharpcli.io.atomic import check_writable
-
-            check_writable(plot, "--plot")
+        common.check_output(plot)
         margs = common.parse_json_option(model_args, "--model-args") or {}
         if per_sample_norm:
             margs["per_sample_norm"] = True

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Callable, Optional
 
 import typer
@@ -111,28 +111,49 @@ ParamsOpt = Annotated[
 ]
 
 
+def _option(annotated, default):
+    """A :class:`CommonOptions` field: its default and, in its metadata, its typer option."""
+    return field(default=default, metadata={"option": annotated})
+
+
 @dataclass
 class CommonOptions:
-    """The options shared by the analysis commands (docs/index.md, "Options every analysis ...")."""
+    """The options shared by the analysis commands (docs/index.md), declared once: each field's
+    default is the option's default and its metadata the option (see :func:`analysis_command`).
 
-    data: str | None = None
-    label_column: str | None = None
-    split: str = "train"
-    samples: int | None = None
-    batch_size: int = 256
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    json: str | None = None
-    quiet: bool = False
-    arch: str | None = None
-    arch_args: str | None = None
-    model_factory: str | None = None
-    trust_pickle: bool = False
-    cache_mb: int = 1024
+    ``command_options`` holds the command's own options as the command received them (filled by
+    :func:`analysis_command`), from which :meth:`report_settings` builds the report's settings.
+    """
+
+    data: str | None = _option(DataOpt, None)
+    label_column: str | None = _option(LabelColumnOpt, None)
+    split: str = _option(SplitOpt, "train")
+    samples: int | None = _option(SamplesOpt, None)
+    batch_size: int = _option(BatchSizeOpt, 256)
+    device: str = _option(DeviceOpt, "cpu")
+    dtype: str = _option(DtypeOpt, "float32")
+    seed: int = _option(SeedOpt, 0)
+    json: str | None = _option(JsonOpt, None)
+    quiet: bool = _option(QuietOpt, False)
+    arch: str | None = _option(ArchOpt, None)
+    arch_args: str | None = _option(ArchArgsOpt, None)
+    model_factory: str | None = _option(FactoryOpt, None)
+    trust_pickle: bool = _option(TrustPickleOpt, False)
+    cache_mb: int = _option(CacheOpt, 1024)
+    command_options: dict = field(default_factory=dict, repr=False, compare=False)
 
     def settings(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("json", "quiet")}
+        """The common options that describe the analysis (not ``--json``/``--quiet``)."""
+        return {
+            k: v for k, v in asdict(self).items() if k not in ("json", "quiet", "command_options")
+        }
+
+    def report_settings(self, *, skip: tuple[str, ...] = (), **parsed) -> dict:
+        """The report's ``settings``: :meth:`settings`, then the command's own options in the
+        order the command declares them, less ``skip``; ``parsed`` gives the values to record
+        instead of the raw ones (e.g. ``alpha=[0.1, 10.0]`` for ``--alpha 0.1,10``)."""
+        own = {k: v for k, v in self.command_options.items() if k not in skip}
+        return self.settings() | own | parsed
 
 
 @dataclass
@@ -281,6 +302,13 @@ def parse_float_list(text: str, option: str) -> list[float]:
     return values
 
 
+def check_output(path: str | None, option: str = "--plot") -> None:
+    """UsageError on ``option`` unless ``path`` can be written (nothing to check for None): an
+    output file is checked before the work that fills it starts."""
+    if path is not None:
+        check_writable(path, option)
+
+
 def require(condition: bool, message: str, option: str) -> None:
     if not condition:
         raise UsageError(message, source=option)
@@ -328,22 +356,11 @@ def epoch_progress(disabled: bool, description: str):
     return manager()
 
 
+# (name, typer option, default) of each common option, from the fields of CommonOptions.
 _COMMON_PARAMS = [
-    ("data", DataOpt, None),
-    ("label_column", LabelColumnOpt, None),
-    ("split", SplitOpt, "train"),
-    ("samples", SamplesOpt, None),
-    ("batch_size", BatchSizeOpt, 256),
-    ("device", DeviceOpt, "cpu"),
-    ("dtype", DtypeOpt, "float32"),
-    ("seed", SeedOpt, 0),
-    ("json", JsonOpt, None),
-    ("quiet", QuietOpt, False),
-    ("arch", ArchOpt, None),
-    ("arch_args", ArchArgsOpt, None),
-    ("model_factory", FactoryOpt, None),
-    ("trust_pickle", TrustPickleOpt, False),
-    ("cache_mb", CacheOpt, 1024),
+    (f.name, f.metadata["option"], f.default)
+    for f in fields(CommonOptions)
+    if "option" in f.metadata
 ]
 
 
@@ -378,6 +395,9 @@ def analysis_command(app, name: str):
         def wrapper(*args, **kwargs):
             common = {n: kwargs.pop(n) for n, _, _ in _COMMON_PARAMS}
             opts = CommonOptions(**common)
+            bound = sig.bind(opts, *args, **kwargs)
+            bound.apply_defaults()
+            opts.command_options = {k: v for k, v in bound.arguments.items() if k != "opts"}
             run_command(name, opts.json, opts.quiet, lambda: func(opts, *args, **kwargs))
 
         wrapper.__signature__ = sig.replace(

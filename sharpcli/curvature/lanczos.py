@@ -226,6 +226,24 @@ def lanczos_tridiagonal(op, start: torch.Tensor, steps: int, *, keep_basis: bool
     return alphas, betas, (basis[: len(alphas)].T if keep_basis else None)
 
 
+def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes):
+    """``(||A u - theta u||, converged)`` measured with one product per pair; notes say so."""
+    reported = np.asarray(ritz_residuals(op, values.tolist(), vectors))
+    converged = (reported <= tol * np.abs(values)) | (reported <= exact_level)
+    notes.append(
+        f"residuals are explicit ||A u - theta u|| ({len(values)} extra products; "
+        f"products in {str(op.dtype).replace('torch.', '')}, recurrence in float64)"
+    )
+    lost = int((estimated & ~converged).sum())
+    if lost:
+        notes.append(
+            f"{lost} eigenvalue(s) converged by the Ritz estimate but not by the explicit "
+            "residual: the products' own errors (rounding) bound the attainable residual; "
+            "raise --tol or use --dtype float64"
+        )
+    return reported, converged
+
+
 def lanczos(
     op,
     k: int = 1,
@@ -319,21 +337,10 @@ def lanczos(
         vectors = basis[:m].T @ torch.as_tensor(S[:, idx].copy(), dtype=_F64, device=op.device)
     reported = residuals[idx]
     if explicit_residuals:
-        reported = np.asarray(ritz_residuals(op, values.tolist(), vectors))
-        matvecs += len(idx)
-        estimated = converged
-        converged = (reported <= tol * np.abs(values)) | (reported <= exact_level)
-        notes.append(
-            f"residuals are explicit ||A u - theta u|| ({len(idx)} extra products; "
-            f"products in {str(op.dtype).replace('torch.', '')}, recurrence in float64)"
+        reported, converged = _explicit_residuals(
+            op, values, vectors, converged, tol, exact_level, notes
         )
-        lost = int((estimated & ~converged).sum())
-        if lost:
-            notes.append(
-                f"{lost} eigenvalue(s) converged by the Ritz estimate but not by the explicit "
-                "residual: the products' own errors (rounding) bound the attainable residual; "
-                "raise --tol or use --dtype float64"
-            )
+        matvecs += len(idx)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())
     if at_rounding:
         notes.append(

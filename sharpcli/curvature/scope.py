@@ -216,12 +216,11 @@ def _short_list(names: list[str], most: int = 4) -> str:
 
 
 def _last_linear(model: nn.Module, trainable: list) -> list:
-    last_name = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            last_name = name
-    if last_name is None:
-        raise UsageError("'last' needs an nn.Linear layer, the model has none", source="--params")
+    from sharpcli.models.zoo import final_linear
+
+    last_name, _ = final_linear(
+        model, missing="'last' needs an nn.Linear layer, the model has none"
+    )
     prefix = f"{last_name}." if last_name else ""
     chosen = [(n, p) for n, p in trainable if n.startswith(prefix) and "." not in n[len(prefix) :]]
     if not chosen:

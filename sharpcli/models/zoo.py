@@ -92,7 +92,39 @@ def _pooled(size: tuple[int, int]) -> tuple[int, int]:
     return size[0] // 2, size[1] // 2
 
 
-class SmallCNN(nn.Module):
+def _conv_act(
+    in_channels: int, out_channels: int, activation: str, batch_norm: bool
+) -> list[nn.Module]:
+    """The start of a SmallCNN / VGG-small block: ``Conv2d(k=3, pad=1) -> (BatchNorm2d) -> act``
+    (created in this order, so a seed gives the same initial weights)."""
+    layers: list[nn.Module] = [nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)]
+    if batch_norm:
+        layers.append(nn.BatchNorm2d(out_channels))
+    layers.append(make_activation(activation))
+    return layers
+
+
+def _classifier(
+    pool: list[nn.Module], features: int, num_classes: int, dropout: float, bias: bool = True
+) -> nn.Sequential:
+    """``[*pool, Flatten, (Dropout), Linear(features, num_classes)]``: a conv net's head, whose
+    ``Linear`` input is the penultimate representation."""
+    head: list[nn.Module] = [*pool, nn.Flatten()]
+    if dropout > 0:
+        head.append(nn.Dropout(dropout))
+    head.append(nn.Linear(features, num_classes, bias=bias))
+    return nn.Sequential(*head)
+
+
+class _FeaturesThenClassifier(nn.Module):
+    """A conv net made of ``features`` and ``classifier`` (SmallCNN, VGG-small)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of an image batch ``(N, C, H, W)``."""
+        return self.classifier(self.features(x))
+
+
+class SmallCNN(_FeaturesThenClassifier):
     """A small conv net: ``features`` blocks ``Conv3x3 -> (BatchNorm) -> act -> MaxPool2d(2)``,
     then ``classifier = [Flatten, (Dropout), Linear(c_last * h * w, num_classes)]``.
 
@@ -116,29 +148,18 @@ class SmallCNN(nn.Module):
         prev = in_channels
         size = tuple(image_size)
         for width in channels:
-            blocks.append(nn.Conv2d(prev, width, kernel_size=3, padding=1))
-            if batch_norm:
-                blocks.append(nn.BatchNorm2d(width))
-            blocks.append(make_activation(activation))
+            blocks += _conv_act(prev, width, activation, batch_norm)
             blocks.append(nn.MaxPool2d(2))
             size = _pooled(size)
             prev = width
         self.features = nn.Sequential(*blocks)
-        head: list[nn.Module] = [nn.Flatten()]
-        if dropout > 0:
-            head.append(nn.Dropout(dropout))
-        head.append(nn.Linear(prev * size[0] * size[1], num_classes))
-        self.classifier = nn.Sequential(*head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of an image batch ``(N, C, H, W)``."""
-        return self.classifier(self.features(x))
+        self.classifier = _classifier([], prev * size[0] * size[1], num_classes, dropout)
 
 
 VGG_SMALL_CHANNELS = (64, 128, 256, 512)
 
 
-class VGGSmall(nn.Module):
+class VGGSmall(_FeaturesThenClassifier):
     """The custom VGG-small of MAN Appendix B.2, Table 6 (no batch norm, no residuals).
 
     ``features``: four blocks ``Conv2d(k=3, pad=1) -> (BatchNorm2d) -> act -> MaxPool2d(2)`` with
@@ -166,10 +187,7 @@ class VGGSmall(nn.Module):
         size = tuple(image_size)
         for base in VGG_SMALL_CHANNELS:
             width = vgg_small_width(base, width_multiplier)
-            blocks.append(nn.Conv2d(prev, width, kernel_size=3, padding=1))
-            if batch_norm:
-                blocks.append(nn.BatchNorm2d(width))
-            blocks.append(make_activation(activation))
+            blocks += _conv_act(prev, width, activation, batch_norm)
             if min(size) >= 2:
                 blocks.append(nn.MaxPool2d(2))
                 size = _pooled(size)
@@ -177,15 +195,8 @@ class VGGSmall(nn.Module):
                 blocks.append(nn.Identity())
             prev = width
         self.features = nn.Sequential(*blocks)
-        head: list[nn.Module] = [nn.AdaptiveAvgPool2d((2, 2)), nn.Flatten()]
-        if dropout > 0:
-            head.append(nn.Dropout(dropout))
-        head.append(nn.Linear(prev * 4, num_classes, bias=False))
-        self.classifier = nn.Sequential(*head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of an image batch ``(N, C, H, W)``."""
-        return self.classifier(self.features(x))
+        pool = [nn.AdaptiveAvgPool2d((2, 2))]
+        self.classifier = _classifier(pool, prev * 4, num_classes, dropout, bias=False)
 
 
 def vgg_small_width(base: int, width_multiplier: float) -> int:
@@ -309,94 +320,72 @@ class _Arg:
     help: str = ""
 
 
+# Arguments several architectures share, declared once. Order matters: a model spec's ``args``
+# (and so a checkpoint's metadata) lists them in schema order.
+_NUM_CLASSES_ARG = _Arg("int", required=True, minimum=1, help="number of logits")
+_IMAGE_INPUT_ARGS = {
+    "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
+    "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
+    "num_classes": _NUM_CLASSES_ARG,
+}
+_ACTIVATION_ARG = _Arg("activation", "relu", help="activation spec")
+# The manipulations of sharpcli.models.manipulations (MAN), available on every architecture.
+_MANIPULATION_ARGS = {
+    "mask_ratio": _Arg(
+        "float",
+        0.0,
+        minimum=0.0,
+        below=1.0,
+        help="fixed fraction of activation outputs zeroed (MAN Table 1)",
+    ),
+    "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
+    "per_sample_norm": _Arg(
+        "bool",
+        False,
+        help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
+    ),
+}
+
+
+def _dropout_arg(where: str) -> _Arg:
+    """The dropout probability in [0, 1), applied ``where``."""
+    return _Arg("float", 0.0, minimum=0.0, below=1.0, help=f"dropout {where}")
+
+
 _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
     "mlp": {
         "in_features": _Arg("int", required=True, minimum=1, help="flattened input size"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        "num_classes": _NUM_CLASSES_ARG,
         "depth": _Arg("int", 2, minimum=0, help="number of hidden layers"),
         "width": _Arg("int", 64, minimum=1, help="hidden units per layer"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "bias": _Arg("bool", True, help="Linear layers have biases"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout after each activation"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("after each activation"),
+        **_MANIPULATION_ARGS,
     },
     "cnn": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "channels": _Arg("int_list", [16, 32], help="conv channels per block"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("before the head"),
+        **_MANIPULATION_ARGS,
     },
     "vgg-small": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "width_multiplier": _Arg("float", 1.0, above=0.0, help="scales 64-128-256-512 channels"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
+        "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before the head"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "dropout": _dropout_arg("before the head"),
+        **_MANIPULATION_ARGS,
     },
     "resnet": {
-        "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-        "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-        "num_classes": _Arg("int", required=True, minimum=1, help="number of logits"),
+        **_IMAGE_INPUT_ARGS,
         "depth": _Arg("int", 20, minimum=8, help="6n+2: 20, 32, 44, 56, 110"),
         "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
-        "activation": _Arg("activation", "relu", help="activation spec"),
-        "dropout": _Arg("float", 0.0, minimum=0.0, below=1.0, help="dropout before fc"),
-        "mask_ratio": _Arg(
-            "float",
-            0.0,
-            minimum=0.0,
-            below=1.0,
-            help="fixed fraction of activation outputs zeroed (MAN Table 1)",
-        ),
-        "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-        "per_sample_norm": _Arg(
-            "bool",
-            False,
-            help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
-        ),
+        "activation": _ACTIVATION_ARG,
+        "dropout": _dropout_arg("before fc"),
+        **_MANIPULATION_ARGS,
     },
 }
 
@@ -749,12 +738,16 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def final_linear(model: nn.Module, *, source: str = "--params") -> tuple[str, nn.Linear]:
+def final_linear(
+    model: nn.Module, *, source: str = "--params", missing: str | None = None
+) -> tuple[str, nn.Linear]:
     """The classifier head: the last ``nn.Linear`` in ``named_modules()`` order, as ``(name, module)``.
 
-    Its input is the penultimate representation ``h^(L-1)`` (AD Theorem 2) and its parameters are
-    the scope ``--params last`` (AD Corollary 1 bound on the final layer). Raises
-    ``UsageError(source=source)`` when the model has no ``nn.Linear``.
+    Its input is the penultimate representation ``h^(L-1)`` (AD Theorem 2, the activation-decay
+    penalty) and its parameters are the scope ``--params last`` (AD Corollary 1 bound on the
+    final layer). The one place that finds the head: analyses, scopes and training steps call it.
+    Raises ``UsageError(source=source)`` when the model has no ``nn.Linear``, with the message
+    ``missing`` when given (what the caller needed the head for).
     """
     found: tuple[str, nn.Linear] | None = None
     for name, module in model.named_modules():
@@ -762,8 +755,9 @@ def final_linear(model: nn.Module, *, source: str = "--params") -> tuple[str, nn
             found = (name, module)
     if found is None:
         raise UsageError(
-            f"the model ({type(model).__name__}) has no nn.Linear layer, so it has no final linear "
-            "classifier head",
+            missing
+            or f"the model ({type(model).__name__}) has no nn.Linear layer, so it has no final "
+            "linear classifier head",
             source=source,
         )
     return found

@@ -233,15 +233,15 @@ def train(
     resumable state is kept); ``resume=True`` continues from that state.
     ``tracker(model, x, y, loss, epoch)`` returns curvature metrics recorded in the history; it
     sees a fixed seeded subset of ``cfg.track_samples`` training samples.
+
+    The steps, in the order their random draws are made (the order is part of bit-for-bit
+    resume): the data (:func:`_load_splits`), the model (:func:`_build_model`, seeded with
+    ``cfg.seed``), the features on the model's device (:func:`_place_splits`), the optimizer
+    and random streams, fresh or resumed (:func:`_start_run`), the epochs
+    (:func:`_train_epoch`), and the final evaluation and checkpoint (:func:`_finish_run`).
     """
-    from sharpcli.io.datasets import load_dataset
-    from sharpcli.models import build_model, default_model_args
-    from sharpcli.training.regularizers import (
-        model_overrides,
-        parse_reg,
-        training_step,
-        validate_combination,
-    )
+    from sharpcli.session import resolve_device, resolve_dtype
+    from sharpcli.training.regularizers import parse_reg, validate_combination
 
     validate_config(cfg)
     out = check_writable(out, "--out")
@@ -253,210 +253,374 @@ def train(
         check_data_parallel_regs(regs)
     cfg.regs = [r.spec() for r in regs]
 
-    from sharpcli.session import (
-        check_model_accepts,
-        loss_for_task,
-        prepare_features,
-        resolve_device,
-        resolve_dtype,
-    )
-
     dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
-    dataset = load_dataset(cfg.data, label_column=cfg.label_column)
-    cfg.data = dataset.spec
-    cfg.loss = cfg.loss or loss_for_task(dataset.task)
-    x_train, y_train = dataset.split("train")
-    has_test = dataset.x_test is not None
-    x_test, y_test = dataset.split("test") if has_test else (None, None)
-    if dataset.task == "classification":
-        num_outputs = int(dataset.num_classes)
-        y_train = apply_label_noise(y_train, cfg.label_noise, num_outputs, cfg.seed)
-    else:
-        num_outputs = 1 if y_train.ndim == 1 else int(y_train.shape[1])
-
-    args = default_model_args(cfg.model, tuple(dataset.input_shape), num_outputs, **cfg.model_args)
-    args.update(model_overrides(regs))
-    model_spec = {"name": cfg.model, "args": args}
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_spec).to(device=device, dtype=dtype)
-    # Features in the training dtype, except token ids an nn.Embedding looks up: int64
-    # (sharpcli.session.prepare_features; a zoo model without embeddings gets x.to(dtype)).
-    x_train, notes = prepare_features(
-        model, x_train, dtype, device, dataset.source, batch_size=cfg.batch_size
-    )
-    y_train = y_train.to(device)
-    if dataset.task == "regression":
-        y_train = y_train.to(dtype)
-    if has_test:
-        x_test, test_notes = prepare_features(
-            model, x_test, dtype, device, dataset.source, batch_size=cfg.batch_size
-        )
-        notes += [note for note in test_notes if note not in notes]
-        y_test = y_test.to(device)
-        if dataset.task == "regression":
-            y_test = y_test.to(dtype)
-    if not x_train.is_floating_point():
-        for option, value in (
-            ("--input-noise", cfg.input_noise),
-            ("--noise-finetune", cfg.noise_finetune),
-            ("--augment", cfg.augment),
-        ):
-            if value:
-                raise UsageError(
-                    "perturbs input features, but this model takes integer token ids",
-                    source=option,
-                )
-    check_model_accepts(model, x_train, y_train, dataset.task, dataset.source, cfg.loss)
-    optimizer = _make_optimizer(cfg, model)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    step_gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
-    aug_gen = torch.Generator().manual_seed(cfg.seed + 3)
-    history: list = []
-    start_epoch = 0
-
+    splits = _load_splits(cfg)
+    model, model_spec = _build_model(cfg, splits, regs, dtype, device)
+    _place_splits(cfg, splits, model, dtype, device)
+    run = _start_run(cfg, regs, splits, model, device, (rank, world))
     if resume:
-        if not state_file.exists():
-            raise InputError(
-                "no resumable state for this output; run without --resume first",
-                source=str(state_file),
-            )
-        try:
-            state = torch.load(str(state_file), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise InputError(
-                f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})",
-                source=str(state_file),
-            ) from exc
-        saved_identity = json.loads(state["config"])
-        saved_identity.pop("epochs", None)
-        if saved_identity != json.loads(json.dumps(cfg.identity())):
-            diff = sorted(
-                k
-                for k in set(saved_identity) | set(cfg.identity())
-                if saved_identity.get(k) != json.loads(json.dumps(cfg.identity())).get(k)
-            )
-            raise UsageError(
-                f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
-                source="--resume",
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_global"])
-        shuffle_gen.set_state(state["rng_shuffle"])
-        step_gen.set_state(state["rng_step"])
-        aug_gen.set_state(state["rng_aug"])
-        history = json.loads(state["history"])
-        start_epoch = int(state["epoch"])
+        _restore_state(run, state_file)
     else:
         torch.manual_seed(cfg.seed + 4)
 
-    n = x_train.shape[0]
-    track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[
-        : cfg.track_samples
-    ]
-    x_track, y_track = x_train[track_idx.to(device)], y_train[track_idx.to(device)]
+    x_track, y_track = _tracking_subset(cfg, splits, device)
     # MAN Table 4: one extra final epoch with input noise of std ``noise_finetune``
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
     last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
-    for epoch in range(start_epoch, last_epoch):
-        t0 = time.perf_counter()
-        finetune = epoch >= cfg.epochs
-        noise_std = cfg.noise_finetune if finetune else cfg.input_noise
-        lr = _lr_at(cfg, min(epoch, cfg.epochs - 1))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        model.train()
-        if world > 1:  # dropout masks: independent per rank, reproducible per epoch (resume)
-            torch.manual_seed(cfg.seed * 1_000_003 + 7 * epoch * world + rank + 11)
-        perm = torch.randperm(n, generator=shuffle_gen)
-        sums = {"loss": 0.0, "objective": 0.0, "correct": 0, "count": 0, "grad_evals": 0}
-        penalty_sums: dict = {}
-        for start in range(0, n, cfg.batch_size):
-            idx = perm[start : start + cfg.batch_size].to(device)
-            xb, yb = x_train[idx], y_train[idx]
-            if cfg.augment and xb.ndim == 4:
-                xb = augment_images(xb.cpu(), aug_gen).to(device)
-            if noise_std > 0:
-                xb = xb + noise_std * torch.randn(xb.shape, generator=aug_gen, dtype=xb.dtype).to(
-                    device
-                )
-            for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
-                if world > 1:
-                    stats = data_parallel_step(model, xb, yb, cfg.loss, regs, step_gen)
-                else:
-                    stats = training_step(model, xb, yb, cfg.loss, regs, step_gen)
-                if not math.isfinite(stats.objective):
-                    raise NumericalError(
-                        f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
-                        "lower --lr or the regularizer strength",
-                        source="train",
-                    )
-                optimizer.step()
-                b = stats.count
-                sums["loss"] += stats.loss * b
-                sums["objective"] += stats.objective * b
-                sums["correct"] += stats.correct
-                sums["count"] += b
-                sums["grad_evals"] += stats.grad_evals
-                for k, v in stats.penalties.items():
-                    penalty_sums[k] = penalty_sums.get(k, 0.0) + v * b
-        row = {
-            "epoch": epoch + 1,
-            "lr": lr,
-            "train_loss": sums["loss"] / sums["count"],
-            "train_objective": sums["objective"] / sums["count"],
-            "train_accuracy": sums["correct"] / sums["count"]
-            if cfg.loss == "cross-entropy"
-            else None,
-            "grad_evals": sums["grad_evals"],
-            "penalties": {k: v / sums["count"] for k, v in penalty_sums.items()},
-            "noise_finetune": finetune,
-        }
-        if has_test:
-            ev = evaluate(model, x_test, y_test, cfg.loss)
-            row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
-        row["seconds"] = time.perf_counter() - t0
+    for epoch in range(run.start_epoch, last_epoch):
+        row = _train_epoch(run, epoch)
         if tracker is not None and (
             (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
         ):
             t1 = time.perf_counter()
             row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
             row["tracking_seconds"] = time.perf_counter() - t1
-        history.append(row)
+        run.history.append(row)
         if rank == 0:
-            _save_state(
-                state_file,
-                cfg,
-                model,
-                optimizer,
-                shuffle_gen,
-                step_gen,
-                aug_gen,
-                history,
-                epoch + 1,
-            )
+            _save_state(state_file, run, epoch + 1)
         if progress is not None:
             progress(epoch + 1, cfg.epochs, row)
+    return _finish_run(run, out, model_spec)
 
-    final_train = evaluate(model, x_train, y_train, cfg.loss)
+
+@dataclass
+class _Splits:
+    """The training data: the dataset, its train (and test) tensors, and what was done to them.
+
+    :func:`_load_splits` fills it on the CPU as the dataset gives it (labels noised);
+    :func:`_place_splits` converts the tensors in place to the model's dtype and device.
+    """
+
+    dataset: object
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor | None
+    y_test: torch.Tensor | None
+    num_outputs: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def has_test(self) -> bool:
+        """Whether the dataset has a test split (evaluated after every epoch)."""
+        return self.x_test is not None
+
+
+def _load_splits(cfg: TrainConfig) -> _Splits:
+    """Load ``cfg.data``; complete ``cfg.data`` (the resolved spec) and ``cfg.loss`` (the task's).
+
+    Classification labels get ``cfg.label_noise`` (AD Fig. 3); the number of model outputs is
+    the number of classes, or the regression target's width.
+    """
+    from sharpcli.io.datasets import load_dataset
+    from sharpcli.session import loss_for_task
+
+    dataset = load_dataset(cfg.data, label_column=cfg.label_column)
+    cfg.data = dataset.spec
+    cfg.loss = cfg.loss or loss_for_task(dataset.task)
+    x_train, y_train = dataset.split("train")
+    x_test, y_test = dataset.split("test") if dataset.x_test is not None else (None, None)
+    if dataset.task == "classification":
+        num_outputs = int(dataset.num_classes)
+        y_train = apply_label_noise(y_train, cfg.label_noise, num_outputs, cfg.seed)
+    else:
+        num_outputs = 1 if y_train.ndim == 1 else int(y_train.shape[1])
+    return _Splits(dataset, x_train, y_train, x_test, y_test, num_outputs)
+
+
+def _build_model(
+    cfg: TrainConfig, splits: _Splits, regs: list, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, dict]:
+    """The zoo model ``cfg.model`` for the data's shapes, initialised from ``cfg.seed``.
+
+    The regularizers may override model arguments (``dropout``); returns the model and its
+    complete spec ``{"name", "args"}`` as stored in the checkpoint.
+    """
+    from sharpcli.models import build_model, default_model_args
+    from sharpcli.training.regularizers import model_overrides
+
+    input_shape = tuple(splits.dataset.input_shape)
+    args = default_model_args(cfg.model, input_shape, splits.num_outputs, **cfg.model_args)
+    args.update(model_overrides(regs))
+    model_spec = {"name": cfg.model, "args": args}
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_spec).to(device=device, dtype=dtype)
+    return model, model_spec
+
+
+def _place_splits(
+    cfg: TrainConfig, splits: _Splits, model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Move the splits to ``device`` as the model takes them and check that it accepts them.
+
+    Features go to the training dtype, except token ids an ``nn.Embedding`` looks up, which stay
+    int64 (:func:`sharpcli.session.prepare_features`; its notes are collected in
+    ``splits.notes``); regression targets go to the training dtype. Input perturbations
+    (``--input-noise``, ``--noise-finetune``, ``--augment``) are refused on token ids.
+    """
+    from sharpcli.session import check_model_accepts, prepare_features
+
+    dataset = splits.dataset
+    regression = dataset.task == "regression"
+    splits.x_train, splits.notes = prepare_features(
+        model, splits.x_train, dtype, device, dataset.source, batch_size=cfg.batch_size
+    )
+    splits.y_train = splits.y_train.to(device)
+    if regression:
+        splits.y_train = splits.y_train.to(dtype)
+    if splits.has_test:
+        splits.x_test, test_notes = prepare_features(
+            model, splits.x_test, dtype, device, dataset.source, batch_size=cfg.batch_size
+        )
+        splits.notes += [note for note in test_notes if note not in splits.notes]
+        splits.y_test = splits.y_test.to(device)
+        if regression:
+            splits.y_test = splits.y_test.to(dtype)
+    if not splits.x_train.is_floating_point():
+        _refuse_input_perturbations(cfg)
+    check_model_accepts(
+        model, splits.x_train, splits.y_train, dataset.task, dataset.source, cfg.loss
+    )
+
+
+def _refuse_input_perturbations(cfg: TrainConfig) -> None:
+    """UsageError on the first option that perturbs input features (they are integer token ids)."""
+    for option, value in (
+        ("--input-noise", cfg.input_noise),
+        ("--noise-finetune", cfg.noise_finetune),
+        ("--augment", cfg.augment),
+    ):
+        if value:
+            raise UsageError(
+                "perturbs input features, but this model takes integer token ids",
+                source=option,
+            )
+
+
+@dataclass
+class _Run:
+    """What the epochs of one run share and what its resumable state saves.
+
+    ``shuffle_gen`` orders the samples of each epoch, ``step_gen`` drives the regularizers'
+    random draws (on the model's device), ``aug_gen`` the augmentation and input noise; the
+    global torch RNG is left to dropout. ``history`` holds one row per completed epoch.
+    """
+
+    cfg: TrainConfig
+    regs: list
+    splits: _Splits
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    shuffle_gen: torch.Generator
+    step_gen: torch.Generator
+    aug_gen: torch.Generator
+    rank: int = 0
+    world: int = 1
+    history: list = field(default_factory=list)
+    start_epoch: int = 0
+
+
+def _start_run(
+    cfg: TrainConfig,
+    regs: list,
+    splits: _Splits,
+    model: nn.Module,
+    device: torch.device,
+    rank_world: tuple[int, int],
+) -> _Run:
+    """A fresh run: the optimizer and the random streams seeded from ``cfg.seed`` (+1, +2, +3)."""
+    rank, world = rank_world
+    return _Run(
+        cfg=cfg,
+        regs=regs,
+        splits=splits,
+        model=model,
+        optimizer=_make_optimizer(cfg, model),
+        shuffle_gen=torch.Generator().manual_seed(cfg.seed + 1),
+        step_gen=torch.Generator(device=device).manual_seed(cfg.seed + 2),
+        aug_gen=torch.Generator().manual_seed(cfg.seed + 3),
+        rank=rank,
+        world=world,
+    )
+
+
+def _restore_state(run: _Run, state_file: Path) -> None:
+    """Continue ``run`` from its resumable state: weights, optimizer, every RNG and the history.
+
+    InputError when the state is missing or unreadable; UsageError (``--resume``) when it was
+    written by a run with other settings (:meth:`TrainConfig.identity`; the epochs may differ).
+    """
+    if not state_file.exists():
+        raise InputError(
+            "no resumable state for this output; run without --resume first",
+            source=str(state_file),
+        )
+    try:
+        state = torch.load(str(state_file), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise InputError(
+            f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})",
+            source=str(state_file),
+        ) from exc
+    _check_same_identity(run.cfg, state)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_global"])
+    run.shuffle_gen.set_state(state["rng_shuffle"])
+    run.step_gen.set_state(state["rng_step"])
+    run.aug_gen.set_state(state["rng_aug"])
+    run.history = json.loads(state["history"])
+    run.start_epoch = int(state["epoch"])
+
+
+def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
+    """UsageError (``--resume``) naming the settings in which the saved run differs from ``cfg``."""
+    saved_identity = json.loads(state["config"])
+    saved_identity.pop("epochs", None)
+    identity = json.loads(json.dumps(cfg.identity()))
+    if saved_identity != identity:
+        diff = sorted(
+            k
+            for k in set(saved_identity) | set(cfg.identity())
+            if saved_identity.get(k) != identity.get(k)
+        )
+        raise UsageError(
+            f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
+            source="--resume",
+        )
+
+
+def _tracking_subset(
+    cfg: TrainConfig, splits: _Splits, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed seeded subset of ``cfg.track_samples`` training samples the tracker sees."""
+    n = splits.x_train.shape[0]
+    track_idx = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 5))[
+        : cfg.track_samples
+    ]
+    return splits.x_train[track_idx.to(device)], splits.y_train[track_idx.to(device)]
+
+
+class _EpochSums:
+    """Running sums over an epoch's optimizer steps, weighted by each step's batch size."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.objective = 0.0
+        self.correct = 0
+        self.count = 0
+        self.grad_evals = 0
+        self.penalties: dict = {}
+
+    def add(self, stats) -> None:
+        """Add one step's :class:`~sharpcli.training.regularizers.StepStats`."""
+        b = stats.count
+        self.loss += stats.loss * b
+        self.objective += stats.objective * b
+        self.correct += stats.correct
+        self.count += b
+        self.grad_evals += stats.grad_evals
+        for k, v in stats.penalties.items():
+            self.penalties[k] = self.penalties.get(k, 0.0) + v * b
+
+
+def _train_epoch(run: _Run, epoch: int) -> dict:
+    """One epoch (0-based ``epoch``): the learning rate, a seeded shuffle, every batch's steps.
+
+    Returns the history row (without the tracked curvature, which the caller adds): means over
+    the epoch's steps, and the test split's loss and accuracy after it.
+    """
+    cfg, model, splits = run.cfg, run.model, run.splits
+    t0 = time.perf_counter()
+    finetune = epoch >= cfg.epochs
+    noise_std = cfg.noise_finetune if finetune else cfg.input_noise
+    lr = _lr_at(cfg, min(epoch, cfg.epochs - 1))
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    model.train()
+    if run.world > 1:  # dropout masks: independent per rank, reproducible per epoch (resume)
+        torch.manual_seed(cfg.seed * 1_000_003 + 7 * epoch * run.world + run.rank + 11)
+    n = splits.x_train.shape[0]
+    perm = torch.randperm(n, generator=run.shuffle_gen)
+    sums = _EpochSums()
+    for start in range(0, n, cfg.batch_size):
+        xb, yb = _batch(run, perm[start : start + cfg.batch_size], noise_std)
+        for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
+            sums.add(_optimizer_step(run, xb, yb, epoch, start))
+    row = {
+        "epoch": epoch + 1,
+        "lr": lr,
+        "train_loss": sums.loss / sums.count,
+        "train_objective": sums.objective / sums.count,
+        "train_accuracy": sums.correct / sums.count if cfg.loss == "cross-entropy" else None,
+        "grad_evals": sums.grad_evals,
+        "penalties": {k: v / sums.count for k, v in sums.penalties.items()},
+        "noise_finetune": finetune,
+    }
+    if splits.has_test:
+        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss)
+        row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _batch(run: _Run, rows: torch.Tensor, noise_std: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training batch of sample indices ``rows``, augmented and noised when asked."""
+    splits, device = run.splits, run.splits.x_train.device
+    idx = rows.to(device)
+    xb, yb = splits.x_train[idx], splits.y_train[idx]
+    if run.cfg.augment and xb.ndim == 4:
+        xb = augment_images(xb.cpu(), run.aug_gen).to(device)
+    if noise_std > 0:
+        noise = torch.randn(xb.shape, generator=run.aug_gen, dtype=xb.dtype)
+        xb = xb + noise_std * noise.to(device)
+    return xb, yb
+
+
+def _optimizer_step(run: _Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, start: int):
+    """One regularised step on the batch (data-parallel under torchrun); returns its StepStats.
+
+    NumericalError when the objective is not finite (``start``: the batch's first sample).
+    """
+    from sharpcli.training.regularizers import training_step
+
+    step = data_parallel_step if run.world > 1 else training_step
+    stats = step(run.model, xb, yb, run.cfg.loss, run.regs, run.step_gen)
+    if not math.isfinite(stats.objective):
+        raise NumericalError(
+            f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
+            "lower --lr or the regularizer strength",
+            source="train",
+        )
+    run.optimizer.step()
+    return stats
+
+
+def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
+    """Evaluate the trained model, write the checkpoint and history CSV (rank 0), and report.
+
+    NumericalError when the final training loss is not finite.
+    """
+    cfg, model, splits, history = run.cfg, run.model, run.splits, run.history
+    final_train = evaluate(model, splits.x_train, splits.y_train, cfg.loss)
     final = {
         "epochs_completed": len(history),
         "train_loss": final_train["loss"],
         "train_accuracy": final_train["accuracy"],
     }
-    if has_test:
-        ev = evaluate(model, x_test, y_test, cfg.loss)
+    if splits.has_test:
+        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss)
         final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
     final["grad_evals"] = sum(r["grad_evals"] for r in history)
     final["seconds"] = sum(r["seconds"] for r in history)
-    if not all(math.isfinite(v) for v in (final["train_loss"],)):
+    if not math.isfinite(final["train_loss"]):
         raise NumericalError("the final training loss is not finite", source="train")
     cfg_dict = json.loads(json.dumps(asdict(cfg)))
     csv_path = history_csv_path_for(out)
+    data_spec = splits.dataset.spec
     sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
-    if rank == 0:
+    if run.rank == 0:
         sha = save_checkpoint(
-            out, model, model_spec, data_spec=dataset.spec, train_config=cfg_dict, metrics=final
+            out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=final
         )
         _write_history_csv(csv_path, history)
     return TrainResult(
@@ -464,28 +628,27 @@ def train(
         final=final,
         checkpoint={"path": str(out), "sha256": sha, "model": model_spec},
         model_spec=model_spec,
-        data_spec=dataset.spec,
+        data_spec=data_spec,
         config=cfg_dict,
         history_csv=str(csv_path),
-        resumed_from_epoch=start_epoch,
-        notes=notes,
+        resumed_from_epoch=run.start_epoch,
+        notes=splits.notes,
     )
 
 
-def _save_state(
-    path: Path, cfg, model, optimizer, shuffle_gen, step_gen, aug_gen, history, epoch: int
-) -> None:
+def _save_state(path: Path, run: _Run, epoch: int) -> None:
+    """Write the resumable state after ``epoch`` completed epochs (atomically)."""
     state = {
         "version": STATE_VERSION,
         "epoch": epoch,
-        "config": json.dumps(asdict(cfg), sort_keys=True),
-        "model": copy.deepcopy(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
+        "config": json.dumps(asdict(run.cfg), sort_keys=True),
+        "model": copy.deepcopy(run.model.state_dict()),
+        "optimizer": run.optimizer.state_dict(),
         "rng_global": torch.get_rng_state(),
-        "rng_shuffle": shuffle_gen.get_state(),
-        "rng_step": step_gen.get_state(),
-        "rng_aug": aug_gen.get_state(),
-        "history": json.dumps(history),
+        "rng_shuffle": run.shuffle_gen.get_state(),
+        "rng_step": run.step_gen.get_state(),
+        "rng_aug": run.aug_gen.get_state(),
+        "history": json.dumps(run.history),
     }
     with atomic_path(path) as tmp:
         torch.save(state, str(tmp))

@@ -50,13 +50,13 @@ from torch import nn
 
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
+from sharpcli.models.zoo import final_linear
 
 __all__ = [
     "StepStats",
     "PassContext",
     "PassResult",
     "StepEngine",
-    "final_linear_module",
     "rademacher_like",
     "gaussian_like",
     "global_norm",
@@ -86,25 +86,6 @@ class StepStats:
     count: int
     grad_evals: int
     penalties: dict[str, float] = field(default_factory=dict)
-
-
-def final_linear_module(model: nn.Module) -> tuple[str, nn.Linear]:
-    """The classifier head: the last ``nn.Linear`` in ``model.named_modules()`` order.
-
-    Its input is the penultimate activation ``h^(L-1)`` that activation decay
-    penalises (AD Theorem 2).
-    """
-    found: tuple[str, nn.Linear] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            found = (name, module)
-    if found is None:
-        raise UsageError(
-            "activation decay needs a final nn.Linear layer (its input is the penultimate "
-            f"activation); the model {type(model).__name__} has none",
-            source="--reg",
-        )
-    return found
 
 
 def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -165,13 +146,19 @@ _MODEL_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDict
 def _model_facts(model: nn.Module, key: str):
     """Structural facts of ``model`` a step needs, computed once per model object (a step
     is built per batch; walking ``named_modules`` every batch is measurable on small
-    models): ``"head"`` the :func:`final_linear_module`, ``"has_buffers"`` whether any
+    models): ``"head"`` the classifier head (:func:`sharpcli.models.zoo.final_linear`, whose
+    input activation decay penalises), ``"has_buffers"`` whether any
     module holds a buffer (BatchNorm running statistics). The model's structure must not
     change after its first step."""
     facts = _MODEL_FACTS.setdefault(model, {})
     if key not in facts:
         if key == "head":
-            facts[key] = final_linear_module(model)[1]
+            facts[key] = final_linear(
+                model,
+                source="--reg",
+                missing="activation decay needs a final nn.Linear layer (its input is the "
+                f"penultimate activation); the model {type(model).__name__} has none",
+            )[1]
         else:
             facts[key] = any(True for _ in model.buffers())
     return facts[key]

@@ -94,119 +94,192 @@ def run_sweep(
     max_runs: int | None = None,
     progress: Callable | None = None,
 ) -> SweepResult:
-    """Run the sweep (see module docstring); ``max_runs`` stops after that many new runs, as an interruption."""
-    from sharpcli.analyses.analyze import analyze, parse_metrics
-    from sharpcli.session import build_session
-    from sharpcli.training.loop import state_path_for, train, train_report
+    """Run the sweep (see module docstring).
+
+    ``max_runs`` stops after that many new runs, as an interruption would. Everything is validated before anything is created (:func:`_check_sweep`); then per grid
+    point and seed, in order, the run is skipped (reports or a divergence record exist) or
+    trained (:func:`_train_run`, resumed when interrupted) and analysed (:func:`_analyze_run`).
+    """
+    from sharpcli.analyses.analyze import parse_metrics
+
+    metrics = parse_metrics(",".join(metrics))
+    points = _check_sweep(reg, grid, seeds, extra_regs)
+    out_dir = _make_out_dir(Path(out_dir))
+    state = _SweepState(total=len(points) * len(seeds), progress=progress)
+    done_now = 0
+    for point, seed in itertools.product(points, seeds):
+        name = _run_name(reg, point, seed)
+        files = _RunFiles.of(out_dir, name)
+        train_doc, analyze_doc = _read_json(files.train_json), _read_json(files.analyze_json)
+        if files.diverged_json.exists():
+            state.record(name, point, seed, None, None, skipped=True, diverged=True)
+            continue
+        if train_doc is not None and analyze_doc is not None:
+            state.record(name, point, seed, train_doc, analyze_doc, skipped=True)
+            continue
+        if max_runs is not None and done_now >= max_runs:
+            return state.finish(out_dir, reg, grid, completed=False)
+        done_now += 1
+        if train_doc is None:
+            train_doc = _train_run(base, reg, point, seed, extra_regs, name, files)
+        if train_doc is None:  # diverged: recorded in files.diverged_json
+            state.record(name, point, seed, None, None, diverged=True)
+            continue
+        analyze_doc = _analyze_run(base, seed, metrics, analyze_samples, name, files, train_doc)
+        state.record(name, point, seed, train_doc, analyze_doc)
+    return state.finish(out_dir, reg, grid, completed=True)
+
+
+def _reg_spec(reg: str, point: dict) -> str:
+    """The ``--reg`` spec of a grid point: ``reg:k=v,...``."""
+    return f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items())
+
+
+def _check_sweep(reg: str, grid: dict, seeds: list[int], extra_regs) -> list[dict]:
+    """The grid points (dicts, in product order), after checking that every regularizer spec of
+    the sweep parses; UsageError otherwise."""
     from sharpcli.training.regularizers import parse_reg
 
-    # validate everything before creating anything
-    metrics = parse_metrics(",".join(metrics))
     if not seeds:
         raise UsageError("give at least one seed", source="--seeds")
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     for point in points:
-        parse_reg(f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()))
+        parse_reg(_reg_spec(reg, point))
     for extra in extra_regs:
         parse_reg(extra)
-    out_dir = Path(out_dir)
+    return points
+
+
+def _make_out_dir(out_dir: Path) -> Path:
+    """``out_dir``, created when missing (its parent must exist); UsageError if it is a file."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError("is not a folder", source=str(out_dir))
     if not out_dir.exists():
         if not out_dir.parent.is_dir():
             raise UsageError(f"folder {out_dir.parent} does not exist", source=str(out_dir))
         out_dir.mkdir()
-    runs, done_now, skipped, diverged = [], 0, [], []
-    total = len(points) * len(seeds)
-    for point in points:
-        for seed in seeds:
-            name = _run_name(reg, point, seed)
-            ckpt = out_dir / f"{name}.safetensors"
-            train_json, analyze_json = (
-                out_dir / f"{name}.train.json",
-                out_dir / f"{name}.analyze.json",
-            )
-            diverged_json = out_dir / f"{name}.diverged.json"
-            train_doc, analyze_doc = _read_json(train_json), _read_json(analyze_json)
-            if diverged_json.exists():
-                skipped.append(name)
-                diverged.append(name)
-                runs.append(_row(name, point, seed, None, None))
-            elif train_doc is None or analyze_doc is None:
-                if max_runs is not None and done_now >= max_runs:
-                    return _finish(
-                        runs,
-                        out_dir,
-                        reg,
-                        grid,
-                        completed=False,
-                        skipped=skipped,
-                        diverged=diverged,
-                    )
-                if train_doc is None:
-                    cfg = copy.deepcopy(base)
-                    cfg.seed = seed
-                    cfg.regs = [
-                        f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items()),
-                        *extra_regs,
-                    ]
-                    resume = state_path_for(ckpt).exists()
-                    try:
-                        result = train(cfg, ckpt, resume=resume)
-                    except NumericalError as exc:
-                        write_text_atomic(
-                            diverged_json,
-                            json.dumps(
-                                {"run": name, "regs": cfg.regs, "seed": seed, "error": str(exc)},
-                                indent=2,
-                            )
-                            + "\n",
-                        )
-                        done_now += 1
-                        diverged.append(name)
-                        runs.append(_row(name, point, seed, None, None))
-                        if progress is not None:
-                            progress(len(runs), total, name)
-                        continue
-                    train_doc = train_report(
-                        result, {"sweep": name}, out=str(ckpt), device=cfg.device, dtype=cfg.dtype
-                    )
-                    from sharpcli.report.envelope import dumps
+    return out_dir
 
-                    write_text_atomic(train_json, dumps(train_doc))
-                has_test = train_doc["results"]["final"].get("test_accuracy") is not None
-                session = build_session(
-                    str(ckpt),
-                    split="test" if has_test else "train",
-                    samples=None,
-                    dtype=base.dtype,
-                    device=base.device,
-                    seed=seed,
-                )
-                if analyze_samples is not None and session.num_samples > analyze_samples:
-                    session = build_session(
-                        str(ckpt),
-                        split="test" if has_test else "train",
-                        samples=analyze_samples,
-                        dtype=base.dtype,
-                        device=base.device,
-                        seed=seed,
-                    )
-                results, matvecs = analyze(session, metrics)
-                analyze_doc = session.report(
-                    "analyze", {"metrics": metrics, "sweep": name}, results, matvecs
-                )
-                from sharpcli.report.envelope import dumps
 
-                write_text_atomic(analyze_json, dumps(analyze_doc))
-                done_now += 1
-                runs.append(_row(name, point, seed, train_doc, analyze_doc))
-            else:
-                skipped.append(name)
-                runs.append(_row(name, point, seed, train_doc, analyze_doc))
-            if progress is not None:
-                progress(len(runs), total, name)
-    return _finish(runs, out_dir, reg, grid, completed=True, skipped=skipped, diverged=diverged)
+@dataclass
+class _RunFiles:
+    """The files of one run in the sweep folder."""
+
+    ckpt: Path
+    train_json: Path
+    analyze_json: Path
+    diverged_json: Path
+
+    @classmethod
+    def of(cls, out_dir: Path, name: str) -> "_RunFiles":
+        """The files of run ``name`` in ``out_dir``."""
+        return cls(
+            ckpt=out_dir / f"{name}.safetensors",
+            train_json=out_dir / f"{name}.train.json",
+            analyze_json=out_dir / f"{name}.analyze.json",
+            diverged_json=out_dir / f"{name}.diverged.json",
+        )
+
+
+def _train_run(
+    base, reg: str, point: dict, seed: int, extra_regs, name: str, files: _RunFiles
+) -> dict | None:
+    """Train one run (resuming an interrupted one) and write its train report, which is returned.
+
+    A NaN/Inf objective writes ``files.diverged_json`` instead and returns None.
+    """
+    from sharpcli.report.envelope import dumps
+    from sharpcli.training.loop import state_path_for, train, train_report
+
+    cfg = copy.deepcopy(base)
+    cfg.seed = seed
+    cfg.regs = [_reg_spec(reg, point), *extra_regs]
+    resume = state_path_for(files.ckpt).exists()
+    try:
+        result = train(cfg, files.ckpt, resume=resume)
+    except NumericalError as exc:
+        record = {"run": name, "regs": cfg.regs, "seed": seed, "error": str(exc)}
+        write_text_atomic(files.diverged_json, json.dumps(record, indent=2) + "\n")
+        return None
+    train_doc = train_report(
+        result, {"sweep": name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
+    )
+    write_text_atomic(files.train_json, dumps(train_doc))
+    return train_doc
+
+
+def _analyze_run(
+    base,
+    seed: int,
+    metrics: list[str],
+    analyze_samples: int | None,
+    name: str,
+    files: _RunFiles,
+    train_doc: dict,
+) -> dict:
+    """Analyse a trained run and write its analysis report, which is returned.
+
+    The analysis split is the test split when the data has one, else the training split; at
+    most ``analyze_samples`` of its samples (a seeded subset) are used.
+    """
+    from sharpcli.analyses.analyze import analyze
+    from sharpcli.report.envelope import dumps
+    from sharpcli.session import build_session
+
+    has_test = train_doc["results"]["final"].get("test_accuracy") is not None
+
+    def session_of(samples: int | None):
+        return build_session(
+            str(files.ckpt),
+            split="test" if has_test else "train",
+            samples=samples,
+            dtype=base.dtype,
+            device=base.device,
+            seed=seed,
+        )
+
+    session = session_of(None)
+    if analyze_samples is not None and session.num_samples > analyze_samples:
+        session = session_of(analyze_samples)
+    results, matvecs = analyze(session, metrics)
+    analyze_doc = session.report("analyze", {"metrics": metrics, "sweep": name}, results, matvecs)
+    write_text_atomic(files.analyze_json, dumps(analyze_doc))
+    return analyze_doc
+
+
+@dataclass
+class _SweepState:
+    """The rows so far, which runs were skipped or diverged, and the progress callback."""
+
+    total: int
+    progress: Callable | None = None
+    runs: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    diverged: list = field(default_factory=list)
+
+    def record(
+        self, name, point, seed, train_doc, analyze_doc, *, skipped=False, diverged=False
+    ) -> None:
+        """Add run ``name``'s row (:func:`_row`) and report progress."""
+        if skipped:
+            self.skipped.append(name)
+        if diverged:
+            self.diverged.append(name)
+        self.runs.append(_row(name, point, seed, train_doc, analyze_doc))
+        if self.progress is not None:
+            self.progress(len(self.runs), self.total, name)
+
+    def finish(self, out_dir: Path, reg: str, grid: dict, *, completed: bool) -> SweepResult:
+        """Write the tables (and, when completed, the plot): :func:`_finish`."""
+        return _finish(
+            self.runs,
+            out_dir,
+            reg,
+            grid,
+            completed=completed,
+            skipped=self.skipped,
+            diverged=self.diverged,
+        )
 
 
 def _row(name, point, seed, train_doc, analyze_doc) -> dict:
