@@ -89,6 +89,15 @@ FactoryOpt = Annotated[
         "--model-factory", help="module:function returning the nn.Module for a foreign state_dict."
     ),
 ]
+OutputOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--output",
+        help="Which of the model's outputs are the logits: an index of a tuple (0, 1, -1), a "
+        "dict key or an attribute. Default: the tensor itself, .logits / 'logits', else the "
+        "first tensor.",
+    ),
+]
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
@@ -138,6 +147,7 @@ class CommonOptions:
     arch: str | None = _option(ArchOpt, None)
     arch_args: str | None = _option(ArchArgsOpt, None)
     model_factory: str | None = _option(FactoryOpt, None)
+    output: str | None = _option(OutputOpt, None)
     trust_pickle: bool = _option(TrustPickleOpt, False)
     cache_mb: int = _option(CacheOpt, 1024)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
