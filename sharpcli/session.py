@@ -485,7 +485,10 @@ def build_session(
     # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
     # outside the default scope (sharpcli.curvature.scope.ParamScope.resolve)
     model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
-    # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs)
+    # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs);
+    # the selector a training run used is recorded in its checkpoint
+    if output is None:
+        output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size

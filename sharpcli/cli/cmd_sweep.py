@@ -87,6 +87,14 @@ def sweep_command(
         ),
     ] = 512,
     model: Annotated[str, typer.Option("--model")] = "mlp",
+    model_factory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model-factory",
+            help="module:function returning your nn.Module (instead of --model); its keyword "
+            "arguments by --set model_args={...}.",
+        ),
+    ] = None,
     data: Annotated[str, typer.Option("--data")] = "blobs",
     epochs: Annotated[int, typer.Option("--epochs")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
@@ -136,6 +144,8 @@ def sweep_command(
             dtype,
             sets,
         )
+        if model_factory is not None:
+            cfg.model_factory = model_factory
         validate_config(cfg)
         with common.epoch_progress(quiet or json_out == "-", "sweep") as progress:
             result = run_sweep(

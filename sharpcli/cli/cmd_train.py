@@ -44,7 +44,29 @@ def train_command(
         ),
     ] = None,
     model_args: Annotated[
-        Optional[str], typer.Option("--model-args", help="Further model arguments as JSON.")
+        Optional[str],
+        typer.Option(
+            "--model-args",
+            help="Further model arguments as JSON (the factory's keyword arguments with "
+            "--model-factory).",
+        ),
+    ] = None,
+    model_factory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model-factory",
+            help="module:function returning your nn.Module (instead of --model); see "
+            "docs/own-model.md.",
+        ),
+    ] = None,
+    output: common.OutputOpt = None,
+    penultimate: Annotated[
+        Optional[str],
+        typer.Option(
+            "--penultimate",
+            help="Module whose output is the penultimate representation that ad penalises "
+            "(default: the input of the last nn.Linear).",
+        ),
     ] = None,
     data: Annotated[
         str, typer.Option("--data", help="Dataset spec (built-in name[:k=v,..] or a path).")
@@ -155,8 +177,13 @@ def train_command(
             if value is not None:
                 margs[key] = value
         tracked = [t.strip() for t in track.split(",") if t.strip()] if track else []
+        if model_factory is not None and model != "mlp":
+            raise common.UsageError("give --model or --model-factory, not both", source="--model")
         cfg = TrainConfig(
             model=model,
+            model_factory=model_factory,
+            output=output,
+            penultimate=penultimate,
             model_args=margs,
             data=data,
             label_column=label_column,
@@ -196,7 +223,9 @@ def train_command(
             from sharpcli.report.plots import plot_training_history
 
             plot_training_history(
-                result.history, plot, title=f"{model} with {' + '.join(result.config['regs'])}"
+                result.history,
+                plot,
+                title=f"{model_factory or model} with {' + '.join(result.config['regs'])}",
             )
         report = train_report(
             result,

@@ -267,6 +267,58 @@ def factory_from_string(spec: str, arch_args: dict | None = None) -> nn.Module:
     return model
 
 
+FACTORY_PREFIX = "factory:"
+
+
+def _own_module_origin(module_name: str) -> str | None:
+    """The file of ``module_name``'s top-level package if it is the user's own code: found in
+    the working directory or a PYTHONPATH folder (not the standard library or an installed
+    package). ``None`` otherwise. Nothing is imported."""
+    import importlib.util
+
+    top = module_name.split(".", 1)[0]
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if not origin or origin in ("built-in", "frozen"):
+        return None
+    folders = [cwd] + [f for f in os.environ.get("PYTHONPATH", "").split(os.pathsep) if f]
+    real = os.path.realpath(origin)
+    for folder in folders:
+        base = os.path.realpath(folder)
+        if real.startswith(base + os.sep):
+            return origin
+    return None
+
+
+def factory_from_metadata(name: str, args: dict, path: Path) -> nn.Module:
+    """Rebuild a model that ``sharp train --model-factory`` recorded as ``factory:module:fn``.
+
+    A file's metadata may name any importable function, so sharp calls it only when its module
+    is the user's own code (:func:`_own_module_origin`); an installed or standard-library
+    module needs ``--model-factory`` on the command line. A missing module is an InputError
+    naming the checkpoint and the module.
+    """
+    spec = name[len(FACTORY_PREFIX) :]
+    module_name = spec.split(":", 1)[0]
+    if _own_module_origin(module_name) is None:
+        raise InputError(
+            f"was trained with --model-factory {spec}, whose module {module_name!r} is not in "
+            "the working directory or on PYTHONPATH; run from the folder that holds it, or pass "
+            f"--model-factory {spec} to rebuild it from an installed package",
+            source=str(path),
+        )
+    try:
+        return factory_from_string(spec, args)
+    except UsageError as exc:
+        raise InputError(f"cannot rebuild its model ({exc.message})", source=str(path)) from exc
+
+
 def _show_key(key) -> str:
     """A key for a one-line message: printable keys as they are, others escaped, 60 chars at most."""
     text = key if isinstance(key, str) and key.isprintable() and key.strip() == key else ascii(key)
@@ -694,6 +746,8 @@ def load_checkpoint(
             "or --model-factory module:function",
             source=str(p),
         )
+    elif str(model_spec.get("name", "")).startswith(FACTORY_PREFIX):
+        model = factory_from_metadata(model_spec["name"], model_spec.get("args") or {}, p)
     else:
         model = _build_zoo_model(
             model_spec, candidates, p, f"in metadata {META_MODEL}", metadata=True

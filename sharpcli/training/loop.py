@@ -40,6 +40,9 @@ class TrainConfig:
 
     model: str = "mlp"
     model_args: dict = field(default_factory=dict)
+    model_factory: str | None = None  # module:function building the user's own model
+    output: str | None = None  # which of the model's outputs are the logits
+    penultimate: str | None = None  # module whose output activation decay penalises
     data: str | dict = "blobs"
     label_column: str | None = None
     epochs: int = 5
@@ -330,20 +333,40 @@ def _load_splits(cfg: TrainConfig) -> _Splits:
 def _build_model(
     cfg: TrainConfig, splits: _Splits, regs: list, dtype: torch.dtype, device: torch.device
 ) -> tuple[nn.Module, dict]:
-    """The zoo model ``cfg.model`` for the data's shapes, initialised from ``cfg.seed``.
+    """The model to train, initialised from ``cfg.seed``, and its spec for the checkpoint.
 
-    The regularizers may override model arguments (``dropout``); returns the model and its
-    complete spec ``{"name", "args"}`` as stored in the checkpoint.
+    A zoo model ``cfg.model`` sized for the data's shapes (the regularizers may override its
+    arguments: ``dropout``), or the user's own ``cfg.model_factory`` called with
+    ``cfg.model_args``, recorded as ``{"name": "factory:module:function", "args": ...}`` so
+    the checkpoint rebuilds itself where the module is importable (docs/own-model.md).
     """
+    from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string
     from sharpcli.models import build_model, default_model_args
+    from sharpcli.models.outputs import attach_output_selector
     from sharpcli.training.regularizers import model_overrides
+    from sharpcli.training.step import set_penultimate
 
-    input_shape = tuple(splits.dataset.input_shape)
-    args = default_model_args(cfg.model, input_shape, splits.num_outputs, **cfg.model_args)
-    args.update(model_overrides(regs))
-    model_spec = {"name": cfg.model, "args": args}
+    overrides = model_overrides(regs)
     torch.manual_seed(cfg.seed)
-    model = build_model(model_spec).to(device=device, dtype=dtype)
+    if cfg.model_factory is not None:
+        if overrides:
+            raise UsageError(
+                f"changes the model's arguments ({', '.join(overrides)}), which a "
+                "--model-factory model does not take: build that into your factory",
+                source="--reg",
+            )
+        model = factory_from_string(cfg.model_factory, cfg.model_args)
+        model_spec = {"name": FACTORY_PREFIX + cfg.model_factory, "args": dict(cfg.model_args)}
+    else:
+        input_shape = tuple(splits.dataset.input_shape)
+        args = default_model_args(cfg.model, input_shape, splits.num_outputs, **cfg.model_args)
+        args.update(overrides)
+        model_spec = {"name": cfg.model, "args": args}
+        model = build_model(model_spec)
+    model = model.to(device=device, dtype=dtype)
+    attach_output_selector(model, cfg.output)
+    if cfg.penultimate is not None:
+        set_penultimate(model, cfg.penultimate)
     return model, model_spec
 
 

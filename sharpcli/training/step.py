@@ -143,6 +143,19 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 _MODEL_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
+def set_penultimate(model: nn.Module, module_name: str) -> None:
+    """Make the OUTPUT of ``model``'s submodule ``module_name`` the penultimate representation
+    that activation decay penalises, instead of the input of the last ``nn.Linear``."""
+    modules = dict(model.named_modules())
+    if module_name not in modules or module_name == "":
+        names = ", ".join(n for n in list(modules)[1:9])
+        raise UsageError(
+            f"the model has no submodule {module_name!r} (modules: {names}, ...)",
+            source="--penultimate",
+        )
+    _MODEL_FACTS.setdefault(model, {})["head"] = (modules[module_name], "output")
+
+
 def _model_facts(model: nn.Module, key: str):
     """Structural facts of ``model`` a step needs, computed once per model object (a step
     is built per batch; walking ``named_modules`` every batch is measurable on small
@@ -153,12 +166,14 @@ def _model_facts(model: nn.Module, key: str):
     facts = _MODEL_FACTS.setdefault(model, {})
     if key not in facts:
         if key == "head":
-            facts[key] = final_linear(
+            head = final_linear(
                 model,
                 source="--reg",
                 missing="activation decay needs a final nn.Linear layer (its input is the "
-                f"penultimate activation); the model {type(model).__name__} has none",
+                f"penultimate activation) or --penultimate MODULE; the model "
+                f"{type(model).__name__} has neither",
             )[1]
+            facts[key] = (head, "input")
         else:
             facts[key] = any(True for _ in model.buffers())
     return facts[key]
@@ -402,11 +417,12 @@ class StepEngine:
         captured: dict[str, torch.Tensor] = {}
         handle = None
         if self._head is not None:
+            module, where = self._head
 
             def hook(module, inputs, output):
-                captured["h"] = inputs[0]
+                captured["h"] = output if where == "output" else inputs[0]
 
-            handle = self._head.register_forward_hook(hook)
+            handle = module.register_forward_hook(hook)
         try:
             logits = self.model(self.x)
         finally:
