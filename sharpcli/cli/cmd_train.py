@@ -47,6 +47,7 @@ def train_command(
         Optional[str],
         typer.Option(
             "--model-args",
+            "--arch-args",
             help="Further model arguments as JSON (the factory's keyword arguments with "
             "--model-factory).",
         ),
