@@ -335,12 +335,16 @@ def _layer_rows(out: dict) -> list[dict]:
     rows = []
     for layer in out[HESSIAN]["by_layer"]:
         h, g, n = (out[name]["by_layer"][layer]["estimate"] for name in SPLIT)
+        h_se, g_se, n_se = (out[name]["by_layer"][layer].get("stderr") for name in SPLIT)
         rows.append(
             {
                 "layer": layer,
                 "hessian_trace": h,
                 "ggn_trace": g,
                 "nme_trace": n,
+                "hessian_trace_stderr": h_se,
+                "ggn_trace_stderr": g_se,
+                "nme_trace_stderr": n_se,
                 "nme_share": n / h if h else None,
             }
         )

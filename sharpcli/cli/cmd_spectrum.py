@@ -311,7 +311,5 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
-        if plot:
-            console.print(f"plot written to {plot}")
 
     return common.Outcome(report, render)

@@ -212,8 +212,6 @@ def sweep_command(
                 console.print(
                     f"stopped after --max-runs {max_runs}; run the same command again to continue"
                 )
-            if result.plot:
-                console.print(f"plot: {result.plot}")
 
         return common.Outcome(report, render)
 

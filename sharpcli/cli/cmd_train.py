@@ -226,7 +226,7 @@ def train_command(
             plot_training_history(
                 result.history,
                 plot,
-                title=f"{model_factory or model} with {' + '.join(result.config['regs'])}",
+                title=_plot_title(model_factory or model, result.config["regs"]),
             )
         report = train_report(
             result,
@@ -238,6 +238,11 @@ def train_command(
         return common.Outcome(report, render=lambda console: _render(console, result))
 
     common.run_command("train", json_out, quiet, body)
+
+
+def _plot_title(model: str, regs: list[str]) -> str:
+    named = [r for r in regs if r != "none"]
+    return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
 def _render(console, result) -> None:

@@ -248,7 +248,17 @@ def run_command(
             outcome.render(console)
             for note in scope_notes(outcome.report.get("results")):
                 console.print(f"note: {note}", markup=False)
+            plot = written_plot(outcome.report)
+            if plot:
+                console.print(f"plot written to {plot}", markup=False)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
+
+
+def written_plot(report: dict) -> str | None:
+    """The PNG a command wrote (``results.plot`` or ``settings.plot``), if it exists."""
+    results, settings = report.get("results") or {}, report.get("settings") or {}
+    plot = (results.get("plot") if isinstance(results, dict) else None) or settings.get("plot")
+    return plot if isinstance(plot, str) and os.path.isfile(plot) else None
 
 
 def scope_notes(results, depth: int = 3) -> list[str]:

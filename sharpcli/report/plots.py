@@ -11,6 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
+from sharpcli.errors import UsageError
 from sharpcli.io.atomic import atomic_path
 
 FIGSIZE = (8.0, 5.0)
@@ -125,16 +126,24 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     width = 0.27
     xs = list(range(len(rows)))
     for offset, key, label in (
-        (-width, "hessian_trace", "tr H"),
-        (0.0, "ggn_trace", "tr G"),
-        (width, "nme_trace", "tr N"),
+        (-width, "hessian_trace", r"tr $H$"),
+        (0.0, "ggn_trace", r"tr $G$"),
+        (width, "nme_trace", r"tr $N$"),
     ):
-        ax.bar([x + offset for x in xs], _finite([r[key] for r in rows]), width, label=label)
+        errors = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_stderr") for r in rows])]
+        ax.bar(
+            [x + offset for x in xs],
+            _finite([r[key] for r in rows]),
+            width,
+            yerr=errors,
+            capsize=2,
+            label=label,
+        )
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=8)
     ax.set_xlabel("layer (module name)")
-    ax.set_ylabel("diagonal-block trace")
-    ax.set_title(f"H = G + N per layer (NME share {results.get('nme_share', float('nan')):.3g})")
+    ax.set_ylabel("diagonal-block trace (error bars: one standard error)")
+    ax.set_title(rf"$H = G + N$ per layer (NME share {results.get('nme_share', float('nan')):.3g})")
     ax.legend()
     fig.tight_layout()
     return _save(plt, fig, path)
@@ -150,6 +159,12 @@ def plot_compare_scatter(
         for r in records
         if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))
     ]
+    if not points:
+        plt.close(fig)
+        raise UsageError(
+            f"no run has both {x} and {y}: nothing to plot (choose other --plot-x/--plot-y)",
+            source="--plot",
+        )
     ax.scatter([p[0] for p in points], [p[1] for p in points])
     for px, py, label in points:
         ax.annotate(str(label), (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -161,7 +176,7 @@ def plot_compare_scatter(
         ax.set_xscale("log")
     ax.set_xlabel(x)
     ax.set_ylabel(y)
-    ax.set_title(f"{y} against {x}" + ("" if points else " (no run has both)"))
+    ax.set_title(f"{y} against {x} ({len(points)} runs)")
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -173,17 +188,34 @@ def plot_sweep(
     accuracy_key: str = "test_accuracy",
     sharpness_keys: tuple = ("lambda_max", "trace"),
 ) -> Path:
-    """Accuracy and sharpness against a swept hyper-parameter (mean and std over seeds),
-    as the activation-decay paper's Fig. 2 and the flatness-aware paper's table."""
-    plt, fig, ax = _figure()
+    """Accuracy and each sharpness measure against a swept hyper-parameter, one panel each
+    (their scales differ), as the activation-decay paper's Fig. 2: points are means over
+    seeds, error bars one standard deviation over seeds."""
+    keys = [accuracy_key] + [
+        k
+        for k in sharpness_keys
+        if any(m == m for m in _finite([r.get(f"{k}_mean") for r in rows]))
+    ]
+    plt, fig, axes = _figure(1, len(keys))
+    axes = list(axes) if len(keys) > 1 else [axes]
     xs = [r[param] for r in rows]
-    acc_mean = _finite([r.get(f"{accuracy_key}_mean") for r in rows])
-    acc_std = [v if v == v else 0.0 for v in _finite([r.get(f"{accuracy_key}_std") for r in rows])]
-    ax.errorbar(
-        xs, acc_mean, yerr=acc_std, fmt="o-", color="tab:blue", capsize=3, label=accuracy_key
-    )
-    ax.set_xlabel(param)
-    ax.set_ylabel(accuracy_key, color="tab:blue")
+    seeds = sorted({int(r["seeds"]) for r in rows if r.get("seeds")})
+    labels = {"lambda_max": r"$\lambda_{\max}(H)$", "trace": r"tr$(H)$"}
+    for ax, key, color in zip(axes, keys, ("tab:blue", "tab:red", "tab:orange")):
+        means = _finite([r.get(f"{key}_mean") for r in rows])
+        stds = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_std") for r in rows])]
+        ax.errorbar(xs, means, yerr=stds, fmt="o-", color=color, capsize=3)
+        ax.set_xlabel(param)
+        ax.set_ylabel(labels.get(key, key))
+        _sweep_x_axis(ax, xs)
+        ax.grid(True, alpha=0.3)
+    count = f"{seeds[0]} seed(s)" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)} seeds"
+    fig.suptitle(f"against {param}: mean and one standard deviation over {count}", fontsize=10)
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def _sweep_x_axis(ax, xs) -> None:
     if xs and min(xs) > 0 and max(xs) / min(xs) >= 20:
         ax.set_xscale("log")
         if len(set(xs)) > 1:  # every swept value on the axis, even one whose runs diverged
@@ -191,18 +223,6 @@ def plot_sweep(
     elif len(set(xs)) > 1:
         pad = 0.05 * (max(xs) - min(xs))
         ax.set_xlim(min(xs) - pad, max(xs) + pad)
-    right = ax.twinx()
-    for key, color in zip(sharpness_keys, ("tab:red", "tab:orange")):
-        means = _finite([r.get(f"{key}_mean") for r in rows])
-        if any(m == m for m in means):
-            stds = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_std") for r in rows])]
-            right.errorbar(xs, means, yerr=stds, fmt="s--", color=color, capsize=3, label=key)
-    right.set_ylabel("sharpness")
-    right.legend(loc="upper right", fontsize=8)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"accuracy and sharpness against {param}")
-    fig.tight_layout()
-    return _save(plt, fig, path)
 
 
 def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
@@ -245,7 +265,12 @@ def plot_bound_check(
     plt, fig, axes = _figure(1, panels)
     ax = axes[0] if panels == 2 else axes
     sigmas = [r["sigma"] for r in rows]
-    ax.plot(sigmas, [r["bound"] for r in rows], "o-", label="bound H erf(eps/(sqrt2 H sigma))")
+    ax.plot(
+        sigmas,
+        [r["bound"] for r in rows],
+        "o-",
+        label=r"bound $H\,\mathrm{erf}(\epsilon / (\sqrt{2}\,H\sigma))$",
+    )
     empirical = [r["empirical"] for r in rows]
     lower = [r["empirical"] - r["empirical_ci"][0] for r in rows]
     upper = [r["empirical_ci"][1] - r["empirical"] for r in rows]
@@ -255,14 +280,17 @@ def plot_bound_check(
         yerr=[lower, upper],
         fmt="s--",
         capsize=3,
-        label="||E H(theta+D)||_2 (MC)",
+        label=r"$\|\mathbb{E}\,H(\theta+\Delta)\|_2$ (Monte Carlo, interval)",
     )
     if rows:
         ax.axhline(
-            rows[0]["plain_lambda_max"], color="gray", linestyle=":", label="lambda_max at theta"
+            rows[0]["plain_lambda_max"],
+            color="gray",
+            linestyle=":",
+            label=r"$\lambda_{\max}(H)$ at $\theta$",
         )
     ax.set_xscale("log")
-    ax.set_xlabel("sigma")
+    ax.set_xlabel(r"$\sigma$")
     ax.set_ylabel("spectral norm")
     ax.set_title(title or "AD Corollary 1")
     ax.grid(True, which="both", alpha=0.3)
@@ -271,14 +299,19 @@ def plot_bound_check(
         ax2 = axes[1]
         noise_rows = sorted(noise_rows, key=lambda r: r["sigma"])
         s2 = [r["sigma"] for r in noise_rows]
-        ax2.plot(s2, [r["predicted"] for r in noise_rows], "o-", label="sigma^2/2 tr(H)")
+        ax2.plot(
+            s2,
+            [r["predicted"] for r in noise_rows],
+            "o-",
+            label=r"$\frac{\sigma^2}{2}\,\mathrm{tr}(H)$",
+        )
         ax2.errorbar(
             s2,
             [r["gap"] for r in noise_rows],
             yerr=[r["gap_stderr"] for r in noise_rows],
             fmt="s--",
             capsize=3,
-            label="E L(W+U) - L(W)",
+            label=r"$\mathbb{E}\,L(W+U) - L(W)$",
         )
         ax2.set_xscale("log")
         values = [r["predicted"] for r in noise_rows] + [r["gap"] for r in noise_rows]
@@ -288,7 +321,7 @@ def plot_bound_check(
             ax2.set_yscale(
                 "symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12
             )
-        ax2.set_xlabel("sigma")
+        ax2.set_xlabel(r"$\sigma$")
         ax2.set_title("NSO noise stability")
         ax2.grid(True, which="both", alpha=0.3)
         ax2.legend(fontsize=8)
@@ -300,11 +333,16 @@ def plot_density(
     results: dict, path: str | Path, title: str | None = None, log_scale: bool = True
 ) -> Path:
     """The Gaussian-broadened SLQ density (``sharp density`` results: ``grid``, ``density``) as a PNG;
-    logarithmic y axis by default (as in [Ghorbani2019], Fig. 1), clipped at 1e-12."""
+    logarithmic y axis by default (as in [Ghorbani2019], Fig. 1), showing 8 decades below the
+    peak."""
     plt, fig, ax = _figure()
+    density = list(results["density"])
+    # on a log axis, values far below the peak are broadening tails: leave them out (gaps)
+    # rather than draw them as flat segments at an arbitrary floor
+    floor = max(density, default=0.0) * 1e-8 if log_scale else float("-inf")
     ax.plot(
         results["grid"],
-        [max(v, 1e-12) for v in results["density"]],
+        [v if v > floor else float("nan") for v in density],
         color="tab:blue",
         linewidth=1.2,
     )
