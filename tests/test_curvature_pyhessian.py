@@ -57,3 +57,14 @@ def test_pyhessian_refusals():
     with pytest.raises(UsageError, match="torch.eig") as info:
         pyhessian_density(model, data)
     assert info.value.source == "--engine"
+
+
+def test_missing_pyhessian_says_how_to_install_it(monkeypatch):
+    """PyHessian is an optional extra: without it --engine pyhessian is a usage error."""
+    import sys
+
+    model, x, y, _, _ = setup_and_reference("gelu")
+    monkeypatch.setitem(sys.modules, "pyhessian.hessian", None)  # import fails
+    with pytest.raises(UsageError, match=r"sharpcli\[pyhessian\]") as info:
+        pyhessian_trace(model, AnalysisData(x, y, "cross-entropy", 16), max_iter=2)
+    assert info.value.source == "--engine"

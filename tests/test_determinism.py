@@ -215,3 +215,29 @@ def test_float32_overflow_of_a_finite_product_is_blamed_on_its_own_batch(tmp_pat
         ).code
         == 0
     )
+
+
+def test_identical_training_runs_write_identical_checkpoints(tmp_path, capsys):
+    """No wall-clock time in the checkpoint: the same command gives the same sha256."""
+    from cli_helpers import run_cli
+
+    shas = []
+    for name in ("a", "b"):
+        run = run_cli(
+            capsys,
+            "train",
+            "--data",
+            "blobs:n=64,dim=4,classes=3",
+            "--epochs",
+            "1",
+            "--width",
+            "8",
+            "--out",
+            tmp_path / f"{name}.safetensors",
+            "--json",
+            "-",
+        )
+        assert run.code == 0, run.err
+        shas.append(run.json()["results"]["checkpoint"]["sha256"])
+    assert shas[0] == shas[1]
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()

@@ -62,7 +62,14 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     """
     import importlib
 
-    pyhessian_module = importlib.import_module("pyhessian.hessian")
+    try:
+        pyhessian_module = importlib.import_module("pyhessian.hessian")
+    except ImportError:
+        raise UsageError(
+            "the pyhessian engine needs the PyHessian package, an optional extra: "
+            "pip install 'sharpcli[pyhessian]'",
+            source="--engine",
+        ) from None
     pyhessian_hessian_module_class = pyhessian_module.hessian
 
     if data.world_size > 1:

@@ -119,7 +119,7 @@ def save_checkpoint(
     metrics: dict | None = None,
 ) -> str:
     """Write ``model``'s state_dict with sharpcli metadata atomically; return its sha256."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     metadata = {
@@ -129,9 +129,25 @@ def save_checkpoint(
         META_TRAIN: json.dumps(train_config, sort_keys=True),
         META_METRICS: json.dumps(metrics, sort_keys=True),
     }
+    data = _canonical_safetensors(save(state, metadata=metadata))
     with atomic_path(path) as tmp:
-        save_file(state, str(tmp), metadata=metadata)
+        Path(tmp).write_bytes(data)
     return sha256_file(path)
+
+
+def _canonical_safetensors(data: bytes) -> bytes:
+    """``data`` with its JSON header's keys sorted, so equal contents give equal bytes.
+
+    safetensors writes the header's ``__metadata__`` in hash-map order, which differs from
+    process to process; the header keeps its length (the same keys and values, compact JSON,
+    padded with spaces), so the tensor offsets are unchanged.
+    """
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if len(canonical) > size:  # cannot happen for the same content; keep the original then
+        return data
+    return data[:8] + canonical.ljust(size, b" ") + data[8 + size :]
 
 
 def _read_safetensors(path: Path) -> tuple[dict, dict]:

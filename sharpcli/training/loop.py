@@ -642,8 +642,11 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
     data_spec = splits.dataset.spec
     sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
     if run.rank == 0:
+        # wall-clock seconds belong in the report, not the checkpoint: identical runs give
+        # byte-identical files (the same sha256)
+        metrics = {k: v for k, v in final.items() if k != "seconds"}
         sha = save_checkpoint(
-            out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=final
+            out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=metrics
         )
         _write_history_csv(csv_path, history)
     return TrainResult(
