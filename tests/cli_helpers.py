@@ -77,3 +77,26 @@ def run_in_process(*args: str) -> Run:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return Run(code, out.getvalue(), err.getvalue())
+
+
+def factory_checkpoint(folder, monkeypatch, module_name: str, source: str, seed: int = 0):
+    """A user's factory module ``module_name`` (``source`` defines ``build()``) written into
+    ``folder`` and importable, and the safetensors state_dict of ``build()`` seeded with ``seed``.
+
+    Returns ``(model, weights_path)``; the module is imported afresh (no copy of an earlier
+    test's module of the same name)."""
+    import importlib
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    (folder / f"{module_name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, module_name, raising=False)
+    module = importlib.import_module(module_name)
+    torch.manual_seed(seed)
+    model = module.build()
+    weights = folder / f"{module_name}.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    return model, weights

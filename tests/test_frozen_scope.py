@@ -7,12 +7,11 @@ block (default) and of the whole model (a ``--params`` glob that names the froze
 
 from __future__ import annotations
 
-import importlib
 import textwrap
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import factory_checkpoint, run_cli
 from conftest import dense_reference
 
 FACTORY = textwrap.dedent("""
@@ -31,13 +30,7 @@ FACTORY = textwrap.dedent("""
 def frozen_setup(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    (tmp_path / "frozen_factory.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module("frozen_factory")
-    torch.manual_seed(0)
-    model = module.build()
-    weights = tmp_path / "weights.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    model, weights = factory_checkpoint(tmp_path, monkeypatch, "frozen_factory", FACTORY)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(30, 6, generator=gen)
     y = torch.randint(0, 3, (30,), generator=gen)

@@ -4,13 +4,12 @@ here from torch's own loss functions (not sharp's loss registry)."""
 
 from __future__ import annotations
 
-import importlib
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import run_cli
+from cli_helpers import factory_checkpoint, run_cli
 from torch import nn
 from torch.func import functional_call, jacrev
 
@@ -117,20 +116,13 @@ def test_products_and_exact_ggn_trace_match_dense(loss):
 def test_one_logit_binary_classifier_through_the_cli(tmp_path, capsys, monkeypatch):
     from safetensors.torch import save_file
 
-    (tmp_path / "binary_factory.py").write_text(
-        textwrap.dedent("""
+    source = textwrap.dedent("""
         from torch import nn
 
         def build():
             return nn.Sequential(nn.Linear(4, 5), nn.GELU(), nn.Linear(5, 1))
     """)
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module("binary_factory")
-    torch.manual_seed(2)
-    model = module.build()
-    weights = tmp_path / "binary.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    model, weights = factory_checkpoint(tmp_path, monkeypatch, "binary_factory", source, seed=2)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(20, 4, generator=gen)
     y = torch.randint(0, 2, (20,), generator=gen)

@@ -3,12 +3,11 @@ chosen by default or by --output, and its eigenvalues equal those of the plain m
 
 from __future__ import annotations
 
-import importlib
 import textwrap
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, factory_checkpoint, run_cli
 from conftest import dense_reference
 
 from sharpcli.errors import UsageError
@@ -59,13 +58,7 @@ FACTORY = textwrap.dedent("""
 def setup(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    (tmp_path / "multi_factory.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module("multi_factory")
-    torch.manual_seed(0)
-    model = module.build()
-    weights = tmp_path / "multi.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    model, weights = factory_checkpoint(tmp_path, monkeypatch, "multi_factory", FACTORY)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(25, 5, generator=gen), torch.randint(0, 3, (25,), generator=gen)
     data = tmp_path / "d.safetensors"
