@@ -11,7 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from sharpcli.io.atomic import atomic_path
+from sharpcli.atomic import atomic_path
 
 FIGSIZE = (8.0, 5.0)
 DPI = 120
