@@ -53,7 +53,7 @@ def test_pyhessian_refusals():
     data = AnalysisData(x, y, "cross-entropy", 23)
     with pytest.raises(UsageError) as info:
         pyhessian_eigenvalues(model, data, params="last")
-    assert info.value.source == "--params"
+    assert info.value.source == "params"
     with pytest.raises(UsageError, match="torch.eig") as info:
         pyhessian_density(model, data)
-    assert info.value.source == "--engine"
+    assert info.value.source == "engine"
