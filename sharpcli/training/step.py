@@ -155,7 +155,7 @@ def _model_facts(model: nn.Module, key: str):
         if key == "head":
             facts[key] = final_linear(
                 model,
-                source="--reg",
+                source="regs",
                 missing="activation decay needs a final nn.Linear layer (its input is the "
                 f"penultimate activation); the model {type(model).__name__} has none",
             )[1]
@@ -345,7 +345,7 @@ class StepEngine:
         self.generator = generator
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
-            raise UsageError("the model has no trainable parameters", source="--reg")
+            raise UsageError("the model has no trainable parameters", source="regs")
         self.grad_evals = 0
         device = self.params[0].device
         self._rng = _RngReplay(device)
@@ -478,7 +478,7 @@ class StepEngine:
             raise NumericalError(
                 f"the training objective became {objective_value} (regularizers: {names}); "
                 "lower the learning rate or the regularization strength",
-                source="--reg",
+                source="regs",
             )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
