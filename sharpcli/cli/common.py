@@ -43,6 +43,9 @@ def table_console() -> Console:
 
 
 # Annotated option types, declared once and reused by every command.
+CheckpointArg = Annotated[
+    str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
+]
 DataOpt = Annotated[
     Optional[str],
     typer.Option(
