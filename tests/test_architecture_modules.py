@@ -4,8 +4,9 @@ there), and its layers are the ones `lint-imports` checks (pyproject.toml)."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,10 +29,9 @@ def test_every_module_is_named():
 
 def test_the_layers_are_the_contract():
     """The module list's top-level entries, top first, are the layers contract's modules."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11, as import-linter
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    contract = next(
-        c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"
-    )
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
     layered = [name.strip() for layer in contract["layers"] for name in layer.split("|")]
     entries = re.findall(r"^(\w+)(?:/|\.py)", _module_list(), flags=re.MULTILINE)
     assert [e for e in entries if e not in ("__init__",)] == layered
