@@ -138,8 +138,8 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
     if device.startswith("cuda"):
         if ":" in device:
             raise UsageError(
-                "under torchrun use --device cuda: each rank takes cuda:LOCAL_RANK",
-                source="--device",
+                "under torchrun use `device=cuda`: each rank takes cuda:LOCAL_RANK",
+                source="device",
             )
         if torch.cuda.is_available() and torch.distributed.is_nccl_available():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -4,6 +4,14 @@ Every error a user can cause is raised as one of these; the CLI turns it into
 one line on stderr (``sharp: error: <file>: <problem>``), a JSON error object
 when ``--json`` was asked, and the exit code below. Anything else is a bug and
 shows a traceback only under ``--debug``.
+
+The library speaks in parameters: the ``source`` of a :class:`UsageError` (or of a
+:class:`NumericalError` that a setting caused) is the name of the library parameter it is about
+(``"max_matvecs"``), and a message refers to a parameter in backticks, with or without a value
+(``"raise `max_matvecs`"``, ``"use `engine=native`"``). The CLI shows both as the running
+command's flags (``--max-matvecs``, ``--engine native``; :mod:`sharpcli.cli.flags`). The
+``source`` of an :class:`InputError` or an :class:`OutputPathError` is a file path
+(``source_is_path``), never read as a parameter.
 """
 
 from __future__ import annotations
@@ -15,15 +23,16 @@ EXIT_NUMERICAL = 3
 
 
 class SharpError(Exception):
-    """Base class: a message for the user, the file or option it concerns, an exit code."""
+    """Base class: a message for the user, the file or parameter it concerns, an exit code."""
 
     exit_code = EXIT_USAGE
     kind = "error"
+    source_is_path = False  # True: ``source`` is a file path, False: a parameter (or a label)
 
     def __init__(self, message: str, *, source: str | None = None, **details):
         super().__init__(message)
         self.message = message
-        self.source = source  # file path or option name the problem is about
+        self.source = source  # the file path or library parameter the problem is about
         self.details = details
 
     def one_line(self) -> str:
@@ -40,15 +49,26 @@ class SharpError(Exception):
 
 
 class UsageError(SharpError):
-    """Bad or contradictory options (exit 2)."""
+    """Bad or contradictory options (exit 2); ``source`` names the library parameter."""
 
     kind = "usage"
 
 
+class OutputPathError(UsageError):
+    """An output path that cannot be written (exit 2, a usage error); ``source`` is the path.
+
+    Its own class so that the CLI never reads the path as a parameter name (an output file
+    called ``model`` is not ``--model``).
+    """
+
+    source_is_path = True
+
+
 class InputError(SharpError):
-    """A missing, corrupt or inconsistent file or dataset (exit 2)."""
+    """A missing, corrupt or inconsistent file or dataset (exit 2); ``source`` is its path."""
 
     kind = "input"
+    source_is_path = True
 
 
 class NumericalError(SharpError):

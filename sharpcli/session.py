@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}; accepted: float32, float64", source="--dtype")
+        raise UsageError(f"unknown dtype {name!r}; accepted: float32, float64", source="dtype")
     return DTYPES[name]
 
 
@@ -33,15 +33,15 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise UsageError(f"unknown device {name!r}", source="--device") from None
+        raise UsageError(f"unknown device {name!r}", source="device") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(
-            "CUDA was asked for but this torch build sees no CUDA device", source="--device"
+            "CUDA was asked for but this torch build sees no CUDA device", source="device"
         )
     if device.type == "mps" and not (
         hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     ):
-        raise UsageError("MPS was asked for but is not available", source="--device")
+        raise UsageError("MPS was asked for but is not available", source="device")
     # torch.device() accepts every device type torch knows of (meta, xpu, hpu, ...), available or
     # not; a value that holds and returns a number is one the analyses and training can run on.
     # 'meta' tensors have shapes but no data, so nothing could be computed there.
@@ -52,10 +52,10 @@ def resolve_device(name: str) -> torch.device:
     ) as exc:  # RuntimeError, NotImplementedError, AssertionError: not built/available
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(
-            f"device {name!r} cannot hold data here ({first})", source="--device"
+            f"device {name!r} cannot hold data here ({first})", source="device"
         ) from None
     if not usable:
-        raise UsageError(f"device {name!r} does not compute correctly", source="--device")
+        raise UsageError(f"device {name!r} does not compute correctly", source="device")
     return device
 
 
@@ -456,13 +456,13 @@ def build_session(
     from sharpcli.io.datasets import load_dataset, subset
 
     if split not in ("train", "test"):
-        raise UsageError(f"unknown split {split!r}; accepted: train, test", source="--split")
+        raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
     if batch_size < 1:
-        raise UsageError("must be at least 1", source="--batch-size")
+        raise UsageError("must be at least 1", source="batch_size")
     if samples is not None and samples < 1:
-        raise UsageError("must be at least 1", source="--samples")
+        raise UsageError("must be at least 1", source="samples")
     if cache_mb < 0:
-        raise UsageError("must be >= 0", source="--cache-mb")
+        raise UsageError("must be >= 0", source="cache_mb")
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
 
@@ -476,7 +476,7 @@ def build_session(
     data_spec = data if data is not None else ckpt.data_spec
     if data_spec is None:
         raise UsageError(
-            f"the checkpoint {checkpoint} names no dataset; pass --data", source="--data"
+            f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
     dataset = load_dataset(data_spec, label_column=label_column)
     x, y = dataset.split(split)

@@ -369,7 +369,7 @@ def test_make_activation_returns_fresh_instances_of_activation_types():
 def test_bad_activation_specs_raise_usage_error(spec, fragment):
     with pytest.raises(UsageError) as info:
         make_activation(spec)
-    assert info.value.source == "--activation"
+    assert info.value.source == "activation"
     assert fragment in info.value.message
     if "unknown" in fragment:
         for name in ACTIVATION_NAMES:

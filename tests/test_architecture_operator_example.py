@@ -142,4 +142,4 @@ def test_unknown_operator_error_lists_the_registered_one(example):
 
     with pytest.raises(UsageError, match=NAME) as info:
         operator_spec("no-such-operator")
-    assert info.value.source == "--operator"
+    assert info.value.source == "operator"

@@ -164,25 +164,26 @@ def test_bootstrap_ritz_values_reproduce_the_average():
     assert norms.tolist() == pytest.approx([2.25, 3.0, 4.0], rel=1e-14)
 
 
-def test_config_validation_names_the_option_of_the_first_bad_setting():
+def test_config_validation_names_the_field_of_the_first_bad_setting():
+    """The library names its own parameter (the config field); the CLI spells it as a flag."""
     BoundCheckConfig().validate()  # the CLI defaults are valid
     cases = [
-        (dict(sigmas=[]), "--sigma"),
-        (dict(sigmas=[0.1, float("nan")]), "--sigma"),
-        (dict(checks=("theorem9",)), "--check"),
-        (dict(epsilon_kind="max"), "--epsilon"),
-        (dict(perturbations=0), "--perturbations"),
-        (dict(bootstrap=0), "--bootstrap"),
-        (dict(ci_level=1.0), "--ci-level"),
-        (dict(mc_pairs=1), "--mc-samples"),
-        (dict(noise_pairs=1), "--noise-pairs"),
-        (dict(tol=0.0), "--tol"),
-        (dict(epsilon_kind="max", perturbations=0), "--epsilon"),
+        (dict(sigmas=[]), "sigmas"),
+        (dict(sigmas=[0.1, float("nan")]), "sigmas"),
+        (dict(checks=("theorem9",)), "checks"),
+        (dict(epsilon_kind="max"), "epsilon_kind"),
+        (dict(perturbations=0), "perturbations"),
+        (dict(bootstrap=0), "bootstrap"),
+        (dict(ci_level=1.0), "ci_level"),
+        (dict(mc_pairs=1), "mc_pairs"),
+        (dict(noise_pairs=1), "noise_pairs"),
+        (dict(tol=0.0), "tol"),
+        (dict(epsilon_kind="max", perturbations=0), "epsilon_kind"),
     ]
-    for changes, option in cases:
+    for changes, field_name in cases:
         with pytest.raises(UsageError) as info:
             BoundCheckConfig(**changes).validate()
-        assert info.value.source == option, (changes, info.value.source)
+        assert info.value.source == field_name, (changes, info.value.source)
 
 
 def test_corollary1_bound_formula():

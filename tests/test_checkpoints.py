@@ -70,7 +70,7 @@ def test_pickled_module_refused_unless_trusted(tmp_path):
     torch.manual_seed(3)
     model = build_model(tiny_mlp_spec())
     path = write_pickled_module(tmp_path / "whole.pt", model)
-    with pytest.raises(InputError, match="--trust-pickle") as info:
+    with pytest.raises(InputError, match="`trust_pickle`") as info:
         load_checkpoint(path)
     assert str(path) in info.value.one_line()
     ckpt = load_checkpoint(path, trust_pickle=True)
@@ -115,6 +115,6 @@ def test_bad_factory_is_usage_error(tmp_path, monkeypatch):
     path = write_foreign_state_dict(tmp_path / "m.pt", build_model(tiny_mlp_spec()))
     with pytest.raises(UsageError, match="cannot import 'no_such_module_xyz'") as info:
         load_checkpoint(path, model_factory="no_such_module_xyz:make")
-    assert info.value.source == "--model-factory"
+    assert info.value.source == "model_factory"
     with pytest.raises(UsageError, match="module:function"):
         load_checkpoint(path, model_factory="justaname")

@@ -208,7 +208,7 @@ def test_determinism_check_catches_train_mode_dropout_and_batchnorm(gelu_setup):
         determinism_check(
             dropped, data, HessianOperator(dropped, data, ParamScope.resolve(dropped))
         )
-    assert info.value.source == "--model"
+    assert info.value.source == "model"
     cnn = make_cnn().train()
     x_img, y_img = make_data("image")
     img = AnalysisData(x_img, y_img, "cross-entropy", 8)

@@ -53,10 +53,10 @@ def test_pyhessian_refusals():
     data = AnalysisData(x, y, "cross-entropy", 23)
     with pytest.raises(UsageError) as info:
         pyhessian_eigenvalues(model, data, params="last")
-    assert info.value.source == "--params"
+    assert info.value.source == "params"
     with pytest.raises(UsageError, match="torch.eig") as info:
         pyhessian_density(model, data)
-    assert info.value.source == "--engine"
+    assert info.value.source == "engine"
 
 
 def test_missing_pyhessian_says_how_to_install_it(monkeypatch):
@@ -67,4 +67,4 @@ def test_missing_pyhessian_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyhessian.hessian", None)  # import fails
     with pytest.raises(UsageError, match=r"sharpcli\[pyhessian\]") as info:
         pyhessian_trace(model, AnalysisData(x, y, "cross-entropy", 16), max_iter=2)
-    assert info.value.source == "--engine"
+    assert info.value.source == "engine"

@@ -58,7 +58,7 @@ def test_ggn_rank_bound_counts_c_minus_one_for_cross_entropy():
 def test_unknown_name_is_a_usage_error_listing_the_choices():
     with pytest.raises(UsageError) as info:
         operator_spec("jacobian")
-    assert info.value.source == "--operator"
+    assert info.value.source == "operator"
     assert "'jacobian'" in str(info.value) and "accepted: hessian, ggn, nme" in str(info.value)
 
 

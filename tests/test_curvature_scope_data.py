@@ -50,7 +50,7 @@ def test_scope_errors_name_the_option():
     model = make_mlp("gelu")
     with pytest.raises(UsageError, match="matches no parameter") as info:
         ParamScope.resolve(model, "encoder.*")
-    assert info.value.source == "--params"
+    assert info.value.source == "params"
     frozen = make_mlp("gelu")
     for p in frozen[4].parameters():
         p.requires_grad_(False)
@@ -80,7 +80,7 @@ def test_batches_weights_and_validation():
     assert torch.equal(torch.cat([b[0] for b in batches]), x)
     with pytest.raises(UsageError) as info:
         AnalysisData(x, y, "cross-entropy", 0)
-    assert info.value.source == "--batch-size"
+    assert info.value.source == "batch_size"
     with pytest.raises(UsageError) as info:
         AnalysisData(x, y, "hinge", 4)
     assert info.value.source == "loss"  # the library names its parameter

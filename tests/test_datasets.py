@@ -365,8 +365,8 @@ def test_subset_seeded_nested_without_replacement():
     assert set(subset(x, y, 10, seed=3)[1].tolist()) <= set(ys.tolist())
     assert torch.equal(subset(x, y, 50, seed=9)[1], y)
     assert subset(x, y, None, seed=0)[0] is x
-    expect_error(UsageError, "--samples", "only 50", subset, x, y, 51, 0)
-    expect_error(UsageError, "--samples", "at least 1", subset, x, y, 0, 0)
+    expect_error(UsageError, "samples", "only 50", subset, x, y, 51, 0)
+    expect_error(UsageError, "samples", "at least 1", subset, x, y, 0, 0)
 
 
 def test_subset_is_uniform_over_seeds():
@@ -382,7 +382,7 @@ def test_split_and_input_shape():
     ds = load_dataset("blobs:n=40,dim=5")
     assert ds.split("train")[0] is ds.x_train and ds.split("test")[1] is ds.y_test
     assert ds.input_shape == (5,)
-    expect_error(UsageError, "--split", "unknown split", ds.split, "val")
+    expect_error(UsageError, "split", "unknown split", ds.split, "val")
     no_test = load_dataset("blobs:n=40,test_fraction=0")
     expect_error(InputError, "builtin:blobs", "no test split", no_test.split, "test")
 
@@ -536,22 +536,22 @@ def test_missing_path_and_unknown_extension(tmp_path):
 
 
 def test_builtin_and_spec_usage_errors():
-    expect_error(UsageError, "--data", "unknown argument(s) dims", load_dataset, "blobs:dims=3")
-    expect_error(UsageError, "--data", "n must be an integer", load_dataset, "blobs:n=ten")
+    expect_error(UsageError, "spec", "unknown argument(s) dims", load_dataset, "blobs:dims=3")
+    expect_error(UsageError, "spec", "n must be an integer", load_dataset, "blobs:n=ten")
     expect_error(
         UsageError,
-        "--data",
+        "spec",
         "test_fraction must be in [0, 1)",
         load_dataset,
         "blobs:test_fraction=1",
     )
-    expect_error(UsageError, "--data", "expected key=value", load_dataset, "images:size")
+    expect_error(UsageError, "spec", "expected key=value", load_dataset, "images:size")
     expect_error(
-        UsageError, "--data", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1"
+        UsageError, "spec", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1"
     )
-    expect_error(UsageError, "--data", "kind", load_dataset, {"kind": "web", "url": "x"})
+    expect_error(UsageError, "spec", "kind", load_dataset, {"kind": "web", "url": "x"})
     expect_error(
-        UsageError, "--label-column", "no label column", load_dataset, "blobs", label_column="y"
+        UsageError, "label_column", "no label column", load_dataset, "blobs", label_column="y"
     )
 
 
@@ -559,7 +559,7 @@ def test_label_column_rules(tmp_path):
     written = fx.write_safetensors(str(tmp_path))
     expect_error(
         UsageError,
-        "--label-column",
+        "label_column",
         "not to safetensors",
         load_dataset,
         written.path,
@@ -568,7 +568,7 @@ def test_label_column_rules(tmp_path):
     cifar = fx.write_cifar10_binary(str(tmp_path))
     expect_error(
         UsageError,
-        "--label-column",
+        "label_column",
         "not to cifar10-binary data",
         load_dataset,
         cifar.path,
@@ -577,7 +577,7 @@ def test_label_column_rules(tmp_path):
     c100 = fx.write_cifar100_binary(str(tmp_path))
     expect_error(
         UsageError,
-        "--label-column",
+        "label_column",
         "'fine' (100 classes) or 'coarse'",
         load_dataset,
         c100.path,
@@ -586,7 +586,7 @@ def test_label_column_rules(tmp_path):
     table = fx.write_csv(str(tmp_path))
     expect_error(
         UsageError,
-        "--label-column",
+        "label_column",
         "contradicts",
         load_dataset,
         {"kind": "file", "path": table.path, "label_column": "a"},
@@ -836,7 +836,7 @@ def test_format_given_in_spec_must_fit_the_path(tmp_path):
     assert torch.equal(ds.x_train, t(table.x_train))
     expect_error(
         UsageError,
-        "--data",
+        "spec",
         "unknown data format 'tsv'",
         load_dataset,
         {"kind": "file", "path": str(copy), "format": "tsv"},
@@ -917,7 +917,7 @@ def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
     assert "cifar10-python" in error.message and "mnist-idx" in error.message
     error = expect_error(
         UsageError,
-        "--data",
+        "spec",
         "unknown data format 'cifar'",
         load_dataset,
         {"kind": "file", "path": str(tmp_path), "format": "cifar"},
@@ -984,14 +984,14 @@ def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
         assert load_dataset(table.path).spec["format"] == "csv"
         expect_error(
             UsageError,
-            "--data",
+            "spec",
             "delimiter do not apply to csv data",
             load_dataset,
             {"kind": "file", "path": table.path, "delimiter": ","},
         )
         expect_error(
             UsageError,
-            "--label-column",
+            "label_column",
             "applies to csv, parquet, cifar100-binary, cifar100-python data, not to semicolon",
             load_dataset,
             str(toy),
@@ -1001,7 +1001,7 @@ def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
         formats.unregister("semicolon")
     expect_error(
         UsageError,
-        "--data",
+        "spec",
         "unknown key(s) delimiter",
         load_dataset,
         {"kind": "file", "path": str(toy), "delimiter": ";"},

@@ -299,7 +299,7 @@ def test_refusal_under_torchrun_names_the_declared_reason(name, tmp_path, monkey
     cfg = loop.TrainConfig(data=str(tmp_path / "never-read.safetensors"), regs=[name, "wd"])
     with pytest.raises(UsageError) as info:
         loop.train(cfg, tmp_path / "model.safetensors")
-    assert info.value.source == "--reg"
+    assert info.value.source == "regs"
     assert f"{name}: {reason}" in info.value.message and "wd" not in info.value.message
 
 

@@ -312,71 +312,71 @@ def test_default_model_args_fill_from_the_data():
     [
         (
             lambda: default_model_args("transformer", (4,), 2),
-            "--model",
+            "model",
             "unknown model 'transformer'",
         ),
         (
             lambda: build_model({"name": "vgg", "args": {}}),
-            "--model",
+            "model",
             "accepted: mlp, cnn, vgg-small, resnet",
         ),
-        (lambda: build_model(["mlp"]), "--model", "JSON object"),
-        (lambda: default_model_args("cnn", (16,), 2), "--model", "needs image inputs"),
+        (lambda: build_model(["mlp"]), "model", "JSON object"),
+        (lambda: default_model_args("cnn", (16,), 2), "model", "needs image inputs"),
         (
             lambda: default_model_args("mlp", (4,), 2, heads=3),
-            "--arch-args",
+            "model_args",
             "unknown argument(s) heads",
         ),
         (
             lambda: default_model_args("mlp", (4,), 2, depth="2"),
-            "--arch-args",
+            "model_args",
             "depth must be an integer",
         ),
         (
             lambda: default_model_args("mlp", (4,), 2, depth=True),
-            "--arch-args",
+            "model_args",
             "depth must be an integer",
         ),
-        (lambda: default_model_args("mlp", (4,), 2, width=0), "--arch-args", "width must be >= 1"),
+        (lambda: default_model_args("mlp", (4,), 2, width=0), "model_args", "width must be >= 1"),
         (
             lambda: default_model_args("mlp", (4,), 2, dropout=1.0),
-            "--arch-args",
+            "model_args",
             "dropout must be < 1",
         ),
         (
             lambda: default_model_args("mlp", (4,), 2, bias="yes"),
-            "--arch-args",
+            "model_args",
             "bias must be true or false",
         ),
         (
             lambda: default_model_args("mlp", (4,), 2, in_features=5),
-            "--arch-args",
+            "model_args",
             "contradicts the data",
         ),
         (
             lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[]),
-            "--arch-args",
+            "model_args",
             "non-empty list",
         ),
         (
             lambda: default_model_args("cnn", (3, 8, 8), 2, channels=[2, 2, 2, 2]),
-            "--arch-args",
+            "model_args",
             "at least 16 pixels",
         ),
         (
             lambda: default_model_args("vgg-small", (3, 8, 8), 2, width_multiplier=0),
-            "--arch-args",
+            "model_args",
             "must be > 0",
         ),
-        (lambda: default_model_args("resnet", (3, 8, 8), 2, depth=21), "--arch-args", "6n+2"),
+        (lambda: default_model_args("resnet", (3, 8, 8), 2, depth=21), "model_args", "6n+2"),
         (
             lambda: build_model({"name": "mlp", "args": {"num_classes": 2}}),
-            "--arch-args",
+            "model_args",
             "missing required argument in_features",
         ),
         (
             lambda: default_model_args("mlp", (4,), 2, activation="swish"),
-            "--activation",
+            "activation",
             "unknown activation",
         ),
     ],
@@ -397,4 +397,4 @@ def test_final_linear_on_foreign_modules():
     assert [n for n, _ in activation_modules(foreign)] == ["3"]
     with pytest.raises(UsageError) as info:
         final_linear(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()))
-    assert info.value.source == "--params" and "no nn.Linear" in info.value.message
+    assert info.value.source == "params" and "no nn.Linear" in info.value.message

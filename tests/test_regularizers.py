@@ -676,7 +676,7 @@ def test_spec_round_trips_and_documents_hyperparameters(name):
 def test_parse_errors_are_usage_errors_naming_what_is_accepted(text, fragment):
     with pytest.raises(UsageError) as info:
         parse_reg(text)
-    assert info.value.source == "--reg"
+    assert info.value.source == "regs"
     assert fragment in info.value.message
     assert "\n" not in info.value.one_line()
 

@@ -182,7 +182,7 @@ def test_gelu_layer_rescale_is_refused_unless_forced():
     x, _ = _vector_data()
     with pytest.raises(UsageError, match="not positively homogeneous") as info:
         plan_rescale(model, x[:4], "layer", "0")
-    assert info.value.source == "--layer"
+    assert info.value.source == "layer"
     plan = plan_rescale(model, x[:4], "layer", "0", force=True)
     assert plan.problems and not plan.function_preserving
 

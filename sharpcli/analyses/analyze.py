@@ -23,7 +23,7 @@ def parse_metrics(text: str | None) -> list[str]:
     if unknown or not names:
         raise UsageError(
             f"unknown metric {', '.join(unknown) or '(none)'}; accepted: {', '.join(METRICS)}",
-            source="--metrics",
+            source="metrics",
         )
     return list(dict.fromkeys(names))
 

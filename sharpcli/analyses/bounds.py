@@ -388,43 +388,43 @@ class BoundCheckConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        """UsageError naming the option (``--sigma``, ``--check``, ...) of the first bad setting."""
+        """UsageError naming the field (``sigmas``, ``checks``, ...) of the first bad setting."""
         _check_sigmas(self.sigmas)
         for check in self.checks:
             _require(
                 check in CHECKS,
                 f"unknown check {check!r}; accepted: {', '.join(CHECKS)}",
-                "--check",
+                "checks",
             )
         _require(
             self.epsilon_kind in EPSILON_KINDS,
             f"unknown epsilon {self.epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
-            "--epsilon",
+            "epsilon_kind",
         )
         positive_counts = (
-            (self.perturbations, 1, "--perturbations"),
-            (self.bootstrap, 1, "--bootstrap"),
+            (self.perturbations, 1, "perturbations"),
+            (self.bootstrap, 1, "bootstrap"),
         )
-        for value, least, option in positive_counts:
-            _require(int(value) >= least, f"must be >= {least}, got {value}", option)
-        _require(0 < self.ci_level < 1, f"must be in (0, 1), got {self.ci_level:g}", "--ci-level")
-        for value, option in ((self.mc_pairs, "--mc-samples"), (self.noise_pairs, "--noise-pairs")):
-            _require(int(value) >= 2, f"must be >= 2, got {value}", option)
-        _require(self.tol > 0, f"must be > 0, got {self.tol:g}", "--tol")
+        for value, least, name in positive_counts:
+            _require(int(value) >= least, f"must be >= {least}, got {value}", name)
+        _require(0 < self.ci_level < 1, f"must be in (0, 1), got {self.ci_level:g}", "ci_level")
+        for value, name in ((self.mc_pairs, "mc_pairs"), (self.noise_pairs, "noise_pairs")):
+            _require(int(value) >= 2, f"must be >= 2, got {value}", name)
+        _require(self.tol > 0, f"must be > 0, got {self.tol:g}", "tol")
 
 
-def _require(condition: bool, message: str, option: str) -> None:
+def _require(condition: bool, message: str, parameter: str) -> None:
     if not condition:
-        raise UsageError(message, source=option)
+        raise UsageError(message, source=parameter)
 
 
 def _check_sigmas(sigmas: list[float]) -> None:
     if not sigmas:
-        raise UsageError("needs at least one sigma", source="--sigma")
+        raise UsageError("needs at least one sigma", source="sigmas")
     for sigma in sigmas:
         if not (sigma > 0 and math.isfinite(sigma)):
             raise UsageError(
-                f"every sigma must be a finite number > 0, got {sigma:g}", source="--sigma"
+                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigmas"
             )
 
 
@@ -694,7 +694,7 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
     """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
     from sharpcli.models.zoo import final_linear
 
-    name, head = final_linear(model, source="--check")
+    name, head = final_linear(model, source="checks")
     captured = {}
 
     def hook(module, inputs, output):
@@ -714,7 +714,7 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
                 raise UsageError(
                     f"the classifier head {name!r} is not the model's last operation, so noise on its "
                     "weight does not act on the logits as Theorem 2 assumes",
-                    source="--check",
+                    source="checks",
                 )
             h = captured["h"].reshape(z.shape[0], -1)
             yield h, z, y_b
@@ -736,10 +736,10 @@ def theorem2_check(
     _check_sigmas(sigmas)
     if data.loss != "cross-entropy":
         raise UsageError(
-            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="--check"
+            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="checks"
         )
     if int(mc_pairs) < 2:
-        raise UsageError(f"must be >= 2, got {mc_pairs}", source="--mc-samples")
+        raise UsageError(f"must be >= 2, got {mc_pairs}", source="mc_pairs")
     from sharpcli.analyses.rescale import _global_max
 
     ns = len(sigmas)
@@ -839,7 +839,7 @@ def noise_stability_check(
 
     _check_sigmas(sigmas)
     if int(pairs) < 2:
-        raise UsageError(f"must be >= 2, got {pairs}", source="--noise-pairs")
+        raise UsageError(f"must be >= 2, got {pairs}", source="pairs")
     curvature_pass = CurvaturePass(model, data, scope)
     hessian = curvature_pass.hessian()
     trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)

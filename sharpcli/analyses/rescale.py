@@ -174,6 +174,26 @@ def _layer_candidates(calls: list[_Call]) -> list[str]:
     return seen
 
 
+def check_mode(mode: str) -> None:
+    """UsageError on ``mode`` unless it is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise UsageError(f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", source="mode")
+
+
+def check_alphas(alphas: list[float]) -> None:
+    """UsageError on ``alphas`` unless there is at least one and each is finite and > 0.
+
+    :func:`weight_rescale` checks them itself; a caller about to load a model may check first.
+    """
+    if not alphas:
+        raise UsageError("needs at least one alpha", source="alphas")
+    for alpha in alphas:
+        if not (alpha > 0 and math.isfinite(alpha)):
+            raise UsageError(
+                f"every alpha must be a finite number > 0, got {alpha:g}", source="alphas"
+            )
+
+
 def plan_rescale(
     model: nn.Module,
     example: torch.Tensor,
@@ -188,15 +208,14 @@ def plan_rescale(
     and which module consumes which tensor, so the path from ``layer`` to the next weighted layer
     is followed through the actual data flow (a residual addition or a functional activation
     breaks the chain and is reported). ``layer`` defaults to the first hidden layer (the first
-    ``nn.Linear``/convolution to run). Raises ``UsageError`` (``--mode``/``--layer``) for unknown
+    ``nn.Linear``/convolution to run). Raises ``UsageError`` (``mode``/``layer``) for unknown
     modes and layers, layers with nothing to compensate them, and -- unless ``force`` -- layer
     rescalings that would change the function (e.g. through GELU).
     """
-    if mode not in MODES:
-        raise UsageError(f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", source="--mode")
+    check_mode(mode)
     if mode == "global":
         if layer is not None:
-            raise UsageError("--layer applies to --mode layer only", source="--layer")
+            raise UsageError("`layer` applies to `mode=layer` only", source="layer")
         return RescalePlan(mode="global", problems=["global scaling changes the network function"])
     calls = _execution_trace(model, example)
     layer, position = _resolve_layer(model, calls, layer)
@@ -211,7 +230,7 @@ def plan_rescale(
 def _resolve_layer(model: nn.Module, calls: list[_Call], layer: str | None) -> tuple[str, int]:
     """The layer to rescale (default: the first weighted layer to run) and its index in ``calls``.
 
-    UsageError (``--layer``) unless it is a linear, convolution or affine BatchNorm layer called
+    UsageError (``layer``) unless it is a linear, convolution or affine BatchNorm layer called
     exactly once per forward pass.
     """
     candidates = _layer_candidates(calls)
@@ -220,31 +239,31 @@ def _resolve_layer(model: nn.Module, calls: list[_Call], layer: str | None) -> t
     if layer is None:
         if not candidates:
             raise UsageError(
-                "the model has no nn.Linear or convolution layer to rescale", source="--layer"
+                "the model has no nn.Linear or convolution layer to rescale", source="layer"
             )
         layer = candidates[0]
     if layer not in modules or layer == "":
         raise UsageError(
-            f"no module named {layer!r}; layers with weights: {listed}", source="--layer"
+            f"no module named {layer!r}; layers with weights: {listed}", source="layer"
         )
     module = modules[layer]
     if isinstance(module, _BATCHNORM_TYPES):
         if not module.affine:
             raise UsageError(
-                f"BatchNorm {layer!r} has no affine weight and bias to rescale", source="--layer"
+                f"BatchNorm {layer!r} has no affine weight and bias to rescale", source="layer"
             )
     elif not isinstance(module, _WEIGHTED_TYPES):
         raise UsageError(
             f"module {layer!r} is a {type(module).__name__}, not a linear, convolution or BatchNorm layer; "
             f"layers with weights: {', '.join(candidates[:12])}",
-            source="--layer",
+            source="layer",
         )
     positions = [i for i, call in enumerate(calls) if call.name == layer]
     if not positions:
-        raise UsageError(f"layer {layer!r} is not used in the forward pass", source="--layer")
+        raise UsageError(f"layer {layer!r} is not used in the forward pass", source="layer")
     if len(positions) > 1:
         raise UsageError(
-            f"layer {layer!r} is called more than once per forward pass", source="--layer"
+            f"layer {layer!r} is called more than once per forward pass", source="layer"
         )
     return layer, positions[0]
 
@@ -298,7 +317,7 @@ def _scaling_problem(name: str, module: nn.Module) -> str | None:
 
 
 def _check_compensated(plan: RescalePlan, force: bool) -> None:
-    """UsageError (``--layer``) when nothing compensates the scaling of ``plan.layer``, or --
+    """UsageError (``layer``) when nothing compensates the scaling of ``plan.layer``, or --
     unless ``force`` -- when the path to what does changes the network function."""
     layer = plan.layer
     if plan.mode == "layer" and plan.next_layer is None:
@@ -307,14 +326,14 @@ def _check_compensated(plan: RescalePlan, force: bool) -> None:
             f"no linear or convolution layer consumes the output of {layer!r}{where} directly (it is the "
             "last layer, or a functional operation such as a residual addition follows), so nothing can "
             "compensate the rescaling",
-            source="--layer",
+            source="layer",
         )
     if plan.problems and not force:
         target = plan.next_layer or plan.batchnorm
         raise UsageError(
             f"rescaling {layer} by alpha and {target} by 1/alpha changes the network function: "
-            f"{'; '.join(plan.problems)}; pass --force to rescale anyway",
-            source="--layer",
+            f"{'; '.join(plan.problems)}; pass `force` to rescale anyway",
+            source="layer",
         )
 
 
@@ -356,19 +375,19 @@ def _verify_function_preserved(
         if not force:
             raise UsageError(
                 f"rescaling {plan.layer} does not preserve the network function: {plan.problems[-1]}; "
-                "pass --force to rescale anyway",
-                source="--layer",
+                "pass `force` to rescale anyway",
+                source="layer",
             )
 
 
 def apply_rescale(model: nn.Module, plan: RescalePlan, alpha: float) -> None:
     """Rescale ``model`` in place by ``alpha`` following ``plan`` (module docstring formulas).
 
-    Raises ``UsageError(source="--alpha")`` for ``alpha <= 0`` or when a BatchNorm adjustment
+    Raises ``UsageError(source="alpha")`` for ``alpha <= 0`` or when a BatchNorm adjustment
     would need a negative running variance (``alpha^2 (var + eps) < eps``).
     """
     if not (alpha > 0 and math.isfinite(alpha)):
-        raise UsageError(f"alpha must be a finite number > 0, got {alpha}", source="--alpha")
+        raise UsageError(f"alpha must be a finite number > 0, got {alpha}", source="alpha")
     modules = dict(model.named_modules())
     with torch.no_grad():
         if plan.mode == "global":
@@ -390,7 +409,7 @@ def apply_rescale(model: nn.Module, plan: RescalePlan, alpha: float) -> None:
             raise UsageError(
                 f"alpha = {alpha:g} is too small for BatchNorm {plan.batchnorm}: the running variance would "
                 f"become negative (alpha^2 (var + eps) < eps with eps = {bn.eps:g})",
-                source="--alpha",
+                source="alpha",
             )
         bn.running_mean.mul_(alpha)
         bn.running_var.copy_(new_var)
@@ -563,13 +582,7 @@ def weight_rescale(
     ``invariant_lambda_max`` = largest eigenvalue of ``diag(|theta|) H diag(|theta|)``, all w.r.t.
     the scope ``params`` (default all parameters). ``model`` itself is not modified.
     """
-    if not alphas:
-        raise UsageError("needs at least one alpha", source="--alpha")
-    for alpha in alphas:
-        if not (alpha > 0 and math.isfinite(alpha)):
-            raise UsageError(
-                f"every alpha must be a finite number > 0, got {alpha:g}", source="--alpha"
-            )
+    check_alphas(alphas)
     example = next(iter(data.batches()))[0]
     p0 = next(model.parameters())
     example = example[:8].to(

@@ -5,7 +5,7 @@ Each function takes a :class:`~sharpcli.session.Session` and returns the
 through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
 share their cached first-order graphs.
 
-Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``--operator`` name in
+Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``operator`` name in
 :mod:`sharpcli.curvature.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
 the Gauss-Newton matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
 modeling error, and any operator registered there.
@@ -25,9 +25,12 @@ ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
 ENGINES = ("native", "pyhessian")
 
 
-def check_choice(value: str, accepted: tuple, option: str) -> str:
+def check_choice(value: str, accepted: tuple, parameter: str) -> str:
+    """``value`` if it is one of ``accepted``; else a UsageError on ``parameter`` listing them."""
     if value not in accepted:
-        raise UsageError(f"unknown value {value!r}; accepted: {', '.join(accepted)}", source=option)
+        raise UsageError(
+            f"unknown value {value!r}; accepted: {', '.join(accepted)}", source=parameter
+        )
     return value
 
 
@@ -67,17 +70,17 @@ def eigen(
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
     from sharpcli.curvature import lanczos, power_iteration
 
-    check_choice(method, METHODS, "--method")
-    check_choice(engine, ENGINES, "--engine")
+    check_choice(method, METHODS, "method")
+    check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues
 
         if operator != HESSIAN:
-            raise UsageError("the pyhessian engine computes only the Hessian", source="--engine")
+            raise UsageError("the pyhessian engine computes only the Hessian", source="engine")
         if which != "largest":
             raise UsageError(
-                "the pyhessian engine finds only the largest |eigenvalue|s", source="--engine"
+                "the pyhessian engine finds only the largest |eigenvalue|s", source="engine"
             )
         result = pyhessian_eigenvalues(
             session.model,
@@ -103,16 +106,17 @@ def eigen(
             # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
             # return fewer eigenvalues than asked, none converged
             raise UsageError(
-                f"--top-k {top_k} asks for {wanted} eigenvalues but a Krylov space of {budget} products "
-                f"(--max-matvecs) holds at most {budget}; lower --top-k or raise --max-matvecs",
-                source="--top-k",
+                f"`top_k={top_k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
+                f"products (`max_matvecs`) holds at most {budget}; lower `top_k` or raise "
+                "`max_matvecs`",
+                source="top_k",
             )
         result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
     else:
         if which != "largest":
             raise UsageError(
-                "power iteration finds the largest |eigenvalue|s only; use --method lanczos",
-                source="--which",
+                "power iteration finds the largest |eigenvalue|s only; use `method=lanczos`",
+                source="which",
             )
         result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
     out = result.to_dict()
@@ -160,14 +164,14 @@ def trace(
         hutchpp,
     )
 
-    check_choice(estimator, ESTIMATORS, "--estimator")
-    check_choice(engine, ENGINES, "--engine")
+    check_choice(estimator, ESTIMATORS, "estimator")
+    check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         from sharpcli.curvature.pyhessian_engine import pyhessian_trace
 
         if operator != HESSIAN or square:
-            raise UsageError("the pyhessian engine computes only tr(H)", source="--engine")
+            raise UsageError("the pyhessian engine computes only tr(H)", source="engine")
         result = pyhessian_trace(
             session.model,
             session.analysis_data(),
@@ -183,15 +187,16 @@ def trace(
         if estimator == "exact":
             if operator != GGN or square:
                 raise UsageError(
-                    "the exact estimator is available for the Gauss-Newton trace (--operator ggn)",
-                    source="--estimator",
+                    "the exact estimator is available for the Gauss-Newton trace (`operator=ggn`)",
+                    source="estimator",
                 )
             result = exact_ggn_trace(session.model, session.analysis_data(), scope)
         elif estimator == "gn-split":
             if operator != HESSIAN or square:
                 raise UsageError(
-                    "the gn-split estimator is for the Hessian trace (--operator hessian, no --square)",
-                    source="--estimator",
+                    "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
+                    "`square`)",
+                    source="estimator",
                 )
             result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
         else:

@@ -30,7 +30,7 @@ def check_tracked(names: list[str]) -> list[str]:
     unknown = [n for n in names if n not in TRACKABLE]
     if unknown:
         raise UsageError(
-            f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="--track"
+            f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="track"
         )
     return names
 

@@ -137,7 +137,7 @@ def _write_json_error(argv: list[str], command: str, err, avoid=()) -> None:
         sys.stdout.write(common.dumps(common.error_document(command, err)))
     elif target is not None and not any(_same_file(target, p) for p in avoid):
         try:
-            from sharpcli.io.atomic import check_writable, write_text_atomic
+            from sharpcli.atomic import check_writable, write_text_atomic
 
             check_writable(target, "--json")
             write_text_atomic(target, common.dumps(common.error_document(command, err)))
@@ -152,13 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     (:mod:`sharpcli.distributed`); only rank 0 prints.
     """
     from sharpcli import distributed
+    from sharpcli.cli.flags import to_cli_error
     from sharpcli.errors import SharpError, UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         distributed.init_from_environment(argv)
     except SharpError as err:
-        print(f"sharp: error: {err.one_line()}", file=sys.stderr)
+        command = argv[0] if argv and not argv[0].startswith("-") else None
+        print(f"sharp: error: {to_cli_error(err, command).one_line()}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -8,14 +8,13 @@ import typer
 
 from sharpcli.cli import common
 from sharpcli.cli.app import app
-from sharpcli.cli.cmd_spectrum import CheckpointArg
 from sharpcli.report.tables import key_value_table, records_table
 
 
 @common.analysis_command(app, "analyze")
 def analyze_command(
     opts: common.CommonOptions,
-    checkpoint: CheckpointArg,
+    checkpoint: common.CheckpointArg,
     metrics: Annotated[
         Optional[str],
         typer.Option(

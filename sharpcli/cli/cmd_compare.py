@@ -48,7 +48,7 @@ def compare_command(
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
     def body() -> common.Outcome:
-        from sharpcli.io.atomic import write_text_atomic
+        from sharpcli.atomic import write_text_atomic
         from sharpcli.report.compare import FORMATS, compare_table, render
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table

@@ -130,16 +130,11 @@ def weight_rescale_command(
 ) -> common.Outcome:
     """Rescale weights (MAN Fig. 1; Dinh et al.) and show how lambda_max and the trace move while the
     function and the rescale-invariant sharpness diag(|w|) H diag(|w|) (ASAM) do not."""
-    from sharpcli.analyses.rescale import MODES, weight_rescale
+    from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
 
     alphas = common.parse_float_list(alpha, "--alpha")
-    for value in alphas:
-        common.require(
-            value > 0 and value != float("inf"),
-            f"every alpha must be a finite number > 0, got {value:g}",
-            "--alpha",
-        )
-    common.require(mode in MODES, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", "--mode")
+    check_alphas(alphas)  # the library's checks, before the checkpoint is read
+    check_mode(mode)
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)

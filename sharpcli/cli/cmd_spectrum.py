@@ -12,10 +12,6 @@ from sharpcli.cli import common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
-CheckpointArg = Annotated[
-    str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
-]
-
 
 class _OperatorOption(OptionInfo):
     """``--operator``, whose help lists the registered operators.
@@ -51,7 +47,7 @@ def _positive(value, option: str, strict: bool = True) -> None:
 @common.analysis_command(app, "eigen")
 def eigen_command(
     opts: common.CommonOptions,
-    checkpoint: CheckpointArg,
+    checkpoint: common.CheckpointArg,
     top_k: Annotated[
         int, typer.Option("--top-k", help="Number of eigenvalues (at each end with --which both).")
     ] = 1,
@@ -113,7 +109,7 @@ def eigen_command(
 @common.analysis_command(app, "trace")
 def trace_command(
     opts: common.CommonOptions,
-    checkpoint: CheckpointArg,
+    checkpoint: common.CheckpointArg,
     operator: OperatorOpt = "hessian",
     estimator: Annotated[
         str,
@@ -184,7 +180,7 @@ def trace_command(
 @common.analysis_command(app, "gn-nme")
 def gn_nme_command(
     opts: common.CommonOptions,
-    checkpoint: CheckpointArg,
+    checkpoint: common.CheckpointArg,
     tol: Annotated[
         float, typer.Option("--tol", help="Relative standard error of the traces.")
     ] = 1e-2,
@@ -255,7 +251,7 @@ def gn_nme_command(
 @common.analysis_command(app, "density")
 def density_command(
     opts: common.CommonOptions,
-    checkpoint: CheckpointArg,
+    checkpoint: common.CheckpointArg,
     operator: OperatorOpt = "hessian",
     probes: Annotated[int, typer.Option("--probes", help="Random start vectors (SLQ runs).")] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Lanczos steps per probe.")] = 64,

@@ -3,8 +3,9 @@
 ``run_command`` is the one place that turns a library call into output and an
 exit code: it times the call, renders tables (stdout) or writes JSON
 (``--json PATH`` atomically, ``--json -`` as the only thing on stdout), turns
-``SharpError`` into one line on stderr plus a JSON error object, and maps
-errors to the exit codes of docs/index.md ("Exit codes").
+``SharpError`` into one line on stderr plus a JSON error object (the library's parameter
+names spelled as this command's flags, :mod:`sharpcli.cli.flags`), and maps errors to the exit
+codes of docs/index.md ("Exit codes").
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import typer
 from rich.console import Console
 
 from sharpcli import SCHEMA_ID, __version__, distributed
-from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
-from sharpcli.io.atomic import check_writable, write_text_atomic
+from sharpcli.atomic import check_writable, write_text_atomic
+from sharpcli.cli.flags import to_cli_error
+from sharpcli.errors import EXIT_GATE, EXIT_OK, OutputPathError, SharpError, UsageError
 from sharpcli.report.envelope import dumps
 
 stdout_console = Console(highlight=False)
@@ -41,6 +43,9 @@ def table_console() -> Console:
 
 
 # Annotated option types, declared once and reused by every command.
+CheckpointArg = Annotated[
+    str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
+]
 DataOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -238,7 +243,7 @@ def run_command(
             try:
                 write_text_atomic(json_path, dumps(outcome.report))
             except OSError as exc:
-                err = UsageError(
+                err = OutputPathError(
                     f"cannot write the report ({exc.strerror or exc})", source=json_path
                 )
                 _report_error(command, None, err)
@@ -276,9 +281,11 @@ def scope_notes(results, depth: int = 3) -> list[str]:
 
 
 def _report_error(command: str, json_path: str | None, err: SharpError) -> SharpError:
-    """Print (rank 0 only) and return the error every rank agrees on (see :mod:`sharpcli.distributed`)."""
+    """Print (rank 0 only) and return the error every rank agrees on (see :mod:`sharpcli.distributed`),
+    in this command's spelling (:func:`sharpcli.cli.flags.to_cli_error`)."""
     if _STATE["debug"]:
         traceback.print_exc()
+    err = to_cli_error(err, command)  # before the ranks compare errors: each spells its own
     try:
         err = distributed.announce_failure(err)
     except RuntimeError:  # the process group itself is broken: report this rank's own error

@@ -98,13 +98,13 @@ class AnalysisData:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, loss: str, batch_size: int):
         loss_fn(loss)  # validates the loss name (UsageError source="loss")
         if int(batch_size) < 1:
-            raise UsageError(f"batch size must be >= 1, got {batch_size}", source="--batch-size")
+            raise UsageError(f"batch size must be >= 1, got {batch_size}", source="batch_size")
         if x.shape[0] != y.shape[0]:
             raise UsageError(
-                f"inputs have {x.shape[0]} samples but targets have {y.shape[0]}", source="--data"
+                f"inputs have {x.shape[0]} samples but targets have {y.shape[0]}", source="y"
             )
         if x.shape[0] == 0:
-            raise UsageError("the analysis set is empty", source="--samples")
+            raise UsageError("the analysis set is empty", source="x")
         self.loss = loss
         self.batch_size = int(batch_size)
         self.num_samples = int(x.shape[0])
@@ -175,7 +175,7 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
             "the model is in training mode with dropout/BatchNorm active in "
             f"{', '.join(offenders[:5])}{' ...' if len(offenders) > 5 else ''}: curvature "
             "would be random; call model.eval() (sharpcli.curvature.prepare_model_for_analysis)",
-            source="--model",
+            source="model",
         )
     generator = torch.Generator().manual_seed(seed)
     dim = op.shape[0]
@@ -194,7 +194,7 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
             f"two passes over the same data gave different curvature products (max difference "
             f"{diff:.3g}): the model or data pipeline is not deterministic (random layers, "
             "shuffling, or non-deterministic kernels)",
-            source="--model",
+            source="model",
         )
 
 

@@ -84,11 +84,9 @@ def spectral_density(
     padded by ``5 sigma``. Costs ``probes * lanczos_steps`` matvecs (fewer at a breakdown).
     """
     if int(probes) < 1:
-        raise UsageError(f"probes must be >= 1, got {probes}", source="--probes")
+        raise UsageError(f"probes must be >= 1, got {probes}", source="probes")
     if int(lanczos_steps) < 1:
-        raise UsageError(
-            f"Lanczos steps must be >= 1, got {lanczos_steps}", source="--lanczos-steps"
-        )
+        raise UsageError(f"Lanczos steps must be >= 1, got {lanczos_steps}", source="lanczos_steps")
     dim = op.shape[0]
     generator = torch.Generator().manual_seed(int(seed))
     all_nodes, all_weights = [], []
@@ -115,7 +113,7 @@ def spectral_density(
     if sigma is None:
         sigma = sigma_relative * span
     if not sigma > 0:
-        raise UsageError(f"sigma must be > 0, got {sigma}", source="--sigma")
+        raise UsageError(f"sigma must be > 0, got {sigma}", source="sigma")
     grid = np.linspace(lo - 5 * sigma, hi + 5 * sigma, int(grid_points))
     density = np.zeros_like(grid)
     for nodes, weights in zip(all_nodes, all_weights):

@@ -116,15 +116,13 @@ class EigenResult:
 
 def _check_args(op, k: int, which: str, tol: float):
     if which not in WHICH:
-        raise UsageError(
-            f"which must be one of {', '.join(WHICH)}, got {which!r}", source="--which"
-        )
+        raise UsageError(f"which must be one of {', '.join(WHICH)}, got {which!r}", source="which")
     if int(k) < 1:
-        raise UsageError(f"top-k must be >= 1, got {k}", source="--top-k")
+        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
     if not tol > 0:
-        raise UsageError(f"tolerance must be > 0, got {tol}", source="--tol")
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
     if op.shape[0] < 1:
-        raise UsageError("the operator has no parameters in scope", source="--params")
+        raise UsageError("the operator has no parameters in scope", source="params")
 
 
 def _select(theta: np.ndarray, which: str, count: int) -> np.ndarray:
@@ -239,7 +237,7 @@ def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes)
         notes.append(
             f"{lost} eigenvalue(s) converged by the Ritz estimate but not by the explicit "
             "residual: the products' own errors (rounding) bound the attainable residual; "
-            "raise --tol or use --dtype float64"
+            "raise `tol` or use `dtype=float64`"
         )
     return reported, converged
 
@@ -272,7 +270,7 @@ def lanczos(
     _check_args(op, k, which, tol)
     dim = op.shape[0]
     if max_matvecs is not None and int(max_matvecs) < 1:
-        raise UsageError(f"max matvecs must be >= 1, got {max_matvecs}", source="--max-matvecs")
+        raise UsageError(f"max matvecs must be >= 1, got {max_matvecs}", source="max_matvecs")
     if explicit_residuals is None:
         explicit_residuals = op.dtype != _F64
     limit = min(dim, int(max_matvecs) if max_matvecs is not None else DEFAULT_MAX_MATVECS)

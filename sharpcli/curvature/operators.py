@@ -355,8 +355,8 @@ class CurvaturePass:
         if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
             raise NumericalError(
                 f"{operator} product ({part} part) on batch {index} is too large for "
-                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try --dtype "
-                "float64)",
+                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
+                "`dtype=float64`)",
                 source=f"{operator} operator",
             )
 

@@ -40,11 +40,11 @@ def power_iteration(
 ) -> EigenResult:
     """Top-``k`` largest-magnitude eigenvalues of symmetric ``op`` by deflated power iteration."""
     if int(k) < 1:
-        raise UsageError(f"top-k must be >= 1, got {k}", source="--top-k")
+        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
     if not tol > 0:
-        raise UsageError(f"tolerance must be > 0, got {tol}", source="--tol")
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
     if int(max_iter) < 1:
-        raise UsageError(f"max iterations must be >= 1, got {max_iter}", source="--max-matvecs")
+        raise UsageError(f"max iterations must be >= 1, got {max_iter}", source="max_iter")
     dim = op.shape[0]
     k = min(int(k), dim)
     generator = torch.Generator().manual_seed(int(seed))

@@ -48,8 +48,8 @@ ENGINE = "pyhessian"
 def _check_scope(params: str | None):
     if params not in (None, "", "all"):
         raise UsageError(
-            f"pyhessian computes over all trainable parameters; scope {params!r} needs --engine native",
-            source="--params",
+            f"pyhessian computes over all trainable parameters; scope {params!r} needs `engine=native`",
+            source="params",
         )
 
 
@@ -68,19 +68,17 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
         raise UsageError(
             "the pyhessian engine needs the PyHessian package, an optional extra: "
             "pip install 'sharpcli[pyhessian]'",
-            source="--engine",
+            source="engine",
         ) from None
     pyhessian_hessian_module_class = pyhessian_module.hessian
 
     if data.world_size > 1:
-        raise UsageError(
-            "pyhessian cannot run data-parallel; use --engine native", source="--engine"
-        )
+        raise UsageError("pyhessian cannot run data-parallel; use `engine=native`", source="engine")
     prepare_model_for_analysis(model)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype, device = params[0].dtype, params[0].device
     if device.type != "cpu":
-        raise UsageError("the pyhessian engine runs on CPU here (cuda=False)", source="--device")
+        raise UsageError("the pyhessian engine runs on CPU here (cuda=False)", source="device")
     batches = [to_model_batch(x_b, y_b, dtype, device) for x_b, y_b, _ in data.batches()]
     criterion = loss_fn(data.loss)
     counter = {"matvecs": 0}
@@ -119,8 +117,8 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     except (RuntimeError, TypeError, AttributeError) as error:
         raise UsageError(
             f"pyhessian 0.1 failed ({type(error).__name__}: {str(error).splitlines()[0]}); "
-            "use --engine native",
-            source="--engine",
+            "use `engine=native`",
+            source="engine",
         ) from error
     finally:
         warning_filter.__exit__(None, None, None)
@@ -148,7 +146,7 @@ def pyhessian_eigenvalues(
     """
     _check_scope(params)
     if int(top_n) < 1:
-        raise UsageError(f"top-k must be >= 1, got {top_n}", source="--top-k")
+        raise UsageError(f"top-k must be >= 1, got {top_n}", source="top_n")
     with _pyhessian_session(model, data, seed) as (h, counter):
         values, vectors = h.eigenvalues(maxIter=int(max_iter), tol=float(tol), top_n=int(top_n))
         vectors = [[t.detach() for t in vec] for vec in vectors]
@@ -237,6 +235,6 @@ def pyhessian_trace(
 def pyhessian_density(*_args, **_kwargs):
     """Refused: pyhessian 0.1 ``density()`` calls ``torch.eig``, which torch removed."""
     raise UsageError(
-        "pyhessian 0.1 density() calls the removed torch.eig; use --engine native for the spectral density",
-        source="--engine",
+        "pyhessian 0.1 density() calls the removed torch.eig; use `engine=native` for the spectral density",
+        source="engine",
     )

@@ -120,12 +120,13 @@ def operator_names() -> tuple[str, ...]:
     return tuple(OPERATORS)
 
 
-def operator_spec(name: str, option: str = "--operator") -> OperatorSpec:
-    """The record of ``name``; ``UsageError(source=option)`` listing the accepted names if none."""
+def operator_spec(name: str, parameter: str = "operator") -> OperatorSpec:
+    """The record of ``name``; ``UsageError(source=parameter)`` (the caller's parameter that
+    named it) listing the accepted names if none."""
     spec = OPERATORS.get(name)
     if spec is None:
         raise UsageError(
-            f"unknown value {name!r}; accepted: {', '.join(operator_names())}", source=option
+            f"unknown value {name!r}; accepted: {', '.join(operator_names())}", source=parameter
         )
     return spec
 

@@ -105,7 +105,7 @@ class ParamScope:
           report says so), and their ``requires_grad`` is switched on so that curvature can be
           taken with respect to them.
 
-        Raises ``UsageError(source="--params")`` when nothing matches.
+        Raises ``UsageError(source="params")`` when nothing matches.
         """
         named = list(model.named_parameters())
         trainable = [(n, p) for n, p in named if not is_frozen(p)]
@@ -117,8 +117,8 @@ class ParamScope:
             if not chosen:
                 raise UsageError(
                     f"the model has no trainable parameters (all {len(named)} have "
-                    "requires_grad=False); name them with --params GLOB to analyse them anyway",
-                    source="--params",
+                    "requires_grad=False); name them with `params=GLOB` to analyse them anyway",
+                    source="params",
                 )
         elif text == "last":
             chosen = _last_linear(model, trainable)
@@ -132,8 +132,8 @@ class ParamScope:
         dtypes = {p.dtype for _, p in chosen}
         if len(dtypes) > 1:
             raise UsageError(
-                f"parameters in scope mix dtypes {sorted(map(str, dtypes))}; use one --dtype",
-                source="--params",
+                f"parameters in scope mix dtypes {sorted(map(str, dtypes))}; use one `dtype`",
+                source="params",
             )
         names = [n for n, _ in chosen]
         return cls(
@@ -226,8 +226,8 @@ def _last_linear(model: nn.Module, trainable: list) -> list:
     if not chosen:
         raise UsageError(
             f"the last linear layer {last_name!r} has no trainable parameters; name them with "
-            "--params GLOB to include frozen ones",
-            source="--params",
+            "`params=GLOB` to include frozen ones",
+            source="params",
         )
     return chosen
 
@@ -239,6 +239,6 @@ def _matching(text: str, named: list) -> list:
         available = ", ".join(n for n, _ in named[:8])
         raise UsageError(
             f"{text!r} matches no parameter (names: {available}{', ...' if len(named) > 8 else ''})",
-            source="--params",
+            source="params",
         )
     return chosen

@@ -116,9 +116,9 @@ def _mean_stderr(samples: torch.Tensor):
 
 def _check_budget(tol, max_matvecs, block_size):
     if not tol > 0:
-        raise UsageError(f"tolerance must be > 0, got {tol}", source="--tol")
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
     if int(max_matvecs) < 2:
-        raise UsageError(f"max matvecs must be >= 2, got {max_matvecs}", source="--max-matvecs")
+        raise UsageError(f"max matvecs must be >= 2, got {max_matvecs}", source="max_matvecs")
     if int(block_size) < 1:
         raise ValueError("block_size must be >= 1")
 
@@ -633,7 +633,7 @@ def sampled_label_ggn_trace(
     from torch.func import grad, vmap
 
     if int(samples) < 1:
-        raise UsageError(f"samples must be >= 1, got {samples}", source="--samples")
+        raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
     if data.loss not in ("cross-entropy", "mse"):
         raise UsageError(
             f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}",

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sharpcli.atomic import atomic_path
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.atomic import atomic_path
 
 FORMAT_VERSION = "1"
 META_FORMAT = "sharpcli.format"
@@ -62,7 +62,7 @@ MAX_METADATA_DEPTH = 32
 """Deepest nesting of lists/objects accepted in a metadata value (real ones are 2-3 deep)."""
 
 MAX_MODEL_VALUES = 2**31
-"""No model described by metadata or ``--arch-args`` may hold more values than this."""
+"""No model described by metadata or ``arch_args`` may hold more values than this."""
 
 SIZE_RATIO = 10
 VALUES_SLACK = 1 << 20
@@ -186,7 +186,7 @@ def _read_torch_file(path: Path, trust_pickle: bool):
             named = f" ({found.group(1)})" if found else ""
             raise InputError(
                 f"holds a pickled Python object{named}, not only tensors; unpickling runs code, "
-                "so it is refused (pass --trust-pickle if you trust this file)",
+                "so it is refused (pass `trust_pickle` if you trust this file)",
                 source=str(path),
             ) from exc
     try:
@@ -257,7 +257,7 @@ def _parse_json_meta(meta: dict, key: str, path: Path, kinds: tuple[type, ...] =
 def factory_from_string(spec: str, arch_args: dict | None = None) -> nn.Module:
     """Call ``module:function`` (importable from the working directory or PYTHONPATH)."""
     if ":" not in spec:
-        raise UsageError("expected module:function", source="--model-factory")
+        raise UsageError("expected module:function", source="model_factory")
     module_name, func_name = spec.split(":", 1)
     cwd = os.getcwd()
     if cwd not in sys.path:
@@ -266,19 +266,19 @@ def factory_from_string(spec: str, arch_args: dict | None = None) -> nn.Module:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise UsageError(
-            f"cannot import {module_name!r} ({_first_line(exc)})", source="--model-factory"
+            f"cannot import {module_name!r} ({_first_line(exc)})", source="model_factory"
         ) from exc
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise UsageError(f"{module_name!r} has no function {func_name!r}", source="--model-factory")
+        raise UsageError(f"{module_name!r} has no function {func_name!r}", source="model_factory")
     try:
         model = func(**(arch_args or {}))
     except Exception as exc:
-        raise UsageError(f"{spec} failed ({_first_line(exc)})", source="--model-factory") from exc
+        raise UsageError(f"{spec} failed ({_first_line(exc)})", source="model_factory") from exc
     if not isinstance(model, nn.Module):
         raise UsageError(
             f"{spec} returned {type(model).__name__}, not a torch.nn.Module",
-            source="--model-factory",
+            source="model_factory",
         )
     return model
 
@@ -324,9 +324,9 @@ def factory_from_metadata(name: str, args: dict, path: Path) -> nn.Module:
     module_name = spec.split(":", 1)[0]
     if _own_module_origin(module_name) is None:
         raise InputError(
-            f"was trained with --model-factory {spec}, whose module {module_name!r} is not in "
+            f"was trained with `model_factory={spec}`, whose module {module_name!r} is not in "
             "the working directory or on PYTHONPATH; run from the folder that holds it, or pass "
-            f"--model-factory {spec} to rebuild it from an installed package",
+            f"`model_factory={spec}` to rebuild it from an installed package",
             source=str(path),
         )
     try:
@@ -360,7 +360,7 @@ def state_dict_candidates(obj, path: str | os.PathLike) -> list[tuple[str, dict]
 
     ``[("", obj)]`` for a plain state_dict; for a training checkpoint (a dict with ``epoch``,
     ``optimizer``, ...) every entry named in :data:`CONTAINER_KEYS` that is a state_dict (or,
-    only reachable with ``--trust-pickle``, a pickled module), as ``("'state_dict'", ...)``.
+    only reachable with ``trust_pickle``, a pickled module), as ``("'state_dict'", ...)``.
     Which one holds this model's weights is decided by :func:`match_state_dict`, against the
     model's keys. Anything else is an ``InputError`` saying what the file holds.
     """
@@ -374,7 +374,7 @@ def state_dict_candidates(obj, path: str | os.PathLike) -> list[tuple[str, dict]
     found = []
     for key in CONTAINER_KEYS:
         value = obj.get(key)
-        if isinstance(value, nn.Module):  # only unpickled under --trust-pickle
+        if isinstance(value, nn.Module):  # only unpickled under trust_pickle
             value = value.state_dict()
         if _is_tensor_mapping(value):
             found.append((repr(key), dict(value)))
@@ -672,8 +672,8 @@ def _build_zoo_model(spec: dict, candidates, path: Path, described_by: str, *, m
             raise InputError(
                 f"metadata names a model that cannot be built ({exc.message})", source=str(path)
             ) from exc
-        # the zoo names --model/--arch-args; here the user typed --arch
-        source = "--arch" if exc.source == "--model" else exc.source
+        # the zoo names its model and model_args; here they came as arch and arch_args
+        source = {"model": "arch", "model_args": "arch_args"}.get(exc.source, exc.source)
         raise UsageError(exc.message, source=source) from exc
     check_model_size(spec, candidates, path, described_by)
     return build_model(spec)
@@ -700,7 +700,7 @@ def load_checkpoint(
     Foreign files may be plain state_dicts or training checkpoints, with the usual key prefixes
     (:func:`state_dict_candidates`, :func:`match_state_dict`); float16/bfloat16 weights load
     into the model's float parameters with a note (``LoadedCheckpoint.notes``). A zoo model
-    described by metadata or ``--arch-args`` is sized before it is built
+    described by metadata or ``arch_args`` is sized before it is built
     (:func:`check_model_size`). Every problem with the file is an ``InputError`` naming it.
     """
     p = Path(path)
@@ -712,7 +712,7 @@ def load_checkpoint(
     digest = sha256_file(p)
     override = arch is not None or model_factory is not None
     if arch is not None and model_factory is not None:
-        raise UsageError("give --arch or --model-factory, not both", source="--arch")
+        raise UsageError("give `arch` or `model_factory`, not both", source="arch")
 
     model_spec = data_spec = train_config = metrics = None
     origin = "state_dict"
@@ -753,13 +753,13 @@ def load_checkpoint(
         else:
             model_spec = {"name": arch, "args": arch_args or {}}
             model = _build_zoo_model(
-                model_spec, candidates, p, "given by --arch and --arch-args", metadata=False
+                model_spec, candidates, p, "given by `arch` and `arch_args`", metadata=False
             )
         origin = "state_dict" if origin != "sharpcli" else origin
     elif model_spec is None:
         raise InputError(
-            "has no sharpcli metadata; say how to build the model with --arch NAME --arch-args JSON "
-            "or --model-factory module:function",
+            "has no sharpcli metadata; say how to build the model with `arch=NAME` "
+            "`arch_args=JSON` or `model_factory=module:function`",
             source=str(p),
         )
     elif str(model_spec.get("name", "")).startswith(FACTORY_PREFIX):

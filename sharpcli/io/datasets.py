@@ -19,7 +19,7 @@ either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
 A built-in name wins over a file of the same name in the working directory (write
 ``./blobs`` for the file). ``Dataset.spec`` is always the complete dict form, so
 ``load_dataset(ds.spec)`` rebuilds the same tensors. Bad files raise
-``InputError(source=<path>)`` and bad spec arguments ``UsageError(source="--data")``,
+``InputError(source=<path>)`` and bad spec arguments ``UsageError(source="spec")``,
 each with a one-line message; no library exception escapes.
 """
 
@@ -64,9 +64,9 @@ def _parse_builtin_args(name: str, text: str) -> dict:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"{name}: expected key=value, got {item!r}", source="--data")
+            raise UsageError(f"{name}: expected key=value, got {item!r}", source="spec")
         if key.strip() in args:
-            raise UsageError(f"{name}: {key.strip()} given twice", source="--data")
+            raise UsageError(f"{name}: {key.strip()} given twice", source="spec")
         args[key.strip()] = value.strip()
     return args
 
@@ -77,21 +77,21 @@ def parse_data_spec(spec: str | dict, *, label_column: str | None = None) -> dic
     Built-in arguments are completed with their defaults and type-checked; a path is
     made absolute and its format detected (by extension, or by probing a directory
     for CIFAR/MNIST layouts). ``label_column`` fills the dict's ``label_column`` when
-    that is unset; a conflicting value raises ``UsageError(source="--label-column")``.
+    that is unset; a conflicting value raises ``UsageError(source="label_column")``.
     """
     if isinstance(spec, dict):
         return _normalise_dict(spec, label_column)
     if not isinstance(spec, str):
         raise UsageError(
-            f"a data spec is a string or a dict, got {type(spec).__name__}", source="--data"
+            f"a data spec is a string or a dict, got {type(spec).__name__}", source="spec"
         )
     text = spec.strip()
     if not text:
-        raise UsageError("empty data spec", source="--data")
+        raise UsageError("empty data spec", source="spec")
     name, sep, rest = text.partition(":")
     if name in BUILTIN_NAMES:
         if label_column is not None:
-            raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
+            raise UsageError(f"built-in {name!r} has no label column", source="label_column")
         args = _parse_builtin_args(name, rest) if sep else {}
         return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
     return _normalise_dict({"kind": "file", "path": text}, label_column)
@@ -104,7 +104,7 @@ def _normalise_dict(spec: dict, label_column: str | None) -> dict:
         return _normalise_builtin(spec, label_column)
     if kind == "file":
         return _normalise_file(spec, label_column)
-    raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="--data")
+    raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="spec")
 
 
 def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
@@ -112,16 +112,16 @@ def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
     unknown = sorted(set(spec) - {"kind", "name", "args"})
     if unknown:
         raise UsageError(
-            f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="--data"
+            f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="spec"
         )
     name, args = spec.get("name"), spec.get("args") or {}
     if not isinstance(args, dict):
         raise UsageError(
             f"builtin data spec 'args' must be a dict, got {type(args).__name__}",
-            source="--data",
+            source="spec",
         )
     if label_column is not None:
-        raise UsageError(f"built-in {name!r} has no label column", source="--label-column")
+        raise UsageError(f"built-in {name!r} has no label column", source="label_column")
     return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
 
 
@@ -129,10 +129,10 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
     """The complete form of a file spec: absolute path, its format, the format's spec keys."""
     unknown = sorted(set(spec) - {"kind", "path", "format", *optional_spec_keys()})
     if unknown:
-        raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="--data")
+        raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="spec")
     given_path = spec.get("path")
     if not isinstance(given_path, str) or not given_path:
-        raise UsageError("file data spec needs a 'path' string", source="--data")
+        raise UsageError("file data spec needs a 'path' string", source="spec")
     column = _label_column(spec.get("label_column"), label_column)
     named = None if spec.get("format") is None else data_format(spec["format"])
     path, fmt = route(_existing_path(given_path), named)
@@ -141,15 +141,16 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
 
 
 def _label_column(in_spec, from_option: str | None) -> str | None:
-    """The label column of the spec or of ``--label-column`` (which must agree), or None."""
+    """The label column of the spec or of the ``label_column`` argument (which must agree), or
+    None."""
     if from_option is not None and in_spec is not None and from_option != in_spec:
         raise UsageError(
             f"label column {from_option!r} contradicts the data spec's {in_spec!r}",
-            source="--label-column",
+            source="label_column",
         )
     column = in_spec if in_spec is not None else from_option
     if column is not None and not isinstance(column, str):
-        raise UsageError(f"label column must be a string, got {column!r}", source="--label-column")
+        raise UsageError(f"label column must be a string, got {column!r}", source="label_column")
     return column
 
 
@@ -164,13 +165,13 @@ def _existing_path(given: str) -> str:
 
 
 def _format_options(fmt: DataFormat, spec: dict, column: str | None) -> dict:
-    """The values of ``fmt``'s own spec keys (besides ``label_column``); a key (or
-    ``--label-column``) that only other formats read is a UsageError."""
+    """The values of ``fmt``'s own spec keys (besides ``label_column``); a key (or the
+    ``label_column`` argument) that only other formats read is a UsageError."""
     if column is not None and "label_column" not in fmt.spec_keys:
         takers = [other.name for other in FORMATS.values() if "label_column" in other.spec_keys]
         raise UsageError(
             f"applies to {', '.join(takers)} data, not to {fmt.name} data",
-            source="--label-column",
+            source="label_column",
         )
     foreign = [
         key
@@ -180,7 +181,7 @@ def _format_options(fmt: DataFormat, spec: dict, column: str | None) -> dict:
     if foreign:
         raise UsageError(
             f"file data spec key(s) {', '.join(foreign)} do not apply to {fmt.name} data",
-            source="--data",
+            source="spec",
         )
     return {key: spec.get(key) for key in fmt.spec_keys if key != "label_column"}
 
@@ -222,18 +223,18 @@ def subset(
     order, is the same on every run, and the subsets of one seed are nested
     (``samples=m`` is contained in ``samples=m'`` for ``m <= m'``). ``samples=None``
     returns the data unchanged; ``samples`` outside ``1..N`` raises
-    ``UsageError(source="--samples")``.
+    ``UsageError(source="samples")``.
     """
     if samples is None:
         return x, y
     n = x.shape[0]
     if isinstance(samples, bool) or not isinstance(samples, int):
-        raise UsageError(f"must be an integer, got {samples!r}", source="--samples")
+        raise UsageError(f"must be an integer, got {samples!r}", source="samples")
     if samples < 1:
-        raise UsageError(f"must be at least 1, got {samples}", source="--samples")
+        raise UsageError(f"must be at least 1, got {samples}", source="samples")
     if samples > n:
         raise UsageError(
-            f"{samples} samples requested but the split has only {n}", source="--samples"
+            f"{samples} samples requested but the split has only {n}", source="samples"
         )
     generator = torch.Generator().manual_seed(int(seed))
     index = torch.randperm(n, generator=generator)[:samples].sort().values

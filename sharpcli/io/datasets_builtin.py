@@ -54,10 +54,10 @@ BUILTIN_NAMES = tuple(BUILTIN_ARGS)
 
 
 def _convert(name: str, key: str, value, kind: type):
-    """Convert one argument (a string from ``--data`` or a JSON value) to ``kind``."""
+    """Convert one argument (from a data spec string or a JSON value) to ``kind``."""
     if kind is int:
         if isinstance(value, bool):
-            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="--data")
+            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="spec")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -66,37 +66,35 @@ def _convert(name: str, key: str, value, kind: type):
             return int(str(value).strip())
         except ValueError:
             raise UsageError(
-                f"{name}: {key} must be an integer, got {value!r}", source="--data"
+                f"{name}: {key} must be an integer, got {value!r}", source="spec"
             ) from None
     if isinstance(value, bool):
-        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="--data")
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec")
     try:
         out = float(value)
     except (TypeError, ValueError):
-        raise UsageError(
-            f"{name}: {key} must be a number, got {value!r}", source="--data"
-        ) from None
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec") from None
     if not math.isfinite(out):
-        raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="--data")
+        raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="spec")
     return out
 
 
 def resolve_builtin_args(name: str, args: dict) -> dict:
     """Complete and check the arguments of built-in ``name``; returns all of them, typed.
 
-    Unknown names or keys and out-of-range values raise ``UsageError(source="--data")``.
+    Unknown names or keys and out-of-range values raise ``UsageError(source="spec")``.
     """
     if name not in BUILTIN_ARGS:
         raise UsageError(
             f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}",
-            source="--data",
+            source="spec",
         )
     table = BUILTIN_ARGS[name]
     unknown = sorted(set(args) - set(table))
     if unknown:
         raise UsageError(
             f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(table)}",
-            source="--data",
+            source="spec",
         )
     out = {
         key: _convert(name, key, args.get(key, default), kind)
@@ -105,7 +103,7 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
 
     def need(condition: bool, text: str):
         if not condition:
-            raise UsageError(f"{name}: {text}", source="--data")
+            raise UsageError(f"{name}: {text}", source="spec")
 
     need(out["n"] >= 2, f"n must be at least 2, got {out['n']}")
     need(out["classes"] >= 2, f"classes must be at least 2, got {out['classes']}")

@@ -59,7 +59,7 @@ class Dataset:
         """Return ``(x, y)`` of split ``"train"`` or ``"test"``.
 
         A missing test split raises ``InputError`` naming the source; an unknown
-        split name raises ``UsageError(source="--split")``.
+        split name raises ``UsageError(source="split")``.
         """
         if name == "train":
             return self.x_train, self.y_train
@@ -69,7 +69,7 @@ class Dataset:
                     f"has no test split ({_how_to_add_test(self.spec)})", source=self.source
                 )
             return self.x_test, self.y_test
-        raise UsageError(f"unknown split {name!r}; accepted: {', '.join(SPLITS)}", source="--split")
+        raise UsageError(f"unknown split {name!r}; accepted: {', '.join(SPLITS)}", source="split")
 
     @property
     def input_shape(self) -> tuple[int, ...]:

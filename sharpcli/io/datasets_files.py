@@ -206,7 +206,7 @@ def _table_dataset(
     if label not in columns:
         shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
         raise InputError(
-            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with --label-column",
+            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with `label_column`",
             source=path,
         )
     if len(frame) == 0:

@@ -231,12 +231,12 @@ def read_cifar(spec: dict) -> Dataset:
     folder, fmt, label_column = spec["path"], spec["format"], spec["label_column"]
     if fmt.startswith("cifar10-") and label_column is not None:
         raise UsageError(
-            "CIFAR-10 has one label set; --label-column does not apply", source="--label-column"
+            "CIFAR-10 has one label set; `label_column` does not apply", source="label_column"
         )
     if fmt.startswith("cifar100-") and label_column not in _CIFAR100_LABELS:
         raise UsageError(
             f"CIFAR-100 labels are 'fine' (100 classes) or 'coarse' (20), got {label_column!r}",
-            source="--label-column",
+            source="label_column",
         )
     if fmt == "cifar10-python":
         train = [_python_batch(p, "labels") for p in _numbered_batches(folder, "")]
@@ -370,8 +370,8 @@ def read_mnist(spec: dict) -> Dataset:
     folder = spec["path"]
     if spec["label_column"] is not None:
         raise UsageError(
-            "MNIST idx folders have one label set; --label-column does not apply",
-            source="--label-column",
+            "MNIST idx folders have one label set; `label_column` does not apply",
+            source="label_column",
         )
     train = _mnist_split(folder, "train")
     test = _mnist_split(folder, "test")

@@ -127,9 +127,7 @@ def data_format(name) -> DataFormat:
     """The format registered as ``name``; an unknown one is a UsageError listing the accepted."""
     if isinstance(name, str) and name in FORMATS:
         return FORMATS[name]
-    raise UsageError(
-        f"unknown data format {name!r}; accepted: {', '.join(FORMATS)}", source="--data"
-    )
+    raise UsageError(f"unknown data format {name!r}; accepted: {', '.join(FORMATS)}", source="spec")
 
 
 def optional_spec_keys() -> tuple[str, ...]:
@@ -212,7 +210,7 @@ def _find_layout(folder: str) -> tuple[str, DataFormat]:
     if found:
         listed = ", ".join(f"{os.path.relpath(path, folder)} ({sub.name})" for path, sub in found)
         raise InputError(
-            f"holds several datasets: {listed}; point --data at one of them", source=folder
+            f"holds several datasets: {listed}; point `spec` at one of them", source=folder
         )
     layouts = ", ".join(fmt.name for fmt in FORMATS.values() if fmt.directory)
     raise InputError(

@@ -390,13 +390,13 @@ def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``name[:k=v,...]`` into ``(canonical name, complete parameter dict)``.
 
     Names are case-insensitive and ``_`` may stand for ``-``; every parameter is a finite number
-    > 0; missing parameters take their defaults. Raises ``UsageError(source="--activation")``.
+    > 0; missing parameters take their defaults. Raises ``UsageError(source="activation")``.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UsageError(
             f"activation must be a non-empty string like 'relu' or 'beta-gelu:beta=4'; got {spec!r}; "
             f"accepted: {_accepted_names_text()}",
-            source="--activation",
+            source="activation",
         )
     text = spec.strip()
     name_part, _, param_part = text.partition(":")
@@ -404,7 +404,7 @@ def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
     if name not in _ACTIVATIONS:
         raise UsageError(
             f"unknown activation {name_part.strip()!r}; accepted: {_accepted_names_text()}",
-            source="--activation",
+            source="activation",
         )
     _, defaults = _ACTIVATIONS[name]
     params = {key: value[0] for key, value in defaults.items()}
@@ -415,25 +415,25 @@ def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
             if not eq or not key:
                 raise UsageError(
                     f"activation {text!r}: expected key=value, got {item.strip()!r}",
-                    source="--activation",
+                    source="activation",
                 )
             if key not in defaults:
                 accepted = ", ".join(defaults) if defaults else "none"
                 raise UsageError(
                     f"activation {name!r} has no parameter {key!r}; its parameters: {accepted}",
-                    source="--activation",
+                    source="activation",
                 )
             try:
                 value = float(value_text.strip())
             except ValueError:
                 raise UsageError(
                     f"activation {text!r}: {key}={value_text.strip()!r} is not a number",
-                    source="--activation",
+                    source="activation",
                 ) from None
             if not math.isfinite(value) or value <= 0:
                 raise UsageError(
                     f"activation {text!r}: {key} must be a finite number > 0, got {value_text.strip()}",
-                    source="--activation",
+                    source="activation",
                 )
             params[key] = value
     return name, params
@@ -445,7 +445,7 @@ def make_activation(spec: str) -> nn.Module:
     Names: ``relu``, ``gelu``, ``beta-gelu[:beta=B]``, ``augmented-relu[:beta=B]``,
     ``diminished-gelu`` (NME 4.3-4.4). The module's ``.spec`` is the canonical form (parameters
     written out), and ``make_activation(m.spec)`` rebuilds an identical module. Unknown names or
-    bad parameters raise ``UsageError(source="--activation")`` listing the accepted names.
+    bad parameters raise ``UsageError(source="activation")`` listing the accepted names.
     """
     name, params = parse_activation_spec(spec)
     cls, _ = _ACTIVATIONS[name]

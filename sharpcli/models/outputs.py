@@ -67,8 +67,8 @@ def select_output(out, selector: str | None = None) -> torch.Tensor:
         missing = "no logits tensor in it" if selector is None else f"no tensor at {selector!r}"
         raise UsageError(
             f"the model returns {describe_output(out)}, {missing}; choose one with "
-            "--output (an index, a key or an attribute)",
-            source="--output",
+            "`selector` (an index, a key or an attribute)",
+            source="selector",
         )
     return chosen
 

@@ -304,7 +304,7 @@ class CifarResNet(nn.Module):
 # Argument schemas
 # --------------------------------------------------------------------------------------------
 
-_ARGS_OPTION = "--arch-args"
+_ARGS_PARAMETER = "model_args"  # the args of a model spec, as TrainConfig.model_args
 
 
 @dataclass(frozen=True)
@@ -395,7 +395,7 @@ _IMAGE_MODELS = frozenset({"cnn", "vgg-small", "resnet"})
 
 
 def _bad(message: str) -> UsageError:
-    return UsageError(message, source=_ARGS_OPTION)
+    return UsageError(message, source=_ARGS_PARAMETER)
 
 
 def _show_number(value: float) -> str:
@@ -495,24 +495,22 @@ def _check_architecture(name: str, args: dict[str, Any]) -> None:
 
 
 def _unknown_model(name: Any) -> UsageError:
-    return UsageError(
-        f"unknown model {name!r}; accepted: {', '.join(MODEL_NAMES)}", source="--model"
-    )
+    return UsageError(f"unknown model {name!r}; accepted: {', '.join(MODEL_NAMES)}", source="model")
 
 
 def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Check a model spec and return its canonical complete form ``{"name", "args"}``.
 
     Missing optional args take their defaults; required args (input size, classes) must be
-    present. Unknown model -> ``UsageError(source="--model")``; unknown, missing or out-of-range
-    args -> ``UsageError(source="--arch-args")``; a bad activation ->
-    ``UsageError(source="--activation")``. Callers reading a checkpoint may re-raise as
+    present. Unknown model -> ``UsageError(source="model")``; unknown, missing or out-of-range
+    args -> ``UsageError(source="model_args")``; a bad activation ->
+    ``UsageError(source="activation")``. Callers reading a checkpoint may re-raise as
     ``InputError`` naming the file.
     """
     if not isinstance(spec, dict) or "name" not in spec:
         raise UsageError(
             f"a model spec is a JSON object {{'name': ..., 'args': {{...}}}}, got {spec!r}",
-            source="--model",
+            source="model",
         )
     name = spec["name"]
     if not isinstance(name, str) or name not in _MODEL_ARGS:
@@ -546,7 +544,7 @@ def default_model_args(
     ``mlp`` takes ``in_features = prod(input_shape)``; image models need ``input_shape = (C, H, W)``
     and take ``in_channels = C``, ``image_size = H`` (or ``[H, W]``). ``overrides`` set any other
     argument (``None`` values are ignored); overriding a data-derived argument with a different
-    value raises ``UsageError(source="--arch-args")``, as do unknown or bad arguments.
+    value raises ``UsageError(source="model_args")``, as do unknown or bad arguments.
     """
     if not isinstance(name, str) or name not in _MODEL_ARGS:
         raise _unknown_model(name)
@@ -556,8 +554,8 @@ def default_model_args(
         if len(shape) != 3:
             raise UsageError(
                 f"model {name!r} needs image inputs of shape (channels, height, width); the data's "
-                f"examples have shape {shape}; use --model mlp",
-                source="--model",
+                f"examples have shape {shape}; use `model=mlp`",
+                source="model",
             )
         channels, height, width = shape
         derived["in_channels"] = channels
@@ -739,12 +737,12 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
 
 def final_linear(
-    model: nn.Module, *, source: str = "--params", missing: str | None = None
+    model: nn.Module, *, source: str = "params", missing: str | None = None
 ) -> tuple[str, nn.Linear]:
     """The classifier head: the last ``nn.Linear`` in ``named_modules()`` order, as ``(name, module)``.
 
     Its input is the penultimate representation ``h^(L-1)`` (AD Theorem 2, the activation-decay
-    penalty) and its parameters are the scope ``--params last`` (AD Corollary 1 bound on the
+    penalty) and its parameters are the scope ``params="last"`` (AD Corollary 1 bound on the
     final layer). The one place that finds the head: analyses, scopes and training steps call it.
     Raises ``UsageError(source=source)`` when the model has no ``nn.Linear``, with the message
     ``missing`` when given (what the caller needed the head for).

@@ -166,7 +166,7 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
     import pandas as pd
 
     if not paths:
-        raise UsageError("give at least one report", source="REPORT")
+        raise UsageError("give at least one report", source="paths")
     rows, seen = [], set()
     for path, name in zip(paths, run_names(paths)):
         report = read_report(path)
@@ -181,7 +181,7 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
     if columns:
         unknown = [c for c in columns if c not in CANONICAL and c not in seen]
         if unknown:
-            raise UsageError(f"unknown column {', '.join(unknown)}", source="--columns")
+            raise UsageError(f"unknown column {', '.join(unknown)}", source="columns")
         frame = frame[["run"] + [c for c in columns if c != "run"]]
     else:
         keep = [c for c in CANONICAL if c in ("run", "command") or frame[c].notna().any()]
@@ -191,7 +191,7 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
         key = sort.lstrip("-")
         if key not in frame.columns:
             raise UsageError(
-                f"cannot sort by {key!r}; columns: {', '.join(frame.columns)}", source="--sort"
+                f"cannot sort by {key!r}; columns: {', '.join(frame.columns)}", source="sort"
             )
         frame = frame.sort_values(key, ascending=not descending, kind="stable", na_position="last")
     return frame.reset_index(drop=True)
@@ -216,4 +216,4 @@ def render(frame, fmt: str) -> str:
         return "\n".join(lines) + "\n"
     if fmt == "json":
         return frame.to_json(orient="records", indent=2) + "\n"
-    raise UsageError(f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", source="--format")
+    raise UsageError(f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", source="fmt")

@@ -11,8 +11,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from sharpcli.atomic import atomic_path
 from sharpcli.errors import UsageError
-from sharpcli.io.atomic import atomic_path
 
 FIGSIZE = (8.0, 5.0)
 DPI = 120
@@ -162,8 +162,8 @@ def plot_compare_scatter(
     if not points:
         plt.close(fig)
         raise UsageError(
-            f"no run has both {x} and {y}: nothing to plot (choose other --plot-x/--plot-y)",
-            source="--plot",
+            f"no run has both {x} and {y}: nothing to plot (choose other `plot_x`/`plot_y`)",
+            source="plot",
         )
     ax.scatter([p[0] for p in points], [p[1] for p in points])
     for px, py, label in points:

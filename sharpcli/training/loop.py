@@ -123,31 +123,31 @@ def history_csv_path_for(out: str | Path) -> Path:
 
 def validate_config(cfg: TrainConfig) -> None:
     if cfg.epochs < 1:
-        raise UsageError("must be at least 1", source="--epochs")
+        raise UsageError("must be at least 1", source="epochs")
     if cfg.batch_size < 1:
-        raise UsageError("must be at least 1", source="--batch-size")
+        raise UsageError("must be at least 1", source="batch_size")
     if cfg.optimizer not in OPTIMIZERS:
         raise UsageError(
             f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}",
-            source="--optimizer",
+            source="optimizer",
         )
     if cfg.schedule not in SCHEDULES:
         raise UsageError(
             f"unknown schedule {cfg.schedule!r}; accepted: {', '.join(SCHEDULES)}",
-            source="--schedule",
+            source="schedule",
         )
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise UsageError("must be a positive number", source="--lr")
+        raise UsageError("must be a positive number", source="lr")
     if not (0.0 <= cfg.label_noise < 1.0):
-        raise UsageError("must be in [0, 1)", source="--label-noise")
+        raise UsageError("must be in [0, 1)", source="label_noise")
     if cfg.repeat_batch < 1:
-        raise UsageError("must be at least 1", source="--repeat-batch")
+        raise UsageError("must be at least 1", source="repeat_batch")
     if cfg.noise_finetune < 0:
-        raise UsageError("must be >= 0", source="--noise-finetune")
+        raise UsageError("must be >= 0", source="noise_finetune")
     if cfg.input_noise < 0:
-        raise UsageError("must be >= 0", source="--input-noise")
+        raise UsageError("must be >= 0", source="input_noise")
     if cfg.track_every < 1:
-        raise UsageError("must be at least 1", source="--track-every")
+        raise UsageError("must be at least 1", source="track_every")
 
 
 def apply_label_noise(
@@ -247,7 +247,7 @@ def train(
     from sharpcli.training.regularizers import parse_reg, validate_combination
 
     validate_config(cfg)
-    out = check_writable(out, "--out")
+    out = check_writable(out, "out")
     state_file = state_path_for(out)
     regs = [parse_reg(r) for r in cfg.regs]
     validate_combination(regs)
@@ -352,8 +352,8 @@ def _build_model(
         if overrides:
             raise UsageError(
                 f"changes the model's arguments ({', '.join(overrides)}), which a "
-                "--model-factory model does not take: build that into your factory",
-                source="--reg",
+                "`model_factory` model does not take: build that into your factory",
+                source="regs",
             )
         model = factory_from_string(cfg.model_factory, cfg.model_args)
         model_spec = {"name": FACTORY_PREFIX + cfg.model_factory, "args": dict(cfg.model_args)}
@@ -408,9 +408,9 @@ def _place_splits(
 def _refuse_input_perturbations(cfg: TrainConfig) -> None:
     """UsageError on the first option that perturbs input features (they are integer token ids)."""
     for option, value in (
-        ("--input-noise", cfg.input_noise),
-        ("--noise-finetune", cfg.noise_finetune),
-        ("--augment", cfg.augment),
+        ("input_noise", cfg.input_noise),
+        ("noise_finetune", cfg.noise_finetune),
+        ("augment", cfg.augment),
     ):
         if value:
             raise UsageError(
@@ -474,7 +474,7 @@ def _restore_state(run: _Run, state_file: Path) -> None:
     """
     if not state_file.exists():
         raise InputError(
-            "no resumable state for this output; run without --resume first",
+            "no resumable state for this output; run without `resume` first",
             source=str(state_file),
         )
     try:
@@ -508,7 +508,7 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
         )
         raise UsageError(
             f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
-            source="--resume",
+            source="resume",
         )
 
 
@@ -611,7 +611,7 @@ def _optimizer_step(run: _Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, s
     if not math.isfinite(stats.objective):
         raise NumericalError(
             f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
-            "lower --lr or the regularizer strength",
+            "lower `lr` or the regularizer strength",
             source="train",
         )
     run.optimizer.step()
@@ -717,7 +717,7 @@ def check_data_parallel_regs(regs) -> None:
         raise UsageError(
             f"cannot train data-parallel with {', '.join(refused)} ({reasons}); "
             "run it in one process",
-            source="--reg",
+            source="regs",
         )
 
 

@@ -68,7 +68,8 @@ __all__ = [
     "describe_registry",
 ]
 
-_OPTION = "--reg"
+# The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
+_PARAMETER = "regs"
 
 
 # --------------------------------------------------------------------------- hyper-parameters
@@ -108,32 +109,35 @@ class HyperParam:
             if value not in self.choices:
                 raise UsageError(
                     f"{reg_name}: {self.name} must be one of {', '.join(str(c) for c in self.choices)}; got {raw!r}",
-                    source=_OPTION,
+                    source=_PARAMETER,
                 )
             return value
         try:
             number = float(raw)
         except ValueError:
             raise UsageError(
-                f"{reg_name}: {self.name} must be a number; got {raw!r}", source=_OPTION
+                f"{reg_name}: {self.name} must be a number; got {raw!r}", source=_PARAMETER
             ) from None
         if not math.isfinite(number):
-            raise UsageError(f"{reg_name}: {self.name} must be finite; got {raw!r}", source=_OPTION)
+            raise UsageError(
+                f"{reg_name}: {self.name} must be finite; got {raw!r}", source=_PARAMETER
+            )
         if self.kind == "int":
             if not number.is_integer():
                 raise UsageError(
-                    f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_OPTION
+                    f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_PARAMETER
                 )
             number = int(number)
         if self.positive and number <= 0:
-            raise UsageError(f"{reg_name}: {self.name} must be > 0; got {raw!r}", source=_OPTION)
+            raise UsageError(f"{reg_name}: {self.name} must be > 0; got {raw!r}", source=_PARAMETER)
         if self.minimum is not None and number < self.minimum:
             raise UsageError(
-                f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}", source=_OPTION
+                f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}",
+                source=_PARAMETER,
             )
         if self.below is not None and number >= self.below:
             raise UsageError(
-                f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_OPTION
+                f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_PARAMETER
             )
         return number
 
@@ -182,7 +186,7 @@ class Regularizer:
         if unknown:
             raise UsageError(
                 f"{self.name}: unknown hyper-parameter {unknown[0]!r}; accepted: {_accepted_params(self)}",
-                source=_OPTION,
+                source=_PARAMETER,
             )
         self.params: dict[str, Any] = {}
         for h in self.HYPERPARAMS:
@@ -990,7 +994,7 @@ def describe_registry() -> list[dict[str, Any]]:
 def parse_reg(text: str) -> Regularizer:
     """Parse one ``--reg`` value: ``NAME``, ``NAME:v1,v2`` (positional in the documented
     order), ``NAME:k=v,...`` or a mix (positional first). Missing hyper-parameters take
-    their defaults. Raises UsageError(source="--reg") listing the accepted names for an
+    their defaults. Raises UsageError(source="regs") listing the accepted names for an
     unknown regularizer and the accepted hyper-parameters for an unknown or bad one."""
     raw = text.strip()
     name, _, body = raw.partition(":")
@@ -999,7 +1003,7 @@ def parse_reg(text: str) -> Regularizer:
         shown = name or raw
         raise UsageError(
             f"unknown regularizer {shown!r}; accepted: {', '.join(REGISTRY)}",
-            source=_OPTION,
+            source=_PARAMETER,
         )
     cls = REGISTRY[name]
     given: dict[str, str] = {}
@@ -1009,7 +1013,7 @@ def parse_reg(text: str) -> Regularizer:
         if not item:
             raise UsageError(
                 f"{name}: empty hyper-parameter in {raw!r}; accepted: {_accepted_params(cls)}",
-                source=_OPTION,
+                source=_PARAMETER,
             )
         if "=" in item:
             key, _, value = item.partition("=")
@@ -1018,22 +1022,23 @@ def parse_reg(text: str) -> Regularizer:
             if key not in {h.name for h in cls.HYPERPARAMS}:
                 raise UsageError(
                     f"{name}: unknown hyper-parameter {key!r}; accepted: {_accepted_params(cls)}",
-                    source=_OPTION,
+                    source=_PARAMETER,
                 )
         else:
             if seen_keyword:
                 raise UsageError(
-                    f"{name}: positional value {item!r} after a keyword in {raw!r}", source=_OPTION
+                    f"{name}: positional value {item!r} after a keyword in {raw!r}",
+                    source=_PARAMETER,
                 )
             if position >= len(cls.HYPERPARAMS):
                 raise UsageError(
                     f"{name} takes at most {len(cls.HYPERPARAMS)} positional hyper-parameter(s) "
                     f"({_accepted_params(cls)}); got {len(items)} in {raw!r}",
-                    source=_OPTION,
+                    source=_PARAMETER,
                 )
             key, value = cls.HYPERPARAMS[position].name, item
         if key in given:
-            raise UsageError(f"{name}: {key} given twice in {raw!r}", source=_OPTION)
+            raise UsageError(f"{name}: {key} given twice in {raw!r}", source=_PARAMETER)
         given[key] = value.strip()
     return cls(**given)
 
@@ -1044,14 +1049,14 @@ def validate_combination(regs: Sequence[Regularizer]) -> None:
     seen: set[str] = set()
     for reg in regs:
         if reg.name in seen and reg.name != "none":
-            raise UsageError(f"{reg.name} given more than once", source=_OPTION)
+            raise UsageError(f"{reg.name} given more than once", source=_PARAMETER)
         seen.add(reg.name)
     oracles = [r.name for r in regs if r.kind == "oracle"]
     if len(oracles) > 1:
         accepted = ", ".join(n for n, c in REGISTRY.items() if c.kind == "oracle")
         raise UsageError(
             f"at most one perturbation regularizer ({accepted}) per run; got {', '.join(oracles)}",
-            source=_OPTION,
+            source=_PARAMETER,
         )
 
 

@@ -151,7 +151,7 @@ def set_penultimate(model: nn.Module, module_name: str) -> None:
         names = ", ".join(n for n in list(modules)[1:9])
         raise UsageError(
             f"the model has no submodule {module_name!r} (modules: {names}, ...)",
-            source="--penultimate",
+            source="penultimate",
         )
     _MODEL_FACTS.setdefault(model, {})["head"] = (modules[module_name], "output")
 
@@ -168,9 +168,9 @@ def _model_facts(model: nn.Module, key: str):
         if key == "head":
             head = final_linear(
                 model,
-                source="--reg",
+                source="regs",
                 missing="activation decay needs a final nn.Linear layer (its input is the "
-                f"penultimate activation) or --penultimate MODULE; the model "
+                f"penultimate activation) or `penultimate` (a module name); the model "
                 f"{type(model).__name__} has neither",
             )[1]
             facts[key] = (head, "input")
@@ -360,7 +360,7 @@ class StepEngine:
         self.generator = generator
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
-            raise UsageError("the model has no trainable parameters", source="--reg")
+            raise UsageError("the model has no trainable parameters", source="regs")
         self.grad_evals = 0
         device = self.params[0].device
         self._rng = _RngReplay(device)
@@ -494,7 +494,7 @@ class StepEngine:
             raise NumericalError(
                 f"the training objective became {objective_value} (regularizers: {names}); "
                 "lower the learning rate or the regularization strength",
-                source="--reg",
+                source="regs",
             )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:

@@ -44,25 +44,25 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
     grid: dict[str, list[float]] = {}
     for item in items:
         if "=" not in item:
-            raise UsageError(f"{item!r} is not NAME=V1,V2,...", source="--grid")
+            raise UsageError(f"{item!r} is not NAME=V1,V2,...", source="grid")
         name, values = item.split("=", 1)
         if (
             name.strip() in grid
         ):  # a second --grid NAME=... would silently replace the first's values
             raise UsageError(
                 f"{name.strip()!r} is given twice; list all its values in one NAME=V1,V2,...",
-                source="--grid",
+                source="grid",
             )
         try:
             grid[name.strip()] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
-            raise UsageError(f"{item!r}: values must be numbers", source="--grid") from None
+            raise UsageError(f"{item!r}: values must be numbers", source="grid") from None
         if not grid[name.strip()]:
-            raise UsageError(f"{item!r} has no values", source="--grid")
+            raise UsageError(f"{item!r} has no values", source="grid")
         if len(set(grid[name.strip()])) != len(grid[name.strip()]):  # same run name twice
-            raise UsageError(f"{item!r} repeats a value", source="--grid")
+            raise UsageError(f"{item!r} repeats a value", source="grid")
     if not grid:
-        raise UsageError("give at least one NAME=V1,V2,...", source="--grid")
+        raise UsageError("give at least one NAME=V1,V2,...", source="grid")
     return grid
 
 
@@ -141,7 +141,7 @@ def _check_sweep(reg: str, grid: dict, seeds: list[int], extra_regs) -> list[dic
     from sharpcli.training.regularizers import parse_reg
 
     if not seeds:
-        raise UsageError("give at least one seed", source="--seeds")
+        raise UsageError("give at least one seed", source="seeds")
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     for point in points:
         parse_reg(_reg_spec(reg, point))

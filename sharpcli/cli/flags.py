@@ -1,0 +1,139 @@
+"""Library parameter names -> the flags of the running command, in one place.
+
+Below ``cli/`` an error speaks in parameters (:mod:`sharpcli.errors`): a
+``UsageError(message, source="max_matvecs")`` names the library parameter it is about, and a
+message refers to a parameter in backticks, alone or with a value: ``"raise `max_matvecs`"``,
+``"use `engine=native`"``. A library caller reads them as they are. When such an error reaches
+the CLI's error reporting (:func:`sharpcli.cli.common.run_command`, :func:`sharpcli.cli.app.main`),
+:func:`to_cli_error` spells them as the running command's flags: source ``--max-matvecs``,
+``"raise --max-matvecs"``, ``"use --engine native"``.
+
+The mapping comes from the click commands themselves: each parameter's python ``name`` and its
+``opts`` (``top_k`` -> ``--top-k``), those of the running command first, then those of any
+command of the app (a checkpoint's model error names ``--model`` in ``eigen`` too). A new option
+therefore needs no entry here; :data:`LIBRARY_ALIASES` lists only the library parameters whose
+name differs from the CLI parameter that sets them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from sharpcli.errors import SharpError
+
+# Library parameter -> the CLI parameter (python name) that sets it, where the names differ.
+# Looked up after the name itself, so a command with an option of the library's own name
+# (bound-check's --sigma) keeps it.
+LIBRARY_ALIASES = {
+    "k": "top_k",  # curvature.lanczos(op, k), power_iteration(op, k)
+    "top_n": "top_k",  # curvature.pyhessian_engine.pyhessian_eigenvalues(top_n=)
+    "max_iter": "max_matvecs",  # power_iteration, pyhessian_eigenvalues, pyhessian_trace
+    "lanczos_steps": "steps",  # curvature.spectral_density (density --steps)
+    "sigma": "broadening",  # curvature.spectral_density (density --broadening)
+    "sigmas": "sigma",  # analyses.bounds.BoundCheckConfig
+    "checks": "check",  # BoundCheckConfig
+    "epsilon_kind": "epsilon",  # BoundCheckConfig
+    "mc_pairs": "mc_samples",  # BoundCheckConfig, theorem2_check
+    "pairs": "noise_pairs",  # analyses.bounds.noise_stability_check
+    "alphas": "alpha",  # analyses.rescale.weight_rescale
+    "condition": "fail_if",  # report.gate.parse_gate
+    "selector": "output",  # models.outputs.select_output (session: output)
+    "spec": "data",  # io.datasets.load_dataset(spec) and the data spec's parts
+    "model_args": "arch_args",  # models.zoo (train has --model-args; analyses --arch-args)
+    "regs": "reg",  # training: TrainConfig.regs, training_step(regs), parse_reg
+}
+
+# `name` or `name=value` in a message: a library parameter, optionally with its value.
+_PARAMETER_IN_TEXT = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)(?:=([^`]*))?`")
+
+
+def _long_flag(param) -> str | None:
+    """``--top-k`` for the option ``top_k`` (its first long flag); None for an argument."""
+    opts = [o for o in getattr(param, "opts", ()) if o.startswith("-")]
+    if getattr(param, "param_type_name", None) != "option" or not opts:
+        return None
+    return next((o for o in opts if o.startswith("--")), opts[0])
+
+
+def _flags(command) -> dict[str, str]:
+    """python name -> flag of every option of a click command."""
+    found = {}
+    for param in getattr(command, "params", ()):
+        flag = _long_flag(param)
+        if flag is not None and param.name:
+            found[param.name] = flag
+    return found
+
+
+class FlagSpelling:
+    """How the running command (``command``) spells library parameters, from the commands of
+    the app (``commands``; click command objects)."""
+
+    def __init__(self, command, commands):
+        self.own = _flags(command) if command is not None else {}
+        self.anywhere: dict[str, str] = {}
+        for other in commands:
+            for name, flag in _flags(other).items():
+                self.anywhere.setdefault(name, flag)
+
+    def flag(self, name: str) -> str | None:
+        """The flag of library parameter ``name``, or None when no option sets it."""
+        candidates = (name, LIBRARY_ALIASES.get(name))
+        for table in (self.own, self.anywhere):
+            for candidate in candidates:
+                if candidate in table:
+                    return table[candidate]
+        return None
+
+    def text(self, message: str) -> str:
+        """``message`` with each known `name` / `name=value` spelled ``--flag`` / ``--flag value``."""
+
+        def spell(match: re.Match) -> str:
+            flag = self.flag(match.group(1))
+            if flag is None:
+                return match.group(0)
+            value = match.group(2)
+            return flag if value is None else f"{flag} {value}"
+
+        return _PARAMETER_IN_TEXT.sub(spell, message)
+
+
+def _running_commands(command_name: str | None):
+    """(the running click command, every command of the app): from click's context inside a
+    command; from the app's command tree before one runs (``command_name`` from argv)."""
+    try:
+        from typer.main import get_current_context  # typer's click
+    except ImportError:  # pragma: no cover - a typer that uses the click package
+        from click import get_current_context
+    context = get_current_context(silent=True)
+    if context is not None:
+        root = context.find_root().command
+        commands = list(getattr(root, "commands", {}).values()) or [context.command]
+        return context.command, commands
+    import typer.main
+
+    from sharpcli.cli.app import app
+
+    group = typer.main.get_command(app)
+    commands = getattr(group, "commands", {})
+    return commands.get(command_name), list(commands.values())
+
+
+def to_cli_error(err: SharpError, command_name: str | None = None) -> SharpError:
+    """``err`` with its parameter names spelled as the running command's flags (in place).
+
+    The source is rewritten when it names a known parameter and is not a path
+    (``source_is_path``: InputError, OutputPathError); the message's `name` references for
+    every error. An error another rank raised (``propagated``) was rewritten there. Unknown
+    names are left as the library wrote them.
+    """
+    if getattr(err, "propagated", False):
+        return err
+    spelling = FlagSpelling(*_running_commands(command_name))
+    if not err.source_is_path and isinstance(err.source, str):
+        err.source = spelling.flag(err.source) or err.source
+    message = spelling.text(err.message)
+    if message != err.message:
+        err.message = message
+        err.args = (message,)
+    return err
