@@ -237,10 +237,7 @@ def run_command(
         if json_path is not None:
             try:
                 write_text_atomic(json_path, dumps(outcome.report))
-            except OSError as exc:
-                err = UsageError(
-                    f"cannot write the report ({exc.strerror or exc})", source=json_path
-                )
+            except SharpError as err:  # a failed write names the file
                 _report_error(command, None, err)
                 raise typer.Exit(err.exit_code) from None
         if not quiet and outcome.render is not None:
@@ -281,7 +278,7 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
     elif json_path is not None:
         try:
             write_text_atomic(json_path, dumps(error_document(command, err)))
-        except OSError:
+        except (OSError, SharpError):
             pass
     return err
 

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.atomic import atomic_path
+from sharpcli.io import ledger
+from sharpcli.io.atomic import write_bytes_atomic
 
 FORMAT_VERSION = "1"
 META_FORMAT = "sharpcli.format"
@@ -118,8 +119,11 @@ def save_checkpoint(
     train_config: dict | None = None,
     metrics: dict | None = None,
 ) -> str:
-    """Write ``model``'s state_dict with sharpcli metadata atomically; return its sha256."""
-    from safetensors.torch import save_file
+    """Write ``model``'s state_dict with sharpcli metadata atomically; return its sha256.
+
+    The file is staged in the publication in effect (:mod:`sharpcli.io.atomic`): under a command
+    it appears with the command's other outputs at its end, so the digest is of the bytes."""
+    from safetensors.torch import save
 
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     metadata = {
@@ -129,9 +133,9 @@ def save_checkpoint(
         META_TRAIN: json.dumps(train_config, sort_keys=True),
         META_METRICS: json.dumps(metrics, sort_keys=True),
     }
-    with atomic_path(path) as tmp:
-        save_file(state, str(tmp), metadata=metadata)
-    return sha256_file(path)
+    data = save(state, metadata=metadata)
+    write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _read_safetensors(path: Path) -> tuple[dict, dict]:
@@ -640,6 +644,7 @@ def load_checkpoint(
         raise InputError("no such file", source=str(p))
     if p.is_dir():
         raise InputError("is a folder, not a checkpoint file", source=str(p))
+    ledger.record_input(p, "the checkpoint")
     suffix = p.suffix.lower()
     digest = sha256_file(p)
     override = arch is not None or model_factory is not None

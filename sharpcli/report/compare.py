@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io import ledger
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
 CANONICAL = (
@@ -44,6 +45,7 @@ def read_report(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", source=str(p))
+    ledger.record_input(p, "a compared report")
     try:
         report = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
