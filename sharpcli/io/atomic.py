@@ -85,7 +85,7 @@ class _Sink:
 
 
 def _write_error(target: Path, exc: OSError) -> UsageError:
-    return UsageError(f"cannot write ({exc.strerror or exc})", source=str(target))
+    return UsageError(f"cannot write {target} ({exc.strerror or exc})", source=str(target))
 
 
 def _open_temp(real: Path) -> tuple[int, str]:
