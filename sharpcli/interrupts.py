@@ -20,7 +20,7 @@ is imported. The handler then, per :func:`mode`:
 
 A second signal while the first is still being handled (a hung cleanup, or an
 ``Interrupted`` that some library swallowed) removes the live temporary files
-(:func:`at_hard_exit` callbacks) and exits at once. :func:`check` refuses to publish once any
+(:func:`at_interrupt` callbacks) and exits at once. :func:`check` refuses to publish once any
 signal arrived, and :func:`blocked` holds both signals at the OS level while finished files are
 renamed onto their paths, so a group of files is never half published.
 
@@ -45,9 +45,10 @@ _state: dict = {
     "signum": None,
     "reported": False,
     "command": None,
+    "installed_mode": "defer",
 }
 _previous: dict = {}
-_hard_exit_callbacks: list[Callable[[], None]] = []
+_cleanups: list[Callable[[], None]] = []
 
 
 class Interrupted(BaseException):
@@ -79,6 +80,7 @@ def install(mode: str = "defer", command: str | None = None) -> bool:
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return False
     _state.update(installed=True, mode=mode, signum=None, reported=False, command=command)
+    _state["installed_mode"] = mode
     for signum in SIGNALS:  # a signal pending since start-up is recorded as soon as one is in
         if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored by the parent: stays so
             _previous[signum] = signal.signal(signum, _handler)
@@ -108,9 +110,10 @@ def mode() -> str:
     return _state["mode"]
 
 
-def at_hard_exit(callback: Callable[[], None]) -> None:
-    """Run ``callback`` (best effort, e.g. remove temporary files) before a hard exit."""
-    _hard_exit_callbacks.append(callback)
+def at_interrupt(callback: Callable[[], None]) -> None:
+    """Run ``callback`` (best effort: remove temporary files) when an interrupted run is
+    reported (:func:`report`), and before a hard exit."""
+    _cleanups.append(callback)
 
 
 def check() -> None:
@@ -134,10 +137,11 @@ def done() -> None:
 
 
 def finishing() -> None:
-    """The command returned (its status is decided): a signal now exits at once, unless the
-    command published its files (``done``), which no signal undoes."""
+    """The command returned (its status is decided): back to the start-up mode (``exit`` for
+    the ``sharp`` process: a signal exits at once), unless the command published its files
+    (``done``), which no signal undoes."""
     if _state["installed"] and _state["mode"] != "done":
-        _state["mode"] = "exit"
+        _state["mode"] = _state["installed_mode"]
 
 
 @contextlib.contextmanager
@@ -155,7 +159,9 @@ def blocked() -> Iterator[None]:
 
 
 def report(command: str | None, signum: int) -> int:
-    """Print the one stderr line of an interrupted run (once); return its exit status."""
+    """Clean up (:func:`at_interrupt`), print the one stderr line of an interrupted run (once);
+    return its exit status."""
+    _run_cleanups()
     if not _state["reported"]:
         _state["reported"] = True
         command = command or _state["command"]
@@ -182,10 +188,12 @@ def _handler(signum, frame) -> None:
         raise Interrupted(signum)
 
 
-def _hard_exit(signum: int) -> None:
-    """Start-up or a second signal: remove live temporaries, print the line (once), exit now."""
-    for callback in _hard_exit_callbacks:
+def _run_cleanups() -> None:
+    for callback in _cleanups:
         with contextlib.suppress(Exception):
             callback()
-    code = report(None, signum)
-    os._exit(code)
+
+
+def _hard_exit(signum: int) -> None:
+    """Start-up or a second signal: remove live temporaries, print the line (once), exit now."""
+    os._exit(report(None, signum))

@@ -19,7 +19,7 @@ Every file the tool writes goes through a :class:`Publication`:
 :func:`publication` gives the publication in effect: the CLI opens one per command
 (``run_command``), so everything a command writes is published at its end; a library call
 outside any opens its own, which commits when the call's ``with`` block ends. Temporary files
-on disk are listed in ``_LIVE`` so that a hard exit on a second signal removes them too.
+on disk are listed in ``_LIVE``: an interrupted run removes any that an exception did not.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def remove_live_temps() -> None:
         _LIVE.discard(name)
 
 
-interrupts.at_hard_exit(remove_live_temps)
+interrupts.at_interrupt(remove_live_temps)
 
 
 class _Sink:
@@ -164,6 +164,9 @@ class Publication:
                 _fill(fd, target, write)
             finally:
                 os.close(fd)
+        except OSError as exc:  # the close itself failed (a network file system flushing late)
+            _unlink(tmp)
+            raise _write_error(target, exc) from exc
         except BaseException:
             _unlink(tmp)
             raise
