@@ -1,6 +1,68 @@
-"""``python -m sharpcli`` is the same as the ``sharp`` command."""
+"""``python -m sharpcli`` and the ``sharp`` console script: the process around the command.
 
-from sharpcli.cli.app import main
+Two things happen here, before anything heavy (typer, numpy, torch: about 2 s) is imported:
+
+- SIGINT and SIGTERM handling is installed (:mod:`sharpcli.interrupts`), so that a Ctrl-C or a
+  ``timeout``/Slurm/Docker SIGTERM at any moment, the imports included, ends the run with one
+  line and exit status 130 or 143, and replaces no output;
+- a standard stream the caller closed (``sharp ... 1>&-``) is reopened onto /dev/null, so that
+  no file the command opens takes its descriptor (a checkpoint opened as descriptor 1 would
+  receive whatever is printed); writing to a closed stdout then counts as a reader gone away
+  (exit 141, :func:`sharpcli.cli.common.run_command`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+
+class _ClosedStream:
+    """``sys.stdout`` when the caller closed descriptor 1: every write fails as a closed pipe."""
+
+    def write(self, text) -> int:
+        if text:
+            raise BrokenPipeError(errno.EPIPE, "stdout is closed")
+        return 0
+
+    def flush(self) -> None:
+        return None
+
+    def fileno(self) -> int:
+        return 1
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _reopen_closed_streams() -> None:
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: ``fd``
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            if fd == 1:
+                sys.stdout = _ClosedStream()
+            elif fd == 2:  # Python set sys.stderr to None; print(file=None) would go to stdout
+                sys.stderr = open(2, "w", closefd=False)
+
+
+def main() -> None:
+    """Install signal handling and repair closed streams, then run :func:`sharpcli.cli.app.main`."""
+    from sharpcli import interrupts
+
+    args = sys.argv[1:]
+    command = args[0] if args and not args[0].startswith("-") else None
+    interrupts.install("exit", command)  # until the command body starts: nothing written yet
+    _reopen_closed_streams()
+    from sharpcli.cli.app import main as app_main
+
+    app_main()
+
 
 if __name__ == "__main__":
     main()

@@ -478,7 +478,8 @@ def build_session(
         raise UsageError(
             f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
-    dataset = load_dataset(data_spec, label_column=label_column)
+    named_in = "the `data` file" if data is not None else f"the data named in {checkpoint}"
+    dataset = load_dataset(data_spec, label_column=label_column, what=named_in)
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 

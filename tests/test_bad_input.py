@@ -12,8 +12,16 @@ range, an empty set, contradictory options, an unwritable output path, a pickle 
   error object ``{"schema", "command", "version", "error": {"type", "message", "exit_code",
   "source"}}``; with ``--json -`` that object is the only thing on stdout;
 - nothing else in the output folder changes: a pre-existing ``--out`` checkpoint and ``--plot``
-  image keep their exact bytes, no temporary, state or history file is left behind, and the
-  input files are untouched.
+  image keep their exact bytes and permission bits, no temporary, state or history file is left
+  behind, and the input files are untouched; a replaced ``--json`` report keeps its mode.
+
+The section "outputs never destroy what the user has" adds the cases where the output is the
+problem: an output that is also an input (a side file ``<out>.history.csv``/``<out>.state.pt``,
+a sweep run file, the data a checkpoint's metadata names), a side file's path that is a folder,
+a disk that fills up while the state, the checkpoint, the history, the plot or the report is
+written (``disk_full``: writes to those temporaries fail with ENOSPC). Further down, outside the
+table, the guarantees on successful runs (modes, devices, FIFOs), signals (subprocesses sent
+SIGINT/SIGTERM) and a closed stdout.
 
 Where the product misses the contract a case is marked ``xfail(strict=True)`` with the
 observed behaviour as its reason, so a fix flips it to a (strict) failure and the mark must go.
@@ -25,6 +33,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -46,7 +59,7 @@ from fixtures.make_checkpoint_fixtures import (
     write_pickled_module,
 )
 from sharpcli import SCHEMA_ID, __version__
-from sharpcli.io.checkpoints import save_checkpoint
+from sharpcli.io.checkpoints import load_checkpoint, save_checkpoint
 from sharpcli.models import build_model
 
 DATA = "blobs:n=64"  # dim 16, 4 classes: the own checkpoints' data, 48 train samples
@@ -71,6 +84,8 @@ class Case:
     json: bool = True
     xfail: str | None = None
     needs_non_root: bool = False  # a read-only folder stops only non-root users
+    setup: str | None = None  # a SETUPS entry that adds files to the output folder first
+    disk_full: str | None = None  # regex: writes to matching temporaries fail with ENOSPC
 
 
 C = Case
@@ -793,6 +808,132 @@ CASES = [
         3,
         ("not finite",),
     ),
+    # ------------------------------------------------------------------ outputs never destroy what the user has
+    # an output that is also an input: side files, sweep run files, data named in metadata
+    C(
+        "train-history-csv-is-the-data",
+        ("train", "--data", "$history", "--epochs", "1", "--out", "$out"),
+        2,
+        ("$history", "history CSV", "also an input", "--data"),
+        setup="history-is-data",
+    ),
+    C(
+        "train-state-is-the-data",
+        ("train", "--data", "$state", "--epochs", "1", "--out", "$out"),
+        2,
+        ("$state", "resumable state", "also an input", "--data"),
+        setup="state-is-data",
+    ),
+    C(
+        "eigen-json-onto-the-data-named-in-metadata",
+        ("eigen", "$meta_ckpt", "--json", "$meta_data"),
+        2,
+        ("--json", "$meta_data", "also an input", "$meta_ckpt"),
+        json=False,
+        setup="metadata-names-data",
+    ),
+    C(
+        "density-plot-onto-the-data-named-in-metadata",
+        ("density", "$meta_ckpt", "--steps", "4", "--probes", "1", "--plot", "$meta_data"),
+        2,
+        ("--plot", "$meta_data", "also an input"),
+        setup="metadata-names-data",
+    ),
+    C(
+        "sweep-data-is-its-runs-table",
+        (
+            "sweep",
+            "--reg",
+            "wd",
+            "--grid",
+            "sigma=0.1",
+            "--epochs",
+            "1",
+            "--data",
+            "$sweepdir/sweep-runs.csv",
+            "--out-dir",
+            "$sweepdir",
+        ),
+        2,
+        ("--out-dir", "$sweepdir/sweep-runs.csv", "also an input"),
+        setup="sweep-table-is-data",
+    ),
+    C(
+        "sweep-data-is-a-run-history",
+        (
+            "sweep",
+            "--reg",
+            "wd",
+            "--grid",
+            "sigma=0.1",
+            "--epochs",
+            "1",
+            "--data",
+            "$sweepdir/wd-sigma=0.1-seed0.history.csv",
+            "--out-dir",
+            "$sweepdir",
+        ),
+        2,
+        ("--out-dir", "$sweepdir/wd-sigma=0.1-seed0.history.csv", "also an input"),
+        setup="sweep-run-history-is-data",
+    ),
+    # every output path is checked before the work: the run used to exit 4 after replacing --out
+    C(
+        "train-history-csv-path-is-a-folder",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out"),
+        2,
+        ("$history", "directory"),
+        setup="history-is-a-folder",
+    ),
+    C(
+        "train-state-path-is-a-folder",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out"),
+        2,
+        ("$state", "directory"),
+        setup="state-is-a-folder",
+    ),
+    # a full disk: exit 2 naming the file (was exit 4, "internal error"); nothing replaced
+    C(
+        "disk-full-writing-the-state",
+        ("train", "--data", "blobs:n=64", "--epochs", "2", "--out", "$out", "--plot", "$plot"),
+        2,
+        ("$state", "No space left on device"),
+        setup="old-state",
+        disk_full=r"/\.out\.safetensors\.state\.pt\.[0-9a-f]{8}\.tmp$",
+    ),
+    C(
+        "disk-full-writing-the-checkpoint",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--plot", "$plot"),
+        2,
+        ("$out", "No space left on device"),
+        setup="old-state",
+        disk_full=r"/\.out\.safetensors\.[0-9a-f]{8}\.tmp$",
+    ),
+    C(
+        "disk-full-writing-the-history",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out"),
+        2,
+        ("$history", "No space left on device"),
+        setup="old-state",
+        disk_full=r"/\.out\.history\.csv\.[0-9a-f]{8}\.tmp$",
+    ),
+    C(
+        "disk-full-writing-the-plot",
+        ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", "$out", "--plot", "$plot"),
+        2,
+        ("$plot", "No space left on device"),
+        setup="old-state",
+        disk_full=r"/\.plot\.png\.[0-9a-f]{8}\.tmp$",
+    ),
+    C(
+        "disk-full-writing-the-report",
+        ("eigen", "$own", "--max-matvecs", "6", "--json", "$report"),
+        2,
+        ("$report", "No space left on device"),
+        json=False,
+        disk_full=r"/\.report\.json\.[0-9a-f]{8}\.tmp$",
+    ),
+    C("compare-a-folder", ("compare", "$fixdir"), 2, ("$fixdir", "folder")),
 ]
 
 
@@ -835,13 +976,18 @@ def test_table_covers_every_command_and_enough_cases():
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    """Name -> sha256 of every file (``"folder"`` for folders) below ``folder``: what a run must not change."""
+    """Name -> sha256 and permission bits of every file (``"folder"`` for folders) below
+    ``folder``, hidden temporaries included: what a run must not change."""
     return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(folder)): f"{hashlib.sha256(p.read_bytes()).hexdigest()} {_mode(p):o}"
         if p.is_file()
         else "folder"
         for p in sorted(folder.rglob("*"))
     }
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
 
 
 @pytest.fixture(scope="module")
@@ -1040,11 +1186,98 @@ def outdir(tmp_path) -> Path:
     """A fresh output folder with an old checkpoint, plot and report in it, and a read-only subfolder."""
     folder = tmp_path / "out"
     folder.mkdir()
-    (folder / "out.safetensors").write_bytes(OLD_OUT)
-    (folder / "plot.png").write_bytes(OLD_PLOT)
-    (folder / "report.json").write_bytes(OLD_REPORT)
+    for name, content, mode in OLD_FILES:  # modes no umask gives: a replaced file must keep its
+        (folder / name).write_bytes(content)
+        (folder / name).chmod(mode)
     (folder / "readonly").mkdir(mode=0o555)
     return folder
+
+
+OLD_FILES = (
+    ("out.safetensors", OLD_OUT, 0o640),
+    ("plot.png", OLD_PLOT, 0o604),
+    ("report.json", OLD_REPORT, 0o660),
+)
+OLD_STATE = b"an old resumable state that a failed run must not touch\n"
+
+
+def _data_csv(path: Path) -> None:
+    """20 rows of 16 features and a label in 0..3: data the tiny checkpoints and train accept."""
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame({f"f{j}": rng.standard_normal(20) for j in range(16)})
+    table.assign(label=rng.integers(0, 4, size=20)).to_csv(path, index=False)
+
+
+def _setup_metadata_names_data(folder: Path) -> None:
+    """``data.npz`` and ``meta.safetensors``, whose metadata names ``data.npz`` as its data."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, 16)).astype(np.float32)
+    np.savez(folder / "data.npz", x=x, y=rng.integers(0, 4, size=20))
+    write_own_checkpoint(folder / "meta.safetensors", tiny_mlp_spec(), str(folder / "data.npz"))
+
+
+def _setup_state_is_data(folder: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((20, 16)), dtype=torch.float32)
+    torch.save({"x": x, "y": torch.tensor(rng.integers(0, 4, size=20))}, STATE_OF(folder))
+
+
+def _setup_sweep(folder: Path, name: str) -> None:
+    (folder / "sweep").mkdir()
+    _data_csv(folder / "sweep" / name)
+
+
+def _setup_old_state(folder: Path) -> None:
+    STATE_OF(folder).write_bytes(OLD_STATE)
+    STATE_OF(folder).chmod(0o600)
+
+
+def HISTORY_OF(folder: Path) -> Path:
+    """train's history CSV beside ``$out`` (``out.safetensors``)."""
+    return folder / "out.history.csv"
+
+
+def STATE_OF(folder: Path) -> Path:
+    """train's resumable state beside ``$out``."""
+    return folder / "out.safetensors.state.pt"
+
+
+SETUPS = {
+    "history-is-data": lambda folder: _data_csv(HISTORY_OF(folder)),
+    "state-is-data": _setup_state_is_data,
+    "metadata-names-data": _setup_metadata_names_data,
+    "sweep-table-is-data": lambda folder: _setup_sweep(folder, "sweep-runs.csv"),
+    "sweep-run-history-is-data": lambda folder: _setup_sweep(
+        folder, "wd-sigma=0.1-seed0.history.csv"
+    ),
+    "history-is-a-folder": lambda folder: HISTORY_OF(folder).mkdir(),
+    "state-is-a-folder": lambda folder: STATE_OF(folder).mkdir(),
+    "old-state": _setup_old_state,
+}
+
+
+@pytest.fixture
+def disk_full(monkeypatch):
+    """``disk_full(pattern)``: from then on, ``os.write`` to a file whose path matches the regex
+    fails with ENOSPC, as on a full disk (sharpcli.atomic writes through ``os.write``)."""
+    import errno
+    import re
+
+    real_write = os.write
+
+    def arm(pattern: str) -> None:
+        def write(fd, data):
+            try:
+                name = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                name = ""
+            if re.search(pattern, name):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", write)
+
+    return arm
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -1056,6 +1289,11 @@ def expand(text: str, files: dict, outdir: Path) -> str:
         "out": str(outdir / "out.safetensors"),
         "plot": str(outdir / "plot.png"),
         "report": str(outdir / "report.json"),
+        "history": str(HISTORY_OF(outdir)),
+        "state": str(STATE_OF(outdir)),
+        "meta_ckpt": str(outdir / "meta.safetensors"),
+        "meta_data": str(outdir / "data.npz"),
+        "sweepdir": str(outdir / "sweep"),
     }
     return Template(text).substitute(names)
 
@@ -1104,9 +1342,13 @@ def check_untouched(
 
 
 @pytest.mark.parametrize("case", params())
-def test_bad_input(case: Case, files, outdir, capsys):
+def test_bad_input(case: Case, files, outdir, capsys, disk_full):
     argv = [expand(a, files, outdir) for a in case.argv]
     needles = [expand(n, files, outdir) for n in case.needles]
+    if case.setup is not None:
+        SETUPS[case.setup](outdir)
+    if case.disk_full is not None:
+        disk_full(case.disk_full)
     before, files_before = _digest(outdir), _digest(Path(files["fixdir"]))
 
     run = run_cli(capsys, *argv)
@@ -1120,6 +1362,7 @@ def test_bad_input(case: Case, files, outdir, capsys):
     run = run_cli(capsys, *argv, "--json", str(report))
     message = check_one_line(run, case, needles)
     assert report.read_bytes() != OLD_REPORT, "no JSON error object was written to --json PATH"
+    assert _mode(report) == 0o660, "the replaced report lost its permission bits"
     check_error_document(json.loads(report.read_text()), case, message)
     check_untouched(outdir, before, files_before, files, allowed_new={"report.json"})
 
@@ -1127,6 +1370,207 @@ def test_bad_input(case: Case, files, outdir, capsys):
     run = run_cli(capsys, *argv, "--json", "-")
     message = check_one_line(run, case, needles)
     check_error_document(json.loads(run.out), case, message)
+
+
+# ---------------------------------------------------------------------------------------------- outputs of runs that succeed
+
+
+@pytest.mark.parametrize(
+    "umask, old_mode",
+    [(0o022, None), (0o027, None), (0o022, 0o600), (0o077, 0o644)],
+    ids=["new-umask-022", "new-umask-027", "old-0600-kept", "old-0644-kept-under-umask-077"],
+)
+def test_written_files_follow_the_umask_or_keep_their_mode(umask, old_mode, tmp_path, capsys):
+    """Every file a run writes (checkpoint, history, state, plot, report) is created
+    ``0666 & ~umask`` like any new file (it was 0600), and a file it replaces keeps its mode."""
+    out = tmp_path / "m.safetensors"
+    written = [out, tmp_path / "m.history.csv", tmp_path / "m.safetensors.state.pt"]
+    written += [tmp_path / "curves.png", tmp_path / "report.json"]
+    if old_mode is not None:
+        for path in written:
+            path.write_bytes(OLD_OUT)
+            path.chmod(old_mode)
+    previous = os.umask(umask)
+    try:
+        run = run_cli(
+            capsys,
+            *("train", "--data", "blobs:n=64", "--epochs", "1", "--quiet"),
+            *("--out", out, "--plot", written[3], "--json", written[4]),
+        )
+    finally:
+        os.umask(previous)
+    assert run.code == 0, run.err
+    expected = old_mode if old_mode is not None else 0o666 & ~umask
+    for path in written:
+        assert path.read_bytes() != OLD_OUT, f"{path.name} was not written"
+        assert _mode(path) == expected, (path.name, oct(_mode(path)), oct(expected))
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.fixture
+def no_rename_into_dev(monkeypatch):
+    """A test that writes to /dev/null must never replace it, even when the code under test is
+    wrong (the tests run as root here): renames onto /dev fail the test instead."""
+    real_replace = os.replace
+
+    def replace(src, dst, **kwargs):
+        assert not os.path.abspath(dst).startswith("/dev/"), f"os.replace onto {dst}"
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _device_identity(path: str):
+    st = os.stat(path)
+    return stat.S_ISCHR(st.st_mode), st.st_ino, st.st_rdev, st.st_mode
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("eigen", "$own", "--max-matvecs", "6", "--json", "/dev/null"),
+        ("density", "$own", "--steps", "4", "--probes", "1", "--plot", "/dev/null", "--quiet"),
+    ],
+    ids=["json", "plot"],
+)
+def test_output_to_dev_null_leaves_the_device(argv, files, tmp_path, capsys, no_rename_into_dev):
+    """``--json /dev/null`` (or a plot there) is written into the device, never renamed over it
+    (as root the old rename replaced /dev/null by a regular file)."""
+    before = _device_identity("/dev/null")
+    run = run_cli(capsys, *[expand(a, files, tmp_path) for a in argv])
+    assert run.code == 0, run.err
+    assert _device_identity("/dev/null") == before
+    assert before[0], "/dev/null is a character device"
+
+
+def test_output_to_a_fifo_is_written_through_it(files, tmp_path, capsys):
+    """A FIFO stays a FIFO and its reader gets the whole report."""
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    run = run_cli(capsys, "eigen", files["own"], "--max-matvecs", "6", "--json", fifo)
+    reader.join(timeout=60)
+    assert run.code == 0, run.err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert json.loads(received[0])["command"] == "eigen"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.fifo"]
+
+
+def test_output_through_a_symlink_replaces_the_file_it_points_to(files, tmp_path, capsys):
+    """A symbolic link stays a link; the file it names gets the report and keeps its mode."""
+    real = tmp_path / "reports" / "report.json"
+    real.parent.mkdir()
+    real.write_bytes(OLD_REPORT)
+    real.chmod(0o640)
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    run = run_cli(capsys, "eigen", files["own"], "--max-matvecs", "6", "--json", link)
+    assert run.code == 0, run.err
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert json.loads(real.read_text())["command"] == "eigen" and _mode(real) == 0o640
+
+
+# ---------------------------------------------------------------------------------------------- signals and stdout (subprocesses)
+
+
+def _handlers_installed(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM: sharp's handlers are in (Python alone does not
+    catch SIGTERM), installed before the heavy imports start."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _sharp(*args, cwd: Path, **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "sharpcli", *map(str, args)]
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True, **popen)
+
+
+def _wait_for(condition, proc, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, "sharp ended before the signal was sent"
+        assert time.monotonic() < deadline, "timed out waiting to send the signal"
+        time.sleep(0.005)
+
+
+SIGNAL_CASES = [  # training: a process starts (torch: seconds) and trains an epoch or more
+    pytest.param("start-up", signal.SIGINT, id="sigint-while-importing"),
+    pytest.param("start-up", signal.SIGTERM, id="sigterm-while-importing"),
+    pytest.param("training", signal.SIGINT, id="sigint-while-training", marks=pytest.mark.slow),
+    pytest.param("training", signal.SIGTERM, id="sigterm-while-training", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("when, signum", SIGNAL_CASES)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_signal_stops_the_run_and_replaces_nothing(when, signum, tmp_path):
+    """SIGINT (Ctrl-C) and SIGTERM (timeout, torchrun, Docker, Slurm) while modules import or
+    while training: exit 128 + signal, one stderr line, the old checkpoint and report keep their
+    bytes and mode, no hidden temporary is left (before: a traceback, a run that trained on and
+    replaced --out, exit 4, or a 4 MB ``.*.tmp`` left behind)."""
+    out, report = tmp_path / "m.safetensors", tmp_path / "report.json"
+    for path, content, mode in ((out, OLD_OUT, 0o640), (report, OLD_REPORT, 0o660)):
+        path.write_bytes(content)
+        path.chmod(mode)
+    state = tmp_path / "m.safetensors.state.pt"
+    proc = _sharp(
+        *("train", "--data", "blobs:n=4000", "--epochs", "500", "--out", out, "--json", report),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        if when == "start-up":
+            _wait_for(lambda: _handlers_installed(proc.pid), proc)
+        else:
+            _wait_for(state.exists, proc)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, (proc.returncode, stderr)
+    assert stderr.splitlines() == [f"sharp train: interrupted by {name}"], stderr
+    assert stdout == ""
+    assert out.read_bytes() == OLD_OUT and _mode(out) == 0o640
+    assert report.read_bytes() == OLD_REPORT and _mode(report) == 0o660
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert not (tmp_path / "m.history.csv").exists()
+
+
+@pytest.mark.slow  # a process that imports torch and trains one epoch
+@pytest.mark.parametrize("how", ["reader-gone", "closed"])
+def test_stdout_without_a_reader_is_a_quiet_141(how, files, tmp_path):
+    """``sharp ... --json - | true`` (the reader closes the pipe) and ``--json - 1>&-`` end
+    quietly with 141, the status of a process SIGPIPE killed (before: exit 1, the gate's code).
+    Files are still published: ``--out`` is the new checkpoint."""
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(OLD_OUT)
+    argv = ("train", "--data", "blobs:n=64", "--epochs", "1", "--out", out, "--json", "-")
+    if how == "closed":
+        proc = _sharp(*argv, cwd=tmp_path, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+    else:
+        proc = _sharp(*argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, (proc.returncode, stderr)
+    assert stderr == ""
+    assert out.read_bytes()[:8] != OLD_OUT[:8] and load_checkpoint(out).model_spec["name"] == "mlp"
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 # ---------------------------------------------------------------------------------------------- random data contents

@@ -8,6 +8,7 @@ a JSON error object when ``--json -`` was asked) instead of a usage panel.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -73,134 +74,131 @@ def _json_requested(argv: list[str]) -> str | None:
     return found
 
 
-_OUTPUT_OPTIONS = ("--json", "--out", "--plot")
+def _other_files(argv: list[str]) -> list[str]:
+    """The tokens of ``argv`` that name existing files, except the ``--json`` value: files the
+    command may read, onto which an error object must not go before the command could tell."""
+    skip = set()
+    for i, arg in enumerate(argv):
+        if arg == "--json":
+            skip.add(i + 1)
+    tokens = [a.split("=", 1)[1] if a.startswith("--") and "=" in a else a for a in argv]
+    return [
+        t
+        for i, t in enumerate(tokens)
+        if i not in skip and not argv[i].startswith("--json=") and os.path.isfile(t)
+    ]
 
 
-def _same_file(a: str, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)  # hard links
-    except OSError:
-        return False
+def _write_json_error(argv: list[str], command: str, err) -> None:
+    """The JSON error object for an error found before a command ran (``--json -`` or PATH).
 
+    Not onto a file the command line names otherwise (``sharp eigen m.safetensors --json
+    m.safetensors --bad-option`` keeps the checkpoint)."""
+    from sharpcli import ledger
 
-def _output_clash(argv: list[str]):
-    """``(error, paths)`` when an output option names a file the command line also reads or
-    writes otherwise, else ``None``.
-
-    ``sharp eigen m.safetensors --json m.safetensors`` would replace the checkpoint by its report,
-    ``train --data d.npz --out d.npz`` the data by the model, ``train --out m --json m`` the
-    checkpoint just written by the report; every one of them "succeeds" and loses a file. Any
-    other token naming an existing file (the checkpoint, ``--data``, compared reports) counts as
-    an input. Checked before any work, so nothing is read or written.
-    """
-    from sharpcli.errors import UsageError
-
-    outputs, others = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg.partition("=")
-        if name in _OUTPUT_OPTIONS and eq:
-            outputs.append((name, value))
-        elif arg in _OUTPUT_OPTIONS and i + 1 < len(argv):
-            outputs.append((arg, argv[i + 1]))
-            i += 1
-        else:
-            others.append(value if arg.startswith("--") and eq else arg)
-        i += 1
-    seen: list[tuple[str, str]] = []
-    for option, path in outputs:
-        if path == "-":
-            continue
-        for token in others:
-            if os.path.isfile(token) and _same_file(path, token):
-                return UsageError(
-                    f"{path} is also an input of this command; writing there would destroy it",
-                    source=option,
-                ), (path, token)
-        for other_option, other in seen:
-            if _same_file(path, other):
-                return UsageError(
-                    f"{path} is also the {other_option} file; one would overwrite the other",
-                    source=option,
-                ), (path, other)
-        seen.append((option, path))
-    return None
-
-
-def _write_json_error(argv: list[str], command: str, err, avoid=()) -> None:
-    """The JSON error object for an error found before a command ran (``--json -`` or PATH)."""
     target = _json_requested(argv)
     if target == "-":
-        sys.stdout.write(common.dumps(common.error_document(command, err)))
-    elif target is not None and not any(_same_file(target, p) for p in avoid):
         try:
-            from sharpcli.atomic import check_writable, write_text_atomic
+            sys.stdout.write(common.dumps(common.error_document(command, err)))
+            sys.stdout.flush()
+        except (OSError, ValueError) as exc:
+            if not common.stdout_gone(exc):
+                raise
+            common.silence_stdout()
+    elif target is not None and not any(ledger.same_file(target, p) for p in _other_files(argv)):
+        try:
+            from sharpcli.atomic import write_text_atomic
 
-            check_writable(target, "--json")
+            ledger.check_writable(target, "--json")
             write_text_atomic(target, common.dumps(common.error_document(command, err)))
         except (OSError, SharpError):
             pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``sharp`` console script.
+def _usage_error(argv: list[str], exc) -> int:
+    """One stderr line (and the JSON error object) for click's usage errors; exit 2."""
+    from sharpcli import distributed
+    from sharpcli.errors import UsageError
 
-    Under ``torchrun`` (``WORLD_SIZE > 1``) the process group is joined first and left on exit
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
+    err = UsageError(message)
+    line = err.one_line()  # click's message already names the option
+    param = getattr(exc, "param", None)
+    opts = list(getattr(param, "opts", None) or [])
+    err.source = (opts[0] if opts else getattr(param, "name", None)) or getattr(
+        exc, "option_name", None
+    )
+    if distributed.is_main_process():
+        print(f"sharp {command}: error: {line}", file=sys.stderr)
+        _write_json_error(argv, command, err)
+    return getattr(exc, "exit_code", 2) or 2
+
+
+def _run_app(argv: list[str]) -> int:
+    """Run the Typer app on ``argv``; its exit status (see :func:`main`)."""
+    from sharpcli import interrupts
+
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    try:
+        code = app(argv, prog_name="sharp", standalone_mode=False)
+        code = code if isinstance(code, int) else 0
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except interrupts.Interrupted as exc:
+        code = interrupts.report(command, exc.signum)
+    except (KeyboardInterrupt, typer.Abort):
+        code = interrupts.report(command, interrupts.received() or signal.SIGINT)
+    except typer.exceptions.TyperException as exc:  # the vendored click's usage errors
+        code = _usage_error(argv, exc)
+    except (OSError, ValueError) as exc:  # --help or --version into a closed pipe
+        if not common.stdout_gone(exc):
+            raise
+        common.silence_stdout()
+        code = common.EXIT_STDOUT_GONE
+    signum = interrupts.received()
+    if code == 0 and signum is not None and interrupts.mode() != "done":
+        code = interrupts.report(command, signum)  # a deferred signal; nothing was published
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``sharp`` command (``sharpcli.__main__.main`` calls it).
+
+    SIGINT and SIGTERM are handled by :mod:`sharpcli.interrupts` (installed here when the
+    caller has not: in-process callers get their handlers back on return). Under ``torchrun``
+    (``WORLD_SIZE > 1``) the process group is joined first and left on exit
     (:mod:`sharpcli.distributed`); only rank 0 prints.
     """
-    from sharpcli import distributed
+    from sharpcli import distributed, interrupts
     from sharpcli.cli.flags import to_cli_error
-    from sharpcli.errors import SharpError, UsageError
+    from sharpcli.errors import SharpError
 
+    installed_here = interrupts.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        distributed.init_from_environment(argv)
-    except SharpError as err:
-        command = argv[0] if argv and not argv[0].startswith("-") else None
-        print(f"sharp: error: {to_cli_error(err, command).one_line()}", file=sys.stderr)
-        sys.exit(err.exit_code)
-    except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(
-            f"sharp: error: torch.distributed: could not join the process group ({first})",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    try:
-        clash = _output_clash(argv)
-        if clash is not None:
-            err, paths = clash
-            command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
-            if distributed.is_main_process():
-                print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
-                _write_json_error(argv, command, err, avoid=paths)
+        try:
+            distributed.init_from_environment(argv)
+        except SharpError as err:
+            command = argv[0] if argv and not argv[0].startswith("-") else None
+            print(f"sharp: error: {to_cli_error(err, command).one_line()}", file=sys.stderr)
             sys.exit(err.exit_code)
-        code = app(argv, prog_name="sharp", standalone_mode=False)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("sharp: aborted", file=sys.stderr)
-        sys.exit(130)
-    except typer.exceptions.TyperException as exc:  # the vendored click's usage errors
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
-        err = UsageError(message)
-        line = err.one_line()  # click's message already names the option
-        param = getattr(exc, "param", None)
-        opts = list(getattr(param, "opts", None) or [])
-        err.source = (opts[0] if opts else getattr(param, "name", None)) or getattr(
-            exc, "option_name", None
-        )
-        if distributed.is_main_process():
-            print(f"sharp {command}: error: {line}", file=sys.stderr)
-            _write_json_error(argv, command, err)
-        sys.exit(getattr(exc, "exit_code", 2) or 2)
+        except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"sharp: error: torch.distributed: could not join the process group ({first})",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        try:
+            code = _run_app(argv)
+            interrupts.finishing()
+        finally:
+            distributed.cleanup()
     finally:
-        distributed.cleanup()
-    sys.exit(code if isinstance(code, int) else 0)
+        if installed_here:
+            interrupts.uninstall()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

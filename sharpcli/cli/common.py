@@ -11,7 +11,9 @@ codes of docs/index.md ("Exit codes").
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
 import sys
 import time
 import traceback
@@ -21,10 +23,10 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.console import Console
 
-from sharpcli import SCHEMA_ID, __version__, distributed
-from sharpcli.atomic import check_writable, write_text_atomic
+from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
+from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli.flags import to_cli_error
-from sharpcli.errors import EXIT_GATE, EXIT_OK, OutputPathError, SharpError, UsageError
+from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
 from sharpcli.report.envelope import dumps
 
 stdout_console = Console(highlight=False)
@@ -202,68 +204,135 @@ def run_command(
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
-    A command that runs models (``uses_models``) runs with attention that can be
-    differentiated twice (:func:`sharpcli.curvature.attention.differentiable_attention`).
+    Everything the command writes (the ``--json`` report, checkpoints, side files, plots) is
+    staged in one publication and published at the very end, after the tables are printed
+    (:mod:`sharpcli.atomic`): a run that fails (exit 2, 3, 4) or is stopped by SIGINT/SIGTERM
+    (130, 143; :mod:`sharpcli.interrupts`) replaces nothing. The files the command reads and
+    writes are recorded (:mod:`sharpcli.ledger`) so that no output lands on an input. A
+    reader that closes stdout early (``--json - | head``) ends the run quietly with 141, the
+    status of a process killed by SIGPIPE; the files are still published.
+    A command that runs models (``uses_models``) runs with attention that can be differentiated
+    twice (:func:`sharpcli.curvature.attention.differentiable_attention`).
     """
-    try:
-        if json_path not in (None, "-"):
-            check_writable(json_path, "--json")
-        start = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            if uses_models:
-                from sharpcli.curvature.attention import differentiable_attention
-
-                stack.enter_context(differentiable_attention())
-            outcome = body()
-        outcome.report.setdefault("timing", {})
-        outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
-        distributed.raise_if_peer_failed()  # data-parallel: did another rank fail after our last reduction?
-    except SharpError as err:
-        raise typer.Exit(_report_error(command, json_path, err).exit_code)
-    except KeyboardInterrupt:
-        stderr_console.print("sharp: interrupted", markup=False)
-        raise typer.Exit(130)
-    except typer.Exit:
-        raise
-    except Exception as exc:  # a bug, not a user error: say so, traceback under --debug
-        if _STATE["debug"]:
-            traceback.print_exc()
-        err = SharpError(
-            f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
-        )
-        err.exit_code = 4
-        raise typer.Exit(_report_error(command, json_path, err).exit_code)
-
-    if not distributed.is_main_process():  # data-parallel: rank 0 alone prints and writes
-        raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
-    if json_path == "-":
-        sys.stdout.write(dumps(outcome.report))
-    else:
-        if json_path is not None:
-            try:
-                write_text_atomic(json_path, dumps(outcome.report))
-            except OSError as exc:
-                err = OutputPathError(
-                    f"cannot write the report ({exc.strerror or exc})", source=json_path
-                )
-                _report_error(command, None, err)
-                raise typer.Exit(err.exit_code) from None
-        if not quiet and outcome.render is not None:
-            console = table_console()
-            outcome.render(console)
-            for note in scope_notes(outcome.report.get("results")):
-                console.print(f"note: {note}", markup=False)
-            plot = written_plot(outcome.report)
-            if plot:
-                console.print(f"plot written to {plot}", markup=False)
+    with ledger.scope():
+        try:
+            with publication(own=True, final=True):
+                outcome = _run_body(json_path, body, uses_models)
+                stdout_lost = _deliver(outcome, json_path, quiet)
+        except typer.Exit:
+            raise
+        except (Exception, KeyboardInterrupt, interrupts.Interrupted) as exc:
+            raise typer.Exit(_failure_code(command, json_path, exc)) from None
+    if stdout_lost:
+        raise typer.Exit(EXIT_STDOUT_GONE)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
 
 
+# The exit status of a command whose stdout reader went away (closed pipe, closed descriptor):
+# 128 + SIGPIPE, what a shell reports for a writer that SIGPIPE killed (``yes | head -1``).
+EXIT_STDOUT_GONE = 141
+EXIT_INTERNAL = 4
+
+
+def _run_body(json_path: str | None, body: Callable[[], Outcome], uses_models: bool) -> Outcome:
+    """Declare ``--json``, honour a signal that came during start-up, run ``body`` (timed)."""
+    if json_path not in (None, "-"):
+        ledger.declare_output(json_path, "json")
+    interrupts.start()
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if uses_models:
+            from sharpcli.curvature.attention import differentiable_attention
+
+            stack.enter_context(differentiable_attention())
+        outcome = body()
+    outcome.report.setdefault("timing", {})
+    outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
+    distributed.raise_if_peer_failed()  # data-parallel: did another rank fail after our last reduction?
+    return outcome
+
+
+def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
+    """Stage the ``--json`` report, print the report or tables; True when stdout is gone.
+
+    Rank 0 alone prints and writes under data-parallel runs.
+    """
+    if not distributed.is_main_process():
+        return False
+    text = dumps(outcome.report)
+    if json_path not in (None, "-"):
+        write_text_atomic(json_path, text)  # staged: published with the command's other files
+    try:
+        if json_path == "-":
+            sys.stdout.write(text)
+        elif not quiet and outcome.render is not None:
+            console = table_console()
+            with console.capture() as captured:  # rich exits 1 on a closed pipe: write it here
+                outcome.render(console)
+                for note in scope_notes(outcome.report.get("results")):
+                    console.print(f"note: {note}", markup=False)
+                plot = written_plot(outcome.report)
+                if plot:
+                    console.print(f"plot written to {plot}", markup=False)
+            sys.stdout.write(captured.get())
+        sys.stdout.flush()
+    except (OSError, ValueError) as exc:
+        if not stdout_gone(exc):
+            raise
+        silence_stdout()
+        return True
+    return False
+
+
+def stdout_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says that stdout has no reader: a closed pipe or descriptor."""
+    if isinstance(exc, BrokenPipeError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.EPIPE, errno.EBADF)
+    return isinstance(exc, ValueError) and "closed file" in str(exc)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so that nothing more (the interpreter's last flush) fails."""
+    with contextlib.suppress(Exception):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _failure_code(command: str, json_path: str | None, exc: BaseException) -> int:
+    """Report a failed or stopped run (one stderr line, the JSON error object) and return its
+    exit status; nothing was published (:func:`run_command`).
+
+    A signal wins over any error it caused: library code can turn the exception a signal raises
+    into another one, or swallow it and fail later.
+    """
+    signum = interrupts.received()
+    if isinstance(exc, interrupts.Interrupted):
+        signum = exc.signum
+    elif isinstance(exc, KeyboardInterrupt):
+        signum = signum or signal.SIGINT
+    if signum is not None:
+        if _STATE["debug"]:
+            traceback.print_exception(exc)
+        return interrupts.report(command, signum)
+    if isinstance(exc, SharpError):
+        return _report_error(command, json_path, exc).exit_code
+    # a bug, not a user error: say so (the traceback under --debug, by _report_error)
+    err = SharpError(
+        f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+    )
+    err.exit_code = EXIT_INTERNAL
+    return _report_error(command, json_path, err).exit_code
+
+
 def written_plot(report: dict) -> str | None:
-    """The PNG a command wrote (``results.plot`` or ``settings.plot``), if it exists."""
+    """The PNG a command writes (``results.plot`` or ``settings.plot``), published with the
+    command's other outputs when it succeeds."""
     results, settings = report.get("results") or {}, report.get("settings") or {}
     plot = (results.get("plot") if isinstance(results, dict) else None) or settings.get("plot")
-    return plot if isinstance(plot, str) and os.path.isfile(plot) else None
+    return plot if isinstance(plot, str) else None
 
 
 def scope_notes(results, depth: int = 3) -> list[str]:
@@ -294,11 +363,18 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
         return err
     print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
     if json_path == "-":
-        sys.stdout.write(dumps(error_document(command, err)))
-    elif json_path is not None:
+        try:
+            sys.stdout.write(dumps(error_document(command, err)))
+            sys.stdout.flush()
+        except (OSError, ValueError) as exc:
+            if not stdout_gone(exc):
+                raise
+            silence_stdout()
+    elif json_path is not None and ledger.may_write_error_document(json_path):
+        # not onto a file the command reads or another output (train --out X --json X)
         try:
             write_text_atomic(json_path, dumps(error_document(command, err)))
-        except OSError:
+        except (OSError, SharpError):
             pass
     return err
 
@@ -330,10 +406,11 @@ def parse_float_list(text: str, option: str) -> list[float]:
 
 
 def check_output(path: str | None, option: str = "--plot") -> None:
-    """UsageError on ``option`` unless ``path`` can be written (nothing to check for None): an
+    """UsageError on ``option`` unless ``path`` can be written and is no input or other output
+    of the command (:func:`sharpcli.ledger.declare_output`; nothing to check for None): an
     output file is checked before the work that fills it starts."""
     if path is not None:
-        check_writable(path, option)
+        ledger.declare_output(path, option)
 
 
 def require(condition: bool, message: str, option: str) -> None:

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sharpcli.atomic import atomic_path
+from sharpcli import ledger
+from sharpcli.atomic import write_bytes_atomic
 from sharpcli.errors import InputError, UsageError
 
 FORMAT_VERSION = "1"
@@ -118,7 +119,10 @@ def save_checkpoint(
     train_config: dict | None = None,
     metrics: dict | None = None,
 ) -> str:
-    """Write ``model``'s state_dict with sharpcli metadata atomically; return its sha256."""
+    """Write ``model``'s state_dict with sharpcli metadata atomically; return its sha256.
+
+    The file is staged in the publication in effect (:mod:`sharpcli.atomic`): under a command
+    it appears with the command's other outputs at its end, so the digest is of the bytes."""
     from safetensors.torch import save
 
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
@@ -130,9 +134,8 @@ def save_checkpoint(
         META_METRICS: json.dumps(metrics, sort_keys=True),
     }
     data = _canonical_safetensors(save(state, metadata=metadata))
-    with atomic_path(path) as tmp:
-        Path(tmp).write_bytes(data)
-    return sha256_file(path)
+    write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _canonical_safetensors(data: bytes) -> bytes:
@@ -708,6 +711,7 @@ def load_checkpoint(
         raise InputError("no such file", source=str(p))
     if p.is_dir():
         raise InputError("is a folder, not a checkpoint file", source=str(p))
+    ledger.record_input(p, "the checkpoint")
     suffix = p.suffix.lower()
     digest = sha256_file(p)
     override = arch is not None or model_factory is not None

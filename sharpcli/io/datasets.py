@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from sharpcli import ledger
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
     BUILTIN_ARGS,
@@ -194,8 +195,16 @@ def format_data_spec(spec: dict) -> str:
     return spec["path"]
 
 
-def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = None) -> Dataset:
+def load_dataset(
+    spec: str | dict = DEFAULT_DATA,
+    *,
+    label_column: str | None = None,
+    what: str = "the `data` file",
+) -> Dataset:
     """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
+
+    A file (or folder) is recorded as an input of the command (:mod:`sharpcli.ledger`,
+    ``what`` says where it was named), so that no output of the command replaces it.
 
     A file spec is read by its format's ``read`` in ``sharpcli.io.formats.FORMATS``; a
     path no format claims is an ``InputError`` and an unknown format a ``UsageError``,
@@ -210,6 +219,7 @@ def load_dataset(spec: str | dict = DEFAULT_DATA, *, label_column: str | None = 
     full = parse_data_spec(spec, label_column=label_column)
     if full["kind"] == "builtin":
         return load_builtin(full["name"], full["args"])
+    ledger.record_input(full["path"], what)
     return data_format(full["format"]).read(full)
 
 

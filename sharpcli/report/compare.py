@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sharpcli import ledger
 from sharpcli.errors import InputError, UsageError
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
@@ -44,10 +45,15 @@ def read_report(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", source=str(p))
+    if p.is_dir():
+        raise InputError(f"{p} is a folder, not a report file", source=str(p))
+    ledger.record_input(p, "a compared report")
     try:
         report = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"not a JSON report ({exc})", source=str(p)) from exc
+    except OSError as exc:  # unreadable: permissions, a socket, an I/O error
+        raise InputError(f"cannot read ({exc.strerror or exc})", source=str(p)) from exc
     if not isinstance(report, dict) or "schema" not in report:
         raise InputError("not a sharp report (no 'schema' key)", source=str(p))
     if report["schema"] not in SUPPORTED_SCHEMAS:

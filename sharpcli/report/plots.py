@@ -11,7 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from sharpcli.atomic import atomic_path
+from sharpcli.atomic import write_atomic
 from sharpcli.errors import UsageError
 
 FIGSIZE = (8.0, 5.0)
@@ -31,9 +31,10 @@ def _figure(nrows: int = 1, ncols: int = 1):
 
 def _save(plt, fig, path: str | Path) -> Path:
     path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=DPI)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=DPI))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -24,8 +24,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sharpcli import ledger
+from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.errors import InputError, NumericalError, UsageError
-from sharpcli.io.atomic import atomic_path, check_writable, write_text_atomic
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.losses import loss_fn
 
@@ -119,6 +120,16 @@ def state_path_for(out: str | Path) -> Path:
 def history_csv_path_for(out: str | Path) -> Path:
     out = Path(out)
     return out.with_name(out.stem + ".history.csv")
+
+
+def declare_outputs(out: str | Path) -> Path:
+    """Declare (:mod:`sharpcli.ledger`) every file a run writes, before any work: the
+    checkpoint ``out``, its history CSV and its resumable state beside it. UsageError naming the
+    first one that cannot be written (a folder, a missing folder) or that the run also reads."""
+    out = ledger.declare_output(out, "out")
+    ledger.declare_output(history_csv_path_for(out), "out", role="the history CSV beside `out`")
+    ledger.declare_output(state_path_for(out), "out", role="the resumable state beside `out`")
+    return out
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -247,7 +258,7 @@ def train(
     from sharpcli.training.regularizers import parse_reg, validate_combination
 
     validate_config(cfg)
-    out = check_writable(out, "out")
+    out = declare_outputs(out)
     state_file = state_path_for(out)
     regs = [parse_reg(r) for r in cfg.regs]
     validate_combination(regs)
@@ -280,7 +291,7 @@ def train(
             row["tracking_seconds"] = time.perf_counter() - t1
         run.history.append(row)
         if rank == 0:
-            _save_state(state_file, run, epoch + 1)
+            _save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
         if progress is not None:
             progress(epoch + 1, cfg.epochs, row)
     return _finish_run(run, out, model_spec)
@@ -621,6 +632,8 @@ def _optimizer_step(run: _Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, s
 def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
     """Evaluate the trained model, write the checkpoint and history CSV (rank 0), and report.
 
+    Both files are published together (:func:`sharpcli.atomic.publication`), under the CLI
+    with the final resumable state, the plot and the report at the end of the command.
     NumericalError when the final training loss is not finite.
     """
     cfg, model, splits, history = run.cfg, run.model, run.splits, run.history
@@ -645,10 +658,11 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
         # wall-clock seconds belong in the report, not the checkpoint: identical runs give
         # byte-identical files (the same sha256)
         metrics = {k: v for k, v in final.items() if k != "seconds"}
-        sha = save_checkpoint(
-            out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=metrics
-        )
-        _write_history_csv(csv_path, history)
+        with publication():
+            sha = save_checkpoint(
+                out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=metrics
+            )
+            _write_history_csv(csv_path, history)
     return TrainResult(
         history=history,
         final=final,
@@ -662,8 +676,12 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
     )
 
 
-def _save_state(path: Path, run: _Run, epoch: int) -> None:
-    """Write the resumable state after ``epoch`` completed epochs (atomically)."""
+def _save_state(path: Path, run: _Run, epoch: int, *, last: bool = False) -> None:
+    """Write the resumable state after ``epoch`` completed epochs (atomically).
+
+    It is published at once, so that an interrupted run resumes from its last epoch, except
+    after the ``last`` epoch: that state joins the publication in effect (the command's, with
+    the checkpoint and history), so a run that fails at the end leaves the state before it."""
     state = {
         "version": STATE_VERSION,
         "epoch": epoch,
@@ -676,8 +694,8 @@ def _save_state(path: Path, run: _Run, epoch: int) -> None:
         "rng_aug": run.aug_gen.get_state(),
         "history": json.dumps(run.history),
     }
-    with atomic_path(path) as tmp:
-        torch.save(state, str(tmp))
+    with publication(own=not last):
+        write_atomic(path, lambda fh: torch.save(state, fh))
 
 
 # --------------------------------------------------------------------------- data-parallel training

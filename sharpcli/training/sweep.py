@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from sharpcli import ledger
+from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.io.atomic import write_text_atomic
 
 
 @dataclass
@@ -105,6 +106,7 @@ def run_sweep(
     metrics = parse_metrics(",".join(metrics))
     points = _check_sweep(reg, grid, seeds, extra_regs)
     out_dir = _make_out_dir(Path(out_dir))
+    _declare_outputs(out_dir, [_run_name(reg, p, s) for p, s in itertools.product(points, seeds)])
     state = _SweepState(total=len(points) * len(seeds), progress=progress)
     done_now = 0
     for point, seed in itertools.product(points, seeds):
@@ -128,6 +130,21 @@ def run_sweep(
         analyze_doc = _analyze_run(base, seed, metrics, analyze_samples, name, files, train_doc)
         state.record(name, point, seed, train_doc, analyze_doc)
     return state.finish(out_dir, reg, grid, completed=True)
+
+
+def _declare_outputs(out_dir: Path, names: list[str]) -> None:
+    """Declare (:mod:`sharpcli.ledger`) every file the sweep may write before any run: the
+    files of each run still to train or analyse, the tables and the plot. A data file among them
+    is then refused before the first run starts, not when the run that writes it comes."""
+    for name in names:
+        files = _RunFiles.of(out_dir, name)
+        trained = _read_json(files.train_json) is not None
+        if files.diverged_json.exists() or (trained and files.analyze_json.exists()):
+            continue
+        for path in files.written(trained):
+            ledger.declare_output(path, "out_dir", shared=True)
+    for table in _TABLES:
+        ledger.declare_output(out_dir / table, "out_dir", shared=True)
 
 
 def _reg_spec(reg: str, point: dict) -> str:
@@ -170,6 +187,16 @@ class _RunFiles:
     analyze_json: Path
     diverged_json: Path
 
+    def written(self, trained: bool) -> list[Path]:
+        """The files a run writes: the analysis report, and unless ``trained`` already, the
+        checkpoint with its history CSV and state, the train report or the divergence record."""
+        from sharpcli.training.loop import history_csv_path_for, state_path_for
+
+        if trained:
+            return [self.analyze_json]
+        training = [self.ckpt, history_csv_path_for(self.ckpt), state_path_for(self.ckpt)]
+        return [*training, self.train_json, self.diverged_json, self.analyze_json]
+
     @classmethod
     def of(cls, out_dir: Path, name: str) -> "_RunFiles":
         """The files of run ``name`` in ``out_dir``."""
@@ -186,7 +213,9 @@ def _train_run(
 ) -> dict | None:
     """Train one run (resuming an interrupted one) and write its train report, which is returned.
 
-    A NaN/Inf objective writes ``files.diverged_json`` instead and returns None.
+    The checkpoint, its history, final state and the train report are published together when
+    the run ends (an interrupted sweep keeps the runs it completed). A NaN/Inf objective writes
+    ``files.diverged_json`` instead and returns None.
     """
     from sharpcli.report.envelope import dumps
     from sharpcli.training.loop import state_path_for, train, train_report
@@ -196,15 +225,17 @@ def _train_run(
     cfg.regs = [_reg_spec(reg, point), *extra_regs]
     resume = state_path_for(files.ckpt).exists()
     try:
-        result = train(cfg, files.ckpt, resume=resume)
+        with publication(own=True):
+            result = train(cfg, files.ckpt, resume=resume)
+            train_doc = train_report(
+                result, {"sweep": name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
+            )
+            write_text_atomic(files.train_json, dumps(train_doc))
     except NumericalError as exc:
         record = {"run": name, "regs": cfg.regs, "seed": seed, "error": str(exc)}
-        write_text_atomic(files.diverged_json, json.dumps(record, indent=2) + "\n")
+        with publication(own=True):
+            write_text_atomic(files.diverged_json, json.dumps(record, indent=2) + "\n")
         return None
-    train_doc = train_report(
-        result, {"sweep": name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
-    )
-    write_text_atomic(files.train_json, dumps(train_doc))
     return train_doc
 
 
@@ -243,7 +274,8 @@ def _analyze_run(
         session = session_of(analyze_samples)
     results, matvecs = analyze(session, metrics)
     analyze_doc = session.report("analyze", {"metrics": metrics, "sweep": name}, results, matvecs)
-    write_text_atomic(files.analyze_json, dumps(analyze_doc))
+    with publication(own=True):  # now: the run is complete, whatever happens to the sweep
+        write_text_atomic(files.analyze_json, dumps(analyze_doc))
     return analyze_doc
 
 
@@ -331,6 +363,10 @@ def _summary(runs: list[dict], grid: dict) -> list[dict]:
     return out
 
 
+# The sweep's own files in its folder: the per-run table, the summary (CSV, Markdown), the plot.
+_TABLES = ("sweep-runs.csv", "sweep-summary.csv", "sweep-summary.md", "sweep.png")
+
+
 def _finish(
     runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list, diverged: list
 ) -> SweepResult:
@@ -339,8 +375,7 @@ def _finish(
     from sharpcli.report.compare import render
     from sharpcli.report.plots import plot_sweep
 
-    table_csv = out_dir / "sweep-runs.csv"
-    summary_csv, summary_md = out_dir / "sweep-summary.csv", out_dir / "sweep-summary.md"
+    table_csv, summary_csv, summary_md, plot_png = (out_dir / name for name in _TABLES)
     summary = _summary(runs, grid) if runs else []
     plot = None
     if runs:
@@ -355,7 +390,7 @@ def _finish(
                 if any(r.get("trace_mean") is not None for r in summary)
                 else ("lambda_max",)
             )
-            plot = str(plot_sweep(summary, param, out_dir / "sweep.png", sharpness_keys=keys))
+            plot = str(plot_sweep(summary, param, plot_png, sharpness_keys=keys))
     return SweepResult(
         runs=runs,
         summary=summary,
