@@ -245,7 +245,14 @@ def plot_bound_check(
     plt, fig, axes = _figure(1, panels)
     ax = axes[0] if panels == 2 else axes
     sigmas = [r["sigma"] for r in rows]
-    ax.plot(sigmas, [r["bound"] for r in rows], "o-", label="bound H erf(eps/(sqrt2 H sigma))")
+    ax.plot(
+        sigmas,
+        [r.get("bound_region", r["bound"]) for r in rows],
+        "o-",
+        label="bound H erf(eps/(sqrt2 H sigma)), eps over the sampled points",
+    )
+    if any("bound_region" in r for r in rows):
+        ax.plot(sigmas, [r["bound"] for r in rows], "x:", label="bound with eps at theta")
     empirical = [r["empirical"] for r in rows]
     lower = [r["empirical"] - r["empirical_ci"][0] for r in rows]
     upper = [r["empirical_ci"][1] - r["empirical"] for r in rows]
