@@ -775,7 +775,8 @@ class FlatnessAware(Penalty):
                 "exact: lambda ||H v||^2 / B with its gradient by third-order autograd (FA eq. 1)"
             )
         return (
-            f"fd: central finite differences of grad L, step length {self.params['eps']} "
+            f"fd: central finite differences of grad L, step length "
+            f"{'eta(dtype) ||theta||' if self.params['eps'] == 'auto' else self.params['eps']} "
             "(approximates the exact penalty on smooth nets only; on ReLU/max-pool nets a "
             "different, kink-dominated regularizer)"
         )
