@@ -72,7 +72,7 @@ DEFAULT_REGS = [
     # non-default modes, for reference
     "weight-noise:report=clean",
     "hessian-trace:mode=exact",
-    "fa:mode=exact",
+    "fa:mode=fd",
 ]
 
 

@@ -98,8 +98,9 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         assert row.bound == pytest.approx(
             row.H * math.erf(row.epsilon / (math.sqrt(2) * row.H * sigma)), rel=1e-12
         )
-        assert row.holds == (row.empirical <= row.bound)
+        assert row.holds_at_theta == (row.empirical <= row.bound)
         assert row.ratio == pytest.approx(row.empirical / row.bound, rel=1e-12)
+        assert row.points == 5  # theta and the 4 perturbed points
         # the Monte-Carlo smoothed Hessian, densely, on the same fixed perturbations
         perturbed = [_dense_hessian(model, x, y, names, sigma * Z[:, j]) for j in range(4)]
         mean_h = torch.stack(perturbed).mean(0)
@@ -124,7 +125,21 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         assert row.bound_region == pytest.approx(
             corollary1_bound(row.H, row.epsilon_region, sigma), rel=1e-12
         )
-        assert row.holds_region == (row.empirical <= row.bound_region)
+        assert row.holds_region == (row.empirical <= row.bound_region) == row.holds
+        assert row.ratio_region == pytest.approx(row.empirical / row.bound_region, rel=1e-12)
+        assert row.erf_factor == pytest.approx(row.bound_region / row.H, rel=1e-12)
+        # the estimated left side never exceeds the mean sampled norm, which never exceeds H
+        mean_norm = sum(float(torch.linalg.matrix_norm(h, ord=2)) for h in perturbed) / 4
+        assert row.H_perturbed_mean == pytest.approx(mean_norm, rel=1e-8)
+        assert row.empirical <= row.H_perturbed_mean * (1 + 1e-9) <= row.H * (1 + 1e-9)
+        assert row.verdict == (
+            "fails"
+            if not row.holds
+            else "holds by construction"
+            if row.bound_region >= row.H_perturbed_mean
+            else "holds"
+        )
+        assert "5 points" in row.note and f"{lo:.4g}, {hi:.4g}" in row.note
     assert any(n.startswith("empirical above the bound") for n in result.notes) == (
         not all(r.holds for r in result.rows)
     )
@@ -320,6 +335,9 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
         assert len(row["empirical_ci"]) == 2
     assert all(r["fraction_holds"] == 1.0 for r in results["theorem2"])
     assert len(results["noise_stability"]["rows"]) == 2
+    # NSO perturbs every weight: noise stability runs on all parameters without --params
+    assert results["noise_stability"]["params"] == "all"
+    assert results["noise_stability"]["num_params"] == sum(p.numel() for p in model.parameters())
     assert report["settings"]["params"] == "4.weight" and report["timing"]["matvecs"] > 0
     from sharpcli.report.plots import PIXELS, png_size
 
@@ -345,7 +363,26 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     mb = minibatch.json()["results"]
     assert mb["rows"][0]["epsilon"] == mb["epsilon_minibatch"] != mb["epsilon_full"]
     table = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--perturbations", "2")
-    assert table.code == 0 and "Corollary 1" in table.out
+    assert table.code == 0 and "Corollary 1" in table.out and "sigma 0.1: " in table.out
+    scoped = run_cli(
+        capsys,
+        "bound-check",
+        ckpt,
+        "--sigma",
+        "0.1",
+        "--perturbations",
+        "2",
+        "--params",
+        "4.*",
+        "--check",
+        "noise-stability",
+        "--noise-pairs",
+        "2",
+        "--json",
+        "-",
+    )
+    assert scoped.code == 0, scoped.err
+    assert scoped.json()["results"]["noise_stability"]["params"] == "4.*"
 
     assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--sigma", "0"), 2, "--sigma")
     assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1,-2"), 2, "--sigma")
@@ -353,3 +390,37 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--check", "theorem9"), 2, "--check")
     assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--params", "nope.*"), 2, "--params")
     assert_one_line_error(run_cli(capsys, "bound-check", ckpt, "--epsilon", "max"), 2, "--epsilon")
+
+
+def _builtin_briefly_trained(name: str):
+    """A tiny built-in model (mlp, or cnn with channels 4, 8) after 2 epochs on built-in data,
+    and 128 of its training samples."""
+    from sharpcli.training.loop import TrainConfig, train
+
+    data = "blobs:n=400" if name == "mlp" else "images:n=400"
+    model_args = {"width": 16} if name == "mlp" else {"channels": [4, 8]}
+    return TrainConfig(model=name, model_args=model_args, data=data, epochs=2, seed=0), train
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_corollary1_holds_with_eps_over_the_sampled_points_on_builtin_models(tmp_path, name):
+    """AD Corollary 1 with eps estimated like H (largest gradient norm over theta and the
+    perturbed points) holds at sigma 0.01, 0.1 and 1; at 0.01 it holds by construction."""
+    from sharpcli.io.checkpoints import load_checkpoint
+    from sharpcli.io.datasets import load_dataset
+
+    cfg, train = _builtin_briefly_trained(name)
+    train(cfg, tmp_path / "m.safetensors")
+    model = load_checkpoint(tmp_path / "m.safetensors").model
+    x, y = load_dataset(cfg.data).split("train")
+    data = AnalysisData(x[:128], y[:128], "cross-entropy", 128)
+    config = BoundCheckConfig([0.01, 0.1, 1.0], perturbations=4, bootstrap=200, seed=1)
+    result = bound_check(model.eval(), data, config)
+    for row in result.rows:
+        assert row.holds and row.holds_region, (row.sigma, row.note)
+        assert row.epsilon_region >= row.epsilon and row.bound_region >= row.bound
+        assert row.verdict in ("holds", "holds by construction") and row.points == 5
+        assert row.empirical_ci[0] <= row.empirical <= row.empirical_ci[1] <= row.H
+    small = result.rows[0]
+    assert small.verdict == "holds by construction" and small.erf_factor > 0.999
+    assert "which ||E H||" in small.note and "5 points" in small.note

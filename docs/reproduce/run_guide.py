@@ -1,20 +1,23 @@
 """Run the ``sharp`` commands of a user-guide page, in order, and check their exit codes.
 
 The guide pages put runnable commands in fenced ```` ```sh ```` blocks, one ``sharp ...``
-command per line (no shell variables, pipes or redirections). A trailing comment
-``# exit N`` states a documented non-zero exit code (a tripped ``--fail-if`` gate exits 1,
-bad input 2, a numerical failure 3); every other command must exit 0. Comment lines and
-blank lines are allowed; any other line in an ``sh`` block is an error, so a page cannot
-show a command that this runner (and ``tests/test_docs.py``) does not execute.
+command per line (no shell variables, pipes or redirections), or ``python fixtures/NAME.py
+ARGS`` for a data file made by one of the repository's fixture scripts (run from the
+repository's ``fixtures/`` folder, in the work folder). A trailing comment ``# exit N``
+states a documented non-zero exit code (a tripped ``--fail-if`` gate exits 1, bad input 2,
+a numerical failure 3); every other command must exit 0. Comment lines and blank lines are
+allowed; any other line in an ``sh`` block is an error, so a page cannot show a command
+that this runner (and ``tests/test_docs.py``) does not execute.
 
 Usage (from the repository root)::
 
     python docs/reproduce/run_guide.py                      # docs/reproduce.md in ./reproduce-run
     python docs/reproduce/run_guide.py docs/ci.md --workdir /tmp/ci-run
 
-Each command runs as ``python -m sharpcli ARGS`` in the work folder (so checkpoints written
-by earlier commands exist for later ones) with ``OMP_NUM_THREADS=1`` unless already set;
-its output is printed. The exit status is 0 when every command exited as documented.
+Each command runs as ``python -m sharpcli ARGS`` (a fixture line as ``python
+REPO/fixtures/NAME.py ARGS``) in the work folder (so checkpoints written by earlier
+commands exist for later ones) with ``OMP_NUM_THREADS=1`` unless already set; its output is
+printed. The exit status is 0 when every command exited as documented.
 """
 
 from __future__ import annotations
@@ -31,21 +34,25 @@ from pathlib import Path
 
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _EXIT_COMMENT = re.compile(r"#\s*exits?\s+(\d+)\b")
+_FIXTURE = re.compile(r"^fixtures/[A-Za-z0-9_]+\.py$")
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
 class GuideCommand:
     """One ``sharp`` command of a guide page.
 
-    ``args`` are the arguments after ``sharp``; ``expected_exit`` the documented exit code
-    (0 unless the line ends with ``# exit N``); ``line`` the 1-based line number in the page;
-    ``text`` the line as written.
+    ``args`` are the arguments after ``sharp`` (after ``python`` for a fixture script:
+    ``fixtures/NAME.py`` and its arguments); ``expected_exit`` the documented exit code (0
+    unless the line ends with ``# exit N``); ``line`` the 1-based line number in the page;
+    ``text`` the line as written; ``program`` is ``sharp`` or ``python``.
     """
 
     args: tuple[str, ...]
     expected_exit: int
     line: int
     text: str
+    program: str = "sharp"
 
     def option(self, name: str) -> str | None:
         """Value of ``--name VALUE`` (or ``--name=VALUE``) in the command, else None."""
@@ -83,11 +90,13 @@ def extract_commands(markdown: str, source: str = "<page>") -> list[GuideCommand
         words = _split(stripped)
         if "$" in stripped or "`" in stripped or any(_is_operator(word) for word in words):
             raise ValueError(f"{source}:{number}: shell syntax in a guide command: {stripped!r}")
-        if not words or words[0] != "sharp":
+        fixture = len(words) >= 2 and words[0] == "python" and _FIXTURE.match(words[1])
+        if not words or (words[0] != "sharp" and not fixture):
             raise ValueError(f"{source}:{number}: not a sharp command: {stripped!r}")
         match = _EXIT_COMMENT.search(stripped)
         expected = int(match.group(1)) if match else 0
-        commands.append(GuideCommand(tuple(words[1:]), expected, number, stripped))
+        program = "python" if fixture else "sharp"
+        commands.append(GuideCommand(tuple(words[1:]), expected, number, stripped, program))
     if in_sh or in_other:
         raise ValueError(f"{source}: unclosed code block")
     return commands
@@ -124,13 +133,18 @@ class CommandRun:
 
 
 def run_command(command: GuideCommand, workdir: Path, timeout: float = 600.0) -> CommandRun:
-    """Run ``python -m sharpcli ARGS`` in ``workdir`` (``OMP_NUM_THREADS=1`` unless set)."""
+    """Run ``python -m sharpcli ARGS`` (or the fixture script) in ``workdir``
+    (``OMP_NUM_THREADS=1`` unless set)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("COLUMNS", "100")
     start = time.perf_counter()
+    if command.program == "python":
+        argv = [sys.executable, str(REPOSITORY / command.args[0]), *command.args[1:]]
+    else:
+        argv = [sys.executable, "-m", "sharpcli", *command.args]
     proc = subprocess.run(
-        [sys.executable, "-m", "sharpcli", *command.args],
+        argv,
         cwd=workdir,
         capture_output=True,
         text=True,

@@ -193,7 +193,7 @@ def sweep_command(
                 + ["seeds"]
                 + [
                     f"{k}_{s}"
-                    for k in ("test_accuracy", "lambda_max", "trace")
+                    for k in ("test_accuracy", "lambda_max", "trace", "frobenius_sq")
                     for s in ("mean", "std")
                 ]
             )

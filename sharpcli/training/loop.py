@@ -84,6 +84,8 @@ class TrainResult:
     history_csv: str
     resumed_from_epoch: int = 0
     notes: list = field(default_factory=list)  # what was done to the data (float ids -> int64)
+    # what each regularizer computed (Regularizer.run_record: spec, kind, computes)
+    regularizers: list = field(default_factory=list)
 
 
 def train_report(
@@ -99,6 +101,7 @@ def train_report(
         "checkpoint": result.checkpoint,
         "history_csv": result.history_csv,
         "resumed_from_epoch": result.resumed_from_epoch,
+        "regularizers": result.regularizers,
     }
     return make_report(
         "train",
@@ -651,6 +654,7 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
     if not math.isfinite(final["train_loss"]):
         raise NumericalError("the final training loss is not finite", source="train")
     cfg_dict = json.loads(json.dumps(asdict(cfg)))
+    records = [reg.run_record() for reg in run.regs]
     csv_path = history_csv_path_for(out)
     data_spec = splits.dataset.spec
     sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
@@ -660,7 +664,12 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
         metrics = {k: v for k, v in final.items() if k != "seconds"}
         with publication():
             sha = save_checkpoint(
-                out, model, model_spec, data_spec=data_spec, train_config=cfg_dict, metrics=metrics
+                out,
+                model,
+                model_spec,
+                data_spec=data_spec,
+                train_config=cfg_dict | {"regularizers": records},
+                metrics=metrics,
             )
             _write_history_csv(csv_path, history)
     return TrainResult(
@@ -673,6 +682,7 @@ def _finish_run(run: _Run, out: Path, model_spec: dict) -> TrainResult:
         history_csv=str(csv_path),
         resumed_from_epoch=run.start_epoch,
         notes=splits.notes,
+        regularizers=records,
     )
 
 

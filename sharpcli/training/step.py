@@ -30,8 +30,8 @@ with graph) + 2 (backward through the doubled graph) = 3, a Hessian-vector produ
 taken from that graph costs 2, and the exact gradient of ``v^T H v`` costs
 1 + 2 + 4 = 7. A forward pass without a backward costs 0, and every extra pass of a
 finite-difference scheme (:meth:`StepEngine.loss_gradient`, a plain ``grad L`` at
-perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and that
-of ``||H v||^2`` 1 + 3 = 4.
+perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and the
+central-difference one of ``||H v||^2`` 1 + 2 + 4 = 7.
 
 Random draws (:func:`rademacher_like`, :func:`gaussian_like`) are one flat draw over
 all parameters per call: a step pays one generator call per probe or noise sample.
