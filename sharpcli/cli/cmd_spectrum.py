@@ -24,7 +24,7 @@ def _operator_help() -> str:
 
 
 # --operator's help for the built-in operators, without importing the registry (and torch);
-# equal to _operator_help() in a fresh process (tests/test_startup.py).
+# equal to _operator_help() with no extension registered (tests/test_cli_usability.py).
 BUILTIN_OPERATOR_HELP = (
     "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J) or nme "
     "(N: nonlinear modelling error H - G)."

@@ -14,7 +14,7 @@ REG_HELP = (
     "Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01)."
 )
 # --reg's help for the built-in regularizers, without importing them (and torch); equal to
-# _reg_help() in a fresh process (tests/test_startup.py).
+# _reg_help() with no extension registered (tests/test_cli_usability.py).
 BUILTIN_REG_HELP = (
     f"{REG_HELP} none; wd(sigma=0.001); dropout(p=0.1); ad(sigma=0.1); sam(rho=0.05); "
     "usam(rho=0.05); asam(rho=0.5, eta=0.01); gp(rho=0.01, p=1, mode=exact, eps=0.001); "

@@ -427,9 +427,9 @@ def lazy_help(builtin: str, module: str, make: Callable[[], str]) -> str:
 
     ``sharp --help``, ``sharp eigen --help`` and usage errors must not import torch, yet
     typer builds every command's options each time ``sharp`` runs. The help shows
-    ``builtin`` (the built-in entries, which tests/test_startup.py keeps equal to ``make()``
-    in a fresh process) unless ``module`` is already imported, when ``make()`` also lists
-    the entries registered in this process. Use on a command registered with
+    ``builtin`` (the built-in entries; tests/test_cli_usability.py keeps it equal to
+    ``make()`` with no extension registered) unless ``module`` is already imported, when
+    ``make()`` also lists the entries registered in this process. Use on a command registered with
     ``cls=LazyHelpCommand`` (every :func:`analysis_command` is)."""
     _LAZY_HELP[builtin] = (module, make)
     return builtin
