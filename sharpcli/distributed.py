@@ -34,10 +34,13 @@ lists each rank's exit code); run with ``WORLD_SIZE`` ranks started by other mea
 from __future__ import annotations
 
 import os
-
-import torch
+import sys
+from typing import TYPE_CHECKING
 
 from sharpcli.errors import GateTripped, InputError, NumericalError, SharpError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "announce_failure",
@@ -63,12 +66,17 @@ _STATE = {"owned": False}  # True when this module created the process group (an
 
 def is_initialized() -> bool:
     """Whether a ``torch.distributed`` process group is running in this process."""
+    torch = sys.modules.get("torch")  # torch not imported yet (``sharp --help``): no group
+    if torch is None:
+        return False
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world_size)`` of the running process group, ``(0, 1)`` without one."""
     if is_initialized():
+        import torch
+
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
@@ -126,6 +134,8 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
     world = environment_world_size()
     if world == 1:
         return False
+    import torch
+
     rank = _env_int("RANK")
     local_rank = _env_int("LOCAL_RANK", rank)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -154,12 +164,16 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if rank_and_world()[1] > 1:
+        import torch
+
         torch.distributed.barrier()
 
 
 def cleanup() -> None:
     """Wait for every rank, then destroy the process group if :func:`init_from_environment` created it."""
     if _STATE["owned"] and is_initialized():
+        import torch
+
         try:
             torch.distributed.barrier()
         except RuntimeError:  # a peer is gone (crashed): nothing left to wait for
@@ -169,18 +183,24 @@ def cleanup() -> None:
 
 
 def _status_device() -> torch.device:
+    import torch
+
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _exchange_status(code: int) -> int:
+    import torch
+
     status = torch.tensor([int(code)], dtype=torch.int64, device=_status_device())
     torch.distributed.all_reduce(status, op=torch.distributed.ReduceOp.MAX)
     return int(status.item())
 
 
 def _gather_failures(mine: dict | None) -> list[dict]:
+    import torch
+
     world = rank_and_world()[1]
     gathered: list = [None] * world
     torch.distributed.all_gather_object(gathered, mine)

@@ -16,6 +16,62 @@ from sharpcli.errors import UsageError
 METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
 DEFAULT_METRICS = ("eigen", "trace")
 
+_SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
+_LAYER_KEYS = (
+    "outputs",
+    "dead_outputs",
+    "death_frequency",
+    "activation_frequency",
+    "activation_frequency_including_dead",
+    "mean_sq_norm",
+    "output_shape",
+    "output_shape.*",
+)
+# The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:
+# "*" is any one key or list index, a list also stands for its first element. ``sharp
+# analyze`` checks its gates' keys against these before any work (:mod:`sharpcli.report.gate`);
+# tests/test_cli_usability.py checks that every number of a full report matches one.
+RESULT_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("loss", "accuracy"),
+    "eigen": (
+        "hessian.lambda_max",
+        "hessian.eigenvalues",
+        "hessian.eigenvalues.*",
+        "hessian.eigen_residuals",
+        "hessian.eigen_residuals.*",
+    ),
+    "trace": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_by_layer.*"),
+    "frobenius": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
+    "gn-nme": (
+        *(f"hessian.{k}" for k in _SPLIT_KEYS),
+        *(f"ggn.{k}" for k in _SPLIT_KEYS),
+        *(f"nme.{k}" for k in _SPLIT_KEYS),
+        "nme_share",
+        "nme_frobenius_ratio",
+    ),
+    "activation-stats": (
+        *(f"activations.layers.*.{k}" for k in _LAYER_KEYS),
+        *(
+            f"activations.output.{k}"
+            for k in ("gini_impurity", "entropy", "confidence", "loss", "accuracy")
+        ),
+        "activations.penultimate_sq_norm",
+        "activations.input_jacobian_fro",
+        "activations.input_jacobian_fro_softmax",
+        "activations.samples",
+    ),
+}
+# Numbers outside ``results`` that a gate may read ("**": any path below).
+REPORT_KEYS = (
+    "timing.seconds",
+    "timing.matvecs",
+    "environment.threads",
+    "environment.world_size",
+    "settings.*",
+    "data.**",
+    "checkpoint.**",
+)
+
 
 def parse_metrics(text: str | None) -> list[str]:
     names = [m.strip() for m in (text or ",".join(DEFAULT_METRICS)).split(",") if m.strip()]

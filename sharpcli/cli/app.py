@@ -21,7 +21,7 @@ from sharpcli.errors import SharpError
 app = typer.Typer(
     name="sharp",
     help="Measure and control the sharpness of neural-network loss landscapes.",
-    no_args_is_help=True,
+    invoke_without_command=True,  # bare ``sharp``: the help, exit 0 (see _root)
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -36,6 +36,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         Optional[bool],
         typer.Option(
@@ -46,6 +47,9 @@ def _root(
 ) -> None:
     """Measure and control the sharpness of neural-network loss landscapes."""
     common.state()["debug"] = debug
+    if ctx.invoked_subcommand is None:  # bare ``sharp`` (or ``sharp --debug``): the help
+        print(ctx.get_help())
+        raise typer.Exit(0)
 
 
 def _register() -> None:

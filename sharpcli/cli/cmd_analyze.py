@@ -8,7 +8,7 @@ import typer
 
 from sharpcli.cli import common
 from sharpcli.cli.app import app
-from sharpcli.report.tables import key_value_table, records_table
+from sharpcli.report.tables import fmt, key_value_table, records_table
 
 
 @common.analysis_command(app, "analyze")
@@ -46,6 +46,7 @@ def analyze_command(
 
     chosen = parse_metrics(metrics)
     gates = [parse_gate(text) for text in (fail_if or [])]
+    _check_gate_keys(gates, chosen)  # a typo costs nothing: before the checkpoint is read
     common.require(top_k >= 1, "must be at least 1", "--top-k")
     common.require(tol > 0, "must be > 0", "--tol")
     common.require(eig_tol > 0, "must be > 0", "--eig-tol")
@@ -87,7 +88,24 @@ def analyze_command(
                     ],
                 )
             )
-            if tripped:
-                console.print("[bold red]a --fail-if gate tripped: exit 1[/]")
 
-    return common.Outcome(report, render, gate_tripped=tripped)
+    notice = None
+    if tripped:  # one line on stderr, even under --quiet or --json -
+        held = [f"{v['expr']} (value {fmt(v['value'])})" for v in verdicts if v["tripped"]]
+        notice = f"--fail-if tripped: {'; '.join(held)}: exit 1"
+    return common.Outcome(report, render, gate_tripped=tripped, notice=notice)
+
+
+def _check_gate_keys(gates, chosen: list[str]) -> None:
+    """Every gate's key must be one this run reports (``RESULT_KEYS`` of the chosen metrics);
+    a key of another metric names the ``--metrics`` that adds it."""
+    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, RESULT_KEYS
+    from sharpcli.report.gate import check_keys
+
+    available = [*RESULT_KEYS[""], *(k for m in chosen for k in RESULT_KEYS[m]), *REPORT_KEYS]
+    elsewhere: dict[str, str] = {}
+    for metric in METRICS:
+        for key in RESULT_KEYS[metric] if metric not in chosen else ():
+            if key not in available:
+                elsewhere.setdefault(key, f"--metrics {','.join([*chosen, metric])}")
+    check_keys(gates, available, elsewhere)

@@ -44,6 +44,7 @@ def compare_command(
     ] = "test_accuracy",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
+    debug: common.DebugOpt = False,
 ) -> None:
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
@@ -92,4 +93,4 @@ def compare_command(
 
         return common.Outcome(report, show)
 
-    common.run_command("compare", json_out, quiet, body, uses_models=False)
+    common.run_command("compare", json_out, quiet, body, uses_models=False, debug=debug)

@@ -5,33 +5,33 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
-from typer.models import OptionInfo
 
 from sharpcli.cli import common
 from sharpcli.cli.app import app
-from sharpcli.report.tables import fmt, key_value_table, records_table
+from sharpcli.report.tables import key_value_table, records_table
 
 
-class _OperatorOption(OptionInfo):
-    """``--operator``, whose help lists the registered operators.
+def _operator_help() -> str:
+    """``--operator``'s help: the registered operators, extensions included (read when the help
+    is shown, so an operator registered after this module was imported is listed too)."""
+    from sharpcli.curvature.registry import operator_help
 
-    Typer reads ``help`` when it builds the command (each time the app runs), not when this
-    module is imported, so an operator registered later (an extension) is listed too.
-    """
-
-    @property
-    def help(self) -> str:
-        from sharpcli.curvature.registry import operator_help
-
-        return f"{operator_help()}."
-
-    @help.setter
-    def help(self, value) -> None:  # OptionInfo.__init__ assigns one; the registry decides
-        pass
+    return f"{operator_help()}."
 
 
-OperatorOpt = Annotated[str, _OperatorOption(default="--operator", param_decls=())]
+# --operator's help for the built-in operators, without importing the registry (and torch);
+# equal to _operator_help() with no extension registered (tests/test_cli_usability.py).
+BUILTIN_OPERATOR_HELP = (
+    "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J) or nme "
+    "(N: nonlinear modelling error H - G)."
+)
+OperatorOpt = Annotated[
+    str,
+    typer.Option(
+        "--operator",
+        help=common.lazy_help(BUILTIN_OPERATOR_HELP, "sharpcli.curvature.registry", _operator_help),
+    ),
+]
 EngineOpt = Annotated[
     str, typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity).")
 ]
@@ -86,16 +86,19 @@ def eigen_command(
     report = session.report("eigen", settings, results, matvecs=results["matvecs"])
 
     def render(console):
-        table = Table(
-            title=f"{operator} eigenvalues ({results['method']}, engine {results['engine']})"
+        rows = [
+            {"#": i, "eigenvalue": v, "residual": r, "converged": c}
+            for i, (v, r, c) in enumerate(
+                zip(results["eigenvalues"], results["residuals"], results["converged"]), 1
+            )
+        ]
+        console.print(
+            records_table(
+                f"{operator} eigenvalues ({results['method']}, engine {results['engine']})",
+                rows,
+                digits={"eigenvalue": 8, "residual": 3},
+            )
         )
-        for col in ("#", "eigenvalue", "residual", "converged"):
-            table.add_column(col, justify="right")
-        for i, (v, r, c) in enumerate(
-            zip(results["eigenvalues"], results["residuals"], results["converged"]), 1
-        ):
-            table.add_row(str(i), fmt(v, 8), fmt(r, 3), fmt(c))
-        console.print(table)
         console.print(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
@@ -218,20 +221,20 @@ def gn_nme_command(
     def render(console):
         from sharpcli.curvature.registry import OPERATORS, SPLIT
 
-        table = Table(title="H = G + N (NME paper, section 2)")
-        for col in ("operator", "trace", "± stderr", "lambda_max", "lambda_min", "Tr(A^2)"):
-            table.add_column(col, justify="right")
-        for name in SPLIT:
-            r = results[name]
-            table.add_row(
-                OPERATORS[name].symbol,
-                fmt(r["trace"]["estimate"]),
-                fmt(r["trace"]["stderr"], 3),
-                fmt(r["lambda_max"]),
-                fmt(r["lambda_min"]),
-                fmt(r["frobenius_sq"]),
-            )
-        console.print(table)
+        rows = [
+            {
+                "operator": OPERATORS[name].symbol,
+                "trace": results[name]["trace"]["estimate"],
+                "± stderr": results[name]["trace"]["stderr"],
+                "lambda_max": results[name]["lambda_max"],
+                "lambda_min": results[name]["lambda_min"],
+                "Tr(A^2)": results[name]["frobenius_sq"],
+            }
+            for name in SPLIT
+        ]
+        console.print(
+            records_table("H = G + N (NME paper, section 2)", rows, digits={"± stderr": 3})
+        )
         console.print(
             key_value_table(
                 "NME share",

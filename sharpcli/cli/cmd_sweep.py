@@ -113,6 +113,8 @@ def sweep_command(
     ] = None,
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
+    threads: common.ThreadsOpt = None,
+    debug: common.DebugOpt = False,
 ) -> None:
     """Sweep a regularizer's hyper-parameters over seeds: train, analyse, tabulate, plot."""
 
@@ -202,6 +204,7 @@ def sweep_command(
                     "sweep summary (over seeds)",
                     result.summary,
                     [c for c in shown if any(r.get(c) is not None for r in result.summary)],
+                    key=len(parsed_grid),
                 )
             )
             if result.diverged:
@@ -215,4 +218,4 @@ def sweep_command(
 
         return common.Outcome(report, render)
 
-    common.run_command("sweep", json_out, quiet, body)
+    common.run_command("sweep", json_out, quiet, body, threads=threads, debug=debug)

@@ -5,16 +5,30 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from sharpcli.cli import common
 from sharpcli.cli.app import app
-from sharpcli.report.tables import fmt
-from sharpcli.training.regularizers import describe_registry
+from sharpcli.report.tables import FitTable, fmt, records_table
 
 REG_HELP = (
-    "Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01). "
-    + "; ".join(
+    "Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01)."
+)
+# --reg's help for the built-in regularizers, without importing them (and torch); equal to
+# _reg_help() with no extension registered (tests/test_cli_usability.py).
+BUILTIN_REG_HELP = (
+    f"{REG_HELP} none; wd(sigma=0.001); dropout(p=0.1); ad(sigma=0.1); sam(rho=0.05); "
+    "usam(rho=0.05); asam(rho=0.5, eta=0.01); gp(rho=0.01, p=1, mode=exact, eps=0.001); "
+    "hessian-trace(sigma2=0.01, probes=1, mode=fd, eps=0.1); gn-trace(sigma2=0.01); "
+    "weight-noise(sigma=0.01, report=perturbed); nso(sigma=0.01, k=1, report=perturbed); "
+    "fa(lambda=0.01, mode=fd, eps=0.03)"
+)
+
+
+def _reg_help() -> str:
+    """``--reg``'s help with every registered regularizer and its hyper-parameters."""
+    from sharpcli.training.regularizers import describe_registry
+
+    return f"{REG_HELP} " + "; ".join(
         f"{row['name']}"
         + (
             f"({', '.join(h['name'] + '=' + str(h['default']) for h in row['hyperparameters'])})"
@@ -23,10 +37,9 @@ REG_HELP = (
         )
         for row in describe_registry()
     )
-)
 
 
-@app.command("train")
+@app.command("train", cls=common.LazyHelpCommand)
 def train_command(
     model: Annotated[str, typer.Option("--model", help="mlp, cnn, vgg-small or resnet.")] = "mlp",
     depth: Annotated[
@@ -123,7 +136,13 @@ def train_command(
             help="Add one final epoch with input Gaussian noise of this std (MAN Table 4).",
         ),
     ] = 0.0,
-    reg: Annotated[Optional[list[str]], typer.Option("--reg", help=REG_HELP)] = None,
+    reg: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--reg",
+            help=common.lazy_help(BUILTIN_REG_HELP, "sharpcli.training.regularizers", _reg_help),
+        ),
+    ] = None,
     out: Annotated[
         str, typer.Option("--out", "-o", help="Checkpoint to write (.safetensors).")
     ] = "model.safetensors",
@@ -159,6 +178,8 @@ def train_command(
     dtype: common.DtypeOpt = "float32",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
+    threads: common.ThreadsOpt = None,
+    debug: common.DebugOpt = False,
 ) -> None:
     """Train a model on built-in or file data under sharpness regularizers; write a checkpoint."""
 
@@ -237,7 +258,19 @@ def train_command(
         )
         return common.Outcome(report, render=lambda console: _render(console, result))
 
-    common.run_command("train", json_out, quiet, body)
+    common.run_command("train", json_out, quiet, body, threads=threads, debug=debug)
+
+
+# The history's columns with their headers, short enough for one table at 80 columns.
+_HISTORY = {
+    "epoch": "epoch",
+    "train_loss": "train loss",
+    "train_accuracy": "train acc",
+    "test_loss": "test loss",
+    "test_accuracy": "test acc",
+    "grad_evals": "grad evals",
+    "seconds": "seconds",
+}
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
@@ -246,30 +279,24 @@ def _plot_title(model: str, regs: list[str]) -> str:
 
 
 def _render(console, result) -> None:
-    table = Table(title="training history")
-    cols = [
-        "epoch",
-        "train_loss",
-        "train_accuracy",
-        "test_loss",
-        "test_accuracy",
-        "grad_evals",
-        "seconds",
-    ]
     tracked_keys = sorted({k for row in result.history for k in (row.get("tracked") or {})})
-    for c in cols + tracked_keys:
-        table.add_column(c, justify="right", overflow="fold")
-    for row in result.history:
-        table.add_row(
-            *[fmt(row.get(c)) for c in cols],
-            *[fmt((row.get("tracked") or {}).get(k)) for k in tracked_keys],
+    rows = [row | (row.get("tracked") or {}) for row in result.history]
+    console.print(
+        records_table(
+            "training history",
+            rows,
+            [*_HISTORY, *tracked_keys],
+            digits={"seconds": 3},
+            headers=_HISTORY,
         )
-    console.print(table)
-    final = Table(title="final")
-    final.add_column("metric")
-    final.add_column("value", justify="right")
-    for k, v in result.final.items():
-        final.add_row(k, fmt(v))
-    final.add_row("checkpoint", result.checkpoint["path"])
-    final.add_row("sha256", result.checkpoint["sha256"][:16] + "…")
-    console.print(final)
+    )
+    final = [(k, v) for k, v in result.final.items()]
+    final += [
+        ("checkpoint", result.checkpoint["path"]),
+        ("sha256", result.checkpoint["sha256"][:16] + "…"),
+    ]
+    console.print(
+        FitTable(
+            "final", ["metric", "value"], [[k, fmt(v)] for k, v in final], justify=["left", "right"]
+        )
+    )

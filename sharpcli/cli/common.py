@@ -22,6 +22,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
 from sharpcli.atomic import publication, write_text_atomic
@@ -31,17 +32,19 @@ from sharpcli.report.envelope import dumps
 
 stdout_console = Console(highlight=False)
 stderr_console = Console(stderr=True, highlight=False)
-# Width of tables written to a pipe or a file (rich's default there is 80 columns, which folds
-# the digits of a number across lines in the wider tables: 0.00010 / 2546).
-PIPE_WIDTH = 200
+# Width of tables written to a pipe or a file when COLUMNS is not set. Tables never fold a
+# number at any width (sharpcli.report.tables.FitTable): a narrow console splits them.
+PIPE_WIDTH = 80
 
 
 def table_console() -> Console:
-    """The console tables are rendered on: ``stdout_console`` on a terminal (its width) or when
-    ``COLUMNS`` is set; otherwise (stdout is a pipe or a file) one ``PIPE_WIDTH`` columns wide."""
-    if stdout_console.is_terminal or os.environ.get("COLUMNS"):
+    """The console tables are rendered on: ``stdout_console`` on a terminal (its width);
+    otherwise (stdout is a pipe or a file) one ``COLUMNS`` (default ``PIPE_WIDTH``) wide."""
+    if stdout_console.is_terminal:
         return stdout_console
-    return Console(highlight=False, width=PIPE_WIDTH)
+    columns = os.environ.get("COLUMNS", "").strip()
+    width = int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+    return Console(highlight=False, width=width)
 
 
 # Annotated option types, declared once and reused by every command.
@@ -118,6 +121,15 @@ CacheOpt = Annotated[
         help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
     ),
 ]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="CPU threads for torch (default: OMP_NUM_THREADS when set, else 1; more threads "
+        "than free cores slow everything down).",
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
 ParamsOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -157,13 +169,15 @@ class CommonOptions:
     output: str | None = _option(OutputOpt, None)
     trust_pickle: bool = _option(TrustPickleOpt, False)
     cache_mb: int = _option(CacheOpt, 1024)
+    threads: int | None = _option(ThreadsOpt, None)
+    debug: bool = _option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
 
     def settings(self) -> dict:
-        """The common options that describe the analysis (not ``--json``/``--quiet``)."""
-        return {
-            k: v for k, v in asdict(self).items() if k not in ("json", "quiet", "command_options")
-        }
+        """The common options that describe the analysis (not ``--json``, ``--quiet``,
+        ``--threads`` (``environment.threads`` records it) or ``--debug``)."""
+        skip = ("json", "quiet", "threads", "debug", "command_options")
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def report_settings(self, *, skip: tuple[str, ...] = (), **parsed) -> dict:
         """The report's ``settings``: :meth:`settings`, then the command's own options in the
@@ -180,6 +194,7 @@ class Outcome:
     report: dict
     render: Callable[[Console], None] | None = None
     gate_tripped: bool = False
+    notice: str | None = None  # one line on stderr after the output, even under --quiet
 
 
 def state() -> dict:
@@ -201,6 +216,8 @@ def run_command(
     body: Callable[[], Outcome],
     *,
     uses_models: bool = True,
+    threads: int | None = None,
+    debug: bool = False,
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
@@ -211,18 +228,22 @@ def run_command(
     writes are recorded (:mod:`sharpcli.ledger`) so that no output lands on an input. A
     reader that closes stdout early (``--json - | head``) ends the run quietly with 141, the
     status of a process killed by SIGPIPE; the files are still published.
-    A command that runs models (``uses_models``) runs with attention that can be differentiated
-    twice (:func:`sharpcli.curvature.attention.differentiable_attention`).
+    A command that runs models (``uses_models``) runs on ``threads`` CPU threads
+    (:func:`use_threads`) with attention that can be differentiated twice
+    (:func:`sharpcli.curvature.attention.differentiable_attention`). ``debug`` (the command's
+    own ``--debug``) shows tracebacks as ``sharp --debug`` does.
     """
+    _STATE["debug"] = _STATE["debug"] or debug
     with ledger.scope():
         try:
             with publication(own=True, final=True):
-                outcome = _run_body(json_path, body, uses_models)
+                outcome = _run_body(json_path, body, uses_models, threads)
                 stdout_lost = _deliver(outcome, json_path, quiet)
         except typer.Exit:
             raise
         except (Exception, KeyboardInterrupt, interrupts.Interrupted) as exc:
             raise typer.Exit(_failure_code(command, json_path, exc)) from None
+    _print_notice(command, outcome.notice)
     if stdout_lost:
         raise typer.Exit(EXIT_STDOUT_GONE)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
@@ -234,7 +255,9 @@ EXIT_STDOUT_GONE = 141
 EXIT_INTERNAL = 4
 
 
-def _run_body(json_path: str | None, body: Callable[[], Outcome], uses_models: bool) -> Outcome:
+def _run_body(
+    json_path: str | None, body: Callable[[], Outcome], uses_models: bool, threads: int | None
+) -> Outcome:
     """Declare ``--json``, honour a signal that came during start-up, run ``body`` (timed)."""
     if json_path not in (None, "-"):
         ledger.declare_output(json_path, "json")
@@ -242,6 +265,7 @@ def _run_body(json_path: str | None, body: Callable[[], Outcome], uses_models: b
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if uses_models:
+            use_threads(threads)
             from sharpcli.curvature.attention import differentiable_attention
 
             stack.enter_context(differentiable_attention())
@@ -333,6 +357,36 @@ def written_plot(report: dict) -> str | None:
     results, settings = report.get("results") or {}, report.get("settings") or {}
     plot = (results.get("plot") if isinstance(results, dict) else None) or settings.get("plot")
     return plot if isinstance(plot, str) else None
+
+
+def _print_notice(command: str, notice: str | None) -> None:
+    """An :class:`Outcome`'s notice: one line on stderr (rank 0), even under --quiet."""
+    if notice:
+        print(f"sharp {command}: {notice}", file=sys.stderr)
+
+
+def default_threads() -> int:
+    """``--threads``' default: ``OMP_NUM_THREADS`` when set to a positive integer, else 1.
+
+    Torch's own default (one thread per core) oversubscribes a shared or busy machine: on a
+    loaded 2-core machine ``sharp analyze`` took 227 s with it and 18.5 s with one thread;
+    docs/benchmarks.md ("Threads") has the measurements behind this choice.
+    """
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else 1
+
+
+def use_threads(threads: int | None) -> int:
+    """Set torch's CPU threads to ``threads`` (``--threads``; None: :func:`default_threads`)
+    before any work; the report's ``environment.threads`` records it."""
+    if threads is not None and threads < 1:
+        raise UsageError(f"must be at least 1, got {threads}", source="--threads")
+    import torch
+
+    count = default_threads() if threads is None else threads
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
 
 
 def scope_notes(results, depth: int = 3) -> list[str]:
@@ -460,6 +514,34 @@ def epoch_progress(disabled: bool, description: str):
     return manager()
 
 
+# Option helps listed from a registry, by the text shown while the registry is not loaded.
+_LAZY_HELP: dict[str, tuple[str, Callable[[], str]]] = {}
+
+
+def lazy_help(builtin: str, module: str, make: Callable[[], str]) -> str:
+    """An option's help listed from a registry that imports torch (operators, regularizers).
+
+    ``sharp --help``, ``sharp eigen --help`` and usage errors must not import torch, yet
+    typer builds every command's options each time ``sharp`` runs. The help shows
+    ``builtin`` (the built-in entries; tests/test_cli_usability.py keeps it equal to
+    ``make()`` with no extension registered) unless ``module`` is already imported, when
+    ``make()`` also lists the entries registered in this process. Use on a command registered with
+    ``cls=LazyHelpCommand`` (every :func:`analysis_command` is)."""
+    _LAZY_HELP[builtin] = (module, make)
+    return builtin
+
+
+class LazyHelpCommand(TyperCommand):
+    """A typer command whose :func:`lazy_help` option helps are resolved when shown."""
+
+    def format_help(self, ctx, formatter) -> None:
+        for param in self.params:
+            module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
+            if module in sys.modules:
+                param.help = make()
+        super().format_help(ctx, formatter)
+
+
 # (name, typer option, default) of each common option, from the fields of CommonOptions.
 _COMMON_PARAMS = [
     (f.name, f.metadata["option"], f.default)
@@ -502,7 +584,14 @@ def analysis_command(app, name: str):
             bound = sig.bind(opts, *args, **kwargs)
             bound.apply_defaults()
             opts.command_options = {k: v for k, v in bound.arguments.items() if k != "opts"}
-            run_command(name, opts.json, opts.quiet, lambda: func(opts, *args, **kwargs))
+            run_command(
+                name,
+                opts.json,
+                opts.quiet,
+                lambda: func(opts, *args, **kwargs),
+                threads=opts.threads,
+                debug=opts.debug,
+            )
 
         wrapper.__signature__ = sig.replace(
             parameters=positional + keyword + extra, return_annotation=None
@@ -510,7 +599,7 @@ def analysis_command(app, name: str):
         wrapper.__annotations__ = {p.name: p.annotation for p in positional + keyword + extra}
         wrapper.__wrapped__ = None
         del wrapper.__wrapped__
-        return app.command(name)(wrapper)
+        return app.command(name, cls=LazyHelpCommand)(wrapper)
 
     return decorate
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import math
 import platform
+import sys
 from importlib import resources
-
-import torch
 
 from sharpcli import SCHEMA_ID, __version__
 
 
 def environment_info(device: str = "cpu", dtype: str = "float32", world_size: int = 1) -> dict:
+    import torch
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -58,7 +59,8 @@ def to_jsonable(obj):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")  # no tensors before torch is imported
+    if torch is not None and isinstance(obj, torch.Tensor):
         return to_jsonable(obj.detach().cpu().tolist())
     if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "shape", None) == ():
         obj = obj.item()
