@@ -4,6 +4,7 @@ errors never import torch, --threads, --fail-if checked before any work, bare ``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import io
 import json
@@ -118,6 +119,17 @@ class _TwoWidths:
 
     def text(self, width: int) -> str:
         return self.consoles[width].file.getvalue()
+
+    @contextlib.contextmanager
+    def capture(self):
+        """As ``Console.capture``: the commands print tables into it; here they stay in the
+        consoles above, and what the caller writes to stdout is empty."""
+        yield _NothingCaptured()
+
+
+class _NothingCaptured:
+    def get(self) -> str:
+        return ""
 
 
 def _commands(folder) -> dict[str, tuple[str, ...]]:
