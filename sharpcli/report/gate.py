@@ -125,10 +125,10 @@ def check_keys(
         needs = [w for p, w in elsewhere.items() if _known(gate.key, [p])]
         if needs:
             raise UsageError(
-                f"{gate.text!r}: {gate.key!r} is only reported with {needs[0]}", source="--fail-if"
+                f"{gate.text!r}: {gate.key!r} is only reported with {needs[0]}", source="condition"
             )
         raise UsageError(
             f"{gate.text!r}: the report has no key {gate.key!r}"
             + _suggestion(gate.key, available, elsewhere),
-            source="--fail-if",
+            source="condition",
         )
