@@ -287,14 +287,25 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
 
 
 def parse_json_option(text: str | None, option: str) -> dict | None:
+    """The JSON object an option gives (``--arch-args``, ``--model-args``), or None.
+
+    Nesting is bounded (:func:`sharpcli.io.bounded.loads_json`, 32 levels as checkpoint
+    metadata), so deeply nested text is a UsageError rather than a RecursionError.
+    """
     import json
+
+    from sharpcli.io.bounded import JsonTooDeep, loads_json
 
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = loads_json(text, max_depth=32)
+    except JsonTooDeep as exc:
+        raise UsageError(f"is JSON {exc}", source=option) from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"not valid JSON ({exc.msg})", source=option) from exc
+    except ValueError:  # an integer of more than 4300 digits
+        raise UsageError("holds a number too long to read", source=option) from None
     if not isinstance(value, dict):
         raise UsageError("must be a JSON object", source=option)
     return value

@@ -42,6 +42,7 @@ from torch import nn
 
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.atomic import atomic_path
+from sharpcli.io.bounded import check_data_path
 
 FORMAT_VERSION = "1"
 META_FORMAT = "sharpcli.format"
@@ -640,6 +641,7 @@ def load_checkpoint(
         raise InputError("no such file", source=str(p))
     if p.is_dir():
         raise InputError("is a folder, not a checkpoint file", source=str(p))
+    check_data_path(str(p))  # a FIFO or device would be read (hashed) forever
     suffix = p.suffix.lower()
     digest = sha256_file(p)
     override = arch is not None or model_factory is not None

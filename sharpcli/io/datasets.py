@@ -30,6 +30,7 @@ import os
 import torch
 
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.bounded import check_data_path
 from sharpcli.io.datasets_builtin import (
     BUILTIN_ARGS,
     BUILTIN_NAMES,
@@ -160,6 +161,7 @@ def _existing_path(given: str) -> str:
     if not os.path.exists(path):
         hint = f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in given else ""
         raise InputError(f"no such file or directory{hint}", source=path)
+    check_data_path(path)  # a FIFO or device is refused before any format probes it
     return path
 
 

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.bounded import JsonTooDeep, loads_json, read_data_file
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
 CANONICAL = (
@@ -44,10 +45,14 @@ def read_report(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", source=str(p))
-    try:
-        report = json.loads(p.read_text(encoding="utf-8"))
+    try:  # a regular file, read up to its size, nested at most MAX_JSON_DEPTH levels
+        report = loads_json(read_data_file(p).decode("utf-8"))
+    except JsonTooDeep as exc:
+        raise InputError(f"not a JSON report ({exc})", source=str(p)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"not a JSON report ({exc})", source=str(p)) from exc
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise InputError("not a JSON report (a number too long to read)", source=str(p)) from exc
     if not isinstance(report, dict) or "schema" not in report:
         raise InputError("not a sharp report (no 'schema' key)", source=str(p))
     if report["schema"] not in SUPPORTED_SCHEMAS:
