@@ -271,9 +271,10 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
         traceback.print_exc()
     try:
         err = distributed.announce_failure(err)
-    except RuntimeError:  # the process group itself is broken: report this rank's own error
+    except (RuntimeError, SharpError):  # the process group is broken: report this rank's error
         pass
-    if not distributed.is_main_process():
+    # rank 0 prints, or for a stalled/dead peer the lowest rank not to blame
+    if not (distributed.is_main_process() or getattr(err, "report_here", False)):
         return err
     print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
     if json_path == "-":
