@@ -195,10 +195,174 @@ CASES = [
         ("$deep_report", "nested more than 64 levels"),
     ),
     C(
+        "sweep-set-value-nested-40-deep",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", "model_args=$deep40_json")
+        + ("--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "model_args", "nested more than 32 levels"),
+    ),
+    C(
         "train-model-args-nested-40-deep",
         ("train", "--data", DATA, "--model-args", "$deep40_json", "--out", "$outdir/m.safetensors"),
         2,
         ("--model-args", "nested more than 32 levels"),
+    ),
+    # ------------------------------------------------------------------ 8. metadata values of the wrong kind
+    C(
+        "metadata-train-loss-a-list",
+        ("eigen", "$meta_loss_list"),
+        2,
+        ("$meta_loss_list", "metadata sharpcli.train", "'loss' is not one of"),
+    ),
+    C(
+        "metadata-train-loss-unknown",
+        ("trace", "$meta_loss_unknown"),
+        2,
+        ("$meta_loss_unknown", "metadata sharpcli.train"),
+    ),
+    C(
+        "metadata-data-name-a-list",
+        ("eigen", "$meta_data_name_list"),
+        2,
+        ("$meta_data_name_list", "metadata sharpcli.data", "unknown built-in dataset"),
+    ),
+    C(
+        "metadata-data-label-column-a-list",
+        ("eigen", "$meta_label_column_list"),
+        2,
+        ("$meta_label_column_list", "metadata sharpcli.data", "label_column"),
+    ),
+    C(
+        "metadata-data-argument-beyond-float",
+        ("gn-nme", "$meta_huge_separation"),
+        2,
+        ("$meta_huge_separation", "metadata sharpcli.data", "separation"),
+    ),
+    # ------------------------------------------------------------------ 8. options out of range
+    C(
+        "train-seed-beyond-64-bits",
+        ("train", "--data", DATA, "--seed", "99999999999999999999999", "--out", "$outdir/m.st"),
+        2,
+        ("--seed", "0..4294967295"),
+    ),
+    C("eigen-seed-negative", ("eigen", "$own", "--seed", "-1"), 2, ("--seed", "0..4294967295")),
+    C(
+        "train-momentum-negative",
+        ("train", "--data", DATA, "--momentum", "-1", "--out", "$outdir/m.safetensors"),
+        2,
+        ("--momentum", "[0, 1)"),
+    ),
+    C(
+        "train-input-noise-nan",
+        ("train", "--data", DATA, "--input-noise", "nan", "--out", "$outdir/m.safetensors"),
+        2,
+        ("--input-noise", "finite"),
+    ),
+    C(
+        "train-width-zero",
+        ("train", "--data", DATA, "--width", "0", "--out", "$outdir/m.safetensors"),
+        2,
+        ("--width", "at least 1"),
+    ),
+    C(
+        "sweep-set-epochs-not-an-integer",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", "epochs=abc")
+        + ("--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "epochs: must be an integer, got 'abc'"),
+    ),
+    C(
+        "sweep-set-label-noise-a-list",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", "label_noise=[1]")
+        + ("--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "label_noise: must be a number"),
+    ),
+    C(
+        "sweep-seeds-beyond-64-bits",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--seeds", "99999999999999999999")
+        + ("--out-dir", "$outdir/sweep"),
+        2,
+        ("--seeds", "0..4294967295"),
+    ),
+    C(
+        "sweep-grid-infinite-value",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1,inf", "--out-dir", "$outdir/sweep"),
+        2,
+        ("--grid", "finite"),
+    ),
+    # ------------------------------------------------------------------ 8. only the command's own options
+    C(
+        "train-model-args-unknown-key-names-model-args",
+        ("train", "--data", DATA, "--model-args", '{"bogus": 1}', "--out", "$outdir/m.st"),
+        2,
+        ("--model-args", "bogus"),
+    ),
+    C(
+        "train-track-samples-zero-names-track-samples",
+        ("train", "--data", DATA, "--track", "trace", "--track-samples", "0")
+        + ("--out", "$outdir/m.safetensors"),
+        2,
+        ("--track-samples",),
+    ),
+    C(
+        "sweep-set-loss-unknown-names-set",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", "loss=hinge")
+        + ("--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "loss: unknown loss 'hinge'"),
+    ),
+    C(
+        "sweep-set-model-args-unknown-key-names-set",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", 'model_args={"bogus": 1}')
+        + ("--data", DATA, "--epochs", "1", "--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "bogus"),
+    ),
+    # ------------------------------------------------------------------ 6. resume
+    C(
+        "resume-with-fewer-epochs",
+        ("train", "--data", DATA, "--epochs", "1", "--resume", "--out", "$run2"),
+        2,
+        ("--epochs", "completed 2", "at least 2"),
+    ),
+    C(
+        "resume-with-another-lr-and-batch-size",
+        ("train", "--data", DATA, "--epochs", "2", "--lr", "0.2", "--batch-size", "8")
+        + ("--resume", "--out", "$run2"),
+        2,
+        ("--resume", "--batch-size, --lr"),
+    ),
+    C(
+        "resume-more-epochs-under-cosine",
+        ("train", "--data", DATA, "--epochs", "3", "--schedule", "cosine", "--resume")
+        + ("--out", "$cosine2"),
+        2,
+        ("--epochs", "cosine"),
+    ),
+    C(
+        "resume-state-is-a-list",
+        ("train", "--data", DATA, "--resume", "--out", "$state_list"),
+        2,
+        ("$state_list.state.pt", "not a resumable state", "list"),
+    ),
+    C(
+        "resume-state-misses-fields",
+        ("train", "--data", DATA, "--resume", "--out", "$state_partial"),
+        2,
+        ("$state_partial.state.pt", "not a resumable state", "missing"),
+    ),
+    C(
+        "resume-state-config-not-json",
+        ("train", "--data", DATA, "--resume", "--out", "$state_badjson"),
+        2,
+        ("$state_badjson.state.pt", "not JSON"),
+    ),
+    C(
+        "resume-state-is-garbage",
+        ("train", "--data", DATA, "--resume", "--out", "$state_garbage"),
+        2,
+        ("$state_garbage.state.pt", "unreadable"),
     ),
 ]
 
@@ -206,7 +370,7 @@ CASES = [
 # ---------------------------------------------------------------------------------------------- fixtures
 
 
-def _save_with_data_spec(path: Path, data_spec) -> str:
+def _save_with_data_spec(path: Path, data_spec, train_config: dict | None = None) -> str:
     """An own checkpoint of the tiny MLP whose metadata names ``data_spec`` as its data."""
     import torch
 
@@ -215,8 +379,54 @@ def _save_with_data_spec(path: Path, data_spec) -> str:
 
     spec = tiny_mlp_spec()
     torch.manual_seed(0)
-    save_checkpoint(path, build_model(spec), spec, data_spec=data_spec, train_config={})
+    model = build_model(spec)
+    save_checkpoint(path, model, spec, data_spec=data_spec, train_config=train_config or {})
     return str(path)
+
+
+def _metadata_files(root: Path, f: dict) -> None:
+    """Own checkpoints whose metadata holds values of the wrong kind."""
+    blobs = {"kind": "builtin", "name": "blobs", "args": {"n": 64}}
+    for name, data, train in (
+        ("loss_list", blobs, {"loss": ["cross-entropy"]}),
+        ("loss_unknown", blobs, {"loss": "hinge"}),
+        ("data_name_list", {"kind": "builtin", "name": ["blobs"]}, None),
+        (
+            "label_column_list",
+            {"kind": "file", "path": str(f["secret_cell"]), "label_column": [1]},
+            None,
+        ),
+        (
+            "huge_separation",
+            {"kind": "builtin", "name": "blobs", "args": {"separation": 10**400}},
+            None,
+        ),
+    ):
+        f[f"meta_{name}"] = _save_with_data_spec(root / f"meta_{name}.safetensors", data, train)
+
+
+def _resume_files(root: Path, f: dict) -> None:
+    """Finished 2-epoch runs (constant and cosine) whose resumable state is kept, and broken
+    state files beside would-be outputs."""
+    import torch
+    from cli_helpers import run_in_process
+
+    for name, schedule in (("run2", "constant"), ("cosine2", "cosine")):
+        f[name] = root / f"{name}.safetensors"
+        run = run_in_process(
+            "train", "--data", DATA, "--epochs", "2", "--schedule", schedule, "--out", f[name], "-q"
+        )
+        assert run.code == 0, run.err
+    good = torch.load(f"{f['run2']}.state.pt", weights_only=True)
+    for name, content in (
+        ("state_list", [1, 2]),
+        ("state_partial", {"version": 1, "epoch": 1}),
+        ("state_badjson", good | {"config": "{not json"}),
+    ):
+        f[name] = root / f"{name}.safetensors"
+        torch.save(content, f"{f[name]}.state.pt")
+    f["state_garbage"] = root / "state_garbage.safetensors"
+    Path(f"{f['state_garbage']}.state.pt").write_bytes(b"PK\x03\x04 not a torch file")
 
 
 def _cifar_folder(root: Path, name: str, batch: bytes) -> str:
@@ -314,6 +524,8 @@ def files(tmp_path_factory) -> dict[str, str]:
         root / "fifo.safetensors", {"kind": "file", "path": str(f["fifo"]), "format": "csv"}
     )
     _secret_files(root, f)
+    _metadata_files(root, f)
+    _resume_files(root, f)
     f["deep_json"] = "[" * 100_000 + "]" * 100_000
     f["deep40_json"] = '{"a": ' * 40 + "1" + "}" * 40
     f["deep_report"] = root / "deep.json"
@@ -379,6 +591,16 @@ def check_one_line(run: Run, case: Case, needles: list[str]) -> str:
     return lines[0][len(prefix) :]
 
 
+def command_options(command: str) -> set[str]:
+    """Every option name the command ``command`` takes."""
+    import typer.main
+
+    from sharpcli.cli.app import app
+
+    click_command = typer.main.get_command(app).commands[command]
+    return {opt for param in click_command.params for opt in (*param.opts, *param.secondary_opts)}
+
+
 def params():
     return [pytest.param(case, id=case.id) for case in CASES]
 
@@ -399,6 +621,8 @@ def test_hostile_input(case: Case, files, outdir, capsys):
     error = json.loads(run.out)["error"]
     assert error["message"] == message and error["exit_code"] == case.code
     assert isinstance(error.get("source"), str) and error["source"]
+    if error["source"].startswith("--"):  # never an option of another command
+        assert error["source"] in command_options(case.argv[0]), error
 
 
 def test_table_ids_are_unique():
@@ -460,3 +684,26 @@ def test_library_messages_lose_quoted_content():
     text = describe_exception(ValueError(f"could not convert string to float: '{SECRET}'"))
     assert "AWS" not in text and "could not convert string to float" in text
     assert "AWS" not in describe_exception(KeyError(SECRET))
+
+
+# ---------------------------------------------------------------------------------------------- 6. resume
+
+
+def test_resume_with_more_epochs_equals_a_longer_run(tmp_path, capsys):
+    """More epochs is what may change on resume: 1 epoch then --resume --epochs 2 gives the
+    weights of a 2-epoch run, bit for bit, and metadata that agrees with the history."""
+    from safetensors.torch import load_file
+
+    from sharpcli.io.checkpoints import load_checkpoint
+
+    common = ("train", "--data", DATA, "--width", "8", "--quiet")
+    short, full = tmp_path / "short.safetensors", tmp_path / "full.safetensors"
+    assert run_cli(capsys, *common, "--epochs", "1", "--out", short).code == 0
+    resumed = run_cli(capsys, *common, "--epochs", "2", "--resume", "--out", short, "--json", "-")
+    assert resumed.code == 0, resumed.err
+    assert resumed.json()["results"]["resumed_from_epoch"] == 1
+    assert run_cli(capsys, *common, "--epochs", "2", "--out", full).code == 0
+    a, b = load_file(str(short)), load_file(str(full))
+    assert all((a[k] == b[k]).all() for k in a)
+    ckpt = load_checkpoint(short)
+    assert ckpt.train_config["epochs"] == 2 == ckpt.metrics["epochs_completed"]

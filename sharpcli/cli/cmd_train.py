@@ -143,6 +143,8 @@ def train_command(
         from sharpcli.training.loop import TrainConfig, train, train_report
 
         common.check_output(plot)
+        for option, value in (("--depth", depth), ("--width", width)):
+            common.require(value is None or value >= 1, "must be at least 1", option)
         margs = common.parse_json_option(model_args, "--model-args") or {}
         if per_sample_norm:
             margs["per_sample_norm"] = True
@@ -207,7 +209,9 @@ def train_command(
         )
         return common.Outcome(report, render=lambda console: _render(console, result))
 
-    common.run_command("train", json_out, quiet, body)
+    # the library names model arguments --arch-args and subset sizes --samples
+    aliases = {"--arch-args": "--model-args", "--samples": "--track-samples"}
+    common.run_command("train", json_out, quiet, body, aliases=aliases)
 
 
 def _render(console, result) -> None:

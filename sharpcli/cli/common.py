@@ -194,11 +194,15 @@ def run_command(
     body: Callable[[], Outcome],
     *,
     uses_models: bool = True,
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
     A command that runs models (``uses_models``) runs with attention that can be
     differentiated twice (:func:`sharpcli.curvature.attention.differentiable_attention`).
+    ``aliases`` maps an option the library names (it serves several commands: model
+    arguments are ``--arch-args``) to the option of this command that set the value
+    (``train``: ``--model-args``), so an error never names an option the command lacks.
     """
     try:
         if json_path not in (None, "-"):
@@ -214,6 +218,8 @@ def run_command(
         outcome.report["timing"]["seconds"] = round(time.perf_counter() - start, 6)
         distributed.raise_if_peer_failed()  # data-parallel: did another rank fail after our last reduction?
     except SharpError as err:
+        if aliases and err.source in aliases:
+            err.source = aliases[err.source]
         raise typer.Exit(_report_error(command, json_path, err).exit_code)
     except KeyboardInterrupt:
         stderr_console.print("sharp: interrupted", markup=False)

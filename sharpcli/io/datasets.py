@@ -143,6 +143,8 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
 
 def _label_column(in_spec, from_option: str | None) -> str | None:
     """The label column of the spec or of ``--label-column`` (which must agree), or None."""
+    if in_spec is not None and not isinstance(in_spec, str):  # a spec from a checkpoint
+        raise UsageError(f"spec 'label_column' must be a string, got {in_spec!r}", source="--data")
     if from_option is not None and in_spec is not None and from_option != in_spec:
         raise UsageError(
             f"label column {from_option!r} contradicts the data spec's {in_spec!r}",

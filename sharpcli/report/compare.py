@@ -96,6 +96,14 @@ def _number(value):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _joined(regs) -> str | None:
+    """``"ad:sigma=0.1 + wd"`` from a list of regularizer specs; None for anything else (the
+    schema leaves ``checkpoint.train``, copied from a checkpoint's metadata, free-form)."""
+    if isinstance(regs, list) and regs and all(isinstance(r, str) for r in regs):
+        return " + ".join(regs)
+    return regs if isinstance(regs, str) and regs else None
+
+
 def canonical_row(report: dict, name: str) -> dict:
     """The canonical columns of one report (None where the report does not say)."""
     res = report.get("results", {})
@@ -105,7 +113,7 @@ def canonical_row(report: dict, name: str) -> dict:
     regs = (
         settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
     )
-    row = {"run": name, "command": command, "regularizers": " + ".join(regs) if regs else None}
+    row = {"run": name, "command": command, "regularizers": _joined(regs)}
     row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
     row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
     if row["train_accuracy"] is None and split == "train":
