@@ -686,6 +686,82 @@ def test_library_messages_lose_quoted_content():
     assert "AWS" not in describe_exception(KeyError(SECRET))
 
 
+# ---------------------------------------------------------------------------------------------- 5. sweep keys
+
+SWEEP = ("sweep", "--reg", "wd", "--data", DATA, "--width", "8", "--metrics", "eigen")
+
+
+def _sweep(capsys, folder: Path, *args: str) -> dict:
+    run = run_cli(capsys, *SWEEP, "--analyze-samples", "32", "--out-dir", folder, *args)
+    assert run.code == 0, run.err
+    return run.json()
+
+
+def test_sweep_values_that_print_alike_are_two_runs(tmp_path, capsys):
+    """``%g`` wrote 0.1 and 0.1000001 both as 0.1: one run, reused for the other value."""
+    from sharpcli.io.checkpoints import load_checkpoint
+
+    report = _sweep(
+        capsys, tmp_path, "--grid", "sigma=0.1,0.1000001", "--epochs", "1", "--json", "-"
+    )
+    runs = report["results"]["runs"]
+    assert [r["sigma"] for r in runs] == [0.1, 0.1000001] and report["results"]["skipped"] == []
+    names = [r["run"] for r in runs]
+    assert len(set(names)) == 2 and "sigma=0.1000001-" in names[1]
+    regs = [load_checkpoint(tmp_path / f"{n}.safetensors").train_config["regs"] for n in names]
+    assert regs == [["wd:sigma=0.1"], ["wd:sigma=0.1000001"]]
+
+
+def test_sweep_with_other_settings_trains_new_runs(tmp_path, capsys):
+    """A second sweep into the same folder with another --epochs (or --lr) trains its own runs;
+    the same settings again reuse every run."""
+    first = _sweep(capsys, tmp_path, "--grid", "sigma=0.01", "--epochs", "1", "--json", "-")
+    again = _sweep(capsys, tmp_path, "--grid", "sigma=0.01", "--epochs", "1", "--json", "-")
+    assert again["results"]["skipped"] == [r["run"] for r in first["results"]["runs"]]
+    longer = _sweep(capsys, tmp_path, "--grid", "sigma=0.01", "--epochs", "2", "--json", "-")
+    faster = _sweep(
+        capsys, tmp_path, "--grid", "sigma=0.01", "--epochs", "1", "--lr", "0.1", "--json", "-"
+    )
+    names = {r["run"] for doc in (first, longer, faster) for r in doc["results"]["runs"]}
+    assert len(names) == 3 and longer["results"]["skipped"] == faster["results"]["skipped"] == []
+    run = longer["results"]["runs"][0]["run"]
+    train = json.loads((tmp_path / f"{run}.train.json").read_text())
+    assert train["settings"]["epochs"] == 2 and train["results"]["final"]["epochs_completed"] == 2
+    # other --metrics: the trained run is analysed again, not retrained
+    more = _sweep(
+        capsys,
+        tmp_path,
+        "--grid",
+        "sigma=0.01",
+        "--epochs",
+        "1",
+        "--metrics",
+        "eigen,trace",
+        "--json",
+        "-",
+    )
+    assert more["results"]["skipped"] == [] and more["results"]["runs"][0]["trace"] is not None
+
+
+def test_run_key_covers_every_setting():
+    from sharpcli.training.loop import TrainConfig
+    from sharpcli.training.sweep import run_key
+
+    base = TrainConfig(data=DATA, regs=["wd:sigma=0.1"])
+    assert run_key(base) == run_key(TrainConfig(data=DATA, regs=["wd:sigma=1e-1"]))
+    for change in (
+        {"epochs": 6},
+        {"lr": 0.1},
+        {"model": "cnn"},
+        {"data": "blobs:n=65"},
+        {"seed": 1},
+        {"momentum": 0.5},
+    ):
+        assert run_key(TrainConfig(**{"data": DATA, "regs": ["wd:sigma=0.1"], **change})) != (
+            run_key(base)
+        ), change
+
+
 # ---------------------------------------------------------------------------------------------- 6. resume
 
 
