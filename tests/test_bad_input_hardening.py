@@ -319,6 +319,13 @@ CASES = [
         2,
         ("--set", "bogus"),
     ),
+    C(
+        "sweep-set-label-column-names-set",
+        ("sweep", "--reg", "wd", "--grid", "sigma=0.1", "--set", "label_column=klass")
+        + ("--data", DATA, "--epochs", "1", "--out-dir", "$outdir/sweep"),
+        2,
+        ("--set", "no label column"),
+    ),
     # ------------------------------------------------------------------ 6. resume
     C(
         "resume-with-fewer-epochs",

@@ -227,6 +227,20 @@ def sweep_command(
 
         return common.Outcome(report, render)
 
-    # the library names model arguments --arch-args; sweep sets them with --width, --depth,
-    # --activation or --set model_args=...
-    common.run_command("sweep", json_out, quiet, body, aliases={"--arch-args": "--set"})
+    common.run_command("sweep", json_out, quiet, body, aliases=_set_aliases())
+
+
+# the training options sweep has under their own name; the rest it takes as --set KEY=VALUE
+_OWN_TRAIN_OPTIONS = ("--model", "--data", "--epochs", "--batch-size", "--lr", "--optimizer")
+_OWN_TRAIN_OPTIONS += ("--schedule", "--dtype", "--reg")
+
+
+def _set_aliases() -> dict[str, str]:
+    """``--set`` for every training option sweep lacks (``--label-column``, ``--momentum``,
+    ...), and for ``--arch-args``, the library's name of model arguments (sweep sets them with
+    ``--width``, ``--depth``, ``--activation`` or ``--set model_args=...``); ``--seeds`` for
+    ``--seed``."""
+    from sharpcli.training.loop import OPTION_OF
+
+    lacking = [option for option in OPTION_OF.values() if option not in _OWN_TRAIN_OPTIONS]
+    return {option: "--set" for option in [*lacking, "--arch-args"]} | {"--seed": "--seeds"}
