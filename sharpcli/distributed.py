@@ -29,30 +29,63 @@ the same sequence of collectives, which holds because all of them go through
 Under torchrun the launcher itself exits with 1 when any rank exits non-zero (its summary
 lists each rank's exit code); run with ``WORLD_SIZE`` ranks started by other means (e.g.
 ``torch.multiprocessing``) to see the ranks' own codes.
+
+A rank that stops answering. The protocol above needs every rank to reach its collectives; a
+rank that is stopped (SIGSTOP, a debugger, swapped out) or killed without torchrun would leave
+the others blocked for gloo's default 30 minutes, then fail with a library traceback (exit 4).
+So the process group is created with a timeout (:data:`TIMEOUT_ENV`, default
+:data:`DEFAULT_TIMEOUT` seconds), every collective runs through :func:`collective`, and a
+collective that times out or loses its peer raises :class:`PeerFailure` (exit 3) naming the
+rank that did not arrive. Which rank that is comes from progress marks: before each
+collective a rank writes its count of collectives to the process group's store
+(``sharp/step/<rank>``); the ranks whose count is behind are the ones missing (with two ranks,
+the other one), and when the store itself does not answer it is rank 0, which hosts it
+(outside torchrun's agent store). After such a failure the group is broken: no further
+collective is attempted (no status exchange, no final barrier), and the lowest rank that is
+not to blame prints the message.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
-from sharpcli.errors import GateTripped, InputError, NumericalError, SharpError, UsageError
+import torch
+
+from sharpcli.errors import (
+    EXIT_NUMERICAL,
+    GateTripped,
+    InputError,
+    NumericalError,
+    SharpError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "PeerFailure",
     "announce_failure",
     "barrier",
     "cleanup",
+    "collective",
     "environment_world_size",
     "init_from_environment",
     "is_initialized",
     "is_main_process",
     "raise_if_peer_failed",
     "rank_and_world",
+    "timeout_seconds",
 ]
+
+TIMEOUT_ENV = "SHARP_DIST_TIMEOUT"
+"""Environment variable: seconds a collective waits for every rank before the run fails."""
+DEFAULT_TIMEOUT = 600.0
 
 STATUS_OK = 0
 _ERROR_CLASSES = {
@@ -61,7 +94,27 @@ _ERROR_CLASSES = {
     "numerical": NumericalError,
     "gate": GateTripped,
 }
-_STATE = {"owned": False}  # True when this module created the process group (and so destroys it)
+# owned: this module created the process group (and so destroys it); broken: a collective timed
+# out or lost a peer (no further collective is attempted); step: collectives this rank entered
+_STATE = {"owned": False, "broken": False, "step": 0}
+
+
+class PeerFailure(SharpError):
+    """Another rank stopped answering (stalled past the timeout, or gone): exit 3.
+
+    ``culprits`` are the ranks that did not arrive (empty when they cannot be told);
+    ``report_here`` tells whether this rank prints the message (the lowest rank not to blame).
+    """
+
+    exit_code = EXIT_NUMERICAL
+    kind = "error"
+    propagated = True  # never announced to the other ranks: the group is broken
+
+    def __init__(self, message: str, *, culprits: list[int], report_here: bool, **details):
+        source = f"rank {culprits[0]}" if culprits else "torch.distributed"
+        super().__init__(message, source=source, **details)
+        self.culprits = culprits
+        self.report_here = report_here
 
 
 def is_initialized() -> bool:
@@ -102,6 +155,27 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise UsageError(f"must be an integer, got {text!r}", source=name) from None
     if value < 0:
         raise UsageError(f"must be >= 0, got {value}", source=name)
+    return value
+
+
+def timeout_seconds() -> float:
+    """Seconds a collective waits for the other ranks: ``SHARP_DIST_TIMEOUT``, default 600.
+
+    A positive number (fractions allowed); anything else is a UsageError naming the variable.
+    """
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(
+            f"must be a number of seconds, got {text[:40]!r}", source=TIMEOUT_ENV
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(
+            f"must be a positive number of seconds, got {text[:40]!r}", source=TIMEOUT_ENV
+        )
     return value
 
 
@@ -154,32 +228,131 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
         if torch.cuda.is_available() and torch.distributed.is_nccl_available():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             backend = "nccl"
+    timeout = datetime.timedelta(seconds=timeout_seconds())
     torch.distributed.init_process_group(
-        backend=backend, init_method="env://", rank=rank, world_size=world
+        backend=backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
     )
-    _STATE["owned"] = True
+    _STATE.update(owned=True, broken=False, step=0)
     return True
 
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if rank_and_world()[1] > 1:
-        import torch
-
-        torch.distributed.barrier()
+        collective(torch.distributed.barrier)
 
 
 def cleanup() -> None:
-    """Wait for every rank, then destroy the process group if :func:`init_from_environment` created it."""
+    """Wait for every rank, then destroy the process group if :func:`init_from_environment`
+    created it (without waiting when the group is broken: a peer stalled or is gone)."""
     if _STATE["owned"] and is_initialized():
-        import torch
-
-        try:
-            torch.distributed.barrier()
-        except RuntimeError:  # a peer is gone (crashed): nothing left to wait for
-            pass
+        if not _STATE["broken"]:
+            try:
+                torch.distributed.barrier()
+            except RuntimeError:  # a peer is gone (crashed): nothing left to wait for
+                pass
         torch.distributed.destroy_process_group()
-    _STATE["owned"] = False
+    _STATE.update(owned=False, broken=False, step=0)
+
+
+def collective(function, /, *args, **kwargs):
+    """Run one collective ``function(*args, **kwargs)`` of the process group (module docstring).
+
+    Marks this rank's progress in the store first; a collective (or store access) that times
+    out or finds a peer gone raises :class:`PeerFailure` naming the rank that did not arrive,
+    instead of a library ``RuntimeError``.
+    """
+    if _STATE["broken"]:
+        raise PeerFailure(
+            "the process group is broken by an earlier failure", culprits=[], report_here=False
+        )
+    _STATE["step"] += 1
+    try:
+        _mark_progress(_STATE["step"])
+        return function(*args, **kwargs)
+    except RuntimeError as exc:  # torch.distributed.DistError and gloo/NCCL errors
+        raise _peer_failure(exc) from None
+
+
+def _store():
+    """The default process group's store, or None (a private torch accessor, guarded)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _mark_progress(step: int) -> None:
+    store = _store()
+    if store is not None:
+        store.set(f"sharp/step/{rank_and_world()[0]}", str(step))
+
+
+def _store_host() -> int | None:
+    """The rank whose process hosts the store: rank 0, except under torchrun's agent store."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
+def _missing_ranks(rank: int, world: int) -> list[int]:
+    """The ranks that did not reach this rank's current collective (module docstring).
+
+    The store is read in a daemon thread given ``min(10 s, timeout)``: a store whose host is
+    stopped never answers (its client waits for an acknowledgement without a timeout), and
+    then that host is the rank missing.
+    """
+    others = [q for q in range(world) if q != rank]
+    fallback = others if world == 2 else []
+    store = _store()
+    if store is None:
+        return fallback
+    steps: dict[int, int] = {}
+    reader = threading.Thread(target=_read_marks, args=(store, rank, others, steps), daemon=True)
+    reader.start()
+    reader.join(min(10.0, timeout_seconds()))
+    if rank not in steps:  # the store did not answer: its host is the one missing
+        host = _store_host()
+        return [host] if host is not None and host != rank else fallback
+    behind = [q for q in others if steps.get(q, 0) < _STATE["step"]]
+    return behind or fallback
+
+
+def _read_marks(store, rank: int, others: list[int], steps: dict) -> None:
+    """Fill ``steps`` with each rank's mark (``rank`` itself last: the store answered)."""
+    try:
+        found = {q: store.check([f"sharp/step/{q}"]) for q in [rank, *others]}
+        for q in others:
+            steps[q] = int(store.get(f"sharp/step/{q}")) if found[q] else 0
+        steps[rank] = _STATE["step"]
+    except (RuntimeError, ValueError):
+        pass
+
+
+def _peer_failure(exc: BaseException) -> PeerFailure:
+    """The :class:`PeerFailure` for a collective that failed with ``exc``; the group is broken."""
+    _STATE["broken"] = True
+    rank, world = rank_and_world()
+    timeout = timeout_seconds()
+    text = str(exc).lower()
+    stalled = "timed out" in text or "timeout" in text
+    culprits = _missing_ranks(rank, world)
+    who = ", ".join(str(q) for q in culprits)
+    named = (
+        f"rank{'s' if len(culprits) > 1 else ''} {who} of {world}" if culprits else "a peer rank"
+    )
+    what = (
+        f"did not reach a collective within {timeout:g} s (stalled; {TIMEOUT_ENV} sets the wait)"
+        if stalled
+        else "is gone (its connection closed: the process crashed or was killed)"
+    )
+    healthy = [q for q in range(world) if q not in culprits]
+    return PeerFailure(
+        f"{named} {what}; rank {rank} stopped waiting",
+        culprits=culprits,
+        report_here=bool(healthy) and rank == healthy[0],
+        rank=culprits[0] if culprits else None,
+    )
 
 
 def _status_device() -> torch.device:
@@ -194,7 +367,7 @@ def _exchange_status(code: int) -> int:
     import torch
 
     status = torch.tensor([int(code)], dtype=torch.int64, device=_status_device())
-    torch.distributed.all_reduce(status, op=torch.distributed.ReduceOp.MAX)
+    collective(torch.distributed.all_reduce, status, op=torch.distributed.ReduceOp.MAX)
     return int(status.item())
 
 
@@ -203,7 +376,7 @@ def _gather_failures(mine: dict | None) -> list[dict]:
 
     world = rank_and_world()[1]
     gathered: list = [None] * world
-    torch.distributed.all_gather_object(gathered, mine)
+    collective(torch.distributed.all_gather_object, gathered, mine)
     return [g for g in gathered if g is not None]
 
 
@@ -243,7 +416,7 @@ def announce_failure(err: SharpError) -> SharpError:
     process returns ``err`` unchanged without any communication.
     """
     rank, world = rank_and_world()
-    if world == 1 or getattr(err, "propagated", False):
+    if world == 1 or getattr(err, "propagated", False) or _STATE["broken"]:
         return err
     payload = {
         "kind": err.kind,

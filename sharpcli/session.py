@@ -21,6 +21,17 @@ from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
 from sharpcli.models.outputs import attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+MAX_SEED = 2**32 - 1
+"""Largest ``--seed``: seeds are offset and multiplied (probe blocks, ranks) within int64."""
+
+
+def check_seed(seed, option: str = "--seed") -> int:
+    """``seed`` if it is an integer in ``0..MAX_SEED``; a UsageError naming ``option`` otherwise
+    (``torch.manual_seed(10**23)`` is an OverflowError deep inside a run)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        shown = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:37] + "..."
+        raise UsageError(f"must be an integer in 0..{MAX_SEED}, got {shown}", source=option)
+    return seed
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -433,6 +444,36 @@ class Session:
         )
 
 
+def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
+    """``load_dataset(spec)``; when the spec is the checkpoint's own (``from_checkpoint``, no
+    ``--data`` given), a bad spec is an InputError naming the checkpoint's metadata, not the
+    ``--data`` option the user never gave. How a metadata path resolves: docs/checkpoints.md."""
+    from sharpcli.io.checkpoints import META_DATA
+    from sharpcli.io.datasets import load_dataset
+
+    what = "the `data` file" if from_checkpoint is None else f"the data named in {from_checkpoint}"
+    try:
+        return load_dataset(spec, label_column=label_column, what=what)
+    except UsageError as err:
+        if from_checkpoint is None or err.source not in ("data", "spec", "--data"):
+            raise
+        raise InputError(f"metadata {META_DATA}: {err.message}", source=from_checkpoint) from None
+
+
+def _metadata_loss(ckpt: LoadedCheckpoint, checkpoint: str) -> str | None:
+    """The training loss the checkpoint's metadata names (None: infer it from the outputs);
+    anything but a registered loss name is an InputError naming the checkpoint."""
+    from sharpcli.io.checkpoints import META_TRAIN
+    from sharpcli.losses import LOSSES
+
+    loss = (ckpt.train_config or {}).get("loss")
+    if loss is not None and (not isinstance(loss, str) or loss not in LOSSES):
+        raise InputError(
+            f"metadata {META_TRAIN}: 'loss' is not one of {', '.join(LOSSES)}", source=checkpoint
+        )
+    return loss
+
+
 def build_session(
     checkpoint: str,
     *,
@@ -453,7 +494,7 @@ def build_session(
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError."""
-    from sharpcli.io.datasets import load_dataset, subset
+    from sharpcli.io.datasets import subset
 
     if split not in ("train", "test"):
         raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
@@ -463,6 +504,7 @@ def build_session(
         raise UsageError("must be at least 1", source="samples")
     if cache_mb < 0:
         raise UsageError("must be >= 0", source="cache_mb")
+    check_seed(seed)
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
 
@@ -478,8 +520,7 @@ def build_session(
         raise UsageError(
             f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
-    named_in = "the `data` file" if data is not None else f"the data named in {checkpoint}"
-    dataset = load_dataset(data_spec, label_column=label_column, what=named_in)
+    dataset = _load_data(data_spec, label_column, checkpoint if data is None else None)
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
@@ -498,7 +539,7 @@ def build_session(
     if dataset.task == "regression":
         y = y.to(torch_dtype)
     n_out, loss = check_model_accepts(
-        model, x, y, dataset.task, dataset.source, (ckpt.train_config or {}).get("loss")
+        model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     return Session(

@@ -194,7 +194,12 @@ CASES = [
         2,
         ("$ok_csv", "klass"),
     ),
-    C("data-npz-without-x", ("eigen", "$own", "--data", "$nox_npz"), 2, ("$nox_npz", "features")),
+    C(
+        "data-npz-without-x",
+        ("eigen", "$own", "--data", "$nox_npz"),
+        2,
+        ("$nox_npz", "1 unexpected key(s)"),  # counted: a key is file content, never quoted
+    ),
     C(
         "data-length-mismatch",
         ("trace", "$own", "--data", "$mismatch_npz"),

@@ -621,7 +621,7 @@ def test_pt_with_pickled_code_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "arrays,message",
     [
-        ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "unexpected key(s) X"),
+        ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "1 unexpected key(s)"),
         ({"x": np.ones((2, 2))}, "has no y (keys found: x)"),
         (
             {"x": np.ones((3, 2)), "y": np.zeros(2, np.int64)},
@@ -679,23 +679,33 @@ def test_bad_tables(tmp_path):
         return str(path)
 
     path = csv("nolabel.csv", pd.DataFrame({"a": [1], "b": [2]}))
-    expect_error(
-        InputError, path, "has no label column 'label' (columns: a, b)", load_dataset, path
-    )
+    expect_error(InputError, path, "has no label column 'label' (2 columns)", load_dataset, path)
     path = csv("text.csv", pd.DataFrame({"a": [1, 2], "city": ["x", "y"], "label": [0, 1]}))
-    expect_error(InputError, path, "non-numeric feature column(s) city", load_dataset, path)
+    expect_error(
+        InputError,
+        path,
+        "1 non-numeric feature column(s) (the first is column 2 of 3)",
+        load_dataset,
+        path,
+    )
     path = csv("nan.csv", pd.DataFrame({"a": [1.0, None, 3.0], "label": [0, 1, 0]}))
     expect_error(
         InputError,
         path,
-        "feature column 'a' has a missing or NaN value (row 2)",
+        "feature column 1 of 2 has a missing or NaN value (row 2)",
         load_dataset,
         path,
     )
     path = csv(
         "split.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["train", "valid"]})
     )
-    expect_error(InputError, path, "'valid'; expected train or test", load_dataset, path)
+    expect_error(
+        InputError,
+        path,
+        "column 'split' has 1 value(s) other than train or test (the first in row 2)",
+        load_dataset,
+        path,
+    )
     path = csv(
         "onlytest.csv", pd.DataFrame({"a": [1, 2], "label": [0, 1], "split": ["test", "test"]})
     )
@@ -753,7 +763,7 @@ def test_bad_cifar_folders(tmp_path):
     expect_error(
         InputError,
         str(root / "data_batch_1"),
-        "no 'data' entry (keys: pixels)",
+        "no 'data' entry (1 other key(s))",
         load_dataset,
         str(root),
     )

@@ -338,3 +338,121 @@ def test_torchrun_launcher_prints_one_json_document(tmp_path):
     reference = json.loads(single.stdout)
     assert parallel["environment"]["world_size"] == 2
     assert _close(parallel["results"]["eigenvalues"][0], reference["results"]["eigenvalues"][0])
+
+
+# ---------------------------------------------------------------------------------------------- peers
+# A rank that stalls (SIGSTOP) or dies without torchrun: the others fail after SHARP_DIST_TIMEOUT
+# (not gloo's 30 minutes) with exit 3 and one line naming the rank, never exit 4.
+PEER_TIMEOUT = "4"
+
+
+def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fate: str, codes):
+    """One of 2 ranks running ``eigen``; rank ``culprit`` stalls or dies in its 3rd all-reduce."""
+    import signal
+    import time
+    from pathlib import Path
+
+    from sharpcli.cli import common
+    from sharpcli.cli.app import main
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        SHARP_DIST_TIMEOUT=PEER_TIMEOUT,
+    )
+    if rank == culprit:
+        real, calls = torch.distributed.all_reduce, []
+
+        def all_reduce(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                if fate == "stall":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                os._exit(9)
+            return real(*args, **kwargs)
+
+        torch.distributed.all_reduce = all_reduce
+    common.state()["debug"] = False
+    start = time.monotonic()
+    with (
+        open(Path(tmp) / f"rank{rank}.out", "w") as out,
+        open(Path(tmp) / f"rank{rank}.err", "w") as err,
+    ):
+        sys.stdout, sys.stderr = out, err
+        try:
+            main(["eigen", ckpt, "--batch-size", "16", "--max-matvecs", "6", "--json", "-"])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    codes[rank] = (code, time.monotonic() - start)
+
+
+def _run_peers(tmp_path, culprit: int, fate: str):
+    """Both ranks' ``(exit code, seconds, stdout, stderr)`` of the healthy one, the culprit killed."""
+    ckpt, _ = _make_files(tmp_path)
+    context = mp.get_context("spawn")
+    codes = context.Manager().dict()
+    port = _free_port()
+    procs = [
+        context.Process(
+            target=_peer_rank_main,
+            args=(rank, port, str(tmp_path), str(ckpt), culprit, fate, codes),
+        )
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    healthy = 1 - culprit
+    procs[healthy].join(240)
+    alive = procs[healthy].is_alive()
+    for proc in procs:
+        proc.kill()
+        proc.join()
+    assert not alive, "the healthy rank still waits"
+    code, seconds = codes[healthy]
+    out = (tmp_path / f"rank{healthy}.out").read_text()
+    err = (tmp_path / f"rank{healthy}.err").read_text()
+    return code, seconds, out, err
+
+
+@pytest.mark.parametrize(
+    "culprit,fate,words",
+    [
+        (1, "stall", ("rank 1 of 2", f"within {PEER_TIMEOUT} s", "SHARP_DIST_TIMEOUT")),
+        (1, "die", ("rank 1 of 2", "is gone")),
+        (0, "stall", ("rank 0 of 2",)),
+    ],
+)
+def test_stalled_or_dead_peer_is_exit_3_naming_the_rank(tmp_path, culprit, fate, words):
+    code, seconds, out, err = _run_peers(tmp_path, culprit, fate)
+    assert code == 3, (code, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("sharp eigen: error: "), lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    error = _one_json_document(out)["error"]
+    assert error["exit_code"] == 3 and error["source"] == f"rank {culprit}"
+    assert error["rank"] == culprit
+    assert seconds < 120  # the timeout, not gloo's 30 minutes
+
+
+def test_dist_timeout_must_be_a_positive_number(monkeypatch):
+    from sharpcli.distributed import DEFAULT_TIMEOUT, timeout_seconds
+    from sharpcli.errors import UsageError
+
+    monkeypatch.delenv("SHARP_DIST_TIMEOUT", raising=False)
+    assert timeout_seconds() == DEFAULT_TIMEOUT == 600
+    monkeypatch.setenv("SHARP_DIST_TIMEOUT", "2.5")
+    assert timeout_seconds() == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("SHARP_DIST_TIMEOUT", bad)
+        with pytest.raises(UsageError) as info:
+            timeout_seconds()
+        assert info.value.source == "SHARP_DIST_TIMEOUT"

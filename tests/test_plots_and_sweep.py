@@ -8,6 +8,7 @@ import json
 import pytest
 from cli_helpers import run_cli
 
+from sharpcli.report.envelope import validate_report
 from sharpcli.report.plots import PIXELS, png_size
 
 DATA = "blobs:n=160,dim=6,classes=3"
@@ -165,20 +166,16 @@ def test_sweep_records_a_diverging_value_and_goes_on(tmp_path, capsys):
     run = run_cli(capsys, *args)
     assert run.code == 0, run.err
     res = run.json()["results"]
-    assert res["completed"] is True and res["diverged"] == ["wd-sigma=100-seed0"]
-    record = json.loads((tmp_path / "sw" / "wd-sigma=100-seed0.diverged.json").read_text())
-    assert record["regs"] == ["wd:sigma=100.0"] and (
-        "nan" in record["error"] or "finite" in record["error"]
-    )
+    small, large = (row["run"] for row in res["runs"])
+    assert small.startswith("wd-sigma=0.01-seed0-") and large.startswith("wd-sigma=100.0-seed0-")
+    assert res["completed"] is True and res["diverged"] == [large]
+    record = json.loads((tmp_path / "sw" / f"{large}.diverged.json").read_text())
+    validate_report(record)  # the error document of a failed train run
+    assert record["sweep"]["regs"] == ["wd:sigma=100.0"] and record["error"]["exit_code"] == 3
+    assert "nan" in record["error"]["message"] or "finite" in record["error"]["message"]
     rows = {r["run"]: r for r in csv.DictReader(open(res["tables"]["runs_csv"]))}
-    assert (
-        rows["wd-sigma=100-seed0"]["lambda_max"] == ""
-        and float(rows["wd-sigma=0.01-seed0"]["lambda_max"]) > 0
-    )
+    assert rows[large]["lambda_max"] == "" and float(rows[small]["lambda_max"]) > 0
     assert [int(r["seeds"]) for r in res["summary"]] == [1, 0]
     assert png_size(res["plot"]) == PIXELS
     again = run_cli(capsys, *args).json()["results"]  # resumed: the diverged run is not retrained
-    assert (
-        again["skipped"] == ["wd-sigma=0.01-seed0", "wd-sigma=100-seed0"]
-        and again["diverged"] == res["diverged"]
-    )
+    assert again["skipped"] == [small, large] and again["diverged"] == res["diverged"]

@@ -40,7 +40,7 @@ def analyze_command(
     params: common.ParamsOpt = None,
 ) -> common.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
-    from sharpcli.analyses.analyze import analyze, parse_metrics
+    from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
     from sharpcli.curvature.registry import SPLIT
     from sharpcli.report.gate import parse_gate
 
@@ -64,10 +64,8 @@ def analyze_command(
     settings = opts.report_settings(
         skip=("checkpoint",), metrics=chosen, fail_if=[g.text for g in gates]
     )
-    report = session.report("analyze", settings, results, matvecs=matvecs)
-    verdicts = [g.evaluate(report) for g in gates]
-    report["results"]["gates"] = verdicts
-    tripped = any(v["tripped"] for v in verdicts)
+    report, tripped = analyze_report(session, settings, results, matvecs, gates)
+    verdicts = report["results"]["gates"]
 
     def render(console):
         flat = {"loss": results["loss"], "accuracy": results["accuracy"]}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Annotated, Optional
 
 import typer
@@ -15,8 +14,10 @@ from sharpcli.cli.app import app
 def _train_config(
     model, data, epochs, batch_size, lr, optimizer, schedule, width, depth, activation, dtype, sets
 ):
-    from sharpcli.training.loop import TrainConfig
+    from sharpcli.training.loop import OPTION_OF, TrainConfig, validate_config
 
+    for option, value in (("--depth", depth), ("--width", width)):
+        common.require(value is None or value >= 1, "must be at least 1", option)
     cfg = TrainConfig(
         model=model,
         data=data,
@@ -31,6 +32,7 @@ def _train_config(
         if value is not None:
             cfg.model_args[key] = value
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"regs", "seed"}
+    given = {}
     for item in sets or []:
         if "=" not in item:
             raise common.UsageError(f"{item!r} is not KEY=VALUE", source="--set")
@@ -40,12 +42,27 @@ def _train_config(
                 f"unknown training setting {key!r}; accepted: {', '.join(sorted(fields))}",
                 source="--set",
             )
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        setattr(cfg, key, value)
+        given[OPTION_OF[key]] = key
+        setattr(cfg, key, _set_value(raw, key))
+    try:
+        validate_config(cfg)
+    except common.UsageError as err:  # a --set value: name --set and the key, not train's option
+        if err.source in given:
+            raise common.UsageError(f"{given[err.source]}: {err.message}", source="--set") from None
+        raise
     return cfg
+
+
+def _set_value(raw: str, key: str):
+    """The JSON value of ``--set KEY=RAW`` (nesting bounded), or RAW itself as a string."""
+    from sharpcli.bounded import JsonTooDeep, loads_json
+
+    try:
+        return loads_json(raw, max_depth=32)
+    except JsonTooDeep as exc:
+        raise common.UsageError(f"{key}: JSON {exc}", source="--set") from None
+    except ValueError:  # not JSON (a plain word), or an integer too long to read
+        return raw
 
 
 @app.command("sweep")
@@ -121,7 +138,6 @@ def sweep_command(
     def body() -> common.Outcome:
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table
-        from sharpcli.training.loop import validate_config
         from sharpcli.training.sweep import parse_grid, run_sweep
 
         parsed_grid = parse_grid(grid)
@@ -131,7 +147,12 @@ def sweep_command(
             raise common.UsageError(
                 f"{seeds!r} is not a comma list of integers", source="--seeds"
             ) from None
+        from sharpcli.session import check_seed
+
+        for seed in seed_list:
+            check_seed(seed, "--seeds")
         common.require(max_runs is None or max_runs >= 1, "must be at least 1", "--max-runs")
+        common.require(analyze_samples >= 1, "must be at least 1", "--analyze-samples")
         cfg = _train_config(
             model,
             data,
@@ -148,7 +169,6 @@ def sweep_command(
         )
         if model_factory is not None:
             cfg.model_factory = model_factory
-        validate_config(cfg)
         with common.epoch_progress(quiet or json_out == "-", "sweep") as progress:
             result = run_sweep(
                 cfg,
@@ -218,4 +238,22 @@ def sweep_command(
 
         return common.Outcome(report, render)
 
-    common.run_command("sweep", json_out, quiet, body, threads=threads, debug=debug)
+    common.run_command(
+        "sweep", json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
+    )
+
+
+# the training options sweep has under their own name; the rest it takes as --set KEY=VALUE
+_OWN_TRAIN_OPTIONS = ("model", "data", "epochs", "batch_size", "lr", "optimizer", "schedule")
+_OWN_TRAIN_OPTIONS += ("dtype", "regs", "model_factory")
+
+
+def _set_aliases() -> dict[str, str]:
+    """``--set`` for every training option sweep lacks (``--label-column``, ``--momentum``,
+    ...), and for ``--arch-args``, the library's name of model arguments (sweep sets them with
+    ``--width``, ``--depth``, ``--activation`` or ``--set model_args=...``); ``--seeds`` for
+    ``--seed``."""
+    from sharpcli.training.loop import OPTION_OF
+
+    lacking = [name for name in OPTION_OF.values() if name not in _OWN_TRAIN_OPTIONS]
+    return {name: "--set" for name in [*lacking, "model_args"]} | {"seed": "--seeds"}

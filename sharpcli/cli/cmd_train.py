@@ -187,6 +187,8 @@ def train_command(
         from sharpcli.training.loop import TrainConfig, train, train_report
 
         common.check_output(plot)
+        for option, value in (("--depth", depth), ("--width", width)):
+            common.require(value is None or value >= 1, "must be at least 1", option)
         margs = common.parse_json_option(model_args, "--model-args") or {}
         if per_sample_norm:
             margs["per_sample_norm"] = True
@@ -258,7 +260,11 @@ def train_command(
         )
         return common.Outcome(report, render=lambda console: _render(console, result))
 
-    common.run_command("train", json_out, quiet, body, threads=threads, debug=debug)
+    # the library names subset sizes `samples`: here they are --track-samples
+    aliases = {"samples": "--track-samples"}
+    common.run_command(
+        "train", json_out, quiet, body, threads=threads, debug=debug, aliases=aliases
+    )
 
 
 # The history's columns with their headers, short enough for one table at 80 columns.

@@ -218,6 +218,7 @@ def run_command(
     uses_models: bool = True,
     threads: int | None = None,
     debug: bool = False,
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
@@ -231,7 +232,9 @@ def run_command(
     A command that runs models (``uses_models``) runs on ``threads`` CPU threads
     (:func:`use_threads`) with attention that can be differentiated twice
     (:func:`sharpcli.curvature.attention.differentiable_attention`). ``debug`` (the command's
-    own ``--debug``) shows tracebacks as ``sharp --debug`` does.
+    own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
+    library names (model arguments are ``--arch-args``) to the option of this command that set
+    the value (``train``: ``--model-args``), so an error never names an option the command lacks.
     """
     _STATE["debug"] = _STATE["debug"] or debug
     with ledger.scope():
@@ -242,6 +245,8 @@ def run_command(
         except typer.Exit:
             raise
         except (Exception, KeyboardInterrupt, interrupts.Interrupted) as exc:
+            if aliases and isinstance(exc, SharpError) and exc.source in aliases:
+                exc.source = aliases[exc.source]
             raise typer.Exit(_failure_code(command, json_path, exc)) from None
     _print_notice(command, outcome.notice)
     if stdout_lost:
@@ -411,9 +416,10 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
     err = to_cli_error(err, command)  # before the ranks compare errors: each spells its own
     try:
         err = distributed.announce_failure(err)
-    except RuntimeError:  # the process group itself is broken: report this rank's own error
+    except (RuntimeError, SharpError):  # the process group is broken: report this rank's error
         pass
-    if not distributed.is_main_process():
+    # rank 0 prints, or for a stalled/dead peer the lowest rank not to blame
+    if not (distributed.is_main_process() or getattr(err, "report_here", False)):
         return err
     print(f"sharp {command}: error: {err.one_line()}", file=sys.stderr)
     if json_path == "-":
@@ -434,14 +440,25 @@ def _report_error(command: str, json_path: str | None, err: SharpError) -> Sharp
 
 
 def parse_json_option(text: str | None, option: str) -> dict | None:
+    """The JSON object an option gives (``--arch-args``, ``--model-args``), or None.
+
+    Nesting is bounded (:func:`sharpcli.bounded.loads_json`, 32 levels as checkpoint
+    metadata), so deeply nested text is a UsageError rather than a RecursionError.
+    """
     import json
+
+    from sharpcli.bounded import JsonTooDeep, loads_json
 
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = loads_json(text, max_depth=32)
+    except JsonTooDeep as exc:
+        raise UsageError(f"is JSON {exc}", source=option) from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"not valid JSON ({exc.msg})", source=option) from exc
+    except ValueError:  # an integer of more than 4300 digits
+        raise UsageError("holds a number too long to read", source=option) from None
     if not isinstance(value, dict):
         raise UsageError("must be a JSON object", source=option)
     return value

@@ -78,12 +78,14 @@ def all_reduce_sum(value):
 
 def _all_reduce_tensor(tensor: torch.Tensor) -> None:
     """In-place SUM all-reduce; CPU tensors go through the GPU under the NCCL backend."""
+    from sharpcli.distributed import collective  # a stalled or dead peer: PeerFailure
+
     if tensor.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
         on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-        torch.distributed.all_reduce(on_gpu, op=torch.distributed.ReduceOp.SUM)
+        collective(torch.distributed.all_reduce, on_gpu, op=torch.distributed.ReduceOp.SUM)
         tensor.copy_(on_gpu.cpu())
         return
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    collective(torch.distributed.all_reduce, tensor, op=torch.distributed.ReduceOp.SUM)
 
 
 class AnalysisData:

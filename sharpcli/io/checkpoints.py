@@ -42,6 +42,7 @@ from torch import nn
 
 from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
+from sharpcli.bounded import check_data_path
 from sharpcli.errors import InputError, UsageError
 
 FORMAT_VERSION = "1"
@@ -711,6 +712,7 @@ def load_checkpoint(
         raise InputError("no such file", source=str(p))
     if p.is_dir():
         raise InputError("is a folder, not a checkpoint file", source=str(p))
+    check_data_path(str(p))  # a FIFO or device would be read (hashed) forever
     ledger.record_input(p, "the checkpoint")
     suffix = p.suffix.lower()
     digest = sha256_file(p)

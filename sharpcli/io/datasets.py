@@ -30,6 +30,7 @@ import os
 import torch
 
 from sharpcli import ledger
+from sharpcli.bounded import check_data_path
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
     BUILTIN_ARGS,
@@ -144,6 +145,8 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
 def _label_column(in_spec, from_option: str | None) -> str | None:
     """The label column of the spec or of the ``label_column`` argument (which must agree), or
     None."""
+    if in_spec is not None and not isinstance(in_spec, str):  # a spec from a checkpoint
+        raise UsageError(f"spec 'label_column' must be a string, got {in_spec!r}", source="spec")
     if from_option is not None and in_spec is not None and from_option != in_spec:
         raise UsageError(
             f"label column {from_option!r} contradicts the data spec's {in_spec!r}",
@@ -162,6 +165,7 @@ def _existing_path(given: str) -> str:
     if not os.path.exists(path):
         hint = f"; built-in datasets: {', '.join(BUILTIN_NAMES)}" if os.sep not in given else ""
         raise InputError(f"no such file or directory{hint}", source=path)
+    check_data_path(path)  # a FIFO or device is refused before any format probes it
     return path
 
 

@@ -72,7 +72,7 @@ def _convert(name: str, key: str, value, kind: type):
         raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec")
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float range
         raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec") from None
     if not math.isfinite(out):
         raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="spec")
@@ -84,7 +84,7 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
 
     Unknown names or keys and out-of-range values raise ``UsageError(source="spec")``.
     """
-    if name not in BUILTIN_ARGS:
+    if not isinstance(name, str) or name not in BUILTIN_ARGS:  # a spec's name may be any JSON
         raise UsageError(
             f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}",
             source="spec",

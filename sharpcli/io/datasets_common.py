@@ -19,6 +19,7 @@ Anything else raises ``InputError(source=<file>)`` with a one-line message.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,11 +102,21 @@ def _how_to_add_test(spec: dict) -> str:
     return fmt.test_split if fmt is not None else "the folder holds no test files"
 
 
+_QUOTED = re.compile(r"b?'[^']*'|b?\"[^\"]*\"")
+
+
 def describe_exception(exc: BaseException) -> str:
-    """One-line, bounded ``Type: message`` text of a library exception for an InputError."""
-    text = " ".join(str(exc).split())
-    if len(text) > 160:
-        text = text[:157] + "..."
+    """One-line, bounded ``Type: message`` text of a library exception for an InputError.
+
+    The message is sanitised: a data path may come from a checkpoint's metadata and name
+    any local file, so nothing the file holds may reach the message. Library messages quote
+    the content they choke on (``could not convert string to float: 'AWS_SECRET...'``); every
+    quoted part is replaced by ``'...'`` and the rest cut at 120 characters, which keeps the
+    templated part (``Expected 3 fields in line 5, saw 4``).
+    """
+    text = _QUOTED.sub("'...'", " ".join(str(exc).split()))
+    if len(text) > 120:
+        text = text[:117] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -26,6 +26,7 @@ routed by its ``.csv`` extension only.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import zipfile
@@ -34,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from sharpcli.bounded import check_zip_members, data_file_size, open_data_file, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
 
@@ -43,46 +45,101 @@ SPLIT_COLUMN = "split"
 
 
 def _read_mapping(path: str, fmt: str) -> dict:
-    """Read the key -> array mapping of a tensor file, wrapping every library error."""
-    if fmt == "safetensors":
-        from safetensors import safe_open
+    """Read the key -> array mapping of a tensor file, wrapping every library error.
 
+    The file is read through :func:`sharpcli.bounded.open_data_file` (a regular file, at
+    most its size); zip archives (``.pt``, ``.npz``) are checked by
+    :func:`sharpcli.bounded.check_zip_members` before a member is read.
+    """
+    if fmt == "safetensors":
+        from safetensors.torch import load as load_safetensors
+
+        content = read_data_file(path)
         try:
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                return {key: handle.get_tensor(key) for key in handle.keys()}
+            return load_safetensors(content)
         except Exception as exc:
             raise read_failure("safetensors file", exc, path) from exc
-    if fmt == "pt":
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                content = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise read_failure(
-                "torch file with weights_only=True (tensors only, no pickled code)", exc, path
-            ) from exc
-        if not isinstance(content, dict):
-            raise InputError(
-                f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y "
-                "(optional x_test, y_test)",
-                source=path,
-            )
-        return content
-    if fmt == "npz":
-        try:
-            archive = np.load(path, allow_pickle=False)
-        except Exception as exc:
-            raise read_failure("npz archive", exc, path) from exc
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise InputError(
-                "is a single .npy array, expected an .npz archive with keys x and y", source=path
-            )
-        try:
-            with archive:
-                return {key: archive[key] for key in archive.files}
-        except Exception as exc:
-            raise read_failure("npz archive", exc, path) from exc
+    with open_data_file(path) as handle:
+        if fmt == "pt":
+            return _read_torch_mapping(handle, path)
+        if fmt == "npz":
+            return _read_npz_mapping(handle, path)
     raise ValueError(f"not a tensor file format: {fmt}")
+
+
+def _check_archive(handle, path: str) -> None:
+    """Bound a zip archive's declared member sizes (a non-zip file passes: its reader decides)."""
+    try:
+        with zipfile.ZipFile(handle) as archive:
+            check_zip_members(archive, data_file_size(handle), path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        pass
+    handle.seek(0)
+
+
+def _read_torch_mapping(handle, path: str) -> dict:
+    """The dict of tensors of a ``torch.save`` file (``weights_only=True``)."""
+    _check_archive(handle, path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            content = torch.load(handle, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise read_failure(
+            "torch file with weights_only=True (tensors only, no pickled code)", exc, path
+        ) from exc
+    if not isinstance(content, dict):
+        raise InputError(
+            f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y "
+            "(optional x_test, y_test)",
+            source=path,
+        )
+    return content
+
+
+def _read_npz_mapping(handle, path: str) -> dict:
+    """The arrays of a ``numpy.savez`` archive; each member's declared array must fit in it."""
+    if handle.peek(6)[:6] == b"\x93NUMPY":
+        raise InputError(
+            "is a single .npy array, expected an .npz archive with keys x and y", source=path
+        )
+    _check_archive(handle, path)
+    try:
+        archive = np.load(handle, allow_pickle=False)
+    except Exception as exc:
+        raise read_failure("npz archive", exc, path) from exc
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise InputError("is not an .npz archive with keys x and y", source=path)
+    try:
+        with archive:
+            for info in archive.zip.infolist():
+                _check_npy_member(archive.zip, info, path)
+            return {key: archive[key] for key in archive.files}
+    except InputError:
+        raise
+    except Exception as exc:
+        raise read_failure("npz archive", exc, path) from exc
+
+
+def _check_npy_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> None:
+    """``InputError`` when a member's ``.npy`` header declares more bytes than the member holds
+    (numpy allocates the declared array before reading it)."""
+    from numpy.lib import format as npy_format
+
+    with archive.open(info) as member:
+        version = npy_format.read_magic(member)
+        read_header = (
+            npy_format.read_array_header_1_0
+            if version == (1, 0)
+            else npy_format.read_array_header_2_0
+        )
+        shape, _, dtype = read_header(member)
+    declared = math.prod(shape) * dtype.itemsize
+    if declared > info.file_size:
+        raise InputError(
+            f"an array declares {declared:,} bytes but its archive member holds {info.file_size:,}",
+            source=path,
+        )
 
 
 def read_tensor_file(spec: dict) -> Dataset:
@@ -90,16 +147,16 @@ def read_tensor_file(spec: dict) -> Dataset:
     x, y [, x_test, y_test])."""
     path, fmt = spec["path"], spec["format"]
     content = _read_mapping(path, fmt)
-    keys = [str(key) for key in content]
-    unexpected = sorted(key for key in keys if key not in TENSOR_KEYS)
-    if unexpected or not all(isinstance(key, str) for key in content):
+    unexpected = [key for key in content if key not in TENSOR_KEYS]
+    if unexpected:  # counted, not quoted: a key is file content (docs/json.md, "Inputs")
         raise InputError(
-            f"has unexpected key(s) {', '.join(unexpected)}; expected x, y and optionally x_test, y_test",
+            f"has {len(unexpected)} unexpected key(s) besides x, y, x_test, y_test; expected "
+            "x, y and optionally x_test, y_test",
             source=path,
         )
     missing = [key for key in ("x", "y") if key not in content]
     if missing:
-        found = ", ".join(sorted(keys)) or "none"
+        found = ", ".join(key for key in TENSOR_KEYS if key in content) or "none"
         raise InputError(
             f"has no {' or '.join(missing)} (keys found: {found}); expected x and y", source=path
         )
@@ -115,14 +172,15 @@ def read_tensor_file(spec: dict) -> Dataset:
 
 def _read_table(path: str, fmt: str) -> pd.DataFrame:
     """Read a csv or parquet file into a DataFrame, wrapping every library error."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if fmt == "csv":
-                return pd.read_csv(path)
-            return pd.read_parquet(path)
-    except Exception as exc:
-        raise read_failure(f"{fmt} table", exc, path) from exc
+    with open_data_file(path) as handle:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if fmt == "csv":
+                    return pd.read_csv(handle)
+                return pd.read_parquet(handle)
+        except Exception as exc:
+            raise read_failure(f"{fmt} table", exc, path) from exc
 
 
 def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, list[str] | None]:
@@ -201,12 +259,12 @@ def _table_dataset(
     columns = [str(c) for c in frame.columns]
     frame.columns = columns
     if len(set(columns)) != len(columns):
-        duplicates = sorted({c for c in columns if columns.count(c) > 1})
-        raise InputError(f"has duplicate column name(s) {', '.join(duplicates)}", source=path)
-    if label not in columns:
-        shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
         raise InputError(
-            f"has no label column {label!r} (columns: {shown or 'none'}); choose one with `label_column`",
+            f"has {len(columns) - len(set(columns))} duplicate column name(s)", source=path
+        )
+    if label not in columns:
+        raise InputError(
+            f"has no label column {label!r} ({len(columns)} columns); choose one with `label_column`",
             source=path,
         )
     if len(frame) == 0:
@@ -220,9 +278,10 @@ def _table_dataset(
         if not (pd.api.types.is_numeric_dtype(frame[c]) or pd.api.types.is_bool_dtype(frame[c]))
     ]
     if non_numeric:
-        shown = ", ".join(non_numeric[:8]) + (", ..." if len(non_numeric) > 8 else "")
+        first = columns.index(non_numeric[0]) + 1
         raise InputError(
-            f"has non-numeric feature column(s) {shown}; every column but the label must be a number",
+            f"has {len(non_numeric)} non-numeric feature column(s) (the first is column {first} "
+            f"of {len(columns)}); every column but the label must be a number",
             source=path,
         )
     try:
@@ -236,8 +295,8 @@ def _table_dataset(
     if missing.any():
         row, col = np.argwhere(missing)[0]
         raise InputError(
-            f"feature column {feature_names[col]!r} has a missing or NaN value (row {row + 1}); "
-            f"{int(missing.sum())} in all",
+            f"feature column {columns.index(feature_names[col]) + 1} of {len(columns)} has a "
+            f"missing or NaN value (row {row + 1}); {int(missing.sum())} in all",
             source=path,
         )
     labels, class_names = _label_array(frame[label], label, path)
@@ -263,11 +322,12 @@ def _table_dataset(
         ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]],
         dtype=object,
     )
-    bad = sorted(set(split) - {"train", "test"})
-    if bad:
-        shown = ", ".join(v if v == "<missing>" else repr(v) for v in bad[:5])
+    bad = ~np.isin(split, ["train", "test"])
+    if bad.any():
         raise InputError(
-            f"column 'split' has value(s) {shown}; expected train or test", source=path
+            f"column 'split' has {int(bad.sum())} value(s) other than train or test (the first "
+            f"in row {int(np.argmax(bad)) + 1}); expected train or test",
+            source=path,
         )
     is_train, is_test = split == "train", split == "test"
     if not is_train.any():
@@ -296,18 +356,18 @@ def _table_dataset(
 def _head(path: str, size: int) -> bytes:
     """The first ``size`` bytes of a file (fewer when it is shorter; none when unreadable)."""
     try:
-        with open(path, "rb") as handle:
+        with open_data_file(path) as handle:
             return handle.read(size)
-    except OSError:
+    except (OSError, InputError):
         return b""
 
 
 def _zip_members(path: str) -> list[str]:
     """Member names of a zip archive; empty for anything else."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_data_file(path) as handle, zipfile.ZipFile(handle) as archive:
             return archive.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError):
+    except (OSError, InputError, zipfile.BadZipFile, ValueError, EOFError):
         return []
 
 
@@ -344,11 +404,11 @@ def is_npz(path: str) -> bool:
 def is_parquet(path: str) -> bool:
     """``PAR1`` at both ends of the file."""
     try:
-        with open(path, "rb") as handle:
+        with open_data_file(path) as handle:
             start = handle.read(4)
             handle.seek(-4, os.SEEK_END)
             return start == b"PAR1" and handle.read(4) == b"PAR1"
-    except OSError:
+    except (OSError, InputError):
         return False
 
 

@@ -38,6 +38,7 @@ import struct
 import numpy as np
 import torch
 
+from sharpcli.bounded import MAX_DEFLATE_RATIO, data_file_size, open_data_file, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
 from sharpcli.io.safe_pickle import restricted_loads
@@ -123,12 +124,8 @@ def is_mnist_idx(folder: str) -> bool:
 
 
 def _read_bytes(path: str) -> bytes:
-    """Whole file content; OS errors become InputError."""
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise read_failure("file", exc, path) from exc
+    """Whole file content (a regular file, at most its size: ``bounded.read_data_file``)."""
+    return read_data_file(path)
 
 
 def _entry(batch: dict, key: str, path: str):
@@ -136,8 +133,7 @@ def _entry(batch: dict, key: str, path: str):
     for candidate in (key.encode(), key):
         if candidate in batch:
             return batch[candidate]
-    keys = ", ".join(sorted(k.decode("latin1") if isinstance(k, bytes) else str(k) for k in batch))
-    raise InputError(f"CIFAR batch has no {key!r} entry (keys: {keys or 'none'})", source=path)
+    raise InputError(f"CIFAR batch has no {key!r} entry ({len(batch)} other key(s))", source=path)
 
 
 def _pixels_to_images(data: np.ndarray) -> torch.Tensor:
@@ -290,36 +286,16 @@ def read_idx(path: str) -> np.ndarray:
 
     Header: two zero bytes, a type code (0x08 uint8, 0x09 int8, 0x0B int16, 0x0C int32,
     0x0D float32, 0x0E float64), the number of dimensions d, then d big-endian uint32
-    sizes. The payload must hold exactly ``prod(sizes) * itemsize`` bytes.
+    sizes. The payload must hold exactly ``prod(sizes) * itemsize`` bytes, which may not
+    exceed what the file can hold (its size; for ``.gz`` files ``MAX_DEFLATE_RATIO`` times
+    it), so a lying header is refused before anything is allocated.
     """
-    opener = gzip.open if path.endswith(".gz") else open
+    compressed = path.endswith(".gz")
     try:
-        with opener(path, "rb") as handle:
-            magic = handle.read(4)
-            if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_TYPES:
-                raise InputError(
-                    f"not an idx file (magic bytes {magic.hex() or 'missing'})", source=path
-                )
-            ndim = magic[3]
-            if ndim == 0:
-                raise InputError("idx header declares 0 dimensions", source=path)
-            dims_raw = handle.read(4 * ndim)
-            if len(dims_raw) < 4 * ndim:
-                raise InputError("idx header is truncated", source=path)
-            dims = struct.unpack(f">{ndim}I", dims_raw)
-            dtype = np.dtype(_IDX_TYPES[magic[2]])
-            size = math.prod(dims) * dtype.itemsize
-            if size > MAX_IDX_BYTES:
-                raise InputError(
-                    f"idx header declares shape {dims} ({size} bytes), beyond any real file",
-                    source=path,
-                )
-            payload = _read_exactly(handle, size, path)
-            if handle.read(1):
-                raise InputError(
-                    f"idx file has trailing bytes after the {size} declared by its header {dims}",
-                    source=path,
-                )
+        with open_data_file(path) as raw:
+            file_size = data_file_size(raw)
+            handle = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
+            dims, dtype, payload = _idx_payload(handle, file_size, compressed, path)
     except InputError:
         raise
     except Exception as exc:  # gzip/zlib/OS errors
@@ -328,6 +304,48 @@ def read_idx(path: str) -> np.ndarray:
     return (
         np.frombuffer(payload, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="), copy=True)
     )
+
+
+def _idx_payload(
+    handle, file_size: int, compressed: bool, path: str
+) -> tuple[tuple[int, ...], np.dtype, bytes]:
+    """``(sizes, dtype, payload bytes)`` of an idx stream read from a file of ``file_size`` bytes;
+    a declared payload the file cannot hold is refused before it is read."""
+    magic = handle.read(4)
+    if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_TYPES:
+        raise InputError(f"not an idx file (magic bytes {magic.hex() or 'missing'})", source=path)
+    ndim = magic[3]
+    if ndim == 0:
+        raise InputError("idx header declares 0 dimensions", source=path)
+    dims_raw = handle.read(4 * ndim)
+    if len(dims_raw) < 4 * ndim:
+        raise InputError("idx header is truncated", source=path)
+    dims = struct.unpack(f">{ndim}I", dims_raw)
+    dtype = np.dtype(_IDX_TYPES[magic[2]])
+    size = math.prod(dims) * dtype.itemsize
+    if size > MAX_IDX_BYTES:
+        raise InputError(
+            f"idx header declares shape {dims} ({size} bytes), beyond any real file",
+            source=path,
+        )
+    if compressed and size > file_size * MAX_DEFLATE_RATIO:
+        raise InputError(
+            f"idx header declares shape {dims} ({size} bytes), more than a gzip file of "
+            f"{file_size} bytes can unpack to",
+            source=path,
+        )
+    present = file_size - 4 - 4 * ndim
+    if not compressed and size > present:
+        raise InputError(
+            f"idx file is truncated: {present} of {size} data bytes present", source=path
+        )
+    payload = _read_exactly(handle, size, path)
+    if handle.read(1):
+        raise InputError(
+            f"idx file has trailing bytes after the {size} declared by its header {dims}",
+            source=path,
+        )
+    return dims, dtype, payload
 
 
 def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | None:

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from sharpcli import ledger
+from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
@@ -48,12 +49,14 @@ def read_report(path: str | Path) -> dict:
     if p.is_dir():
         raise InputError(f"{p} is a folder, not a report file", source=str(p))
     ledger.record_input(p, "a compared report")
-    try:
-        report = json.loads(p.read_text(encoding="utf-8"))
+    try:  # a regular file, read up to its size, nested at most MAX_JSON_DEPTH levels
+        report = loads_json(read_data_file(p).decode("utf-8"))
+    except JsonTooDeep as exc:
+        raise InputError(f"not a JSON report ({exc})", source=str(p)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"not a JSON report ({exc})", source=str(p)) from exc
-    except OSError as exc:  # unreadable: permissions, a socket, an I/O error
-        raise InputError(f"cannot read ({exc.strerror or exc})", source=str(p)) from exc
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise InputError("not a JSON report (a number too long to read)", source=str(p)) from exc
     if not isinstance(report, dict) or "schema" not in report:
         raise InputError("not a sharp report (no 'schema' key)", source=str(p))
     if report["schema"] not in SUPPORTED_SCHEMAS:
@@ -97,6 +100,14 @@ def _number(value):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _joined(regs) -> str | None:
+    """``"ad:sigma=0.1 + wd"`` from a list of regularizer specs; None for anything else (the
+    schema leaves ``checkpoint.train``, copied from a checkpoint's metadata, free-form)."""
+    if isinstance(regs, list) and regs and all(isinstance(r, str) for r in regs):
+        return " + ".join(regs)
+    return regs if isinstance(regs, str) and regs else None
+
+
 def canonical_row(report: dict, name: str) -> dict:
     """The canonical columns of one report (None where the report does not say)."""
     res = report.get("results", {})
@@ -106,7 +117,7 @@ def canonical_row(report: dict, name: str) -> dict:
     regs = (
         settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
     )
-    row = {"run": name, "command": command, "regularizers": " + ".join(regs) if regs else None}
+    row = {"run": name, "command": command, "regularizers": _joined(regs)}
     row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
     row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
     if row["train_accuracy"] is None and split == "train":

@@ -135,7 +135,62 @@ def declare_outputs(out: str | Path) -> Path:
     return out
 
 
+OPTION_OF = {name: name for name in TrainConfig.__dataclass_fields__}
+"""The parameter that sets each TrainConfig field, named by the errors about it (the CLI spells
+it as its own option; ``sweep --set KEY=VALUE`` sets any field, and its errors name ``--set``).
+``loss`` has none in ``train`` (the data's task picks it)."""
+
+_FIELD_TYPES = {
+    int: ("epochs", "batch_size", "repeat_batch", "seed", "track_every", "track_samples"),
+    float: ("lr", "momentum", "label_noise", "input_noise", "noise_finetune"),
+    bool: ("augment",),
+    str: ("model", "optimizer", "schedule", "dtype", "device"),
+    dict: ("model_args",),
+    list: ("regs", "track"),
+}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """UsageError naming the option of the first field whose value has the wrong type.
+
+    ``sweep --set epochs=abc`` stores the string ``"abc"``; comparing it later was exit 4.
+    Numbers must be finite (``--input-noise nan``); integers are not booleans.
+    """
+    for kind, names in _FIELD_TYPES.items():
+        for name in names:
+            value = getattr(cfg, name)
+            wrong = isinstance(value, bool) != (kind is bool) or not isinstance(
+                value, (int, float) if kind is float else kind
+            )
+            if kind is float and not wrong and not math.isfinite(value):
+                raise UsageError(f"must be a finite number, got {value!r}", source=OPTION_OF[name])
+            if wrong:
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                what = {int: "an integer", float: "a number", bool: "true or false"}.get(
+                    kind, f"a {kind.__name__}"
+                )
+                raise UsageError(f"must be {what}, got {shown}", source=OPTION_OF[name])
+    for name in ("loss", "label_column"):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, str):
+            raise UsageError(f"must be a string, got {value!r}", source=OPTION_OF[name])
+    if not isinstance(cfg.data, (str, dict)):
+        raise UsageError("must be a data spec string", source="data")
+
+
 def validate_config(cfg: TrainConfig) -> None:
+    """UsageError naming the option of the first setting out of its type or range."""
+    from sharpcli.losses import LOSSES
+    from sharpcli.session import check_seed
+
+    _check_types(cfg)
+    check_seed(cfg.seed)
+    if not 0.0 <= cfg.momentum < 1.0:
+        raise UsageError(f"must be in [0, 1), got {cfg.momentum!r}", source="momentum")
+    if cfg.track_samples < 1:
+        raise UsageError("must be at least 1", source="track_samples")
+    if cfg.loss is not None and cfg.loss not in LOSSES:
+        raise UsageError(f"unknown loss {cfg.loss!r}; accepted: {', '.join(LOSSES)}", source="loss")
     if cfg.epochs < 1:
         raise UsageError("must be at least 1", source="epochs")
     if cfg.batch_size < 1:
@@ -483,46 +538,147 @@ def _start_run(
 def _restore_state(run: _Run, state_file: Path) -> None:
     """Continue ``run`` from its resumable state: weights, optimizer, every RNG and the history.
 
-    InputError when the state is missing or unreadable; UsageError (``--resume``) when it was
-    written by a run with other settings (:meth:`TrainConfig.identity`; the epochs may differ).
+    InputError naming the state file when it is missing, unreadable or not a state of this
+    tool (:func:`_read_state`); UsageError (``--resume``) when it was written by a run with
+    other settings (:func:`_check_same_identity`: only more epochs are allowed).
     """
+    state = _read_state(state_file)
+    _check_same_identity(run.cfg, state)
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_global"])
+        run.shuffle_gen.set_state(state["rng_shuffle"])
+        run.step_gen.set_state(state["rng_step"])
+        run.aug_gen.set_state(state["rng_aug"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise InputError(
+            f"resumable state does not fit this run ({type(exc).__name__})", source=str(state_file)
+        ) from None
+    run.history = state["history"]
+    run.start_epoch = state["epoch"]
+
+
+_STATE_FIELDS = {
+    "version": int,
+    "epoch": int,
+    "config": str,
+    "model": dict,
+    "optimizer": dict,
+    "rng_global": torch.Tensor,
+    "rng_shuffle": torch.Tensor,
+    "rng_step": torch.Tensor,
+    "rng_aug": torch.Tensor,
+    "history": str,
+}
+
+
+def _read_state(state_file: Path) -> dict:
+    """The resumable state in ``state_file``, its structure checked (what :func:`_save_state`
+    writes) and its ``config`` and ``history`` parsed. A missing, unreadable or foreign file
+    (a regular file read up to its size, ``weights_only``) is an InputError naming it."""
+    import io
+
+    from sharpcli.bounded import loads_json, read_data_file
+
     if not state_file.exists():
         raise InputError(
             "no resumable state for this output; run without `resume` first",
             source=str(state_file),
         )
+    content = read_data_file(state_file)
     try:
-        state = torch.load(str(state_file), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
     except Exception as exc:
+        first = str(exc).splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
         raise InputError(
-            f"resumable state is unreadable ({str(exc).splitlines()[0][:120]})",
-            source=str(state_file),
+            f"resumable state is unreadable ({first})", source=str(state_file)
         ) from exc
-    _check_same_identity(run.cfg, state)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng_global"])
-    run.shuffle_gen.set_state(state["rng_shuffle"])
-    run.step_gen.set_state(state["rng_step"])
-    run.aug_gen.set_state(state["rng_aug"])
-    run.history = json.loads(state["history"])
-    run.start_epoch = int(state["epoch"])
+    problem = _state_problem(state)
+    if problem is None:
+        try:
+            state = dict(
+                state, config=loads_json(state["config"]), history=loads_json(state["history"])
+            )
+        except ValueError:  # not JSON, or nested too deeply
+            problem = "its config or history is not JSON"
+    if problem is None and not (
+        isinstance(state["config"], dict) and isinstance(state["history"], list)
+    ):
+        problem = "its config is not an object or its history not a list"
+    if problem is not None:
+        raise InputError(
+            f"is not a resumable state of sharp train ({problem})", source=str(state_file)
+        )
+    return state
+
+
+def _state_problem(state) -> str | None:
+    """What is wrong with the structure of a loaded state (None when it has every field)."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a dict"
+    missing = [key for key in _STATE_FIELDS if key not in state]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    wrong = [
+        key
+        for key, kind in _STATE_FIELDS.items()
+        if not isinstance(state[key], kind) or (kind is int and isinstance(state[key], bool))
+    ]
+    if wrong:
+        return f"{', '.join(wrong)} of the wrong type"
+    if state["version"] != STATE_VERSION:
+        return f"version {state['version']}, this sharp writes {STATE_VERSION}"
+    if state["epoch"] < 0:
+        return "a negative epoch"
+    return None
 
 
 def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
-    """UsageError (``--resume``) naming the settings in which the saved run differs from ``cfg``."""
-    saved_identity = json.loads(state["config"])
-    saved_identity.pop("epochs", None)
+    """UsageError (``--resume``) unless the saved run is this run with at most more epochs.
+
+    What may change on resume is ``--epochs``, upwards only, and only under a constant
+    learning rate (a cosine schedule spreads over the epochs, so the epochs done would have
+    had other rates) and before the ``--noise-finetune`` epoch, which is the last; every other
+    setting must be the saved run's (the message names each one that differs, by option).
+    """
+    saved = dict(state["config"])
+    saved_epochs = saved.pop("epochs", None)
     identity = json.loads(json.dumps(cfg.identity()))
-    if saved_identity != identity:
+    if saved != identity:
         diff = sorted(
-            k
-            for k in set(saved_identity) | set(cfg.identity())
-            if saved_identity.get(k) != identity.get(k)
+            OPTION_OF.get(k, k)
+            for k in set(saved) | set(identity)
+            if saved.get(k) != identity.get(k)
         )
         raise UsageError(
-            f"the saved run used other settings ({', '.join(diff)}); resume with the same options",
+            f"the saved run used other settings ({', '.join(diff)}); resume with the same options "
+            "(only `epochs` may grow)",
             source="resume",
+        )
+    if cfg.epochs != saved_epochs:
+        _check_more_epochs(cfg, saved_epochs, state["epoch"])
+
+
+def _check_more_epochs(cfg: TrainConfig, saved_epochs, done: int) -> None:
+    """UsageError (``--epochs``) unless resuming with ``cfg.epochs`` continues the saved run."""
+    if not isinstance(saved_epochs, int) or cfg.epochs < saved_epochs:
+        raise UsageError(
+            f"the saved run was for {saved_epochs} epochs and completed {done}; --resume "
+            f"continues it, so --epochs must be at least {saved_epochs}, got {cfg.epochs}",
+            source="epochs",
+        )
+    if cfg.schedule != "constant":
+        raise UsageError(
+            f"the saved run was for {saved_epochs} epochs under the {cfg.schedule} schedule, whose "
+            f"rates depend on the epoch count; resume with --epochs {saved_epochs}",
+            source="epochs",
+        )
+    if cfg.noise_finetune > 0 and done > saved_epochs:
+        raise UsageError(
+            f"the saved run already ran its --noise-finetune epoch after {saved_epochs} epochs; "
+            f"resume with --epochs {saved_epochs}",
+            source="epochs",
         )
 
 

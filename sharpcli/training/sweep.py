@@ -1,14 +1,20 @@
 """``sharp sweep``: train (then analyse) over a grid of regularizer hyper-parameters and seeds.
 
-Each grid point x seed is one run named ``<reg>-<k>=<v>[-...]-seed<s>`` in the
+Each grid point x seed is one run named ``<reg>-<k>=<v>[-...]-seed<s>-<key>`` in the
 output folder, with its checkpoint, its train report (``.train.json``) and its
-analysis report (``.analyze.json``). The sweep is resumable: a run whose
-analysis report exists is skipped, a trained run is only analysed, and a run
-interrupted during training continues from its resumable state (so it ends bit
-for bit as an uninterrupted one). A run whose training diverges (NaN/Inf) is
-recorded in ``<run>.diverged.json`` and in the table with empty metrics, and the
-sweep goes on: a sweep over a regularizer's strength often reaches one that
-diverges. At the end the per-run table and the per-value summary (mean and standard deviation over seeds) are written as CSV
+analysis report (``.analyze.json``). Values are written exactly (``repr`` of the float:
+``0.1`` and ``0.1000001`` are two runs; ``%g`` once made them one), and ``<key>`` is
+:func:`run_key`, a hash of the run's complete training configuration (model, data, epochs,
+learning rate, every setting, the regularizers and the seed), so a sweep run again into the
+same folder with other settings trains new runs instead of reusing the old ones under the
+new settings' name. The sweep is resumable: a run whose reports exist is skipped (its
+analysis is redone when it was made with other ``--metrics`` or ``--analyze-samples``), a
+trained run is only analysed, and a run interrupted during training continues from its
+resumable state (so it ends bit for bit as an uninterrupted one). A run whose training
+diverges (NaN/Inf) is recorded in ``<run>.diverged.json`` (the error object of a failed
+``train`` report, with the run's name, regularizers and seed under ``sweep``) and in the
+table with empty metrics, and the sweep goes on: a sweep over a regularizer's strength often
+reaches one that diverges. At the end the per-run table and the per-value summary (mean and standard deviation over seeds) are written as CSV
 and Markdown with a plot of accuracy and sharpness against the swept value, as
 the activation-decay paper's Fig. 2 and the flatness-aware paper's table do.
 """
@@ -16,8 +22,11 @@ the activation-decay paper's Fig. 2 and the flatness-aware paper's table do.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -58,6 +67,8 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
             grid[name.strip()] = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
             raise UsageError(f"{item!r}: values must be numbers", source="grid") from None
+        if not all(math.isfinite(v) for v in grid[name.strip()]):
+            raise UsageError(f"{item!r}: values must be finite numbers", source="grid")
         if not grid[name.strip()]:
             raise UsageError(f"{item!r} has no values", source="grid")
         if len(set(grid[name.strip()])) != len(grid[name.strip()]):  # same run name twice
@@ -68,18 +79,57 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
 
 
 def _fmt_value(v: float) -> str:
-    return f"{v:g}"
+    """A grid value as a run name writes it: ``repr`` of the float, which tells every two
+    floats apart (``f"{v:g}"`` wrote 0.1 and 0.1000001 both as ``0.1``)."""
+    return repr(float(v))
 
 
-def _run_name(reg: str, point: dict, seed: int) -> str:
-    return "-".join([reg] + [f"{k}={_fmt_value(v)}" for k, v in point.items()] + [f"seed{seed}"])
+def _run_name(reg: str, point: dict, seed: int, key: str) -> str:
+    values = [f"{k}={_fmt_value(v)}" for k, v in point.items()]
+    return "-".join([reg, *values, f"seed{seed}", key])
 
 
-def _read_json(path: Path):
+def run_key(cfg) -> str:
+    """12 hex digits of the sha256 of a run's complete training configuration.
+
+    Every field of the ``TrainConfig`` (canonical JSON), with the data spec completed as
+    ``load_dataset`` would (``blobs`` and ``blobs:n=2000`` are the same data; a path is made
+    absolute) and the regularizers in their canonical spelling. Runs that differ in any
+    setting get different keys, so different files. A data file's content is not hashed: a
+    file replaced under the same path keeps its runs' keys.
+    """
+    from sharpcli.io.datasets import parse_data_spec
+    from sharpcli.training.regularizers import parse_reg
+
+    config = dataclasses.asdict(cfg)
+    config["data"] = parse_data_spec(cfg.data, label_column=cfg.label_column)
+    config["regs"] = [parse_reg(r).spec() for r in cfg.regs]
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _run_config(base, reg: str, point: dict, seed: int, extra_regs):
+    """The training configuration of one run: ``base`` with its seed and regularizers."""
+    cfg = copy.deepcopy(base)
+    cfg.seed = seed
+    cfg.regs = [_reg_spec(reg, point), *extra_regs]
+    return cfg
+
+
+def _read_json(path: Path) -> dict | None:
+    """A report the sweep wrote earlier, or None when it is missing, unreadable or breaks the
+    schema (a truncated or hand-edited file: the run is then trained or analysed again)."""
+    import jsonschema
+
+    from sharpcli.bounded import loads_json
+    from sharpcli.report.envelope import validate_report
+
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        doc = loads_json(path.read_text())
+        validate_report(doc)
+    except (OSError, ValueError, jsonschema.ValidationError):
         return None
+    return doc if "error" not in doc else None
 
 
 def run_sweep(
@@ -108,26 +158,28 @@ def run_sweep(
     out_dir = _make_out_dir(Path(out_dir))
     _declare_outputs(out_dir, [_run_name(reg, p, s) for p, s in itertools.product(points, seeds)])
     state = _SweepState(total=len(points) * len(seeds), progress=progress)
+    analysis = {"metrics": metrics, "analyze_samples": analyze_samples}
     done_now = 0
     for point, seed in itertools.product(points, seeds):
-        name = _run_name(reg, point, seed)
+        cfg = _run_config(base, reg, point, seed, extra_regs)
+        name = _run_name(reg, point, seed, run_key(cfg))
         files = _RunFiles.of(out_dir, name)
         train_doc, analyze_doc = _read_json(files.train_json), _read_json(files.analyze_json)
         if files.diverged_json.exists():
             state.record(name, point, seed, None, None, skipped=True, diverged=True)
             continue
-        if train_doc is not None and analyze_doc is not None:
+        if train_doc is not None and _analysed_with(analyze_doc, analysis):
             state.record(name, point, seed, train_doc, analyze_doc, skipped=True)
             continue
         if max_runs is not None and done_now >= max_runs:
             return state.finish(out_dir, reg, grid, completed=False)
         done_now += 1
         if train_doc is None:
-            train_doc = _train_run(base, reg, point, seed, extra_regs, name, files)
+            train_doc = _train_run(cfg, name, files)
         if train_doc is None:  # diverged: recorded in files.diverged_json
             state.record(name, point, seed, None, None, diverged=True)
             continue
-        analyze_doc = _analyze_run(base, seed, metrics, analyze_samples, name, files, train_doc)
+        analyze_doc = _analyze_run(base, seed, analysis, name, files, train_doc)
         state.record(name, point, seed, train_doc, analyze_doc)
     return state.finish(out_dir, reg, grid, completed=True)
 
@@ -145,6 +197,15 @@ def _declare_outputs(out_dir: Path, names: list[str]) -> None:
             ledger.declare_output(path, "out_dir", shared=True)
     for table in _TABLES:
         ledger.declare_output(out_dir / table, "out_dir", shared=True)
+
+
+def _analysed_with(analyze_doc, analysis: dict) -> bool:
+    """Whether an existing analysis report was made with these ``--metrics`` and
+    ``--analyze-samples`` (otherwise the run is analysed again)."""
+    if not isinstance(analyze_doc, dict) or not isinstance(analyze_doc.get("settings"), dict):
+        return False
+    settings = analyze_doc["settings"]
+    return all(settings.get(key) == value for key, value in analysis.items())
 
 
 def _reg_spec(reg: str, point: dict) -> str:
@@ -208,21 +269,18 @@ class _RunFiles:
         )
 
 
-def _train_run(
-    base, reg: str, point: dict, seed: int, extra_regs, name: str, files: _RunFiles
-) -> dict | None:
+def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
     """Train one run (resuming an interrupted one) and write its train report, which is returned.
 
     The checkpoint, its history, final state and the train report are published together when
     the run ends (an interrupted sweep keeps the runs it completed). A NaN/Inf objective writes
-    ``files.diverged_json`` instead and returns None.
+    ``files.diverged_json`` instead (the error document of a failed ``train`` report, so it
+    validates against the report schema) and returns None.
     """
+    from sharpcli import SCHEMA_ID, __version__
     from sharpcli.report.envelope import dumps
     from sharpcli.training.loop import state_path_for, train, train_report
 
-    cfg = copy.deepcopy(base)
-    cfg.seed = seed
-    cfg.regs = [_reg_spec(reg, point), *extra_regs]
     resume = state_path_for(files.ckpt).exists()
     try:
         with publication(own=True):
@@ -232,31 +290,35 @@ def _train_run(
             )
             write_text_atomic(files.train_json, dumps(train_doc))
     except NumericalError as exc:
-        record = {"run": name, "regs": cfg.regs, "seed": seed, "error": str(exc)}
+        record = {
+            "schema": SCHEMA_ID,
+            "command": "train",
+            "version": __version__,
+            "error": exc.to_json(),
+            "sweep": {"run": name, "regs": cfg.regs, "seed": cfg.seed},
+        }
         with publication(own=True):
-            write_text_atomic(files.diverged_json, json.dumps(record, indent=2) + "\n")
+            write_text_atomic(files.diverged_json, dumps(record))
         return None
     return train_doc
 
 
 def _analyze_run(
-    base,
-    seed: int,
-    metrics: list[str],
-    analyze_samples: int | None,
-    name: str,
-    files: _RunFiles,
-    train_doc: dict,
+    base, seed: int, analysis: dict, name: str, files: _RunFiles, train_doc: dict
 ) -> dict:
     """Analyse a trained run and write its analysis report, which is returned.
 
     The analysis split is the test split when the data has one, else the training split; at
-    most ``analyze_samples`` of its samples (a seeded subset) are used.
+    most ``analysis["analyze_samples"]`` of its samples (a seeded subset) are used, for the
+    metrics ``analysis["metrics"]``. The report is ``sharp analyze``'s
+    (:func:`sharpcli.analyses.analyze.analyze_report`), with the analysis settings in
+    ``settings``.
     """
-    from sharpcli.analyses.analyze import analyze
+    from sharpcli.analyses.analyze import analyze, analyze_report
     from sharpcli.report.envelope import dumps
     from sharpcli.session import build_session
 
+    metrics, analyze_samples = analysis["metrics"], analysis["analyze_samples"]
     has_test = train_doc["results"]["final"].get("test_accuracy") is not None
 
     def session_of(samples: int | None):
@@ -273,7 +335,7 @@ def _analyze_run(
     if analyze_samples is not None and session.num_samples > analyze_samples:
         session = session_of(analyze_samples)
     results, matvecs = analyze(session, metrics)
-    analyze_doc = session.report("analyze", {"metrics": metrics, "sweep": name}, results, matvecs)
+    analyze_doc, _ = analyze_report(session, {**analysis, "sweep": name}, results, matvecs)
     with publication(own=True):  # now: the run is complete, whatever happens to the sweep
         write_text_atomic(files.analyze_json, dumps(analyze_doc))
     return analyze_doc
