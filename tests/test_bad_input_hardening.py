@@ -12,7 +12,8 @@ every case:
   appears on stderr, on stdout or in the JSON error object (``--json -``).
 
 Cases marked ``bounded`` would take gigabytes or block forever if their fix regressed: they
-run in a subprocess under ``resource.setrlimit(RLIMIT_AS)`` (:data:`MEMORY_LIMIT`) and a
+run in a subprocess under ``resource.setrlimit(RLIMIT_DATA)`` (:data:`MEMORY_LIMIT`: heap and
+private writable mappings, so a CUDA build's reserved address space does not count) and a
 timeout, so a regression fails the test instead of eating the machine.
 """
 
@@ -37,7 +38,7 @@ from fixtures.make_data_fixtures import py2_pickle
 from sharpcli import SCHEMA_ID
 
 DATA = "blobs:n=64"
-MEMORY_LIMIT = 1536 << 20  # address space of a bounded case: a normal run peaks near 900 MB
+MEMORY_LIMIT = 1536 << 20  # data segment of a bounded case (a normal run's address space: 900 MB)
 SECRET = "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
 
 
@@ -525,7 +526,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     f["fifo"] = root / "data.csv"
     os.mkfifo(f["fifo"])
     f["meta_dev_zero"] = _save_with_data_spec(
-        root / "dev_zero.safetensors", {"kind": "file", "path": "/dev/zero", "format": "npz"}
+        root / "dev_zero.safetensors", {"kind": "file", "path": "/dev/zero", "format": "csv"}
     )
     f["meta_fifo"] = _save_with_data_spec(
         root / "fifo.safetensors", {"kind": "file", "path": str(f["fifo"]), "format": "csv"}
@@ -561,10 +562,10 @@ def expand(text: str, files: dict, outdir: Path) -> str:
 
 
 def run_bounded(argv: list[str], timeout: int = 240) -> Run:
-    """``sharp ARGV`` in a subprocess limited to ``MEMORY_LIMIT`` bytes of address space."""
+    """``sharp ARGV`` in a subprocess limited to ``MEMORY_LIMIT`` bytes of data segment."""
     code = (
         "import resource, sys\n"
-        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
+        f"resource.setrlimit(resource.RLIMIT_DATA, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
         "from sharpcli.cli.app import main\n"
         "main(sys.argv[1:])\n"
     )

@@ -150,6 +150,12 @@ _FIELD_TYPES = {
 }
 
 
+def _shown(value) -> str:
+    """``repr(value)`` cut to 40 characters, for a message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _check_types(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first field whose value has the wrong type.
 
@@ -165,15 +171,14 @@ def _check_types(cfg: TrainConfig) -> None:
             if kind is float and not wrong and not math.isfinite(value):
                 raise UsageError(f"must be a finite number, got {value!r}", source=OPTION_OF[name])
             if wrong:
-                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
                 what = {int: "an integer", float: "a number", bool: "true or false"}.get(
                     kind, f"a {kind.__name__}"
                 )
-                raise UsageError(f"must be {what}, got {shown}", source=OPTION_OF[name])
+                raise UsageError(f"must be {what}, got {_shown(value)}", source=OPTION_OF[name])
     for name in ("loss", "label_column"):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
-            raise UsageError(f"must be a string, got {value!r}", source=OPTION_OF[name])
+            raise UsageError(f"must be a string, got {_shown(value)}", source=OPTION_OF[name])
     if not isinstance(cfg.data, (str, dict)):
         raise UsageError("must be a data spec string", source="data")
 
