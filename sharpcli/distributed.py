@@ -54,8 +54,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-import torch
-
 from sharpcli.errors import (
     EXIT_NUMERICAL,
     GateTripped,
@@ -239,6 +237,8 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if rank_and_world()[1] > 1:
+        import torch
+
         collective(torch.distributed.barrier)
 
 
@@ -246,6 +246,8 @@ def cleanup() -> None:
     """Wait for every rank, then destroy the process group if :func:`init_from_environment`
     created it (without waiting when the group is broken: a peer stalled or is gone)."""
     if _STATE["owned"] and is_initialized():
+        import torch
+
         if not _STATE["broken"]:
             try:
                 torch.distributed.barrier()
@@ -355,7 +357,7 @@ def _peer_failure(exc: BaseException) -> PeerFailure:
     )
 
 
-def _status_device() -> torch.device:
+def _status_device() -> "torch.device":
     import torch
 
     if torch.distributed.get_backend() == "nccl":

@@ -22,10 +22,10 @@ from sharpcli.models.outputs import attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 MAX_SEED = 2**32 - 1
-"""Largest ``--seed``: seeds are offset and multiplied (probe blocks, ranks) within int64."""
+"""Largest ``seed``: seeds are offset and multiplied (probe blocks, ranks) within int64."""
 
 
-def check_seed(seed, option: str = "--seed") -> int:
+def check_seed(seed, option: str = "seed") -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED``; a UsageError naming ``option`` otherwise
     (``torch.manual_seed(10**23)`` is an OverflowError deep inside a run)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
@@ -455,7 +455,7 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
     try:
         return load_dataset(spec, label_column=label_column, what=what)
     except UsageError as err:
-        if from_checkpoint is None or err.source not in ("data", "spec", "--data"):
+        if from_checkpoint is None or err.source not in ("data", "spec"):
             raise
         raise InputError(f"metadata {META_DATA}: {err.message}", source=from_checkpoint) from None
 

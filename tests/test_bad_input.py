@@ -863,25 +863,8 @@ CASES = [
         ("--out-dir", "$sweepdir/sweep-runs.csv", "also an input"),
         setup="sweep-table-is-data",
     ),
-    C(
-        "sweep-data-is-a-run-history",
-        (
-            "sweep",
-            "--reg",
-            "wd",
-            "--grid",
-            "sigma=0.1",
-            "--epochs",
-            "1",
-            "--data",
-            "$sweepdir/wd-sigma=0.1-seed0.history.csv",
-            "--out-dir",
-            "$sweepdir",
-        ),
-        2,
-        ("--out-dir", "$sweepdir/wd-sigma=0.1-seed0.history.csv", "also an input"),
-        setup="sweep-run-history-is-data",
-    ),
+    # (a run's own files cannot be the data any more: their names end in a hash of the run's
+    # whole configuration, the data path included; the runs table above still can)
     # every output path is checked before the work: the run used to exit 4 after replacing --out
     C(
         "train-history-csv-path-is-a-folder",
@@ -1252,9 +1235,6 @@ SETUPS = {
     "state-is-data": _setup_state_is_data,
     "metadata-names-data": _setup_metadata_names_data,
     "sweep-table-is-data": lambda folder: _setup_sweep(folder, "sweep-runs.csv"),
-    "sweep-run-history-is-data": lambda folder: _setup_sweep(
-        folder, "wd-sigma=0.1-seed0.history.csv"
-    ),
     "history-is-a-folder": lambda folder: HISTORY_OF(folder).mkdir(),
     "state-is-a-folder": lambda folder: STATE_OF(folder).mkdir(),
     "old-state": _setup_old_state,

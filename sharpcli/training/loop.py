@@ -137,7 +137,7 @@ def declare_outputs(out: str | Path) -> Path:
 
 OPTION_OF = {name: name for name in TrainConfig.__dataclass_fields__}
 """The parameter that sets each TrainConfig field, named by the errors about it (the CLI spells
-it as its own option; ``sweep --set KEY=VALUE`` sets any field, and its errors name ``--set``).
+it as its own option; sweep's ``set`` option sets any field, and its errors name that option).
 ``loss`` has none in ``train`` (the data's task picks it)."""
 
 _FIELD_TYPES = {
@@ -652,7 +652,7 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     identity = json.loads(json.dumps(cfg.identity()))
     if saved != identity:
         diff = sorted(
-            OPTION_OF.get(k, k)
+            f"`{OPTION_OF.get(k, k)}`"
             for k in set(saved) | set(identity)
             if saved.get(k) != identity.get(k)
         )
@@ -669,20 +669,20 @@ def _check_more_epochs(cfg: TrainConfig, saved_epochs, done: int) -> None:
     """UsageError (``--epochs``) unless resuming with ``cfg.epochs`` continues the saved run."""
     if not isinstance(saved_epochs, int) or cfg.epochs < saved_epochs:
         raise UsageError(
-            f"the saved run was for {saved_epochs} epochs and completed {done}; --resume "
-            f"continues it, so --epochs must be at least {saved_epochs}, got {cfg.epochs}",
+            f"the saved run was for {saved_epochs} epochs and completed {done}; `resume` "
+            f"continues it, so `epochs` must be at least {saved_epochs}, got {cfg.epochs}",
             source="epochs",
         )
     if cfg.schedule != "constant":
         raise UsageError(
             f"the saved run was for {saved_epochs} epochs under the {cfg.schedule} schedule, whose "
-            f"rates depend on the epoch count; resume with --epochs {saved_epochs}",
+            f"rates depend on the epoch count; resume with `epochs={saved_epochs}`",
             source="epochs",
         )
     if cfg.noise_finetune > 0 and done > saved_epochs:
         raise UsageError(
-            f"the saved run already ran its --noise-finetune epoch after {saved_epochs} epochs; "
-            f"resume with --epochs {saved_epochs}",
+            f"the saved run already ran its `noise_finetune` epoch after {saved_epochs} epochs; "
+            f"resume with `epochs={saved_epochs}`",
             source="epochs",
         )
 

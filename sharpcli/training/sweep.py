@@ -156,7 +156,11 @@ def run_sweep(
     metrics = parse_metrics(",".join(metrics))
     points = _check_sweep(reg, grid, seeds, extra_regs)
     out_dir = _make_out_dir(Path(out_dir))
-    _declare_outputs(out_dir, [_run_name(reg, p, s) for p, s in itertools.product(points, seeds)])
+    names = [
+        _run_name(reg, p, s, run_key(_run_config(base, reg, p, s, extra_regs)))
+        for p, s in itertools.product(points, seeds)
+    ]
+    _declare_outputs(out_dir, names)
     state = _SweepState(total=len(points) * len(seeds), progress=progress)
     analysis = {"metrics": metrics, "analyze_samples": analyze_samples}
     done_now = 0
