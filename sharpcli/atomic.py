@@ -265,8 +265,10 @@ def write_atomic(path: str | os.PathLike, writer: Callable[[BinaryIO], None]) ->
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`write_atomic`)."""
     write_atomic(path, lambda fh: fh.write(data))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, UTF-8 encoded."""
     write_bytes_atomic(path, text.encode("utf-8"))

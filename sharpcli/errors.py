@@ -36,11 +36,14 @@ class SharpError(Exception):
         self.details = details
 
     def one_line(self) -> str:
+        """The message on one line, prefixed by ``source`` unless the message already names it."""
         named = self.source and self.source not in self.message  # never name it twice
         text = f"{self.source}: {self.message}" if named else self.message
         return " ".join(text.split())  # never more than one line
 
     def to_json(self) -> dict:
+        """The error as a JSON dict: type, message, exit code, source and the details
+        that are set."""
         out = {"type": self.kind, "message": self.one_line(), "exit_code": self.exit_code}
         if self.source is not None:
             out["source"] = self.source

@@ -60,9 +60,11 @@ class Interrupted(BaseException):
 
     @property
     def exit_code(self) -> int:
+        """128 + the signal number."""
         return 128 + int(self.signum)
 
     def one_line(self) -> str:
+        """``interrupted by SIGINT`` (or the signal's name)."""
         return f"interrupted by {signal.Signals(self.signum).name}"
 
 
@@ -98,6 +100,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
+    """Whether the handlers are installed."""
     return bool(_state["installed"])
 
 
@@ -107,6 +110,7 @@ def received() -> int | None:
 
 
 def mode() -> str:
+    """The current mode (``exit`` or ``defer``)."""
     return _state["mode"]
 
 

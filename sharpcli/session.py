@@ -35,12 +35,14 @@ def check_seed(seed, option: str = "seed") -> int:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name``; a UsageError unless float32 or float64."""
     if name not in DTYPES:
         raise UsageError(f"unknown dtype {name!r}; accepted: float32, float64", source="dtype")
     return DTYPES[name]
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device named ``name``; a UsageError unless it is known and available."""
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -71,6 +73,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def loss_for_task(task: str) -> str:
+    """The default loss of ``task``: ``mse`` for regression, ``cross-entropy`` otherwise."""
     return "mse" if task == "regression" else "cross-entropy"
 
 
@@ -397,6 +400,7 @@ class Session:
 
     @property
     def num_samples(self) -> int:
+        """The number of samples analysed."""
         return int(self.x.shape[0])
 
     def data_info(self) -> dict:
@@ -419,11 +423,13 @@ class Session:
         return AnalysisData(self.x, self.y, loss=self.loss, batch_size=self.batch_size)
 
     def scope(self, spec: str | None):
+        """The parameter scope of ``spec`` in the model (:meth:`ParamScope.resolve`)."""
         from sharpcli.curvature import ParamScope
 
         return ParamScope.resolve(self.model, spec)
 
     def environment(self) -> dict:
+        """The report's ``environment`` section for this session's device, dtype and world size."""
         from sharpcli.curvature.data import distributed_rank_and_world
         from sharpcli.report.envelope import environment_info
 
@@ -431,6 +437,7 @@ class Session:
         return environment_info(str(self.device), str(self.dtype).replace("torch.", ""), world)
 
     def report(self, command: str, settings: dict, results: dict, matvecs: int = 0) -> dict:
+        """The full report of ``command`` with this session's checkpoint, data and environment."""
         from sharpcli.report.envelope import make_report
 
         return make_report(

@@ -1,0 +1,1 @@
+"""Analyses built on the curvature engine (analyze, spectrum, bounds, rescale, tracking, ...)."""

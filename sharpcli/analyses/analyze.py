@@ -74,6 +74,8 @@ REPORT_KEYS = (
 
 
 def parse_metrics(text: str | None) -> list[str]:
+    """The metric names of ``text`` (comma-separated; the defaults for None), deduplicated;
+    UsageError on an unknown one."""
     names = [m.strip() for m in (text or ",".join(DEFAULT_METRICS)).split(",") if m.strip()]
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
@@ -86,6 +88,8 @@ def parse_metrics(text: str | None) -> list[str]:
 
 @torch.no_grad()
 def loss_and_accuracy(session) -> dict:
+    """Mean loss and accuracy (None unless cross-entropy) over the session's analysis data,
+    summed across ranks."""
     from sharpcli.curvature.data import all_reduce_sum
     from sharpcli.losses import per_sample_loss
 

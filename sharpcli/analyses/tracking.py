@@ -27,6 +27,7 @@ TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
 
 
 def check_tracked(names: list[str]) -> list[str]:
+    """``names`` unchanged, or a UsageError on ``track`` naming those not in ``TRACKABLE``."""
     unknown = [n for n in names if n not in TRACKABLE]
     if unknown:
         raise UsageError(

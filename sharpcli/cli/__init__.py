@@ -1,0 +1,1 @@
+"""The ``sharp`` command-line interface: the typer app and one module per command."""

@@ -206,6 +206,7 @@ _STATE = {"debug": False}
 
 
 def error_document(command: str, err: SharpError) -> dict:
+    """The JSON document of a failed ``command``: schema, command, version and the error."""
     return {"schema": SCHEMA_ID, "command": command, "version": __version__, "error": err.to_json()}
 
 
@@ -465,6 +466,8 @@ def parse_json_option(text: str | None, option: str) -> dict | None:
 
 
 def parse_float_list(text: str, option: str) -> list[float]:
+    """The numbers of comma-separated ``text``; a UsageError on ``option`` unless there is at
+    least one."""
     try:
         values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -485,6 +488,7 @@ def check_output(path: str | None, option: str = "--plot") -> None:
 
 
 def require(condition: bool, message: str, option: str) -> None:
+    """Raise a UsageError on ``option`` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise UsageError(message, source=option)
 
@@ -552,6 +556,7 @@ class LazyHelpCommand(TyperCommand):
     """A typer command whose :func:`lazy_help` option helps are resolved when shown."""
 
     def format_help(self, ctx, formatter) -> None:
+        """Resolve the lazy option helps whose module is loaded, then format the help."""
         for param in self.params:
             module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
             if module in sys.modules:

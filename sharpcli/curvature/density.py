@@ -53,6 +53,7 @@ class SpectralDensity:
         return self.dimension * float(np.mean(per_probe))
 
     def to_dict(self) -> dict:
+        """The density as a JSON-serialisable dict, with its trace estimate."""
         return {
             "nodes": self.nodes,
             "weights": self.weights,

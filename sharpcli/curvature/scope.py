@@ -54,10 +54,12 @@ class ParamScope:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the scope's parameters (those of the first one)."""
         return self.params[0].dtype
 
     @property
     def device(self) -> torch.device:
+        """The device of the scope's parameters (that of the first one)."""
         return self.params[0].device
 
     @property

@@ -1,0 +1,1 @@
+"""Reading and writing: checkpoints, datasets (built-in, vision, files) and safe unpickling."""

@@ -105,6 +105,7 @@ class LoadedCheckpoint:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
+    """The hex SHA-256 digest of the file at ``path``, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -660,6 +661,7 @@ def check_model_size(
 
 
 def check_finite_weights(model: nn.Module, path: str) -> None:
+    """An InputError on ``path`` naming the first floating-point tensor with NaN or Inf."""
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise InputError(f"weights contain NaN or Inf in {name}", source=path)

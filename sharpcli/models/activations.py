@@ -277,6 +277,7 @@ class BetaGELU(nn.Module):
         return beta_gelu(x, self.beta)
 
     def extra_repr(self) -> str:
+        """``beta=B`` in the module's repr."""
         return f"beta={self.beta}"
 
 
@@ -302,6 +303,7 @@ class AugmentedReLU(nn.Module):
         return augmented_relu(x, self.beta)
 
     def extra_repr(self) -> str:
+        """``beta=B`` in the module's repr."""
         return f"beta={self.beta}"
 
 

@@ -34,9 +34,11 @@ class FeatureMask(nn.Module):
         self.register_buffer("mask", mask)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x * m``, the mask cast to ``x``'s dtype."""
         return x * self.mask.to(x.dtype)
 
     def extra_repr(self) -> str:
+        """The mask's shape and the fraction of features it zeroes, in the module's repr."""
         return f"shape={tuple(self.mask.shape)}, zeroed={1.0 - float(self.mask.float().mean()):.3f}"
 
 
@@ -48,6 +50,7 @@ class PerSampleNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each sample standardised over its non-batch dimensions."""
         dims = tuple(range(1, x.dim()))
         mean = x.mean(dim=dims, keepdim=True)
         var = x.var(dim=dims, keepdim=True, unbiased=False)
@@ -63,6 +66,7 @@ class HeStandardizedWeight(nn.Module):
         self.eps = eps
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """The standardised, He-scaled weight."""
         centred = weight - weight.mean()
         return self.scale * centred / torch.sqrt(centred.pow(2).mean() + self.eps)
 

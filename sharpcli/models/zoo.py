@@ -228,6 +228,7 @@ class ChannelPadShortcut(nn.Module):
         return x
 
     def extra_repr(self) -> str:
+        """``in->out, stride=S`` in the module's repr."""
         return f"{self.in_channels}->{self.out_channels}, stride={self.stride}"
 
 

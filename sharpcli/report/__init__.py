@@ -1,0 +1,1 @@
+"""JSON reports: the envelope and its schema, gates, comparisons, tables and plots."""

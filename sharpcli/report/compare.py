@@ -43,6 +43,8 @@ FORMATS = ("table", "csv", "markdown", "json")
 
 
 def read_report(path: str | Path) -> dict:
+    """The JSON report at ``path``; an InputError on ``path`` when it is missing, a folder
+    or not JSON."""
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", source=str(p))

@@ -17,6 +17,8 @@ from sharpcli import SCHEMA_ID, __version__
 
 
 def environment_info(device: str = "cpu", dtype: str = "float32", world_size: int = 1) -> dict:
+    """The report's ``environment`` section: Python and torch versions, device, dtype, threads and
+    world size."""
     import torch
 
     return {
@@ -72,10 +74,12 @@ def to_jsonable(obj):
 
 
 def dumps(report: dict) -> str:
+    """``report`` as indented JSON text (no NaN or Inf), ending in a newline."""
     return json.dumps(to_jsonable(report), indent=2, allow_nan=False) + "\n"
 
 
 def load_schema() -> dict:
+    """The report JSON schema shipped with the package (``sharpcli/report/schema.json``)."""
     return json.loads(resources.files("sharpcli.report").joinpath("schema.json").read_text())
 
 

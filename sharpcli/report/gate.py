@@ -40,6 +40,8 @@ class Gate:
     text: str
 
     def evaluate(self, report: dict) -> dict:
+        """The gate on ``report``: the value at ``key`` and whether the condition tripped;
+        UsageError unless the value is a number."""
         try:
             value = lookup(report, self.key)
         except KeyError:

@@ -105,6 +105,8 @@ class FitTable:
         return widths
 
     def tables(self, width: int) -> list[Table]:
+        """One rich table per part (:meth:`parts`) that fits in ``width``; the title on the
+        first."""
         out = []
         for n, columns in enumerate(self.parts(width)):
             widths = self._fit(columns, width)
@@ -127,6 +129,7 @@ class FitTable:
 
 
 def key_value_table(title: str, rows: dict | list) -> FitTable:
+    """A two-column (quantity, value) table of ``rows`` (a dict or key-value pairs)."""
     items = rows.items() if isinstance(rows, dict) else rows
     return FitTable(
         title,

@@ -1,0 +1,1 @@
+"""Training: the loop, the step, regularizers and hyper-parameter sweeps."""

@@ -75,6 +75,8 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What a training run returns: history, final metrics, checkpoint, specs, config and notes."""
+
     history: list
     final: dict
     checkpoint: dict
@@ -116,11 +118,13 @@ def train_report(
 
 
 def state_path_for(out: str | Path) -> Path:
+    """The resumable state file beside checkpoint ``out`` (``out`` + ``.state.pt``)."""
     out = Path(out)
     return out.with_name(out.name + ".state.pt")
 
 
 def history_csv_path_for(out: str | Path) -> Path:
+    """The history CSV beside checkpoint ``out`` (its stem + ``.history.csv``)."""
     out = Path(out)
     return out.with_name(out.stem + ".history.csv")
 

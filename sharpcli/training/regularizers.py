@@ -90,6 +90,7 @@ class HyperParam:
     auto: bool = False  # "auto" accepted besides a number
 
     def describe(self) -> str:
+        """``name=default``, the admissible choices if any, and the description, on one line."""
         allowed = ""
         if self.choices:
             allowed = " in {" + ", ".join(str(c) for c in self.choices) + "}"

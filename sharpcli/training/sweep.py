@@ -38,6 +38,8 @@ from sharpcli.errors import NumericalError, UsageError
 
 @dataclass
 class SweepResult:
+    """What a sweep returns: runs, summary, CSV/Markdown tables, plot, skipped and diverged runs."""
+
     runs: list[dict]
     summary: list[dict]
     table_csv: str
