@@ -48,10 +48,43 @@ and says so in ``breakdown``.
 
 Memory: the basis holds up to ``max_matvecs`` float64 P-vectors, ``8 P max_matvecs`` bytes
 (twice a float32 basis: 100 vectors of 10M parameters take 8 GB).
+
+Warm start (``warm_start``). How fast the top Ritz value converges depends on the start
+vector q_1 through its angle phi_0 with the top eigenvector u_1; the Kaniel-Paige-Saad bound
+(as in [Parlett1998]) reads
+
+    0 <= lambda_1 - theta_1^(m) <= (lambda_1 - lambda_n) (tan phi_0 / T_{m-1}(1 + 2 gamma))^2,
+    gamma = (lambda_1 - lambda_2) / (lambda_2 - lambda_n),
+
+with T_{m-1} the Chebyshev polynomial of degree m - 1. A Gaussian start has tan phi_0 ~ sqrt(P),
+which the first few steps only work off; a start closer to u_1 saves them. Sources:
+
+- ``"subsample"``: the same curvature on a seeded random fraction ``f`` of the analysis set,
+  ``A_S = (1/|S|) sum_{i in S} A_i`` (:func:`subsample_operator`). ``warm_steps`` Lanczos steps
+  on ``A_S`` (each about ``f`` of a full product) give its Ritz vectors; the start is the sum of
+  the wanted ones (top k, bottom k, or both). Its angle with u_1 is then set by the sampling
+  perturbation, about ``||(A_S - A) u_1|| / (lambda_1 - lambda_2)``, not by the step count: it
+  saves a product or so where the top eigenvalue is well separated and nothing where the top
+  is a cluster that the subsample orders differently (docs/benchmarks.md, "Time to accuracy").
+- ``"gradient"``: the gradient of the analysis loss (one gradient pass, no second-order graph;
+  ``which="largest"`` only). Gradients of trained networks lie mostly in the span of the top
+  Hessian eigenvectors [GurAri2018], so its Rayleigh quotient is already near lambda_1.
+- any operator of the same shape (a cheaper approximation the caller has): as ``"subsample"``.
+
+Only q_1 changes: the recurrence, the residuals and the convergence test run on the full
+operator, so the returned values carry the same certificate (residual <= tol |theta|, explicit
+for float32 products) as from a cold start. As for any start, the certificate says the values
+are eigenvalues, not that no larger one was missed: a Gaussian start makes that improbable by
+giving every eigenvector a comparable share; a warm start gives the top directions most of its
+weight, which is the point, and could in principle give u_1 a much smaller share than a close
+lambda_2 (a tight cluster mis-ordered by the subsample). Summing the k wanted Ritz vectors, not
+taking the first alone, limits that; ``sharp eigen`` starts cold.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,15 +95,24 @@ from sharpcli.errors import NumericalError, UsageError
 
 __all__ = [
     "DEFAULT_MAX_MATVECS",
+    "DEFAULT_WARM_FRACTION",
+    "DEFAULT_WARM_STEPS",
+    "WARM_STARTS",
     "EigenResult",
     "apply_operator",
     "lanczos",
     "lanczos_tridiagonal",
     "ritz_residuals",
+    "subsample_data",
+    "subsample_operator",
     "tridiagonal_eigh",
 ]
 
 DEFAULT_MAX_MATVECS = 100
+WARM_STARTS = ("subsample", "gradient")
+DEFAULT_WARM_FRACTION = 0.1
+DEFAULT_WARM_STEPS = 4
+WARM_TOL = 1e-2  # the warm phase's own stop: beyond this the sampling error dominates
 WHICH = ("largest", "smallest", "both")
 _F64 = torch.float64
 
@@ -82,6 +124,8 @@ class EigenResult:
     ``residuals[i] = ||A u_i - lambda_i u_i||`` (2-norm, ``u_i`` unit); ``converged[i]`` is
     ``residuals[i] <= tol * |lambda_i|`` (or at rounding level). ``eigenvectors`` is a
     float64 ``(P, m)`` tensor whose columns match ``eigenvalues`` when asked for.
+    ``warm_start`` describes the warm-start phase when there was one (its products are not in
+    ``matvecs``, which counts full-operator products only).
     """
 
     eigenvalues: list[float]
@@ -96,10 +140,11 @@ class EigenResult:
     breakdown: str | None = None
     notes: list[str] = field(default_factory=list)
     eigenvectors: torch.Tensor | None = None
+    warm_start: dict | None = None
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (eigenvectors left out)."""
-        return {
+        """JSON-ready dict (eigenvectors left out; ``warm_start`` only when there was one)."""
+        out = {
             "eigenvalues": list(self.eigenvalues),
             "residuals": list(self.residuals),
             "converged": list(self.converged),
@@ -112,6 +157,9 @@ class EigenResult:
             "breakdown": self.breakdown,
             "notes": list(self.notes),
         }
+        if self.warm_start is not None:
+            out["warm_start"] = dict(self.warm_start)
+        return out
 
 
 def _check_args(op, k: int, which: str, tol: float):
@@ -242,6 +290,178 @@ def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes)
     return reported, converged
 
 
+def subsample_data(data, fraction: float, seed: int = 0):
+    """The analysis set restricted to a seeded random fraction of its samples.
+
+    Each rank keeps ``max(1, round(fraction * n_r))`` of its ``n_r`` samples (a seeded
+    permutation's first ones, in their original order) and ``num_samples`` becomes the global
+    count of kept samples (summed over ranks), so batches still enter with weight
+    ``B_b / N_S`` and products are the mean over the subsample, ``(1/|S|) sum_{i in S} A_i``.
+    ``data`` is left unchanged; the kept samples are copied (indexing), nothing else is.
+    """
+    from sharpcli.curvature.data import all_reduce_sum
+
+    fraction = float(fraction)
+    if not (0.0 < fraction <= 1.0) or not math.isfinite(fraction):
+        raise UsageError(
+            f"warm-start fraction must be in (0, 1], got {fraction}", source="--warm-fraction"
+        )
+    local = int(data.local_num_samples)
+    keep = min(local, max(1, round(fraction * local))) if local else 0
+    generator = torch.Generator().manual_seed(int(seed) + 7919 * int(data.rank))
+    index = torch.randperm(local, generator=generator)[:keep].sort().values
+    sub = copy.copy(data)
+    sub.x = data.x[index.to(data.x.device)]
+    sub.y = data.y[index.to(data.y.device)]
+    sub.local_num_samples = keep
+    sub.num_samples = int(round(all_reduce_sum(float(keep))))
+    return sub
+
+
+def _analysis_pass(op, what: str):
+    """The :class:`CurvaturePass` ``op`` is built on: ``op.curvature_pass``, else a new one over
+    ``op.model``, ``op.data`` and ``op.scope`` (an operator class that keeps those, as the
+    registry's examples do). UsageError when ``op`` has neither (a plain matrix, say)."""
+    cpass = getattr(op, "curvature_pass", None)
+    if cpass is not None:
+        return cpass
+    if all(hasattr(op, name) for name in ("model", "data", "scope")):
+        from sharpcli.curvature.operators import CurvaturePass
+
+        return CurvaturePass(op.model, op.data, op.scope)
+    raise UsageError(
+        f"warm_start={what!r} needs a curvature operator over an analysis set; "
+        f"{type(op).__name__} has none: pass an approximating operator as warm_start instead",
+        source="--warm-start",
+    )
+
+
+def subsample_operator(op, fraction: float = DEFAULT_WARM_FRACTION, seed: int = 0):
+    """The same curvature operator as ``op`` over :func:`subsample_data` of its analysis set,
+    on its own :class:`CurvaturePass` (same model, scope, cache budget and vectorisation).
+
+    ``op`` is the Hessian, Gauss-Newton or NME view of a ``CurvaturePass``, or an operator class
+    whose constructor takes the pass and that keeps ``model``, ``data`` and ``scope`` (the
+    convention of :func:`sharpcli.curvature.registry.register_operator`).
+    """
+    return _subsample(op, fraction, seed)[0]
+
+
+def _subsample(op, fraction, seed):
+    """``(operator on the subsample, its AnalysisData, the full AnalysisData)``."""
+    from sharpcli.curvature.operators import (
+        CurvaturePass,
+        GGNOperator,
+        HessianOperator,
+        NMEOperator,
+    )
+
+    cpass = _analysis_pass(op, "subsample")
+    sub = subsample_data(cpass.data, fraction, seed)
+    sub_pass = CurvaturePass(
+        cpass.model, sub, cpass.scope, cache_bytes=cpass.cache_bytes, vectorize=cpass.vectorize
+    )
+    for kind, view in ((NMEOperator, "nme"), (GGNOperator, "ggn"), (HessianOperator, "hessian")):
+        if type(op) is kind:
+            return getattr(sub_pass, view)(), sub, cpass.data
+    try:
+        return type(op)(sub_pass), sub, cpass.data
+    except TypeError as error:
+        raise UsageError(
+            f"cannot rebuild {type(op).__name__} on a data subsample ({error}); pass an "
+            "approximating operator as warm_start instead",
+            source="--warm-start",
+        ) from error
+
+
+def _gradient_start(op, which: str):
+    """The loss gradient over the analysis set (one gradient pass) as a start vector."""
+    if which != "largest":
+        raise UsageError(
+            f"warm_start='gradient' finds the top of the spectrum; use 'subsample' for "
+            f"which={which!r}",
+            source="--warm-start",
+        )
+    _, grad = _analysis_pass(op, "gradient").loss_and_gradient()
+    info = {"method": "gradient", "gradient_passes": 1, "full_product_equivalents": None}
+    return grad.to(dtype=_F64, device=op.device).reshape(-1), info
+
+
+def _warm_operator(op, warm_start, fraction, seed):
+    """``(operator for the warm phase, info, its cost per product in full products or None)``."""
+    if isinstance(warm_start, str):
+        warm_op, sub, full = _subsample(op, fraction, seed)
+        info = {
+            "method": "subsample",
+            "fraction": float(fraction),
+            "samples": int(sub.num_samples),
+            "of_samples": int(full.num_samples),
+        }
+        return warm_op, info, sub.num_samples / full.num_samples
+    if tuple(warm_start.shape) != tuple(op.shape):
+        raise UsageError(
+            f"the warm-start operator has shape {tuple(warm_start.shape)}, the operator "
+            f"{tuple(op.shape)}",
+            source="--warm-start",
+        )
+    name = getattr(warm_start, "name", type(warm_start).__name__)
+    return warm_start, {"method": "operator", "name": name}, None
+
+
+def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, seed):
+    """``(q_1, info)``: the float64 start vector of a warm start (module docstring) and what it
+    cost. ``"subsample"`` and operators: the sum of the warm phase's wanted Ritz vectors."""
+    if isinstance(warm_start, str) and warm_start not in WARM_STARTS:
+        raise UsageError(
+            f"warm start must be one of {', '.join(WARM_STARTS)} or an operator, got "
+            f"{warm_start!r}",
+            source="--warm-start",
+        )
+    if warm_start == "gradient":
+        return _gradient_start(op, which)
+    if steps is None:
+        steps = max(DEFAULT_WARM_STEPS, k * (2 if which == "both" else 1) + 2)
+    if int(steps) < 1:
+        raise UsageError(f"warm-start steps must be >= 1, got {steps}", source="--warm-steps")
+    warm_op, info, relative_cost = _warm_operator(op, warm_start, fraction, seed)
+    warm = lanczos(
+        warm_op,
+        k,
+        which,
+        tol=WARM_TOL,
+        max_matvecs=int(steps),
+        seed=seed,
+        return_eigenvectors=True,
+        explicit_residuals=False,
+    )
+    info.update(
+        matvecs=int(warm.matvecs),
+        ritz_values=list(warm.eigenvalues),
+        full_product_equivalents=None if relative_cost is None else warm.matvecs * relative_cost,
+    )
+    q = warm.eigenvectors.sum(dim=1)  # orthonormal Ritz vectors: each gets weight 1
+    return q.to(device=op.device), info
+
+
+def _start_vector(op, start, warm_start, k, which, generator, fraction, steps, seed):
+    """``(q_1, warm_info)``: the unit float64 start vector (given, warm or seeded Gaussian)."""
+    warm_info = None
+    if warm_start is not None:
+        if start is not None:
+            raise UsageError("give a start vector or a warm start, not both", source="--warm-start")
+        start, warm_info = _warm_start_vector(
+            op, warm_start, k, which, fraction=fraction, steps=steps, seed=seed
+        )
+        norm = float(torch.linalg.vector_norm(start))
+        if not (math.isfinite(norm) and norm > 0):  # a zero gradient, say: start cold
+            start = None
+            warm_info["fallback"] = "the warm start vector was zero or not finite: started cold"
+    if start is None:
+        return _unit_random(op.shape[0], generator, op.device), warm_info
+    q = start.to(dtype=_F64, device=op.device).reshape(-1)
+    return q / torch.linalg.vector_norm(q), warm_info
+
+
 def lanczos(
     op,
     k: int = 1,
@@ -253,6 +473,9 @@ def lanczos(
     start: torch.Tensor | None = None,
     return_eigenvectors: bool = False,
     explicit_residuals: bool | None = None,
+    warm_start=None,
+    warm_fraction: float = DEFAULT_WARM_FRACTION,
+    warm_steps: int | None = None,
 ) -> EigenResult:
     """Top-``k`` ``largest``, ``smallest`` or ``both`` (k of each end) eigenvalues of symmetric ``op``.
 
@@ -266,6 +489,13 @@ def lanczos(
     returned pair (counted in ``matvecs``, beyond ``max_matvecs``; ``krylov_dim`` stays the
     Krylov dimension) instead of the Ritz estimate ``beta_m |e_m^T s|``; ``None`` does so
     when ``op.dtype`` is not float64, where the estimate cannot see the products' rounding.
+
+    ``warm_start`` (module docstring, "Warm start"): ``None`` (a seeded Gaussian start),
+    ``"subsample"`` (``warm_steps`` Lanczos steps on the same curvature over a seeded
+    ``warm_fraction`` of the analysis set; default steps ``max(4, wanted + 2)``),
+    ``"gradient"`` (the loss gradient, ``which="largest"``) or an operator approximating ``op``.
+    The warm phase's products are reported in ``result.warm_start``, not in ``matvecs``;
+    everything that certifies the result runs on ``op``.
     """
     _check_args(op, k, which, tol)
     dim = op.shape[0]
@@ -277,12 +507,10 @@ def lanczos(
     want = min(int(k), dim)
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.finfo(op.dtype).eps  # rounding level of the products, not of the recurrence
+    q, warm_info = _start_vector(
+        op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
+    )
     basis = torch.zeros(limit, dim, dtype=_F64, device=op.device)  # rows q_j: contiguous
-    if start is None:
-        q = _unit_random(dim, generator, op.device)
-    else:
-        q = start.to(dtype=_F64, device=op.device).reshape(-1)
-        q = q / torch.linalg.vector_norm(q)
     alphas: list[float] = []
     betas: list[float] = []  # betas[j] couples step j and j+1; 0 after a restart
     matvecs = 0
@@ -345,6 +573,7 @@ def lanczos(
             f"{at_rounding} eigenvalue(s) converged at the products' rounding level "
             f"(residual <= 100 eps ||T|| = {exact_level:.3g}), not at tol |eigenvalue|"
         )
+    notes += [_warm_note(warm_info)] if warm_info is not None else []
     result = EigenResult(
         eigenvalues=[float(t) for t in values],
         residuals=[float(r) for r in reported],
@@ -356,10 +585,25 @@ def lanczos(
         krylov_dim=m,
         breakdown=breakdown,
         notes=notes,
+        warm_start=warm_info,
     )
     if return_eigenvectors:
         result.eigenvectors = vectors
     return result
+
+
+def _warm_note(info: dict) -> str:
+    if info["method"] == "gradient":
+        text = "warm start: the loss gradient (one gradient pass)"
+    elif info["method"] == "subsample":
+        cost = info["full_product_equivalents"]
+        text = (
+            f"warm start: {info['matvecs']} products on a subsample of {info['samples']} of "
+            f"{info['of_samples']} samples (about {cost:.2g} full products), not in matvecs"
+        )
+    else:
+        text = f"warm start: {info['matvecs']} products of {info['name']}, not in matvecs"
+    return text + (f"; {info['fallback']}" if "fallback" in info else "")
 
 
 def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
