@@ -163,13 +163,13 @@ def test_float32_warm_start_keeps_the_explicit_residual():
 def test_bad_warm_starts_are_usage_errors(passes):
     op = passes["gelu"].hessian()
     cases = [
-        ({"warm_start": "fastest"}, "--warm-start"),
-        ({"warm_start": "subsample", "start": torch.ones(op.shape[0])}, "--warm-start"),
-        ({"warm_start": "subsample", "warm_fraction": 0.0}, "--warm-fraction"),
-        ({"warm_start": "subsample", "warm_fraction": 1.5}, "--warm-fraction"),
-        ({"warm_start": "subsample", "warm_steps": 0}, "--warm-steps"),
-        ({"warm_start": "gradient", "which": "smallest"}, "--warm-start"),
-        ({"warm_start": MatrixOperator(torch.eye(3, dtype=torch.float64))}, "--warm-start"),
+        ({"warm_start": "fastest"}, "warm_start"),
+        ({"warm_start": "subsample", "start": torch.ones(op.shape[0])}, "warm_start"),
+        ({"warm_start": "subsample", "warm_fraction": 0.0}, "warm_fraction"),
+        ({"warm_start": "subsample", "warm_fraction": 1.5}, "warm_fraction"),
+        ({"warm_start": "subsample", "warm_steps": 0}, "warm_steps"),
+        ({"warm_start": "gradient", "which": "smallest"}, "warm_start"),
+        ({"warm_start": MatrixOperator(torch.eye(3, dtype=torch.float64))}, "warm_start"),
     ]
     for kwargs, source in cases:
         with pytest.raises(UsageError) as info:
@@ -179,7 +179,7 @@ def test_bad_warm_starts_are_usage_errors(passes):
     for warm in ("subsample", "gradient"):
         with pytest.raises(UsageError) as info:
             lanczos(matrix, 1, warm_start=warm)
-        assert info.value.source == "--warm-start"
+        assert info.value.source == "warm_start"
 
 
 class _RegisteredStyle(CurvatureOperator):

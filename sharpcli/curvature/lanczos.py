@@ -304,7 +304,7 @@ def subsample_data(data, fraction: float, seed: int = 0):
     fraction = float(fraction)
     if not (0.0 < fraction <= 1.0) or not math.isfinite(fraction):
         raise UsageError(
-            f"warm-start fraction must be in (0, 1], got {fraction}", source="--warm-fraction"
+            f"warm-start fraction must be in (0, 1], got {fraction}", source="warm_fraction"
         )
     local = int(data.local_num_samples)
     keep = min(local, max(1, round(fraction * local))) if local else 0
@@ -332,7 +332,7 @@ def _analysis_pass(op, what: str):
     raise UsageError(
         f"warm_start={what!r} needs a curvature operator over an analysis set; "
         f"{type(op).__name__} has none: pass an approximating operator as warm_start instead",
-        source="--warm-start",
+        source="warm_start",
     )
 
 
@@ -370,7 +370,7 @@ def _subsample(op, fraction, seed):
         raise UsageError(
             f"cannot rebuild {type(op).__name__} on a data subsample ({error}); pass an "
             "approximating operator as warm_start instead",
-            source="--warm-start",
+            source="warm_start",
         ) from error
 
 
@@ -380,7 +380,7 @@ def _gradient_start(op, which: str):
         raise UsageError(
             f"warm_start='gradient' finds the top of the spectrum; use 'subsample' for "
             f"which={which!r}",
-            source="--warm-start",
+            source="warm_start",
         )
     _, grad = _analysis_pass(op, "gradient").loss_and_gradient()
     info = {"method": "gradient", "gradient_passes": 1, "full_product_equivalents": None}
@@ -402,7 +402,7 @@ def _warm_operator(op, warm_start, fraction, seed):
         raise UsageError(
             f"the warm-start operator has shape {tuple(warm_start.shape)}, the operator "
             f"{tuple(op.shape)}",
-            source="--warm-start",
+            source="warm_start",
         )
     name = getattr(warm_start, "name", type(warm_start).__name__)
     return warm_start, {"method": "operator", "name": name}, None
@@ -415,14 +415,14 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
         raise UsageError(
             f"warm start must be one of {', '.join(WARM_STARTS)} or an operator, got "
             f"{warm_start!r}",
-            source="--warm-start",
+            source="warm_start",
         )
     if warm_start == "gradient":
         return _gradient_start(op, which)
     if steps is None:
         steps = max(DEFAULT_WARM_STEPS, k * (2 if which == "both" else 1) + 2)
     if int(steps) < 1:
-        raise UsageError(f"warm-start steps must be >= 1, got {steps}", source="--warm-steps")
+        raise UsageError(f"warm-start steps must be >= 1, got {steps}", source="warm_steps")
     warm_op, info, relative_cost = _warm_operator(op, warm_start, fraction, seed)
     warm = lanczos(
         warm_op,
@@ -448,7 +448,7 @@ def _start_vector(op, start, warm_start, k, which, generator, fraction, steps, s
     warm_info = None
     if warm_start is not None:
         if start is not None:
-            raise UsageError("give a start vector or a warm start, not both", source="--warm-start")
+            raise UsageError("give a start vector or a warm start, not both", source="warm_start")
         start, warm_info = _warm_start_vector(
             op, warm_start, k, which, fraction=fraction, steps=steps, seed=seed
         )
