@@ -3,7 +3,7 @@
 Every file the tool writes goes through a :class:`Publication`:
 
 - :meth:`Publication.stage` writes the content into a hidden temporary file beside the target
-  (``.NAME.XXXXXXXX.tmp``) and fsyncs it. The temporary file is created like any new file,
+  (``.NAME.<8 random hex digits>.tmp``) and fsyncs it. The temporary file is created like any new file,
   ``0666 & ~umask``, or takes the mode of the file it will replace, so an overwritten file
   keeps its permissions. A failed write (disk full, I/O error) is a UsageError naming the
   target; the temporary file is removed and the target is untouched.
