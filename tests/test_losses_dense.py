@@ -152,3 +152,156 @@ def test_one_logit_binary_classifier_through_the_cli(tmp_path, capsys, monkeypat
     assert report["results"]["eigenvalues"] == pytest.approx(
         torch.linalg.eigvalsh(H).flip(0)[:2].tolist(), rel=1e-8
     )
+
+
+CAUSAL_LM = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class CausalLM(nn.Module):
+        '''Next-token model: embedding + positions, one causal pre-norm encoder layer
+        (multi-head attention, LayerNorm, GELU feed-forward), a vocabulary head per position.'''
+
+        def __init__(self, vocab=5, dim=4, heads=2, length=4):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.pos = nn.Parameter(0.3 * torch.randn(length, dim))
+            self.block = nn.TransformerEncoderLayer(
+                dim, heads, dim_feedforward=6, dropout=0.0, activation="gelu",
+                batch_first=True, norm_first=True,
+            )
+            self.head = nn.Linear(dim, vocab)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+
+        def forward(self, x):
+            T = x.shape[1]
+            h = self.block(self.emb(x) + self.pos[:T], src_mask=self.mask[:T, :T], is_causal=True)
+            return self.head(h)  # (B, T, vocab)
+
+    def build():
+        return CausalLM()
+""")
+
+
+def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
+    """A user's causal transformer LM with (N, T) next-token labels (padding -100): the loss is
+    inferred as token-level cross-entropy, and eigen, the exact GGN trace and gn-nme's identity
+    match dense float64 matrices built from torch's own cross_entropy."""
+    from safetensors.torch import save_file
+
+    from sharpcli.curvature.attention import differentiable_attention
+
+    model, weights = factory_checkpoint(tmp_path, monkeypatch, "causal_lm", CAUSAL_LM, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 5, (9, 5), generator=gen)
+    x, y = tokens[:, :4].clone(), tokens[:, 1:].clone()  # predict the next token
+    y[2, 3] = y[6, 2:] = IGNORE_INDEX  # padded positions
+    data = tmp_path / "lm.safetensors"
+    save_file({"x": x, "y": y}, str(data))
+    model = model.double().eval()
+    with differentiable_attention():
+        H, G = _dense(model, x, y, _token_mean)
+    base = ["--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64"]
+
+    run = run_cli(capsys, "eigen", weights, *base, "--top-k", "2", "--tol", "1e-10", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    assert report["data"]["loss"] == "token-cross-entropy"  # inferred from (N, T) labels
+    assert report["results"]["eigenvalues"] == pytest.approx(
+        torch.linalg.eigvalsh(H).flip(0)[:2].tolist(), rel=1e-8
+    )
+
+    run = run_cli(
+        capsys, "trace", weights, *base, "--operator", "ggn", "--estimator", "exact", "--json", "-"
+    )
+    assert run.code == 0, run.err
+    assert run.json()["results"]["trace"]["estimate"] == pytest.approx(float(G.trace()), rel=1e-9)
+
+    run = run_cli(capsys, "gn-nme", weights, *base, "--max-matvecs", "40", "--json", "-")
+    assert run.code == 0, run.err
+    res = run.json()["results"]
+    h, g, n = (res[op]["trace"]["estimate"] for op in ("hessian", "ggn", "nme"))
+    assert h == pytest.approx(g + n, rel=1e-9)  # H = G + N on shared probes
+    assert res["ggn_trace_check"]["exact"] == pytest.approx(float(G.trace()), rel=1e-9)
+
+    # loss and accuracy: per sample the mean over its labelled positions; accuracy per position
+    run = run_cli(capsys, "analyze", weights, *base, "--metrics", "eigen", "--json", "-")
+    assert run.code == 0, run.err
+    with torch.no_grad():
+        z = model(x)
+    labelled = y != IGNORE_INDEX
+    expected = int(((z.argmax(-1) == y) & labelled).sum()) / int(labelled.sum())
+    assert run.json()["results"]["accuracy"] == pytest.approx(expected, rel=1e-12)
+    assert run.json()["results"]["loss"] == pytest.approx(float(_token_mean(z, y)), rel=1e-12)
+
+    # training takes one label per sample: per-position labels are refused in one line
+    run = run_cli(
+        capsys,
+        "train",
+        "--model-factory",
+        "causal_lm:build",
+        "--data",
+        data,
+        "--epochs",
+        "1",
+        "--out",
+        tmp_path / "lm-trained.safetensors",
+    )
+    assert run.code == 2 and "one label per position" in run.err and str(data) in run.err
+    assert not (tmp_path / "lm-trained.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "labels, needle",
+    [
+        ([[0, -100], [-100, -100], [1, 2]], None),  # -100 marks padding: accepted
+        ([[-100, -100], [-100, -100], [-100, -100]], "no labelled position"),
+        ([[0, -3], [1, 1], [2, 0]], "negative label other than -100"),
+        ([[-100], [1], [2]], "negative label (-100)"),  # one label per sample: no padding
+    ],
+)
+def test_token_label_files(tmp_path, labels, needle):
+    """(N, T) label files: -100 is padding, only in per-position labels; the error names the file."""
+    from safetensors.torch import save_file
+
+    from sharpcli.errors import InputError
+    from sharpcli.io.datasets import load_dataset
+
+    path = tmp_path / "tokens.safetensors"
+    save_file({"x": torch.zeros(3, 2, dtype=torch.int64), "y": torch.tensor(labels)}, str(path))
+    if needle is None:
+        x, y = load_dataset(str(path)).split("train")
+        assert y.dtype == torch.int64 and y.tolist() == labels
+        return
+    with pytest.raises(InputError) as caught:
+        load_dataset(str(path))
+    assert needle in caught.value.message and str(path) in str(caught.value.source)
+
+
+def test_attention_mask_buffers_may_hold_inf_but_weights_and_statistics_may_not(tmp_path):
+    """A causal mask buffer is -Inf above the diagonal by design; NaN in any buffer, or Inf in a
+    parameter or a BatchNorm statistic, is an input error naming the tensor."""
+    from sharpcli.errors import InputError
+    from sharpcli.io.checkpoints import check_finite_weights
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.norm = nn.BatchNorm1d(2)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(3))
+
+    model = Masked()
+    check_finite_weights(model, "m.pt")  # -Inf in the mask is fine
+    for tensor, name in (
+        (model.mask, "mask"),
+        (model.norm.running_var, "norm.running_var"),
+        (model.lin.weight, "lin.weight"),
+    ):
+        saved = tensor.clone()
+        with torch.no_grad():
+            tensor.view(-1)[1] = float("nan") if name == "mask" else float("inf")
+        with pytest.raises(InputError, match=name):
+            check_finite_weights(model, "m.pt")
+        with torch.no_grad():
+            tensor.copy_(saved)

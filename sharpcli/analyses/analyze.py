@@ -88,23 +88,30 @@ def parse_metrics(text: str | None) -> list[str]:
 
 @torch.no_grad()
 def loss_and_accuracy(session) -> dict:
-    """Mean loss and accuracy (None unless cross-entropy) over the session's analysis data,
-    summed across ranks."""
-    from sharpcli.curvature.data import all_reduce_sum
-    from sharpcli.losses import per_sample_loss
+    """Mean loss per sample and accuracy over the session's analysis data, summed across ranks.
 
-    sums = torch.zeros(2, dtype=torch.float64)  # loss sum, correct count over this rank's shard
+    Accuracy is the loss's own count of correct predictions (:attr:`sharpcli.losses.Loss.correct`):
+    argmax for cross-entropy, the logit's sign for binary cross-entropy, per labelled position
+    for token-level cross-entropy; None for regression.
+    """
+    from sharpcli.curvature.data import all_reduce_sum
+    from sharpcli.losses import get_loss
+
+    loss = get_loss(session.loss)
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, predictions counted
     data = session.analysis_data()
     for xb, yb, _ in data.batches():
         z = session.model(xb)
-        sums[0] += float(per_sample_loss(session.loss, z, yb).double().sum())
-        if session.loss == "cross-entropy":
-            sums[1] += int((z.argmax(1) == yb).sum())
+        sums[0] += float(loss.per_sample(z, yb).double().sum())
+        if loss.correct is not None:
+            correct, counted = loss.correct(z, yb)
+            sums[1] += correct
+            sums[2] += counted
     all_reduce_sum(sums)
     n = data.num_samples
     return {
         "loss": float(sums[0]) / n,
-        "accuracy": float(sums[1]) / n if session.loss == "cross-entropy" else None,
+        "accuracy": float(sums[1] / sums[2]) if loss.correct is not None and sums[2] else None,
     }
 
 

@@ -311,10 +311,11 @@ def gn_nme(
     out["nme_frobenius_ratio"] = (
         math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"]) if h["frobenius_sq"] else None
     )
-    checks = {}
+    # tr(G) three ways: exact (every registered loss has a square-root factor of H_z), by label
+    # sampling (NME eq. 20; cross-entropy and mse), and the shared probes' Hutchinson estimate
+    data = session.analysis_data()
+    checks = {"exact": exact_ggn_trace(session.model, data, cpass.scope).estimate}
     if session.loss in ("cross-entropy", "mse"):
-        data = session.analysis_data()
-        exact = exact_ggn_trace(session.model, data, cpass.scope)
         sampled = sampled_label_ggn_trace(
             session.model,
             data,
@@ -322,13 +323,10 @@ def gn_nme(
             samples=label_samples,
             generator=torch.Generator().manual_seed(seed),
         )
-        checks = {
-            "exact": exact.estimate,
-            "sampled_label": sampled.estimate,
-            "sampled_label_stderr": sampled.stderr,
-            "hutchinson": out[GGN]["trace"]["estimate"],
-            "hutchinson_stderr": out[GGN]["trace"]["stderr"],
-        }
+        checks.update(sampled_label=sampled.estimate, sampled_label_stderr=sampled.stderr)
+    checks.update(
+        hutchinson=out[GGN]["trace"]["estimate"], hutchinson_stderr=out[GGN]["trace"]["stderr"]
+    )
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)
     out["scope"] = scope_info(cpass.scope)

@@ -245,7 +245,7 @@ def gn_nme_command(
             )
         )
         if results["ggn_trace_check"]:
-            console.print(key_value_table("tr(G) by three estimators", results["ggn_trace_check"]))
+            console.print(key_value_table("tr(G) by each estimator", results["ggn_trace_check"]))
         console.print(records_table("per layer", results["layers"]))
 
     return common.Outcome(report, render)

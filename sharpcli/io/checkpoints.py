@@ -661,10 +661,28 @@ def check_model_size(
 
 
 def check_finite_weights(model: nn.Module, path: str) -> None:
-    """An InputError on ``path`` naming the first floating-point tensor with NaN or Inf."""
+    """An InputError on ``path`` naming the first tensor of ``model`` that cannot be a weight.
+
+    Parameters and normalisation statistics (a BatchNorm's running mean and variance) must be
+    finite. Other floating-point buffers may hold +-Inf but not NaN: an additive attention mask
+    (``nn.Transformer.generate_square_subsequent_mask``) is -Inf above the diagonal by design.
+    """
+    from torch.nn.modules.batchnorm import _NormBase
+
+    statistics = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, _NormBase)
+        for name, _ in module.named_buffers(recurse=False)
+    }
+    strict = statistics | {name for name, _ in model.named_parameters()}
     for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if not tensor.is_floating_point():
+            continue
+        if name in strict and not torch.isfinite(tensor).all():
             raise InputError(f"weights contain NaN or Inf in {name}", source=path)
+        if torch.isnan(tensor).any():
+            raise InputError(f"weights contain NaN in the buffer {name}", source=path)
 
 
 def _build_zoo_model(spec: dict, candidates, path: Path, described_by: str, *, metadata: bool):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sharpcli.errors import InputError, UsageError
+from sharpcli.losses import IGNORE_INDEX
 
 TASKS = ("classification", "regression")
 SPLITS = ("train", "test")
@@ -37,7 +38,7 @@ class Dataset:
     """A loaded dataset: train split, optional test split, task and provenance.
 
     ``x_*`` are float32 (or, for integer sources, int64) feature tensors ``(N, D)`` or
-    ``(N, C, H, W)``; ``y_*`` are int64 labels ``(N,)`` for ``task == "classification"``
+    ``(N, C, H, W)``; ``y_*`` are int64 labels ``(N,)`` (or per-position token labels ``(N, T)``, -100 for padding) for ``task == "classification"``
     (with ``num_classes`` classes) or float32 targets ``(N,)``/``(N, K)`` for
     ``task == "regression"`` (``num_classes is None``). ``x_test``/``y_test`` are both
     ``None`` when the source has no test split. ``spec`` is a JSON-serialisable dict that
@@ -230,12 +231,18 @@ def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
 
 
 def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
-    """Integer/boolean class labels as int64 ``(N,)``, non-negative."""
+    """Integer/boolean class labels as int64: ``(N,)``, or ``(N, T)`` per-position token labels.
+
+    Token labels (a sequence model's next-token targets) may mark unlabelled positions
+    (padding) with ``-100``, the ignore index of ``torch.nn.functional.cross_entropy`` and of
+    sharp's ``token-cross-entropy``; every other label is in ``0..C-1``.
+    """
     if y.dim() == 2 and y.shape[1] == 1:
         y = y[:, 0]
-    if y.dim() != 1:
+    if y.dim() not in (1, 2):
         raise InputError(
-            f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,)",
+            f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,) "
+            "or one per position (N, T)",
             source=source,
         )
     if y.shape[0] != n:
@@ -243,10 +250,15 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
             f"{name} has {y.shape[0]} labels but the features have {n} rows", source=source
         )
     wide = y.to(torch.float64)  # exact for every label below 2**53; larger ones are refused anyway
-    low, high = float(wide.min()), float(wide.max())
+    labelled = wide[wide != IGNORE_INDEX] if y.dim() == 2 else wide.reshape(-1)
+    if labelled.numel() == 0:
+        raise InputError(f"{name} has no labelled position (every label is -100)", source=source)
+    low, high = float(labelled.min()), float(labelled.max())
     if low < 0:
+        ignored = " other than -100 (unlabelled positions)" if y.dim() == 2 else ""
         raise InputError(
-            f"{name} has a negative label ({low:.0f}); labels must be 0..C-1", source=source
+            f"{name} has a negative label{ignored} ({low:.0f}); labels must be 0..C-1",
+            source=source,
         )
     if high >= MAX_CLASSES:
         raise InputError(

@@ -396,6 +396,14 @@ def _load_splits(cfg: TrainConfig) -> _Splits:
     from sharpcli.session import loss_for_task
 
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
+    if dataset.task == "classification" and dataset.y_train.ndim == 2:
+        # the analysis commands measure sequence models; the training step counts accuracy and
+        # places its regularizers for one label per sample
+        raise InputError(
+            f"y holds one label per position {tuple(dataset.y_train.shape)}: `train` trains models "
+            "with one label per sample; analyse sequence models trained elsewhere",
+            source=dataset.source,
+        )
     cfg.data = dataset.spec
     cfg.loss = cfg.loss or loss_for_task(dataset.task)
     x_train, y_train = dataset.split("train")
