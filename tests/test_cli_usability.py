@@ -254,7 +254,7 @@ SHOWN = {
         (3, "*.trace.stderr"),
         (6, "nme_share nme_frobenius_ratio ggn_trace_check.* layers.*.*"),
     ],
-    "density": [(6, "lambda_min lambda_max trace_estimate sigma matvecs")],
+    "density": [(6, "lambda_min lambda_max trace_estimate trace_stderr sigma matvecs")],
     "analyze": [
         (6, "loss accuracy hessian.lambda_max hessian.trace hessian.trace_stderr"),
         (6, "hessian.frobenius_sq hessian.lambda_min ggn.* nme.* nme_share gates.*.value"),

@@ -66,3 +66,25 @@ def test_density_arguments():
         spectral_density(A, probes=0)
     single = spectral_density(A, probes=1, lanczos_steps=5)
     assert single.nodes == [[pytest.approx(1.0)]] and single.sigma > 0
+
+
+def test_slq_trace_stderr_is_the_spread_of_rademacher_hutchinson_samples():
+    """Each probe's quadrature value is z^T H z (z = sqrt(P) v, Rademacher), even with few steps:
+    the reported stderr is their spread / sqrt(probes), and over probes it covers tr(H)."""
+    model, x, y, H, _ = setup_and_reference("gelu")
+    op = CurvaturePass(
+        model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
+    ).hessian()
+    result = spectral_density(op, probes=40, lanczos_steps=6, seed=3)
+    per_probe = [
+        93 * sum(t * w for t, w in zip(n, ws)) for n, ws in zip(result.nodes, result.weights)
+    ]
+    assert result.trace_estimate == pytest.approx(float(np.mean(per_probe)), rel=1e-12)
+    assert result.trace_stderr == pytest.approx(np.std(per_probe, ddof=1) / 40**0.5, rel=1e-12)
+    # Hutchinson's variance for Rademacher probes: 2 (||H||_F^2 - sum_i H_ii^2) per sample
+    variance = 2 * float((H * H).sum() - (H.diagonal() ** 2).sum())
+    assert result.trace_stderr == pytest.approx((variance / 40) ** 0.5, rel=0.35)
+    assert abs(result.trace_estimate - float(H.trace())) < 4 * result.trace_stderr
+    assert result.to_dict()["trace_stderr"] == result.trace_stderr
+    one = spectral_density(op, probes=1, lanczos_steps=6, seed=3)
+    assert one.trace_stderr is None and one.to_dict()["trace_stderr"] is None

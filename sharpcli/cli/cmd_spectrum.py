@@ -302,7 +302,14 @@ def density_command(
     def render(console):
         summary = {
             k: results[k]
-            for k in ("lambda_min", "lambda_max", "trace_estimate", "sigma", "matvecs")
+            for k in (
+                "lambda_min",
+                "lambda_max",
+                "trace_estimate",
+                "trace_stderr",
+                "sigma",
+                "matvecs",
+            )
             if k in results
         }
         console.print(

@@ -46,11 +46,29 @@ class SpectralDensity:
     engine: str = "native"
     notes: list[str] = field(default_factory=list)
 
+    def _per_probe_traces(self) -> np.ndarray:
+        """``P sum_j tau_j theta_j`` per probe: ``P v^T A v`` for the unit probe ``v``."""
+        return self.dimension * np.array(
+            [sum(t * w for t, w in zip(n, ws)) for n, ws in zip(self.nodes, self.weights)]
+        )
+
     @property
     def trace_estimate(self) -> float:
         """``P * mean_v sum_j tau_j theta_j`` (the quadrature's trace estimate)."""
-        per_probe = [sum(t * w for t, w in zip(n, ws)) for n, ws in zip(self.nodes, self.weights)]
-        return self.dimension * float(np.mean(per_probe))
+        return float(np.mean(self._per_probe_traces()))
+
+    @property
+    def trace_stderr(self) -> float | None:
+        """Standard error of :attr:`trace_estimate` over the probes (None with one probe).
+
+        Gauss quadrature with ``m`` nodes is exact for polynomials of degree ``<= 2m - 1``, so
+        for ``f(t) = t`` each probe's value is ``P v^T A v = z^T A z`` with ``z = sqrt(P) v`` a
+        Rademacher vector: a Hutchinson sample ([Hutchinson1989]), and the spread over probes
+        is the estimate's error, ``std_v / sqrt(n_v)`` (ddof 1)."""
+        values = self._per_probe_traces()
+        if values.size < 2:
+            return None
+        return float(values.std(ddof=1) / math.sqrt(values.size))
 
     def to_dict(self) -> dict:
         """The density as a JSON-serialisable dict, with its trace estimate."""
@@ -64,6 +82,7 @@ class SpectralDensity:
             "lanczos_steps": self.lanczos_steps,
             "probes": self.probes,
             "trace_estimate": self.trace_estimate,
+            "trace_stderr": self.trace_stderr,
             "engine": self.engine,
             "notes": list(self.notes),
         }
