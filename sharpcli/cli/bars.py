@@ -3,16 +3,17 @@
 One line per open run (a nested run, e.g. a training run's ``--track`` Lanczos or a sweep's
 training run, indented under its parent); a run's line goes when it finishes. A line reads
 
-    tr(H)          ━━━━━━━━ 144/1000 matvecs b4/12    tr 11.85 ±0.5 n=104 0:03<0:09
+    tr(H)          ━━━━━━━━ 144/1000 matvecs b4/12   tr 11.2 ±0.2 n=80 sk… 0:03<0:02
 
 the phase, a bar towards the count the run projects to stop at (its budget when it cannot
 tell), the count out of the budget with the batch of the product under way when a product
 spans several (``b4/12``), the current estimate with its standard error (``±``) or Ritz
 residual (``res``) and the probes when they differ from the count, and the elapsed and
-remaining time. The columns have fixed widths (no jitter); the numbers take what a line of the
-terminal's width leaves and are cut with an ellipsis, so a line never folds (80 columns show
-them, 60 columns the counts and times only). While no run is open (loading, a pass without counts) a
-pulsing line with the command's own text and the elapsed time shows that work goes on.
+remaining time. The phase, bar and time columns have fixed widths; the counts and numbers
+take what a line of the terminal's width leaves and are cut at the end with an ellipsis, so a
+line never folds (80 columns show the numbers, 60 columns the counts and times). While no
+run is open (loading, a pass without counts) a pulsing line with the command's own text and
+the elapsed time shows that work goes on.
 
 Nothing is shown under ``--quiet`` or ``--json -``, on ranks other than 0, or when stderr is
 not a terminal (logs, pipes and tests see clean stderr). Rendering is throttled: a run's line
@@ -31,11 +32,11 @@ from sharpcli import distributed
 from sharpcli import progress as channel
 
 REDRAW_SECONDS = 0.1
-# column widths (characters); the numbers column gets the rest of the terminal's width
+# column widths (characters); the counts and numbers get the rest of the terminal's width
 DESCRIPTION_WIDTH = 14
 BAR_WIDTH = 8
-COUNTS_WIDTH = 24  # "1000/1000 matvecs b12/12"
 TIME_WIDTH = 9  # "0:15<0:20"
+FIXED_WIDTH = DESCRIPTION_WIDTH + BAR_WIDTH + TIME_WIDTH + 3  # and the 3 gaps between columns
 # short names of estimates on the bar
 SHORT = {"lambda_max": "max", "lambda_min": "min", "lambda": "lambda"}
 
@@ -55,17 +56,11 @@ def progress_bar(stderr_console, disabled: bool, text: str) -> Iterator[None]:
             template, table_column=Column(no_wrap=True, overflow="ellipsis", width=width)
         )
 
-    fixed = DESCRIPTION_WIDTH + BAR_WIDTH + COUNTS_WIDTH + TIME_WIDTH + 4  # 4 column gaps
-    numbers = stderr_console.width - fixed - 1
-    columns = [
+    with Progress(
         text_column("{task.description}", DESCRIPTION_WIDTH),
         BarColumn(bar_width=BAR_WIDTH),
-        text_column("{task.fields[counts]}", COUNTS_WIDTH),
-        *([text_column("{task.fields[numbers]}", numbers)] if numbers >= 8 else []),
+        text_column("{task.fields[text]}", max(stderr_console.width - FIXED_WIDTH - 1, 1)),
         _time_column(),
-    ]
-    with Progress(
-        *columns,
         console=stderr_console,
         transient=True,
         redirect_stdout=False,  # stdout is the report's; nothing else may land there
@@ -80,10 +75,11 @@ class _Display:
 
     def __init__(self, bar, text: str) -> None:
         self.bar = bar
-        self.idle = bar.add_task(text, total=None, counts="", numbers="")
+        self.idle = bar.add_task("working", total=None, text=text, finish_at=None)
         self.tasks: dict[int, int] = {}  # run id -> rich task id
         self.depth: dict[int, int] = {}
         self.drawn: dict[int, float] = {}  # run id -> time of its last redraw
+        self.started: dict[int, float] = {}  # run id -> time of its first event
 
     def on_event(self, event: channel.Event) -> None:
         """Add, redraw (throttled) or remove the line of ``event``'s run."""
@@ -95,12 +91,16 @@ class _Display:
                 self.bar.refresh()  # its last numbers reach the screen, however short the run
                 self.bar.remove_task(task)
                 del self.tasks[event.run], self.drawn[event.run], self.depth[event.run]
+                del self.started[event.run]
             self.bar.update(self.idle, visible=not self.tasks)
             return
         if task is None:
             depth = self.depth.get(event.parent, -1) + 1 if event.parent is not None else 0
             self.depth[event.run] = depth
-            task = self.bar.add_task("  " * depth + event.phase, total=None, counts="", numbers="")
+            task = self.bar.add_task(
+                "  " * depth + event.phase, total=None, text="", finish_at=None
+            )
+            self.started[event.run] = now
             self.tasks[event.run] = task
             self.bar.update(self.idle, visible=False)
         elif now - self.drawn[event.run] < REDRAW_SECONDS:
@@ -109,12 +109,13 @@ class _Display:
         self._draw(task, event)
 
     def _draw(self, task: int, event: channel.Event) -> None:
+        total = bar_total(event)
         self.bar.update(
             task,
             completed=event.done,
-            total=bar_total(event),
-            counts=counts_text(event),
-            numbers=numbers_text(event),
+            total=total,
+            text=line_text(event),
+            finish_at=finish_time(self.started[event.run], time.monotonic(), event.done, total),
         )
 
 
@@ -123,6 +124,27 @@ def bar_total(event: channel.Event) -> int | None:
     if event.expected is not None:
         return max(event.expected, event.done)
     return event.total
+
+
+def finish_time(started: float, now: float, done: int, total: int | None) -> float | None:
+    """When the run reaches ``total`` at its mean rate so far (``time.monotonic`` clock), or
+    None before the first unit or without a total. The mean over the whole run, not a recent
+    window: the total moves with the run's projection, and units (products, steps) cost about
+    the same throughout."""
+    if total is None or done <= 0 or now <= started:
+        return None
+    return now + (now - started) * max(total - done, 0) / done
+
+
+def line_text(event: channel.Event) -> str:
+    """The counts, padded to the widest this run can show (they do not move the numbers
+    while it runs), then the numbers."""
+    widest = f"{event.total}/{event.total} {event.unit}" if event.total is not None else ""
+    if event.batches and event.batches > 1:
+        widest += f" b{event.batches}/{event.batches}"
+    numbers = numbers_text(event)
+    counts = counts_text(event)
+    return f"{counts:<{len(widest)}}  {numbers}" if numbers else counts
 
 
 def counts_text(event: channel.Event) -> str:
@@ -166,14 +188,14 @@ def _time_column():
     from rich.text import Text
 
     class TimeColumn(ProgressColumn):
-        """``elapsed<remaining`` (``0:03<0:02``); the remaining time once rich can estimate
-        it from the recent rate towards the bar's total."""
+        """``elapsed<remaining`` (``0:03<0:02``); the remaining time counts down to the
+        run's :func:`finish_time` between redraws."""
 
         def render(self, task) -> Text:
             text = _clock(task.elapsed or 0.0)
-            remaining = task.time_remaining if task.total is not None else None
-            if remaining is not None:
-                text += f"<{_clock(remaining)}"
+            finish_at = task.fields.get("finish_at")
+            if finish_at is not None:
+                text += f"<{_clock(max(finish_at - time.monotonic(), 0.0))}"
             return Text(text, style="progress.elapsed", no_wrap=True)
 
     return TimeColumn(table_column=Column(no_wrap=True, min_width=TIME_WIDTH))
