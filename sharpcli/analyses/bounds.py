@@ -86,6 +86,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureOperator, CurvaturePass
 from sharpcli.curvature.scope import ParamScope, gaussian_like
@@ -651,43 +652,42 @@ def bound_check(
     model: nn.Module,
     data: AnalysisData,
     config: BoundCheckConfig | None = None,
-    *,
-    progress=None,
 ) -> BoundCheckResult:
     """AD Corollary 1 per sigma, plus ``config.checks`` ``theorem2`` and ``noise-stability``.
 
     See the module docstring for what is measured and :class:`BoundCheckConfig` for the
-    settings (UsageError on a bad one). ``progress(done, total, what)`` is called after each
-    sigma and each extra check. ``model`` is not modified.
+    settings (UsageError on a bad one). Progress: a ``bound check`` run counting the sigmas
+    and extra checks done (:mod:`sharpcli.progress`). ``model`` is not modified.
     """
     config = config if config is not None else BoundCheckConfig()
     config.validate()
     spec = config.params if config.params is not None else default_bound_scope(model)
     scope = ParamScope.resolve(model, spec)
     m = int(config.perturbations)
-    at_theta = _measure_at_theta(model, data, scope, config)
     total_steps = len(config.sigmas) + len(config.checks)
-    rows: list[BoundRow] = []
-    notes: list[str] = []
-    for step, sigma in enumerate(config.sigmas):
-        rows.append(_corollary1_row(model, data, scope, config, sigma, at_theta, notes))
-        if progress is not None:
-            progress(step + 1, total_steps, f"sigma {sigma:g}")
-    notes += _corollary1_notes(rows, m)
-    result = BoundCheckResult(
-        rows=rows,
-        params=scope.spec,
-        num_params=scope.numel,
-        epsilon_kind=config.epsilon_kind,
-        epsilon_full=at_theta.eps["full"],
-        epsilon_minibatch=at_theta.eps["minibatch"],
-        perturbations=m,
-        ci_level=config.ci_level,
-        lambda_max_at_theta=at_theta.plain_lambda_max,
-        notes=notes,
-        matvecs=at_theta.matvecs + sum(row.matvecs for row in rows),
-    )
-    _run_extra_checks(result, model, data, scope, config, progress)
+    with progress.start("bound check", total=total_steps, unit="steps", detail="at theta") as run:
+        at_theta = _measure_at_theta(model, data, scope, config)
+        rows: list[BoundRow] = []
+        notes: list[str] = []
+        for step, sigma in enumerate(config.sigmas):
+            run.update(step, detail=f"sigma {sigma:g}")
+            rows.append(_corollary1_row(model, data, scope, config, sigma, at_theta, notes))
+        notes += _corollary1_notes(rows, m)
+        result = BoundCheckResult(
+            rows=rows,
+            params=scope.spec,
+            num_params=scope.numel,
+            epsilon_kind=config.epsilon_kind,
+            epsilon_full=at_theta.eps["full"],
+            epsilon_minibatch=at_theta.eps["minibatch"],
+            perturbations=m,
+            ci_level=config.ci_level,
+            lambda_max_at_theta=at_theta.plain_lambda_max,
+            notes=notes,
+            matvecs=at_theta.matvecs + sum(row.matvecs for row in rows),
+        )
+        _run_extra_checks(result, model, data, scope, config, run)
+        run.finish(total_steps)
     return result
 
 
@@ -697,19 +697,19 @@ def _run_extra_checks(
     data: AnalysisData,
     scope: ParamScope,
     config: BoundCheckConfig,
-    progress,
+    run: progress.Run,
 ) -> None:
-    """Run ``config.checks`` (Theorem 2, noise stability) into ``result``, counting their products."""
-    total_steps = len(config.sigmas) + len(config.checks)
+    """Run ``config.checks`` (Theorem 2, noise stability) into ``result``, counting their
+    products; ``run`` reports which is under way."""
     done = len(config.sigmas)
     if "theorem2" in config.checks:
+        run.update(done, detail="theorem 2")
         result.theorem2 = theorem2_check(
             model, data, config.sigmas, mc_pairs=config.mc_pairs, seed=config.seed
         )
         done += 1
-        if progress is not None:
-            progress(done, total_steps, "theorem 2")
     if "noise-stability" in config.checks:
+        run.update(done, detail="noise stability")
         # NSO perturbs every weight: all parameters unless --params chose a scope
         noise_scope = scope if config.params is not None else ParamScope.resolve(model, "all")
         result.noise_stability = noise_stability_check(
@@ -723,9 +723,6 @@ def _run_extra_checks(
             seed=config.seed,
         )
         result.matvecs += result.noise_stability["matvecs"]
-        done += 1
-        if progress is not None:
-            progress(done, total_steps, "noise stability")
 
 
 # ----------------------------------------------------------------------------- Theorem 2 / 3

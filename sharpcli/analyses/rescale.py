@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import progress
 from sharpcli.curvature.data import (
     AnalysisData,
     all_reduce_sum,
@@ -573,7 +574,6 @@ def weight_rescale(
     trace_tol: float = 1e-2,
     trace_max_matvecs: int = 200,
     seed: int = 0,
-    progress=None,
 ) -> WeightRescaleResult:
     """MAN Fig. 1 / Dinh et al.: rescale a copy of ``model`` by each alpha and measure it.
 
@@ -581,6 +581,7 @@ def weight_rescale(
     the unscaled logits, lambda_max (Lanczos), trace (Hutch++) and the ASAM-normalised
     ``invariant_lambda_max`` = largest eigenvalue of ``diag(|theta|) H diag(|theta|)``, all w.r.t.
     the scope ``params`` (default all parameters). ``model`` itself is not modified.
+    Progress: a ``weight rescale`` run counting the models measured (:mod:`sharpcli.progress`).
     """
     check_alphas(alphas)
     example = next(iter(data.batches()))[0]
@@ -597,20 +598,19 @@ def weight_rescale(
         seed=seed,
     )
     total = len(alphas) + 1
-    baseline_model = copy.deepcopy(model)
-    reference = evaluate_outputs(baseline_model, data).logits
-    baseline, numel = _curvature_row(baseline_model, data, params, 1.0, reference, **kwargs)
-    del baseline_model
-    if progress is not None:
-        progress(1, total, "baseline")
-    rows = []
-    for i, alpha in enumerate(alphas):
-        scaled = copy.deepcopy(model)
-        apply_rescale(scaled, plan, alpha)
-        row, _ = _curvature_row(scaled, data, params, alpha, reference, **kwargs)
-        rows.append(row)
-        if progress is not None:
-            progress(i + 2, total, f"alpha {alpha:g}")
+    with progress.start("weight rescale", total=total, unit="models", detail="baseline") as run:
+        baseline_model = copy.deepcopy(model)
+        reference = evaluate_outputs(baseline_model, data).logits
+        baseline, numel = _curvature_row(baseline_model, data, params, 1.0, reference, **kwargs)
+        del baseline_model
+        rows = []
+        for i, alpha in enumerate(alphas):
+            run.update(i + 1, detail=f"alpha {alpha:g}")
+            scaled = copy.deepcopy(model)
+            apply_rescale(scaled, plan, alpha)
+            row, _ = _curvature_row(scaled, data, params, alpha, reference, **kwargs)
+            rows.append(row)
+        run.finish(total)
     return WeightRescaleResult(
         rows=rows, baseline=baseline, plan=plan, params=params or "all", num_params=numel
     )

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from sharpcli import progress
 from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
 
@@ -47,6 +48,15 @@ def curvature_pass(session, params: str | None):
 def operator_of(cpass, operator: str):
     """The registered operator ``operator`` on ``cpass``; UsageError naming the accepted ones."""
     return build_operator(operator, cpass)
+
+
+def _symbol(operator: str) -> str:
+    """The operator's letter (``H``) for progress labels; its name when it is not registered
+    (the analysis then fails with the accepted names)."""
+    from sharpcli.curvature.registry import OPERATORS
+
+    spec = OPERATORS.get(operator)
+    return spec.symbol if spec is not None else operator
 
 
 def scope_info(scope) -> dict:
@@ -111,14 +121,16 @@ def eigen(
                 "`max_matvecs`",
                 source="top_k",
             )
-        result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        with progress.phase(f"eigen {_symbol(operator)}"):
+            result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
     else:
         if which != "largest":
             raise UsageError(
                 "power iteration finds the largest |eigenvalue|s only; use `method=lanczos`",
                 source="which",
             )
-        result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
+        with progress.phase(f"eigen {_symbol(operator)}"):
+            result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
     out = result.to_dict()
     out.update(operator=operator, scope=scope_info(cpass.scope))
     if which != "largest":
@@ -184,29 +196,32 @@ def trace(
     else:
         cpass = curvature_pass(session, params)
         scope = cpass.scope
-        if estimator == "exact":
-            if operator != GGN or square:
-                raise UsageError(
-                    "the exact estimator is available for the Gauss-Newton trace (`operator=ggn`)",
-                    source="estimator",
-                )
-            result = exact_ggn_trace(session.model, session.analysis_data(), scope)
-        elif estimator == "gn-split":
-            if operator != HESSIAN or square:
-                raise UsageError(
-                    "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
-                    "`square`)",
-                    source="estimator",
-                )
-            result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        else:
-            op = operator_of(cpass, operator)
-            if square:
-                result = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-            elif estimator == "hutchinson":
-                result = hutchinson(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        symbol = _symbol(operator)
+        label = f"Tr({symbol}^2)" if square else f"tr({symbol})"
+        with progress.phase(label):
+            if estimator == "exact":
+                if operator != GGN or square:
+                    raise UsageError(
+                        "the exact estimator is available for the Gauss-Newton trace (`operator=ggn`)",
+                        source="estimator",
+                    )
+                result = exact_ggn_trace(session.model, session.analysis_data(), scope)
+            elif estimator == "gn-split":
+                if operator != HESSIAN or square:
+                    raise UsageError(
+                        "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
+                        "`square`)",
+                        source="estimator",
+                    )
+                result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
             else:
-                result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+                op = operator_of(cpass, operator)
+                if square:
+                    result = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+                elif estimator == "hutchinson":
+                    result = hutchinson(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+                else:
+                    result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
     d = result.to_dict()
     by_layer = d.pop("by_layer")
     return {
@@ -235,9 +250,15 @@ def density(
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
     op = operator_of(cpass, operator)
-    result = spectral_density(
-        op, probes=probes, lanczos_steps=steps, grid_points=grid_points, sigma=broadening, seed=seed
-    )
+    with progress.phase(f"density {_symbol(operator)}"):
+        result = spectral_density(
+            op,
+            probes=probes,
+            lanczos_steps=steps,
+            grid_points=grid_points,
+            sigma=broadening,
+            seed=seed,
+        )
     out = result.to_dict()
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))
@@ -281,12 +302,14 @@ def gn_nme(
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
-    split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    with progress.phase("traces H,G,N"):
+        split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
     out: dict = {}
     total_matvecs = split.matvecs
     for name in SPLIT:
         op = operator_of(cpass, name)
-        ext = _extremes(op, eig_tol, None, seed)
+        with progress.phase(f"extremes {_symbol(name)}"):
+            ext = _extremes(op, eig_tol, None, seed)
         tr = split.values[name]["trace"]
         fro = split.values[name]["frobenius_sq"]
         out[name] = {

@@ -51,7 +51,7 @@ def analyze_command(
     common.require(tol > 0, "must be > 0", "--tol")
     common.require(eig_tol > 0, "must be > 0", "--eig-tol")
     session = common.open_session(checkpoint, opts)
-    with common.status(opts.quiet, f"analysing: {', '.join(chosen)}"):
+    with common.progress_bar(opts.quiet, opts.json, f"analysing: {', '.join(chosen)}"):
         results, matvecs = analyze(
             session,
             chosen,

@@ -138,7 +138,7 @@ def weight_rescale_command(
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
-    with common.epoch_progress(opts.quiet or opts.json == "-", "rescaling") as progress:
+    with common.progress_bar(opts.quiet, opts.json, "rescaling"):
         result = weight_rescale(
             session.model,
             session.analysis_data(),
@@ -152,7 +152,6 @@ def weight_rescale_command(
             trace_tol=trace_tol,
             trace_max_matvecs=trace_max_matvecs,
             seed=opts.seed,
-            progress=progress,
         )
     results = result.to_dict()
     if plot is not None:
@@ -287,8 +286,8 @@ def bound_check_command(
     config.validate()  # before the checkpoint is read: option errors first
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
-    with common.epoch_progress(opts.quiet or opts.json == "-", "bound check") as progress:
-        result = bound_check(session.model, session.analysis_data(), config, progress=progress)
+    with common.progress_bar(opts.quiet, opts.json, "bound check"):
+        result = bound_check(session.model, session.analysis_data(), config)
     results = result.to_dict()
     if plot is not None:
         from sharpcli.report.plots import plot_bound_check

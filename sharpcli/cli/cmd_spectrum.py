@@ -70,7 +70,7 @@ def eigen_command(
     _positive(tol, "--tol")
     _positive(max_matvecs, "--max-matvecs")
     session = common.open_session(checkpoint, opts)
-    with common.status(opts.quiet, f"eigenvalues of the {operator}"):
+    with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
             session,
             operator=operator,
@@ -139,7 +139,7 @@ def trace_command(
     _positive(tol, "--tol")
     common.require(max_matvecs >= 2, "must be at least 2", "--max-matvecs")
     session = common.open_session(checkpoint, opts)
-    with common.status(opts.quiet, f"trace of the {operator}"):
+    with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
             session,
             operator=operator,
@@ -206,7 +206,7 @@ def gn_nme_command(
     _positive(eig_tol, "--eig-tol")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
-    with common.status(opts.quiet, "Gauss-Newton / NME split"):
+    with common.progress_bar(opts.quiet, opts.json, "Gauss-Newton / NME split"):
         results = spectrum.gn_nme(
             session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
         )
@@ -281,7 +281,7 @@ def density_command(
     _positive(broadening, "--broadening")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
-    with common.status(opts.quiet, "stochastic Lanczos quadrature"):
+    with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(
             session,
             operator=operator,

@@ -169,7 +169,7 @@ def sweep_command(
         )
         if model_factory is not None:
             cfg.model_factory = model_factory
-        with common.epoch_progress(quiet or json_out == "-", "sweep") as progress:
+        with common.progress_bar(quiet, json_out, "sweep"):
             result = run_sweep(
                 cfg,
                 reg,
@@ -180,7 +180,6 @@ def sweep_command(
                 extra_regs=list(extra_reg or []),
                 analyze_samples=analyze_samples,
                 max_runs=max_runs,
-                progress=progress,
             )
         settings = {
             "reg": reg,

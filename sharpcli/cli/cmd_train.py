@@ -238,10 +238,8 @@ def train_command(
             from sharpcli.analyses.tracking import make_tracker
 
             tracker = make_tracker(tracked, seed=seed)
-        with common.epoch_progress(quiet or json_out == "-", "training") as progress:
-            result = train(
-                cfg, out, resume=resume, stop_after=stop_after, progress=progress, tracker=tracker
-            )
+        with common.progress_bar(quiet, json_out, "training"):
+            result = train(cfg, out, resume=resume, stop_after=stop_after, tracker=tracker)
         common.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history

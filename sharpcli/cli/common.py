@@ -493,46 +493,14 @@ def require(condition: bool, message: str, option: str) -> None:
         raise UsageError(message, source=option)
 
 
-class _NoProgress:
-    def __call__(self, *args, **kwargs) -> None:
-        return None
+def progress_bar(quiet: bool, json_path: str | None, text: str):
+    """The progress bar on stderr for the work inside the ``with`` block
+    (:mod:`sharpcli.cli.bars`): the runs that :mod:`sharpcli.progress` reports, and ``text``
+    while none is open. Nothing under ``--quiet``, ``--json -``, off a terminal, or on ranks
+    other than 0."""
+    from sharpcli.cli.bars import progress_bar as bar
 
-
-def epoch_progress(disabled: bool, description: str):
-    """A rich progress bar on stderr; yields ``callback(done, total, info)``."""
-    import contextlib
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    @contextlib.contextmanager
-    def manager():
-        if (
-            disabled or not stderr_console.is_terminal or not distributed.is_main_process()
-        ):  # no bars in logs, pipes, ranks > 0
-            yield _NoProgress()
-            return
-        with Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=stderr_console,
-            transient=True,
-        ) as progress:
-            task = progress.add_task(description, total=None, info="")
-
-            def callback(done: int, total: int | None, info=None) -> None:
-                text = ""
-                if isinstance(info, dict) and "train_loss" in info:
-                    text = f"loss {info['train_loss']:.4g}"
-                elif isinstance(info, str):
-                    text = info
-                progress.update(task, completed=done, total=total, info=text)
-
-            yield callback
-
-    return manager()
+    return bar(stderr_console, quiet or json_path == "-", text)
 
 
 # Option helps listed from a registry, by the text shown while the registry is not loaded.
@@ -648,12 +616,3 @@ def print_notes(notes: list[str], quiet: bool) -> None:
         return
     for note in notes:
         print(f"sharp: note: {' '.join(note.split())}", file=sys.stderr)
-
-
-def status(disabled: bool, text: str):
-    """A spinner on stderr while a computation runs (no output in pipes, logs or --quiet)."""
-    import contextlib
-
-    if disabled or not stderr_console.is_terminal or not distributed.is_main_process():
-        return contextlib.nullcontext()
-    return stderr_console.status(text)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from sharpcli import progress
 from sharpcli.errors import UsageError
 from sharpcli.losses import loss_fn
 
@@ -125,11 +126,16 @@ class AnalysisData:
         return -(-self.local_num_samples // self.batch_size)
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
-        """Yield ``(x_b, y_b, B_b / N)`` over this rank's shard, in a fixed order."""
-        for start in range(0, self.local_num_samples, self.batch_size):
+        """Yield ``(x_b, y_b, B_b / N)`` over this rank's shard, in a fixed order.
+
+        Each batch the caller is done with is reported to :func:`sharpcli.progress.batch`
+        (the batches of one product, shown by the progress bar)."""
+        total = self.num_batches
+        for index, start in enumerate(range(0, self.local_num_samples, self.batch_size)):
             x_b = self.x[start : start + self.batch_size]
             y_b = self.y[start : start + self.batch_size]
             yield x_b, y_b, x_b.shape[0] / self.num_samples
+            progress.batch(index + 1, total)
 
     def __len__(self) -> int:
         return self.num_samples

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sharpcli import progress
 from sharpcli.curvature.lanczos import lanczos_tridiagonal, tridiagonal_eigh
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.errors import UsageError
@@ -112,11 +113,17 @@ def spectral_density(
     all_nodes, all_weights = [], []
     notes: list[str] = []
     matvecs = 0
+    traces: list[float] = []  # per probe: P sum_j tau_j theta_j
+    run = progress.start(
+        "slq", total=int(probes) * min(int(lanczos_steps), dim), quantity="tr", probes=0
+    )
     for probe in range(int(probes)):
         # the probe and the whole recurrence are float64 (lanczos_tridiagonal); a float32
         # recurrence would put ~1e-6 relative errors into the nodes and weights
         start = rademacher_like(dim, generator, torch.float64, op.device)
-        alphas, betas, _ = lanczos_tridiagonal(op, start, int(lanczos_steps))
+        alphas, betas, _ = lanczos_tridiagonal(
+            op, start, int(lanczos_steps), run=None if run.finished else run, done=matvecs
+        )
         matvecs += len(alphas)
         m = len(alphas)
         if m < min(int(lanczos_steps), dim):
@@ -127,6 +134,8 @@ def spectral_density(
         theta, S = tridiagonal_eigh(alphas, betas)
         all_nodes.append(theta.tolist())
         all_weights.append((S[0, :] ** 2).tolist())
+        traces.append(dim * float(np.dot(S[0, :] ** 2, theta)))
+        run.update(matvecs, probes=probe + 1, **_trace_numbers(traces))
     flat_nodes = np.concatenate([np.asarray(n) for n in all_nodes])
     lo, hi = float(flat_nodes.min()), float(flat_nodes.max())
     span = hi - lo if hi > lo else max(abs(hi), 1.0)
@@ -140,6 +149,7 @@ def spectral_density(
         for t, w in zip(nodes, weights):
             density += w * np.exp(-((grid - t) ** 2) / (2 * sigma**2))
     density /= len(all_nodes) * sigma * math.sqrt(2 * math.pi)
+    run.finish(matvecs, probes=len(traces), **_trace_numbers(traces))
     return SpectralDensity(
         nodes=all_nodes,
         weights=all_weights,
@@ -152,3 +162,11 @@ def spectral_density(
         dimension=dim,
         notes=notes,
     )
+
+
+def _trace_numbers(traces: list[float]) -> dict:
+    """Progress numbers of the quadrature's trace estimate over the probes so far: the mean
+    (:attr:`SpectralDensity.trace_estimate`) and its standard error (none for one probe)."""
+    values = np.asarray(traces, dtype=np.float64)
+    stderr = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+    return {"estimate": float(values.mean()), "stderr": stderr}

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sharpcli import progress
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import NumericalError, UsageError
 
@@ -244,13 +245,22 @@ def _lanczos_step(op, basis: torch.Tensor, j: int, beta_prev: float):
     return alpha, float(torch.linalg.vector_norm(w)), w
 
 
-def lanczos_tridiagonal(op, start: torch.Tensor, steps: int, *, keep_basis: bool = False):
+def lanczos_tridiagonal(
+    op,
+    start: torch.Tensor,
+    steps: int,
+    *,
+    keep_basis: bool = False,
+    run: progress.Run | None = None,
+    done: int = 0,
+):
     """``steps`` Lanczos steps with full reorthogonalisation from ``start`` (normalised here).
 
     Returns ``(alphas, betas, basis)``: ``T = tridiag(betas[:-1], alphas, betas[:-1])`` and
     ``basis`` (float64 ``(P, m)`` or ``None``). The recurrence is float64 whatever
     ``op.dtype`` (module docstring). Stops early at a breakdown (invariant subspace).
-    Used by stochastic Lanczos quadrature (:mod:`sharpcli.curvature.density`).
+    Used by stochastic Lanczos quadrature (:mod:`sharpcli.curvature.density`), which passes
+    its progress ``run``: each step reports ``done`` + the steps so far as its matvecs.
     """
     dim = op.shape[0]
     steps = min(steps, dim)
@@ -265,6 +275,8 @@ def lanczos_tridiagonal(op, start: torch.Tensor, steps: int, *, keep_basis: bool
         alpha, beta, w = _lanczos_step(op, basis, j, betas[-1] if j else 0.0)
         alphas.append(alpha)
         betas.append(beta)
+        if run is not None:
+            run.update(done + j + 1)
         scale = max(scale, abs(alpha), beta)
         if beta <= 100 * eps * scale:
             break
@@ -424,16 +436,17 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
     if int(steps) < 1:
         raise UsageError(f"warm-start steps must be >= 1, got {steps}", source="warm_steps")
     warm_op, info, relative_cost = _warm_operator(op, warm_start, fraction, seed)
-    warm = lanczos(
-        warm_op,
-        k,
-        which,
-        tol=WARM_TOL,
-        max_matvecs=int(steps),
-        seed=seed,
-        return_eigenvectors=True,
-        explicit_residuals=False,
-    )
+    with progress.phase("warm start"):
+        warm = lanczos(
+            warm_op,
+            k,
+            which,
+            tol=WARM_TOL,
+            max_matvecs=int(steps),
+            seed=seed,
+            return_eigenvectors=True,
+            explicit_residuals=False,
+        )
     info.update(
         matvecs=int(warm.matvecs),
         ritz_values=list(warm.eigenvalues),
@@ -511,6 +524,8 @@ def lanczos(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
     basis = torch.zeros(limit, dim, dtype=_F64, device=op.device)  # rows q_j: contiguous
+    run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
+    history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
     alphas: list[float] = []
     betas: list[float] = []  # betas[j] couples step j and j+1; 0 after a restart
     matvecs = 0
@@ -530,6 +545,8 @@ def lanczos(
         idx = _select(theta, which, want)
         converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
         m = j + 1
+        if not run.finished:
+            _report_step(run, matvecs, theta[idx], residuals[idx], which, tol, history, limit)
         if m == dim:
             break
         broke = beta <= exact_level
@@ -589,7 +606,37 @@ def lanczos(
     )
     if return_eigenvectors:
         result.eigenvectors = vectors
+    run.finish(matvecs, **_reported_numbers(result.eigenvalues, result.residuals, which))
     return result
+
+
+_QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
+
+
+def _reported_numbers(values, residuals, which: str) -> dict:
+    """The progress numbers of wanted Ritz values (descending): the extreme one the run is
+    named after (``_QUANTITY``) and the worst residual."""
+    return {
+        "estimate": float(values[-1] if which == "smallest" else values[0]),
+        "residual": float(max(residuals)),
+    }
+
+
+def _report_step(run, matvecs, values, residuals, which, tol, history, limit) -> None:
+    """Report a step: the Ritz estimates and the step at which they project to converge.
+
+    The worst ratio ``r_j = max_i residual_i / (tol |theta_i|)`` falls roughly geometrically
+    (the Kaniel-Paige-Saad bound of the module docstring); with its rate over the last two steps
+    ``rho = (r_j / r_{j-2})^(1/2) < 1`` the run projects ``log(r_j) / -log(rho)`` more steps
+    (capped by the budget ``limit``); none while it is not falling.
+    """
+    ratio = float(np.max(residuals / (tol * np.maximum(np.abs(values), 1e-300))))
+    history.append(ratio)
+    expected = None
+    if len(history) >= 3 and ratio > 1 and 0 < ratio < history[-3]:
+        rate = math.sqrt(ratio / history[-3])
+        expected = min(limit, matvecs + math.ceil(math.log(ratio) / -math.log(rate)))
+    run.update(matvecs, expected=expected, **_reported_numbers(values, residuals, which))
 
 
 def _warm_note(info: dict) -> str:

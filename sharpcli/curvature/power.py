@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from sharpcli import progress
 from sharpcli.curvature.lanczos import EigenResult, apply_operator
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import UsageError
@@ -52,6 +53,7 @@ def power_iteration(
     values, residuals = [], []
     matvecs = 0
     stalled = 0
+    run = progress.start("power", total=k * int(max_iter), quantity="lambda")
     for _ in range(k):
         v = gaussian_like(dim, generator, torch.float64, op.device)
         v = v / torch.linalg.vector_norm(v)
@@ -65,6 +67,7 @@ def power_iteration(
             lam = float(v @ Av)
             residual = float(torch.linalg.vector_norm(Av - lam * v))
             norm = torch.linalg.vector_norm(Av)
+            run.update(matvecs, estimate=lam, residual=residual)
             done = previous is not None and abs(lam - previous) / (abs(previous) + 1e-6) < tol
             if done or norm == 0 or iteration == int(max_iter) - 1:
                 if not done and norm != 0:
@@ -93,4 +96,5 @@ def power_iteration(
     )
     if return_eigenvectors:
         result.eigenvectors = torch.stack([found[i] for i in order], dim=1)
+    run.finish(matvecs, estimate=result.eigenvalues[0], residual=max(result.residuals))
     return result

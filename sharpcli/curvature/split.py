@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sharpcli import progress
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
-from sharpcli.curvature.trace import _check_budget, _mean_stderr, _segment_sums
+from sharpcli.curvature.trace import _check_budget, _mean_stderr, _report_probes, _segment_sums
 
 QUANTITIES = ("trace", "frobenius_sq")
 
@@ -57,6 +58,7 @@ def gn_nme_split(
     rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
     matvecs = 0
     converged = False
+    run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
     while matvecs < int(max_matvecs):
         k = min(int(block_size), int(max_matvecs) - matvecs)
         V = rademacher_like(scope.numel, generator, scope.dtype, scope.device, k)
@@ -75,6 +77,10 @@ def gn_nme_split(
             if ok:
                 converged = True
                 break
+        if run.finished:  # nobody listens
+            continue
+        mean, stderr = _mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
+        _report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     for name in SPLIT:
         out.values[name] = {}
@@ -90,4 +96,11 @@ def gn_nme_split(
                     for i, layer in enumerate(blocks)
                 },
             }
+    hessian_trace = out.values[HESSIAN]["trace"]
+    run.finish(
+        matvecs,
+        probes=out.samples,
+        estimate=hessian_trace["estimate"],
+        stderr=hessian_trace["stderr"],
+    )
     return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import progress
 from sharpcli.curvature.attention import differentiable_attention
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.scope import ParamScope, rademacher_like
@@ -141,21 +142,44 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     rows = []
     matvecs = 0
     converged = False
-    while matvecs < int(max_matvecs):
-        k = min(int(block_size), int(max_matvecs) - matvecs)
-        G = rademacher_like(dim, generator, op.dtype, op.device, k)
-        AG = op.matmat(G)
-        matvecs += k
-        values = G * AG if quantity == "trace" else AG * AG
-        rows.append(_segment_sums(values, blocks).T)
+    name = "tr" if quantity == "trace" else "Tr(A^2)"
+    with progress.start("hutchinson", total=max_matvecs, quantity=name) as run:
+        while matvecs < int(max_matvecs):
+            k = min(int(block_size), int(max_matvecs) - matvecs)
+            G = rademacher_like(dim, generator, op.dtype, op.device, k)
+            AG = op.matmat(G)
+            matvecs += k
+            values = G * AG if quantity == "trace" else AG * AG
+            rows.append(_segment_sums(values, blocks).T)
+            samples = torch.cat(rows)
+            mean, stderr = _mean_stderr(samples)
+            if samples.shape[0] >= min_samples and stderr[0] <= tol * abs(mean[0]):
+                converged = True
+                break
+            _report_probes(run, matvecs, samples.shape[0], mean[0], stderr[0], tol, 0)
         samples = torch.cat(rows)
         mean, stderr = _mean_stderr(samples)
-        if samples.shape[0] >= min_samples and stderr[0] <= tol * abs(mean[0]):
-            converged = True
-            break
-    samples = torch.cat(rows)
-    mean, stderr = _mean_stderr(samples)
+        run.finish(
+            matvecs, probes=samples.shape[0], estimate=float(mean[0]), stderr=float(stderr[0])
+        )
     return mean, stderr, matvecs, samples.shape[0], converged
+
+
+def _report_probes(run, matvecs: int, probes: int, estimate, stderr, tol: float, spent: int):
+    """Report a trace estimate after ``probes`` probes (one matvec each, ``spent`` matvecs on
+    other things) and the matvecs at which it projects to stop: the standard error falls as
+    ``1/sqrt(n)``, so ``n_stop = n (stderr / (tol |estimate|))^2`` probes, capped by the budget.
+    Costs two scalar copies to the host per block of probes (the stop test makes one anyway)
+    and nothing without a listener.
+    """
+    if run.finished:
+        return
+    estimate, stderr = float(estimate), float(stderr)
+    expected = None
+    if math.isfinite(stderr) and estimate != 0:
+        needed = probes * (stderr / (tol * abs(estimate))) ** 2
+        expected = min(run.total or matvecs, spent + max(matvecs - spent, math.ceil(needed)))
+    run.update(matvecs, probes=probes, estimate=estimate, stderr=stderr, expected=expected)
 
 
 def hutchinson(
@@ -337,6 +361,46 @@ def hutchpp(
     Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
     """
     _check_budget(tol, max_matvecs, block_size)
+    with progress.start("hutch++", total=max_matvecs, quantity="tr") as run:
+        result = _hutchpp(
+            op,
+            run,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+            block_size=block_size,
+            min_samples=min_samples,
+            initial_sketch=initial_sketch,
+            max_sketch=max_sketch,
+            blocks=blocks,
+            known=known,
+        )
+        run.finish(
+            result.matvecs,
+            probes=result.samples,
+            estimate=result.estimate,
+            stderr=result.stderr,
+            detail=f"sketch {result.sketch_size}",
+        )
+    return result
+
+
+def _hutchpp(
+    op,
+    run: progress.Run,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+    initial_sketch: int = 16,
+    max_sketch: int = 512,
+    blocks: dict | None = None,
+    known: torch.Tensor | None = None,
+) -> TraceResult:
+    """The loop of :func:`hutchpp`, reporting to ``run``."""
+
     blocks = _blocks_of(op, blocks)
     dim = op.shape[0]
     budget = int(max_matvecs)
@@ -347,6 +411,7 @@ def hutchpp(
     first = min(int(initial_sketch), cap)
     if first > 0:
         matvecs += sketch.extend(op, first, generator)
+        run.update(matvecs, detail=f"sketch {sketch.size}")
     offset = (
         torch.zeros(1 + len(blocks), dtype=torch.float64)
         if known is None
@@ -374,11 +439,13 @@ def hutchpp(
         if n >= min_samples and stderr[0] <= tol * abs(estimate):
             converged = True
             break
+        _report_probes(run, matvecs, n, estimate, stderr[0], tol, matvecs - n)
         if growing and n >= min_samples:
             target = (stderr[0] * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
             step = min(sketch.size or _FIRST_SKETCH, cap - sketch.size)
             if target - n > 3 * step and step > 0 and matvecs + 2 * step < budget:
                 matvecs += sketch.extend(op, step, generator)
+                run.update(matvecs, detail=f"sketch {sketch.size}")
                 exact = sketch.exact_part(blocks) + offset
                 rows = [sketch.residual_values(g, ag, blocks) for g, ag in zip(stored_G, stored_AG)]
                 samples = torch.cat(rows)
@@ -503,7 +570,9 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
     taps = LayerTaps(model, scope)
     N = data.num_samples
+    run = progress.start("exact tr(G)", total=data.num_batches, unit="batches", quantity="tr")
     for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+        run.update(batch_index)
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.enable_grad(), taps:
             z_b = model(x_b)
@@ -523,6 +592,7 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     per_layer = torch.zeros(len(blocks), dtype=torch.float64)
     for i, j in enumerate(layer_of):
         per_layer[j] += float(per_param[i])
+    run.finish(data.num_batches, estimate=float(per_param.sum()), stderr=0.0)
     return TraceResult(
         estimate=float(per_param.sum()),
         stderr=0.0,
@@ -662,7 +732,11 @@ def sampled_label_ggn_trace(
     N = data.num_samples
     base_seed = int(torch.randint(0, 2**40, (1,), generator=generator))
     first = getattr(data, "shard_start", 0)  # global index of this rank's first sample
+    run = progress.start(
+        "sampled tr(G)", total=data.num_batches, unit="batches", quantity="tr", probes=S
+    )
     for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+        run.update(batch_index)
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.no_grad():
             z_b = model(x_b)
@@ -717,6 +791,7 @@ def sampled_label_ggn_trace(
     else:
         pooled = (sq_sums - N * mean**2).clamp_min(0) / max(N - 1, 1)
         stderr = (pooled / N).sqrt()
+    run.finish(data.num_batches, estimate=float(mean[0]), stderr=float(stderr[0]))
     return TraceResult(
         estimate=float(mean[0]),
         stderr=float(stderr[0]),

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sharpcli import ledger
+from sharpcli import ledger, progress
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.errors import InputError, NumericalError, UsageError
 from sharpcli.io.checkpoints import save_checkpoint
@@ -305,7 +305,6 @@ def train(
     *,
     resume: bool = False,
     stop_after: int | None = None,
-    progress: Callable[[int, int, dict], None] | None = None,
     tracker: Callable[..., dict] | None = None,
 ) -> TrainResult:
     """Train per ``cfg`` and write the checkpoint ``out`` (atomically) and its history CSV.
@@ -314,6 +313,8 @@ def train(
     resumable state is kept); ``resume=True`` continues from that state.
     ``tracker(model, x, y, loss, epoch)`` returns curvature metrics recorded in the history; it
     sees a fixed seeded subset of ``cfg.track_samples`` training samples.
+    Each optimizer step is reported to :mod:`sharpcli.progress` (a ``train`` run counting
+    steps, with the epoch's running mean loss).
 
     The steps, in the order their random draws are made (the order is part of bit-for-bit
     resume): the data (:func:`_load_splits`), the model (:func:`_build_model`, seeded with
@@ -348,20 +349,26 @@ def train(
     # MAN Table 4: one extra final epoch with input noise of std ``noise_finetune``
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
     last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
-    for epoch in range(run.start_epoch, last_epoch):
-        row = _train_epoch(run, epoch)
-        if tracker is not None and (
-            (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
-        ):
-            t1 = time.perf_counter()
-            row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
-            row["tracking_seconds"] = time.perf_counter() - t1
-        run.history.append(row)
-        if rank == 0:
-            _save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
-        if progress is not None:
-            progress(epoch + 1, cfg.epochs, row)
+    steps = _steps_per_epoch(cfg, splits)
+    with progress.start("train", total=last_epoch * steps, unit="steps", quantity="loss") as meter:
+        for epoch in range(run.start_epoch, last_epoch):
+            row = _train_epoch(run, epoch, meter, (epoch * steps, total_epochs))
+            if tracker is not None and (
+                (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
+            ):
+                t1 = time.perf_counter()
+                row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
+                row["tracking_seconds"] = time.perf_counter() - t1
+            run.history.append(row)
+            if rank == 0:
+                _save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
     return _finish_run(run, out, model_spec)
+
+
+def _steps_per_epoch(cfg: TrainConfig, splits) -> int:
+    """Optimizer steps per epoch: ``repeat_batch`` on each of the ``ceil(n / batch_size)``
+    batches."""
+    return -(-splits.x_train.shape[0] // cfg.batch_size) * cfg.repeat_batch
 
 
 @dataclass
@@ -733,11 +740,12 @@ class _EpochSums:
             self.penalties[k] = self.penalties.get(k, 0.0) + v * b
 
 
-def _train_epoch(run: _Run, epoch: int) -> dict:
+def _train_epoch(run: _Run, epoch: int, meter: progress.Run, position: tuple[int, int]) -> dict:
     """One epoch (0-based ``epoch``): the learning rate, a seeded shuffle, every batch's steps.
 
     Returns the history row (without the tracked curvature, which the caller adds): means over
-    the epoch's steps, and the test split's loss and accuracy after it.
+    the epoch's steps, and the test split's loss and accuracy after it. Each step is reported
+    to ``meter``; ``position`` is ``(steps before this epoch, epochs in the run)``.
     """
     cfg, model, splits = run.cfg, run.model, run.splits
     t0 = time.perf_counter()
@@ -752,10 +760,14 @@ def _train_epoch(run: _Run, epoch: int) -> dict:
     n = splits.x_train.shape[0]
     perm = torch.randperm(n, generator=run.shuffle_gen)
     sums = _EpochSums()
+    done, epochs = position
+    detail = f"epoch {epoch + 1}/{epochs}"
     for start in range(0, n, cfg.batch_size):
         xb, yb = _batch(run, perm[start : start + cfg.batch_size], noise_std)
         for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
             sums.add(_optimizer_step(run, xb, yb, epoch, start))
+            done += 1
+            meter.update(done, estimate=sums.loss / sums.count, detail=detail)
     row = {
         "epoch": epoch + 1,
         "lr": lr,

@@ -29,9 +29,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from sharpcli import ledger
+from sharpcli import ledger, progress
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.errors import NumericalError, UsageError
 
@@ -145,7 +144,6 @@ def run_sweep(
     extra_regs: list[str] = (),
     analyze_samples: int | None = 512,
     max_runs: int | None = None,
-    progress: Callable | None = None,
 ) -> SweepResult:
     """Run the sweep (see module docstring).
 
@@ -163,31 +161,34 @@ def run_sweep(
         for p, s in itertools.product(points, seeds)
     ]
     _declare_outputs(out_dir, names)
-    state = _SweepState(total=len(points) * len(seeds), progress=progress)
+    total = len(points) * len(seeds)
+    state = _SweepState(total, progress.start("sweep", total=total, unit="runs"))
     analysis = {"metrics": metrics, "analyze_samples": analyze_samples}
     done_now = 0
-    for point, seed in itertools.product(points, seeds):
-        cfg = _run_config(base, reg, point, seed, extra_regs)
-        name = _run_name(reg, point, seed, run_key(cfg))
-        files = _RunFiles.of(out_dir, name)
-        train_doc, analyze_doc = _read_json(files.train_json), _read_json(files.analyze_json)
-        if files.diverged_json.exists():
-            state.record(name, point, seed, None, None, skipped=True, diverged=True)
-            continue
-        if train_doc is not None and _analysed_with(analyze_doc, analysis):
-            state.record(name, point, seed, train_doc, analyze_doc, skipped=True)
-            continue
-        if max_runs is not None and done_now >= max_runs:
-            return state.finish(out_dir, reg, grid, completed=False)
-        done_now += 1
-        if train_doc is None:
-            train_doc = _train_run(cfg, name, files)
-        if train_doc is None:  # diverged: recorded in files.diverged_json
-            state.record(name, point, seed, None, None, diverged=True)
-            continue
-        analyze_doc = _analyze_run(base, seed, analysis, name, files, train_doc)
-        state.record(name, point, seed, train_doc, analyze_doc)
-    return state.finish(out_dir, reg, grid, completed=True)
+    with state.meter:  # closed however the loop ends
+        for point, seed in itertools.product(points, seeds):
+            cfg = _run_config(base, reg, point, seed, extra_regs)
+            name = _run_name(reg, point, seed, run_key(cfg))
+            files = _RunFiles.of(out_dir, name)
+            train_doc, analyze_doc = _read_json(files.train_json), _read_json(files.analyze_json)
+            if files.diverged_json.exists():
+                state.record(name, point, seed, None, None, skipped=True, diverged=True)
+                continue
+            if train_doc is not None and _analysed_with(analyze_doc, analysis):
+                state.record(name, point, seed, train_doc, analyze_doc, skipped=True)
+                continue
+            if max_runs is not None and done_now >= max_runs:
+                return state.finish(out_dir, reg, grid, completed=False)
+            done_now += 1
+            state.meter.update(len(state.runs), detail=name)
+            if train_doc is None:
+                train_doc = _train_run(cfg, name, files)
+            if train_doc is None:  # diverged: recorded in files.diverged_json
+                state.record(name, point, seed, None, None, diverged=True)
+                continue
+            analyze_doc = _analyze_run(base, seed, analysis, name, files, train_doc)
+            state.record(name, point, seed, train_doc, analyze_doc)
+        return state.finish(out_dir, reg, grid, completed=True)
 
 
 def _declare_outputs(out_dir: Path, names: list[str]) -> None:
@@ -349,10 +350,11 @@ def _analyze_run(
 
 @dataclass
 class _SweepState:
-    """The rows so far, which runs were skipped or diverged, and the progress callback."""
+    """The rows so far, which runs were skipped or diverged, and the sweep's progress run
+    (:mod:`sharpcli.progress`; each training run and analysis inside it reports its own)."""
 
     total: int
-    progress: Callable | None = None
+    meter: progress.Run
     runs: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     diverged: list = field(default_factory=list)
@@ -366,8 +368,7 @@ class _SweepState:
         if diverged:
             self.diverged.append(name)
         self.runs.append(_row(name, point, seed, train_doc, analyze_doc))
-        if self.progress is not None:
-            self.progress(len(self.runs), self.total, name)
+        self.meter.update(len(self.runs), detail=name)
 
     def finish(self, out_dir: Path, reg: str, grid: dict, *, completed: bool) -> SweepResult:
         """Write the tables (and, when completed, the plot): :func:`_finish`."""
