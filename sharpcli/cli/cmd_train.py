@@ -18,7 +18,7 @@ REG_HELP = (
 BUILTIN_REG_HELP = (
     f"{REG_HELP} none; wd(sigma=0.001); dropout(p=0.1); ad(sigma=0.1); sam(rho=0.05); "
     "usam(rho=0.05); asam(rho=0.5, eta=0.01); gp(rho=0.01, p=1, mode=exact, eps=0.001); "
-    "hessian-trace(sigma2=0.01, probes=1, mode=fd, eps=0.1); gn-trace(sigma2=0.01); "
+    "hessian-trace(sigma2=0.01, probes=1, mode=exact, eps=0.1); gn-trace(sigma2=0.01); "
     "weight-noise(sigma=0.01, report=perturbed); nso(sigma=0.01, k=1, report=perturbed); "
     "fa(lambda=0.01, mode=exact, eps=auto)"
 )
