@@ -17,7 +17,7 @@ size (the whole training split in one batch unless ``--batch-size``):
   ``maxIter=100, tol=1e-3, top_n=1`` inside the same CLI, so process start-up is identical;
   the engine adds one native Hessian product to compute the residual PyHessian lacks);
 - ``python -m sharpcli trace CKPT`` (Hutch++, 1% relative standard error) vs ``... --engine
-  pyhessian --tol 0.001 --max-matvecs 100`` (PyHessian's ``trace()`` defaults
+  pyhessian --trace-tol 0.001 --trace-max-matvecs 100`` (PyHessian's ``trace()`` defaults
   ``maxIter=100, tol=1e-3``).
 
 Reported: median wall time of each side, the median over pairs of the wall-time ratio, the
@@ -174,7 +174,14 @@ def process_commands(ckpt: Path, command: str, batch_size: int, out: Path) -> di
     else:
         common[0] = "trace"
         native = common + (["--estimator", "gn-split"] if command == "trace-gn-split" else [])
-        baseline = common + ["--engine", "pyhessian", "--tol", "0.001", "--max-matvecs", "100"]
+        baseline = common + [
+            "--engine",
+            "pyhessian",
+            "--trace-tol",
+            "0.001",
+            "--trace-max-matvecs",
+            "100",
+        ]
     return {
         "sharp": native + ["--json", str(out / "sharp.json")],
         "pyhessian": baseline + ["--json", str(out / "pyhessian.json")],

@@ -71,7 +71,7 @@ DEFAULT_REGS = [
     "fa",
     # non-default modes, for reference
     "weight-noise:report=clean",
-    "hessian-trace:mode=exact",
+    "hessian-trace:mode=fd",
     "fa:mode=fd",
 ]
 

@@ -10,7 +10,7 @@ only imports torch and sharpcli and loads the model gives the fixed cost.
 Memory model (docs/benchmarks.md): one batch of activations and its first-order graph, plus a
 few parameter-sized vectors per estimator. One P-vector is ``P * 4`` bytes in float32
 (20.6 MB here). Lanczos keeps its Krylov basis, ``krylov_dim x P x bytes`` (``krylov_dim =
-min(P, --max-matvecs)``, default 100); Hutchinson keeps a block of ``block_size = 8``
+min(P, --eig-max-matvecs)``, default 100); Hutchinson keeps a block of ``block_size = 8``
 probes and their products (16 P-vectors); Hutch++ keeps ``2 s`` P-vectors for a sketch of
 s columns. The curvature pass caches each batch's first-order graph up to 1 GiB
 (``DEFAULT_CACHE_BYTES``), which is what one pass over a small analysis set costs.
@@ -99,27 +99,27 @@ def main() -> None:
             ],
         ),
         (
-            f"eigen --top-k 1 --max-matvecs {args.max_matvecs}",
+            f"eigen --top-k 1 --eig-max-matvecs {args.max_matvecs}",
             [
                 *sharp,
                 "eigen",
                 str(ckpt),
                 "--top-k",
                 "1",
-                "--max-matvecs",
+                "--eig-max-matvecs",
                 str(args.max_matvecs),
                 *common,
             ],
         ),
         (
-            f"trace --estimator hutchinson --max-matvecs {args.max_matvecs}",
+            f"trace --estimator hutchinson --trace-max-matvecs {args.max_matvecs}",
             [
                 *sharp,
                 "trace",
                 str(ckpt),
                 "--estimator",
                 "hutchinson",
-                "--max-matvecs",
+                "--trace-max-matvecs",
                 str(args.max_matvecs),
                 *common,
             ],

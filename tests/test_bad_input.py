@@ -351,7 +351,7 @@ CASES = [
     ),
     # ------------------------------------------------------------------ eigen / trace / gn-nme / density options
     C("eigen-top-k-zero", ("eigen", "$own", "--top-k", "0"), 2, ("--top-k",)),
-    C("eigen-tol-negative", ("eigen", "$own", "--tol", "-1"), 2, ("--tol", "> 0")),
+    C("eigen-tol-negative", ("eigen", "$own", "--eig-tol", "-1"), 2, ("--eig-tol", "> 0")),
     C(
         "eigen-unknown-operator",
         ("eigen", "$own", "--operator", "jacobian"),
@@ -377,8 +377,13 @@ CASES = [
         2,
         ("--params", "encoder.*"),
     ),
-    C("eigen-max-matvecs-zero", ("eigen", "$own", "--max-matvecs", "0"), 2, ("--max-matvecs",)),
-    C("trace-tol-negative", ("trace", "$own", "--tol", "-1"), 2, ("--tol",)),
+    C(
+        "eigen-max-matvecs-zero",
+        ("eigen", "$own", "--eig-max-matvecs", "0"),
+        2,
+        ("--eig-max-matvecs",),
+    ),
+    C("trace-tol-negative", ("trace", "$own", "--trace-tol", "-1"), 2, ("--trace-tol",)),
     C(
         "trace-unknown-operator",
         ("trace", "$own", "--operator", "fisher"),
@@ -403,7 +408,12 @@ CASES = [
         2,
         ("--params", "*.gamma"),
     ),
-    C("trace-max-matvecs-one", ("trace", "$own", "--max-matvecs", "1"), 2, ("--max-matvecs",)),
+    C(
+        "trace-max-matvecs-one",
+        ("trace", "$own", "--trace-max-matvecs", "1"),
+        2,
+        ("--trace-max-matvecs",),
+    ),
     C("gn-nme-eig-tol-zero", ("gn-nme", "$own", "--eig-tol", "0"), 2, ("--eig-tol",)),
     C(
         "density-unknown-operator-keeps-plot",

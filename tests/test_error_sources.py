@@ -248,7 +248,7 @@ def test_spelling_follows_the_running_command(commands):
 
     everything = list(commands.values())
     eigen = FlagSpelling(commands["eigen"], everything)
-    assert eigen.flag("k") == "--top-k" and eigen.flag("max_iter") == "--max-matvecs"
+    assert eigen.flag("k") == "--top-k" and eigen.flag("max_iter") == "--eig-max-matvecs"
     assert eigen.flag("params") == "--params" and eigen.flag("arch_args") == "--arch-args"
     assert eigen.flag("model") == "--model"  # no --model here: the app's (train's) spelling
     assert eigen.flag("no_such_parameter") is None
@@ -261,16 +261,37 @@ def test_spelling_follows_the_running_command(commands):
     )
 
 
+# The library's `tol` and `max_matvecs` bound an eigensolver in some commands and a trace
+# estimate in others; each command spells them by that meaning (the running command's own
+# spelling is looked up first).
+BY_MEANING = {
+    "tol": {"--eig-tol", "--trace-tol"},
+    "max_matvecs": {"--eig-max-matvecs", "--trace-max-matvecs"},
+}
+
+
 def test_aliases_name_cli_parameters(commands):
     """Every alias points at a parameter some command has, and each CLI parameter name has one
-    flag across the commands (so the app-wide fallback is unambiguous)."""
-    from sharpcli.cli.flags import LIBRARY_ALIASES, _flags
+    flag across the commands (so the app-wide fallback is unambiguous), except the names spelled
+    by meaning (BY_MEANING)."""
+    from sharpcli.cli.flags import LIBRARY_ALIASES, FlagSpelling, _flags
 
     spellings: dict[str, set[str]] = {}
     for command in commands.values():
         for name, flag in _flags(command).items():
             spellings.setdefault(name, set()).add(flag)
-    assert not {n: f for n, f in spellings.items() if len(f) > 1}
+    assert {n: f for n, f in spellings.items() if len(f) > 1} == BY_MEANING
+    everything = list(commands.values())
+    for name, (tol, budget) in {
+        "eigen": ("--eig-tol", "--eig-max-matvecs"),
+        "weight-rescale": ("--eig-tol", "--eig-max-matvecs"),
+        "bound-check": ("--eig-tol", "--eig-max-matvecs"),
+        "trace": ("--trace-tol", "--trace-max-matvecs"),
+        "gn-nme": ("--trace-tol", "--trace-max-matvecs"),
+        "analyze": ("--trace-tol", "--trace-max-matvecs"),
+    }.items():
+        spelling = FlagSpelling(commands[name], everything)
+        assert (spelling.flag("tol"), spelling.flag("max_matvecs")) == (tol, budget), name
     assert set(LIBRARY_ALIASES.values()) <= set(spellings)
     # Library names that are also another command's option: a command with that option keeps
     # it (bound-check --sigma, train --model-args); the alias serves the others.
@@ -297,7 +318,8 @@ def test_the_cli_reports_flags(capsys, tmp_path):
         "sharp eigen: error: --which: power iteration finds the largest |eigenvalue|s only; "
         "use --method lanczos"
     )
+    # the former name --max-matvecs sets it; the message names the option by its meaning
     run = run_cli(capsys, "eigen", checkpoint, "--top-k", "3", "--max-matvecs", "2", "--json", "-")
     error = run.json()["error"]
     assert error["source"] == "--top-k" and error["message"].startswith("--top-k 3 asks for 3")
-    assert error["message"].endswith("lower --top-k or raise --max-matvecs")
+    assert error["message"].endswith("lower --top-k or raise --eig-max-matvecs")

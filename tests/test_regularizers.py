@@ -429,7 +429,7 @@ def test_finite_difference_modes_match_exact_third_order_gradients(act):
     g = grad_at(model, theta, x, y)[0]
     hv = _hvp_at(model, theta, x, y, probe)
 
-    stats = step(model, x, y, ["hessian-trace:sigma2=0.3,eps=1e-4"], seed=2)
+    stats = step(model, x, y, ["hessian-trace:sigma2=0.3,mode=fd,eps=1e-4"], seed=2)
     expected = g + 0.3 * _third_derivative_contraction(model, x, y, theta, probe, probe)
     assert rel_err(produced_grad(model), expected) < 1e-6
     assert stats.penalties["hessian-trace"] == pytest.approx(0.3 * float(probe @ hv), rel=1e-7)
@@ -478,7 +478,7 @@ def test_finite_difference_penalties_combine_with_activation_and_weight_decay():
             + 0.005 * (v**2).sum()
         )
 
-    stats = step(model, x, y, ["hessian-trace:0.3,eps=1e-4", "ad:0.2", "wd:0.1"], seed=4)
+    stats = step(model, x, y, ["hessian-trace:0.3,mode=fd,eps=1e-4", "ad:0.2", "wd:0.1"], seed=4)
     assert rel_err(produced_grad(model), central_fd(objective, theta)) < 1e-6
     assert stats.objective == pytest.approx(float(objective(theta)), rel=1e-7)
     assert list(stats.penalties) == ["hessian-trace", "ad", "wd"]
@@ -497,7 +497,7 @@ ALL_REG_OPTIONS = [
     "gp:mode=fd",
     "gp:p=2",
     "hessian-trace",
-    "hessian-trace:mode=exact",
+    "hessian-trace:mode=fd",
     "gn-trace",
     "weight-noise",
     "weight-noise:report=clean",
@@ -584,11 +584,12 @@ def test_sam_passes_share_dropout_masks():
         (["hessian-trace:mode=exact"], 7),
         (["hessian-trace:probes=2,mode=exact"], 11),
         (["fa:mode=exact"], 7),
-        (["hessian-trace"], 3),
-        (["hessian-trace:probes=2"], 5),
+        (["hessian-trace"], 7),  # the default mode=exact
+        (["hessian-trace:mode=fd"], 3),
+        (["hessian-trace:probes=2,mode=fd"], 5),
         (["fa"], 7),
         (["fa:mode=fd"], 7),
-        (["hessian-trace", "ad"], 4),
+        (["hessian-trace:mode=fd", "ad"], 4),
         (["gp", "hessian-trace:mode=exact"], 7),  # the first-order graph is shared
         (["sam", "gp"], 6),
         (["ad", "sam"], 2),
@@ -597,7 +598,7 @@ def test_sam_passes_share_dropout_masks():
         (["weight-noise", "gp"], 3),  # penalised gradient at theta+U (3), reported there
         (["weight-noise:report=clean", "gp"], 4),  # + clean value of ||grad L|| (1)
         (["nso:report=clean"], 2),
-        (["weight-noise", "hessian-trace"], 3),
+        (["weight-noise", "hessian-trace:mode=fd"], 3),
     ],
 )
 def test_grad_evals_follow_the_documented_counts(specs, evals):
@@ -632,7 +633,7 @@ def test_parse_positional_keyword_and_defaults():
     assert parse_reg("hessian-trace").params == {
         "sigma2": 0.01,
         "probes": 1,
-        "mode": "fd",
+        "mode": "exact",
         "eps": 0.1,
     }
     assert parse_reg("fa").params == {"lambda": 0.01, "mode": "exact", "eps": "auto"}

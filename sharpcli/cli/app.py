@@ -22,7 +22,10 @@ app = typer.Typer(
     name="sharp",
     help="Measure and control the sharpness of neural-network loss landscapes.",
     invoke_without_command=True,  # bare ``sharp``: the help, exit 0 (see _root)
-    add_completion=False,
+    # --install-completion / --show-completion: completion of commands, options and their
+    # values (sharpcli/cli/choices.py) in bash, zsh, fish and PowerShell
+    add_completion=True,
+    cls=common.SharpGroup,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -125,6 +128,9 @@ def _usage_error(argv: list[str], exc) -> int:
     from sharpcli.errors import UsageError
 
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    # typer's value coercion prefixes a refused choice with its validator's label:
+    # "Invalid value for '--which': Value error, 'x' is not one of ..."
+    message = message.replace(": Value error, ", ": ")
     command = argv[0] if argv and not argv[0].startswith("-") else "sharp"
     err = UsageError(message)
     line = err.one_line()  # click's message already names the option

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
@@ -19,23 +19,48 @@ def analyze_command(
         Optional[str],
         typer.Option(
             "--metrics",
-            help="Comma list of eigen, trace, frobenius, gn-nme, activation-stats (default eigen,trace).",
+            metavar="NAME,...",
+            autocompletion=choices.list_completer(choices.METRICS),
+            help="Comma list of eigen, trace, frobenius, gn-nme, activation-stats, e.g. "
+            "--metrics eigen,trace,gn-nme (default eigen,trace).",
         ),
     ] = None,
     fail_if: Annotated[
         Optional[list[str]],
         typer.Option(
             "--fail-if",
-            help="Gate 'KEY OP NUMBER' on a result key, e.g. 'hessian.lambda_max > 500'; exit 1 when it holds. Repeatable.",
+            metavar="'KEY OP NUMBER'",
+            help="Gate on a result key, exit 1 when it holds; repeat for several, e.g. "
+            "--fail-if 'hessian.lambda_max > 500' --fail-if 'hessian.trace > 1e4'.",
         ),
     ] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Hessian eigenvalues to report.")] = 1,
-    tol: Annotated[float, typer.Option("--tol", help="Relative standard error of traces.")] = 1e-2,
+    tol: Annotated[
+        float,
+        typer.Option(
+            "--trace-tol",
+            "--tol",
+            help="Stop each trace estimate at this relative standard error (--tol is the former "
+            "name).",
+        ),
+    ] = 1e-2,
     eig_tol: Annotated[
-        float, typer.Option("--eig-tol", help="Residual tolerance of eigenvalues.")
+        float,
+        typer.Option(
+            "--eig-tol",
+            help="Eigenvalue residual tolerance: converged when ||A u - lambda u|| <= tol "
+            "|lambda|.",
+        ),
     ] = 1e-3,
     max_matvecs: Annotated[
-        int, typer.Option("--max-matvecs", help="Budget per trace estimate.")
+        int,
+        typer.Option(
+            "--trace-max-matvecs",
+            "--max-matvecs",
+            metavar="M",
+            help="Budget of operator products per trace estimate (--max-matvecs is the former "
+            "name).",
+        ),
     ] = 1000,
     params: common.ParamsOpt = None,
 ) -> common.Outcome:
@@ -48,7 +73,7 @@ def analyze_command(
     gates = [parse_gate(text) for text in (fail_if or [])]
     _check_gate_keys(gates, chosen)  # a typo costs nothing: before the checkpoint is read
     common.require(top_k >= 1, "must be at least 1", "--top-k")
-    common.require(tol > 0, "must be > 0", "--tol")
+    common.require(tol > 0, "must be > 0", "--trace-tol")
     common.require(eig_tol > 0, "must be > 0", "--eig-tol")
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"analysing: {', '.join(chosen)}"):

@@ -6,41 +6,60 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 
 
-@app.command("compare")
+@app.command("compare", cls=common.LazyHelpCommand)
 def compare_command(
     reports: Annotated[
-        list[str], typer.Argument(help="JSON reports written by sharp commands (--json).")
+        list[str],
+        typer.Argument(
+            metavar="REPORT",
+            help="One or more JSON reports written by sharp commands (--json), e.g. runs/*.json.",
+        ),
     ],
     columns: Annotated[
         Optional[str],
         typer.Option(
             "--columns",
+            metavar="COLUMN,...",
             help="Comma list of columns: canonical names (regularizers, test_accuracy, lambda_max, trace, frobenius_sq, nme_share, ...) or dotted report keys (results.hessian.trace_stderr, settings.lr).",
         ),
     ] = None,
     sort: Annotated[
-        Optional[str], typer.Option("--sort", help="Column to sort by; prefix '-' for descending.")
+        Optional[str],
+        typer.Option(
+            "--sort",
+            metavar="[-]COLUMN",
+            help="Column to sort by; prefix '-' for descending, e.g. --sort=-lambda_max.",
+        ),
     ] = None,
-    fmt: Annotated[str, typer.Option("--format", help="table, csv, markdown or json.")] = "table",
+    fmt: Annotated[
+        choices.TableFormat, typer.Option("--format", help="Output format of the table.")
+    ] = "table",
     out: Annotated[
         Optional[str],
         typer.Option(
-            "--out", "-o", help="Write the CSV/Markdown/JSON table to PATH instead of stdout."
+            "--out",
+            "-o",
+            metavar="PATH",
+            help="Write the CSV/Markdown/JSON table to PATH instead of stdout.",
         ),
     ] = None,
     plot: Annotated[
         Optional[str],
-        typer.Option("--plot", help="Write a PNG scatter of sharpness against accuracy to PATH."),
+        typer.Option(
+            "--plot",
+            metavar="PATH",
+            help="Write a PNG scatter of sharpness against accuracy to PATH.",
+        ),
     ] = None,
     plot_x: Annotated[
-        str, typer.Option("--plot-x", help="Column on the scatter's x axis.")
+        str, typer.Option("--plot-x", metavar="COLUMN", help="Column on the scatter's x axis.")
     ] = "lambda_max",
     plot_y: Annotated[
-        str, typer.Option("--plot-y", help="Column on the scatter's y axis.")
+        str, typer.Option("--plot-y", metavar="COLUMN", help="Column on the scatter's y axis.")
     ] = "test_accuracy",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,

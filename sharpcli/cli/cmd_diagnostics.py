@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
@@ -21,22 +21,34 @@ ForceOpt = Annotated[
         help="Rescale even when the rescaling changes the network function (e.g. through GELU).",
     ),
 ]
-PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="Write a PNG plot to PATH.")]
+PlotOpt = common.PlotOpt
+# One name per meaning: --eig-* bound Lanczos, --trace-* the Hutch++ traces; the old --tol and
+# --max-matvecs (Lanczos here) stay as second names.
 TolOpt = Annotated[
     float,
     typer.Option(
-        "--tol", help="Lanczos tolerance: converged when ||A u - lambda u|| <= tol |lambda|."
+        "--eig-tol",
+        "--tol",
+        help="Lanczos residual tolerance: converged when ||A u - lambda u|| <= tol |lambda| "
+        "(--tol is the former name).",
     ),
 ]
 MaxMatvecsOpt = Annotated[
     Optional[int],
-    typer.Option("--max-matvecs", help="Lanczos Krylov dimension cap (default min(P, 100))."),
+    typer.Option(
+        "--eig-max-matvecs",
+        "--max-matvecs",
+        metavar="M",
+        help="Lanczos Krylov dimension cap (default min(P, 100); --max-matvecs is the former "
+        "name).",
+    ),
 ]
 TraceTolOpt = Annotated[
     float, typer.Option("--trace-tol", help="Hutch++ relative standard error target for traces.")
 ]
 TraceMaxOpt = Annotated[
-    int, typer.Option("--trace-max-matvecs", help="Hutch++ matvec budget per trace.")
+    int,
+    typer.Option("--trace-max-matvecs", metavar="M", help="Hutch++ matvec budget per trace."),
 ]
 
 
@@ -44,7 +56,7 @@ TraceMaxOpt = Annotated[
 @common.analysis_command(app, "activation-stats")
 def activation_stats_command(
     opts: common.CommonOptions,
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
+    checkpoint: common.CheckpointArg,
     jacobian: Annotated[
         bool,
         typer.Option(
@@ -102,12 +114,15 @@ def _render_activation_stats(console, result) -> None:
 @common.analysis_command(app, "weight-rescale")
 def weight_rescale_command(
     opts: common.CommonOptions,
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
+    checkpoint: common.CheckpointArg,
     alpha: Annotated[
-        str, typer.Option("--alpha", help="Scale factors, comma-separated (e.g. 0.1,10).")
+        str,
+        typer.Option(
+            "--alpha", metavar="A,...", help="Scale factors, comma-separated, e.g. --alpha 0.1,10."
+        ),
     ] = "0.1,10",
     mode: Annotated[
-        str,
+        choices.RescaleMode,
         typer.Option(
             "--mode",
             help="global (all parameters times alpha) or layer (Dinh et al.: layer times alpha, next layer's weight times 1/alpha).",
@@ -117,6 +132,7 @@ def weight_rescale_command(
         Optional[str],
         typer.Option(
             "--layer",
+            metavar="NAME",
             help="Module name of the layer to rescale (e.g. 0, features.3); default the first hidden layer.",
         ),
     ] = None,
@@ -135,7 +151,7 @@ def weight_rescale_command(
     alphas = common.parse_float_list(alpha, "--alpha")
     check_alphas(alphas)  # the library's checks, before the checkpoint is read
     check_mode(mode)
-    common.require(tol > 0, f"must be > 0, got {tol:g}", "--tol")
+    common.require(tol > 0, f"must be > 0, got {tol:g}", "--eig-tol")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, "rescaling"):
@@ -201,14 +217,20 @@ def _render_weight_rescale(console, result) -> None:
 @common.analysis_command(app, "bound-check")
 def bound_check_command(
     opts: common.CommonOptions,
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint (.safetensors, .pt/.pth).")],
+    checkpoint: common.CheckpointArg,
     sigma: Annotated[
-        str, typer.Option("--sigma", help="Noise standard deviations, comma-separated.")
+        str,
+        typer.Option(
+            "--sigma",
+            metavar="S,...",
+            help="Noise standard deviations, comma-separated, e.g. --sigma 0.01,0.1,1.",
+        ),
     ] = "0.01,0.1,1",
     params: Annotated[
         Optional[str],
         typer.Option(
             "--params",
+            metavar="all|last|GLOB",
             help="Parameter scope of every check (default: the final layer's weight for Corollary 1, as AD Fig. 1a; all parameters for noise-stability, as NSO); all, last, or a glob.",
         ),
     ] = None,
@@ -220,7 +242,7 @@ def bound_check_command(
         ),
     ] = 8,
     epsilon: Annotated[
-        str,
+        choices.EpsilonKind,
         typer.Option(
             "--epsilon",
             help="full (gradient norm over the analysis set) or minibatch (mean minibatch gradient norm, as AD used).",
@@ -229,7 +251,11 @@ def bound_check_command(
     check: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--check", help="Extra checks: theorem2, noise-stability (repeat or comma-separate)."
+            "--check",
+            metavar="NAME[,NAME]",
+            autocompletion=choices.list_completer(choices.CHECKS),
+            help="Extra checks: theorem2, noise-stability; repeat or comma-separate, e.g. "
+            "--check theorem2,noise-stability.",
         ),
     ] = None,
     bootstrap: Annotated[

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
@@ -29,14 +29,52 @@ OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
+        metavar="hessian|ggn|nme",
+        autocompletion=choices.completer(choices.OPERATORS),
         help=common.lazy_help(BUILTIN_OPERATOR_HELP, "sharpcli.curvature.registry", _operator_help),
     ),
 ]
 EngineOpt = Annotated[
-    str, typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity).")
+    choices.Engine,
+    typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity)."),
 ]
-MaxMatvecsOpt = Annotated[
-    Optional[int], typer.Option("--max-matvecs", help="Budget of operator products.")
+# One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
+# stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
+EigTolOpt = Annotated[
+    float,
+    typer.Option(
+        "--eig-tol",
+        "--tol",
+        help="Eigenvalue residual tolerance: converged when ||A u - lambda u|| <= tol |lambda| "
+        "(--tol is the former name).",
+    ),
+]
+EigMaxMatvecsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--eig-max-matvecs",
+        "--max-matvecs",
+        metavar="M",
+        help="Budget of operator products of the eigensolver (default: min(P, 100) for Lanczos, "
+        "100 iterations for power; --max-matvecs is the former name).",
+    ),
+]
+TraceTolOpt = Annotated[
+    float,
+    typer.Option(
+        "--trace-tol",
+        "--tol",
+        help="Stop the trace estimate at this relative standard error (--tol is the former name).",
+    ),
+]
+TraceMaxMatvecsOpt = Annotated[
+    int,
+    typer.Option(
+        "--trace-max-matvecs",
+        "--max-matvecs",
+        metavar="M",
+        help="Budget of operator products per trace estimate (--max-matvecs is the former name).",
+    ),
 ]
 
 
@@ -51,15 +89,16 @@ def eigen_command(
     top_k: Annotated[
         int, typer.Option("--top-k", help="Number of eigenvalues (at each end with --which both).")
     ] = 1,
-    which: Annotated[str, typer.Option("--which", help="largest, smallest or both.")] = "largest",
+    which: Annotated[
+        choices.Which, typer.Option("--which", help="Which end of the spectrum.")
+    ] = "largest",
     operator: OperatorOpt = "hessian",
     method: Annotated[
-        str, typer.Option("--method", help="lanczos (default) or power (PyHessian's method).")
+        choices.Method,
+        typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
     ] = "lanczos",
-    tol: Annotated[
-        float, typer.Option("--tol", help="Converged when ||Au - lambda u|| <= tol |lambda|.")
-    ] = 1e-3,
-    max_matvecs: MaxMatvecsOpt = None,
+    tol: EigTolOpt = 1e-3,
+    max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
 ) -> common.Outcome:
@@ -67,8 +106,8 @@ def eigen_command(
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
-    _positive(tol, "--tol")
-    _positive(max_matvecs, "--max-matvecs")
+    _positive(tol, "--eig-tol")
+    _positive(max_matvecs, "--eig-max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
@@ -115,18 +154,15 @@ def trace_command(
     checkpoint: common.CheckpointArg,
     operator: OperatorOpt = "hessian",
     estimator: Annotated[
-        str,
+        choices.Estimator,
         typer.Option(
             "--estimator",
-            help="hutchpp (default), hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or exact (Gauss-Newton).",
+            help="hutchpp, hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or "
+            "exact (Gauss-Newton).",
         ),
     ] = "hutchpp",
-    tol: Annotated[
-        float, typer.Option("--tol", help="Stop at this relative standard error.")
-    ] = 1e-2,
-    max_matvecs: Annotated[
-        int, typer.Option("--max-matvecs", help="Budget of operator products.")
-    ] = 1000,
+    tol: TraceTolOpt = 1e-2,
+    max_matvecs: TraceMaxMatvecsOpt = 1000,
     square: Annotated[
         bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")
     ] = False,
@@ -136,8 +172,8 @@ def trace_command(
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
 
-    _positive(tol, "--tol")
-    common.require(max_matvecs >= 2, "must be at least 2", "--max-matvecs")
+    _positive(tol, "--trace-tol")
+    common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
@@ -184,25 +220,28 @@ def trace_command(
 def gn_nme_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    tol: Annotated[
-        float, typer.Option("--tol", help="Relative standard error of the traces.")
-    ] = 1e-2,
+    tol: TraceTolOpt = 1e-2,
     eig_tol: Annotated[
-        float, typer.Option("--eig-tol", help="Residual tolerance of the extreme eigenvalues.")
+        float,
+        typer.Option(
+            "--eig-tol",
+            help="Eigenvalue residual tolerance of the extreme eigenvalues: converged when "
+            "||A u - lambda u|| <= tol |lambda|.",
+        ),
     ] = 1e-3,
-    max_matvecs: Annotated[
-        int, typer.Option("--max-matvecs", help="Budget per trace estimate.")
-    ] = 1000,
+    max_matvecs: TraceMaxMatvecsOpt = 1000,
     params: common.ParamsOpt = None,
     plot: Annotated[
         Optional[str],
-        typer.Option("--plot", help="Write a PNG of the per-layer H, G, N traces to PATH."),
+        typer.Option(
+            "--plot", metavar="PATH", help="Write a PNG of the per-layer H, G, N traces to PATH."
+        ),
     ] = None,
 ) -> common.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
     from sharpcli.analyses import spectrum
 
-    _positive(tol, "--tol")
+    _positive(tol, "--trace-tol")
     _positive(eig_tol, "--eig-tol")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
@@ -269,7 +308,8 @@ def density_command(
     ] = None,
     params: common.ParamsOpt = None,
     plot: Annotated[
-        Optional[str], typer.Option("--plot", help="Write a PNG plot of the density to PATH.")
+        Optional[str],
+        typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
 ) -> common.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""

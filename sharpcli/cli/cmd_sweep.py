@@ -7,12 +7,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 
 
 def _train_config(
-    model, data, epochs, batch_size, lr, optimizer, schedule, width, depth, activation, dtype, sets
+    model,
+    data,
+    epochs,
+    batch_size,
+    lr,
+    optimizer,
+    schedule,
+    width,
+    depth,
+    activation,
+    dtype,
+    sets,
+    device="cpu",
 ):
     from sharpcli.training.loop import OPTION_OF, TrainConfig, validate_config
 
@@ -27,6 +39,7 @@ def _train_config(
         optimizer=optimizer,
         schedule=schedule,
         dtype=dtype,
+        device=device,
     )
     for key, value in (("width", width), ("depth", depth), ("activation", activation)):
         if value is not None:
@@ -65,34 +78,67 @@ def _set_value(raw: str, key: str):
         return raw
 
 
-@app.command("sweep")
+@app.command("sweep", cls=common.LazyHelpCommand)
 def sweep_command(
     reg: Annotated[
-        str, typer.Option("--reg", help="Regularizer whose hyper-parameters are swept, e.g. ad.")
+        str,
+        typer.Option(
+            "--reg",
+            metavar="NAME[:k=v,...]",
+            autocompletion=choices.completer(choices.REGULARIZERS),
+            help="Regularizer whose hyper-parameters are swept, with fixed ones after the "
+            "colon, e.g. --reg ad or --reg hessian-trace:mode=exact (sharp train --help lists "
+            "the regularizers).",
+        ),
     ],
     grid: Annotated[
         list[str],
         typer.Option(
-            "--grid", help="NAME=V1,V2,... (repeat for a product grid), e.g. sigma=0.01,0.05,0.1."
+            "--grid",
+            metavar="NAME=V1,V2,...",
+            help="Values of one hyper-parameter; repeat for a product grid, e.g. --grid "
+            "sigma=0.01,0.05,0.1.",
         ),
     ],
-    seeds: Annotated[str, typer.Option("--seeds", help="Comma list of seeds.")] = "0",
+    seeds: Annotated[
+        str,
+        typer.Option(
+            "--seeds", metavar="S,...", help="Comma list of training seeds, e.g. --seeds 0,1,2."
+        ),
+    ] = "0",
     extra_reg: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--extra-reg", help="Fixed regularizers added to every run (e.g. wd:sigma=0.01)."
+            "--extra-reg",
+            metavar="NAME[:k=v,...]",
+            autocompletion=choices.completer(choices.REGULARIZERS),
+            help="Fixed regularizer added to every run; repeat for several, e.g. --extra-reg "
+            "wd:sigma=0.01.",
         ),
     ] = None,
     metrics: Annotated[
-        str, typer.Option("--metrics", help="Analyses per run (as sharp analyze --metrics).")
+        str,
+        typer.Option(
+            "--metrics",
+            metavar="NAME,...",
+            autocompletion=choices.list_completer(choices.METRICS),
+            help="Analyses per run, a comma list as sharp analyze --metrics: eigen, trace, "
+            "frobenius, gn-nme, activation-stats.",
+        ),
     ] = "eigen,trace",
     out_dir: Annotated[
-        str, typer.Option("--out-dir", help="Folder for checkpoints, reports, tables and the plot.")
+        str,
+        typer.Option(
+            "--out-dir",
+            metavar="DIR",
+            help="Folder for checkpoints, reports, tables and the plot.",
+        ),
     ] = "sweep",
     max_runs: Annotated[
         Optional[int],
         typer.Option(
             "--max-runs",
+            metavar="N",
             help="Stop after this many new runs (continue later by running the same command).",
         ),
     ] = None,
@@ -103,29 +149,62 @@ def sweep_command(
             help="Samples of the analysis split per run (the test split when the data has one, else the training split).",
         ),
     ] = 512,
-    model: Annotated[str, typer.Option("--model")] = "mlp",
+    model: Annotated[choices.Model, typer.Option("--model", help="Built-in model.")] = "mlp",
     model_factory: Annotated[
         Optional[str],
         typer.Option(
             "--model-factory",
+            metavar="MODULE:FUNCTION",
             help="module:function returning your nn.Module (instead of --model); its keyword "
             "arguments by --set model_args={...}.",
         ),
     ] = None,
-    data: Annotated[str, typer.Option("--data")] = "blobs",
-    epochs: Annotated[int, typer.Option("--epochs")] = 5,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
-    lr: Annotated[float, typer.Option("--lr")] = 0.05,
-    optimizer: Annotated[str, typer.Option("--optimizer")] = "sgd",
-    schedule: Annotated[str, typer.Option("--schedule")] = "constant",
-    width: Annotated[Optional[int], typer.Option("--width")] = None,
-    depth: Annotated[Optional[int], typer.Option("--depth")] = None,
-    activation: Annotated[Optional[str], typer.Option("--activation")] = None,
+    data: Annotated[
+        str,
+        typer.Option(
+            "--data",
+            metavar="SPEC",
+            help="Training data, as sharp train --data, e.g. --data blobs:n=2000.",
+        ),
+    ] = "blobs",
+    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs per run.")] = 5,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Minibatch size of the optimizer steps.")
+    ] = 64,
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
+    optimizer: Annotated[
+        choices.Optimizer, typer.Option("--optimizer", help="sgd (with momentum) or adam.")
+    ] = "sgd",
+    schedule: Annotated[
+        choices.Schedule,
+        typer.Option("--schedule", help="Learning-rate schedule over the epochs."),
+    ] = "constant",
+    width: Annotated[
+        Optional[int], typer.Option("--width", help="Hidden width (mlp) or base channels.")
+    ] = None,
+    depth: Annotated[
+        Optional[int],
+        typer.Option("--depth", help="Hidden layers (mlp) or depth (resnet: 20, 56)."),
+    ] = None,
+    activation: Annotated[
+        Optional[str],
+        typer.Option(
+            "--activation",
+            metavar="NAME[:beta=B]",
+            autocompletion=choices.completer(choices.ACTIVATIONS),
+            help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
+            "diminished-gelu (default: the model's, relu).",
+        ),
+    ] = None,
     dtype: common.DtypeOpt = "float32",
+    device: common.DeviceOpt = "cpu",
     sets: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--set", help="Any other training setting KEY=VALUE (JSON value), e.g. label_noise=0.3."
+            "--set",
+            metavar="KEY=VALUE",
+            help="Any other training setting (JSON value); repeat for several, e.g. --set "
+            "label_noise=0.3 --set momentum=0.8.",
         ),
     ] = None,
     json_out: common.JsonOpt = None,
@@ -166,6 +245,7 @@ def sweep_command(
             activation,
             dtype,
             sets,
+            device=device,
         )
         if model_factory is not None:
             cfg.model_factory = model_factory
@@ -205,7 +285,10 @@ def sweep_command(
             "plot": result.plot,
         }
         report = make_report(
-            "sweep", settings=settings, results=results, environment=environment_info("cpu", dtype)
+            "sweep",
+            settings=settings,
+            results=results,
+            environment=environment_info(cfg.device, dtype),
         )
 
         def render(console):
@@ -244,7 +327,7 @@ def sweep_command(
 
 # the training options sweep has under their own name; the rest it takes as --set KEY=VALUE
 _OWN_TRAIN_OPTIONS = ("model", "data", "epochs", "batch_size", "lr", "optimizer", "schedule")
-_OWN_TRAIN_OPTIONS += ("dtype", "regs", "model_factory")
+_OWN_TRAIN_OPTIONS += ("dtype", "device", "regs", "model_factory")
 
 
 def _set_aliases() -> dict[str, str]:

@@ -6,19 +6,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import common
+from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import FitTable, fmt, records_table
 
 REG_HELP = (
-    "Regularizer NAME[:k=v,...]; repeat to combine (e.g. --reg ad:sigma=0.1 --reg wd:sigma=0.01)."
+    "Regularizer NAME[:k=v,...]; repeat to combine, e.g. --reg sam:rho=0.05 --reg fa "
+    "(default: none). The regularizers, with their defaults:"
 )
 # --reg's help for the built-in regularizers, without importing them (and torch); equal to
 # _reg_help() with no extension registered (tests/test_cli_usability.py).
 BUILTIN_REG_HELP = (
     f"{REG_HELP} none; wd(sigma=0.001); dropout(p=0.1); ad(sigma=0.1); sam(rho=0.05); "
     "usam(rho=0.05); asam(rho=0.5, eta=0.01); gp(rho=0.01, p=1, mode=exact, eps=0.001); "
-    "hessian-trace(sigma2=0.01, probes=1, mode=fd, eps=0.1); gn-trace(sigma2=0.01); "
+    "hessian-trace(sigma2=0.01, probes=1, mode=exact, eps=0.1); gn-trace(sigma2=0.01); "
     "weight-noise(sigma=0.01, report=perturbed); nso(sigma=0.01, k=1, report=perturbed); "
     "fa(lambda=0.01, mode=exact, eps=auto)"
 )
@@ -41,7 +42,7 @@ def _reg_help() -> str:
 
 @app.command("train", cls=common.LazyHelpCommand)
 def train_command(
-    model: Annotated[str, typer.Option("--model", help="mlp, cnn, vgg-small or resnet.")] = "mlp",
+    model: Annotated[choices.Model, typer.Option("--model", help="Built-in model.")] = "mlp",
     depth: Annotated[
         Optional[int],
         typer.Option("--depth", help="Hidden layers (mlp) or depth (resnet: 20, 56)."),
@@ -53,7 +54,10 @@ def train_command(
         Optional[str],
         typer.Option(
             "--activation",
-            help="relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B, diminished-gelu.",
+            metavar="NAME[:beta=B]",
+            autocompletion=choices.completer(choices.ACTIVATIONS),
+            help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
+            "diminished-gelu (default: the model's, relu).",
         ),
     ] = None,
     model_args: Annotated[
@@ -61,6 +65,7 @@ def train_command(
         typer.Option(
             "--model-args",
             "--arch-args",
+            metavar="JSON",
             help="Further model arguments as JSON (the factory's keyword arguments with "
             "--model-factory).",
         ),
@@ -69,6 +74,7 @@ def train_command(
         Optional[str],
         typer.Option(
             "--model-factory",
+            metavar="MODULE:FUNCTION",
             help="module:function returning your nn.Module (instead of --model); see "
             "docs/own-model.md.",
         ),
@@ -78,22 +84,34 @@ def train_command(
         Optional[str],
         typer.Option(
             "--penultimate",
+            metavar="MODULE",
             help="Module whose output is the penultimate representation that ad penalises "
             "(default: the input of the last nn.Linear).",
         ),
     ] = None,
     data: Annotated[
-        str, typer.Option("--data", help="Dataset spec (built-in name[:k=v,..] or a path).")
+        str,
+        typer.Option(
+            "--data",
+            metavar="SPEC",
+            help="Dataset: built-in 'blobs[:k=v,..]' or 'images[:k=v,..]', or a path (tensor "
+            "file, .csv/.parquet, CIFAR or MNIST folder), e.g. --data images:n=2000.",
+        ),
     ] = "blobs",
     label_column: common.LabelColumnOpt = None,
-    epochs: Annotated[int, typer.Option("--epochs")] = 5,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs.")] = 5,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Minibatch size of the optimizer steps.")
+    ] = 64,
     optimizer: Annotated[
-        str, typer.Option("--optimizer", help="sgd (with momentum) or adam.")
+        choices.Optimizer, typer.Option("--optimizer", help="sgd (with momentum) or adam.")
     ] = "sgd",
     lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
     momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum.")] = 0.9,
-    schedule: Annotated[str, typer.Option("--schedule", help="constant or cosine.")] = "constant",
+    schedule: Annotated[
+        choices.Schedule,
+        typer.Option("--schedule", help="Learning-rate schedule over the epochs."),
+    ] = "constant",
     label_noise: Annotated[
         float,
         typer.Option(
@@ -140,11 +158,14 @@ def train_command(
         Optional[list[str]],
         typer.Option(
             "--reg",
+            metavar="NAME[:k=v,...]",
+            autocompletion=choices.completer(choices.REGULARIZERS),
             help=common.lazy_help(BUILTIN_REG_HELP, "sharpcli.training.regularizers", _reg_help),
         ),
     ] = None,
     out: Annotated[
-        str, typer.Option("--out", "-o", help="Checkpoint to write (.safetensors).")
+        str,
+        typer.Option("--out", "-o", metavar="PATH", help="Checkpoint to write (.safetensors)."),
     ] = "model.safetensors",
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted run of the same options.")
@@ -153,6 +174,7 @@ def train_command(
         Optional[int],
         typer.Option(
             "--stop-after",
+            metavar="EPOCH",
             help="Stop after this epoch as an interruption would; continue later with --resume.",
         ),
     ] = None,
@@ -160,20 +182,29 @@ def train_command(
         Optional[str],
         typer.Option(
             "--track",
-            help="Curvature to record during training: comma list of trace, eigen, gn-nme.",
+            metavar="NAME,...",
+            autocompletion=choices.list_completer(choices.TRACKABLE),
+            help="Curvature to record during training: comma list of eigen, trace, gn-nme, "
+            "frobenius, e.g. --track eigen,trace.",
         ),
     ] = None,
-    track_every: Annotated[int, typer.Option("--track-every", help="Track every K epochs.")] = 1,
+    track_every: Annotated[
+        int, typer.Option("--track-every", metavar="K", help="Track every K epochs.")
+    ] = 1,
     track_samples: Annotated[
         int, typer.Option("--track-samples", help="Training samples used for tracking.")
     ] = 512,
     plot: Annotated[
         Optional[str],
         typer.Option(
-            "--plot", help="Write a PNG of the training curves (and tracked curvature) to PATH."
+            "--plot",
+            metavar="PATH",
+            help="Write a PNG of the training curves (and tracked curvature) to PATH.",
         ),
     ] = None,
-    seed: common.SeedOpt = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the initialisation, the data order and noise.")
+    ] = 0,
     device: common.DeviceOpt = "cpu",
     dtype: common.DtypeOpt = "float32",
     json_out: common.JsonOpt = None,

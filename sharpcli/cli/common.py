@@ -22,10 +22,11 @@ from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
 from sharpcli.atomic import publication, write_text_atomic
+from sharpcli.cli import choices
 from sharpcli.cli.flags import to_cli_error
 from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
 from sharpcli.report.envelope import dumps
@@ -49,30 +50,49 @@ def table_console() -> Console:
 
 # Annotated option types, declared once and reused by every command.
 CheckpointArg = Annotated[
-    str, typer.Argument(help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth.")
+    str,
+    typer.Argument(
+        metavar="CKPT", help="Checkpoint: .safetensors (own or state_dict) or .pt/.pth."
+    ),
 ]
 DataOpt = Annotated[
     Optional[str],
     typer.Option(
         "--data",
-        help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, .csv/.parquet, CIFAR or MNIST folder). Default: the checkpoint's own data.",
+        metavar="SPEC",
+        help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, "
+        ".csv/.parquet, CIFAR or MNIST folder), e.g. --data blobs:n=500. Default: the "
+        "checkpoint's own data.",
     ),
 ]
 LabelColumnOpt = Annotated[
     Optional[str],
     typer.Option(
-        "--label-column", help="Label column of a .csv/.parquet dataset (default 'label')."
+        "--label-column",
+        metavar="NAME",
+        help="Label column of a .csv/.parquet dataset (default 'label').",
     ),
 ]
-SplitOpt = Annotated[str, typer.Option("--split", help="Analysis split: train or test.")]
+SplitOpt = Annotated[
+    choices.Split, typer.Option("--split", help="The dataset split that is analysed.")
+]
 SamplesOpt = Annotated[
-    Optional[int], typer.Option("--samples", help="Use a fixed seeded random subset of N samples.")
+    Optional[int],
+    typer.Option("--samples", metavar="N", help="Use a fixed seeded random subset of N samples."),
 ]
 BatchSizeOpt = Annotated[
     int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")
 ]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps ...")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or float64.")]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        autocompletion=choices.completer(choices.DEVICES),
+        help="Torch device: cpu, cuda, cuda:1, mps ...",
+    ),
+]
+DtypeOpt = Annotated[choices.Dtype, typer.Option("--dtype", help="Floating-point precision.")]
 SeedOpt = Annotated[
     int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")
 ]
@@ -80,29 +100,36 @@ JsonOpt = Annotated[
     Optional[str],
     typer.Option(
         "--json",
+        metavar="PATH|-",
         help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).",
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
 ArchOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--arch", help="Architecture of a foreign state_dict (mlp, cnn, vgg-small, resnet)."
-    ),
+    Optional[choices.Model],
+    typer.Option("--arch", help="Architecture of a foreign state_dict."),
 ]
 ArchArgsOpt = Annotated[
-    Optional[str], typer.Option("--arch-args", help="JSON arguments for --arch or --model-factory.")
+    Optional[str],
+    typer.Option(
+        "--arch-args",
+        metavar="JSON",
+        help='JSON arguments for --arch or --model-factory, e.g. \'{"width": 64, "depth": 2}\'.',
+    ),
 ]
 FactoryOpt = Annotated[
     Optional[str],
     typer.Option(
-        "--model-factory", help="module:function returning the nn.Module for a foreign state_dict."
+        "--model-factory",
+        metavar="MODULE:FUNCTION",
+        help="module:function returning the nn.Module for a foreign state_dict.",
     ),
 ]
 OutputOpt = Annotated[
     Optional[str],
     typer.Option(
         "--output",
+        metavar="INDEX|KEY",
         help="Which of the model's outputs are the logits: an index of a tuple (0, 1, -1), a "
         "dict key or an attribute. Default: the tensor itself, .logits / 'logits', else the "
         "first tensor.",
@@ -118,6 +145,7 @@ CacheOpt = Annotated[
     int,
     typer.Option(
         "--cache-mb",
+        metavar="MB",
         help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
     ),
 ]
@@ -125,6 +153,7 @@ ThreadsOpt = Annotated[
     Optional[int],
     typer.Option(
         "--threads",
+        metavar="N",
         help="CPU threads for torch (default: OMP_NUM_THREADS when set, else 1; more threads "
         "than free cores slow everything down).",
     ),
@@ -134,8 +163,13 @@ ParamsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--params",
-        help="Parameter scope: all (default), last (final linear layer), or a glob on parameter names.",
+        metavar="all|last|GLOB",
+        help="Parameter scope: all (default), last (final linear layer), or a glob on "
+        "parameter names, e.g. --params '*.weight'.",
     ),
+]
+PlotOpt = Annotated[
+    Optional[str], typer.Option("--plot", metavar="PATH", help="Write a PNG plot to PATH.")
 ]
 
 
@@ -520,8 +554,27 @@ def lazy_help(builtin: str, module: str, make: Callable[[], str]) -> str:
     return builtin
 
 
+def plain_flags(params) -> None:
+    """Show no value type where it says nothing: flags and arguments.
+
+    typer's help prints each parameter's type next to it, also for flags that take no value
+    (``--quiet <bool>``, ``--help`` included) and for arguments, which their metavar names
+    already (``CKPT <str>``, ``REPORT <list[str]>``); an empty metavar blanks a flag's, and
+    arguments get no type column."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        elif getattr(param, "param_type_name", None) == "argument":
+            param.display_type_rich = _no_type
+
+
+def _no_type(ctx) -> None:
+    return None
+
+
 class LazyHelpCommand(TyperCommand):
-    """A typer command whose :func:`lazy_help` option helps are resolved when shown."""
+    """A typer command whose :func:`lazy_help` option helps are resolved when shown, and whose
+    flags show no ``<bool>`` (:func:`plain_flags`); every ``sharp`` command is one."""
 
     def format_help(self, ctx, formatter) -> None:
         """Resolve the lazy option helps whose module is loaded, then format the help."""
@@ -529,6 +582,17 @@ class LazyHelpCommand(TyperCommand):
             module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
             if module in sys.modules:
                 param.help = make()
+        plain_flags(self.get_params(ctx))
+        super().format_help(ctx, formatter)
+
+
+class SharpGroup(TyperGroup):
+    """The ``sharp`` group: its flags (``--version``, ``--debug``, ``--help``) show no
+    ``<bool>`` either."""
+
+    def format_help(self, ctx, formatter) -> None:
+        """Blank the flags' value type (:func:`plain_flags`), then format the help."""
+        plain_flags(self.get_params(ctx))
         super().format_help(ctx, formatter)
 
 

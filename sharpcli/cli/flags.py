@@ -10,8 +10,10 @@ the CLI's error reporting (:func:`sharpcli.cli.common.run_command`, :func:`sharp
 
 The mapping comes from the click commands themselves: each parameter's python ``name`` and its
 ``opts`` (``top_k`` -> ``--top-k``), those of the running command first, then those of any
-command of the app (a checkpoint's model error names ``--model`` in ``eigen`` too). A new option
-therefore needs no entry here; :data:`LIBRARY_ALIASES` lists only the library parameters whose
+command of the app (a checkpoint's model error names ``--model`` in ``eigen`` too). The running
+command's spelling first also lets one parameter carry a flag named by its meaning there:
+``tol`` is ``--eig-tol`` in ``eigen`` (a Lanczos residual) and ``--trace-tol`` in ``trace`` (a
+relative standard error). A new option therefore needs no entry here; :data:`LIBRARY_ALIASES` lists only the library parameters whose
 name differs from the CLI parameter that sets them.
 """
 

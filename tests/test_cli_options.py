@@ -1,0 +1,310 @@
+"""What people type: every option says what it does, choices list their values in ``--help`` and
+complete in the shell, flags show no ``<bool>``, list options show their form and an example,
+``--tol``/``--max-matvecs`` are named by what they bound (the old names still work), and the
+README's table of shared options matches the commands.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import typer
+from cli_helpers import assert_one_line_error, run_cli
+
+from sharpcli.cli import choices
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDE = "250"  # help rendered wide enough that no value list wraps
+
+
+def _group():
+    from sharpcli.cli.app import app
+
+    return typer.main.get_command(app)
+
+
+def _commands() -> dict[str, object]:
+    """Every command, and the ``sharp`` group itself under ``""``."""
+    group = _group()
+    return {"": group, **group.commands}
+
+
+def _params(command):
+    return command.get_params(command.make_context("sharp", [], resilient_parsing=True))
+
+
+def _help(capsys, monkeypatch, name: str) -> str:
+    monkeypatch.setenv("COLUMNS", WIDE)
+    run = run_cli(capsys, *([name] if name else []), "--help")
+    assert run.code == 0, run.err
+    return run.out
+
+
+def _choices(param) -> tuple[str, ...] | None:
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is None or not descriptor.is_choice:
+        return None
+    return tuple(str(c) for c in descriptor.choices)
+
+
+# ----------------------------------------------------------------------------- help text
+def test_every_option_and_argument_has_help():
+    missing = [
+        f"{name or 'sharp'} {param.opts[0]}"
+        for name, command in _commands().items()
+        for param in _params(command)
+        if not (getattr(param, "help", None) or "").strip()
+    ]
+    assert missing == []
+
+
+def test_choices_are_listed_and_no_type_noise(capsys, monkeypatch):
+    """Each option with a fixed set of values shows it as ``<a|b|c>``; flags show no
+    ``<bool>``, lists no ``list[str]``, nothing shows click's TEXT/BOOLEAN or a False default."""
+    listed = 0
+    for name, command in _commands().items():
+        text = _help(capsys, monkeypatch, name)
+        for noise in ("<bool>", "list[", "BOOLEAN", "TEXT", "[default: False]", "<str>..."):
+            assert noise not in text, (name, noise)
+        for param in _params(command):
+            values = _choices(param)
+            if values:
+                assert f"<{'|'.join(values)}>" in text, (name, param.opts)
+                listed += 1
+    assert listed >= 25  # split, dtype, arch in 8 commands; which, method, engine, ...
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "metavar"),
+    [
+        ("train", "--reg", "NAME[:k=v,...]"),
+        ("sweep", "--reg", "NAME[:k=v,...]"),
+        ("sweep", "--extra-reg", "NAME[:k=v,...]"),
+        ("sweep", "--grid", "NAME=V1,V2,..."),
+        ("sweep", "--set", "KEY=VALUE"),
+        ("analyze", "--metrics", "NAME,..."),
+        ("analyze", "--fail-if", "'KEY OP NUMBER'"),
+        ("bound-check", "--check", "NAME[,NAME]"),
+        ("bound-check", "--sigma", "S,..."),
+        ("weight-rescale", "--alpha", "A,..."),
+        ("train", "--track", "NAME,..."),
+        ("eigen", "--operator", "hessian|ggn|nme"),
+        ("eigen", "--params", "all|last|GLOB"),
+    ],
+)
+def test_list_and_open_options_show_their_form_and_an_example(name, option, metavar):
+    (param,) = [p for p in _params(_group().commands[name]) if option in p.opts]
+    assert param.metavar == metavar
+    assert "e.g." in param.help or name == "eigen" and option == "--operator"
+
+
+# ----------------------------------------------------------------------------- the value sets
+def _literal(alias) -> set[str]:
+    return set(typing.get_args(alias))
+
+
+def test_closed_sets_equal_the_library_sets():
+    from sharpcli.analyses import bounds, rescale, spectrum
+    from sharpcli.curvature.lanczos import WHICH
+    from sharpcli.io.datasets_common import SPLITS
+    from sharpcli.models.zoo import MODEL_NAMES
+    from sharpcli.report.compare import FORMATS
+    from sharpcli.session import DTYPES
+    from sharpcli.training.loop import OPTIMIZERS, SCHEDULES
+
+    assert _literal(choices.Split) == set(SPLITS)
+    assert _literal(choices.Dtype) == set(DTYPES)
+    assert _literal(choices.Which) == set(WHICH)
+    assert _literal(choices.Method) == set(spectrum.METHODS)
+    assert _literal(choices.Estimator) == set(spectrum.ESTIMATORS)
+    assert _literal(choices.Engine) == set(spectrum.ENGINES)
+    assert _literal(choices.Model) == set(MODEL_NAMES)
+    assert _literal(choices.Optimizer) == set(OPTIMIZERS)
+    assert _literal(choices.Schedule) == set(SCHEDULES)
+    assert _literal(choices.RescaleMode) == set(rescale.MODES)
+    assert _literal(choices.EpsilonKind) == set(bounds.EPSILON_KINDS)
+    assert _literal(choices.TableFormat) == set(FORMATS)
+
+
+def test_open_sets_equal_the_builtin_entries():
+    from sharpcli.analyses.analyze import METRICS
+    from sharpcli.analyses.bounds import CHECKS
+    from sharpcli.analyses.tracking import TRACKABLE
+    from sharpcli.curvature.registry import SPLIT
+    from sharpcli.models.activations import _ACTIVATIONS
+    from sharpcli.training.regularizers import describe_registry
+
+    assert choices.OPERATORS == SPLIT
+    assert choices.METRICS == METRICS
+    assert set(choices.TRACKABLE) == set(TRACKABLE)
+    assert choices.CHECKS == CHECKS
+    assert set(choices.ACTIVATIONS) == set(_ACTIVATIONS)
+    # extensions registered by other tests come after the built-in ones
+    registered = [row["name"] for row in describe_registry()]
+    assert tuple(registered[: len(choices.REGULARIZERS)]) == choices.REGULARIZERS
+
+
+def test_a_value_outside_the_set_is_one_line_naming_the_option_and_the_values(capsys):
+    run = run_cli(capsys, "eigen", "never-read.safetensors", "--which", "sideways")
+    assert_one_line_error(run, 2, "--which", "'sideways' is not one of", "'largest'", "'both'")
+    assert "Value error" not in run.err
+    run = run_cli(capsys, "train", "--optimizer", "lion", "--json", "-")
+    assert run.code == 2 and run.json()["error"]["source"] == "--optimizer"
+
+
+# ----------------------------------------------------------------------------- completion
+def test_list_completion_continues_a_comma_list():
+    complete = choices.list_completer(choices.METRICS)
+    assert complete("") == list(choices.METRICS)
+    assert complete("eigen,tr") == ["eigen,trace"]
+    assert complete("eigen,") == [f"eigen,{m}" for m in choices.METRICS if m != "eigen"]
+    assert choices.completer(choices.OPERATORS)("g") == ["ggn"]
+
+
+@pytest.mark.parametrize(
+    ("words", "offered"),
+    [
+        ("sharp eigen m.safetensors --which ", ["largest", "smallest", "both"]),
+        ("sharp eigen m.safetensors --operator n", ["nme"]),
+        ("sharp analyze m.safetensors --metrics eigen,gn", ["eigen,gn-nme"]),
+        ("sharp train --reg hess", ["hessian-trace"]),
+        ("sharp compare r.json --format m", ["markdown"]),
+        ("sharp eigen m.safetensors --eig-", ["--eig-tol", "--eig-max-matvecs"]),
+        ("sharp gn-", ["gn-nme"]),
+    ],
+)
+def test_shell_completion_offers_commands_options_and_values(capsys, monkeypatch, words, offered):
+    """What bash receives from ``_SHARP_COMPLETE=complete_bash`` (the script that
+    ``sharp --install-completion`` installs sets it)."""
+    monkeypatch.setenv("_SHARP_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", words)
+    monkeypatch.setenv("COMP_CWORD", str(len(words.split(" ")) - 1))
+    run = run_cli(capsys)
+    assert run.code == 0, run.err
+    assert run.out.split() == offered
+
+
+def test_show_completion_prints_the_script(capsys):
+    run = run_cli(capsys, "--show-completion", "bash")
+    assert run.code == 0, run.err
+    assert "_SHARP_COMPLETE=complete_bash" in run.out and "complete " in run.out
+
+
+# ----------------------------------------------------------------------------- one meaning per name
+# command -> (what --tol and --max-matvecs meant there, their names by meaning)
+RENAMED = {
+    "eigen": ("--eig-tol", "--eig-max-matvecs"),
+    "weight-rescale": ("--eig-tol", "--eig-max-matvecs"),
+    "bound-check": ("--eig-tol", "--eig-max-matvecs"),
+    "trace": ("--trace-tol", "--trace-max-matvecs"),
+    "gn-nme": ("--trace-tol", "--trace-max-matvecs"),
+    "analyze": ("--trace-tol", "--trace-max-matvecs"),
+}
+
+
+def test_tol_and_max_matvecs_are_named_by_meaning_with_the_old_names_as_aliases(
+    capsys, monkeypatch
+):
+    for name, command in _commands().items():
+        for param in _params(command):
+            first = next((o for o in param.opts if o.startswith("--")), None)
+            assert first not in ("--tol", "--max-matvecs"), (name, param.opts)
+    for name, (tol, budget) in RENAMED.items():
+        command = _group().commands[name]
+        text = _help(capsys, monkeypatch, name)
+        for new, old, value in ((tol, "--tol", "0.25"), (budget, "--max-matvecs", "7")):
+            (param,) = [p for p in _params(command) if new in p.opts]
+            assert param.opts == [new, old], (name, param.opts)
+            assert f"{new},{old}" in text and f"{old} is the former name" in param.help
+            by_new = command.make_context(name, ["m.safetensors", new, value]).params
+            by_old = command.make_context(name, ["m.safetensors", old, value]).params
+            assert by_new[param.name] == by_old[param.name] == float(value)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "flag"),
+    [
+        ("eigen", ("--tol", "0"), "--eig-tol"),
+        ("eigen", ("--max-matvecs", "0"), "--eig-max-matvecs"),
+        ("trace", ("--tol", "0"), "--trace-tol"),
+        ("trace", ("--max-matvecs", "1"), "--trace-max-matvecs"),
+        ("gn-nme", ("--tol", "-1"), "--trace-tol"),
+        ("analyze", ("--tol", "0"), "--trace-tol"),
+        ("weight-rescale", ("--tol", "0"), "--eig-tol"),
+        ("bound-check", ("--tol", "0"), "--eig-tol"),
+    ],
+)
+def test_errors_name_the_option_by_its_new_name(capsys, name, args, flag):
+    run = run_cli(capsys, name, "never-read.safetensors", *args)
+    assert_one_line_error(run, 2, f"sharp {name}: error: {flag}")
+
+
+def test_report_settings_keep_their_keys(capsys, tmp_path):
+    from fixtures.make_checkpoint_fixtures import write_own_checkpoint
+
+    ckpt = write_own_checkpoint(tmp_path / "own.safetensors")
+    run = run_cli(
+        capsys, "eigen", ckpt, "--eig-tol", "0.01", "--eig-max-matvecs", "9", "--json", "-"
+    )
+    assert run.code == 0, run.err
+    settings = run.json()["settings"]
+    assert (settings["tol"], settings["max_matvecs"]) == (0.01, 9)
+    run = run_cli(
+        capsys, "trace", ckpt, "--trace-tol", "0.5", "--trace-max-matvecs", "12", "--json", "-"
+    )
+    assert run.code == 0, run.err
+    settings = run.json()["settings"]
+    assert (settings["tol"], settings["max_matvecs"]) == (0.5, 12)
+
+
+# ----------------------------------------------------------------------------- README
+def _readme_table() -> tuple[list[list[str]], list[list[str]]]:
+    """README's table of shared options: per column the commands, per row the cells."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("| option |")
+    lines = []
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        lines.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    header, _, *rows = lines
+    columns = [re.findall(r"`([a-z-]+)`", cell) for cell in header[1:]]
+    return columns, rows
+
+
+def test_readme_states_which_commands_take_the_shared_options():
+    """Each row: ``yes`` means every command of the column has each option, ``no`` none has
+    it, ``--other`` that each has ``--other`` instead; every command is in one column."""
+    from sharpcli.cli.flags import _flags
+
+    columns, rows = _readme_table()
+    commands = _group().commands
+    assert sorted(n for column in columns for n in column) == sorted(commands)
+    flags = {name: set(_flags(command).values()) for name, command in commands.items()}
+    for first, *cells in rows:
+        options = re.findall(r"`(--[a-z-]+)`", first)
+        assert options, first
+        for column, cell in zip(columns, cells, strict=True):
+            other = re.findall(r"`(--[a-z-]+)`", cell)
+            for name in column:
+                for option in options:
+                    assert (option in flags[name]) == (cell == "yes"), (name, option, cell)
+                assert cell in ("yes", "no") or other and set(other) <= flags[name], (name, cell)
+    shared = {option for row in rows for option in re.findall(r"`(--[a-z-]+)`", row[0])}
+    assert {"--split", "--samples", "--device", "--seed", "--data", "--json"} <= shared
+
+
+def test_sweep_device_reaches_every_run(capsys, tmp_path):
+    """``sweep --device`` is the runs' device (an unknown one is refused naming it), and the
+    sweep report's environment names it."""
+    common = ["sweep", "--reg", "wd", "--grid", "sigma=0.1", "--data", "blobs:n=64"]
+    common += ["--width", "4", "--epochs", "1", "--analyze-samples", "8", "--metrics", "trace"]
+    run = run_cli(capsys, *common, "--out-dir", tmp_path / "a", "--device", "nope")
+    assert_one_line_error(run, 2, "sharp sweep: error: --device", "'nope'")
+    run = run_cli(capsys, *common, "--out-dir", tmp_path / "b", "--device", "cpu", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    assert report["settings"]["train"]["device"] == report["environment"]["device"] == "cpu"
