@@ -308,3 +308,27 @@ def test_sweep_device_reaches_every_run(capsys, tmp_path):
     assert run.code == 0, run.err
     report = run.json()
     assert report["settings"]["train"]["device"] == report["environment"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ("eigen", "raise --eig-tol or --eig-max-matvecs 5"),
+        ("trace", "raise --trace-tol or --trace-max-matvecs 5"),
+        ("analyze", "raise --trace-tol or --trace-max-matvecs 5"),
+    ],
+)
+def test_notes_spell_library_parameters_as_the_running_commands_flags(command, expected):
+    """A note such as Lanczos' "raise `tol`" reaches the user in the running command's spelling
+    (the same parameter is --eig-tol in eigen and --trace-tol in trace)."""
+    import typer.main
+
+    from sharpcli.cli.app import app
+    from sharpcli.cli.flags import spell_flags
+
+    group = typer.main.get_command(app)
+    context = type(group.make_context("sharp", [command, "--help"], resilient_parsing=True))
+    with context(
+        group.commands[command], parent=context(group, info_name="sharp"), info_name=command
+    ):
+        assert spell_flags("raise `tol` or `max_matvecs=5`") == expected

@@ -203,7 +203,9 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
         H, G = _dense(model, x, y, _token_mean)
     base = ["--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64"]
 
-    run = run_cli(capsys, "eigen", weights, *base, "--top-k", "2", "--tol", "1e-10", "--json", "-")
+    run = run_cli(
+        capsys, "eigen", weights, *base, "--top-k", "2", "--eig-tol", "1e-10", "--json", "-"
+    )
     assert run.code == 0, run.err
     report = run.json()
     assert report["data"]["loss"] == "token-cross-entropy"  # inferred from (N, T) labels
@@ -217,7 +219,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     assert run.code == 0, run.err
     assert run.json()["results"]["trace"]["estimate"] == pytest.approx(float(G.trace()), rel=1e-9)
 
-    run = run_cli(capsys, "gn-nme", weights, *base, "--max-matvecs", "40", "--json", "-")
+    run = run_cli(capsys, "gn-nme", weights, *base, "--trace-max-matvecs", "40", "--json", "-")
     assert run.code == 0, run.err
     res = run.json()["results"]
     h, g, n = (res[op]["trace"]["estimate"] for op in ("hessian", "ggn", "nme"))

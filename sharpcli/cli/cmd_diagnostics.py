@@ -107,7 +107,7 @@ def _render_activation_stats(console, result) -> None:
     summary["input-output Jacobian ||dp/dx||_F"] = result.input_jacobian_fro_softmax
     console.print(key_value_table("output", summary))
     for note in result.notes:
-        console.print(f"note: {note}", markup=False)
+        common.print_note(console, note)
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
@@ -398,4 +398,4 @@ def _render_bound_check(console, result) -> None:
             )
         )
     for note in result.notes:
-        console.print(f"note: {note}", markup=False)
+        common.print_note(console, note)

@@ -143,7 +143,7 @@ def eigen_command(
             f"{results['scope']['numel']} parameters"
         )
         for note in results.get("notes") or []:
-            console.print(f"note: {note}")
+            common.print_note(console, note)
 
     return common.Outcome(report, render)
 
@@ -211,7 +211,7 @@ def trace_command(
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
         for note in t.get("notes") or []:
-            console.print(f"note: {note}")
+            common.print_note(console, note)
 
     return common.Outcome(report, render)
 

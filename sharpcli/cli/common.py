@@ -27,7 +27,7 @@ from typer.core import TyperCommand, TyperGroup
 from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli import choices
-from sharpcli.cli.flags import to_cli_error
+from sharpcli.cli.flags import spell_flags, to_cli_error
 from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
 from sharpcli.report.envelope import dumps
 
@@ -334,7 +334,7 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
             with console.capture() as captured:  # rich exits 1 on a closed pipe: write it here
                 outcome.render(console)
                 for note in scope_notes(outcome.report.get("results")):
-                    console.print(f"note: {note}", markup=False)
+                    print_note(console, note)
                 plot = written_plot(outcome.report)
                 if plot:
                     console.print(f"plot written to {plot}", markup=False)
@@ -679,4 +679,10 @@ def print_notes(notes: list[str], quiet: bool) -> None:
     if quiet or not distributed.is_main_process():
         return
     for note in notes:
-        print(f"sharp: note: {' '.join(note.split())}", file=sys.stderr)
+        print(f"sharp: note: {' '.join(spell_flags(note).split())}", file=sys.stderr)
+
+
+def print_note(console, note: str) -> None:
+    """``note: ...`` under a table: the library's `name` references spelled as this command's
+    flags, printed as plain text (a note may hold brackets that are not rich markup)."""
+    console.print(f"note: {spell_flags(note)}", markup=False)

@@ -139,3 +139,11 @@ def to_cli_error(err: SharpError, command_name: str | None = None) -> SharpError
         err.message = message
         err.args = (message,)
     return err
+
+
+def spell_flags(text: str) -> str:
+    """``text`` (a note, a message) with its `name` references spelled as the running command's
+    flags, as :func:`to_cli_error` does for errors."""
+    if "`" not in text:
+        return text
+    return FlagSpelling(*_running_commands(None)).text(text)
