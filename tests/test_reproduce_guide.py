@@ -4,7 +4,7 @@ Every command of the page runs in order (``python -m sharpcli`` subprocesses in 
 the fixture script writing the digits file), each exits as documented, every report
 validates against the schema, and the relation each claim's verdict states is asserted on
 the ``--json`` reports, for the built-in ``blobs`` and for the real ``digits`` data (slow:
-about 6-8 minutes on 2 cores). A file of its own, so that ``pytest --dist loadfile`` runs it
+about 5 CPU minutes, one subprocess at a time). A file of its own, so that ``pytest --dist loadfile`` runs it
 beside ``tests/test_docs.py``. The page parser is ``docs/reproduce/run_guide.py``.
 """
 

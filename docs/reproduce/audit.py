@@ -81,7 +81,7 @@ class Row:
         return f"{self.sharp:.6g} vs {self.independent:.6g}, rel {self.error:.0e}"
 
 
-def scalar_row(item, paper, quantity, a, b, tol=1e-10) -> Row:
+def scalar_row(item, paper, quantity, a, b, tol=1e-12) -> Row:
     """Two numbers, relative difference."""
     a, b = float(a), float(b)
     return Row(item, paper, quantity, a, b, abs(a - b) / max(abs(b), 1e-300), tol)
@@ -137,15 +137,15 @@ def act_fn(activation: str):
     return lambda u: u * 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0)))
 
 
-def forward(theta, x, activation, masks=None):
-    """Logits and the hidden representations ``h_1..h_depth`` of the functional MLP;
-    ``masks`` (one per hidden layer) are applied after each activation (inverted dropout)."""
+def forward(theta, x, activation, dropout=0.0):
+    """Logits and the hidden representations ``h_1..h_depth`` of the functional MLP; with
+    ``dropout > 0``, inverted dropout (``F.dropout``, global RNG) after each activation."""
     params, hidden, h = unflatten(theta), [], x
     phi = act_fn(activation)
     for i in range(DEPTH):
         h = phi(h @ params[2 * i].T + params[2 * i + 1])
-        if masks is not None:
-            h = h * masks[i]
+        if dropout > 0:
+            h = F.dropout(h, dropout, training=True)
         hidden.append(h)
     return h @ params[-2].T + params[-1], hidden
 
@@ -246,7 +246,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
         value, pg = step.penalty("gp:rho=0.1,p=1")
         rows.append(
             vec_row("gp p=1" + tag, "NME eq. 7-8", "gradient rho H g/‖g‖", pg,
-                    0.1 * H @ g / g.norm(), 1e-10)
+                    0.1 * H @ g / g.norm(), 1e-12)
         )  # fmt: skip
         return rows
 
@@ -266,7 +266,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
     rows.append(scalar_row("ad", "AD Thm 2", "value s^2/2 mean ‖h^(L-1)‖^2", value,
                     float(ad_penalty(theta))))  # fmt: skip
     rows.append(vec_row("ad", "AD Thm 2", "gradient (autograd of the value)", pg,
-                        func_grad(ad_penalty)(theta), 1e-10))  # fmt: skip
+                        func_grad(ad_penalty)(theta), 1e-12))  # fmt: skip
 
     # dropout: placement after every hidden activation (AD sec. 4.2: "on intermediate layers")
     p = 0.3
@@ -274,13 +274,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
     torch.manual_seed(11)
     z_sharp = net(x)
     torch.manual_seed(11)
-    masks = [None] * DEPTH
-    z_hand, h = None, x
-    params = unflatten(theta)
-    for i in range(DEPTH):
-        h = F.dropout(act_fn(activation)(h @ params[2 * i].T + params[2 * i + 1]), p, True)
-    z_hand = h @ params[-2].T + params[-1]
-    del masks
+    z_hand = forward(theta, x, activation, dropout=p)[0]
     rows.append(vec_row("dropout", "AD sec. 4.2", "train-mode logits, masks after each hidden "
                         "activation", z_sharp.detach(), z_hand, 1e-14))  # fmt: skip
 
@@ -291,7 +285,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
         rows.append(scalar_row(f"gp p={power}", "NME eq. 7", f"value rho ‖g‖^{power}", value,
                         float(rho * g.norm() ** power)))  # fmt: skip
         rows.append(vec_row(f"gp p={power}", "NME eq. 8", "gradient rho p ‖g‖^(p-2) H g",
-                            pg, want, 1e-10))  # fmt: skip
+                            pg, want, 1e-12))  # fmt: skip
     _, pg = step.penalty("gp:rho=0.1,p=1,mode=fd")
     rows.append(vec_row("gp mode=fd", "NME eq. 8", "gradient vs exact H g (central fd)", pg,
                         0.1 * H @ g / g.norm(), 1e-5))  # fmt: skip
@@ -307,7 +301,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
                     float(0.1 * v @ H @ v)))  # fmt: skip
     want = 0.1 * func_grad(quad)(theta)
     rows.append(vec_row("hessian-trace exact", "NME eq. 19", "gradient 0.1 D^3L[v,v,.]", pg,
-                        want, 1e-10))  # fmt: skip
+                        want, 1e-12))  # fmt: skip
     value, pg = step.penalty("hessian-trace:sigma2=0.1,mode=fd")
     # O(eps^2) truncation: 7.7e-4 at eps = 0.1 here, 1.9e-4 at 0.05 (docstring of HessianTrace)
     rows.append(vec_row("hessian-trace fd", "NME eq. 19", "gradient vs exact (eps 0.1)", pg,
@@ -323,7 +317,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
     rows.append(scalar_row("gn-trace", "NME eq. 20", "value 0.1 B ‖grad Lhat‖^2", value,
                     float(0.1 * BATCH * g_hat @ g_hat)))  # fmt: skip
     rows.append(vec_row("gn-trace", "NME eq. 20", "gradient 0.2 B H_hat grad Lhat", pg,
-                        0.2 * BATCH * hessian(f_hat, theta) @ g_hat, 1e-10))  # fmt: skip
+                        0.2 * BATCH * hessian(f_hat, theta) @ g_hat, 1e-12))  # fmt: skip
     rows.append(_gn_trace_expectation(step, theta, x, activation))
 
     # fa: lambda ||H v||^2 / B
@@ -334,7 +328,7 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
     rows.append(scalar_row("fa", "FA eq. 1", "value 0.1 ‖H v‖^2 / B", value,
                     float(0.1 * (H @ v).square().sum() / BATCH)))  # fmt: skip
     want = 0.1 / BATCH * func_grad(hv_sq)(theta)
-    rows.append(vec_row("fa", "FA eq. 1", "gradient 0.1/B grad ‖H v‖^2", pg, want, 1e-10))
+    rows.append(vec_row("fa", "FA eq. 1", "gradient 0.1/B grad ‖H v‖^2", pg, want, 1e-12))
     _, pg = step.penalty("fa:lambda=0.1,mode=fd")
     rows.append(vec_row("fa mode=fd", "FA eq. 1", "gradient vs exact (eps auto)", pg, want, 1e-3))
 
@@ -474,7 +468,7 @@ def _spectrum_rows(workdir, common, thetas, x, y) -> list[Row]:
                     "exact tr(G) vs explicit",
                     res["ggn_trace_check"]["exact"],
                     torch.trace(G),
-                    1e-10,
+                    1e-12,
                 )
             )
             h = res["hessian"]
@@ -511,7 +505,7 @@ def _bound_rows(workdir, common, theta, x, y) -> list[Row]:
         scalar_row("bound-check", "AD Fig. 1a", "plain_lambda_max of 4.weight",
                    row["plain_lambda_max"], torch.linalg.eigvalsh(block)[-1], 1e-6),
         scalar_row("bound-check", "AD Cor. 1", "epsilon = ‖grad L‖ over 4.weight",
-                   res["epsilon_full"], g[start : start + last].norm(), 1e-10),
+                   res["epsilon_full"], g[start : start + last].norm(), 1e-12),
         scalar_row("bound-check", "AD Cor. 1 eq. 1", "bound H erf(eps/(sqrt2 H sigma))",
                    row["bound"],
                    row["H"] * math.erf(row["epsilon"] / (math.sqrt(2) * row["H"] * sigma)), 1e-12),
@@ -523,10 +517,10 @@ def _bound_rows(workdir, common, theta, x, y) -> list[Row]:
     p = torch.softmax(z, dim=1)
     t2 = res["theorem2"][0]
     rows.append(scalar_row("bound-check", "AD Thm 2", "bound mean CE + s^2/2 ‖h‖^2",
-                           t2["bound"], (ce + sigma**2 / 2 * h_sq).mean(), 1e-10))  # fmt: skip
+                           t2["bound"], (ce + sigma**2 / 2 * h_sq).mean(), 1e-12))  # fmt: skip
     taylor = ce + sigma**2 / 2 * h_sq * (p * (1 - p)).sum(dim=1)
     rows.append(scalar_row("bound-check", "AD Thm 3", "Taylor CE + s^2/2 ‖h‖^2 sum p(1-p)",
-                           t2["taylor"], taylor.mean(), 1e-10))  # fmt: skip
+                           t2["taylor"], taylor.mean(), 1e-12))  # fmt: skip
     # smoothed CE: D h ~ N(0, s^2 ||h||^2 I) for D with N(0, s^2) entries; own antithetic MC
     gen = torch.Generator().manual_seed(1)
     xi = torch.randn(512, *z.shape, generator=gen, dtype=torch.float64)
@@ -579,7 +573,7 @@ def _rescale_rows(workdir, common, theta, x, y) -> list[Row]:
             layer["rows"][0]["max_logit_change"], float(logit_change),
             abs(layer["rows"][0]["max_logit_change"] - float(logit_change)), 1e-9, "abs"),
         scalar_row("weight-rescale", "MAN Fig. 1", "global x10: loss L(10 theta)",
-                   glob["rows"][0]["loss"], f(10 * theta), 1e-10),
+                   glob["rows"][0]["loss"], f(10 * theta), 1e-12),
         scalar_row("weight-rescale", "MAN Fig. 1", "global x10: lambda_max",
                    glob["rows"][0]["lambda_max"],
                    torch.linalg.eigvalsh(hessian(f, 10 * theta))[-1], 1e-5),
