@@ -58,7 +58,8 @@ FORBIDDEN = [
     re.compile(r"\b(?:" + "|".join(_PAPER_FILES) + r")\.t" + "xt"),
 ]
 _DESIGN_WORD = re.compile(rf"\b{_DESIGN_DOC}\b")
-_PLACEHOLDER = re.compile(r"--[\w-]+[ =]$")  # "--data X": X names an option's value
+# "--data X" or metavar="X": X names an option's value
+_PLACEHOLDER = re.compile(r'(?:--[\w-]+[ =]|metavar=")$')
 
 
 def points_outside(line: str) -> bool:
