@@ -853,6 +853,14 @@ class _AscentOracle(Oracle):
         return clean, at_perturbed.grads
 
 
+def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
+    """``rho / max(norm, tiny)`` as a 0-dim tensor (``tiny`` the smallest normal number of
+    its dtype, 1.2e-38 in float32): ``rho / norm`` for every norm above it, and a zero
+    perturbation when ``norm == 0`` (every entry is then 0), without reading the norm back
+    to the host. A NaN norm stays NaN (the step's finiteness check reports it)."""
+    return rho / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+
+
 class SAM(_AscentOracle):
     """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), [SAM] as
     written in [NME] eq. 42.
@@ -867,10 +875,7 @@ class SAM(_AscentOracle):
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
-        norm = global_norm(grads)
-        if float(norm) == 0.0:
-            return [torch.zeros_like(g) for g in grads]
-        return [self.params["rho"] * g / norm for g in grads]
+        return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
 
 
 class USAM(_AscentOracle):
@@ -914,12 +919,10 @@ class ASAM(_AscentOracle):
     def perturbation(self, params, grads):
         scales = self.scales(params)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
-        norm = global_norm(scaled)
-        if float(norm) == 0.0:
-            return [torch.zeros_like(g) for g in grads]
-        return [
-            self.params["rho"] * (s if t is None else t * s) / norm for t, s in zip(scales, scaled)
-        ]
+        factor = _radius_over(self.params["rho"], global_norm(scaled))
+        return torch._foreach_mul(
+            [s if t is None else t * s for t, s in zip(scales, scaled)], factor
+        )
 
 
 _REPORT = HyperParam(
@@ -1040,8 +1043,9 @@ class NSO(Oracle):
             penalties={
                 name: sum(r.penalties[name] for r in passes) / n for name in passes[0].penalties
             },
-            correct=passes[0].correct,
             grads=None,
+            logits=passes[0].logits,  # the accuracy of the pass at theta + U_1
+            labels=passes[0].labels,
         )
         return mean, grads
 
@@ -1253,7 +1257,8 @@ def training_step(
     validate_combination(regs)
     penalties = [r for r in regs if r.kind == "penalty"]
     oracles = [r for r in regs if r.kind == "oracle"]
-    engine = StepEngine(model, x, y, loss_name, penalties, generator)
+    single_pass = not oracles and not any(p.has_extra_passes for p in penalties)
+    engine = StepEngine(model, x, y, loss_name, penalties, generator, single_pass=single_pass)
     try:
         if oracles:
             reported, grads = oracles[0].gradient(engine)
@@ -1262,12 +1267,6 @@ def training_step(
             grads = reported.grads
     finally:
         engine.finish()
+    stats = engine.stats(reported, int(x.shape[0]))  # the step's one read-back; raises on NaN
     engine.write_grads(grads)
-    return StepStats(
-        loss=float(reported.loss),
-        objective=float(reported.objective),
-        correct=int(reported.correct),
-        count=int(x.shape[0]),
-        grad_evals=int(engine.grad_evals),
-        penalties={k: float(v) for k, v in reported.penalties.items()},
-    )
+    return stats
