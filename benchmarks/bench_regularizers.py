@@ -139,16 +139,16 @@ def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dic
 #: evaluations (see :func:`floor_steps`). Unlisted specs take the floor of their name.
 FLOOR_OF: dict[str, str] = {
     "none": "plain",
-    "wd": "plain",
-    "ad": "plain",
+    "wd": "wd",
+    "ad": "ad",
     "dropout": "plain",
-    "weight-noise": "plain",
-    "weight-noise:report=clean": "plain",
+    "weight-noise": "noise",
+    "weight-noise:report=clean": "noise",
     "sam": "sam",
     "usam": "sam",
     "asam": "sam",
-    "nso": "sam",
-    "nso:report=clean": "sam",
+    "nso": "noise-pair",
+    "nso:report=clean": "noise-pair",
     "gp": "double-backward",
     "gn-trace": "double-backward",
     "gp:mode=fd": "fd-3",
@@ -170,6 +170,12 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
     """Hand-written minimal steps (plain torch, no sharpcli), one per cost structure:
 
     - ``plain``: ``loss.backward(); optimizer.step()`` (1 gradient evaluation);
+    - ``wd``: the same with ``sigma^2/2 ||theta||^2`` added to the loss (1);
+    - ``ad``: the same with ``sigma^2/2`` times the mean squared norm of the head's input
+      (a forward hook) added to the loss (1);
+    - ``noise``: one flat Gaussian draw ``U``, weights moved by ``U``, the gradient there,
+      moved back by subtracting ``U`` (WP-SGD; 1);
+    - ``noise-pair``: the gradients at ``theta + U`` and ``theta - U``, averaged (NSO, k = 1: 2);
     - ``sam``: SAM as in its paper [SAM] (Foret et al. 2021, Algorithm 1): gradient, ascent
       step ``e = rho g / ||g||`` (one fused norm), gradient at ``theta + e``, weights restored
       by subtracting ``e``, optimizer step (2 evaluations);
@@ -186,6 +192,10 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
 
     params = [p for p in model.parameters() if p.requires_grad]
     batch = x.shape[0]
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    captured = {}
+    head.register_forward_pre_hook(lambda module, inputs: captured.__setitem__("h", inputs[0]))
+    total = sum(p.numel() for p in params)
 
     def loss_at():
         return F.cross_entropy(model(x), y)
@@ -193,6 +203,41 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
     def plain():
         optimizer.zero_grad(set_to_none=True)
         loss_at().backward()
+        optimizer.step()
+
+    def wd():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        (loss + 0.5 * 1e-6 * torch.stack(torch._foreach_norm(params)).square().sum()).backward()
+        optimizer.step()
+
+    def ad():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        h = captured["h"]
+        (loss + 0.5 * 0.01 * h.reshape(batch, -1).pow(2).sum(dim=1).mean()).backward()
+        optimizer.step()
+
+    def noise_draw():
+        flat = torch.empty(total).normal_().mul_(0.01)
+        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+
+    def noise():
+        optimizer.zero_grad(set_to_none=True)
+        u = noise_draw()
+        with torch.no_grad():
+            torch._foreach_add_(params, u)
+        loss_at().backward()
+        with torch.no_grad():
+            torch._foreach_sub_(params, u)
+        optimizer.step()
+
+    def noise_pair():
+        optimizer.zero_grad(set_to_none=True)
+        u = noise_draw()
+        plus, minus = gradients_at([u, torch._foreach_neg(u)])
+        for p, a, b in zip(params, plus, minus):
+            p.grad = (a + b) / 2
         optimizer.step()
 
     def sam():
@@ -256,6 +301,10 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
 
     return {
         "plain": plain,
+        "wd": wd,
+        "ad": ad,
+        "noise": noise,
+        "noise-pair": noise_pair,
         "sam": sam,
         "double-backward": double_backward,
         "fd-3": fd(3),

@@ -604,12 +604,11 @@ class HessianTrace(Penalty):
                 plus = engine.loss_gradient()
             with engine.perturbed(torch._foreach_neg(step)):
                 minus = engine.loss_gradient()
-            value = value + sum((a * (b - c)).sum() for a, b, c in zip(v, plus, minus)) / (2 * s)
+            value = value + _dot(v, torch._foreach_sub(plus, minus)) / (2 * s)
             if want_grad:
                 # (g+ - g0) + (g- - g0): each difference of nearby values is exact in floating point
-                second = torch._foreach_add(
-                    torch._foreach_sub(plus, g0), torch._foreach_sub(minus, g0)
-                )
+                second = torch._foreach_sub(plus, g0)
+                torch._foreach_add_(second, torch._foreach_sub(minus, g0))
                 torch._foreach_add_(curvature, second, alpha=1.0 / s**2)
         grad = torch._foreach_mul(curvature, sigma2 / m) if want_grad else None
         return sigma2 * value / m, grad
@@ -808,7 +807,7 @@ class FlatnessAware(Penalty):
         with engine.perturbed(torch._foreach_neg(step_v)):
             g_minus = engine.loss_gradient()
         u = torch._foreach_mul(torch._foreach_sub(g_plus, g_minus), 0.5 / s)  # H v + O(h^2)
-        value = lam * sum((x * x).sum() for x in u) / batch
+        value = lam * _dot(u, u) / batch
         if not want_grad:
             return value, None
         u_norm = float(global_norm(u))
@@ -851,6 +850,12 @@ class _AscentOracle(Oracle):
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
         return clean, at_perturbed.grads
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_t <a_t, b_t>`` over two lists of like-shaped tensors, as a 0-dim tensor (one fused
+    elementwise product, one sum per tensor)."""
+    return torch.stack([t.sum() for t in torch._foreach_mul(list(a), list(b))]).sum()
 
 
 def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:

@@ -91,11 +91,12 @@ class StepStats:
 def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``tensors`` (consecutive slices in order), moved to each
     tensor's device."""
-    out, start = [], 0
-    for t in tensors:
-        n = t.numel()
-        out.append(flat[start : start + n].view(t.shape).to(device=t.device, dtype=t.dtype))
-        start += n
+    out = []
+    for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
+        piece = piece.view(t.shape)
+        if piece.device != t.device or piece.dtype != t.dtype:
+            piece = piece.to(device=t.device, dtype=t.dtype)
+        out.append(piece)
     return out
 
 
