@@ -508,8 +508,9 @@ class HessianTrace(Penalty):
       its single-probe values 1.6-4x the exact ones.
       ``eps`` is then part of the regularizer's definition, not a numerical knob.
 
-    fd is the default because exact third-order autograd costs about 5x a plain step
-    and misses the <= 4x budget (docs/benchmarks.md, "Training regularizers").
+    fd is the default because exact third-order autograd costs about 6x a plain step (a
+    GELU MLP; 4.6x on the small CNN) and misses the <= 4x budget (docs/benchmarks.md,
+    "Training regularizers").
     Accuracy on smooth nets (relative error of the penalty gradient against float64 exact
     autograd, same probe): float32 gradients carry rounding noise of relative size ~1e-7 that
     the division by ``s^2`` amplifies as ``1/eps^2``, while truncation grows as ``eps^2``. On
@@ -696,8 +697,9 @@ class FlatnessAware(Penalty):
     with ``v`` and ``H v``). The two modes compute different things on piecewise-linear nets:
 
     - ``mode=exact`` (default), *the FA penalty*: ``H v`` by double backward with graph
-      and a third backward, exact to rounding: 1 + 2 + 4 = **7** evaluations (about 4.3x a
-      plain step in process, docs/benchmarks.md; the FA paper reports about 38x for its
+      and a third backward, exact to rounding: 1 + 2 + 4 = **7** evaluations (about 6x a
+      plain step on a GELU MLP and 4.6x on the small CNN in process, the cost of a
+      hand-written third-order step, docs/benchmarks.md; the FA paper reports about 38x for its
       exact penalty). Memory: the third-order graph, about three forward graphs.
     - ``mode=fd``, *a finite-difference penalty*: central differences of ``grad L`` (``g``)
       with no higher-order graph (the memory of a plain backward). Steps ``s = h/||v||``
