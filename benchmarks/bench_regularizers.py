@@ -25,8 +25,10 @@ Usage (the defaults are those of docs/benchmarks.md, "Training regularizers")::
 Prints a Markdown table and the exact ``sharp train`` command line of each run.
 
 ``--in-process`` instead times ``training_step`` + ``optimizer.step`` per step inside one
-process (public library API), the regularizers interleaved every 20 steps: much less
-noisy on a shared machine, but without data loading and evaluation.
+process (public library API) in CPU time, against hand-written floors doing the same
+gradient evaluations (a plain ``loss.backward(); optimizer.step()``, a minimal SAM step, ...:
+:func:`floor_steps`), every contender interleaved every 20 steps: much less noisy on a
+shared machine, but without data loading and evaluation.
 """
 
 from __future__ import annotations
@@ -133,11 +135,191 @@ def run_once(args: argparse.Namespace, reg: str, out_dir: Path, tag: str) -> dic
     }
 
 
+#: Hand-written floor of each regularizer: the minimal step doing the same gradient
+#: evaluations (see :func:`floor_steps`). Unlisted specs take the floor of their name.
+FLOOR_OF: dict[str, str] = {
+    "none": "plain",
+    "wd": "wd",
+    "ad": "ad",
+    "dropout": "plain",
+    "weight-noise": "noise",
+    "weight-noise:report=clean": "noise",
+    "sam": "sam",
+    "usam": "sam",
+    "asam": "sam",
+    "nso": "noise-pair",
+    "nso:report=clean": "noise-pair",
+    "gp": "double-backward",
+    "gn-trace": "double-backward",
+    "gp:mode=fd": "fd-3",
+    "hessian-trace": "fd-3",
+    "fa": "third-order",
+    "fa:mode=exact": "third-order",
+    "hessian-trace:mode=exact": "third-order",
+    "fa:mode=fd": "fd-7",
+}
+
+#: Budgets against plain training (in-process step time / plain hand-written step).
+PLAIN_TARGETS: dict[str, float] = {"fa": 4.0}
+
+#: Budget of every regularizer against its hand-written floor.
+FLOOR_TARGET = 1.1
+
+
+def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> dict:
+    """Hand-written minimal steps (plain torch, no sharpcli), one per cost structure:
+
+    - ``plain``: ``loss.backward(); optimizer.step()`` (1 gradient evaluation);
+    - ``wd``: the same with ``sigma^2/2 ||theta||^2`` added to the loss (1);
+    - ``ad``: the same with ``sigma^2/2`` times the mean squared norm of the head's input
+      (a forward hook) added to the loss (1);
+    - ``noise``: one flat Gaussian draw ``U``, weights moved by ``U``, the gradient there,
+      moved back by subtracting ``U`` (WP-SGD; 1);
+    - ``noise-pair``: the gradients at ``theta + U`` and ``theta - U``, averaged (NSO, k = 1: 2);
+    - ``sam``: SAM as in its paper [SAM] (Foret et al. 2021, Algorithm 1): gradient, ascent
+      step ``e = rho g / ||g||`` (one fused norm), gradient at ``theta + e``, weights restored
+      by subtracting ``e``, optimizer step (2 evaluations);
+    - ``double-backward``: ``g = grad L`` with ``create_graph``, backward of
+      ``L + rho ||g||`` (the gradient penalty: 1 + 2 = 3 evaluations);
+    - ``fd-3``: ``grad L`` and two gradients at ``theta +- s v`` (a central difference along a
+      Rademacher ``v``: 3 evaluations);
+    - ``third-order``: ``g`` with graph, ``H v`` with graph, backward of
+      ``L + lambda ||H v||^2 / B`` (1 + 2 + 4 = 7 evaluations);
+    - ``fd-7``: seven plain gradients at seven points (7 evaluations).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = x.shape[0]
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    captured = {}
+    head.register_forward_pre_hook(lambda module, inputs: captured.__setitem__("h", inputs[0]))
+    total = sum(p.numel() for p in params)
+
+    def loss_at():
+        return F.cross_entropy(model(x), y)
+
+    def plain():
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        optimizer.step()
+
+    def wd():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        (loss + 0.5 * 1e-6 * torch.stack(torch._foreach_norm(params)).square().sum()).backward()
+        optimizer.step()
+
+    def ad():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        h = captured["h"]
+        (loss + 0.5 * 0.01 * h.reshape(batch, -1).pow(2).sum(dim=1).mean()).backward()
+        optimizer.step()
+
+    def noise_draw():
+        flat = torch.empty(total).normal_().mul_(0.01)
+        return [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+
+    def noise():
+        optimizer.zero_grad(set_to_none=True)
+        u = noise_draw()
+        with torch.no_grad():
+            torch._foreach_add_(params, u)
+        loss_at().backward()
+        with torch.no_grad():
+            torch._foreach_sub_(params, u)
+        optimizer.step()
+
+    def noise_pair():
+        optimizer.zero_grad(set_to_none=True)
+        u = noise_draw()
+        plus, minus = gradients_at([u, torch._foreach_neg(u)])
+        for p, a, b in zip(params, plus, minus):
+            p.grad = (a + b) / 2
+        optimizer.step()
+
+    def sam():
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        with torch.no_grad():
+            grads = [p.grad for p in params]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            e = torch._foreach_mul(grads, rho / (norm + 1e-12))
+            torch._foreach_add_(params, e)
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        with torch.no_grad():
+            torch._foreach_sub_(params, e)
+        optimizer.step()
+
+    def double_backward():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        g = torch.autograd.grad(loss, params, create_graph=True)
+        (loss + rho * torch.sqrt(sum((t * t).sum() for t in g))).backward()
+        optimizer.step()
+
+    def gradients_at(deltas):
+        out = []
+        for d in deltas:
+            with torch.no_grad():
+                torch._foreach_add_(params, d)
+            out.append(torch.autograd.grad(loss_at(), params))
+            with torch.no_grad():
+                torch._foreach_sub_(params, d)
+        return out
+
+    def rademacher():
+        return [torch.randint(0, 2, p.shape, dtype=p.dtype).mul_(2).sub_(1) for p in params]
+
+    def fd(points: int):
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss_at().backward()
+            v = torch._foreach_mul(rademacher(), eps / 100.0)
+            signs = [1.0 if k % 2 == 0 else -1.0 for k in range(points - 1)]
+            diffs = gradients_at([torch._foreach_mul(v, s) for s in signs])
+            with torch.no_grad():
+                for g in diffs:
+                    torch._foreach_add_([p.grad for p in params], g, alpha=1e-6)
+            optimizer.step()
+
+        return step
+
+    def third_order():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_at()
+        g = torch.autograd.grad(loss, params, create_graph=True)
+        v = rademacher()
+        hv = torch.autograd.grad(
+            sum((a * b).sum() for a, b in zip(g, v)), params, create_graph=True
+        )
+        (loss + 0.01 * sum((h * h).sum() for h in hv) / batch).backward()
+        optimizer.step()
+
+    return {
+        "plain": plain,
+        "wd": wd,
+        "ad": ad,
+        "noise": noise,
+        "noise-pair": noise_pair,
+        "sam": sam,
+        "double-backward": double_backward,
+        "fd-3": fd(3),
+        "third-order": third_order,
+        "fd-7": fd(7),
+    }
+
+
 def in_process(args: argparse.Namespace) -> str:
-    """Per-step cost inside one process: ``training_step`` + ``optimizer.step`` on one fixed
-    batch, regularizers interleaved in rounds of 20 steps (so load drifts hit all alike),
-    median per-step time over ``7 * reps`` rounds. Cheaper and far less noisy than whole
-    processes on a loaded machine; it leaves out data loading and evaluation."""
+    """Per-step CPU time inside one process: ``training_step`` + ``optimizer.step`` on one
+    fixed batch, against hand-written floors (:func:`floor_steps`) doing the same gradient
+    evaluations. Every contender (regularizers and floors) runs in rounds of 20 steps,
+    interleaved, so load drifts hit all alike; the median per-step ``time.process_time``
+    over ``7 * reps`` rounds. Cheaper and far less noisy than whole processes on a loaded
+    machine; it leaves out data loading and evaluation."""
     import torch
 
     from sharpcli.io.datasets import load_dataset
@@ -162,34 +344,68 @@ def in_process(args: argparse.Namespace) -> str:
     model = build_model({"name": args.model, "args": model_args})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     generator = torch.Generator().manual_seed(args.seed)
-    specs = ["none", *args.regs]
+    specs = ["none", *[s for s in args.regs if s != "none"]]
     regs = {spec: [parse_reg(spec)] for spec in specs}
+    floors = floor_steps(model, x, y, optimizer)
+    floor_of = {
+        spec: FLOOR_OF.get(spec, FLOOR_OF.get(spec.split(":")[0], "plain")) for spec in specs
+    }
+    used_floors = [f for f in floors if f == "plain" or f in floor_of.values()]
+    evals: dict[str, int] = {}
 
-    def steps(spec: str, n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            training_step(model, x, y, "cross-entropy", regs[spec], generator)
+    def reg_step(spec: str):
+        def step():
+            evals[spec] = training_step(
+                model, x, y, "cross-entropy", regs[spec], generator
+            ).grad_evals
             optimizer.step()
-        return (time.perf_counter() - start) / n
 
-    for spec in specs:
-        steps(spec, 5)  # warm-up
-    times: dict[str, list[float]] = {spec: [] for spec in specs}
+        return step
+
+    contenders = {**{f"floor:{f}": floors[f] for f in used_floors}}
+    contenders.update({spec: reg_step(spec) for spec in specs})
+
+    def steps(fn, n: int) -> float:
+        start = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - start) / n
+
+    for fn in contenders.values():
+        steps(fn, 5)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(7 * args.reps):
-        for spec in specs:
-            times[spec].append(steps(spec, 20))
-    base = statistics.median(times["none"])
+        for name, fn in contenders.items():
+            times[name].append(steps(fn, 20))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    plain = med["floor:plain"]
+    params = sum(p.numel() for p in model.parameters())
     lines = [
-        "| regularizer | median ms/step | ratio to none | target | met |",
-        "|---|---:|---:|---:|---|",
+        f"Model `{args.model}` ({params:,} parameters), batch {x.shape[0]} of `{args.data}`; "
+        f"CPU time per step (`time.process_time`), median of {7 * args.reps} rounds of 20 "
+        "steps, every contender interleaved.",
+        "",
+        "| step | grad evals | median ms/step | floor | ratio to floor | ratio to plain | "
+        "target | met |",
+        "|---|---:|---:|---|---:|---:|---|---|",
     ]
-    for spec in specs:
-        med = statistics.median(times[spec])
-        target = TARGETS.get(spec)
-        met = "" if target is None else ("yes" if med / base <= target else "**no**")
+    for f in used_floors:
         lines.append(
-            f"| `{spec}` | {med * 1e3:.2f} | {med / base:.2f}x | "
-            f"{'' if target is None else f'<= {target:g}x'} | {met} |"
+            f"| floor `{f}` (hand-written) |  | {med['floor:' + f] * 1e3:.3f} |  |  | "
+            f"{med['floor:' + f] / plain:.2f}x |  |  |"
+        )
+    for spec in specs:
+        floor = floor_of[spec]
+        to_floor = med[spec] / med["floor:" + floor]
+        to_plain = med[spec] / plain
+        checks = [f"<= {FLOOR_TARGET:g}x floor"]
+        ok = to_floor <= FLOOR_TARGET
+        if spec in PLAIN_TARGETS:
+            checks.append(f"<= {PLAIN_TARGETS[spec]:g}x plain")
+            ok = ok and to_plain <= PLAIN_TARGETS[spec]
+        lines.append(
+            f"| `{spec}` | {evals[spec]} | {med[spec] * 1e3:.3f} | `{floor}` | {to_floor:.2f}x | "
+            f"{to_plain:.2f}x | {', '.join(checks)} | {'yes' if ok else '**no**'} |"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ import contextlib
 import fnmatch
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -74,6 +75,51 @@ def test_help_version_and_usage_errors_import_no_torch_pandas_or_matplotlib():
         )
         if code == 0:
             assert printed > 0, argv
+
+
+_CURVATURE_IMPORTS = r"""
+import contextlib, io, json, sys
+import torch
+from sharpcli.cli.app import main
+from sharpcli.io.checkpoints import save_checkpoint
+from sharpcli.models import build_model
+
+spec = {"name": "mlp", "args": {"in_features": 2, "num_classes": 3, "depth": 1, "width": 8,
+                                "activation": "gelu"}}
+torch.manual_seed(0)
+save_checkpoint(sys.argv[1], build_model(spec), spec, data_spec="blobs:n=60,dim=2,classes=3")
+seen = {}
+for command in ("eigen", "trace"):
+    report = sys.argv[1] + "." + command + ".json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main([command, sys.argv[1], "-q", "--json", report])
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+    heavy = [m for m in ("pandas", "pyarrow", "sympy") if m in sys.modules]
+    seen[command] = [json.load(open(report))["results"], heavy]
+print(json.dumps(seen))
+"""
+
+
+def test_curvature_commands_import_no_pandas_pyarrow_or_sympy(tmp_path):
+    """``eigen`` and ``trace`` on built-in data import neither pandas/pyarrow (only tables
+    need them) nor sympy (torch imports it for ``autograd.grad(..., grad_outputs=...)``,
+    which the products avoid on CPU): about 1 s of start-up (docs/benchmarks.md,
+    "Start-up"). ``gn-nme``'s sampled-label trace still meets sympy through ``torch.func``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CURVATURE_IMPORTS, str(tmp_path / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout)
+    for command, (results, heavy) in seen.items():
+        assert heavy == [], (command, heavy)
+    assert seen["eigen"][0]["eigenvalues"][0] > 0
+    assert seen["trace"][0]["trace"]["estimate"] > 0
 
 
 def test_builtin_option_helps_equal_the_registries():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from sharpcli.errors import UsageError
+from sharpcli.errors import NumericalError, UsageError
 from sharpcli.training import regularizers as R
 from sharpcli.training.regularizers import (
     REGISTRY,
@@ -618,6 +618,49 @@ def test_step_stats_report_clean_pass():
     stats = step(model, x, yr, ["none"], loss="mse")
     assert stats.correct == 0
     assert stats.loss == pytest.approx(float(F.mse_loss(z, yr)), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- non-finite objectives, zero gradients
+def test_non_finite_objective_raises_and_leaves_no_gradient():
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(NumericalError, match=r"objective became nan \(regularizers: wd\)"):
+        step(model, x, y, ["wd"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_finite_objective_at_the_perturbed_pass_raises():
+    # finite at theta, but SAM's ascent step (rho = 1e300 overflows the float64 logits) is not:
+    # every pass of the step is checked, not only the reported one
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    with pytest.raises(NumericalError, match="objective became nan"):
+        step(model, x, y, ["sam:rho=1e300"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sam_with_a_zero_gradient_is_a_plain_step():
+    # zero weights and biases: the logits are 0 whatever x, and with these labels grad L = 0
+    # in the first layer; scale everything so the whole gradient vanishes exactly
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    x, _ = batch()
+    y = torch.tensor([0, 1, 2, 0, 1, 2])  # uniform softmax, balanced labels: mean gradient 0
+    stats = step(model, x, y, ["sam:rho=0.5"])
+    assert stats.grad_evals == 2
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    assert stats.loss == pytest.approx(math.log(3), rel=1e-12)
+
+
+def test_single_pass_engine_refuses_a_second_pass():
+    model, (x, y) = tiny_model(nn.GELU), batch()
+    engine = StepEngine(model, x, y, "cross-entropy", [], torch.Generator(), single_pass=True)
+    engine.evaluate(want_grad=True)
+    with pytest.raises(RuntimeError, match="single_pass"):
+        engine.evaluate(want_grad=True)
 
 
 # --------------------------------------------------------------------------- parsing and combinations

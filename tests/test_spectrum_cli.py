@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli, run_process
 from torch.func import functional_call, hessian
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
@@ -64,6 +64,24 @@ def test_eigen_matches_dense_hessian(tiny, capsys):
     assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
     assert all(report["results"]["converged"])
     assert report["timing"]["matvecs"] > 0 and report["checkpoint"]["sha256"]
+
+
+def test_timing_reports_startup_and_compute_apart(tiny):
+    """``timing.startup_seconds`` runs from the process start to the computation (interpreter,
+    CLI, torch and library imports), ``compute_seconds`` is the computation; ``seconds`` (the
+    command after option parsing) holds the computation and the imports on its way."""
+    path = tiny[0]
+    run = run_process("eigen", path, "--top-k", "1", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    timing = report["timing"]
+    assert 0 < timing["compute_seconds"] <= timing["seconds"]
+    # start-up includes the imports that `seconds` counts before the computation (10 ms: the
+    # resolution of the process start time), and torch's import alone takes longer than 0.1 s
+    imports = timing["seconds"] - timing["compute_seconds"]
+    assert timing["startup_seconds"] >= imports - 0.02
+    assert timing["startup_seconds"] > 0.1
 
 
 def test_trace_exact_ggn_and_hutchpp_within_stderr(tiny, capsys):

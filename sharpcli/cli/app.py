@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Annotated, Optional
 
 import typer
@@ -172,8 +173,12 @@ def _run_app(argv: list[str]) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, started: float | None = None) -> None:
     """Entry point of the ``sharp`` command (``sharpcli.__main__.main`` calls it).
+
+    ``started``: the ``time.perf_counter()`` reading at which the process started
+    (``sharpcli.__main__`` passes it), from which the report's ``timing.startup_seconds``
+    is counted; in-process callers leave it out and start-up counts from this call.
 
     SIGINT and SIGTERM are handled by :mod:`sharpcli.interrupts` (installed here when the
     caller has not: in-process callers get their handlers back on return). Under ``torchrun``
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     from sharpcli.cli.flags import to_cli_error
     from sharpcli.errors import SharpError
 
+    common.state()["started"] = time.perf_counter() if started is None else started
     installed_here = interrupts.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -104,6 +104,20 @@ def _write_columns(blocks: list, cols: slice, results: tuple) -> None:
         block[:, cols] = result
 
 
+def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
+    """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
+
+    Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
+    ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
+    module and with it sympy (about 0.6 s of a command's start-up) to compare shapes, and
+    the dot product costs one elementwise product and sum per output. The ``vectors`` must
+    not depend on ``inputs`` (they are constants of the product); ``kw`` goes to
+    ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
+    """
+    dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
+    return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)
+
+
 class CurvaturePass:
     """The engine behind every curvature operator: batched H, G (and H+G jointly) products.
 
@@ -171,9 +185,10 @@ class CurvaturePass:
                 raise NumericalError(
                     f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
                 )
-            (gz,) = torch.autograd.grad(loss_b, z, create_graph=True)
-            grads = torch.autograd.grad(
-                z, self.scope.params, grad_outputs=gz, create_graph=True, allow_unused=True
+            # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
+            # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
+            gz, *grads = torch.autograd.grad(
+                loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
             )
         kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
@@ -194,12 +209,8 @@ class CurvaturePass:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
             ):
-                grads = torch.autograd.grad(
-                    graph.z,
-                    self.scope.params,
-                    grad_outputs=graph.gz.detach(),
-                    create_graph=True,
-                    allow_unused=True,
+                grads = _vjp(
+                    [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
                 )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
@@ -261,14 +272,17 @@ class CurvaturePass:
         retained: it serves every block of every product while it is cached.
         """
         parts = self._param_shaped(V, batched)
+        vectors = [parts[i] for i in graph.grad_index]
         with torch.enable_grad():
+            if not batched:
+                return _vjp(graph.grads, inputs, vectors, retain_graph=True)
             return torch.autograd.grad(
                 graph.grads,
                 inputs,
-                grad_outputs=[parts[i] for i in graph.grad_index],
+                grad_outputs=vectors,
                 allow_unused=True,
                 retain_graph=True,
-                is_grads_batched=batched,
+                is_grads_batched=True,
             )
 
     def _ggn_from_jv(self, graph: _BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
@@ -277,12 +291,17 @@ class CurvaturePass:
         if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
             scope = self.scope
             return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
-        kw = {"retain_graph": True, "is_grads_batched": batched}
+        params = list(self.scope.params)
         with torch.enable_grad():
-            (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=jv, **kw)
-            gv = torch.autograd.grad(
-                graph.z, self.scope.params, grad_outputs=hz_jv, allow_unused=True, **kw
-            )
+            if batched:
+                kw = {"retain_graph": True, "is_grads_batched": True}
+                (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=jv, **kw)
+                gv = torch.autograd.grad(
+                    graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
+                )
+            else:
+                (hz_jv,) = _vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
+                gv = _vjp([graph.z], params, [hz_jv], retain_graph=True)
         return self._flat_block(gv, k, batched)
 
     def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:

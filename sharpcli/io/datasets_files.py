@@ -30,14 +30,17 @@ import math
 import os
 import warnings
 import zipfile
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
 
 from sharpcli.bounded import check_zip_members, data_file_size, open_data_file, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
+
+if TYPE_CHECKING:  # pandas (with pyarrow: ~0.4 s, ~80 MB) is imported only to read a table
+    import pandas as pd
 
 TENSOR_KEYS = ("x", "y", "x_test", "y_test")
 DEFAULT_LABEL_COLUMN = "label"
@@ -172,6 +175,8 @@ def read_tensor_file(spec: dict) -> Dataset:
 
 def _read_table(path: str, fmt: str) -> pd.DataFrame:
     """Read a csv or parquet file into a DataFrame, wrapping every library error."""
+    import pandas as pd
+
     with open_data_file(path) as handle:
         try:
             with warnings.catch_warnings():
@@ -185,6 +190,8 @@ def _read_table(path: str, fmt: str) -> pd.DataFrame:
 
 def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, list[str] | None]:
     """Labels of a table column: numbers as they are, text mapped to sorted class indices."""
+    import pandas as pd
+
     values = column.to_numpy()
     if values.dtype.kind in "biuf":
         return values, None
@@ -209,6 +216,8 @@ def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, l
 
 def _is_missing(value) -> bool:
     """Whether a table cell is empty (None, NaN, pandas NA)."""
+    import pandas as pd
+
     try:
         return bool(pd.isna(value))
     except (TypeError, ValueError):
@@ -221,6 +230,8 @@ def _integer_columns(frame: pd.DataFrame, names: list[str]) -> bool:
     Such features (token ids, counts) are read exactly as int64 instead of through float64;
     one floating, boolean or partly empty column sends the whole table down the float path.
     """
+    import pandas as pd
+
     for name in names:
         column = frame[name]
         if pd.api.types.is_bool_dtype(column.dtype) or not pd.api.types.is_integer_dtype(
@@ -255,6 +266,8 @@ def _table_dataset(
     frame: pd.DataFrame, path: str, fmt: str, label_column: str | None, spec: dict
 ) -> Dataset:
     """Split a table into features, labels and (with a 'split' column) train/test parts."""
+    import pandas as pd
+
     label = label_column or DEFAULT_LABEL_COLUMN
     columns = [str(c) for c in frame.columns]
     frame.columns = columns

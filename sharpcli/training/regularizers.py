@@ -512,7 +512,8 @@ class HessianTrace(Penalty):
     the built-in ReLU MLP (``blobs``) and CNN (``images``) to NaN within 5 epochs at the default
     learning rate, and ``sigma2 = 1e-3`` still reached losses of 1e3-1e7 there; exact trains
     both (tests/test_regularizer_accuracy.py). It costs 7 gradient evaluations per step against
-    fd's 3, about 5x a plain step, and misses the <= 4x budget that fd meets (docs/benchmarks.md,
+    fd's 3: third-order autograd is about 6x a plain step on the built-in MLP and 4.6x on the
+    CNN, over the <= 4x budget that fd meets (docs/benchmarks.md,
     "Training regularizers").
     Accuracy on smooth nets (relative error of the penalty gradient against float64 exact
     autograd, same probe): float32 gradients carry rounding noise of relative size ~1e-7 that
@@ -610,12 +611,11 @@ class HessianTrace(Penalty):
                 plus = engine.loss_gradient()
             with engine.perturbed(torch._foreach_neg(step)):
                 minus = engine.loss_gradient()
-            value = value + sum((a * (b - c)).sum() for a, b, c in zip(v, plus, minus)) / (2 * s)
+            value = value + _dot(v, torch._foreach_sub(plus, minus)) / (2 * s)
             if want_grad:
                 # (g+ - g0) + (g- - g0): each difference of nearby values is exact in floating point
-                second = torch._foreach_add(
-                    torch._foreach_sub(plus, g0), torch._foreach_sub(minus, g0)
-                )
+                second = torch._foreach_sub(plus, g0)
+                torch._foreach_add_(second, torch._foreach_sub(minus, g0))
                 torch._foreach_add_(curvature, second, alpha=1.0 / s**2)
         grad = torch._foreach_mul(curvature, sigma2 / m) if want_grad else None
         return sigma2 * value / m, grad
@@ -703,8 +703,9 @@ class FlatnessAware(Penalty):
     with ``v`` and ``H v``). The two modes compute different things on piecewise-linear nets:
 
     - ``mode=exact`` (default), *the FA penalty*: ``H v`` by double backward with graph
-      and a third backward, exact to rounding: 1 + 2 + 4 = **7** evaluations (about 4.3x a
-      plain step in process, docs/benchmarks.md; the FA paper reports about 38x for its
+      and a third backward, exact to rounding: 1 + 2 + 4 = **7** evaluations (about 6x a
+      plain step on a GELU MLP and 4.6x on the small CNN in process, the cost of a
+      hand-written third-order step, docs/benchmarks.md; the FA paper reports about 38x for its
       exact penalty). Memory: the third-order graph, about three forward graphs.
     - ``mode=fd``, *a finite-difference penalty*: central differences of ``grad L`` (``g``)
       with no higher-order graph (the memory of a plain backward). Steps ``s = h/||v||``
@@ -814,7 +815,7 @@ class FlatnessAware(Penalty):
         with engine.perturbed(torch._foreach_neg(step_v)):
             g_minus = engine.loss_gradient()
         u = torch._foreach_mul(torch._foreach_sub(g_plus, g_minus), 0.5 / s)  # H v + O(h^2)
-        value = lam * sum((x * x).sum() for x in u) / batch
+        value = lam * _dot(u, u) / batch
         if not want_grad:
             return value, None
         u_norm = float(global_norm(u))
@@ -859,6 +860,20 @@ class _AscentOracle(Oracle):
         return clean, at_perturbed.grads
 
 
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_t <a_t, b_t>`` over two lists of like-shaped tensors, as a 0-dim tensor (one fused
+    elementwise product, one sum per tensor)."""
+    return torch.stack([t.sum() for t in torch._foreach_mul(list(a), list(b))]).sum()
+
+
+def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
+    """``rho / max(norm, tiny)`` as a 0-dim tensor (``tiny`` the smallest normal number of
+    its dtype, 1.2e-38 in float32): ``rho / norm`` for every norm above it, and a zero
+    perturbation when ``norm == 0`` (every entry is then 0), without reading the norm back
+    to the host. A NaN norm stays NaN (the step's finiteness check reports it)."""
+    return rho / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+
+
 class SAM(_AscentOracle):
     """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), [SAM] as
     written in [NME] eq. 42.
@@ -873,10 +888,7 @@ class SAM(_AscentOracle):
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
-        norm = global_norm(grads)
-        if float(norm) == 0.0:
-            return [torch.zeros_like(g) for g in grads]
-        return [self.params["rho"] * g / norm for g in grads]
+        return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
 
 
 class USAM(_AscentOracle):
@@ -920,12 +932,10 @@ class ASAM(_AscentOracle):
     def perturbation(self, params, grads):
         scales = self.scales(params)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
-        norm = global_norm(scaled)
-        if float(norm) == 0.0:
-            return [torch.zeros_like(g) for g in grads]
-        return [
-            self.params["rho"] * (s if t is None else t * s) / norm for t, s in zip(scales, scaled)
-        ]
+        factor = _radius_over(self.params["rho"], global_norm(scaled))
+        return torch._foreach_mul(
+            [s if t is None else t * s for t, s in zip(scales, scaled)], factor
+        )
 
 
 _REPORT = HyperParam(
@@ -1046,8 +1056,9 @@ class NSO(Oracle):
             penalties={
                 name: sum(r.penalties[name] for r in passes) / n for name in passes[0].penalties
             },
-            correct=passes[0].correct,
             grads=None,
+            logits=passes[0].logits,  # the accuracy of the pass at theta + U_1
+            labels=passes[0].labels,
         )
         return mean, grads
 
@@ -1259,7 +1270,8 @@ def training_step(
     validate_combination(regs)
     penalties = [r for r in regs if r.kind == "penalty"]
     oracles = [r for r in regs if r.kind == "oracle"]
-    engine = StepEngine(model, x, y, loss_name, penalties, generator)
+    single_pass = not oracles and not any(p.has_extra_passes for p in penalties)
+    engine = StepEngine(model, x, y, loss_name, penalties, generator, single_pass=single_pass)
     try:
         if oracles:
             reported, grads = oracles[0].gradient(engine)
@@ -1268,12 +1280,6 @@ def training_step(
             grads = reported.grads
     finally:
         engine.finish()
+    stats = engine.stats(reported, int(x.shape[0]))  # the step's one read-back; raises on NaN
     engine.write_grads(grads)
-    return StepStats(
-        loss=float(reported.loss),
-        objective=float(reported.objective),
-        correct=int(reported.correct),
-        count=int(x.shape[0]),
-        grad_evals=int(engine.grad_evals),
-        penalties={k: float(v) for k, v in reported.penalties.items()},
-    )
+    return stats

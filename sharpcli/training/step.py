@@ -91,11 +91,12 @@ class StepStats:
 def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``tensors`` (consecutive slices in order), moved to each
     tensor's device."""
-    out, start = [], 0
-    for t in tensors:
-        n = t.numel()
-        out.append(flat[start : start + n].view(t.shape).to(device=t.device, dtype=t.dtype))
-        start += n
+    out = []
+    for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
+        piece = piece.view(t.shape)
+        if piece.device != t.device or piece.dtype != t.dtype:
+            piece = piece.to(device=t.device, dtype=t.dtype)
+        out.append(piece)
     return out
 
 
@@ -136,8 +137,19 @@ def gaussian_like(
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Euclidean norm of the concatenation of ``tensors``: ``sqrt(sum_t ||t||^2)``."""
-    return torch.sqrt(sum((t.detach().double() ** 2).sum() for t in tensors)).to(tensors[0].dtype)
+    """Euclidean norm of the concatenation of ``tensors``: ``sqrt(sum_t ||t||^2)``.
+
+    One fused ``torch._foreach_norm`` (the per-tensor norms) and the norm of those norms,
+    in the tensors' own dtype (float32 for float32 parameters: the relative rounding error
+    of a float32 norm, about 1e-7, is far below what any use of it here resolves), on the
+    tensors' device, without a host synchronisation. Returns a 0-dim tensor of the first
+    tensor's dtype.
+    """
+    dtype = tensors[0].dtype
+    norms = torch._foreach_norm([t.detach() for t in tensors])
+    if any(n.dtype != dtype for n in norms):
+        norms = [n.to(dtype) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 _MODEL_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -161,11 +173,16 @@ def _model_facts(model: nn.Module, key: str):
     is built per batch; walking ``named_modules`` every batch is measurable on small
     models): ``"head"`` the classifier head (:func:`sharpcli.models.zoo.final_linear`, whose
     input activation decay penalises), ``"has_buffers"`` whether any
-    module holds a buffer (BatchNorm running statistics). The model's structure must not
-    change after its first step."""
+    module holds a buffer (BatchNorm running statistics), ``"params"`` every parameter in
+    ``model.parameters()`` order (a step keeps those with ``requires_grad``, so freezing
+    between steps is honoured). The model's structure must not change after its first
+    step: no module or parameter added, removed or replaced (in-place updates, ``.to()``
+    and ``load_state_dict`` keep the parameter objects and are fine)."""
     facts = _MODEL_FACTS.setdefault(model, {})
     if key not in facts:
-        if key == "head":
+        if key == "params":
+            facts[key] = tuple(model.parameters())
+        elif key == "head":
             head = final_linear(
                 model,
                 source="regs",
@@ -223,14 +240,26 @@ class PassResult:
     """Values of one evaluation of the objective (tensors detached, on the model's device).
 
     ``grads`` is the gradient of the objective with respect to each trainable parameter
-    (in ``StepEngine.params`` order) when it was asked for, else ``None``.
+    (in ``StepEngine.params`` order) when it was asked for, else ``None``. ``logits`` and
+    ``labels`` (cross-entropy only) give :attr:`correct`, computed when read: most passes
+    of a step (perturbed, finite-difference) are never reported. Values stay tensors so
+    that a step reads them back from the device once, in :meth:`StepEngine.stats`.
     """
 
     loss: torch.Tensor
     objective: torch.Tensor
     penalties: dict[str, torch.Tensor]
-    correct: int
     grads: list[torch.Tensor] | None
+    logits: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+    @property
+    def correct(self) -> torch.Tensor | int:
+        """Correct predictions of the pass (``argmax logits == label``) as a 0-dim int64
+        tensor, or ``0`` without labels (regression)."""
+        if self.logits is None:
+            return 0
+        return (self.logits.argmax(dim=-1) == self.labels).sum()
 
 
 class PassContext:
@@ -339,7 +368,15 @@ class StepEngine:
 
     The first pass of a step (:meth:`evaluate`, :meth:`forward_only` or
     :meth:`loss_gradient`, usually the clean pass at theta) fixes the dropout RNG state
-    and the module buffers every later pass of the step reuses.
+    and the module buffers every later pass of the step reuses. ``single_pass=True``
+    promises that the step makes no other pass (a plain gradient, additive penalties
+    without finite differences): the RNG state is then not recorded, and a second pass
+    is a programming error (RuntimeError).
+
+    No value is read back from the device during the passes (no ``.item()``): the
+    objectives stay tensors, and :meth:`stats` reads them all, checks that every pass's
+    objective was finite (NumericalError otherwise) and builds the step's
+    :class:`StepStats` in one synchronisation per step.
     """
 
     def __init__(
@@ -350,6 +387,7 @@ class StepEngine:
         loss_name: str,
         penalties: Sequence,
         generator: torch.Generator,
+        single_pass: bool = False,
     ):
         self.model = model
         self.x = x
@@ -358,14 +396,18 @@ class StepEngine:
         self.loss_of: Callable = loss_fn(loss_name)
         self.penalties = list(penalties)
         self.generator = generator
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in _model_facts(model, "params") if p.requires_grad]
         if not self.params:
             raise UsageError("the model has no trainable parameters", source="regs")
         self.grad_evals = 0
         device = self.params[0].device
         self._rng = _RngReplay(device)
+        self._single_pass = single_pass
         self._passes = 0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._objectives: list[torch.Tensor] = []  # every pass's objective, checked in stats()
+        self._saved: list[list[torch.Tensor]] = []  # weights before a perturbation, per depth
+        self._depth = 0  # nesting of perturbed() blocks
         self._head = (
             _model_facts(model, "head")
             if any(p.needs_penultimate for p in self.penalties)
@@ -376,33 +418,53 @@ class StepEngine:
     # ----------------------------------------------------------------- state control
     @contextlib.contextmanager
     def perturbed(self, deltas: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Weights at ``theta + delta`` inside the block; restored by copy on exit (bitwise)."""
-        saved = [p.detach().clone() for p in self.params]
+        """Weights at ``theta + delta`` inside the block; restored by copy on exit (bitwise).
+
+        The weights are saved with one fused ``torch._foreach_copy_`` into buffers allocated
+        once per engine and nesting depth (a perturbation inside a perturbed block, as a
+        finite-difference penalty under SAM, saves into its own), moved in place with
+        ``torch._foreach_add_``, and restored by copying the saved values back: restoring by
+        subtracting ``delta`` would not give theta back bit for bit in floating point.
+        """
+        depth = self._depth
+        weights = [p.detach() for p in self.params]
+        if depth == len(self._saved):
+            self._saved.append([torch.empty_like(w) for w in weights])
+        saved = self._saved[depth]
+        self._depth += 1
         try:
             with torch.no_grad():
-                for p, d in zip(self.params, deltas):
-                    p.add_(d)
+                torch._foreach_copy_(saved, weights)
+                torch._foreach_add_(weights, list(deltas))
             yield
         finally:
+            self._depth = depth
             with torch.no_grad():
-                for p, s in zip(self.params, saved):
-                    p.copy_(s)
+                torch._foreach_copy_(weights, saved)
 
     def _begin_pass(self) -> bool:
         first = self._passes == 0
         self._passes += 1
         if first:
-            self._rng.start()
+            if not self._single_pass:
+                self._rng.start()
         else:
+            if self._single_pass:
+                raise RuntimeError("a second pass in a step declared single_pass")
             if self._buffers is None:
                 # Nothing ran since the clean pass closed: the buffers are as it left them.
-                self._buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+                self._buffers = (
+                    [(b, b.detach().clone()) for b in self.model.buffers()]
+                    if self.has_buffers
+                    else []
+                )
             self._rng.replay()
         return first
 
     def _end_pass(self, first: bool) -> None:
         if first:
-            self._rng.first_done()
+            if not self._single_pass:
+                self._rng.first_done()
         elif self._buffers is not None:
             with torch.no_grad():
                 for live, saved in self._buffers:
@@ -484,18 +546,41 @@ class StepEngine:
                 for pen in self.penalties
             }
             result.objective = result.objective + sum(deferred.values())
-            self._check_finite(result.objective)
+        self._objectives.append(result.objective)
         return result
 
-    def _check_finite(self, objective: torch.Tensor) -> None:
-        objective_value = float(objective)
-        if not math.isfinite(objective_value):
-            names = ", ".join(p.name for p in self.penalties) or "none"
-            raise NumericalError(
-                f"the training objective became {objective_value} (regularizers: {names}); "
-                "lower the learning rate or the regularization strength",
-                source="regs",
-            )
+    def stats(self, reported: PassResult, count: int) -> StepStats:
+        """The step's :class:`StepStats` from its reported pass, read from the device at once.
+
+        Raises NumericalError when the objective of any pass of the step (the clean pass,
+        perturbed passes) was not finite, naming the first such value.
+        """
+        names = list(reported.penalties)
+        correct = reported.correct
+        values = [*self._objectives, reported.loss, reported.objective]
+        values += [reported.penalties[name] for name in names]
+        values.append(correct if torch.is_tensor(correct) else reported.loss.new_zeros(()))
+        if values[0].device.type == "cpu":  # reading a CPU tensor waits for nothing
+            host = [v.item() for v in values]
+        else:  # one device-to-host copy for the whole step
+            host = torch.cat([v.detach().to(torch.float64).reshape(-1) for v in values]).tolist()
+        n = len(self._objectives)
+        for objective_value in host[:n]:
+            if not math.isfinite(objective_value):
+                regs = ", ".join(p.name for p in self.penalties) or "none"
+                raise NumericalError(
+                    f"the training objective became {objective_value} (regularizers: {regs}); "
+                    "lower the learning rate or the regularization strength",
+                    source="regs",
+                )
+        return StepStats(
+            loss=float(host[n]),
+            objective=float(host[n + 1]),
+            correct=int(host[-1]),
+            count=count,
+            grad_evals=int(self.grad_evals),
+            penalties={name: float(v) for name, v in zip(names, host[n + 2 : -1])},
+        )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
         modes = [p.first_grad_mode(want_grad) for p in self.penalties]
@@ -516,14 +601,14 @@ class StepEngine:
                 if value.requires_grad and pen.grad_from_graph:
                     graph_terms.append(value)
             objective = loss.detach() + sum(values.values()) if values else loss.detach()
-            self._check_finite(objective)
-            correct = 0
-            if self.loss_name == "cross-entropy":
-                correct = int((logits.detach().argmax(dim=-1) == self.y).sum().item())
+            scored = self.loss_name == "cross-entropy"
             grads = None
             if want_grad:
                 grads = self._objective_gradient(ctx, loss, graph_terms)
-        return PassResult(loss.detach(), objective, values, correct, grads), ctx
+        result = PassResult(loss.detach(), objective, values, grads)
+        if scored:
+            result.logits, result.labels = logits.detach(), self.y
+        return result, ctx
 
     def _objective_gradient(self, ctx: PassContext, loss, graph_terms) -> list[torch.Tensor]:
         extras = [p for p in self.penalties if p.has_extra_passes]
@@ -539,7 +624,7 @@ class StepEngine:
             out = torch.autograd.grad(total, self.params, allow_unused=True)
             self.grad_evals += ctx.units
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
-        grads = [g.detach() for g in grads]
+        # without create_graph autograd returns tensors outside any graph: nothing to detach
         for pen in self.penalties:
             analytic = pen.analytic_grad(self.params)
             if analytic is not None:
