@@ -89,8 +89,12 @@ def _exit_now(code: int) -> None:
     With torch loaded, finalising the interpreter (module teardown, torch's destructors) costs
     about 0.4 s of CPU after the command is done. By now every output is published and the
     signal handlers are back; only the standard streams are flushed. sharpcli registers no
-    ``atexit`` handler. Should a flush fail, the normal exit runs instead.
+    ``atexit`` handler. Should a flush fail, or a profiler or tracer be watching the process
+    (``python -m cProfile -m sharpcli``, coverage: they write their results at exit), the
+    normal exit runs instead.
     """
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        return
     try:
         sys.stdout.flush()
         sys.stderr.flush()

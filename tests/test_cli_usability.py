@@ -539,3 +539,16 @@ def test_threads_is_applied_and_recorded(runs, capsys, monkeypatch, tmp_path):
         if name != "compare":
             params = {p.name for p in group.commands[name].params}
             assert {"threads", "debug"} <= params, name
+
+
+def test_a_profiler_still_gets_its_report_at_exit():
+    """The console process skips the interpreter's teardown, but not under a profiler: cProfile
+    writes its table at exit."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-m", "sharpcli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "function calls" in done.stdout and "Ordered by" in done.stdout
