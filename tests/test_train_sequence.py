@@ -279,3 +279,29 @@ def test_label_noise_per_labelled_position_keeps_the_padding():
     expected = flat.clone()
     expected[idx] = (flat[idx] + torch.randint(1, 5, (5,), generator=g)) % 5
     assert torch.equal(apply_label_noise(flat, 0.25, 5, seed=0), expected)
+
+
+def test_gn_trace_is_unbiased_for_binary_cross_entropy(monkeypatch):
+    """One logit per sample: labels drawn from Bernoulli(sigmoid(z)); the expectation over all
+    2^B draws is sigma2 tr(G), tr(G) = (1/B) sum_i s_i (1 - s_i) ||grad_theta z_i||^2."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model = model.double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, 1, 0])
+    s = torch.sigmoid(model(x).detach().reshape(-1))
+    exact = 0.0
+    for i in range(4):
+        grads = torch.autograd.grad(model(x[i : i + 1]).sum(), list(model.parameters()))
+        exact += float(s[i] * (1 - s[i]) * sum((g * g).sum() for g in grads)) / 4
+    draws = iter(())
+    monkeypatch.setattr(GaussNewtonTrace, "sample_labels", lambda self, *a: next(draws))
+    expectation = 0.0
+    for combo in itertools.product((0.0, 1.0), repeat=4):
+        y_hat = torch.tensor(combo, dtype=torch.float64).reshape(4, 1)
+        prob = float(torch.where(y_hat.reshape(-1) > 0, s, 1 - s).prod())
+        draws = iter([y_hat])
+        regs = [parse_reg("gn-trace:sigma2=1")]
+        stats = training_step(model, x, y, "binary-cross-entropy", regs, torch.Generator())
+        expectation += prob * stats.penalties["gn-trace"]
+    assert expectation == pytest.approx(exact, rel=1e-10)
