@@ -305,3 +305,40 @@ def test_gn_trace_is_unbiased_for_binary_cross_entropy(monkeypatch):
         stats = training_step(model, x, y, "binary-cross-entropy", regs, torch.Generator())
         expectation += prob * stats.penalties["gn-trace"]
     assert expectation == pytest.approx(exact, rel=1e-10)
+
+
+def test_a_one_logit_model_trains_with_binary_cross_entropy(tmp_path, monkeypatch):
+    """The loss follows the model's outputs, as in the analyses: one logit per sample and 0/1
+    labels train with binary cross-entropy (refused as a 1-class cross-entropy before), and
+    the accuracy is the logit's sign against the label."""
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "one_logit.py").write_text(
+        "from torch import nn\n\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x = torch.randn(60, 3, generator=torch.Generator().manual_seed(2))
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    save_file({"x": x, "y": y}, str(tmp_path / "binary.safetensors"))
+    cfg = TrainConfig(
+        model_factory="one_logit:build",
+        data=str(tmp_path / "binary.safetensors"),
+        epochs=5,
+        batch_size=10,
+        lr=0.1,
+    )
+    out = tmp_path / "binary-model.safetensors"
+    result = train(cfg, out)
+    assert result.config["loss"] == "binary-cross-entropy"
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.load_state_dict(load_file(str(out)))
+    with torch.no_grad():
+        z = model(x).reshape(-1)
+    assert result.final["train_accuracy"] == pytest.approx(
+        float(((z > 0).long() == y).double().mean())
+    )
+    assert result.final["train_loss"] == pytest.approx(
+        float(F.binary_cross_entropy_with_logits(z, y.float())), rel=1e-5
+    )
+    assert result.final["train_accuracy"] > 0.8

@@ -413,12 +413,14 @@ class _Splits:
 
 
 def _load_splits(cfg: TrainConfig) -> _Splits:
-    """Load ``cfg.data``; complete ``cfg.data`` (the resolved spec) and ``cfg.loss`` (the task's).
+    """Load ``cfg.data``; complete ``cfg.data`` (the resolved spec) and, unless the model's
+    outputs decide it (:func:`_place_splits`), ``cfg.loss``.
 
     Classification labels get ``cfg.label_noise`` (AD Fig. 3; per labelled position for
     per-position labels); the number of model outputs is the number of classes, or the
     regression target's width. Labels ``(N, T)``, one per position (``-100``: unlabelled),
-    train with ``token-cross-entropy`` (a sequence model's ``(B, T, V)`` outputs).
+    train with ``token-cross-entropy`` (a sequence model's ``(B, T, V)`` outputs), regression
+    targets with ``mse``; one class label per sample leaves the loss to the model's outputs.
     """
     from sharpcli.io.datasets import load_dataset
     from sharpcli.session import loss_for_task
@@ -426,7 +428,8 @@ def _load_splits(cfg: TrainConfig) -> _Splits:
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
     per_position = dataset.task == "classification" and dataset.y_train.ndim == 2
     cfg.data = dataset.spec
-    cfg.loss = cfg.loss or loss_for_task(dataset.task, per_position=per_position)
+    if per_position or dataset.task == "regression":
+        cfg.loss = cfg.loss or loss_for_task(dataset.task, per_position=per_position)
     x_train, y_train = dataset.split("train")
     x_test, y_test = dataset.split("test") if dataset.x_test is not None else (None, None)
     if dataset.task == "classification":
@@ -486,6 +489,9 @@ def _place_splits(
     int64 (:func:`sharpcli.session.prepare_features`; its notes are collected in
     ``splits.notes``); regression targets go to the training dtype. Input perturbations
     (``--input-noise``, ``--noise-finetune``, ``--augment``) are refused on token ids.
+    Class labels with no loss set train with the loss the model's outputs call for
+    (:func:`sharpcli.session.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
+    for one logit per sample, ``cross-entropy`` otherwise.
     """
     from sharpcli.session import check_model_accepts, prepare_features
 
@@ -507,7 +513,7 @@ def _place_splits(
             splits.y_test = splits.y_test.to(dtype)
     if not splits.x_train.is_floating_point():
         _refuse_input_perturbations(cfg)
-    check_model_accepts(
+    _, cfg.loss = check_model_accepts(
         model, splits.x_train, splits.y_train, dataset.task, dataset.source, cfg.loss
     )
 
