@@ -342,3 +342,36 @@ def test_a_one_logit_model_trains_with_binary_cross_entropy(tmp_path, monkeypatc
         float(F.binary_cross_entropy_with_logits(z, y.float())), rel=1e-5
     )
     assert result.final["train_accuracy"] > 0.8
+
+
+def test_sweep_trains_and_analyses_a_causal_lm(tmp_path, lm_data, capsys, monkeypatch):
+    from cli_helpers import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    run = run_cli(
+        capsys,
+        "sweep",
+        "--reg",
+        "ad",
+        "--grid",
+        "sigma=0.0,0.5",
+        "--model-factory",
+        "causal_lm:build",
+        "--data",
+        lm_data,
+        "--set",
+        "epochs=2",
+        "--metrics",
+        "eigen",
+        "--out-dir",
+        tmp_path / "sweep",
+        "--json",
+        "-",
+    )
+    assert run.code == 0, run.err
+    runs = run.json()["results"]["runs"]
+    assert [r["sigma"] for r in runs] == [0.0, 0.5]
+    for r in runs:
+        assert math.isfinite(r["lambda_max"]) and r["lambda_max"] > 0
+        # accuracy over the 48 * 4 - 2 - 3 labelled positions
+        assert round(r["train_accuracy"] * 187, 9) == round(r["train_accuracy"] * 187)
