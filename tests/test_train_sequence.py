@@ -52,10 +52,13 @@ def _flat_grad(model):
 def lm_data(tmp_path, monkeypatch):
     """The factory module importable as ``causal_lm``, and a learnable next-token data file
     (the next token is ``(token + 1) mod 5``; two sequences padded)."""
+    import sys
+
     from safetensors.torch import save_file
 
     (tmp_path / "causal_lm.py").write_text(CAUSAL_LM)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "causal_lm", raising=False)  # not an earlier test's copy
     x = torch.randint(0, 5, (48, 4), generator=torch.Generator().manual_seed(0))
     y = (x + 1) % 5
     y[3, 2:] = y[10, 1:] = IGNORE_INDEX
@@ -318,6 +321,7 @@ def test_a_one_logit_model_trains_with_binary_cross_entropy(tmp_path, monkeypatc
         "    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "one_logit", raising=False)
     x = torch.randn(60, 3, generator=torch.Generator().manual_seed(2))
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
     save_file({"x": x, "y": y}, str(tmp_path / "binary.safetensors"))
