@@ -5,8 +5,9 @@ The analysis loss is ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``, a mean ov
 loss is a :class:`Loss` record in :data:`LOSSES` carrying everything about itself: the batch
 mean, the per-sample loss, ``H_z u`` and a square-root factor of ``H_z = d^2 l / dz^2`` for
 the exact Gauss-Newton trace ([Schraudolph2002]; ``tr(J^T H_z J) = sum_c ||J^T s_c||^2`` when
-``H_z = sum_c s_c s_c^T``), how it counts correct predictions, and which outputs and labels
-it accepts.
+``H_z = sum_c s_c s_c^T``), how it counts correct predictions (accuracy is defined by the loss: correct over the
+predictions it counts, one per sample or one per labelled position), and which outputs and
+labels it accepts.
 
 - ``cross-entropy``: ``l = -log softmax(z)_y``, z (B, C), integer y; ``H_z = diag(p) - p p^T``.
 - ``mse``: ``l = (1/C) ||z - y||^2`` (torch's ``mse_loss``, mean over the C outputs);
@@ -39,6 +40,7 @@ __all__ = [
     "loss_fn",
     "per_sample_loss",
     "register_loss",
+    "token_weights",
 ]
 
 IGNORE_INDEX = -100  # token labels to skip (the convention of torch and HuggingFace)
@@ -57,7 +59,9 @@ class Loss:
     hessian_matvec: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     # columns s shaped like z with H_z = sum_s s s^T per sample, f(z, y)
     ggn_factor: Callable[[torch.Tensor, torch.Tensor], Iterator[torch.Tensor]]
-    correct: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] | None = None
+    # (correct predictions, predictions counted) as 0-dim tensors on z's device (read back by
+    # the caller: a training step reads once per step); None: no accuracy (regression)
+    correct: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     check: Callable[[torch.Tensor, torch.Tensor], str | None] | None = None  # problem or None
 
 
@@ -114,8 +118,13 @@ def _softmax_matvec(z, y, u):
     return p * u - p * (p * u).sum(dim=-1, keepdim=True)
 
 
+def _count(z, y):
+    # the number of labels as a tensor on z's device, filled there (no host-to-device copy)
+    return torch.full((), y.numel(), dtype=torch.int64, device=z.device)
+
+
 def _argmax_correct(z, y):
-    return float((z.argmax(-1) == y).sum()), float(y.numel())
+    return (z.argmax(-1) == y).sum(), _count(z, y)
 
 
 def _class_check(z, y):
@@ -205,8 +214,8 @@ register_loss(
         hessian_matvec=lambda z, y, u: torch.sigmoid(z) * (1 - torch.sigmoid(z)) * u,
         ggn_factor=_bce_factor,
         correct=lambda z, y: (
-            float(((z.reshape(-1) > 0).long() == y.reshape(-1).long()).sum()),
-            float(y.numel()),
+            ((z.reshape(-1) > 0).long() == y.reshape(-1).long()).sum(),
+            _count(z, y),
         ),
         check=_bce_check,
     )
@@ -214,8 +223,9 @@ register_loss(
 
 
 # --------------------------------------------------------------------------- token cross-entropy
-def _token_weights(z, y):
-    """(B, T) weights ``1/n_i`` on the valid positions of each sample, 0 elsewhere."""
+def token_weights(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, T) weights ``w_it = 1/n_i`` on the labelled positions of each sample, 0 elsewhere
+    (``n_i`` its labelled positions), in ``z``'s dtype: ``l_i = sum_t w_it CE(z_it, y_it)``."""
     valid = (y != IGNORE_INDEX).to(z.dtype)
     return valid / valid.sum(1, keepdim=True).clamp_min(1)
 
@@ -224,12 +234,12 @@ def _token_per_sample(z, y):
     ce = F.cross_entropy(
         z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).reshape(y.shape)
-    return (ce * _token_weights(z, y)).sum(1)
+    return (ce * token_weights(z, y)).sum(1)
 
 
 def _token_factor(z, y):
     # block diagonal H_z: one column per (position t, class c), nonzero at position t only
-    w = _token_weights(z, y).sqrt().unsqueeze(-1)
+    w = token_weights(z, y).sqrt().unsqueeze(-1)
     for t in range(z.shape[1]):
         for s in _softmax_factor(z[:, t]):
             column = torch.zeros_like(z)
@@ -238,7 +248,7 @@ def _token_factor(z, y):
 
 
 def _token_matvec(z, y, u):
-    return _softmax_matvec(z, y, u) * _token_weights(z, y).unsqueeze(-1)
+    return _softmax_matvec(z, y, u) * token_weights(z, y).unsqueeze(-1)
 
 
 def _token_check(z, y):
@@ -258,7 +268,7 @@ def _token_check(z, y):
 
 def _token_correct(z, y):
     valid = y != IGNORE_INDEX
-    return float(((z.argmax(-1) == y) & valid).sum()), float(valid.sum())
+    return ((z.argmax(-1) == y) & valid).sum(), valid.sum()
 
 
 register_loss(

@@ -72,9 +72,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def loss_for_task(task: str) -> str:
-    """The default loss of ``task``: ``mse`` for regression, ``cross-entropy`` otherwise."""
-    return "mse" if task == "regression" else "cross-entropy"
+def loss_for_task(task: str, per_position: bool = False) -> str:
+    """The default loss of ``task``: ``mse`` for regression, ``cross-entropy`` otherwise, and
+    ``token-cross-entropy`` for class labels ``per_position`` (``(N, T)``, a sequence model's)."""
+    if task == "regression":
+        return "mse"
+    return "token-cross-entropy" if per_position else "cross-entropy"
 
 
 def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> str:

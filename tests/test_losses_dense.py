@@ -13,6 +13,7 @@ from cli_helpers import factory_checkpoint, run_cli
 from torch import nn
 from torch.func import functional_call, jacrev
 
+from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
 from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, exact_ggn_trace
 from sharpcli.losses import IGNORE_INDEX, LOSSES
 
@@ -154,35 +155,6 @@ def test_one_logit_binary_classifier_through_the_cli(tmp_path, capsys, monkeypat
     )
 
 
-CAUSAL_LM = textwrap.dedent("""
-    import torch
-    from torch import nn
-
-    class CausalLM(nn.Module):
-        '''Next-token model: embedding + positions, one causal pre-norm encoder layer
-        (multi-head attention, LayerNorm, GELU feed-forward), a vocabulary head per position.'''
-
-        def __init__(self, vocab=5, dim=4, heads=2, length=4):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, dim)
-            self.pos = nn.Parameter(0.3 * torch.randn(length, dim))
-            self.block = nn.TransformerEncoderLayer(
-                dim, heads, dim_feedforward=6, dropout=0.0, activation="gelu",
-                batch_first=True, norm_first=True,
-            )
-            self.head = nn.Linear(dim, vocab)
-            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
-
-        def forward(self, x):
-            T = x.shape[1]
-            h = self.block(self.emb(x) + self.pos[:T], src_mask=self.mask[:T, :T], is_causal=True)
-            return self.head(h)  # (B, T, vocab)
-
-    def build():
-        return CausalLM()
-""")
-
-
 def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     """A user's causal transformer LM with (N, T) next-token labels (padding -100): the loss is
     inferred as token-level cross-entropy, and eigen, the exact GGN trace and gn-nme's identity
@@ -192,10 +164,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     from sharpcli.curvature.attention import differentiable_attention
 
     model, weights = factory_checkpoint(tmp_path, monkeypatch, "causal_lm", CAUSAL_LM, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 5, (9, 5), generator=gen)
-    x, y = tokens[:, :4].clone(), tokens[:, 1:].clone()  # predict the next token
-    y[2, 3] = y[6, 2:] = IGNORE_INDEX  # padded positions
+    x, y = next_token_data(9, seed=5)  # predict the next token; y[2, 3:], y[6, 2:] padded
     data = tmp_path / "lm.safetensors"
     save_file({"x": x, "y": y}, str(data))
     model = model.double().eval()
@@ -236,21 +205,30 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     assert run.json()["results"]["accuracy"] == pytest.approx(expected, rel=1e-12)
     assert run.json()["results"]["loss"] == pytest.approx(float(_token_mean(z, y)), rel=1e-12)
 
-    # training takes one label per sample: per-position labels are refused in one line
-    run = run_cli(
-        capsys,
-        "train",
-        "--model-factory",
-        "causal_lm:build",
-        "--data",
-        data,
-        "--epochs",
-        "1",
-        "--out",
-        tmp_path / "lm-trained.safetensors",
-    )
-    assert run.code == 2 and "one label per position" in run.err and str(data) in run.err
-    assert not (tmp_path / "lm-trained.safetensors").exists()
+    # training takes the per-position labels: token cross-entropy, recorded in the checkpoint
+    trained = tmp_path / "lm-trained.safetensors"
+    train_args = ("--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64")
+    run = run_cli(capsys, "train", *train_args, "--epochs", "2", "--out", trained, "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    assert report["checkpoint"]["train"]["loss"] == "token-cross-entropy"
+    final = report["results"]["final"]
+    run = run_cli(capsys, "analyze", trained, *base, "--metrics", "eigen", "--json", "-")
+    assert run.code == 0, run.err
+    analysed = run.json()
+    assert analysed["data"]["loss"] == "token-cross-entropy"  # from the checkpoint's record
+    # the trained model's loss and accuracy per labelled position, recomputed here from the
+    # checkpoint's float64 tensors
+    from safetensors.torch import load_file
+
+    lm = build_causal_lm().eval()
+    lm.load_state_dict(load_file(str(trained)))
+    with torch.no_grad(), differentiable_attention():  # the math path, as the CLI runs it
+        z = lm(x)
+    accuracy = int(((z.argmax(-1) == y) & labelled).sum()) / int(labelled.sum())
+    assert final["train_accuracy"] == pytest.approx(accuracy, rel=1e-12)
+    assert analysed["results"]["accuracy"] == pytest.approx(accuracy, rel=1e-12)
+    assert final["train_loss"] == pytest.approx(float(_token_mean(z, y)), rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -105,8 +105,8 @@ def loss_and_accuracy(session) -> dict:
         sums[0] += float(loss.per_sample(z, yb).double().sum())
         if loss.correct is not None:
             correct, counted = loss.correct(z, yb)
-            sums[1] += correct
-            sums[2] += counted
+            sums[1] += float(correct)
+            sums[2] += float(counted)
     all_reduce_sum(sums)
     n = data.num_samples
     return {

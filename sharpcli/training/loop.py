@@ -28,7 +28,7 @@ from sharpcli import ledger, progress
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.errors import InputError, NumericalError, UsageError
 from sharpcli.io.checkpoints import save_checkpoint
-from sharpcli.losses import loss_fn
+from sharpcli.losses import IGNORE_INDEX, get_loss
 
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine")
@@ -231,16 +231,24 @@ def validate_config(cfg: TrainConfig) -> None:
 def apply_label_noise(
     y: torch.Tensor, fraction: float, num_classes: int, seed: int
 ) -> torch.Tensor:
-    """Replace a seeded ``fraction`` of labels by a uniformly drawn *different* class (AD Fig. 3)."""
+    """Replace a seeded ``fraction`` of labels by a uniformly drawn *different* class (AD Fig. 3).
+
+    Per-position labels ``(N, T)`` are noised per labelled position: ``round(fraction * M)``
+    of the ``M`` positions not marked ``-100`` (the ignored positions stay ``-100``). One label
+    per sample ``(N,)`` is the case ``M = N`` (the same draws as ever).
+    """
     if fraction <= 0:
         return y
     g = torch.Generator().manual_seed(seed + 7919)
-    n = y.shape[0]
-    idx = torch.randperm(n, generator=g)[: int(round(fraction * n))]
+    flat = y.reshape(-1).clone()
+    labelled = (flat != IGNORE_INDEX).nonzero().squeeze(1) if y.ndim > 1 else None
+    m = flat.numel() if labelled is None else labelled.numel()
+    idx = torch.randperm(m, generator=g)[: int(round(fraction * m))]
+    if labelled is not None:
+        idx = labelled[idx]
     shift = torch.randint(1, num_classes, (idx.numel(),), generator=g)
-    y = y.clone()
-    y[idx] = (y[idx] + shift) % num_classes
-    return y
+    flat[idx] = (flat[idx] + shift) % num_classes
+    return flat.view(y.shape)
 
 
 def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -262,21 +270,32 @@ def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, batch_size: int = 1024
 ) -> dict:
-    """Mean loss and accuracy over (x, y) in eval mode."""
+    """Mean loss per sample and accuracy over (x, y) in eval mode.
+
+    Accuracy is the loss's own (:attr:`sharpcli.losses.Loss.correct`): correct predictions over
+    the predictions it counts (samples; labelled positions for token cross-entropy); None where
+    the loss defines none (regression) or counts no prediction.
+    """
     was_training = model.training
     model.eval()
-    f = loss_fn(loss_name)
-    total, correct, n = 0.0, 0, x.shape[0]
+    loss = get_loss(loss_name)
+    total, correct, counted, n = 0.0, 0, 0, x.shape[0]
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         z = model(xb)
-        total += float(f(z, yb)) * xb.shape[0]
-        if loss_name == "cross-entropy":
-            correct += int((z.argmax(1) == yb).sum())
+        total += float(loss.mean(z, yb)) * xb.shape[0]
+        if loss.correct is not None:
+            right, count = loss.correct(z, yb)
+            correct, counted = correct + int(right), counted + int(count)
     model.train(was_training)
-    out = {"loss": total / max(n, 1)}
-    out["accuracy"] = correct / max(n, 1) if loss_name == "cross-entropy" else None
-    return out
+    return {"loss": total / max(n, 1), "accuracy": _accuracy(loss_name, correct, counted)}
+
+
+def _accuracy(loss_name: str, correct: int, counted: int) -> float | None:
+    """``correct / counted`` for a loss with an accuracy that counted predictions, else None."""
+    if get_loss(loss_name).correct is None or counted == 0:
+        return None
+    return correct / counted
 
 
 def _lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -394,25 +413,23 @@ class _Splits:
 
 
 def _load_splits(cfg: TrainConfig) -> _Splits:
-    """Load ``cfg.data``; complete ``cfg.data`` (the resolved spec) and ``cfg.loss`` (the task's).
+    """Load ``cfg.data``; complete ``cfg.data`` (the resolved spec) and, unless the model's
+    outputs decide it (:func:`_place_splits`), ``cfg.loss``.
 
-    Classification labels get ``cfg.label_noise`` (AD Fig. 3); the number of model outputs is
-    the number of classes, or the regression target's width.
+    Classification labels get ``cfg.label_noise`` (AD Fig. 3; per labelled position for
+    per-position labels); the number of model outputs is the number of classes, or the
+    regression target's width. Labels ``(N, T)``, one per position (``-100``: unlabelled),
+    train with ``token-cross-entropy`` (a sequence model's ``(B, T, V)`` outputs), regression
+    targets with ``mse``; one class label per sample leaves the loss to the model's outputs.
     """
     from sharpcli.io.datasets import load_dataset
     from sharpcli.session import loss_for_task
 
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
-    if dataset.task == "classification" and dataset.y_train.ndim == 2:
-        # the analysis commands measure sequence models; the training step counts accuracy and
-        # places its regularizers for one label per sample
-        raise InputError(
-            f"y holds one label per position {tuple(dataset.y_train.shape)}: `train` trains models "
-            "with one label per sample; analyse sequence models trained elsewhere",
-            source=dataset.source,
-        )
+    per_position = dataset.task == "classification" and dataset.y_train.ndim == 2
     cfg.data = dataset.spec
-    cfg.loss = cfg.loss or loss_for_task(dataset.task)
+    if per_position or dataset.task == "regression":
+        cfg.loss = cfg.loss or loss_for_task(dataset.task, per_position=per_position)
     x_train, y_train = dataset.split("train")
     x_test, y_test = dataset.split("test") if dataset.x_test is not None else (None, None)
     if dataset.task == "classification":
@@ -472,6 +489,9 @@ def _place_splits(
     int64 (:func:`sharpcli.session.prepare_features`; its notes are collected in
     ``splits.notes``); regression targets go to the training dtype. Input perturbations
     (``--input-noise``, ``--noise-finetune``, ``--augment``) are refused on token ids.
+    Class labels with no loss set train with the loss the model's outputs call for
+    (:func:`sharpcli.session.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
+    for one logit per sample, ``cross-entropy`` otherwise.
     """
     from sharpcli.session import check_model_accepts, prepare_features
 
@@ -493,7 +513,7 @@ def _place_splits(
             splits.y_test = splits.y_test.to(dtype)
     if not splits.x_train.is_floating_point():
         _refuse_input_perturbations(cfg)
-    check_model_accepts(
+    _, cfg.loss = check_model_accepts(
         model, splits.x_train, splits.y_train, dataset.task, dataset.source, cfg.loss
     )
 
@@ -724,6 +744,7 @@ class _EpochSums:
         self.loss = 0.0
         self.objective = 0.0
         self.correct = 0
+        self.counted = 0
         self.count = 0
         self.grad_evals = 0
         self.penalties: dict = {}
@@ -734,6 +755,7 @@ class _EpochSums:
         self.loss += stats.loss * b
         self.objective += stats.objective * b
         self.correct += stats.correct
+        self.counted += stats.counted
         self.count += b
         self.grad_evals += stats.grad_evals
         for k, v in stats.penalties.items():
@@ -773,7 +795,7 @@ def _train_epoch(run: _Run, epoch: int, meter: progress.Run, position: tuple[int
         "lr": lr,
         "train_loss": sums.loss / sums.count,
         "train_objective": sums.objective / sums.count,
-        "train_accuracy": sums.correct / sums.count if cfg.loss == "cross-entropy" else None,
+        "train_accuracy": _accuracy(cfg.loss, sums.correct, sums.counted),
         "grad_evals": sums.grad_evals,
         "penalties": {k: v / sums.count for k, v in sums.penalties.items()},
         "noise_finetune": finetune,
@@ -948,7 +970,7 @@ def data_parallel_step(
     runs :func:`training_step`; then ONE all-reduce (``sharpcli.curvature.data.all_reduce_sum``)
     sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
     (BatchNorm running statistics), and the step statistics (loss, objective and penalties
-    weighted by ``B_r``, correct and count summed). A rank with no rows contributes zeros.
+    weighted by ``B_r``; correct, predictions counted and count summed). A rank with no rows contributes zeros.
     ``grad_evals`` stays the per-rank count. Returns the global batch's :class:`StepStats`.
     """
     from sharpcli.curvature.data import all_reduce_sum
@@ -976,6 +998,7 @@ def data_parallel_step(
         float(stats.correct),
         float(stats.count),
         has_rows,
+        float(stats.counted),
     ]
     head += [stats.penalties.get(name, 0.0) * rows for name in penalty_names]
     parts = [torch.tensor(head, dtype=torch.float64)]
@@ -1011,5 +1034,6 @@ def data_parallel_step(
         correct=int(round(reduced_head[2])),
         count=int(round(count)),
         grad_evals=int(stats.grad_evals),
-        penalties={name: reduced_head[5 + i] / count for i, name in enumerate(penalty_names)},
+        penalties={name: reduced_head[6 + i] / count for i, name in enumerate(penalty_names)},
+        counted=int(round(reduced_head[5])),
     )

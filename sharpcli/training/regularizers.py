@@ -40,9 +40,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sharpcli.errors import UsageError
+from sharpcli.losses import IGNORE_INDEX, token_weights
 from sharpcli.training.step import (
     PassContext,
     PassResult,
@@ -368,6 +370,12 @@ class ActivationDecay(Penalty):
     ``--loss mse`` the same penalty is added (for mse the exact smoothing would be
     ``sigma^2 ||h||^2``; the table's form is kept for both). Default ``sigma = 0.1``
     (best AD strength of AD Fig. 2).
+
+    Sequence models (``token-cross-entropy``, ``h`` of shape (B, T, D)): the head maps each
+    position's ``h_it`` to its logits, and the loss of a sample is ``sum_t w_it CE_it`` with
+    ``w_it = 1/n_i`` on its ``n_i`` labelled positions, so the bound applies per position
+    and ``P = sigma^2/2 * (1/B) sum_i sum_t w_it ||h_it||^2``: unlabelled positions (``-100``)
+    are not penalised, as they are not in the loss.
     """
 
     name = "ad"
@@ -382,7 +390,18 @@ class ActivationDecay(Penalty):
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         h = ctx.penultimate
-        per_sample = h.reshape(h.shape[0], -1).pow(2).sum(dim=1)
+        if ctx.loss_name == "token-cross-entropy":
+            if h.ndim != 3 or h.shape[:2] != ctx.y.shape:
+                raise UsageError(
+                    f"ad on a sequence model needs the penultimate activation per position "
+                    f"(batch, length, features) like the labels {tuple(ctx.y.shape)}; got "
+                    f"{tuple(h.shape)} (choose the module with `penultimate`)",
+                    source="regs",
+                )
+            sq = h.pow(2).sum(dim=-1)  # (B, T)
+            per_sample = (sq * token_weights(sq, ctx.y)).sum(dim=1)
+        else:
+            per_sample = h.reshape(h.shape[0], -1).pow(2).sum(dim=1)
         return 0.5 * self.params["sigma"] ** 2 * per_sample.mean()
 
 
@@ -628,7 +647,8 @@ class GaussNewtonTrace(Penalty):
     ``G = (1/B) sum_i J_i^T H_z,i J_i`` is the Gauss-Newton matrix of the batch-mean loss
     and ``Lhat = (1/B) sum_i l(z_i, yhat_i)`` the loss at labels sampled from the model
     with no gradient through the sampling: cross-entropy ``yhat_i ~ Cat(softmax(z_i))``;
-    mse ``yhat_i = z_i + sqrt(C/2) xi_i``, ``xi_i ~ N(0, I)`` (the model's Gaussian with
+    binary cross-entropy ``yhat_i ~ Bernoulli(sigmoid(z_i))``; mse
+    ``yhat_i = z_i + sqrt(C/2) xi_i``, ``xi_i ~ N(0, I)`` (the model's Gaussian with
     covariance matching ``H_z = (2/C) I``). Per sample ``a_i = J_i^T grad_z l(z_i, yhat_i)``
     has ``E[a_i a_i^T] = J_i^T H_z,i J_i`` (Fisher identity) and ``E[a_i] = 0``
     (``E[grad_z l] = p - E[e_yhat] = 0``), and the ``a_i`` are independent, so
@@ -636,6 +656,15 @@ class GaussNewtonTrace(Penalty):
     terms vanish and ``B ||grad Lhat||^2`` is unbiased for ``tr(G)`` without per-sample
     gradients. ``Lhat`` shares the clean forward pass; ``grad Lhat`` with graph (1) and
     the backward through it (2): **3** evaluations. Default ``sigma2 = 0.01``.
+
+    Token cross-entropy (sequence outputs z (B, T, V), ``l_i = sum_t w_it CE(z_it, y_it)``,
+    ``w_it = 1/n_i`` on the sample's ``n_i`` labelled positions): ``H_z,i`` is block diagonal
+    with blocks ``w_it (diag p_it - p_it p_it^T)``. One label ``yhat_it ~ Cat(softmax(z_it))``
+    is drawn per labelled position (``-100`` kept) and
+    ``Lhat = (1/B) sum_i sum_t sqrt(w_it) CE(z_it, yhat_it)``: then
+    ``a_i = sum_t sqrt(w_it) J_it^T (p_it - e_yhat_it)`` has ``E[a_i a_i^T] = J_i^T H_z,i J_i``
+    (the positions' draws are independent with mean zero, the blocks' weights are
+    ``sqrt(w)^2 = w``), and ``B ||grad Lhat||^2`` is again unbiased for ``tr(G)``.
 
     Like ``hessian-trace``, it weighs the trace by ``sigma2`` as NME eq. 19 does, twice the
     ``sigma^2/2`` of the second-order term of ``weight-noise:sigma`` ([NSO] eq. 4):
@@ -659,17 +688,37 @@ class GaussNewtonTrace(Penalty):
     ) -> torch.Tensor:
         """Labels drawn from the model's predictive distribution at ``logits`` (detached)."""
         z = logits.detach()
-        if loss_name == "cross-entropy":
+        if loss_name in ("cross-entropy", "token-cross-entropy"):
             probs = torch.softmax(z.to(torch.float64), dim=-1).to(generator.device)
-            return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(z.device)
+            flat = probs.reshape(-1, probs.shape[-1])
+            drawn = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+            return drawn.to(z.device)
+        if loss_name == "binary-cross-entropy":
+            probs = torch.sigmoid(z.to(torch.float64)).to(generator.device)
+            return torch.bernoulli(probs, generator=generator).to(device=z.device, dtype=z.dtype)
         noise = torch.randn(
             z.shape, dtype=z.dtype, generator=generator, device=generator.device
         ).to(z.device)
         return z + math.sqrt(z.shape[-1] / 2.0) * noise
 
-    def term(self, ctx: PassContext) -> torch.Tensor:
+    def sampled_loss(self, ctx: PassContext) -> torch.Tensor:
+        """``Lhat``: the batch loss at labels drawn from the model (see the class docstring)."""
         y_hat = self.sample_labels(ctx.logits, ctx.loss_name, ctx.generator)
-        sampled_loss = ctx.loss_of(ctx.logits, y_hat)
+        if ctx.loss_name != "token-cross-entropy":
+            return ctx.loss_of(ctx.logits, y_hat)
+        labelled = ctx.y != IGNORE_INDEX
+        y_hat = torch.where(labelled, y_hat, torch.full_like(y_hat, IGNORE_INDEX))
+        z = ctx.logits
+        ce = F.cross_entropy(
+            z.reshape(-1, z.shape[-1]),
+            y_hat.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).reshape(y_hat.shape)
+        return (ce * token_weights(z, ctx.y).sqrt()).sum() / z.shape[0]
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        sampled_loss = self.sampled_loss(ctx)
         grads = ctx.gradient_of(sampled_loss, create_graph=ctx.want_grad)
         batch = ctx.logits.shape[0]
         return self.params["sigma2"] * batch * sum((g * g).sum() for g in grads)
@@ -1059,6 +1108,7 @@ class NSO(Oracle):
             grads=None,
             logits=passes[0].logits,  # the accuracy of the pass at theta + U_1
             labels=passes[0].labels,
+            scorer=passes[0].scorer,
         )
         return mean, grads
 

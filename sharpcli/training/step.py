@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.losses import loss_fn
+from sharpcli.losses import get_loss
 from sharpcli.models.zoo import final_linear
 
 __all__ = [
@@ -73,11 +73,16 @@ class StepStats:
 
     - ``loss``: task loss ``L`` of the reported pass.
     - ``objective``: ``L + sum_k P_k`` at the same weights, the quantity minimised.
-    - ``correct``: correct predictions of the reported pass (0 for regression).
-    - ``count``: batch size.
+    - ``correct``: correct predictions of the reported pass, as the loss counts them
+      (:attr:`sharpcli.losses.Loss.correct`: argmax for cross-entropy, the logit's sign for
+      binary cross-entropy, per labelled position for token cross-entropy; 0 for regression).
+    - ``count``: batch size (samples: the weight of the step's means in an epoch's mean).
     - ``grad_evals``: gradient evaluations the step used, counted as in the module
       docstring (a double-backward counts its true number of backward passes).
     - ``penalties``: value of each additive penalty at theta, keyed by regularizer name.
+    - ``counted``: predictions ``correct`` is out of (samples, or labelled positions for
+      token cross-entropy; 0 where the loss defines no accuracy): accuracy is
+      ``correct / counted``.
     """
 
     loss: float
@@ -86,6 +91,7 @@ class StepStats:
     count: int
     grad_evals: int
     penalties: dict[str, float] = field(default_factory=dict)
+    counted: int = 0
 
 
 def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -240,8 +246,9 @@ class PassResult:
     """Values of one evaluation of the objective (tensors detached, on the model's device).
 
     ``grads`` is the gradient of the objective with respect to each trainable parameter
-    (in ``StepEngine.params`` order) when it was asked for, else ``None``. ``logits`` and
-    ``labels`` (cross-entropy only) give :attr:`correct`, computed when read: most passes
+    (in ``StepEngine.params`` order) when it was asked for, else ``None``. ``logits``,
+    ``labels`` and ``scorer`` (the loss's :attr:`sharpcli.losses.Loss.correct`; losses with an
+    accuracy only) give :attr:`correct` and :attr:`counted`, computed when read: most passes
     of a step (perturbed, finite-difference) are never reported. Values stay tensors so
     that a step reads them back from the device once, in :meth:`StepEngine.stats`.
     """
@@ -252,14 +259,25 @@ class PassResult:
     grads: list[torch.Tensor] | None
     logits: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    scorer: Callable | None = None
+    _score: tuple | None = field(default=None, repr=False)
+
+    def _scored(self) -> tuple:
+        if self._score is None:
+            self._score = (0, 0) if self.scorer is None else self.scorer(self.logits, self.labels)
+        return self._score
 
     @property
     def correct(self) -> torch.Tensor | int:
-        """Correct predictions of the pass (``argmax logits == label``) as a 0-dim int64
-        tensor, or ``0`` without labels (regression)."""
-        if self.logits is None:
-            return 0
-        return (self.logits.argmax(dim=-1) == self.labels).sum()
+        """Correct predictions of the pass as the loss counts them, a 0-dim tensor, or ``0``
+        where the loss defines no accuracy (regression)."""
+        return self._scored()[0]
+
+    @property
+    def counted(self) -> torch.Tensor | int:
+        """Predictions :attr:`correct` is out of (samples, or labelled positions), a 0-dim
+        tensor, or ``0`` where the loss defines no accuracy."""
+        return self._scored()[1]
 
 
 class PassContext:
@@ -393,7 +411,9 @@ class StepEngine:
         self.x = x
         self.y = y
         self.loss_name = loss_name
-        self.loss_of: Callable = loss_fn(loss_name)
+        loss = get_loss(loss_name)
+        self.loss_of: Callable = loss.mean
+        self.scorer: Callable | None = loss.correct
         self.penalties = list(penalties)
         self.generator = generator
         self.params = [p for p in _model_facts(model, "params") if p.requires_grad]
@@ -556,10 +576,10 @@ class StepEngine:
         perturbed passes) was not finite, naming the first such value.
         """
         names = list(reported.penalties)
-        correct = reported.correct
         values = [*self._objectives, reported.loss, reported.objective]
         values += [reported.penalties[name] for name in names]
-        values.append(correct if torch.is_tensor(correct) else reported.loss.new_zeros(()))
+        for score in (reported.correct, reported.counted):
+            values.append(score if torch.is_tensor(score) else reported.loss.new_zeros(()))
         if values[0].device.type == "cpu":  # reading a CPU tensor waits for nothing
             host = [v.item() for v in values]
         else:  # one device-to-host copy for the whole step
@@ -576,10 +596,11 @@ class StepEngine:
         return StepStats(
             loss=float(host[n]),
             objective=float(host[n + 1]),
-            correct=int(host[-1]),
+            correct=int(host[-2]),
             count=count,
             grad_evals=int(self.grad_evals),
-            penalties={name: float(v) for name, v in zip(names, host[n + 2 : -1])},
+            penalties={name: float(v) for name, v in zip(names, host[n + 2 : -2])},
+            counted=int(host[-1]),
         )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
@@ -601,13 +622,13 @@ class StepEngine:
                 if value.requires_grad and pen.grad_from_graph:
                     graph_terms.append(value)
             objective = loss.detach() + sum(values.values()) if values else loss.detach()
-            scored = self.loss_name == "cross-entropy"
             grads = None
             if want_grad:
                 grads = self._objective_gradient(ctx, loss, graph_terms)
         result = PassResult(loss.detach(), objective, values, grads)
-        if scored:
+        if self.scorer is not None:
             result.logits, result.labels = logits.detach(), self.y
+            result.scorer = self.scorer
         return result, ctx
 
     def _objective_gradient(self, ctx: PassContext, loss, graph_terms) -> list[torch.Tensor]:
