@@ -285,3 +285,43 @@ def test_attention_mask_buffers_may_hold_inf_but_weights_and_statistics_may_not(
             check_finite_weights(model, "m.pt")
         with torch.no_grad():
             tensor.copy_(saved)
+
+
+def test_float64_weights_reach_a_float64_analysis_exactly(tmp_path, capsys, monkeypatch):
+    """A factory builds a float32 model; a float64 checkpoint loaded into it must not be rounded
+    to float32 on the way to ``--dtype float64`` (loss and eigenvalues to float64 precision)."""
+    from safetensors.torch import save_file
+
+    source = textwrap.dedent("""
+        from torch import nn
+
+        def build():
+            return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    """)
+    model, _ = factory_checkpoint(tmp_path, monkeypatch, "wide_factory", source, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    state = {  # float64 values that float32 cannot hold
+        k: v.double() + 1e-9 * torch.randn(v.shape, generator=gen, dtype=torch.float64)
+        for k, v in model.state_dict().items()
+    }
+    weights = tmp_path / "wide.safetensors"
+    save_file(state, str(weights))
+    x = torch.randn(30, 4, generator=gen).double()  # features are read as float32: exact ones
+    y = torch.randint(0, 3, (30,), generator=gen)
+    data = tmp_path / "wide-data.safetensors"
+    save_file({"x": x, "y": y}, str(data))
+    exact = model.double()
+    exact.load_state_dict(state)
+    H, _ = _dense(exact.eval(), x, y, lambda z, t: F.cross_entropy(z, t))
+    with torch.no_grad():
+        loss = float(F.cross_entropy(exact(x), y))
+    base = ["--model-factory", "wide_factory:build", "--data", data, "--dtype", "float64"]
+    run = run_cli(
+        capsys, "analyze", weights, *base, "--metrics", "eigen", "--eig-tol", "1e-12", "--json", "-"
+    )
+    assert run.code == 0, run.err
+    results = run.json()["results"]
+    assert results["loss"] == pytest.approx(loss, rel=1e-14)
+    assert results["hessian"]["lambda_max"] == pytest.approx(
+        float(torch.linalg.eigvalsh(H)[-1]), rel=1e-11
+    )

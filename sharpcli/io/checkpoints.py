@@ -592,7 +592,25 @@ def _load_state(model: nn.Module, state: dict, path: Path) -> None:
                 f"model {tuple(own[key].shape)}",
                 source=str(path),
             )
+    _widen_to(model, state)
     model.load_state_dict(state, strict=True)
+
+
+def _widen_to(model: nn.Module, state: dict) -> None:
+    """Cast ``model`` to the widest floating dtype of ``state`` when that is wider than its own.
+
+    ``load_state_dict`` copies into the model's tensors, so float64 weights loaded into a
+    factory's float32 model would be rounded to float32 before ``--dtype float64`` widens them
+    again: a float64 checkpoint must reach a float64 analysis exactly. (Narrower weights, e.g.
+    float16, go into the wider model exactly; the analysis dtype is set later either way.)
+    """
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    if not dtypes:
+        return
+    widest = max(dtypes, key=lambda d: torch.finfo(d).bits)
+    own = [t.dtype for t in model.state_dict().values() if t.is_floating_point()]
+    if own and all(torch.finfo(d).bits < torch.finfo(widest).bits for d in own):
+        model.to(widest)
 
 
 def _half_precision_note(model: nn.Module, state: dict, path: Path) -> str | None:
