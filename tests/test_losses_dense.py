@@ -204,6 +204,15 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     expected = int(((z.argmax(-1) == y) & labelled).sum()) / int(labelled.sum())
     assert run.json()["results"]["accuracy"] == pytest.approx(expected, rel=1e-12)
     assert run.json()["results"]["loss"] == pytest.approx(float(_token_mean(z, y)), rel=1e-12)
+    # activation-stats and weight-rescale count accuracy as the loss does, too
+    run = run_cli(capsys, "activation-stats", weights, *base, "--json", "-")
+    assert run.code == 0, run.err
+    assert run.json()["results"]["output"]["accuracy"] == pytest.approx(expected, rel=1e-12)
+    from sharpcli.analyses.rescale import evaluate_outputs
+    from sharpcli.curvature import AnalysisData
+
+    outputs = evaluate_outputs(model, AnalysisData(x, y, "token-cross-entropy", batch_size=4))
+    assert outputs.accuracy == pytest.approx(expected, rel=1e-12)
 
     # training takes the per-position labels: token cross-entropy, recorded in the checkpoint
     trained = tmp_path / "lm-trained.safetensors"

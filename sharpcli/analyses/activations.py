@@ -242,7 +242,7 @@ class _ActivationRecorder:
         ]
 
 
-_OUTPUT_SUMS = ("loss", "gini", "entropy", "confidence", "correct", "jac", "jac_softmax")
+_OUTPUT_SUMS = ("loss", "gini", "entropy", "confidence", "correct", "counted", "jac", "jac_softmax")
 
 
 def _forward(model: nn.Module, x: torch.Tensor, with_graph: bool, batch_index: int):
@@ -263,14 +263,22 @@ def _forward(model: nn.Module, x: torch.Tensor, with_graph: bool, batch_index: i
 
 
 def _add_output_sums(sums: dict, loss: str, z: torch.Tensor, y: torch.Tensor) -> None:
-    """Add a batch's loss and (cross-entropy) softmax statistics and correct count to ``sums``."""
+    """Add a batch's loss, (cross-entropy) softmax statistics and the loss's count of correct
+    predictions (:attr:`sharpcli.losses.Loss.correct`: per labelled position for token labels)
+    to ``sums``."""
+    from sharpcli.losses import get_loss
+
     sums["loss"] += per_sample_loss(loss, z, y).to(torch.float64).sum()
     if loss == "cross-entropy":
         p = torch.softmax(z.to(torch.float64), dim=-1)
         sums["gini"] += (1.0 - (p * p).sum(dim=-1)).sum()
         sums["entropy"] += (-torch.special.xlogy(p, p).sum(dim=-1)).sum()
         sums["confidence"] += p.max(dim=-1).values.sum()
-        sums["correct"] += (z.argmax(dim=-1) == y).to(torch.float64).sum()
+    scorer = get_loss(loss).correct
+    if scorer is not None:
+        correct, counted = scorer(z, y)
+        sums["correct"] += correct
+        sums["counted"] += counted
 
 
 def activation_stats(
@@ -322,7 +330,7 @@ def _result(
         entropy=mean("entropy", classification),
         confidence=mean("confidence", classification),
         loss=mean("loss"),
-        accuracy=mean("correct", classification),
+        accuracy=float(sums["correct"] / sums["counted"]) if float(sums["counted"]) else None,
     )
     if not recorder.layers:
         notes.append("the model has no activation layer modules")

@@ -46,7 +46,7 @@ from sharpcli.curvature.data import (
 from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.losses import per_sample_loss
+from sharpcli.losses import get_loss, per_sample_loss
 
 __all__ = [
     "MODES",
@@ -430,7 +430,8 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
     params = list(model.parameters())
     dtype, device = params[0].dtype, params[0].device
     logits = []
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, counted
+    scorer = get_loss(data.loss).correct  # accuracy as the loss counts it; None for regression
     with torch.no_grad():
         for index, (x_b, y_b, _) in enumerate(data.batches()):
             x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
@@ -441,11 +442,13 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
                 )
             logits.append(z)
             sums[0] += per_sample_loss(data.loss, z, y_b).to(torch.float64).sum()
-            if data.loss == "cross-entropy":
-                sums[1] += (z.argmax(dim=-1) == y_b).to(torch.float64).sum()
+            if scorer is not None:
+                correct, counted = scorer(z, y_b)
+                sums[1] += correct
+                sums[2] += counted
     all_reduce_sum(sums)
     n = data.num_samples
-    accuracy = float(sums[1]) / n if data.loss == "cross-entropy" else None
+    accuracy = float(sums[1] / sums[2]) if float(sums[2]) else None
     return OutputEvaluation(torch.cat(logits), float(sums[0]) / n, accuracy)
 
 
