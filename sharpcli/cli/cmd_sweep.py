@@ -186,16 +186,7 @@ def sweep_command(
         Optional[int],
         typer.Option("--depth", help="Hidden layers (mlp) or depth (resnet: 20, 56)."),
     ] = None,
-    activation: Annotated[
-        Optional[str],
-        typer.Option(
-            "--activation",
-            metavar="NAME[:beta=B]",
-            autocompletion=choices.completer(choices.ACTIVATIONS),
-            help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
-            "diminished-gelu (default: the model's, relu).",
-        ),
-    ] = None,
+    activation: common.ActivationOpt = None,
     dtype: common.DtypeOpt = "float32",
     device: common.DeviceOpt = "cpu",
     sets: Annotated[

@@ -50,16 +50,7 @@ def train_command(
     width: Annotated[
         Optional[int], typer.Option("--width", help="Hidden width (mlp) or base channels.")
     ] = None,
-    activation: Annotated[
-        Optional[str],
-        typer.Option(
-            "--activation",
-            metavar="NAME[:beta=B]",
-            autocompletion=choices.completer(choices.ACTIVATIONS),
-            help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
-            "diminished-gelu (default: the model's, relu).",
-        ),
-    ] = None,
+    activation: common.ActivationOpt = None,
     model_args: Annotated[
         Optional[str],
         typer.Option(

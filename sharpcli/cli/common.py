@@ -93,6 +93,16 @@ DeviceOpt = Annotated[
     ),
 ]
 DtypeOpt = Annotated[choices.Dtype, typer.Option("--dtype", help="Floating-point precision.")]
+ActivationOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--activation",
+        metavar="NAME[:beta=B]",
+        autocompletion=choices.completer(choices.ACTIVATIONS),
+        help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
+        "diminished-gelu (default: the model's, relu).",
+    ),
+]
 SeedOpt = Annotated[
     int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")
 ]

@@ -389,17 +389,17 @@ def _hutchpp(
     op,
     run: progress.Run,
     *,
-    tol: float = 1e-2,
-    max_matvecs: int = 1000,
-    seed: int = 0,
-    block_size: int = 8,
-    min_samples: int = 10,
-    initial_sketch: int = 16,
-    max_sketch: int = 512,
-    blocks: dict | None = None,
-    known: torch.Tensor | None = None,
+    tol: float,
+    max_matvecs: int,
+    seed: int,
+    block_size: int,
+    min_samples: int,
+    initial_sketch: int,
+    max_sketch: int,
+    blocks: dict | None,
+    known: torch.Tensor | None,
 ) -> TraceResult:
-    """The loop of :func:`hutchpp`, reporting to ``run``."""
+    """The loop of :func:`hutchpp` (its arguments, all given), reporting to ``run``."""
 
     blocks = _blocks_of(op, blocks)
     dim = op.shape[0]
