@@ -234,3 +234,19 @@ def test_pyhessian_engine_agrees_with_native_within_its_tolerance(tiny, capsys):
     assert abs(abs(r["eigenvalues"][0]) - abs(native["eigenvalues"][0])) <= 5e-3 * largest_abs
     refused = run_cli(capsys, "eigen", path, "--engine", "pyhessian", "--which", "smallest")
     assert_one_line_error(refused, 2, "--engine")
+
+
+def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
+    """analyze's report carries the notes of the eigen and trace runs it made (once each), and
+    prints them under the table: the same notes a separate `eigen` run prints."""
+    path, _, _ = tiny
+    eigen = run_cli(capsys, "eigen", path, "--json", "-")
+    assert eigen.code == 0, eigen.err
+    expected = eigen.json()["results"]["notes"]
+    assert expected  # float32 products: explicit residuals are noted
+    run = run_cli(capsys, "analyze", path, "--metrics", "eigen,trace", "--json", "-")
+    assert run.code == 0, run.err
+    notes = run.json()["results"]["notes"]
+    assert all(note in notes for note in expected) and len(notes) == len(set(notes))
+    shown = run_cli(capsys, "analyze", path, "--metrics", "eigen")
+    assert shown.code == 0 and "note: residuals are explicit" in shown.out

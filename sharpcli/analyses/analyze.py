@@ -133,6 +133,7 @@ def analyze(
     results["metrics"] = list(metrics)
     hessian: dict = {}
     matvecs = 0
+    e = t = f = g = None  # each estimator's own result, for its notes
     if "eigen" in metrics:
         e = spectrum.eigen(session, top_k=top_k, which="largest", tol=eig_tol, params=params)
         hessian.update(
@@ -183,7 +184,30 @@ def analyze(
         results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
     if hessian:
         results[HESSIAN] = hessian
+    notes = _notes_of([part for part in (e, t, f, g) if part is not None])
+    if notes:
+        results["notes"] = notes
     return results, matvecs
+
+
+def _notes_of(parts: list, depth: int = 3) -> list[str]:
+    """The ``notes`` of the estimators' results in ``parts`` (at any depth up to ``depth``), each
+    once, in order: what eigen, trace and gn-nme say about their own numbers (a residual that
+    converged only at the products' rounding level, an exact trace) reaches analyze's report."""
+    found: list[str] = []
+
+    def visit(node, level):
+        if level > depth or not isinstance(node, dict):
+            return
+        for note in node.get("notes") or []:
+            if isinstance(note, str) and note not in found:
+                found.append(note)
+        for value in node.values():
+            visit(value, level + 1)
+
+    for part in parts:
+        visit(part, 0)
+    return found
 
 
 def analyze_report(session, settings: dict, results: dict, matvecs: int, gates=()) -> tuple:

@@ -111,6 +111,8 @@ def analyze_command(
                     ],
                 )
             )
+        for note in results.get("notes") or []:
+            common.print_note(console, note)
 
     notice = None
     if tripped:  # one line on stderr, even under --quiet or --json -
