@@ -218,7 +218,9 @@ def test_tol_and_max_matvecs_are_named_by_meaning_with_the_old_names_as_aliases(
         for new, old, value in ((tol, "--tol", "0.25"), (budget, "--max-matvecs", "7")):
             (param,) = [p for p in _params(command) if new in p.opts]
             assert param.opts == [new, old], (name, param.opts)
-            assert f"{new},{old}" in text and f"{old} is the former name" in param.help
+            # help lists the current name; the text names the former one (a narrow names column)
+            assert new in text and old not in text.replace(f"{old} is the former", "")
+            assert f"{old} is the former name" in param.help
             by_new = command.make_context(name, ["m.safetensors", new, value]).params
             by_old = command.make_context(name, ["m.safetensors", old, value]).params
             assert by_new[param.name] == by_old[param.name] == float(value)
@@ -332,3 +334,28 @@ def test_notes_spell_library_parameters_as_the_running_commands_flags(command, e
         group.commands[command], parent=context(group, info_name="sharp"), info_name=command
     ):
         assert spell_flags("raise `tol` or `max_matvecs=5`") == expected
+
+
+def test_help_at_80_columns_cuts_nothing(capsys, monkeypatch):
+    """At 80 columns every option's current name is shown whole (second names live in the help
+    text, common.first_long_names_only, where each is named) and no word of a help text is cut
+    with an ellipsis (no word wider than the help column)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    for name, command in _commands().items():
+        run = run_cli(capsys, *([name] if name else []), "--help")
+        assert run.code == 0, run.err
+        assert max(len(line) for line in run.out.splitlines()) <= 80, name
+        names_column = [  # first cell of an option row, after the required marker "*"
+            cells[0]
+            for line in run.out.splitlines()
+            if (cells := [c for c in line[1:].split() if c != "*"]) and cells[0].startswith("--")
+        ]
+        for param in _params(command):
+            first = next((o for o in param.opts if o.startswith("--")), None)
+            if first is not None and not getattr(param, "hidden", False):
+                assert first in names_column, (name, first)
+        assert not any(n.endswith("…") for n in names_column), (name, names_column)
+        assert "…" not in run.out, (name, [ln for ln in run.out.splitlines() if "…" in ln])
+        for param in _params(command):
+            for other in [o for o in param.opts if o.startswith("--")][1:]:
+                assert other in (param.help or ""), (name, param.opts)  # named in the help text

@@ -255,7 +255,7 @@ def bound_check_command(
             metavar="NAME[,NAME]",
             autocompletion=choices.list_completer(choices.CHECKS),
             help="Extra checks: theorem2, noise-stability; repeat or comma-separate, e.g. "
-            "--check theorem2,noise-stability.",
+            "--check theorem2 --check noise-stability.",
         ),
     ] = None,
     bootstrap: Annotated[

@@ -87,7 +87,7 @@ def sweep_command(
             metavar="NAME[:k=v,...]",
             autocompletion=choices.completer(choices.REGULARIZERS),
             help="Regularizer whose hyper-parameters are swept, with fixed ones after the "
-            "colon, e.g. --reg ad or --reg hessian-trace:mode=exact (sharp train --help lists "
+            "colon, e.g. --reg ad or --reg sam:rho=0.1 (sharp train --help lists "
             "the regularizers).",
         ),
     ],

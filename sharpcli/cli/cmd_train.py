@@ -17,11 +17,11 @@ REG_HELP = (
 # --reg's help for the built-in regularizers, without importing them (and torch); equal to
 # _reg_help() with no extension registered (tests/test_cli_usability.py).
 BUILTIN_REG_HELP = (
-    f"{REG_HELP} none; wd(sigma=0.001); dropout(p=0.1); ad(sigma=0.1); sam(rho=0.05); "
-    "usam(rho=0.05); asam(rho=0.5, eta=0.01); gp(rho=0.01, p=1, mode=exact, eps=0.001); "
-    "hessian-trace(sigma2=0.01, probes=1, mode=exact, eps=0.1); gn-trace(sigma2=0.01); "
-    "weight-noise(sigma=0.01, report=perturbed); nso(sigma=0.01, k=1, report=perturbed); "
-    "fa(lambda=0.01, mode=exact, eps=auto)"
+    f"{REG_HELP} none; wd (sigma=0.001); dropout (p=0.1); ad (sigma=0.1); sam (rho=0.05); "
+    "usam (rho=0.05); asam (rho=0.5, eta=0.01); gp (rho=0.01, p=1, mode=exact, eps=0.001); "
+    "hessian-trace (sigma2=0.01, probes=1, mode=exact, eps=0.1); gn-trace (sigma2=0.01); "
+    "weight-noise (sigma=0.01, report=perturbed); nso (sigma=0.01, k=1, report=perturbed); "
+    "fa (lambda=0.01, mode=exact, eps=auto)"
 )
 
 
@@ -32,7 +32,8 @@ def _reg_help() -> str:
     return f"{REG_HELP} " + "; ".join(
         f"{row['name']}"
         + (
-            f"({', '.join(h['name'] + '=' + str(h['default']) for h in row['hyperparameters'])})"
+            # a space before "(": no word wider than the help column at 80 columns
+            f" ({', '.join(h['name'] + '=' + str(h['default']) for h in row['hyperparameters'])})"
             if row["hyperparameters"]
             else ""
         )
@@ -58,7 +59,7 @@ def train_command(
             "--arch-args",
             metavar="JSON",
             help="Further model arguments as JSON (the factory's keyword arguments with "
-            "--model-factory).",
+            "--model-factory; --arch-args is a second name).",
         ),
     ] = None,
     model_factory: Annotated[

@@ -99,8 +99,8 @@ ActivationOpt = Annotated[
         "--activation",
         metavar="NAME[:beta=B]",
         autocompletion=choices.completer(choices.ACTIVATIONS),
-        help="Activation: relu, gelu, beta-gelu:beta=B, augmented-relu:beta=B or "
-        "diminished-gelu (default: the model's, relu).",
+        help="Activation: relu, gelu, beta-gelu, augmented-relu (these two take :beta=B, "
+        "e.g. beta-gelu:beta=4) or diminished-gelu (default: the model's, relu).",
     ),
 ]
 SeedOpt = Annotated[
@@ -592,9 +592,32 @@ def _no_type(ctx) -> None:
     return None
 
 
+@contextlib.contextmanager
+def first_long_names_only(params):
+    """Show one long name per option while help is formatted: the option's current name.
+
+    A renamed option keeps its former spelling as a second name (``--eig-tol`` / ``--tol``),
+    which parses as before and which the option's help text names; listed beside the current
+    name it would widen the names column until, at 80 columns, names are cut and choices
+    wrap. Parsing is untouched: the names are restored afterwards."""
+    saved = []
+    for param in params:
+        opts = list(getattr(param, "opts", None) or ())
+        long_names = [o for o in opts if o.startswith("--")]
+        if len(long_names) > 1:
+            saved.append((param, opts))
+            param.opts = [o for o in opts if not o.startswith("--") or o == long_names[0]]
+    try:
+        yield
+    finally:
+        for param, opts in saved:
+            param.opts = opts
+
+
 class LazyHelpCommand(TyperCommand):
-    """A typer command whose :func:`lazy_help` option helps are resolved when shown, and whose
-    flags show no ``<bool>`` (:func:`plain_flags`); every ``sharp`` command is one."""
+    """A typer command whose :func:`lazy_help` option helps are resolved when shown, whose
+    flags show no ``<bool>`` (:func:`plain_flags`), and whose renamed options show their
+    current name (:func:`first_long_names_only`); every ``sharp`` command is one."""
 
     def format_help(self, ctx, formatter) -> None:
         """Resolve the lazy option helps whose module is loaded, then format the help."""
@@ -603,7 +626,8 @@ class LazyHelpCommand(TyperCommand):
             if module in sys.modules:
                 param.help = make()
         plain_flags(self.get_params(ctx))
-        super().format_help(ctx, formatter)
+        with first_long_names_only(self.get_params(ctx)):
+            super().format_help(ctx, formatter)
 
 
 class SharpGroup(TyperGroup):
