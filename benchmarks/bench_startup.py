@@ -86,6 +86,22 @@ def export_bundle(ckpt: Path, bundle: Path) -> None:
     torch.save({"state": state, "x": x.float(), "y": y}, bundle)
 
 
+def _eigen_args(ckpt: Path, report: Path) -> list[str]:
+    """``sharpcli eigen`` for lambda_max of the whole set in one batch, quiet, JSON to ``report``."""
+    return [
+        "sharpcli",
+        "eigen",
+        str(ckpt),
+        "--top-k",
+        "1",
+        "--batch-size",
+        "1500",
+        "-q",
+        "--json",
+        str(report),
+    ]
+
+
 def whole_processes(
     ckpt: Path, bundle: Path, repeats: int, threads: int, out: Path, baseline: Path | None
 ) -> dict:
@@ -94,20 +110,7 @@ def whole_processes(
     commit) run as a third side, ``sharp (baseline)``."""
     sharp_json, script_json = out / "sharp.json", out / "pyhessian.json"
     sides = {
-        "sharp": [
-            sys.executable,
-            "-m",
-            "sharpcli",
-            "eigen",
-            str(ckpt),
-            "--top-k",
-            "1",
-            "--batch-size",
-            "1500",
-            "-q",
-            "--json",
-            str(sharp_json),
-        ],
+        "sharp": [sys.executable, "-m", *_eigen_args(ckpt, sharp_json)],
         "pyhessian": [
             sys.executable,
             str(HERE / "pyhessian_eigen.py"),
@@ -153,22 +156,7 @@ def help_runs(repeats: int, threads: int) -> list[dict]:
 def import_profile(ckpt: Path, threads: int, out: Path) -> tuple[list, list]:
     """Top-level imports >= 20 ms of one ``-X importtime`` eigen run; heavy modules seen."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-X",
-            "importtime",
-            "-m",
-            "sharpcli",
-            "eigen",
-            str(ckpt),
-            "--top-k",
-            "1",
-            "--batch-size",
-            "1500",
-            "-q",
-            "--json",
-            str(out / "importtime.json"),
-        ],
+        [sys.executable, "-X", "importtime", "-m", *_eigen_args(ckpt, out / "importtime.json")],
         env=child_env(threads),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
