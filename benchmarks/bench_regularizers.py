@@ -146,13 +146,14 @@ FLOOR_OF: dict[str, str] = {
     "weight-noise:report=clean": "noise",
     "sam": "sam",
     "usam": "sam",
-    "asam": "sam",
+    "asam": "asam",
     "nso": "noise-pair",
     "nso:report=clean": "noise-pair",
     "gp": "double-backward",
-    "gn-trace": "double-backward",
+    "gn-trace": "gn-trace",
     "gp:mode=fd": "fd-3",
-    "hessian-trace": "fd-3",
+    "hessian-trace": "third-order",
+    "hessian-trace:mode=fd": "hessian-trace-fd",
     "fa": "third-order",
     "fa:mode=exact": "third-order",
     "hessian-trace:mode=exact": "third-order",
@@ -179,8 +180,15 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
     - ``sam``: SAM as in its paper [SAM] (Foret et al. 2021, Algorithm 1): gradient, ascent
       step ``e = rho g / ||g||`` (one fused norm), gradient at ``theta + e``, weights restored
       by subtracting ``e``, optimizer step (2 evaluations);
+    - ``asam``: ASAM as in its paper [ASAM] (Kwon et al. 2021): SAM with the ascent step
+      ``e = rho T^2 g / ||T g||``, ``T = |w| + eta`` on weight matrices (2 evaluations);
     - ``double-backward``: ``g = grad L`` with ``create_graph``, backward of
       ``L + rho ||g||`` (the gradient penalty: 1 + 2 = 3 evaluations);
+    - ``gn-trace``: labels drawn from the model's softmax (``torch.multinomial``), ``g = grad
+      L(yhat)`` with ``create_graph``, backward of ``L + sigma2 B ||g||^2`` (3 evaluations);
+    - ``hessian-trace-fd``: ``g0 = grad L``, one flat Rademacher ``v``, ``g+-`` at
+      ``theta +- s v`` (``s = eps/||v||``), the value ``v.(g+ - g-)/(2 s)`` and the gradient
+      ``g0 + sigma2 ((g+ - g0) + (g- - g0)) / s^2`` (3 evaluations);
     - ``fd-3``: ``grad L`` and two gradients at ``theta +- s v`` (a central difference along a
       Rademacher ``v``: 3 evaluations);
     - ``third-order``: ``g`` with graph, ``H v`` with graph, backward of
@@ -254,6 +262,49 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
             torch._foreach_sub_(params, e)
         optimizer.step()
 
+    def asam(eta: float = 0.01, radius: float = 0.5):
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        with torch.no_grad():
+            grads = [p.grad for p in params]
+            scales = [p.abs() + eta if p.dim() > 1 else None for p in params]
+            tg = [g if t is None else t * g for t, g in zip(scales, grads)]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tg)))
+            e = [u if t is None else t * u for t, u in zip(scales, tg)]
+            torch._foreach_mul_(e, radius / (norm + 1e-12))
+            torch._foreach_add_(params, e)
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        with torch.no_grad():
+            torch._foreach_sub_(params, e)
+        optimizer.step()
+
+    def gn_trace(sigma2: float = 0.01):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        y_hat = torch.multinomial(torch.softmax(logits.detach(), dim=-1), 1).squeeze(1)
+        g = torch.autograd.grad(F.cross_entropy(logits, y_hat), params, create_graph=True)
+        (loss + sigma2 * batch * sum((t * t).sum() for t in g)).backward()
+        optimizer.step()
+
+    def hessian_trace_fd(sigma2: float = 0.01, eps: float = 0.1):
+        optimizer.zero_grad(set_to_none=True)
+        loss_at().backward()
+        g0 = [p.grad for p in params]
+        flat = torch.randint(0, 2, (total,), dtype=x.dtype).mul_(2).sub_(1)
+        v = [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+        s = eps / total**0.5
+        plus, minus = gradients_at([torch._foreach_mul(v, s), torch._foreach_mul(v, -s)])
+        value = sigma2 * torch.dot(
+            flat, torch.cat([(a - b).reshape(-1) for a, b in zip(plus, minus)])
+        )
+        curvature = torch._foreach_sub(plus, g0)
+        torch._foreach_add_(curvature, torch._foreach_sub(minus, g0))
+        torch._foreach_add_(g0, curvature, alpha=sigma2 / s**2)
+        optimizer.step()
+        return value / (2 * s)
+
     def double_backward():
         optimizer.zero_grad(set_to_none=True)
         loss = loss_at()
@@ -306,7 +357,10 @@ def floor_steps(model, x, y, optimizer, rho: float = 0.05, eps: float = 0.1) -> 
         "noise": noise,
         "noise-pair": noise_pair,
         "sam": sam,
+        "asam": asam,
         "double-backward": double_backward,
+        "gn-trace": gn_trace,
+        "hessian-trace-fd": hessian_trace_fd,
         "fd-3": fd(3),
         "third-order": third_order,
         "fd-7": fd(7),

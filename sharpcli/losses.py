@@ -59,9 +59,13 @@ class Loss:
     hessian_matvec: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     # columns s shaped like z with H_z = sum_s s s^T per sample, f(z, y)
     ggn_factor: Callable[[torch.Tensor, torch.Tensor], Iterator[torch.Tensor]]
-    # (correct predictions, predictions counted) as 0-dim tensors on z's device (read back by
-    # the caller: a training step reads once per step); None: no accuracy (regression)
-    correct: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (correct predictions, predictions counted): the count of correct predictions a 0-dim
+    # tensor on z's device (read back by the caller: a training step reads once per step), the
+    # number counted an int where the host knows it (every label) or such a tensor where the
+    # device does (labelled positions); None: no accuracy (regression)
+    correct: (
+        Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | int]] | None
+    ) = None
     check: Callable[[torch.Tensor, torch.Tensor], str | None] | None = None  # problem or None
 
 
@@ -119,8 +123,8 @@ def _softmax_matvec(z, y, u):
 
 
 def _count(z, y):
-    # the number of labels as a tensor on z's device, filled there (no host-to-device copy)
-    return torch.full((), y.numel(), dtype=torch.int64, device=z.device)
+    # every label counts: a number the host knows, no tensor to fill and read back
+    return y.numel()
 
 
 def _argmax_correct(z, y):

@@ -481,7 +481,7 @@ class GradientPenalty(Penalty):
         step = [eps * g / norm for g in grads]
         with engine.perturbed(step):
             plus = engine.loss_gradient()
-        with engine.perturbed([-s for s in step]):
+        with engine.perturbed(step, sign=-1.0):
             minus = engine.loss_gradient()
         # (g+ - g-)/(2 eps) ~= H u;  d/dtheta rho ||g||^p = rho p ||g||^(p-1) H u
         scale = self.params["rho"] * self.params["p"] * norm ** (self.params["p"] - 1) / (2 * eps)
@@ -628,7 +628,7 @@ class HessianTrace(Penalty):
             step = torch._foreach_mul(v, s)
             with engine.perturbed(step):
                 plus = engine.loss_gradient()
-            with engine.perturbed(torch._foreach_neg(step)):
+            with engine.perturbed(step, sign=-1.0):
                 minus = engine.loss_gradient()
             value = value + _dot(v, torch._foreach_sub(plus, minus)) / (2 * s)
             if want_grad:
@@ -861,7 +861,7 @@ class FlatnessAware(Penalty):
         step_v = torch._foreach_mul(v, s)
         with engine.perturbed(step_v):
             g_plus = engine.loss_gradient()
-        with engine.perturbed(torch._foreach_neg(step_v)):
+        with engine.perturbed(step_v, sign=-1.0):
             g_minus = engine.loss_gradient()
         u = torch._foreach_mul(torch._foreach_sub(g_plus, g_minus), 0.5 / s)  # H v + O(h^2)
         value = lam * _dot(u, u) / batch
@@ -872,16 +872,18 @@ class FlatnessAware(Penalty):
             return value, [torch.zeros_like(x) for x in u]
         step_u = torch._foreach_mul(u, h / u_norm)
 
-        def gradient_at(sign_v: float, sign_u: float) -> list[torch.Tensor]:
-            delta = torch._foreach_add(
-                torch._foreach_mul(step_v, sign_v), torch._foreach_mul(step_u, sign_u)
-            )
-            with engine.perturbed(delta):
+        # the four points theta +- (s v + t u) and theta +- (s v - t u): -s v + t u is exactly
+        # -(s v - t u) in floating point, so two sums serve all four
+        v_plus_u = torch._foreach_add(step_v, step_u)
+        v_minus_u = torch._foreach_sub(step_v, step_u)
+
+        def gradient_at(delta: list[torch.Tensor], sign: float) -> list[torch.Tensor]:
+            with engine.perturbed(delta, sign=sign):
                 return engine.loss_gradient()
 
         # [(g(+v+u) - g(+v-u)) - (g(-v+u) - g(-v-u))] / (4 s t) ~= D^3 L[v, u, .]
-        upper = torch._foreach_sub(gradient_at(1.0, 1.0), gradient_at(1.0, -1.0))
-        lower = torch._foreach_sub(gradient_at(-1.0, 1.0), gradient_at(-1.0, -1.0))
+        upper = torch._foreach_sub(gradient_at(v_plus_u, 1.0), gradient_at(v_minus_u, 1.0))
+        lower = torch._foreach_sub(gradient_at(v_minus_u, -1.0), gradient_at(v_plus_u, -1.0))
         t = h / u_norm
         return value, torch._foreach_mul(
             torch._foreach_sub(upper, lower), 2.0 * lam / (batch * 4.0 * s * t)
@@ -903,7 +905,7 @@ class _AscentOracle(Oracle):
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         clean = engine.evaluate(want_grad=True)
-        deltas = self.perturbation([p.detach() for p in engine.params], clean.grads)
+        deltas = self.perturbation(engine.weights, clean.grads)
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
         return clean, at_perturbed.grads
@@ -913,6 +915,12 @@ def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_t <a_t, b_t>`` over two lists of like-shaped tensors, as a 0-dim tensor (one fused
     elementwise product, one sum per tensor)."""
     return torch.stack([t.sum() for t in torch._foreach_mul(list(a), list(b))]).sum()
+
+
+def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The mean of equally shaped tensors: one stacked ``mean`` (two operations whatever their
+    number)."""
+    return torch.stack(list(values)).mean(dim=0)
 
 
 def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
@@ -1039,9 +1047,7 @@ class WeightNoise(Oracle):
             clean = engine.evaluate(want_grad=False)
         elif engine.has_buffers:
             engine.forward_only()
-        noise = gaussian_like(
-            [p.detach() for p in engine.params], self.params["sigma"], engine.generator
-        )
+        noise = gaussian_like(engine.weights, self.params["sigma"], engine.generator)
         with engine.perturbed(noise):
             at_noisy = engine.evaluate(want_grad=True)
         return (clean if clean is not None else at_noisy), at_noisy.grads
@@ -1084,33 +1090,34 @@ class NSO(Oracle):
             clean = engine.evaluate(want_grad=False)
         elif engine.has_buffers:
             engine.forward_only()
-        params = [p.detach() for p in engine.params]
-        total = [torch.zeros_like(p) for p in params]
+        total: list[torch.Tensor] | None = None  # the first pass's gradient, summed into
         passes: list[PassResult] = []
         k = self.params["k"]
         for _ in range(k):
-            noise = gaussian_like(params, self.params["sigma"], engine.generator)
+            noise = gaussian_like(engine.weights, self.params["sigma"], engine.generator)
             for sign in (1.0, -1.0):
-                with engine.perturbed(noise if sign > 0 else torch._foreach_neg(noise)):
+                with engine.perturbed(noise, sign=sign):
                     result = engine.evaluate(want_grad=True)
-                torch._foreach_add_(total, result.grads)
+                if total is None:
+                    total = result.grads  # a fresh list of fresh tensors: summed into in place
+                else:
+                    torch._foreach_add_(total, result.grads)
                 passes.append(result)
-        grads = torch._foreach_div(total, 2 * k)
+        torch._foreach_div_(total, 2 * k)
         if clean is not None:
-            return clean, grads
-        n = len(passes)
+            return clean, total
         mean = PassResult(
-            loss=sum(r.loss for r in passes) / n,
-            objective=sum(r.objective for r in passes) / n,
+            loss=_mean([r.loss for r in passes]),
+            objective=_mean([r.objective for r in passes]),
             penalties={
-                name: sum(r.penalties[name] for r in passes) / n for name in passes[0].penalties
+                name: _mean([r.penalties[name] for r in passes]) for name in passes[0].penalties
             },
             grads=None,
             logits=passes[0].logits,  # the accuracy of the pass at theta + U_1
             labels=passes[0].labels,
             scorer=passes[0].scorer,
         )
-        return mean, grads
+        return mean, total
 
 
 # --------------------------------------------------------------------------- registry and parsing

@@ -96,14 +96,13 @@ class StepStats:
 
 def _flat_split(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``tensors`` (consecutive slices in order), moved to each
-    tensor's device."""
-    out = []
-    for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
-        piece = piece.view(t.shape)
-        if piece.device != t.device or piece.dtype != t.dtype:
-            piece = piece.to(device=t.device, dtype=t.dtype)
-        out.append(piece)
-    return out
+    tensor's device and dtype where they differ from ``flat``'s."""
+    # view_as: half the cost of view(t.shape), which builds a Size per tensor
+    out = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    device, dtype = flat.device, flat.dtype
+    if all(t.dtype == dtype for t in tensors) and all(t.device == device for t in tensors):
+        return out
+    return [piece.to(device=t.device, dtype=t.dtype) for piece, t in zip(out, tensors)]
 
 
 def rademacher_like(
@@ -156,6 +155,14 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if any(n.dtype != dtype for n in norms):
         norms = [n.to(dtype) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _added(first: torch.Tensor, rest) -> torch.Tensor:
+    """``first + r_1 + r_2 + ...``: as ``first + sum(rest)`` without the operation that
+    ``sum`` spends adding its start value 0 (a step adds a penalty or two per pass)."""
+    for term in rest:
+        first = first + term
+    return first
 
 
 _MODEL_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -275,8 +282,9 @@ class PassResult:
 
     @property
     def counted(self) -> torch.Tensor | int:
-        """Predictions :attr:`correct` is out of (samples, or labelled positions), a 0-dim
-        tensor, or ``0`` where the loss defines no accuracy."""
+        """Predictions :attr:`correct` is out of (samples, or labelled positions): an int where
+        the host knows it (every label counts), a 0-dim tensor where the device does (labelled
+        positions), ``0`` where the loss defines no accuracy."""
         return self._scored()[1]
 
 
@@ -421,12 +429,15 @@ class StepEngine:
             raise UsageError("the model has no trainable parameters", source="regs")
         self.grad_evals = 0
         device = self.params[0].device
+        self._on_cpu = device.type == "cpu"
         self._rng = _RngReplay(device)
         self._single_pass = single_pass
         self._passes = 0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._objectives: list[torch.Tensor] = []  # every pass's objective, checked in stats()
         self._saved: list[list[torch.Tensor]] = []  # weights before a perturbation, per depth
+        self._saved_versions: list[list[int] | None] = []  # weights' versions when restored
+        self._weights: list[torch.Tensor] | None = None
         self._depth = 0  # nesting of perturbed() blocks
         self._head = (
             _model_facts(model, "head")
@@ -436,31 +447,49 @@ class StepEngine:
         self.has_buffers = _model_facts(model, "has_buffers")
 
     # ----------------------------------------------------------------- state control
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """Detached views of the trainable parameters (``self.params`` order), made once per
+        engine: in-place arithmetic on them moves the parameters without autograd recording
+        it (so no ``torch.no_grad()`` block is needed around it)."""
+        if self._weights is None:
+            self._weights = [p.detach() for p in self.params]
+        return self._weights
+
     @contextlib.contextmanager
-    def perturbed(self, deltas: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Weights at ``theta + delta`` inside the block; restored by copy on exit (bitwise).
+    def perturbed(self, deltas: Sequence[torch.Tensor], sign: float = 1.0) -> Iterator[None]:
+        """Weights at ``theta + sign * delta`` inside the block (``sign`` +1 or -1); restored by
+        copy on exit (bitwise). ``deltas`` must not require grad.
 
         The weights are saved with one fused ``torch._foreach_copy_`` into buffers allocated
         once per engine and nesting depth (a perturbation inside a perturbed block, as a
         finite-difference penalty under SAM, saves into its own), moved in place with
-        ``torch._foreach_add_``, and restored by copying the saved values back: restoring by
-        subtracting ``delta`` would not give theta back bit for bit in floating point.
+        ``torch._foreach_add_(..., alpha=sign)`` (exactly ``theta - delta`` for ``sign=-1``,
+        with no negated copy of ``delta``), and restored by copying the saved values back:
+        restoring by subtracting ``delta`` would not give theta back bit for bit in floating
+        point. The save is skipped when the buffer still holds the current weights: every
+        in-place change of a tensor bumps its version counter, so equal versions since this
+        depth's last restore mean nothing has touched the weights since (a step's second and
+        later perturbations at one depth pay one copy, not two).
         """
+        if sign not in (1.0, -1.0):
+            raise ValueError(f"sign must be +1 or -1, not {sign}")
         depth = self._depth
-        weights = [p.detach() for p in self.params]
+        weights = self.weights
         if depth == len(self._saved):
             self._saved.append([torch.empty_like(w) for w in weights])
+            self._saved_versions.append(None)
         saved = self._saved[depth]
         self._depth += 1
         try:
-            with torch.no_grad():
+            if self._saved_versions[depth] != [w._version for w in weights]:
                 torch._foreach_copy_(saved, weights)
-                torch._foreach_add_(weights, list(deltas))
+            torch._foreach_add_(weights, list(deltas), alpha=sign)
             yield
         finally:
             self._depth = depth
-            with torch.no_grad():
-                torch._foreach_copy_(weights, saved)
+            torch._foreach_copy_(weights, saved)
+            self._saved_versions[depth] = [w._version for w in weights]
 
     def _begin_pass(self) -> bool:
         first = self._passes == 0
@@ -578,12 +607,16 @@ class StepEngine:
         names = list(reported.penalties)
         values = [*self._objectives, reported.loss, reported.objective]
         values += [reported.penalties[name] for name in names]
-        for score in (reported.correct, reported.counted):
-            values.append(score if torch.is_tensor(score) else reported.loss.new_zeros(()))
-        if values[0].device.type == "cpu":  # reading a CPU tensor waits for nothing
+        scores = [reported.correct, reported.counted]  # tensors or host ints
+        read = [i for i, score in enumerate(scores) if torch.is_tensor(score)]
+        values += [scores[i] for i in read]
+        if self._on_cpu:  # reading a CPU tensor waits for nothing
             host = [v.item() for v in values]
         else:  # one device-to-host copy for the whole step
             host = torch.cat([v.detach().to(torch.float64).reshape(-1) for v in values]).tolist()
+        for i, value in zip(read, host[len(host) - len(read) :]):
+            scores[i] = value
+        del host[len(host) - len(read) :]
         n = len(self._objectives)
         for objective_value in host[:n]:
             if not math.isfinite(objective_value):
@@ -596,11 +629,11 @@ class StepEngine:
         return StepStats(
             loss=float(host[n]),
             objective=float(host[n + 1]),
-            correct=int(host[-2]),
+            correct=int(scores[0]),
             count=count,
             grad_evals=int(self.grad_evals),
-            penalties={name: float(v) for name, v in zip(names, host[n + 2 : -2])},
-            counted=int(host[-1]),
+            penalties={name: float(v) for name, v in zip(names, host[n + 2 :])},
+            counted=int(scores[1]),
         )
 
     def _evaluate(self, want_grad: bool, first: bool) -> tuple[PassResult, PassContext]:
@@ -621,7 +654,7 @@ class StepEngine:
                 values[pen.name] = value.detach()
                 if value.requires_grad and pen.grad_from_graph:
                     graph_terms.append(value)
-            objective = loss.detach() + sum(values.values()) if values else loss.detach()
+            objective = _added(loss.detach(), values.values())
             grads = None
             if want_grad:
                 grads = self._objective_gradient(ctx, loss, graph_terms)
@@ -641,7 +674,7 @@ class StepEngine:
                 self.grad_evals += ctx.units
                 grads = [g if r is None else g + r for g, r in zip(grads, rest)]
         else:
-            total = loss + sum(graph_terms) if graph_terms else loss
+            total = _added(loss, graph_terms)
             out = torch.autograd.grad(total, self.params, allow_unused=True)
             self.grad_evals += ctx.units
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
