@@ -326,7 +326,7 @@ def prepare_features(
       ``source`` (exit 2) instead of an ``IndexError`` deep inside an analysis.
     """
     if not _embedding_modules(model):
-        return x.to(device=device, dtype=dtype), []
+        return to_analysis_dtype(x, dtype, device, source, "features"), []
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # the probes must not touch BatchNorm statistics of a model about to train
     try:
@@ -334,6 +334,27 @@ def prepare_features(
     finally:
         for module, training in modes:
             module.training = training
+
+
+def to_analysis_dtype(
+    values: torch.Tensor, dtype: torch.dtype, device: torch.device, source: str, what: str
+) -> torch.Tensor:
+    """``values`` (features or regression targets of ``source``) on ``device`` in the analysis
+    ``dtype``. A file may store float64 (the loader keeps it, so a float64 analysis sees the
+    values unrounded): narrowed to float32, a value beyond the float32 range would become
+    Inf, so that is an ``InputError`` naming the file instead."""
+    out = values.to(device=device, dtype=dtype)
+    narrowed = (
+        values.is_floating_point() and torch.finfo(dtype).bits < torch.finfo(values.dtype).bits
+    )
+    if narrowed and not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        raise InputError(
+            f"{what} hold {bad} value(s) beyond the {str(dtype).replace('torch.', '')} range "
+            "(the file stores float64); analyse in `dtype` float64",
+            source=source,
+        )
+    return out
 
 
 def _prepare_for_embeddings(
@@ -350,7 +371,7 @@ def _prepare_for_embeddings(
     fed = embeddings_fed_by_input(model, probe)
     notes: list[str] = []
     if not fed:
-        x = x.to(device=device, dtype=dtype)
+        x = to_analysis_dtype(x, dtype, device, source, "features")
     elif not floating:
         x = x.to(device=device, dtype=torch.int64)
     else:
@@ -547,7 +568,7 @@ def build_session(
     )
     y = y.to(device=torch_device)
     if dataset.task == "regression":
-        y = y.to(torch_dtype)
+        y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
     n_out, loss = check_model_accepts(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )

@@ -4,13 +4,16 @@ Every reader (built-in generators, tensor files, tables, CIFAR, MNIST) hands its
 raw arrays to ``finalize_dataset``, which turns them into the one representation
 the rest of sharpcli relies on (docs/architecture.md, "datasets"):
 
-- features ``x``: ``float32``, or ``int64`` when the source stores integers (token ids
-  for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), shape
+- features ``x``: ``float32``; ``float64`` when a tensor file stores float64 (a
+  ``--dtype float64`` analysis then sees them unrounded; every analysis casts them to its
+  own dtype, and refuses values beyond the float32 range in a float32 one); or ``int64`` when the source stores integers
+  (token ids for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), shape
   ``(N, D)`` for vectors or ``(N, C, H, W)`` for images (a 1-D array becomes ``(N, 1)``,
   a 3-D array ``(N, H, W)`` becomes single-channel images ``(N, 1, H, W)``);
 - classification targets (integer or boolean ``y``): ``int64`` labels of shape
   ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
-- regression targets (floating ``y``): ``float32`` of shape ``(N,)`` or ``(N, K)``;
+- regression targets (floating ``y``): ``float32`` (``float64`` as features) of shape
+  ``(N,)`` or ``(N, K)``;
 - ``N > 0``, ``x`` and ``y`` of equal length, every value finite, test features
   shaped like the training features.
 
@@ -194,14 +197,15 @@ def _integer_features(x: torch.Tensor) -> bool:
     return True
 
 
-def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
+def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = True) -> torch.Tensor:
     """Features as ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite: int64 or float32.
 
     Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
     to float32: a model whose first layer is an ``nn.Embedding`` needs the ids as integers,
     and float32 holds integers exactly only up to 2**24. Whether they reach the model as
     int64 or in the analysis dtype is decided against the model in
-    :func:`sharpcli.session.prepare_features`. Every other dtype becomes float32.
+    :func:`sharpcli.session.prepare_features`. float64 stays float64 when ``keep_float64``
+    (a tensor file's stored dtype); every other dtype becomes float32.
     """
     if x.dim() == 0:
         raise InputError(f"{name} is a scalar, expected one row per sample", source=source)
@@ -220,13 +224,19 @@ def _features(x: torch.Tensor, name: str, source: str) -> torch.Tensor:
         raise InputError(f"{name} has no features (shape {tuple(x.shape)})", source=source)
     if _integer_features(x):
         return x.to(torch.int64).contiguous()
-    x = x.to(torch.float32).contiguous()
+    return _finite_floats(x, name, source, keep_float64)
+
+
+def _finite_floats(x: torch.Tensor, name: str, source: str, keep_float64: bool) -> torch.Tensor:
+    """``x`` as float64 when it is float64 and ``keep_float64`` (a ``--dtype float64``
+    analysis then sees the values as stored, not rounded to float32), else as float32; every
+    value finite."""
+    dtype = torch.float64 if keep_float64 and x.dtype == torch.float64 else torch.float32
+    x = x.to(dtype).contiguous()
     bad = int((~torch.isfinite(x)).sum())
     if bad:
-        raise InputError(
-            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)",
-            source=source,
-        )
+        kind = "" if dtype == torch.float64 else ", or beyond the float32 range"
+        raise InputError(f"{name} has {bad} non-finite value(s) (NaN, Inf{kind})", source=source)
     return x
 
 
@@ -267,8 +277,10 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
     return y.to(torch.int64).contiguous()
 
 
-def _targets(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
-    """Regression targets as float32 ``(N,)`` or ``(N, K)``, finite."""
+def _targets(
+    y: torch.Tensor, name: str, n: int, source: str, keep_float64: bool = True
+) -> torch.Tensor:
+    """Regression targets as float32 (float64 when stored so) ``(N,)`` or ``(N, K)``, finite."""
     if y.dim() not in (1, 2):
         raise InputError(
             f"{name} has shape {tuple(y.shape)}; regression targets must be (N,) or (N, K)",
@@ -280,14 +292,12 @@ def _targets(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
         )
     if y.dim() == 2 and y.shape[1] == 0:
         raise InputError(f"{name} has no target columns", source=source)
-    y = y.to(torch.float32).contiguous()
-    bad = int((~torch.isfinite(y)).sum())
-    if bad:
-        raise InputError(
-            f"{name} has {bad} non-finite value(s) (NaN, Inf, or beyond the float32 range)",
-            source=source,
-        )
-    return y
+    return _finite_floats(y, name, source, keep_float64)
+
+
+def _common_float(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The float dtype two splits' features share: float64 when either is, else float32."""
+    return torch.float64 if torch.float64 in (a, b) else torch.float32
 
 
 def infer_task(y) -> str:
@@ -309,8 +319,12 @@ def finalize_dataset(
     num_classes: int | None = None,
     class_names: list[str] | None = None,
     names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
+    keep_float64: bool = True,
 ) -> Dataset:
     """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
+
+    ``keep_float64=False`` (tables: text has no stored dtype, and a parser's float64 is not the
+    file's) makes float64 features and targets float32 like every other floating dtype.
 
     ``task`` defaults to ``infer_task(y_train)``; for classification ``num_classes``
     defaults to ``1 + max label`` over both splits, and a given ``num_classes`` is
@@ -321,7 +335,7 @@ def finalize_dataset(
     if (x_test is None) != (y_test is None):
         present, missing = (n_xt, n_yt) if y_test is None else (n_yt, n_xt)
         raise InputError(f"has {present} but no {missing}; give both or neither", source=source)
-    x_train = _features(as_tensor(x_train, n_x, source), n_x, source)
+    x_train = _features(as_tensor(x_train, n_x, source), n_x, source, keep_float64)
     y_train = as_tensor(y_train, n_y, source)
     task = task or infer_task(y_train)
     if task not in TASKS:
@@ -330,16 +344,17 @@ def finalize_dataset(
     if task == "classification":
         y_train = _labels(y_train, n_y, n, source)
     else:
-        y_train = _targets(y_train, n_y, n, source)
+        y_train = _targets(y_train, n_y, n, source, keep_float64)
     if x_test is not None:
-        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source)
+        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source, keep_float64)
         if x_test.shape[1:] != x_train.shape[1:]:
             raise InputError(
                 f"{n_xt} has per-sample shape {tuple(x_test.shape[1:])} but {n_x} has {tuple(x_train.shape[1:])}",
                 source=source,
             )
-        if x_test.dtype != x_train.dtype:  # integers in one split only: both float32, as before
-            x_train, x_test = x_train.to(torch.float32), x_test.to(torch.float32)
+        if x_test.dtype != x_train.dtype:  # integers in one split only, or float32 and float64
+            dtype = _common_float(x_train.dtype, x_test.dtype)
+            x_train, x_test = x_train.to(dtype), x_test.to(dtype)
         y_test = as_tensor(y_test, n_yt, source)
         if infer_task(y_test) != task:
             raise InputError(
@@ -348,12 +363,15 @@ def finalize_dataset(
         if task == "classification":
             y_test = _labels(y_test, n_yt, x_test.shape[0], source)
         else:
-            y_test = _targets(y_test, n_yt, x_test.shape[0], source)
+            y_test = _targets(y_test, n_yt, x_test.shape[0], source, keep_float64)
             if y_test.shape[1:] != y_train.shape[1:]:
                 raise InputError(
                     f"{n_yt} has per-sample shape {tuple(y_test.shape[1:])} but {n_y} has {tuple(y_train.shape[1:])}",
                     source=source,
                 )
+            if y_test.dtype != y_train.dtype:
+                dtype = _common_float(y_train.dtype, y_test.dtype)
+                y_train, y_test = y_train.to(dtype), y_test.to(dtype)
     if task == "classification":
         seen = int(y_train.max()) + 1
         if y_test is not None:

@@ -324,6 +324,7 @@ def _table_dataset(
             class_names=class_names,
             task="classification" if class_names else None,
             num_classes=len(class_names) if class_names else None,
+            keep_float64=False,
             names=(
                 "features",
                 f"label column {label!r}",
@@ -356,6 +357,7 @@ def _table_dataset(
         class_names=class_names,
         task="classification" if class_names else None,
         num_classes=len(class_names) if class_names else None,
+        keep_float64=False,
         names=(
             "train features",
             f"label column {label!r}",

@@ -493,7 +493,7 @@ def _place_splits(
     (:func:`sharpcli.session.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
     for one logit per sample, ``cross-entropy`` otherwise.
     """
-    from sharpcli.session import check_model_accepts, prepare_features
+    from sharpcli.session import check_model_accepts, prepare_features, to_analysis_dtype
 
     dataset = splits.dataset
     regression = dataset.task == "regression"
@@ -502,7 +502,7 @@ def _place_splits(
     )
     splits.y_train = splits.y_train.to(device)
     if regression:
-        splits.y_train = splits.y_train.to(dtype)
+        splits.y_train = to_analysis_dtype(splits.y_train, dtype, device, dataset.source, "targets")
     if splits.has_test:
         splits.x_test, test_notes = prepare_features(
             model, splits.x_test, dtype, device, dataset.source, batch_size=cfg.batch_size
@@ -510,7 +510,9 @@ def _place_splits(
         splits.notes += [note for note in test_notes if note not in splits.notes]
         splits.y_test = splits.y_test.to(device)
         if regression:
-            splits.y_test = splits.y_test.to(dtype)
+            splits.y_test = to_analysis_dtype(
+                splits.y_test, dtype, device, dataset.source, "test targets"
+            )
     if not splits.x_train.is_floating_point():
         _refuse_input_perturbations(cfg)
     _, cfg.loss = check_model_accepts(
