@@ -161,14 +161,14 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     match dense float64 matrices built from torch's own cross_entropy."""
     from safetensors.torch import save_file
 
-    from sharpcli.curvature.attention import differentiable_attention
+    from sharpcli.curvature.differentiable import twice_differentiable
 
     model, weights = factory_checkpoint(tmp_path, monkeypatch, "causal_lm", CAUSAL_LM, seed=4)
     x, y = next_token_data(9, seed=5)  # predict the next token; y[2, 3:], y[6, 2:] padded
     data = tmp_path / "lm.safetensors"
     save_file({"x": x, "y": y}, str(data))
     model = model.double().eval()
-    with differentiable_attention():
+    with twice_differentiable():
         H, G = _dense(model, x, y, _token_mean)
     base = ["--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64"]
 
@@ -232,7 +232,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
 
     lm = build_causal_lm().eval()
     lm.load_state_dict(load_file(str(trained)))
-    with torch.no_grad(), differentiable_attention():  # the math path, as the CLI runs it
+    with torch.no_grad(), twice_differentiable():  # the math path, as the CLI runs it
         z = lm(x)
     accuracy = int(((z.argmax(-1) == y) & labelled).sum()) / int(labelled.sum())
     assert final["train_accuracy"] == pytest.approx(accuracy, rel=1e-12)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacrev
 
 from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
-from sharpcli.curvature.attention import differentiable_attention
+from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.errors import UsageError
 from sharpcli.losses import IGNORE_INDEX
 from sharpcli.training.loop import TrainConfig, apply_label_noise, evaluate, train
@@ -96,7 +96,7 @@ def test_each_regularizer_trains_a_causal_lm(tmp_path, lm_data, reg):
         lr=0.05,
         regs=[reg],
     )
-    with differentiable_attention():
+    with twice_differentiable():
         result = train(cfg, tmp_path / "lm.safetensors")
     assert result.config["loss"] == "token-cross-entropy"
     losses = [row["train_loss"] for row in result.history]
@@ -152,13 +152,13 @@ def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch):
     model = build_causal_lm(seed=2).eval()
     x, y = _tiny_batch()
     labelled = y != IGNORE_INDEX
-    with torch.no_grad(), differentiable_attention():
+    with torch.no_grad(), twice_differentiable():
         p = torch.softmax(model(x), dim=-1)
     positions = labelled.nonzero().tolist()
     draws = iter(())
     monkeypatch.setattr(GaussNewtonTrace, "sample_labels", lambda self, *a: next(draws))
     expectation = 0.0
-    with differentiable_attention():
+    with twice_differentiable():
         for combo in itertools.product(range(5), repeat=len(positions)):
             y_hat = torch.zeros_like(y)
             prob = 1.0
@@ -178,7 +178,7 @@ def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch):
 def test_gn_trace_draws_one_label_per_labelled_position():
     model = build_causal_lm(seed=2).eval()
     x, y = _tiny_batch()
-    with torch.no_grad(), differentiable_attention():
+    with torch.no_grad(), twice_differentiable():
         z = model(x)
     gen = torch.Generator().manual_seed(0)
     y_hat = parse_reg("gn-trace").sample_labels(z, "token-cross-entropy", gen)
@@ -189,7 +189,7 @@ def test_ad_penalises_the_labelled_positions_of_the_heads_input():
     model = build_causal_lm(seed=3).eval()
     x, y = _tiny_batch()
     sigma = 0.7
-    with differentiable_attention():
+    with twice_differentiable():
         gen = torch.Generator().manual_seed(0)
         stats = training_step(
             model, x, y, "token-cross-entropy", [parse_reg(f"ad:sigma={sigma}")], gen
@@ -211,7 +211,7 @@ def test_sam_ascends_along_the_normalised_token_loss_gradient():
     model = build_causal_lm(seed=4).eval()
     x, y = _tiny_batch()
     rho = 0.3
-    with differentiable_attention():
+    with twice_differentiable():
         gen = torch.Generator().manual_seed(0)
         stats = training_step(
             model, x, y, "token-cross-entropy", [parse_reg(f"sam:rho={rho}")], gen
@@ -234,7 +234,7 @@ def test_sam_ascends_along_the_normalised_token_loss_gradient():
 def test_step_and_evaluate_count_accuracy_per_labelled_position():
     model = build_causal_lm(seed=5).eval()
     x, y = next_token_data(9, seed=5)
-    with differentiable_attention():
+    with twice_differentiable():
         stats = training_step(
             model, x, y, "token-cross-entropy", [parse_reg("none")], torch.Generator()
         )

@@ -18,7 +18,7 @@ from cli_helpers import run_cli
 from conftest import dense_reference
 
 from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, exact_ggn_trace
-from sharpcli.curvature.attention import differentiable_attention
+from sharpcli.curvature.differentiable import twice_differentiable
 
 FACTORY = textwrap.dedent("""
     import torch
@@ -59,7 +59,7 @@ def transformer(tmp_path_factory):
     data = folder / "tokens.npz"
     np.savez(data, x=x.numpy(), y=y.numpy())
     model = model.double().eval()
-    with differentiable_attention():
+    with twice_differentiable():
         H, G, names = dense_reference(model, x, y, "cross-entropy")
     base = ["--model-factory", "tiny_transformer:build", "--data", str(data), "--dtype", "float64"]
     yield {

@@ -275,8 +275,9 @@ def run_command(
     reader that closes stdout early (``--json - | head``) ends the run quietly with 141, the
     status of a process killed by SIGPIPE; the files are still published.
     A command that runs models (``uses_models``) runs on ``threads`` CPU threads
-    (:func:`use_threads`) with attention that can be differentiated twice
-    (:func:`sharpcli.curvature.attention.differentiable_attention`). ``debug`` (the command's
+    (:func:`use_threads`) with forward passes that can be differentiated twice (attention,
+    weight normalisation:
+    :func:`sharpcli.curvature.differentiable.twice_differentiable`). ``debug`` (the command's
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
     the value (``train``: ``--model-args``), so an error never names an option the command lacks.
@@ -319,9 +320,9 @@ def _run_body(
             # torch, the curvature engine and the session's library (checkpoints, data,
             # models) are imported here, before the computation's clock starts: start-up
             import sharpcli.session  # noqa: F401
-            from sharpcli.curvature.attention import differentiable_attention
+            from sharpcli.curvature.differentiable import twice_differentiable
 
-            stack.enter_context(differentiable_attention())
+            stack.enter_context(twice_differentiable())
         compute_start = time.perf_counter()
         outcome = body()
     end = time.perf_counter()

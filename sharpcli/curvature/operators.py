@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sharpcli.curvature.attention import differentiable_attention
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
@@ -388,7 +388,7 @@ class CurvaturePass:
             raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
         return V.to(dtype=scope.dtype, device=scope.device)
 
-    @differentiable_attention()
+    @twice_differentiable()
     def _apply(self, V, batch_product, parts: tuple[str, ...], operator: str, view=None) -> tuple:
         """The sum of ``batch_product`` over this rank's batches and over all ranks.
 
@@ -446,7 +446,7 @@ class CurvaturePass:
         """Block version of :meth:`hessian_and_ggn_matvec` for ``V`` of shape ``(P, k)``."""
         return self.hessian_and_ggn_matvec(V)
 
-    @differentiable_attention()
+    @twice_differentiable()
     def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
         """``(L(theta), grad L(theta))`` over the analysis set (plain backward, no graph kept)."""
         scope = self.scope

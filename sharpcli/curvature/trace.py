@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from sharpcli import progress
-from sharpcli.curvature.attention import differentiable_attention
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.scope import ParamScope, rademacher_like
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
@@ -547,7 +547,7 @@ def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) ->
             per_param[i] += (M * M).sum().to(torch.float64)
 
 
-@differentiable_attention()
+@twice_differentiable()
 def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> TraceResult:
     """Exact ``tr(G) = (1/N) sum_i tr(J_i^T H_z,i J_i)`` with per-layer traces.
 
@@ -681,7 +681,7 @@ def _per_sample_draws(
     return torch.cat(parts, dim=1)
 
 
-@differentiable_attention()
+@twice_differentiable()
 def sampled_label_ggn_trace(
     model: nn.Module,
     data: AnalysisData,

@@ -197,7 +197,7 @@ def _integer_features(x: torch.Tensor) -> bool:
     return True
 
 
-def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = True) -> torch.Tensor:
+def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = False) -> torch.Tensor:
     """Features as ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite: int64 or float32.
 
     Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
@@ -278,7 +278,7 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
 
 
 def _targets(
-    y: torch.Tensor, name: str, n: int, source: str, keep_float64: bool = True
+    y: torch.Tensor, name: str, n: int, source: str, keep_float64: bool = False
 ) -> torch.Tensor:
     """Regression targets as float32 (float64 when stored so) ``(N,)`` or ``(N, K)``, finite."""
     if y.dim() not in (1, 2):
@@ -319,12 +319,14 @@ def finalize_dataset(
     num_classes: int | None = None,
     class_names: list[str] | None = None,
     names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
-    keep_float64: bool = True,
+    keep_float64: bool = False,
 ) -> Dataset:
     """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
 
-    ``keep_float64=False`` (tables: text has no stored dtype, and a parser's float64 is not the
-    file's) makes float64 features and targets float32 like every other floating dtype.
+    ``keep_float64=True`` keeps float64 features and targets float64: for readers whose
+    float64 is the file's stored dtype (tensor files). The default makes them float32 like
+    every other floating dtype (tables: text has no stored dtype, and a parser's float64 is
+    not the file's; images are bytes).
 
     ``task`` defaults to ``infer_task(y_train)``; for classification ``num_classes``
     defaults to ``1 + max label`` over both splits, and a given ``num_classes`` is

@@ -168,6 +168,7 @@ def read_tensor_file(spec: dict) -> Dataset:
         content["y"],
         content.get("x_test"),
         content.get("y_test"),
+        keep_float64=True,  # a tensor file's float64 is its stored dtype
         source=path,
         spec=spec,
     )
@@ -324,7 +325,6 @@ def _table_dataset(
             class_names=class_names,
             task="classification" if class_names else None,
             num_classes=len(class_names) if class_names else None,
-            keep_float64=False,
             names=(
                 "features",
                 f"label column {label!r}",
@@ -357,7 +357,6 @@ def _table_dataset(
         class_names=class_names,
         task="classification" if class_names else None,
         num_classes=len(class_names) if class_names else None,
-        keep_float64=False,
         names=(
             "train features",
             f"label column {label!r}",

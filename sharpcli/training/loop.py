@@ -341,6 +341,7 @@ def train(
     and random streams, fresh or resumed (:func:`_start_run`), the epochs
     (:func:`_train_epoch`), and the final evaluation and checkpoint (:func:`_finish_run`).
     """
+    from sharpcli.curvature.differentiable import twice_differentiable
     from sharpcli.session import resolve_device, resolve_dtype
     from sharpcli.training.regularizers import parse_reg, validate_combination
 
@@ -369,7 +370,12 @@ def train(
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
     last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
     steps = _steps_per_epoch(cfg, splits)
-    with progress.start("train", total=last_epoch * steps, unit="steps", quantity="loss") as meter:
+    # second-order regularizers differentiate the backward pass: attention and weight norm
+    # must be computed by kernels whose second derivative exists and is right
+    with (
+        twice_differentiable(),
+        progress.start("train", total=last_epoch * steps, unit="steps", quantity="loss") as meter,
+    ):
         for epoch in range(run.start_epoch, last_epoch):
             row = _train_epoch(run, epoch, meter, (epoch * steps, total_epochs))
             if tracker is not None and (
