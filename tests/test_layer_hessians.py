@@ -1,0 +1,189 @@
+"""Every common layer's second derivative, as sharp computes it, against central differences.
+
+Curvature is only as right as torch's double backward through each layer; torch got weight
+normalisation wrong (tests/test_weight_norm.py) and ``torch.func.hessian`` LayerNorm
+(tests/test_reference_hessian.py). This audit builds a tiny float64 classifier around each
+layer a user's model commonly holds (activations, normalisations, convolutions, pooling,
+attention, parametrizations), takes its Hessian by double backward inside
+:func:`sharpcli.curvature.differentiable.twice_differentiable` (as every analysis does) and
+compares it with central differences of the gradient, which need first derivatives only. A
+torch upgrade (pyproject allows a range) that breaks a layer's second derivative fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sharpcli.curvature.differentiable import twice_differentiable
+
+D = 8  # features of the data; layers reshape them as they need
+
+
+class View(nn.Module):
+    """``(B, D)`` features as ``(B, *shape)``."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x):
+        return x.reshape(x.shape[0], *self.shape)
+
+
+class Normalize(nn.Module):
+    def forward(self, x):
+        return F.normalize(x, dim=-1)
+
+
+class CosineHead(nn.Module):
+    def __init__(self, d: int, classes: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(classes, d))
+
+    def forward(self, x):
+        return 5 * F.normalize(x, dim=-1) @ F.normalize(self.weight, dim=-1).T
+
+
+def _mlp(layer: nn.Module, width: int = 6) -> nn.Module:
+    return nn.Sequential(nn.Linear(D, width), layer, nn.Linear(width, 3))
+
+
+LAYERS = {
+    "gelu-tanh": lambda: _mlp(nn.GELU(approximate="tanh")),
+    "silu": lambda: _mlp(nn.SiLU()),
+    "mish": lambda: _mlp(nn.Mish()),
+    "softplus": lambda: _mlp(nn.Softplus()),
+    "elu": lambda: _mlp(nn.ELU()),
+    "selu": lambda: _mlp(nn.SELU()),
+    "hardswish": lambda: _mlp(nn.Hardswish()),
+    "logsigmoid": lambda: _mlp(nn.LogSigmoid()),
+    "prelu": lambda: _mlp(nn.PReLU(6, 0.1)),
+    "layernorm": lambda: _mlp(nn.Sequential(nn.LayerNorm(6), nn.Tanh())),
+    "rmsnorm": lambda: _mlp(nn.Sequential(nn.RMSNorm(6), nn.Tanh())),
+    "batchnorm-eval": lambda: _mlp(nn.Sequential(nn.BatchNorm1d(6), nn.Tanh())),
+    "groupnorm": lambda: nn.Sequential(
+        View(2, 2, 2),
+        nn.Conv2d(2, 4, 1),
+        nn.GroupNorm(2, 4),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    ),  # fmt: skip
+    "instancenorm": lambda: nn.Sequential(
+        View(2, 2, 2),
+        nn.Conv2d(2, 3, 1),
+        nn.InstanceNorm2d(3, affine=True),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(12, 3),
+    ),  # fmt: skip
+    "conv2d-depthwise-padded": lambda: nn.Sequential(
+        View(2, 2, 2),
+        nn.Conv2d(2, 4, 2, padding=1, groups=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(36, 3),
+    ),  # fmt: skip
+    "conv2d-dilated": lambda: nn.Sequential(
+        View(2, 2, 2),
+        nn.Conv2d(2, 3, 2, padding=1, dilation=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(12, 3),
+    ),  # fmt: skip
+    "conv-transpose2d": lambda: nn.Sequential(
+        View(2, 2, 2), nn.ConvTranspose2d(2, 2, 2), nn.Tanh(), nn.Flatten(), nn.Linear(18, 3)
+    ),
+    "conv1d": lambda: nn.Sequential(
+        View(2, 4), nn.Conv1d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)
+    ),
+    "avgpool": lambda: nn.Sequential(
+        View(2, 2, 2),
+        nn.Conv2d(2, 3, 1),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3, 3),
+    ),  # fmt: skip
+    "normalize": lambda: _mlp(Normalize()),
+    "cosine-head": lambda: nn.Sequential(nn.Linear(D, 6), nn.Tanh(), CosineHead(6, 3)),
+    "transformer-encoder": lambda: nn.Sequential(
+        View(2, 4),
+        nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    ),
+    "transformer-encoder-norm-first": lambda: nn.Sequential(
+        View(2, 4),
+        nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True, norm_first=True),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    ),
+    "weight-norm": lambda: nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(D, 6)), nn.GELU(), nn.Linear(6, 3)
+    ),
+    "spectral-norm": lambda: nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(D, 6)), nn.Tanh(), nn.Linear(6, 3)
+    ),
+}
+
+
+def _flat_grad(model, params, x, y, create_graph=False) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, params, create_graph=create_graph, allow_unused=True)
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]
+    )
+
+
+def _double_backward(model, params, x, y) -> torch.Tensor:
+    g = _flat_grad(model, params, x, y, create_graph=True)
+    rows = []
+    for i in range(g.numel()):
+        row = torch.autograd.grad(g[i], params, retain_graph=True, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [(torch.zeros_like(p) if r is None else r).reshape(-1) for p, r in zip(params, row)]
+            )
+        )
+    return torch.stack(rows)
+
+
+def _central_differences(model, params, x, y, h: float = 1e-6) -> torch.Tensor:
+    theta = [p.detach().clone() for p in params]
+    flat = torch.cat([t.reshape(-1) for t in theta])
+    sizes = [p.numel() for p in params]
+    columns = []
+    for i in range(flat.numel()):
+        step = torch.zeros_like(flat)
+        step[i] = h
+        pair = []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, t in zip(params, (flat + sign * step).split(sizes)):
+                    p.copy_(t.view_as(p))
+            pair.append(_flat_grad(model, params, x, y))
+        columns.append((pair[0] - pair[1]) / (2 * h))
+    with torch.no_grad():
+        torch._foreach_copy_(params, theta)
+    return torch.stack(columns, dim=1)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_double_backward_hessian_matches_central_differences(name):
+    torch.manual_seed(0)
+    model = LAYERS[name]().double().eval()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(24, D, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 3, (24,), generator=generator)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with twice_differentiable():
+        hessian = _double_backward(model, params, x, y)
+    reference = _central_differences(model, params, x, y)
+    scale = float(reference.abs().max())
+    assert scale > 1e-3  # a Hessian worth comparing
+    assert float((hessian - hessian.T).abs().max()) <= 1e-13 * scale
+    assert float((hessian - reference).abs().max()) <= 1e-8 * scale
