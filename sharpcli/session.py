@@ -351,7 +351,7 @@ def to_analysis_dtype(
         bad = int((~torch.isfinite(out)).sum())
         raise InputError(
             f"{what} hold {bad} value(s) beyond the {str(dtype).replace('torch.', '')} range "
-            "(the file stores float64); analyse in `dtype` float64",
+            "(the file stores float64); use `dtype` float64",
             source=source,
         )
     return out

@@ -23,6 +23,7 @@ stopping at relative standard error ``tol`` or at ``max_matvecs``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -527,7 +528,12 @@ def _ggn_directions(z: torch.Tensor, y: torch.Tensor, loss: str) -> list[torch.T
 
 def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) -> None:
     """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
-    per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks."""
+    per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks.
+
+    Some layers have no vmap batching rule, or one that fails (``nn.LSTM``/``nn.GRU`` on CPU:
+    ``mkldnn_rnn_layer`` breaks in its backward under vmap); a chunk where vmap raises is done
+    by :func:`_looped_ggn_sums` instead, one sample at a time, and so is the rest of the batch.
+    """
     from torch.func import jacrev, vmap
 
     logits = _functional_logits(model, [scope.names[i] for i in indices])
@@ -536,15 +542,70 @@ def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) ->
     outputs = z_b[0].numel()  # C, or T x V for sequence outputs
     numel = sum(p.numel() for p in params)
     rows = max(1, _CHUNK_BYTES // max(1, outputs * numel * z_b.element_size()))
+    vectorised = True
     for start in range(0, x_b.shape[0], rows):
         x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
         S = torch.stack(_ggn_directions(z_c, y_b[start : start + rows], loss), dim=1)
         S = S.reshape(S.shape[0], S.shape[1], outputs)  # (B, columns, outputs)
-        with torch.no_grad():  # torch.func differentiates anyway; no graph to the other parameters
-            J = jac(params, x_c)
+        if vectorised:
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    # torch.func differentiates anyway; no graph to the other parameters. The
+                    # warning of a missing batching rule is ours to act on, not the user's.
+                    warnings.filterwarnings("ignore", message=".*batching rule.*")
+                    J = jac(params, x_c)
+            except RuntimeError:
+                vectorised = False
+        if not vectorised:
+            _looped_ggn_sums(model, scope, indices, x_c, S, per_param)
+            continue
         for i, Ji in zip(indices, J):  # Ji: (B, C, *shape)
             M = S @ Ji.reshape(Ji.shape[0], outputs, -1)  # rows s^T J
             per_param[i] += (M * M).sum().to(torch.float64)
+
+
+def _vmapped_or_looped(fn, in_dims: tuple):
+    """``vmap(fn, in_dims)``, or, once vmap raises (a layer without a working batching rule,
+    as ``nn.LSTM``/``nn.GRU`` on CPU), ``fn`` called per sample and its outputs stacked; the
+    warning of a missing batching rule is silenced (the fallback is the answer to it)."""
+    from torch.func import vmap
+
+    batched = vmap(fn, in_dims=in_dims)
+    state = {"vectorised": True}
+
+    def looped(*args):
+        n = next(a.shape[0] for a, d in zip(args, in_dims) if d == 0)
+        rows = [fn(*(a if d is None else a[i] for a, d in zip(args, in_dims))) for i in range(n)]
+        return tuple(torch.stack(parts) for parts in zip(*rows))
+
+    def call(*args):
+        if state["vectorised"]:
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*batching rule.*")
+                    return batched(*args)
+            except RuntimeError:
+                state["vectorised"] = False
+        return looped(*args)
+
+    return call
+
+
+def _looped_ggn_sums(model, scope, indices, x_c, S, per_param) -> None:
+    """:func:`_jacobian_ggn_sums` for one chunk without vmap: per sample one forward pass and,
+    per column ``s`` of ``S`` (``(B, columns, outputs)``), one backward pass of ``<s, z>``
+    giving ``J^T s``, whose squared norm is summed per parameter."""
+    params = [scope.params[i] for i in indices]
+    for b in range(x_c.shape[0]):
+        with torch.enable_grad():
+            z = model(x_c[b : b + 1]).reshape(-1)
+            for column in S[b]:
+                grads = torch.autograd.grad(
+                    z, params, column.to(z.dtype), retain_graph=True, allow_unused=True
+                )
+                for i, g in zip(indices, grads):
+                    if g is not None:
+                        per_param[i] += (g * g).sum().to(torch.float64)
 
 
 @twice_differentiable()
@@ -702,7 +763,7 @@ def sampled_label_ggn_trace(
     draw the pooled variance over points is used (conservative: it includes between-point spread).
     """
     import torch.nn.functional as F
-    from torch.func import grad, vmap
+    from torch.func import grad
 
     if int(samples) < 1:
         raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
@@ -720,7 +781,7 @@ def sampled_label_ggn_trace(
             return F.cross_entropy(z[None], label[None])
         return F.mse_loss(z, label)
 
-    per_sample_grad = vmap(grad(single_loss), in_dims=(None, 0, 0))
+    per_sample_grad = _vmapped_or_looped(grad(single_loss), in_dims=(None, 0, 0))
     params = tuple(p.detach() for p in scope.params)
     layer_of = _param_to_layer(scope)
     blocks = scope.blocks()
