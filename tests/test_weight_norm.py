@@ -127,3 +127,17 @@ def test_train_runs_its_steps_inside_the_block(monkeypatch, tmp_path):
     loop.train(cfg, tmp_path / "m.safetensors")
     assert seen == [True]
     assert torch._weight_norm is not weight_norm_composite
+
+
+def test_weight_rescale_of_a_weight_normed_layer_says_why_it_refuses(tmp_path, monkeypatch, capsys):
+    write_wn_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ckpt = write_wn_checkpoint(tmp_path / "wn.pt")
+    data = write_wn_data(tmp_path / "wn.npz")
+    run = run_cli(
+        capsys, "weight-rescale", str(ckpt), "--model-factory", "wnmodel:make",
+        "--arch-args", '{"act": "relu"}', "--data", str(data), "--quiet",
+    )  # fmt: skip
+    assert run.code == 2, run.err
+    assert "is reparametrized (_WeightNorm)" in run.err and "--force" in run.err

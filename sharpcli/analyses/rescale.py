@@ -370,8 +370,8 @@ def _verify_function_preserved(
     allowed = math.sqrt(eps) * max(1.0, float(before.abs().max()))
     if change > allowed:
         plan.problems.append(
-            f"the logits moved by {change:.3g} on a trial rescaling (alpha = 2): the output of "
-            f"{plan.layer} also reaches the output another way (e.g. a skip connection)"
+            f"the logits moved by {change:.3g} on a trial rescaling (alpha = 2): "
+            + _why_not_preserved(model, plan)
         )
         if not force:
             raise UsageError(
@@ -379,6 +379,28 @@ def _verify_function_preserved(
                 "pass `force` to rescale anyway",
                 source="layer",
             )
+
+
+def _why_not_preserved(model: nn.Module, plan: RescalePlan) -> str:
+    """The likely reason a structurally sound plan moved the logits: a reparametrized layer
+    (weight norm, spectral norm: scaling its parameters does not scale its weight), else a
+    second route of the layer's output (a functional skip connection hooks cannot see)."""
+    from torch.nn.utils import parametrize
+
+    modules = dict(model.named_modules())
+    for name in (plan.layer, plan.next_layer):
+        module = modules.get(name) if name else None
+        if module is not None and parametrize.is_parametrized(module):
+            kinds = sorted(
+                {type(p).__name__ for ps in module.parametrizations.values() for p in ps}
+            )
+            return (
+                f"{name} is reparametrized ({', '.join(kinds)}): scaling its parameters does "
+                "not scale its weight by the same factor"
+            )
+    return (
+        f"the output of {plan.layer} also reaches the output another way (e.g. a skip connection)"
+    )
 
 
 def apply_rescale(model: nn.Module, plan: RescalePlan, alpha: float) -> None:
