@@ -134,6 +134,17 @@ def _argmax_correct(z, y):
 def _class_check(z, y):
     if z.ndim != 2:
         return f"the model returns outputs of shape {tuple(z.shape)}, expected (batch, classes)"
+    if y.is_floating_point():
+        return (
+            "cross-entropy needs integer class labels but the targets are floating point "
+            f"(shape {tuple(y.shape)}); for one-hot or probability rows store the class index"
+        )
+    if y.ndim != 1:
+        return (
+            f"labels have shape {tuple(y.shape)} but the model returns (batch, classes) logits: "
+            "cross-entropy takes one class index per sample (labels per position need "
+            "(batch, length, classes) outputs)"
+        )
     n = z.shape[1]
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n):
         return f"labels range over [{int(y.min())}, {int(y.max())}] but the model has {n} classes"
@@ -203,6 +214,8 @@ def _bce_factor(z, y=None):
 def _bce_check(z, y):
     if z.ndim not in (1, 2) or z[0].numel() != 1:
         return f"the model returns outputs of shape {tuple(z.shape)}, expected one logit per sample"
+    if y.ndim != 1:
+        return f"labels have shape {tuple(y.shape)}; binary cross-entropy takes one 0/1 label per sample"
     if y.numel() and not bool(((y == 0) | (y == 1)).all()):
         return "binary cross-entropy needs labels 0 and 1"
     return None
