@@ -47,6 +47,19 @@ class CosineHead(nn.Module):
         return 5 * F.normalize(x, dim=-1) @ F.normalize(self.weight, dim=-1).T
 
 
+class Bag(nn.Module):
+    """Token ids from the features (``|x| * 3`` rounded down, ``padding_idx`` 0) into an
+    ``nn.EmbeddingBag``, then a linear head."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(11, 4, mode=mode, padding_idx=0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bag((x.abs() * 3).long().clamp_max(10))))
+
+
 def _mlp(layer: nn.Module, width: int = 6) -> nn.Module:
     return nn.Sequential(nn.Linear(D, width), layer, nn.Linear(width, 3))
 
@@ -122,6 +135,8 @@ LAYERS = {
         nn.Flatten(),
         nn.Linear(8, 3),
     ),
+    "embedding-bag-sum": lambda: Bag("sum"),
+    "embedding-bag-mean": lambda: Bag("mean"),
     "weight-norm": lambda: nn.Sequential(
         nn.utils.parametrizations.weight_norm(nn.Linear(D, 6)), nn.GELU(), nn.Linear(6, 3)
     ),
@@ -187,3 +202,74 @@ def test_double_backward_hessian_matches_central_differences(name):
     assert scale > 1e-3  # a Hessian worth comparing
     assert float((hessian - hessian.T).abs().max()) <= 1e-13 * scale
     assert float((hessian - reference).abs().max()) <= 1e-8 * scale
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_bag_composite_is_torchs_embedding_bag(mode, padding_idx):
+    from sharpcli.curvature.differentiable import embedding_bag_composite
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(11, 4, dtype=torch.float64, generator=generator)
+    rows = torch.randint(0, 11, (5, 3), generator=generator)
+    flat = torch.randint(0, 11, (9,), generator=generator)
+    weights_2d = torch.rand(5, 3, dtype=torch.float64, generator=generator)
+    calls = [
+        dict(input=rows),
+        dict(input=flat, offsets=torch.tensor([0, 2, 2, 5])),  # an empty bag
+        dict(input=flat, offsets=torch.tensor([0, 2, 2, 5, 9]), include_last_offset=True),
+    ]
+    if mode == "sum":
+        calls.append(dict(input=rows, per_sample_weights=weights_2d))
+    for call in calls:
+        expected = F.embedding_bag(weight=weight, mode=mode, padding_idx=padding_idx, **call)
+        got = embedding_bag_composite(weight=weight, mode=mode, padding_idx=padding_idx, **call)
+        assert torch.equal(got, expected), call
+
+
+BAG_MODULE = """
+import torch
+from torch import nn
+
+
+class BagNet(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(11, 4, mode=mode)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.bag(ids)))
+
+
+def make(mode="mean"):
+    return BagNet(mode)
+"""
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_embedding_bag_model_from_the_command_line(tmp_path, monkeypatch, capsys, mode):
+    """``mean``: analysed (the composite); ``max`` (torch's kernel, no second derivative): a
+    one-line error saying so, exit 2, not an internal error."""
+    import numpy as np
+
+    from tests.cli_helpers import assert_one_line_error, run_cli
+
+    (tmp_path / "bagmodel.py").write_text(BAG_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.manual_seed(0)
+    namespace: dict = {}
+    exec(compile(BAG_MODULE, "bagmodel.py", "exec"), namespace)
+    torch.save(namespace["make"](mode).state_dict(), tmp_path / "bag.pt")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 11, size=(30, 4)).astype(np.int64)
+    np.savez(tmp_path / "ids.npz", x=ids, y=(ids.sum(1) % 3).astype(np.int64))
+    run = run_cli(
+        capsys, "eigen", "bag.pt", "--model-factory", "bagmodel:make", "--arch-args",
+        f'{{"mode": "{mode}"}}', "--data", "ids.npz", "--quiet",
+    )  # fmt: skip
+    if mode == "mean":
+        assert run.code == 0, run.err
+    else:
+        assert_one_line_error(run, 2, "cannot differentiate twice", "_embedding_bag_backward")

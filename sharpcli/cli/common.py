@@ -276,7 +276,7 @@ def run_command(
     status of a process killed by SIGPIPE; the files are still published.
     A command that runs models (``uses_models``) runs on ``threads`` CPU threads
     (:func:`use_threads`) with forward passes that can be differentiated twice (attention,
-    weight normalisation:
+    weight normalisation, embedding bags:
     :func:`sharpcli.curvature.differentiable.twice_differentiable`). ``debug`` (the command's
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
@@ -404,6 +404,14 @@ def _failure_code(command: str, json_path: str | None, exc: BaseException) -> in
         return interrupts.report(command, signum)
     if isinstance(exc, SharpError):
         return _report_error(command, json_path, exc).exit_code
+    if isinstance(exc, NotImplementedError) and "derivative for" in str(exc):
+        # a layer of the user's model that torch cannot differentiate twice (and that
+        # twice_differentiable has no composite for): a limit of the model, not a bug of ours
+        err = UsageError(
+            f"the model uses an operation torch cannot differentiate twice ({str(exc).rstrip('.')}); this "
+            "command needs second derivatives (Hessian products or a second-order regularizer)"
+        )
+        return _report_error(command, json_path, err).exit_code
     # a bug, not a user error: say so (the traceback under --debug, by _report_error)
     err = SharpError(
         f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"

@@ -22,6 +22,12 @@ differentiable operations:
   ``w = g v / ||v||`` (the norm over every dimension but ``dim``, :func:`weight_norm_composite`)
   from differentiable operations instead: the same forward value to rounding, and Hessians
   that agree with central differences to 4e-11.
+- ``nn.EmbeddingBag`` (``F.embedding_bag``): torch implements no derivative of its backward
+  ("the derivative for '_embedding_bag_backward' is not implemented"), so a Hessian product
+  through a bag of embeddings failed. The block computes the bags from an embedding lookup and
+  an ``index_add`` per bag (:func:`embedding_bag_composite`; sum and mean, with offsets,
+  per-sample weights and ``padding_idx``); ``mode="max"``, ``max_norm`` (which renormalises the
+  weight in place) and sparse gradients keep torch's kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import importlib
 
 import torch
 
-__all__ = ["twice_differentiable", "weight_norm_composite"]
+__all__ = ["embedding_bag_composite", "twice_differentiable", "weight_norm_composite"]
 
 
 def weight_norm_composite(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -39,6 +45,72 @@ def weight_norm_composite(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tor
     them for ``dim=-1``), from differentiable operations: the function of
     ``torch._weight_norm(v, g, dim)`` with a correct second derivative (module docstring)."""
     return v * (g / torch.norm_except_dim(v, 2, dim))
+
+
+_EMBEDDING_BAG = torch.nn.functional.embedding_bag  # torch's kernel, for what it alone does
+
+
+def embedding_bag_composite(
+    input,
+    weight,
+    offsets=None,
+    max_norm=None,
+    norm_type=2,
+    scale_grad_by_freq=False,
+    mode="mean",
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=None,
+):
+    """``F.embedding_bag`` from an embedding lookup and a sum per bag (``index_add``), which
+    autograd differentiates twice. Same arguments and result: bags are the rows of a 2-D
+    ``input``, or the runs of a 1-D ``input`` that ``offsets`` start (the last one ending at
+    ``offsets[-1]`` with ``include_last_offset``); ``sum`` weighs each entry by
+    ``per_sample_weights``; ``mean`` divides by the entries that are not ``padding_idx``; an
+    empty bag gives zeros. ``mode="max"``, ``max_norm``, ``scale_grad_by_freq`` and ``sparse``
+    call torch's kernel (module docstring)."""
+    if mode == "max" or max_norm is not None or scale_grad_by_freq or sparse:
+        return _EMBEDDING_BAG(
+            input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+            per_sample_weights, include_last_offset, padding_idx,
+        )  # fmt: skip
+    if input.dim() == 2:
+        bags, length = input.shape
+        ids = input.reshape(-1)
+        bag_of = torch.arange(bags, device=input.device).repeat_interleave(length)
+    else:
+        ends = (
+            offsets[1:]
+            if include_last_offset
+            else torch.cat([offsets[1:], offsets.new_tensor([input.numel()])])
+        )
+        starts = offsets[:-1] if include_last_offset else offsets
+        bags, ids = starts.numel(), input[: int(ends[-1])] if ends.numel() else input[:0]
+        bag_of = torch.arange(bags, device=input.device).repeat_interleave(ends - starts)
+    rows = torch.nn.functional.embedding(ids, weight)
+    kept = (
+        torch.ones_like(ids, dtype=weight.dtype)
+        if padding_idx is None
+        else (ids != padding_idx).to(weight.dtype)
+    )
+    scale = kept if per_sample_weights is None else kept * per_sample_weights.reshape(-1)
+    out = weight.new_zeros(bags, weight.shape[1]).index_add(0, bag_of, rows * scale[:, None])
+    if mode == "mean":
+        counts = weight.new_zeros(bags).index_add(0, bag_of, kept)
+        out = out / counts.clamp_min(1)[:, None]
+    return out
+
+
+@contextlib.contextmanager
+def _composite_embedding_bag():
+    functional = torch.nn.functional
+    saved = functional.embedding_bag
+    functional.embedding_bag = embedding_bag_composite
+    try:
+        yield
+    finally:
+        functional.embedding_bag = saved
 
 
 @contextlib.contextmanager
@@ -57,11 +129,13 @@ def _composite_weight_norm():
 
 @contextlib.contextmanager
 def twice_differentiable():
-    """Within the block: SDPA uses the math backend, the MHA fast path is off, and weight
-    normalisation is computed by :func:`weight_norm_composite`.
+    """Within the block: SDPA uses the math backend, the MHA fast path is off, weight
+    normalisation is computed by :func:`weight_norm_composite` and bags of embeddings by
+    :func:`embedding_bag_composite`.
 
-    The user's settings (the enabled SDPA backends, ``torch.backends.mha`` fast path) and
-    ``torch._weight_norm`` are restored on exit, also after an exception. Re-entrant.
+    The user's settings (the enabled SDPA backends, ``torch.backends.mha`` fast path),
+    ``torch._weight_norm`` and ``F.embedding_bag`` are restored on exit, also after an
+    exception. Re-entrant.
     """
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
@@ -77,6 +151,7 @@ def twice_differentiable():
         else:
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         stack.enter_context(_composite_weight_norm())
+        stack.enter_context(_composite_embedding_bag())
         if mha is not None:
             mha.set_fastpath_enabled(False)
         try:
