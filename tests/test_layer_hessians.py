@@ -60,6 +60,47 @@ class Bag(nn.Module):
         return self.head(torch.tanh(self.bag((x.abs() * 3).long().clamp_max(10))))
 
 
+class Tokens(nn.Module):
+    """``(B, D)`` features as 2 tokens of 4, through ``module`` (its first output when it
+    returns a tuple), flattened for the head."""
+
+    def __init__(self, module: nn.Module, out: int):
+        super().__init__()
+        self.module = module
+        self.head = nn.Linear(out, 3)
+
+    def forward(self, x):
+        out = self.module(x.reshape(x.shape[0], 2, 4))
+        out = out[0] if isinstance(out, tuple) else out
+        return self.head(out.reshape(x.shape[0], -1))
+
+
+class CausalAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` with ``is_causal=True`` over one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+
+    def forward(self, t):
+        q, k, v = self.qkv(t).reshape(t.shape[0], 2, 3, 4).unbind(2)
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)[
+            :, 0
+        ]
+
+
+class Decoder(nn.Module):
+    """``nn.TransformerDecoderLayer`` attending to its own input under a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+
+    def forward(self, t):
+        mask = nn.Transformer.generate_square_subsequent_mask(2, dtype=t.dtype)
+        return self.layer(t, t, tgt_mask=mask)
+
+
 def _mlp(layer: nn.Module, width: int = 6) -> nn.Module:
     return nn.Sequential(nn.Linear(D, width), layer, nn.Linear(width, 3))
 
@@ -135,6 +176,12 @@ LAYERS = {
         nn.Flatten(),
         nn.Linear(8, 3),
     ),
+    "lstm-bidirectional-2-layers": lambda: Tokens(
+        nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True), 12
+    ),
+    "gru": lambda: Tokens(nn.GRU(4, 3, batch_first=True), 6),
+    "sdpa-causal": lambda: Tokens(CausalAttention(), 8),
+    "transformer-decoder-causal": lambda: Tokens(Decoder(), 8),
     "embedding-bag-sum": lambda: Bag("sum"),
     "embedding-bag-mean": lambda: Bag("mean"),
     "weight-norm": lambda: nn.Sequential(
@@ -195,9 +242,9 @@ def test_double_backward_hessian_matches_central_differences(name):
     x = torch.randn(24, D, dtype=torch.float64, generator=generator)
     y = torch.randint(0, 3, (24,), generator=generator)
     params = [p for p in model.parameters() if p.requires_grad]
-    with twice_differentiable():
+    with twice_differentiable():  # for the reference too: attention's fused kernels differ
         hessian = _double_backward(model, params, x, y)
-    reference = _central_differences(model, params, x, y)
+        reference = _central_differences(model, params, x, y)
     scale = float(reference.abs().max())
     assert scale > 1e-3  # a Hessian worth comparing
     assert float((hessian - hessian.T).abs().max()) <= 1e-13 * scale
