@@ -320,3 +320,89 @@ def test_embedding_bag_model_from_the_command_line(tmp_path, monkeypatch, capsys
         assert run.code == 0, run.err
     else:
         assert_one_line_error(run, 2, "cannot differentiate twice", "_embedding_bag_backward")
+
+
+class Checkpointed(nn.Module):
+    """A first block under activation checkpointing (``use_reentrant`` as given; ``None``: not
+    checkpointed), then a head."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(D, 6), nn.GELU(), nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.reentrant is None:
+            return self.head(self.block(x))
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_blocks_have_the_hessian_of_the_plain_model(reentrant):
+    """Reentrant checkpointing drops the block's gradients when the data do not require them
+    (torch only warns): the Hessian lost the block. Inside twice_differentiable it is the
+    Hessian of the same model without checkpointing."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(24, D, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 3, (24,), generator=generator)
+    params = list(model.parameters())
+    with twice_differentiable():
+        hessian = _double_backward(model, params, x, y)
+    model.reentrant = None
+    plain = _double_backward(model, params, x, y)
+    assert float((hessian - plain).abs().max()) <= 1e-12 * float(plain.abs().max())
+
+
+CHECKPOINT_MODULE = """
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Net(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.head(self.block(x))
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def make(reentrant=None):
+    return Net(reentrant)
+"""
+
+
+def test_training_a_reentrant_checkpointed_block_is_training_the_plain_model(
+    tmp_path, monkeypatch, capsys
+):
+    """Reentrant checkpointing left the block's parameters untrained (no gradient reached
+    them); now ``sharp train`` gives bit for bit the weights of the model without it."""
+    from safetensors.torch import load_file
+
+    from tests.cli_helpers import run_cli
+
+    (tmp_path / "ckptmodel.py").write_text(CHECKPOINT_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    weights = {}
+    for tag, value in (("plain", "null"), ("reentrant", "true")):
+        out = tmp_path / f"{tag}.safetensors"
+        run = run_cli(
+            capsys, "train", "--model-factory", "ckptmodel:make", "--model-args",
+            f'{{"reentrant": {value}}}', "--data", "blobs:n=64,dim=8,classes=3", "--epochs", "2",
+            "--seed", "0", "--out", str(out), "--quiet",
+        )  # fmt: skip
+        assert run.code == 0, run.err
+        weights[tag] = load_file(str(out))
+    assert weights["plain"].keys() == weights["reentrant"].keys()
+    for name, tensor in weights["plain"].items():
+        assert torch.equal(tensor, weights["reentrant"][name]), name

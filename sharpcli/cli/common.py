@@ -276,7 +276,7 @@ def run_command(
     status of a process killed by SIGPIPE; the files are still published.
     A command that runs models (``uses_models``) runs on ``threads`` CPU threads
     (:func:`use_threads`) with forward passes that can be differentiated twice (attention,
-    weight normalisation, embedding bags:
+    weight normalisation, embedding bags, reentrant checkpoints:
     :func:`sharpcli.curvature.differentiable.twice_differentiable`). ``debug`` (the command's
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
