@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharpcli.curvature.differentiable import twice_differentiable
+from tests.hessian_helpers import central_difference_hessian, double_backward_hessian
 
 D = 8  # features of the data; layers reshape them as they need
 
@@ -193,49 +194,8 @@ LAYERS = {
 }
 
 
-def _flat_grad(model, params, x, y, create_graph=False) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    grads = torch.autograd.grad(loss, params, create_graph=create_graph, allow_unused=True)
-    return torch.cat(
-        [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]
-    )
-
-
-def _double_backward(model, params, x, y) -> torch.Tensor:
-    g = _flat_grad(model, params, x, y, create_graph=True)
-    rows = []
-    for i in range(g.numel()):
-        row = torch.autograd.grad(g[i], params, retain_graph=True, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [(torch.zeros_like(p) if r is None else r).reshape(-1) for p, r in zip(params, row)]
-            )
-        )
-    return torch.stack(rows)
-
-
-def _central_differences(model, params, x, y, h: float = 1e-6) -> torch.Tensor:
-    theta = [p.detach().clone() for p in params]
-    flat = torch.cat([t.reshape(-1) for t in theta])
-    sizes = [p.numel() for p in params]
-    columns = []
-    for i in range(flat.numel()):
-        step = torch.zeros_like(flat)
-        step[i] = h
-        pair = []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, t in zip(params, (flat + sign * step).split(sizes)):
-                    p.copy_(t.view_as(p))
-            pair.append(_flat_grad(model, params, x, y))
-        columns.append((pair[0] - pair[1]) / (2 * h))
-    with torch.no_grad():
-        torch._foreach_copy_(params, theta)
-    return torch.stack(columns, dim=1)
-
-
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_double_backward_hessian_matches_central_differences(name):
+def test_double_backward_hessian_matchescentral_difference_hessian(name):
     torch.manual_seed(0)
     model = LAYERS[name]().double().eval()
     generator = torch.Generator().manual_seed(1)
@@ -243,8 +203,8 @@ def test_double_backward_hessian_matches_central_differences(name):
     y = torch.randint(0, 3, (24,), generator=generator)
     params = [p for p in model.parameters() if p.requires_grad]
     with twice_differentiable():  # for the reference too: attention's fused kernels differ
-        hessian = _double_backward(model, params, x, y)
-        reference = _central_differences(model, params, x, y)
+        hessian = double_backward_hessian(model, params, x, y)
+        reference = central_difference_hessian(model, params, x, y)
     scale = float(reference.abs().max())
     assert scale > 1e-3  # a Hessian worth comparing
     assert float((hessian - hessian.T).abs().max()) <= 1e-13 * scale
@@ -352,9 +312,9 @@ def test_checkpointed_blocks_have_the_hessian_of_the_plain_model(reentrant):
     y = torch.randint(0, 3, (24,), generator=generator)
     params = list(model.parameters())
     with twice_differentiable():
-        hessian = _double_backward(model, params, x, y)
+        hessian = double_backward_hessian(model, params, x, y)
     model.reentrant = None
-    plain = _double_backward(model, params, x, y)
+    plain = double_backward_hessian(model, params, x, y)
     assert float((hessian - plain).abs().max()) <= 1e-12 * float(plain.abs().max())
 
 

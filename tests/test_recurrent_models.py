@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fixtures.recurrent_model import (
     rnn_arrays,
@@ -22,6 +21,7 @@ from fixtures.recurrent_model import (
     write_rnn_module,
 )
 from tests.cli_helpers import run_cli
+from tests.hessian_helpers import double_backward_hessian
 
 
 @pytest.fixture
@@ -42,10 +42,7 @@ def _dense(cell: str):
     def flat(tensors):
         return torch.cat([t.reshape(-1) for t in tensors])
 
-    g = flat(torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True))
-    hessian = torch.stack(
-        [flat(torch.autograd.grad(g[i], params, retain_graph=True)) for i in range(g.numel())]
-    )
+    hessian = double_backward_hessian(model, params, x, y)
     ggn = torch.zeros_like(hessian)
     for i in range(x.shape[0]):
         z = model(x[i : i + 1]).reshape(-1)

@@ -12,50 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fixtures.weight_norm_model import wn_model, write_wn_checkpoint, write_wn_data, write_wn_module
 from sharpcli.curvature.differentiable import twice_differentiable, weight_norm_composite
 from tests.cli_helpers import run_cli
+from tests.hessian_helpers import central_difference_hessian, double_backward_hessian
 
 
-def _flat_gradient(model, params, x, y) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), y)
-    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
-
-
-def central_difference_hessian(model, x, y, h: float = 1e-6) -> torch.Tensor:
-    """``H[:, i] = (g(theta + h e_i) - g(theta - h e_i)) / 2h`` in float64."""
-    params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-
-    def set_flat(v):
-        with torch.no_grad():
-            pieces = v.split([p.numel() for p in params])
-            torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(pieces, params)])
-
-    columns = []
-    for i in range(flat.numel()):
-        step = torch.zeros_like(flat)
-        step[i] = h
-        set_flat(flat + step)
-        plus = _flat_gradient(model, params, x, y)
-        set_flat(flat - step)
-        columns.append((plus - _flat_gradient(model, params, x, y)) / (2 * h))
-    set_flat(flat)
-    return torch.stack(columns, dim=1)
-
-
-def double_backward_hessian(model, x, y) -> torch.Tensor:
-    params = list(model.parameters())
-    g = torch.cat(
-        [
-            t.reshape(-1)
-            for t in torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True)
-        ]
-    )
-    rows = [torch.autograd.grad(g[i], params, retain_graph=True) for i in range(g.numel())]
-    return torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows])
+@pytest.fixture
+def wn_files(tmp_path, monkeypatch):
+    """``wnmodel.py`` importable from the cwd, its checkpoint and data: ``(wn.pt, wn.npz)``."""
+    write_wn_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return write_wn_checkpoint(tmp_path / "wn.pt"), write_wn_data(tmp_path / "wn.npz")
 
 
 def _data(n=40, seed=1):
@@ -70,14 +40,14 @@ def _data(n=40, seed=1):
 def test_double_backward_through_weight_norm_matches_central_differences(style, dim):
     model = wn_model(style, dim).double()
     x, y = _data()
-    reference = central_difference_hessian(model, x, y)
+    reference = central_difference_hessian(model, list(model.parameters()), x, y)
     with twice_differentiable():
-        inside = double_backward_hessian(model, x, y)
+        inside = double_backward_hessian(model, list(model.parameters()), x, y)
     scale = float(reference.abs().max())
     assert float((inside - reference).abs().max()) <= 1e-7 * scale
     assert float((inside - inside.T).abs().max()) <= 1e-12 * scale
     # outside the block torch's own kernel: if this starts to agree, torch fixed it
-    outside = double_backward_hessian(model, x, y)
+    outside = double_backward_hessian(model, list(model.parameters()), x, y)
     assert float((outside - reference).abs().max()) > 1e-3 * scale
 
 
@@ -92,12 +62,8 @@ def test_composite_is_weight_norm_and_the_block_restores_torch():
     assert torch._weight_norm is original
 
 
-def test_eigen_of_a_weight_norm_model_matches_central_differences(tmp_path, monkeypatch, capsys):
-    write_wn_module(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    ckpt = write_wn_checkpoint(tmp_path / "wn.pt")
-    data = write_wn_data(tmp_path / "wn.npz")
+def test_eigen_of_a_weight_norm_model_matches_central_differences(wn_files, capsys):
+    ckpt, data = wn_files
     run = run_cli(
         capsys, "eigen", str(ckpt), "--model-factory", "wnmodel:make", "--data", str(data),
         "--dtype", "float64", "--top-k", "2", "--eig-tol", "1e-10", "--json", "-",
@@ -107,7 +73,7 @@ def test_eigen_of_a_weight_norm_model_matches_central_differences(tmp_path, monk
     model = wn_model().double()
     arrays = np.load(data)
     x, y = torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"])
-    reference = central_difference_hessian(model, x, y)
+    reference = central_difference_hessian(model, list(model.parameters()), x, y)
     expected = torch.linalg.eigvalsh((reference + reference.T) / 2).flip(0)[:2].numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-7)
 
@@ -129,12 +95,8 @@ def test_train_runs_its_steps_inside_the_block(monkeypatch, tmp_path):
     assert torch._weight_norm is not weight_norm_composite
 
 
-def test_weight_rescale_of_a_weight_normed_layer_says_why_it_refuses(tmp_path, monkeypatch, capsys):
-    write_wn_module(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    ckpt = write_wn_checkpoint(tmp_path / "wn.pt")
-    data = write_wn_data(tmp_path / "wn.npz")
+def test_weight_rescale_of_a_weight_normed_layer_says_why_it_refuses(wn_files, capsys):
+    ckpt, data = wn_files
     run = run_cli(
         capsys, "weight-rescale", str(ckpt), "--model-factory", "wnmodel:make",
         "--arch-args", '{"act": "relu"}', "--data", str(data), "--quiet",
