@@ -1,7 +1,7 @@
 """Forward passes that can be differentiated twice, and correctly.
 
 Curvature (Hessian products, gradient penalties, third-order regularizers) differentiates a
-model's backward pass. Three kernels of PyTorch get that wrong or cannot do it at all, and
+model's backward pass. Five constructs of PyTorch get that wrong or cannot do it at all, and
 within :func:`twice_differentiable` each is replaced by an equivalent that composes ordinary
 differentiable operations:
 
