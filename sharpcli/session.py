@@ -135,6 +135,116 @@ def check_model_accepts(
     return int(out[0].numel()), loss
 
 
+SECOND_DERIVATIVE_SAMPLES = 32  # samples of the self-check of second derivatives
+SECOND_DERIVATIVE_MAX_PARAMS = 20_000_000  # beyond: no float64 copy for the check
+_SECOND_DERIVATIVE_RTOL = 1e-5
+
+
+def check_second_derivatives(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, source: str, seed: int = 0
+) -> float | None:
+    """Refuse a model whose second derivatives torch computes wrongly, before any analysis.
+
+    Every curvature figure rests on torch's double backward through each layer of the model,
+    and some layers get it wrong without an error: a custom ``autograd.Function`` whose
+    backward is not itself differentiable (``@once_differentiable``, a backward under
+    ``no_grad``) simply contributes nothing to it, so Hessian products come out silently wrong
+    (sharp substitutes the torch kernels found wrong, :mod:`sharpcli.curvature.differentiable`,
+    but cannot know a user's own). Check, on a float64 copy of the model and the first
+    ``len(x)`` samples: one Hessian-vector product ``H v`` by double backward (``v`` a seeded
+    unit Gaussian over the trainable parameters) against the central difference of the
+    gradient ``(g(theta + h v) - g(theta - h v)) / 2h`` with ``h = 1e-6 max(1, ||theta||)``,
+    which needs first derivatives only. In float64 the difference is exact to about 1e-9
+    relative (truncation ``O(h^2)``, rounding ``u ||g|| / h``, kinks of ReLU nets almost never
+    crossed by so small a step); a layer with a wrong second derivative is off by percent.
+    Raises :class:`InputError` (``source``, the checkpoint) when the relative difference
+    exceeds 1e-5 beyond the rounding allowance and a difference quotient with ten times the
+    step agrees with the first (the gradient is smooth along ``v``: no kink crossed, where a
+    quotient has a jump term instead of the curvature). Returns the relative difference, or
+    None where nothing was concluded: models above :data:`SECOND_DERIVATIVE_MAX_PARAMS`
+    trainable parameters, models that cannot be copied to float64, kinks crossed.
+    """
+    import copy
+
+    from sharpcli.losses import get_loss
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable or sum(p.numel() for p in trainable) > SECOND_DERIVATIVE_MAX_PARAMS:
+        return None
+    try:
+        twin = copy.deepcopy(model).to(torch.float64).eval()
+    except (RuntimeError, TypeError, copy.Error):  # a model that cannot be copied or widened
+        return None
+    params = [p for p in twin.parameters() if p.requires_grad]
+    x = x.to(torch.float64) if x.is_floating_point() else x
+    y = y[: x.shape[0]]
+    y = y.to(torch.float64) if y.is_floating_point() else y
+    mean_loss = get_loss(loss).mean
+
+    def gradient(create_graph: bool) -> list[torch.Tensor]:
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                mean_loss(twin(x), y), params, create_graph=create_graph, allow_unused=True
+            )
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+    generator = torch.Generator().manual_seed(seed)
+    v = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
+    norm_v = torch.sqrt(sum((t * t).sum() for t in v))
+    v = [(t / norm_v).to(p.device) for t, p in zip(v, params)]
+    with torch.enable_grad():
+        g = gradient(create_graph=True)
+        dot = sum((a * b).sum() for a, b in zip(g, v) if a.requires_grad)
+        hv = (
+            torch.autograd.grad(dot, params, allow_unused=True)
+            if torch.is_tensor(dot) and dot.requires_grad
+            else [None] * len(params)
+        )
+    hv = torch.cat(
+        [(torch.zeros_like(p) if t is None else t).reshape(-1) for p, t in zip(params, hv)]
+    )
+    theta = [p.detach().clone() for p in params]
+    norm_theta = float(torch.sqrt(sum((t * t).sum() for t in theta)))
+
+    def central_difference(h: float) -> torch.Tensor:
+        sides = []
+        with torch.no_grad():
+            for sign in (1.0, -1.0):
+                torch._foreach_copy_(params, theta)
+                torch._foreach_add_(params, v, alpha=sign * h)
+                with torch.enable_grad():
+                    sides.append(torch.cat([t.reshape(-1) for t in gradient(create_graph=False)]))
+            torch._foreach_copy_(params, theta)
+        return (sides[0] - sides[1]) / (2 * h)
+
+    g_norm = float(torch.cat([t.detach().reshape(-1) for t in g]).norm())
+    eps = torch.finfo(torch.float64).eps
+
+    def within(a: torch.Tensor, b: torch.Tensor, h: float) -> bool:
+        scale = max(float(a.norm()), float(b.norm()))
+        return float((a - b).norm()) <= _SECOND_DERIVATIVE_RTOL * scale + 1e3 * eps * g_norm / h
+
+    h = 1e-6 * max(1.0, norm_theta)
+    fd = central_difference(h)
+    if within(hv, fd, h):
+        return float((hv - fd).norm()) / max(float(hv.norm()), float(fd.norm()), 1e-300)
+    # A mismatch is conclusive only where the gradient is smooth along v: across a kink (a
+    # ReLU pre-activation or max-pool tie at exactly 0, as in hand-built nets) a difference
+    # quotient has a jump term ~1/h, and one ten times the step then disagrees with it.
+    if not within(fd, central_difference(10 * h), 10 * h):
+        return None
+    error, scale = float((hv - fd).norm()), max(float(hv.norm()), float(fd.norm()))
+    raise InputError(
+        f"torch computes this model's second derivatives wrongly: a Hessian-vector product "
+        f"by double backward differs from central differences of the gradient by "
+        f"{error / scale:.2g} (relative) on {x.shape[0]} samples, so every curvature figure "
+        "would be wrong. A layer's backward is not differentiable (a custom "
+        "autograd.Function marked once_differentiable or computing its backward without "
+        "autograd, an unsupported kernel)",
+        source=source,
+    )
+
+
 def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
     """Refuse a model that is not deterministic in analysis mode (eval mode, as [PyHessian]).
 
@@ -573,6 +683,7 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
+    check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
     return Session(
         checkpoint=ckpt,
         model=model,
