@@ -135,7 +135,9 @@ def check_model_accepts(
     return int(out[0].numel()), loss
 
 
-SECOND_DERIVATIVE_SAMPLES = 8  # samples of the self-check of second derivatives (0.1 s on a ResNet-8)
+SECOND_DERIVATIVE_SAMPLES = (
+    8  # samples of the self-check of second derivatives (0.1 s on a ResNet-8)
+)
 SECOND_DERIVATIVE_MAX_PARAMS = 20_000_000  # beyond: no float64 copy for the check
 _SECOND_DERIVATIVE_RTOL = 1e-5
 

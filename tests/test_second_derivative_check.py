@@ -107,3 +107,22 @@ def test_eigen_refuses_the_model_with_a_one_line_error(tmp_path, monkeypatch, ca
         "--quiet",
     )  # fmt: skip
     assert_one_line_error(run, 2, "once.pt", "second derivatives wrongly")
+
+
+@pytest.mark.parametrize("reg, code", [("gp", 2), ("hessian-trace", 2), ("sam", 0)])
+def test_train_checks_before_a_second_order_regularizer(tmp_path, monkeypatch, capsys, reg, code):
+    """Second-order penalties differentiate the model twice: refused up front on such a model;
+    first-order training (sam) does not need the check and runs."""
+    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    x, y = _data(40)
+    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+    run = run_cli(
+        capsys, "train", "--model-factory", "oncemodel:make", "--data", "data.npz",
+        "--epochs", "1", "--reg", reg, "--out", "m.safetensors", "--quiet",
+    )  # fmt: skip
+    if code:
+        assert_one_line_error(run, code, "factory:oncemodel:make", "second derivatives wrongly")
+    else:
+        assert run.code == 0, run.err

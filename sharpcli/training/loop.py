@@ -342,7 +342,12 @@ def train(
     (:func:`_train_epoch`), and the final evaluation and checkpoint (:func:`_finish_run`).
     """
     from sharpcli.curvature.differentiable import twice_differentiable
-    from sharpcli.session import resolve_device, resolve_dtype
+    from sharpcli.session import (
+        SECOND_DERIVATIVE_SAMPLES,
+        check_second_derivatives,
+        resolve_device,
+        resolve_dtype,
+    )
     from sharpcli.training.regularizers import parse_reg, validate_combination
 
     validate_config(cfg)
@@ -359,6 +364,15 @@ def train(
     splits = _load_splits(cfg)
     model, model_spec = _build_model(cfg, splits, regs, dtype, device)
     _place_splits(cfg, splits, model, dtype, device)
+    if any(getattr(reg, "needs_autograd", False) for reg in regs):  # second-order penalties
+        with twice_differentiable():
+            check_second_derivatives(
+                model,
+                splits.x_train[:SECOND_DERIVATIVE_SAMPLES],
+                splits.y_train,
+                cfg.loss,
+                source=model_spec["name"],
+            )
     run = _start_run(cfg, regs, splits, model, device, (rank, world))
     if resume:
         _restore_state(run, state_file)
