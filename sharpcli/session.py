@@ -634,9 +634,15 @@ def build_session(
     trust_pickle: bool = False,
     cache_mb: int = 1024,
     output: str | None = None,
+    curvature: bool = True,
     **_ignored,
 ) -> Session:
-    """Load everything an analysis needs; every user mistake is an InputError/UsageError."""
+    """Load everything an analysis needs; every user mistake is an InputError/UsageError.
+
+    ``curvature`` (default): the analysis differentiates the model twice, so torch's second
+    derivatives of it are checked first (:func:`check_second_derivatives`); analyses of
+    first derivatives and activations only (``activation-stats``) pass False.
+    """
     from sharpcli.io.datasets import subset
 
     if split not in ("train", "test"):
@@ -685,7 +691,8 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
-    check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
+    if curvature:  # the analysis differentiates the model twice
+        check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
     return Session(
         checkpoint=ckpt,
         model=model,

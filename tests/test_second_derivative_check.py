@@ -126,3 +126,17 @@ def test_train_checks_before_a_second_order_regularizer(tmp_path, monkeypatch, c
         assert_one_line_error(run, code, "factory:oncemodel:make", "second derivatives wrongly")
     else:
         assert run.code == 0, run.err
+
+
+def test_activation_stats_needs_no_second_derivatives(tmp_path, monkeypatch, capsys):
+    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.save(_module().state_dict(), tmp_path / "once.pt")
+    x, y = _data(40)
+    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+    run = run_cli(
+        capsys, "activation-stats", "once.pt", "--model-factory", "oncemodel:make",
+        "--data", "data.npz", "--quiet",
+    )  # fmt: skip
+    assert run.code == 0, run.err

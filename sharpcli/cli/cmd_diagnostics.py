@@ -69,7 +69,7 @@ def activation_stats_command(
     ||h^(L-1)||^2 and the input-output Jacobian norm (MAN sections 2, 5, Table 3)."""
     from sharpcli.analyses.activations import activation_stats
 
-    session = common.open_session(checkpoint, opts)
+    session = common.open_session(checkpoint, opts, curvature=False)  # first derivatives only
     result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
     settings = opts.report_settings()
     report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)

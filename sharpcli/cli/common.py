@@ -711,8 +711,10 @@ def analysis_command(app, name: str):
     return decorate
 
 
-def open_session(checkpoint: str, opts: CommonOptions):
-    """Build the analysis session from a checkpoint and the common options.
+def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
+    """Build the analysis session from a checkpoint and the common options (``curvature``:
+    whether the command differentiates the model twice, see
+    :func:`sharpcli.session.check_second_derivatives`).
 
     The session's notes (what was done to the data, e.g. float token ids converted to int64)
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
@@ -722,7 +724,7 @@ def open_session(checkpoint: str, opts: CommonOptions):
 
     kwargs = opts.settings()
     kwargs["arch_args"] = parse_json_option(opts.arch_args, "--arch-args")
-    session = build_session(checkpoint, **kwargs)
+    session = build_session(checkpoint, curvature=curvature, **kwargs)
     print_notes(session.notes, opts.quiet)
     return session
 
