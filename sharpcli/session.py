@@ -247,6 +247,40 @@ def check_second_derivatives(
     )
 
 
+def unreached_parameter_notes(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
+) -> list[str]:
+    """A note naming the trainable parameters the loss does not depend on, on ``x``.
+
+    A parameter that no path of the forward pass reaches (an auxiliary head left unused in
+    eval mode, a branch behind ``.detach()``) has zero rows in every curvature matrix, which
+    reads like flatness; the note says why. One gradient on the samples ``x`` (parameters
+    whose gradient autograd returns as ``None``; a parameter used with a zero gradient is
+    reached). Empty when every trainable parameter is reached.
+    """
+    from sharpcli.losses import get_loss
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named or x.shape[0] == 0:
+        return []
+    with torch.enable_grad():
+        value = get_loss(loss).mean(model(x), y[: x.shape[0]])
+        if not value.requires_grad:
+            grads = [None] * len(named)
+        else:
+            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+    unreached = [n for (n, _), g in zip(named, grads) if g is None]
+    if not unreached:
+        return []
+    shown = ", ".join(unreached[:5]) + (
+        f" and {len(unreached) - 5} more" if len(unreached) > 5 else ""
+    )
+    return [
+        f"{len(unreached)} trainable parameter tensor(s) do not reach the loss on the first "
+        f"{x.shape[0]} samples ({shown}): their rows of every curvature matrix are zero"
+    ]
+
+
 def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
     """Refuse a model that is not deterministic in analysis mode (eval mode, as [PyHessian]).
 
@@ -693,6 +727,7 @@ def build_session(
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     if curvature:  # the analysis differentiates the model twice
         check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
+    notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
     return Session(
         checkpoint=ckpt,
         model=model,
