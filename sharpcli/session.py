@@ -214,8 +214,7 @@ def check_second_derivatives(
             for sign in (1.0, -1.0):
                 torch._foreach_copy_(params, theta)
                 torch._foreach_add_(params, v, alpha=sign * h)
-                with torch.enable_grad():
-                    sides.append(torch.cat([t.reshape(-1) for t in gradient(create_graph=False)]))
+                sides.append(torch.cat([t.reshape(-1) for t in gradient(create_graph=False)]))
             torch._foreach_copy_(params, theta)
         return (sides[0] - sides[1]) / (2 * h)
 

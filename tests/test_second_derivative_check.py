@@ -67,6 +67,18 @@ def _data(n=32, seed=1):
     return torch.randn(n, 5, generator=generator), torch.randint(0, 3, (n,), generator=generator)
 
 
+@pytest.fixture
+def once_dir(tmp_path, monkeypatch):
+    """The cwd: ``oncemodel.py`` (importable), its seeded weights ``once.pt`` and ``data.npz``."""
+    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.save(_module().state_dict(), tmp_path / "once.pt")
+    x, y = _data(40)
+    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+    return tmp_path
+
+
 def test_a_once_differentiable_function_is_refused_and_its_twin_passes():
     x, y = _data()
     with pytest.raises(InputError, match=r"second derivatives wrongly: .* by 0\.\d"):
@@ -95,13 +107,7 @@ def test_kinks_at_exact_zeros_make_the_check_inconclusive_not_a_refusal():
     assert check_second_derivatives(model, x, y, "cross-entropy", source="relu.pt") is None
 
 
-def test_eigen_refuses_the_model_with_a_one_line_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    torch.save(_module().state_dict(), tmp_path / "once.pt")
-    x, y = _data(40)
-    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+def test_eigen_refuses_the_model_with_a_one_line_error(once_dir, capsys):
     run = run_cli(
         capsys, "eigen", "once.pt", "--model-factory", "oncemodel:make", "--data", "data.npz",
         "--quiet",
@@ -110,14 +116,9 @@ def test_eigen_refuses_the_model_with_a_one_line_error(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("reg, code", [("gp", 2), ("hessian-trace", 2), ("sam", 0)])
-def test_train_checks_before_a_second_order_regularizer(tmp_path, monkeypatch, capsys, reg, code):
+def test_train_checks_before_a_second_order_regularizer(once_dir, capsys, reg, code):
     """Second-order penalties differentiate the model twice: refused up front on such a model;
     first-order training (sam) does not need the check and runs."""
-    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    x, y = _data(40)
-    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
     run = run_cli(
         capsys, "train", "--model-factory", "oncemodel:make", "--data", "data.npz",
         "--epochs", "1", "--reg", reg, "--out", "m.safetensors", "--quiet",
@@ -128,15 +129,14 @@ def test_train_checks_before_a_second_order_regularizer(tmp_path, monkeypatch, c
         assert run.code == 0, run.err
 
 
-def test_activation_stats_needs_no_second_derivatives(tmp_path, monkeypatch, capsys):
-    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    torch.save(_module().state_dict(), tmp_path / "once.pt")
-    x, y = _data(40)
-    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+def test_activation_stats_needs_no_second_derivatives(once_dir, capsys):
+    """Activation statistics differentiate once: the model is measured, not refused."""
     run = run_cli(
         capsys, "activation-stats", "once.pt", "--model-factory", "oncemodel:make",
-        "--data", "data.npz", "--quiet",
+        "--data", "data.npz", "--json", "-",
     )  # fmt: skip
     assert run.code == 0, run.err
+    x, y = _data(40)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(_module()(x), y)
+    assert run.json()["results"]["output"]["loss"] == pytest.approx(float(expected), rel=1e-6)
