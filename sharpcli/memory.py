@@ -41,6 +41,7 @@ __all__ = [
     "as_usage_error",
     "allocated_bytes",
     "available_bytes",
+    "clear",
     "current",
     "format_bytes",
     "parse_size",
@@ -284,11 +285,15 @@ def activate(plan: MemoryPlan) -> MemoryPlan:
 
 
 def current() -> MemoryPlan:
-    """The active plan, or a fresh default one (budget from the free memory) when none is."""
+    """The active plan, or a fresh default one (budget from the memory free now, not kept)
+    when no run has started one."""
     plan = _PLAN.get(None)
-    if plan is None:
-        plan = activate(MemoryPlan.for_run())
-    return plan
+    return plan if plan is not None else MemoryPlan.for_run()
+
+
+def clear() -> None:
+    """End the active plan (a command's run is over; the next one starts its own)."""
+    _PLAN.set(None)
 
 
 def active() -> MemoryPlan | None:

@@ -143,6 +143,26 @@ SECOND_DERIVATIVE_MAX_PARAMS = 20_000_000  # beyond: no float64 copy for the che
 _SECOND_DERIVATIVE_RTOL = 1e-5
 
 
+SELF_CHECK_VECTORS = 12  # float64 P-vectors the self-check holds at its peak (measured)
+
+
+def self_check_samples(model: nn.Module) -> int:
+    """Samples of the self-check: :data:`SECOND_DERIVATIVE_SAMPLES`, 2 for models above 1M
+    parameters (a wrong second derivative shows on any sample; float64 products of a large
+    model on 8 samples cost more than a whole float32 Hessian product: 12 s on ResNet-18)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return SECOND_DERIVATIVE_SAMPLES if count <= 1_000_000 else 2
+
+
+def self_check_bytes(model: nn.Module) -> int:
+    """Bytes :func:`check_second_derivatives` holds at its peak: a float64 copy of the model,
+    its gradients, the direction, the product and the difference quotients' gradients, about
+    :data:`SELF_CHECK_VECTORS` float64 copies of the trainable parameters (nothing beyond
+    :data:`SECOND_DERIVATIVE_MAX_PARAMS`, where the check does not run)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return 0 if count > SECOND_DERIVATIVE_MAX_PARAMS else SELF_CHECK_VECTORS * 8 * count
+
+
 def check_second_derivatives(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, source: str, seed: int = 0
 ) -> float | None:
@@ -730,7 +750,10 @@ def build_session(
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
     if curvature:  # the analysis differentiates the model twice
-        check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
+        with plan.hold("second-derivative self-check", self_check_bytes(model)):
+            check_second_derivatives(
+                model, x[: self_check_samples(model)], y, loss, source=checkpoint
+            )
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
     return Session(
         checkpoint=ckpt,

@@ -334,11 +334,14 @@ def _run_body(
 
             stack.enter_context(twice_differentiable())
         compute_start = time.perf_counter()
-        outcome = body()
+        try:
+            outcome = body()
+            plan = memory.active()
+            if plan is not None:  # what was planned beside what was measured
+                outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
+        finally:
+            memory.clear()  # the next command (in this process: tests, sweeps) plans anew
     end = time.perf_counter()
-    plan = memory.active()
-    if plan is not None:  # what was planned beside what was measured
-        outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
     started = _STATE.pop("started", None)  # set by cli.app.main for this command only
     timing = outcome.report.setdefault("timing", {})
     timing["seconds"] = round(end - start, 6)

@@ -73,6 +73,24 @@ class KrylovBasis:
         self._row(self._size).copy_(q)
         self._size += 1
 
+    def row(self, i: int) -> torch.Tensor:
+        """Row ``i`` as stored (a view, in the storage dtype: no copy)."""
+        if not -self._size <= i < self._size:
+            raise IndexError(i)
+        return self._row(i % self._size)
+
+    def dot(self, i: int, w: torch.Tensor) -> float:
+        """``q_i^T w`` in float64 for a float64 ``w``, widening row ``i`` a slice at a time."""
+        row = self.row(i)
+        if self.dtype == _F64:
+            return float(row @ w)
+        return float(sum(row[s].to(_F64) @ w[s] for s in self._slices(1)))
+
+    def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
+        """``w <- w - alpha q_i`` in place on the float64 ``w`` (no widened copy of the row)."""
+        w.sub_(self.row(i), alpha=alpha)
+        return w
+
     def __getitem__(self, i: int) -> torch.Tensor:
         """Row ``i`` as a float64 vector (a copy when stored in another dtype)."""
         if not -self._size <= i < self._size:

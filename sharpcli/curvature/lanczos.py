@@ -210,7 +210,7 @@ def tridiagonal_eigh(alphas, betas) -> tuple[np.ndarray, np.ndarray]:
 
 
 def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torch.Tensor:
-    """``A V`` for float64 ``V`` (a P-vector or a ``(P, k)`` block), returned in float64.
+    """``A V`` for ``V`` (a P-vector or a ``(P, k)`` block), returned in float64.
 
     The product itself runs in the operator's dtype (``V`` is rounded to it), as the model
     computes it; only the vectors around it are float64. A block goes through ``matmat``
@@ -219,7 +219,8 @@ def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torc
     """
     X = V.to(dtype=op.dtype, device=op.device)
     out = op.matvec(X) if X.dim() == 1 else op.matmat(X)
-    if not torch.isfinite(out).all():
+    del X
+    if not bool(torch.isfinite(out).all()):
         raise NumericalError(
             f"{getattr(op, 'name', 'operator')} product is not finite{where}", source=source
         )
@@ -243,13 +244,15 @@ def _lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], ste
     ``w <- w - Q (Q^T w)`` twice (CGS2) and ``beta_j = ||w||``; the next vector is
     ``w / beta_j``. Returns ``(alpha_j, beta_j, w)``, all float64.
     """
-    q = basis[len(basis) - 1]
-    w = apply_operator(op, q, source="lanczos", where=f" at Lanczos step {step}")
-    alpha = float(q @ w)
-    w.sub_(alpha * q)
+    j = len(basis) - 1
+    # the stored row is what gets multiplied: no float64 copy of it is made (at 100M
+    # parameters each float64 temporary is 0.8 GB, and fresh pages cost system time)
+    w = apply_operator(op, basis.row(j), source="lanczos", where=f" at Lanczos step {step}")
+    alpha = basis.dot(j, w)
+    basis.axpy(w, j, alpha)
     for i, value in coupling:
         if value != 0.0:
-            w.sub_(value * basis[i])
+            basis.axpy(w, i, value)
     basis.orthogonalize(w)
     return alpha, float(torch.linalg.vector_norm(w)), w
 
@@ -266,8 +269,10 @@ def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, low
     (Ritz vectors) set aside; UsageError on ``max_memory`` when not even ``minimum`` fit."""
     dim = op.shape[0]
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
-    # q, w and A q in float64, A q and its input in the products' dtype, the extra vectors
-    work = dim * (8 * (3 + extra_vectors) + 2 * torch.empty((), dtype=op.dtype).element_size())
+    # float64 temporaries of a step (w, A q widened, the orthogonalisation's slices: 3 with
+    # the allocator's slack), A q and its input in the products' dtype, and the returned Ritz
+    # vectors with their explicit residuals' copies
+    work = dim * (8 * (3 + 2 * extra_vectors) + 2 * torch.empty((), dtype=op.dtype).element_size())
     plan = memory.current()
     fit = plan.count_that_fit(per_vector, reserve=work)
     if fit < minimum:
@@ -611,7 +616,10 @@ def lanczos(
     )
     run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
     with plan.hold("krylov basis", held):
-        state = _run_lanczos(op, q, want, which, tol, limit, room, generator, eps, run)
+        basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
+        basis.append(q)
+        del q  # the basis holds it (in the products' dtype)
+        state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
     breakdown = state["breakdown"]
     notes: list[str] = []
     theta, S, idx, converged, residuals = (
@@ -698,7 +706,7 @@ def _extend_projection(T: np.ndarray, alpha: float, coupling) -> np.ndarray:
     return out
 
 
-def _run_lanczos(op, q, want, which, tol, limit, room, generator, eps, run) -> dict:
+def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) -> dict:
     """The Lanczos iteration of :func:`lanczos` with full reorthogonalisation, thick-restarted
     whenever the basis reaches ``room`` rows ([Wu2000]).
 
@@ -710,8 +718,6 @@ def _run_lanczos(op, q, want, which, tol, limit, room, generator, eps, run) -> d
     restart. The projected matrix is then arrowhead plus tridiagonal, kept dense (it is tiny).
     """
     dim = op.shape[0]
-    basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
-    basis.append(q)
     T = np.zeros((0, 0))
     coupling: list[tuple[int, float]] = []
     history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
@@ -829,8 +835,10 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
     subtraction and the norms are float64, so the result is the residual of the vector the
     operator actually multiplied (``u_i`` rounded to ``op.dtype``) up to float64 rounding.
     """
-    U = eigenvectors.to(dtype=op.dtype, device=op.device).to(_F64)
-    AU = apply_operator(op, U, source="lanczos", where=" in the residual check")
+    U = eigenvectors.to(dtype=op.dtype, device=op.device)
+    R = apply_operator(op, U, source="lanczos", where=" in the residual check")
     lam = torch.as_tensor(list(eigenvalues), dtype=_F64, device=U.device)
-    R = AU - U * lam
-    return (torch.linalg.vector_norm(R, dim=0) / torch.linalg.vector_norm(U, dim=0)).tolist()
+    R.sub_(U * lam.to(U.dtype)) if U.dtype == _F64 else R.addcmul_(U, -lam)
+    return (
+        torch.linalg.vector_norm(R, dim=0) / torch.linalg.vector_norm(U, dim=0, dtype=_F64)
+    ).tolist()
