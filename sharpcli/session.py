@@ -18,7 +18,7 @@ from torch import nn
 
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
-from sharpcli.models.outputs import attach_output_selector
+from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 MAX_SEED = 2**32 - 1
@@ -620,7 +620,7 @@ class Session:
         )
 
 
-def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
+def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **options):
     """``load_dataset(spec)``; when the spec is the checkpoint's own (``from_checkpoint``, no
     ``--data`` given), a bad spec is an InputError naming the checkpoint's metadata, not the
     ``--data`` option the user never gave. How a metadata path resolves: docs/checkpoints.md."""
@@ -629,7 +629,7 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
 
     what = "the `data` file" if from_checkpoint is None else f"the data named in {from_checkpoint}"
     try:
-        return load_dataset(spec, label_column=label_column, what=what)
+        return load_dataset(spec, label_column=label_column, what=what, **options)
     except UsageError as err:
         if from_checkpoint is None or err.source not in ("data", "spec"):
             raise
@@ -655,6 +655,9 @@ def build_session(
     *,
     data: str | None = None,
     label_column: str | None = None,
+    x_key: str | None = None,
+    y_key: str | None = None,
+    shift_labels: bool | None = None,
     split: str = "train",
     samples: int | None = None,
     batch_size: int = 256,
@@ -702,7 +705,15 @@ def build_session(
         raise UsageError(
             f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
-    dataset = _load_data(data_spec, label_column, checkpoint if data is None else None)
+    dataset = _load_data(
+        data_spec,
+        label_column,
+        checkpoint if data is None else None,
+        x_key=x_key,
+        y_key=y_key,
+        shift_labels=shift_labels,
+        trust_pickle=trust_pickle,
+    )
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
@@ -714,6 +725,7 @@ def build_session(
     if output is None:
         output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
+    attach_keyword_inputs(model, dataset.input_keys)  # model(**batch) (sharpcli.models.outputs)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
