@@ -235,15 +235,53 @@ def check_second_derivatives(
     if not within(fd, central_difference(10 * h), 10 * h):
         return None
     error, scale = float((hv - fd).norm()), max(float(hv.norm()), float(fd.norm()))
+    padded = padding_embeddings(model)
+    cause = (
+        f"nn.Embedding {padded[0][0]!r} has padding_idx={padded[0][1].padding_idx}: torch "
+        "zeroes that row's gradient although the pad id reaches the loss (no attention mask?), "
+        "so the gradient is not the loss's derivative there; pass the attention mask with the "
+        "data (key attention_mask) or build the embedding without padding_idx"
+        if padded
+        else "A layer's backward is not differentiable (a custom autograd.Function marked "
+        "once_differentiable or computing its backward without autograd, an unsupported kernel)"
+    )
     raise InputError(
         f"torch computes this model's second derivatives wrongly: a Hessian-vector product "
         f"by double backward differs from central differences of the gradient by "
         f"{error / scale:.2g} (relative) on {x.shape[0]} samples, so every curvature figure "
-        "would be wrong. A layer's backward is not differentiable (a custom "
-        "autograd.Function marked once_differentiable or computing its backward without "
-        "autograd, an unsupported kernel)",
+        f"would be wrong. {cause}",
         source=source,
     )
+
+
+def padding_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Embedding`` with a ``padding_idx``."""
+    return [
+        (name, module)
+        for name, module in _embedding_modules(model)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None
+    ]
+
+
+def release_padding_rows(model: nn.Module) -> list[str]:
+    """Set ``padding_idx`` to None on the analysed model's embeddings; a note for each.
+
+    ``nn.Embedding(padding_idx=k)`` only changes the backward pass: torch zeroes row ``k``'s
+    gradient (the row is never trained), whatever the loss. Where pad ids reach the loss (no
+    attention mask hides them) that gradient is not the loss's derivative, and its double
+    backward is not a symmetric Hessian: the self-check would refuse the model and Lanczos
+    would be wrong. Without it the analysis differentiates the loss itself, the pad row
+    included; where pad ids do not reach the loss, nothing changes (the row's derivatives are
+    zero either way). The forward pass is the same.
+    """
+    notes = []
+    for name, module in padding_embeddings(model):
+        notes.append(
+            f"{type(module).__name__} {name!r}: padding_idx={module.padding_idx} released for the "
+            "analysis (torch zeroes the pad row's gradient; curvature is of the loss itself)"
+        )
+        module.padding_idx = None
+    return notes
 
 
 def unreached_parameter_notes(
@@ -736,6 +774,8 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
+    if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
+        notes += release_padding_rows(model)
     if curvature:  # the analysis differentiates the model twice
         check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
