@@ -205,3 +205,54 @@ def test_folder_without_config_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     run = run_cli(capsys, "eigen", str(tmp_path / "empty"), "--data", "blobs")
     assert_one_line_error(run, 2, "is a folder, not a checkpoint file", "config.json")
+
+
+@pytest.mark.slow
+def test_keyword_inputs_under_torchrun_match_one_process(tmp_path):
+    """Two ranks shard the stacked keyword inputs (input_ids, attention_mask, token_type_ids)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    folder = hf.save_model(hf.bert(), tmp_path / "bert")
+    data = hf.write_npz(tmp_path / "bert.npz", hf.bert_data())
+    argv = [
+        "eigen",
+        folder,
+        "--data",
+        data,
+        "--dtype",
+        "float64",
+        "--batch-size",
+        "3",
+        "--json",
+        "-",
+    ]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    parallel = subprocess.run(
+        [*launcher, "--master_port", str(port), "-m", "sharpcli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert parallel.returncode == 0, parallel.stderr
+    single = subprocess.run(
+        [sys.executable, "-m", "sharpcli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert single.returncode == 0, single.stderr
+    got, ref = json.loads(parallel.stdout), json.loads(single.stdout)
+    assert got["environment"]["world_size"] == 2
+    np.testing.assert_allclose(
+        got["results"]["eigenvalues"], ref["results"]["eigenvalues"], rtol=1e-9
+    )
