@@ -767,6 +767,8 @@ def build_session(
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
+    if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
+        notes += release_padding_rows(model)
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
@@ -774,8 +776,6 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
-    if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
-        notes += release_padding_rows(model)
     if curvature:  # the analysis differentiates the model twice
         check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
