@@ -19,7 +19,7 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
-from sharpcli.models.outputs import attach_output_selector
+from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 MAX_SEED = 2**32 - 1
@@ -256,15 +256,53 @@ def check_second_derivatives(
     if not within(fd, central_difference(10 * h), 10 * h):
         return None
     error, scale = float((hv - fd).norm()), max(float(hv.norm()), float(fd.norm()))
+    padded = padding_embeddings(model)
+    cause = (
+        f"nn.Embedding {padded[0][0]!r} has padding_idx={padded[0][1].padding_idx}: torch "
+        "zeroes that row's gradient although the pad id reaches the loss (no attention mask?), "
+        "so the gradient is not the loss's derivative there; pass the attention mask with the "
+        "data (key attention_mask) or build the embedding without padding_idx"
+        if padded
+        else "A layer's backward is not differentiable (a custom autograd.Function marked "
+        "once_differentiable or computing its backward without autograd, an unsupported kernel)"
+    )
     raise InputError(
         f"torch computes this model's second derivatives wrongly: a Hessian-vector product "
         f"by double backward differs from central differences of the gradient by "
         f"{error / scale:.2g} (relative) on {x.shape[0]} samples, so every curvature figure "
-        "would be wrong. A layer's backward is not differentiable (a custom "
-        "autograd.Function marked once_differentiable or computing its backward without "
-        "autograd, an unsupported kernel)",
+        f"would be wrong. {cause}",
         source=source,
     )
+
+
+def padding_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Embedding`` with a ``padding_idx``."""
+    return [
+        (name, module)
+        for name, module in _embedding_modules(model)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None
+    ]
+
+
+def release_padding_rows(model: nn.Module) -> list[str]:
+    """Set ``padding_idx`` to None on the analysed model's embeddings; a note for each.
+
+    ``nn.Embedding(padding_idx=k)`` only changes the backward pass: torch zeroes row ``k``'s
+    gradient (the row is never trained), whatever the loss. Where pad ids reach the loss (no
+    attention mask hides them) that gradient is not the loss's derivative, and its double
+    backward is not a symmetric Hessian: the self-check would refuse the model and Lanczos
+    would be wrong. Without it the analysis differentiates the loss itself, the pad row
+    included; where pad ids do not reach the loss, nothing changes (the row's derivatives are
+    zero either way). The forward pass is the same.
+    """
+    notes = []
+    for name, module in padding_embeddings(model):
+        notes.append(
+            f"{type(module).__name__} {name!r}: padding_idx={module.padding_idx} released for the "
+            "analysis (torch zeroes the pad row's gradient; curvature is of the loss itself)"
+        )
+        module.padding_idx = None
+    return notes
 
 
 def unreached_parameter_notes(
@@ -641,7 +679,7 @@ class Session:
         )
 
 
-def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
+def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **options):
     """``load_dataset(spec)``; when the spec is the checkpoint's own (``from_checkpoint``, no
     ``--data`` given), a bad spec is an InputError naming the checkpoint's metadata, not the
     ``--data`` option the user never gave. How a metadata path resolves: docs/checkpoints.md."""
@@ -650,7 +688,7 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
 
     what = "the `data` file" if from_checkpoint is None else f"the data named in {from_checkpoint}"
     try:
-        return load_dataset(spec, label_column=label_column, what=what)
+        return load_dataset(spec, label_column=label_column, what=what, **options)
     except UsageError as err:
         if from_checkpoint is None or err.source not in ("data", "spec"):
             raise
@@ -676,6 +714,9 @@ def build_session(
     *,
     data: str | None = None,
     label_column: str | None = None,
+    x_key: str | None = None,
+    y_key: str | None = None,
+    shift_labels: bool | None = None,
     split: str = "train",
     samples: int | None = None,
     batch_size: int = 256,
@@ -726,7 +767,15 @@ def build_session(
         raise UsageError(
             f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
-    dataset = _load_data(data_spec, label_column, checkpoint if data is None else None)
+    dataset = _load_data(
+        data_spec,
+        label_column,
+        checkpoint if data is None else None,
+        x_key=x_key,
+        y_key=y_key,
+        shift_labels=shift_labels,
+        trust_pickle=trust_pickle,
+    )
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
@@ -738,9 +787,12 @@ def build_session(
     if output is None:
         output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
+    attach_keyword_inputs(model, dataset.input_keys)  # model(**batch) (sharpcli.models.outputs)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
+    if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
+        notes += release_padding_rows(model)
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")

@@ -73,6 +73,34 @@ LabelColumnOpt = Annotated[
         help="Label column of a .csv/.parquet dataset (default 'label').",
     ),
 ]
+XKeyOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--x-key",
+        metavar="KEYS",
+        help="Input array(s) of a tensor file or Arrow/parquet data (default x, else keys named "
+        "after forward arguments: input_ids, attention_mask, pixel_values, ...); several are "
+        "passed to the model as keyword arguments.",
+    ),
+]
+YKeyOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--y-key",
+        metavar="KEY",
+        help="Label array of a tensor file or Arrow/parquet data (default y, labels or label); "
+        "for x.npy-style files the labels file's name.",
+    ),
+]
+ShiftLabelsOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--shift-labels",
+        help="Shift token labels: position t predicts token t+1 (Hugging Face's "
+        "labels=input_ids habit; labels equal to the inputs are refused without it).",
+        show_default=False,
+    ),
+]
 SplitOpt = Annotated[
     choices.Split, typer.Option("--split", help="The dataset split that is analysed.")
 ]
@@ -148,7 +176,8 @@ OutputOpt = Annotated[
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
-        "--trust-pickle", help="Allow loading a pickled whole module (runs code from the file)."
+        "--trust-pickle",
+        help="Allow loading a pickled whole module or TensorDataset (runs code from the file).",
     ),
 ]
 CacheOpt = Annotated[
@@ -208,6 +237,9 @@ class CommonOptions:
 
     data: str | None = _option(DataOpt, None)
     label_column: str | None = _option(LabelColumnOpt, None)
+    x_key: str | None = _option(XKeyOpt, None)
+    y_key: str | None = _option(YKeyOpt, None)
+    shift_labels: bool | None = _option(ShiftLabelsOpt, None)
     split: str = _option(SplitOpt, "train")
     samples: int | None = _option(SamplesOpt, None)
     batch_size: int = _option(BatchSizeOpt, 256)

@@ -475,7 +475,7 @@ def _build_model(
     """
     from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string
     from sharpcli.models import build_model, default_model_args
-    from sharpcli.models.outputs import attach_output_selector
+    from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
     from sharpcli.training.regularizers import model_overrides
     from sharpcli.training.step import set_penultimate
 
@@ -499,6 +499,7 @@ def _build_model(
         model = build_model(model_spec)
     model = model.to(device=device, dtype=dtype)
     attach_output_selector(model, cfg.output)
+    attach_keyword_inputs(model, splits.dataset.input_keys)  # model(**batch) for keyed data
     if cfg.penultimate is not None:
         set_penultimate(model, cfg.penultimate)
     return model, model_spec
