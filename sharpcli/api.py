@@ -248,6 +248,9 @@ def model_on_data(model: nn.Module, x, keywords: dict) -> nn.Module:
     view_class = _view_class(type(model))
     view = view_class.__new__(view_class)
     view.__dict__.update(model.__dict__)
+    # a forward patched onto the instance (accelerate's mixed-precision wrapper in a Hugging
+    # Face Trainer) would shadow the view's; the view calls the class's own forward
+    view.__dict__.pop("forward", None)
     object.__setattr__(view, "_sharp_positional", x)
     object.__setattr__(view, "_sharp_keywords", dict(keywords))
     return view
@@ -579,7 +582,17 @@ class Curvature:
         """
         from sharpcli.curvature import build_operator
 
-        return _EvalModeOperator(build_operator(operator, self.curvature_pass), self._view)
+        op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._view)
+        self.refresh()
+        return op
+
+    def refresh(self) -> None:
+        """Drop the cached first-order graphs, so the next product sees the current weights.
+
+        Every method starts with it: the cache is also dropped when a parameter's version
+        counter moves, but a fused optimizer step (``torch.optim.AdamW(fused=True)``, the
+        Hugging Face Trainer's default) updates weights in place without moving it."""
+        self.curvature_pass.clear_cache()
 
     def eigenvalues(
         self,
@@ -729,6 +742,7 @@ class Curvature:
         (``ggn_trace_check``). The dict is the ``results`` of ``sharp gn-nme --json``."""
         from sharpcli.analyses.spectrum import gn_nme
 
+        self.refresh()
         with eval_mode(self._view):
             return gn_nme(
                 _SessionView(self, seed),
@@ -887,6 +901,7 @@ class Tracker:
 
         start = time.perf_counter()
         curvature = self._curvature_for(model)
+        curvature.refresh()  # the weights moved since the last measurement
         with eval_mode(curvature._view):
             values, matvecs = measure(
                 curvature.curvature_pass,

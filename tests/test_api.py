@@ -308,3 +308,19 @@ def test_user_errors_name_their_argument(case, source, words):
     assert info.value.source == source
     assert words in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_results_follow_weights_moved_by_a_fused_optimizer():
+    # torch.optim.AdamW(fused=True) updates in place without moving the version counters that
+    # invalidate the engine's cached graphs; every method starts from the current weights
+    model, x, y = _mlp_problem()
+    curvature = Curvature(model, "cross-entropy", (x, y))
+    before = curvature.eigenvalues(tol=1e-9).eigenvalues[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    H = dense_hessian(model, lambda z: F.cross_entropy(z, y), (x,))
+    after = curvature.eigenvalues(tol=1e-9).eigenvalues[0]
+    assert after != pytest.approx(before, rel=1e-3)
+    assert after == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-7)
+    assert torch.allclose(curvature.operator().to_dense(), H)
