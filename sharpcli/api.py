@@ -264,6 +264,17 @@ def _to_device(tensor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor
 
 
 @contextlib.contextmanager
+def analysis_mode(model: nn.Module):
+    """:func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward),
+    as the ``sharp`` commands run."""
+    from sharpcli.curvature.differentiable import twice_differentiable
+
+    with eval_mode(model), twice_differentiable():
+        yield model
+
+
+@contextlib.contextmanager
 def eval_mode(model: nn.Module):
     """``model`` in eval mode inside the block; every module's own mode restored after."""
     modes = [(module, module.training) for module in model.modules()]
@@ -550,7 +561,7 @@ class Curvature:
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(self._collected, rows=rows)
-        with eval_mode(view):
+        with analysis_mode(view):
             check_second_derivatives(
                 view, torch.arange(rows), self._collected.y[:rows], self.loss, source="model"
             )
@@ -619,7 +630,7 @@ class Curvature:
         check_choice(method, METHODS, "method")
         check_choice(which, ("largest", "smallest", "both"), "which")
         op = self.operator(operator)
-        with eval_mode(self._view):
+        with analysis_mode(self._view):
             if method == "power":
                 if which != "largest":
                     raise UsageError(
@@ -674,7 +685,7 @@ class Curvature:
 
         check_choice(estimator, ESTIMATORS, "estimator")
         op = self.operator(operator)
-        with eval_mode(self._view):
+        with analysis_mode(self._view):
             if estimator == "exact":
                 if operator != GGN or square:
                     raise UsageError(
@@ -716,7 +727,7 @@ class Curvature:
         from sharpcli.curvature import spectral_density
 
         op = self.operator(operator)
-        with eval_mode(self._view):
+        with analysis_mode(self._view):
             return spectral_density(
                 op,
                 probes=probes,
@@ -743,7 +754,7 @@ class Curvature:
         from sharpcli.analyses.spectrum import gn_nme
 
         self.refresh()
-        with eval_mode(self._view):
+        with analysis_mode(self._view):
             return gn_nme(
                 _SessionView(self, seed),
                 tol=tol,
@@ -793,7 +804,7 @@ class _EvalModeOperator(CurvatureOperator):
         self.scope = getattr(inner, "scope", None)
 
     def _matmat(self, V):
-        with eval_mode(self.model):
+        with analysis_mode(self.model):
             return self.inner.matmat(V)
 
     def clear_cache(self) -> None:
@@ -902,7 +913,7 @@ class Tracker:
         start = time.perf_counter()
         curvature = self._curvature_for(model)
         curvature.refresh()  # the weights moved since the last measurement
-        with eval_mode(curvature._view):
+        with analysis_mode(curvature._view):
             values, matvecs = measure(
                 curvature.curvature_pass,
                 self.metrics,
