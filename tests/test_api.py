@@ -324,3 +324,78 @@ def test_results_follow_weights_moved_by_a_fused_optimizer():
     assert after != pytest.approx(before, rel=1e-3)
     assert after == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-7)
     assert torch.allclose(curvature.operator().to_dense(), H)
+
+
+def _dense_hessian_of(model, names, loss_of_outputs, kwargs):
+    """Float64 Hessian over the parameters ``names`` only (the others held fixed)."""
+    params = dict(model.named_parameters())
+    shapes = [params[n].shape for n in names]
+    flat0 = torch.cat([params[n].detach().reshape(-1) for n in names])
+
+    def loss(flat):
+        values, start = {}, 0
+        for name, shape in zip(names, shapes):
+            values[name] = flat[start : start + shape.numel()].view(shape)
+            start += shape.numel()
+        return loss_of_outputs(functional_call(model, values, (), kwargs))
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # torch's fused CPU attention has no double backward
+        return torch.autograd.functional.hessian(loss, flat0)
+
+
+def test_hugging_face_bert_with_attention_masks_matches_the_dense_hessian():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=8,
+        max_position_embeddings=8,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).to(D).eval()
+    _, ids, mask, y = _transformer_problem(n=9, length=6)
+    inputs = {"input_ids": ids + mask * 5, "attention_mask": mask}
+    names = [n for n, _ in model.named_parameters() if "self.query" in n or "classifier" in n]
+    H = _dense_hessian_of(model, names, lambda out: F.cross_entropy(out.logits, y), inputs)
+    rows = [{**{k: v[i] for k, v in inputs.items()}, "labels": y[i]} for i in range(9)]
+    curvature = Curvature(
+        model,
+        nn.CrossEntropyLoss(),
+        DataLoader(rows, batch_size=4),
+        params="*attention.self.query.*,classifier.*",
+    )
+    assert curvature.scope.names == names
+    _check_spectrum(curvature, H)
+
+
+def test_hugging_face_gpt2_with_shifted_labels_matches_the_dense_hessian():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=12, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(D).eval()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 12, (6, 6), generator=gen)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]  # the shift GPT2LMHeadModel makes inside its own loss
+    names = ["transformer.h.0.attn.c_attn.bias", "transformer.h.0.attn.c_proj.weight"]
+    module = nn.CrossEntropyLoss()
+    H = _dense_hessian_of(
+        model,
+        names,
+        lambda out: module(out.logits.reshape(-1, 12), labels.reshape(-1)),
+        {"input_ids": ids},
+    )
+    batch = {"input_ids": ids, "labels": labels}
+    curvature = Curvature(model, module, batch, params=",".join(names), batch_size=4)
+    assert curvature.loss == "token-cross-entropy"
+    _check_spectrum(curvature, H)
+    # the labels of HF's habit (labels = input_ids, shifted inside the model) are refused
+    with pytest.raises(UsageError, match="equal its token inputs"):
+        Curvature(model, module, {"input_ids": ids, "labels": ids})
