@@ -137,25 +137,26 @@ def _batches(data) -> tuple[list, bool]:
             source="data",
         )
     try:
-        batches = list(iter(data))
+        iterator = iter(data)
     except TypeError:
         raise UsageError(
             f"`data` is a {type(data).__name__}; expected (x, y) tensors, a dict of tensors, a "
             "DataLoader or an iterable of batches",
             source="data",
         ) from None
+    batches = list(iterator)
     if not batches:
         raise UsageError("`data` holds no batches", source="data")
     return batches, False
 
 
-def _concatenate(parts: list, name: str, index_of) -> torch.Tensor:
+def _concatenate(parts: list, name: str) -> torch.Tensor:
     """``torch.cat`` of one input over the batches; UsageError naming the first mismatch."""
     first = parts[0]
     for i, part in enumerate(parts[1:], start=1):
         if part.shape[1:] != first.shape[1:] or part.dtype != first.dtype:
             raise UsageError(
-                f"batch {index_of(i)} of `data` has `{name}` of shape {tuple(part.shape)} "
+                f"batch {i} of `data` has `{name}` of shape {tuple(part.shape)} "
                 f"({part.dtype}) but batch 0 {tuple(first.shape)} ({first.dtype}); the batches "
                 "are concatenated, so pad every batch to one length (with an attention mask)",
                 source="data",
@@ -179,7 +180,7 @@ def collect_data(data, batch_size: int | None = None) -> _Collected:
         )
     names = list(parts[0][1])
     for i, p in enumerate(parts):
-        if list(p[1]) != names:
+        if set(p[1]) != set(names):
             raise UsageError(
                 f"batch {i} of `data` has the inputs {', '.join(p[1])} but batch 0 "
                 f"{', '.join(names)}",
@@ -195,9 +196,9 @@ def collect_data(data, batch_size: int | None = None) -> _Collected:
                 f"({', '.join(str(s[0]) for s in sorted(sizes))})",
                 source="data",
             )
-    x = _concatenate([p[0] for p in parts], "x", int) if positional[0] else None
-    keywords = {n: _concatenate([p[1][n] for p in parts], n, int) for n in names}
-    y = _concatenate([p[2] for p in parts], "labels", int)
+    x = _concatenate([p[0] for p in parts], "x") if positional[0] else None
+    keywords = {n: _concatenate([p[1][n] for p in parts], n) for n in names}
+    y = _concatenate([p[2] for p in parts], "labels")
     if y.shape[0] == 0:
         raise UsageError("`data` holds no samples", source="data")
     if batch_size is None:
@@ -284,6 +285,19 @@ def eval_mode(model: nn.Module):
     finally:
         for module, training in modes:
             module.training = training
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
+    wrappers (their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken
+    through the plain module, whose forward is twice differentiable)."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
 
 
 # --------------------------------------------------------------------------- losses
@@ -483,6 +497,7 @@ class Curvature:
 
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
+        model = unwrap(model)
         first = next(iter(model.parameters()), None)
         if first is None:
             raise UsageError("the model has no parameters", source="model")
@@ -561,10 +576,15 @@ class Curvature:
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(self._collected, rows=rows)
-        with analysis_mode(view):
-            check_second_derivatives(
-                view, torch.arange(rows), self._collected.y[:rows], self.loss, source="model"
-            )
+        from sharpcli.errors import InputError
+
+        try:
+            with analysis_mode(view):
+                check_second_derivatives(
+                    view, torch.arange(rows), self._collected.y[:rows], self.loss, source="model"
+                )
+        except InputError as exc:  # about the argument `model`, not a file
+            raise UsageError(exc.message, source="model") from None
 
     # ----------------------------------------------------------------- products
     @property

@@ -399,3 +399,42 @@ def test_hugging_face_gpt2_with_shifted_labels_matches_the_dense_hessian():
     # the labels of HF's habit (labels = input_ids, shifted inside the model) are refused
     with pytest.raises(UsageError, match="equal its token inputs"):
         Curvature(model, module, {"input_ids": ids, "labels": ids})
+
+
+def test_a_layer_torch_differentiates_twice_wrongly_is_refused():
+    from torch.autograd.function import once_differentiable
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * t
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            return 2 * t * grad
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.b(Square.apply(self.a(x)))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    with pytest.raises(UsageError, match="second derivatives wrongly") as info:
+        Curvature(Model(), nn.CrossEntropyLoss(), (x, y))
+    assert info.value.source == "model"
+
+
+def test_wrapped_models_are_analysed_through_the_plain_module():
+    model, x, y = _mlp_problem()
+    H = dense_hessian(model, lambda z: F.cross_entropy(z, y), (x,))
+    for wrapped in (nn.DataParallel(model), torch.compile(model)):
+        curvature = Curvature(wrapped, "cross-entropy", (x, y))
+        assert curvature.scope.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert torch.allclose(curvature.operator().to_dense(), H)
