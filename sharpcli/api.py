@@ -387,9 +387,9 @@ def _apply_ignore_index(collected: _Collected, name: str, ignore_index: int | No
             raise UsageError(
                 "nn.CrossEntropyLoss averages over every labelled position of the set, but the "
                 f"samples of `data` have between {int(counts.min())} and {int(counts.max())} "
-                "labelled positions, so that mean weights them unequally; pass "
-                "loss='token-cross-entropy' for the mean over samples of each sample's mean "
-                "over its positions",
+                "labelled positions, and sharp's token loss (each sample's mean over its "
+                "positions, then the mean over samples) would not be that loss; pass "
+                "`loss=token-cross-entropy` to analyse the per-sample mean",
                 source="loss",
             )
     return collected
@@ -655,7 +655,7 @@ class Curvature:
                 if which != "largest":
                     raise UsageError(
                         "power iteration finds the largest |eigenvalue|s only; use "
-                        "`method='lanczos'`",
+                        "`method=lanczos`",
                         source="which",
                     )
                 return power_iteration(
@@ -709,7 +709,7 @@ class Curvature:
             if estimator == "exact":
                 if operator != GGN or square:
                     raise UsageError(
-                        "the exact estimator is for the Gauss-Newton trace (`operator='ggn'`, "
+                        "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, "
                         "no `square`)",
                         source="estimator",
                     )
@@ -717,7 +717,7 @@ class Curvature:
             if estimator == "gn-split":
                 if operator != HESSIAN or square:
                     raise UsageError(
-                        "the gn-split estimator is for the Hessian trace (`operator='hessian'`, "
+                        "the gn-split estimator is for the Hessian trace (`operator=hessian`, "
                         "no `square`)",
                         source="estimator",
                     )

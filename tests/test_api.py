@@ -237,6 +237,11 @@ def test_hugging_face_style_output_and_params():
 
 
 def test_sharpcli_exports_the_api_lazily():
+    import subprocess
+    import sys
+
+    code = "import sys, sharpcli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
     assert sharpcli.Curvature is Curvature
     assert {"Curvature", "Tracker"} <= set(dir(sharpcli))
     with pytest.raises(AttributeError):

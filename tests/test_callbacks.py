@@ -215,3 +215,20 @@ def test_hugging_face_callback_without_attach_is_refused(tmp_path):
     with pytest.raises(UsageError, match="attach") as info:
         trainer.train()
     assert info.value.source == "trainer"
+
+
+@pytest.mark.parametrize(
+    "module, framework, extra",
+    [
+        ("sharpcli.callbacks.lightning", "lightning.pytorch", "lightning"),
+        ("sharpcli.callbacks.hf", "transformers", "hf"),
+    ],
+)
+def test_a_missing_framework_names_the_extra(module, framework, extra, monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, framework, None)  # import of it fails
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError, match=rf"pip install sharpcli\[{extra}\]"):
+        importlib.import_module(module)
