@@ -501,10 +501,8 @@ class Curvature:
         first = next(iter(model.parameters()), None)
         if first is None:
             raise UsageError("the model has no parameters", source="model")
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise UsageError(f"must be an integer >= 1, got {batch_size!r}", source="batch_size")
+        if batch_size is not None:
+            _integer(batch_size, "batch_size")
         self.dtype = _resolve_dtype(dtype, first.dtype)
         self.device = _resolve_device(device, first.device)
         if self.dtype != first.dtype or self.device != first.device:
@@ -646,10 +644,23 @@ class Curvature:
         """
         from sharpcli.analyses.spectrum import METHODS, check_choice
         from sharpcli.curvature import lanczos, power_iteration
+        from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
 
         check_choice(method, METHODS, "method")
         check_choice(which, ("largest", "smallest", "both"), "which")
+        _integer(k, "k")
+        _seed(seed)
         op = self.operator(operator)
+        if method == "lanczos":
+            budget = min(self.num_params, int(max_matvecs or DEFAULT_MAX_MATVECS))
+            wanted = min(int(k) * (2 if which == "both" else 1), self.num_params)
+            if wanted > budget:  # a Krylov space of m products holds at most m Ritz values
+                raise UsageError(
+                    f"`k={k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
+                    f"products (`max_matvecs`) holds at most {budget}; lower `k` or raise "
+                    "`max_matvecs`",
+                    source="k",
+                )
         with analysis_mode(self._view):
             if method == "power":
                 if which != "largest":
@@ -704,6 +715,7 @@ class Curvature:
         from sharpcli.curvature.registry import GGN, HESSIAN
 
         check_choice(estimator, ESTIMATORS, "estimator")
+        _seed(seed)
         op = self.operator(operator)
         with analysis_mode(self._view):
             if estimator == "exact":
@@ -746,6 +758,10 @@ class Curvature:
         ``weights``)."""
         from sharpcli.curvature import spectral_density
 
+        _integer(probes, "probes")
+        _integer(steps, "steps")
+        _integer(grid_points, "grid_points", minimum=2)
+        _seed(seed)
         op = self.operator(operator)
         with analysis_mode(self._view):
             return spectral_density(
@@ -773,6 +789,7 @@ class Curvature:
         (``ggn_trace_check``). The dict is the ``results`` of ``sharp gn-nme --json``."""
         from sharpcli.analyses.spectrum import gn_nme
 
+        _seed(seed)
         self.refresh()
         with analysis_mode(self._view):
             return gn_nme(
@@ -789,6 +806,20 @@ class Curvature:
             f"samples={self.num_samples}, params={self.num_params}, dtype={self.dtype}, "
             f"device={self.device})"
         )
+
+
+def _integer(value, name: str, minimum: int = 1) -> int:
+    """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"must be an integer >= {minimum}, got {value!r}", source=name)
+    return value
+
+
+def _seed(seed) -> int:
+    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.session.check_seed`)."""
+    from sharpcli.session import check_seed
+
+    return check_seed(seed, "seed")
 
 
 class _SessionView:
@@ -887,10 +918,9 @@ class Tracker:
     ):
         from sharpcli.analyses.tracking import check_tracked
 
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise UsageError(f"must be an integer >= 1, got {every!r}", source="every")
-        if isinstance(max_matvecs, bool) or not isinstance(max_matvecs, int) or max_matvecs < 1:
-            raise UsageError(f"must be an integer >= 1, got {max_matvecs!r}", source="max_matvecs")
+        _integer(every, "every")
+        _integer(max_matvecs, "max_matvecs")
+        _seed(seed)
         if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
             raise UsageError(f"must be a positive number, got {tol!r}", source="tol")
         metrics = [metrics] if isinstance(metrics, str) else list(metrics)

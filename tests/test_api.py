@@ -273,6 +273,13 @@ def test_sharpcli_exports_the_api_lazily():
         ("which", "which", "accepted"),
         ("estimator", "estimator", "accepted"),
         ("unshifted", "data", "equal its token inputs"),
+        ("k-text", "k", "integer"),
+        ("k-beyond-budget", "k", "Krylov space"),
+        ("seed", "seed", "0.."),
+        ("steps", "steps", ">= 1"),
+        ("grid", "grid_points", ">= 2"),
+        ("tol", "tol", "> 0"),
+        ("power-both", "which", "method=lanczos"),
     ],
 )
 def test_user_errors_name_their_argument(case, source, words):
@@ -302,6 +309,17 @@ def test_user_errors_name_their_argument(case, source, words):
         "k": lambda: Curvature(model, "cross-entropy", data).eigenvalues(k=0),
         "which": lambda: Curvature(model, "cross-entropy", data).eigenvalues(which="middle"),
         "estimator": lambda: Curvature(model, "cross-entropy", data).trace(estimator="magic"),
+        "k-text": lambda: Curvature(model, "cross-entropy", data).eigenvalues(k="3"),
+        "k-beyond-budget": lambda: Curvature(model, "cross-entropy", data).eigenvalues(
+            k=6, max_matvecs=5
+        ),
+        "seed": lambda: Curvature(model, "cross-entropy", data).trace(seed=-1),
+        "steps": lambda: Curvature(model, "cross-entropy", data).density(steps=0),
+        "grid": lambda: Curvature(model, "cross-entropy", data).density(grid_points=1),
+        "tol": lambda: Curvature(model, "cross-entropy", data).gn_nme(tol=0),
+        "power-both": lambda: Curvature(model, "cross-entropy", data).eigenvalues(
+            which="both", method="power"
+        ),
     }
     if case == "unshifted":
         lm, ids, _, _ = _transformer_problem(per_position=True)
