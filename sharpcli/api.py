@@ -460,10 +460,11 @@ class Curvature:
     - ``batch_size``: samples per product batch (memory only: the results are means over
       samples); default a DataLoader's batch size, or 256 for tensors.
 
-    Before anything is computed, one forward checks that the model takes the inputs and that
-    the loss fits its outputs and the labels, and one Hessian-vector product is compared with a
-    difference of gradients in float64 on 8 samples (the model's layers differentiate twice
-    correctly; :func:`sharpcli.session.check_second_derivatives`). Errors are
+    Before anything is computed, a forward pass over the set (no gradients) checks that the
+    model takes every input and that the loss fits its outputs and the labels, and one
+    Hessian-vector product is compared with a difference of gradients in float64 on 8
+    samples (the model's layers differentiate twice correctly;
+    :func:`sharpcli.session.check_second_derivatives`). Errors are
     :class:`~sharpcli.errors.UsageError` naming the argument (``error.source``).
 
     >>> import torch
@@ -514,9 +515,9 @@ class Curvature:
         self.loss, collected = self._loss_and_data(loss, collected)
         self.num_samples = collected.num_samples
         self.batch_size = collected.batch_size
-        self._collected = collected
         self._view = self._on_data(collected)
-        self._self_check()
+        self._check_forward()
+        self._self_check(collected)
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
@@ -568,18 +569,37 @@ class Curvature:
             raise UsageError(f"{problem} (loss {name})", source="data")
         return name, collected
 
-    def _self_check(self) -> None:
+    def _check_forward(self) -> None:
+        """One forward pass over the whole set without gradients, batch by batch: an input the
+        model cannot take (a token id beyond its embedding, say) is a UsageError on ``data``
+        here rather than an error in the middle of a curvature product."""
+        index = torch.arange(self.num_samples, device=self.device)
+        with torch.no_grad(), eval_mode(self._view):
+            for start in range(0, self.num_samples, self.batch_size):
+                rows = index[start : start + self.batch_size]
+                try:
+                    self._view(rows)
+                except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+                    text = str(exc).strip()
+                    first = text.splitlines()[0][:200] if text else type(exc).__name__
+                    raise UsageError(
+                        f"the model cannot run on samples {start}..{start + len(rows) - 1} of "
+                        f"`data` ({first})",
+                        source="data",
+                    ) from None
+
+    def _self_check(self, collected: _Collected) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
         from sharpcli.session import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
-        view = self._on_data(self._collected, rows=rows)
+        view = self._on_data(collected, rows=rows)
         from sharpcli.errors import InputError
 
         try:
             with analysis_mode(view):
                 check_second_derivatives(
-                    view, torch.arange(rows), self._collected.y[:rows], self.loss, source="model"
+                    view, torch.arange(rows), collected.y[:rows], self.loss, source="model"
                 )
         except InputError as exc:  # about the argument `model`, not a file
             raise UsageError(exc.message, source="model") from None

@@ -273,6 +273,7 @@ def test_sharpcli_exports_the_api_lazily():
         ("which", "which", "accepted"),
         ("estimator", "estimator", "accepted"),
         ("unshifted", "data", "equal its token inputs"),
+        ("token-id", "data", "samples 8..9"),
         ("k-text", "k", "integer"),
         ("k-beyond-budget", "k", "Krylov space"),
         ("seed", "seed", "0.."),
@@ -321,6 +322,11 @@ def test_user_errors_name_their_argument(case, source, words):
             which="both", method="power"
         ),
     }
+    if case == "token-id":
+        tiny, ids, mask, labels = _transformer_problem(n=10)
+        ids = ids.clone()
+        ids[9, 0] = 6  # one id beyond the 6 rows of the embedding, in the last batch
+        calls[case] = lambda: Curvature(tiny, "cross-entropy", (ids, labels), batch_size=4)
     if case == "unshifted":
         lm, ids, _, _ = _transformer_problem(per_position=True)
         calls[case] = lambda: Curvature(
