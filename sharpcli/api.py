@@ -990,6 +990,7 @@ class Tracker:
                 seed=self.seed,
                 tol=self.tol,
                 max_matvecs=self.max_matvecs,
+                eigen_max_matvecs=self.max_matvecs,
             )
         values.update(matvecs=matvecs, seconds=time.perf_counter() - start)
         out = {f"{self.prefix}{k}": v for k, v in values.items() if v is not None}

@@ -54,6 +54,9 @@ def test_tracker_in_a_plain_loop_measures_every_n_steps_without_touching_the_rng
         last["sharpness/nme_trace"] / last["sharpness/nme_share"], rel=1e-9
     )
     assert model.training
+    # the budget bounds each metric's products
+    lean = Tracker("cross-entropy", probe, every=1, metrics=["eigen"], max_matvecs=4)
+    assert lean.step(model)["sharpness/matvecs"] <= 4
 
 
 @pytest.mark.parametrize(
