@@ -449,7 +449,8 @@ class Curvature:
     - ``model``: an ``nn.Module``; its output is the logits tensor, an output object with
       ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
       are the ones differentiated), except that ``device``/``dtype`` other than its own make a
-      converted copy (``copy.deepcopy(model).to(device, dtype)``), leaving ``model`` untouched.
+      converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
+      untouched (and later changes to its weights unseen).
     - ``loss``: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured), ``nn.BCEWithLogitsLoss()``,
       ``nn.MSELoss()``, all with ``reduction='mean'``, or a registered loss name
       (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
