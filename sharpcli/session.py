@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
 from sharpcli.models.outputs import attach_output_selector
@@ -668,6 +669,7 @@ def build_session(
     cache_mb: int = 1024,
     output: str | None = None,
     curvature: bool = True,
+    max_memory: str | int | None = None,
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError.
@@ -689,6 +691,8 @@ def build_session(
     check_seed(seed)
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    # the run's memory plan (sharpcli.memory): estimators size themselves from it
+    plan = memory.activate(memory.MemoryPlan.for_run(max_memory, str(torch_device)))
 
     ckpt = load_checkpoint(
         checkpoint,
@@ -724,6 +728,7 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
+    plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
     if curvature:  # the analysis differentiates the model twice
         check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)

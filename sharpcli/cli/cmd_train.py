@@ -201,6 +201,7 @@ def train_command(
     dtype: common.DtypeOpt = "float32",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
+    max_memory: common.MaxMemoryOpt = None,
     threads: common.ThreadsOpt = None,
     debug: common.DebugOpt = False,
 ) -> None:
@@ -262,7 +263,14 @@ def train_command(
 
             tracker = make_tracker(tracked, seed=seed)
         with common.progress_bar(quiet, json_out, "training"):
-            result = train(cfg, out, resume=resume, stop_after=stop_after, tracker=tracker)
+            result = train(
+                cfg,
+                out,
+                resume=resume,
+                stop_after=stop_after,
+                tracker=tracker,
+                max_memory=max_memory,
+            )
         common.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history

@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
-from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
+from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger, memory
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli import choices
 from sharpcli.cli.flags import spell_flags, to_cli_error
@@ -159,6 +159,15 @@ CacheOpt = Annotated[
         help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
     ),
 ]
+MaxMemoryOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        help="Memory budget, e.g. 8G or 512M (default: 80% of the memory free at the start, "
+        "or of the device's); sharp plans its run to fit it (docs/memory.md).",
+    ),
+]
 ThreadsOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -213,6 +222,7 @@ class CommonOptions:
     output: str | None = _option(OutputOpt, None)
     trust_pickle: bool = _option(TrustPickleOpt, False)
     cache_mb: int = _option(CacheOpt, 1024)
+    max_memory: str | None = _option(MaxMemoryOpt, None)
     threads: int | None = _option(ThreadsOpt, None)
     debug: bool = _option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
@@ -326,6 +336,9 @@ def _run_body(
         compute_start = time.perf_counter()
         outcome = body()
     end = time.perf_counter()
+    plan = memory.active()
+    if plan is not None:  # what was planned beside what was measured
+        outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
     started = _STATE.pop("started", None)  # set by cli.app.main for this command only
     timing = outcome.report.setdefault("timing", {})
     timing["seconds"] = round(end - start, 6)
@@ -402,6 +415,7 @@ def _failure_code(command: str, json_path: str | None, exc: BaseException) -> in
         if _STATE["debug"]:
             traceback.print_exception(exc)
         return interrupts.report(command, signum)
+    exc = memory.as_usage_error(exc) or exc  # an allocation that failed: exit 2, not 4
     if isinstance(exc, SharpError):
         return _report_error(command, json_path, exc).exit_code
     if isinstance(exc, NotImplementedError) and "derivative for" in str(exc):
