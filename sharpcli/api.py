@@ -568,6 +568,7 @@ class Curvature:
         problem = get_loss(name).check(logits, head)
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
+        self.num_outputs = int(logits[0].numel())  # model outputs per sample
         return name, collected
 
     def _check_forward(self) -> None:
@@ -802,12 +803,15 @@ class Curvature:
         max_matvecs: int = 1000,
         seed: int = 0,
         label_samples: int = 4,
+        ggn_estimator: str = "auto",
     ) -> dict:
         """The split ``H = G + N`` of [NME] (eq. 2): for each of ``hessian``, ``ggn`` and
         ``nme`` the trace (+- stderr, shared probes, so the identity holds for the estimates),
         ``frobenius_sq``, ``lambda_max`` and ``lambda_min``; ``nme_share = tr(N)/tr(H)``,
-        ``nme_frobenius_ratio``, per-layer rows (``layers``) and tr(G) three ways
-        (``ggn_trace_check``). The dict is the ``results`` of ``sharp gn-nme --json``."""
+        ``nme_frobenius_ratio``, per-layer rows (``layers``) and tr(G) cross-checked by the
+        estimators ``ggn_estimator`` picks (``ggn_trace_check``; ``auto``, ``exact``,
+        ``sampled``, ``hutchinson``: :func:`sharpcli.analyses.spectrum.ggn_check_plan`). The
+        dict is the ``results`` of ``sharp gn-nme --json``."""
         from sharpcli.analyses.spectrum import gn_nme
 
         _seed(seed)
@@ -819,6 +823,7 @@ class Curvature:
                 eig_tol=eig_tol,
                 max_matvecs=max_matvecs,
                 label_samples=label_samples,
+                ggn_estimator=ggn_estimator,
             )
 
     def __repr__(self) -> str:
@@ -853,6 +858,8 @@ class _SessionView:
         self.seed = seed
         self.cache_bytes = curvature.curvature_pass.cache_bytes
         self.num_samples = curvature.num_samples
+        self.num_outputs = curvature.num_outputs
+        self.y = curvature.data.y  # the labels (this rank's shard)
 
     def analysis_data(self):
         """The analysis set of the Curvature."""
