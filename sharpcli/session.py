@@ -620,7 +620,9 @@ class Session:
     dtype: torch.dtype
     seed: int
     num_outputs: int
-    cache_bytes: int = 1 << 30  # budget of cached first-order graphs in curvature passes
+    # budget of cached first-order graphs in curvature passes; None: up to what the memory
+    # plan leaves (sharpcli.curvature.operators.CurvaturePass.plan_memory)
+    cache_bytes: int | None = None
     extra: dict = field(default_factory=dict)
     # what was done to the checkpoint and the data (stderr); the report keeps the checkpoint's
     # in checkpoint.notes and the rest in data.notes
@@ -727,7 +729,7 @@ def build_session(
     arch_args: dict | None = None,
     model_factory: str | None = None,
     trust_pickle: bool = False,
-    cache_mb: int = 1024,
+    cache_mb: int | None = None,
     output: str | None = None,
     curvature: bool = True,
     max_memory: str | int | None = None,
@@ -747,7 +749,7 @@ def build_session(
         raise UsageError("must be at least 1", source="batch_size")
     if samples is not None and samples < 1:
         raise UsageError("must be at least 1", source="samples")
-    if cache_mb < 0:
+    if cache_mb is not None and cache_mb < 0:
         raise UsageError("must be >= 0", source="cache_mb")
     check_seed(seed)
     torch_dtype = resolve_dtype(dtype)
@@ -820,6 +822,6 @@ def build_session(
         dtype=torch_dtype,
         seed=seed,
         num_outputs=n_out,
-        cache_bytes=int(cache_mb) << 20,
+        cache_bytes=None if cache_mb is None else int(cache_mb) << 20,
         notes=[*ckpt.notes, *notes],
     )

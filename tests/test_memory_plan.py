@@ -15,6 +15,7 @@ from sharpcli import memory
 from sharpcli.curvature import CurvaturePass, ParamScope, lanczos
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.krylov import KrylovBasis
+from sharpcli.curvature.lanczos import krylov_work_bytes
 from sharpcli.curvature.operators import MatrixOperator
 from sharpcli.curvature.trace import hutchinson
 from sharpcli.errors import UsageError
@@ -178,8 +179,9 @@ def test_a_budget_that_forces_restarts_still_certifies(mlp3m):
         for k, v in plan["planned"].items()
         if k not in ("krylov basis", "second-derivative self-check")
     )
-    # the step's work (float64 temporaries, one Ritz vector) and 4 float32 basis vectors
-    budget = held + 3_019_210 * (8 * 5 + 2 * 4 + 4 * 4) + (4 << 20)
+    # the run's work beside the basis (one returned Ritz vector) and 4 float32 basis vectors
+    work = krylov_work_bytes(3_019_210, torch.float32, returned=1)
+    budget = held + work + 4 * 4 * 3_019_210 + (4 << 20)
     tight = run_process(*args, "--max-memory", str(budget))
     assert tight.code == 0, tight.err
     results = tight.json()["results"]

@@ -39,12 +39,17 @@ def curvature_pass(session, params: str | None):
     """One shared pass (H and G products with cached graphs) over the session's analysis set."""
     from sharpcli import memory
     from sharpcli.curvature import CurvaturePass
+    from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 
     scope = session.scope(params)
+    auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
     cpass = CurvaturePass(
-        session.model, session.analysis_data(), scope, cache_bytes=session.cache_bytes
+        session.model,
+        session.analysis_data(),
+        scope,
+        cache_bytes=DEFAULT_CACHE_BYTES if auto else session.cache_bytes,
     )
-    cpass.plan_memory(memory.current())
+    cpass.plan_memory(memory.current(), auto_cache=auto)
     return cpass
 
 

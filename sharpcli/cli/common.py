@@ -181,11 +181,13 @@ TrustPickleOpt = Annotated[
     ),
 ]
 CacheOpt = Annotated[
-    int,
+    Optional[int],
     typer.Option(
         "--cache-mb",
         metavar="MB",
-        help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
+        help="Memory for cached first-order graphs (faster products; default: every batch's "
+        "when that fits half of what --max-memory leaves, else 1024); 0 recomputes them per "
+        "product, bounding memory by one batch.",
     ),
 ]
 MaxMemoryOpt = Annotated[
@@ -253,7 +255,7 @@ class CommonOptions:
     model_factory: str | None = _option(FactoryOpt, None)
     output: str | None = _option(OutputOpt, None)
     trust_pickle: bool = _option(TrustPickleOpt, False)
-    cache_mb: int = _option(CacheOpt, 1024)
+    cache_mb: int | None = _option(CacheOpt, None)
     max_memory: str | None = _option(MaxMemoryOpt, None)
     threads: int | None = _option(ThreadsOpt, None)
     debug: bool = _option(DebugOpt, False)

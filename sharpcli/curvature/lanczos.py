@@ -263,16 +263,22 @@ def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
     return op_dtype if op_dtype in (torch.float32, _F64) else torch.float32
 
 
+def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
+    """Bytes a Lanczos run holds beside its basis for ``dim`` parameters multiplied in
+    ``dtype``: a step holds ``A q`` in ``dtype`` and widened to float64 (``w``); the end, after
+    the basis is released, each of the ``returned`` Ritz vectors in float64 with its explicit
+    residual's product (in ``dtype`` and widened). The larger of the two."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return int(dim) * max(8 + 2 * itemsize, int(returned) * (16 + 2 * itemsize))
+
+
 def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
     """``(vectors, bytes)``: how many basis rows (at most ``steps``) the memory plan allows,
-    with the float64 work vectors of the recurrence and ``extra_vectors`` float64 P-vectors
-    (Ritz vectors) set aside; UsageError on ``max_memory`` when not even ``minimum`` fit."""
+    beside :func:`krylov_work_bytes` for ``extra_vectors`` returned Ritz vectors; UsageError on
+    ``max_memory`` when not even ``minimum`` fit."""
     dim = op.shape[0]
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
-    # float64 temporaries of a step (w, A q widened, the orthogonalisation's slices: 3 with
-    # the allocator's slack), A q and its input in the products' dtype, and the returned Ritz
-    # vectors with their explicit residuals' copies
-    work = dim * (8 * (3 + 2 * extra_vectors) + 2 * torch.empty((), dtype=op.dtype).element_size())
+    work = krylov_work_bytes(dim, op.dtype, extra_vectors)
     plan = memory.current()
     fit = plan.count_that_fit(per_vector, reserve=work)
     if fit < minimum:

@@ -240,7 +240,7 @@ class CurvaturePass:
                     graph.cached = True
             yield index, graph
 
-    def plan_memory(self, plan) -> None:
+    def plan_memory(self, plan, *, auto_cache: bool = False) -> None:
         """Count this pass in the run's memory plan (:mod:`sharpcli.memory`) before any product.
 
         Builds the first batch's first-order graph (kept in the cache when it fits, so it is
@@ -248,7 +248,10 @@ class CurvaturePass:
         again for the double backward, ``2 b`` (measured on MLPs and ResNet-18), and the cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
         is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
-        hold one batch's product is a UsageError on ``max_memory``.
+        hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
+        may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
+        half of what the budget leaves (each cached graph saves a forward and a backward pass
+        per product).
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
         graph_bytes = 0
@@ -262,8 +265,10 @@ class CurvaturePass:
             "lower `batch_size`",
         )
         plan.reserve("product workspace (one batch)", workspace)
-        wanted = min(self.cache_bytes, batches * graph_bytes)
         room = max(0, plan.room() // 2)
+        if auto_cache:
+            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, room))
+        wanted = min(self.cache_bytes, batches * graph_bytes)
         if wanted > room:
             self.cache_bytes = int(room)
             if self._cached_bytes > self.cache_bytes:
