@@ -29,14 +29,14 @@ OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
-        metavar="hessian|ggn|nme",
+        metavar="NAME",
         autocompletion=choices.completer(choices.OPERATORS),
         help=common.lazy_help(BUILTIN_OPERATOR_HELP, "sharpcli.curvature.registry", _operator_help),
     ),
 ]
 EngineOpt = Annotated[
     choices.Engine,
-    typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity)."),
+    typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
 # One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
 # stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
@@ -45,8 +45,7 @@ EigTolOpt = Annotated[
     typer.Option(
         "--eig-tol",
         "--tol",
-        help="Eigenvalue residual tolerance: converged when ||A u - lambda u|| <= tol |lambda| "
-        "(--tol is the former name).",
+        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
     ),
 ]
 EigMaxMatvecsOpt = Annotated[
@@ -54,9 +53,9 @@ EigMaxMatvecsOpt = Annotated[
     typer.Option(
         "--eig-max-matvecs",
         "--max-matvecs",
-        metavar="M",
-        help="Budget of operator products of the eigensolver (default: min(P, 100) for Lanczos, "
-        "100 iterations for power; --max-matvecs is the former name).",
+        metavar="N",
+        help="Products of the eigensolver at most (default: min(P, 100) for Lanczos, 100 for "
+        "power; --max-matvecs: former name).",
     ),
 ]
 TraceTolOpt = Annotated[
@@ -64,7 +63,7 @@ TraceTolOpt = Annotated[
     typer.Option(
         "--trace-tol",
         "--tol",
-        help="Stop the trace estimate at this relative standard error (--tol is the former name).",
+        help="Stop at this relative standard error (--tol: former name).",
     ),
 ]
 TraceMaxMatvecsOpt = Annotated[
@@ -72,8 +71,8 @@ TraceMaxMatvecsOpt = Annotated[
     typer.Option(
         "--trace-max-matvecs",
         "--max-matvecs",
-        metavar="M",
-        help="Budget of operator products per trace estimate (--max-matvecs is the former name).",
+        metavar="N",
+        help="Products per trace estimate at most (--max-matvecs: former name).",
     ),
 ]
 

@@ -59,127 +59,156 @@ DataOpt = Annotated[
     Optional[str],
     typer.Option(
         "--data",
+        rich_help_panel="Data",
         metavar="SPEC",
-        help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, "
-        ".csv/.parquet, CIFAR or MNIST folder), e.g. --data blobs:n=500. Default: the "
-        "checkpoint's own data.",
+        help="blobs[:k=v,..], images[:k=v,..] or a path (tensor file, .csv, .parquet, CIFAR "
+        "or MNIST folder), e.g. --data blobs:n=500. Default: the checkpoint's data.",
     ),
 ]
 LabelColumnOpt = Annotated[
     Optional[str],
     typer.Option(
         "--label-column",
+        rich_help_panel="Data",
         metavar="NAME",
-        help="Label column of a .csv/.parquet dataset (default 'label').",
+        help="Label column of a table (default: label).",
     ),
 ]
 SplitOpt = Annotated[
-    choices.Split, typer.Option("--split", help="The dataset split that is analysed.")
+    choices.Split,
+    typer.Option("--split", rich_help_panel="Data", help="The dataset split that is analysed."),
 ]
 SamplesOpt = Annotated[
     Optional[int],
-    typer.Option("--samples", metavar="N", help="Use a fixed seeded random subset of N samples."),
+    typer.Option(
+        "--samples",
+        rich_help_panel="Data",
+        metavar="N",
+        help="A fixed seeded random subset of N samples.",
+    ),
 ]
 BatchSizeOpt = Annotated[
-    int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")
+    int,
+    typer.Option("--batch-size", rich_help_panel="Data", help="Batch size of the data passes."),
 ]
 DeviceOpt = Annotated[
     str,
     typer.Option(
         "--device",
+        rich_help_panel="Run",
         metavar="DEVICE",
         autocompletion=choices.completer(choices.DEVICES),
-        help="Torch device: cpu, cuda, cuda:1, mps ...",
+        help="Torch device, e.g. cuda:1.",
     ),
 ]
-DtypeOpt = Annotated[choices.Dtype, typer.Option("--dtype", help="Floating-point precision.")]
+DtypeOpt = Annotated[
+    choices.Dtype, typer.Option("--dtype", rich_help_panel="Run", help="Floating-point precision.")
+]
 ActivationOpt = Annotated[
     Optional[str],
     typer.Option(
         "--activation",
+        rich_help_panel="Model",
         metavar="NAME[:beta=B]",
         autocompletion=choices.completer(choices.ACTIVATIONS),
-        help="Activation: relu, gelu, beta-gelu, augmented-relu (these two take :beta=B, "
-        "e.g. beta-gelu:beta=4) or diminished-gelu (default: the model's, relu).",
+        help="Activation (default: the model's); beta-gelu and augmented-relu take :beta=B, "
+        "e.g. beta-gelu:beta=4.",
     ),
 ]
 SeedOpt = Annotated[
-    int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")
+    int,
+    typer.Option(
+        "--seed", rich_help_panel="Run", help="Seed for every random choice (probes, subsets)."
+    ),
 ]
 JsonOpt = Annotated[
     Optional[str],
     typer.Option(
         "--json",
+        rich_help_panel="Output",
         metavar="PATH|-",
-        help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).",
+        help="JSON report to PATH ('-': stdout).",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
+QuietOpt = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", rich_help_panel="Output", help="No progress bars or tables."),
+]
 ArchOpt = Annotated[
     Optional[choices.Model],
-    typer.Option("--arch", help="Architecture of a foreign state_dict."),
+    typer.Option("--arch", rich_help_panel="Model", help="Architecture of a foreign state_dict."),
 ]
 ArchArgsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--arch-args",
+        rich_help_panel="Model",
         metavar="JSON",
-        help='JSON arguments for --arch or --model-factory, e.g. \'{"width": 64, "depth": 2}\'.',
+        help="Keyword arguments of --arch or --model-factory, e.g. '{\"width\": 64}'.",
     ),
 ]
 FactoryOpt = Annotated[
     Optional[str],
     typer.Option(
         "--model-factory",
+        rich_help_panel="Model",
         metavar="MODULE:FUNCTION",
-        help="module:function returning the nn.Module for a foreign state_dict.",
+        help="Function returning the nn.Module of a foreign state_dict.",
     ),
 ]
 OutputOpt = Annotated[
     Optional[str],
     typer.Option(
         "--output",
+        rich_help_panel="Model",
         metavar="INDEX|KEY",
-        help="Which of the model's outputs are the logits: an index of a tuple (0, 1, -1), a "
-        "dict key or an attribute. Default: the tensor itself, .logits / 'logits', else the "
-        "first tensor.",
+        help="Output holding the logits: tuple index, dict key or attribute "
+        "(default: .logits, else the first tensor).",
     ),
 ]
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
-        "--trust-pickle", help="Allow loading a pickled whole module (runs code from the file)."
+        "--trust-pickle",
+        rich_help_panel="Model",
+        help="Load a pickled whole module (runs code from the file).",
     ),
 ]
 CacheOpt = Annotated[
     int,
     typer.Option(
         "--cache-mb",
+        rich_help_panel="Run",
         metavar="MB",
-        help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
+        help="Memory for cached first-order graphs; 0 recomputes them for each product.",
     ),
 ]
 ThreadsOpt = Annotated[
     Optional[int],
     typer.Option(
         "--threads",
+        rich_help_panel="Run",
         metavar="N",
-        help="CPU threads for torch (default: OMP_NUM_THREADS when set, else 1; more threads "
-        "than free cores slow everything down).",
+        help="Torch CPU threads (default: OMP_NUM_THREADS or 1).",
     ),
 ]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+DebugOpt = Annotated[
+    bool, typer.Option("--debug", rich_help_panel="Run", help="Show tracebacks for errors.")
+]
 ParamsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--params",
-        metavar="all|last|GLOB",
+        metavar="SCOPE",
         help="Parameter scope: all (default), last (final linear layer), or a glob on "
         "parameter names, e.g. --params '*.weight'.",
     ),
 ]
 PlotOpt = Annotated[
-    Optional[str], typer.Option("--plot", metavar="PATH", help="Write a PNG plot to PATH.")
+    Optional[str],
+    typer.Option(
+        "--plot", rich_help_panel="Output", metavar="PATH", help="Write a PNG plot to PATH."
+    ),
 ]
 
 
@@ -634,9 +663,9 @@ class LazyHelpCommand(TyperCommand):
             module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
             if module in sys.modules:
                 param.help = make()
-        plain_flags(self.get_params(ctx))
-        with first_long_names_only(self.get_params(ctx)):
-            super().format_help(ctx, formatter)
+        from sharpcli.cli.helptext import format_command_help
+
+        format_command_help(self, ctx)
 
 
 class SharpGroup(TyperGroup):
@@ -645,8 +674,9 @@ class SharpGroup(TyperGroup):
 
     def format_help(self, ctx, formatter) -> None:
         """Blank the flags' value type (:func:`plain_flags`), then format the help."""
-        plain_flags(self.get_params(ctx))
-        super().format_help(ctx, formatter)
+        from sharpcli.cli.helptext import format_group_help
+
+        format_group_help(self, ctx)
 
 
 # (name, typer option, default) of each common option, from the fields of CommonOptions.
