@@ -327,12 +327,12 @@ def _render_bound_check(console, result) -> None:
     rows = []
     for row in result.rows:
         d = row.to_dict()
-        d["empirical_ci"] = f"[{d['empirical_ci'][0]:.4g}, {d['empirical_ci'][1]:.4g}]"
+        d["empirical_ci"] = f"[{d['empirical_ci'][0]:.6g}, {d['empirical_ci'][1]:.6g}]"
         rows.append(d)
     console.print(
         records_table(
-            f"AD Corollary 1 on {result.params} ({result.num_params} parameters, {result.perturbations} perturbations, "
-            f"epsilon = {result.epsilon_kind} gradient norm, H and epsilon_region over the points)",
+            f"AD Corollary 1 on {result.params}: {result.num_params} parameters, "
+            f"{result.perturbations} perturbations, epsilon {result.epsilon_kind}",
             rows,
             [
                 "sigma",
@@ -359,7 +359,7 @@ def _render_bound_check(console, result) -> None:
     if result.theorem2 is not None:
         console.print(
             records_table(
-                "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (means over samples; Theorem 3 Taylor value)",
+                "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (sample means)",
                 [row.to_dict() for row in result.theorem2],
                 [
                     "sigma",
@@ -377,8 +377,8 @@ def _render_bound_check(console, result) -> None:
         ns = result.noise_stability
         console.print(
             records_table(
-                f"NSO noise stability on {ns['params']} ({ns['num_params']} parameters): "
-                f"E L(W+U) - L(W) vs sigma^2/2 tr(H), tr(H) = {ns['trace']:.6g}",
+                f"NSO: E L(W+U) - L(W) vs sigma^2/2 tr(H) on {ns['params']}, "
+                f"tr(H) = {ns['trace']:.6g}",
                 ns["rows"],
                 [
                     "sigma",

@@ -311,7 +311,8 @@ def density_command(
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
 ) -> common.Outcome:
-    """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""
+    """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
+    writes it as a PNG."""
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")

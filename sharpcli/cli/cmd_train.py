@@ -328,18 +328,41 @@ def _plot_title(model: str, regs: list[str]) -> str:
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
+# Under the history: why its train columns differ from the final table's.
+HISTORY_NOTE = (
+    "train loss and acc: running means over each epoch's steps (the model changes as it "
+    "trains); final model: the trained model evaluated on the whole training and test sets."
+)
+
+
+def history_title(regularizers: list[dict]) -> str:
+    """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
+    specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
+    return "training history: " + (" + ".join(specs) if specs else "no regularizer")
+
+
 def _render(console, result) -> None:
     tracked_keys = sorted({k for row in result.history for k in (row.get("tracked") or {})})
-    rows = [row | (row.get("tracked") or {}) for row in result.history]
+    penalty_names = list(
+        dict.fromkeys(k for row in result.history for k in (row.get("penalties") or {}))
+    )
+    penalties = {f"penalty:{name}": f"{name} penalty" for name in penalty_names}
+    rows = [
+        row
+        | (row.get("tracked") or {})
+        | {f"penalty:{k}": v for k, v in (row.get("penalties") or {}).items()}
+        for row in result.history
+    ]
     console.print(
         records_table(
-            "training history",
+            history_title(result.regularizers),
             rows,
-            [*_HISTORY, *tracked_keys],
+            [*_HISTORY, *penalties, *tracked_keys],
             digits={"seconds": 3},
-            headers=_HISTORY,
+            headers=_HISTORY | penalties,
         )
     )
+    console.print(HISTORY_NOTE, markup=False, highlight=False)
     final = [(k, v) for k, v in result.final.items()]
     final += [
         ("checkpoint", result.checkpoint["path"]),
@@ -347,6 +370,9 @@ def _render(console, result) -> None:
     ]
     console.print(
         FitTable(
-            "final", ["metric", "value"], [[k, fmt(v)] for k, v in final], justify=["left", "right"]
+            "final model",
+            ["metric", "value"],
+            [[k, fmt(v)] for k, v in final],
+            justify=["left", "right"],
         )
     )

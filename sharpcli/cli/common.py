@@ -130,6 +130,15 @@ JsonOpt = Annotated[
         help="JSON report to PATH ('-': stdout).",
     ),
 ]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        rich_help_panel="Output",
+        help="Also the notes on how the numbers were computed (stderr).",
+    ),
+]
 QuietOpt = Annotated[
     bool,
     typer.Option("--quiet", "-q", rich_help_panel="Output", help="No progress bars or tables."),
@@ -236,6 +245,7 @@ class CommonOptions:
     seed: int = _option(SeedOpt, 0)
     json: str | None = _option(JsonOpt, None)
     quiet: bool = _option(QuietOpt, False)
+    verbose: bool = _option(VerboseOpt, False)
     arch: str | None = _option(ArchOpt, None)
     arch_args: str | None = _option(ArchArgsOpt, None)
     model_factory: str | None = _option(FactoryOpt, None)
@@ -248,8 +258,8 @@ class CommonOptions:
 
     def settings(self) -> dict:
         """The common options that describe the analysis (not ``--json``, ``--quiet``,
-        ``--threads`` (``environment.threads`` records it) or ``--debug``)."""
-        skip = ("json", "quiet", "threads", "debug", "command_options")
+        ``--verbose``, ``--threads`` (``environment.threads`` records it) or ``--debug``)."""
+        skip = ("json", "quiet", "verbose", "threads", "debug", "command_options")
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def report_settings(self, *, skip: tuple[str, ...] = (), **parsed) -> dict:
@@ -275,7 +285,7 @@ def state() -> dict:
     return _STATE
 
 
-_STATE = {"debug": False}
+_STATE: dict = {"debug": False, "verbose": False, "notes": []}
 
 
 def error_document(command: str, err: SharpError) -> dict:
@@ -293,6 +303,7 @@ def run_command(
     threads: int | None = None,
     debug: bool = False,
     aliases: dict[str, str] | None = None,
+    verbose: bool = False,
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
@@ -310,8 +321,11 @@ def run_command(
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
     the value (``train``: ``--model-args``), so an error never names an option the command lacks.
+    The notes of the results go to stderr after the report (:func:`print_note`; ``verbose``
+    adds those on how the numbers were computed).
     """
     _STATE["debug"] = _STATE["debug"] or debug
+    _STATE["verbose"], _STATE["notes"] = verbose, []
     with ledger.scope():
         try:
             with publication(own=True, final=True):
@@ -390,6 +404,7 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
                     console.print(f"plot written to {plot}", markup=False)
             sys.stdout.write(captured.get())
         sys.stdout.flush()
+        _flush_notes()
     except (OSError, ValueError) as exc:
         if not stdout_gone(exc):
             raise
@@ -728,6 +743,7 @@ def analysis_command(app, name: str):
                 lambda: func(opts, *args, **kwargs),
                 threads=opts.threads,
                 debug=opts.debug,
+                verbose=opts.verbose,
             )
 
         wrapper.__signature__ = sig.replace(
@@ -767,7 +783,32 @@ def print_notes(notes: list[str], quiet: bool) -> None:
         print(f"sharp: note: {' '.join(spell_flags(note).split())}", file=sys.stderr)
 
 
+# Notes on how the numbers were computed, not on what to do: shown under --verbose only.
+DETAIL_NOTES = (
+    "residuals are explicit",
+    "residuals computed by sharpcli's native",
+    "warm start:",
+)
+
+
+def is_detail(note: str) -> bool:
+    """Whether ``note`` says how a number was computed (:data:`DETAIL_NOTES`), which only
+    ``--verbose`` shows, rather than something the user may act on."""
+    return note.startswith(DETAIL_NOTES)
+
+
 def print_note(console, note: str) -> None:
-    """``note: ...`` under a table: the library's `name` references spelled as this command's
-    flags, printed as plain text (a note may hold brackets that are not rich markup)."""
-    console.print(f"note: {spell_flags(note)}", markup=False)
+    """A note of the results: held until the report is printed, then one
+    ``sharp: note: ...`` line on stderr (the library's `name` references spelled as this
+    command's flags); a detail (:func:`is_detail`) only under ``--verbose``. ``console`` is
+    the table console the note used to be printed on (stdout is the report's alone)."""
+    if is_detail(note) and not _STATE["verbose"]:
+        return
+    if note not in _STATE["notes"]:
+        _STATE["notes"].append(note)
+
+
+def _flush_notes() -> None:
+    notes, _STATE["notes"] = _STATE["notes"], []
+    for note in notes:
+        print(f"sharp: note: {' '.join(spell_flags(note).split())}", file=sys.stderr)
