@@ -809,6 +809,20 @@ def print_note(console, note: str) -> None:
 
 
 def _flush_notes() -> None:
+    """The held notes on stderr, each wrapped at the terminal's width (``COLUMNS``, else 80
+    off a terminal) with its continuation lines indented."""
+    import textwrap
+
     notes, _STATE["notes"] = _STATE["notes"], []
+    columns = os.environ.get("COLUMNS", "").strip()
+    width = (
+        stderr_console.width
+        if stderr_console.is_terminal
+        else int(columns)
+        if columns.isdigit() and int(columns) > 0
+        else PIPE_WIDTH
+    )
     for note in notes:
-        print(f"sharp: note: {' '.join(spell_flags(note).split())}", file=sys.stderr)
+        text = f"sharp: note: {' '.join(spell_flags(note).split())}"
+        lines = textwrap.wrap(text, width - 1, subsequent_indent="  ", break_long_words=False)
+        print("\n".join(lines), file=sys.stderr)

@@ -113,9 +113,10 @@ class FitTable:
             widths = self._fit(columns, width)
             title = self.title if n == 0 else None
             spare = min(cell_len(title or ""), width) - self._width(columns, widths)
-            if spare > 0:  # widen the last column so that the title fits on one line
+            if spare > 0:  # widen the columns evenly so that the title fits on one line
                 widths = list(widths)
-                widths[columns[-1]] += spare
+                for i, c in enumerate(columns):
+                    widths[c] += spare // len(columns) + (i < spare % len(columns))
             table = Table(title=title)
             for c in columns:
                 table.add_column(
