@@ -117,7 +117,7 @@ def test_placeholders_have_one_style(capsys, monkeypatch):
             bare = re.sub(r"\[[^\]]*\]", "", value)
             assert bare == bare.upper() and re.search("[A-Z]", bare), (name, param.opts, value)
             assert not set("<>{}") & set(value), (name, value)
-    assert {"N", "FLOAT", "PATH", "SPEC"} <= seen
+    assert {"N", "FLOAT", "PATH", "NAME"} <= seen
     assert "M" not in seen
 
 

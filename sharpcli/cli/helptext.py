@@ -7,7 +7,7 @@ to 228 lines and value lists broke mid-word. Here each option is one row of two 
     --top-k N                Number of eigenvalues (at each end with --which
                              both). [default: 1]
 
-the names with one placeholder (an upper-case word: ``N``, ``FLOAT``, ``PATH``, ``SPEC``;
+the names with one placeholder (an upper-case word: ``N``, ``FLOAT``, ``PATH``, ``NAME``;
 a closed set's placeholder is the option's name, ``--which WHICH``), then the help, the
 values the option takes (a closed set's, or those shell completion offers for an open set
 such as ``--reg``: the registry's names), the default and ``Required.``, wrapped at word
