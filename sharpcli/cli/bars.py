@@ -20,7 +20,7 @@ the budget of a run that stops at a tolerance (Lanczos, power iteration, Hutchin
 
 A run may report a part of it that has ended (``Event.record``: a training epoch); its line
 (:func:`record_line`: the epoch, train and test loss and accuracy) is printed above the bars
-and stays. While no run is open (loading, a pass without counts) a pulsing line with the
+and stays (for a run at the top: a sweep's training runs print none). While no run is open (loading, a pass without counts) a pulsing line with the
 command's own text and the elapsed time shows that work goes on.
 
 Nothing is shown under ``--quiet`` or ``--json -``, on ranks other than 0, or when stderr is
@@ -137,7 +137,7 @@ class _Display:
     def on_event(self, event: channel.Event) -> None:
         """Add, redraw (throttled) or remove the line of ``event``'s run; print a record."""
         now = time.monotonic()
-        if event.record is not None:
+        if event.record is not None and event.parent is None:  # not each run of a sweep
             self.bar.console.print(
                 record_line(event.record, self.bar.console.width), markup=False, highlight=False
             )
