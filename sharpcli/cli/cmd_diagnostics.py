@@ -42,7 +42,7 @@ MaxMatvecsOpt = Annotated[
     ),
 ]
 TraceTolOpt = Annotated[
-    float, typer.Option("--trace-tol", help="Hutch++ relative standard error target for traces.")
+    float, typer.Option("--trace-tol", help="Relative standard error of the traces.")
 ]
 TraceMaxOpt = Annotated[
     int,
@@ -229,21 +229,21 @@ def bound_check_command(
         typer.Option(
             "--params",
             metavar="SCOPE",
-            help="all, last or a glob (default: the final layer's weight for Corollary 1, as AD Fig. 1a; all for noise-stability).",
+            help="all, last or a glob (default: last layer's weight, as AD Fig. 1a; all for NSO).",
         ),
     ] = None,
     perturbations: Annotated[
         int,
         typer.Option(
             "--perturbations",
-            help="Perturbations averaged for the smoothed Hessian.",
+            help="Perturbations for the smoothed Hessian.",
         ),
     ] = 8,
     epsilon: Annotated[
         choices.EpsilonKind,
         typer.Option(
             "--epsilon",
-            help="Gradient norm over the whole set (full) or its minibatch mean (as AD).",
+            help="Gradient norm: whole set or minibatch mean (AD).",
         ),
     ] = "full",
     check: Annotated[
@@ -259,7 +259,7 @@ def bound_check_command(
         int,
         typer.Option(
             "--bootstrap",
-            help="Bootstrap replicates for the confidence interval.",
+            help="Bootstrap replicates of the interval.",
         ),
     ] = 1000,
     ci_level: Annotated[

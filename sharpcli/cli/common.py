@@ -136,7 +136,7 @@ VerboseOpt = Annotated[
         "--verbose",
         "-v",
         rich_help_panel="Output",
-        help="Also the notes on how the numbers were computed (stderr).",
+        help="Also notes on how numbers were computed.",
     ),
 ]
 QuietOpt = Annotated[
@@ -180,7 +180,7 @@ TrustPickleOpt = Annotated[
     typer.Option(
         "--trust-pickle",
         rich_help_panel="Model",
-        help="Load a pickled whole module (runs code from the file).",
+        help="Load a pickled module (runs its code).",
     ),
 ]
 CacheOpt = Annotated[
