@@ -56,7 +56,9 @@ class Event:
     ``quantity`` names ``estimate`` ("tr", "lambda_max", "loss"), ``stderr`` is its standard
     error, ``residual`` its Ritz residual ``||A u - theta u||``, ``detail`` a short text
     ("epoch 2/5"). ``batch``/``batches``: the batch of the product under way. ``final``:
-    the run is over and the numbers are those of its result.
+    the run is over and the numbers are those of its result. ``record``: the numbers of a
+    part of the run that has just ended, for a display to print as a line of its own (a
+    training epoch's history row, with ``epochs``); only on the one event that reports it.
     """
 
     phase: str
@@ -76,6 +78,7 @@ class Event:
     batch: int | None = None
     batches: int | None = None
     final: bool = False
+    record: dict | None = None
 
 
 class _Channel:
@@ -137,12 +140,14 @@ class Run:
         """Report ``done`` units so far and any :class:`Event` field in ``numbers``."""
         if self.finished:
             return
+        numbers.setdefault("record", None)
         self._emit(dataclasses.replace(self._last, done=int(done), batch=None, **numbers))
 
     def finish(self, done: int, **numbers) -> None:
         """Report the run's end: ``done`` and the numbers of its result."""
         if self.finished:
             return
+        numbers.setdefault("record", None)
         self._emit(
             dataclasses.replace(self._last, done=int(done), batch=None, final=True, **numbers)
         )
@@ -167,7 +172,7 @@ class Run:
         self.close()
 
     def _batch(self, done: int, total: int) -> None:
-        self._emit(dataclasses.replace(self._last, batch=done, batches=total))
+        self._emit(dataclasses.replace(self._last, batch=done, batches=total, record=None))
 
     def _emit(self, event: Event) -> None:
         self._last = event

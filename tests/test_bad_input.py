@@ -1485,10 +1485,27 @@ def _handlers_installed(pid: int) -> bool:
     return False
 
 
-def _sharp(*args, cwd: Path, **popen):
+def _default_signals() -> None:
+    """In the child before ``exec``: SIGINT and SIGTERM at their default dispositions, as a
+    command started from an interactive shell has them. A test process that inherited SIGINT
+    ignored (pytest started in the background by a non-interactive shell: ``pytest &``,
+    ``nohup``, some CI runners) would pass that on, and sharp rightly keeps a signal its parent
+    ignores ignored (``interrupts.install``): the run then trained on, and the SIGINT cases
+    failed or timed out depending only on how the suite was launched."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _sharp(*args, cwd: Path, preexec_fn=None, **popen):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "sharpcli", *map(str, args)]
-    return subprocess.Popen(command, cwd=cwd, env=env, text=True, **popen)
+
+    def child_setup() -> None:
+        _default_signals()
+        if preexec_fn is not None:
+            preexec_fn()
+
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True, preexec_fn=child_setup, **popen)
 
 
 def _wait_for(condition, proc, seconds: float = 120.0) -> None:

@@ -204,3 +204,25 @@ def test_rows_of_same_named_reports_in_different_folders_are_told_apart(reports,
         "train-none",
     ]
     assert run_names(["x/a/r.json", "y/a/r.json", "r2.json"])[:2] == ["x/a/r", "y/a/r"]
+
+
+def test_default_scatter_axes_fall_back_to_sharpness_for_runs_without_accuracy():
+    from sharpcli.report.plots import scatter_axes
+
+    analyses = [{"run": "a", "lambda_max": 2.0, "trace": 10.0}, {"run": "b", "lambda_max": 3.0}]
+    assert scatter_axes(analyses, None, None) == ("lambda_max", "trace")
+    trained = [{"run": "a", "lambda_max": 2.0, "test_accuracy": 0.9, "trace": 1.0}]
+    assert scatter_axes(trained, None, None) == ("lambda_max", "test_accuracy")
+    only_train_acc = [{"run": "a", "trace": 2.0, "train_accuracy": 0.8}]
+    assert scatter_axes(only_train_acc, None, None) == ("trace", "train_accuracy")
+    assert scatter_axes(analyses, "trace", "lambda_max") == ("trace", "lambda_max")
+
+
+def test_compare_default_plot_works_on_reports_without_accuracy(reports, capsys, tmp_path):
+    """Before: ``no run has both lambda_max and test_accuracy`` (exit 2) on analysis reports
+    run on the training split; now the default scatter is another sharpness measure."""
+    png = tmp_path / "scatter.png"
+    files = [reports / "eigen-none.json", reports / "gn-nme-none.json"]
+    run = run_cli(capsys, "compare", *files, "--plot", png, "--json", tmp_path / "c.json")
+    assert run.code == 0, run.err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,7 +2,9 @@
 
 - Every ``sharp`` command in a guide page's ```` ```sh ```` blocks parses against the real
   CLI (option names and value types), and every CLI command has a page.
-- The command pages' examples run, in page order, in one folder (in-process, slow).
+- The command pages' examples run, in page order, in one folder (in-process, slow), and
+  every output block shows what the command above it prints (``docs/reproduce/examples.py``
+  regenerates them; its check runs here).
 - ``docs/reproduce.md`` runs as written: ``tests/test_reproduce_guide.py`` (its own file, so
   that ``pytest --dist loadfile`` runs it beside this one).
 
@@ -20,7 +22,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import typer
-from cli_helpers import run_cli
 from typer.exceptions import TyperException
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,15 +32,16 @@ EXAMPLE_PAGES = [DOCS / "index.md", *COMMAND_PAGES, DOCS / "ci.md", DOCS / "json
 REPRODUCE = DOCS / "reproduce.md"
 
 
-def _load_runner():
-    spec = importlib.util.spec_from_file_location("run_guide", DOCS / "reproduce" / "run_guide.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, DOCS / "reproduce" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("run_guide", module)
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-run_guide = _load_runner()
+run_guide = _load("run_guide")
+examples = _load("examples")
 
 
 def _commands(page: Path):
@@ -131,23 +133,58 @@ def test_every_guide_command_parses_against_the_cli():
 
 # ----------------------------------------------------------------------------- command pages
 @pytest.mark.slow
-def test_command_page_examples_run_as_documented(tmp_path, monkeypatch, capsys):
+def test_command_page_examples_run_as_documented(tmp_path, monkeypatch):
     """Every example of index, command pages, ci and json, in page order, in one folder;
-    exit codes as documented and every report written validates against the schema."""
-    monkeypatch.chdir(tmp_path)
+    exit codes as documented, every report written validates against the schema, and every
+    output block is what the command above it prints at 80 columns (else: run
+    ``python docs/reproduce/examples.py`` and review the diff)."""
+    assert examples.PAGES == EXAMPLE_PAGES
     schema = _schema()
+
+    def check(page, command, code, out, err):
+        where = f"{page.name}:{command.line}: {command.text}"
+        assert command.program == "sharp", where  # fixture scripts: reproduce.md only
+        assert code == command.expected_exit, f"{where}\nexit {code}\n{out[-2000:]}\n{err[-2000:]}"
+        target = command.option("--json")
+        if target == "-":
+            jsonschema.validate(json.loads(out), schema)
+        elif target is not None and (tmp_path / target).exists():  # a report or an error object
+            jsonschema.validate(json.loads((tmp_path / target).read_text()), schema)
+
+    rewritten = examples.regenerate(tmp_path, on_command=check)
+    assert examples.stale(rewritten) == []
+    monkeypatch.chdir(tmp_path)
     for page in EXAMPLE_PAGES:
-        for command in _commands(page):
-            where = f"{page.name}:{command.line}: {command.text}"
-            assert command.program == "sharp", where  # fixture scripts: reproduce.md only
-            run = run_cli(capsys, *command.args)
-            assert run.code == command.expected_exit, (
-                f"{where}\nexit {run.code}\n{run.out[-2000:]}\n{run.err[-2000:]}"
-            )
-            target = command.option("--json")
-            if target == "-":
-                jsonschema.validate(json.loads(run.out), schema)
-            elif target is not None and (tmp_path / target).exists():  # a report or an error object
-                jsonschema.validate(json.loads((tmp_path / target).read_text()), schema)
         for block in _python_blocks(page):  # e.g. json.md's "reading a report in a script"
             exec(compile(block, f"{page.name}:python", "exec"), {"__name__": "__docs__"})
+
+
+def test_output_blocks_follow_their_commands_and_run_times_are_ignored():
+    page = (
+        "intro\n\n```sh\nsharp eigen m.safetensors\nsharp trace m.safetensors\n```\n\n"
+        "```text\nold output\n```\n\n```sh\nsharp train --out m.safetensors\n```\n\nprose\n"
+    )
+    first, second = examples.examples(page)
+    assert [c.args[0] for c in first.commands] == ["eigen", "trace"]
+    assert first.output == (8, 9)  # the body of the text block (0-based, end exclusive)
+    assert page.splitlines()[8] == "old output"
+    assert [c.args[0] for c in second.commands] == ["train"] and second.output is None
+    table = [
+        "┃ epoch ┃ train loss ┃ seconds ┃",
+        "│     1 │    0.64175 │   0.219 │",
+        "│ seconds          │          0.073848 │",
+        "│ train_loss       │          1.14302 │",
+    ]
+    other_run = [
+        table[0],
+        table[1].replace("0.219", "0.301"),
+        table[2].replace("73848", "8"),
+        table[3].replace("1.14302 │", "1.143024 │"),  # another CPU's rounding; a wider column
+    ]
+    assert examples.same(table, other_run)
+    changed = [table[0], table[1].replace("0.64175", "0.64275"), table[2], table[3]]
+    assert not examples.same(table, changed)
+    assert not examples.same(["12 matvecs over 1500 samples"], ["9 matvecs over 1500 samples"])
+    assert examples.same(["residual 3.11e-07"], ["residual 3.9e-07"])  # both at rounding level
+    assert examples.same(["a long line", "wrapped"], ["a long line wrapped"])
+    assert not examples.same(["note: x"], ["note: x", "note: y"])

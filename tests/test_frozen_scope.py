@@ -84,11 +84,11 @@ def test_a_glob_naming_frozen_parameters_computes_them_with_a_note(frozen_setup,
 
     run = run_cli(capsys, "eigen", weights, *base, "--top-k", "1", "--params", "*")
     assert run.code == 0, run.err
-    text = " ".join(run.out.split())
+    text = " ".join(run.err.split())  # notes: stderr, after the report
     assert "note: the scope includes 2 frozen parameter tensor(s)" in text
     # the table of the default scope says what was left out
     run = run_cli(capsys, "eigen", weights, *base, "--top-k", "1")
-    assert "note: 2 frozen parameter tensor(s)" in " ".join(run.out.split())
+    assert "note: 2 frozen parameter tensor(s)" in " ".join(run.err.split())
 
 
 def test_pyhessian_engine_sees_the_same_trainable_scope(frozen_setup, capsys):

@@ -7,6 +7,7 @@ nothing under --quiet, --json - or off a terminal.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -136,7 +137,14 @@ def test_train_reports_every_optimizer_step(tmp_path):
         result = train(cfg, tmp_path / "m.safetensors")
     steps = [e for e in events if e.method == "train" and e.batch is None]
     steps_per_epoch = math.ceil(load_dataset(cfg.data).x_train.shape[0] / 16)
-    updates = [e for e in steps if e.done > 0 and not e.final]
+    records = [e for e in steps if e.record is not None]  # one per epoch, as it ends
+    assert [e.done for e in records] == [steps_per_epoch, 2 * steps_per_epoch]
+    assert [e.record["epoch"] for e in records] == [1, 2]
+    assert [e.record["epochs"] for e in records] == [2, 2]
+    for event, row in zip(records, result.history):
+        assert event.record["train_loss"] == row["train_loss"]
+        assert event.record["test_accuracy"] == row["test_accuracy"]
+    updates = [e for e in steps if e.done > 0 and not e.final and e.record is None]
     assert len(updates) == 2 * steps_per_epoch
     assert [e.done for e in updates] == list(range(1, 2 * steps_per_epoch + 1))
     assert steps[0].total == 2 * steps_per_epoch and steps[-1].final
@@ -215,6 +223,47 @@ def test_bar_text_fits_80_columns():
     )
     assert bars.counts_text(event) == "1000/1000 matvecs b12/12"
     assert bars.numbers_text(event) == "tr(H) 11.23 ±0.01"  # probes == matvecs: not repeated
-    text = bars.line_text(event)
-    assert text == "1000/1000 matvecs b12/12  tr(H) 11.23 ±0.01"
-    assert len(text) <= 80 - bars.FIXED_WIDTH - 1  # the text column's width at 80 columns
+    bar, width = bars.widths(80)
+    assert bar >= 10 and width == 80 - bars.FIXED_WIDTH - 1
+    assert bars.line_text(event, width) == "1000/1000 matvecs b12/12 tr(H) 11.23 ±0.01"
+    # a narrower line leaves numbers out whole, never cuts one
+    assert bars.line_text(event, 36) == "1000/1000 matvecs b12/12 tr(H) 11.23"
+    assert bars.line_text(event, 20) == "1000/1000 matvecs b12/12"
+
+
+def test_eta_only_once_stable_and_never_from_a_cap():
+    from sharpcli.cli import bars
+
+    eta = bars._Eta()
+    assert eta.update(0.0, 0, 100) is None  # nothing done
+    assert eta.update(5.0, 1, 100) is None  # the first unit pays for caches: not measured
+    assert eta.update(6.0, 2, 100) is None  # one measured unit
+    assert eta.update(7.0, 3, 100) is None  # two measured; estimates do not agree yet
+    assert eta.update(8.0, 4, 100) is None
+    finish = eta.update(9.0, 5, 100)
+    assert finish is not None and math.isclose(finish, 9.0 + 95.0)  # 1 s a unit after the first
+    assert eta.update(10.0, 6, None) is None  # the plan is gone: no ETA
+    assert bars._Eta().update(1.0, 1, None) is None
+    event = progress.Event(
+        phase="eigen H", method="lanczos", run=1, parent=None, unit="matvecs", done=5, total=100
+    )
+    assert bars.planned_total(event) is None  # a budget Lanczos stops before: not a plan
+    assert bars.planned_total(dataclasses.replace(event, expected=40)) == 40
+    assert bars.planned_total(dataclasses.replace(event, method="train")) == 100
+
+
+def test_epoch_record_line_fits_80_columns():
+    from sharpcli.cli import bars
+
+    record = {
+        "epoch": 3,
+        "epochs": 10,
+        "train_loss": 0.41234567,
+        "train_accuracy": 0.8612,
+        "test_loss": 0.4410123,
+        "test_accuracy": 0.85,
+        "seconds": 1.234,
+    }
+    line = bars.record_line(record, 80)
+    assert line == "epoch  3/10  train loss 0.4123 acc 0.861  test loss 0.441 acc 0.850  1.2 s"
+    assert bars.record_line(record, 41) == "epoch  3/10  train loss 0.4123 acc 0.861"

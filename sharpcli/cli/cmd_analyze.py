@@ -21,8 +21,7 @@ def analyze_command(
             "--metrics",
             metavar="NAME,...",
             autocompletion=choices.list_completer(choices.METRICS),
-            help="Comma list of eigen, trace, frobenius, gn-nme, activation-stats, e.g. "
-            "--metrics eigen,trace,gn-nme (default eigen,trace).",
+            help="Comma list, e.g. --metrics eigen,trace,gn-nme (default: eigen,trace).",
         ),
     ] = None,
     fail_if: Annotated[
@@ -40,16 +39,14 @@ def analyze_command(
         typer.Option(
             "--trace-tol",
             "--tol",
-            help="Stop each trace estimate at this relative standard error (--tol is the former "
-            "name).",
+            help="Stop each trace at this relative standard error (--tol: former name).",
         ),
     ] = 1e-2,
     eig_tol: Annotated[
         float,
         typer.Option(
             "--eig-tol",
-            help="Eigenvalue residual tolerance: converged when ||A u - lambda u|| <= tol "
-            "|lambda|.",
+            help="Converged when ||A u - lambda u|| <= tol |lambda|.",
         ),
     ] = 1e-3,
     max_matvecs: Annotated[
@@ -57,9 +54,8 @@ def analyze_command(
         typer.Option(
             "--trace-max-matvecs",
             "--max-matvecs",
-            metavar="M",
-            help="Budget of operator products per trace estimate (--max-matvecs is the former "
-            "name).",
+            metavar="N",
+            help="Products per trace estimate at most (--max-matvecs: former name).",
         ),
     ] = 1000,
     params: common.ParamsOpt = None,

@@ -52,15 +52,28 @@ def compare_command(
         typer.Option(
             "--plot",
             metavar="PATH",
-            help="Write a PNG scatter of sharpness against accuracy to PATH.",
+            help="Write a PNG scatter of sharpness against accuracy (or, for runs without "
+            "one, another measure) to PATH.",
         ),
     ] = None,
     plot_x: Annotated[
-        str, typer.Option("--plot-x", metavar="COLUMN", help="Column on the scatter's x axis.")
-    ] = "lambda_max",
+        Optional[str],
+        typer.Option(
+            "--plot-x",
+            metavar="COLUMN",
+            help="Column on the scatter's x axis (default: the first sharpness column the "
+            "runs have: lambda_max, trace, ...).",
+        ),
+    ] = None,
     plot_y: Annotated[
-        str, typer.Option("--plot-y", metavar="COLUMN", help="Column on the scatter's y axis.")
-    ] = "test_accuracy",
+        Optional[str],
+        typer.Option(
+            "--plot-y",
+            metavar="COLUMN",
+            help="Column on the y axis (default: test_accuracy, train_accuracy, else the next "
+            "sharpness column).",
+        ),
+    ] = None,
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
     debug: common.DebugOpt = False,
@@ -85,9 +98,10 @@ def compare_command(
         if out is not None:
             write_text_atomic(out, text)
         if plot is not None:
-            from sharpcli.report.plots import plot_compare_scatter
+            from sharpcli.report.plots import plot_compare_scatter, scatter_axes
 
-            plot_compare_scatter(records, plot, x=plot_x, y=plot_y)
+            x, y = scatter_axes(records, plot_x, plot_y)
+            plot_compare_scatter(records, plot, x=x, y=y)
         report = make_report(
             "compare",
             settings={

@@ -29,8 +29,7 @@ TolOpt = Annotated[
     typer.Option(
         "--eig-tol",
         "--tol",
-        help="Lanczos residual tolerance: converged when ||A u - lambda u|| <= tol |lambda| "
-        "(--tol is the former name).",
+        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
     ),
 ]
 MaxMatvecsOpt = Annotated[
@@ -38,17 +37,16 @@ MaxMatvecsOpt = Annotated[
     typer.Option(
         "--eig-max-matvecs",
         "--max-matvecs",
-        metavar="M",
-        help="Lanczos Krylov dimension cap (default min(P, 100); --max-matvecs is the former "
-        "name).",
+        metavar="N",
+        help="Lanczos steps at most (default: min(P, 100); --max-matvecs: former name).",
     ),
 ]
 TraceTolOpt = Annotated[
-    float, typer.Option("--trace-tol", help="Hutch++ relative standard error target for traces.")
+    float, typer.Option("--trace-tol", help="Relative standard error of the traces.")
 ]
 TraceMaxOpt = Annotated[
     int,
-    typer.Option("--trace-max-matvecs", metavar="M", help="Hutch++ matvec budget per trace."),
+    typer.Option("--trace-max-matvecs", metavar="N", help="Hutch++ matvec budget per trace."),
 ]
 
 
@@ -65,8 +63,8 @@ def activation_stats_command(
         ),
     ] = True,
 ) -> common.Outcome:
-    """Activation and death frequency per activation layer, output Gini impurity/entropy, the AD penalty
-    ||h^(L-1)||^2 and the input-output Jacobian norm (MAN sections 2, 5, Table 3)."""
+    """How often each activation layer's units are active or dead, the output's Gini impurity
+    and entropy, the AD penalty and the input-output Jacobian norm (MAN sections 2, 5)."""
     from sharpcli.analyses.activations import activation_stats
 
     session = common.open_session(checkpoint, opts, curvature=False)  # first derivatives only
@@ -144,8 +142,8 @@ def weight_rescale_command(
     trace_max_matvecs: TraceMaxOpt = 200,
     plot: PlotOpt = None,
 ) -> common.Outcome:
-    """Rescale weights (MAN Fig. 1; Dinh et al.) and show how lambda_max and the trace move while the
-    function and the rescale-invariant sharpness diag(|w|) H diag(|w|) (ASAM) do not."""
+    """Rescale weights without changing the function (MAN Fig. 1; Dinh et al.) and show that
+    lambda_max and the trace move while ASAM's rescale-invariant sharpness does not."""
     from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
 
     alphas = common.parse_float_list(alpha, "--alpha")
@@ -223,46 +221,45 @@ def bound_check_command(
         typer.Option(
             "--sigma",
             metavar="S,...",
-            help="Noise standard deviations, comma-separated, e.g. --sigma 0.01,0.1,1.",
+            help="Noise standard deviations, e.g. --sigma 0.01,0.1,1.",
         ),
     ] = "0.01,0.1,1",
     params: Annotated[
         Optional[str],
         typer.Option(
             "--params",
-            metavar="all|last|GLOB",
-            help="Parameter scope of every check (default: the final layer's weight for Corollary 1, as AD Fig. 1a; all parameters for noise-stability, as NSO); all, last, or a glob.",
+            metavar="SCOPE",
+            help="all, last or a glob (default: last layer's weight, as AD Fig. 1a; all for NSO).",
         ),
     ] = None,
     perturbations: Annotated[
         int,
         typer.Option(
             "--perturbations",
-            help="Fixed perturbations D_j = sigma Z_j averaged for the smoothed Hessian.",
+            help="Perturbations for the smoothed Hessian.",
         ),
     ] = 8,
     epsilon: Annotated[
         choices.EpsilonKind,
         typer.Option(
             "--epsilon",
-            help="full (gradient norm over the analysis set) or minibatch (mean minibatch gradient norm, as AD used).",
+            help="Gradient norm: whole set or minibatch mean (AD).",
         ),
     ] = "full",
     check: Annotated[
         Optional[list[str]],
         typer.Option(
             "--check",
-            metavar="NAME[,NAME]",
+            metavar="NAME,...",
             autocompletion=choices.list_completer(choices.CHECKS),
-            help="Extra checks: theorem2, noise-stability; repeat or comma-separate, e.g. "
-            "--check theorem2 --check noise-stability.",
+            help="Extra checks, repeated or comma-separated, e.g. --check theorem2.",
         ),
     ] = None,
     bootstrap: Annotated[
         int,
         typer.Option(
             "--bootstrap",
-            help="Bootstrap replicates over perturbations for the confidence interval.",
+            help="Bootstrap replicates of the interval.",
         ),
     ] = 1000,
     ci_level: Annotated[
@@ -272,14 +269,12 @@ def bound_check_command(
         int,
         typer.Option(
             "--mc-samples",
-            help="Antithetic noise pairs per sample for Theorem 2's smoothed cross-entropy.",
+            help="Antithetic noise pairs per sample (Theorem 2).",
         ),
     ] = 256,
     noise_pairs: Annotated[
         int,
-        typer.Option(
-            "--noise-pairs", help="Antithetic perturbation pairs +-U for the noise-stability gap."
-        ),
+        typer.Option("--noise-pairs", help="Antithetic weight-noise pairs (noise-stability)."),
     ] = 32,
     tol: TolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
@@ -287,8 +282,8 @@ def bound_check_command(
     trace_max_matvecs: TraceMaxOpt = 300,
     plot: PlotOpt = None,
 ) -> common.Outcome:
-    """AD Corollary 1: ||grad^2 E L(theta + D)||_2 <= H erf(eps / (sqrt(2) H sigma)) per sigma, measured by
-    Monte Carlo; optionally AD Theorem 2 and NSO's noise-stability gap."""
+    """Check AD Corollary 1's bound on the Hessian smoothed by weight noise, for each sigma;
+    optionally AD Theorem 2 and NSO's noise-stability gap."""
     from sharpcli.analyses.bounds import BoundCheckConfig, bound_check
 
     sigmas = common.parse_float_list(sigma, "--sigma")
@@ -332,12 +327,12 @@ def _render_bound_check(console, result) -> None:
     rows = []
     for row in result.rows:
         d = row.to_dict()
-        d["empirical_ci"] = f"[{d['empirical_ci'][0]:.4g}, {d['empirical_ci'][1]:.4g}]"
+        d["empirical_ci"] = f"[{d['empirical_ci'][0]:.6g}, {d['empirical_ci'][1]:.6g}]"
         rows.append(d)
     console.print(
         records_table(
-            f"AD Corollary 1 on {result.params} ({result.num_params} parameters, {result.perturbations} perturbations, "
-            f"epsilon = {result.epsilon_kind} gradient norm, H and epsilon_region over the points)",
+            f"AD Corollary 1 on {result.params}: {result.num_params} parameters, "
+            f"{result.perturbations} perturbations, epsilon {result.epsilon_kind}",
             rows,
             [
                 "sigma",
@@ -364,7 +359,7 @@ def _render_bound_check(console, result) -> None:
     if result.theorem2 is not None:
         console.print(
             records_table(
-                "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (means over samples; Theorem 3 Taylor value)",
+                "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (sample means)",
                 [row.to_dict() for row in result.theorem2],
                 [
                     "sigma",
@@ -382,8 +377,8 @@ def _render_bound_check(console, result) -> None:
         ns = result.noise_stability
         console.print(
             records_table(
-                f"NSO noise stability on {ns['params']} ({ns['num_params']} parameters): "
-                f"E L(W+U) - L(W) vs sigma^2/2 tr(H), tr(H) = {ns['trace']:.6g}",
+                f"NSO: E L(W+U) - L(W) vs sigma^2/2 tr(H) on {ns['params']}, "
+                f"tr(H) = {ns['trace']:.6g}",
                 ns["rows"],
                 [
                     "sigma",

@@ -29,14 +29,14 @@ OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
-        metavar="hessian|ggn|nme",
+        metavar="NAME",
         autocompletion=choices.completer(choices.OPERATORS),
         help=common.lazy_help(BUILTIN_OPERATOR_HELP, "sharpcli.curvature.registry", _operator_help),
     ),
 ]
 EngineOpt = Annotated[
     choices.Engine,
-    typer.Option("--engine", help="native, or pyhessian (PyPI pyhessian 0.1, for parity)."),
+    typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
 # One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
 # stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
@@ -45,8 +45,7 @@ EigTolOpt = Annotated[
     typer.Option(
         "--eig-tol",
         "--tol",
-        help="Eigenvalue residual tolerance: converged when ||A u - lambda u|| <= tol |lambda| "
-        "(--tol is the former name).",
+        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
     ),
 ]
 EigMaxMatvecsOpt = Annotated[
@@ -54,9 +53,9 @@ EigMaxMatvecsOpt = Annotated[
     typer.Option(
         "--eig-max-matvecs",
         "--max-matvecs",
-        metavar="M",
-        help="Budget of operator products of the eigensolver (default: min(P, 100) for Lanczos, "
-        "100 iterations for power; --max-matvecs is the former name).",
+        metavar="N",
+        help="Products of the eigensolver at most (default: min(P, 100) for Lanczos, 100 for "
+        "power; --max-matvecs: former name).",
     ),
 ]
 TraceTolOpt = Annotated[
@@ -64,7 +63,7 @@ TraceTolOpt = Annotated[
     typer.Option(
         "--trace-tol",
         "--tol",
-        help="Stop the trace estimate at this relative standard error (--tol is the former name).",
+        help="Stop at this relative standard error (--tol: former name).",
     ),
 ]
 TraceMaxMatvecsOpt = Annotated[
@@ -72,8 +71,8 @@ TraceMaxMatvecsOpt = Annotated[
     typer.Option(
         "--trace-max-matvecs",
         "--max-matvecs",
-        metavar="M",
-        help="Budget of operator products per trace estimate (--max-matvecs is the former name).",
+        metavar="N",
+        help="Products per trace estimate at most (--max-matvecs: former name).",
     ),
 ]
 
@@ -238,12 +237,11 @@ def gn_nme_command(
         ),
     ] = None,
     ggn_estimator: Annotated[
-        str,
+        choices.GGNEstimator,
         typer.Option(
             "--ggn-estimator",
-            metavar="auto|exact|sampled|hutchinson",
-            help="Cross-checks of tr(G): auto runs the exact trace only where it is cheap "
-            "(<= 128 output directions per sample), else sampled labels (NME eq. 20).",
+            help="Cross-checks of tr(G): auto runs the exact one only where it is cheap "
+            "(<= 128 output directions a sample).",
         ),
     ] = "auto",
 ) -> common.Outcome:
@@ -328,7 +326,8 @@ def density_command(
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
 ) -> common.Outcome:
-    """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature, with a PNG plot."""
+    """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
+    writes it as a PNG."""
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")

@@ -86,9 +86,8 @@ def sweep_command(
             "--reg",
             metavar="NAME[:k=v,...]",
             autocompletion=choices.completer(choices.REGULARIZERS),
-            help="Regularizer whose hyper-parameters are swept, with fixed ones after the "
-            "colon, e.g. --reg ad or --reg sam:rho=0.1 (sharp train --help lists "
-            "the regularizers).",
+            help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
+            "--reg sam:rho=0.1.",
         ),
     ],
     grid: Annotated[
@@ -112,8 +111,7 @@ def sweep_command(
             "--extra-reg",
             metavar="NAME[:k=v,...]",
             autocompletion=choices.completer(choices.REGULARIZERS),
-            help="Fixed regularizer added to every run; repeat for several, e.g. --extra-reg "
-            "wd:sigma=0.01.",
+            help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
         ),
     ] = None,
     metrics: Annotated[
@@ -122,8 +120,7 @@ def sweep_command(
             "--metrics",
             metavar="NAME,...",
             autocompletion=choices.list_completer(choices.METRICS),
-            help="Analyses per run, a comma list as sharp analyze --metrics: eigen, trace, "
-            "frobenius, gn-nme, activation-stats.",
+            help="Analyses per run, as analyze --metrics.",
         ),
     ] = "eigen,trace",
     out_dir: Annotated[
@@ -139,24 +136,26 @@ def sweep_command(
         typer.Option(
             "--max-runs",
             metavar="N",
-            help="Stop after this many new runs (continue later by running the same command).",
+            help="Stop after N new runs (the same command continues).",
         ),
     ] = None,
     analyze_samples: Annotated[
         int,
         typer.Option(
             "--analyze-samples",
-            help="Samples of the analysis split per run (the test split when the data has one, else the training split).",
+            help="Samples analysed per run (of the test split when there is one).",
         ),
     ] = 512,
-    model: Annotated[choices.Model, typer.Option("--model", help="Built-in model.")] = "mlp",
+    model: Annotated[
+        choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
+    ] = "mlp",
     model_factory: Annotated[
         Optional[str],
         typer.Option(
             "--model-factory",
             metavar="MODULE:FUNCTION",
-            help="module:function returning your nn.Module (instead of --model); its keyword "
-            "arguments by --set model_args={...}.",
+            rich_help_panel="Model",
+            help="Function returning your nn.Module (arguments: --set model_args={...}).",
         ),
     ] = None,
     data: Annotated[
@@ -164,27 +163,40 @@ def sweep_command(
         typer.Option(
             "--data",
             metavar="SPEC",
-            help="Training data, as sharp train --data, e.g. --data blobs:n=2000.",
+            rich_help_panel="Data",
+            help="Training data, as train --data, e.g. --data blobs:n=2000.",
         ),
     ] = "blobs",
-    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs per run.")] = 5,
+    epochs: Annotated[
+        int, typer.Option("--epochs", rich_help_panel="Training", help="Epochs per run.")
+    ] = 5,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Minibatch size of the optimizer steps.")
+        int, typer.Option("--batch-size", rich_help_panel="Training", help="Minibatch size.")
     ] = 64,
-    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
+    lr: Annotated[
+        float, typer.Option("--lr", rich_help_panel="Training", help="Learning rate.")
+    ] = 0.05,
     optimizer: Annotated[
-        choices.Optimizer, typer.Option("--optimizer", help="sgd (with momentum) or adam.")
+        choices.Optimizer,
+        typer.Option("--optimizer", rich_help_panel="Training", help="Optimizer."),
     ] = "sgd",
     schedule: Annotated[
         choices.Schedule,
-        typer.Option("--schedule", help="Learning-rate schedule over the epochs."),
+        typer.Option("--schedule", rich_help_panel="Training", help="Learning-rate schedule."),
     ] = "constant",
     width: Annotated[
-        Optional[int], typer.Option("--width", help="Hidden width (mlp) or base channels.")
+        Optional[int],
+        typer.Option(
+            "--width", rich_help_panel="Model", help="Hidden width (mlp) or base channels."
+        ),
     ] = None,
     depth: Annotated[
         Optional[int],
-        typer.Option("--depth", help="Hidden layers (mlp) or depth (resnet: 20, 56)."),
+        typer.Option(
+            "--depth",
+            rich_help_panel="Model",
+            help="Hidden layers (mlp) or depth (resnet: 20, 56).",
+        ),
     ] = None,
     activation: common.ActivationOpt = None,
     dtype: common.DtypeOpt = "float32",
@@ -194,8 +206,8 @@ def sweep_command(
         typer.Option(
             "--set",
             metavar="KEY=VALUE",
-            help="Any other training setting (JSON value); repeat for several, e.g. --set "
-            "label_noise=0.3 --set momentum=0.8.",
+            rich_help_panel="Training",
+            help="Any other training setting (a JSON value); repeatable, e.g. --set momentum=0.8.",
         ),
     ] = None,
     json_out: common.JsonOpt = None,

@@ -10,46 +10,25 @@ from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import FitTable, fmt, records_table
 
-REG_HELP = (
-    "Regularizer NAME[:k=v,...]; repeat to combine, e.g. --reg sam:rho=0.05 --reg fa "
-    "(default: none). The regularizers, with their defaults:"
-)
-# --reg's help for the built-in regularizers, without importing them (and torch); equal to
-# _reg_help() with no extension registered (tests/test_cli_usability.py).
-BUILTIN_REG_HELP = (
-    f"{REG_HELP} none; wd (sigma=0.001); dropout (p=0.1); ad (sigma=0.1); sam (rho=0.05); "
-    "usam (rho=0.05); asam (rho=0.5, eta=0.01); gp (rho=0.01, p=1, mode=exact, eps=0.001); "
-    "hessian-trace (sigma2=0.01, probes=1, mode=exact, eps=0.1); gn-trace (sigma2=0.01); "
-    "weight-noise (sigma=0.01, report=perturbed); nso (sigma=0.01, k=1, report=perturbed); "
-    "fa (lambda=0.01, mode=exact, eps=auto)"
-)
-
-
-def _reg_help() -> str:
-    """``--reg``'s help with every registered regularizer and its hyper-parameters."""
-    from sharpcli.training.regularizers import describe_registry
-
-    return f"{REG_HELP} " + "; ".join(
-        f"{row['name']}"
-        + (
-            # a space before "(": no word wider than the help column at 80 columns
-            f" ({', '.join(h['name'] + '=' + str(h['default']) for h in row['hyperparameters'])})"
-            if row["hyperparameters"]
-            else ""
-        )
-        for row in describe_registry()
-    )
-
 
 @app.command("train", cls=common.LazyHelpCommand)
 def train_command(
-    model: Annotated[choices.Model, typer.Option("--model", help="Built-in model.")] = "mlp",
+    model: Annotated[
+        choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
+    ] = "mlp",
     depth: Annotated[
         Optional[int],
-        typer.Option("--depth", help="Hidden layers (mlp) or depth (resnet: 20, 56)."),
+        typer.Option(
+            "--depth",
+            rich_help_panel="Model",
+            help="Hidden layers (mlp) or depth (resnet: 20, 56).",
+        ),
     ] = None,
     width: Annotated[
-        Optional[int], typer.Option("--width", help="Hidden width (mlp) or base channels.")
+        Optional[int],
+        typer.Option(
+            "--width", rich_help_panel="Model", help="Hidden width (mlp) or base channels."
+        ),
     ] = None,
     activation: common.ActivationOpt = None,
     model_args: Annotated[
@@ -58,8 +37,8 @@ def train_command(
             "--model-args",
             "--arch-args",
             metavar="JSON",
-            help="Further model arguments as JSON (the factory's keyword arguments with "
-            "--model-factory; --arch-args is a second name).",
+            rich_help_panel="Model",
+            help="Model keyword arguments (or --arch-args).",
         ),
     ] = None,
     model_factory: Annotated[
@@ -67,8 +46,8 @@ def train_command(
         typer.Option(
             "--model-factory",
             metavar="MODULE:FUNCTION",
-            help="module:function returning your nn.Module (instead of --model); see "
-            "docs/own-model.md.",
+            rich_help_panel="Model",
+            help="Function returning your nn.Module, instead of --model.",
         ),
     ] = None,
     output: common.OutputOpt = None,
@@ -77,8 +56,8 @@ def train_command(
         typer.Option(
             "--penultimate",
             metavar="MODULE",
-            help="Module whose output is the penultimate representation that ad penalises "
-            "(default: the input of the last nn.Linear).",
+            rich_help_panel="Model",
+            help="Module whose output ad penalises (default: last Linear).",
         ),
     ] = None,
     data: Annotated[
@@ -86,67 +65,85 @@ def train_command(
         typer.Option(
             "--data",
             metavar="SPEC",
-            help="Dataset: built-in 'blobs[:k=v,..]' or 'images[:k=v,..]', or a path (tensor "
-            "file, .csv/.parquet, CIFAR or MNIST folder), e.g. --data images:n=2000.",
+            rich_help_panel="Data",
+            help="blobs[:k=v,..], images[:k=v,..] or a path (tensor file, .csv, .parquet, "
+            "CIFAR or MNIST folder), e.g. --data images:n=2000.",
         ),
     ] = "blobs",
     label_column: common.LabelColumnOpt = None,
     x_key: common.XKeyOpt = None,
     y_key: common.YKeyOpt = None,
     shift_labels: common.ShiftLabelsOpt = None,
-    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs.")] = 5,
+    epochs: Annotated[
+        int, typer.Option("--epochs", rich_help_panel="Training", help="Training epochs.")
+    ] = 5,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Minibatch size of the optimizer steps.")
+        int, typer.Option("--batch-size", rich_help_panel="Training", help="Minibatch size.")
     ] = 64,
     optimizer: Annotated[
-        choices.Optimizer, typer.Option("--optimizer", help="sgd (with momentum) or adam.")
+        choices.Optimizer,
+        typer.Option("--optimizer", rich_help_panel="Training", help="Optimizer."),
     ] = "sgd",
-    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
-    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum.")] = 0.9,
+    lr: Annotated[
+        float, typer.Option("--lr", rich_help_panel="Training", help="Learning rate.")
+    ] = 0.05,
+    momentum: Annotated[
+        float, typer.Option("--momentum", rich_help_panel="Training", help="SGD momentum.")
+    ] = 0.9,
     schedule: Annotated[
         choices.Schedule,
-        typer.Option("--schedule", help="Learning-rate schedule over the epochs."),
+        typer.Option("--schedule", rich_help_panel="Training", help="Learning-rate schedule."),
     ] = "constant",
     label_noise: Annotated[
         float,
         typer.Option(
-            "--label-noise", help="Fraction of training labels replaced by another class."
+            "--label-noise",
+            rich_help_panel="Data",
+            help="Fraction of labels flipped.",
         ),
     ] = 0.0,
     augment: Annotated[
         bool,
         typer.Option(
-            "--augment/--no-augment", help="Random crop (padding 4) and horizontal flip for images."
+            "--augment",
+            rich_help_panel="Data",
+            help="Random crop and flip of images.",
         ),
     ] = False,
     input_noise: Annotated[
-        float, typer.Option("--input-noise", help="Std of Gaussian noise added to inputs.")
+        float,
+        typer.Option("--input-noise", rich_help_panel="Data", help="Std of Gaussian input noise."),
     ] = 0.0,
     mask_ratio: Annotated[
         Optional[float],
         typer.Option(
             "--mask-ratio",
-            help="Zero a fixed random fraction of every activation layer's outputs for the whole run (MAN Table 1).",
+            rich_help_panel="Model",
+            help="Fixed random fraction of activations zeroed (MAN Table 1).",
         ),
     ] = None,
     per_sample_norm: Annotated[
         bool,
         typer.Option(
             "--per-sample-norm",
-            help="Strict per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1).",
+            rich_help_panel="Model",
+            help="Per-sample normalisation, standard weights (MAN 5.1).",
         ),
     ] = False,
     repeat_batch: Annotated[
         int,
         typer.Option(
-            "--repeat-batch", help="Optimizer steps on each batch before the next (MAN Table 2)."
+            "--repeat-batch",
+            rich_help_panel="Training",
+            help="Steps on each batch (MAN Table 2).",
         ),
     ] = 1,
     noise_finetune: Annotated[
         float,
         typer.Option(
             "--noise-finetune",
-            help="Add one final epoch with input Gaussian noise of this std (MAN Table 4).",
+            rich_help_panel="Training",
+            help="Last epoch with input noise of this std (MAN Table 4).",
         ),
     ] = 0.0,
     reg: Annotated[
@@ -155,22 +152,36 @@ def train_command(
             "--reg",
             metavar="NAME[:k=v,...]",
             autocompletion=choices.completer(choices.REGULARIZERS),
-            help=common.lazy_help(BUILTIN_REG_HELP, "sharpcli.training.regularizers", _reg_help),
+            rich_help_panel="Training",
+            help="Regularizer and its settings; repeat to combine, e.g. --reg sam:rho=0.05 "
+            "--reg fa (default: none).",
         ),
     ] = None,
     out: Annotated[
         str,
-        typer.Option("--out", "-o", metavar="PATH", help="Checkpoint to write (.safetensors)."),
+        typer.Option(
+            "--out",
+            "-o",
+            metavar="PATH",
+            rich_help_panel="Output",
+            help="Checkpoint to write (.safetensors).",
+        ),
     ] = "model.safetensors",
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted run of the same options.")
+        bool,
+        typer.Option(
+            "--resume",
+            rich_help_panel="Run",
+            help="Continue an interrupted run of the same options.",
+        ),
     ] = False,
     stop_after: Annotated[
         Optional[int],
         typer.Option(
             "--stop-after",
-            metavar="EPOCH",
-            help="Stop after this epoch as an interruption would; continue later with --resume.",
+            metavar="N",
+            rich_help_panel="Run",
+            help="Stop after epoch N, as if interrupted.",
         ),
     ] = None,
     track: Annotated[
@@ -179,26 +190,38 @@ def train_command(
             "--track",
             metavar="NAME,...",
             autocompletion=choices.list_completer(choices.TRACKABLE),
-            help="Curvature to record during training: comma list of eigen, trace, gn-nme, "
-            "frobenius, e.g. --track eigen,trace.",
+            rich_help_panel="Training",
+            help="Curvature recorded while training, e.g. --track eigen,trace.",
         ),
     ] = None,
     track_every: Annotated[
-        int, typer.Option("--track-every", metavar="K", help="Track every K epochs.")
+        int,
+        typer.Option(
+            "--track-every", metavar="N", rich_help_panel="Training", help="Track every N epochs."
+        ),
     ] = 1,
     track_samples: Annotated[
-        int, typer.Option("--track-samples", help="Training samples used for tracking.")
+        int,
+        typer.Option(
+            "--track-samples", rich_help_panel="Training", help="Training samples for tracking."
+        ),
     ] = 512,
     plot: Annotated[
         Optional[str],
         typer.Option(
             "--plot",
             metavar="PATH",
-            help="Write a PNG of the training curves (and tracked curvature) to PATH.",
+            rich_help_panel="Output",
+            help="PNG of the training curves (and tracked curvature).",
         ),
     ] = None,
     seed: Annotated[
-        int, typer.Option("--seed", help="Seed of the initialisation, the data order and noise.")
+        int,
+        typer.Option(
+            "--seed",
+            rich_help_panel="Run",
+            help="Seed of weights, data order, noise.",
+        ),
     ] = 0,
     device: common.DeviceOpt = "cpu",
     dtype: common.DtypeOpt = "float32",
@@ -208,7 +231,7 @@ def train_command(
     threads: common.ThreadsOpt = None,
     debug: common.DebugOpt = False,
 ) -> None:
-    """Train a model on built-in or file data under sharpness regularizers; write a checkpoint."""
+    """Train a model, optionally under sharpness regularizers; write a checkpoint."""
 
     def body() -> common.Outcome:
         from sharpcli.training.loop import TrainConfig, train, train_report
@@ -326,18 +349,41 @@ def _plot_title(model: str, regs: list[str]) -> str:
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
+# Under the history: why its train columns differ from the final table's.
+HISTORY_NOTE = (
+    "train loss and acc: running means over each epoch's steps (the model changes as it "
+    "trains); final model: the trained model evaluated on the whole training and test sets."
+)
+
+
+def history_title(regularizers: list[dict]) -> str:
+    """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
+    specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
+    return "training history: " + (" + ".join(specs) if specs else "no regularizer")
+
+
 def _render(console, result) -> None:
     tracked_keys = sorted({k for row in result.history for k in (row.get("tracked") or {})})
-    rows = [row | (row.get("tracked") or {}) for row in result.history]
+    penalty_names = list(
+        dict.fromkeys(k for row in result.history for k in (row.get("penalties") or {}))
+    )
+    penalties = {f"penalty:{name}": f"{name} penalty" for name in penalty_names}
+    rows = [
+        row
+        | (row.get("tracked") or {})
+        | {f"penalty:{k}": v for k, v in (row.get("penalties") or {}).items()}
+        for row in result.history
+    ]
     console.print(
         records_table(
-            "training history",
+            history_title(result.regularizers),
             rows,
-            [*_HISTORY, *tracked_keys],
+            [*_HISTORY, *penalties, *tracked_keys],
             digits={"seconds": 3},
-            headers=_HISTORY,
+            headers=_HISTORY | penalties,
         )
     )
+    console.print(HISTORY_NOTE, markup=False, highlight=False)
     final = [(k, v) for k, v in result.final.items()]
     final += [
         ("checkpoint", result.checkpoint["path"]),
@@ -345,6 +391,9 @@ def _render(console, result) -> None:
     ]
     console.print(
         FitTable(
-            "final", ["metric", "value"], [[k, fmt(v)] for k, v in final], justify=["left", "right"]
+            "final model",
+            ["metric", "value"],
+            [[k, fmt(v)] for k, v in final],
+            justify=["left", "right"],
         )
     )

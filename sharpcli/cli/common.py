@@ -59,167 +59,204 @@ DataOpt = Annotated[
     Optional[str],
     typer.Option(
         "--data",
+        rich_help_panel="Data",
         metavar="SPEC",
-        help="Dataset: built-in 'blobs[:k=v,..]', 'images[:k=v,..]', or a path (tensor file, "
-        ".csv/.parquet, CIFAR or MNIST folder), e.g. --data blobs:n=500. Default: the "
-        "checkpoint's own data.",
+        help="blobs[:k=v,..], images[:k=v,..] or a path (tensor file, .csv, .parquet, CIFAR "
+        "or MNIST folder), e.g. --data blobs:n=500. Default: the checkpoint's data.",
     ),
 ]
 LabelColumnOpt = Annotated[
     Optional[str],
     typer.Option(
         "--label-column",
+        rich_help_panel="Data",
         metavar="NAME",
-        help="Label column of a .csv/.parquet dataset (default 'label').",
+        help="Label column of a table (default: label).",
     ),
 ]
 XKeyOpt = Annotated[
     Optional[str],
     typer.Option(
         "--x-key",
+        rich_help_panel="Data",
         metavar="KEYS",
-        help="Input array(s) of a tensor file or Arrow/parquet data (default x, else keys named "
-        "after forward arguments: input_ids, attention_mask, pixel_values, ...); several are "
-        "passed to the model as keyword arguments.",
+        help="Input array(s) of a data file (default x, else forward argument names such as "
+        "input_ids, attention_mask); several go to the model as keyword arguments.",
     ),
 ]
 YKeyOpt = Annotated[
     Optional[str],
     typer.Option(
         "--y-key",
+        rich_help_panel="Data",
         metavar="KEY",
-        help="Label array of a tensor file or Arrow/parquet data (default y, labels or label); "
-        "for x.npy-style files the labels file's name.",
+        help="Label array of a data file (default y, labels or label).",
     ),
 ]
 ShiftLabelsOpt = Annotated[
     Optional[bool],
     typer.Option(
         "--shift-labels",
-        help="Shift token labels: position t predicts token t+1 (Hugging Face's "
-        "labels=input_ids habit; labels equal to the inputs are refused without it).",
+        rich_help_panel="Data",
+        help="Token labels equal to the inputs (labels=input_ids): position t predicts t+1.",
         show_default=False,
     ),
 ]
 SplitOpt = Annotated[
-    choices.Split, typer.Option("--split", help="The dataset split that is analysed.")
+    choices.Split,
+    typer.Option("--split", rich_help_panel="Data", help="The dataset split that is analysed."),
 ]
 SamplesOpt = Annotated[
     Optional[int],
-    typer.Option("--samples", metavar="N", help="Use a fixed seeded random subset of N samples."),
+    typer.Option(
+        "--samples",
+        rich_help_panel="Data",
+        metavar="N",
+        help="A fixed seeded random subset of N samples.",
+    ),
 ]
 BatchSizeOpt = Annotated[
-    int, typer.Option("--batch-size", help="Batch size for streaming the analysis set.")
+    int,
+    typer.Option("--batch-size", rich_help_panel="Data", help="Batch size of the data passes."),
 ]
 DeviceOpt = Annotated[
     str,
     typer.Option(
         "--device",
+        rich_help_panel="Run",
         metavar="DEVICE",
         autocompletion=choices.completer(choices.DEVICES),
-        help="Torch device: cpu, cuda, cuda:1, mps ...",
+        help="Torch device, e.g. cuda:1.",
     ),
 ]
-DtypeOpt = Annotated[choices.Dtype, typer.Option("--dtype", help="Floating-point precision.")]
+DtypeOpt = Annotated[
+    choices.Dtype, typer.Option("--dtype", rich_help_panel="Run", help="Floating-point precision.")
+]
 ActivationOpt = Annotated[
     Optional[str],
     typer.Option(
         "--activation",
+        rich_help_panel="Model",
         metavar="NAME[:beta=B]",
         autocompletion=choices.completer(choices.ACTIVATIONS),
-        help="Activation: relu, gelu, beta-gelu, augmented-relu (these two take :beta=B, "
-        "e.g. beta-gelu:beta=4) or diminished-gelu (default: the model's, relu).",
+        help="Activation (default: the model's); beta-gelu and augmented-relu take :beta=B, "
+        "e.g. beta-gelu:beta=4.",
     ),
 ]
 SeedOpt = Annotated[
-    int, typer.Option("--seed", help="Seed for every random choice (probes, subsets).")
+    int,
+    typer.Option(
+        "--seed", rich_help_panel="Run", help="Seed for every random choice (probes, subsets)."
+    ),
 ]
 JsonOpt = Annotated[
     Optional[str],
     typer.Option(
         "--json",
+        rich_help_panel="Output",
         metavar="PATH|-",
-        help="Write the JSON report to PATH, or '-' for stdout (then nothing else goes to stdout).",
+        help="JSON report to PATH ('-': stdout).",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        rich_help_panel="Output",
+        help="Also notes on how numbers were computed.",
+    ),
+]
+QuietOpt = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", rich_help_panel="Output", help="No progress bars or tables."),
+]
 ArchOpt = Annotated[
     Optional[choices.Model],
-    typer.Option("--arch", help="Architecture of a foreign state_dict."),
+    typer.Option("--arch", rich_help_panel="Model", help="Architecture of a foreign state_dict."),
 ]
 ArchArgsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--arch-args",
+        rich_help_panel="Model",
         metavar="JSON",
-        help='JSON arguments for --arch or --model-factory, e.g. \'{"width": 64, "depth": 2}\'.',
+        help="Keyword arguments of --arch or --model-factory, e.g. '{\"width\": 64}'.",
     ),
 ]
 FactoryOpt = Annotated[
     Optional[str],
     typer.Option(
         "--model-factory",
+        rich_help_panel="Model",
         metavar="MODULE:FUNCTION",
-        help="module:function returning the nn.Module for a foreign state_dict.",
+        help="Function returning the nn.Module of a foreign state_dict.",
     ),
 ]
 OutputOpt = Annotated[
     Optional[str],
     typer.Option(
         "--output",
+        rich_help_panel="Model",
         metavar="INDEX|KEY",
-        help="Which of the model's outputs are the logits: an index of a tuple (0, 1, -1), a "
-        "dict key or an attribute. Default: the tensor itself, .logits / 'logits', else the "
-        "first tensor.",
+        help="Output holding the logits: tuple index, dict key or attribute "
+        "(default: .logits, else the first tensor).",
     ),
 ]
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
         "--trust-pickle",
-        help="Allow loading a pickled whole module or TensorDataset (runs code from the file).",
+        rich_help_panel="Model",
+        help="Load a pickled module or TensorDataset (runs its code).",
     ),
 ]
 CacheOpt = Annotated[
     Optional[int],
     typer.Option(
         "--cache-mb",
+        rich_help_panel="Run",
         metavar="MB",
-        help="Memory for cached first-order graphs (faster products; default: every batch's "
-        "when that fits half of what --max-memory leaves, else 1024); 0 recomputes them per "
-        "product, bounding memory by one batch.",
+        help="Memory for cached first-order graphs (default: what the memory budget "
+        "allows); 0 recomputes them for each product.",
     ),
 ]
 MaxMemoryOpt = Annotated[
     Optional[str],
     typer.Option(
         "--max-memory",
+        rich_help_panel="Run",
         metavar="SIZE",
-        help="Memory budget, e.g. 8G or 512M (default: 80% of the memory free at the start, "
-        "or of the device's); sharp plans its run to fit it (docs/memory.md).",
+        help="Memory budget, e.g. 8G or 512M (default: 80% of the free memory); sharp plans "
+        "the run to fit it.",
     ),
 ]
 ThreadsOpt = Annotated[
     Optional[int],
     typer.Option(
         "--threads",
+        rich_help_panel="Run",
         metavar="N",
-        help="CPU threads for torch (default: OMP_NUM_THREADS when set, else 1; more threads "
-        "than free cores slow everything down).",
+        help="Torch CPU threads (default: OMP_NUM_THREADS or 1).",
     ),
 ]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+DebugOpt = Annotated[
+    bool, typer.Option("--debug", rich_help_panel="Run", help="Show tracebacks for errors.")
+]
 ParamsOpt = Annotated[
     Optional[str],
     typer.Option(
         "--params",
-        metavar="all|last|GLOB",
+        metavar="SCOPE",
         help="Parameter scope: all (default), last (final linear layer), or a glob on "
         "parameter names, e.g. --params '*.weight'.",
     ),
 ]
 PlotOpt = Annotated[
-    Optional[str], typer.Option("--plot", metavar="PATH", help="Write a PNG plot to PATH.")
+    Optional[str],
+    typer.Option(
+        "--plot", rich_help_panel="Output", metavar="PATH", help="Write a PNG plot to PATH."
+    ),
 ]
 
 
@@ -250,6 +287,7 @@ class CommonOptions:
     seed: int = _option(SeedOpt, 0)
     json: str | None = _option(JsonOpt, None)
     quiet: bool = _option(QuietOpt, False)
+    verbose: bool = _option(VerboseOpt, False)
     arch: str | None = _option(ArchOpt, None)
     arch_args: str | None = _option(ArchArgsOpt, None)
     model_factory: str | None = _option(FactoryOpt, None)
@@ -263,8 +301,8 @@ class CommonOptions:
 
     def settings(self) -> dict:
         """The common options that describe the analysis (not ``--json``, ``--quiet``,
-        ``--threads`` (``environment.threads`` records it) or ``--debug``)."""
-        skip = ("json", "quiet", "threads", "debug", "command_options")
+        ``--verbose``, ``--threads`` (``environment.threads`` records it) or ``--debug``)."""
+        skip = ("json", "quiet", "verbose", "threads", "debug", "command_options")
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def report_settings(self, *, skip: tuple[str, ...] = (), **parsed) -> dict:
@@ -290,7 +328,7 @@ def state() -> dict:
     return _STATE
 
 
-_STATE = {"debug": False}
+_STATE: dict = {"debug": False, "verbose": False, "notes": []}
 
 
 def error_document(command: str, err: SharpError) -> dict:
@@ -308,6 +346,7 @@ def run_command(
     threads: int | None = None,
     debug: bool = False,
     aliases: dict[str, str] | None = None,
+    verbose: bool = False,
 ) -> None:
     """Run ``body``, print or write its report, and exit with the right code.
 
@@ -325,8 +364,11 @@ def run_command(
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
     the value (``train``: ``--model-args``), so an error never names an option the command lacks.
+    The notes of the results go to stderr after the report (:func:`print_note`; ``verbose``
+    adds those on how the numbers were computed).
     """
     _STATE["debug"] = _STATE["debug"] or debug
+    _STATE["verbose"], _STATE["notes"] = verbose, []
     with ledger.scope():
         try:
             with publication(own=True, final=True):
@@ -411,6 +453,7 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
                     console.print(f"plot written to {plot}", markup=False)
             sys.stdout.write(captured.get())
         sys.stdout.flush()
+        _flush_notes()
     except (OSError, ValueError) as exc:
         if not stdout_gone(exc):
             raise
@@ -685,9 +728,9 @@ class LazyHelpCommand(TyperCommand):
             module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
             if module in sys.modules:
                 param.help = make()
-        plain_flags(self.get_params(ctx))
-        with first_long_names_only(self.get_params(ctx)):
-            super().format_help(ctx, formatter)
+        from sharpcli.cli.helptext import format_command_help
+
+        format_command_help(self, ctx)
 
 
 class SharpGroup(TyperGroup):
@@ -696,8 +739,9 @@ class SharpGroup(TyperGroup):
 
     def format_help(self, ctx, formatter) -> None:
         """Blank the flags' value type (:func:`plain_flags`), then format the help."""
-        plain_flags(self.get_params(ctx))
-        super().format_help(ctx, formatter)
+        from sharpcli.cli.helptext import format_group_help
+
+        format_group_help(self, ctx)
 
 
 # (name, typer option, default) of each common option, from the fields of CommonOptions.
@@ -749,6 +793,7 @@ def analysis_command(app, name: str):
                 lambda: func(opts, *args, **kwargs),
                 threads=opts.threads,
                 debug=opts.debug,
+                verbose=opts.verbose,
             )
 
         wrapper.__signature__ = sig.replace(
@@ -788,7 +833,46 @@ def print_notes(notes: list[str], quiet: bool) -> None:
         print(f"sharp: note: {' '.join(spell_flags(note).split())}", file=sys.stderr)
 
 
+# Notes on how the numbers were computed, not on what to do: shown under --verbose only.
+DETAIL_NOTES = (
+    "residuals are explicit",
+    "residuals computed by sharpcli's native",
+    "warm start:",
+)
+
+
+def is_detail(note: str) -> bool:
+    """Whether ``note`` says how a number was computed (:data:`DETAIL_NOTES`), which only
+    ``--verbose`` shows, rather than something the user may act on."""
+    return note.startswith(DETAIL_NOTES)
+
+
 def print_note(console, note: str) -> None:
-    """``note: ...`` under a table: the library's `name` references spelled as this command's
-    flags, printed as plain text (a note may hold brackets that are not rich markup)."""
-    console.print(f"note: {spell_flags(note)}", markup=False)
+    """A note of the results: held until the report is printed, then one
+    ``sharp: note: ...`` line on stderr (the library's `name` references spelled as this
+    command's flags); a detail (:func:`is_detail`) only under ``--verbose``. ``console`` is
+    the table console the note used to be printed on (stdout is the report's alone)."""
+    if is_detail(note) and not _STATE["verbose"]:
+        return
+    if note not in _STATE["notes"]:
+        _STATE["notes"].append(note)
+
+
+def _flush_notes() -> None:
+    """The held notes on stderr, each wrapped at the terminal's width (``COLUMNS``, else 80
+    off a terminal) with its continuation lines indented."""
+    import textwrap
+
+    notes, _STATE["notes"] = _STATE["notes"], []
+    columns = os.environ.get("COLUMNS", "").strip()
+    width = (
+        stderr_console.width
+        if stderr_console.is_terminal
+        else int(columns)
+        if columns.isdigit() and int(columns) > 0
+        else PIPE_WIDTH
+    )
+    for note in notes:
+        text = f"sharp: note: {' '.join(spell_flags(note).split())}"
+        lines = textwrap.wrap(text, width - 1, subsequent_indent="  ", break_long_words=False)
+        print("\n".join(lines), file=sys.stderr)

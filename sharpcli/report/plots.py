@@ -150,6 +150,30 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     return _save(plt, fig, path)
 
 
+# The columns a compare scatter uses by default, in order of preference.
+SHARPNESS_COLUMNS = ("lambda_max", "trace", "frobenius_sq", "nme_share", "loss")
+ACCURACY_COLUMNS = ("test_accuracy", "train_accuracy")
+
+
+def scatter_axes(records: list[dict], x: str | None, y: str | None) -> tuple[str, str]:
+    """The (x, y) columns of ``compare --plot``: those given, else x the first sharpness column
+    that some run has, y the first accuracy column some run has with it, else the next
+    sharpness column (analyze reports carry no accuracy: ``trace`` against ``lambda_max``)."""
+
+    def has(a: str, b: str | None = None) -> bool:
+        return any(
+            isinstance(r.get(a), (int, float)) and (b is None or isinstance(r.get(b), (int, float)))
+            for r in records
+        )
+
+    if x is None:
+        x = next((c for c in SHARPNESS_COLUMNS if has(c)), SHARPNESS_COLUMNS[0])
+    if y is None:
+        candidates = [*ACCURACY_COLUMNS, *(c for c in SHARPNESS_COLUMNS if c != x)]
+        y = next((c for c in candidates if has(x, c)), ACCURACY_COLUMNS[0])
+    return x, y
+
+
 def plot_compare_scatter(
     records: list[dict], path: str | Path, x: str = "lambda_max", y: str = "test_accuracy"
 ) -> Path:

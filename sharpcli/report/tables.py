@@ -106,11 +106,18 @@ class FitTable:
 
     def tables(self, width: int) -> list[Table]:
         """One rich table per part (:meth:`parts`) that fits in ``width``; the title on the
-        first."""
+        first, which is at least as wide as its title (up to ``width``): a title never wraps
+        above a narrow table."""
         out = []
         for n, columns in enumerate(self.parts(width)):
             widths = self._fit(columns, width)
-            table = Table(title=self.title if n == 0 else None)
+            title = self.title if n == 0 else None
+            spare = min(cell_len(title or ""), width) - self._width(columns, widths)
+            if spare > 0:  # widen the columns evenly so that the title fits on one line
+                widths = list(widths)
+                for i, c in enumerate(columns):
+                    widths[c] += spare // len(columns) + (i < spare % len(columns))
+            table = Table(title=title)
             for c in columns:
                 table.add_column(
                     self.headers[c],

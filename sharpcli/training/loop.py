@@ -402,6 +402,7 @@ def train(
                 row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
                 row["tracking_seconds"] = time.perf_counter() - t1
             run.history.append(row)
+            meter.update((epoch + 1) * steps, record={**row, "epochs": total_epochs})
             if rank == 0:
                 _save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
     return _finish_run(run, out, model_spec)
