@@ -80,8 +80,7 @@ XKeyOpt = Annotated[
         "--x-key",
         rich_help_panel="Data",
         metavar="KEYS",
-        help="Input array(s) of a data file (default x, else forward argument names such as "
-        "input_ids, attention_mask); several go to the model as keyword arguments.",
+        help="Input arrays of a data file (several: by name).",
     ),
 ]
 YKeyOpt = Annotated[
@@ -90,7 +89,7 @@ YKeyOpt = Annotated[
         "--y-key",
         rich_help_panel="Data",
         metavar="KEY",
-        help="Label array of a data file (default y, labels or label).",
+        help="Label array of a data file (default: y or labels).",
     ),
 ]
 ShiftLabelsOpt = Annotated[
@@ -98,7 +97,7 @@ ShiftLabelsOpt = Annotated[
     typer.Option(
         "--shift-labels",
         rich_help_panel="Data",
-        help="Token labels equal to the inputs (labels=input_ids): position t predicts t+1.",
+        help="Labels are the inputs: position t predicts t+1.",
         show_default=False,
     ),
 ]
@@ -208,7 +207,7 @@ TrustPickleOpt = Annotated[
     typer.Option(
         "--trust-pickle",
         rich_help_panel="Model",
-        help="Load a pickled module or TensorDataset (runs its code).",
+        help="Load a pickled module or TensorDataset (runs code).",
     ),
 ]
 CacheOpt = Annotated[
@@ -217,8 +216,7 @@ CacheOpt = Annotated[
         "--cache-mb",
         rich_help_panel="Run",
         metavar="MB",
-        help="Memory for cached first-order graphs (default: what the memory budget "
-        "allows); 0 recomputes them for each product.",
+        help="Cache of first-order graphs (default: what the budget allows; 0: none).",
     ),
 ]
 MaxMemoryOpt = Annotated[
@@ -227,8 +225,7 @@ MaxMemoryOpt = Annotated[
         "--max-memory",
         rich_help_panel="Run",
         metavar="SIZE",
-        help="Memory budget, e.g. 8G or 512M (default: 80% of the free memory); sharp plans "
-        "the run to fit it.",
+        help="Memory budget, e.g. 8G (default: 80% of free memory).",
     ),
 ]
 ThreadsOpt = Annotated[
