@@ -6,4 +6,4 @@ analysis is importable (``sharpcli.curvature``, ``sharpcli.analyses``,
 """
 
 __version__ = "0.1.0"
-SCHEMA_ID = "sharpcli.report/1"
+SCHEMA_ID = "sharpcli.report/2"
