@@ -8,6 +8,7 @@ import typer
 
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
+from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
 
 REG_HELP = (
@@ -170,6 +171,14 @@ def train_command(
             help="Stop after this epoch as an interruption would; continue later with --resume.",
         ),
     ] = None,
+    stop_on_divergence: Annotated[
+        bool,
+        typer.Option(
+            "--stop-on-divergence",
+            help="When training diverges (loss above 4x its best, or accuracy back at chance), "
+            "stop, write the weights of the epoch with the lowest training loss and exit 3.",
+        ),
+    ] = False,
     track: Annotated[
         Optional[str],
         typer.Option(
@@ -262,7 +271,14 @@ def train_command(
 
             tracker = make_tracker(tracked, seed=seed)
         with common.progress_bar(quiet, json_out, "training"):
-            result = train(cfg, out, resume=resume, stop_after=stop_after, tracker=tracker)
+            result = train(
+                cfg,
+                out,
+                resume=resume,
+                stop_after=stop_after,
+                tracker=tracker,
+                stop_on_divergence=stop_on_divergence,
+            )
         common.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history
@@ -274,12 +290,22 @@ def train_command(
             )
         report = train_report(
             result,
-            {"resume": resume, "stop_after": stop_after, "plot": plot},
+            {
+                "resume": resume,
+                "stop_after": stop_after,
+                "stop_on_divergence": stop_on_divergence,
+                "plot": plot,
+            },
             out=out,
             device=device,
             dtype=dtype,
         )
-        return common.Outcome(report, render=lambda console: _render(console, result))
+        return common.Outcome(
+            report,
+            render=lambda console: _render(console, result),
+            notice=_divergence_warning(result),
+            exit_code=EXIT_NUMERICAL if result.stopped_on_divergence else None,
+        )
 
     # the library names subset sizes `samples`: here they are --track-samples
     aliases = {"samples": "--track-samples"}
@@ -298,6 +324,20 @@ _HISTORY = {
     "grad_evals": "grad evals",
     "seconds": "seconds",
 }
+
+
+def _divergence_warning(result) -> str | None:
+    """The warning line of a diverged run (None otherwise)."""
+    d = result.divergence
+    if d is None:
+        return None
+    kept = (
+        f"stopped; {result.checkpoint['path']} holds epoch {d['best_epoch']}, the lowest "
+        "training loss"
+        if result.stopped_on_divergence
+        else "--stop-on-divergence stops such a run and keeps its best epoch"
+    )
+    return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
