@@ -19,9 +19,12 @@ from torch import nn
 
 from sharpcli.analyses.bounds import theorem2_check
 from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.operators import CurvaturePass
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.trace import frobenius_sq, hutchinson, sampled_label_ggn_trace
 
-SEEDS = range(20)
+SEEDS = range(32)
 
 
 def _z_scores_calibrated(estimates, stderrs, truth, slack: float = 0.0) -> None:
@@ -49,8 +52,49 @@ def tiny():
     p = torch.softmax(logits.detach(), 1)
     hz = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
     G = torch.einsum("nca,ncd,ndb->ab", J, hz, J) / 48
-    data = AnalysisData(x, y, "cross-entropy", 16)
+    data = AnalysisData(x, y, "cross-entropy", 48)
     return model, data, ParamScope.resolve(model, "all"), H, G
+
+
+def test_hutchinson_and_square_stderrs(tiny):
+    """At a fixed budget (tolerance unreachable): no stopping rule selects the probes."""
+    model, data, scope, H, _ = tiny
+    op = CurvaturePass(model, data, scope).hessian()
+    for estimator, truth in (
+        (hutchinson, float(torch.trace(H))),
+        (frobenius_sq, float((H * H).sum())),
+    ):
+        runs = [estimator(op, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+        _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
+
+
+def test_gn_nme_split_stderrs(tiny):
+    """Traces and Tr(A^2) of H, G and N from shared probes, each against its dense value."""
+    model, data, scope, H, G = tiny
+    cpass = CurvaturePass(model, data, scope)
+    runs = [gn_nme_split(cpass, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+    N = H - G
+    for name, A in (("hessian", H), ("ggn", G), ("nme", N)):
+        for quantity, truth in (("trace", torch.trace(A)), ("frobenius_sq", (A * A).sum())):
+            values = [r.values[name][quantity] for r in runs]
+            _z_scores_calibrated(
+                [v["estimate"] for v in values], [v["stderr"] for v in values], float(truth)
+            )
+
+
+def test_sampled_label_ggn_trace_stderr(tiny):
+    """With several label draws per sample the error is over the draws alone (one draw
+    falls back on the spread over points, conservative by design)."""
+    model, data, scope, _, G = tiny
+    runs = [
+        sampled_label_ggn_trace(
+            model, data, scope, samples=4, generator=torch.Generator().manual_seed(seed)
+        )
+        for seed in SEEDS
+    ]
+    _z_scores_calibrated(
+        [r.estimate for r in runs], [r.stderr for r in runs], float(torch.trace(G))
+    )
 
 
 def test_theorem2_smoothed_stderr_is_that_of_the_dataset_mean(tiny):
