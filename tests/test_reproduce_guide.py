@@ -57,6 +57,8 @@ def test_the_page_runs_every_claim_on_both_datasets():
         "digits-rescale-layer.json",
         "digits-dead-masked.json",
         "fa-digits.json",
+        "digits-gp-augmented-relu-train.json",
+        "digits-gn-nme-gp-augmented-relu.json",
         "corollary1-digits-gelu.json",
     }
     assert digits <= targets, digits - targets
@@ -259,3 +261,17 @@ def test_reproduce_guide_claims(tmp_path):  # noqa: C901 - one block per claim a
         assert rows[1.0]["epsilon_region"] > 5 * rows[1.0]["epsilon_at_theta"], name
     for name in ("digits-relu", "digits-gelu"):
         assert report(f"{name}-train.json")["results"]["final"]["test_accuracy"] > 0.85
+
+    # 9. NME 4.4: augmented ReLU trains under GP and puts curvature into N (tr(N) below zero
+    #    by more than 3 standard errors, where ReLU's is zero within them); GP with it stays
+    #    well below GP with GELU; SAM depends on the activation too
+    final = {
+        name: report(f"digits-{name}-train.json")["results"]["final"]["test_accuracy"]
+        for name in ("gp-relu", "gp-augmented-relu", "gp-gelu", "sam-relu", "sam-gelu")
+    }
+    assert final["gp-augmented-relu"] < final["gp-gelu"] - 0.03
+    relu_n = report("digits-gn-nme-gp-relu.json")["results"]["nme"]["trace"]
+    augmented_n = report("digits-gn-nme-gp-augmented-relu.json")["results"]["nme"]["trace"]
+    assert abs(relu_n["estimate"]) <= 3 * relu_n["stderr"]
+    assert augmented_n["estimate"] < -3 * augmented_n["stderr"]
+    assert final["sam-gelu"] - final["sam-relu"] > 0.01  # SAM depends on the activation too
