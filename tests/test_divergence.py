@@ -1,5 +1,5 @@
 """A training run that collapses is flagged: warning line, ``results.diverged``, and with
-``--stop-on-divergence`` exit 3 with the best epoch's weights in the checkpoint.
+``--stop-diverged`` exit 3 with the best epoch's weights in the checkpoint.
 
 Before, ``fa`` on the built-in CNN with 900 training images went from loss 1.31 to 47.6 in one
 epoch and ended at 11-45 % test accuracy with exit 0 and nothing said.
@@ -57,7 +57,7 @@ def test_a_diverging_run_is_flagged_and_keeps_exit_0(tmp_path, capsys):
 def test_stop_on_divergence_exits_3_with_the_best_epoch(tmp_path, capsys):
     out = tmp_path / "m.safetensors"
     run = run_cli(
-        capsys, "train", *UNSTABLE, "--epochs", "8", "--stop-on-divergence", "--out", str(out),
+        capsys, "train", *UNSTABLE, "--epochs", "8", "--stop-diverged", "--out", str(out),
         "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
     assert run.code == 3, run.err
@@ -79,7 +79,7 @@ def test_stop_on_divergence_exits_3_with_the_best_epoch(tmp_path, capsys):
 def test_a_stable_run_is_not_flagged(tmp_path, capsys):
     run = run_cli(
         capsys, "train", "--data", "blobs:n=300", "--width", "16", "--epochs", "3",
-        "--stop-on-divergence", "--out", str(tmp_path / "m.safetensors"), "--json", "-", "--quiet",
+        "--stop-diverged", "--out", str(tmp_path / "m.safetensors"), "--json", "-", "--quiet",
     )  # fmt: skip
     assert run.code == 0, run.err
     results = run.json()["results"]

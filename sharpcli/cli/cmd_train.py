@@ -174,7 +174,7 @@ def train_command(
     stop_on_divergence: Annotated[
         bool,
         typer.Option(
-            "--stop-on-divergence",
+            "--stop-diverged",
             help="When training diverges (loss above 4x its best, or accuracy back at chance), "
             "stop, write the weights of the epoch with the lowest training loss and exit 3.",
         ),
@@ -335,7 +335,7 @@ def _divergence_warning(result) -> str | None:
         f"stopped; {result.checkpoint['path']} holds epoch {d['best_epoch']}, the lowest "
         "training loss"
         if result.stopped_on_divergence
-        else "--stop-on-divergence stops such a run and keeps its best epoch"
+        else "--stop-diverged stops such a run and keeps its best epoch"
     )
     return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 

@@ -91,7 +91,7 @@ class TrainResult:
     regularizers: list = field(default_factory=list)
     # the first diverged epoch (sharpcli.training.divergence), None when training did not diverge
     divergence: dict | None = None
-    stopped_on_divergence: bool = False  # --stop-on-divergence ended the run at that epoch
+    stopped_on_divergence: bool = False  # --stop-diverged ended the run at that epoch
 
 
 def train_report(
