@@ -2,8 +2,30 @@
 
 The command-line tool ``sharp`` is a thin layer over this library; every
 analysis is importable (``sharpcli.curvature``, ``sharpcli.analyses``,
-``sharpcli.training``) for use from scripts.
+``sharpcli.training``) for use from scripts. The in-memory entry for a model, a loss and
+data already in a notebook is :class:`sharpcli.Curvature` (docs/api.md), and
+:class:`sharpcli.Tracker` measures sharpness inside one's own training loop; both are
+imported on first use, so ``import sharpcli`` (and ``sharp --help``) does not load torch.
 """
 
 __version__ = "0.1.0"
 SCHEMA_ID = "sharpcli.report/2"
+
+_LAZY = {"Curvature": "sharpcli.api", "Tracker": "sharpcli.api"}
+__all__ = ["Curvature", "SCHEMA_ID", "Tracker", "__version__"]
+
+
+def __getattr__(name: str):
+    """``sharpcli.Curvature`` and ``sharpcli.Tracker``, imported from :mod:`sharpcli.api` on
+    first access (PEP 562)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sharpcli' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

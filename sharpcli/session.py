@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
-from sharpcli.models.outputs import attach_output_selector
+from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 MAX_SEED = 2**32 - 1
@@ -142,6 +143,26 @@ SECOND_DERIVATIVE_MAX_PARAMS = 20_000_000  # beyond: no float64 copy for the che
 _SECOND_DERIVATIVE_RTOL = 1e-5
 
 
+SELF_CHECK_VECTORS = 12  # float64 P-vectors the self-check holds at its peak (measured)
+
+
+def self_check_samples(model: nn.Module) -> int:
+    """Samples of the self-check: :data:`SECOND_DERIVATIVE_SAMPLES`, 2 for models above 1M
+    parameters (a wrong second derivative shows on any sample; float64 products of a large
+    model on 8 samples cost more than a whole float32 Hessian product: 12 s on ResNet-18)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return SECOND_DERIVATIVE_SAMPLES if count <= 1_000_000 else 2
+
+
+def self_check_bytes(model: nn.Module) -> int:
+    """Bytes :func:`check_second_derivatives` holds at its peak: a float64 copy of the model,
+    its gradients, the direction, the product and the difference quotients' gradients, about
+    :data:`SELF_CHECK_VECTORS` float64 copies of the trainable parameters (nothing beyond
+    :data:`SECOND_DERIVATIVE_MAX_PARAMS`, where the check does not run)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return 0 if count > SECOND_DERIVATIVE_MAX_PARAMS else SELF_CHECK_VECTORS * 8 * count
+
+
 def check_second_derivatives(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, source: str, seed: int = 0
 ) -> float | None:
@@ -256,15 +277,53 @@ def check_second_derivatives(
     if not within(fd, central_difference(10 * h), 10 * h):
         return None
     error, scale = float((hv - fd).norm()), max(float(hv.norm()), float(fd.norm()))
+    padded = padding_embeddings(model)
+    cause = (
+        f"nn.Embedding {padded[0][0]!r} has padding_idx={padded[0][1].padding_idx}: torch "
+        "zeroes that row's gradient although the pad id reaches the loss (no attention mask?), "
+        "so the gradient is not the loss's derivative there; pass the attention mask with the "
+        "data (key attention_mask) or build the embedding without padding_idx"
+        if padded
+        else "A layer's backward is not differentiable (a custom autograd.Function marked "
+        "once_differentiable or computing its backward without autograd, an unsupported kernel)"
+    )
     raise InputError(
         f"torch computes this model's second derivatives wrongly: a Hessian-vector product "
         f"by double backward differs from central differences of the gradient by "
         f"{error / scale:.2g} (relative) on {x.shape[0]} samples, so every curvature figure "
-        "would be wrong. A layer's backward is not differentiable (a custom "
-        "autograd.Function marked once_differentiable or computing its backward without "
-        "autograd, an unsupported kernel)",
+        f"would be wrong. {cause}",
         source=source,
     )
+
+
+def padding_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Embedding`` with a ``padding_idx``."""
+    return [
+        (name, module)
+        for name, module in _embedding_modules(model)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None
+    ]
+
+
+def release_padding_rows(model: nn.Module) -> list[str]:
+    """Set ``padding_idx`` to None on the analysed model's embeddings; a note for each.
+
+    ``nn.Embedding(padding_idx=k)`` only changes the backward pass: torch zeroes row ``k``'s
+    gradient (the row is never trained), whatever the loss. Where pad ids reach the loss (no
+    attention mask hides them) that gradient is not the loss's derivative, and its double
+    backward is not a symmetric Hessian: the self-check would refuse the model and Lanczos
+    would be wrong. Without it the analysis differentiates the loss itself, the pad row
+    included; where pad ids do not reach the loss, nothing changes (the row's derivatives are
+    zero either way). The forward pass is the same.
+    """
+    notes = []
+    for name, module in padding_embeddings(model):
+        notes.append(
+            f"{type(module).__name__} {name!r}: padding_idx={module.padding_idx} released for the "
+            "analysis (torch zeroes the pad row's gradient; curvature is of the loss itself)"
+        )
+        module.padding_idx = None
+    return notes
 
 
 def altered_derivative_notes(model: nn.Module) -> list[str]:
@@ -659,7 +718,7 @@ class Session:
         )
 
 
-def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
+def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **options):
     """``load_dataset(spec)``; when the spec is the checkpoint's own (``from_checkpoint``, no
     ``--data`` given), a bad spec is an InputError naming the checkpoint's metadata, not the
     ``--data`` option the user never gave. How a metadata path resolves: docs/checkpoints.md."""
@@ -668,7 +727,7 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None):
 
     what = "the `data` file" if from_checkpoint is None else f"the data named in {from_checkpoint}"
     try:
-        return load_dataset(spec, label_column=label_column, what=what)
+        return load_dataset(spec, label_column=label_column, what=what, **options)
     except UsageError as err:
         if from_checkpoint is None or err.source not in ("data", "spec"):
             raise
@@ -694,6 +753,9 @@ def build_session(
     *,
     data: str | None = None,
     label_column: str | None = None,
+    x_key: str | None = None,
+    y_key: str | None = None,
+    shift_labels: bool | None = None,
     split: str = "train",
     samples: int | None = None,
     batch_size: int = 256,
@@ -707,6 +769,7 @@ def build_session(
     cache_mb: int = 1024,
     output: str | None = None,
     curvature: bool = True,
+    max_memory: str | int | None = None,
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError.
@@ -728,6 +791,8 @@ def build_session(
     check_seed(seed)
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    # the run's memory plan (sharpcli.memory): estimators size themselves from it
+    plan = memory.activate(memory.MemoryPlan.for_run(max_memory, str(torch_device)))
 
     ckpt = load_checkpoint(
         checkpoint,
@@ -741,7 +806,15 @@ def build_session(
         raise UsageError(
             f"the checkpoint {checkpoint} names no dataset; pass `data`", source="data"
         )
-    dataset = _load_data(data_spec, label_column, checkpoint if data is None else None)
+    dataset = _load_data(
+        data_spec,
+        label_column,
+        checkpoint if data is None else None,
+        x_key=x_key,
+        y_key=y_key,
+        shift_labels=shift_labels,
+        trust_pickle=trust_pickle,
+    )
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
@@ -753,9 +826,12 @@ def build_session(
     if output is None:
         output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
+    attach_keyword_inputs(model, dataset.input_keys)  # model(**batch) (sharpcli.models.outputs)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
+    if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
+        notes += release_padding_rows(model)
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
@@ -763,8 +839,12 @@ def build_session(
         model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
+    plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
     if curvature:  # the analysis differentiates the model twice
-        check_second_derivatives(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss, source=checkpoint)
+        with plan.hold("second-derivative self-check", self_check_bytes(model)):
+            check_second_derivatives(
+                model, x[: self_check_samples(model)], y, loss, source=checkpoint
+            )
         notes += altered_derivative_notes(model)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
     return Session(

@@ -198,7 +198,7 @@ CASES = [
         "data-npz-without-x",
         ("eigen", "$own", "--data", "$nox_npz"),
         2,
-        ("$nox_npz", "1 unexpected key(s)"),  # counted: a key is file content, never quoted
+        ("$nox_npz", "keys found: features, y", "--x-key"),  # plain names: what --x-key takes
     ),
     C(
         "data-length-mismatch",

@@ -158,7 +158,7 @@ CASES = [
         "metadata-npz-secret-key",
         ("eigen", "$meta_secret_key"),
         2,
-        ("$secret_key", "1 unexpected key(s)"),
+        ("$secret_key", "1 key(s) besides x, y", "1 key(s) not shown"),
         HIDDEN,
     ),
     C(

@@ -621,15 +621,15 @@ def test_pt_with_pickled_code_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "arrays,message",
     [
-        ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "1 unexpected key(s)"),
-        ({"x": np.ones((2, 2))}, "has no y (keys found: x)"),
+        ({"X": np.ones((2, 2)), "y": np.zeros(2, np.int64)}, "keys found: X, y"),
+        ({"x": np.ones((2, 2))}, "has no label key (y, labels, label); keys found: x"),
         (
             {"x": np.ones((3, 2)), "y": np.zeros(2, np.int64)},
             "y has 2 labels but the features have 3 rows",
         ),
         (
             {"x": np.ones((2, 2)), "y": np.zeros(2, np.int64), "x_test": np.ones((1, 2))},
-            "has x_test but no y_test",
+            "has test key(s) x_test but not y_test",
         ),
         (
             {
@@ -879,8 +879,11 @@ def test_every_format_record_is_complete_and_routes_in_order():
         "safetensors",
         "pt",
         "npz",
+        "npy",
+        "arrow",
         "csv",
         "parquet",
+        "hf-dataset",
         "cifar10-python",
         "cifar10-binary",
         "cifar100-binary",
@@ -922,7 +925,7 @@ def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
     error = expect_error(
         InputError, str(text), "unknown data file extension '.txt'", load_dataset, str(text)
     )
-    assert "accepted: .safetensors, .pt, .pth, .npz, .csv, .parquet" in error.message
+    assert "accepted: .safetensors, .pt, .pth, .npz, .npy, .arrow, .csv, .parquet" in error.message
     assert "cifar10-python" in error.message and "mnist-idx" in error.message
     error = expect_error(
         UsageError,
@@ -931,11 +934,14 @@ def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
         load_dataset,
         {"kind": "file", "path": str(tmp_path), "format": "cifar"},
     )
-    assert "accepted: safetensors, pt, npz, csv, parquet, cifar10-python" in error.message
+    assert (
+        "accepted: safetensors, pt, npz, npy, arrow, csv, parquet, hf-dataset, cifar10"
+        in error.message
+    )
     expect_error(
         InputError,
         str(tmp_path),
-        "expected a layout of: cifar10-python",
+        "expected a layout of: hf-dataset, cifar10-python",
         load_dataset,
         str(tmp_path),
     )

@@ -37,12 +37,15 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
 
 def curvature_pass(session, params: str | None):
     """One shared pass (H and G products with cached graphs) over the session's analysis set."""
+    from sharpcli import memory
     from sharpcli.curvature import CurvaturePass
 
     scope = session.scope(params)
-    return CurvaturePass(
+    cpass = CurvaturePass(
         session.model, session.analysis_data(), scope, cache_bytes=session.cache_bytes
     )
+    cpass.plan_memory(memory.current())
+    return cpass
 
 
 def operator_of(cpass, operator: str):
@@ -288,6 +291,7 @@ def gn_nme(
     params: str | None = None,
     seed: int | None = None,
     label_samples: int = 4,
+    ggn_estimator: str = "auto",
 ) -> dict:
     """The NME paper's split (section 2): for H, G and N the trace (+- stderr), the largest and
     smallest eigenvalue and ``Tr(A^2)``; the NME share ``tr(N)/tr(H)`` and ``||N||_F/||H||_F``;
@@ -296,7 +300,8 @@ def gn_nme(
 
     Traces and ``Tr(A^2)`` come from shared probes and joint H/G products
     (:func:`sharpcli.curvature.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
-    for the estimates."""
+    for the estimates. ``ggn_estimator`` picks the cross-checks of tr(G)
+    (:func:`ggn_check_plan`)."""
     from sharpcli.curvature import exact_ggn_trace, sampled_label_ggn_trace
     from sharpcli.curvature.split import gn_nme_split
 
@@ -334,11 +339,15 @@ def gn_nme(
     out["nme_frobenius_ratio"] = (
         math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"]) if h["frobenius_sq"] else None
     )
-    # tr(G) three ways: exact (every registered loss has a square-root factor of H_z), by label
-    # sampling (NME eq. 20; cross-entropy and mse), and the shared probes' Hutchinson estimate
+    # tr(G) up to three ways: exact (every registered loss has a square-root factor of H_z),
+    # by label sampling (NME eq. 20; cross-entropy and mse on per-sample logit vectors), and
+    # the shared probes' Hutchinson estimate; which ones run is planned from their cost
     data = session.analysis_data()
-    checks = {"exact": exact_ggn_trace(session.model, data, cpass.scope).estimate}
-    if session.loss in ("cross-entropy", "mse"):
+    plan = ggn_check_plan(session, ggn_estimator)
+    checks: dict = {"estimators": plan["run"], "why": plan["why"]}
+    if "exact" in plan["run"]:
+        checks["exact"] = exact_ggn_trace(session.model, data, cpass.scope).estimate
+    if "sampled_label" in plan["run"]:
         sampled = sampled_label_ggn_trace(
             session.model,
             data,
@@ -355,6 +364,53 @@ def gn_nme(
     out["scope"] = scope_info(cpass.scope)
     out["matvecs"] = total_matvecs
     return out
+
+
+GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+EXACT_GGN_MAX_DIRECTIONS = 128  # backward passes per sample the exact tr(G) may take in `auto`
+
+
+def ggn_check_plan(session, ggn_estimator: str = "auto") -> dict:
+    """Which estimators of tr(G) :func:`gn_nme` runs, and why (``{"run": [...], "why": str}``).
+
+    The exact trace takes one backward pass per output direction of each sample: the C classes
+    of a classifier, ``T x V`` for a language model's T positions over a vocabulary of V. With
+    ``auto`` it runs only up to :data:`EXACT_GGN_MAX_DIRECTIONS` directions per sample; beyond
+    (token-level LMs, 1000-class heads) the sampled-label estimator ([NME] eq. 20, a few
+    backward passes per sample whatever C) runs where it applies (cross-entropy and mse on
+    per-sample logit vectors), and the shared probes' Hutchinson estimate of tr(G) always
+    does. ``exact`` forces the exact trace, ``sampled`` the sampled-label one, ``hutchinson``
+    neither.
+    """
+    check_choice(ggn_estimator, GGN_ESTIMATORS, "ggn_estimator")
+    per_sample = max(1, int(session.y[0].numel())) if session.loss == "cross-entropy" else 1
+    directions = int(session.num_outputs) * per_sample
+    sampled_ok = session.loss in ("cross-entropy", "mse") and per_sample == 1
+    if ggn_estimator == "exact":
+        return {"run": ["exact", "hutchinson"], "why": "`ggn_estimator=exact` asked"}
+    if ggn_estimator == "sampled":
+        if not sampled_ok:
+            raise UsageError(
+                "the sampled-label estimator needs cross-entropy or mse on one logit vector per "
+                "sample; use `ggn_estimator=hutchinson` or `exact`",
+                source="ggn_estimator",
+            )
+        return {"run": ["sampled_label", "hutchinson"], "why": "`ggn_estimator=sampled` asked"}
+    if ggn_estimator == "hutchinson":
+        return {"run": ["hutchinson"], "why": "`ggn_estimator=hutchinson` asked"}
+    if directions <= EXACT_GGN_MAX_DIRECTIONS:
+        run = ["exact", "sampled_label", "hutchinson"] if sampled_ok else ["exact", "hutchinson"]
+        return {"run": run, "why": f"{directions} output directions per sample: exact is cheap"}
+    run = ["sampled_label", "hutchinson"] if sampled_ok else ["hutchinson"]
+    return {
+        "run": run,
+        "why": (
+            f"the exact trace would take {directions:,} backward passes per sample (more than "
+            f"{EXACT_GGN_MAX_DIRECTIONS}); "
+            + ("sampled labels (NME eq. 20) and " if sampled_ok else "")
+            + "the shared probes' Hutchinson estimate ran instead; `ggn_estimator=exact` forces it"
+        ),
+    }
 
 
 def _layer_rows(out: dict) -> list[dict]:

@@ -36,6 +36,60 @@ def check_tracked(names: list[str]) -> list[str]:
     return names
 
 
+def measure(
+    cpass,
+    names: list[str],
+    *,
+    seed: int = 0,
+    tol: float = 5e-2,
+    max_matvecs: int = 200,
+    eigen_max_matvecs: int | None = None,
+) -> tuple[dict, int]:
+    """``(values, products)``: the quantities ``names`` (:data:`TRACKABLE`) of the curvature
+    pass ``cpass`` (model already in eval mode) and the curvature products they took.
+
+    Keys: ``lambda_max`` (Lanczos, residual tol 1e-3, at most ``eigen_max_matvecs`` products,
+    default ``min(P, 100)``), ``trace`` ([Hutch++]), ``frobenius_sq`` and ``ggn_trace``,
+    ``nme_trace``, ``nme_share`` (shared probes), the traces to relative standard error ``tol``
+    or ``max_matvecs`` products each.
+    """
+    from sharpcli.curvature import frobenius_sq, hutchpp, lanczos
+    from sharpcli.curvature.registry import GGN, HESSIAN, NME
+    from sharpcli.curvature.split import gn_nme_split
+
+    check_tracked(names)
+    out: dict = {}
+    products = 0
+    if "eigen" in names:
+        # only the eigenvalue is recorded: no product spent on an explicit residual
+        top = lanczos(
+            cpass.hessian(),
+            k=1,
+            tol=1e-3,
+            max_matvecs=eigen_max_matvecs,
+            seed=seed,
+            explicit_residuals=False,
+        )
+        out["lambda_max"] = top.eigenvalues[0]
+        products += top.matvecs
+    if "trace" in names:
+        result = hutchpp(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed)
+        out["trace"] = result.estimate
+        products += result.matvecs
+    if "frobenius" in names:
+        result = frobenius_sq(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed)
+        out["frobenius_sq"] = result.estimate
+        products += result.matvecs
+    if "gn-nme" in names:
+        split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        h = split.values[HESSIAN]["trace"]["estimate"]
+        out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
+        out["nme_trace"] = split.values[NME]["trace"]["estimate"]
+        out["nme_share"] = out["nme_trace"] / h if h else None
+        products += split.matvecs
+    return out, products
+
+
 def make_tracker(
     names: list[str],
     *,
@@ -44,13 +98,12 @@ def make_tracker(
     tol: float = 5e-2,
     max_matvecs: int = 200,
 ) -> Callable:
-    """``tracker(model, x, y, loss, epoch) -> dict`` of the tracked quantities."""
+    """``tracker(model, x, y, loss, epoch) -> dict`` of the tracked quantities (``sharp train
+    --track``); the in-memory tracker for one's own loop is :class:`sharpcli.Tracker`."""
     check_tracked(names)
 
     def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, hutchpp, lanczos
-        from sharpcli.curvature.registry import GGN, HESSIAN, NME
-        from sharpcli.curvature.split import gn_nme_split
+        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
 
         was_training = model.training
         model.eval()
@@ -60,28 +113,7 @@ def make_tracker(
                 AnalysisData(x, y, loss=loss, batch_size=batch_size),
                 ParamScope.resolve(model, None),
             )
-            out: dict = {}
-            if "eigen" in names:
-                # only the eigenvalue is recorded: no product spent on an explicit residual
-                top = lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed, explicit_residuals=False)
-                out["lambda_max"] = top.eigenvalues[0]
-            if "trace" in names:
-                out["trace"] = hutchpp(
-                    cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed
-                ).estimate
-            if "frobenius" in names:
-                from sharpcli.curvature import frobenius_sq
-
-                out["frobenius_sq"] = frobenius_sq(
-                    cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed
-                ).estimate
-            if "gn-nme" in names:
-                split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-                h = split.values[HESSIAN]["trace"]["estimate"]
-                out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
-                out["nme_trace"] = split.values[NME]["trace"]["estimate"]
-                out["nme_share"] = out["nme_trace"] / h if h else None
-            return out
+            return measure(cpass, names, seed=seed, tol=tol, max_matvecs=max_matvecs)[0]
         finally:
             model.train(was_training)
 

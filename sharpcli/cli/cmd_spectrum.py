@@ -237,6 +237,15 @@ def gn_nme_command(
             "--plot", metavar="PATH", help="Write a PNG of the per-layer H, G, N traces to PATH."
         ),
     ] = None,
+    ggn_estimator: Annotated[
+        str,
+        typer.Option(
+            "--ggn-estimator",
+            metavar="auto|exact|sampled|hutchinson",
+            help="Cross-checks of tr(G): auto runs the exact trace only where it is cheap "
+            "(<= 128 output directions per sample), else sampled labels (NME eq. 20).",
+        ),
+    ] = "auto",
 ) -> common.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
     from sharpcli.analyses import spectrum
@@ -247,7 +256,12 @@ def gn_nme_command(
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, "Gauss-Newton / NME split"):
         results = spectrum.gn_nme(
-            session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
+            session,
+            tol=tol,
+            eig_tol=eig_tol,
+            max_matvecs=max_matvecs,
+            params=params,
+            ggn_estimator=ggn_estimator,
         )
     if plot is not None:
         from sharpcli.report.plots import plot_gn_nme_layers
@@ -283,8 +297,10 @@ def gn_nme_command(
                 },
             )
         )
-        if results["ggn_trace_check"]:
-            console.print(key_value_table("tr(G) by each estimator", results["ggn_trace_check"]))
+        check = results["ggn_trace_check"]
+        numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
+        console.print(key_value_table("tr(G) by each estimator", numbers))
+        common.print_note(console, check["why"])
         console.print(records_table("per layer", results["layers"]))
 
     return common.Outcome(report, render)

@@ -92,6 +92,9 @@ def train_command(
         ),
     ] = "blobs",
     label_column: common.LabelColumnOpt = None,
+    x_key: common.XKeyOpt = None,
+    y_key: common.YKeyOpt = None,
+    shift_labels: common.ShiftLabelsOpt = None,
     epochs: Annotated[int, typer.Option("--epochs", help="Training epochs.")] = 5,
     batch_size: Annotated[
         int, typer.Option("--batch-size", help="Minibatch size of the optimizer steps.")
@@ -210,6 +213,7 @@ def train_command(
     dtype: common.DtypeOpt = "float32",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
+    max_memory: common.MaxMemoryOpt = None,
     threads: common.ThreadsOpt = None,
     debug: common.DebugOpt = False,
 ) -> None:
@@ -241,7 +245,7 @@ def train_command(
             output=output,
             penultimate=penultimate,
             model_args=margs,
-            data=data,
+            data=_data_spec(data, x_key, y_key, shift_labels),
             label_column=label_column,
             epochs=epochs,
             batch_size=batch_size,
@@ -277,6 +281,7 @@ def train_command(
                 resume=resume,
                 stop_after=stop_after,
                 tracker=tracker,
+                max_memory=max_memory,
                 stop_on_divergence=stop_on_divergence,
             )
         common.print_notes(result.notes, quiet)  # also in the report's data.notes
@@ -324,6 +329,16 @@ _HISTORY = {
     "grad_evals": "grad evals",
     "seconds": "seconds",
 }
+
+
+def _data_spec(data: str, x_key, y_key, shift_labels):
+    """``--data`` with ``--x-key``/``--y-key``/``--shift-labels`` folded into its spec dict (the
+    checkpoint stores it, so analyses of the trained model read the same arrays)."""
+    if x_key is None and y_key is None and shift_labels is None:
+        return data
+    from sharpcli.io.datasets import parse_data_spec
+
+    return parse_data_spec(data, x_key=x_key, y_key=y_key, shift_labels=shift_labels)
 
 
 def _divergence_warning(result) -> str | None:

@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
-from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger
+from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger, memory
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli import choices
 from sharpcli.cli.flags import spell_flags, to_cli_error
@@ -71,6 +71,34 @@ LabelColumnOpt = Annotated[
         "--label-column",
         metavar="NAME",
         help="Label column of a .csv/.parquet dataset (default 'label').",
+    ),
+]
+XKeyOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--x-key",
+        metavar="KEYS",
+        help="Input array(s) of a tensor file or Arrow/parquet data (default x, else keys named "
+        "after forward arguments: input_ids, attention_mask, pixel_values, ...); several are "
+        "passed to the model as keyword arguments.",
+    ),
+]
+YKeyOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--y-key",
+        metavar="KEY",
+        help="Label array of a tensor file or Arrow/parquet data (default y, labels or label); "
+        "for x.npy-style files the labels file's name.",
+    ),
+]
+ShiftLabelsOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--shift-labels",
+        help="Shift token labels: position t predicts token t+1 (Hugging Face's "
+        "labels=input_ids habit; labels equal to the inputs are refused without it).",
+        show_default=False,
     ),
 ]
 SplitOpt = Annotated[
@@ -148,7 +176,8 @@ OutputOpt = Annotated[
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
-        "--trust-pickle", help="Allow loading a pickled whole module (runs code from the file)."
+        "--trust-pickle",
+        help="Allow loading a pickled whole module or TensorDataset (runs code from the file).",
     ),
 ]
 CacheOpt = Annotated[
@@ -157,6 +186,15 @@ CacheOpt = Annotated[
         "--cache-mb",
         metavar="MB",
         help="Memory for cached first-order graphs (faster products); 0 recomputes them per product, bounding memory by one batch.",
+    ),
+]
+MaxMemoryOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        help="Memory budget, e.g. 8G or 512M (default: 80% of the memory free at the start, "
+        "or of the device's); sharp plans its run to fit it (docs/memory.md).",
     ),
 ]
 ThreadsOpt = Annotated[
@@ -199,6 +237,9 @@ class CommonOptions:
 
     data: str | None = _option(DataOpt, None)
     label_column: str | None = _option(LabelColumnOpt, None)
+    x_key: str | None = _option(XKeyOpt, None)
+    y_key: str | None = _option(YKeyOpt, None)
+    shift_labels: bool | None = _option(ShiftLabelsOpt, None)
     split: str = _option(SplitOpt, "train")
     samples: int | None = _option(SamplesOpt, None)
     batch_size: int = _option(BatchSizeOpt, 256)
@@ -213,6 +254,7 @@ class CommonOptions:
     output: str | None = _option(OutputOpt, None)
     trust_pickle: bool = _option(TrustPickleOpt, False)
     cache_mb: int = _option(CacheOpt, 1024)
+    max_memory: str | None = _option(MaxMemoryOpt, None)
     threads: int | None = _option(ThreadsOpt, None)
     debug: bool = _option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
@@ -327,7 +369,13 @@ def _run_body(
 
             stack.enter_context(twice_differentiable())
         compute_start = time.perf_counter()
-        outcome = body()
+        try:
+            outcome = body()
+            plan = memory.active()
+            if plan is not None:  # what was planned beside what was measured
+                outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
+        finally:
+            memory.clear()  # the next command (in this process: tests, sweeps) plans anew
     end = time.perf_counter()
     started = _STATE.pop("started", None)  # set by cli.app.main for this command only
     timing = outcome.report.setdefault("timing", {})
@@ -405,6 +453,7 @@ def _failure_code(command: str, json_path: str | None, exc: BaseException) -> in
         if _STATE["debug"]:
             traceback.print_exception(exc)
         return interrupts.report(command, signum)
+    exc = memory.as_usage_error(exc) or exc  # an allocation that failed: exit 2, not 4
     if isinstance(exc, SharpError):
         return _report_error(command, json_path, exc).exit_code
     if isinstance(exc, NotImplementedError) and "derivative for" in str(exc):

@@ -46,8 +46,13 @@ problems) the iteration restarts with a fresh random vector orthogonal to Q and 
 dimension P, so multiplicities are found and every eigenvalue is exact; otherwise it stops
 and says so in ``breakdown``.
 
-Memory: the basis holds up to ``max_matvecs`` float64 P-vectors, ``8 P max_matvecs`` bytes
-(twice a float32 basis: 100 vectors of 10M parameters take 8 GB).
+Memory: the basis (:class:`~sharpcli.curvature.krylov.KrylovBasis`) grows one P-vector per
+step, stored in the products' dtype (4 P bytes a vector for a float32 model) while every
+scalar stays float64, up to what the run's memory plan allows (:mod:`sharpcli.memory`).
+When it is full the iteration is thick-restarted [Wu2000]: it keeps the wanted Ritz vectors
+(about half the basis), continues from the last residual direction, and its Lanczos
+relation, Ritz estimates and explicit residuals keep their meaning, so a restarted result
+carries the same certificate as an unrestarted one.
 
 Warm start (``warm_start``). How fast the top Ritz value converges depends on the start
 vector q_1 through its angle phi_0 with the top eigenvector u_1; the Kaniel-Paige-Saad bound
@@ -90,7 +95,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sharpcli import progress
+from sharpcli import memory, progress
+from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import NumericalError, UsageError
 
@@ -142,6 +148,8 @@ class EigenResult:
     notes: list[str] = field(default_factory=list)
     eigenvectors: torch.Tensor | None = None
     warm_start: dict | None = None
+    restarts: int = 0
+    max_basis: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready dict (eigenvectors left out; ``warm_start`` only when there was one)."""
@@ -157,6 +165,8 @@ class EigenResult:
             "krylov_dim": self.krylov_dim,
             "breakdown": self.breakdown,
             "notes": list(self.notes),
+            "restarts": self.restarts,
+            "max_basis": self.max_basis,
         }
         if self.warm_start is not None:
             out["warm_start"] = dict(self.warm_start)
@@ -200,7 +210,7 @@ def tridiagonal_eigh(alphas, betas) -> tuple[np.ndarray, np.ndarray]:
 
 
 def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torch.Tensor:
-    """``A V`` for float64 ``V`` (a P-vector or a ``(P, k)`` block), returned in float64.
+    """``A V`` for ``V`` (a P-vector or a ``(P, k)`` block), returned in float64.
 
     The product itself runs in the operator's dtype (``V`` is rounded to it), as the model
     computes it; only the vectors around it are float64. A block goes through ``matmat``
@@ -209,40 +219,70 @@ def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torc
     """
     X = V.to(dtype=op.dtype, device=op.device)
     out = op.matvec(X) if X.dim() == 1 else op.matmat(X)
-    if not torch.isfinite(out).all():
+    del X
+    if not bool(torch.isfinite(out).all()):
         raise NumericalError(
             f"{getattr(op, 'name', 'operator')} product is not finite{where}", source=source
         )
     return out.to(_F64)
 
 
-def _unit_random(dim, generator, device, basis_rows=None):
-    """Seeded Gaussian unit vector (float64), orthogonal (CGS2) to the rows of ``basis_rows``."""
+def _unit_random(dim, generator, device, basis: KrylovBasis | None = None):
+    """Seeded Gaussian unit vector (float64), orthogonal (CGS2) to the rows of ``basis``."""
     q = gaussian_like(dim, generator, _F64, device)
-    if basis_rows is not None and basis_rows.shape[0] > 0:
-        for _ in range(2):
-            q = q - basis_rows.T @ (basis_rows @ q)
+    if basis is not None and len(basis) > 0:
+        basis.orthogonalize(q)
     return q / torch.linalg.vector_norm(q)
 
 
-def _lanczos_step(op, basis: torch.Tensor, j: int, beta_prev: float):
-    """Step j of the recurrence on the float64 basis (rows ``q_0..q_j`` of ``basis`` filled).
+def _lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], step: int):
+    """One step of the recurrence from the basis's last row ``q_j``.
 
-    ``w = A q_j - alpha_j q_j - beta_{j-1} q_{j-1}`` with ``alpha_j = q_j^T A q_j``, then
-    ``w <- w - Q (Q^T w)`` twice (CGS2, ``Q = [q_0..q_j]``) and ``beta_j = ||w||``; the next
-    vector is ``w / beta_j``. ``beta_prev = 0`` (first step, or a restart) drops the
-    three-term part. Returns ``(alpha_j, beta_j, w)``.
+    ``w = A q_j - alpha_j q_j - sum_i T_ij q_i`` with ``alpha_j = q_j^T A q_j`` and the
+    couplings ``T_ij`` (``i < j``) of ``q_j`` to earlier rows (``beta_{j-1}`` alone in plain
+    Lanczos; every kept Ritz vector right after a thick restart), then
+    ``w <- w - Q (Q^T w)`` twice (CGS2) and ``beta_j = ||w||``; the next vector is
+    ``w / beta_j``. Returns ``(alpha_j, beta_j, w)``, all float64.
     """
-    q = basis[j]
-    w = apply_operator(op, q, source="lanczos", where=f" at Lanczos step {j}")
-    alpha = float(q @ w)
-    w = w - alpha * q
-    if j > 0 and beta_prev != 0.0:
-        w = w - beta_prev * basis[j - 1]
-    Q = basis[: j + 1]
-    for _ in range(2):
-        w = w - Q.T @ (Q @ w)
+    j = len(basis) - 1
+    # the stored row is what gets multiplied: no float64 copy of it is made (at 100M
+    # parameters each float64 temporary is 0.8 GB, and fresh pages cost system time)
+    w = apply_operator(op, basis.row(j), source="lanczos", where=f" at Lanczos step {step}")
+    alpha = basis.dot(j, w)
+    basis.axpy(w, j, alpha)
+    for i, value in coupling:
+        if value != 0.0:
+            basis.axpy(w, i, value)
+    basis.orthogonalize(w)
     return alpha, float(torch.linalg.vector_norm(w)), w
+
+
+def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Krylov basis is stored in: the products' own (float32 or float64), float32
+    for half-precision products (their rounding is too coarse to keep a basis orthonormal)."""
+    return op_dtype if op_dtype in (torch.float32, _F64) else torch.float32
+
+
+def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
+    """``(vectors, bytes)``: how many basis rows (at most ``steps``) the memory plan allows,
+    with the float64 work vectors of the recurrence and ``extra_vectors`` float64 P-vectors
+    (Ritz vectors) set aside; UsageError on ``max_memory`` when not even ``minimum`` fit."""
+    dim = op.shape[0]
+    per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
+    # float64 temporaries of a step (w, A q widened, the orthogonalisation's slices: 3 with
+    # the allocator's slack), A q and its input in the products' dtype, and the returned Ritz
+    # vectors with their explicit residuals' copies
+    work = dim * (8 * (3 + 2 * extra_vectors) + 2 * torch.empty((), dtype=op.dtype).element_size())
+    plan = memory.current()
+    fit = plan.count_that_fit(per_vector, reserve=work)
+    if fit < minimum:
+        plan.require(
+            f"a Krylov basis of {minimum} vectors of {dim:,} parameters",
+            minimum * per_vector + work,
+            lower,
+        )
+    vectors = min(int(steps), fit)
+    return vectors, vectors * per_vector + work
 
 
 def lanczos_tridiagonal(
@@ -253,6 +293,7 @@ def lanczos_tridiagonal(
     keep_basis: bool = False,
     run: progress.Run | None = None,
     done: int = 0,
+    window: int | None = None,
 ):
     """``steps`` Lanczos steps with full reorthogonalisation from ``start`` (normalised here).
 
@@ -261,27 +302,47 @@ def lanczos_tridiagonal(
     ``op.dtype`` (module docstring). Stops early at a breakdown (invariant subspace).
     Used by stochastic Lanczos quadrature (:mod:`sharpcli.curvature.density`), which passes
     its progress ``run``: each step reports ``done`` + the steps so far as its matvecs.
+
+    ``window``: reorthogonalise against the last ``window`` vectors only (default: as many as
+    the memory plan allows, all ``steps`` when they fit). The quadrature's nodes and weights
+    stay accurate without full orthogonality ([GolubMeurant2010] on Gauss
+    quadrature from the Lanczos recurrence); copies of converged Ritz values appear as nodes
+    that share their weight. ``keep_basis`` needs the whole basis.
     """
     dim = op.shape[0]
     steps = min(steps, dim)
-    basis = torch.zeros(steps, dim, dtype=_F64, device=op.device)  # rows q_j: contiguous
+    lower = "lower `steps` (Lanczos steps per probe)"
+    if window is None:
+        window, held = _basis_room(op, steps, minimum=1 if not keep_basis else steps, lower=lower)
+    else:
+        window = max(1, min(int(window), steps))
+        held = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), window) + 5 * 8 * dim
     q = start.to(dtype=_F64, device=op.device).reshape(-1)
     q = q / torch.linalg.vector_norm(q)
     alphas, betas = [], []
     scale = 0.0
     eps = torch.finfo(op.dtype).eps  # breakdown is judged at the products' rounding level
-    for j in range(steps):
-        basis[j] = q
-        alpha, beta, w = _lanczos_step(op, basis, j, betas[-1] if j else 0.0)
-        alphas.append(alpha)
-        betas.append(beta)
-        if run is not None:
-            run.update(done + j + 1)
-        scale = max(scale, abs(alpha), beta)
-        if beta <= 100 * eps * scale:
-            break
-        q = w / beta
-    return alphas, betas, (basis[: len(alphas)].T if keep_basis else None)
+    basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
+    with memory.current().hold("lanczos basis", held):
+        for j in range(steps):
+            if len(basis) == window:  # keep the newest window - 1 rows, in order
+                keep = torch.eye(window, dtype=_F64)[:, 1:]
+                basis.rotate(keep)
+            basis.append(q)
+            coupling = [(len(basis) - 2, betas[-1])] if j and len(basis) > 1 else []
+            alpha, beta, w = _lanczos_step(op, basis, coupling, j)
+            alphas.append(alpha)
+            betas.append(beta)
+            if run is not None:
+                run.update(done + j + 1)
+            scale = max(scale, abs(alpha), beta)
+            if beta <= 100 * eps * scale:
+                break
+            q = w / beta
+        kept = None
+        if keep_basis:
+            kept = basis.combine(torch.eye(len(basis), dtype=_F64))
+    return alphas, betas, kept
 
 
 def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes):
@@ -489,14 +550,17 @@ def lanczos(
     warm_start=None,
     warm_fraction: float = DEFAULT_WARM_FRACTION,
     warm_steps: int | None = None,
+    max_basis: int | None = None,
 ) -> EigenResult:
     """Top-``k`` ``largest``, ``smallest`` or ``both`` (k of each end) eigenvalues of symmetric ``op``.
 
     ``op`` needs ``shape``, ``dtype``, ``device``, ``matvec`` (and ``matmat`` for explicit
     residuals). The start vector is a seeded Gaussian (``seed``) unless ``start`` is given.
-    The Krylov dimension is at most ``min(P, max_matvecs)`` (default ``min(P, 100)``); memory
-    is that many float64 P-vectors (2x a float32 basis). When P < k all P eigenvalues are
-    returned.
+    ``max_matvecs`` (default 100) bounds the products. The basis grows one vector per product
+    in the products' dtype (:class:`~sharpcli.curvature.krylov.KrylovBasis`) up to what the
+    run's memory plan (:mod:`sharpcli.memory`) allows, or ``max_basis`` when given; a basis
+    that reaches that size is thick-restarted ([Wu2000]) keeping the wanted Ritz vectors, with
+    the same residual certificate. When P < k all P eigenvalues are returned.
 
     ``explicit_residuals``: report ``||A u - theta u||`` computed with one more product per
     returned pair (counted in ``matvecs``, beyond ``max_matvecs``; ``krylov_dim`` stays the
@@ -514,70 +578,74 @@ def lanczos(
     dim = op.shape[0]
     if max_matvecs is not None and int(max_matvecs) < 1:
         raise UsageError(f"max matvecs must be >= 1, got {max_matvecs}", source="max_matvecs")
+    if max_basis is not None and int(max_basis) < 1:
+        raise UsageError(f"max basis must be >= 1, got {max_basis}", source="max_basis")
     if explicit_residuals is None:
         explicit_residuals = op.dtype != _F64
-    limit = min(dim, int(max_matvecs) if max_matvecs is not None else DEFAULT_MAX_MATVECS)
+    budget = int(max_matvecs) if max_matvecs is not None else DEFAULT_MAX_MATVECS
     want = min(int(k), dim)
+    wanted = min(dim, want * (2 if which == "both" else 1))
+    returned = wanted if (return_eigenvectors or explicit_residuals) else 0
+    # a thick restart keeps the wanted Ritz vectors and needs room for at least two more
+    room, held = _basis_room(
+        op,
+        min(dim, budget),
+        extra_vectors=returned,
+        minimum=min(dim, budget, wanted + 2),
+        lower="lower `top_k`, `batch_size` or `cache_mb`",
+    )
+    if max_basis is not None:
+        room = min(room, int(max_basis))
+    restarting = room < min(dim, budget)
+    limit = budget if restarting else min(dim, budget)  # products; restarts may pass dim
+    if restarting and room < wanted + 2:
+        raise UsageError(
+            f"a thick restart keeps the {wanted} wanted Ritz vectors and needs room for two "
+            f"more, but `max_basis` is {room}; raise it or lower `top_k`",
+            source="max_basis",
+        )
+    plan = memory.current()
+    if restarting and max_basis is None:
+        plan.note(
+            f"Krylov basis limited to {room} vectors by the memory budget: thick-restarted Lanczos"
+        )
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.finfo(op.dtype).eps  # rounding level of the products, not of the recurrence
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
-    basis = torch.zeros(limit, dim, dtype=_F64, device=op.device)  # rows q_j: contiguous
     run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
-    history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
-    alphas: list[float] = []
-    betas: list[float] = []  # betas[j] couples step j and j+1; 0 after a restart
-    matvecs = 0
-    breakdown = None
-    exhaust = False  # after a breakdown on a problem that fits: run to dimension P
-    scale = 0.0
+    with plan.hold("krylov basis", held):
+        basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
+        basis.append(q)
+        del q  # the basis holds it (in the products' dtype)
+        state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
+    breakdown = state["breakdown"]
     notes: list[str] = []
-    for j in range(limit):
-        basis[j] = q
-        alpha, beta, w = _lanczos_step(op, basis, j, betas[-1] if j else 0.0)
-        matvecs += 1
-        alphas.append(alpha)
-        theta, S = tridiagonal_eigh(alphas, betas)
-        scale = max(scale, float(np.abs(theta).max()), abs(alpha))
-        exact_level = 100 * eps * max(scale, np.finfo(np.float64).tiny)
-        residuals = beta * np.abs(S[-1, :])
-        idx = _select(theta, which, want)
-        converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
-        m = j + 1
-        if not run.finished:
-            _report_step(run, matvecs, theta[idx], residuals[idx], which, tol, history, limit)
-        if m == dim:
-            break
-        broke = beta <= exact_level
-        if broke:
-            if limit == dim:
-                exhaust = True
-                if breakdown is None:
-                    breakdown = (
-                        f"invariant subspace after {m} steps; restarted to reach dimension {dim}"
-                    )
-                betas.append(0.0)
-                q = _unit_random(dim, generator, op.device, basis[:m])
-                continue
-            breakdown = (
-                f"invariant subspace after {m} steps: Ritz values are exact eigenvalues, "
-                "repeated eigenvalues may appear once"
-            )
-            break
-        if converged.all() and not exhaust:
-            break
-        betas.append(beta)
-        q = w / beta
-    m = len(alphas)
-    if m < dim and m == limit and not converged.all():
+    theta, S, idx, converged, residuals = (
+        state["theta"],
+        state["S"],
+        state["idx"],
+        state["converged"],
+        state["residuals"],
+    )
+    exact_level, matvecs, basis = state["exact_level"], state["matvecs"], state["basis"]
+    m = len(basis)
+    if not converged.all() and matvecs >= limit and not state["complete"]:
         notes.append(
             f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged"
+        )
+    if state["restarts"]:
+        notes.append(
+            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory budget), "
+            f"{state['restarts']} restart(s)"
         )
     values = theta[idx]
     vectors = None
     if return_eigenvectors or explicit_residuals:
-        vectors = basis[:m].T @ torch.as_tensor(S[:, idx].copy(), dtype=_F64, device=op.device)
+        vectors = basis.combine(torch.as_tensor(S[:, idx].copy(), dtype=_F64))
+    restarts = state["restarts"]
+    del basis, state
     reported = residuals[idx]
     if explicit_residuals:
         reported, converged = _explicit_residuals(
@@ -601,6 +669,8 @@ def lanczos(
         tol=float(tol),
         krylov_dim=m,
         breakdown=breakdown,
+        restarts=int(restarts),
+        max_basis=int(room),
         notes=notes,
         warm_start=warm_info,
     )
@@ -608,6 +678,111 @@ def lanczos(
         result.eigenvectors = vectors
     run.finish(matvecs, **_reported_numbers(result.eigenvalues, result.residuals, which))
     return result
+
+
+def _keep_after_restart(theta: np.ndarray, which: str, want: int, size: int) -> np.ndarray:
+    """Indices (into ascending ``theta``) of the Ritz vectors a thick restart keeps: the wanted
+    end(s) of the spectrum, about half the basis and at least the wanted ones, leaving room
+    for two new vectors ([Wu2000] keep about half)."""
+    keep = min(size - 2, max(want * (2 if which == "both" else 1), size // 2))
+    if which == "largest":
+        return np.arange(size - keep, size)
+    if which == "smallest":
+        return np.arange(0, keep)
+    low = max(want, keep // 2)
+    high = max(want, keep - low)
+    return np.union1d(np.arange(0, low), np.arange(size - high, size))
+
+
+def _extend_projection(T: np.ndarray, alpha: float, coupling) -> np.ndarray:
+    """The projected matrix with a new last row/column: ``alpha`` on the diagonal and the
+    couplings ``T_ij`` of the new vector to earlier rows."""
+    m = T.shape[0]
+    out = np.zeros((m + 1, m + 1))
+    out[:m, :m] = T
+    out[m, m] = alpha
+    for i, value in coupling:
+        out[i, m] = out[m, i] = value
+    return out
+
+
+def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) -> dict:
+    """The Lanczos iteration of :func:`lanczos` with full reorthogonalisation, thick-restarted
+    whenever the basis reaches ``room`` rows ([Wu2000]).
+
+    Plain steps keep ``T`` tridiagonal. A restart keeps the Ritz pairs
+    ``(theta_i, y_i = Q s_i)`` of the wanted end(s) (:func:`_keep_after_restart`), continues
+    from ``q_{m+1} = w / beta_m`` and couples it to each kept vector by ``beta_m s_{m,i}``:
+    ``A Y = Y diag(theta) + beta_m q_{m+1} s_m^T`` holds exactly as the Lanczos relation did,
+    so the Ritz estimate ``beta |e_m^T s|`` and the explicit residuals mean the same after a
+    restart. The projected matrix is then arrowhead plus tridiagonal, kept dense (it is tiny).
+    """
+    dim = op.shape[0]
+    T = np.zeros((0, 0))
+    coupling: list[tuple[int, float]] = []
+    history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
+    matvecs = restarts = 0
+    breakdown = None
+    exhaust = False  # after a breakdown on a problem that fits: run to dimension P
+    complete = False
+    scale = 0.0
+    while True:
+        alpha, beta, w = _lanczos_step(op, basis, coupling, matvecs)
+        matvecs += 1
+        T = _extend_projection(T, alpha, coupling)
+        theta, S = torch.linalg.eigh(torch.from_numpy(T))
+        theta, S = theta.numpy(), S.numpy()
+        scale = max(scale, float(np.abs(theta).max()), abs(alpha))
+        exact_level = 100 * eps * max(scale, np.finfo(np.float64).tiny)
+        residuals = beta * np.abs(S[-1, :])
+        idx = _select(theta, which, want)
+        converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
+        m = len(basis)
+        if not run.finished:
+            _report_step(run, matvecs, theta[idx], residuals[idx], which, tol, history, limit)
+        if m == dim:
+            complete = True
+            break
+        if beta <= exact_level:
+            if room >= dim and limit == dim:
+                exhaust = True
+                if breakdown is None:
+                    breakdown = (
+                        f"invariant subspace after {m} steps; restarted to reach dimension {dim}"
+                    )
+                coupling = []
+                basis.append(_unit_random(dim, generator, op.device, basis))
+                continue
+            breakdown = (
+                f"invariant subspace after {m} steps: Ritz values are exact eigenvalues, "
+                "repeated eigenvalues may appear once"
+            )
+            break
+        if (converged.all() and not exhaust) or matvecs >= limit:
+            break
+        w.div_(beta)
+        if m == room:  # thick restart: keep the wanted Ritz vectors, continue from w / beta
+            keep = _keep_after_restart(theta, which, want, m)
+            basis.rotate(torch.from_numpy(S[:, keep].copy()))
+            T = np.diag(theta[keep])
+            coupling = [(i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
+            restarts += 1
+        else:
+            coupling = [(m - 1, beta)]
+        basis.append(w)
+    return {
+        "theta": theta,
+        "S": S,
+        "idx": idx,
+        "converged": converged,
+        "residuals": residuals,
+        "exact_level": exact_level,
+        "matvecs": matvecs,
+        "basis": basis,
+        "restarts": restarts,
+        "breakdown": breakdown,
+        "complete": complete,
+    }
 
 
 _QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
@@ -660,8 +835,10 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
     subtraction and the norms are float64, so the result is the residual of the vector the
     operator actually multiplied (``u_i`` rounded to ``op.dtype``) up to float64 rounding.
     """
-    U = eigenvectors.to(dtype=op.dtype, device=op.device).to(_F64)
-    AU = apply_operator(op, U, source="lanczos", where=" in the residual check")
+    U = eigenvectors.to(dtype=op.dtype, device=op.device)
+    R = apply_operator(op, U, source="lanczos", where=" in the residual check")
     lam = torch.as_tensor(list(eigenvalues), dtype=_F64, device=U.device)
-    R = AU - U * lam
-    return (torch.linalg.vector_norm(R, dim=0) / torch.linalg.vector_norm(U, dim=0)).tolist()
+    R.sub_(U * lam.to(U.dtype)) if U.dtype == _F64 else R.addcmul_(U, -lam)
+    return (
+        torch.linalg.vector_norm(R, dim=0) / torch.linalg.vector_norm(U, dim=0, dtype=_F64)
+    ).tolist()

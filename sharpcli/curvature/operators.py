@@ -240,6 +240,38 @@ class CurvaturePass:
                     graph.cached = True
             yield index, graph
 
+    def plan_memory(self, plan) -> None:
+        """Count this pass in the run's memory plan (:mod:`sharpcli.memory`) before any product.
+
+        Builds the first batch's first-order graph (kept in the cache when it fits, so it is
+        not wasted) and measures its bytes ``b``; a product holds that graph and about as much
+        again for the double backward, ``2 b`` (measured on MLPs and ResNet-18), and the cache holds up to
+        ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
+        is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
+        hold one batch's product is a UsageError on ``max_memory``.
+        """
+        batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
+        graph_bytes = 0
+        for _, graph in self._graphs():
+            graph_bytes = graph.nbytes
+            break
+        workspace = 2 * graph_bytes
+        plan.require(
+            "one batch's Hessian product (its first-order graph and double backward)",
+            workspace - (graph_bytes if self._cache else 0),
+            "lower `batch_size`",
+        )
+        plan.reserve("product workspace (one batch)", workspace)
+        wanted = min(self.cache_bytes, batches * graph_bytes)
+        room = max(0, plan.room() // 2)
+        if wanted > room:
+            self.cache_bytes = int(room)
+            if self._cached_bytes > self.cache_bytes:
+                self.clear_cache()
+            plan.note(f"graph cache lowered to {room >> 20} MiB by the memory budget")
+            wanted = room
+        plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
+
     # ----------------------------------------------------------------- products
     def _flat(self, tensors, like_index=None) -> torch.Tensor:
         scope = self.scope

@@ -20,10 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharpcli import progress
+from sharpcli import memory, progress
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
-from sharpcli.curvature.trace import _check_budget, _mean_stderr, _report_probes, _segment_sums
+from sharpcli.curvature.trace import (
+    _check_budget,
+    _mean_stderr,
+    _report_probes,
+    _segment_sums,
+    probe_block,
+)
 
 QUANTITIES = ("trace", "frobenius_sq")
 
@@ -58,29 +64,36 @@ def gn_nme_split(
     rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
     matvecs = 0
     converged = False
-    run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
-    while matvecs < int(max_matvecs):
-        k = min(int(block_size), int(max_matvecs) - matvecs)
-        V = rademacher_like(scope.numel, generator, scope.dtype, scope.device, k)
-        HV, GV = cpass.hessian_and_ggn_matmat(V)
-        NV = HV - GV
-        matvecs += k
-        for name, AV in zip(SPLIT, (HV, GV, NV)):
-            rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
-            rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)
-        n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
-        if n >= min_samples:
-            ok = True
-            for name in (HESSIAN, GGN):
-                mean, stderr = _mean_stderr(torch.cat(rows[(name, "trace")]))
-                ok = ok and bool(stderr[0] <= tol * abs(mean[0]))
-            if ok:
-                converged = True
-                break
-        if run.finished:  # nobody listens
-            continue
-        mean, stderr = _mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
-        _report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
+    # probe, H v, G v, N v and one elementwise product per column
+    columns, held = probe_block(cpass.hessian(), block_size, vectors=5, what="H,G,N split")
+    with memory.current().hold("probe block", held + scope.numel * int(block_size)):
+        run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
+        while matvecs < int(max_matvecs):
+            k = min(int(block_size), int(max_matvecs) - matvecs)
+            # drawn together whatever the budget: the same seed gives the same probes
+            signs = rademacher_like(scope.numel, generator, torch.int8, "cpu", k)
+            for first in range(0, k, columns):
+                V = signs[:, first : first + columns].to(dtype=scope.dtype, device=scope.device)
+                HV, GV = cpass.hessian_and_ggn_matmat(V)
+                NV = HV - GV
+                for name, AV in zip(SPLIT, (HV, GV, NV)):
+                    rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
+                    rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)
+                del V, HV, GV, NV
+            matvecs += k
+            n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
+            if n >= min_samples:
+                ok = True
+                for name in (HESSIAN, GGN):
+                    mean, stderr = _mean_stderr(torch.cat(rows[(name, "trace")]))
+                    ok = ok and bool(stderr[0] <= tol * abs(mean[0]))
+                if ok:
+                    converged = True
+                    break
+            if run.finished:  # nobody listens
+                continue
+            mean, stderr = _mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
+            _report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     for name in SPLIT:
         out.values[name] = {}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sharpcli import progress
+from sharpcli import memory, progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.scope import ParamScope, rademacher_like
@@ -127,6 +127,26 @@ def _check_budget(tol, max_matvecs, block_size):
         raise ValueError("block_size must be >= 1")
 
 
+def probe_block(op, block_size: int, *, vectors: int, what: str) -> tuple[int, int]:
+    """``(columns, bytes)``: the probe block the run's memory plan allows, at most
+    ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
+    product, their elementwise product) and one float64 P-vector (the per-layer sums);
+    UsageError on ``max_memory`` when not even one column fits."""
+    dim = op.shape[0]
+    itemsize = torch.empty((), dtype=op.dtype).element_size()
+    per_column = dim * (itemsize * int(vectors) + 8)
+    plan = memory.current()
+    fit = plan.count_that_fit(per_column)
+    if fit < 1:
+        plan.require(
+            f"{what}: one probe and its product", per_column, "lower `batch_size` or `cache_mb`"
+        )
+    columns = min(int(block_size), fit)
+    if columns < int(block_size):
+        plan.note(f"{what}: blocks of {columns} probes (not {block_size}) to fit the memory budget")
+    return columns, columns * per_column
+
+
 def _layer_dict(names, mean, stderr, offset=None):
     out = {}
     for i, name in enumerate(names):
@@ -144,14 +164,24 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     matvecs = 0
     converged = False
     name = "tr" if quantity == "trace" else "Tr(A^2)"
-    with progress.start("hutchinson", total=max_matvecs, quantity=name) as run:
+    columns, held = probe_block(op, block_size, vectors=3, what="Hutchinson")
+    with (
+        memory.current().hold("probe block", held + dim * int(block_size)),
+        progress.start("hutchinson", total=max_matvecs, quantity=name) as run,
+    ):
         while matvecs < int(max_matvecs):
             k = min(int(block_size), int(max_matvecs) - matvecs)
-            G = rademacher_like(dim, generator, op.dtype, op.device, k)
-            AG = op.matmat(G)
+            # the probes of a block are drawn together whatever the memory budget, so the
+            # same seed gives the same probes when the block is multiplied in smaller pieces
+            signs = rademacher_like(dim, generator, torch.int8, "cpu", k)
+            for first in range(0, k, columns):
+                G = signs[:, first : first + columns].to(dtype=op.dtype, device=op.device)
+                AG = op.matmat(G)
+                values = G * AG if quantity == "trace" else AG * AG
+                rows.append(_segment_sums(values, blocks).T)
+                del G, AG, values
+            del signs
             matvecs += k
-            values = G * AG if quantity == "trace" else AG * AG
-            rows.append(_segment_sums(values, blocks).T)
             samples = torch.cat(rows)
             mean, stderr = _mean_stderr(samples)
             if samples.shape[0] >= min_samples and stderr[0] <= tol * abs(mean[0]):
@@ -405,9 +435,59 @@ def _hutchpp(
     blocks = _blocks_of(op, blocks)
     dim = op.shape[0]
     budget = int(max_matvecs)
+    columns, held = probe_block(op, block_size, vectors=3, what="Hutch++")
+    per_vector = dim * torch.empty((), dtype=op.dtype).element_size()
+    plan = memory.current()
+    # half the room for the sketch (Q and AQ), half for the probes stored while it grows
+    sketch_room = plan.count_that_fit(2 * per_vector, reserve=held) // 2
+    cap = max(0, min(dim, int(max_sketch), budget // 3))
+    if columns < int(block_size) or sketch_room < min(cap, max(1, int(initial_sketch))):
+        plan.note("Hutch++: the sketch does not fit the memory budget; plain Hutchinson ran")
+        return _hutchinson_fallback(
+            op, run, tol, budget, seed, block_size, min_samples, blocks, known
+        )
+    cap = min(cap, sketch_room)
+    with plan.hold("hutch++ sketch and stored probes", held + 4 * cap * per_vector):
+        return _hutchpp_loop(
+            op, run, tol, budget, seed, block_size, min_samples, initial_sketch, cap, blocks, known
+        )
+
+
+def _hutchinson_fallback(op, run, tol, budget, seed, block_size, min_samples, blocks, known):
+    """Hutch++'s result computed by plain Hutchinson (the sketch does not fit in memory)."""
+    run.finish(0)
+    mean, stderr, matvecs, n, converged = _probe_loop(
+        op,
+        "trace",
+        tol=tol,
+        max_matvecs=budget,
+        seed=seed,
+        block_size=block_size,
+        min_samples=min_samples,
+        blocks=blocks,
+    )
+    if known is not None:
+        mean = mean + known.to(torch.float64)
+    return TraceResult(
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=n,
+        estimator="hutchinson",
+        converged=converged,
+        tol=tol,
+        by_layer=_layer_dict(list(blocks), mean, stderr),
+        notes=["the Hutch++ sketch does not fit the memory budget: plain Hutchinson ran"],
+    )
+
+
+def _hutchpp_loop(
+    op, run, tol, budget, seed, block_size, min_samples, initial_sketch, cap, blocks, known
+) -> TraceResult:
+    """The adaptive Hutch++ iteration of :func:`hutchpp` with a sketch of at most ``cap``."""
+    dim = op.shape[0]
     generator = torch.Generator().manual_seed(int(seed))
     sketch = _Sketch(dim, op.dtype, op.device)
-    cap = max(0, min(dim, int(max_sketch), budget // 3))
     matvecs = 0
     first = min(int(initial_sketch), cap)
     if first > 0:

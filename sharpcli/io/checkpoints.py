@@ -86,7 +86,7 @@ class LoadedCheckpoint:
     data_spec: dict | None = None
     train_config: dict | None = None
     metrics: dict | None = None
-    origin: str = "sharpcli"  # sharpcli | state_dict | pickle
+    origin: str = "sharpcli"  # sharpcli | state_dict | pickle | huggingface
     # what loading did that the user should know (entry used, prefix stripped, dtype cast)
     notes: list[str] = field(default_factory=list)
 
@@ -729,6 +729,37 @@ def _is_torch_file(p: Path) -> bool:
     )
 
 
+def _load_hf_folder(p: Path, *, arch: str | None, model_factory: str | None) -> LoadedCheckpoint:
+    """A Hugging Face ``save_pretrained`` folder (:mod:`sharpcli.io.hf_models`); any other
+    folder is an InputError."""
+    from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
+
+    if not is_hf_model_folder(p):
+        raise InputError(
+            "is a folder, not a checkpoint file (a Hugging Face save_pretrained folder holds "
+            "config.json and model.safetensors)",
+            source=str(p),
+        )
+    if arch is not None or model_factory is not None:
+        option = "arch" if arch is not None else "model_factory"
+        raise UsageError(
+            "a Hugging Face folder builds its model from its config.json", source=option
+        )
+    weights = weights_file(p)
+    ledger.record_input(p / "config.json", "the checkpoint's config")
+    ledger.record_input(weights, "the checkpoint")
+    model, name = load_hf_model(p)
+    check_finite_weights(model, str(p))
+    return LoadedCheckpoint(
+        model=model,
+        path=str(p),
+        sha256=sha256_file(weights),
+        origin="huggingface",
+        model_spec={"name": HF_PREFIX + name, "args": {}},
+        notes=[f"{p}: built {name} with transformers from the folder (eager attention)"],
+    )
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -749,7 +780,7 @@ def load_checkpoint(
     if not p.exists():
         raise InputError("no such file", source=str(p))
     if p.is_dir():
-        raise InputError("is a folder, not a checkpoint file", source=str(p))
+        return _load_hf_folder(p, arch=arch, model_factory=model_factory)
     check_data_path(str(p))  # a FIFO or device would be read (hashed) forever
     ledger.record_input(p, "the checkpoint")
     suffix = p.suffix.lower()

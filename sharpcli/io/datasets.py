@@ -40,6 +40,7 @@ from sharpcli.io.datasets_builtin import (
 )
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
+from sharpcli.losses import IGNORE_INDEX
 
 __all__ = [
     "BUILTIN_ARGS",
@@ -73,16 +74,27 @@ def _parse_builtin_args(name: str, text: str) -> dict:
     return args
 
 
-def parse_data_spec(spec: str | dict, *, label_column: str | None = None) -> dict:
+def parse_data_spec(
+    spec: str | dict,
+    *,
+    label_column: str | None = None,
+    x_key: str | None = None,
+    y_key: str | None = None,
+    shift_labels: bool | None = None,
+) -> dict:
     """Turn a ``--data`` string or a spec dict into the complete dict form (without loading data).
 
     Built-in arguments are completed with their defaults and type-checked; a path is
     made absolute and its format detected (by extension, or by probing a directory
     for CIFAR/MNIST layouts). ``label_column`` fills the dict's ``label_column`` when
-    that is unset; a conflicting value raises ``UsageError(source="label_column")``.
+    that is unset; a conflicting value raises ``UsageError(source="label_column")``. ``x_key``,
+    ``y_key`` (the arrays of a tensor file or the columns of an Arrow table that are the
+    inputs and the labels, :mod:`sharpcli.io.datasets_keyed`) and ``shift_labels`` (the
+    causal-LM label convention, :func:`apply_label_convention`) fill the spec the same way.
     """
+    given = {"x_key": x_key, "y_key": y_key, "shift_labels": shift_labels}
     if isinstance(spec, dict):
-        return _normalise_dict(spec, label_column)
+        return _normalise_dict(spec, label_column, given)
     if not isinstance(spec, str):
         raise UsageError(
             f"a data spec is a string or a dict, got {type(spec).__name__}", source="spec"
@@ -94,18 +106,49 @@ def parse_data_spec(spec: str | dict, *, label_column: str | None = None) -> dic
     if name in BUILTIN_NAMES:
         if label_column is not None:
             raise UsageError(f"built-in {name!r} has no label column", source="label_column")
+        _no_file_options(name, given)
         args = _parse_builtin_args(name, rest) if sep else {}
         return {"kind": "builtin", "name": name, "args": resolve_builtin_args(name, args)}
-    return _normalise_dict({"kind": "file", "path": text}, label_column)
+    return _normalise_dict({"kind": "file", "path": text}, label_column, given)
 
 
-def _normalise_dict(spec: dict, label_column: str | None) -> dict:
+def _no_file_options(name, given: dict) -> None:
+    """UsageError for a file option (``x_key``, ``y_key``, ``shift_labels``) given with a built-in."""
+    for key, value in given.items():
+        if value is not None:
+            raise UsageError(f"applies to data files, not to built-in {name!r}", source=key)
+
+
+def _merge_given(spec: dict, given: dict) -> dict:
+    """``spec`` with the file options of the command line filled in (each must agree with the
+    spec's own value, as a checkpoint's stored spec may hold one)."""
+    merged = dict(spec)
+    for key, value in given.items():
+        if value is None:
+            continue
+        if merged.get(key) is not None and merged[key] != value:
+            raise UsageError(f"{value!r} contradicts the data spec's {merged[key]!r}", source=key)
+        merged[key] = value
+    for key in ("x_key", "y_key"):
+        if merged.get(key) is not None and (
+            not isinstance(merged[key], str) or not merged[key].strip()
+        ):
+            raise UsageError(f"must be a non-empty key name, got {merged[key]!r}", source=key)
+    shift = merged.get("shift_labels")
+    if shift is not None and not isinstance(shift, bool):
+        raise UsageError(f"spec 'shift_labels' must be true or false, got {shift!r}", source="spec")
+    return merged
+
+
+def _normalise_dict(spec: dict, label_column: str | None, given: dict | None = None) -> dict:
     """Check a dict spec and complete it (absolute path, detected format, full built-in args)."""
     kind = spec.get("kind")
+    given = given or {}
     if kind == "builtin":
+        _no_file_options(spec.get("name"), given)
         return _normalise_builtin(spec, label_column)
     if kind == "file":
-        return _normalise_file(spec, label_column)
+        return _normalise_file(_merge_given(spec, given), label_column)
     raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="spec")
 
 
@@ -129,7 +172,7 @@ def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
 
 def _normalise_file(spec: dict, label_column: str | None) -> dict:
     """The complete form of a file spec: absolute path, its format, the format's spec keys."""
-    unknown = sorted(set(spec) - {"kind", "path", "format", *optional_spec_keys()})
+    unknown = sorted(set(spec) - {"kind", "path", "format", "shift_labels", *optional_spec_keys()})
     if unknown:
         raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="spec")
     given_path = spec.get("path")
@@ -139,6 +182,8 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
     named = None if spec.get("format") is None else data_format(spec["format"])
     path, fmt = route(_existing_path(given_path), named)
     options = _format_options(fmt, spec, column)
+    if spec.get("shift_labels") is not None:
+        options["shift_labels"] = spec["shift_labels"]
     return {"kind": "file", "path": path, "format": fmt.name, "label_column": column, **options}
 
 
@@ -203,6 +248,10 @@ def load_dataset(
     spec: str | dict = DEFAULT_DATA,
     *,
     label_column: str | None = None,
+    x_key: str | None = None,
+    y_key: str | None = None,
+    shift_labels: bool | None = None,
+    trust_pickle: bool = False,
     what: str = "the `data` file",
 ) -> Dataset:
     """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
@@ -219,12 +268,85 @@ def load_dataset(
     whose targets are int64 class labels or float32 regression targets, checked for
     matching lengths, finiteness and non-emptiness. Raises ``InputError`` (bad file)
     or ``UsageError`` (bad spec or option); nothing else escapes for a bad input.
+
+    ``trust_pickle`` lets a ``.pt`` file holding a pickled ``TensorDataset`` be unpickled (it
+    runs code from the file); it is never stored in the spec, so a checkpoint naming such a
+    file needs it again. Token labels equal to the input ids are refused or shifted
+    (:func:`apply_label_convention`).
     """
-    full = parse_data_spec(spec, label_column=label_column)
+    full = parse_data_spec(
+        spec, label_column=label_column, x_key=x_key, y_key=y_key, shift_labels=shift_labels
+    )
     if full["kind"] == "builtin":
         return load_builtin(full["name"], full["args"])
     ledger.record_input(full["path"], what)
-    return data_format(full["format"]).read(full)
+    fmt = data_format(full["format"])
+    dataset = fmt.read({**full, "trust_pickle": True} if trust_pickle else full)
+    dataset.spec = full
+    return apply_label_convention(dataset, full.get("shift_labels"))
+
+
+def _token_ids(x: torch.Tensor, input_keys) -> torch.Tensor | None:
+    """The input token ids of ``x`` (``input_ids`` of keyword inputs), or None (float inputs)."""
+    if x.is_floating_point():
+        return None
+    if input_keys is None:
+        return x
+    if "input_ids" not in input_keys:
+        return None
+    return x if len(input_keys) == 1 else x[:, input_keys.index("input_ids")]
+
+
+def labels_equal_inputs(x: torch.Tensor, y: torch.Tensor, input_keys=None) -> bool:
+    """Whether token labels ``y`` (N, T) equal the input ids at every labelled position:
+    Hugging Face's causal-LM habit (``labels=input_ids``, the model shifts inside)."""
+    ids = _token_ids(x, input_keys)
+    if ids is None or y.is_floating_point() or y.ndim != 2 or ids.shape != y.shape:
+        return False
+    labelled = y != IGNORE_INDEX
+    return bool(labelled.any()) and bool((ids[labelled] == y[labelled]).all())
+
+
+def shift_token_labels(y: torch.Tensor) -> torch.Tensor:
+    """Labels for next-token prediction from labels aligned with the inputs: position ``t``
+    gets label ``t + 1``, the last position ``-100`` (what a Hugging Face causal LM does with
+    ``labels=input_ids``: ``logits[:, :-1]`` against ``labels[:, 1:]``)."""
+    shifted = torch.full_like(y, IGNORE_INDEX)
+    shifted[:, :-1] = y[:, 1:]
+    return shifted
+
+
+def apply_label_convention(dataset: Dataset, shift_labels: bool | None) -> Dataset:
+    """Token labels and the causal-LM convention (``--shift-labels``).
+
+    ``shift_labels`` True: every split's ``(N, T)`` labels are shifted
+    (:func:`shift_token_labels`). False: labels are used as given. None (the default): labels
+    equal to the input ids (:func:`labels_equal_inputs`) are refused with an ``InputError``
+    saying what to do, since a model that predicts position ``t`` from tokens ``<= t`` would
+    be analysed against its own input (lambda_max 134 instead of 8.6 on a tiny GPT-2).
+    """
+    if shift_labels is True:
+        if dataset.y_train.ndim != 2 or dataset.y_train.is_floating_point():
+            raise UsageError(
+                "needs token labels (N, T), one per position; these labels are "
+                f"{tuple(dataset.y_train.shape)}",
+                source="shift_labels",
+            )
+        dataset.y_train = shift_token_labels(dataset.y_train)
+        if dataset.y_test is not None:
+            dataset.y_test = shift_token_labels(dataset.y_test)
+        return dataset
+    if shift_labels is None and labels_equal_inputs(
+        dataset.x_train, dataset.y_train, dataset.input_keys
+    ):
+        raise InputError(
+            "token labels equal the input ids (Hugging Face's labels=input_ids, which the "
+            "model shifts inside), while sharp compares the logits at position t with the label "
+            "at t: pass `shift_labels` to predict token t+1 (or set it off explicitly to use "
+            "the labels as given)",
+            source=dataset.source,
+        )
+    return dataset
 
 
 def subset(

@@ -9,7 +9,9 @@ the rest of sharpcli relies on (docs/architecture.md, "datasets"):
   own dtype, and refuses values beyond the float32 range in a float32 one); or ``int64`` when the source stores integers
   (token ids for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), shape
   ``(N, D)`` for vectors or ``(N, C, H, W)`` for images (a 1-D array becomes ``(N, 1)``,
-  a 3-D array ``(N, H, W)`` becomes single-channel images ``(N, 1, H, W)``);
+  a 3-D float or uint8 array ``(N, H, W)`` becomes single-channel images ``(N, 1, H, W)``;
+  wider integers are ids, never given a channel axis: ``(N, K, T)`` stays as it is);
+  keyword inputs (``Dataset.input_keys``) keep the shape they were stored with;
 - classification targets (integer or boolean ``y``): ``int64`` labels of shape
   ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
 - regression targets (floating ``y``): ``float32`` (``float64`` as features) of shape
@@ -59,6 +61,9 @@ class Dataset:
     spec: dict
     source: str
     class_names: list[str] | None = field(default=None)
+    # keyword inputs (sharpcli.io.datasets_keyed): the forward arguments x holds, stacked on
+    # axis 1 when there are several; None: x is the model's one positional input
+    input_keys: tuple[str, ...] | None = field(default=None)
 
     def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(x, y)`` of split ``"train"`` or ``"test"``.
@@ -106,6 +111,7 @@ def _how_to_add_test(spec: dict) -> str:
     return fmt.test_split if fmt is not None else "the folder holds no test files"
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|\x1b")  # terminal escapes (torch's ESC[1m)
 _QUOTED = re.compile(r"b?'[^']*'|b?\"[^\"]*\"")
 
 
@@ -118,7 +124,8 @@ def describe_exception(exc: BaseException) -> str:
     quoted part is replaced by ``'...'`` and the rest cut at 120 characters, which keeps the
     templated part (``Expected 3 fields in line 5, saw 4``).
     """
-    text = _QUOTED.sub("'...'", " ".join(str(exc).split()))
+    text = _QUOTED.sub("'...'", " ".join(_ANSI.sub("", str(exc)).split()))
+    text = "".join(ch for ch in text if ch.isprintable())
     if len(text) > 120:
         text = text[:117] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -197,7 +204,9 @@ def _integer_features(x: torch.Tensor) -> bool:
     return True
 
 
-def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = False) -> torch.Tensor:
+def _features(
+    x: torch.Tensor, name: str, source: str, keep_float64: bool = False, keyword: bool = False
+) -> torch.Tensor:
     """Features as ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite: int64 or float32.
 
     Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
@@ -209,11 +218,12 @@ def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = Fals
     """
     if x.dim() == 0:
         raise InputError(f"{name} is a scalar, expected one row per sample", source=source)
+    pixels = x.is_floating_point() or x.dtype in (torch.uint8, torch.bool)
     if x.dim() == 1:
         x = x.unsqueeze(1)
-    elif x.dim() == 3:
-        x = x.unsqueeze(1)  # (N, H, W) single-channel images
-    elif x.dim() > 4:
+    elif x.dim() == 3 and pixels and not keyword:
+        x = x.unsqueeze(1)  # (N, H, W) single-channel images; int ids (N, K, T) stay
+    elif x.dim() > 4 and not keyword:
         raise InputError(
             f"{name} has shape {tuple(x.shape)}; expected (N, D) vectors or (N, C, H, W) images",
             source=source,
@@ -320,6 +330,7 @@ def finalize_dataset(
     class_names: list[str] | None = None,
     names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
     keep_float64: bool = False,
+    input_keys: tuple[str, ...] | None = None,
 ) -> Dataset:
     """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
 
@@ -337,7 +348,8 @@ def finalize_dataset(
     if (x_test is None) != (y_test is None):
         present, missing = (n_xt, n_yt) if y_test is None else (n_yt, n_xt)
         raise InputError(f"has {present} but no {missing}; give both or neither", source=source)
-    x_train = _features(as_tensor(x_train, n_x, source), n_x, source, keep_float64)
+    keyword = input_keys is not None
+    x_train = _features(as_tensor(x_train, n_x, source), n_x, source, keep_float64, keyword)
     y_train = as_tensor(y_train, n_y, source)
     task = task or infer_task(y_train)
     if task not in TASKS:
@@ -348,7 +360,7 @@ def finalize_dataset(
     else:
         y_train = _targets(y_train, n_y, n, source, keep_float64)
     if x_test is not None:
-        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source, keep_float64)
+        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source, keep_float64, keyword)
         if x_test.shape[1:] != x_train.shape[1:]:
             raise InputError(
                 f"{n_xt} has per-sample shape {tuple(x_test.shape[1:])} but {n_x} has {tuple(x_train.shape[1:])}",
@@ -396,4 +408,5 @@ def finalize_dataset(
         spec=spec,
         source=source,
         class_names=class_names,
+        input_keys=tuple(input_keys) if input_keys else None,
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 import zipfile
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ import torch
 from sharpcli.bounded import check_zip_members, data_file_size, open_data_file, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
+from sharpcli.io.datasets_keyed import dataset_from_mapping
 
 if TYPE_CHECKING:  # pandas (with pyarrow: ~0.4 s, ~80 MB) is imported only to read a table
     import pandas as pd
@@ -47,7 +49,7 @@ DEFAULT_LABEL_COLUMN = "label"
 SPLIT_COLUMN = "split"
 
 
-def _read_mapping(path: str, fmt: str) -> dict:
+def _read_mapping(path: str, fmt: str, trust_pickle: bool = False) -> dict:
     """Read the key -> array mapping of a tensor file, wrapping every library error.
 
     The file is read through :func:`sharpcli.bounded.open_data_file` (a regular file, at
@@ -64,7 +66,7 @@ def _read_mapping(path: str, fmt: str) -> dict:
             raise read_failure("safetensors file", exc, path) from exc
     with open_data_file(path) as handle:
         if fmt == "pt":
-            return _read_torch_mapping(handle, path)
+            return _read_torch_mapping(handle, path, trust_pickle)
         if fmt == "npz":
             return _read_npz_mapping(handle, path)
     raise ValueError(f"not a tensor file format: {fmt}")
@@ -80,17 +82,31 @@ def _check_archive(handle, path: str) -> None:
     handle.seek(0)
 
 
-def _read_torch_mapping(handle, path: str) -> dict:
-    """The dict of tensors of a ``torch.save`` file (``weights_only=True``)."""
+def _read_torch_mapping(handle, path: str, trust_pickle: bool = False) -> dict:
+    """The dict of tensors of a ``torch.save`` file (``weights_only=True``); with
+    ``trust_pickle`` a pickled ``TensorDataset`` (or a pair of tensors) as ``{"x", "y"}``."""
     _check_archive(handle, path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             content = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise read_failure(
-            "torch file with weights_only=True (tensors only, no pickled code)", exc, path
-        ) from exc
+        text = str(exc)
+        if "Unsupported global" not in text and "GLOBAL" not in text:
+            raise read_failure(
+                "torch file with weights_only=True (tensors only, no pickled code)", exc, path
+            ) from exc
+        if not trust_pickle:
+            raise InputError(
+                "holds pickled Python objects (a TensorDataset?), not a dict of tensors, so "
+                "reading it with weights_only=True fails; unpickling runs code: pass `trust_pickle` if you trust the "
+                "file, or convert it once with python -c \"import torch; d = torch.load('IN.pt', "
+                "weights_only=False); torch.save({'x': d.tensors[0], 'y': d.tensors[1]}, "
+                "'OUT.pt')\"",
+                source=path,
+            ) from None
+        handle.seek(0)
+        content = _unpickle_dataset(handle, path)
     if not isinstance(content, dict):
         raise InputError(
             f"holds a {type(content).__name__}, expected a dict of tensors with keys x, y "
@@ -98,6 +114,27 @@ def _read_torch_mapping(handle, path: str) -> dict:
             source=path,
         )
     return content
+
+
+def _unpickle_dataset(handle, path: str) -> dict:
+    """A trusted pickle (``trust_pickle``): a ``TensorDataset`` or ``(x, y)`` as ``{"x", "y"}``,
+    a dict of tensors as it is."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            content = torch.load(handle, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise read_failure("pickled torch file", exc, path) from exc
+    tensors = getattr(content, "tensors", content)
+    if isinstance(tensors, (tuple, list)) and len(tensors) == 2:
+        return {"x": tensors[0], "y": tensors[1]}
+    if isinstance(content, dict):
+        return content
+    raise InputError(
+        f"holds a pickled {type(content).__name__}; expected a TensorDataset of (x, y), a pair "
+        "of tensors or a dict of tensors",
+        source=path,
+    )
 
 
 def _read_npz_mapping(handle, path: str) -> dict:
@@ -146,31 +183,102 @@ def _check_npy_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str
 
 
 def read_tensor_file(spec: dict) -> Dataset:
-    """Load the ``.safetensors`` / ``.pt`` / ``.npz`` file of a complete file spec (keys
-    x, y [, x_test, y_test])."""
+    """Load the ``.safetensors`` / ``.pt`` / ``.npz`` file of a complete file spec: keys x, y
+    [, x_test, y_test], or the keys ``x_key``/``y_key`` name, or keyword inputs
+    (:func:`sharpcli.io.datasets_keyed.dataset_from_mapping`).
+
+    ``spec["trust_pickle"]`` (set by :func:`sharpcli.io.datasets.load_dataset` for the read
+    only, never stored) lets a ``.pt`` file holding a pickled ``TensorDataset`` be read."""
+    trust = bool(spec.get("trust_pickle"))
+    spec = {k: v for k, v in spec.items() if k != "trust_pickle"}
     path, fmt = spec["path"], spec["format"]
-    content = _read_mapping(path, fmt)
-    unexpected = [key for key in content if key not in TENSOR_KEYS]
-    if unexpected:  # counted, not quoted: a key is file content (docs/json.md, "Inputs")
+    content = _read_mapping(path, fmt, trust)
+    return dataset_from_mapping(content, spec, path, default_keys=True)
+
+
+def _npy_partner(path: str, y_key: str | None) -> str:
+    """The labels file beside an ``.npy`` features file: ``y_key`` + ``.npy`` when given, else the
+    name with its last ``x``/``X`` (a whole word between ``_``, ``-``, ``.`` or the ends) as
+    ``y`` (``x.npy`` -> ``y.npy``, ``X_train.npy`` -> ``y_train.npy``, ``train-x.npy`` ->
+    ``train-y.npy``)."""
+    folder, name = os.path.split(path)
+    stem = name[: -len(".npy")] if name.lower().endswith(".npy") else name
+    if y_key is not None:
+        partner = y_key if y_key.lower().endswith(".npy") else f"{y_key}.npy"
+        if os.sep in partner or partner.startswith(".."):
+            raise UsageError("an .npy partner is a file name in the same folder", source="y_key")
+        return os.path.join(folder, partner)
+    parts = re.split(r"([_.\-])", stem)
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("x", "X"):
+            parts[i] = "y"
+            return os.path.join(folder, "".join(parts) + ".npy")
+    raise InputError(
+        "is an .npy file whose name has no x to pair (x.npy with y.npy, X_train.npy with "
+        "y_train.npy); name the labels file with `y_key`",
+        source=path,
+    )
+
+
+def _read_npy(path: str) -> np.ndarray:
+    """One ``.npy`` array (``allow_pickle=False``), its declared size checked against the file."""
+    with open_data_file(path) as handle:
+        try:
+            from numpy.lib import format as npy_format
+
+            version = npy_format.read_magic(handle)
+            read_header = (
+                npy_format.read_array_header_1_0
+                if version == (1, 0)
+                else npy_format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(handle)
+            if math.prod(shape) * dtype.itemsize > data_file_size(handle):
+                raise InputError("its header declares more bytes than the file holds", source=path)
+            handle.seek(0)
+            return np.load(handle, allow_pickle=False)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise read_failure(".npy array", exc, path) from exc
+
+
+def read_npy_pair(spec: dict) -> Dataset:
+    """Load an ``.npy`` features file and its labels file (:func:`_npy_partner`); test arrays
+    are the files with ``test`` for ``train`` in both names, when both exist."""
+    path = spec["path"]
+    partner = _npy_partner(path, spec.get("y_key"))
+    if not os.path.isfile(partner):
         raise InputError(
-            f"has {len(unexpected)} unexpected key(s) besides x, y, x_test, y_test; expected "
-            "x, y and optionally x_test, y_test",
+            f"needs its labels file {os.path.basename(partner)} beside it (or name one with "
+            "`y_key`)",
             source=path,
         )
-    missing = [key for key in ("x", "y") if key not in content]
-    if missing:
-        found = ", ".join(key for key in TENSOR_KEYS if key in content) or "none"
-        raise InputError(
-            f"has no {' or '.join(missing)} (keys found: {found}); expected x and y", source=path
-        )
+    from sharpcli import ledger
+    from sharpcli.bounded import check_data_path
+
+    check_data_path(partner)
+    ledger.record_input(partner, "the labels of the `data` file")
+    x, y = _read_npy(path), _read_npy(partner)
+    x_test = y_test = None
+    tests = [
+        os.path.join(os.path.dirname(p), os.path.basename(p).replace("train", "test"))
+        for p in (path, partner)
+    ]
+    if "train" in os.path.basename(path) and all(os.path.isfile(t) for t in tests):
+        for t in tests:
+            check_data_path(t)
+            ledger.record_input(t, "the test split of the `data` file")
+        x_test, y_test = _read_npy(tests[0]), _read_npy(tests[1])
     return finalize_dataset(
-        content["x"],
-        content["y"],
-        content.get("x_test"),
-        content.get("y_test"),
-        keep_float64=True,  # a tensor file's float64 is its stored dtype
+        x,
+        y,
+        x_test,
+        y_test,
+        keep_float64=True,
         source=path,
         spec=spec,
+        names=("features", "labels file", "test features", "test labels file"),
     )
 
 
@@ -187,6 +295,34 @@ def _read_table(path: str, fmt: str) -> pd.DataFrame:
                 return pd.read_parquet(handle)
         except Exception as exc:
             raise read_failure(f"{fmt} table", exc, path) from exc
+
+
+def _parquet_with_lists(spec: dict) -> Dataset | None:
+    """A parquet file with list columns (token ids per row) or named keys, read as named arrays
+    (:mod:`sharpcli.io.datasets_arrow`: lists padded, ``x_key``/``y_key`` or keyword inputs; the
+    label column is ``label_column`` or ``y_key``); None for a plain table of numbers."""
+    import pyarrow.parquet as pq
+
+    from sharpcli.io.datasets_arrow import ArrowColumns, table_has_list_columns
+    from sharpcli.io.datasets_keyed import LABEL_KEYS
+
+    path = spec["path"]
+    with open_data_file(path) as handle:
+        try:
+            table = pq.read_table(handle)
+        except Exception as exc:
+            raise read_failure("parquet table", exc, path) from exc
+    named = spec.get("x_key") is not None or spec.get("y_key") is not None
+    if not named and not table_has_list_columns(table):
+        return None
+    label = spec.get("y_key") or spec.get("label_column")
+    chosen = {**spec, "y_key": label} if label else spec
+    labels = (label,) if label else LABEL_KEYS
+    dataset = dataset_from_mapping(
+        ArrowColumns(table, path, labels), chosen, path, default_keys=False
+    )
+    dataset.spec = spec
+    return dataset
 
 
 def _label_array(column: pd.Series, name: str, path: str) -> tuple[np.ndarray, list[str] | None]:
@@ -254,6 +390,10 @@ def read_table(spec: dict) -> Dataset:
     the table is turned into arrays is reported as an InputError naming the file.
     """
     path, fmt, label_column = spec["path"], spec["format"], spec["label_column"]
+    if fmt == "parquet":
+        listed = _parquet_with_lists(spec)
+        if listed is not None:
+            return listed
     frame = _read_table(path, fmt)
     try:
         return _table_dataset(frame, path, fmt, label_column, spec)
@@ -413,6 +553,11 @@ def is_npz(path: str) -> bool:
     """A zip archive of ``.npy`` members only (``numpy.savez``)."""
     members = _zip_members(path)
     return bool(members) and all(name.endswith(".npy") for name in members)
+
+
+def is_npy(path: str) -> bool:
+    """numpy's ``.npy`` magic ``\\x93NUMPY``."""
+    return _head(path, 6) == b"\x93NUMPY"
 
 
 def is_parquet(path: str) -> bool:

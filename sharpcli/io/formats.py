@@ -30,13 +30,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.datasets_arrow import (
+    is_arrow,
+    is_hf_dataset_folder,
+    read_arrow,
+    read_hf_dataset_folder,
+)
 from sharpcli.io.datasets_common import Dataset, read_failure
 from sharpcli.io.datasets_files import (
     is_csv,
+    is_npy,
     is_npz,
     is_parquet,
     is_safetensors,
     is_torch_file,
+    read_npy_pair,
     read_table,
     read_tensor_file,
 )
@@ -219,7 +227,8 @@ def _find_layout(folder: str) -> tuple[str, DataFormat]:
 
 
 # --------------------------------------------------------------------------- the built-in formats
-_TENSOR_TEST = "add tensors x_test and y_test"
+_TENSOR_TEST = "add tensors x_test and y_test (or <key>_test for named keys)"
+_KEYS = ("x_key", "y_key")
 _TABLE_TEST = "add a column named 'split' with values train/test"
 _FOLDER_TEST = "the folder holds no test files"
 
@@ -231,7 +240,8 @@ for _builtin in (
         (".safetensors",),
         is_safetensors,
         read_tensor_file,
-        description="safetensors file with tensors x, y (optional x_test, y_test)",
+        _KEYS,
+        description="safetensors file with tensors x, y (optional x_test, y_test) or named keys",
         test_split=_TENSOR_TEST,
     ),
     DataFormat(
@@ -239,7 +249,8 @@ for _builtin in (
         (".pt", ".pth"),
         is_torch_file,
         read_tensor_file,
-        description="torch.save dict of tensors x, y (optional x_test, y_test), tensors only",
+        _KEYS,
+        description="torch.save dict of tensors x, y (optional x_test, y_test) or named keys; a TensorDataset with trust_pickle",
         test_split=_TENSOR_TEST,
     ),
     DataFormat(
@@ -247,8 +258,27 @@ for _builtin in (
         (".npz",),
         is_npz,
         read_tensor_file,
-        description="numpy.savez archive with arrays x, y (optional x_test, y_test)",
+        _KEYS,
+        description="numpy.savez archive with arrays x, y (optional x_test, y_test) or named keys",
         test_split=_TENSOR_TEST,
+    ),
+    DataFormat(
+        "npy",
+        (".npy",),
+        is_npy,
+        read_npy_pair,
+        ("y_key",),
+        "numpy .npy features beside their labels file (x.npy and y.npy, X_train.npy and y_train.npy)",
+        test_split="add the test files (train -> test in both names)",
+    ),
+    DataFormat(
+        "arrow",
+        (".arrow",),
+        is_arrow,
+        read_arrow,
+        _KEYS,
+        "Arrow file (a Hugging Face dataset shard): number and list-of-ids columns",
+        test_split="use a save_to_disk DatasetDict folder with a test split",
     ),
     DataFormat(
         "csv",
@@ -264,9 +294,20 @@ for _builtin in (
         (".parquet",),
         is_parquet,
         read_table,
-        ("label_column",),
-        "parquet table: numeric feature columns, a label column, an optional split column",
+        ("label_column", *_KEYS),
+        "parquet table: numeric feature columns, a label column, an optional split column; "
+        "list columns (token ids) as named keys",
         test_split=_TABLE_TEST,
+    ),
+    DataFormat(
+        "hf-dataset",
+        (),
+        is_hf_dataset_folder,
+        read_hf_dataset_folder,
+        _KEYS,
+        "Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)",
+        directory=True,
+        test_split="save a DatasetDict with a test split",
     ),
     DataFormat(
         "cifar10-python",

@@ -20,7 +20,13 @@ from torch import nn
 
 from sharpcli.errors import UsageError
 
-__all__ = ["attach_output_selector", "describe_output", "select_output"]
+__all__ = [
+    "attach_keyword_inputs",
+    "attach_output_selector",
+    "describe_output",
+    "keyword_batch",
+    "select_output",
+]
 
 
 def describe_output(out) -> str:
@@ -83,3 +89,32 @@ def attach_output_selector(model: nn.Module, selector: str | None = None):
         return select_output(out, selector)
 
     return model.register_forward_hook(hook)
+
+
+def keyword_batch(x: torch.Tensor, keys) -> dict:
+    """The keyword arguments one batch tensor holds: ``{keys[0]: x}`` for one key, else
+    ``{keys[i]: x[:, i]}`` (several inputs stacked on axis 1, see ``Dataset.input_keys``)."""
+    keys = tuple(keys)
+    if len(keys) == 1:
+        return {keys[0]: x}
+    return {key: x[:, i] for i, key in enumerate(keys)}
+
+
+def attach_keyword_inputs(model: nn.Module, keys) -> object | None:
+    """Make ``model(x)`` call ``model(**keyword_batch(x, keys))``; returns the hook handle.
+
+    Data with keyword inputs (``input_ids``, ``attention_mask``, ``pixel_values``, ...) travels
+    as one tensor through every batch loop, shard and subset; a forward pre-hook on the root
+    module unpacks it, so parameter names, ``functional_call`` and ``torch.func`` transforms
+    are unchanged. ``keys`` None or empty attaches nothing.
+    """
+    if not keys:
+        return None
+    keys = tuple(keys)
+
+    def hook(module, args, kwargs):
+        if len(args) == 1 and isinstance(args[0], torch.Tensor) and not kwargs:
+            return (), keyword_batch(args[0], keys)
+        return None
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -24,9 +24,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sharpcli import ledger, progress
+from sharpcli import ledger, memory, progress
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
-from sharpcli.errors import InputError, NumericalError, UsageError
+from sharpcli.errors import InputError, NumericalError, SharpError, UsageError
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.losses import IGNORE_INDEX, get_loss
 from sharpcli.training.divergence import divergence
@@ -332,6 +332,7 @@ def train(
     resume: bool = False,
     stop_after: int | None = None,
     tracker: Callable[..., dict] | None = None,
+    max_memory: str | int | None = None,
     stop_on_divergence: bool = False,
 ) -> TrainResult:
     """Train per ``cfg`` and write the checkpoint ``out`` (atomically) and its history CSV.
@@ -374,7 +375,9 @@ def train(
     cfg.regs = [r.spec() for r in regs]
 
     dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
+    plan = memory.activate(memory.MemoryPlan.for_run(max_memory, str(device)))
     splits = _load_splits(cfg)
+    plan.baseline = memory.allocated_bytes(str(device))  # the data now loaded
     model, model_spec = _build_model(cfg, splits, regs, dtype, device)
     _place_splits(cfg, splits, model, dtype, device)
     if any(getattr(reg, "needs_autograd", False) for reg in regs):  # second-order penalties
@@ -512,11 +515,12 @@ def _build_model(
     """
     from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string
     from sharpcli.models import build_model, default_model_args
-    from sharpcli.models.outputs import attach_output_selector
+    from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
     from sharpcli.training.regularizers import model_overrides
     from sharpcli.training.step import set_penultimate
 
     overrides = model_overrides(regs)
+    _plan_training_memory(cfg, splits, overrides, dtype)
     torch.manual_seed(cfg.seed)
     if cfg.model_factory is not None:
         if overrides:
@@ -535,9 +539,50 @@ def _build_model(
         model = build_model(model_spec)
     model = model.to(device=device, dtype=dtype)
     attach_output_selector(model, cfg.output)
+    attach_keyword_inputs(model, splits.dataset.input_keys)  # model(**batch) for keyed data
     if cfg.penultimate is not None:
         set_penultimate(model, cfg.penultimate)
     return model, model_spec
+
+
+TRAINING_COPIES = 6  # weights, gradients, two optimizer buffers, two regularizer copies
+
+
+def _plan_training_memory(cfg: TrainConfig, splits: _Splits, overrides: dict, dtype) -> None:
+    """Count the model's parameters on the ``meta`` device (nothing allocated) and check that
+    :data:`TRAINING_COPIES` copies of them fit the run's memory plan, before the model is
+    built: a width the machine cannot hold is a usage error naming the model's size options,
+    not an allocation failure. A factory that cannot build on ``meta`` is built as usual."""
+    from sharpcli.io.checkpoints import factory_from_string
+    from sharpcli.models import build_model, default_model_args
+
+    state = torch.random.get_rng_state()
+    try:
+        with torch.device("meta"):
+            if cfg.model_factory is not None:
+                model = factory_from_string(cfg.model_factory, cfg.model_args)
+            else:
+                input_shape = tuple(splits.dataset.input_shape)
+                args = default_model_args(
+                    cfg.model, input_shape, splits.num_outputs, **cfg.model_args
+                )
+                args.update(overrides)
+                model = build_model({"name": cfg.model, "args": args})
+        count = sum(p.numel() for p in model.parameters())
+    except (SharpError, TypeError, ValueError, RuntimeError, NotImplementedError):
+        return  # the real build reports the problem, or builds what meta could not
+    finally:
+        torch.random.set_rng_state(state)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = TRAINING_COPIES * count * itemsize
+    lower = (
+        "lower the model's size (`model_args`)"
+        if cfg.model_factory is not None
+        else "lower `width` or `depth`"
+    )
+    plan = memory.current()
+    plan.require(f"training a model of {count:,} parameters", need, lower)
+    plan.reserve("model, gradients, optimizer state", need)
 
 
 def _place_splits(

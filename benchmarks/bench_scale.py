@@ -1,0 +1,348 @@
+"""Research scale: sharp against PyHessian on ResNet-18, GPT-2 small and a 5.3M LM.
+
+Builds the models of ``benchmarks/scale_models.py`` by hand (no downloads), writes them as
+``--model-factory`` checkpoints with seeded random data of the right shapes, and runs every
+command as a whole child process on one thread, reading its CPU time (user + system) and
+peak resident memory from ``os.wait4``. PyHessian 0.1 runs the way its users run it
+(``hessian(model, criterion, data=(x, y)).eigenvalues(top_n=1)``, its defaults) in the same
+run. Accuracy: each top eigenvalue against a long reference run of sharp (``--eig-tol
+1e-6``, residual-certified).
+
+Cases (``--cases``, comma-separated; default all but ``medium``):
+
+- ``resnet18``: CIFAR ResNet-18 (11.2M), 64 images 3x32x32, ``sharp eigen --top-k 1`` vs
+  PyHessian, plus the reference run.
+- ``gpt2``: GPT-2 small shape (124M, tied head), 4 x 64 tokens: ``eigen --top-k 1``,
+  ``trace --estimator hutchinson --trace-tol 0.05`` and ``density`` (1 probe, 16 steps),
+  PyHessian ``eigenvalues(top_n=1)``.
+- ``lm5m``: the 5.3M LM (vocabulary 8192, d 256, 4 layers), 8 x 128 tokens: ``gn-nme`` and
+  ``analyze`` (the planner picks the sampled-label Gauss-Newton estimator).
+- ``growth``: ``eigen`` at P = 1M (MLP), 11M (ResNet-18), 124M (GPT-2): peak memory and
+  CPU time per product, plotted to ``--plot``.
+- ``medium``: GPT-2 medium shape (355M), for a device (``--device cuda``).
+
+Usage: ``python benchmarks/bench_scale.py [--cases resnet18,gpt2] [--workdir DIR]
+[--device cpu|cuda] [--plot docs/scale.png]``; prints Markdown tables (docs/benchmarks.md,
+"Research scale").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GPT2_SMALL = {"vocab": 50257, "positions": 1024, "d": 768, "layers": 12, "heads": 12}
+GPT2_MEDIUM = {"vocab": 50257, "positions": 1024, "d": 1024, "layers": 24, "heads": 16}
+LM5M = {"vocab": 8192, "positions": 128, "d": 256, "layers": 4, "heads": 4}
+
+
+def write_case(workdir: Path, name: str, factory: str, args: dict, x, y) -> tuple[Path, Path, int]:
+    """Checkpoint and data file of one case; returns their paths and the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(HERE))
+    import scale_models
+
+    from sharpcli.io.checkpoints import save_checkpoint
+
+    model = getattr(scale_models, factory)(**args)
+    ckpt, data = workdir / f"{name}.safetensors", workdir / f"{name}-data.safetensors"
+    if not ckpt.exists():
+        save_checkpoint(ckpt, model, {"name": f"factory:scale_models:{factory}", "args": args})
+        save_file({"x": x.contiguous(), "y": y.contiguous()}, str(data))
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return ckpt, data, count
+
+
+def measure(argv: list[str], env: dict) -> dict:
+    """Run ``argv`` as a child; its CPU seconds, peak RSS, wall seconds, exit code, stdout."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    return {
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "user": usage.ru_utime,
+        "sys": usage.ru_stime,
+        "rss": usage.ru_maxrss * 1024,
+        "wall": time.perf_counter() - start,
+        "code": child.returncode,
+        "out": stdout,
+        "err": stderr,
+    }
+
+
+PYHESSIAN = """
+import json, sys, time, torch
+sys.path.insert(0, {here!r})
+import scale_models
+from safetensors.torch import load_file
+from pyhessian import hessian
+torch.set_num_threads(1)
+model = getattr(scale_models, {factory!r})(**{args!r})
+from sharpcli.io.checkpoints import load_checkpoint
+model.load_state_dict(load_checkpoint({ckpt!r}).model.state_dict())
+model = model.to({device!r}).eval()
+data = load_file({data!r})
+x, y = data["x"].to({device!r}), data["y"].to({device!r})
+def criterion(out, target):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+h = hessian(model, criterion, data=(x, y), cuda={cuda!r})
+if {what!r} == "eigen":
+    values, _ = h.eigenvalues(top_n=1)
+    print(json.dumps({{"value": float(values[0])}}))
+else:
+    print(json.dumps({{"value": float(sum(h.trace()) / len(h.trace()))}}))
+"""
+
+
+def sharp(command: str, ckpt: Path, data: Path, *extra: str, device: str) -> list[str]:
+    return [
+        sys.executable, "-m", "sharpcli", command, str(ckpt), "--data", str(data),
+        "--batch-size", "64", "--device", device, "--threads", "1", "--quiet", "--json", "-",
+        *extra,
+    ]  # fmt: skip
+
+
+def pyhessian(factory, args, ckpt, data, device, what="eigen") -> list[str]:
+    code = PYHESSIAN.format(
+        here=str(HERE), factory=factory, args=args, ckpt=str(ckpt), data=str(data),
+        device=device, cuda=device.startswith("cuda"), what=what,
+    )  # fmt: skip
+    return [sys.executable, "-c", code]
+
+
+def run(label: str, argv: list[str], env: dict, rows: list) -> dict:
+    info = measure(argv, env)
+    if info["code"] != 0:
+        print(f"{label}: exit {info['code']}: {info['err'].strip()[-400:]}", file=sys.stderr)
+        info["report"] = None
+    else:
+        info["report"] = json.loads(info["out"])
+    info["label"] = label
+    rows.append(info)
+    print(
+        f"  {label}: {info['cpu']:.1f} CPU s, {info['rss'] / 2**30:.2f} GiB, exit {info['code']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return info
+
+
+def value_of(info: dict) -> float | None:
+    rep = info.get("report")
+    if rep is None:
+        return None
+    if "value" in rep:
+        return rep["value"]
+    return rep["results"]["eigenvalues"][0]
+
+
+def table(title: str, rows: list, reference: float | None = None) -> None:
+    print(f"\n{title}\n")
+    print("| run | CPU s | user s | sys s | peak RSS GiB | products | value | rel. error | exit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rep = r.get("report") or {}
+        timing = rep.get("timing", {})
+        value = value_of(r)
+        err = abs(value - reference) / abs(reference) if value and reference else None
+        print(
+            f"| {r['label']} | {r['cpu']:.1f} | {r['user']:.1f} | {r['sys']:.1f} | "
+            f"{r['rss'] / 2**30:.2f} | {timing.get('matvecs', '')} | "
+            f"{'' if value is None else f'{value:.6g}'} | {'' if err is None else f'{err:.1e}'} | "
+            f"{r['code']} |"
+        )
+
+
+def case_resnet18(workdir, env, device):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    ckpt, data, count = write_case(workdir, "resnet18", "resnet18", {}, x, y)
+    rows: list = []
+    ref = run(
+        "sharp eigen --eig-tol 1e-6 (reference)",
+        sharp("eigen", ckpt, data, "--eig-tol", "1e-6", device=device),
+        env,
+        [],
+    )
+    run(
+        "sharp eigen --top-k 1",
+        sharp("eigen", ckpt, data, "--top-k", "1", device=device),
+        env,
+        rows,
+    )
+    run("PyHessian eigenvalues(top_n=1)", pyhessian("resnet18", {}, ckpt, data, device), env, rows)
+    table(f"ResNet-18 (CIFAR), P = {count:,}, 64 images, {device}", rows, value_of(ref))
+    return rows
+
+
+def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64)):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, shape["vocab"], (tokens[0], tokens[1] + 1), generator=g)
+    ckpt, data, count = write_case(workdir, name, "gpt2", shape, seq[:, :-1], seq[:, 1:])
+    rows: list = []
+    run(
+        "sharp eigen --top-k 1",
+        sharp("eigen", ckpt, data, "--top-k", "1", device=device),
+        env,
+        rows,
+    )
+    run("PyHessian eigenvalues(top_n=1)", pyhessian("gpt2", shape, ckpt, data, device), env, rows)
+    run(
+        "sharp trace --estimator hutchinson --trace-tol 0.05",
+        sharp(
+            "trace", ckpt, data, "--estimator", "hutchinson", "--trace-tol", "0.05", device=device
+        ),
+        env,
+        rows,
+    )
+    run(
+        "sharp density --probes 1 --steps 16",
+        sharp("density", ckpt, data, "--probes", "1", "--steps", "16", device=device),
+        env,
+        rows,
+    )
+    table(f"{name} shape, P = {count:,}, {tokens[0]} x {tokens[1]} tokens, {device}", rows)
+    return rows
+
+
+def case_lm5m(workdir, env, device):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, LM5M["vocab"], (8, 129), generator=g)
+    ckpt, data, count = write_case(workdir, "lm5m", "gpt2", LM5M, seq[:, :-1], seq[:, 1:])
+    rows: list = []
+    for command in ("gn-nme", "analyze"):
+        info = run(f"sharp {command}", sharp(command, ckpt, data, device=device), env, rows)
+        rep = info.get("report")
+        if rep is not None:
+            res = rep["results"]
+            check = res.get("ggn_trace_check") or res.get("gn_nme", {}).get("ggn_trace_check", {})
+            print(f"  {command}: ggn_trace_check = {json.dumps(check)[:400]}", file=sys.stderr)
+    table(f"5.3M LM (vocabulary 8192), P = {count:,}, 8 x 128 tokens, {device}", rows)
+    return rows
+
+
+def case_growth(workdir, env, device, plot):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    points = []
+    x = torch.randn(64, 256, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    cases = [("mlp1m", "mlp", {"width": 560, "depth": 4}, x, y)]
+    for name, factory, args, xs, ys in cases:
+        ckpt, data, count = write_case(workdir, name, factory, args, xs, ys)
+        info = run(f"{name} eigen", sharp("eigen", ckpt, data, device=device), env, [])
+        points.append((count, info))
+    for name in ("resnet18", "gpt2"):
+        ckpt, data = workdir / f"{name}.safetensors", workdir / f"{name}-data.safetensors"
+        if not ckpt.exists():
+            (case_resnet18 if name == "resnet18" else case_gpt2)(workdir, env, device)
+        info = run(
+            f"{name} eigen", sharp("eigen", ckpt, data, "--top-k", "1", device=device), env, []
+        )
+        count = info["report"]["results"]["scope"]["numel"] if info["report"] else None
+        points.append((count, info))
+    print("\nGrowth with P (sharp eigen --top-k 1)\n")
+    print("| P | peak RSS GiB | planned peak GiB | CPU s | products | CPU s per product |")
+    print("|---|---|---|---|---|---|")
+    for count, info in points:
+        rep = info["report"] or {}
+        timing = rep.get("timing", {})
+        products = timing.get("matvecs") or 1
+        planned = timing.get("memory", {}).get("planned_peak_bytes", 0)
+        print(
+            f"| {count:,} | {info['rss'] / 2**30:.2f} | {planned / 2**30:.2f} | "
+            f"{info['cpu']:.1f} | {products} | {info['cpu'] / products:.2f} |"
+        )
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+        ps = [p for p, _ in points]
+        a.loglog(ps, [i["rss"] / 2**30 for _, i in points], "o-", label="peak RSS")
+        a.loglog(
+            ps,
+            [
+                (i["report"] or {}).get("timing", {}).get("memory", {}).get("planned_peak_bytes", 0)
+                / 2**30
+                for _, i in points
+            ],
+            "s--",
+            label="planned",
+        )
+        a.set_xlabel("parameters P")
+        a.set_ylabel("GiB")
+        a.legend()
+        a.set_title("memory of sharp eigen")
+        b.loglog(
+            ps,
+            [
+                i["cpu"] / max(1, (i["report"] or {}).get("timing", {}).get("matvecs", 1))
+                for _, i in points
+            ],
+            "o-",
+        )
+        b.set_xlabel("parameters P")
+        b.set_ylabel("CPU s per Hessian product")
+        b.set_title("time per product")
+        fig.tight_layout()
+        fig.savefig(plot, dpi=100)
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--cases", default="resnet18,gpt2,lm5m,growth")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--plot", default=None, help="PNG of the growth with P")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    print(f"# bench_scale on {args.device}, workdir {workdir}", flush=True)
+    for case in args.cases.split(","):
+        if case == "resnet18":
+            case_resnet18(workdir, env, args.device)
+        elif case == "gpt2":
+            case_gpt2(workdir, env, args.device)
+        elif case == "medium":
+            case_gpt2(workdir, env, args.device, GPT2_MEDIUM, "gpt2-medium")
+        elif case == "lm5m":
+            case_lm5m(workdir, env, args.device)
+        elif case == "growth":
+            case_growth(workdir, env, args.device, args.plot)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The memory plan (sharpcli.memory): budgets, restarted Lanczos within them, planned vs
+measured peaks, exit 2 for budgets and models that cannot fit, the tr(G) estimator choice."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run_cli, run_process
+from conftest import make_data, make_mlp
+
+from sharpcli import memory
+from sharpcli.curvature import CurvaturePass, ParamScope, lanczos
+from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.krylov import KrylovBasis
+from sharpcli.curvature.operators import MatrixOperator
+from sharpcli.curvature.trace import hutchinson
+from sharpcli.errors import UsageError
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_left():
+    memory.clear()
+    yield
+    memory.clear()
+
+
+def test_sizes_parse_in_binary_units():
+    assert memory.parse_size("8G") == 8 << 30
+    assert memory.parse_size("512M") == 512 << 20
+    assert memory.parse_size("1.5GiB") == 3 << 29
+    assert memory.parse_size("2e3") == 2000
+    for bad in ("lots", "-1G", "0", "1X"):
+        with pytest.raises(UsageError) as err:
+            memory.parse_size(bad)
+        assert err.value.source == "max_memory"
+
+
+def test_an_allocation_failure_is_a_usage_error_on_max_memory():
+    error = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 99001344000 bytes."
+    )
+    converted = memory.as_usage_error(error)
+    assert isinstance(converted, UsageError) and converted.source == "max_memory"
+    assert "92.2 GiB" in converted.message
+    assert memory.as_usage_error(RuntimeError("shape mismatch")) is None
+    assert memory.as_usage_error(MemoryError()) is not None
+
+
+def _spectrum_operator(n=120, seed=0, dtype=torch.float64):
+    """A dense symmetric matrix with a known, clustered top of the spectrum."""
+    gen = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    values = torch.cat(
+        [torch.tensor([10.0, 9.6, 9.3, -4.0]), 8 * torch.rand(n - 4, generator=gen) - 3]
+    )
+    A = (Q * values) @ Q.T
+    return MatrixOperator(A.to(dtype)), torch.linalg.eigvalsh(A)
+
+
+@pytest.mark.parametrize("which", ["largest", "smallest", "both"])
+def test_a_restarted_basis_gives_the_unrestarted_eigenvalues(which):
+    op, exact = _spectrum_operator()
+    full = lanczos(op, k=2, which=which, tol=1e-10, max_matvecs=120)
+    restarted = lanczos(op, k=2, which=which, tol=1e-10, max_matvecs=2000, max_basis=8)
+    assert full.restarts == 0 and restarted.restarts > 0
+    np.testing.assert_allclose(restarted.eigenvalues, full.eigenvalues, rtol=1e-8)
+    wanted = {"largest": [exact[-1], exact[-2]], "smallest": [exact[1], exact[0]]}
+    wanted["both"] = wanted["largest"] + wanted["smallest"]
+    np.testing.assert_allclose(restarted.eigenvalues, [float(v) for v in wanted[which]], rtol=1e-9)
+    for result in (full, restarted):
+        assert all(result.converged)
+        assert all(
+            r <= 1e-10 * abs(v) + 1e-12 for r, v in zip(result.residuals, result.eigenvalues)
+        )
+    assert any("thick-restarted" in note for note in restarted.notes)
+
+
+def test_restarted_hessian_of_a_model_matches_the_dense_hessian():
+    model = make_mlp("gelu", sizes=(4, 8, 8, 3)).double()
+    x, y = make_data("vector", n=31)
+    scope = ParamScope.resolve(model, None)
+    op = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size=16), scope).hessian()
+    dense = torch.linalg.eigvalsh(op.to_dense())
+    result = lanczos(op, k=3, tol=1e-10, max_matvecs=3000, max_basis=7)
+    assert result.restarts > 0 and all(result.converged)
+    np.testing.assert_allclose(result.eigenvalues, dense.flip(0)[:3].numpy(), rtol=1e-8)
+
+
+def test_float32_products_and_float32_basis_land_within_tol_of_float64():
+    model = make_mlp("gelu", sizes=(4, 16, 16, 3))
+    x, y = make_data("vector", n=40)
+    values = {}
+    for dtype in (torch.float32, torch.float64):
+        m = model.to(dtype)
+        scope = ParamScope.resolve(m, None)
+        data = AnalysisData(x.to(dtype), y, "cross-entropy", batch_size=40)
+        op = CurvaturePass(m, data, scope).hessian()
+        values[dtype] = lanczos(op, k=2, tol=1e-4, max_matvecs=400, max_basis=6)
+    r32, r64 = values[torch.float32], values[torch.float64]
+    assert r32.restarts > 0 and all(r32.converged)
+    for v32, v64 in zip(r32.eigenvalues, r64.eigenvalues):
+        assert abs(v32 - v64) <= 1e-4 * abs(v64)
+
+
+def test_the_basis_is_stored_in_the_products_dtype_and_grows_as_needed():
+    basis = KrylovBasis(1000, torch.float32, "cpu")
+    w = torch.randn(1000, dtype=torch.float64)
+    basis.append(w / w.norm())
+    assert len(basis) == 1 and basis._chunks[0].dtype == torch.float32
+    v = torch.randn(1000, dtype=torch.float64)
+    basis.orthogonalize(v)
+    assert abs(float(basis[0] @ v)) < 1e-12 * float(v.norm())  # float64 arithmetic
+    assert basis.coefficients(v).dtype == torch.float64
+
+
+def test_hutchinson_blocks_shrunk_by_the_budget_draw_the_same_probes():
+    op, _ = _spectrum_operator(n=200)
+    free = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
+    plan = memory.activate(memory.MemoryPlan(budget=10**12))
+    per_column = 200 * (8 * 3 + 8)
+    plan.baseline = plan.budget - 2 * per_column  # room for two probe columns
+    tight = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
+    assert any("blocks of 2 probes" in choice for choice in plan.choices)
+    assert tight.estimate == pytest.approx(free.estimate, rel=1e-12)
+    assert tight.stderr == pytest.approx(free.stderr, rel=1e-9)
+
+
+def test_a_basis_that_cannot_fit_is_a_usage_error_naming_what_lowers_it():
+    op, _ = _spectrum_operator()
+    plan = memory.activate(memory.MemoryPlan(budget=10**9, stated="max_memory=1G"))
+    plan.baseline = plan.budget  # nothing left
+    with pytest.raises(UsageError) as err:
+        lanczos(op, k=1)
+    assert err.value.source == "max_memory"
+    assert "`top_k`" in err.value.message and "raise `max_memory`" in err.value.message
+
+
+@pytest.fixture(scope="module")
+def mlp3m(tmp_path_factory):
+    """A 3.0M-parameter MLP checkpoint: its Krylov basis dominates the run's memory."""
+    from sharpcli.io.checkpoints import save_checkpoint
+    from sharpcli.models import build_model, default_model_args
+
+    args = default_model_args("mlp", (64,), 10, depth=2, width=1700)
+    spec = {"name": "mlp", "args": args}
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mlp3m") / "mlp3m.safetensors"
+    save_checkpoint(path, build_model(spec), spec, data_spec="blobs:n=256,dim=64,classes=10")
+    return path
+
+
+@pytest.mark.parametrize("matvecs", [10, 30])
+def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
+    run = run_process(
+        "eigen", mlp3m, "--eig-tol", "1e-12", "--eig-max-matvecs", matvecs,
+        "--dtype", "float64", "--json", "-", "--quiet",
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    report = run.json()
+    plan = report["timing"]["memory"]
+    assert report["results"]["krylov_dim"] == matvecs  # the basis was used in full
+    assert plan["planned"]["krylov basis"] >= matvecs * 3_019_210 * 8
+    ratio = plan["planned_peak_bytes"] / plan["peak_rss_bytes"]
+    assert 0.75 <= ratio <= 1.25, plan
+
+
+def test_a_budget_that_forces_restarts_still_certifies(mlp3m):
+    args = ("eigen", mlp3m, "--eig-tol", "1e-6", "--json", "-", "--quiet")
+    free = run_process(*args)
+    assert free.code == 0, free.err
+    plan = free.json()["timing"]["memory"]
+    held = plan["baseline_bytes"] + sum(
+        v
+        for k, v in plan["planned"].items()
+        if k not in ("krylov basis", "second-derivative self-check")
+    )
+    # the step's work (float64 temporaries, one Ritz vector) and 4 float32 basis vectors
+    budget = held + 3_019_210 * (8 * 5 + 2 * 4 + 4 * 4) + (4 << 20)
+    tight = run_process(*args, "--max-memory", str(budget))
+    assert tight.code == 0, tight.err
+    results = tight.json()["results"]
+    assert results["restarts"] >= 1 and results["max_basis"] <= 5
+    assert all(results["converged"])
+    assert results["eigenvalues"][0] == pytest.approx(
+        free.json()["results"]["eigenvalues"][0], rel=1e-5
+    )
+    assert any("thick-restarted" in c for c in tight.json()["timing"]["memory"]["choices"])
+
+
+def test_an_impossible_budget_is_exit_2_naming_the_option(capsys, mlp3m):
+    run = run_cli(capsys, "eigen", mlp3m, "--max-memory", "300M")
+    assert_one_line_error(run, 2, "--max-memory")
+    run = run_cli(capsys, "eigen", mlp3m, "--max-memory", "a lot")
+    assert_one_line_error(run, 2, "--max-memory", "cannot read")
+
+
+def test_an_impossible_width_is_exit_2_naming_the_option(capsys, tmp_path):
+    run = run_cli(capsys, "train", "--width", "1000000000", "--out", tmp_path / "m.safetensors")
+    assert_one_line_error(run, 2, "--width", "parameters")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_gn_nme_reports_which_tr_g_estimators_ran_and_why(capsys, tmp_path):
+    from sharpcli.io.checkpoints import save_checkpoint
+    from sharpcli.models import build_model, default_model_args
+
+    for classes, expected in ((200, ["sampled_label", "hutchinson"]), (3, None)):
+        args = default_model_args("mlp", (6,), classes, depth=1, width=8)
+        spec = {"name": "mlp", "args": args}
+        torch.manual_seed(0)
+        path = tmp_path / f"c{classes}.safetensors"
+        save_checkpoint(path, build_model(spec), spec)
+        data = f"blobs:n=40,dim=6,classes={classes}"
+        run = run_cli(capsys, "gn-nme", path, "--data", data, "--json", "-", "--quiet")
+        assert run.code == 0, run.err
+        check = run.json()["results"]["ggn_trace_check"]
+        if expected is None:  # a small head: exact, sampled and Hutchinson agree
+            assert check["estimators"] == ["exact", "sampled_label", "hutchinson"]
+            assert check["sampled_label"] == pytest.approx(check["exact"], rel=0.3)
+        else:
+            assert check["estimators"] == expected and "exact" not in check
+            assert "backward passes per sample" in check["why"]
+    forced = run_cli(
+        capsys, "gn-nme", tmp_path / "c200.safetensors", "--data", "blobs:n=12,dim=6,classes=200",
+        "--ggn-estimator", "exact", "--json", "-", "--quiet",
+    )  # fmt: skip
+    assert forced.code == 0, forced.err
+    check = forced.json()["results"]["ggn_trace_check"]
+    assert "exact" in check and check["estimators"][0] == "exact"
+    assert json.dumps(check)  # JSON-ready
