@@ -9,7 +9,7 @@ imported on first use, so ``import sharpcli`` (and ``sharp --help``) does not lo
 """
 
 __version__ = "0.1.0"
-SCHEMA_ID = "sharpcli.report/1"
+SCHEMA_ID = "sharpcli.report/2"
 
 _LAZY = {"Curvature": "sharpcli.api", "Tracker": "sharpcli.api"}
 __all__ = ["Curvature", "SCHEMA_ID", "Tracker", "__version__"]

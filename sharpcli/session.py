@@ -186,10 +186,19 @@ def check_second_derivatives(
     quotient has a jump term instead of the curvature). Returns the relative difference, or
     None where nothing was concluded: models above :data:`SECOND_DERIVATIVE_MAX_PARAMS`
     trainable parameters, models that cannot be copied to float64, kinks crossed.
+
+    Layers whose autograd second derivative is altered by design, sharp's ``augmented-relu``
+    and ``diminished-gelu`` ([NME] eq. 15-16, :data:`~sharpcli.models.activations.ALTERED_DERIVATIVE_TYPES`),
+    are checked against their intended derivatives instead
+    (:func:`~sharpcli.models.activations.intended_derivative_error`, on a grid of inputs); in
+    the float64 copy they are then replaced by ReLU / GELU, which have the same forward pass and
+    gradient, so the comparison above checks every other layer of the model
+    (:func:`altered_derivative_notes` says so in the report).
     """
     import copy
 
     from sharpcli.losses import get_loss
+    from sharpcli.models.activations import intended_derivative_error, replace_altered_activations
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable or sum(p.numel() for p in trainable) > SECOND_DERIVATIVE_MAX_PARAMS:
@@ -198,6 +207,18 @@ def check_second_derivatives(
         twin = copy.deepcopy(model).to(torch.float64).eval()
     except (RuntimeError, TypeError, copy.Error):  # a model that cannot be copied or widened
         return None
+    # sharp's augmented ReLU / diminished GELU change the second derivative on purpose ([NME]
+    # 4.4): each is checked against its intended closed form, and the model's Hessian product
+    # against central differences with a twin of the same gradient and true second derivatives
+    for layer in replace_altered_activations(twin):
+        deviation = intended_derivative_error(layer)
+        if deviation > _SECOND_DERIVATIVE_RTOL:
+            raise InputError(
+                f"torch computes the second derivative of the {layer.spec} layers wrongly: "
+                f"double backward differs from the intended closed form by {deviation:.2g} "
+                "(relative), so every curvature figure would be wrong",
+                source=source,
+            )
     params = [p for p in twin.parameters() if p.requires_grad]
     x = x.to(torch.float64) if x.is_floating_point() else x
     y = y[: x.shape[0]]
@@ -303,6 +324,24 @@ def release_padding_rows(model: nn.Module) -> list[str]:
         )
         module.padding_idx = None
     return notes
+
+
+def altered_derivative_notes(model: nn.Module) -> list[str]:
+    """A note per kind of layer whose autograd second derivative is altered by design.
+
+    Curvature figures of such a model use the altered derivative ([NME] 4.4: augmented ReLU's
+    Gaussian ``beta phi(beta x)`` in place of ReLU's 0, diminished GELU's 0 in place of GELU's
+    ``phi'' ``); the self-check compared those layers with that intended derivative
+    (:func:`check_second_derivatives`). Empty for every other model.
+    """
+    from sharpcli.models.activations import ALTERED_DERIVATIVE_TYPES
+
+    specs = sorted({m.spec for m in model.modules() if isinstance(m, ALTERED_DERIVATIVE_TYPES)})
+    return [
+        f"{spec} layers have an autograd second derivative altered by design (NME 4.4): "
+        "curvature figures use it; the self-check compared it with its intended closed form"
+        for spec in specs
+    ]
 
 
 def unreached_parameter_notes(
@@ -808,6 +847,7 @@ def build_session(
             check_second_derivatives(
                 model, x[: self_check_samples(model)], y, loss, source=checkpoint
             )
+        notes += altered_derivative_notes(model)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
     return Session(
         checkpoint=ckpt,

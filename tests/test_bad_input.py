@@ -709,7 +709,7 @@ CASES = [
         "compare-report-with-results-not-an-object",
         ("compare", "$weird_json"),
         2,
-        ("$weird_json", "not a valid sharpcli.report/1 report", "results"),
+        ("$weird_json", "not a valid sharpcli.report/2 report", "results"),
     ),
     C(
         "compare-missing-report",

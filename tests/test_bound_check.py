@@ -94,12 +94,15 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
     for row, sigma in zip(result.rows, sigmas):
         assert row.plain_lambda_max == pytest.approx(float(eig0[-1]), rel=1e-9)
         assert row.H_at_theta == pytest.approx(float(eig0.abs().max()), rel=1e-9)
-        # the bound recomputes from the reported H and epsilon
-        assert row.bound == pytest.approx(
-            row.H * math.erf(row.epsilon / (math.sqrt(2) * row.H * sigma)), rel=1e-12
+        # AD's reading: H and eps at theta; the bound recomputes from the keys beside it
+        assert row.epsilon_at_theta == result.epsilon_full
+        h, eps = row.H_at_theta, row.epsilon_at_theta
+        assert row.bound_at_theta == pytest.approx(
+            h * math.erf(eps / (math.sqrt(2) * h * sigma)), rel=1e-12
         )
-        assert row.holds_at_theta == (row.empirical <= row.bound)
-        assert row.ratio == pytest.approx(row.empirical / row.bound, rel=1e-12)
+        assert row.holds_at_theta == (row.empirical <= row.bound_at_theta)
+        assert row.verdict_at_theta == ("holds" if row.holds_at_theta else "fails")
+        assert row.ratio_at_theta == pytest.approx(row.empirical / row.bound_at_theta, rel=1e-12)
         assert row.points == 5  # theta and the 4 perturbed points
         # the Monte-Carlo smoothed Hessian, densely, on the same fixed perturbations
         perturbed = [_dense_hessian(model, x, y, names, sigma * Z[:, j]) for j in range(4)]
@@ -107,7 +110,7 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         assert row.empirical == pytest.approx(
             float(torch.linalg.matrix_norm(mean_h, ord=2)), rel=1e-8
         )
-        assert row.H == pytest.approx(
+        assert row.H_region == pytest.approx(
             max(float(torch.linalg.eigvalsh(h).abs().max()) for h in perturbed + [H0]), rel=1e-8
         )
         lo, hi = row.empirical_ci
@@ -123,25 +126,25 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
             region.append(float(twin[4].weight.grad.norm()))
         assert row.epsilon_region == pytest.approx(max(region), rel=1e-10)
         assert row.bound_region == pytest.approx(
-            corollary1_bound(row.H, row.epsilon_region, sigma), rel=1e-12
+            corollary1_bound(row.H_region, row.epsilon_region, sigma), rel=1e-12
         )
-        assert row.holds_region == (row.empirical <= row.bound_region) == row.holds
+        assert row.holds_region == (row.empirical <= row.bound_region)
         assert row.ratio_region == pytest.approx(row.empirical / row.bound_region, rel=1e-12)
-        assert row.erf_factor == pytest.approx(row.bound_region / row.H, rel=1e-12)
+        assert row.erf_factor_region == pytest.approx(row.bound_region / row.H_region, rel=1e-12)
         # the estimated left side never exceeds the mean sampled norm, which never exceeds H
         mean_norm = sum(float(torch.linalg.matrix_norm(h, ord=2)) for h in perturbed) / 4
         assert row.H_perturbed_mean == pytest.approx(mean_norm, rel=1e-8)
-        assert row.empirical <= row.H_perturbed_mean * (1 + 1e-9) <= row.H * (1 + 1e-9)
-        assert row.verdict == (
+        assert row.empirical <= row.H_perturbed_mean * (1 + 1e-9) <= row.H_region * (1 + 1e-9)
+        assert row.verdict_region == (
             "fails"
-            if not row.holds
+            if not row.holds_region
             else "holds by construction"
             if row.bound_region >= row.H_perturbed_mean
             else "holds"
         )
         assert "5 points" in row.note and f"{lo:.4g}, {hi:.4g}" in row.note
-    assert any(n.startswith("empirical above the bound") for n in result.notes) == (
-        not all(r.holds for r in result.rows)
+    assert any(n.startswith("empirical above bound_region") for n in result.notes) == (
+        not all(r.holds_region for r in result.rows)
     )
 
 
@@ -154,8 +157,8 @@ def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
     )
     tiny, small, large = result.rows
     # a failed row is explained (sampled H and eps are lower estimates of the corollary's suprema)
-    failed = [r.sigma for r in result.rows if not r.holds]
-    explained = [n for n in result.notes if n.startswith("empirical above the bound")]
+    failed = [r.sigma for r in result.rows if not r.holds_region]
+    explained = [n for n in result.notes if n.startswith("empirical above bound_region")]
     assert bool(explained) == bool(failed)
     assert all(f"{s:g}" in explained[0] for s in failed)
     deviation = [abs(r.empirical / r.plain_lambda_max - 1) for r in result.rows]
@@ -329,9 +332,19 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     results = report["results"]
     assert [r["sigma"] for r in results["rows"]] == [0.01, 0.1]
     for row in results["rows"]:
-        assert row["bound"] == pytest.approx(
-            corollary1_bound(row["H"], row["epsilon"], row["sigma"]), rel=1e-12
+        assert row["bound_at_theta"] == pytest.approx(
+            corollary1_bound(row["H_at_theta"], row["epsilon_at_theta"], row["sigma"]), rel=1e-12
         )
+        assert row["bound_region"] == pytest.approx(
+            corollary1_bound(row["H_region"], row["epsilon_region"], row["sigma"]), rel=1e-12
+        )
+        # every verdict agrees with the quantities beside it
+        assert row["holds_at_theta"] == (row["empirical"] <= row["bound_at_theta"])
+        assert row["holds_region"] == (row["empirical"] <= row["bound_region"])
+        assert (row["verdict_at_theta"] == "fails") == (not row["holds_at_theta"])
+        assert (row["verdict_region"] == "fails") == (not row["holds_region"])
+        for key in ("H", "epsilon", "bound", "ratio", "holds", "verdict", "erf_factor"):
+            assert key not in row  # version 1 keys that did not say what they compared
         assert len(row["empirical_ci"]) == 2
     assert all(r["fraction_holds"] == 1.0 for r in results["theorem2"])
     assert len(results["noise_stability"]["rows"]) == 2
@@ -361,7 +374,7 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     )
     assert minibatch.code == 0, minibatch.err
     mb = minibatch.json()["results"]
-    assert mb["rows"][0]["epsilon"] == mb["epsilon_minibatch"] != mb["epsilon_full"]
+    assert mb["rows"][0]["epsilon_at_theta"] == mb["epsilon_minibatch"] != mb["epsilon_full"]
     table = run_cli(capsys, "bound-check", ckpt, "--sigma", "0.1", "--perturbations", "2")
     assert table.code == 0 and "Corollary 1" in table.out and "sigma 0.1: " in table.out
     scoped = run_cli(
@@ -417,10 +430,15 @@ def test_corollary1_holds_with_eps_over_the_sampled_points_on_builtin_models(tmp
     config = BoundCheckConfig([0.01, 0.1, 1.0], perturbations=4, bootstrap=200, seed=1)
     result = bound_check(model.eval(), data, config)
     for row in result.rows:
-        assert row.holds and row.holds_region, (row.sigma, row.note)
-        assert row.epsilon_region >= row.epsilon and row.bound_region >= row.bound
-        assert row.verdict in ("holds", "holds by construction") and row.points == 5
-        assert row.empirical_ci[0] <= row.empirical <= row.empirical_ci[1] <= row.H
+        assert row.holds_region, (row.sigma, row.note)
+        assert row.epsilon_region >= row.epsilon_at_theta and row.H_region >= row.H_at_theta
+        assert row.verdict_region in ("holds", "holds by construction") and row.points == 5
+        assert row.empirical_ci[0] <= row.empirical <= row.empirical_ci[1] <= row.H_region
     small = result.rows[0]
-    assert small.verdict == "holds by construction" and small.erf_factor > 0.999
+    assert small.verdict_region == "holds by construction" and small.erf_factor_region > 0.999
     assert "which ||E H||" in small.note and "5 points" in small.note
+    # AD's reading (H and eps at theta) is a verdict that can fail: at sigma = 1 the gradient
+    # norm near the minimum is too small for the noise, and the bound collapses below ||E H||
+    large = result.rows[-1]
+    assert not large.holds_at_theta and large.verdict_at_theta == "fails"
+    assert large.empirical > large.bound_at_theta and "at theta: ||E H||" in large.note

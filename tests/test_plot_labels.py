@@ -72,7 +72,8 @@ def test_bound_plot_writes_math_as_math(figures):
     rows = [
         {
             "sigma": s,
-            "bound": 2.0,
+            "bound_region": 2.0,
+            "bound_at_theta": 1.5,
             "empirical": 1.0,
             "empirical_ci": [0.9, 1.1],
             "plain_lambda_max": 2.5,

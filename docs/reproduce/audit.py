@@ -506,9 +506,13 @@ def _bound_rows(workdir, common, theta, x, y) -> list[Row]:
                    row["plain_lambda_max"], torch.linalg.eigvalsh(block)[-1], 1e-6),
         scalar_row("bound-check", "AD Cor. 1", "epsilon = ‖grad L‖ over 4.weight",
                    res["epsilon_full"], g[start : start + last].norm(), 1e-12),
-        scalar_row("bound-check", "AD Cor. 1 eq. 1", "bound H erf(eps/(sqrt2 H sigma))",
-                   row["bound"],
-                   row["H"] * math.erf(row["epsilon"] / (math.sqrt(2) * row["H"] * sigma)), 1e-12),
+        scalar_row("bound-check", "AD Cor. 1", "H_at_theta = max abs(eig) of 4.weight",
+                   row["H_at_theta"], torch.linalg.eigvalsh(block).abs().max(), 1e-6),
+        scalar_row("bound-check", "AD Cor. 1 eq. 1", "bound_at_theta H erf(eps/(sqrt2 H sigma))",
+                   row["bound_at_theta"],
+                   row["H_at_theta"]
+                   * math.erf(row["epsilon_at_theta"] / (math.sqrt(2) * row["H_at_theta"] * sigma)),
+                   1e-12),
     ]  # fmt: skip
     # Theorem 2 and 3, per sample, averaged
     z, hidden = forward(theta, x, "gelu")

@@ -331,31 +331,38 @@ def _render_bound_check(console, result) -> None:
         rows.append(d)
     console.print(
         records_table(
-            f"AD Corollary 1 on {result.params}: {result.num_params} parameters, "
-            f"{result.perturbations} perturbations, epsilon {result.epsilon_kind}",
+            f"AD Corollary 1 at theta on {result.params}: {result.num_params} parameters, "
+            f"epsilon {result.epsilon_kind}",
             rows,
             [
                 "sigma",
-                "points",
-                "H",
-                "epsilon_region",
-                "bound_region",
                 "empirical",
-                "empirical_ci",
-                "plain_lambda_max",
-                "verdict",
+                "H_at_theta",
+                "epsilon_at_theta",
+                "bound_at_theta",
+                "ratio_at_theta",
+                "verdict_at_theta",
             ],
         )
     )
     console.print(
         records_table(
-            "with epsilon = the gradient norm at theta alone (AD's choice)",
+            f"over the region: H, epsilon the largest of {result.perturbations} perturbations and "
+            "theta",
             rows,
-            ["sigma", "epsilon", "bound", "ratio", "holds_at_theta"],
+            [
+                "sigma",
+                "points",
+                "H_region",
+                "epsilon_region",
+                "bound_region",
+                "ratio_region",
+                "verdict_region",
+            ],
         )
     )
     for row in result.rows:
-        console.print(f"sigma {row.sigma:g}: {row.verdict}: {row.note}", markup=False)
+        console.print(f"sigma {row.sigma:g}: {row.note}", markup=False)
     if result.theorem2 is not None:
         console.print(
             records_table(

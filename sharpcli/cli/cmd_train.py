@@ -8,6 +8,7 @@ import typer
 
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
+from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
 
 
@@ -184,6 +185,14 @@ def train_command(
             help="Stop after epoch N, as if interrupted.",
         ),
     ] = None,
+    stop_on_divergence: Annotated[
+        bool,
+        typer.Option(
+            "--stop-diverged",
+            help="When training diverges (loss above 4x its best, or accuracy back at chance), "
+            "stop, write the weights of the epoch with the lowest training loss and exit 3.",
+        ),
+    ] = False,
     track: Annotated[
         Optional[str],
         typer.Option(
@@ -296,6 +305,7 @@ def train_command(
                 stop_after=stop_after,
                 tracker=tracker,
                 max_memory=max_memory,
+                stop_on_divergence=stop_on_divergence,
             )
         common.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
@@ -308,12 +318,22 @@ def train_command(
             )
         report = train_report(
             result,
-            {"resume": resume, "stop_after": stop_after, "plot": plot},
+            {
+                "resume": resume,
+                "stop_after": stop_after,
+                "stop_on_divergence": stop_on_divergence,
+                "plot": plot,
+            },
             out=out,
             device=device,
             dtype=dtype,
         )
-        return common.Outcome(report, render=lambda console: _render(console, result))
+        return common.Outcome(
+            report,
+            render=lambda console: _render(console, result),
+            notice=_divergence_warning(result),
+            exit_code=EXIT_NUMERICAL if result.stopped_on_divergence else None,
+        )
 
     # the library names subset sizes `samples`: here they are --track-samples
     aliases = {"samples": "--track-samples"}
@@ -342,6 +362,20 @@ def _data_spec(data: str, x_key, y_key, shift_labels):
     from sharpcli.io.datasets import parse_data_spec
 
     return parse_data_spec(data, x_key=x_key, y_key=y_key, shift_labels=shift_labels)
+
+
+def _divergence_warning(result) -> str | None:
+    """The warning line of a diverged run (None otherwise)."""
+    d = result.divergence
+    if d is None:
+        return None
+    kept = (
+        f"stopped; {result.checkpoint['path']} holds epoch {d['best_epoch']}, the lowest "
+        "training loss"
+        if result.stopped_on_divergence
+        else "--stop-diverged stops such a run and keeps its best epoch"
+    )
+    return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 
 
 def _plot_title(model: str, regs: list[str]) -> str:

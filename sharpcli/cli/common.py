@@ -318,6 +318,7 @@ class Outcome:
     render: Callable[[Console], None] | None = None
     gate_tripped: bool = False
     notice: str | None = None  # one line on stderr after the output, even under --quiet
+    exit_code: int | None = None  # instead of 0 / 1 (gate): the run's outputs are published
 
 
 def state() -> dict:
@@ -380,6 +381,8 @@ def run_command(
     _print_notice(command, outcome.notice)
     if stdout_lost:
         raise typer.Exit(EXIT_STDOUT_GONE)
+    if outcome.exit_code is not None:
+        raise typer.Exit(outcome.exit_code)
     raise typer.Exit(EXIT_GATE if outcome.gate_tripped else EXIT_OK)
 
 

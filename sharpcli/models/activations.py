@@ -302,6 +302,14 @@ class AugmentedReLU(nn.Module):
         """Elementwise ``max(x, 0)`` with the augmented AD derivatives."""
         return augmented_relu(x, self.beta)
 
+    def intended_derivatives(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Theta(x), beta phi(beta x))``: the AD derivatives this module is built to return."""
+        return (x > 0).to(x.dtype), augmented_relu_second_derivative(x, self.beta)
+
+    def true_derivative_twin(self) -> nn.Module:
+        """``nn.ReLU``: the same forward and first derivative, with torch's true (zero) second one."""
+        return ReLU()
+
     def extra_repr(self) -> str:
         """``beta=B`` in the module's repr."""
         return f"beta={self.beta}"
@@ -319,6 +327,14 @@ class DiminishedGELU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise GELU with the diminished AD derivatives."""
         return diminished_gelu(x)
+
+    def intended_derivatives(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Phi(x) + x phi(x), 0)``: the AD derivatives this module is built to return."""
+        return gelu_derivative(x), torch.zeros_like(x)
+
+    def true_derivative_twin(self) -> nn.Module:
+        """Exact GELU: the same forward and first derivative, with its true second derivative."""
+        return GELU()
 
 
 # name -> (module class, {parameter: (default, description)})
@@ -473,3 +489,57 @@ def activation_spec(module: nn.Module) -> str | None:
     if type(module) is nn.GELU and module.approximate == "none":
         return "gelu"
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Deliberately altered second derivatives, for the self-check of a model's second derivatives
+# --------------------------------------------------------------------------------------------
+
+ALTERED_DERIVATIVE_TYPES: tuple[type[nn.Module], ...] = (AugmentedReLU, DiminishedGELU)
+"""Modules whose autograd second derivative differs from the true one by design (NME 4.4)."""
+
+
+def replace_altered_activations(model: nn.Module) -> list[nn.Module]:
+    """Swap every :data:`ALTERED_DERIVATIVE_TYPES` layer of ``model`` (in place) for its
+    ``true_derivative_twin()``; return the replaced modules (each once).
+
+    The twin has the same forward and first derivative (augmented ReLU -> ReLU, diminished
+    GELU -> GELU), so the model's loss and gradient are unchanged and central differences of
+    the gradient then match torch's double backward wherever torch's layers are right. A
+    model that is itself such a layer is left as it is.
+    """
+    replaced: list[nn.Module] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ALTERED_DERIVATIVE_TYPES):
+                setattr(parent, name, child.true_derivative_twin())
+                if all(child is not seen for seen in replaced):
+                    replaced.append(child)
+    return replaced
+
+
+def intended_derivative_error(module: nn.Module, points: int = 241) -> float:
+    """Largest deviation of ``module``'s AD derivatives from its ``intended_derivatives``.
+
+    On ``points`` float64 inputs spread over ``[-6, 6] / beta`` (beta of augmented ReLU, 1
+    otherwise; the grid misses 0, where the step of ``Theta`` sits): the first derivative by
+    ``autograd.grad`` with a graph and the second by differentiating it again, each compared
+    with the closed form (NME eq. 15, 16); the error is ``max |AD - intended|`` divided by
+    ``max(1, max |intended|)`` over both. A torch that differentiated the custom
+    ``autograd.Function`` s wrongly shows here at order 1; rounding is ~1e-16.
+    """
+    scale = float(getattr(module, "beta", 1.0))
+    x = (torch.linspace(-6.0, 6.0, points, dtype=torch.float64) / scale).requires_grad_(True)
+    with torch.enable_grad():
+        first = torch.autograd.grad(module(x).sum(), x, create_graph=True)[0]
+        second = (
+            torch.autograd.grad(first.sum(), x, allow_unused=True)[0]
+            if first.requires_grad
+            else None
+        )
+    second = torch.zeros_like(x) if second is None else second
+    want_first, want_second = module.intended_derivatives(x.detach())
+    error = 0.0
+    for got, want in ((first.detach(), want_first), (second.detach(), want_second)):
+        error = max(error, float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
+    return error

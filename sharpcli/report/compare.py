@@ -26,7 +26,7 @@ from sharpcli import ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
 
-SUPPORTED_SCHEMAS = ("sharpcli.report/1",)
+SUPPORTED_SCHEMAS = ("sharpcli.report/2", "sharpcli.report/1")
 CANONICAL = (
     "run",
     "command",

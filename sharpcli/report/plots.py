@@ -292,14 +292,16 @@ def plot_bound_check(
     sigmas = [r["sigma"] for r in rows]
     ax.plot(
         sigmas,
-        [r.get("bound_region", r["bound"]) for r in rows],
+        [r["bound_region"] for r in rows],
         "o-",
-        label=r"bound $H\,\mathrm{erf}(\epsilon / (\sqrt{2}\,H\sigma))$, $\epsilon$ over the sampled points",
+        label=r"bound $H\,\mathrm{erf}(\epsilon / (\sqrt{2}\,H\sigma))$, $H, \epsilon$ over the sampled points",
     )
-    if any("bound_region" in r for r in rows):
-        ax.plot(
-            sigmas, [r["bound"] for r in rows], "x:", label=r"bound with $\epsilon$ at $\theta$"
-        )
+    ax.plot(
+        sigmas,
+        [r["bound_at_theta"] for r in rows],
+        "x:",
+        label=r"bound with $H, \epsilon$ at $\theta$",
+    )
     empirical = [r["empirical"] for r in rows]
     lower = [r["empirical"] - r["empirical_ci"][0] for r in rows]
     upper = [r["empirical_ci"][1] - r["empirical"] for r in rows]

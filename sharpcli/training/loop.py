@@ -29,6 +29,7 @@ from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.errors import InputError, NumericalError, SharpError, UsageError
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.losses import IGNORE_INDEX, get_loss
+from sharpcli.training.divergence import divergence
 
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine")
@@ -88,6 +89,9 @@ class TrainResult:
     notes: list = field(default_factory=list)  # what was done to the data (float ids -> int64)
     # what each regularizer computed (Regularizer.run_record: spec, kind, computes)
     regularizers: list = field(default_factory=list)
+    # the first diverged epoch (sharpcli.training.divergence), None when training did not diverge
+    divergence: dict | None = None
+    stopped_on_divergence: bool = False  # --stop-diverged ended the run at that epoch
 
 
 def train_report(
@@ -104,6 +108,9 @@ def train_report(
         "history_csv": result.history_csv,
         "resumed_from_epoch": result.resumed_from_epoch,
         "regularizers": result.regularizers,
+        "diverged": result.divergence is not None,
+        "divergence": result.divergence,
+        "stopped_on_divergence": result.stopped_on_divergence,
     }
     return make_report(
         "train",
@@ -326,8 +333,14 @@ def train(
     stop_after: int | None = None,
     tracker: Callable[..., dict] | None = None,
     max_memory: str | int | None = None,
+    stop_on_divergence: bool = False,
 ) -> TrainResult:
     """Train per ``cfg`` and write the checkpoint ``out`` (atomically) and its history CSV.
+
+    After every epoch the history is checked for divergence
+    (:func:`sharpcli.training.divergence.divergence`): the result's ``divergence`` names the
+    first diverged epoch. ``stop_on_divergence`` ends the run there and writes the weights of
+    the epoch with the lowest training loss instead of the last (``stopped_on_divergence``).
 
     ``stop_after=k`` ends the run after epoch k as an interruption would (the
     resumable state is kept); ``resume=True`` continues from that state.
@@ -387,6 +400,7 @@ def train(
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
     last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
     steps = _steps_per_epoch(cfg, splits)
+    best = _BestWeights(model) if stop_on_divergence else None
     # second-order regularizers differentiate the backward pass: attention and weight norm
     # must be computed by kernels whose second derivative exists and is right
     with (
@@ -405,7 +419,33 @@ def train(
             meter.update((epoch + 1) * steps, record={**row, "epochs": total_epochs})
             if rank == 0:
                 _save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
-    return _finish_run(run, out, model_spec)
+            if best is not None:
+                best.update(row)
+                if divergence(run.history, splits.num_outputs) is not None:
+                    best.restore()
+                    break
+    result = _finish_run(run, out, model_spec)
+    result.divergence = divergence(run.history, splits.num_outputs)
+    result.stopped_on_divergence = best is not None and result.divergence is not None
+    return result
+
+
+class _BestWeights:
+    """A copy of the model's weights (and buffers) at the epoch with the lowest training loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.loss, self.state = model, math.inf, None
+
+    def update(self, row: dict) -> None:
+        """Keep the weights now if ``row``'s training loss is the lowest so far."""
+        if row["train_loss"] < self.loss:
+            self.loss = row["train_loss"]
+            self.state = copy.deepcopy(self.model.state_dict())
+
+    def restore(self) -> None:
+        """Load the kept weights into the model."""
+        if self.state is not None:
+            self.model.load_state_dict(self.state)
 
 
 def _steps_per_epoch(cfg: TrainConfig, splits) -> int:

@@ -1,0 +1,110 @@
+"""Every standard error sharp prints against the spread of its estimate over seeds.
+
+For each estimator, on a tiny float64 model whose true value is known (a dense Hessian, or
+a reference estimate with far more draws), the z-scores ``(estimate - truth) / stderr`` over
+at least 16 seeds must have a standard deviation within [0.7, 1.4] and a mean within
+``3 / sqrt(seeds)`` of 0 (plus slack for the reference's own error): a standard error 10 times
+too small (Theorem 2's, which combined per-sample errors of shared draws as if independent)
+gives z-scores spread over +-10.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hessian_helpers import double_backward_hessian
+from torch import nn
+
+from sharpcli.analyses.bounds import theorem2_check
+from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.operators import CurvaturePass
+from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.trace import frobenius_sq, hutchinson, sampled_label_ggn_trace
+
+SEEDS = range(32)
+
+
+def _z_scores_calibrated(estimates, stderrs, truth, slack: float = 0.0) -> None:
+    z = torch.tensor([(e - truth) / s for e, s in zip(estimates, stderrs)], dtype=torch.float64)
+    assert 0.7 <= float(z.std()) <= 1.4, (float(z.std()), z.tolist())
+    assert abs(float(z.mean())) <= 3 / math.sqrt(len(z)) + slack, (float(z.mean()), z.tolist())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A GELU MLP (75 parameters) on 48 samples, its dense Hessian and Gauss-Newton matrix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 3)).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 5, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (48,), generator=generator)
+    params = list(model.parameters())
+    H = double_backward_hessian(model, params, x, y)
+    logits = model(x)
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(v, params, retain_graph=True)])
+        for v in logits.reshape(-1)
+    ]
+    J = torch.stack(rows).reshape(48, 3, -1)
+    p = torch.softmax(logits.detach(), 1)
+    hz = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    G = torch.einsum("nca,ncd,ndb->ab", J, hz, J) / 48
+    data = AnalysisData(x, y, "cross-entropy", 48)
+    return model, data, ParamScope.resolve(model, "all"), H, G
+
+
+def test_hutchinson_and_square_stderrs(tiny):
+    """At a fixed budget (tolerance unreachable): no stopping rule selects the probes."""
+    model, data, scope, H, _ = tiny
+    op = CurvaturePass(model, data, scope).hessian()
+    for estimator, truth in (
+        (hutchinson, float(torch.trace(H))),
+        (frobenius_sq, float((H * H).sum())),
+    ):
+        runs = [estimator(op, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+        _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
+
+
+def test_gn_nme_split_stderrs(tiny):
+    """Traces and Tr(A^2) of H, G and N from shared probes, each against its dense value."""
+    model, data, scope, H, G = tiny
+    cpass = CurvaturePass(model, data, scope)
+    runs = [gn_nme_split(cpass, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+    N = H - G
+    for name, A in (("hessian", H), ("ggn", G), ("nme", N)):
+        for quantity, truth in (("trace", torch.trace(A)), ("frobenius_sq", (A * A).sum())):
+            values = [r.values[name][quantity] for r in runs]
+            _z_scores_calibrated(
+                [v["estimate"] for v in values], [v["stderr"] for v in values], float(truth)
+            )
+
+
+def test_sampled_label_ggn_trace_stderr(tiny):
+    """With several label draws per sample the error is over the draws alone (one draw
+    falls back on the spread over points, conservative by design)."""
+    model, data, scope, _, G = tiny
+    runs = [
+        sampled_label_ggn_trace(
+            model, data, scope, samples=4, generator=torch.Generator().manual_seed(seed)
+        )
+        for seed in SEEDS
+    ]
+    _z_scores_calibrated(
+        [r.estimate for r in runs], [r.stderr for r in runs], float(torch.trace(G))
+    )
+
+
+def test_theorem2_smoothed_stderr_is_that_of_the_dataset_mean(tiny):
+    """The K draws are shared by every sample: the standard error is over draws."""
+    model, data, _, _, _ = tiny
+    reference = theorem2_check(model, data, [0.5], mc_pairs=20000, seed=999)[0]
+    rows = [theorem2_check(model, data, [0.5], mc_pairs=64, seed=seed)[0] for seed in SEEDS]
+    estimates = [r.smoothed_cross_entropy for r in rows]
+    stderrs = [r.smoothed_stderr for r in rows]
+    # the reference's own error, relative to one run's: sqrt(64 / 20000) = 0.06
+    _z_scores_calibrated(estimates, stderrs, reference.smoothed_cross_entropy, slack=0.3)
+    spread = float(torch.tensor(estimates).std())
+    assert 0.6 < sum(stderrs) / len(stderrs) / spread < 1.6
