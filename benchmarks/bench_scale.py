@@ -126,6 +126,9 @@ def pyhessian(factory, args, ckpt, data, device, what="eigen") -> list[str]:
     return [sys.executable, "-c", code]
 
 
+EIGEN_RUNS: dict = {}  # case name -> its `sharp eigen --top-k 1` run, reused by `growth`
+
+
 def run(label: str, argv: list[str], env: dict, rows: list) -> dict:
     info = measure(argv, env)
     if info["code"] != 0:

@@ -174,12 +174,19 @@ class MemoryPlan:
     @classmethod
     def for_run(cls, max_memory: str | int | None = None, device: str = "cpu") -> MemoryPlan:
         """The plan of a run on ``device``: budget ``max_memory`` (a size, see
-        :func:`parse_size`) or :data:`DEFAULT_FRACTION` of :func:`available_bytes`."""
+        :func:`parse_size`; per process) or :data:`DEFAULT_FRACTION` of
+        :func:`available_bytes`, divided among torchrun's ranks on this host when they share
+        its memory (CPU)."""
         baseline = allocated_bytes(device)
         if max_memory is None:
             free = available_bytes(device)
             budget = int(DEFAULT_FRACTION * free)
             stated = f"default: {DEFAULT_FRACTION:.0%} of {format_bytes(free)} free"
+            # torchrun's ranks on one host share its memory (each CUDA rank has its device)
+            ranks = _local_ranks()
+            if ranks > 1 and not str(device).startswith("cuda"):
+                budget //= ranks
+                stated += f", shared by {ranks} ranks on this host"
         else:
             budget = parse_size(max_memory)
             stated = f"max_memory={max_memory}"
@@ -264,6 +271,14 @@ class MemoryPlan:
             f"memory: planned peak {format_bytes(info['planned_peak_bytes'])}, measured "
             f"{format_bytes(measured)}, budget {format_bytes(self.budget)} ({self.stated})"
         )
+
+
+def _local_ranks() -> int:
+    """The processes torchrun started on this host (``LOCAL_WORLD_SIZE``; 1 outside it)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def allocated_bytes(device: str) -> int:

@@ -39,6 +39,16 @@ def test_sizes_parse_in_binary_units():
         assert err.value.source == "max_memory"
 
 
+def test_ranks_on_one_host_share_the_default_budget(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = memory.MemoryPlan.for_run()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    shared = memory.MemoryPlan.for_run()
+    assert "shared by 4 ranks" in shared.stated
+    assert shared.budget == pytest.approx(alone.budget / 4, rel=0.2)  # free memory moves a bit
+    assert memory.MemoryPlan.for_run("2G").budget == 2 << 30  # an explicit budget is per rank
+
+
 def test_an_allocation_failure_is_a_usage_error_on_max_memory():
     error = RuntimeError(
         "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "

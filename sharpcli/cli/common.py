@@ -415,6 +415,8 @@ def _run_body(
             plan = memory.active()
             if plan is not None:  # what was planned beside what was measured
                 outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
+                if _STATE["verbose"]:
+                    _STATE["notes"].append(plan.summary())
         finally:
             memory.clear()  # the next command (in this process: tests, sweeps) plans anew
     end = time.perf_counter()

@@ -356,8 +356,9 @@ def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes)
     reported = np.asarray(ritz_residuals(op, values.tolist(), vectors))
     converged = (reported <= tol * np.abs(values)) | (reported <= exact_level)
     notes.append(
-        f"residuals are explicit ||A u - theta u|| ({len(values)} extra products; "
-        f"products in {str(op.dtype).replace('torch.', '')}, recurrence in float64)"
+        f"residuals are explicit: ||A u - lambda u|| measured with {len(values)} more "
+        f"product{'s' if len(values) != 1 else ''}, since the model multiplies in "
+        f"{str(op.dtype).replace('torch.', '')} (Lanczos keeps its scalars in float64)"
     )
     lost = int((estimated & ~converged).sum())
     if lost:
