@@ -298,7 +298,8 @@ def gn_nme_command(
         check = results["ggn_trace_check"]
         numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
         console.print(key_value_table("tr(G) by each estimator", numbers))
-        common.print_note(console, check["why"])
+        if "exact" not in check["estimators"]:  # say why the exact trace did not run
+            common.print_note(console, check["why"])
         console.print(records_table("per layer", results["layers"]))
 
     return common.Outcome(report, render)
