@@ -127,6 +127,18 @@ def pyhessian(factory, args, ckpt, data, device, what="eigen") -> list[str]:
 
 
 EIGEN_RUNS: dict = {}  # case name -> its `sharp eigen --top-k 1` run, reused by `growth`
+SAVED: list = []  # the workdir's file of finished eigen runs, so a later `growth` reuses them
+
+
+def save_eigen_run(name: str, info: dict) -> dict:
+    """Keep ``info`` as case ``name``'s eigen run, in memory and in the workdir's file."""
+    EIGEN_RUNS[name] = info
+    if SAVED:
+        path = SAVED[0]
+        runs = json.loads(path.read_text()) if path.exists() else {}
+        runs[name] = {k: v for k, v in info.items() if k not in ("out", "err")}
+        path.write_text(json.dumps(runs))
+    return info
 
 
 def run(label: str, argv: list[str], env: dict, rows: list) -> dict:
@@ -261,11 +273,13 @@ def case_growth(workdir, env, device, plot):
         points.append((count, info))
     for name in ("resnet18", "gpt2"):
         ckpt, data = workdir / f"{name}.safetensors", workdir / f"{name}-data.safetensors"
-        if not ckpt.exists():
-            (case_resnet18 if name == "resnet18" else case_gpt2)(workdir, env, device)
-        info = run(
-            f"{name} eigen", sharp("eigen", ckpt, data, "--top-k", "1", device=device), env, []
-        )
+        if name not in EIGEN_RUNS:  # run the case (or its eigen) unless this workdir has it
+            if not ckpt.exists():
+                (case_resnet18 if name == "resnet18" else case_gpt2)(workdir, env, device)
+            else:
+                argv = sharp("eigen", ckpt, data, "--top-k", "1", device=device)
+                save_eigen_run(name, run(f"{name} eigen", argv, env, []))
+        info = EIGEN_RUNS[name]
         count = info["report"]["results"]["scope"]["numel"] if info["report"] else None
         points.append((count, info))
     print("\nGrowth with P (sharp eigen --top-k 1)\n")
@@ -328,6 +342,9 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    SAVED.append(workdir / "eigen-runs.json")
+    if SAVED[0].exists():
+        EIGEN_RUNS.update(json.loads(SAVED[0].read_text()))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     print(f"# bench_scale on {args.device}, workdir {workdir}", flush=True)

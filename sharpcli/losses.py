@@ -15,13 +15,16 @@ labels it accepts.
 - ``binary-cross-entropy``: one logit per sample, y in {0, 1}:
   ``l = softplus(z) - y z`` (``binary_cross_entropy_with_logits``); ``H_z = s(z)(1 - s(z))``.
 - ``token-cross-entropy``: sequence outputs z (B, T, V) and token labels y (B, T), positions
-  labelled ``-100`` ignored: ``l_i = (1/n_i) sum_{t valid} -log softmax(z_it)_{y_it}`` with
-  ``n_i`` the sample's valid positions (a sample is the unit of the analysis mean; 0 when it
-  has none); ``H_z`` is block diagonal over positions, ``(1/n_i)(diag p_t - p_t p_t^T)``.
+  labelled ``-100`` ignored: ``l_i = w_i sum_{t valid} -log softmax(z_it)_{y_it}`` with
+  ``w_i = 1/n_i`` (``n_i`` the sample's valid positions; per-sample averaging, training's
+  default) or ``w_i = 1/nbar`` (``nbar`` the mean valid positions per sample of the analysis
+  set: the mean over all labelled tokens, analyses' default; :func:`set_token_reduction`);
+  ``H_z`` is block diagonal over positions, ``w_i (diag p_t - p_t p_t^T)``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,12 +37,15 @@ from sharpcli.errors import UsageError
 __all__ = [
     "IGNORE_INDEX",
     "LOSSES",
+    "TOKEN_REDUCTIONS",
     "Loss",
+    "clear_token_reduction",
     "get_loss",
     "logit_hessian_matvec",
     "loss_fn",
     "per_sample_loss",
     "register_loss",
+    "set_token_reduction",
     "token_weights",
 ]
 
@@ -240,10 +246,49 @@ register_loss(
 
 
 # --------------------------------------------------------------------------- token cross-entropy
+TOKEN_REDUCTIONS = ("tokens", "samples")
+_MEAN_POSITIONS: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "sharp_token_mean_positions", default=None
+)
+
+
+def set_token_reduction(reduction: str, y: torch.Tensor | None = None) -> float | None:
+    """How the token loss averages, for the analysis set's token labels ``y`` (N, T).
+
+    ``"tokens"``: the mean over every labelled token of the set, ``sum_{i,t} CE_it / T``
+    (what Hugging Face's causal-LM loss and most LM training minimise): each labelled position
+    weighs ``1 / nbar`` with ``nbar = T / N`` the mean labelled positions per sample, so the
+    analysis mean ``(1/N) sum_i l_i`` is the token mean. ``"samples"``: each sample's mean over
+    its own labelled positions, then the mean over samples (``w_it = 1 / n_i``). The two agree
+    when every sample has the same number of labelled positions. Returns ``nbar`` (None for
+    ``samples``); it holds until :func:`clear_token_reduction`.
+    """
+    if reduction not in TOKEN_REDUCTIONS:
+        raise UsageError(
+            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
+            source="token_reduction",
+        )
+    mean_positions = None
+    if reduction == "tokens" and y is not None and y.ndim == 2 and y.shape[0]:
+        labelled = int((y != IGNORE_INDEX).sum())
+        mean_positions = labelled / y.shape[0] if labelled else None
+    _MEAN_POSITIONS.set(mean_positions)
+    return mean_positions
+
+
+def clear_token_reduction() -> None:
+    """Back to per-sample averaging (a command's run is over)."""
+    _MEAN_POSITIONS.set(None)
+
+
 def token_weights(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(B, T) weights ``w_it = 1/n_i`` on the labelled positions of each sample, 0 elsewhere
-    (``n_i`` its labelled positions), in ``z``'s dtype: ``l_i = sum_t w_it CE(z_it, y_it)``."""
+    """(B, T) weights on the labelled positions, 0 elsewhere, in ``z``'s dtype, so that
+    ``l_i = sum_t w_it CE(z_it, y_it)``: ``1/n_i`` (``n_i`` the sample's labelled positions)
+    averaging per sample, or ``1/nbar`` for the token mean (:func:`set_token_reduction`)."""
     valid = (y != IGNORE_INDEX).to(z.dtype)
+    mean_positions = _MEAN_POSITIONS.get()
+    if mean_positions is not None:
+        return valid / mean_positions
     return valid / valid.sum(1, keepdim=True).clamp_min(1)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
+from sharpcli.losses import set_token_reduction
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -662,6 +663,10 @@ class Session:
     # budget of cached first-order graphs in curvature passes; None: up to what the memory
     # plan leaves (sharpcli.curvature.operators.CurvaturePass.plan_memory)
     cache_bytes: int | None = None
+    # token-cross-entropy: "tokens" (mean over all labelled tokens) or "samples", and the mean
+    # labelled positions per sample that the token mean divides by
+    token_reduction: str | None = None
+    mean_positions: float | None = None
     extra: dict = field(default_factory=dict)
     # what was done to the checkpoint and the data (stderr); the report keeps the checkpoint's
     # in checkpoint.notes and the rest in data.notes
@@ -680,6 +685,8 @@ class Session:
             "samples": self.num_samples,
             "loss": self.loss,
         }
+        if self.token_reduction is not None:
+            info["token_reduction"] = self.token_reduction
         notes = [note for note in self.notes if note not in self.checkpoint.notes]
         if notes:
             info["notes"] = notes
@@ -772,6 +779,7 @@ def build_session(
     output: str | None = None,
     curvature: bool = True,
     max_memory: str | int | None = None,
+    token_reduction: str = "tokens",
     **_ignored,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError.
@@ -842,6 +850,10 @@ def build_session(
     )
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
+    # the token loss's average (sharpcli.losses.set_token_reduction) over this analysis set
+    mean_positions = None
+    if loss == "token-cross-entropy":
+        mean_positions = set_token_reduction(token_reduction, y)
     if curvature:  # the analysis differentiates the model twice
         with plan.hold("second-derivative self-check", self_check_bytes(model)):
             check_second_derivatives(
@@ -863,5 +875,7 @@ def build_session(
         seed=seed,
         num_outputs=n_out,
         cache_bytes=None if cache_mb is None else int(cache_mb) << 20,
+        token_reduction=token_reduction if loss == "token-cross-entropy" else None,
+        mean_positions=mean_positions,
         notes=[*ckpt.notes, *notes],
     )

@@ -122,6 +122,9 @@ def test_closed_sets_equal_the_library_sets():
     assert _literal(choices.Estimator) == set(spectrum.ESTIMATORS)
     assert _literal(choices.Engine) == set(spectrum.ENGINES)
     assert _literal(choices.GGNEstimator) == set(spectrum.GGN_ESTIMATORS)
+    from sharpcli.losses import TOKEN_REDUCTIONS
+
+    assert _literal(choices.TokenReduction) == set(TOKEN_REDUCTIONS)
     assert _literal(choices.Model) == set(MODEL_NAMES)
     assert _literal(choices.Optimizer) == set(OPTIMIZERS)
     assert _literal(choices.Schedule) == set(SCHEDULES)

@@ -170,7 +170,9 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     model = model.double().eval()
     with twice_differentiable():
         H, G = _dense(model, x, y, _token_mean)
+    # per-sample averaging (the default, the mean over all tokens: tests/test_token_reduction.py)
     base = ["--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64"]
+    base += ["--token-reduction", "samples"]
 
     run = run_cli(
         capsys, "eigen", weights, *base, "--top-k", "2", "--eig-tol", "1e-10", "--json", "-"

@@ -21,6 +21,7 @@ Which = Literal["largest", "smallest", "both"]  # sharpcli.curvature.lanczos.WHI
 Method = Literal["lanczos", "power"]  # sharpcli.analyses.spectrum.METHODS
 Estimator = Literal["hutchpp", "hutchinson", "gn-split", "exact"]  # spectrum.ESTIMATORS
 Engine = Literal["native", "pyhessian"]  # spectrum.ENGINES
+TokenReduction = Literal["tokens", "samples"]  # sharpcli.losses.TOKEN_REDUCTIONS
 GGNEstimator = Literal["auto", "exact", "sampled", "hutchinson"]  # spectrum.GGN_ESTIMATORS
 Model = Literal["mlp", "cnn", "vgg-small", "resnet"]  # sharpcli.models.zoo.MODEL_NAMES
 Optimizer = Literal["sgd", "adam"]  # sharpcli.training.loop.OPTIMIZERS

@@ -144,7 +144,7 @@ def train_command(
         typer.Option(
             "--noise-finetune",
             rich_help_panel="Training",
-            help="Last epoch with input noise of this std (MAN Table 4).",
+            help="Last-epoch noise std (MAN Tab. 4).",
         ),
     ] = 0.0,
     reg: Annotated[
@@ -189,8 +189,8 @@ def train_command(
         bool,
         typer.Option(
             "--stop-diverged",
-            help="When training diverges (loss above 4x its best, or accuracy back at chance), "
-            "stop, write the weights of the epoch with the lowest training loss and exit 3.",
+            help="On divergence (loss 4x its best, or accuracy back at chance) stop, keep the "
+            "best epoch's weights, exit 3.",
         ),
     ] = False,
     track: Annotated[

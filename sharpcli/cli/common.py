@@ -144,9 +144,7 @@ ActivationOpt = Annotated[
 ]
 SeedOpt = Annotated[
     int,
-    typer.Option(
-        "--seed", rich_help_panel="Run", help="Seed for every random choice (probes, subsets)."
-    ),
+    typer.Option("--seed", rich_help_panel="Run", help="Seed of every random choice."),
 ]
 JsonOpt = Annotated[
     Optional[str],
@@ -216,7 +214,15 @@ CacheOpt = Annotated[
         "--cache-mb",
         rich_help_panel="Run",
         metavar="MB",
-        help="Cache of first-order graphs (default: what the budget allows; 0: none).",
+        help="Graph cache (default: as the budget allows).",
+    ),
+]
+TokenReductionOpt = Annotated[
+    choices.TokenReduction,
+    typer.Option(
+        "--token-reduction",
+        rich_help_panel="Data",
+        help="Token loss: mean over tokens, or per sample.",
     ),
 ]
 MaxMemoryOpt = Annotated[
@@ -225,7 +231,7 @@ MaxMemoryOpt = Annotated[
         "--max-memory",
         rich_help_panel="Run",
         metavar="SIZE",
-        help="Memory budget, e.g. 8G (default: 80% of free memory).",
+        help="Memory budget, e.g. 8G (default: 80% of free).",
     ),
 ]
 ThreadsOpt = Annotated[
@@ -292,6 +298,7 @@ class CommonOptions:
     trust_pickle: bool = _option(TrustPickleOpt, False)
     cache_mb: int | None = _option(CacheOpt, None)
     max_memory: str | None = _option(MaxMemoryOpt, None)
+    token_reduction: str = _option(TokenReductionOpt, "tokens")
     threads: int | None = _option(ThreadsOpt, None)
     debug: bool = _option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
@@ -419,6 +426,8 @@ def _run_body(
                     _STATE["notes"].append(plan.summary())
         finally:
             memory.clear()  # the next command (in this process: tests, sweeps) plans anew
+            if "sharpcli.losses" in sys.modules:  # and averages token losses per its options
+                sys.modules["sharpcli.losses"].clear_token_reduction()
     end = time.perf_counter()
     started = _STATE.pop("started", None)  # set by cli.app.main for this command only
     timing = outcome.report.setdefault("timing", {})
