@@ -103,7 +103,7 @@ def criterion(out, target):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 h = hessian(model, criterion, data=(x, y), cuda={cuda!r})
 if {what!r} == "eigen":
-    values, _ = h.eigenvalues(top_n=1)
+    values, _ = h.eigenvalues(top_n=1, maxIter={max_iter!r})
     print(json.dumps({{"value": float(values[0])}}))
 else:
     print(json.dumps({{"value": float(sum(h.trace()) / len(h.trace()))}}))
@@ -118,10 +118,10 @@ def sharp(command: str, ckpt: Path, data: Path, *extra: str, device: str) -> lis
     ]  # fmt: skip
 
 
-def pyhessian(factory, args, ckpt, data, device, what="eigen") -> list[str]:
+def pyhessian(factory, args, ckpt, data, device, what="eigen", max_iter=100) -> list[str]:
     code = PYHESSIAN.format(
         here=str(HERE), factory=factory, args=args, ckpt=str(ckpt), data=str(data),
-        device=device, cuda=device.startswith("cuda"), what=what,
+        device=device, cuda=device.startswith("cuda"), what=what, max_iter=max_iter,
     )  # fmt: skip
     return [sys.executable, "-c", code]
 
@@ -209,31 +209,36 @@ def case_resnet18(workdir, env, device):
     return rows
 
 
-def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64)):
+def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64), products=20):
+    """Every run bounded to ``products`` Hessian products (PyHessian's ``maxIter`` too): on
+    one CPU thread a GPT-2-small product takes about 25 s."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, shape["vocab"], (tokens[0], tokens[1] + 1), generator=g)
     ckpt, data, count = write_case(workdir, name, "gpt2", shape, seq[:, :-1], seq[:, 1:])
     rows: list = []
+    bound = str(products)
+    argv = sharp("eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", bound, device=device)
+    save_eigen_run(name, run(f"sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv, env, rows))
     run(
-        "sharp eigen --top-k 1",
-        sharp("eigen", ckpt, data, "--top-k", "1", device=device),
+        f"PyHessian eigenvalues(top_n=1, maxIter={bound})",
+        pyhessian("gpt2", shape, ckpt, data, device, max_iter=products),
         env,
         rows,
     )
-    run("PyHessian eigenvalues(top_n=1)", pyhessian("gpt2", shape, ckpt, data, device), env, rows)
     run(
-        "sharp trace --estimator hutchinson --trace-tol 0.05",
+        f"sharp trace --estimator hutchinson --trace-tol 0.05 --trace-max-matvecs {bound}",
         sharp(
-            "trace", ckpt, data, "--estimator", "hutchinson", "--trace-tol", "0.05", device=device
+            "trace", ckpt, data, "--estimator", "hutchinson", "--trace-tol", "0.05",
+            "--trace-max-matvecs", bound, device=device,
         ),
         env,
         rows,
-    )
+    )  # fmt: skip
     run(
-        "sharp density --probes 1 --steps 16",
-        sharp("density", ckpt, data, "--probes", "1", "--steps", "16", device=device),
+        "sharp density --probes 1 --steps 12",
+        sharp("density", ckpt, data, "--probes", "1", "--steps", "12", device=device),
         env,
         rows,
     )
@@ -248,8 +253,10 @@ def case_lm5m(workdir, env, device):
     seq = torch.randint(0, LM5M["vocab"], (8, 129), generator=g)
     ckpt, data, count = write_case(workdir, "lm5m", "gpt2", LM5M, seq[:, :-1], seq[:, 1:])
     rows: list = []
+    bounds = ["--eig-tol", "1e-2", "--trace-max-matvecs", "64"]
     for command in ("gn-nme", "analyze"):
-        info = run(f"sharp {command}", sharp(command, ckpt, data, device=device), env, rows)
+        argv = sharp(command, ckpt, data, *bounds, device=device)
+        info = run(f"sharp {command} {' '.join(bounds)}", argv, env, rows)
         rep = info.get("report")
         if rep is not None:
             res = rep["results"]

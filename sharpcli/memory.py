@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 DEFAULT_FRACTION = 0.8  # of the memory free when the run starts (docs/memory.md)
+PRODUCT_WORKSPACE = "product workspace (one batch)"  # the plan item of one curvature product
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 

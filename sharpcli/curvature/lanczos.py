@@ -116,6 +116,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MATVECS = 100
+BASIS_FLOOR_BYTES = 1 << 30  # a Krylov basis may always take this much (budget permitting)
 WARM_STARTS = ("subsample", "gradient")
 DEFAULT_WARM_FRACTION = 0.1
 DEFAULT_WARM_STEPS = 4
@@ -281,6 +282,14 @@ def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, low
     work = krylov_work_bytes(dim, op.dtype, extra_vectors)
     plan = memory.current()
     fit = plan.count_that_fit(per_vector, reserve=work)
+    # The basis may take as much memory as one product needs (its graph, cached or not, and
+    # the double backward), and at least BASIS_FLOOR_BYTES: a run then holds at most about
+    # twice what any Hessian-product method holds, and a larger basis than that buys fewer
+    # products than the memory it costs (thick restarts keep the wanted Ritz vectors).
+    product = plan.items.get(memory.PRODUCT_WORKSPACE, 0)
+    lean = max(minimum, max(BASIS_FLOOR_BYTES, product) // per_vector)
+    if lean < fit:
+        fit = lean
     if fit < minimum:
         plan.require(
             f"a Krylov basis of {minimum} vectors of {dim:,} parameters",

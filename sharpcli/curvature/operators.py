@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.scope import ParamScope
@@ -264,7 +265,7 @@ class CurvaturePass:
             workspace - (graph_bytes if self._cache else 0),
             "lower `batch_size`",
         )
-        plan.reserve("product workspace (one batch)", workspace)
+        plan.reserve(memory.PRODUCT_WORKSPACE, workspace)
         room = max(0, plan.room() // 2)
         if auto_cache:
             self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, room))
