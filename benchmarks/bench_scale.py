@@ -101,12 +101,16 @@ data = load_file({data!r})
 x, y = data["x"].to({device!r}), data["y"].to({device!r})
 def criterion(out, target):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-h = hessian(model, criterion, data=(x, y), cuda={cuda!r})
-if {what!r} == "eigen":
-    values, _ = h.eigenvalues(top_n=1, maxIter={max_iter!r})
-    print(json.dumps({{"value": float(values[0])}}))
-else:
-    print(json.dumps({{"value": float(sum(h.trace()) / len(h.trace()))}}))
+# torch's fused CPU attention kernel has no double backward: PyHessian users must pick the
+# math kernel themselves (sharp does it for them, sharpcli.curvature.differentiable)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+with sdpa_kernel(SDPBackend.MATH):
+    h = hessian(model, criterion, data=(x, y), cuda={cuda!r})
+    if {what!r} == "eigen":
+        values, _ = h.eigenvalues(top_n=1, maxIter={max_iter!r})
+        print(json.dumps({{"value": float(values[0])}}))
+    else:
+        print(json.dumps({{"value": float(sum(h.trace()) / len(h.trace()))}}))
 """
 
 

@@ -623,7 +623,7 @@ def lanczos(
     plan = memory.current()
     if restarting and max_basis is None:
         plan.note(
-            f"Krylov basis limited to {room} vectors by the memory budget: thick-restarted Lanczos"
+            f"Krylov basis limited to {room} vectors by the memory plan: thick-restarted Lanczos"
         )
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.finfo(op.dtype).eps  # rounding level of the products, not of the recurrence
@@ -653,7 +653,7 @@ def lanczos(
         )
     if state["restarts"]:
         notes.append(
-            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory budget), "
+            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory plan), "
             f"{state['restarts']} restart(s)"
         )
     values = theta[idx]
