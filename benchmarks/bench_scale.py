@@ -168,7 +168,12 @@ def value_of(info: dict) -> float | None:
         return None
     if "value" in rep:
         return rep["value"]
-    return rep["results"]["eigenvalues"][0]
+    results = rep["results"]
+    if "eigenvalues" in results:
+        return results["eigenvalues"][0]
+    if "trace" in results:
+        return results["trace"]["estimate"]
+    return results.get("lambda_max")
 
 
 def table(title: str, rows: list, reference: float | None = None) -> None:

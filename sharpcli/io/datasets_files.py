@@ -77,8 +77,8 @@ def _check_archive(handle, path: str) -> None:
     try:
         with zipfile.ZipFile(handle) as archive:
             check_zip_members(archive, data_file_size(handle), path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        pass
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        pass  # not a zip archive zipfile can read (a version it lacks): torch.load decides
     handle.seek(0)
 
 
@@ -521,7 +521,7 @@ def _zip_members(path: str) -> list[str]:
     try:
         with open_data_file(path) as handle, zipfile.ZipFile(handle) as archive:
             return archive.namelist()
-    except (OSError, InputError, zipfile.BadZipFile, ValueError, EOFError):
+    except (OSError, InputError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
         return []
 
 
