@@ -244,3 +244,16 @@ def test_gn_nme_reports_which_tr_g_estimators_ran_and_why(capsys, tmp_path):
     check = forced.json()["results"]["ggn_trace_check"]
     assert "exact" in check and check["estimators"][0] == "exact"
     assert json.dumps(check)  # JSON-ready
+
+
+def test_hutchpp_without_room_for_its_sketch_runs_plain_hutchinson():
+    from sharpcli.curvature.trace import hutchpp
+
+    op, _ = _spectrum_operator(n=300)
+    exact = float(op.to_dense().trace())
+    plan = memory.activate(memory.MemoryPlan(budget=10**12))
+    plan.baseline = plan.budget - 2 * 300 * (8 * 3 + 8)  # two probe columns, no sketch
+    result = hutchpp(op, tol=1e-2, max_matvecs=400, seed=1, known=torch.tensor([5.0]))
+    assert result.estimator == "hutchinson" and result.sketch_size == 0
+    assert any("does not fit" in note for note in result.notes)
+    assert abs(result.estimate - (exact + 5.0)) <= 4 * result.stderr

@@ -454,11 +454,11 @@ def _hutchpp(
 
 
 def _hutchinson_fallback(op, run, tol, budget, seed, block_size, min_samples, blocks, known):
-    """Hutch++'s result computed by plain Hutchinson (the sketch does not fit in memory)."""
+    """Hutch++'s result computed by plain Hutchinson (the sketch does not fit in memory);
+    ``known`` (total, then per block) is added as in Hutch++."""
     run.finish(0)
-    mean, stderr, matvecs, n, converged = _probe_loop(
+    result = hutchinson(
         op,
-        "trace",
         tol=tol,
         max_matvecs=budget,
         seed=seed,
@@ -467,18 +467,12 @@ def _hutchinson_fallback(op, run, tol, budget, seed, block_size, min_samples, bl
         blocks=blocks,
     )
     if known is not None:
-        mean = mean + known.to(torch.float64)
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=n,
-        estimator="hutchinson",
-        converged=converged,
-        tol=tol,
-        by_layer=_layer_dict(list(blocks), mean, stderr),
-        notes=["the Hutch++ sketch does not fit the memory budget: plain Hutchinson ran"],
-    )
+        offset = known.to(torch.float64).tolist()
+        result.estimate += offset[0]
+        for i, layer in enumerate(result.by_layer.values()):
+            layer["estimate"] += offset[i + 1]
+    result.notes.append("the Hutch++ sketch does not fit the memory budget: plain Hutchinson ran")
+    return result
 
 
 def _hutchpp_loop(
