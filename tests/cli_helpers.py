@@ -35,9 +35,9 @@ def run_cli(capsys, *args: str) -> Run:
     return Run(code, captured.out, captured.err)
 
 
-def run_process(*args: str, cwd=None, timeout: int = 300) -> Run:
-    """Run ``python -m sharpcli ARGS`` as a subprocess."""
-    env = dict(os.environ)
+def run_process(*args: str, cwd=None, timeout: int = 300, env: dict | None = None) -> Run:
+    """Run ``python -m sharpcli ARGS`` as a subprocess (``env``: variables to set)."""
+    env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [sys.executable, "-m", "sharpcli", *map(str, args)],

@@ -3,6 +3,7 @@ measured peaks, exit 2 for budgets and models that cannot fit, the tr(G) estimat
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -128,6 +129,64 @@ def test_the_basis_is_stored_in_the_products_dtype_and_grows_as_needed():
     assert basis.coefficients(v).dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_basis_in_a_scratch_file_computes_what_one_in_memory_does(tmp_path, dtype, monkeypatch):
+    import sharpcli.curvature.krylov as krylov
+
+    monkeypatch.setattr(krylov, "SLICE_BYTES", 4096)  # many slices: every boundary is crossed
+    torch.manual_seed(0)
+    dim, rows = 1234, 7
+    held = KrylovBasis(dim, dtype, "cpu")
+    spilled = KrylovBasis(dim, dtype, "cpu", scratch=str(tmp_path))
+    Q, _ = torch.linalg.qr(torch.randn(dim, rows, dtype=torch.float64))
+    for j in range(rows):
+        held.append(Q[:, j])
+        spilled.append(Q[:, j])
+    assert spilled.on_disk and not held.on_disk and len(spilled) == rows
+    w = torch.randn(dim, dtype=torch.float64)
+    for a, b in (
+        (held.coefficients(w), spilled.coefficients(w)),
+        (held[2], spilled[2]),
+        (held.row(-1).double(), spilled.row(-1).double()),
+    ):
+        torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-13)
+    assert spilled.dot(3, w) == pytest.approx(held.dot(3, w), rel=1e-13)
+    S = torch.randn(rows, 3, dtype=torch.float64)
+    torch.testing.assert_close(spilled.combine(S), held.combine(S), rtol=1e-12, atol=1e-12)
+    v1, v2 = w.clone(), w.clone()
+    held.orthogonalize(v1)
+    spilled.orthogonalize(v2)
+    torch.testing.assert_close(v2, v1, rtol=1e-12, atol=1e-12)
+    assert float(held.coefficients(v1).abs().max()) < 1e-12 * float(w.norm())
+    held.axpy(v1, 4, 0.5)
+    spilled.axpy(v2, 4, 0.5)
+    torch.testing.assert_close(v2, v1, rtol=1e-12, atol=1e-12)
+    keep, _ = torch.linalg.qr(torch.randn(rows, 3, dtype=torch.float64))
+    held.rotate(keep)
+    spilled.rotate(keep)
+    assert len(spilled) == 3
+    for i in range(3):
+        torch.testing.assert_close(spilled[i], held[i], rtol=1e-12, atol=1e-12)
+    assert (tmp_path.stat().st_nlink, list(tmp_path.iterdir())) == (2, [])  # anonymous file
+    spilled.close()
+
+
+def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, monkeypatch):
+    lanczos_module = importlib.import_module("sharpcli.curvature.lanczos")
+
+    op, dense = _spectrum_operator()
+    monkeypatch.setenv("SHARP_SCRATCH", "off")
+    held = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
+    monkeypatch.setenv("SHARP_SCRATCH", str(tmp_path))
+    monkeypatch.setattr(lanczos_module, "IN_MEMORY_BASIS_BYTES", 0)  # every basis to a file
+    memory.activate(memory.MemoryPlan(budget=10**12))
+    spilled = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
+    assert any("scratch file" in c for c in memory.current().choices)
+    assert spilled.restarts == held.restarts > 0 and all(spilled.converged)
+    np.testing.assert_allclose(spilled.eigenvalues, held.eigenvalues, rtol=1e-12)
+    np.testing.assert_allclose(spilled.eigenvalues, dense.flip(0)[:3].numpy(), rtol=1e-8)
+
+
 def test_hutchinson_blocks_shrunk_by_the_budget_draw_the_same_probes():
     op, _ = _spectrum_operator(n=200)
     free = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
@@ -164,11 +223,14 @@ def mlp3m(tmp_path_factory):
     return path
 
 
+IN_MEMORY = {"SHARP_SCRATCH": "off"}
+
+
 @pytest.mark.parametrize("matvecs", [10, 30])
 def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
     run = run_process(
         "eigen", mlp3m, "--eig-tol", "1e-12", "--eig-max-matvecs", matvecs,
-        "--dtype", "float64", "--json", "-", "--quiet",
+        "--dtype", "float64", "--json", "-", "--quiet", env=IN_MEMORY,
     )  # fmt: skip
     assert run.code == 0, run.err
     report = run.json()
@@ -179,9 +241,34 @@ def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
     assert 0.75 <= ratio <= 1.25, plan
 
 
+def test_a_basis_out_of_core_gives_the_same_eigenvalues_in_less_memory(mlp3m, tmp_path):
+    args = ("eigen", mlp3m, "--top-k", "2", "--eig-tol", "1e-12", "--eig-max-matvecs", 30,
+            "--dtype", "float64", "--json", "-", "--quiet")  # fmt: skip
+    held = run_process(*args, env=IN_MEMORY)
+    spilled = run_process(*args, env={"SHARP_SCRATCH": str(tmp_path)})
+    assert held.code == 0 and spilled.code == 0, (held.err, spilled.err)
+    a, b = held.json(), spilled.json()
+    np.testing.assert_allclose(b["results"]["eigenvalues"], a["results"]["eigenvalues"], rtol=1e-10)
+    np.testing.assert_allclose(b["results"]["residuals"], a["results"]["residuals"], rtol=1e-4)
+    memory_a, memory_b = a["timing"]["memory"], b["timing"]["memory"]
+    assert any("scratch file in " + str(tmp_path) in c for c in memory_b["choices"])
+    vectors = 30 * 3_019_210 * 8  # the whole basis, float64
+    assert memory_b["planned"]["krylov basis"] < vectors / 4
+    assert memory_b["peak_rss_bytes"] < memory_a["peak_rss_bytes"] - vectors / 2
+    ratio = memory_b["planned_peak_bytes"] / memory_b["peak_rss_bytes"]
+    assert 0.75 <= ratio <= 1.25, memory_b
+    assert not list(tmp_path.iterdir())  # the scratch file was anonymous: nothing left
+
+
+def test_a_scratch_folder_that_cannot_hold_the_basis_is_exit_2(capsys, mlp3m, tmp_path):
+    missing = tmp_path / "missing"
+    run = run_process("eigen", mlp3m, env={"SHARP_SCRATCH": str(missing)})
+    assert_one_line_error(run, 2, str(missing), "SHARP_SCRATCH")
+
+
 def test_a_budget_that_forces_restarts_still_certifies(mlp3m):
     args = ("eigen", mlp3m, "--eig-tol", "1e-6", "--json", "-", "--quiet")
-    free = run_process(*args)
+    free = run_process(*args, env=IN_MEMORY)
     assert free.code == 0, free.err
     plan = free.json()["timing"]["memory"]
     held = plan["baseline_bytes"] + sum(
@@ -192,7 +279,7 @@ def test_a_budget_that_forces_restarts_still_certifies(mlp3m):
     # the run's work beside the basis (one returned Ritz vector) and 4 float32 basis vectors
     work = krylov_work_bytes(3_019_210, torch.float32, returned=1)
     budget = held + work + 4 * 4 * 3_019_210 + (4 << 20)
-    tight = run_process(*args, "--max-memory", str(budget))
+    tight = run_process(*args, "--max-memory", str(budget), env=IN_MEMORY)
     assert tight.code == 0, tight.err
     results = tight.json()["results"]
     assert results["restarts"] >= 1 and results["max_basis"] <= 5

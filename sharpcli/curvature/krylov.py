@@ -1,7 +1,7 @@
 """A Krylov basis that grows as it is used, stored in the products' dtype, with float64 arithmetic.
 
 The Lanczos iterations (:mod:`sharpcli.curvature.lanczos`) keep their orthonormal basis
-``Q = [q_0 .. q_{m-1}]`` here. Three things make it fit research-scale models:
+``Q = [q_0 .. q_{m-1}]`` here. Four things make it fit research-scale models:
 
 - **It grows as needed.** Rows are allocated a chunk at a time (at most
   :data:`CHUNK_BYTES` each), so a run that converges after 18 products holds 18 vectors, not
@@ -10,8 +10,15 @@ The Lanczos iterations (:mod:`sharpcli.curvature.lanczos`) keep their orthonorma
   rounded to float32 before every product anyway, so storing it in float32 halves the basis
   and the stored vector is exactly the one that was multiplied. Every scalar of the recurrence
   (the reorthogonalisation coefficients ``Q w``, norms, the projected matrix) is computed in
-  float64: a float32 chunk is widened a slice of at most :data:`SLICE_BYTES` at a time, so the
+  float64: stored rows are widened a slice of at most :data:`SLICE_BYTES` at a time, so the
   widening costs no more memory than one slice.
+- **Out of core.** With ``scratch`` (a directory) the rows live in an anonymous temporary file
+  there (unlinked when created: nothing is left behind, whatever ends the process) and only the
+  newest row, the one about to be multiplied, stays in memory. Every operation reads the rows a
+  column slice at a time into one buffer of at most :data:`SLICE_BYTES`, so the basis costs
+  disk (or page cache), not resident memory: at 124M parameters a 20-vector float32 basis is
+  10 GB of file and 2 vectors of memory. Classical Gram-Schmidt reads the basis twice per pass
+  whether it is in memory or in a file; the file only adds the copy out of the page cache.
 - **In-place restarts.** :meth:`KrylovBasis.rotate` replaces the rows by ``k`` combinations
   ``S^T Q`` (the Ritz vectors a thick restart keeps) slice by slice, without a second basis.
 
@@ -22,7 +29,14 @@ float32 results (:mod:`sharpcli.curvature.lanczos`).
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
+import weakref
+
 import torch
+
+from sharpcli.errors import UsageError
 
 __all__ = ["CHUNK_BYTES", "SLICE_BYTES", "KrylovBasis"]
 
@@ -30,42 +44,174 @@ _F64 = torch.float64
 CHUNK_BYTES = 64 << 20  # rows allocated together (one row at least)
 SLICE_BYTES = 32 << 20  # float64 workspace of one widened slice of all rows
 _MAX_CHUNK_ROWS = 16
+_IO_BYTES = 1 << 30  # one read or write call at most (Linux caps one call near 2 GiB)
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == _F64 else t.to(_F64)
+
+
+def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """Read into (``os.preadv``) or write from (``os.pwrite``) a contiguous CPU ``tensor`` at
+    byte ``offset`` of ``fd``, in calls of at most :data:`_IO_BYTES`, until done."""
+    view = memoryview(tensor.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        part = view[done : done + _IO_BYTES]
+        count = call(fd, part, offset + done)
+        if count <= 0:
+            raise OSError(errno.EIO, "short transfer on the Krylov scratch file")
+        done += count
+
+
+def _read(fd, buffer, offset):
+    return os.preadv(fd, [buffer], offset)
 
 
 class KrylovBasis:
-    """Rows ``q_0 .. q_{m-1}`` (P-vectors) stored in ``dtype`` on ``device``.
+    """Rows ``q_0 .. q_{m-1}`` (P-vectors) stored in ``dtype`` on ``device`` or in a file.
 
     Args:
         dim: the vector length P.
         dtype: the storage dtype (the products' dtype; float64 keeps full precision).
-        device: where the rows live.
+        device: where the rows are used (and live, without ``scratch``).
+        scratch: a directory for an anonymous temporary file holding the rows (module
+            docstring, "Out of core"); ``None`` keeps them in memory.
 
-    Every method takes and returns float64 vectors; only storage is in ``dtype``.
+    Every method computes its scalars in float64. Vectors passed in (``w``) may be float64 or
+    the storage dtype; methods that update ``w`` do so in place in ``w``'s own dtype.
     """
 
-    def __init__(self, dim: int, dtype: torch.dtype, device):
+    def __init__(self, dim: int, dtype: torch.dtype, device, scratch: str | None = None):
         self.dim = int(dim)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_vector = self.dim * itemsize
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_vector = self.dim * self.itemsize
         self.chunk_rows = max(1, min(_MAX_CHUNK_ROWS, CHUNK_BYTES // max(1, self.bytes_per_vector)))
         self._chunks: list[torch.Tensor] = []
         self._size = 0
+        self.scratch = None if scratch is None else str(scratch)
+        self._file = None
+        self._last: tuple[int, torch.Tensor] | None = None  # the newest row, kept for its product
+        self._buffer: torch.Tensor | None = None
+        if self.scratch is not None:
+            try:
+                self._file = tempfile.TemporaryFile(dir=self.scratch, prefix="sharp-krylov-")
+            except OSError as exc:
+                raise UsageError(
+                    f"cannot create the Krylov basis's scratch file in {self.scratch}: "
+                    f"{exc.strerror or exc}; point SHARP_SCRATCH (or TMPDIR) to a writable "
+                    "folder",
+                    source="scratch",
+                ) from None
+            self._finalizer = weakref.finalize(self, self._file.close)
 
     def __len__(self) -> int:
         return self._size
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the rows live in a scratch file."""
+        return self._file is not None
 
     @staticmethod
     def bytes_for(dim: int, dtype: torch.dtype, vectors: int) -> int:
         """Bytes that ``vectors`` rows of length ``dim`` take in ``dtype``."""
         return int(dim) * torch.empty((), dtype=dtype).element_size() * int(vectors)
 
+    def close(self) -> None:
+        """Release the rows (the scratch file is closed and, being unlinked, gone)."""
+        if self._file is not None:
+            self._finalizer()
+            self._file = None
+        self._chunks = []
+        self._last = self._buffer = None
+        self._size = 0
+
+    # ------------------------------------------------------------------ storage primitives
     def _row(self, i: int) -> torch.Tensor:
         return self._chunks[i // self.chunk_rows][i % self.chunk_rows]
 
+    def _offset(self, row: int, column: int = 0) -> int:
+        return (row * self.dim + column) * self.itemsize
+
+    def _write(self, row: int, values: torch.Tensor, column: int = 0) -> None:
+        data = values.detach().to(device="cpu", dtype=self.dtype).contiguous()
+        try:
+            _transfer(os.pwrite, self._file.fileno(), data, self._offset(row, column))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UsageError(
+                    f"no space left in {self.scratch} for the Krylov basis "
+                    f"({self._size + 1} vectors of {self.bytes_per_vector:,} bytes); free "
+                    "space there, point SHARP_SCRATCH (or TMPDIR) elsewhere, or lower "
+                    "`max_matvecs`",
+                    source="scratch",
+                ) from None
+            raise
+
+    def _read_into(self, target: torch.Tensor, row: int, column: int = 0) -> None:
+        _transfer(_read, self._file.fileno(), target, self._offset(row, column))
+
+    def _slices(self, rows: int, *, widen: bool = True) -> list[slice]:
+        """Column slices whose widened ``rows x width`` float64 block is at most
+        :data:`SLICE_BYTES`; one slice of everything when nothing needs widening or reading."""
+        if not widen and self._file is None and self.dtype == _F64:
+            return [slice(0, self.dim)]
+        width = max(1, SLICE_BYTES // (8 * max(1, rows)))
+        return [slice(a, min(a + width, self.dim)) for a in range(0, self.dim, width)]
+
+    def _blocks(self, s: slice, rows: int | None = None):
+        """``(first row, block)`` pieces of rows ``0 .. rows-1`` (default all) restricted to the
+        columns ``s``, in the storage dtype: views of the chunks, or one block read from the
+        scratch file into the reused buffer."""
+        rows = self._size if rows is None else rows
+        if self._file is None:
+            start = 0
+            for chunk in self._chunks:
+                if start >= rows:
+                    break
+                count = min(self.chunk_rows, rows - start)
+                yield start, chunk[:count, s]
+                start += count
+            return
+        width = s.stop - s.start
+        if self._buffer is None or self._buffer.numel() < rows * width:
+            self._buffer = torch.empty(rows * width, dtype=self.dtype)
+        block = self._buffer[: rows * width].view(rows, width)
+        for i in range(rows):
+            self._read_into(block[i], i, s.start)
+        yield 0, block if self.device.type == "cpu" else block.to(self.device)
+
+    def _row_pieces(self, i: int):
+        """``(columns, values)`` pieces of row ``i`` in the storage dtype: the whole row in
+        memory (or the kept newest row), else slices read from the scratch file."""
+        if self._file is None:
+            yield slice(0, self.dim), self._row(i)
+            return
+        if self._last is not None and self._last[0] == i:
+            yield slice(0, self.dim), self._last[1]
+            return
+        for s in self._slices(1):
+            width = s.stop - s.start
+            if self._buffer is None or self._buffer.numel() < width:
+                self._buffer = torch.empty(width, dtype=self.dtype)
+            piece = self._buffer[:width]
+            self._read_into(piece, i, s.start)
+            yield s, piece if self.device.type == "cpu" else piece.to(self.device)
+
+    # ------------------------------------------------------------------ rows
     def append(self, q: torch.Tensor) -> None:
-        """Store ``q`` (rounded to the storage dtype) as the next row."""
+        """Store ``q`` (rounded to the storage dtype) as the next row. In a scratch file the
+        rounded row is also kept in memory until the next append (it is multiplied next):
+        ``q`` must not be modified afterwards when it already has the storage dtype."""
+        if self._file is not None:
+            row = q.detach().reshape(-1).to(dtype=self.dtype, device=self.device)
+            self._write(self._size, row)
+            self._last = (self._size, row)
+            self._size += 1
+            return
         if self._size == len(self._chunks) * self.chunk_rows:
             self._chunks.append(
                 torch.empty(self.chunk_rows, self.dim, dtype=self.dtype, device=self.device)
@@ -74,76 +220,79 @@ class KrylovBasis:
         self._size += 1
 
     def row(self, i: int) -> torch.Tensor:
-        """Row ``i`` as stored (a view, in the storage dtype: no copy)."""
+        """Row ``i`` in the storage dtype: a view in memory (no copy), the kept newest row or a
+        fresh copy read from the scratch file."""
         if not -self._size <= i < self._size:
             raise IndexError(i)
-        return self._row(i % self._size)
-
-    def dot(self, i: int, w: torch.Tensor) -> float:
-        """``q_i^T w`` in float64 for a float64 ``w``, widening row ``i`` a slice at a time."""
-        row = self.row(i)
-        if self.dtype == _F64:
-            return float(row @ w)
-        return float(sum(row[s].to(_F64) @ w[s] for s in self._slices(1)))
-
-    def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
-        """``w <- w - alpha q_i`` in place on the float64 ``w`` (no widened copy of the row)."""
-        w.sub_(self.row(i), alpha=alpha)
-        return w
+        i %= self._size
+        if self._file is None:
+            return self._row(i)
+        if self._last is not None and self._last[0] == i:
+            return self._last[1]
+        out = torch.empty(self.dim, dtype=self.dtype)
+        self._read_into(out, i)
+        return out.to(self.device)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """Row ``i`` as a float64 vector (a copy when stored in another dtype)."""
-        if not -self._size <= i < self._size:
-            raise IndexError(i)
-        return self._row(i % self._size).to(_F64)
+        return _f64(self.row(i))
 
     def truncate(self, size: int) -> None:
-        """Keep the first ``size`` rows; chunks no longer needed are freed."""
+        """Keep the first ``size`` rows; memory (chunks) or file space no longer needed is freed."""
         self._size = int(size)
+        if self._file is not None:
+            if self._last is not None and self._last[0] >= self._size:
+                self._last = None
+            os.ftruncate(self._file.fileno(), self._offset(self._size))
+            return
         needed = -(-self._size // self.chunk_rows)
         del self._chunks[needed:]
 
-    def _filled(self):
-        """``(chunk, rows filled)`` for each chunk holding rows."""
-        left = self._size
-        for chunk in self._chunks:
-            if left <= 0:
-                break
-            rows = min(left, self.chunk_rows)
-            yield chunk, rows
-            left -= rows
+    # ------------------------------------------------------------------ float64 arithmetic
+    def dot(self, i: int, w: torch.Tensor) -> float:
+        """``q_i^T w`` in float64, widening row ``i`` (and ``w``) a slice at a time."""
+        if not -self._size <= i < self._size:
+            raise IndexError(i)
+        total = 0.0
+        step = max(1, SLICE_BYTES // 16)  # elements of one widened pair of slices
+        for s, values in self._row_pieces(i % self._size):
+            if values.dtype == _F64 and w.dtype == _F64:
+                total += float(values @ w[s])
+                continue
+            for a in range(0, s.stop - s.start, step):
+                b = min(a + step, s.stop - s.start)
+                total += float(_f64(values[a:b]) @ _f64(w[s.start + a : s.start + b]))
+        return total
 
-    def _slices(self, rows: int):
-        width = max(1, SLICE_BYTES // (8 * max(1, rows)))
-        return [slice(a, min(a + width, self.dim)) for a in range(0, self.dim, width)]
+    def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
+        """``w <- w - alpha q_i`` in place, in ``w``'s dtype (no widened copy of the row)."""
+        for s, values in self._row_pieces(i % self._size):
+            w[s].sub_(values, alpha=alpha)
+        return w
 
     def coefficients(self, w: torch.Tensor) -> torch.Tensor:
-        """``Q w`` (float64, one entry per row) for a float64 ``w``."""
-        parts = []
-        for chunk, rows in self._filled():
-            block = chunk[:rows]
-            if self.dtype == _F64:
-                parts.append(block @ w)
-                continue
-            h = torch.zeros(rows, dtype=_F64, device=w.device)
-            for s in self._slices(rows):
-                h += block[:, s].to(_F64) @ w[s]
-            parts.append(h)
-        if not parts:
-            return torch.zeros(0, dtype=_F64, device=w.device)
-        return torch.cat(parts)
+        """``Q w`` (float64, one entry per row)."""
+        h = torch.zeros(self._size, dtype=_F64, device=w.device)
+        if self._size == 0:
+            return h
+        plain = w.dtype == _F64
+        for s in self._slices(self._size, widen=not plain):
+            ws = _f64(w[s])
+            for start, block in self._blocks(s):
+                h[start : start + block.shape[0]] += _f64(block) @ ws
+        return h
 
     def subtract(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``w - Q^T h`` (float64), in place on ``w``."""
-        start = 0
-        for chunk, rows in self._filled():
-            block, coef = chunk[:rows], h[start : start + rows]
-            start += rows
-            if self.dtype == _F64:
-                w.sub_(block.T @ coef)
-                continue
-            for s in self._slices(rows):
-                w[s] -= block[:, s].T.to(_F64) @ coef
+        """``w - Q^T h`` in place on ``w`` (the combination summed in float64)."""
+        if self._size == 0:
+            return w
+        plain = w.dtype == _F64
+        for s in self._slices(self._size, widen=not plain):
+            acc = None
+            for start, block in self._blocks(s):
+                part = _f64(block).T @ h[start : start + block.shape[0]]
+                acc = part if acc is None else acc.add_(part)
+            w[s] -= acc
         return w
 
     def orthogonalize(self, w: torch.Tensor, passes: int = 2) -> torch.Tensor:
@@ -155,17 +304,16 @@ class KrylovBasis:
             self.subtract(w, self.coefficients(w))
         return w
 
-    def combine(self, S: torch.Tensor) -> torch.Tensor:
-        """``Q^T S``: the ``(P, k)`` float64 combinations of the rows with coefficients ``S``
-        (``(m, k)``, ``m`` = rows), e.g. Ritz vectors."""
+    def combine(self, S: torch.Tensor, dtype: torch.dtype = _F64) -> torch.Tensor:
+        """``Q^T S``: the ``(P, k)`` combinations of the rows with coefficients ``S`` (``(m, k)``,
+        ``m`` = rows), e.g. Ritz vectors; summed in float64, returned in ``dtype``."""
         S = S.to(dtype=_F64, device=self.device)
-        out = torch.zeros(self.dim, S.shape[1], dtype=_F64, device=self.device)
-        start = 0
-        for chunk, rows in self._filled():
-            block, coef = chunk[:rows], S[start : start + rows]
-            start += rows
-            for s in self._slices(rows) if self.dtype != _F64 else [slice(None)]:
-                out[s] += block[:, s].T.to(_F64) @ coef
+        out = torch.empty(self.dim, S.shape[1], dtype=dtype, device=self.device)
+        for s in self._slices(self._size, widen=self.dtype != _F64 or self._file is not None):
+            acc = torch.zeros(s.stop - s.start, S.shape[1], dtype=_F64, device=self.device)
+            for start, block in self._blocks(s):
+                acc += _f64(block).T @ S[start : start + block.shape[0]]
+            out[s] = acc
         return out
 
     def rotate(self, S: torch.Tensor) -> None:
@@ -175,10 +323,13 @@ class KrylovBasis:
         k = S.shape[1]
         if k > self._size:
             raise ValueError(f"cannot keep {k} combinations of {self._size} rows")
-        filled = list(self._filled())
+        self._last = None
         for s in self._slices(self._size):
-            M = torch.cat([chunk[:rows, s].to(_F64) for chunk, rows in filled])
+            M = torch.cat([_f64(block) for _, block in self._blocks(s)])
             R = S.T @ M  # (k, width): computed in full before any row is overwritten
             for i in range(k):
-                self._row(i)[s] = R[i]
+                if self._file is None:
+                    self._row(i)[s] = R[i]
+                else:
+                    self._write(i, R[i], column=s.start)
         self.truncate(k)

@@ -16,14 +16,15 @@ which costs nothing to evaluate and is exact as long as Q_m stays orthonormal an
 ``A q_j`` are exact; full reorthogonalisation (classical Gram-Schmidt applied twice, "CGS2")
 keeps Q_m orthonormal.
 
-Precision. The Krylov basis Q_m and every scalar of the recurrence (alpha, beta, the
-reorthogonalisation coefficients, the norms) are float64 whatever the operator's dtype; only
-the products ``A q_j`` are computed in the operator's dtype (a float32 model multiplies in
-float32: ``q_j`` is rounded to it and ``A q_j`` cast back). A float32 recurrence is not good
-enough: a float32 dot product or norm over P ~ 1e5-1e6 entries has a relative error of a few
-1e-6, which moved the Ritz values by that much and broke the Lanczos relation, so the free
-residual estimate above came out 1e3 times smaller than the true one. With a float64
-recurrence the relation holds up to the products' own rounding,
+Precision. Every scalar of the recurrence (alpha, beta, the reorthogonalisation
+coefficients, the norms) is a float64 sum whatever the operator's dtype; the products
+``A q_j`` are computed in the operator's dtype, and the basis and the work vector are stored
+in it (float32 for a float32 model: ``q_j`` is rounded to float32 before its product anyway,
+and each update of ``w`` adds a rounding of the order of the product's own). A float32
+*recurrence* is not good enough: a float32 dot product or norm over P ~ 1e5-1e6 entries has a
+relative error of a few 1e-6, which moved the Ritz values by that much and broke the Lanczos
+relation, so the free residual estimate above came out 1e3 times smaller than the true one.
+With float64 scalars the relation holds up to the products' own rounding,
 
     A Q_m = Q_m T_m + beta_m q_{m+1} e_m^T + F_m,   ||F_m e_j|| ~ eps(dtype) ||A||,
 
@@ -47,12 +48,15 @@ dimension P, so multiplicities are found and every eigenvalue is exact; otherwis
 and says so in ``breakdown``.
 
 Memory: the basis (:class:`~sharpcli.curvature.krylov.KrylovBasis`) grows one P-vector per
-step, stored in the products' dtype (4 P bytes a vector for a float32 model) while every
-scalar stays float64, up to what the run's memory plan allows (:mod:`sharpcli.memory`).
-When it is full the iteration is thick-restarted [Wu2000]: it keeps the wanted Ritz vectors
-(about half the basis), continues from the last residual direction, and its Lanczos
-relation, Ritz estimates and explicit residuals keep their meaning, so a restarted result
-carries the same certificate as an unrestarted one.
+step, stored in the products' dtype (4 P bytes a vector for a float32 model). A basis that
+could grow past :data:`IN_MEMORY_BASIS_BYTES` on the CPU lives in an anonymous scratch file
+(:func:`scratch_directory`), read a slice at a time: a run then holds two P-vectors of memory
+beside the product itself, which is what a power iteration holds. Otherwise the rows stay in
+memory up to what the run's memory plan allows (:mod:`sharpcli.memory`). When the basis is
+full (memory plan, disk space or ``max_basis``) the iteration is thick-restarted [Wu2000]: it
+keeps the wanted Ritz vectors (about half the basis), continues from the last residual
+direction, and its Lanczos relation, Ritz estimates and explicit residuals keep their meaning,
+so a restarted result carries the same certificate as an unrestarted one.
 
 Warm start (``warm_start``). How fast the top Ritz value converges depends on the start
 vector q_1 through its angle phi_0 with the top eigenvector u_1; the Kaniel-Paige-Saad bound
@@ -90,13 +94,16 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from sharpcli import memory, progress
-from sharpcli.curvature.krylov import KrylovBasis
+from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import NumericalError, UsageError
 
@@ -117,6 +124,7 @@ __all__ = [
 
 DEFAULT_MAX_MATVECS = 100
 BASIS_FLOOR_BYTES = 1 << 30  # a Krylov basis may always take this much (budget permitting)
+IN_MEMORY_BASIS_BYTES = 256 << 20  # a larger basis on the CPU is kept in a scratch file
 WARM_STARTS = ("subsample", "gradient")
 DEFAULT_WARM_FRACTION = 0.1
 DEFAULT_WARM_STEPS = 4
@@ -210,13 +218,15 @@ def tridiagonal_eigh(alphas, betas) -> tuple[np.ndarray, np.ndarray]:
     return theta.numpy(), S.numpy()
 
 
-def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torch.Tensor:
-    """``A V`` for ``V`` (a P-vector or a ``(P, k)`` block), returned in float64.
+def apply_operator(
+    op, V: torch.Tensor, *, source: str, where: str = "", widen: bool = True
+) -> torch.Tensor:
+    """``A V`` for ``V`` (a P-vector or a ``(P, k)`` block), returned in float64 (``widen``) or
+    in the operator's dtype.
 
     The product itself runs in the operator's dtype (``V`` is rounded to it), as the model
-    computes it; only the vectors around it are float64. A block goes through ``matmat``
-    (one pass over the data for all columns). Raises :class:`NumericalError` naming
-    ``source`` when the product is not finite.
+    computes it. A block goes through ``matmat`` (one pass over the data for all columns).
+    Raises :class:`NumericalError` naming ``source`` when the product is not finite.
     """
     X = V.to(dtype=op.dtype, device=op.device)
     out = op.matvec(X) if X.dim() == 1 else op.matmat(X)
@@ -225,7 +235,7 @@ def apply_operator(op, V: torch.Tensor, *, source: str, where: str = "") -> torc
         raise NumericalError(
             f"{getattr(op, 'name', 'operator')} product is not finite{where}", source=source
         )
-    return out.to(_F64)
+    return out.to(_F64) if widen else out
 
 
 def _unit_random(dim, generator, device, basis: KrylovBasis | None = None):
@@ -243,19 +253,22 @@ def _lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], ste
     couplings ``T_ij`` (``i < j``) of ``q_j`` to earlier rows (``beta_{j-1}`` alone in plain
     Lanczos; every kept Ritz vector right after a thick restart), then
     ``w <- w - Q (Q^T w)`` twice (CGS2) and ``beta_j = ||w||``; the next vector is
-    ``w / beta_j``. Returns ``(alpha_j, beta_j, w)``, all float64.
+    ``w / beta_j``. Returns ``(alpha_j, beta_j, w)``: the scalars float64, ``w`` in the
+    basis's storage dtype (the product's own: updating it in place rounds each term to the
+    products' precision, the order of their own rounding, while every coefficient is a float64
+    sum, so no float64 P-vector is ever made; at 124M parameters one is 1 GB).
     """
     j = len(basis) - 1
-    # the stored row is what gets multiplied: no float64 copy of it is made (at 100M
-    # parameters each float64 temporary is 0.8 GB, and fresh pages cost system time)
-    w = apply_operator(op, basis.row(j), source="lanczos", where=f" at Lanczos step {step}")
+    w = apply_operator(
+        op, basis.row(j), source="lanczos", where=f" at Lanczos step {step}", widen=False
+    ).to(basis.dtype)
     alpha = basis.dot(j, w)
     basis.axpy(w, j, alpha)
     for i, value in coupling:
         if value != 0.0:
             basis.axpy(w, i, value)
     basis.orthogonalize(w)
-    return alpha, float(torch.linalg.vector_norm(w)), w
+    return alpha, float(torch.linalg.vector_norm(w, dtype=_F64)), w
 
 
 def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
@@ -265,22 +278,69 @@ def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
 
 
 def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
-    """Bytes a Lanczos run holds beside its basis for ``dim`` parameters multiplied in
-    ``dtype``: a step holds ``A q`` in ``dtype`` and widened to float64 (``w``); the end, after
-    the basis is released, each of the ``returned`` Ritz vectors in float64 with its explicit
-    residual's product (in ``dtype`` and widened). The larger of the two."""
+    """Bytes a Lanczos run holds beside its basis's rows for ``dim`` parameters multiplied in
+    ``dtype``: a step holds ``w = A q`` (in the storage dtype, the product's own for float32
+    and float64) and, with the basis in a scratch file, the newest row kept for its product,
+    plus the float64 slice buffers of :mod:`~sharpcli.curvature.krylov`; the end, after the
+    basis is released, each of the ``returned`` Ritz vectors with its explicit residual's
+    product. The larger of the two."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return int(dim) * max(8 + 2 * itemsize, int(returned) * (16 + 2 * itemsize))
+    stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
+    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0))
+    end = int(returned) * dim * (stored + itemsize)
+    return int(max(step, end) + 2 * SLICE_BYTES)
+
+
+def scratch_directory() -> str | None:
+    """Where a large Krylov basis is kept out of core: ``SHARP_SCRATCH`` (``off`` keeps every
+    basis in memory), else the system's temporary folder (``TMPDIR``)."""
+    value = os.environ.get("SHARP_SCRATCH")
+    if value is None:
+        return tempfile.gettempdir()
+    if value.strip().lower() in ("", "off", "memory", "none"):
+        return None
+    return value
 
 
 def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
-    """``(vectors, bytes)``: how many basis rows (at most ``steps``) the memory plan allows,
-    beside :func:`krylov_work_bytes` for ``extra_vectors`` returned Ritz vectors; UsageError on
-    ``max_memory`` when not even ``minimum`` fit."""
+    """``(vectors, bytes held in memory, scratch)``: how many basis rows (at most ``steps``)
+    the run keeps and where.
+
+    A basis whose ``steps`` rows would take more than :data:`IN_MEMORY_BASIS_BYTES` goes to a
+    scratch file (:func:`scratch_directory`) when the operator runs on the CPU: it then holds
+    two P-vectors of memory whatever its length (the newest row and ``w``), and its length is
+    bounded by half the free disk space there. Otherwise the rows are held in memory, as many
+    as the memory plan allows beside :func:`krylov_work_bytes` for ``extra_vectors`` returned
+    Ritz vectors (and no more than one product's workspace or :data:`BASIS_FLOOR_BYTES`).
+    UsageError on ``max_memory`` when not even ``minimum`` rows fit.
+    """
     dim = op.shape[0]
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
     work = krylov_work_bytes(dim, op.dtype, extra_vectors)
     plan = memory.current()
+    scratch = scratch_directory()
+    on_cpu = torch.device(op.device if op.device is not None else "cpu").type == "cpu"
+    if on_cpu and scratch is not None and steps * per_vector > IN_MEMORY_BASIS_BYTES:
+        plan.require(f"Lanczos vectors of {dim:,} parameters", work, lower)
+        try:
+            free = shutil.disk_usage(scratch).free
+        except OSError:
+            free = 0
+        fit = int(free // 2 // per_vector)
+        if fit < minimum:
+            raise UsageError(
+                f"a Krylov basis of {minimum} vectors of {dim:,} parameters needs "
+                f"{memory.format_bytes(minimum * per_vector)} of disk in {scratch} (it is kept "
+                f"out of memory), which has {memory.format_bytes(free)} free; point "
+                "SHARP_SCRATCH (or TMPDIR) elsewhere or lower `max_matvecs`",
+                source="scratch",
+            )
+        vectors = min(int(steps), fit)
+        plan.note(
+            f"Krylov basis in a scratch file in {scratch} (up to {vectors} vectors, "
+            f"{memory.format_bytes(vectors * per_vector)} of disk), not in memory"
+        )
+        return vectors, work, scratch
     fit = plan.count_that_fit(per_vector, reserve=work)
     # The basis may take as much memory as one product needs (its graph, cached or not, and
     # the double backward), and at least BASIS_FLOOR_BYTES: a run then holds at most about
@@ -297,7 +357,7 @@ def _basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, low
             lower,
         )
     vectors = min(int(steps), fit)
-    return vectors, vectors * per_vector + work
+    return vectors, vectors * per_vector + work, None
 
 
 def lanczos_tridiagonal(
@@ -327,17 +387,21 @@ def lanczos_tridiagonal(
     dim = op.shape[0]
     steps = min(steps, dim)
     lower = "lower `steps` (Lanczos steps per probe)"
+    scratch = None
     if window is None:
-        window, held = _basis_room(op, steps, minimum=1 if not keep_basis else steps, lower=lower)
+        window, held, scratch = _basis_room(
+            op, steps, minimum=1 if not keep_basis else steps, lower=lower
+        )
     else:
         window = max(1, min(int(window), steps))
-        held = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), window) + 5 * 8 * dim
+        held = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), window)
+        held += krylov_work_bytes(dim, op.dtype)
     q = start.to(dtype=_F64, device=op.device).reshape(-1)
     q = q / torch.linalg.vector_norm(q)
     alphas, betas = [], []
     scale = 0.0
     eps = torch.finfo(op.dtype).eps  # breakdown is judged at the products' rounding level
-    basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
+    basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
     with memory.current().hold("lanczos basis", held):
         for j in range(steps):
             if len(basis) == window:  # keep the newest window - 1 rows, in order
@@ -357,6 +421,7 @@ def lanczos_tridiagonal(
         kept = None
         if keep_basis:
             kept = basis.combine(torch.eye(len(basis), dtype=_F64))
+        basis.close()
     return alphas, betas, kept
 
 
@@ -603,7 +668,7 @@ def lanczos(
     wanted = min(dim, want * (2 if which == "both" else 1))
     returned = wanted if (return_eigenvectors or explicit_residuals) else 0
     # a thick restart keeps the wanted Ritz vectors and needs room for at least two more
-    room, held = _basis_room(
+    room, held, scratch = _basis_room(
         op,
         min(dim, budget),
         extra_vectors=returned,
@@ -632,7 +697,7 @@ def lanczos(
     )
     run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
     with plan.hold("krylov basis", held):
-        basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device)
+        basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
         state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
@@ -659,8 +724,12 @@ def lanczos(
     values = theta[idx]
     vectors = None
     if return_eigenvectors or explicit_residuals:
-        vectors = basis.combine(torch.as_tensor(S[:, idx].copy(), dtype=_F64))
+        # the residual is checked on the vector the operator multiplies (rounded to its
+        # dtype); float64 copies only when the caller asked for the eigenvectors
+        keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
+        vectors = basis.combine(torch.as_tensor(S[:, idx].copy(), dtype=_F64), dtype=keep)
     restarts = state["restarts"]
+    basis.close()
     del basis, state
     reported = residuals[idx]
     if explicit_residuals:
@@ -848,13 +917,22 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
     """Explicit ``||A u_i - lambda_i u_i|| / ||u_i||`` for the columns ``u_i`` of ``eigenvectors``.
 
     One product per pair, all in one ``matmat`` block, in the operator's dtype; the
-    subtraction and the norms are float64, so the result is the residual of the vector the
-    operator actually multiplied (``u_i`` rounded to ``op.dtype``) up to float64 rounding.
+    subtraction and the norms are float64 (a slice of rows widened at a time), so the result
+    is the residual of the vector the operator actually multiplied (``u_i`` rounded to
+    ``op.dtype``) up to float64 rounding.
     """
+    if eigenvectors.dim() == 1:
+        eigenvectors = eigenvectors[:, None]
     U = eigenvectors.to(dtype=op.dtype, device=op.device)
-    R = apply_operator(op, U, source="lanczos", where=" in the residual check")
+    R = apply_operator(op, U, source="lanczos", where=" in the residual check", widen=False)
     lam = torch.as_tensor(list(eigenvalues), dtype=_F64, device=U.device)
-    R.sub_(U * lam.to(U.dtype)) if U.dtype == _F64 else R.addcmul_(U, -lam)
-    return (
-        torch.linalg.vector_norm(R, dim=0) / torch.linalg.vector_norm(U, dim=0, dtype=_F64)
-    ).tolist()
+    R = R.reshape(U.shape)
+    squares = torch.zeros(U.shape[1], dtype=_F64, device=U.device)
+    norms = torch.zeros_like(squares)
+    rows = max(1, SLICE_BYTES // (16 * max(1, squares.numel())))
+    for a in range(0, U.shape[0], rows):
+        u = U[a : a + rows].to(_F64).reshape(-1, squares.numel())
+        r = R[a : a + rows].to(_F64).reshape(-1, squares.numel())
+        squares += ((r - u * lam).square()).sum(dim=0)
+        norms += u.square().sum(dim=0)
+    return (squares.sqrt() / norms.sqrt()).tolist()
