@@ -44,6 +44,7 @@ _F64 = torch.float64
 CHUNK_BYTES = 64 << 20  # rows allocated together (one row at least)
 SLICE_BYTES = 32 << 20  # float64 workspace of one widened slice of all rows
 _MAX_CHUNK_ROWS = 16
+REPEAT_BELOW = 0.5**0.5  # a Gram-Schmidt pass that keeps less of the norm is repeated
 _IO_BYTES = 1 << 30  # one read or write call at most (Linux caps one call near 2 GiB)
 
 
@@ -296,12 +297,25 @@ class KrylovBasis:
         return w
 
     def orthogonalize(self, w: torch.Tensor, passes: int = 2) -> torch.Tensor:
-        """``w`` made orthogonal to every row by classical Gram-Schmidt applied ``passes``
-        times (CGS2), in place: ``w <- w - Q^T (Q w)``."""
+        """``w`` made orthogonal to every row by classical Gram-Schmidt, in place:
+        ``w <- w - Q^T (Q w)``, repeated (up to ``passes`` times) only while a pass removes
+        more than :data:`REPEAT_BELOW` of ``w``'s norm.
+
+        This is the Daniel-Gragg-Kaufman-Stewart criterion ("twice is enough", [Parlett1998]):
+        a pass that cancels little leaves ``w`` orthogonal to the rows to rounding, and one
+        that cancels much is repeated once, which restores that. In Lanczos the three-term
+        recurrence has already removed ``w``'s components along the newest rows, so a second
+        pass is rarely needed: it would read the whole basis twice more.
+        """
         if self._size == 0:
             return w
+        norm = float(torch.linalg.vector_norm(w, dtype=_F64))
         for _ in range(passes):
             self.subtract(w, self.coefficients(w))
+            after = float(torch.linalg.vector_norm(w, dtype=_F64))
+            if after >= REPEAT_BELOW * norm:
+                break
+            norm = after
         return w
 
     def combine(self, S: torch.Tensor, dtype: torch.dtype = _F64) -> torch.Tensor:
