@@ -18,6 +18,7 @@ from sharpcli.curvature.data import (
     train_mode_modules,
 )
 from sharpcli.curvature.density import SpectralDensity, spectral_density
+from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -25,8 +26,10 @@ from sharpcli.curvature.operators import (
     CurvaturePass,
     GGNOperator,
     HessianOperator,
+    LinearCombination,
     MatrixOperator,
     NMEOperator,
+    joint_matmat,
 )
 from sharpcli.curvature.power import power_iteration
 from sharpcli.curvature.pyhessian_engine import (
@@ -56,11 +59,13 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "OPERATORS",
     "AnalysisData",
+    "CurvatureEngine",
     "CurvatureOperator",
     "CurvaturePass",
     "EigenResult",
     "GGNOperator",
     "HessianOperator",
+    "LinearCombination",
     "MatrixOperator",
     "NMEOperator",
     "OperatorSpec",
@@ -76,6 +81,7 @@ __all__ = [
     "frobenius_sq",
     "hutchinson",
     "hutchpp",
+    "joint_matmat",
     "lanczos",
     "lanczos_tridiagonal",
     "power_iteration",

@@ -15,6 +15,8 @@ up to float summation order. Sharding happens here and nowhere else.
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -27,6 +29,7 @@ from sharpcli.losses import loss_fn
 __all__ = [
     "AnalysisData",
     "all_reduce_sum",
+    "subsample_data",
     "distributed_rank_and_world",
     "determinism_check",
     "prepare_model_for_analysis",
@@ -216,3 +219,49 @@ def to_model_batch(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, device)
 def batch_list(data: AnalysisData) -> Sequence[tuple[torch.Tensor, torch.Tensor, float]]:
     """All batches of this rank as a list (for engines that need a re-iterable loader)."""
     return list(data.batches())
+
+
+def subsample_data(data: AnalysisData, fraction: float, seed: int = 0) -> AnalysisData:
+    """The analysis set restricted to a seeded random fraction of its samples.
+
+    Each rank keeps ``max(1, round(fraction * n_r))`` of its ``n_r`` samples (a seeded
+    permutation's first ones, in their original order) and ``num_samples`` becomes the global
+    count of kept samples (summed over ranks), so batches still enter with weight
+    ``B_b / N_S`` and products are the mean over the subsample,
+
+    .. math::
+
+        A_S = \\frac{1}{|S|} \\sum_{i \\in S} A_i.
+
+    ``data`` is left unchanged; the kept samples are copied (indexing), nothing else is.
+
+    Args:
+        data: the analysis set.
+        fraction: the fraction of samples kept, in (0, 1] (UsageError on ``warm_fraction``
+            otherwise).
+        seed: seeds the permutation (offset by the rank).
+
+    Returns:
+        A shallow copy of ``data`` over the kept samples.
+
+    Example:
+        >>> import torch
+        >>> data = AnalysisData(torch.randn(10, 3), torch.zeros(10, dtype=torch.long), "cross-entropy", 4)
+        >>> subsample_data(data, 0.3).num_samples
+        3
+    """
+    fraction = float(fraction)
+    if not (0.0 < fraction <= 1.0) or not math.isfinite(fraction):
+        raise UsageError(
+            f"warm-start fraction must be in (0, 1], got {fraction}", source="warm_fraction"
+        )
+    local = int(data.local_num_samples)
+    keep = min(local, max(1, round(fraction * local))) if local else 0
+    generator = torch.Generator().manual_seed(int(seed) + 7919 * int(data.rank))
+    index = torch.randperm(local, generator=generator)[:keep].sort().values
+    sub = copy.copy(data)
+    sub.x = data.x[index.to(data.x.device)]
+    sub.y = data.y[index.to(data.y.device)]
+    sub.local_num_samples = keep
+    sub.num_samples = int(round(all_reduce_sum(float(keep))))
+    return sub

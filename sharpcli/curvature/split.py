@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.curvature.operators import joint_matmat
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.trace import (
@@ -58,24 +59,24 @@ def gn_nme_split(
 ) -> SplitEstimate:
     """Traces and ``Tr(A^2)`` of H, G and N = H - G from shared Rademacher probes (one joint pass each)."""
     _check_budget(tol, max_matvecs, block_size)
-    scope = cpass.scope
-    blocks = dict(scope.blocks())
+    H, G = cpass.hessian(), cpass.ggn()
+    operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
+    dim, blocks = H.shape[0], H.blocks()
     generator = torch.Generator().manual_seed(int(seed))
     rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
     matvecs = 0
     converged = False
     # probe, H v, G v, N v and one elementwise product per column
-    columns, held = probe_block(cpass.hessian(), block_size, vectors=5, what="H,G,N split")
-    with memory.current().hold("probe block", held + scope.numel * int(block_size)):
+    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
+    with memory.current().hold("probe block", held + dim * int(block_size)):
         run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
         while matvecs < int(max_matvecs):
             k = min(int(block_size), int(max_matvecs) - matvecs)
             # drawn together whatever the budget: the same seed gives the same probes
-            signs = rademacher_like(scope.numel, generator, torch.int8, "cpu", k)
+            signs = rademacher_like(dim, generator, torch.int8, "cpu", k)
             for first in range(0, k, columns):
-                V = signs[:, first : first + columns].to(dtype=scope.dtype, device=scope.device)
-                HV, GV = cpass.hessian_and_ggn_matmat(V)
-                NV = HV - GV
+                V = signs[:, first : first + columns].to(dtype=H.dtype, device=H.device)
+                HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
                     rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
                     rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)

@@ -32,6 +32,7 @@ from torch import nn
 from sharpcli import memory, progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import ParamScope, rademacher_like
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
@@ -95,11 +96,11 @@ class TraceResult:
         }
 
 
-def _blocks_of(op, blocks):
+def _blocks_of(op, blocks) -> dict:
+    """``blocks`` as a dict, else the operator's own per-layer blocks (none for other objects)."""
     if blocks is not None:
         return dict(blocks)
-    scope = getattr(op, "scope", None)
-    return dict(scope.blocks()) if scope is not None else {}
+    return op.blocks() if isinstance(op, CurvatureOperator) else {}
 
 
 def _segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
