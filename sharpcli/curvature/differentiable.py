@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from typing import Any
 
 import torch
 
@@ -132,7 +133,7 @@ class _PlainForward:
 
 @contextlib.contextmanager
 def _plain_reentrant_checkpoint():
-    checkpointing = importlib.import_module("torch.utils.checkpoint")
+    checkpointing: Any = importlib.import_module("torch.utils.checkpoint")
     saved = checkpointing.CheckpointFunction
     checkpointing.CheckpointFunction = _PlainForward
     try:
@@ -145,14 +146,15 @@ def _plain_reentrant_checkpoint():
 def _composite_weight_norm():
     # the legacy module binds `_weight_norm` at its import; `torch.nn.utils.weight_norm` is
     # also the name of its function, hence import_module
-    legacy = importlib.import_module("torch.nn.utils.weight_norm")
+    legacy: Any = importlib.import_module("torch.nn.utils.weight_norm")
+    torch_module: Any = torch  # `_weight_norm` is private: not in torch's type stubs
 
-    saved = torch._weight_norm, legacy._weight_norm
-    torch._weight_norm = legacy._weight_norm = weight_norm_composite
+    saved = torch_module._weight_norm, legacy._weight_norm
+    torch_module._weight_norm = legacy._weight_norm = weight_norm_composite
     try:
         yield
     finally:
-        torch._weight_norm, legacy._weight_norm = saved
+        torch_module._weight_norm, legacy._weight_norm = saved
 
 
 @contextlib.contextmanager

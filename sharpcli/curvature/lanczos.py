@@ -493,6 +493,7 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
         ritz_values=list(warm.eigenvalues),
         full_product_equivalents=None if relative_cost is None else warm.matvecs * relative_cost,
     )
+    assert warm.eigenvectors is not None  # return_eigenvectors=True
     q = warm.eigenvectors.sum(dim=1)  # orthonormal Ritz vectors: each gets weight 1
     return q.to(device=op.device), info
 

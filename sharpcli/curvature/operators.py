@@ -186,7 +186,7 @@ class CurvatureOperator:
     def _rebuild(self, engine: CurvatureEngine) -> CurvatureOperator:
         """The same operator on another engine: the registry's convention, ``type(self)(engine)``."""
         try:
-            return type(self)(engine)  # type: ignore[call-arg]
+            return type(self)(engine)  # type: ignore[call-arg, arg-type]
         except TypeError as error:
             raise UsageError(
                 f"cannot rebuild {type(self).__name__} on another engine ({error})",

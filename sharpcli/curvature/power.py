@@ -96,5 +96,9 @@ def power_iteration(
     )
     if return_eigenvectors:
         result.eigenvectors = torch.stack([found[i] for i in order], dim=1)
-    run.finish(matvecs, estimate=result.eigenvalues[0], residual=max(result.residuals))
+    run.finish(
+        matvecs,
+        estimate=result.eigenvalues[0],
+        residual=max(r for r in result.residuals if r is not None),
+    )
     return result

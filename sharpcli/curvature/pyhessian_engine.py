@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     import importlib
 
     try:
-        pyhessian_module = importlib.import_module("pyhessian.hessian")
+        pyhessian_module: Any = importlib.import_module("pyhessian.hessian")
     except ImportError:
         raise UsageError(
             "the pyhessian engine needs the PyHessian package, an optional extra: "

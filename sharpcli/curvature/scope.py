@@ -129,7 +129,9 @@ class ParamScope:
         frozen = [n for n, p in chosen if is_frozen(p)]
         for _, p in chosen:
             if not p.requires_grad:
-                p._sharp_frozen = True  # remembered, so a later default scope still skips it
+                setattr(
+                    p, "_sharp_frozen", True
+                )  # remembered, so a later default scope still skips it
                 p.requires_grad_(True)
         dtypes = {p.dtype for _, p in chosen}
         if len(dtypes) > 1:

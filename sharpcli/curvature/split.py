@@ -63,7 +63,9 @@ def gn_nme_split(
     operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
     dim, blocks = H.shape[0], H.blocks()
     generator = torch.Generator().manual_seed(int(seed))
-    rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
+    rows: dict[tuple[str, str], list[torch.Tensor]] = {
+        (o, q): [] for o in SPLIT for q in QUANTITIES
+    }
     matvecs = 0
     converged = False
     # probe, H v, G v, N v and one elementwise product per column
