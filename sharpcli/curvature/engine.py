@@ -1,25 +1,26 @@
-"""Matrix-free curvature products on flat parameter vectors ([NME] eq. 2; docs/commands/gn-nme.md).
+r"""The curvature engine: a cache of first-order graphs and the H, G, N products through it.
 
-For the analysis loss ``L(theta) = (1/N) sum_i l(z_i, y_i)``, ``z_i = f(theta, x_i)``:
-
-- Hessian      ``H = d^2 L / dtheta^2``
-- Gauss-Newton ``G = (1/N) sum_i J_i^T H_z,i J_i``, ``J_i = dz_i/dtheta``, ``H_z,i = d^2 l/dz_i^2``
-  [Schraudolph2002]
-- NME          ``N = H - G = (1/N) sum_i sum_c (dl/dz_ic) d^2 z_ic / dtheta^2``   (NME eq. 2)
-
-The matrix-free Gauss-Newton product ``J^T H_z J v`` follows [Schraudolph2002] (see also [Martens2020]);
-the split and the name NME (nonlinear modeling error) are those of [NME] section 2.
+For the analysis loss :math:`L(\theta) = \frac{1}{N} \sum_i \ell(z_i, y_i)`,
+:math:`z_i = f(\theta, x_i)`, the matrices H, G and N = H - G of
+:mod:`sharpcli.curvature.operators` ([NME] eq. 2; the matrix-free Gauss-Newton product
+:math:`J^\top H_z J v` follows [Schraudolph2002], see also [Martens2020]).
 
 How the products are computed (one pass over the data per product or block of products).
 Per batch the first-order graph is built once,
 
-    g_z = dL_b/dz (create_graph),   g = J^T g_z (create_graph),
+.. math::
+
+    g_z = \partial L_b / \partial z, \qquad g = J^\top g_z \qquad \text{(both with their graphs)},
 
 and kept in a cache bounded by a memory budget (``cache_bytes``; batches beyond the budget
-are rebuilt for every product). Differentiating ``<g, v>`` back through that graph gives
+are rebuilt for every product). Differentiating :math:`\langle g, v \rangle` back through that
+graph (through :math:`J^\top` and through :math:`g_z(z(\theta))`; g is linear in
+:math:`g_z`) gives
 
-    d<g, v>/dtheta = H v          (both paths: through J^T and through g_z(z(theta)))
-    d<g, v>/dg_z   = J v          (g is linear in g_z)
+.. math::
+
+    \frac{\partial \langle g, v \rangle}{\partial \theta} = H v, \qquad
+    \frac{\partial \langle g, v \rangle}{\partial g_z} = J v
 
 in ONE reverse pass, so the Gauss-Newton product only adds ``u = H_z (J v)`` (a backward
 through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; the NME is
@@ -28,9 +29,7 @@ The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` wit
 held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
 The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
 product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
-
-The operators by ``--operator`` name, and the paper keys [NME] and [Schraudolph2002]:
-:mod:`sharpcli.curvature.registry`.
+The operators by ``--operator`` name: :mod:`sharpcli.curvature.registry`.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
 
 
 class CurvatureEngine:
-    """The engine behind every curvature operator: batched H, G (and H+G jointly) products.
+    """The cache of first-order graphs behind the curvature operators, and their products.
 
     ``hessian_matmat``, ``ggn_matmat``, ``nme_matmat`` and ``hessian_and_ggn_matmat`` (both
     from the same reverse pass; see the module docstring) multiply a block ``V`` of shape
@@ -126,8 +125,28 @@ class CurvatureEngine:
     of the model changes in place (its version counter moves). Blocks are multiplied
     ``vectorize`` columns at a time in one vmapped reverse pass (``is_grads_batched``), with
     a per-column fallback for layers lacking a batched backward rule. The default is 32 on
-    accelerators and 1 (column by column) on CPU, where the vmapped double backward measured
-    1.5-1.8x slower per product than the same products one at a time (docs/benchmarks.md).
+    accelerators and 1 (column by column) on CPU, where the vmapped double backward is slower
+    per product than the same products one at a time.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        scope: the parameters differentiated.
+        cache_bytes: the budget of cached graphs (0: no cache).
+        vectorize: columns per vmapped reverse pass (default 1 on CPU, 32 elsewhere).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from sharpcli.curvature import AnalysisData, ParamScope
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+        >>> engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+        >>> V = torch.randn(engine.scope.numel, 3, dtype=torch.float64)
+        >>> HV, GV = engine.hessian_and_ggn_matmat(V)  # one pass over the data for both
+        >>> torch.allclose(HV - GV, engine.nme_matmat(V)), engine.cached_batches
+        (True, 2)
     """
 
     def __init__(

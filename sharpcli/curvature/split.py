@@ -57,7 +57,43 @@ def gn_nme_split(
     block_size: int = 8,
     min_samples: int = 10,
 ) -> SplitEstimate:
-    """Traces and ``Tr(A^2)`` of H, G and N = H - G from shared Rademacher probes (one joint pass each)."""
+    r"""Traces and squared Frobenius norms of H, G and N = H - G from shared probes.
+
+    For each Rademacher probe :math:`v`, one joint pass gives :math:`H v` and :math:`G v`
+    (:func:`~sharpcli.curvature.operators.joint_matmat` of ``H``, ``G`` and ``H - G``), and
+
+    .. math::
+
+        \mathrm{tr}(A) \approx v^\top A v, \qquad \mathrm{Tr}(A^2) \approx \lVert A v \rVert^2,
+        \qquad A \in \{H, G, N\},
+
+    so :math:`\mathrm{tr}(H) = \mathrm{tr}(G) + \mathrm{tr}(N)` holds for the estimates.
+
+    Args:
+        cpass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its H and G operators).
+        tol: stop when the relative standard errors of ``tr(H)`` and ``tr(G)`` reach it.
+        max_matvecs: the most joint products.
+        seed: seeds the probes.
+        block_size: probes per product block.
+        min_samples: probes before the stop rule applies.
+
+    Returns:
+        A :class:`SplitEstimate`: ``values[operator][quantity]`` for ``hessian``, ``ggn``,
+        ``nme`` and ``trace``, ``frobenius_sq``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+        >>> engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+        >>> split = gn_nme_split(engine, max_matvecs=16)
+        >>> h, g, n = (split.values[name]["trace"]["estimate"] for name in ("hessian", "ggn", "nme"))
+        >>> abs(h - (g + n)) < 1e-12
+        True
+    """
     _check_budget(tol, max_matvecs, block_size)
     H, G = cpass.hessian(), cpass.ggn()
     operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
