@@ -3,11 +3,11 @@ operators by name: :mod:`sharpcli.curvature.registry`) and the estimators built 
 (Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton traces, stochastic Lanczos
 quadrature) plus the PyHessian parity engine.
 
-Methods, by key of docs/references.md: the H = G + N split [NME] eq. 2, Gauss-Newton products
+Methods, by paper key: the H = G + N split [NME] eq. 2, Gauss-Newton products
 [Schraudolph2002], Lanczos [Lanczos1950] with full reorthogonalisation [Parlett1998], traces by
 [Hutchinson1989] and [Hutch++], per-sample gradient norms [Goodfellow2015] [Rochette2019],
-spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. User guide: the command
-pages docs/commands/eigen.md, trace.md, gn-nme.md, density.md and docs/scope.md."""
+spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. The commands that use
+them: ``sharp eigen``, ``trace``, ``gn-nme`` and ``density``."""
 
 from sharpcli.curvature.data import (
     AnalysisData,

@@ -1,4 +1,4 @@
-"""The analysis set and the ONE pass over it (docs/index.md, "Options every analysis command ...").
+"""The analysis set and the ONE pass over it (the options every analysis command shares).
 
 Every curvature quantity is an average over the analysis set,
 ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``. The set is streamed in
@@ -6,7 +6,7 @@ batches; a batch of ``B_b`` samples enters with weight ``B_b / N`` applied to
 its *mean* loss, so the result is the mean over samples whatever the batch
 size (never a mean of per-batch means, the hessian-eigenthings bug).
 
-Data parallel (README.md, "Data-parallel analysis"): when ``torch.distributed`` is initialised,
+Data parallel: when ``torch.distributed`` is initialised,
 rank ``r`` of ``W`` takes the contiguous shard ``[floor(r N / W), floor((r+1) N / W))``
 of the set, ``N`` stays the global count, and every sum over data goes through
 :func:`all_reduce_sum`, so the reduced result equals the single-process one

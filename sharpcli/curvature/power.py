@@ -7,7 +7,7 @@ orthogonalised against the eigenvectors already found (projection deflation), mu
 ``max_iter`` products. It converges to the eigenvalue of largest *magnitude* (not the
 largest algebraic one) and stalls when the spectral gap is small; the Ritz residual
 ``||A v - lambda v||`` of the last iterate is reported (free: ``A v`` was computed) and the
-``converged`` flag uses the residual criterion ``<= tol |lambda|`` (docs/commands/eigen.md), which
+``converged`` flag uses the residual criterion ``<= tol |lambda|`` (as Lanczos does), which
 the relative-change rule does not guarantee.
 
 The iterates, the deflation projections, the Rayleigh quotients and the norms are float64

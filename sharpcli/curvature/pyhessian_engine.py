@@ -1,8 +1,5 @@
 """``--engine pyhessian``: eigenvalues and trace through PyPI ``pyhessian`` 0.1 [PyHessian].
 
-User guide: docs/commands/eigen.md; measurements: docs/benchmarks.md ("Curvature: sharp vs
-PyHessian").
-
 Runs ``pyhessian.hessian`` on the same model, loss and batches as the native engine (CPU,
 ``cuda=False``; a single ``data=(x, y)`` batch when the analysis set is one batch, otherwise
 its ``dataloader`` mode, which weights batches by size so it is also a mean over samples)

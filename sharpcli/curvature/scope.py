@@ -1,4 +1,4 @@
-"""Parameter scopes: which parameters the curvature is taken with respect to (docs/scope.md).
+"""Parameter scopes: which parameters the curvature is taken with respect to (``--params``).
 
 A scope selects trainable parameters ``theta_S``; curvature w.r.t. a subset is
 the principal sub-block ``H_SS`` of the full Hessian. Vectors in scope are flat

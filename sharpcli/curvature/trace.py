@@ -1,6 +1,4 @@
-"""Trace estimators with standard errors and per-layer (diagonal block) traces.
-
-User guide: docs/commands/trace.md.
+"""Trace estimators with standard errors and per-layer (diagonal block) traces (``sharp trace``).
 
 - :func:`hutchinson`: ``tr(A) = E[g^T A g]`` for Rademacher ``g`` [Hutchinson1989]; per layer
   ``tr(A_bb) = E[g_b^T (A g)_b]`` from the same probes, so layer traces sum to the total
