@@ -257,17 +257,21 @@ class CurvatureEngine:
             yield index, graph
 
     def plan_memory(self, plan, *, auto_cache: bool = False) -> None:
-        """Count this pass in the run's memory plan (:mod:`sharpcli.memory`) before any product.
+        """Count this engine in the run's memory plan (:mod:`sharpcli.memory`) before any product.
 
         Builds the first batch's first-order graph (kept in the cache when it fits, so it is
         not wasted) and measures its bytes ``b``; a product holds that graph and about as much
-        again for the double backward, ``2 b`` (measured on MLPs and ResNet-18), and the cache holds up to
+        again for the double backward, ``2 b``, and the cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
         is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
         hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product).
+
+        Args:
+            plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
+            auto_cache: let the cache grow to every batch's graph when the budget holds it.
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
         graph_bytes = 0
@@ -469,26 +473,60 @@ class CurvatureEngine:
 
     # ----------------------------------------------------------------- products over the data
     def hessian_matmat(self, V: torch.Tensor, *, operator: str = "Hessian") -> torch.Tensor:
-        """``H V`` for ``V`` of shape ``(P, k)`` (``H v`` for ``(P,)``), in one pass over the data.
+        """The Hessian product, in one pass over the data.
 
-        ``operator`` names the product in NaN/Inf errors (which also name the batch).
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors (which also name the batch).
+
+        Returns:
+            :math:`H V`, shaped like ``V``.
         """
         (HV,) = self._apply(V, self._hessian_batch, ("Hessian",), operator)
         return HV
 
     def ggn_matmat(self, V: torch.Tensor, *, operator: str = "Gauss-Newton") -> torch.Tensor:
-        """``G V = (1/N) sum_i J_i^T H_z,i J_i V`` ([NME] eq. 2, [Schraudolph2002]), one pass over the data."""
+        r"""The Gauss-Newton product ([NME] eq. 2, [Schraudolph2002]), in one pass over the data.
+
+        .. math::
+
+            G V = \frac{1}{N} \sum_i J_i^\top H_{z,i} J_i V
+
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors.
+
+        Returns:
+            :math:`G V`, shaped like ``V``.
+        """
         (GV,) = self._apply(V, self._ggn_batch, ("Gauss-Newton",), operator)
         return GV
 
     def nme_matmat(self, V: torch.Tensor, *, operator: str = "NME") -> torch.Tensor:
-        """``N V = (H - G) V`` ([NME] eq. 2) straight from the graph of :meth:`_nme_graph`
-        (about the cost of ``H V``; equal to ``H V - G V`` of the joint pass to rounding)."""
+        """The NME product :math:`N V = (H - G) V` ([NME] eq. 2), in one pass over the data.
+
+        Straight from the graph of :meth:`_nme_graph` (about the cost of :math:`H V`; equal to
+        :math:`H V - G V` of the joint pass to rounding).
+
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors.
+
+        Returns:
+            :math:`N V`, shaped like ``V``.
+        """
         (NV,) = self._apply(V, self._hessian_batch, ("NME",), operator, view=self._nme_graph)
         return NV
 
     def hessian_and_ggn_matvec(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(H v, G v)`` from ONE pass over the data; ``N v = H v - G v`` (NME eq. 2)."""
+        """The Hessian and Gauss-Newton products from ONE pass over the data (counted in ``matvecs``).
+
+        Args:
+            v: a ``(P,)`` vector or a ``(P, k)`` block.
+
+        Returns:
+            ``(H v, G v)``; ``N v = H v - G v`` ([NME] eq. 2).
+        """
         HV, GV = self._apply(
             v, self._joint_batch, ("Hessian", "Gauss-Newton"), "Hessian+Gauss-Newton"
         )
@@ -496,12 +534,23 @@ class CurvatureEngine:
         return HV, GV
 
     def hessian_and_ggn_matmat(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block version of :meth:`hessian_and_ggn_matvec` for ``V`` of shape ``(P, k)``."""
+        """Block version of :meth:`hessian_and_ggn_matvec`.
+
+        Args:
+            V: a ``(P, k)`` block.
+
+        Returns:
+            ``(H V, G V)``.
+        """
         return self.hessian_and_ggn_matvec(V)
 
     @twice_differentiable()
     def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
-        """``(L(theta), grad L(theta))`` over the analysis set (plain backward, no graph kept)."""
+        """The analysis loss and its gradient (plain backward, no graph kept).
+
+        Returns:
+            ``(L(theta), grad L(theta))``, the gradient flat in the scope's layout.
+        """
         scope = self.scope
         total_loss = torch.zeros((), dtype=torch.float64, device=scope.device)
         grad = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
