@@ -55,6 +55,12 @@ def all_reduce_sum(value):
     :func:`sharpcli.distributed.raise_if_peer_failed`, so a rank that failed (NaN on its
     shard, say) stops every rank with its error instead of leaving them waiting here.
     Under NCCL, CPU tensors travel through a copy on the rank's GPU.
+
+    Args:
+        value: a tensor, a list or tuple of tensors, or a float.
+
+    Returns:
+        ``value`` summed over ranks (tensors in place).
     """
     _, world = distributed_rank_and_world()
     if world == 1:
@@ -145,7 +151,14 @@ class AnalysisData:
 
 
 def prepare_model_for_analysis(model: nn.Module) -> nn.Module:
-    """Put ``model`` in eval mode (BatchNorm on running statistics, dropout off), as PyHessian does."""
+    """Put ``model`` in eval mode (BatchNorm on running statistics, dropout off), as PyHessian does.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``model``, in eval mode.
+    """
     model.eval()
     return model
 
@@ -161,7 +174,14 @@ def _module_changes_in_train_mode(module: nn.Module) -> bool:
 
 
 def train_mode_modules(model: nn.Module) -> list[str]:
-    """Names of modules in training mode whose output differs from eval mode (dropout, BatchNorm)."""
+    """Names of modules in training mode whose output differs from eval mode (dropout, BatchNorm).
+
+    Args:
+        model: the model.
+
+    Returns:
+        The names of those modules.
+    """
     return [
         name or type(model).__name__
         for name, module in model.named_modules()
@@ -179,6 +199,12 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
     before each pass when it has one) with the same seeded Rademacher vector
     must agree exactly. Raises :class:`UsageError` naming the offending modules
     or the mismatch.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        op: an operator with ``matvec`` (and ``shape``, ``dtype``, ``device``).
+        seed: seeds the probe.
     """
     offenders = train_mode_modules(model)
     if offenders:
@@ -210,14 +236,31 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
 
 
 def to_model_batch(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, device) -> tuple:
-    """Move a batch to the model's device; floating inputs/targets take the model's dtype."""
+    """Move a batch to the model's device; floating inputs/targets take the model's dtype.
+
+    Args:
+        x: the inputs.
+        y: the targets.
+        dtype: the model's dtype.
+        device: the model's device.
+
+    Returns:
+        ``(x, y)`` on ``device``.
+    """
     x = x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device=device)
     y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device=device)
     return x, y
 
 
 def batch_list(data: AnalysisData) -> Sequence[tuple[torch.Tensor, torch.Tensor, float]]:
-    """All batches of this rank as a list (for engines that need a re-iterable loader)."""
+    """All batches of this rank as a list (for engines that need a re-iterable loader).
+
+    Args:
+        data: the analysis set.
+
+    Returns:
+        ``[(x_b, y_b, B_b / N), ...]``.
+    """
     return list(data.batches())
 
 
