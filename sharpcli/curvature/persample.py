@@ -224,6 +224,13 @@ def autograd_uses(output: torch.Tensor, params: Sequence[torch.Tensor]) -> list[
     Counts the edges into each parameter's gradient accumulator from the graph nodes that
     ``output`` depends on: a parameter used twice (two layers, one layer called twice, a
     functional use of ``module.weight``) has two.
+
+    Args:
+        output: a tensor with an autograd graph.
+        params: the parameters.
+
+    Returns:
+        The count for each of ``params``, in order.
     """
     index = {id(p): i for i, p in enumerate(params)}
     counts = [0] * len(params)
@@ -305,6 +312,9 @@ class LayerTaps:
 
         A parameter is covered when every one of its uses in the graph of ``z`` is a recorded
         call of a tapped layer (and there is at least one).
+
+        Args:
+            z: the output of the recorded forward pass.
         """
         recorded = [0] * self.num_params
         for tap in self.taps:
@@ -341,6 +351,11 @@ class LayerTaps:
 
         One backward pass from ``z`` to the covered layers' outputs; the graph is retained
         so the caller can ask for further directions.
+
+        Args:
+            z: the recorded forward pass's output.
+            direction: shaped like ``z``, constant.
+            totals: float64 per scope parameter, added to in place.
         """
         active = self._active()
         outputs = [out for tap in active for out in tap.outputs]

@@ -130,7 +130,17 @@ def probe_block(op, block_size: int, *, vectors: int, what: str) -> tuple[int, i
     """``(columns, bytes)``: the probe block the run's memory plan allows, at most
     ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
     product, their elementwise product) and one float64 P-vector (the per-layer sums);
-    UsageError on ``max_memory`` when not even one column fits."""
+    UsageError on ``max_memory`` when not even one column fits.
+
+    Args:
+        op: the operator (``shape``, ``dtype``).
+        block_size: the columns wanted.
+        vectors: P-vectors in the operator's dtype per column.
+        what: names the estimator in the plan's notes and errors.
+
+    Returns:
+        ``(columns, bytes)`` of the block.
+    """
     dim = op.shape[0]
     itemsize = torch.empty((), dtype=op.dtype).element_size()
     per_column = dim * (itemsize * int(vectors) + 8)
@@ -570,13 +580,24 @@ class _AdaptiveSketch:
         self.growing = True
 
     def extend(self, count: int) -> None:
-        """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it."""
+        """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it.
+
+        Args:
+            count: the new columns.
+        """
         self.matvecs += self.sketch.extend(self.op, count, self.generator)
         self.run.update(self.matvecs, detail=f"sketch {self.sketch.size}")
         self.exact = self.sketch.exact_part(self.blocks) + self.offset
 
     def probe(self, k: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """``k`` Rademacher probes of the residual ``P A P``: ``(probes, estimate, stderr)``."""
+        """``k`` Rademacher probes of the residual ``P A P``: ``(probes, estimate, stderr)``.
+
+        Args:
+            k: the probes.
+
+        Returns:
+            ``(probes so far, estimate, standard error)`` of the total.
+        """
         op = self.op
         G = rademacher_like(op.shape[0], self.generator, op.dtype, op.device, k)
         AG = op.matmat(G)
@@ -590,7 +611,15 @@ class _AdaptiveSketch:
 
     def consider_growing(self, n: int, estimate, stderr, tol: float, budget: int) -> None:
         """Double the sketch while the probes still needed exceed ``3 s`` and the last doubling
-        saved at least the ``2 s`` products it cost (:func:`hutchpp`); else stop growing."""
+        saved at least the ``2 s`` products it cost (:func:`hutchpp`); else stop growing.
+
+        Args:
+            n: the residual probes so far.
+            estimate: the current estimate of the total.
+            stderr: its standard error.
+            tol: the relative standard error wanted.
+            budget: the most products.
+        """
         target = _probes_needed(stderr, n, estimate, tol)
         step = min(self.sketch.size or _FIRST_SKETCH, self.cap - self.sketch.size)
         if target - n > 3 * step and step > 0 and self.matvecs + 2 * step < budget:
@@ -605,7 +634,15 @@ class _AdaptiveSketch:
             self.stored = []
 
     def result(self, converged: bool, tol: float) -> TraceResult:
-        """The estimate: the sketch's exact part plus the residual probes' mean."""
+        """The estimate: the sketch's exact part plus the residual probes' mean.
+
+        Args:
+            converged: whether the stop rule was met.
+            tol: the tolerance, recorded.
+
+        Returns:
+            The :class:`TraceResult`.
+        """
         notes = []
         if self.rows:
             mean, stderr = _mean_stderr(torch.cat(self.rows))
