@@ -9,12 +9,16 @@ from torch import nn
 
 from sharpcli.curvature import (
     AnalysisData,
+    CurvatureEngine,
     CurvaturePass,
     GGNOperator,
     HessianOperator,
+    LinearCombination,
+    MatrixOperator,
     NMEOperator,
     ParamScope,
     determinism_check,
+    joint_matmat,
 )
 from sharpcli.errors import NumericalError, UsageError
 
@@ -273,3 +277,87 @@ def test_layer_without_batched_backward_falls_back_to_columns():
     assert not cp._batched_ok
     assert torch.allclose(HV, H @ V, atol=1e-10, rtol=0)
     assert torch.allclose(GV, G @ V, atol=1e-10, rtol=0)
+
+
+# ------------------------------------------------------------------ operator algebra
+def test_operator_algebra_equals_the_dense_algebra():
+    model, x, y, data, scope, H, G = _setup("gelu")
+    engine = CurvatureEngine(model, data, scope)
+    H_op, G_op, N_op = engine.hessian(), engine.ggn(), engine.nme()
+    M = MatrixOperator(torch.eye(scope.numel, dtype=torch.float64), "identity")
+    cases = [
+        (H_op - G_op, H - G),
+        (G_op + N_op, H),
+        (2.5 * H_op, 2.5 * H),
+        (H_op * -1, -H),
+        (-G_op, -G),
+        (H_op / 4, H / 4),
+        (2 * H_op - 0.5 * G_op, 2 * H - 0.5 * G),
+        (H_op - G_op + M, H - G + torch.eye(scope.numel, dtype=torch.float64)),
+        ((H_op - G_op) - N_op, torch.zeros_like(H)),
+    ]
+    for op, dense in cases:
+        assert isinstance(op, LinearCombination) and op.shape == H.shape
+        assert torch.allclose(op.to_dense(), dense, atol=1e-10, rtol=0), op.name
+    assert H.abs().max() > 1e-3 and (H - G).abs().max() > 1e-3
+    assert (H_op - G_op).name == "Hessian - Gauss-Newton"
+    assert (2 * H_op - 0.5 * G_op).name == "2 Hessian - 0.5 Gauss-Newton"
+    with pytest.raises(ValueError, match="shapes"):
+        H_op + MatrixOperator(torch.eye(3, dtype=torch.float64))
+    with pytest.raises(TypeError):
+        H_op + 1.0
+
+
+def test_algebra_picks_one_pass_per_engine_and_keeps_the_split_exact():
+    model, x, y, data, scope, H, G = _setup("gelu")
+    engine = CurvatureEngine(model, data, scope)
+    H_op, G_op = engine.hessian(), engine.ggn()
+    V = scope.gaussian(torch.Generator().manual_seed(5), 3)
+    calls = []
+    for method in ("hessian_matmat", "ggn_matmat", "nme_matmat", "hessian_and_ggn_matmat"):
+        original = getattr(engine, method)
+
+        def counted(*args, _m=method, _f=original, **kw):
+            calls.append(_m)
+            return _f(*args, **kw)
+
+        setattr(engine, method, counted)
+    assert torch.allclose((H_op - G_op) @ V, (H - G) @ V, atol=1e-10, rtol=0)
+    assert calls == ["nme_matmat"]  # H - G is the NME's own product, not two passes
+    calls.clear()
+    assert torch.allclose((3 * H_op + G_op) @ V, (3 * H + G) @ V, atol=1e-10, rtol=0)
+    assert calls == ["hessian_and_ggn_matmat"]  # a H + b G: the joint pass, once
+    calls.clear()
+    HV, GV, NV = joint_matmat((H_op, G_op, H_op - G_op), V)
+    assert calls == ["hessian_and_ggn_matmat"]
+    assert torch.equal(NV, HV - GV)  # exactly, column by column: one pass gives all three
+    assert torch.allclose(HV, H @ V, atol=1e-10, rtol=0)
+    assert torch.allclose(GV, G @ V, atol=1e-10, rtol=0)
+    # a combination counts its own products, not its terms': the joint call counts on each
+    assert H_op.matvecs == G_op.matvecs == 3
+    calls.clear()
+    other = CurvatureEngine(model, data, scope).ggn()  # another engine: separate products
+    HV2, GV2 = joint_matmat((H_op, other), V)
+    assert calls == ["hessian_matmat"]  # the other engine's product is not patched
+    assert torch.allclose(GV2, G @ V, atol=1e-10, rtol=0) and torch.allclose(HV2, HV)
+
+
+def test_operators_know_blocks_and_rebuild_on_a_subsample():
+    model, x, y, data, scope, H, G = _setup("gelu", batch_size=4)
+    engine = CurvatureEngine(model, data, scope)
+    N = engine.hessian() - engine.ggn()
+    assert N.blocks() == dict(scope.blocks()) and len(N.blocks()) >= 2
+    assert MatrixOperator(H).blocks() == {}
+    sub, kept, whole = N.on_subsample(0.5, seed=2)
+    assert (kept, whole) == (round(0.5 * data.num_samples), data.num_samples)
+    assert isinstance(sub, LinearCombination) and sub.engine is not None
+    assert sub.engine is not engine and sub.engine.data.num_samples == kept
+    # the subsample's N equals the dense N over those samples
+    sub_model_data = sub.engine.data
+    H_sub = HessianOperator(model, sub_model_data, scope).to_dense()
+    G_sub = GGNOperator(model, sub_model_data, scope).to_dense()
+    assert torch.allclose(sub.to_dense(), H_sub - G_sub, atol=1e-10, rtol=0)
+    assert not torch.allclose(H_sub, H, atol=1e-6)  # a different set: a different matrix
+    with pytest.raises(UsageError) as info:
+        MatrixOperator(H).on_subsample(0.5)
+    assert info.value.source == "operator"

@@ -126,11 +126,14 @@ def test_frobenius_sq_layer_values_unbiased():
 
 
 class _ScopedMatrix(MatrixOperator):
-    """A dense matrix whose layer blocks come from a scope, as the NME operator's do."""
+    """A dense matrix with layer blocks of its own (``blocks()``), as the NME operator's."""
 
     def __init__(self, matrix, blocks):
         super().__init__(matrix)
-        self.scope = SimpleNamespace(blocks=lambda: dict(blocks))
+        self._blocks = dict(blocks)
+
+    def blocks(self):
+        return dict(self._blocks)
 
 
 def test_gn_split_layer_traces_unbiased(monkeypatch):

@@ -3,11 +3,11 @@ operators by name: :mod:`sharpcli.curvature.registry`) and the estimators built 
 (Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton traces, stochastic Lanczos
 quadrature) plus the PyHessian parity engine.
 
-Methods, by key of docs/references.md: the H = G + N split [NME] eq. 2, Gauss-Newton products
+Methods, by paper key: the H = G + N split [NME] eq. 2, Gauss-Newton products
 [Schraudolph2002], Lanczos [Lanczos1950] with full reorthogonalisation [Parlett1998], traces by
 [Hutchinson1989] and [Hutch++], per-sample gradient norms [Goodfellow2015] [Rochette2019],
-spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. User guide: the command
-pages docs/commands/eigen.md, trace.md, gn-nme.md, density.md and docs/scope.md."""
+spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. The commands that use
+them: ``sharp eigen``, ``trace``, ``gn-nme`` and ``density``."""
 
 from sharpcli.curvature.data import (
     AnalysisData,
@@ -18,6 +18,7 @@ from sharpcli.curvature.data import (
     train_mode_modules,
 )
 from sharpcli.curvature.density import SpectralDensity, spectral_density
+from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -25,8 +26,10 @@ from sharpcli.curvature.operators import (
     CurvaturePass,
     GGNOperator,
     HessianOperator,
+    LinearCombination,
     MatrixOperator,
     NMEOperator,
+    joint_matmat,
 )
 from sharpcli.curvature.power import power_iteration
 from sharpcli.curvature.pyhessian_engine import (
@@ -56,11 +59,13 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "OPERATORS",
     "AnalysisData",
+    "CurvatureEngine",
     "CurvatureOperator",
     "CurvaturePass",
     "EigenResult",
     "GGNOperator",
     "HessianOperator",
+    "LinearCombination",
     "MatrixOperator",
     "NMEOperator",
     "OperatorSpec",
@@ -76,6 +81,7 @@ __all__ = [
     "frobenius_sq",
     "hutchinson",
     "hutchpp",
+    "joint_matmat",
     "lanczos",
     "lanczos_tridiagonal",
     "power_iteration",

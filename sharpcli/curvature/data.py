@@ -1,4 +1,4 @@
-"""The analysis set and the ONE pass over it (docs/index.md, "Options every analysis command ...").
+"""The analysis set and the ONE pass over it (the options every analysis command shares).
 
 Every curvature quantity is an average over the analysis set,
 ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``. The set is streamed in
@@ -6,7 +6,7 @@ batches; a batch of ``B_b`` samples enters with weight ``B_b / N`` applied to
 its *mean* loss, so the result is the mean over samples whatever the batch
 size (never a mean of per-batch means, the hessian-eigenthings bug).
 
-Data parallel (README.md, "Data-parallel analysis"): when ``torch.distributed`` is initialised,
+Data parallel: when ``torch.distributed`` is initialised,
 rank ``r`` of ``W`` takes the contiguous shard ``[floor(r N / W), floor((r+1) N / W))``
 of the set, ``N`` stays the global count, and every sum over data goes through
 :func:`all_reduce_sum`, so the reduced result equals the single-process one
@@ -15,6 +15,8 @@ up to float summation order. Sharding happens here and nowhere else.
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -27,6 +29,7 @@ from sharpcli.losses import loss_fn
 __all__ = [
     "AnalysisData",
     "all_reduce_sum",
+    "subsample_data",
     "distributed_rank_and_world",
     "determinism_check",
     "prepare_model_for_analysis",
@@ -52,6 +55,12 @@ def all_reduce_sum(value):
     :func:`sharpcli.distributed.raise_if_peer_failed`, so a rank that failed (NaN on its
     shard, say) stops every rank with its error instead of leaving them waiting here.
     Under NCCL, CPU tensors travel through a copy on the rank's GPU.
+
+    Args:
+        value: a tensor, a list or tuple of tensors, or a float.
+
+    Returns:
+        ``value`` summed over ranks (tensors in place).
     """
     _, world = distributed_rank_and_world()
     if world == 1:
@@ -142,7 +151,14 @@ class AnalysisData:
 
 
 def prepare_model_for_analysis(model: nn.Module) -> nn.Module:
-    """Put ``model`` in eval mode (BatchNorm on running statistics, dropout off), as PyHessian does."""
+    """Put ``model`` in eval mode (BatchNorm on running statistics, dropout off), as PyHessian does.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``model``, in eval mode.
+    """
     model.eval()
     return model
 
@@ -158,7 +174,14 @@ def _module_changes_in_train_mode(module: nn.Module) -> bool:
 
 
 def train_mode_modules(model: nn.Module) -> list[str]:
-    """Names of modules in training mode whose output differs from eval mode (dropout, BatchNorm)."""
+    """Names of modules in training mode whose output differs from eval mode (dropout, BatchNorm).
+
+    Args:
+        model: the model.
+
+    Returns:
+        The names of those modules.
+    """
     return [
         name or type(model).__name__
         for name, module in model.named_modules()
@@ -176,6 +199,12 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
     before each pass when it has one) with the same seeded Rademacher vector
     must agree exactly. Raises :class:`UsageError` naming the offending modules
     or the mismatch.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        op: an operator with ``matvec`` (and ``shape``, ``dtype``, ``device``).
+        seed: seeds the probe.
     """
     offenders = train_mode_modules(model)
     if offenders:
@@ -207,12 +236,75 @@ def determinism_check(model: nn.Module, data: AnalysisData, op, *, seed: int = 0
 
 
 def to_model_batch(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, device) -> tuple:
-    """Move a batch to the model's device; floating inputs/targets take the model's dtype."""
+    """Move a batch to the model's device; floating inputs/targets take the model's dtype.
+
+    Args:
+        x: the inputs.
+        y: the targets.
+        dtype: the model's dtype.
+        device: the model's device.
+
+    Returns:
+        ``(x, y)`` on ``device``.
+    """
     x = x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device=device)
     y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device=device)
     return x, y
 
 
 def batch_list(data: AnalysisData) -> Sequence[tuple[torch.Tensor, torch.Tensor, float]]:
-    """All batches of this rank as a list (for engines that need a re-iterable loader)."""
+    """All batches of this rank as a list (for engines that need a re-iterable loader).
+
+    Args:
+        data: the analysis set.
+
+    Returns:
+        ``[(x_b, y_b, B_b / N), ...]``.
+    """
     return list(data.batches())
+
+
+def subsample_data(data: AnalysisData, fraction: float, seed: int = 0) -> AnalysisData:
+    """The analysis set restricted to a seeded random fraction of its samples.
+
+    Each rank keeps ``max(1, round(fraction * n_r))`` of its ``n_r`` samples (a seeded
+    permutation's first ones, in their original order) and ``num_samples`` becomes the global
+    count of kept samples (summed over ranks), so batches still enter with weight
+    ``B_b / N_S`` and products are the mean over the subsample,
+
+    .. math::
+
+        A_S = \\frac{1}{|S|} \\sum_{i \\in S} A_i.
+
+    ``data`` is left unchanged; the kept samples are copied (indexing), nothing else is.
+
+    Args:
+        data: the analysis set.
+        fraction: the fraction of samples kept, in (0, 1] (UsageError on ``warm_fraction``
+            otherwise).
+        seed: seeds the permutation (offset by the rank).
+
+    Returns:
+        A shallow copy of ``data`` over the kept samples.
+
+    Example:
+        >>> import torch
+        >>> data = AnalysisData(torch.randn(10, 3), torch.zeros(10, dtype=torch.long), "cross-entropy", 4)
+        >>> subsample_data(data, 0.3).num_samples
+        3
+    """
+    fraction = float(fraction)
+    if not (0.0 < fraction <= 1.0) or not math.isfinite(fraction):
+        raise UsageError(
+            f"warm-start fraction must be in (0, 1], got {fraction}", source="warm_fraction"
+        )
+    local = int(data.local_num_samples)
+    keep = min(local, max(1, round(fraction * local))) if local else 0
+    generator = torch.Generator().manual_seed(int(seed) + 7919 * int(data.rank))
+    index = torch.randperm(local, generator=generator)[:keep].sort().values
+    sub = copy.copy(data)
+    sub.x = data.x[index.to(data.x.device)]
+    sub.y = data.y[index.to(data.y.device)]
+    sub.local_num_samples = keep
+    sub.num_samples = int(round(all_reduce_sum(float(keep))))
+    return sub

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from typing import Any
 
 import torch
 
@@ -51,7 +52,16 @@ __all__ = ["embedding_bag_composite", "twice_differentiable", "weight_norm_compo
 def weight_norm_composite(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``w = g * v / ||v||`` with the 2-norm over every dimension of ``v`` but ``dim`` (all of
     them for ``dim=-1``), from differentiable operations: the function of
-    ``torch._weight_norm(v, g, dim)`` with a correct second derivative (module docstring)."""
+    ``torch._weight_norm(v, g, dim)`` with a correct second derivative (module docstring).
+
+    Args:
+        v: the direction.
+        g: the magnitude.
+        dim: the dimension kept (-1: none).
+
+    Returns:
+        The weight ``w``.
+    """
     return v * (g / torch.norm_except_dim(v, 2, dim))
 
 
@@ -77,7 +87,24 @@ def embedding_bag_composite(
     ``offsets[-1]`` with ``include_last_offset``); ``sum`` weighs each entry by
     ``per_sample_weights``; ``mean`` divides by the entries that are not ``padding_idx``; an
     empty bag gives zeros. ``mode="max"``, ``max_norm``, ``scale_grad_by_freq`` and ``sparse``
-    call torch's kernel (module docstring)."""
+    call torch's kernel (module docstring).
+
+    Args:
+        input: as :func:`torch.nn.functional.embedding_bag`, like every other argument.
+        weight: the embedding table.
+        offsets: the bags' starts (1-D ``input``).
+        max_norm: torch's kernel when set.
+        norm_type: with ``max_norm``.
+        scale_grad_by_freq: torch's kernel when set.
+        mode: ``"sum"``, ``"mean"`` or ``"max"`` (torch's kernel).
+        sparse: torch's kernel when set.
+        per_sample_weights: weights of the entries (``sum``).
+        include_last_offset: ``offsets[-1]`` ends the last bag.
+        padding_idx: entries left out.
+
+    Returns:
+        ``(bags, dim)``, as ``F.embedding_bag`` returns.
+    """
     if mode == "max" or max_norm is not None or scale_grad_by_freq or sparse:
         return _EMBEDDING_BAG(
             input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
@@ -132,7 +159,7 @@ class _PlainForward:
 
 @contextlib.contextmanager
 def _plain_reentrant_checkpoint():
-    checkpointing = importlib.import_module("torch.utils.checkpoint")
+    checkpointing: Any = importlib.import_module("torch.utils.checkpoint")
     saved = checkpointing.CheckpointFunction
     checkpointing.CheckpointFunction = _PlainForward
     try:
@@ -145,14 +172,15 @@ def _plain_reentrant_checkpoint():
 def _composite_weight_norm():
     # the legacy module binds `_weight_norm` at its import; `torch.nn.utils.weight_norm` is
     # also the name of its function, hence import_module
-    legacy = importlib.import_module("torch.nn.utils.weight_norm")
+    legacy: Any = importlib.import_module("torch.nn.utils.weight_norm")
+    torch_module: Any = torch  # `_weight_norm` is private: not in torch's type stubs
 
-    saved = torch._weight_norm, legacy._weight_norm
-    torch._weight_norm = legacy._weight_norm = weight_norm_composite
+    saved = torch_module._weight_norm, legacy._weight_norm
+    torch_module._weight_norm = legacy._weight_norm = weight_norm_composite
     try:
         yield
     finally:
-        torch._weight_norm, legacy._weight_norm = saved
+        torch_module._weight_norm, legacy._weight_norm = saved
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import typing
 import weakref
 
 import torch
@@ -55,7 +56,7 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
     """Read into (``os.preadv``) or write from (``os.pwrite``) a contiguous CPU ``tensor`` at
     byte ``offset`` of ``fd``, in calls of at most :data:`_IO_BYTES`, until done."""
-    view = memoryview(tensor.numpy()).cast("B")
+    view = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < len(view):
         part = view[done : done + _IO_BYTES]
@@ -93,7 +94,7 @@ class KrylovBasis:
         self._chunks: list[torch.Tensor] = []
         self._size = 0
         self.scratch = None if scratch is None else str(scratch)
-        self._file = None
+        self._file: typing.BinaryIO | None = None
         self._last: tuple[int, torch.Tensor] | None = None  # the newest row, kept for its product
         self._buffer: torch.Tensor | None = None
         if self.scratch is not None:
@@ -137,10 +138,14 @@ class KrylovBasis:
     def _offset(self, row: int, column: int = 0) -> int:
         return (row * self.dim + column) * self.itemsize
 
+    def _fd(self) -> int:
+        assert self._file is not None  # only called on a basis in a scratch file
+        return self._file.fileno()
+
     def _write(self, row: int, values: torch.Tensor, column: int = 0) -> None:
         data = values.detach().to(device="cpu", dtype=self.dtype).contiguous()
         try:
-            _transfer(os.pwrite, self._file.fileno(), data, self._offset(row, column))
+            _transfer(os.pwrite, self._fd(), data, self._offset(row, column))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise UsageError(
@@ -153,7 +158,7 @@ class KrylovBasis:
             raise
 
     def _read_into(self, target: torch.Tensor, row: int, column: int = 0) -> None:
-        _transfer(_read, self._file.fileno(), target, self._offset(row, column))
+        _transfer(_read, self._fd(), target, self._offset(row, column))
 
     def _slices(self, rows: int, *, widen: bool = True) -> list[slice]:
         """Column slices whose widened ``rows x width`` float64 block is at most
@@ -289,10 +294,9 @@ class KrylovBasis:
             return w
         plain = w.dtype == _F64
         for s in self._slices(self._size, widen=not plain):
-            acc = None
+            acc = torch.zeros(s.stop - s.start, dtype=_F64, device=w.device)
             for start, block in self._blocks(s):
-                part = _f64(block).T @ h[start : start + block.shape[0]]
-                acc = part if acc is None else acc.add_(part)
+                acc += _f64(block).T @ h[start : start + block.shape[0]]
             w[s] -= acc
         return w
 

@@ -92,7 +92,6 @@ taking the first alone, limits that; ``sharp eigen`` starts cold.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import shutil
@@ -103,7 +102,9 @@ import numpy as np
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.curvature.data import subsample_data
 from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis
+from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import NumericalError, UsageError
 
@@ -399,7 +400,8 @@ def lanczos_tridiagonal(
         held += krylov_work_bytes(dim, op.dtype)
     q = start.to(dtype=_F64, device=op.device).reshape(-1)
     q = q / torch.linalg.vector_norm(q)
-    alphas, betas = [], []
+    alphas: list[float] = []
+    betas: list[float] = []
     scale = 0.0
     eps = torch.finfo(op.dtype).eps  # breakdown is judged at the products' rounding level
     basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
@@ -445,45 +447,10 @@ def _explicit_residuals(op, values, vectors, estimated, tol, exact_level, notes)
     return reported, converged
 
 
-def subsample_data(data, fraction: float, seed: int = 0):
-    """The analysis set restricted to a seeded random fraction of its samples.
-
-    Each rank keeps ``max(1, round(fraction * n_r))`` of its ``n_r`` samples (a seeded
-    permutation's first ones, in their original order) and ``num_samples`` becomes the global
-    count of kept samples (summed over ranks), so batches still enter with weight
-    ``B_b / N_S`` and products are the mean over the subsample, ``(1/|S|) sum_{i in S} A_i``.
-    ``data`` is left unchanged; the kept samples are copied (indexing), nothing else is.
-    """
-    from sharpcli.curvature.data import all_reduce_sum
-
-    fraction = float(fraction)
-    if not (0.0 < fraction <= 1.0) or not math.isfinite(fraction):
-        raise UsageError(
-            f"warm-start fraction must be in (0, 1], got {fraction}", source="warm_fraction"
-        )
-    local = int(data.local_num_samples)
-    keep = min(local, max(1, round(fraction * local))) if local else 0
-    generator = torch.Generator().manual_seed(int(seed) + 7919 * int(data.rank))
-    index = torch.randperm(local, generator=generator)[:keep].sort().values
-    sub = copy.copy(data)
-    sub.x = data.x[index.to(data.x.device)]
-    sub.y = data.y[index.to(data.y.device)]
-    sub.local_num_samples = keep
-    sub.num_samples = int(round(all_reduce_sum(float(keep))))
-    return sub
-
-
-def _analysis_pass(op, what: str):
-    """The :class:`CurvaturePass` ``op`` is built on: ``op.curvature_pass``, else a new one over
-    ``op.model``, ``op.data`` and ``op.scope`` (an operator class that keeps those, as the
-    registry's examples do). UsageError when ``op`` has neither (a plain matrix, say)."""
-    cpass = getattr(op, "curvature_pass", None)
-    if cpass is not None:
-        return cpass
-    if all(hasattr(op, name) for name in ("model", "data", "scope")):
-        from sharpcli.curvature.operators import CurvaturePass
-
-        return CurvaturePass(op.model, op.data, op.scope)
+def _curvature_operator(op, what: str) -> CurvatureOperator:
+    """``op`` when it is a :class:`CurvatureOperator`; UsageError on ``warm_start`` otherwise."""
+    if isinstance(op, CurvatureOperator):
+        return op
     raise UsageError(
         f"warm_start={what!r} needs a curvature operator over an analysis set; "
         f"{type(op).__name__} has none: pass an approximating operator as warm_start instead",
@@ -492,39 +459,29 @@ def _analysis_pass(op, what: str):
 
 
 def subsample_operator(op, fraction: float = DEFAULT_WARM_FRACTION, seed: int = 0):
-    """The same curvature operator as ``op`` over :func:`subsample_data` of its analysis set,
-    on its own :class:`CurvaturePass` (same model, scope, cache budget and vectorisation).
+    """The same curvature operator as ``op`` over a seeded ``fraction`` of its analysis set.
 
-    ``op`` is the Hessian, Gauss-Newton or NME view of a ``CurvaturePass``, or an operator class
-    whose constructor takes the pass and that keeps ``model``, ``data`` and ``scope`` (the
-    convention of :func:`sharpcli.curvature.registry.register_operator`).
+    Args:
+        op: a :class:`~sharpcli.curvature.operators.CurvatureOperator` over an analysis set.
+        fraction: the fraction of samples kept (:func:`~sharpcli.curvature.data.subsample_data`).
+        seed: seeds the choice of samples.
+
+    Returns:
+        ``op.on_subsample(fraction, seed)``'s operator, on its own engine.
     """
     return _subsample(op, fraction, seed)[0]
 
 
-def _subsample(op, fraction, seed):
-    """``(operator on the subsample, its AnalysisData, the full AnalysisData)``."""
-    from sharpcli.curvature.operators import (
-        CurvaturePass,
-        GGNOperator,
-        HessianOperator,
-        NMEOperator,
-    )
-
-    cpass = _analysis_pass(op, "subsample")
-    sub = subsample_data(cpass.data, fraction, seed)
-    sub_pass = CurvaturePass(
-        cpass.model, sub, cpass.scope, cache_bytes=cpass.cache_bytes, vectorize=cpass.vectorize
-    )
-    for kind, view in ((NMEOperator, "nme"), (GGNOperator, "ggn"), (HessianOperator, "hessian")):
-        if type(op) is kind:
-            return getattr(sub_pass, view)(), sub, cpass.data
+def _subsample(op, fraction, seed) -> tuple[CurvatureOperator, int, int]:
+    """``(operator on the subsample, samples kept, samples of the whole set)``."""
+    op = _curvature_operator(op, "subsample")
     try:
-        return type(op)(sub_pass), sub, cpass.data
-    except TypeError as error:
+        return op.on_subsample(fraction, seed)
+    except UsageError as error:
+        if error.source != "operator":
+            raise
         raise UsageError(
-            f"cannot rebuild {type(op).__name__} on a data subsample ({error}); pass an "
-            "approximating operator as warm_start instead",
+            f"warm_start='subsample': {error}; pass an approximating operator as warm_start instead",
             source="warm_start",
         ) from error
 
@@ -537,7 +494,15 @@ def _gradient_start(op, which: str):
             f"which={which!r}",
             source="warm_start",
         )
-    _, grad = _analysis_pass(op, "gradient").loss_and_gradient()
+    try:
+        _, grad = _curvature_operator(op, "gradient").loss_and_gradient()
+    except UsageError as error:
+        if error.source != "operator":
+            raise
+        raise UsageError(
+            f"warm_start='gradient': {error}; pass an approximating operator as warm_start instead",
+            source="warm_start",
+        ) from error
     info = {"method": "gradient", "gradient_passes": 1, "full_product_equivalents": None}
     return grad.to(dtype=_F64, device=op.device).reshape(-1), info
 
@@ -545,14 +510,14 @@ def _gradient_start(op, which: str):
 def _warm_operator(op, warm_start, fraction, seed):
     """``(operator for the warm phase, info, its cost per product in full products or None)``."""
     if isinstance(warm_start, str):
-        warm_op, sub, full = _subsample(op, fraction, seed)
+        warm_op, samples, of_samples = _subsample(op, fraction, seed)
         info = {
             "method": "subsample",
             "fraction": float(fraction),
-            "samples": int(sub.num_samples),
-            "of_samples": int(full.num_samples),
+            "samples": samples,
+            "of_samples": of_samples,
         }
-        return warm_op, info, sub.num_samples / full.num_samples
+        return warm_op, info, samples / of_samples
     if tuple(warm_start.shape) != tuple(op.shape):
         raise UsageError(
             f"the warm-start operator has shape {tuple(warm_start.shape)}, the operator "
@@ -595,6 +560,7 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
         ritz_values=list(warm.eigenvalues),
         full_product_equivalents=None if relative_cost is None else warm.matvecs * relative_cost,
     )
+    assert warm.eigenvectors is not None  # return_eigenvectors=True
     q = warm.eigenvectors.sum(dim=1)  # orthonormal Ritz vectors: each gets weight 1
     return q.to(device=op.device), info
 

@@ -1,529 +1,97 @@
-"""Matrix-free curvature products on flat parameter vectors ([NME] eq. 2; docs/commands/gn-nme.md).
+"""Curvature operators: symmetric P x P matrices known by their products, and their algebra.
 
-For the analysis loss ``L(theta) = (1/N) sum_i l(z_i, y_i)``, ``z_i = f(theta, x_i)``:
+For the analysis loss :math:`L(\\theta) = \\frac{1}{N} \\sum_i \\ell(z_i, y_i)` with logits
+:math:`z_i = f(\\theta, x_i)`, Jacobians :math:`J_i = \\partial z_i / \\partial \\theta` and logit
+Hessians :math:`H_{z,i} = \\partial^2 \\ell / \\partial z_i^2`:
 
-- Hessian      ``H = d^2 L / dtheta^2``
-- Gauss-Newton ``G = (1/N) sum_i J_i^T H_z,i J_i``, ``J_i = dz_i/dtheta``, ``H_z,i = d^2 l/dz_i^2``
-  [Schraudolph2002]
-- NME          ``N = H - G = (1/N) sum_i sum_c (dl/dz_ic) d^2 z_ic / dtheta^2``   (NME eq. 2)
+.. math::
 
-The matrix-free Gauss-Newton product ``J^T H_z J v`` follows [Schraudolph2002] (see also [Martens2020]);
-the split and the name NME (nonlinear modeling error) are those of [NME] section 2.
+    H = \\nabla^2_\\theta L, \\qquad
+    G = \\frac{1}{N} \\sum_i J_i^\\top H_{z,i} J_i, \\qquad
+    N = H - G = \\frac{1}{N} \\sum_i \\sum_c
+        \\frac{\\partial \\ell_i}{\\partial z_{ic}} \\nabla^2_\\theta z_{ic}
 
-How the products are computed (one pass over the data per product or block of products).
-Per batch the first-order graph is built once,
+(the Gauss-Newton matrix of [Schraudolph2002], see also [Martens2020]; the split and the name
+NME, nonlinear modelling error, are [NME] eq. 2). :class:`HessianOperator`, :class:`GGNOperator`
+and :class:`NMEOperator` multiply through one shared :class:`~sharpcli.curvature.engine.CurvatureEngine`
+(the cache of first-order graphs). Operators add, subtract and scale (``A + B``, ``A - B``,
+``c * A``, ``-A``, ``A / c``): the result is a :class:`LinearCombination`, and terms on one
+engine are multiplied in one pass over the data (``H - G`` in the NME's own product, ``a H + b G``
+in the joint H and G pass). Estimators only call ``op @ V``; :func:`joint_matmat` multiplies
+several operators by one block, sharing that pass.
 
-    g_z = dL_b/dz (create_graph),   g = J^T g_z (create_graph),
-
-and kept in a cache bounded by a memory budget (``cache_bytes``; batches beyond the budget
-are rebuilt for every product). Differentiating ``<g, v>`` back through that graph gives
-
-    d<g, v>/dtheta = H v          (both paths: through J^T and through g_z(z(theta)))
-    d<g, v>/dg_z   = J v          (g is linear in g_z)
-
-in ONE reverse pass, so the Gauss-Newton product only adds ``u = H_z (J v)`` (a backward
-through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; the NME is
-``N v = H v - G v`` from the same pass, so ``H = G + N`` holds per vector to rounding.
-The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` with ``g_z``
-held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
-The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
-product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
-
-The operators by ``--operator`` name, and the paper keys [NME] and [Schraudolph2002]:
-:mod:`sharpcli.curvature.registry`.
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+    >>> _ = torch.manual_seed(0)
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    >>> x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+    >>> engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+    >>> H, G = engine.hessian(), engine.ggn()
+    >>> N = H - G                                    # the NME as algebra ([NME] eq. 2)
+    >>> v = torch.randn(H.shape[0], dtype=torch.float64)
+    >>> torch.allclose(N @ v, engine.nme() @ v)
+    True
+    >>> torch.allclose((2 * H - G / 2) @ v, 2 * (H @ v) - 0.5 * (G @ v))
+    True
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from sharpcli import memory
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.data import AnalysisData, subsample_data
+from sharpcli.curvature.engine import DEFAULT_CACHE_BYTES, CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.errors import NumericalError
-from sharpcli.losses import loss_fn
+from sharpcli.errors import UsageError
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
+    "CurvatureEngine",
     "CurvatureOperator",
     "CurvaturePass",
     "GGNOperator",
     "HessianOperator",
+    "LinearCombination",
     "MatrixOperator",
     "NMEOperator",
+    "joint_matmat",
 ]
 
-DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB of retained first-order graphs
+# The engine's former name, for code written against it (the analyses, the API, callers).
+CurvaturePass = CurvatureEngine
 
-
-@dataclass
-class _BatchGraph:
-    """First-order graph of one batch: logits ``z``, ``g_z = dL_b/dz``, ``g = J^T g_z`` (with graphs)."""
-
-    z: torch.Tensor
-    gz: torch.Tensor
-    grads: list  # tensors of the scope's gradient that depend on theta (require grad)
-    grad_index: list  # their positions in the scope
-    nbytes: int = 0
-    nme_view: "_BatchGraph | None" = (
-        None  # g_N = J^T g_z with g_z held constant (built on first N product)
-    )
-    cached: bool = False  # held in CurvaturePass._cache (its NME view then counts there too)
-
-
-@dataclass
-class _ByteCounter:
-    seen: set = field(default_factory=set)
-    nbytes: int = 0
-
-    def pack(self, tensor):
-        try:
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in self.seen:
-                self.seen.add(key)
-                self.nbytes += storage.nbytes()
-        except (
-            RuntimeError,
-            NotImplementedError,
-        ):  # tensors without storage (e.g. sparse) count by size
-            self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor):
-        return tensor
-
-
-def _write_columns(blocks: list, cols: slice, results: tuple) -> None:
-    """Write each product of ``results`` into the columns ``cols`` of its block."""
-    for block, result in zip(blocks, results):
-        block[:, cols] = result
-
-
-def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
-    """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
-
-    Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
-    ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
-    module and with it sympy (about 0.6 s of a command's start-up) to compare shapes, and
-    the dot product costs one elementwise product and sum per output. The ``vectors`` must
-    not depend on ``inputs`` (they are constants of the product); ``kw`` goes to
-    ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
-    """
-    dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
-    return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)
-
-
-class CurvaturePass:
-    """The engine behind every curvature operator: batched H, G (and H+G jointly) products.
-
-    ``hessian_matmat``, ``ggn_matmat``, ``nme_matmat`` and ``hessian_and_ggn_matmat`` (both
-    from the same reverse pass; see the module docstring) multiply a block ``V`` of shape
-    ``(P, k)`` in ONE pass over the data (each batch's first-order graph serves all k columns).
-    The per-batch graphs are cached while their retained bytes fit ``cache_bytes``
-    (0 disables caching); the cache is dropped automatically when any parameter or buffer
-    of the model changes in place (its version counter moves). Blocks are multiplied
-    ``vectorize`` columns at a time in one vmapped reverse pass (``is_grads_batched``), with
-    a per-column fallback for layers lacking a batched backward rule. The default is 32 on
-    accelerators and 1 (column by column) on CPU, where the vmapped double backward measured
-    1.5-1.8x slower per product than the same products one at a time (docs/benchmarks.md).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data: AnalysisData,
-        scope: ParamScope,
-        *,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        vectorize: int | None = None,
-    ):
-        self.model = model
-        self.data = data
-        self.scope = scope
-        self.loss = loss_fn(data.loss)
-        self.cache_bytes = int(cache_bytes)
-        self._cache: dict[int, _BatchGraph] = {}
-        self._cached_bytes = 0
-        self._versions = None
-        if vectorize is None:
-            vectorize = 1 if scope.device.type == "cpu" else 32
-        self.vectorize = int(vectorize)
-        self._batched_ok = self.vectorize > 1
-        self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
-
-    # ----------------------------------------------------------------- cache management
-    def _state_versions(self):
-        return tuple(t._version for t in self.model.parameters()) + tuple(
-            t._version for t in self.model.buffers()
-        )
-
-    def clear_cache(self) -> None:
-        """Drop every cached first-order graph (call after changing the model's weights)."""
-        self._cache.clear()
-        self._cached_bytes = 0
-        self._versions = None
-
-    @property
-    def cached_batches(self) -> int:
-        """Number of batches whose first-order graph is currently cached."""
-        return len(self._cache)
-
-    def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> _BatchGraph:
-        counter = _ByteCounter()
-        with (
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
-        ):
-            z = self.model(x_b)
-            loss_b = self.loss(z, y_b) * weight
-            if not torch.isfinite(loss_b):
-                raise NumericalError(
-                    f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
-                )
-            # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
-            # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
-            gz, *grads = torch.autograd.grad(
-                loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
-            )
-        kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
-        nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-        nbytes += 2 * z.numel() * z.element_size()
-        return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
-
-    def _nme_graph(self, graph: _BatchGraph) -> _BatchGraph:
-        """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
-
-        Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
-        (NME eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
-        about the cost of one Hessian product instead of a joint H+G one. Built once per batch
-        on the first N product and cached with the batch's graph.
-        """
-        if graph.nme_view is None:
-            counter = _ByteCounter()
-            with (
-                torch.enable_grad(),
-                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
-            ):
-                grads = _vjp(
-                    [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
-                )
-            kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
-            nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-            graph.nme_view = _BatchGraph(
-                graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
-            )
-            if graph.cached:
-                graph.nbytes += nbytes
-                self._cached_bytes += nbytes
-        return graph.nme_view
-
-    def _graphs(self):
-        """Yield ``(batch_index, graph)`` over this rank's batches, from the cache when possible."""
-        versions = self._state_versions()
-        if self._versions is not None and versions != self._versions:
-            self.clear_cache()
-        self._versions = versions
-        dtype, device = self.scope.dtype, self.scope.device
-        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
-            graph = self._cache.get(index)
-            if graph is None:
-                x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
-                graph = self._build_graph(x_b, y_b, weight, index)
-                if self._cached_bytes + graph.nbytes <= self.cache_bytes:
-                    self._cache[index] = graph
-                    self._cached_bytes += graph.nbytes
-                    graph.cached = True
-            yield index, graph
-
-    def plan_memory(self, plan, *, auto_cache: bool = False) -> None:
-        """Count this pass in the run's memory plan (:mod:`sharpcli.memory`) before any product.
-
-        Builds the first batch's first-order graph (kept in the cache when it fits, so it is
-        not wasted) and measures its bytes ``b``; a product holds that graph and about as much
-        again for the double backward, ``2 b`` (measured on MLPs and ResNet-18), and the cache holds up to
-        ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
-        is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
-        hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
-        may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
-        half of what the budget leaves (each cached graph saves a forward and a backward pass
-        per product).
-        """
-        batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
-        graph_bytes = 0
-        for _, graph in self._graphs():
-            graph_bytes = graph.nbytes
-            break
-        workspace = 2 * graph_bytes
-        plan.require(
-            "one batch's Hessian product (its first-order graph and double backward)",
-            workspace - (graph_bytes if self._cache else 0),
-            "lower `batch_size`",
-        )
-        plan.reserve(memory.PRODUCT_WORKSPACE, workspace)
-        room = max(0, plan.room() // 2)
-        if auto_cache:
-            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, room))
-        wanted = min(self.cache_bytes, batches * graph_bytes)
-        if wanted > room:
-            self.cache_bytes = int(room)
-            if self._cached_bytes > self.cache_bytes:
-                self.clear_cache()
-            plan.note(f"graph cache lowered to {room >> 20} MiB by the memory budget")
-            wanted = room
-        plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
-
-    # ----------------------------------------------------------------- products
-    def _flat(self, tensors, like_index=None) -> torch.Tensor:
-        scope = self.scope
-        out = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
-        for i, t in enumerate(tensors):
-            if t is None:
-                continue
-            j = i if like_index is None else like_index[i]
-            out[scope.offsets[j] : scope.offsets[j + 1]] = t.reshape(-1)
-        return out
-
-    # One batch's products. Each takes the batch's first-order graph, a block ``V`` of columns
-    # and ``batched`` (multiply all columns in one vmapped reverse pass, ``is_grads_batched``;
-    # otherwise ``V`` has one column) and returns a tuple of ``(P, k)`` blocks.
-    def _param_shaped(self, V: torch.Tensor, batched: bool) -> list[torch.Tensor]:
-        """The columns of ``V`` as parameter-shaped tensors (with a leading k dim when batched)."""
-        scope = self.scope
-        if not batched:
-            return scope.unflatten(V[:, 0])
-        return [
-            V[a:b].T.reshape(V.shape[1], *shape)
-            for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
-        ]
-
-    def _reverse_through_gradient(self, graph: _BatchGraph, V, batched: bool, inputs) -> tuple:
-        """``d<g, v>/d inputs`` for the batch's ``g = J^T g_z`` and each column ``v`` of ``V``.
-
-        With respect to the parameters this is ``H v``, with respect to ``g_z`` it is ``J v``
-        (``g`` is linear in ``g_z``); asking for both costs one reverse pass. The graph is
-        retained: it serves every block of every product while it is cached.
-        """
-        parts = self._param_shaped(V, batched)
-        vectors = [parts[i] for i in graph.grad_index]
-        with torch.enable_grad():
-            if not batched:
-                return _vjp(graph.grads, inputs, vectors, retain_graph=True)
-            return torch.autograd.grad(
-                graph.grads,
-                inputs,
-                grad_outputs=vectors,
-                allow_unused=True,
-                retain_graph=True,
-                is_grads_batched=True,
-            )
-
-    def _ggn_from_jv(self, graph: _BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
-        """``G v = J^T H_z (J v)`` [Schraudolph2002] from ``J v``: a backward through the tiny ``g_z(z)``
-        graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta."""
-        if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
-            scope = self.scope
-            return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
-        params = list(self.scope.params)
-        with torch.enable_grad():
-            if batched:
-                kw = {"retain_graph": True, "is_grads_batched": True}
-                (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=jv, **kw)
-                gv = torch.autograd.grad(
-                    graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
-                )
-            else:
-                (hz_jv,) = _vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
-                gv = _vjp([graph.z], params, [hz_jv], retain_graph=True)
-        return self._flat_block(gv, k, batched)
-
-    def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
-        """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
-        outs = self._reverse_through_gradient(graph, V, batched, list(self.scope.params))
-        return (self._flat_block(outs, V.shape[1], batched),)
-
-    def _ggn_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
-        """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
-        (jv,) = self._reverse_through_gradient(graph, V, batched, [graph.gz])
-        return (self._ggn_from_jv(graph, jv, V.shape[1], batched),)
-
-    def _joint_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
-        """``(H_b V, G_b V)`` from ONE reverse pass w.r.t. the parameters and ``g_z`` together."""
-        params = list(self.scope.params)
-        outs = self._reverse_through_gradient(graph, V, batched, params + [graph.gz])
-        k = V.shape[1]
-        return (
-            self._flat_block(outs[: len(params)], k, batched),
-            self._ggn_from_jv(graph, outs[-1], k, batched),
-        )
-
-    def _flat_block(self, tensors, k, batched) -> torch.Tensor:
-        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros."""
-        scope = self.scope
-        out = torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
-        for i, t in enumerate(tensors):
-            if t is None:
-                continue
-            a, b = scope.offsets[i], scope.offsets[i + 1]
-            out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
-        return out
-
-    # ----------------------------------------------------------------- the pass over the data
-    def _batch_blocks(self, graph: _BatchGraph, V, batch_product, count: int) -> list:
-        """``batch_product`` of one batch for every column of ``V``, as ``count`` blocks.
-
-        ``vectorize`` columns go through one vmapped reverse pass; column by column when
-        ``vectorize`` is 1 (the CPU default) or once a layer without a batched backward rule
-        has raised (then for the rest of this pass's life).
-        """
-        k = V.shape[1]
-        blocks = [torch.zeros_like(V) for _ in range(count)]
-        for start in range(0, k, self.vectorize):
-            cols = slice(start, min(k, start + self.vectorize))
-            if self._batched_ok and cols.stop - cols.start > 1:
-                try:
-                    _write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
-                    continue
-                except RuntimeError:  # an op without a batched (vmap) backward rule
-                    self._batched_ok = False
-            for j in range(cols.start, cols.stop):
-                column = slice(j, j + 1)
-                _write_columns(blocks, column, batch_product(graph, V[:, column], False))
-        return blocks
-
-    @staticmethod
-    def _check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
-        """Raise :class:`NumericalError` naming ``operator``, its ``part`` and the batch when a
-        batch's product is not finite, or finite with a norm beyond the dtype's range."""
-        if not torch.isfinite(block).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) is not finite on batch {index}",
-                source=f"{operator} operator",
-            )
-        # Finite entries can still have a norm beyond the dtype's range (float32: entries
-        # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
-        # the product, so it would turn into Inf/NaN there and the NEXT product would be
-        # blamed on its first batch; stop here, naming the batch that did it.
-        if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) on batch {index} is too large for "
-                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
-                "`dtype=float64`)",
-                source=f"{operator} operator",
-            )
-
-    def _as_block(self, V: torch.Tensor) -> torch.Tensor:
-        """``V`` as a ``(P, k)`` block in the scope's dtype and device (a vector is one column)."""
-        if V.dim() == 1:
-            V = V[:, None]
-        scope = self.scope
-        if V.shape[0] != scope.numel:
-            raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
-        return V.to(dtype=scope.dtype, device=scope.device)
-
-    @twice_differentiable()
-    def _apply(self, V, batch_product, parts: tuple[str, ...], operator: str, view=None) -> tuple:
-        """The sum of ``batch_product`` over this rank's batches and over all ranks.
-
-        One ``(P, k)`` block per name in ``parts`` (the names the NaN/Inf errors give them),
-        ``(P,)`` for a vector ``V``. ``view`` maps a batch's first-order graph to the graph the
-        product differentiates (the NME's ``g_N``). Every batch's blocks are checked before they
-        are added, so an error names the batch that produced it (and ``operator``).
-        """
-        squeeze = V.dim() == 1
-        V = self._as_block(V)
-        totals = [torch.zeros_like(V) for _ in parts]
-        for index, graph in self._graphs():
-            if view is not None:
-                graph = view(graph)
-            if not graph.grads:  # the loss does not depend on theta in scope on this batch
-                continue
-            blocks = self._batch_blocks(graph, V, batch_product, len(parts))
-            for part, block in zip(parts, blocks):
-                self._check_finite(block, part, operator, index)
-            for total, block in zip(totals, blocks):
-                total += block
-        for total in totals:
-            all_reduce_sum(total)
-        return tuple(total[:, 0] if squeeze else total for total in totals)
-
-    # ----------------------------------------------------------------- products over the data
-    def hessian_matmat(self, V: torch.Tensor, *, operator: str = "Hessian") -> torch.Tensor:
-        """``H V`` for ``V`` of shape ``(P, k)`` (``H v`` for ``(P,)``), in one pass over the data.
-
-        ``operator`` names the product in NaN/Inf errors (which also name the batch).
-        """
-        (HV,) = self._apply(V, self._hessian_batch, ("Hessian",), operator)
-        return HV
-
-    def ggn_matmat(self, V: torch.Tensor, *, operator: str = "Gauss-Newton") -> torch.Tensor:
-        """``G V = (1/N) sum_i J_i^T H_z,i J_i V`` ([NME] eq. 2, [Schraudolph2002]), one pass over the data."""
-        (GV,) = self._apply(V, self._ggn_batch, ("Gauss-Newton",), operator)
-        return GV
-
-    def nme_matmat(self, V: torch.Tensor, *, operator: str = "NME") -> torch.Tensor:
-        """``N V = (H - G) V`` ([NME] eq. 2) straight from the graph of :meth:`_nme_graph`
-        (about the cost of ``H V``; equal to ``H V - G V`` of the joint pass to rounding)."""
-        (NV,) = self._apply(V, self._hessian_batch, ("NME",), operator, view=self._nme_graph)
-        return NV
-
-    def hessian_and_ggn_matvec(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(H v, G v)`` from ONE pass over the data; ``N v = H v - G v`` (NME eq. 2)."""
-        HV, GV = self._apply(
-            v, self._joint_batch, ("Hessian", "Gauss-Newton"), "Hessian+Gauss-Newton"
-        )
-        self.matvecs += 1 if v.dim() == 1 else v.shape[1]
-        return HV, GV
-
-    def hessian_and_ggn_matmat(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block version of :meth:`hessian_and_ggn_matvec` for ``V`` of shape ``(P, k)``."""
-        return self.hessian_and_ggn_matvec(V)
-
-    @twice_differentiable()
-    def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
-        """``(L(theta), grad L(theta))`` over the analysis set (plain backward, no graph kept)."""
-        scope = self.scope
-        total_loss = torch.zeros((), dtype=torch.float64, device=scope.device)
-        grad = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
-        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
-            x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
-            with torch.enable_grad():
-                loss_b = self.loss(self.model(x_b), y_b) * weight
-                parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
-            flat = self._flat(parts)
-            if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):
-                raise NumericalError(f"gradient is not finite on batch {index}", source="gradient")
-            grad += flat
-            total_loss += loss_b.detach().to(torch.float64)
-        all_reduce_sum([total_loss, grad])
-        return float(total_loss), grad
-
-    # ----------------------------------------------------------------- operator views
-    def hessian(self) -> "HessianOperator":
-        """The Hessian operator sharing this pass (and its cache)."""
-        return HessianOperator(self.model, self.data, self.scope, curvature_pass=self)
-
-    def ggn(self) -> "GGNOperator":
-        """The Gauss-Newton operator sharing this pass (and its cache)."""
-        return GGNOperator(self.model, self.data, self.scope, curvature_pass=self)
-
-    def nme(self) -> "NMEOperator":
-        """The NME operator sharing this pass (and its cache)."""
-        return NMEOperator(self.model, self.data, self.scope, curvature_pass=self)
+# An operator's place in the plane spanned by one engine's H and G: (engine, a, b) for a H + b G.
+_Coordinates = tuple[CurvatureEngine, float, float]
 
 
 class CurvatureOperator:
-    """A symmetric P x P linear operator given by products: ``shape``, ``dtype``, ``device``,
-    ``matvec``, ``matmat``, ``@``, ``to_dense`` and a counter ``matvecs`` of vectors multiplied."""
+    """A symmetric P x P linear operator :math:`A` given by its products :math:`A V`.
 
-    name = "operator"
+    Subclasses define ``_matmat(V)``; the base class checks shapes and counts products
+    (``matvecs``), and gives ``matvec``, ``@``, ``to_dense`` and the algebra ``A + B``,
+    ``A - B``, ``c * A``, ``-A``, ``A / c`` (a :class:`LinearCombination`).
 
-    def __init__(self, dim: int, dtype: torch.dtype, device):
+    An operator built on a :class:`~sharpcli.curvature.engine.CurvatureEngine` (``engine``)
+    also knows its per-layer blocks (:meth:`blocks`), the loss gradient of its analysis set
+    (:meth:`loss_and_gradient`) and itself on a data subsample (:meth:`on_subsample`). A
+    class in the registry's convention (its constructor takes the engine and it keeps
+    ``model``, ``data`` and ``scope``) gets these too.
+
+    Args:
+        dim: the size P.
+        dtype: the dtype of the products.
+        device: the device of the products.
+    """
+
+    name: str = "operator"
+    engine: CurvatureEngine | None = None
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device | str):
         self.shape = (dim, dim)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -535,7 +103,14 @@ class CurvatureOperator:
         )
 
     def matmat(self, V: torch.Tensor) -> torch.Tensor:
-        """``A V`` for ``V`` of shape ``(P, k)``, in one pass over the data."""
+        """The product with a block of columns.
+
+        Args:
+            V: a ``(P, k)`` block.
+
+        Returns:
+            :math:`A V`, shape ``(P, k)``, in one pass over the data.
+        """
         if V.dim() != 2 or V.shape[0] != self.shape[1]:
             raise ValueError(
                 f"{self.name}: expected a ({self.shape[1]}, k) block, got {tuple(V.shape)}"
@@ -545,85 +120,279 @@ class CurvatureOperator:
         return out
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        """``A v`` for a flat vector ``v`` of length P."""
+        """The product with one vector.
+
+        Args:
+            v: a flat vector of length P.
+
+        Returns:
+            :math:`A v`, shape ``(P,)``.
+        """
         return self.matmat(v.reshape(-1, 1))[:, 0]
 
     def __matmul__(self, other: torch.Tensor) -> torch.Tensor:
         return self.matvec(other) if other.dim() == 1 else self.matmat(other)
 
     def to_dense(self, block: int = 64) -> torch.Tensor:
-        """The dense P x P matrix (products with identity columns); only for tiny P (``--exact``)."""
+        """The dense matrix, from products with identity columns (only for tiny P).
+
+        Args:
+            block: identity columns per product.
+
+        Returns:
+            :math:`A` as a ``(P, P)`` tensor.
+        """
         dim = self.shape[0]
         eye = torch.eye(dim, dtype=self.dtype, device=self.device)
         return torch.cat([self.matmat(eye[:, s : s + block]) for s in range(0, dim, block)], dim=1)
 
     def clear_cache(self) -> None:
-        """Drop cached state (no-op for operators without a cache)."""
+        """Drop the engine's cached graphs (nothing for operators without an engine)."""
+        if self.engine is not None:
+            self.engine.clear_cache()
 
+    @property
+    def curvature_pass(self) -> CurvatureEngine | None:
+        """The engine's former name (:attr:`engine`)."""
+        return self.engine
 
-class _PassOperator(CurvatureOperator):
-    def __init__(
-        self,
-        model: nn.Module,
-        data: AnalysisData,
-        scope: ParamScope,
-        *,
-        curvature_pass: CurvaturePass | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-    ):
-        super().__init__(scope.numel, scope.dtype, scope.device)
-        self.scope = scope
-        self.curvature_pass = curvature_pass or CurvaturePass(
-            model, data, scope, cache_bytes=cache_bytes
+    @curvature_pass.setter
+    def curvature_pass(self, engine: CurvatureEngine | None) -> None:
+        self.engine = engine
+
+    # ----------------------------------------------------------------- analysis set
+    def blocks(self) -> dict[str, slice]:
+        """The per-layer diagonal blocks of the parameter vector.
+
+        Returns:
+            ``{module name: slice}`` of the engine's scope; empty without an engine.
+        """
+        return dict(self.engine.scope.blocks()) if self.engine is not None else {}
+
+    def _analysis_engine(self) -> CurvatureEngine:
+        """The engine of the operator, or one over the registry convention's ``model``,
+        ``data`` and ``scope``; UsageError (source ``operator``) when it has neither."""
+        if self.engine is not None:
+            return self.engine
+        model, data, scope = (getattr(self, name, None) for name in ("model", "data", "scope"))
+        if isinstance(model, nn.Module) and isinstance(data, AnalysisData):
+            if isinstance(scope, ParamScope):
+                return CurvatureEngine(model, data, scope)
+        raise UsageError(
+            f"{type(self).__name__} is not a curvature operator over an analysis set",
+            source="operator",
         )
 
-    def clear_cache(self) -> None:
-        self.curvature_pass.clear_cache()
+    def _rebuild(self, engine: CurvatureEngine) -> CurvatureOperator:
+        """The same operator on another engine: the registry's convention, ``type(self)(engine)``."""
+        try:
+            return type(self)(engine)  # type: ignore[call-arg, arg-type]
+        except TypeError as error:
+            raise UsageError(
+                f"cannot rebuild {type(self).__name__} on another engine ({error})",
+                source="operator",
+            ) from error
+
+    def on_subsample(self, fraction: float, seed: int = 0) -> tuple[CurvatureOperator, int, int]:
+        """The same operator over a seeded random subsample of its analysis set.
+
+        On its own engine (same model, scope, cache budget and vectorisation) over
+        :func:`~sharpcli.curvature.data.subsample_data`: the mean curvature over the subset,
+        :math:`A_S = \\frac{1}{|S|} \\sum_{i \\in S} A_i`.
+
+        Args:
+            fraction: the fraction of samples kept, in (0, 1].
+            seed: seeds the choice of samples.
+
+        Returns:
+            ``(operator on the subsample, samples kept, samples of the whole set)``.
+        """
+        engine = self._analysis_engine()
+        sub = subsample_data(engine.data, fraction, seed)
+        sub_engine = CurvatureEngine(
+            engine.model,
+            sub,
+            engine.scope,
+            cache_bytes=engine.cache_bytes,
+            vectorize=engine.vectorize,
+        )
+        return self._rebuild(sub_engine), int(sub.num_samples), int(engine.data.num_samples)
+
+    def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
+        """The analysis loss and its gradient (one plain backward pass over the data).
+
+        Returns:
+            ``(L(theta), grad L(theta))``, the gradient flat in the scope's layout.
+        """
+        return self._analysis_engine().loss_and_gradient()
+
+    # ----------------------------------------------------------------- algebra
+    def _coordinates(self) -> _Coordinates | None:
+        """``(engine, a, b)`` when this operator is ``a H + b G`` of one engine, else None."""
+        return None
+
+    def _terms(self) -> list[tuple[float, CurvatureOperator]]:
+        return [(1.0, self)]
+
+    def __add__(self, other: object) -> CurvatureOperator:
+        if not isinstance(other, CurvatureOperator):
+            return NotImplemented
+        return LinearCombination(self._terms() + other._terms())
+
+    def __sub__(self, other: object) -> CurvatureOperator:
+        if not isinstance(other, CurvatureOperator):
+            return NotImplemented
+        return LinearCombination(self._terms() + [(-c, op) for c, op in other._terms()])
+
+    def __mul__(self, scalar: object) -> CurvatureOperator:
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+            return NotImplemented
+        return LinearCombination([(float(scalar) * c, op) for c, op in self._terms()])
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, scalar: object) -> CurvatureOperator:
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)):
+            return NotImplemented
+        return self * (1.0 / float(scalar))
+
+    def __neg__(self) -> CurvatureOperator:
+        return self * -1.0
 
 
-class HessianOperator(_PassOperator):
-    """Hessian of the analysis loss w.r.t. the scope: ``H v = (1/N) sum_i d^2 l_i/dtheta^2 v``.
+class _EngineOperator(CurvatureOperator):
+    """An operator whose product is ``a H + b G`` of its engine (``_A``, ``_B``)."""
 
-    Double backward through the (cached) first-order graph ``g = J^T g_z`` of each batch.
+    _A: float = 1.0
+    _B: float = 0.0
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        data: AnalysisData | None = None,
+        scope: ParamScope | None = None,
+        *,
+        engine: CurvatureEngine | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
+        if engine is None:
+            if model is None or data is None or scope is None:
+                raise TypeError(f"{type(self).__name__} needs model, data and scope, or engine")
+            engine = CurvatureEngine(model, data, scope, cache_bytes=cache_bytes)
+        super().__init__(engine.scope.numel, engine.scope.dtype, engine.scope.device)
+        self.engine = engine
+
+    @property
+    def model(self) -> nn.Module:
+        """The engine's model."""
+        return self._engine.model
+
+    @property
+    def data(self) -> AnalysisData:
+        """The engine's analysis set."""
+        return self._engine.data
+
+    @property
+    def scope(self) -> ParamScope:
+        """The engine's parameter scope."""
+        return self._engine.scope
+
+    @property
+    def _engine(self) -> CurvatureEngine:
+        assert self.engine is not None  # set in __init__
+        return self.engine
+
+    def _coordinates(self) -> _Coordinates:
+        return (self._engine, self._A, self._B)
+
+    def _rebuild(self, engine: CurvatureEngine) -> CurvatureOperator:
+        return type(self)(engine=engine)
+
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
+        return _engine_product(self._engine, self._A, self._B, V, self.name)
+
+
+class HessianOperator(_EngineOperator):
+    """The Hessian of the analysis loss with respect to the scope's parameters.
+
+    .. math::
+
+        H v = \\frac{1}{N} \\sum_i \\nabla^2_\\theta \\ell_i \\, v
+
+    A double backward through each batch's cached first-order graph :math:`g = J^\\top g_z`.
+
+    Args:
+        model: the model (with ``data`` and ``scope``, when no ``engine`` is given).
+        data: the analysis set.
+        scope: the parameters differentiated.
+        engine: an engine to share (its cache with it) instead of a new one.
+        cache_bytes: the new engine's cache budget.
     """
 
     name = "Hessian"
-
-    def _matmat(self, V):
-        return self.curvature_pass.hessian_matmat(V, operator=self.name)
+    _A, _B = 1.0, 0.0
 
 
-class GGNOperator(_PassOperator):
-    """Generalised Gauss-Newton ``G v = (1/N) sum_i J_i^T H_z,i J_i v`` [Schraudolph2002] (NME eq. 2, 1st term).
+class GGNOperator(_EngineOperator):
+    """The generalised Gauss-Newton matrix [Schraudolph2002] ([NME] eq. 2, first term).
 
-    ``J v`` comes from differentiating ``<J^T g_z, v>`` w.r.t. ``g_z``; ``H_z`` is the logit
-    Hessian of the loss (cross-entropy: ``diag(p) - p p^T``; mse: ``(2/C) I``). G is PSD.
+    .. math::
+
+        G v = \\frac{1}{N} \\sum_i J_i^\\top H_{z,i} J_i \\, v
+
+    :math:`J v` comes from differentiating :math:`\\langle J^\\top g_z, v \\rangle` with respect
+    to :math:`g_z`; :math:`H_{z,i}` is the logit Hessian of the loss (cross-entropy:
+    :math:`\\mathrm{diag}(p) - p p^\\top`; mse: :math:`(2/C) I`). G is positive semi-definite.
+
+    Args:
+        model: the model (with ``data`` and ``scope``, when no ``engine`` is given).
+        data: the analysis set.
+        scope: the parameters differentiated.
+        engine: an engine to share (its cache with it) instead of a new one.
+        cache_bytes: the new engine's cache budget.
     """
 
     name = "Gauss-Newton"
-
-    def _matmat(self, V):
-        return self.curvature_pass.ggn_matmat(V, operator=self.name)
+    _A, _B = 0.0, 1.0
 
 
-class NMEOperator(_PassOperator):
-    """Nonlinear modelling error ``N v = H v - G v = (1/N) sum_i sum_c (dl_i/dz_ic) d^2 z_ic/dtheta^2 v``
-    (NME eq. 2, second term); zero where ``dl/dz = 0``.
+class NMEOperator(_EngineOperator):
+    """The nonlinear modelling error ([NME] eq. 2, second term), zero where :math:`dl/dz = 0`.
 
-    Computed directly as the Hessian of ``<z, g_z>`` with ``g_z`` held constant (one double
-    backward, about the cost of ``H v``; :meth:`CurvaturePass._nme_graph`). It equals
-    ``H v - G v`` of the joint pass to rounding; estimators that need H, G and N of the same
-    probe (``sharp gn-nme``) take all three from ``hessian_and_ggn_matmat``.
+    .. math::
+
+        N v = (H - G) v = \\frac{1}{N} \\sum_i \\sum_c
+            \\frac{\\partial \\ell_i}{\\partial z_{ic}} \\nabla^2_\\theta z_{ic} \\, v
+
+    Computed directly as the Hessian of :math:`\\langle z, g_z \\rangle` with :math:`g_z` held
+    constant (one double backward, about the cost of :math:`H v`); equal to ``H - G`` of the
+    same engine, which the algebra multiplies the same way.
+
+    Args:
+        model: the model (with ``data`` and ``scope``, when no ``engine`` is given).
+        data: the analysis set.
+        scope: the parameters differentiated.
+        engine: an engine to share (its cache with it) instead of a new one.
+        cache_bytes: the new engine's cache budget.
     """
 
     name = "NME"
-
-    def _matmat(self, V):
-        return self.curvature_pass.nme_matmat(V, operator=self.name)
+    _A, _B = 1.0, -1.0
 
 
 class MatrixOperator(CurvatureOperator):
-    """A dense symmetric matrix as an operator (exact small problems, tests): ``A v``."""
+    """A dense symmetric matrix as an operator (exact small problems, tests): :math:`A v`.
+
+    Args:
+        matrix: a square ``(P, P)`` tensor.
+        name: the operator's name in messages.
+
+    Example:
+        >>> import torch
+        >>> A = MatrixOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0])))
+        >>> (A + 2 * A) @ torch.ones(3)
+        tensor([3., 6., 9.])
+    """
 
     name = "matrix"
 
@@ -634,5 +403,153 @@ class MatrixOperator(CurvatureOperator):
         self.matrix = matrix
         self.name = name
 
-    def _matmat(self, V):
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
         return self.matrix @ V
+
+
+def _term_name(c: float, op: CurvatureOperator, first: bool) -> str:
+    sign = "-" if c < 0 else "+"
+    scale = "" if abs(c) == 1.0 else f"{abs(c):g} "
+    if first:
+        return f"{'-' if c < 0 else ''}{scale}{op.name}"
+    return f"{sign} {scale}{op.name}"
+
+
+class LinearCombination(CurvatureOperator):
+    """A weighted sum of operators of one size: :math:`A = \\sum_j c_j A_j`.
+
+    Made by the algebra of :class:`CurvatureOperator` (``H - G``, ``2 * H``, ...). Terms on
+    one engine are multiplied together in one pass over the data, as ``a H + b G`` of that
+    engine (``H`` alone, ``G`` alone, the NME's product for ``a (H - G)``, else the joint
+    H and G pass); other terms by their own products.
+
+    Args:
+        terms: ``(coefficient, operator)`` pairs; nested combinations are flattened and
+            repeated operators merged.
+    """
+
+    def __init__(self, terms: Sequence[tuple[float, CurvatureOperator]]):
+        merged: dict[int, list] = {}
+        for c, op in terms:
+            for c2, op2 in op._terms():
+                entry = merged.setdefault(id(op2), [0.0, op2])
+                entry[0] += float(c) * c2
+        self.terms: list[tuple[float, CurvatureOperator]] = [(c, op) for c, op in merged.values()]
+        if not self.terms:
+            raise ValueError("a linear combination needs at least one operator")
+        first = self.terms[0][1]
+        for _, op in self.terms:
+            if op.shape != first.shape:
+                raise ValueError(f"cannot combine operators of shapes {first.shape} and {op.shape}")
+        super().__init__(first.shape[0], first.dtype, first.device)
+        self.name = " ".join(_term_name(c, op, i == 0) for i, (c, op) in enumerate(self.terms))
+        engines = {id(op.engine): op.engine for _, op in self.terms}
+        self.engine = next(iter(engines.values())) if len(engines) == 1 else None
+
+    def _terms(self) -> list[tuple[float, CurvatureOperator]]:
+        return list(self.terms)
+
+    def _coordinates(self) -> _Coordinates | None:
+        engine, a, b = None, 0.0, 0.0
+        for c, op in self.terms:
+            coords = op._coordinates()
+            if coords is None or (engine is not None and coords[0] is not engine):
+                return None
+            engine, a, b = coords[0], a + c * coords[1], b + c * coords[2]
+        return None if engine is None else (engine, a, b)
+
+    def blocks(self) -> dict[str, slice]:
+        """The per-layer blocks of the first term that has any (see :meth:`CurvatureOperator.blocks`)."""
+        for _, op in self.terms:
+            blocks = op.blocks()
+            if blocks:
+                return blocks
+        return {}
+
+    def _rebuild(self, engine: CurvatureEngine) -> CurvatureOperator:
+        return LinearCombination([(c, op._rebuild(engine)) for c, op in self.terms])
+
+    def on_subsample(self, fraction: float, seed: int = 0) -> tuple[CurvatureOperator, int, int]:
+        """The combination of its terms on a subsample (see :meth:`CurvatureOperator.on_subsample`).
+
+        Terms on one engine share one engine on the subsample; other terms are each
+        subsampled with the same ``fraction`` and ``seed``.
+
+        Args:
+            fraction: the fraction of samples kept, in (0, 1].
+            seed: seeds the choice of samples.
+
+        Returns:
+            ``(operator on the subsample, samples kept, samples of the whole set)``.
+        """
+        if self.engine is not None:
+            return super().on_subsample(fraction, seed)
+        parts = [op.on_subsample(fraction, seed) for _, op in self.terms]
+        combined = LinearCombination([(c, part[0]) for (c, _), part in zip(self.terms, parts)])
+        return combined, parts[0][1], parts[0][2]
+
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
+        groups: dict[int, list] = {}
+        out = torch.zeros_like(V)
+        for c, op in self.terms:
+            coords = op._coordinates()
+            if coords is None:
+                out += c * op.matmat(V)
+                continue
+            entry = groups.setdefault(id(coords[0]), [coords[0], 0.0, 0.0])
+            entry[1] += c * coords[1]
+            entry[2] += c * coords[2]
+        for engine, a, b in groups.values():
+            out += _engine_product(engine, a, b, V, self.name)
+        return out
+
+
+def _engine_product(
+    engine: CurvatureEngine, a: float, b: float, V: torch.Tensor, name: str
+) -> torch.Tensor:
+    """:math:`(a H + b G) V` of one engine in one pass over the data, the cheapest way."""
+    if b == 0.0:
+        HV = engine.hessian_matmat(V, operator=name)
+        return HV if a == 1.0 else a * HV
+    if a == 0.0:
+        GV = engine.ggn_matmat(V, operator=name)
+        return GV if b == 1.0 else b * GV
+    if a == -b:
+        NV = engine.nme_matmat(V, operator=name)
+        return NV if a == 1.0 else a * NV
+    HV, GV = engine.hessian_and_ggn_matmat(V)
+    return a * HV + b * GV
+
+
+def joint_matmat(
+    operators: Sequence[CurvatureOperator], V: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The products of several operators with one block, sharing passes over the data.
+
+    When every operator is ``a_j H + b_j G`` of one engine and they need both H and G, one
+    joint pass gives :math:`H V` and :math:`G V` and each product is
+    :math:`a_j H V + b_j G V` (so ``H V = G V + N V`` holds exactly, per column); otherwise
+    each operator multiplies on its own.
+
+    Args:
+        operators: the operators, all of one size.
+        V: a ``(P, k)`` block.
+
+    Returns:
+        :math:`A_j V` for each operator, in order.
+
+    Example:
+        >>> import torch
+        >>> A = MatrixOperator(torch.eye(2))
+        >>> [p.tolist() for p in joint_matmat([A, 3 * A], torch.ones(2, 1))]
+        [[[1.0], [1.0]], [[3.0], [3.0]]]
+    """
+    coords = [op._coordinates() for op in operators]
+    known = [c for c in coords if c is not None]
+    one_engine = len(known) == len(coords) > 0 and len({id(c[0]) for c in known}) == 1
+    if not (one_engine and any(c[1] for c in known) and any(c[2] for c in known)):
+        return tuple(op @ V for op in operators)
+    HV, GV = known[0][0].hessian_and_ggn_matmat(V)
+    for op in operators:
+        op.matvecs += 1 if V.dim() == 1 else V.shape[1]
+    return tuple(a * HV + b * GV for _, a, b in known)

@@ -31,6 +31,7 @@ mode (``grad_gamma = sum_pos delta * a_hat`` per channel, running statistics).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ def _is_tappable(module: nn.Module) -> bool:
     if _is_plain(module, nn.Linear) or _is_plain(module, nn.LayerNorm):
         return True
     if _is_plain(module, nn.Conv2d):
-        return (
+        return bool(
             module.groups == 1
             and module.padding_mode == "zeros"
             and not isinstance(module.padding, str)
@@ -118,6 +119,7 @@ def _use_gradients(module: nn.Module, a: torch.Tensor, delta: torch.Tensor):
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         # eval mode: out = gamma * a_hat + beta per channel (dim 1), a_hat from running statistics
         shape = (1, -1) + (1,) * (a.dim() - 2)
+        assert module.running_mean is not None and module.running_var is not None  # tappable
         mean, var = module.running_mean.reshape(shape), module.running_var.reshape(shape)
         a_hat = (a - mean) / (var + module.eps).sqrt()
         dims = tuple(range(2, delta.dim()))
@@ -142,11 +144,13 @@ def _use_gradients(module: nn.Module, a: torch.Tensor, delta: torch.Tensor):
     if isinstance(module, nn.Conv2d):
         # a: (B, C_in, H, W) -> patches U: (B, C_in*k*k, L); delta: (B, C_out, L)
         delta = delta.reshape(B, delta.shape[1], -1).transpose(1, 2)
+        padding = module.padding
+        assert not isinstance(padding, str)  # "same"/"valid" convolutions are not tapped
         U = F.unfold(
             a,
             module.kernel_size,
             dilation=module.dilation,
-            padding=module.padding,
+            padding=padding,
             stride=module.stride,
         )
         return _Outer(delta, U.transpose(1, 2)), delta.sum(1)
@@ -204,21 +208,29 @@ def _combined_sq_norms(parts: list) -> torch.Tensor:
         dtype = parts[0].v.dtype
         u = _cat_u([p.u for p in parts], dtype)
         return _outer_sq_norms(u, torch.cat([p.v for p in parts], 1))
-    total = 0
+    total: torch.Tensor | int = 0
     for p in parts:
         if isinstance(p, _Outer):  # a tie between a matrix use and a vector use: form it
             p = (_dense_u(p.u, p.v.dtype).transpose(1, 2) @ p.v).flatten(1)
         total = total + p
+    assert isinstance(total, torch.Tensor)  # parts is not empty
     return total.square().sum(1)
 
 
 # --------------------------------------------------------------------------- graph uses
-def autograd_uses(output: torch.Tensor, params: list[torch.Tensor]) -> list[int]:
+def autograd_uses(output: torch.Tensor, params: Sequence[torch.Tensor]) -> list[int]:
     """How many times each of ``params`` enters the autograd graph of ``output``.
 
     Counts the edges into each parameter's gradient accumulator from the graph nodes that
     ``output`` depends on: a parameter used twice (two layers, one layer called twice, a
     functional use of ``module.weight``) has two.
+
+    Args:
+        output: a tensor with an autograd graph.
+        params: the parameters.
+
+    Returns:
+        The count for each of ``params``, in order.
     """
     index = {id(p): i for i, p in enumerate(params)}
     counts = [0] * len(params)
@@ -268,7 +280,7 @@ class LayerTaps:
                 taps.append(_Tap(module, w, b))
         self.taps = taps
         self.num_params = len(self.params)
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._covered: set[int] = set()
 
     # --------------------------------------------------------------- recording
@@ -300,6 +312,9 @@ class LayerTaps:
 
         A parameter is covered when every one of its uses in the graph of ``z`` is a recorded
         call of a tapped layer (and there is at least one).
+
+        Args:
+            z: the output of the recorded forward pass.
         """
         recorded = [0] * self.num_params
         for tap in self.taps:
@@ -336,6 +351,11 @@ class LayerTaps:
 
         One backward pass from ``z`` to the covered layers' outputs; the graph is retained
         so the caller can ask for further directions.
+
+        Args:
+            z: the recorded forward pass's output.
+            direction: shaped like ``z``, constant.
+            totals: float64 per scope parameter, added to in place.
         """
         active = self._active()
         outputs = [out for tap in active for out in tap.outputs]

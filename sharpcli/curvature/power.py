@@ -7,7 +7,7 @@ orthogonalised against the eigenvectors already found (projection deflation), mu
 ``max_iter`` products. It converges to the eigenvalue of largest *magnitude* (not the
 largest algebraic one) and stalls when the spectral gap is small; the Ritz residual
 ``||A v - lambda v||`` of the last iterate is reported (free: ``A v`` was computed) and the
-``converged`` flag uses the residual criterion ``<= tol |lambda|`` (docs/commands/eigen.md), which
+``converged`` flag uses the residual criterion ``<= tol |lambda|`` (as Lanczos does), which
 the relative-change rule does not guarantee.
 
 The iterates, the deflation projections, the Rayleigh quotients and the norms are float64
@@ -20,6 +20,8 @@ eigenvectors are float64 (2x the memory of float32 ones).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sharpcli import progress
@@ -28,6 +30,65 @@ from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import UsageError
 
 __all__ = ["power_iteration"]
+
+
+def _check_args(k, tol, max_iter) -> None:
+    if int(k) < 1:
+        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
+    if not tol > 0:
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
+    if int(max_iter) < 1:
+        raise UsageError(f"max iterations must be >= 1, got {max_iter}", source="max_iter")
+
+
+@dataclass
+class _Pair:
+    """One eigenpair's iteration: its last iterate, Rayleigh quotient and residual."""
+
+    vector: torch.Tensor
+    value: float = 0.0
+    residual: float = 0.0
+    matvecs: int = 0
+    stalled: bool = False
+
+
+def _iterate(
+    op, v: torch.Tensor, found: list[torch.Tensor], tol: float, max_iter: int, run, done: int
+):
+    """Power iteration from ``v``, deflated against ``found``, until the stop rule or ``max_iter``.
+
+    Args:
+        op: the operator.
+        v: the unit float64 start vector.
+        found: the unit eigenvectors already found (projected out before every product).
+        tol: the relative-change stop rule's tolerance.
+        max_iter: the most products.
+        run: the progress run (``run.update`` after every product).
+        done: the products made before this one's, for the progress count.
+
+    Returns:
+        The :class:`_Pair` reached.
+    """
+    pair = _Pair(v)
+    previous = None
+    for iteration in range(max_iter):
+        for u in found:
+            v = v - (u @ v) * u
+        v = v / torch.linalg.vector_norm(v)
+        Av = apply_operator(op, v, source="power", where=" in power iteration")
+        pair.matvecs += 1
+        lam = float(v @ Av)
+        pair.vector, pair.value = v, lam
+        pair.residual = float(torch.linalg.vector_norm(Av - lam * v))
+        norm = torch.linalg.vector_norm(Av)
+        run.update(done + pair.matvecs, estimate=lam, residual=pair.residual)
+        stop = previous is not None and abs(lam - previous) / (abs(previous) + 1e-6) < tol
+        if stop or norm == 0:
+            return pair
+        previous = lam
+        v = Av / norm
+    pair.stalled = True  # iteration == max_iter - 1 without the stop rule
+    return pair
 
 
 def power_iteration(
@@ -39,53 +100,56 @@ def power_iteration(
     seed: int = 0,
     return_eigenvectors: bool = False,
 ) -> EigenResult:
-    """Top-``k`` largest-magnitude eigenvalues of symmetric ``op`` by deflated power iteration."""
-    if int(k) < 1:
-        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
-    if not tol > 0:
-        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
-    if int(max_iter) < 1:
-        raise UsageError(f"max iterations must be >= 1, got {max_iter}", source="max_iter")
+    r"""Top-``k`` largest-magnitude eigenvalues of symmetric ``op`` by deflated power iteration.
+
+    Each step is the Rayleigh quotient of the deflated iterate,
+
+    .. math::
+
+        \lambda_t = v_t^\top A v_t, \qquad
+        v_{t+1} = \frac{A v_t}{\lVert A v_t \rVert}, \qquad
+        v \leftarrow v - \sum_{u \in \text{found}} (u^\top v)\, u .
+
+    Args:
+        op: a symmetric operator (``shape``, ``dtype``, ``device``, ``@``).
+        k: how many eigenvalues (at most P).
+        tol: the stop rule's relative change, and the residual test ``<= tol |lambda|``.
+        max_iter: the most products per eigenvalue.
+        seed: seeds the Gaussian start vectors.
+        return_eigenvectors: keep the unit float64 eigenvectors as columns.
+
+    Returns:
+        An :class:`~sharpcli.curvature.lanczos.EigenResult`, eigenvalues descending.
+
+    Example:
+        >>> import torch
+        >>> from sharpcli.curvature import MatrixOperator
+        >>> A = MatrixOperator(torch.diag(torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)))
+        >>> round(power_iteration(A, tol=1e-10, max_iter=200).eigenvalues[0], 6)
+        3.0
+    """
+    _check_args(k, tol, max_iter)
     dim = op.shape[0]
     k = min(int(k), dim)
     generator = torch.Generator().manual_seed(int(seed))
-    found: list[torch.Tensor] = []
-    values, residuals = [], []
-    matvecs = 0
-    stalled = 0
+    pairs: list[_Pair] = []
     run = progress.start("power", total=k * int(max_iter), quantity="lambda")
     for _ in range(k):
         v = gaussian_like(dim, generator, torch.float64, op.device)
         v = v / torch.linalg.vector_norm(v)
-        previous = None
-        for iteration in range(int(max_iter)):
-            for u in found:
-                v = v - (u @ v) * u
-            v = v / torch.linalg.vector_norm(v)
-            Av = apply_operator(op, v, source="power", where=" in power iteration")
-            matvecs += 1
-            lam = float(v @ Av)
-            residual = float(torch.linalg.vector_norm(Av - lam * v))
-            norm = torch.linalg.vector_norm(Av)
-            run.update(matvecs, estimate=lam, residual=residual)
-            done = previous is not None and abs(lam - previous) / (abs(previous) + 1e-6) < tol
-            if done or norm == 0 or iteration == int(max_iter) - 1:
-                if not done and norm != 0:
-                    stalled += 1
-                break
-            previous = lam
-            v = Av / norm
-        found.append(v)
-        values.append(lam)
-        residuals.append(residual)
-    order = sorted(range(len(values)), key=lambda i: -values[i])
+        found = [p.vector for p in pairs]
+        done = sum(p.matvecs for p in pairs)
+        pairs.append(_iterate(op, v, found, tol, int(max_iter), run, done))
+    matvecs = sum(p.matvecs for p in pairs)
+    stalled = sum(p.stalled for p in pairs)
+    pairs.sort(key=lambda p: -p.value)
     eps = torch.finfo(op.dtype).eps
-    scale = max(abs(x) for x in values) if values else 0.0
+    scale = max(abs(p.value) for p in pairs)
     result = EigenResult(
-        eigenvalues=[values[i] for i in order],
-        residuals=[residuals[i] for i in order],
+        eigenvalues=[p.value for p in pairs],
+        residuals=[p.residual for p in pairs],
         converged=[
-            residuals[i] <= tol * abs(values[i]) or residuals[i] <= 100 * eps * scale for i in order
+            p.residual <= tol * abs(p.value) or p.residual <= 100 * eps * scale for p in pairs
         ],
         matvecs=matvecs,
         method="power",
@@ -95,6 +159,6 @@ def power_iteration(
         + ([f"{stalled} eigenvalue(s) hit max_iter={max_iter}"] if stalled else []),
     )
     if return_eigenvectors:
-        result.eigenvectors = torch.stack([found[i] for i in order], dim=1)
-    run.finish(matvecs, estimate=result.eigenvalues[0], residual=max(result.residuals))
+        result.eigenvectors = torch.stack([p.vector for p in pairs], dim=1)
+    run.finish(matvecs, estimate=result.eigenvalues[0], residual=max(p.residual for p in pairs))
     return result

@@ -1,8 +1,5 @@
 """``--engine pyhessian``: eigenvalues and trace through PyPI ``pyhessian`` 0.1 [PyHessian].
 
-User guide: docs/commands/eigen.md; measurements: docs/benchmarks.md ("Curvature: sharp vs
-PyHessian").
-
 Runs ``pyhessian.hessian`` on the same model, loss and batches as the native engine (CPU,
 ``cuda=False``; a single ``data=(x, y)`` batch when the analysis set is one batch, otherwise
 its ``dataloader`` mode, which weights batches by size so it is also a mean over samples)
@@ -28,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +61,7 @@ def _pyhessian_session(model: nn.Module, data: AnalysisData, seed: int):
     import importlib
 
     try:
-        pyhessian_module = importlib.import_module("pyhessian.hessian")
+        pyhessian_module: Any = importlib.import_module("pyhessian.hessian")
     except ImportError:
         raise UsageError(
             "the pyhessian engine needs the PyHessian package, an optional extra: "
@@ -143,6 +141,19 @@ def pyhessian_eigenvalues(
     Returned descending. With ``verify_residuals`` the Ritz residual of each returned
     eigenvector is computed by the native Hessian operator (one product each, counted in
     ``matvecs`` separately in the notes); ``converged`` is then ``residual <= tol |lambda|``.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        top_n: how many eigenvalues.
+        tol: pyhessian's relative-change tolerance.
+        max_iter: pyhessian's most iterations per eigenvalue.
+        seed: seeds torch's generator for pyhessian's start vectors.
+        params: the parameter scope spec (see :meth:`~sharpcli.curvature.scope.ParamScope.resolve`).
+        verify_residuals: measure each eigenvector's residual with the native operator.
+
+    Returns:
+        An :class:`~sharpcli.curvature.lanczos.EigenResult` with ``engine="pyhessian"`` notes.
     """
     _check_scope(params)
     if int(top_n) < 1:
@@ -198,6 +209,18 @@ def pyhessian_trace(
     samples (sample std / sqrt(n), ``None`` with one sample) since pyhessian gives none; its
     stop rule is not a standard-error rule, so ``converged`` only says it stopped before
     ``max_iter``. ``run_all`` disables its stop rule (``tol=-inf``): exactly ``max_iter`` samples.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        tol: pyhessian's running-mean tolerance.
+        max_iter: the most samples.
+        seed: seeds torch's generator for pyhessian's probes.
+        params: the parameter scope spec.
+        run_all: take exactly ``max_iter`` samples.
+
+    Returns:
+        A :class:`~sharpcli.curvature.trace.TraceResult` with ``engine="pyhessian"``.
     """
     _check_scope(params)
     rule_tol = float("-inf") if run_all else float(tol)

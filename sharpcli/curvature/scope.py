@@ -1,4 +1,4 @@
-"""Parameter scopes: which parameters the curvature is taken with respect to (docs/scope.md).
+"""Parameter scopes: which parameters the curvature is taken with respect to (``--params``).
 
 A scope selects trainable parameters ``theta_S``; curvature w.r.t. a subset is
 the principal sub-block ``H_SS`` of the full Hessian. Vectors in scope are flat
@@ -22,7 +22,14 @@ __all__ = ["ParamScope", "is_frozen"]
 
 
 def is_frozen(p: torch.nn.Parameter) -> bool:
-    """Whether the model froze ``p`` (``requires_grad=False``), even if a scope later thawed it."""
+    """Whether the model froze ``p`` (``requires_grad=False``), even if a scope later thawed it.
+
+    Args:
+        p: a parameter.
+
+    Returns:
+        True when the model had it frozen.
+    """
     return bool(getattr(p, "_sharp_frozen", False)) or not p.requires_grad
 
 
@@ -107,7 +114,15 @@ class ParamScope:
           report says so), and their ``requires_grad`` is switched on so that curvature can be
           taken with respect to them.
 
-        Raises ``UsageError(source="params")`` when nothing matches.
+        Args:
+            model: the model.
+            spec: None, ``"all"``, ``"last"`` or comma-separated globs.
+
+        Returns:
+            The scope.
+
+        Raises:
+            UsageError: on ``params`` when nothing matches.
         """
         named = list(model.named_parameters())
         trainable = [(n, p) for n, p in named if not is_frozen(p)]
@@ -129,7 +144,9 @@ class ParamScope:
         frozen = [n for n, p in chosen if is_frozen(p)]
         for _, p in chosen:
             if not p.requires_grad:
-                p._sharp_frozen = True  # remembered, so a later default scope still skips it
+                setattr(
+                    p, "_sharp_frozen", True
+                )  # remembered, so a later default scope still skips it
                 p.requires_grad_(True)
         dtypes = {p.dtype for _, p in chosen}
         if len(dtypes) > 1:
@@ -147,11 +164,25 @@ class ParamScope:
         )
 
     def flatten(self, tensors) -> torch.Tensor:
-        """Concatenate parameter-shaped tensors (one per parameter in scope) into a flat vector."""
+        """Concatenate parameter-shaped tensors (one per parameter in scope) into a flat vector.
+
+        Args:
+            tensors: one tensor per parameter in scope, in order.
+
+        Returns:
+            The flat ``(numel,)`` vector.
+        """
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def unflatten(self, vec: torch.Tensor) -> list[torch.Tensor]:
-        """Split a flat vector of length ``numel`` into parameter-shaped views."""
+        """Split a flat vector of length ``numel`` into parameter-shaped views.
+
+        Args:
+            vec: a flat vector of length ``numel``.
+
+        Returns:
+            One view per parameter in scope, shaped like it.
+        """
         if vec.shape[0] != self.numel:
             raise ValueError(
                 f"vector of length {vec.shape[0]} does not match scope size {self.numel}"
@@ -162,7 +193,14 @@ class ParamScope:
         ]
 
     def module_of(self, name: str) -> str:
-        """The owning module of a parameter name (``"features.3.weight" -> "features.3"``)."""
+        """The owning module of a parameter name (``"features.3.weight" -> "features.3"``).
+
+        Args:
+            name: a parameter name.
+
+        Returns:
+            The name of the module that owns it (``""`` for the root).
+        """
         return name.rsplit(".", 1)[0] if "." in name else ""
 
     def blocks(self) -> "OrderedDict[str, slice]":
@@ -188,25 +226,62 @@ class ParamScope:
 
         Drawn on the CPU generator and moved to the scope's device/dtype, so a seed gives
         the same probes on every device.
+
+        Args:
+            generator: a seeded CPU generator.
+            columns: that many columns, or None for one vector.
+
+        Returns:
+            The probe(s) in the scope's dtype and device.
         """
         return rademacher_like(self.numel, generator, self.dtype, self.device, columns)
 
     def gaussian(self, generator: torch.Generator, columns: int | None = None) -> torch.Tensor:
-        """Seeded standard Gaussian probe(s), shape ``(numel,)`` or ``(numel, columns)``."""
+        """Seeded standard Gaussian probe(s), shape ``(numel,)`` or ``(numel, columns)``.
+
+        Args:
+            generator: a seeded CPU generator.
+            columns: that many columns, or None for one vector.
+
+        Returns:
+            The probe(s) in the scope's dtype and device.
+        """
         return gaussian_like(self.numel, generator, self.dtype, self.device, columns)
 
 
 def rademacher_like(
     dim: int, generator: torch.Generator, dtype, device, columns: int | None = None
 ):
-    """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper)."""
+    """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper).
+
+    Args:
+        dim: the length.
+        generator: a seeded CPU generator.
+        dtype: the dtype of the result.
+        device: the device of the result.
+        columns: that many columns, or None for one vector.
+
+    Returns:
+        ``(dim,)`` or ``(dim, columns)`` entries of +-1.
+    """
     shape = (dim,) if columns is None else (dim, columns)
     signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8) * 2 - 1
     return signs.to(dtype=dtype, device=device)
 
 
 def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):
-    """Standard Gaussian vector(s) of length ``dim`` from a CPU ``generator`` (float64 draw, then cast)."""
+    """Standard Gaussian vector(s) of length ``dim`` from a CPU ``generator`` (float64 draw, then cast).
+
+    Args:
+        dim: the length.
+        generator: a seeded CPU generator.
+        dtype: the dtype of the result.
+        device: the device of the result.
+        columns: that many columns, or None for one vector.
+
+    Returns:
+        ``(dim,)`` or ``(dim, columns)`` standard Gaussian entries.
+    """
     shape = (dim,) if columns is None else (dim, columns)
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(
         dtype=dtype, device=device

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.curvature.operators import joint_matmat
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.trace import (
@@ -56,26 +57,64 @@ def gn_nme_split(
     block_size: int = 8,
     min_samples: int = 10,
 ) -> SplitEstimate:
-    """Traces and ``Tr(A^2)`` of H, G and N = H - G from shared Rademacher probes (one joint pass each)."""
+    r"""Traces and squared Frobenius norms of H, G and N = H - G from shared probes.
+
+    For each Rademacher probe :math:`v`, one joint pass gives :math:`H v` and :math:`G v`
+    (:func:`~sharpcli.curvature.operators.joint_matmat` of ``H``, ``G`` and ``H - G``), and
+
+    .. math::
+
+        \mathrm{tr}(A) \approx v^\top A v, \qquad \mathrm{Tr}(A^2) \approx \lVert A v \rVert^2,
+        \qquad A \in \{H, G, N\},
+
+    so :math:`\mathrm{tr}(H) = \mathrm{tr}(G) + \mathrm{tr}(N)` holds for the estimates.
+
+    Args:
+        cpass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its H and G operators).
+        tol: stop when the relative standard errors of ``tr(H)`` and ``tr(G)`` reach it.
+        max_matvecs: the most joint products.
+        seed: seeds the probes.
+        block_size: probes per product block.
+        min_samples: probes before the stop rule applies.
+
+    Returns:
+        A :class:`SplitEstimate`: ``values[operator][quantity]`` for ``hessian``, ``ggn``,
+        ``nme`` and ``trace``, ``frobenius_sq``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+        >>> engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+        >>> split = gn_nme_split(engine, max_matvecs=16)
+        >>> h, g, n = (split.values[name]["trace"]["estimate"] for name in ("hessian", "ggn", "nme"))
+        >>> abs(h - (g + n)) < 1e-12
+        True
+    """
     _check_budget(tol, max_matvecs, block_size)
-    scope = cpass.scope
-    blocks = dict(scope.blocks())
+    H, G = cpass.hessian(), cpass.ggn()
+    operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
+    dim, blocks = H.shape[0], H.blocks()
     generator = torch.Generator().manual_seed(int(seed))
-    rows = {(o, q): [] for o in SPLIT for q in QUANTITIES}
+    rows: dict[tuple[str, str], list[torch.Tensor]] = {
+        (o, q): [] for o in SPLIT for q in QUANTITIES
+    }
     matvecs = 0
     converged = False
     # probe, H v, G v, N v and one elementwise product per column
-    columns, held = probe_block(cpass.hessian(), block_size, vectors=5, what="H,G,N split")
-    with memory.current().hold("probe block", held + scope.numel * int(block_size)):
+    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
+    with memory.current().hold("probe block", held + dim * int(block_size)):
         run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
         while matvecs < int(max_matvecs):
             k = min(int(block_size), int(max_matvecs) - matvecs)
             # drawn together whatever the budget: the same seed gives the same probes
-            signs = rademacher_like(scope.numel, generator, torch.int8, "cpu", k)
+            signs = rademacher_like(dim, generator, torch.int8, "cpu", k)
             for first in range(0, k, columns):
-                V = signs[:, first : first + columns].to(dtype=scope.dtype, device=scope.device)
-                HV, GV = cpass.hessian_and_ggn_matmat(V)
-                NV = HV - GV
+                V = signs[:, first : first + columns].to(dtype=H.dtype, device=H.device)
+                HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
                     rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
                     rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)

@@ -1,6 +1,4 @@
-"""Trace estimators with standard errors and per-layer (diagonal block) traces.
-
-User guide: docs/commands/trace.md.
+"""Trace estimators with standard errors and per-layer (diagonal block) traces (``sharp trace``).
 
 - :func:`hutchinson`: ``tr(A) = E[g^T A g]`` for Rademacher ``g`` [Hutchinson1989]; per layer
   ``tr(A_bb) = E[g_b^T (A g)_b]`` from the same probes, so layer traces sum to the total
@@ -32,6 +30,7 @@ from torch import nn
 from sharpcli import memory, progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import ParamScope, rademacher_like
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
@@ -95,11 +94,11 @@ class TraceResult:
         }
 
 
-def _blocks_of(op, blocks):
+def _blocks_of(op, blocks) -> dict:
+    """``blocks`` as a dict, else the operator's own per-layer blocks (none for other objects)."""
     if blocks is not None:
         return dict(blocks)
-    scope = getattr(op, "scope", None)
-    return dict(scope.blocks()) if scope is not None else {}
+    return op.blocks() if isinstance(op, CurvatureOperator) else {}
 
 
 def _segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
@@ -131,7 +130,17 @@ def probe_block(op, block_size: int, *, vectors: int, what: str) -> tuple[int, i
     """``(columns, bytes)``: the probe block the run's memory plan allows, at most
     ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
     product, their elementwise product) and one float64 P-vector (the per-layer sums);
-    UsageError on ``max_memory`` when not even one column fits."""
+    UsageError on ``max_memory`` when not even one column fits.
+
+    Args:
+        op: the operator (``shape``, ``dtype``).
+        block_size: the columns wanted.
+        vectors: P-vectors in the operator's dtype per column.
+        what: names the estimator in the plan's notes and errors.
+
+    Returns:
+        ``(columns, bytes)`` of the block.
+    """
     dim = op.shape[0]
     itemsize = torch.empty((), dtype=op.dtype).element_size()
     per_column = dim * (itemsize * int(vectors) + 8)
@@ -223,11 +232,36 @@ def hutchinson(
     min_samples: int = 10,
     blocks: dict | None = None,
 ) -> TraceResult:
-    """Hutchinson's estimator ``tr(A) ~ (1/n) sum_j g_j^T A g_j``, Rademacher ``g_j`` (seeded).
+    r"""Hutchinson's estimator of the trace [Hutchinson1989], with per-layer traces.
 
-    Stops at relative standard error ``tol`` (after ``min_samples`` probes) or at
-    ``max_matvecs``. Variance per probe: ``2 (||A||_F^2 - sum_i A_ii^2)``. Per-layer traces
-    ``g_b^T (A g)_b`` over ``blocks`` (default: the operator's scope blocks).
+    .. math::
+
+        \mathrm{tr}(A) \approx \frac{1}{n} \sum_{j=1}^n g_j^\top A g_j, \qquad
+        \mathrm{tr}(A_{bb}) \approx \frac{1}{n} \sum_{j=1}^n g_{j,b}^\top (A g_j)_b
+
+    for seeded Rademacher probes :math:`g_j`; the variance per probe is
+    :math:`2 (\lVert A \rVert_F^2 - \sum_i A_{ii}^2)`.
+
+    Args:
+        op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
+        tol: stop at this relative standard error (after ``min_samples`` probes).
+        max_matvecs: the most products.
+        seed: seeds the probes.
+        block_size: probes per product block (fewer when the memory plan says so).
+        min_samples: probes before the stop rule applies.
+        blocks: ``{layer: slice}`` of the per-layer traces; default the operator's own
+            (:meth:`~sharpcli.curvature.operators.CurvatureOperator.blocks`).
+
+    Returns:
+        A :class:`TraceResult` with the standard error and the per-layer traces.
+
+    Example:
+        >>> import torch
+        >>> from sharpcli.curvature import MatrixOperator
+        >>> A = MatrixOperator(torch.diag(torch.arange(1.0, 5.0, dtype=torch.float64)))
+        >>> result = hutchinson(A, max_matvecs=16, blocks={"a": slice(0, 2), "b": slice(2, 4)})
+        >>> result.estimate, result.by_layer["b"]["estimate"]  # a diagonal A: exact per probe
+        (10.0, 7.0)
     """
     blocks = _blocks_of(op, blocks)
     mean, stderr, matvecs, n, converged = _probe_loop(
@@ -262,9 +296,33 @@ def frobenius_sq(
     min_samples: int = 10,
     blocks: dict | None = None,
 ) -> TraceResult:
-    """``Tr(A^2) = ||A||_F^2 = E ||A g||^2`` (Rademacher g), the FA-paper flatness (FA eq. 1).
+    r"""The squared Frobenius norm, the flatness of [FA] eq. 1, with per-layer parts.
 
-    Per layer ``||(A g)_b||^2`` estimates ``Tr((A^2)_bb)`` (the squared norm of block b's rows).
+    .. math::
+
+        \mathrm{Tr}(A^2) = \lVert A \rVert_F^2 = \mathbb{E}_g \lVert A g \rVert^2, \qquad
+        \mathrm{Tr}((A^2)_{bb}) = \mathbb{E}_g \lVert (A g)_b \rVert^2
+
+    for Rademacher :math:`g` (the per-layer part is the squared norm of block b's rows).
+
+    Args:
+        op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
+        tol: stop at this relative standard error (after ``min_samples`` probes).
+        max_matvecs: the most products.
+        seed: seeds the probes.
+        block_size: probes per product block.
+        min_samples: probes before the stop rule applies.
+        blocks: ``{layer: slice}``; default the operator's own.
+
+    Returns:
+        A :class:`TraceResult` with ``quantity="trace_of_square"``.
+
+    Example:
+        >>> import torch
+        >>> from sharpcli.curvature import MatrixOperator
+        >>> A = MatrixOperator(torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64)))
+        >>> frobenius_sq(A, max_matvecs=16).estimate  # |g_i| = 1: exact per probe
+        5.0
     """
     blocks = _blocks_of(op, blocks)
     mean, stderr, matvecs, n, converged = _probe_loop(
@@ -372,10 +430,14 @@ def hutchpp(
     blocks: dict | None = None,
     known: torch.Tensor | None = None,
 ) -> TraceResult:
-    """Adaptive Hutch++ [Hutch++]: exact trace on a sketched top subspace + Hutchinson.
+    r"""Adaptive Hutch++ [Hutch++]: exact trace on a sketched top subspace + Hutchinson.
 
-    ``Q = orth(A S)`` for Rademacher ``S``; ``tr(A) = tr(Q^T A Q) + tr((I-QQ^T) A (I-QQ^T))``,
-    the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
+    .. math::
+
+        \mathrm{tr}(A) = \mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P), \qquad
+        Q = \mathrm{orth}(A S), \quad P = I - Q Q^\top
+
+    for Rademacher ``S``, the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
     (one matvec per probe). Per layer b, ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb)``
     (exact, :class:`_Sketch`) ``+ E[g_b^T (P A P g)_b]``, with
     ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is the
@@ -390,6 +452,29 @@ def hutchpp(
     known part of the trace added to the estimate, so ``tol`` is relative to the sum (the
     control variate of :func:`gn_split_trace`).
     Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
+
+    Args:
+        op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
+        tol: stop at this relative standard error (after ``min_samples`` residual probes).
+        max_matvecs: the most products (sketch and probes).
+        seed: seeds the sketch and the probes.
+        block_size: probes per product block.
+        min_samples: residual probes before the stop rule and the first doubling.
+        initial_sketch: the sketch's first columns (0: start unsketched).
+        max_sketch: the most sketch columns (also at most a third of ``max_matvecs``).
+        blocks: ``{layer: slice}``; default the operator's own.
+        known: an exactly known part, ``(1 + layers,)`` (total, then per block), added.
+
+    Returns:
+        A :class:`TraceResult` (``sketch_size`` the final sketch's columns).
+
+    Example:
+        >>> import torch
+        >>> from sharpcli.curvature import MatrixOperator
+        >>> A = MatrixOperator(torch.diag(torch.tensor([9.0, 1.0, 1.0, 1.0], dtype=torch.float64)))
+        >>> result = hutchpp(A, initial_sketch=4)  # the sketch spans R^4: exact
+        >>> round(result.estimate, 10), result.sketch_size
+        (12.0, 4)
     """
     _check_budget(tol, max_matvecs, block_size)
     with progress.start("hutch++", total=max_matvecs, quantity="tr") as run:
@@ -475,95 +560,144 @@ def _hutchinson_fallback(op, run, tol, budget, seed, block_size, min_samples, bl
     return result
 
 
+class _AdaptiveSketch:
+    """The state of the adaptive Hutch++ loop: the sketch ``Q`` (at most ``cap`` columns), its
+    exact part, the residual probes' rows and, while the sketch may still grow, the probes
+    ``(G, A G)`` themselves (re-evaluated for a grown ``Q`` at no product cost)."""
+
+    def __init__(self, op, run, blocks: dict, cap: int, generator, known):
+        self.op, self.run, self.blocks, self.cap, self.generator = op, run, blocks, cap, generator
+        self.sketch = _Sketch(op.shape[0], op.dtype, op.device)
+        self.offset = (
+            torch.zeros(1 + len(blocks), dtype=torch.float64)
+            if known is None
+            else known.to(torch.float64)
+        )
+        self.exact = self.sketch.exact_part(blocks) + self.offset
+        self.matvecs = 0
+        self.rows: list[torch.Tensor] = []
+        self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.growing = True
+
+    def extend(self, count: int) -> None:
+        """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it.
+
+        Args:
+            count: the new columns.
+        """
+        self.matvecs += self.sketch.extend(self.op, count, self.generator)
+        self.run.update(self.matvecs, detail=f"sketch {self.sketch.size}")
+        self.exact = self.sketch.exact_part(self.blocks) + self.offset
+
+    def probe(self, k: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``k`` Rademacher probes of the residual ``P A P``: ``(probes, estimate, stderr)``.
+
+        Args:
+            k: the probes.
+
+        Returns:
+            ``(probes so far, estimate, standard error)`` of the total.
+        """
+        op = self.op
+        G = rademacher_like(op.shape[0], self.generator, op.dtype, op.device, k)
+        AG = op.matmat(G)
+        self.matvecs += k
+        if self.growing:
+            self.stored.append((G, AG))
+        self.rows.append(self.sketch.residual_values(G, AG, self.blocks))
+        samples = torch.cat(self.rows)
+        mean, stderr = _mean_stderr(samples)
+        return samples.shape[0], self.exact[0] + mean[0], stderr[0]
+
+    def consider_growing(self, n: int, estimate, stderr, tol: float, budget: int) -> None:
+        """Double the sketch while the probes still needed exceed ``3 s`` and the last doubling
+        saved at least the ``2 s`` products it cost (:func:`hutchpp`); else stop growing.
+
+        Args:
+            n: the residual probes so far.
+            estimate: the current estimate of the total.
+            stderr: its standard error.
+            tol: the relative standard error wanted.
+            budget: the most products.
+        """
+        target = _probes_needed(stderr, n, estimate, tol)
+        step = min(self.sketch.size or _FIRST_SKETCH, self.cap - self.sketch.size)
+        if target - n > 3 * step and step > 0 and self.matvecs + 2 * step < budget:
+            self.extend(step)
+            self.rows = [self.sketch.residual_values(g, ag, self.blocks) for g, ag in self.stored]
+            new_mean, new_stderr = _mean_stderr(torch.cat(self.rows))
+            new_target = _probes_needed(new_stderr[0], n, self.exact[0] + new_mean[0], tol)
+            self.growing = not (target - new_target < 2 * step or self.sketch.size >= self.cap)
+        else:
+            self.growing = False
+        if not self.growing:
+            self.stored = []
+
+    def result(self, converged: bool, tol: float) -> TraceResult:
+        """The estimate: the sketch's exact part plus the residual probes' mean.
+
+        Args:
+            converged: whether the stop rule was met.
+            tol: the tolerance, recorded.
+
+        Returns:
+            The :class:`TraceResult`.
+        """
+        notes = []
+        if self.rows:
+            mean, stderr = _mean_stderr(torch.cat(self.rows))
+        else:
+            mean = torch.zeros(1 + len(self.blocks), dtype=torch.float64)
+            stderr = torch.zeros_like(mean)
+        if self.sketch.size == self.op.shape[0]:
+            stderr = torch.zeros_like(stderr)
+            mean = torch.zeros_like(mean)
+            notes.append("the sketch spans the whole space: the trace is exact")
+        total = self.exact + mean
+        by_layer = {
+            name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
+            for i, name in enumerate(self.blocks)
+        }
+        return TraceResult(
+            estimate=float(total[0]),
+            stderr=float(stderr[0]),
+            matvecs=self.matvecs,
+            samples=sum(r.shape[0] for r in self.rows),
+            estimator="hutchpp",
+            converged=converged,
+            tol=tol,
+            by_layer=by_layer,
+            sketch_size=self.sketch.size,
+            notes=notes,
+        )
+
+
+def _probes_needed(stderr, n: int, estimate, tol: float):
+    """The probes that would bring the standard error to ``tol |estimate|``."""
+    return (stderr * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
+
+
 def _hutchpp_loop(
     op, run, tol, budget, seed, block_size, min_samples, initial_sketch, cap, blocks, known
 ) -> TraceResult:
     """The adaptive Hutch++ iteration of :func:`hutchpp` with a sketch of at most ``cap``."""
     dim = op.shape[0]
-    generator = torch.Generator().manual_seed(int(seed))
-    sketch = _Sketch(dim, op.dtype, op.device)
-    matvecs = 0
+    state = _AdaptiveSketch(op, run, blocks, cap, torch.Generator().manual_seed(int(seed)), known)
     first = min(int(initial_sketch), cap)
     if first > 0:
-        matvecs += sketch.extend(op, first, generator)
-        run.update(matvecs, detail=f"sketch {sketch.size}")
-    offset = (
-        torch.zeros(1 + len(blocks), dtype=torch.float64)
-        if known is None
-        else known.to(torch.float64)
-    )
-    exact = sketch.exact_part(blocks) + offset
-    stored_G, stored_AG = [], []
-    growing = sketch.size < cap
-    rows = []
-    converged = sketch.size == dim
-    notes = []
-    while not converged and matvecs < budget:
-        k = min(int(block_size), budget - matvecs)
-        G = rademacher_like(dim, generator, op.dtype, op.device, k)
-        AG = op.matmat(G)
-        matvecs += k
-        if growing:
-            stored_G.append(G)
-            stored_AG.append(AG)
-        rows.append(sketch.residual_values(G, AG, blocks))
-        samples = torch.cat(rows)
-        mean, stderr = _mean_stderr(samples)
-        estimate = exact[0] + mean[0]
-        n = samples.shape[0]
-        if n >= min_samples and stderr[0] <= tol * abs(estimate):
+        state.extend(first)
+    state.growing = state.sketch.size < cap
+    converged = state.sketch.size == dim
+    while not converged and state.matvecs < budget:
+        n, estimate, stderr = state.probe(min(int(block_size), budget - state.matvecs))
+        if n >= min_samples and stderr <= tol * abs(estimate):
             converged = True
             break
-        _report_probes(run, matvecs, n, estimate, stderr[0], tol, matvecs - n)
-        if growing and n >= min_samples:
-            target = (stderr[0] * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
-            step = min(sketch.size or _FIRST_SKETCH, cap - sketch.size)
-            if target - n > 3 * step and step > 0 and matvecs + 2 * step < budget:
-                matvecs += sketch.extend(op, step, generator)
-                run.update(matvecs, detail=f"sketch {sketch.size}")
-                exact = sketch.exact_part(blocks) + offset
-                rows = [sketch.residual_values(g, ag, blocks) for g, ag in zip(stored_G, stored_AG)]
-                samples = torch.cat(rows)
-                new_mean, new_stderr = _mean_stderr(samples)
-                new_target = (
-                    new_stderr[0] * math.sqrt(n) / (tol * abs(exact[0] + new_mean[0]) + 1e-300)
-                ) ** 2
-                # keep doubling while the last doubling saved at least the 2*step products it cost
-                if target - new_target < 2 * step or sketch.size >= cap:
-                    growing = False
-            else:
-                growing = False
-            if not growing:
-                stored_G, stored_AG = [], []
-            if sketch.size == dim:
-                converged = True
-    if rows:
-        samples = torch.cat(rows)
-        mean, stderr = _mean_stderr(samples)
-    else:
-        mean = torch.zeros(1 + len(blocks), dtype=torch.float64)
-        stderr = torch.zeros_like(mean)
-    if sketch.size == dim:
-        stderr = torch.zeros_like(stderr)
-        mean = torch.zeros_like(mean)
-        notes.append("the sketch spans the whole space: the trace is exact")
-    total = exact + mean
-    by_layer = {
-        name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
-        for i, name in enumerate(blocks)
-    }
-    return TraceResult(
-        estimate=float(total[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=sum(r.shape[0] for r in rows),
-        estimator="hutchpp",
-        converged=converged,
-        tol=tol,
-        by_layer=by_layer,
-        sketch_size=sketch.size,
-        notes=notes,
-    )
+        _report_probes(run, state.matvecs, n, estimate, stderr, tol, state.matvecs - n)
+        if state.growing and n >= min_samples:
+            state.consider_growing(n, estimate, stderr, tol, budget)
+            converged = state.sketch.size == dim
+    return state.result(converged, tol)
 
 
 # --------------------------------------------------------------------------- Gauss-Newton traces
@@ -684,11 +818,14 @@ def _looped_ggn_sums(model, scope, indices, x_c, S, per_param) -> None:
 
 @twice_differentiable()
 def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> TraceResult:
-    """Exact ``tr(G) = (1/N) sum_i tr(J_i^T H_z,i J_i)`` with per-layer traces.
+    r"""The exact Gauss-Newton trace with per-layer traces.
 
-    With ``H_z = sum_c s_c s_c^T`` (:func:`_ggn_directions`),
+    With :math:`H_z = \sum_c s_c s_c^\top` (:func:`_ggn_directions`),
 
-        tr(J^T H_z J) = sum_c ||J^T s_c||^2,
+    .. math::
+
+        \mathrm{tr}(G) = \frac{1}{N} \sum_i \mathrm{tr}(J_i^\top H_{z,i} J_i)
+            = \frac{1}{N} \sum_i \sum_c \lVert J_i^\top s_{c,i} \rVert^2,
 
     and for cross-entropy ``J^T s_c = sqrt(p_c) grad_theta l(z, c)``, so this is
     ``sum_c p_c ||grad_theta l(z, c)||^2``, the exact expectation of NME eq. 20.
@@ -697,6 +834,14 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     batch to the layers' outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no
     per-sample gradients formed); any other parameter (custom layers, shared weights) from
     per-sample Jacobians (``vmap(jacrev)``).
+
+    Args:
+        model: the model.
+        data: the analysis set (cross-entropy, mse and the other losses with a ``ggn_factor``).
+        scope: the parameters.
+
+    Returns:
+        A :class:`TraceResult` with ``stderr`` 0 (exact) and the per-layer traces.
     """
     from sharpcli.curvature.persample import LayerTaps
 
@@ -755,7 +900,8 @@ def gn_split_trace(
 
     The Gauss-Newton term is a control variate known exactly (:func:`exact_ggn_trace`, C
     backward passes per batch), so only ``tr(N)`` is estimated, from probes of
-    ``N = H - G`` (one joint H+G pass each; :class:`~sharpcli.curvature.NMEOperator`).
+    ``N = H - G`` (one NME product each, about the cost of a Hessian product;
+    :class:`~sharpcli.curvature.NMEOperator`).
     Per probe the variance drops from ``2 (||H||_F^2 - sum H_ii^2)`` to
     ``2 (||N||_F^2 - sum N_ii^2)``: large savings wherever the Gauss-Newton part dominates
     the Hessian, as it does near a minimum, where ``dl/dz -> 0`` and ``N -> 0``. Hutch++ starts
@@ -763,6 +909,18 @@ def gn_split_trace(
     standard error is that of the ``tr(N)`` estimate; ``tol`` is relative to ``tr(H)``; per
     layer, the exact Gauss-Newton block traces plus N's. ``matvecs`` counts the joint H+G
     products; the exact part's cost is in ``notes``.
+
+    Args:
+        curvature_pass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its model,
+            data and scope give the exact part, its NME operator the estimated one).
+        tol: stop at this standard error relative to ``tr(H)``.
+        max_matvecs: the most NME products.
+        seed: seeds the probes.
+        block_size: probes per product block.
+        min_samples: probes before the stop rule applies.
+
+    Returns:
+        A :class:`TraceResult` of ``tr(H)`` (``estimator="gn-split"``).
     """
     data, scope = curvature_pass.data, curvature_pass.scope
     ggn = exact_ggn_trace(curvature_pass.model, data, scope)

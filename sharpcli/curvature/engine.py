@@ -1,0 +1,587 @@
+r"""The curvature engine: a cache of first-order graphs and the H, G, N products through it.
+
+For the analysis loss :math:`L(\theta) = \frac{1}{N} \sum_i \ell(z_i, y_i)`,
+:math:`z_i = f(\theta, x_i)`, the matrices H, G and N = H - G of
+:mod:`sharpcli.curvature.operators` ([NME] eq. 2; the matrix-free Gauss-Newton product
+:math:`J^\top H_z J v` follows [Schraudolph2002], see also [Martens2020]).
+
+How the products are computed (one pass over the data per product or block of products).
+Per batch the first-order graph is built once,
+
+.. math::
+
+    g_z = \partial L_b / \partial z, \qquad g = J^\top g_z \qquad \text{(both with their graphs)},
+
+and kept in a cache bounded by a memory budget (``cache_bytes``; batches beyond the budget
+are rebuilt for every product). Differentiating :math:`\langle g, v \rangle` back through that
+graph (through :math:`J^\top` and through :math:`g_z(z(\theta))`; g is linear in
+:math:`g_z`) gives
+
+.. math::
+
+    \frac{\partial \langle g, v \rangle}{\partial \theta} = H v, \qquad
+    \frac{\partial \langle g, v \rangle}{\partial g_z} = J v
+
+in ONE reverse pass, so the Gauss-Newton product only adds ``u = H_z (J v)`` (a backward
+through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; the NME is
+``N v = H v - G v`` from the same pass, so ``H = G + N`` holds per vector to rounding.
+The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` with ``g_z``
+held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
+The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
+product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
+The operators by ``--operator`` name: :mod:`sharpcli.curvature.registry`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from sharpcli import memory
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.scope import ParamScope
+from sharpcli.errors import NumericalError
+from sharpcli.losses import loss_fn
+
+if TYPE_CHECKING:
+    from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
+
+__all__ = ["DEFAULT_CACHE_BYTES", "CurvatureEngine"]
+
+DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB of retained first-order graphs
+
+
+@dataclass
+class _BatchGraph:
+    """First-order graph of one batch: logits ``z``, ``g_z = dL_b/dz``, ``g = J^T g_z`` (with graphs)."""
+
+    z: torch.Tensor
+    gz: torch.Tensor
+    grads: list  # tensors of the scope's gradient that depend on theta (require grad)
+    grad_index: list  # their positions in the scope
+    nbytes: int = 0
+    nme_view: "_BatchGraph | None" = (
+        None  # g_N = J^T g_z with g_z held constant (built on first N product)
+    )
+    cached: bool = False  # held in CurvatureEngine._cache (its NME view then counts there too)
+
+
+@dataclass
+class _ByteCounter:
+    seen: set = field(default_factory=set)
+    nbytes: int = 0
+
+    def pack(self, tensor):
+        try:
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in self.seen:
+                self.seen.add(key)
+                self.nbytes += storage.nbytes()
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # tensors without storage (e.g. sparse) count by size
+            self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor):
+        return tensor
+
+
+def _write_columns(blocks: list, cols: slice, results: tuple) -> None:
+    """Write each product of ``results`` into the columns ``cols`` of its block."""
+    for block, result in zip(blocks, results):
+        block[:, cols] = result
+
+
+def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
+    """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
+
+    Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
+    ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
+    module and with it sympy (about 0.6 s of a command's start-up) to compare shapes, and
+    the dot product costs one elementwise product and sum per output. The ``vectors`` must
+    not depend on ``inputs`` (they are constants of the product); ``kw`` goes to
+    ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
+    """
+    dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
+    return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)
+
+
+class CurvatureEngine:
+    """The cache of first-order graphs behind the curvature operators, and their products.
+
+    ``hessian_matmat``, ``ggn_matmat``, ``nme_matmat`` and ``hessian_and_ggn_matmat`` (both
+    from the same reverse pass; see the module docstring) multiply a block ``V`` of shape
+    ``(P, k)`` in ONE pass over the data (each batch's first-order graph serves all k columns).
+    The per-batch graphs are cached while their retained bytes fit ``cache_bytes``
+    (0 disables caching); the cache is dropped automatically when any parameter or buffer
+    of the model changes in place (its version counter moves). Blocks are multiplied
+    ``vectorize`` columns at a time in one vmapped reverse pass (``is_grads_batched``), with
+    a per-column fallback for layers lacking a batched backward rule. The default is 32 on
+    accelerators and 1 (column by column) on CPU, where the vmapped double backward is slower
+    per product than the same products one at a time.
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        scope: the parameters differentiated.
+        cache_bytes: the budget of cached graphs (0: no cache).
+        vectorize: columns per vmapped reverse pass (default 1 on CPU, 32 elsewhere).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from sharpcli.curvature import AnalysisData, ParamScope
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+        >>> engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+        >>> V = torch.randn(engine.scope.numel, 3, dtype=torch.float64)
+        >>> HV, GV = engine.hessian_and_ggn_matmat(V)  # one pass over the data for both
+        >>> torch.allclose(HV - GV, engine.nme_matmat(V)), engine.cached_batches
+        (True, 2)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: AnalysisData,
+        scope: ParamScope,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        vectorize: int | None = None,
+    ):
+        self.model = model
+        self.data = data
+        self.scope = scope
+        self.loss = loss_fn(data.loss)
+        self.cache_bytes = int(cache_bytes)
+        self._cache: dict[int, _BatchGraph] = {}
+        self._cached_bytes = 0
+        self._versions = None
+        if vectorize is None:
+            vectorize = 1 if scope.device.type == "cpu" else 32
+        self.vectorize = int(vectorize)
+        self._batched_ok = self.vectorize > 1
+        self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
+
+    # ----------------------------------------------------------------- cache management
+    def _state_versions(self):
+        return tuple(t._version for t in self.model.parameters()) + tuple(
+            t._version for t in self.model.buffers()
+        )
+
+    def clear_cache(self) -> None:
+        """Drop every cached first-order graph (call after changing the model's weights)."""
+        self._cache.clear()
+        self._cached_bytes = 0
+        self._versions = None
+
+    @property
+    def cached_batches(self) -> int:
+        """Number of batches whose first-order graph is currently cached."""
+        return len(self._cache)
+
+    def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> _BatchGraph:
+        counter = _ByteCounter()
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+        ):
+            z = self.model(x_b)
+            loss_b = self.loss(z, y_b) * weight
+            if not torch.isfinite(loss_b):
+                raise NumericalError(
+                    f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
+                )
+            # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
+            # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
+            gz, *grads = torch.autograd.grad(
+                loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
+            )
+        kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+        nbytes += 2 * z.numel() * z.element_size()
+        return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+
+    def _nme_graph(self, graph: _BatchGraph) -> _BatchGraph:
+        """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
+
+        Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
+        (NME eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
+        about the cost of one Hessian product instead of a joint H+G one. Built once per batch
+        on the first N product and cached with the batch's graph.
+        """
+        if graph.nme_view is None:
+            counter = _ByteCounter()
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+            ):
+                grads = _vjp(
+                    [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
+                )
+            kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
+            nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+            graph.nme_view = _BatchGraph(
+                graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
+            )
+            if graph.cached:
+                graph.nbytes += nbytes
+                self._cached_bytes += nbytes
+        return graph.nme_view
+
+    def _graphs(self):
+        """Yield ``(batch_index, graph)`` over this rank's batches, from the cache when possible."""
+        versions = self._state_versions()
+        if self._versions is not None and versions != self._versions:
+            self.clear_cache()
+        self._versions = versions
+        dtype, device = self.scope.dtype, self.scope.device
+        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
+            graph = self._cache.get(index)
+            if graph is None:
+                x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
+                graph = self._build_graph(x_b, y_b, weight, index)
+                if self._cached_bytes + graph.nbytes <= self.cache_bytes:
+                    self._cache[index] = graph
+                    self._cached_bytes += graph.nbytes
+                    graph.cached = True
+            yield index, graph
+
+    def plan_memory(self, plan, *, auto_cache: bool = False) -> None:
+        """Count this engine in the run's memory plan (:mod:`sharpcli.memory`) before any product.
+
+        Builds the first batch's first-order graph (kept in the cache when it fits, so it is
+        not wasted) and measures its bytes ``b``; a product holds that graph and about as much
+        again for the double backward, ``2 b``, and the cache holds up to
+        ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
+        is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
+        hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
+        may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
+        half of what the budget leaves (each cached graph saves a forward and a backward pass
+        per product).
+
+        Args:
+            plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
+            auto_cache: let the cache grow to every batch's graph when the budget holds it.
+        """
+        batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
+        graph_bytes = 0
+        for _, graph in self._graphs():
+            graph_bytes = graph.nbytes
+            break
+        workspace = 2 * graph_bytes
+        plan.require(
+            "one batch's Hessian product (its first-order graph and double backward)",
+            workspace - (graph_bytes if self._cache else 0),
+            "lower `batch_size`",
+        )
+        plan.reserve(memory.PRODUCT_WORKSPACE, workspace)
+        room = max(0, plan.room() // 2)
+        if auto_cache:
+            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, room))
+        wanted = min(self.cache_bytes, batches * graph_bytes)
+        if wanted > room:
+            self.cache_bytes = int(room)
+            if self._cached_bytes > self.cache_bytes:
+                self.clear_cache()
+            plan.note(f"graph cache lowered to {room >> 20} MiB by the memory budget")
+            wanted = room
+        plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
+
+    # ----------------------------------------------------------------- products
+    def _flat(self, tensors, like_index=None) -> torch.Tensor:
+        scope = self.scope
+        out = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            j = i if like_index is None else like_index[i]
+            out[scope.offsets[j] : scope.offsets[j + 1]] = t.reshape(-1)
+        return out
+
+    # One batch's products. Each takes the batch's first-order graph, a block ``V`` of columns
+    # and ``batched`` (multiply all columns in one vmapped reverse pass, ``is_grads_batched``;
+    # otherwise ``V`` has one column) and returns a tuple of ``(P, k)`` blocks.
+    def _param_shaped(self, V: torch.Tensor, batched: bool) -> list[torch.Tensor]:
+        """The columns of ``V`` as parameter-shaped tensors (with a leading k dim when batched)."""
+        scope = self.scope
+        if not batched:
+            return scope.unflatten(V[:, 0])
+        return [
+            V[a:b].T.reshape(V.shape[1], *shape)
+            for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
+        ]
+
+    def _reverse_through_gradient(self, graph: _BatchGraph, V, batched: bool, inputs) -> tuple:
+        """``d<g, v>/d inputs`` for the batch's ``g = J^T g_z`` and each column ``v`` of ``V``.
+
+        With respect to the parameters this is ``H v``, with respect to ``g_z`` it is ``J v``
+        (``g`` is linear in ``g_z``); asking for both costs one reverse pass. The graph is
+        retained: it serves every block of every product while it is cached.
+        """
+        parts = self._param_shaped(V, batched)
+        vectors = [parts[i] for i in graph.grad_index]
+        with torch.enable_grad():
+            if not batched:
+                return _vjp(graph.grads, inputs, vectors, retain_graph=True)
+            return torch.autograd.grad(
+                graph.grads,
+                inputs,
+                grad_outputs=vectors,
+                allow_unused=True,
+                retain_graph=True,
+                is_grads_batched=True,
+            )
+
+    def _ggn_from_jv(self, graph: _BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
+        """``G v = J^T H_z (J v)`` [Schraudolph2002] from ``J v``: a backward through the tiny ``g_z(z)``
+        graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta."""
+        if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
+            scope = self.scope
+            return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
+        params = list(self.scope.params)
+        with torch.enable_grad():
+            if batched:
+                kw = {"retain_graph": True, "is_grads_batched": True}
+                (hz_jv,) = torch.autograd.grad(graph.gz, graph.z, grad_outputs=jv, **kw)
+                gv = torch.autograd.grad(
+                    graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
+                )
+            else:
+                (hz_jv,) = _vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
+                gv = _vjp([graph.z], params, [hz_jv], retain_graph=True)
+        return self._flat_block(gv, k, batched)
+
+    def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+        """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
+        outs = self._reverse_through_gradient(graph, V, batched, list(self.scope.params))
+        return (self._flat_block(outs, V.shape[1], batched),)
+
+    def _ggn_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+        """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
+        (jv,) = self._reverse_through_gradient(graph, V, batched, [graph.gz])
+        return (self._ggn_from_jv(graph, jv, V.shape[1], batched),)
+
+    def _joint_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
+        """``(H_b V, G_b V)`` from ONE reverse pass w.r.t. the parameters and ``g_z`` together."""
+        params = list(self.scope.params)
+        outs = self._reverse_through_gradient(graph, V, batched, params + [graph.gz])
+        k = V.shape[1]
+        return (
+            self._flat_block(outs[: len(params)], k, batched),
+            self._ggn_from_jv(graph, outs[-1], k, batched),
+        )
+
+    def _flat_block(self, tensors, k, batched) -> torch.Tensor:
+        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros."""
+        scope = self.scope
+        out = torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            a, b = scope.offsets[i], scope.offsets[i + 1]
+            out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
+        return out
+
+    # ----------------------------------------------------------------- the pass over the data
+    def _batch_blocks(self, graph: _BatchGraph, V, batch_product, count: int) -> list:
+        """``batch_product`` of one batch for every column of ``V``, as ``count`` blocks.
+
+        ``vectorize`` columns go through one vmapped reverse pass; column by column when
+        ``vectorize`` is 1 (the CPU default) or once a layer without a batched backward rule
+        has raised (then for the rest of this pass's life).
+        """
+        k = V.shape[1]
+        blocks = [torch.zeros_like(V) for _ in range(count)]
+        for start in range(0, k, self.vectorize):
+            cols = slice(start, min(k, start + self.vectorize))
+            if self._batched_ok and cols.stop - cols.start > 1:
+                try:
+                    _write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
+                    continue
+                except RuntimeError:  # an op without a batched (vmap) backward rule
+                    self._batched_ok = False
+            for j in range(cols.start, cols.stop):
+                column = slice(j, j + 1)
+                _write_columns(blocks, column, batch_product(graph, V[:, column], False))
+        return blocks
+
+    @staticmethod
+    def _check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
+        """Raise :class:`NumericalError` naming ``operator``, its ``part`` and the batch when a
+        batch's product is not finite, or finite with a norm beyond the dtype's range."""
+        if not torch.isfinite(block).all():
+            raise NumericalError(
+                f"{operator} product ({part} part) is not finite on batch {index}",
+                source=f"{operator} operator",
+            )
+        # Finite entries can still have a norm beyond the dtype's range (float32: entries
+        # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
+        # the product, so it would turn into Inf/NaN there and the NEXT product would be
+        # blamed on its first batch; stop here, naming the batch that did it.
+        if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
+            raise NumericalError(
+                f"{operator} product ({part} part) on batch {index} is too large for "
+                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
+                "`dtype=float64`)",
+                source=f"{operator} operator",
+            )
+
+    def _as_block(self, V: torch.Tensor) -> torch.Tensor:
+        """``V`` as a ``(P, k)`` block in the scope's dtype and device (a vector is one column)."""
+        if V.dim() == 1:
+            V = V[:, None]
+        scope = self.scope
+        if V.shape[0] != scope.numel:
+            raise ValueError(f"vector length {V.shape[0]} does not match scope size {scope.numel}")
+        return V.to(dtype=scope.dtype, device=scope.device)
+
+    @twice_differentiable()
+    def _apply(self, V, batch_product, parts: tuple[str, ...], operator: str, view=None) -> tuple:
+        """The sum of ``batch_product`` over this rank's batches and over all ranks.
+
+        One ``(P, k)`` block per name in ``parts`` (the names the NaN/Inf errors give them),
+        ``(P,)`` for a vector ``V``. ``view`` maps a batch's first-order graph to the graph the
+        product differentiates (the NME's ``g_N``). Every batch's blocks are checked before they
+        are added, so an error names the batch that produced it (and ``operator``).
+        """
+        squeeze = V.dim() == 1
+        V = self._as_block(V)
+        totals = [torch.zeros_like(V) for _ in parts]
+        for index, graph in self._graphs():
+            if view is not None:
+                graph = view(graph)
+            if not graph.grads:  # the loss does not depend on theta in scope on this batch
+                continue
+            blocks = self._batch_blocks(graph, V, batch_product, len(parts))
+            for part, block in zip(parts, blocks):
+                self._check_finite(block, part, operator, index)
+            for total, block in zip(totals, blocks):
+                total += block
+        for total in totals:
+            all_reduce_sum(total)
+        return tuple(total[:, 0] if squeeze else total for total in totals)
+
+    # ----------------------------------------------------------------- products over the data
+    def hessian_matmat(self, V: torch.Tensor, *, operator: str = "Hessian") -> torch.Tensor:
+        """The Hessian product, in one pass over the data.
+
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors (which also name the batch).
+
+        Returns:
+            :math:`H V`, shaped like ``V``.
+        """
+        (HV,) = self._apply(V, self._hessian_batch, ("Hessian",), operator)
+        return HV
+
+    def ggn_matmat(self, V: torch.Tensor, *, operator: str = "Gauss-Newton") -> torch.Tensor:
+        r"""The Gauss-Newton product ([NME] eq. 2, [Schraudolph2002]), in one pass over the data.
+
+        .. math::
+
+            G V = \frac{1}{N} \sum_i J_i^\top H_{z,i} J_i V
+
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors.
+
+        Returns:
+            :math:`G V`, shaped like ``V``.
+        """
+        (GV,) = self._apply(V, self._ggn_batch, ("Gauss-Newton",), operator)
+        return GV
+
+    def nme_matmat(self, V: torch.Tensor, *, operator: str = "NME") -> torch.Tensor:
+        """The NME product :math:`N V = (H - G) V` ([NME] eq. 2), in one pass over the data.
+
+        Straight from the graph of :meth:`_nme_graph` (about the cost of :math:`H V`; equal to
+        :math:`H V - G V` of the joint pass to rounding).
+
+        Args:
+            V: a ``(P, k)`` block or a ``(P,)`` vector.
+            operator: names the product in NaN/Inf errors.
+
+        Returns:
+            :math:`N V`, shaped like ``V``.
+        """
+        (NV,) = self._apply(V, self._hessian_batch, ("NME",), operator, view=self._nme_graph)
+        return NV
+
+    def hessian_and_ggn_matvec(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Hessian and Gauss-Newton products from ONE pass over the data (counted in ``matvecs``).
+
+        Args:
+            v: a ``(P,)`` vector or a ``(P, k)`` block.
+
+        Returns:
+            ``(H v, G v)``; ``N v = H v - G v`` ([NME] eq. 2).
+        """
+        HV, GV = self._apply(
+            v, self._joint_batch, ("Hessian", "Gauss-Newton"), "Hessian+Gauss-Newton"
+        )
+        self.matvecs += 1 if v.dim() == 1 else v.shape[1]
+        return HV, GV
+
+    def hessian_and_ggn_matmat(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block version of :meth:`hessian_and_ggn_matvec`.
+
+        Args:
+            V: a ``(P, k)`` block.
+
+        Returns:
+            ``(H V, G V)``.
+        """
+        return self.hessian_and_ggn_matvec(V)
+
+    @twice_differentiable()
+    def loss_and_gradient(self) -> tuple[float, torch.Tensor]:
+        """The analysis loss and its gradient (plain backward, no graph kept).
+
+        Returns:
+            ``(L(theta), grad L(theta))``, the gradient flat in the scope's layout.
+        """
+        scope = self.scope
+        total_loss = torch.zeros((), dtype=torch.float64, device=scope.device)
+        grad = torch.zeros(scope.numel, dtype=scope.dtype, device=scope.device)
+        for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
+            x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+            with torch.enable_grad():
+                loss_b = self.loss(self.model(x_b), y_b) * weight
+                parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+            flat = self._flat(parts)
+            if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):
+                raise NumericalError(f"gradient is not finite on batch {index}", source="gradient")
+            grad += flat
+            total_loss += loss_b.detach().to(torch.float64)
+        all_reduce_sum([total_loss, grad])
+        return float(total_loss), grad
+
+    # ----------------------------------------------------------------- operator views
+    def hessian(self) -> HessianOperator:
+        """The Hessian operator sharing this engine (and its cache)."""
+        from sharpcli.curvature.operators import HessianOperator
+
+        return HessianOperator(engine=self)
+
+    def ggn(self) -> GGNOperator:
+        """The Gauss-Newton operator sharing this engine (and its cache)."""
+        from sharpcli.curvature.operators import GGNOperator
+
+        return GGNOperator(engine=self)
+
+    def nme(self) -> NMEOperator:
+        """The NME operator sharing this engine (and its cache)."""
+        from sharpcli.curvature.operators import NMEOperator
+
+        return NMEOperator(engine=self)
