@@ -422,7 +422,7 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     if dtype is None:
         return model_dtype
     if isinstance(dtype, str):
-        from sharpcli.session import resolve_dtype
+        from sharpcli.preflight import resolve_dtype
 
         return resolve_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -436,7 +436,7 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
 def _resolve_device(device, model_device: torch.device) -> torch.device:
     if device is None:
         return model_device
-    from sharpcli.session import resolve_device
+    from sharpcli.preflight import resolve_device
 
     return resolve_device(str(device))
 
@@ -465,7 +465,7 @@ class Curvature:
     model takes every input and that the loss fits its outputs and the labels, and one
     Hessian-vector product is compared with a difference of gradients in float64 on 8
     samples (the model's layers differentiate twice correctly;
-    :func:`sharpcli.session.check_second_derivatives`). Errors are
+    :func:`sharpcli.preflight.check_second_derivatives`). Errors are
     :class:`~sharpcli.errors.UsageError` naming the argument (``error.source``).
 
     >>> import torch
@@ -592,7 +592,7 @@ class Curvature:
 
     def _self_check(self, collected: _Collected) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-        from sharpcli.session import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
+        from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
@@ -842,8 +842,8 @@ def _integer(value, name: str, minimum: int = 1) -> int:
 
 
 def _seed(seed) -> int:
-    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.session.check_seed`)."""
-    from sharpcli.session import check_seed
+    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
+    from sharpcli.preflight import check_seed
 
     return check_seed(seed, "seed")
 
