@@ -19,7 +19,7 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
-from sharpcli.losses import set_token_reduction
+from sharpcli.losses import get_loss, set_token_reduction
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 from sharpcli.preflight import (
     SECOND_DERIVATIVE_SAMPLES,
@@ -246,7 +246,8 @@ def build_session(
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
     # the token loss's average (sharpcli.losses.set_token_reduction) over this analysis set
     mean_positions = None
-    if loss == "token-cross-entropy":
+    per_token = get_loss(loss).per_token
+    if per_token:
         mean_positions = set_token_reduction(token_reduction, y)
     if curvature:  # the analysis differentiates the model twice
         with plan.hold("second-derivative self-check", self_check_bytes(model)):
@@ -269,7 +270,7 @@ def build_session(
         seed=seed,
         num_outputs=n_out,
         cache_bytes=None if cache_mb is None else int(cache_mb) << 20,
-        token_reduction=token_reduction if loss == "token-cross-entropy" else None,
+        token_reduction=token_reduction if per_token else None,
         mean_positions=mean_positions,
         notes=[*ckpt.notes, *notes],
     )

@@ -95,7 +95,7 @@ from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureOperator, CurvaturePass
 from sharpcli.curvature.scope import ParamScope, gaussian_like
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.losses import loss_fn
+from sharpcli.losses import get_loss, loss_fn
 
 __all__ = [
     "AveragedOperator",
@@ -858,7 +858,7 @@ def theorem2_check(
     and the mean ``|taylor - smoothed|``. Needs cross-entropy.
     """
     _check_sigmas(sigmas)
-    if data.loss != "cross-entropy":
+    if not get_loss(data.loss).softmax_per_sample:
         raise UsageError(
             f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="checks"
         )

@@ -20,6 +20,7 @@ import torch
 from sharpcli import progress
 from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
+from sharpcli.losses import get_loss
 
 METHODS = ("lanczos", "power")
 ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
@@ -382,22 +383,25 @@ def ggn_check_plan(session, ggn_estimator: str = "auto") -> dict:
     of a classifier, ``T x V`` for a language model's T positions over a vocabulary of V. With
     ``auto`` it runs only up to :data:`EXACT_GGN_MAX_DIRECTIONS` directions per sample; beyond
     (token-level LMs, 1000-class heads) the sampled-label estimator ([NME] eq. 20, a few
-    backward passes per sample whatever C) runs where it applies (cross-entropy and mse on
-    per-sample logit vectors), and the shared probes' Hutchinson estimate of tr(G) always
+    backward passes per sample whatever C) runs where it applies (a loss with one predictive
+    distribution per sample: cross-entropy, mse, binary cross-entropy), and the shared probes' Hutchinson estimate of tr(G) always
     does. ``exact`` forces the exact trace, ``sampled`` the sampled-label one, ``hutchinson``
     neither.
     """
     check_choice(ggn_estimator, GGN_ESTIMATORS, "ggn_estimator")
-    per_sample = max(1, int(session.y[0].numel())) if session.loss == "cross-entropy" else 1
+    loss = get_loss(session.loss)
+    per_sample = max(1, int(session.y[0].numel())) if loss.softmax_per_sample else 1
     directions = int(session.num_outputs) * per_sample
-    sampled_ok = session.loss in ("cross-entropy", "mse") and per_sample == 1
+    # the loss draws labels from one predictive distribution per sample (Loss.sample_labels)
+    sampled_ok = loss.sampler is not None and not loss.per_token and per_sample == 1
     if ggn_estimator == "exact":
         return {"run": ["exact", "hutchinson"], "why": "`ggn_estimator=exact` asked"}
     if ggn_estimator == "sampled":
         if not sampled_ok:
             raise UsageError(
-                "the sampled-label estimator needs cross-entropy or mse on one logit vector per "
-                "sample; use `ggn_estimator=hutchinson` or `exact`",
+                "the sampled-label estimator needs one predictive distribution per sample "
+                "(cross-entropy, mse, binary-cross-entropy); use `ggn_estimator=hutchinson` or "
+                "`exact`",
                 source="ggn_estimator",
             )
         return {"run": ["sampled_label", "hutchinson"], "why": "`ggn_estimator=sampled` asked"}
