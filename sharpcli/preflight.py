@@ -13,6 +13,8 @@ and the features as the model takes them (:func:`prepare_features`, from
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -23,6 +25,12 @@ from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is whe
     embeddings_fed_by_input,
     prepare_features,
     to_analysis_dtype,
+)
+from sharpcli.losses import get_loss
+from sharpcli.models.activations import (
+    ALTERED_DERIVATIVE_TYPES,
+    intended_derivative_error,
+    replace_altered_activations,
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -116,8 +124,6 @@ def check_model_accepts(
     :attr:`sharpcli.losses.Loss.check`). ``loss`` (from the checkpoint) or, if absent, the
     loss :func:`infer_loss` picks.
     """
-    from sharpcli.losses import get_loss
-
     if x.shape[0] == 0:
         raise InputError("the analysis set is empty", source=source)
     try:
@@ -199,30 +205,12 @@ def check_second_derivatives(
     gradient, so the comparison above checks every other layer of the model
     (:func:`altered_derivative_notes` says so in the report).
     """
-    import copy
-
-    from sharpcli.losses import get_loss
-    from sharpcli.models.activations import intended_derivative_error, replace_altered_activations
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable or sum(p.numel() for p in trainable) > SECOND_DERIVATIVE_MAX_PARAMS:
         return None
-    try:
-        twin = copy.deepcopy(model).to(torch.float64).eval()
-    except (RuntimeError, TypeError, copy.Error):  # a model that cannot be copied or widened
+    twin = _float64_twin(model, source)
+    if twin is None:
         return None
-    # sharp's augmented ReLU / diminished GELU change the second derivative on purpose ([NME]
-    # 4.4): each is checked against its intended closed form, and the model's Hessian product
-    # against central differences with a twin of the same gradient and true second derivatives
-    for layer in replace_altered_activations(twin):
-        deviation = intended_derivative_error(layer)
-        if deviation > _SECOND_DERIVATIVE_RTOL:
-            raise InputError(
-                f"torch computes the second derivative of the {layer.spec} layers wrongly: "
-                f"double backward differs from the intended closed form by {deviation:.2g} "
-                "(relative), so every curvature figure would be wrong",
-                source=source,
-            )
     params = [p for p in twin.parameters() if p.requires_grad]
     x = x.to(torch.float64) if x.is_floating_point() else x
     y = y[: x.shape[0]]
@@ -236,21 +224,8 @@ def check_second_derivatives(
             )
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
-    generator = torch.Generator().manual_seed(seed)
-    v = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
-    norm_v = torch.sqrt(sum((t * t).sum() for t in v))
-    v = [(t / norm_v).to(p.device) for t, p in zip(v, params)]
-    with torch.enable_grad():
-        g = gradient(create_graph=True)
-        dot = sum((a * b).sum() for a, b in zip(g, v) if a.requires_grad)
-        hv = (
-            torch.autograd.grad(dot, params, allow_unused=True)
-            if torch.is_tensor(dot) and dot.requires_grad
-            else [None] * len(params)
-        )
-    hv = torch.cat(
-        [(torch.zeros_like(p) if t is None else t).reshape(-1) for p, t in zip(params, hv)]
-    )
+    v = _unit_direction(params, seed)
+    g, hv = _double_backward_product(gradient, params, v)
     theta = [p.detach().clone() for p in params]
     norm_theta = float(torch.sqrt(sum((t * t).sum() for t in theta)))
 
@@ -281,22 +256,76 @@ def check_second_derivatives(
     if not within(fd, central_difference(10 * h), 10 * h):
         return None
     error, scale = float((hv - fd).norm()), max(float(hv.norm()), float(fd.norm()))
-    padded = padding_embeddings(model)
-    cause = (
-        f"nn.Embedding {padded[0][0]!r} has padding_idx={padded[0][1].padding_idx}: torch "
-        "zeroes that row's gradient although the pad id reaches the loss (no attention mask?), "
-        "so the gradient is not the loss's derivative there; pass the attention mask with the "
-        "data (key attention_mask) or build the embedding without padding_idx"
-        if padded
-        else "A layer's backward is not differentiable (a custom autograd.Function marked "
-        "once_differentiable or computing its backward without autograd, an unsupported kernel)"
-    )
     raise InputError(
         f"torch computes this model's second derivatives wrongly: a Hessian-vector product "
         f"by double backward differs from central differences of the gradient by "
         f"{error / scale:.2g} (relative) on {x.shape[0]} samples, so every curvature figure "
-        f"would be wrong. {cause}",
+        f"would be wrong. {_wrong_derivative_cause(model)}",
         source=source,
+    )
+
+
+def _float64_twin(model: nn.Module, source: str) -> nn.Module | None:
+    """A float64 copy of ``model`` in eval mode with sharp's altered activations checked
+    against their intended derivatives and replaced by ReLU / GELU
+    (:func:`check_second_derivatives`); None for a model that cannot be copied or widened."""
+    try:
+        twin = copy.deepcopy(model).to(torch.float64).eval()
+    except (RuntimeError, TypeError, copy.Error):  # a model that cannot be copied or widened
+        return None
+    # sharp's augmented ReLU / diminished GELU change the second derivative on purpose ([NME]
+    # 4.4): each is checked against its intended closed form, and the model's Hessian product
+    # against central differences with a twin of the same gradient and true second derivatives
+    for layer in replace_altered_activations(twin):
+        deviation = intended_derivative_error(layer)
+        if deviation > _SECOND_DERIVATIVE_RTOL:
+            raise InputError(
+                f"torch computes the second derivative of the {layer.spec} layers wrongly: "
+                f"double backward differs from the intended closed form by {deviation:.2g} "
+                "(relative), so every curvature figure would be wrong",
+                source=source,
+            )
+    return twin
+
+
+def _unit_direction(params: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A seeded unit Gaussian direction over ``params`` (drawn on the CPU in float64)."""
+    generator = torch.Generator().manual_seed(seed)
+    v = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
+    norm_v = torch.sqrt(sum((t * t).sum() for t in v))
+    return [(t / norm_v).to(p.device) for t, p in zip(v, params)]
+
+
+def _double_backward_product(gradient, params: list[torch.Tensor], v: list[torch.Tensor]):
+    """``(g, H v)``: the gradient (with its graph) and the Hessian-vector product by double
+    backward, flat; parameters the gradient does not depend on give zeros."""
+    with torch.enable_grad():
+        g = gradient(create_graph=True)
+        dot = sum((a * b).sum() for a, b in zip(g, v) if a.requires_grad)
+        hv = (
+            torch.autograd.grad(dot, params, allow_unused=True)
+            if torch.is_tensor(dot) and dot.requires_grad
+            else [None] * len(params)
+        )
+    flat = torch.cat(
+        [(torch.zeros_like(p) if t is None else t).reshape(-1) for p, t in zip(params, hv)]
+    )
+    return g, flat
+
+
+def _wrong_derivative_cause(model: nn.Module) -> str:
+    """The likely cause of a wrong second derivative: a padding row, else a layer's backward."""
+    padded = padding_embeddings(model)
+    if padded:
+        return (
+            f"nn.Embedding {padded[0][0]!r} has padding_idx={padded[0][1].padding_idx}: torch "
+            "zeroes that row's gradient although the pad id reaches the loss (no attention "
+            "mask?), so the gradient is not the loss's derivative there; pass the attention "
+            "mask with the data (key attention_mask) or build the embedding without padding_idx"
+        )
+    return (
+        "A layer's backward is not differentiable (a custom autograd.Function marked "
+        "once_differentiable or computing its backward without autograd, an unsupported kernel)"
     )
 
 
@@ -338,8 +367,6 @@ def altered_derivative_notes(model: nn.Module) -> list[str]:
     ``phi'' ``); the self-check compared those layers with that intended derivative
     (:func:`check_second_derivatives`). Empty for every other model.
     """
-    from sharpcli.models.activations import ALTERED_DERIVATIVE_TYPES
-
     specs = sorted({m.spec for m in model.modules() if isinstance(m, ALTERED_DERIVATIVE_TYPES)})
     return [
         f"{spec} layers have an autograd second derivative altered by design (NME 4.4): "
@@ -359,8 +386,6 @@ def unreached_parameter_notes(
     whose gradient autograd returns as ``None``; a parameter used with a zero gradient is
     reached). Empty when every trainable parameter is reached.
     """
-    from sharpcli.losses import get_loss
-
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named or x.shape[0] == 0:
         return []
