@@ -533,8 +533,17 @@ def ggn_check_plan(
     (token-level LMs, 1000-class heads) the sampled-label estimator ([NME] eq. 20, a few
     backward passes per sample whatever C) runs where it applies (a loss with one predictive
     distribution per sample: cross-entropy, mse, binary cross-entropy), and the shared probes'
-    Hutchinson estimate of tr(G) always does. ``exact`` forces the exact trace, ``sampled`` the sampled-label one, ``hutchinson``
-    neither.
+    Hutchinson estimate of tr(G) always does. ``exact`` forces the exact trace, ``sampled``
+    the sampled-label one, ``hutchinson`` neither.
+
+    Args:
+        loss: The registered loss name of the analysis set.
+        num_outputs: Model outputs per sample.
+        labels: The analysis set's labels (the first sample's shape counts its directions).
+        ggn_estimator: ``auto``, ``exact``, ``sampled`` or ``hutchinson``.
+
+    Returns:
+        ``{"run": [estimator, ...], "why": reason}``.
     """
     check_choice(ggn_estimator, GGN_ESTIMATORS, "ggn_estimator")
     record = get_loss(loss)
