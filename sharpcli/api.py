@@ -32,236 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from sharpcli.curvature import CurvatureOperator
 from sharpcli.errors import UsageError
+from sharpcli.io.in_memory import (
+    LABEL_KEYS,
+    LOSS_MODULES,
+    CollectedData,
+    apply_ignore_index,
+    collect_data,
+    loss_name,
+    model_on_data,
+    refuse_unshifted_labels,
+    to_device,
+)
 
 __all__ = ["Curvature", "LABEL_KEYS", "Tracker"]
-
-LABEL_KEYS = ("labels", "y")  # where a dict batch keeps its labels
-DEFAULT_BATCH_SIZE = 256  # tensors given whole: products batch them by this many samples
-_LOSS_MODULES = "nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.MSELoss"
-
-
-# --------------------------------------------------------------------------- data
-class _Collected:
-    """The analysis set read from ``data``: positional inputs or keyword inputs, and labels."""
-
-    def __init__(self, x, keywords: dict, y: torch.Tensor, batch_size: int):
-        self.x = x  # a tensor, or None when the model takes keyword inputs
-        self.keywords = keywords  # name -> tensor
-        self.y = y
-        self.batch_size = batch_size
-
-    @property
-    def num_samples(self) -> int:
-        """N, the samples of the analysis set."""
-        return int(self.y.shape[0])
-
-    def select(self, keep: torch.Tensor) -> "_Collected":
-        """The samples where ``keep`` (bool, (N,)) is true."""
-        x = None if self.x is None else self.x[keep]
-        return _Collected(
-            x, {k: v[keep] for k, v in self.keywords.items()}, self.y[keep], self.batch_size
-        )
-
-
-def _batch_parts(batch, index: int) -> tuple:
-    """``(x or None, keywords, y)`` of one batch; UsageError on ``data`` for any other shape."""
-    where = "`data`" if index < 0 else f"batch {index} of `data`"
-    if isinstance(batch, Mapping):
-        found = [key for key in LABEL_KEYS if key in batch]
-        if len(found) != 1:
-            keys = ", ".join(map(str, batch)) or "none"
-            problem = "both" if found else "neither"
-            raise UsageError(
-                f"{where} is a dict with {problem} of the label keys `labels` and `y` (keys: "
-                f"{keys}); put the labels under exactly one of them",
-                source="data",
-            )
-        inputs = {k: v for k, v in batch.items() if k != found[0]}
-        return None, _tensor_inputs(inputs, where), _tensor(batch[found[0]], where, found[0])
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        x, y = batch
-        if isinstance(x, Mapping):
-            return None, _tensor_inputs(x, where), _tensor(y, where, "y")
-        return _tensor(x, where, "x"), {}, _tensor(y, where, "y")
-    raise UsageError(
-        f"{where} is a {type(batch).__name__}; expected (x, y) tensors, (dict of inputs, y) or a "
-        "dict of inputs with its labels under `labels` or `y`",
-        source="data",
-    )
-
-
-def _tensor(value, where: str, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise UsageError(
-            f"{where}: `{name}` is a {type(value).__name__}, not a tensor", source="data"
-        )
-    if value.ndim == 0:
-        raise UsageError(
-            f"{where}: `{name}` is a scalar; a batch holds one row per sample (a Dataset of "
-            "single samples goes through DataLoader(dataset, batch_size=...))",
-            source="data",
-        )
-    return value
-
-
-def _tensor_inputs(inputs: Mapping, where: str) -> dict:
-    if not inputs:
-        raise UsageError(f"{where} has labels but no inputs", source="data")
-    return {str(k): _tensor(v, where, str(k)) for k, v in inputs.items()}
-
-
-def _batches(data) -> tuple[list, bool]:
-    """The batches of ``data`` as a list, and whether ``data`` was one batch given whole."""
-    from torch.utils.data import DataLoader, Dataset, IterableDataset
-
-    if isinstance(data, torch.Tensor):
-        raise UsageError(
-            "`data` is one tensor; pass the inputs with their labels, (x, y)", source="data"
-        )
-    if isinstance(data, Mapping):
-        return [data], True
-    if isinstance(data, (tuple, list)) and len(data) == 2:
-        if isinstance(data[1], torch.Tensor) and isinstance(data[0], (torch.Tensor, Mapping)):
-            return [tuple(data)], True
-    if isinstance(data, Dataset) and not isinstance(data, (DataLoader, IterableDataset)):
-        raise UsageError(
-            f"`data` is a {type(data).__name__} of single samples; batch it: "
-            "DataLoader(dataset, batch_size=64)",
-            source="data",
-        )
-    try:
-        iterator = iter(data)
-    except TypeError:
-        raise UsageError(
-            f"`data` is a {type(data).__name__}; expected (x, y) tensors, a dict of tensors, a "
-            "DataLoader or an iterable of batches",
-            source="data",
-        ) from None
-    batches = list(iterator)
-    if not batches:
-        raise UsageError("`data` holds no batches", source="data")
-    return batches, False
-
-
-def _concatenate(parts: list, name: str) -> torch.Tensor:
-    """``torch.cat`` of one input over the batches; UsageError naming the first mismatch."""
-    first = parts[0]
-    for i, part in enumerate(parts[1:], start=1):
-        if part.shape[1:] != first.shape[1:] or part.dtype != first.dtype:
-            raise UsageError(
-                f"batch {i} of `data` has `{name}` of shape {tuple(part.shape)} "
-                f"({part.dtype}) but batch 0 {tuple(first.shape)} ({first.dtype}); the batches "
-                "are concatenated, so pad every batch to one length (with an attention mask)",
-                source="data",
-            )
-    return torch.cat([p.to(first.device) for p in parts]) if len(parts) > 1 else first
-
-
-def collect_data(data, batch_size: int | None = None) -> _Collected:
-    """Read ``data`` (module docstring) into one analysis set; UsageError on ``data`` if it
-    cannot be one (an unknown batch shape, inputs that differ between batches, sample counts
-    that disagree)."""
-    batches, whole = _batches(data)
-    parts = [_batch_parts(b, -1 if whole else i) for i, b in enumerate(batches)]
-    positional = [p[0] is not None for p in parts]
-    if any(positional) and not all(positional):
-        raise UsageError(
-            f"batch {positional.index(not positional[0])} of `data` gives the inputs "
-            f"{'as one tensor' if not positional[0] else 'by name'} but batch 0 "
-            f"{'as one tensor' if positional[0] else 'by name'}",
-            source="data",
-        )
-    names = list(parts[0][1])
-    for i, p in enumerate(parts):
-        if set(p[1]) != set(names):
-            raise UsageError(
-                f"batch {i} of `data` has the inputs {', '.join(p[1])} but batch 0 "
-                f"{', '.join(names)}",
-                source="data",
-            )
-        sizes = {tuple(t.shape[:1]) for t in p[1].values()} | {tuple(p[2].shape[:1])}
-        if p[0] is not None:
-            sizes.add(tuple(p[0].shape[:1]))
-        if len(sizes) > 1:
-            where = "`data`" if whole else f"batch {i} of `data`"
-            raise UsageError(
-                f"{where}: inputs and labels hold different numbers of samples "
-                f"({', '.join(str(s[0]) for s in sorted(sizes))})",
-                source="data",
-            )
-    x = _concatenate([p[0] for p in parts], "x") if positional[0] else None
-    keywords = {n: _concatenate([p[1][n] for p in parts], n) for n in names}
-    y = _concatenate([p[2] for p in parts], "labels")
-    if y.shape[0] == 0:
-        raise UsageError("`data` holds no samples", source="data")
-    if batch_size is None:
-        largest = max(int(p[2].shape[0]) for p in parts)
-        batch_size = min(int(y.shape[0]), DEFAULT_BATCH_SIZE) if whole else largest
-    return _Collected(x, keywords, y, batch_size)
-
-
-# --------------------------------------------------------------------------- the model view
-class _IndexedInputs:
-    """Mixed in before the model's class: ``forward(index)`` runs the model's own ``forward``
-    on rows ``index`` of the stored inputs and returns the logits tensor."""
-
-    def forward(self, index: torch.Tensor) -> torch.Tensor:
-        """The model's logits on the samples ``index`` of the analysis set."""
-        from sharpcli.models.outputs import select_output
-
-        # floating inputs follow the parameters (a float64 copy of the view gets float64 rows)
-        dtype = next(iter(self.parameters())).dtype
-
-        def rows(tensor: torch.Tensor) -> torch.Tensor:
-            taken = tensor[index]
-            return taken.to(dtype) if taken.is_floating_point() else taken
-
-        args = () if self._sharp_positional is None else (rows(self._sharp_positional),)
-        kwargs = {name: rows(tensor) for name, tensor in self._sharp_keywords.items()}
-        return select_output(super().forward(*args, **kwargs))
-
-
-_VIEW_CLASSES: dict[type, type] = {}
-
-
-def _view_class(cls: type) -> type:
-    view = _VIEW_CLASSES.get(cls)
-    if view is None:
-        view = type(f"{cls.__name__}OnData", (_IndexedInputs, cls), {"__module__": __name__})
-        _VIEW_CLASSES[cls] = view
-    return view
-
-
-def model_on_data(model: nn.Module, x, keywords: dict) -> nn.Module:
-    """A view of ``model`` (its modules, parameters and buffers, not copies) whose
-    ``forward(index)`` is ``logits(model(x[index], **{k: v[index]}))``.
-
-    The view is an instance of a subclass of ``type(model)`` sharing ``model``'s attributes
-    (shallow), so parameter names, ``functional_call`` and ``torch.func`` see the model's own;
-    its ``training`` flag is its own (the root's, as :func:`eval_mode` on the view sets it)."""
-    view_class = _view_class(type(model))
-    view = view_class.__new__(view_class)
-    view.__dict__.update(model.__dict__)
-    # a forward patched onto the instance (accelerate's mixed-precision wrapper in a Hugging
-    # Face Trainer) would shadow the view's; the view calls the class's own forward
-    view.__dict__.pop("forward", None)
-    object.__setattr__(view, "_sharp_positional", x)
-    object.__setattr__(view, "_sharp_keywords", dict(keywords))
-    return view
-
-
-def _to_device(tensor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """On ``device``; floating tensors in ``dtype``, integer and bool ones unchanged."""
-    if tensor.is_floating_point():
-        return tensor.to(device=device, dtype=dtype)
-    return tensor.to(device=device)
 
 
 @contextlib.contextmanager
@@ -300,129 +89,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-# --------------------------------------------------------------------------- losses
-def _check_reduction(loss: nn.Module) -> None:
-    reduction = getattr(loss, "reduction", "mean")
-    if reduction != "mean":
-        raise UsageError(
-            f"{type(loss).__name__}(reduction={reduction!r}): curvature is taken of the mean "
-            "loss over samples; use reduction='mean' (multiply the results by N for the sum)",
-            source="loss",
-        )
-
-
-def _refuse_attribute(loss: nn.Module, name: str, default) -> None:
-    value = getattr(loss, name, default)
-    if value is not default and not (isinstance(value, float) and value == default):
-        raise UsageError(
-            f"{type(loss).__name__}({name}=...) is not supported: sharp's losses have no "
-            f"`{name}`; leave it at its default",
-            source="loss",
-        )
-
-
-def loss_name(loss, logits: torch.Tensor) -> tuple[str, int | None]:
-    """``(registered loss name, ignore_index or None)`` for a loss module or name.
-
-    ``nn.CrossEntropyLoss`` is ``cross-entropy`` on (batch, classes) logits and
-    ``token-cross-entropy`` on (batch, length, vocabulary) logits (classes on the last axis,
-    as ``loss(logits.view(-1, V), labels.view(-1))``); ``nn.BCEWithLogitsLoss`` is
-    ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``. Refused clearly: another reduction than
-    the mean, class weights, ``pos_weight``, label smoothing, other modules.
-    """
-    from sharpcli.losses import LOSSES, get_loss
-
-    if isinstance(loss, str):
-        return get_loss(loss).name, None
-    if isinstance(loss, nn.CrossEntropyLoss):
-        _check_reduction(loss)
-        _refuse_attribute(loss, "weight", None)
-        _refuse_attribute(loss, "label_smoothing", 0.0)
-        name = "token-cross-entropy" if logits.ndim == 3 else "cross-entropy"
-        return name, int(loss.ignore_index)
-    if isinstance(loss, nn.BCEWithLogitsLoss):
-        _check_reduction(loss)
-        _refuse_attribute(loss, "weight", None)
-        _refuse_attribute(loss, "pos_weight", None)
-        return "binary-cross-entropy", None
-    if isinstance(loss, nn.MSELoss):
-        _check_reduction(loss)
-        return "mse", None
-    raise UsageError(
-        f"{type(loss).__name__} is not a supported loss; pass one of {_LOSS_MODULES} or a name: "
-        f"{', '.join(LOSSES)}",
-        source="loss",
-    )
-
-
-def _apply_ignore_index(collected: _Collected, name: str, ignore_index: int | None):
-    """Honour ``nn.CrossEntropyLoss(ignore_index=i)``: ``(1/|V|) sum_{j in V} l_j`` over the
-    labelled entries ``V``.
-
-    Per sample (``cross-entropy``) the samples labelled ``i`` are left out of the set, so the
-    analysis mean is over the others. Per position (``token-cross-entropy``) the positions
-    labelled ``i`` are the ones the loss ignores (relabelled ``-100``, the loss's marker); the
-    loss module averages over every labelled token of the set while ``token-cross-entropy``
-    averages each sample over its positions, then over samples, which agree when every sample
-    has as many labelled positions, and the data is refused otherwise.
-    """
-    from sharpcli.losses import IGNORE_INDEX
-
-    y = collected.y
-    if ignore_index is None or y.is_floating_point():
-        return collected
-    if name == "cross-entropy" and y.ndim == 1:
-        keep = y != ignore_index
-        if not bool(keep.any()):
-            raise UsageError(
-                f"every label of `data` is the loss's ignore_index {ignore_index}", source="data"
-            )
-        return collected if bool(keep.all()) else collected.select(keep)
-    if name == "token-cross-entropy" and y.ndim == 2:
-        if ignore_index != IGNORE_INDEX:
-            y = torch.where(y == ignore_index, torch.full_like(y, IGNORE_INDEX), y)
-            collected = _Collected(collected.x, collected.keywords, y, collected.batch_size)
-        counts = (y != IGNORE_INDEX).sum(1)
-        if int(counts.min()) != int(counts.max()):
-            raise UsageError(
-                "nn.CrossEntropyLoss averages over every labelled position of the set, but the "
-                f"samples of `data` have between {int(counts.min())} and {int(counts.max())} "
-                "labelled positions, and sharp's token loss (each sample's mean over its "
-                "positions, then the mean over samples) would not be that loss; pass "
-                "`loss=token-cross-entropy` to analyse the per-sample mean",
-                source="loss",
-            )
-    return collected
-
-
-def _refuse_unshifted_labels(collected: _Collected, name: str) -> None:
-    """Token labels equal to the token inputs: a causal LM's labels before the shift that
-    Hugging Face models make inside (their loss compares output t with label t + 1); sharp
-    compares output t with label t, so the curvature would be that of copying the input."""
-    from sharpcli.losses import IGNORE_INDEX
-
-    if name != "token-cross-entropy":
-        return
-    y = collected.y
-    inputs = [collected.x] if collected.x is not None else list(collected.keywords.values())
-    labelled = y != IGNORE_INDEX
-    for tensor in inputs:
-        if tensor.shape == y.shape and not tensor.is_floating_point():
-            if bool(labelled.any()) and bool((tensor.to(y.device) == y)[labelled].all()):
-                raise UsageError(
-                    "the labels of `data` equal its token inputs (a causal LM's labels before "
-                    "the shift Hugging Face models make inside); sharp compares output t with "
-                    "label t: pass labels = input_ids[:, 1:] with -100 appended, or "
-                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100",
-                    source="data",
-                )
-
-
 def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     if dtype is None:
         return model_dtype
     if isinstance(dtype, str):
-        from sharpcli.session import resolve_dtype
+        from sharpcli.preflight import resolve_dtype
 
         return resolve_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -436,7 +107,7 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
 def _resolve_device(device, model_device: torch.device) -> torch.device:
     if device is None:
         return model_device
-    from sharpcli.session import resolve_device
+    from sharpcli.preflight import resolve_device
 
     return resolve_device(str(device))
 
@@ -465,7 +136,7 @@ class Curvature:
     model takes every input and that the loss fits its outputs and the labels, and one
     Hessian-vector product is compared with a difference of gradients in float64 on 8
     samples (the model's layers differentiate twice correctly;
-    :func:`sharpcli.session.check_second_derivatives`). Errors are
+    :func:`sharpcli.preflight.check_second_derivatives`). Errors are
     :class:`~sharpcli.errors.UsageError` naming the argument (``error.source``).
 
     >>> import torch
@@ -525,24 +196,24 @@ class Curvature:
         self.curvature_pass = CurvaturePass(self._view, self.data, self.scope)
 
     # ----------------------------------------------------------------- set-up
-    def _on_data(self, collected: _Collected, rows: int | None = None) -> nn.Module:
+    def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:
         """The model view on (the first ``rows`` of) the analysis set, on the analysis device."""
         take = slice(None) if rows is None else slice(0, rows)
         x = None
         if collected.x is not None:
-            x = _to_device(collected.x[take], self.dtype, self.device)
+            x = to_device(collected.x[take], self.dtype, self.device)
         keywords = {
-            k: _to_device(v[take], self.dtype, self.device) for k, v in collected.keywords.items()
+            k: to_device(v[take], self.dtype, self.device) for k, v in collected.keywords.items()
         }
         return model_on_data(self.model, x, keywords)
 
-    def _loss_and_data(self, loss, collected: _Collected) -> tuple[str, _Collected]:
+    def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
         from sharpcli.losses import get_loss
 
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
-                f"expected a loss module ({_LOSS_MODULES}) or a name, got {type(loss).__name__}",
+                f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
                 source="loss",
             )
         probe = self._on_data(collected, rows=min(2, collected.num_samples))
@@ -559,8 +230,8 @@ class Curvature:
                 f"the model cannot run on the inputs of `data` ({first})", source="data"
             ) from None
         name, ignore_index = loss_name(loss, logits)
-        collected = _apply_ignore_index(collected, name, ignore_index)
-        _refuse_unshifted_labels(collected, name)
+        collected = apply_ignore_index(collected, name, ignore_index)
+        refuse_unshifted_labels(collected, name)
         head = collected.y[: logits.shape[0]].to(logits.device)
         probe = self._on_data(collected, rows=min(2, collected.num_samples))
         with torch.no_grad(), eval_mode(probe):
@@ -590,9 +261,9 @@ class Curvature:
                         source="data",
                     ) from None
 
-    def _self_check(self, collected: _Collected) -> None:
+    def _self_check(self, collected: CollectedData) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-        from sharpcli.session import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
+        from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
@@ -664,49 +335,23 @@ class Curvature:
         [PyHessian]). ``tol`` is the relative residual each pair must reach; ``max_matvecs``
         bounds the products (Lanczos default ``min(P, 100)``).
         """
-        from sharpcli.analyses.spectrum import METHODS, check_choice
-        from sharpcli.curvature import lanczos, power_iteration
-        from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
+        from sharpcli.analyses.spectrum import eigen_result
 
-        check_choice(method, METHODS, "method")
-        check_choice(which, ("largest", "smallest", "both"), "which")
         _integer(k, "k")
         _seed(seed)
-        op = self.operator(operator)
-        if method == "lanczos":
-            budget = min(self.num_params, int(max_matvecs or DEFAULT_MAX_MATVECS))
-            wanted = min(int(k) * (2 if which == "both" else 1), self.num_params)
-            if wanted > budget:  # a Krylov space of m products holds at most m Ritz values
-                raise UsageError(
-                    f"`k={k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
-                    f"products (`max_matvecs`) holds at most {budget}; lower `k` or raise "
-                    "`max_matvecs`",
-                    source="k",
-                )
+        self.refresh()
         with analysis_mode(self._view):
-            if method == "power":
-                if which != "largest":
-                    raise UsageError(
-                        "power iteration finds the largest |eigenvalue|s only; use "
-                        "`method=lanczos`",
-                        source="which",
-                    )
-                return power_iteration(
-                    op,
-                    k=k,
-                    tol=tol,
-                    max_iter=max_matvecs or 100,
-                    seed=seed,
-                    return_eigenvectors=return_eigenvectors,
-                )
-            return lanczos(
-                op,
+            return eigen_result(
+                self.curvature_pass,
+                operator,
                 k=k,
                 which=which,
+                method=method,
                 tol=tol,
                 max_matvecs=max_matvecs,
                 seed=seed,
                 return_eigenvectors=return_eigenvectors,
+                k_name="k",
             )
 
     def trace(
@@ -726,42 +371,20 @@ class Curvature:
         (tr(H) as exact tr(G) plus an estimated tr(N)). Stops at relative standard error ``tol``
         or ``max_matvecs`` products.
         """
-        from sharpcli.analyses.spectrum import ESTIMATORS, check_choice
-        from sharpcli.curvature import (
-            exact_ggn_trace,
-            frobenius_sq,
-            gn_split_trace,
-            hutchinson,
-            hutchpp,
-        )
-        from sharpcli.curvature.registry import GGN, HESSIAN
+        from sharpcli.analyses.spectrum import trace_result
 
-        check_choice(estimator, ESTIMATORS, "estimator")
         _seed(seed)
-        op = self.operator(operator)
+        self.refresh()
         with analysis_mode(self._view):
-            if estimator == "exact":
-                if operator != GGN or square:
-                    raise UsageError(
-                        "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, "
-                        "no `square`)",
-                        source="estimator",
-                    )
-                return exact_ggn_trace(self._view, self.data, self.scope)
-            if estimator == "gn-split":
-                if operator != HESSIAN or square:
-                    raise UsageError(
-                        "the gn-split estimator is for the Hessian trace (`operator=hessian`, "
-                        "no `square`)",
-                        source="estimator",
-                    )
-                return gn_split_trace(
-                    self.curvature_pass, tol=tol, max_matvecs=max_matvecs, seed=seed
-                )
-            if square:
-                return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-            estimate = hutchinson if estimator == "hutchinson" else hutchpp
-            return estimate(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+            return trace_result(
+                self.curvature_pass,
+                operator,
+                estimator=estimator,
+                square=square,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                seed=seed,
+            )
 
     def density(
         self,
@@ -812,13 +435,17 @@ class Curvature:
         estimators ``ggn_estimator`` picks (``ggn_trace_check``; ``auto``, ``exact``,
         ``sampled``, ``hutchinson``: :func:`sharpcli.analyses.spectrum.ggn_check_plan`). The
         dict is the ``results`` of ``sharp gn-nme --json``."""
-        from sharpcli.analyses.spectrum import gn_nme
+        from sharpcli.analyses.spectrum import gn_nme_result
 
         _seed(seed)
         self.refresh()
         with analysis_mode(self._view):
-            return gn_nme(
-                _SessionView(self, seed),
+            return gn_nme_result(
+                self.curvature_pass,
+                loss=self.loss,
+                num_outputs=self.num_outputs,
+                labels=self.data.y,
+                seed=seed,
                 tol=tol,
                 eig_tol=eig_tol,
                 max_matvecs=max_matvecs,
@@ -842,32 +469,10 @@ def _integer(value, name: str, minimum: int = 1) -> int:
 
 
 def _seed(seed) -> int:
-    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.session.check_seed`)."""
-    from sharpcli.session import check_seed
+    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
+    from sharpcli.preflight import check_seed
 
     return check_seed(seed, "seed")
-
-
-class _SessionView:
-    """What :mod:`sharpcli.analyses.spectrum` reads of a session, from a :class:`Curvature`."""
-
-    def __init__(self, curvature: Curvature, seed: int):
-        self._curvature = curvature
-        self.model = curvature._view
-        self.loss = curvature.loss
-        self.seed = seed
-        self.cache_bytes = curvature.curvature_pass.cache_bytes
-        self.num_samples = curvature.num_samples
-        self.num_outputs = curvature.num_outputs
-        self.y = curvature.data.y  # the labels (this rank's shard)
-
-    def analysis_data(self):
-        """The analysis set of the Curvature."""
-        return self._curvature.data
-
-    def scope(self, spec):
-        """The Curvature's parameter scope (``spec`` is always its own, None)."""
-        return self._curvature.scope
 
 
 class _EvalModeOperator(CurvatureOperator):

@@ -36,6 +36,7 @@ from sharpcli.errors import UsageError
 
 __all__ = [
     "IGNORE_INDEX",
+    "LabelSampler",
     "LOSSES",
     "TOKEN_REDUCTIONS",
     "Loss",
@@ -73,6 +74,157 @@ class Loss:
         Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | int]] | None
     ) = None
     check: Callable[[torch.Tensor, torch.Tensor], str | None] | None = None  # problem or None
+    # the predictive distribution p(y | z) whose negative log-likelihood the loss is (up to
+    # constants and scale): draws its labels from standard random numbers (LabelSampler)
+    sampler: LabelSampler | None = None
+    per_token: bool = False  # one label per position of (batch, length, ...) outputs
+    softmax: bool = False  # the outputs are the logits of a softmax over the last axis
+
+    @property
+    def is_classification(self) -> bool:
+        """Whether labels are classes (accuracy is defined)."""
+        return self.classification
+
+    @property
+    def softmax_per_sample(self) -> bool:
+        """Whether each sample has one softmax over the classes and one class label
+        (``cross-entropy``; ``token-cross-entropy`` has one per position)."""
+        return self.softmax and not self.per_token
+
+    def logit_hessian_rank(self, num_outputs: int) -> int:
+        """An upper bound on the rank of ``H_z`` for ``num_outputs`` outputs per sample:
+        ``C - 1`` for a softmax over ``C`` classes (``H_z`` annihilates the all-ones vector),
+        ``C`` otherwise.
+
+        Args:
+            num_outputs: The outputs per sample ``C``.
+
+        Returns:
+            The rank bound, at least 1.
+        """
+        return max(1, num_outputs - (1 if self.softmax_per_sample else 0))
+
+    def label_noise_shape(self, z: torch.Tensor) -> torch.Size:
+        """The shape of the standard random numbers :meth:`labels_from_noise` takes for ``z``.
+
+        Args:
+            z: Model outputs, ``(batch, ...)``.
+
+        Returns:
+            ``z.shape[:-1]`` for a categorical distribution (one number per softmax row),
+            ``z.shape`` otherwise (one per output).
+        """
+        return self._sampler().shape(z)
+
+    def labels_from_noise(
+        self, z: torch.Tensor, noise: torch.Tensor, y: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Labels ``y^ ~ p(y | z)`` from standard random numbers ``noise``.
+
+        ``noise`` is U[0, 1) or N(0, 1) as :attr:`LabelSampler.noise` says, shaped
+        :meth:`label_noise_shape`; the map is deterministic, so random numbers keyed by a
+        sample's index give the same labels on every rank and batch size. For a per-token
+        loss, positions that ``y`` leaves unlabelled (:data:`IGNORE_INDEX`) stay unlabelled.
+
+        Args:
+            z: Model outputs, ``(batch, ...)`` (detached here).
+            noise: The random numbers, float64, on any device.
+            y: The data's labels, read only for their unlabelled positions (optional).
+
+        Returns:
+            Labels shaped as the loss takes them, on ``z``'s device.
+        """
+        labels = self._sampler().transform(z.detach(), noise)
+        if self.per_token and y is not None:
+            labels = torch.where(y != IGNORE_INDEX, labels, torch.full_like(labels, IGNORE_INDEX))
+        return labels
+
+    def sample_labels(
+        self,
+        z: torch.Tensor,
+        generator: torch.Generator | None = None,
+        y: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        r"""Labels drawn from the model's predictive distribution at ``z`` ([NME] eq. 20).
+
+        The loss is the negative log-likelihood of a distribution ``p(y | z)`` whose Fisher
+        information in ``z`` is the loss's output Hessian, so the gradient ``g`` of the
+        loss at a drawn label gives the Gauss-Newton matrix as an expectation
+        ([Schraudolph2002]):
+
+        .. math::
+
+            \mathbb{E}_{\hat y \sim p(\cdot \mid z)}
+            \left[\nabla_z l(z, \hat y) \nabla_z l(z, \hat y)^\top\right] = H_z,
+            \qquad
+            \mathbb{E}\left[g g^\top\right] = J^\top H_z J = G.
+
+        ``cross-entropy``: ``Cat(softmax z)``; ``token-cross-entropy``: the same per
+        position (``H_z`` then carries the position weight ``w`` once, the squared gradient
+        twice: weigh each position's loss by ``sqrt(w)`` for the identity);
+        ``binary-cross-entropy``: ``Bernoulli(sigmoid z)``; ``mse``
+        (``l = (1/C)||z - y||^2``): ``N(z, (C/2) I)``.
+
+        Args:
+            z: Model outputs, ``(batch, ...)``.
+            generator: The random stream (its device draws the numbers); None: torch's
+                global CPU stream.
+            y: The data's labels, for a per-token loss's unlabelled positions (optional).
+
+        Returns:
+            Labels shaped as the loss takes them, on ``z``'s device.
+        """
+        sampler = self._sampler()
+        device = generator.device if generator is not None else torch.device("cpu")
+        draw = torch.rand if sampler.noise == "uniform" else torch.randn
+        noise = draw(sampler.shape(z), generator=generator, dtype=torch.float64, device=device)
+        return self.labels_from_noise(z, noise, y)
+
+    def _sampler(self) -> LabelSampler:
+        if self.sampler is None:
+            raise UsageError(
+                f"the loss {self.name!r} has no predictive distribution to draw labels from",
+                source="loss",
+            )
+        return self.sampler
+
+
+@dataclass(frozen=True)
+class LabelSampler:
+    """How a loss draws labels from its predictive distribution: a deterministic map of
+    standard random numbers (so draws keyed by a sample's index do not depend on batching)."""
+
+    noise: str  # "uniform": U[0, 1); "normal": N(0, 1); float64
+    per_output: bool  # one number per output; False: one per softmax row (z.shape[:-1])
+    transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (z, noise) -> labels
+
+    def shape(self, z: torch.Tensor) -> torch.Size:
+        """The shape of the random numbers for outputs ``z``."""
+        return z.shape if self.per_output else z.shape[:-1]
+
+
+def _categorical_labels(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    # inverse CDF: y^ = #{c : u > P(Y <= c)} ~ Cat(softmax z), in float64 where u lives
+    cdf = torch.softmax(z.to(u.device, torch.float64), dim=-1).cumsum(-1)
+    drawn = (u.unsqueeze(-1) > cdf).sum(-1).clamp_max(cdf.shape[-1] - 1)
+    return drawn.to(z.device)
+
+
+def _bernoulli_labels(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    # y^ = [u < sigmoid(z)] ~ Bernoulli(sigmoid z), as 0./1. in z's dtype
+    p = torch.sigmoid(z.to(u.device, torch.float64))
+    return (u < p).to(device=z.device, dtype=z.dtype)
+
+
+def _gaussian_labels(z: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    # y^ = z + sqrt(C/2) n ~ N(z, (C/2) I): the Fisher information of l = (1/C)||z - y||^2
+    # is E[r r^T] with r = (2/C)(z - y^), that is (4/C^2)(C/2) I = (2/C) I = H_z
+    return z + math.sqrt(z.shape[-1] / 2.0) * n.to(device=z.device, dtype=z.dtype)
+
+
+CATEGORICAL = LabelSampler("uniform", False, _categorical_labels)
+BERNOULLI = LabelSampler("uniform", True, _bernoulli_labels)
+GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 
 
 LOSSES: dict[str, Loss] = {}
@@ -168,6 +320,8 @@ register_loss(
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
         check=_class_check,
+        sampler=CATEGORICAL,
+        softmax=True,
     )
 )
 
@@ -201,6 +355,7 @@ register_loss(
         hessian_matvec=lambda z, y, u: (2.0 / z.shape[-1]) * u,
         ggn_factor=_mse_factor,
         check=_mse_check,
+        sampler=GAUSSIAN,
     )
 )
 
@@ -241,6 +396,7 @@ register_loss(
             _count(z, y),
         ),
         check=_bce_check,
+        sampler=BERNOULLI,
     )
 )
 
@@ -344,5 +500,8 @@ register_loss(
         ggn_factor=_token_factor,
         correct=_token_correct,
         check=_token_check,
+        sampler=CATEGORICAL,
+        per_token=True,
+        softmax=True,
     )
 )

@@ -24,7 +24,7 @@ from sharpcli.models.activations import (
     intended_derivative_error,
     make_activation,
 )
-from sharpcli.session import check_second_derivatives
+from sharpcli.preflight import check_second_derivatives
 
 DATA = "blobs:n=96,dim=5,classes=3,seed=4"
 ALTERED = ("augmented-relu", "augmented-relu:beta=3", "diminished-gelu")

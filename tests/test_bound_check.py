@@ -12,16 +12,10 @@ import torch.nn.functional as F
 from cli_helpers import assert_one_line_error, run_cli
 from torch.func import functional_call, hessian
 
-from sharpcli.analyses.bounds import (
-    AveragedOperator,
-    BoundCheckConfig,
-    _standard_normal_directions,
-    bound_check,
-    corollary1_bound,
-    noise_stability_check,
-    smoothed_cross_entropy,
-    theorem2_check,
-)
+from sharpcli.analyses.bounds import BoundCheckConfig, bound_check, corollary1_bound
+from sharpcli.analyses.noise_stability import noise_stability_check
+from sharpcli.analyses.perturbation import AveragedOperator, standard_normal_directions
+from sharpcli.analyses.theorem2 import smoothed_cross_entropy, theorem2_check
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.scope import ParamScope
@@ -90,7 +84,7 @@ def test_corollary1_rows_recompute_and_match_exact_smoothed_hessian():
         norms.append(float(model[4].weight.grad.norm()))
     assert result.epsilon_minibatch == pytest.approx(sum(norms) / len(norms), rel=1e-10)
     scope = ParamScope.resolve(model, "4.weight")
-    Z = _standard_normal_directions(scope, 4, 3)
+    Z = standard_normal_directions(scope, 4, 3)
     for row, sigma in zip(result.rows, sigmas):
         assert row.plain_lambda_max == pytest.approx(float(eig0[-1]), rel=1e-9)
         assert row.H_at_theta == pytest.approx(float(eig0.abs().max()), rel=1e-9)

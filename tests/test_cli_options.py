@@ -111,8 +111,8 @@ def test_closed_sets_equal_the_library_sets():
     from sharpcli.curvature.lanczos import WHICH
     from sharpcli.io.datasets_common import SPLITS
     from sharpcli.models.zoo import MODEL_NAMES
+    from sharpcli.preflight import DTYPES
     from sharpcli.report.compare import FORMATS
-    from sharpcli.session import DTYPES
     from sharpcli.training.loop import OPTIMIZERS, SCHEDULES
 
     assert _literal(choices.Split) == set(SPLITS)

@@ -81,7 +81,7 @@ def test_determinism_check_detects_dropout_in_train_mode():
 
 def test_session_refuses_batchnorm_stuck_in_training_mode():
     from sharpcli.errors import InputError
-    from sharpcli.session import check_deterministic_forward
+    from sharpcli.preflight import check_deterministic_forward
 
     class StuckBatchNorm(nn.BatchNorm1d):
         def train(self, mode: bool = True):  # ignores eval(): stays on batch statistics

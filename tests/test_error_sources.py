@@ -139,9 +139,10 @@ def _training_errors():
 def _session_and_report_errors():
     import pandas as pd
 
+    from sharpcli.preflight import resolve_dtype
     from sharpcli.report.compare import render
     from sharpcli.report.gate import parse_gate
-    from sharpcli.session import build_session, resolve_dtype
+    from sharpcli.session import build_session
 
     return [
         lambda: resolve_dtype("float16"),

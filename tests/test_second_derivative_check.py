@@ -17,7 +17,7 @@ from torch import nn
 from fixtures.weight_norm_model import wn_model
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.errors import InputError
-from sharpcli.session import check_second_derivatives
+from sharpcli.preflight import check_second_derivatives
 from tests.cli_helpers import assert_one_line_error, run_cli
 
 ONCE_MODULE = """

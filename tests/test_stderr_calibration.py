@@ -17,7 +17,7 @@ import torch
 from hessian_helpers import double_backward_hessian
 from torch import nn
 
-from sharpcli.analyses.bounds import theorem2_check
+from sharpcli.analyses.theorem2 import theorem2_check
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.operators import CurvaturePass
 from sharpcli.curvature.scope import ParamScope

@@ -265,7 +265,7 @@ def test_views_and_model_side_conversion(tmp_path, monkeypatch, convert):
     leave the features in the analysis dtype, and are still range-checked. The probes leave
     BatchNorm's statistics and the modules' modes alone."""
     from sharpcli.errors import InputError
-    from sharpcli.session import prepare_features
+    from sharpcli.preflight import prepare_features
 
     (tmp_path / "slicedmodel.py").write_text(CONVERTING_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

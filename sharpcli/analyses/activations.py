@@ -48,7 +48,7 @@ from torch import nn
 
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import NumericalError
-from sharpcli.losses import per_sample_loss
+from sharpcli.losses import get_loss, per_sample_loss
 
 __all__ = [
     "ActivationStatsResult",
@@ -266,10 +266,8 @@ def _add_output_sums(sums: dict, loss: str, z: torch.Tensor, y: torch.Tensor) ->
     """Add a batch's loss, (cross-entropy) softmax statistics and the loss's count of correct
     predictions (:attr:`sharpcli.losses.Loss.correct`: per labelled position for token labels)
     to ``sums``."""
-    from sharpcli.losses import get_loss
-
     sums["loss"] += per_sample_loss(loss, z, y).to(torch.float64).sum()
-    if loss == "cross-entropy":
+    if get_loss(loss).softmax_per_sample:
         p = torch.softmax(z.to(torch.float64), dim=-1)
         sums["gini"] += (1.0 - (p * p).sum(dim=-1)).sum()
         sums["entropy"] += (-torch.special.xlogy(p, p).sum(dim=-1)).sum()
@@ -320,15 +318,15 @@ def _result(
 ) -> ActivationStatsResult:
     """The statistics from the all-reduced sums: per-sample means over the analysis set."""
     n = data.num_samples
-    classification = data.loss == "cross-entropy"
+    softmax_stats = get_loss(data.loss).softmax_per_sample  # gini, entropy, confidence
 
     def mean(key: str, applies: bool = True) -> float | None:
         return float(sums[key]) / n if applies else None
 
     output = OutputStats(
-        gini_impurity=mean("gini", classification),
-        entropy=mean("entropy", classification),
-        confidence=mean("confidence", classification),
+        gini_impurity=mean("gini", softmax_stats),
+        entropy=mean("entropy", softmax_stats),
+        confidence=mean("confidence", softmax_stats),
         loss=mean("loss"),
         accuracy=float(sums["correct"] / sums["counted"]) if float(sums["counted"]) else None,
     )
@@ -343,7 +341,7 @@ def _result(
         penultimate_sq_norm=float(recorder.penultimate) / n if head is not None else None,
         penultimate_layer=head[0] if head is not None else None,
         input_jacobian_fro=mean("jac", jacobian),
-        input_jacobian_fro_softmax=mean("jac_softmax", jacobian and classification),
+        input_jacobian_fro_softmax=mean("jac_softmax", jacobian and softmax_stats),
         samples=n,
         notes=notes,
     )

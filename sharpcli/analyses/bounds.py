@@ -49,41 +49,12 @@ The row's ``note`` gives the interval of the left side, both comparisons and the
 points behind the region's ``H`` and ``eps``. ``empirical_ci`` is widened to contain
 ``empirical`` when the percentile interval does not.
 
-**Theorem 2** (AD section 3.2): for cross-entropy with noise ``Delta ~ N(0, sigma^2 I)`` on the
-final layer's weight ``W`` (logits ``z = W h + b``), ``Delta h ~ N(0, sigma^2 ||h||^2 I_c)``, so
-the smoothed loss is ``E_g CE(z + t g, y)`` with ``t = sigma ||h||``, ``g ~ N(0, I_c)``, and
-
-    E_g CE(z + t g, y)  <=  CE(z, y) + sigma^2/2 ||h||^2.
-
-**Theorem 3** (AD appendix B.4): ``E CE ~ CE + sigma^2/2 ||h||^2 sum_i p_i (1 - p_i)``.
-The smoothed loss per sample is estimated with ``K`` antithetic pairs ``+-g`` (which cancel
-every odd-order term, including ``-t g_y``) and a control variate: the quadratic term
-``q(g) = t^2/2 g^T (diag p - p p^T) g`` has known mean ``t^2/2 sum_i p_i (1 - p_i)``; the
-estimate is ``mean(Y) - beta (mean(q) - E q)`` with ``Y = (lse(z + t g) + lse(z - t g))/2 - z_y``
-and the fitted coefficient ``beta = Cov(Y, q)/Var(q)``. The same K draws serve every sample,
-so the per-sample errors are correlated, not independent: the dataset mean's standard error
-(``smoothed_stderr``) is the sample standard deviation over the K pairs of each pair's
-dataset mean (one observation per draw) divided by ``sqrt(K)``.
-
-**Noise stability** (NSO section 2.2, eq. 4, Fig. 2): for ``U ~ N(0, sigma^2 I)`` over the scope
-(all parameters unless ``params`` is given: NSO perturbs every weight; the result names it),
-``E_U L(theta + U) - L(theta) ~ sigma^2/2 tr(H)``. The left side is estimated with antithetic
-pairs, ``(L(theta + U_j) + L(theta - U_j))/2 - L(theta)`` (the first-order term cancels exactly),
-with common random numbers across sigmas; ``tr(H)`` by [Hutch++] from the curvature engine. Beside
-it, with the same ``U_j``, the paired quadratic term ``sigma^2/2 Z_j^T H Z_j`` and the Taylor
-residual (gap minus quadratic term, the higher-order part NSO neglects; for ReLU networks it also
-holds the effect of pre-activations within ~sigma of a kink, which no Taylor term has). The plain gap's
-Monte-Carlo error is large (its variance is ``sigma^4/2 tr(H^2)`` per pair, so a few dozen pairs
-leave ~10-20% noise); the quadratic term is a control variate with known mean
-``sigma^2/2 tr(H)``, giving ``gap_control_variate = sigma^2/2 tr(H) + mean_j(gap_j - sigma^2/2
-Z_j^T H Z_j)``, unbiased for the same expectation with the far smaller variance of the residual.
-``relative_error`` is ``(gap_control_variate - sigma^2/2 tr H) / (sigma^2/2 tr H)``, the error of
-NSO eq. 4 itself; ``relative_error_plain`` uses the plain gap.
+Theorems 2 and 3 are checked in :mod:`sharpcli.analyses.theorem2`, NSO's noise stability in
+:mod:`sharpcli.analyses.noise_stability`; :func:`bound_check` runs them on request.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -91,27 +62,30 @@ import torch
 from torch import nn
 
 from sharpcli import progress
+from sharpcli.analyses.noise_stability import noise_stability_check
+from sharpcli.analyses.perturbation import (
+    AveragedOperator,
+    check_sigmas,
+    perturbed_copy,
+    spectral_norm,
+    standard_normal_directions,
+)
+from sharpcli.analyses.theorem2 import Theorem2Row, theorem2_check
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureOperator, CurvaturePass
-from sharpcli.curvature.scope import ParamScope, gaussian_like
+from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvaturePass
+from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
 
 __all__ = [
-    "AveragedOperator",
     "BoundCheckConfig",
     "BoundCheckResult",
     "BoundRow",
-    "NoiseStabilityRow",
-    "Theorem2Row",
     "bound_check",
     "corollary1_bound",
     "corollary1_verdict",
     "default_bound_scope",
     "gradient_norms",
-    "noise_stability_check",
-    "smoothed_cross_entropy",
-    "theorem2_check",
 ]
 
 CHECKS = ("theorem2", "noise-stability")
@@ -131,114 +105,6 @@ def default_bound_scope(model: nn.Module) -> str:
 
     name, _ = final_linear(model)
     return f"{name}.weight" if name else "weight"
-
-
-def _scope_on(model: nn.Module, scope: ParamScope) -> ParamScope:
-    """The parameters of ``model`` with the same names as ``scope`` (for copies of a model)."""
-    named = dict(model.named_parameters())
-    return ParamScope(list(scope.names), [named[n] for n in scope.names], spec=scope.spec)
-
-
-def _perturbed_copy(
-    model: nn.Module, scope: ParamScope, delta: torch.Tensor
-) -> tuple[nn.Module, ParamScope]:
-    """A deep copy of ``model`` with ``delta`` (flat, over ``scope``) added to the scope's parameters."""
-    twin = copy.deepcopy(model)
-    twin_scope = _scope_on(twin, scope)
-    with torch.no_grad():
-        for p, d in zip(twin_scope.params, scope.unflatten(delta)):
-            p.add_(d)
-    return twin, twin_scope
-
-
-def _standard_normal_directions(scope: ParamScope, count: int, seed: int) -> torch.Tensor:
-    """``count`` fixed ``N(0, I)`` vectors over the scope, shape ``(P, count)``, from ``seed`` (CPU draw)."""
-    generator = torch.Generator().manual_seed(int(seed))
-    return gaussian_like(scope.numel, generator, scope.dtype, scope.device, count)
-
-
-class AveragedOperator(CurvatureOperator):
-    """``v -> (1/m) sum_j A_j v`` for symmetric operators ``A_j``, recording projections for a bootstrap.
-
-    Every input vector ``u`` is kept (up to ``record_limit``) together with ``u_a^T A_j u_b`` for all
-    recorded pairs, per operator j: ``projections()`` returns ``(U^T U, [U^T A_j U]_j)``, from which
-    the Rayleigh-Ritz value of any reweighting ``sum_j w_j A_j`` in ``span(U)`` follows without
-    further products (:meth:`ritz_norm`).
-    """
-
-    name = "averaged Hessian"
-
-    def __init__(self, operators: list[CurvatureOperator], record_limit: int = 400):
-        first = operators[0]
-        super().__init__(first.shape[0], first.dtype, first.device)
-        self.operators = operators
-        self.record_limit = int(record_limit)
-        self._inputs = torch.zeros(first.shape[0], 0, dtype=first.dtype, device=first.device)
-        self._proj = torch.zeros(len(operators), 0, 0, dtype=torch.float64)
-        self.recording = True
-
-    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
-        outs = [op.matmat(V) for op in self.operators]
-        if self.recording:
-            if self._inputs.shape[1] + V.shape[1] > self.record_limit:
-                self.recording = False
-            else:
-                self._record(V, outs)
-        return torch.stack(outs).mean(0)
-
-    def _record(self, V: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        old = self._inputs.shape[1]
-        U = torch.cat([self._inputs, V], 1)
-        r = U.shape[1]
-        proj = torch.zeros(len(self.operators), r, r, dtype=torch.float64)
-        proj[:, :old, :old] = self._proj
-        for j, out in enumerate(outs):
-            block = (U.T @ out).to(torch.float64).cpu()  # (r, k): u_a^T A_j v_b
-            proj[j, :, old:] = block
-            proj[j, old:, :old] = block[:old].T
-        self._inputs = U
-        self._proj = proj
-
-    def projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(S, M)``: Gram matrix ``U^T U`` (r, r) and ``M[j] = U^T A_j U`` symmetrised (m, r, r), float64."""
-        S = (self._inputs.T @ self._inputs).to(torch.float64).cpu()
-        M = (self._proj + self._proj.transpose(1, 2)) / 2
-        return S, M
-
-    @staticmethod
-    def ritz_norm(
-        S: torch.Tensor, M: torch.Tensor, weights: torch.Tensor, rel_tol: float = 1e-10
-    ) -> torch.Tensor:
-        """Rayleigh-Ritz ``max |eig|`` of ``sum_j w_j A_j`` in ``span(U)`` for each row of ``weights`` (B, m).
-
-        With ``S = E diag(s) E^T`` and ``W = E_+ diag(s_+)^{-1/2}`` (directions with
-        ``s > rel_tol max s``), the Ritz values are the eigenvalues of ``W^T (sum_j w_j M_j) W``.
-        ``rel_tol`` must exceed the relative rounding error of ``M``: a direction of ``S`` at
-        ``s`` amplifies that error by ``max s / s`` (recorded vectors can repeat, making ``S``
-        singular, and float32 products carry errors ~1e-7).
-        """
-        s, E = torch.linalg.eigh(S)
-        keep = s > rel_tol * s.max()
-        W = E[:, keep] / s[keep].sqrt()
-        reduced = torch.einsum("ra,jrs,sc->jac", W, M, W)  # (m, r', r')
-        out = []
-        for chunk in torch.split(weights.to(torch.float64), 128):
-            combined = torch.einsum("nj,jac->nac", chunk, reduced)
-            combined = (combined + combined.transpose(1, 2)) / 2
-            out.append(torch.linalg.eigvalsh(combined).abs().max(dim=1).values)
-        return torch.cat(out)
-
-
-def _spectral_norm(
-    op, *, tol: float, max_matvecs: int | None, seed: int
-) -> tuple[float, float, bool]:
-    """``(max |eig|, largest eig, converged)`` of a symmetric operator by Lanczos (both ends)."""
-    from sharpcli.curvature.lanczos import lanczos
-
-    result = lanczos(op, 1, "both", tol=tol, max_matvecs=max_matvecs, seed=seed)
-    values = result.eigenvalues
-    norm = max(abs(v) for v in values)
-    return norm, max(values), all(result.converged)
 
 
 def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> dict:
@@ -320,51 +186,6 @@ class BoundRow:
 
 
 @dataclass
-class Theorem2Row:
-    """AD Theorems 2 and 3 at one sigma, means over the analysis set and the per-sample verdict."""
-
-    sigma: float
-    cross_entropy: float
-    smoothed_cross_entropy: float
-    smoothed_stderr: float
-    bound: float
-    taylor: float
-    fraction_holds: float
-    violations: int
-    min_margin: float
-    mean_taylor_abs_error: float
-    samples: int
-    mc_pairs: int
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict."""
-        return asdict(self)
-
-
-@dataclass
-class NoiseStabilityRow:
-    """NSO eq. 4 at one sigma: the perturbation gap against ``sigma^2/2 tr(H)``."""
-
-    sigma: float
-    gap: float
-    gap_stderr: float
-    gap_control_variate: float
-    gap_control_variate_stderr: float
-    predicted: float
-    predicted_stderr: float | None
-    relative_error: float | None
-    relative_error_plain: float | None
-    paired_quadratic: float
-    taylor_residual: float
-    taylor_residual_stderr: float
-    pairs: int
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict."""
-        return asdict(self)
-
-
-@dataclass
 class BoundCheckResult:
     """Everything ``sharp bound-check`` reports: ``rows`` (docs/json.md) and the optional checks."""
 
@@ -433,7 +254,7 @@ class BoundCheckConfig:
 
     def validate(self) -> None:
         """UsageError naming the field (``sigmas``, ``checks``, ...) of the first bad setting."""
-        _check_sigmas(self.sigmas)
+        check_sigmas(self.sigmas)
         for check in self.checks:
             _require(
                 check in CHECKS,
@@ -462,16 +283,6 @@ def _require(condition: bool, message: str, parameter: str) -> None:
         raise UsageError(message, source=parameter)
 
 
-def _check_sigmas(sigmas: list[float]) -> None:
-    if not sigmas:
-        raise UsageError("needs at least one sigma", source="sigmas")
-    for sigma in sigmas:
-        if not (sigma > 0 and math.isfinite(sigma)):
-            raise UsageError(
-                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigmas"
-            )
-
-
 @dataclass
 class _AtTheta:
     """What every sigma's Corollary 1 row shares: measured at theta, drawn once from the seed.
@@ -497,10 +308,10 @@ def _measure_at_theta(
     m = int(config.perturbations)
     eps = gradient_norms(model, data, scope)
     base_h = CurvaturePass(model, data, scope).hessian()
-    h_theta, plain_lambda_max, _ = _spectral_norm(
+    h_theta, plain_lambda_max, _ = spectral_norm(
         base_h, tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed
     )
-    Z = _standard_normal_directions(scope, m, config.seed)
+    Z = standard_normal_directions(scope, m, config.seed)
     generator = torch.Generator().manual_seed(int(config.seed) + 7919)
     draws = torch.randint(0, m, (int(config.bootstrap), m), generator=generator)
     weights = torch.nn.functional.one_hot(draws, m).sum(1).to(torch.float64) / m  # (bootstrap, m)
@@ -530,17 +341,17 @@ def _corollary1_row(
     lanczos_kw = dict(tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed)
     operators, norms, all_converged, region_eps = [], [], True, [at_theta.epsilon]
     for j in range(m):
-        twin, twin_scope = _perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
+        twin, twin_scope = perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
         region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon_kind])
         op = CurvaturePass(
             twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
         ).hessian()
-        norm_j, _, conv_j = _spectral_norm(op, **lanczos_kw)
+        norm_j, _, conv_j = spectral_norm(op, **lanczos_kw)
         norms.append(norm_j)
         all_converged &= conv_j
         operators.append(op)
     averaged = AveragedOperator(operators)
-    empirical, _, conv = _spectral_norm(averaged, **lanczos_kw)
+    empirical, _, conv = spectral_norm(averaged, **lanczos_kw)
     all_converged &= conv
     ci = _bootstrap_interval(averaged, empirical, at_theta.weights, config.ci_level)
     if ci is None:
@@ -757,272 +568,3 @@ def _run_extra_checks(
             seed=config.seed,
         )
         result.matvecs += result.noise_stability["matvecs"]
-
-
-# ----------------------------------------------------------------------------- Theorem 2 / 3
-def smoothed_cross_entropy(
-    z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``E_g CE(z + t g, y)`` for ``g ~ N(0, I_c)``: ``(estimate, stderr)``, shapes ``(B,)``.
-
-    ``z`` (B, c) logits, ``y`` (B,) labels, ``t`` (B,) noise scales (``sigma ||h||``), ``g`` (K, c)
-    standard normal draws used as antithetic pairs ``+-g``. Control variate: the quadratic
-    term ``q = t^2/2 g^T (diag p - p p^T) g`` with exact mean ``t^2/2 sum_i p_i (1 - p_i)``
-    (module docstring); all in float64. ``stderr`` is each sample's own, over its K draws.
-    """
-    adjusted = _smoothed_draws(z, y, t, g)
-    K = g.shape[0]
-    estimate = adjusted.mean(dim=1)
-    stderr = (
-        adjusted.std(dim=1, unbiased=True) / math.sqrt(K)
-        if K > 1
-        else torch.full_like(estimate, math.inf)
-    )
-    return estimate, stderr
-
-
-def _smoothed_draws(
-    z: torch.Tensor, y: torch.Tensor, t: torch.Tensor, g: torch.Tensor
-) -> torch.Tensor:
-    """The control-variate-adjusted value of every antithetic pair, ``(B, K)``: ``Y - beta (q - E q)``
-    (:func:`smoothed_cross_entropy` is its mean over the K pairs)."""
-    z = z.to(torch.float64)
-    g = g.to(torch.float64)
-    t = t.to(torch.float64)
-    p = torch.softmax(z, dim=-1)
-    noise = t[:, None, None] * g[None, :, :]  # (B, K, c)
-    lse_plus = torch.logsumexp(z[:, None, :] + noise, dim=-1)
-    lse_minus = torch.logsumexp(z[:, None, :] - noise, dim=-1)
-    target = z.gather(1, y[:, None].to(torch.long))  # (B, 1)
-    Y = (lse_plus + lse_minus) / 2 - target  # (B, K)
-    pg = g @ p.T  # (K, B): p . g
-    quad_form = (g * g) @ p.T - pg * pg  # (K, B): g^T (diag p - p p^T) g
-    q = (t * t / 2)[:, None] * quad_form.T  # (B, K)
-    q_mean = t * t / 2 * (p * (1 - p)).sum(dim=-1)
-    K = g.shape[0]
-    if K > 2:
-        qc = q - q.mean(dim=1, keepdim=True)
-        Yc = Y - Y.mean(dim=1, keepdim=True)
-        var_q = (qc * qc).sum(dim=1)
-        beta = torch.where(
-            var_q > 0,
-            (qc * Yc).sum(dim=1) / torch.where(var_q > 0, var_q, 1.0),
-            torch.zeros_like(var_q),
-        )
-    else:
-        beta = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
-    return Y - beta[:, None] * (q - q_mean[:, None])
-
-
-def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
-    """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
-    from sharpcli.models.zoo import final_linear
-
-    name, head = final_linear(model, source="checks")
-    captured = {}
-
-    def hook(module, inputs, output):
-        captured["h"] = inputs[0].detach()
-        captured["out"] = output
-
-    handle = head.register_forward_hook(hook)
-    params = list(model.parameters())
-    dtype, device = params[0].dtype, params[0].device
-    try:
-        for x_b, y_b, _ in data.batches():
-            x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
-            captured.clear()
-            with torch.no_grad():
-                z = model(x_b)
-            if captured.get("out") is not z:
-                raise UsageError(
-                    f"the classifier head {name!r} is not the model's last operation, so noise on its "
-                    "weight does not act on the logits as Theorem 2 assumes",
-                    source="checks",
-                )
-            h = captured["h"].reshape(z.shape[0], -1)
-            yield h, z, y_b
-    finally:
-        handle.remove()
-
-
-def theorem2_check(
-    model: nn.Module, data: AnalysisData, sigmas: list[float], *, mc_pairs: int = 256, seed: int = 0
-) -> list[Theorem2Row]:
-    """AD Theorem 2 (and the Theorem 3 Taylor value) per sample, for each sigma.
-
-    Per sample: ``CE``, the smoothed ``E CE`` (:func:`smoothed_cross_entropy`, the same draws for
-    every sample and sigma), the bound ``CE + sigma^2/2 ||h||^2`` and the Taylor value
-    ``CE + sigma^2/2 ||h||^2 sum_i p_i (1 - p_i)``; the row gives their means over the analysis set,
-    the fraction of samples with ``smoothed <= bound``, the smallest margin ``bound - smoothed``
-    and the mean ``|taylor - smoothed|``. Needs cross-entropy.
-    """
-    _check_sigmas(sigmas)
-    if data.loss != "cross-entropy":
-        raise UsageError(
-            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="checks"
-        )
-    if int(mc_pairs) < 2:
-        raise UsageError(f"must be >= 2, got {mc_pairs}", source="mc_pairs")
-    from sharpcli.analyses.rescale import _global_max
-
-    ns = len(sigmas)
-    sums = torch.zeros(
-        ns, 7, dtype=torch.float64
-    )  # ce, smoothed, (unused), bound, taylor, holds, |taylor-smoothed|
-    # per draw k, the sum over samples of that draw's adjusted value: the same K draws serve
-    # every sample, so each draw's dataset mean is one observation of the dataset mean
-    per_draw = torch.zeros(ns, int(mc_pairs), dtype=torch.float64)
-    min_margin = torch.full((ns,), math.inf, dtype=torch.float64)
-    generator = torch.Generator().manual_seed(int(seed) + 104729)
-    g = None
-    for h, z, y in _penultimate_and_logits(model, data):
-        if g is None:
-            g = torch.randn(int(mc_pairs), z.shape[1], generator=generator, dtype=torch.float64)
-        z64 = z.to(torch.float64).cpu()
-        y = y.cpu()
-        h_sq = (h.to(torch.float64) ** 2).sum(dim=1).cpu()
-        ce = torch.logsumexp(z64, dim=1) - z64.gather(1, y[:, None]).squeeze(1)
-        p = torch.softmax(z64, dim=1)
-        spread = (p * (1 - p)).sum(dim=1)
-        for i, sigma in enumerate(sigmas):
-            rows_per_chunk = max(1, (1 << 22) // (g.shape[0] * z.shape[1]))
-            for start in range(0, z64.shape[0], rows_per_chunk):
-                sl = slice(start, start + rows_per_chunk)
-                t = sigma * h_sq[sl].sqrt()
-                draws = _smoothed_draws(z64[sl], y[sl], t, g)
-                smoothed = draws.mean(dim=1)
-                per_draw[i] += draws.sum(dim=0)
-                bound = ce[sl] + sigma**2 / 2 * h_sq[sl]
-                taylor = ce[sl] + sigma**2 / 2 * h_sq[sl] * spread[sl]
-                sums[i, 0] += ce[sl].sum()
-                sums[i, 1] += smoothed.sum()
-                sums[i, 3] += bound.sum()
-                sums[i, 4] += taylor.sum()
-                sums[i, 5] += (smoothed <= bound).to(torch.float64).sum()
-                sums[i, 6] += (taylor - smoothed).abs().sum()
-                min_margin[i] = min(float(min_margin[i]), float((bound - smoothed).min()))
-    all_reduce_sum([sums, per_draw])
-    n = data.num_samples
-    draw_means = per_draw / n  # (ns, K): the smoothed dataset mean under each draw
-    rows = []
-    for i, sigma in enumerate(sigmas):
-        margin = -_global_max(-float(min_margin[i]), torch.device("cpu"))
-        rows.append(
-            Theorem2Row(
-                sigma=float(sigma),
-                cross_entropy=float(sums[i, 0]) / n,
-                smoothed_cross_entropy=float(sums[i, 1]) / n,
-                smoothed_stderr=float(draw_means[i].std(unbiased=True)) / math.sqrt(int(mc_pairs)),
-                bound=float(sums[i, 3]) / n,
-                taylor=float(sums[i, 4]) / n,
-                fraction_holds=float(sums[i, 5]) / n,
-                violations=int(round(n - float(sums[i, 5]))),
-                min_margin=margin,
-                mean_taylor_abs_error=float(sums[i, 6]) / n,
-                samples=n,
-                mc_pairs=int(mc_pairs),
-            )
-        )
-    return rows
-
-
-# ----------------------------------------------------------------------------- noise stability
-def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
-    """``L(theta) = (1/N) sum_i l_i`` over the analysis set (forward passes only)."""
-    loss = loss_fn(data.loss)
-    params = list(model.parameters())
-    dtype, device = params[0].dtype, params[0].device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for index, (x_b, y_b, weight) in enumerate(data.batches()):
-            x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
-            value = loss(model(x_b), y_b) * weight
-            if not torch.isfinite(value):
-                raise NumericalError(
-                    f"loss is not finite on batch {index}", source="noise-stability"
-                )
-            total += value.to(torch.float64)
-    all_reduce_sum(total)
-    return float(total)
-
-
-def noise_stability_check(
-    model: nn.Module,
-    data: AnalysisData,
-    sigmas: list[float],
-    scope: ParamScope,
-    *,
-    pairs: int = 32,
-    trace_tol: float = 1e-2,
-    trace_max_matvecs: int = 300,
-    seed: int = 0,
-) -> dict:
-    """NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
-
-    ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..pairs, shared by all
-    sigmas), each used as the antithetic pair ``+-U_j``. Returns ``{"params", "num_params",
-    "trace", "trace_stderr", "rows": [...], "matvecs"}`` (``params`` the scope's spec);
-    ``relative_error = (gap - predicted) / predicted``.
-    """
-    from sharpcli.curvature.trace import hutchpp
-
-    _check_sigmas(sigmas)
-    if int(pairs) < 2:
-        raise UsageError(f"must be >= 2, got {pairs}", source="pairs")
-    curvature_pass = CurvaturePass(model, data, scope)
-    hessian = curvature_pass.hessian()
-    trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
-    trace_stderr = (
-        trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None
-    )
-    Z = _standard_normal_directions(scope, int(pairs), int(seed) + 15485863)
-    quadratic = (Z * hessian.matmat(Z)).sum(dim=0).to(torch.float64)  # Z_j^T H Z_j
-    base = _mean_loss(model, data)
-    twin = copy.deepcopy(model)
-    twin_scope = _scope_on(twin, scope)
-    original = [p.detach().clone() for p in twin_scope.params]
-    rows = []
-    for sigma in sigmas:
-        gaps = torch.zeros(int(pairs), dtype=torch.float64)
-        for j in range(int(pairs)):
-            values = []
-            for sign in (1.0, -1.0):
-                with torch.no_grad():
-                    for p, p0, d in zip(twin_scope.params, original, scope.unflatten(Z[:, j])):
-                        p.copy_(p0 + sign * sigma * d)
-                values.append(_mean_loss(twin, data))
-            gaps[j] = (values[0] + values[1]) / 2 - base
-        quad = sigma**2 / 2 * quadratic
-        residual = gaps - quad
-        gap = float(gaps.mean())
-        predicted = sigma**2 / 2 * trace.estimate
-        predicted_stderr = None if trace_stderr is None else sigma**2 / 2 * trace_stderr
-        residual_stderr = float(residual.std(unbiased=True)) / math.sqrt(pairs)
-        gap_cv = predicted + float(residual.mean())
-        rows.append(
-            NoiseStabilityRow(
-                sigma=float(sigma),
-                gap=gap,
-                gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(pairs),
-                gap_control_variate=gap_cv,
-                gap_control_variate_stderr=math.hypot(residual_stderr, predicted_stderr or 0.0),
-                predicted=predicted,
-                predicted_stderr=predicted_stderr,
-                relative_error=(gap_cv - predicted) / predicted if predicted != 0 else None,
-                relative_error_plain=(gap - predicted) / predicted if predicted != 0 else None,
-                paired_quadratic=float(quad.mean()),
-                taylor_residual=float(residual.mean()),
-                taylor_residual_stderr=residual_stderr,
-                pairs=int(pairs),
-            )
-        )
-    return {
-        "params": scope.spec,
-        "num_params": scope.numel,
-        "trace": trace.estimate,
-        "trace_stderr": trace_stderr,
-        "trace_estimator": "hutchpp",
-        "rows": [row.to_dict() for row in rows],
-        "matvecs": trace.matvecs + int(pairs),
-    }

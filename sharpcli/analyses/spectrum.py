@@ -18,8 +18,10 @@ import math
 import torch
 
 from sharpcli import progress
+from sharpcli.curvature.lanczos import WHICH
 from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
+from sharpcli.losses import get_loss
 
 METHODS = ("lanczos", "power")
 ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
@@ -86,8 +88,6 @@ def eigen(
     seed: int | None = None,
 ) -> dict:
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
-    from sharpcli.curvature import lanczos, power_iteration
-
     check_choice(method, METHODS, "method")
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
@@ -113,37 +113,101 @@ def eigen(
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
     cpass = curvature_pass(session, params)
-    op = operator_of(cpass, operator)
-    if method == "lanczos":
-        from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
+    result = eigen_result(
+        cpass,
+        operator,
+        k=top_k,
+        which=which,
+        method=method,
+        tol=tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+        k_name="top_k",
+    )
+    out = result.to_dict()
+    out.update(operator=operator, scope=scope_info(cpass.scope))
+    if which != "largest":
+        _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
+    return out
 
-        dim = cpass.scope.numel
-        budget = min(dim, int(max_matvecs) if max_matvecs else DEFAULT_MAX_MATVECS)
-        wanted = min(int(top_k) * (2 if which == "both" else 1), dim)
-        if wanted > budget:
-            # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
-            # return fewer eigenvalues than asked, none converged
-            raise UsageError(
-                f"`top_k={top_k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
-                f"products (`max_matvecs`) holds at most {budget}; lower `top_k` or raise "
-                "`max_matvecs`",
-                source="top_k",
-            )
-        with progress.phase(f"eigen {_symbol(operator)}"):
-            result = lanczos(op, k=top_k, which=which, tol=tol, max_matvecs=max_matvecs, seed=seed)
-    else:
+
+def eigen_result(
+    cpass,
+    operator: str = HESSIAN,
+    *,
+    k: int = 1,
+    which: str = "largest",
+    method: str = "lanczos",
+    tol: float = 1e-3,
+    max_matvecs: int | None = None,
+    seed: int = 0,
+    return_eigenvectors: bool = False,
+    k_name: str = "k",
+):
+    """The ``k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
+
+    The one dispatch behind ``sharp eigen`` (:func:`eigen`) and
+    :meth:`sharpcli.api.Curvature.eigenvalues`: Lanczos ([Lanczos1950]) for the largest,
+    smallest or both ends, or power iteration ([PyHessian]) for the largest only.
+
+    Args:
+        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
+        k: Eigenvalues per end.
+        which: ``largest``, ``smallest`` or ``both``.
+        method: ``lanczos`` or ``power``.
+        tol: The relative residual each Ritz pair must reach.
+        max_matvecs: The products allowed (None: the method's default).
+        seed: Seed of the start vector.
+        return_eigenvectors: Keep the Ritz vectors in the result.
+        k_name: The caller's name for ``k`` in errors (``top_k`` for the analyses).
+
+    Returns:
+        The :class:`~sharpcli.curvature.EigenResult`.
+    """
+    from sharpcli.curvature import lanczos, power_iteration
+    from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
+
+    check_choice(method, METHODS, "method")
+    check_choice(which, WHICH, "which")
+    op = operator_of(cpass, operator)
+    if method == "power":
         if which != "largest":
             raise UsageError(
                 "power iteration finds the largest |eigenvalue|s only; use `method=lanczos`",
                 source="which",
             )
         with progress.phase(f"eigen {_symbol(operator)}"):
-            result = power_iteration(op, k=top_k, tol=tol, max_iter=max_matvecs or 100, seed=seed)
-    out = result.to_dict()
-    out.update(operator=operator, scope=scope_info(cpass.scope))
-    if which != "largest":
-        _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
-    return out
+            return power_iteration(
+                op,
+                k=k,
+                tol=tol,
+                max_iter=max_matvecs or 100,
+                seed=seed,
+                return_eigenvectors=return_eigenvectors,
+            )
+    dim = cpass.scope.numel
+    budget = min(dim, int(max_matvecs or DEFAULT_MAX_MATVECS))
+    wanted = min(int(k) * (2 if which == "both" else 1), dim)
+    if wanted > budget:
+        # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
+        # return fewer eigenvalues than asked, none converged
+        raise UsageError(
+            f"`{k_name}={k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
+            f"products (`max_matvecs`) holds at most {budget}; lower `{k_name}` or raise "
+            "`max_matvecs`",
+            source=k_name,
+        )
+    with progress.phase(f"eigen {_symbol(operator)}"):
+        return lanczos(
+            op,
+            k=k,
+            which=which,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+            return_eigenvectors=return_eigenvectors,
+        )
 
 
 def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
@@ -176,14 +240,6 @@ def trace(
     seed: int | None = None,
 ) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
-    from sharpcli.curvature import (
-        exact_ggn_trace,
-        frobenius_sq,
-        gn_split_trace,
-        hutchinson,
-        hutchpp,
-    )
-
     check_choice(estimator, ESTIMATORS, "estimator")
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
@@ -204,32 +260,15 @@ def trace(
     else:
         cpass = curvature_pass(session, params)
         scope = cpass.scope
-        symbol = _symbol(operator)
-        label = f"Tr({symbol}^2)" if square else f"tr({symbol})"
-        with progress.phase(label):
-            if estimator == "exact":
-                if operator != GGN or square:
-                    raise UsageError(
-                        "the exact estimator is available for the Gauss-Newton trace (`operator=ggn`)",
-                        source="estimator",
-                    )
-                result = exact_ggn_trace(session.model, session.analysis_data(), scope)
-            elif estimator == "gn-split":
-                if operator != HESSIAN or square:
-                    raise UsageError(
-                        "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
-                        "`square`)",
-                        source="estimator",
-                    )
-                result = gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-            else:
-                op = operator_of(cpass, operator)
-                if square:
-                    result = frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-                elif estimator == "hutchinson":
-                    result = hutchinson(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-                else:
-                    result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        result = trace_result(
+            cpass,
+            operator,
+            estimator=estimator,
+            square=square,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+        )
     d = result.to_dict()
     by_layer = d.pop("by_layer")
     return {
@@ -239,6 +278,71 @@ def trace(
         "square": square,
         "scope": scope_info(scope),
     }
+
+
+def trace_result(
+    cpass,
+    operator: str = HESSIAN,
+    *,
+    estimator: str = "hutchpp",
+    square: bool = False,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+):
+    """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
+
+    The one dispatch behind ``sharp trace`` (:func:`trace`) and
+    :meth:`sharpcli.api.Curvature.trace`: ``hutchpp`` ([Hutch++]), ``hutchinson``
+    ([Hutchinson1989]), ``exact`` (the Gauss-Newton trace, one backward pass per output
+    direction) or ``gn-split`` (tr(H) as exact tr(G) plus an estimated tr(N)); ``square``
+    estimates ``Tr(A^2) = ||A||_F^2`` ([FA] eq. 1) by Hutchinson on ``A^2``.
+
+    Args:
+        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        operator: A registered operator name.
+        estimator: ``hutchpp``, ``hutchinson``, ``exact`` (``ggn`` only) or ``gn-split``
+            (``hessian`` only).
+        square: Estimate ``Tr(A^2)`` instead.
+        tol: The relative standard error to stop at.
+        max_matvecs: The products allowed.
+        seed: Seed of the probes.
+
+    Returns:
+        The :class:`~sharpcli.curvature.TraceResult`.
+    """
+    from sharpcli.curvature import (
+        exact_ggn_trace,
+        frobenius_sq,
+        gn_split_trace,
+        hutchinson,
+        hutchpp,
+    )
+
+    check_choice(estimator, ESTIMATORS, "estimator")
+    symbol = _symbol(operator)
+    with progress.phase(f"Tr({symbol}^2)" if square else f"tr({symbol})"):
+        if estimator == "exact":
+            if operator != GGN or square:
+                raise UsageError(
+                    "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, no "
+                    "`square`)",
+                    source="estimator",
+                )
+            return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
+        if estimator == "gn-split":
+            if operator != HESSIAN or square:
+                raise UsageError(
+                    "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
+                    "`square`)",
+                    source="estimator",
+                )
+            return gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        op = operator_of(cpass, operator)
+        if square:
+            return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        estimate = hutchinson if estimator == "hutchinson" else hutchpp
+        return estimate(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
 
 
 def density(
@@ -307,11 +411,55 @@ def gn_nme(
     (:func:`sharpcli.curvature.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
     for the estimates. ``ggn_estimator`` picks the cross-checks of tr(G)
     (:func:`ggn_check_plan`)."""
+    seed = session.seed if seed is None else seed
+    return gn_nme_result(
+        curvature_pass(session, params),
+        loss=session.loss,
+        num_outputs=session.num_outputs,
+        labels=session.y,
+        tol=tol,
+        eig_tol=eig_tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+        label_samples=label_samples,
+        ggn_estimator=ggn_estimator,
+    )
+
+
+def gn_nme_result(
+    cpass,
+    *,
+    loss: str,
+    num_outputs: int,
+    labels: torch.Tensor,
+    tol: float = 1e-2,
+    eig_tol: float = 1e-3,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    label_samples: int = 4,
+    ggn_estimator: str = "auto",
+) -> dict:
+    """The split ``H = G + N`` ([NME] eq. 2) on ``cpass``: the one computation behind
+    ``sharp gn-nme`` (:func:`gn_nme`) and :meth:`sharpcli.api.Curvature.gn_nme`.
+
+    Args:
+        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        loss: The registered loss name of the analysis set.
+        num_outputs: Model outputs per sample.
+        labels: The analysis set's labels (their shape plans the tr(G) cross-checks).
+        tol: Relative standard error of the shared-probe traces.
+        eig_tol: Relative residual of the extreme eigenvalues.
+        max_matvecs: Products allowed for the traces.
+        seed: Seed of the probes, start vectors and label draws.
+        label_samples: Label draws per sample of the sampled-label tr(G).
+        ggn_estimator: Which cross-checks of tr(G) run (:func:`ggn_check_plan`).
+
+    Returns:
+        The ``results`` of ``sharp gn-nme --json``.
+    """
     from sharpcli.curvature import exact_ggn_trace, sampled_label_ggn_trace
     from sharpcli.curvature.split import gn_nme_split
 
-    seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params)
     with progress.phase("traces H,G,N"):
         split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
     out: dict = {}
@@ -345,17 +493,16 @@ def gn_nme(
         math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"]) if h["frobenius_sq"] else None
     )
     # tr(G) up to three ways: exact (every registered loss has a square-root factor of H_z),
-    # by label sampling (NME eq. 20; cross-entropy and mse on per-sample logit vectors), and
+    # by label sampling (NME eq. 20; a loss with one predictive distribution per sample), and
     # the shared probes' Hutchinson estimate; which ones run is planned from their cost
-    data = session.analysis_data()
-    plan = ggn_check_plan(session, ggn_estimator)
+    plan = ggn_check_plan(loss, num_outputs, labels, ggn_estimator)
     checks: dict = {"estimators": plan["run"], "why": plan["why"]}
     if "exact" in plan["run"]:
-        checks["exact"] = exact_ggn_trace(session.model, data, cpass.scope).estimate
+        checks["exact"] = exact_ggn_trace(cpass.model, cpass.data, cpass.scope).estimate
     if "sampled_label" in plan["run"]:
         sampled = sampled_label_ggn_trace(
-            session.model,
-            data,
+            cpass.model,
+            cpass.data,
             cpass.scope,
             samples=label_samples,
             generator=torch.Generator().manual_seed(seed),
@@ -375,29 +522,43 @@ GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 EXACT_GGN_MAX_DIRECTIONS = 128  # backward passes per sample the exact tr(G) may take in `auto`
 
 
-def ggn_check_plan(session, ggn_estimator: str = "auto") -> dict:
+def ggn_check_plan(
+    loss: str, num_outputs: int, labels: torch.Tensor, ggn_estimator: str = "auto"
+) -> dict:
     """Which estimators of tr(G) :func:`gn_nme` runs, and why (``{"run": [...], "why": str}``).
 
     The exact trace takes one backward pass per output direction of each sample: the C classes
     of a classifier, ``T x V`` for a language model's T positions over a vocabulary of V. With
     ``auto`` it runs only up to :data:`EXACT_GGN_MAX_DIRECTIONS` directions per sample; beyond
     (token-level LMs, 1000-class heads) the sampled-label estimator ([NME] eq. 20, a few
-    backward passes per sample whatever C) runs where it applies (cross-entropy and mse on
-    per-sample logit vectors), and the shared probes' Hutchinson estimate of tr(G) always
-    does. ``exact`` forces the exact trace, ``sampled`` the sampled-label one, ``hutchinson``
-    neither.
+    backward passes per sample whatever C) runs where it applies (a loss with one predictive
+    distribution per sample: cross-entropy, mse, binary cross-entropy), and the shared probes'
+    Hutchinson estimate of tr(G) always does. ``exact`` forces the exact trace, ``sampled``
+    the sampled-label one, ``hutchinson`` neither.
+
+    Args:
+        loss: The registered loss name of the analysis set.
+        num_outputs: Model outputs per sample.
+        labels: The analysis set's labels (the first sample's shape counts its directions).
+        ggn_estimator: ``auto``, ``exact``, ``sampled`` or ``hutchinson``.
+
+    Returns:
+        ``{"run": [estimator, ...], "why": reason}``.
     """
     check_choice(ggn_estimator, GGN_ESTIMATORS, "ggn_estimator")
-    per_sample = max(1, int(session.y[0].numel())) if session.loss == "cross-entropy" else 1
-    directions = int(session.num_outputs) * per_sample
-    sampled_ok = session.loss in ("cross-entropy", "mse") and per_sample == 1
+    record = get_loss(loss)
+    per_sample = max(1, int(labels[0].numel())) if record.softmax_per_sample else 1
+    directions = int(num_outputs) * per_sample
+    # the loss draws labels from one predictive distribution per sample (Loss.sample_labels)
+    sampled_ok = record.sampler is not None and not record.per_token and per_sample == 1
     if ggn_estimator == "exact":
         return {"run": ["exact", "hutchinson"], "why": "`ggn_estimator=exact` asked"}
     if ggn_estimator == "sampled":
         if not sampled_ok:
             raise UsageError(
-                "the sampled-label estimator needs cross-entropy or mse on one logit vector per "
-                "sample; use `ggn_estimator=hutchinson` or `exact`",
+                "the sampled-label estimator needs one predictive distribution per sample "
+                "(cross-entropy, mse, binary-cross-entropy); use `ggn_estimator=hutchinson` or "
+                "`exact`",
                 source="ggn_estimator",
             )
         return {"run": ["sampled_label", "hutchinson"], "why": "`ggn_estimator=sampled` asked"}

@@ -229,7 +229,7 @@ def sweep_command(
             raise common.UsageError(
                 f"{seeds!r} is not a comma list of integers", source="--seeds"
             ) from None
-        from sharpcli.session import check_seed
+        from sharpcli.preflight import check_seed
 
         for seed in seed_list:
             check_seed(seed, "--seeds")

@@ -821,7 +821,7 @@ def analysis_command(app, name: str):
 def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
     """Build the analysis session from a checkpoint and the common options (``curvature``:
     whether the command differentiates the model twice, see
-    :func:`sharpcli.session.check_second_derivatives`).
+    :func:`sharpcli.preflight.check_second_derivatives`).
 
     The session's notes (what was done to the data, e.g. float token ids converted to int64)
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report

@@ -984,8 +984,10 @@ def sampled_label_ggn_trace(
 ) -> TraceResult:
     """NME eq. 20: ``tr(G) = (1/N) sum_i E_{y^ ~ p(z_i)} ||grad_theta l(z_i, y^)||^2``.
 
-    Cross-entropy: ``y^ ~ Cat(softmax z_i)``. mse (``l = (1/C)||z - y||^2``): ``y^ ~ N(z_i, (C/2) I)``,
-    for which ``E||J^T (2/C)(z - y^)||^2 = (2/C)||J||_F^2`` as well. ``samples`` labels are drawn
+    Labels come from the loss's own sampler (:meth:`sharpcli.losses.Loss.labels_from_noise`):
+    cross-entropy ``y^ ~ Cat(softmax z_i)``, binary cross-entropy ``y^ ~ Bernoulli(sigmoid z_i)``,
+    mse (``l = (1/C)||z - y||^2``) ``y^ ~ N(z_i, (C/2) I)``, for which
+    ``E||J^T (2/C)(z - y^)||^2 = (2/C)||J||_F^2`` as well. ``samples`` labels are drawn
     per data point from random numbers keyed by the point's global index in the analysis set
     (:func:`_per_sample_draws`, base seed from the CPU ``generator``), so the draws, and the
     result, do not depend on the batch size or on how ranks shard the set; per-sample
@@ -994,24 +996,22 @@ def sampled_label_ggn_trace(
     ``sqrt(sum_i s_i^2 / samples) / N`` from each point's unbiased variance ``s_i^2``; with one
     draw the pooled variance over points is used (conservative: it includes between-point spread).
     """
-    import torch.nn.functional as F
     from torch.func import grad
 
     if int(samples) < 1:
         raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
-    if data.loss not in ("cross-entropy", "mse"):
+    loss = get_loss(data.loss)
+    if loss.sampler is None or loss.per_token:
         raise UsageError(
-            f"sampled-label GGN trace supports cross-entropy and mse, not {data.loss!r}",
+            "sampled-label GGN trace needs one predictive distribution per sample "
+            f"(cross-entropy, mse, binary-cross-entropy), not {data.loss!r}",
             source="loss",
         )
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     logits = _functional_logits(model, list(scope.names))
 
     def single_loss(params, x_single, label):
-        z = logits(params, x_single)
-        if data.loss == "cross-entropy":
-            return F.cross_entropy(z[None], label[None])
-        return F.mse_loss(z, label)
+        return loss.per_sample(logits(params, x_single)[None], label[None]).sum()
 
     per_sample_grad = _vmapped_or_looped(grad(single_loss), in_dims=(None, 0, 0))
     params = tuple(p.detach() for p in scope.params)
@@ -1033,14 +1033,9 @@ def sampled_label_ggn_trace(
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.no_grad():
             z_b = model(x_b)
-        kind = "uniform" if data.loss == "cross-entropy" else "normal"
+        tail = tuple(loss.label_noise_shape(z_b)[1:])
         batch_draws = _per_sample_draws(
-            base_seed,
-            first,
-            first + x_b.shape[0],
-            S,
-            kind,
-            () if kind == "uniform" else tuple(z_b.shape[1:]),
+            base_seed, first, first + x_b.shape[0], S, loss.sampler.noise, tail
         )
         first += x_b.shape[0]
         rows = max(1, _CHUNK_BYTES // max(1, scope.numel * z_b.element_size()))
@@ -1049,18 +1044,7 @@ def sampled_label_ggn_trace(
             draws = torch.zeros(S, x_c.shape[0], 1 + L, dtype=torch.float64)
             for s in range(S):
                 random_c = batch_draws[s, start : start + x_c.shape[0]]
-                if data.loss == "cross-entropy":
-                    # inverse CDF: y^ = #{c : u > P(Y <= c)} ~ Cat(softmax z)
-                    cdf = torch.softmax(z_c.detach().to("cpu", torch.float64), dim=-1).cumsum(-1)
-                    labels = (
-                        (random_c[:, None] > cdf)
-                        .sum(-1)
-                        .clamp_max(cdf.shape[-1] - 1)
-                        .to(z_c.device)
-                    )
-                else:
-                    scale = math.sqrt(z_c.shape[-1] / 2.0)
-                    labels = z_c.detach() + scale * random_c.to(device=z_c.device, dtype=z_c.dtype)
+                labels = loss.labels_from_noise(z_c, random_c)  # y^ ~ p(y | z) (Loss.sample_labels)
                 grads = per_sample_grad(params, x_c, labels)
                 for i, g in enumerate(grads):
                     sq = (g.reshape(g.shape[0], -1) ** 2).sum(1).to(torch.float64).cpu()

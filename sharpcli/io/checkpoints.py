@@ -33,7 +33,6 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +43,14 @@ from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
+    CONTAINER_KEYS,
+    check_finite_weights,
+    half_precision_note,
+    load_state,
+    match_state_dict,
+    state_dict_candidates,
+)
 
 FORMAT_VERSION = "1"
 META_FORMAT = "sharpcli.format"
@@ -54,11 +61,6 @@ META_METRICS = "sharpcli.metrics"
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 """Extensions read with ``torch.load`` (``.ckpt``: PyTorch Lightning; ``x.pth.tar`` also works)."""
-
-CONTAINER_KEYS = ("state_dict", "model_state_dict", "model_state", "model", "module", "net")
-"""Entries of a training-checkpoint dict that may hold the model's weights, in the order tried
-(``state_dict``: Lightning and most scripts; ``model_state_dict``: the PyTorch tutorial;
-``model``/``module``/``net``: other trainers, DeepSpeed)."""
 
 MAX_METADATA_DEPTH = 32
 """Deepest nesting of lists/objects accepted in a metadata value (real ones are 2-3 deep)."""
@@ -71,8 +73,6 @@ VALUES_SLACK = 1 << 20
 TENSORS_SLACK = 1024
 """A described model may exceed what the file stores by ``SIZE_RATIO`` times plus these slacks
 (cheap to build, and a near miss then gets the precise missing/shape-mismatch error)."""
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -340,299 +340,6 @@ def factory_from_metadata(name: str, args: dict, path: Path) -> nn.Module:
         raise InputError(f"cannot rebuild its model ({exc.message})", source=str(path)) from exc
 
 
-def _show_key(key) -> str:
-    """A key for a one-line message: printable keys as they are, others escaped, 60 chars at most."""
-    text = key if isinstance(key, str) and key.isprintable() and key.strip() == key else ascii(key)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _sample(keys, count: int = 5) -> str:
-    keys = list(keys)
-    shown = ", ".join(_show_key(k) for k in keys[:count])
-    return shown + (", ..." if len(keys) > count else "")
-
-
-def _is_tensor_mapping(value) -> bool:
-    return (
-        isinstance(value, Mapping)
-        and all(isinstance(k, str) for k in value)
-        and all(isinstance(v, torch.Tensor) for v in value.values())
-    )
-
-
-def state_dict_candidates(obj, path: str | os.PathLike) -> list[tuple[str, dict]]:
-    """The mappings of names to tensors in a loaded file that may be the model's weights.
-
-    ``[("", obj)]`` for a plain state_dict; for a training checkpoint (a dict with ``epoch``,
-    ``optimizer``, ...) every entry named in :data:`CONTAINER_KEYS` that is a state_dict (or,
-    only reachable with ``trust_pickle``, a pickled module), as ``("'state_dict'", ...)``.
-    Which one holds this model's weights is decided by :func:`match_state_dict`, against the
-    model's keys. Anything else is an ``InputError`` saying what the file holds.
-    """
-    if _is_tensor_mapping(obj):
-        return [("", dict(obj))]
-    if not isinstance(obj, Mapping):
-        raise InputError(
-            f"does not hold a state_dict (a mapping of names to tensors) but a {type(obj).__name__}",
-            source=str(path),
-        )
-    found = []
-    for key in CONTAINER_KEYS:
-        value = obj.get(key)
-        if isinstance(value, nn.Module):  # only unpickled under trust_pickle
-            value = value.state_dict()
-        if _is_tensor_mapping(value):
-            found.append((repr(key), dict(value)))
-    if not found:
-        entries = [k for k in obj if isinstance(k, str)]
-        raise InputError(
-            f"does not hold a state_dict (a mapping of names to tensors): a dict of "
-            f"{len(obj)} entries ({_sample(entries)}) with no {', '.join(CONTAINER_KEYS)} entry "
-            "holding only tensors",
-            source=str(path),
-        )
-    return found
-
-
-def _leading_components(keys) -> list[str]:
-    """The dotted components that begin every key, short of each key's last component."""
-    common: list[str] | None = None
-    for key in keys:
-        parts = key.split(".")[:-1]
-        if common is None:
-            common = parts
-        else:
-            n = 0
-            while n < min(len(common), len(parts)) and common[n] == parts[n]:
-                n += 1
-            common = common[:n]
-        if not common:
-            return []
-    return common or []
-
-
-def _alias_groups(model: nn.Module) -> list[list[str]]:
-    """The model's state_dict names grouped by the tensor they name (tied weights: 2+ names)."""
-    groups: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-    return list(groups.values())
-
-
-@dataclass
-class _Renaming:
-    """One way to read a candidate mapping's keys as the model's: strip or add a prefix."""
-
-    where: str  # "" for the whole file, or the entry: "'state_dict'"
-    strip: str = ""
-    add: str = ""
-
-    def apply(self, key: str) -> str:
-        return self.add + key[len(self.strip) :]
-
-    def describe(self) -> str:
-        parts = [f"the {self.where} entry" if self.where else ""]
-        if self.strip:
-            parts.append(f"the prefix {self.strip!r} stripped from every key")
-        if self.add:
-            parts.append(f"the prefix {self.add!r} (the model's) added to every key")
-        return ", ".join(p for p in parts if p)
-
-
-def _renamings(where: str, keys: list[str], model_keys: list[str]) -> list[_Renaming]:
-    """As is; then each common leading prefix of the file's keys stripped (``module.``,
-    ``model.``, ``module._orig_mod.``, ...); then each common leading prefix of the model's keys
-    (a ``torch.compile``-d or wrapped model) added to the file's."""
-    out = [_Renaming(where)]
-    lead = _leading_components(keys)
-    out += [_Renaming(where, strip=".".join(lead[:k]) + ".") for k in range(1, len(lead) + 1)]
-    own_lead = _leading_components(model_keys)
-    out += [_Renaming(where, add=".".join(own_lead[:k]) + ".") for k in range(1, len(own_lead) + 1)]
-    return out
-
-
-def _fits(renamed: set[str], own: set[str], groups: list[list[str]]) -> bool:
-    """Names exactly the model's: nothing unexpected, every tensor (one name of a tied one) given."""
-    return renamed <= own and all(any(name in renamed for name in g) for g in groups)
-
-
-def match_state_dict(
-    model: nn.Module, candidates: list[tuple[str, dict]], path: str | os.PathLike
-) -> tuple[dict[str, torch.Tensor], str]:
-    """The file's weights keyed by the model's state_dict names, and how they were found.
-
-    Tries, for each candidate mapping (:func:`state_dict_candidates`), its keys as they are,
-    then with a prefix stripped, then with the model's own prefix added (:func:`_renamings`).
-    A prefix is stripped only if *every* key has it, and a renaming is accepted only if the
-    renamed keys are exactly the model's state_dict keys (for tied weights one name of the
-    pair is enough, and two names must hold equal values), so nothing is guessed: an
-    exact match as stored wins; otherwise the accepted readings must agree tensor for tensor,
-    or the file is ambiguous (``InputError``). When nothing fits, the ``InputError`` (one
-    line, naming the file) lists a sample of the keys found and of the keys the model expects,
-    and what the closest reading misses. The description is ``""`` for a plain match.
-    """
-    own_state = model.state_dict()
-    own_keys = list(own_state)
-    own, groups = set(own_keys), _alias_groups(model)
-    fits: list[tuple[_Renaming, dict]] = []
-    closest: tuple[int, _Renaming, dict] | None = None
-    for where, mapping in candidates:
-        keys = list(mapping)
-        for renaming in _renamings(where, keys, own_keys):
-            if not all(k.startswith(renaming.strip) for k in keys):
-                continue
-            renamed = {renaming.apply(k): v for k, v in mapping.items()}
-            if _fits(set(renamed), own, groups):
-                fits.append((renaming, renamed))
-            overlap = len(own.intersection(renamed))
-            if closest is None or overlap > closest[0]:
-                closest = (overlap, renaming, renamed)
-    plain = [f for f in fits if not f[0].strip and not f[0].add]
-    fits = plain or fits
-    if not fits:
-        raise _no_fit(candidates, own_keys, closest, own, groups, path)
-    chosen, state = fits[0]
-    for other, other_state in fits[1:]:
-        same = set(other_state) == set(state) and all(
-            other_state[k].dtype == v.dtype
-            and other_state[k].shape == v.shape
-            and torch.equal(other_state[k], v)
-            for k, v in state.items()
-        )
-        if not same:
-            raise InputError(
-                f"is ambiguous: {chosen.describe() or 'the file as stored'} and "
-                f"{other.describe()} both name the model's weights but hold different values; "
-                "save the weights you mean on their own",
-                source=str(path),
-            )
-    for group in groups:  # tied weights: fill in a missing name, check two given names agree
-        given = [name for name in group if name in state]
-        first = state[given[0]]
-        for name in given[1:]:
-            value = state[name]
-            if value.shape != first.shape or not torch.equal(value, first.to(value.dtype)):
-                raise InputError(
-                    f"tied weights {_show_key(given[0])} and {_show_key(name)} (one tensor in "
-                    "the model) hold different values in the file",
-                    source=str(path),
-                )
-        for name in group:
-            state.setdefault(name, first)
-    return {k: state[k] for k in own_keys}, chosen.describe()
-
-
-def _no_fit(candidates, own_keys, closest, own, groups, path) -> InputError:
-    """The error when no reading of the file's keys is the model's: what was found, what fits."""
-    where, mapping = candidates[0]
-    parts = []
-    if closest is not None and closest[0] > 0:
-        _, renaming, renamed = closest
-        missing = [k for k in own_keys if k not in renamed]
-        unexpected = [k for k in renamed if k not in own]
-        how = renaming.describe()
-        if missing:
-            parts.append(f"missing {_sample(missing, 3)}")
-        if unexpected:
-            parts.append(f"unexpected {_sample(unexpected, 3)}")
-        if how and parts:
-            parts[0] = f"with {how}: {parts[0]}"
-        where, mapping = renaming.where, next(m for w, m in candidates if w == renaming.where)
-    keys = list(mapping)
-    entry = f"'s {where} entry" if where else ""
-    parts.append(
-        f"the file{entry} holds {len(keys)} keys ({_sample(keys)}), "
-        f"the model expects {len(own_keys)} ({_sample(own_keys)})"
-    )
-    hint = _partial_prefix_hint(keys, own, groups)
-    if hint:
-        parts.append(hint)
-    return InputError(f"state_dict does not match the model: {'; '.join(parts)}", source=str(path))
-
-
-def _partial_prefix_hint(keys: list[str], own: set[str], groups) -> str:
-    """Say so when the keys under one prefix would fit but other keys stop the stripping
-    (a LightningModule that also saved a loss weight or a second network)."""
-    by_first: dict[str, list[str]] = {}
-    for key in keys:
-        if "." in key:
-            by_first.setdefault(key.split(".", 1)[0], []).append(key)
-    for group in by_first.values():
-        if len(group) == len(keys):
-            continue
-        lead = _leading_components(group)
-        for k in range(1, len(lead) + 1):
-            prefix = ".".join(lead[:k]) + "."
-            if _fits({key[len(prefix) :] for key in group}, own, groups):
-                others = [key for key in keys if not key.startswith(prefix)]
-                n = len(others)
-                return (
-                    f"the {len(group)} keys under {prefix!r} would fit, but {n} other "
-                    f"key{'s' if n != 1 else ''} ({_sample(others, 3)}) "
-                    f"{'do' if n != 1 else 'does'} not have that prefix, so it is not stripped; "
-                    "save only the model's weights"
-                )
-    return ""
-
-
-def _load_state(model: nn.Module, state: dict, path: Path) -> None:
-    """Check dtypes (floating or not) and shapes name by name, then ``load_state_dict``."""
-    own = model.state_dict()
-    for key, value in state.items():
-        if own[key].is_floating_point() != value.is_floating_point():
-            raise InputError(
-                f"dtype mismatch for {_show_key(key)}: checkpoint "
-                f"{str(value.dtype).replace('torch.', '')}, "
-                f"model {str(own[key].dtype).replace('torch.', '')}",
-                source=str(path),
-            )
-        if tuple(value.shape) != tuple(own[key].shape):
-            raise InputError(
-                f"shape mismatch for {_show_key(key)}: checkpoint {tuple(value.shape)}, "
-                f"model {tuple(own[key].shape)}",
-                source=str(path),
-            )
-    _widen_to(model, state)
-    model.load_state_dict(state, strict=True)
-
-
-def _widen_to(model: nn.Module, state: dict) -> None:
-    """Cast ``model`` to the widest floating dtype of ``state`` when that is wider than its own.
-
-    ``load_state_dict`` copies into the model's tensors, so float64 weights loaded into a
-    factory's float32 model would be rounded to float32 before ``--dtype float64`` widens them
-    again: a float64 checkpoint must reach a float64 analysis exactly. (Narrower weights, e.g.
-    float16, go into the wider model exactly; the analysis dtype is set later either way.)
-    """
-    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
-    if not dtypes:
-        return
-    widest = max(dtypes, key=lambda d: torch.finfo(d).bits)
-    own = [t.dtype for t in model.state_dict().values() if t.is_floating_point()]
-    if own and all(torch.finfo(d).bits < torch.finfo(widest).bits for d in own):
-        model.to(widest)
-
-
-def _half_precision_note(model: nn.Module, state: dict, path: Path) -> str | None:
-    """A note when float16/bfloat16 weights went into a wider model (cast exactly, and the
-    analysis then runs in ``--dtype``; the weights keep only the file's precision)."""
-    own = model.state_dict()
-    half = {}
-    for key, value in state.items():
-        if value.dtype in _HALF_DTYPES and own[key].dtype not in _HALF_DTYPES:
-            half.setdefault(str(value.dtype).replace("torch.", ""), []).append(key)
-    if not half:
-        return None
-    floating = sum(1 for v in state.values() if v.is_floating_point())
-    stored = " and ".join(
-        f"{dtype} ({len(keys)} of {floating} tensors)" for dtype, keys in half.items()
-    )
-    return (
-        f"{path}: weights stored as {stored} are cast to the analysis dtype (exactly: the "
-        "values keep their half precision)"
-    )
-
-
 def _format_count(n: int) -> str:
     """A count for a message; beyond 10**15 as a power of ten (str() of a huge int may raise)."""
     if n < 10**15:
@@ -676,31 +383,6 @@ def check_model_size(
             f"{_format_count(stored_tensors)} tensors; refusing to build it",
             source=str(path),
         )
-
-
-def check_finite_weights(model: nn.Module, path: str) -> None:
-    """An InputError on ``path`` naming the first tensor of ``model`` that cannot be a weight.
-
-    Parameters and normalisation statistics (a BatchNorm's running mean and variance) must be
-    finite. Other floating-point buffers may hold +-Inf but not NaN: an additive attention mask
-    (``nn.Transformer.generate_square_subsequent_mask``) is -Inf above the diagonal by design.
-    """
-    from torch.nn.modules.batchnorm import _NormBase
-
-    statistics = {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules()
-        if isinstance(module, _NormBase)
-        for name, _ in module.named_buffers(recurse=False)
-    }
-    strict = statistics | {name for name, _ in model.named_parameters()}
-    for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():
-            continue
-        if name in strict and not torch.isfinite(tensor).all():
-            raise InputError(f"weights contain NaN or Inf in {name}", source=path)
-        if torch.isnan(tensor).any():
-            raise InputError(f"weights contain NaN in the buffer {name}", source=path)
 
 
 def _build_zoo_model(spec: dict, candidates, path: Path, described_by: str, *, metadata: bool):
@@ -783,81 +465,107 @@ def load_checkpoint(
         return _load_hf_folder(p, arch=arch, model_factory=model_factory)
     check_data_path(str(p))  # a FIFO or device would be read (hashed) forever
     ledger.record_input(p, "the checkpoint")
-    suffix = p.suffix.lower()
     digest = sha256_file(p)
-    override = arch is not None or model_factory is not None
     if arch is not None and model_factory is not None:
         raise UsageError("give `arch` or `model_factory`, not both", source="arch")
-
-    model_spec = data_spec = train_config = metrics = None
-    origin = "state_dict"
-    if suffix == ".safetensors":
-        state, meta = _read_safetensors(p)
-        candidates = [("", state)]
-        if META_MODEL in meta:
-            origin = "sharpcli"
-            model_spec = _parse_json_meta(meta, META_MODEL, p)
-            data_spec = _parse_json_meta(meta, META_DATA, p, (dict, str))
-            train_config = _parse_json_meta(meta, META_TRAIN, p)
-            metrics = _parse_json_meta(meta, META_METRICS, p)
-    elif _is_torch_file(p):
-        state = _read_torch_file(p, trust_pickle)
-        if isinstance(state, nn.Module):
-            origin = "pickle"
-            model = state
-            check_finite_weights(model, str(p))
-            return LoadedCheckpoint(
-                model=model,
-                path=str(p),
-                sha256=digest,
-                origin=origin,
-                model_spec={"name": type(model).__name__, "args": {}},
-            )
-        candidates = state_dict_candidates(state, p)
-    else:
-        raise InputError(
-            f"unknown checkpoint format {suffix or '(no extension)'}; expected .safetensors, "
-            ".pt, .pth, .bin or .ckpt",
-            source=str(p),
+    contents = _read_checkpoint_file(p, trust_pickle)
+    if contents.module is not None:  # a pickled whole module (trust_pickle)
+        check_finite_weights(contents.module, str(p))
+        return LoadedCheckpoint(
+            model=contents.module,
+            path=str(p),
+            sha256=digest,
+            origin="pickle",
+            model_spec={"name": type(contents.module).__name__, "args": {}},
         )
-
-    if override:
-        if model_factory is not None:
-            model = factory_from_string(model_factory, arch_args)
-            model_spec = {"name": f"factory:{model_factory}", "args": arch_args or {}}
-        else:
-            model_spec = {"name": arch, "args": arch_args or {}}
-            model = _build_zoo_model(
-                model_spec, candidates, p, "given by `arch` and `arch_args`", metadata=False
-            )
-        origin = "state_dict" if origin != "sharpcli" else origin
-    elif model_spec is None:
-        raise InputError(
-            "has no sharpcli metadata; say how to build the model with `arch=NAME` "
-            "`arch_args=JSON` or `model_factory=module:function`",
-            source=str(p),
-        )
-    elif str(model_spec.get("name", "")).startswith(FACTORY_PREFIX):
-        model = factory_from_metadata(model_spec["name"], model_spec.get("args") or {}, p)
-    else:
-        model = _build_zoo_model(
-            model_spec, candidates, p, f"in metadata {META_MODEL}", metadata=True
-        )
-    state, how = match_state_dict(model, candidates, p)
+    model, model_spec, origin = _model_for(contents, p, arch, arch_args, model_factory)
+    state, how = match_state_dict(model, contents.candidates, p)
     notes = [f"{p}: loaded {how}"] if how else []
-    half = _half_precision_note(model, state, p)
+    half = half_precision_note(model, state, p)
     if half:
         notes.append(half)
-    _load_state(model, state, p)
+    load_state(model, state, p)
     check_finite_weights(model, str(p))
     return LoadedCheckpoint(
         model=model,
         path=str(p),
         sha256=digest,
         model_spec=model_spec,
-        data_spec=data_spec,
-        train_config=train_config,
-        metrics=metrics,
+        data_spec=contents.data_spec,
+        train_config=contents.train_config,
+        metrics=contents.metrics,
         origin=origin,
         notes=notes,
     )
+
+
+@dataclass
+class _FileContents:
+    """What a checkpoint file holds: candidate weight mappings and own metadata, or a pickled
+    whole module (read only under ``trust_pickle``)."""
+
+    candidates: list = field(default_factory=list)
+    origin: str = "state_dict"
+    model_spec: dict | None = None
+    data_spec: dict | str | None = None
+    train_config: dict | None = None
+    metrics: dict | None = None
+    module: nn.Module | None = None
+
+
+def _read_checkpoint_file(p: Path, trust_pickle: bool) -> _FileContents:
+    """The weights and metadata of a ``.safetensors`` or torch file; InputError otherwise."""
+    suffix = p.suffix.lower()
+    if suffix == ".safetensors":
+        state, meta = _read_safetensors(p)
+        contents = _FileContents(candidates=[("", state)])
+        if META_MODEL in meta:
+            contents.origin = "sharpcli"
+            contents.model_spec = _parse_json_meta(meta, META_MODEL, p)
+            contents.data_spec = _parse_json_meta(meta, META_DATA, p, (dict, str))
+            contents.train_config = _parse_json_meta(meta, META_TRAIN, p)
+            contents.metrics = _parse_json_meta(meta, META_METRICS, p)
+        return contents
+    if _is_torch_file(p):
+        state = _read_torch_file(p, trust_pickle)
+        if isinstance(state, nn.Module):
+            return _FileContents(origin="pickle", module=state)
+        return _FileContents(candidates=state_dict_candidates(state, p))
+    raise InputError(
+        f"unknown checkpoint format {suffix or '(no extension)'}; expected .safetensors, "
+        ".pt, .pth, .bin or .ckpt",
+        source=str(p),
+    )
+
+
+def _model_for(
+    contents: _FileContents,
+    p: Path,
+    arch: str | None,
+    arch_args: dict | None,
+    model_factory: str | None,
+) -> tuple[nn.Module, dict, str]:
+    """``(model, model_spec, origin)``: the model ``arch``/``model_factory`` name, else the one
+    the file's own metadata describes (sized against the file before it is built)."""
+    if model_factory is not None:
+        model = factory_from_string(model_factory, arch_args)
+        return model, {"name": f"factory:{model_factory}", "args": arch_args or {}}, contents.origin
+    if arch is not None:
+        spec = {"name": arch, "args": arch_args or {}}
+        model = _build_zoo_model(
+            spec, contents.candidates, p, "given by `arch` and `arch_args`", metadata=False
+        )
+        return model, spec, contents.origin
+    spec = contents.model_spec
+    if spec is None:
+        raise InputError(
+            "has no sharpcli metadata; say how to build the model with `arch=NAME` "
+            "`arch_args=JSON` or `model_factory=module:function`",
+            source=str(p),
+        )
+    if str(spec.get("name", "")).startswith(FACTORY_PREFIX):
+        return factory_from_metadata(spec["name"], spec.get("args") or {}, p), spec, contents.origin
+    model = _build_zoo_model(
+        spec, contents.candidates, p, f"in metadata {META_MODEL}", metadata=True
+    )
+    return model, spec, contents.origin

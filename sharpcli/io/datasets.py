@@ -406,42 +406,58 @@ def validate_for_model(
     expected = tuple(int(d) for d in input_shape)
     for split, x, y in pairs:
         where = f"{split} " if split else ""
-        if x.shape[0] == 0:
-            raise InputError(f"{where}split is empty", source=source)
-        if y.shape[0] != x.shape[0]:
-            raise InputError(
-                f"{where}features have {x.shape[0]} rows but targets {y.shape[0]}", source=source
-            )
-        got = tuple(x.shape[1:])
-        if got != expected:
-            if len(got) == 1 and len(expected) == 1:
-                problem = (
-                    f"{where}features have {got[0]} columns but the model expects {expected[0]}"
-                )
-            else:
-                problem = f"{where}samples have shape {got} but the model expects {expected}"
-            raise InputError(problem, source=source)
-        bad = int((~torch.isfinite(x)).sum())
-        if bad:
-            raise InputError(f"{where}features have {bad} non-finite value(s)", source=source)
+        _check_features(x, y, expected, where, source)
         if num_classes is None:
             continue
         if task == "classification":
-            low, high = int(y.min()), int(y.max())
-            if low < 0 or high >= num_classes:
-                label = low if low < 0 else high
-                raise InputError(
-                    f"{where}labels include {label} but the model has {num_classes} classes "
-                    f"(labels 0..{num_classes - 1})",
-                    source=source,
-                )
+            _check_labels(y, num_classes, where, source)
         else:
-            per_sample = 1 if y.dim() == 1 else int(y[0].numel())
-            if per_sample != num_classes:
-                raise InputError(
-                    f"{where}targets have {per_sample} value(s) per sample but the model has {num_classes} outputs",
-                    source=source,
-                )
-            bad = int((~torch.isfinite(y)).sum())
-            if bad:
-                raise InputError(f"{where}targets have {bad} non-finite value(s)", source=source)
+            _check_targets(y, num_classes, where, source)
+
+
+def _check_features(
+    x: torch.Tensor, y: torch.Tensor, expected: tuple, where: str, source: str | None
+) -> None:
+    """One split's features: not empty, one row per target, the model's shape, finite."""
+    if x.shape[0] == 0:
+        raise InputError(f"{where}split is empty", source=source)
+    if y.shape[0] != x.shape[0]:
+        raise InputError(
+            f"{where}features have {x.shape[0]} rows but targets {y.shape[0]}", source=source
+        )
+    got = tuple(x.shape[1:])
+    if got != expected:
+        if len(got) == 1 and len(expected) == 1:
+            problem = f"{where}features have {got[0]} columns but the model expects {expected[0]}"
+        else:
+            problem = f"{where}samples have shape {got} but the model expects {expected}"
+        raise InputError(problem, source=source)
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        raise InputError(f"{where}features have {bad} non-finite value(s)", source=source)
+
+
+def _check_labels(y: torch.Tensor, num_classes: int, where: str, source: str | None) -> None:
+    """Class labels in ``[0, num_classes)``."""
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= num_classes:
+        label = low if low < 0 else high
+        raise InputError(
+            f"{where}labels include {label} but the model has {num_classes} classes "
+            f"(labels 0..{num_classes - 1})",
+            source=source,
+        )
+
+
+def _check_targets(y: torch.Tensor, num_outputs: int, where: str, source: str | None) -> None:
+    """Regression targets: ``num_outputs`` finite values per sample."""
+    per_sample = 1 if y.dim() == 1 else int(y[0].numel())
+    if per_sample != num_outputs:
+        raise InputError(
+            f"{where}targets have {per_sample} value(s) per sample but the model has "
+            f"{num_outputs} outputs",
+            source=source,
+        )
+    bad = int((~torch.isfinite(y)).sum())
+    if bad:
+        raise InputError(f"{where}targets have {bad} non-finite value(s)", source=source)

@@ -213,7 +213,7 @@ def _features(
     to float32: a model whose first layer is an ``nn.Embedding`` needs the ids as integers,
     and float32 holds integers exactly only up to 2**24. Whether they reach the model as
     int64 or in the analysis dtype is decided against the model in
-    :func:`sharpcli.session.prepare_features`. float64 stays float64 when ``keep_float64``
+    :func:`sharpcli.io.features.prepare_features`. float64 stays float64 when ``keep_float64``
     (a tensor file's stored dtype); every other dtype becomes float32.
     """
     if x.dim() == 0:

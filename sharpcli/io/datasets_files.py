@@ -407,11 +407,51 @@ def _table_dataset(
     frame: pd.DataFrame, path: str, fmt: str, label_column: str | None, spec: dict
 ) -> Dataset:
     """Split a table into features, labels and (with a 'split' column) train/test parts."""
-    import pandas as pd
-
     label = label_column or DEFAULT_LABEL_COLUMN
     columns = [str(c) for c in frame.columns]
     frame.columns = columns
+    feature_names = _table_feature_names(frame, columns, label, path)
+    features = _table_features(frame, columns, feature_names, path)
+    labels, class_names = _label_array(frame[label], label, path)
+    common = dict(
+        source=path,
+        spec=spec,
+        class_names=class_names,
+        task="classification" if class_names else None,
+        num_classes=len(class_names) if class_names else None,
+    )
+    if SPLIT_COLUMN not in columns:
+        names = ("features", f"label column {label!r}", "test features")
+        return finalize_dataset(
+            features,
+            labels,
+            None,
+            None,
+            names=(*names, f"test label column {label!r}"),
+            **common,
+        )
+    is_train, is_test = _split_rows(frame, path)
+    x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
+    return finalize_dataset(
+        features[is_train],
+        labels[is_train],
+        x_test,
+        y_test,
+        names=(
+            "train features",
+            f"label column {label!r}",
+            "test features",
+            f"test labels in column {label!r}",
+        ),
+        **common,
+    )
+
+
+def _table_feature_names(frame, columns: list[str], label: str, path: str) -> list[str]:
+    """The feature columns (all but the label and split columns), once the table is checked:
+    unique column names, the label column present, rows, and every feature numeric."""
+    import pandas as pd
+
     if len(set(columns)) != len(columns):
         raise InputError(
             f"has {len(columns) - len(set(columns))} duplicate column name(s)", source=path
@@ -438,6 +478,11 @@ def _table_dataset(
             f"of {len(columns)}); every column but the label must be a number",
             source=path,
         )
+    return feature_names
+
+
+def _table_features(frame, columns: list[str], feature_names: list[str], path: str) -> np.ndarray:
+    """The feature columns as int64 (all integer) or float64, with no missing value."""
     try:
         if _integer_columns(frame, feature_names):
             features = frame[feature_names].to_numpy(dtype=np.int64)
@@ -453,25 +498,11 @@ def _table_dataset(
             f"missing or NaN value (row {row + 1}); {int(missing.sum())} in all",
             source=path,
         )
-    labels, class_names = _label_array(frame[label], label, path)
-    if SPLIT_COLUMN not in columns:
-        return finalize_dataset(
-            features,
-            labels,
-            None,
-            None,
-            source=path,
-            spec=spec,
-            class_names=class_names,
-            task="classification" if class_names else None,
-            num_classes=len(class_names) if class_names else None,
-            names=(
-                "features",
-                f"label column {label!r}",
-                "test features",
-                f"test label column {label!r}",
-            ),
-        )
+    return features
+
+
+def _split_rows(frame, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(is_train, is_test)`` row masks from the 'split' column (train or test, any case)."""
     split = np.array(
         ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]],
         dtype=object,
@@ -486,24 +517,7 @@ def _table_dataset(
     is_train, is_test = split == "train", split == "test"
     if not is_train.any():
         raise InputError("column 'split' marks no row as train", source=path)
-    x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
-    return finalize_dataset(
-        features[is_train],
-        labels[is_train],
-        x_test,
-        y_test,
-        source=path,
-        spec=spec,
-        class_names=class_names,
-        task="classification" if class_names else None,
-        num_classes=len(class_names) if class_names else None,
-        names=(
-            "train features",
-            f"label column {label!r}",
-            "test features",
-            f"test labels in column {label!r}",
-        ),
-    )
+    return is_train, is_test
 
 
 # ----------------------------------------------------------------------------- probes

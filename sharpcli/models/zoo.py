@@ -428,48 +428,69 @@ def _as_int(model: str, key: str, value: Any) -> int:
     return int(value)
 
 
+def _int_value(model: str, key: str, spec: _Arg, value: Any) -> int:
+    number = _as_int(model, key, value)
+    _check_number(model, key, spec, number)
+    return number
+
+
+def _float_value(model: str, key: str, spec: _Arg, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{model}: {key} must be a number, got {value!r}")
+    number = float(value)
+    _check_number(model, key, spec, number)
+    return number
+
+
+def _bool_value(model: str, key: str, spec: _Arg, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(f"{model}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _activation_value(model: str, key: str, spec: _Arg, value: Any) -> Any:
+    return canonical_activation_spec(value)
+
+
+def _int_list_value(model: str, key: str, spec: _Arg, value: Any) -> list[int]:
+    problem = f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise _bad(problem)
+    items = [_as_int(model, key, item) for item in value]
+    if any(item < 1 for item in items):
+        raise _bad(problem)
+    return items
+
+
+def _image_size_value(model: str, key: str, spec: _Arg, value: Any) -> int | list[int]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        sides = [_as_int(model, key, value)] * 2
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2:
+        sides = [_as_int(model, key, side) for side in value]
+    else:
+        raise _bad(f"{model}: {key} must be an integer or [height, width], got {value!r}")
+    if min(sides) < 1:
+        raise _bad(f"{model}: {key} must be positive, got {value!r}")
+    return sides[0] if sides[0] == sides[1] else sides
+
+
+_CANONICAL = {
+    "int": _int_value,
+    "float": _float_value,
+    "bool": _bool_value,
+    "activation": _activation_value,
+    "int_list": _int_list_value,
+    "image_size": _image_size_value,
+}
+"""Each argument kind's check: ``f(model, key, spec, value)`` -> the canonical value."""
+
+
 def _canonical_value(model: str, key: str, spec: _Arg, value: Any) -> Any:
     """Check one argument's type and range; return its canonical JSON-serialisable form."""
-    if spec.kind == "int":
-        number = _as_int(model, key, value)
-        _check_number(model, key, spec, number)
-        return number
-    if spec.kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(f"{model}: {key} must be a number, got {value!r}")
-        number = float(value)
-        _check_number(model, key, spec, number)
-        return number
-    if spec.kind == "bool":
-        if not isinstance(value, bool):
-            raise _bad(f"{model}: {key} must be true or false, got {value!r}")
-        return value
-    if spec.kind == "activation":
-        return canonical_activation_spec(value)
-    if spec.kind == "int_list":
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-            raise _bad(
-                f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
-            )
-        items = [_as_int(model, key, item) for item in value]
-        if any(item < 1 for item in items):
-            raise _bad(
-                f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
-            )
-        return items
-    if spec.kind == "image_size":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            sides = [_as_int(model, key, value)] * 2
-        elif (
-            isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2
-        ):
-            sides = [_as_int(model, key, side) for side in value]
-        else:
-            raise _bad(f"{model}: {key} must be an integer or [height, width], got {value!r}")
-        if min(sides) < 1:
-            raise _bad(f"{model}: {key} must be positive, got {value!r}")
-        return sides[0] if sides[0] == sides[1] else sides
-    raise AssertionError(f"unknown argument kind {spec.kind}")  # schema bug, not user error
+    check = _CANONICAL.get(spec.kind)
+    if check is None:
+        raise AssertionError(f"unknown argument kind {spec.kind}")  # schema bug, not user error
+    return check(model, key, spec, value)
 
 
 def _image_hw(image_size: int | list[int]) -> tuple[int, int]:

@@ -75,48 +75,46 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
     plt, fig, axes = _figure(1, 2 if tracked_keys else 1)
     ax = axes[0] if tracked_keys else axes
     epochs = [row["epoch"] for row in history]
-    for key, style in (("train_loss", "-"), ("test_loss", "--")):
-        if any(row.get(key) is not None for row in history):
-            ax.plot(
-                epochs,
-                _finite([row.get(key) for row in history]),
-                style,
-                label=key.replace("_", " "),
-            )
+    _plot_present(ax, epochs, history, ("train_loss", "test_loss"))
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     acc = ax.twinx()
-    for key, style in (("train_accuracy", "-"), ("test_accuracy", "--")):
-        if any(row.get(key) is not None for row in history):
-            acc.plot(
-                epochs,
-                _finite([row.get(key) for row in history]),
-                style,
-                color="tab:green",
-                label=key.replace("_", " "),
-            )
+    _plot_present(acc, epochs, history, ("train_accuracy", "test_accuracy"), color="tab:green")
     acc.set_ylabel("accuracy")
     ax.legend(loc="upper left", fontsize=8)
     acc.legend(loc="lower left", fontsize=8)
     ax.set_title(title)
     if tracked_keys:
-        cax = axes[1]
-        for key in tracked_keys:
-            points = [
-                (row["epoch"], (row.get("tracked") or {}).get(key))
-                for row in history
-                if row.get("tracked")
-            ]
-            cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
-        cax.set_xlabel("epoch")
-        cax.set_ylabel("curvature")
-        cax.set_title("tracked curvature")
-        if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
-            cax.set_yscale("symlog")
-            cax.set_ylabel("curvature (symlog scale)")
-        cax.legend(fontsize=8)
+        _plot_tracked(axes[1], history, tracked_keys)
     fig.tight_layout()
     return _save(plt, fig, path)
+
+
+def _plot_present(ax, epochs: list, history: list[dict], keys: tuple, **style) -> None:
+    """One line per key that some row of ``history`` has: the train key solid, the test one
+    dashed."""
+    for key, line in zip(keys, ("-", "--")):
+        if any(row.get(key) is not None for row in history):
+            values = _finite([row.get(key) for row in history])
+            ax.plot(epochs, values, line, label=key.replace("_", " "), **style)
+
+
+def _plot_tracked(cax, history: list[dict], tracked_keys: list[str]) -> None:
+    """The tracked curvature per epoch (symlog for eigenvalues and traces)."""
+    for key in tracked_keys:
+        points = [
+            (row["epoch"], (row.get("tracked") or {}).get(key))
+            for row in history
+            if row.get("tracked")
+        ]
+        cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
+    cax.set_xlabel("epoch")
+    cax.set_ylabel("curvature")
+    cax.set_title("tracked curvature")
+    if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
+        cax.set_yscale("symlog")
+        cax.set_ylabel("curvature (symlog scale)")
+    cax.legend(fontsize=8)
 
 
 def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
@@ -327,37 +325,40 @@ def plot_bound_check(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     if noise_rows:
-        ax2 = axes[1]
-        noise_rows = sorted(noise_rows, key=lambda r: r["sigma"])
-        s2 = [r["sigma"] for r in noise_rows]
-        ax2.plot(
-            s2,
-            [r["predicted"] for r in noise_rows],
-            "o-",
-            label=r"$\frac{\sigma^2}{2}\,\mathrm{tr}(H)$",
-        )
-        ax2.errorbar(
-            s2,
-            [r["gap"] for r in noise_rows],
-            yerr=[r["gap_stderr"] for r in noise_rows],
-            fmt="s--",
-            capsize=3,
-            label=r"$\mathbb{E}\,L(W+U) - L(W)$",
-        )
-        ax2.set_xscale("log")
-        values = [r["predicted"] for r in noise_rows] + [r["gap"] for r in noise_rows]
-        if all(v > 0 for v in values):
-            ax2.set_yscale("log")
-        else:  # a Monte-Carlo gap can come out negative: linear near zero
-            ax2.set_yscale(
-                "symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12
-            )
-        ax2.set_xlabel(r"$\sigma$")
-        ax2.set_title("NSO noise stability")
-        ax2.grid(True, which="both", alpha=0.3)
-        ax2.legend(fontsize=8)
+        _plot_noise_stability(axes[1], sorted(noise_rows, key=lambda r: r["sigma"]))
     fig.tight_layout()
     return _save(plt, fig, path)
+
+
+def _plot_noise_stability(ax2, noise_rows: list[dict]) -> None:
+    """NSO's perturbation gap (with its standard error) against ``sigma^2/2 tr(H)``."""
+    s2 = [r["sigma"] for r in noise_rows]
+    ax2.plot(
+        s2,
+        [r["predicted"] for r in noise_rows],
+        "o-",
+        label=r"$\frac{\sigma^2}{2}\,\mathrm{tr}(H)$",
+    )
+    ax2.errorbar(
+        s2,
+        [r["gap"] for r in noise_rows],
+        yerr=[r["gap_stderr"] for r in noise_rows],
+        fmt="s--",
+        capsize=3,
+        label=r"$\mathbb{E}\,L(W+U) - L(W)$",
+    )
+    ax2.set_xscale("log")
+    values = [r["predicted"] for r in noise_rows] + [r["gap"] for r in noise_rows]
+    if all(v > 0 for v in values):
+        ax2.set_yscale("log")
+    else:  # a Monte-Carlo gap can come out negative: linear near zero
+        ax2.set_yscale(
+            "symlog", linthresh=min(abs(v) for v in values if v != 0) if any(values) else 1e-12
+        )
+    ax2.set_xlabel(r"$\sigma$")
+    ax2.set_title("NSO noise stability")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
 
 
 def plot_density(

@@ -197,7 +197,7 @@ def _check_types(cfg: TrainConfig) -> None:
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
     from sharpcli.losses import LOSSES
-    from sharpcli.session import check_seed
+    from sharpcli.preflight import check_seed
 
     _check_types(cfg)
     check_seed(cfg.seed)
@@ -356,7 +356,7 @@ def train(
     (:func:`_train_epoch`), and the final evaluation and checkpoint (:func:`_finish_run`).
     """
     from sharpcli.curvature.differentiable import twice_differentiable
-    from sharpcli.session import (
+    from sharpcli.preflight import (
         SECOND_DERIVATIVE_SAMPLES,
         check_second_derivatives,
         resolve_device,
@@ -487,7 +487,7 @@ def _load_splits(cfg: TrainConfig) -> _Splits:
     targets with ``mse``; one class label per sample leaves the loss to the model's outputs.
     """
     from sharpcli.io.datasets import load_dataset
-    from sharpcli.session import loss_for_task
+    from sharpcli.preflight import loss_for_task
 
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
     per_position = dataset.task == "classification" and dataset.y_train.ndim == 2
@@ -592,14 +592,14 @@ def _place_splits(
     """Move the splits to ``device`` as the model takes them and check that it accepts them.
 
     Features go to the training dtype, except token ids an ``nn.Embedding`` looks up, which stay
-    int64 (:func:`sharpcli.session.prepare_features`; its notes are collected in
+    int64 (:func:`sharpcli.preflight.prepare_features`; its notes are collected in
     ``splits.notes``); regression targets go to the training dtype. Input perturbations
     (``--input-noise``, ``--noise-finetune``, ``--augment``) are refused on token ids.
     Class labels with no loss set train with the loss the model's outputs call for
-    (:func:`sharpcli.session.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
+    (:func:`sharpcli.preflight.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
     for one logit per sample, ``cross-entropy`` otherwise.
     """
-    from sharpcli.session import check_model_accepts, prepare_features, to_analysis_dtype
+    from sharpcli.preflight import check_model_accepts, prepare_features, to_analysis_dtype
 
     dataset = splits.dataset
     regression = dataset.task == "regression"

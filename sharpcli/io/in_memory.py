@@ -1,0 +1,384 @@
+"""In-memory data for :class:`sharpcli.api.Curvature`: batches read into one analysis set,
+the model seen through a view that indexes it, and loss modules resolved to loss records.
+
+``data`` is read once: ``(x, y)`` tensors, a ``dict`` of tensors (one batch: its label under
+``labels`` or ``y``, every other key a keyword argument of ``model.forward``), a
+``DataLoader`` or any iterable of such batches; batches are concatenated in order
+(:func:`collect_data`). The analysis set streamed by the curvature engine is the sample
+*indices* ``0..N-1``, and :func:`model_on_data` gives the model a ``forward(index)`` that
+runs its own ``forward`` on the indexed rows of the stored inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from sharpcli.errors import UsageError
+from sharpcli.losses import IGNORE_INDEX, LOSSES, get_loss
+from sharpcli.models.outputs import select_output
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "LABEL_KEYS",
+    "LOSS_MODULES",
+    "CollectedData",
+    "apply_ignore_index",
+    "collect_data",
+    "loss_name",
+    "model_on_data",
+    "refuse_unshifted_labels",
+    "to_device",
+]
+
+LABEL_KEYS = ("labels", "y")  # where a dict batch keeps its labels
+DEFAULT_BATCH_SIZE = 256  # tensors given whole: products batch them by this many samples
+LOSS_MODULES = "nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.MSELoss"
+
+
+# --------------------------------------------------------------------------- data
+class CollectedData:
+    """The analysis set read from ``data``: positional inputs or keyword inputs, and labels."""
+
+    def __init__(self, x, keywords: dict, y: torch.Tensor, batch_size: int):
+        self.x = x  # a tensor, or None when the model takes keyword inputs
+        self.keywords = keywords  # name -> tensor
+        self.y = y
+        self.batch_size = batch_size
+
+    @property
+    def num_samples(self) -> int:
+        """N, the samples of the analysis set."""
+        return int(self.y.shape[0])
+
+    def select(self, keep: torch.Tensor) -> "CollectedData":
+        """The samples where ``keep`` (bool, (N,)) is true."""
+        x = None if self.x is None else self.x[keep]
+        return CollectedData(
+            x, {k: v[keep] for k, v in self.keywords.items()}, self.y[keep], self.batch_size
+        )
+
+
+def _batch_parts(batch, index: int) -> tuple:
+    """``(x or None, keywords, y)`` of one batch; UsageError on ``data`` for any other shape."""
+    where = "`data`" if index < 0 else f"batch {index} of `data`"
+    if isinstance(batch, Mapping):
+        found = [key for key in LABEL_KEYS if key in batch]
+        if len(found) != 1:
+            keys = ", ".join(map(str, batch)) or "none"
+            problem = "both" if found else "neither"
+            raise UsageError(
+                f"{where} is a dict with {problem} of the label keys `labels` and `y` (keys: "
+                f"{keys}); put the labels under exactly one of them",
+                source="data",
+            )
+        inputs = {k: v for k, v in batch.items() if k != found[0]}
+        return None, _tensor_inputs(inputs, where), _tensor(batch[found[0]], where, found[0])
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        x, y = batch
+        if isinstance(x, Mapping):
+            return None, _tensor_inputs(x, where), _tensor(y, where, "y")
+        return _tensor(x, where, "x"), {}, _tensor(y, where, "y")
+    raise UsageError(
+        f"{where} is a {type(batch).__name__}; expected (x, y) tensors, (dict of inputs, y) or a "
+        "dict of inputs with its labels under `labels` or `y`",
+        source="data",
+    )
+
+
+def _tensor(value, where: str, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(
+            f"{where}: `{name}` is a {type(value).__name__}, not a tensor", source="data"
+        )
+    if value.ndim == 0:
+        raise UsageError(
+            f"{where}: `{name}` is a scalar; a batch holds one row per sample (a Dataset of "
+            "single samples goes through DataLoader(dataset, batch_size=...))",
+            source="data",
+        )
+    return value
+
+
+def _tensor_inputs(inputs: Mapping, where: str) -> dict:
+    if not inputs:
+        raise UsageError(f"{where} has labels but no inputs", source="data")
+    return {str(k): _tensor(v, where, str(k)) for k, v in inputs.items()}
+
+
+def _batches(data) -> tuple[list, bool]:
+    """The batches of ``data`` as a list, and whether ``data`` was one batch given whole."""
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    if isinstance(data, torch.Tensor):
+        raise UsageError(
+            "`data` is one tensor; pass the inputs with their labels, (x, y)", source="data"
+        )
+    if isinstance(data, Mapping):
+        return [data], True
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        if isinstance(data[1], torch.Tensor) and isinstance(data[0], (torch.Tensor, Mapping)):
+            return [tuple(data)], True
+    if isinstance(data, Dataset) and not isinstance(data, (DataLoader, IterableDataset)):
+        raise UsageError(
+            f"`data` is a {type(data).__name__} of single samples; batch it: "
+            "DataLoader(dataset, batch_size=64)",
+            source="data",
+        )
+    try:
+        iterator = iter(data)
+    except TypeError:
+        raise UsageError(
+            f"`data` is a {type(data).__name__}; expected (x, y) tensors, a dict of tensors, a "
+            "DataLoader or an iterable of batches",
+            source="data",
+        ) from None
+    batches = list(iterator)
+    if not batches:
+        raise UsageError("`data` holds no batches", source="data")
+    return batches, False
+
+
+def _concatenate(parts: list, name: str) -> torch.Tensor:
+    """``torch.cat`` of one input over the batches; UsageError naming the first mismatch."""
+    first = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        if part.shape[1:] != first.shape[1:] or part.dtype != first.dtype:
+            raise UsageError(
+                f"batch {i} of `data` has `{name}` of shape {tuple(part.shape)} "
+                f"({part.dtype}) but batch 0 {tuple(first.shape)} ({first.dtype}); the batches "
+                "are concatenated, so pad every batch to one length (with an attention mask)",
+                source="data",
+            )
+    return torch.cat([p.to(first.device) for p in parts]) if len(parts) > 1 else first
+
+
+def _check_parts_agree(parts: list, whole: bool) -> None:
+    """UsageError on ``data`` unless every batch gives its inputs the same way (one tensor or
+    by name), with the same names, and as many samples in each input as in its labels."""
+    positional = [p[0] is not None for p in parts]
+    if any(positional) and not all(positional):
+        raise UsageError(
+            f"batch {positional.index(not positional[0])} of `data` gives the inputs "
+            f"{'as one tensor' if not positional[0] else 'by name'} but batch 0 "
+            f"{'as one tensor' if positional[0] else 'by name'}",
+            source="data",
+        )
+    names = list(parts[0][1])
+    for i, (x, keywords, y) in enumerate(parts):
+        if set(keywords) != set(names):
+            raise UsageError(
+                f"batch {i} of `data` has the inputs {', '.join(keywords)} but batch 0 "
+                f"{', '.join(names)}",
+                source="data",
+            )
+        tensors = [*keywords.values(), y] + ([] if x is None else [x])
+        sizes = {int(t.shape[0]) for t in tensors}
+        if len(sizes) > 1:
+            where = "`data`" if whole else f"batch {i} of `data`"
+            raise UsageError(
+                f"{where}: inputs and labels hold different numbers of samples "
+                f"({', '.join(str(s) for s in sorted(sizes))})",
+                source="data",
+            )
+
+
+def collect_data(data, batch_size: int | None = None) -> CollectedData:
+    """Read ``data`` (module docstring) into one analysis set.
+
+    Args:
+        data: ``(x, y)``, a dict batch, a DataLoader or an iterable of batches.
+        batch_size: Samples per product batch; None: a loader's largest batch, or
+            :data:`DEFAULT_BATCH_SIZE` for data given whole.
+
+    Returns:
+        The analysis set, batches concatenated in order.
+
+    Raises:
+        UsageError: On ``data`` if it cannot be one set (an unknown batch shape, inputs that
+            differ between batches, sample counts that disagree, no samples).
+    """
+    batches, whole = _batches(data)
+    parts = [_batch_parts(b, -1 if whole else i) for i, b in enumerate(batches)]
+    _check_parts_agree(parts, whole)
+    positional = [p[0] is not None for p in parts]
+    names = list(parts[0][1])
+    x = _concatenate([p[0] for p in parts], "x") if positional[0] else None
+    keywords = {n: _concatenate([p[1][n] for p in parts], n) for n in names}
+    y = _concatenate([p[2] for p in parts], "labels")
+    if y.shape[0] == 0:
+        raise UsageError("`data` holds no samples", source="data")
+    if batch_size is None:
+        largest = max(int(p[2].shape[0]) for p in parts)
+        batch_size = min(int(y.shape[0]), DEFAULT_BATCH_SIZE) if whole else largest
+    return CollectedData(x, keywords, y, batch_size)
+
+
+# --------------------------------------------------------------------------- the model view
+class _IndexedInputs:
+    """Mixed in before the model's class: ``forward(index)`` runs the model's own ``forward``
+    on rows ``index`` of the stored inputs and returns the logits tensor."""
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        """The model's logits on the samples ``index`` of the analysis set."""
+        # floating inputs follow the parameters (a float64 copy of the view gets float64 rows)
+        dtype = next(iter(self.parameters())).dtype
+
+        def rows(tensor: torch.Tensor) -> torch.Tensor:
+            taken = tensor[index]
+            return taken.to(dtype) if taken.is_floating_point() else taken
+
+        args = () if self._sharp_positional is None else (rows(self._sharp_positional),)
+        kwargs = {name: rows(tensor) for name, tensor in self._sharp_keywords.items()}
+        return select_output(super().forward(*args, **kwargs))
+
+
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _view_class(cls: type) -> type:
+    view = _VIEW_CLASSES.get(cls)
+    if view is None:
+        view = type(f"{cls.__name__}OnData", (_IndexedInputs, cls), {"__module__": __name__})
+        _VIEW_CLASSES[cls] = view
+    return view
+
+
+def model_on_data(model: nn.Module, x, keywords: dict) -> nn.Module:
+    """A view of ``model`` (its modules, parameters and buffers, not copies) whose
+    ``forward(index)`` is ``logits(model(x[index], **{k: v[index]}))``.
+
+    The view is an instance of a subclass of ``type(model)`` sharing ``model``'s attributes
+    (shallow), so parameter names, ``functional_call`` and ``torch.func`` see the model's own;
+    its ``training`` flag is its own (the root's, as :func:`eval_mode` on the view sets it)."""
+    view_class = _view_class(type(model))
+    view = view_class.__new__(view_class)
+    view.__dict__.update(model.__dict__)
+    # a forward patched onto the instance (accelerate's mixed-precision wrapper in a Hugging
+    # Face Trainer) would shadow the view's; the view calls the class's own forward
+    view.__dict__.pop("forward", None)
+    object.__setattr__(view, "_sharp_positional", x)
+    object.__setattr__(view, "_sharp_keywords", dict(keywords))
+    return view
+
+
+def to_device(tensor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """On ``device``; floating tensors in ``dtype``, integer and bool ones unchanged."""
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
+
+
+# --------------------------------------------------------------------------- losses
+def _check_reduction(loss: nn.Module) -> None:
+    reduction = getattr(loss, "reduction", "mean")
+    if reduction != "mean":
+        raise UsageError(
+            f"{type(loss).__name__}(reduction={reduction!r}): curvature is taken of the mean "
+            "loss over samples; use reduction='mean' (multiply the results by N for the sum)",
+            source="loss",
+        )
+
+
+def _refuse_attribute(loss: nn.Module, name: str, default) -> None:
+    value = getattr(loss, name, default)
+    if value is not default and not (isinstance(value, float) and value == default):
+        raise UsageError(
+            f"{type(loss).__name__}({name}=...) is not supported: sharp's losses have no "
+            f"`{name}`; leave it at its default",
+            source="loss",
+        )
+
+
+def loss_name(loss, logits: torch.Tensor) -> tuple[str, int | None]:
+    """``(registered loss name, ignore_index or None)`` for a loss module or name.
+
+    ``nn.CrossEntropyLoss`` is ``cross-entropy`` on (batch, classes) logits and
+    ``token-cross-entropy`` on (batch, length, vocabulary) logits (classes on the last axis,
+    as ``loss(logits.view(-1, V), labels.view(-1))``); ``nn.BCEWithLogitsLoss`` is
+    ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``. Refused clearly: another reduction than
+    the mean, class weights, ``pos_weight``, label smoothing, other modules.
+    """
+    if isinstance(loss, str):
+        return get_loss(loss).name, None
+    if isinstance(loss, nn.CrossEntropyLoss):
+        _check_reduction(loss)
+        _refuse_attribute(loss, "weight", None)
+        _refuse_attribute(loss, "label_smoothing", 0.0)
+        name = "token-cross-entropy" if logits.ndim == 3 else "cross-entropy"
+        return name, int(loss.ignore_index)
+    if isinstance(loss, nn.BCEWithLogitsLoss):
+        _check_reduction(loss)
+        _refuse_attribute(loss, "weight", None)
+        _refuse_attribute(loss, "pos_weight", None)
+        return "binary-cross-entropy", None
+    if isinstance(loss, nn.MSELoss):
+        _check_reduction(loss)
+        return "mse", None
+    raise UsageError(
+        f"{type(loss).__name__} is not a supported loss; pass one of {LOSS_MODULES} or a name: "
+        f"{', '.join(LOSSES)}",
+        source="loss",
+    )
+
+
+def apply_ignore_index(collected: CollectedData, name: str, ignore_index: int | None):
+    """Honour ``nn.CrossEntropyLoss(ignore_index=i)``: ``(1/|V|) sum_{j in V} l_j`` over the
+    labelled entries ``V``.
+
+    Per sample (``cross-entropy``) the samples labelled ``i`` are left out of the set, so the
+    analysis mean is over the others. Per position (``token-cross-entropy``) the positions
+    labelled ``i`` are the ones the loss ignores (relabelled ``-100``, the loss's marker); the
+    loss module averages over every labelled token of the set while ``token-cross-entropy``
+    averages each sample over its positions, then over samples, which agree when every sample
+    has as many labelled positions, and the data is refused otherwise.
+    """
+    y = collected.y
+    if ignore_index is None or y.is_floating_point():
+        return collected
+    loss = get_loss(name)
+    if loss.softmax_per_sample and y.ndim == 1:
+        keep = y != ignore_index
+        if not bool(keep.any()):
+            raise UsageError(
+                f"every label of `data` is the loss's ignore_index {ignore_index}", source="data"
+            )
+        return collected if bool(keep.all()) else collected.select(keep)
+    if loss.per_token and y.ndim == 2:
+        if ignore_index != IGNORE_INDEX:
+            y = torch.where(y == ignore_index, torch.full_like(y, IGNORE_INDEX), y)
+            collected = CollectedData(collected.x, collected.keywords, y, collected.batch_size)
+        counts = (y != IGNORE_INDEX).sum(1)
+        if int(counts.min()) != int(counts.max()):
+            raise UsageError(
+                "nn.CrossEntropyLoss averages over every labelled position of the set, but the "
+                f"samples of `data` have between {int(counts.min())} and {int(counts.max())} "
+                "labelled positions, and sharp's token loss (each sample's mean over its "
+                "positions, then the mean over samples) would not be that loss; pass "
+                "`loss=token-cross-entropy` to analyse the per-sample mean",
+                source="loss",
+            )
+    return collected
+
+
+def refuse_unshifted_labels(collected: CollectedData, name: str) -> None:
+    """Token labels equal to the token inputs: a causal LM's labels before the shift that
+    Hugging Face models make inside (their loss compares output t with label t + 1); sharp
+    compares output t with label t, so the curvature would be that of copying the input."""
+    if not get_loss(name).per_token:
+        return
+    y = collected.y
+    inputs = [collected.x] if collected.x is not None else list(collected.keywords.values())
+    labelled = y != IGNORE_INDEX
+    for tensor in inputs:
+        if tensor.shape == y.shape and not tensor.is_floating_point():
+            if bool(labelled.any()) and bool((tensor.to(y.device) == y)[labelled].all()):
+                raise UsageError(
+                    "the labels of `data` equal its token inputs (a causal LM's labels before "
+                    "the shift Hugging Face models make inside); sharp compares output t with "
+                    "label t: pass labels = input_ids[:, 1:] with -100 appended, or "
+                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100",
+                    source="data",
+                )
