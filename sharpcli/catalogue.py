@@ -30,6 +30,10 @@ __all__ = [
     "LOSSES",
     "OPERATORS",
     "REGULARIZERS",
+    "names",
+    "operator_help",
+    "operator_table",
+    "table",
 ]
 
 P = Param
@@ -281,22 +285,22 @@ OPERATORS: Registry = Registry(
     protected_reason="it is part of the H = G + N split",
 )
 
-# ``sharp trace --estimator NAME`` (sharpcli.analyses.spectrum)
+# ``sharp trace --estimator NAME`` (sharpcli.analyses.spectrum), the default first
 ESTIMATORS: Registry = Registry(
     "estimator",
     source="estimator",
     entries=[
         Entry(
-            "hutchinson",
-            "Rademacher probes averaged until the standard error meets tol",
-            "sharpcli.curvature.trace:hutchinson",
-            paper="Hutchinson1989",
-        ),
-        Entry(
             "hutchpp",
             "Hutch++: the top subspace exactly, Hutchinson on the rest",
             "sharpcli.curvature.trace:hutchpp",
             paper="Hutch++",
+        ),
+        Entry(
+            "hutchinson",
+            "Rademacher probes averaged until the standard error meets tol",
+            "sharpcli.curvature.trace:hutchinson",
+            paper="Hutchinson1989",
         ),
         Entry(
             "gn-split",
@@ -641,4 +645,28 @@ def table(registry: Registry, columns: Sequence[tuple[str, Any]] = ()) -> str:
     for entry in registry.entries():
         cells = [f"`{entry.name}`", *(str(cell(entry)) for _, cell in columns), entry.summary]
         rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def operator_help() -> str:
+    """The ``--operator`` help: every operator with its symbol and description.
+
+    Returns:
+        ``hessian (H: Hessian of the loss), ggn (...) or nme (...)``, extensions included.
+    """
+    items = [f"{e.name} ({e.info['symbol']}: {e.summary})" for e in OPERATORS.entries()]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def operator_table() -> str:
+    """The docs' Markdown table of the operators (docs/commands/eigen.md).
+
+    Returns:
+        The table, extensions included.
+    """
+    rows = ["| `--operator` | symbol | what it is | PSD |", "|---|---|---|---|"]
+    rows += [
+        f"| `{e.name}` | {e.info['symbol']} | {e.summary} | {'yes' if e.info['psd'] else 'no'} |"
+        for e in OPERATORS.entries()
+    ]
     return "\n".join(rows)
