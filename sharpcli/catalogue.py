@@ -15,7 +15,6 @@ This module imports no torch: ``sharp --help`` reads it.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
 from sharpcli.registry import Entry, Param, Registry
@@ -351,6 +350,7 @@ LOSSES: Registry = Registry(
 def _format(
     name: str,
     summary: str,
+    probe: str,
     read: str,
     extensions: Sequence[str] = (),
     spec_keys: Sequence[str] = (),
@@ -358,15 +358,18 @@ def _format(
     test_split: str,
     directory: bool = False,
 ) -> Entry:
-    """A data format's record; ``impl`` is its reader, ``info`` the routing facts that
-    :class:`sharpcli.io.formats.DataFormat` carries (its probe is the format module's)."""
+    """A data format's record: ``info`` holds what :class:`sharpcli.io.formats.DataFormat`
+    is made of (``probe`` and ``read`` as ``"module:function"``, imported with the format
+    module)."""
     info = {
+        "probe": probe,
+        "read": read,
         "extensions": tuple(extensions),
         "spec_keys": tuple(spec_keys),
         "directory": directory,
         "test_split": test_split,
     }
-    return Entry(name, summary, read, info=info)
+    return Entry(name, summary, "sharpcli.io.formats", info=info)
 
 
 _TENSOR_TEST = "add tensors x_test and y_test (or <key>_test for named keys)"
@@ -375,6 +378,7 @@ _TABLE_TEST = "add a column named 'split' with values train/test"
 _FOLDER_TEST = "the folder holds no test files"
 _FILES = "sharpcli.io.datasets_files"
 _VISION = "sharpcli.io.datasets_vision"
+_ARROW = "sharpcli.io.datasets_arrow"
 
 # ``--data PATH`` (sharpcli.io.formats). Order matters twice: it is the order of the lists in
 # messages, and folder layouts are probed in it (CIFAR-10 batches win over a CIFAR-100
@@ -382,11 +386,11 @@ _VISION = "sharpcli.io.datasets_vision"
 DATA_FORMATS: Registry = Registry(
     "data format",
     source="spec",
-    name_pattern=re.compile(r"[a-z0-9][a-z0-9_.-]*\Z"),
     entries=[
         _format(
             "safetensors",
             "safetensors file with tensors x, y (optional x_test, y_test) or named keys",
+            f"{_FILES}:is_safetensors",
             f"{_FILES}:read_tensor_file",
             (".safetensors",),
             _KEYS,
@@ -396,6 +400,7 @@ DATA_FORMATS: Registry = Registry(
             "pt",
             "torch.save dict of tensors x, y (optional x_test, y_test) or named keys; a "
             "TensorDataset with trust_pickle",
+            f"{_FILES}:is_torch_file",
             f"{_FILES}:read_tensor_file",
             (".pt", ".pth"),
             _KEYS,
@@ -404,6 +409,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "npz",
             "numpy.savez archive with arrays x, y (optional x_test, y_test) or named keys",
+            f"{_FILES}:is_npz",
             f"{_FILES}:read_tensor_file",
             (".npz",),
             _KEYS,
@@ -413,6 +419,7 @@ DATA_FORMATS: Registry = Registry(
             "npy",
             "numpy .npy features beside their labels file (x.npy and y.npy, X_train.npy and "
             "y_train.npy)",
+            f"{_FILES}:is_npy",
             f"{_FILES}:read_npy_pair",
             (".npy",),
             ("y_key",),
@@ -421,7 +428,8 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "arrow",
             "Arrow file (a Hugging Face dataset shard): number and list-of-ids columns",
-            "sharpcli.io.datasets_arrow:read_arrow",
+            f"{_ARROW}:is_arrow",
+            f"{_ARROW}:read_arrow",
             (".arrow",),
             _KEYS,
             test_split="use a save_to_disk DatasetDict folder with a test split",
@@ -429,6 +437,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "csv",
             "csv table: numeric feature columns, a label column, an optional split column",
+            f"{_FILES}:is_csv",
             f"{_FILES}:read_table",
             (".csv",),
             ("label_column",),
@@ -438,6 +447,7 @@ DATA_FORMATS: Registry = Registry(
             "parquet",
             "parquet table: numeric feature columns, a label column, an optional split "
             "column; list columns (token ids) as named keys",
+            f"{_FILES}:is_parquet",
             f"{_FILES}:read_table",
             (".parquet",),
             ("label_column", *_KEYS),
@@ -446,7 +456,8 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "hf-dataset",
             "Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)",
-            "sharpcli.io.datasets_arrow:read_hf_dataset_folder",
+            f"{_ARROW}:is_hf_dataset_folder",
+            f"{_ARROW}:read_hf_dataset_folder",
             spec_keys=_KEYS,
             directory=True,
             test_split="save a DatasetDict with a test split",
@@ -454,6 +465,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "cifar10-python",
             "CIFAR-10 python batches (cifar-10-batches-py)",
+            f"{_VISION}:is_cifar10_python",
             f"{_VISION}:read_cifar",
             directory=True,
             test_split=_FOLDER_TEST,
@@ -461,6 +473,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "cifar10-binary",
             "CIFAR-10 binary batches (cifar-10-batches-bin)",
+            f"{_VISION}:is_cifar10_binary",
             f"{_VISION}:read_cifar",
             directory=True,
             test_split=_FOLDER_TEST,
@@ -468,6 +481,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "cifar100-binary",
             "CIFAR-100 binary train/test files (cifar-100-binary); fine or coarse labels",
+            f"{_VISION}:is_cifar100_binary",
             f"{_VISION}:read_cifar",
             spec_keys=("label_column",),
             directory=True,
@@ -476,6 +490,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "cifar100-python",
             "CIFAR-100 python train/test pickles (cifar-100-python); fine or coarse labels",
+            f"{_VISION}:is_cifar100_python",
             f"{_VISION}:read_cifar",
             spec_keys=("label_column",),
             directory=True,
@@ -484,6 +499,7 @@ DATA_FORMATS: Registry = Registry(
         _format(
             "mnist-idx",
             "MNIST-family idx files, plain or .gz (MNIST, Fashion-MNIST, KMNIST)",
+            f"{_VISION}:is_mnist_idx",
             f"{_VISION}:read_mnist",
             directory=True,
             test_split=_FOLDER_TEST,

@@ -38,6 +38,7 @@ __all__ = [
     "accepted_params",
     "format_value",
     "parse_spec",
+    "resolve",
 ]
 
 T = TypeVar("T")
@@ -209,8 +210,15 @@ class Entry:
         )
 
 
-def _resolve(impl: str) -> Any:
-    """The object that ``"module:attr"`` names (the module is imported)."""
+def resolve(impl: str) -> Any:
+    """The object that ``"module:attr"`` names, or the module that ``"module"`` names.
+
+    Args:
+        impl: the implementation string of an :class:`Entry`.
+
+    Returns:
+        The object (its module is imported).
+    """
     module, _, attr = impl.partition(":")
     loaded = importlib.import_module(module)
     return getattr(loaded, attr) if attr else loaded
@@ -352,8 +360,10 @@ class Registry(Generic[T]):
         if isinstance(name, str) and name in self._objects:
             return self._objects[name]
         entry = self.entry(name, source)
-        obj = _resolve(entry.impl)  # importing the module may register it
+        obj = resolve(entry.impl)  # importing the module may register it
         if name not in self._objects:
+            if ":" not in entry.impl:
+                raise self.error(f"{self.kind} {name!r}: {entry.impl} does not register it")
             self.register(name, obj)
         return self._objects[name]
 
@@ -497,6 +507,12 @@ class Registry(Generic[T]):
             RegistryError: an unknown name, or a bad, unknown, repeated or missing value.
         """
         source = source or self.source
+        if not isinstance(text, str) or not text.strip():
+            shown = ", ".join(self.names()) if accepted is None else accepted
+            raise self.error(
+                f"{self.kind} must be a non-empty NAME[:k=v,...]; got {text!r}; accepted: {shown}",
+                source,
+            )
         name, given = parse_spec(
             text,
             lambda n: [p.name for p in self._entries[n].params] if n in self._entries else None,
