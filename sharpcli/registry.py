@@ -264,15 +264,41 @@ class Registry(Generic[T]):
         self.check: Callable[[Entry, T], T] | None = None
         # the entry of an extension registered without one: (name, obj) -> Entry
         self.make_entry: Callable[[str, T], Entry] | None = None
+        self._builtins: tuple[str, ...] = ()
         for entry in entries:
-            self._add_entry(entry)
-        self._builtins = tuple(self._entries)
+            self.declare(entry)
 
     # ------------------------------------------------------------------ the declarative side
-    def _add_entry(self, entry: Entry) -> None:
+    def declare(self, entry: Entry) -> None:
+        """Add a built-in's record (as :mod:`sharpcli.catalogue` does for each of its entries):
+        its implementation is imported from ``entry.impl`` when first asked for, and
+        :meth:`register` gives an implementation registered under its name this record.
+
+        Args:
+            entry: the record.
+
+        Raises:
+            RegistryError: a name already declared or registered.
+        """
         if entry.name in self._entries:
             raise self.error(f"{self.kind} {entry.name!r} is declared twice")
         self._entries[entry.name] = entry
+        self._builtins += (entry.name,)
+
+    def undeclare(self, name: str) -> None:
+        """Remove a record added by :meth:`declare`, and its implementation if registered.
+
+        Args:
+            name: the name.
+
+        Raises:
+            RegistryError: a name not declared.
+        """
+        if name not in self._builtins:
+            raise self.error(f"{self.kind} {name!r} is not declared")
+        self._builtins = tuple(n for n in self._builtins if n != name)
+        self._objects.pop(name, None)
+        del self._entries[name]
 
     def error(self, message: str, source: str | None = None) -> RegistryError:
         """A :class:`RegistryError` with this registry's default source.
