@@ -15,7 +15,7 @@ This module imports no torch: ``sharp --help`` reads it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from sharpcli.registry import Entry, Param, Registry
 
@@ -29,10 +29,8 @@ __all__ = [
     "LOSSES",
     "OPERATORS",
     "REGULARIZERS",
-    "names",
     "operator_help",
     "operator_table",
-    "table",
 ]
 
 P = Param
@@ -632,36 +630,6 @@ KINDS: dict[str, Registry] = {
     "datasets": DATASETS,
     "commands": COMMANDS,
 }
-
-
-def names(kind: str) -> tuple[str, ...]:
-    """The names of one kind, extensions registered in this process included.
-
-    Args:
-        kind: a key of :data:`KINDS`.
-
-    Returns:
-        The names, the built-ins first.
-    """
-    return KINDS[kind].names()
-
-
-def table(registry: Registry, columns: Sequence[tuple[str, Any]] = ()) -> str:
-    """A Markdown table of a registry's entries: name, summary and ``columns``.
-
-    Args:
-        registry: the registry.
-        columns: ``(header, entry -> cell)`` pairs after the name and before the summary.
-
-    Returns:
-        The table (no trailing newline).
-    """
-    header = ["name", *(h for h, _ in columns), "what it is"]
-    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for entry in registry.entries():
-        cells = [f"`{entry.name}`", *(str(cell(entry)) for _, cell in columns), entry.summary]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
 
 
 def operator_help() -> str:

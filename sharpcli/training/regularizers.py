@@ -1097,6 +1097,8 @@ def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
     where = f"regularizer class {getattr(cls, '__name__', cls)!r}"
     if not (isinstance(cls, type) and issubclass(cls, Regularizer)):
         raise REGISTRY.error(f"{where}: a regularizer is a subclass of Regularizer")
+    if cls.name != entry.name:
+        raise REGISTRY.error(f"{where}: its name {cls.name!r} is not {entry.name!r}")
     if entry.name in REGISTRY.builtin_names():
         _adopt_record(entry, cls, where)
     name = entry.name
