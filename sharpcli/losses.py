@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
+from sharpcli.registry import Entry
 
 __all__ = [
     "IGNORE_INDEX",
@@ -227,25 +229,57 @@ BERNOULLI = LabelSampler("uniform", True, _bernoulli_labels)
 GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 
 
-LOSSES: dict[str, Loss] = {}
+# The losses by name: sharpcli.catalogue.LOSSES, whose records the built-ins below match.
+LOSSES = catalogue.LOSSES
 
 
-def register_loss(loss: Loss) -> Loss:
-    """Add ``loss`` to :data:`LOSSES` (its name must be new)."""
-    if loss.name in LOSSES:
-        raise ValueError(f"loss {loss.name!r} is already registered")
-    LOSSES[loss.name] = loss
+def _check_loss(entry: Entry, loss: Loss) -> Loss:
+    """A loss is a :class:`Loss` under its own name; a built-in's description and
+    ``classification`` are its catalogue record's."""
+    if not isinstance(loss, Loss) or loss.name != entry.name:
+        raise LOSSES.error(f"loss {entry.name!r}: register a Loss under its own name")
+    declared = (entry.summary, entry.info.get("classification", loss.classification))
+    if (loss.description, loss.classification) != declared:
+        raise LOSSES.error(f"loss {loss.name!r}: differs from its catalogue record {declared!r}")
     return loss
 
 
+LOSSES.check = _check_loss
+LOSSES.make_entry = lambda name, loss: Entry(
+    name, loss.description, info={"classification": loss.classification}
+)
+
+
+def register_loss(loss: Loss, *, replace: bool = False) -> Loss:
+    """Add ``loss`` to :data:`LOSSES`.
+
+    Args:
+        loss: the loss.
+        replace: replace a loss registered under the same name.
+
+    Returns:
+        ``loss``.
+
+    Raises:
+        RegistryError: a name taken (unless ``replace``) or not a CLI value, or a built-in
+            that differs from its catalogue record.
+    """
+    return LOSSES.register(loss.name, loss, replace=replace)
+
+
 def get_loss(name: str) -> Loss:
-    """The registered loss ``name``; a UsageError naming the accepted ones otherwise."""
-    try:
-        return LOSSES[name]
-    except KeyError:
-        raise UsageError(
-            f"unknown loss {name!r}; accepted: {', '.join(LOSSES)}", source="loss"
-        ) from None
+    """The registered loss ``name``.
+
+    Args:
+        name: the loss.
+
+    Returns:
+        Its record.
+
+    Raises:
+        RegistryError: (a UsageError, source ``loss``) an unknown name, listing the accepted.
+    """
+    return LOSSES.get(name)
 
 
 def loss_fn(name: str):

@@ -1,13 +1,17 @@
 """The worked examples of docs/architecture.md run as written and compute the right numbers.
 
-Each example is the ``python`` block under its heading ("Adding a regularizer", "Adding a
-data format"), extracted from the page and executed; then the registered toy regularizer's
-gradient is checked exactly in float64 and the toy format's loaded tensors against the
-records it wrote. Both are unregistered afterwards, so other tests see the stock registries.
+Each example is the first ``python`` block under its heading ("Adding a regularizer",
+"Adding a data format"), extracted from the page and executed; then the registered toy
+regularizer's gradient is checked exactly in float64 and the toy format's loaded tensors
+against the records it wrote. Both are unregistered afterwards, so other tests see the stock
+registries. The second block of each section is the catalogue record that makes it a
+built-in: it must state what the extension registered, and a class without its own record
+attributes takes them from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,24 +23,25 @@ from cli_helpers import run_cli
 from sharpcli.errors import InputError
 from sharpcli.io.datasets import load_dataset
 from sharpcli.io.formats import FORMATS
-from sharpcli.training.regularizers import REGISTRY, parse_reg, training_step
+from sharpcli.registry import RegistryError
+from sharpcli.training.regularizers import REGISTRY, Penalty, parse_reg, register, training_step
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
-def example(heading: str) -> str:
-    """The first ```python block of the page's ``## heading`` section."""
+def example(heading: str, index: int = 0) -> str:
+    """The ``index``-th ```python block of the page's ``## heading`` section."""
     text = PAGE.read_text(encoding="utf-8")
     sections = re.split(r"^## ", text, flags=re.M)
     (section,) = [s for s in sections if s.splitlines()[0].strip() == heading]
     blocks = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
-    assert blocks, f"no python block under '## {heading}'"
-    return blocks[0]
+    assert len(blocks) > index, f"no python block {index} under '## {heading}'"
+    return blocks[index]
 
 
-def run_example(heading: str) -> dict:
+def run_example(heading: str, index: int = 0) -> dict:
     namespace = {"__name__": "architecture_example"}
-    exec(compile(example(heading), f"{PAGE.name}: {heading}", "exec"), namespace)
+    exec(compile(example(heading, index), f"{PAGE.name}: {heading}", "exec"), namespace)
     return namespace
 
 
@@ -127,6 +132,44 @@ def test_jsonl_format_loads_the_written_records(jsonl_example, tmp_path):
     broken.write_text('{"x": [1], "y": 0}\n{"x": [1, 2]\n')
     with pytest.raises(InputError, match="cannot read JSON lines"):
         load_dataset(str(broken))
+
+
+def test_l1_as_a_builtin_is_its_class_plus_its_record(l1_example):
+    """The record states what the extension registered; declared (as the catalogue's list
+    does), a class with only its name, docstring and code takes the rest from it."""
+    record = run_example("Adding a regularizer", 1)["RECORD"]
+    assert dataclasses.replace(REGISTRY.entry("l1"), impl=record.impl) == record
+    example_class = l1_example["L1Penalty"]
+    REGISTRY.unregister("l1")
+    REGISTRY.declare(record)
+    try:
+        body = {k: vars(example_class)[k] for k in ("__doc__", "term", "analytic_grad")}
+        lean = type("L1Penalty", (Penalty,), {**body, "name": "l1", "grad_from_graph": False})
+        assert "data_parallel" not in vars(lean) and lean.summary == ""
+        assert register(lean) is lean and REGISTRY["l1"] is lean
+        assert (lean.summary, lean.HYPERPARAMS) == (record.summary, record.params)
+        assert "data_parallel" in vars(lean) and lean.data_parallel is None
+        assert parse_reg("l1:0.5").params == {"lam": 0.5}
+        with pytest.raises(RegistryError, match="lam must be >= 0"):
+            parse_reg("l1:-1")
+        # a class that states an attribute differently from its record is refused
+        REGISTRY.unregister("l1")
+        with pytest.raises(RegistryError, match="summary 'other' differs from its catalogue"):
+            register(type("L1Penalty", (lean,), {"summary": "other", "__doc__": lean.__doc__}))
+    finally:
+        REGISTRY.undeclare("l1")
+    assert "l1" not in REGISTRY
+
+
+def test_jsonl_record_states_what_the_extension_registered(jsonl_example):
+    record = run_example("Adding a data format", 1)["RECORD"]
+    entry, fmt = FORMATS.entry("jsonl"), FORMATS["jsonl"]
+    assert (record.name, record.summary) == (entry.name, entry.summary)
+    assert {k: record.info[k] for k in entry.info} == entry.info
+    assert record.info["extensions"] == fmt.extensions and record.impl == "sharpcli.io.formats"
+    for key in ("probe", "read"):
+        module, _, attr = record.info[key].partition(":")
+        assert module.startswith("sharpcli.io.") and attr == getattr(fmt, key).__name__
 
 
 def test_examples_leave_the_registries_as_they_were(tmp_path):

@@ -26,15 +26,16 @@ HEADING = "## Adding a curvature operator"
 NAME = "empirical-fisher"
 
 
-def example_code() -> str:
-    """The first ``python`` block of the section under ``HEADING`` (up to the next heading)."""
+def example_code(index: int = 0) -> str:
+    """The ``index``-th ``python`` block of the section under ``HEADING`` (up to the next
+    heading): the example, then the catalogue record that makes it a built-in."""
     text = ARCHITECTURE.read_text(encoding="utf-8")
     assert HEADING in text, f"{ARCHITECTURE.name} has no section {HEADING!r}"
     section = text.split(HEADING, 1)[1]
     section = re.split(r"^## ", section, maxsplit=1, flags=re.M)[0]
-    block = re.search(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
-    assert block, f"no python block under {HEADING!r}"
-    return block.group(1)
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
+    assert len(blocks) > index, f"no python block {index} under {HEADING!r}"
+    return blocks[index]
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,32 @@ def test_unknown_operator_error_lists_the_registered_one(example):
     with pytest.raises(UsageError, match=NAME) as info:
         operator_spec("no-such-operator")
     assert info.value.source == "operator"
+
+
+def test_as_a_builtin_the_record_gives_symbol_description_and_psd(example):
+    """The record states what the example registered; declared (as the catalogue's list
+    does), ``register_operator(name, cls)`` takes symbol, description and PSD from it, and the
+    --operator help lists it."""
+    from sharpcli import catalogue
+    from sharpcli.curvature.registry import register_operator
+
+    namespace = {}
+    exec(compile(example_code(1), f"{ARCHITECTURE}:{HEADING} record", "exec"), namespace)
+    record = namespace["RECORD"]
+    entry = OPERATORS.entry(NAME)
+    assert (record.name, record.summary, dict(record.info)) == (
+        entry.name,
+        entry.summary,
+        dict(entry.info),
+    )
+    cls = example["EmpiricalFisherOperator"]
+    unregister_operator(NAME)
+    OPERATORS.declare(record)
+    try:
+        spec = register_operator(NAME, cls)
+        assert (spec.symbol, spec.description, spec.psd) == ("F", record.summary, True)
+        assert f"{NAME} (F: {record.summary})" in catalogue.operator_help()
+        assert OPERATORS.entry(NAME).paper == "Kunstner2019"
+    finally:
+        OPERATORS.undeclare(NAME)
+        register_operator(NAME, cls, symbol="F", description=record.summary, psd=True)

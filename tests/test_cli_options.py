@@ -133,22 +133,37 @@ def test_closed_sets_equal_the_library_sets():
     assert _literal(choices.TableFormat) == set(FORMATS)
 
 
-def test_open_sets_equal_the_builtin_entries():
+def test_open_sets_equal_the_library_sets():
     from sharpcli.analyses.analyze import METRICS
     from sharpcli.analyses.bounds import CHECKS
     from sharpcli.analyses.tracking import TRACKABLE
-    from sharpcli.curvature.registry import SPLIT
-    from sharpcli.models.activations import _ACTIVATIONS
-    from sharpcli.training.regularizers import describe_registry
 
-    assert choices.OPERATORS == SPLIT
     assert choices.METRICS == METRICS
     assert set(choices.TRACKABLE) == set(TRACKABLE)
     assert choices.CHECKS == CHECKS
-    assert set(choices.ACTIVATIONS) == set(_ACTIVATIONS)
-    # extensions registered by other tests come after the built-in ones
-    registered = [row["name"] for row in describe_registry()]
-    assert tuple(registered[: len(choices.REGULARIZERS)]) == choices.REGULARIZERS
+
+
+def test_named_sets_are_the_catalogue_s_registries():
+    """--reg, --operator, --activation and --estimator offer the catalogue's names (no copy):
+    an extension registered in this process is completed, and listed in --help, at once."""
+    from sharpcli import catalogue
+    from sharpcli.registry import Entry
+
+    assert choices.REGULARIZERS is catalogue.REGULARIZERS
+    assert choices.OPERATORS is catalogue.OPERATORS
+    assert choices.ACTIVATIONS is catalogue.ACTIVATIONS
+    assert _literal(choices.Estimator) == set(catalogue.ESTIMATORS.names())
+    assert choices.metavar(choices.REGULARIZERS, params=True) == "NAME[:k=v,...]"
+    assert choices.metavar(choices.ACTIVATIONS, params=True) == "NAME[:beta=B]"
+    assert choices.metavar(choices.OPERATORS) == "NAME"
+    complete = choices.completer(choices.OPERATORS)
+    assert complete("") == ["hessian", "ggn", "nme"]
+    catalogue.OPERATORS.register("ggn-twice", object(), entry=Entry("ggn-twice", "2 G"))
+    try:
+        assert complete("ggn") == ["ggn", "ggn-twice"]
+    finally:
+        catalogue.OPERATORS.unregister("ggn-twice")
+    assert complete("ggn") == ["ggn"]
 
 
 def test_a_value_outside_the_set_is_one_line_naming_the_option_and_the_values(capsys):

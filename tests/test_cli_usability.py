@@ -122,14 +122,17 @@ def test_curvature_commands_import_no_pandas_pyarrow_or_sympy(tmp_path):
     assert seen["trace"][0]["trace"]["estimate"] > 0
 
 
-def test_builtin_option_helps_equal_the_registries():
-    """--operator shows the built-in list without importing the registry; the list must be the
-    registry's own (extensions appear once its module is imported). --reg lists the names that
-    completion offers (tests/test_help_80_columns.py), pinned to the registry elsewhere."""
+def test_operator_help_is_the_catalogue_s():
+    """--operator's help is made from the catalogue (no copy), torch-free."""
     import sharpcli.cli.app  # noqa: F401  (registers the commands; cmd_* import it)
+    from sharpcli import catalogue
     from sharpcli.cli import cmd_spectrum
 
-    assert cmd_spectrum.BUILTIN_OPERATOR_HELP == cmd_spectrum._operator_help()
+    assert cmd_spectrum._operator_help() == catalogue.operator_help() + "."
+    assert catalogue.operator_help() == (
+        "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J) or nme "
+        "(N: nonlinear modelling error H - G)"
+    )
 
 
 # ----------------------------------------------------------------------------- bare sharp, --debug

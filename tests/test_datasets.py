@@ -28,6 +28,7 @@ from sharpcli.io.datasets import (
     validate_for_model,
 )
 from sharpcli.io.safe_pickle import restricted_loads
+from sharpcli.registry import RegistryError
 
 _FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "make_data_fixtures.py"
 if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not a package
@@ -536,7 +537,7 @@ def test_missing_path_and_unknown_extension(tmp_path):
 
 
 def test_builtin_and_spec_usage_errors():
-    expect_error(UsageError, "spec", "unknown argument(s) dims", load_dataset, "blobs:dims=3")
+    expect_error(UsageError, "spec", "unknown parameter 'dims'", load_dataset, "blobs:dims=3")
     expect_error(UsageError, "spec", "n must be an integer", load_dataset, "blobs:n=ten")
     expect_error(
         UsageError,
@@ -969,9 +970,9 @@ def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
             spec=spec,
         )
 
-    with pytest.raises(TypeError, match="name not yet registered"):
+    with pytest.raises(RegistryError, match="data format 'csv' is already registered"):
         formats.register(formats.FORMATS["csv"])
-    with pytest.raises(TypeError, match="lower-case with their dot"):
+    with pytest.raises(RegistryError, match="lower-case with their dot"):
         formats.register(formats.DataFormat("toy", ("CSV",), bool, bool))
     formats.register(
         formats.DataFormat(

@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from sharpcli.errors import NumericalError, UsageError
+from sharpcli.registry import RegistryError
 from sharpcli.training import regularizers as R
 from sharpcli.training.regularizers import (
     REGISTRY,
@@ -768,9 +769,9 @@ def _sam_variant(**body):
 
 def test_register_requires_data_parallel_in_the_class_body():
     # SAM's own "not exact" is deliberately not inherited: a variant must say it again.
-    with pytest.raises(TypeError, match="set data_parallel in the class body"):
+    with pytest.raises(RegistryError, match="set data_parallel in the class body"):
         R.register(_sam_variant())
-    with pytest.raises(TypeError, match="non-empty reason"):
+    with pytest.raises(RegistryError, match="non-empty reason"):
         R.register(_sam_variant(data_parallel=""))
     assert "sam2" not in REGISTRY
     # a class put into the registry by hand without the declaration is refused, not exact
@@ -779,7 +780,7 @@ def test_register_requires_data_parallel_in_the_class_body():
     try:
         assert REGISTRY["sam2"] is cls and parse_reg("sam2:0.1").params == {"rho": 0.1}
         assert R.data_parallel_refusal(parse_reg("sam2")) == cls.data_parallel
-        with pytest.raises(TypeError, match="already registered"):
+        with pytest.raises(RegistryError, match="already registered"):
             R.register(cls)
     finally:
         R.unregister("sam2")
@@ -789,16 +790,18 @@ def test_register_requires_data_parallel_in_the_class_body():
 @pytest.mark.parametrize(
     "body, fragment",
     [
-        ({"name": "Sam2"}, "lower-case"),
-        ({"name": "sam:2"}, "without :,="),
+        ({"name": "Sam2"}, "'Sam2': use lower case letters, digits and '-'"),
+        ({"name": "sam:2"}, "'sam:2': use lower case letters, digits and '-'"),
+        ({"name": "sam_2"}, "'sam_2': use lower case letters, digits and '-'"),
         ({"kind": "penalty"}, "kind 'penalty' must be one of"),
         ({"__doc__": "no name here"}, "docstring that names 'sam2'"),
         ({"summary": ""}, "needs a summary"),
     ],
 )
 def test_register_checks_every_entry_carries_its_record(body, fragment):
-    with pytest.raises(TypeError, match=fragment):
+    with pytest.raises(RegistryError, match=fragment) as info:
         R.register(_sam_variant(data_parallel=None, **body))
+    assert info.value.source == "regs" and info.value.exit_code == 2
     assert set(REGISTRY) == set(ALL_NAMES)
 
 

@@ -17,14 +17,14 @@ import math
 
 import torch
 
-from sharpcli import progress
+from sharpcli import catalogue, progress
 from sharpcli.curvature.lanczos import WHICH
 from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
 METHODS = ("lanczos", "power")
-ESTIMATORS = ("hutchinson", "hutchpp", "gn-split", "exact")
+ESTIMATORS = catalogue.ESTIMATORS.builtin_names()  # hutchpp, hutchinson, gn-split, exact
 ENGINES = ("native", "pyhessian")
 
 

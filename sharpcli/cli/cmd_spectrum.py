@@ -6,32 +6,25 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import catalogue
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
 
 def _operator_help() -> str:
-    """``--operator``'s help: the registered operators, extensions included (read when the help
-    is shown, so an operator registered after this module was imported is listed too)."""
-    from sharpcli.curvature.registry import operator_help
-
-    return f"{operator_help()}."
+    """``--operator``'s help: the operators of the catalogue, extensions registered in this
+    process included (read again when the help is shown)."""
+    return f"{catalogue.operator_help()}."
 
 
-# --operator's help for the built-in operators, without importing the registry (and torch);
-# equal to _operator_help() with no extension registered (tests/test_cli_usability.py).
-BUILTIN_OPERATOR_HELP = (
-    "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J) or nme "
-    "(N: nonlinear modelling error H - G)."
-)
 OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
-        metavar="NAME",
+        metavar=choices.metavar(choices.OPERATORS),
         autocompletion=choices.completer(choices.OPERATORS),
-        help=common.lazy_help(BUILTIN_OPERATOR_HELP, "sharpcli.curvature.registry", _operator_help),
+        help=common.lazy_help(_operator_help),
     ),
 ]
 EngineOpt = Annotated[

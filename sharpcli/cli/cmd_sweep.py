@@ -84,7 +84,7 @@ def sweep_command(
         str,
         typer.Option(
             "--reg",
-            metavar="NAME[:k=v,...]",
+            metavar=choices.metavar(choices.REGULARIZERS, params=True),
             autocompletion=choices.completer(choices.REGULARIZERS),
             help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
             "--reg sam:rho=0.1.",
@@ -109,7 +109,7 @@ def sweep_command(
         Optional[list[str]],
         typer.Option(
             "--extra-reg",
-            metavar="NAME[:k=v,...]",
+            metavar=choices.metavar(choices.REGULARIZERS, params=True),
             autocompletion=choices.completer(choices.REGULARIZERS),
             help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
         ),

@@ -151,7 +151,7 @@ def train_command(
         Optional[list[str]],
         typer.Option(
             "--reg",
-            metavar="NAME[:k=v,...]",
+            metavar=choices.metavar(choices.REGULARIZERS, params=True),
             autocompletion=choices.completer(choices.REGULARIZERS),
             rich_help_panel="Training",
             help="Regularizer and its settings; repeat to combine, e.g. --reg sam:rho=0.05 "

@@ -136,7 +136,7 @@ ActivationOpt = Annotated[
     typer.Option(
         "--activation",
         rich_help_panel="Model",
-        metavar="NAME[:beta=B]",
+        metavar=choices.metavar(choices.ACTIVATIONS, params=True),
         autocompletion=choices.completer(choices.ACTIVATIONS),
         help="Activation (default: the model's); beta-gelu and augmented-relu take :beta=B, "
         "e.g. beta-gelu:beta=4.",
@@ -671,21 +671,27 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     return bar(stderr_console, quiet or json_path == "-", text)
 
 
-# Option helps listed from a registry, by the text shown while the registry is not loaded.
-_LAZY_HELP: dict[str, tuple[str, Callable[[], str]]] = {}
+# Option helps listed from the catalogue, by the text they showed when the option was made.
+_LAZY_HELP: dict[str, Callable[[], str]] = {}
 
 
-def lazy_help(builtin: str, module: str, make: Callable[[], str]) -> str:
-    """An option's help listed from a registry that imports torch (operators, regularizers).
+def lazy_help(make: Callable[[], str]) -> str:
+    """An option's help listed from a registry of :mod:`sharpcli.catalogue` (operators).
 
-    ``sharp --help``, ``sharp eigen --help`` and usage errors must not import torch, yet
-    typer builds every command's options each time ``sharp`` runs. The help shows
-    ``builtin`` (the built-in entries; tests/test_cli_usability.py keeps it equal to
-    ``make()`` with no extension registered) unless ``module`` is already imported, when
-    ``make()`` also lists the entries registered in this process. Use on a command registered with
-    ``cls=LazyHelpCommand`` (every :func:`analysis_command` is)."""
-    _LAZY_HELP[builtin] = (module, make)
-    return builtin
+    typer builds every command's options when ``sharp`` starts, before a plugin may register
+    more entries; the help is ``make()`` then and again when it is shown, so it lists the
+    entries registered in this process too. ``make`` must import no torch. Use on a command
+    registered with ``cls=LazyHelpCommand`` (every :func:`analysis_command` is).
+
+    Args:
+        make: the help text, from the catalogue.
+
+    Returns:
+        The help as it reads now.
+    """
+    text = make()
+    _LAZY_HELP[text] = make
+    return text
 
 
 def plain_flags(params) -> None:
@@ -734,11 +740,12 @@ class LazyHelpCommand(TyperCommand):
     current name (:func:`first_long_names_only`); every ``sharp`` command is one."""
 
     def format_help(self, ctx, formatter) -> None:
-        """Resolve the lazy option helps whose module is loaded, then format the help."""
+        """Read the lazy option helps again, then format the help."""
         for param in self.params:
-            module, make = _LAZY_HELP.get(getattr(param, "help", None) or "", (None, None))
-            if module in sys.modules:
+            make = _LAZY_HELP.get(getattr(param, "help", None) or "")
+            if make is not None:
                 param.help = make()
+                _LAZY_HELP[param.help] = make
         from sharpcli.cli.helptext import format_command_help
 
         format_command_help(self, ctx)

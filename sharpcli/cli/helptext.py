@@ -31,20 +31,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from sharpcli import catalogue
+
 # The commands in the order a person uses them, each with a summary in plain words.
-WORKFLOW: dict[str, str] = {
-    "train": "Train a model, optionally under a sharpness regularizer.",
-    "eigen": "Largest or smallest curvature eigenvalues (how sharp the minimum is).",
-    "trace": "Trace of the curvature: the sum of all its eigenvalues.",
-    "gn-nme": "Split the Hessian into its Gauss-Newton and nonlinear parts.",
-    "density": "The whole eigenvalue spectrum, estimated and plotted.",
-    "analyze": "Several of these measures in one report; a gate for CI.",
-    "activation-stats": "How often activations are active or dead, per layer.",
-    "weight-rescale": "Show which sharpness measures change when weights are rescaled.",
-    "bound-check": "Check the papers' curvature bounds on a trained model.",
-    "compare": "Runs side by side in one table and plot.",
-    "sweep": "Train and measure over a grid of regularizer settings and seeds.",
-}
+WORKFLOW: dict[str, str] = {e.name: e.summary for e in catalogue.COMMANDS.entries()}
 # Panels in the order shown; a panel not listed here comes after the command's own.
 PANEL_ORDER = ("Arguments", "Model", "Data", "Output", "Run")
 # The panel of a command's options that declare none.

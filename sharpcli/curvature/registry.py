@@ -1,10 +1,12 @@
 """The curvature operators by name: ``--operator NAME`` -> :class:`OperatorSpec`.
 
-Everything the rest of the code knows about an operator is its record here: how to build it
-on a :class:`~sharpcli.curvature.CurvaturePass`, its symbol, a one-line description (the
-``--operator`` help and the docs table are made from these) and whether it is positive
-semi-definite. The analyses look operators up here (:func:`build_operator`), so an operator
-is added by ONE class and ONE :func:`register_operator` call (docs/architecture.md, "Adding a
+:data:`OPERATORS` is the catalogue's registry of operators
+(:data:`sharpcli.catalogue.OPERATORS`): each name's record there (a one-line description, its
+symbol, whether it is positive semi-definite, the paper) is what ``--operator``'s help and the
+docs' table list, and its :class:`OperatorSpec` here adds how to build it on a
+:class:`~sharpcli.curvature.CurvaturePass`. The analyses look operators up here
+(:func:`build_operator`), so a built-in operator is its module plus its catalogue record, and
+an extension ONE class and ONE :func:`register_operator` call (docs/architecture.md, "Adding a
 curvature operator", works one through).
 
 Built in, for the analysis loss ``L = (1/N) sum_i l(f(theta, x_i), y_i)``:
@@ -21,11 +23,12 @@ Paper keys resolve in docs/references.md.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from sharpcli.errors import UsageError
+from sharpcli import catalogue
+from sharpcli.catalogue import operator_help, operator_table
+from sharpcli.registry import Entry
 
 if TYPE_CHECKING:
     from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
@@ -49,8 +52,6 @@ __all__ = [
 HESSIAN, GGN, NME = "hessian", "ggn", "nme"
 SPLIT = (HESSIAN, GGN, NME)  # H = G + N ([NME] eq. 2), in that order
 
-_NAME = re.compile(r"[a-z][a-z0-9-]*\Z")  # spelled as a CLI value: lower case, digits, '-'
-
 
 @dataclass(frozen=True)
 class OperatorSpec:
@@ -73,83 +74,152 @@ class OperatorSpec:
     rank_bound: Callable[[int, int, str], int] | None = None
 
 
-OPERATORS: dict[str, OperatorSpec] = {}
+OPERATORS = catalogue.OPERATORS
 
 
 def register_operator(
     name: str,
     build: Callable[["CurvaturePass"], "CurvatureOperator"],
     *,
-    symbol: str,
-    description: str,
-    psd: bool,
+    symbol: str | None = None,
+    description: str | None = None,
+    psd: bool | None = None,
     rank_bound: Callable[[int, int, str], int] | None = None,
     replace: bool = False,
 ) -> OperatorSpec:
     """Make ``build`` available as ``--operator NAME`` (and to :func:`build_operator`).
 
-    ``build`` is called with the :class:`~sharpcli.curvature.CurvaturePass` of the analysis; a
-    class whose constructor takes that pass is a valid ``build``. Raises ``ValueError`` for a
-    name that is not a CLI value (lower case, digits and '-') or is taken (unless ``replace``).
+    Args:
+        name: a CLI value (lower case letters, digits and '-').
+        build: called with the :class:`~sharpcli.curvature.CurvaturePass` of the analysis; a
+            class whose constructor takes that pass is a valid ``build``.
+        symbol: its letter in tables; a built-in's comes from its catalogue record.
+        description: one line for ``--help`` and the docs (whitespace is normalised); a
+            built-in's comes from its catalogue record.
+        psd: whether it is positive semi-definite; a built-in's comes from its record.
+        rank_bound: ``(num_samples, num_outputs, loss) -> bound`` on the rank, if known.
+        replace: replace an operator registered as ``name``.
+
+    Returns:
+        The operator's record.
+
+    Raises:
+        RegistryError: a name that is not a CLI value or is taken (unless ``replace``), a
+            ``build`` that is not callable, or a record without symbol, description or psd.
     """
-    if not _NAME.match(name):
-        raise ValueError(f"operator name {name!r}: use lower case letters, digits and '-'")
-    if name in OPERATORS and not replace:
-        raise ValueError(f"operator {name!r} is already registered (pass replace=True)")
+    declared = OPERATORS.entry(name) if name in OPERATORS.builtin_names() else None
+    if declared is not None:
+        symbol = declared.info["symbol"] if symbol is None else symbol
+        description = declared.summary if description is None else description
+        psd = declared.info["psd"] if psd is None else psd
+    if symbol is None or description is None or psd is None:
+        raise OPERATORS.error(f"operator {name!r}: give its symbol, description and psd")
     if not callable(build):
-        raise ValueError(f"operator {name!r}: build must be callable with a CurvaturePass")
-    spec = OperatorSpec(name, build, symbol, " ".join(description.split()), bool(psd), rank_bound)
-    OPERATORS[name] = spec
-    return spec
+        raise OPERATORS.error(f"operator {name!r}: build must be callable with a CurvaturePass")
+    description = " ".join(description.split())
+    entry = Entry(
+        name,
+        description,
+        declared.impl if declared else f"{build.__module__}:{build.__qualname__}",
+        paper=declared.paper if declared else "",
+        info={"symbol": symbol, "psd": bool(psd)},
+    )
+    spec = OperatorSpec(name, build, symbol, description, bool(psd), rank_bound)
+    return OPERATORS.register(name, spec, entry=entry, replace=replace)
 
 
 def unregister_operator(name: str) -> OperatorSpec:
-    """Remove an operator registered with :func:`register_operator`; returns its record.
+    """Remove an operator registered with :func:`register_operator`.
 
     The parts of ``H = G + N`` stay: ``sharp gn-nme`` and ``analyze`` need them.
+
+    Args:
+        name: the operator.
+
+    Returns:
+        Its record.
+
+    Raises:
+        RegistryError: a part of the split, or a name not registered.
     """
-    if name in SPLIT:
-        raise ValueError(f"operator {name!r} is part of the H = G + N split and cannot be removed")
-    if name not in OPERATORS:
-        raise ValueError(f"operator {name!r} is not registered")
-    return OPERATORS.pop(name)
+    return OPERATORS.unregister(name)
 
 
 def operator_names() -> tuple[str, ...]:
-    """The registered names, in registration order (the built-ins first)."""
-    return tuple(OPERATORS)
+    """The registered names, in registration order (the built-ins first).
+
+    Returns:
+        The names.
+    """
+    return OPERATORS.names()
 
 
 def operator_spec(name: str, parameter: str = "operator") -> OperatorSpec:
-    """The record of ``name``; ``UsageError(source=parameter)`` (the caller's parameter that
-    named it) listing the accepted names if none."""
-    spec = OPERATORS.get(name)
-    if spec is None:
-        raise UsageError(
-            f"unknown value {name!r}; accepted: {', '.join(operator_names())}", source=parameter
-        )
-    return spec
+    """The record of ``name``.
+
+    Args:
+        name: the operator.
+        parameter: the caller's parameter that named it (the error's ``source``).
+
+    Returns:
+        Its :class:`OperatorSpec`.
+
+    Raises:
+        RegistryError: (a UsageError) an unknown name, listing the accepted ones.
+    """
+    return OPERATORS.get(name, source=parameter)
 
 
 def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOperator":
-    """The operator ``name`` on ``curvature_pass`` (sharing its cache); UsageError if unknown."""
+    """The operator ``name`` on ``curvature_pass`` (sharing its cache).
+
+    Args:
+        name: the operator.
+        curvature_pass: the analysis' pass.
+
+    Returns:
+        The operator.
+
+    Raises:
+        RegistryError: (a UsageError) an unknown name.
+    """
     return operator_spec(name).build(curvature_pass)
 
 
-def operator_help() -> str:
-    """The ``--operator`` help: every name with its symbol and description."""
-    items = [f"{s.name} ({s.symbol}: {s.description})" for s in OPERATORS.values()]
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+    """``hessian``: H on the pass.
+
+    Args:
+        curvature_pass: the analysis' pass.
+
+    Returns:
+        The operator.
+    """
+    return curvature_pass.hessian()
 
 
-def operator_table() -> str:
-    """The docs' Markdown table of the registered operators (docs/commands/eigen.md)."""
-    rows = ["| `--operator` | symbol | what it is | PSD |", "|---|---|---|---|"]
-    rows += [
-        f"| `{s.name}` | {s.symbol} | {s.description} | {'yes' if s.psd else 'no'} |"
-        for s in OPERATORS.values()
-    ]
-    return "\n".join(rows)
+def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+    """``ggn``: G on the pass.
+
+    Args:
+        curvature_pass: the analysis' pass.
+
+    Returns:
+        The operator.
+    """
+    return curvature_pass.ggn()
+
+
+def build_nme(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+    """``nme``: N = H - G on the pass.
+
+    Args:
+        curvature_pass: the analysis' pass.
+
+    Returns:
+        The operator.
+    """
+    return curvature_pass.nme()
 
 
 def _ggn_rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:
@@ -158,25 +228,6 @@ def _ggn_rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:
     return num_samples * max(1, num_outputs - (1 if loss == "cross-entropy" else 0))
 
 
-register_operator(
-    HESSIAN,
-    lambda curvature_pass: curvature_pass.hessian(),
-    symbol="H",
-    description="Hessian of the loss",
-    psd=False,
-)
-register_operator(
-    GGN,
-    lambda curvature_pass: curvature_pass.ggn(),
-    symbol="G",
-    description="Gauss-Newton J^T H_z J",
-    psd=True,
-    rank_bound=_ggn_rank_bound,
-)
-register_operator(
-    NME,
-    lambda curvature_pass: curvature_pass.nme(),
-    symbol="N",
-    description="nonlinear modelling error H - G",
-    psd=False,
-)
+register_operator(HESSIAN, build_hessian)
+register_operator(GGN, build_ggn, rank_bound=_ggn_rank_bound)
+register_operator(NME, build_nme)

@@ -31,6 +31,7 @@ import torch
 
 from sharpcli import ledger
 from sharpcli.bounded import check_data_path
+from sharpcli.catalogue import DATASETS
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
     BUILTIN_ARGS,
@@ -41,6 +42,7 @@ from sharpcli.io.datasets_builtin import (
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
 from sharpcli.losses import IGNORE_INDEX
+from sharpcli.registry import parse_spec
 
 __all__ = [
     "BUILTIN_ARGS",
@@ -59,18 +61,28 @@ DEFAULT_DATA = "blobs"
 
 
 def _parse_builtin_args(name: str, text: str) -> dict:
-    """``"n=100,seed=3"`` -> ``{"n": "100", "seed": "3"}`` (typed later by ``resolve_builtin_args``)."""
-    args: dict[str, str] = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"{name}: expected key=value, got {item!r}", source="spec")
-        if key.strip() in args:
-            raise UsageError(f"{name}: {key.strip()} given twice", source="spec")
-        args[key.strip()] = value.strip()
+    """``"n=100,seed=3"`` -> ``{"n": "100", "seed": "3"}`` (typed later by ``resolve_builtin_args``).
+
+    The grammar is :func:`sharpcli.registry.parse_spec`, every item ``key=value``.
+
+    Args:
+        name: the built-in dataset.
+        text: what follows ``name:``.
+
+    Returns:
+        The values given, by key.
+
+    Raises:
+        RegistryError: (a UsageError, source ``spec``) an item without ``=``, an unknown key
+            (listing the accepted) or a key given twice.
+    """
+    _, args = parse_spec(
+        f"{name}:{text}",
+        lambda n: tuple(BUILTIN_ARGS[n]) if n in BUILTIN_ARGS else None,
+        positional=False,
+        source="spec",
+        unknown=DATASETS.unknown,
+    )
     return args
 
 

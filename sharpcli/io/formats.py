@@ -4,8 +4,9 @@ A record carries everything about its format: the name a file spec stores, the e
 that route a file to it, ``probe(path)`` recognising its files or folder layout,
 ``read(spec) -> Dataset``, the optional spec keys it takes, whether it is a folder layout,
 a one-line description and how it provides a test split. A new format (an ImageFolder,
-JSON lines) is a module with its probe and reader plus one :func:`register` call; see
-docs/architecture.md, "Adding a data format".
+JSON lines) is a module with its probe and reader plus one :func:`register` call; a
+built-in one is that module plus its record in :data:`sharpcli.catalogue.DATA_FORMATS`
+(:data:`FORMATS` *is* that registry); see docs/architecture.md, "Adding a data format".
 
 Routing a path whose spec names no format (:func:`route`):
 
@@ -29,34 +30,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets_arrow import (
-    is_arrow,
-    is_hf_dataset_folder,
-    read_arrow,
-    read_hf_dataset_folder,
-)
+from sharpcli import catalogue
+from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import Dataset, read_failure
-from sharpcli.io.datasets_files import (
-    is_csv,
-    is_npy,
-    is_npz,
-    is_parquet,
-    is_safetensors,
-    is_torch_file,
-    read_npy_pair,
-    read_table,
-    read_tensor_file,
-)
-from sharpcli.io.datasets_vision import (
-    is_cifar10_binary,
-    is_cifar10_python,
-    is_cifar100_binary,
-    is_cifar100_python,
-    is_mnist_idx,
-    read_cifar,
-    read_mnist,
-)
+from sharpcli.registry import Entry, resolve
 
 __all__ = [
     "DataFormat",
@@ -102,40 +79,86 @@ class DataFormat:
     test_split: str = "its format provides none"
 
 
-FORMATS: dict[str, DataFormat] = {}
+FORMATS = catalogue.DATA_FORMATS
 
 
-def register(fmt: DataFormat) -> DataFormat:
-    """Add a format to :data:`FORMATS` (appended: earlier formats win ties of routing).
-
-    Raises TypeError when the record is inconsistent (a name taken, an extension without
-    its dot or in upper case, a folder layout with extensions, a reserved spec key).
-    """
+def _check(entry: Entry, fmt: DataFormat) -> DataFormat:
+    """The registry's check of a format record (see :func:`register`)."""
     where = f"data format {fmt.name!r}"
-    if not fmt.name or fmt.name in FORMATS:
-        raise TypeError(f"{where}: needs a name not yet registered")
+    if not isinstance(fmt, DataFormat) or fmt.name != entry.name:
+        raise FORMATS.error(f"{where}: register a DataFormat under its own name")
     if not callable(fmt.probe) or not callable(fmt.read):
-        raise TypeError(f"{where}: probe and read must be callables")
+        raise FORMATS.error(f"{where}: probe and read must be callables")
     if any(not ext.startswith(".") or ext != ext.lower() for ext in fmt.extensions):
-        raise TypeError(f"{where}: extensions are lower-case with their dot, e.g. '.csv'")
+        raise FORMATS.error(f"{where}: extensions are lower-case with their dot, e.g. '.csv'")
     if fmt.directory and fmt.extensions:
-        raise TypeError(f"{where}: a folder layout has no file extensions")
+        raise FORMATS.error(f"{where}: a folder layout has no file extensions")
     if set(fmt.spec_keys) & {"kind", "path", "format"}:
-        raise TypeError(f"{where}: spec_keys cannot redefine kind, path or format")
-    FORMATS[fmt.name] = fmt
+        raise FORMATS.error(f"{where}: spec_keys cannot redefine kind, path or format")
     return fmt
 
 
+def _entry_of(name: str, fmt: DataFormat) -> Entry:
+    """The record of an extension: its description and routing facts."""
+    info = {
+        "extensions": fmt.extensions,
+        "spec_keys": fmt.spec_keys,
+        "directory": fmt.directory,
+        "test_split": fmt.test_split,
+    }
+    return Entry(name, fmt.description, getattr(fmt.read, "__module__", ""), info=info)
+
+
+FORMATS.check = _check
+FORMATS.make_entry = _entry_of
+
+
+def register(fmt: DataFormat, *, replace: bool = False) -> DataFormat:
+    """Add a format to :data:`FORMATS` (appended: earlier formats win ties of routing).
+
+    Args:
+        fmt: the format.
+        replace: replace a format registered under the same name.
+
+    Returns:
+        ``fmt``.
+
+    Raises:
+        RegistryError: a name taken or not a CLI value, or an inconsistent record (an
+            extension without its dot or in upper case, a folder layout with extensions, a
+            reserved spec key).
+    """
+    return FORMATS.register(fmt.name, fmt, replace=replace)
+
+
 def unregister(name: str) -> DataFormat:
-    """Remove and return the format registered as ``name`` (KeyError when there is none)."""
-    return FORMATS.pop(name)
+    """Remove and return the format registered as ``name``.
+
+    Args:
+        name: the format.
+
+    Returns:
+        Its record.
+
+    Raises:
+        RegistryError: nothing is registered as ``name``.
+    """
+    return FORMATS.unregister(name)
 
 
 def data_format(name) -> DataFormat:
-    """The format registered as ``name``; an unknown one is a UsageError listing the accepted."""
-    if isinstance(name, str) and name in FORMATS:
-        return FORMATS[name]
-    raise UsageError(f"unknown data format {name!r}; accepted: {', '.join(FORMATS)}", source="spec")
+    """The format registered as ``name``.
+
+    Args:
+        name: the format (any JSON value a spec holds).
+
+    Returns:
+        Its record.
+
+    Raises:
+        RegistryError: (a UsageError, source ``spec``) an unknown one, listing the accepted.
+    """
+    return FORMATS.get(name)
 
 
 def optional_spec_keys() -> tuple[str, ...]:
@@ -227,135 +250,22 @@ def _find_layout(folder: str) -> tuple[str, DataFormat]:
 
 
 # --------------------------------------------------------------------------- the built-in formats
-_TENSOR_TEST = "add tensors x_test and y_test (or <key>_test for named keys)"
-_KEYS = ("x_key", "y_key")
-_TABLE_TEST = "add a column named 'split' with values train/test"
-_FOLDER_TEST = "the folder holds no test files"
+def _builtin(entry: Entry) -> DataFormat:
+    """A built-in format made from its catalogue record."""
+    info = entry.info
+    return DataFormat(
+        entry.name,
+        info["extensions"],
+        resolve(info["probe"]),
+        resolve(info["read"]),
+        info["spec_keys"],
+        entry.summary,
+        info["directory"],
+        info["test_split"],
+    )
 
-# Order matters twice: it is the order of the lists in messages, and folder layouts are
-# probed in it (CIFAR-10 batches win over a CIFAR-100 train/test pair in the same folder).
-for _builtin in (
-    DataFormat(
-        "safetensors",
-        (".safetensors",),
-        is_safetensors,
-        read_tensor_file,
-        _KEYS,
-        description="safetensors file with tensors x, y (optional x_test, y_test) or named keys",
-        test_split=_TENSOR_TEST,
-    ),
-    DataFormat(
-        "pt",
-        (".pt", ".pth"),
-        is_torch_file,
-        read_tensor_file,
-        _KEYS,
-        description="torch.save dict of tensors x, y (optional x_test, y_test) or named keys; a TensorDataset with trust_pickle",
-        test_split=_TENSOR_TEST,
-    ),
-    DataFormat(
-        "npz",
-        (".npz",),
-        is_npz,
-        read_tensor_file,
-        _KEYS,
-        description="numpy.savez archive with arrays x, y (optional x_test, y_test) or named keys",
-        test_split=_TENSOR_TEST,
-    ),
-    DataFormat(
-        "npy",
-        (".npy",),
-        is_npy,
-        read_npy_pair,
-        ("y_key",),
-        "numpy .npy features beside their labels file (x.npy and y.npy, X_train.npy and y_train.npy)",
-        test_split="add the test files (train -> test in both names)",
-    ),
-    DataFormat(
-        "arrow",
-        (".arrow",),
-        is_arrow,
-        read_arrow,
-        _KEYS,
-        "Arrow file (a Hugging Face dataset shard): number and list-of-ids columns",
-        test_split="use a save_to_disk DatasetDict folder with a test split",
-    ),
-    DataFormat(
-        "csv",
-        (".csv",),
-        is_csv,
-        read_table,
-        ("label_column",),
-        "csv table: numeric feature columns, a label column, an optional split column",
-        test_split=_TABLE_TEST,
-    ),
-    DataFormat(
-        "parquet",
-        (".parquet",),
-        is_parquet,
-        read_table,
-        ("label_column", *_KEYS),
-        "parquet table: numeric feature columns, a label column, an optional split column; "
-        "list columns (token ids) as named keys",
-        test_split=_TABLE_TEST,
-    ),
-    DataFormat(
-        "hf-dataset",
-        (),
-        is_hf_dataset_folder,
-        read_hf_dataset_folder,
-        _KEYS,
-        "Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)",
-        directory=True,
-        test_split="save a DatasetDict with a test split",
-    ),
-    DataFormat(
-        "cifar10-python",
-        (),
-        is_cifar10_python,
-        read_cifar,
-        description="CIFAR-10 python batches (cifar-10-batches-py)",
-        directory=True,
-        test_split=_FOLDER_TEST,
-    ),
-    DataFormat(
-        "cifar10-binary",
-        (),
-        is_cifar10_binary,
-        read_cifar,
-        description="CIFAR-10 binary batches (cifar-10-batches-bin)",
-        directory=True,
-        test_split=_FOLDER_TEST,
-    ),
-    DataFormat(
-        "cifar100-binary",
-        (),
-        is_cifar100_binary,
-        read_cifar,
-        ("label_column",),
-        "CIFAR-100 binary train/test files (cifar-100-binary); fine or coarse labels",
-        directory=True,
-        test_split=_FOLDER_TEST,
-    ),
-    DataFormat(
-        "cifar100-python",
-        (),
-        is_cifar100_python,
-        read_cifar,
-        ("label_column",),
-        "CIFAR-100 python train/test pickles (cifar-100-python); fine or coarse labels",
-        directory=True,
-        test_split=_FOLDER_TEST,
-    ),
-    DataFormat(
-        "mnist-idx",
-        (),
-        is_mnist_idx,
-        read_mnist,
-        description="MNIST-family idx files, plain or .gz (MNIST, Fashion-MNIST, KMNIST)",
-        directory=True,
-        test_split=_FOLDER_TEST,
-    ),
-):
-    register(_builtin)
-del _builtin
+
+# In the catalogue's order: the order of the lists in messages and of probing folder layouts.
+for _name in FORMATS.builtin_names():
+    register(_builtin(FORMATS.entry(_name)))
+del _name

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from sharpcli.errors import UsageError
+from sharpcli import catalogue
 
 try:  # private, but the only way to see the functorch transform stack; absent -> no check
     from torch._C._functorch import TransformType as _TransformType
@@ -337,16 +337,9 @@ class DiminishedGELU(nn.Module):
         return GELU()
 
 
-# name -> (module class, {parameter: (default, description)})
-_ACTIVATIONS: dict[str, tuple[type[nn.Module], dict[str, tuple[float, str]]]] = {
-    "relu": (ReLU, {}),
-    "gelu": (GELU, {}),
-    "beta-gelu": (BetaGELU, {"beta": (1.0, "sharpness, > 0; 1 = GELU")}),
-    "augmented-relu": (AugmentedReLU, {"beta": (1.0, "inverse width of the Gaussian, > 0")}),
-    "diminished-gelu": (DiminishedGELU, {}),
-}
-
-ACTIVATION_NAMES: tuple[str, ...] = tuple(_ACTIVATIONS)
+# The activations by name: sharpcli.catalogue.ACTIVATIONS (name, parameters, module class).
+ACTIVATIONS = catalogue.ACTIVATIONS
+ACTIVATION_NAMES: tuple[str, ...] = ACTIVATIONS.builtin_names()
 
 # Every class counted as an activation layer by activation_modules(): ours and torch's common ones
 # (so foreign models are covered too). Our ReLU/GELU subclass nn.ReLU/nn.GELU.
@@ -392,69 +385,26 @@ def is_positively_homogeneous(module: nn.Module) -> bool:
     return isinstance(module, _POSITIVELY_HOMOGENEOUS_TYPES)
 
 
-def _accepted_names_text() -> str:
-    parts = []
-    for name, (_, params) in _ACTIVATIONS.items():
-        if params:
-            parts.append(
-                name + ":" + ",".join(f"{p}={_format_number(d[0])}" for p, d in params.items())
-            )
-        else:
-            parts.append(name)
-    return ", ".join(parts)
-
-
 def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``name[:k=v,...]`` into ``(canonical name, complete parameter dict)``.
 
-    Names are case-insensitive and ``_`` may stand for ``-``; every parameter is a finite number
-    > 0; missing parameters take their defaults. Raises ``UsageError(source="activation")``.
+    The grammar is :func:`sharpcli.registry.parse_spec`, every item ``key=value``: names are
+    case-insensitive and ``_`` may stand for ``-``; every parameter is a finite number > 0;
+    missing parameters take their defaults.
+
+    Args:
+        spec: the activation spec.
+
+    Returns:
+        The name and its parameters.
+
+    Raises:
+        RegistryError: (a UsageError, source ``activation``) an unknown name, listing the
+            accepted ones with their parameters, or a bad, unknown or repeated parameter.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise UsageError(
-            f"activation must be a non-empty string like 'relu' or 'beta-gelu:beta=4'; got {spec!r}; "
-            f"accepted: {_accepted_names_text()}",
-            source="activation",
-        )
-    text = spec.strip()
-    name_part, _, param_part = text.partition(":")
-    name = name_part.strip().lower().replace("_", "-")
-    if name not in _ACTIVATIONS:
-        raise UsageError(
-            f"unknown activation {name_part.strip()!r}; accepted: {_accepted_names_text()}",
-            source="activation",
-        )
-    _, defaults = _ACTIVATIONS[name]
-    params = {key: value[0] for key, value in defaults.items()}
-    if param_part.strip():
-        for item in param_part.split(","):
-            key, eq, value_text = item.partition("=")
-            key = key.strip().lower()
-            if not eq or not key:
-                raise UsageError(
-                    f"activation {text!r}: expected key=value, got {item.strip()!r}",
-                    source="activation",
-                )
-            if key not in defaults:
-                accepted = ", ".join(defaults) if defaults else "none"
-                raise UsageError(
-                    f"activation {name!r} has no parameter {key!r}; its parameters: {accepted}",
-                    source="activation",
-                )
-            try:
-                value = float(value_text.strip())
-            except ValueError:
-                raise UsageError(
-                    f"activation {text!r}: {key}={value_text.strip()!r} is not a number",
-                    source="activation",
-                ) from None
-            if not math.isfinite(value) or value <= 0:
-                raise UsageError(
-                    f"activation {text!r}: {key} must be a finite number > 0, got {value_text.strip()}",
-                    source="activation",
-                )
-            params[key] = value
-    return name, params
+    hints = ", ".join(e.spec_hint() for e in ACTIVATIONS.entries())
+    entry, params = ACTIVATIONS.parse(spec, positional=False, accepted=hints)
+    return entry.name, params
 
 
 def make_activation(spec: str) -> nn.Module:
@@ -466,8 +416,7 @@ def make_activation(spec: str) -> nn.Module:
     bad parameters raise ``UsageError(source="activation")`` listing the accepted names.
     """
     name, params = parse_activation_spec(spec)
-    cls, _ = _ACTIVATIONS[name]
-    return cls(**params)
+    return ACTIVATIONS[name](**params)
 
 
 def canonical_activation_spec(spec: str) -> str:
@@ -543,3 +492,6 @@ def intended_derivative_error(module: nn.Module, points: int = 241) -> float:
     for got, want in ((first.detach(), want_first), (second.detach(), want_second)):
         error = max(error, float((got - want).abs().max()) / max(1.0, float(want.abs().max())))
     return error
+
+
+ACTIVATIONS.load_all()  # the built-ins, resolved at import

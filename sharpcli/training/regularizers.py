@@ -36,15 +36,16 @@ class documents its count.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.losses import IGNORE_INDEX, token_weights
+from sharpcli.registry import Entry, Param, format_value
 from sharpcli.training.step import (
     PassContext,
     PassResult,
@@ -75,85 +76,9 @@ _PARAMETER = "regs"
 
 
 # --------------------------------------------------------------------------- hyper-parameters
-@dataclass(frozen=True)
-class HyperParam:
-    """One hyper-parameter of a regularizer: name, type (``float``/``int``/``choice``),
-    default, a one-line description, and the admissible values. ``auto``: the word ``auto``
-    is accepted besides a number (the regularizer then picks the value at each step)."""
-
-    name: str
-    kind: str
-    default: Any
-    doc: str
-    minimum: float | None = None  # inclusive lower bound
-    below: float | None = None  # exclusive upper bound
-    positive: bool = False  # strictly > 0
-    choices: tuple = ()
-    auto: bool = False  # "auto" accepted besides a number
-
-    def describe(self) -> str:
-        """``name=default``, the admissible choices if any, and the description, on one line."""
-        allowed = ""
-        if self.choices:
-            allowed = " in {" + ", ".join(str(c) for c in self.choices) + "}"
-        return f"{self.name}={_format_value(self.default)}{allowed}: {self.doc}"
-
-    def convert(self, reg_name: str, text: str) -> Any:
-        """Parse ``text`` into this hyper-parameter's value or raise UsageError naming it."""
-        raw = text.strip()
-        if self.kind == "choice":
-            value: Any = raw
-            if raw.lower() in self.choices:
-                value = raw.lower()
-            else:
-                try:
-                    as_num = float(raw)
-                    value = int(as_num) if as_num.is_integer() else as_num
-                except ValueError:
-                    pass
-            if value not in self.choices:
-                raise UsageError(
-                    f"{reg_name}: {self.name} must be one of {', '.join(str(c) for c in self.choices)}; got {raw!r}",
-                    source=_PARAMETER,
-                )
-            return value
-        if self.auto and raw.lower() == "auto":
-            return "auto"
-        try:
-            number = float(raw)
-        except ValueError:
-            wanted = "a number or auto" if self.auto else "a number"
-            raise UsageError(
-                f"{reg_name}: {self.name} must be {wanted}; got {raw!r}", source=_PARAMETER
-            ) from None
-        if not math.isfinite(number):
-            raise UsageError(
-                f"{reg_name}: {self.name} must be finite; got {raw!r}", source=_PARAMETER
-            )
-        if self.kind == "int":
-            if not number.is_integer():
-                raise UsageError(
-                    f"{reg_name}: {self.name} must be an integer; got {raw!r}", source=_PARAMETER
-                )
-            number = int(number)
-        if self.positive and number <= 0:
-            raise UsageError(f"{reg_name}: {self.name} must be > 0; got {raw!r}", source=_PARAMETER)
-        if self.minimum is not None and number < self.minimum:
-            raise UsageError(
-                f"{reg_name}: {self.name} must be >= {self.minimum:g}; got {raw!r}",
-                source=_PARAMETER,
-            )
-        if self.below is not None and number >= self.below:
-            raise UsageError(
-                f"{reg_name}: {self.name} must be < {self.below:g}; got {raw!r}", source=_PARAMETER
-            )
-        return number
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
+# One typed parameter (sharpcli.registry.Param): name, type, default, range, description.
+HyperParam = Param
+_format_value = format_value
 
 
 # --------------------------------------------------------------------------- base classes
@@ -200,7 +125,7 @@ class Regularizer:
         for h in self.HYPERPARAMS:
             value = params.get(h.name, h.default)
             self.params[h.name] = h.convert(
-                self.name, value if isinstance(value, str) else _format_value(value)
+                self.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
             )
 
     def model_args(self) -> dict[str, Any]:
@@ -1121,78 +1046,125 @@ class NSO(Oracle):
 
 
 # --------------------------------------------------------------------------- registry and parsing
-REGISTRY: dict[str, type[Regularizer]] = {}
+# The regularizers by name: sharpcli.catalogue.REGULARIZERS, whose records (name, kind,
+# summary, hyper-parameters, paper, data_parallel) the built-in classes take on at registration.
+REGISTRY = catalogue.REGULARIZERS
 _KIND_BASES: dict[str, type[Regularizer]] = {
     "none": Regularizer,
     "model": Regularizer,
     "penalty": Penalty,
     "oracle": Oracle,
 }
-_NAME_FORBIDDEN = set(":,= ")  # characters that would break NAME:k=v,... parsing
 
 
-def register(cls: type[Regularizer]) -> type[Regularizer]:
-    """Add a regularizer class to :data:`REGISTRY` (usable as a class decorator).
+def _record_attributes(entry: Entry) -> dict[str, Any]:
+    """The class attributes a catalogue record declares."""
+    return {
+        "kind": entry.info.get("kind", ""),
+        "summary": entry.summary,
+        "HYPERPARAMS": tuple(entry.params),
+        "data_parallel": entry.data_parallel,
+        "needs_penultimate": entry.info.get("needs_penultimate", False),
+    }
 
-    Checks what every entry must carry (see :class:`Regularizer`): a new lower-case name
-    that ``--reg`` can parse, a known ``kind`` with the matching base class, a summary, a
-    docstring naming the regularizer, ``data_parallel`` set in the class's own body
-    (``None`` or a non-empty reason), and defaults its own hyper-parameters accept.
-    Raises TypeError (a programming error, met at import) naming what is missing.
-    """
-    name = cls.name
-    where = f"regularizer class {cls.__name__}"
-    if not name or name != name.lower() or _NAME_FORBIDDEN & set(name):
-        raise TypeError(
-            f"{where}: name {name!r} must be non-empty, lower-case, without :,= or space"
-        )
-    if name in REGISTRY:
-        raise TypeError(
-            f"{where}: name {name!r} is already registered by {REGISTRY[name].__name__}"
-        )
+
+def _entry_of(name: str, cls: type[Regularizer]) -> Entry:
+    """The record of an extension registered without one: read from its class attributes."""
+    return Entry(
+        name,
+        cls.summary,
+        f"{cls.__module__}:{cls.__qualname__}",
+        tuple(cls.HYPERPARAMS),
+        data_parallel=vars(cls).get("data_parallel"),
+        info={"kind": cls.kind, "needs_penultimate": cls.needs_penultimate},
+    )
+
+
+def _adopt_record(entry: Entry, cls: type[Regularizer], where: str) -> None:
+    """Give a built-in class the attributes of its catalogue record; one it states itself
+    must agree with the record."""
+    for attr, value in _record_attributes(entry).items():
+        if attr not in vars(cls):
+            setattr(cls, attr, value)
+        elif vars(cls)[attr] != value:
+            raise REGISTRY.error(
+                f"{where}: {attr} {vars(cls)[attr]!r} differs from its catalogue record {value!r}"
+            )
+
+
+def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
+    """The registry's check of a regularizer class (see :func:`register`)."""
+    where = f"regularizer class {getattr(cls, '__name__', cls)!r}"
+    if not (isinstance(cls, type) and issubclass(cls, Regularizer)):
+        raise REGISTRY.error(f"{where}: a regularizer is a subclass of Regularizer")
+    if cls.name != entry.name:
+        raise REGISTRY.error(f"{where}: its name {cls.name!r} is not {entry.name!r}")
+    if entry.name in REGISTRY.builtin_names():
+        _adopt_record(entry, cls, where)
+    name = entry.name
     base = _KIND_BASES.get(cls.kind)
     if base is None or not issubclass(cls, base):
-        raise TypeError(
+        raise REGISTRY.error(
             f"{where}: kind {cls.kind!r} must be one of {', '.join(_KIND_BASES)}, "
             "a penalty subclassing Penalty and an oracle subclassing Oracle"
         )
     if not cls.summary or not cls.__doc__ or name not in cls.__doc__:
-        raise TypeError(f"{where}: needs a summary and a docstring that names {name!r}")
+        raise REGISTRY.error(f"{where}: needs a summary and a docstring that names {name!r}")
     if "data_parallel" not in vars(cls):
-        raise TypeError(
+        raise REGISTRY.error(
             f"{where}: set data_parallel in the class body: None when averaging per-rank "
             "gradients is exact, else the reason it is not"
         )
     reason = cls.data_parallel
     if reason is not None and not (isinstance(reason, str) and reason.strip()):
-        raise TypeError(f"{where}: data_parallel must be None or a non-empty reason")
+        raise REGISTRY.error(f"{where}: data_parallel must be None or a non-empty reason")
     cls()  # the defaults must pass the hyper-parameters' own checks
-    REGISTRY[name] = cls
     return cls
 
 
+REGISTRY.check = _check_class
+REGISTRY.make_entry = _entry_of
+
+
+def register(cls: type[Regularizer], *, replace: bool = False) -> type[Regularizer]:
+    """Add a regularizer class to :data:`REGISTRY` as ``cls.name`` (usable as a class decorator).
+
+    A built-in (a name with a record in :data:`sharpcli.catalogue.REGULARIZERS`) takes on its
+    record's kind, summary, hyper-parameters, ``data_parallel`` and ``needs_penultimate``; an
+    extension states them in its class body (see :class:`Regularizer`). Either way the class
+    must carry a name ``--reg`` can parse, a known ``kind`` with the matching base class, a
+    summary, a docstring naming the regularizer, ``data_parallel`` (``None`` or a non-empty
+    reason) and defaults its own hyper-parameters accept.
+
+    Args:
+        cls: the class.
+        replace: replace a class registered under the same name.
+
+    Returns:
+        ``cls``.
+
+    Raises:
+        RegistryError: a malformed or taken name, or a class missing part of its record.
+    """
+    return REGISTRY.register(cls.name, cls, replace=replace)
+
+
 def unregister(name: str) -> type[Regularizer]:
-    """Remove and return the class registered as ``name`` (KeyError when there is none)."""
-    return REGISTRY.pop(name)
+    """Remove and return the class registered as ``name``.
+
+    Args:
+        name: the name.
+
+    Returns:
+        The class.
+
+    Raises:
+        RegistryError: nothing is registered as ``name``.
+    """
+    return REGISTRY.unregister(name)
 
 
-for _builtin in (
-    NoRegularizer,
-    WeightDecay,
-    Dropout,
-    ActivationDecay,
-    SAM,
-    USAM,
-    ASAM,
-    GradientPenalty,
-    HessianTrace,
-    GaussNewtonTrace,
-    WeightNoise,
-    NSO,
-    FlatnessAware,
-):
-    register(_builtin)
-del _builtin
+REGISTRY.load_all()  # the built-ins, checked at import
 
 
 def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
@@ -1234,54 +1206,21 @@ def describe_registry() -> list[dict[str, Any]]:
 
 def parse_reg(text: str) -> Regularizer:
     """Parse one ``--reg`` value: ``NAME``, ``NAME:v1,v2`` (positional in the documented
-    order), ``NAME:k=v,...`` or a mix (positional first). Missing hyper-parameters take
-    their defaults. Raises UsageError(source="regs") listing the accepted names for an
-    unknown regularizer and the accepted hyper-parameters for an unknown or bad one."""
-    raw = text.strip()
-    name, _, body = raw.partition(":")
-    name = name.strip().lower()
-    if name not in REGISTRY:
-        shown = name or raw
-        raise UsageError(
-            f"unknown regularizer {shown!r}; accepted: {', '.join(REGISTRY)}",
-            source=_PARAMETER,
-        )
-    cls = REGISTRY[name]
-    given: dict[str, str] = {}
-    items = [item.strip() for item in body.split(",")] if body.strip() else []
-    seen_keyword = False
-    for position, item in enumerate(items):
-        if not item:
-            raise UsageError(
-                f"{name}: empty hyper-parameter in {raw!r}; accepted: {_accepted_params(cls)}",
-                source=_PARAMETER,
-            )
-        if "=" in item:
-            key, _, value = item.partition("=")
-            key = key.strip().lower()
-            seen_keyword = True
-            if key not in {h.name for h in cls.HYPERPARAMS}:
-                raise UsageError(
-                    f"{name}: unknown hyper-parameter {key!r}; accepted: {_accepted_params(cls)}",
-                    source=_PARAMETER,
-                )
-        else:
-            if seen_keyword:
-                raise UsageError(
-                    f"{name}: positional value {item!r} after a keyword in {raw!r}",
-                    source=_PARAMETER,
-                )
-            if position >= len(cls.HYPERPARAMS):
-                raise UsageError(
-                    f"{name} takes at most {len(cls.HYPERPARAMS)} positional hyper-parameter(s) "
-                    f"({_accepted_params(cls)}); got {len(items)} in {raw!r}",
-                    source=_PARAMETER,
-                )
-            key, value = cls.HYPERPARAMS[position].name, item
-        if key in given:
-            raise UsageError(f"{name}: {key} given twice in {raw!r}", source=_PARAMETER)
-        given[key] = value.strip()
-    return cls(**given)
+    order), ``NAME:k=v,...`` or a mix (positional first), by the one grammar of
+    :func:`sharpcli.registry.parse_spec`. Missing hyper-parameters take their defaults.
+
+    Args:
+        text: the value.
+
+    Returns:
+        The regularizer.
+
+    Raises:
+        RegistryError: (a UsageError, source ``regs``) an unknown regularizer, listing the
+            accepted names, or an unknown or bad hyper-parameter, listing the accepted ones.
+    """
+    entry, values = REGISTRY.parse(text)
+    return REGISTRY[entry.name](**values)
 
 
 def validate_combination(regs: Sequence[Regularizer]) -> None:

@@ -1,0 +1,639 @@
+"""One registry for everything that has a name, and one ``NAME[:k=v,...]`` grammar.
+
+A :class:`Registry` holds the named things of one kind (regularizers, curvature operators,
+data formats, losses, activations, ...). Each name has an :class:`Entry`: a declarative,
+torch-free record (a one-line summary, typed :class:`Param` s with defaults and ranges, a
+paper key of docs/references.md, data-parallel exactness, and the implementation as a
+``"module:attr"`` string). The implementation is imported only when it is first asked for
+(:meth:`Registry.get`), so ``sharp --help`` lists every name without importing torch.
+
+Every problem with a name is one exception, :class:`RegistryError` (a
+:class:`~sharpcli.errors.UsageError`: exit 2 in the CLI), naming the kind, the bad name and
+the accepted names. :func:`parse_spec` is the one grammar of ``--reg``, ``--activation`` and
+the built-in datasets of ``--data``:
+
+.. code-block:: text
+
+    spec  := NAME [":" item ("," item)*]
+    item  := VALUE | KEY "=" VALUE        (positional values first, where the kind allows them)
+
+This module imports nothing heavy (the standard library and :mod:`sharpcli.errors`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
+
+from sharpcli.errors import UsageError
+
+__all__ = [
+    "Entry",
+    "Param",
+    "Registry",
+    "RegistryError",
+    "accepted_params",
+    "format_value",
+    "parse_spec",
+    "resolve",
+]
+
+T = TypeVar("T")
+
+# a name as a CLI value: lower case letters, digits and '-', starting with a letter
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9-]*\Z")
+
+
+class RegistryError(UsageError, KeyError, TypeError, ValueError):
+    """A name that is unknown, taken or malformed, or a bad parameter of a named thing.
+
+    A :class:`~sharpcli.errors.UsageError` (exit 2 in the CLI) whose message names the kind,
+    the name and what is accepted; ``source`` is the library parameter that named it. It is
+    also a ``KeyError``, ``TypeError`` and ``ValueError``, the types the separate registries
+    raised before they shared this one, so callers catching those keep working.
+    """
+
+    def __str__(self) -> str:
+        """The message itself (``KeyError`` would quote it)."""
+        return self.message
+
+
+def format_value(value: Any) -> str:
+    """A parameter value as the canonical spec writes it (``repr`` of a float: ``0.05``).
+
+    Args:
+        value: the value.
+
+    Returns:
+        Its text form.
+    """
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One typed parameter of a named thing: ``NAME:key=value``.
+
+    Attributes:
+        name: the key.
+        kind: ``"float"``, ``"int"`` or ``"choice"``.
+        default: the value when it is not given.
+        doc: one-line description.
+        minimum: inclusive lower bound (numbers).
+        below: exclusive upper bound (numbers).
+        positive: strictly greater than 0 (numbers).
+        choices: the admissible values of a ``"choice"``.
+        auto: the word ``auto`` is accepted besides a number.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    minimum: float | None = None
+    below: float | None = None
+    positive: bool = False
+    choices: tuple = ()
+    auto: bool = False
+
+    def describe(self) -> str:
+        """``name=default``, the admissible choices if any, and the description, on one line.
+
+        Returns:
+            The line.
+        """
+        allowed = ""
+        if self.choices:
+            allowed = " in {" + ", ".join(str(c) for c in self.choices) + "}"
+        return f"{self.name}={format_value(self.default)}{allowed}: {self.doc}"
+
+    def convert(self, owner: str, text: str, source: str | None = None) -> Any:
+        """Parse ``text`` into this parameter's value.
+
+        Args:
+            owner: the name of the thing the parameter belongs to (starts the message).
+            text: the value as typed.
+            source: the library parameter an error names (``UsageError.source``).
+
+        Returns:
+            The typed value.
+
+        Raises:
+            RegistryError: a value of the wrong type or out of range.
+        """
+        raw = text.strip()
+        if self.kind == "choice":
+            return self._choice(owner, raw, source)
+        if self.auto and raw.lower() == "auto":
+            return "auto"
+
+        def bad(problem: str) -> RegistryError:
+            return RegistryError(
+                f"{owner}: {self.name} must be {problem}; got {raw!r}", source=source
+            )
+
+        try:
+            number = float(raw)
+        except ValueError:
+            raise bad("a number or auto" if self.auto else "a number") from None
+        if not math.isfinite(number):
+            raise bad("finite")
+        if self.kind == "int":
+            if not number.is_integer():
+                raise bad("an integer")
+            number = int(number)
+        if self.positive and number <= 0:
+            raise bad("> 0")
+        if self.minimum is not None and number < self.minimum:
+            raise bad(f">= {self.minimum:g}")
+        if self.below is not None and number >= self.below:
+            raise bad(f"< {self.below:g}")
+        return number
+
+    def _choice(self, owner: str, raw: str, source: str | None) -> Any:
+        value: Any = raw
+        if raw.lower() in self.choices:
+            value = raw.lower()
+        else:
+            try:
+                as_num = float(raw)
+                value = int(as_num) if as_num.is_integer() else as_num
+            except ValueError:
+                pass
+        if value not in self.choices:
+            allowed = ", ".join(str(c) for c in self.choices)
+            raise RegistryError(
+                f"{owner}: {self.name} must be one of {allowed}; got {raw!r}", source=source
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The declarative record of one named thing (torch-free).
+
+    Attributes:
+        name: what the CLI and the library call it.
+        summary: one line for ``--help`` and the docs' tables.
+        impl: ``"module:attr"`` of the implementation, imported on first use ("" for an
+            extension registered with its object).
+        params: its parameters, in positional order.
+        paper: the key of docs/references.md it implements, or "".
+        data_parallel: where it applies, ``None`` when averaging per-rank results is exact
+            under torchrun, else the reason it is not.
+        info: further facts of the kind (an operator's symbol, a format's extensions).
+    """
+
+    name: str
+    summary: str
+    impl: str = ""
+    params: tuple[Param, ...] = ()
+    paper: str = ""
+    data_parallel: str | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def spec_hint(self) -> str:
+        """``name`` or ``name:k=default,...``: the entry written with its defaults.
+
+        Returns:
+            The text.
+        """
+        if not self.params:
+            return self.name
+        return (
+            self.name + ":" + ",".join(f"{p.name}={format_value(p.default)}" for p in self.params)
+        )
+
+
+def resolve(impl: str) -> Any:
+    """The object that ``"module:attr"`` names, or the module that ``"module"`` names.
+
+    Args:
+        impl: the implementation string of an :class:`Entry`.
+
+    Returns:
+        The object (its module is imported).
+    """
+    module, _, attr = impl.partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, attr) if attr else loaded
+
+
+class Registry(Generic[T]):
+    """The named things of one kind: entries in order, implementations resolved lazily.
+
+    It reads like a dict of the implementations (``name in r``, ``r[name]``, ``list(r)``,
+    ``r.items()``), where ``r[name]`` imports a built-in's module on first use and an unknown
+    name is a :class:`RegistryError`. :meth:`register` adds an implementation (its entry is
+    the built-in record of that name, or one given or made by ``make_entry``), refusing a
+    taken name unless ``replace=True``; :meth:`unregister` removes one, except the
+    ``protected`` names.
+
+    Args:
+        kind: what one entry is, as messages say it (``"regularizer"``).
+        source: the library parameter errors name by default (``"regs"``).
+        entries: the built-in records, in the order messages and ``--help`` list them.
+        protected: names :meth:`unregister` refuses.
+        protected_reason: why, for its message.
+        name_pattern: the names :meth:`register` accepts.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        source: str,
+        entries: Sequence[Entry] = (),
+        protected: Sequence[str] = (),
+        protected_reason: str = "it is built in",
+        name_pattern: re.Pattern = NAME_PATTERN,
+    ):
+        self.kind = kind
+        self.source = source
+        self.protected = tuple(protected)
+        self.protected_reason = protected_reason
+        self.name_pattern = name_pattern
+        self._entries: dict[str, Entry] = {}
+        self._objects: dict[str, T] = {}
+        # checks an implementation against its entry before it is added: (entry, obj) -> obj
+        self.check: Callable[[Entry, T], T] | None = None
+        # the entry of an extension registered without one: (name, obj) -> Entry
+        self.make_entry: Callable[[str, T], Entry] | None = None
+        self._builtins: tuple[str, ...] = ()
+        for entry in entries:
+            self.declare(entry)
+
+    # ------------------------------------------------------------------ the declarative side
+    def declare(self, entry: Entry) -> None:
+        """Add a built-in's record (as :mod:`sharpcli.catalogue` does for each of its entries):
+        its implementation is imported from ``entry.impl`` when first asked for, and
+        :meth:`register` gives an implementation registered under its name this record.
+
+        Args:
+            entry: the record.
+
+        Raises:
+            RegistryError: a name already declared or registered.
+        """
+        if entry.name in self._entries:
+            raise self.error(f"{self.kind} {entry.name!r} is declared twice")
+        self._entries[entry.name] = entry
+        self._builtins += (entry.name,)
+
+    def undeclare(self, name: str) -> None:
+        """Remove a record added by :meth:`declare`, and its implementation if registered.
+
+        Args:
+            name: the name.
+
+        Raises:
+            RegistryError: a name not declared.
+        """
+        if name not in self._builtins:
+            raise self.error(f"{self.kind} {name!r} is not declared")
+        self._builtins = tuple(n for n in self._builtins if n != name)
+        self._objects.pop(name, None)
+        del self._entries[name]
+
+    def error(self, message: str, source: str | None = None) -> RegistryError:
+        """A :class:`RegistryError` with this registry's default source.
+
+        Args:
+            message: the message.
+            source: the library parameter it names, if not the registry's own.
+
+        Returns:
+            The error (to raise).
+        """
+        return RegistryError(message, source=source or self.source)
+
+    def names(self) -> tuple[str, ...]:
+        """Every name, the built-ins first, in registration order (no import).
+
+        Returns:
+            The names.
+        """
+        return tuple(self._entries)
+
+    def builtin_names(self) -> tuple[str, ...]:
+        """The names declared in :mod:`sharpcli.catalogue` (no import).
+
+        Returns:
+            The names.
+        """
+        return self._builtins
+
+    def entries(self) -> tuple[Entry, ...]:
+        """Every entry, in the order of :meth:`names` (no import).
+
+        Returns:
+            The entries.
+        """
+        return tuple(self._entries.values())
+
+    def entry(self, name: str, source: str | None = None) -> Entry:
+        """The entry of ``name`` (no import).
+
+        Args:
+            name: the name.
+            source: the library parameter an unknown name is reported on.
+
+        Returns:
+            The entry.
+
+        Raises:
+            RegistryError: an unknown name, listing the accepted ones.
+        """
+        if isinstance(name, str) and name in self._entries:
+            return self._entries[name]
+        raise self.unknown(name, source)
+
+    def unknown(
+        self, name: Any, source: str | None = None, accepted: str | None = None
+    ) -> RegistryError:
+        """The error for an unknown ``name``: ``unknown KIND 'name'; accepted: a, b, c``.
+
+        Args:
+            name: the name that was asked for.
+            source: the library parameter it names, if not the registry's own.
+            accepted: the accepted names as the message lists them (default: the names).
+
+        Returns:
+            The error (to raise).
+        """
+        shown = ", ".join(self.names()) if accepted is None else accepted
+        return self.error(f"unknown {self.kind} {name!r}; accepted: {shown}", source)
+
+    # ------------------------------------------------------------------ implementations
+    def get(self, name: str, source: str | None = None) -> T:
+        """The implementation of ``name``, importing a built-in's module on first use.
+
+        Args:
+            name: the name.
+            source: the library parameter an unknown name is reported on.
+
+        Returns:
+            The implementation.
+
+        Raises:
+            RegistryError: an unknown name, listing the accepted ones.
+        """
+        if isinstance(name, str) and name in self._objects:
+            return self._objects[name]
+        entry = self.entry(name, source)
+        obj = resolve(entry.impl)  # importing the module may register it
+        if name not in self._objects:
+            if ":" not in entry.impl:
+                raise self.error(f"{self.kind} {name!r}: {entry.impl} does not register it")
+            self.register(name, obj)
+        return self._objects[name]
+
+    def load_all(self) -> None:
+        """Resolve every entry (a module calls it at import to check its built-ins)."""
+        for name in self.names():
+            self.get(name)
+
+    def register(
+        self, name: str, obj: T, *, entry: Entry | None = None, replace: bool = False
+    ) -> T:
+        """Add ``obj`` as ``name``.
+
+        Args:
+            name: a CLI value (``name_pattern``).
+            obj: the implementation.
+            entry: its record; default the built-in record of ``name``, else ``make_entry``.
+            replace: replace an implementation registered as ``name``.
+
+        Returns:
+            ``obj`` (as the registry's ``check`` returned it).
+
+        Raises:
+            RegistryError: a malformed or taken name, or an implementation that fails the
+                kind's ``check``.
+        """
+        if not isinstance(name, str) or not self.name_pattern.match(name):
+            raise self.error(f"{self.kind} name {name!r}: use lower case letters, digits and '-'")
+        if name in self._objects and not replace:
+            raise self.error(
+                f"{self.kind} {name!r} is already registered (pass replace=True to replace it)"
+            )
+        if entry is None:
+            entry = self._entries.get(name)
+        if entry is None:
+            entry = self.make_entry(name, obj) if self.make_entry else Entry(name, "")
+        if self.check is not None:
+            obj = self.check(entry, obj)
+        self._entries[name] = entry
+        self._objects[name] = obj
+        return obj
+
+    def unregister(self, name: str) -> T:
+        """Remove and return the implementation registered as ``name`` (its entry goes too,
+        unless it is a built-in's, which is declared in the catalogue).
+
+        Args:
+            name: the name.
+
+        Returns:
+            The implementation that was registered.
+
+        Raises:
+            RegistryError: a protected or unregistered name.
+        """
+        if name in self.protected:
+            raise self.error(f"{self.kind} {name!r} cannot be removed: {self.protected_reason}")
+        if name not in self._objects:
+            raise self.error(f"{self.kind} {name!r} is not registered")
+        obj = self._objects.pop(name)
+        if name not in self._builtins:
+            del self._entries[name]
+        return obj
+
+    def pop(self, name: str, *default: Any) -> Any:
+        """:meth:`unregister`, or ``default`` when ``name`` is not registered (dict-like).
+
+        Args:
+            name: the name.
+            *default: returned when nothing is registered as ``name``.
+
+        Returns:
+            The implementation, or the default.
+        """
+        if default and name not in self._objects:
+            return default[0]
+        return self.unregister(name)
+
+    # ------------------------------------------------------------------ dict-like reading
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> tuple[str, ...]:
+        """The names (dict-like).
+
+        Returns:
+            :meth:`names`.
+        """
+        return self.names()
+
+    def values(self) -> list[T]:
+        """The implementations, resolved (dict-like).
+
+        Returns:
+            One per name.
+        """
+        return [self.get(name) for name in self.names()]
+
+    def items(self) -> list[tuple[str, T]]:
+        """``(name, implementation)`` pairs, resolved (dict-like).
+
+        Returns:
+            One per name.
+        """
+        return [(name, self.get(name)) for name in self.names()]
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+    # ------------------------------------------------------------------ NAME[:k=v,...]
+    def parse(
+        self,
+        text: str,
+        *,
+        positional: bool = True,
+        source: str | None = None,
+        accepted: str | None = None,
+    ) -> tuple[Entry, dict[str, Any]]:
+        """Parse ``NAME[:k=v,...]`` against this registry's entries (:func:`parse_spec`),
+        typing every parameter and filling in the defaults.
+
+        Args:
+            text: the spec.
+            positional: whether values may be given without their key, in the entry's order.
+            source: the library parameter errors name, if not the registry's own.
+            accepted: the accepted names as an unknown-name message lists them.
+
+        Returns:
+            The entry and ``{param: typed value}`` for every parameter, in order.
+
+        Raises:
+            RegistryError: an unknown name, or a bad, unknown, repeated or missing value.
+        """
+        source = source or self.source
+        if not isinstance(text, str) or not text.strip():
+            shown = ", ".join(self.names()) if accepted is None else accepted
+            raise self.error(
+                f"{self.kind} must be a non-empty NAME[:k=v,...]; got {text!r}; accepted: {shown}",
+                source,
+            )
+        name, given = parse_spec(
+            text,
+            lambda n: [p.name for p in self._entries[n].params] if n in self._entries else None,
+            positional=positional,
+            source=source,
+            unknown=lambda n: self.unknown(n, source, accepted),
+        )
+        entry = self._entries[name]
+        values = {
+            p.name: p.convert(name, given.get(p.name, format_value(p.default)), source)
+            for p in entry.params
+        }
+        return entry, values
+
+
+def accepted_params(keys: Sequence[str]) -> str:
+    """The parameter names as messages list them (``(none)`` for none).
+
+    Args:
+        keys: the parameter names.
+
+    Returns:
+        The text.
+    """
+    return ", ".join(keys) if keys else "(none)"
+
+
+def parse_spec(
+    text: str,
+    keys_of: Callable[[str], Sequence[str] | None],
+    *,
+    positional: bool,
+    source: str,
+    unknown: Callable[[str], Exception],
+) -> tuple[str, dict[str, str]]:
+    """The one ``NAME[:k=v,...]`` grammar: split a spec into its name and its values.
+
+    The name is case-insensitive and ``_`` stands for ``-``; blanks around items are
+    ignored. With ``positional``, values without a key take the parameters in order and
+    come before any ``key=value``; otherwise every item is ``key=value``.
+
+    Args:
+        text: the spec.
+        keys_of: the parameter names of a name, in positional order; None for an unknown name.
+        positional: whether values may be given without their key.
+        source: the library parameter errors name.
+        unknown: the error for an unknown name.
+
+    Returns:
+        The canonical name and ``{key: value text}`` of the values given.
+
+    Raises:
+        RegistryError: an empty spec or item, an unknown key, a key given twice, a
+            positional value after a key or beyond the parameters, or a missing ``=``.
+        Exception: what ``unknown`` returns, for an unknown name.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise RegistryError(f"empty spec {text!r}", source=source)
+    raw = text.strip()
+    head, colon, body = raw.partition(":")
+    name = head.strip().lower().replace("_", "-")
+    found = keys_of(name)
+    if found is None:
+        raise unknown(head.strip() or raw)
+    keys = list(found)
+
+    def fail(message: str) -> RegistryError:
+        return RegistryError(f"{name}: {message}", source=source)
+
+    items = [item.strip() for item in body.split(",")] if body.strip() else []
+    given: dict[str, str] = {}
+    seen_keyword = False
+    for position, item in enumerate(items):
+        if not item:
+            raise fail(f"empty parameter in {raw!r}; accepted: {accepted_params(keys)}")
+        key, eq, value = item.partition("=")
+        if eq:
+            key = key.strip().lower()
+            seen_keyword = True
+            if not key or not value.strip():
+                raise fail(f"expected key=value, got {item!r}")
+            if key not in keys:
+                raise fail(f"unknown parameter {key!r}; accepted: {accepted_params(keys)}")
+        elif not positional:
+            raise fail(f"expected key=value, got {item!r}")
+        elif seen_keyword:
+            raise fail(f"positional value {item!r} after a keyword in {raw!r}")
+        elif position >= len(keys):
+            raise fail(
+                f"takes at most {len(keys)} positional parameter(s) "
+                f"({accepted_params(keys)}); got {len(items)} in {raw!r}"
+            )
+        else:
+            key, value = keys[position], item
+        if key in given:
+            raise fail(f"{key} given twice in {raw!r}")
+        given[key] = value.strip()
+    return name, given
