@@ -363,8 +363,13 @@ class CurvatureEngine:
 
     def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
         """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
-        outs = self._reverse_through_gradient(graph, V, batched, list(self.scope.params))
-        return (self._flat_block(outs, V.shape[1], batched),)
+        return (  # no local name for the results: _flat_block releases them as it copies
+            self._flat_block(
+                self._reverse_through_gradient(graph, V, batched, list(self.scope.params)),
+                V.shape[1],
+                batched,
+            ),
+        )
 
     def _ggn_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
         """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
@@ -382,14 +387,20 @@ class CurvatureEngine:
         )
 
     def _flat_block(self, tensors, k, batched) -> torch.Tensor:
-        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros."""
+        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros.
+
+        Each result is released once copied (when the caller holds no other reference), so
+        the results and the block are not both held whole."""
         scope = self.scope
         out = torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
-        for i, t in enumerate(tensors):
+        tensors = list(tensors)
+        for i in range(len(tensors)):
+            t, tensors[i] = tensors[i], None
             if t is None:
                 continue
             a, b = scope.offsets[i], scope.offsets[i + 1]
             out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
+            del t
         return out
 
     # ----------------------------------------------------------------- the pass over the data
@@ -401,6 +412,8 @@ class CurvatureEngine:
         has raised (then for the rest of this pass's life).
         """
         k = V.shape[1]
+        if k == 1:  # one column: its products are the blocks (no zeroed copies to fill)
+            return list(batch_product(graph, V, False))
         blocks = [torch.zeros_like(V) for _ in range(count)]
         for start in range(0, k, self.vectorize):
             cols = slice(start, min(k, start + self.vectorize))
@@ -456,7 +469,7 @@ class CurvatureEngine:
         """
         squeeze = V.dim() == 1
         V = self._as_block(V)
-        totals = [torch.zeros_like(V) for _ in parts]
+        totals: list[torch.Tensor] | None = None  # the first batch's blocks, then the sums
         for index, graph in self._graphs():
             if view is not None:
                 graph = view(graph)
@@ -465,8 +478,14 @@ class CurvatureEngine:
             blocks = self._batch_blocks(graph, V, batch_product, len(parts))
             for part, block in zip(parts, blocks):
                 self._check_finite(block, part, operator, index)
+            if totals is None:
+                totals = blocks
+                continue
             for total, block in zip(totals, blocks):
                 total += block
+            del blocks  # at 124M parameters each block is 0.5 GB
+        if totals is None:
+            totals = [torch.zeros_like(V) for _ in parts]
         for total in totals:
             all_reduce_sum(total)
         return tuple(total[:, 0] if squeeze else total for total in totals)

@@ -39,7 +39,7 @@ import torch
 
 from sharpcli.errors import UsageError
 
-__all__ = ["CHUNK_BYTES", "SLICE_BYTES", "KrylovBasis"]
+__all__ = ["CHUNK_BYTES", "SLICE_BYTES", "KrylovBasis", "norm64"]
 
 _F64 = torch.float64
 CHUNK_BYTES = 64 << 20  # rows allocated together (one row at least)
@@ -51,6 +51,21 @@ _IO_BYTES = 1 << 30  # one read or write call at most (Linux caps one call near 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == _F64 else t.to(_F64)
+
+
+def norm64(x: torch.Tensor) -> float:
+    """``||x||`` summed in float64 a slice at a time (``torch.linalg.vector_norm(x,
+    dtype=float64)`` makes a whole float64 copy of ``x`` first: 1 GB at 124M parameters);
+    NaN or Inf when an entry is."""
+    flat = x.reshape(-1)
+    if flat.dtype == _F64:
+        return float(torch.linalg.vector_norm(flat))
+    step = max(1, SLICE_BYTES // 8)
+    total = 0.0
+    for a in range(0, flat.numel(), step):
+        piece = flat[a : a + step].to(_F64)
+        total += float(piece @ piece)
+    return total**0.5
 
 
 def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
@@ -313,10 +328,10 @@ class KrylovBasis:
         """
         if self._size == 0:
             return w
-        norm = float(torch.linalg.vector_norm(w, dtype=_F64))
+        norm = norm64(w)
         for _ in range(passes):
             self.subtract(w, self.coefficients(w))
-            after = float(torch.linalg.vector_norm(w, dtype=_F64))
+            after = norm64(w)
             if after >= REPEAT_BELOW * norm:
                 break
             norm = after

@@ -103,7 +103,7 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.curvature.data import subsample_data
-from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis
+from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis, norm64
 from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import NumericalError, UsageError
@@ -233,7 +233,7 @@ def apply_operator(
     out = op.matvec(X) if X.dim() == 1 else op.matmat(X)
     del X
     # a float64 norm is finite exactly when every entry is (no P-sized mask at 124M params)
-    if not bool(torch.isfinite(torch.linalg.vector_norm(out, dtype=_F64))):
+    if not math.isfinite(norm64(out)):
         raise NumericalError(
             f"{getattr(op, 'name', 'operator')} product is not finite{where}", source=source
         )
@@ -270,7 +270,7 @@ def _lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], ste
         if value != 0.0:
             basis.axpy(w, i, value)
     basis.orthogonalize(w)
-    return alpha, float(torch.linalg.vector_norm(w, dtype=_F64)), w
+    return alpha, norm64(w), w
 
 
 def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
