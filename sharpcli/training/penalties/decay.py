@@ -54,10 +54,15 @@ class Dropout(Regularizer):
 
 
 class WeightDecay(Penalty):
-    """``wd:sigma``: ``P = sigma^2/2 ||theta||^2`` over all trainable parameters ([AD] section 2.3).
+    """``wd:sigma``: weight decay over all trainable parameters ([AD] section 2.3).
 
-    Value and gradient ``sigma^2 theta`` are closed-form (no backward pass: 0 extra
-    evaluations). Default ``sigma = 1e-3``, the best weight-decay strength of AD Fig. 2.
+    .. math:: P(\\theta) = \\frac{\\sigma^2}{2} \\|\\theta\\|^2, \\qquad
+              \\nabla P = \\sigma^2 \\theta
+
+    Value and gradient are closed-form (no backward pass: 0 extra evaluations).
+
+    Args (hyper-parameters):
+        sigma: smoothing scale (default 1e-3, the best weight-decay strength of AD Fig. 2).
     """
 
     name = "wd"
@@ -81,10 +86,12 @@ class WeightDecay(Penalty):
 
 
 class ActivationDecay(Penalty):
-    """``ad:sigma``: ``P = sigma^2/2 * (1/B) sum_b ||h_b||^2``, ``h`` the penultimate activation.
+    """``ad:sigma``: activation decay, ``h`` the penultimate activation ([AD] Theorem 2).
 
-    [AD] Theorem 2: Gaussian noise ``N(0, sigma^2 I)`` on the final weight matrix smooths
-    cross-entropy to at most ``CE + sigma^2/2 ||h^(L-1)||^2``. ``h`` is the input of the
+    .. math:: P(\\theta) = \\frac{\\sigma^2}{2} \\frac1B \\sum_{b=1}^B \\|h_b\\|^2
+
+    Gaussian noise :math:`N(0, \\sigma^2 I)` on the final weight matrix smooths
+    cross-entropy to at most :math:`CE + \\sigma^2/2\\, \\|h^{(L-1)}\\|^2`. ``h`` is the input of the
     last ``nn.Linear`` in ``model.named_modules()``: in ``mlp`` the last hidden activation;
     in the conv nets only the flattened (pooled) features entering the head, so on a conv
     net it acts on that one representation, not on the convolutional layers (which the
@@ -100,6 +107,9 @@ class ActivationDecay(Penalty):
     ``w_it = 1/n_i`` on its ``n_i`` labelled positions, so the bound applies per position
     and ``P = sigma^2/2 * (1/B) sum_i sum_t w_it ||h_it||^2``: unlabelled positions (``-100``)
     are not penalised, as they are not in the loss.
+
+    Args (hyper-parameters):
+        sigma: weight-noise scale of the final layer (default 0.1).
     """
 
     name = "ad"

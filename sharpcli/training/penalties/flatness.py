@@ -34,8 +34,7 @@ def auto_step_length(params: Sequence[torch.Tensor]) -> float:
     :math:`u` the unit roundoff of their dtype (``torch.finfo(dtype).eps``): :math:`\\eta` =
     3.1e-3 in float32, 2.0e-5 in float64. :math:`u^{1/4}` balances the :math:`O(h^2)`
     truncation of a central second difference against its rounding error
-    :math:`\\sim u \\|\\nabla L\\| / h^2`; the factor 1/6 was tuned on the built-in GELU MLPs
-    (docs/benchmarks.md).
+    :math:`\\sim u \\|\\nabla L\\| / h^2`; the factor 1/6 was tuned on the built-in GELU MLPs.
 
     Args:
         params: The trainable parameters.
@@ -130,7 +129,7 @@ class FiniteDifferenceFlatnessAware(FlatnessAware, mode="fd"):
     dropout masks and BatchNorm state, the probe drawn after the clean pass: 1 + 2 + 4 = 7
     gradient evaluations, 2 for the value alone; truncation :math:`O(h^2)`, rounding
     :math:`\\sim u \\|g\\| / h^2`. On ReLU/max-pool nets the differences cross kinks: there it
-    is a different, step-dependent regularizer (docs/benchmarks.md).
+    is a different, step-dependent regularizer.
     """
 
     data_parallel = FlatnessAware.data_parallel  # stated per class (data_parallel_refusal)

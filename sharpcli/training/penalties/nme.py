@@ -153,8 +153,7 @@ class HessianTrace(Penalty):
     eq. 4 has :math:`\\sigma^2/2\\, \\mathrm{tr}(H)`, [NME] eq. 17/19 write it without the 1/2).
     ``mode`` picks the class: :class:`ExactHessianTrace` (autograd Hessian, zero at ReLU kinks)
     or :class:`FiniteDifferenceHessianTrace` (a curvature smoothed over ``eps``: on
-    piecewise-linear nets a different regularizer, see docs/benchmarks.md for how the two
-    compare there and how accurate fd is on smooth nets).
+    piecewise-linear nets a different regularizer).
 
     Args (hyper-parameters):
         sigma2: penalty strength, the noise variance (default 0.01).

@@ -35,8 +35,12 @@ _REPORT = HyperParam(
 
 
 class WeightNoise(Oracle):
-    """``weight-noise:sigma,report``: gradient of O at ``theta + U``, ``U ~ N(0, sigma^2 I)``,
-    applied at theta (WP-SGD, [NSO] section 2.1; ``E_U[L(theta+U)] ~ L + sigma^2/2 tr(H)``:
+    """``weight-noise:sigma,report``: WP-SGD ([NSO] section 2.1), the gradient at noisy weights.
+
+    .. math:: g = \\nabla O(\\theta + U), \\quad U \\sim N(0, \\sigma^2 I), \\qquad
+              E_U\\, L(\\theta + U) \\approx L + \\frac{\\sigma^2}{2} \\mathrm{tr}(H)
+
+    applied at theta (the expansion:
     [NSO] eq. 4, [NME] eq. 17, written there without the 1/2, and its Gauss-Newton/NME
     split, eq. 19). So ``weight-noise:sigma=s`` corresponds to second order to
     ``hessian-trace:sigma2=s^2/2`` (and its Gauss-Newton part to ``gn-trace:sigma2=s^2/2``),
@@ -54,7 +58,9 @@ class WeightNoise(Oracle):
       ``torch.no_grad()`` (0 evaluations, about a third of a plain step) unless a
       gradient-based penalty needs autograd for its value.
 
-    Default ``sigma = 0.01``.
+    Args (hyper-parameters):
+        sigma: noise standard deviation (default 0.01).
+        report: ``perturbed`` (default) or ``clean``.
     """
 
     name = "weight-noise"
@@ -87,8 +93,10 @@ class WeightNoise(Oracle):
 class NSO(Oracle):
     """``nso:sigma,k,report``: noise stability optimization, [NSO] Algorithm 1 / section 2.2.
 
-    Returns ``(1/2k) sum_{j=1..k} [grad O(theta + U_j) + grad O(theta - U_j)]`` with
-    ``U_j ~ N(0, sigma^2 I)`` independent, one global ``sigma`` on every trainable
+    .. math:: g = \\frac{1}{2k} \\sum_{j=1}^k \\big[\\nabla O(\\theta + U_j)
+              + \\nabla O(\\theta - U_j)\\big], \\quad U_j \\sim N(0, \\sigma^2 I)
+
+    with the :math:`U_j` independent, one global ``sigma`` on every trainable
     parameter (the authors' code). The two-point average cancels the first-order term of
     the perturbation, leaving ``grad [L + sigma^2/2 tr(H)]`` to second order (NSO eq. 4).
     The clean gradient is not used. ``U_j`` drawn with
@@ -102,7 +110,10 @@ class NSO(Oracle):
       no-grad forward at theta runs first so the running statistics are those of theta.
     - ``report=clean``: a clean forward at theta reports ``L(theta)`` (as ``weight-noise``).
 
-    Defaults ``sigma = 0.01``, ``k = 1``.
+    Args (hyper-parameters):
+        sigma: noise standard deviation (default 0.01).
+        k: number of noise pairs per step (default 1).
+        report: ``perturbed`` (default) or ``clean``.
     """
 
     name = "nso"

@@ -56,10 +56,15 @@ def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
 
 
 class SAM(_AscentOracle):
-    """``sam:rho``: ``e = rho g/||g||`` (global norm over all trainable parameters), [SAM] as
-    written in [NME] eq. 42.
+    """``sam:rho``: sharpness-aware minimization [SAM] as written in [NME] eq. 42.
 
-    ``e = 0`` when ``g = 0``. Default ``rho = 0.05`` ([SAM]). 2 evaluations.
+    .. math:: e = \\rho \\frac{g}{\\|g\\|}, \\qquad \\text{gradient } \\nabla O(\\theta + e)
+
+    The norm is global over all trainable parameters; ``e = 0`` when ``g = 0``.
+    2 gradient evaluations.
+
+    Args (hyper-parameters):
+        rho: radius of the ascent step (default 0.05, [SAM]).
     """
 
     name = "sam"
@@ -74,9 +79,14 @@ class SAM(_AscentOracle):
 
 
 class USAM(_AscentOracle):
-    """``usam:rho``: unnormalised SAM [USAM], ``e = rho g`` ([NME] eq. 43).
+    """``usam:rho``: unnormalised SAM [USAM] ([NME] eq. 43).
 
-    Default ``rho = 0.05``. 2 evaluations.
+    .. math:: e = \\rho\\, g, \\qquad \\text{gradient } \\nabla O(\\theta + e)
+
+    2 gradient evaluations.
+
+    Args (hyper-parameters):
+        rho: scale of the ascent step (default 0.05).
     """
 
     name = "usam"
@@ -90,7 +100,9 @@ class USAM(_AscentOracle):
 
 
 class ASAM(_AscentOracle):
-    """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021), ``e = rho T^2 g / ||T g||``.
+    """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021).
+
+    .. math:: e = \\rho \\frac{T^2 g}{\\|T g\\|}, \\qquad T = \\mathrm{diag}(|w| + \\eta)
 
     [AD] Table 1 trains it alone and combined with ``ad``. ``T = diag(|w| + eta)`` on weights
     (parameters with ``dim > 1``) and ``T = I`` on the others (biases, normalisation scales),
