@@ -21,7 +21,7 @@ from sharpcli.registry import Registry
 
 # ---------------------------------------------------------------------------- closed sets
 Split = Literal["train", "test"]  # sharpcli.io.datasets_common.SPLITS
-Dtype = Literal["float32", "float64"]  # sharpcli.session.DTYPES
+Dtype = Literal["float32", "float64"]  # sharpcli.preflight.DTYPES
 Which = Literal["largest", "smallest", "both"]  # sharpcli.curvature.lanczos.WHICH
 Method = Literal["lanczos", "power"]  # sharpcli.analyses.spectrum.METHODS
 Estimator = Literal[catalogue.ESTIMATORS.builtin_names()]  # type: ignore[valid-type]

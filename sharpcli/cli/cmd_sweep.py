@@ -26,11 +26,9 @@ def _train_config(
     sets,
     device="cpu",
 ):
-    from sharpcli.training.loop import OPTION_OF, TrainConfig, validate_config
+    from sharpcli.training.loop import OPTION_OF, TrainConfig, config_from_options, validate_config
 
-    for option, value in (("--depth", depth), ("--width", width)):
-        common.require(value is None or value >= 1, "must be at least 1", option)
-    cfg = TrainConfig(
+    cfg = config_from_options(
         model=model,
         data=data,
         epochs=epochs,
@@ -40,10 +38,10 @@ def _train_config(
         schedule=schedule,
         dtype=dtype,
         device=device,
+        width=width,
+        depth=depth,
+        activation=activation,
     )
-    for key, value in (("width", width), ("depth", depth), ("activation", activation)):
-        if value is not None:
-            cfg.model_args[key] = value
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"regs", "seed"}
     given = {}
     for item in sets or []:
@@ -272,7 +270,7 @@ def sweep_command(
             "metrics": metrics,
             "out_dir": out_dir,
             "max_runs": max_runs,
-            "train": dataclasses.asdict(cfg),
+            "train": cfg.to_dict(),
         }
         results = {
             "runs": result.runs,

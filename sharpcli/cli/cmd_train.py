@@ -243,31 +243,25 @@ def train_command(
     """Train a model, optionally under sharpness regularizers; write a checkpoint."""
 
     def body() -> common.Outcome:
-        from sharpcli.training.loop import TrainConfig, train, train_report
+        from sharpcli.training.loop import config_from_options, train, train_report
 
         common.check_output(plot)
-        for option, value in (("--depth", depth), ("--width", width)):
-            common.require(value is None or value >= 1, "must be at least 1", option)
         margs = common.parse_json_option(model_args, "--model-args") or {}
         if per_sample_norm:
             margs["per_sample_norm"] = True
-        for key, value in (
-            ("depth", depth),
-            ("width", width),
-            ("activation", activation),
-            ("mask_ratio", mask_ratio),
-        ):
-            if value is not None:
-                margs[key] = value
         tracked = [t.strip() for t in track.split(",") if t.strip()] if track else []
         if model_factory is not None and model != "mlp":
             raise common.UsageError("give --model or --model-factory, not both", source="--model")
-        cfg = TrainConfig(
+        cfg = config_from_options(
             model=model,
             model_factory=model_factory,
             output=output,
             penultimate=penultimate,
             model_args=margs,
+            depth=depth,
+            width=width,
+            activation=activation,
+            mask_ratio=mask_ratio,
             data=_data_spec(data, x_key, y_key, shift_labels),
             label_column=label_column,
             epochs=epochs,

@@ -22,7 +22,6 @@ the activation-decay paper's Fig. 2 and the flatness-aware paper's table do.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -100,20 +99,20 @@ def run_key(cfg) -> str:
     file replaced under the same path keeps its runs' keys.
     """
     from sharpcli.io.datasets import parse_data_spec
-    from sharpcli.training.regularizers import parse_reg
 
-    config = dataclasses.asdict(cfg)
+    config = cfg.to_dict()
     config["data"] = parse_data_spec(cfg.data, label_column=cfg.label_column)
-    config["regs"] = [parse_reg(r).spec() for r in cfg.regs]
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _run_config(base, reg: str, point: dict, seed: int, extra_regs):
     """The training configuration of one run: ``base`` with its seed and regularizers."""
+    from sharpcli.training.regularizers import parse_regs
+
     cfg = copy.deepcopy(base)
     cfg.seed = seed
-    cfg.regs = [_reg_spec(reg, point), *extra_regs]
+    cfg.regs = parse_regs([_reg_spec(reg, point), *extra_regs])
     return cfg
 
 
@@ -302,7 +301,7 @@ def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
             "command": "train",
             "version": __version__,
             "error": exc.to_json(),
-            "sweep": {"run": name, "regs": cfg.regs, "seed": cfg.seed},
+            "sweep": {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
         }
         with publication(own=True):
             write_text_atomic(files.diverged_json, dumps(record))

@@ -1,0 +1,269 @@
+"""The base classes of the regularizers of ``sharp train``: hyper-parameters, modes, kinds.
+
+A :class:`Regularizer` is a name, typed hyper-parameters (:class:`HyperParam`) and a kind:
+``"none"``, ``"model"`` (changes the model's construction), ``"penalty"`` (an additive
+:class:`Penalty` declaring its :class:`~sharpcli.training.engine.PenaltyNeeds`) or
+``"oracle"`` (an :class:`Oracle` returning the gradient at perturbed weights). A regularizer
+whose ``mode`` hyper-parameter selects different computations is a family: one class per mode
+(``class Exact(Family, mode="exact")``), picked when the regularizer is parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from sharpcli.errors import UsageError
+from sharpcli.registry import Param, format_value
+from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
+
+__all__ = [
+    "MODE",
+    "HyperParam",
+    "Regularizer",
+    "Penalty",
+    "PenaltyNeeds",
+    "Oracle",
+    "central_gradients",
+]
+
+# The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
+_PARAMETER = "regs"
+# the hyper-parameter whose value picks the class of a regularizer with modes
+MODE = "mode"
+
+
+# --------------------------------------------------------------------------- hyper-parameters
+# One typed parameter (sharpcli.registry.Param): name, type, default, range, description.
+HyperParam = Param
+_format_value = format_value
+
+
+# --------------------------------------------------------------------------- base classes
+class Regularizer:
+    """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
+
+    A registered class carries everything about itself (:func:`register` checks it):
+
+    - ``name``: what ``--reg`` calls it; ``kind``: ``"none"``, ``"model"``, ``"penalty"``
+      (subclass :class:`Penalty`) or ``"oracle"`` (subclass :class:`Oracle`);
+    - ``HYPERPARAMS``: the hyper-parameters with defaults, in documented positional order;
+    - ``summary``: one line for ``--help``; the class docstring: the formula, the paper
+      key (NME, NSO, AD, FA, MAN, SAM, ASAM) and the cost in gradient evaluations;
+    - ``data_parallel``: ``None`` when the row-weighted average of per-rank gradients
+      (``sharpcli.training.loop.data_parallel_step``) is the gradient of the global batch,
+      otherwise the reason it is not, which the refusal under torchrun quotes. Every
+      registered class states it in its own body, never by inheritance: a new SAM variant
+      that inherited "exact" would silently run as local SAM;
+    - ``needs_penultimate``: whether it needs the input of the final ``nn.Linear``;
+    - :meth:`model_args`: what it changes in the model's construction.
+
+    ``params`` maps each hyper-parameter name to its value (JSON-serialisable); ``spec()``
+    is the canonical ``name:k=v,...`` that :func:`parse_reg` accepts again.
+    """
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # "none", "model", "penalty" or "oracle"
+    HYPERPARAMS: ClassVar[tuple[HyperParam, ...]] = ()
+    summary: ClassVar[str] = ""
+    needs_penultimate: ClassVar[bool] = False  # needs the input of the final nn.Linear
+    # Deliberately no default (see the class docstring); :func:`register` refuses a class
+    # whose own body does not set it.
+    data_parallel: ClassVar[str | None]
+    # the mode this class computes, for a class made with ``mode=NAME`` (see __init_subclass__)
+    mode: ClassVar[str | None] = None
+    _modes: ClassVar[dict[str, type[Regularizer]]] = {}
+
+    def __init_subclass__(cls, mode: str | None = None, **kwargs: Any) -> None:
+        """Register a class made with ``mode=NAME`` as that mode of its parent (a family whose
+        ``mode`` hyper-parameter picks the class at parse time); any other subclass starts a
+        family of its own."""
+        super().__init_subclass__(**kwargs)
+        if mode is None:
+            cls._modes = {}
+        else:
+            cls.mode = mode
+            cls._modes[mode] = cls
+
+    def __new__(cls, **params: Any) -> Regularizer:
+        """An instance of the class of the ``mode`` given in ``params`` (or its default) when
+        ``cls`` is a family with modes, else of ``cls`` itself. A ``mode`` that does not
+        convert leaves ``cls``, whose ``__init__`` reports it in hyper-parameter order."""
+        chosen = cls
+        if cls.mode is None and cls._modes:
+            chosen = cls._modes.get(cls._given_mode(params), cls)
+        return super().__new__(chosen)
+
+    @classmethod
+    def _given_mode(cls, params: dict[str, Any]) -> str | None:
+        """The converted value of the ``mode`` hyper-parameter in ``params``, None if invalid."""
+        (spec,) = [h for h in cls.HYPERPARAMS if h.name == MODE]
+        value = params.get(MODE, spec.default)
+        try:
+            return spec.convert(
+                cls.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
+            )
+        except UsageError:
+            return None
+
+    def __init__(self, **params: Any):
+        known = {h.name: h for h in self.HYPERPARAMS}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise UsageError(
+                f"{self.name}: unknown hyper-parameter {unknown[0]!r}; accepted: {_accepted_params(self)}",
+                source=_PARAMETER,
+            )
+        self.params: dict[str, Any] = {}
+        for h in self.HYPERPARAMS:
+            value = params.get(h.name, h.default)
+            self.params[h.name] = h.convert(
+                self.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
+            )
+        if self._modes and self.mode is None:
+            raise TypeError(f"{self.name}: no class computes mode {self.params[MODE]!r}")
+        if self.mode is not None and self.params[MODE] != self.mode:
+            raise TypeError(
+                f"{type(self).__name__} computes {self.name} mode={self.mode}, "
+                f"not mode={self.params[MODE]}"
+            )
+
+    def model_args(self) -> dict[str, Any]:
+        """Model-construction arguments this regularizer implies (none unless ``kind == "model"``)."""
+        return {}
+
+    def describe_mode(self) -> str | None:
+        """What the selected ``mode`` computes, for a regularizer whose modes are different
+        computations (``gp``, ``hessian-trace``, ``fa``); None for the others."""
+        return None
+
+    def run_record(self) -> dict[str, Any]:
+        """What ran, for the train report and checkpoint metadata: ``spec`` (canonical),
+        ``kind`` and ``computes`` (:meth:`describe_mode`, else the one-line summary)."""
+        return {
+            "spec": self.spec(),
+            "kind": self.kind,
+            "computes": self.describe_mode() or self.summary,
+        }
+
+    def spec(self) -> str:
+        """Canonical text form ``name:k=v,...`` (``name`` alone without hyper-parameters)."""
+        if not self.params:
+            return self.name
+        body = ",".join(f"{k}={_format_value(v)}" for k, v in self.params.items())
+        return f"{self.name}:{body}"
+
+    def __repr__(self) -> str:
+        return f"Regularizer({self.spec()!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Regularizer) and self.spec() == other.spec()
+
+    def __hash__(self) -> int:
+        return hash(self.spec())
+
+
+def _accepted_params(reg: type[Regularizer] | Regularizer) -> str:
+    if not reg.HYPERPARAMS:
+        return "(none)"
+    return ", ".join(h.name for h in reg.HYPERPARAMS)
+
+
+class Penalty(Regularizer):
+    """An additive penalty :math:`P(\\theta)`: its value enters the objective and its gradient
+    the step's gradient.
+
+    What it needs from the step is its class's :class:`PenaltyNeeds` record ``needs`` (one per
+    class: a regularizer whose modes compute differently has one class per mode). The engine
+    (:class:`sharpcli.training.engine.StepEngine`) calls :meth:`term` for the value (unless
+    ``needs.deferred_value``), differentiates a value returned with a graph, adds
+    :meth:`analytic_grad`, and runs :meth:`extra_passes` after the pass when
+    ``needs.extra_passes``.
+    """
+
+    kind = "penalty"
+    needs: ClassVar[PenaltyNeeds] = PenaltyNeeds()
+
+    def term(self, ctx: PassContext) -> torch.Tensor:
+        """The penalty's value at the current weights.
+
+        Args:
+            ctx: The pass: logits, loss, penultimate activation, ``grad L``, generator.
+
+        Returns:
+            A 0-dim tensor, with an autograd graph when its gradient comes from autograd.
+        """
+        raise TypeError(
+            f"{type(self).__name__} is a penalty without a term(); define term() or extra_passes()"
+        )
+
+    def analytic_grad(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """A closed-form gradient of a term returned without a graph.
+
+        Args:
+            params: The trainable parameters, in the step's order.
+
+        Returns:
+            One tensor per parameter, or None when the gradient comes from elsewhere.
+        """
+        return None
+
+    def extra_passes(
+        self, engine: StepEngine, ctx: PassContext, want_grad: bool
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """Value and/or gradient from passes run after the pass (``needs.extra_passes``).
+
+        Args:
+            engine: The step's engine (``perturbed``, ``loss_gradient``).
+            ctx: The pass just closed.
+            want_grad: Whether the step differentiates the objective.
+
+        Returns:
+            ``(value or None, gradient list or None)``.
+        """
+        raise TypeError(f"{type(self).__name__} needs extra passes but defines no extra_passes()")
+
+
+class Oracle(Regularizer):
+    """A perturbation oracle: returns the gradient of the objective at perturbed weights.
+
+    ``gradient(engine) -> (clean PassResult at theta, gradient list)``.
+    """
+
+    kind = "oracle"
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        """The reported pass and the gradient of the objective at perturbed weights.
+
+        Args:
+            engine: The step's engine.
+
+        Returns:
+            ``(reported PassResult, one gradient tensor per trainable parameter)``.
+        """
+        raise TypeError(f"{type(self).__name__} is an oracle without gradient()")
+
+
+def central_gradients(
+    engine: StepEngine, step: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``grad L`` on both sides of the current weights, for a central finite difference.
+
+    .. math:: g_\\pm = \\nabla L(\\theta \\pm \\delta)
+
+    Each is an extra pass of the step (1 gradient evaluation, at the clean pass's dropout
+    masks and BatchNorm state); the weights are restored by copy after each.
+
+    Args:
+        engine: The step's engine.
+        step: The displacement :math:`\\delta`, one tensor per trainable parameter.
+
+    Returns:
+        ``(g_plus, g_minus)``.
+    """
+    with engine.perturbed(step):
+        plus = engine.loss_gradient()
+    with engine.perturbed(step, sign=-1.0):
+        minus = engine.loss_gradient()
+    return plus, minus

@@ -1,0 +1,134 @@
+"""The sharpness-aware oracles: SAM [SAM], unnormalised SAM [USAM] and adaptive SAM [ASAM].
+
+Each returns the gradient of the objective at :math:`\\theta + e(g)`, :math:`g` the clean
+gradient, as [NME] App. B eq. 42-43 write them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sharpcli.training.draws import global_norm
+from sharpcli.training.engine import PassResult, StepEngine
+from sharpcli.training.penalties.base import HyperParam, Oracle
+
+__all__ = ["SAM", "USAM", "ASAM"]
+
+
+class _AscentOracle(Oracle):
+    """Two-step sharpness-aware oracle: clean gradient ``g = grad O(theta)``, perturbation
+    ``e(g)``, returned gradient ``grad O(theta + e)`` ([NME] App. B eq. 42-43).
+
+    2 x (evaluations of one objective gradient): **2** with no penalty.
+    """
+
+    def perturbation(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The ascent step :math:`e(g)`.
+
+        Args:
+            params: The weights (detached), in the step's order.
+            grads: The clean gradient :math:`g`, one tensor per parameter.
+
+        Returns:
+            One perturbation tensor per parameter.
+        """
+        raise TypeError(f"{type(self).__name__} defines no perturbation()")
+
+    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+        """The clean pass and the gradient at :math:`\\theta + e(g)`."""
+        clean = engine.evaluate(want_grad=True)
+        deltas = self.perturbation(engine.weights, clean.grads)
+        with engine.perturbed(deltas):
+            at_perturbed = engine.evaluate(want_grad=True)
+        return clean, at_perturbed.grads
+
+
+def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
+    """``rho / max(norm, tiny)`` as a 0-dim tensor (``tiny`` the smallest normal number of
+    its dtype, 1.2e-38 in float32): ``rho / norm`` for every norm above it, and a zero
+    perturbation when ``norm == 0`` (every entry is then 0), without reading the norm back
+    to the host. A NaN norm stays NaN (the step's finiteness check reports it)."""
+    return rho / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+
+
+class SAM(_AscentOracle):
+    """``sam:rho``: sharpness-aware minimization [SAM] as written in [NME] eq. 42.
+
+    .. math:: e = \\rho \\frac{g}{\\|g\\|}, \\qquad \\text{gradient } \\nabla O(\\theta + e)
+
+    The norm is global over all trainable parameters; ``e = 0`` when ``g = 0``.
+    2 gradient evaluations.
+
+    Args (hyper-parameters):
+        rho: radius of the ascent step (default 0.05, [SAM]).
+    """
+
+    name = "sam"
+    summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
+    # Per-rank ascent steps ("local SAM") would be a different algorithm.
+    data_parallel = "its ascent step needs the global gradient norm before the second pass"
+
+    def perturbation(self, params, grads):
+        """:math:`\\rho g / \\|g\\|`."""
+        return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
+
+
+class USAM(_AscentOracle):
+    """``usam:rho``: unnormalised SAM [USAM] ([NME] eq. 43).
+
+    .. math:: e = \\rho\\, g, \\qquad \\text{gradient } \\nabla O(\\theta + e)
+
+    2 gradient evaluations.
+
+    Args (hyper-parameters):
+        rho: scale of the ascent step (default 0.05).
+    """
+
+    name = "usam"
+    summary = "gradient at theta + rho g (NME App. B eq. 43)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
+    data_parallel = "its ascent step needs the global gradient before the second pass"
+
+    def perturbation(self, params, grads):
+        """:math:`\\rho g`."""
+        return [self.params["rho"] * g for g in grads]
+
+
+class ASAM(_AscentOracle):
+    """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021).
+
+    .. math:: e = \\rho \\frac{T^2 g}{\\|T g\\|}, \\qquad T = \\mathrm{diag}(|w| + \\eta)
+
+    [AD] Table 1 trains it alone and combined with ``ad``. ``T = diag(|w| + eta)`` on weights
+    (parameters with ``dim > 1``) and ``T = I`` on the others (biases, normalisation scales),
+    following ASAM's reference code (whose bias handling applies a single factor; here
+    ``T = I`` on them throughout).
+    With ``eta = 0`` zero weights are never perturbed. ``e = 0`` when ``T g = 0``.
+    Defaults ``rho = 0.5`` (ASAM's recommended radius), ``eta = 0.01``. 2 evaluations.
+    """
+
+    name = "asam"
+    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)"
+    HYPERPARAMS = (
+        HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
+        HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
+    )
+    data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
+
+    def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""
+        return [p.abs() + self.params["eta"] if p.dim() > 1 else None for p in params]
+
+    def perturbation(self, params, grads):
+        """:math:`\\rho T^2 g / \\|T g\\|`."""
+        scales = self.scales(params)
+        scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
+        factor = _radius_over(self.params["rho"], global_norm(scaled))
+        return torch._foreach_mul(
+            [s if t is None else t * s for t, s in zip(scales, scaled)], factor
+        )
