@@ -584,6 +584,58 @@ def _start_vector(op, start, warm_start, k, which, generator, fraction, steps, s
     return q / torch.linalg.vector_norm(q), warm_info
 
 
+def _plan_basis(op, wanted: int, returned: int, max_matvecs, max_basis):
+    """``(room, held, scratch, limit)`` of a :func:`lanczos` run: the basis rows it may keep,
+    the bytes it holds in memory, its scratch folder (None: in memory) and its product budget.
+
+    A thick restart keeps the ``wanted`` Ritz vectors and needs room for two more; UsageError
+    on ``max_matvecs`` / ``max_basis`` below 1 or a ``max_basis`` too small to restart.
+    """
+    dim = op.shape[0]
+    if max_matvecs is not None and int(max_matvecs) < 1:
+        raise UsageError(f"max matvecs must be >= 1, got {max_matvecs}", source="max_matvecs")
+    if max_basis is not None and int(max_basis) < 1:
+        raise UsageError(f"max basis must be >= 1, got {max_basis}", source="max_basis")
+    budget = int(max_matvecs) if max_matvecs is not None else DEFAULT_MAX_MATVECS
+    room, held, scratch = _basis_room(
+        op,
+        min(dim, budget),
+        extra_vectors=returned,
+        minimum=min(dim, budget, wanted + 2),
+        lower="lower `top_k`, `batch_size` or `cache_mb`",
+    )
+    if max_basis is not None:
+        room = min(room, int(max_basis))
+    restarting = room < min(dim, budget)
+    limit = budget if restarting else min(dim, budget)  # products; restarts may pass dim
+    if restarting and room < wanted + 2:
+        raise UsageError(
+            f"a thick restart keeps the {wanted} wanted Ritz vectors and needs room for two "
+            f"more, but `max_basis` is {room}; raise it or lower `top_k`",
+            source="max_basis",
+        )
+    if restarting and max_basis is None:
+        memory.current().note(
+            f"Krylov basis limited to {room} vectors by the memory plan: thick-restarted Lanczos"
+        )
+    return room, held, scratch, limit
+
+
+def _stop_notes(state: dict, limit: int, room: int) -> list[str]:
+    """The notes on how a run stopped: its product budget spent, its restarts."""
+    notes = []
+    if not state["converged"].all() and state["matvecs"] >= limit and not state["complete"]:
+        notes.append(
+            f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged"
+        )
+    if state["restarts"]:
+        notes.append(
+            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory plan), "
+            f"{state['restarts']} restart(s)"
+        )
+    return notes
+
+
 def lanczos(
     op,
     k: int = 1,
@@ -624,39 +676,13 @@ def lanczos(
     """
     _check_args(op, k, which, tol)
     dim = op.shape[0]
-    if max_matvecs is not None and int(max_matvecs) < 1:
-        raise UsageError(f"max matvecs must be >= 1, got {max_matvecs}", source="max_matvecs")
-    if max_basis is not None and int(max_basis) < 1:
-        raise UsageError(f"max basis must be >= 1, got {max_basis}", source="max_basis")
     if explicit_residuals is None:
         explicit_residuals = op.dtype != _F64
-    budget = int(max_matvecs) if max_matvecs is not None else DEFAULT_MAX_MATVECS
     want = min(int(k), dim)
     wanted = min(dim, want * (2 if which == "both" else 1))
     returned = wanted if (return_eigenvectors or explicit_residuals) else 0
-    # a thick restart keeps the wanted Ritz vectors and needs room for at least two more
-    room, held, scratch = _basis_room(
-        op,
-        min(dim, budget),
-        extra_vectors=returned,
-        minimum=min(dim, budget, wanted + 2),
-        lower="lower `top_k`, `batch_size` or `cache_mb`",
-    )
-    if max_basis is not None:
-        room = min(room, int(max_basis))
-    restarting = room < min(dim, budget)
-    limit = budget if restarting else min(dim, budget)  # products; restarts may pass dim
-    if restarting and room < wanted + 2:
-        raise UsageError(
-            f"a thick restart keeps the {wanted} wanted Ritz vectors and needs room for two "
-            f"more, but `max_basis` is {room}; raise it or lower `top_k`",
-            source="max_basis",
-        )
+    room, held, scratch, limit = _plan_basis(op, wanted, returned, max_matvecs, max_basis)
     plan = memory.current()
-    if restarting and max_basis is None:
-        plan.note(
-            f"Krylov basis limited to {room} vectors by the memory plan: thick-restarted Lanczos"
-        )
     generator = torch.Generator().manual_seed(int(seed))
     eps = torch.finfo(op.dtype).eps  # rounding level of the products, not of the recurrence
     q, warm_info = _start_vector(
@@ -679,15 +705,7 @@ def lanczos(
     )
     exact_level, matvecs, basis = state["exact_level"], state["matvecs"], state["basis"]
     m = len(basis)
-    if not converged.all() and matvecs >= limit and not state["complete"]:
-        notes.append(
-            f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged"
-        )
-    if state["restarts"]:
-        notes.append(
-            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory plan), "
-            f"{state['restarts']} restart(s)"
-        )
+    notes += _stop_notes(state, limit, room)
     values = theta[idx]
     vectors = None
     if return_eigenvectors or explicit_residuals:
