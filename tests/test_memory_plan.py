@@ -198,6 +198,24 @@ def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, mon
     np.testing.assert_allclose(spilled.eigenvalues, dense.flip(0)[:3].numpy(), rtol=1e-8)
 
 
+def test_slq_out_of_core_gives_the_same_quadrature(tmp_path, monkeypatch):
+    from sharpcli.curvature.lanczos import lanczos_tridiagonal
+
+    lanczos_module = importlib.import_module("sharpcli.curvature.lanczos")
+    op, _ = _spectrum_operator()
+    start = torch.randn(120, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("SHARP_SCRATCH", "off")
+    a1, b1, q1 = lanczos_tridiagonal(op, start, 20, keep_basis=True)
+    monkeypatch.setenv("SHARP_SCRATCH", str(tmp_path))
+    monkeypatch.setattr(lanczos_module, "IN_MEMORY_BASIS_BYTES", 0)
+    memory.activate(memory.MemoryPlan(budget=10**12))
+    a2, b2, q2 = lanczos_tridiagonal(op, start, 20, keep_basis=True)
+    assert any("scratch file" in c for c in memory.current().choices)
+    torch.testing.assert_close(q2, q1, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(a2, a1, rtol=1e-12)
+    np.testing.assert_allclose(b2, b1, rtol=1e-12)
+
+
 def test_hutchinson_blocks_shrunk_by_the_budget_draw_the_same_probes():
     op, _ = _spectrum_operator(n=200)
     free = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
