@@ -144,11 +144,15 @@ def spectral_density(
         "slq", total=int(probes) * min(int(lanczos_steps), dim), quantity="tr", probes=0
     )
     for probe in range(int(probes)):
-        # the probe and the whole recurrence are float64 (lanczos_tridiagonal); a float32
-        # recurrence would put ~1e-6 relative errors into the nodes and weights
-        start = rademacher_like(dim, generator, torch.float64, op.device)
+        # the recurrence's scalars are float64 (lanczos_tridiagonal); a float32 recurrence
+        # would put ~1e-6 relative errors into the nodes and weights. The probe is passed
+        # inline so that no float64 copy of it is held through the products.
         alphas, betas, _ = lanczos_tridiagonal(
-            op, start, int(lanczos_steps), run=None if run.finished else run, done=matvecs
+            op,
+            rademacher_like(dim, generator, torch.float64, op.device),
+            int(lanczos_steps),
+            run=None if run.finished else run,
+            done=matvecs,
         )
         matvecs += len(alphas)
         m = len(alphas)

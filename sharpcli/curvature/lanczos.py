@@ -398,8 +398,11 @@ def lanczos_tridiagonal(
         window = max(1, min(int(window), steps))
         held = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), window)
         held += krylov_work_bytes(dim, op.dtype)
-    q = start.to(dtype=_F64, device=op.device).reshape(-1)
-    q = q / torch.linalg.vector_norm(q)
+    # the start in the basis's dtype, normalised there: no float64 copy of a P-vector is held
+    # through the products (a caller passing its probe inline holds none either)
+    norm = norm64(start)
+    q = start.reshape(-1).to(dtype=storage_dtype(op.dtype), device=op.device) / norm
+    del start
     alphas: list[float] = []
     betas: list[float] = []
     scale = 0.0
