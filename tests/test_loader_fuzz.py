@@ -280,8 +280,10 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
     """Names and shapes fit the model; dtypes and values are random (NaN, Inf, beyond float32).
 
     Loaded (as an own checkpoint with the spec in its metadata, or with --arch mlp) the weights
-    are the file's values cast to the model's float32, bit for bit; whenever that cast has a
-    NaN or Inf anywhere the load is refused with an InputError naming the file.
+    are the file's values cast, bit for bit, to the model's dtype: float32, or the file's widest
+    floating dtype where that is wider (a float64 checkpoint must reach a float64 analysis
+    exactly); whenever that cast has a NaN or Inf anywhere the load is refused with an
+    InputError naming the file.
     """
     from sharpcli.errors import InputError
 
@@ -290,7 +292,10 @@ def test_right_names_and_shapes_with_random_dtypes_and_values(dtypes, data, own)
         name: t.to(dtype) if t.dtype != dtype else t
         for (name, t), dtype in zip(state.items(), dtypes)
     }
-    cast = {name: t.to(torch.float32) for name, t in state.items()}
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    wide = any(torch.finfo(d).bits > 32 for d in floating)
+    model_dtype = torch.float64 if wide else torch.float32
+    cast = {name: t.to(model_dtype) for name, t in state.items()}
     all_finite = all(bool(torch.isfinite(t).all()) for t in cast.values())
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.safetensors")

@@ -1,11 +1,11 @@
 """``docs/reproduce.md`` runs as written and every verdict's number relation holds.
 
-Every command of the page runs in order (``python -m sharpcli`` subprocesses in one folder,
-the fixture script writing the digits file), each exits as documented, every report
-validates against the schema, and the relation each claim's verdict states is asserted on
-the ``--json`` reports, for the built-in ``blobs`` and for the real ``digits`` data (slow:
-about 5 CPU minutes, one subprocess at a time). A file of its own, so that ``pytest --dist loadfile`` runs it
-beside ``tests/test_docs.py``. The page parser is ``docs/reproduce/run_guide.py``.
+Every command of the page runs in order in one folder (the ``sharp`` commands in this
+process, the fixture script that writes the digits file as a subprocess), each exits as
+documented, every report validates against the schema, and the relation each claim's verdict
+states is asserted on the ``--json`` reports, for the built-in ``blobs`` and for the real
+``digits`` data (slow). A file of its own, so that ``pytest --dist loadfile`` runs it beside
+``tests/test_docs.py``. The page parser is ``docs/reproduce/run_guide.py``.
 """
 
 from __future__ import annotations
@@ -22,17 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 REPRODUCE = ROOT / "docs" / "reproduce.md"
 
 
-def _load_runner():
-    spec = importlib.util.spec_from_file_location(
-        "run_guide", ROOT / "docs" / "reproduce" / "run_guide.py"
-    )
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "reproduce" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("run_guide", module)
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 
 
-run_guide = _load_runner()
+run_guide = _load("run_guide")
+examples = _load("examples")
 
 
 def _schema() -> dict:
@@ -152,15 +151,28 @@ def _dead(report, prefix: str):
     )
 
 
+def _run_page_in_process(workdir: Path, monkeypatch) -> None:
+    """Every command of the page in order in ``workdir``: ``sharp`` commands in this process
+    (what a subprocess would add is the ~5 CPU s of importing torch, 50 times over), the fixture
+    script as the subprocess the page shows; each must exit as documented."""
+    monkeypatch.chdir(workdir)
+    with examples.environment():
+        for command in run_guide.extract_commands(REPRODUCE.read_text(encoding="utf-8")):
+            if command.program == "python":
+                result = run_guide.run_command(command, workdir)
+                code, out, err = result.code, result.stdout, result.stderr
+            else:
+                code, out, err = examples.run_in_process(command.args)
+            assert code == command.expected_exit, (
+                f"reproduce.md:{command.line}: {command.text}\nexit {code}\n"
+                f"{out[-2000:]}\n{err[-2000:]}"
+            )
+
+
 @pytest.mark.slow
-def test_reproduce_guide_claims(tmp_path):  # noqa: C901 - one block per claim and dataset
-    """docs/reproduce.md, every command in order as a subprocess; then each claim's relation."""
-    for command in run_guide.extract_commands(REPRODUCE.read_text(encoding="utf-8")):
-        result = run_guide.run_command(command, tmp_path)
-        assert result.as_documented, (
-            f"reproduce.md:{command.line}: {command.text}\nexit {result.code}\n"
-            f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-        )
+def test_reproduce_guide_claims(tmp_path, monkeypatch):  # noqa: C901 - one block per claim
+    """docs/reproduce.md, every command in order; then each claim's relation."""
+    _run_page_in_process(tmp_path, monkeypatch)
 
     def report(name: str) -> dict:
         return json.loads((tmp_path / name).read_text())
