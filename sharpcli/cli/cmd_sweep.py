@@ -9,6 +9,7 @@ import typer
 
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
+from sharpcli.cli.cmd_train import TrainTokenReductionOpt
 
 
 def _train_config(
@@ -25,6 +26,7 @@ def _train_config(
     dtype,
     sets,
     device="cpu",
+    token_reduction="tokens",
 ):
     from sharpcli.training.loop import OPTION_OF, TrainConfig, config_from_options, validate_config
 
@@ -41,6 +43,7 @@ def _train_config(
         width=width,
         depth=depth,
         activation=activation,
+        token_reduction=token_reduction,
     )
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"regs", "seed"}
     given = {}
@@ -165,6 +168,7 @@ def sweep_command(
             help="Training data, as train --data, e.g. --data blobs:n=2000.",
         ),
     ] = "blobs",
+    token_reduction: TrainTokenReductionOpt = "tokens",
     epochs: Annotated[
         int, typer.Option("--epochs", rich_help_panel="Training", help="Epochs per run.")
     ] = 5,
@@ -247,6 +251,7 @@ def sweep_command(
             dtype,
             sets,
             device=device,
+            token_reduction=token_reduction,
         )
         if model_factory is not None:
             cfg.model_factory = model_factory

@@ -11,6 +11,21 @@ from sharpcli.cli.app import app
 from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
 
+# The token loss a sequence model trains on (sharpcli.losses.token_reduction): one line of help
+TrainTokenReductionOpt = Annotated[
+    choices.TokenReduction,
+    typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
+]
+# --stop-on-divergence is the documented name; --stop-diverged, its first spelling, still works
+StopOnDivergenceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--stop-on-divergence",
+        "--stop-diverged",
+        help="On divergence: stop, keep the best epoch, exit 3.",
+    ),
+]
+
 
 @app.command("train", cls=common.LazyHelpCommand)
 def train_command(
@@ -75,6 +90,7 @@ def train_command(
     x_key: common.XKeyOpt = None,
     y_key: common.YKeyOpt = None,
     shift_labels: common.ShiftLabelsOpt = None,
+    token_reduction: TrainTokenReductionOpt = "tokens",
     epochs: Annotated[
         int, typer.Option("--epochs", rich_help_panel="Training", help="Training epochs.")
     ] = 5,
@@ -185,14 +201,7 @@ def train_command(
             help="Stop after epoch N, as if interrupted.",
         ),
     ] = None,
-    stop_on_divergence: Annotated[
-        bool,
-        typer.Option(
-            "--stop-diverged",
-            help="On divergence (loss 4x its best, or accuracy back at chance) stop, keep the "
-            "best epoch's weights, exit 3.",
-        ),
-    ] = False,
+    stop_on_divergence: StopOnDivergenceOpt = False,
     track: Annotated[
         Optional[str],
         typer.Option(
@@ -282,6 +291,7 @@ def train_command(
             track=tracked,
             track_every=track_every,
             track_samples=track_samples,
+            token_reduction=token_reduction,
         )
         tracker = None
         from sharpcli.analyses.tracking import check_tracked
