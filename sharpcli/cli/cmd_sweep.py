@@ -9,7 +9,12 @@ import typer
 
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
-from sharpcli.cli.cmd_train import TrainTokenReductionOpt
+
+# as train's --token-reduction (command modules import no other command module)
+TrainTokenReductionOpt = Annotated[
+    choices.TokenReduction,
+    typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
+]
 
 
 def _train_config(
