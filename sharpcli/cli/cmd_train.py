@@ -377,7 +377,7 @@ def _divergence_warning(result) -> str | None:
         f"stopped; {result.checkpoint['path']} holds epoch {d['best_epoch']}, the lowest "
         "training loss"
         if result.stopped_on_divergence
-        else "--stop-diverged stops such a run and keeps its best epoch"
+        else "--stop-on-divergence stops such a run and keeps its best epoch"
     )
     return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 

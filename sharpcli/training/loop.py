@@ -106,7 +106,7 @@ class TrainResult:
     regularizers: list = field(default_factory=list)
     # the first diverged epoch (sharpcli.training.divergence), None when training did not diverge
     divergence: dict | None = None
-    stopped_on_divergence: bool = False  # --stop-diverged ended the run at that epoch
+    stopped_on_divergence: bool = False  # --stop-on-divergence ended the run there
 
 
 def train_report(
