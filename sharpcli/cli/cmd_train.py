@@ -16,14 +16,13 @@ TrainTokenReductionOpt = Annotated[
     choices.TokenReduction,
     typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
 ]
-# --stop-on-divergence is the documented name; --stop-diverged, its first spelling, still works
 StopOnDivergenceOpt = Annotated[
     bool,
-    typer.Option(
-        "--stop-on-divergence",
-        "--stop-diverged",
-        help="On divergence: stop, keep the best epoch, exit 3.",
-    ),
+    typer.Option("--stop-on-divergence", help="On divergence: stop, keep the best epoch, exit 3."),
+]
+# its first spelling, still accepted, left out of --help
+StopDivergedOpt = Annotated[
+    bool, typer.Option("--stop-diverged", hidden=True, help="As --stop-on-divergence.")
 ]
 
 
@@ -202,6 +201,7 @@ def train_command(
         ),
     ] = None,
     stop_on_divergence: StopOnDivergenceOpt = False,
+    stop_diverged: StopDivergedOpt = False,
     track: Annotated[
         Optional[str],
         typer.Option(
@@ -250,6 +250,8 @@ def train_command(
     debug: common.DebugOpt = False,
 ) -> None:
     """Train a model, optionally under sharpness regularizers; write a checkpoint."""
+
+    stop_on_divergence = stop_on_divergence or stop_diverged
 
     def body() -> common.Outcome:
         from sharpcli.training.loop import config_from_options, train, train_report
