@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -81,10 +82,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     wrappers (their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken
     through the plain module, whose forward is twice differentiable)."""
     while True:
+        compiled = getattr(model, "_orig_mod", None)  # torch.compile
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif isinstance(compiled, nn.Module):
+            model = compiled
         else:
             return model
 
@@ -122,9 +124,16 @@ class Curvature:
       are the ones differentiated), except that ``device``/``dtype`` other than its own make a
       converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
       untouched (and later changes to its weights unseen).
-    - ``loss``: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured), ``nn.BCEWithLogitsLoss()``,
-      ``nn.MSELoss()``, all with ``reduction='mean'``, or a registered loss name
+    - ``loss``: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
+      vocabulary) logits the mean over every labelled token of the set, as the module
+      computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
+      all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
       (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+    - ``token_reduction``: how a token loss averages over the set
+      (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
+      all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
+      labelled positions, then the mean over samples; with the name
+      ``"token-cross-entropy"`` only). Ignored by the other losses.
     - ``data``: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
       iterable of batches (module docstring).
     - ``params``: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
@@ -165,6 +174,7 @@ class Curvature:
         device=None,
         dtype=None,
         batch_size: int | None = None,
+        token_reduction: str | None = None,
     ):
         from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
 
@@ -185,6 +195,7 @@ class Curvature:
         self.model = model
         collected = collect_data(data, batch_size)
         self.loss, collected = self._loss_and_data(loss, collected)
+        self.token_reduction = _token_reduction(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
@@ -194,6 +205,17 @@ class Curvature:
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
         self.curvature_pass = CurvaturePass(self._view, self.data, self.scope)
+
+    def _analysis_mode(self) -> contextlib.AbstractContextManager:
+        """:func:`analysis_mode` of the model view, and a token loss averaged over the
+        analysis set per :attr:`token_reduction` (:func:`sharpcli.losses.token_reduction`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(analysis_mode(self._view))
+        if self.token_reduction is not None:
+            from sharpcli.losses import token_reduction
+
+            stack.enter_context(token_reduction(self.token_reduction, self.data.y))
+        return stack
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:
@@ -236,7 +258,8 @@ class Curvature:
         probe = self._on_data(collected, rows=min(2, collected.num_samples))
         with torch.no_grad(), eval_mode(probe):
             logits = probe(torch.arange(head.shape[0], device=self.device))
-        problem = get_loss(name).check(logits, head)
+        check = get_loss(name).check
+        problem = check(logits, head) if check is not None else None
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
         self.num_outputs = int(logits[0].numel())  # model outputs per sample
@@ -304,7 +327,7 @@ class Curvature:
         """
         from sharpcli.curvature import build_operator
 
-        op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._view)
+        op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
         self.refresh()
         return op
 
@@ -340,7 +363,7 @@ class Curvature:
         _integer(k, "k")
         _seed(seed)
         self.refresh()
-        with analysis_mode(self._view):
+        with self._analysis_mode():
             return eigen_result(
                 self.curvature_pass,
                 operator,
@@ -375,7 +398,7 @@ class Curvature:
 
         _seed(seed)
         self.refresh()
-        with analysis_mode(self._view):
+        with self._analysis_mode():
             return trace_result(
                 self.curvature_pass,
                 operator,
@@ -408,7 +431,7 @@ class Curvature:
         _integer(grid_points, "grid_points", minimum=2)
         _seed(seed)
         op = self.operator(operator)
-        with analysis_mode(self._view):
+        with self._analysis_mode():
             return spectral_density(
                 op,
                 probes=probes,
@@ -439,7 +462,7 @@ class Curvature:
 
         _seed(seed)
         self.refresh()
-        with analysis_mode(self._view):
+        with self._analysis_mode():
             return gn_nme_result(
                 self.curvature_pass,
                 loss=self.loss,
@@ -461,6 +484,29 @@ class Curvature:
         )
 
 
+def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
+    """How a token loss averages (None for the other losses): ``reduction``, by default
+    ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
+    with a module is refused (UsageError on ``token_reduction``)."""
+    from sharpcli.losses import TOKEN_REDUCTIONS, get_loss
+
+    if reduction is not None and reduction not in TOKEN_REDUCTIONS:
+        raise UsageError(
+            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
+            source="token_reduction",
+        )
+    if not get_loss(name).per_token:
+        return None
+    if reduction == "samples" and isinstance(loss, nn.Module):
+        raise UsageError(
+            f"{type(loss).__name__}() averages over every labelled token of the set; for the "
+            "mean of per-sample means pass loss='token-cross-entropy' with "
+            "token_reduction='samples'",
+            source="token_reduction",
+        )
+    return reduction or "tokens"
+
+
 def _integer(value, name: str, minimum: int = 1) -> int:
     """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -476,19 +522,21 @@ def _seed(seed) -> int:
 
 
 class _EvalModeOperator(CurvatureOperator):
-    """``inner`` (a registered operator) with every product run in eval mode; ``inner`` keeps
-    the count of products it made."""
+    """``inner`` (a registered operator) with every product run in ``mode`` (eval mode, the
+    token loss's averaging); ``inner`` keeps the count of products it made."""
 
-    def __init__(self, inner: CurvatureOperator, model: nn.Module):
+    def __init__(
+        self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]
+    ):
         super().__init__(inner.shape[0], inner.dtype, inner.device)
         self.name = inner.name
         self.inner = inner
-        self.model = model
+        self.mode = mode  # Curvature._analysis_mode
         self.curvature_pass = getattr(inner, "curvature_pass", None)
         self.scope = getattr(inner, "scope", None)
 
     def _matmat(self, V):
-        with analysis_mode(self.model):
+        with self.mode():
             return self.inner.matmat(V)
 
     def clear_cache(self) -> None:
@@ -596,7 +644,7 @@ class Tracker:
         start = time.perf_counter()
         curvature = self._curvature_for(model)
         curvature.refresh()  # the weights moved since the last measurement
-        with analysis_mode(curvature._view):
+        with curvature._analysis_mode():
             values, matvecs = measure(
                 curvature.curvature_pass,
                 self.metrics,

@@ -16,14 +16,16 @@ labels it accepts.
   ``l = softplus(z) - y z`` (``binary_cross_entropy_with_logits``); ``H_z = s(z)(1 - s(z))``.
 - ``token-cross-entropy``: sequence outputs z (B, T, V) and token labels y (B, T), positions
   labelled ``-100`` ignored: ``l_i = w_i sum_{t valid} -log softmax(z_it)_{y_it}`` with
-  ``w_i = 1/n_i`` (``n_i`` the sample's valid positions; per-sample averaging, training's
-  default) or ``w_i = 1/nbar`` (``nbar`` the mean valid positions per sample of the analysis
-  set: the mean over all labelled tokens, analyses' default; :func:`set_token_reduction`);
+  ``w_i = 1/n_i`` (``n_i`` the sample's valid positions; per-sample averaging) or
+  ``w_i = 1/nbar`` (``nbar`` the mean valid positions per sample of the analysis or training
+  set: the mean over all labelled tokens, the default; :func:`set_token_reduction`,
+  :func:`token_reduction`);
   ``H_z`` is block diagonal over positions, ``w_i (diag p_t - p_t p_t^T)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator
@@ -49,6 +51,7 @@ __all__ = [
     "per_sample_loss",
     "register_loss",
     "set_token_reduction",
+    "token_reduction",
     "token_weights",
 ]
 
@@ -442,6 +445,19 @@ _MEAN_POSITIONS: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 )
 
 
+def _mean_positions(reduction: str, y: torch.Tensor | None) -> float | None:
+    """``nbar`` of ``y`` for ``tokens`` (None for ``samples``, or no labelled position)."""
+    if reduction not in TOKEN_REDUCTIONS:
+        raise UsageError(
+            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
+            source="token_reduction",
+        )
+    if reduction == "tokens" and y is not None and y.ndim == 2 and y.shape[0]:
+        labelled = int((y != IGNORE_INDEX).sum())
+        return labelled / y.shape[0] if labelled else None
+    return None
+
+
 def set_token_reduction(reduction: str, y: torch.Tensor | None = None) -> float | None:
     """How the token loss averages, for the analysis set's token labels ``y`` (N, T).
 
@@ -453,17 +469,32 @@ def set_token_reduction(reduction: str, y: torch.Tensor | None = None) -> float 
     when every sample has the same number of labelled positions. Returns ``nbar`` (None for
     ``samples``); it holds until :func:`clear_token_reduction`.
     """
-    if reduction not in TOKEN_REDUCTIONS:
-        raise UsageError(
-            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
-            source="token_reduction",
-        )
-    mean_positions = None
-    if reduction == "tokens" and y is not None and y.ndim == 2 and y.shape[0]:
-        labelled = int((y != IGNORE_INDEX).sum())
-        mean_positions = labelled / y.shape[0] if labelled else None
+    mean_positions = _mean_positions(reduction, y)
     _MEAN_POSITIONS.set(mean_positions)
     return mean_positions
+
+
+@contextlib.contextmanager
+def token_reduction(reduction: str, y: torch.Tensor | None) -> Iterator[float | None]:
+    """:func:`set_token_reduction` for the set ``y`` inside the block, the averaging in force
+    before it restored after it (a training run's test set inside its training set's mean).
+
+    Args:
+        reduction: ``"tokens"`` or ``"samples"``.
+        y: The set's token labels (N, T), ``-100`` marking unlabelled positions.
+
+    Yields:
+        ``nbar``, the mean labelled positions per sample (None for ``samples``).
+
+    Raises:
+        UsageError: (source ``token_reduction``) an unknown reduction.
+    """
+    mean_positions = _mean_positions(reduction, y)
+    previous = _MEAN_POSITIONS.set(mean_positions)
+    try:
+        yield mean_positions
+    finally:
+        _MEAN_POSITIONS.reset(previous)
 
 
 def clear_token_reduction() -> None:

@@ -69,6 +69,28 @@ def _mlp_problem():
     return model, x, y
 
 
+def dense_ggn(model, loss_of_outputs, args=()):
+    """Float64 Gauss-Newton matrix ``J^T (d^2 loss / dz^2) J`` over every parameter of
+    ``model``, ``z`` all of its outputs on ``args``."""
+    params = dict(model.named_parameters())
+    names, shapes = list(params), [p.shape for p in params.values()]
+    flat0 = torch.cat([p.detach().reshape(-1) for p in params.values()])
+
+    def outputs(flat):
+        values, start = {}, 0
+        for name, shape in zip(names, shapes):
+            values[name] = flat[start : start + shape.numel()].view(shape)
+            start += shape.numel()
+        return functional_call(model, values, args)
+
+    z = outputs(flat0).detach()
+    J = torch.autograd.functional.jacobian(outputs, flat0).reshape(z.numel(), -1)
+    Hz = torch.autograd.functional.hessian(
+        lambda t: loss_of_outputs(t.view(z.shape)), z.reshape(-1)
+    )
+    return J.T @ Hz @ J
+
+
 def _transformer_problem(per_position=False, n=10, length=5):
     torch.manual_seed(0)
     model = TinyTransformer(per_position=per_position).to(D)
@@ -192,13 +214,67 @@ def test_token_ignore_index_matches_the_loss_module_on_flattened_positions():
     H = dense_hessian(model, lambda z: module(z.reshape(-1, 6), labels.reshape(-1)), (ids,))
     curvature = Curvature(model, module, (ids, labels), batch_size=3)
     assert curvature.loss == "token-cross-entropy"
+    assert curvature.token_reduction == "tokens"
     assert torch.allclose(curvature.operator().to_dense(), H, atol=1e-12)
-    # unequal counts: the token mean weights samples unequally, refused with the way out
-    labels[0, :] = -1
-    labels[0, 0] = 2
-    with pytest.raises(UsageError, match="token-cross-entropy") as info:
-        Curvature(model, module, (ids, labels))
+
+
+def _padded_lm_problem():
+    """A tiny LM with next-token labels of 1 to 5 labelled positions, -100 on the others."""
+    model, ids, _, _ = _transformer_problem(per_position=True, n=8, length=5)
+    labels = torch.randint(0, 6, (8, 5), generator=torch.Generator().manual_seed(4))
+    for i, t in enumerate((1, 5, 2, 3, 5, 4, 1, 2)):
+        labels[i, t:] = -100
+    return model, ids, labels
+
+
+def _per_sample_token_mean(z, labels):
+    ce = F.cross_entropy(z.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    valid = (labels != -100).to(ce.dtype)
+    return ((ce * valid).sum(1) / valid.sum(1)).mean()
+
+
+def test_the_loss_module_on_variable_length_labels_is_the_mean_over_labelled_tokens():
+    """``nn.CrossEntropyLoss(ignore_index=-100)`` on (N, T) labels with -100 padding of
+    different lengths: the mean over every labelled token, against the dense float64 Hessian
+    of the module itself; the same from the name with ``token_reduction="tokens"`` (the
+    default), and the per-sample mean with ``"samples"``."""
+    model, ids, labels = _padded_lm_problem()
+    module = nn.CrossEntropyLoss(ignore_index=-100)
+    H = dense_hessian(model, lambda z: module(z.reshape(-1, 6), labels.reshape(-1)), (ids,))
+    H_samples = dense_hessian(model, lambda z: _per_sample_token_mean(z, labels), (ids,))
+    assert not torch.allclose(H, H_samples, atol=1e-3)  # the two reductions differ here
+    curvature = Curvature(model, module, (ids, labels), batch_size=3)
+    assert curvature.token_reduction == "tokens"
+    assert torch.allclose(curvature.operator().to_dense(), H, atol=1e-12)
+    top = curvature.eigenvalues(k=2, tol=1e-10).eigenvalues
+    assert top == pytest.approx(torch.linalg.eigvalsh(H)[-2:].flip(0).tolist(), rel=1e-8)
+    ggn = curvature.trace("ggn", estimator="exact").estimate
+    G = dense_ggn(model, lambda z: module(z.reshape(-1, 6), labels.reshape(-1)), (ids,))
+    assert ggn == pytest.approx(float(G.trace()), rel=1e-9)
+    by_name = Curvature(model, "token-cross-entropy", (ids, labels))
+    assert torch.allclose(by_name.operator().to_dense(), H, atol=1e-12)
+    samples = Curvature(model, "token-cross-entropy", (ids, labels), token_reduction="samples")
+    assert torch.allclose(samples.operator().to_dense(), H_samples, atol=1e-12)
+    # the averaging holds inside this object's products only
+    from sharpcli.losses import token_weights
+
+    assert torch.equal(token_weights(ids.double(), labels)[0, 0], torch.tensor(1.0, dtype=D))
+
+
+def test_a_token_loss_module_refuses_other_reductions_naming_the_argument():
+    model, ids, labels = _padded_lm_problem()
+    with pytest.raises(UsageError, match="reduction='mean'") as info:
+        Curvature(model, nn.CrossEntropyLoss(reduction="sum"), (ids, labels))
     assert info.value.source == "loss"
+    with pytest.raises(UsageError, match="token_reduction='samples'") as info:
+        Curvature(model, nn.CrossEntropyLoss(), (ids, labels), token_reduction="samples")
+    assert info.value.source == "token_reduction"
+    with pytest.raises(UsageError, match="accepted: tokens, samples") as info:
+        Curvature(model, "token-cross-entropy", (ids, labels), token_reduction="token")
+    assert info.value.source == "token_reduction"
+    with pytest.raises(UsageError, match="ignore_index") as info:
+        Curvature(model, nn.CrossEntropyLoss(), (ids, torch.full_like(labels, -100)))
+    assert info.value.source == "data"
 
 
 def test_model_mode_restored_and_results_in_eval_mode():

@@ -1,5 +1,6 @@
 """A training run that collapses is flagged: warning line, ``results.diverged``, and with
-``--stop-diverged`` exit 3 with the best epoch's weights in the checkpoint.
+``--stop-on-divergence`` (or its first spelling, ``--stop-diverged``) exit 3 with the best
+epoch's weights in the checkpoint.
 
 Before, ``fa`` on the built-in CNN with 900 training images went from loss 1.31 to 47.6 in one
 epoch and ended at 11-45 % test accuracy with exit 0 and nothing said.
@@ -7,6 +8,7 @@ epoch and ended at 11-45 % test accuracy with exit 0 and nothing said.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from cli_helpers import run_cli
 
@@ -51,13 +53,15 @@ def test_a_diverging_run_is_flagged_and_keeps_exit_0(tmp_path, capsys):
     assert results["diverged"] is True and results["stopped_on_divergence"] is False
     assert results["divergence"]["epoch"] == 5 and results["divergence"]["best_epoch"] == 2
     assert "sharp train: warning: training diverged at epoch 5" in run.err
+    assert "--stop-on-divergence stops such a run" in run.err
     assert len(results["history"]) == 6
 
 
-def test_stop_on_divergence_exits_3_with_the_best_epoch(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--stop-on-divergence", "--stop-diverged"])
+def test_stop_on_divergence_exits_3_with_the_best_epoch(tmp_path, capsys, flag):
     out = tmp_path / "m.safetensors"
     run = run_cli(
-        capsys, "train", *UNSTABLE, "--epochs", "8", "--stop-diverged", "--out", str(out),
+        capsys, "train", *UNSTABLE, "--epochs", "8", flag, "--out", str(out),
         "--json", str(tmp_path / "r.json"),
     )  # fmt: skip
     assert run.code == 3, run.err
@@ -79,7 +83,7 @@ def test_stop_on_divergence_exits_3_with_the_best_epoch(tmp_path, capsys):
 def test_a_stable_run_is_not_flagged(tmp_path, capsys):
     run = run_cli(
         capsys, "train", "--data", "blobs:n=300", "--width", "16", "--epochs", "3",
-        "--stop-diverged", "--out", str(tmp_path / "m.safetensors"), "--json", "-", "--quiet",
+        "--stop-on-divergence", "--out", str(tmp_path / "m.safetensors"), "--json", "-", "--quiet",
     )  # fmt: skip
     assert run.code == 0, run.err
     results = run.json()["results"]

@@ -219,6 +219,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     # training takes the per-position labels: token cross-entropy, recorded in the checkpoint
     trained = tmp_path / "lm-trained.safetensors"
     train_args = ("--model-factory", "causal_lm:build", "--data", data, "--dtype", "float64")
+    train_args += ("--token-reduction", "samples")  # as base analyses (the default: tokens)
     run = run_cli(capsys, "train", *train_args, "--epochs", "2", "--out", trained, "--json", "-")
     assert run.code == 0, run.err
     report = run.json()

@@ -24,7 +24,7 @@ from torch.func import functional_call, jacrev
 from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.errors import UsageError
-from sharpcli.losses import IGNORE_INDEX
+from sharpcli.losses import IGNORE_INDEX, token_reduction
 from sharpcli.training.loop import TrainConfig, apply_label_noise, evaluate, train
 from sharpcli.training.regularizers import GaussNewtonTrace, parse_reg, training_step
 
@@ -42,6 +42,15 @@ def _token_mean(z, y):
     ce = F.cross_entropy(z.transpose(1, 2), y, ignore_index=IGNORE_INDEX, reduction="none")
     valid = (y != IGNORE_INDEX).double()
     return ((ce * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+
+
+def _token_share(nbar):
+    # the token mean over a set with nbar labelled positions per sample: each sample's share
+    def loss(z, y):
+        ce = F.cross_entropy(z.transpose(1, 2), y, ignore_index=IGNORE_INDEX, reduction="none")
+        return (ce * (y != IGNORE_INDEX)).sum() / (nbar * z.shape[0])
+
+    return loss
 
 
 def _flat_grad(model):
@@ -123,9 +132,9 @@ def _tiny_batch():
     return x, y
 
 
-def _dense_ggn_trace(model, x, y):
-    """``tr(G)`` of the token-mean loss from per-sample Jacobians and output Hessians (float64,
-    torch's own cross_entropy; no sharp code)."""
+def _dense_ggn_trace(model, x, y, sample_loss=_token_mean):
+    """``tr(G)`` of the loss ``(1/N) sum_i sample_loss(z_i, y_i)`` from per-sample Jacobians and
+    output Hessians (float64, torch's own cross_entropy; no sharp code)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     total = 0.0
     for i in range(x.shape[0]):
@@ -138,7 +147,7 @@ def _dense_ggn_trace(model, x, y):
         z = logits(params).detach()
 
         def loss_i(z, i=i):
-            return _token_mean(z[None], y[i : i + 1])
+            return sample_loss(z[None], y[i : i + 1])
 
         Hz = torch.autograd.functional.hessian(loss_i, z).reshape(z.numel(), z.numel())
         Jf = J.reshape(z.numel(), -1)
@@ -146,11 +155,15 @@ def _dense_ggn_trace(model, x, y):
     return total / x.shape[0]
 
 
-def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch):
+@pytest.mark.parametrize("reduction", ["samples", "tokens"])
+def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch, reduction):
     """The expectation of the penalty over its sampled labels, enumerated over every draw of
-    the 3 labelled positions (5^3) with its probability, is sigma2 tr(G) exactly."""
+    the 3 labelled positions (5^3) with its probability, is sigma2 tr(G) exactly, G of the
+    token loss averaged per sample or over all labelled tokens (as training averages it)."""
     model = build_causal_lm(seed=2).eval()
     x, y = _tiny_batch()
+    nbar = int((y != IGNORE_INDEX).sum()) / y.shape[0]
+    sample_loss = _token_mean if reduction == "samples" else _token_share(nbar)
     labelled = y != IGNORE_INDEX
     with torch.no_grad(), twice_differentiable():
         p = torch.softmax(model(x), dim=-1)
@@ -158,7 +171,7 @@ def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch):
     draws = iter(())
     monkeypatch.setattr(GaussNewtonTrace, "sample_labels", lambda self, *a: next(draws))
     expectation = 0.0
-    with twice_differentiable():
+    with twice_differentiable(), token_reduction(reduction, y):
         for combo in itertools.product(range(5), repeat=len(positions)):
             y_hat = torch.zeros_like(y)
             prob = 1.0
@@ -171,7 +184,8 @@ def test_gn_trace_is_unbiased_for_the_token_ggn_trace(monkeypatch):
                 model, x, y, "token-cross-entropy", [parse_reg("gn-trace:sigma2=2")], gen
             )
             expectation += prob * stats.penalties["gn-trace"]
-        exact = _dense_ggn_trace(model, x, y)
+    with twice_differentiable():
+        exact = _dense_ggn_trace(model, x, y, sample_loss)
     assert expectation == pytest.approx(2 * exact, rel=1e-9)
 
 
@@ -185,24 +199,32 @@ def test_gn_trace_draws_one_label_per_labelled_position():
     assert y_hat.shape == y.shape and int(y_hat.min()) >= 0 and int(y_hat.max()) < 5
 
 
-def test_ad_penalises_the_labelled_positions_of_the_heads_input():
+@pytest.mark.parametrize("reduction", ["samples", "tokens"])
+def test_ad_penalises_the_labelled_positions_of_the_heads_input(reduction):
     model = build_causal_lm(seed=3).eval()
     x, y = _tiny_batch()
     sigma = 0.7
     with twice_differentiable():
         gen = torch.Generator().manual_seed(0)
-        stats = training_step(
-            model, x, y, "token-cross-entropy", [parse_reg(f"ad:sigma={sigma}")], gen
-        )
+        with token_reduction(reduction, y):
+            stats = training_step(
+                model, x, y, "token-cross-entropy", [parse_reg(f"ad:sigma={sigma}")], gen
+            )
         step_grad = _flat_grad(model)
         model.zero_grad()
         # independently: h = the head's input per position; per sample the mean over its
-        # labelled positions of ||h_t||^2, then the mean over samples
+        # labelled positions of ||h_t||^2, then the mean over samples; or the mean over all
+        # labelled positions, with the loss of the same reduction
         h = model.block(model.emb(x) + model.pos[: x.shape[1]], src_mask=model.mask, is_causal=True)
         labelled = (y != IGNORE_INDEX).double()
-        per_sample = (h.pow(2).sum(-1) * labelled).sum(1) / labelled.sum(1)
+        if reduction == "samples":
+            per_sample = (h.pow(2).sum(-1) * labelled).sum(1) / labelled.sum(1)
+            loss = _token_mean(model.head(h), y)
+        else:
+            per_sample = (h.pow(2).sum(-1) * labelled).sum(1) / (labelled.sum() / y.shape[0])
+            loss = F.cross_entropy(model.head(h).transpose(1, 2), y, ignore_index=IGNORE_INDEX)
         penalty = 0.5 * sigma**2 * per_sample.mean()
-        (_token_mean(model.head(h), y) + penalty).backward()
+        (loss + penalty).backward()
     assert stats.penalties["ad"] == pytest.approx(float(penalty.detach()), rel=1e-12)
     assert torch.allclose(step_grad, _flat_grad(model), rtol=1e-10, atol=1e-14)
 

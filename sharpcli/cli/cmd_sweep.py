@@ -10,6 +10,12 @@ import typer
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 
+# as train's --token-reduction (command modules import no other command module)
+TrainTokenReductionOpt = Annotated[
+    choices.TokenReduction,
+    typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
+]
+
 
 def _train_config(
     model,
@@ -25,6 +31,7 @@ def _train_config(
     dtype,
     sets,
     device="cpu",
+    token_reduction="tokens",
 ):
     from sharpcli.training.loop import OPTION_OF, TrainConfig, config_from_options, validate_config
 
@@ -41,6 +48,7 @@ def _train_config(
         width=width,
         depth=depth,
         activation=activation,
+        token_reduction=token_reduction,
     )
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"regs", "seed"}
     given = {}
@@ -165,6 +173,7 @@ def sweep_command(
             help="Training data, as train --data, e.g. --data blobs:n=2000.",
         ),
     ] = "blobs",
+    token_reduction: TrainTokenReductionOpt = "tokens",
     epochs: Annotated[
         int, typer.Option("--epochs", rich_help_panel="Training", help="Epochs per run.")
     ] = 5,
@@ -247,6 +256,7 @@ def sweep_command(
             dtype,
             sets,
             device=device,
+            token_reduction=token_reduction,
         )
         if model_factory is not None:
             cfg.model_factory = model_factory

@@ -11,6 +11,20 @@ from sharpcli.cli.app import app
 from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
 
+# The token loss a sequence model trains on (sharpcli.losses.token_reduction): one line of help
+TrainTokenReductionOpt = Annotated[
+    choices.TokenReduction,
+    typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
+]
+StopOnDivergenceOpt = Annotated[
+    bool,
+    typer.Option("--stop-on-divergence", help="On divergence: stop, keep the best epoch, exit 3."),
+]
+# its first spelling, still accepted, left out of --help
+StopDivergedOpt = Annotated[
+    bool, typer.Option("--stop-diverged", hidden=True, help="As --stop-on-divergence.")
+]
+
 
 @app.command("train", cls=common.LazyHelpCommand)
 def train_command(
@@ -75,6 +89,7 @@ def train_command(
     x_key: common.XKeyOpt = None,
     y_key: common.YKeyOpt = None,
     shift_labels: common.ShiftLabelsOpt = None,
+    token_reduction: TrainTokenReductionOpt = "tokens",
     epochs: Annotated[
         int, typer.Option("--epochs", rich_help_panel="Training", help="Training epochs.")
     ] = 5,
@@ -185,14 +200,8 @@ def train_command(
             help="Stop after epoch N, as if interrupted.",
         ),
     ] = None,
-    stop_on_divergence: Annotated[
-        bool,
-        typer.Option(
-            "--stop-diverged",
-            help="On divergence (loss 4x its best, or accuracy back at chance) stop, keep the "
-            "best epoch's weights, exit 3.",
-        ),
-    ] = False,
+    stop_on_divergence: StopOnDivergenceOpt = False,
+    stop_diverged: StopDivergedOpt = False,
     track: Annotated[
         Optional[str],
         typer.Option(
@@ -242,6 +251,8 @@ def train_command(
 ) -> None:
     """Train a model, optionally under sharpness regularizers; write a checkpoint."""
 
+    stop_on_divergence = stop_on_divergence or stop_diverged
+
     def body() -> common.Outcome:
         from sharpcli.training.loop import config_from_options, train, train_report
 
@@ -282,6 +293,7 @@ def train_command(
             track=tracked,
             track_every=track_every,
             track_samples=track_samples,
+            token_reduction=token_reduction,
         )
         tracker = None
         from sharpcli.analyses.tracking import check_tracked
@@ -367,7 +379,7 @@ def _divergence_warning(result) -> str | None:
         f"stopped; {result.checkpoint['path']} holds epoch {d['best_epoch']}, the lowest "
         "training loss"
         if result.stopped_on_divergence
-        else "--stop-diverged stops such a run and keeps its best epoch"
+        else "--stop-on-divergence stops such a run and keeps its best epoch"
     )
     return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 

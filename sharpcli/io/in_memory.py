@@ -276,8 +276,10 @@ def _check_reduction(loss: nn.Module) -> None:
     reduction = getattr(loss, "reduction", "mean")
     if reduction != "mean":
         raise UsageError(
-            f"{type(loss).__name__}(reduction={reduction!r}): curvature is taken of the mean "
-            "loss over samples; use reduction='mean' (multiply the results by N for the sum)",
+            f"{type(loss).__name__}(reduction={reduction!r}) is not supported: curvature is "
+            "taken of the mean loss; use reduction='mean' (the sum is the mean times the number "
+            "of terms it adds: labelled samples or tokens, or elements for MSELoss, so multiply "
+            "eigenvalues and traces by it)",
             source="loss",
         )
 
@@ -331,9 +333,8 @@ def apply_ignore_index(collected: CollectedData, name: str, ignore_index: int | 
     Per sample (``cross-entropy``) the samples labelled ``i`` are left out of the set, so the
     analysis mean is over the others. Per position (``token-cross-entropy``) the positions
     labelled ``i`` are the ones the loss ignores (relabelled ``-100``, the loss's marker); the
-    loss module averages over every labelled token of the set while ``token-cross-entropy``
-    averages each sample over its positions, then over samples, which agree when every sample
-    has as many labelled positions, and the data is refused otherwise.
+    module's mean over every labelled token of the set is the token loss averaged over tokens
+    (:func:`sharpcli.losses.set_token_reduction`), whatever each sample's count.
     """
     y = collected.y
     if ignore_index is None or y.is_floating_point():
@@ -350,15 +351,9 @@ def apply_ignore_index(collected: CollectedData, name: str, ignore_index: int | 
         if ignore_index != IGNORE_INDEX:
             y = torch.where(y == ignore_index, torch.full_like(y, IGNORE_INDEX), y)
             collected = CollectedData(collected.x, collected.keywords, y, collected.batch_size)
-        counts = (y != IGNORE_INDEX).sum(1)
-        if int(counts.min()) != int(counts.max()):
+        if not bool((y != IGNORE_INDEX).any()):
             raise UsageError(
-                "nn.CrossEntropyLoss averages over every labelled position of the set, but the "
-                f"samples of `data` have between {int(counts.min())} and {int(counts.max())} "
-                "labelled positions, and sharp's token loss (each sample's mean over its "
-                "positions, then the mean over samples) would not be that loss; pass "
-                "`loss=token-cross-entropy` to analyse the per-sample mean",
-                source="loss",
+                f"every label of `data` is the loss's ignore_index {ignore_index}", source="data"
             )
     return collected
 

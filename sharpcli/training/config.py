@@ -61,6 +61,8 @@ class TrainConfig:
     track_every: int = 1
     track_samples: int = 512
     loss: str | None = None
+    # token-cross-entropy: the mean over all labelled tokens ("tokens") or per sample
+    token_reduction: str = "tokens"
 
     def __post_init__(self) -> None:
         if isinstance(self.regs, list):  # another type: validate_config names the option
@@ -96,7 +98,7 @@ _FIELD_TYPES = {
     int: ("epochs", "batch_size", "repeat_batch", "seed", "track_every", "track_samples"),
     float: ("lr", "momentum", "label_noise", "input_noise", "noise_finetune"),
     bool: ("augment",),
-    str: ("model", "optimizer", "schedule", "dtype", "device"),
+    str: ("model", "optimizer", "schedule", "dtype", "device", "token_reduction"),
     dict: ("model_args",),
     list: ("regs", "track"),
 }
@@ -140,7 +142,7 @@ def _check_types(cfg: TrainConfig) -> None:
 
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
-    from sharpcli.losses import LOSSES
+    from sharpcli.losses import LOSSES, TOKEN_REDUCTIONS
     from sharpcli.preflight import check_seed
 
     _check_types(cfg)
@@ -177,6 +179,12 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UsageError("must be >= 0", source="input_noise")
     if cfg.track_every < 1:
         raise UsageError("must be at least 1", source="track_every")
+    if cfg.token_reduction not in TOKEN_REDUCTIONS:
+        raise UsageError(
+            f"unknown token reduction {cfg.token_reduction!r}; accepted: "
+            f"{', '.join(TOKEN_REDUCTIONS)}",
+            source="token_reduction",
+        )
 
 
 # Size options of the command line that go into ``TrainConfig.model_args``, in this order.

@@ -12,7 +12,7 @@ from torch import nn
 
 from sharpcli import progress
 from sharpcli.errors import NumericalError
-from sharpcli.losses import IGNORE_INDEX, get_loss
+from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.data_parallel import data_parallel_step
 from sharpcli.training.step import training_step
@@ -70,17 +70,40 @@ def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str, batch_size: int = 1024
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_name: str,
+    batch_size: int = 1024,
+    *,
+    reduction: str | None = None,
 ) -> dict:
     """Mean loss per sample and accuracy over (x, y) in eval mode.
 
     Accuracy is the loss's own (:attr:`sharpcli.losses.Loss.correct`): correct predictions over
     the predictions it counts (samples; labelled positions for token cross-entropy); None where
     the loss defines none (regression) or counts no prediction.
+
+    Args:
+        model: The model.
+        x: Inputs.
+        y: Labels.
+        loss_name: A registered loss.
+        batch_size: Samples per forward pass.
+        reduction: Token cross-entropy's averaging over this set
+            (:func:`sharpcli.losses.token_reduction`): ``"tokens"`` gives the mean over all of
+            its labelled tokens, ``"samples"`` the mean of per-sample means; None keeps the
+            averaging in force.
+
+    Returns:
+        ``{"loss": ..., "accuracy": ...}``.
     """
+    loss = get_loss(loss_name)
+    if reduction is not None and loss.per_token:
+        with token_reduction(reduction, y):
+            return evaluate(model, x, y, loss_name, batch_size)
     was_training = model.training
     model.eval()
-    loss = get_loss(loss_name)
     total, correct, counted, n = 0.0, 0, 0, x.shape[0]
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
@@ -257,7 +280,7 @@ def train_epoch(run: Run, epoch: int, meter: progress.Run, position: tuple[int, 
         "noise_finetune": finetune,
     }
     if splits.has_test:
-        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss)
+        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
         row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
     row["seconds"] = time.perf_counter() - t0
     return row

@@ -13,6 +13,7 @@ weights, bit for bit on CPU, as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -105,7 +106,7 @@ class TrainResult:
     regularizers: list = field(default_factory=list)
     # the first diverged epoch (sharpcli.training.divergence), None when training did not diverge
     divergence: dict | None = None
-    stopped_on_divergence: bool = False  # --stop-diverged ended the run at that epoch
+    stopped_on_divergence: bool = False  # --stop-on-divergence ended the run there
 
 
 def train_report(
@@ -215,6 +216,7 @@ def train(
     # must be computed by kernels whose second derivative exists and is right
     with (
         twice_differentiable(),
+        _token_mean(cfg, splits.y_train),
         progress.start("train", total=last_epoch * steps, unit="steps", quantity="loss") as meter,
     ):
         for epoch in range(run.start_epoch, last_epoch):
@@ -223,7 +225,8 @@ def train(
                 (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
             ):
                 t1 = time.perf_counter()
-                row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
+                with _token_mean(cfg, y_track):  # the subset's own, as an analysis of it
+                    row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
                 row["tracking_seconds"] = time.perf_counter() - t1
             run.history.append(row)
             meter.update((epoch + 1) * steps, record={**row, "epochs": total_epochs})
@@ -238,6 +241,16 @@ def train(
     result.divergence = divergence(run.history, splits.num_outputs)
     result.stopped_on_divergence = best is not None and result.divergence is not None
     return result
+
+
+def _token_mean(cfg: TrainConfig, y: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Token cross-entropy averaged per ``cfg.token_reduction`` over the set ``y``
+    (:func:`sharpcli.losses.token_reduction`); nothing for the other losses."""
+    from sharpcli.losses import get_loss, token_reduction
+
+    if cfg.loss is None or not get_loss(cfg.loss).per_token:
+        return contextlib.nullcontext()
+    return token_reduction(cfg.token_reduction, y)
 
 
 class _BestWeights:
@@ -434,14 +447,16 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     NumericalError when the final training loss is not finite.
     """
     cfg, model, splits, history = run.cfg, run.model, run.splits, run.history
-    final_train = evaluate(model, splits.x_train, splits.y_train, cfg.loss)
+    final_train = evaluate(
+        model, splits.x_train, splits.y_train, cfg.loss, reduction=cfg.token_reduction
+    )
     final = {
         "epochs_completed": len(history),
         "train_loss": final_train["loss"],
         "train_accuracy": final_train["accuracy"],
     }
     if splits.has_test:
-        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss)
+        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
         final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
     final["grad_evals"] = sum(r["grad_evals"] for r in history)
     final["seconds"] = sum(r["seconds"] for r in history)

@@ -166,6 +166,8 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     saved = dict(state["config"])
     saved_epochs = saved.pop("epochs", None)
     identity = json.loads(json.dumps(cfg.identity()))
+    if "token_reduction" not in saved:  # saved before the option: token losses per sample
+        saved["token_reduction"] = "samples" if _per_token(saved) else identity["token_reduction"]
     if saved != identity:
         diff = sorted(
             f"`{OPTION_OF.get(k, k)}`"
@@ -179,6 +181,14 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
         )
     if cfg.epochs != saved_epochs:
         _check_more_epochs(cfg, saved_epochs, state["epoch"])
+
+
+def _per_token(config: dict) -> bool:
+    """Whether a saved configuration's loss is a token loss (one label per position)."""
+    from sharpcli.losses import LOSSES
+
+    loss = config.get("loss")
+    return isinstance(loss, str) and loss in LOSSES and LOSSES.get(loss).per_token
 
 
 def _check_more_epochs(cfg: TrainConfig, saved_epochs, done: int) -> None:

@@ -335,6 +335,7 @@ def _analyze_run(
             dtype=base.dtype,
             device=base.device,
             seed=seed,
+            token_reduction=base.token_reduction,  # the averaging the runs trained on
         )
 
     session = session_of(None)
