@@ -255,7 +255,8 @@ def mlp3m(tmp_path_factory):
 IN_MEMORY = {"SHARP_SCRATCH": "off"}
 
 
-@pytest.mark.parametrize("matvecs", [10, 30])
+# 30 products hold a 725 MB basis: the research-size case, in the slow tier
+@pytest.mark.parametrize("matvecs", [10, pytest.param(30, marks=pytest.mark.slow)])
 def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
     run = run_process(
         "eigen", mlp3m, "--eig-tol", "1e-12", "--eig-max-matvecs", matvecs,
@@ -270,6 +271,7 @@ def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
     assert 0.75 <= ratio <= 1.25, plan
 
 
+@pytest.mark.slow  # two runs that hold or spill a 725 MB basis
 def test_a_basis_out_of_core_gives_the_same_eigenvalues_in_less_memory(mlp3m, tmp_path):
     args = ("eigen", mlp3m, "--top-k", "2", "--eig-tol", "1e-12", "--eig-max-matvecs", 30,
             "--dtype", "float64", "--json", "-", "--quiet")  # fmt: skip
@@ -295,6 +297,7 @@ def test_a_scratch_folder_that_cannot_hold_the_basis_is_exit_2(capsys, mlp3m, tm
     assert_one_line_error(run, 2, str(missing), "SHARP_SCRATCH")
 
 
+@pytest.mark.slow  # two 3M-parameter runs to convergence, one restarted
 def test_a_budget_that_forces_restarts_still_certifies(mlp3m):
     args = ("eigen", mlp3m, "--eig-tol", "1e-6", "--json", "-", "--quiet")
     free = run_process(*args, env=IN_MEMORY)
