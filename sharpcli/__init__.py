@@ -11,12 +11,12 @@ imported on first use, so ``import sharpcli`` (and ``sharp --help``) does not lo
 __version__ = "0.1.0"
 SCHEMA_ID = "sharpcli.report/2"
 
-_LAZY = {"Curvature": "sharpcli.api", "Tracker": "sharpcli.api"}
+_LAZY = {"Curvature": "sharpcli.api", "Tracker": "sharpcli.tracker"}
 __all__ = ["Curvature", "SCHEMA_ID", "Tracker", "__version__"]
 
 
 def __getattr__(name: str):
-    """``sharpcli.Curvature`` and ``sharpcli.Tracker``, imported from :mod:`sharpcli.api` on
+    """``sharpcli.Curvature`` and ``sharpcli.Tracker``, imported from :mod:`sharpcli.api` and :mod:`sharpcli.tracker` on
     first access (PEP 562)."""
     if name in _LAZY:
         import importlib

@@ -7,10 +7,15 @@ import doctest
 import pytest
 
 import sharpcli.api
+import sharpcli.tracker
 
 
-@pytest.mark.parametrize("module", [sharpcli.api])
-def test_docstring_examples_run(module):
+@pytest.mark.parametrize(
+    ("module", "examples"),
+    [(sharpcli.api, 20), (sharpcli.tracker, 10)],  # Curvature and its operators; Tracker
+    ids=["api", "tracker"],
+)
+def test_docstring_examples_run(module, examples):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
-    assert result.attempted >= 20  # the Curvature, operator and Tracker examples
+    assert result.attempted >= examples
     assert result.failed == 0

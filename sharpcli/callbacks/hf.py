@@ -18,9 +18,9 @@ integration of ``args.report_to`` (TensorBoard, W&B, ...), like the loss.
 
 from __future__ import annotations
 
-from sharpcli.api import Tracker
 from sharpcli.callbacks import missing_framework
 from sharpcli.errors import UsageError
+from sharpcli.tracker import Tracker
 
 try:
     from transformers import TrainerCallback

@@ -17,8 +17,8 @@ holds the last ones.
 
 from __future__ import annotations
 
-from sharpcli.api import Tracker
 from sharpcli.callbacks import missing_framework
+from sharpcli.tracker import Tracker
 
 try:
     from lightning.pytorch import Callback
