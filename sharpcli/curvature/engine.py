@@ -215,7 +215,7 @@ class CurvatureEngine:
         """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
 
         Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
-        (NME eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
+        ([NME] eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
         about the cost of one Hessian product instead of a joint H+G one. Built once per batch
         on the first N product and cached with the batch's graph.
         """
@@ -588,19 +588,31 @@ class CurvatureEngine:
 
     # ----------------------------------------------------------------- operator views
     def hessian(self) -> HessianOperator:
-        """The Hessian operator sharing this engine (and its cache)."""
+        """The Hessian operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine.
+        """
         from sharpcli.curvature.operators import HessianOperator
 
         return HessianOperator(engine=self)
 
     def ggn(self) -> GGNOperator:
-        """The Gauss-Newton operator sharing this engine (and its cache)."""
+        """The Gauss-Newton operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine.
+        """
         from sharpcli.curvature.operators import GGNOperator
 
         return GGNOperator(engine=self)
 
     def nme(self) -> NMEOperator:
-        """The NME operator sharing this engine (and its cache)."""
+        """The NME operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine.
+        """
         from sharpcli.curvature.operators import NMEOperator
 
         return NMEOperator(engine=self)

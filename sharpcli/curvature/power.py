@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sharpcli import progress
-from sharpcli.curvature.lanczos import EigenResult, apply_operator
+from sharpcli.curvature.ritz import EigenResult, apply_operator
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import UsageError
 
@@ -119,7 +119,7 @@ def power_iteration(
         return_eigenvectors: keep the unit float64 eigenvectors as columns.
 
     Returns:
-        An :class:`~sharpcli.curvature.lanczos.EigenResult`, eigenvalues descending.
+        An :class:`~sharpcli.curvature.ritz.EigenResult`, eigenvalues descending.
 
     Example:
         >>> import torch

@@ -89,7 +89,12 @@ class ParamScope:
         return out
 
     def info(self) -> dict:
-        """The JSON ``results.scope`` record."""
+        """The JSON ``results.scope`` record.
+
+        Returns:
+            ``spec``, ``parameters``, ``numel``, ``layers`` and the frozen parameters included and
+            excluded, with the scope's notes.
+        """
         return {
             "spec": self.spec,
             "parameters": list(self.names),
@@ -208,6 +213,9 @@ class ParamScope:
 
         The parameters a module owns directly are contiguous in ``named_parameters`` order,
         so each layer is one slice; the root module's own parameters are called ``"(root)"``.
+
+        Returns:
+            ``{module name: slice}`` of the flat parameter vector.
         """
         out: OrderedDict[str, slice] = OrderedDict()
         for name, start, stop in zip(self.names, self.offsets[:-1], self.offsets[1:]):
