@@ -105,10 +105,20 @@ def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
 
     Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
     ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
-    module and with it sympy (about 0.6 s of a command's start-up) to compare shapes, and
-    the dot product costs one elementwise product and sum per output. The ``vectors`` must
-    not depend on ``inputs`` (they are constants of the product); ``kw`` goes to
-    ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
+    module and with it sympy to compare shapes (a part of a command's start-up:
+    docs/benchmarks.md, "Start-up"), and the dot product costs one elementwise product and sum
+    per output. The ``vectors`` must not depend on ``inputs`` (they are constants of the
+    product).
+
+    Args:
+        outputs: the tensors differentiated.
+        inputs: the tensors differentiated with respect to.
+        vectors: one constant tensor per output, shaped like it.
+        allow_unused: return ``None`` for an input the outputs do not depend on.
+        **kw: passed to ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
+
+    Returns:
+        ``J^T v``, one tensor (or ``None``) per input.
     """
     dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
     return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)

@@ -67,6 +67,12 @@ _F64 = torch.float64
 def _check_args(op, k: int, which: str, tol: float) -> None:
     """Check the arguments of :func:`lanczos` that need no product.
 
+    Args:
+        op: the operator.
+        k: the eigenvalues wanted.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+        tol: the relative residual tolerance.
+
     Raises:
         UsageError: an unknown ``which``, ``k < 1``, ``tol <= 0`` or an empty scope.
     """
@@ -82,6 +88,12 @@ def _check_args(op, k: int, which: str, tol: float) -> None:
 
 def _budget(max_matvecs: int | None) -> int:
     """The product budget: ``max_matvecs`` or :data:`DEFAULT_MAX_MATVECS`.
+
+    Args:
+        max_matvecs: the user's bound, if any.
+
+    Returns:
+        The budget.
 
     Raises:
         UsageError: ``max_matvecs`` below 1.
@@ -151,6 +163,17 @@ def _start_vector(op, start, warm_start, k, which, generator, fraction, steps, s
 
     A warm start vector that is zero or not finite falls back to the Gaussian, and its record
     says so.
+
+    Args:
+        op: the operator.
+        start: a given start vector, if any.
+        warm_start: the warm start, if any.
+        k: the wanted eigenvalues of each end.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+        generator: seeds the Gaussian start.
+        fraction: the warm subsample's fraction.
+        steps: the warm phase's products.
+        seed: seeds the warm phase.
 
     Returns:
         ``(q_1, warm_info)``, ``warm_info`` ``None`` without a warm start.
