@@ -99,6 +99,12 @@ def check_alphas(alphas: list[float]) -> None:
     """UsageError on ``alphas`` unless there is at least one and each is finite and > 0.
 
     :func:`weight_rescale` checks them itself; a caller about to load a model may check first.
+
+    Args:
+        alphas: the factors.
+
+    Raises:
+        UsageError: none given, or one not finite or not > 0 (source ``alphas``).
     """
     if not alphas:
         raise UsageError("needs at least one alpha", source="alphas")
@@ -119,7 +125,18 @@ class OutputEvaluation:
 
 
 def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
-    """Logits, ``L(theta) = (1/N) sum_i l(z_i, y_i)`` and accuracy (classification) over ``data``."""
+    """Logits, ``L(theta) = (1/N) sum_i l(z_i, y_i)`` and accuracy (classification) over ``data``.
+
+    Args:
+        model: the model, in eval mode.
+        data: the analysis set.
+
+    Returns:
+        This rank's logits with the loss and accuracy over every rank.
+
+    Raises:
+        NumericalError: the logits are not finite.
+    """
     params = list(model.parameters())
     dtype, device = params[0].dtype, params[0].device
     logits = []
@@ -278,6 +295,26 @@ def weight_rescale(
     ``invariant_lambda_max`` = largest eigenvalue of ``diag(|theta|) H diag(|theta|)``, all w.r.t.
     the scope ``params`` (default all parameters). ``model`` itself is not modified.
     Progress: a ``weight rescale`` run counting the models measured (:mod:`sharpcli.progress`).
+
+    Args:
+        model: the model (not changed).
+        data: the analysis set.
+        alphas: the factors.
+        mode: ``"global"`` or ``"layer"``.
+        layer: the layer to rescale (``mode="layer"``).
+        force: accept a rescaling that changes the function.
+        params: the parameter scope of the curvature.
+        tol: Lanczos's relative residual tolerance.
+        max_matvecs: Lanczos's product budget.
+        trace_tol: Hutch++'s relative tolerance.
+        trace_max_matvecs: Hutch++'s product budget.
+        seed: seeds the estimators.
+
+    Returns:
+        The rows, the baseline and the plan.
+
+    Raises:
+        UsageError: bad alphas, mode or layer, or a plan that changes the function unforced.
     """
     check_alphas(alphas)
     check_mode(mode)

@@ -112,7 +112,14 @@ def _layer_candidates(calls: list[_Call]) -> list[str]:
 
 
 def check_mode(mode: str) -> None:
-    """UsageError on ``mode`` unless it is one of :data:`MODES`."""
+    """UsageError on ``mode`` unless it is one of :data:`MODES`.
+
+    Args:
+        mode: the rescaling mode.
+
+    Raises:
+        UsageError: an unknown mode (source ``mode``).
+    """
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r}; accepted: {', '.join(MODES)}", source="mode")
 
@@ -125,7 +132,7 @@ def plan_rescale(
     *,
     force: bool = False,
 ) -> RescalePlan:
-    """Work out a rescaling of ``model`` (see :class:`RescalePlan` and :mod:`sharpcli.analyses.rescale`).
+    """Work out a rescaling of ``model`` (:class:`RescalePlan`; :mod:`sharpcli.analyses.rescale`).
 
     ``example`` is a small input batch: one forward pass records the order in which modules run
     and which module consumes which tensor, so the path from ``layer`` to the next weighted layer
@@ -134,6 +141,16 @@ def plan_rescale(
     ``nn.Linear``/convolution to run). Raises ``UsageError`` (``mode``/``layer``) for unknown
     modes and layers, layers with nothing to compensate them, and -- unless ``force`` -- layer
     rescalings that would change the function (e.g. through GELU).
+
+    Args:
+        model: the model (not changed).
+        example: a small input batch.
+        mode: ``"global"`` or ``"layer"``.
+        layer: the layer to rescale (``mode="layer"``).
+        force: accept a rescaling that changes the function.
+
+    Returns:
+        The plan.
     """
     check_mode(mode)
     if mode == "global":
@@ -330,6 +347,11 @@ def apply_rescale(model: nn.Module, plan: RescalePlan, alpha: float) -> None:
 
     Raises ``UsageError(source="alpha")`` for ``alpha <= 0`` or when a BatchNorm adjustment
     would need a negative running variance (``alpha^2 (var + eps) < eps``).
+
+    Args:
+        model: the model, rescaled in place.
+        plan: from :func:`plan_rescale`.
+        alpha: the factor.
     """
     if not (alpha > 0 and math.isfinite(alpha)):
         raise UsageError(f"alpha must be a finite number > 0, got {alpha}", source="alpha")

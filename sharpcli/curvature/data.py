@@ -172,6 +172,7 @@ def prepare_model_for_analysis(model: nn.Module) -> nn.Module:
 
 
 def _module_changes_in_train_mode(module: nn.Module) -> bool:
+    """Whether ``module`` computes something else in train mode (dropout, batch statistics)."""
     if isinstance(module, nn.modules.dropout._DropoutNd) or isinstance(module, nn.AlphaDropout):
         return module.p > 0
     if isinstance(module, nn.modules.batchnorm._BatchNorm):

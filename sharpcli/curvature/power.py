@@ -33,6 +33,7 @@ __all__ = ["power_iteration"]
 
 
 def _check_args(k, tol, max_iter) -> None:
+    """Raise UsageError on ``k < 1``, ``tol <= 0`` or ``max_iter < 1``."""
     if int(k) < 1:
         raise UsageError(f"top-k must be >= 1, got {k}", source="k")
     if not tol > 0:

@@ -44,6 +44,7 @@ ENGINE = "pyhessian"
 
 
 def _check_scope(params: str | None):
+    """Raise UsageError unless ``params`` is the whole model (PyHessian knows no scopes)."""
     if params not in (None, "", "all"):
         raise UsageError(
             f"pyhessian computes over all trainable parameters; scope {params!r} needs `engine=native`",

@@ -297,10 +297,16 @@ def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: 
 
 
 def _short_list(names: list[str], most: int = 4) -> str:
+    """The first ``most`` names, and how many there are in all, for a message."""
     return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def _last_linear(model: nn.Module, trainable: list) -> list:
+    """The trainable ``(name, parameter)`` pairs of the classifier head (``params="last"``).
+
+    Raises:
+        UsageError: the model has no ``nn.Linear``, or its head has no trainable parameter.
+    """
     from sharpcli.models.zoo import final_linear
 
     last_name, _ = final_linear(
@@ -318,6 +324,11 @@ def _last_linear(model: nn.Module, trainable: list) -> list:
 
 
 def _matching(text: str, named: list) -> list:
+    """The ``(name, parameter)`` pairs matching any of the comma-separated globs in ``text``.
+
+    Raises:
+        UsageError: no parameter matches.
+    """
     patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
     chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
     if not chosen:
