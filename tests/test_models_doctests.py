@@ -6,6 +6,7 @@ import doctest
 
 import pytest
 
+import sharpcli.models.activation_functions
 import sharpcli.models.activations
 import sharpcli.models.outputs
 import sharpcli.models.specs
@@ -14,7 +15,8 @@ import sharpcli.models.zoo
 
 # each module with the number of docstrings that hold examples
 MODULES = [
-    (sharpcli.models.activations, 2),
+    (sharpcli.models.activation_functions, 1),
+    (sharpcli.models.activations, 1),
     (sharpcli.models.outputs, 1),
     (sharpcli.models.specs, 2),
     (sharpcli.models.state_size, 1),

@@ -5,10 +5,12 @@
   introspection helpers (``final_linear``, ``activation_modules``) that work on any module.
 - :mod:`sharpcli.models.specs`: each architecture's arguments, their checks and defaults.
 - :mod:`sharpcli.models.state_size`: a spec's state_dict size, computed without building it.
+- :mod:`sharpcli.models.activation_functions`: their closed forms and custom autograd.
 - :mod:`sharpcli.models.activations`: ``relu``, ``gelu``, ``beta-gelu``, ``augmented-relu``,
   ``diminished-gelu`` ([NME] sections 4.3-4.4) and ``make_activation("name[:k=v,...]")``.
 """
 
+from sharpcli.models.activation_functions import augmented_relu, beta_gelu, diminished_gelu
 from sharpcli.models.activations import (
     ACTIVATION_NAMES,
     ACTIVATION_TYPES,
@@ -18,10 +20,7 @@ from sharpcli.models.activations import (
     DiminishedGELU,
     ReLU,
     activation_spec,
-    augmented_relu,
-    beta_gelu,
     canonical_activation_spec,
-    diminished_gelu,
     is_positively_homogeneous,
     make_activation,
     parse_activation_spec,
