@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 
 import pytest
 
 import sharpcli.curvature.data
 import sharpcli.curvature.density
 import sharpcli.curvature.engine
+import sharpcli.curvature.krylov_plan
 import sharpcli.curvature.operators
 import sharpcli.curvature.power
+import sharpcli.curvature.ritz
 import sharpcli.curvature.split
 import sharpcli.curvature.trace
+import sharpcli.curvature.tridiagonal
+import sharpcli.curvature.warm_start
 
 # each module with the number of docstrings that hold examples
 MODULES = [
@@ -23,6 +28,12 @@ MODULES = [
     (sharpcli.curvature.power, 1),
     (sharpcli.curvature.split, 1),
     (sharpcli.curvature.trace, 3),
+    (sharpcli.curvature.krylov_plan, 1),
+    # the package's name `lanczos` is the function, so the module is looked up by name
+    (importlib.import_module("sharpcli.curvature.lanczos"), 1),
+    (sharpcli.curvature.ritz, 1),
+    (sharpcli.curvature.tridiagonal, 1),
+    (sharpcli.curvature.warm_start, 1),
 ]
 
 

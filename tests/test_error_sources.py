@@ -77,7 +77,7 @@ def _curvature_errors():
 def _analyses_errors():
     from sharpcli.analyses.analyze import parse_metrics
     from sharpcli.analyses.bounds import BoundCheckConfig
-    from sharpcli.analyses.rescale import plan_rescale
+    from sharpcli.analyses.rescale_plan import plan_rescale
     from sharpcli.analyses.spectrum import METHODS, check_choice
     from sharpcli.analyses.tracking import check_tracked
 

@@ -15,8 +15,9 @@ from sharpcli.curvature import (
     ParamScope,
     lanczos,
 )
-from sharpcli.curvature.lanczos import subsample_data, subsample_operator
+from sharpcli.curvature.data import subsample_data
 from sharpcli.curvature.operators import CurvatureOperator
+from sharpcli.curvature.warm_start import subsample_operator
 from sharpcli.errors import UsageError
 
 

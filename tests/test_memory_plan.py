@@ -16,7 +16,7 @@ from sharpcli import memory
 from sharpcli.curvature import CurvaturePass, ParamScope, lanczos
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.krylov import KrylovBasis
-from sharpcli.curvature.lanczos import krylov_work_bytes
+from sharpcli.curvature.krylov_plan import krylov_work_bytes
 from sharpcli.curvature.operators import MatrixOperator
 from sharpcli.curvature.trace import hutchinson
 from sharpcli.errors import UsageError
@@ -183,13 +183,13 @@ def test_a_basis_in_a_scratch_file_computes_what_one_in_memory_does(tmp_path, dt
 
 
 def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, monkeypatch):
-    lanczos_module = importlib.import_module("sharpcli.curvature.lanczos")
+    krylov_plan = importlib.import_module("sharpcli.curvature.krylov_plan")
 
     op, dense = _spectrum_operator()
     monkeypatch.setenv("SHARP_SCRATCH", "off")
     held = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
     monkeypatch.setenv("SHARP_SCRATCH", str(tmp_path))
-    monkeypatch.setattr(lanczos_module, "IN_MEMORY_BASIS_BYTES", 0)  # every basis to a file
+    monkeypatch.setattr(krylov_plan, "IN_MEMORY_BASIS_BYTES", 0)  # every basis to a file
     memory.activate(memory.MemoryPlan(budget=10**12))
     spilled = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
     assert any("scratch file" in c for c in memory.current().choices)
@@ -199,15 +199,15 @@ def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, mon
 
 
 def test_slq_out_of_core_gives_the_same_quadrature(tmp_path, monkeypatch):
-    from sharpcli.curvature.lanczos import lanczos_tridiagonal
+    from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
 
-    lanczos_module = importlib.import_module("sharpcli.curvature.lanczos")
+    krylov_plan = importlib.import_module("sharpcli.curvature.krylov_plan")
     op, _ = _spectrum_operator()
     start = torch.randn(120, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("SHARP_SCRATCH", "off")
     a1, b1, q1 = lanczos_tridiagonal(op, start, 20, keep_basis=True)
     monkeypatch.setenv("SHARP_SCRATCH", str(tmp_path))
-    monkeypatch.setattr(lanczos_module, "IN_MEMORY_BASIS_BYTES", 0)
+    monkeypatch.setattr(krylov_plan, "IN_MEMORY_BASIS_BYTES", 0)
     memory.activate(memory.MemoryPlan(budget=10**12))
     a2, b2, q2 = lanczos_tridiagonal(op, start, 20, keep_basis=True)
     assert any("scratch file" in c for c in memory.current().choices)

@@ -20,7 +20,7 @@ from cli_helpers import run_cli
 
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
-from sharpcli.models.zoo import build_model, default_model_args
+from sharpcli.models import build_model, default_model_args
 from sharpcli.training.regularizers import auto_step_length, parse_reg, training_step
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from cli_helpers import assert_one_line_error, run_cli
 from torch.func import functional_call, hessian
 
-from sharpcli.analyses.rescale import apply_rescale, plan_rescale, weight_rescale
+from sharpcli.analyses.rescale import weight_rescale
+from sharpcli.analyses.rescale_plan import apply_rescale, plan_rescale
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.errors import UsageError

@@ -19,7 +19,7 @@ from sharpcli.curvature.data import (
 )
 from sharpcli.curvature.density import SpectralDensity, spectral_density
 from sharpcli.curvature.engine import CurvatureEngine
-from sharpcli.curvature.lanczos import EigenResult, lanczos, lanczos_tridiagonal, ritz_residuals
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
     CurvatureOperator,
@@ -44,6 +44,7 @@ from sharpcli.curvature.registry import (
     register_operator,
     unregister_operator,
 )
+from sharpcli.curvature.ritz import EigenResult, ritz_residuals
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import (
     TraceResult,
@@ -54,6 +55,7 @@ from sharpcli.curvature.trace import (
     hutchpp,
     sampled_label_ggn_trace,
 )
+from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",

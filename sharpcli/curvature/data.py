@@ -38,7 +38,11 @@ __all__ = [
 
 
 def distributed_rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the running ``torch.distributed`` group, ``(0, 1)`` without one."""
+    """``(rank, world_size)`` of the running ``torch.distributed`` group, ``(0, 1)`` without one.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` without a process group.
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
@@ -138,7 +142,11 @@ class AnalysisData:
         """Yield ``(x_b, y_b, B_b / N)`` over this rank's shard, in a fixed order.
 
         Each batch the caller is done with is reported to :func:`sharpcli.progress.batch`
-        (the batches of one product, shown by the progress bar)."""
+        (the batches of one product, shown by the progress bar).
+
+        Yields:
+            ``(x_b, y_b, B_b / N)``: a batch of inputs, its labels and its weight in the mean.
+        """
         total = self.num_batches
         for index, start in enumerate(range(0, self.local_num_samples, self.batch_size)):
             x_b = self.x[start : start + self.batch_size]
@@ -164,6 +172,7 @@ def prepare_model_for_analysis(model: nn.Module) -> nn.Module:
 
 
 def _module_changes_in_train_mode(module: nn.Module) -> bool:
+    """Whether ``module`` computes something else in train mode (dropout, batch statistics)."""
     if isinstance(module, nn.modules.dropout._DropoutNd) or isinstance(module, nn.AlphaDropout):
         return module.p > 0
     if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -11,7 +11,7 @@ of width ``sigma`` gives the plotted density
 which integrates to 1. The same quadrature gives a trace estimate ``P * mean_v sum_j tau_j theta_j``.
 
 The probe, the Lanczos basis and the tridiagonal ``T_m`` are float64 whatever the operator's
-dtype (only the products run in it; :mod:`sharpcli.curvature.lanczos`), so a float32 model's
+dtype (only the products run in it; :mod:`sharpcli.curvature.tridiagonal`), so a float32 model's
 nodes and weights carry the products' rounding only. The basis costs ``8 P m`` bytes.
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from sharpcli import progress
-from sharpcli.curvature.lanczos import lanczos_tridiagonal, tridiagonal_eigh
 from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.tridiagonal import lanczos_tridiagonal, tridiagonal_eigh
 from sharpcli.errors import UsageError
 
 __all__ = ["SpectralDensity", "spectral_density"]
@@ -72,7 +72,11 @@ class SpectralDensity:
         return float(values.std(ddof=1) / math.sqrt(values.size))
 
     def to_dict(self) -> dict:
-        """The density as a JSON-serialisable dict, with its trace estimate."""
+        """The density as a JSON-serialisable dict, with its trace estimate.
+
+        Returns:
+            ``nodes``, ``weights``, ``grid``, ``density`` and the trace estimate, JSON-ready.
+        """
         return {
             "nodes": self.nodes,
             "weights": self.weights,

@@ -15,13 +15,12 @@ differentiable operations:
   forward pass of an analysis (with or without gradients) computes the same function.
 - Weight normalisation (``torch.nn.utils.parametrizations.weight_norm`` and the older
   ``torch.nn.utils.weight_norm``, both ``torch._weight_norm``): its fused kernel's *second*
-  derivative is wrong (torch 2.13, CPU, float32 and float64). On a weight-normed MLP the
-  double-backward Hessian was not even symmetric (``max |H - H^T|`` = 0.22 against entries of
-  0.3, 0.12-0.26 off central differences of the gradient), so every Hessian product through it
-  was silently wrong while first derivatives were right. The block computes
-  ``w = g v / ||v||`` (the norm over every dimension but ``dim``, :func:`weight_norm_composite`)
-  from differentiable operations instead: the same forward value to rounding, and Hessians
-  that agree with central differences to 4e-11.
+  derivative is wrong (torch 2.13, CPU, float32 and float64): the double-backward Hessian is
+  not even symmetric, so every Hessian product through it is silently wrong while first
+  derivatives are right (docs/benchmarks.md, "Second derivatives that torch gets wrong"). The
+  block computes ``w = g v / ||v||`` (the norm over every dimension but ``dim``,
+  :func:`weight_norm_composite`) from differentiable operations instead: the same forward
+  value to rounding, and Hessians that agree with central differences.
 - ``nn.EmbeddingBag`` (``F.embedding_bag``): torch implements no derivative of its backward
   ("the derivative for '_embedding_bag_backward' is not implemented"), so a Hessian product
   through a bag of embeddings failed. The block computes the bags from an embedding lookup and
@@ -31,8 +30,8 @@ differentiable operations:
 - Reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
   use_reentrant=True)``, the old default) cannot be differentiated twice, and when the inputs
   of the checkpointed block do not require gradients (data do not) torch drops the gradients
-  of the block's parameters with only a warning: a model that checkpoints its first block got
-  a Hessian without that block (lambda_max 0.398 against 0.436 on a small MLP), silently.
+  of the block's parameters with only a warning: a model that checkpoints its first block gets
+  a Hessian without that block, silently.
   The block runs such checkpointed functions as plain forward passes (:class:`_PlainForward`):
   the same function, its activations kept. Non-reentrant checkpointing differentiates
   correctly and is left alone.

@@ -34,7 +34,6 @@ The operators by ``--operator`` name: :mod:`sharpcli.curvature.registry`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +42,7 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.graphs import BatchGraph, ByteCounter, vjp, write_columns
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
@@ -53,65 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CACHE_BYTES", "CurvatureEngine"]
 
 DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB of retained first-order graphs
-
-
-@dataclass
-class _BatchGraph:
-    """First-order graph of one batch: logits ``z``, ``g_z = dL_b/dz``, ``g = J^T g_z`` (with graphs)."""
-
-    z: torch.Tensor
-    gz: torch.Tensor
-    grads: list  # tensors of the scope's gradient that depend on theta (require grad)
-    grad_index: list  # their positions in the scope
-    nbytes: int = 0
-    nme_view: "_BatchGraph | None" = (
-        None  # g_N = J^T g_z with g_z held constant (built on first N product)
-    )
-    cached: bool = False  # held in CurvatureEngine._cache (its NME view then counts there too)
-
-
-@dataclass
-class _ByteCounter:
-    seen: set = field(default_factory=set)
-    nbytes: int = 0
-
-    def pack(self, tensor):
-        try:
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in self.seen:
-                self.seen.add(key)
-                self.nbytes += storage.nbytes()
-        except (
-            RuntimeError,
-            NotImplementedError,
-        ):  # tensors without storage (e.g. sparse) count by size
-            self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor):
-        return tensor
-
-
-def _write_columns(blocks: list, cols: slice, results: tuple) -> None:
-    """Write each product of ``results`` into the columns ``cols`` of its block."""
-    for block, result in zip(blocks, results):
-        block[:, cols] = result
-
-
-def _vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
-    """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
-
-    Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
-    ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
-    module and with it sympy (about 0.6 s of a command's start-up) to compare shapes, and
-    the dot product costs one elementwise product and sum per output. The ``vectors`` must
-    not depend on ``inputs`` (they are constants of the product); ``kw`` goes to
-    ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
-    """
-    dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
-    return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)
 
 
 class CurvatureEngine:
@@ -163,7 +104,7 @@ class CurvatureEngine:
         self.scope = scope
         self.loss = loss_fn(data.loss)
         self.cache_bytes = int(cache_bytes)
-        self._cache: dict[int, _BatchGraph] = {}
+        self._cache: dict[int, BatchGraph] = {}
         self._cached_bytes = 0
         self._versions = None
         if vectorize is None:
@@ -189,8 +130,8 @@ class CurvatureEngine:
         """Number of batches whose first-order graph is currently cached."""
         return len(self._cache)
 
-    def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> _BatchGraph:
-        counter = _ByteCounter()
+    def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> BatchGraph:
+        counter = ByteCounter()
         with (
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
@@ -209,28 +150,28 @@ class CurvatureEngine:
         kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
         nbytes += 2 * z.numel() * z.element_size()
-        return _BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+        return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
 
-    def _nme_graph(self, graph: _BatchGraph) -> _BatchGraph:
+    def _nme_graph(self, graph: BatchGraph) -> BatchGraph:
         """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
 
         Differentiating ``<g_N, v>`` gives ``sum_c (dl/dz_c) d^2 z_c/dtheta^2 v = N v`` directly
-        (NME eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
+        ([NME] eq. 2, second term), without the path through ``g_z(z(theta))`` that makes ``G v``:
         about the cost of one Hessian product instead of a joint H+G one. Built once per batch
         on the first N product and cached with the batch's graph.
         """
         if graph.nme_view is None:
-            counter = _ByteCounter()
+            counter = ByteCounter()
             with (
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
             ):
-                grads = _vjp(
+                grads = vjp(
                     [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
                 )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-            graph.nme_view = _BatchGraph(
+            graph.nme_view = BatchGraph(
                 graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
             )
             if graph.cached:
@@ -321,7 +262,7 @@ class CurvatureEngine:
             for a, b, shape in zip(scope.offsets[:-1], scope.offsets[1:], scope.shapes)
         ]
 
-    def _reverse_through_gradient(self, graph: _BatchGraph, V, batched: bool, inputs) -> tuple:
+    def _reverse_through_gradient(self, graph: BatchGraph, V, batched: bool, inputs) -> tuple:
         """``d<g, v>/d inputs`` for the batch's ``g = J^T g_z`` and each column ``v`` of ``V``.
 
         With respect to the parameters this is ``H v``, with respect to ``g_z`` it is ``J v``
@@ -332,7 +273,7 @@ class CurvatureEngine:
         vectors = [parts[i] for i in graph.grad_index]
         with torch.enable_grad():
             if not batched:
-                return _vjp(graph.grads, inputs, vectors, retain_graph=True)
+                return vjp(graph.grads, inputs, vectors, retain_graph=True)
             return torch.autograd.grad(
                 graph.grads,
                 inputs,
@@ -342,7 +283,7 @@ class CurvatureEngine:
                 is_grads_batched=True,
             )
 
-    def _ggn_from_jv(self, graph: _BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
+    def _ggn_from_jv(self, graph: BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
         """``G v = J^T H_z (J v)`` [Schraudolph2002] from ``J v``: a backward through the tiny ``g_z(z)``
         graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta."""
         if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
@@ -357,11 +298,11 @@ class CurvatureEngine:
                     graph.z, params, grad_outputs=hz_jv, allow_unused=True, **kw
                 )
             else:
-                (hz_jv,) = _vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
-                gv = _vjp([graph.z], params, [hz_jv], retain_graph=True)
+                (hz_jv,) = vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
+                gv = vjp([graph.z], params, [hz_jv], retain_graph=True)
         return self._flat_block(gv, k, batched)
 
-    def _hessian_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+    def _hessian_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
         """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
         return (  # no local name for the results: _flat_block releases them as it copies
             self._flat_block(
@@ -371,12 +312,12 @@ class CurvatureEngine:
             ),
         )
 
-    def _ggn_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+    def _ggn_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
         """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
         (jv,) = self._reverse_through_gradient(graph, V, batched, [graph.gz])
         return (self._ggn_from_jv(graph, jv, V.shape[1], batched),)
 
-    def _joint_batch(self, graph: _BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
+    def _joint_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
         """``(H_b V, G_b V)`` from ONE reverse pass w.r.t. the parameters and ``g_z`` together."""
         params = list(self.scope.params)
         outs = self._reverse_through_gradient(graph, V, batched, params + [graph.gz])
@@ -404,7 +345,7 @@ class CurvatureEngine:
         return out
 
     # ----------------------------------------------------------------- the pass over the data
-    def _batch_blocks(self, graph: _BatchGraph, V, batch_product, count: int) -> list:
+    def _batch_blocks(self, graph: BatchGraph, V, batch_product, count: int) -> list:
         """``batch_product`` of one batch for every column of ``V``, as ``count`` blocks.
 
         ``vectorize`` columns go through one vmapped reverse pass; column by column when
@@ -419,13 +360,13 @@ class CurvatureEngine:
             cols = slice(start, min(k, start + self.vectorize))
             if self._batched_ok and cols.stop - cols.start > 1:
                 try:
-                    _write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
+                    write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
                     continue
                 except RuntimeError:  # an op without a batched (vmap) backward rule
                     self._batched_ok = False
             for j in range(cols.start, cols.stop):
                 column = slice(j, j + 1)
-                _write_columns(blocks, column, batch_product(graph, V[:, column], False))
+                write_columns(blocks, column, batch_product(graph, V[:, column], False))
         return blocks
 
     @staticmethod
@@ -588,19 +529,31 @@ class CurvatureEngine:
 
     # ----------------------------------------------------------------- operator views
     def hessian(self) -> HessianOperator:
-        """The Hessian operator sharing this engine (and its cache)."""
+        """The Hessian operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine.
+        """
         from sharpcli.curvature.operators import HessianOperator
 
         return HessianOperator(engine=self)
 
     def ggn(self) -> GGNOperator:
-        """The Gauss-Newton operator sharing this engine (and its cache)."""
+        """The Gauss-Newton operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine.
+        """
         from sharpcli.curvature.operators import GGNOperator
 
         return GGNOperator(engine=self)
 
     def nme(self) -> NMEOperator:
-        """The NME operator sharing this engine (and its cache)."""
+        """The NME operator sharing this engine (and its cache).
+
+        Returns:
+            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine.
+        """
         from sharpcli.curvature.operators import NMEOperator
 
         return NMEOperator(engine=self)

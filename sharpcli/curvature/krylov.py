@@ -56,7 +56,14 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def norm64(x: torch.Tensor) -> float:
     """``||x||`` summed in float64 a slice at a time (``torch.linalg.vector_norm(x,
     dtype=float64)`` makes a whole float64 copy of ``x`` first: 1 GB at 124M parameters);
-    NaN or Inf when an entry is."""
+    NaN or Inf when an entry is.
+
+    Args:
+        x: a tensor of any shape and floating dtype.
+
+    Returns:
+        The 2-norm of ``x``'s entries.
+    """
     flat = x.reshape(-1)
     if flat.dtype == _F64:
         return float(torch.linalg.vector_norm(flat))
@@ -134,7 +141,16 @@ class KrylovBasis:
 
     @staticmethod
     def bytes_for(dim: int, dtype: torch.dtype, vectors: int) -> int:
-        """Bytes that ``vectors`` rows of length ``dim`` take in ``dtype``."""
+        """Bytes that ``vectors`` rows of length ``dim`` take in ``dtype``.
+
+        Args:
+            dim: the row length P.
+            dtype: the storage dtype.
+            vectors: the number of rows.
+
+        Returns:
+            ``dim * vectors`` times the item size of ``dtype``.
+        """
         return int(dim) * torch.empty((), dtype=dtype).element_size() * int(vectors)
 
     def close(self) -> None:
@@ -226,7 +242,11 @@ class KrylovBasis:
     def append(self, q: torch.Tensor) -> None:
         """Store ``q`` (rounded to the storage dtype) as the next row. In a scratch file the
         rounded row is also kept in memory until the next append (it is multiplied next):
-        ``q`` must not be modified afterwards when it already has the storage dtype."""
+        ``q`` must not be modified afterwards when it already has the storage dtype.
+
+        Args:
+            q: a P-vector of any floating dtype.
+        """
         if self._file is not None:
             row = q.detach().reshape(-1).to(dtype=self.dtype, device=self.device)
             self._write(self._size, row)
@@ -242,7 +262,14 @@ class KrylovBasis:
 
     def row(self, i: int) -> torch.Tensor:
         """Row ``i`` in the storage dtype: a view in memory (no copy), the kept newest row or a
-        fresh copy read from the scratch file."""
+        fresh copy read from the scratch file.
+
+        Args:
+            i: the row's index.
+
+        Returns:
+            A P-vector in the storage dtype.
+        """
         if not -self._size <= i < self._size:
             raise IndexError(i)
         i %= self._size
@@ -259,7 +286,11 @@ class KrylovBasis:
         return _f64(self.row(i))
 
     def truncate(self, size: int) -> None:
-        """Keep the first ``size`` rows; memory (chunks) or file space no longer needed is freed."""
+        """Keep the first ``size`` rows; memory (chunks) or file space no longer needed is freed.
+
+        Args:
+            size: the rows kept.
+        """
         self._size = int(size)
         if self._file is not None:
             if self._last is not None and self._last[0] >= self._size:
@@ -271,7 +302,15 @@ class KrylovBasis:
 
     # ------------------------------------------------------------------ float64 arithmetic
     def dot(self, i: int, w: torch.Tensor) -> float:
-        """``q_i^T w`` in float64, widening row ``i`` (and ``w``) a slice at a time."""
+        """``q_i^T w`` in float64, widening row ``i`` (and ``w``) a slice at a time.
+
+        Args:
+            i: the row's index.
+            w: a P-vector.
+
+        Returns:
+            The float64 inner product.
+        """
         if not -self._size <= i < self._size:
             raise IndexError(i)
         total = 0.0
@@ -286,13 +325,29 @@ class KrylovBasis:
         return total
 
     def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
-        """``w <- w - alpha q_i`` in place, in ``w``'s dtype (no widened copy of the row)."""
+        """``w <- w - alpha q_i`` in place, in ``w``'s dtype (no widened copy of the row).
+
+        Args:
+            w: the P-vector updated in place.
+            i: the row's index.
+            alpha: the coefficient.
+
+        Returns:
+            ``w``.
+        """
         for s, values in self._row_pieces(i % self._size):
             w[s].sub_(values, alpha=alpha)
         return w
 
     def coefficients(self, w: torch.Tensor) -> torch.Tensor:
-        """``Q w`` (float64, one entry per row)."""
+        """``Q w`` (float64, one entry per row).
+
+        Args:
+            w: a P-vector.
+
+        Returns:
+            A float64 vector of one coefficient per row.
+        """
         h = torch.zeros(self._size, dtype=_F64, device=w.device)
         if self._size == 0:
             return h
@@ -304,7 +359,15 @@ class KrylovBasis:
         return h
 
     def subtract(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``w - Q^T h`` in place on ``w`` (the combination summed in float64)."""
+        """``w - Q^T h`` in place on ``w`` (the combination summed in float64).
+
+        Args:
+            w: the P-vector updated in place.
+            h: one float64 coefficient per row.
+
+        Returns:
+            ``w``.
+        """
         if self._size == 0:
             return w
         plain = w.dtype == _F64
@@ -325,6 +388,13 @@ class KrylovBasis:
         that cancels much is repeated once, which restores that. In Lanczos the three-term
         recurrence has already removed ``w``'s components along the newest rows, so a second
         pass is rarely needed: it would read the whole basis twice more.
+
+        Args:
+            w: the P-vector made orthogonal in place.
+            passes: Gram-Schmidt passes (two: CGS2).
+
+        Returns:
+            ``w``.
         """
         if self._size == 0:
             return w
@@ -339,7 +409,15 @@ class KrylovBasis:
 
     def combine(self, S: torch.Tensor, dtype: torch.dtype = _F64) -> torch.Tensor:
         """``Q^T S``: the ``(P, k)`` combinations of the rows with coefficients ``S`` (``(m, k)``,
-        ``m`` = rows), e.g. Ritz vectors; summed in float64, returned in ``dtype``."""
+        ``m`` = rows), e.g. Ritz vectors; summed in float64, returned in ``dtype``.
+
+        Args:
+            S: the ``(m, k)`` coefficients.
+            dtype: the result's dtype.
+
+        Returns:
+            The ``(P, k)`` combinations.
+        """
         S = S.to(dtype=_F64, device=self.device)
         out = torch.empty(self.dim, S.shape[1], dtype=dtype, device=self.device)
         for s in self._slices(self._size, widen=self.dtype != _F64 or self._file is not None):
@@ -351,7 +429,11 @@ class KrylovBasis:
 
     def rotate(self, S: torch.Tensor) -> None:
         """Replace the rows by the ``k`` rows of ``S^T Q`` (``S``: ``(m, k)``, ``k <= m``), in
-        place, a slice of columns at a time; the basis then has ``k`` rows."""
+        place, a slice of columns at a time; the basis then has ``k`` rows.
+
+        Args:
+            S: the ``(m, k)`` coefficients, ``k <= m``.
+        """
         S = S.to(dtype=_F64, device=self.device)
         k = S.shape[1]
         if k > self._size:

@@ -459,7 +459,11 @@ class LinearCombination(CurvatureOperator):
         return None if engine is None else (engine, a, b)
 
     def blocks(self) -> dict[str, slice]:
-        """The per-layer blocks of the first term that has any (see :meth:`CurvatureOperator.blocks`)."""
+        """The per-layer blocks of the first term that has any (see :meth:`CurvatureOperator.blocks`).
+
+        Returns:
+            ``{module name: slice}``; empty when no term has blocks.
+        """
         for _, op in self.terms:
             blocks = op.blocks()
             if blocks:

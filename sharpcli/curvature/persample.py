@@ -362,7 +362,7 @@ class LayerTaps:
         if not outputs:
             return
         # the gradient of the scalar <z, direction> (a constant direction), not
-        # grad_outputs=direction: torch's grad_outputs path imports sympy (~0.6 s of start-up)
+        # grad_outputs=direction: torch's grad_outputs path imports sympy (slow to import)
         deltas = iter(
             torch.autograd.grad(
                 (z * direction.detach()).sum(), outputs, retain_graph=True, allow_unused=True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sharpcli import progress
-from sharpcli.curvature.lanczos import EigenResult, apply_operator
+from sharpcli.curvature.ritz import EigenResult, apply_operator
 from sharpcli.curvature.scope import gaussian_like
 from sharpcli.errors import UsageError
 
@@ -33,6 +33,7 @@ __all__ = ["power_iteration"]
 
 
 def _check_args(k, tol, max_iter) -> None:
+    """Raise UsageError on ``k < 1``, ``tol <= 0`` or ``max_iter < 1``."""
     if int(k) < 1:
         raise UsageError(f"top-k must be >= 1, got {k}", source="k")
     if not tol > 0:
@@ -119,7 +120,7 @@ def power_iteration(
         return_eigenvectors: keep the unit float64 eigenvectors as columns.
 
     Returns:
-        An :class:`~sharpcli.curvature.lanczos.EigenResult`, eigenvalues descending.
+        An :class:`~sharpcli.curvature.ritz.EigenResult`, eigenvalues descending.
 
     Example:
         >>> import torch

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from sharpcli.curvature.data import AnalysisData, prepare_model_for_analysis, to_model_batch
-from sharpcli.curvature.lanczos import EigenResult, ritz_residuals
 from sharpcli.curvature.operators import HessianOperator
+from sharpcli.curvature.ritz import EigenResult, ritz_residuals
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.trace import TraceResult
 from sharpcli.errors import UsageError
@@ -44,6 +44,7 @@ ENGINE = "pyhessian"
 
 
 def _check_scope(params: str | None):
+    """Raise UsageError unless ``params`` is the whole model (PyHessian knows no scopes)."""
     if params not in (None, "", "all"):
         raise UsageError(
             f"pyhessian computes over all trainable parameters; scope {params!r} needs `engine=native`",
@@ -153,7 +154,7 @@ def pyhessian_eigenvalues(
         verify_residuals: measure each eigenvector's residual with the native operator.
 
     Returns:
-        An :class:`~sharpcli.curvature.lanczos.EigenResult` with ``engine="pyhessian"`` notes.
+        An :class:`~sharpcli.curvature.ritz.EigenResult` with ``engine="pyhessian"`` notes.
     """
     _check_scope(params)
     if int(top_n) < 1:

@@ -89,7 +89,12 @@ class ParamScope:
         return out
 
     def info(self) -> dict:
-        """The JSON ``results.scope`` record."""
+        """The JSON ``results.scope`` record.
+
+        Returns:
+            ``spec``, ``parameters``, ``numel``, ``layers`` and the frozen parameters included and
+            excluded, with the scope's notes.
+        """
         return {
             "spec": self.spec,
             "parameters": list(self.names),
@@ -208,6 +213,9 @@ class ParamScope:
 
         The parameters a module owns directly are contiguous in ``named_parameters`` order,
         so each layer is one slice; the root module's own parameters are called ``"(root)"``.
+
+        Returns:
+            ``{module name: slice}`` of the flat parameter vector.
         """
         out: OrderedDict[str, slice] = OrderedDict()
         for name, start, stop in zip(self.names, self.offsets[:-1], self.offsets[1:]):
@@ -289,10 +297,16 @@ def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: 
 
 
 def _short_list(names: list[str], most: int = 4) -> str:
+    """The first ``most`` names, and how many there are in all, for a message."""
     return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def _last_linear(model: nn.Module, trainable: list) -> list:
+    """The trainable ``(name, parameter)`` pairs of the classifier head (``params="last"``).
+
+    Raises:
+        UsageError: the model has no ``nn.Linear``, or its head has no trainable parameter.
+    """
     from sharpcli.models.zoo import final_linear
 
     last_name, _ = final_linear(
@@ -310,6 +324,11 @@ def _last_linear(model: nn.Module, trainable: list) -> list:
 
 
 def _matching(text: str, named: list) -> list:
+    """The ``(name, parameter)`` pairs matching any of the comma-separated globs in ``text``.
+
+    Raises:
+        UsageError: no parameter matches.
+    """
     patterns = [pat.strip() for pat in text.split(",") if pat.strip()]
     chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
     if not chosen:

@@ -1,12 +1,12 @@
-"""The manipulation paper's architectural interventions (MAN sections 4 and 5.1).
+"""The manipulation paper's architectural interventions ([MAN] sections 4 and 5.1).
 
-- **Fixed feature-map masking** (MAN Table 1): a fixed random fraction ``mask_ratio`` of every
+- **Fixed feature-map masking** ([MAN] Table 1): a fixed random fraction ``mask_ratio`` of every
   activation layer's outputs (each channel-position of a feature map, each unit of a dense layer)
   is zeroed for the whole of training, which forces dead outputs. Implemented as a
   :class:`FeatureMask` (a persistent 0/1 buffer, seeded by ``mask_seed``) applied to the
   pre-activation, so ``relu(m * z) = m * relu(z)`` and the masked units are dead in the sense
   of ``sharp activation-stats`` (pre-activation never > 0).
-- **Strict per-sample mean-variance normalisation** (MAN section 5.1): every activation layer's
+- **Strict per-sample mean-variance normalisation** ([MAN] section 5.1): every activation layer's
   input is normalised per sample (over all its features) to mean 0 and variance 1
   (:class:`PerSampleNorm`, unlike BatchNorm independent of the batch), and every weight matrix
   is constrained to mean 0 and variance ``2 / n_in`` (He initialisation) through the
@@ -105,7 +105,16 @@ def _pre_activation_shapes(
 
 
 def apply_manipulations(model: nn.Module, args: dict, input_shape: tuple) -> nn.Module:
-    """Insert masks / per-sample normalisation before each activation and standardise weights."""
+    """Insert masks / per-sample normalisation before each activation and standardise weights.
+
+    Args:
+        model: the model, changed in place.
+        args: its complete model args (``mask_ratio``, ``mask_seed``, ``per_sample_norm``).
+        input_shape: one example's shape (the masks take the pre-activations' shapes).
+
+    Returns:
+        ``model``.
+    """
     from sharpcli.models.zoo import activation_modules
 
     ratio = float(args.get("mask_ratio") or 0.0)

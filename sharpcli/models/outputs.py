@@ -30,7 +30,14 @@ __all__ = [
 
 
 def describe_output(out) -> str:
-    """A short description of a model output, for messages: ``tuple(Tensor(2, 3), dict)``."""
+    """A short description of a model output, for messages: ``tuple(Tensor(2, 3), dict)``.
+
+    Args:
+        out: what a model returned.
+
+    Returns:
+        The description.
+    """
     if isinstance(out, torch.Tensor):
         return f"Tensor{tuple(out.shape)}"
     if isinstance(out, (tuple, list)):
@@ -57,7 +64,18 @@ def _default(out):
 
 
 def select_output(out, selector: str | None = None) -> torch.Tensor:
-    """The logits in ``out`` by ``selector`` (module docstring); UsageError if there are none."""
+    """The logits in ``out`` by ``selector`` (module docstring); UsageError if there are none.
+
+    Args:
+        out: what a model returned.
+        selector: where the logits are (module docstring); ``None`` for the default rule.
+
+    Returns:
+        The logits tensor.
+
+    Raises:
+        UsageError: there is no tensor where ``selector`` says, or none at all.
+    """
     if isinstance(out, torch.Tensor) and selector is None:
         return out
     if selector is None:
@@ -83,6 +101,10 @@ def attach_output_selector(model: nn.Module, selector: str | None = None):
     """Make ``model(x)`` return :func:`select_output` of its output; returns the hook handle.
 
     Nothing is attached for a model that already returns a tensor and needs no selector.
+
+    Args:
+        model: the model.
+        selector: where the logits are.
     """
 
     def hook(module, args, out):
@@ -93,7 +115,19 @@ def attach_output_selector(model: nn.Module, selector: str | None = None):
 
 def keyword_batch(x: torch.Tensor, keys) -> dict:
     """The keyword arguments one batch tensor holds: ``{keys[0]: x}`` for one key, else
-    ``{keys[i]: x[:, i]}`` (several inputs stacked on axis 1, see ``Dataset.input_keys``)."""
+    ``{keys[i]: x[:, i]}`` (several inputs stacked on axis 1, see ``Dataset.input_keys``).
+
+    Args:
+        x: a batch tensor.
+        keys: the model's keyword input names.
+
+    Returns:
+        The keyword arguments.
+
+    Example:
+        >>> sorted(keyword_batch(torch.zeros(2, 3), ["input_ids"]))
+        ['input_ids']
+    """
     keys = tuple(keys)
     if len(keys) == 1:
         return {keys[0]: x}
@@ -107,6 +141,13 @@ def attach_keyword_inputs(model: nn.Module, keys) -> object | None:
     as one tensor through every batch loop, shard and subset; a forward pre-hook on the root
     module unpacks it, so parameter names, ``functional_call`` and ``torch.func`` transforms
     are unchanged. ``keys`` None or empty attaches nothing.
+
+    Args:
+        model: the model.
+        keys: its keyword input names.
+
+    Returns:
+        The hook handle, or ``None`` when nothing was attached.
     """
     if not keys:
         return None

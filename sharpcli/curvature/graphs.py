@@ -1,0 +1,98 @@
+"""The first-order graph of a batch and the autograd pieces the curvature engine builds on.
+
+:class:`BatchGraph` holds what one batch's forward and backward pass leave for the products
+(:class:`~sharpcli.curvature.engine.CurvatureEngine`); :class:`ByteCounter` measures what such a
+graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BatchGraph", "ByteCounter", "vjp", "write_columns"]
+
+
+@dataclass
+class BatchGraph:
+    """First-order graph of one batch: logits ``z``, ``g_z = dL_b/dz``, ``g = J^T g_z`` (with graphs)."""
+
+    z: torch.Tensor
+    gz: torch.Tensor
+    grads: list  # tensors of the scope's gradient that depend on theta (require grad)
+    grad_index: list  # their positions in the scope
+    nbytes: int = 0
+    nme_view: "BatchGraph | None" = (
+        None  # g_N = J^T g_z with g_z held constant (built on first N product)
+    )
+    cached: bool = False  # held in CurvatureEngine._cache (its NME view then counts there too)
+
+
+@dataclass
+class ByteCounter:
+    """Saved-tensor hooks that count the bytes a graph keeps (each storage once).
+
+    Attributes:
+        seen: the storages counted so far.
+        nbytes: their bytes.
+    """
+
+    seen: set = field(default_factory=set)
+    nbytes: int = 0
+
+    def pack(self, tensor):
+        """Count ``tensor``'s storage (once) and keep the tensor itself."""
+        try:
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in self.seen:
+                self.seen.add(key)
+                self.nbytes += storage.nbytes()
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # tensors without storage (e.g. sparse) count by size
+            self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor):
+        """The tensor as it was saved."""
+        return tensor
+
+
+def write_columns(blocks: list, cols: slice, results: tuple) -> None:
+    """Write each product of ``results`` into the columns ``cols`` of its block.
+
+    Args:
+        blocks: the ``(P, k)`` result blocks.
+        cols: the columns this batch of products fills.
+        results: one product per block.
+    """
+    for block, result in zip(blocks, results):
+        block[:, cols] = result
+
+
+def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
+    """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
+
+    Taken as the gradient of a scalar dot product, not with ``grad_outputs=vectors``: the
+    ``grad_outputs`` path of ``torch.autograd.grad`` imports ``torch.fx``'s symbolic-shape
+    module and with it sympy to compare shapes (a part of a command's start-up:
+    docs/benchmarks.md, "Start-up"), and the dot product costs one elementwise product and sum
+    per output. The ``vectors`` must not depend on ``inputs`` (they are constants of the
+    product).
+
+    Args:
+        outputs: the tensors differentiated.
+        inputs: the tensors differentiated with respect to.
+        vectors: one constant tensor per output, shaped like it.
+        allow_unused: return ``None`` for an input the outputs do not depend on.
+        **kw: passed to ``torch.autograd.grad`` (``retain_graph``, ``create_graph``).
+
+    Returns:
+        ``J^T v``, one tensor (or ``None``) per input.
+    """
+    dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
+    return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)

@@ -1,0 +1,209 @@
+"""Where a Lanczos basis lives and how large it may grow: the memory plan of a Krylov run.
+
+The basis (:class:`~sharpcli.curvature.krylov.KrylovBasis`) grows one P-vector per step,
+stored in the products' dtype (4 P bytes a vector for a float32 model). A basis that could grow
+past :data:`IN_MEMORY_BASIS_BYTES` on the CPU lives in an anonymous scratch file
+(:func:`scratch_directory`), read a slice at a time: a run then holds two P-vectors of memory
+beside the product itself, which is what a power iteration holds. Otherwise the rows stay in
+memory up to what the run's memory plan allows (:mod:`sharpcli.memory`). When the basis is
+full (memory plan, disk space or ``max_basis``) :func:`sharpcli.curvature.lanczos.lanczos`
+thick-restarts [Wu2000].
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from sharpcli import memory
+from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis
+from sharpcli.errors import UsageError
+
+__all__ = [
+    "BASIS_FLOOR_BYTES",
+    "IN_MEMORY_BASIS_BYTES",
+    "basis_room",
+    "krylov_work_bytes",
+    "plan_basis",
+    "scratch_directory",
+    "storage_dtype",
+]
+
+BASIS_FLOOR_BYTES = 1 << 30  # a Krylov basis may always take this much (budget permitting)
+IN_MEMORY_BASIS_BYTES = 256 << 20  # a larger basis on the CPU is kept in a scratch file
+_F64 = torch.float64
+
+
+def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Krylov basis is stored in.
+
+    Args:
+        op_dtype: the dtype the operator's products run in.
+
+    Returns:
+        The products' own dtype (float32 or float64); float32 for half-precision products,
+        whose rounding is too coarse to keep a basis orthonormal.
+
+    Example:
+        >>> storage_dtype(torch.bfloat16)
+        torch.float32
+    """
+    return op_dtype if op_dtype in (torch.float32, _F64) else torch.float32
+
+
+def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
+    """Bytes a Lanczos run holds beside its basis's rows.
+
+    A step holds ``w = A q`` (in the storage dtype, the product's own for float32 and float64)
+    and, with the basis in a scratch file, the newest row kept for its product, plus the
+    float64 slice buffers of :mod:`~sharpcli.curvature.krylov`; the end, after the basis is
+    released, holds each of the ``returned`` Ritz vectors with its explicit residual's product.
+
+    Args:
+        dim: the number of parameters P.
+        dtype: the dtype the products run in.
+        returned: Ritz vectors returned or checked explicitly at the end.
+
+    Returns:
+        The larger of the step's and the end's bytes.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
+    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0))
+    end = int(returned) * dim * (stored + itemsize)
+    return int(max(step, end) + 2 * SLICE_BYTES)
+
+
+def scratch_directory() -> str | None:
+    """Where a large Krylov basis is kept out of core.
+
+    Returns:
+        ``SHARP_SCRATCH`` when set, else the system's temporary folder (``TMPDIR``); ``None``
+        when ``SHARP_SCRATCH`` is ``off`` (or empty, ``memory``, ``none``): every basis stays
+        in memory.
+    """
+    value = os.environ.get("SHARP_SCRATCH")
+    if value is None:
+        return tempfile.gettempdir()
+    if value.strip().lower() in ("", "off", "memory", "none"):
+        return None
+    return value
+
+
+def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
+    """How many basis rows a run keeps, and where.
+
+    A basis whose ``steps`` rows would take more than :data:`IN_MEMORY_BASIS_BYTES` goes to a
+    scratch file (:func:`scratch_directory`) when the operator runs on the CPU: it then holds
+    two P-vectors of memory whatever its length (the newest row and ``w``), and its length is
+    bounded by half the free disk space there. Otherwise the rows are held in memory, as many
+    as the memory plan allows beside :func:`krylov_work_bytes` for ``extra_vectors`` returned
+    Ritz vectors (and no more than one product's workspace or :data:`BASIS_FLOOR_BYTES`).
+
+    Args:
+        op: the operator (``shape``, ``dtype``, ``device``).
+        steps: the most rows the run could use.
+        extra_vectors: Ritz vectors returned at the end.
+        minimum: the fewest rows the run can work with.
+        lower: what the user may lower, for the error message.
+
+    Returns:
+        ``(vectors, bytes held in memory, scratch folder or None)``.
+
+    Raises:
+        UsageError: not even ``minimum`` rows fit (``max_memory``, or ``scratch`` for disk).
+    """
+    dim = op.shape[0]
+    per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
+    work = krylov_work_bytes(dim, op.dtype, extra_vectors)
+    plan = memory.current()
+    scratch = scratch_directory()
+    on_cpu = torch.device(op.device if op.device is not None else "cpu").type == "cpu"
+    if on_cpu and scratch is not None and steps * per_vector > IN_MEMORY_BASIS_BYTES:
+        plan.require(f"Lanczos vectors of {dim:,} parameters", work, lower)
+        try:
+            free = shutil.disk_usage(scratch).free
+        except OSError:
+            free = 0
+        fit = int(free // 2 // per_vector)
+        if fit < minimum:
+            raise UsageError(
+                f"a Krylov basis of {minimum} vectors of {dim:,} parameters needs "
+                f"{memory.format_bytes(minimum * per_vector)} of disk in {scratch} (it is kept "
+                f"out of memory), which has {memory.format_bytes(free)} free; point "
+                "SHARP_SCRATCH (or TMPDIR) elsewhere or lower `max_matvecs`",
+                source="scratch",
+            )
+        vectors = min(int(steps), fit)
+        plan.note(
+            f"Krylov basis in a scratch file in {scratch} (up to {vectors} vectors, "
+            f"{memory.format_bytes(vectors * per_vector)} of disk), not in memory"
+        )
+        return vectors, work, scratch
+    fit = plan.count_that_fit(per_vector, reserve=work)
+    # The basis may take as much memory as one product needs (its graph, cached or not, and
+    # the double backward), and at least BASIS_FLOOR_BYTES: a run then holds at most about
+    # twice what any Hessian-product method holds, and a larger basis than that buys fewer
+    # products than the memory it costs (thick restarts keep the wanted Ritz vectors).
+    product = plan.items.get(memory.PRODUCT_WORKSPACE, 0)
+    lean = max(minimum, max(BASIS_FLOOR_BYTES, product) // per_vector)
+    if lean < fit:
+        fit = lean
+    if fit < minimum:
+        plan.require(
+            f"a Krylov basis of {minimum} vectors of {dim:,} parameters",
+            minimum * per_vector + work,
+            lower,
+        )
+    vectors = min(int(steps), fit)
+    return vectors, vectors * per_vector + work, None
+
+
+def plan_basis(op, wanted: int, returned: int, budget: int, max_basis: int | None):
+    """The basis and product budget of a :func:`~sharpcli.curvature.lanczos.lanczos` run.
+
+    A thick restart keeps the ``wanted`` Ritz vectors and needs room for two more.
+
+    Args:
+        op: the operator.
+        wanted: the Ritz values asked for (both ends counted).
+        returned: Ritz vectors returned or checked explicitly at the end.
+        budget: the most products (``max_matvecs``).
+        max_basis: the user's bound on the basis rows, if any.
+
+    Returns:
+        ``(room, held, scratch, limit)``: the basis rows the run may keep, the bytes it holds
+        in memory, its scratch folder (``None``: in memory) and its product budget (past the
+        dimension when the run restarts).
+
+    Raises:
+        UsageError: ``max_basis`` below 1 or too small to restart, or the basis does not fit.
+    """
+    dim = op.shape[0]
+    if max_basis is not None and int(max_basis) < 1:
+        raise UsageError(f"max basis must be >= 1, got {max_basis}", source="max_basis")
+    room, held, scratch = basis_room(
+        op,
+        min(dim, budget),
+        extra_vectors=returned,
+        minimum=min(dim, budget, wanted + 2),
+        lower="lower `top_k`, `batch_size` or `cache_mb`",
+    )
+    if max_basis is not None:
+        room = min(room, int(max_basis))
+    restarting = room < min(dim, budget)
+    limit = budget if restarting else min(dim, budget)  # products; restarts may pass dim
+    if restarting and room < wanted + 2:
+        raise UsageError(
+            f"a thick restart keeps the {wanted} wanted Ritz vectors and needs room for two "
+            f"more, but `max_basis` is {room}; raise it or lower `top_k`",
+            source="max_basis",
+        )
+    if restarting and max_basis is None:
+        memory.current().note(
+            f"Krylov basis limited to {room} vectors by the memory plan: thick-restarted Lanczos"
+        )
+    return room, held, scratch, limit
