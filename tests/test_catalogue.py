@@ -1,4 +1,4 @@
-"""The catalogue of named things (sharpcli/catalogue.py) and its generic registry
+"""The catalogue of named things (the sharpcli.catalogue package) and its generic registry
 (sharpcli/registry.py): one error type, uniform registration, the one ``NAME[:k=v,...]``
 grammar, lazy ``"module:attr"`` resolution, no torch; and the one check that the docs' tables
 of names and the report schema agree with the catalogue."""

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from sharpcli import progress
+from sharpcli import catalogue, progress
 from sharpcli.curvature.data import (
     AnalysisData,
     all_reduce_sum,
@@ -60,7 +60,7 @@ __all__ = [
     "weight_rescale",
 ]
 
-MODES = ("global", "layer")
+MODES = catalogue.RESCALE_MODES
 
 _WEIGHTED_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
 _BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)

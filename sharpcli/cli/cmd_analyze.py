@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import catalogue
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
@@ -20,7 +21,7 @@ def analyze_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS),
             help="Comma list, e.g. --metrics eigen,trace,gn-nme (default: eigen,trace).",
         ),
     ] = None,

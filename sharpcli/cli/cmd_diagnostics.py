@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import catalogue
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
@@ -251,7 +252,7 @@ def bound_check_command(
         typer.Option(
             "--check",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.CHECKS),
+            autocompletion=choices.list_completer(catalogue.CHECKS),
             help="Extra checks, repeated or comma-separated, e.g. --check theorem2.",
         ),
     ] = None,

@@ -22,8 +22,8 @@ OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
-        metavar=choices.metavar(choices.OPERATORS),
-        autocompletion=choices.completer(choices.OPERATORS),
+        metavar=choices.metavar(catalogue.OPERATORS),
+        autocompletion=choices.completer(catalogue.OPERATORS),
         help=common.lazy_help(_operator_help),
     ),
 ]

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import catalogue
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 
@@ -82,8 +83,8 @@ def sweep_command(
         str,
         typer.Option(
             "--reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
             "--reg sam:rho=0.1.",
         ),
@@ -107,8 +108,8 @@ def sweep_command(
         Optional[list[str]],
         typer.Option(
             "--extra-reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
         ),
     ] = None,
@@ -117,7 +118,7 @@ def sweep_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS),
             help="Analyses per run, as analyze --metrics.",
         ),
     ] = "eigen,trace",

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import catalogue
 from sharpcli.cli import choices, common
 from sharpcli.cli.app import app
 from sharpcli.errors import EXIT_NUMERICAL
@@ -151,8 +152,8 @@ def train_command(
         Optional[list[str]],
         typer.Option(
             "--reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             rich_help_panel="Training",
             help="Regularizer and its settings; repeat to combine, e.g. --reg sam:rho=0.05 "
             "--reg fa (default: none).",
@@ -198,7 +199,7 @@ def train_command(
         typer.Option(
             "--track",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.TRACKABLE),
+            autocompletion=choices.list_completer(catalogue.TRACKABLE),
             rich_help_panel="Training",
             help="Curvature recorded while training, e.g. --track eigen,trace.",
         ),

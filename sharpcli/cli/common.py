@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
-from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger, memory
+from sharpcli import SCHEMA_ID, __version__, catalogue, distributed, interrupts, ledger, memory
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli import choices
 from sharpcli.cli.flags import spell_flags, to_cli_error
@@ -124,7 +124,7 @@ DeviceOpt = Annotated[
         "--device",
         rich_help_panel="Run",
         metavar="DEVICE",
-        autocompletion=choices.completer(choices.DEVICES),
+        autocompletion=choices.completer(catalogue.DEVICES),
         help="Torch device, e.g. cuda:1.",
     ),
 ]
@@ -136,8 +136,8 @@ ActivationOpt = Annotated[
     typer.Option(
         "--activation",
         rich_help_panel="Model",
-        metavar=choices.metavar(choices.ACTIVATIONS, params=True),
-        autocompletion=choices.completer(choices.ACTIVATIONS),
+        metavar=choices.metavar(catalogue.ACTIVATIONS, params=True),
+        autocompletion=choices.completer(catalogue.ACTIVATIONS),
         help="Activation (default: the model's); beta-gelu and augmented-relu take :beta=B, "
         "e.g. beta-gelu:beta=4.",
     ),

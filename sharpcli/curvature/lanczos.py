@@ -101,7 +101,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sharpcli import memory, progress
+from sharpcli import catalogue, memory, progress
 from sharpcli.curvature.data import subsample_data
 from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis, norm64
 from sharpcli.curvature.operators import CurvatureOperator
@@ -130,7 +130,7 @@ WARM_STARTS = ("subsample", "gradient")
 DEFAULT_WARM_FRACTION = 0.1
 DEFAULT_WARM_STEPS = 4
 WARM_TOL = 1e-2  # the warm phase's own stop: beyond this the sampling error dominates
-WHICH = ("largest", "smallest", "both")
+WHICH = catalogue.WHICH
 _F64 = torch.float64
 
 

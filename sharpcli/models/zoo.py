@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.models.activations import ACTIVATION_TYPES, canonical_activation_spec, make_activation
 
@@ -390,7 +391,7 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
     },
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(_MODEL_ARGS)
+MODEL_NAMES: tuple[str, ...] = catalogue.MODEL_NAMES
 
 _IMAGE_MODELS = frozenset({"cnn", "vgg-small", "resnet"})
 
