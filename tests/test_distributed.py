@@ -272,8 +272,8 @@ def _registry():
 
 @pytest.mark.parametrize("name", sorted(_registry()))
 def test_every_regularizer_declares_data_parallel_exactness(name):
-    """Each class states its exactness in its own body, as its catalogue record declares it;
-    the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
+    """Each class, and each class of one of its modes, holds its exactness in its own namespace
+    (never inherited), read from its catalogue record; the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
     batch gradient or Hessian."""
     from sharpcli import catalogue
 
@@ -282,6 +282,8 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
     reason = cls.data_parallel
     assert reason is None or (isinstance(reason, str) and reason.strip())
     assert reason == catalogue.REGULARIZERS.entry(name).data_parallel
+    for mode_class in cls._modes.values():
+        assert vars(mode_class)["data_parallel"] == reason, mode_class
     if reason is not None:
         assert "nonlinear" in reason or "global" in reason, reason
 

@@ -55,7 +55,7 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:NoRegularizer",
             (),
             paper="",
-            data_parallel=None,
+            data_parallel=None,  # the batch-mean loss is linear in the batch
             needs_penultimate=False,
         ),
         _reg(
@@ -65,7 +65,7 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:WeightDecay",
             (P("sigma", "float", 0.001, "smoothing scale; coefficient sigma^2/2", minimum=0.0),),
             paper="AD",
-            data_parallel=None,
+            data_parallel=None,  # sigma^2 theta is the same on every rank; row weights sum to 1
             needs_penultimate=False,
         ),
         _reg(
@@ -75,6 +75,8 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:Dropout",
             (P("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),),
             paper="AD",
+            # linear in the batch; the masks differ from one process's (independent per rank,
+            # reseeded per epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw
             data_parallel=None,
             needs_penultimate=False,
         ),
@@ -85,7 +87,7 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:ActivationDecay",
             (P("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),),
             paper="AD",
-            data_parallel=None,
+            data_parallel=None,  # a mean over samples: linear in the batch
             needs_penultimate=True,
         ),
         _reg(
@@ -95,6 +97,7 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:SAM",
             (P("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),),
             paper="SAM",
+            # per-rank ascent steps ("local SAM") would be a different algorithm
             data_parallel="its ascent step needs the global gradient norm before the second pass",
             needs_penultimate=False,
         ),
@@ -166,7 +169,7 @@ REGULARIZERS: Registry = Registry(
                 ),
             ),
             paper="NME",
-            data_parallel=None,
+            data_parallel=None,  # the probes are shared, v^T H v linear in the batch
             needs_penultimate=False,
         ),
         _reg(
@@ -186,6 +189,8 @@ REGULARIZERS: Registry = Registry(
             "sharpcli.training.regularizers:WeightNoise",
             (P("sigma", "float", 0.01, "noise standard deviation", minimum=0.0), _REPORT),
             paper="NSO",
+            # U comes from the step generator, the same on every rank; grad L(theta + U) is linear
+            # in the batch
             data_parallel=None,
             needs_penultimate=False,
         ),
@@ -200,7 +205,7 @@ REGULARIZERS: Registry = Registry(
                 _REPORT,
             ),
             paper="NSO",
-            data_parallel=None,
+            data_parallel=None,  # as weight-noise: the same U_j on every rank
             needs_penultimate=False,
         ),
         _reg(
