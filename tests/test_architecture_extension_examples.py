@@ -23,7 +23,7 @@ from cli_helpers import run_cli
 from sharpcli.errors import InputError
 from sharpcli.io.datasets import load_dataset
 from sharpcli.io.formats import FORMATS
-from sharpcli.registry import RegistryError
+from sharpcli.specs import RegistryError
 from sharpcli.training.regularizers import REGISTRY, parse_reg, register, training_step
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"

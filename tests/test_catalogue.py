@@ -15,7 +15,8 @@ import pytest
 
 from sharpcli import catalogue
 from sharpcli.errors import EXIT_USAGE, UsageError
-from sharpcli.registry import Entry, Param, Registry, RegistryError, parse_spec
+from sharpcli.registry import Entry, Registry
+from sharpcli.specs import Param, RegistryError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -407,7 +407,7 @@ def test_notes_spell_library_parameters_as_the_running_commands_flags(command, e
 
 def test_help_at_80_columns_cuts_nothing(capsys, monkeypatch):
     """At 80 columns every option's current name is shown whole (second names live in the help
-    text, common.first_long_names_only, where each is named) and no word of a help text is cut
+    text, lazyhelp.first_long_names_only, where each is named) and no word of a help text is cut
     with an ellipsis (no word wider than the help column)."""
     monkeypatch.setenv("COLUMNS", "80")
     for name, command in _commands().items():

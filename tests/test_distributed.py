@@ -118,7 +118,7 @@ def _rank_main(
     """One rank: torchrun's environment, then ``main`` per command with stdout in a per-rank file."""
     from pathlib import Path
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     torch.set_num_threads(1)
@@ -128,7 +128,7 @@ def _rank_main(
     commands = _commands(Path(tmp), ckpt, bad, "ddp.safetensors")
     for (name, argv), port in zip(commands.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
-        common.state()["debug"] = False
+        runner.state()["debug"] = False
         with (
             open(Path(tmp) / f"{name}.rank{rank}.out", "w") as out,
             open(Path(tmp) / f"{name}.rank{rank}.err", "w") as err,
@@ -357,7 +357,7 @@ def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fat
     import time
     from pathlib import Path
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     torch.set_num_threads(1)
@@ -381,7 +381,7 @@ def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fat
             return real(*args, **kwargs)
 
         torch.distributed.all_reduce = all_reduce
-    common.state()["debug"] = False
+    runner.state()["debug"] = False
     start = time.monotonic()
     with (
         open(Path(tmp) / f"rank{rank}.out", "w") as out,

@@ -11,7 +11,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from sharpcli.registry import Entry, Param, Registry
+from sharpcli.registry import Entry, Registry
+from sharpcli.specs import Param
 
 __all__ = ["REGULARIZERS"]
 

@@ -53,7 +53,7 @@ def names_of(values: Values) -> tuple[str, ...]:
 
 def metavar(values: Values, *, params: bool = False) -> str:
     """An option's placeholder: ``NAME``, or ``NAME[:k=v,...]`` for a kind whose names take
-    parameters by the grammar of :func:`sharpcli.registry.parse_spec`; where every entry
+    parameters by the grammar of :func:`sharpcli.specs.parse_spec`; where every entry
     with parameters takes the same one, ``NAME[:k=V]`` spells it (``NAME[:beta=B]``).
 
     Args:

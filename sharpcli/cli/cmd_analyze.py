@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.cli import choices, common
+from sharpcli.cli import choices, common, runner
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
@@ -60,7 +60,7 @@ def analyze_command(
         ),
     ] = 1000,
     params: common.ParamsOpt = None,
-) -> common.Outcome:
+) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
     from sharpcli.curvature.registry import SPLIT
@@ -109,13 +109,13 @@ def analyze_command(
                 )
             )
         for note in results.get("notes") or []:
-            common.print_note(console, note)
+            runner.print_note(console, note)
 
     notice = None
     if tripped:  # one line on stderr, even under --quiet or --json -
         held = [f"{v['expr']} (value {fmt(v['value'])})" for v in verdicts if v["tripped"]]
         notice = f"--fail-if tripped: {'; '.join(held)}: exit 1"
-    return common.Outcome(report, render, gate_tripped=tripped, notice=notice)
+    return runner.Outcome(report, render, gate_tripped=tripped, notice=notice)
 
 
 def _check_gate_keys(gates, chosen: list[str]) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.cli import choices, common
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 
 
@@ -77,7 +77,7 @@ def _set_value(raw: str, key: str):
         return raw
 
 
-@app.command("sweep", cls=common.LazyHelpCommand)
+@app.command("sweep", cls=lazyhelp.LazyHelpCommand)
 def sweep_command(
     reg: Annotated[
         str,
@@ -216,7 +216,7 @@ def sweep_command(
 ) -> None:
     """Sweep a regularizer's hyper-parameters over seeds: train, analyse, tabulate, plot."""
 
-    def body() -> common.Outcome:
+    def body() -> runner.Outcome:
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table
         from sharpcli.training.sweep import parse_grid, run_sweep
@@ -320,9 +320,9 @@ def sweep_command(
                     f"stopped after --max-runs {max_runs}; run the same command again to continue"
                 )
 
-        return common.Outcome(report, render)
+        return runner.Outcome(report, render)
 
-    common.run_command(
+    runner.run_command(
         "sweep", json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
     )
 

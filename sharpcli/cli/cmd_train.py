@@ -7,13 +7,13 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.cli import choices, common
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
 
 
-@app.command("train", cls=common.LazyHelpCommand)
+@app.command("train", cls=lazyhelp.LazyHelpCommand)
 def train_command(
     model: Annotated[
         choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
@@ -243,7 +243,7 @@ def train_command(
 ) -> None:
     """Train a model, optionally under sharpness regularizers; write a checkpoint."""
 
-    def body() -> common.Outcome:
+    def body() -> runner.Outcome:
         from sharpcli.training.loop import config_from_options, train, train_report
 
         common.check_output(plot)
@@ -302,7 +302,7 @@ def train_command(
                 max_memory=max_memory,
                 stop_on_divergence=stop_on_divergence,
             )
-        common.print_notes(result.notes, quiet)  # also in the report's data.notes
+        runner.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history
 
@@ -323,7 +323,7 @@ def train_command(
             device=device,
             dtype=dtype,
         )
-        return common.Outcome(
+        return runner.Outcome(
             report,
             render=lambda console: _render(console, result),
             notice=_divergence_warning(result),
@@ -332,7 +332,7 @@ def train_command(
 
     # the library names subset sizes `samples`: here they are --track-samples
     aliases = {"samples": "--track-samples"}
-    common.run_command(
+    runner.run_command(
         "train", json_out, quiet, body, threads=threads, debug=debug, aliases=aliases
     )
 

@@ -242,7 +242,7 @@ def describe_registry() -> list[dict[str, Any]]:
 def parse_reg(text: str) -> Regularizer:
     """Parse one ``--reg`` value: ``NAME``, ``NAME:v1,v2`` (positional in the documented
     order), ``NAME:k=v,...`` or a mix (positional first), by the one grammar of
-    :func:`sharpcli.registry.parse_spec`. Missing hyper-parameters take their defaults.
+    :func:`sharpcli.specs.parse_spec`. Missing hyper-parameters take their defaults.
 
     Args:
         text: the value.

@@ -16,7 +16,8 @@ import torch
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.registry import Entry, Param, format_value
+from sharpcli.registry import Entry
+from sharpcli.specs import Param, format_value
 from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
 
 __all__ = [
@@ -37,7 +38,7 @@ MODE = "mode"
 
 
 # --------------------------------------------------------------------------- hyper-parameters
-# One typed parameter (sharpcli.registry.Param): name, type, default, range, description.
+# One typed parameter (sharpcli.specs.Param): name, type, default, range, description.
 HyperParam = Param
 _format_value = format_value
 
