@@ -14,9 +14,8 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue, ledger
-from sharpcli.cli import choices
+from sharpcli.cli import choices, runner
 from sharpcli.cli.lazyhelp import LazyHelpCommand
-from sharpcli.cli.runner import print_notes, run_command, stderr_console
 from sharpcli.errors import UsageError
 
 # Annotated option types, declared once and reused by every command.
@@ -348,7 +347,7 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     other than 0."""
     from sharpcli.cli.bars import progress_bar as bar
 
-    return bar(stderr_console, quiet or json_path == "-", text)
+    return bar(runner.stderr_console, quiet or json_path == "-", text)
 
 
 # (name, typer option, default) of each common option, from the fields of CommonOptions.
@@ -393,7 +392,7 @@ def analysis_command(app, name: str):
             bound = sig.bind(opts, *args, **kwargs)
             bound.apply_defaults()
             opts.command_options = {k: v for k, v in bound.arguments.items() if k != "opts"}
-            run_command(
+            runner.run_command(
                 name,
                 opts.json,
                 opts.quiet,
@@ -428,5 +427,5 @@ def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
     kwargs = opts.settings()
     kwargs["arch_args"] = parse_json_option(opts.arch_args, "--arch-args")
     session = build_session(checkpoint, curvature=curvature, **kwargs)
-    print_notes(session.notes, opts.quiet)
+    runner.print_notes(session.notes, opts.quiet)
     return session
