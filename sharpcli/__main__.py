@@ -8,7 +8,7 @@ Two things happen here, before anything heavy (typer, numpy, torch: about 2 s) i
 - a standard stream the caller closed (``sharp ... 1>&-``) is reopened onto /dev/null, so that
   no file the command opens takes its descriptor (a checkpoint opened as descriptor 1 would
   receive whatever is printed); writing to a closed stdout then counts as a reader gone away
-  (exit 141, :func:`sharpcli.cli.common.run_command`).
+  (exit 141, :func:`sharpcli.cli.runner.run_command`).
 """
 
 from __future__ import annotations

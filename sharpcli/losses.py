@@ -439,7 +439,7 @@ register_loss(
 
 
 # --------------------------------------------------------------------------- token cross-entropy
-TOKEN_REDUCTIONS = ("tokens", "samples")
+TOKEN_REDUCTIONS = catalogue.TOKEN_REDUCTIONS
 _MEAN_POSITIONS: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "sharp_token_mean_positions", default=None
 )

@@ -18,6 +18,7 @@ import copy
 import torch
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is where callers look)
     check_embedding_ids,
@@ -33,7 +34,7 @@ from sharpcli.models.activations import (
     replace_altered_activations,
 )
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in catalogue.DTYPES}
 MAX_SEED = 2**32 - 1
 """Largest ``seed``: seeds are offset and multiplied (probe blocks, ranks) within int64."""
 

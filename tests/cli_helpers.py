@@ -21,11 +21,11 @@ class Run:
 
 def run_cli(capsys, *args: str) -> Run:
     """Call ``sharpcli.cli.app.main`` with ``args``; return exit code, stdout, stderr."""
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     capsys.readouterr()
-    common.state()["debug"] = False
+    runner.state()["debug"] = False
     try:
         main([str(a) for a in args])
         code = 0
@@ -65,11 +65,11 @@ def run_in_process(*args: str) -> Run:
     import contextlib
     import io
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
-    common.state()["debug"] = False
+    runner.state()["debug"] = False
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main([str(a) for a in args])

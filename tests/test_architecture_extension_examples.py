@@ -5,8 +5,8 @@ Each example is the first ``python`` block under its heading ("Adding a regulari
 regularizer's gradient is checked exactly in float64 and the toy format's loaded tensors
 against the records it wrote. Both are unregistered afterwards, so other tests see the stock
 registries. The second block of each section is the catalogue record that makes it a
-built-in: it must state what the extension registered, and a class without its own record
-attributes takes them from it.
+built-in: it must state what the extension registered; the regularizer's third block, the
+built-in class, states none of it and reads it from the record.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from cli_helpers import run_cli
 from sharpcli.errors import InputError
 from sharpcli.io.datasets import load_dataset
 from sharpcli.io.formats import FORMATS
-from sharpcli.registry import RegistryError
-from sharpcli.training.regularizers import REGISTRY, Penalty, parse_reg, register, training_step
+from sharpcli.specs import RegistryError
+from sharpcli.training.regularizers import REGISTRY, parse_reg, register, training_step
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -136,22 +136,32 @@ def test_jsonl_format_loads_the_written_records(jsonl_example, tmp_path):
 
 def test_l1_as_a_builtin_is_its_class_plus_its_record(l1_example):
     """The record states what the extension registered; declared (as the catalogue's list
-    does), a class with only its name, docstring and code takes the rest from it."""
+    does), the built-in class of the third block, with only its name, docstring and code,
+    reads the rest from it when it is made, and computes what the extension computed."""
     record = run_example("Adding a regularizer", 1)["RECORD"]
     assert dataclasses.replace(REGISTRY.entry("l1"), impl=record.impl) == record
-    example_class = l1_example["L1Penalty"]
+    extension = l1_example["L1Penalty"]
     REGISTRY.unregister("l1")
     REGISTRY.declare(record)
     try:
-        body = {k: vars(example_class)[k] for k in ("__doc__", "term", "analytic_grad")}
-        lean = type("L1Penalty", (Penalty,), {**body, "name": "l1", "grad_from_graph": False})
-        assert "data_parallel" not in vars(lean) and lean.summary == ""
-        assert register(lean) is lean and REGISTRY["l1"] is lean
+        lean = run_example("Adding a regularizer", 2)["L1Penalty"]
+        for attr in ("summary", "HYPERPARAMS", "data_parallel", "kind", "needs_penultimate"):
+            assert attr not in vars(extension) or attr in (
+                "summary",
+                "HYPERPARAMS",
+                "data_parallel",
+            )
+            assert vars(lean)[attr] == getattr(extension, attr), attr
         assert (lean.summary, lean.HYPERPARAMS) == (record.summary, record.params)
-        assert "data_parallel" in vars(lean) and lean.data_parallel is None
+        assert register(lean) is lean and REGISTRY["l1"] is lean
         assert parse_reg("l1:0.5").params == {"lam": 0.5}
         with pytest.raises(RegistryError, match="lam must be >= 0"):
             parse_reg("l1:-1")
+        params = [torch.tensor([0.5, -2.0, 0.0], dtype=torch.float64)]
+        for got, want in zip(
+            parse_reg("l1:0.25").analytic_grad(params), extension(lam=0.25).analytic_grad(params)
+        ):
+            assert torch.equal(got, want)
         # a class that states an attribute differently from its record is refused
         REGISTRY.unregister("l1")
         with pytest.raises(RegistryError, match="summary 'other' differs from its catalogue"):

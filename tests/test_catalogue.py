@@ -1,4 +1,4 @@
-"""The catalogue of named things (sharpcli/catalogue.py) and its generic registry
+"""The catalogue of named things (the sharpcli.catalogue package) and its generic registry
 (sharpcli/registry.py): one error type, uniform registration, the one ``NAME[:k=v,...]``
 grammar, lazy ``"module:attr"`` resolution, no torch; and the one check that the docs' tables
 of names and the report schema agree with the catalogue."""
@@ -15,7 +15,8 @@ import pytest
 
 from sharpcli import catalogue
 from sharpcli.errors import EXIT_USAGE, UsageError
-from sharpcli.registry import Entry, Param, Registry, RegistryError, parse_spec
+from sharpcli.registry import Entry, Registry
+from sharpcli.specs import Param, RegistryError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

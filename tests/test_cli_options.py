@@ -14,6 +14,7 @@ import pytest
 import typer
 from cli_helpers import assert_one_line_error, run_cli
 
+from sharpcli import catalogue
 from sharpcli.cli import choices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,57 +107,106 @@ def _literal(alias) -> set[str]:
     return set(typing.get_args(alias))
 
 
-def test_closed_sets_equal_the_library_sets():
-    from sharpcli.analyses import bounds, rescale, spectrum
+# (command, option, the catalogue's values): each closed set of an option is spelled once, in
+# sharpcli.catalogue; the CLI's Literal types and the library modules read it from there
+CLOSED_SETS = [
+    ("eigen", "--split", catalogue.SPLITS),
+    ("eigen", "--dtype", catalogue.DTYPES),
+    ("eigen", "--which", catalogue.WHICH),
+    ("eigen", "--method", catalogue.METHODS),
+    ("eigen", "--engine", catalogue.ENGINES),
+    ("eigen", "--arch", catalogue.MODEL_NAMES),
+    ("eigen", "--token-reduction", catalogue.TOKEN_REDUCTIONS),
+    ("trace", "--estimator", catalogue.ESTIMATORS.builtin_names()),
+    ("gn-nme", "--ggn-estimator", catalogue.GGN_ESTIMATORS),
+    ("train", "--model", catalogue.MODEL_NAMES),
+    ("train", "--optimizer", catalogue.OPTIMIZERS),
+    ("sweep", "--schedule", catalogue.SCHEDULES),
+    ("weight-rescale", "--mode", catalogue.RESCALE_MODES),
+    ("bound-check", "--epsilon", catalogue.EPSILON_KINDS),
+    ("compare", "--format", catalogue.TABLE_FORMATS),
+]
+# (command, option, the catalogue's values) of comma lists and open sets checked by the library
+LIST_SETS = [
+    ("analyze", "--metrics", catalogue.METRICS),
+    ("sweep", "--metrics", catalogue.METRICS),
+    ("train", "--track", catalogue.TRACKABLE),
+    ("bound-check", "--check", catalogue.CHECKS),
+    ("eigen", "--device", catalogue.DEVICES),
+]
+
+
+def _completion(capsys, monkeypatch, words: str) -> list[str]:
+    """What bash receives from ``_SHARP_COMPLETE=complete_bash`` for ``words``."""
+    monkeypatch.setenv("_SHARP_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", words)
+    monkeypatch.setenv("COMP_CWORD", str(len(words.split(" ")) - 1))
+    run = run_cli(capsys)
+    assert run.code == 0, run.err
+    return run.out.split()
+
+
+@pytest.mark.parametrize(("name", "option", "values"), CLOSED_SETS + LIST_SETS)
+def test_options_offer_exactly_the_catalogue_s_values(capsys, monkeypatch, name, option, values):
+    """Completion offers the catalogue's values in its order, nothing else; a closed set's
+    choices (which --help lists) are the catalogue's."""
+    (param,) = [p for p in _params(_group().commands[name]) if option in p.opts]
+    if (name, option, values) in CLOSED_SETS:
+        assert _choices(param) == values
+    assert _completion(capsys, monkeypatch, f"sharp {name} x {option} ") == list(values)
+
+
+@pytest.mark.parametrize(("name", "option", "values"), CLOSED_SETS + LIST_SETS)
+def test_a_value_outside_the_catalogue_s_set_is_refused(capsys, name, option, values):
+    """One line, exit 2, naming the option; before any file is read."""
+    assert "sideways" not in values
+    before = () if name in ("train", "sweep") else ("never-read.safetensors",)
+    run = run_cli(capsys, name, *before, option, "sideways", *_REQUIRED.get(name, ()))
+    assert_one_line_error(run, 2, option, "sideways")
+
+
+_REQUIRED = {"sweep": ("--reg", "wd", "--grid", "sigma=0.1")}
+
+
+def test_the_library_reads_the_catalogue_s_sets():
+    """The library modules that accept these values hold the catalogue's tuples, not copies."""
+    from sharpcli.analyses import analyze, bounds, rescale, spectrum, tracking
     from sharpcli.curvature.lanczos import WHICH
-    from sharpcli.io.datasets_common import SPLITS
+    from sharpcli.io import datasets_common
+    from sharpcli.losses import TOKEN_REDUCTIONS
     from sharpcli.models.zoo import MODEL_NAMES
     from sharpcli.preflight import DTYPES
-    from sharpcli.report.compare import FORMATS
-    from sharpcli.training.loop import OPTIMIZERS, SCHEDULES
+    from sharpcli.report import compare
+    from sharpcli.training import config
 
-    assert _literal(choices.Split) == set(SPLITS)
-    assert _literal(choices.Dtype) == set(DTYPES)
-    assert _literal(choices.Which) == set(WHICH)
-    assert _literal(choices.Method) == set(spectrum.METHODS)
-    assert _literal(choices.Estimator) == set(spectrum.ESTIMATORS)
-    assert _literal(choices.Engine) == set(spectrum.ENGINES)
-    assert _literal(choices.GGNEstimator) == set(spectrum.GGN_ESTIMATORS)
-    from sharpcli.losses import TOKEN_REDUCTIONS
-
-    assert _literal(choices.TokenReduction) == set(TOKEN_REDUCTIONS)
-    assert _literal(choices.Model) == set(MODEL_NAMES)
-    assert _literal(choices.Optimizer) == set(OPTIMIZERS)
-    assert _literal(choices.Schedule) == set(SCHEDULES)
-    assert _literal(choices.RescaleMode) == set(rescale.MODES)
-    assert _literal(choices.EpsilonKind) == set(bounds.EPSILON_KINDS)
-    assert _literal(choices.TableFormat) == set(FORMATS)
-
-
-def test_open_sets_equal_the_library_sets():
-    from sharpcli.analyses.analyze import METRICS
-    from sharpcli.analyses.bounds import CHECKS
-    from sharpcli.analyses.tracking import TRACKABLE
-
-    assert choices.METRICS == METRICS
-    assert set(choices.TRACKABLE) == set(TRACKABLE)
-    assert choices.CHECKS == CHECKS
+    assert datasets_common.SPLITS is catalogue.SPLITS
+    assert tuple(DTYPES) == catalogue.DTYPES
+    assert WHICH is catalogue.WHICH
+    assert spectrum.METHODS is catalogue.METHODS
+    assert spectrum.ENGINES is catalogue.ENGINES
+    assert spectrum.GGN_ESTIMATORS is catalogue.GGN_ESTIMATORS
+    assert TOKEN_REDUCTIONS is catalogue.TOKEN_REDUCTIONS
+    assert MODEL_NAMES is catalogue.MODEL_NAMES
+    assert config.OPTIMIZERS is catalogue.OPTIMIZERS
+    assert config.SCHEDULES is catalogue.SCHEDULES
+    assert rescale.MODES is catalogue.RESCALE_MODES
+    assert bounds.EPSILON_KINDS is catalogue.EPSILON_KINDS
+    assert bounds.CHECKS is catalogue.CHECKS
+    assert compare.FORMATS is catalogue.TABLE_FORMATS
+    assert analyze.METRICS is catalogue.METRICS
+    assert tracking.TRACKABLE is catalogue.TRACKABLE
 
 
 def test_named_sets_are_the_catalogue_s_registries():
     """--reg, --operator, --activation and --estimator offer the catalogue's names (no copy):
     an extension registered in this process is completed, and listed in --help, at once."""
-    from sharpcli import catalogue
     from sharpcli.registry import Entry
 
-    assert choices.REGULARIZERS is catalogue.REGULARIZERS
-    assert choices.OPERATORS is catalogue.OPERATORS
-    assert choices.ACTIVATIONS is catalogue.ACTIVATIONS
     assert _literal(choices.Estimator) == set(catalogue.ESTIMATORS.names())
-    assert choices.metavar(choices.REGULARIZERS, params=True) == "NAME[:k=v,...]"
-    assert choices.metavar(choices.ACTIVATIONS, params=True) == "NAME[:beta=B]"
-    assert choices.metavar(choices.OPERATORS) == "NAME"
-    complete = choices.completer(choices.OPERATORS)
+    assert choices.metavar(catalogue.REGULARIZERS, params=True) == "NAME[:k=v,...]"
+    assert choices.metavar(catalogue.ACTIVATIONS, params=True) == "NAME[:beta=B]"
+    assert choices.metavar(catalogue.OPERATORS) == "NAME"
+    complete = choices.completer(catalogue.OPERATORS)
     assert complete("") == ["hessian", "ggn", "nme"]
     catalogue.OPERATORS.register("ggn-twice", object(), entry=Entry("ggn-twice", "2 G"))
     try:
@@ -176,11 +226,11 @@ def test_a_value_outside_the_set_is_one_line_naming_the_option_and_the_values(ca
 
 # ----------------------------------------------------------------------------- completion
 def test_list_completion_continues_a_comma_list():
-    complete = choices.list_completer(choices.METRICS)
-    assert complete("") == list(choices.METRICS)
+    complete = choices.list_completer(catalogue.METRICS)
+    assert complete("") == list(catalogue.METRICS)
     assert complete("eigen,tr") == ["eigen,trace"]
-    assert complete("eigen,") == [f"eigen,{m}" for m in choices.METRICS if m != "eigen"]
-    assert choices.completer(choices.OPERATORS)("g") == ["ggn"]
+    assert complete("eigen,") == [f"eigen,{m}" for m in catalogue.METRICS if m != "eigen"]
+    assert choices.completer(catalogue.OPERATORS)("g") == ["ggn"]
 
 
 @pytest.mark.parametrize(
@@ -362,7 +412,7 @@ def test_notes_spell_library_parameters_as_the_running_commands_flags(command, e
 
 def test_help_at_80_columns_cuts_nothing(capsys, monkeypatch):
     """At 80 columns every option's current name is shown whole (second names live in the help
-    text, common.first_long_names_only, where each is named) and no word of a help text is cut
+    text, lazyhelp.first_long_names_only, where each is named) and no word of a help text is cut
     with an ellipsis (no word wider than the help column)."""
     monkeypatch.setenv("COLUMNS", "80")
     for name, command in _commands().items():

@@ -18,7 +18,7 @@ import typer
 from cli_helpers import assert_one_line_error, run_cli, run_in_process
 from rich.console import Console
 
-from sharpcli.cli import common
+from sharpcli.cli import runner
 from sharpcli.report.tables import fmt
 
 DATA = "blobs:n=160"
@@ -272,7 +272,7 @@ def runs(tmp_path_factory):
         for name, args in _commands(folder).items():
             shown: list[_TwoWidths] = []
             mp.setattr(
-                common, "table_console", lambda shown=shown: shown.append(_TwoWidths()) or shown[-1]
+                runner, "table_console", lambda shown=shown: shown.append(_TwoWidths()) or shown[-1]
             )
             report_path = folder / f"{name}.json"
             run = run_in_process(*args, "--json", str(report_path))

@@ -28,7 +28,7 @@ from sharpcli.io.datasets import (
     validate_for_model,
 )
 from sharpcli.io.safe_pickle import restricted_loads
-from sharpcli.registry import RegistryError
+from sharpcli.specs import RegistryError
 
 _FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "make_data_fixtures.py"
 if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not a package

@@ -118,7 +118,7 @@ def _rank_main(
     """One rank: torchrun's environment, then ``main`` per command with stdout in a per-rank file."""
     from pathlib import Path
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     torch.set_num_threads(1)
@@ -128,7 +128,7 @@ def _rank_main(
     commands = _commands(Path(tmp), ckpt, bad, "ddp.safetensors")
     for (name, argv), port in zip(commands.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
-        common.state()["debug"] = False
+        runner.state()["debug"] = False
         with (
             open(Path(tmp) / f"{name}.rank{rank}.out", "w") as out,
             open(Path(tmp) / f"{name}.rank{rank}.err", "w") as err,
@@ -272,8 +272,8 @@ def _registry():
 
 @pytest.mark.parametrize("name", sorted(_registry()))
 def test_every_regularizer_declares_data_parallel_exactness(name):
-    """Each class states its exactness in its own body, as its catalogue record declares it;
-    the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
+    """Each class, and each class of one of its modes, holds its exactness in its own namespace
+    (never inherited), read from its catalogue record; the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
     batch gradient or Hessian."""
     from sharpcli import catalogue
 
@@ -282,6 +282,8 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
     reason = cls.data_parallel
     assert reason is None or (isinstance(reason, str) and reason.strip())
     assert reason == catalogue.REGULARIZERS.entry(name).data_parallel
+    for mode_class in cls._modes.values():
+        assert vars(mode_class)["data_parallel"] == reason, mode_class
     if reason is not None:
         assert "nonlinear" in reason or "global" in reason, reason
 
@@ -355,7 +357,7 @@ def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fat
     import time
     from pathlib import Path
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
     torch.set_num_threads(1)
@@ -379,7 +381,7 @@ def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fat
             return real(*args, **kwargs)
 
         torch.distributed.all_reduce = all_reduce
-    common.state()["debug"] = False
+    runner.state()["debug"] = False
     start = time.monotonic()
     with (
         open(Path(tmp) / f"rank{rank}.out", "w") as out,

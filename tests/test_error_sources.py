@@ -187,7 +187,7 @@ NOT_YET_CONVERTED: set[str] = set()
 # String constants below cli/ that rightly hold a flag, with the reason.
 FLAGS_ALLOWED = {
     # the docs' table of --operator values, rendered for the command reference
-    ("sharpcli/catalogue.py", "| `--operator` | symbol | what it is | PSD |"),
+    ("sharpcli/catalogue/curvature.py", "| `--operator` | symbol | what it is | PSD |"),
     # reads --device from argv to pick the process-group backend before the app parses it
     ("sharpcli/distributed.py", "--device"),
     ("sharpcli/distributed.py", "--device="),

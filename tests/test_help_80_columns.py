@@ -11,7 +11,8 @@ import pytest
 import typer
 from cli_helpers import run_cli
 
-from sharpcli.cli import choices, helptext
+from sharpcli import catalogue
+from sharpcli.cli import helptext
 
 BUDGET = 80  # lines of one command's help at 80 columns
 HELP = ["-h", "--help"]
@@ -97,7 +98,7 @@ def test_train_help_has_its_panels_and_lists_the_catalogues(capsys, monkeypatch)
     panels = _panels(lines)
     assert list(panels) == ["Model", "Data", "Training", "Output", "Run"]
     flat = " ".join(" ".join(lines).replace("│", " ").split())
-    for values in (choices.REGULARIZERS, choices.TRACKABLE, choices.ACTIVATIONS):
+    for values in (catalogue.REGULARIZERS, catalogue.TRACKABLE, catalogue.ACTIVATIONS):
         assert "Values: " + ", ".join(values) + "." in flat
     assert "--no-augment" not in flat  # on/off flags have one form
 

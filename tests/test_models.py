@@ -56,8 +56,12 @@ def resnet_parameter_count(depth: int, width: int, in_channels: int, classes: in
 
 
 def test_model_names():
+    from sharpcli.models import specs, zoo
+
     assert MODEL_NAMES == ("mlp", "cnn", "vgg-small", "resnet")
     assert set(TINY) == set(MODEL_NAMES)
+    # the catalogue's names are the ones with a builder and an argument table, in that order
+    assert tuple(zoo._BUILDERS) == MODEL_NAMES == tuple(specs._MODEL_ARGS)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -170,11 +170,11 @@ def terminal(monkeypatch):
     """stderr as an 80-column terminal (rich's forced terminal), captured in a buffer."""
     from rich.console import Console
 
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
 
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=80, highlight=False)
-    monkeypatch.setattr(common, "stderr_console", console)
+    monkeypatch.setattr(runner, "stderr_console", console)
     return buffer
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.registry import RegistryError
+from sharpcli.specs import RegistryError
 from sharpcli.training import regularizers as R
 from sharpcli.training.regularizers import (
     REGISTRY,

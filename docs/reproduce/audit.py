@@ -387,10 +387,10 @@ def _gn_trace_expectation(step: Step, theta, x, activation) -> Row:
 
 # --------------------------------------------------------------------------- diagnostics
 def _cli(*args: str) -> None:
-    from sharpcli.cli import common
+    from sharpcli.cli import runner
     from sharpcli.cli.app import main
 
-    common.state()["debug"] = False
+    runner.state()["debug"] = False
     try:
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()) as err:
             main(list(args))

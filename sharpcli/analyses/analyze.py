@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 
-METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
+METRICS = catalogue.METRICS
 DEFAULT_METRICS = ("eigen", "trace")
 
 _SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from sharpcli import progress
+from sharpcli import catalogue, progress
 from sharpcli.analyses.noise_stability import noise_stability_check
 from sharpcli.analyses.perturbation import (
     AveragedOperator,
@@ -88,8 +88,8 @@ __all__ = [
     "gradient_norms",
 ]
 
-CHECKS = ("theorem2", "noise-stability")
-EPSILON_KINDS = ("full", "minibatch")
+CHECKS = catalogue.CHECKS
+EPSILON_KINDS = catalogue.EPSILON_KINDS
 
 
 def corollary1_bound(H: float, epsilon: float, sigma: float) -> float:

@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 
 __all__ = ["MODES", "RescalePlan", "apply_rescale", "check_mode", "plan_rescale"]
 
-MODES = ("global", "layer")
+MODES = catalogue.RESCALE_MODES
 
 _WEIGHTED_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
 _BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)

@@ -23,9 +23,9 @@ from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
-METHODS = ("lanczos", "power")
+METHODS = catalogue.METHODS
 ESTIMATORS = catalogue.ESTIMATORS.builtin_names()  # hutchpp, hutchinson, gn-split, exact
-ENGINES = ("native", "pyhessian")
+ENGINES = catalogue.ENGINES
 
 
 def check_choice(value: str, accepted: tuple, parameter: str) -> str:
@@ -518,7 +518,7 @@ def gn_nme_result(
     return out
 
 
-GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+GGN_ESTIMATORS = catalogue.GGN_ESTIMATORS
 EXACT_GGN_MAX_DIRECTIONS = 128  # backward passes per sample the exact tr(G) may take in `auto`
 
 

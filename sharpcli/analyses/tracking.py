@@ -21,9 +21,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
+TRACKABLE = catalogue.TRACKABLE
 
 
 def check_tracked(names: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import __version__
-from sharpcli.cli import common
+from sharpcli.cli import lazyhelp, runner
 from sharpcli.errors import SharpError
 
 app = typer.Typer(
@@ -26,7 +26,7 @@ app = typer.Typer(
     # --install-completion / --show-completion: completion of commands, options and their
     # values (sharpcli/cli/choices.py) in bash, zsh, fish and PowerShell
     add_completion=True,
-    cls=common.SharpGroup,
+    cls=lazyhelp.SharpGroup,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -50,7 +50,7 @@ def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
 ) -> None:
     """Measure and control the sharpness of neural-network loss landscapes."""
-    common.state()["debug"] = debug
+    runner.state()["debug"] = debug
     if ctx.invoked_subcommand is None:  # bare ``sharp`` (or ``sharp --debug``): the help
         print(ctx.get_help())
         raise typer.Exit(0)
@@ -107,18 +107,18 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
     target = _json_requested(argv)
     if target == "-":
         try:
-            sys.stdout.write(common.dumps(common.error_document(command, err)))
+            sys.stdout.write(runner.dumps(runner.error_document(command, err)))
             sys.stdout.flush()
         except (OSError, ValueError) as exc:
-            if not common.stdout_gone(exc):
+            if not runner.stdout_gone(exc):
                 raise
-            common.silence_stdout()
+            runner.silence_stdout()
     elif target is not None and not any(ledger.same_file(target, p) for p in _other_files(argv)):
         try:
             from sharpcli.atomic import write_text_atomic
 
             ledger.check_writable(target, "--json")
-            write_text_atomic(target, common.dumps(common.error_document(command, err)))
+            write_text_atomic(target, runner.dumps(runner.error_document(command, err)))
         except (OSError, SharpError):
             pass
 
@@ -163,10 +163,10 @@ def _run_app(argv: list[str]) -> int:
     except typer.exceptions.TyperException as exc:  # the vendored click's usage errors
         code = _usage_error(argv, exc)
     except (OSError, ValueError) as exc:  # --help or --version into a closed pipe
-        if not common.stdout_gone(exc):
+        if not runner.stdout_gone(exc):
             raise
-        common.silence_stdout()
-        code = common.EXIT_STDOUT_GONE
+        runner.silence_stdout()
+        code = runner.EXIT_STDOUT_GONE
     signum = interrupts.received()
     if code == 0 and signum is not None and interrupts.mode() != "done":
         code = interrupts.report(command, signum)  # a deferred signal; nothing was published
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> None
     from sharpcli.cli.flags import to_cli_error
     from sharpcli.errors import SharpError
 
-    common.state()["started"] = time.perf_counter() if started is None else started
+    runner.state()["started"] = time.perf_counter() if started is None else started
     installed_here = interrupts.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

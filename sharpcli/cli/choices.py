@@ -7,11 +7,11 @@ shell. Open sets, whose values a registry can extend (``--operator``), that take
 strings checked by the library; their completion offers the built-in values and their metavar or
 help lists them.
 
-The named things (regularizers, operators, estimators, activations) are read from
-:mod:`sharpcli.catalogue`, which imports no torch, so the help and completion list exactly
-what the library accepts, extensions registered in this process included. The other closed
-sets are the library's own, spelled out here because ``sharp --help`` must not import torch,
-which the library modules do (``tests/test_cli_options.py`` keeps them equal).
+Every set is read from :mod:`sharpcli.catalogue`, which imports no torch, the one place it is
+spelled: the closed sets are its value tuples, which the library modules that accept the
+values read too, and the named things (regularizers, operators, estimators, activations) are
+its registries, so the help and completion list exactly what the library accepts, extensions
+registered in this process included.
 """
 
 from typing import Callable, Literal, Union
@@ -20,36 +20,21 @@ from sharpcli import catalogue
 from sharpcli.registry import Registry
 
 # ---------------------------------------------------------------------------- closed sets
-Split = Literal["train", "test"]  # sharpcli.io.datasets_common.SPLITS
-Dtype = Literal["float32", "float64"]  # sharpcli.preflight.DTYPES
-Which = Literal["largest", "smallest", "both"]  # sharpcli.curvature.lanczos.WHICH
-Method = Literal["lanczos", "power"]  # sharpcli.analyses.spectrum.METHODS
+# Literal[("a", "b")] is Literal["a", "b"]: typer reads the values from the catalogue's tuples
+Split = Literal[catalogue.SPLITS]  # type: ignore[valid-type]
+Dtype = Literal[catalogue.DTYPES]  # type: ignore[valid-type]
+Which = Literal[catalogue.WHICH]  # type: ignore[valid-type]
+Method = Literal[catalogue.METHODS]  # type: ignore[valid-type]
 Estimator = Literal[catalogue.ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
-Engine = Literal["native", "pyhessian"]  # spectrum.ENGINES
-TokenReduction = Literal["tokens", "samples"]  # sharpcli.losses.TOKEN_REDUCTIONS
-GGNEstimator = Literal["auto", "exact", "sampled", "hutchinson"]  # spectrum.GGN_ESTIMATORS
-Model = Literal["mlp", "cnn", "vgg-small", "resnet"]  # sharpcli.models.zoo.MODEL_NAMES
-Optimizer = Literal["sgd", "adam"]  # sharpcli.training.loop.OPTIMIZERS
-Schedule = Literal["constant", "cosine"]  # sharpcli.training.loop.SCHEDULES
-RescaleMode = Literal["global", "layer"]  # sharpcli.analyses.rescale.MODES
-EpsilonKind = Literal["full", "minibatch"]  # sharpcli.analyses.bounds.EPSILON_KINDS
-TableFormat = Literal["table", "csv", "markdown", "json"]  # sharpcli.report.compare.FORMATS
-
-# ---------------------------------------------------------------------------- open sets
-# the curvature operators (register_operator adds more)
-OPERATORS = catalogue.OPERATORS
-# sharpcli.analyses.analyze.METRICS: analyze --metrics, sweep --metrics (comma lists)
-METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
-# sharpcli.analyses.tracking.TRACKABLE: train --track (a comma list)
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
-# sharpcli.analyses.bounds.CHECKS: bound-check --check (repeated or a comma list)
-CHECKS = ("theorem2", "noise-stability")
-# the activations; beta-gelu and augmented-relu take :beta=B
-ACTIVATIONS = catalogue.ACTIVATIONS
-# torch device types offered by completion; any torch device string is accepted (cuda:1)
-DEVICES = ("cpu", "cuda", "mps")
-# the regularizers (sharpcli.training.regularizers.register adds more)
-REGULARIZERS = catalogue.REGULARIZERS
+Engine = Literal[catalogue.ENGINES]  # type: ignore[valid-type]
+TokenReduction = Literal[catalogue.TOKEN_REDUCTIONS]  # type: ignore[valid-type]
+GGNEstimator = Literal[catalogue.GGN_ESTIMATORS]  # type: ignore[valid-type]
+Model = Literal[catalogue.MODEL_NAMES]  # type: ignore[valid-type]
+Optimizer = Literal[catalogue.OPTIMIZERS]  # type: ignore[valid-type]
+Schedule = Literal[catalogue.SCHEDULES]  # type: ignore[valid-type]
+RescaleMode = Literal[catalogue.RESCALE_MODES]  # type: ignore[valid-type]
+EpsilonKind = Literal[catalogue.EPSILON_KINDS]  # type: ignore[valid-type]
+TableFormat = Literal[catalogue.TABLE_FORMATS]  # type: ignore[valid-type]
 
 Values = Union[tuple[str, ...], Registry]
 
@@ -68,7 +53,7 @@ def names_of(values: Values) -> tuple[str, ...]:
 
 def metavar(values: Values, *, params: bool = False) -> str:
     """An option's placeholder: ``NAME``, or ``NAME[:k=v,...]`` for a kind whose names take
-    parameters by the grammar of :func:`sharpcli.registry.parse_spec`; where every entry
+    parameters by the grammar of :func:`sharpcli.specs.parse_spec`; where every entry
     with parameters takes the same one, ``NAME[:k=V]`` spells it (``NAME[:beta=B]``).
 
     Args:

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import choices, common
+from sharpcli import catalogue
+from sharpcli.cli import choices, common, runner
 from sharpcli.cli.app import app
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
@@ -20,7 +21,7 @@ def analyze_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS),
             help="Comma list, e.g. --metrics eigen,trace,gn-nme (default: eigen,trace).",
         ),
     ] = None,
@@ -59,7 +60,7 @@ def analyze_command(
         ),
     ] = 1000,
     params: common.ParamsOpt = None,
-) -> common.Outcome:
+) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
     from sharpcli.curvature.registry import SPLIT
@@ -108,13 +109,13 @@ def analyze_command(
                 )
             )
         for note in results.get("notes") or []:
-            common.print_note(console, note)
+            runner.print_note(console, note)
 
     notice = None
     if tripped:  # one line on stderr, even under --quiet or --json -
         held = [f"{v['expr']} (value {fmt(v['value'])})" for v in verdicts if v["tripped"]]
         notice = f"--fail-if tripped: {'; '.join(held)}: exit 1"
-    return common.Outcome(report, render, gate_tripped=tripped, notice=notice)
+    return runner.Outcome(report, render, gate_tripped=tripped, notice=notice)
 
 
 def _check_gate_keys(gates, chosen: list[str]) -> None:

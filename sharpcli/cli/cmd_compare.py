@@ -6,11 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import choices, common
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 
 
-@app.command("compare", cls=common.LazyHelpCommand)
+@app.command("compare", cls=lazyhelp.LazyHelpCommand)
 def compare_command(
     reports: Annotated[
         list[str],
@@ -80,7 +80,7 @@ def compare_command(
 ) -> None:
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
-    def body() -> common.Outcome:
+    def body() -> runner.Outcome:
         from sharpcli.atomic import write_text_atomic
         from sharpcli.report.compare import FORMATS, compare_table, render
         from sharpcli.report.envelope import environment_info, make_report
@@ -124,6 +124,6 @@ def compare_command(
             else:
                 console.file.write(text)
 
-        return common.Outcome(report, show)
+        return runner.Outcome(report, show)
 
-    common.run_command("compare", json_out, quiet, body, uses_models=False, debug=debug)
+    runner.run_command("compare", json_out, quiet, body, uses_models=False, debug=debug)

@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import choices, common
+from sharpcli import catalogue
+from sharpcli.cli import choices, common, runner
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
@@ -62,7 +63,7 @@ def activation_stats_command(
             help="Compute the input-output Jacobian norm (C+1 backward passes per batch).",
         ),
     ] = True,
-) -> common.Outcome:
+) -> runner.Outcome:
     """How often each activation layer's units are active or dead, the output's Gini impurity
     and entropy, the AD penalty and the input-output Jacobian norm (MAN sections 2, 5)."""
     from sharpcli.analyses.activations import activation_stats
@@ -71,7 +72,7 @@ def activation_stats_command(
     result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
     settings = opts.report_settings()
     report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
-    return common.Outcome(report, render=lambda console: _render_activation_stats(console, result))
+    return runner.Outcome(report, render=lambda console: _render_activation_stats(console, result))
 
 
 def _render_activation_stats(console, result) -> None:
@@ -105,7 +106,7 @@ def _render_activation_stats(console, result) -> None:
     summary["input-output Jacobian ||dp/dx||_F"] = result.input_jacobian_fro_softmax
     console.print(key_value_table("output", summary))
     for note in result.notes:
-        common.print_note(console, note)
+        runner.print_note(console, note)
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
@@ -141,7 +142,7 @@ def weight_rescale_command(
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 200,
     plot: PlotOpt = None,
-) -> common.Outcome:
+) -> runner.Outcome:
     """Rescale weights without changing the function (MAN Fig. 1; Dinh et al.) and show that
     lambda_max and the trace move while ASAM's rescale-invariant sharpness does not."""
     from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
@@ -179,7 +180,7 @@ def weight_rescale_command(
         results["plot"] = plot
     settings = opts.report_settings(alpha=alphas)
     report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
-    return common.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
+    return runner.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
 
 
 def _render_weight_rescale(console, result) -> None:
@@ -251,7 +252,7 @@ def bound_check_command(
         typer.Option(
             "--check",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.CHECKS),
+            autocompletion=choices.list_completer(catalogue.CHECKS),
             help="Extra checks, repeated or comma-separated, e.g. --check theorem2.",
         ),
     ] = None,
@@ -281,7 +282,7 @@ def bound_check_command(
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 300,
     plot: PlotOpt = None,
-) -> common.Outcome:
+) -> runner.Outcome:
     """Check AD Corollary 1's bound on the Hessian smoothed by weight noise, for each sigma;
     optionally AD Theorem 2 and NSO's noise-stability gap."""
     from sharpcli.analyses.bounds import BoundCheckConfig, bound_check
@@ -320,7 +321,7 @@ def bound_check_command(
         results["plot"] = plot
     settings = opts.report_settings(sigma=sigmas, params=result.params, check=checks)
     report = session.report("bound-check", settings, results, matvecs=result.matvecs)
-    return common.Outcome(report, render=lambda console: _render_bound_check(console, result))
+    return runner.Outcome(report, render=lambda console: _render_bound_check(console, result))
 
 
 def _render_bound_check(console, result) -> None:
@@ -400,4 +401,4 @@ def _render_bound_check(console, result) -> None:
             )
         )
     for note in result.notes:
-        common.print_note(console, note)
+        runner.print_note(console, note)

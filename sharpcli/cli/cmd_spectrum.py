@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.cli import choices, common
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
 
@@ -22,9 +22,9 @@ OperatorOpt = Annotated[
     str,
     typer.Option(
         "--operator",
-        metavar=choices.metavar(choices.OPERATORS),
-        autocompletion=choices.completer(choices.OPERATORS),
-        help=common.lazy_help(_operator_help),
+        metavar=choices.metavar(catalogue.OPERATORS),
+        autocompletion=choices.completer(catalogue.OPERATORS),
+        help=lazyhelp.lazy_help(_operator_help),
     ),
 ]
 EngineOpt = Annotated[
@@ -93,7 +93,7 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-) -> common.Outcome:
+) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, Gauss-Newton or NME operator."""
     from sharpcli.analyses import spectrum
 
@@ -135,9 +135,9 @@ def eigen_command(
             f"{results['scope']['numel']} parameters"
         )
         for note in results.get("notes") or []:
-            common.print_note(console, note)
+            runner.print_note(console, note)
 
-    return common.Outcome(report, render)
+    return runner.Outcome(report, render)
 
 
 @common.analysis_command(app, "trace")
@@ -160,7 +160,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-) -> common.Outcome:
+) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
 
@@ -203,9 +203,9 @@ def trace_command(
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
         for note in t.get("notes") or []:
-            common.print_note(console, note)
+            runner.print_note(console, note)
 
-    return common.Outcome(report, render)
+    return runner.Outcome(report, render)
 
 
 @common.analysis_command(app, "gn-nme")
@@ -237,7 +237,7 @@ def gn_nme_command(
             "(<= 128 output directions a sample).",
         ),
     ] = "auto",
-) -> common.Outcome:
+) -> runner.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
     from sharpcli.analyses import spectrum
 
@@ -292,10 +292,10 @@ def gn_nme_command(
         numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
         console.print(key_value_table("tr(G) by each estimator", numbers))
         if "exact" not in check["estimators"]:  # say why the exact trace did not run
-            common.print_note(console, check["why"])
+            runner.print_note(console, check["why"])
         console.print(records_table("per layer", results["layers"]))
 
-    return common.Outcome(report, render)
+    return runner.Outcome(report, render)
 
 
 @common.analysis_command(app, "density")
@@ -319,7 +319,7 @@ def density_command(
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
-) -> common.Outcome:
+) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
     from sharpcli.analyses import spectrum
@@ -367,4 +367,4 @@ def density_command(
             )
         )
 
-    return common.Outcome(report, render)
+    return runner.Outcome(report, render)

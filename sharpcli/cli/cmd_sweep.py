@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import choices, common
+from sharpcli import catalogue
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 
 # as train's --token-reduction (command modules import no other command module)
@@ -84,14 +85,14 @@ def _set_value(raw: str, key: str):
         return raw
 
 
-@app.command("sweep", cls=common.LazyHelpCommand)
+@app.command("sweep", cls=lazyhelp.LazyHelpCommand)
 def sweep_command(
     reg: Annotated[
         str,
         typer.Option(
             "--reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
             "--reg sam:rho=0.1.",
         ),
@@ -115,8 +116,8 @@ def sweep_command(
         Optional[list[str]],
         typer.Option(
             "--extra-reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
         ),
     ] = None,
@@ -125,7 +126,7 @@ def sweep_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS),
             help="Analyses per run, as analyze --metrics.",
         ),
     ] = "eigen,trace",
@@ -224,7 +225,7 @@ def sweep_command(
 ) -> None:
     """Sweep a regularizer's hyper-parameters over seeds: train, analyse, tabulate, plot."""
 
-    def body() -> common.Outcome:
+    def body() -> runner.Outcome:
         from sharpcli.report.envelope import environment_info, make_report
         from sharpcli.report.tables import records_table
         from sharpcli.training.sweep import parse_grid, run_sweep
@@ -329,9 +330,9 @@ def sweep_command(
                     f"stopped after --max-runs {max_runs}; run the same command again to continue"
                 )
 
-        return common.Outcome(report, render)
+        return runner.Outcome(report, render)
 
-    common.run_command(
+    runner.run_command(
         "sweep", json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
     )
 

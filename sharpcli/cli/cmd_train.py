@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli.cli import choices, common
+from sharpcli import catalogue
+from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.app import app
 from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table
@@ -26,7 +27,7 @@ StopDivergedOpt = Annotated[
 ]
 
 
-@app.command("train", cls=common.LazyHelpCommand)
+@app.command("train", cls=lazyhelp.LazyHelpCommand)
 def train_command(
     model: Annotated[
         choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
@@ -166,8 +167,8 @@ def train_command(
         Optional[list[str]],
         typer.Option(
             "--reg",
-            metavar=choices.metavar(choices.REGULARIZERS, params=True),
-            autocompletion=choices.completer(choices.REGULARIZERS),
+            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+            autocompletion=choices.completer(catalogue.REGULARIZERS),
             rich_help_panel="Training",
             help="Regularizer and its settings; repeat to combine, e.g. --reg sam:rho=0.05 "
             "--reg fa (default: none).",
@@ -207,7 +208,7 @@ def train_command(
         typer.Option(
             "--track",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(choices.TRACKABLE),
+            autocompletion=choices.list_completer(catalogue.TRACKABLE),
             rich_help_panel="Training",
             help="Curvature recorded while training, e.g. --track eigen,trace.",
         ),
@@ -253,7 +254,7 @@ def train_command(
 
     stop_on_divergence = stop_on_divergence or stop_diverged
 
-    def body() -> common.Outcome:
+    def body() -> runner.Outcome:
         from sharpcli.training.loop import config_from_options, train, train_report
 
         common.check_output(plot)
@@ -313,7 +314,7 @@ def train_command(
                 max_memory=max_memory,
                 stop_on_divergence=stop_on_divergence,
             )
-        common.print_notes(result.notes, quiet)  # also in the report's data.notes
+        runner.print_notes(result.notes, quiet)  # also in the report's data.notes
         if plot is not None:
             from sharpcli.report.plots import plot_training_history
 
@@ -334,7 +335,7 @@ def train_command(
             device=device,
             dtype=dtype,
         )
-        return common.Outcome(
+        return runner.Outcome(
             report,
             render=lambda console: _render(console, result),
             notice=_divergence_warning(result),
@@ -343,7 +344,7 @@ def train_command(
 
     # the library names subset sizes `samples`: here they are --track-samples
     aliases = {"samples": "--track-samples"}
-    common.run_command(
+    runner.run_command(
         "train", json_out, quiet, body, threads=threads, debug=debug, aliases=aliases
     )
 

@@ -4,7 +4,7 @@ Below ``cli/`` an error speaks in parameters (:mod:`sharpcli.errors`): a
 ``UsageError(message, source="max_matvecs")`` names the library parameter it is about, and a
 message refers to a parameter in backticks, alone or with a value: ``"raise `max_matvecs`"``,
 ``"use `engine=native`"``. A library caller reads them as they are. When such an error reaches
-the CLI's error reporting (:func:`sharpcli.cli.common.run_command`, :func:`sharpcli.cli.app.main`),
+the CLI's error reporting (:func:`sharpcli.cli.runner.run_command`, :func:`sharpcli.cli.app.main`),
 :func:`to_cli_error` spells them as the running command's flags: source ``--max-matvecs``,
 ``"raise --max-matvecs"``, ``"use --engine native"``.
 

@@ -41,7 +41,7 @@ import math
 import numpy as np
 import torch
 
-from sharpcli import memory, progress
+from sharpcli import catalogue, memory, progress
 from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import plan_basis, storage_dtype
 from sharpcli.curvature.ritz import EigenResult, measured_residuals, select_ritz
@@ -60,7 +60,7 @@ from sharpcli.errors import UsageError
 __all__ = ["DEFAULT_MAX_MATVECS", "WHICH", "lanczos"]
 
 DEFAULT_MAX_MATVECS = 100
-WHICH = ("largest", "smallest", "both")
+WHICH = catalogue.WHICH
 _F64 = torch.float64
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
+from sharpcli.losses import get_loss
 from sharpcli.registry import Entry
 
 if TYPE_CHECKING:
@@ -223,9 +224,8 @@ def build_nme(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
 
 
 def _ggn_rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:
-    # G = (1/N) sum_i J_i^T H_z,i J_i has rank <= N * rank(H_z): C - 1 for cross-entropy (its
-    # H_z = diag(p) - p p^T annihilates the all-ones vector), C for mse.
-    return num_samples * max(1, num_outputs - (1 if loss == "cross-entropy" else 0))
+    # G = (1/N) sum_i J_i^T H_z,i J_i has rank <= N * rank(H_z) (Loss.logit_hessian_rank)
+    return num_samples * get_loss(loss).logit_hessian_rank(num_outputs)
 
 
 register_operator(HESSIAN, build_hessian)

@@ -42,7 +42,7 @@ from sharpcli.io.datasets_builtin import (
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
 from sharpcli.losses import IGNORE_INDEX
-from sharpcli.registry import parse_spec
+from sharpcli.specs import parse_spec
 
 __all__ = [
     "BUILTIN_ARGS",
@@ -63,7 +63,7 @@ DEFAULT_DATA = "blobs"
 def _parse_builtin_args(name: str, text: str) -> dict:
     """``"n=100,seed=3"`` -> ``{"n": "100", "seed": "3"}`` (typed later by ``resolve_builtin_args``).
 
-    The grammar is :func:`sharpcli.registry.parse_spec`, every item ``key=value``.
+    The grammar is :func:`sharpcli.specs.parse_spec`, every item ``key=value``.
 
     Args:
         name: the built-in dataset.

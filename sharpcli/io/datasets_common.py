@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sharpcli import catalogue
 from sharpcli.errors import InputError, UsageError
 from sharpcli.losses import IGNORE_INDEX
 
 TASKS = ("classification", "regression")
-SPLITS = ("train", "test")
+SPLITS = catalogue.SPLITS
 MAX_CLASSES = 1_000_000  # a label above this is a corrupt file, not a class
 
 

@@ -221,7 +221,7 @@ def is_positively_homogeneous(module: nn.Module) -> bool:
 def parse_activation_spec(spec: str) -> tuple[str, dict[str, float]]:
     """Parse ``name[:k=v,...]`` into ``(canonical name, complete parameter dict)``.
 
-    The grammar is :func:`sharpcli.registry.parse_spec`, every item ``key=value``: names are
+    The grammar is :func:`sharpcli.specs.parse_spec`, every item ``key=value``: names are
     case-insensitive and ``_`` may stand for ``-``; every parameter is a finite number > 0;
     missing parameters take their defaults.
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.models.activations import ACTIVATION_TYPES, make_activation
 from sharpcli.models.specs import image_hw, model_input_shape, validate_model_spec
@@ -340,7 +341,7 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     ),
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+MODEL_NAMES: tuple[str, ...] = catalogue.MODEL_NAMES
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:

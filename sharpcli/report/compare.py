@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sharpcli import ledger
+from sharpcli import catalogue, ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
 
@@ -39,7 +39,7 @@ CANONICAL = (
     "frobenius_sq",
     "nme_share",
 )
-FORMATS = ("table", "csv", "markdown", "json")
+FORMATS = catalogue.TABLE_FORMATS
 
 
 def read_report(path: str | Path) -> dict:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.training.penalties.base import Regularizer
 from sharpcli.training.regularizers import parse_regs
@@ -21,8 +22,8 @@ __all__ = [
     "config_from_options",
 ]
 
-OPTIMIZERS = ("sgd", "adam")
-SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = catalogue.OPTIMIZERS
+SCHEDULES = catalogue.SCHEDULES
 
 
 @dataclass

@@ -48,6 +48,7 @@ from sharpcli.training.penalties.base import (
     Oracle,
     Penalty,
     Regularizer,
+    record_attributes,
 )
 from sharpcli.training.penalties.decay import ActivationDecay, Dropout, NoRegularizer, WeightDecay
 from sharpcli.training.penalties.flatness import FlatnessAware, auto_step_length
@@ -91,7 +92,7 @@ __all__ = [
 
 # --------------------------------------------------------------------------- registry and parsing
 # The regularizers by name: sharpcli.catalogue.REGULARIZERS, whose records (name, kind,
-# summary, hyper-parameters, paper, data_parallel) the built-in classes take on at registration.
+# summary, hyper-parameters, paper, data_parallel) the built-in classes read when they are made.
 REGISTRY = catalogue.REGULARIZERS
 _KIND_BASES: dict[str, type[Regularizer]] = {
     "none": Regularizer,
@@ -99,17 +100,6 @@ _KIND_BASES: dict[str, type[Regularizer]] = {
     "penalty": Penalty,
     "oracle": Oracle,
 }
-
-
-def _record_attributes(entry: Entry) -> dict[str, Any]:
-    """The class attributes a catalogue record declares."""
-    return {
-        "kind": entry.info.get("kind", ""),
-        "summary": entry.summary,
-        "HYPERPARAMS": tuple(entry.params),
-        "data_parallel": entry.data_parallel,
-        "needs_penultimate": entry.info.get("needs_penultimate", False),
-    }
 
 
 def _entry_of(name: str, cls: type[Regularizer]) -> Entry:
@@ -125,9 +115,10 @@ def _entry_of(name: str, cls: type[Regularizer]) -> Entry:
 
 
 def _adopt_record(entry: Entry, cls: type[Regularizer], where: str) -> None:
-    """Give a built-in class the attributes of its catalogue record; one it states itself
-    must agree with the record."""
-    for attr, value in _record_attributes(entry).items():
+    """Give a built-in class the attributes of its catalogue record (a class of the built-in's
+    name made outside this package, or one registered in its place); one it states itself must
+    agree with the record."""
+    for attr, value in record_attributes(entry).items():
         if attr not in vars(cls):
             setattr(cls, attr, value)
         elif vars(cls)[attr] != value:
@@ -251,7 +242,7 @@ def describe_registry() -> list[dict[str, Any]]:
 def parse_reg(text: str) -> Regularizer:
     """Parse one ``--reg`` value: ``NAME``, ``NAME:v1,v2`` (positional in the documented
     order), ``NAME:k=v,...`` or a mix (positional first), by the one grammar of
-    :func:`sharpcli.registry.parse_spec`. Missing hyper-parameters take their defaults.
+    :func:`sharpcli.specs.parse_spec`. Missing hyper-parameters take their defaults.
 
     Args:
         text: the value.

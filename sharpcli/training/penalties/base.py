@@ -14,8 +14,10 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.registry import Param, format_value
+from sharpcli.registry import Entry
+from sharpcli.specs import Param, format_value
 from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "PenaltyNeeds",
     "Oracle",
     "central_gradients",
+    "record_attributes",
 ]
 
 # The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
@@ -35,16 +38,38 @@ MODE = "mode"
 
 
 # --------------------------------------------------------------------------- hyper-parameters
-# One typed parameter (sharpcli.registry.Param): name, type, default, range, description.
+# One typed parameter (sharpcli.specs.Param): name, type, default, range, description.
 HyperParam = Param
 _format_value = format_value
+
+
+def record_attributes(entry: Entry) -> dict[str, Any]:
+    """The class attributes a regularizer's catalogue record declares.
+
+    Args:
+        entry: the record (:data:`sharpcli.catalogue.REGULARIZERS`).
+
+    Returns:
+        ``kind``, ``summary``, ``HYPERPARAMS``, ``data_parallel`` and ``needs_penultimate``.
+    """
+    return {
+        "kind": entry.info.get("kind", ""),
+        "summary": entry.summary,
+        "HYPERPARAMS": tuple(entry.params),
+        "data_parallel": entry.data_parallel,
+        "needs_penultimate": entry.info.get("needs_penultimate", False),
+    }
 
 
 # --------------------------------------------------------------------------- base classes
 class Regularizer:
     """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
 
-    A registered class carries everything about itself (:func:`register` checks it):
+    A registered class carries everything about itself (:func:`register` checks it). A
+    built-in (a name of :data:`sharpcli.catalogue.REGULARIZERS`) reads ``kind``,
+    ``HYPERPARAMS``, ``summary``, ``data_parallel`` and ``needs_penultimate`` from its
+    catalogue record when the class is made (:func:`record_attributes`); an extension states
+    them in its body:
 
     - ``name``: what ``--reg`` calls it; ``kind``: ``"none"``, ``"model"``, ``"penalty"``
       (subclass :class:`Penalty`) or ``"oracle"`` (subclass :class:`Oracle`);
@@ -52,10 +77,10 @@ class Regularizer:
     - ``summary``: one line for ``--help``; the class docstring: the formula, the paper
       key (NME, NSO, AD, FA, MAN, SAM, ASAM) and the cost in gradient evaluations;
     - ``data_parallel``: ``None`` when the row-weighted average of per-rank gradients
-      (``sharpcli.training.loop.data_parallel_step``) is the gradient of the global batch,
+      (``sharpcli.training.data_parallel``) is the gradient of the global batch,
       otherwise the reason it is not, which the refusal under torchrun quotes. Every
-      registered class states it in its own body, never by inheritance: a new SAM variant
-      that inherited "exact" would silently run as local SAM;
+      registered class has it in its own namespace (its body, or its record), never by
+      inheritance: a new SAM variant that inherited "exact" would silently run as local SAM;
     - ``needs_penultimate``: whether it needs the input of the final ``nn.Linear``;
     - :meth:`model_args`: what it changes in the model's construction.
 
@@ -78,13 +103,20 @@ class Regularizer:
     def __init_subclass__(cls, mode: str | None = None, **kwargs: Any) -> None:
         """Register a class made with ``mode=NAME`` as that mode of its parent (a family whose
         ``mode`` hyper-parameter picks the class at parse time); any other subclass starts a
-        family of its own."""
+        family of its own. A built-in takes its catalogue record (a mode class: its
+        ``data_parallel``, the rest it inherits from its family)."""
         super().__init_subclass__(**kwargs)
         if mode is None:
             cls._modes = {}
         else:
             cls.mode = mode
             cls._modes[mode] = cls
+        builtin = "name" in vars(cls) or mode is not None
+        if builtin and cls.name in catalogue.REGULARIZERS.builtin_names():
+            record = record_attributes(catalogue.REGULARIZERS.entry(cls.name))
+            for attr, value in record.items():
+                if attr not in vars(cls) and (mode is None or attr == "data_parallel"):
+                    setattr(cls, attr, value)
 
     def __new__(cls, **params: Any) -> Regularizer:
         """An instance of the class of the ``mode`` given in ``params`` (or its default) when

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 import torch
 
 from sharpcli.errors import UsageError
-from sharpcli.losses import token_weights
+from sharpcli.losses import get_loss, token_weights
 from sharpcli.training.engine import PassContext
-from sharpcli.training.penalties.base import HyperParam, Penalty, Regularizer
+from sharpcli.training.penalties.base import Penalty, Regularizer
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]
 
@@ -22,9 +22,6 @@ class NoRegularizer(Regularizer):
     """``none``: the plain loss ``L(theta)``; 1 gradient evaluation per step."""
 
     name = "none"
-    kind = "none"
-    summary = "plain loss"
-    data_parallel = None  # the batch-mean loss is linear in the batch
 
 
 class Dropout(Regularizer):
@@ -39,14 +36,6 @@ class Dropout(Regularizer):
     """
 
     name = "dropout"
-    kind = "model"
-    summary = (
-        "dropout p: after each hidden activation (mlp); before the head only (conv nets) (AD 4.2)"
-    )
-    HYPERPARAMS = (HyperParam("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
-    # Linear in the batch. The masks differ from a single process (independent per rank,
-    # reseeded per epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw.
-    data_parallel = None
 
     def model_args(self) -> dict[str, Any]:
         """``{"dropout": p}``: the model is built with dropout."""
@@ -66,11 +55,6 @@ class WeightDecay(Penalty):
     """
 
     name = "wd"
-    summary = "L + s^2/2 ||theta||^2 (AD 2.3)"
-    HYPERPARAMS = (
-        HyperParam("sigma", "float", 1e-3, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
-    )
-    data_parallel = None  # sigma^2 theta is the same on every rank; the row weights sum to 1
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\sigma^2/2 \\|\\theta\\|^2`, without a graph (see :meth:`analytic_grad`)."""
@@ -113,19 +97,11 @@ class ActivationDecay(Penalty):
     """
 
     name = "ad"
-    summary = (
-        "CE + s^2/2 mean ||h||^2, h = the head's input (conv nets: pooled features) (AD Thm 2)"
-    )
-    HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
-    )
-    needs_penultimate = True
-    data_parallel = None  # a mean over samples: linear in the batch
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """The penalty on the penultimate activation, through the clean forward graph."""
         h = ctx.penultimate
-        if ctx.loss_name == "token-cross-entropy":
+        if get_loss(ctx.loss_name).per_token:
             if h.ndim != 3 or h.shape[:2] != ctx.y.shape:
                 raise UsageError(
                     f"ad on a sequence model needs the penultimate activation per position "

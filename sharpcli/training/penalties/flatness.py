@@ -13,7 +13,7 @@ import torch
 
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Penalty, central_gradients
+from sharpcli.training.penalties.base import Penalty, central_gradients
 from sharpcli.training.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
 
 __all__ = [
@@ -69,29 +69,6 @@ class FlatnessAware(Penalty):
     """
 
     name = "fa"
-    summary = "L + lambda Tr(H^2)/B, Tr(H^2) = ||Hv||^2 (FA eq. 1); exact autograd or fd"
-    HYPERPARAMS = (
-        HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),
-        HyperParam(
-            "mode",
-            "choice",
-            "exact",
-            "exact: the FA penalty by third-order autograd; fd: central finite differences of "
-            "grad L (no third-order graph; on ReLU/max-pool nets a different, kink-dominated "
-            "regularizer)",
-            choices=("exact", "fd"),
-        ),
-        HyperParam(
-            "eps",
-            "float",
-            "auto",
-            "finite-difference step length in parameter space (mode=fd); auto: "
-            "eta(dtype) * ||theta||",
-            positive=True,
-            auto=True,
-        ),
-    )
-    data_parallel = "its penalty ||H v||^2 is nonlinear in the batch Hessian product"
 
 
 class ExactFlatnessAware(FlatnessAware, mode="exact"):
@@ -101,7 +78,6 @@ class ExactFlatnessAware(FlatnessAware, mode="exact"):
     1 + 2 + 4 = 7 gradient evaluations; memory of about three forward graphs.
     """
 
-    data_parallel = FlatnessAware.data_parallel  # stated per class (data_parallel_refusal)
     needs = THIRD_ORDER_AUTOGRAD
 
     def describe_mode(self) -> str:
@@ -132,7 +108,6 @@ class FiniteDifferenceFlatnessAware(FlatnessAware, mode="fd"):
     is a different, step-dependent regularizer.
     """
 
-    data_parallel = FlatnessAware.data_parallel  # stated per class (data_parallel_refusal)
     needs = FINITE_DIFFERENCES
 
     def describe_mode(self) -> str:

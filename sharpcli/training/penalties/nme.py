@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from sharpcli.losses import IGNORE_INDEX, token_weights
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Penalty, PenaltyNeeds, central_gradients
+from sharpcli.training.penalties.base import Penalty, PenaltyNeeds, central_gradients
 
 __all__ = [
     "GradientPenalty",
@@ -56,20 +56,6 @@ class GradientPenalty(Penalty):
     """
 
     name = "gp"
-    summary = "L + rho ||grad L||^p, p in {1,2} (NME eq. 7)"
-    HYPERPARAMS = (
-        HyperParam("rho", "float", 0.01, "penalty strength", minimum=0.0),
-        HyperParam("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
-        HyperParam(
-            "mode",
-            "choice",
-            "exact",
-            "exact double backprop or finite-difference HVP",
-            choices=("exact", "fd"),
-        ),
-        HyperParam("eps", "float", 1e-3, "finite-difference step length (mode=fd)", positive=True),
-    )
-    data_parallel = "its penalty ||grad L||^p is nonlinear in the batch gradient"
 
     def _norm_term(self, squared: torch.Tensor) -> torch.Tensor:
         """:math:`\\rho \\|g\\|^p` from :math:`\\|g\\|^2` (clamped: a zero gradient at an
@@ -87,7 +73,6 @@ class ExactGradientPenalty(GradientPenalty, mode="exact"):
     ``augmented-relu`` restores it).
     """
 
-    data_parallel = GradientPenalty.data_parallel  # stated per class (data_parallel_refusal)
     needs = PenaltyNeeds(autograd=True, loss_grad_graph="to_differentiate")
 
     def describe_mode(self) -> str:
@@ -111,7 +96,6 @@ class FiniteDifferenceGradientPenalty(GradientPenalty, mode="fd"):
     another graph penalty such as ``ad`` needs its own backward).
     """
 
-    data_parallel = GradientPenalty.data_parallel  # stated per class (data_parallel_refusal)
     needs = PenaltyNeeds(autograd=True, extra_passes=True)
 
     def describe_mode(self) -> str:
@@ -163,33 +147,6 @@ class HessianTrace(Penalty):
     """
 
     name = "hessian-trace"
-    summary = (
-        "L + s^2 v^T H v, v Rademacher (NME eq. 19; s^2 = 2x the tr(H) weight of weight-noise "
-        "sigma^2); fd: finite-difference curvature at step eps, exact: autograd Hessian"
-    )
-    HYPERPARAMS = (
-        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
-        HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
-        HyperParam(
-            "mode",
-            "choice",
-            "exact",
-            "exact: the autograd Hessian (zero at kinks), third-order autograd; fd: "
-            "finite-difference curvature at step eps (sees ReLU kinks: on ReLU nets a "
-            "different regularizer, which diverged at its defaults on the built-in nets)",
-            choices=("exact", "fd"),
-        ),
-        HyperParam(
-            "eps",
-            "float",
-            0.1,
-            "finite-difference step length in parameter space (mode=fd)",
-            positive=True,
-        ),
-    )
-    # The probes v come from the step generator, identical on every rank, and v^T H v (its
-    # finite differences too) is linear in the batch.
-    data_parallel = None
 
 
 class ExactHessianTrace(HessianTrace, mode="exact"):
@@ -201,7 +158,6 @@ class ExactHessianTrace(HessianTrace, mode="exact"):
     derivative ([NME] section 4.3).
     """
 
-    data_parallel = None  # as the family: the probes are shared, v^T H v linear in the batch
     needs = THIRD_ORDER_AUTOGRAD
 
     def describe_mode(self) -> str:
@@ -239,7 +195,6 @@ class FiniteDifferenceHessianTrace(HessianTrace, mode="fd"):
     ``eps`` is part of the regularizer's definition.
     """
 
-    data_parallel = None  # as the family: the probes are shared, linear in the batch
     needs = FINITE_DIFFERENCES
 
     def describe_mode(self) -> str:
@@ -301,14 +256,6 @@ class GaussNewtonTrace(Penalty):
     """
 
     name = "gn-trace"
-    summary = (
-        "L + s^2 tr(G), sampled-label estimator (NME eq. 20; s^2 = 2x the tr weight of "
-        "weight-noise sigma^2)"
-    )
-    HYPERPARAMS = (
-        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
-    )
-    data_parallel = "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient"
     needs = PenaltyNeeds(autograd=True)
 
     def sample_labels(

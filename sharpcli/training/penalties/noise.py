@@ -14,7 +14,7 @@ import torch
 
 from sharpcli.training.draws import gaussian_like
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Oracle
+from sharpcli.training.penalties.base import Oracle
 
 __all__ = ["WeightNoise", "NSO"]
 
@@ -23,15 +23,6 @@ def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
     """The mean of equally shaped tensors: one stacked ``mean`` (two operations whatever their
     number)."""
     return torch.stack(list(values)).mean(dim=0)
-
-
-_REPORT = HyperParam(
-    "report",
-    "choice",
-    "perturbed",
-    "reported loss: at the perturbed weights (free) or clean at theta (one more forward)",
-    choices=("perturbed", "clean"),
-)
 
 
 class WeightNoise(Oracle):
@@ -64,17 +55,6 @@ class WeightNoise(Oracle):
     """
 
     name = "weight-noise"
-    summary = (
-        "gradient at theta + U, U ~ N(0, s^2 I) (NSO 2.1); to 2nd order L + s^2/2 tr(H), "
-        "= hessian-trace:sigma2=s^2/2"
-    )
-    HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
-        _REPORT,
-    )
-    # U comes from the step generator, identical on every rank; grad L(theta + U) is linear
-    # in the batch.
-    data_parallel = None
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The gradient at :math:`\\theta + U` and the reported pass (see the class)."""
@@ -117,13 +97,6 @@ class NSO(Oracle):
     """
 
     name = "nso"
-    summary = "gradient averaged over theta +- U_j, j = 1..k (NSO Alg. 1)"
-    HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
-        HyperParam("k", "int", 1, "number of noise pairs per step", minimum=1),
-        _REPORT,
-    )
-    data_parallel = None  # as weight-noise: the same U_j on every rank, linear in the batch
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The mean gradient over :math:`\\theta \\pm U_j` and the reported pass."""

@@ -12,7 +12,7 @@ import torch
 
 from sharpcli.training.draws import global_norm
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Oracle
+from sharpcli.training.penalties.base import Oracle
 
 __all__ = ["SAM", "USAM", "ASAM"]
 
@@ -68,10 +68,6 @@ class SAM(_AscentOracle):
     """
 
     name = "sam"
-    summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
-    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
-    # Per-rank ascent steps ("local SAM") would be a different algorithm.
-    data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
         """:math:`\\rho g / \\|g\\|`."""
@@ -90,9 +86,6 @@ class USAM(_AscentOracle):
     """
 
     name = "usam"
-    summary = "gradient at theta + rho g (NME App. B eq. 43)"
-    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
-    data_parallel = "its ascent step needs the global gradient before the second pass"
 
     def perturbation(self, params, grads):
         """:math:`\\rho g`."""
@@ -113,12 +106,6 @@ class ASAM(_AscentOracle):
     """
 
     name = "asam"
-    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)"
-    HYPERPARAMS = (
-        HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
-        HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
-    )
-    data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
 
     def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""

@@ -1,0 +1,88 @@
+"""The catalogue: every built-in thing of ``sharp`` that has a name, as torch-free records.
+
+One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
+of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
+paper key of docs/references.md, data-parallel exactness where it applies, and the
+implementation as ``"module:attr"``, imported only when it is used. The implementing modules
+register into these registries (``sharpcli.training.regularizers.REGISTRY`` *is*
+:data:`REGULARIZERS`) and take their descriptions from the records; the closed value sets of
+options (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that
+accept them. Everything that lists names reads them from here: the CLI's choices,
+``--help``, shell completion and metavars, the docs' tables and the report schema. Adding a
+built-in is its module plus its record here (docs/architecture.md works one example of each
+kind).
+
+Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
+formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed
+value sets). None imports torch: ``sharp --help`` reads them.
+"""
+
+from __future__ import annotations
+
+from sharpcli.catalogue.curvature import ESTIMATORS, OPERATORS, operator_help, operator_table
+from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
+from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
+from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.values import (
+    CHECKS,
+    DEVICES,
+    DTYPES,
+    ENGINES,
+    EPSILON_KINDS,
+    GGN_ESTIMATORS,
+    METHODS,
+    METRICS,
+    MODEL_NAMES,
+    OPTIMIZERS,
+    RESCALE_MODES,
+    SCHEDULES,
+    SPLITS,
+    TABLE_FORMATS,
+    TOKEN_REDUCTIONS,
+    TRACKABLE,
+    WHICH,
+)
+from sharpcli.registry import Registry
+
+__all__ = [
+    "ACTIVATIONS",
+    "CHECKS",
+    "COMMANDS",
+    "DATASETS",
+    "DATA_FORMATS",
+    "DEVICES",
+    "DTYPES",
+    "ENGINES",
+    "EPSILON_KINDS",
+    "ESTIMATORS",
+    "GGN_ESTIMATORS",
+    "KINDS",
+    "LOSSES",
+    "METHODS",
+    "METRICS",
+    "MODEL_NAMES",
+    "OPERATORS",
+    "OPTIMIZERS",
+    "REGULARIZERS",
+    "RESCALE_MODES",
+    "SCHEDULES",
+    "SPLITS",
+    "TABLE_FORMATS",
+    "TOKEN_REDUCTIONS",
+    "TRACKABLE",
+    "WHICH",
+    "operator_help",
+    "operator_table",
+]
+
+# every kind, by the name the docs' tables use
+KINDS: dict[str, Registry] = {
+    "regularizers": REGULARIZERS,
+    "operators": OPERATORS,
+    "estimators": ESTIMATORS,
+    "losses": LOSSES,
+    "data formats": DATA_FORMATS,
+    "activations": ACTIVATIONS,
+    "datasets": DATASETS,
+    "commands": COMMANDS,
+}

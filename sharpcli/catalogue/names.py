@@ -1,0 +1,146 @@
+"""The losses, the activations and the ``sharp`` commands.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from sharpcli.registry import Entry, Registry
+from sharpcli.specs import Param
+
+__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
+
+P = Param
+
+# the losses of the analyses and of training (sharpcli.losses); ``info``: whether the labels
+# are classes (accuracy is defined)
+LOSSES: Registry = Registry(
+    "loss",
+    source="loss",
+    entries=[
+        Entry(
+            "cross-entropy",
+            "softmax cross-entropy on (batch, classes) logits and class labels",
+            "sharpcli.losses",
+            info={"classification": True},
+        ),
+        Entry(
+            "mse",
+            "mean squared error (mean over the outputs) on regression targets",
+            "sharpcli.losses",
+            info={"classification": False},
+        ),
+        Entry(
+            "binary-cross-entropy",
+            "binary cross-entropy with logits: one logit per sample, labels 0/1",
+            "sharpcli.losses",
+            info={"classification": True},
+        ),
+        Entry(
+            "token-cross-entropy",
+            "cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored",
+            "sharpcli.losses",
+            info={"classification": True},
+        ),
+    ],
+)
+
+
+# ``--activation NAME[:beta=B]`` (sharpcli.models.activations), [NME] sections 4.3-4.4
+ACTIVATIONS: Registry = Registry(
+    "activation",
+    source="activation",
+    entries=[
+        Entry("relu", "ReLU", "sharpcli.models.activations:ReLU"),
+        Entry("gelu", "GELU", "sharpcli.models.activations:GELU"),
+        Entry(
+            "beta-gelu",
+            "x Phi(beta x): GELU with sharpness beta",
+            "sharpcli.models.activations:BetaGELU",
+            (P("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
+            paper="NME",
+        ),
+        Entry(
+            "augmented-relu",
+            "ReLU forward, a Gaussian of inverse width beta as its second derivative",
+            "sharpcli.models.activations:AugmentedReLU",
+            (P("beta", "float", 1.0, "inverse width of the Gaussian, > 0", positive=True),),
+            paper="NME",
+        ),
+        Entry(
+            "diminished-gelu",
+            "GELU forward, no second derivative",
+            "sharpcli.models.activations:DiminishedGELU",
+            paper="NME",
+        ),
+    ],
+)
+
+# the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)
+COMMANDS: Registry = Registry(
+    "command",
+    source="command",
+    entries=[
+        Entry(
+            "train",
+            "Train a model, optionally under a sharpness regularizer.",
+            "sharpcli.cli.cmd_train:train_command",
+        ),
+        Entry(
+            "eigen",
+            "Largest or smallest curvature eigenvalues (how sharp the minimum is).",
+            "sharpcli.cli.cmd_spectrum:eigen_command",
+            paper="Lanczos1950",
+        ),
+        Entry(
+            "trace",
+            "Trace of the curvature: the sum of all its eigenvalues.",
+            "sharpcli.cli.cmd_spectrum:trace_command",
+            paper="Hutchinson1989",
+        ),
+        Entry(
+            "gn-nme",
+            "Split the Hessian into its Gauss-Newton and nonlinear parts.",
+            "sharpcli.cli.cmd_spectrum:gn_nme_command",
+            paper="NME",
+        ),
+        Entry(
+            "density",
+            "The whole eigenvalue spectrum, estimated and plotted.",
+            "sharpcli.cli.cmd_spectrum:density_command",
+            paper="Ghorbani2019",
+        ),
+        Entry(
+            "analyze",
+            "Several of these measures in one report; a gate for CI.",
+            "sharpcli.cli.cmd_analyze:analyze_command",
+        ),
+        Entry(
+            "activation-stats",
+            "How often activations are active or dead, per layer.",
+            "sharpcli.cli.cmd_diagnostics:activation_stats_command",
+        ),
+        Entry(
+            "weight-rescale",
+            "Show which sharpness measures change when weights are rescaled.",
+            "sharpcli.cli.cmd_diagnostics:weight_rescale_command",
+            paper="MAN",
+        ),
+        Entry(
+            "bound-check",
+            "Check the papers' curvature bounds on a trained model.",
+            "sharpcli.cli.cmd_diagnostics:bound_check_command",
+            paper="AD",
+        ),
+        Entry(
+            "compare",
+            "Runs side by side in one table and plot.",
+            "sharpcli.cli.cmd_compare:compare_command",
+        ),
+        Entry(
+            "sweep",
+            "Train and measure over a grid of regularizer settings and seeds.",
+            "sharpcli.cli.cmd_sweep:sweep_command",
+        ),
+    ],
+)

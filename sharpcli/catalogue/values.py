@@ -1,0 +1,54 @@
+"""The closed value sets of options: each set once, read by the library module that accepts
+its values and by the CLI, whose ``Literal`` types ``--help`` lists and completion offers.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHECKS",
+    "DEVICES",
+    "DTYPES",
+    "ENGINES",
+    "EPSILON_KINDS",
+    "GGN_ESTIMATORS",
+    "METHODS",
+    "METRICS",
+    "MODEL_NAMES",
+    "OPTIMIZERS",
+    "RESCALE_MODES",
+    "SCHEDULES",
+    "SPLITS",
+    "TABLE_FORMATS",
+    "TOKEN_REDUCTIONS",
+    "TRACKABLE",
+    "WHICH",
+]
+
+# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight
+SPLITS = ("train", "test")
+DTYPES = ("float32", "float64")
+# torch device types offered by completion; any torch device string is accepted (cuda:1)
+DEVICES = ("cpu", "cuda", "mps")
+
+# curvature and spectra: sharpcli.curvature.lanczos, sharpcli.analyses.spectrum
+WHICH = ("largest", "smallest", "both")
+METHODS = ("lanczos", "power")
+ENGINES = ("native", "pyhessian")
+GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+
+# models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
+MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
+TOKEN_REDUCTIONS = ("tokens", "samples")
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("constant", "cosine")
+
+# analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
+# sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
+METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
+TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
+CHECKS = ("theorem2", "noise-stability")
+RESCALE_MODES = ("global", "layer")
+EPSILON_KINDS = ("full", "minibatch")
+TABLE_FORMATS = ("table", "csv", "markdown", "json")
