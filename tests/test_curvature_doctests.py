@@ -9,6 +9,7 @@ import pytest
 import sharpcli.curvature.data
 import sharpcli.curvature.density
 import sharpcli.curvature.engine
+import sharpcli.curvature.hutchpp
 import sharpcli.curvature.operators
 import sharpcli.curvature.power
 import sharpcli.curvature.split
@@ -19,10 +20,11 @@ MODULES = [
     (sharpcli.curvature.data, 1),
     (sharpcli.curvature.density, 1),
     (sharpcli.curvature.engine, 1),
+    (sharpcli.curvature.hutchpp, 1),
     (sharpcli.curvature.operators, 3),
     (sharpcli.curvature.power, 1),
     (sharpcli.curvature.split, 1),
-    (sharpcli.curvature.trace, 3),
+    (sharpcli.curvature.trace, 2),
 ]
 
 

@@ -95,7 +95,7 @@ def noise_stability_check(
     "trace", "trace_stderr", "rows": [...], "matvecs"}`` (``params`` the scope's spec);
     ``relative_error = (gap - predicted) / predicted``.
     """
-    from sharpcli.curvature.trace import hutchpp
+    from sharpcli.curvature.hutchpp import hutchpp
 
     check_sigmas(sigmas)
     if int(pairs) < 2:
