@@ -263,11 +263,11 @@ def gn_split_trace(
     Args:
         curvature_pass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its model,
             data and scope give the exact part, its NME operator the estimated one).
-        tol: stop at this standard error relative to ``tr(H)``.
+        tol: the standard error relative to ``tr(H)`` the probes are sized for.
         max_matvecs: the most NME products.
         seed: seeds the probes.
         block_size: probes per product block.
-        min_samples: probes before the stop rule applies.
+        min_samples: the pilot's probes, and the fewest main probes.
 
     Returns:
         A :class:`TraceResult` of ``tr(H)`` (``estimator="gn-split"``).

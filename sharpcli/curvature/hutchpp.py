@@ -131,7 +131,8 @@ def hutchpp(
     (one matvec per probe). Per layer b, ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb)``
     (exact, :class:`_Sketch`) ``+ E[g_b^T (P A P g)_b]``, with
     ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is the
-    residual probes' sample standard error (the sketch part is exact given Q). Adaptivity:
+    residual probes' sample standard error (the sketch part is exact given Q), over the probes
+    drawn after a pilot (the module docstring). Adaptivity:
     starting from ``initial_sketch`` columns, once ``min_samples`` residual probes exist, the
     sketch is doubled (``2 s`` matvecs) while the estimated remaining probes exceed ``3 s`` and
     the previous doubling reduced the estimated number of probes still needed by at least its
@@ -140,16 +141,17 @@ def hutchpp(
     ``initial_sketch=0`` starts as plain Hutchinson and sketches (16 columns, then doubling)
     only when the first probes say it pays. ``known`` (total, then per block) is an exactly
     known part of the trace added to the estimate, so ``tol`` is relative to the sum (the
-    control variate of :func:`gn_split_trace`).
+    control variate of :func:`~sharpcli.curvature.ggn_trace.gn_split_trace`).
     Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
 
     Args:
         op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
-        tol: stop at this relative standard error (after ``min_samples`` residual probes).
+        tol: the relative standard error the residual's main sample is sized for.
         max_matvecs: the most products (sketch and probes).
         seed: seeds the sketch and the probes.
         block_size: probes per product block.
-        min_samples: residual probes before the stop rule and the first doubling.
+        min_samples: the pilot's residual probes before the first doubling, and the fewest
+            main probes.
         initial_sketch: the sketch's first columns (0: start unsketched).
         max_sketch: the most sketch columns (also at most a third of ``max_matvecs``).
         blocks: ``{layer: slice}``; default the operator's own.
@@ -327,7 +329,7 @@ class _AdaptiveSketch:
         """The estimate: the sketch's exact part plus the residual probes' mean.
 
         Args:
-            converged: whether the stop rule was met.
+            converged: whether the standard error reached ``tol``.
             tol: the tolerance, recorded.
 
         Returns:
