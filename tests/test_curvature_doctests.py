@@ -10,6 +10,7 @@ import pytest
 import sharpcli.curvature.data
 import sharpcli.curvature.density
 import sharpcli.curvature.engine
+import sharpcli.curvature.hutchpp
 import sharpcli.curvature.krylov_plan
 import sharpcli.curvature.operators
 import sharpcli.curvature.power
@@ -24,10 +25,11 @@ MODULES = [
     (sharpcli.curvature.data, 1),
     (sharpcli.curvature.density, 1),
     (sharpcli.curvature.engine, 1),
+    (sharpcli.curvature.hutchpp, 1),
     (sharpcli.curvature.operators, 3),
     (sharpcli.curvature.power, 1),
     (sharpcli.curvature.split, 1),
-    (sharpcli.curvature.trace, 3),
+    (sharpcli.curvature.trace, 2),
     (sharpcli.curvature.krylov_plan, 1),
     # the package's name `lanczos` is the function, so the module is looked up by name
     (importlib.import_module("sharpcli.curvature.lanczos"), 1),

@@ -128,15 +128,22 @@ def test_gn_split_beats_hutchinson_when_the_gauss_newton_part_dominates():
 def test_hutchinson_hand_counts():
     diagonal = MatrixOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)))
     exact = hutchinson(diagonal, tol=1e-3, max_matvecs=40, block_size=4, min_samples=10)
-    # g^T D g = tr(D) for every Rademacher g: zero variance, stops at min_samples (rounded to blocks)
+    # g^T D g = tr(D) for every Rademacher g: zero variance; a pilot of min_samples probes
+    # sizes the main sample at its least (min_samples), whose mean is reported
     assert (
-        exact.estimate == 10.0 and exact.stderr == 0.0 and exact.matvecs == 12 and exact.converged
+        exact.estimate == 10.0 and exact.stderr == 0.0 and exact.matvecs == 20 and exact.converged
     )
+    assert exact.samples == 10  # the pilot's 10 products count in matvecs only
     A = torch.tensor([[2.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
     capped = hutchinson(MatrixOperator(A), tol=1e-6, max_matvecs=20, block_size=8)
-    # g^T A g = 1 + 2 g1 g2 in {-1, 3}: never reaches 1e-6, stops at the budget
-    assert not capped.converged and capped.matvecs == 20 and capped.samples == 20
-    assert capped.estimate in {-1 + 4 * k / 20 for k in range(21)}
+    # g^T A g = 1 + 2 g1 g2 in {-1, 3}: never reaches 1e-6; the pilot (10) plans more than the
+    # 10 products left, so the main sample is the rest of the budget
+    assert not capped.converged and capped.matvecs == 20 and capped.samples == 10
+    assert any(capped.estimate == pytest.approx(-1 + 4 * k / 10) for k in range(11))
+    fixed = hutchinson(MatrixOperator(A), tol=1e-6, max_matvecs=19, block_size=8)
+    # a budget below two samples of min_samples: one fixed sample, no pilot
+    assert fixed.matvecs == fixed.samples == 19
+    assert any(fixed.estimate == pytest.approx(-1 + 4 * k / 19) for k in range(20))
     full = hutchpp(MatrixOperator(A), tol=1e-6, max_matvecs=30, initial_sketch=2)
     assert (
         full.estimate == pytest.approx(1.0, abs=1e-14)

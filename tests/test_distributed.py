@@ -196,7 +196,8 @@ def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, na
         assert all(_close(a, b, norm) for a, b in zip(ref["eigenvalues"], par["eigenvalues"]))
         assert ref["converged"] == par["converged"] and ref["matvecs"] == par["matvecs"]
     elif name == "trace":
-        assert ref["trace"]["samples"] == par["trace"]["samples"] == 24
+        # a pilot of 10 probes sizes the sample: the estimate is the other 14 of 24 products
+        assert ref["trace"]["samples"] == par["trace"]["samples"] == 14
         assert _close(ref["trace"]["estimate"], par["trace"]["estimate"])
         assert _close(ref["trace"]["stderr"], par["trace"]["stderr"])
         for layer, value in ref["by_layer"].items():

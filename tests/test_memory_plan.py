@@ -366,7 +366,7 @@ def test_gn_nme_reports_which_tr_g_estimators_ran_and_why(capsys, tmp_path):
 
 
 def test_hutchpp_without_room_for_its_sketch_runs_plain_hutchinson():
-    from sharpcli.curvature.trace import hutchpp
+    from sharpcli.curvature.hutchpp import hutchpp
 
     op, _ = _spectrum_operator(n=300)
     exact = float(op.to_dense().trace())

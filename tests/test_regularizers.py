@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from sharpcli.errors import NumericalError, UsageError
+from sharpcli.losses import get_loss
 from sharpcli.specs import RegistryError
 from sharpcli.training import regularizers as R
 from sharpcli.training.regularizers import (
@@ -340,7 +341,7 @@ def test_gn_trace_gradient_has_no_gradient_through_the_sampling():
     theta = flat_params(model)
     gen = torch.Generator().manual_seed(4)
     z = logits_at(model, theta, x)
-    y_hat = torch.multinomial(torch.softmax(z.detach(), -1), 1, generator=gen).squeeze(1)
+    y_hat = get_loss("cross-entropy").sample_labels(z.detach(), gen)  # the loss's sampler
 
     def objective(v):  # sampled labels held fixed
         g_hat, _ = grad_at(model, v, x, y_hat)

@@ -17,12 +17,16 @@ import torch
 from hessian_helpers import double_backward_hessian
 from torch import nn
 
+from sharpcli.analyses.noise_stability import noise_stability_check
 from sharpcli.analyses.theorem2 import theorem2_check
 from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.operators import CurvaturePass
+from sharpcli.curvature.ggn_trace import gn_split_trace
+from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.operators import CurvaturePass, MatrixOperator
+from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.split import gn_nme_split
-from sharpcli.curvature.trace import frobenius_sq, hutchinson, sampled_label_ggn_trace
+from sharpcli.curvature.trace import frobenius_sq, hutchinson
 
 SEEDS = range(32)
 
@@ -108,3 +112,86 @@ def test_theorem2_smoothed_stderr_is_that_of_the_dataset_mean(tiny):
     _z_scores_calibrated(estimates, stderrs, reference.smoothed_cross_entropy, slack=0.3)
     spread = float(torch.tensor(estimates).std())
     assert 0.6 < sum(stderrs) / len(stderrs) / spread < 1.6
+
+
+@pytest.mark.parametrize(
+    "estimator,quantity,tol",
+    [(frobenius_sq, "square", 0.05), (hutchinson, "trace", 0.2), (hutchpp, "trace", 0.03)],
+    ids=["frobenius_sq", "hutchinson", "hutchpp"],
+)
+def test_stderrs_when_the_tolerance_sizes_the_sample(tiny, estimator, quantity, tol):
+    """At the CLI's defaults but a tolerance the probes reach: a pilot sizes the sample and
+    the reported mean and standard error are those of the probes drawn after it (stopping
+    at the first probe count whose own standard error passed would bias it low)."""
+    _, _, _, H, _ = tiny
+    op = MatrixOperator(H)  # the same products as the Hessian operator, faster
+    truth = float((H * H).sum()) if quantity == "square" else float(torch.trace(H))
+    runs = [estimator(op, tol=tol, seed=seed) for seed in range(48)]
+    # sized by the tolerance, not the budget; the pilot's probes are not in the estimate
+    assert all(r.matvecs < 1000 and r.samples <= r.matvecs - 10 for r in runs)
+    _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
+    assert sum(r.converged for r in runs) >= len(runs) // 2  # mostly sized for tol
+    for r in runs:
+        if r.converged:
+            assert r.stderr <= tol * abs(r.estimate)
+
+
+def test_hutchpp_exact_part_plus_residual_stderr(tiny):
+    """Hutch++ with a sketch of a third of the space: the exact part adds no error, the
+    residual's probes give all of it (a fixed budget, and gn-split's known part)."""
+    model, data, scope, H, G = tiny
+    op = MatrixOperator(H)
+    runs = [
+        hutchpp(op, tol=1e-9, max_matvecs=90, seed=seed, initial_sketch=24, max_sketch=24)
+        for seed in SEEDS
+    ]
+    assert all(r.sketch_size == 24 and r.samples >= 20 for r in runs)
+    truth = float(torch.trace(H))
+    _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
+    cpass = CurvaturePass(model, data, scope)
+    split = [gn_split_trace(cpass, tol=0.05, seed=seed) for seed in range(16)]
+    _z_scores_calibrated([r.estimate for r in split], [r.stderr for r in split], truth)
+
+
+def _expected_gap(model, data, sigma: float, draws: int) -> float:
+    """``E_U (L(theta + U) + L(theta - U))/2 - L(theta)``, ``U ~ N(0, sigma^2 I)``, by plain
+    Monte Carlo over ``draws`` directions with vmapped forward passes (no Hessian)."""
+    names = [n for n, _ in model.named_parameters()]
+    theta = [p.detach() for _, p in model.named_parameters()]
+
+    def loss_at(*params):
+        logits = torch.func.functional_call(model, dict(zip(names, params)), (data.x,))
+        return nn.functional.cross_entropy(logits, data.y)
+
+    generator = torch.Generator().manual_seed(12345)
+    Z = [torch.randn(draws, *p.shape, generator=generator, dtype=p.dtype) for p in theta]
+    at = torch.func.vmap(loss_at)
+    with torch.no_grad():
+        plus = at(*[p + sigma * z for p, z in zip(theta, Z)])
+        minus = at(*[p - sigma * z for p, z in zip(theta, Z)])
+        return float(((plus + minus) / 2).mean() - loss_at(*theta))
+
+
+def test_noise_stability_stderrs(tiny):
+    """NSO eq. 4: the plain and control-variate gaps, the predicted sigma^2/2 tr(H) and the
+    Taylor residual, each against its expectation (the gap's from 4000 other draws)."""
+    model, data, scope, H, _ = tiny
+    sigma = 0.3
+    gap = _expected_gap(model, data, sigma, 4000)
+    predicted = sigma**2 / 2 * float(torch.trace(H))
+    rows = [
+        noise_stability_check(model, data, [sigma], scope, pairs=32, trace_tol=0.05, seed=seed)[
+            "rows"
+        ][0]
+        for seed in range(16)
+    ]
+    # the reference's own error, relative to one run's: sqrt(32 / 4000) = 0.09
+    for key, truth in (
+        ("gap", gap),
+        ("gap_control_variate", gap),
+        ("predicted", predicted),
+        ("taylor_residual", gap - predicted),
+    ):
+        values = [r[key] for r in rows]
+        stderrs = [r[f"{key}_stderr"] for r in rows]
+        _z_scores_calibrated(values, stderrs, truth, slack=0.0 if key == "predicted" else 0.3)

@@ -307,10 +307,14 @@ def _regularizers_on(theta, x, y, activation) -> list[Row]:  # noqa: C901 - one 
     rows.append(vec_row("hessian-trace fd", "NME eq. 19", "gradient vs exact (eps 0.1)", pg,
                         want, 1e-3))  # fmt: skip
 
-    # gn-trace: labels sampled from softmax(z) with the step generator, then B ||grad Lhat||^2
+    # gn-trace: labels drawn from Cat(softmax z) by the loss's sampler with the step generator
+    # (the draw is the random input; the rows check the formula given it, and the expectation
+    # row below checks the draw's distribution), then B ||grad Lhat||^2
+    from sharpcli.losses import get_loss
+
     gen = torch.Generator().manual_seed(3)
     z = forward(theta, x, activation)[0].detach()
-    y_hat = torch.multinomial(torch.softmax(z, dim=1), 1, generator=gen)[:, 0]
+    y_hat = get_loss("cross-entropy").sample_labels(z, gen)
     f_hat = loss_fn(x, y_hat, activation)
     g_hat = func_grad(f_hat)(theta)
     value, pg = step.penalty("gn-trace:sigma2=0.1")

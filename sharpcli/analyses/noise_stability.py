@@ -88,14 +88,35 @@ def noise_stability_check(
     trace_max_matvecs: int = 300,
     seed: int = 0,
 ) -> dict:
-    """NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
+    r"""NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
 
     ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..pairs, shared by all
-    sigmas), each used as the antithetic pair ``+-U_j``. Returns ``{"params", "num_params",
-    "trace", "trace_stderr", "rows": [...], "matvecs"}`` (``params`` the scope's spec);
-    ``relative_error = (gap - predicted) / predicted``.
+    sigmas), each used as the antithetic pair ``+-U_j``;
+    ``relative_error = (gap - predicted) / predicted``. The standard errors: the pairs' sample
+    standard errors for ``gap`` and ``taylor_residual``, Hutch++'s for ``predicted`` (scaled by
+    :math:`\sigma^2/2`), and, the probes of ``tr(H)`` being independent of the ``Z_j``,
+
+    .. math::
+
+        \mathrm{se}(\text{gap}_{cv}) = \sqrt{\mathrm{se}(\text{residual})^2
+            + \mathrm{se}(\text{predicted})^2}.
+
+    Args:
+        model: the model (perturbed on a copy).
+        data: the analysis set.
+        sigmas: the noise scales.
+        scope: the perturbed parameters.
+        pairs: antithetic pairs per sigma (>= 2).
+        trace_tol: the relative standard error of ``tr(H)``.
+        trace_max_matvecs: the most Hessian products for ``tr(H)``.
+        seed: seeds the probes and the directions.
+
+    Returns:
+        ``{"params", "num_params", "trace", "trace_stderr", "trace_estimator", "rows": [...],
+        "matvecs"}`` (``params`` the scope's spec, ``rows`` one
+        :class:`NoiseStabilityRow` dict per sigma).
     """
-    from sharpcli.curvature.trace import hutchpp
+    from sharpcli.curvature.hutchpp import hutchpp
 
     check_sigmas(sigmas)
     if int(pairs) < 2:

@@ -264,7 +264,7 @@ def _curvature_row(
 
 def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) -> dict:
     """Hutch++ trace of ``op`` from the curvature engine: ``{"estimate", "stderr"}``."""
-    from sharpcli.curvature.trace import hutchpp
+    from sharpcli.curvature.hutchpp import hutchpp
 
     result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
     stderr = (

@@ -49,7 +49,7 @@ ESTIMATORS: Registry = Registry(
         Entry(
             "hutchpp",
             "Hutch++: the top subspace exactly, Hutchinson on the rest",
-            "sharpcli.curvature.trace:hutchpp",
+            "sharpcli.curvature.hutchpp:hutchpp",
             paper="Hutch++",
         ),
         Entry(

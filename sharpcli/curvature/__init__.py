@@ -19,6 +19,8 @@ from sharpcli.curvature.data import (
 )
 from sharpcli.curvature.density import SpectralDensity, spectral_density
 from sharpcli.curvature.engine import CurvatureEngine
+from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
+from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -32,6 +34,7 @@ from sharpcli.curvature.operators import (
     joint_matmat,
 )
 from sharpcli.curvature.power import power_iteration
+from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.pyhessian_engine import (
     pyhessian_density,
     pyhessian_eigenvalues,
@@ -45,16 +48,9 @@ from sharpcli.curvature.registry import (
     unregister_operator,
 )
 from sharpcli.curvature.ritz import EigenResult, ritz_residuals
+from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace import (
-    TraceResult,
-    exact_ggn_trace,
-    frobenius_sq,
-    gn_split_trace,
-    hutchinson,
-    hutchpp,
-    sampled_label_ggn_trace,
-)
+from sharpcli.curvature.trace import frobenius_sq, hutchinson
 from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
 
 __all__ = [

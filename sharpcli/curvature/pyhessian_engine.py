@@ -32,9 +32,9 @@ from torch import nn
 
 from sharpcli.curvature.data import AnalysisData, prepare_model_for_analysis, to_model_batch
 from sharpcli.curvature.operators import HessianOperator
+from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.ritz import EigenResult, ritz_residuals
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace import TraceResult
 from sharpcli.errors import UsageError
 from sharpcli.losses import loss_fn
 
@@ -221,7 +221,7 @@ def pyhessian_trace(
         run_all: take exactly ``max_iter`` samples.
 
     Returns:
-        A :class:`~sharpcli.curvature.trace.TraceResult` with ``engine="pyhessian"``.
+        A :class:`~sharpcli.curvature.probes.TraceResult` with ``engine="pyhessian"``.
     """
     _check_scope(params)
     rule_tol = float("-inf") if run_all else float(tol)

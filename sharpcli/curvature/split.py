@@ -22,15 +22,15 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.curvature.operators import joint_matmat
+from sharpcli.curvature.probes import (
+    check_budget,
+    mean_stderr,
+    probe_block,
+    report_probes,
+    segment_sums,
+)
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
-from sharpcli.curvature.trace import (
-    _check_budget,
-    _mean_stderr,
-    _report_probes,
-    _segment_sums,
-    probe_block,
-)
 
 QUANTITIES = ("trace", "frobenius_sq")
 
@@ -94,7 +94,7 @@ def gn_nme_split(
         >>> abs(h - (g + n)) < 1e-12
         True
     """
-    _check_budget(tol, max_matvecs, block_size)
+    check_budget(tol, max_matvecs, block_size)
     H, G = cpass.hessian(), cpass.ggn()
     operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
     dim, blocks = H.shape[0], H.blocks()
@@ -116,29 +116,29 @@ def gn_nme_split(
                 V = signs[:, first : first + columns].to(dtype=H.dtype, device=H.device)
                 HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
-                    rows[(name, "trace")].append(_segment_sums(V * AV, blocks).T)
-                    rows[(name, "frobenius_sq")].append(_segment_sums(AV * AV, blocks).T)
+                    rows[(name, "trace")].append(segment_sums(V * AV, blocks).T)
+                    rows[(name, "frobenius_sq")].append(segment_sums(AV * AV, blocks).T)
                 del V, HV, GV, NV
             matvecs += k
             n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
             if n >= min_samples:
                 ok = True
                 for name in (HESSIAN, GGN):
-                    mean, stderr = _mean_stderr(torch.cat(rows[(name, "trace")]))
+                    mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
                     ok = ok and bool(stderr[0] <= tol * abs(mean[0]))
                 if ok:
                     converged = True
                     break
             if run.finished:  # nobody listens
                 continue
-            mean, stderr = _mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
-            _report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
+            mean, stderr = mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
+            report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     for name in SPLIT:
         out.values[name] = {}
         for quantity in QUANTITIES:
             samples = torch.cat(rows[(name, quantity)])
-            mean, stderr = _mean_stderr(samples)
+            mean, stderr = mean_stderr(samples)
             out.samples = int(samples.shape[0])
             out.values[name][quantity] = {
                 "estimate": float(mean[0]),

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sharpcli.losses import IGNORE_INDEX, token_weights
+from sharpcli.losses import IGNORE_INDEX, get_loss, token_weights
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
 from sharpcli.training.penalties.base import Penalty, PenaltyNeeds, central_gradients
@@ -259,31 +259,26 @@ class GaussNewtonTrace(Penalty):
     needs = PenaltyNeeds(autograd=True)
 
     def sample_labels(
-        self, logits: torch.Tensor, loss_name: str, generator: torch.Generator
+        self,
+        logits: torch.Tensor,
+        loss_name: str,
+        generator: torch.Generator,
+        y: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Labels drawn from the model's predictive distribution at ``logits`` (detached).
+        """Labels drawn from the model's predictive distribution at ``logits`` (detached), by
+        the loss's own sampler (:meth:`sharpcli.losses.Loss.sample_labels`).
 
         Args:
             logits: The model's outputs.
             loss_name: The task loss, which defines the predictive distribution.
-            generator: The step's generator.
+            generator: The step's generator (its device draws the random numbers).
+            y: The data's labels, whose unlabelled positions a per-token loss keeps
+                (optional).
 
         Returns:
             Class indices (cross-entropy), 0/1 targets (binary) or real targets (mse).
         """
-        z = logits.detach()
-        if loss_name in ("cross-entropy", "token-cross-entropy"):
-            probs = torch.softmax(z.to(torch.float64), dim=-1).to(generator.device)
-            flat = probs.reshape(-1, probs.shape[-1])
-            drawn = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-            return drawn.to(z.device)
-        if loss_name == "binary-cross-entropy":
-            probs = torch.sigmoid(z.to(torch.float64)).to(generator.device)
-            return torch.bernoulli(probs, generator=generator).to(device=z.device, dtype=z.dtype)
-        noise = torch.randn(
-            z.shape, dtype=z.dtype, generator=generator, device=generator.device
-        ).to(z.device)
-        return z + math.sqrt(z.shape[-1] / 2.0) * noise
+        return get_loss(loss_name).sample_labels(logits.detach(), generator, y)
 
     def sampled_loss(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\hat L`: the batch loss at labels drawn from the model.
@@ -294,8 +289,8 @@ class GaussNewtonTrace(Penalty):
         Returns:
             A 0-dim tensor with the forward graph.
         """
-        y_hat = self.sample_labels(ctx.logits, ctx.loss_name, ctx.generator)
-        if ctx.loss_name != "token-cross-entropy":
+        y_hat = self.sample_labels(ctx.logits, ctx.loss_name, ctx.generator, ctx.y)
+        if not get_loss(ctx.loss_name).per_token:
             return ctx.loss_of(ctx.logits, y_hat)
         labelled = ctx.y != IGNORE_INDEX
         y_hat = torch.where(labelled, y_hat, torch.full_like(y_hat, IGNORE_INDEX))

@@ -1,0 +1,447 @@
+r"""Adaptive Hutch++ [Hutch++]: an exact trace on a sketched top subspace plus Hutchinson.
+
+.. math::
+
+    \mathrm{tr}(A) = \mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P), \qquad
+    Q = \mathrm{orth}(A S), \quad P = I - Q Q^\top,
+
+the first term exact, the second by Rademacher probes :math:`g^\top P A P g`. Per layer b,
+with :math:`\Pi = Q Q^\top`,
+:math:`\mathrm{tr}(A_{bb}) = \mathrm{tr}((\Pi A + A \Pi - \Pi A \Pi)_{bb})
++ \mathbb{E}[g_b^\top (P A P g)_b]`. The sketch grows while its probes say it pays; the
+residual is then sampled in two stages (:mod:`sharpcli.curvature.probes`): the probes seen
+while the sketch grew are the pilot, and fresh probes under the final sketch give the
+reported estimate and standard error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sharpcli import memory, progress
+from sharpcli.curvature.probes import (
+    TraceResult,
+    blocks_of,
+    check_budget,
+    mean_stderr,
+    pilot_size,
+    planned_probes,
+    probe_block,
+    report_probes,
+    segment_sums,
+)
+from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.trace import hutchinson
+
+__all__ = ["hutchpp"]
+
+
+class _Sketch:
+    """Orthonormal ``Q`` (P, s) with ``AQ``; the exact part ``tr(Q^T A Q)`` and its layer split.
+
+    With ``Pi = Q Q^T``, ``P = I - Pi`` and ``A`` symmetric,
+    ``A = (Pi A + A Pi - Pi A Pi) + P A P``. The trace of the first term's diagonal block b
+    is exact, ``sum_{i in b} [2 <Q_i, (AQ)_i> - <Q_i M, Q_i>]`` with rows ``Q_i`` and
+    ``M = Q^T A Q`` (total ``tr M``); that of ``P A P`` is left to Hutchinson,
+    ``E[g_b^T (P A P g)_b] = tr((P A P)_bb)`` (:meth:`residual_values`). Both terms are block
+    traces of the same split, so layer estimates are unbiased and sum to the total.
+    """
+
+    def __init__(self, dim, dtype, device):
+        self.Q = torch.zeros(dim, 0, dtype=dtype, device=device)
+        self.AQ = torch.zeros(dim, 0, dtype=dtype, device=device)
+
+    @property
+    def size(self):
+        return self.Q.shape[1]
+
+    def extend(self, op, columns, generator) -> int:
+        dim = op.shape[0]
+        S = rademacher_like(dim, generator, op.dtype, op.device, columns)
+        Y = op.matmat(S)
+        used = columns
+        for _ in range(2):
+            Y = Y - self.Q @ (self.Q.T @ Y)
+        Qn, R = torch.linalg.qr(Y)
+        diag = R.diagonal().abs()
+        keep = diag > (torch.finfo(op.dtype).eps * 100 * max(float(diag.max()), 1e-300))
+        Qn = Qn[:, keep]
+        if Qn.shape[1]:
+            Qn = Qn - self.Q @ (self.Q.T @ Qn)
+            Qn, _ = torch.linalg.qr(Qn)
+            AQn = op.matmat(Qn)
+            used += Qn.shape[1]
+            self.Q = torch.cat([self.Q, Qn], 1)
+            self.AQ = torch.cat([self.AQ, AQn], 1)
+        return used
+
+    def exact_part(self, blocks) -> torch.Tensor:
+        """(1 + L,) exact contribution: total ``tr(Q^T A Q)`` then per layer."""
+        if self.size == 0:
+            return torch.zeros(1 + len(blocks), dtype=torch.float64)
+        M = self.Q.T @ self.AQ
+        M = (M + M.T) / 2
+        per_row = 2 * (self.Q * self.AQ).sum(1) - ((self.Q @ M) * self.Q).sum(1)
+        out = segment_sums(per_row[:, None], blocks)[:, 0]
+        out[0] = torch.trace(M).to(torch.float64)
+        return out
+
+    def residual_values(self, G, AG, blocks) -> torch.Tensor:
+        """(k, 1 + L) Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``.
+
+        Per probe and layer ``g_b^T (P A P g)_b``, whose mean is ``tr((P A P)_bb)`` exactly,
+        from the stored ``A g`` (no new product): ``A P g = A g - AQ (Q^T g)`` and
+        ``P A P g = A P g - Q (Q^T A P g)``. Summed over the layers this is
+        ``g^T P A P g = (P g)^T A (P g)``, the total's usual value.
+        """
+        # (Pg)_b . (APg)_b would be cheaper but has mean tr(P E_b A P) = tr((A P)_bb), which
+        # differs from tr((P A P)_bb) by tr((Pi A P)_bb): it sums to the right total but is
+        # biased per layer against the exact part's tr((Pi A + A Pi - Pi A Pi)_bb).
+        APG = AG - self.AQ @ (self.Q.T @ G)
+        PAPG = APG - self.Q @ (self.Q.T @ APG)
+        return segment_sums(G * PAPG, blocks).T
+
+
+_FIRST_SKETCH = 16  # columns of a sketch started lazily (initial_sketch=0)
+
+
+def hutchpp(
+    op,
+    *,
+    tol: float = 1e-2,
+    max_matvecs: int = 1000,
+    seed: int = 0,
+    block_size: int = 8,
+    min_samples: int = 10,
+    initial_sketch: int = 16,
+    max_sketch: int = 512,
+    blocks: dict | None = None,
+    known: torch.Tensor | None = None,
+) -> TraceResult:
+    r"""Adaptive Hutch++ [Hutch++]: exact trace on a sketched top subspace + Hutchinson.
+
+    .. math::
+
+        \mathrm{tr}(A) = \mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P), \qquad
+        Q = \mathrm{orth}(A S), \quad P = I - Q Q^\top
+
+    for Rademacher ``S``, the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
+    (one matvec per probe). Per layer b, ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb)``
+    (exact, :class:`_Sketch`) ``+ E[g_b^T (P A P g)_b]``, with
+    ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is the
+    residual probes' sample standard error (the sketch part is exact given Q), over the probes
+    drawn after a pilot (the module docstring). Adaptivity:
+    starting from ``initial_sketch`` columns, once ``min_samples`` residual probes exist, the
+    sketch is doubled (``2 s`` matvecs) while the estimated remaining probes exceed ``3 s`` and
+    the previous doubling reduced the estimated number of probes still needed by at least its
+    own cost; stored residual probes are re-evaluated for the new Q at no matvec cost (from
+    the stored ``A g``, as above).
+    ``initial_sketch=0`` starts as plain Hutchinson and sketches (16 columns, then doubling)
+    only when the first probes say it pays. ``known`` (total, then per block) is an exactly
+    known part of the trace added to the estimate, so ``tol`` is relative to the sum (the
+    control variate of :func:`~sharpcli.curvature.ggn_trace.gn_split_trace`).
+    Memory: ``2 s`` P-vectors plus the probes stored until the sketch stops growing.
+
+    Args:
+        op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
+        tol: the relative standard error the residual's main sample is sized for.
+        max_matvecs: the most products (sketch and probes).
+        seed: seeds the sketch and the probes.
+        block_size: probes per product block.
+        min_samples: the pilot's residual probes before the first doubling, and the fewest
+            main probes.
+        initial_sketch: the sketch's first columns (0: start unsketched).
+        max_sketch: the most sketch columns (also at most a third of ``max_matvecs``).
+        blocks: ``{layer: slice}``; default the operator's own.
+        known: an exactly known part, ``(1 + layers,)`` (total, then per block), added.
+
+    Returns:
+        A :class:`TraceResult` (``sketch_size`` the final sketch's columns).
+
+    Example:
+        >>> import torch
+        >>> from sharpcli.curvature import MatrixOperator
+        >>> A = MatrixOperator(torch.diag(torch.tensor([9.0, 1.0, 1.0, 1.0], dtype=torch.float64)))
+        >>> result = hutchpp(A, initial_sketch=4)  # the sketch spans R^4: exact
+        >>> round(result.estimate, 10), result.sketch_size
+        (12.0, 4)
+    """
+    check_budget(tol, max_matvecs, block_size)
+    with progress.start("hutch++", total=max_matvecs, quantity="tr") as run:
+        result = _hutchpp(
+            op,
+            run,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+            block_size=block_size,
+            min_samples=min_samples,
+            initial_sketch=initial_sketch,
+            max_sketch=max_sketch,
+            blocks=blocks,
+            known=known,
+        )
+        run.finish(
+            result.matvecs,
+            probes=result.samples,
+            estimate=result.estimate,
+            stderr=result.stderr,
+            detail=f"sketch {result.sketch_size}",
+        )
+    return result
+
+
+def _hutchpp(
+    op,
+    run: progress.Run,
+    *,
+    tol: float,
+    max_matvecs: int,
+    seed: int,
+    block_size: int,
+    min_samples: int,
+    initial_sketch: int,
+    max_sketch: int,
+    blocks: dict | None,
+    known: torch.Tensor | None,
+) -> TraceResult:
+    """The loop of :func:`hutchpp` (its arguments, all given), reporting to ``run``."""
+
+    blocks = blocks_of(op, blocks)
+    dim = op.shape[0]
+    budget = int(max_matvecs)
+    columns, held = probe_block(op, block_size, vectors=3, what="Hutch++")
+    per_vector = dim * torch.empty((), dtype=op.dtype).element_size()
+    plan = memory.current()
+    # half the room for the sketch (Q and AQ), half for the probes stored while it grows
+    sketch_room = plan.count_that_fit(2 * per_vector, reserve=held) // 2
+    cap = max(0, min(dim, int(max_sketch), budget // 3))
+    if columns < int(block_size) or sketch_room < min(cap, max(1, int(initial_sketch))):
+        plan.note("Hutch++: the sketch does not fit the memory budget; plain Hutchinson ran")
+        return _hutchinson_fallback(
+            op, run, tol, budget, seed, block_size, min_samples, blocks, known
+        )
+    cap = min(cap, sketch_room)
+    with plan.hold("hutch++ sketch and stored probes", held + 4 * cap * per_vector):
+        return _hutchpp_loop(
+            op, run, tol, budget, seed, block_size, min_samples, initial_sketch, cap, blocks, known
+        )
+
+
+def _hutchinson_fallback(op, run, tol, budget, seed, block_size, min_samples, blocks, known):
+    """Hutch++'s result computed by plain Hutchinson (the sketch does not fit in memory);
+    ``known`` (total, then per block) is added as in Hutch++."""
+    run.finish(0)
+    result = hutchinson(
+        op,
+        tol=tol,
+        max_matvecs=budget,
+        seed=seed,
+        block_size=block_size,
+        min_samples=min_samples,
+        blocks=blocks,
+    )
+    if known is not None:
+        offset = known.to(torch.float64).tolist()
+        result.estimate += offset[0]
+        for i, layer in enumerate(result.by_layer.values()):
+            layer["estimate"] += offset[i + 1]
+    result.notes.append("the Hutch++ sketch does not fit the memory budget: plain Hutchinson ran")
+    return result
+
+
+class _AdaptiveSketch:
+    """The state of the adaptive Hutch++ loop: the sketch ``Q`` (at most ``cap`` columns), its
+    exact part, the residual probes' rows and, while the sketch may still grow, the probes
+    ``(G, A G)`` themselves (re-evaluated for a grown ``Q`` at no product cost)."""
+
+    def __init__(self, op, run, blocks: dict, cap: int, generator, known):
+        self.op, self.run, self.blocks, self.cap, self.generator = op, run, blocks, cap, generator
+        self.sketch = _Sketch(op.shape[0], op.dtype, op.device)
+        self.offset = (
+            torch.zeros(1 + len(blocks), dtype=torch.float64)
+            if known is None
+            else known.to(torch.float64)
+        )
+        self.exact = self.sketch.exact_part(blocks) + self.offset
+        self.matvecs = 0
+        self.rows: list[torch.Tensor] = []
+        self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.growing = True
+
+    def extend(self, count: int) -> None:
+        """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it.
+
+        Args:
+            count: the new columns.
+        """
+        self.matvecs += self.sketch.extend(self.op, count, self.generator)
+        self.run.update(self.matvecs, detail=f"sketch {self.sketch.size}")
+        self.exact = self.sketch.exact_part(self.blocks) + self.offset
+
+    def probe(self, k: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``k`` Rademacher probes of the residual ``P A P``: ``(probes, estimate, stderr)``.
+
+        Args:
+            k: the probes.
+
+        Returns:
+            ``(probes so far, estimate, standard error)`` of the total.
+        """
+        op = self.op
+        G = rademacher_like(op.shape[0], self.generator, op.dtype, op.device, k)
+        AG = op.matmat(G)
+        self.matvecs += k
+        if self.growing:
+            self.stored.append((G, AG))
+        self.rows.append(self.sketch.residual_values(G, AG, self.blocks))
+        samples = torch.cat(self.rows)
+        mean, stderr = mean_stderr(samples)
+        return samples.shape[0], self.exact[0] + mean[0], stderr[0]
+
+    def consider_growing(self, n: int, estimate, stderr, tol: float, budget: int) -> None:
+        """Double the sketch while the probes still needed exceed ``3 s`` and the last doubling
+        saved at least the ``2 s`` products it cost (:func:`hutchpp`); else stop growing.
+
+        Args:
+            n: the residual probes so far.
+            estimate: the current estimate of the total.
+            stderr: its standard error.
+            tol: the relative standard error wanted.
+            budget: the most products.
+        """
+        target = _probes_needed(stderr, n, estimate, tol)
+        step = min(self.sketch.size or _FIRST_SKETCH, self.cap - self.sketch.size)
+        if target - n > 3 * step and step > 0 and self.matvecs + 2 * step < budget:
+            self.extend(step)
+            self.rows = [self.sketch.residual_values(g, ag, self.blocks) for g, ag in self.stored]
+            new_mean, new_stderr = mean_stderr(torch.cat(self.rows))
+            new_target = _probes_needed(new_stderr[0], n, self.exact[0] + new_mean[0], tol)
+            self.growing = not (target - new_target < 2 * step or self.sketch.size >= self.cap)
+        else:
+            self.growing = False
+        if not self.growing:
+            self.stored = []
+
+    def result(self, converged: bool, tol: float) -> TraceResult:
+        """The estimate: the sketch's exact part plus the residual probes' mean.
+
+        Args:
+            converged: whether the standard error reached ``tol``.
+            tol: the tolerance, recorded.
+
+        Returns:
+            The :class:`TraceResult`.
+        """
+        notes = []
+        if self.rows:
+            mean, stderr = mean_stderr(torch.cat(self.rows))
+        else:
+            mean = torch.zeros(1 + len(self.blocks), dtype=torch.float64)
+            stderr = torch.zeros_like(mean)
+        if self.sketch.size == self.op.shape[0]:
+            stderr = torch.zeros_like(stderr)
+            mean = torch.zeros_like(mean)
+            notes.append("the sketch spans the whole space: the trace is exact")
+        total = self.exact + mean
+        by_layer = {
+            name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
+            for i, name in enumerate(self.blocks)
+        }
+        return TraceResult(
+            estimate=float(total[0]),
+            stderr=float(stderr[0]),
+            matvecs=self.matvecs,
+            samples=sum(r.shape[0] for r in self.rows),
+            estimator="hutchpp",
+            converged=converged,
+            tol=tol,
+            by_layer=by_layer,
+            sketch_size=self.sketch.size,
+            notes=notes,
+        )
+
+
+def _probes_needed(stderr, n: int, estimate, tol: float):
+    """The probes that would bring the standard error to ``tol |estimate|``."""
+    return (stderr * math.sqrt(n) / (tol * abs(estimate) + 1e-300)) ** 2
+
+
+def _pilot(state: _AdaptiveSketch, budget: int, block_size: int, pilot: int, least: int, tol):
+    """The pilot of :func:`_hutchpp_loop`: residual probes while the sketch may grow (at least
+    ``pilot``), leaving ``least`` products for the main sample unless the sketch may come to
+    span the space.
+
+    Args:
+        state: the loop's state.
+        budget: the most products.
+        block_size: probes per product block.
+        pilot: the fewest pilot probes.
+        least: the fewest main probes.
+        tol: the relative standard error wanted.
+
+    Returns:
+        The pilot's probe count (its rows in ``state.rows``, under the final sketch).
+    """
+    dim = state.op.shape[0]
+    reserve = 0 if state.cap >= dim else least
+    n = 0
+    while state.matvecs + least < budget:
+        n, estimate, stderr = state.probe(min(int(block_size), budget - least - state.matvecs))
+        report_probes(state.run, state.matvecs, n, estimate, stderr, tol, state.matvecs - n)
+        if n < pilot:
+            continue
+        if state.growing:
+            state.consider_growing(n, estimate, stderr, tol, budget - reserve)
+        if not state.growing or state.sketch.size == dim:
+            break
+    return n
+
+
+def _hutchpp_loop(
+    op, run, tol, budget, seed, block_size, min_samples, initial_sketch, cap, blocks, known
+) -> TraceResult:
+    """The adaptive Hutch++ iteration of :func:`hutchpp` with a sketch of at most ``cap``.
+
+    The residual probes drawn while the sketch may still grow are the pilot (re-evaluated
+    under the final sketch); fresh probes, as many as the pilot says ``tol`` needs, give the
+    estimate (:mod:`sharpcli.curvature.probes`).
+    """
+    dim = op.shape[0]
+    state = _AdaptiveSketch(op, run, blocks, cap, torch.Generator().manual_seed(int(seed)), known)
+    first = min(int(initial_sketch), cap)
+    if first > 0:
+        state.extend(first)
+    state.growing = state.sketch.size < cap
+    least = max(2, int(min_samples))
+    pilot = pilot_size(min_samples, budget - state.matvecs) if state.sketch.size < dim else 0
+    if pilot:
+        pilot = _pilot(state, budget, block_size, pilot, least, tol)
+    if state.sketch.size == dim:
+        return state.result(True, tol)
+    count = budget - state.matvecs
+    if pilot:
+        mean, stderr = mean_stderr(torch.cat(state.rows))
+        count = planned_probes(
+            float(state.exact[0] + mean[0]),
+            float(stderr[0]),
+            pilot,
+            tol=tol,
+            least=least,
+            room=count,
+        )
+    state.growing, state.stored, state.rows = False, [], []
+    expected = state.matvecs + count
+    drawn, estimate, stderr = 0, state.exact[0], torch.tensor(float("inf"))
+    while drawn < count:
+        drawn, estimate, stderr = state.probe(min(int(block_size), count - drawn))
+        run.update(
+            state.matvecs,
+            probes=drawn,
+            estimate=float(estimate),
+            stderr=float(stderr),
+            expected=expected,
+        )
+    return state.result(bool(stderr <= tol * abs(estimate)), tol)

@@ -1,0 +1,286 @@
+r"""Probe estimators' common parts: results, standard errors and the two-stage probe count.
+
+A Hutchinson-type estimator averages i.i.d. per-probe rows :math:`x_j \in \mathbb{R}^{1+L}`
+(the total, then one value per layer block) and reports
+
+.. math::
+
+    \bar x = \frac1n \sum_{j=1}^n x_j, \qquad
+    \mathrm{se} = \frac{s}{\sqrt n}, \quad s^2 = \frac{1}{n-1} \sum_j (x_j - \bar x)^2 .
+
+Stopping at the first :math:`n` with :math:`\mathrm{se}_n \le \mathrm{tol}\,|\bar x_n|`
+(optional stopping) picks the sample paths whose :math:`s_n` happens to be small, so the
+reported standard error is biased low, and more so the more skewed the per-probe values are
+(:math:`\lVert A g \rVert^2` for ``Tr(A^2)``). The estimators here size their sample in two
+stages instead [Stein1945]: a pilot of :math:`n_0` probes gives :math:`\bar x_0, s_0`, and
+
+.. math::
+
+    N = \min\Bigl(R,\ \max\bigl(n_{\min},
+        \bigl\lceil m \, (s_0 / (\mathrm{tol}\, |\bar x_0|))^2 \bigr\rceil\bigr)\Bigr)
+
+fresh probes (:math:`R` the products left, :math:`m` a margin for the pilot's error in
+:math:`s_0`) give the reported mean and standard error. Given :math:`N` those probes are
+i.i.d. and independent of the pilot, so the mean is unbiased and its standard error is the
+ordinary fixed-:math:`n` one; the pilot's products count in ``matvecs``, not in ``samples``.
+Where the budget cannot hold a pilot and a main sample of :math:`n_{\min}` each, the whole
+budget is one fixed sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from sharpcli import memory
+from sharpcli.curvature.operators import CurvatureOperator
+from sharpcli.errors import UsageError
+
+__all__ = [
+    "PILOT_MARGIN",
+    "TraceResult",
+    "blocks_of",
+    "check_budget",
+    "layer_dict",
+    "mean_stderr",
+    "pilot_size",
+    "planned_probes",
+    "probe_block",
+    "report_probes",
+    "segment_sums",
+]
+
+#: The margin m on the pilot's projected probe count: the pilot's s_0 from ~10 probes is
+#: uncertain, and a main sample sized exactly would miss ``tol`` about half the time.
+PILOT_MARGIN = 1.5
+
+
+@dataclass
+class TraceResult:
+    """A trace (or ``Tr(A^2)``) estimate with standard error and per-layer breakdown.
+
+    ``by_layer`` maps a layer (module) name to ``{"estimate", "stderr"}``; layer estimates
+    sum to ``estimate``. ``stderr`` is ``None`` when the engine gives none.
+    """
+
+    estimate: float
+    stderr: float | None
+    matvecs: int
+    samples: int
+    estimator: str
+    quantity: str = "trace"
+    converged: bool = True
+    tol: float | None = None
+    by_layer: dict = field(default_factory=dict)
+    engine: str = "native"
+    sketch_size: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def relative_stderr(self) -> float | None:
+        """``|stderr / estimate|``, or None without a stderr or for a zero estimate."""
+        if self.stderr is None or self.estimate == 0:
+            return None
+        return abs(self.stderr / self.estimate)
+
+    def to_dict(self) -> dict:
+        """The result as a JSON-serialisable dict."""
+        return {
+            "estimate": self.estimate,
+            "stderr": self.stderr,
+            "matvecs": self.matvecs,
+            "samples": self.samples,
+            "estimator": self.estimator,
+            "quantity": self.quantity,
+            "converged": self.converged,
+            "tol": self.tol,
+            "by_layer": {k: dict(v) for k, v in self.by_layer.items()},
+            "engine": self.engine,
+            "sketch_size": self.sketch_size,
+            "notes": list(self.notes),
+        }
+
+
+def blocks_of(op, blocks) -> dict:
+    """The layer blocks of a per-layer estimate.
+
+    Args:
+        op: the operator.
+        blocks: ``{layer: slice}``, or None for the operator's own
+            (:meth:`~sharpcli.curvature.operators.CurvatureOperator.blocks`; none for other
+            objects).
+
+    Returns:
+        ``{layer: slice}``.
+    """
+    if blocks is not None:
+        return dict(blocks)
+    return op.blocks() if isinstance(op, CurvatureOperator) else {}
+
+
+def segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
+    r"""Per-probe rows: the total and each layer's part, in float64.
+
+    .. math:: r_0 = \sum_i v_i, \qquad r_b = \sum_{i \in b} v_i
+
+    Args:
+        values: ``(P, k)``, one column per probe.
+        blocks: ``{layer: slice}``.
+
+    Returns:
+        ``(1 + L, k)``.
+    """
+    values = values.to(torch.float64)
+    rows = [values.sum(0)] + [values[sl].sum(0) for sl in blocks.values()]
+    return torch.stack(rows)
+
+
+def mean_stderr(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Column-wise mean and standard error of the mean, :math:`s / \sqrt n`.
+
+    Args:
+        samples: ``(n, m)``, one row per probe.
+
+    Returns:
+        ``(mean, stderr)``, each ``(m,)``; the standard error is infinite for ``n < 2``.
+    """
+    n = samples.shape[0]
+    mean = samples.mean(0)
+    if n < 2:
+        return mean, torch.full_like(mean, float("inf"))
+    return mean, samples.std(0, unbiased=True) / math.sqrt(n)
+
+
+def check_budget(tol, max_matvecs, block_size) -> None:
+    """Refuse a tolerance, budget or block size no estimator can run with.
+
+    Args:
+        tol: the relative standard error wanted (> 0).
+        max_matvecs: the most products (>= 2).
+        block_size: probes per product block (>= 1).
+
+    Raises:
+        UsageError: ``tol`` or ``max_matvecs`` out of range.
+        ValueError: ``block_size`` below 1.
+    """
+    if not tol > 0:
+        raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
+    if int(max_matvecs) < 2:
+        raise UsageError(f"max matvecs must be >= 2, got {max_matvecs}", source="max_matvecs")
+    if int(block_size) < 1:
+        raise ValueError("block_size must be >= 1")
+
+
+def probe_block(op, block_size: int, *, vectors: int, what: str) -> tuple[int, int]:
+    """``(columns, bytes)``: the probe block the run's memory plan allows, at most
+    ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
+    product, their elementwise product) and one float64 P-vector (the per-layer sums);
+    UsageError on ``max_memory`` when not even one column fits.
+
+    Args:
+        op: the operator (``shape``, ``dtype``).
+        block_size: the columns wanted.
+        vectors: P-vectors in the operator's dtype per column.
+        what: names the estimator in the plan's notes and errors.
+
+    Returns:
+        ``(columns, bytes)`` of the block.
+    """
+    dim = op.shape[0]
+    itemsize = torch.empty((), dtype=op.dtype).element_size()
+    per_column = dim * (itemsize * int(vectors) + 8)
+    plan = memory.current()
+    fit = plan.count_that_fit(per_column)
+    if fit < 1:
+        plan.require(
+            f"{what}: one probe and its product", per_column, "lower `batch_size` or `cache_mb`"
+        )
+    columns = min(int(block_size), fit)
+    if columns < int(block_size):
+        plan.note(f"{what}: blocks of {columns} probes (not {block_size}) to fit the memory budget")
+    return columns, columns * per_column
+
+
+def layer_dict(names, mean, stderr, offset=None) -> dict:
+    """Per-layer estimates from rows ``(total, layer 1, ..., layer L)``.
+
+    Args:
+        names: the layers, in block order.
+        mean: ``(1 + L,)`` means.
+        stderr: ``(1 + L,)`` standard errors.
+        offset: ``(1 + L,)`` exactly known parts added to the means (optional).
+
+    Returns:
+        ``{layer: {"estimate", "stderr"}}``.
+    """
+    out = {}
+    for i, name in enumerate(names):
+        est = float(mean[i + 1]) + (float(offset[i + 1]) if offset is not None else 0.0)
+        out[name] = {"estimate": est, "stderr": float(stderr[i + 1])}
+    return out
+
+
+def report_probes(run, matvecs: int, probes: int, estimate, stderr, tol: float, spent: int):
+    """Report an estimate after ``probes`` probes and the matvecs at which it projects to stop.
+
+    The standard error falls as ``1/sqrt(n)``, so ``n_stop = n (stderr / (tol |estimate|))^2``
+    probes, capped by the budget. Costs two scalar copies to the host per block of probes and
+    nothing without a listener.
+
+    Args:
+        run: the progress run.
+        matvecs: the products so far.
+        probes: the probes so far (one product each).
+        estimate: the current estimate.
+        stderr: its standard error.
+        tol: the relative standard error wanted.
+        spent: products spent on other things (a sketch).
+    """
+    if run.finished:
+        return
+    estimate, stderr = float(estimate), float(stderr)
+    expected = None
+    if math.isfinite(stderr) and estimate != 0:
+        needed = probes * (stderr / (tol * abs(estimate))) ** 2
+        expected = min(run.total or matvecs, spent + max(matvecs - spent, math.ceil(needed)))
+    run.update(matvecs, probes=probes, estimate=estimate, stderr=stderr, expected=expected)
+
+
+def pilot_size(min_samples: int, budget: int) -> int:
+    """The pilot's probes: ``max(2, min_samples)``, or 0 where the budget cannot hold a pilot
+    and a main sample of that size each (the budget is then one fixed sample).
+
+    Args:
+        min_samples: the least probes of a pilot and of a main sample.
+        budget: the products left for probes.
+
+    Returns:
+        The pilot's probe count (0: no pilot).
+    """
+    least = max(2, int(min_samples))
+    return least if int(budget) >= 2 * least else 0
+
+
+def planned_probes(
+    estimate: float, stderr: float, n: int, *, tol: float, least: int, room: int
+) -> int:
+    """The main sample's probes from a pilot's estimate and standard error (module docstring).
+
+    Args:
+        estimate: the pilot's estimate of the whole quantity (exact parts included).
+        stderr: the pilot's standard error of it (``n`` probes).
+        n: the pilot's probes.
+        tol: the relative standard error wanted.
+        least: the fewest main probes.
+        room: the products left.
+
+    Returns:
+        ``N``, at least ``min(least, room)`` and at most ``room``.
+    """
+    estimate, stderr = float(estimate), float(stderr)
+    if not (math.isfinite(stderr) and math.isfinite(estimate)) or estimate == 0:
+        return int(room)
+    needed = PILOT_MARGIN * n * (stderr / (tol * abs(estimate))) ** 2
+    return int(min(int(room), max(int(least), math.ceil(needed))))
