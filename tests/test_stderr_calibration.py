@@ -130,7 +130,9 @@ def test_stderrs_when_the_tolerance_sizes_the_sample(tiny, estimator, quantity, 
     # sized by the tolerance, not the budget; the pilot's probes are not in the estimate
     assert all(r.matvecs < 1000 and r.samples <= r.matvecs - 10 for r in runs)
     _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
-    assert sum(r.converged for r in runs) >= len(runs) // 2  # mostly sized for tol
+    assert (
+        sum(r.converged for r in runs) >= 2 * len(runs) // 3
+    )  # mostly sized for tol (a heavy-tailed tiny case)
     for r in runs:
         if r.converged:
             assert r.stderr <= tol * abs(r.estimate)
@@ -195,3 +197,19 @@ def test_noise_stability_stderrs(tiny):
         values = [r[key] for r in rows]
         stderrs = [r[f"{key}_stderr"] for r in rows]
         _z_scores_calibrated(values, stderrs, truth, slack=0.0 if key == "predicted" else 0.3)
+
+
+def test_gn_nme_split_stderrs_when_the_tolerance_sizes_the_sample(tiny):
+    """gn-nme's joint estimates sized by a pilot for the slower of tr(H) and tr(G): the
+    reported standard errors are fixed-n ones, calibrated over seeds, and mostly reach tol."""
+    model, data, scope, H, G = tiny
+    cpass = CurvaturePass(model, data, scope)
+    tol = 0.1
+    runs = [gn_nme_split(cpass, tol=tol, seed=seed) for seed in range(24)]
+    assert all(r.matvecs < 1000 and r.samples <= r.matvecs - 10 for r in runs)
+    for name, A in (("hessian", H), ("ggn", G)):
+        values = [r.values[name]["trace"] for r in runs]
+        _z_scores_calibrated(
+            [v["estimate"] for v in values], [v["stderr"] for v in values], float(torch.trace(A))
+        )
+    assert sum(r.converged for r in runs) >= 2 * len(runs) // 3

@@ -9,9 +9,9 @@ One Rademacher probe ``v`` and one joint pass give ``Hv`` and ``Gv`` (so
 for A in {H, G, N}, with per-layer (diagonal block) values. Because the three
 operators see the same probes, the identity ``tr(H) = tr(G) + tr(N)`` holds for
 the estimates exactly (per probe), and the NME share ``tr(N)/tr(H)`` has far
-less variance than a ratio of independent estimates. Stops when the relative
-standard errors of ``tr(H)`` and ``tr(G)`` reach ``tol`` or at ``max_matvecs``
-joint products.
+less variance than a ratio of independent estimates. A pilot sizes the reported
+sample so that the relative standard errors of ``tr(H)`` and ``tr(G)`` reach ``tol``
+within ``max_matvecs`` joint products (two stages, as the trace estimators).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from sharpcli.curvature.operators import joint_matmat
 from sharpcli.curvature.probes import (
     check_budget,
     mean_stderr,
+    pilot_size,
+    planned_probes,
     probe_block,
     report_probes,
     segment_sums,
@@ -71,11 +73,12 @@ def gn_nme_split(
 
     Args:
         cpass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its H and G operators).
-        tol: stop when the relative standard errors of ``tr(H)`` and ``tr(G)`` reach it.
-        max_matvecs: the most joint products.
+        tol: the relative standard error wanted of ``tr(H)`` and ``tr(G)``: a pilot sizes
+            the reported sample for it ([Stein1945], :mod:`sharpcli.curvature.probes`).
+        max_matvecs: the most joint products, the pilot's included.
         seed: seeds the probes.
         block_size: probes per product block.
-        min_samples: probes before the stop rule applies.
+        min_samples: the fewest probes of the pilot and of the reported sample.
 
     Returns:
         A :class:`SplitEstimate`: ``values[operator][quantity]`` for ``hessian``, ``ggn``,
@@ -103,13 +106,13 @@ def gn_nme_split(
         (o, q): [] for o in SPLIT for q in QUANTITIES
     }
     matvecs = 0
-    converged = False
-    # probe, H v, G v, N v and one elementwise product per column
-    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
-    with memory.current().hold("probe block", held + dim * int(block_size)):
-        run = progress.start("hutchinson H,G,N", total=max_matvecs, quantity="tr(H)")
-        while matvecs < int(max_matvecs):
-            k = min(int(block_size), int(max_matvecs) - matvecs)
+
+    def draw(count: int, run) -> None:
+        """``count`` more probes into ``rows``, ``block_size`` drawn together at a time."""
+        nonlocal matvecs
+        drawn = 0
+        while drawn < count:
+            k = min(int(block_size), count - drawn)
             # drawn together whatever the budget: the same seed gives the same probes
             signs = rademacher_like(dim, generator, torch.int8, "cpu", k)
             for first in range(0, k, columns):
@@ -120,19 +123,45 @@ def gn_nme_split(
                     rows[(name, "frobenius_sq")].append(segment_sums(AV * AV, blocks).T)
                 del V, HV, GV, NV
             matvecs += k
-            n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
-            if n >= min_samples:
-                ok = True
-                for name in (HESSIAN, GGN):
-                    mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
-                    ok = ok and bool(stderr[0] <= tol * abs(mean[0]))
-                if ok:
-                    converged = True
-                    break
-            if run.finished:  # nobody listens
-                continue
-            mean, stderr = mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
-            report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
+            drawn += k
+            if not run.finished:  # somebody listens
+                mean, stderr = mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
+                n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
+                report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
+
+    # probe, H v, G v, N v and one elementwise product per column
+    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
+    budget = int(max_matvecs)
+    with memory.current().hold("probe block", held + dim * int(block_size)):
+        run = progress.start("hutchinson H,G,N", total=budget, quantity="tr(H)")
+        # two stages as the trace estimators ([Stein1945], sharpcli.curvature.probes): the
+        # pilot sizes the sample for the slower of tr(H) and tr(G); only the main sample
+        # is reported, so its standard errors are fixed-n ones
+        pilot = pilot_size(min_samples, budget)
+        count = budget
+        if pilot:
+            draw(pilot, run)
+            plans = []
+            for name in (HESSIAN, GGN):
+                mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
+                plans.append(
+                    planned_probes(
+                        float(mean[0]),
+                        float(stderr[0]),
+                        pilot,
+                        tol=tol,
+                        least=max(2, int(min_samples)),
+                        room=budget - pilot,
+                    )
+                )
+            count = max(plans)
+            for key in rows:
+                rows[key] = []
+        draw(count, run)
+        converged = True
+        for name in (HESSIAN, GGN):
+            mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
+            converged = converged and bool(stderr[0] <= tol * abs(mean[0]))
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     for name in SPLIT:
         out.values[name] = {}
