@@ -76,7 +76,7 @@ def dense_reference(model: nn.Module, x, y, loss: str, param_names=None):
     # Reverse-over-reverse (eager double backward): torch.func.hessian (forward-over-reverse)
     # and jacrev(jacrev) return a wrong, non-symmetric block between a LayerNorm's weight and
     # the parameters before it in torch 2.13 (0.17 off on a 3-layer net, against central
-    # differences of the gradient); tests/test_reference_hessian.py guards this reference.
+    # differences of the gradient); tests/curvature/test_reference_hessian.py guards this reference.
     H = torch.autograd.functional.hessian(mean_loss, flat0, vectorize=True)
     J = jacrev(logits)(flat0)  # (N, C, P)
     z = logits(flat0).detach()

@@ -2,7 +2,7 @@
 
 - :func:`double_backward_hessian`: row ``i`` is ``grad(g_i)`` of the gradient ``g`` taken with
   a graph (eager autograd, as sharp's own products; ``torch.func.hessian`` is avoided, see
-  tests/test_reference_hessian.py);
+  tests/curvature/test_reference_hessian.py);
 - :func:`central_difference_hessian`: column ``i`` is ``(g(theta + h e_i) - g(theta - h e_i)) /
   2h``, which needs first derivatives only, so it checks second derivatives independently.
 

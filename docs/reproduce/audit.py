@@ -22,7 +22,7 @@ Usage (from the repository root; needs scikit-learn, the ``test`` extra)::
 
     python docs/reproduce/audit.py            # prints the audit table of docs/reproduce.md
 
-``tests/test_paper_audit.py`` runs :func:`audit` and asserts every row within its
+``tests/docs/test_paper_audit.py`` runs :func:`audit` and asserts every row within its
 tolerance, so the table cannot drift from the code.
 """
 

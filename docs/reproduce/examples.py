@@ -13,7 +13,7 @@ Usage (from the repository root)::
     python docs/reproduce/examples.py            # rewrite the stale blocks
     python docs/reproduce/examples.py --check    # exit 1 naming the stale blocks
 
-``tests/test_docs.py`` runs the check on every test run (with the pages' exit codes and
+``tests/docs/test_docs.py`` runs the check on every test run (with the pages' exit codes and
 report schemas), so a page whose output no longer matches the tool fails the suite.
 The check compares what a run shows, not its bytes (:func:`same`): the words and numbers in
 order (so a number one digit longer, which widens a column or moves a line break, is the same

@@ -7,7 +7,7 @@ repository's ``fixtures/`` folder, in the work folder). A trailing comment ``# e
 states a documented non-zero exit code (a tripped ``--fail-if`` gate exits 1, bad input 2,
 a numerical failure 3); every other command must exit 0. Comment lines and blank lines are
 allowed; any other line in an ``sh`` block is an error, so a page cannot show a command
-that this runner (and ``tests/test_docs.py``, ``tests/test_reproduce_guide.py``) does not
+that this runner (and ``tests/docs/test_docs.py``, ``tests/docs/test_reproduce_guide.py``) does not
 execute.
 
 Usage (from the repository root)::

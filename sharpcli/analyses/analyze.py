@@ -31,7 +31,7 @@ _LAYER_KEYS = (
 # The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:
 # "*" is any one key or list index, a list also stands for its first element. ``sharp
 # analyze`` checks its gates' keys against these before any work (:mod:`sharpcli.report.gate`);
-# tests/test_cli_usability.py checks that every number of a full report matches one.
+# a test renders a full report and checks that every number in it matches one.
 RESULT_KEYS: dict[str, tuple[str, ...]] = {
     "": ("loss", "accuracy"),
     "eigen": (

@@ -6,7 +6,7 @@ columns over as many tables as the console's width needs, repeating the key colu
 row label) in each, and never wraps a cell; only text columns (names, paths) are cut, with
 an ellipsis, and only when a single column does not fit beside the key. Every table of
 ``sharp`` goes through :func:`key_value_table`, :func:`records_table` or :class:`FitTable`
-(tests/test_cli_usability.py renders each command's at 80 and 60 columns).
+(a test renders each command's at 80 and 60 columns).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ process, the fixture script that writes the digits file as a subprocess), each e
 documented, every report validates against the schema, and the relation each claim's verdict
 states is asserted on the ``--json`` reports, for the built-in ``blobs`` and for the real
 ``digits`` data (slow). A file of its own, so that ``pytest --dist loadfile`` runs it beside
-``tests/test_docs.py``. The page parser is ``docs/reproduce/run_guide.py``.
+``tests/docs/test_docs.py``. The page parser is ``docs/reproduce/run_guide.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPRODUCE = ROOT / "docs" / "reproduce.md"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = ["api.md", "from-pyhessian.md", "tracking.md"]
 
 

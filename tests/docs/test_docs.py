@@ -5,7 +5,7 @@
 - The command pages' examples run, in page order, in one folder (in-process, slow), and
   every output block shows what the command above it prints (``docs/reproduce/examples.py``
   regenerates them; its check runs here).
-- ``docs/reproduce.md`` runs as written: ``tests/test_reproduce_guide.py`` (its own file, so
+- ``docs/reproduce.md`` runs as written: ``tests/docs/test_reproduce_guide.py`` (its own file, so
   that ``pytest --dist loadfile`` runs it beside this one).
 
 The page parser is ``docs/reproduce/run_guide.py``, the same one users and CI run.
@@ -24,7 +24,7 @@ import pytest
 import typer
 from typer.exceptions import TyperException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 COMMAND_PAGES = sorted((DOCS / "commands").glob("*.md"))
 # Order matters: the quick start writes model.safetensors, which the other pages use.

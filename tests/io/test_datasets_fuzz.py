@@ -21,7 +21,7 @@ from sharpcli.errors import InputError
 from sharpcli.io.datasets import Dataset, load_dataset
 from sharpcli.io.safe_pickle import restricted_loads
 
-_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "make_data_fixtures.py"
+_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "make_data_fixtures.py"
 if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not a package
     _spec = importlib.util.spec_from_file_location("make_data_fixtures", _FIXTURES)
     sys.modules["make_data_fixtures"] = importlib.util.module_from_spec(_spec)

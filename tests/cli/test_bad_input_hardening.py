@@ -1,4 +1,4 @@
-"""Hostile input (the "Hardening" issue): one table of cases, as tests/test_bad_input.py.
+"""Hostile input (the "Hardening" issue): one table of cases, as tests/cli/test_bad_input.py.
 
 Each case is a command line whose input was written by someone else: a pickle that asks for
 gigabytes, a data path in a checkpoint's metadata that names ``/dev/zero``, a FIFO or a file
@@ -571,7 +571,7 @@ def run_bounded(argv: list[str], timeout: int = 240) -> Run:
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, *argv],

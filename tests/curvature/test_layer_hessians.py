@@ -1,8 +1,8 @@
 """Every common layer's second derivative, as sharp computes it, against central differences.
 
 Curvature is only as right as torch's double backward through each layer; torch got weight
-normalisation wrong (tests/test_weight_norm.py) and ``torch.func.hessian`` LayerNorm
-(tests/test_reference_hessian.py). This audit builds a tiny float64 classifier around each
+normalisation wrong (tests/models/test_weight_norm.py) and ``torch.func.hessian`` LayerNorm
+(tests/curvature/test_reference_hessian.py). This audit builds a tiny float64 classifier around each
 layer a user's model commonly holds (activations, normalisations, convolutions, pooling,
 attention, parametrizations), takes its Hessian by double backward inside
 :func:`sharpcli.curvature.differentiable.twice_differentiable` (as every analysis does) and

@@ -17,7 +17,7 @@ from cli_helpers import assert_one_line_error, run_cli
 from sharpcli import catalogue
 from sharpcli.cli import choices
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WIDE = "250"  # help rendered wide enough that no value list wraps
 
 

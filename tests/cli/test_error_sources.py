@@ -19,7 +19,7 @@ from torch import nn
 
 from sharpcli.errors import InputError, OutputPathError, SharpError, UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 

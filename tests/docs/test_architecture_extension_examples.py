@@ -26,7 +26,7 @@ from sharpcli.io.formats import FORMATS
 from sharpcli.specs import RegistryError
 from sharpcli.training.regularizers import REGISTRY, parse_reg, register, training_step
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def example(heading: str, index: int = 0) -> str:

@@ -30,7 +30,7 @@ from sharpcli.io.datasets import (
 from sharpcli.io.safe_pickle import restricted_loads
 from sharpcli.specs import RegistryError
 
-_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "make_data_fixtures.py"
+_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "make_data_fixtures.py"
 if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not a package
     _spec = importlib.util.spec_from_file_location("make_data_fixtures", _FIXTURES)
     sys.modules["make_data_fixtures"] = importlib.util.module_from_spec(_spec)
@@ -233,7 +233,7 @@ def test_pth_extension_and_regression_targets(tmp_path):
     written = fx.write_pt(str(tmp_path), name="reg.pth", arrays=arrays)
     ds = load_dataset(written.path)
     assert ds.task == "regression" and ds.num_classes is None and ds.spec["format"] == "pt"
-    assert (  # float64 in the file stays float64 (tests/test_float64_data.py)
+    assert (  # float64 in the file stays float64 (tests/curvature/test_float64_data.py)
         ds.x_train.dtype == torch.float64
         and ds.y_train.dtype == torch.float64
         and ds.y_train.shape == (6, 2)

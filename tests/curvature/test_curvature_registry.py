@@ -26,7 +26,7 @@ from sharpcli.curvature.registry import (
 )
 from sharpcli.errors import UsageError
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _gelu_pass():

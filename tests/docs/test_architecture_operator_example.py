@@ -21,7 +21,7 @@ from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
 from sharpcli.losses import per_sample_loss
 
-ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 HEADING = "## Adding a curvature operator"
 NAME = "empirical-fisher"
 

@@ -35,7 +35,7 @@ from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoin
 from sharpcli.io.checkpoints import META_DATA, META_METRICS, META_MODEL, META_TRAIN
 from sharpcli.models import build_model, estimate_state_size
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADROOM = 768 << 20  # bytes of address space a row may add to the imported interpreter
 ROW_SECONDS = 15.0  # a refusal takes milliseconds; the old depth=200000 build took 117 s
 BATCH_TIMEOUT = 400

@@ -7,7 +7,7 @@ the rebuilt model has exactly the file's names and shapes, every weight finite) 
 ``sharpcli.errors.SharpError`` subclass with a one-line message. Any other exception is a bug:
 the CLI would show it as an internal error instead of exit code 2.
 
-The dataset loader has its own fuzz suite (tests/test_datasets_fuzz.py); this file covers
+The dataset loader has its own fuzz suite (tests/io/test_datasets_fuzz.py); this file covers
 checkpoints only.
 """
 

@@ -18,7 +18,7 @@ from sharpcli.errors import EXIT_USAGE, UsageError
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param, RegistryError, parse_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _toy() -> Registry:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCES = ROOT / "docs" / "references.md"
 
 PYTHON_DIRS = ("sharpcli", "tests", "benchmarks", "fixtures", "docs")

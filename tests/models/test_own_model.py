@@ -211,7 +211,7 @@ def test_the_own_model_guide_runs(tmp_path, capsys, monkeypatch):
     import shlex
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "own-model.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "own-model.md").read_text()
     module = re.search(r"```python\n# mynet.py\n(.*?)```", text, re.S).group(1)
     commands = re.search(r"```sh\n(.*?)```", text, re.S).group(1).strip().splitlines()
     (tmp_path / "mynet.py").write_text(module)
