@@ -213,3 +213,16 @@ def test_gn_nme_split_stderrs_when_the_tolerance_sizes_the_sample(tiny):
             [v["estimate"] for v in values], [v["stderr"] for v in values], float(torch.trace(A))
         )
     assert sum(r.converged for r in runs) >= 2 * len(runs) // 3
+
+
+def test_density_trace_stderr(tiny):
+    """SLQ's trace and its standard error (each probe's quadrature value is a Hutchinson
+    sample) against tr(H) over seeds."""
+    from sharpcli.curvature.density import spectral_density
+
+    _, _, _, H, _ = tiny
+    op = MatrixOperator(H)
+    runs = [spectral_density(op, probes=32, lanczos_steps=6, seed=seed) for seed in SEEDS]
+    _z_scores_calibrated(
+        [r.trace_estimate for r in runs], [r.trace_stderr for r in runs], float(torch.trace(H))
+    )
