@@ -118,34 +118,39 @@ class Curvature:
     """Curvature of ``loss`` over ``data`` at ``model``'s weights: eigenvalues, traces, density,
     the Gauss-Newton/NME split and the matrix-free products themselves.
 
-    - ``model``: an ``nn.Module``; its output is the logits tensor, an output object with
-      ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
-      are the ones differentiated), except that ``device``/``dtype`` other than its own make a
-      converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
-      untouched (and later changes to its weights unseen).
-    - ``loss``: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
-      vocabulary) logits the mean over every labelled token of the set, as the module
-      computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
-      all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
-      (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
-    - ``token_reduction``: how a token loss averages over the set
-      (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
-      all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
-      labelled positions, then the mean over samples; with the name
-      ``"token-cross-entropy"`` only). Ignored by the other losses.
-    - ``data``: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-      iterable of batches (module docstring).
-    - ``params``: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
-      comma-separated globs on parameter names (``"fc.*,head.weight"``).
-    - ``batch_size``: samples per product batch (memory only: the results are means over
-      samples); default a DataLoader's batch size, or 256 for tensors.
+    Args:
+        model: An ``nn.Module``; its output is the logits tensor, an output object with
+          ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
+          are the ones differentiated), except that ``device``/``dtype`` other than its own make a
+          converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
+          untouched (and later changes to its weights unseen).
+        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
+          vocabulary) logits the mean over every labelled token of the set, as the module
+          computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
+          all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
+          (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+        token_reduction: How a token loss averages over the set
+          (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
+          all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
+          labelled positions, then the mean over samples; with the name
+          ``"token-cross-entropy"`` only). Ignored by the other losses.
+        data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
+          iterable of batches (module docstring).
+        params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
+          comma-separated globs on parameter names (``"fc.*,head.weight"``).
+        batch_size: Samples per product batch (memory only: the results are means over
+          samples); default a DataLoader's batch size, or 256 for tensors.
+        device: Where the products run; None: the model's device.
+        dtype: The products' dtype; None: the model's.
 
     Before anything is computed, a forward pass over the set (no gradients) checks that the
     model takes every input and that the loss fits its outputs and the labels, and one
     Hessian-vector product is compared with a difference of gradients in float64 on 8
     samples (the model's layers differentiate twice correctly;
-    :func:`sharpcli.preflight.check_second_derivatives`). Errors are
-    :class:`~sharpcli.errors.UsageError` naming the argument (``error.source``).
+    :func:`sharpcli.preflight.check_second_derivatives`).
+
+    Raises:
+        UsageError: an argument a user can get wrong, named in ``error.source``.
 
     >>> import torch
     >>> from torch import nn
@@ -306,11 +311,21 @@ class Curvature:
         return self.scope.numel
 
     def operator(self, operator: str = "hessian"):
-        """The curvature operator ``operator`` (``hessian``, ``ggn``, ``nme`` or any registered
-        one) as a matrix-free P x P :class:`~sharpcli.curvature.CurvatureOperator`: ``A @ v``
-        for a flat vector of length P (laid out parameter by parameter, ``curvature.scope``),
-        ``A @ V`` for a (P, k) block, ``A.to_dense()`` for tiny P. Its products run with the
-        model in eval mode. It shares this object's cache of first-order graphs.
+        """The curvature operator ``operator`` as a matrix-free P x P operator.
+
+        ``A @ v`` for a flat vector of length P (laid out parameter by parameter,
+        ``curvature.scope``), ``A @ V`` for a (P, k) block, ``A.to_dense()`` for tiny P. Its
+        products run with the model in eval mode and share this object's cache of
+        first-order graphs.
+
+        Args:
+            operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
+
+        Returns:
+            A :class:`~sharpcli.curvature.CurvatureOperator`.
+
+        Raises:
+            UsageError: an unknown operator name.
 
         >>> import torch
         >>> from torch import nn
@@ -350,12 +365,28 @@ class Curvature:
         seed: int = 0,
         return_eigenvectors: bool = False,
     ):
-        """The ``k`` largest (``which="largest"``), smallest or both ends' eigenvalues of
-        ``operator``, descending, with Ritz residuals and converged flags: an
-        :class:`~sharpcli.curvature.EigenResult`. ``method="lanczos"`` ([Lanczos1950], full
-        reorthogonalisation [Parlett1998]) or ``"power"`` (largest |eigenvalue| only, as
-        [PyHessian]). ``tol`` is the relative residual each pair must reach; ``max_matvecs``
-        bounds the products (Lanczos default ``min(P, 100)``).
+        r"""The ``k`` extreme eigenvalues of ``operator``, each certified by its residual.
+
+        A Ritz pair :math:`(\theta, u)` is converged when
+        :math:`\lVert A u - \theta u \rVert \le \mathrm{tol}\,|\theta|`.
+
+        Args:
+            k: How many eigenvalues (per end with ``which="both"``).
+            which: ``"largest"``, ``"smallest"`` or ``"both"``.
+            operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
+            method: ``"lanczos"`` ([Lanczos1950], full reorthogonalisation [Parlett1998])
+                or ``"power"`` (the largest ``|eigenvalue|`` only, as [PyHessian]).
+            tol: The relative residual each pair must reach.
+            max_matvecs: The most products (Lanczos default ``min(P, 100)``).
+            seed: Seeds the start vector.
+            return_eigenvectors: Keep the Ritz vectors (P floats each) in the result.
+
+        Returns:
+            An :class:`~sharpcli.curvature.EigenResult`: eigenvalues descending, their
+            residuals and converged flags, the products spent.
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
         """
         from sharpcli.analyses.spectrum import eigen_result
 
@@ -386,12 +417,33 @@ class Curvature:
         max_matvecs: int = 1000,
         seed: int = 0,
     ):
-        """``tr(A)`` of ``operator`` (or ``Tr(A^2)`` with ``square``) with standard error and
-        per-layer traces: a :class:`~sharpcli.curvature.TraceResult`. Estimators:
-        ``"hutchpp"`` ([Hutch++]), ``"hutchinson"`` ([Hutchinson1989]), ``"exact"`` (the
-        Gauss-Newton trace, ``operator="ggn"``, C backward passes per batch) and ``"gn-split"``
-        (tr(H) as exact tr(G) plus an estimated tr(N)). Stops at relative standard error ``tol``
-        or ``max_matvecs`` products.
+        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)`` with ``square``), with its standard error
+        and per-layer (diagonal block) traces.
+
+        .. math::
+
+            \mathrm{tr}(A) \approx \frac{1}{n} \sum_{j=1}^n g_j^\top A g_j, \qquad
+            \mathrm{Tr}(A^2) \approx \frac{1}{n} \sum_{j=1}^n \lVert A g_j \rVert^2
+
+        for Rademacher probes :math:`g_j`, the number of probes sized by a pilot so that the
+        standard error reaches ``tol`` ([Stein1945]).
+
+        Args:
+            operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
+            estimator: ``"hutchpp"`` ([Hutch++]), ``"hutchinson"`` ([Hutchinson1989]),
+                ``"exact"`` (the Gauss-Newton trace, ``operator="ggn"``, C backward passes
+                per batch) or ``"gn-split"`` (tr(H) as exact tr(G) plus an estimated tr(N)).
+            square: Estimate ``Tr(A^2)`` instead of ``tr(A)``.
+            tol: The relative standard error wanted.
+            max_matvecs: The most products.
+            seed: Seeds the probes.
+
+        Returns:
+            A :class:`~sharpcli.curvature.TraceResult` (``estimate``, ``stderr``,
+            ``by_layer``, ``matvecs``, ``samples``, ``converged``).
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
         """
         from sharpcli.analyses.spectrum import trace_result
 
@@ -418,11 +470,33 @@ class Curvature:
         broadening: float | None = None,
         seed: int = 0,
     ):
-        """Spectral density of ``operator`` by stochastic Lanczos quadrature ([Ubaru2017],
-        [Ghorbani2019]): ``probes`` Rademacher probes of ``steps`` Lanczos steps each,
-        Gaussian-broadened by ``broadening`` (default 1% of the node range) on ``grid_points``:
-        a :class:`~sharpcli.curvature.SpectralDensity` (``grid``, ``density``, ``nodes``,
-        ``weights``)."""
+        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature ([Ubaru2017],
+        [Ghorbani2019]).
+
+        .. math::
+
+            \phi(t) \approx \frac{1}{n_v} \sum_{l=1}^{n_v} \sum_{i=1}^{m}
+            \tau_i^{(l)} \, g_\sigma\bigl(t - \theta_i^{(l)}\bigr)
+
+        with the nodes :math:`\theta_i` and weights :math:`\tau_i` of each probe's
+        ``steps``-step Lanczos tridiagonal and :math:`g_\sigma` a Gaussian of width
+        ``broadening``.
+
+        Args:
+            operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
+            probes: Rademacher probes :math:`n_v`.
+            steps: Lanczos steps :math:`m` per probe.
+            grid_points: Points of the evaluation grid (at least 2).
+            broadening: :math:`\sigma`; None: 1% of the node range.
+            seed: Seeds the probes.
+
+        Returns:
+            A :class:`~sharpcli.curvature.SpectralDensity` (``grid``, ``density``,
+            ``nodes``, ``weights``, ``trace_estimate``, ``trace_stderr``).
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
+        """
         from sharpcli.curvature import spectral_density
 
         integer_argument(probes, "probes")
@@ -450,13 +524,34 @@ class Curvature:
         label_samples: int = 4,
         ggn_estimator: str = "auto",
     ) -> dict:
-        """The split ``H = G + N`` of [NME] (eq. 2): for each of ``hessian``, ``ggn`` and
-        ``nme`` the trace (+- stderr, shared probes, so the identity holds for the estimates),
-        ``frobenius_sq``, ``lambda_max`` and ``lambda_min``; ``nme_share = tr(N)/tr(H)``,
-        ``nme_frobenius_ratio``, per-layer rows (``layers``) and tr(G) cross-checked by the
-        estimators ``ggn_estimator`` picks (``ggn_trace_check``; ``auto``, ``exact``,
-        ``sampled``, ``hutchinson``: :func:`sharpcli.analyses.spectrum.ggn_check_plan`). The
-        dict is the ``results`` of ``sharp gn-nme --json``."""
+        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts,
+        [NME] eq. 2:
+
+        .. math::
+
+            H = G + N, \qquad G = \frac{1}{N} \sum_i J_i^\top H_{z,i} J_i.
+
+        For each of ``hessian``, ``ggn`` and ``nme``: the trace with its standard error
+        (shared probes, so the identity holds for the estimates), ``frobenius_sq``,
+        ``lambda_max`` and ``lambda_min``; ``nme_share = tr(N)/tr(H)``,
+        ``nme_frobenius_ratio``, per-layer rows (``layers``) and tr(G) cross-checked by other
+        estimators (``ggn_trace_check``).
+
+        Args:
+            tol: The relative standard error wanted of tr(H) and tr(G).
+            eig_tol: The relative residual of the extreme eigenvalues.
+            max_matvecs: The most joint products for the traces.
+            seed: Seeds the probes.
+            label_samples: Label draws per sample of the sampled-label tr(G).
+            ggn_estimator: ``"auto"``, ``"exact"``, ``"sampled"`` or ``"hutchinson"``: which
+                tr(G) cross-checks run (:func:`sharpcli.analyses.spectrum.ggn_check_plan`).
+
+        Returns:
+            The dict that is the ``results`` of ``sharp gn-nme --json``.
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
+        """
         from sharpcli.analyses.spectrum import gn_nme_result
 
         seed_argument(seed)

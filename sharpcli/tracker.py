@@ -31,6 +31,21 @@ class Tracker:
     ``{prefix}matvecs`` and ``{prefix}seconds`` of the measurement. Nothing draws from the
     global RNG, so tracking does not change the training trajectory.
 
+    Args:
+        loss: A torch loss module or a registered loss name, as :class:`~sharpcli.api.Curvature`.
+        data: The probe set: ``(x, y)``, a dict batch, a DataLoader or an iterable of batches.
+        every: Measure every this many steps.
+        metrics: Names of :data:`sharpcli.analyses.tracking.TRACKABLE`.
+        max_matvecs: The most products per metric.
+        tol: The relative residual (``eigen``) or standard error (traces) wanted.
+        params: Which parameters, as :class:`~sharpcli.api.Curvature`'s ``params``.
+        batch_size: Samples per product batch.
+        seed: Seeds the probes and start vectors (the same at every measurement).
+        prefix: Prepended to every returned key.
+
+    Raises:
+        UsageError: an argument out of range, named in ``error.source``.
+
     >>> import torch
     >>> from torch import nn
     >>> from sharpcli import Tracker
@@ -97,16 +112,39 @@ class Tracker:
         return self._curvature
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` (counted from 1) is one to measure at."""
+        """Whether step ``step`` (counted from 1) is one to measure at.
+
+        Args:
+            step: The step number.
+
+        Returns:
+            True every ``every`` steps.
+        """
         return step >= 1 and step % self.every == 0
 
     def step(self, model: nn.Module, step: int | None = None) -> dict | None:
-        """Count one training step (or set the count to ``step``); measure when it is due."""
+        """Count one training step (or set the count to ``step``); measure when it is due.
+
+        Args:
+            model: The model being trained (measured in eval mode, its modes restored).
+            step: The step number to set; None: one more than the last.
+
+        Returns:
+            The metrics (:meth:`measure`) when the step is due, else None.
+        """
         self.steps = self.steps + 1 if step is None else int(step)
         return self.measure(model) if self.due(self.steps) else None
 
     def measure(self, model: nn.Module) -> dict:
-        """The metrics now, keyed ``{prefix}name``, recorded in ``history``."""
+        """The metrics now, keyed ``{prefix}name``, recorded in ``history``.
+
+        Args:
+            model: The model to measure (in eval mode, its modes restored).
+
+        Returns:
+            ``{prefix}name -> value`` for each metric, with ``{prefix}matvecs`` and
+            ``{prefix}seconds``.
+        """
         import time
 
         from sharpcli.analyses.tracking import measure
