@@ -24,7 +24,7 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from sharpcli.specs import Param, RegistryError, format_value, parse_spec
 
-__all__ = ["Entry", "Registry", "resolve"]
+__all__ = ["DECLARATION", "Entry", "Registry", "declaration", "declare", "resolve"]
 
 T = TypeVar("T")
 
@@ -67,6 +67,69 @@ class Entry:
         return (
             self.name + ":" + ",".join(f"{p.name}={format_value(p.default)}" for p in self.params)
         )
+
+
+# the attribute :func:`declare` gives an implementation: ``(kind, Entry)``
+DECLARATION = "__sharp_declaration__"
+
+
+def declare(
+    kind: str,
+    name: str,
+    summary: str,
+    *,
+    params: Sequence[Param] = (),
+    paper: str = "",
+    data_parallel: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> Callable[[T], T]:
+    """Declare a named thing where it is implemented: a decorator of its function or class.
+
+    The record it attaches is the one declaration of a built-in: ``python -m
+    sharpcli.catalogue.generate`` collects every declared object of the package into the
+    torch-free index (:mod:`sharpcli.catalogue.index`) that ``--help``, completion and the
+    docs' tables read, and :meth:`Registry.get` imports the object from there on first use. An
+    extension declares itself the same way and is added by :meth:`Registry.add`.
+
+    Args:
+        kind: the registry's kind (``"estimator"``, ``"operator"``, ``"regularizer"``).
+        name: its name, a CLI value.
+        summary: one line for ``--help`` and the docs' tables.
+        params: its typed parameters, in positional order.
+        paper: the key of docs/references.md it implements, or "".
+        data_parallel: ``None`` when it is exact under torchrun, else the reason it is not.
+        info: further facts of the kind (an operator's symbol).
+
+    Returns:
+        The decorator; it returns the object itself, its record in its ``__sharp_declaration__``.
+
+    >>> @declare("estimator", "toy", "a toy")
+    ... def toy():
+    ...     pass
+    >>> declaration(toy)[1].impl
+    'sharpcli.registry:toy'
+    """
+
+    def mark(obj: T) -> T:
+        impl = f"{obj.__module__}:{obj.__qualname__}"  # type: ignore[attr-defined]
+        entry = Entry(name, summary, impl, tuple(params), paper, data_parallel, dict(info or {}))
+        setattr(obj, DECLARATION, (kind, entry))
+        return obj
+
+    return mark
+
+
+def declaration(obj: Any) -> tuple[str, Entry] | None:
+    """The ``(kind, Entry)`` that :func:`declare` gave ``obj`` itself (not a base class's).
+
+    Args:
+        obj: a function or class.
+
+    Returns:
+        The declaration, or ``None``.
+    """
+    own = getattr(obj, "__dict__", {})
+    return own.get(DECLARATION) if isinstance(own, Mapping) else None
 
 
 def resolve(impl: str) -> Any:
@@ -281,8 +344,19 @@ class Registry(Generic[T]):
             raise self.error(
                 f"{self.kind} {name!r} is already registered (pass replace=True to replace it)"
             )
+        declared = declaration(obj)
+        if declared is not None and declared[0] != self.kind:
+            raise self.error(f"{name!r} is declared as a {declared[0]}, not a {self.kind}")
+        builtin = self._entries.get(name) if name in self._builtins else None
+        if entry is None and declared is not None:
+            entry = declared[1]
+            if builtin is not None and builtin.impl == entry.impl and builtin != entry:
+                raise self.error(
+                    f"the catalogue's record of {self.kind} {name!r} differs from its "
+                    "declaration; run `python -m sharpcli.catalogue.generate`"
+                )
         if entry is None:
-            entry = self._entries.get(name)
+            entry = builtin
         if entry is None:
             entry = self.make_entry(name, obj) if self.make_entry else Entry(name, "")
         if self.check is not None:
@@ -290,6 +364,24 @@ class Registry(Generic[T]):
         self._entries[name] = entry
         self._objects[name] = obj
         return obj
+
+    def add(self, obj: T, *, replace: bool = False) -> T:
+        """Register an object declared with :func:`declare` under its declared name.
+
+        Args:
+            obj: the implementation, declared as this registry's kind.
+            replace: replace an implementation registered under that name.
+
+        Returns:
+            ``obj`` (as :meth:`register` returned it).
+
+        Raises:
+            RegistryError: an undeclared object, or one :meth:`register` refuses.
+        """
+        declared = declaration(obj)
+        if declared is None:
+            raise self.error(f"{obj!r} has no declaration: decorate it with sharpcli.declare")
+        return self.register(declared[1].name, obj, replace=replace)
 
     def unregister(self, name: str) -> T:
         """Remove and return the implementation registered as ``name`` (its entry goes too,

@@ -18,13 +18,13 @@ import math
 import torch
 
 from sharpcli import catalogue, progress
+from sharpcli.curvature.estimators import trace_estimator
 from sharpcli.curvature.lanczos import WHICH
 from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
 METHODS = catalogue.METHODS
-ESTIMATORS = catalogue.ESTIMATORS.builtin_names()  # hutchpp, hutchinson, gn-split, exact
 ENGINES = catalogue.ENGINES
 
 
@@ -240,7 +240,7 @@ def trace(
     seed: int | None = None,
 ) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
-    check_choice(estimator, ESTIMATORS, "estimator")
+    catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
@@ -293,16 +293,15 @@ def trace_result(
     """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
-    :meth:`sharpcli.api.Curvature.trace`: ``hutchpp`` ([Hutch++]), ``hutchinson``
-    ([Hutchinson1989]), ``exact`` (the Gauss-Newton trace, one backward pass per output
-    direction) or ``gn-split`` (tr(H) as exact tr(G) plus an estimated tr(N)); ``square``
-    estimates ``Tr(A^2) = ||A||_F^2`` ([FA] eq. 1) by Hutchinson on ``A^2``.
+    :meth:`sharpcli.api.Curvature.trace`: the registered trace estimator ``estimator``
+    (:mod:`sharpcli.curvature.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
+    [Hutchinson1989], ``exact`` (the Gauss-Newton trace), ``gn-split`` (tr(H) as exact tr(G)
+    plus an estimated tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
         cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
         operator: A registered operator name.
-        estimator: ``hutchpp``, ``hutchinson``, ``exact`` (``ggn`` only) or ``gn-split``
-            (``hessian`` only).
+        estimator: A registered trace estimator name.
         square: Estimate ``Tr(A^2)`` instead.
         tol: The relative standard error to stop at.
         max_matvecs: The products allowed.
@@ -311,38 +310,10 @@ def trace_result(
     Returns:
         The :class:`~sharpcli.curvature.TraceResult`.
     """
-    from sharpcli.curvature import (
-        exact_ggn_trace,
-        frobenius_sq,
-        gn_split_trace,
-        hutchinson,
-        hutchpp,
-    )
-
-    check_choice(estimator, ESTIMATORS, "estimator")
+    estimate = trace_estimator(estimator)
     symbol = _symbol(operator)
     with progress.phase(f"Tr({symbol}^2)" if square else f"tr({symbol})"):
-        if estimator == "exact":
-            if operator != GGN or square:
-                raise UsageError(
-                    "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, no "
-                    "`square`)",
-                    source="estimator",
-                )
-            return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
-        if estimator == "gn-split":
-            if operator != HESSIAN or square:
-                raise UsageError(
-                    "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
-                    "`square`)",
-                    source="estimator",
-                )
-            return gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        op = operator_of(cpass, operator)
-        if square:
-            return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        estimate = hutchinson if estimator == "hutchinson" else hutchpp
-        return estimate(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        return estimate(cpass, operator, square=square, tol=tol, max_matvecs=max_matvecs, seed=seed)
 
 
 def density(

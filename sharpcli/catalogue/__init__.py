@@ -19,7 +19,13 @@ value sets). None imports torch: ``sharp --help`` reads them.
 
 from __future__ import annotations
 
-from sharpcli.catalogue.curvature import ESTIMATORS, OPERATORS, operator_help, operator_table
+from sharpcli.catalogue.curvature import (
+    ESTIMATORS,
+    OPERATORS,
+    entries_help,
+    operator_help,
+    operator_table,
+)
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
@@ -71,6 +77,7 @@ __all__ = [
     "TOKEN_REDUCTIONS",
     "TRACKABLE",
     "WHICH",
+    "entries_help",
     "operator_help",
     "operator_table",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sharpcli.registry import Entry, Registry
 
-__all__ = ["ESTIMATORS", "OPERATORS", "operator_help", "operator_table"]
+__all__ = ["ESTIMATORS", "OPERATORS", "entries_help", "operator_help", "operator_table"]
 
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators. ``info``: the
 # symbol in tables and whether the operator is positive semi-definite.
@@ -49,26 +49,44 @@ ESTIMATORS: Registry = Registry(
         Entry(
             "hutchpp",
             "Hutch++: the top subspace exactly, Hutchinson on the rest",
-            "sharpcli.curvature.hutchpp:hutchpp",
+            "sharpcli.curvature.estimators:hutchpp_trace",
             paper="Hutch++",
         ),
         Entry(
             "hutchinson",
             "Rademacher probes averaged until the standard error meets tol",
-            "sharpcli.curvature.trace:hutchinson",
+            "sharpcli.curvature.estimators:hutchinson_trace",
             paper="Hutchinson1989",
         ),
         Entry(
             "gn-split",
             "tr(G) and tr(N) from shared probes, tr(H) their sum",
-            "sharpcli.curvature.split:gn_nme_split",
+            "sharpcli.curvature.estimators:gn_split",
             paper="NME",
         ),
         Entry(
-            "exact", "the trace of the dense matrix (small models)", "sharpcli.analyses.spectrum"
+            "exact",
+            "the trace of the Gauss-Newton matrix, exactly (small models)",
+            "sharpcli.curvature.estimators:exact_trace",
         ),
     ],
 )
+
+
+def entries_help(registry: Registry) -> str:
+    """A registry's names with their summaries, as an option's help lists them.
+
+    Args:
+        registry: the kind.
+
+    Returns:
+        ``a (summary), b (summary) or c (summary)``, extensions included.
+
+    >>> entries_help(Registry("toy", source="toy", entries=[Entry("a", "one"), Entry("b", "two")]))
+    'a (one) or b (two)'
+    """
+    items = [f"{e.name} ({e.summary})" for e in registry.entries()]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
 def operator_help() -> str:

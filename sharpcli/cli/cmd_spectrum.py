@@ -18,6 +18,12 @@ def _operator_help() -> str:
     return f"{catalogue.operator_help()}."
 
 
+def _estimator_help() -> str:
+    """``--estimator``'s help: the trace estimators of the catalogue, the default first,
+    extensions registered in this process included (read again when the help is shown)."""
+    return catalogue.entries_help(catalogue.ESTIMATORS) + "."
+
+
 OperatorOpt = Annotated[
     str,
     typer.Option(
@@ -146,13 +152,14 @@ def trace_command(
     checkpoint: common.CheckpointArg,
     operator: OperatorOpt = "hessian",
     estimator: Annotated[
-        choices.Estimator,
+        str,
         typer.Option(
             "--estimator",
-            help="hutchpp, hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or "
-            "exact (Gauss-Newton).",
+            metavar=choices.metavar(catalogue.ESTIMATORS),
+            autocompletion=choices.completer(catalogue.ESTIMATORS),
+            help=lazyhelp.lazy_help(_estimator_help),
         ),
-    ] = "hutchpp",
+    ] = catalogue.ESTIMATORS.names()[0],
     tol: TraceTolOpt = 1e-2,
     max_matvecs: TraceMaxMatvecsOpt = 1000,
     square: Annotated[

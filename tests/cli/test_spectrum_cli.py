@@ -254,3 +254,43 @@ def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
     shown = run_cli(capsys, "analyze", path, "--metrics", "eigen", "--verbose")
     assert shown.code == 0 and "note:" not in shown.out
     assert "sharp: note: residuals are explicit" in shown.err
+
+
+def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
+    """`--estimator NAME` dispatches through the catalogue's registry: an estimator declared and
+    added in this process runs, and `--help` lists it, like a built-in."""
+    from sharpcli.curvature.estimators import ESTIMATORS
+    from sharpcli.curvature.probes import TraceResult
+    from sharpcli.curvature.registry import build_operator
+    from sharpcli.registry import declare
+
+    @declare("estimator", "dense-diagonal", "sum of A e_i . e_i over every basis vector")
+    def dense_diagonal(cpass, operator, *, square, tol, max_matvecs, seed):
+        op = build_operator(operator, cpass)
+        eye = torch.eye(op.shape[0], dtype=op.dtype)
+        AE = op @ eye
+        value = float((AE * AE).sum() if square else torch.diagonal(AE).sum())
+        return TraceResult(value, 0.0, op.shape[0], op.shape[0], "dense-diagonal")
+
+    path, _, H = tiny
+    ESTIMATORS.add(dense_diagonal)
+    try:
+        run = run_cli(
+            capsys,
+            "trace",
+            path,
+            "--dtype",
+            "float64",
+            "--estimator",
+            "dense-diagonal",
+            "--json",
+            "-",
+        )
+        assert run.code == 0, run.err
+        t = run.json()["results"]["trace"]
+        assert t["estimator"] == "dense-diagonal"
+        assert t["estimate"] == pytest.approx(float(torch.trace(H)), rel=1e-10)
+        shown = run_cli(capsys, "trace", "--help").out
+        assert "dense-diagonal" in " ".join(shown.split())
+    finally:
+        ESTIMATORS.unregister("dense-diagonal")
