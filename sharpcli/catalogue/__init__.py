@@ -3,14 +3,13 @@
 One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
-implementation as ``"module:attr"``, imported only when it is used. The implementing modules
-register into these registries (``sharpcli.training.regularizers.REGISTRY`` *is*
-:data:`REGULARIZERS`) and take their descriptions from the records; the closed value sets of
-options (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that
-accept them. Everything that lists names reads them from here: the CLI's choices,
-``--help``, shell completion and metavars, the docs' tables and the report schema. Adding a
-built-in is its module plus its record here (docs/architecture.md works one example of each
-kind).
+implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
+estimators and curvature operators are declared beside their code
+(:func:`sharpcli.registry.declare`); :mod:`sharpcli.catalogue.index` is generated from those
+declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
+(:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
+them. Everything that lists names reads them from here: the CLI's choices, ``--help``, shell
+completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
 formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed

@@ -6,70 +6,26 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from sharpcli.registry import Entry, Registry
+from sharpcli.catalogue.index import DECLARED
+from sharpcli.registry import Registry
 
 __all__ = ["ESTIMATORS", "OPERATORS", "entries_help", "operator_help", "operator_table"]
 
-# ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators. ``info``: the
-# symbol in tables and whether the operator is positive semi-definite.
+# ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
+# ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
+# is a part of the split H = G + N (which cannot be unregistered).
 OPERATORS: Registry = Registry(
     "operator",
     source="operator",
-    entries=[
-        Entry(
-            "hessian",
-            "Hessian of the loss",
-            "sharpcli.curvature.registry:build_hessian",
-            info={"symbol": "H", "psd": False},
-        ),
-        Entry(
-            "ggn",
-            "Gauss-Newton J^T H_z J",
-            "sharpcli.curvature.registry:build_ggn",
-            paper="Schraudolph2002",
-            info={"symbol": "G", "psd": True},
-        ),
-        Entry(
-            "nme",
-            "nonlinear modelling error H - G",
-            "sharpcli.curvature.registry:build_nme",
-            paper="NME",
-            info={"symbol": "N", "psd": False},
-        ),
-    ],
-    protected=("hessian", "ggn", "nme"),
+    entries=DECLARED.get("operator", ()),
+    protected=tuple(e.name for e in DECLARED.get("operator", ()) if e.info.get("split")),
     protected_reason="it is part of the H = G + N split",
 )
 
-# ``sharp trace --estimator NAME`` (sharpcli.analyses.spectrum), the default first
+# ``sharp trace --estimator NAME`` (sharpcli.curvature.estimators, declared there), the
+# default first
 ESTIMATORS: Registry = Registry(
-    "estimator",
-    source="estimator",
-    entries=[
-        Entry(
-            "hutchpp",
-            "Hutch++: the top subspace exactly, Hutchinson on the rest",
-            "sharpcli.curvature.estimators:hutchpp_trace",
-            paper="Hutch++",
-        ),
-        Entry(
-            "hutchinson",
-            "Rademacher probes averaged until the standard error meets tol",
-            "sharpcli.curvature.estimators:hutchinson_trace",
-            paper="Hutchinson1989",
-        ),
-        Entry(
-            "gn-split",
-            "tr(G) and tr(N) from shared probes, tr(H) their sum",
-            "sharpcli.curvature.estimators:gn_split",
-            paper="NME",
-        ),
-        Entry(
-            "exact",
-            "the trace of the Gauss-Newton matrix, exactly (small models)",
-            "sharpcli.curvature.estimators:exact_trace",
-        ),
-    ],
+    "estimator", source="estimator", entries=DECLARED.get("estimator", ())
 )
 
 
@@ -82,6 +38,7 @@ def entries_help(registry: Registry) -> str:
     Returns:
         ``a (summary), b (summary) or c (summary)``, extensions included.
 
+    >>> from sharpcli.registry import Entry
     >>> entries_help(Registry("toy", source="toy", entries=[Entry("a", "one"), Entry("b", "two")]))
     'a (one) or b (two)'
     """

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
 from sharpcli.losses import get_loss
-from sharpcli.registry import Entry
+from sharpcli.registry import Entry, declaration, declare
 
 if TYPE_CHECKING:
     from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
@@ -78,6 +78,26 @@ class OperatorSpec:
 OPERATORS = catalogue.OPERATORS
 
 
+def _as_spec(entry: Entry, obj: object) -> OperatorSpec:
+    """The registry's check: an :class:`OperatorSpec` as it is; a declared builder (a class or
+    function taking the pass, resolved from the index or added with ``OPERATORS.add``) made
+    into one from its record (its ``rank_bound`` attribute, if any, kept)."""
+    if isinstance(obj, OperatorSpec):
+        return obj
+    if not callable(obj) or "symbol" not in entry.info or "psd" not in entry.info:
+        raise OPERATORS.error(
+            f"operator {entry.name!r}: a builder callable with a CurvaturePass, declared with "
+            "info={'symbol': ..., 'psd': ...}"
+        )
+    rank_bound = getattr(obj, "rank_bound", None)
+    return OperatorSpec(
+        entry.name, obj, entry.info["symbol"], entry.summary, bool(entry.info["psd"]), rank_bound
+    )
+
+
+OPERATORS.check = _as_spec
+
+
 def register_operator(
     name: str,
     build: Callable[["CurvaturePass"], "CurvatureOperator"],
@@ -108,11 +128,11 @@ def register_operator(
         RegistryError: a name that is not a CLI value or is taken (unless ``replace``), a
             ``build`` that is not callable, or a record without symbol, description or psd.
     """
-    declared = OPERATORS.entry(name) if name in OPERATORS.builtin_names() else None
-    if declared is not None:
-        symbol = declared.info["symbol"] if symbol is None else symbol
-        description = declared.summary if description is None else description
-        psd = declared.info["psd"] if psd is None else psd
+    declared = declaration(build)
+    if declared is not None:  # a declared builder: its record gives what is not given
+        symbol = declared[1].info["symbol"] if symbol is None else symbol
+        description = declared[1].summary if description is None else description
+        psd = declared[1].info["psd"] if psd is None else psd
     if symbol is None or description is None or psd is None:
         raise OPERATORS.error(f"operator {name!r}: give its symbol, description and psd")
     if not callable(build):
@@ -121,9 +141,9 @@ def register_operator(
     entry = Entry(
         name,
         description,
-        declared.impl if declared else f"{build.__module__}:{build.__qualname__}",
-        paper=declared.paper if declared else "",
-        info={"symbol": symbol, "psd": bool(psd)},
+        f"{build.__module__}:{build.__qualname__}",
+        paper=declared[1].paper if declared else "",
+        info={**(declared[1].info if declared else {}), "symbol": symbol, "psd": bool(psd)},
     )
     spec = OperatorSpec(name, build, symbol, description, bool(psd), rank_bound)
     return OPERATORS.register(name, spec, entry=entry, replace=replace)
@@ -187,6 +207,9 @@ def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOper
     return operator_spec(name).build(curvature_pass)
 
 
+@declare(
+    "operator", HESSIAN, "Hessian of the loss", info={"symbol": "H", "psd": False, "split": True}
+)
 def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     """``hessian``: H on the pass.
 
@@ -199,6 +222,13 @@ def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     return curvature_pass.hessian()
 
 
+@declare(
+    "operator",
+    GGN,
+    "Gauss-Newton J^T H_z J",
+    paper="Schraudolph2002",
+    info={"symbol": "G", "psd": True, "split": True},
+)
 def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     """``ggn``: G on the pass.
 
@@ -211,6 +241,13 @@ def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     return curvature_pass.ggn()
 
 
+@declare(
+    "operator",
+    NME,
+    "nonlinear modelling error H - G",
+    paper="NME",
+    info={"symbol": "N", "psd": False, "split": True},
+)
 def build_nme(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     """``nme``: N = H - G on the pass.
 
