@@ -503,7 +503,6 @@ class Registry(Generic[T]):
         )
         entry = self._entries[name]
         values = {
-            p.name: p.convert(name, given.get(p.name, format_value(p.default)), source)
-            for p in entry.params
+            p.name: p.accept(name, given.get(p.name, p.default), source) for p in entry.params
         }
         return entry, values

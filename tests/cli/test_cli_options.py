@@ -207,7 +207,10 @@ def test_named_sets_are_the_catalogue_s_registries():
     assert choices.metavar(catalogue.OPERATORS) == "NAME"
     complete = choices.completer(catalogue.OPERATORS)
     assert complete("") == ["hessian", "ggn", "nme"]
-    catalogue.OPERATORS.register("ggn-twice", object(), entry=Entry("ggn-twice", "2 G"))
+    info = {"symbol": "2G", "psd": True}
+    catalogue.OPERATORS.register(
+        "ggn-twice", lambda p: 2 * p.ggn(), entry=Entry("ggn-twice", "2 G", info=info)
+    )
     try:
         assert complete("ggn") == ["ggn", "ggn-twice"]
     finally:

@@ -153,9 +153,7 @@ class Regularizer:
         (spec,) = [h for h in cls.HYPERPARAMS if h.name == MODE]
         value = params.get(MODE, spec.default)
         try:
-            return spec.convert(
-                cls.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
-            )
+            return spec.accept(cls.name, value, _PARAMETER)
         except UsageError:
             return None
 
@@ -170,9 +168,7 @@ class Regularizer:
         self.params: dict[str, Any] = {}
         for h in self.HYPERPARAMS:
             value = params.get(h.name, h.default)
-            self.params[h.name] = h.convert(
-                self.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
-            )
+            self.params[h.name] = h.accept(self.name, value, _PARAMETER)
         if self._modes and self.mode is None:
             raise TypeError(f"{self.name}: no class computes mode {self.params[MODE]!r}")
         if self.mode is not None and self.params[MODE] != self.mode:
