@@ -180,7 +180,7 @@ class Curvature:
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
+        from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
@@ -208,7 +208,7 @@ class Curvature:
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        self.curvature_pass = CurvaturePass(self._view, self.data, self.scope)
+        self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
 
     def _analysis_mode(self) -> contextlib.AbstractContextManager:
         """:func:`analysis_mode` of the model view, and a token loss averaged over the

@@ -2,7 +2,7 @@
 
 Each function takes a :class:`~sharpcli.session.Session` and returns the
 ``results`` dict of its command's JSON report (docs/json.md). All products go
-through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
+through one :class:`~sharpcli.curvature.CurvatureEngine` per call, so H, G and N
 share their cached first-order graphs.
 
 Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``operator`` name in
@@ -40,12 +40,12 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
 def curvature_pass(session, params: str | None):
     """One shared pass (H and G products with cached graphs) over the session's analysis set."""
     from sharpcli import memory
-    from sharpcli.curvature import CurvaturePass
+    from sharpcli.curvature import CurvatureEngine
     from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
-    cpass = CurvaturePass(
+    cpass = CurvatureEngine(
         session.model,
         session.analysis_data(),
         scope,
@@ -151,7 +151,7 @@ def eigen_result(
     smallest or both ends, or power iteration ([PyHessian]) for the largest only.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
         k: Eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
@@ -299,7 +299,7 @@ def trace_result(
     plus an estimated tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name.
         estimator: A registered trace estimator name.
         square: Estimate ``Tr(A^2)`` instead.
@@ -414,7 +414,7 @@ def gn_nme_result(
     ``sharp gn-nme`` (:func:`gn_nme`) and :meth:`sharpcli.api.Curvature.gn_nme`.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         loss: The registered loss name of the analysis set.
         num_outputs: Model outputs per sample.
         labels: The analysis set's labels (their shape plans the tr(G) cross-checks).

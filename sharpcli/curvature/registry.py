@@ -4,7 +4,7 @@
 (:data:`sharpcli.catalogue.OPERATORS`): each name's record there (a one-line description, its
 symbol, whether it is positive semi-definite, the paper) is what ``--operator``'s help and the
 docs' table list, and its :class:`OperatorSpec` here adds how to build it on a
-:class:`~sharpcli.curvature.CurvaturePass`. The analyses look operators up here
+:class:`~sharpcli.curvature.CurvatureEngine`. The analyses look operators up here
 (:func:`build_operator`), so a built-in operator is its module plus its catalogue record, and
 an extension ONE class and ONE :func:`register_operator` call (docs/architecture.md, "Adding a
 curvature operator", works one through).
@@ -32,7 +32,7 @@ from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
+    from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 
 __all__ = [
     "GGN",
@@ -68,7 +68,7 @@ class OperatorSpec:
     """
 
     name: str
-    build: Callable[["CurvaturePass"], "CurvatureOperator"]
+    build: Callable[["CurvatureEngine"], "CurvatureOperator"]
     symbol: str
     description: str
     psd: bool
@@ -86,7 +86,7 @@ def _as_spec(entry: Entry, obj: object) -> OperatorSpec:
         return obj
     if not callable(obj) or "symbol" not in entry.info or "psd" not in entry.info:
         raise OPERATORS.error(
-            f"operator {entry.name!r}: a builder callable with a CurvaturePass, declared with "
+            f"operator {entry.name!r}: a builder callable with a CurvatureEngine, declared with "
             "info={'symbol': ..., 'psd': ...}"
         )
     rank_bound = getattr(obj, "rank_bound", None)
@@ -100,7 +100,7 @@ OPERATORS.check = _as_spec
 
 def register_operator(
     name: str,
-    build: Callable[["CurvaturePass"], "CurvatureOperator"],
+    build: Callable[["CurvatureEngine"], "CurvatureOperator"],
     *,
     symbol: str | None = None,
     description: str | None = None,
@@ -112,7 +112,7 @@ def register_operator(
 
     Args:
         name: a CLI value (lower case letters, digits and '-').
-        build: called with the :class:`~sharpcli.curvature.CurvaturePass` of the analysis; a
+        build: called with the :class:`~sharpcli.curvature.CurvatureEngine` of the analysis; a
             class whose constructor takes that pass is a valid ``build``.
         symbol: its letter in tables; a built-in's comes from its catalogue record.
         description: one line for ``--help`` and the docs (whitespace is normalised); a
@@ -136,7 +136,7 @@ def register_operator(
     if symbol is None or description is None or psd is None:
         raise OPERATORS.error(f"operator {name!r}: give its symbol, description and psd")
     if not callable(build):
-        raise OPERATORS.error(f"operator {name!r}: build must be callable with a CurvaturePass")
+        raise OPERATORS.error(f"operator {name!r}: build must be callable with a CurvatureEngine")
     description = " ".join(description.split())
     entry = Entry(
         name,
@@ -191,7 +191,7 @@ def operator_spec(name: str, parameter: str = "operator") -> OperatorSpec:
     return OPERATORS.get(name, source=parameter)
 
 
-def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """The operator ``name`` on ``curvature_pass`` (sharing its cache).
 
     Args:
@@ -210,7 +210,7 @@ def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOper
 @declare(
     "operator", HESSIAN, "Hessian of the loss", info={"symbol": "H", "psd": False, "split": True}
 )
-def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``hessian``: H on the pass.
 
     Args:
@@ -229,7 +229,7 @@ def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     paper="Schraudolph2002",
     info={"symbol": "G", "psd": True, "split": True},
 )
-def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+def build_ggn(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``ggn``: G on the pass.
 
     Args:
@@ -248,7 +248,7 @@ def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
     paper="NME",
     info={"symbol": "N", "psd": False, "split": True},
 )
-def build_nme(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+def build_nme(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``nme``: N = H - G on the pass.
 
     Args:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, build_operator
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
 from sharpcli.curvature.registry import OPERATORS, unregister_operator
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
@@ -84,7 +84,7 @@ def test_registered_operator_equals_dense_empirical_fisher(example, loss, params
     model, x, y = tiny_problem(loss)
     scope = ParamScope.resolve(model, params)
     # batch size 4 over 11 samples: unequal batches, so the 1/N weighting is checked too
-    cpass = CurvaturePass(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
+    cpass = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
     fisher = build_operator(NAME, cpass)
     dense = fisher.to_dense()
     reference = dense_empirical_fisher(model, x, y, loss, scope.names)
