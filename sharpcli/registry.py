@@ -176,7 +176,7 @@ class Registry(Generic[T]):
         entries: Sequence[Entry] = (),
         protected: Sequence[str] = (),
         protected_reason: str = "it is built in",
-        name_pattern: re.Pattern = NAME_PATTERN,
+        name_pattern: re.Pattern[str] = NAME_PATTERN,
     ):
         self.kind = kind
         self.source = source

@@ -78,7 +78,7 @@ class Param:
     minimum: float | None = None
     below: float | None = None
     positive: bool = False
-    choices: tuple = ()
+    choices: tuple[Any, ...] = ()
     auto: bool = False
 
     def describe(self) -> str:

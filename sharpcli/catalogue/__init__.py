@@ -18,6 +18,8 @@ value sets). None imports torch: ``sharp --help`` reads them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.catalogue.curvature import (
     ESTIMATORS,
     OPERATORS,
@@ -82,7 +84,7 @@ __all__ = [
 ]
 
 # every kind, by the name the docs' tables use
-KINDS: dict[str, Registry] = {
+KINDS: dict[str, Registry[Any]] = {
     "regularizers": REGULARIZERS,
     "operators": OPERATORS,
     "estimators": ESTIMATORS,

@@ -6,6 +6,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
@@ -14,7 +16,7 @@ __all__ = ["ESTIMATORS", "OPERATORS", "entries_help", "operator_help", "operator
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
 # is a part of the split H = G + N (which cannot be unregistered).
-OPERATORS: Registry = Registry(
+OPERATORS: Registry[Any] = Registry(
     "operator",
     source="operator",
     entries=DECLARED.get("operator", ()),
@@ -24,12 +26,12 @@ OPERATORS: Registry = Registry(
 
 # ``sharp trace --estimator NAME`` (sharpcli.curvature.estimators, declared there), the
 # default first
-ESTIMATORS: Registry = Registry(
+ESTIMATORS: Registry[Any] = Registry(
     "estimator", source="estimator", entries=DECLARED.get("estimator", ())
 )
 
 
-def entries_help(registry: Registry) -> str:
+def entries_help(registry: Registry[Any]) -> str:
     """A registry's names with their summaries, as an option's help lists them.
 
     Args:

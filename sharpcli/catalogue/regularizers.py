@@ -12,12 +12,14 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
 __all__ = ["REGULARIZERS"]
 
 # ``--reg NAME[:k=v,...]`` (sharpcli.training.regularizers); parameters in positional order
-REGULARIZERS: Registry = Registry(
+REGULARIZERS: Registry[Any] = Registry(
     "regularizer", source="regs", entries=DECLARED.get("regularizer", ())
 )

@@ -14,7 +14,7 @@ default.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 from sharpcli import catalogue
 from sharpcli.curvature.engine import CurvatureEngine
@@ -80,7 +80,7 @@ def trace_estimator(name: str) -> TraceEstimator:
     Raises:
         RegistryError: (a UsageError) an unknown name, listing the accepted ones.
     """
-    return ESTIMATORS.get(name, source="estimator")
+    return cast(TraceEstimator, ESTIMATORS.get(name, source="estimator"))
 
 
 @declare(
