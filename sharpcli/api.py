@@ -36,8 +36,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sharpcli.curvature import CurvatureOperator
-from sharpcli.errors import UsageError
+from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvatureEngine,
+    CurvatureOperator,
+    ParamScope,
+    build_operator,
+    spectral_density,
+)
+from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.errors import InputError, UsageError
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
@@ -49,6 +58,14 @@ from sharpcli.io.in_memory import (
     refuse_unshifted_labels,
     to_device,
 )
+from sharpcli.losses import TOKEN_REDUCTIONS, get_loss, token_reduction
+from sharpcli.preflight import (
+    SECOND_DERIVATIVE_SAMPLES,
+    check_second_derivatives,
+    check_seed,
+    resolve_device,
+    resolve_dtype,
+)
 
 __all__ = ["Curvature", "LABEL_KEYS"]
 
@@ -58,7 +75,6 @@ def analysis_mode(model: nn.Module):
     """:func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
     (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward),
     as the ``sharp`` commands run."""
-    from sharpcli.curvature.differentiable import twice_differentiable
 
     with eval_mode(model), twice_differentiable():
         yield model
@@ -94,8 +110,6 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     if dtype is None:
         return model_dtype
     if isinstance(dtype, str):
-        from sharpcli.preflight import resolve_dtype
-
         return resolve_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UsageError(
@@ -108,7 +122,6 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
 def _resolve_device(device, model_device: torch.device) -> torch.device:
     if device is None:
         return model_device
-    from sharpcli.preflight import resolve_device
 
     return resolve_device(str(device))
 
@@ -180,7 +193,6 @@ class Curvature:
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
-        from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
@@ -216,8 +228,6 @@ class Curvature:
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))
         if self.token_reduction is not None:
-            from sharpcli.losses import token_reduction
-
             stack.enter_context(token_reduction(self.token_reduction, self.data.y))
         return stack
 
@@ -235,7 +245,6 @@ class Curvature:
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
-        from sharpcli.losses import get_loss
 
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
@@ -290,11 +299,9 @@ class Curvature:
 
     def _self_check(self, collected: CollectedData) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-        from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
-        from sharpcli.errors import InputError
 
         try:
             with analysis_mode(view):
@@ -339,7 +346,6 @@ class Curvature:
         >>> torch.allclose(H @ v, G @ v + N @ v)     # H = G + N ([NME] eq. 2)
         True
         """
-        from sharpcli.curvature import build_operator
 
         op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
         self.refresh()
@@ -388,7 +394,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import eigen_result
 
         integer_argument(k, "k")
         seed_argument(seed)
@@ -445,7 +450,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import trace_result
 
         seed_argument(seed)
         self.refresh()
@@ -497,7 +501,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.curvature import spectral_density
 
         integer_argument(probes, "probes")
         integer_argument(steps, "steps")
@@ -552,7 +555,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import gn_nme_result
 
         seed_argument(seed)
         self.refresh()
@@ -582,7 +584,6 @@ def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
     """How a token loss averages (None for the other losses): ``reduction``, by default
     ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
     with a module is refused (UsageError on ``token_reduction``)."""
-    from sharpcli.losses import TOKEN_REDUCTIONS, get_loss
 
     if reduction is not None and reduction not in TOKEN_REDUCTIONS:
         raise UsageError(
@@ -610,7 +611,6 @@ def integer_argument(value, name: str, minimum: int = 1) -> int:
 
 def seed_argument(seed) -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
-    from sharpcli.preflight import check_seed
 
     return check_seed(seed, "seed")
 

@@ -17,10 +17,29 @@ import math
 
 import torch
 
-from sharpcli import catalogue, progress
+from sharpcli import catalogue, memory, progress
+from sharpcli.curvature import (
+    CurvatureEngine,
+    exact_ggn_trace,
+    lanczos,
+    power_iteration,
+    sampled_label_ggn_trace,
+)
+from sharpcli.curvature.density import spectral_density
 from sharpcli.curvature.estimators import trace_estimator
-from sharpcli.curvature.lanczos import WHICH
-from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
+from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
+from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
+from sharpcli.curvature.registry import (
+    GGN,
+    HESSIAN,
+    NME,
+    OPERATORS,
+    SPLIT,
+    build_operator,
+    operator_spec,
+)
+from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
@@ -39,9 +58,6 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
 
 def curvature_pass(session, params: str | None):
     """One shared pass (H and G products with cached graphs) over the session's analysis set."""
-    from sharpcli import memory
-    from sharpcli.curvature import CurvatureEngine
-    from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
@@ -63,7 +79,6 @@ def operator_of(cpass, operator: str):
 def _symbol(operator: str) -> str:
     """The operator's letter (``H``) for progress labels; its name when it is not registered
     (the analysis then fails with the accepted names)."""
-    from sharpcli.curvature.registry import OPERATORS
 
     spec = OPERATORS.get(operator)
     return spec.symbol if spec is not None else operator
@@ -92,8 +107,6 @@ def eigen(
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
-        from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues
-
         if operator != HESSIAN:
             raise UsageError("the pyhessian engine computes only the Hessian", source="engine")
         if which != "largest":
@@ -165,8 +178,6 @@ def eigen_result(
     Returns:
         The :class:`~sharpcli.curvature.EigenResult`.
     """
-    from sharpcli.curvature import lanczos, power_iteration
-    from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
 
     check_choice(method, METHODS, "method")
     check_choice(which, WHICH, "which")
@@ -244,8 +255,6 @@ def trace(
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
-        from sharpcli.curvature.pyhessian_engine import pyhessian_trace
-
         if operator != HESSIAN or square:
             raise UsageError("the pyhessian engine computes only tr(H)", source="engine")
         result = pyhessian_trace(
@@ -328,7 +337,6 @@ def density(
     seed: int | None = None,
 ) -> dict:
     """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened."""
-    from sharpcli.curvature.density import spectral_density
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
@@ -350,7 +358,6 @@ def density(
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:
-    from sharpcli.curvature import lanczos
 
     res = lanczos(op, k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     return {
@@ -428,8 +435,6 @@ def gn_nme_result(
     Returns:
         The ``results`` of ``sharp gn-nme --json``.
     """
-    from sharpcli.curvature import exact_ggn_trace, sampled_label_ggn_trace
-    from sharpcli.curvature.split import gn_nme_split
 
     with progress.phase("traces H,G,N"):
         split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
