@@ -72,10 +72,11 @@ __all__ = ["Curvature", "LABEL_KEYS"]
 
 @contextlib.contextmanager
 def analysis_mode(model: nn.Module):
-    """:func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
-    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward),
-    as the ``sharp`` commands run."""
+    """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
+    :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+    """
     with eval_mode(model), twice_differentiable():
         yield model
 
@@ -93,9 +94,11 @@ def eval_mode(model: nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
-    wrappers (their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken
-    through the plain module, whose forward is twice differentiable)."""
+    """The module inside ``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile``.
+
+    Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
+    plain module, whose forward is twice differentiable.
+    """
     while True:
         compiled = getattr(model, "_orig_mod", None)  # torch.compile
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
@@ -128,8 +131,10 @@ def _resolve_device(device, model_device: torch.device) -> torch.device:
 
 # --------------------------------------------------------------------------- Curvature
 class Curvature:
-    """Curvature of ``loss`` over ``data`` at ``model``'s weights: eigenvalues, traces, density,
-    the Gauss-Newton/NME split and the matrix-free products themselves.
+    """Curvature of ``loss`` over ``data`` at ``model``'s weights.
+
+    Eigenvalues, traces, density, the Gauss-Newton/NME split and the matrix-free products
+    themselves.
 
     Args:
         model: An ``nn.Module``; its output is the logits tensor, an output object with
@@ -223,8 +228,11 @@ class Curvature:
         self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
 
     def _analysis_mode(self) -> contextlib.AbstractContextManager:
-        """:func:`analysis_mode` of the model view, and a token loss averaged over the
-        analysis set per :attr:`token_reduction` (:func:`sharpcli.losses.token_reduction`)."""
+        """The model view in :func:`analysis_mode`, and the token loss's averaging.
+
+        A token loss is averaged over the analysis set per :attr:`token_reduction`
+        (:func:`sharpcli.losses.token_reduction`).
+        """
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))
         if self.token_reduction is not None:
@@ -245,7 +253,6 @@ class Curvature:
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
-
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
@@ -279,9 +286,11 @@ class Curvature:
         return name, collected
 
     def _check_forward(self) -> None:
-        """One forward pass over the whole set without gradients, batch by batch: an input the
-        model cannot take (a token id beyond its embedding, say) is a UsageError on ``data``
-        here rather than an error in the middle of a curvature product."""
+        """One forward pass over the whole set without gradients, batch by batch.
+
+        An input the model cannot take (a token id beyond its embedding, say) is a UsageError
+        on ``data`` here rather than an error in the middle of a curvature product.
+        """
         index = torch.arange(self.num_samples, device=self.device)
         with torch.no_grad(), eval_mode(self._view):
             for start in range(0, self.num_samples, self.batch_size):
@@ -299,7 +308,6 @@ class Curvature:
 
     def _self_check(self, collected: CollectedData) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
 
@@ -346,7 +354,6 @@ class Curvature:
         >>> torch.allclose(H @ v, G @ v + N @ v)     # H = G + N ([NME] eq. 2)
         True
         """
-
         op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
         self.refresh()
         return op
@@ -356,7 +363,8 @@ class Curvature:
 
         Every method starts with it: the cache is also dropped when a parameter's version
         counter moves, but a fused optimizer step (``torch.optim.AdamW(fused=True)``, the
-        Hugging Face Trainer's default) updates weights in place without moving it."""
+        Hugging Face Trainer's default) updates weights in place without moving it.
+        """
         self.curvature_pass.clear_cache()
 
     def eigenvalues(
@@ -394,7 +402,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-
         integer_argument(k, "k")
         seed_argument(seed)
         self.refresh()
@@ -422,8 +429,9 @@ class Curvature:
         max_matvecs: int = 1000,
         seed: int = 0,
     ):
-        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)`` with ``square``), with its standard error
-        and per-layer (diagonal block) traces.
+        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
+
+        The per-layer traces are those of the diagonal blocks.
 
         .. math::
 
@@ -450,7 +458,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -474,8 +481,9 @@ class Curvature:
         broadening: float | None = None,
         seed: int = 0,
     ):
-        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature ([Ubaru2017],
-        [Ghorbani2019]).
+        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
+
+        As in [Ubaru2017] and [Ghorbani2019].
 
         .. math::
 
@@ -501,7 +509,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-
         integer_argument(probes, "probes")
         integer_argument(steps, "steps")
         integer_argument(grid_points, "grid_points", minimum=2)
@@ -527,7 +534,8 @@ class Curvature:
         label_samples: int = 4,
         ggn_estimator: str = "auto",
     ) -> dict:
-        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts,
+        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts.
+
         [NME] eq. 2:
 
         .. math::
@@ -555,7 +563,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -581,10 +588,11 @@ class Curvature:
 
 
 def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
-    """How a token loss averages (None for the other losses): ``reduction``, by default
-    ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
-    with a module is refused (UsageError on ``token_reduction``)."""
+    """How a token loss averages (None for the other losses).
 
+    ``reduction``, by default ``"tokens"``; a loss module's mean is the mean over all labelled
+    tokens, so ``"samples"`` with a module is refused (UsageError on ``token_reduction``).
+    """
     if reduction is not None and reduction not in TOKEN_REDUCTIONS:
         raise UsageError(
             f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
@@ -611,13 +619,15 @@ def integer_argument(value, name: str, minimum: int = 1) -> int:
 
 def seed_argument(seed) -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
-
     return check_seed(seed, "seed")
 
 
 class _EvalModeOperator(CurvatureOperator):
-    """``inner`` (a registered operator) with every product run in ``mode`` (eval mode, the
-    token loss's averaging); ``inner`` keeps the count of products it made."""
+    """``inner`` (a registered operator) with every product run in ``mode``.
+
+    ``mode`` is eval mode and the token loss's averaging; ``inner`` keeps the count of
+    products it made.
+    """
 
     def __init__(
         self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]

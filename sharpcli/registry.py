@@ -195,8 +195,9 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ the declarative side
     def declare(self, entry: Entry) -> None:
-        """Add a built-in's record (as :mod:`sharpcli.catalogue` does for each of its entries):
-        its implementation is imported from ``entry.impl`` when first asked for, and
+        """Add a built-in's record, as :mod:`sharpcli.catalogue` does for each of its entries.
+
+        Its implementation is imported from ``entry.impl`` when first asked for, and
         :meth:`register` gives an implementation registered under its name this record.
 
         Args:
@@ -388,8 +389,9 @@ class Registry(Generic[T]):
         return self.register(declared[1].name, obj, replace=replace)
 
     def unregister(self, name: str) -> T:
-        """Remove and return the implementation registered as ``name`` (its entry goes too,
-        unless it is a built-in's, which is declared in the catalogue).
+        """Remove and return the implementation registered as ``name``.
+
+        Its entry goes too, unless it is a built-in's, which is declared in the catalogue.
 
         Args:
             name: the name.
@@ -472,8 +474,9 @@ class Registry(Generic[T]):
         source: str | None = None,
         accepted: str | None = None,
     ) -> tuple[Entry, dict[str, Any]]:
-        """Parse ``NAME[:k=v,...]`` against this registry's entries (:func:`parse_spec`),
-        typing every parameter and filling in the defaults.
+        """Parse ``NAME[:k=v,...]`` against this registry's entries (:func:`parse_spec`).
+
+        Every parameter is typed and the defaults filled in.
 
         Args:
             text: the spec.

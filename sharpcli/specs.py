@@ -119,8 +119,9 @@ class Param:
         return self._checked(owner, number, raw, source)
 
     def accept(self, owner: str, value: Any, source: str | None = None) -> Any:
-        """A value given as text (parsed by :meth:`convert`) or already typed (checked, never
-        formatted and parsed again).
+        """A value given as text (parsed by :meth:`convert`) or already typed (checked only).
+
+        A typed value is never formatted and parsed again.
 
         Args:
             owner: the name of the thing the parameter belongs to (starts the message).

@@ -1,5 +1,6 @@
-"""The curvature operators (``--operator``) and trace estimators (``--estimator``), and the
-``--operator`` help and docs table made from them.
+"""The curvature operators (``--operator``) and trace estimators (``--estimator``).
+
+Also the ``--operator`` help and docs table made from them.
 
 This module imports no torch.
 """

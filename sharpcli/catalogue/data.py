@@ -23,9 +23,11 @@ def _format(
     test_split: str,
     directory: bool = False,
 ) -> Entry:
-    """A data format's record: ``info`` holds what :class:`sharpcli.io.formats.DataFormat`
-    is made of (``probe`` and ``read`` as ``"module:function"``, imported with the format
-    module)."""
+    """A data format's record.
+
+    ``info`` holds what :class:`sharpcli.io.formats.DataFormat` is made of (``probe`` and
+    ``read`` as ``"module:function"``, imported with the format module).
+    """
     info = {
         "probe": probe,
         "read": read,
