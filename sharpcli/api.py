@@ -138,26 +138,26 @@ class Curvature:
 
     Args:
         model: An ``nn.Module``; its output is the logits tensor, an output object with
-          ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
-          are the ones differentiated), except that ``device``/``dtype`` other than its own make a
-          converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
-          untouched (and later changes to its weights unseen).
+            ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
+            are the ones differentiated), except that ``device``/``dtype`` other than its own make a
+            converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
+            untouched (and later changes to its weights unseen).
         loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
-          vocabulary) logits the mean over every labelled token of the set, as the module
-          computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
-          all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
-          (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+            vocabulary) logits the mean over every labelled token of the set, as the module
+            computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
+            all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
+            (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
         token_reduction: How a token loss averages over the set
-          (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
-          all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
-          labelled positions, then the mean over samples; with the name
-          ``"token-cross-entropy"`` only). Ignored by the other losses.
+            (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
+            all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
+            labelled positions, then the mean over samples; with the name
+            ``"token-cross-entropy"`` only). Ignored by the other losses.
         data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-          iterable of batches (module docstring).
+            iterable of batches (module docstring).
         params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
-          comma-separated globs on parameter names (``"fc.*,head.weight"``).
+            comma-separated globs on parameter names (``"fc.*,head.weight"``).
         batch_size: Samples per product batch (memory only: the results are means over
-          samples); default a DataLoader's batch size, or 256 for tensors.
+            samples); default a DataLoader's batch size, or 256 for tensors.
         device: Where the products run; None: the model's device.
         dtype: The products' dtype; None: the model's.
 
