@@ -46,6 +46,8 @@ from sharpcli.curvature import (
     spectral_density,
 )
 from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
+from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
@@ -325,7 +327,7 @@ class Curvature:
         """P, the number of parameters in scope (the operators are P x P)."""
         return self.scope.numel
 
-    def operator(self, operator: str = "hessian"):
+    def operator(self, operator: str = HESSIAN):
         """The curvature operator ``operator`` as a matrix-free P x P operator.
 
         ``A @ v`` for a flat vector of length P (laid out parameter by parameter,
@@ -371,7 +373,7 @@ class Curvature:
         self,
         k: int = 1,
         which: str = "largest",
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         method: str = "lanczos",
         tol: float = 1e-3,
@@ -421,9 +423,9 @@ class Curvature:
 
     def trace(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
-        estimator: str = "hutchpp",
+        estimator: str = DEFAULT_ESTIMATOR,
         square: bool = False,
         tol: float = 1e-2,
         max_matvecs: int = 1000,
@@ -473,7 +475,7 @@ class Curvature:
 
     def density(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         probes: int = 4,
         steps: int = 64,

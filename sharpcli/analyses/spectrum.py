@@ -26,7 +26,7 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
-from sharpcli.curvature.estimators import trace_estimator
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, trace_estimator
 from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
@@ -242,7 +242,7 @@ def trace(
     session,
     *,
     operator: str = HESSIAN,
-    estimator: str = "hutchpp",
+    estimator: str = DEFAULT_ESTIMATOR,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
     square: bool = False,
@@ -293,7 +293,7 @@ def trace_result(
     cpass,
     operator: str = HESSIAN,
     *,
-    estimator: str = "hutchpp",
+    estimator: str = DEFAULT_ESTIMATOR,
     square: bool = False,
     tol: float = 1e-2,
     max_matvecs: int = 1000,

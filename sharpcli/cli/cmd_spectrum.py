@@ -24,6 +24,8 @@ def _estimator_help() -> str:
     return catalogue.entries_help(catalogue.ESTIMATORS) + "."
 
 
+# the first declared operator, the Hessian
+DEFAULT_OPERATOR = catalogue.OPERATORS.builtin_names()[0]
 OperatorOpt = Annotated[
     str,
     typer.Option(
@@ -90,7 +92,7 @@ def eigen_command(
     which: Annotated[
         choices.Which, typer.Option("--which", help="Which end of the spectrum.")
     ] = "largest",
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     method: Annotated[
         choices.Method,
         typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
@@ -150,7 +152,7 @@ def eigen_command(
 def trace_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     estimator: Annotated[
         str,
         typer.Option(
@@ -309,7 +311,7 @@ def gn_nme_command(
 def density_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     probes: Annotated[int, typer.Option("--probes", help="Random start vectors (SLQ runs).")] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Lanczos steps per probe.")] = 64,
     grid_points: Annotated[

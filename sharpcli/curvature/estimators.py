@@ -27,6 +27,7 @@ from sharpcli.errors import UsageError
 from sharpcli.registry import declare
 
 __all__ = [
+    "DEFAULT_ESTIMATOR",
     "ESTIMATORS",
     "TraceEstimator",
     "exact_trace",
@@ -83,9 +84,13 @@ def trace_estimator(name: str) -> TraceEstimator:
     return cast(TraceEstimator, ESTIMATORS.get(name, source="estimator"))
 
 
+# the default of ``--estimator`` and ``Curvature.trace``, declared first
+DEFAULT_ESTIMATOR = "hutchpp"
+
+
 @declare(
     "estimator",
-    "hutchpp",
+    DEFAULT_ESTIMATOR,
     "Hutch++: the top subspace exactly, Hutchinson on the rest",
     paper="Hutch++",
 )
