@@ -26,7 +26,7 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
-from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, trace_estimator
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
 from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
@@ -322,7 +322,7 @@ def trace_result(
     estimate = trace_estimator(estimator)
     symbol = _symbol(operator)
     with progress.phase(f"Tr({symbol}^2)" if square else f"tr({symbol})"):
-        return estimate(cpass, operator, square=square, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        return estimate(TraceRequest(cpass, operator, square, tol, max_matvecs, seed))
 
 
 def density(

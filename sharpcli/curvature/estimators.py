@@ -1,9 +1,9 @@
 """The trace estimators of ``sharp trace --estimator NAME``, each declared where it is defined.
 
-A trace estimator is a function ``estimate(curvature_pass, operator, *, square, tol,
-max_matvecs, seed) -> TraceResult``: the pass gives the model, data, scope and the registered
-operators (:func:`~sharpcli.curvature.registry.build_operator`), ``operator`` names the one to
-estimate, ``square`` asks for ``Tr(A^2)`` instead of ``tr(A)``. Each is declared with
+A trace estimator is a function ``estimate(request) -> TraceResult``: the
+:class:`TraceRequest` holds the analysis's pass (model, data, scope, cached graphs), the
+registered operator to estimate (``request.build()`` makes it), whether ``Tr(A^2)`` is asked
+instead of ``tr(A)``, and the budget (``tol``, ``max_matvecs``, ``seed``). Each is declared with
 :func:`sharpcli.registry.declare` (kind ``"estimator"``); ``python -m sharpcli.catalogue.generate``
 writes the declarations into the catalogue's index, and :data:`ESTIMATORS` (the catalogue's
 registry) imports an estimator when it is first asked for, so ``sharp trace --estimator NAME``
@@ -14,12 +14,14 @@ default.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import Callable, cast
 
 from sharpcli import catalogue
 from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
 from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.registry import GGN, HESSIAN, build_operator
 from sharpcli.curvature.trace import frobenius_sq, hutchinson
@@ -30,6 +32,7 @@ __all__ = [
     "DEFAULT_ESTIMATOR",
     "ESTIMATORS",
     "TraceEstimator",
+    "TraceRequest",
     "exact_trace",
     "gn_split",
     "hutchinson_trace",
@@ -40,33 +43,37 @@ __all__ = [
 ESTIMATORS = catalogue.ESTIMATORS
 
 
-class TraceEstimator(Protocol):
-    """What ``--estimator NAME`` calls: ``tr(A)`` (or ``Tr(A^2)``) of a registered operator."""
+@dataclass(frozen=True)
+class TraceRequest:
+    """What ``--estimator NAME`` is asked: ``tr(A)`` (or ``Tr(A^2)``) of a registered operator.
 
-    def __call__(
-        self,
-        curvature_pass: CurvatureEngine,
-        operator: str,
-        *,
-        square: bool,
-        tol: float,
-        max_matvecs: int,
-        seed: int,
-    ) -> TraceResult:
-        """Estimate the trace.
+    Attributes:
+        curvature_pass: the analysis's pass (model, data, scope, cached graphs).
+        operator: a registered operator name.
+        square: estimate ``Tr(A^2)`` instead of ``tr(A)``.
+        tol: the relative standard error to stop at.
+        max_matvecs: the products allowed.
+        seed: seeds the probes.
+    """
 
-        Args:
-            curvature_pass: the analysis's pass (model, data, scope, cached graphs).
-            operator: a registered operator name.
-            square: estimate ``Tr(A^2)`` instead of ``tr(A)``.
-            tol: the relative standard error to stop at.
-            max_matvecs: the products allowed.
-            seed: seeds the probes.
+    curvature_pass: CurvatureEngine
+    operator: str
+    square: bool = False
+    tol: float = 1e-2
+    max_matvecs: int = 1000
+    seed: int = 0
+
+    def build(self) -> CurvatureOperator:
+        """The operator on the pass (:func:`~sharpcli.curvature.registry.build_operator`).
 
         Returns:
-            The estimate with its standard error and per-layer traces.
+            The operator, sharing the pass's cached graphs.
         """
-        ...
+        return build_operator(self.operator, self.curvature_pass)
+
+
+# a trace estimator: the request -> the estimate with its standard error and per-layer traces
+TraceEstimator = Callable[[TraceRequest], TraceResult]
 
 
 def trace_estimator(name: str) -> TraceEstimator:
@@ -84,6 +91,20 @@ def trace_estimator(name: str) -> TraceEstimator:
     return cast(TraceEstimator, ESTIMATORS.get(name, source="estimator"))
 
 
+def _probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> TraceResult:
+    """``estimate`` on the operator, or ``Tr(A^2)`` by Hutchinson on ``A^2`` ([FA] eq. 1)."""
+    op, r = request.build(), request
+    if r.square:
+        return frobenius_sq(op, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+    return estimate(op, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+
+
+def _require(request: TraceRequest, operator: str, message: str) -> None:
+    """A UsageError (``message``) unless ``request`` asks for tr(``operator``), not squared."""
+    if request.operator != operator or request.square:
+        raise UsageError(f"{message} (`operator={operator}`, no `square`)", source="estimator")
+
+
 # the default of ``--estimator`` and ``Curvature.trace``, declared first
 DEFAULT_ESTIMATOR = "hutchpp"
 
@@ -94,32 +115,9 @@ DEFAULT_ESTIMATOR = "hutchpp"
     "Hutch++: the top subspace exactly, Hutchinson on the rest",
     paper="Hutch++",
 )
-def hutchpp_trace(
-    curvature_pass: CurvatureEngine,
-    operator: str,
-    *,
-    square: bool,
-    tol: float,
-    max_matvecs: int,
-    seed: int,
-) -> TraceResult:
-    """``tr(A)`` by Hutch++ ([Hutch++]); ``Tr(A^2)`` by Hutchinson on ``A^2`` ([FA] eq. 1).
-
-    Args:
-        curvature_pass: the analysis's pass.
-        operator: a registered operator name.
-        square: estimate ``Tr(A^2)`` instead.
-        tol: the relative standard error to stop at.
-        max_matvecs: the products allowed.
-        seed: seeds the probes.
-
-    Returns:
-        The estimate.
-    """
-    op = build_operator(operator, curvature_pass)
-    if square:
-        return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-    return hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+def hutchpp_trace(request: TraceRequest) -> TraceResult:
+    """``tr(A)`` by Hutch++ ([Hutch++]); ``Tr(A^2)`` by Hutchinson on ``A^2`` ([FA] eq. 1)."""
+    return _probed(hutchpp, request)
 
 
 @declare(
@@ -128,58 +126,19 @@ def hutchpp_trace(
     "Rademacher probes averaged until the standard error meets tol",
     paper="Hutchinson1989",
 )
-def hutchinson_trace(
-    curvature_pass: CurvatureEngine,
-    operator: str,
-    *,
-    square: bool,
-    tol: float,
-    max_matvecs: int,
-    seed: int,
-) -> TraceResult:
-    """``tr(A) = E[g^T A g]`` over Rademacher probes ([Hutchinson1989]); ``Tr(A^2)`` likewise.
-
-    Args:
-        curvature_pass: the analysis's pass.
-        operator: a registered operator name.
-        square: estimate ``Tr(A^2) = E||A g||^2`` instead ([FA] eq. 1).
-        tol: the relative standard error to stop at.
-        max_matvecs: the products allowed.
-        seed: seeds the probes.
-
-    Returns:
-        The estimate.
-    """
-    op = build_operator(operator, curvature_pass)
-    if square:
-        return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-    return hutchinson(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+def hutchinson_trace(request: TraceRequest) -> TraceResult:
+    """``tr(A) = E[g^T A g]`` over Rademacher probes ([Hutchinson1989]); ``Tr(A^2)`` likewise."""
+    return _probed(hutchinson, request)
 
 
 @declare(
-    "estimator",
-    "gn-split",
-    "tr(G) and tr(N) from shared probes, tr(H) their sum",
-    paper="NME",
+    "estimator", "gn-split", "tr(G) and tr(N) from shared probes, tr(H) their sum", paper="NME"
 )
-def gn_split(
-    curvature_pass: CurvatureEngine,
-    operator: str,
-    *,
-    square: bool,
-    tol: float,
-    max_matvecs: int,
-    seed: int,
-) -> TraceResult:
+def gn_split(request: TraceRequest) -> TraceResult:
     """``tr(H) = tr(G) + tr(N)``: exact ``tr(G)`` plus Hutch++ on ``N`` ([NME] eq. 2).
 
     Args:
-        curvature_pass: the analysis's pass.
-        operator: the Hessian's name only.
-        square: refused.
-        tol: the standard error relative to ``tr(H)``.
-        max_matvecs: the most NME products.
-        seed: seeds the probes.
+        request: the operator and the budget (:class:`TraceRequest`).
 
     Returns:
         The estimate (:func:`~sharpcli.curvature.ggn_trace.gn_split_trace`).
@@ -187,33 +146,17 @@ def gn_split(
     Raises:
         UsageError: another operator, or ``square``.
     """
-    if operator != HESSIAN or square:
-        raise UsageError(
-            "the gn-split estimator is for the Hessian trace (`operator=hessian`, no `square`)",
-            source="estimator",
-        )
-    return gn_split_trace(curvature_pass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+    _require(request, HESSIAN, "the gn-split estimator is for the Hessian trace")
+    r = request
+    return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
 
 
 @declare("estimator", "exact", "the trace of the Gauss-Newton matrix, exactly (small models)")
-def exact_trace(
-    curvature_pass: CurvatureEngine,
-    operator: str,
-    *,
-    square: bool,
-    tol: float,
-    max_matvecs: int,
-    seed: int,
-) -> TraceResult:
+def exact_trace(request: TraceRequest) -> TraceResult:
     """The exact Gauss-Newton trace, C backward passes per batch (:func:`exact_ggn_trace`).
 
     Args:
-        curvature_pass: the analysis's pass.
-        operator: the Gauss-Newton matrix's name only.
-        square: refused.
-        tol: unused (the result is exact).
-        max_matvecs: unused.
-        seed: unused.
+        request: the operator and the budget (:class:`TraceRequest`).
 
     Returns:
         The trace, with zero standard error.
@@ -221,9 +164,6 @@ def exact_trace(
     Raises:
         UsageError: another operator, or ``square``.
     """
-    if operator != GGN or square:
-        raise UsageError(
-            "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, no `square`)",
-            source="estimator",
-        )
-    return exact_ggn_trace(curvature_pass.model, curvature_pass.data, curvature_pass.scope)
+    _require(request, GGN, "the exact estimator is for the Gauss-Newton trace")
+    cpass = request.curvature_pass
+    return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)

@@ -207,56 +207,26 @@ def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOp
     return operator_spec(name).build(curvature_pass)
 
 
-@declare(
-    "operator", HESSIAN, "Hessian of the loss", info={"symbol": "H", "psd": False, "split": True}
-)
+def _split(symbol: str, psd: bool) -> dict[str, object]:
+    """The ``info`` of a part of ``H = G + N``: its symbol, PSD, and that it cannot be removed."""
+    return {"symbol": symbol, "psd": psd, "split": True}
+
+
+@declare("operator", HESSIAN, "Hessian of the loss", info=_split("H", False))
 def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``hessian``: H on the pass.
-
-    Args:
-        curvature_pass: the analysis' pass.
-
-    Returns:
-        The operator.
-    """
+    """``hessian``: H on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.hessian()
 
 
-@declare(
-    "operator",
-    GGN,
-    "Gauss-Newton J^T H_z J",
-    paper="Schraudolph2002",
-    info={"symbol": "G", "psd": True, "split": True},
-)
+@declare("operator", GGN, "Gauss-Newton J^T H_z J", paper="Schraudolph2002", info=_split("G", True))
 def build_ggn(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``ggn``: G on the pass.
-
-    Args:
-        curvature_pass: the analysis' pass.
-
-    Returns:
-        The operator.
-    """
+    """``ggn``: G on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.ggn()
 
 
-@declare(
-    "operator",
-    NME,
-    "nonlinear modelling error H - G",
-    paper="NME",
-    info={"symbol": "N", "psd": False, "split": True},
-)
+@declare("operator", NME, "nonlinear modelling error H - G", paper="NME", info=_split("N", False))
 def build_nme(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``nme``: N = H - G on the pass.
-
-    Args:
-        curvature_pass: the analysis' pass.
-
-    Returns:
-        The operator.
-    """
+    """``nme``: N = H - G on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.nme()
 
 

@@ -261,31 +261,20 @@ def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
     added in this process runs, and `--help` lists it, like a built-in."""
     from sharpcli.curvature.estimators import ESTIMATORS
     from sharpcli.curvature.probes import TraceResult
-    from sharpcli.curvature.registry import build_operator
     from sharpcli.registry import declare
 
     @declare("estimator", "dense-diagonal", "sum of A e_i . e_i over every basis vector")
-    def dense_diagonal(cpass, operator, *, square, tol, max_matvecs, seed):
-        op = build_operator(operator, cpass)
-        eye = torch.eye(op.shape[0], dtype=op.dtype)
-        AE = op @ eye
-        value = float((AE * AE).sum() if square else torch.diagonal(AE).sum())
+    def dense_diagonal(request):
+        op = request.build()
+        AE = op @ torch.eye(op.shape[0], dtype=op.dtype)
+        value = float((AE * AE).sum() if request.square else torch.diagonal(AE).sum())
         return TraceResult(value, 0.0, op.shape[0], op.shape[0], "dense-diagonal")
 
     path, _, H = tiny
     ESTIMATORS.add(dense_diagonal)
     try:
-        run = run_cli(
-            capsys,
-            "trace",
-            path,
-            "--dtype",
-            "float64",
-            "--estimator",
-            "dense-diagonal",
-            "--json",
-            "-",
-        )
+        argv = ["trace", path, "--dtype", "float64", "--estimator", "dense-diagonal"]
+        run = run_cli(capsys, *argv, "--json", "-")
         assert run.code == 0, run.err
         t = run.json()["results"]["trace"]
         assert t["estimator"] == "dense-diagonal"
