@@ -7,10 +7,10 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from sharpcli.catalogue.index import DECLARED
-from sharpcli.registry import Registry
+from sharpcli.registry import Entry, Registry
 
 __all__ = ["ESTIMATORS", "OPERATORS", "entries_help", "operator_help", "operator_table"]
 
@@ -59,15 +59,18 @@ def operator_help() -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
-def operator_table() -> str:
+def operator_table(entries: Sequence[Entry] | None = None) -> str:
     """The docs' Markdown table of the operators (docs/commands/eigen.md).
 
+    Args:
+        entries: the records to list; default every registered operator, extensions included.
+
     Returns:
-        The table, extensions included.
+        The table.
     """
     rows = ["| `--operator` | symbol | what it is | PSD |", "|---|---|---|---|"]
     rows += [
         f"| `{e.name}` | {e.info['symbol']} | {e.summary} | {'yes' if e.info['psd'] else 'no'} |"
-        for e in OPERATORS.entries()
+        for e in (OPERATORS.entries() if entries is None else entries)
     ]
     return "\n".join(rows)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sharpcli import registry
+from sharpcli.catalogue.curvature import operator_table
 from sharpcli.registry import Entry, declaration
 from sharpcli.specs import Param
 
@@ -30,7 +31,6 @@ __all__ = [
     "INDEX",
     "collect",
     "main",
-    "operator_table",
     "refresh_docs",
     "regularizer_table",
     "render",
@@ -174,26 +174,10 @@ def regularizer_table(entries: list[Entry]) -> str:
     return "\n".join(rows)
 
 
-def operator_table(entries: list[Entry]) -> str:
-    """The Markdown table of the curvature operators (docs/commands/eigen.md).
-
-    Args:
-        entries: the operators' records, in order.
-
-    Returns:
-        The table: name, symbol, what it is, whether it is positive semi-definite.
-    """
-    rows = ["| `--operator` | symbol | what it is | PSD |", "|---|---|---|---|"]
-    for e in entries:
-        psd = "yes" if e.info["psd"] else "no"
-        rows.append(f"| `{e.name}` | {e.info['symbol']} | {_cell(e.summary)} | {psd} |")
-    return "\n".join(rows)
-
-
 # each generated table: the page, the kind and how its records become the table
 TABLES = (
     ("commands/train.md", "regularizer", regularizer_table),
-    ("commands/eigen.md", "operator", operator_table),
+    ("commands/eigen.md", "operator", operator_table),  # the --operator help's table
 )
 
 
