@@ -347,6 +347,13 @@ def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReadi
         The reading and the ``ignore_index`` (None but for ``nn.CrossEntropyLoss``).
     """
     name, ignore_index = loss_name(loss)
+    if isinstance(loss, nn.MSELoss) and tuple(y.shape) != tuple(logits.shape):
+        raise UsageError(
+            f"targets of shape {tuple(y.shape)} for outputs {tuple(logits.shape)}: "
+            "nn.MSELoss would broadcast them into another loss; give the targets the outputs' "
+            "shape (or pass `loss=mse`, which takes one target per sample of one output)",
+            source="data",
+        )
     return read_loss(name, logits, y, named=isinstance(loss, str)), ignore_index
 
 

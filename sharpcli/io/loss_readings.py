@@ -29,9 +29,11 @@ module's own value on it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sharpcli.errors import UsageError, first_line
@@ -42,7 +44,7 @@ __all__ = [
     "LossReading",
     "check_loss_value",
     "read_loss",
-    "reference_module",
+    "reference_loss",
 ]
 
 # "as-is": the registered loss takes the outputs as they are; "flat": (N, ...) -> (N, M);
@@ -81,15 +83,16 @@ class LossReading:
         return self.layout != "as-is"
 
     def note(self, shape: tuple) -> str | None:
-        """What the reading did to outputs of per-batch ``shape``, for a report's notes."""
+        """What the reading did to outputs of ``shape`` (batch first), for a report's notes."""
+        outputs = "(N, " + ", ".join(str(d) for d in shape[1:]) + ")"
         if self.layout == "classes-last":
             return (
-                f"outputs {shape}: cross-entropy with the classes on dim 1 (as torch's "
+                f"outputs {outputs}: cross-entropy with the classes on dim 1 (as torch's "
                 "cross_entropy), analysed per position as token-cross-entropy over the "
                 "flattened positions, the mean over every labelled position"
             )
         if self.layout == "flat":
-            return f"outputs {shape}: mse is the mean over all their elements (flattened)"
+            return f"outputs {outputs}: mse is the mean over all their elements (flattened)"
         return None
 
 
@@ -159,13 +162,29 @@ def read_loss(name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool) -> Lo
     return LossReading(name)
 
 
-def reference_module(name: str) -> nn.Module:
-    """torch's module for a registered loss name: the loss the name stands for."""
-    if name == "mse":
-        return nn.MSELoss()
-    if name == "binary-cross-entropy":
-        return nn.BCEWithLogitsLoss()
-    return nn.CrossEntropyLoss()
+def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """torch's own function for the loss a registered name stands for, on the outputs and
+    labels as the model and the data give them: ``F.cross_entropy`` (classes on dim 1, labels
+    ``-100`` ignored), on a language model's flattened positions for ``token-cross-entropy``
+    read as it is; ``F.mse_loss`` and ``F.binary_cross_entropy_with_logits`` with the targets
+    shaped as the outputs (sharp's one target per sample of a one-output model).
+
+    Args:
+        reading: The reading of a named loss (a name, ``--loss``, a checkpoint's stored loss).
+
+    Returns:
+        ``f(z, y)``, the mean loss over a batch as torch computes it.
+    """
+    if reading.name in ("mse", "binary-cross-entropy"):
+        torch_loss = F.mse_loss if reading.name == "mse" else F.binary_cross_entropy_with_logits
+
+        def regression(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch_loss(z, y.to(z.dtype).reshape(z.shape))
+
+        return regression
+    if reading == LossReading("token-cross-entropy"):
+        return lambda z, y: F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1))
+    return F.cross_entropy
 
 
 def _sharp_value(
@@ -188,7 +207,7 @@ def _sharp_value(
         return loss.mean(z, y)
 
 
-def _module_value(module: nn.Module, reading: LossReading, z, y) -> torch.Tensor:
+def _module_value(module, reading: LossReading, z, y) -> torch.Tensor:
     """The module's own loss on the batch, ``module(z, y)``; a language model's (N, T, V)
     logits with (N, T) labels, which torch's module refuses as they are, as such models apply
     it: on the flattened positions."""
@@ -204,33 +223,35 @@ def _module_value(module: nn.Module, reading: LossReading, z, y) -> torch.Tensor
 
 
 def check_loss_value(
-    module: nn.Module,
+    module: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     reading: LossReading,
     z: torch.Tensor,
     y: torch.Tensor,
     ignore_index: int | None = None,
+    label: str | None = None,
 ) -> None:
     """Refuse a reading whose loss is not the module's: sharp's loss on the batch ``(z, y)``
     must equal ``module(z, y)`` as torch evaluates it (rounding aside).
 
     Args:
-        module: The loss module handed in (or :func:`reference_module` of a name).
+        module: The loss module handed in, or :func:`reference_loss` of a named loss.
         reading: How sharp reads the outputs and labels.
         z: The model's outputs on the first batch (no graph needed).
         y: Their labels as given, before sharp's own handling of ignored labels.
-        ignore_index: The module's ``ignore_index`` (cross-entropy), or None.
+        ignore_index: The labels the loss ignores (cross-entropy), or None.
+        label: What messages call ``module``; default its class, ``CrossEntropyLoss()``.
 
     Raises:
         UsageError: (``loss``) the two values differ, or torch's module refuses the shapes.
     """
+    label = label or f"{type(module).__name__}()"
     with torch.no_grad():
         try:
             expected = _module_value(module, reading, z, y)
         except (RuntimeError, ValueError, IndexError) as exc:
-            first = first_line(exc)
             raise UsageError(
-                f"{type(module).__name__}() refuses outputs {_shape(z)} with labels "
-                f"{_shape(y)} ({first}); give the labels the shape the module takes",
+                f"{label} refuses outputs {_shape(z)} with labels {_shape(y)} "
+                f"({first_line(exc)}); give the labels the shape the module takes",
                 source="loss",
             ) from None
         value = _sharp_value(reading, z, y, ignore_index)
@@ -241,8 +262,7 @@ def check_loss_value(
     if abs(got - want) > rtol * max(1.0, abs(want)):
         raise UsageError(
             f"sharp's {reading.name} ({reading.layout}) gives {got:.10g} on the first batch "
-            f"but {type(module).__name__}() gives {want:.10g} on outputs {_shape(z)} and "
-            f"labels {_shape(y)}: not the loss handed in; name the loss (`loss`) that the "
-            "module computes",
+            f"but {label} gives {want:.10g} on outputs {_shape(z)} and labels {_shape(y)}: "
+            "not the loss handed in; name the loss (`loss`) that the module computes",
             source="loss",
         )

@@ -171,8 +171,19 @@ def test_mse_over_any_output_shape(shape):
     _assert_matches(curvature, *_references(model, x, y, nn.MSELoss()))
 
 
-def test_mse_targets_of_another_shape_are_refused():
-    model = _model((5, 3))
+@pytest.mark.parametrize(
+    "shape, targets", [((5, 3), (6, 15)), ((1,), (6,))], ids=["flattened", "n-for-n-by-1"]
+)
+def test_mse_module_refuses_targets_torch_would_broadcast(shape, targets):
+    """nn.MSELoss broadcasts targets of another shape into another loss: refused. The name
+    ``mse`` takes one target per sample of a one-output model, (N,) for (N, 1)."""
+    model = _model(shape)
     x = torch.randn(6, 3, dtype=torch.float64)
-    with pytest.raises(UsageError, match="targets of the outputs' shape"):
-        Curvature(model, nn.MSELoss(), (x, torch.randn(6, 15, dtype=torch.float64)))
+    y = torch.randn(*targets, dtype=torch.float64)
+    with pytest.raises(UsageError, match="outputs' shape") as caught:
+        Curvature(model, nn.MSELoss(), (x, y))
+    assert caught.value.source == "data"
+    if shape == (1,):
+        named = Curvature(model, "mse", (x, y))
+        column = y.unsqueeze(1)
+        _assert_matches(named, *_references(model, x, column, nn.MSELoss()))
