@@ -37,18 +37,20 @@ import torch
 from torch import nn
 
 from sharpcli.curvature import CurvatureOperator
-from sharpcli.errors import UsageError
+from sharpcli.errors import UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
     CollectedData,
     apply_ignore_index,
     collect_data,
-    loss_name,
     model_on_data,
     refuse_unshifted_labels,
+    resolve_loss,
     to_device,
+    token_reduction_of,
 )
+from sharpcli.io.loss_readings import LossReading, check_loss_value
 
 __all__ = ["Curvature", "LABEL_KEYS"]
 
@@ -124,11 +126,14 @@ class Curvature:
           are the ones differentiated), except that ``device``/``dtype`` other than its own make a
           converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
           untouched (and later changes to its weights unseen).
-        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
-          vocabulary) logits the mean over every labelled token of the set, as the module
-          computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
-          all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
-          (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
+          (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
+          (batch, length, vocabulary) logits on the flattened positions; where both fit, a
+          name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
+          all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
+          ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
+          tabulates the shapes. A module's value on the first batch must equal sharp's
+          (:func:`sharpcli.io.loss_readings.check_loss_value`).
         token_reduction: How a token loss averages over the set
           (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
           all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
@@ -197,9 +202,10 @@ class Curvature:
 
             model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         self.model = model
+        self.loss_reading: LossReading | None = None  # how the loss reads the outputs
         collected = collect_data(data, batch_size)
         self.loss, collected = self._loss_and_data(loss, collected)
-        self.token_reduction = _token_reduction(loss, self.loss, token_reduction)
+        self.token_reduction = token_reduction_of(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
@@ -231,7 +237,7 @@ class Curvature:
         keywords = {
             k: to_device(v[take], self.dtype, self.device) for k, v in collected.keywords.items()
         }
-        return model_on_data(self.model, x, keywords)
+        return model_on_data(self.model, x, keywords, self.loss_reading)
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
@@ -242,31 +248,38 @@ class Curvature:
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
                 source="loss",
             )
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
-        rows = torch.arange(min(2, collected.num_samples), device=self.device)
+        rows = min(collected.batch_size, collected.num_samples)  # the first batch
+        probe = self._on_data(collected, rows=rows)
         try:
             with torch.no_grad(), eval_mode(probe):
-                logits = probe(rows)
+                logits = probe(torch.arange(rows, device=self.device))
         except UsageError:
             raise
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            text = str(exc).strip()
-            first = text.splitlines()[0][:200] if text else type(exc).__name__
+            first = first_line(exc)
             raise UsageError(
                 f"the model cannot run on the inputs of `data` ({first})", source="data"
             ) from None
-        name, ignore_index = loss_name(loss, logits)
+        head = collected.y[:rows].to(logits.device)
+        reading, ignore_index = resolve_loss(loss, logits, head)
+        name = reading.name
+        self.loss_reading = reading  # the views from here on lay the outputs out for it
+        labels = reading.labels(collected.y)
+        collected = CollectedData(collected.x, collected.keywords, labels, collected.batch_size)
         collected = apply_ignore_index(collected, name, ignore_index)
-        refuse_unshifted_labels(collected, name)
-        head = collected.y[: logits.shape[0]].to(logits.device)
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
+        if not reading.reshapes:
+            refuse_unshifted_labels(collected, name)
+        few = collected.y[: min(2, collected.num_samples)].to(logits.device)
+        probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
-            logits = probe(torch.arange(head.shape[0], device=self.device))
+            laid_out = probe(torch.arange(few.shape[0], device=self.device))
         check = get_loss(name).check
-        problem = check(logits, head) if check is not None else None
+        problem = check(laid_out, few) if check is not None else None
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
-        self.num_outputs = int(logits[0].numel())  # model outputs per sample
+        if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
+            check_loss_value(loss, reading, logits, head, ignore_index)
+        self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 
     def _check_forward(self) -> None:
@@ -280,8 +293,7 @@ class Curvature:
                 try:
                     self._view(rows)
                 except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                    text = str(exc).strip()
-                    first = text.splitlines()[0][:200] if text else type(exc).__name__
+                    first = first_line(exc)
                     raise UsageError(
                         f"the model cannot run on samples {start}..{start + len(rows) - 1} of "
                         f"`data` ({first})",
@@ -576,29 +588,6 @@ class Curvature:
             f"samples={self.num_samples}, params={self.num_params}, dtype={self.dtype}, "
             f"device={self.device})"
         )
-
-
-def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
-    """How a token loss averages (None for the other losses): ``reduction``, by default
-    ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
-    with a module is refused (UsageError on ``token_reduction``)."""
-    from sharpcli.losses import TOKEN_REDUCTIONS, get_loss
-
-    if reduction is not None and reduction not in TOKEN_REDUCTIONS:
-        raise UsageError(
-            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
-            source="token_reduction",
-        )
-    if not get_loss(name).per_token:
-        return None
-    if reduction == "samples" and isinstance(loss, nn.Module):
-        raise UsageError(
-            f"{type(loss).__name__}() averages over every labelled token of the set; for the "
-            "mean of per-sample means pass loss='token-cross-entropy' with "
-            "token_reduction='samples'",
-            source="token_reduction",
-        )
-    return reduction or "tokens"
 
 
 def integer_argument(value, name: str, minimum: int = 1) -> int:
