@@ -57,3 +57,26 @@ def central_difference_hessian(model, params, x, y, h: float = 1e-6) -> torch.Te
     with torch.no_grad():
         torch._foreach_copy_(params, theta)
     return torch.stack(columns, dim=1)
+
+
+def cross_entropy_ggn(model, params, x) -> torch.Tensor:
+    """The dense Gauss-Newton matrix of the mean cross-entropy, ``(1/N) sum_i J_i^T H_z J_i``
+    with ``H_z = diag(p) - p p^T``, from the logits' Jacobian row by row (zeros where a
+    parameter does not reach the logits)."""
+    logits = model(x)
+    rows = []
+    for value in logits.reshape(-1):
+        grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    (torch.zeros_like(p) if g is None else g).reshape(-1)
+                    for p, g in zip(params, grads)
+                ]
+            )
+        )
+    n, classes = logits.shape
+    J = torch.stack(rows).reshape(n, classes, -1)
+    p = torch.softmax(logits.detach(), 1)
+    hz = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    return torch.einsum("nca,ncd,ndb->ab", J, hz, J) / n
