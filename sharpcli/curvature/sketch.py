@@ -14,9 +14,9 @@ with a ``Q`` that is not orthonormal, :math:`\mathrm{tr}(Q^\top A Q) + \mathrm{E
 is no longer :math:`\mathrm{tr}(A)`, whatever the number of probes. Hence the sketch keeps
 its basis orthonormal:
 
-- each new column of :math:`A S` is orthogonalised against the basis by classical
-  Gram-Schmidt applied twice ("twice is enough", [Parlett1998] section 6.9), one column at a
-  time so the block's own columns count too;
+- the new columns of :math:`A S` are orthogonalised against the basis by classical
+  Gram-Schmidt applied twice ("twice is enough", [Parlett1998] section 6.9), as a block, then
+  against each other one column at a time;
 - a column whose norm after the second pass is at most :data:`RANK_RTOL` times the operator's
   scale (the largest column of :math:`A S` seen, not the block's own largest pivot), or that
   the second pass shrank by more than :math:`1/\sqrt 2`, lies in the basis's span to rounding
@@ -105,24 +105,36 @@ class RangeSketch:
         return columns + new.shape[1]
 
     def _orthonormal_columns(self, Y: torch.Tensor) -> torch.Tensor:
-        """The columns of ``Y`` that add a direction, orthonormalised against ``Q`` and each
-        other by CGS2 one column at a time, with the rank test of the module docstring."""
+        """The columns of ``Y`` that add a direction, orthonormal and orthogonal to ``Q``.
+
+        CGS2 against ``Q`` as a block (two matrix products: the basis is read twice per
+        extension, not per column), then CGS2 one column at a time within the block with the
+        rank test of the module docstring, and one more block pass against ``Q``: a kept
+        column's norm is above ``sqrt(eps)`` of the scale, so what rounding left of ``Q`` in
+        it is at most ``sqrt(eps)`` after normalising, and that pass takes it to ``eps``.
+        """
+        for _ in range(2):
+            Y -= self.Q @ (self.Q.T @ Y)
         floor = RANK_RTOL * _sqrt_eps(Y.dtype) * self.scale
         out = torch.empty_like(Y)
         kept = 0
         for j in range(Y.shape[1]):
-            y = Y[:, j].clone()
-            norms = []
+            y = Y[:, j]
+            norms = [float(torch.linalg.vector_norm(y))]
             for _ in range(2):
-                y -= self.Q @ (self.Q.T @ y)
                 if kept:
                     y -= out[:, :kept] @ (out[:, :kept].T @ y)
                 norms.append(float(torch.linalg.vector_norm(y)))
-            if norms[1] <= floor or norms[1] < norms[0] / math.sqrt(2):
+            # in the span to rounding: below the operator's scale, or the second pass still
+            # cancelled most of what the first left ("twice is enough")
+            if norms[2] <= floor or norms[2] < norms[1] / math.sqrt(2):
                 continue
-            out[:, kept] = y / norms[1]
+            out[:, kept] = y / norms[2]
             kept += 1
-        return out[:, :kept]
+        out = out[:, :kept]
+        if kept and self.size:
+            out -= self.Q @ (self.Q.T @ out)
+        return out
 
     def _orthogonality_error(self, new: torch.Tensor) -> float:
         """``max |[Q new]^T new - [0; I]|``: how far the extended basis is from orthonormal."""
@@ -155,20 +167,28 @@ class RangeSketch:
         return segment_sums(per_row[:, None], blocks)[:, 0]
 
     def rounding_stderr(self) -> float:
-        r"""The exact part's rounding error, as a standard error: :math:`\lVert M - M^\top
-        \rVert_F / \sqrt 2` for :math:`M = Q^\top (A Q)` as computed.
+        r"""The rounding error that probes cannot see, as a standard error.
 
-        ``A`` is symmetric, so the asymmetry of ``M`` is the products' rounding; with
-        independent entry errors of standard deviation :math:`\sigma`, the antisymmetric
-        part's squared norm is about :math:`2 s^2 \sigma^2 / 2` and the trace's error has
-        standard deviation :math:`\sigma \sqrt s`, so this is that error to a factor
-        :math:`\sqrt s`: conservative. It matters only when the residual ``P A P`` vanishes
-        (the sketch spans the range, or the whole space), where the probes' spread is 0.
+        Two parts, in quadrature: the asymmetry :math:`\lVert M - M^\top \rVert_F / \sqrt 2`
+        of :math:`M = Q^\top (A Q)` as computed (``A`` is symmetric, so that is the products'
+        rounding; with independent entry errors of standard deviation :math:`\sigma` it is
+        about :math:`\sigma s`, the trace's :math:`\sigma \sqrt s` to a factor
+        :math:`\sqrt s`), and :math:`\epsilon \sqrt P\, c` with :math:`c` the operator's
+        scale (the largest :math:`\lVert A s \rVert`, about :math:`\lVert A \rVert_F`): the
+        residual ``g^T P A P g`` is a difference of terms of that size, each rounded, and
+        what the operator holds below the rank test's floor is of that order. Both matter
+        only when the residual ``P A P`` vanishes (the sketch spans the range, or the whole
+        space), where the probes' spread is 0 and rounding is the whole error.
+
+        Returns:
+            The standard error (0 without a sketch).
         """
         if self.size == 0:
             return 0.0
         M = (self.Q.T @ self.AQ).to(torch.float64)
-        return float(torch.linalg.matrix_norm(M - M.T)) / math.sqrt(2)
+        asymmetry = float(torch.linalg.matrix_norm(M - M.T)) / math.sqrt(2)
+        residual = torch.finfo(self.Q.dtype).eps * math.sqrt(self.Q.shape[0]) * self.scale
+        return math.hypot(asymmetry, residual)
 
     def residual_values(self, G, AG, blocks: dict) -> torch.Tensor:
         """``(k, 1 + L)`` Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``.

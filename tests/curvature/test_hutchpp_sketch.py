@@ -72,7 +72,7 @@ def test_range_sketch_stops_at_the_rank_and_stays_orthonormal(spectrum):
     # the range is spanned: tr(Q^T A Q) is the whole trace
     assert float(exact[0]) == pytest.approx(float(values.sum()), abs=1e-13)
     assert float(exact[1]) == pytest.approx(float(exact[0]), abs=1e-14)
-    assert sketch.rounding_stderr() <= 1e-14
+    assert sketch.rounding_stderr() <= 1e-13
 
 
 def test_a_parallel_sketch_is_not_taken_for_a_spanned_range():
