@@ -87,3 +87,10 @@ def jacobian_ggn(model, params, x, y, loss_fn) -> torch.Tensor:
         ]
     )
     return jacobian.T @ hessian_z @ jacobian
+
+
+def cross_entropy_ggn(model, params, x) -> torch.Tensor:
+    """The dense Gauss-Newton matrix of the mean cross-entropy, ``(1/N) sum_i J_i^T H_z J_i``
+    with ``H_z = diag(p) - p p^T`` (it does not depend on the labels, so any labels do)."""
+    labels = torch.zeros(x.shape[0], dtype=torch.long)
+    return jacobian_ggn(model, params, x, labels, torch.nn.functional.cross_entropy)

@@ -254,3 +254,23 @@ def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
     shown = run_cli(capsys, "analyze", path, "--metrics", "eigen", "--verbose")
     assert shown.code == 0 and "note:" not in shown.out
     assert "sharp: note: residuals are explicit" in shown.err
+
+
+def test_trace_of_a_relu_nme_is_zero_within_its_stderr(tmp_path, capsys):
+    """tr(N) = 0 exactly for a ReLU MLP (its second derivatives within one layer vanish): the
+    sketch stops at N's range, the estimate is 0 within its standard error, no note claims
+    the trace exact, and the layers sum to the total (the sketch used to grow past the rank,
+    lose orthogonality and report e.g. -1.03 +- 0.015)."""
+    spec = tiny_mlp_spec(d_in=5, classes=3, width=6, depth=1, activation="relu")
+    path = write_own_checkpoint(tmp_path / "relu.safetensors", spec, data_spec=DATA, seed=5)
+    run = run_cli(capsys, "trace", path, "--operator", "nme", "--dtype", "float64", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    t = report["results"]["trace"]
+    assert 0 < t["stderr"] <= 1e-12 and abs(t["estimate"]) <= 4 * t["stderr"], t
+    assert 0 < t["sketch_size"] < sum(p.numel() for p in load_checkpoint(path).model.parameters())
+    notes = " ".join(t["notes"] + report.get("notes", []))
+    assert "spans the operator's range" in notes and "exact" not in notes
+    layers = report["results"]["by_layer"]
+    assert sum(v["estimate"] for v in layers.values()) == pytest.approx(t["estimate"], abs=1e-15)
