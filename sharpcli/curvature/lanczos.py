@@ -42,6 +42,13 @@ import numpy as np
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.curvature.deflation import (
+    bounded_residuals,
+    deflated_rounds,
+    first_round_pairs,
+    multiplicity_note,
+    pair_coefficients,
+)
 from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import plan_basis, storage_dtype
 from sharpcli.curvature.ritz import EigenResult, measured_residuals, select_ritz
@@ -147,6 +154,7 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
             seed=seed,
             return_eigenvectors=True,
             explicit_residuals=False,
+            multiplicity=False,
         )
     info.update(
         matvecs=int(warm.matvecs),
@@ -237,6 +245,7 @@ def lanczos(
     warm_fraction: float = DEFAULT_WARM_FRACTION,
     warm_steps: int | None = None,
     max_basis: int | None = None,
+    multiplicity: bool = True,
 ) -> EigenResult:
     """The ``k`` largest, smallest or both (``k`` of each end) eigenvalues of symmetric ``op``.
 
@@ -270,6 +279,10 @@ def lanczos(
         warm_fraction: the subsample's fraction of the analysis set.
         warm_steps: the warm phase's products (default ``max(4, wanted + 2)``).
         max_basis: the most basis vectors kept before a thick restart.
+        multiplicity: count repeated eigenvalues: once the wanted Ritz pairs converge, lock
+            them and restart orthogonal to them until a round finds no further copy
+            (:mod:`~sharpcli.curvature.deflation`; ``result.multiplicity`` says how it went).
+            ``False`` returns the first round's values, each distinct eigenvalue about once.
 
     Returns:
         The :class:`~sharpcli.curvature.ritz.EigenResult`, eigenvalues descending.
@@ -305,34 +318,45 @@ def lanczos(
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
         state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
-    breakdown = state["breakdown"]
-    notes: list[str] = []
-    theta, S, idx, converged, residuals = (
-        state["theta"],
-        state["S"],
-        state["idx"],
-        state["converged"],
-        state["residuals"],
-    )
-    exact_level, matvecs, basis = state["exact_level"], state["matvecs"], state["basis"]
-    m = len(basis)
-    notes += _stop_notes(state, limit, room)
-    values = theta[idx]
-    vectors = None
-    if return_eigenvectors or explicit_residuals:
-        # the residual is checked on the vector the operator multiplies (rounded to its
-        # dtype); float64 copies only when the caller asked for the eigenvectors
-        keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
-        vectors = basis.combine(torch.as_tensor(S[:, idx].copy(), dtype=_F64), dtype=keep)
-    restarts = state["restarts"]
-    basis.close()
+        spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
+        if multiplicity:
+            rounds = _Rounds(op, basis, want, which, tol, limit, room, generator, eps, run, spent)
+            pairs, last, locked, record = deflated_rounds(
+                state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
+            )
+        else:
+            pairs, last, locked, record = first_round_pairs(state), state, 0, None
+        notes: list[str] = []
+        values = np.array([p.value for p in pairs])
+        reported = np.array([p.residual for p in pairs])
+        converged = np.array([p.converged for p in pairs], dtype=bool)
+        matvecs, exact_level = spent["matvecs"], spent["exact_level"]
+        coefficients = torch.from_numpy(pair_coefficients(pairs, last["S"], locked))
+        if not explicit_residuals:  # deflated rounds' bounds: measure those that fail the test
+            reported, converged, extra = bounded_residuals(
+                op, basis, coefficients, values, reported, converged, tol, exact_level
+            )
+            matvecs += extra
+        vectors = None
+        if return_eigenvectors or explicit_residuals:
+            # the residual is checked on the vector the operator multiplies (rounded to its
+            # dtype); float64 copies only when the caller asked for the eigenvectors
+            keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
+            vectors = basis.combine(coefficients, dtype=keep)
+        m = spent["matvecs"]  # the Lanczos steps of every round
+        basis.close()
+    breakdown = _breakdown(state["breakdown"], record, last["complete"])
     del basis, state
-    reported = residuals[idx]
+    notes += _stop_notes(
+        {**spent, "converged": converged, "complete": last["complete"]}, limit, room
+    )
+    if record is not None and (note := multiplicity_note(record, wanted, limit)):
+        notes.append(note)
     if explicit_residuals:
         reported, converged = measured_residuals(
             op, values, vectors, converged, tol, exact_level, notes
         )
-        matvecs += len(idx)
+        matvecs += len(values)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())
     if at_rounding:
         notes.append(
@@ -350,15 +374,85 @@ def lanczos(
         tol=float(tol),
         krylov_dim=m,
         breakdown=breakdown,
-        restarts=int(restarts),
+        restarts=int(spent["restarts"]),
         max_basis=int(room),
         notes=notes,
         warm_start=warm_info,
+        multiplicity=record,
     )
     if return_eigenvectors:
         result.eigenvectors = vectors
     run.finish(matvecs, **_reported_numbers(result.eigenvalues, result.residuals, which))
     return result
+
+
+def _breakdown(text: str | None, record: dict | None, complete: bool) -> str | None:
+    """The first round's breakdown, saying when repeated eigenvalues may appear once.
+
+    Args:
+        text: the first round's breakdown, if any.
+        record: the multiplicity record (``None``: not checked).
+        complete: whether the basis spans the whole space.
+
+    Returns:
+        The breakdown to report.
+    """
+    if text is None or complete or (record is not None and record["resolved"]):
+        return text
+    return text + ", repeated eigenvalues may appear once"
+
+
+class _Rounds:
+    """The deflated rounds of :func:`lanczos` (:func:`~sharpcli.curvature.deflation.deflated_rounds`):
+    each a Lanczos run from a fresh random vector orthogonal to the locked rows, on the same
+    basis and product budget; ``spent`` sums their products, restarts and rounding level."""
+
+    def __init__(self, op, basis, want, which, tol, limit, room, generator, eps, run, spent):
+        self.op, self.basis, self.want, self.which, self.tol = op, basis, want, which, tol
+        self.limit, self.room, self.generator, self.eps, self.run = (
+            limit,
+            room,
+            generator,
+            eps,
+            run,
+        )
+        self.spent = spent
+        self.exhaustive = room >= op.shape[0] and limit == op.shape[0]
+
+    def lock(self, S_full: np.ndarray) -> None:
+        """Keep the basis combinations ``S_full`` (the locked Ritz vectors) as its rows."""
+        self.basis.rotate(torch.from_numpy(np.ascontiguousarray(S_full)))
+
+    def next_round(self, locked: int, enough):
+        """A round on the deflated operator, or ``None`` when the budget is spent."""
+        spent = self.spent
+        if spent["matvecs"] >= self.limit:
+            return None
+        op = self.op
+        self.basis.append(unit_random(op.shape[0], self.generator, op.device, self.basis))
+        round_ = {
+            "locked": locked,
+            "enough": enough,
+            "done": spent["matvecs"],
+            "exhaustive": self.exhaustive,
+        }
+        state = _run_lanczos(
+            op,
+            self.basis,
+            self.want,
+            self.which,
+            self.tol,
+            self.limit - spent["matvecs"],
+            self.room,
+            self.generator,
+            self.eps,
+            self.run,
+            round_=round_,
+        )
+        spent["matvecs"] += state["matvecs"]
+        spent["restarts"] += state["restarts"]
+        spent["exact_level"] = max(spent["exact_level"], state["exact_level"])
+        return state
 
 
 def _keep_after_restart(theta: np.ndarray, which: str, want: int, size: int) -> np.ndarray:
@@ -406,7 +500,26 @@ def _extend_projection(T: np.ndarray, alpha: float, coupling) -> np.ndarray:
     return out
 
 
-def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) -> dict:
+def _beside_locked(locked: int, S: np.ndarray) -> torch.Tensor:
+    """The coefficients of a rotation of the basis that keeps its first ``locked`` rows as
+    they are and replaces the rest by the combinations ``S`` of them.
+
+    Args:
+        locked: the rows kept as they are.
+        S: ``(rows after the locked ones, k)`` coefficients.
+
+    Returns:
+        The ``(locked + S.shape[0], locked + k)`` block-diagonal ``diag(I, S)``.
+    """
+    out = torch.zeros(locked + S.shape[0], locked + S.shape[1], dtype=_F64)
+    out[:locked, :locked] = torch.eye(locked, dtype=_F64)
+    out[locked:, locked:] = torch.from_numpy(np.ascontiguousarray(S))
+    return out
+
+
+def _run_lanczos(
+    op, basis, want, which, tol, limit, room, generator, eps, run, *, round_=None
+) -> dict:
     """The Lanczos iteration of :func:`lanczos`, thick-restarted at ``room`` rows ([Wu2000]).
 
     Plain steps keep ``T`` tridiagonal. A restart keeps the Ritz pairs
@@ -427,6 +540,10 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         generator: draws fresh vectors after a breakdown.
         eps: the products' rounding unit.
         run: the progress run.
+        round_: a deflated round (:mod:`~sharpcli.curvature.deflation`): ``locked`` (the
+            locked rows ahead of the round's, left as they are), ``enough`` (the stop test of
+            the wanted values, descending, and their converged flags), ``done`` (products
+            spent before it), ``exhaustive`` (the first round's rule after a breakdown).
 
     Returns:
         The final state: ``theta``, ``S``, ``idx``, ``converged``, ``residuals``,
@@ -436,6 +553,15 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         NumericalError: a product is not finite.
     """
     dim = op.shape[0]
+    locked, enough, done = 0, None, 0
+    exhaustive = room >= dim and limit == dim
+    if round_ is not None:
+        locked, enough, done, exhaustive = (
+            round_["locked"],
+            round_["enough"],
+            round_["done"],
+            round_["exhaustive"],
+        )
     T = np.zeros((0, 0))
     coupling: list[tuple[int, float]] = []
     history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
@@ -445,9 +571,9 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
     complete = False
     scale = 0.0
     while True:
-        alpha, beta, w = lanczos_step(op, basis, coupling, matvecs)
+        alpha, beta, w = lanczos_step(op, basis, coupling, done + matvecs)
         matvecs += 1
-        T = _extend_projection(T, alpha, coupling)
+        T = _extend_projection(T, alpha, [(i - locked, value) for i, value in coupling])
         theta, S = torch.linalg.eigh(torch.from_numpy(T))
         theta, S = theta.numpy(), S.numpy()
         scale = max(scale, float(np.abs(theta).max()), abs(alpha))
@@ -455,14 +581,16 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         residuals = beta * np.abs(S[-1, :])
         idx = select_ritz(theta, which, want)
         converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
-        m = len(basis)
+        m = len(basis) - locked
         if not run.finished:
-            _report_step(run, matvecs, theta[idx], residuals[idx], which, tol, history, limit)
-        if m == dim:
+            _report_step(
+                run, done + matvecs, theta[idx], residuals[idx], which, tol, history, done + limit
+            )
+        if len(basis) == dim:
             complete = True
             break
         if beta <= exact_level:
-            if room >= dim and limit == dim:
+            if exhaustive:
                 exhaust = True
                 if breakdown is None:
                     breakdown = (
@@ -471,22 +599,22 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
                 coupling = []
                 basis.append(unit_random(dim, generator, op.device, basis))
                 continue
-            breakdown = (
-                f"invariant subspace after {m} steps: Ritz values are exact eigenvalues, "
-                "repeated eigenvalues may appear once"
-            )
+            breakdown = f"invariant subspace after {m} steps: Ritz values are exact eigenvalues"
             break
-        if (converged.all() and not exhaust) or matvecs >= limit:
+        stop = converged.all() if enough is None else enough(theta[idx], residuals[idx], converged)
+        if (stop and not exhaust) or matvecs >= limit:
             break
         w.div_(beta)
-        if m == room:  # thick restart: keep the wanted Ritz vectors, continue from w / beta
+        if (
+            len(basis) == room
+        ):  # thick restart: keep the wanted Ritz vectors, continue from w / beta
             keep = _keep_after_restart(theta, which, want, m)
-            basis.rotate(torch.from_numpy(S[:, keep].copy()))
+            basis.rotate(_beside_locked(locked, S[:, keep]))
             T = np.diag(theta[keep])
-            coupling = [(i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
+            coupling = [(locked + i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
             restarts += 1
         else:
-            coupling = [(m - 1, beta)]
+            coupling = [(len(basis) - 1, beta)]
         basis.append(w)
     return {
         "theta": theta,

@@ -56,13 +56,20 @@ class EigenResult:
         which: ``"largest"``, ``"smallest"`` or ``"both"``.
         tol: the relative residual tolerance.
         engine: ``"native"`` or ``"pyhessian"``.
-        krylov_dim: the Krylov dimension reached.
+        krylov_dim: the Krylov dimension reached: the Lanczos steps of every round (the
+            products before explicit residuals; thick restarts keep at most ``max_basis`` of
+            the vectors).
         breakdown: why the iteration found an invariant subspace, when it did.
         notes: how the run stopped, what it measured explicitly.
         eigenvectors: a float64 ``(P, m)`` tensor whose columns match ``eigenvalues`` when asked.
         warm_start: the warm-start phase, when there was one (its products and cost).
         restarts: thick restarts ([Wu2000]).
         max_basis: the most basis vectors the run kept.
+        multiplicity: how repeated eigenvalues were counted (Lanczos,
+            :func:`~sharpcli.curvature.deflation.multiplicity_record`): ``resolved`` (the
+            values are the k extreme ones counted with multiplicity, as far as the run shows),
+            ``unresolved_because``, ``deflated_restarts``, ``copies_found``,
+            ``more_copies_of``; ``None`` when not checked.
     """
 
     eigenvalues: list[float]
@@ -80,12 +87,14 @@ class EigenResult:
     warm_start: dict | None = None
     restarts: int = 0
     max_basis: int | None = None
+    multiplicity: dict | None = None
 
     def to_dict(self) -> dict:
         """The result as JSON-ready data.
 
         Returns:
-            Every field but ``eigenvectors``; ``warm_start`` only when there was one.
+            Every field but ``eigenvectors``; ``warm_start`` and ``multiplicity`` only when
+            there is one.
         """
         out = {
             "eigenvalues": list(self.eigenvalues),
@@ -104,6 +113,8 @@ class EigenResult:
         }
         if self.warm_start is not None:
             out["warm_start"] = dict(self.warm_start)
+        if self.multiplicity is not None:
+            out["multiplicity"] = dict(self.multiplicity)
         return out
 
 
