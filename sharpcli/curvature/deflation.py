@@ -396,10 +396,11 @@ def deflated_rounds(first: dict, next_round, lock, *, which: str, want: int, roo
         locked = len(returned)
         locked_squares = sum(p.residual**2 for p in returned)
         checked = functools.partial(round_is_enough, which=which, want=want, kept=kept, tol=tol)
-        state = next_round(locked, checked)
-        if state is None:
-            enough = False
+        following = next_round(locked, checked)
+        if following is None:  # the budget is spent: every returned pair is a locked row
+            state, enough = {**state, "S": np.zeros((0, 0)), "complete": False}, False
             break
+        state = following
         restarts += 1
     returned = _returned(kept, which)
     copies = sum(1 for p in returned if p.found_in > 0)

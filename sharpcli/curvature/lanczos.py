@@ -317,13 +317,21 @@ def lanczos(
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
-        state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
+        # when the whole space fits the budget, counting copies is cheapest by spanning it
+        whole = multiplicity and want >= 2 and room >= dim and limit == dim
+        state = _run_lanczos(
+            op, basis, want, which, tol, limit, room, generator, eps, run, whole=whole
+        )
         spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
         if multiplicity:
-            rounds = _Rounds(op, basis, want, which, tol, limit, room, generator, eps, run, spent)
+            # the rounds may pass P products (a tiny problem's first round may stop at
+            # convergence before its breakdown): up to the budget
+            cap = max(limit, budget)
+            rounds = _Rounds(op, basis, want, which, tol, cap, room, generator, eps, run, spent)
             pairs, last, locked, record = deflated_rounds(
                 state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
             )
+            limit = cap
         else:
             pairs, last, locked, record = first_round_pairs(state), state, 0, None
         notes: list[str] = []
@@ -518,7 +526,7 @@ def _beside_locked(locked: int, S: np.ndarray) -> torch.Tensor:
 
 
 def _run_lanczos(
-    op, basis, want, which, tol, limit, room, generator, eps, run, *, round_=None
+    op, basis, want, which, tol, limit, room, generator, eps, run, *, round_=None, whole=False
 ) -> dict:
     """The Lanczos iteration of :func:`lanczos`, thick-restarted at ``room`` rows ([Wu2000]).
 
@@ -544,6 +552,7 @@ def _run_lanczos(
             locked rows ahead of the round's, left as they are), ``enough`` (the stop test of
             the wanted values, descending, and their converged flags), ``done`` (products
             spent before it), ``exhaustive`` (the first round's rule after a breakdown).
+        whole: run to dimension P (restarting after breakdowns) whatever converges.
 
     Returns:
         The final state: ``theta``, ``S``, ``idx``, ``converged``, ``residuals``,
@@ -567,7 +576,7 @@ def _run_lanczos(
     history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
     matvecs = restarts = 0
     breakdown = None
-    exhaust = False  # after a breakdown on a problem that fits: run to dimension P
+    exhaust = whole  # after a breakdown on a problem that fits: run to dimension P
     complete = False
     scale = 0.0
     while True:
