@@ -44,12 +44,15 @@ import numpy as np
 import torch
 
 from sharpcli.curvature.ritz import ritz_residuals
+from sharpcli.curvature.tridiagonal import unit_random
 
 __all__ = [
+    "DeflatedRounds",
     "Pair",
     "bounded_residuals",
     "deflated_residual",
     "deflated_rounds",
+    "first_breakdown",
     "first_round_pairs",
     "merge_round",
     "multiplicity_note",
@@ -145,14 +148,14 @@ def round_is_enough(values_desc, residuals, converged, which, want, kept, tol) -
         threshold = _threshold(kept[end], want)
         for position in _end_values(values_desc, end, want):
             value, residual = values_desc[position], residuals[position]
-            inside = threshold is not None and not _beyond(value, threshold.value, end)
-            if inside and converged[position]:
-                break
-            if not inside or residual > math.sqrt(tol) * abs(value):
-                if not converged[position]:
+            if threshold is None or _beyond(value, threshold.value, end):
+                if not converged[position]:  # it enters: it must converge
                     return False
                 continue
-            if abs(value - threshold.value) > residual + threshold.residual:
+            settled = residual <= math.sqrt(tol) * abs(value) and (
+                abs(value - threshold.value) > residual + threshold.residual
+            )
+            if converged[position] or settled:
                 break
             return False
     return True
@@ -365,7 +368,7 @@ def deflated_rounds(first: dict, next_round, lock, *, which: str, want: int, roo
     """
     kept: dict = {end: [] for end in _ENDS[which]}
     ties: list = []
-    why = "budget"
+    why: str | None = "budget"
     state, locked, restarts, locked_squares = first, 0, 0, 0.0
     wanted = want * len(_ENDS[which])
     while True:
@@ -438,3 +441,78 @@ def bounded_residuals(op, basis, coefficients, values, residuals, converged, tol
         residuals[measure] = ritz_residuals(op, values[measure].tolist(), vectors)
     passes = (residuals <= tol * np.abs(values)) | (residuals <= exact_level)
     return residuals, converged & passes, len(measure)
+
+
+def first_breakdown(text: str | None, record: dict | None, complete: bool) -> str | None:
+    """The first round's breakdown, saying when repeated eigenvalues may appear once.
+
+    Args:
+        text: the first round's breakdown, if any.
+        record: the multiplicity record (``None``: not checked).
+        complete: whether the basis spans the whole space.
+
+    Returns:
+        The breakdown to report.
+    """
+    if text is None or complete or (record is not None and record["resolved"]):
+        return text
+    return text + ", repeated eigenvalues may appear once"
+
+
+class DeflatedRounds:
+    """The rounds of :func:`deflated_rounds` for :func:`~sharpcli.curvature.lanczos.lanczos`:
+    each a Lanczos run from a fresh random vector orthogonal to the locked rows, on the same
+    basis and product budget.
+
+    Args:
+        run_round: the thick-restarted iteration (``lanczos._run_lanczos``).
+        op: the operator.
+        basis: the Krylov basis (locked rows first).
+        wanted: ``(want, which, tol, limit, room)``: the wanted values of each end, which
+            end(s), the tolerance, the product budget of all rounds, the most basis rows.
+        generator: draws the fresh start vectors.
+        eps: the products' rounding unit.
+        run: the progress run.
+        spent: ``matvecs``, ``restarts`` and ``exact_level`` so far, updated by each round.
+    """
+
+    def __init__(self, run_round, op, basis, wanted, generator, eps, run, spent):
+        self.run_round, self.op, self.basis = run_round, op, basis
+        self.want, self.which, self.tol, self.limit, self.room = wanted
+        self.generator, self.eps, self.run, self.spent = generator, eps, run, spent
+        self.exhaustive = self.room >= op.shape[0] and self.limit == op.shape[0]
+
+    def lock(self, S_full: np.ndarray) -> None:
+        """Keep the basis combinations ``S_full`` (the locked Ritz vectors) as its rows."""
+        self.basis.rotate(torch.from_numpy(np.ascontiguousarray(S_full)))
+
+    def next_round(self, locked: int, enough):
+        """A round on the deflated operator, or ``None`` when the budget is spent."""
+        spent = self.spent
+        if spent["matvecs"] >= self.limit:
+            return None
+        op = self.op
+        self.basis.append(unit_random(op.shape[0], self.generator, op.device, self.basis))
+        round_ = {
+            "locked": locked,
+            "enough": enough,
+            "done": spent["matvecs"],
+            "exhaustive": self.exhaustive,
+        }
+        state = self.run_round(
+            op,
+            self.basis,
+            self.want,
+            self.which,
+            self.tol,
+            self.limit - spent["matvecs"],
+            self.room,
+            self.generator,
+            self.eps,
+            self.run,
+            round_=round_,
+        )
+        spent["matvecs"] += state["matvecs"]
+        spent["restarts"] += state["restarts"]
+        spent["exact_level"] = max(spent["exact_level"], state["exact_level"])
+        return state

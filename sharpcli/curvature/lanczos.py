@@ -43,15 +43,24 @@ import torch
 
 from sharpcli import catalogue, memory, progress
 from sharpcli.curvature.deflation import (
+    DeflatedRounds,
     bounded_residuals,
     deflated_rounds,
+    first_breakdown,
     first_round_pairs,
     multiplicity_note,
     pair_coefficients,
 )
 from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import plan_basis, storage_dtype
-from sharpcli.curvature.ritz import EigenResult, measured_residuals, select_ritz
+from sharpcli.curvature.ritz import (
+    QUANTITY,
+    EigenResult,
+    measured_residuals,
+    report_step,
+    reported_numbers,
+    select_ritz,
+)
 from sharpcli.curvature.tridiagonal import lanczos_step, unit_random
 from sharpcli.curvature.warm_start import (
     DEFAULT_WARM_FRACTION,
@@ -312,7 +321,10 @@ def lanczos(
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
-    run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
+    # deflated rounds may pass P products (a tiny problem's first round may stop at
+    # convergence before its breakdown): up to the budget
+    cap = max(limit, budget) if multiplicity and want >= 2 else limit
+    run = progress.start("lanczos", total=cap, quantity=QUANTITY[which])
     with plan.hold("krylov basis", held):
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
@@ -324,10 +336,9 @@ def lanczos(
         )
         spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
         if multiplicity:
-            # the rounds may pass P products (a tiny problem's first round may stop at
-            # convergence before its breakdown): up to the budget
-            cap = max(limit, budget)
-            rounds = _Rounds(op, basis, want, which, tol, cap, room, generator, eps, run, spent)
+            rounds = DeflatedRounds(
+                _run_lanczos, op, basis, (want, which, tol, cap, room), generator, eps, run, spent
+            )
             pairs, last, locked, record = deflated_rounds(
                 state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
             )
@@ -353,7 +364,7 @@ def lanczos(
             vectors = basis.combine(coefficients, dtype=keep)
         m = spent["matvecs"]  # the Lanczos steps of every round
         basis.close()
-    breakdown = _breakdown(state["breakdown"], record, last["complete"])
+    breakdown = first_breakdown(state["breakdown"], record, last["complete"])
     del basis, state
     notes += _stop_notes(
         {**spent, "converged": converged, "complete": last["complete"]}, limit, room
@@ -390,77 +401,8 @@ def lanczos(
     )
     if return_eigenvectors:
         result.eigenvectors = vectors
-    run.finish(matvecs, **_reported_numbers(result.eigenvalues, result.residuals, which))
+    run.finish(matvecs, **reported_numbers(result.eigenvalues, result.residuals, which))
     return result
-
-
-def _breakdown(text: str | None, record: dict | None, complete: bool) -> str | None:
-    """The first round's breakdown, saying when repeated eigenvalues may appear once.
-
-    Args:
-        text: the first round's breakdown, if any.
-        record: the multiplicity record (``None``: not checked).
-        complete: whether the basis spans the whole space.
-
-    Returns:
-        The breakdown to report.
-    """
-    if text is None or complete or (record is not None and record["resolved"]):
-        return text
-    return text + ", repeated eigenvalues may appear once"
-
-
-class _Rounds:
-    """The deflated rounds of :func:`lanczos` (:func:`~sharpcli.curvature.deflation.deflated_rounds`):
-    each a Lanczos run from a fresh random vector orthogonal to the locked rows, on the same
-    basis and product budget; ``spent`` sums their products, restarts and rounding level."""
-
-    def __init__(self, op, basis, want, which, tol, limit, room, generator, eps, run, spent):
-        self.op, self.basis, self.want, self.which, self.tol = op, basis, want, which, tol
-        self.limit, self.room, self.generator, self.eps, self.run = (
-            limit,
-            room,
-            generator,
-            eps,
-            run,
-        )
-        self.spent = spent
-        self.exhaustive = room >= op.shape[0] and limit == op.shape[0]
-
-    def lock(self, S_full: np.ndarray) -> None:
-        """Keep the basis combinations ``S_full`` (the locked Ritz vectors) as its rows."""
-        self.basis.rotate(torch.from_numpy(np.ascontiguousarray(S_full)))
-
-    def next_round(self, locked: int, enough):
-        """A round on the deflated operator, or ``None`` when the budget is spent."""
-        spent = self.spent
-        if spent["matvecs"] >= self.limit:
-            return None
-        op = self.op
-        self.basis.append(unit_random(op.shape[0], self.generator, op.device, self.basis))
-        round_ = {
-            "locked": locked,
-            "enough": enough,
-            "done": spent["matvecs"],
-            "exhaustive": self.exhaustive,
-        }
-        state = _run_lanczos(
-            op,
-            self.basis,
-            self.want,
-            self.which,
-            self.tol,
-            self.limit - spent["matvecs"],
-            self.room,
-            self.generator,
-            self.eps,
-            self.run,
-            round_=round_,
-        )
-        spent["matvecs"] += state["matvecs"]
-        spent["restarts"] += state["restarts"]
-        spent["exact_level"] = max(spent["exact_level"], state["exact_level"])
-        return state
 
 
 def _keep_after_restart(theta: np.ndarray, which: str, want: int, size: int) -> np.ndarray:
@@ -592,7 +534,7 @@ def _run_lanczos(
         converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
         m = len(basis) - locked
         if not run.finished:
-            _report_step(
+            report_step(
                 run, done + matvecs, theta[idx], residuals[idx], which, tol, history, done + limit
             )
         if len(basis) == dim:
@@ -638,52 +580,3 @@ def _run_lanczos(
         "breakdown": breakdown,
         "complete": complete,
     }
-
-
-_QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
-
-
-def _reported_numbers(values, residuals, which: str) -> dict:
-    """The progress numbers of wanted Ritz values (descending): the extreme one the run is
-    named after (``_QUANTITY``) and the worst residual.
-
-    Args:
-        values: the wanted Ritz values, descending.
-        residuals: their residuals.
-        which: ``"largest"``, ``"smallest"`` or ``"both"``.
-
-    Returns:
-        ``{"estimate", "residual"}``.
-    """
-    return {
-        "estimate": float(values[-1] if which == "smallest" else values[0]),
-        "residual": float(max(residuals)),
-    }
-
-
-def _report_step(run, matvecs, values, residuals, which, tol, history, limit) -> None:
-    """Report a step: the Ritz estimates and the step at which they project to converge.
-
-    The worst ratio ``r_j = max_i residual_i / (tol |theta_i|)`` falls roughly geometrically
-    (the Kaniel-Paige-Saad bound, :mod:`~sharpcli.curvature.warm_start`); with its rate over
-    the last two steps ``rho = (r_j / r_{j-2})^(1/2) < 1`` the run projects
-    ``log(r_j) / -log(rho)`` more steps (capped by the budget ``limit``); none while it is not
-    falling.
-
-    Args:
-        run: the progress run.
-        matvecs: products so far.
-        values: the wanted Ritz values.
-        residuals: their estimated residuals.
-        which: ``"largest"``, ``"smallest"`` or ``"both"``.
-        tol: the relative residual tolerance.
-        history: the worst ratio of each step so far (appended to).
-        limit: the product budget.
-    """
-    ratio = float(np.max(residuals / (tol * np.maximum(np.abs(values), 1e-300))))
-    history.append(ratio)
-    expected = None
-    if len(history) >= 3 and ratio > 1 and 0 < ratio < history[-3]:
-        rate = math.sqrt(ratio / history[-3])
-        expected = min(limit, matvecs + math.ceil(math.log(ratio) / -math.log(rate)))
-    run.update(matvecs, expected=expected, **_reported_numbers(values, residuals, which))

@@ -33,9 +33,12 @@ from sharpcli.curvature.krylov import SLICE_BYTES, norm64
 from sharpcli.errors import NumericalError
 
 __all__ = [
+    "QUANTITY",
     "EigenResult",
     "apply_operator",
     "measured_residuals",
+    "report_step",
+    "reported_numbers",
     "ritz_residuals",
     "select_ritz",
 ]
@@ -246,3 +249,52 @@ def measured_residuals(op, values, vectors, estimated, tol, exact_level, notes):
             "raise `tol` or use `dtype=float64`"
         )
     return reported, converged
+
+
+QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
+
+
+def reported_numbers(values, residuals, which: str) -> dict:
+    """The progress numbers of wanted Ritz values (descending): the extreme one the run is
+    named after (``QUANTITY``) and the worst residual.
+
+    Args:
+        values: the wanted Ritz values, descending.
+        residuals: their residuals.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+
+    Returns:
+        ``{"estimate", "residual"}``.
+    """
+    return {
+        "estimate": float(values[-1] if which == "smallest" else values[0]),
+        "residual": float(max(residuals)),
+    }
+
+
+def report_step(run, matvecs, values, residuals, which, tol, history, limit) -> None:
+    """Report a step: the Ritz estimates and the step at which they project to converge.
+
+    The worst ratio ``r_j = max_i residual_i / (tol |theta_i|)`` falls roughly geometrically
+    (the Kaniel-Paige-Saad bound, :mod:`~sharpcli.curvature.warm_start`); with its rate over
+    the last two steps ``rho = (r_j / r_{j-2})^(1/2) < 1`` the run projects
+    ``log(r_j) / -log(rho)`` more steps (capped by the budget ``limit``); none while it is not
+    falling.
+
+    Args:
+        run: the progress run.
+        matvecs: products so far.
+        values: the wanted Ritz values.
+        residuals: their estimated residuals.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+        tol: the relative residual tolerance.
+        history: the worst ratio of each step so far (appended to).
+        limit: the product budget.
+    """
+    ratio = float(np.max(residuals / (tol * np.maximum(np.abs(values), 1e-300))))
+    history.append(ratio)
+    expected = None
+    if len(history) >= 3 and ratio > 1 and 0 < ratio < history[-3]:
+        rate = math.sqrt(ratio / history[-3])
+        expected = min(limit, matvecs + math.ceil(math.log(ratio) / -math.log(rate)))
+    run.update(matvecs, expected=expected, **reported_numbers(values, residuals, which))
