@@ -321,15 +321,13 @@ def lanczos(
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
-    # deflated rounds may pass P products (a tiny problem's first round may stop at
-    # convergence before its breakdown): up to the budget
-    cap = max(limit, budget) if multiplicity and want >= 2 else limit
-    run = progress.start("lanczos", total=cap, quantity=QUANTITY[which])
+    run = progress.start("lanczos", total=limit, quantity=QUANTITY[which])
     with plan.hold("krylov basis", held):
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
-        # when the whole space fits the budget, counting copies is cheapest by spanning it
+        # when the whole space fits the budget (P <= max_matvecs), copies are counted by
+        # spanning it: every eigenvalue exact, no deflated round needed
         whole = multiplicity and want >= 2 and room >= dim and limit == dim
         state = _run_lanczos(
             op, basis, want, which, tol, limit, room, generator, eps, run, whole=whole
@@ -337,12 +335,11 @@ def lanczos(
         spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
         if multiplicity:
             rounds = DeflatedRounds(
-                _run_lanczos, op, basis, (want, which, tol, cap, room), generator, eps, run, spent
+                _run_lanczos, op, basis, (want, which, tol, limit, room), generator, eps, run, spent
             )
             pairs, last, locked, record = deflated_rounds(
                 state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
             )
-            limit = cap
         else:
             pairs, last, locked, record = first_round_pairs(state), state, 0, None
         notes: list[str] = []
