@@ -24,8 +24,14 @@ explicit residual to rounding, so no product is spent on it unless asked.
 A breakdown (``beta_m`` at rounding level) means an invariant subspace was found: its Ritz
 values are exact eigenvalues. When the whole space fits the budget (P <= max_matvecs, tiny
 problems) the iteration restarts with a fresh random vector orthogonal to Q and runs to
-dimension P, so multiplicities are found and every eigenvalue is exact; otherwise it stops and
-says so in ``breakdown``.
+dimension P, so multiplicities are found and every eigenvalue is exact (for k >= 2 it runs to
+dimension P whatever converges first); otherwise it stops and says so in ``breakdown``.
+
+Repeated eigenvalues. One start vector gives one direction of each eigenspace, so the first
+round finds each distinct eigenvalue about once; for k >= 2 the converged wanted Ritz pairs are
+then locked and Lanczos restarts orthogonal to them until a round finds no further copy
+(:mod:`~sharpcli.curvature.deflation`), and ``result.multiplicity`` says whether the k values
+are counted with multiplicity or the budget ran out first.
 
 When the basis is full (memory plan, disk space or ``max_basis``) the iteration is
 thick-restarted [Wu2000]: it keeps the wanted Ritz vectors (about half the basis), continues
