@@ -237,7 +237,8 @@ def multiplicity_note(record: dict, wanted: int, limit: int) -> str | None:
         limit: the product budget.
 
     Returns:
-        One line, or ``None`` when there is nothing to say.
+        One line, or ``None`` when there is nothing to say (no repeat found, or none looked
+        for).
     """
     restarts = record["deflated_restarts"]
     why = {
@@ -252,14 +253,15 @@ def multiplicity_note(record: dict, wanted: int, limit: int) -> str | None:
             "eigenvalues (a repeated eigenvalue may be counted too few times, and the "
             f"{wanted} values may not be the extreme ones); raise `max_matvecs`"
         )
-    if not restarts:
-        return None
+    if not (record["copies_found"] or record["more_copies_of"]):
+        return None  # checked, nothing repeated: results.multiplicity records the check
     text = (
         f"{restarts} deflated restart(s) orthogonal to the locked Ritz vectors checked the "
         f"{wanted} eigenvalue(s) for repeats"
     )
     if record["copies_found"]:
-        text += f": found {record['copies_found']} more copie(s) of repeated eigenvalue(s)"
+        copies = record["copies_found"]
+        text += f": found {copies} further cop{'y' if copies == 1 else 'ies'} of repeated values"
     if record["more_copies_of"]:
         values = ", ".join(f"{v:.6g}" for v in record["more_copies_of"])
         text += f"; {values} has more copies than fit in the values asked for"
