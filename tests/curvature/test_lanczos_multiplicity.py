@@ -194,3 +194,18 @@ def test_sharp_eigen_with_a_data_file_returns_the_three_copies(tmp_path, monkeyp
     assert results["eigenvalues"] == pytest.approx(exact[:3].tolist(), rel=1e-9)
     assert exact[0] - exact[2] <= 1e-12 * exact[0]  # three copies of one value
     assert results["multiplicity"]["resolved"] is True
+
+
+def test_deflated_rounds_inside_a_thick_restarted_basis():
+    """A basis of 16 rows (thick restarts, [Wu2000]) still counts a triple top eigenvalue."""
+    op, exact = _clustered([3.0, 3.0, 3.0, 2.9, 2.0] + _bulk(6, 250), 6)
+    result = lanczos(op, 4, tol=1e-8, max_basis=16, max_matvecs=600, return_eigenvectors=True)
+    assert result.eigenvalues == pytest.approx(exact[:4].tolist(), rel=1e-8)
+    assert result.restarts > 0 and result.max_basis == 16
+    assert all(result.converged) and result.multiplicity["resolved"] is True
+    U = result.eigenvectors
+    assert torch.allclose(U.T @ U, torch.eye(4, dtype=_F64), atol=1e-8)
+    dense = op.to_dense()
+    explicit = ritz_residuals(MatrixOperator(dense), result.eigenvalues, U)
+    assert all(r >= e / 2 or e <= 1e-13 for r, e in zip(result.residuals, explicit))
+    assert max(explicit) <= 1e-8 * 3.0
