@@ -18,9 +18,12 @@ removed: a repeated eigenvalue comes back in the next round and is locked again.
 converged Ritz value *enters* the k extreme values when it lies beyond the current k-th one by
 more than both residuals (:func:`merge_round`); a value within them is another copy of the
 k-th eigenvalue, which leaves the k values as they are. Rounds go on while one brings an entry;
-the round that brings none (its extreme converged Ritz value on the inner side of the k-th
-value) verifies the count. A run that stops at its product budget before such a round has
-converged cannot exclude further copies, and says so (:func:`multiplicity_record`).
+the round that brings none verifies the count. Such a round stops as soon as its extreme Ritz
+value lies on the inner side of the k-th value by more than both residuals with a residual of
+``sqrt(tol) |theta|`` (:func:`round_is_enough`): on a spectrum without repeats the check costs a
+few products. When the whole space fits the product budget, Lanczos spans it instead (every
+eigenvalue exact, no round needed). A run that stops at its product budget before such a round
+has converged cannot exclude further copies, and says so (:func:`multiplicity_record`).
 
 Residuals. A round's Ritz pair ``(theta, u = Q s)`` with ``u`` orthogonal to the locked rows
 satisfies ``A u - theta u = beta_m s_m q_{m+1} + Y F^T u`` with ``F = A Y - Y Theta`` (the
@@ -31,7 +34,8 @@ locked pairs' residuals, ``Y^T u = 0``), two orthogonal terms, so
     \|A u - \theta u\| \le \sqrt{(\beta_m s_m)^2 + \textstyle\sum_i \|f_i\|^2},
 
 which :func:`deflated_residual` reports: the certificate of a locked round is a bound, as
-tight as the locked pairs' own residuals.
+tight as the locked pairs' own residuals; a pair whose bound fails ``tol`` has its residual
+measured with one product (:func:`bounded_residuals`).
 """
 
 from __future__ import annotations
