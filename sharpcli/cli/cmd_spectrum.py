@@ -70,6 +70,16 @@ TraceMaxMatvecsOpt = Annotated[
 ]
 
 
+BlocksOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--blocks",
+        metavar="SPEC",
+        help="Also per block: params (each tensor), modules or NAME=GLOB,...",
+    ),
+]
+
+
 def _positive(value, option: str, strict: bool = True) -> None:
     common.require(value is None or (value > 0 if strict else value >= 0), "must be > 0", option)
 
@@ -93,6 +103,7 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, Gauss-Newton or NME operator."""
     from sharpcli.analyses import spectrum
@@ -113,8 +124,25 @@ def eigen_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import eigen_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"] = eigen_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                top_k=top_k,
+                which=which,
+                method=method,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("eigen", settings, results, matvecs=results["matvecs"])
+    matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("eigen", settings, results, matvecs=matvecs)
 
     def render(console):
         rows = [
@@ -134,6 +162,17 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
+        if "blocks" in results:
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
+                    "converged": all(b["converged"]),
+                }
+                for b in results["blocks"]
+            ]
+            console.print(records_table(f"{operator} eigenvalues per block", block_rows))
         for note in results.get("notes") or []:
             runner.print_note(console, note)
 
@@ -160,6 +199,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
@@ -178,8 +218,24 @@ def trace_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import trace_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"], results["blocks_sum"] = trace_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                estimator=estimator,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                square=square,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
+    matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("trace", settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
@@ -202,6 +258,26 @@ def trace_command(
         ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
+        if "blocks" in results:
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "estimate": b["estimate"],
+                    "stderr": b["stderr"],
+                    "converged": b["converged"],
+                }
+                for b in results["blocks"]
+            ] + [
+                {
+                    "block": "sum",
+                    "numel": results["blocks_sum"]["numel"],
+                    "estimate": results["blocks_sum"]["estimate"],
+                    "stderr": results["blocks_sum"]["stderr"],
+                    "converged": None,
+                }
+            ]
+            console.print(records_table(f"{quantity} per block", block_rows))
         for note in t.get("notes") or []:
             runner.print_note(console, note)
 

@@ -1,0 +1,207 @@
+"""Curvature per parameter block in one run: ``sharp eigen --blocks`` and ``sharp trace --blocks``.
+
+A block is a set of parameters; its curvature is the principal sub-block ``A_bb`` of the
+operator (the rows and columns of its parameters), multiplied by a curvature pass whose scope
+is the block alone. ``A_bb``'s eigenvalues are those Zhang et al. compare across the blocks of
+a transformer ([Zhang2024]: "block heterogeneity"); the block traces of a partition add up to
+the full trace. The session (model, data) is loaded once for every block.
+
+``blocks`` specs (:func:`block_partition`), within the command's ``params`` scope:
+
+- ``params``: each parameter tensor ([Zhang2024]'s choice);
+- ``modules``: the parameters each module owns directly (the per-layer blocks of ``trace``);
+- ``NAME=GLOB,...`` (or bare globs, named by themselves): the scope's parameters whose names
+  match each glob, e.g. ``attn=*.attn.*,mlp=*.mlp.*``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+from sharpcli.analyses.spectrum import curvature_pass, eigen_result, trace_result
+from sharpcli.errors import UsageError
+
+__all__ = ["block_partition", "eigen_blocks", "trace_blocks"]
+
+
+def _escape(name: str) -> str:
+    """``name`` as an fnmatch glob that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def block_partition(names: list[str], spec: str) -> list[tuple[str, list[str]]]:
+    """The blocks of ``spec`` over the parameter ``names`` of a scope, in order.
+
+    Args:
+        names: the scope's parameter names.
+        spec: ``params``, ``modules`` or ``NAME=GLOB,...`` (module docstring).
+
+    Returns:
+        ``[(block name, [parameter names])]``.
+
+    Raises:
+        UsageError: (source ``blocks``) an empty spec, a repeated block name, or a glob that
+            matches no parameter in scope.
+    """
+    text = str(spec).strip()
+    if not text:
+        raise UsageError("give `params`, `modules` or NAME=GLOB,...", source="blocks")
+    if text == "params":
+        return [(n, [n]) for n in names]
+    if text == "modules":
+        grouped: dict[str, list[str]] = {}
+        for n in names:
+            grouped.setdefault(n.rsplit(".", 1)[0] if "." in n else "(root)", []).append(n)
+        return list(grouped.items())
+    out: list[tuple[str, list[str]]] = []
+    for item in text.split(","):
+        label, _, glob = item.strip().rpartition("=")
+        label, glob = (label.strip() or glob.strip()), glob.strip()
+        matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not glob or not matched:
+            raise UsageError(
+                f"block {label!r}: {glob!r} matches no parameter in scope "
+                f"(e.g. {', '.join(names[:3])})",
+                source="blocks",
+            )
+        if label in (b for b, _ in out):
+            raise UsageError(f"block {label!r} is named twice", source="blocks")
+        out.append((label, matched))
+    return out
+
+
+def _block_passes(session, params: str | None, blocks: str):
+    """Yield ``(block name, parameter names, curvature pass on the block)``, one at a time
+    (each pass's cached graphs are dropped before the next is built)."""
+    names = session.scope(params).names
+    for label, members in block_partition(names, blocks):
+        cpass = curvature_pass(session, ",".join(_escape(n) for n in members))
+        try:
+            yield label, members, cpass
+        finally:
+            cpass.clear_cache()
+
+
+def eigen_blocks(
+    session,
+    *,
+    blocks: str,
+    operator: str,
+    top_k: int,
+    which: str,
+    method: str,
+    tol: float,
+    max_matvecs: int | None,
+    params: str | None,
+    seed: int,
+) -> list[dict]:
+    """Each block's extreme eigenvalues, residual-certified as ``sharp eigen``'s.
+
+    Args:
+        session: the analysis session.
+        blocks: the blocks' spec (:func:`block_partition`).
+        operator: a registered operator.
+        top_k: eigenvalues per end.
+        which: ``largest``, ``smallest`` or ``both``.
+        method: ``lanczos`` or ``power``.
+        tol: the relative residual each Ritz pair must reach.
+        max_matvecs: products per block (None: the method's default).
+        params: the scope the blocks partition.
+        seed: the start vectors' seed.
+
+    Returns:
+        ``[{name, parameters, numel, eigenvalues, residuals, converged, matvecs}]``; a block
+        smaller than ``top_k`` gives all its eigenvalues.
+    """
+    rows = []
+    for label, members, cpass in _block_passes(session, params, blocks):
+        k = min(int(top_k), cpass.scope.numel)
+        if which == "both":
+            k = max(1, min(k, cpass.scope.numel // 2))
+        result = eigen_result(
+            cpass,
+            operator,
+            k=k,
+            which=which,
+            method=method,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+            k_name="top_k",
+        ).to_dict()
+        rows.append(
+            {
+                "name": label,
+                "parameters": members,
+                "numel": cpass.scope.numel,
+                **{
+                    key: result[key] for key in ("eigenvalues", "residuals", "converged", "matvecs")
+                },
+            }
+        )
+    return rows
+
+
+def trace_blocks(
+    session,
+    *,
+    blocks: str,
+    operator: str,
+    estimator: str,
+    tol: float,
+    max_matvecs: int,
+    square: bool,
+    params: str | None,
+    seed: int,
+) -> tuple[list[dict], dict]:
+    """Each block's trace with its standard error, and their sum.
+
+    For a partition of the scope the block traces add up to the full trace (its diagonal is
+    theirs); the blocks' estimates are independent, so the sum's standard error is the root
+    of the sum of their squares. ``square`` gives each block's ``Tr(A_bb^2)``, whose sum is
+    at most ``Tr(A^2)``.
+
+    Args:
+        session: the analysis session.
+        blocks: the blocks' spec (:func:`block_partition`).
+        operator: a registered operator.
+        estimator: as ``sharp trace``'s.
+        tol: the relative standard error to stop at.
+        max_matvecs: products per block.
+        square: estimate ``Tr(A_bb^2)`` instead.
+        params: the scope the blocks partition.
+        seed: the probes' seed.
+
+    Returns:
+        ``([{name, parameters, numel, estimate, stderr, matvecs, converged}], {estimate,
+        stderr, numel})``.
+    """
+    rows = []
+    for label, members, cpass in _block_passes(session, params, blocks):
+        result = trace_result(
+            cpass,
+            operator,
+            estimator=estimator,
+            square=square,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+        )
+        rows.append(
+            {
+                "name": label,
+                "parameters": members,
+                "numel": cpass.scope.numel,
+                "estimate": result.estimate,
+                "stderr": result.stderr,
+                "matvecs": result.matvecs,
+                "converged": result.converged,
+            }
+        )
+    total = {
+        "estimate": sum(r["estimate"] for r in rows),
+        "stderr": math.sqrt(sum((r["stderr"] or 0.0) ** 2 for r in rows)),
+        "numel": sum(r["numel"] for r in rows),
+    }
+    return rows, total
