@@ -386,9 +386,9 @@ CASES = [
     C("trace-tol-negative", ("trace", "$own", "--trace-tol", "-1"), 2, ("--trace-tol",)),
     C(
         "trace-unknown-operator",
-        ("trace", "$own", "--operator", "fisher"),
+        ("trace", "$own", "--operator", "jacobian"),
         2,
-        ("--operator", "fisher"),
+        ("--operator", "jacobian"),
     ),
     C(
         "trace-exact-needs-ggn",
