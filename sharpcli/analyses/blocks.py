@@ -10,6 +10,9 @@ the full trace. The session (model, data) is loaded once for every block.
 
 - ``params``: each parameter tensor ([Zhang2024]'s choice);
 - ``modules``: the parameters each module owns directly (the per-layer blocks of ``trace``);
+- ``layers``: the model's repeated blocks (each child of the ``nn.ModuleList`` or
+  ``nn.Sequential`` whose children of one class hold the most parameters: a transformer's
+  blocks, ``transformer.h.0``, ...), the other parameters by module;
 - ``NAME=GLOB,...`` (or bare globs, named by themselves): the scope's parameters whose names
   match each glob, e.g. ``attn=*.attn.*,mlp=*.mlp.*``.
 """
@@ -30,12 +33,60 @@ def _escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
-def block_partition(names: list[str], spec: str) -> list[tuple[str, list[str]]]:
+def _repeated_children(model) -> list[str]:
+    """The names of the repeated blocks: the children of one class of the ``nn.ModuleList``
+    or ``nn.Sequential`` in which such children (two or more) hold the most parameters."""
+    from torch import nn
+
+    best: tuple[int, list[str]] = (0, [])
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[tuple[str, int]]] = {}
+        for child_name, child in module.named_children():
+            size = sum(p.numel() for p in child.parameters())
+            if size:
+                name = f"{prefix}.{child_name}" if prefix else child_name
+                by_class.setdefault(type(child), []).append((name, size))
+        for children in by_class.values():
+            total = sum(size for _, size in children)
+            if len(children) >= 2 and total > best[0]:
+                best = (total, [name for name, _ in children])
+    return best[1]
+
+
+def _by_module(names: list[str]) -> list[tuple[str, list[str]]]:
+    grouped: dict[str, list[str]] = {}
+    for n in names:
+        grouped.setdefault(n.rsplit(".", 1)[0] if "." in n else "(root)", []).append(n)
+    return list(grouped.items())
+
+
+def _layers(names: list[str], model) -> list[tuple[str, list[str]]]:
+    layers = _repeated_children(model) if model is not None else []
+    if not layers:
+        raise UsageError(
+            "found no repeated blocks (a ModuleList or Sequential of two or more modules of "
+            "one class); use `blocks=modules` or NAME=GLOB,...",
+            source="blocks",
+        )
+    owned = {layer: [n for n in names if n.startswith(layer + ".")] for layer in layers}
+    taken = {n for members in owned.values() for n in members}
+    rest = _by_module([n for n in names if n not in taken])
+    out = [(layer, members) for layer, members in owned.items() if members]
+    # the other parameters by module, each before or after the layers as the model has them
+    first = names.index(out[0][1][0]) if out else len(names)
+    before = [(b, m) for b, m in rest if names.index(m[0]) < first]
+    return before + out + [(b, m) for b, m in rest if names.index(m[0]) >= first]
+
+
+def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, list[str]]]:
     """The blocks of ``spec`` over the parameter ``names`` of a scope, in order.
 
     Args:
         names: the scope's parameter names.
-        spec: ``params``, ``modules`` or ``NAME=GLOB,...`` (module docstring).
+        spec: ``params``, ``modules``, ``layers`` or ``NAME=GLOB,...`` (module docstring).
+        model: the model (``layers`` reads its module tree).
 
     Returns:
         ``[(block name, [parameter names])]``.
@@ -46,14 +97,13 @@ def block_partition(names: list[str], spec: str) -> list[tuple[str, list[str]]]:
     """
     text = str(spec).strip()
     if not text:
-        raise UsageError("give `params`, `modules` or NAME=GLOB,...", source="blocks")
+        raise UsageError("give `params`, `modules`, `layers` or NAME=GLOB,...", source="blocks")
     if text == "params":
         return [(n, [n]) for n in names]
     if text == "modules":
-        grouped: dict[str, list[str]] = {}
-        for n in names:
-            grouped.setdefault(n.rsplit(".", 1)[0] if "." in n else "(root)", []).append(n)
-        return list(grouped.items())
+        return _by_module(names)
+    if text == "layers":
+        return _layers(names, model)
     out: list[tuple[str, list[str]]] = []
     for item in text.split(","):
         label, _, glob = item.strip().rpartition("=")
@@ -75,7 +125,7 @@ def _block_passes(session, params: str | None, blocks: str):
     """Yield ``(block name, parameter names, curvature pass on the block)``, one at a time
     (each pass's cached graphs are dropped before the next is built)."""
     names = session.scope(params).names
-    for label, members in block_partition(names, blocks):
+    for label, members in block_partition(names, blocks, session.model):
         cpass = curvature_pass(session, ",".join(_escape(n) for n in members))
         try:
             yield label, members, cpass

@@ -75,7 +75,7 @@ BlocksOpt = Annotated[
     typer.Option(
         "--blocks",
         metavar="SPEC",
-        help="Also per block: params (each tensor), modules or NAME=GLOB,...",
+        help="Also per block: params (each tensor), modules, layers or NAME=GLOB,...",
     ),
 ]
 

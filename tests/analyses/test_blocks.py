@@ -106,7 +106,7 @@ def test_block_partition_by_spec():
         ("attn", ["h.0.attn.w", "h.1.attn.w"]),
         ("*.mlp.*", ["h.0.mlp.w"]),
     ]
-    for bad in ("", "a=*.attn.*,a=*.mlp.*", "x=conv.*"):
+    for bad in ("", "a=*.attn.*,a=*.mlp.*", "x=conv.*", "layers"):
         with pytest.raises(UsageError) as info:
             block_partition(names, bad)
         assert info.value.source == "blocks"
@@ -118,3 +118,25 @@ def test_bad_blocks_are_one_line_and_exit_2(tiny, capsys):
     assert_one_line_error(run, 2, "--blocks", "matches no parameter")
     run = run_cli(capsys, "trace", path, "--blocks", "params", "--engine", "pyhessian")
     assert_one_line_error(run, 2, "--blocks")
+
+
+def test_layers_of_a_tiny_gpt2_are_named_as_the_model_names_them():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=12, n_positions=8, n_embd=8, n_layer=3, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    names = [n for n, _ in model.named_parameters()]
+    blocks = block_partition(names, "layers", model)
+    labels = [b for b, _ in blocks]
+    assert labels == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.h.2",
+        "transformer.ln_f",
+    ]
+    layer = dict(blocks)["transformer.h.1"]
+    assert layer == [n for n in names if n.startswith("transformer.h.1.")]
+    assert sorted(n for _, members in blocks for n in members) == sorted(names)  # a partition
+    with pytest.raises(UsageError, match="no repeated blocks"):
+        block_partition(["w"], "layers", torch.nn.Linear(2, 2))
