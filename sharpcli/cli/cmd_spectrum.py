@@ -395,6 +395,7 @@ def density_command(
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
@@ -416,13 +417,28 @@ def density_command(
             broadening=broadening,
             params=params,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import density_blocks
+
+            results["blocks"] = density_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                probes=probes,
+                steps=steps,
+                grid_points=grid_points,
+                broadening=broadening,
+                params=params,
+                seed=session.seed,
+            )
     if plot is not None:
         from sharpcli.report.plots import plot_density
 
         plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
+    matvecs = results.get("matvecs", 0) + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("density", settings, results, matvecs=matvecs)
 
     def render(console):
         summary = {
@@ -442,5 +458,11 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
+        if "blocks" in results:
+            keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
+            block_rows = [
+                {"block": b["name"], **{k: b[k] for k in keys}} for b in results["blocks"]
+            ]
+            console.print(records_table(f"{operator} spectral density per block", block_rows))
 
     return runner.Outcome(report, render)

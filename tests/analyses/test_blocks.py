@@ -140,3 +140,23 @@ def test_layers_of_a_tiny_gpt2_are_named_as_the_model_names_them():
     assert sorted(n for _, members in blocks for n in members) == sorted(names)  # a partition
     with pytest.raises(UsageError, match="no repeated blocks"):
         block_partition(["w"], "layers", torch.nn.Linear(2, 2))
+
+
+def test_density_blocks_span_the_dense_sub_blocks_spectra(tiny, capsys):
+    """With as many Lanczos steps as a block has parameters, its SLQ nodes are the sub-block's
+    eigenvalues: the extremes match the dense ones."""
+    path, H, slices = tiny
+    run = run_cli(
+        capsys, "density", path, "--blocks", "params", "--steps", "40", "--probes", "2",
+        "--dtype", "float64", "--json", "-",
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    blocks = report["results"]["blocks"]
+    assert [b["name"] for b in blocks] == list(slices)
+    for block in blocks:
+        exact = torch.linalg.eigvalsh(H[slices[block["name"]], slices[block["name"]]])
+        assert block["lambda_max"] == pytest.approx(float(exact[-1]), abs=1e-8)
+        assert block["lambda_min"] == pytest.approx(float(exact[0]), abs=1e-8)
+        assert len(block["grid"]) == len(block["density"]) == 512
