@@ -472,6 +472,51 @@ class Curvature:
                 seed=seed,
             )
 
+    def diagonal(
+        self,
+        operator: str | None = None,
+        *,
+        estimator: str = "hutchinson",
+        probes: int = 100,
+        max_products: int = 10000,
+        seed: int = 0,
+    ):
+        r"""``diag(A)`` of ``operator`` per parameter, as ``sharp diagonal`` computes it.
+
+        Args:
+            operator: any registered operator; None: ``"hessian"`` for ``exact`` and
+                ``hutchinson``, ``"ggn"`` for ``gnb`` and ``per-sample``.
+            estimator: ``"hutchinson"`` (mean of :math:`v \odot A v` over Rademacher probes,
+                [Bekas2007]), ``"exact"`` (one product per parameter), ``"gnb"`` (Sophia's
+                Gauss-Newton-Bartlett estimator of diag(G), [Sophia]) or ``"per-sample"``
+                (the exact ggn diagonal as BackPACK's DiagGGN, [BackPACK], or the ef's).
+            probes: Rademacher probes or label draws (at least 2).
+            max_products: the products ``exact`` may spend, or the backward passes per sample
+                ``per-sample`` may.
+            seed: seeds the probes or draws.
+
+        Returns:
+            A :class:`~sharpcli.curvature.diagonal.DiagonalResult`: ``diagonal`` and
+            ``stderr`` flat, ``tensors()`` by parameter name and shape.
+
+        Raises:
+            UsageError: an argument out of range or an estimator that does not give
+                ``operator``'s diagonal, named by its keyword.
+        """
+        from sharpcli.analyses.diagonal import diagonal_result
+
+        seed_argument(seed)
+        self.refresh()
+        with self._analysis_mode():
+            return diagonal_result(
+                self.curvature_pass,
+                operator,
+                estimator=estimator,
+                probes=probes,
+                max_products=max_products,
+                seed=seed,
+            )[1]
+
     def density(
         self,
         operator: str = "hessian",

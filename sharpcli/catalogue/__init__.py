@@ -19,7 +19,13 @@ value sets). None imports torch: ``sharp --help`` reads them.
 
 from __future__ import annotations
 
-from sharpcli.catalogue.curvature import ESTIMATORS, OPERATORS, operator_help, operator_table
+from sharpcli.catalogue.curvature import (
+    DIAGONAL_ESTIMATORS,
+    ESTIMATORS,
+    OPERATORS,
+    operator_help,
+    operator_table,
+)
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
@@ -51,6 +57,7 @@ __all__ = [
     "DATASETS",
     "DATA_FORMATS",
     "DEVICES",
+    "DIAGONAL_ESTIMATORS",
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",

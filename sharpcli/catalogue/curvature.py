@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sharpcli.registry import Entry, Registry
 
-__all__ = ["ESTIMATORS", "OPERATORS", "operator_help", "operator_table"]
+__all__ = ["DIAGONAL_ESTIMATORS", "ESTIMATORS", "OPERATORS", "operator_help", "operator_table"]
 
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators. ``info``: the
 # symbol in tables and whether the operator is positive semi-definite.
@@ -35,6 +35,20 @@ OPERATORS: Registry = Registry(
             "sharpcli.curvature.registry:build_nme",
             paper="NME",
             info={"symbol": "N", "psd": False},
+        ),
+        Entry(
+            "ef",
+            "empirical Fisher (1/N) sum_i g_i g_i^T, data labels",
+            "sharpcli.curvature.fisher:EmpiricalFisherOperator",
+            paper="Kunstner2019",
+            info={"symbol": "F_emp", "psd": True},
+        ),
+        Entry(
+            "fisher",
+            "Fisher with labels drawn from the model; its mean over draws is G",
+            "sharpcli.curvature.fisher:FisherOperator",
+            paper="Martens2020",
+            info={"symbol": "F", "psd": True},
         ),
     ],
     protected=("hessian", "ggn", "nme"),
@@ -66,6 +80,37 @@ ESTIMATORS: Registry = Registry(
         ),
         Entry(
             "exact", "the trace of the dense matrix (small models)", "sharpcli.analyses.spectrum"
+        ),
+    ],
+)
+
+# ``sharp diagonal --estimator NAME`` (sharpcli.analyses.diagonal), the default first
+DIAGONAL_ESTIMATORS: Registry = Registry(
+    "diagonal estimator",
+    source="estimator",
+    entries=[
+        Entry(
+            "hutchinson",
+            "mean of v * (A v) over Rademacher probes, per-entry standard errors",
+            "sharpcli.curvature.diagonal:hutchinson_diagonal",
+            paper="Bekas2007",
+        ),
+        Entry(
+            "exact",
+            "(A e_j)_j, one product per parameter (small scopes)",
+            "sharpcli.curvature.diagonal:exact_diagonal",
+        ),
+        Entry(
+            "gnb",
+            "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)",
+            "sharpcli.curvature.diagonal:gnb_diagonal",
+            paper="Sophia",
+        ),
+        Entry(
+            "per-sample",
+            "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
+            "sharpcli.curvature.diagonal:per_sample_diagonal",
+            paper="BackPACK",
         ),
     ],
 )

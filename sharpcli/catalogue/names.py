@@ -111,6 +111,12 @@ COMMANDS: Registry = Registry(
             paper="Ghorbani2019",
         ),
         Entry(
+            "diagonal",
+            "The curvature's diagonal per parameter, as a .safetensors file.",
+            "sharpcli.cli.cmd_diagonal:diagonal_command",
+            paper="Bekas2007",
+        ),
+        Entry(
             "analyze",
             "Several of these measures in one report; a gate for CI.",
             "sharpcli.cli.cmd_analyze:analyze_command",

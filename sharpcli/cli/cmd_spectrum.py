@@ -70,6 +70,16 @@ TraceMaxMatvecsOpt = Annotated[
 ]
 
 
+BlocksOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--blocks",
+        metavar="SPEC",
+        help="Also per block: params (each tensor), modules, layers or NAME=GLOB,...",
+    ),
+]
+
+
 def _positive(value, option: str, strict: bool = True) -> None:
     common.require(value is None or (value > 0 if strict else value >= 0), "must be > 0", option)
 
@@ -93,6 +103,7 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, Gauss-Newton or NME operator."""
     from sharpcli.analyses import spectrum
@@ -113,8 +124,25 @@ def eigen_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import eigen_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"] = eigen_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                top_k=top_k,
+                which=which,
+                method=method,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("eigen", settings, results, matvecs=results["matvecs"])
+    matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("eigen", settings, results, matvecs=matvecs)
 
     def render(console):
         rows = [
@@ -134,6 +162,17 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
+        if "blocks" in results:
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
+                    "converged": all(b["converged"]),
+                }
+                for b in results["blocks"]
+            ]
+            console.print(records_table(f"{operator} eigenvalues per block", block_rows))
         for note in results.get("notes") or []:
             runner.print_note(console, note)
 
@@ -160,6 +199,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
@@ -178,8 +218,24 @@ def trace_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import trace_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"], results["blocks_sum"] = trace_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                estimator=estimator,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                square=square,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
+    matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("trace", settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
@@ -202,6 +258,26 @@ def trace_command(
         ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
+        if "blocks" in results:
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "estimate": b["estimate"],
+                    "stderr": b["stderr"],
+                    "converged": b["converged"],
+                }
+                for b in results["blocks"]
+            ] + [
+                {
+                    "block": "sum",
+                    "numel": results["blocks_sum"]["numel"],
+                    "estimate": results["blocks_sum"]["estimate"],
+                    "stderr": results["blocks_sum"]["stderr"],
+                    "converged": None,
+                }
+            ]
+            console.print(records_table(f"{quantity} per block", block_rows))
         for note in t.get("notes") or []:
             runner.print_note(console, note)
 
@@ -319,6 +395,7 @@ def density_command(
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
+    blocks: BlocksOpt = None,
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
@@ -340,13 +417,28 @@ def density_command(
             broadening=broadening,
             params=params,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import density_blocks
+
+            results["blocks"] = density_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                probes=probes,
+                steps=steps,
+                grid_points=grid_points,
+                broadening=broadening,
+                params=params,
+                seed=session.seed,
+            )
     if plot is not None:
         from sharpcli.report.plots import plot_density
 
         plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
+    matvecs = results.get("matvecs", 0) + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("density", settings, results, matvecs=matvecs)
 
     def render(console):
         summary = {
@@ -366,5 +458,11 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
+        if "blocks" in results:
+            keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
+            block_rows = [
+                {"block": b["name"], **{k: b[k] for k in keys}} for b in results["blocks"]
+            ]
+            console.print(records_table(f"{operator} spectral density per block", block_rows))
 
     return runner.Outcome(report, render)

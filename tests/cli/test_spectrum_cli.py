@@ -165,7 +165,7 @@ def test_analyze_gate_trips_and_passes(tiny, capsys):
         (["eigen", "--top-k", "0"], "--top-k"),
         (["eigen", "--top-k", "30", "--max-matvecs", "20"], "--top-k"),
         (["eigen", "--tol", "0"], "--eig-tol"),  # the former name; errors name the new one
-        (["eigen", "--operator", "fisher"], "--operator"),
+        (["eigen", "--operator", "jacobian"], "--operator"),
         (["eigen", "--params", "nomatch*"], "--params"),
         (["trace", "--estimator", "magic"], "--estimator"),
         (["analyze", "--metrics", "vibes"], "--metrics"),
