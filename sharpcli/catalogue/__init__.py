@@ -23,6 +23,12 @@ from sharpcli.catalogue.curvature import ESTIMATORS, OPERATORS, operator_help, o
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.sharpness import (
+    LANDSCAPE_BIAS_BN,
+    NORM_LAYERS,
+    SHARPNESS_KINDS,
+    SHARPNESS_NORMS,
+)
 from sharpcli.catalogue.values import (
     CHECKS,
     DEVICES,
@@ -57,15 +63,19 @@ __all__ = [
     "ESTIMATORS",
     "GGN_ESTIMATORS",
     "KINDS",
+    "LANDSCAPE_BIAS_BN",
     "LOSSES",
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
+    "NORM_LAYERS",
     "OPERATORS",
     "OPTIMIZERS",
     "REGULARIZERS",
     "RESCALE_MODES",
     "SCHEDULES",
+    "SHARPNESS_KINDS",
+    "SHARPNESS_NORMS",
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",

@@ -127,6 +127,12 @@ COMMANDS: Registry = Registry(
             paper="MAN",
         ),
         Entry(
+            "sharpness",
+            "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
+            "sharpcli.cli.cmd_sharpness:sharpness_command",
+            paper="Andriushchenko2023",
+        ),
+        Entry(
             "bound-check",
             "Check the papers' curvature bounds on a trained model.",
             "sharpcli.cli.cmd_diagnostics:bound_check_command",
