@@ -62,6 +62,7 @@ def _register() -> None:
         cmd_analyze,
         cmd_compare,
         cmd_diagnostics,
+        cmd_landscape,
         cmd_sharpness,
         cmd_spectrum,
         cmd_sweep,

@@ -1,4 +1,4 @@
-"""sharp sharpness: the JSON report (schema), the table, bad input as one line and exit 2."""
+"""sharp sharpness and sharp landscape: the JSON report (schema), the table, CSV and plot, bad input as one line and exit 2."""
 
 from __future__ import annotations
 
@@ -78,3 +78,70 @@ def test_json_report_per_rho(checkpoint, capsys):
 )
 def test_bad_input_is_one_line_naming_the_option(checkpoint, capsys, args, needle):
     assert_one_line_error(run_cli(capsys, "sharpness", checkpoint, *args), 2, needle)
+
+
+# ----------------------------------------------------------------------------------- landscape
+def test_landscape_json_csv_plot_and_saved_directions(checkpoint, tmp_path, capsys):
+    from sharpcli.report.plots import png_size
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run = run_cli(
+        capsys, "landscape", checkpoint, "--steps", "5", "--csv", out / "grid.csv",
+        "--plot", out / "plane.png", "--save-directions", out / "d.safetensors", "--json", "-",
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    results = report["results"]
+    assert results["dims"] == 2 and len(results["loss"]) == 5 and len(results["loss"][0]) == 5
+    assert results["loss"][2][2] == results["centre_loss"]
+    lines = (out / "grid.csv").read_text().splitlines()
+    assert lines[0] == "x,y,loss,accuracy" and len(lines) == 26
+    assert png_size(out / "plane.png") == (960, 600)
+    again = run_cli(
+        capsys, "landscape", checkpoint, "--steps", "5", "--directions", out / "d.safetensors",
+        "--seed", "9", "--json", "-",
+    )  # fmt: skip
+    assert again.code == 0, again.err
+    assert again.json()["results"]["loss"] == results["loss"]  # the figure, redone
+
+    line = run_cli(capsys, "landscape", checkpoint, "--dims", "1", "--steps", "5")
+    assert line.code == 0, line.err
+    assert "loss along the line" in line.out
+
+
+def test_landscape_along_a_second_checkpoint(checkpoint, tmp_path, capsys):
+    torch.manual_seed(5)
+    spec = {
+        "name": "mlp",
+        "args": {"in_features": 3, "num_classes": 3, "depth": 2, "width": 5, "activation": "relu"},
+    }
+    second = tmp_path / "second.safetensors"
+    save_checkpoint(second, build_model(spec).eval(), spec)
+    run = run_cli(capsys, "landscape", checkpoint, "--along", second, "--steps", "5", "--json", "-")
+    assert run.code == 0, run.err
+    results = run.json()["results"]
+    assert results["dims"] == 1 and results["x"] == [-0.5, 0.0, 0.5, 1.0, 1.5]
+    assert results["loss"][1] == results["centre_loss"]
+
+    spec["args"]["width"] = 6  # another architecture
+    wider = tmp_path / "wider.safetensors"
+    save_checkpoint(wider, build_model(spec).eval(), spec)
+    refused = run_cli(capsys, "landscape", checkpoint, "--along", wider)
+    assert_one_line_error(refused, 2, "--along", "another architecture")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--span", "0"), "--span"),
+        (("--steps", "1"), "--steps"),
+        (("--dims", "3"), "--dims"),
+        (("--bias-bn", "one"), "--bias-bn"),
+        (("--along", "missing.safetensors"), "missing.safetensors"),
+        (("--directions", "missing.safetensors"), "missing.safetensors"),
+    ],
+)
+def test_landscape_bad_input_is_one_line_naming_the_option(checkpoint, capsys, args, needle):
+    assert_one_line_error(run_cli(capsys, "landscape", checkpoint, *args), 2, needle)
