@@ -46,7 +46,16 @@ SCHEDULES = ("constant", "cosine")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
 # sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
-METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
+METRICS = (
+    "eigen",
+    "trace",
+    "frobenius",
+    "gn-nme",
+    "activation-stats",
+    "sharpness",
+    "pac-bayes",
+    "fisher-rao",
+)
 TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
