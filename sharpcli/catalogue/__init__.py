@@ -24,6 +24,7 @@ from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
+    GAP_KINDS,
     LANDSCAPE_BIAS_BN,
     NORM_LAYERS,
     SHARPNESS_KINDS,
@@ -61,6 +62,7 @@ __all__ = [
     "ENGINES",
     "EPSILON_KINDS",
     "ESTIMATORS",
+    "GAP_KINDS",
     "GGN_ESTIMATORS",
     "KINDS",
     "LANDSCAPE_BIAS_BN",

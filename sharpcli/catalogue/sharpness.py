@@ -7,7 +7,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-__all__ = ["LANDSCAPE_BIAS_BN", "NORM_LAYERS", "SHARPNESS_KINDS", "SHARPNESS_NORMS"]
+__all__ = ["GAP_KINDS", "LANDSCAPE_BIAS_BN", "NORM_LAYERS", "SHARPNESS_KINDS", "SHARPNESS_NORMS"]
 
 # worst case max_{||delta/c||_p <= rho}, average case E_delta ([Andriushchenko2023])
 SHARPNESS_KINDS = ("worst-case", "average")
@@ -17,3 +17,6 @@ NORM_LAYERS = ("include", "exclude")
 # what the random landscape directions hold on 1-D parameters (biases, normalization
 # parameters): zero (the --xignore biasbn of [Li2018]'s code) or the weights themselves
 LANDSCAPE_BIAS_BN = ("zero", "weights")
+# the generalization gap of compare's and sweep's Kendall tau: test error - train error, or
+# test loss - train loss (sharpcli.report.rank_correlation)
+GAP_KINDS = ("error", "loss")

@@ -39,6 +39,7 @@ SharpnessKind = Literal[catalogue.SHARPNESS_KINDS]  # type: ignore[valid-type]
 SharpnessNorm = Literal[catalogue.SHARPNESS_NORMS]  # type: ignore[valid-type]
 NormLayers = Literal[catalogue.NORM_LAYERS]  # type: ignore[valid-type]
 LandscapeBiasBN = Literal[catalogue.LANDSCAPE_BIAS_BN]  # type: ignore[valid-type]
+GapKind = Literal[catalogue.GAP_KINDS]  # type: ignore[valid-type]
 
 Values = Union[tuple[str, ...], Registry]
 
