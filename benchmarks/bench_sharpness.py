@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(64, 3, 32, 32, generator=gen)
     y = torch.randint(0, 10, (64,), generator=gen)
     ckpt, data, count = bench_scale.write_case(workdir, "resnet18", "resnet18", {}, x, y)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     runs = {
         "worst-case": (
             "sharpness",

@@ -56,7 +56,7 @@ METRICS = (
     "pac-bayes",
     "fisher-rao",
 )
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
+TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
