@@ -255,6 +255,7 @@ def landscape(
         PerturbedModel(model, names, None, data.loss, data.batch_size) as moved,
         progress.start("landscape", total=len(points), unit="points") as run,
     ):
+        moved.error_source = "span"
         centre = moved.evaluate(None, data.x, data.y).loss
         for index, (a, b) in enumerate(points):
             u = a * flat[0] if b is None else a * flat[0] + b * flat[1]

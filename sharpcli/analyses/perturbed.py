@@ -93,6 +93,8 @@ class PerturbedModel:
         self.batch_size = int(batch_size)
         self.scorer = get_loss(loss).correct
         self.evaluations = 0  # forward passes over a set (with or without a backward)
+        # the parameter a non-finite loss is blamed on: the size of the move
+        self.error_source = "rho"
 
     def flat_origin(self) -> torch.Tensor:
         """``w0`` as one flat vector."""
@@ -168,7 +170,9 @@ class PerturbedModel:
         self.evaluations += 1
         loss = float(total)
         if not math.isfinite(loss):
-            raise NumericalError("the loss is not finite at a perturbed point", source="rho")
+            raise NumericalError(
+                "the loss is not finite at a perturbed point", source=self.error_source
+            )
         flat = None
         if grads is not None:
             flat = torch.cat([g.reshape(-1) for g in grads]) * self.scale
