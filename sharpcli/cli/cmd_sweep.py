@@ -338,6 +338,8 @@ def sweep_command(
                         ["measure", "tau", "p_value", "runs", "granulated"],
                     )
                 )
+                for note in table["notes"]:
+                    runner.print_note(console, note)
             if result.diverged:
                 console.print(
                     f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}"
