@@ -31,6 +31,7 @@ engine, its sharding under ``torch.distributed`` and every estimator work unchan
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
@@ -626,6 +627,99 @@ class Curvature:
                 label_samples=label_samples,
                 ggn_estimator=ggn_estimator,
             )
+
+    def sharpness(
+        self,
+        *,
+        kind: str = "worst-case",
+        norm: str = "l2",
+        rho: float | tuple[float, ...] = 0.05,
+        adaptive: bool = True,
+        m: int | None = None,
+        steps: int = 20,
+        restarts: int = 1,
+        noise_draws: int = 100,
+        seed: int = 0,
+    ) -> dict:
+        r"""Worst-case or average-case sharpness, adaptive (c = |w|) or standard (c = 1),
+        [Andriushchenko2023]:
+
+        .. math::
+
+            \max_{\|\delta / c\|_p \le \rho} L_S(w + \delta) - L_S(w), \qquad
+            \mathbb{E}_{\delta \sim N(0, \rho^2 \mathrm{diag}(c^2))} L_S(w + \delta) - L_S(w),
+
+        averaged over batches S of ``m`` samples (:mod:`sharpcli.analyses.sharpness`).
+
+        Args:
+            kind: ``"worst-case"`` (Auto-PGD) or ``"average"``.
+            norm: ``"l2"`` or ``"linf"``.
+            rho: one radius or several.
+            adaptive: c = |w| rather than 1.
+            m: samples per sharpness batch (None: the whole set).
+            steps: Auto-PGD steps per restart.
+            restarts: Auto-PGD restarts.
+            noise_draws: draws per batch (average case).
+            seed: seeds the restarts and the noise.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp sharpness --json``.
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
+        """
+        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+
+        rhos = tuple(rho) if isinstance(rho, (list, tuple)) else (rho,)
+        config = SharpnessConfig(
+            kind=kind, norm=norm, rhos=tuple(float(r) for r in rhos), adaptive=adaptive, m=m,
+            params=self.scope.spec, steps=steps, restarts=restarts, noise_draws=noise_draws,
+            seed=seed_argument(seed),
+        )  # fmt: skip
+        with self._analysis_mode():
+            return sharpness(self._view, self.data, config).to_dict()
+
+    def landscape(
+        self,
+        *,
+        along: str = "random",
+        other: nn.Module | None = None,
+        dims: int = 2,
+        steps: int = 21,
+        span: float | None = None,
+        bias_bn: str = "zero",
+        seed: int = 0,
+    ) -> dict:
+        """The loss and accuracy on a line or plane through the weights ([Li2018];
+        :mod:`sharpcli.analyses.landscape`): filter-normalized random directions, the top
+        Hessian eigenvectors, or the line to ``other`` (a model of the same architecture).
+
+        Args:
+            along: ``"random"``, ``"eigen"`` or ``"checkpoint"`` (with ``other``).
+            other: the second model of ``along="checkpoint"``.
+            dims: 1 (a line) or 2 (a plane).
+            steps: grid points per axis.
+            span: the grid's half-width (default 1; along a checkpoint the extrapolation, 0.5).
+            bias_bn: random directions on 1-D parameters: ``"zero"`` or ``"weights"``.
+            seed: seeds the random directions.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp landscape --json``.
+
+        Raises:
+            UsageError: an argument out of range, or ``other`` of another architecture.
+        """
+        from sharpcli.analyses.landscape import LandscapeConfig, landscape
+
+        config = LandscapeConfig(
+            along=along, dims=dims, steps=steps, span=span, bias_bn=bias_bn,
+            params=self.scope.spec, seed=seed_argument(seed),
+        )  # fmt: skip
+        if other is not None:
+            other = copy.deepcopy(unwrap(other)).to(device=self.device, dtype=self.dtype)
+        with self._analysis_mode():
+            result, _, _ = landscape(self._view, self.data, config, other=other)
+        return result.to_dict()
 
     def __repr__(self) -> str:
         return (

@@ -133,6 +133,18 @@ COMMANDS: Registry = Registry(
             paper="MAN",
         ),
         Entry(
+            "sharpness",
+            "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
+            "sharpcli.cli.cmd_sharpness:sharpness_command",
+            paper="Andriushchenko2023",
+        ),
+        Entry(
+            "landscape",
+            "Loss on a line or plane through the checkpoint, plotted.",
+            "sharpcli.cli.cmd_landscape:landscape_command",
+            paper="Li2018",
+        ),
+        Entry(
             "bound-check",
             "Check the papers' curvature bounds on a trained model.",
             "sharpcli.cli.cmd_diagnostics:bound_check_command",

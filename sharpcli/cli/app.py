@@ -63,6 +63,8 @@ def _register() -> None:
         cmd_compare,
         cmd_diagnostics,
         cmd_diagonal,
+        cmd_landscape,
+        cmd_sharpness,
         cmd_spectrum,
         cmd_sweep,
         cmd_train,

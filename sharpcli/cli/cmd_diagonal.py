@@ -67,7 +67,7 @@ def diagonal_command(
     ] = 10000,
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
-    """Diagonal of the Hessian, Gauss-Newton or a Fisher per parameter, written as .safetensors."""
+    """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
     from sharpcli.analyses.diagonal import diagonal, save_diagonal
 
     common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")

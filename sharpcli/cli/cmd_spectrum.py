@@ -105,7 +105,7 @@ def eigen_command(
     engine: EngineOpt = "native",
     blocks: BlocksOpt = None,
 ) -> runner.Outcome:
-    """Largest and/or smallest eigenvalues of the Hessian, Gauss-Newton or NME operator."""
+    """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")

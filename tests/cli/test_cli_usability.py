@@ -211,7 +211,7 @@ def _commands(folder) -> dict[str, tuple[str, ...]]:
             ckpt,
             *small,
             "--metrics",
-            "eigen,trace,frobenius,gn-nme,activation-stats",
+            "eigen,trace,frobenius,gn-nme,activation-stats,sharpness,pac-bayes,fisher-rao",
             "--fail-if",
             "hessian.lambda_max > 0.001",
             "--fail-if",
