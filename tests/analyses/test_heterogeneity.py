@@ -101,3 +101,12 @@ def test_top_shows_the_largest_blocks_and_fits_80_columns(tiny, capsys):
     assert "2 smaller blocks not shown" in run.out
     bad = run_cli(capsys, "density", tiny, "--blocks", "params", "--top", "0")
     assert_one_line_error(bad, 2, "--top")
+
+
+@pytest.mark.parametrize("command", ["eigen", "trace"])
+def test_top_on_the_eigen_and_trace_blocks_tables(tiny, capsys, command):
+    run = run_cli(capsys, command, tiny, "--blocks", "params", "--top", "1")
+    assert run.code == 0, run.err
+    rows = [line.split()[1] for line in run.out.splitlines() if line.startswith("│ ")]
+    assert "0.weight" in rows and not {"2.weight", "0.bias", "2.bias"} & set(rows)
+    assert "3 smaller blocks not shown (--top 1; all in --json)" in run.out
