@@ -80,6 +80,26 @@ BlocksOpt = Annotated[
 ]
 
 
+TopOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--top",
+        metavar="N",
+        help="With --blocks: the blocks tables show the N largest blocks (JSON has all).",
+    ),
+]
+
+
+def _largest_blocks(blocks: list[dict], top: int | None) -> tuple[list[dict], str | None]:
+    """The blocks a table shows, largest first (the ``top`` largest when given), and a line
+    saying how many were left out (None when none)."""
+    shown = sorted(blocks, key=lambda b: -b["numel"])[: top if top is not None else None]
+    left = len(blocks) - len(shown)
+    return shown, (
+        f"{left} smaller blocks not shown (--top {top}; all in --json)" if left else None
+    )
+
+
 def _positive(value, option: str, strict: bool = True) -> None:
     common.require(value is None or (value > 0 if strict else value >= 0), "must be > 0", option)
 
@@ -104,11 +124,13 @@ def eigen_command(
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
     blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
+    _positive(top, "--top")
     _positive(tol, "--eig-tol")
     _positive(max_matvecs, "--eig-max-matvecs")
     session = common.open_session(checkpoint, opts)
@@ -163,6 +185,7 @@ def eigen_command(
             f"{results['scope']['numel']} parameters"
         )
         if "blocks" in results:
+            shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
                 {
                     "block": b["name"],
@@ -170,9 +193,11 @@ def eigen_command(
                     "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
                     "converged": all(b["converged"]),
                 }
-                for b in results["blocks"]
+                for b in shown
             ]
             console.print(records_table(f"{operator} eigenvalues per block", block_rows))
+            if left:
+                console.print(left)
         for note in results.get("notes") or []:
             runner.print_note(console, note)
 
@@ -200,11 +225,13 @@ def trace_command(
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
     blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
+    _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
@@ -259,6 +286,7 @@ def trace_command(
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
         if "blocks" in results:
+            shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
                 {
                     "block": b["name"],
@@ -267,7 +295,7 @@ def trace_command(
                     "stderr": b["stderr"],
                     "converged": b["converged"],
                 }
-                for b in results["blocks"]
+                for b in shown
             ] + [
                 {
                     "block": "sum",
@@ -278,6 +306,8 @@ def trace_command(
                 }
             ]
             console.print(records_table(f"{quantity} per block", block_rows))
+            if left:
+                console.print(left)
         for note in t.get("notes") or []:
             runner.print_note(console, note)
 
@@ -396,12 +426,14 @@ def density_command(
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
     blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")
+    _positive(top, "--top")
     common.require(steps >= 2, "must be at least 2", "--steps")
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
@@ -419,6 +451,7 @@ def density_command(
         )
         if blocks is not None:
             from sharpcli.analyses.blocks import density_blocks
+            from sharpcli.analyses.heterogeneity import block_heterogeneity
 
             results["blocks"] = density_blocks(
                 session,
@@ -431,10 +464,16 @@ def density_command(
                 params=params,
                 seed=session.seed,
             )
+            results["heterogeneity"], results["block_diagonal"] = block_heterogeneity(
+                results, results["blocks"], grid_points
+            )
     if plot is not None:
-        from sharpcli.report.plots import plot_density
+        from sharpcli.report.plots import plot_block_densities, plot_density
 
-        plot_density(results, plot, title=f"{operator} spectral density")
+        if blocks is not None:
+            plot_block_densities(results, plot, operator=operator, top=top)
+        else:
+            plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results.get("matvecs", 0) + sum(b["matvecs"] for b in results.get("blocks", []))
@@ -460,9 +499,24 @@ def density_command(
         )
         if "blocks" in results:
             keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
-            block_rows = [
-                {"block": b["name"], **{k: b[k] for k in keys}} for b in results["blocks"]
-            ]
+            shown, left = _largest_blocks(results["blocks"], top)
+            block_rows = [{"block": b["name"], **{k: b[k] for k in keys}} for b in shown]
             console.print(records_table(f"{operator} spectral density per block", block_rows))
+            if left:
+                console.print(left)
+            het, diag = results["heterogeneity"], results["block_diagonal"]
+            console.print(
+                key_value_table(
+                    "block heterogeneity (Jensen-Shannon distance, [Zhang2024])",
+                    {
+                        "blocks": len(het["names"]),
+                        "pairs": het["pairs"],
+                        "mean": het["mean"],
+                        "max": het["max"],
+                        "max pair": " / ".join(het["max_pair"]) if het["max_pair"] else None,
+                        "block-diagonal vs full": diag["js_distance_to_full"],
+                    },
+                )
+            )
 
     return runner.Outcome(report, render)
