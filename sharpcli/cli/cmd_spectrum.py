@@ -75,7 +75,7 @@ BlocksOpt = Annotated[
     typer.Option(
         "--blocks",
         metavar="SPEC",
-        help="Also per block: params (each tensor), modules, layers or NAME=GLOB,...",
+        help="Per block too: params, modules, layers, NAME=GLOB,..",
     ),
 ]
 
@@ -85,7 +85,7 @@ TopOpt = Annotated[
     typer.Option(
         "--top",
         metavar="N",
-        help="With --blocks: the blocks tables show the N largest blocks (JSON has all).",
+        help="Show only the N largest blocks (JSON: all).",
     ),
 ]
 
