@@ -31,11 +31,15 @@ engine, its sharding under ``torch.distributed`` and every estimator work unchan
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from sharpcli.analyses.diagonal import diagonal_result
+from sharpcli.analyses.landscape import LandscapeConfig, landscape
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
 from sharpcli.curvature import (
     AnalysisData,
@@ -48,19 +52,21 @@ from sharpcli.curvature import (
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
 from sharpcli.curvature.registry import HESSIAN
-from sharpcli.errors import InputError, UsageError
+from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
     CollectedData,
     apply_ignore_index,
     collect_data,
-    loss_name,
     model_on_data,
     refuse_unshifted_labels,
+    resolve_loss,
     to_device,
+    token_reduction_of,
 )
-from sharpcli.losses import TOKEN_REDUCTIONS, get_loss, token_reduction
+from sharpcli.io.loss_readings import LossReading, check_loss_value
+from sharpcli.losses import get_loss, token_reduction
 from sharpcli.preflight import (
     SECOND_DERIVATIVE_SAMPLES,
     check_second_derivatives,
@@ -144,11 +150,14 @@ class Curvature:
             are the ones differentiated), except that ``device``/``dtype`` other than its own make a
             converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
             untouched (and later changes to its weights unseen).
-        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
-            vocabulary) logits the mean over every labelled token of the set, as the module
-            computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
-            all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
-            (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
+            (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
+            (batch, length, vocabulary) logits on the flattened positions; where both fit, a
+            name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
+            all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
+            ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
+            tabulates the shapes. A module's value on the first batch must equal sharp's
+            (:func:`sharpcli.io.loss_readings.check_loss_value`).
         token_reduction: How a token loss averages over the set
             (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
             all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
@@ -216,9 +225,10 @@ class Curvature:
 
             model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         self.model = model
+        self.loss_reading: LossReading | None = None  # how the loss reads the outputs
         collected = collect_data(data, batch_size)
         self.loss, collected = self._loss_and_data(loss, collected)
-        self.token_reduction = _token_reduction(loss, self.loss, token_reduction)
+        self.token_reduction = token_reduction_of(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
@@ -251,7 +261,7 @@ class Curvature:
         keywords = {
             k: to_device(v[take], self.dtype, self.device) for k, v in collected.keywords.items()
         }
-        return model_on_data(self.model, x, keywords)
+        return model_on_data(self.model, x, keywords, self.loss_reading)
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
@@ -260,31 +270,38 @@ class Curvature:
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
                 source="loss",
             )
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
-        rows = torch.arange(min(2, collected.num_samples), device=self.device)
+        rows = min(collected.batch_size, collected.num_samples)  # the first batch
+        probe = self._on_data(collected, rows=rows)
         try:
             with torch.no_grad(), eval_mode(probe):
-                logits = probe(rows)
+                logits = probe(torch.arange(rows, device=self.device))
         except UsageError:
             raise
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            text = str(exc).strip()
-            first = text.splitlines()[0][:200] if text else type(exc).__name__
+            first = first_line(exc)
             raise UsageError(
                 f"the model cannot run on the inputs of `data` ({first})", source="data"
             ) from None
-        name, ignore_index = loss_name(loss, logits)
+        head = collected.y[:rows].to(logits.device)
+        reading, ignore_index = resolve_loss(loss, logits, head)
+        name = reading.name
+        self.loss_reading = reading  # the views from here on lay the outputs out for it
+        labels = reading.labels(collected.y)
+        collected = CollectedData(collected.x, collected.keywords, labels, collected.batch_size)
         collected = apply_ignore_index(collected, name, ignore_index)
-        refuse_unshifted_labels(collected, name)
-        head = collected.y[: logits.shape[0]].to(logits.device)
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
+        if not reading.reshapes:
+            refuse_unshifted_labels(collected, name)
+        few = collected.y[: min(2, collected.num_samples)].to(logits.device)
+        probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
-            logits = probe(torch.arange(head.shape[0], device=self.device))
+            laid_out = probe(torch.arange(few.shape[0], device=self.device))
         check = get_loss(name).check
-        problem = check(logits, head) if check is not None else None
+        problem = check(laid_out, few) if check is not None else None
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
-        self.num_outputs = int(logits[0].numel())  # model outputs per sample
+        if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
+            check_loss_value(loss, reading, logits, head, ignore_index)
+        self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 
     def _check_forward(self) -> None:
@@ -300,8 +317,7 @@ class Curvature:
                 try:
                     self._view(rows)
                 except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                    text = str(exc).strip()
-                    first = text.splitlines()[0][:200] if text else type(exc).__name__
+                    first = first_line(exc)
                     raise UsageError(
                         f"the model cannot run on samples {start}..{start + len(rows) - 1} of "
                         f"`data` ({first})",
@@ -473,6 +489,49 @@ class Curvature:
                 seed=seed,
             )
 
+    def diagonal(
+        self,
+        operator: str | None = None,
+        *,
+        estimator: str = "hutchinson",
+        probes: int = 100,
+        max_products: int = 10000,
+        seed: int = 0,
+    ):
+        r"""``diag(A)`` of ``operator`` per parameter, as ``sharp diagonal`` computes it.
+
+        Args:
+            operator: any registered operator; None: ``"hessian"`` for ``exact`` and
+                ``hutchinson``, ``"ggn"`` for ``gnb`` and ``per-sample``.
+            estimator: ``"hutchinson"`` (mean of :math:`v \odot A v` over Rademacher probes,
+                [Bekas2007]), ``"exact"`` (one product per parameter), ``"gnb"`` (Sophia's
+                Gauss-Newton-Bartlett estimator of diag(G), [Sophia]) or ``"per-sample"``
+                (the exact ggn diagonal as BackPACK's DiagGGN, [BackPACK], or the ef's).
+            probes: Rademacher probes or label draws (at least 2).
+            max_products: the products ``exact`` may spend, or the backward passes per sample
+                ``per-sample`` may.
+            seed: seeds the probes or draws.
+
+        Returns:
+            A :class:`~sharpcli.curvature.diagonal.DiagonalResult`: ``diagonal`` and
+            ``stderr`` flat, ``tensors()`` by parameter name and shape.
+
+        Raises:
+            UsageError: an argument out of range or an estimator that does not give
+                ``operator``'s diagonal, named by its keyword.
+        """
+        seed_argument(seed)
+        self.refresh()
+        with self._analysis_mode():
+            return diagonal_result(
+                self.curvature_pass,
+                operator,
+                estimator=estimator,
+                probes=probes,
+                max_products=max_products,
+                seed=seed,
+            )[1]
+
     def density(
         self,
         operator: str = HESSIAN,
@@ -581,35 +640,103 @@ class Curvature:
                 ggn_estimator=ggn_estimator,
             )
 
+    def sharpness(
+        self,
+        *,
+        kind: str = "worst-case",
+        norm: str = "l2",
+        rho: float | tuple[float, ...] = 0.05,
+        adaptive: bool = True,
+        m: int | None = None,
+        steps: int = 20,
+        restarts: int = 1,
+        noise_draws: int = 100,
+        seed: int = 0,
+    ) -> dict:
+        r"""Worst-case or average-case sharpness, adaptive or standard [Andriushchenko2023].
+
+        Adaptive: c = |w|; standard: c = 1.
+
+        .. math::
+
+            \max_{\|\delta / c\|_p \le \rho} L_S(w + \delta) - L_S(w), \qquad
+            \mathbb{E}_{\delta \sim N(0, \rho^2 \mathrm{diag}(c^2))} L_S(w + \delta) - L_S(w),
+
+        averaged over batches S of ``m`` samples (:mod:`sharpcli.analyses.sharpness`).
+
+        Args:
+            kind: ``"worst-case"`` (Auto-PGD) or ``"average"``.
+            norm: ``"l2"`` or ``"linf"``.
+            rho: one radius or several.
+            adaptive: c = |w| rather than 1.
+            m: samples per sharpness batch (None: the whole set).
+            steps: Auto-PGD steps per restart.
+            restarts: Auto-PGD restarts.
+            noise_draws: draws per batch (average case).
+            seed: seeds the restarts and the noise.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp sharpness --json``.
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
+        """
+        rhos = tuple(rho) if isinstance(rho, (list, tuple)) else (rho,)
+        config = SharpnessConfig(
+            kind=kind, norm=norm, rhos=tuple(float(r) for r in rhos), adaptive=adaptive, m=m,
+            params=self.scope.spec, steps=steps, restarts=restarts, noise_draws=noise_draws,
+            seed=seed_argument(seed),
+        )  # fmt: skip
+        with self._analysis_mode():
+            return sharpness(self._view, self.data, config).to_dict()
+
+    def landscape(
+        self,
+        *,
+        along: str = "random",
+        other: nn.Module | None = None,
+        dims: int = 2,
+        steps: int = 21,
+        span: float | None = None,
+        bias_bn: str = "zero",
+        seed: int = 0,
+    ) -> dict:
+        """The loss and accuracy on a line or plane through the weights [Li2018].
+
+        Along filter-normalized random directions, the top Hessian eigenvectors, or the line to
+        ``other`` (a model of the same architecture); :mod:`sharpcli.analyses.landscape`.
+
+        Args:
+            along: ``"random"``, ``"eigen"`` or ``"checkpoint"`` (with ``other``).
+            other: the second model of ``along="checkpoint"``.
+            dims: 1 (a line) or 2 (a plane).
+            steps: grid points per axis.
+            span: the grid's half-width (default 1; along a checkpoint the extrapolation, 0.5).
+            bias_bn: random directions on 1-D parameters: ``"zero"`` or ``"weights"``.
+            seed: seeds the random directions.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp landscape --json``.
+
+        Raises:
+            UsageError: an argument out of range, or ``other`` of another architecture.
+        """
+        config = LandscapeConfig(
+            along=along, dims=dims, steps=steps, span=span, bias_bn=bias_bn,
+            params=self.scope.spec, seed=seed_argument(seed),
+        )  # fmt: skip
+        if other is not None:
+            other = copy.deepcopy(unwrap(other)).to(device=self.device, dtype=self.dtype)
+        with self._analysis_mode():
+            result, _, _ = landscape(self._view, self.data, config, other=other)
+        return result.to_dict()
+
     def __repr__(self) -> str:
         return (
             f"Curvature({type(self.model).__name__}, loss={self.loss!r}, "
             f"samples={self.num_samples}, params={self.num_params}, dtype={self.dtype}, "
             f"device={self.device})"
         )
-
-
-def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
-    """How a token loss averages (None for the other losses).
-
-    ``reduction``, by default ``"tokens"``; a loss module's mean is the mean over all labelled
-    tokens, so ``"samples"`` with a module is refused (UsageError on ``token_reduction``).
-    """
-    if reduction is not None and reduction not in TOKEN_REDUCTIONS:
-        raise UsageError(
-            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
-            source="token_reduction",
-        )
-    if not get_loss(name).per_token:
-        return None
-    if reduction == "samples" and isinstance(loss, nn.Module):
-        raise UsageError(
-            f"{type(loss).__name__}() averages over every labelled token of the set; for the "
-            "mean of per-sample means pass loss='token-cross-entropy' with "
-            "token_reduction='samples'",
-            source="token_reduction",
-        )
-    return reduction or "tokens"
 
 
 def integer_argument(value, name: str, minimum: int = 1) -> int:

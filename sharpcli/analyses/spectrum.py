@@ -224,8 +224,8 @@ def eigen_result(
 def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     """Note a null space the operator's rank bound proves (e.g. G: rank <= N * rank(H_z)).
 
-    A Krylov method sees each distinct eigenvalue once, so the repeated 0 appears once among
-    the smallest eigenvalues.
+    Lanczos counts the repeated 0 among the smallest eigenvalues by deflated restarts
+    (:mod:`sharpcli.curvature.deflation`); the bound says how many copies there are at least.
     """
     if spec.rank_bound is None:
         return
@@ -233,8 +233,7 @@ def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     if rank_bound < numel:
         out.setdefault("notes", []).append(
             f"{spec.symbol} has rank <= {rank_bound} < {numel} parameters: 0 is an eigenvalue "
-            f"of multiplicity >= {numel - rank_bound}, reported once (Lanczos finds distinct "
-            "eigenvalues)"
+            f"of multiplicity >= {numel - rank_bound}"
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from sharpcli.catalogue.curvature import (
+    DIAGONAL_ESTIMATORS,
     ESTIMATORS,
     OPERATORS,
     entries_help,
@@ -30,6 +31,13 @@ from sharpcli.catalogue.curvature import (
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.sharpness import (
+    GAP_KINDS,
+    LANDSCAPE_BIAS_BN,
+    NORM_LAYERS,
+    SHARPNESS_KINDS,
+    SHARPNESS_NORMS,
+)
 from sharpcli.catalogue.values import (
     CHECKS,
     DEVICES,
@@ -58,21 +66,27 @@ __all__ = [
     "DATASETS",
     "DATA_FORMATS",
     "DEVICES",
+    "DIAGONAL_ESTIMATORS",
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",
     "ESTIMATORS",
+    "GAP_KINDS",
     "GGN_ESTIMATORS",
     "KINDS",
+    "LANDSCAPE_BIAS_BN",
     "LOSSES",
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
+    "NORM_LAYERS",
     "OPERATORS",
     "OPTIMIZERS",
     "REGULARIZERS",
     "RESCALE_MODES",
     "SCHEDULES",
+    "SHARPNESS_KINDS",
+    "SHARPNESS_NORMS",
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",

@@ -12,7 +12,14 @@ from typing import Any, Sequence
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 
-__all__ = ["ESTIMATORS", "OPERATORS", "entries_help", "operator_help", "operator_table"]
+__all__ = [
+    "DIAGONAL_ESTIMATORS",
+    "ESTIMATORS",
+    "OPERATORS",
+    "entries_help",
+    "operator_help",
+    "operator_table",
+]
 
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
@@ -29,6 +36,37 @@ OPERATORS: Registry[Any] = Registry(
 # default first
 ESTIMATORS: Registry[Any] = Registry(
     "estimator", source="estimator", entries=DECLARED.get("estimator", ())
+)
+
+# ``sharp diagonal --estimator NAME`` (sharpcli.analyses.diagonal), the default first
+DIAGONAL_ESTIMATORS: Registry[Any] = Registry(
+    "diagonal estimator",
+    source="estimator",
+    entries=[
+        Entry(
+            "hutchinson",
+            "mean of v * (A v) over Rademacher probes, per-entry standard errors",
+            "sharpcli.curvature.diagonal:hutchinson_diagonal",
+            paper="Bekas2007",
+        ),
+        Entry(
+            "exact",
+            "(A e_j)_j, one product per parameter (small scopes)",
+            "sharpcli.curvature.diagonal:exact_diagonal",
+        ),
+        Entry(
+            "gnb",
+            "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)",
+            "sharpcli.curvature.diagonal:gnb_diagonal",
+            paper="Sophia",
+        ),
+        Entry(
+            "per-sample",
+            "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
+            "sharpcli.curvature.diagonal:per_sample_diagonal",
+            paper="BackPACK",
+        ),
+    ],
 )
 
 

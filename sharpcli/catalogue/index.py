@@ -18,6 +18,8 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('exact', 'the trace of the Gauss-Newton matrix, exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
     ),
     'operator': (
+        Entry('ef', 'empirical Fisher (1/N) sum_i g_i g_i^T, data labels', 'sharpcli.curvature.fisher:EmpiricalFisherOperator', paper='Kunstner2019', info={'symbol': 'F_emp', 'psd': True}),
+        Entry('fisher', 'Fisher with labels drawn from the model; its mean over draws is G', 'sharpcli.curvature.fisher:FisherOperator', paper='Martens2020', info={'symbol': 'F', 'psd': True}),
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True}),
         Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),
         Entry('nme', 'nonlinear modelling error H - G', 'sharpcli.curvature.registry:build_nme', paper='NME', info={'symbol': 'N', 'psd': False, 'split': True}),

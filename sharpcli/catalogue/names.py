@@ -113,6 +113,12 @@ COMMANDS: Registry[Any] = Registry(
             paper="Ghorbani2019",
         ),
         Entry(
+            "diagonal",
+            "The curvature's diagonal per parameter, as a .safetensors file.",
+            "sharpcli.cli.cmd_diagonal:diagonal_command",
+            paper="Bekas2007",
+        ),
+        Entry(
             "analyze",
             "Several of these measures in one report; a gate for CI.",
             "sharpcli.cli.cmd_analyze:analyze_command",
@@ -127,6 +133,18 @@ COMMANDS: Registry[Any] = Registry(
             "Show which sharpness measures change when weights are rescaled.",
             "sharpcli.cli.cmd_diagnostics:weight_rescale_command",
             paper="MAN",
+        ),
+        Entry(
+            "sharpness",
+            "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
+            "sharpcli.cli.cmd_sharpness:sharpness_command",
+            paper="Andriushchenko2023",
+        ),
+        Entry(
+            "landscape",
+            "Loss on a line or plane through the checkpoint, plotted.",
+            "sharpcli.cli.cmd_landscape:landscape_command",
+            paper="Li2018",
         ),
         Entry(
             "bound-check",

@@ -34,6 +34,11 @@ Schedule = Literal[catalogue.SCHEDULES]  # type: ignore[valid-type]
 RescaleMode = Literal[catalogue.RESCALE_MODES]  # type: ignore[valid-type]
 EpsilonKind = Literal[catalogue.EPSILON_KINDS]  # type: ignore[valid-type]
 TableFormat = Literal[catalogue.TABLE_FORMATS]  # type: ignore[valid-type]
+SharpnessKind = Literal[catalogue.SHARPNESS_KINDS]  # type: ignore[valid-type]
+SharpnessNorm = Literal[catalogue.SHARPNESS_NORMS]  # type: ignore[valid-type]
+NormLayers = Literal[catalogue.NORM_LAYERS]  # type: ignore[valid-type]
+LandscapeBiasBN = Literal[catalogue.LANDSCAPE_BIAS_BN]  # type: ignore[valid-type]
+GapKind = Literal[catalogue.GAP_KINDS]  # type: ignore[valid-type]
 
 Values = Union[tuple[str, ...], Registry]
 

@@ -405,7 +405,31 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
         "trace": hessian.get("trace"),
         "frobenius_sq": hessian.get("frobenius_sq"),
         "nme_share": res.get("nme_share"),
+        **_flatness_columns(res),
     }
+
+
+# analyze's flatness metrics as sweep columns (only those the analysis reported), for the
+# Kendall tau table: (column, path in the analyze results)
+_FLATNESS_COLUMNS = (
+    ("adaptive_sharpness", ("sharpness", "worst_case")),
+    ("average_sharpness", ("sharpness", "average")),
+    ("pac_bayes_flatness", ("pac_bayes", "plain", "flatness")),
+    ("pac_bayes_mag_flatness", ("pac_bayes", "magnitude", "flatness")),
+    ("fisher_rao_norm_sq", ("fisher_rao", "norm_sq")),
+    ("fisher_rao_norm_sq_empirical", ("fisher_rao", "norm_sq_empirical")),
+)
+
+
+def _flatness_columns(res: dict) -> dict:
+    out = {}
+    for column, path in _FLATNESS_COLUMNS:
+        node = res
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            out[column] = node
+    return out
 
 
 def _summary(runs: list[dict], grid: dict) -> list[dict]:

@@ -206,7 +206,7 @@ def test_named_sets_are_the_catalogue_s_registries():
     assert choices.metavar(catalogue.ACTIVATIONS, params=True) == "NAME[:beta=B]"
     assert choices.metavar(catalogue.OPERATORS) == "NAME"
     complete = choices.completer(catalogue.OPERATORS)
-    assert complete("") == ["hessian", "ggn", "nme"]
+    assert complete("") == ["hessian", "ggn", "nme", "ef", "fisher"]
     info = {"symbol": "2G", "psd": True}
     catalogue.OPERATORS.register(
         "ggn-twice", lambda p: 2 * p.ggn(), entry=Entry("ggn-twice", "2 G", info=info)

@@ -165,7 +165,7 @@ def test_analyze_gate_trips_and_passes(tiny, capsys):
         (["eigen", "--top-k", "0"], "--top-k"),
         (["eigen", "--top-k", "30", "--max-matvecs", "20"], "--top-k"),
         (["eigen", "--tol", "0"], "--eig-tol"),  # the former name; errors name the new one
-        (["eigen", "--operator", "fisher"], "--operator"),
+        (["eigen", "--operator", "jacobian"], "--operator"),
         (["eigen", "--params", "nomatch*"], "--params"),
         (["trace", "--estimator", "magic"], "--estimator"),
         (["analyze", "--metrics", "vibes"], "--metrics"),
@@ -283,3 +283,23 @@ def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
         assert "dense-diagonal" in " ".join(shown.split())
     finally:
         ESTIMATORS.unregister("dense-diagonal")
+
+
+def test_trace_of_a_relu_nme_is_zero_within_its_stderr(tmp_path, capsys):
+    """tr(N) = 0 exactly for a ReLU MLP (its second derivatives within one layer vanish): the
+    sketch stops at N's range, the estimate is 0 within its standard error, no note claims
+    the trace exact, and the layers sum to the total (the sketch used to grow past the rank,
+    lose orthogonality and report e.g. -1.03 +- 0.015)."""
+    spec = tiny_mlp_spec(d_in=5, classes=3, width=6, depth=1, activation="relu")
+    path = write_own_checkpoint(tmp_path / "relu.safetensors", spec, data_spec=DATA, seed=5)
+    run = run_cli(capsys, "trace", path, "--operator", "nme", "--dtype", "float64", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    t = report["results"]["trace"]
+    assert 0 < t["stderr"] <= 1e-12 and abs(t["estimate"]) <= 4 * t["stderr"], t
+    assert 0 < t["sketch_size"] < sum(p.numel() for p in load_checkpoint(path).model.parameters())
+    notes = " ".join(t["notes"] + report.get("notes", []))
+    assert "spans the operator's range" in notes and "exact" not in notes
+    layers = report["results"]["by_layer"]
+    assert sum(v["estimate"] for v in layers.values()) == pytest.approx(t["estimate"], abs=1e-15)

@@ -87,7 +87,7 @@ def test_register_then_unregister_an_operator(capsys):
     finally:
         assert unregister_operator("hessian-twice") is spec
     assert "hessian-twice" not in OPERATORS
-    with pytest.raises(UsageError, match="accepted: hessian, ggn, nme$"):
+    with pytest.raises(UsageError, match="accepted: hessian, ggn, nme, ef, fisher$"):
         operator_spec("hessian-twice")
 
 

@@ -147,8 +147,9 @@ def test_hutchinson_hand_counts():
     full = hutchpp(MatrixOperator(A), tol=1e-6, max_matvecs=30, initial_sketch=2)
     assert (
         full.estimate == pytest.approx(1.0, abs=1e-14)
-        and full.stderr == 0.0
+        and full.stderr <= 1e-14  # the exact part's rounding only
         and full.sketch_size == 2
+        and any("exact up to rounding" in note for note in full.notes)
     )
 
 
