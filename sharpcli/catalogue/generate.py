@@ -77,7 +77,8 @@ def collect() -> dict[str, list[Entry]]:
     """Import every module and gather the declared objects defined in it.
 
     Returns:
-        ``{kind: [Entry, ...]}``, each kind's records in module order, then definition order.
+        ``{kind: [Entry, ...]}``, each kind's records in module order (the module declaring
+        the kind's default first), then definition order.
 
     Raises:
         ValueError: a name declared twice in one kind.
@@ -97,6 +98,12 @@ def collect() -> dict[str, list[Entry]]:
                 found.setdefault(kind, []).append(entry)
     finally:
         registry.CHECK_INDEX = checking
+    for entries in found.values():
+        # the module that declares a kind's default (``info={"default": True}``) first, so the
+        # default and its siblings lead --help and completion whatever the modules' names
+        home = [e.impl.split(":")[0] for e in entries if e.info.get("default")]
+        if home:
+            entries.sort(key=lambda e: e.impl.split(":")[0] != home[0])
     return dict(sorted(found.items()))
 
 

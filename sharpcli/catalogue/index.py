@@ -12,17 +12,17 @@ from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
     'estimator': (
-        Entry('hutchpp', 'Hutch++: the top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.estimators:hutchpp_trace', paper='Hutch++'),
-        Entry('hutchinson', 'Rademacher probes averaged until the standard error meets tol', 'sharpcli.curvature.estimators:hutchinson_trace', paper='Hutchinson1989'),
+        Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.estimators:hutchpp_trace', paper='Hutch++'),
+        Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.estimators:hutchinson_trace', paper='Hutchinson1989'),
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.estimators:gn_split', paper='NME'),
-        Entry('exact', 'the trace of the Gauss-Newton matrix, exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
+        Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
     ),
     'operator': (
-        Entry('ef', 'empirical Fisher (1/N) sum_i g_i g_i^T, data labels', 'sharpcli.curvature.fisher:EmpiricalFisherOperator', paper='Kunstner2019', info={'symbol': 'F_emp', 'psd': True}),
-        Entry('fisher', 'Fisher with labels drawn from the model; its mean over draws is G', 'sharpcli.curvature.fisher:FisherOperator', paper='Martens2020', info={'symbol': 'F', 'psd': True}),
-        Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True}),
+        Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
         Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),
         Entry('nme', 'nonlinear modelling error H - G', 'sharpcli.curvature.registry:build_nme', paper='NME', info={'symbol': 'N', 'psd': False, 'split': True}),
+        Entry('ef', 'empirical Fisher, data labels', 'sharpcli.curvature.fisher:EmpiricalFisherOperator', paper='Kunstner2019', info={'symbol': 'F_emp', 'psd': True}),
+        Entry('fisher', 'Fisher, labels drawn from the model (mean: G)', 'sharpcli.curvature.fisher:FisherOperator', paper='Martens2020', info={'symbol': 'F', 'psd': True}),
     ),
     'regularizer': (
         Entry('none', 'plain loss', 'sharpcli.training.penalties.decay:NoRegularizer', info={'kind': 'none', 'needs_penultimate': False}),

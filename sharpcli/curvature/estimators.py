@@ -112,7 +112,7 @@ DEFAULT_ESTIMATOR = "hutchpp"
 @declare(
     "estimator",
     DEFAULT_ESTIMATOR,
-    "Hutch++: the top subspace exactly, Hutchinson on the rest",
+    "top subspace exactly, Hutchinson on the rest",
     paper="Hutch++",
 )
 def hutchpp_trace(request: TraceRequest) -> TraceResult:
@@ -123,7 +123,7 @@ def hutchpp_trace(request: TraceRequest) -> TraceResult:
 @declare(
     "estimator",
     "hutchinson",
-    "Rademacher probes averaged until the standard error meets tol",
+    "Rademacher probes until the stderr meets tol",
     paper="Hutchinson1989",
 )
 def hutchinson_trace(request: TraceRequest) -> TraceResult:
@@ -151,7 +151,7 @@ def gn_split(request: TraceRequest) -> TraceResult:
     return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
 
 
-@declare("estimator", "exact", "the trace of the Gauss-Newton matrix, exactly (small models)")
+@declare("estimator", "exact", "tr(G) exactly (small models)")
 def exact_trace(request: TraceRequest) -> TraceResult:
     """The exact Gauss-Newton trace, C backward passes per batch (:func:`exact_ggn_trace`).
 

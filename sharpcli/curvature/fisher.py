@@ -152,7 +152,7 @@ class _OuterProductOperator(CurvatureOperator):
 @declare(
     "operator",
     "ef",
-    "empirical Fisher (1/N) sum_i g_i g_i^T, data labels",
+    "empirical Fisher, data labels",
     paper="Kunstner2019",
     info={"symbol": "F_emp", "psd": True},
 )
@@ -181,7 +181,7 @@ class EmpiricalFisherOperator(_OuterProductOperator):
 @declare(
     "operator",
     "fisher",
-    "Fisher with labels drawn from the model; its mean over draws is G",
+    "Fisher, labels drawn from the model (mean: G)",
     paper="Martens2020",
     info={"symbol": "F", "psd": True},
 )

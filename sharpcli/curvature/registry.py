@@ -212,7 +212,7 @@ def _split(symbol: str, psd: bool) -> dict[str, object]:
     return {"symbol": symbol, "psd": psd, "split": True}
 
 
-@declare("operator", HESSIAN, "Hessian of the loss", info=_split("H", False))
+@declare("operator", HESSIAN, "Hessian of the loss", info={**_split("H", False), "default": True})
 def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``hessian``: H on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.hessian()
