@@ -37,8 +37,22 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sharpcli.curvature import CurvatureOperator
-from sharpcli.errors import UsageError, first_line
+from sharpcli.analyses.diagonal import diagonal_result
+from sharpcli.analyses.landscape import LandscapeConfig, landscape
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvatureEngine,
+    CurvatureOperator,
+    ParamScope,
+    build_operator,
+    spectral_density,
+)
+from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
+from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
@@ -52,17 +66,25 @@ from sharpcli.io.in_memory import (
     token_reduction_of,
 )
 from sharpcli.io.loss_readings import LossReading, check_loss_value
+from sharpcli.losses import get_loss, token_reduction
+from sharpcli.preflight import (
+    SECOND_DERIVATIVE_SAMPLES,
+    check_second_derivatives,
+    check_seed,
+    resolve_device,
+    resolve_dtype,
+)
 
 __all__ = ["Curvature", "LABEL_KEYS"]
 
 
 @contextlib.contextmanager
 def analysis_mode(model: nn.Module):
-    """:func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
-    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward),
-    as the ``sharp`` commands run."""
-    from sharpcli.curvature.differentiable import twice_differentiable
+    """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
+    :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+    """
     with eval_mode(model), twice_differentiable():
         yield model
 
@@ -80,9 +102,11 @@ def eval_mode(model: nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
-    wrappers (their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken
-    through the plain module, whose forward is twice differentiable)."""
+    """The module inside ``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile``.
+
+    Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
+    plain module, whose forward is twice differentiable.
+    """
     while True:
         compiled = getattr(model, "_orig_mod", None)  # torch.compile
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
@@ -97,8 +121,6 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     if dtype is None:
         return model_dtype
     if isinstance(dtype, str):
-        from sharpcli.preflight import resolve_dtype
-
         return resolve_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UsageError(
@@ -111,41 +133,42 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
 def _resolve_device(device, model_device: torch.device) -> torch.device:
     if device is None:
         return model_device
-    from sharpcli.preflight import resolve_device
 
     return resolve_device(str(device))
 
 
 # --------------------------------------------------------------------------- Curvature
 class Curvature:
-    """Curvature of ``loss`` over ``data`` at ``model``'s weights: eigenvalues, traces, density,
-    the Gauss-Newton/NME split and the matrix-free products themselves.
+    """Curvature of ``loss`` over ``data`` at ``model``'s weights.
+
+    Eigenvalues, traces, density, the Gauss-Newton/NME split and the matrix-free products
+    themselves.
 
     Args:
         model: An ``nn.Module``; its output is the logits tensor, an output object with
-          ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
-          are the ones differentiated), except that ``device``/``dtype`` other than its own make a
-          converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
-          untouched (and later changes to its weights unseen).
+            ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
+            are the ones differentiated), except that ``device``/``dtype`` other than its own make a
+            converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
+            untouched (and later changes to its weights unseen).
         loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
-          (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
-          (batch, length, vocabulary) logits on the flattened positions; where both fit, a
-          name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
-          all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
-          ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
-          tabulates the shapes. A module's value on the first batch must equal sharp's
-          (:func:`sharpcli.io.loss_readings.check_loss_value`).
+            (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
+            (batch, length, vocabulary) logits on the flattened positions; where both fit, a
+            name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
+            all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
+            ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
+            tabulates the shapes. A module's value on the first batch must equal sharp's
+            (:func:`sharpcli.io.loss_readings.check_loss_value`).
         token_reduction: How a token loss averages over the set
-          (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
-          all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
-          labelled positions, then the mean over samples; with the name
-          ``"token-cross-entropy"`` only). Ignored by the other losses.
+            (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
+            all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
+            labelled positions, then the mean over samples; with the name
+            ``"token-cross-entropy"`` only). Ignored by the other losses.
         data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-          iterable of batches (module docstring).
+            iterable of batches (module docstring).
         params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
-          comma-separated globs on parameter names (``"fc.*,head.weight"``).
+            comma-separated globs on parameter names (``"fc.*,head.weight"``).
         batch_size: Samples per product batch (memory only: the results are means over
-          samples); default a DataLoader's batch size, or 256 for tensors.
+            samples); default a DataLoader's batch size, or 256 for tensors.
         device: Where the products run; None: the model's device.
         dtype: The products' dtype; None: the model's.
 
@@ -186,7 +209,6 @@ class Curvature:
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
 
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
@@ -215,16 +237,17 @@ class Curvature:
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        self.curvature_pass = CurvaturePass(self._view, self.data, self.scope)
+        self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
 
     def _analysis_mode(self) -> contextlib.AbstractContextManager:
-        """:func:`analysis_mode` of the model view, and a token loss averaged over the
-        analysis set per :attr:`token_reduction` (:func:`sharpcli.losses.token_reduction`)."""
+        """The model view in :func:`analysis_mode`, and the token loss's averaging.
+
+        A token loss is averaged over the analysis set per :attr:`token_reduction`
+        (:func:`sharpcli.losses.token_reduction`).
+        """
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))
         if self.token_reduction is not None:
-            from sharpcli.losses import token_reduction
-
             stack.enter_context(token_reduction(self.token_reduction, self.data.y))
         return stack
 
@@ -242,8 +265,6 @@ class Curvature:
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
-        from sharpcli.losses import get_loss
-
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
@@ -284,9 +305,11 @@ class Curvature:
         return name, collected
 
     def _check_forward(self) -> None:
-        """One forward pass over the whole set without gradients, batch by batch: an input the
-        model cannot take (a token id beyond its embedding, say) is a UsageError on ``data``
-        here rather than an error in the middle of a curvature product."""
+        """One forward pass over the whole set without gradients, batch by batch.
+
+        An input the model cannot take (a token id beyond its embedding, say) is a UsageError
+        on ``data`` here rather than an error in the middle of a curvature product.
+        """
         index = torch.arange(self.num_samples, device=self.device)
         with torch.no_grad(), eval_mode(self._view):
             for start in range(0, self.num_samples, self.batch_size):
@@ -303,11 +326,8 @@ class Curvature:
 
     def _self_check(self, collected: CollectedData) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-        from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
-
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
-        from sharpcli.errors import InputError
 
         try:
             with analysis_mode(view):
@@ -323,7 +343,7 @@ class Curvature:
         """P, the number of parameters in scope (the operators are P x P)."""
         return self.scope.numel
 
-    def operator(self, operator: str = "hessian"):
+    def operator(self, operator: str = HESSIAN):
         """The curvature operator ``operator`` as a matrix-free P x P operator.
 
         ``A @ v`` for a flat vector of length P (laid out parameter by parameter,
@@ -352,8 +372,6 @@ class Curvature:
         >>> torch.allclose(H @ v, G @ v + N @ v)     # H = G + N ([NME] eq. 2)
         True
         """
-        from sharpcli.curvature import build_operator
-
         op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
         self.refresh()
         return op
@@ -363,14 +381,15 @@ class Curvature:
 
         Every method starts with it: the cache is also dropped when a parameter's version
         counter moves, but a fused optimizer step (``torch.optim.AdamW(fused=True)``, the
-        Hugging Face Trainer's default) updates weights in place without moving it."""
+        Hugging Face Trainer's default) updates weights in place without moving it.
+        """
         self.curvature_pass.clear_cache()
 
     def eigenvalues(
         self,
         k: int = 1,
         which: str = "largest",
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         method: str = "lanczos",
         tol: float = 1e-3,
@@ -401,8 +420,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import eigen_result
-
         integer_argument(k, "k")
         seed_argument(seed)
         self.refresh()
@@ -422,16 +439,17 @@ class Curvature:
 
     def trace(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
-        estimator: str = "hutchpp",
+        estimator: str = DEFAULT_ESTIMATOR,
         square: bool = False,
         tol: float = 1e-2,
         max_matvecs: int = 1000,
         seed: int = 0,
     ):
-        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)`` with ``square``), with its standard error
-        and per-layer (diagonal block) traces.
+        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
+
+        The per-layer traces are those of the diagonal blocks.
 
         .. math::
 
@@ -458,8 +476,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import trace_result
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -504,8 +520,6 @@ class Curvature:
             UsageError: an argument out of range or an estimator that does not give
                 ``operator``'s diagonal, named by its keyword.
         """
-        from sharpcli.analyses.diagonal import diagonal_result
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -520,7 +534,7 @@ class Curvature:
 
     def density(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         probes: int = 4,
         steps: int = 64,
@@ -528,8 +542,9 @@ class Curvature:
         broadening: float | None = None,
         seed: int = 0,
     ):
-        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature ([Ubaru2017],
-        [Ghorbani2019]).
+        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
+
+        As in [Ubaru2017] and [Ghorbani2019].
 
         .. math::
 
@@ -555,8 +570,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.curvature import spectral_density
-
         integer_argument(probes, "probes")
         integer_argument(steps, "steps")
         integer_argument(grid_points, "grid_points", minimum=2)
@@ -582,7 +595,8 @@ class Curvature:
         label_samples: int = 4,
         ggn_estimator: str = "auto",
     ) -> dict:
-        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts,
+        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts.
+
         [NME] eq. 2:
 
         .. math::
@@ -610,8 +624,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import gn_nme_result
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -641,8 +653,9 @@ class Curvature:
         noise_draws: int = 100,
         seed: int = 0,
     ) -> dict:
-        r"""Worst-case or average-case sharpness, adaptive (c = |w|) or standard (c = 1),
-        [Andriushchenko2023]:
+        r"""Worst-case or average-case sharpness, adaptive or standard [Andriushchenko2023].
+
+        Adaptive: c = |w|; standard: c = 1.
 
         .. math::
 
@@ -668,8 +681,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-
         rhos = tuple(rho) if isinstance(rho, (list, tuple)) else (rho,)
         config = SharpnessConfig(
             kind=kind, norm=norm, rhos=tuple(float(r) for r in rhos), adaptive=adaptive, m=m,
@@ -690,9 +701,10 @@ class Curvature:
         bias_bn: str = "zero",
         seed: int = 0,
     ) -> dict:
-        """The loss and accuracy on a line or plane through the weights ([Li2018];
-        :mod:`sharpcli.analyses.landscape`): filter-normalized random directions, the top
-        Hessian eigenvectors, or the line to ``other`` (a model of the same architecture).
+        """The loss and accuracy on a line or plane through the weights [Li2018].
+
+        Along filter-normalized random directions, the top Hessian eigenvectors, or the line to
+        ``other`` (a model of the same architecture); :mod:`sharpcli.analyses.landscape`.
 
         Args:
             along: ``"random"``, ``"eigen"`` or ``"checkpoint"`` (with ``other``).
@@ -709,8 +721,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, or ``other`` of another architecture.
         """
-        from sharpcli.analyses.landscape import LandscapeConfig, landscape
-
         config = LandscapeConfig(
             along=along, dims=dims, steps=steps, span=span, bias_bn=bias_bn,
             params=self.scope.spec, seed=seed_argument(seed),
@@ -738,14 +748,15 @@ def integer_argument(value, name: str, minimum: int = 1) -> int:
 
 def seed_argument(seed) -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
-    from sharpcli.preflight import check_seed
-
     return check_seed(seed, "seed")
 
 
 class _EvalModeOperator(CurvatureOperator):
-    """``inner`` (a registered operator) with every product run in ``mode`` (eval mode, the
-    token loss's averaging); ``inner`` keeps the count of products it made."""
+    """``inner`` (a registered operator) with every product run in ``mode``.
+
+    ``mode`` is eval mode and the token loss's averaging; ``inner`` keeps the count of
+    products it made.
+    """
 
     def __init__(
         self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]

@@ -59,7 +59,7 @@ class Session:
     seed: int
     num_outputs: int
     # budget of cached first-order graphs in curvature passes; None: up to what the memory
-    # plan leaves (sharpcli.curvature.operators.CurvaturePass.plan_memory)
+    # plan leaves (sharpcli.curvature.operators.CurvatureEngine.plan_memory)
     cache_bytes: int | None = None
     # token-cross-entropy: "tokens" (mean over all labelled tokens) or "samples", and the mean
     # labelled positions per sample that the token mean divides by

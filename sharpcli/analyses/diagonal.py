@@ -37,7 +37,7 @@ def diagonal_result(
     """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
 
     Args:
-        cpass: the :class:`~sharpcli.curvature.CurvaturePass`.
+        cpass: the :class:`~sharpcli.curvature.CurvatureEngine`.
         operator: a registered operator; None: ``hessian`` for ``exact`` and ``hutchinson``,
             ``ggn`` for ``gnb`` and ``per-sample``.
         estimator: ``exact``, ``hutchinson``, ``gnb`` (``ggn`` only) or ``per-sample``

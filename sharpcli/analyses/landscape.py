@@ -162,10 +162,10 @@ def _flat(values: list) -> list[float]:
 def _eigen_directions(
     model: nn.Module, data: AnalysisData, scope: ParamScope, k: int, config: LandscapeConfig
 ) -> tuple[list[list[torch.Tensor]], dict]:
+    from sharpcli.curvature.engine import CurvatureEngine
     from sharpcli.curvature.lanczos import lanczos
-    from sharpcli.curvature.operators import CurvaturePass
 
-    hessian = CurvaturePass(model, data, scope).hessian()
+    hessian = CurvatureEngine(model, data, scope).hessian()
     result = lanczos(
         hessian,
         k,

@@ -56,7 +56,7 @@ from sharpcli.curvature.data import (
     distributed_rank_and_world,
     to_model_batch,
 )
-from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
+from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
@@ -245,7 +245,7 @@ def _curvature_row(
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
     change = _global_max(local_change, evaluation.logits.device)
     scope = ParamScope.resolve(model, params)
-    curvature_pass = CurvaturePass(model, data, scope)
+    curvature_pass = CurvatureEngine(model, data, scope)
     hessian = curvature_pass.hessian()
     top = lanczos(hessian, 1, "largest", tol=tol, max_matvecs=max_matvecs, seed=seed)
     trace = _trace(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)

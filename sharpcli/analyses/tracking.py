@@ -111,12 +111,12 @@ def make_tracker(
     check_tracked(names)
 
     def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
+        from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
         was_training = model.training
         model.eval()
         try:
-            cpass = CurvaturePass(
+            cpass = CurvatureEngine(
                 model,
                 AnalysisData(x, y, loss=loss, batch_size=batch_size),
                 ParamScope.resolve(model, None),

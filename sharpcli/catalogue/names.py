@@ -5,6 +5,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param
 
@@ -14,7 +16,7 @@ P = Param
 
 # the losses of the analyses and of training (sharpcli.losses); ``info``: whether the labels
 # are classes (accuracy is defined)
-LOSSES: Registry = Registry(
+LOSSES: Registry[Any] = Registry(
     "loss",
     source="loss",
     entries=[
@@ -47,7 +49,7 @@ LOSSES: Registry = Registry(
 
 
 # ``--activation NAME[:beta=B]`` (sharpcli.models.activations), [NME] sections 4.3-4.4
-ACTIVATIONS: Registry = Registry(
+ACTIVATIONS: Registry[Any] = Registry(
     "activation",
     source="activation",
     entries=[
@@ -77,7 +79,7 @@ ACTIVATIONS: Registry = Registry(
 )
 
 # the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)
-COMMANDS: Registry = Registry(
+COMMANDS: Registry[Any] = Registry(
     "command",
     source="command",
     entries=[

@@ -1,6 +1,8 @@
-"""The closed value sets of the sharpness and landscape options (``sharp sharpness``,
-``sharp landscape``): read by :mod:`sharpcli.analyses.sharpness`,
-:mod:`sharpcli.analyses.landscape` and the CLI's ``Literal`` types.
+"""The closed value sets of the sharpness and landscape options.
+
+They are the values of ``sharp sharpness`` and ``sharp landscape``, read by
+:mod:`sharpcli.analyses.sharpness`, :mod:`sharpcli.analyses.landscape` and the CLI's
+``Literal`` types.
 
 This module imports no torch.
 """

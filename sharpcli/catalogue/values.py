@@ -1,5 +1,7 @@
-"""The closed value sets of options: each set once, read by the library module that accepts
-its values and by the CLI, whose ``Literal`` types ``--help`` lists and completion offers.
+"""The closed value sets of options, each set once.
+
+Read by the library module that accepts its values and by the CLI, whose ``Literal`` types
+``--help`` lists and completion offers.
 
 This module imports no torch.
 """

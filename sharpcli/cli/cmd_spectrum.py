@@ -18,6 +18,14 @@ def _operator_help() -> str:
     return f"{catalogue.operator_help()}."
 
 
+def _estimator_help() -> str:
+    """``--estimator``'s help: the trace estimators of the catalogue, the default first,
+    extensions registered in this process included (read again when the help is shown)."""
+    return catalogue.entries_help(catalogue.ESTIMATORS) + "."
+
+
+# the first declared operator, the Hessian
+DEFAULT_OPERATOR = catalogue.OPERATORS.builtin_names()[0]
 OperatorOpt = Annotated[
     str,
     typer.Option(
@@ -114,7 +122,7 @@ def eigen_command(
     which: Annotated[
         choices.Which, typer.Option("--which", help="Which end of the spectrum.")
     ] = "largest",
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     method: Annotated[
         choices.Method,
         typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
@@ -208,15 +216,16 @@ def eigen_command(
 def trace_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     estimator: Annotated[
-        choices.Estimator,
+        str,
         typer.Option(
             "--estimator",
-            help="hutchpp, hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or "
-            "exact (Gauss-Newton).",
+            metavar=choices.metavar(catalogue.ESTIMATORS),
+            autocompletion=choices.completer(catalogue.ESTIMATORS),
+            help=lazyhelp.lazy_help(_estimator_help),
         ),
-    ] = "hutchpp",
+    ] = catalogue.ESTIMATORS.names()[0],
     tol: TraceTolOpt = 1e-2,
     max_matvecs: TraceMaxMatvecsOpt = 1000,
     square: Annotated[
@@ -408,7 +417,7 @@ def gn_nme_command(
 def density_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     probes: Annotated[int, typer.Option("--probes", help="Random start vectors (SLQ runs).")] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Lanczos steps per probe.")] = 64,
     grid_points: Annotated[

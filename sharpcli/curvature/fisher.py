@@ -44,12 +44,14 @@ import torch
 
 from sharpcli.curvature.data import all_reduce_sum
 from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.graphs import BatchGraph
-from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
+from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.registry import register_operator
 from sharpcli.curvature.sampled_ggn import _per_sample_draws
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
+from sharpcli.registry import declare
 
 __all__ = ["EmpiricalFisherOperator", "FisherOperator", "fisher_residuals"]
 
@@ -90,7 +92,7 @@ class _OuterProductOperator(CurvatureOperator):
     the 1/N and 1/S of the average folded in as ``1/sqrt(N S)``).
     """
 
-    def __init__(self, curvature_pass: CurvaturePass):
+    def __init__(self, curvature_pass: CurvatureEngine):
         scope = curvature_pass.scope
         super().__init__(scope.numel, scope.dtype, scope.device)
         self.engine = curvature_pass
@@ -147,6 +149,13 @@ class _OuterProductOperator(CurvatureOperator):
         return all_reduce_sum(total)
 
 
+@declare(
+    "operator",
+    "ef",
+    "empirical Fisher, data labels",
+    paper="Kunstner2019",
+    info={"symbol": "F_emp", "psd": True},
+)
 class EmpiricalFisherOperator(_OuterProductOperator):
     r"""The empirical Fisher with the data's labels ([Kunstner2019]).
 
@@ -169,6 +178,13 @@ class EmpiricalFisherOperator(_OuterProductOperator):
         return graph.gz.detach()[None] * math.sqrt(self.data.num_samples)
 
 
+@declare(
+    "operator",
+    "fisher",
+    "Fisher, labels drawn from the model (mean: G)",
+    paper="Martens2020",
+    info={"symbol": "F", "psd": True},
+)
 class FisherOperator(_OuterProductOperator):
     r"""The Fisher information with labels sampled from the model ([Martens2020]).
 
@@ -193,7 +209,7 @@ class FisherOperator(_OuterProductOperator):
 
     name = "Fisher"
 
-    def __init__(self, curvature_pass: CurvaturePass, samples: int = 1, seed: int = 0):
+    def __init__(self, curvature_pass: CurvatureEngine, samples: int = 1, seed: int = 0):
         super().__init__(curvature_pass)
         if int(samples) < 1:
             raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
@@ -205,7 +221,7 @@ class FisherOperator(_OuterProductOperator):
             )
         self.samples, self.seed = int(samples), int(seed)
 
-    def _rebuild(self, engine: CurvaturePass) -> CurvatureOperator:
+    def _rebuild(self, engine: CurvatureEngine) -> CurvatureOperator:
         return FisherOperator(engine, samples=self.samples, seed=self.seed)
 
     def _batch_labels(self, index: int, size: int) -> tuple[int, torch.Tensor]:

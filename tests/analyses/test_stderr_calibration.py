@@ -22,7 +22,7 @@ from sharpcli.analyses.theorem2 import theorem2_check
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
 from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvaturePass, MatrixOperator
+from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
 from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.split import gn_nme_split
@@ -63,7 +63,7 @@ def tiny():
 def test_hutchinson_and_square_stderrs(tiny):
     """At a fixed budget (tolerance unreachable): no stopping rule selects the probes."""
     model, data, scope, H, _ = tiny
-    op = CurvaturePass(model, data, scope).hessian()
+    op = CurvatureEngine(model, data, scope).hessian()
     for estimator, truth in (
         (hutchinson, float(torch.trace(H))),
         (frobenius_sq, float((H * H).sum())),
@@ -75,7 +75,7 @@ def test_hutchinson_and_square_stderrs(tiny):
 def test_gn_nme_split_stderrs(tiny):
     """Traces and Tr(A^2) of H, G and N from shared probes, each against its dense value."""
     model, data, scope, H, G = tiny
-    cpass = CurvaturePass(model, data, scope)
+    cpass = CurvatureEngine(model, data, scope)
     runs = [gn_nme_split(cpass, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
     N = H - G
     for name, A in (("hessian", H), ("ggn", G), ("nme", N)):
@@ -150,7 +150,7 @@ def test_hutchpp_exact_part_plus_residual_stderr(tiny):
     assert all(r.sketch_size == 24 and r.samples >= 20 for r in runs)
     truth = float(torch.trace(H))
     _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
-    cpass = CurvaturePass(model, data, scope)
+    cpass = CurvatureEngine(model, data, scope)
     split = [gn_split_trace(cpass, tol=0.05, seed=seed) for seed in range(16)]
     _z_scores_calibrated([r.estimate for r in split], [r.stderr for r in split], truth)
 
@@ -203,7 +203,7 @@ def test_gn_nme_split_stderrs_when_the_tolerance_sizes_the_sample(tiny):
     """gn-nme's joint estimates sized by a pilot for the slower of tr(H) and tr(G): the
     reported standard errors are fixed-n ones, calibrated over seeds, and mostly reach tol."""
     model, data, scope, H, G = tiny
-    cpass = CurvaturePass(model, data, scope)
+    cpass = CurvatureEngine(model, data, scope)
     tol = 0.1
     runs = [gn_nme_split(cpass, tol=tol, seed=seed) for seed in range(24)]
     assert all(r.matvecs < 1000 and r.samples <= r.matvecs - 10 for r in runs)
@@ -302,7 +302,7 @@ def test_gn_nme_estimates_on_a_tied_module(tied_module):
     model, data, scope, H = tied_module
     params = list(model.parameters())
     G = cross_entropy_ggn(model, params, data.x)
-    cpass = CurvaturePass(model, data, scope)
+    cpass = CurvatureEngine(model, data, scope)
     exact = exact_ggn_trace(model, data, scope)
     assert exact.estimate == pytest.approx(float(G.trace()), rel=1e-12)
     for layer, block in scope.blocks().items():

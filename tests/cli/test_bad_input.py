@@ -958,6 +958,9 @@ CASES = [
         ("$out", "No space left on device"),
         disk_full=r"/\.out\.safetensors\.[0-9a-f]{8}\.tmp$",
     ),
+    # ------------------------------------------------------------------ sharpness, landscape
+    C("sharpness-rho-not-positive", ("sharpness", "$own", "--rho", "0"), 2, ("--rho",)),
+    C("landscape-span-zero", ("landscape", "$own", "--span", "0"), 2, ("--span",)),
 ]
 
 

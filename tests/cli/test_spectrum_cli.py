@@ -256,6 +256,35 @@ def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
     assert "sharp: note: residuals are explicit" in shown.err
 
 
+def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
+    """`--estimator NAME` dispatches through the catalogue's registry: an estimator declared and
+    added in this process runs, and `--help` lists it, like a built-in."""
+    from sharpcli.curvature.estimators import ESTIMATORS
+    from sharpcli.curvature.probes import TraceResult
+    from sharpcli.registry import declare
+
+    @declare("estimator", "dense-diagonal", "sum of A e_i . e_i over every basis vector")
+    def dense_diagonal(request):
+        op = request.build()
+        AE = op @ torch.eye(op.shape[0], dtype=op.dtype)
+        value = float((AE * AE).sum() if request.square else torch.diagonal(AE).sum())
+        return TraceResult(value, 0.0, op.shape[0], op.shape[0], "dense-diagonal")
+
+    path, _, H = tiny
+    ESTIMATORS.add(dense_diagonal)
+    try:
+        argv = ["trace", path, "--dtype", "float64", "--estimator", "dense-diagonal"]
+        run = run_cli(capsys, *argv, "--json", "-")
+        assert run.code == 0, run.err
+        t = run.json()["results"]["trace"]
+        assert t["estimator"] == "dense-diagonal"
+        assert t["estimate"] == pytest.approx(float(torch.trace(H)), rel=1e-10)
+        shown = run_cli(capsys, "trace", "--help").out
+        assert "dense-diagonal" in " ".join(shown.split())
+    finally:
+        ESTIMATORS.unregister("dense-diagonal")
+
+
 def test_trace_of_a_relu_nme_is_zero_within_its_stderr(tmp_path, capsys):
     """tr(N) = 0 exactly for a ReLU MLP (its second derivatives within one layer vanish): the
     sketch stops at N's range, the estimate is 0 within its standard error, no note claims

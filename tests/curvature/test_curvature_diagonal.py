@@ -12,7 +12,7 @@ from hessian_helpers import double_backward_hessian
 from torch import nn
 
 from sharpcli.analyses.diagonal import block_summary, diagonal_result
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
@@ -23,7 +23,7 @@ def _pass(loss: str = "cross-entropy", batch_size: int = 10, n: int = 23):
     if loss == "mse":
         y = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     data = AnalysisData(x, y, loss, batch_size=batch_size)
-    return model, x, y, CurvaturePass(model, data, ParamScope.resolve(model))
+    return model, x, y, CurvatureEngine(model, data, ParamScope.resolve(model))
 
 
 def _dense_ef(model, x, y, loss: str) -> torch.Tensor:

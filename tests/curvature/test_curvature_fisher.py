@@ -15,7 +15,7 @@ from cli_helpers import run_cli
 from torch import nn
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, build_operator
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
 from sharpcli.curvature.fisher import EmpiricalFisherOperator, FisherOperator, fisher_residuals
 from sharpcli.curvature.registry import OPERATORS
 from sharpcli.errors import UsageError
@@ -76,7 +76,7 @@ def test_empirical_fisher_equals_the_mean_outer_product_of_per_sample_gradients(
     with token_reduction("tokens", y if loss == "token-cross-entropy" else None):
         reference = _dense_outer(model, x, y, loss)
         data = AnalysisData(x, y, loss, batch_size=batch_size)
-        cpass = CurvaturePass(model, data, ParamScope.resolve(model))
+        cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
         F = build_operator("ef", cpass).to_dense()
         cpass.vectorize, cpass._batched_ok = 4, True  # the vmapped columns give the same matrix
         F_vmapped = EmpiricalFisherOperator(cpass).to_dense()
@@ -92,7 +92,7 @@ def test_fisher_equals_the_outer_products_at_its_drawn_labels(loss):
     model, x, y = _setup(loss)
     with token_reduction("tokens", y if loss == "token-cross-entropy" else None):
         data = AnalysisData(x, y, loss, batch_size=3)
-        cpass = CurvaturePass(model, data, ParamScope.resolve(model))
+        cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
         fisher = FisherOperator(cpass, samples=2, seed=5)
         F = fisher.to_dense()
         with torch.no_grad():
@@ -178,7 +178,9 @@ def test_the_fishers_expectation_over_labels_is_the_gauss_newton_matrix(loss):
     with token_reduction("tokens", y if loss == "token-cross-entropy" else None):
         expected = _enumerated_fisher(model, x, y, loss)
         data = AnalysisData(x, y, loss, batch_size=2)
-        G = build_operator("ggn", CurvaturePass(model, data, ParamScope.resolve(model))).to_dense()
+        G = build_operator(
+            "ggn", CurvatureEngine(model, data, ParamScope.resolve(model))
+        ).to_dense()
     assert G.abs().max() > 1e-3
     assert torch.allclose(expected, G, atol=1e-12, rtol=0)
 
@@ -196,7 +198,7 @@ def test_mse_fisher_residuals_have_the_logit_hessian_as_covariance():
 def test_many_draws_approach_the_gauss_newton_matrix_and_the_empirical_fisher_does_not():
     model, x, y = _setup("cross-entropy", n=6)
     data = AnalysisData(x, y, "cross-entropy", batch_size=6)
-    cpass = CurvaturePass(model, data, ParamScope.resolve(model))
+    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
     G = cpass.ggn().to_dense()
     errors = []
     for samples in (50, 3200):
@@ -211,7 +213,9 @@ def test_registry_records_and_bad_input():
     assert OPERATORS["ef"].psd and OPERATORS["fisher"].psd
     assert OPERATORS["ef"].rank_bound(23, 3, "cross-entropy") == 23
     model, x, y = _setup("cross-entropy")
-    cpass = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 3), ParamScope.resolve(model))
+    cpass = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 3), ParamScope.resolve(model)
+    )
     with pytest.raises(UsageError) as info:
         FisherOperator(cpass, samples=0)
     assert info.value.source == "samples"

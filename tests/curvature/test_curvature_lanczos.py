@@ -8,7 +8,7 @@ from conftest import setup_and_reference
 
 from sharpcli.curvature import (
     AnalysisData,
-    CurvaturePass,
+    CurvatureEngine,
     MatrixOperator,
     ParamScope,
     lanczos,
@@ -20,7 +20,7 @@ from sharpcli.errors import UsageError
 
 def _operators(kind="gelu"):
     model, x, y, H, G = setup_and_reference(kind)
-    cp = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model))
+    cp = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model))
     return {"hessian": (cp.hessian(), H), "ggn": (cp.ggn(), G), "nme": (cp.nme(), H - G)}
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from sharpcli.curvature import sketch as sketch_module
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvaturePass, MatrixOperator
+from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.sketch import RangeSketch
 
@@ -41,7 +41,7 @@ def _relu_model(widths, samples: int, seed: int = 0):
     H = double_backward_hessian(model, params, x, y)
     G = cross_entropy_ggn(model, params, x)
     data = AnalysisData(x, y, "cross-entropy", samples)
-    return CurvaturePass(model, data, ParamScope.resolve(model, "all")), H, G
+    return CurvatureEngine(model, data, ParamScope.resolve(model, "all")), H, G
 
 
 def _orthonormality_error(Q: torch.Tensor) -> float:
