@@ -129,12 +129,12 @@ def test_operator_help_is_the_catalogue_s():
     from sharpcli.cli import cmd_spectrum
 
     assert cmd_spectrum._operator_help() == catalogue.operator_help() + "."
-    assert catalogue.operator_help() == (
-        "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J), nme "
-        "(N: nonlinear modelling error H - G), ef (F_emp: empirical Fisher (1/N) sum_i g_i "
-        "g_i^T, data labels) or fisher (F: Fisher with labels drawn from the model; its mean "
-        "over draws is G)"
-    )
+    shown = catalogue.operator_help()
+    # each declared operator, in the registry's order, with its symbol and its declared summary
+    places = [shown.index(f"{e.name} ({e.info['symbol']}: {e.summary})") for e in (
+        catalogue.OPERATORS.entry(name) for name in catalogue.OPERATORS.names()
+    )]  # fmt: skip
+    assert places == sorted(places) and places[0] == 0
 
 
 # ----------------------------------------------------------------------------- bare sharp, --debug
