@@ -61,10 +61,13 @@ def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
 def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     """Bytes a Lanczos run holds beside its basis's rows.
 
-    A step holds ``w = A q`` (in the storage dtype, the product's own for float32 and float64)
-    and, with the basis in a scratch file, the newest row kept for its product, plus the
-    float64 slice buffers of :mod:`~sharpcli.curvature.krylov`; the end, after the basis is
-    released, holds each of the ``returned`` Ritz vectors with its explicit residual's product.
+    A step holds the vector multiplied (the newest row, kept in memory also when the basis is
+    in a scratch file), the product ``w = A q`` being assembled and, until each is copied
+    into it, the product's per-parameter pieces (one more P-vector in the product's dtype at
+    the end of the double backward), plus the three slice buffers of
+    :mod:`~sharpcli.curvature.krylov` (rows read from the file, the widened rows and the
+    vector's slice); the end, after the basis is released, holds each of the ``returned``
+    Ritz vectors with its explicit residual's product, assembled the same way.
 
     Args:
         dim: the number of parameters P.
@@ -76,9 +79,10 @@ def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
-    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0))
-    end = int(returned) * dim * (stored + itemsize)
-    return int(max(step, end) + 2 * SLICE_BYTES)
+    pieces = dim * itemsize  # the product's per-parameter results before they are copied
+    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0)) + pieces
+    end = int(returned) * dim * (stored + itemsize) + (pieces if returned else 0)
+    return int(max(step, end) + 3 * SLICE_BYTES)
 
 
 def scratch_directory() -> str | None:
