@@ -321,7 +321,11 @@ def test_a_basis_spilled_by_a_small_budget_stays_within_it_with_the_same_eigenva
 
 def test_a_scratch_folder_that_cannot_hold_the_basis_is_exit_2(capsys, mlp3m, tmp_path):
     missing = tmp_path / "missing"
-    run = run_process("eigen", mlp3m, env={"SHARP_SCRATCH": str(missing)})
+    # a budget under its 30 float64 vectors sends the basis to the scratch folder
+    run = run_process(
+        "eigen", mlp3m, "--dtype", "float64", "--eig-max-matvecs", 30, "--max-memory", "700M",
+        env={"SHARP_SCRATCH": str(missing)},
+    )  # fmt: skip
     assert_one_line_error(run, 2, str(missing), "SHARP_SCRATCH")
 
 
