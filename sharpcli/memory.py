@@ -45,6 +45,7 @@ __all__ = [
     "available_bytes",
     "bound_heap",
     "clear",
+    "trim_heap",
     "current",
     "format_bytes",
     "parse_size",
@@ -159,17 +160,53 @@ def bound_heap() -> bool:
     Returns:
         Whether the allocator took the settings (False off glibc, e.g. macOS or musl).
     """
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) == 1
     return mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD) == 1 and ok
+
+
+_LIBC: list = []  # glibc's handle once loaded (empty: not loaded yet; [None]: not glibc)
+
+
+def _glibc():
+    if not _LIBC:
+        handle = None
+        if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                handle = ctypes.CDLL(None)
+                handle.malloc_trim.argtypes = [ctypes.c_size_t]
+            except (OSError, AttributeError):
+                handle = None
+        _LIBC.append(handle)
+    return _LIBC[0]
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``, which also
+    releases free pages inside the heap) when the resident set is above what the active
+    plan holds; called after each product, whose graph was just freed.
+
+    Blocks under :data:`HEAP_MMAP_THRESHOLD` (most activations) still come from the heap,
+    where holes left between longer-lived blocks stay resident: at GPT-2-small size the heap
+    grew by ~100 MB a product under a 4.9 GB budget without this. The check costs one read of
+    ``/proc/self/statm``; the trim runs only when the plan is exceeded.
+
+    Returns:
+        Whether the heap was trimmed.
+    """
+    plan = active()
+    if plan is None or plan.device.startswith("cuda"):
+        return False
+    libc = _glibc()
+    if libc is None or rss_bytes() <= plan.in_use:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def rss_bytes() -> int:

@@ -408,3 +408,17 @@ def test_hutchpp_without_room_for_its_sketch_runs_plain_hutchinson():
     assert result.estimator == "hutchinson" and result.sketch_size == 0
     assert any("does not fit" in note for note in result.notes)
     assert abs(result.estimate - (exact + 5.0)) <= 4 * result.stderr
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or __import__("platform").libc_ver()[0] != "glibc",
+    reason="the heap settings are glibc's",
+)
+def test_the_heap_is_trimmed_only_when_the_resident_set_exceeds_the_plan():
+    assert memory.bound_heap()
+    assert not memory.trim_heap()  # no active plan: nothing to compare with
+    plan = memory.activate(memory.MemoryPlan(budget=10**12))
+    plan.baseline = memory.rss_bytes() + (1 << 30)  # the plan holds more than resident
+    assert not memory.trim_heap()
+    plan.baseline = 0  # resident beyond everything planned: trimmed
+    assert memory.trim_heap()

@@ -425,6 +425,7 @@ class CurvatureEngine:
             for total, block in zip(totals, blocks):
                 total += block
             del blocks  # at 124M parameters each block is 0.5 GB
+        memory.trim_heap()  # the graphs just freed leave the resident set (sharpcli.memory)
         if totals is None:
             totals = [torch.zeros_like(V) for _ in parts]
         for total in totals:
