@@ -188,13 +188,14 @@ def _glibc():
 
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``, which also
-    releases free pages inside the heap) when the resident set is above what the active
-    plan holds; called after each product, whose graph was just freed.
+    releases free pages inside the heap); called after a product whose first-order graph was
+    built for it alone and has just been freed.
 
     Blocks under :data:`HEAP_MMAP_THRESHOLD` (most activations) still come from the heap,
-    where holes left between longer-lived blocks stay resident: at GPT-2-small size the heap
-    grew by ~100 MB a product under a 4.9 GB budget without this. The check costs one read of
-    ``/proc/self/statm``; the trim runs only when the plan is exceeded.
+    where holes left between longer-lived blocks stay resident and the next product's graph
+    lands beside them: at GPT-2-small size the peak grew by ~100 MB a product under a 5.3 GB
+    budget without this, past the budget by the 15th product. Runs only under an active
+    plan on the CPU.
 
     Returns:
         Whether the heap was trimmed.
@@ -203,7 +204,7 @@ def trim_heap() -> bool:
     if plan is None or plan.device.startswith("cuda"):
         return False
     libc = _glibc()
-    if libc is None or rss_bytes() <= plan.in_use:
+    if libc is None:
         return False
     libc.malloc_trim(0)
     return True

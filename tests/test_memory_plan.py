@@ -414,11 +414,10 @@ def test_hutchpp_without_room_for_its_sketch_runs_plain_hutchinson():
     sys.platform != "linux" or __import__("platform").libc_ver()[0] != "glibc",
     reason="the heap settings are glibc's",
 )
-def test_the_heap_is_trimmed_only_when_the_resident_set_exceeds_the_plan():
+def test_the_heap_is_trimmed_under_a_plan_on_the_cpu():
     assert memory.bound_heap()
-    assert not memory.trim_heap()  # no active plan: nothing to compare with
-    plan = memory.activate(memory.MemoryPlan(budget=10**12))
-    plan.baseline = memory.rss_bytes() + (1 << 30)  # the plan holds more than resident
-    assert not memory.trim_heap()
-    plan.baseline = 0  # resident beyond everything planned: trimmed
+    assert not memory.trim_heap()  # no active plan: not a run's product
+    memory.activate(memory.MemoryPlan(budget=10**12, device="cuda"))
+    assert not memory.trim_heap()  # device memory: not the C heap's
+    memory.activate(memory.MemoryPlan(budget=10**12))
     assert memory.trim_heap()
