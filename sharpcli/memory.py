@@ -188,13 +188,13 @@ def _glibc():
 
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``, which also
-    releases free pages inside the heap); called after a product whose first-order graph was
-    built for it alone and has just been freed.
+    releases free pages inside the heap); called after every product, whose double backward
+    (and graph, when it was not cached) has just been freed.
 
     Blocks under :data:`HEAP_MMAP_THRESHOLD` (most activations) still come from the heap,
-    where holes left between longer-lived blocks stay resident and the next product's graph
-    lands beside them: at GPT-2-small size the peak grew by ~100 MB a product under a 5.3 GB
-    budget without this, past the budget by the 15th product. Runs only under an active
+    where holes left between longer-lived blocks (a cached graph) stay resident and the next
+    product's blocks land beside them: at GPT-2-small size the peak grew by ~100 MB a product
+    under a 5.3 GB budget, past the budget by the 10th product. Runs only under an active
     plan on the CPU.
 
     Returns:

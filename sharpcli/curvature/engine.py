@@ -416,9 +416,7 @@ class CurvatureEngine:
         squeeze = V.dim() == 1
         V = self._as_block(V)
         totals: list[torch.Tensor] | None = None  # the first batch's blocks, then the sums
-        rebuilt = False  # a graph was built for this product alone (and is freed with it)
         for index, graph in self._graphs():
-            rebuilt = rebuilt or not graph.cached
             if view is not None:
                 graph = view(graph)
             if not graph.grads:  # the loss does not depend on theta in scope on this batch
@@ -432,8 +430,7 @@ class CurvatureEngine:
             for total, block in zip(totals, blocks):
                 total += block
             del blocks  # at 124M parameters each block is 0.5 GB
-        if rebuilt:  # the graphs just freed leave the resident set (sharpcli.memory)
-            memory.trim_heap()
+        memory.trim_heap()  # what the product freed leaves the resident set (sharpcli.memory)
         if totals is None:
             totals = [torch.zeros_like(V) for _ in parts]
         for total in totals:
