@@ -22,7 +22,8 @@ Cases (``--cases``, comma-separated; default all but ``medium``):
 - ``medium``: GPT-2 medium shape (355M), for a device (``--device cuda``).
 
 Usage: ``python benchmarks/bench_scale.py [--cases resnet18,gpt2] [--workdir DIR]
-[--device cpu|cuda] [--plot docs/scale.png]``; prints Markdown tables (docs/benchmarks.md,
+[--device cpu|cuda] [--plot docs/scale.png] [--budget 4944M]``; prints Markdown tables and, per
+case, the CPU seconds of a product inside ``eigen`` against the bare HVP (docs/benchmarks.md,
 "Research scale").
 """
 
