@@ -28,7 +28,7 @@ Part B, in one Python process (the project's standard for speed: a ratio against
 run in the same process, alternating):
 
 - costs of one product relative to one gradient pass over the same data
-  (``CurvaturePass.loss_and_gradient``): Hessian product with the first-order graph cached
+  (``CurvatureEngine.loss_and_gradient``): Hessian product with the first-order graph cached
   (as inside every estimator after its first product) and rebuilt (``cache_bytes=0``), and
   H and G together (``hessian_and_ggn_matvec``) relative to H alone;
 - native Lanczos (``lanczos(op, k=1)``, tol 1e-3) vs ``pyhessian.hessian(...).eigenvalues()``
@@ -51,7 +51,7 @@ Usage (the figures of docs/benchmarks.md, "Curvature: sharp vs PyHessian")::
     OMP_NUM_THREADS=1 python benchmarks/bench_curvature.py --blocks-only --repeats 7
 
 ``--blocks-only`` prints only the cost of a block of 8 Hessian products done in one vmapped
-reverse pass (the ``CurvaturePass`` default, used by the trace estimators) against the same
+reverse pass (the ``CurvatureEngine`` default, used by the trace estimators) against the same
 8 products column by column.
 
 Prints Markdown tables. Public tools only: the ``sharp`` CLI, ``sharpcli``'s public library
@@ -302,11 +302,11 @@ def matvec_costs(session, repeats: int) -> dict:
     """Median seconds of gradient, H (cached / rebuilt graph), H+G (cached / rebuilt), alternating."""
     import torch
 
-    from sharpcli.curvature import CurvaturePass
+    from sharpcli.curvature import CurvatureEngine
 
     data, scope = session.analysis_data(), session.scope(None)
-    warm = CurvaturePass(session.model, data, scope)
-    cold = CurvaturePass(session.model, data, scope, cache_bytes=0)
+    warm = CurvatureEngine(session.model, data, scope)
+    cold = CurvatureEngine(session.model, data, scope, cache_bytes=0)
     v = torch.randn(scope.numel, generator=torch.Generator().manual_seed(0))
     hess_warm, hess_cold = warm.hessian(), cold.hessian()
     jobs = {
@@ -336,17 +336,17 @@ def matvec_costs(session, repeats: int) -> dict:
 
 def block_costs(session, repeats: int, k: int = 8) -> dict:
     """Seconds for a block of ``k`` Hessian products (cached graph): one vmapped reverse pass
-    (``CurvaturePass`` default, ``vectorize=32``) vs column by column (``vectorize=1``), alternating.
+    (``CurvatureEngine`` default, ``vectorize=32``) vs column by column (``vectorize=1``), alternating.
 
     The trace estimators multiply blocks of 8 probes, so this is their per-product cost.
     """
     import torch
 
-    from sharpcli.curvature import CurvaturePass
+    from sharpcli.curvature import CurvatureEngine
 
     data, scope = session.analysis_data(), session.scope(None)
-    vmapped = CurvaturePass(session.model, data, scope)
-    columns = CurvaturePass(session.model, data, scope, vectorize=1)
+    vmapped = CurvatureEngine(session.model, data, scope)
+    columns = CurvatureEngine(session.model, data, scope, vectorize=1)
     V = torch.randn(scope.numel, k, generator=torch.Generator().manual_seed(0))
     jobs = {
         "vmapped": lambda: vmapped.hessian_matmat(V),
@@ -453,13 +453,13 @@ class _PyHessianRun:
 
 def eigen_speed(session, repeats: int) -> dict:
     """Native Lanczos (set-up included) vs PyHessian eigenvalues() in this process, alternating."""
-    from sharpcli.curvature import CurvaturePass, lanczos
+    from sharpcli.curvature import CurvatureEngine, lanczos
 
     py = _PyHessianRun(session)
     scope = session.scope(None)
 
     def native(seed):
-        cpass = CurvaturePass(session.model, session.analysis_data(), scope)
+        cpass = CurvatureEngine(session.model, session.analysis_data(), scope)
         return lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed, return_eigenvectors=True)
 
     native(0)  # warm-up (lazy imports inside torch.autograd)
@@ -494,11 +494,11 @@ def eigen_accuracy(ckpt: Path, speed: dict) -> dict:
     """Reference lambda_max (float64 Lanczos, tol 1e-10) and each engine's error and residual in float64."""
     import torch
 
-    from sharpcli.curvature import CurvaturePass, lanczos
+    from sharpcli.curvature import CurvatureEngine, lanczos
 
     s64 = as_float64_session(ckpt)
     scope = s64.scope(None)
-    op = CurvaturePass(s64.model, s64.analysis_data(), scope).hessian()
+    op = CurvatureEngine(s64.model, s64.analysis_data(), scope).hessian()
     ref = lanczos(op, k=1, which="both", tol=1e-10, max_matvecs=400, seed=123)
     lam_ref, lam_min = ref.eigenvalues[0], ref.eigenvalues[-1]
 
@@ -531,7 +531,7 @@ def eigen_accuracy(ckpt: Path, speed: dict) -> dict:
 def trace_study(session, repeats: int, reference_tol: float) -> dict:
     """Matvecs to 1% relative stderr (Hutch++ vs Hutchinson) and PyHessian trace() at defaults."""
     from sharpcli.curvature import (
-        CurvaturePass,
+        CurvatureEngine,
         exact_ggn_trace,
         gn_split_trace,
         hutchinson,
@@ -539,7 +539,7 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
     )
 
     scope = session.scope(None)
-    cpass = CurvaturePass(session.model, session.analysis_data(), scope)
+    cpass = CurvatureEngine(session.model, session.analysis_data(), scope)
     H = cpass.hessian()
     ref_t, ref = timed(lambda: hutchpp(H, tol=reference_tol, max_matvecs=20000, seed=10_000))
     runs = {"hutchpp": ([], []), "hutchinson": ([], []), "gn-split": ([], [])}

@@ -223,9 +223,9 @@ class Workload:
         return self.session.analysis_data()
 
     def cpass(self):
-        from sharpcli.curvature import CurvaturePass
+        from sharpcli.curvature import CurvatureEngine
 
-        return CurvaturePass(self.model, self.data(), self.scope)
+        return CurvatureEngine(self.model, self.data(), self.scope)
 
 
 # --------------------------------------------------------------------------- lambda_max tools

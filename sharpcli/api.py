@@ -31,23 +31,48 @@ engine, its sharding under ``torch.distributed`` and every estimator work unchan
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from sharpcli.curvature import CurvatureOperator
-from sharpcli.errors import UsageError
+from sharpcli.analyses.diagonal import diagonal_result
+from sharpcli.analyses.landscape import LandscapeConfig, landscape
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvatureEngine,
+    CurvatureOperator,
+    ParamScope,
+    build_operator,
+    spectral_density,
+)
+from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
+from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
     CollectedData,
     apply_ignore_index,
     collect_data,
-    loss_name,
     model_on_data,
     refuse_unshifted_labels,
+    resolve_loss,
     to_device,
+    token_reduction_of,
+)
+from sharpcli.io.loss_readings import LossReading, check_loss_value
+from sharpcli.losses import get_loss, token_reduction
+from sharpcli.preflight import (
+    SECOND_DERIVATIVE_SAMPLES,
+    check_second_derivatives,
+    check_seed,
+    resolve_device,
+    resolve_dtype,
 )
 
 __all__ = ["Curvature", "LABEL_KEYS"]
@@ -55,11 +80,11 @@ __all__ = ["Curvature", "LABEL_KEYS"]
 
 @contextlib.contextmanager
 def analysis_mode(model: nn.Module):
-    """:func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
-    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward),
-    as the ``sharp`` commands run."""
-    from sharpcli.curvature.differentiable import twice_differentiable
+    """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
+    :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+    """
     with eval_mode(model), twice_differentiable():
         yield model
 
@@ -77,9 +102,11 @@ def eval_mode(model: nn.Module):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``nn.DataParallel``, ``DistributedDataParallel`` and ``torch.compile``
-    wrappers (their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken
-    through the plain module, whose forward is twice differentiable)."""
+    """The module inside ``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile``.
+
+    Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
+    plain module, whose forward is twice differentiable.
+    """
     while True:
         compiled = getattr(model, "_orig_mod", None)  # torch.compile
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
@@ -94,8 +121,6 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     if dtype is None:
         return model_dtype
     if isinstance(dtype, str):
-        from sharpcli.preflight import resolve_dtype
-
         return resolve_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise UsageError(
@@ -108,38 +133,42 @@ def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
 def _resolve_device(device, model_device: torch.device) -> torch.device:
     if device is None:
         return model_device
-    from sharpcli.preflight import resolve_device
 
     return resolve_device(str(device))
 
 
 # --------------------------------------------------------------------------- Curvature
 class Curvature:
-    """Curvature of ``loss`` over ``data`` at ``model``'s weights: eigenvalues, traces, density,
-    the Gauss-Newton/NME split and the matrix-free products themselves.
+    """Curvature of ``loss`` over ``data`` at ``model``'s weights.
+
+    Eigenvalues, traces, density, the Gauss-Newton/NME split and the matrix-free products
+    themselves.
 
     Args:
         model: An ``nn.Module``; its output is the logits tensor, an output object with
-          ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
-          are the ones differentiated), except that ``device``/``dtype`` other than its own make a
-          converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
-          untouched (and later changes to its weights unseen).
-        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; on (batch, length,
-          vocabulary) logits the mean over every labelled token of the set, as the module
-          computes it on the flattened positions), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()``,
-          all with ``reduction='mean'`` (another reduction is refused), or a registered loss name
-          (``"cross-entropy"``, ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``).
+            ``.logits`` or a tuple whose first tensor is the logits. Used as it is (its parameters
+            are the ones differentiated), except that ``device``/``dtype`` other than its own make a
+            converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
+            untouched (and later changes to its weights unseen).
+        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
+            (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
+            (batch, length, vocabulary) logits on the flattened positions; where both fit, a
+            name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
+            all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
+            ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
+            tabulates the shapes. A module's value on the first batch must equal sharp's
+            (:func:`sharpcli.io.loss_readings.check_loss_value`).
         token_reduction: How a token loss averages over the set
-          (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
-          all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
-          labelled positions, then the mean over samples; with the name
-          ``"token-cross-entropy"`` only). Ignored by the other losses.
+            (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
+            all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
+            labelled positions, then the mean over samples; with the name
+            ``"token-cross-entropy"`` only). Ignored by the other losses.
         data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-          iterable of batches (module docstring).
+            iterable of batches (module docstring).
         params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
-          comma-separated globs on parameter names (``"fc.*,head.weight"``).
+            comma-separated globs on parameter names (``"fc.*,head.weight"``).
         batch_size: Samples per product batch (memory only: the results are means over
-          samples); default a DataLoader's batch size, or 256 for tensors.
+            samples); default a DataLoader's batch size, or 256 for tensors.
         device: Where the products run; None: the model's device.
         dtype: The products' dtype; None: the model's.
 
@@ -180,7 +209,6 @@ class Curvature:
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
 
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
@@ -197,9 +225,10 @@ class Curvature:
 
             model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         self.model = model
+        self.loss_reading: LossReading | None = None  # how the loss reads the outputs
         collected = collect_data(data, batch_size)
         self.loss, collected = self._loss_and_data(loss, collected)
-        self.token_reduction = _token_reduction(loss, self.loss, token_reduction)
+        self.token_reduction = token_reduction_of(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
@@ -208,16 +237,17 @@ class Curvature:
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        self.curvature_pass = CurvaturePass(self._view, self.data, self.scope)
+        self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
 
     def _analysis_mode(self) -> contextlib.AbstractContextManager:
-        """:func:`analysis_mode` of the model view, and a token loss averaged over the
-        analysis set per :attr:`token_reduction` (:func:`sharpcli.losses.token_reduction`)."""
+        """The model view in :func:`analysis_mode`, and the token loss's averaging.
+
+        A token loss is averaged over the analysis set per :attr:`token_reduction`
+        (:func:`sharpcli.losses.token_reduction`).
+        """
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))
         if self.token_reduction is not None:
-            from sharpcli.losses import token_reduction
-
             stack.enter_context(token_reduction(self.token_reduction, self.data.y))
         return stack
 
@@ -231,48 +261,55 @@ class Curvature:
         keywords = {
             k: to_device(v[take], self.dtype, self.device) for k, v in collected.keywords.items()
         }
-        return model_on_data(self.model, x, keywords)
+        return model_on_data(self.model, x, keywords, self.loss_reading)
 
     def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied."""
-        from sharpcli.losses import get_loss
-
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
                 source="loss",
             )
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
-        rows = torch.arange(min(2, collected.num_samples), device=self.device)
+        rows = min(collected.batch_size, collected.num_samples)  # the first batch
+        probe = self._on_data(collected, rows=rows)
         try:
             with torch.no_grad(), eval_mode(probe):
-                logits = probe(rows)
+                logits = probe(torch.arange(rows, device=self.device))
         except UsageError:
             raise
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            text = str(exc).strip()
-            first = text.splitlines()[0][:200] if text else type(exc).__name__
+            first = first_line(exc)
             raise UsageError(
                 f"the model cannot run on the inputs of `data` ({first})", source="data"
             ) from None
-        name, ignore_index = loss_name(loss, logits)
+        head = collected.y[:rows].to(logits.device)
+        reading, ignore_index = resolve_loss(loss, logits, head)
+        name = reading.name
+        self.loss_reading = reading  # the views from here on lay the outputs out for it
+        labels = reading.labels(collected.y)
+        collected = CollectedData(collected.x, collected.keywords, labels, collected.batch_size)
         collected = apply_ignore_index(collected, name, ignore_index)
-        refuse_unshifted_labels(collected, name)
-        head = collected.y[: logits.shape[0]].to(logits.device)
-        probe = self._on_data(collected, rows=min(2, collected.num_samples))
+        if not reading.reshapes:
+            refuse_unshifted_labels(collected, name)
+        few = collected.y[: min(2, collected.num_samples)].to(logits.device)
+        probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
-            logits = probe(torch.arange(head.shape[0], device=self.device))
+            laid_out = probe(torch.arange(few.shape[0], device=self.device))
         check = get_loss(name).check
-        problem = check(logits, head) if check is not None else None
+        problem = check(laid_out, few) if check is not None else None
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
-        self.num_outputs = int(logits[0].numel())  # model outputs per sample
+        if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
+            check_loss_value(loss, reading, logits, head, ignore_index)
+        self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 
     def _check_forward(self) -> None:
-        """One forward pass over the whole set without gradients, batch by batch: an input the
-        model cannot take (a token id beyond its embedding, say) is a UsageError on ``data``
-        here rather than an error in the middle of a curvature product."""
+        """One forward pass over the whole set without gradients, batch by batch.
+
+        An input the model cannot take (a token id beyond its embedding, say) is a UsageError
+        on ``data`` here rather than an error in the middle of a curvature product.
+        """
         index = torch.arange(self.num_samples, device=self.device)
         with torch.no_grad(), eval_mode(self._view):
             for start in range(0, self.num_samples, self.batch_size):
@@ -280,8 +317,7 @@ class Curvature:
                 try:
                     self._view(rows)
                 except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                    text = str(exc).strip()
-                    first = text.splitlines()[0][:200] if text else type(exc).__name__
+                    first = first_line(exc)
                     raise UsageError(
                         f"the model cannot run on samples {start}..{start + len(rows) - 1} of "
                         f"`data` ({first})",
@@ -290,11 +326,8 @@ class Curvature:
 
     def _self_check(self, collected: CollectedData) -> None:
         """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
-        from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
-
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
-        from sharpcli.errors import InputError
 
         try:
             with analysis_mode(view):
@@ -310,7 +343,7 @@ class Curvature:
         """P, the number of parameters in scope (the operators are P x P)."""
         return self.scope.numel
 
-    def operator(self, operator: str = "hessian"):
+    def operator(self, operator: str = HESSIAN):
         """The curvature operator ``operator`` as a matrix-free P x P operator.
 
         ``A @ v`` for a flat vector of length P (laid out parameter by parameter,
@@ -339,8 +372,6 @@ class Curvature:
         >>> torch.allclose(H @ v, G @ v + N @ v)     # H = G + N ([NME] eq. 2)
         True
         """
-        from sharpcli.curvature import build_operator
-
         op = _EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
         self.refresh()
         return op
@@ -350,14 +381,15 @@ class Curvature:
 
         Every method starts with it: the cache is also dropped when a parameter's version
         counter moves, but a fused optimizer step (``torch.optim.AdamW(fused=True)``, the
-        Hugging Face Trainer's default) updates weights in place without moving it."""
+        Hugging Face Trainer's default) updates weights in place without moving it.
+        """
         self.curvature_pass.clear_cache()
 
     def eigenvalues(
         self,
         k: int = 1,
         which: str = "largest",
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         method: str = "lanczos",
         tol: float = 1e-3,
@@ -388,8 +420,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import eigen_result
-
         integer_argument(k, "k")
         seed_argument(seed)
         self.refresh()
@@ -409,16 +439,17 @@ class Curvature:
 
     def trace(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
-        estimator: str = "hutchpp",
+        estimator: str = DEFAULT_ESTIMATOR,
         square: bool = False,
         tol: float = 1e-2,
         max_matvecs: int = 1000,
         seed: int = 0,
     ):
-        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)`` with ``square``), with its standard error
-        and per-layer (diagonal block) traces.
+        r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
+
+        The per-layer traces are those of the diagonal blocks.
 
         .. math::
 
@@ -445,8 +476,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import trace_result
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -460,9 +489,52 @@ class Curvature:
                 seed=seed,
             )
 
+    def diagonal(
+        self,
+        operator: str | None = None,
+        *,
+        estimator: str = "hutchinson",
+        probes: int = 100,
+        max_products: int = 10000,
+        seed: int = 0,
+    ):
+        r"""``diag(A)`` of ``operator`` per parameter, as ``sharp diagonal`` computes it.
+
+        Args:
+            operator: any registered operator; None: ``"hessian"`` for ``exact`` and
+                ``hutchinson``, ``"ggn"`` for ``gnb`` and ``per-sample``.
+            estimator: ``"hutchinson"`` (mean of :math:`v \odot A v` over Rademacher probes,
+                [Bekas2007]), ``"exact"`` (one product per parameter), ``"gnb"`` (Sophia's
+                Gauss-Newton-Bartlett estimator of diag(G), [Sophia]) or ``"per-sample"``
+                (the exact ggn diagonal as BackPACK's DiagGGN, [BackPACK], or the ef's).
+            probes: Rademacher probes or label draws (at least 2).
+            max_products: the products ``exact`` may spend, or the backward passes per sample
+                ``per-sample`` may.
+            seed: seeds the probes or draws.
+
+        Returns:
+            A :class:`~sharpcli.curvature.diagonal.DiagonalResult`: ``diagonal`` and
+            ``stderr`` flat, ``tensors()`` by parameter name and shape.
+
+        Raises:
+            UsageError: an argument out of range or an estimator that does not give
+                ``operator``'s diagonal, named by its keyword.
+        """
+        seed_argument(seed)
+        self.refresh()
+        with self._analysis_mode():
+            return diagonal_result(
+                self.curvature_pass,
+                operator,
+                estimator=estimator,
+                probes=probes,
+                max_products=max_products,
+                seed=seed,
+            )[1]
+
     def density(
         self,
-        operator: str = "hessian",
+        operator: str = HESSIAN,
         *,
         probes: int = 4,
         steps: int = 64,
@@ -470,8 +542,9 @@ class Curvature:
         broadening: float | None = None,
         seed: int = 0,
     ):
-        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature ([Ubaru2017],
-        [Ghorbani2019]).
+        r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
+
+        As in [Ubaru2017] and [Ghorbani2019].
 
         .. math::
 
@@ -497,8 +570,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.curvature import spectral_density
-
         integer_argument(probes, "probes")
         integer_argument(steps, "steps")
         integer_argument(grid_points, "grid_points", minimum=2)
@@ -524,7 +595,8 @@ class Curvature:
         label_samples: int = 4,
         ggn_estimator: str = "auto",
     ) -> dict:
-        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts,
+        r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts.
+
         [NME] eq. 2:
 
         .. math::
@@ -552,8 +624,6 @@ class Curvature:
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        from sharpcli.analyses.spectrum import gn_nme_result
-
         seed_argument(seed)
         self.refresh()
         with self._analysis_mode():
@@ -570,35 +640,103 @@ class Curvature:
                 ggn_estimator=ggn_estimator,
             )
 
+    def sharpness(
+        self,
+        *,
+        kind: str = "worst-case",
+        norm: str = "l2",
+        rho: float | tuple[float, ...] = 0.05,
+        adaptive: bool = True,
+        m: int | None = None,
+        steps: int = 20,
+        restarts: int = 1,
+        noise_draws: int = 100,
+        seed: int = 0,
+    ) -> dict:
+        r"""Worst-case or average-case sharpness, adaptive or standard [Andriushchenko2023].
+
+        Adaptive: c = |w|; standard: c = 1.
+
+        .. math::
+
+            \max_{\|\delta / c\|_p \le \rho} L_S(w + \delta) - L_S(w), \qquad
+            \mathbb{E}_{\delta \sim N(0, \rho^2 \mathrm{diag}(c^2))} L_S(w + \delta) - L_S(w),
+
+        averaged over batches S of ``m`` samples (:mod:`sharpcli.analyses.sharpness`).
+
+        Args:
+            kind: ``"worst-case"`` (Auto-PGD) or ``"average"``.
+            norm: ``"l2"`` or ``"linf"``.
+            rho: one radius or several.
+            adaptive: c = |w| rather than 1.
+            m: samples per sharpness batch (None: the whole set).
+            steps: Auto-PGD steps per restart.
+            restarts: Auto-PGD restarts.
+            noise_draws: draws per batch (average case).
+            seed: seeds the restarts and the noise.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp sharpness --json``.
+
+        Raises:
+            UsageError: an argument out of range, named by its keyword.
+        """
+        rhos = tuple(rho) if isinstance(rho, (list, tuple)) else (rho,)
+        config = SharpnessConfig(
+            kind=kind, norm=norm, rhos=tuple(float(r) for r in rhos), adaptive=adaptive, m=m,
+            params=self.scope.spec, steps=steps, restarts=restarts, noise_draws=noise_draws,
+            seed=seed_argument(seed),
+        )  # fmt: skip
+        with self._analysis_mode():
+            return sharpness(self._view, self.data, config).to_dict()
+
+    def landscape(
+        self,
+        *,
+        along: str = "random",
+        other: nn.Module | None = None,
+        dims: int = 2,
+        steps: int = 21,
+        span: float | None = None,
+        bias_bn: str = "zero",
+        seed: int = 0,
+    ) -> dict:
+        """The loss and accuracy on a line or plane through the weights [Li2018].
+
+        Along filter-normalized random directions, the top Hessian eigenvectors, or the line to
+        ``other`` (a model of the same architecture); :mod:`sharpcli.analyses.landscape`.
+
+        Args:
+            along: ``"random"``, ``"eigen"`` or ``"checkpoint"`` (with ``other``).
+            other: the second model of ``along="checkpoint"``.
+            dims: 1 (a line) or 2 (a plane).
+            steps: grid points per axis.
+            span: the grid's half-width (default 1; along a checkpoint the extrapolation, 0.5).
+            bias_bn: random directions on 1-D parameters: ``"zero"`` or ``"weights"``.
+            seed: seeds the random directions.
+
+        Returns:
+            The dict that is the ``results`` of ``sharp landscape --json``.
+
+        Raises:
+            UsageError: an argument out of range, or ``other`` of another architecture.
+        """
+        config = LandscapeConfig(
+            along=along, dims=dims, steps=steps, span=span, bias_bn=bias_bn,
+            params=self.scope.spec, seed=seed_argument(seed),
+        )  # fmt: skip
+        if other is not None:
+            other = copy.deepcopy(unwrap(other)).to(device=self.device, dtype=self.dtype)
+        with self._analysis_mode():
+            result, _, _ = landscape(self._view, self.data, config, other=other)
+        return result.to_dict()
+
     def __repr__(self) -> str:
         return (
             f"Curvature({type(self.model).__name__}, loss={self.loss!r}, "
             f"samples={self.num_samples}, params={self.num_params}, dtype={self.dtype}, "
             f"device={self.device})"
         )
-
-
-def _token_reduction(loss, name: str, reduction: str | None) -> str | None:
-    """How a token loss averages (None for the other losses): ``reduction``, by default
-    ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
-    with a module is refused (UsageError on ``token_reduction``)."""
-    from sharpcli.losses import TOKEN_REDUCTIONS, get_loss
-
-    if reduction is not None and reduction not in TOKEN_REDUCTIONS:
-        raise UsageError(
-            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
-            source="token_reduction",
-        )
-    if not get_loss(name).per_token:
-        return None
-    if reduction == "samples" and isinstance(loss, nn.Module):
-        raise UsageError(
-            f"{type(loss).__name__}() averages over every labelled token of the set; for the "
-            "mean of per-sample means pass loss='token-cross-entropy' with "
-            "token_reduction='samples'",
-            source="token_reduction",
-        )
-    return reduction or "tokens"
 
 
 def integer_argument(value, name: str, minimum: int = 1) -> int:
@@ -610,14 +748,15 @@ def integer_argument(value, name: str, minimum: int = 1) -> int:
 
 def seed_argument(seed) -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
-    from sharpcli.preflight import check_seed
-
     return check_seed(seed, "seed")
 
 
 class _EvalModeOperator(CurvatureOperator):
-    """``inner`` (a registered operator) with every product run in ``mode`` (eval mode, the
-    token loss's averaging); ``inner`` keeps the count of products it made."""
+    """``inner`` (a registered operator) with every product run in ``mode``.
+
+    ``mode`` is eval mode and the token loss's averaging; ``inner`` keeps the count of
+    products it made.
+    """
 
     def __init__(
         self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]

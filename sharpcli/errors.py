@@ -86,3 +86,10 @@ class GateTripped(SharpError):
 
     exit_code = EXIT_GATE
     kind = "gate"
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (at most ``limit`` characters), or its type's
+    name when it has none: what a one-line error quotes of a failure inside torch."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__

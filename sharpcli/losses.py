@@ -412,8 +412,11 @@ def _bce_factor(z, y=None):
 def _bce_check(z, y):
     if z.ndim not in (1, 2) or z[0].numel() != 1:
         return f"the model returns outputs of shape {tuple(z.shape)}, expected one logit per sample"
-    if y.ndim != 1:
-        return f"labels have shape {tuple(y.shape)}; binary cross-entropy takes one 0/1 label per sample"
+    if y.ndim != 1 and tuple(y.shape) != tuple(z.shape):
+        return (
+            f"labels have shape {tuple(y.shape)}; binary cross-entropy takes one 0/1 label per "
+            f"sample, (batch,) or shaped as the outputs {tuple(z.shape)}"
+        )
     if y.numel() and not bool(((y == 0) | (y == 1)).all()):
         return "binary cross-entropy needs labels 0 and 1"
     return None

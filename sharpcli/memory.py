@@ -85,10 +85,10 @@ def parse_size(text: str | int | float, *, source: str = "max_memory") -> int:
 
 
 def format_bytes(size: float) -> str:
-    """``size`` in binary units with three significant digits: ``1.50 GiB``.
+    """``size`` in binary units to three significant digits (``%.3g``): ``1.5 GiB``.
 
     >>> format_bytes(1610612736)
-    '1.50 GiB'
+    '1.5 GiB'
     """
     size = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -125,11 +125,31 @@ def check_model_accepts(
     :attr:`sharpcli.losses.Loss.check`). ``loss`` (from the checkpoint) or, if absent, the
     loss :func:`infer_loss` picks.
     """
+    out = model_outputs(model, x[:1], source)
+    loss = loss or infer_loss(task, out, y)
+    problem = get_loss(loss).check(out, y)
+    if problem:
+        raise InputError(problem, source=source)
+    return int(out[0].numel()), loss
+
+
+def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tensor:
+    """The model's outputs on the samples ``x`` (no gradients): features it cannot take, or
+    outputs that are not one tensor, are an InputError on ``source`` (the data).
+
+    Args:
+        model: The model (its output selector attached).
+        x: A few samples.
+        source: The data, for messages.
+
+    Returns:
+        The outputs, batch first.
+    """
     if x.shape[0] == 0:
         raise InputError("the analysis set is empty", source=source)
     try:
         with torch.no_grad():
-            out = model(x[:1])
+            out = model(x)
     except (RuntimeError, ValueError, IndexError) as exc:
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
@@ -140,11 +160,7 @@ def check_model_accepts(
         raise InputError(
             f"the model returns a {type(out).__name__}, not a tensor of logits", source=source
         )
-    loss = loss or infer_loss(task, out, y)
-    problem = get_loss(loss).check(out, y)
-    if problem:
-        raise InputError(problem, source=source)
-    return int(out[0].numel()), loss
+    return out
 
 
 SECOND_DERIVATIVE_SAMPLES = (

@@ -24,7 +24,7 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from sharpcli.specs import Param, RegistryError, format_value, parse_spec
 
-__all__ = ["Entry", "Registry", "resolve"]
+__all__ = ["DECLARATION", "Entry", "Registry", "declaration", "declare", "resolve"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,72 @@ class Entry:
         )
 
 
+# the attribute :func:`declare` gives an implementation: ``(kind, Entry)``
+DECLARATION = "__sharp_declaration__"
+# whether :meth:`Registry.register` compares a built-in's declaration with the catalogue's
+# index (off only while ``python -m sharpcli.catalogue.generate`` remakes the index)
+CHECK_INDEX = True
+
+
+def declare(
+    kind: str,
+    name: str,
+    summary: str,
+    *,
+    params: Sequence[Param] = (),
+    paper: str = "",
+    data_parallel: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> Callable[[T], T]:
+    """Declare a named thing where it is implemented: a decorator of its function or class.
+
+    The record it attaches is the one declaration of a built-in: ``python -m
+    sharpcli.catalogue.generate`` collects every declared object of the package into the
+    torch-free index (:mod:`sharpcli.catalogue.index`) that ``--help``, completion and the
+    docs' tables read, and :meth:`Registry.get` imports the object from there on first use. An
+    extension declares itself the same way and is added by :meth:`Registry.add`.
+
+    Args:
+        kind: the registry's kind (``"estimator"``, ``"operator"``, ``"regularizer"``).
+        name: its name, a CLI value.
+        summary: one line for ``--help`` and the docs' tables.
+        params: its typed parameters, in positional order.
+        paper: the key of docs/references.md it implements, or "".
+        data_parallel: ``None`` when it is exact under torchrun, else the reason it is not.
+        info: further facts of the kind (an operator's symbol).
+
+    Returns:
+        The decorator; it returns the object itself, its record in its ``__sharp_declaration__``.
+
+    >>> @declare("estimator", "toy", "a toy")
+    ... def toy():
+    ...     pass
+    >>> declaration(toy)[1].impl
+    'sharpcli.registry:toy'
+    """
+
+    def mark(obj: T) -> T:
+        impl = f"{obj.__module__}:{obj.__qualname__}"  # type: ignore[attr-defined]
+        entry = Entry(name, summary, impl, tuple(params), paper, data_parallel, dict(info or {}))
+        setattr(obj, DECLARATION, (kind, entry))
+        return obj
+
+    return mark
+
+
+def declaration(obj: Any) -> tuple[str, Entry] | None:
+    """The ``(kind, Entry)`` that :func:`declare` gave ``obj`` itself (not a base class's).
+
+    Args:
+        obj: a function or class.
+
+    Returns:
+        The declaration, or ``None``.
+    """
+    own = getattr(obj, "__dict__", {})
+    return own.get(DECLARATION) if isinstance(own, Mapping) else None
+
+
 def resolve(impl: str) -> Any:
     """The object that ``"module:attr"`` names, or the module that ``"module"`` names.
 
@@ -110,7 +176,7 @@ class Registry(Generic[T]):
         entries: Sequence[Entry] = (),
         protected: Sequence[str] = (),
         protected_reason: str = "it is built in",
-        name_pattern: re.Pattern = NAME_PATTERN,
+        name_pattern: re.Pattern[str] = NAME_PATTERN,
     ):
         self.kind = kind
         self.source = source
@@ -129,8 +195,9 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ the declarative side
     def declare(self, entry: Entry) -> None:
-        """Add a built-in's record (as :mod:`sharpcli.catalogue` does for each of its entries):
-        its implementation is imported from ``entry.impl`` when first asked for, and
+        """Add a built-in's record, as :mod:`sharpcli.catalogue` does for each of its entries.
+
+        Its implementation is imported from ``entry.impl`` when first asked for, and
         :meth:`register` gives an implementation registered under its name this record.
 
         Args:
@@ -281,8 +348,20 @@ class Registry(Generic[T]):
             raise self.error(
                 f"{self.kind} {name!r} is already registered (pass replace=True to replace it)"
             )
+        declared = declaration(obj)
+        if declared is not None and declared[0] != self.kind:
+            raise self.error(f"{name!r} is declared as a {declared[0]}, not a {self.kind}")
+        builtin = self._entries.get(name) if name in self._builtins else None
+        if entry is None and declared is not None:
+            entry = declared[1]
+        if entry is not None and builtin is not None and entry.impl == builtin.impl:
+            if entry != builtin and CHECK_INDEX:  # the built-in itself, changed since
+                raise self.error(
+                    f"the catalogue's record of {self.kind} {name!r} differs from its "
+                    "declaration; run `python -m sharpcli.catalogue.generate`"
+                )
         if entry is None:
-            entry = self._entries.get(name)
+            entry = builtin
         if entry is None:
             entry = self.make_entry(name, obj) if self.make_entry else Entry(name, "")
         if self.check is not None:
@@ -291,9 +370,28 @@ class Registry(Generic[T]):
         self._objects[name] = obj
         return obj
 
+    def add(self, obj: T, *, replace: bool = False) -> T:
+        """Register an object declared with :func:`declare` under its declared name.
+
+        Args:
+            obj: the implementation, declared as this registry's kind.
+            replace: replace an implementation registered under that name.
+
+        Returns:
+            ``obj`` (as :meth:`register` returned it).
+
+        Raises:
+            RegistryError: an undeclared object, or one :meth:`register` refuses.
+        """
+        declared = declaration(obj)
+        if declared is None:
+            raise self.error(f"{obj!r} has no declaration: decorate it with sharpcli.declare")
+        return self.register(declared[1].name, obj, replace=replace)
+
     def unregister(self, name: str) -> T:
-        """Remove and return the implementation registered as ``name`` (its entry goes too,
-        unless it is a built-in's, which is declared in the catalogue).
+        """Remove and return the implementation registered as ``name``.
+
+        Its entry goes too, unless it is a built-in's, which is declared in the catalogue.
 
         Args:
             name: the name.
@@ -376,8 +474,9 @@ class Registry(Generic[T]):
         source: str | None = None,
         accepted: str | None = None,
     ) -> tuple[Entry, dict[str, Any]]:
-        """Parse ``NAME[:k=v,...]`` against this registry's entries (:func:`parse_spec`),
-        typing every parameter and filling in the defaults.
+        """Parse ``NAME[:k=v,...]`` against this registry's entries (:func:`parse_spec`).
+
+        Every parameter is typed and the defaults filled in.
 
         Args:
             text: the spec.
@@ -407,7 +506,6 @@ class Registry(Generic[T]):
         )
         entry = self._entries[name]
         values = {
-            p.name: p.convert(name, given.get(p.name, format_value(p.default)), source)
-            for p in entry.params
+            p.name: p.accept(name, given.get(p.name, p.default), source) for p in entry.params
         }
         return entry, values

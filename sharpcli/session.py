@@ -11,6 +11,7 @@ values). Features take the analysis dtype, except token ids looked up by an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,15 +20,17 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
+from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import get_loss, set_token_reduction
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 from sharpcli.preflight import (
     SECOND_DERIVATIVE_SAMPLES,
     altered_derivative_notes,
     check_deterministic_forward,
-    check_model_accepts,
     check_second_derivatives,
     check_seed,
+    infer_loss,
+    model_outputs,
     prepare_features,
     release_padding_rows,
     resolve_device,
@@ -56,7 +59,7 @@ class Session:
     seed: int
     num_outputs: int
     # budget of cached first-order graphs in curvature passes; None: up to what the memory
-    # plan leaves (sharpcli.curvature.operators.CurvaturePass.plan_memory)
+    # plan leaves (sharpcli.curvature.operators.CurvatureEngine.plan_memory)
     cache_bytes: int | None = None
     # token-cross-entropy: "tokens" (mean over all labelled tokens) or "samples", and the mean
     # labelled positions per sample that the token mean divides by
@@ -152,6 +155,59 @@ def _metadata_loss(ckpt: LoadedCheckpoint, checkpoint: str) -> str | None:
     return loss
 
 
+def _analysis_loss(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dataset,
+    checkpoint: str,
+    *,
+    loss: str | None,
+    stored: str | None,
+) -> tuple[LossReading, tuple[int, ...]]:
+    """The loss of the analysis and how it reads the model's outputs on the first batch ``x``
+    and the labels ``y`` (:func:`sharpcli.io.loss_readings.read_loss`), with the outputs' shape.
+
+    ``loss`` (the option) over the checkpoint's ``stored`` loss; neither: cross-entropy read
+    from the outputs' shape for K-dimensional outputs, else the loss
+    :func:`~sharpcli.preflight.infer_loss` picks. Labels that do not fit the loss are an
+    InputError on the data, or on the checkpoint naming its stored loss and the option that
+    overrides it when the stored loss chose; sharp's loss on the batch must equal torch's
+    (:func:`~sharpcli.io.loss_readings.check_loss_value`).
+    """
+    from sharpcli.io.loss_readings import check_loss_value, read_loss, reference_loss
+    from sharpcli.losses import IGNORE_INDEX
+
+    out = model_outputs(model, x, dataset.source)
+    name = loss or stored
+    if name is None:
+        many = dataset.task != "regression" and out.ndim >= 3
+        name = "cross-entropy" if many else infer_loss(dataset.task, out, y)
+
+    def mismatch(problem: str) -> InputError:
+        if loss is None and stored is not None:  # the checkpoint's loss does not fit the data
+            return InputError(
+                f"its stored loss {stored!r} does not fit {dataset.source}: {problem}; choose "
+                "the loss with `loss`",
+                source=checkpoint,
+            )
+        return InputError(problem, source=dataset.source)
+
+    head = y[: out.shape[0]]
+    try:
+        reading = read_loss(name, out, head, named=loss is not None or stored is not None)
+    except UsageError as err:
+        if err.source != "data":
+            raise
+        raise mismatch(err.message) from None
+    problem = get_loss(reading.name).check(reading.outputs(out[:1]), reading.labels(y))
+    if problem:
+        raise mismatch(problem)
+    ignore = IGNORE_INDEX if get_loss(reading.name).softmax else None
+    check_loss_value(reference_loss(reading), reading, out, head, ignore, f"torch's {name}")
+    return reading, tuple(out.shape)
+
+
 def build_session(
     checkpoint: str,
     *,
@@ -175,6 +231,7 @@ def build_session(
     curvature: bool = True,
     max_memory: str | int | None = None,
     token_reduction: str = "tokens",
+    loss: str | None = None,
 ) -> Session:
     """Load everything an analysis needs; every user mistake is an InputError/UsageError.
 
@@ -193,6 +250,8 @@ def build_session(
     if cache_mb is not None and cache_mb < 0:
         raise UsageError("must be >= 0", source="cache_mb")
     check_seed(seed)
+    if loss is not None:
+        get_loss(loss)  # an unknown name, listing the accepted ones, before anything loads
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     # the run's memory plan (sharpcli.memory): estimators size themselves from it
@@ -239,9 +298,22 @@ def build_session(
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
-    n_out, loss = check_model_accepts(
-        model, x, y, dataset.task, dataset.source, _metadata_loss(ckpt, checkpoint)
+    stored = _metadata_loss(ckpt, checkpoint)
+    reading, out_shape = _analysis_loss(
+        model, x[:batch_size], y, dataset, checkpoint, loss=loss, stored=stored
     )
+    if reading.layout == "classes-last" and token_reduction == "samples":
+        raise UsageError(
+            "cross-entropy on outputs (N, C, d1, ..., dk) is the mean over every labelled "
+            "position, as torch computes it; `token_reduction=samples` is for "
+            "token-cross-entropy",
+            source="token_reduction",
+        )
+    if reading.reshapes:  # outputs and labels as the registered loss takes them
+        model.register_forward_hook(lambda module, args, out: reading.outputs(out))
+        y = reading.labels(y)
+        notes.append(reading.note(out_shape))
+    loss, n_out = reading.name, math.prod(out_shape[1:])
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded
     # the token loss's average (sharpcli.losses.set_token_reduction) over this analysis set

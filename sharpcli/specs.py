@@ -78,7 +78,7 @@ class Param:
     minimum: float | None = None
     below: float | None = None
     positive: bool = False
-    choices: tuple = ()
+    choices: tuple[Any, ...] = ()
     auto: bool = False
 
     def describe(self) -> str:
@@ -112,27 +112,58 @@ class Param:
         if self.auto and raw.lower() == "auto":
             return "auto"
 
-        def bad(problem: str) -> RegistryError:
-            return RegistryError(
-                f"{owner}: {self.name} must be {problem}; got {raw!r}", source=source
-            )
-
         try:
             number = float(raw)
         except ValueError:
-            raise bad("a number or auto" if self.auto else "a number") from None
+            raise self._bad(owner, "a number or auto" if self.auto else "a number", raw, source)
+        return self._checked(owner, number, raw, source)
+
+    def accept(self, owner: str, value: Any, source: str | None = None) -> Any:
+        """A value given as text (parsed by :meth:`convert`) or already typed (checked only).
+
+        A typed value is never formatted and parsed again.
+
+        Args:
+            owner: the name of the thing the parameter belongs to (starts the message).
+            value: the value, text or typed.
+            source: the library parameter an error names (``UsageError.source``).
+
+        Returns:
+            The typed value.
+
+        Raises:
+            RegistryError: a value of the wrong type or out of range.
+        """
+        if isinstance(value, str):
+            return self.convert(owner, value, source)
+        if self.kind == "choice":
+            if value not in self.choices:
+                allowed = ", ".join(str(c) for c in self.choices)
+                raise self._bad(owner, f"one of {allowed}", repr(value), source)
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._bad(owner, "a number", repr(value), source)
+        return self._checked(owner, value, repr(value), source)
+
+    def _bad(self, owner: str, problem: str, raw: str, source: str | None) -> RegistryError:
+        return RegistryError(f"{owner}: {self.name} must be {problem}; got {raw!r}", source=source)
+
+    def _checked(self, owner: str, number: float, raw: str, source: str | None) -> Any:
+        """``number`` as this parameter's type, once it is finite and in range."""
         if not math.isfinite(number):
-            raise bad("finite")
+            raise self._bad(owner, "finite", raw, source)
         if self.kind == "int":
-            if not number.is_integer():
-                raise bad("an integer")
+            if not float(number).is_integer():
+                raise self._bad(owner, "an integer", raw, source)
             number = int(number)
+        elif self.kind == "float":
+            number = float(number)
         if self.positive and number <= 0:
-            raise bad("> 0")
+            raise self._bad(owner, "> 0", raw, source)
         if self.minimum is not None and number < self.minimum:
-            raise bad(f">= {self.minimum:g}")
+            raise self._bad(owner, f">= {self.minimum:g}", raw, source)
         if self.below is not None and number >= self.below:
-            raise bad(f"< {self.below:g}")
+            raise self._bad(owner, f"< {self.below:g}", raw, source)
         return number
 
     def _choice(self, owner: str, raw: str, source: str | None) -> Any:

@@ -15,18 +15,20 @@ import torch
 import torch.nn.functional as F
 
 
-def flat_gradient(model, params, x, y, create_graph: bool = False) -> torch.Tensor:
-    """``grad_theta CE(model(x), y)`` over ``params``, concatenated (zeros where unused)."""
-    loss = F.cross_entropy(model(x), y)
+def flat_gradient(model, params, x, y, create_graph: bool = False, loss_fn=None) -> torch.Tensor:
+    """``grad_theta loss_fn(model(x), y)`` over ``params``, concatenated (zeros where unused);
+    ``loss_fn`` a torch loss module or function, cross-entropy by default."""
+    loss = (loss_fn or F.cross_entropy)(model(x), y)
     grads = torch.autograd.grad(loss, params, create_graph=create_graph, allow_unused=True)
     return torch.cat(
         [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]
     )
 
 
-def double_backward_hessian(model, params, x, y) -> torch.Tensor:
-    """The dense Hessian by differentiating each gradient entry again."""
-    g = flat_gradient(model, params, x, y, create_graph=True)
+def double_backward_hessian(model, params, x, y, loss_fn=None) -> torch.Tensor:
+    """The dense Hessian of ``loss_fn(model(x), y)`` (cross-entropy by default) by
+    differentiating each gradient entry again."""
+    g = flat_gradient(model, params, x, y, create_graph=True, loss_fn=loss_fn)
     rows = []
     for i in range(g.numel()):
         row = torch.autograd.grad(g[i], params, retain_graph=True, allow_unused=True)
@@ -57,3 +59,38 @@ def central_difference_hessian(model, params, x, y, h: float = 1e-6) -> torch.Te
     with torch.no_grad():
         torch._foreach_copy_(params, theta)
     return torch.stack(columns, dim=1)
+
+
+def _flat(tensors, params) -> torch.Tensor:
+    return torch.cat(
+        [(torch.zeros_like(p) if t is None else t).reshape(-1) for p, t in zip(params, tensors)]
+    )
+
+
+def jacobian_ggn(model, params, x, y, loss_fn) -> torch.Tensor:
+    """The dense Gauss-Newton matrix ``J^T H_z J`` of ``loss_fn(model(x), y)``: ``J`` the
+    Jacobian of every output entry by autograd, ``H_z`` the loss's Hessian in the outputs by
+    double backward (both over the whole batch, so ``H_z`` carries the loss's reduction)."""
+    z = model(x)
+    rows = [
+        _flat(torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True), params)
+        for entry in z.reshape(-1)
+    ]
+    jacobian = torch.stack(rows)  # (outputs, P)
+    outputs = z.detach().requires_grad_(True)
+    (gradient,) = torch.autograd.grad(loss_fn(outputs, y), outputs, create_graph=True)
+    gradient = gradient.reshape(-1)
+    hessian_z = torch.stack(
+        [
+            torch.autograd.grad(gradient[i], outputs, retain_graph=True)[0].reshape(-1)
+            for i in range(gradient.numel())
+        ]
+    )
+    return jacobian.T @ hessian_z @ jacobian
+
+
+def cross_entropy_ggn(model, params, x) -> torch.Tensor:
+    """The dense Gauss-Newton matrix of the mean cross-entropy, ``(1/N) sum_i J_i^T H_z J_i``
+    with ``H_z = diag(p) - p p^T`` (it does not depend on the labels, so any labels do)."""
+    labels = torch.zeros(x.shape[0], dtype=torch.long)
+    return jacobian_ggn(model, params, x, labels, torch.nn.functional.cross_entropy)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, exact_ggn_trace
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, exact_ggn_trace
 from sharpcli.losses import IGNORE_INDEX, LOSSES
 
 
@@ -101,7 +101,7 @@ def test_products_and_exact_ggn_trace_match_dense(loss):
     with torch.no_grad():
         assert float(LOSSES[loss].mean(model(x), y)) == pytest.approx(float(mean_loss(model(x), y)))
     scope = ParamScope.resolve(model)
-    cpass = CurvaturePass(model, AnalysisData(x, y, loss, batch_size=4), scope)
+    cpass = CurvatureEngine(model, AnalysisData(x, y, loss, batch_size=4), scope)
     eye = torch.eye(scope.numel, dtype=torch.float64)
     assert float((cpass.hessian().matmat(eye) - H).abs().max()) < 1e-10
     assert float((cpass.ggn().matmat(eye) - G).abs().max()) < 1e-10

@@ -17,7 +17,7 @@ from cli_helpers import assert_one_line_error, run_cli, run_process
 from conftest import make_data, make_mlp
 
 from sharpcli import memory
-from sharpcli.curvature import CurvaturePass, ParamScope, lanczos
+from sharpcli.curvature import CurvatureEngine, ParamScope, lanczos
 from sharpcli.curvature.data import AnalysisData
 from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import krylov_work_bytes
@@ -99,7 +99,7 @@ def test_restarted_hessian_of_a_model_matches_the_dense_hessian():
     model = make_mlp("gelu", sizes=(4, 8, 8, 3)).double()
     x, y = make_data("vector", n=31)
     scope = ParamScope.resolve(model, None)
-    op = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size=16), scope).hessian()
+    op = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=16), scope).hessian()
     dense = torch.linalg.eigvalsh(op.to_dense())
     result = lanczos(op, k=3, tol=1e-10, max_matvecs=3000, max_basis=7)
     assert result.restarts > 0 and all(result.converged)
@@ -114,7 +114,7 @@ def test_float32_products_and_float32_basis_land_within_tol_of_float64():
         m = model.to(dtype)
         scope = ParamScope.resolve(m, None)
         data = AnalysisData(x.to(dtype), y, "cross-entropy", batch_size=40)
-        op = CurvaturePass(m, data, scope).hessian()
+        op = CurvatureEngine(m, data, scope).hessian()
         values[dtype] = lanczos(op, k=2, tol=1e-4, max_matvecs=400, max_basis=6)
     r32, r64 = values[torch.float32], values[torch.float64]
     assert r32.restarts > 0 and all(r32.converged)

@@ -4,7 +4,9 @@ Results are keyed so that ``--fail-if`` reads them as dotted paths:
 ``loss``, ``accuracy``, ``hessian.lambda_max``, ``hessian.lambda_min``,
 ``hessian.eigenvalues``, ``hessian.trace``, ``hessian.trace_stderr``,
 ``hessian.frobenius_sq``, ``ggn.*`` and ``nme.*`` and ``nme_share`` (gn-nme),
-``activations.*`` (activation-stats).
+``activations.*`` (activation-stats), ``sharpness.*`` (adaptive worst-case and average-case
+sharpness, [Andriushchenko2023]), ``pac_bayes.*`` (PAC-Bayes sigma and flatness, plain and
+magnitude-aware, [Jiang2019]), ``fisher_rao.*`` ([Liang2019]).
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ RESULT_KEYS: dict[str, tuple[str, ...]] = {
         "activations.input_jacobian_fro_softmax",
         "activations.samples",
     ),
+    "sharpness": tuple(
+        f"sharpness.{kind}{part}"
+        for kind in ("worst_case", "average")
+        for part in ("", "_stderr", "_loss_perturbed")
+    )
+    + ("sharpness.rho",),
+    "pac-bayes": tuple(f"pac_bayes.{noise}.*" for noise in ("plain", "magnitude")),
+    "fisher-rao": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical"),
 }
 # Numbers outside ``results`` that a gate may read ("**": any path below).
 REPORT_KEYS = (
@@ -183,12 +193,53 @@ def analyze(
         from sharpcli.analyses.activations import activation_stats
 
         results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
+    results.update(_flatness_metrics(session, metrics, params))
     if hessian:
         results[HESSIAN] = hessian
     notes = _notes_of([part for part in (e, t, f, g) if part is not None])
     if notes:
         results["notes"] = notes
     return results, matvecs
+
+
+def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
+    """The sharpness, PAC-Bayes and Fisher-Rao metrics (first derivatives and forward passes
+    only): adaptive l2 sharpness at rho 0.05 (worst case: 20 Auto-PGD steps; average: 100
+    draws) over the whole set, the PAC-Bayes sigma by [Jiang2019]'s bisection, the Fisher-Rao
+    norm theta^T F theta and its empirical version."""
+    results: dict = {}
+    data = session.analysis_data()
+    if "sharpness" in metrics:
+        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+
+        found = {"rho": 0.05}
+        for kind, key in (("worst-case", "worst_case"), ("average", "average")):
+            config = SharpnessConfig(kind=kind, rhos=(0.05,), params=params, seed=session.seed)
+            row = sharpness(session.model, data, config).rows[0]
+            found |= {
+                key: row.sharpness,
+                f"{key}_stderr": row.stderr,
+                f"{key}_loss_perturbed": row.loss_perturbed,
+            }
+        results["sharpness"] = found
+    if "pac-bayes" in metrics:
+        from sharpcli.analyses.flatness import pac_bayes_sigma
+
+        results["pac_bayes"] = {
+            name: pac_bayes_sigma(
+                session.model, data, magnitude_aware=aware, params=params, seed=session.seed
+            ).to_dict()
+            for name, aware in (("plain", False), ("magnitude", True))
+        }
+    if "fisher-rao" in metrics:
+        from sharpcli.analyses.flatness import fisher_rao_norm
+
+        found = fisher_rao_norm(session.model, data, params)
+        results["fisher_rao"] = {
+            "norm_sq": found["fisher_rao_norm_sq"],
+            "norm_sq_empirical": found["fisher_rao_norm_sq_empirical"],
+        }
+    return results
 
 
 def _notes_of(parts: list, depth: int = 3) -> list[str]:

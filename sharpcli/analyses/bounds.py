@@ -72,7 +72,7 @@ from sharpcli.analyses.perturbation import (
 )
 from sharpcli.analyses.theorem2 import Theorem2Row, theorem2_check
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvaturePass
+from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
@@ -307,7 +307,7 @@ def _measure_at_theta(
     """Gradient norms and Hessian spectral norm at theta, perturbation directions, bootstrap weights."""
     m = int(config.perturbations)
     eps = gradient_norms(model, data, scope)
-    base_h = CurvaturePass(model, data, scope).hessian()
+    base_h = CurvatureEngine(model, data, scope).hessian()
     h_theta, plain_lambda_max, _ = spectral_norm(
         base_h, tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed
     )
@@ -343,7 +343,7 @@ def _corollary1_row(
     for j in range(m):
         twin, twin_scope = perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
         region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon_kind])
-        op = CurvaturePass(
+        op = CurvatureEngine(
             twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
         ).hessian()
         norm_j, _, conv_j = spectral_norm(op, **lanczos_kw)

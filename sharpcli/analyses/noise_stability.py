@@ -27,7 +27,7 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.operators import CurvaturePass
+from sharpcli.curvature.operators import CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
@@ -121,7 +121,7 @@ def noise_stability_check(
     check_sigmas(sigmas)
     if int(pairs) < 2:
         raise UsageError(f"must be >= 2, got {pairs}", source="pairs")
-    curvature_pass = CurvaturePass(model, data, scope)
+    curvature_pass = CurvatureEngine(model, data, scope)
     hessian = curvature_pass.hessian()
     trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
     trace_stderr = (

@@ -25,6 +25,9 @@ trace change (by orders of magnitude for alpha = 10) although the function does 
 elementwise normalisation ``T_w = diag(|w|)`` gives the invariant
 ``diag(|theta'|) H' diag(|theta'|) = diag(|theta|) D D^{-1} H D^{-1} D diag(|theta|)
 = diag(|theta|) H diag(|theta|)``; its largest eigenvalue is ``invariant_lambda_max``.
+Beside it, the worst-case l2 sharpness of [Andriushchenko2023] at radius ``rho``
+(:mod:`sharpcli.analyses.sharpness`): adaptive (``c = |theta|``, invariant for the same reason:
+``L'(theta' + c' u) = L(theta + c u)``) and standard (``c = 1``, not invariant).
 
 This module measures the rescaled models (:func:`weight_rescale`);
 :mod:`sharpcli.analyses.rescale_plan` works out and applies a rescaling.
@@ -53,7 +56,7 @@ from sharpcli.curvature.data import (
     distributed_rank_and_world,
     to_model_batch,
 )
-from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
+from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
@@ -188,6 +191,8 @@ class RescaleRow:
     invariant_lambda_max: float
     invariant_converged: bool
     matvecs: int
+    adaptive_sharpness: float | None = None
+    standard_sharpness: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the keys of docs/json.md plus convergence and cost)."""
@@ -232,6 +237,7 @@ def _curvature_row(
     trace_tol: float,
     trace_max_matvecs: int,
     seed: int,
+    rho: float | None,
 ) -> tuple[RescaleRow, int]:
     from sharpcli.curvature.lanczos import lanczos
 
@@ -239,7 +245,7 @@ def _curvature_row(
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
     change = _global_max(local_change, evaluation.logits.device)
     scope = ParamScope.resolve(model, params)
-    curvature_pass = CurvaturePass(model, data, scope)
+    curvature_pass = CurvatureEngine(model, data, scope)
     hessian = curvature_pass.hessian()
     top = lanczos(hessian, 1, "largest", tol=tol, max_matvecs=max_matvecs, seed=seed)
     trace = _trace(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
@@ -259,7 +265,22 @@ def _curvature_row(
         invariant_converged=invariant.converged[0],
         matvecs=hessian.matvecs,
     )
+    if rho is not None:
+        row.adaptive_sharpness, row.standard_sharpness = (
+            _worst_case_sharpness(model, data, params, rho, adaptive, seed)
+            for adaptive in (True, False)
+        )
     return row, scope.numel
+
+
+def _worst_case_sharpness(
+    model: nn.Module, data: AnalysisData, params: str | None, rho: float, adaptive: bool, seed: int
+) -> float:
+    """Worst-case l2 sharpness at ``rho`` over the whole set ([Andriushchenko2023])."""
+    from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+
+    config = SharpnessConfig(rhos=(rho,), adaptive=adaptive, params=params, seed=seed)
+    return sharpness(model, data, config).rows[0].sharpness
 
 
 def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) -> dict:
@@ -287,13 +308,15 @@ def weight_rescale(
     trace_tol: float = 1e-2,
     trace_max_matvecs: int = 200,
     seed: int = 0,
+    rho: float | None = 0.05,
 ) -> WeightRescaleResult:
     """MAN Fig. 1 / Dinh et al.: rescale a copy of ``model`` by each alpha and measure it.
 
     Per alpha (and for the unscaled model, ``baseline``): accuracy, loss, ``max |z' - z|`` against
-    the unscaled logits, lambda_max (Lanczos), trace (Hutch++) and the ASAM-normalised
-    ``invariant_lambda_max`` = largest eigenvalue of ``diag(|theta|) H diag(|theta|)``, all w.r.t.
-    the scope ``params`` (default all parameters). ``model`` itself is not modified.
+    the unscaled logits, lambda_max (Lanczos), trace (Hutch++), the ASAM-normalised
+    ``invariant_lambda_max`` = largest eigenvalue of ``diag(|theta|) H diag(|theta|)`` and the
+    adaptive and standard worst-case sharpness at ``rho``, all w.r.t. the scope ``params``
+    (default all parameters). ``model`` itself is not modified.
     Progress: a ``weight rescale`` run counting the models measured (:mod:`sharpcli.progress`).
 
     Args:
@@ -309,6 +332,8 @@ def weight_rescale(
         trace_tol: Hutch++'s relative tolerance.
         trace_max_matvecs: Hutch++'s product budget.
         seed: seeds the estimators.
+        rho: the radius of the adaptive and standard worst-case sharpness (l2, the whole set
+            as one batch, 20 Auto-PGD steps); None: not measured.
 
     Returns:
         The rows, the baseline and the plan.
@@ -318,6 +343,8 @@ def weight_rescale(
     """
     check_alphas(alphas)
     check_mode(mode)
+    if rho is not None and not (rho > 0 and math.isfinite(rho)):
+        raise UsageError(f"must be a finite number > 0, got {rho:g}", source="rho")
     example = next(iter(data.batches()))[0]
     p0 = next(model.parameters())
     example = example[:8].to(
@@ -330,6 +357,7 @@ def weight_rescale(
         trace_tol=trace_tol,
         trace_max_matvecs=trace_max_matvecs,
         seed=seed,
+        rho=rho,
     )
     total = len(alphas) + 1
     with progress.start("weight rescale", total=total, unit="models", detail="baseline") as run:

@@ -2,7 +2,7 @@
 
 Each function takes a :class:`~sharpcli.session.Session` and returns the
 ``results`` dict of its command's JSON report (docs/json.md). All products go
-through one :class:`~sharpcli.curvature.CurvaturePass` per call, so H, G and N
+through one :class:`~sharpcli.curvature.CurvatureEngine` per call, so H, G and N
 share their cached first-order graphs.
 
 Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``operator`` name in
@@ -17,14 +17,33 @@ import math
 
 import torch
 
-from sharpcli import catalogue, progress
-from sharpcli.curvature.lanczos import WHICH
-from sharpcli.curvature.registry import GGN, HESSIAN, NME, SPLIT, build_operator, operator_spec
+from sharpcli import catalogue, memory, progress
+from sharpcli.curvature import (
+    CurvatureEngine,
+    exact_ggn_trace,
+    lanczos,
+    power_iteration,
+    sampled_label_ggn_trace,
+)
+from sharpcli.curvature.density import spectral_density
+from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
+from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
+from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
+from sharpcli.curvature.registry import (
+    GGN,
+    HESSIAN,
+    NME,
+    OPERATORS,
+    SPLIT,
+    build_operator,
+    operator_spec,
+)
+from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
 METHODS = catalogue.METHODS
-ESTIMATORS = catalogue.ESTIMATORS.builtin_names()  # hutchpp, hutchinson, gn-split, exact
 ENGINES = catalogue.ENGINES
 
 
@@ -39,13 +58,10 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
 
 def curvature_pass(session, params: str | None):
     """One shared pass (H and G products with cached graphs) over the session's analysis set."""
-    from sharpcli import memory
-    from sharpcli.curvature import CurvaturePass
-    from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
 
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
-    cpass = CurvaturePass(
+    cpass = CurvatureEngine(
         session.model,
         session.analysis_data(),
         scope,
@@ -63,7 +79,6 @@ def operator_of(cpass, operator: str):
 def _symbol(operator: str) -> str:
     """The operator's letter (``H``) for progress labels; its name when it is not registered
     (the analysis then fails with the accepted names)."""
-    from sharpcli.curvature.registry import OPERATORS
 
     spec = OPERATORS.get(operator)
     return spec.symbol if spec is not None else operator
@@ -92,8 +107,6 @@ def eigen(
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
-        from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues
-
         if operator != HESSIAN:
             raise UsageError("the pyhessian engine computes only the Hessian", source="engine")
         if which != "largest":
@@ -151,7 +164,7 @@ def eigen_result(
     smallest or both ends, or power iteration ([PyHessian]) for the largest only.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
         k: Eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
@@ -165,8 +178,6 @@ def eigen_result(
     Returns:
         The :class:`~sharpcli.curvature.EigenResult`.
     """
-    from sharpcli.curvature import lanczos, power_iteration
-    from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS
 
     check_choice(method, METHODS, "method")
     check_choice(which, WHICH, "which")
@@ -213,8 +224,8 @@ def eigen_result(
 def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     """Note a null space the operator's rank bound proves (e.g. G: rank <= N * rank(H_z)).
 
-    A Krylov method sees each distinct eigenvalue once, so the repeated 0 appears once among
-    the smallest eigenvalues.
+    Lanczos counts the repeated 0 among the smallest eigenvalues by deflated restarts
+    (:mod:`sharpcli.curvature.deflation`); the bound says how many copies there are at least.
     """
     if spec.rank_bound is None:
         return
@@ -222,8 +233,7 @@ def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     if rank_bound < numel:
         out.setdefault("notes", []).append(
             f"{spec.symbol} has rank <= {rank_bound} < {numel} parameters: 0 is an eigenvalue "
-            f"of multiplicity >= {numel - rank_bound}, reported once (Lanczos finds distinct "
-            "eigenvalues)"
+            f"of multiplicity >= {numel - rank_bound}"
         )
 
 
@@ -231,7 +241,7 @@ def trace(
     session,
     *,
     operator: str = HESSIAN,
-    estimator: str = "hutchpp",
+    estimator: str = DEFAULT_ESTIMATOR,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
     square: bool = False,
@@ -240,12 +250,10 @@ def trace(
     seed: int | None = None,
 ) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
-    check_choice(estimator, ESTIMATORS, "estimator")
+    catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
-        from sharpcli.curvature.pyhessian_engine import pyhessian_trace
-
         if operator != HESSIAN or square:
             raise UsageError("the pyhessian engine computes only tr(H)", source="engine")
         result = pyhessian_trace(
@@ -284,7 +292,7 @@ def trace_result(
     cpass,
     operator: str = HESSIAN,
     *,
-    estimator: str = "hutchpp",
+    estimator: str = DEFAULT_ESTIMATOR,
     square: bool = False,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -293,16 +301,15 @@ def trace_result(
     """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
-    :meth:`sharpcli.api.Curvature.trace`: ``hutchpp`` ([Hutch++]), ``hutchinson``
-    ([Hutchinson1989]), ``exact`` (the Gauss-Newton trace, one backward pass per output
-    direction) or ``gn-split`` (tr(H) as exact tr(G) plus an estimated tr(N)); ``square``
-    estimates ``Tr(A^2) = ||A||_F^2`` ([FA] eq. 1) by Hutchinson on ``A^2``.
+    :meth:`sharpcli.api.Curvature.trace`: the registered trace estimator ``estimator``
+    (:mod:`sharpcli.curvature.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
+    [Hutchinson1989], ``exact`` (the Gauss-Newton trace), ``gn-split`` (tr(H) as exact tr(G)
+    plus an estimated tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name.
-        estimator: ``hutchpp``, ``hutchinson``, ``exact`` (``ggn`` only) or ``gn-split``
-            (``hessian`` only).
+        estimator: A registered trace estimator name.
         square: Estimate ``Tr(A^2)`` instead.
         tol: The relative standard error to stop at.
         max_matvecs: The products allowed.
@@ -311,38 +318,10 @@ def trace_result(
     Returns:
         The :class:`~sharpcli.curvature.TraceResult`.
     """
-    from sharpcli.curvature import (
-        exact_ggn_trace,
-        frobenius_sq,
-        gn_split_trace,
-        hutchinson,
-        hutchpp,
-    )
-
-    check_choice(estimator, ESTIMATORS, "estimator")
+    estimate = trace_estimator(estimator)
     symbol = _symbol(operator)
     with progress.phase(f"Tr({symbol}^2)" if square else f"tr({symbol})"):
-        if estimator == "exact":
-            if operator != GGN or square:
-                raise UsageError(
-                    "the exact estimator is for the Gauss-Newton trace (`operator=ggn`, no "
-                    "`square`)",
-                    source="estimator",
-                )
-            return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
-        if estimator == "gn-split":
-            if operator != HESSIAN or square:
-                raise UsageError(
-                    "the gn-split estimator is for the Hessian trace (`operator=hessian`, no "
-                    "`square`)",
-                    source="estimator",
-                )
-            return gn_split_trace(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        op = operator_of(cpass, operator)
-        if square:
-            return frobenius_sq(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        estimate = hutchinson if estimator == "hutchinson" else hutchpp
-        return estimate(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        return estimate(TraceRequest(cpass, operator, square, tol, max_matvecs, seed))
 
 
 def density(
@@ -357,7 +336,6 @@ def density(
     seed: int | None = None,
 ) -> dict:
     """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened."""
-    from sharpcli.curvature.density import spectral_density
 
     seed = session.seed if seed is None else seed
     cpass = curvature_pass(session, params)
@@ -379,7 +357,6 @@ def density(
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:
-    from sharpcli.curvature import lanczos
 
     res = lanczos(op, k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     return {
@@ -443,7 +420,7 @@ def gn_nme_result(
     ``sharp gn-nme`` (:func:`gn_nme`) and :meth:`sharpcli.api.Curvature.gn_nme`.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvaturePass` whose products to use.
+        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         loss: The registered loss name of the analysis set.
         num_outputs: Model outputs per sample.
         labels: The analysis set's labels (their shape plans the tr(G) cross-checks).
@@ -457,8 +434,6 @@ def gn_nme_result(
     Returns:
         The ``results`` of ``sharp gn-nme --json``.
     """
-    from sharpcli.curvature import exact_ggn_trace, sampled_label_ggn_trace
-    from sharpcli.curvature.split import gn_nme_split
 
     with progress.phase("traces H,G,N"):
         split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)

@@ -52,7 +52,9 @@ def measure(
     Keys: ``lambda_max`` (Lanczos, residual tol 1e-3, at most ``eigen_max_matvecs`` products,
     default ``min(P, 100)``), ``trace`` ([Hutch++]), ``frobenius_sq`` and ``ggn_trace``,
     ``nme_trace``, ``nme_share`` (shared probes), the traces to relative standard error ``tol``
-    or ``max_matvecs`` products each.
+    or ``max_matvecs`` products each; ``adaptive_sharpness``: [Andriushchenko2023]'s adaptive
+    worst-case l2 sharpness at rho 0.05 over the whole set (10 Auto-PGD steps; gradients, no
+    curvature products).
     """
     from sharpcli.curvature import frobenius_sq, hutchpp, lanczos
     from sharpcli.curvature.registry import GGN, HESSIAN, NME
@@ -88,6 +90,11 @@ def measure(
         out["nme_trace"] = split.values[NME]["trace"]["estimate"]
         out["nme_share"] = out["nme_trace"] / h if h else None
         products += split.matvecs
+    if "sharpness" in names:
+        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+
+        config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=seed)
+        out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
     return out, products
 
 
@@ -104,12 +111,12 @@ def make_tracker(
     check_tracked(names)
 
     def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
-        from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
+        from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
         was_training = model.training
         model.eval()
         try:
-            cpass = CurvaturePass(
+            cpass = CurvatureEngine(
                 model,
                 AnalysisData(x, y, loss=loss, batch_size=batch_size),
                 ParamScope.resolve(model, None),

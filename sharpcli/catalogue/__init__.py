@@ -3,14 +3,13 @@
 One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
-implementation as ``"module:attr"``, imported only when it is used. The implementing modules
-register into these registries (``sharpcli.training.regularizers.REGISTRY`` *is*
-:data:`REGULARIZERS`) and take their descriptions from the records; the closed value sets of
-options (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that
-accept them. Everything that lists names reads them from here: the CLI's choices,
-``--help``, shell completion and metavars, the docs' tables and the report schema. Adding a
-built-in is its module plus its record here (docs/architecture.md works one example of each
-kind).
+implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
+estimators and curvature operators are declared beside their code
+(:func:`sharpcli.registry.declare`); :mod:`sharpcli.catalogue.index` is generated from those
+declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
+(:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
+them. Everything that lists names reads them from here: the CLI's choices, ``--help``, shell
+completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
 formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed
@@ -19,10 +18,26 @@ value sets). None imports torch: ``sharp --help`` reads them.
 
 from __future__ import annotations
 
-from sharpcli.catalogue.curvature import ESTIMATORS, OPERATORS, operator_help, operator_table
+from typing import Any
+
+from sharpcli.catalogue.curvature import (
+    DIAGONAL_ESTIMATORS,
+    ESTIMATORS,
+    OPERATORS,
+    entries_help,
+    operator_help,
+    operator_table,
+)
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.sharpness import (
+    GAP_KINDS,
+    LANDSCAPE_BIAS_BN,
+    NORM_LAYERS,
+    SHARPNESS_KINDS,
+    SHARPNESS_NORMS,
+)
 from sharpcli.catalogue.values import (
     CHECKS,
     DEVICES,
@@ -51,32 +66,39 @@ __all__ = [
     "DATASETS",
     "DATA_FORMATS",
     "DEVICES",
+    "DIAGONAL_ESTIMATORS",
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",
     "ESTIMATORS",
+    "GAP_KINDS",
     "GGN_ESTIMATORS",
     "KINDS",
+    "LANDSCAPE_BIAS_BN",
     "LOSSES",
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
+    "NORM_LAYERS",
     "OPERATORS",
     "OPTIMIZERS",
     "REGULARIZERS",
     "RESCALE_MODES",
     "SCHEDULES",
+    "SHARPNESS_KINDS",
+    "SHARPNESS_NORMS",
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",
     "TRACKABLE",
     "WHICH",
+    "entries_help",
     "operator_help",
     "operator_table",
 ]
 
 # every kind, by the name the docs' tables use
-KINDS: dict[str, Registry] = {
+KINDS: dict[str, Registry[Any]] = {
     "regularizers": REGULARIZERS,
     "operators": OPERATORS,
     "estimators": ESTIMATORS,

@@ -1,74 +1,90 @@
-"""The curvature operators (``--operator``) and trace estimators (``--estimator``), and the
-``--operator`` help and docs table made from them.
+"""The curvature operators (``--operator``) and trace estimators (``--estimator``).
+
+Also the ``--operator`` help and docs table made from them.
 
 This module imports no torch.
 """
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 
-__all__ = ["ESTIMATORS", "OPERATORS", "operator_help", "operator_table"]
+__all__ = [
+    "DIAGONAL_ESTIMATORS",
+    "ESTIMATORS",
+    "OPERATORS",
+    "entries_help",
+    "operator_help",
+    "operator_table",
+]
 
-# ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators. ``info``: the
-# symbol in tables and whether the operator is positive semi-definite.
-OPERATORS: Registry = Registry(
+# ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
+# ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
+# is a part of the split H = G + N (which cannot be unregistered).
+OPERATORS: Registry[Any] = Registry(
     "operator",
     source="operator",
-    entries=[
-        Entry(
-            "hessian",
-            "Hessian of the loss",
-            "sharpcli.curvature.registry:build_hessian",
-            info={"symbol": "H", "psd": False},
-        ),
-        Entry(
-            "ggn",
-            "Gauss-Newton J^T H_z J",
-            "sharpcli.curvature.registry:build_ggn",
-            paper="Schraudolph2002",
-            info={"symbol": "G", "psd": True},
-        ),
-        Entry(
-            "nme",
-            "nonlinear modelling error H - G",
-            "sharpcli.curvature.registry:build_nme",
-            paper="NME",
-            info={"symbol": "N", "psd": False},
-        ),
-    ],
-    protected=("hessian", "ggn", "nme"),
+    entries=DECLARED.get("operator", ()),
+    protected=tuple(e.name for e in DECLARED.get("operator", ()) if e.info.get("split")),
     protected_reason="it is part of the H = G + N split",
 )
 
-# ``sharp trace --estimator NAME`` (sharpcli.analyses.spectrum), the default first
-ESTIMATORS: Registry = Registry(
-    "estimator",
+# ``sharp trace --estimator NAME`` (sharpcli.curvature.estimators, declared there), the
+# default first
+ESTIMATORS: Registry[Any] = Registry(
+    "estimator", source="estimator", entries=DECLARED.get("estimator", ())
+)
+
+# ``sharp diagonal --estimator NAME`` (sharpcli.analyses.diagonal), the default first
+DIAGONAL_ESTIMATORS: Registry[Any] = Registry(
+    "diagonal estimator",
     source="estimator",
     entries=[
         Entry(
-            "hutchpp",
-            "Hutch++: the top subspace exactly, Hutchinson on the rest",
-            "sharpcli.curvature.hutchpp:hutchpp",
-            paper="Hutch++",
-        ),
-        Entry(
             "hutchinson",
-            "Rademacher probes averaged until the standard error meets tol",
-            "sharpcli.curvature.trace:hutchinson",
-            paper="Hutchinson1989",
+            "mean of v * (A v) over Rademacher probes, per-entry standard errors",
+            "sharpcli.curvature.diagonal:hutchinson_diagonal",
+            paper="Bekas2007",
         ),
         Entry(
-            "gn-split",
-            "tr(G) and tr(N) from shared probes, tr(H) their sum",
-            "sharpcli.curvature.split:gn_nme_split",
-            paper="NME",
+            "exact",
+            "(A e_j)_j, one product per parameter (small scopes)",
+            "sharpcli.curvature.diagonal:exact_diagonal",
         ),
         Entry(
-            "exact", "the trace of the dense matrix (small models)", "sharpcli.analyses.spectrum"
+            "gnb",
+            "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)",
+            "sharpcli.curvature.diagonal:gnb_diagonal",
+            paper="Sophia",
+        ),
+        Entry(
+            "per-sample",
+            "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
+            "sharpcli.curvature.diagonal:per_sample_diagonal",
+            paper="BackPACK",
         ),
     ],
 )
+
+
+def entries_help(registry: Registry[Any]) -> str:
+    """A registry's names with their summaries, as an option's help lists them.
+
+    Args:
+        registry: the kind.
+
+    Returns:
+        ``a (summary), b (summary) or c (summary)``, extensions included.
+
+    >>> from sharpcli.registry import Entry
+    >>> entries_help(Registry("toy", source="toy", entries=[Entry("a", "one"), Entry("b", "two")]))
+    'a (one) or b (two)'
+    """
+    items = [f"{e.name} ({e.summary})" for e in registry.entries()]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
 def operator_help() -> str:
@@ -81,15 +97,18 @@ def operator_help() -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
-def operator_table() -> str:
+def operator_table(entries: Sequence[Entry] | None = None) -> str:
     """The docs' Markdown table of the operators (docs/commands/eigen.md).
 
+    Args:
+        entries: the records to list; default every registered operator, extensions included.
+
     Returns:
-        The table, extensions included.
+        The table.
     """
     rows = ["| `--operator` | symbol | what it is | PSD |", "|---|---|---|---|"]
     rows += [
         f"| `{e.name}` | {e.info['symbol']} | {e.summary} | {'yes' if e.info['psd'] else 'no'} |"
-        for e in OPERATORS.entries()
+        for e in (OPERATORS.entries() if entries is None else entries)
     ]
     return "\n".join(rows)

@@ -5,7 +5,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from sharpcli.registry import Entry, Registry
 
@@ -23,9 +23,11 @@ def _format(
     test_split: str,
     directory: bool = False,
 ) -> Entry:
-    """A data format's record: ``info`` holds what :class:`sharpcli.io.formats.DataFormat`
-    is made of (``probe`` and ``read`` as ``"module:function"``, imported with the format
-    module)."""
+    """A data format's record.
+
+    ``info`` holds what :class:`sharpcli.io.formats.DataFormat` is made of (``probe`` and
+    ``read`` as ``"module:function"``, imported with the format module).
+    """
     info = {
         "probe": probe,
         "read": read,
@@ -48,7 +50,7 @@ _ARROW = "sharpcli.io.datasets_arrow"
 # ``--data PATH`` (sharpcli.io.formats). Order matters twice: it is the order of the lists in
 # messages, and folder layouts are probed in it (CIFAR-10 batches win over a CIFAR-100
 # train/test pair in the same folder).
-DATA_FORMATS: Registry = Registry(
+DATA_FORMATS: Registry[Any] = Registry(
     "data format",
     source="spec",
     entries=[
@@ -174,7 +176,7 @@ DATA_FORMATS: Registry = Registry(
 
 # ``--data NAME[:k=v,...]``: the built-in synthetic datasets (sharpcli.io.datasets_builtin);
 # their parameters are typed and checked there
-DATASETS: Registry = Registry(
+DATASETS: Registry[Any] = Registry(
     "built-in dataset",
     source="spec",
     entries=[

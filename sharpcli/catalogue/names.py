@@ -5,6 +5,8 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param
 
@@ -14,7 +16,7 @@ P = Param
 
 # the losses of the analyses and of training (sharpcli.losses); ``info``: whether the labels
 # are classes (accuracy is defined)
-LOSSES: Registry = Registry(
+LOSSES: Registry[Any] = Registry(
     "loss",
     source="loss",
     entries=[
@@ -47,7 +49,7 @@ LOSSES: Registry = Registry(
 
 
 # ``--activation NAME[:beta=B]`` (sharpcli.models.activations), [NME] sections 4.3-4.4
-ACTIVATIONS: Registry = Registry(
+ACTIVATIONS: Registry[Any] = Registry(
     "activation",
     source="activation",
     entries=[
@@ -77,7 +79,7 @@ ACTIVATIONS: Registry = Registry(
 )
 
 # the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)
-COMMANDS: Registry = Registry(
+COMMANDS: Registry[Any] = Registry(
     "command",
     source="command",
     entries=[
@@ -111,6 +113,12 @@ COMMANDS: Registry = Registry(
             paper="Ghorbani2019",
         ),
         Entry(
+            "diagonal",
+            "The curvature's diagonal per parameter, as a .safetensors file.",
+            "sharpcli.cli.cmd_diagonal:diagonal_command",
+            paper="Bekas2007",
+        ),
+        Entry(
             "analyze",
             "Several of these measures in one report; a gate for CI.",
             "sharpcli.cli.cmd_analyze:analyze_command",
@@ -125,6 +133,18 @@ COMMANDS: Registry = Registry(
             "Show which sharpness measures change when weights are rescaled.",
             "sharpcli.cli.cmd_diagnostics:weight_rescale_command",
             paper="MAN",
+        ),
+        Entry(
+            "sharpness",
+            "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
+            "sharpcli.cli.cmd_sharpness:sharpness_command",
+            paper="Andriushchenko2023",
+        ),
+        Entry(
+            "landscape",
+            "Loss on a line or plane through the checkpoint, plotted.",
+            "sharpcli.cli.cmd_landscape:landscape_command",
+            paper="Li2018",
         ),
         Entry(
             "bound-check",

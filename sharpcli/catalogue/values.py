@@ -1,5 +1,7 @@
-"""The closed value sets of options: each set once, read by the library module that accepts
-its values and by the CLI, whose ``Literal`` types ``--help`` lists and completion offers.
+"""The closed value sets of options, each set once.
+
+Read by the library module that accepts its values and by the CLI, whose ``Literal`` types
+``--help`` lists and completion offers.
 
 This module imports no torch.
 """
@@ -46,8 +48,17 @@ SCHEDULES = ("constant", "cosine")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
 # sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
-METRICS = ("eigen", "trace", "frobenius", "gn-nme", "activation-stats")
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius")
+METRICS = (
+    "eigen",
+    "trace",
+    "frobenius",
+    "gn-nme",
+    "activation-stats",
+    "sharpness",
+    "pac-bayes",
+    "fisher-rao",
+)
+TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")

@@ -97,6 +97,11 @@ def analyze_command(
                     flat[f"{group}.{k}"] = v
         if "nme_share" in results:
             flat["nme_share"] = results["nme_share"]
+        for group in ("sharpness", "fisher_rao"):
+            flat |= {f"{group}.{k}": v for k, v in (results.get(group) or {}).items()}
+        for noise, found in (results.get("pac_bayes") or {}).items():
+            for k in ("sigma", "flatness", "deviation", "deviation_stderr"):
+                flat[f"pac_bayes.{noise}.{k}"] = found[k]
         console.print(key_value_table(f"sharpness of {checkpoint}", flat))
         if verdicts:
             console.print(

@@ -74,6 +74,23 @@ def compare_command(
             "sharpness column).",
         ),
     ] = None,
+    gap: Annotated[
+        choices.GapKind,
+        typer.Option(
+            "--gap",
+            help="Generalization gap of the Kendall tau table: test error - train error, or "
+            "test loss - train loss.",
+        ),
+    ] = "error",
+    axes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--axes",
+            metavar="COLUMN,...",
+            help="Hyper-parameter columns of the runs: left out of the measures, and the axes "
+            "of Jiang et al.'s granulated tau.",
+        ),
+    ] = None,
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
     debug: common.DebugOpt = False,
@@ -102,6 +119,11 @@ def compare_command(
 
             x, y = scatter_axes(records, plot_x, plot_y)
             plot_compare_scatter(records, plot, x=x, y=y)
+        axis_list = [a.strip() for a in axes.split(",") if a.strip()] if axes else []
+        kendall = _kendall(list(reports), records, gap, axis_list)
+        results = {"rows": records, "columns": list(frame.columns)}
+        if kendall is not None:
+            results["kendall"] = kendall
         report = make_report(
             "compare",
             settings={
@@ -112,7 +134,7 @@ def compare_command(
                 "out": out,
                 "plot": plot,
             },
-            results={"rows": records, "columns": list(frame.columns)},
+            results=results,
             environment=environment_info(),
         )
 
@@ -123,7 +145,43 @@ def compare_command(
                 console.print(records_table("runs", records, list(frame.columns)))
             else:
                 console.file.write(text)
+            if kendall is not None and fmt == "table" and out is None:
+                _show_kendall(console, kendall)
 
         return runner.Outcome(report, show)
 
     runner.run_command("compare", json_out, quiet, body, uses_models=False, debug=debug)
+
+
+def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -> dict | None:
+    """Kendall's tau of every numeric column against the gap (``--gap``), when at least three
+    runs have one; the train and test losses from each report's ``results.final``."""
+    from sharpcli.report.compare import read_report, run_names
+    from sharpcli.report.rank_correlation import measure_correlations
+
+    path_of = dict(zip(run_names(paths), paths))  # the rows may be sorted (--sort)
+    joined = []
+    for record in records:
+        final = (read_report(path_of[record["run"]]).get("results") or {}).get("final") or {}
+        losses = {k: final.get(k) for k in ("train_loss", "test_loss")}
+        joined.append(record | {k: v for k, v in losses.items() if v is not None})
+    found = measure_correlations(joined, gap=gap, axes=axes)
+    return found if found["runs"] >= 3 and found["rows"] else None
+
+
+def _show_kendall(console, kendall: dict) -> None:
+    from sharpcli.report.tables import records_table
+
+    gap = "test error - train error" if kendall["gap"] == "error" else "test loss - train loss"
+    columns = ["measure", "tau", "p_value", "runs"]
+    if any("granulated" in row for row in kendall["rows"]):
+        columns.append("granulated")
+    console.print(
+        records_table(
+            f"Kendall's tau against the gap ({gap}), {kendall['runs']} runs",
+            kendall["rows"],
+            columns,
+        )
+    )
+    for note in kendall["notes"]:
+        runner.print_note(console, note)

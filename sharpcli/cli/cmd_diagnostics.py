@@ -141,16 +141,31 @@ def weight_rescale_command(
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 200,
+    rho: Annotated[
+        float,
+        typer.Option(
+            "--rho",
+            metavar="R",
+            help="Radius of the adaptive and standard worst-case sharpness (l2).",
+        ),
+    ] = 0.05,
+    sharpness: Annotated[
+        bool,
+        typer.Option(
+            "--sharpness/--no-sharpness",
+            help="Also the worst-case sharpness, adaptive and standard (20 ascent steps each).",
+        ),
+    ] = True,
     plot: PlotOpt = None,
 ) -> runner.Outcome:
-    """Rescale weights without changing the function (MAN Fig. 1; Dinh et al.) and show that
-    lambda_max and the trace move while ASAM's rescale-invariant sharpness does not."""
+    """Rescale weights, keeping the function (MAN Fig. 1): lambda_max moves, adaptive sharpness not."""
     from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
 
     alphas = common.parse_float_list(alpha, "--alpha")
     check_alphas(alphas)  # the library's checks, before the checkpoint is read
     check_mode(mode)
     common.require(tol > 0, f"must be > 0, got {tol:g}", "--eig-tol")
+    common.require(rho > 0, f"must be > 0, got {rho:g}", "--rho")
     common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, "rescaling"):
@@ -167,6 +182,7 @@ def weight_rescale_command(
             trace_tol=trace_tol,
             trace_max_matvecs=trace_max_matvecs,
             seed=opts.seed,
+            rho=rho if sharpness else None,
         )
     results = result.to_dict()
     if plot is not None:
@@ -207,7 +223,12 @@ def _render_weight_rescale(console, result) -> None:
                 "trace",
                 "trace_stderr",
                 "invariant_lambda_max",
-            ],
+            ]
+            + (
+                ["adaptive_sharpness", "standard_sharpness"]
+                if rows[0]["adaptive_sharpness"] is not None
+                else []
+            ),
         )
     )
 

@@ -18,6 +18,14 @@ def _operator_help() -> str:
     return f"{catalogue.operator_help()}."
 
 
+def _estimator_help() -> str:
+    """``--estimator``'s help: the trace estimators of the catalogue, the default first,
+    extensions registered in this process included (read again when the help is shown)."""
+    return catalogue.entries_help(catalogue.ESTIMATORS) + "."
+
+
+# the first declared operator, the Hessian
+DEFAULT_OPERATOR = catalogue.OPERATORS.builtin_names()[0]
 OperatorOpt = Annotated[
     str,
     typer.Option(
@@ -70,6 +78,36 @@ TraceMaxMatvecsOpt = Annotated[
 ]
 
 
+BlocksOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--blocks",
+        metavar="SPEC",
+        help="Per block too: params, modules, layers, NAME=GLOB,..",
+    ),
+]
+
+
+TopOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--top",
+        metavar="N",
+        help="Show only the N largest blocks (JSON: all).",
+    ),
+]
+
+
+def _largest_blocks(blocks: list[dict], top: int | None) -> tuple[list[dict], str | None]:
+    """The blocks a table shows, largest first (the ``top`` largest when given), and a line
+    saying how many were left out (None when none)."""
+    shown = sorted(blocks, key=lambda b: -b["numel"])[: top if top is not None else None]
+    left = len(blocks) - len(shown)
+    return shown, (
+        f"{left} smaller blocks not shown (--top {top}; all in --json)" if left else None
+    )
+
+
 def _positive(value, option: str, strict: bool = True) -> None:
     common.require(value is None or (value > 0 if strict else value >= 0), "must be > 0", option)
 
@@ -84,7 +122,7 @@ def eigen_command(
     which: Annotated[
         choices.Which, typer.Option("--which", help="Which end of the spectrum.")
     ] = "largest",
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     method: Annotated[
         choices.Method,
         typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
@@ -93,11 +131,14 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
-    """Largest and/or smallest eigenvalues of the Hessian, Gauss-Newton or NME operator."""
+    """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
+    _positive(top, "--top")
     _positive(tol, "--eig-tol")
     _positive(max_matvecs, "--eig-max-matvecs")
     session = common.open_session(checkpoint, opts)
@@ -113,8 +154,25 @@ def eigen_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import eigen_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"] = eigen_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                top_k=top_k,
+                which=which,
+                method=method,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("eigen", settings, results, matvecs=results["matvecs"])
+    matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("eigen", settings, results, matvecs=matvecs)
 
     def render(console):
         rows = [
@@ -134,6 +192,20 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
+        if "blocks" in results:
+            shown, left = _largest_blocks(results["blocks"], top)
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
+                    "converged": all(b["converged"]),
+                }
+                for b in shown
+            ]
+            console.print(records_table(f"{operator} eigenvalues per block", block_rows))
+            if left:
+                console.print(left)
         for note in results.get("notes") or []:
             runner.print_note(console, note)
 
@@ -144,15 +216,16 @@ def eigen_command(
 def trace_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     estimator: Annotated[
-        choices.Estimator,
+        str,
         typer.Option(
             "--estimator",
-            help="hutchpp, hutchinson, gn-split (Hessian: exact tr(G) + Hutch++ on tr(N)), or "
-            "exact (Gauss-Newton).",
+            metavar=choices.metavar(catalogue.ESTIMATORS),
+            autocompletion=choices.completer(catalogue.ESTIMATORS),
+            help=lazyhelp.lazy_help(_estimator_help),
         ),
-    ] = "hutchpp",
+    ] = catalogue.ESTIMATORS.names()[0],
     tol: TraceTolOpt = 1e-2,
     max_matvecs: TraceMaxMatvecsOpt = 1000,
     square: Annotated[
@@ -160,11 +233,14 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
+    _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
@@ -178,8 +254,24 @@ def trace_command(
             params=params,
             engine=engine,
         )
+        if blocks is not None:
+            from sharpcli.analyses.blocks import trace_blocks
+
+            common.require(engine == "native", "needs --engine native", "--blocks")
+            results["blocks"], results["blocks_sum"] = trace_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                estimator=estimator,
+                tol=tol,
+                max_matvecs=max_matvecs,
+                square=square,
+                params=params,
+                seed=session.seed,
+            )
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("trace", settings, results, matvecs=results["trace"]["matvecs"])
+    matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("trace", settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
@@ -202,6 +294,29 @@ def trace_command(
         ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
+        if "blocks" in results:
+            shown, left = _largest_blocks(results["blocks"], top)
+            block_rows = [
+                {
+                    "block": b["name"],
+                    "numel": b["numel"],
+                    "estimate": b["estimate"],
+                    "stderr": b["stderr"],
+                    "converged": b["converged"],
+                }
+                for b in shown
+            ] + [
+                {
+                    "block": "sum",
+                    "numel": results["blocks_sum"]["numel"],
+                    "estimate": results["blocks_sum"]["estimate"],
+                    "stderr": results["blocks_sum"]["stderr"],
+                    "converged": None,
+                }
+            ]
+            console.print(records_table(f"{quantity} per block", block_rows))
+            if left:
+                console.print(left)
         for note in t.get("notes") or []:
             runner.print_note(console, note)
 
@@ -302,7 +417,7 @@ def gn_nme_command(
 def density_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    operator: OperatorOpt = "hessian",
+    operator: OperatorOpt = DEFAULT_OPERATOR,
     probes: Annotated[int, typer.Option("--probes", help="Random start vectors (SLQ runs).")] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Lanczos steps per probe.")] = 64,
     grid_points: Annotated[
@@ -319,12 +434,15 @@ def density_command(
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
     ] = None,
+    blocks: BlocksOpt = None,
+    top: TopOpt = None,
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")
+    _positive(top, "--top")
     common.require(steps >= 2, "must be at least 2", "--steps")
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
@@ -340,13 +458,35 @@ def density_command(
             broadening=broadening,
             params=params,
         )
-    if plot is not None:
-        from sharpcli.report.plots import plot_density
+        if blocks is not None:
+            from sharpcli.analyses.blocks import density_blocks
+            from sharpcli.analyses.heterogeneity import block_heterogeneity
 
-        plot_density(results, plot, title=f"{operator} spectral density")
+            results["blocks"] = density_blocks(
+                session,
+                blocks=blocks,
+                operator=operator,
+                probes=probes,
+                steps=steps,
+                grid_points=grid_points,
+                broadening=broadening,
+                params=params,
+                seed=session.seed,
+            )
+            results["heterogeneity"], results["block_diagonal"] = block_heterogeneity(
+                results, results["blocks"], grid_points
+            )
+    if plot is not None:
+        from sharpcli.report.plots import plot_block_densities, plot_density
+
+        if blocks is not None:
+            plot_block_densities(results, plot, operator=operator, top=top)
+        else:
+            plot_density(results, plot, title=f"{operator} spectral density")
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("density", settings, results, matvecs=results.get("matvecs", 0))
+    matvecs = results.get("matvecs", 0) + sum(b["matvecs"] for b in results.get("blocks", []))
+    report = session.report("density", settings, results, matvecs=matvecs)
 
     def render(console):
         summary = {
@@ -366,5 +506,26 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
+        if "blocks" in results:
+            keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
+            shown, left = _largest_blocks(results["blocks"], top)
+            block_rows = [{"block": b["name"], **{k: b[k] for k in keys}} for b in shown]
+            console.print(records_table(f"{operator} spectral density per block", block_rows))
+            if left:
+                console.print(left)
+            het, diag = results["heterogeneity"], results["block_diagonal"]
+            console.print(
+                key_value_table(
+                    "block heterogeneity (Jensen-Shannon distance, [Zhang2024])",
+                    {
+                        "blocks": len(het["names"]),
+                        "pairs": het["pairs"],
+                        "mean": het["mean"],
+                        "max": het["max"],
+                        "max pair": " / ".join(het["max_pair"]) if het["max_pair"] else None,
+                        "block-diagonal vs full": diag["js_distance_to_full"],
+                    },
+                )
+            )
 
     return runner.Outcome(report, render)

@@ -296,6 +296,14 @@ def sweep_command(
             },
             "plot": result.plot,
         }
+        from sharpcli.report.rank_correlation import measure_correlations
+
+        # which measure predicts generalization over the runs ([Jiang2019]'s tau table)
+        kendall = {
+            gap: measure_correlations(result.runs, gap=gap, axes=list(parsed_grid))
+            for gap in ("error", "loss")
+        }
+        results["kendall"] = kendall
         report = make_report(
             "sweep",
             settings=settings,
@@ -321,6 +329,17 @@ def sweep_command(
                     key=len(parsed_grid),
                 )
             )
+            table = kendall["error"]
+            if table["runs"] >= 3 and table["rows"]:
+                console.print(
+                    records_table(
+                        f"Kendall's tau against test error - train error, {table['runs']} runs",
+                        table["rows"],
+                        ["measure", "tau", "p_value", "runs", "granulated"],
+                    )
+                )
+                for note in table["notes"]:
+                    runner.print_note(console, note)
             if result.diverged:
                 console.print(
                     f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}"

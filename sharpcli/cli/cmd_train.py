@@ -170,8 +170,7 @@ def train_command(
             metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
             autocompletion=choices.completer(catalogue.REGULARIZERS),
             rich_help_panel="Training",
-            help="Regularizer and its settings; repeat to combine, e.g. --reg sam:rho=0.05 "
-            "--reg fa (default: none).",
+            help="Regularizer, e.g. sam:rho=0.05; repeat to combine.",
         ),
     ] = None,
     out: Annotated[

@@ -195,6 +195,17 @@ TokenReductionOpt = Annotated[
         help="Token loss: mean over tokens, or per sample.",
     ),
 ]
+LossOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--loss",
+        rich_help_panel="Data",
+        metavar=choices.metavar(catalogue.LOSSES),
+        # one help line, no values listed (every analysis command's --help fits 80 lines);
+        # an unknown name is refused listing them
+        help="Loss (default: the checkpoint's, else inferred).",
+    ),
+]
 MaxMemoryOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -269,6 +280,7 @@ class CommonOptions:
     cache_mb: int | None = _option(CacheOpt, None)
     max_memory: str | None = _option(MaxMemoryOpt, None)
     token_reduction: str = _option(TokenReductionOpt, "tokens")
+    loss: str | None = _option(LossOpt, None)
     threads: int | None = _option(ThreadsOpt, None)
     debug: bool = _option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)

@@ -25,7 +25,6 @@ from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
     CurvatureOperator,
-    CurvaturePass,
     GGNOperator,
     HessianOperator,
     LinearCombination,
@@ -59,7 +58,6 @@ __all__ = [
     "AnalysisData",
     "CurvatureEngine",
     "CurvatureOperator",
-    "CurvaturePass",
     "EigenResult",
     "GGNOperator",
     "HessianOperator",

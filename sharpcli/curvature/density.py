@@ -28,7 +28,7 @@ from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.tridiagonal import lanczos_tridiagonal, tridiagonal_eigh
 from sharpcli.errors import UsageError
 
-__all__ = ["SpectralDensity", "spectral_density"]
+__all__ = ["SpectralDensity", "broadened_density", "spectral_density"]
 
 
 @dataclass
@@ -178,11 +178,7 @@ def spectral_density(
     if not sigma > 0:
         raise UsageError(f"sigma must be > 0, got {sigma}", source="sigma")
     grid = np.linspace(lo - 5 * sigma, hi + 5 * sigma, int(grid_points))
-    density = np.zeros_like(grid)
-    for nodes, weights in zip(all_nodes, all_weights):
-        for t, w in zip(nodes, weights):
-            density += w * np.exp(-((grid - t) ** 2) / (2 * sigma**2))
-    density /= len(all_nodes) * sigma * math.sqrt(2 * math.pi)
+    density = broadened_density(all_nodes, all_weights, float(sigma), grid)
     run.finish(matvecs, probes=len(traces), **_trace_numbers(traces))
     return SpectralDensity(
         nodes=all_nodes,
@@ -196,6 +192,26 @@ def spectral_density(
         dimension=dim,
         notes=notes,
     )
+
+
+def broadened_density(nodes: list, weights: list, sigma: float, grid) -> np.ndarray:
+    r"""The Gaussian-broadened SLQ density ``phi_sigma`` (module docstring) on ``grid``.
+
+    Args:
+        nodes: per probe, the Ritz values ``theta_j^(v)``.
+        weights: per probe, the weights ``tau_j^(v)`` (squared first components).
+        sigma: the Gaussian width.
+        grid: the points to evaluate at.
+
+    Returns:
+        ``phi_sigma`` at each grid point (integrates to about 1 over a wide enough grid).
+    """
+    grid = np.asarray(grid, dtype=np.float64)
+    density = np.zeros_like(grid)
+    for probe_nodes, probe_weights in zip(nodes, weights):
+        for t, w in zip(probe_nodes, probe_weights):
+            density += w * np.exp(-((grid - t) ** 2) / (2 * sigma**2))
+    return density / (len(nodes) * sigma * math.sqrt(2 * math.pi))
 
 
 def _trace_numbers(traces: list[float]) -> dict:

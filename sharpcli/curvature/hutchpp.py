@@ -11,7 +11,23 @@ with :math:`\Pi = Q Q^\top`,
 + \mathbb{E}[g_b^\top (P A P g)_b]`. The sketch grows while its probes say it pays; the
 residual is then sampled in two stages (:mod:`sharpcli.curvature.probes`): the probes seen
 while the sketch grew are the pilot, and fresh probes under the final sketch give the
-reported estimate and standard error.
+reported estimate.
+
+The standard error. For ANY orthonormal ``Q`` the split is an identity,
+:math:`\mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P) = \mathrm{tr}(A)`, so given the sketch the
+estimate is unbiased and its whole error is the residual probes' mean: the sketch's
+randomness adds no variance term, only a different residual per sketch, and the probes'
+spread under that sketch is the error to report. What made it under-cover was (a) a ``Q``
+that had lost orthogonality (the identity then fails: a bias no probe count removes; the
+basis is kept orthonormal by :class:`~sharpcli.curvature.sketch.RangeSketch`) and (b) a
+variance taken from the main sample alone, often its floor of ``min_samples`` probes when
+the sketch holds most of the trace: 9 degrees of freedom of a skewed quadratic form, whose
+z-scores spread with sd 1.2 to 1.5. The variance is therefore pooled with the pilot's probes,
+re-valued under the final sketch (each group about its own mean,
+:func:`~sharpcli.curvature.probes.pooled_stderr`): 30 + 10 probes give 38 degrees of
+freedom, at no product. The mean stays the main sample's. The exact part's rounding
+(:meth:`~sharpcli.curvature.sketch.RangeSketch.rounding_stderr`) is added in quadrature: it
+is all that is left when the sketch spans the operator's range.
 """
 
 from __future__ import annotations
@@ -28,80 +44,15 @@ from sharpcli.curvature.probes import (
     mean_stderr,
     pilot_size,
     planned_probes,
+    pooled_stderr,
     probe_block,
     report_probes,
-    segment_sums,
 )
 from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.sketch import RangeSketch
 from sharpcli.curvature.trace import hutchinson
 
 __all__ = ["hutchpp"]
-
-
-class _Sketch:
-    """Orthonormal ``Q`` (P, s) with ``AQ``; the exact part ``tr(Q^T A Q)`` and its layer split.
-
-    With ``Pi = Q Q^T``, ``P = I - Pi`` and ``A`` symmetric,
-    ``A = (Pi A + A Pi - Pi A Pi) + P A P``. The trace of the first term's diagonal block b
-    is exact, ``sum_{i in b} [2 <Q_i, (AQ)_i> - <Q_i M, Q_i>]`` with rows ``Q_i`` and
-    ``M = Q^T A Q`` (total ``tr M``); that of ``P A P`` is left to Hutchinson,
-    ``E[g_b^T (P A P g)_b] = tr((P A P)_bb)`` (:meth:`residual_values`). Both terms are block
-    traces of the same split, so layer estimates are unbiased and sum to the total.
-    """
-
-    def __init__(self, dim, dtype, device):
-        self.Q = torch.zeros(dim, 0, dtype=dtype, device=device)
-        self.AQ = torch.zeros(dim, 0, dtype=dtype, device=device)
-
-    @property
-    def size(self):
-        return self.Q.shape[1]
-
-    def extend(self, op, columns, generator) -> int:
-        dim = op.shape[0]
-        S = rademacher_like(dim, generator, op.dtype, op.device, columns)
-        Y = op.matmat(S)
-        used = columns
-        for _ in range(2):
-            Y = Y - self.Q @ (self.Q.T @ Y)
-        Qn, R = torch.linalg.qr(Y)
-        diag = R.diagonal().abs()
-        keep = diag > (torch.finfo(op.dtype).eps * 100 * max(float(diag.max()), 1e-300))
-        Qn = Qn[:, keep]
-        if Qn.shape[1]:
-            Qn = Qn - self.Q @ (self.Q.T @ Qn)
-            Qn, _ = torch.linalg.qr(Qn)
-            AQn = op.matmat(Qn)
-            used += Qn.shape[1]
-            self.Q = torch.cat([self.Q, Qn], 1)
-            self.AQ = torch.cat([self.AQ, AQn], 1)
-        return used
-
-    def exact_part(self, blocks) -> torch.Tensor:
-        """(1 + L,) exact contribution: total ``tr(Q^T A Q)`` then per layer."""
-        if self.size == 0:
-            return torch.zeros(1 + len(blocks), dtype=torch.float64)
-        M = self.Q.T @ self.AQ
-        M = (M + M.T) / 2
-        per_row = 2 * (self.Q * self.AQ).sum(1) - ((self.Q @ M) * self.Q).sum(1)
-        out = segment_sums(per_row[:, None], blocks)[:, 0]
-        out[0] = torch.trace(M).to(torch.float64)
-        return out
-
-    def residual_values(self, G, AG, blocks) -> torch.Tensor:
-        """(k, 1 + L) Hutchinson values of ``P A P`` from probes ``G`` and products ``AG``.
-
-        Per probe and layer ``g_b^T (P A P g)_b``, whose mean is ``tr((P A P)_bb)`` exactly,
-        from the stored ``A g`` (no new product): ``A P g = A g - AQ (Q^T g)`` and
-        ``P A P g = A P g - Q (Q^T A P g)``. Summed over the layers this is
-        ``g^T P A P g = (P g)^T A (P g)``, the total's usual value.
-        """
-        # (Pg)_b . (APg)_b would be cheaper but has mean tr(P E_b A P) = tr((A P)_bb), which
-        # differs from tr((P A P)_bb) by tr((Pi A P)_bb): it sums to the right total but is
-        # biased per layer against the exact part's tr((Pi A + A Pi - Pi A Pi)_bb).
-        APG = AG - self.AQ @ (self.Q.T @ G)
-        PAPG = APG - self.Q @ (self.Q.T @ APG)
-        return segment_sums(G * PAPG, blocks).T
 
 
 _FIRST_SKETCH = 16  # columns of a sketch started lazily (initial_sketch=0)
@@ -127,12 +78,13 @@ def hutchpp(
         \mathrm{tr}(A) = \mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P), \qquad
         Q = \mathrm{orth}(A S), \quad P = I - Q Q^\top
 
-    for Rademacher ``S``, the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
+    for Gaussian ``S``, the second term by Rademacher probes ``g`` as ``g^T P A P g = (Pg)^T (A g - AQ Q^T g)``
     (one matvec per probe). Per layer b, ``tr(A_bb) = tr((Pi A + A Pi - Pi A Pi)_bb)``
-    (exact, :class:`_Sketch`) ``+ E[g_b^T (P A P g)_b]``, with
-    ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is the
-    residual probes' sample standard error (the sketch part is exact given Q), over the probes
-    drawn after a pilot (the module docstring). Adaptivity:
+    (exact, :class:`~sharpcli.curvature.sketch.RangeSketch`) ``+ E[g_b^T (P A P g)_b]``, with
+    ``P A P g = A P g - Q (Q^T A P g)`` from the same product. The standard error is that of
+    the residual probes' mean (the sketch part is exact given an orthonormal Q), with the
+    variance pooled from the pilot's probes, plus the exact part's rounding (the module
+    docstring). Adaptivity:
     starting from ``initial_sketch`` columns, once ``min_samples`` residual probes exist, the
     sketch is doubled (``2 s`` matvecs) while the estimated remaining probes exceed ``3 s`` and
     the previous doubling reduced the estimated number of probes still needed by at least its
@@ -259,7 +211,7 @@ class _AdaptiveSketch:
 
     def __init__(self, op, run, blocks: dict, cap: int, generator, known):
         self.op, self.run, self.blocks, self.cap, self.generator = op, run, blocks, cap, generator
-        self.sketch = _Sketch(op.shape[0], op.dtype, op.device)
+        self.sketch = RangeSketch(op.shape[0], op.dtype, op.device)
         self.offset = (
             torch.zeros(1 + len(blocks), dtype=torch.float64)
             if known is None
@@ -270,6 +222,7 @@ class _AdaptiveSketch:
         self.rows: list[torch.Tensor] = []
         self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.growing = True
+        self.pilot_rows: torch.Tensor | None = None
 
     def extend(self, count: int) -> None:
         """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it.
@@ -319,7 +272,11 @@ class _AdaptiveSketch:
             self.rows = [self.sketch.residual_values(g, ag, self.blocks) for g, ag in self.stored]
             new_mean, new_stderr = mean_stderr(torch.cat(self.rows))
             new_target = _probes_needed(new_stderr[0], n, self.exact[0] + new_mean[0], tol)
-            self.growing = not (target - new_target < 2 * step or self.sketch.size >= self.cap)
+            self.growing = not (
+                target - new_target < 2 * step
+                or self.sketch.size >= self.cap
+                or self.sketch.exhausted
+            )
         else:
             self.growing = False
         if not self.growing:
@@ -338,13 +295,29 @@ class _AdaptiveSketch:
         notes = []
         if self.rows:
             mean, stderr = mean_stderr(torch.cat(self.rows))
+            if self.pilot_rows is not None:  # the variance from the pilot's probes too
+                stderr = pooled_stderr(torch.cat(self.rows), self.pilot_rows)
         else:
             mean = torch.zeros(1 + len(self.blocks), dtype=torch.float64)
             stderr = torch.zeros_like(mean)
-        if self.sketch.size == self.op.shape[0]:
+        sketch = self.sketch
+        if sketch.size == self.op.shape[0]:  # orthonormal and square: P = 0
             stderr = torch.zeros_like(stderr)
             mean = torch.zeros_like(mean)
-            notes.append("the sketch spans the whole space: the trace is exact")
+            notes.append("the sketch spans the whole space: the trace is exact up to rounding")
+        elif sketch.exhausted and sketch.lost is None:
+            notes.append(
+                f"the sketch spans the operator's range (rank {sketch.size}): it stopped "
+                "growing there, and the probes sample what is left"
+            )
+        if sketch.lost is not None:
+            notes.append(
+                f"a sketch extension lost orthogonality (|Q^T Q - I| = {sketch.lost:.2g}) and "
+                f"was discarded: the estimate uses the {sketch.size} orthonormal directions"
+            )
+        # the exact part's rounding, which the probes cannot see (:meth:`rounding_stderr`)
+        stderr = torch.sqrt(stderr**2 + sketch.rounding_stderr() ** 2)
+        converged = converged and bool(stderr[0] <= tol * abs(self.exact[0] + mean[0]))
         total = self.exact + mean
         by_layer = {
             name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
@@ -424,14 +397,18 @@ def _hutchpp_loop(
     count = budget - state.matvecs
     if pilot:
         mean, stderr = mean_stderr(torch.cat(state.rows))
+        # probes cannot bring the error below the exact part's rounding: a trace near 0 (an
+        # NME's) is sized for that, not for a tolerance relative to 0
+        reachable = max(abs(float(state.exact[0] + mean[0])), state.sketch.rounding_stderr() / tol)
         count = planned_probes(
-            float(state.exact[0] + mean[0]),
+            reachable,
             float(stderr[0]),
             pilot,
             tol=tol,
             least=least,
             room=count,
         )
+    state.pilot_rows = torch.cat(state.rows) if state.rows else None
     state.growing, state.stored, state.rows = False, [], []
     expected = state.matvecs + count
     drawn, estimate, stderr = 0, state.exact[0], torch.tensor(float("inf"))

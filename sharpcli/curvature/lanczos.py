@@ -24,8 +24,14 @@ explicit residual to rounding, so no product is spent on it unless asked.
 A breakdown (``beta_m`` at rounding level) means an invariant subspace was found: its Ritz
 values are exact eigenvalues. When the whole space fits the budget (P <= max_matvecs, tiny
 problems) the iteration restarts with a fresh random vector orthogonal to Q and runs to
-dimension P, so multiplicities are found and every eigenvalue is exact; otherwise it stops and
-says so in ``breakdown``.
+dimension P, so multiplicities are found and every eigenvalue is exact (for k >= 2 it runs to
+dimension P whatever converges first); otherwise it stops and says so in ``breakdown``.
+
+Repeated eigenvalues. One start vector gives one direction of each eigenspace, so the first
+round finds each distinct eigenvalue about once; for k >= 2 the converged wanted Ritz pairs are
+then locked and Lanczos restarts orthogonal to them until a round finds no further copy
+(:mod:`~sharpcli.curvature.deflation`), and ``result.multiplicity`` says whether the k values
+are counted with multiplicity or the budget ran out first.
 
 When the basis is full (memory plan, disk space or ``max_basis``) the iteration is
 thick-restarted [Wu2000]: it keeps the wanted Ritz vectors (about half the basis), continues
@@ -42,9 +48,25 @@ import numpy as np
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.curvature.deflation import (
+    DeflatedRounds,
+    bounded_residuals,
+    deflated_rounds,
+    first_breakdown,
+    first_round_pairs,
+    multiplicity_note,
+    pair_coefficients,
+)
 from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import plan_basis, storage_dtype
-from sharpcli.curvature.ritz import EigenResult, measured_residuals, select_ritz
+from sharpcli.curvature.ritz import (
+    QUANTITY,
+    EigenResult,
+    measured_residuals,
+    report_step,
+    reported_numbers,
+    select_ritz,
+)
 from sharpcli.curvature.tridiagonal import lanczos_step, unit_random
 from sharpcli.curvature.warm_start import (
     DEFAULT_WARM_FRACTION,
@@ -147,6 +169,7 @@ def _warm_start_vector(op, warm_start, k: int, which: str, *, fraction, steps, s
             seed=seed,
             return_eigenvectors=True,
             explicit_residuals=False,
+            multiplicity=False,
         )
     info.update(
         matvecs=int(warm.matvecs),
@@ -237,6 +260,7 @@ def lanczos(
     warm_fraction: float = DEFAULT_WARM_FRACTION,
     warm_steps: int | None = None,
     max_basis: int | None = None,
+    multiplicity: bool = True,
 ) -> EigenResult:
     """The ``k`` largest, smallest or both (``k`` of each end) eigenvalues of symmetric ``op``.
 
@@ -270,6 +294,10 @@ def lanczos(
         warm_fraction: the subsample's fraction of the analysis set.
         warm_steps: the warm phase's products (default ``max(4, wanted + 2)``).
         max_basis: the most basis vectors kept before a thick restart.
+        multiplicity: count repeated eigenvalues: once the wanted Ritz pairs converge, lock
+            them and restart orthogonal to them until a round finds no further copy
+            (:mod:`~sharpcli.curvature.deflation`; ``result.multiplicity`` says how it went).
+            ``False`` returns the first round's values, each distinct eigenvalue about once.
 
     Returns:
         The :class:`~sharpcli.curvature.ritz.EigenResult`, eigenvalues descending.
@@ -299,40 +327,58 @@ def lanczos(
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
-    run = progress.start("lanczos", total=limit, quantity=_QUANTITY[which])
+    run = progress.start("lanczos", total=limit, quantity=QUANTITY[which])
     with plan.hold("krylov basis", held):
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
-        state = _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run)
-    breakdown = state["breakdown"]
-    notes: list[str] = []
-    theta, S, idx, converged, residuals = (
-        state["theta"],
-        state["S"],
-        state["idx"],
-        state["converged"],
-        state["residuals"],
-    )
-    exact_level, matvecs, basis = state["exact_level"], state["matvecs"], state["basis"]
-    m = len(basis)
-    notes += _stop_notes(state, limit, room)
-    values = theta[idx]
-    vectors = None
-    if return_eigenvectors or explicit_residuals:
-        # the residual is checked on the vector the operator multiplies (rounded to its
-        # dtype); float64 copies only when the caller asked for the eigenvectors
-        keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
-        vectors = basis.combine(torch.as_tensor(S[:, idx].copy(), dtype=_F64), dtype=keep)
-    restarts = state["restarts"]
-    basis.close()
+        # when the whole space fits the budget (P <= max_matvecs), copies are counted by
+        # spanning it: every eigenvalue exact, no deflated round needed
+        whole = multiplicity and want >= 2 and room >= dim and limit == dim
+        state = _run_lanczos(
+            op, basis, want, which, tol, limit, room, generator, eps, run, whole=whole
+        )
+        spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
+        if multiplicity:
+            rounds = DeflatedRounds(
+                _run_lanczos, op, basis, (want, which, tol, limit, room), generator, eps, run, spent
+            )
+            pairs, last, locked, record = deflated_rounds(
+                state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
+            )
+        else:
+            pairs, last, locked, record = first_round_pairs(state), state, 0, None
+        notes: list[str] = []
+        values = np.array([p.value for p in pairs])
+        reported = np.array([p.residual for p in pairs])
+        converged = np.array([p.converged for p in pairs], dtype=bool)
+        matvecs, exact_level = spent["matvecs"], spent["exact_level"]
+        coefficients = torch.from_numpy(pair_coefficients(pairs, last["S"], locked))
+        if not explicit_residuals:  # deflated rounds' bounds: measure those that fail the test
+            reported, converged, extra = bounded_residuals(
+                op, basis, coefficients, values, reported, converged, tol, exact_level
+            )
+            matvecs += extra
+        vectors = None
+        if return_eigenvectors or explicit_residuals:
+            # the residual is checked on the vector the operator multiplies (rounded to its
+            # dtype); float64 copies only when the caller asked for the eigenvectors
+            keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
+            vectors = basis.combine(coefficients, dtype=keep)
+        m = spent["matvecs"]  # the Lanczos steps of every round
+        basis.close()
+    breakdown = first_breakdown(state["breakdown"], record, last["complete"])
     del basis, state
-    reported = residuals[idx]
+    notes += _stop_notes(
+        {**spent, "converged": converged, "complete": last["complete"]}, limit, room
+    )
+    if record is not None and (note := multiplicity_note(record, wanted, limit)):
+        notes.append(note)
     if explicit_residuals:
         reported, converged = measured_residuals(
             op, values, vectors, converged, tol, exact_level, notes
         )
-        matvecs += len(idx)
+        matvecs += len(values)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())
     if at_rounding:
         notes.append(
@@ -350,14 +396,15 @@ def lanczos(
         tol=float(tol),
         krylov_dim=m,
         breakdown=breakdown,
-        restarts=int(restarts),
+        restarts=int(spent["restarts"]),
         max_basis=int(room),
         notes=notes,
         warm_start=warm_info,
+        multiplicity=record,
     )
     if return_eigenvectors:
         result.eigenvectors = vectors
-    run.finish(matvecs, **_reported_numbers(result.eigenvalues, result.residuals, which))
+    run.finish(matvecs, **reported_numbers(result.eigenvalues, result.residuals, which))
     return result
 
 
@@ -406,7 +453,26 @@ def _extend_projection(T: np.ndarray, alpha: float, coupling) -> np.ndarray:
     return out
 
 
-def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) -> dict:
+def _beside_locked(locked: int, S: np.ndarray) -> torch.Tensor:
+    """The coefficients of a rotation of the basis that keeps its first ``locked`` rows as
+    they are and replaces the rest by the combinations ``S`` of them.
+
+    Args:
+        locked: the rows kept as they are.
+        S: ``(rows after the locked ones, k)`` coefficients.
+
+    Returns:
+        The ``(locked + S.shape[0], locked + k)`` block-diagonal ``diag(I, S)``.
+    """
+    out = torch.zeros(locked + S.shape[0], locked + S.shape[1], dtype=_F64)
+    out[:locked, :locked] = torch.eye(locked, dtype=_F64)
+    out[locked:, locked:] = torch.from_numpy(np.ascontiguousarray(S))
+    return out
+
+
+def _run_lanczos(
+    op, basis, want, which, tol, limit, room, generator, eps, run, *, round_=None, whole=False
+) -> dict:
     """The Lanczos iteration of :func:`lanczos`, thick-restarted at ``room`` rows ([Wu2000]).
 
     Plain steps keep ``T`` tridiagonal. A restart keeps the Ritz pairs
@@ -427,6 +493,11 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         generator: draws fresh vectors after a breakdown.
         eps: the products' rounding unit.
         run: the progress run.
+        round_: a deflated round (:mod:`~sharpcli.curvature.deflation`): ``locked`` (the
+            locked rows ahead of the round's, left as they are), ``enough`` (the stop test of
+            the wanted values, descending, and their converged flags), ``done`` (products
+            spent before it), ``exhaustive`` (the first round's rule after a breakdown).
+        whole: run to dimension P (restarting after breakdowns) whatever converges.
 
     Returns:
         The final state: ``theta``, ``S``, ``idx``, ``converged``, ``residuals``,
@@ -436,18 +507,27 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         NumericalError: a product is not finite.
     """
     dim = op.shape[0]
+    locked, enough, done = 0, None, 0
+    exhaustive = room >= dim and limit == dim
+    if round_ is not None:
+        locked, enough, done, exhaustive = (
+            round_["locked"],
+            round_["enough"],
+            round_["done"],
+            round_["exhaustive"],
+        )
     T = np.zeros((0, 0))
     coupling: list[tuple[int, float]] = []
     history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
     matvecs = restarts = 0
     breakdown = None
-    exhaust = False  # after a breakdown on a problem that fits: run to dimension P
+    exhaust = whole  # after a breakdown on a problem that fits: run to dimension P
     complete = False
     scale = 0.0
     while True:
-        alpha, beta, w = lanczos_step(op, basis, coupling, matvecs)
+        alpha, beta, w = lanczos_step(op, basis, coupling, done + matvecs)
         matvecs += 1
-        T = _extend_projection(T, alpha, coupling)
+        T = _extend_projection(T, alpha, [(i - locked, value) for i, value in coupling])
         theta, S = torch.linalg.eigh(torch.from_numpy(T))
         theta, S = theta.numpy(), S.numpy()
         scale = max(scale, float(np.abs(theta).max()), abs(alpha))
@@ -455,14 +535,16 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         residuals = beta * np.abs(S[-1, :])
         idx = select_ritz(theta, which, want)
         converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
-        m = len(basis)
+        m = len(basis) - locked
         if not run.finished:
-            _report_step(run, matvecs, theta[idx], residuals[idx], which, tol, history, limit)
-        if m == dim:
+            report_step(
+                run, done + matvecs, theta[idx], residuals[idx], which, tol, history, done + limit
+            )
+        if len(basis) == dim:
             complete = True
             break
         if beta <= exact_level:
-            if room >= dim and limit == dim:
+            if exhaustive:
                 exhaust = True
                 if breakdown is None:
                     breakdown = (
@@ -471,22 +553,22 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
                 coupling = []
                 basis.append(unit_random(dim, generator, op.device, basis))
                 continue
-            breakdown = (
-                f"invariant subspace after {m} steps: Ritz values are exact eigenvalues, "
-                "repeated eigenvalues may appear once"
-            )
+            breakdown = f"invariant subspace after {m} steps: Ritz values are exact eigenvalues"
             break
-        if (converged.all() and not exhaust) or matvecs >= limit:
+        stop = converged.all() if enough is None else enough(theta[idx], residuals[idx], converged)
+        if (stop and not exhaust) or matvecs >= limit:
             break
         w.div_(beta)
-        if m == room:  # thick restart: keep the wanted Ritz vectors, continue from w / beta
+        if (
+            len(basis) == room
+        ):  # thick restart: keep the wanted Ritz vectors, continue from w / beta
             keep = _keep_after_restart(theta, which, want, m)
-            basis.rotate(torch.from_numpy(S[:, keep].copy()))
+            basis.rotate(_beside_locked(locked, S[:, keep]))
             T = np.diag(theta[keep])
-            coupling = [(i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
+            coupling = [(locked + i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
             restarts += 1
         else:
-            coupling = [(m - 1, beta)]
+            coupling = [(len(basis) - 1, beta)]
         basis.append(w)
     return {
         "theta": theta,
@@ -501,52 +583,3 @@ def _run_lanczos(op, basis, want, which, tol, limit, room, generator, eps, run) 
         "breakdown": breakdown,
         "complete": complete,
     }
-
-
-_QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
-
-
-def _reported_numbers(values, residuals, which: str) -> dict:
-    """The progress numbers of wanted Ritz values (descending): the extreme one the run is
-    named after (``_QUANTITY``) and the worst residual.
-
-    Args:
-        values: the wanted Ritz values, descending.
-        residuals: their residuals.
-        which: ``"largest"``, ``"smallest"`` or ``"both"``.
-
-    Returns:
-        ``{"estimate", "residual"}``.
-    """
-    return {
-        "estimate": float(values[-1] if which == "smallest" else values[0]),
-        "residual": float(max(residuals)),
-    }
-
-
-def _report_step(run, matvecs, values, residuals, which, tol, history, limit) -> None:
-    """Report a step: the Ritz estimates and the step at which they project to converge.
-
-    The worst ratio ``r_j = max_i residual_i / (tol |theta_i|)`` falls roughly geometrically
-    (the Kaniel-Paige-Saad bound, :mod:`~sharpcli.curvature.warm_start`); with its rate over
-    the last two steps ``rho = (r_j / r_{j-2})^(1/2) < 1`` the run projects
-    ``log(r_j) / -log(rho)`` more steps (capped by the budget ``limit``); none while it is not
-    falling.
-
-    Args:
-        run: the progress run.
-        matvecs: products so far.
-        values: the wanted Ritz values.
-        residuals: their estimated residuals.
-        which: ``"largest"``, ``"smallest"`` or ``"both"``.
-        tol: the relative residual tolerance.
-        history: the worst ratio of each step so far (appended to).
-        limit: the product budget.
-    """
-    ratio = float(np.max(residuals / (tol * np.maximum(np.abs(values), 1e-300))))
-    history.append(ratio)
-    expected = None
-    if len(history) >= 3 and ratio > 1 and 0 < ratio < history[-3]:
-        rate = math.sqrt(ratio / history[-3])
-        expected = min(limit, matvecs + math.ceil(math.log(ratio) / -math.log(rate)))
-    run.update(matvecs, expected=expected, **_reported_numbers(values, residuals, which))

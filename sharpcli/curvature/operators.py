@@ -53,7 +53,6 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "CurvatureEngine",
     "CurvatureOperator",
-    "CurvaturePass",
     "GGNOperator",
     "HessianOperator",
     "LinearCombination",
@@ -61,9 +60,6 @@ __all__ = [
     "NMEOperator",
     "joint_matmat",
 ]
-
-# The engine's former name, for code written against it (the analyses, the API, callers).
-CurvaturePass = CurvatureEngine
 
 # An operator's place in the plane spanned by one engine's H and G: (engine, a, b) for a H + b G.
 _Coordinates = tuple[CurvatureEngine, float, float]

@@ -48,6 +48,7 @@ __all__ = [
     "mean_stderr",
     "pilot_size",
     "planned_probes",
+    "pooled_stderr",
     "probe_block",
     "report_probes",
     "segment_sums",
@@ -156,6 +157,34 @@ def mean_stderr(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n < 2:
         return mean, torch.full_like(mean, float("inf"))
     return mean, samples.std(0, unbiased=True) / math.sqrt(n)
+
+
+def pooled_stderr(samples: torch.Tensor, pilot: torch.Tensor) -> torch.Tensor:
+    r"""The standard error of ``samples``' mean with the variance pooled from ``pilot``.
+
+    .. math::
+
+        s_p^2 = \frac{\sum_j (x_j - \bar x)^2 + \sum_i (x^0_i - \bar x^0)^2}{n + n_0 - 2},
+        \qquad \mathrm{se} = s_p / \sqrt n,
+
+    each sample about its own mean: ``pilot`` holds i.i.d. rows of the same distribution
+    (the pilot's probes valued under the final sketch), so the variance has
+    :math:`n + n_0 - 2` degrees of freedom instead of :math:`n - 1`.
+
+    Args:
+        samples: ``(n, m)``, the rows whose mean is reported.
+        pilot: ``(n0, m)``, rows of the same distribution.
+
+    Returns:
+        ``(m,)``; infinite where ``n + n0 < 3`` or ``n < 1``.
+    """
+    n, n0 = samples.shape[0], pilot.shape[0]
+    if n < 1 or n + n0 < 3:
+        return torch.full((samples.shape[1],), float("inf"), dtype=samples.dtype)
+    squares = ((samples - samples.mean(0)) ** 2).sum(0)
+    if n0:
+        squares = squares + ((pilot - pilot.mean(0)) ** 2).sum(0)
+    return (squares / (n + n0 - 2)).sqrt() / math.sqrt(n)
 
 
 def check_budget(tol, max_matvecs, block_size) -> None:

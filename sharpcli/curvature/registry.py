@@ -4,7 +4,7 @@
 (:data:`sharpcli.catalogue.OPERATORS`): each name's record there (a one-line description, its
 symbol, whether it is positive semi-definite, the paper) is what ``--operator``'s help and the
 docs' table list, and its :class:`OperatorSpec` here adds how to build it on a
-:class:`~sharpcli.curvature.CurvaturePass`. The analyses look operators up here
+:class:`~sharpcli.curvature.CurvatureEngine`. The analyses look operators up here
 (:func:`build_operator`), so a built-in operator is its module plus its catalogue record, and
 an extension ONE class and ONE :func:`register_operator` call (docs/architecture.md, "Adding a
 curvature operator", works one through).
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Callable
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
 from sharpcli.losses import get_loss
-from sharpcli.registry import Entry
+from sharpcli.registry import Entry, declaration, declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.operators import CurvatureOperator, CurvaturePass
+    from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 
 __all__ = [
     "GGN",
@@ -68,7 +68,7 @@ class OperatorSpec:
     """
 
     name: str
-    build: Callable[["CurvaturePass"], "CurvatureOperator"]
+    build: Callable[["CurvatureEngine"], "CurvatureOperator"]
     symbol: str
     description: str
     psd: bool
@@ -78,9 +78,29 @@ class OperatorSpec:
 OPERATORS = catalogue.OPERATORS
 
 
+def _as_spec(entry: Entry, obj: object) -> OperatorSpec:
+    """The registry's check: an :class:`OperatorSpec` as it is; a declared builder (a class or
+    function taking the pass, resolved from the index or added with ``OPERATORS.add``) made
+    into one from its record (its ``rank_bound`` attribute, if any, kept)."""
+    if isinstance(obj, OperatorSpec):
+        return obj
+    if not callable(obj) or "symbol" not in entry.info or "psd" not in entry.info:
+        raise OPERATORS.error(
+            f"operator {entry.name!r}: a builder callable with a CurvatureEngine, declared with "
+            "info={'symbol': ..., 'psd': ...}"
+        )
+    rank_bound = getattr(obj, "rank_bound", None)
+    return OperatorSpec(
+        entry.name, obj, entry.info["symbol"], entry.summary, bool(entry.info["psd"]), rank_bound
+    )
+
+
+OPERATORS.check = _as_spec
+
+
 def register_operator(
     name: str,
-    build: Callable[["CurvaturePass"], "CurvatureOperator"],
+    build: Callable[["CurvatureEngine"], "CurvatureOperator"],
     *,
     symbol: str | None = None,
     description: str | None = None,
@@ -92,7 +112,7 @@ def register_operator(
 
     Args:
         name: a CLI value (lower case letters, digits and '-').
-        build: called with the :class:`~sharpcli.curvature.CurvaturePass` of the analysis; a
+        build: called with the :class:`~sharpcli.curvature.CurvatureEngine` of the analysis; a
             class whose constructor takes that pass is a valid ``build``.
         symbol: its letter in tables; a built-in's comes from its catalogue record.
         description: one line for ``--help`` and the docs (whitespace is normalised); a
@@ -108,22 +128,22 @@ def register_operator(
         RegistryError: a name that is not a CLI value or is taken (unless ``replace``), a
             ``build`` that is not callable, or a record without symbol, description or psd.
     """
-    declared = OPERATORS.entry(name) if name in OPERATORS.builtin_names() else None
-    if declared is not None:
-        symbol = declared.info["symbol"] if symbol is None else symbol
-        description = declared.summary if description is None else description
-        psd = declared.info["psd"] if psd is None else psd
+    declared = declaration(build)
+    if declared is not None:  # a declared builder: its record gives what is not given
+        symbol = declared[1].info["symbol"] if symbol is None else symbol
+        description = declared[1].summary if description is None else description
+        psd = declared[1].info["psd"] if psd is None else psd
     if symbol is None or description is None or psd is None:
         raise OPERATORS.error(f"operator {name!r}: give its symbol, description and psd")
     if not callable(build):
-        raise OPERATORS.error(f"operator {name!r}: build must be callable with a CurvaturePass")
+        raise OPERATORS.error(f"operator {name!r}: build must be callable with a CurvatureEngine")
     description = " ".join(description.split())
     entry = Entry(
         name,
         description,
-        declared.impl if declared else f"{build.__module__}:{build.__qualname__}",
-        paper=declared.paper if declared else "",
-        info={"symbol": symbol, "psd": bool(psd)},
+        f"{build.__module__}:{build.__qualname__}",
+        paper=declared[1].paper if declared else "",
+        info={**(declared[1].info if declared else {}), "symbol": symbol, "psd": bool(psd)},
     )
     spec = OperatorSpec(name, build, symbol, description, bool(psd), rank_bound)
     return OPERATORS.register(name, spec, entry=entry, replace=replace)
@@ -171,7 +191,7 @@ def operator_spec(name: str, parameter: str = "operator") -> OperatorSpec:
     return OPERATORS.get(name, source=parameter)
 
 
-def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOperator":
+def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """The operator ``name`` on ``curvature_pass`` (sharing its cache).
 
     Args:
@@ -187,39 +207,26 @@ def build_operator(name: str, curvature_pass: "CurvaturePass") -> "CurvatureOper
     return operator_spec(name).build(curvature_pass)
 
 
-def build_hessian(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
-    """``hessian``: H on the pass.
+def _split(symbol: str, psd: bool) -> dict[str, object]:
+    """The ``info`` of a part of ``H = G + N``: its symbol, PSD, and that it cannot be removed."""
+    return {"symbol": symbol, "psd": psd, "split": True}
 
-    Args:
-        curvature_pass: the analysis' pass.
 
-    Returns:
-        The operator.
-    """
+@declare("operator", HESSIAN, "Hessian of the loss", info={**_split("H", False), "default": True})
+def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
+    """``hessian``: H on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.hessian()
 
 
-def build_ggn(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
-    """``ggn``: G on the pass.
-
-    Args:
-        curvature_pass: the analysis' pass.
-
-    Returns:
-        The operator.
-    """
+@declare("operator", GGN, "Gauss-Newton J^T H_z J", paper="Schraudolph2002", info=_split("G", True))
+def build_ggn(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
+    """``ggn``: G on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.ggn()
 
 
-def build_nme(curvature_pass: "CurvaturePass") -> "CurvatureOperator":
-    """``nme``: N = H - G on the pass.
-
-    Args:
-        curvature_pass: the analysis' pass.
-
-    Returns:
-        The operator.
-    """
+@declare("operator", NME, "nonlinear modelling error H - G", paper="NME", info=_split("N", False))
+def build_nme(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
+    """``nme``: N = H - G on the pass (``curvature_pass`` -> the operator)."""
     return curvature_pass.nme()
 
 

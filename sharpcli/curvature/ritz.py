@@ -33,9 +33,12 @@ from sharpcli.curvature.krylov import SLICE_BYTES, norm64
 from sharpcli.errors import NumericalError
 
 __all__ = [
+    "QUANTITY",
     "EigenResult",
     "apply_operator",
     "measured_residuals",
+    "report_step",
+    "reported_numbers",
     "ritz_residuals",
     "select_ritz",
 ]
@@ -56,13 +59,20 @@ class EigenResult:
         which: ``"largest"``, ``"smallest"`` or ``"both"``.
         tol: the relative residual tolerance.
         engine: ``"native"`` or ``"pyhessian"``.
-        krylov_dim: the Krylov dimension reached.
+        krylov_dim: the Krylov dimension reached: the Lanczos steps of every round (the
+            products before explicit residuals; thick restarts keep at most ``max_basis`` of
+            the vectors).
         breakdown: why the iteration found an invariant subspace, when it did.
         notes: how the run stopped, what it measured explicitly.
         eigenvectors: a float64 ``(P, m)`` tensor whose columns match ``eigenvalues`` when asked.
         warm_start: the warm-start phase, when there was one (its products and cost).
         restarts: thick restarts ([Wu2000]).
         max_basis: the most basis vectors the run kept.
+        multiplicity: how repeated eigenvalues were counted (Lanczos,
+            :func:`~sharpcli.curvature.deflation.multiplicity_record`): ``resolved`` (the
+            values are the k extreme ones counted with multiplicity, as far as the run shows),
+            ``unresolved_because``, ``deflated_restarts``, ``copies_found``,
+            ``more_copies_of``; ``None`` when not checked.
     """
 
     eigenvalues: list[float]
@@ -80,12 +90,14 @@ class EigenResult:
     warm_start: dict | None = None
     restarts: int = 0
     max_basis: int | None = None
+    multiplicity: dict | None = None
 
     def to_dict(self) -> dict:
         """The result as JSON-ready data.
 
         Returns:
-            Every field but ``eigenvectors``; ``warm_start`` only when there was one.
+            Every field but ``eigenvectors``; ``warm_start`` and ``multiplicity`` only when
+            there is one.
         """
         out = {
             "eigenvalues": list(self.eigenvalues),
@@ -104,6 +116,8 @@ class EigenResult:
         }
         if self.warm_start is not None:
             out["warm_start"] = dict(self.warm_start)
+        if self.multiplicity is not None:
+            out["multiplicity"] = dict(self.multiplicity)
         return out
 
 
@@ -235,3 +249,52 @@ def measured_residuals(op, values, vectors, estimated, tol, exact_level, notes):
             "raise `tol` or use `dtype=float64`"
         )
     return reported, converged
+
+
+QUANTITY = {"largest": "lambda_max", "smallest": "lambda_min", "both": "lambda_max"}
+
+
+def reported_numbers(values, residuals, which: str) -> dict:
+    """The progress numbers of wanted Ritz values (descending): the extreme one the run is
+    named after (``QUANTITY``) and the worst residual.
+
+    Args:
+        values: the wanted Ritz values, descending.
+        residuals: their residuals.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+
+    Returns:
+        ``{"estimate", "residual"}``.
+    """
+    return {
+        "estimate": float(values[-1] if which == "smallest" else values[0]),
+        "residual": float(max(residuals)),
+    }
+
+
+def report_step(run, matvecs, values, residuals, which, tol, history, limit) -> None:
+    """Report a step: the Ritz estimates and the step at which they project to converge.
+
+    The worst ratio ``r_j = max_i residual_i / (tol |theta_i|)`` falls roughly geometrically
+    (the Kaniel-Paige-Saad bound, :mod:`~sharpcli.curvature.warm_start`); with its rate over
+    the last two steps ``rho = (r_j / r_{j-2})^(1/2) < 1`` the run projects
+    ``log(r_j) / -log(rho)`` more steps (capped by the budget ``limit``); none while it is not
+    falling.
+
+    Args:
+        run: the progress run.
+        matvecs: products so far.
+        values: the wanted Ritz values.
+        residuals: their estimated residuals.
+        which: ``"largest"``, ``"smallest"`` or ``"both"``.
+        tol: the relative residual tolerance.
+        history: the worst ratio of each step so far (appended to).
+        limit: the product budget.
+    """
+    ratio = float(np.max(residuals / (tol * np.maximum(np.abs(values), 1e-300))))
+    history.append(ratio)
+    expected = None
+    if len(history) >= 3 and ratio > 1 and 0 < ratio < history[-3]:
+        rate = math.sqrt(ratio / history[-3])
+        expected = min(limit, matvecs + math.ceil(math.log(ratio) / -math.log(rate)))
+    run.update(matvecs, expected=expected, **reported_numbers(values, residuals, which))

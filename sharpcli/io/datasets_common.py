@@ -252,18 +252,20 @@ def _finite_floats(x: torch.Tensor, name: str, source: str, keep_float64: bool) 
 
 
 def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
-    """Integer/boolean class labels as int64: ``(N,)``, or ``(N, T)`` per-position token labels.
+    """Integer/boolean class labels as int64: ``(N,)``, or per position: ``(N, T)`` token
+    labels, ``(N, d1, ..., dk)`` for outputs ``(N, C, d1, ..., dk)`` (segmentation).
 
-    Token labels (a sequence model's next-token targets) may mark unlabelled positions
-    (padding) with ``-100``, the ignore index of ``torch.nn.functional.cross_entropy`` and of
-    sharp's ``token-cross-entropy``; every other label is in ``0..C-1``.
+    Labels per position (a sequence model's next-token targets, a segmentation's pixels) may
+    mark unlabelled positions (padding) with ``-100``, the ignore index of
+    ``torch.nn.functional.cross_entropy`` and of sharp's ``token-cross-entropy``; every other
+    label is in ``0..C-1``.
     """
     if y.dim() == 2 and y.shape[1] == 1:
         y = y[:, 0]
-    if y.dim() not in (1, 2):
+    if y.dim() == 0:
         raise InputError(
-            f"{name} has shape {tuple(y.shape)}; class labels must be one per sample (N,) "
-            "or one per position (N, T)",
+            f"{name} is a scalar; class labels are one per sample (N,) or one per position "
+            "(N, d1, ..., dk)",
             source=source,
         )
     if y.shape[0] != n:
@@ -271,12 +273,12 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
             f"{name} has {y.shape[0]} labels but the features have {n} rows", source=source
         )
     wide = y.to(torch.float64)  # exact for every label below 2**53; larger ones are refused anyway
-    labelled = wide[wide != IGNORE_INDEX] if y.dim() == 2 else wide.reshape(-1)
+    labelled = wide[wide != IGNORE_INDEX] if y.dim() >= 2 else wide.reshape(-1)
     if labelled.numel() == 0:
         raise InputError(f"{name} has no labelled position (every label is -100)", source=source)
     low, high = float(labelled.min()), float(labelled.max())
     if low < 0:
-        ignored = " other than -100 (unlabelled positions)" if y.dim() == 2 else ""
+        ignored = " other than -100 (unlabelled positions)" if y.dim() >= 2 else ""
         raise InputError(
             f"{name} has a negative label{ignored} ({low:.0f}); labels must be 0..C-1",
             source=source,
@@ -291,17 +293,18 @@ def _labels(y: torch.Tensor, name: str, n: int, source: str) -> torch.Tensor:
 def _targets(
     y: torch.Tensor, name: str, n: int, source: str, keep_float64: bool = False
 ) -> torch.Tensor:
-    """Regression targets as float32 (float64 when stored so) ``(N,)`` or ``(N, K)``, finite."""
-    if y.dim() not in (1, 2):
+    """Regression targets as float32 (float64 when stored so), finite: ``(N,)``, ``(N, K)`` or
+    shaped as the outputs of any shape ``(N, ...)`` (``mse`` is their mean over all elements)."""
+    if y.dim() == 0:
         raise InputError(
-            f"{name} has shape {tuple(y.shape)}; regression targets must be (N,) or (N, K)",
+            f"{name} is a scalar; regression targets are one row per sample (N, ...)",
             source=source,
         )
     if y.shape[0] != n:
         raise InputError(
             f"{name} has {y.shape[0]} targets but the features have {n} rows", source=source
         )
-    if y.dim() == 2 and y.shape[1] == 0:
+    if y.dim() >= 2 and y[0].numel() == 0:
         raise InputError(f"{name} has no target columns", source=source)
     return _finite_floats(y, name, source, keep_float64)
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.losses import IGNORE_INDEX, LOSSES, get_loss
+from sharpcli.io.loss_readings import LossReading, read_loss
+from sharpcli.losses import IGNORE_INDEX, LOSSES, TOKEN_REDUCTIONS, get_loss
 from sharpcli.models.outputs import select_output
 
 __all__ = [
@@ -30,7 +31,9 @@ __all__ = [
     "loss_name",
     "model_on_data",
     "refuse_unshifted_labels",
+    "resolve_loss",
     "to_device",
+    "token_reduction_of",
 ]
 
 LABEL_KEYS = ("labels", "y")  # where a dict batch keeps its labels
@@ -232,7 +235,8 @@ class _IndexedInputs:
 
         args = () if self._sharp_positional is None else (rows(self._sharp_positional),)
         kwargs = {name: rows(tensor) for name, tensor in self._sharp_keywords.items()}
-        return select_output(super().forward(*args, **kwargs))
+        logits = select_output(super().forward(*args, **kwargs))
+        return logits if self._sharp_layout is None else self._sharp_layout.outputs(logits)
 
 
 _VIEW_CLASSES: dict[type, type] = {}
@@ -246,9 +250,12 @@ def _view_class(cls: type) -> type:
     return view
 
 
-def model_on_data(model: nn.Module, x, keywords: dict) -> nn.Module:
+def model_on_data(
+    model: nn.Module, x, keywords: dict, layout: LossReading | None = None
+) -> nn.Module:
     """A view of ``model`` (its modules, parameters and buffers, not copies) whose
-    ``forward(index)`` is ``logits(model(x[index], **{k: v[index]}))``.
+    ``forward(index)`` is ``logits(model(x[index], **{k: v[index]}))``, laid out as the loss
+    ``layout`` reads them (:meth:`LossReading.outputs`; None: as they are).
 
     The view is an instance of a subclass of ``type(model)`` sharing ``model``'s attributes
     (shallow), so parameter names, ``functional_call`` and ``torch.func`` see the model's own;
@@ -261,6 +268,7 @@ def model_on_data(model: nn.Module, x, keywords: dict) -> nn.Module:
     view.__dict__.pop("forward", None)
     object.__setattr__(view, "_sharp_positional", x)
     object.__setattr__(view, "_sharp_keywords", dict(keywords))
+    object.__setattr__(view, "_sharp_layout", layout if layout and layout.reshapes else None)
     return view
 
 
@@ -294,12 +302,12 @@ def _refuse_attribute(loss: nn.Module, name: str, default) -> None:
         )
 
 
-def loss_name(loss, logits: torch.Tensor) -> tuple[str, int | None]:
-    """``(registered loss name, ignore_index or None)`` for a loss module or name.
+def loss_name(loss) -> tuple[str, int | None]:
+    """``(loss name, ignore_index or None)`` for a loss module or name.
 
-    ``nn.CrossEntropyLoss`` is ``cross-entropy`` on (batch, classes) logits and
-    ``token-cross-entropy`` on (batch, length, vocabulary) logits (classes on the last axis,
-    as ``loss(logits.view(-1, V), labels.view(-1))``); ``nn.BCEWithLogitsLoss`` is
+    ``nn.CrossEntropyLoss`` is ``cross-entropy`` (whose reading of the outputs' shape,
+    classes on dim 1 or a language model's classes last, is
+    :func:`sharpcli.io.loss_readings.read_loss`'s), ``nn.BCEWithLogitsLoss``
     ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``. Refused clearly: another reduction than
     the mean, class weights, ``pos_weight``, label smoothing, other modules.
     """
@@ -309,8 +317,7 @@ def loss_name(loss, logits: torch.Tensor) -> tuple[str, int | None]:
         _check_reduction(loss)
         _refuse_attribute(loss, "weight", None)
         _refuse_attribute(loss, "label_smoothing", 0.0)
-        name = "token-cross-entropy" if logits.ndim == 3 else "cross-entropy"
-        return name, int(loss.ignore_index)
+        return "cross-entropy", int(loss.ignore_index)
     if isinstance(loss, nn.BCEWithLogitsLoss):
         _check_reduction(loss)
         _refuse_attribute(loss, "weight", None)
@@ -324,6 +331,30 @@ def loss_name(loss, logits: torch.Tensor) -> tuple[str, int | None]:
         f"{', '.join(LOSSES)}",
         source="loss",
     )
+
+
+def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReading, int | None]:
+    """How sharp reads the loss ``loss`` (a module or a name) on outputs ``logits`` and labels
+    ``y`` (:func:`sharpcli.io.loss_readings.read_loss`; a name is one the user chose), and the
+    module's ``ignore_index``.
+
+    Args:
+        loss: A loss module or a registered name.
+        logits: The model's outputs on the first rows of the set.
+        y: Their labels.
+
+    Returns:
+        The reading and the ``ignore_index`` (None but for ``nn.CrossEntropyLoss``).
+    """
+    name, ignore_index = loss_name(loss)
+    if isinstance(loss, nn.MSELoss) and tuple(y.shape) != tuple(logits.shape):
+        raise UsageError(
+            f"targets of shape {tuple(y.shape)} for outputs {tuple(logits.shape)}: "
+            "nn.MSELoss would broadcast them into another loss; give the targets the outputs' "
+            "shape (or pass `loss=mse`, which takes one target per sample of one output)",
+            source="data",
+        )
+    return read_loss(name, logits, y, named=isinstance(loss, str)), ignore_index
 
 
 def apply_ignore_index(collected: CollectedData, name: str, ignore_index: int | None):
@@ -377,3 +408,25 @@ def refuse_unshifted_labels(collected: CollectedData, name: str) -> None:
                     "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100",
                     source="data",
                 )
+
+
+def token_reduction_of(loss, name: str, reduction: str | None) -> str | None:
+    """How a token loss averages (None for the other losses): ``reduction``, by default
+    ``"tokens"``; a loss module's mean is the mean over all labelled tokens, so ``"samples"``
+    with a module is refused (UsageError on ``token_reduction``)."""
+    if reduction is not None and reduction not in TOKEN_REDUCTIONS:
+        raise UsageError(
+            f"unknown token reduction {reduction!r}; accepted: {', '.join(TOKEN_REDUCTIONS)}",
+            source="token_reduction",
+        )
+    if not get_loss(name).per_token:
+        return None
+    if reduction == "samples" and not (isinstance(loss, str) and get_loss(loss).per_token):
+        what = f"{type(loss).__name__}()" if isinstance(loss, nn.Module) else repr(loss)
+        raise UsageError(
+            f"{what} averages over every labelled position of the set; for the "
+            "mean of per-sample means pass loss='token-cross-entropy' with "
+            "token_reduction='samples'",
+            source="token_reduction",
+        )
+    return reduction or "tokens"

@@ -390,3 +390,57 @@ def plot_density(
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     return _save(plt, fig, path)
+
+
+_MAX_PANELS = 16
+
+
+def _log_curve(ax, grid, density, **style) -> None:
+    """A density on a log axis, values more than 8 decades below its peak left out (gaps)."""
+    floor = max(density, default=0.0) * 1e-8
+    ax.plot(grid, [v if v > floor else float("nan") for v in density], **style)
+    ax.set_yscale("log")
+
+
+def plot_block_densities(
+    results: dict, path: str | Path, *, operator: str = "hessian", top: int | None = None
+) -> Path:
+    """Small multiples of the blocks' SLQ densities (``sharp density --blocks``), as
+    [Zhang2024]'s figure of block spectra, and a last panel with the full density beside the
+    block-diagonal one on the common grid. Shows the largest blocks first: ``top`` of them, at
+    most 15 (the JSON has all).
+    """
+    blocks = sorted(results["blocks"], key=lambda b: -b["numel"])
+    blocks = blocks[: min(top or _MAX_PANELS - 1, _MAX_PANELS - 1)]
+    panels = len(blocks) + 1
+    ncols = math.ceil(math.sqrt(panels))
+    nrows = math.ceil(panels / ncols)
+    plt, fig, axes = _figure(nrows, ncols)
+    flat = list(axes.flat) if hasattr(axes, "flat") else [axes]
+    small = max(5, 9 - ncols)
+    for ax, block in zip(flat, blocks):
+        _log_curve(ax, block["grid"], block["density"], color="tab:blue", linewidth=1.0)
+        name = block["name"] if len(block["name"]) <= 28 else "..." + block["name"][-25:]
+        ax.set_title(f"{name} ({block['numel']})", fontsize=small)
+    diag = results["block_diagonal"]
+    ax = flat[len(blocks)]
+    _log_curve(ax, diag["grid"], diag["full_density"], color="black", linewidth=1.0, label="full")
+    _log_curve(
+        ax, diag["grid"], diag["density"], color="tab:red", linewidth=1.0, label="block-diag."
+    )
+    ax.set_title(f"full vs block-diagonal (JS {diag['js_distance_to_full']:.3g})", fontsize=small)
+    ax.legend(fontsize=small)
+    for ax in flat:
+        ax.tick_params(labelsize=small)
+        ax.grid(True, alpha=0.3)
+    for ax in flat[panels:]:
+        ax.set_visible(False)
+    het = results["heterogeneity"]
+    mean = "n/a" if het["mean"] is None else f"{het['mean']:.3g}"
+    fig.suptitle(
+        f"{operator} spectral density per block (eigenvalue vs density, log); "
+        f"JS distance between blocks: mean {mean}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return _save(plt, fig, path)

@@ -27,8 +27,25 @@ from torch import nn
 
 from sharpcli import memory, progress
 from sharpcli.atomic import publication
+from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.distributed import rank_and_world
 from sharpcli.errors import NumericalError, SharpError, UsageError
-from sharpcli.io.checkpoints import save_checkpoint
+from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string, save_checkpoint
+from sharpcli.io.datasets import load_dataset
+from sharpcli.losses import get_loss, token_reduction
+from sharpcli.models import build_model, default_model_args
+from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
+from sharpcli.preflight import (
+    SECOND_DERIVATIVE_SAMPLES,
+    check_model_accepts,
+    check_second_derivatives,
+    loss_for_task,
+    prepare_features,
+    resolve_device,
+    resolve_dtype,
+    to_analysis_dtype,
+)
+from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.training.config import (
     OPTIMIZERS,
     OPTION_OF,
@@ -113,8 +130,6 @@ def train_report(
     result: TrainResult, settings: dict, *, out: str, device: str = "cpu", dtype: str = "float32"
 ) -> dict:
     """The JSON report of a training run (docs/json.md: results.history, .final, .checkpoint)."""
-    from sharpcli.distributed import rank_and_world
-    from sharpcli.report.envelope import environment_info, make_report
 
     results = {
         "history": result.history,
@@ -169,13 +184,6 @@ def train(
     and random streams, fresh or resumed (:func:`sharpcli.training.epochs.start_run`), the epochs
     (:func:`sharpcli.training.epochs.train_epoch`), and the final evaluation and checkpoint (:func:`_finish_run`).
     """
-    from sharpcli.curvature.differentiable import twice_differentiable
-    from sharpcli.preflight import (
-        SECOND_DERIVATIVE_SAMPLES,
-        check_second_derivatives,
-        resolve_device,
-        resolve_dtype,
-    )
 
     validate_config(cfg)
     out = declare_outputs(out)
@@ -246,7 +254,6 @@ def train(
 def _token_mean(cfg: TrainConfig, y: torch.Tensor) -> contextlib.AbstractContextManager:
     """Token cross-entropy averaged per ``cfg.token_reduction`` over the set ``y``
     (:func:`sharpcli.losses.token_reduction`); nothing for the other losses."""
-    from sharpcli.losses import get_loss, token_reduction
 
     if cfg.loss is None or not get_loss(cfg.loss).per_token:
         return contextlib.nullcontext()
@@ -287,8 +294,6 @@ def _load_splits(cfg: TrainConfig) -> Splits:
     train with ``token-cross-entropy`` (a sequence model's ``(B, T, V)`` outputs), regression
     targets with ``mse``; one class label per sample leaves the loss to the model's outputs.
     """
-    from sharpcli.io.datasets import load_dataset
-    from sharpcli.preflight import loss_for_task
 
     dataset = load_dataset(cfg.data, label_column=cfg.label_column)
     per_position = dataset.task == "classification" and dataset.y_train.ndim == 2
@@ -315,9 +320,6 @@ def _build_model(
     ``cfg.model_args``, recorded as ``{"name": "factory:module:function", "args": ...}`` so
     the checkpoint rebuilds itself where the module is importable (docs/own-model.md).
     """
-    from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string
-    from sharpcli.models import build_model, default_model_args
-    from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 
     overrides = model_overrides(regs)
     _plan_training_memory(cfg, splits, overrides, dtype)
@@ -353,8 +355,6 @@ def _plan_training_memory(cfg: TrainConfig, splits: Splits, overrides: dict, dty
     :data:`TRAINING_COPIES` copies of them fit the run's memory plan, before the model is
     built: a width the machine cannot hold is a usage error naming the model's size options,
     not an allocation failure. A factory that cannot build on ``meta`` is built as usual."""
-    from sharpcli.io.checkpoints import factory_from_string
-    from sharpcli.models import build_model, default_model_args
 
     state = torch.random.get_rng_state()
     try:
@@ -398,7 +398,6 @@ def _place_splits(
     (:func:`sharpcli.preflight.infer_loss`, as the analyses pick it): ``binary-cross-entropy``
     for one logit per sample, ``cross-entropy`` otherwise.
     """
-    from sharpcli.preflight import check_model_accepts, prepare_features, to_analysis_dtype
 
     dataset = splits.dataset
     regression = dataset.task == "regression"

@@ -48,7 +48,7 @@ from sharpcli.training.penalties.base import (
     Oracle,
     Penalty,
     Regularizer,
-    record_attributes,
+    regularizer_entry,
 )
 from sharpcli.training.penalties.decay import ActivationDecay, Dropout, NoRegularizer, WeightDecay
 from sharpcli.training.penalties.flatness import FlatnessAware, auto_step_length
@@ -91,8 +91,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- registry and parsing
-# The regularizers by name: sharpcli.catalogue.REGULARIZERS, whose records (name, kind,
-# summary, hyper-parameters, paper, data_parallel) the built-in classes read when they are made.
+# The regularizers by name: sharpcli.catalogue.REGULARIZERS, whose records the built-in classes
+# declare in their bodies (declare_regularizer; the index is generated from them).
 REGISTRY = catalogue.REGULARIZERS
 _KIND_BASES: dict[str, type[Regularizer]] = {
     "none": Regularizer,
@@ -102,31 +102,6 @@ _KIND_BASES: dict[str, type[Regularizer]] = {
 }
 
 
-def _entry_of(name: str, cls: type[Regularizer]) -> Entry:
-    """The record of an extension registered without one: read from its class attributes."""
-    return Entry(
-        name,
-        cls.summary,
-        f"{cls.__module__}:{cls.__qualname__}",
-        tuple(cls.HYPERPARAMS),
-        data_parallel=vars(cls).get("data_parallel"),
-        info={"kind": cls.kind, "needs_penultimate": cls.needs_penultimate},
-    )
-
-
-def _adopt_record(entry: Entry, cls: type[Regularizer], where: str) -> None:
-    """Give a built-in class the attributes of its catalogue record (a class of the built-in's
-    name made outside this package, or one registered in its place); one it states itself must
-    agree with the record."""
-    for attr, value in record_attributes(entry).items():
-        if attr not in vars(cls):
-            setattr(cls, attr, value)
-        elif vars(cls)[attr] != value:
-            raise REGISTRY.error(
-                f"{where}: {attr} {vars(cls)[attr]!r} differs from its catalogue record {value!r}"
-            )
-
-
 def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
     """The registry's check of a regularizer class (see :func:`register`)."""
     where = f"regularizer class {getattr(cls, '__name__', cls)!r}"
@@ -134,8 +109,6 @@ def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
         raise REGISTRY.error(f"{where}: a regularizer is a subclass of Regularizer")
     if cls.name != entry.name:
         raise REGISTRY.error(f"{where}: its name {cls.name!r} is not {entry.name!r}")
-    if entry.name in REGISTRY.builtin_names():
-        _adopt_record(entry, cls, where)
     name = entry.name
     base = _KIND_BASES.get(cls.kind)
     if base is None or not issubclass(cls, base):
@@ -158,16 +131,16 @@ def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
 
 
 REGISTRY.check = _check_class
-REGISTRY.make_entry = _entry_of
+REGISTRY.make_entry = lambda name, cls: regularizer_entry(cls)
 
 
 def register(cls: type[Regularizer], *, replace: bool = False) -> type[Regularizer]:
     """Add a regularizer class to :data:`REGISTRY` as ``cls.name`` (usable as a class decorator).
 
-    A built-in (a name with a record in :data:`sharpcli.catalogue.REGULARIZERS`) takes on its
-    record's kind, summary, hyper-parameters, ``data_parallel`` and ``needs_penultimate``; an
-    extension states them in its class body (see :class:`Regularizer`). Either way the class
-    must carry a name ``--reg`` can parse, a known ``kind`` with the matching base class, a
+    A built-in's class is declared by
+    :func:`~sharpcli.training.penalties.base.declare_regularizer` and found in the catalogue's
+    index; an extension is registered here. Both state their record in the class body (see
+    :class:`Regularizer`): the class must carry a name ``--reg`` can parse, a known ``kind`` with the matching base class, a
     summary, a docstring naming the regularizer, ``data_parallel`` (``None`` or a non-empty
     reason) and defaults its own hyper-parameters accept.
 
@@ -199,16 +172,13 @@ def unregister(name: str) -> type[Regularizer]:
     return REGISTRY.unregister(name)
 
 
-REGISTRY.load_all()  # the built-ins, checked at import
-
-
 def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
     """Why averaging per-rank gradients is not exact for ``reg``, or None when it is.
 
     A class that does not state ``data_parallel`` in its own body (one put into
     :data:`REGISTRY` without :func:`register`) is refused rather than assumed exact.
     """
-    cls = reg if isinstance(reg, type) else type(reg)
+    cls = (reg if isinstance(reg, type) else type(reg))._family
     if "data_parallel" not in vars(cls):
         return "it does not declare whether averaging per-rank gradients is exact (data_parallel)"
     return cls.data_parallel

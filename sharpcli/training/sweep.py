@@ -112,7 +112,7 @@ def _run_config(base, reg: str, point: dict, seed: int, extra_regs):
 
     cfg = copy.deepcopy(base)
     cfg.seed = seed
-    cfg.regs = parse_regs([_reg_spec(reg, point), *extra_regs])
+    cfg.regs = parse_regs([_point_regularizer(reg, point), *extra_regs])
     return cfg
 
 
@@ -214,9 +214,14 @@ def _analysed_with(analyze_doc, analysis: dict) -> bool:
     return all(settings.get(key) == value for key, value in analysis.items())
 
 
-def _reg_spec(reg: str, point: dict) -> str:
-    """The ``--reg`` spec of a grid point: ``reg:k=v,...``."""
-    return f"{reg}:" + ",".join(f"{k}={v!r}" for k, v in point.items())
+def _point_regularizer(reg: str, point: dict):
+    """The regularizer ``reg`` (``NAME[:k=v,...]``, its fixed settings) at a grid point: its
+    class made with the point's numbers over them (typed values, checked against the
+    hyper-parameters' ranges, never written out as a spec and parsed again)."""
+    from sharpcli.training.regularizers import REGISTRY
+
+    entry, fixed = REGISTRY.parse(reg)
+    return REGISTRY.get(entry.name)(**{**fixed, **point})
 
 
 def _check_sweep(reg: str, grid: dict, seeds: list[int], extra_regs) -> list[dict]:
@@ -228,7 +233,7 @@ def _check_sweep(reg: str, grid: dict, seeds: list[int], extra_regs) -> list[dic
         raise UsageError("give at least one seed", source="seeds")
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     for point in points:
-        parse_reg(_reg_spec(reg, point))
+        _point_regularizer(reg, point)
     for extra in extra_regs:
         parse_reg(extra)
     return points
@@ -400,7 +405,31 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
         "trace": hessian.get("trace"),
         "frobenius_sq": hessian.get("frobenius_sq"),
         "nme_share": res.get("nme_share"),
+        **_flatness_columns(res),
     }
+
+
+# analyze's flatness metrics as sweep columns (only those the analysis reported), for the
+# Kendall tau table: (column, path in the analyze results)
+_FLATNESS_COLUMNS = (
+    ("adaptive_sharpness", ("sharpness", "worst_case")),
+    ("average_sharpness", ("sharpness", "average")),
+    ("pac_bayes_flatness", ("pac_bayes", "plain", "flatness")),
+    ("pac_bayes_mag_flatness", ("pac_bayes", "magnitude", "flatness")),
+    ("fisher_rao_norm_sq", ("fisher_rao", "norm_sq")),
+    ("fisher_rao_norm_sq_empirical", ("fisher_rao", "norm_sq_empirical")),
+)
+
+
+def _flatness_columns(res: dict) -> dict:
+    out = {}
+    for column, path in _FLATNESS_COLUMNS:
+        node = res
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            out[column] = node
+    return out
 
 
 def _summary(runs: list[dict], grid: dict) -> list[dict]:

@@ -64,13 +64,13 @@ def test_two_analyze_runs_with_the_same_seed_give_identical_results(checkpoint, 
 
 
 def test_determinism_check_detects_dropout_in_train_mode():
-    from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, determinism_check
+    from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, determinism_check
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.GELU(), nn.Linear(6, 3)).double()
     x, y = make_data("vector")
     data = AnalysisData(x, y, "cross-entropy", 8)
-    op = CurvaturePass(model, data, ParamScope.resolve(model)).hessian()
+    op = CurvatureEngine(model, data, ParamScope.resolve(model)).hessian()
     model.train()
     with pytest.raises(Exception) as info:
         determinism_check(model, data, op)

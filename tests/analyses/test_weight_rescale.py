@@ -135,6 +135,7 @@ def test_layer_rescale_of_relu_mlp_moves_lambda_max_but_not_function_or_invarian
         assert row.invariant_lambda_max == pytest.approx(invariant, rel=1e-6)
         assert row.accuracy == result.baseline.accuracy
         assert row.loss == pytest.approx(result.baseline.loss, rel=1e-12)
+    _adaptive_sharpness_invariant_standard_not(result)
     ten = result.rows[0]
     assert result.baseline.accuracy > 0.8
     # the head's Hessian block grows by alpha^2 = 100: lambda_max and the trace by well over 10x
@@ -155,6 +156,17 @@ def test_layer_rescale_of_relu_cnn_preserves_logits_and_invariant():
     assert row.max_logit_change <= 1e-10
     assert row.invariant_lambda_max == pytest.approx(result.baseline.invariant_lambda_max, rel=1e-6)
     assert abs(row.lambda_max / result.baseline.lambda_max - 1) > 0.5
+    _adaptive_sharpness_invariant_standard_not(result)
+
+
+def _adaptive_sharpness_invariant_standard_not(result):
+    """[Andriushchenko2023]'s adaptive worst-case sharpness is the same after the rescale (to
+    float64 rounding: the ascent's path in u = delta / |w| is the same); the standard one moves."""
+    base = result.baseline
+    assert base.adaptive_sharpness > 0 and base.standard_sharpness > 0
+    for row in result.rows:
+        assert row.adaptive_sharpness == pytest.approx(base.adaptive_sharpness, rel=1e-8)
+        assert abs(row.standard_sharpness / base.standard_sharpness - 1) > 0.1
 
 
 def test_batchnorm_followed_layer_rescale_preserves_function():
@@ -168,6 +180,7 @@ def test_batchnorm_followed_layer_rescale_preserves_function():
         assert row.invariant_lambda_max == pytest.approx(
             result.baseline.invariant_lambda_max, rel=1e-6
         )
+    _adaptive_sharpness_invariant_standard_not(result)
     # scale invariance of a batch-normalised layer: its Hessian block shrinks by 1/alpha^2
     assert result.rows[0].lambda_max != pytest.approx(result.baseline.lambda_max, rel=1e-3)
     # the adjusted running statistics, by hand
@@ -256,9 +269,10 @@ def test_cli_json_plot_and_errors(tmp_path, capsys, monkeypatch):
     parts = [line for line in piped.splitlines() if re.match(r"│ +10 │", line)]
     assert len(parts) >= 2 and max(len(line) for line in piped.splitlines()) <= 80
     cells = [c.strip() for row in parts for c in row.strip("│").split("│")[1:]]
-    assert len(cells) == 7 and all(float(c) >= 0 for c in cells)
+    assert len(cells) == 9 and all(float(c) >= 0 for c in cells)
 
     assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--alpha", "0"), 2, "--alpha")
+    assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--rho", "0"), 2, "--rho")
     assert_one_line_error(run_cli(capsys, "weight-rescale", ckpt, "--alpha", "-1,2"), 2, "--alpha")
     assert_one_line_error(
         run_cli(capsys, "weight-rescale", ckpt, "--layer", "nope"), 2, "--layer", "nope"

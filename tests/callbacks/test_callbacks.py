@@ -63,7 +63,7 @@ def test_tracker_in_a_plain_loop_measures_every_n_steps_without_touching_the_rng
     "options, source",
     [
         ({"every": 0}, "every"),
-        ({"metrics": ["sharpness"]}, "metrics"),
+        ({"metrics": ["curvature"]}, "metrics"),
         ({"metrics": []}, "metrics"),
         ({"max_matvecs": 0}, "max_matvecs"),
         ({"tol": -1.0}, "tol"),

@@ -102,13 +102,14 @@ def test_implementations_resolve_lazily_from_module_attr():
         "assert 'sharpcli.training.regularizers' not in sys.modules; "
         "print(catalogue.REGULARIZERS.names()[:3], catalogue.REGULARIZERS.entry('sam').paper); "
         "cls = catalogue.REGULARIZERS['sam']; "
-        "assert 'sharpcli.training.regularizers' in sys.modules; "
+        "assert 'sharpcli.training.penalties.sam' in sys.modules; "
+        "assert 'sharpcli.training.penalties.nme' not in sys.modules; "
         "print(cls.__name__, cls.summary == catalogue.REGULARIZERS.entry('sam').summary)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split("\n")
-    assert out[0] == "('none', 'wd', 'dropout') SAM" and out[1] == "SAM True"
+    assert out[0] == "('none', 'dropout', 'wd') SAM" and out[1] == "SAM True"
     from decimal import Decimal
     from fractions import Fraction
 

@@ -386,9 +386,9 @@ CASES = [
     C("trace-tol-negative", ("trace", "$own", "--trace-tol", "-1"), 2, ("--trace-tol",)),
     C(
         "trace-unknown-operator",
-        ("trace", "$own", "--operator", "fisher"),
+        ("trace", "$own", "--operator", "jacobian"),
         2,
-        ("--operator", "fisher"),
+        ("--operator", "jacobian"),
     ),
     C(
         "trace-exact-needs-ggn",
@@ -932,6 +932,35 @@ CASES = [
         disk_full=r"/\.report\.json\.[0-9a-f]{8}\.tmp$",
     ),
     C("compare-a-folder", ("compare", "$fixdir"), 2, ("$fixdir", "folder")),
+    # ------------------------------------------------------------------ diagonal
+    C(
+        "diagonal-exact-over-its-budget",
+        ("diagonal", "$own", "--estimator", "exact", "--max-products", "10", "--out", "$out"),
+        2,
+        ("--max-products", "products (one per parameter"),
+    ),
+    C(
+        "diagonal-gnb-needs-ggn",
+        ("diagonal", "$own", "--estimator", "gnb", "--operator", "hessian", "--out", "$out"),
+        2,
+        ("--operator ggn",),
+    ),
+    C(
+        "diagonal-out-onto-the-checkpoint",
+        ("diagonal", "$own", "--out", "$own"),
+        2,
+        ("--out", "$own", "also an input"),
+    ),
+    C(
+        "disk-full-writing-the-diagonal",
+        ("diagonal", "$own", "--estimator", "per-sample", "--out", "$out"),
+        2,
+        ("$out", "No space left on device"),
+        disk_full=r"/\.out\.safetensors\.[0-9a-f]{8}\.tmp$",
+    ),
+    # ------------------------------------------------------------------ sharpness, landscape
+    C("sharpness-rho-not-positive", ("sharpness", "$own", "--rho", "0"), 2, ("--rho",)),
+    C("landscape-span-zero", ("landscape", "$own", "--span", "0"), 2, ("--span",)),
 ]
 
 

@@ -117,7 +117,6 @@ CLOSED_SETS = [
     ("eigen", "--engine", catalogue.ENGINES),
     ("eigen", "--arch", catalogue.MODEL_NAMES),
     ("eigen", "--token-reduction", catalogue.TOKEN_REDUCTIONS),
-    ("trace", "--estimator", catalogue.ESTIMATORS.builtin_names()),
     ("gn-nme", "--ggn-estimator", catalogue.GGN_ESTIMATORS),
     ("train", "--model", catalogue.MODEL_NAMES),
     ("train", "--optimizer", catalogue.OPTIMIZERS),
@@ -202,13 +201,16 @@ def test_named_sets_are_the_catalogue_s_registries():
     an extension registered in this process is completed, and listed in --help, at once."""
     from sharpcli.registry import Entry
 
-    assert _literal(choices.Estimator) == set(catalogue.ESTIMATORS.names())
+    assert choices.completer(catalogue.ESTIMATORS)("hutch") == ["hutchpp", "hutchinson"]
     assert choices.metavar(catalogue.REGULARIZERS, params=True) == "NAME[:k=v,...]"
     assert choices.metavar(catalogue.ACTIVATIONS, params=True) == "NAME[:beta=B]"
     assert choices.metavar(catalogue.OPERATORS) == "NAME"
     complete = choices.completer(catalogue.OPERATORS)
-    assert complete("") == ["hessian", "ggn", "nme"]
-    catalogue.OPERATORS.register("ggn-twice", object(), entry=Entry("ggn-twice", "2 G"))
+    assert complete("") == ["hessian", "ggn", "nme", "ef", "fisher"]
+    info = {"symbol": "2G", "psd": True}
+    catalogue.OPERATORS.register(
+        "ggn-twice", lambda p: 2 * p.ggn(), entry=Entry("ggn-twice", "2 G", info=info)
+    )
     try:
         assert complete("ggn") == ["ggn", "ggn-twice"]
     finally:

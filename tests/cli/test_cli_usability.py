@@ -130,8 +130,10 @@ def test_operator_help_is_the_catalogue_s():
 
     assert cmd_spectrum._operator_help() == catalogue.operator_help() + "."
     assert catalogue.operator_help() == (
-        "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J) or nme "
-        "(N: nonlinear modelling error H - G)"
+        "hessian (H: Hessian of the loss), ggn (G: Gauss-Newton J^T H_z J), nme "
+        "(N: nonlinear modelling error H - G), ef (F_emp: empirical Fisher (1/N) sum_i g_i "
+        "g_i^T, data labels) or fisher (F: Fisher with labels drawn from the model; its mean "
+        "over draws is G)"
     )
 
 
@@ -209,7 +211,7 @@ def _commands(folder) -> dict[str, tuple[str, ...]]:
             ckpt,
             *small,
             "--metrics",
-            "eigen,trace,frobenius,gn-nme,activation-stats",
+            "eigen,trace,frobenius,gn-nme,activation-stats,sharpness,pac-bayes,fisher-rao",
             "--fail-if",
             "hessian.lambda_max > 0.001",
             "--fail-if",

@@ -188,6 +188,9 @@ NOT_YET_CONVERTED: set[str] = set()
 FLAGS_ALLOWED = {
     # the docs' table of --operator values, rendered for the command reference
     ("sharpcli/catalogue/curvature.py", "| `--operator` | symbol | what it is | PSD |"),
+    # the index generator is a command of its own (python -m sharpcli.catalogue.generate):
+    # its --check flag, and the generated file's docstring naming `sharp --help`
+    ("sharpcli/catalogue/generate.py", "--check"),
     # reads --device from argv to pick the process-group backend before the app parses it
     ("sharpcli/distributed.py", "--device"),
     ("sharpcli/distributed.py", "--device="),
@@ -214,6 +217,9 @@ def test_no_flags_in_library_strings():
     """Below cli/, no string (docstrings aside) spells a flag: sources, messages and the option
     names handed to helpers are parameter names; cli/flags.py spells them once."""
     found = []
+    from sharpcli.catalogue import generate
+
+    allowed = FLAGS_ALLOWED | {("sharpcli/catalogue/generate.py", generate.HEADER)}
     for path in sorted((ROOT / "sharpcli").rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
         if relative.startswith("sharpcli/cli/") or relative in NOT_YET_CONVERTED:
@@ -226,7 +232,7 @@ def test_no_flags_in_library_strings():
                 and isinstance(node.value, str)
                 and id(node) not in docstrings
                 and FLAG.search(node.value)
-                and (relative, node.value) not in FLAGS_ALLOWED
+                and (relative, node.value) not in allowed
             ):
                 found.append(f"{relative}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)

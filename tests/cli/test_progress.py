@@ -17,7 +17,7 @@ from cli_helpers import run_cli
 from conftest import make_data, make_mlp
 
 from sharpcli import progress
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, hutchpp, lanczos
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, hutchpp, lanczos
 from sharpcli.curvature.density import spectral_density
 
 
@@ -25,7 +25,7 @@ def _operator(dtype=torch.float64, batch_size=8):
     model = make_mlp().to(dtype).eval()
     x, y = make_data()
     data = AnalysisData(x.to(dtype), y, loss="cross-entropy", batch_size=batch_size)
-    return CurvaturePass(model, data, ParamScope.resolve(model)).hessian(), data
+    return CurvatureEngine(model, data, ParamScope.resolve(model)).hessian(), data
 
 
 def _runs(events, method):

@@ -165,7 +165,7 @@ def test_analyze_gate_trips_and_passes(tiny, capsys):
         (["eigen", "--top-k", "0"], "--top-k"),
         (["eigen", "--top-k", "30", "--max-matvecs", "20"], "--top-k"),
         (["eigen", "--tol", "0"], "--eig-tol"),  # the former name; errors name the new one
-        (["eigen", "--operator", "fisher"], "--operator"),
+        (["eigen", "--operator", "jacobian"], "--operator"),
         (["eigen", "--params", "nomatch*"], "--params"),
         (["trace", "--estimator", "magic"], "--estimator"),
         (["analyze", "--metrics", "vibes"], "--metrics"),
@@ -254,3 +254,52 @@ def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
     shown = run_cli(capsys, "analyze", path, "--metrics", "eigen", "--verbose")
     assert shown.code == 0 and "note:" not in shown.out
     assert "sharp: note: residuals are explicit" in shown.err
+
+
+def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
+    """`--estimator NAME` dispatches through the catalogue's registry: an estimator declared and
+    added in this process runs, and `--help` lists it, like a built-in."""
+    from sharpcli.curvature.estimators import ESTIMATORS
+    from sharpcli.curvature.probes import TraceResult
+    from sharpcli.registry import declare
+
+    @declare("estimator", "dense-diagonal", "sum of A e_i . e_i over every basis vector")
+    def dense_diagonal(request):
+        op = request.build()
+        AE = op @ torch.eye(op.shape[0], dtype=op.dtype)
+        value = float((AE * AE).sum() if request.square else torch.diagonal(AE).sum())
+        return TraceResult(value, 0.0, op.shape[0], op.shape[0], "dense-diagonal")
+
+    path, _, H = tiny
+    ESTIMATORS.add(dense_diagonal)
+    try:
+        argv = ["trace", path, "--dtype", "float64", "--estimator", "dense-diagonal"]
+        run = run_cli(capsys, *argv, "--json", "-")
+        assert run.code == 0, run.err
+        t = run.json()["results"]["trace"]
+        assert t["estimator"] == "dense-diagonal"
+        assert t["estimate"] == pytest.approx(float(torch.trace(H)), rel=1e-10)
+        shown = run_cli(capsys, "trace", "--help").out
+        assert "dense-diagonal" in " ".join(shown.split())
+    finally:
+        ESTIMATORS.unregister("dense-diagonal")
+
+
+def test_trace_of_a_relu_nme_is_zero_within_its_stderr(tmp_path, capsys):
+    """tr(N) = 0 exactly for a ReLU MLP (its second derivatives within one layer vanish): the
+    sketch stops at N's range, the estimate is 0 within its standard error, no note claims
+    the trace exact, and the layers sum to the total (the sketch used to grow past the rank,
+    lose orthogonality and report e.g. -1.03 +- 0.015)."""
+    spec = tiny_mlp_spec(d_in=5, classes=3, width=6, depth=1, activation="relu")
+    path = write_own_checkpoint(tmp_path / "relu.safetensors", spec, data_spec=DATA, seed=5)
+    run = run_cli(capsys, "trace", path, "--operator", "nme", "--dtype", "float64", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    t = report["results"]["trace"]
+    assert 0 < t["stderr"] <= 1e-12 and abs(t["estimate"]) <= 4 * t["stderr"], t
+    assert 0 < t["sketch_size"] < sum(p.numel() for p in load_checkpoint(path).model.parameters())
+    notes = " ".join(t["notes"] + report.get("notes", []))
+    assert "spans the operator's range" in notes and "exact" not in notes
+    layers = report["results"]["by_layer"]
+    assert sum(v["estimate"] for v in layers.values()) == pytest.approx(t["estimate"], abs=1e-15)

@@ -9,7 +9,7 @@ from conftest import setup_and_reference
 
 from sharpcli.curvature import (
     AnalysisData,
-    CurvaturePass,
+    CurvatureEngine,
     MatrixOperator,
     ParamScope,
     spectral_density,
@@ -20,7 +20,7 @@ from sharpcli.report.plots import PIXELS, plot_density, png_size
 
 def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
     model, x, y, H, _ = setup_and_reference("gelu")
-    op = CurvaturePass(
+    op = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     ).hessian()
     result = spectral_density(op, probes=2, lanczos_steps=93, seed=0)
@@ -72,7 +72,7 @@ def test_slq_trace_stderr_is_the_spread_of_rademacher_hutchinson_samples():
     """Each probe's quadrature value is z^T H z (z = sqrt(P) v, Rademacher), even with few steps:
     the reported stderr is their spread / sqrt(probes), and over probes it covers tr(H)."""
     model, x, y, H, _ = setup_and_reference("gelu")
-    op = CurvaturePass(
+    op = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     ).hessian()
     result = spectral_density(op, probes=40, lanczos_steps=6, seed=3)

@@ -10,7 +10,6 @@ from torch import nn
 from sharpcli.curvature import (
     AnalysisData,
     CurvatureEngine,
-    CurvaturePass,
     GGNOperator,
     HessianOperator,
     LinearCombination,
@@ -41,7 +40,7 @@ def _setup(kind: str, loss: str = "cross-entropy", batch_size: int = 5):
 )
 def test_operators_equal_dense_matrices(kind, loss):
     model, x, y, data, scope, H, G = _setup(kind, loss)
-    cp = CurvaturePass(model, data, scope)
+    cp = CurvatureEngine(model, data, scope)
     H_op, G_op, N_op = cp.hessian().to_dense(), cp.ggn().to_dense(), cp.nme().to_dense()
     assert H_op.shape == (scope.numel, scope.numel) and H_op.dtype == torch.float64
     assert torch.allclose(H_op, H, atol=1e-10, rtol=0)
@@ -55,7 +54,7 @@ def test_operators_equal_dense_matrices(kind, loss):
 
 def test_joint_pass_splits_h_into_g_plus_n_per_vector():
     model, x, y, data, scope, H, G = _setup("gelu")
-    cp = CurvaturePass(model, data, scope)
+    cp = CurvatureEngine(model, data, scope)
     v = scope.gaussian(torch.Generator().manual_seed(3))
     Hv, Gv = cp.hessian_and_ggn_matvec(v)
     assert torch.allclose(Hv, H @ v, atol=1e-12, rtol=0)
@@ -87,7 +86,7 @@ def test_linear_model_under_cross_entropy_has_h_equal_g():
     x, y = make_data("vector")
     data = AnalysisData(x, y, "cross-entropy", 6)
     scope = ParamScope.resolve(model)
-    cp = CurvaturePass(model, data, scope)
+    cp = CurvatureEngine(model, data, scope)
     H, G = cp.hessian().to_dense(), cp.ggn().to_dense()
     assert H.abs().max() > 1e-2
     assert torch.allclose(H, G, atol=1e-14, rtol=0)
@@ -100,7 +99,7 @@ def test_nme_vanishes_where_logit_gradient_is_zero(gelu_setup):
         targets = model(x)  # MSE with targets equal to outputs: dl/dz = 0 on every sample
     data = AnalysisData(x, targets, "mse", 7)
     scope = ParamScope.resolve(model)
-    cp = CurvaturePass(model, data, scope)
+    cp = CurvatureEngine(model, data, scope)
     G = cp.ggn().to_dense()
     assert G.abs().max() > 1e-3
     assert cp.nme().to_dense().abs().max() < 1e-14
@@ -112,8 +111,8 @@ def test_batch_weighting_is_a_mean_over_samples(gelu_setup, batch_size):
     model, x, y = gelu_setup  # 23 samples: none of these batch sizes divides N except 1
     scope = ParamScope.resolve(model)
     v = scope.gaussian(torch.Generator().manual_seed(0))
-    full = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), scope)
-    part = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size), scope)
+    full = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 23), scope)
+    part = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size), scope)
     Hv_full, Gv_full = full.hessian_and_ggn_matvec(v)
     Hv, Gv = part.hessian_and_ggn_matvec(v)
     assert torch.allclose(Hv, Hv_full, atol=1e-12, rtol=0)
@@ -131,20 +130,20 @@ def test_cache_budget_and_invalidation(gelu_setup):
     data = AnalysisData(x, y, "cross-entropy", 5)
     scope = ParamScope.resolve(model)
     v = scope.gaussian(torch.Generator().manual_seed(1))
-    cached = CurvaturePass(model, data, scope)
-    uncached = CurvaturePass(model, data, scope, cache_bytes=0)
+    cached = CurvatureEngine(model, data, scope)
+    uncached = CurvatureEngine(model, data, scope, cache_bytes=0)
     Hv = cached.hessian().matvec(v)
     assert cached.cached_batches == 5 and uncached.cached_batches == 0
     assert torch.allclose(uncached.hessian().matvec(v), Hv, atol=1e-15, rtol=0)
     # a budget for about two batches caches two and recomputes the rest, same numbers
     one = cached._cache[0].nbytes
-    partial = CurvaturePass(model, data, scope, cache_bytes=2 * one + one // 2)
+    partial = CurvatureEngine(model, data, scope, cache_bytes=2 * one + one // 2)
     assert torch.allclose(partial.ggn().matvec(v), cached.ggn().matvec(v), atol=1e-15, rtol=0)
     assert partial.cached_batches == 2
     # changing the weights in place drops the cache: the product follows the new weights
     with torch.no_grad():
         model[0].weight.mul_(1.5)
-    fresh = CurvaturePass(model, data, scope, cache_bytes=0).hessian().matvec(v)
+    fresh = CurvatureEngine(model, data, scope, cache_bytes=0).hessian().matvec(v)
     assert not torch.allclose(fresh, Hv, atol=1e-6)
     assert torch.allclose(cached.hessian().matvec(v), fresh, atol=1e-14, rtol=0)
 
@@ -165,7 +164,7 @@ def test_scope_last_and_glob_give_principal_sub_blocks():
                 for n in expected
             ]
         )
-        cp = CurvaturePass(model, data, scope)
+        cp = CurvatureEngine(model, data, scope)
         assert torch.allclose(cp.hessian().to_dense(), H_full[index][:, index], atol=1e-12, rtol=0)
         assert torch.allclose(cp.ggn().to_dense(), G_full[index][:, index], atol=1e-12, rtol=0)
 
@@ -240,7 +239,7 @@ def test_parameter_without_gradient_gets_zero_rows():
     scope = ParamScope.resolve(model)
     assert scope.names[0] == "unused" and scope.numel == 95  # the root's own parameters come first
     assert list(scope.blocks())[0] == "(root)"
-    cp = CurvaturePass(model, data, scope)
+    cp = CurvatureEngine(model, data, scope)
     H_op, G_op = cp.hessian().to_dense(), cp.ggn().to_dense()
     assert torch.allclose(H_op[2:, 2:], H, atol=1e-12, rtol=0) and H_op[:2].abs().max() == 0
     assert torch.allclose(G_op[2:, 2:], G, atol=1e-12, rtol=0) and G_op[:, :2].abs().max() == 0
@@ -252,7 +251,7 @@ def test_vmapped_blocks_equal_dense_products(vectorize):
     # 7 columns leave a remainder block (and, for 3, a last block of one column)
     model, x, y, data, scope, H, G = _setup("gelu")
     V = torch.randn(scope.numel, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    cp = CurvaturePass(model, data, scope, vectorize=vectorize)
+    cp = CurvatureEngine(model, data, scope, vectorize=vectorize)
     assert torch.allclose(cp.hessian_matmat(V), H @ V, atol=1e-10, rtol=0)
     assert torch.allclose(cp.ggn_matmat(V), G @ V, atol=1e-10, rtol=0)
     assert torch.allclose(cp.nme_matmat(V), (H - G) @ V, atol=1e-10, rtol=0)
@@ -265,7 +264,7 @@ def test_vmapped_blocks_equal_dense_products(vectorize):
 def test_layer_without_batched_backward_falls_back_to_columns():
     model, x, y, data, scope, H, G = _setup("gelu")
 
-    class NoBatchedBackward(CurvaturePass):  # as a layer lacking a vmap rule makes autograd do
+    class NoBatchedBackward(CurvatureEngine):  # as a layer lacking a vmap rule makes autograd do
         def _joint_batch(self, graph, V, batched):
             if batched:
                 raise RuntimeError("Batching rule not implemented")

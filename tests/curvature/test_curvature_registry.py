@@ -12,7 +12,7 @@ import torch
 from cli_helpers import run_cli
 from conftest import setup_and_reference
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, MatrixOperator, ParamScope
+from sharpcli.curvature import AnalysisData, CurvatureEngine, MatrixOperator, ParamScope
 from sharpcli.curvature.registry import (
     OPERATORS,
     SPLIT,
@@ -33,7 +33,7 @@ def _gelu_pass():
     """A float64 GELU MLP's pass (3 unequal batches) and its dense H and G."""
     model, x, y, H, G = setup_and_reference("gelu")
     data = AnalysisData(x, y, "cross-entropy", batch_size=10)
-    return CurvaturePass(model, data, ParamScope.resolve(model)), H, G
+    return CurvatureEngine(model, data, ParamScope.resolve(model)), H, G
 
 
 def test_builtin_operators_equal_dense_h_g_and_n():
@@ -82,19 +82,19 @@ def test_register_then_unregister_an_operator(capsys):
         assert "hessian-twice" in " ".join(help_run.out.split())
         with pytest.raises(ValueError, match="already registered"):
             register_operator(
-                "hessian-twice", CurvaturePass.hessian, symbol="H", description="", psd=False
+                "hessian-twice", CurvatureEngine.hessian, symbol="H", description="", psd=False
             )
     finally:
         assert unregister_operator("hessian-twice") is spec
     assert "hessian-twice" not in OPERATORS
-    with pytest.raises(UsageError, match="accepted: hessian, ggn, nme$"):
+    with pytest.raises(UsageError, match="accepted: hessian, ggn, nme, ef, fisher$"):
         operator_spec("hessian-twice")
 
 
 @pytest.mark.parametrize("name", ["Fisher", "2nd", "ggn_x", "", "a b"])
 def test_names_must_be_cli_values(name):
     with pytest.raises(ValueError, match="lower case"):
-        register_operator(name, CurvaturePass.hessian, symbol="X", description="x", psd=False)
+        register_operator(name, CurvatureEngine.hessian, symbol="X", description="x", psd=False)
 
 
 def test_the_split_cannot_be_unregistered():
@@ -133,7 +133,7 @@ def test_gn_nme_split_is_keyed_by_the_registry_names():
     model = model.double().eval()
     x, y = torch.randn(9, 3, dtype=torch.float64), torch.randint(0, 2, (9,))
     data = AnalysisData(x, y, loss="cross-entropy", batch_size=4)
-    cpass = CurvaturePass(model, data, ParamScope.resolve(model))
+    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
     split = gn_nme_split(cpass, tol=1e-1, max_matvecs=16, seed=0)
     assert tuple(split.values) == SPLIT
     h, g, n = (split.values[name]["trace"]["estimate"] for name in SPLIT)

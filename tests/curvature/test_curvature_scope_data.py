@@ -12,7 +12,7 @@ from conftest import make_cnn, make_data, make_mlp
 
 from sharpcli.curvature import (
     AnalysisData,
-    CurvaturePass,
+    CurvatureEngine,
     ParamScope,
     all_reduce_sum,
     exact_ggn_trace,
@@ -104,8 +104,8 @@ def _rank_main(rank, world, port, out):
         data = AnalysisData(x, y, "cross-entropy", 4)
         scope = ParamScope.resolve(model)
         v = scope.gaussian(torch.Generator().manual_seed(0))
-        Hv, Gv = CurvaturePass(model, data, scope).hessian_and_ggn_matvec(v)
-        loss, grad = CurvaturePass(model, data, scope).loss_and_gradient()
+        Hv, Gv = CurvatureEngine(model, data, scope).hessian_and_ggn_matvec(v)
+        loss, grad = CurvatureEngine(model, data, scope).loss_and_gradient()
         trace = exact_ggn_trace(model, data, scope).estimate
         out[rank] = (data.local_num_samples, data.num_samples, Hv, Gv, loss, grad, trace)
     finally:
@@ -123,8 +123,8 @@ def test_data_parallel_equals_single_process():
     data = AnalysisData(x, y, "cross-entropy", 23)
     scope = ParamScope.resolve(model)
     v = scope.gaussian(torch.Generator().manual_seed(0))
-    Hv, Gv = CurvaturePass(model, data, scope).hessian_and_ggn_matvec(v)
-    loss, grad = CurvaturePass(model, data, scope).loss_and_gradient()
+    Hv, Gv = CurvatureEngine(model, data, scope).hessian_and_ggn_matvec(v)
+    loss, grad = CurvatureEngine(model, data, scope).loss_and_gradient()
     trace = exact_ggn_trace(model, data, scope).estimate
     assert [out[r][0] for r in range(world)] == [11, 12]  # contiguous shards, N stays global
     for r in range(world):

@@ -10,7 +10,7 @@ from conftest import dense_reference, make_cnn, make_data, setup_and_reference
 
 from sharpcli.curvature import (
     AnalysisData,
-    CurvaturePass,
+    CurvatureEngine,
     MatrixOperator,
     ParamScope,
     lanczos,
@@ -23,7 +23,9 @@ from sharpcli.errors import UsageError
 
 def _pass(kind="gelu"):
     model, x, y, H, G = setup_and_reference(kind)
-    cpass = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model))
+    cpass = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
+    )
     norms = {
         name: float(torch.linalg.matrix_norm(A, 2))
         for name, A in (("hessian", H), ("ggn", G), ("nme", H - G))
@@ -80,7 +82,7 @@ def test_subsample_warm_start_reports_its_cost(passes):
 def test_subsample_operator_is_the_mean_curvature_of_its_subset():
     model, x, y = make_cnn(), *make_data("image")
     data = AnalysisData(x, y, "cross-entropy", 5)  # several batches: weights B_b / N_S
-    cpass = CurvaturePass(model, data, ParamScope.resolve(model))
+    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
     sub = subsample_data(data, 0.4, seed=3)
     assert sub.num_samples == sub.local_num_samples == 9 and data.num_samples == 23
     rows = [int((x == row).all(dim=(1, 2, 3)).nonzero()) for row in sub.x]
@@ -140,7 +142,7 @@ def test_zero_gradient_falls_back_to_a_cold_start():
     x = torch.randn(10, 4, dtype=torch.float64)
     with torch.no_grad():
         y = model(x)  # mse targets = outputs: the gradient is exactly zero
-    cpass = CurvaturePass(model, AnalysisData(x, y, "mse", 10), ParamScope.resolve(model))
+    cpass = CurvatureEngine(model, AnalysisData(x, y, "mse", 10), ParamScope.resolve(model))
     op = cpass.hessian()
     result = lanczos(op, 2, tol=1e-10, seed=4, warm_start="gradient")
     assert "fallback" in result.warm_start
@@ -150,7 +152,7 @@ def test_zero_gradient_falls_back_to_a_cold_start():
 def test_float32_warm_start_keeps_the_explicit_residual():
     model, x, y, H, _ = setup_and_reference("cnn")
     model = model.float()
-    cpass = CurvaturePass(
+    cpass = CurvatureEngine(
         model, AnalysisData(x.float(), y, "cross-entropy", 23), ParamScope.resolve(model)
     )
     exact = float(torch.linalg.eigvalsh(H)[-1])

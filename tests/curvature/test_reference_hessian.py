@@ -10,7 +10,7 @@ from conftest import dense_reference
 from torch import nn
 from torch.func import functional_call, grad
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
 
 class _TiedNormModel(nn.Module):
@@ -72,7 +72,7 @@ def test_reference_hessian_matches_central_differences(case):
     assert float((H - fd).abs().max()) < 1e-7 * max(1.0, float(H.abs().max()))
     # sharp's products (eager double backward through cached first-order graphs) agree
     scope = ParamScope.resolve(model)
-    cpass = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size=4), scope)
+    cpass = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=4), scope)
     eye = torch.eye(scope.numel, dtype=torch.float64)
     assert float((cpass.hessian().matmat(eye) - H).abs().max()) < 1e-10
     assert float((cpass.ggn().matmat(eye) - G).abs().max()) < 1e-10

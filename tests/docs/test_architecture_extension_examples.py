@@ -1,19 +1,22 @@
 """The worked examples of docs/architecture.md run as written and compute the right numbers.
 
-Each example is the first ``python`` block under its heading ("Adding a regularizer",
-"Adding a data format"), extracted from the page and executed; then the registered toy
-regularizer's gradient is checked exactly in float64 and the toy format's loaded tensors
-against the records it wrote. Both are unregistered afterwards, so other tests see the stock
-registries. The second block of each section is the catalogue record that makes it a
-built-in: it must state what the extension registered; the regularizer's third block, the
-built-in class, states none of it and reads it from the record.
+The regularizer's and the trace estimator's first ``python`` block is the whole of one new
+module: written into a copy of the package, then ``python -m sharpcli.catalogue.generate``
+(nothing else edited) makes ``sharp train --reg l1`` / ``sharp trace --estimator girard`` run
+it and ``--help`` list it. In this process the same code is an extension: the regularizer's
+gradient is checked exactly in float64, Girard's estimate against the dense trace, and the
+toy format's loaded tensors against the records it wrote. All are unregistered afterwards, so
+other tests see the stock registries.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +26,7 @@ from cli_helpers import run_cli
 from sharpcli.errors import InputError
 from sharpcli.io.datasets import load_dataset
 from sharpcli.io.formats import FORMATS
-from sharpcli.specs import RegistryError
-from sharpcli.training.regularizers import REGISTRY, parse_reg, register, training_step
+from sharpcli.training.regularizers import REGISTRY, parse_reg, training_step
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -39,16 +41,18 @@ def example(heading: str, index: int = 0) -> str:
     return blocks[index]
 
 
-def run_example(heading: str, index: int = 0) -> dict:
+def run_example(heading: str, *indices: int) -> dict:
+    """The namespace of the section's blocks ``indices`` (default: the first), run in order."""
     namespace = {"__name__": "architecture_example"}
-    exec(compile(example(heading, index), f"{PAGE.name}: {heading}", "exec"), namespace)
+    for index in indices or (0,):
+        exec(compile(example(heading, index), f"{PAGE.name}: {heading}", "exec"), namespace)
     return namespace
 
 
 @pytest.fixture
 def l1_example():
     try:
-        yield run_example("Adding a regularizer")
+        yield run_example("Adding a regularizer", 0, 1)
     finally:
         REGISTRY.pop("l1", None)
     assert "l1" not in REGISTRY
@@ -134,41 +138,90 @@ def test_jsonl_format_loads_the_written_records(jsonl_example, tmp_path):
         load_dataset(str(broken))
 
 
-def test_l1_as_a_builtin_is_its_class_plus_its_record(l1_example):
-    """The record states what the extension registered; declared (as the catalogue's list
-    does), the built-in class of the third block, with only its name, docstring and code,
-    reads the rest from it when it is made, and computes what the extension computed."""
-    record = run_example("Adding a regularizer", 1)["RECORD"]
-    assert dataclasses.replace(REGISTRY.entry("l1"), impl=record.impl) == record
-    extension = l1_example["L1Penalty"]
-    REGISTRY.unregister("l1")
-    REGISTRY.declare(record)
+def test_girard_estimate_is_within_its_stderr_of_the_dense_trace():
+    """The example estimator added at run time: ``Curvature.trace(estimator="girard")`` against
+    the dense Hessian's trace (double backward, float64), and ``Tr(H^2)`` against ``||H||_F^2``."""
+    from sharpcli import Curvature
+    from sharpcli.catalogue import ESTIMATORS
+
+    namespace = run_example("Adding a trace estimator")
+    ESTIMATORS.add(namespace["girard_trace"])
     try:
-        lean = run_example("Adding a regularizer", 2)["L1Penalty"]
-        for attr in ("summary", "HYPERPARAMS", "data_parallel", "kind", "needs_penultimate"):
-            assert attr not in vars(extension) or attr in (
-                "summary",
-                "HYPERPARAMS",
-                "data_parallel",
-            )
-            assert vars(lean)[attr] == getattr(extension, attr), attr
-        assert (lean.summary, lean.HYPERPARAMS) == (record.summary, record.params)
-        assert register(lean) is lean and REGISTRY["l1"] is lean
-        assert parse_reg("l1:0.5").params == {"lam": 0.5}
-        with pytest.raises(RegistryError, match="lam must be >= 0"):
-            parse_reg("l1:-1")
-        params = [torch.tensor([0.5, -2.0, 0.0], dtype=torch.float64)]
-        for got, want in zip(
-            parse_reg("l1:0.25").analytic_grad(params), extension(lam=0.25).analytic_grad(params)
-        ):
-            assert torch.equal(got, want)
-        # a class that states an attribute differently from its record is refused
-        REGISTRY.unregister("l1")
-        with pytest.raises(RegistryError, match="summary 'other' differs from its catalogue"):
-            register(type("L1Penalty", (lean,), {"summary": "other", "__doc__": lean.__doc__}))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+        ).double()
+        x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+        curvature = Curvature(model, "cross-entropy", (x, y))
+        H = curvature.operator().to_dense()
+        for square, exact in ((False, H.trace()), (True, (H * H).sum())):
+            t = curvature.trace(estimator="girard", square=square, max_matvecs=400, seed=1)
+            assert t.estimator == "girard" and t.matvecs == 400
+            assert abs(t.estimate - float(exact)) <= 4 * t.stderr
     finally:
-        REGISTRY.undeclare("l1")
-    assert "l1" not in REGISTRY
+        ESTIMATORS.unregister("girard")
+    assert "girard" not in ESTIMATORS
+
+
+def _package_copy(tmp_path: Path, module: str, heading: str) -> dict:
+    """A copy of the package with the section's first block as ``module``, its index
+    regenerated by the one command; the environment that runs that copy."""
+    root = Path(__file__).resolve().parents[2]
+    shutil.copytree(
+        root / "sharpcli", tmp_path / "sharpcli", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (tmp_path / module).write_text(example(heading), encoding="utf-8")
+    env = os.environ | {"PYTHONPATH": str(tmp_path), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    generate = [sys.executable, "-m", "sharpcli.catalogue.generate"]
+    subprocess.run(generate, env=env, cwd=tmp_path, check=True, capture_output=True)
+    check = subprocess.run([*generate, "--check"], env=env, cwd=tmp_path, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    return env
+
+
+def _sharp(env: dict, *args: str) -> subprocess.CompletedProcess:
+    """``python -m sharpcli ARGS`` on the copy (run from it: ``-m`` puts the cwd first)."""
+    return subprocess.run(
+        [sys.executable, "-m", "sharpcli", *args],
+        env=env,
+        cwd=env["PYTHONPATH"],
+        capture_output=True,
+        text=True,
+    )
+
+
+def _flat(help_text: str) -> str:
+    """The help's words, the panel's borders and line breaks gone."""
+    return " ".join(help_text.replace("│", " ").split())
+
+
+@pytest.mark.slow
+def test_a_new_regularizer_module_is_a_builtin_after_the_one_command(tmp_path):
+    """One new file plus the regeneration command: `--reg l1` trains and `--help` lists it."""
+    env = _package_copy(tmp_path, "sharpcli/training/penalties/l1.py", "Adding a regularizer")
+    assert "fa, l1, gp" in _flat(_sharp(env, "train", "--help").stdout)
+    argv = ["train", "--data", "blobs:n=64,dim=4,classes=3", "--epochs", "1", "--width", "8"]
+    out = str(tmp_path / "l1.safetensors")
+    run = _sharp(env, *argv, "--reg", "l1:lam=0.001", "--out", out, "--json", "-")
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(run.stdout)["results"]["history"]
+    assert row["penalties"]["l1"] > 0 and row["grad_evals"] == 1
+
+
+@pytest.mark.slow
+def test_a_new_estimator_module_is_a_builtin_after_the_one_command(tmp_path):
+    """One new file plus the regeneration command: `--estimator girard` runs, `--help` lists it."""
+    env = _package_copy(tmp_path, "sharpcli/curvature/girard.py", "Adding a trace estimator")
+    shown = _flat(_sharp(env, "trace", "--help").stdout)
+    assert "girard (Gaussian probes averaged (Girard))" in shown
+    data = "blobs:n=64,dim=4,classes=3"
+    ckpt = str(tmp_path / "m.safetensors")
+    trained = _sharp(env, "train", "--data", data, "--epochs", "1", "--width", "8", "-o", ckpt)
+    assert trained.returncode == 0, trained.stderr
+    run = _sharp(env, "trace", ckpt, "--estimator", "girard", "--json", "-")
+    assert run.returncode == 0, run.stderr
+    trace = json.loads(run.stdout)["results"]["trace"]
+    assert trace["estimator"] == "girard" and trace["matvecs"] == 1000
 
 
 def test_jsonl_record_states_what_the_extension_registered(jsonl_example):

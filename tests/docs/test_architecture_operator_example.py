@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, build_operator
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
 from sharpcli.curvature.registry import OPERATORS, unregister_operator
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
@@ -84,7 +84,7 @@ def test_registered_operator_equals_dense_empirical_fisher(example, loss, params
     model, x, y = tiny_problem(loss)
     scope = ParamScope.resolve(model, params)
     # batch size 4 over 11 samples: unequal batches, so the 1/N weighting is checked too
-    cpass = CurvaturePass(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
+    cpass = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
     fisher = build_operator(NAME, cpass)
     dense = fisher.to_dense()
     reference = dense_empirical_fisher(model, x, y, loss, scope.names)
@@ -146,30 +146,31 @@ def test_unknown_operator_error_lists_the_registered_one(example):
     assert info.value.source == "operator"
 
 
-def test_as_a_builtin_the_record_gives_symbol_description_and_psd(example):
-    """The record states what the example registered; declared (as the catalogue's list
-    does), ``register_operator(name, cls)`` takes symbol, description and PSD from it, and the
-    --operator help lists it."""
+def test_as_a_builtin_the_declaration_gives_symbol_description_and_psd(example):
+    """The declaration states what the example registered; added by it
+    (``OPERATORS.add(cls)``), the class is an operator whose symbol, description and PSD come
+    from the declaration, and the --operator help lists it."""
     from sharpcli import catalogue
-    from sharpcli.curvature.registry import register_operator
+    from sharpcli.curvature.registry import operator_spec, register_operator
 
-    namespace = {}
-    exec(compile(example_code(1), f"{ARCHITECTURE}:{HEADING} record", "exec"), namespace)
-    record = namespace["RECORD"]
-    entry = OPERATORS.entry(NAME)
-    assert (record.name, record.summary, dict(record.info)) == (
-        entry.name,
-        entry.summary,
-        dict(entry.info),
-    )
     cls = example["EmpiricalFisherOperator"]
+    namespace = dict(example)
+    exec(compile(example_code(1), f"{ARCHITECTURE}:{HEADING} declaration", "exec"), namespace)
+    entry = OPERATORS.entry(NAME)
     unregister_operator(NAME)
-    OPERATORS.declare(record)
     try:
-        spec = register_operator(NAME, cls)
-        assert (spec.symbol, spec.description, spec.psd) == ("F", record.summary, True)
-        assert f"{NAME} (F: {record.summary})" in catalogue.operator_help()
-        assert OPERATORS.entry(NAME).paper == "Kunstner2019"
+        OPERATORS.add(cls)
+        declared = OPERATORS.entry(NAME)
+        assert (declared.summary, dict(declared.info)) == (entry.summary, dict(entry.info))
+        spec = operator_spec(NAME)
+        assert (spec.symbol, spec.description, spec.psd, spec.build) == (
+            "F",
+            entry.summary,
+            True,
+            cls,
+        )
+        assert f"{NAME} (F: {entry.summary})" in catalogue.operator_help()
+        assert declared.paper == "Kunstner2019"
     finally:
-        OPERATORS.undeclare(NAME)
-        register_operator(NAME, cls, symbol="F", description=record.summary, psd=True)
+        unregister_operator(NAME)
+        register_operator(NAME, cls, symbol="F", description=entry.summary, psd=True)

@@ -649,8 +649,8 @@ def test_pt_with_pickled_code_is_refused(tmp_path):
         ({"x": np.ones((2, 2)), "y": np.array([0, -3])}, "negative label (-3)"),
         ({"x": np.ones((2, 2)), "y": np.array([0.5, np.nan])}, "y has 1 non-finite"),
         (
-            {"x": np.ones((2, 2)), "y": np.zeros((2, 2, 2), np.int64)},
-            "class labels must be one per sample (N,) or one per position (N, T)",
+            {"x": np.ones((2, 2)), "y": np.full((2, 2, 2), -100, np.int64)},
+            "y has no labelled position (every label is -100)",
         ),
         (
             {"x": np.ones((2, 2, 2, 2, 2)), "y": np.zeros(2, np.int64)},

@@ -17,7 +17,7 @@ import torch
 from cli_helpers import run_cli
 from conftest import dense_reference
 
-from sharpcli.curvature import AnalysisData, CurvaturePass, ParamScope, exact_ggn_trace
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, exact_ggn_trace
 from sharpcli.curvature.differentiable import twice_differentiable
 
 FACTORY = textwrap.dedent("""
@@ -81,7 +81,7 @@ def test_products_and_exact_ggn_trace_match_dense(transformer):
     scope = ParamScope.resolve(model)
     assert list(scope.names) == t["names"]
     # the library switches attention itself: no context needed around library calls
-    cpass = CurvaturePass(model, AnalysisData(x, y, "cross-entropy", batch_size=10), scope)
+    cpass = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=10), scope)
     V = torch.randn(scope.numel, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     HV, GV, NV = (op.matmat(V) for op in (cpass.hessian(), cpass.ggn(), cpass.nme()))
     trace = exact_ggn_trace(model, AnalysisData(x, y, "cross-entropy", batch_size=7), scope)

@@ -50,8 +50,8 @@ def test_each_mode_is_its_own_class_chosen_when_parsed(name, family, classes):
             assert reg.params["mode"] == mode and parse_reg(reg.spec()) == reg
             # a copy keeps its class (copy/deepcopy call __new__ without the parameters)
             assert type(copy.deepcopy(reg)) is cls and copy.copy(reg) == reg
-            # every mode class states the family's data-parallel verdict itself
-            assert "data_parallel" in vars(cls)
+            # a mode class answers with its family's data-parallel verdict, stated once there
+            assert cls._family is family and "data_parallel" in vars(family)
             assert data_parallel_refusal(reg) == family.data_parallel
 
 

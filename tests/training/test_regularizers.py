@@ -704,7 +704,7 @@ def test_spec_round_trips_and_documents_hyperparameters(name):
     [
         (
             "samm:0.1",
-            "accepted: none, wd, dropout, ad, sam, usam, asam, gp, hessian-trace, gn-trace, weight-noise, nso, fa",
+            "accepted: none, dropout, wd, ad, fa, gp, hessian-trace, gn-trace, weight-noise, nso, sam, usam, asam",
         ),
         ("sam:radius=0.1", "accepted: rho"),
         ("asam:foo=1", "accepted: rho, eta"),

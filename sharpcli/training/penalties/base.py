@@ -10,13 +10,12 @@ whose ``mode`` hyper-parameter selects different computations is a family: one c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence, TypeVar
 
 import torch
 
-from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.registry import Entry
+from sharpcli.registry import DECLARATION, Entry
 from sharpcli.specs import Param, format_value
 from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
 
@@ -28,8 +27,11 @@ __all__ = [
     "PenaltyNeeds",
     "Oracle",
     "central_gradients",
-    "record_attributes",
+    "declare_regularizer",
+    "regularizer_entry",
 ]
+
+R = TypeVar("R", bound="Regularizer")
 
 # The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
 _PARAMETER = "regs"
@@ -43,33 +45,53 @@ HyperParam = Param
 _format_value = format_value
 
 
-def record_attributes(entry: Entry) -> dict[str, Any]:
-    """The class attributes a regularizer's catalogue record declares.
+def regularizer_entry(cls: type[Regularizer]) -> Entry:
+    """A regularizer class's record, read from its own body (its declaration).
 
     Args:
-        entry: the record (:data:`sharpcli.catalogue.REGULARIZERS`).
+        cls: the class (a family, not one of its mode classes).
 
     Returns:
-        ``kind``, ``summary``, ``HYPERPARAMS``, ``data_parallel`` and ``needs_penultimate``.
+        The record the catalogue's index holds for it: name, summary, ``HYPERPARAMS``, paper,
+        ``data_parallel`` (from the class's own namespace; None if it does not state it) and,
+        in ``info``, its ``kind`` and ``needs_penultimate``.
     """
-    return {
-        "kind": entry.info.get("kind", ""),
-        "summary": entry.summary,
-        "HYPERPARAMS": tuple(entry.params),
-        "data_parallel": entry.data_parallel,
-        "needs_penultimate": entry.info.get("needs_penultimate", False),
-    }
+    return Entry(
+        cls.name,
+        cls.summary,
+        f"{cls.__module__}:{cls.__qualname__}",
+        tuple(cls.HYPERPARAMS),
+        paper=cls.paper,
+        data_parallel=vars(cls).get("data_parallel"),
+        info={"kind": cls.kind, "needs_penultimate": cls.needs_penultimate},
+    )
+
+
+def declare_regularizer(cls: type[R]) -> type[R]:
+    """Declare a built-in regularizer: its class body is its record (a class decorator).
+
+    ``python -m sharpcli.catalogue.generate`` writes the record (:func:`regularizer_entry`)
+    into the catalogue's index, from which ``--reg``, ``--help`` and completion list it and
+    :data:`sharpcli.catalogue.REGULARIZERS` imports the class on first use.
+
+    Args:
+        cls: the class, stating ``name``, ``summary``, ``HYPERPARAMS``, ``paper``,
+            ``data_parallel`` and, where not its base's, ``kind`` and ``needs_penultimate``.
+
+    Returns:
+        ``cls``, its record in its ``__sharp_declaration__``.
+    """
+    setattr(cls, DECLARATION, ("regularizer", regularizer_entry(cls)))
+    return cls
 
 
 # --------------------------------------------------------------------------- base classes
 class Regularizer:
     """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
 
-    A registered class carries everything about itself (:func:`register` checks it). A
-    built-in (a name of :data:`sharpcli.catalogue.REGULARIZERS`) reads ``kind``,
-    ``HYPERPARAMS``, ``summary``, ``data_parallel`` and ``needs_penultimate`` from its
-    catalogue record when the class is made (:func:`record_attributes`); an extension states
-    them in its body:
+    A registered class carries everything about itself in its own body (:func:`register`
+    checks it); a built-in is declared by :func:`declare_regularizer` from that body, an
+    extension registered with it:
 
     - ``name``: what ``--reg`` calls it; ``kind``: ``"none"``, ``"model"``, ``"penalty"``
       (subclass :class:`Penalty`) or ``"oracle"`` (subclass :class:`Oracle`);
@@ -80,7 +102,9 @@ class Regularizer:
       (``sharpcli.training.data_parallel``) is the gradient of the global batch,
       otherwise the reason it is not, which the refusal under torchrun quotes. Every
       registered class has it in its own namespace (its body, or its record), never by
-      inheritance: a new SAM variant that inherited "exact" would silently run as local SAM;
+      inheritance: a new SAM variant that inherited "exact" would silently run as local SAM
+      (a mode class has its family's);
+    - ``paper``: the key of docs/references.md it implements;
     - ``needs_penultimate``: whether it needs the input of the final ``nn.Linear``;
     - :meth:`model_args`: what it changes in the model's construction.
 
@@ -92,6 +116,7 @@ class Regularizer:
     kind: ClassVar[str] = ""  # "none", "model", "penalty" or "oracle"
     HYPERPARAMS: ClassVar[tuple[HyperParam, ...]] = ()
     summary: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
     needs_penultimate: ClassVar[bool] = False  # needs the input of the final nn.Linear
     # Deliberately no default (see the class docstring); :func:`register` refuses a class
     # whose own body does not set it.
@@ -99,24 +124,19 @@ class Regularizer:
     # the mode this class computes, for a class made with ``mode=NAME`` (see __init_subclass__)
     mode: ClassVar[str | None] = None
     _modes: ClassVar[dict[str, type[Regularizer]]] = {}
+    _family: ClassVar[type[Regularizer]]  # the class registered for this one's name
 
     def __init_subclass__(cls, mode: str | None = None, **kwargs: Any) -> None:
         """Register a class made with ``mode=NAME`` as that mode of its parent (a family whose
         ``mode`` hyper-parameter picks the class at parse time); any other subclass starts a
-        family of its own. A built-in takes its catalogue record (a mode class: its
-        ``data_parallel``, the rest it inherits from its family)."""
+        family of its own."""
         super().__init_subclass__(**kwargs)
         if mode is None:
             cls._modes = {}
+            cls._family = cls
         else:
             cls.mode = mode
             cls._modes[mode] = cls
-        builtin = "name" in vars(cls) or mode is not None
-        if builtin and cls.name in catalogue.REGULARIZERS.builtin_names():
-            record = record_attributes(catalogue.REGULARIZERS.entry(cls.name))
-            for attr, value in record.items():
-                if attr not in vars(cls) and (mode is None or attr == "data_parallel"):
-                    setattr(cls, attr, value)
 
     def __new__(cls, **params: Any) -> Regularizer:
         """An instance of the class of the ``mode`` given in ``params`` (or its default) when
@@ -133,9 +153,7 @@ class Regularizer:
         (spec,) = [h for h in cls.HYPERPARAMS if h.name == MODE]
         value = params.get(MODE, spec.default)
         try:
-            return spec.convert(
-                cls.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
-            )
+            return spec.accept(cls.name, value, _PARAMETER)
         except UsageError:
             return None
 
@@ -150,9 +168,7 @@ class Regularizer:
         self.params: dict[str, Any] = {}
         for h in self.HYPERPARAMS:
             value = params.get(h.name, h.default)
-            self.params[h.name] = h.convert(
-                self.name, value if isinstance(value, str) else _format_value(value), _PARAMETER
-            )
+            self.params[h.name] = h.accept(self.name, value, _PARAMETER)
         if self._modes and self.mode is None:
             raise TypeError(f"{self.name}: no class computes mode {self.params[MODE]!r}")
         if self.mode is not None and self.params[MODE] != self.mode:

@@ -13,17 +13,22 @@ import torch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
 from sharpcli.training.engine import PassContext
-from sharpcli.training.penalties.base import Penalty, Regularizer
+from sharpcli.training.penalties.base import HyperParam, Penalty, Regularizer, declare_regularizer
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]
 
 
+@declare_regularizer
 class NoRegularizer(Regularizer):
     """``none``: the plain loss ``L(theta)``; 1 gradient evaluation per step."""
 
     name = "none"
+    summary = "plain loss"
+    kind = "none"
+    data_parallel = None  # the batch-mean loss is linear in the batch
 
 
+@declare_regularizer
 class Dropout(Regularizer):
     """``dropout:p``: dropout with probability ``p`` on hidden representations ([AD] section 4.2).
 
@@ -36,12 +41,22 @@ class Dropout(Regularizer):
     """
 
     name = "dropout"
+    summary = (
+        "dropout p: after each hidden activation (mlp); before the head only (conv nets) (AD 4.2)"
+    )
+    kind = "model"
+    HYPERPARAMS = (HyperParam("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
+    paper = "AD"
+    # linear in the batch; the masks differ from one process's (independent per rank
+    # reseeded per epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw
+    data_parallel = None
 
     def model_args(self) -> dict[str, Any]:
         """``{"dropout": p}``: the model is built with dropout."""
         return {"dropout": self.params["p"]}
 
 
+@declare_regularizer
 class WeightDecay(Penalty):
     """``wd:sigma``: weight decay over all trainable parameters ([AD] section 2.3).
 
@@ -55,6 +70,12 @@ class WeightDecay(Penalty):
     """
 
     name = "wd"
+    summary = "L + s^2/2 ||theta||^2 (AD 2.3)"
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.001, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
+    )
+    paper = "AD"
+    data_parallel = None  # sigma^2 theta is the same on every rank; row weights sum to 1
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\sigma^2/2 \\|\\theta\\|^2`, without a graph (see :meth:`analytic_grad`)."""
@@ -69,6 +90,7 @@ class WeightDecay(Penalty):
         return list(torch._foreach_mul([p.detach() for p in params], coeff))
 
 
+@declare_regularizer
 class ActivationDecay(Penalty):
     """``ad:sigma``: activation decay, ``h`` the penultimate activation ([AD] Theorem 2).
 
@@ -97,6 +119,15 @@ class ActivationDecay(Penalty):
     """
 
     name = "ad"
+    summary = (
+        "CE + s^2/2 mean ||h||^2, h = the head's input (conv nets: pooled features) (AD Thm 2)"
+    )
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
+    )
+    paper = "AD"
+    data_parallel = None  # a mean over samples: linear in the batch
+    needs_penultimate = True
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """The penalty on the penultimate activation, through the clean forward graph."""

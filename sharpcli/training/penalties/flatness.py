@@ -13,7 +13,12 @@ import torch
 
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import Penalty, central_gradients
+from sharpcli.training.penalties.base import (
+    HyperParam,
+    Penalty,
+    central_gradients,
+    declare_regularizer,
+)
 from sharpcli.training.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
 
 __all__ = [
@@ -47,6 +52,7 @@ def auto_step_length(params: Sequence[torch.Tensor]) -> float:
     return eta * (norm if norm > 0 else 1.0)
 
 
+@declare_regularizer
 class FlatnessAware(Penalty):
     """``fa:lambda,mode,eps``: the flatness-aware penalty of [FA] eq. 1.
 
@@ -69,6 +75,27 @@ class FlatnessAware(Penalty):
     """
 
     name = "fa"
+    summary = "L + lambda Tr(H^2)/B, Tr(H^2) = ||Hv||^2 (FA eq. 1); exact autograd or fd"
+    HYPERPARAMS = (
+        HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),
+        HyperParam(
+            "mode",
+            "choice",
+            "exact",
+            "exact: the FA penalty by third-order autograd; fd: central finite differences of grad L (no third-order graph; on ReLU/max-pool nets a different, kink-dominated regularizer)",
+            choices=("exact", "fd"),
+        ),
+        HyperParam(
+            "eps",
+            "float",
+            "auto",
+            "finite-difference step length in parameter space (mode=fd); auto: eta(dtype) * ||theta||",
+            positive=True,
+            auto=True,
+        ),
+    )
+    paper = "FA"
+    data_parallel = "its penalty ||H v||^2 is nonlinear in the batch Hessian product"
 
 
 class ExactFlatnessAware(FlatnessAware, mode="exact"):

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_weights
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import Penalty, PenaltyNeeds, central_gradients
+from sharpcli.training.penalties.base import (
+    HyperParam,
+    Penalty,
+    PenaltyNeeds,
+    central_gradients,
+    declare_regularizer,
+)
 
 __all__ = [
     "GradientPenalty",
@@ -38,6 +44,7 @@ THIRD_ORDER_AUTOGRAD = PenaltyNeeds(autograd=True, loss_grad_graph="always")
 FINITE_DIFFERENCES = PenaltyNeeds(extra_passes=True, deferred_value=True)
 
 
+@declare_regularizer
 class GradientPenalty(Penalty):
     """``gp:rho,p,mode,eps``: the gradient-norm penalty of [NME] eq. 7.
 
@@ -56,6 +63,21 @@ class GradientPenalty(Penalty):
     """
 
     name = "gp"
+    summary = "L + rho ||grad L||^p, p in {1,2} (NME eq. 7)"
+    HYPERPARAMS = (
+        HyperParam("rho", "float", 0.01, "penalty strength", minimum=0.0),
+        HyperParam("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
+        HyperParam(
+            "mode",
+            "choice",
+            "exact",
+            "exact double backprop or finite-difference HVP",
+            choices=("exact", "fd"),
+        ),
+        HyperParam("eps", "float", 0.001, "finite-difference step length (mode=fd)", positive=True),
+    )
+    paper = "NME"
+    data_parallel = "its penalty ||grad L||^p is nonlinear in the batch gradient"
 
     def _norm_term(self, squared: torch.Tensor) -> torch.Tensor:
         """:math:`\\rho \\|g\\|^p` from :math:`\\|g\\|^2` (clamped: a zero gradient at an
@@ -124,6 +146,7 @@ class FiniteDifferenceGradientPenalty(GradientPenalty, mode="fd"):
         return None, [scale * (a - b) for a, b in zip(plus, minus)]
 
 
+@declare_regularizer
 class HessianTrace(Penalty):
     """``hessian-trace:sigma2,probes,mode,eps``: the Hessian trace penalty of [NME] eq. 19.
 
@@ -147,6 +170,27 @@ class HessianTrace(Penalty):
     """
 
     name = "hessian-trace"
+    summary = "L + s^2 v^T H v, v Rademacher (NME eq. 19; s^2 = 2x the tr(H) weight of weight-noise sigma^2); fd: finite-difference curvature at step eps, exact: autograd Hessian"
+    HYPERPARAMS = (
+        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+        HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
+        HyperParam(
+            "mode",
+            "choice",
+            "exact",
+            "exact: the autograd Hessian (zero at kinks), third-order autograd; fd: finite-difference curvature at step eps (sees ReLU kinks: on ReLU nets a different regularizer, which diverged at its defaults on the built-in nets)",
+            choices=("exact", "fd"),
+        ),
+        HyperParam(
+            "eps",
+            "float",
+            0.1,
+            "finite-difference step length in parameter space (mode=fd)",
+            positive=True,
+        ),
+    )
+    paper = "NME"
+    data_parallel = None  # the probes are shared, v^T H v linear in the batch
 
 
 class ExactHessianTrace(HessianTrace, mode="exact"):
@@ -226,6 +270,7 @@ class FiniteDifferenceHessianTrace(HessianTrace, mode="fd"):
         return sigma2 * value / m, grad
 
 
+@declare_regularizer
 class GaussNewtonTrace(Penalty):
     """``gn-trace:sigma2``: an unbiased estimate of :math:`\\sigma^2 \\mathrm{tr}(G)` ([NME]
     eq. 20, the estimator of [Wei2020]).
@@ -256,6 +301,12 @@ class GaussNewtonTrace(Penalty):
     """
 
     name = "gn-trace"
+    summary = "L + s^2 tr(G), sampled-label estimator (NME eq. 20; s^2 = 2x the tr weight of weight-noise sigma^2)"
+    HYPERPARAMS = (
+        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+    )
+    paper = "NME"
+    data_parallel = "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient"
     needs = PenaltyNeeds(autograd=True)
 
     def sample_labels(

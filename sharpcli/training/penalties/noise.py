@@ -14,9 +14,19 @@ import torch
 
 from sharpcli.training.draws import gaussian_like
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle
+from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
 
 __all__ = ["WeightNoise", "NSO"]
+
+
+# the reported loss of the noise oracles
+_REPORT = HyperParam(
+    "report",
+    "choice",
+    "perturbed",
+    "reported loss: at the perturbed weights (free) or clean at theta (one more forward)",
+    choices=("perturbed", "clean"),
+)
 
 
 def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -25,6 +35,7 @@ def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(values)).mean(dim=0)
 
 
+@declare_regularizer
 class WeightNoise(Oracle):
     """``weight-noise:sigma,report``: WP-SGD ([NSO] section 2.1), the gradient at noisy weights.
 
@@ -55,6 +66,15 @@ class WeightNoise(Oracle):
     """
 
     name = "weight-noise"
+    summary = "gradient at theta + U, U ~ N(0, s^2 I) (NSO 2.1); to 2nd order L + s^2/2 tr(H), = hessian-trace:sigma2=s^2/2"
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        _REPORT,
+    )
+    paper = "NSO"
+    # U comes from the step generator, the same on every rank; grad L(theta + U) is linear
+    # in the batch
+    data_parallel = None
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The gradient at :math:`\\theta + U` and the reported pass (see the class)."""
@@ -70,6 +90,7 @@ class WeightNoise(Oracle):
         return (clean if clean is not None else at_noisy), at_noisy.grads
 
 
+@declare_regularizer
 class NSO(Oracle):
     """``nso:sigma,k,report``: noise stability optimization, [NSO] Algorithm 1 / section 2.2.
 
@@ -97,6 +118,14 @@ class NSO(Oracle):
     """
 
     name = "nso"
+    summary = "gradient averaged over theta +- U_j, j = 1..k (NSO Alg. 1)"
+    HYPERPARAMS = (
+        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        HyperParam("k", "int", 1, "number of noise pairs per step", minimum=1),
+        _REPORT,
+    )
+    paper = "NSO"
+    data_parallel = None  # as weight-noise: the same U_j on every rank
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The mean gradient over :math:`\\theta \\pm U_j` and the reported pass."""

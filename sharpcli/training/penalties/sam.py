@@ -12,7 +12,7 @@ import torch
 
 from sharpcli.training.draws import global_norm
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle
+from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
 
 __all__ = ["SAM", "USAM", "ASAM"]
 
@@ -55,6 +55,7 @@ def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
     return rho / norm.clamp_min(torch.finfo(norm.dtype).tiny)
 
 
+@declare_regularizer
 class SAM(_AscentOracle):
     """``sam:rho``: sharpness-aware minimization [SAM] as written in [NME] eq. 42.
 
@@ -68,12 +69,18 @@ class SAM(_AscentOracle):
     """
 
     name = "sam"
+    summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
+    paper = "SAM"
+    # per-rank ascent steps ("local SAM") would be a different algorithm
+    data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
         """:math:`\\rho g / \\|g\\|`."""
         return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
 
 
+@declare_regularizer
 class USAM(_AscentOracle):
     """``usam:rho``: unnormalised SAM [USAM] ([NME] eq. 43).
 
@@ -86,12 +93,17 @@ class USAM(_AscentOracle):
     """
 
     name = "usam"
+    summary = "gradient at theta + rho g (NME App. B eq. 43)"
+    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
+    paper = "USAM"
+    data_parallel = "its ascent step needs the global gradient before the second pass"
 
     def perturbation(self, params, grads):
         """:math:`\\rho g`."""
         return [self.params["rho"] * g for g in grads]
 
 
+@declare_regularizer
 class ASAM(_AscentOracle):
     """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021).
 
@@ -106,6 +118,13 @@ class ASAM(_AscentOracle):
     """
 
     name = "asam"
+    summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)"
+    HYPERPARAMS = (
+        HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
+        HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
+    )
+    paper = "ASAM"
+    data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
 
     def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""

@@ -1,0 +1,316 @@
+"""Curvature per parameter block in one run: ``--blocks`` of ``sharp eigen``, ``trace`` and ``density``.
+
+A block is a set of parameters; its curvature is the principal sub-block ``A_bb`` of the
+operator (the rows and columns of its parameters), multiplied by a curvature pass whose scope
+is the block alone. ``A_bb``'s eigenvalues are those Zhang et al. compare across the blocks of
+a transformer ([Zhang2024]: "block heterogeneity"); the block traces of a partition add up to
+the full trace. The session (model, data) is loaded once for every block.
+
+``blocks`` specs (:func:`block_partition`), within the command's ``params`` scope:
+
+- ``params``: each parameter tensor ([Zhang2024]'s choice);
+- ``modules``: the parameters each module owns directly (the per-layer blocks of ``trace``);
+- ``layers``: the model's repeated blocks (each child of the ``nn.ModuleList`` or
+  ``nn.Sequential`` whose children of one class hold the most parameters: a transformer's
+  blocks, ``transformer.h.0``, ...), the other parameters by module;
+- ``NAME=GLOB,...`` (or bare globs, named by themselves): the scope's parameters whose names
+  match each glob, e.g. ``attn=*.attn.*,mlp=*.mlp.*``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
+from sharpcli.errors import UsageError
+
+__all__ = ["block_partition", "density_blocks", "eigen_blocks", "trace_blocks"]
+
+
+def _escape(name: str) -> str:
+    """``name`` as an fnmatch glob that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def _repeated_children(model) -> list[str]:
+    """The names of the repeated blocks: the children of one class of the ``nn.ModuleList``
+    or ``nn.Sequential`` in which such children (two or more) hold the most parameters."""
+    from torch import nn
+
+    best: tuple[int, list[str]] = (0, [])
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[tuple[str, int]]] = {}
+        for child_name, child in module.named_children():
+            size = sum(p.numel() for p in child.parameters())
+            if size:
+                name = f"{prefix}.{child_name}" if prefix else child_name
+                by_class.setdefault(type(child), []).append((name, size))
+        for children in by_class.values():
+            total = sum(size for _, size in children)
+            if len(children) >= 2 and total > best[0]:
+                best = (total, [name for name, _ in children])
+    return best[1]
+
+
+def _by_module(names: list[str]) -> list[tuple[str, list[str]]]:
+    grouped: dict[str, list[str]] = {}
+    for n in names:
+        grouped.setdefault(n.rsplit(".", 1)[0] if "." in n else "(root)", []).append(n)
+    return list(grouped.items())
+
+
+def _layers(names: list[str], model) -> list[tuple[str, list[str]]]:
+    layers = _repeated_children(model) if model is not None else []
+    if not layers:
+        raise UsageError(
+            "found no repeated blocks (a ModuleList or Sequential of two or more modules of "
+            "one class); use `blocks=modules` or NAME=GLOB,...",
+            source="blocks",
+        )
+    owned = {layer: [n for n in names if n.startswith(layer + ".")] for layer in layers}
+    taken = {n for members in owned.values() for n in members}
+    rest = _by_module([n for n in names if n not in taken])
+    out = [(layer, members) for layer, members in owned.items() if members]
+    # the other parameters by module, each before or after the layers as the model has them
+    first = names.index(out[0][1][0]) if out else len(names)
+    before = [(b, m) for b, m in rest if names.index(m[0]) < first]
+    return before + out + [(b, m) for b, m in rest if names.index(m[0]) >= first]
+
+
+def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, list[str]]]:
+    """The blocks of ``spec`` over the parameter ``names`` of a scope, in order.
+
+    Args:
+        names: the scope's parameter names.
+        spec: ``params``, ``modules``, ``layers`` or ``NAME=GLOB,...`` (module docstring).
+        model: the model (``layers`` reads its module tree).
+
+    Returns:
+        ``[(block name, [parameter names])]``.
+
+    Raises:
+        UsageError: (source ``blocks``) an empty spec, a repeated block name, or a glob that
+            matches no parameter in scope.
+    """
+    text = str(spec).strip()
+    if not text:
+        raise UsageError("give `params`, `modules`, `layers` or NAME=GLOB,...", source="blocks")
+    if text == "params":
+        return [(n, [n]) for n in names]
+    if text == "modules":
+        return _by_module(names)
+    if text == "layers":
+        return _layers(names, model)
+    out: list[tuple[str, list[str]]] = []
+    for item in text.split(","):
+        label, _, glob = item.strip().rpartition("=")
+        label, glob = (label.strip() or glob.strip()), glob.strip()
+        matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not glob or not matched:
+            raise UsageError(
+                f"block {label!r}: {glob!r} matches no parameter in scope "
+                f"(e.g. {', '.join(names[:3])})",
+                source="blocks",
+            )
+        if label in (b for b, _ in out):
+            raise UsageError(f"block {label!r} is named twice", source="blocks")
+        out.append((label, matched))
+    return out
+
+
+def _block_passes(session, params: str | None, blocks: str):
+    """Yield ``(block name, parameter names, curvature pass on the block)``, one at a time
+    (each pass's cached graphs are dropped before the next is built)."""
+    names = session.scope(params).names
+    for label, members in block_partition(names, blocks, session.model):
+        cpass = curvature_pass(session, ",".join(_escape(n) for n in members))
+        try:
+            yield label, members, cpass
+        finally:
+            cpass.clear_cache()
+
+
+def eigen_blocks(
+    session,
+    *,
+    blocks: str,
+    operator: str,
+    top_k: int,
+    which: str,
+    method: str,
+    tol: float,
+    max_matvecs: int | None,
+    params: str | None,
+    seed: int,
+) -> list[dict]:
+    """Each block's extreme eigenvalues, residual-certified as ``sharp eigen``'s.
+
+    Args:
+        session: the analysis session.
+        blocks: the blocks' spec (:func:`block_partition`).
+        operator: a registered operator.
+        top_k: eigenvalues per end.
+        which: ``largest``, ``smallest`` or ``both``.
+        method: ``lanczos`` or ``power``.
+        tol: the relative residual each Ritz pair must reach.
+        max_matvecs: products per block (None: the method's default).
+        params: the scope the blocks partition.
+        seed: the start vectors' seed.
+
+    Returns:
+        ``[{name, parameters, numel, eigenvalues, residuals, converged, matvecs}]``; a block
+        smaller than ``top_k`` gives all its eigenvalues.
+    """
+    rows = []
+    for label, members, cpass in _block_passes(session, params, blocks):
+        k = min(int(top_k), cpass.scope.numel)
+        if which == "both":
+            k = max(1, min(k, cpass.scope.numel // 2))
+        result = eigen_result(
+            cpass,
+            operator,
+            k=k,
+            which=which,
+            method=method,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+            k_name="top_k",
+        ).to_dict()
+        rows.append(
+            {
+                "name": label,
+                "parameters": members,
+                "numel": cpass.scope.numel,
+                **{
+                    key: result[key] for key in ("eigenvalues", "residuals", "converged", "matvecs")
+                },
+            }
+        )
+    return rows
+
+
+def trace_blocks(
+    session,
+    *,
+    blocks: str,
+    operator: str,
+    estimator: str,
+    tol: float,
+    max_matvecs: int,
+    square: bool,
+    params: str | None,
+    seed: int,
+) -> tuple[list[dict], dict]:
+    """Each block's trace with its standard error, and their sum.
+
+    For a partition of the scope the block traces add up to the full trace (its diagonal is
+    theirs); the blocks' estimates are independent, so the sum's standard error is the root
+    of the sum of their squares. ``square`` gives each block's ``Tr(A_bb^2)``, whose sum is
+    at most ``Tr(A^2)``.
+
+    Args:
+        session: the analysis session.
+        blocks: the blocks' spec (:func:`block_partition`).
+        operator: a registered operator.
+        estimator: as ``sharp trace``'s.
+        tol: the relative standard error to stop at.
+        max_matvecs: products per block.
+        square: estimate ``Tr(A_bb^2)`` instead.
+        params: the scope the blocks partition.
+        seed: the probes' seed.
+
+    Returns:
+        ``([{name, parameters, numel, estimate, stderr, matvecs, converged}], {estimate,
+        stderr, numel})``.
+    """
+    rows = []
+    for label, members, cpass in _block_passes(session, params, blocks):
+        result = trace_result(
+            cpass,
+            operator,
+            estimator=estimator,
+            square=square,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            seed=seed,
+        )
+        rows.append(
+            {
+                "name": label,
+                "parameters": members,
+                "numel": cpass.scope.numel,
+                "estimate": result.estimate,
+                "stderr": result.stderr,
+                "matvecs": result.matvecs,
+                "converged": result.converged,
+            }
+        )
+    total = {
+        "estimate": sum(r["estimate"] for r in rows),
+        "stderr": math.sqrt(sum((r["stderr"] or 0.0) ** 2 for r in rows)),
+        "numel": sum(r["numel"] for r in rows),
+    }
+    return rows, total
+
+
+def density_blocks(
+    session,
+    *,
+    blocks: str,
+    operator: str,
+    probes: int,
+    steps: int,
+    grid_points: int,
+    broadening: float | None,
+    params: str | None,
+    seed: int,
+) -> list[dict]:
+    """Each block's spectral density by stochastic Lanczos quadrature ([Ubaru2017]), as
+    ``sharp density`` computes the full one ([Zhang2024] compares these across blocks).
+
+    Args:
+        session: the analysis session.
+        blocks: the blocks' spec (:func:`block_partition`).
+        operator: a registered operator.
+        probes: SLQ probes per block.
+        steps: Lanczos steps per probe (at most the block's size).
+        grid_points: points of each block's grid.
+        broadening: the Gaussian width (None: from each block's spectrum).
+        params: the scope the blocks partition.
+        seed: the probes' seed.
+
+    Returns:
+        ``[{name, parameters, numel, grid, density, nodes, weights, sigma, lambda_min,
+        lambda_max, trace_estimate, trace_stderr, matvecs}]``.
+    """
+    from sharpcli.curvature.density import spectral_density
+
+    rows = []
+    for label, members, cpass in _block_passes(session, params, blocks):
+        result = spectral_density(
+            operator_of(cpass, operator),
+            probes=probes,
+            lanczos_steps=min(int(steps), cpass.scope.numel),
+            grid_points=grid_points,
+            sigma=broadening,
+            seed=seed,
+        ).to_dict()
+        nodes = [t for probe in result["nodes"] for t in probe]
+        keep = ("grid", "density", "nodes", "weights", "sigma", "trace_estimate")
+        rows.append(
+            {
+                "name": label,
+                "parameters": members,
+                "numel": cpass.scope.numel,
+                **{key: result[key] for key in keep},
+                "trace_stderr": result["trace_stderr"],
+                "lambda_min": min(nodes),
+                "lambda_max": max(nodes),
+                "matvecs": result["matvecs"],
+            }
+        )
+    return rows

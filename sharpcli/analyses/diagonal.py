@@ -1,0 +1,183 @@
+"""``sharp diagonal``: the diagonal of the Hessian, the Gauss-Newton matrix or a Fisher, per
+parameter, written as a ``.safetensors`` file with the model's parameter names and shapes.
+
+:func:`diagonal_result` is the one dispatch (the CLI's :func:`diagonal` and
+:meth:`sharpcli.api.Curvature.diagonal`): ``exact`` (one product per parameter),
+``hutchinson`` ([Bekas2007]), ``gnb`` (Sophia's Gauss-Newton-Bartlett estimator, [Sophia]) and
+``per-sample`` (the exact Gauss-Newton diagonal as BackPACK's DiagGGN, [BackPACK], or the
+empirical Fisher's), estimators in :mod:`sharpcli.curvature.diagonal`. :func:`block_summary`
+gives each parameter tensor's sum (its block's trace), sum of squares and extremes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sharpcli import catalogue
+from sharpcli.analyses.spectrum import check_choice, curvature_pass, operator_of, scope_info
+from sharpcli.errors import UsageError
+
+ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS.builtin_names()  # hutchinson, exact, gnb, per-sample
+# the operator each estimator computes by default, and the ones it accepts (None: any)
+_DEFAULT_OPERATOR = {"exact": "hessian", "hutchinson": "hessian", "gnb": "ggn", "per-sample": "ggn"}
+_ACCEPTS = {"gnb": ("ggn",), "per-sample": ("ggn", "ef")}
+
+
+def diagonal_result(
+    cpass,
+    operator: str | None = None,
+    *,
+    estimator: str = "hutchinson",
+    probes: int = 100,
+    max_products: int = 10000,
+    seed: int = 0,
+):
+    """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
+
+    Args:
+        cpass: the :class:`~sharpcli.curvature.CurvatureEngine`.
+        operator: a registered operator; None: ``hessian`` for ``exact`` and ``hutchinson``,
+            ``ggn`` for ``gnb`` and ``per-sample``.
+        estimator: ``exact``, ``hutchinson``, ``gnb`` (``ggn`` only) or ``per-sample``
+            (``ggn`` and ``ef``).
+        probes: Rademacher probes (``hutchinson``) or label draws (``gnb``).
+        max_products: the products ``exact`` may spend (P of them), or the backward passes per
+            sample ``per-sample`` may (the loss's output directions).
+        seed: seeds the probes or draws.
+
+    Returns:
+        ``(operator name, DiagonalResult)``.
+
+    Raises:
+        UsageError: an unknown estimator or operator, or one the estimator does not compute.
+    """
+    from sharpcli.curvature.diagonal import (
+        exact_diagonal,
+        gnb_diagonal,
+        hutchinson_diagonal,
+        per_sample_diagonal,
+    )
+
+    check_choice(estimator, ESTIMATORS, "estimator")
+    operator = _DEFAULT_OPERATOR[estimator] if operator is None else operator
+    accepted = _ACCEPTS.get(estimator)
+    if accepted is not None and operator not in accepted:
+        raise UsageError(
+            f"the {estimator} estimator gives the diagonal of "
+            f"{' or '.join(f'`operator={a}`' for a in accepted)}, not {operator!r}",
+            source="operator",
+        )
+    if estimator == "gnb":
+        result = gnb_diagonal(cpass.model, cpass.data, cpass.scope, samples=probes, seed=seed)
+    elif estimator == "per-sample":
+        result = per_sample_diagonal(
+            cpass.model, cpass.data, cpass.scope, operator=operator, max_products=max_products
+        )
+    elif estimator == "exact":
+        result = exact_diagonal(operator_of(cpass, operator), max_products=max_products)
+    else:
+        op = operator_of(cpass, operator)
+        result = hutchinson_diagonal(op, cpass.scope, probes=probes, seed=seed)
+    result.scope = cpass.scope
+    return operator, result
+
+
+def block_summary(result, scope) -> tuple[list[dict], dict]:
+    """Per parameter tensor and in total: the sum (= the block's trace), the sum of squares,
+    the smallest and largest entry, and the standard error of the sum (stochastic estimators).
+
+    Args:
+        result: a :class:`~sharpcli.curvature.diagonal.DiagonalResult`.
+        scope: its scope.
+
+    Returns:
+        ``(blocks, total)``: one dict per parameter in scope order, and the total's dict.
+    """
+
+    def stats(values: torch.Tensor, stderr: float | None) -> dict:
+        return {
+            "numel": int(values.numel()),
+            "sum": float(values.sum()),
+            "sum_stderr": stderr,
+            "sum_sq": float(values.square().sum()),
+            "min": float(values.min()),
+            "max": float(values.max()),
+        }
+
+    errors = result.sum_stderr or [None] * (len(scope.names) + 1)
+    blocks = [
+        {"name": name, "shape": list(shape), **stats(result.diagonal[a:b], err)}
+        for name, shape, a, b, err in zip(
+            scope.names, scope.shapes, scope.offsets[:-1], scope.offsets[1:], errors
+        )
+    ]
+    return blocks, stats(result.diagonal, errors[-1])
+
+
+def diagonal(
+    session,
+    *,
+    operator: str | None = None,
+    estimator: str = "hutchinson",
+    probes: int = 100,
+    max_products: int = 10000,
+    params: str | None = None,
+    seed: int | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``sharp diagonal``'s results and the diagonal as the scope's parameter tensors.
+
+    Args:
+        session: the analysis session.
+        operator: see :func:`diagonal_result`.
+        estimator: see :func:`diagonal_result`.
+        probes: see :func:`diagonal_result`.
+        max_products: see :func:`diagonal_result`.
+        params: the parameter scope.
+        seed: the probes' seed (default the session's).
+
+    Returns:
+        ``(results, {name: tensor})``.
+    """
+    seed = session.seed if seed is None else seed
+    cpass = curvature_pass(session, params)
+    operator, result = diagonal_result(
+        cpass,
+        operator,
+        estimator=estimator,
+        probes=probes,
+        max_products=max_products,
+        seed=seed,
+    )
+    blocks, total = block_summary(result, cpass.scope)
+    results = {
+        "operator": operator,
+        "estimator": result.estimator,
+        "probes": result.samples,
+        "matvecs": result.matvecs,
+        "trace": total,
+        "blocks": blocks,
+        "notes": list(result.notes),
+        "scope": scope_info(cpass.scope),
+    }
+    if result.stderr is not None:
+        finite = result.stderr[torch.isfinite(result.stderr)]
+        results["stderr_max"] = float(finite.max()) if finite.numel() else math.inf
+    return results, result.tensors()
+
+
+def save_diagonal(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``{name: tensor}`` as a ``.safetensors`` file, atomically (:mod:`sharpcli.atomic`).
+
+    Args:
+        path: the file.
+        tensors: the diagonal, by parameter name.
+        metadata: strings stored in the file's header (operator, estimator, ...).
+    """
+    from safetensors.torch import save
+
+    from sharpcli.atomic import write_bytes_atomic
+
+    data = save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, metadata=metadata)
+    write_bytes_atomic(path, data)

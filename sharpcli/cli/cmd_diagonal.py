@@ -1,0 +1,126 @@
+"""``sharp diagonal``: the curvature's diagonal per parameter, as a ``.safetensors`` file."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from sharpcli import catalogue
+from sharpcli.cli import choices, common, lazyhelp, runner
+from sharpcli.cli.app import app
+from sharpcli.report.tables import key_value_table, records_table
+
+DiagonalEstimator = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
+
+
+def _operator_help() -> str:
+    return (
+        f"{catalogue.operator_help()}. Default: hessian for exact and hutchinson, ggn for gnb "
+        "and per-sample."
+    )
+
+
+@common.analysis_command(app, "diagonal")
+def diagonal_command(
+    opts: common.CommonOptions,
+    checkpoint: common.CheckpointArg,
+    out: Annotated[
+        str,
+        typer.Option(
+            "--out",
+            metavar="PATH",
+            help="Write the diagonal to PATH (.safetensors, the model's parameter names and "
+            "shapes).",
+        ),
+    ],
+    operator: Annotated[
+        Optional[str],
+        typer.Option(
+            "--operator",
+            metavar=choices.metavar(catalogue.OPERATORS),
+            autocompletion=choices.completer(catalogue.OPERATORS),
+            help=lazyhelp.lazy_help(_operator_help),
+        ),
+    ] = None,
+    estimator: Annotated[
+        DiagonalEstimator,
+        typer.Option(
+            "--estimator",
+            help="hutchinson (Rademacher probes, per-entry standard errors), exact (one "
+            "product per parameter), gnb (Sophia's Gauss-Newton-Bartlett, sampled labels) or "
+            "per-sample (exact ggn or ef diagonal from per-sample gradients).",
+        ),
+    ] = "hutchinson",
+    probes: Annotated[
+        int,
+        typer.Option("--probes", help="Rademacher probes (hutchinson) or label draws (gnb)."),
+    ] = 100,
+    max_products: Annotated[
+        int,
+        typer.Option(
+            "--max-products",
+            metavar="N",
+            help="Products the exact estimator may spend (one per parameter), or backward "
+            "passes per sample for per-sample (the loss's output directions).",
+        ),
+    ] = 10000,
+    params: common.ParamsOpt = None,
+) -> runner.Outcome:
+    """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
+    from sharpcli.analyses.diagonal import diagonal, save_diagonal
+
+    common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")
+    common.require(max_products >= 1, "must be at least 1", "--max-products")
+    common.check_output(out, "--out")
+    session = common.open_session(checkpoint, opts)
+    with common.progress_bar(opts.quiet, opts.json, "curvature diagonal"):
+        results, tensors = diagonal(
+            session,
+            operator=operator,
+            estimator=estimator,
+            probes=probes,
+            max_products=max_products,
+            params=params,
+        )
+    metadata = {
+        "operator": results["operator"],
+        "estimator": results["estimator"],
+        "checkpoint": str(checkpoint),
+    }
+    save_diagonal(out, tensors, metadata)
+    results["output"] = out
+    settings = opts.report_settings(skip=("checkpoint",))
+    report = session.report("diagonal", settings, results, matvecs=results["matvecs"])
+
+    def render(console):
+        total = results["trace"]
+        console.print(
+            key_value_table(
+                f"diag({results['operator']}) by {results['estimator']}",
+                {
+                    "sum (trace)": total["sum"],
+                    "stderr": total["sum_stderr"],
+                    "sum of squares": total["sum_sq"],
+                    "min": total["min"],
+                    "max": total["max"],
+                    "written": out,
+                },
+            )
+        )
+        rows = [
+            {
+                "parameter": b["name"],
+                "sum": b["sum"],
+                "± stderr": b["sum_stderr"],
+                "sum_sq": b["sum_sq"],
+                "min": b["min"],
+                "max": b["max"],
+            }
+            for b in results["blocks"]
+        ]
+        console.print(records_table("per parameter tensor", rows, digits={"± stderr": 2}))
+        for note in results.get("notes") or []:
+            runner.print_note(console, note)
+
+    return runner.Outcome(report, render)

@@ -1,0 +1,69 @@
+"""The catalogue's index is what the declarations beside the code make, and nothing else.
+
+``python -m sharpcli.catalogue.generate --check`` (also in .ci/run) fails on a stale index; a
+built-in whose declaration changed since is refused when it is first used, naming the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sharpcli import catalogue, registry
+from sharpcli.catalogue import generate
+from sharpcli.catalogue.index import DECLARED
+from sharpcli.registry import Entry, Registry, declaration, declare
+from sharpcli.specs import Param, RegistryError
+
+
+def test_the_checked_in_index_is_fresh():
+    assert generate.main(["--check"]) == 0
+    assert registry.CHECK_INDEX
+
+
+def test_the_index_holds_each_kind_s_declarations_in_definition_order():
+    found = generate.collect()
+    assert set(found) == {"estimator", "operator", "regularizer"}
+    assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
+    assert catalogue.ESTIMATORS.builtin_names()[0] == "hutchpp"  # the default, declared first
+    assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
+    for kind, entries in found.items():
+        assert tuple(entries) == DECLARED[kind]
+        for entry in entries:  # each record points at the module that defines the object
+            obj = registry.resolve(entry.impl)
+            assert declaration(obj) == (kind, entry), entry.name
+
+
+def test_render_round_trips_every_field():
+    entry = Entry(
+        "toy",
+        "a toy",
+        "m:f",
+        (Param("c", "choice", "a", "pick", choices=("a", "b")), Param("x", "float", 0.5, "x")),
+        paper="NME",
+        data_parallel="a reason",
+        info={"symbol": "T", "psd": True},
+    )
+    namespace: dict = {}
+    exec(generate.render({"toy": [entry]}), namespace)
+    assert namespace["DECLARED"] == {"toy": (entry,)}
+    with pytest.raises(ValueError, match="finite"):
+        generate.render(
+            {"toy": [dataclasses.replace(entry, params=(Param("x", "float", float("inf"), "x"),))]}
+        )
+
+
+def test_a_stale_record_is_refused_with_the_command_to_run():
+    @declare("widget", "w", "new summary")
+    def w():
+        """A widget."""
+
+    stale = dataclasses.replace(declaration(w)[1], summary="old summary")
+    widgets = Registry("widget", source="widget", entries=[stale])
+    with pytest.raises(RegistryError, match="python -m sharpcli.catalogue.generate"):
+        widgets.register("w", w)
+    with pytest.raises(RegistryError, match="declared as a widget, not a gadget"):
+        Registry("gadget", source="gadget").add(w)
+    fresh = Registry("widget", source="widget", entries=[declaration(w)[1]])
+    assert fresh.register("w", w) is w
