@@ -135,18 +135,23 @@ with sdpa_kernel(SDPBackend.MATH):
     grads = torch.autograd.grad(loss, params, create_graph=True)
     v = [torch.randn_like(p) for p in params]
     times = []
+    # on a GPU the kernels run asynchronously: wall seconds after a synchronisation
+    cuda = {device!r}.startswith("cuda")
+    clock = time.perf_counter if cuda else time.process_time
     for _ in range({count!r}):  # PyHessian's product: the first-order graph kept between HVPs
-        start = time.process_time()
+        torch.cuda.synchronize() if cuda else None
+        start = clock()
         hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
         v = [h / (sum(float((t * t).sum()) for t in hv) ** 0.5) for h in hv]
-        times.append(time.process_time() - start)
+        times.append(clock() - start)
 print(json.dumps({{"seconds": times}}))
 """
 
 
 def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
-    """CPU seconds of one graph-kept double-backward HVP (the median of ``count``), in a child
-    on one thread: the floor a product inside ``sharp`` is measured against."""
+    """CPU seconds (wall seconds on a GPU) of one graph-kept double-backward HVP (the median of
+    ``count``), in a child on one thread: the floor a product inside ``sharp`` is measured
+    against."""
     code = BARE_HVP.format(
         here=str(HERE), factory=factory, args=args, ckpt=str(ckpt), data=str(data),
         device=device, count=count,
@@ -160,9 +165,11 @@ def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
 
 
 def per_product(label, argv, env, rows, few: int = 2) -> float | None:
-    """CPU seconds a product costs inside ``argv`` (an ``eigen`` run): its CPU time less a
-    ``few``-product run's, over the products between them, so start-up, loading and the
-    planning pass cancel and each product's orthogonalisation, I/O and bookkeeping count."""
+    """CPU seconds (wall seconds on a GPU) a product costs inside ``argv`` (an ``eigen`` run):
+    its time less a ``few``-product run's, over the products between them, so start-up,
+    loading and the planning pass cancel and each product's orthogonalisation, I/O and
+    bookkeeping count."""
+    clock = "wall" if "cuda" in argv[argv.index("--device") + 1] else "cpu"
     full = run(label, argv, env, rows)
     bound = argv.index("--eig-max-matvecs") + 1
     short_argv = [*argv[:bound], str(few), *argv[bound + 1 :]]
@@ -170,14 +177,14 @@ def per_product(label, argv, env, rows, few: int = 2) -> float | None:
     if full["report"] is None or short["report"] is None:
         return None
     extra = full["report"]["timing"]["matvecs"] - short["report"]["timing"]["matvecs"]
-    return (full["cpu"] - short["cpu"]) / max(1, extra)
+    return (full[clock] - short[clock]) / max(1, extra)
 
 
 def print_ratio(name: str, inside: float | None, bare: float) -> None:
     """The per-product line of a case: inside ``eigen`` against the bare HVP."""
     ratio = "" if inside is None else f"{inside / bare:.2f}x"
     inside_text = "failed" if inside is None else f"{inside:.2f}"
-    print(f"\n{name}: CPU s per product inside eigen {inside_text}, bare graph-kept "
+    print(f"\n{name}: seconds per product (CPU; wall on a GPU) inside eigen {inside_text}, bare graph-kept "
           f"double-backward HVP {bare:.2f}, ratio {ratio}")  # fmt: skip
 
 
@@ -245,8 +252,11 @@ def value_of(info: dict) -> float | None:
 
 def table(title: str, rows: list, reference: float | None = None) -> None:
     print(f"\n{title}\n")
-    print("| run | CPU s | user s | sys s | peak RSS GiB | products | value | rel. error | exit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | CPU s | user s | sys s | wall s | peak RSS GiB | products | value | rel. error "
+        "| exit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rep = r.get("report") or {}
         timing = rep.get("timing", {})
@@ -254,7 +264,7 @@ def table(title: str, rows: list, reference: float | None = None) -> None:
         err = abs(value - reference) / abs(reference) if value and reference else None
         print(
             f"| {r['label']} | {r['cpu']:.1f} | {r['user']:.1f} | {r['sys']:.1f} | "
-            f"{r['rss'] / 2**30:.2f} | {timing.get('matvecs', '')} | "
+            f"{r['wall']:.1f} | {r['rss'] / 2**30:.2f} | {timing.get('matvecs', '')} | "
             f"{'' if value is None else f'{value:.6g}'} | {'' if err is None else f'{err:.1e}'} | "
             f"{r['code']} |"
         )
