@@ -22,7 +22,8 @@ Cases (``--cases``, comma-separated; default all but ``medium``):
 - ``medium``: GPT-2 medium shape (355M), for a device (``--device cuda``).
 
 Usage: ``python benchmarks/bench_scale.py [--cases resnet18,gpt2] [--workdir DIR]
-[--device cpu|cuda] [--plot docs/scale.png]``; prints Markdown tables (docs/benchmarks.md,
+[--device cpu|cuda] [--plot docs/scale.png] [--budget 4944M]``; prints Markdown tables and, per
+case, the CPU seconds of a product inside ``eigen`` against the bare HVP (docs/benchmarks.md,
 "Research scale").
 """
 
@@ -114,6 +115,79 @@ with sdpa_kernel(SDPBackend.MATH):
 """
 
 
+BARE_HVP = """
+import json, sys, time, torch
+sys.path.insert(0, {here!r})
+import scale_models
+from safetensors.torch import load_file
+from sharpcli.io.checkpoints import load_checkpoint
+torch.set_num_threads(1)
+model = getattr(scale_models, {factory!r})(**{args!r})
+model.load_state_dict(load_checkpoint({ckpt!r}).model.state_dict())
+model = model.to({device!r}).eval()
+data = load_file({data!r})
+x, y = data["x"].to({device!r}), data["y"].to({device!r})
+params = [p for p in model.parameters() if p.requires_grad]
+from torch.nn.attention import SDPBackend, sdpa_kernel
+with sdpa_kernel(SDPBackend.MATH):
+    out = model(x)
+    loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    v = [torch.randn_like(p) for p in params]
+    times = []
+    # on a GPU the kernels run asynchronously: wall seconds after a synchronisation
+    cuda = {device!r}.startswith("cuda")
+    clock = time.perf_counter if cuda else time.process_time
+    for _ in range({count!r}):  # PyHessian's product: the first-order graph kept between HVPs
+        torch.cuda.synchronize() if cuda else None
+        start = clock()
+        hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
+        v = [h / (sum(float((t * t).sum()) for t in hv) ** 0.5) for h in hv]
+        times.append(clock() - start)
+print(json.dumps({{"seconds": times}}))
+"""
+
+
+def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
+    """CPU seconds (wall seconds on a GPU) of one graph-kept double-backward HVP (the median of
+    ``count``), in a child on one thread: the floor a product inside ``sharp`` is measured
+    against."""
+    code = BARE_HVP.format(
+        here=str(HERE), factory=factory, args=args, ckpt=str(ckpt), data=str(data),
+        device=device, count=count,
+    )  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    info = measure([sys.executable, "-c", code], env)
+    if info["code"] != 0:
+        raise SystemExit(f"bare HVP failed: {info['err'][-400:]}")
+    times = sorted(json.loads(info["out"])["seconds"])
+    return times[len(times) // 2]
+
+
+def per_product(label, argv, env, rows, few: int = 2) -> float | None:
+    """CPU seconds (wall seconds on a GPU) a product costs inside ``argv`` (an ``eigen`` run):
+    its time less a ``few``-product run's, over the products between them, so start-up,
+    loading and the planning pass cancel and each product's orthogonalisation, I/O and
+    bookkeeping count."""
+    clock = "wall" if "cuda" in argv[argv.index("--device") + 1] else "cpu"
+    full = run(label, argv, env, rows)
+    bound = argv.index("--eig-max-matvecs") + 1
+    short_argv = [*argv[:bound], str(few), *argv[bound + 1 :]]
+    short = run(f"{label} (at {few} products)", short_argv, env, [])
+    if full["report"] is None or short["report"] is None:
+        return None
+    extra = full["report"]["timing"]["matvecs"] - short["report"]["timing"]["matvecs"]
+    return (full[clock] - short[clock]) / max(1, extra)
+
+
+def print_ratio(name: str, inside: float | None, bare: float) -> None:
+    """The per-product line of a case: inside ``eigen`` against the bare HVP."""
+    ratio = "" if inside is None else f"{inside / bare:.2f}x"
+    inside_text = "failed" if inside is None else f"{inside:.2f}"
+    print(f"\n{name}: seconds per product (CPU; wall on a GPU) inside eigen {inside_text}, bare graph-kept "
+          f"double-backward HVP {bare:.2f}, ratio {ratio}")  # fmt: skip
+
+
 def sharp(command: str, ckpt: Path, data: Path, *extra: str, device: str) -> list[str]:
     return [
         sys.executable, "-m", "sharpcli", command, str(ckpt), "--data", str(data),
@@ -178,8 +252,11 @@ def value_of(info: dict) -> float | None:
 
 def table(title: str, rows: list, reference: float | None = None) -> None:
     print(f"\n{title}\n")
-    print("| run | CPU s | user s | sys s | peak RSS GiB | products | value | rel. error | exit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| run | CPU s | user s | sys s | wall s | peak RSS GiB | products | value | rel. error "
+        "| exit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rep = r.get("report") or {}
         timing = rep.get("timing", {})
@@ -187,7 +264,7 @@ def table(title: str, rows: list, reference: float | None = None) -> None:
         err = abs(value - reference) / abs(reference) if value and reference else None
         print(
             f"| {r['label']} | {r['cpu']:.1f} | {r['user']:.1f} | {r['sys']:.1f} | "
-            f"{r['rss'] / 2**30:.2f} | {timing.get('matvecs', '')} | "
+            f"{r['wall']:.1f} | {r['rss'] / 2**30:.2f} | {timing.get('matvecs', '')} | "
             f"{'' if value is None else f'{value:.6g}'} | {'' if err is None else f'{err:.1e}'} | "
             f"{r['code']} |"
         )
@@ -207,20 +284,20 @@ def case_resnet18(workdir, env, device):
         env,
         [],
     )
-    run(
-        "sharp eigen --top-k 1",
-        sharp("eigen", ckpt, data, "--top-k", "1", device=device),
-        env,
-        rows,
-    )
+    argv = sharp("eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", "20", device=device)
+    inside = per_product("sharp eigen --top-k 1 --eig-max-matvecs 20", argv, env, rows)
     run("PyHessian eigenvalues(top_n=1)", pyhessian("resnet18", {}, ckpt, data, device), env, rows)
     table(f"ResNet-18 (CIFAR), P = {count:,}, 64 images, {device}", rows, value_of(ref))
+    print_ratio("ResNet-18", inside, bare_hvp("resnet18", {}, ckpt, data, device))
     return rows
 
 
-def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64), products=20):
-    """Every run bounded to ``products`` Hessian products (PyHessian's ``maxIter`` too): on
-    one CPU thread a GPT-2-small product takes about 25 s."""
+def case_gpt2(
+    workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64), products=20, budget=None
+):
+    """Every run bounded to ``products`` Hessian products (PyHessian's ``maxIter`` too); with
+    ``budget`` (``--budget``, e.g. PyHessian's peak x 1.2) the eigen run again under
+    ``--max-memory budget``."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -229,7 +306,17 @@ def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64
     rows: list = []
     bound = str(products)
     argv = sharp("eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", bound, device=device)
-    save_eigen_run(name, run(f"sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv, env, rows))
+    inside = per_product(f"sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv, env, rows)
+    save_eigen_run(name, rows[-1])
+    if budget is not None:  # the same run under --max-memory, its peak measured outside
+        tight = run(
+            f"sharp eigen --top-k 1 --eig-max-matvecs {bound} --max-memory {budget}",
+            [*argv, "--max-memory", budget], env, rows,
+        )  # fmt: skip
+        plan = (tight["report"] or {}).get("timing", {}).get("memory", {})
+        print(f"  --max-memory {budget}: peak RSS {tight['rss']:,} bytes (outside), planned "
+              f"peak {plan.get('planned_peak_bytes', 0):,}, budget {plan.get('budget_bytes', 0):,}",
+              file=sys.stderr)  # fmt: skip
     run(
         f"PyHessian eigenvalues(top_n=1, maxIter={bound})",
         pyhessian("gpt2", shape, ckpt, data, device, max_iter=products),
@@ -252,6 +339,7 @@ def case_gpt2(workdir, env, device, shape=GPT2_SMALL, name="gpt2", tokens=(4, 64
         rows,
     )
     table(f"{name} shape, P = {count:,}, {tokens[0]} x {tokens[1]} tokens, {device}", rows)
+    print_ratio(name, inside, bare_hvp("gpt2", shape, ckpt, data, device))
     return rows
 
 
@@ -355,6 +443,7 @@ def main() -> None:
     parser.add_argument("--cases", default="resnet18,gpt2,lm5m,growth")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--plot", default=None, help="PNG of the growth with P")
+    parser.add_argument("--budget", default=None, help="gpt2: eigen again under --max-memory")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +457,7 @@ def main() -> None:
         if case == "resnet18":
             case_resnet18(workdir, env, args.device)
         elif case == "gpt2":
-            case_gpt2(workdir, env, args.device)
+            case_gpt2(workdir, env, args.device, budget=args.budget)
         elif case == "medium":
             case_gpt2(workdir, env, args.device, GPT2_MEDIUM, "gpt2-medium")
         elif case == "lm5m":

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import math
 import os
+import platform
 import re
 import resource
 import sys
@@ -41,7 +43,9 @@ __all__ = [
     "as_usage_error",
     "allocated_bytes",
     "available_bytes",
+    "bound_heap",
     "clear",
+    "trim_heap",
     "current",
     "format_bytes",
     "parse_size",
@@ -133,6 +137,77 @@ def available_bytes(device: str = "cpu") -> int:
     candidates = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
     free = min(candidates) if candidates else 8 << 30
     return int(free) + rss_bytes()
+
+
+HEAP_MMAP_THRESHOLD = 1 << 20  # blocks this large are mapped and unmapped on their own
+HEAP_TRIM_THRESHOLD = 64 << 20  # free memory at the heap's top beyond this goes back
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def bound_heap() -> bool:
+    """Make memory that tensors free go back to the system (glibc ``mallopt``), so the
+    resident set follows what the run holds and the plan's peak bounds it.
+
+    By default glibc raises its mmap threshold to the largest block freed so far (up to
+    32 MiB): after the first product every activation, gradient and Krylov slice of up to
+    32 MiB comes from the brk heap, whose freed holes are not returned while a later block
+    sits above them. Interleaving a product's graph (thousands of such blocks, freed
+    together) with the basis's slice buffers then left the GPT-2-small heap 4.9 GB resident
+    after 15 products, growing with each (docs/memory.md, "What the budget bounds"). A fixed
+    threshold of :data:`HEAP_MMAP_THRESHOLD` maps every larger block on its own (freed at
+    once) and :data:`HEAP_TRIM_THRESHOLD` trims the heap's free top.
+
+    Returns:
+        Whether the allocator took the settings (False off glibc, e.g. macOS or musl).
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) == 1
+    return mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD) == 1 and ok
+
+
+_LIBC: list = []  # glibc's handle once loaded (empty: not loaded yet; [None]: not glibc)
+
+
+def _glibc():
+    if not _LIBC:
+        handle = None
+        if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                handle = ctypes.CDLL(None)
+                handle.malloc_trim.argtypes = [ctypes.c_size_t]
+            except (OSError, AttributeError):
+                handle = None
+        _LIBC.append(handle)
+    return _LIBC[0]
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``, which also
+    releases free pages inside the heap); called after every product, whose double backward
+    (and graph, when it was not cached) has just been freed.
+
+    Blocks under :data:`HEAP_MMAP_THRESHOLD` (most activations) still come from the heap,
+    where holes left between longer-lived blocks (a cached graph) stay resident and the next
+    product's blocks land beside them: at GPT-2-small size the peak grew by ~100 MB a product
+    under a 5.3 GB budget, past the budget by the 10th product. Runs only under an active
+    plan on the CPU.
+
+    Returns:
+        Whether the heap was trimmed.
+    """
+    plan = active()
+    if plan is None or plan.device.startswith("cuda"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def rss_bytes() -> int:

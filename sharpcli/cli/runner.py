@@ -138,6 +138,7 @@ def _run_body(
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if uses_models:
+            memory.bound_heap()  # freed tensors leave the resident set: the plan bounds it
             use_threads(threads)
             # torch, the curvature engine and the session's library (checkpoints, data,
             # models) are imported here, before the computation's clock starts: start-up

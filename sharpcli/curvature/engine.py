@@ -237,6 +237,11 @@ class CurvatureEngine:
             plan.note(f"graph cache lowered to {room >> 20} MiB by the memory budget")
             wanted = room
         plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
+        kept = min(batches, wanted // max(1, graph_bytes))
+        plan.note(
+            f"first-order graphs kept between products: {kept} of {batches} batches"
+            + ("" if kept == batches else " (the others rebuilt for every product)")
+        )
 
     # ----------------------------------------------------------------- products
     def _flat(self, tensors, like_index=None) -> torch.Tensor:
@@ -425,6 +430,7 @@ class CurvatureEngine:
             for total, block in zip(totals, blocks):
                 total += block
             del blocks  # at 124M parameters each block is 0.5 GB
+        memory.trim_heap()  # what the product freed leaves the resident set (sharpcli.memory)
         if totals is None:
             totals = [torch.zeros_like(V) for _ in parts]
         for total in totals:

@@ -47,6 +47,9 @@ SLICE_BYTES = 32 << 20  # float64 workspace of one widened slice of all rows
 _MAX_CHUNK_ROWS = 16
 REPEAT_BELOW = 0.5**0.5  # a Gram-Schmidt pass that keeps less of the norm is repeated
 _IO_BYTES = 1 << 30  # one read or write call at most (Linux caps one call near 2 GiB)
+# norm64's float64 pieces (1 MiB): blocks this small are reused from the heap, where a fresh
+# 32 MiB block per slice was mapped and zeroed by the kernel each time (system time)
+_NORM_CHUNK = 1 << 17
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
@@ -67,10 +70,9 @@ def norm64(x: torch.Tensor) -> float:
     flat = x.reshape(-1)
     if flat.dtype == _F64:
         return float(torch.linalg.vector_norm(flat))
-    step = max(1, SLICE_BYTES // 8)
     total = 0.0
-    for a in range(0, flat.numel(), step):
-        piece = flat[a : a + step].to(_F64)
+    for a in range(0, flat.numel(), _NORM_CHUNK):
+        piece = flat[a : a + _NORM_CHUNK].to(_F64)
         total += float(piece @ piece)
     return total**0.5
 
@@ -118,7 +120,13 @@ class KrylovBasis:
         self.scratch = None if scratch is None else str(scratch)
         self._file: typing.BinaryIO | None = None
         self._last: tuple[int, torch.Tensor] | None = None  # the newest row, kept for its product
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # rows read from the scratch file
+        # float64 workspaces reused by every operation (at most SLICE_BYTES each): the widened
+        # rows of one column slice, and the slice of the vector (or of the result) beside them.
+        # Allocating them afresh per slice made the kernel map and zero ~8 P m bytes per
+        # Gram-Schmidt pass: most of a GPT-2-small step's time, as system time.
+        self._wide: torch.Tensor | None = None
+        self._side: torch.Tensor | None = None
         if self.scratch is not None:
             try:
                 self._file = tempfile.TemporaryFile(dir=self.scratch, prefix="sharp-krylov-")
@@ -159,7 +167,7 @@ class KrylovBasis:
             self._finalizer()
             self._file = None
         self._chunks = []
-        self._last = self._buffer = None
+        self._last = self._buffer = self._wide = self._side = None
         self._size = 0
 
     # ------------------------------------------------------------------ storage primitives
@@ -191,11 +199,9 @@ class KrylovBasis:
     def _read_into(self, target: torch.Tensor, row: int, column: int = 0) -> None:
         _transfer(_read, self._fd(), target, self._offset(row, column))
 
-    def _slices(self, rows: int, *, widen: bool = True) -> list[slice]:
+    def _slices(self, rows: int) -> list[slice]:
         """Column slices whose widened ``rows x width`` float64 block is at most
-        :data:`SLICE_BYTES`; one slice of everything when nothing needs widening or reading."""
-        if not widen and self._file is None and self.dtype == _F64:
-            return [slice(0, self.dim)]
+        :data:`SLICE_BYTES`."""
         width = max(1, SLICE_BYTES // (8 * max(1, rows)))
         return [slice(a, min(a + width, self.dim)) for a in range(0, self.dim, width)]
 
@@ -237,6 +243,31 @@ class KrylovBasis:
             piece = self._buffer[:width]
             self._read_into(piece, i, s.start)
             yield s, piece if self.device.type == "cpu" else piece.to(self.device)
+
+    def _workspace(self, which: str, count: int) -> torch.Tensor:
+        """The first ``count`` entries of the float64 workspace ``which`` (``"_wide"`` or
+        ``"_side"``), grown (never shrunk) when too small."""
+        buffer = getattr(self, which)
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(count, dtype=_F64, device=self.device)
+            setattr(self, which, buffer)
+        return buffer[:count]
+
+    def _widened(self, s: slice, rows: int | None = None) -> torch.Tensor:
+        """Rows ``0 .. rows-1`` (default all) restricted to the columns ``s`` as one float64
+        ``(rows, width)`` block in the reused workspace (valid until the next call)."""
+        rows = self._size if rows is None else rows
+        out = self._workspace("_wide", rows * (s.stop - s.start)).view(rows, -1)
+        for start, block in self._blocks(s, rows):
+            out[start : start + block.shape[0]].copy_(block)
+        return out
+
+    def _side_slice(self, values: torch.Tensor, s: slice) -> torch.Tensor:
+        """``values[s]`` in float64: a view when it is float64, else a copy in the reused
+        side workspace."""
+        if values.dtype == _F64:
+            return values[s]
+        return self._workspace("_side", s.stop - s.start).copy_(values[s])
 
     # ------------------------------------------------------------------ rows
     def append(self, q: torch.Tensor) -> None:
@@ -314,14 +345,15 @@ class KrylovBasis:
         if not -self._size <= i < self._size:
             raise IndexError(i)
         total = 0.0
-        step = max(1, SLICE_BYTES // 16)  # elements of one widened pair of slices
+        step = max(1, SLICE_BYTES // 8)  # elements of one widened slice
         for s, values in self._row_pieces(i % self._size):
             if values.dtype == _F64 and w.dtype == _F64:
                 total += float(values @ w[s])
                 continue
             for a in range(0, s.stop - s.start, step):
                 b = min(a + step, s.stop - s.start)
-                total += float(_f64(values[a:b]) @ _f64(w[s.start + a : s.start + b]))
+                row = self._workspace("_wide", b - a).copy_(values[a:b])
+                total += float(row @ self._side_slice(w, slice(s.start + a, s.start + b)))
         return total
 
     def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
@@ -351,11 +383,12 @@ class KrylovBasis:
         h = torch.zeros(self._size, dtype=_F64, device=w.device)
         if self._size == 0:
             return h
-        plain = w.dtype == _F64
-        for s in self._slices(self._size, widen=not plain):
-            ws = _f64(w[s])
-            for start, block in self._blocks(s):
-                h[start : start + block.shape[0]] += _f64(block) @ ws
+        if w.dtype == _F64 and self.dtype == _F64 and self._file is None:
+            for start, block in self._blocks(slice(0, self.dim)):
+                h[start : start + block.shape[0]] += block @ w
+            return h
+        for s in self._slices(self._size):
+            h.addmv_(self._widened(s), self._side_slice(w, s))
         return h
 
     def subtract(self, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -370,11 +403,15 @@ class KrylovBasis:
         """
         if self._size == 0:
             return w
-        plain = w.dtype == _F64
-        for s in self._slices(self._size, widen=not plain):
-            acc = torch.zeros(s.stop - s.start, dtype=_F64, device=w.device)
-            for start, block in self._blocks(s):
-                acc += _f64(block).T @ h[start : start + block.shape[0]]
+        h = h.to(dtype=_F64, device=self.device)
+        if w.dtype == _F64 and self.dtype == _F64 and self._file is None:
+            for start, block in self._blocks(slice(0, self.dim)):
+                w.sub_(block.T @ h[start : start + block.shape[0]])
+            return w
+        for s in self._slices(self._size):
+            wide = self._widened(s)
+            acc = self._workspace("_side", s.stop - s.start)
+            torch.mv(wide.T, h, out=acc)
             w[s] -= acc
         return w
 
@@ -419,11 +456,11 @@ class KrylovBasis:
             The ``(P, k)`` combinations.
         """
         S = S.to(dtype=_F64, device=self.device)
-        out = torch.empty(self.dim, S.shape[1], dtype=dtype, device=self.device)
-        for s in self._slices(self._size, widen=self.dtype != _F64 or self._file is not None):
-            acc = torch.zeros(s.stop - s.start, S.shape[1], dtype=_F64, device=self.device)
-            for start, block in self._blocks(s):
-                acc += _f64(block).T @ S[start : start + block.shape[0]]
+        k = S.shape[1]
+        out = torch.empty(self.dim, k, dtype=dtype, device=self.device)
+        for s in self._slices(max(self._size, k)):
+            acc = self._workspace("_side", (s.stop - s.start) * k).view(-1, k)
+            torch.mm(self._widened(s).T, S, out=acc)
             out[s] = acc
         return out
 
@@ -440,8 +477,9 @@ class KrylovBasis:
             raise ValueError(f"cannot keep {k} combinations of {self._size} rows")
         self._last = None
         for s in self._slices(self._size):
-            M = torch.cat([_f64(block) for _, block in self._blocks(s)])
-            R = S.T @ M  # (k, width): computed in full before any row is overwritten
+            # (k, width), computed in full before any row is overwritten
+            R = self._workspace("_side", k * (s.stop - s.start)).view(k, -1)
+            torch.mm(S.T, self._widened(s), out=R)
             for i in range(k):
                 if self._file is None:
                     self._row(i)[s] = R[i]

@@ -1,13 +1,13 @@
 """Where a Lanczos basis lives and how large it may grow: the memory plan of a Krylov run.
 
 The basis (:class:`~sharpcli.curvature.krylov.KrylovBasis`) grows one P-vector per step,
-stored in the products' dtype (4 P bytes a vector for a float32 model). A basis that could grow
-past :data:`IN_MEMORY_BASIS_BYTES` on the CPU lives in an anonymous scratch file
-(:func:`scratch_directory`), read a slice at a time: a run then holds two P-vectors of memory
-beside the product itself, which is what a power iteration holds. Otherwise the rows stay in
-memory up to what the run's memory plan allows (:mod:`sharpcli.memory`). When the basis is
-full (memory plan, disk space or ``max_basis``) :func:`sharpcli.curvature.lanczos.lanczos`
-thick-restarts [Wu2000].
+stored in the products' dtype (4 P bytes a vector for a float32 model). Memory buys speed: a
+basis whose rows all fit in what the run's memory plan (:mod:`sharpcli.memory`) leaves stays
+in memory; one that does not is thick-restarted in memory [Wu2000] when enough rows for a
+restart fit, and otherwise, on the CPU, lives in an anonymous scratch file
+(:func:`scratch_directory`) read a slice at a time, where it costs two P-vectors of memory
+whatever its length (:func:`basis_room`). The choice, and why, is one of the report's
+``timing.memory.choices``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from sharpcli.errors import UsageError
 __all__ = [
     "BASIS_FLOOR_BYTES",
     "IN_MEMORY_BASIS_BYTES",
+    "MAX_IN_MEMORY_BYTES",
+    "RESTART_ROWS",
     "basis_room",
     "krylov_work_bytes",
     "plan_basis",
@@ -33,7 +35,9 @@ __all__ = [
 ]
 
 BASIS_FLOOR_BYTES = 1 << 30  # a Krylov basis may always take this much (budget permitting)
-IN_MEMORY_BASIS_BYTES = 256 << 20  # a larger basis on the CPU is kept in a scratch file
+IN_MEMORY_BASIS_BYTES = 256 << 20  # a larger basis kept in memory is a reported choice
+MAX_IN_MEMORY_BYTES: int | None = None  # a cap on the rows kept in memory (tests: 0, disk)
+RESTART_ROWS = 20  # a basis restarted in memory keeps at least this many rows; fewer: disk
 _F64 = torch.float64
 
 
@@ -57,10 +61,13 @@ def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
 def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     """Bytes a Lanczos run holds beside its basis's rows.
 
-    A step holds ``w = A q`` (in the storage dtype, the product's own for float32 and float64)
-    and, with the basis in a scratch file, the newest row kept for its product, plus the
-    float64 slice buffers of :mod:`~sharpcli.curvature.krylov`; the end, after the basis is
-    released, holds each of the ``returned`` Ritz vectors with its explicit residual's product.
+    A step holds the vector multiplied (the newest row, kept in memory also when the basis is
+    in a scratch file), the product ``w = A q`` being assembled and, until each is copied
+    into it, the product's per-parameter pieces (one more P-vector in the product's dtype at
+    the end of the double backward), plus the three slice buffers of
+    :mod:`~sharpcli.curvature.krylov` (rows read from the file, the widened rows and the
+    vector's slice); the end, after the basis is released, holds each of the ``returned``
+    Ritz vectors with its explicit residual's product, assembled the same way.
 
     Args:
         dim: the number of parameters P.
@@ -72,9 +79,10 @@ def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
-    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0))
-    end = int(returned) * dim * (stored + itemsize)
-    return int(max(step, end) + 2 * SLICE_BYTES)
+    pieces = dim * itemsize  # the product's per-parameter results before they are copied
+    step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0)) + pieces
+    end = int(returned) * dim * (stored + itemsize) + (pieces if returned else 0)
+    return int(max(step, end) + 3 * SLICE_BYTES)
 
 
 def scratch_directory() -> str | None:
@@ -94,14 +102,20 @@ def scratch_directory() -> str | None:
 
 
 def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
-    """How many basis rows a run keeps, and where.
+    """How many basis rows a run keeps, and where: memory buys speed, disk only as needed.
 
-    A basis whose ``steps`` rows would take more than :data:`IN_MEMORY_BASIS_BYTES` goes to a
-    scratch file (:func:`scratch_directory`) when the operator runs on the CPU: it then holds
-    two P-vectors of memory whatever its length (the newest row and ``w``), and its length is
-    bounded by half the free disk space there. Otherwise the rows are held in memory, as many
-    as the memory plan allows beside :func:`krylov_work_bytes` for ``extra_vectors`` returned
-    Ritz vectors (and no more than one product's workspace or :data:`BASIS_FLOOR_BYTES`).
+    In the order tried:
+
+    1. All ``steps`` rows fit in what the memory plan leaves (beside
+       :func:`krylov_work_bytes` for ``extra_vectors`` returned Ritz vectors): in memory, no
+       restart. Every Gram-Schmidt pass then reads the rows from memory, not from a file.
+    2. At least :data:`RESTART_ROWS` rows (and ``minimum``) fit: in memory, thick-restarted
+       at that many rows (at most :data:`BASIS_FLOOR_BYTES` or one product's workspace,
+       whichever is larger: a longer basis buys fewer products than its reads cost).
+    3. On the CPU with a scratch folder (:func:`scratch_directory`): every row in an
+       anonymous scratch file, read back a slice at a time, two P-vectors in memory whatever
+       the length; bounded by half the free disk space there.
+    4. Otherwise in memory, restarted at as many rows as fit.
 
     Args:
         op: the operator (``shape``, ``dtype``, ``device``).
@@ -117,49 +131,61 @@ def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lowe
         UsageError: not even ``minimum`` rows fit (``max_memory``, or ``scratch`` for disk).
     """
     dim = op.shape[0]
+    steps = int(steps)
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
     work = krylov_work_bytes(dim, op.dtype, extra_vectors)
     plan = memory.current()
+    fit = plan.count_that_fit(per_vector, reserve=work)
+    if MAX_IN_MEMORY_BYTES is not None:
+        fit = min(fit, MAX_IN_MEMORY_BYTES // per_vector)
+    if fit >= steps:
+        if steps * per_vector > IN_MEMORY_BASIS_BYTES:
+            plan.note(
+                f"Krylov basis in memory ({steps} vectors, "
+                f"{memory.format_bytes(steps * per_vector)}): the memory budget holds it"
+            )
+        return steps, steps * per_vector + work, None
+    product = plan.items.get(memory.PRODUCT_WORKSPACE, 0)
+    lean = min(fit, max(RESTART_ROWS, minimum, max(BASIS_FLOOR_BYTES, product) // per_vector))
+    if lean >= max(RESTART_ROWS, minimum):
+        return lean, lean * per_vector + work, None
     scratch = scratch_directory()
     on_cpu = torch.device(op.device if op.device is not None else "cpu").type == "cpu"
-    if on_cpu and scratch is not None and steps * per_vector > IN_MEMORY_BASIS_BYTES:
-        plan.require(f"Lanczos vectors of {dim:,} parameters", work, lower)
-        try:
-            free = shutil.disk_usage(scratch).free
-        except OSError:
-            free = 0
-        fit = int(free // 2 // per_vector)
-        if fit < minimum:
-            raise UsageError(
-                f"a Krylov basis of {minimum} vectors of {dim:,} parameters needs "
-                f"{memory.format_bytes(minimum * per_vector)} of disk in {scratch} (it is kept "
-                f"out of memory), which has {memory.format_bytes(free)} free; point "
-                "SHARP_SCRATCH (or TMPDIR) elsewhere or lower `max_matvecs`",
-                source="scratch",
-            )
-        vectors = min(int(steps), fit)
-        plan.note(
-            f"Krylov basis in a scratch file in {scratch} (up to {vectors} vectors, "
-            f"{memory.format_bytes(vectors * per_vector)} of disk), not in memory"
-        )
-        return vectors, work, scratch
-    fit = plan.count_that_fit(per_vector, reserve=work)
-    # The basis may take as much memory as one product needs (its graph, cached or not, and
-    # the double backward), and at least BASIS_FLOOR_BYTES: a run then holds at most about
-    # twice what any Hessian-product method holds, and a larger basis than that buys fewer
-    # products than the memory it costs (thick restarts keep the wanted Ritz vectors).
-    product = plan.items.get(memory.PRODUCT_WORKSPACE, 0)
-    lean = max(minimum, max(BASIS_FLOOR_BYTES, product) // per_vector)
-    if lean < fit:
-        fit = lean
+    if on_cpu and scratch is not None:
+        return _scratch_basis(plan, dim, steps, per_vector, work, minimum, scratch, lower)
     if fit < minimum:
         plan.require(
             f"a Krylov basis of {minimum} vectors of {dim:,} parameters",
             minimum * per_vector + work,
             lower,
         )
-    vectors = min(int(steps), fit)
+    vectors = min(steps, fit)
     return vectors, vectors * per_vector + work, None
+
+
+def _scratch_basis(plan, dim, steps, per_vector, work, minimum, scratch, lower):
+    """:func:`basis_room`'s out-of-core case: ``(vectors, bytes in memory, scratch)``."""
+    plan.require(f"Lanczos vectors of {dim:,} parameters", work, lower)
+    try:
+        free = shutil.disk_usage(scratch).free
+    except OSError:
+        free = 0
+    fit = int(free // 2 // per_vector)
+    if fit < minimum:
+        raise UsageError(
+            f"a Krylov basis of {minimum} vectors of {dim:,} parameters needs "
+            f"{memory.format_bytes(minimum * per_vector)} of disk in {scratch} (it is kept "
+            f"out of memory), which has {memory.format_bytes(free)} free; point "
+            "SHARP_SCRATCH (or TMPDIR) elsewhere or lower `max_matvecs`",
+            source="scratch",
+        )
+    vectors = min(steps, fit)
+    plan.note(
+        f"Krylov basis in a scratch file in {scratch} (up to {vectors} vectors, "
+        f"{memory.format_bytes(vectors * per_vector)} of disk), not in memory: the memory "
+        "budget does not hold it"
+    )
+    return vectors, work, scratch
 
 
 def plan_basis(op, wanted: int, returned: int, budget: int, max_basis: int | None):
