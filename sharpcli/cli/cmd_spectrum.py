@@ -155,19 +155,17 @@ def eigen_command(
             engine=engine,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import eigen_blocks
+            from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"] = eigen_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 top_k=top_k,
                 which=which,
                 method=method,
                 tol=tol,
                 max_matvecs=max_matvecs,
-                params=params,
                 seed=session.seed,
             )
     settings = opts.report_settings(skip=("checkpoint",))
@@ -255,18 +253,16 @@ def trace_command(
             engine=engine,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import trace_blocks
+            from sharpcli.analyses.blocks import session_block_passes, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"], results["blocks_sum"] = trace_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 estimator=estimator,
                 tol=tol,
                 max_matvecs=max_matvecs,
                 square=square,
-                params=params,
                 seed=session.seed,
             )
     settings = opts.report_settings(skip=("checkpoint",))
@@ -459,18 +455,16 @@ def density_command(
             params=params,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import density_blocks
+            from sharpcli.analyses.blocks import density_blocks, session_block_passes
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 
             results["blocks"] = density_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 probes=probes,
                 steps=steps,
                 grid_points=grid_points,
                 broadening=broadening,
-                params=params,
                 seed=session.seed,
             )
             results["heterogeneity"], results["block_diagonal"] = block_heterogeneity(
