@@ -133,6 +133,14 @@ def eigen_command(
     engine: EngineOpt = "native",
     blocks: BlocksOpt = None,
     top: TopOpt = None,
+    plot: Annotated[
+        Optional[str],
+        typer.Option(
+            "--plot",
+            metavar="PATH",
+            help="With --blocks: PNG heatmap of the blocks by layer.",
+        ),
+    ] = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
     from sharpcli.analyses import spectrum
@@ -141,6 +149,8 @@ def eigen_command(
     _positive(top, "--top")
     _positive(tol, "--eig-tol")
     _positive(max_matvecs, "--eig-max-matvecs")
+    common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
@@ -168,6 +178,11 @@ def eigen_command(
                 max_matvecs=max_matvecs,
                 seed=session.seed,
             )
+    if plot is not None:
+        from sharpcli.report.block_heatmap import plot_block_eigenvalues
+
+        plot_block_eigenvalues(results, plot, operator=operator, which=which)
+        results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
     report = session.report("eigen", settings, results, matvecs=matvecs)
