@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from sharpcli.analyses.blocks import block_passes, density_blocks, eigen_blocks, trace_blocks
 from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.landscape import LandscapeConfig, landscape
 from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
@@ -385,6 +387,33 @@ class Curvature:
         """
         self.curvature_pass.clear_cache()
 
+    def blocks_of(self, blocks: str | Mapping[str, str]):
+        """The parameter blocks of ``blocks`` within ``params``, each with its own engine.
+
+        ``"params"`` (each tensor), ``"modules"`` (the parameters each module owns),
+        ``"layers"`` (the model's repeated blocks, e.g. a transformer's) or named globs,
+        ``"attn=*.attn.*,mlp=*.mlp.*"`` or ``{"attn": "*.attn.*", "mlp": "*.mlp.*"}``
+        (:func:`sharpcli.analyses.blocks.block_partition`). The engines share this object's
+        data and model; one block's cached graphs are held at a time.
+
+        Args:
+            blocks: the spec.
+
+        Returns:
+            An iterator of ``(block name, parameter names, engine)``.
+
+        Raises:
+            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated.
+        """
+        return block_passes(
+            self.scope.names,
+            blocks,
+            self.model,
+            lambda glob: CurvatureEngine(
+                self._view, self.data, ParamScope.resolve(self._view, glob)
+            ),
+        )
+
     def eigenvalues(
         self,
         k: int = 1,
@@ -396,6 +425,7 @@ class Curvature:
         max_matvecs: int | None = None,
         seed: int = 0,
         return_eigenvectors: bool = False,
+        blocks: str | Mapping[str, str] | None = None,
     ):
         r"""The ``k`` extreme eigenvalues of ``operator``, each certified by its residual.
 
@@ -412,10 +442,15 @@ class Curvature:
             max_matvecs: The most products (Lanczos default ``min(P, 100)``).
             seed: Seeds the start vector.
             return_eigenvectors: Keep the Ritz vectors (P floats each) in the result.
+            blocks: Per parameter block instead (:meth:`blocks_of`): the extreme eigenvalues
+                of each principal sub-block ``A_bb``.
 
         Returns:
             An :class:`~sharpcli.curvature.EigenResult`: eigenvalues descending, their
-            residuals and converged flags, the products spent.
+            residuals and converged flags, the products spent. With ``blocks``: a list, per
+            block, of ``{name, parameters, numel, eigenvalues, residuals, converged,
+            matvecs}`` (``results.blocks`` of ``sharp eigen --blocks``; a block smaller than
+            ``k`` gives all its eigenvalues).
 
         Raises:
             UsageError: an argument out of range, named by its keyword.
@@ -423,18 +458,21 @@ class Curvature:
         integer_argument(k, "k")
         seed_argument(seed)
         self.refresh()
+        if blocks is not None and return_eigenvectors:
+            raise UsageError("not with `blocks`", source="return_eigenvectors")
+        settings: dict[str, Any] = dict(
+            which=which, method=method, tol=tol, max_matvecs=max_matvecs, seed=seed
+        )
         with self._analysis_mode():
+            if blocks is not None:
+                return eigen_blocks(self.blocks_of(blocks), operator=operator, top_k=k, **settings)
             return eigen_result(
                 self.curvature_pass,
                 operator,
                 k=k,
-                which=which,
-                method=method,
-                tol=tol,
-                max_matvecs=max_matvecs,
-                seed=seed,
                 return_eigenvectors=return_eigenvectors,
                 k_name="k",
+                **settings,
             )
 
     def trace(
@@ -446,6 +484,7 @@ class Curvature:
         tol: float = 1e-2,
         max_matvecs: int = 1000,
         seed: int = 0,
+        blocks: str | Mapping[str, str] | None = None,
     ):
         r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
 
@@ -468,26 +507,28 @@ class Curvature:
             tol: The relative standard error wanted.
             max_matvecs: The most products.
             seed: Seeds the probes.
+            blocks: Per parameter block instead (:meth:`blocks_of`): the trace of each
+                principal sub-block ``A_bb`` (their sum over a partition is ``tr(A)``).
 
         Returns:
             A :class:`~sharpcli.curvature.TraceResult` (``estimate``, ``stderr``,
-            ``by_layer``, ``matvecs``, ``samples``, ``converged``).
+            ``by_layer``, ``matvecs``, ``samples``, ``converged``). With ``blocks``: a list,
+            per block, of ``{name, parameters, numel, estimate, stderr, matvecs, converged}``
+            (``results.blocks`` of ``sharp trace --blocks``).
 
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
         seed_argument(seed)
         self.refresh()
+        settings: dict[str, Any] = dict(
+            estimator=estimator, square=square, tol=tol, max_matvecs=max_matvecs
+        )
         with self._analysis_mode():
-            return trace_result(
-                self.curvature_pass,
-                operator,
-                estimator=estimator,
-                square=square,
-                tol=tol,
-                max_matvecs=max_matvecs,
-                seed=seed,
-            )
+            if blocks is not None:
+                passes = self.blocks_of(blocks)
+                return trace_blocks(passes, operator=operator, seed=seed, **settings)[0]
+            return trace_result(self.curvature_pass, operator, seed=seed, **settings)
 
     def diagonal(
         self,
@@ -541,6 +582,7 @@ class Curvature:
         grid_points: int = 512,
         broadening: float | None = None,
         seed: int = 0,
+        blocks: str | Mapping[str, str] | None = None,
     ):
         r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
 
@@ -562,10 +604,15 @@ class Curvature:
             grid_points: Points of the evaluation grid (at least 2).
             broadening: :math:`\sigma`; None: 1% of the node range.
             seed: Seeds the probes.
+            blocks: Per parameter block instead (:meth:`blocks_of`): the density of each
+                principal sub-block ``A_bb`` ([Zhang2024]), ``steps`` at most its size.
 
         Returns:
             A :class:`~sharpcli.curvature.SpectralDensity` (``grid``, ``density``,
-            ``nodes``, ``weights``, ``trace_estimate``, ``trace_stderr``).
+            ``nodes``, ``weights``, ``trace_estimate``, ``trace_stderr``). With ``blocks``: a
+            list, per block, of ``{name, parameters, numel, grid, density, nodes, weights,
+            sigma, lambda_min, lambda_max, trace_estimate, trace_stderr, matvecs}``
+            (``results.blocks`` of ``sharp density --blocks``).
 
         Raises:
             UsageError: an argument out of range, named by its keyword.
@@ -574,6 +621,18 @@ class Curvature:
         integer_argument(steps, "steps")
         integer_argument(grid_points, "grid_points", minimum=2)
         seed_argument(seed)
+        if blocks is not None:
+            self.refresh()
+            with self._analysis_mode():
+                return density_blocks(
+                    self.blocks_of(blocks),
+                    operator=operator,
+                    probes=probes,
+                    steps=steps,
+                    grid_points=grid_points,
+                    broadening=broadening,
+                    seed=seed,
+                )
         op = self.operator(operator)
         with self._analysis_mode():
             return spectral_density(

@@ -1,8 +1,10 @@
 """The runs behind docs/blocks.md: ``sharp density --blocks params`` on a small GPT-2 (built from a
-config, random initialisation) and on the built-in CNN (trained 2 epochs on ``images``).
+config, random initialisation) and on the built-in CNN (trained 2 epochs on ``images``), and
+``sharp eigen --blocks params --plot`` on the same GPT-2.
 
 Usage: ``python docs/reproduce/blocks_figure.py OUTDIR`` (needs ``transformers``); writes
-``OUTDIR/{gpt2,cnn}.json`` and the figures ``docs/blocks_gpt2.png``, ``docs/blocks_cnn.png``.
+``OUTDIR/{gpt2,cnn,gpt2_eigen}.json`` and the figures ``docs/blocks_gpt2.png``,
+``docs/blocks_cnn.png``, ``docs/blocks_gpt2_eigen.png``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def gpt2(out: Path) -> None:
     )  # fmt: skip
 
 
+def gpt2_eigen(out: Path) -> None:
+    """The top eigenvalue of each of the GPT-2's parameter blocks, by layer (after gpt2())."""
+    sharp(
+        "eigen", str(out / "gpt2"), "--data", str(out / "gpt2.npz"), "--shift-labels",
+        "--blocks", "params", "--seed", "0", "--quiet", "--top", "15", "--plot",
+        str(DOCS / "blocks_gpt2_eigen.png"), "--json", str(out / "gpt2_eigen.json"),
+    )  # fmt: skip
+
+
 def cnn(out: Path) -> None:
     sharp(
         "train", "--model", "cnn", "--data", "images:n=512", "--epochs", "2", "--seed", "0",
@@ -57,4 +68,5 @@ if __name__ == "__main__":
     folder = Path(sys.argv[1])
     folder.mkdir(parents=True, exist_ok=True)
     gpt2(folder)
+    gpt2_eigen(folder)
     cnn(folder)

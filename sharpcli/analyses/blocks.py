@@ -14,18 +14,34 @@ the full trace. The session (model, data) is loaded once for every block.
   ``nn.Sequential`` whose children of one class hold the most parameters: a transformer's
   blocks, ``transformer.h.0``, ...), the other parameters by module;
 - ``NAME=GLOB,...`` (or bare globs, named by themselves): the scope's parameters whose names
-  match each glob, e.g. ``attn=*.attn.*,mlp=*.mlp.*``.
+  match each glob, e.g. ``attn=*.attn.*,mlp=*.mlp.*``; the API also takes them as a mapping
+  ``{"attn": "*.attn.*", "mlp": "*.mlp.*"}``.
+
+The figures (:func:`eigen_blocks`, :func:`trace_blocks`, :func:`density_blocks`) are computed
+over :func:`block_passes`, one engine per block, whether the command's session
+(:func:`session_block_passes`) or ``Curvature``'s in-memory data builds them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
 from sharpcli.errors import UsageError
 
-__all__ = ["block_partition", "density_blocks", "eigen_blocks", "trace_blocks"]
+__all__ = [
+    "block_partition",
+    "block_passes",
+    "density_blocks",
+    "eigen_blocks",
+    "session_block_passes",
+    "trace_blocks",
+]
+
+BlockSpec = str | Mapping[str, str]
 
 
 def _escape(name: str) -> str:
@@ -80,12 +96,25 @@ def _layers(names: list[str], model) -> list[tuple[str, list[str]]]:
     return before + out + [(b, m) for b, m in rest if names.index(m[0]) >= first]
 
 
-def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, list[str]]]:
+def _named_globs(spec: BlockSpec) -> list[tuple[str, str]]:
+    """``(block name, glob)`` pairs of ``NAME=GLOB,...`` (a bare glob names itself) or a
+    mapping."""
+    if isinstance(spec, Mapping):
+        return [(str(label).strip(), str(glob).strip()) for label, glob in spec.items()]
+    pairs = []
+    for item in spec.split(","):
+        label, _, glob = item.strip().rpartition("=")
+        pairs.append(((label.strip() or glob.strip()), glob.strip()))
+    return pairs
+
+
+def block_partition(names: list[str], spec: BlockSpec, model=None) -> list[tuple[str, list[str]]]:
     """The blocks of ``spec`` over the parameter ``names`` of a scope, in order.
 
     Args:
         names: the scope's parameter names.
-        spec: ``params``, ``modules``, ``layers`` or ``NAME=GLOB,...`` (module docstring).
+        spec: ``params``, ``modules``, ``layers``, ``NAME=GLOB,...`` or a mapping
+            ``{NAME: GLOB}`` (module docstring).
         model: the model (``layers`` reads its module tree).
 
     Returns:
@@ -95,7 +124,7 @@ def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, 
         UsageError: (source ``blocks``) an empty spec, a repeated block name, or a glob that
             matches no parameter in scope.
     """
-    text = str(spec).strip()
+    text = spec if isinstance(spec, Mapping) else str(spec).strip()
     if not text:
         raise UsageError("give `params`, `modules`, `layers` or NAME=GLOB,...", source="blocks")
     if text == "params":
@@ -105,9 +134,7 @@ def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, 
     if text == "layers":
         return _layers(names, model)
     out: list[tuple[str, list[str]]] = []
-    for item in text.split(","):
-        label, _, glob = item.strip().rpartition("=")
-        label, glob = (label.strip() or glob.strip()), glob.strip()
+    for label, glob in _named_globs(text):
         matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
         if not glob or not matched:
             raise UsageError(
@@ -121,43 +148,59 @@ def block_partition(names: list[str], spec: str, model=None) -> list[tuple[str, 
     return out
 
 
-def _block_passes(session, params: str | None, blocks: str):
-    """Yield ``(block name, parameter names, curvature pass on the block)``, one at a time
-    (each pass's cached graphs are dropped before the next is built)."""
-    names = session.scope(params).names
-    for label, members in block_partition(names, blocks, session.model):
-        cpass = curvature_pass(session, ",".join(_escape(n) for n in members))
+BlockPasses = Iterable[tuple[str, list[str], Any]]
+
+
+def block_passes(
+    names: list[str], spec: BlockSpec, model, make_pass: Callable[[str], Any]
+) -> Iterator[tuple[str, list[str], Any]]:
+    """Yield ``(block name, parameter names, curvature engine on the block)``, one at a time.
+
+    Each engine's cached graphs are dropped before the next is built, so one block's graphs
+    are held at a time.
+
+    Args:
+        names: the scope's parameter names (the blocks partition them).
+        spec: the blocks' spec (:func:`block_partition`).
+        model: the model (``layers`` reads its module tree).
+        make_pass: a ``params`` glob -> a curvature engine on those parameters.
+    """
+    for label, members in block_partition(names, spec, model):
+        cpass = make_pass(",".join(_escape(n) for n in members))
         try:
             yield label, members, cpass
         finally:
             cpass.clear_cache()
 
 
+def session_block_passes(session, params: str | None, blocks: BlockSpec) -> BlockPasses:
+    """:func:`block_passes` over a command's session: its ``params`` scope, one engine per
+    block as the command's own (:func:`~sharpcli.analyses.spectrum.curvature_pass`)."""
+    names = session.scope(params).names
+    return block_passes(names, blocks, session.model, lambda glob: curvature_pass(session, glob))
+
+
 def eigen_blocks(
-    session,
+    passes: BlockPasses,
     *,
-    blocks: str,
     operator: str,
     top_k: int,
     which: str,
     method: str,
     tol: float,
     max_matvecs: int | None,
-    params: str | None,
     seed: int,
 ) -> list[dict]:
     """Each block's extreme eigenvalues, residual-certified as ``sharp eigen``'s.
 
     Args:
-        session: the analysis session.
-        blocks: the blocks' spec (:func:`block_partition`).
+        passes: the blocks and their engines (:func:`block_passes`).
         operator: a registered operator.
         top_k: eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
         method: ``lanczos`` or ``power``.
         tol: the relative residual each Ritz pair must reach.
         max_matvecs: products per block (None: the method's default).
-        params: the scope the blocks partition.
         seed: the start vectors' seed.
 
     Returns:
@@ -165,7 +208,7 @@ def eigen_blocks(
         smaller than ``top_k`` gives all its eigenvalues.
     """
     rows = []
-    for label, members, cpass in _block_passes(session, params, blocks):
+    for label, members, cpass in passes:
         k = min(int(top_k), cpass.scope.numel)
         if which == "both":
             k = max(1, min(k, cpass.scope.numel // 2))
@@ -194,15 +237,13 @@ def eigen_blocks(
 
 
 def trace_blocks(
-    session,
+    passes: BlockPasses,
     *,
-    blocks: str,
     operator: str,
     estimator: str,
     tol: float,
     max_matvecs: int,
     square: bool,
-    params: str | None,
     seed: int,
 ) -> tuple[list[dict], dict]:
     """Each block's trace with its standard error, and their sum.
@@ -213,14 +254,12 @@ def trace_blocks(
     at most ``Tr(A^2)``.
 
     Args:
-        session: the analysis session.
-        blocks: the blocks' spec (:func:`block_partition`).
+        passes: the blocks and their engines (:func:`block_passes`).
         operator: a registered operator.
         estimator: as ``sharp trace``'s.
         tol: the relative standard error to stop at.
         max_matvecs: products per block.
         square: estimate ``Tr(A_bb^2)`` instead.
-        params: the scope the blocks partition.
         seed: the probes' seed.
 
     Returns:
@@ -228,7 +267,7 @@ def trace_blocks(
         stderr, numel})``.
     """
     rows = []
-    for label, members, cpass in _block_passes(session, params, blocks):
+    for label, members, cpass in passes:
         result = trace_result(
             cpass,
             operator,
@@ -258,29 +297,25 @@ def trace_blocks(
 
 
 def density_blocks(
-    session,
+    passes: BlockPasses,
     *,
-    blocks: str,
     operator: str,
     probes: int,
     steps: int,
     grid_points: int,
     broadening: float | None,
-    params: str | None,
     seed: int,
 ) -> list[dict]:
     """Each block's spectral density by stochastic Lanczos quadrature ([Ubaru2017]), as
     ``sharp density`` computes the full one ([Zhang2024] compares these across blocks).
 
     Args:
-        session: the analysis session.
-        blocks: the blocks' spec (:func:`block_partition`).
+        passes: the blocks and their engines (:func:`block_passes`).
         operator: a registered operator.
         probes: SLQ probes per block.
         steps: Lanczos steps per probe (at most the block's size).
         grid_points: points of each block's grid.
         broadening: the Gaussian width (None: from each block's spectrum).
-        params: the scope the blocks partition.
         seed: the probes' seed.
 
     Returns:
@@ -290,7 +325,7 @@ def density_blocks(
     from sharpcli.curvature.density import spectral_density
 
     rows = []
-    for label, members, cpass in _block_passes(session, params, blocks):
+    for label, members, cpass in passes:
         result = spectral_density(
             operator_of(cpass, operator),
             probes=probes,

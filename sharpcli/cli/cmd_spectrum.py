@@ -133,6 +133,14 @@ def eigen_command(
     engine: EngineOpt = "native",
     blocks: BlocksOpt = None,
     top: TopOpt = None,
+    plot: Annotated[
+        Optional[str],
+        typer.Option(
+            "--plot",
+            metavar="PATH",
+            help="With --blocks: PNG heatmap of the blocks by layer.",
+        ),
+    ] = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
     from sharpcli.analyses import spectrum
@@ -141,6 +149,8 @@ def eigen_command(
     _positive(top, "--top")
     _positive(tol, "--eig-tol")
     _positive(max_matvecs, "--eig-max-matvecs")
+    common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
+    common.check_output(plot)
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
@@ -155,21 +165,24 @@ def eigen_command(
             engine=engine,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import eigen_blocks
+            from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"] = eigen_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 top_k=top_k,
                 which=which,
                 method=method,
                 tol=tol,
                 max_matvecs=max_matvecs,
-                params=params,
                 seed=session.seed,
             )
+    if plot is not None:
+        from sharpcli.report.block_heatmap import plot_block_eigenvalues
+
+        plot_block_eigenvalues(results, plot, operator=operator, which=which)
+        results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
     report = session.report("eigen", settings, results, matvecs=matvecs)
@@ -255,18 +268,16 @@ def trace_command(
             engine=engine,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import trace_blocks
+            from sharpcli.analyses.blocks import session_block_passes, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"], results["blocks_sum"] = trace_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 estimator=estimator,
                 tol=tol,
                 max_matvecs=max_matvecs,
                 square=square,
-                params=params,
                 seed=session.seed,
             )
     settings = opts.report_settings(skip=("checkpoint",))
@@ -459,18 +470,16 @@ def density_command(
             params=params,
         )
         if blocks is not None:
-            from sharpcli.analyses.blocks import density_blocks
+            from sharpcli.analyses.blocks import density_blocks, session_block_passes
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 
             results["blocks"] = density_blocks(
-                session,
-                blocks=blocks,
+                session_block_passes(session, params, blocks),
                 operator=operator,
                 probes=probes,
                 steps=steps,
                 grid_points=grid_points,
                 broadening=broadening,
-                params=params,
                 seed=session.seed,
             )
             results["heterogeneity"], results["block_diagonal"] = block_heterogeneity(
