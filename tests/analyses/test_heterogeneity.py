@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
 from scipy.spatial.distance import jensenshannon
+from scipy.stats import norm
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
-from sharpcli.analyses.heterogeneity import js_distance
+from sharpcli.analyses.heterogeneity import cell_masses, js_distance
 from sharpcli.report.envelope import validate_report
 from sharpcli.report.plots import png_size
 
@@ -34,6 +35,32 @@ def _slq_density(block: dict, grid: np.ndarray) -> np.ndarray:
         for t, w in zip(nodes, weights):
             out += w * np.exp(-0.5 * ((grid - t) / sigma) ** 2)
     return out / (len(block["nodes"]) * sigma * math.sqrt(2 * math.pi))
+
+
+def _slq_cell_masses(block: dict, grid: np.ndarray) -> np.ndarray:
+    """The broadened density's mass per grid cell (cells split at midpoints), by scipy's CDF."""
+    half = (grid[1] - grid[0]) / 2
+    edges = np.concatenate([[grid[0] - half], (grid[1:] + grid[:-1]) / 2, [grid[-1] + half]])
+    out = np.zeros_like(grid)
+    for nodes, weights in zip(block["nodes"], block["weights"]):
+        for t, w in zip(nodes, weights):
+            out += w * np.diff(norm.cdf(edges, loc=t, scale=block["sigma"]))
+    return out / len(block["nodes"])
+
+
+def test_a_block_narrower_than_the_grid_keeps_its_mass():
+    """A block whose width is far below the grid spacing: its point values all vanish between
+    its peaks (the distance used to read NaN as 0); its cell masses do not."""
+    grid = np.linspace(-10.0, 500.0, 256)
+    narrow = {"nodes": [[1.001, 1.002]], "weights": [[0.5, 0.5]], "sigma": 1e-5}
+    wide = {"nodes": [[100.0, 300.0]], "weights": [[0.5, 0.5]], "sigma": 5.0}
+    assert _slq_density(narrow, grid).sum() == 0.0
+    masses = cell_masses(narrow["nodes"], narrow["weights"], narrow["sigma"], grid)
+    assert masses.sum() == pytest.approx(1.0, abs=1e-9)
+    other = cell_masses(wide["nodes"], wide["weights"], wide["sigma"], grid)
+    assert js_distance(masses, other) == pytest.approx(math.sqrt(math.log(2)), abs=1e-6)
+    with pytest.raises(ValueError):
+        js_distance(np.zeros(4), np.ones(4))
 
 
 def test_js_distance_is_scipys_and_zero_on_equal_densities():
@@ -58,13 +85,14 @@ def test_density_blocks_heterogeneity_matches_scipy_on_the_same_grid(tiny, capsy
     blocks, het, diag = res["blocks"], res["heterogeneity"], res["block_diagonal"]
     grid = np.linspace(het["grid_min"], het["grid_max"], het["grid_points"])
     phis = [_slq_density(b, grid) for b in blocks]
+    masses = [_slq_cell_masses(b, grid) for b in blocks]
     n = len(blocks)
     assert het["names"] == [b["name"] for b in blocks] and het["pairs"] == n * (n - 1) // 2
     pairs = []
     for i in range(n):
         assert het["js_distance"][i][i] == 0.0
         for j in range(i + 1, n):
-            expected = float(jensenshannon(phis[i], phis[j]))
+            expected = float(jensenshannon(masses[i], masses[j]))
             assert het["js_distance"][i][j] == pytest.approx(expected, abs=1e-9)
             assert het["js_distance"][j][i] == het["js_distance"][i][j]
             pairs.append(expected)
@@ -77,8 +105,9 @@ def test_density_blocks_heterogeneity_matches_scipy_on_the_same_grid(tiny, capsy
     assert np.allclose(diag["density"], mixture, rtol=1e-9, atol=1e-12)
     full = _slq_density(res, grid)
     assert np.allclose(diag["full_density"], full, rtol=1e-9, atol=1e-12)
+    mass_mixture = sum(b["numel"] / numel * m for b, m in zip(blocks, masses))
     assert diag["js_distance_to_full"] == pytest.approx(
-        float(jensenshannon(mixture, full)), abs=1e-9
+        float(jensenshannon(mass_mixture, _slq_cell_masses(res, grid))), abs=1e-9
     )
     assert png_size(png) == (960, 600)
 
