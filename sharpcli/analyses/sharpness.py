@@ -15,13 +15,25 @@ Both are averaged over the batches ``S`` of the analysis set. In the scaled vari
 ones are not.
 
 The maximum is sought by Auto-PGD ([Croce2020]) in ``u``, as [Andriushchenko2023]'s code
-does: steps along the normalised gradient ``g / ||g||_2`` (p = 2) or ``sign(g)`` (p = inf)
-of ``g = c * grad_w L``, projection onto the ball, momentum 0.75, the step size (initially
+does: steps along the normalised direction ``a / ||a||_2`` (p = 2) or ``sign(a)`` (p = inf),
+projection onto the ball, momentum 0.75, the step size (initially
 ``step_size * rho``) halved at the Auto-PGD checkpoints when the best loss improved on fewer
 than 75% of the steps since the last checkpoint or did not improve at all at the same step
 size (then the ascent restarts from the best point). The first restart starts at ``u = 0``,
 later ones at random points of the ball's surface (p = 2) or of the box (p = inf). The best
 point over steps and restarts is the maximiser; it lies in the ball by construction.
+
+The direction ``a`` is the accumulated gradient of [Dong2018] (MI-FGSM),
+``a_k = mu a_{k-1} / ||a_{k-1}||_1 + g_k / ||g_k||_1`` with ``mu = 1`` and
+``g = c * grad_w L``, reset to ``g`` when the ascent returns to its best point. Why not ``g``
+alone, as the reference code steps: a ReLU net's loss has kinks in ``w`` (a unit switching
+on or off for one sample), and a local maximum of the ascent often lies on one. There
+``sign(g)`` flips in a few coordinates from one side to the other, the iterates zigzag
+across the kink without raising the best loss, Auto-PGD halves its step to its floor and
+stops at a point that is not a maximum along the kink (on the 77-weight ReLU net of the
+tests, linf ball: 0.0156078 where a float64 projected ascent finds 0.0156337, coordinates
+with gradients of 6e-4 still inside the box). The accumulated gradient averages the two
+sides, so its sign points along the kink; the same net then reaches 0.0156446.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ NORMS = catalogue.SHARPNESS_NORMS
 NORM_LAYERS = catalogue.NORM_LAYERS
 MOMENTUM = 0.75  # Auto-PGD's alpha ([Croce2020] section 3.2)
 MIN_UPDATE_RATIO = 0.75  # condition 1 of the step-size halving ([Croce2020] eq. 4)
+GRADIENT_MOMENTUM = 1.0  # mu of the accumulated gradient ([Dong2018] eq. 6)
 
 
 @dataclass
@@ -244,9 +257,18 @@ def _ascent_direction(g: torch.Tensor, norm: str) -> torch.Tensor:
     return g / length if length > 0 else torch.zeros_like(g)
 
 
+def _accumulate(previous: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """``mu a / ||a||_1 + g / ||g||_1`` ([Dong2018]); ``g`` itself when there is no ``a``."""
+    if previous is None:
+        return g
+    g_l1, a_l1 = float(g.abs().sum()), float(previous.abs().sum())
+    step = g / g_l1 if g_l1 > 0 else torch.zeros_like(g)
+    return step + (GRADIENT_MOMENTUM / a_l1) * previous if a_l1 > 0 else step
+
+
 def _random_start(dim: int, rho: float, norm: str, gen: torch.Generator, like: torch.Tensor):
-    if norm == "linf":  # a random vertex of the box
-        u = torch.randn(dim, generator=gen, dtype=torch.float64).sign() * rho
+    if norm == "linf":  # uniform in the box, as the reference code starts
+        u = (2 * torch.rand(dim, generator=gen, dtype=torch.float64) - 1) * rho
     else:
         u = torch.randn(dim, generator=gen, dtype=torch.float64)
         u *= rho / float(u.norm())
@@ -279,15 +301,17 @@ def _auto_pgd(
         u = zero.clone() if restart == 0 else _random_start(model.dim, rho, norm, gen, zero)
         current = model.evaluate(u, x, y, gradient=True)
         best_u, best = u, current
+        direction = current.gradient
         history = [max(best.loss, start_loss)]
         previous = u
         eta = config.step_size * rho
         last_mark, mark_eta, mark_loss, improved = 0, eta, best.loss, 0
         for step in range(1, steps + 1):
-            z = _project(u + eta * _ascent_direction(current.gradient, norm), rho, norm)
+            z = _project(u + eta * _ascent_direction(direction, norm), rho, norm)
             moved = u + MOMENTUM * (z - u) + (1 - MOMENTUM) * (u - previous)
             u, previous = _project(moved, rho, norm), u
             current = model.evaluate(u, x, y, gradient=True)
+            direction = _accumulate(direction, current.gradient)
             if current.loss > best.loss:
                 best_u, best = u, current
                 improved += 1
@@ -299,6 +323,7 @@ def _auto_pgd(
                 if too_few or stalled:
                     eta /= 2
                     u, previous, current = best_u, best_u, best
+                    direction = best.gradient
         for i, value in enumerate(history):
             overall.history[i] = max(overall.history[i], value)
         if best.loss > overall.loss:
