@@ -109,6 +109,34 @@ def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
             str(tmp_path / out_name),
         ],
         "train-sam": [*train, "--reg", "sam", "--out", str(tmp_path / ("sam-" + out_name))],
+        "sharpness": [
+            "sharpness",
+            str(ckpt),
+            "--rho",
+            "0.05,0.1",
+            "--m",
+            "30",
+            "--steps",
+            "8",
+            "--restarts",
+            "2",
+            *common,
+        ],
+        "sharpness-average": [
+            "sharpness",
+            str(ckpt),
+            "--kind",
+            "average",
+            "--norm",
+            "linf",
+            "--rho",
+            "0.1",
+            "--m",
+            "40",
+            "--noise-draws",
+            "5",
+            *common,
+        ],
         "landscape": [
             "landscape",
             str(ckpt),
@@ -252,6 +280,25 @@ def test_landscape_on_two_ranks_is_the_single_process_grid_bitwise(two_ranks, ca
     assert (ref["evaluations"], par["evaluations"]) == (26, 27)
     csv_single = (tmp / "landscape-single.safetensors.csv").read_text()
     assert (tmp / "landscape-ddp.safetensors.csv").read_text() == csv_single
+
+
+@pytest.mark.parametrize("name", ["sharpness", "sharpness-average"])
+def test_sharpness_on_two_ranks_is_the_single_process_result_bitwise(two_ranks, capsys, name):
+    # the batches of m samples split over the ranks (4 or 3 of them), each rank drawing and
+    # discarding the other's random starts or noise: every batch as in one process
+    tmp, ckpt, bad, outputs = two_ranks
+    out0, err0, code0 = outputs[name, 0]
+    out1, err1, code1 = outputs[name, 1]
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert out1 == "" and err1 == ""
+    parallel = _one_json_document(out0)
+    assert parallel["environment"]["world_size"] == 2
+    single = run_cli(capsys, *_commands(tmp, ckpt, bad, "single.safetensors")[name])
+    assert single.code == 0, single.err
+    ref, par = single.json()["results"], parallel["results"]
+    assert ref["batches"] == par["batches"] > 2
+    assert ref["rows"] == par["rows"]
+    assert ref["rows"][0]["sharpness"] != 0
 
 
 def test_inf_on_one_rank_stops_every_rank_with_exit_3(two_ranks):

@@ -32,7 +32,7 @@ from sharpcli.analyses.landscape_directions import (
     checkpoint_direction,
     filter_normalized_direction,
 )
-from sharpcli.analyses.perturbed import PerturbedModel
+from sharpcli.analyses.perturbed import PerturbedModel, whole_analysis_set
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
@@ -198,19 +198,6 @@ def _eigen_directions(
     return directions, info
 
 
-def _whole_set(data: AnalysisData) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole analysis set on every rank: each rank's shard at its place in a zero tensor,
-    summed over the ranks (``v + 0 = v`` exactly); the shard itself with one rank."""
-    if data.world_size == 1:
-        return data.x, data.y
-    whole = []
-    for local in (data.x, data.y):
-        padded = local.new_zeros((data.num_samples, *local.shape[1:]))
-        padded[data.shard_start : data.shard_start + data.local_num_samples] = local
-        whole.append(all_reduce_sum(padded))
-    return whole[0], whole[1]
-
-
 def _evaluate_points(
     moved: PerturbedModel,
     x: torch.Tensor,
@@ -312,7 +299,7 @@ def landscape(
         ys = grid_coordinates(config.steps, -width, width)
     flat = [torch.cat([t.reshape(-1) for t in d]) for d in chosen]
     points: list[tuple[float, float | None]] = [(a, b) for b in (ys or [None]) for a in xs]
-    x, y = _whole_set(data)
+    x, y = whole_analysis_set(data)
     with PerturbedModel(model, names, None, data.loss, data.batch_size) as moved:
         moved.error_source = "span"
         centre = moved.evaluate(None, x, y).loss

@@ -33,7 +33,14 @@ across the kink without raising the best loss, Auto-PGD halves its step to its f
 stops at a point that is not a maximum along the kink (on the 77-weight ReLU net of the
 tests, linf ball: 0.0156078 where a float64 projected ascent finds 0.0156337, coordinates
 with gradients of 6e-4 still inside the box). The accumulated gradient averages the two
-sides, so its sign points along the kink; the same net then reaches 0.0156446.
+sides, so its sign points along the kink; the same net then reaches 0.0156468.
+
+Under ``torchrun`` (W ranks) the batches ``S`` are split across the ranks, batch ``b`` to rank
+``b mod W``, each evaluated on the whole analysis set's samples of that batch (rebuilt once
+from the shards); a rank skips another rank's batch by drawing, and discarding, the random
+numbers that batch takes, so every batch sees the same draws as in one process. The
+per-batch results are gathered by an all-reduce of zero-padded rows: the result is bitwise
+the single-process one.
 """
 
 from __future__ import annotations
@@ -45,8 +52,13 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue, progress
-from sharpcli.analyses.perturbed import PerturbedModel, normalization_parameters
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.analyses.perturbed import (
+    Evaluation,
+    PerturbedModel,
+    normalization_parameters,
+    whole_analysis_set,
+)
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
 
@@ -352,6 +364,71 @@ def _mean_or_none(values: list) -> float | None:
     return None if any(v is None for v in values) else math.fsum(values) / len(values)
 
 
+def _batch_row(
+    moved: PerturbedModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    start: Evaluation,
+    rho: float,
+    config: SharpnessConfig,
+    gen: torch.Generator,
+    weights: torch.Tensor,
+) -> list[float]:
+    """One batch's row of the table in :func:`sharpness`: sharpness, perturbed loss,
+    accuracy, has accuracy, maximiser norm, noise variance of the mean, history."""
+    if config.kind == "worst-case":
+        found = _auto_pgd(moved, x, y, start.loss, rho, config, gen)
+        accuracy = start.accuracy if found.accuracy is None else found.accuracy
+        history = [h - start.loss for h in found.history]
+        head = [found.loss - start.loss, found.loss, accuracy or 0.0, float(accuracy is not None)]
+        return head + [_norm(found.u, config.norm), 0.0] + history
+    draws = [
+        moved.evaluate(_noise(moved.dim, rho, config.norm, gen, weights), x, y)
+        for _ in range(config.noise_draws)
+    ]
+    mean, err = _mean_stderr([d.loss for d in draws])
+    accuracy = _mean_or_none([d.accuracy for d in draws])
+    head = [mean - start.loss, mean, accuracy or 0.0, float(accuracy is not None), 0.0]
+    return head + [float(err or 0.0) ** 2]
+
+
+def _skip_draws(
+    dim: int, rho: float, config: SharpnessConfig, gen: torch.Generator, like: torch.Tensor
+) -> None:
+    """Draw and discard what one batch of another rank draws (module docstring)."""
+    if config.kind == "worst-case":
+        for _ in range(config.restarts - 1):
+            _random_start(dim, rho, config.norm, gen, like)
+    else:
+        for _ in range(config.noise_draws):
+            _noise(dim, rho, config.norm, gen, like)
+
+
+def _row(rho: float, table: torch.Tensor, starts: list, config: SharpnessConfig) -> SharpnessRow:
+    """The row of one rho from its batches' rows (:func:`_batch_row`), in batch order."""
+    column = [[float(v) for v in table[:, k]] for k in range(table.shape[1])]
+    mean, stderr = _mean_stderr(column[0])
+    worst = config.kind == "worst-case"
+    stderr_noise = None
+    if not worst:
+        stderr_noise = math.sqrt(math.fsum(column[5])) / len(column[5])
+        if stderr is None:
+            stderr = stderr_noise
+    accs = [a if has > 0 else None for a, has in zip(column[2], column[3])]
+    return SharpnessRow(
+        rho=rho,
+        sharpness=mean,
+        stderr=stderr,
+        loss=math.fsum(s.loss for s in starts) / len(starts),
+        loss_perturbed=math.fsum(column[1]) / len(column[1]),
+        accuracy=_mean_or_none([s.accuracy for s in starts]),
+        accuracy_perturbed=_mean_or_none(accs),
+        perturbation_norm=max(column[4]) if worst else None,
+        stderr_noise=stderr_noise,
+        history=[math.fsum(h) / len(h) for h in column[6:]] if worst else None,
+    )
+
+
 def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> SharpnessResult:
     """Worst-case or average-case sharpness of ``model`` on ``data`` for each rho
     ([Andriushchenko2023]; module docstring).
@@ -385,68 +462,36 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
     named = dict(model.named_parameters())
     weights = torch.cat([named[n].detach().reshape(-1) for n in names])
     scale = weights.abs() if config.adaptive else None
-    x, y = data.x, data.y
+    x, y = whole_analysis_set(data)
     n = int(x.shape[0])
     m = n if config.m is None else min(int(config.m), n)
     chunks = [(x[s : s + m], y[s : s + m]) for s in range(0, n, m)]
     gen = torch.Generator().manual_seed(int(config.seed))
-    rows = []
-    total = len(chunks) * len(config.rhos)
+    rank, world = data.rank, data.world_size
+    # per rho and batch: sharpness, loss_perturbed, accuracy, has accuracy, norm, noise
+    # variance, history; filled by the batch's rank, zeros elsewhere, summed over the ranks
+    width = 6 + (config.steps + 1 if config.kind == "worst-case" else 0)
+    table = torch.zeros(len(config.rhos), len(chunks), width, dtype=torch.float64)
+    mine = [b for b in range(len(chunks)) if b % world == rank]
     with (
         PerturbedModel(model, names, scale, data.loss, data.batch_size) as moved,
-        progress.start("sharpness", total=total, unit="batches") as run,
+        progress.start("sharpness", total=len(mine) * len(config.rhos), unit="batches") as run,
     ):
         starts = [moved.evaluate(None, cx, cy) for cx, cy in chunks]
         for r, rho in enumerate(config.rhos):
-            per_batch, perturbed, accs, noise_vars, norms, histories = [], [], [], [], [], []
             for b, ((cx, cy), start) in enumerate(zip(chunks, starts)):
-                if config.kind == "worst-case":
-                    found = _auto_pgd(moved, cx, cy, start.loss, rho, config, gen)
-                    perturbed.append(found.loss)
-                    accs.append(start.accuracy if found.accuracy is None else found.accuracy)
-                    norms.append(_norm(found.u, config.norm))
-                    histories.append([h - start.loss for h in found.history])
-                else:
-                    draws = [
-                        moved.evaluate(_noise(moved.dim, rho, config.norm, gen, weights), cx, cy)
-                        for _ in range(config.noise_draws)
-                    ]
-                    losses = [d.loss for d in draws]
-                    mean, err = _mean_stderr(losses)
-                    perturbed.append(mean)
-                    accs.append(_mean_or_none([d.accuracy for d in draws]))
-                    noise_vars.append(err**2)
-                per_batch.append(perturbed[-1] - start.loss)
-                run.update(r * len(chunks) + b + 1, detail=f"rho {rho:g}")
-            mean, stderr = _mean_stderr(per_batch)
-            stderr_noise = (
-                math.sqrt(math.fsum(noise_vars)) / len(noise_vars) if noise_vars else None
-            )
-            if stderr is None and stderr_noise is not None:
-                stderr = stderr_noise
-            history = (
-                [
-                    math.fsum(h[i] for h in histories) / len(histories)
-                    for i in range(config.steps + 1)
-                ]
-                if histories
-                else None
-            )
-            rows.append(
-                SharpnessRow(
-                    rho=float(rho),
-                    sharpness=mean,
-                    stderr=stderr,
-                    loss=math.fsum(s.loss for s in starts) / len(starts),
-                    loss_perturbed=math.fsum(perturbed) / len(perturbed),
-                    accuracy=_mean_or_none([s.accuracy for s in starts]),
-                    accuracy_perturbed=_mean_or_none(accs),
-                    perturbation_norm=max(norms) if norms else None,
-                    stderr_noise=stderr_noise,
-                    history=history,
+                if b % world != rank:
+                    _skip_draws(moved.dim, rho, config, gen, weights)
+                    continue
+                table[r, b] = torch.tensor(
+                    _batch_row(moved, cx, cy, start, rho, config, gen, weights),
+                    dtype=torch.float64,
                 )
-            )
-        run.finish(total)
+                run.update(r * len(mine) + mine.index(b) + 1, detail=f"rho {rho:g}")
+        run.finish(len(mine) * len(config.rhos))
+        evaluations = int(all_reduce_sum(float(moved.evaluations)))
+    all_reduce_sum(table)
+    rows = [_row(float(rho), table[r], starts, config) for r, rho in enumerate(config.rhos)]
     notes = []
     if config.adaptive and bool((weights == 0).any()):
         zeros = int((weights == 0).sum())
@@ -459,6 +504,6 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
         excluded=excluded,
         batches=len(chunks),
         m=m,
-        evaluations=moved.evaluations,
+        evaluations=evaluations,
         notes=notes,
     )
