@@ -109,6 +109,45 @@ def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
             str(tmp_path / out_name),
         ],
         "train-sam": [*train, "--reg", "sam", "--out", str(tmp_path / ("sam-" + out_name))],
+        "sharpness": [
+            "sharpness",
+            str(ckpt),
+            "--rho",
+            "0.05,0.1",
+            "--m",
+            "30",
+            "--steps",
+            "8",
+            "--restarts",
+            "2",
+            *common,
+        ],
+        "sharpness-average": [
+            "sharpness",
+            str(ckpt),
+            "--kind",
+            "average",
+            "--norm",
+            "linf",
+            "--rho",
+            "0.1",
+            "--m",
+            "40",
+            "--noise-draws",
+            "5",
+            *common,
+        ],
+        "landscape": [
+            "landscape",
+            str(ckpt),
+            "--steps",
+            "5",
+            "--span",
+            "0.5",
+            "--csv",
+            str(tmp_path / ("landscape-" + out_name + ".csv")),
+            *common,
+        ],
     }
 
 
@@ -163,7 +202,7 @@ def two_ranks(tmp_path_factory):
     ckpt, bad = _make_files(tmp)
     manager = mp.Manager()
     codes = manager.dict()
-    ports = [_free_port() for _ in range(6)]
+    ports = [_free_port() for _ in _commands(tmp, ckpt, bad, "ddp.safetensors")]
     mp.spawn(_rank_main, args=(2, ports, str(tmp), str(ckpt), str(bad), codes), nprocs=2, join=True)
     outputs = {}
     for name in _commands(tmp, ckpt, bad, "ddp.safetensors"):
@@ -218,6 +257,48 @@ def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, na
             abs(par["ggn_trace_check"]["sampled_label"] - par["ggn_trace_check"]["exact"])
             <= 4 * par["ggn_trace_check"]["sampled_label_stderr"]
         )
+
+
+def test_landscape_on_two_ranks_is_the_single_process_grid_bitwise(two_ranks, capsys):
+    # the 25 points split 13 / 12 over the ranks, each evaluated on the whole set in one
+    # process's batches: the same floats, not merely close ones
+    tmp, ckpt, bad, outputs = two_ranks
+    out0, err0, code0 = outputs["landscape", 0]
+    out1, err1, code1 = outputs["landscape", 1]
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert out1 == "" and err1 == ""
+    parallel = _one_json_document(out0)
+    assert parallel["environment"]["world_size"] == 2
+    single = run_cli(capsys, *_commands(tmp, ckpt, bad, "single.safetensors")["landscape"])
+    assert single.code == 0, single.err
+    ref, par = single.json()["results"], parallel["results"]
+    assert len(ref["loss"]) == 5 and len(ref["loss"][0]) == 5
+    for key in ("x", "y", "loss", "accuracy", "centre_loss", "loss_min", "loss_max"):
+        assert par[key] == ref[key], key
+    assert par["directions"]["norms"] == ref["directions"]["norms"]
+    # one pass per point plus the centre: once in one process, once per rank in two
+    assert (ref["evaluations"], par["evaluations"]) == (26, 27)
+    csv_single = (tmp / "landscape-single.safetensors.csv").read_text()
+    assert (tmp / "landscape-ddp.safetensors.csv").read_text() == csv_single
+
+
+@pytest.mark.parametrize("name", ["sharpness", "sharpness-average"])
+def test_sharpness_on_two_ranks_is_the_single_process_result_bitwise(two_ranks, capsys, name):
+    # the batches of m samples split over the ranks (4 or 3 of them), each rank drawing and
+    # discarding the other's random starts or noise: every batch as in one process
+    tmp, ckpt, bad, outputs = two_ranks
+    out0, err0, code0 = outputs[name, 0]
+    out1, err1, code1 = outputs[name, 1]
+    assert (code0, code1) == (0, 0), (err0, err1)
+    assert out1 == "" and err1 == ""
+    parallel = _one_json_document(out0)
+    assert parallel["environment"]["world_size"] == 2
+    single = run_cli(capsys, *_commands(tmp, ckpt, bad, "single.safetensors")[name])
+    assert single.code == 0, single.err
+    ref, par = single.json()["results"], parallel["results"]
+    assert ref["batches"] == par["batches"] > 2
+    assert ref["rows"] == par["rows"]
+    assert ref["rows"][0]["sharpness"] != 0
 
 
 def test_inf_on_one_rank_stops_every_rank_with_exit_3(two_ranks):

@@ -7,6 +7,16 @@ of ``steps`` points in ``[-span, span]``; along a second checkpoint's line ``d1 
 directions (:mod:`sharpcli.analyses.landscape_directions`) are filter-normalized Gaussian ones,
 the top Hessian eigenvectors, or that line; each grid point is one pass over the analysis set
 in batches, in eval mode (BatchNorm's running statistics stay those of CKPT).
+
+Under ``torchrun`` (W ranks) the grid points are split across the ranks, point ``i`` to rank
+``i mod W``, and each rank evaluates its points on the WHOLE analysis set (rebuilt once from
+the ranks' shards by an all-reduce of zero-padded copies, which adds only zeros), in the same
+batches as one process. Every point is then the very computation one process makes, so the
+grid is bitwise the single-process grid (random, checkpoint and file directions; eigen
+directions come from the data-parallel Hessian, equal to one process's up to summation
+order). The points are gathered by one more all-reduce of zero-padded rows, on every rank;
+rank 0 writes them. Splitting points rather than data needs no reduction per point and keeps
+each evaluation identical to one process's.
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ from sharpcli.analyses.landscape_directions import (
     checkpoint_direction,
     filter_normalized_direction,
 )
-from sharpcli.analyses.perturbed import PerturbedModel
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.analyses.perturbed import PerturbedModel, whole_analysis_set
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
 
@@ -188,6 +198,44 @@ def _eigen_directions(
     return directions, info
 
 
+def _evaluate_points(
+    moved: PerturbedModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    flat: list[torch.Tensor],
+    points: list[tuple[float, float | None]],
+    rank: int,
+    world: int,
+) -> tuple[list[float], list[float | None], int]:
+    """Loss and accuracy at every point, this rank evaluating points ``rank, rank + world, ...``
+    and the rows gathered over the ranks (module docstring).
+
+    Returns:
+        The losses, the accuracies (None where the loss has none) and the passes over the set
+        made by all ranks together.
+    """
+    mine = list(range(rank, len(points), world))
+    # per point: loss, accuracy, has an accuracy; one more row: the passes made
+    rows = torch.zeros(len(points) + 1, 3, dtype=torch.float64)
+    with progress.start("landscape", total=len(mine), unit="points") as run:
+        for done, index in enumerate(mine, start=1):
+            a, b = points[index]
+            u = a * flat[0] if b is None else a * flat[0] + b * flat[1]
+            found = moved.evaluate(u, x, y)
+            has_accuracy = found.accuracy is not None
+            rows[index] = torch.tensor(
+                [found.loss, found.accuracy if has_accuracy else 0.0, float(has_accuracy)],
+                dtype=torch.float64,
+            )
+            run.update(done, detail=f"loss {found.loss:.4g}")
+        run.finish(len(mine))
+    rows[-1, 0] = moved.evaluations
+    all_reduce_sum(rows)
+    losses = [float(v) for v in rows[:-1, 0]]
+    accuracies = [float(r[1]) if r[2] > 0 else None for r in rows[:-1]]
+    return losses, accuracies, int(rows[-1, 0])
+
+
 def landscape(
     model: nn.Module,
     data: AnalysisData,
@@ -200,7 +248,8 @@ def landscape(
     """The loss and accuracy on a grid through ``model``'s weights (module docstring).
 
     The model's parameters move in place during the run and are restored exactly after it.
-    Progress: a ``landscape`` run counting grid points.
+    Progress: a ``landscape`` run counting this rank's grid points. Under torchrun every rank
+    returns the whole grid (module docstring); ``evaluations`` counts every rank's passes.
 
     Args:
         model: the model, in eval mode (CKPT).
@@ -249,21 +298,14 @@ def landscape(
         width = 1.0 if config.along == "checkpoint" else span
         ys = grid_coordinates(config.steps, -width, width)
     flat = [torch.cat([t.reshape(-1) for t in d]) for d in chosen]
-    points = [(a, b) for b in (ys or [None]) for a in xs]
-    losses, accuracies = [], []
-    with (
-        PerturbedModel(model, names, None, data.loss, data.batch_size) as moved,
-        progress.start("landscape", total=len(points), unit="points") as run,
-    ):
+    points: list[tuple[float, float | None]] = [(a, b) for b in (ys or [None]) for a in xs]
+    x, y = whole_analysis_set(data)
+    with PerturbedModel(model, names, None, data.loss, data.batch_size) as moved:
         moved.error_source = "span"
-        centre = moved.evaluate(None, data.x, data.y).loss
-        for index, (a, b) in enumerate(points):
-            u = a * flat[0] if b is None else a * flat[0] + b * flat[1]
-            found = moved.evaluate(u, data.x, data.y)
-            losses.append(found.loss)
-            accuracies.append(found.accuracy)
-            run.update(index + 1, detail=f"loss {found.loss:.4g}")
-        run.finish(len(points))
+        centre = moved.evaluate(None, x, y).loss
+        losses, accuracies, evaluations = _evaluate_points(
+            moved, x, y, flat, points, data.rank, data.world_size
+        )
     loss_grid: list = losses
     acc_grid: list | None = None if any(a is None for a in accuracies) else accuracies
     if ys is not None:
@@ -285,7 +327,7 @@ def landscape(
         params=scope.spec,
         num_params=scope.numel,
         directions=info,
-        evaluations=moved.evaluations,
+        evaluations=evaluations,
         notes=notes,
     )
     return result, chosen, names

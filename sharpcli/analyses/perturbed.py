@@ -15,11 +15,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sharpcli.curvature.data import to_model_batch
+from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import NumericalError
 from sharpcli.losses import get_loss, per_sample_loss
 
-__all__ = ["NORMALIZATION_TYPES", "Evaluation", "PerturbedModel", "normalization_parameters"]
+__all__ = [
+    "NORMALIZATION_TYPES",
+    "Evaluation",
+    "PerturbedModel",
+    "normalization_parameters",
+    "whole_analysis_set",
+]
 
 # modules whose parameters are a normalization layer's affine (gamma, beta)
 NORMALIZATION_TYPES: tuple[type, ...] = (
@@ -28,6 +34,29 @@ NORMALIZATION_TYPES: tuple[type, ...] = (
     nn.GroupNorm,
     nn.LocalResponseNorm,
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def whole_analysis_set(data: AnalysisData) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole analysis set on every rank under torchrun: each rank's shard at its place in
+    a zero tensor, summed over the ranks (``v + 0 = v`` exactly); the set itself with one rank.
+
+    The sharpness and landscape analyses split their work (batches, grid points) across the
+    ranks instead of the samples, so that each piece is the computation one process makes.
+
+    Args:
+        data: the analysis set (this rank's shard).
+
+    Returns:
+        The inputs and targets of all ``data.num_samples`` samples.
+    """
+    if data.world_size == 1:
+        return data.x, data.y
+    whole = []
+    for local in (data.x, data.y):
+        padded = local.new_zeros((data.num_samples, *local.shape[1:]))
+        padded[data.shard_start : data.shard_start + data.local_num_samples] = local
+        whole.append(all_reduce_sum(padded))
+    return whole[0], whole[1]
 
 
 def normalization_parameters(model: nn.Module) -> set[str]:

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli import distributed
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.app import app
 from sharpcli.report.tables import key_value_table, records_table
@@ -126,18 +127,23 @@ def landscape_command(
     results = result.to_dict()
     if kind == "checkpoint":
         results["directions"]["second_checkpoint"] = along
-    if save_directions is not None:
+    # under torchrun every rank holds the grid and the directions; rank 0 writes the files
+    writes = distributed.is_main_process()
+    if save_directions is not None and writes:
         write_directions(save_directions, names, used, results["directions"])
+    if save_directions is not None:
         results["directions_file"] = save_directions
-    if csv_path is not None:
+    if csv_path is not None and writes:
         from sharpcli.atomic import write_text_atomic
 
         write_text_atomic(csv_path, _csv_text(result.csv_rows()))
+    if csv_path is not None:
         results["csv"] = csv_path
-    if plot is not None:
+    if plot is not None and writes:
         from sharpcli.report.landscape_plot import plot_landscape
 
         plot_landscape(results, plot, title=f"loss landscape of {checkpoint} ({kind})")
+    if plot is not None:
         results["plot"] = plot
     settings = opts.report_settings(along=along, dims=config.dims, span=config.half_width)
     report = session.report("landscape", settings, results, matvecs=0)
