@@ -11,7 +11,8 @@ import math
 
 from torch import nn
 
-from sharpcli.api import Curvature, integer_argument, seed_argument
+from sharpcli.api import Curvature
+from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.errors import UsageError
 
 

@@ -1,0 +1,80 @@
+"""A model as the in-memory API analyses it: unwrapped, in eval mode, twice differentiable.
+
+:func:`analysis_mode` is the mode of every product of :class:`sharpcli.api.Curvature`, and
+:class:`EvalModeOperator` carries it into the operators a user holds and multiplies later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from torch import nn
+
+from sharpcli.curvature import CurvatureOperator
+from sharpcli.curvature.differentiable import twice_differentiable
+
+
+@contextlib.contextmanager
+def analysis_mode(model: nn.Module):
+    """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
+
+    :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+    """
+    with eval_mode(model), twice_differentiable():
+        yield model
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """``model`` in eval mode inside the block; every module's own mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile``.
+
+    Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
+    plain module, whose forward is twice differentiable.
+    """
+    while True:
+        compiled = getattr(model, "_orig_mod", None)  # torch.compile
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(compiled, nn.Module):
+            model = compiled
+        else:
+            return model
+
+
+class EvalModeOperator(CurvatureOperator):
+    """``inner`` (a registered operator) with every product run in ``mode``.
+
+    ``mode`` is eval mode and the token loss's averaging; ``inner`` keeps the count of
+    products it made.
+    """
+
+    def __init__(
+        self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]
+    ):
+        super().__init__(inner.shape[0], inner.dtype, inner.device)
+        self.name = inner.name
+        self.inner = inner
+        self.mode = mode  # Curvature._analysis_mode
+        self.curvature_pass = getattr(inner, "curvature_pass", None)
+        self.scope = getattr(inner, "scope", None)
+
+    def _matmat(self, V):
+        with self.mode():
+            return self.inner.matmat(V)
+
+    def clear_cache(self) -> None:
+        """Drop the cached first-order graphs of the underlying pass."""
+        self.inner.clear_cache()
