@@ -38,6 +38,7 @@ the batch size or the ranks.
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -85,7 +86,7 @@ def fisher_residuals(
     return r
 
 
-class _OuterProductOperator(CurvatureOperator):
+class _OuterProductOperator(CurvatureOperator, abc.ABC):
     """``A v = sum_i J_i^T sum_s r_is (r_is . J_i v)`` for residuals ``r`` given per batch.
 
     Subclasses supply :meth:`_residuals` (shape ``(S, B, ...)`` like the batch's logits, with
@@ -98,8 +99,9 @@ class _OuterProductOperator(CurvatureOperator):
         self.engine = curvature_pass
         self.model, self.data, self.scope = curvature_pass.model, curvature_pass.data, scope
 
+    @abc.abstractmethod
     def _residuals(self, index: int, graph: BatchGraph) -> torch.Tensor:
-        raise NotImplementedError
+        """The residuals ``r_is / sqrt(N S)`` of batch ``index`` (shape ``(S, B, ...)``)."""
 
     def _batch_product(self, R: torch.Tensor, graph: BatchGraph, V, batched: bool) -> tuple:
         """``(A_b V,)`` on one batch: ``J v`` by the engine's reverse pass, then ``J^T u``."""
