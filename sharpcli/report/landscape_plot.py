@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.ticker import MaxNLocator
+
 from sharpcli.report.plots import _figure, _finite, _save
 
 __all__ = ["plot_landscape"]
@@ -75,6 +77,8 @@ def _plane(results: dict, path, title: str) -> Path:
     surface.plot_surface(grid_x, grid_y, z, cmap="viridis", linewidth=0, antialiased=True)
     surface.set_zlabel("loss", fontsize=8)
     surface.tick_params(labelsize=7)
+    for axis in (surface.xaxis, surface.yaxis):  # the default 9 ticks run into each other
+        axis.set_major_locator(MaxNLocator(5))
     surface.set_box_aspect(None, zoom=0.85)  # room for the z label
     fig.suptitle(title)
     fig.tight_layout()
