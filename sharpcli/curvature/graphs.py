@@ -42,7 +42,15 @@ class ByteCounter:
     nbytes: int = 0
 
     def pack(self, tensor):
-        """Count ``tensor``'s storage (once) and keep the tensor itself."""
+        """Count ``tensor``'s storage (once) and keep a detached view of it.
+
+        Not ``tensor`` itself: a node that saves its own output (softmax, tanh, exp, ...) would
+        then hold, through the packed tensor's ``grad_fn``, a strong reference to itself, a
+        cycle inside autograd that Python's collector cannot see. A graph kept with
+        ``retain_graph=True`` (every product's double backward) was then never freed: each
+        rebuilt graph leaked whole, ~0.2 GB a product at GPT-2 small (docs/memory.md). The
+        detached view shares the storage and version counter; autograd restores the saved
+        tensor's ``grad_fn`` itself on unpacking, so double backward is unchanged."""
         try:
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
@@ -54,7 +62,7 @@ class ByteCounter:
             NotImplementedError,
         ):  # tensors without storage (e.g. sparse) count by size
             self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
+        return tensor.detach()
 
     @staticmethod
     def unpack(tensor):
