@@ -34,12 +34,29 @@ class ByteCounter:
     """Saved-tensor hooks that count the bytes a graph keeps (each storage once).
 
     Attributes:
-        seen: the storages counted so far.
+        seen: the storages counted so far (start it with storages held anyway, such as the
+            model's weights, to count only what the graph adds).
         nbytes: their bytes.
     """
 
     seen: set = field(default_factory=set)
     nbytes: int = 0
+
+    @staticmethod
+    def key(tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``(data pointer, bytes)`` of ``tensor``'s storage, None when it has none (sparse).
+
+        Args:
+            tensor: any tensor.
+
+        Returns:
+            The key under which :attr:`seen` records the storage.
+        """
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        return (storage.data_ptr(), storage.nbytes())
 
     def pack(self, tensor):
         """Count ``tensor``'s storage (once) and keep a detached view of it.
@@ -51,17 +68,12 @@ class ByteCounter:
         rebuilt graph leaked whole, ~0.2 GB a product at GPT-2 small (docs/memory.md). The
         detached view shares the storage and version counter; autograd restores the saved
         tensor's ``grad_fn`` itself on unpacking, so double backward is unchanged."""
-        try:
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in self.seen:
-                self.seen.add(key)
-                self.nbytes += storage.nbytes()
-        except (
-            RuntimeError,
-            NotImplementedError,
-        ):  # tensors without storage (e.g. sparse) count by size
+        key = self.key(tensor)
+        if key is None:  # tensors without storage (e.g. sparse) count by size
             self.nbytes += tensor.numel() * tensor.element_size()
+        elif key not in self.seen:
+            self.seen.add(key)
+            self.nbytes += key[1]
         return tensor.detach()
 
     @staticmethod
