@@ -5,7 +5,7 @@ Every built-in that has a name is declared once, where it is implemented
 record). This command imports every module of the package below the CLI, collects each
 declared object defined there (in module order, then in the order of definition) and writes
 their records into :mod:`sharpcli.catalogue.index`, the torch-free file that ``--help`` and
-completion read, and the tables of regularizers and operators into the pages of the
+completion read, and the tables of regularizers, trace estimators and operators into the pages of the
 repository's docs/ (between markers). ``--check`` writes nothing and exits 1 when a file is
 not what the declarations make (``.ci/run`` and ``tests/catalogue/test_generated.py`` run it).
 
@@ -30,6 +30,7 @@ from sharpcli.specs import Param
 __all__ = [
     "INDEX",
     "collect",
+    "estimator_table",
     "main",
     "refresh_docs",
     "regularizer_table",
@@ -181,9 +182,26 @@ def regularizer_table(entries: list[Entry]) -> str:
     return "\n".join(rows)
 
 
+def estimator_table(entries: list[Entry]) -> str:
+    """The Markdown table of the trace estimators (docs/commands/trace.md).
+
+    Args:
+        entries: the estimators' records, in order (the first is ``--estimator``'s default).
+
+    Returns:
+        The table: name (the default marked), what it computes, its paper key.
+    """
+    rows = ["| `--estimator` | what it does | paper |", "|---|---|---|"]
+    for i, e in enumerate(entries):
+        shown = f"`{e.name}` (default)" if i == 0 else f"`{e.name}`"
+        rows.append(f"| {shown} | {_cell(e.summary)} | {e.paper} |")
+    return "\n".join(rows)
+
+
 # each generated table: the page, the kind and how its records become the table
 TABLES = (
     ("commands/train.md", "regularizer", regularizer_table),
+    ("commands/trace.md", "estimator", estimator_table),
     ("commands/eigen.md", "operator", operator_table),  # the --operator help's table
 )
 

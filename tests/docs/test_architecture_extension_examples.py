@@ -170,12 +170,19 @@ def _package_copy(tmp_path: Path, module: str, heading: str) -> dict:
     shutil.copytree(
         root / "sharpcli", tmp_path / "sharpcli", ignore=shutil.ignore_patterns("__pycache__")
     )
+    shutil.copytree(root / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
     (tmp_path / module).write_text(example(heading), encoding="utf-8")
     env = os.environ | {"PYTHONPATH": str(tmp_path), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     generate = [sys.executable, "-m", "sharpcli.catalogue.generate"]
     subprocess.run(generate, env=env, cwd=tmp_path, check=True, capture_output=True)
-    check = subprocess.run([*generate, "--check"], env=env, cwd=tmp_path, capture_output=True)
-    assert check.returncode == 0, check.stderr
+    # the index and the docs' tables are fresh; the CLI reference, which links to those
+    # tables, needed no change
+    for command in (
+        [*generate, "--check"],
+        [sys.executable, "-m", "sharpcli.cli.reference", "--check"],
+    ):
+        check = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True)
+        assert check.returncode == 0, check.stderr
     return env
 
 
@@ -217,6 +224,8 @@ def test_a_new_regularizer_module_is_a_builtin_after_the_one_command(tmp_path):
     `--help` lists it; the CLI reference, which links to the generated tables, stays fresh."""
     env = _package_copy(tmp_path, "sharpcli/training/penalties/l1.py", "Adding a regularizer")
     assert "fa, l1, gp" in _flat(_sharp(env, "train", "--help").stdout)
+    table = (tmp_path / "docs" / "commands" / "train.md").read_text(encoding="utf-8")
+    assert "| `l1` | L + lam \\|\\|theta\\|\\|_1 | `lam=0.0001` |  |" in table
     lr, lam = 1e-6, 0.25
     runs = {}
     for value in (0.0, lam):
@@ -246,6 +255,8 @@ def test_a_new_estimator_module_is_a_builtin_after_the_one_command(tmp_path):
     env = _package_copy(tmp_path, "sharpcli/curvature/girard.py", "Adding a trace estimator")
     shown = _flat(_sharp(env, "trace", "--help").stdout)
     assert "girard (Gaussian probes averaged (Girard))" in shown
+    table = (tmp_path / "docs" / "commands" / "trace.md").read_text(encoding="utf-8")
+    assert "| `girard` | Gaussian probes averaged (Girard) | Girard1989 |" in table
     ckpt = str(tmp_path / "m.safetensors")
     trained = _sharp(env, *ONE_STEP, "--lr", "0.05", "-o", ckpt)
     assert trained.returncode == 0, trained.stderr
