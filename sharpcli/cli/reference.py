@@ -24,6 +24,7 @@ from pathlib import Path
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.generate import publish
 from sharpcli.cli import helptext, lazyhelp
 from sharpcli.cli.app import app
 
@@ -144,16 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sharpcli.cli.reference")
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     args = parser.parse_args(argv)
-    text = render()
-    current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-    if current == text:
-        return 0
-    if args.check:
-        print(f"stale: {PAGE}; run `python -m sharpcli.cli.reference`", file=sys.stderr)
-        return 1
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE}")
-    return 0
+    files = {PAGE: render()} if PAGE.parent.is_dir() else {}  # no docs/ where installed
+    return publish(files, args.check, "python -m sharpcli.cli.reference")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,14 @@ def test_declared_kinds_are_links_so_an_extension_leaves_the_page_as_it_is():
 def test_cells_keep_markdown_and_pipes_literal():
     assert reference._code("--json PATH|-") == "<code>--json PATH&#124;-</code>"
     assert reference._cell("a | *.weight [x] <= 1") == r"a \| \*.weight \[x\] &lt;= 1"
+
+
+def test_check_names_a_stale_page_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "cli-reference.md"
+    page.write_text("old\n", encoding="utf-8")
+    monkeypatch.setattr(reference, "PAGE", page)
+    assert reference.main(["--check"]) == 1
+    assert "run `python -m sharpcli.cli.reference`" in capsys.readouterr().err
+    assert page.read_text(encoding="utf-8") == "old\n"
+    assert reference.main([]) == 0 and page.read_text(encoding="utf-8") == reference.render()
+    assert reference.main(["--check"]) == 0
