@@ -105,7 +105,14 @@ class Tracker:
         self._curvature: Curvature | None = None
 
     def _curvature_for(self, model: nn.Module) -> Curvature:
-        """One Curvature per model (data read and checked once); rebuilt for another model."""
+        """One Curvature per model (data read and checked once); rebuilt for another model.
+
+        Args:
+            model: the model being trained.
+
+        Returns:
+            Its Curvature on the tracked data.
+        """
         if self._curvature is None or self._curvature.model is not model:
             self._curvature = Curvature(
                 model, self.loss, self.data, params=self.params, batch_size=self.batch_size

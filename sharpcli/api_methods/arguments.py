@@ -12,14 +12,33 @@ from sharpcli.preflight import check_seed, resolve_device, resolve_dtype
 
 
 def integer_argument(value, name: str, minimum: int = 1) -> int:
-    """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise."""
+    """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise.
+
+    Args:
+        value: the argument as passed.
+        name: the argument's name, the error's source.
+        minimum: the least value accepted.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        UsageError: (``name``) a bool, not an integer, or below ``minimum``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(f"must be an integer >= {minimum}, got {value!r}", source=name)
     return value
 
 
 def seed_argument(seed) -> int:
-    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
+    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`).
+
+    Args:
+        seed: the argument as passed.
+
+    Returns:
+        ``seed``; a UsageError on ``seed`` otherwise.
+    """
     return check_seed(seed, "seed")
 
 

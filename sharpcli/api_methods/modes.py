@@ -21,6 +21,12 @@ def analysis_mode(model: nn.Module):
 
     :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
     (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+
+    Args:
+        model: the module.
+
+    Yields:
+        ``model``, in that mode inside the block.
     """
     with eval_mode(model), twice_differentiable():
         yield model
@@ -28,7 +34,14 @@ def analysis_mode(model: nn.Module):
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module):
-    """``model`` in eval mode inside the block; every module's own mode restored after."""
+    """``model`` in eval mode inside the block; every module's own mode restored after.
+
+    Args:
+        model: the module.
+
+    Yields:
+        ``model``, in eval mode inside the block.
+    """
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -43,6 +56,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
     plain module, whose forward is twice differentiable.
+
+    Args:
+        model: a module, wrapped or not.
+
+    Returns:
+        The innermost plain module.
     """
     while True:
         compiled = getattr(model, "_orig_mod", None)  # torch.compile

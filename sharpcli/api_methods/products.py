@@ -45,6 +45,9 @@ class CurvatureProducts:
 
         A token loss is averaged over the analysis set per :attr:`token_reduction`
         (:func:`sharpcli.losses.token_reduction`).
+
+        Returns:
+            The context manager that enters both.
         """
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))

@@ -44,13 +44,31 @@ class SharpnessCallback(TrainerCallback):
         self.trainer = None
 
     def attach(self, trainer) -> "SharpnessCallback":
-        """Add this callback to ``trainer`` and log through it; returns the callback."""
+        """Add this callback to ``trainer`` and log through it.
+
+        Args:
+            trainer: the Hugging Face ``Trainer``.
+
+        Returns:
+            The callback.
+        """
         self.trainer = trainer
         trainer.add_callback(self)
         return self
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Refuse to run without a trainer to log through."""
+        """Refuse to run without a trainer to log through.
+
+        Args:
+            args: the trainer's ``TrainingArguments``.
+            state: its ``TrainerState``.
+            control: its ``TrainerControl``.
+            **kwargs: the rest of what the trainer passes.
+
+        Raises:
+            UsageError: (``trainer``) added with ``trainer.add_callback`` instead of
+                :meth:`attach`.
+        """
         if self.trainer is None:
             raise UsageError(
                 "the callback has no trainer to log through: add it with "
