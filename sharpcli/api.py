@@ -126,12 +126,12 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     def __init__(
         self,
         model: nn.Module,
-        loss,
-        data,
+        loss: str | nn.Module,
+        data: object,
         *,
         params: str | None = None,
-        device=None,
-        dtype=None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
@@ -183,7 +183,9 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         }
         return model_on_data(self.model, x, keywords, self.loss_reading)
 
-    def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
+    def _loss_and_data(
+        self, loss: str | nn.Module, collected: CollectedData
+    ) -> tuple[str, CollectedData]:
         """The loss name for the model's outputs, and the data with ignored labels applied.
 
         Args:

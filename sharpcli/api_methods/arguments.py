@@ -11,7 +11,7 @@ from sharpcli.errors import UsageError
 from sharpcli.preflight import check_seed, resolve_device, resolve_dtype
 
 
-def integer_argument(value, name: str, minimum: int = 1) -> int:
+def integer_argument(value: object, name: str, minimum: int = 1) -> int:
     """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise.
 
     Args:
@@ -30,7 +30,7 @@ def integer_argument(value, name: str, minimum: int = 1) -> int:
     return value
 
 
-def seed_argument(seed) -> int:
+def seed_argument(seed: object) -> int:
     """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`).
 
     Args:
@@ -42,7 +42,7 @@ def seed_argument(seed) -> int:
     return check_seed(seed, "seed")
 
 
-def dtype_argument(dtype, model_dtype: torch.dtype) -> torch.dtype:
+def dtype_argument(dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
     """The products' dtype: ``model_dtype`` for None, else a floating dtype or its name.
 
     Args:
@@ -67,7 +67,7 @@ def dtype_argument(dtype, model_dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def device_argument(device, model_device: torch.device) -> torch.device:
+def device_argument(device: str | torch.device | None, model_device: torch.device) -> torch.device:
     """The products' device: ``model_device`` for None, else ``device`` as torch reads it.
 
     Args:

@@ -10,14 +10,15 @@ first-order graphs and with the model in eval mode (:mod:`.products`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 from sharpcli.analyses.blocks import density_blocks, eigen_blocks, trace_blocks
 from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.api_methods.products import CurvatureProducts
-from sharpcli.curvature import spectral_density
+from sharpcli.curvature import EigenResult, SpectralDensity, TraceResult, spectral_density
+from sharpcli.curvature.diagonal import DiagonalResult
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
@@ -25,6 +26,36 @@ from sharpcli.errors import UsageError
 
 class CurvatureEstimates(CurvatureProducts):
     """Eigenvalues, traces, the diagonal, the spectral density and the GN/NME split."""
+
+    @overload
+    def eigenvalues(
+        self,
+        k: int = 1,
+        which: str = "largest",
+        operator: str = HESSIAN,
+        *,
+        method: str = "lanczos",
+        tol: float = 1e-3,
+        max_matvecs: int | None = None,
+        seed: int = 0,
+        return_eigenvectors: bool = False,
+        blocks: None = None,
+    ) -> EigenResult: ...
+
+    @overload
+    def eigenvalues(
+        self,
+        k: int = 1,
+        which: str = "largest",
+        operator: str = HESSIAN,
+        *,
+        method: str = "lanczos",
+        tol: float = 1e-3,
+        max_matvecs: int | None = None,
+        seed: int = 0,
+        return_eigenvectors: bool = False,
+        blocks: str | Mapping[str, str],
+    ) -> list[dict[str, Any]]: ...
 
     def eigenvalues(
         self,
@@ -38,7 +69,7 @@ class CurvatureEstimates(CurvatureProducts):
         seed: int = 0,
         return_eigenvectors: bool = False,
         blocks: str | Mapping[str, str] | None = None,
-    ):
+    ) -> EigenResult | list[dict[str, Any]]:
         r"""The ``k`` extreme eigenvalues of ``operator``, each certified by its residual.
 
         A Ritz pair :math:`(\theta, u)` is converged when
@@ -87,6 +118,32 @@ class CurvatureEstimates(CurvatureProducts):
                 **settings,
             )
 
+    @overload
+    def trace(
+        self,
+        operator: str = HESSIAN,
+        *,
+        estimator: str = DEFAULT_ESTIMATOR,
+        square: bool = False,
+        tol: float = 1e-2,
+        max_matvecs: int = 1000,
+        seed: int = 0,
+        blocks: None = None,
+    ) -> TraceResult: ...
+
+    @overload
+    def trace(
+        self,
+        operator: str = HESSIAN,
+        *,
+        estimator: str = DEFAULT_ESTIMATOR,
+        square: bool = False,
+        tol: float = 1e-2,
+        max_matvecs: int = 1000,
+        seed: int = 0,
+        blocks: str | Mapping[str, str],
+    ) -> list[dict[str, Any]]: ...
+
     def trace(
         self,
         operator: str = HESSIAN,
@@ -97,7 +154,7 @@ class CurvatureEstimates(CurvatureProducts):
         max_matvecs: int = 1000,
         seed: int = 0,
         blocks: str | Mapping[str, str] | None = None,
-    ):
+    ) -> TraceResult | list[dict[str, Any]]:
         r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
 
         The per-layer traces are those of the diagonal blocks.
@@ -150,7 +207,7 @@ class CurvatureEstimates(CurvatureProducts):
         probes: int = 100,
         max_products: int = 10000,
         seed: int = 0,
-    ):
+    ) -> DiagonalResult:
         r"""``diag(A)`` of ``operator`` per parameter, as ``sharp diagonal`` computes it.
 
         Args:
@@ -185,6 +242,32 @@ class CurvatureEstimates(CurvatureProducts):
                 seed=seed,
             )[1]
 
+    @overload
+    def density(
+        self,
+        operator: str = HESSIAN,
+        *,
+        probes: int = 4,
+        steps: int = 64,
+        grid_points: int = 512,
+        broadening: float | None = None,
+        seed: int = 0,
+        blocks: None = None,
+    ) -> SpectralDensity: ...
+
+    @overload
+    def density(
+        self,
+        operator: str = HESSIAN,
+        *,
+        probes: int = 4,
+        steps: int = 64,
+        grid_points: int = 512,
+        broadening: float | None = None,
+        seed: int = 0,
+        blocks: str | Mapping[str, str],
+    ) -> list[dict[str, Any]]: ...
+
     def density(
         self,
         operator: str = HESSIAN,
@@ -195,7 +278,7 @@ class CurvatureEstimates(CurvatureProducts):
         broadening: float | None = None,
         seed: int = 0,
         blocks: str | Mapping[str, str] | None = None,
-    ):
+    ) -> SpectralDensity | list[dict[str, Any]]:
         r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
 
         As in [Ubaru2017] and [Ghorbani2019].
@@ -265,7 +348,7 @@ class CurvatureEstimates(CurvatureProducts):
         seed: int = 0,
         label_samples: int = 4,
         ggn_estimator: str = "auto",
-    ) -> dict:
+    ) -> dict[str, Any]:
         r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts.
 
         [NME] eq. 2:

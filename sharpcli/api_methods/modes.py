@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from sharpcli.curvature import CurvatureOperator
@@ -16,7 +17,7 @@ from sharpcli.curvature.differentiable import twice_differentiable
 
 
 @contextlib.contextmanager
-def analysis_mode(model: nn.Module):
+def analysis_mode(model: nn.Module) -> Iterator[nn.Module]:
     """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
     :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
@@ -33,7 +34,7 @@ def analysis_mode(model: nn.Module):
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` in eval mode inside the block; every module's own mode restored after.
 
     Args:
@@ -81,8 +82,10 @@ class EvalModeOperator(CurvatureOperator):
     """
 
     def __init__(
-        self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]
-    ):
+        self,
+        inner: CurvatureOperator,
+        mode: Callable[[], contextlib.AbstractContextManager[object]],
+    ) -> None:
         super().__init__(inner.shape[0], inner.dtype, inner.device)
         self.name = inner.name
         self.inner = inner
@@ -90,7 +93,7 @@ class EvalModeOperator(CurvatureOperator):
         self.curvature_pass = getattr(inner, "curvature_pass", None)
         self.scope = getattr(inner, "scope", None)
 
-    def _matmat(self, V):
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
         with self.mode():
             return self.inner.matmat(V)
 

@@ -18,6 +18,8 @@ integration of ``args.report_to`` (TensorBoard, W&B, ...), like the loss.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.callbacks import missing_framework
 from sharpcli.errors import UsageError
 from sharpcli.tracker import Tracker
@@ -41,7 +43,7 @@ class SharpnessCallback(TrainerCallback):
 
     def __init__(self, loss, data, *, every: int = 100, **tracker_options):
         self.tracker = Tracker(loss, data, every=every, **tracker_options)
-        self.trainer = None
+        self.trainer: Any = None  # a transformers.Trainer, once attached
 
     def attach(self, trainer) -> "SharpnessCallback":
         """Add this callback to ``trainer`` and log through it.
