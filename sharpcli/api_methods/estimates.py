@@ -10,7 +10,7 @@ first-order graphs and with the model in eval mode (:mod:`.products`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, overload
+from typing import Any
 
 from sharpcli.analyses.blocks import density_blocks, eigen_blocks, trace_blocks
 from sharpcli.analyses.diagonal import diagonal_result
@@ -26,36 +26,6 @@ from sharpcli.errors import UsageError
 
 class CurvatureEstimates(CurvatureProducts):
     """Eigenvalues, traces, the diagonal, the spectral density and the GN/NME split."""
-
-    @overload
-    def eigenvalues(
-        self,
-        k: int = 1,
-        which: str = "largest",
-        operator: str = HESSIAN,
-        *,
-        method: str = "lanczos",
-        tol: float = 1e-3,
-        max_matvecs: int | None = None,
-        seed: int = 0,
-        return_eigenvectors: bool = False,
-        blocks: None = None,
-    ) -> EigenResult: ...
-
-    @overload
-    def eigenvalues(
-        self,
-        k: int = 1,
-        which: str = "largest",
-        operator: str = HESSIAN,
-        *,
-        method: str = "lanczos",
-        tol: float = 1e-3,
-        max_matvecs: int | None = None,
-        seed: int = 0,
-        return_eigenvectors: bool = False,
-        blocks: str | Mapping[str, str],
-    ) -> list[dict[str, Any]]: ...
 
     def eigenvalues(
         self,
@@ -117,32 +87,6 @@ class CurvatureEstimates(CurvatureProducts):
                 k_name="k",
                 **settings,
             )
-
-    @overload
-    def trace(
-        self,
-        operator: str = HESSIAN,
-        *,
-        estimator: str = DEFAULT_ESTIMATOR,
-        square: bool = False,
-        tol: float = 1e-2,
-        max_matvecs: int = 1000,
-        seed: int = 0,
-        blocks: None = None,
-    ) -> TraceResult: ...
-
-    @overload
-    def trace(
-        self,
-        operator: str = HESSIAN,
-        *,
-        estimator: str = DEFAULT_ESTIMATOR,
-        square: bool = False,
-        tol: float = 1e-2,
-        max_matvecs: int = 1000,
-        seed: int = 0,
-        blocks: str | Mapping[str, str],
-    ) -> list[dict[str, Any]]: ...
 
     def trace(
         self,
@@ -241,32 +185,6 @@ class CurvatureEstimates(CurvatureProducts):
                 max_products=max_products,
                 seed=seed,
             )[1]
-
-    @overload
-    def density(
-        self,
-        operator: str = HESSIAN,
-        *,
-        probes: int = 4,
-        steps: int = 64,
-        grid_points: int = 512,
-        broadening: float | None = None,
-        seed: int = 0,
-        blocks: None = None,
-    ) -> SpectralDensity: ...
-
-    @overload
-    def density(
-        self,
-        operator: str = HESSIAN,
-        *,
-        probes: int = 4,
-        steps: int = 64,
-        grid_points: int = 512,
-        broadening: float | None = None,
-        seed: int = 0,
-        blocks: str | Mapping[str, str],
-    ) -> list[dict[str, Any]]: ...
 
     def density(
         self,
