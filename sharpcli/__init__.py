@@ -8,6 +8,8 @@ data already in a notebook is :class:`sharpcli.Curvature` (docs/api.md), and
 imported on first use, so ``import sharpcli`` (and ``sharp --help``) does not load torch.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
 SCHEMA_ID = "sharpcli.report/2"
 
@@ -15,9 +17,18 @@ _LAZY = {"Curvature": "sharpcli.api", "Tracker": "sharpcli.tracker"}
 __all__ = ["Curvature", "SCHEMA_ID", "Tracker", "__version__"]
 
 
-def __getattr__(name: str):
-    """``sharpcli.Curvature`` and ``sharpcli.Tracker``, imported from :mod:`sharpcli.api` and :mod:`sharpcli.tracker` on
-    first access (PEP 562)."""
+def __getattr__(name: str) -> Any:
+    """``sharpcli.Curvature`` and ``sharpcli.Tracker`` on first access (PEP 562).
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The class, imported from :mod:`sharpcli.api` or :mod:`sharpcli.tracker`.
+
+    Raises:
+        AttributeError: ``name`` is neither.
+    """
     if name in _LAZY:
         import importlib
 
@@ -28,4 +39,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The module's names, the lazy ones included.
+
+    Returns:
+        The names, sorted.
+    """
     return sorted(set(globals()) | set(_LAZY))

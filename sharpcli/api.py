@@ -126,12 +126,12 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     def __init__(
         self,
         model: nn.Module,
-        loss,
-        data,
+        loss: str | nn.Module,
+        data: object,
         *,
         params: str | None = None,
-        device=None,
-        dtype=None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         batch_size: int | None = None,
         token_reduction: str | None = None,
     ):
@@ -165,7 +165,15 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:
-        """The model view on (the first ``rows`` of) the analysis set, on the analysis device."""
+        """The model view on (the first ``rows`` of) the analysis set, on the analysis device.
+
+        Args:
+            collected: the analysis set.
+            rows: how many of its first rows (default all).
+
+        Returns:
+            The view: a module that takes sample indices and returns the model's outputs.
+        """
         take = slice(None) if rows is None else slice(0, rows)
         x = None
         if collected.x is not None:
@@ -175,8 +183,22 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         }
         return model_on_data(self.model, x, keywords, self.loss_reading)
 
-    def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
-        """The loss name for the model's outputs, and the data with ignored labels applied."""
+    def _loss_and_data(
+        self, loss: str | nn.Module, collected: CollectedData
+    ) -> tuple[str, CollectedData]:
+        """The loss name for the model's outputs, and the data with ignored labels applied.
+
+        Args:
+            loss: the ``loss`` argument: a name or a loss module.
+            collected: the analysis set.
+
+        Returns:
+            The loss's name and the analysis set with its labels as the loss reads them.
+
+        Raises:
+            UsageError: the loss is neither, the model cannot run on the data, or the outputs
+                do not fit the loss.
+        """
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
@@ -221,6 +243,9 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
 
         An input the model cannot take (a token id beyond its embedding, say) is a UsageError
         on ``data`` here rather than an error in the middle of a curvature product.
+
+        Raises:
+            UsageError: a batch the model cannot run on.
         """
         index = torch.arange(self.num_samples, device=self.device)
         with torch.no_grad(), eval_mode(self._view):
@@ -237,7 +262,14 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
                     ) from None
 
     def _self_check(self, collected: CollectedData) -> None:
-        """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
+        """Refuse a model whose layers torch differentiates twice wrongly (8 samples).
+
+        Args:
+            collected: the analysis set.
+
+        Raises:
+            UsageError: torch's second derivatives of the model are wrong.
+        """
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
 

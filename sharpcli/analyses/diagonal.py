@@ -17,6 +17,7 @@ import torch
 
 from sharpcli import catalogue
 from sharpcli.analyses.spectrum import check_choice, curvature_pass, operator_of, scope_info
+from sharpcli.curvature.diagonal import DiagonalResult
 from sharpcli.errors import UsageError
 
 ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS.builtin_names()  # hutchinson, exact, gnb, per-sample
@@ -33,7 +34,7 @@ def diagonal_result(
     probes: int = 100,
     max_products: int = 10000,
     seed: int = 0,
-):
+) -> tuple[str, DiagonalResult]:
     """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
 
     Args:

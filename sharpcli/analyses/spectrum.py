@@ -29,6 +29,7 @@ from sharpcli.curvature.density import spectral_density
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
 from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
 from sharpcli.curvature.registry import (
     GGN,
@@ -39,6 +40,7 @@ from sharpcli.curvature.registry import (
     build_operator,
     operator_spec,
 )
+from sharpcli.curvature.ritz import EigenResult
 from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
@@ -156,7 +158,7 @@ def eigen_result(
     seed: int = 0,
     return_eigenvectors: bool = False,
     k_name: str = "k",
-):
+) -> EigenResult:
     """The ``k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
 
     The one dispatch behind ``sharp eigen`` (:func:`eigen`) and
@@ -297,7 +299,7 @@ def trace_result(
     tol: float = 1e-2,
     max_matvecs: int = 1000,
     seed: int = 0,
-):
+) -> TraceResult:
     """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
