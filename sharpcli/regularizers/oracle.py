@@ -65,9 +65,11 @@ class PerturbedOptimizer(torch.optim.Optimizer):
       the one backward (``weight-noise``): moves the weights to ``theta + e``; after the
       backward there, ``second_step(zero_grad=True)`` restores theta and steps.
 
-    ``step()`` without a closure is ``second_step()`` when a ``first_step`` is pending and a
-    plain step of the base optimizer otherwise (so a framework that calls ``step()`` once
-    per update can run the passes itself: :mod:`sharpcli.callbacks.hf_trainer`).
+    ``step()`` without a closure is ``second_step()`` when a ``first_step`` is pending. With
+    nothing pending it is refused (a plain step would silently train without the
+    regularizer, as a host that runs the closure itself and then calls ``step()`` would),
+    unless ``host_runs_passes`` is set by a host that runs the passes itself
+    (:mod:`sharpcli.callbacks.hf_trainer`): then it is the base optimizer's step.
 
     Args:
         base_optimizer: Any ``torch.optim.Optimizer`` over the parameters; its
@@ -119,6 +121,8 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self._saved: list[torch.Tensor] | None = None  # theta while perturbed
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._non_finite = False
+        #: set by a host that runs the passes and calls step() once per update
+        self.host_runs_passes = False
 
     # ----------------------------------------------------------------- what it acts on
     def _params(self) -> list[torch.Tensor]:
@@ -187,7 +191,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
             inverse = 1.0 / scaler.get_scale()
-            grads = torch._foreach_mul(grads, inverse)
+            grads = list(torch._foreach_mul(grads, inverse))
         return grads
 
     def _save_buffers(self) -> None:
@@ -237,7 +241,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             self.base_optimizer.step()
 
     # ----------------------------------------------------------------- the closure form
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update. With ``closure`` (forward + backward, returns the loss): every pass
         of the oracle, then the base step; returns the clean pass's loss (``weight-noise``,
         ``nso``: the first noisy pass's). Without: see the class.
@@ -251,6 +255,13 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         if closure is None:
             if self.pending:
                 return self.second_step()
+            if not self.host_runs_passes:
+                raise UsageError(
+                    f"{self.regularizer.name} takes its gradient at perturbed weights: call "
+                    "step(closure), or first_step() and second_step() around the perturbed "
+                    "backward; step() alone would be a plain step",
+                    source="optimizer",
+                )
             self._base_step()
             return None
         closure = torch.enable_grad()(closure)

@@ -1,0 +1,105 @@
+"""The perturbation oracles of ``sharp train`` (SAM, USAM, ASAM, weight-noise) in a Hugging
+Face ``Trainer`` run, with its gradient accumulation and mixed precision.
+
+::
+
+    from sharpcli import regularizers
+    from sharpcli.callbacks.hf_trainer import PerturbedTrainer
+
+    optimizer = regularizers.make("sam:rho=0.05", torch.optim.AdamW(model.parameters()),
+                                  model=model)
+    trainer = PerturbedTrainer(model=model, args=args, train_dataset=train,
+                               optimizers=(optimizer, None))
+    trainer.train()
+
+The ``Trainer`` calls ``optimizer.step()`` once per update, after the backward of every
+micro-batch of it. :class:`PerturbedTrainer` runs the oracle's passes there: it keeps the
+update's micro-batches; after the last one's backward (the gradient accumulated over all of
+them) it takes the wrapper's :meth:`~sharpcli.regularizers.PerturbedOptimizer.first_step`
+(the ascent on the accumulated gradient, unscaled by the fp16 grad scaler's scale), runs the
+backward of every micro-batch again at the perturbed weights, and restores the weights: the
+``Trainer``'s own clipping, grad-scaler step and learning-rate schedule then apply the
+gradient at the perturbed weights at theta. ``weight-noise`` perturbs before the update's
+first micro-batch instead and runs no second pass.
+
+Under ``DistributedDataParallel`` the clean backward of ``ascent_sync="per-replica"`` (the
+wrapper's default) stays local (``no_sync``); the Trainer all-reduces the perturbed pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from sharpcli.callbacks import missing_framework
+from sharpcli.errors import UsageError
+from sharpcli.regularizers import PerturbedOptimizer
+from sharpcli.training.penalties.noise import NSO, WeightNoise
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # the optional extra is not installed
+    raise missing_framework("transformers", "hf", exc) from exc
+
+__all__ = ["PerturbedTrainer"]
+
+
+class PerturbedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose optimizer is a :class:`PerturbedOptimizer`.
+
+    Pass the wrapper as ``optimizers=(wrapper, scheduler_or_None)``; every other argument is
+    the ``Trainer``'s. ``nso`` (``2k`` passes averaged) is refused: train it in a plain loop.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._micro_batches: list[tuple[Any, Any]] = []
+        oracle = self._oracle()
+        if isinstance(oracle.regularizer, NSO):
+            raise UsageError(
+                "nso averages 2k passes per update: train it with optimizer.step(closure) in "
+                "your own loop",
+                source="optimizers",
+            )
+        oracle.host_runs_passes = True
+
+    def _oracle(self) -> PerturbedOptimizer:
+        optimizer = self.optimizer
+        while optimizer is not None and not isinstance(optimizer, PerturbedOptimizer):
+            optimizer = getattr(optimizer, "optimizer", None)  # accelerate's wrapper
+        if optimizer is None:
+            raise UsageError(
+                "PerturbedTrainer needs optimizers=(sharpcli.regularizers.make(spec, "
+                "optimizer, model=model), None)",
+                source="optimizers",
+            )
+        return optimizer
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """The ``Trainer``'s step on one micro-batch; after the update's last, the oracle's
+        passes (see the module)."""
+        oracle = self._oracle()
+        if isinstance(oracle.regularizer, WeightNoise):
+            if not oracle.pending:
+                oracle.first_step()
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.accelerator.sync_gradients:
+                oracle.restore()
+            return loss
+        local = oracle.ascent_sync == "per-replica" and hasattr(model, "no_sync")
+        with model.no_sync() if local else contextlib.nullcontext():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._micro_batches.append((inputs, num_items_in_batch))
+        if self.accelerator.sync_gradients:
+            oracle.grad_scaler = getattr(self.accelerator, "scaler", None)
+            try:
+                oracle.first_step(zero_grad=True)
+            finally:
+                oracle.grad_scaler = None  # the Trainer's optimizer step runs the scaler
+            batches, self._micro_batches = self._micro_batches, []
+            for index, (again, count) in enumerate(batches):
+                last = index == len(batches) - 1
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    super().training_step(model, again, count)
+            oracle.restore()
+        return loss
