@@ -119,6 +119,8 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self.perturbed_updates_buffers = perturbed_updates_buffers
         self.generator = generator
         self._saved: list[torch.Tensor] | None = None  # theta while perturbed
+        self._theta: list[torch.Tensor] = []  # its storage, allocated once
+        self._names_cache: tuple[tuple[int, ...], list[str]] | None = None
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._non_finite = False
         #: set by a host that runs the passes and calls step() once per update
@@ -129,10 +131,14 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _names(self, params: list[torch.Tensor]) -> list[str] | None:
+        """The parameters' names in the model (cached while the parameters stay the same)."""
         if self.model is None:
             return None
-        names = {id(p): name for name, p in _unwrapped(self.model).named_parameters()}
-        return [names.get(id(p), "") for p in params]
+        key = tuple(id(p) for p in params)
+        if self._names_cache is None or self._names_cache[0] != key:
+            names = {id(p): name for name, p in _unwrapped(self.model).named_parameters()}
+            self._names_cache = (key, [names.get(id(p), "") for p in params])
+        return self._names_cache[1]
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
@@ -178,21 +184,29 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             self._save_buffers()
             grads = self._clean_gradient(params)
             deltas = reg.perturbation(weights, grads, self._names(params))  # type: ignore[attr-defined]
-            if not bool(torch.isfinite(global_norm(grads))):
+            # with a scaler an inf/NaN gradient is an expected event (the scale was too high):
+            # no perturbation, and the step is skipped; without one it propagates as in any
+            # optimizer step
+            if self._scaling() and not bool(torch.isfinite(global_norm(grads))):
                 self._non_finite = True
                 deltas = [torch.zeros_like(w) for w in weights]
-        self._saved = [w.clone() for w in weights]
+        if [t.shape for t in self._theta] != [w.shape for w in weights]:
+            self._theta = [torch.empty_like(w) for w in weights]
+        torch._foreach_copy_(self._theta, weights)
+        self._saved = self._theta
         torch._foreach_add_(weights, deltas)
         if zero_grad:
             self.zero_grad()
 
     def _clean_gradient(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in params]
-        scaler = self.grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            inverse = 1.0 / scaler.get_scale()
+        if self._scaling():
+            inverse = 1.0 / self.grad_scaler.get_scale()
             grads = list(torch._foreach_mul(grads, inverse))
         return grads
+
+    def _scaling(self) -> bool:
+        return self.grad_scaler is not None and self.grad_scaler.is_enabled()
 
     def _save_buffers(self) -> None:
         if self.model is None or self.perturbed_updates_buffers:
@@ -233,10 +247,9 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             self.zero_grad()
 
     def _base_step(self) -> None:
-        scaler = self.grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            scaler.step(self.base_optimizer)
-            scaler.update()
+        if self._scaling():
+            self.grad_scaler.step(self.base_optimizer)
+            self.grad_scaler.update()
         else:
             self.base_optimizer.step()
 

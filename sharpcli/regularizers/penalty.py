@@ -102,6 +102,7 @@ class LossPenalty:
             torch.initial_seed()
         )
         self._captured: torch.Tensor | None = None
+        self._engine: StepEngine | None = None
         self._hook = None
         if regularizer.needs_penultimate:
             module, _ = model_facts(model, "head")
@@ -135,9 +136,12 @@ class LossPenalty:
             A 0-dim float tensor (float32 under autocast) to add to the loss.
         """
         reg = self.regularizer
-        engine = StepEngine(
-            self.model, None, targets, self.loss_name, [reg], self.generator, single_pass=True
-        )
+        if self._engine is None:  # what a PassContext reads: params, loss, generator
+            self._engine = StepEngine(
+                self.model, None, None, self.loss_name, [reg], self.generator, single_pass=True
+            )
+        engine = self._engine
+        engine.y = targets
         with torch.autocast(logits.device.type, enabled=False):
             ctx = PassContext(
                 engine,
