@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -69,8 +70,33 @@ def _rank_main(rank: int, port: int, out: str) -> None:
                 opt.step(closure)
             weights = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
             torch.save(weights, os.path.join(out, f"{sync}-{rank}.pt"))
+        _two_calls_accumulated(rank, xs, ys, out)
     finally:
         dist.destroy_process_group()
+
+
+def _two_calls_accumulated(rank, xs, ys, out) -> None:
+    """Per-replica SAM in the two-call form over 2 accumulated micro-batches of the shard:
+    every clean backward in ``first_pass()`` (local), the perturbed ones under ``no_sync``
+    but the last (davda54/sam issue 94: DDP and accumulation together)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sharpcli import regularizers
+
+    ddp = DistributedDataParallel(_model())
+    opt = regularizers.make(f"sam:rho={RHO}", torch.optim.SGD(ddp.parameters(), lr=LR), model=ddp)
+    micro = list(zip(xs.chunk(2), ys.chunk(2)))
+    for _ in range(STEPS):
+        for xb, yb in micro:
+            with opt.first_pass():
+                (F.cross_entropy(ddp(xb), yb) / 2).backward()
+        opt.first_step(zero_grad=True)
+        for index, (xb, yb) in enumerate(micro):
+            with ddp.no_sync() if index == 0 else contextlib.nullcontext():
+                (F.cross_entropy(ddp(xb), yb) / 2).backward()
+        opt.second_step(zero_grad=True)
+    weights = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    torch.save(weights, os.path.join(out, f"accumulated-{rank}.pt"))
 
 
 def _grad(model, x, y):
@@ -121,6 +147,12 @@ def test_two_ranks_equal_the_single_process_computation(two_ranks, sync):
     ranks = [torch.load(two_ranks / f"{sync}-{r}.pt") for r in range(WORLD)]
     assert torch.equal(ranks[0], ranks[1])  # the replicas agree
     torch.testing.assert_close(ranks[0], _single_process(sync), rtol=0, atol=1e-13)
+
+
+def test_two_calls_with_accumulation_under_ddp_are_per_replica_sam(two_ranks):
+    ranks = [torch.load(two_ranks / f"accumulated-{r}.pt") for r in range(WORLD)]
+    assert torch.equal(ranks[0], ranks[1])
+    torch.testing.assert_close(ranks[0], _single_process("per-replica"), rtol=0, atol=1e-13)
 
 
 def test_the_two_semantics_differ(two_ranks):
