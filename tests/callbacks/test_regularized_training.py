@@ -1,5 +1,5 @@
 """The regularizers of sharpcli.regularizers in host frameworks: a Hugging Face ``Trainer``
-(PerturbedTrainer, with gradient accumulation) and a Lightning fit (automatic optimization,
+(RegularizedTrainer, with gradient accumulation) and a Lightning fit (automatic optimization,
 the wrapper's ``step(closure)``), each 2 steps on a tiny model built from code or a config (no
 downloads), ending with the weights of the plain loop with the same wrapper (float64)."""
 
@@ -58,22 +58,9 @@ def _token_batch(n=8, length=6, seed=3):
     }
 
 
-@pytest.mark.parametrize("spec", ["sam:rho=0.1", "asam:rho=0.5"])
-def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_path, spec):
-    """2 updates of 2 accumulated micro-batches of 4: each update sees the whole 8-row set
-    (in the sampler's order), so it is the plain loop's full-batch step."""
-    transformers = pytest.importorskip("transformers")
-    from sharpcli.callbacks.hf_trainer import PerturbedTrainer
-
-    data = _token_batch()
-    rows = [{k: v[i] for k, v in data.items()} for i in range(8)]
-    model = _tiny_bert(transformers)
-    reference = _tiny_bert(transformers)
-    start = _flat(model).clone()
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    optimizer = regularizers.make(spec, sgd, model=model)
-    constant = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
-    args = transformers.TrainingArguments(
+def _hf_args(transformers, tmp_path, **options):
+    return transformers.TrainingArguments(
+        **options,
         output_dir=str(tmp_path),
         max_steps=2,
         per_device_train_batch_size=4,
@@ -84,8 +71,28 @@ def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_p
         use_cpu=True,
         disable_tqdm=True,
     )
-    trainer = PerturbedTrainer(
-        model=model, args=args, train_dataset=rows, optimizers=(optimizer, constant)
+
+
+@pytest.mark.parametrize("spec", ["sam:rho=0.1", "asam:rho=0.5"])
+def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_path, spec):
+    """2 updates of 2 accumulated micro-batches of 4: each update sees the whole 8-row set
+    (in the sampler's order), so it is the plain loop's full-batch step."""
+    transformers = pytest.importorskip("transformers")
+    from sharpcli.callbacks.hf_trainer import RegularizedTrainer
+
+    data = _token_batch()
+    rows = [{k: v[i] for k, v in data.items()} for i in range(8)]
+    model = _tiny_bert(transformers)
+    reference = _tiny_bert(transformers)
+    start = _flat(model).clone()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = regularizers.make(spec, sgd, model=model)
+    constant = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
+    trainer = RegularizedTrainer(
+        model=model,
+        args=_hf_args(transformers, tmp_path),
+        train_dataset=rows,
+        optimizers=(optimizer, constant),
     )
     # BertForSequenceClassification takes **kwargs but ignores num_items_in_batch: told so, the
     # Trainer divides each micro-batch's loss by the accumulation steps itself
@@ -94,6 +101,37 @@ def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_p
     want = _plain_loop(reference, lambda: reference(**data).loss, spec=spec)
     torch.testing.assert_close(_flat(model), want, rtol=0, atol=1e-13)
     assert (want - start).abs().max() > 1e-3
+
+
+def test_hugging_face_trainer_adds_a_penalty_per_micro_batch(tmp_path):
+    """gp through penalties=: each update is SGD on the mean over its 2 micro-batches (rows
+    0-3 and 4-7, sequential sampling) of (loss + gp term)."""
+    transformers = pytest.importorskip("transformers")
+    from sharpcli.callbacks.hf_trainer import RegularizedTrainer
+
+    data = _token_batch()
+    model = _tiny_bert(transformers)
+    reference = _tiny_bert(transformers)
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = RegularizedTrainer(
+        model=model,
+        args=_hf_args(transformers, tmp_path, train_sampling_strategy="sequential"),
+        train_dataset=[{k: v[i] for k, v in data.items()} for i in range(8)],
+        optimizers=(sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)),
+        penalties=[regularizers.make("gp:rho=0.1", model=model)],
+    )
+    trainer.model_accepts_loss_kwargs = False  # as above
+    trainer.train()
+    plain = torch.optim.SGD(reference.parameters(), lr=LR)
+    penalty = regularizers.make("gp:rho=0.1", model=reference)
+    for _ in range(2):
+        plain.zero_grad()
+        for half in (slice(0, 4), slice(4, 8)):
+            batch = {k: v[half] for k, v in data.items()}
+            out = reference(**batch)
+            ((out.loss + penalty(out.loss, out.logits, batch["labels"])) / 2).backward()
+        plain.step()
+    torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=1e-12)
 
 
 def test_lightning_fit_takes_the_plain_loop_steps(tmp_path):
