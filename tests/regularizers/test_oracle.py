@@ -267,3 +267,22 @@ def _closure_scaled(model, x, y, scaler):
         return loss
 
     return closure
+
+
+def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
+    """make(NAME) holds the hyper-parameters --reg NAME holds (one declaration for both)."""
+    from sharpcli.training.regularizers import describe_registry
+
+    model = _mlp()
+    rows = {row["name"]: row for row in describe_registry()}
+    assert set(regularizers.names()) == {
+        n for n, r in rows.items() if r["kind"] in ("oracle", "penalty")
+    }
+    for name, kind in regularizers.names().items():
+        made = regularizers.make(name, torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+        assert isinstance(
+            made, regularizers.PerturbedOptimizer if kind == "oracle" else regularizers.LossPenalty
+        )
+        defaults = {h["name"]: h["default"] for h in rows[name]["hyperparameters"]}
+        assert made.regularizer.params == defaults
+        assert made.regularizer == parse_reg(name)
