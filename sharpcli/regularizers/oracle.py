@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from sharpcli.catalogue import values
 from sharpcli.errors import UsageError
 from sharpcli.training.draws import global_norm
 from sharpcli.training.penalties.base import Oracle
@@ -49,8 +50,9 @@ from sharpcli.training.penalties.noise import NSO, WeightNoise
 
 __all__ = ["ASCENT_SYNC", "PerturbedOptimizer"]
 
-#: The semantics of the clean gradient under data parallelism (``ascent_sync``).
-ASCENT_SYNC = ("per-replica", "global")
+#: The semantics of the clean gradient under data parallelism (``ascent_sync``), the value
+#: set of :mod:`sharpcli.catalogue.values`.
+ASCENT_SYNC = values.ASCENT_SYNC
 
 
 class PerturbedOptimizer(torch.optim.Optimizer):
