@@ -103,6 +103,33 @@ def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_p
     assert (want - start).abs().max() > 1e-3
 
 
+def test_hugging_face_trainer_under_bf16_autocast_is_the_float32_step_within_precision(tmp_path):
+    """bf16=True on CPU (accelerate's autocast, no grad scaler): 2 SAM updates of 2 micro-batches
+    end within bfloat16 precision of the float32 plain loop."""
+    transformers = pytest.importorskip("transformers")
+    from sharpcli.callbacks.hf_trainer import RegularizedTrainer
+
+    data = _token_batch()
+    model = _tiny_bert(transformers).float()
+    reference = _tiny_bert(transformers).float()
+    start = _flat(model).clone()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = RegularizedTrainer(
+        model=model,
+        args=_hf_args(transformers, tmp_path, bf16=True),
+        train_dataset=[{k: v[i] for k, v in data.items()} for i in range(8)],
+        optimizers=(
+            regularizers.make("sam:rho=0.1", sgd, model=model),
+            torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0),
+        ),
+    )
+    trainer.model_accepts_loss_kwargs = False  # as above
+    trainer.train()
+    want = _plain_loop(reference, lambda: reference(**data).loss)
+    moved, error = (want - start).norm(), (_flat(model) - want).norm()
+    assert 0 < error <= 2 * torch.finfo(torch.bfloat16).eps * moved  # bf16 ran, and is close
+
+
 def test_hugging_face_trainer_adds_a_penalty_per_micro_batch(tmp_path):
     """gp through penalties=: each update is SGD on the mean over its 2 micro-batches (rows
     0-3 and 4-7, sequential sampling) of (loss + gp term)."""
