@@ -220,7 +220,7 @@ def test_autocast_gives_the_float32_update_within_its_precision(dtype):
     except RuntimeError as exc:  # float16 autocast on CPU needs a recent torch
         pytest.skip(f"CPU autocast {dtype}: {exc}")
     eps = torch.finfo(dtype).eps
-    assert (update - reference).norm() <= 8 * eps * reference.norm()
+    assert (update - reference).norm() <= 2 * eps * reference.norm()
     assert (update - reference).norm() > 0  # it did run in the lower precision
 
 
