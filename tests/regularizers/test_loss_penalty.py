@@ -59,9 +59,9 @@ def test_under_bf16_autocast_the_term_is_float32_and_near_the_float32_term(spec)
     eps = torch.finfo(torch.bfloat16).eps
     assert (
         abs(float(term.detach()) - float(reference.detach()))
-        <= 16 * eps * abs(float(reference.detach())) + 1e-6
+        <= 2 * eps * abs(float(reference.detach())) + 1e-6
     )
-    assert (grad - ref_grad).norm() <= 16 * eps * ref_grad.norm()
+    assert (grad - ref_grad).norm() <= 2 * eps * ref_grad.norm()
 
 
 @pytest.mark.parametrize("spec", ["wd:sigma=0.3", "gp:rho=0.1"])
