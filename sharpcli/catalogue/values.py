@@ -9,6 +9,7 @@ This module imports no torch.
 from __future__ import annotations
 
 __all__ = [
+    "ASCENT_SYNC",
     "CHECKS",
     "DEVICES",
     "DTYPES",
@@ -44,6 +45,10 @@ GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
+# the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam):
+# each replica's own (m-sharpness, m the local batch) or all-reduced once;
+# sharpcli.regularizers.PerturbedOptimizer(ascent_sync=...)
+ASCENT_SYNC = ("per-replica", "global")
 SCHEDULES = ("constant", "cosine")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},

@@ -305,6 +305,13 @@ class StepEngine:
 
     # ----------------------------------------------------------------- state control
     @property
+    def param_names(self) -> list[str]:
+        """The names of the trainable parameters (``model.named_parameters()``), in
+        ``self.params`` order: ASAM's scale reads them."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [names[id(p)] for p in self.params]
+
+    @property
     def weights(self) -> list[torch.Tensor]:
         """Detached views of the trainable parameters (``self.params`` order), made once per
         engine: in-place arithmetic on them moves the parameters without autograd recording
