@@ -19,6 +19,8 @@ __all__ = [
     "METRICS",
     "MODEL_NAMES",
     "OPTIMIZERS",
+    "PRECISIONS",
+    "ASCENT_SYNCS",
     "RESCALE_MODES",
     "SCHEDULES",
     "SPLITS",
@@ -45,6 +47,9 @@ MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine")
+# sharpcli.training.precision (--precision), sharpcli.training.data_parallel (--ascent-sync)
+PRECISIONS = ("fp32", "bf16", "fp16")
+ASCENT_SYNCS = ("per-replica", "global")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
 # sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
