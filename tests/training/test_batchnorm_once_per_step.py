@@ -44,27 +44,19 @@ def test_running_statistics_are_the_clean_pass_s(reg):
 def test_train_advances_num_batches_tracked_once_per_step(tmp_path, capsys, reg):
     # 40 images, 30 in the training split: 3 batches of 10, each stepped twice (--repeat-batch)
     out = tmp_path / "bn.safetensors"
+    model_args = json.dumps({"channels": [4], "batch_norm": True})
+    argv = "train --model cnn --data images:n=40,size=8,classes=3 --batch-size 10 --epochs 2"
     run = run_cli(
         capsys,
-        "train",
-        "--model",
-        "cnn",
+        *argv.split(),
         "--model-args",
-        json.dumps({"channels": [4], "batch_norm": True}),
-        "--data",
-        "images:n=40,size=8,classes=3",
-        "--batch-size",
-        "10",
+        model_args,
         "--repeat-batch",
-        "2",
-        "--epochs",
         "2",
         "--reg",
         reg,
         "--out",
         out,
-        "--json",
-        "-",
         "--quiet",
     )
     assert run.code == 0, run.err
