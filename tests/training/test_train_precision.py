@@ -146,3 +146,36 @@ def test_resume_of_a_state_saved_before_the_options(tmp_path):
 
     with pytest.raises(UsageError, match="precision"):
         _check_same_identity(TrainConfig(epochs=2, precision="bf16"), {"config": old, "epoch": 1})
+
+
+def test_fp16_resume_restores_the_loss_scale_bit_for_bit(tmp_path, monkeypatch):
+    """A start at S = 2^30 overflows the float16 backward for the first steps: the scaler skips
+    them, halving S, across the interruption. Resumed after epoch 2, the run continues from the
+    saved scale and skip count and ends with the uninterrupted run's weights, bit for bit."""
+    import functools
+
+    from safetensors.torch import load_file
+
+    from sharpcli.training.loop import TrainConfig, train
+
+    monkeypatch.setattr(
+        torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**30)
+    )
+
+    def config():
+        return TrainConfig(
+            data="blobs:n=64,dim=6,classes=3", epochs=4, batch_size=8, precision="fp16"
+        )
+
+    whole = train(config(), tmp_path / "whole.safetensors")
+    train(config(), tmp_path / "parts.safetensors", stop_after=2)
+    parts = train(config(), tmp_path / "parts.safetensors", resume=True)
+    assert whole.precision == parts.precision
+    skipped = whole.precision["skipped_steps"]
+    assert 2 * 6 < skipped < 4 * 6  # some skipped before the interruption, and not all after
+    assert [row["skipped_steps"] for row in whole.history] == [6, 6, skipped - 12, 0]
+    a, b = (
+        load_file(str(tmp_path / "whole.safetensors")),
+        load_file(str(tmp_path / "parts.safetensors")),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)

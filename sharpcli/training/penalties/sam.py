@@ -89,7 +89,8 @@ class SAM(_AscentOracle):
     summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
     HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
     paper = "SAM"
-    # per-rank ascent steps ("local SAM") would be a different algorithm
+    # per-rank ascent steps are m-sharpness, another algorithm: run per replica (its base's
+    # per_replica) or with --ascent-sync global
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads):
