@@ -62,10 +62,12 @@ def data_parallel_rank_and_world() -> tuple[int, int]:
 
 def per_replica_statement(reg) -> str | None:
     """What each rank computes for ``reg`` under torchrun when averaging is not exact (its
-    class's ``per_replica``), None when it states none (or is exact)."""
-    if data_parallel_refusal(reg) is None:
+    class's ``per_replica``), None when it states none or is exact. A class that does not
+    declare ``data_parallel`` in its own body gets None (refused), whatever it inherits."""
+    family = (reg if isinstance(reg, type) else type(reg))._family
+    if "data_parallel" not in vars(family) or family.data_parallel is None:
         return None
-    return getattr(type(reg), "per_replica", None)
+    return getattr(family, "per_replica", None)
 
 
 def check_data_parallel_regs(regs) -> None:
