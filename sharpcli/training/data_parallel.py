@@ -124,7 +124,11 @@ def data_parallel_step(
     sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
     (BatchNorm running statistics), and the step statistics (loss, objective and penalties
     weighted by ``B_r``; correct, predictions counted and count summed). A rank with no rows
-    contributes zeros. ``grad_evals`` stays the per-rank count. With ``ascent_sync="global"``
+    contributes zeros. ``grad_evals`` stays the per-rank count. The same all-reduce carries the
+    last rank's step generator state (it always has rows), which every rank continues from:
+    a per-replica regularizer that draws per row (``gn-trace``'s labels) draws different
+    amounts on ranks of unequal rows, and the ranks' generators would drift apart, and with
+    them the probes and noise that the exact regularizers need to be the same on every rank. With ``ascent_sync="global"``
     an ascent oracle's clean gradient is all-reduced the same way first (one more all-reduce),
     and every rank ascends along it.
 
@@ -177,8 +181,11 @@ def data_parallel_step(
     head = _local_head(stats, rows, has_rows, penalty_names)
     parts = [torch.tensor(head, dtype=torch.float64)]
     parts += _flat_parts(params, float_buffers, int_buffers, rows / total, has_rows)
+    state = generator.get_state()  # the last rank's travels with the sums (see the docstring)
+    parts.append(state.to(torch.float64) * (1.0 if rank == world - 1 else 0.0))
     flat = torch.cat(parts)
     all_reduce_sum(flat)
+    generator.set_state(flat[flat.numel() - state.numel() :].round().to(state.dtype))
     reduced_head = flat[: len(head)].tolist()
     _scatter(flat[len(head) :], params, float_buffers, int_buffers, reduced_head[4])
     count = reduced_head[3]
