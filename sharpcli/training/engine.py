@@ -252,16 +252,13 @@ class StepEngine:
     objective was finite (NumericalError otherwise) and builds the step's
     :class:`StepStats` in one synchronisation per step.
 
-    Mixed precision (``sharp train --precision``, :mod:`sharpcli.training.precision`):
-    ``autocast_dtype`` runs every forward pass of the model under ``torch.autocast`` in that
-    dtype (its backward follows the forward's dtypes) and casts the outputs, and the activations
-    a penalty captures, back to the parameters' dtype, so that the loss and every penalty are
-    computed and accumulated in it (float32). ``loss_scale`` ``S`` (a power of two, the
-    GradScaler's scale under fp16) multiplies the scalar of every reverse sweep of the step,
-    and each gradient it returns is multiplied by ``1/S`` (exact for a power of two): gradients
-    of fp16 activations do not underflow, and the gradients the penalties, the ascent
-    direction and ``p.grad`` see are unscaled. ``ascent_reduce`` is applied to the clean
-    gradient an ascent oracle follows (:meth:`ascent_gradient`: ``--ascent-sync global``).
+    Mixed precision (:mod:`sharpcli.training.precision`): ``autocast_dtype`` runs every
+    forward pass under ``torch.autocast`` and casts the outputs (and captured activations)
+    back to the parameters' dtype, in which the loss and penalties are computed. ``loss_scale``
+    ``S`` multiplies the scalar of every reverse sweep, whose gradients are multiplied by
+    ``1/S`` (exact for a power of two): fp16 activations' gradients do not underflow, and
+    penalties, ascent directions and ``p.grad`` see unscaled gradients. ``ascent_reduce``
+    all-reduces an ascent oracle's clean gradient (:meth:`ascent_gradient`).
     """
 
     def __init__(
