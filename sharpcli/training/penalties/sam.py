@@ -31,7 +31,7 @@ class _AscentOracle(Oracle):
 
     per_replica = (
         "each rank takes its ascent from its own rows' gradient (m-sharpness, m the local "
-        "batch); --ascent-sync global all-reduces that gradient first"
+        "batch); the global ascent sync all-reduces that gradient first"
     )
 
     def perturbation(
