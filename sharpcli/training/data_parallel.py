@@ -124,13 +124,14 @@ def data_parallel_step(
     sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
     (BatchNorm running statistics), and the step statistics (loss, objective and penalties
     weighted by ``B_r``; correct, predictions counted and count summed). A rank with no rows
-    contributes zeros. ``grad_evals`` stays the per-rank count. The same all-reduce carries the
-    last rank's step generator state (it always has rows), which every rank continues from:
-    a per-replica regularizer that draws per row (``gn-trace``'s labels) draws different
-    amounts on ranks of unequal rows, and the ranks' generators would drift apart, and with
-    them the probes and noise that the exact regularizers need to be the same on every rank. With ``ascent_sync="global"``
+    contributes zeros. ``grad_evals`` stays the per-rank count. With ``ascent_sync="global"``
     an ascent oracle's clean gradient is all-reduced the same way first (one more all-reduce),
     and every rank ascends along it.
+
+    The final all-reduce also carries the last rank's step generator state (that rank always
+    has rows), and every rank continues from it. A per-replica regularizer that draws per row
+    (``gn-trace``'s labels) draws different amounts on ranks of unequal rows: the generators
+    would drift apart, and with them the probes and noise the exact regularizers share.
 
     .. math:: g = \\sum_r \\frac{B_r}{B}\\, g_r
 
