@@ -39,6 +39,7 @@ from sharpcli.catalogue.sharpness import (
     SHARPNESS_NORMS,
 )
 from sharpcli.catalogue.values import (
+    ASCENT_SYNCS,
     CHECKS,
     DEVICES,
     DTYPES,
@@ -49,6 +50,7 @@ from sharpcli.catalogue.values import (
     METRICS,
     MODEL_NAMES,
     OPTIMIZERS,
+    PRECISIONS,
     RESCALE_MODES,
     SCHEDULES,
     SPLITS,
@@ -61,6 +63,7 @@ from sharpcli.registry import Registry
 
 __all__ = [
     "ACTIVATIONS",
+    "ASCENT_SYNCS",
     "CHECKS",
     "COMMANDS",
     "DATASETS",
@@ -82,6 +85,7 @@ __all__ = [
     "NORM_LAYERS",
     "OPERATORS",
     "OPTIMIZERS",
+    "PRECISIONS",
     "REGULARIZERS",
     "RESCALE_MODES",
     "SCHEDULES",

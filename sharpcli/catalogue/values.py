@@ -20,6 +20,8 @@ __all__ = [
     "METRICS",
     "MODEL_NAMES",
     "OPTIMIZERS",
+    "PRECISIONS",
+    "ASCENT_SYNCS",
     "RESCALE_MODES",
     "SCHEDULES",
     "SPLITS",
@@ -50,6 +52,9 @@ OPTIMIZERS = ("sgd", "adam")
 # sharpcli.regularizers.PerturbedOptimizer(ascent_sync=...)
 ASCENT_SYNC = ("per-replica", "global")
 SCHEDULES = ("constant", "cosine")
+# sharpcli.training.precision (--precision), sharpcli.training.data_parallel (--ascent-sync)
+PRECISIONS = ("fp32", "bf16", "fp16")
+ASCENT_SYNCS = ("per-replica", "global")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
 # sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists

@@ -17,6 +17,16 @@ TrainTokenReductionOpt = Annotated[
     choices.TokenReduction,
     typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
 ]
+PrecisionOpt = Annotated[
+    choices.Precision,
+    typer.Option("--precision", metavar="MODE", rich_help_panel="Run", help="Autocast."),
+]
+AscentSyncOpt = Annotated[
+    choices.AscentSync,
+    typer.Option(
+        "--ascent-sync", metavar="MODE", rich_help_panel="Run", help="Torchrun SAM ascent."
+    ),
+]
 StopOnDivergenceOpt = Annotated[
     bool,
     typer.Option("--stop-on-divergence", help="On divergence: stop, keep the best epoch, exit 3."),
@@ -73,7 +83,7 @@ def train_command(
             "--penultimate",
             metavar="MODULE",
             rich_help_panel="Model",
-            help="Module whose output ad penalises (default: last Linear).",
+            help="Module ad penalises (default: the last Linear).",
         ),
     ] = None,
     data: Annotated[
@@ -136,7 +146,7 @@ def train_command(
         typer.Option(
             "--mask-ratio",
             rich_help_panel="Model",
-            help="Fixed random fraction of activations zeroed (MAN Table 1).",
+            help="Fraction of activations zeroed (MAN Table 1).",
         ),
     ] = None,
     per_sample_norm: Annotated[
@@ -144,7 +154,7 @@ def train_command(
         typer.Option(
             "--per-sample-norm",
             rich_help_panel="Model",
-            help="Per-sample normalisation, standard weights (MAN 5.1).",
+            help="Per-sample normalisation (MAN 5.1).",
         ),
     ] = False,
     repeat_batch: Annotated[
@@ -243,6 +253,8 @@ def train_command(
     ] = 0,
     device: common.DeviceOpt = "cpu",
     dtype: common.DtypeOpt = "float32",
+    precision: PrecisionOpt = "fp32",
+    ascent_sync: AscentSyncOpt = "per-replica",
     json_out: common.JsonOpt = None,
     quiet: common.QuietOpt = False,
     max_memory: common.MaxMemoryOpt = None,
@@ -289,6 +301,8 @@ def train_command(
             seed=seed,
             regs=list(reg) if reg else ["none"],
             dtype=dtype,
+            precision=precision,
+            ascent_sync=ascent_sync,
             device=device,
             track=tracked,
             track_every=track_every,

@@ -57,6 +57,10 @@ class TrainConfig:
     seed: int = 0
     regs: list = field(default_factory=lambda: ["none"])
     dtype: str = "float32"
+    # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
+    precision: str = "fp32"
+    # under torchrun, the first gradient of sam/usam/asam: per-replica or global (all-reduced)
+    ascent_sync: str = "per-replica"
     device: str = "cpu"
     track: list = field(default_factory=list)
     track_every: int = 1
@@ -99,7 +103,16 @@ _FIELD_TYPES = {
     int: ("epochs", "batch_size", "repeat_batch", "seed", "track_every", "track_samples"),
     float: ("lr", "momentum", "label_noise", "input_noise", "noise_finetune"),
     bool: ("augment",),
-    str: ("model", "optimizer", "schedule", "dtype", "device", "token_reduction"),
+    str: (
+        "model",
+        "optimizer",
+        "schedule",
+        "dtype",
+        "precision",
+        "ascent_sync",
+        "device",
+        "token_reduction",
+    ),
     dict: ("model_args",),
     list: ("regs", "track"),
 }
@@ -141,6 +154,19 @@ def _check_types(cfg: TrainConfig) -> None:
             raise UsageError(f"must be parsed regularizers, got {_shown(reg)}", source="regs")
 
 
+def _check_step_modes(cfg: TrainConfig) -> None:
+    """UsageError on ``precision`` (unknown, or mixed with float64) or ``ascent_sync``."""
+    from sharpcli.training.precision import check_precision
+
+    check_precision(cfg.precision, cfg.dtype)
+    if cfg.ascent_sync not in catalogue.ASCENT_SYNCS:
+        raise UsageError(
+            f"unknown ascent sync {cfg.ascent_sync!r}; accepted: "
+            f"{', '.join(catalogue.ASCENT_SYNCS)}",
+            source="ascent_sync",
+        )
+
+
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
     from sharpcli.losses import LOSSES, TOKEN_REDUCTIONS
@@ -148,6 +174,7 @@ def validate_config(cfg: TrainConfig) -> None:
 
     _check_types(cfg)
     check_seed(cfg.seed)
+    _check_step_modes(cfg)
     if not 0.0 <= cfg.momentum < 1.0:
         raise UsageError(f"must be in [0, 1), got {cfg.momentum!r}", source="momentum")
     if cfg.track_samples < 1:

@@ -14,7 +14,7 @@ from sharpcli.training.draws import global_norm
 from sharpcli.training.engine import PassResult, StepEngine
 from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
 
-__all__ = ["SAM", "USAM", "ASAM"]
+__all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
 
 
 class _AscentOracle(Oracle):
@@ -22,7 +22,17 @@ class _AscentOracle(Oracle):
     ``e(g)``, returned gradient ``grad O(theta + e)`` ([NME] App. B eq. 42-43).
 
     2 x (evaluations of one objective gradient): **2** with no penalty.
+
+    Under torchrun (``sharpcli.training.data_parallel``) ``g`` is, by ``--ascent-sync``, this
+    rank's own clean gradient (``per-replica``, the default: m-sharpness with m the local batch,
+    [SAM] section 4) or the clean gradients all-reduced once (``global``: the single-process
+    step on the whole batch); :meth:`StepEngine.ascent_gradient` gives it.
     """
+
+    per_replica = (
+        "each rank takes its ascent from its own rows' gradient (m-sharpness, m the local "
+        "batch); the global ascent sync all-reduces that gradient first"
+    )
 
     def perturbation(
         self,
@@ -47,10 +57,17 @@ class _AscentOracle(Oracle):
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""
         clean = engine.evaluate(want_grad=True)
-        deltas = self.perturbation(engine.weights, clean.grads, engine.param_names)
+        ascent = engine.ascent_gradient(clean.grads)
+        if ascent is None:  # not finite under loss scaling: the scaler skips this step
+            return clean, clean.grads
+        deltas = self.perturbation(engine.weights, ascent, engine.param_names)
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
         return clean, at_perturbed.grads
+
+
+# the two-pass ascent family, by its public name (--ascent-sync applies to its members)
+AscentOracle = _AscentOracle
 
 
 def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
@@ -78,7 +95,8 @@ class SAM(_AscentOracle):
     summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
     HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
     paper = "SAM"
-    # per-rank ascent steps ("local SAM") would be a different algorithm
+    # per-rank ascent steps are m-sharpness, another algorithm: run per replica (its base's
+    # per_replica) or with --ascent-sync global
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(self, params, grads, names=None):
