@@ -39,6 +39,45 @@ EngineOpt = Annotated[
     choices.Engine,
     typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
+HvpOpt = Annotated[
+    choices.Hvp,
+    typer.Option(
+        "--hvp",
+        help="Hessian products: exact (double backward) or finite-difference (central "
+        "differences of gradients, Hessian only: for models without a double backward, "
+        "and with --fsdp).",
+    ),
+]
+FsdpOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fsdp",
+        help="Under torchrun, shard the model across the ranks with FSDP2 (fully_shard); "
+        "needs --hvp finite-difference.",
+    ),
+]
+
+
+def _check_hvp(hvp: str, fsdp: bool, operator: str, engine: str, blocks, estimator=None):
+    """``--hvp`` and ``--fsdp`` against the other options, before the session loads."""
+    from sharpcli.analyses.hvp import check_hvp
+
+    check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
+    common.require(blocks is None or hvp == "exact", "needs --hvp exact", "--blocks")
+
+
+def _print_hvp(console, results: dict) -> None:
+    """One line on the finite-difference products and their error bound (none when exact)."""
+    record = results.get("hvp")
+    if record is None:
+        return
+    console.print(
+        f"Hessian products by central differences ({record['gradients']} gradients"
+        f"{', model sharded by FSDP' if record['sharded'] else ''}): step |h v| = "
+        f"{record['step_norm']:.3g}, error bound |D v - H v| <= {record['error_bound']:.3g} |v|"
+    )
+
+
 # One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
 # stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
 EigTolOpt = Annotated[
@@ -131,6 +170,8 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    hvp: HvpOpt = "exact",
+    fsdp: FsdpOpt = False,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
     plot: Annotated[
@@ -151,7 +192,8 @@ def eigen_command(
     _positive(max_matvecs, "--eig-max-matvecs")
     common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
     common.check_output(plot)
-    session = common.open_session(checkpoint, opts)
+    _check_hvp(hvp, fsdp, operator, engine, blocks)
+    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
             session,
@@ -163,6 +205,8 @@ def eigen_command(
             max_matvecs=max_matvecs,
             params=params,
             engine=engine,
+            hvp=hvp,
+            fsdp=fsdp,
         )
         if blocks is not None:
             from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
@@ -205,6 +249,7 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
+        _print_hvp(console, results)
         if "blocks" in results:
             shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
@@ -246,6 +291,8 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
+    hvp: HvpOpt = "exact",
+    fsdp: FsdpOpt = False,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
 ) -> runner.Outcome:
@@ -255,7 +302,8 @@ def trace_command(
     _positive(tol, "--trace-tol")
     _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
-    session = common.open_session(checkpoint, opts)
+    _check_hvp(hvp, fsdp, operator, engine, blocks, estimator)
+    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
             session,
@@ -266,6 +314,8 @@ def trace_command(
             square=square,
             params=params,
             engine=engine,
+            hvp=hvp,
+            fsdp=fsdp,
         )
         if blocks is not None:
             from sharpcli.analyses.blocks import session_block_passes, trace_blocks
@@ -305,6 +355,7 @@ def trace_command(
         ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
+        _print_hvp(console, results)
         if "blocks" in results:
             shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
@@ -441,6 +492,8 @@ def density_command(
         ),
     ] = None,
     params: common.ParamsOpt = None,
+    hvp: HvpOpt = "exact",
+    fsdp: FsdpOpt = False,
     plot: Annotated[
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
@@ -458,7 +511,8 @@ def density_command(
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
     common.check_output(plot)
-    session = common.open_session(checkpoint, opts)
+    _check_hvp(hvp, fsdp, operator, "native", blocks)
+    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(
             session,
@@ -468,6 +522,8 @@ def density_command(
             grid_points=grid_points,
             broadening=broadening,
             params=params,
+            hvp=hvp,
+            fsdp=fsdp,
         )
         if blocks is not None:
             from sharpcli.analyses.blocks import density_blocks, session_block_passes
@@ -515,6 +571,7 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
+        _print_hvp(console, results)
         if "blocks" in results:
             keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
             shown, left = _largest_blocks(results["blocks"], top)

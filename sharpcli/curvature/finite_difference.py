@@ -57,7 +57,7 @@ import math
 
 import torch
 
-from sharpcli import memory
+from sharpcli import catalogue, memory
 from sharpcli.curvature.data import all_reduce_sum, distributed_rank_and_world, to_model_batch
 from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.errors import NumericalError, UsageError
@@ -71,7 +71,7 @@ __all__ = [
     "shard_model",
 ]
 
-HVP_METHODS = ("exact", "finite-difference")
+HVP_METHODS = catalogue.HVP_METHODS
 BOUND_FACTOR = 2.0  # the stated bound: this times the two-step difference (module docstring)
 CALIBRATION_SEED = 0x5EED  # the seeded unit direction the bound is measured on
 
@@ -175,7 +175,8 @@ class FiniteDifferenceEngine(CurvatureEngine):
         super().__init__(model, data, scope, cache_bytes=0, vectorize=1)
         self.sharded = is_sharded(scope.params)
         self.relative_step = relative_step(scope.dtype)
-        self.gradients = 0  # gradient evaluations (two per product column, four per bound)
+        # gradients over the analysis set: two per product column, four for the bound
+        self.gradients = 0
         self._bound: tuple[int, dict] | None = None  # (weights epoch, bound record)
         # the weights' version counters as the last product left them, and the epoch they
         # belong to: it moves only when the weights change outside this engine
@@ -331,13 +332,11 @@ class FiniteDifferenceEngine(CurvatureEngine):
                 )
             if not self.sharded:
                 grads = torch.autograd.grad(loss_b, params, allow_unused=True)
-                self.gradients += 1
                 zeros = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
                 return float(loss_b.detach()), zeros
             for p in params:
                 p.grad = None
             loss_b.backward()  # FSDP reduce-scatters the shards' gradients (summed)
-        self.gradients += 1
         out = [
             torch.zeros_like(self._local(p)) if p.grad is None else self._local(p.grad)
             for p in params
@@ -392,6 +391,7 @@ class FiniteDifferenceEngine(CurvatureEngine):
                 gradients.append(self._batch_gradient(x_b, y_b, weight, index)[1])
             for acc, plus, minus in zip(total, *gradients):
                 acc += (plus - minus) / (2.0 * h)
+        self.gradients += 2
         flat = self._gather(total)
         if not self.sharded:
             all_reduce_sum(flat)
@@ -438,6 +438,7 @@ class FiniteDifferenceEngine(CurvatureEngine):
             total += loss_b
             for acc, g in zip(grad, parts):
                 acc += g
+        self.gradients += 1
         flat = self._gather(grad)
         if not self.sharded:
             all_reduce_sum(flat)
