@@ -35,11 +35,11 @@ import copy
 import torch
 from torch import nn
 
+from sharpcli.analyses.hvp import FINITE_DIFFERENCE, check_hvp
 from sharpcli.api_methods.arguments import device_argument, dtype_argument, integer_argument
 from sharpcli.api_methods.estimates import CurvatureEstimates
 from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
-from sharpcli.analyses.hvp import FINITE_DIFFERENCE, check_hvp
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line

@@ -19,6 +19,7 @@ from sharpcli.analyses.blocks import block_passes
 from sharpcli.api_methods.modes import EvalModeOperator, analysis_mode
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import token_reduction
 
