@@ -14,9 +14,9 @@ The step. The error of a central difference is a truncation term
 :math:`\frac{h^2}{6} \nabla^4 L[v, v, v]` plus rounding, about :math:`\epsilon \|g\| / h`
 for gradients computed to a relative :math:`\epsilon`; their sum is smallest at
 :math:`h \propto \epsilon^{1/3}`, where the error is :math:`O(\epsilon^{2/3})`
-([NocedalWright2006] section 8.1, eq. 8.5-8.7). Perturbations are taken relative to the
-weights, as for Jacobian-free products ([KnollKeyes2004] eq. 11-14): the step moves the
-weights by a vector of norm
+([NocedalWright2006] section 8.1). Perturbations are taken relative to the weights, as
+for Jacobian-free Newton-Krylov products ([KnollKeyes2004]): the step moves the weights by
+a vector of norm
 
 .. math::
 
@@ -28,8 +28,8 @@ far above the weights' own rounding (:math:`\epsilon \|\theta\|`) whatever their
 the product is homogeneous in ``v`` (``D(c v) = c D(v)`` up to rounding).
 
 The error bound. A central difference's error has no closed form without the fourth
-derivative, so it is measured, a posteriori, once per set of weights, by Richardson's
-comparison of two steps ([NocedalWright2006] section 8.1): with steps ``s`` and ``2 s``,
+derivative, so it is measured, a posteriori, once per set of weights, by comparing the
+difference at two steps (as Richardson extrapolation does): with steps ``s`` and ``2 s``,
 :math:`D_{2s}(u) - D_s(u) = 3 c s^2 + r_{2s} - r_s` (``c s^2`` the truncation, ``r`` the
 rounding, ``|r_{2s}| ~ |r_s| / 2``), so :math:`R(u) = \|D_{2s}(u) - D_s(u)\|` is 3 times
 the error at ``u`` when truncation dominates and about 1.1 times it when rounding does.
@@ -136,13 +136,11 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         for module in model.modules()
         if module is not model and any(True for _ in module.parameters(recurse=False))
     ]
-    for module in units:
-        fully_shard(module)
-    fully_shard(model)
+    sharded = [fully_shard(module) for module in units] + [fully_shard(model)]
     # the analysis loss weights each batch by B_b / N over the global N: the ranks' gradients
     # are summed, not averaged (FSDP2 divides by the world size by default)
-    for module in [*units, model]:
-        module.set_gradient_divide_factor(1.0)
+    for unit in sharded:
+        unit.set_gradient_divide_factor(1.0)
     return model
 
 
@@ -288,12 +286,13 @@ class FiniteDifferenceEngine(CurvatureEngine):
             return self._flat(locals_)
         from torch.distributed.tensor import DTensor
 
-        full = [
-            DTensor.from_local(
+        full = []
+        for t, p in zip(locals_, self.scope.params):
+            assert isinstance(p, DTensor)  # every parameter of a sharded model
+            layout = DTensor.from_local(
                 t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            ).full_tensor()
-            for t, p in zip(locals_, self.scope.params)
-        ]
+            )
+            full.append(layout.full_tensor())
         return self._flat(full)
 
     def weight_norm(self) -> float:
