@@ -91,3 +91,30 @@ def test_density_agrees_with_exact_within_the_stated_bound(capsys, checkpoint):
 def test_refusals_are_one_line_errors(capsys, checkpoint, argv, words):
     run = run_cli(capsys, argv[0], checkpoint, *argv[1:])
     assert_one_line_error(run, 2, words)
+
+
+def test_a_model_without_a_double_backward_is_measured(tmp_path, monkeypatch, capsys):
+    """``@once_differentiable`` (as a fused kernel): refused for ``--hvp exact`` by the
+    self-check, measured by ``--hvp finite-difference`` to within beta of the Hessian of its
+    twin built from torch's own operations."""
+    import numpy as np
+    from test_second_derivative_check import ONCE_MODULE, _data, _module
+
+    from sharpcli import Curvature
+
+    (tmp_path / "oncemodel.py").write_text(ONCE_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.save(_module().state_dict(), tmp_path / "once.pt")
+    x, y = _data(40)
+    np.savez(tmp_path / "data.npz", x=x.numpy(), y=y.numpy())
+    argv = ["eigen", "once.pt", "--model-factory", "oncemodel:make", "--data", "data.npz"]
+    argv += ["--dtype", "float64", "--eig-tol", "1e-8"]
+    assert_one_line_error(run_cli(capsys, *argv, "--quiet"), 2, "second derivatives wrongly")
+    run = run_cli(capsys, *argv, "--hvp", "finite-difference", "--json", "-", "--quiet")
+    assert run.code == 0, run.err
+    results = run.json()["results"]
+    twin = _module(custom=False).double()
+    exact = Curvature(twin, "cross-entropy", (x.double(), y)).eigenvalues(k=1, tol=1e-10)
+    gap = abs(results["eigenvalues"][0] - exact.eigenvalues[0])
+    assert gap <= results["hvp"]["error_bound"] + results["residuals"][0] + exact.residuals[0]
