@@ -64,6 +64,7 @@ import torch
 from sharpcli import catalogue, memory
 from sharpcli.curvature.data import all_reduce_sum, distributed_rank_and_world, to_model_batch
 from sharpcli.curvature.engine import CurvatureEngine
+from sharpcli.curvature.graphs import ByteCounter
 from sharpcli.errors import NumericalError, UsageError
 
 __all__ = [
@@ -228,22 +229,35 @@ class FiniteDifferenceEngine(CurvatureEngine):
         """Count the product's workspace in the run's memory plan (nothing is cached).
 
         A product holds a snapshot of the weights (this rank's shard), the two gradients and
-        the column's difference: four parameter-sized vectors, plus one backward pass's
-        activations, which the exact engine's first batch measures no better than the
-        forward it replaces; ``auto_cache`` is ignored (there are no graphs to keep).
+        the column's difference, four parameter-sized vectors, and one batch's forward
+        activations for its backward (measured on the first batch with saved-tensor hooks;
+        not measured on a sharded model, whose forward gathers weights collectively).
+        ``auto_cache`` is ignored: there are no graphs to keep.
 
         Args:
             plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
             auto_cache: unused.
         """
         local = sum(self._local(p).numel() for p in self.scope.params)
-        itemsize = torch.finfo(self.scope.dtype).bits // 8
+        workspace = 4 * local * (torch.finfo(self.scope.dtype).bits // 8)
+        if not self.sharded:
+            for x_b, y_b, weight in self.data.batches():
+                x_b, y_b = to_model_batch(x_b, y_b, self.scope.dtype, self.scope.device)
+                counter = ByteCounter()
+                with (
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+                ):
+                    self.loss(self.model(x_b), y_b) * weight
+                workspace += counter.nbytes
+                break
         plan.require(
-            "the finite-difference product (a weight snapshot and two gradients)",
-            4 * local * itemsize,
+            "one batch's finite-difference product (its activations, a weight snapshot and "
+            "two gradients)",
+            workspace,
             "lower `batch_size`",
         )
-        plan.reserve(memory.PRODUCT_WORKSPACE, 4 * local * itemsize)
+        plan.reserve(memory.PRODUCT_WORKSPACE, workspace)
         plan.note(
             "Hessian products by central differences of gradients (two gradients a product, "
             "no graph kept)"
