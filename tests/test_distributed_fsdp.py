@@ -119,7 +119,7 @@ def test_sharded_run_equals_the_unsharded_one_within_the_stated_error(sharded, c
     exact, fd = _single(capsys, argv, "exact"), _single(capsys, argv, "finite-difference")
     assert fd["hvp"]["sharded"] is False
     beta = par["hvp"]["error_bound"]
-    # the same step: ||theta|| summed over the shards
+    # the same step: ||theta|| summed over the shards, the same ladder's choice
     assert par["hvp"]["step_norm"] == pytest.approx(fd["hvp"]["step_norm"], rel=1e-12)
     assert par["hvp"]["error_bound"] <= 1e-7 * max(1.0, abs(fd["hvp"]["weight_norm"]))
     numel = exact["scope"]["numel"]

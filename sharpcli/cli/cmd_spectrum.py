@@ -74,7 +74,8 @@ def _print_hvp(console, results: dict) -> None:
     console.print(
         f"Hessian products by central differences ({record['gradients']} gradients"
         f"{', model sharded by FSDP' if record['sharded'] else ''}): step |h v| = "
-        f"{record['step_norm']:.3g}, error bound |D v - H v| <= {record['error_bound']:.3g} |v|"
+        f"{record['step_norm']:.3g}, error bound |D v - H v| <= {record['error_bound']:.3g} |v| "
+        f"({record['error_bound_relative']:.2g} of the largest |D u|)"
     )
 
 

@@ -15,38 +15,24 @@ The step. The error of a central difference is a truncation term
 for gradients computed to a relative :math:`\epsilon`; their sum is smallest at
 :math:`h \propto \epsilon^{1/3}`, where the error is :math:`O(\epsilon^{2/3})`
 ([NocedalWright2006] section 8.1). Perturbations are taken relative to the weights, as
-for Jacobian-free Newton-Krylov products ([KnollKeyes2004]): the step moves the weights by
-a vector of norm
+for Jacobian-free Newton-Krylov products ([KnollKeyes2004]): the a priori step moves the
+weights by a vector of norm
 
 .. math::
 
-    \|h v\| = s = \epsilon^{1/3} (1 + \|\theta\|), \qquad h = s / \|v\|,
+    \|h v\| = s_0 = \epsilon^{1/3} (1 + \|\theta\|), \qquad h = s / \|v\|,
 
 with :math:`\epsilon` the machine epsilon of the products' dtype
 (:math:`\epsilon^{1/3}` = 4.9e-3 in float32, 6.1e-6 in float64), so the perturbation stays
 far above the weights' own rounding (:math:`\epsilon \|\theta\|`) whatever their scale, and
-the product is homogeneous in ``v`` (``D(c v) = c D(v)`` up to rounding).
-
-The error bound. A central difference's error has no closed form without the fourth
-derivative, so it is measured, a posteriori, once per set of weights, by comparing the
-difference at two steps (as Richardson extrapolation does): with steps ``s`` and ``2 s``,
-:math:`D_{2s}(u) - D_s(u) = 3 c s^2 + r_{2s} - r_s` (``c s^2`` the truncation, ``r`` the
-rounding, ``|r_{2s}| ~ |r_s| / 2``), so :math:`R(u) = \|D_{2s}(u) - D_s(u)\|` is 3 times
-the error at ``u`` when truncation dominates and about 1.1 times it when rounding does.
-The truncation is largest along the directions of large curvature (100 to 1000 times a
-random direction's on the test models), so ``R`` is taken where they are: at a seeded random
-unit vector and at the largest and smallest Ritz vectors of 6 Lanczos steps of ``D`` from
-it (22 gradients in all). The stated bound is
-
-.. math::
-
-    \|D(v) - H v\| \le \beta \|v\|, \qquad \beta = 2 \max_u R(u),
-
-which the tests check on the Hessian's eigenvectors and random directions against exact
-double-backward products (docs/benchmarks.md tabulates the measured errors: 3 to 6 times
-below ``beta``). Consequences: an eigenvalue moves by at most about ``beta`` (Weyl's
-inequality), a probe's quadratic form ``v^T D(v)`` by at most ``beta ||v||^2`` (``beta P``
-for a Rademacher probe).
+the product is homogeneous in ``v`` (``D(c v) = c D(v)`` up to rounding). The constant
+of the optimum depends on the model's fourth derivatives, so before the first product the
+step ``s`` is chosen from a ladder ``s0, s0/4, s0/16, s0/64`` by the measured error, and the
+error bound ``beta`` (``||D(v) - H v|| <= beta ||v||``) is measured at it
+(:mod:`sharpcli.curvature.fd_step`: two-step comparisons at the extreme Ritz vectors of a
+short Lanczos run, 30 to 48 gradients once per set of weights). Consequences: an eigenvalue
+moves by at most about ``beta`` (Weyl's inequality), a probe's quadratic form ``v^T D(v)``
+by at most ``beta ||v||^2`` (``beta P`` for a Rademacher probe).
 
 Weights are restored bit for bit after every product (copied back from a snapshot, never
 by subtracting the step). Only the Hessian has such a product: the Gauss-Newton and NME
@@ -64,11 +50,11 @@ import torch
 from sharpcli import catalogue, memory
 from sharpcli.curvature.data import all_reduce_sum, distributed_rank_and_world, to_model_batch
 from sharpcli.curvature.engine import CurvatureEngine
+from sharpcli.curvature.fd_step import Calibration, calibrate
 from sharpcli.curvature.graphs import ByteCounter
 from sharpcli.errors import NumericalError, UsageError
 
 __all__ = [
-    "BOUND_FACTOR",
     "HVP_METHODS",
     "FiniteDifferenceEngine",
     "is_sharded",
@@ -77,9 +63,6 @@ __all__ = [
 ]
 
 HVP_METHODS = catalogue.HVP_METHODS
-BOUND_FACTOR = 2.0  # the stated bound: this times the two-step difference (module docstring)
-CALIBRATION_SEED = 0x5EED  # the seeded unit direction the bound is measured from
-CALIBRATION_STEPS = 6  # Lanczos steps from it to the extreme Ritz vectors (module docstring)
 
 
 def relative_step(dtype: torch.dtype) -> float:
@@ -181,7 +164,7 @@ class FiniteDifferenceEngine(CurvatureEngine):
         self.relative_step = relative_step(scope.dtype)
         # gradients over the analysis set: two per product column, four for the bound
         self.gradients = 0
-        self._bound: tuple[int, dict] | None = None  # (weights epoch, bound record)
+        self._bound: tuple[int, Calibration] | None = None  # (weights epoch, its calibration)
         # the weights' version counters as the last product left them, and the epoch they
         # belong to: it moves only when the weights change outside this engine
         self._restored_versions: tuple | None = None
@@ -322,11 +305,12 @@ class FiniteDifferenceEngine(CurvatureEngine):
             all_reduce_sum(local)
         return math.sqrt(float(local))
 
-    def step_norm(self) -> float:
-        """``s = eps^(1/3) (1 + ||theta||)``, the norm of every perturbation ``h v``.
+    def initial_step(self) -> float:
+        """``s0 = eps^(1/3) (1 + ||theta||)``, the a priori step (the calibration of
+        :mod:`sharpcli.curvature.fd_step` walks it down while the error falls).
 
         Returns:
-            ``s``.
+            ``s0``.
         """
         return self.relative_step * (1.0 + self.weight_norm())
 
@@ -439,7 +423,7 @@ class FiniteDifferenceEngine(CurvatureEngine):
         squeeze = V.dim() == 1
         V = self._as_block(V)
         out = torch.zeros_like(V)
-        step = self.step_norm()
+        step = self._calibration().step
         batches = self._batches()
         with self._restoring() as snapshot:
             for j in range(V.shape[1]):
@@ -470,79 +454,53 @@ class FiniteDifferenceEngine(CurvatureEngine):
 
     # ----------------------------------------------------------------- the error bound
     def error_bound(self) -> float:
-        """``beta``: ``||D(v) - H v|| <= beta ||v||`` (module docstring), measured on a
-        seeded unit direction at the current weights (four gradients, once per weights).
+        """``beta``: ``||D(v) - H v|| <= beta ||v||`` at the chosen step (module docstring).
 
         Returns:
             ``beta``.
         """
         return float(self.bound_record()["error_bound"])
 
-    def bound_record(self) -> dict:
-        """The report's ``hvp`` record: method, steps, the bound and what it cost.
-
-        Returns:
-            ``{"method", "relative_step", "weight_norm", "step_norm", "error_bound",
-            "error_bound_relative", "gradients"}`` (``error_bound_relative``: ``beta`` over
-            ``||D(u)||`` on the direction it was measured on).
-        """
+    def _calibration(self) -> Calibration:
+        """The step and the bound at the current weights (:func:`calibrate`), measured once
+        per set of weights, before the first product."""
         epoch = self._weights_epoch()
         if self._bound is not None and self._bound[0] == epoch:
-            return {**self._bound[1], "gradients": self.gradients}
-        weight_norm = self.weight_norm()
-        step = self.relative_step * (1.0 + weight_norm)
+            return self._bound[1]
+        s0 = self.initial_step()
         batches = self._batches()
         with self._restoring() as snapshot:
 
-            def product(u: torch.Tensor) -> torch.Tensor:
-                return self._difference(u.to(self.scope.dtype), step, snapshot, batches).double()
+            def difference(u: torch.Tensor, step: float) -> torch.Tensor:
+                u = u.to(self.scope.dtype)
+                return self._difference(u, step, snapshot, batches).double()
 
-            def two_step_difference(u: torch.Tensor, near: torch.Tensor) -> float:
-                far = self._difference(u.to(self.scope.dtype), 2.0 * step, snapshot, batches)
-                return float(torch.linalg.vector_norm(far.double() - near))
+            calibration = calibrate(difference, self.scope.numel, self.scope.device, s0)
+        self._bound = (epoch, calibration)
+        return calibration
 
-            basis, products, ritz = _short_lanczos(product, self.scope, CALIBRATION_STEPS)
-            differences = [two_step_difference(basis[:, 0], products[:, 0])]
-            for vector in ritz:  # the extreme Ritz vectors, where the curvature is
-                differences.append(two_step_difference(vector, product(vector)))
-        beta = BOUND_FACTOR * max(differences)
-        scale = float(torch.linalg.vector_norm(products, dim=0).max())
-        record = {
+    def bound_record(self) -> dict:
+        """The report's ``hvp`` record: the steps, the bound and what they cost.
+
+        Returns:
+            ``{"method", "relative_step", "weight_norm", "initial_step", "step_factor",
+            "step_norm", "error_bound", "error_bound_relative", "calibration_gradients",
+            "gradients"}`` (``step_norm``: the step used, ``initial_step`` times
+            ``step_factor``; ``error_bound_relative``: ``beta`` over the largest ``||D u||``
+            of the calibration, about ``||H||_2``).
+        """
+        calibration = self._calibration()
+        return {
             "method": "finite-difference",
             "relative_step": self.relative_step,
-            "weight_norm": weight_norm,
-            "step_norm": step,
-            "error_bound": beta,
-            "error_bound_relative": beta / scale if scale > 0 else None,
+            "weight_norm": self.weight_norm(),
+            "initial_step": calibration.step / calibration.step_factor,
+            "step_factor": calibration.step_factor,
+            "step_norm": calibration.step,
+            "error_bound": calibration.error_bound,
+            "error_bound_relative": (
+                calibration.error_bound / calibration.scale if calibration.scale > 0 else None
+            ),
+            "calibration_gradients": calibration.gradients,
+            "gradients": self.gradients,
         }
-        self._bound = (epoch, record)
-        return {**record, "gradients": self.gradients}
-
-
-def _short_lanczos(product, scope, steps: int):
-    """``steps`` Lanczos steps (full reorthogonalisation, float64) on ``product`` from a seeded
-    unit vector: the basis, its products and the Ritz vectors of the largest and the smallest
-    Ritz value (the directions of extreme curvature, where the error bound is measured)."""
-    generator = torch.Generator().manual_seed(CALIBRATION_SEED)
-    start = torch.randn(scope.numel, generator=generator, dtype=torch.float64)
-    steps = max(1, min(int(steps), scope.numel))
-    basis = torch.zeros(scope.numel, steps, dtype=torch.float64, device=scope.device)
-    products = torch.zeros_like(basis)
-    basis[:, 0] = (start / start.norm()).to(scope.device)
-    taken = steps
-    for j in range(steps):
-        products[:, j] = product(basis[:, j])
-        if j + 1 == steps:
-            break
-        residual = products[:, j] - basis[:, : j + 1] @ (basis[:, : j + 1].T @ products[:, j])
-        residual -= basis[:, : j + 1] @ (basis[:, : j + 1].T @ residual)
-        norm = float(residual.norm())
-        if norm <= 1e-12 * float(products[:, j].norm()):
-            taken = j + 1
-            break
-        basis[:, j + 1] = residual / norm
-    basis, products = basis[:, :taken], products[:, :taken]
-    projected = basis.T @ products
-    _, vectors = torch.linalg.eigh((projected + projected.T) / 2)
-    ritz = [basis @ vectors[:, -1]] + ([basis @ vectors[:, 0]] if taken > 1 else [])
-    return basis, products, ritz

@@ -66,16 +66,20 @@ def test_products_are_within_the_stated_bound_of_double_backward(kind, dtype):
     assert beta <= (1e-2 if dtype == torch.float32 else 1e-7) * spectral, (beta, spectral)
     record = fd.bound_record()
     assert record["relative_step"] == pytest.approx(torch.finfo(dtype).eps ** (1 / 3))
-    assert record["gradients"] == 2 * V.shape[1] + 22
+    assert record["gradients"] == 2 * V.shape[1] + record["calibration_gradients"]
+    assert 30 <= record["calibration_gradients"] <= 48
+    assert record["step_norm"] == pytest.approx(record["initial_step"] * record["step_factor"])
 
 
-def test_step_is_eps_cube_root_times_one_plus_the_weight_norm():
+def test_initial_step_is_eps_cube_root_times_one_plus_the_weight_norm():
     model, data, scope = _setup("mlp", torch.float32)
     fd = FiniteDifferenceEngine(model, data, scope)
     weights = torch.cat([p.detach().double().reshape(-1) for p in scope.params])
     assert relative_step(torch.float32) == pytest.approx(4.921566601e-3)
     assert relative_step(torch.float64) == pytest.approx(6.055454452e-6)
-    assert fd.step_norm() == pytest.approx(relative_step(torch.float32) * (1 + weights.norm()))
+    s0 = relative_step(torch.float32) * (1 + weights.norm())
+    assert fd.initial_step() == pytest.approx(s0)
+    assert fd.bound_record()["step_factor"] in (1, 1 / 4, 1 / 16, 1 / 64)
     v = torch.randn(scope.numel, generator=torch.Generator().manual_seed(3))
     # h = s / ||v||: the product is homogeneous in v whatever its scale (each within beta)
     gap = fd.hessian_matmat(1e3 * v) - 1e3 * fd.hessian_matmat(v)
