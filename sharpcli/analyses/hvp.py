@@ -24,6 +24,8 @@ __all__ = [
 
 HVP_METHODS = catalogue.HVP_METHODS
 FINITE_DIFFERENCE = HVP_METHODS[1]
+# an error bound above this fraction of the largest product says the products are not H
+ROUGH = 1e-2
 # estimators that need the Gauss-Newton products (tr(G) exact, then tr(N) by probes)
 _GGN_ESTIMATORS = ("gn-split", "exact")
 
@@ -110,6 +112,14 @@ def add_hvp_record(results: dict, cpass) -> dict:
         ``results``.
     """
     record = getattr(cpass, "bound_record", None)
-    if record is not None:
-        results["hvp"] = {**record(), "sharded": bool(cpass.sharded)}
+    if record is None:
+        return results
+    results["hvp"] = {**record(), "sharded": bool(cpass.sharded)}
+    relative = results["hvp"]["error_bound_relative"]
+    if relative is not None and relative > ROUGH:
+        results.setdefault("notes", []).append(
+            f"the finite-difference error bound is {relative:.2g} of the largest product "
+            "measured: the gradient is not smooth at the step (kinks such as ReLU's), so "
+            "these products are not the Hessian; use `hvp=exact`"
+        )
     return results

@@ -66,11 +66,14 @@ def _check_hvp(hvp: str, fsdp: bool, operator: str, engine: str, blocks, estimat
     common.require(blocks is None or hvp == "exact", "needs --hvp exact", "--blocks")
 
 
-def _print_hvp(console, results: dict) -> None:
-    """One line on the finite-difference products and their error bound (none when exact)."""
+def _print_hvp(console, results: dict, notes: bool = True) -> None:
+    """One line on the finite-difference products and their error bound (none when exact),
+    and with ``notes`` the run's notes (for the commands whose table shows none)."""
     record = results.get("hvp")
     if record is None:
         return
+    for note in (results.get("notes") or []) if notes else []:
+        runner.print_note(console, note)
     console.print(
         f"Hessian products by central differences ({record['gradients']} gradients"
         f"{', model sharded by FSDP' if record['sharded'] else ''}): step |h v| = "
@@ -250,7 +253,7 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
-        _print_hvp(console, results)
+        _print_hvp(console, results, notes=False)
         if "blocks" in results:
             shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [

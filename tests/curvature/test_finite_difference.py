@@ -168,3 +168,21 @@ def test_a_model_without_a_double_backward_gets_its_hessian():
     fd = FiniteDifferenceEngine(model, data, scope)
     error = torch.linalg.vector_norm(fd.hessian_matmat(v) - H @ v)
     assert error <= fd.error_bound() * torch.linalg.vector_norm(v)
+
+
+def test_a_kink_at_the_step_shows_in_the_bound_and_a_note():
+    """A ReLU pre-activation exactly 0 (hand-built weights): the gradient jumps within the
+    step, the bound is of the size of the products, and the results say so."""
+    from sharpcli.analyses.hvp import add_hvp_record
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 3)).double()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 1.0]]))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 1.0], [2.0, 0.5], [-1.0, 0.5]], dtype=torch.float64)
+    data = AnalysisData(x, torch.tensor([0, 1, 2]), "cross-entropy", 3)
+    results = add_hvp_record({}, FiniteDifferenceEngine(model, data, ParamScope.resolve(model)))
+    assert results["hvp"]["error_bound_relative"] > 0.1
+    assert any("not smooth" in note for note in results["notes"])
+    smooth = _setup("mlp", torch.float64)
+    assert "notes" not in add_hvp_record({}, FiniteDifferenceEngine(*smooth))
