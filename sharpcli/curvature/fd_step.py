@@ -28,7 +28,7 @@ the largest and the smallest Ritz vectors, walks the step down from the a priori
     \|D_s(v) - H v\| \le \beta \|v\|
 
 at the chosen step ``s`` (``u_0`` the random start). On the test models the largest error
-over the Hessian's extreme eigenvectors and random directions is 3 to 6 times below
+over the Hessian's extreme eigenvectors and random directions is 1.8 to 3.3 times below
 ``beta`` (docs/benchmarks.md).
 """
 
