@@ -5,7 +5,7 @@ finite-difference error (results.hvp.error_bound).
 One ``torch.multiprocessing`` spawn of 2 ranks runs the three commands through
 ``sharpcli.cli.app.main`` with torchrun's environment variables; the single-process
 references (exact and finite-difference) run in the test process. 45 samples in batches of
-8: rank 0 holds 22 (3 batches), rank 1 23 (3 batches). Slow (about 80 s on 2 cores): every
+8: rank 0 holds 22 (3 batches), rank 1 23 (3 batches). Slow (about 60 s on 2 cores): every
 product gathers and reduce-scatters each FSDP unit per batch through gloo.
 """
 
