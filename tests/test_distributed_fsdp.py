@@ -1,4 +1,4 @@
-"""eigen, trace and density with the model sharded by FSDP2 (``--fsdp --hvp finite-difference``)
+"""eigen, trace and density with the model sharded by FSDP2 (``--hvp fsdp``: finite differences)
 across 2 gloo ranks on CPU equal the unsharded single-process run within the stated
 finite-difference error (results.hvp.error_bound).
 
@@ -60,7 +60,7 @@ def _rank_main(rank: int, world: int, ports: list[int], tmp: str, ckpt: str, cod
         ):
             sys.stdout, sys.stderr = out, err
             try:
-                main([*argv, "--hvp", "finite-difference", "--fsdp", *COMMON])
+                main([*argv, "--hvp", "fsdp", *COMMON])
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1

@@ -39,31 +39,31 @@ EngineOpt = Annotated[
     choices.Engine,
     typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
+# --hvp fsdp: finite differences on the model sharded by FSDP2 (one option, one help line:
+# eigen's and trace's help stay within 80 lines); checked by _hvp (exit 2), not by click
+HVP_CHOICES = (*catalogue.HVP_METHODS, "fsdp")
 HvpOpt = Annotated[
-    choices.Hvp,
+    str,
     typer.Option(
         "--hvp",
-        help="Hessian products: exact (double backward) or finite-difference (central "
-        "differences of gradients, Hessian only: for models without a double backward, "
-        "and with --fsdp).",
-    ),
-]
-FsdpOpt = Annotated[
-    bool,
-    typer.Option(
-        "--fsdp",
-        help="Under torchrun, shard the model across the ranks with FSDP2 (fully_shard); "
-        "needs --hvp finite-difference.",
+        metavar="KIND",
+        show_default=False,
+        help="exact (default), finite-difference or fsdp products.",
     ),
 ]
 
 
-def _check_hvp(hvp: str, fsdp: bool, operator: str, engine: str, blocks, estimator=None):
-    """``--hvp`` and ``--fsdp`` against the other options, before the session loads."""
+def _hvp(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple[str, bool]:
+    """``--hvp`` as the library's ``(hvp, fsdp)``, checked against the other options before
+    the session loads (``fsdp``: finite differences on the model sharded by FSDP2)."""
     from sharpcli.analyses.hvp import check_hvp
 
+    common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")
+    fsdp = hvp == "fsdp"
+    hvp = catalogue.HVP_METHODS[1] if fsdp else hvp
     check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
     common.require(blocks is None or hvp == "exact", "needs --hvp exact", "--blocks")
+    return hvp, fsdp
 
 
 def _print_hvp(console, results: dict, notes: bool = True) -> None:
@@ -159,9 +159,7 @@ def _positive(value, option: str, strict: bool = True) -> None:
 def eigen_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
-    top_k: Annotated[
-        int, typer.Option("--top-k", help="Number of eigenvalues (at each end with --which both).")
-    ] = 1,
+    top_k: Annotated[int, typer.Option("--top-k", help="How many eigenvalues (per end).")] = 1,
     which: Annotated[
         choices.Which, typer.Option("--which", help="Which end of the spectrum.")
     ] = "largest",
@@ -175,7 +173,6 @@ def eigen_command(
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
     hvp: HvpOpt = "exact",
-    fsdp: FsdpOpt = False,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
     plot: Annotated[
@@ -196,7 +193,7 @@ def eigen_command(
     _positive(max_matvecs, "--eig-max-matvecs")
     common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
     common.check_output(plot)
-    _check_hvp(hvp, fsdp, operator, engine, blocks)
+    hvp, fsdp = _hvp(hvp, operator, engine, blocks)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
@@ -296,17 +293,16 @@ def trace_command(
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
     hvp: HvpOpt = "exact",
-    fsdp: FsdpOpt = False,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
 ) -> runner.Outcome:
-    """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
+    """Trace of H, G, N or a Fisher, with its standard error and per-layer traces."""
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
     _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
-    _check_hvp(hvp, fsdp, operator, engine, blocks, estimator)
+    hvp, fsdp = _hvp(hvp, operator, engine, blocks, estimator)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
@@ -497,7 +493,6 @@ def density_command(
     ] = None,
     params: common.ParamsOpt = None,
     hvp: HvpOpt = "exact",
-    fsdp: FsdpOpt = False,
     plot: Annotated[
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
@@ -515,7 +510,7 @@ def density_command(
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
     common.check_output(plot)
-    _check_hvp(hvp, fsdp, operator, "native", blocks)
+    hvp, fsdp = _hvp(hvp, operator, "native", blocks)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(

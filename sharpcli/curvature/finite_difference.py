@@ -105,13 +105,15 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
         ``model``.
 
     Raises:
-        UsageError: (``fsdp``) no process group (not under torchrun).
+        UsageError: (``hvp``, whose ``fsdp`` asks for the sharding on the command line) no
+            process group (not under torchrun).
     """
     from torch.distributed.fsdp import fully_shard
 
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise UsageError(
-            "sharding the model needs a process group: run under torchrun", source="fsdp"
+            "sharding the model by FSDP needs a process group: run under torchrun",
+            source="hvp",
         )
     if is_sharded(model.parameters()):
         return model

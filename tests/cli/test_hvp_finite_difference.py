@@ -83,8 +83,8 @@ def test_density_agrees_with_exact_within_the_stated_bound(capsys, checkpoint):
         (["trace", "--estimator", "gn-split", "--hvp", "finite-difference"], "gn-split"),
         (["eigen", "--engine", "pyhessian", "--hvp", "finite-difference"], "--engine pyhessian"),
         (["eigen", "--blocks", "layers", "--hvp", "finite-difference"], "--blocks"),
-        (["density", "--fsdp"], "--fsdp"),
-        (["eigen", "--fsdp", "--hvp", "finite-difference"], "torchrun"),
+        (["density", "--hvp", "fsdp"], "torchrun"),
+        (["eigen", "--hvp", "fsdp", "--operator", "nme"], "--hvp"),
         (["eigen", "--hvp", "central"], "--hvp"),
     ],
 )
