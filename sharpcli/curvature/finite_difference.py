@@ -49,6 +49,7 @@ import torch
 
 from sharpcli import catalogue, memory
 from sharpcli.curvature.data import all_reduce_sum, distributed_rank_and_world, to_model_batch
+from sharpcli.curvature.differentiable import reentrant_checkpoints_as_plain_forward
 from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.fd_step import Calibration, calibrate
 from sharpcli.curvature.graphs import ByteCounter
@@ -333,7 +334,9 @@ class FiniteDifferenceEngine(CurvatureEngine):
     def _batch_gradient(self, x_b, y_b, weight: float, index: int) -> tuple[float, list]:
         """One batch's weighted loss and its gradient (this rank's parameter-shaped parts)."""
         params = list(self.scope.params)
-        with torch.enable_grad():
+        # first derivatives only: the model's own kernels (fused attention) stay, but a
+        # reentrant checkpoint would drop its parameters' gradients (module differentiable)
+        with torch.enable_grad(), reentrant_checkpoints_as_plain_forward():
             loss_b = self.loss(self.model(x_b), y_b) * weight
             if not torch.isfinite(loss_b):
                 raise NumericalError(

@@ -186,3 +186,35 @@ def test_a_kink_at_the_step_shows_in_the_bound_and_a_note():
     assert any("not smooth" in note for note in results["notes"])
     smooth = _setup("mlp", torch.float64)
     assert "notes" not in add_hvp_record({}, FiniteDifferenceEngine(*smooth))
+
+
+class _Checkpointed(nn.Module):
+    """A first block under reentrant activation checkpointing (torch's old default)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+
+def test_reentrant_checkpointing_keeps_its_parameters_gradients():
+    """With data that do not require gradients, torch drops the checkpointed block's
+    parameter gradients (a warning only): the products would miss its rows."""
+    model = _Checkpointed().double().eval()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 6, generator=generator, dtype=torch.float64)
+    data = AnalysisData(x, torch.randint(0, 3, (24,), generator=generator), "cross-entropy", 8)
+    scope = ParamScope.resolve(model)
+    v = torch.randn(scope.numel, generator=generator, dtype=torch.float64)
+    exact = CurvatureEngine(model, data, scope).hessian_matmat(v)
+    fd = FiniteDifferenceEngine(model, data, scope)
+    with pytest.warns(UserWarning, match="requires_grad"):  # torch's, outside the engine
+        model(x).sum().backward()
+    assert torch.linalg.vector_norm(fd.hessian_matmat(v) - exact) <= fd.error_bound() * v.norm()
+    assert exact[: 6 * 8 + 8].abs().max() > 0  # the block's rows are there
