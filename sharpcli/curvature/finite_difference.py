@@ -232,6 +232,7 @@ class FiniteDifferenceEngine(CurvatureEngine):
                 counter = ByteCounter()
                 with (
                     torch.enable_grad(),
+                    reentrant_checkpoints_as_plain_forward(),  # as the products run it
                     torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
                 ):
                     self.loss(self.model(x_b), y_b) * weight
