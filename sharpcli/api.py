@@ -35,11 +35,13 @@ import copy
 import torch
 from torch import nn
 
+from sharpcli.analyses.hvp import FINITE_DIFFERENCE, check_hvp
 from sharpcli.api_methods.arguments import device_argument, dtype_argument, integer_argument
 from sharpcli.api_methods.estimates import CurvatureEstimates
 from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
@@ -97,6 +99,13 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             samples); default a DataLoader's batch size, or 256 for tensors.
         device: Where the products run; None: the model's device.
         dtype: The products' dtype; None: the model's.
+        hvp: ``"exact"`` (double backward) or ``"finite-difference"``: Hessian products as
+            central differences of gradients
+            (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`), for a
+            model without a double backward; the Hessian only (``ggn``, ``nme`` and ``blocks``
+            are refused), no second-derivative self-check, and
+            ``curvature.curvature_pass.bound_record()`` gives the step and the measured error
+            bound ``||D v - H v|| <= error_bound ||v||``.
 
     Before anything is computed, a forward pass over the set (no gradients) checks that the
     model takes every input and that the loss fits its outputs and the labels, and one
@@ -134,6 +143,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         dtype: str | torch.dtype | None = None,
         batch_size: int | None = None,
         token_reduction: str | None = None,
+        hvp: str = "exact",
     ):
 
         if not isinstance(model, nn.Module):
@@ -144,6 +154,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             raise UsageError("the model has no parameters", source="model")
         if batch_size is not None:
             integer_argument(batch_size, "batch_size")
+        check_hvp(hvp)
+        self.hvp = hvp
         self.dtype = dtype_argument(dtype, first.dtype)
         self.device = device_argument(device, first.device)
         if self.dtype != first.dtype or self.device != first.device:
@@ -157,11 +169,13 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
         self._check_forward()
-        self._self_check(collected)
+        if hvp != FINITE_DIFFERENCE:  # differences of gradients never differentiate twice
+            self._self_check(collected)
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
+        engine = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
+        self.curvature_pass = engine(self._view, self.data, self.scope)
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:

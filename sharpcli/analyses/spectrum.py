@@ -18,6 +18,12 @@ import math
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.analyses.hvp import (
+    FINITE_DIFFERENCE,
+    add_hvp_record,
+    check_hvp,
+    finite_difference_pass,
+)
 from sharpcli.curvature import (
     CurvatureEngine,
     exact_ggn_trace,
@@ -58,9 +64,12 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
     return value
 
 
-def curvature_pass(session, params: str | None):
-    """One shared pass (H and G products with cached graphs) over the session's analysis set."""
-
+def curvature_pass(session, params: str | None, hvp: str = "exact", fsdp: bool = False):
+    """One shared pass (H and G products with cached graphs) over the session's analysis set;
+    with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
+    (:mod:`sharpcli.analyses.hvp`)."""
+    if hvp == FINITE_DIFFERENCE:
+        return finite_difference_pass(session, params, fsdp)
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
     cpass = CurvatureEngine(
@@ -103,10 +112,14 @@ def eigen(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
+    """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged
+    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
     check_choice(method, METHODS, "method")
     check_choice(engine, ENGINES, "engine")
+    check_hvp(hvp, operator=operator, fsdp=fsdp, engine=engine)
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN:
@@ -127,7 +140,7 @@ def eigen(
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
-    cpass = curvature_pass(session, params)
+    cpass = curvature_pass(session, params, hvp, fsdp)
     result = eigen_result(
         cpass,
         operator,
@@ -143,7 +156,7 @@ def eigen(
     out.update(operator=operator, scope=scope_info(cpass.scope))
     if which != "largest":
         _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
-    return out
+    return add_hvp_record(out, cpass)
 
 
 def eigen_result(
@@ -250,10 +263,15 @@ def trace(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
+    """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal
+    block) traces; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
     catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
+    check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
+    cpass = None
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN or square:
@@ -268,7 +286,7 @@ def trace(
         )
         scope = session.scope(params)
     else:
-        cpass = curvature_pass(session, params)
+        cpass = curvature_pass(session, params, hvp, fsdp)
         scope = cpass.scope
         result = trace_result(
             cpass,
@@ -281,13 +299,14 @@ def trace(
         )
     d = result.to_dict()
     by_layer = d.pop("by_layer")
-    return {
+    out = {
         "trace": d,
         "by_layer": by_layer,
         "operator": operator,
         "square": square,
         "scope": scope_info(scope),
     }
+    return add_hvp_record(out, cpass)
 
 
 def trace_result(
@@ -336,11 +355,14 @@ def density(
     broadening: float | None = None,
     params: str | None = None,
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened."""
-
+    """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened;
+    ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
+    check_hvp(hvp, operator=operator, fsdp=fsdp)
     seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params)
+    cpass = curvature_pass(session, params, hvp, fsdp)
     op = operator_of(cpass, operator)
     with progress.phase(f"density {_symbol(operator)}"):
         result = spectral_density(
@@ -355,7 +377,7 @@ def density(
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))
     out.update(operator=operator, scope=scope_info(cpass.scope))
-    return out
+    return add_hvp_record(out, cpass)
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:

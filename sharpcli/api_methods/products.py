@@ -25,6 +25,7 @@ from sharpcli.curvature import (
     build_operator,
 )
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import token_reduction
 
@@ -44,6 +45,7 @@ class CurvatureProducts:
     data: AnalysisData  # the sample indices 0..N-1 and the labels
     scope: ParamScope
     curvature_pass: CurvatureEngine
+    hvp: str  # "exact" or "finite-difference" (sharpcli.analyses.hvp)
     _view: nn.Module  # the model on the stored inputs: forward(index)
 
     def _analysis_mode(self) -> contextlib.ExitStack:
@@ -126,8 +128,11 @@ class CurvatureProducts:
             An iterator of ``(block name, parameter names, engine)``.
 
         Raises:
-            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated.
+            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated,
+                or per-block products asked of ``hvp="finite-difference"``.
         """
+        if self.hvp != "exact":
+            raise UsageError("per-block products need `hvp=exact`", source="blocks")
         return block_passes(
             self.scope.names,
             blocks,

@@ -16,6 +16,7 @@ __all__ = [
     "ENGINES",
     "EPSILON_KINDS",
     "GGN_ESTIMATORS",
+    "HVP_METHODS",
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
@@ -41,6 +42,8 @@ DEVICES = ("cpu", "cuda", "mps")
 WHICH = ("largest", "smallest", "both")
 METHODS = ("lanczos", "power")
 ENGINES = ("native", "pyhessian")
+# how a Hessian product is taken: sharpcli.curvature.finite_difference
+HVP_METHODS = ("exact", "finite-difference")
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
