@@ -26,21 +26,27 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.regularizers.oracle import ASCENT_SYNC, PerturbedOptimizer
+from sharpcli.regularizers.oracle import ASCENT_SYNC, WRAPPED_ORACLES, PerturbedOptimizer
 from sharpcli.regularizers.penalty import LossPenalty
 from sharpcli.training.penalties.base import Oracle, Penalty, Regularizer
-from sharpcli.training.regularizers import describe_registry, parse_reg
+from sharpcli.training.regularizers import REGISTRY, parse_reg
 
 __all__ = ["ASCENT_SYNC", "LossPenalty", "PerturbedOptimizer", "make", "names"]
 
 
 def names() -> dict[str, str]:
-    """The regularizers usable here, by name: ``"oracle"`` (an optimizer wrapper) or
-    ``"penalty"`` (a loss term); the registry of ``sharp train --reg``, extensions included."""
+    """The regularizers usable here, by name, with their kind.
+
+    Returns:
+        ``{name: kind}`` over the registry of ``sharp train --reg``, extensions included:
+        kind ``"oracle"`` (an optimizer wrapper, :func:`make` with an optimizer; the
+        built-in oracles and their subclasses, as an extension's own oracle runs under
+        ``sharp train`` only) or ``"penalty"`` (a loss term, :func:`make` with ``model=``).
+    """
     return {
-        row["name"]: row["kind"]
-        for row in describe_registry()
-        if row["kind"] in ("oracle", "penalty")
+        name: cls.kind
+        for name, cls in REGISTRY.items()
+        if issubclass(cls, Penalty) or issubclass(cls, WRAPPED_ORACLES)
     }
 
 

@@ -1,7 +1,7 @@
-"""The perturbation oracles of ``sharp train`` as a wrapper around any ``torch.optim`` optimizer.
+r"""The perturbation oracles of ``sharp train`` as a wrapper around any ``torch.optim`` optimizer.
 
-:class:`PerturbedOptimizer` applies the gradient at perturbed weights :math:`\\theta + e` at
-:math:`\\theta`: the ascent family (``sam`` [SAM], ``usam`` [USAM], ``asam`` [ASAM]: ``e`` the
+:class:`PerturbedOptimizer` applies the gradient at perturbed weights :math:`\theta + e` at
+:math:`\theta`: the ascent family (``sam`` [SAM], ``usam`` [USAM], ``asam`` [ASAM]: ``e`` the
 ascent step from the clean gradient) and the weight-noise family (``weight-noise``, ``nso``
 [NSO]: ``e`` Gaussian noise). The perturbation is the regularizer class's own
 (:meth:`~sharpcli.training.penalties.sam.SAM.perturbation`,
@@ -37,7 +37,7 @@ Training conditions (docs/own-loop.md):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 from torch import nn
@@ -47,12 +47,31 @@ from sharpcli.errors import UsageError
 from sharpcli.training.draws import global_norm
 from sharpcli.training.penalties.base import Oracle
 from sharpcli.training.penalties.noise import NSO, WeightNoise
+from sharpcli.training.penalties.sam import ASAM, SAM, USAM
 
 __all__ = ["ASCENT_SYNC", "PerturbedOptimizer"]
 
 #: The semantics of the clean gradient under data parallelism (``ascent_sync``), the value
 #: set of :mod:`sharpcli.catalogue.values`.
 ASCENT_SYNC = values.ASCENT_SYNC
+
+# the oracles this wrapper runs (and their subclasses): the ascent family moves along the
+# class's perturbation(), the weight-noise family along its noise() / noise_points(); an
+# extension's oracle defines only gradient(engine), which `sharp train` runs
+_ASCENT = (SAM, USAM, ASAM)
+WRAPPED_ORACLES: tuple[type[Oracle], ...] = (*_ASCENT, WeightNoise, NSO)
+
+#: what a closure returns (the loss), handed back by :meth:`PerturbedOptimizer.step`
+_Loss = TypeVar("_Loss")
+
+
+@runtime_checkable
+class _DefersGradientSync(Protocol):
+    """A data-parallel wrapper whose backward can skip the all-reduce (DDP, FSDP)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """The context in which backward passes accumulate local gradients only."""
+        ...
 
 
 class PerturbedOptimizer(torch.optim.Optimizer):
@@ -85,6 +104,10 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         perturbed_updates_buffers: Keep the buffer updates of the perturbed passes.
         generator: The noise oracles' generator (default: seeded from
             ``torch.initial_seed()`` on the parameters' device).
+
+    Raises:
+        UsageError: a regularizer that is not one of the oracles above (a penalty, or an
+            extension's oracle, which ``sharp train`` runs), or an unknown ``ascent_sync``.
     """
 
     def __init__(
@@ -93,7 +116,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         regularizer: Oracle,
         *,
         model: nn.Module | None = None,
-        grad_scaler: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         ascent_sync: str = "per-replica",
         perturbed_updates_buffers: bool = False,
         generator: torch.Generator | None = None,
@@ -102,6 +125,12 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             raise UsageError(
                 f"{regularizer!r} is not a perturbation oracle (sam, usam, asam, weight-noise, "
                 "nso); a penalty is added to the loss (sharpcli.regularizers.make(spec, model=))",
+                source="regularizer",
+            )
+        if not isinstance(regularizer, WRAPPED_ORACLES):
+            raise UsageError(
+                f"{regularizer.name}: the optimizer wrapper runs sam, usam, asam, weight-noise "
+                "and nso; train this oracle with `sharp train`",
                 source="regularizer",
             )
         if ascent_sync not in ASCENT_SYNC:
@@ -133,7 +162,12 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _names(self, params: list[torch.Tensor]) -> list[str] | None:
-        """The parameters' names in the model (cached while the parameters stay the same)."""
+        """The parameters' names in the model (cached while the parameters stay the same).
+
+        Returns:
+            One name per parameter (``""`` for one the model does not hold), or None without
+            a model.
+        """
         if self.model is None:
             return None
         key = tuple(id(p) for p in params)
@@ -153,12 +187,16 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         return self._saved is not None
 
     # ----------------------------------------------------------------- the two-call form
-    def first_pass(self) -> contextlib.AbstractContextManager:
-        """The context of the clean backward: ``model.no_sync()`` for a
-        ``DistributedDataParallel`` model under ``ascent_sync="per-replica"`` (the ascent
-        stays local), nothing otherwise."""
-        if self.ascent_sync == "per-replica" and hasattr(self.model, "no_sync"):
-            return self.model.no_sync()  # type: ignore[union-attr, operator]
+    def first_pass(self) -> contextlib.AbstractContextManager[None]:
+        """The context of the clean backward.
+
+        Returns:
+            ``model.no_sync()`` for a ``DistributedDataParallel`` model (any with
+            ``no_sync``) under ``ascent_sync="per-replica"``: the ascent stays local; a
+            context that does nothing otherwise.
+        """
+        if self.ascent_sync == "per-replica" and isinstance(self.model, _DefersGradientSync):
+            return self.model.no_sync()
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -170,6 +208,10 @@ class PerturbedOptimizer(torch.optim.Optimizer):
 
         Args:
             zero_grad: Zero the gradients afterwards (for the perturbed backward).
+
+        Raises:
+            UsageError: a :meth:`first_step` already pending, or ``nso`` (its ``2k`` passes
+                need ``step(closure)``).
         """
         if self.pending:
             raise UsageError("first_step twice without a second_step", source="optimizer")
@@ -183,13 +225,14 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         if isinstance(reg, WeightNoise):  # its one pass is at the noisy weights: kept
             deltas = reg.noise(weights, self._generator(weights[0].device))
         else:
+            assert isinstance(reg, _ASCENT)  # the constructor admits no other oracle
             self._save_buffers()
             grads = self._clean_gradient(params)
-            deltas = reg.perturbation(weights, grads, self._names(params))  # type: ignore[attr-defined]
+            deltas = reg.perturbation(weights, grads, self._names(params))
             # with a scaler an inf/NaN gradient is an expected event (the scale was too high):
             # no perturbation, and the step is skipped; without one it propagates as in any
             # optimizer step
-            if self._scaling() and not bool(torch.isfinite(global_norm(grads))):
+            if self._scaler() is not None and not bool(torch.isfinite(global_norm(grads))):
                 self._non_finite = True
                 deltas = [torch.zeros_like(w) for w in weights]
         if [t.shape for t in self._theta] != [w.shape for w in weights]:
@@ -202,13 +245,20 @@ class PerturbedOptimizer(torch.optim.Optimizer):
 
     def _clean_gradient(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in params]
-        if self._scaling():
-            inverse = 1.0 / self.grad_scaler.get_scale()
+        scaler = self._scaler()
+        if scaler is not None:
+            inverse = 1.0 / scaler.get_scale()
             grads = list(torch._foreach_mul(grads, inverse))
         return grads
 
-    def _scaling(self) -> bool:
-        return self.grad_scaler is not None and self.grad_scaler.is_enabled()
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """The grad scaler when there is one and it is enabled.
+
+        Returns:
+            ``grad_scaler``, or None (no scaler, or one made with ``enabled=False``).
+        """
+        scaler = self.grad_scaler
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _save_buffers(self) -> None:
         if self.model is None or self.perturbed_updates_buffers:
@@ -217,9 +267,14 @@ class PerturbedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put theta (and the buffers as the clean pass left them) back, keeping the
-        gradient at the perturbed weights in ``p.grad``; a non-finite clean gradient marks
-        it non-finite (the grad scaler then skips the step)."""
+        """Put theta (and the buffers as the clean pass left them) back.
+
+        The gradient at the perturbed weights stays in ``p.grad``; a non-finite clean
+        gradient marks it non-finite (the grad scaler then skips the step).
+
+        Raises:
+            UsageError: no :meth:`first_step` pending.
+        """
         if self._saved is None:
             raise UsageError("restore without a first_step", source="optimizer")
         params = self._params()
@@ -237,11 +292,16 @@ class PerturbedOptimizer(torch.optim.Optimizer):
                     break
 
     def second_step(self, zero_grad: bool = False) -> None:
-        """Restore theta and step the base optimizer with the gradient in ``p.grad`` (through
-        ``grad_scaler.step`` and ``grad_scaler.update`` when there is a scaler).
+        """Restore theta and step the base optimizer with the gradient in ``p.grad``.
+
+        With a grad scaler the step goes through ``grad_scaler.step`` and
+        ``grad_scaler.update``.
 
         Args:
             zero_grad: Zero the gradients afterwards.
+
+        Raises:
+            UsageError: no :meth:`first_step` pending.
         """
         self.restore()
         self._base_step()
@@ -249,27 +309,42 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             self.zero_grad()
 
     def _base_step(self) -> None:
-        if self._scaling():
-            self.grad_scaler.step(self.base_optimizer)
-            self.grad_scaler.update()
+        scaler = self._scaler()
+        if scaler is not None:
+            scaler.step(self.base_optimizer)
+            scaler.update()
         else:
             self.base_optimizer.step()
 
     # ----------------------------------------------------------------- the closure form
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update. With ``closure`` (forward + backward, returns the loss): every pass
-        of the oracle, then the base step; returns the clean pass's loss (``weight-noise``,
-        ``nso``: the first noisy pass's). Without: see the class.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
+
+    def step(self, closure: Callable[[], _Loss] | None = None) -> _Loss | None:
+        """One update.
+
+        With ``closure`` (forward + backward, returns the loss): every pass of the oracle,
+        then the base step. Without: :meth:`second_step` when a :meth:`first_step` is
+        pending, else the base step for a host that runs the passes (see the class).
 
         Args:
             closure: Runs forward and backward at the current weights; returns the loss.
 
         Returns:
-            The loss the closure returned first, or what the base step returned.
+            What the closure returned at its first call: the clean pass's loss
+            (``weight-noise``, ``nso``: the first noisy pass's); None without a closure.
+
+        Raises:
+            UsageError: no closure, no :meth:`first_step` pending and no host running the
+                passes (a plain step would train without the regularizer).
         """
         if closure is None:
             if self.pending:
-                return self.second_step()
+                self.second_step()
+                return None
             if not self.host_runs_passes:
                 raise UsageError(
                     f"{self.regularizer.name} takes its gradient at perturbed weights: call "
@@ -294,15 +369,19 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self.second_step()
         return loss
 
-    def _noise_points_step(self, closure: Callable[[], Any]) -> Any:
-        """``nso``: the mean gradient over :math:`\\theta \\pm U_j` (NSO Alg. 1), then the step."""
+    def _noise_points_step(self, closure: Callable[[], _Loss]) -> _Loss:
+        r"""``nso``: the mean gradient over :math:`\theta \pm U_j` (NSO Alg. 1), then the step.
+
+        Returns:
+            What the closure returned at the first noise point.
+        """
         reg = self.regularizer
         assert isinstance(reg, NSO)
         params = self._params()
         weights = [p.detach() for p in params]
         theta = [w.clone() for w in weights]
         total: list[torch.Tensor] | None = None
-        loss = None
+        first: list[_Loss] = []  # the first point's loss (a list: the loss may be None)
         buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for noise, sign in reg.noise_points(weights, self._generator(weights[0].device)):
             with torch.no_grad():
@@ -312,7 +391,8 @@ class PerturbedOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(weights, theta)
             grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in params]
             if total is None:
-                total, loss = [g.clone() for g in grads], value
+                total = [g.clone() for g in grads]
+                first.append(value)
                 if self.model is not None and not self.perturbed_updates_buffers:
                     buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
             else:
@@ -326,7 +406,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         for p, g in zip(params, total):
             p.grad = g
         self._base_step()
-        return loss
+        return first[0]
 
     # ----------------------------------------------------------------- state
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -334,7 +414,11 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The base optimizer's state (this wrapper keeps none between steps)."""
+        """The base optimizer's state (this wrapper keeps none between steps).
+
+        Returns:
+            ``base_optimizer.state_dict()``.
+        """
         return self.base_optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -350,5 +434,9 @@ class PerturbedOptimizer(torch.optim.Optimizer):
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper."""
+    """The module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper.
+
+    Returns:
+        ``model.module`` for a wrapper, ``model`` itself otherwise.
+    """
     return getattr(model, "module", model)

@@ -1,8 +1,8 @@
-"""The additive penalties of ``sharp train`` as terms added to the loss of one's own loop.
+r"""The additive penalties of ``sharp train`` as terms added to the loss of one's own loop.
 
 :class:`LossPenalty` wraps a parsed penalty (``wd``, ``ad``, ``gp``, ``hessian-trace``,
 ``gn-trace``, ``fa``): calling it with the batch's loss, logits and labels returns
-:math:`P(\\theta)` as a 0-dim tensor whose gradient is the penalty's, to add to the loss
+:math:`P(\theta)` as a 0-dim tensor whose gradient is the penalty's, to add to the loss
 before the backward. The value is the penalty class's own ``term`` (the code ``sharp train``
 runs, on the same :class:`~sharpcli.training.engine.PassContext`); a term computed in
 closed form without a graph (``wd``) carries its closed-form gradient
@@ -41,12 +41,24 @@ class _ClosedFormTerm(torch.autograd.Function):
     """A value computed without a graph, whose gradient is given (``wd``: ``sigma^2 theta``)."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, grads: list[torch.Tensor], *params: torch.Tensor):
+    def forward(
+        ctx: Any, value: torch.Tensor, grads: list[torch.Tensor], *params: torch.Tensor
+    ) -> torch.Tensor:
+        """The value, detached: a new leaf of the graph whose inputs are ``params``.
+
+        Returns:
+            A copy of ``value`` (autograd gives it this function as its ``grad_fn``).
+        """
         ctx.grads = grads
         return value.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, *outputs: torch.Tensor) -> Any:
+    def backward(ctx: Any, *outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The upstream gradient times the given gradient, for each parameter.
+
+        Returns:
+            None for ``value`` and ``grads``, then ``upstream * grad`` per parameter.
+        """
         (upstream,) = outputs
         return (None, None, *[upstream * g for g in ctx.grads])
 
@@ -125,7 +137,7 @@ class LossPenalty:
     def __call__(
         self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
-        """:math:`P(\\theta)` at the current weights, with its gradient.
+        r""":math:`P(\theta)` at the current weights, with its gradient.
 
         Args:
             loss: The batch-mean task loss, with its graph (unscaled).
@@ -157,7 +169,9 @@ class LossPenalty:
             grads = reg.analytic_grad(engine.params)
             if grads is None:
                 return value
-            return _ClosedFormTerm.apply(value, grads, *engine.params)
+            # torch leaves Function.apply unannotated (it returns forward's output)
+            term: torch.Tensor = _ClosedFormTerm.apply(value, grads, *engine.params)  # type: ignore[no-untyped-call]
+            return term
 
     def __repr__(self) -> str:
         return f"LossPenalty({self.regularizer.spec()!r})"

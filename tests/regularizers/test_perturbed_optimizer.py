@@ -13,6 +13,8 @@ from torch import nn
 
 from sharpcli import regularizers
 from sharpcli.errors import UsageError
+from sharpcli.training import regularizers as registry
+from sharpcli.training.penalties.base import Oracle
 from sharpcli.training.regularizers import parse_reg, training_step
 
 
@@ -286,3 +288,42 @@ def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
         defaults = {h["name"]: h["default"] for h in rows[name]["hyperparameters"]}
         assert made.regularizer.params == defaults
         assert made.regularizer == parse_reg(name)
+
+
+def test_an_extension_oracle_is_refused_and_a_sam_variant_runs():
+    """An oracle of one's own defines gradient(engine), which only sharp train runs; a
+    subclass of SAM moves along SAM's perturbation, which the wrapper applies."""
+    own = type(
+        "OwnOracle",
+        (Oracle,),
+        {
+            "__doc__": "``own-oracle``: one's own.",
+            "name": "own-oracle",
+            "summary": "one's own",
+            "data_parallel": None,
+        },
+    )
+    variant = type(
+        "SAM2",
+        (registry.SAM,),
+        {"__doc__": "``sam2:rho``: a SAM variant.", "name": "sam2", "data_parallel": "global"},
+    )
+    registry.register(own)
+    registry.register(variant)
+    try:
+        assert "own-oracle" not in regularizers.names()
+        assert regularizers.names()["sam2"] == "oracle"
+        model = _mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(UsageError, match="train this oracle with `sharp train`"):
+            regularizers.make("own-oracle", sgd)
+        x, y = _batch()
+        reference = copy.deepcopy(model)
+        regularizers.make("sam2:rho=0.1", sgd).step(_closure(model, x, y))
+        regularizers.make("sam:rho=0.1", torch.optim.SGD(reference.parameters(), lr=0.1)).step(
+            _closure(reference, x, y)
+        )
+        torch.testing.assert_close(_flat(model), _flat(reference), rtol=0, atol=0)
+    finally:
+        registry.unregister("own-oracle")
+        registry.unregister("sam2")

@@ -16,6 +16,10 @@ from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regular
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
 
+# the signature of perturbation(), which every ascent oracle overrides
+_Tensors = Sequence[torch.Tensor]
+_Names = Sequence[str] | None
+
 
 class _AscentOracle(Oracle):
     """Two-step sharpness-aware oracle: clean gradient ``g = grad O(theta)``, perturbation
@@ -35,10 +39,7 @@ class _AscentOracle(Oracle):
     )
 
     def perturbation(
-        self,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        names: Sequence[str] | None = None,
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
     ) -> list[torch.Tensor]:
         """The ascent step :math:`e(g)`: what ``sharp train`` and the optimizer wrapper of
         :mod:`sharpcli.regularizers` both apply.
@@ -99,7 +100,9 @@ class SAM(_AscentOracle):
     # per_replica) or with --ascent-sync global
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
-    def perturbation(self, params, grads, names=None):
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho g / \\|g\\|`."""
         return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
 
@@ -122,7 +125,9 @@ class USAM(_AscentOracle):
     paper = "USAM"
     data_parallel = "its ascent step needs the global gradient before the second pass"
 
-    def perturbation(self, params, grads, names=None):
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho g`."""
         return [self.params["rho"] * g for g in grads]
 
@@ -171,7 +176,9 @@ class ASAM(_AscentOracle):
             weights = ["weight" in name for name in names]
         return [p.abs() + self.params["eta"] if w else None for p, w in zip(params, weights)]
 
-    def perturbation(self, params, grads, names=None):
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho T^2 g / \\|T g\\|`."""
         scales = self.scales(params, names)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
