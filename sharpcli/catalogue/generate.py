@@ -192,7 +192,7 @@ def estimator_table(entries: list[Entry]) -> str:
     Returns:
         The table: name (the default marked), what it computes, its paper key.
     """
-    rows = ["| `--estimator` | what it does | paper |", "|---|---|---|"]
+    rows = ["| estimator | what it does | paper |", "|---|---|---|"]
     for i, e in enumerate(entries):
         shown = f"`{e.name}` (default)" if i == 0 else f"`{e.name}`"
         rows.append(f"| {shown} | {_cell(e.summary)} | {e.paper} |")
