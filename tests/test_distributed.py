@@ -346,6 +346,7 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
     (never inherited), as its catalogue record states; the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
     batch gradient or Hessian."""
     from sharpcli import catalogue
+    from sharpcli.training.penalties.base import modes_of
     from sharpcli.training.regularizers import data_parallel_refusal
 
     cls = _registry()[name]
@@ -353,7 +354,7 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
     reason = cls.data_parallel
     assert reason is None or (isinstance(reason, str) and reason.strip())
     assert reason == catalogue.REGULARIZERS.entry(name).data_parallel
-    for mode_class in cls._modes.values():  # a mode class answers with its family's
+    for mode_class in modes_of(cls).values():  # a mode class answers with its family's
         assert data_parallel_refusal(mode_class) == reason, mode_class
     if reason is not None:
         assert "nonlinear" in reason or "global" in reason, reason

@@ -12,6 +12,7 @@ from sharpcli import catalogue
 from sharpcli.curvature.data import all_reduce_sum
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import UsageError
+from sharpcli.training.penalties.base import family_of
 from sharpcli.training.penalties.sam import AscentOracle
 from sharpcli.training.regularizers import data_parallel_refusal
 from sharpcli.training.step import StepStats, training_step
@@ -64,7 +65,7 @@ def per_replica_statement(reg) -> str | None:
     """What each rank computes for ``reg`` under torchrun when averaging is not exact (its
     class's ``per_replica``), None when it states none or is exact. A class that does not
     declare ``data_parallel`` in its own body gets None (refused), whatever it inherits."""
-    family = (reg if isinstance(reg, type) else type(reg))._family
+    family = family_of(reg if isinstance(reg, type) else type(reg))
     if "data_parallel" not in vars(family) or family.data_parallel is None:
         return None
     return getattr(family, "per_replica", None)

@@ -48,6 +48,7 @@ from sharpcli.training.penalties.base import (
     Oracle,
     Penalty,
     Regularizer,
+    family_of,
     regularizer_entry,
 )
 from sharpcli.training.penalties.decay import ActivationDecay, Dropout, NoRegularizer, WeightDecay
@@ -178,7 +179,7 @@ def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
     A class that does not state ``data_parallel`` in its own body (one put into
     :data:`REGISTRY` without :func:`register`) is refused rather than assumed exact.
     """
-    cls = (reg if isinstance(reg, type) else type(reg))._family
+    cls = family_of(reg if isinstance(reg, type) else type(reg))
     if "data_parallel" not in vars(cls):
         return "it does not declare whether averaging per-rank gradients is exact (data_parallel)"
     return cls.data_parallel

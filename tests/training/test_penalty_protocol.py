@@ -13,6 +13,7 @@ from sharpcli.errors import UsageError
 from sharpcli.training import loop
 from sharpcli.training.config import TrainConfig, config_from_options
 from sharpcli.training.engine import PenaltyNeeds
+from sharpcli.training.penalties.base import family_of
 from sharpcli.training.penalties.flatness import (
     ExactFlatnessAware,
     FiniteDifferenceFlatnessAware,
@@ -51,7 +52,7 @@ def test_each_mode_is_its_own_class_chosen_when_parsed(name, family, classes):
             # a copy keeps its class (copy/deepcopy call __new__ without the parameters)
             assert type(copy.deepcopy(reg)) is cls and copy.copy(reg) == reg
             # a mode class answers with its family's data-parallel verdict, stated once there
-            assert cls._family is family and "data_parallel" in vars(family)
+            assert family_of(cls) is family and "data_parallel" in vars(family)
             assert data_parallel_refusal(reg) == family.data_parallel
 
 

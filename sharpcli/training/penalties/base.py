@@ -4,13 +4,14 @@ A :class:`Regularizer` is a name, typed hyper-parameters (:class:`HyperParam`) a
 ``"none"``, ``"model"`` (changes the model's construction), ``"penalty"`` (an additive
 :class:`Penalty` declaring its :class:`~sharpcli.training.engine.PenaltyNeeds`) or
 ``"oracle"`` (an :class:`Oracle` returning the gradient at perturbed weights). A regularizer
-whose ``mode`` hyper-parameter selects different computations is a family: one class per mode
-(``class Exact(Family, mode="exact")``), picked when the regularizer is parsed.
+whose ``mode`` hyper-parameter selects different computations is a family: one class per mode,
+declared by :func:`declare_mode` (``@declare_mode("exact") class Exact(Family)``), picked when
+the regularizer is parsed.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
 
@@ -85,6 +86,48 @@ def declare_regularizer(cls: type[R]) -> type[R]:
     return cls
 
 
+def declare_mode(mode: str) -> Callable[[type[R]], type[R]]:
+    """Declare a class as the computation of ``mode=NAME`` of its family (a class decorator).
+
+    The family is the class's direct base: a regularizer whose ``mode`` hyper-parameter picks,
+    when it is parsed, the class that computes it (``gp:mode=exact`` or ``gp:mode=fd``). The
+    family lists its modes in ``_modes`` (its own namespace); the mode class states its
+    ``mode`` and ``_family``.
+
+    Args:
+        mode: the value of the family's ``mode`` hyper-parameter this class computes.
+
+    Returns:
+        The decorator.
+    """
+
+    def decorate(cls: type[R]) -> type[R]:
+        family = cls.__bases__[0]
+        modes = vars(family).get("_modes")
+        if modes is None:
+            modes = {}
+            setattr(family, "_modes", modes)
+        if mode in modes:
+            raise TypeError(f"{family.__name__}: mode {mode!r} is declared twice")
+        modes[mode] = cls
+        cls.mode = mode
+        setattr(cls, "_family", family)
+        return cls
+
+    return decorate
+
+
+def modes_of(cls: type) -> dict[str, type]:
+    """The mode classes of the family ``cls`` (:func:`declare_mode`), empty for a class that
+    is not a family (its subclasses included: each starts its own)."""
+    return vars(cls).get("_modes", {})
+
+
+def family_of(cls: type[Regularizer]) -> type[Regularizer]:
+    """The class registered under ``cls``'s name: its family for a mode class, else itself."""
+    return vars(cls).get("_family", cls)
+
+
 # --------------------------------------------------------------------------- base classes
 class Regularizer:
     """A regularizer selected by ``--reg``: a name, hyper-parameters in effect, a kind.
@@ -127,30 +170,17 @@ class Regularizer:
     data_parallel: ClassVar[str | None]
     # what each torchrun rank computes when ``data_parallel`` is a reason: None refuses it
     per_replica: ClassVar[str | None] = None
-    # the mode this class computes, for a class made with ``mode=NAME`` (see __init_subclass__)
+    # the mode this class computes, for a class declared with ``declare_mode(NAME)``
     mode: ClassVar[str | None] = None
-    _modes: ClassVar[dict[str, type[Regularizer]]] = {}
-    _family: ClassVar[type[Regularizer]]  # the class registered for this one's name
-
-    def __init_subclass__(cls, mode: str | None = None, **kwargs: Any) -> None:
-        """Register a class made with ``mode=NAME`` as that mode of its parent (a family whose
-        ``mode`` hyper-parameter picks the class at parse time); any other subclass starts a
-        family of its own."""
-        super().__init_subclass__(**kwargs)
-        if mode is None:
-            cls._modes = {}
-            cls._family = cls
-        else:
-            cls.mode = mode
-            cls._modes[mode] = cls
 
     def __new__(cls, **params: Any) -> Regularizer:
         """An instance of the class of the ``mode`` given in ``params`` (or its default) when
         ``cls`` is a family with modes, else of ``cls`` itself. A ``mode`` that does not
         convert leaves ``cls``, whose ``__init__`` reports it in hyper-parameter order."""
         chosen = cls
-        if cls.mode is None and cls._modes:
-            chosen = cls._modes.get(cls._given_mode(params), cls)
+        modes = modes_of(cls)
+        if cls.mode is None and modes:
+            chosen = modes.get(cls._given_mode(params), cls)
         return super().__new__(chosen)
 
     @classmethod
@@ -175,7 +205,7 @@ class Regularizer:
         for h in self.HYPERPARAMS:
             value = params.get(h.name, h.default)
             self.params[h.name] = h.accept(self.name, value, _PARAMETER)
-        if self._modes and self.mode is None:
+        if self.mode is None and modes_of(type(self)):
             raise TypeError(f"{self.name}: no class computes mode {self.params[MODE]!r}")
         if self.mode is not None and self.params[MODE] != self.mode:
             raise TypeError(

@@ -17,6 +17,7 @@ from sharpcli.training.penalties.base import (
     HyperParam,
     Penalty,
     central_gradients,
+    declare_mode,
     declare_regularizer,
 )
 from sharpcli.training.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
@@ -99,7 +100,8 @@ class FlatnessAware(Penalty):
     per_replica = "each rank penalises ||H_r v||^2 / B_r of its own rows (fa at the local batch)"
 
 
-class ExactFlatnessAware(FlatnessAware, mode="exact"):
+@declare_mode("exact")
+class ExactFlatnessAware(FlatnessAware):
     """``fa`` with ``mode=exact``: the FA penalty by third-order autograd.
 
     ``H v`` by double backward with graph and a third backward, exact to rounding:
@@ -120,7 +122,8 @@ class ExactFlatnessAware(FlatnessAware, mode="exact"):
         return self.params["lambda"] * sum((h * h).sum() for h in hv) / batch
 
 
-class FiniteDifferenceFlatnessAware(FlatnessAware, mode="fd"):
+@declare_mode("fd")
+class FiniteDifferenceFlatnessAware(FlatnessAware):
     """``fa`` with ``mode=fd``: central finite differences of :math:`g = \\nabla L`.
 
     Steps :math:`s = h / \\|v\\|` along :math:`v` and :math:`t = h / \\|u\\|` along

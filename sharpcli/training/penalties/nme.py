@@ -21,6 +21,7 @@ from sharpcli.training.penalties.base import (
     Penalty,
     PenaltyNeeds,
     central_gradients,
+    declare_mode,
     declare_regularizer,
 )
 
@@ -88,7 +89,8 @@ class GradientPenalty(Penalty):
         return self.params["rho"] * torch.sqrt(squared.clamp_min(torch.finfo(squared.dtype).tiny))
 
 
-class ExactGradientPenalty(GradientPenalty, mode="exact"):
+@declare_mode("exact")
+class ExactGradientPenalty(GradientPenalty):
     """``gp`` with ``mode=exact``: the gradient by double backprop.
 
     ``g = grad L`` with ``create_graph`` (1) and one backward through the doubled graph (2):
@@ -108,7 +110,8 @@ class ExactGradientPenalty(GradientPenalty, mode="exact"):
         return self._norm_term(sum((g * g).sum() for g in ctx.first_grad()))
 
 
-class FiniteDifferenceGradientPenalty(GradientPenalty, mode="fd"):
+@declare_mode("fd")
+class FiniteDifferenceGradientPenalty(GradientPenalty):
     """``gp`` with ``mode=fd``: ``H g`` by a central difference along ``u = g/||g||``.
 
     .. math:: H g \\approx \\|g\\|\\, \\frac{\\nabla L(\\theta + \\epsilon u)
@@ -194,7 +197,8 @@ class HessianTrace(Penalty):
     data_parallel = None  # the probes are shared, v^T H v linear in the batch
 
 
-class ExactHessianTrace(HessianTrace, mode="exact"):
+@declare_mode("exact")
+class ExactHessianTrace(HessianTrace):
     """``hessian-trace`` with ``mode=exact``: the autograd Hessian trace.
 
     ``H v`` by double backward reusing the first-order graph, the gradient by a third backward
@@ -223,7 +227,8 @@ class ExactHessianTrace(HessianTrace, mode="exact"):
         return self.params["sigma2"] * total / m
 
 
-class FiniteDifferenceHessianTrace(HessianTrace, mode="fd"):
+@declare_mode("fd")
+class FiniteDifferenceHessianTrace(HessianTrace):
     """``hessian-trace`` with ``mode=fd``: the finite-difference curvature at step ``eps``.
 
     Central differences of :math:`g = \\nabla L` along :math:`v` with step
