@@ -421,3 +421,30 @@ def test_the_heap_is_trimmed_under_a_plan_on_the_cpu():
     assert not memory.trim_heap()  # device memory: not the C heap's
     memory.activate(memory.MemoryPlan(budget=10**12))
     assert memory.trim_heap()
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or __import__("platform").libc_ver()[0] != "glibc",
+    reason="the heap settings are glibc's",
+)
+def test_the_heap_reuses_freed_memory_only_where_the_budget_holds_the_slack():
+    try:
+        roomy = memory.MemoryPlan(budget=10 << 30, baseline=1 << 30)
+        roomy.reserve("work", 2 << 30)
+        memory.activate(roomy)
+        assert memory.settle_heap() == "reuse"
+        slack = int(memory.ALLOCATOR_SLACK * (2 << 30))
+        assert roomy.items[memory.ALLOCATOR_SLACK_ITEM] == slack
+        assert roomy.planned_peak == (3 << 30) + slack  # planned beside the peak
+        assert not memory.trim_heap()  # nothing trimmed: the point is not to re-fault it
+        assert memory.settle_heap() == "reuse"  # chosen once
+        assert roomy.items[memory.ALLOCATOR_SLACK_ITEM] == slack
+        tight = memory.MemoryPlan(budget=(3 << 30) + slack - 1, baseline=1 << 30)
+        tight.reserve("work", 2 << 30)
+        memory.activate(tight)
+        assert memory.settle_heap() == "bounded"
+        assert memory.ALLOCATOR_SLACK_ITEM not in tight.items
+        assert tight.planned_peak == 3 << 30 and memory.trim_heap()
+    finally:
+        memory.clear()
+        memory.bound_heap()

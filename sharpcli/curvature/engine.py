@@ -423,6 +423,7 @@ class CurvatureEngine:
         """
         squeeze = V.dim() == 1
         V = self._as_block(V)
+        memory.settle_heap()  # the run's first product: reuse freed memory when the budget holds it
         totals: list[torch.Tensor] | None = None  # the first batch's blocks, then the sums
         for index, graph in self._graphs():
             if view is not None:
