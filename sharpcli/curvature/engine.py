@@ -44,6 +44,13 @@ from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.graphs import BatchGraph, ByteCounter, vjp, write_columns
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.softmax_chunks import (
+    CHUNKED_LOSSES,
+    DEFAULT_CHUNK_BYTES,
+    LogitGradient,
+    SoftmaxRows,
+    rows_per_chunk,
+)
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
 
@@ -75,6 +82,11 @@ class CurvatureEngine:
         scope: the parameters differentiated.
         cache_bytes: the budget of cached graphs (0: no cache).
         vectorize: columns per vmapped reverse pass (default 1 on CPU, 32 elsewhere).
+        vocab_chunk: rows of logits per chunk of the cross-entropy's gradient and Hessian
+            (:mod:`sharpcli.curvature.softmax_chunks`): None (default) chunks a batch whose
+            logits exceed ``chunk_bytes`` (16 MiB, lowered by :meth:`plan_memory` to what
+            the budget leaves), 0 never chunks (autograd's cross-entropy, differentiated
+            twice), a positive count chunks every batch by that many rows.
 
     Example:
         >>> import torch
@@ -98,6 +110,7 @@ class CurvatureEngine:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         vectorize: int | None = None,
+        vocab_chunk: int | None = None,
     ):
         self.model = model
         self.data = data
@@ -112,6 +125,10 @@ class CurvatureEngine:
         self.vectorize = int(vectorize)
         self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
+        if vocab_chunk is not None and int(vocab_chunk) < 0:
+            raise ValueError(f"vocab_chunk must be 0 or more, got {vocab_chunk}")
+        self.vocab_chunk = None if vocab_chunk is None else int(vocab_chunk)
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
 
     # ----------------------------------------------------------------- cache management
     def _state_versions(self):
@@ -130,6 +147,23 @@ class CurvatureEngine:
         """Number of batches whose first-order graph is currently cached."""
         return len(self._cache)
 
+    def _softmax_rows(self, z: torch.Tensor, y: torch.Tensor, weight: float) -> SoftmaxRows | None:
+        """The batch's cross-entropy by chunks of rows, or None for autograd's (``vocab_chunk``:
+        0, a loss other than the built-in cross-entropies, or logits within one chunk)."""
+        if self.vocab_chunk == 0 or self.data.loss not in CHUNKED_LOSSES or not z.is_contiguous():
+            return None
+        chunk = self.vocab_chunk or rows_per_chunk(self.chunk_bytes, z.shape[-1], z.element_size())
+        if self.vocab_chunk is None and chunk * z.shape[-1] >= z.numel():
+            return None
+        return SoftmaxRows.of_batch(self.data.loss, z, y, weight, chunk)
+
+    @staticmethod
+    def _check_loss(loss_b: torch.Tensor, batch_index: int) -> None:
+        if not torch.isfinite(loss_b):
+            raise NumericalError(
+                f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
+            )
+
     def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> BatchGraph:
         counter = ByteCounter()
         with (
@@ -137,11 +171,11 @@ class CurvatureEngine:
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
         ):
             z = self.model(x_b)
+            rows = self._softmax_rows(z, y_b, weight)
+            if rows is not None:
+                return self._build_chunked_graph(z, rows, batch_index, counter)
             loss_b = self.loss(z, y_b) * weight
-            if not torch.isfinite(loss_b):
-                raise NumericalError(
-                    f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
-                )
+            self._check_loss(loss_b, batch_index)
             # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
             # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
             gz, *grads = torch.autograd.grad(
@@ -151,6 +185,22 @@ class CurvatureEngine:
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
         nbytes += 2 * z.numel() * z.element_size()
         return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+
+    def _build_chunked_graph(
+        self, z: torch.Tensor, rows: SoftmaxRows, batch_index: int, counter: ByteCounter
+    ) -> BatchGraph:
+        """The first-order graph with the cross-entropy's part by chunks of rows: ``g_z`` the
+        :class:`~sharpcli.curvature.softmax_chunks.LogitGradient` of ``z`` (its backward
+        ``H_z u``), ``g = J^T g_z`` with ``g_z`` fed to the network's backward as it is (so
+        ``d<g, v>/dg_z = J v``). The graph holds ``z`` and ``g_z``, no log-softmax."""
+        self._check_loss(rows.loss(z), batch_index)
+        gz = LogitGradient.apply(z, rows)
+        grads = torch.autograd.grad(
+            z, self.scope.params, grad_outputs=gz, create_graph=True, allow_unused=True
+        )
+        kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+        return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes, softmax=rows)
 
     def _nme_graph(self, graph: BatchGraph) -> BatchGraph:
         """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
@@ -166,13 +216,27 @@ class CurvatureEngine:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
             ):
-                grads = vjp(
-                    [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
-                )
+                if graph.softmax is None:
+                    grads = vjp(
+                        [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
+                    )
+                else:  # no logits-sized product z * g_z to differentiate and keep
+                    grads = torch.autograd.grad(
+                        graph.z,
+                        self.scope.params,
+                        grad_outputs=graph.gz.detach(),
+                        create_graph=True,
+                        allow_unused=True,
+                    )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
             graph.nme_view = BatchGraph(
-                graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
+                graph.z,
+                graph.gz,
+                [g for _, g in kept],
+                [i for i, _ in kept],
+                nbytes,
+                softmax=graph.softmax,
             )
             if graph.cached:
                 graph.nbytes += nbytes
@@ -295,6 +359,18 @@ class CurvatureEngine:
             scope = self.scope
             return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
         params = list(self.scope.params)
+        if graph.softmax is not None:  # H_z by chunks of rows, in place of J v
+            hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=jv)
+            with torch.enable_grad():
+                gv = torch.autograd.grad(
+                    graph.z,
+                    params,
+                    grad_outputs=hz_jv,
+                    allow_unused=True,
+                    retain_graph=True,
+                    is_grads_batched=batched,
+                )
+            return self._flat_block(gv, k, batched)
         with torch.enable_grad():
             if batched:
                 kw = {"retain_graph": True, "is_grads_batched": True}
@@ -523,8 +599,17 @@ class CurvatureEngine:
         for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
             x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
             with torch.enable_grad():
-                loss_b = self.loss(self.model(x_b), y_b) * weight
-                parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+                z = self.model(x_b)
+                rows = self._softmax_rows(z, y_b, weight)
+                if rows is None:
+                    loss_b = self.loss(z, y_b) * weight
+                    parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+                else:  # by chunks of rows: no log-softmax, no logits-sized backward temporaries
+                    loss_b = rows.loss(z)
+                    parts = torch.autograd.grad(
+                        z, scope.params, grad_outputs=rows.gradient(z), allow_unused=True
+                    )
+                del z
             flat = self._flat(parts)
             if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):
                 raise NumericalError(f"gradient is not finite on batch {index}", source="gradient")

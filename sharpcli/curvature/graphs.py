@@ -8,8 +8,12 @@ graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sharpcli.curvature.softmax_chunks import SoftmaxRows
 
 __all__ = ["BatchGraph", "ByteCounter", "vjp", "write_columns"]
 
@@ -27,6 +31,8 @@ class BatchGraph:
         None  # g_N = J^T g_z with g_z held constant (built on first N product)
     )
     cached: bool = False  # held in CurvatureEngine._cache (its NME view then counts there too)
+    # the cross-entropy by chunks of rows (g_z its LogitGradient node), or None: autograd's
+    softmax: "SoftmaxRows | None" = None
 
 
 @dataclass

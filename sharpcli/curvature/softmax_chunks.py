@@ -1,0 +1,205 @@
+r"""Softmax cross-entropy over large vocabularies: its logit gradient and Hessian by chunks of rows.
+
+A language model's logits ``z`` are ``(B, T, V)``: at a GPT-2 vocabulary (``V = 50257``) and
+8 x 512 tokens one float32 copy is 823 MB. Differentiating ``F.cross_entropy`` twice with
+autograd (the curvature engine's first-order graph, :mod:`sharpcli.curvature.engine`) keeps
+its log-softmax and the gradient of the negative log-likelihood in the graph and makes several
+more logit-sized tensors in every product (the exponential, ``H_z u`` and the terms of the
+log-softmax's double backward). Here the loss's part is written out instead, one chunk of
+rows at a time. With rows ``t`` (the samples of ``cross-entropy``, the positions of
+``token-cross-entropy``), row weights ``r_t`` (the batch's weight in the mean, over ``B``,
+times the position weight :func:`sharpcli.losses.token_weights`; 0 on ignored positions) and
+``p_t = softmax(z_t)``:
+
+.. math::
+
+    L_b = \sum_t r_t \left(\operatorname{logsumexp}(z_t) - z_{t, y_t}\right), \qquad
+    g_{z,t} = r_t \left(p_t - e_{y_t}\right), \qquad
+    (H_z u)_t = r_t \left(p_t \odot u_t - p_t \langle p_t, u_t \rangle\right)
+
+(``H_z = diag(p) - p p^T`` per row, [Schraudolph2002], [Martens2020]). Each formula reads a
+chunk of rows of ``z`` and writes the same rows of its result, so beyond the result the
+work holds a chunk's softmax and products. :class:`LogitGradient` makes ``g_z`` an
+autograd node whose backward is ``H_z u``: the engine's products then reverse through it as
+they did through autograd's cross-entropy, with the same values to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from sharpcli.losses import IGNORE_INDEX, token_weights
+
+__all__ = [
+    "CHUNKED_LOSSES",
+    "DEFAULT_CHUNK_BYTES",
+    "LogitGradient",
+    "SoftmaxRows",
+    "rows_per_chunk",
+]
+
+# the built-in softmax cross-entropies whose mean is a weighted sum over rows of (.., V) logits
+CHUNKED_LOSSES = ("cross-entropy", "token-cross-entropy")
+DEFAULT_CHUNK_BYTES = 16 << 20  # one chunk of logit rows (16 MiB: 83 GPT-2 rows in float32)
+
+
+def rows_per_chunk(chunk_bytes: int, classes: int, element_size: int) -> int:
+    """Rows of ``classes`` logits of ``element_size`` bytes that fit ``chunk_bytes`` (at least 1).
+
+    Args:
+        chunk_bytes: the bytes of one chunk of logits.
+        classes: the logits per row (the vocabulary).
+        element_size: bytes per logit.
+
+    Returns:
+        The rows per chunk.
+    """
+    return max(1, int(chunk_bytes) // max(1, int(classes) * int(element_size)))
+
+
+@dataclass(frozen=True)
+class SoftmaxRows:
+    """The rows of one batch's cross-entropy: labels, weights and how many rows a chunk takes.
+
+    Attributes:
+        labels: ``(R,)`` class of each row (ignored positions mapped to class 0, weight 0).
+        weights: ``(R,)`` row weights ``r_t`` in the logits' dtype.
+        chunk: rows per chunk.
+    """
+
+    labels: torch.Tensor
+    weights: torch.Tensor
+    chunk: int
+
+    @classmethod
+    def of_batch(
+        cls, loss: str, z: torch.Tensor, y: torch.Tensor, weight: float, chunk: int
+    ) -> SoftmaxRows:
+        """The rows of ``loss`` on the batch's logits ``z`` and labels ``y``, mean weighted ``weight``.
+
+        Args:
+            loss: ``cross-entropy`` (``z`` ``(B, C)``) or ``token-cross-entropy`` (``(B, T, V)``).
+            z: the logits.
+            y: the labels.
+            weight: the batch's weight in the analysis mean (``B_b / N``).
+            chunk: rows per chunk.
+
+        Returns:
+            The rows; ``(1 / B) sum_t r_t CE_t`` is the batch's mean loss times ``weight``.
+        """
+        batch = z.shape[0]
+        if loss == "token-cross-entropy":
+            rows = token_weights(z.detach(), y) * (weight / batch)
+        else:
+            rows = torch.full(y.shape, weight / batch, dtype=z.dtype, device=z.device)
+        labels = torch.where(y == IGNORE_INDEX, torch.zeros_like(y), y)
+        return cls(labels.reshape(-1), rows.reshape(-1), max(1, int(chunk)))
+
+    def spans(self) -> Iterator[slice]:
+        """The row ranges of the chunks, in order."""
+        total = self.labels.shape[0]
+        for start in range(0, total, self.chunk):
+            yield slice(start, min(total, start + self.chunk))
+
+    def loss(self, z: torch.Tensor) -> torch.Tensor:
+        """``L_b = sum_t r_t (logsumexp z_t - z_{t,y_t})``, summed in float64 (no graph).
+
+        Args:
+            z: the logits, ``(..., V)`` with ``R`` rows.
+
+        Returns:
+            A 0-dim float64 tensor.
+        """
+        rows = z.detach().reshape(-1, z.shape[-1])
+        total = torch.zeros((), dtype=torch.float64, device=z.device)
+        for span in self.spans():
+            block = rows[span]
+            picked = block.gather(1, self.labels[span, None])[:, 0]
+            nll = torch.logsumexp(block, dim=-1) - picked
+            total += (nll * self.weights[span]).sum(dtype=torch.float64)
+        return total
+
+    def gradient(self, z: torch.Tensor) -> torch.Tensor:
+        """``g_z = r_t (p_t - e_{y_t})`` row by row, shaped like ``z`` (no graph).
+
+        Args:
+            z: the logits.
+
+        Returns:
+            ``dL_b/dz``.
+        """
+        rows = z.detach().reshape(-1, z.shape[-1])
+        out = torch.empty_like(rows)
+        for span in self.spans():
+            p = torch.softmax(rows[span], dim=-1)
+            p[torch.arange(p.shape[0], device=p.device), self.labels[span]] -= 1
+            out[span] = p * self.weights[span, None]
+        return out.view(z.shape)
+
+    def hessian_matvec(
+        self, z: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``H_z u = r_t (p_t u_t - p_t <p_t, u_t>)`` row by row.
+
+        Args:
+            z: the logits, ``(..., V)``.
+            u: one or more directions, shaped like ``z`` or ``(k, *z.shape)``.
+            out: where to write the result (``u`` itself may be given: each chunk of rows is
+                read before it is written); None: a new tensor.
+
+        Returns:
+            ``H_z u``, shaped like ``u``.
+        """
+        rows = z.detach().reshape(-1, z.shape[-1])
+        directions = u.reshape(-1, *rows.shape)
+        if out is None:
+            out = torch.empty_like(directions)
+        result = out.view(directions.shape)
+        for span in self.spans():
+            p = torch.softmax(rows[span], dim=-1)
+            weights = self.weights[span, None]
+            for j in range(directions.shape[0]):
+                pu = p * directions[j, span]
+                result[j, span] = (pu - p * pu.sum(-1, keepdim=True)) * weights
+        return out.view(u.shape)
+
+    def hessian_matvec_differentiable(self, z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`hessian_matvec` on the whole tensors, for a backward that is differentiated
+        again (``create_graph``): the same formula, with its graph in ``z`` and ``u``.
+
+        Args:
+            z: the logits.
+            u: a direction shaped like ``z``.
+
+        Returns:
+            ``H_z u``.
+        """
+        p = torch.softmax(z, dim=-1)
+        pu = p * u
+        weights = self.weights.view(*z.shape[:-1], 1)
+        return (pu - p * pu.sum(-1, keepdim=True)) * weights
+
+
+class LogitGradient(torch.autograd.Function):
+    """``g_z = dL_b/dz`` of :class:`SoftmaxRows` as an autograd node of ``z``: forward
+    :meth:`SoftmaxRows.gradient`, backward :meth:`SoftmaxRows.hessian_matvec` (``H_z`` is
+    symmetric), both by chunks; it saves only ``z``, which the engine holds anyway."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, rows: SoftmaxRows) -> torch.Tensor:  # type: ignore[override]
+        """``g_z`` of the logits ``z``."""
+        ctx.save_for_backward(z)
+        ctx.rows = rows
+        return rows.gradient(z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        """``H_z grad`` (by chunks unless this backward is itself differentiated)."""
+        (z,) = ctx.saved_tensors
+        rows: SoftmaxRows = ctx.rows
+        if torch.is_grad_enabled():
+            return rows.hessian_matvec_differentiable(z, grad), None
+        return rows.hessian_matvec(z, grad), None
