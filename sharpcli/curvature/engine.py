@@ -42,15 +42,9 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.graphs import BatchGraph, ByteCounter, vjp, write_columns
+from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, vjp, write_columns
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.softmax_chunks import (
-    CHUNKED_LOSSES,
-    DEFAULT_CHUNK_BYTES,
-    LogitGradient,
-    SoftmaxRows,
-    rows_per_chunk,
-)
+from sharpcli.curvature.softmax_chunks import VocabChunking
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
 
@@ -125,10 +119,7 @@ class CurvatureEngine:
         self.vectorize = int(vectorize)
         self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
-        if vocab_chunk is not None and int(vocab_chunk) < 0:
-            raise ValueError(f"vocab_chunk must be 0 or more, got {vocab_chunk}")
-        self.vocab_chunk = None if vocab_chunk is None else int(vocab_chunk)
-        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.chunking = VocabChunking(data.loss, vocab_chunk)
 
     # ----------------------------------------------------------------- cache management
     def _state_versions(self):
@@ -147,23 +138,6 @@ class CurvatureEngine:
         """Number of batches whose first-order graph is currently cached."""
         return len(self._cache)
 
-    def _softmax_rows(self, z: torch.Tensor, y: torch.Tensor, weight: float) -> SoftmaxRows | None:
-        """The batch's cross-entropy by chunks of rows, or None for autograd's (``vocab_chunk``:
-        0, a loss other than the built-in cross-entropies, or logits within one chunk)."""
-        if self.vocab_chunk == 0 or self.data.loss not in CHUNKED_LOSSES or not z.is_contiguous():
-            return None
-        chunk = self.vocab_chunk or rows_per_chunk(self.chunk_bytes, z.shape[-1], z.element_size())
-        if self.vocab_chunk is None and chunk * z.shape[-1] >= z.numel():
-            return None
-        return SoftmaxRows.of_batch(self.data.loss, z, y, weight, chunk)
-
-    @staticmethod
-    def _check_loss(loss_b: torch.Tensor, batch_index: int) -> None:
-        if not torch.isfinite(loss_b):
-            raise NumericalError(
-                f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
-            )
-
     def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> BatchGraph:
         counter = ByteCounter()
         with (
@@ -171,35 +145,26 @@ class CurvatureEngine:
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
         ):
             z = self.model(x_b)
-            rows = self._softmax_rows(z, y_b, weight)
-            if rows is not None:
-                return self._build_chunked_graph(z, rows, batch_index, counter)
-            loss_b = self.loss(z, y_b) * weight
-            self._check_loss(loss_b, batch_index)
-            # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
-            # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
-            gz, *grads = torch.autograd.grad(
-                loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
-            )
+            # large logits: the cross-entropy's part by chunks of rows (softmax_chunks)
+            rows = self.chunking.rows(z, y_b, weight)
+            loss_b = self.loss(z, y_b) * weight if rows is None else rows.loss(z)
+            if not torch.isfinite(loss_b):
+                raise NumericalError(
+                    f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
+                )
+            if rows is None:
+                # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor
+                # that sweep fed into the network's backward, so g's graph holds it
+                # (J v = d<g, v>/dg_z)
+                gz, *grads = torch.autograd.grad(
+                    loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
+                )
+            else:
+                gz, grads = rows.first_order(z, self.scope.params)
         kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-        nbytes += 2 * z.numel() * z.element_size()
-        return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
-
-    def _build_chunked_graph(
-        self, z: torch.Tensor, rows: SoftmaxRows, batch_index: int, counter: ByteCounter
-    ) -> BatchGraph:
-        """The first-order graph with the cross-entropy's part by chunks of rows: ``g_z`` the
-        :class:`~sharpcli.curvature.softmax_chunks.LogitGradient` of ``z`` (its backward
-        ``H_z u``), ``g = J^T g_z`` with ``g_z`` fed to the network's backward as it is (so
-        ``d<g, v>/dg_z = J v``). The graph holds ``z`` and ``g_z``, no log-softmax."""
-        self._check_loss(rows.loss(z), batch_index)
-        gz = LogitGradient.apply(z, rows)
-        grads = torch.autograd.grad(
-            z, self.scope.params, grad_outputs=gz, create_graph=True, allow_unused=True
-        )
-        kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
-        nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
+        if rows is None:
+            nbytes += 2 * z.numel() * z.element_size()
         return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes, softmax=rows)
 
     def _nme_graph(self, graph: BatchGraph) -> BatchGraph:
@@ -216,18 +181,12 @@ class CurvatureEngine:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
             ):
-                if graph.softmax is None:
-                    grads = vjp(
-                        [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
-                    )
-                else:  # no logits-sized product z * g_z to differentiate and keep
-                    grads = torch.autograd.grad(
-                        graph.z,
-                        self.scope.params,
-                        grad_outputs=graph.gz.detach(),
-                        create_graph=True,
-                        allow_unused=True,
-                    )
+                params, gz = list(self.scope.params), graph.gz.detach()
+                grads = (  # chunked: no logits-sized z * g_z to differentiate and keep
+                    vjp([graph.z], params, [gz], create_graph=True)
+                    if graph.softmax is None
+                    else graph.softmax.vjp(graph.z, params, gz, create_graph=True)
+                )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
             graph.nme_view = BatchGraph(
@@ -359,17 +318,9 @@ class CurvatureEngine:
             scope = self.scope
             return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
         params = list(self.scope.params)
-        if graph.softmax is not None:  # H_z by chunks of rows, in place of J v
+        if graph.softmax is not None:  # H_z by chunks of rows, written over J v
             hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=jv)
-            with torch.enable_grad():
-                gv = torch.autograd.grad(
-                    graph.z,
-                    params,
-                    grad_outputs=hz_jv,
-                    allow_unused=True,
-                    retain_graph=True,
-                    is_grads_batched=batched,
-                )
+            gv = graph.softmax.vjp(graph.z, params, hz_jv, retain_graph=True, batched=batched)
             return self._flat_block(gv, k, batched)
         with torch.enable_grad():
             if batched:
@@ -450,26 +401,7 @@ class CurvatureEngine:
                 write_columns(blocks, column, batch_product(graph, V[:, column], False))
         return blocks
 
-    @staticmethod
-    def _check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
-        """Raise :class:`NumericalError` naming ``operator``, its ``part`` and the batch when a
-        batch's product is not finite, or finite with a norm beyond the dtype's range."""
-        if not torch.isfinite(block).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) is not finite on batch {index}",
-                source=f"{operator} operator",
-            )
-        # Finite entries can still have a norm beyond the dtype's range (float32: entries
-        # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
-        # the product, so it would turn into Inf/NaN there and the NEXT product would be
-        # blamed on its first batch; stop here, naming the batch that did it.
-        if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) on batch {index} is too large for "
-                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
-                "`dtype=float64`)",
-                source=f"{operator} operator",
-            )
+    _check_finite = staticmethod(check_finite)
 
     def _as_block(self, V: torch.Tensor) -> torch.Tensor:
         """``V`` as a ``(P, k)`` block in the scope's dtype and device (a vector is one column)."""
@@ -600,15 +532,13 @@ class CurvatureEngine:
             x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
             with torch.enable_grad():
                 z = self.model(x_b)
-                rows = self._softmax_rows(z, y_b, weight)
+                rows = self.chunking.rows(z, y_b, weight)
                 if rows is None:
                     loss_b = self.loss(z, y_b) * weight
                     parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
-                else:  # by chunks of rows: no log-softmax, no logits-sized backward temporaries
+                else:  # by chunks of rows: no log-softmax, no logits-sized temporaries
                     loss_b = rows.loss(z)
-                    parts = torch.autograd.grad(
-                        z, scope.params, grad_outputs=rows.gradient(z), allow_unused=True
-                    )
+                    parts = rows.vjp(z, scope.params, rows.gradient(z))
                 del z
             flat = self._flat(parts)
             if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LogitGradient",
     "SoftmaxRows",
+    "VocabChunking",
     "rows_per_chunk",
 ]
 
@@ -166,6 +167,42 @@ class SoftmaxRows:
                 result[j, span] = (pu - p * pu.sum(-1, keepdim=True)) * weights
         return out.view(u.shape)
 
+    def first_order(self, z: torch.Tensor, params) -> tuple[torch.Tensor, tuple]:
+        """The first-order graph: ``g_z`` (a :class:`LogitGradient` node of ``z``) and
+        ``g = J^T g_z`` with ``g_z`` fed to the network's backward as it is, both with graphs
+        (so ``d<g, v>/dg_z = J v``, and reversing through ``g_z`` applies ``H_z``). It holds
+        ``z`` and ``g_z``; no log-softmax.
+
+        Args:
+            z: the logits, with their graph.
+            params: the parameters differentiated.
+
+        Returns:
+            ``(g_z, g)``, ``g`` one tensor (or None) per parameter.
+        """
+        gz = LogitGradient.apply(z, self)
+        return gz, self.vjp(z, params, gz, create_graph=True)
+
+    @staticmethod
+    def vjp(z: torch.Tensor, params, u: torch.Tensor, *, batched: bool = False, **kw) -> tuple:
+        """``J^T u`` from the logits' graph with ``u`` as the gradient fed in (no logits-sized
+        ``<z, u>`` to differentiate, unlike :func:`sharpcli.curvature.graphs.vjp`).
+
+        Args:
+            z: the logits.
+            params: the parameters.
+            u: shaped like ``z``, or ``(k, *z.shape)`` when ``batched``.
+            batched: ``k`` directions in one vmapped pass.
+            **kw: ``retain_graph``, ``create_graph``.
+
+        Returns:
+            One tensor (or None) per parameter.
+        """
+        with torch.enable_grad():
+            return torch.autograd.grad(
+                z, params, grad_outputs=u, allow_unused=True, is_grads_batched=batched, **kw
+            )
+
     def hessian_matvec_differentiable(self, z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """:meth:`hessian_matvec` on the whole tensors, for a backward that is differentiated
         again (``create_graph``): the same formula, with its graph in ``z`` and ``u``.
@@ -203,3 +240,46 @@ class LogitGradient(torch.autograd.Function):
         if torch.is_grad_enabled():
             return rows.hessian_matvec_differentiable(z, grad), None
         return rows.hessian_matvec(z, grad), None
+
+
+@dataclass
+class VocabChunking:
+    """When a batch's cross-entropy goes by chunks of rows, and how many rows a chunk takes.
+
+    Attributes:
+        loss: the analysis loss's name (only :data:`CHUNKED_LOSSES` are chunked).
+        vocab_chunk: rows per chunk; None: chunk a batch whose logits exceed ``chunk_bytes``
+            (rows of ``chunk_bytes``); 0: never (autograd's cross-entropy).
+        chunk_bytes: the bytes of one automatic chunk.
+    """
+
+    loss: str
+    vocab_chunk: int | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self):
+        if self.vocab_chunk is not None and int(self.vocab_chunk) < 0:
+            raise ValueError(f"vocab_chunk must be 0 or more, got {self.vocab_chunk}")
+
+    def rows(self, z: torch.Tensor, y: torch.Tensor, weight: float) -> SoftmaxRows | None:
+        """The batch's rows by chunks, or None for autograd's cross-entropy (another loss,
+        ``vocab_chunk`` 0, non-contiguous logits, or automatic and within one chunk).
+
+        Args:
+            z: the batch's logits.
+            y: its labels.
+            weight: its weight in the analysis mean.
+
+        Returns:
+            The rows, or None.
+        """
+        if self.vocab_chunk == 0 or self.loss not in CHUNKED_LOSSES or not z.is_contiguous():
+            return None
+        chunk = self.vocab_chunk or self.automatic_rows(z.shape[-1], z.element_size())
+        if self.vocab_chunk is None and chunk * z.shape[-1] >= z.numel():
+            return None
+        return SoftmaxRows.of_batch(self.loss, z, y, weight, chunk)
+
+    def automatic_rows(self, classes: int, element_size: int) -> int:
+        """Rows of ``chunk_bytes`` (:func:`rows_per_chunk`)."""
+        return rows_per_chunk(self.chunk_bytes, classes, element_size)
