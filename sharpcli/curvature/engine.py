@@ -231,18 +231,24 @@ class CurvatureEngine:
         hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
-        per product).
+        per product). A cross-entropy over large logits goes by chunks of rows
+        (:mod:`~sharpcli.curvature.softmax_chunks`; the automatic chunk at most 1/64 of what
+        the budget leaves): the product adds a chunk's work.
 
         Args:
             plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
             auto_cache: let the cache grow to every batch's graph when the budget holds it.
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
-        graph_bytes = 0
+        self.chunking.fit_budget(plan.room())
+        graph_bytes = chunk_bytes = 0
         for _, graph in self._graphs():
             graph_bytes = graph.nbytes
+            if graph.softmax is not None:
+                chunk_bytes = self.chunking.workspace(graph.softmax, graph.z)
+                plan.note(self.chunking.describe(graph.softmax, graph.z))
             break
-        workspace = 2 * graph_bytes
+        workspace = 2 * graph_bytes + chunk_bytes
         plan.require(
             "one batch's Hessian product (its first-order graph and double backward)",
             workspace - (graph_bytes if self._cache else 0),

@@ -45,6 +45,8 @@ __all__ = [
 # the built-in softmax cross-entropies whose mean is a weighted sum over rows of (.., V) logits
 CHUNKED_LOSSES = ("cross-entropy", "token-cross-entropy")
 DEFAULT_CHUNK_BYTES = 16 << 20  # one chunk of logit rows (16 MiB: 83 GPT-2 rows in float32)
+CHUNK_SHARE = 64  # an automatic chunk is at most 1/64 of what the memory budget leaves
+CHUNK_TEMPORARIES = 3  # chunks of rows alive in a chunk's work: p, p * u, the result
 
 
 def rows_per_chunk(chunk_bytes: int, classes: int, element_size: int) -> int:
@@ -250,12 +252,13 @@ class VocabChunking:
         loss: the analysis loss's name (only :data:`CHUNKED_LOSSES` are chunked).
         vocab_chunk: rows per chunk; None: chunk a batch whose logits exceed ``chunk_bytes``
             (rows of ``chunk_bytes``); 0: never (autograd's cross-entropy).
-        chunk_bytes: the bytes of one automatic chunk.
+        chunk_bytes: the bytes of one automatic chunk (None: :data:`DEFAULT_CHUNK_BYTES`;
+            :meth:`fit_budget` lowers it to what a memory budget leaves).
     """
 
     loss: str
     vocab_chunk: int | None = None
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None
 
     def __post_init__(self):
         if self.vocab_chunk is not None and int(self.vocab_chunk) < 0:
@@ -282,4 +285,42 @@ class VocabChunking:
 
     def automatic_rows(self, classes: int, element_size: int) -> int:
         """Rows of ``chunk_bytes`` (:func:`rows_per_chunk`)."""
-        return rows_per_chunk(self.chunk_bytes, classes, element_size)
+        chunk_bytes = DEFAULT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
+        return rows_per_chunk(chunk_bytes, classes, element_size)
+
+    def fit_budget(self, room: int) -> None:
+        """The automatic chunk: :data:`DEFAULT_CHUNK_BYTES`, or ``1 / CHUNK_SHARE`` of what
+        the budget leaves (``room``) when that is less: a chunk's work holds a few chunks of
+        logits (:data:`CHUNK_TEMPORARIES`), a small part of the budget.
+
+        Args:
+            room: the bytes the memory budget leaves.
+        """
+        self.chunk_bytes = max(1, min(DEFAULT_CHUNK_BYTES, int(room) // CHUNK_SHARE))
+
+    def workspace(self, rows: SoftmaxRows, z: torch.Tensor) -> int:
+        """The bytes a chunk's work holds: :data:`CHUNK_TEMPORARIES` chunks of rows of ``z``
+        (the softmax, ``p u`` and the result written).
+
+        Args:
+            rows: the batch's rows.
+            z: its logits.
+
+        Returns:
+            The bytes.
+        """
+        return (
+            CHUNK_TEMPORARIES
+            * min(rows.chunk, rows.labels.shape[0])
+            * z.shape[-1]
+            * z.element_size()
+        )
+
+    @staticmethod
+    def describe(rows: SoftmaxRows, z: torch.Tensor) -> str:
+        """The report's note: the logits and the chunk (``rows``' of the batch ``z``)."""
+        total, classes = rows.labels.shape[0], z.shape[-1]
+        return (
+            f"cross-entropy over {total} x {classes} logits by chunks of "
+            f"{min(rows.chunk, total)} rows (its gradient and Hessian products)"
+        )
