@@ -63,14 +63,24 @@ def rows_per_chunk(chunk_bytes: int, classes: int, element_size: int) -> int:
     return max(1, int(chunk_bytes) // max(1, int(classes) * int(element_size)))
 
 
+def _grid(t: torch.Tensor) -> torch.Tensor:
+    """Logits (or a tensor shaped like them) as ``(samples, rows, V)``: ``(B, C)`` is one
+    sample of ``B`` rows, ``(B, T, V)`` is itself. A view whatever the strides."""
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
 @dataclass(frozen=True)
 class SoftmaxRows:
     """The rows of one batch's cross-entropy: labels, weights and how many rows a chunk takes.
 
+    The rows are laid out as the logits' ``(samples, rows, V)`` grid (:func:`_grid`), so a
+    chunk is a view of logits of any strides (the K-dimensional reading's are transposed): a
+    chunk is whole samples when ``chunk`` holds one, else a range of one sample's rows.
+
     Attributes:
-        labels: ``(R,)`` class of each row (ignored positions mapped to class 0, weight 0).
-        weights: ``(R,)`` row weights ``r_t`` in the logits' dtype.
-        chunk: rows per chunk.
+        labels: ``(S, R)`` class of each row (ignored positions mapped to class 0, weight 0).
+        weights: ``(S, R)`` row weights ``r_t`` in the logits' dtype.
+        chunk: rows per chunk (at most).
     """
 
     labels: torch.Tensor
@@ -91,7 +101,7 @@ class SoftmaxRows:
             chunk: rows per chunk.
 
         Returns:
-            The rows; ``(1 / B) sum_t r_t CE_t`` is the batch's mean loss times ``weight``.
+            The rows; ``sum_t r_t CE_t`` is the batch's mean loss times ``weight``.
         """
         batch = z.shape[0]
         if loss == "token-cross-entropy":
@@ -99,28 +109,48 @@ class SoftmaxRows:
         else:
             rows = torch.full(y.shape, weight / batch, dtype=z.dtype, device=z.device)
         labels = torch.where(y == IGNORE_INDEX, torch.zeros_like(y), y)
-        return cls(labels.reshape(-1), rows.reshape(-1), max(1, int(chunk)))
+        shape = _grid(z).shape[:-1]
+        return cls(labels.reshape(shape), rows.reshape(shape), max(1, int(chunk)))
 
-    def spans(self) -> Iterator[slice]:
-        """The row ranges of the chunks, in order."""
-        total = self.labels.shape[0]
-        for start in range(0, total, self.chunk):
-            yield slice(start, min(total, start + self.chunk))
+    @property
+    def count(self) -> int:
+        """The number of rows."""
+        return self.labels.numel()
+
+    @property
+    def block_rows(self) -> int:
+        """The most rows one chunk takes (whole samples, or a range of one sample's rows)."""
+        samples, length = self.labels.shape
+        if self.chunk >= length:
+            return min(samples, self.chunk // length) * length
+        return self.chunk
+
+    def spans(self) -> Iterator[tuple[slice, slice]]:
+        """The chunks, in order: ``(samples, rows)`` index pairs into the grid."""
+        samples, length = self.labels.shape
+        if self.chunk >= length:  # whole samples
+            step = self.chunk // length
+            for start in range(0, samples, step):
+                yield slice(start, min(samples, start + step)), slice(None)
+            return
+        for sample in range(samples):
+            for start in range(0, length, self.chunk):
+                yield slice(sample, sample + 1), slice(start, min(length, start + self.chunk))
 
     def loss(self, z: torch.Tensor) -> torch.Tensor:
         """``L_b = sum_t r_t (logsumexp z_t - z_{t,y_t})``, summed in float64 (no graph).
 
         Args:
-            z: the logits, ``(..., V)`` with ``R`` rows.
+            z: the logits.
 
         Returns:
             A 0-dim float64 tensor.
         """
-        rows = z.detach().reshape(-1, z.shape[-1])
+        grid = _grid(z.detach())
         total = torch.zeros((), dtype=torch.float64, device=z.device)
         for span in self.spans():
-            block = rows[span]
-            picked = block.gather(1, self.labels[span, None])[:, 0]
+            block = grid[span]
+            picked = block.gather(-1, self.labels[span].unsqueeze(-1)).squeeze(-1)
             nll = torch.logsumexp(block, dim=-1) - picked
             total += (nll * self.weights[span]).sum(dtype=torch.float64)
         return total
@@ -134,13 +164,14 @@ class SoftmaxRows:
         Returns:
             ``dL_b/dz``.
         """
-        rows = z.detach().reshape(-1, z.shape[-1])
-        out = torch.empty_like(rows)
+        grid = _grid(z.detach())
+        out = torch.empty_like(z, memory_format=torch.contiguous_format)
+        out_grid = _grid(out)
         for span in self.spans():
-            p = torch.softmax(rows[span], dim=-1)
-            p[torch.arange(p.shape[0], device=p.device), self.labels[span]] -= 1
-            out[span] = p * self.weights[span, None]
-        return out.view(z.shape)
+            p = torch.softmax(grid[span], dim=-1)
+            p.scatter_add_(-1, self.labels[span].unsqueeze(-1), torch.full_like(p[..., :1], -1))
+            out_grid[span] = p * self.weights[span].unsqueeze(-1)
+        return out
 
     def hessian_matvec(
         self, z: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None
@@ -148,26 +179,27 @@ class SoftmaxRows:
         """``H_z u = r_t (p_t u_t - p_t <p_t, u_t>)`` row by row.
 
         Args:
-            z: the logits, ``(..., V)``.
+            z: the logits.
             u: one or more directions, shaped like ``z`` or ``(k, *z.shape)``.
-            out: where to write the result (``u`` itself may be given: each chunk of rows is
-                read before it is written); None: a new tensor.
+            out: where to write the result, shaped like ``u`` (``u`` itself may be given: each
+                chunk is read before it is written); None: a new tensor.
 
         Returns:
             ``H_z u``, shaped like ``u``.
         """
-        rows = z.detach().reshape(-1, z.shape[-1])
-        directions = u.reshape(-1, *rows.shape)
+        grid = _grid(z.detach())
         if out is None:
-            out = torch.empty_like(directions)
-        result = out.view(directions.shape)
+            out = torch.empty_like(u)
+        batched = u.dim() > z.dim()
+        directions = [_grid(d) for d in (u.unbind(0) if batched else [u])]
+        results = [_grid(o) for o in (out.unbind(0) if batched else [out])]
         for span in self.spans():
-            p = torch.softmax(rows[span], dim=-1)
-            weights = self.weights[span, None]
-            for j in range(directions.shape[0]):
-                pu = p * directions[j, span]
-                result[j, span] = (pu - p * pu.sum(-1, keepdim=True)) * weights
-        return out.view(u.shape)
+            p = torch.softmax(grid[span], dim=-1)
+            weights = self.weights[span].unsqueeze(-1)
+            for direction, result in zip(directions, results):
+                pu = p * direction[span]
+                result[span] = (pu - p * pu.sum(-1, keepdim=True)) * weights
+        return out
 
     def first_order(self, z: torch.Tensor, params) -> tuple[torch.Tensor, tuple]:
         """The first-order graph: ``g_z`` (a :class:`LogitGradient` node of ``z``) and
@@ -218,7 +250,7 @@ class SoftmaxRows:
         """
         p = torch.softmax(z, dim=-1)
         pu = p * u
-        weights = self.weights.view(*z.shape[:-1], 1)
+        weights = self.weights.reshape(z.shape[:-1]).unsqueeze(-1)
         return (pu - p * pu.sum(-1, keepdim=True)) * weights
 
 
@@ -266,7 +298,7 @@ class VocabChunking:
 
     def rows(self, z: torch.Tensor, y: torch.Tensor, weight: float) -> SoftmaxRows | None:
         """The batch's rows by chunks, or None for autograd's cross-entropy (another loss,
-        ``vocab_chunk`` 0, non-contiguous logits, or automatic and within one chunk).
+        ``vocab_chunk`` 0, or automatic and within one chunk).
 
         Args:
             z: the batch's logits.
@@ -276,7 +308,7 @@ class VocabChunking:
         Returns:
             The rows, or None.
         """
-        if self.vocab_chunk == 0 or self.loss not in CHUNKED_LOSSES or not z.is_contiguous():
+        if self.vocab_chunk == 0 or self.loss not in CHUNKED_LOSSES or z.dim() not in (2, 3):
             return None
         chunk = self.vocab_chunk or self.automatic_rows(z.shape[-1], z.element_size())
         if self.vocab_chunk is None and chunk * z.shape[-1] >= z.numel():
@@ -309,18 +341,13 @@ class VocabChunking:
         Returns:
             The bytes.
         """
-        return (
-            CHUNK_TEMPORARIES
-            * min(rows.chunk, rows.labels.shape[0])
-            * z.shape[-1]
-            * z.element_size()
-        )
+        return CHUNK_TEMPORARIES * rows.block_rows * z.shape[-1] * z.element_size()
 
     @staticmethod
     def describe(rows: SoftmaxRows, z: torch.Tensor) -> str:
         """The report's note: the logits and the chunk (``rows``' of the batch ``z``)."""
-        total, classes = rows.labels.shape[0], z.shape[-1]
+        total, classes = rows.count, z.shape[-1]
         return (
             f"cross-entropy over {total} x {classes} logits by chunks of "
-            f"{min(rows.chunk, total)} rows (its gradient and Hessian products)"
+            f"{rows.block_rows} rows (its gradient and Hessian products)"
         )

@@ -154,10 +154,12 @@ def test_k_dimensional_cross_entropy_with_ignore_index_chunked():
     view, data, scope = curvature._view, curvature.data, curvature.scope
     V = torch.randn(scope.numel, 2, generator=gen, dtype=torch.float64)
     reference = _products(CurvatureEngine(view, data, scope, vocab_chunk=0), V)
-    for ours, theirs in zip(
-        _products(CurvatureEngine(view, data, scope, vocab_chunk=2), V), reference
-    ):
-        _close(theirs, ours)
+    for chunk in (2, 13):  # within a sample's 6 positions, and two whole samples
+        chunked = CurvatureEngine(view, data, scope, vocab_chunk=chunk)
+        for ours, theirs in zip(_products(chunked, V), reference):
+            _close(theirs, ours)
+        graph = next(iter(chunked._cache.values()))
+        assert not graph.z.is_contiguous() and graph.softmax.block_rows == min(chunk, 12)
 
 
 def test_automatic_chunking_and_its_plan():
@@ -167,14 +169,14 @@ def test_automatic_chunking_and_its_plan():
     y = torch.zeros(2, 5, dtype=torch.long)
     assert VocabChunking("token-cross-entropy").rows(z, y, 1.0) is None  # within 16 MiB
     rows = VocabChunking("token-cross-entropy", chunk_bytes=200).rows(z, y, 1.0)
-    assert rows is not None and rows.chunk == 3
+    assert rows is not None and rows.chunk == 3 and rows.block_rows == 3
     assert VocabChunking("token-cross-entropy", 0, chunk_bytes=200).rows(z, y, 1.0) is None
     assert VocabChunking("mse", chunk_bytes=200).rows(z.view(2, 40), y, 1.0) is None
     assert VocabChunking("token-cross-entropy", 4).rows(z, y, 1.0).chunk == 4
-    assert (
-        VocabChunking("token-cross-entropy", chunk_bytes=200).rows(z.transpose(0, 1), y.T, 1.0)
-        is None
-    )  # not contiguous: autograd's
+    transposed = VocabChunking("token-cross-entropy", chunk_bytes=200).rows(
+        z.transpose(0, 1), y.T, 1.0
+    )  # any strides: chunks are views, of whole samples when one fits
+    assert transposed.labels.shape == (5, 2) and transposed.block_rows == 2
     with pytest.raises(ValueError, match="vocab_chunk"):
         VocabChunking("cross-entropy", -1)
 
