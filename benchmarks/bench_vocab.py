@@ -87,14 +87,16 @@ def child(args) -> None:
     set_token_reduction("tokens", y)
     data = AnalysisData(x, y, "token-cross-entropy", args.batch)
     scope = ParamScope.resolve(model)
-    plan = memory.activate(memory.MemoryPlan.for_run())
+    v = torch.randn(scope.numel, generator=generator)
+    probe = torch.randn(scope.numel, generator=generator)
+    plan = memory.activate(memory.MemoryPlan.for_run())  # its baseline: model, data, v, probe
     chunk = None if args.vocab_chunk == "auto" else int(args.vocab_chunk)
     engine = CurvatureEngine(model, data, scope, cache_bytes=0, vocab_chunk=chunk)
     start = time.process_time()
     engine.plan_memory(plan)
     plan_cpu = time.process_time() - start
-    v = torch.randn(scope.numel, generator=generator)
-    probe = torch.randn(scope.numel, generator=generator)
+    results = 2 if args.what == "joint" else 1
+    plan.reserve("the product's result vectors", results * v.numel() * v.element_size())
     start = time.process_time()
     if args.what == "hvp":
         products = [engine.hessian_matmat(v)]
@@ -115,9 +117,7 @@ def child(args) -> None:
                 "plan_cpu": plan_cpu,
                 "product_cpu": product_cpu,
                 "params": scope.numel,
-                "chunked": engine.chunking.rows(
-                    torch.empty(args.batch, args.tokens, VOCAB), y, 1.0
-                )
+                "chunked": engine.chunking.rows(torch.empty(args.batch, args.tokens, VOCAB), y, 1.0)
                 is not None,
                 "dots": [float(probe.double() @ p.double()) for p in products],
             }
