@@ -160,7 +160,8 @@ class CurvatureEngine:
                     loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
                 )
             else:
-                gz, grads = rows.first_order(z, self.scope.params)
+                gz, first = rows.first_order(z, self.scope.params)
+                grads = list(first)
         kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
         if rows is None:

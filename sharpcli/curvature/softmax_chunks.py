@@ -260,14 +260,14 @@ class LogitGradient(torch.autograd.Function):
     symmetric), both by chunks; it saves only ``z``, which the engine holds anyway."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, rows: SoftmaxRows) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, z: torch.Tensor, rows: SoftmaxRows) -> torch.Tensor:
         """``g_z`` of the logits ``z``."""
         ctx.save_for_backward(z)
         ctx.rows = rows
         return rows.gradient(z)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         """``H_z grad`` (by chunks unless this backward is itself differentiated)."""
         (z,) = ctx.saved_tensors
         rows: SoftmaxRows = ctx.rows
