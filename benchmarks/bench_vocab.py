@@ -21,9 +21,15 @@ the planned peak the child's memory plan reports, the CPU seconds of the product
 the relative difference of the chunked products from the unchunked ones (``<v', H v>`` for a
 fixed ``v'``; float32).
 
+``--cli`` instead runs ``sharp eigen --top-k 1 --eig-max-matvecs 4`` as a whole process on the
+model written with ``save_pretrained`` (a Hugging Face folder) and the tokens in an ``.npz``,
+with this checkout and, given ``--before DIR`` (a checkout of the code before chunking, e.g.
+``git worktree add DIR 25c0bc1``), with that one: peak RSS, CPU seconds, the eigenvalue and
+the report's memory notes.
+
 Usage: ``python benchmarks/bench_vocab.py [--batch 8] [--tokens 512] [--layers 1]
-[--what hvp,ggn,joint,gradient] [--chunks 0,auto]`` (docs/benchmarks.md, "Language-model
-vocabularies").
+[--what hvp,ggn,joint,gradient] [--chunks 0,auto] [--cli --workdir DIR [--before DIR]]``
+(docs/benchmarks.md, "Language-model vocabularies").
 """
 
 from __future__ import annotations
@@ -125,6 +131,43 @@ def child(args) -> None:
     )
 
 
+def cli(args, env: dict, measure) -> None:
+    """``sharp eigen`` on the model as a Hugging Face folder, with this code and ``--before``."""
+    import numpy as np
+    import torch
+
+    workdir = Path(args.workdir)
+    folder, data = workdir / "gpt2-vocab", workdir / "gpt2-vocab-tokens.npz"
+    if not folder.exists():
+        build_model(args.layers, args.d, args.heads, args.tokens).lm.save_pretrained(folder)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randint(0, VOCAB, (args.batch, args.tokens), generator=generator)
+        y = torch.randint(0, VOCAB, (args.batch, args.tokens), generator=generator)
+        y[:, : args.tokens // 16] = -100
+        np.savez(data, input_ids=x.numpy(), labels=y.numpy())
+    print("| code | peak RSS | planned peak | CPU s | eigenvalue | products | memory notes |")
+    print("|---|---|---|---|---|---|---|")
+    sources = [("this checkout", str(HERE.parent))]
+    if args.before:
+        sources.insert(0, ("before", str(Path(args.before).resolve())))
+    for label, source in sources:
+        argv = [sys.executable, "-P", "-m", "sharpcli", "eigen", str(folder), "--data", str(data)]
+        argv += ["--top-k", "1", "--eig-max-matvecs", "4", "--batch-size", str(args.batch)]
+        argv += ["--seed", "0", "--quiet", "--json", "-"]
+        run = measure(argv, {**env, "PYTHONPATH": source})
+        if run["code"] != 0:
+            print(f"| {label} | failed ({run['code']}): {run['err'][-300:]!r} |")
+            continue
+        report = json.loads(run["out"])
+        plan = report["timing"]["memory"]
+        print(
+            f"| {label} | {run['rss'] / 2**30:.2f} GiB | {plan['planned_peak_bytes'] / 2**30:.2f}"
+            f" GiB | {run['cpu']:.0f} | {report['results']['eigenvalues'][0]:.9g} "
+            f"| {report['timing']['matvecs']} | {'; '.join(plan['choices'])} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -134,6 +177,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--what", default="hvp,ggn,joint,gradient")
     parser.add_argument("--chunks", default="0,auto")
+    parser.add_argument("--cli", action="store_true", help="time `sharp eigen` instead")
+    parser.add_argument("--workdir", default=".", help="--cli: where the model and data go")
+    parser.add_argument("--before", help="--cli: a checkout of the code before, run first")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vocab-chunk", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -145,6 +191,9 @@ def main() -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    if args.cli:
+        cli(args, env, measure)
+        return
     logits = args.batch * args.tokens * VOCAB * 4
     print(
         f"GPT-2-shaped LM (transformers GPT2Config): vocabulary {VOCAB}, d {args.d}, "
