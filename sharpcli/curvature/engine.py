@@ -325,8 +325,9 @@ class CurvatureEngine:
             scope = self.scope
             return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
         params = list(self.scope.params)
-        if graph.softmax is not None:  # H_z by chunks of rows, written over J v
-            hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=jv)
+        if graph.softmax is not None:  # H_z by chunks of rows, written over J v (ours alone)
+            out = jv if jv.is_contiguous() else None  # not over a broadcast gradient
+            hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=out)
             gv = graph.softmax.vjp(graph.z, params, hz_jv, retain_graph=True, batched=batched)
             return self._flat_block(gv, k, batched)
         with torch.enable_grad():
