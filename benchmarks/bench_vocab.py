@@ -24,7 +24,7 @@ fixed ``v'``; float32).
 ``--cli`` instead runs ``sharp eigen --top-k 1 --eig-max-matvecs 4`` as a whole process on the
 model written with ``save_pretrained`` (a Hugging Face folder) and the tokens in an ``.npz``,
 with this checkout and, given ``--before DIR`` (a checkout of the code before chunking, e.g.
-``git worktree add DIR 25c0bc1``), with that one: peak RSS, CPU seconds, the eigenvalue and
+``git archive 25c0bc1 | tar -x -C DIR``), with that one: peak RSS, CPU seconds, the eigenvalue and
 the report's memory notes.
 
 Usage: ``python benchmarks/bench_vocab.py [--batch 8] [--tokens 512] [--layers 1]
