@@ -42,8 +42,9 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.graphs import BatchGraph, ByteCounter, vjp, write_columns
+from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, vjp, write_columns
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.softmax_chunks import VocabChunking
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
 
@@ -75,6 +76,11 @@ class CurvatureEngine:
         scope: the parameters differentiated.
         cache_bytes: the budget of cached graphs (0: no cache).
         vectorize: columns per vmapped reverse pass (default 1 on CPU, 32 elsewhere).
+        vocab_chunk: rows of logits per chunk of the cross-entropy's gradient and Hessian
+            (:mod:`sharpcli.curvature.softmax_chunks`): None (default) chunks a batch whose
+            logits exceed ``chunk_bytes`` (16 MiB, lowered by :meth:`plan_memory` to what
+            the budget leaves), 0 never chunks (autograd's cross-entropy, differentiated
+            twice), a positive count chunks every batch by that many rows.
 
     Example:
         >>> import torch
@@ -98,6 +104,7 @@ class CurvatureEngine:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         vectorize: int | None = None,
+        vocab_chunk: int | None = None,
     ):
         self.model = model
         self.data = data
@@ -112,6 +119,7 @@ class CurvatureEngine:
         self.vectorize = int(vectorize)
         self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
+        self.chunking = VocabChunking(data.loss, vocab_chunk)
 
     # ----------------------------------------------------------------- cache management
     def _state_versions(self):
@@ -145,20 +153,28 @@ class CurvatureEngine:
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
         ):
             z = self.model(x_b)
-            loss_b = self.loss(z, y_b) * weight
+            # large logits: the cross-entropy's part by chunks of rows (softmax_chunks)
+            rows = self.chunking.rows(z, y_b, weight)
+            loss_b = self.loss(z, y_b) * weight if rows is None else rows.loss(z)
             if not torch.isfinite(loss_b):
                 raise NumericalError(
                     f"loss is {loss_b.item()} on batch {batch_index}", source="curvature pass"
                 )
-            # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor that
-            # sweep fed into the network's backward, so g's graph holds it (J v = d<g, v>/dg_z)
-            gz, *grads = torch.autograd.grad(
-                loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
-            )
+            if rows is None:
+                # g_z and g = J^T g_z from one reverse sweep: the g_z returned is the tensor
+                # that sweep fed into the network's backward, so g's graph holds it
+                # (J v = d<g, v>/dg_z)
+                gz, *grads = torch.autograd.grad(
+                    loss_b, [z, *self.scope.params], create_graph=True, allow_unused=True
+                )
+            else:
+                gz, first = rows.first_order(z, self.scope.params)
+                grads = list(first)
         kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
         nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
-        nbytes += 2 * z.numel() * z.element_size()
-        return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes)
+        if rows is None:
+            nbytes += 2 * z.numel() * z.element_size()
+        return BatchGraph(z, gz, [g for _, g in kept], [i for i, _ in kept], nbytes, softmax=rows)
 
     def _nme_graph(self, graph: BatchGraph) -> BatchGraph:
         """The first-order graph of ``<z, g_z>`` with ``g_z`` held constant: ``g_N = J^T g_z``.
@@ -174,13 +190,21 @@ class CurvatureEngine:
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
             ):
-                grads = vjp(
-                    [graph.z], list(self.scope.params), [graph.gz.detach()], create_graph=True
+                params, gz = list(self.scope.params), graph.gz.detach()
+                grads = (  # chunked: no logits-sized z * g_z to differentiate and keep
+                    vjp([graph.z], params, [gz], create_graph=True)
+                    if graph.softmax is None
+                    else graph.softmax.vjp(graph.z, params, gz, create_graph=True)
                 )
             kept = [(i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad]
             nbytes = counter.nbytes + sum(g.numel() * g.element_size() for _, g in kept)
             graph.nme_view = BatchGraph(
-                graph.z, graph.gz, [g for _, g in kept], [i for i, _ in kept], nbytes
+                graph.z,
+                graph.gz,
+                [g for _, g in kept],
+                [i for i, _ in kept],
+                nbytes,
+                softmax=graph.softmax,
             )
             if graph.cached:
                 graph.nbytes += nbytes
@@ -216,18 +240,24 @@ class CurvatureEngine:
         hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
-        per product).
+        per product). A cross-entropy over large logits goes by chunks of rows
+        (:mod:`~sharpcli.curvature.softmax_chunks`; the automatic chunk at most 1/64 of what
+        the budget leaves): the product adds a chunk's work.
 
         Args:
             plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
             auto_cache: let the cache grow to every batch's graph when the budget holds it.
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
-        graph_bytes = 0
+        self.chunking.fit_budget(plan.room())
+        graph_bytes = chunk_bytes = 0
         for _, graph in self._graphs():
             graph_bytes = graph.nbytes
+            if graph.softmax is not None:
+                chunk_bytes = self.chunking.workspace(graph.softmax, graph.z)
+                plan.note(self.chunking.describe(graph.softmax, graph.z))
             break
-        workspace = 2 * graph_bytes
+        workspace = 2 * graph_bytes + chunk_bytes
         plan.require(
             "one batch's Hessian product (its first-order graph and double backward)",
             workspace - (graph_bytes if self._cache else 0),
@@ -303,6 +333,11 @@ class CurvatureEngine:
             scope = self.scope
             return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
         params = list(self.scope.params)
+        if graph.softmax is not None:  # H_z by chunks of rows, written over J v (ours alone)
+            out = jv if jv.is_contiguous() else None  # not over a broadcast gradient
+            hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=out)
+            gv = graph.softmax.vjp(graph.z, params, hz_jv, retain_graph=True, batched=batched)
+            return self._flat_block(gv, k, batched)
         with torch.enable_grad():
             if batched:
                 kw = {"retain_graph": True, "is_grads_batched": True}
@@ -382,26 +417,7 @@ class CurvatureEngine:
                 write_columns(blocks, column, batch_product(graph, V[:, column], False))
         return blocks
 
-    @staticmethod
-    def _check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
-        """Raise :class:`NumericalError` naming ``operator``, its ``part`` and the batch when a
-        batch's product is not finite, or finite with a norm beyond the dtype's range."""
-        if not torch.isfinite(block).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) is not finite on batch {index}",
-                source=f"{operator} operator",
-            )
-        # Finite entries can still have a norm beyond the dtype's range (float32: entries
-        # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
-        # the product, so it would turn into Inf/NaN there and the NEXT product would be
-        # blamed on its first batch; stop here, naming the batch that did it.
-        if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
-            raise NumericalError(
-                f"{operator} product ({part} part) on batch {index} is too large for "
-                f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
-                "`dtype=float64`)",
-                source=f"{operator} operator",
-            )
+    _check_finite = staticmethod(check_finite)
 
     def _as_block(self, V: torch.Tensor) -> torch.Tensor:
         """``V`` as a ``(P, k)`` block in the scope's dtype and device (a vector is one column)."""
@@ -532,8 +548,15 @@ class CurvatureEngine:
         for index, (x_b, y_b, weight) in enumerate(self.data.batches()):
             x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
             with torch.enable_grad():
-                loss_b = self.loss(self.model(x_b), y_b) * weight
-                parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+                z = self.model(x_b)
+                rows = self.chunking.rows(z, y_b, weight)
+                if rows is None:
+                    loss_b = self.loss(z, y_b) * weight
+                    parts = torch.autograd.grad(loss_b, scope.params, allow_unused=True)
+                else:  # by chunks of rows: no log-softmax, no logits-sized temporaries
+                    loss_b = rows.loss(z)
+                    parts = rows.vjp(z, scope.params, rows.gradient(z))
+                del z
             flat = self._flat(parts)
             if not torch.isfinite(flat).all() or not torch.isfinite(loss_b):
                 raise NumericalError(f"gradient is not finite on batch {index}", source="gradient")

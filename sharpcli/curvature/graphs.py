@@ -8,10 +8,16 @@ graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["BatchGraph", "ByteCounter", "vjp", "write_columns"]
+from sharpcli.errors import NumericalError
+
+if TYPE_CHECKING:
+    from sharpcli.curvature.softmax_chunks import SoftmaxRows
+
+__all__ = ["BatchGraph", "ByteCounter", "check_finite", "vjp", "write_columns"]
 
 
 @dataclass
@@ -27,6 +33,8 @@ class BatchGraph:
         None  # g_N = J^T g_z with g_z held constant (built on first N product)
     )
     cached: bool = False  # held in CurvatureEngine._cache (its NME view then counts there too)
+    # the cross-entropy by chunks of rows (g_z its LogitGradient node), or None: autograd's
+    softmax: "SoftmaxRows | None" = None
 
 
 @dataclass
@@ -92,6 +100,34 @@ def write_columns(blocks: list, cols: slice, results: tuple) -> None:
     """
     for block, result in zip(blocks, results):
         block[:, cols] = result
+
+
+def check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:
+    """Raise :class:`~sharpcli.errors.NumericalError` naming ``operator``, its ``part`` and the
+    batch when a batch's product is not finite, or finite with a norm beyond the dtype's range.
+
+    Args:
+        block: one batch's ``(P, k)`` product.
+        part: which part of the operator it is (``Hessian``, ``Gauss-Newton``).
+        operator: the operator's name.
+        index: the batch.
+    """
+    if not torch.isfinite(block).all():
+        raise NumericalError(
+            f"{operator} product ({part} part) is not finite on batch {index}",
+            source=f"{operator} operator",
+        )
+    # Finite entries can still have a norm beyond the dtype's range (float32: entries
+    # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
+    # the product, so it would turn into Inf/NaN there and the NEXT product would be
+    # blamed on its first batch; stop here, naming the batch that did it.
+    if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
+        raise NumericalError(
+            f"{operator} product ({part} part) on batch {index} is too large for "
+            f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
+            "`dtype=float64`)",
+            source=f"{operator} operator",
+        )
 
 
 def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:

@@ -154,3 +154,28 @@ def test_stored_loss_that_does_not_fit_names_checkpoint_loss_and_option(tmp_path
     assert_one_line_error(run, 2, str(ckpt), "stored loss 'mse'", str(labels), "--loss")
     run = run_cli(capsys, "eigen", ckpt, "--data", labels, "--loss", "cross-entropy", "--quiet")
     assert run.code == 0, run.err
+
+
+def test_k_dim_cross_entropy_by_chunks_of_rows(tmp_path, capsys, monkeypatch):
+    """The cross-entropy's gradient and Hessian by chunks of one row (the automatic chunk
+    lowered to 24 bytes, one row of 3 float64 logits): the dense references' eigenvalues, the
+    unchunked run's to 1e-10, and the run's memory choices say so."""
+    from sharpcli.curvature import softmax_chunks
+
+    model, weights = _factory(tmp_path, monkeypatch, (3, 4), "kdim_chunks")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (10, 4), generator=gen)
+    y[2, 1:] = -100
+    data = tmp_path / "kdim.safetensors"
+    save_file({"x": x, "y": y}, str(data))
+    references = _references(model, x, y, F.cross_entropy)
+    whole = _check(capsys, weights, data, "kdim_chunks", *references)
+    monkeypatch.setattr(softmax_chunks, "DEFAULT_CHUNK_BYTES", 24)
+    chunked = _check(capsys, weights, data, "kdim_chunks", *references)
+    assert chunked["results"]["eigenvalues"] == pytest.approx(
+        whole["results"]["eigenvalues"], rel=1e-10
+    )
+    choices = " ".join(chunked["timing"]["memory"]["choices"])
+    assert "cross-entropy over 40 x 3 logits by chunks of 1 rows" in choices
+    assert "by chunks" not in " ".join(whole["timing"]["memory"]["choices"])
