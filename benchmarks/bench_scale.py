@@ -20,6 +20,8 @@ Cases (``--cases``, comma-separated; default all but ``medium``):
 - ``growth``: ``eigen`` at P = 1M (MLP), 11M (ResNet-18), 124M (GPT-2): peak memory and
   CPU time per product, plotted to ``--plot``.
 - ``medium``: GPT-2 medium shape (355M), for a device (``--device cuda``).
+- ``ratio``: only the CPU seconds of a product inside ``eigen`` (12 products against 2)
+  against the bare graph-kept HVP, on ResNet-18 and GPT-2 small.
 
 Usage: ``python benchmarks/bench_scale.py [--cases resnet18,gpt2] [--workdir DIR]
 [--device cpu|cuda] [--plot docs/scale.png] [--budget 4944M]``; prints Markdown tables and, per
@@ -157,6 +159,8 @@ def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
         device=device, count=count,
     )  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # the checkpoint names its factory's module: sharp imports it from PYTHONPATH only
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     info = measure([sys.executable, "-c", code], env)
     if info["code"] != 0:
         raise SystemExit(f"bare HVP failed: {info['err'][-400:]}")
@@ -437,6 +441,29 @@ def case_growth(workdir, env, device, plot):
     return points
 
 
+def case_ratio(workdir, env, device, products=12):
+    """``ratio``: a product inside ``eigen`` (``products`` against 2, default budget) against
+    the bare graph-kept HVP, on ResNet-18 and GPT-2 small, without the other runs of their
+    cases (issue acceptance: the per-product ratio)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+    cases = [("resnet18", "resnet18", {}, x, y)]
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
+    cases.append(("gpt2", "gpt2", GPT2_SMALL, seq[:, :-1], seq[:, 1:]))
+    for name, factory, args, inputs, targets in cases:
+        ckpt, data, _ = write_case(workdir, name, factory, args, inputs, targets)
+        bound = str(products)
+        argv = sharp("eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", bound, device=device)
+        rows: list = []
+        inside = per_product(
+            f"{name} sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv, env, rows
+        )
+        print_ratio(name, inside, bare_hvp(factory, args, ckpt, data, device))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None)
@@ -464,6 +491,8 @@ def main() -> None:
             case_lm5m(workdir, env, args.device)
         elif case == "growth":
             case_growth(workdir, env, args.device, args.plot)
+        elif case == "ratio":
+            case_ratio(workdir, env, args.device)
         else:
             raise SystemExit(f"unknown case {case!r}")
         sys.stdout.flush()

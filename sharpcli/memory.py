@@ -148,9 +148,10 @@ REUSE_MMAP_THRESHOLD = 32 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 # What glibc keeps resident, as freed blocks it reuses, beyond what a run holds when the heap
 # is left at its reuse thresholds, as a fraction of the run's planned work (planned peak less
-# baseline): measured 0.24 on ResNet-18 eigen at the default budget and 0.13 on GPT-2 small
-# (docs/memory.md, "What the budget bounds")
-ALLOCATOR_SLACK = 0.3
+# baseline): measured at most 0.03 beyond the plan (GPT-2 small, 4944M: 4.66 GB against a
+# planned 4.55) and up to 0.24 beyond the bounded heap's peak (ResNet-18 eigen); the margin
+# keeps the plan an upper bound (docs/memory.md, "What the budget bounds")
+ALLOCATOR_SLACK = 0.25
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
 
 

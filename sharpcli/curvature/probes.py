@@ -143,6 +143,38 @@ def segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
     return torch.stack(rows)
 
 
+_SUM_ROWS = 1 << 18  # rows of one chunk of product_segment_sums (1 MiB a float32 column)
+
+
+def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torch.Tensor:
+    r""":func:`segment_sums` of ``a * b`` without its ``(P, k)`` product or a float64 copy.
+
+    Each chunk of :data:`_SUM_ROWS` rows is multiplied in ``a``'s dtype and summed in
+    float64, so the extra memory is one chunk, not two P-vectors per probe (at GPT-2 small,
+    124M parameters, the float32 product and its float64 copy were 1.5 GB a probe: what kept
+    ``trace`` from running inside ``eigen``'s memory).
+
+    Args:
+        a: ``(P, k)``.
+        b: ``(P, k)``, like ``a``.
+        blocks: ``{layer: slice}``.
+
+    Returns:
+        ``(1 + L, k)`` float64: the total and each layer's part.
+    """
+
+    def summed(start: int, stop: int) -> torch.Tensor:
+        acc = torch.zeros(a.shape[1], dtype=torch.float64, device=a.device)
+        for first in range(start, stop, _SUM_ROWS):
+            last = min(first + _SUM_ROWS, stop)
+            acc += (a[first:last] * b[first:last]).to(torch.float64).sum(0)
+        return acc
+
+    rows = [summed(0, a.shape[0])]
+    rows += [summed(*sl.indices(a.shape[0])[:2]) for sl in blocks.values()]
+    return torch.stack(rows)
+
+
 def mean_stderr(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Column-wise mean and standard error of the mean, :math:`s / \sqrt n`.
 
@@ -207,24 +239,28 @@ def check_budget(tol, max_matvecs, block_size) -> None:
         raise ValueError("block_size must be >= 1")
 
 
-def probe_block(op, block_size: int, *, vectors: int, what: str) -> tuple[int, int]:
+def probe_block(
+    op, block_size: int, *, vectors: int, what: str, float64_sums: bool = True
+) -> tuple[int, int]:
     """``(columns, bytes)``: the probe block the run's memory plan allows, at most
     ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
-    product, their elementwise product) and one float64 P-vector (the per-layer sums);
-    UsageError on ``max_memory`` when not even one column fits.
+    product, their elementwise product) and, with ``float64_sums``, one float64 P-vector (the
+    per-layer sums of :func:`segment_sums`); UsageError on ``max_memory`` when not even one
+    column fits.
 
     Args:
         op: the operator (``shape``, ``dtype``).
         block_size: the columns wanted.
         vectors: P-vectors in the operator's dtype per column.
         what: names the estimator in the plan's notes and errors.
+        float64_sums: the sums widen whole columns (False: :func:`product_segment_sums`).
 
     Returns:
         ``(columns, bytes)`` of the block.
     """
     dim = op.shape[0]
     itemsize = torch.empty((), dtype=op.dtype).element_size()
-    per_column = dim * (itemsize * int(vectors) + 8)
+    per_column = dim * (itemsize * int(vectors) + (8 if float64_sums else 0))
     plan = memory.current()
     fit = plan.count_that_fit(per_column)
     if fit < 1:

@@ -28,8 +28,8 @@ from sharpcli.curvature.probes import (
     pilot_size,
     planned_probes,
     probe_block,
+    product_segment_sums,
     report_probes,
-    segment_sums,
 )
 from sharpcli.curvature.scope import rademacher_like
 
@@ -70,9 +70,9 @@ class _Probes:
             for first in range(0, k, self.columns):
                 G = signs[:, first : first + self.columns].to(dtype=op.dtype, device=op.device)
                 AG = op.matmat(G)
-                values = G * AG if self.quantity == "trace" else AG * AG
-                rows.append(segment_sums(values, self.blocks).T)
-                del G, AG, values
+                left = G if self.quantity == "trace" else AG
+                rows.append(product_segment_sums(left, AG, self.blocks).T)
+                del G, AG, left
             drawn += k
             self.matvecs += k
             mean, stderr = mean_stderr(torch.cat(rows))
@@ -100,7 +100,9 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     check_budget(tol, max_matvecs, block_size)
     budget = int(max_matvecs)
     name = "tr" if quantity == "trace" else "Tr(A^2)"
-    columns, held = probe_block(op, block_size, vectors=3, what="Hutchinson")
+    columns, held = probe_block(
+        op, block_size, vectors=2, what="Hutchinson", float64_sums=False
+    )  # the probe and its product: the sums are taken a chunk at a time
     probes = _Probes(op, quantity, blocks, seed, block_size, columns)
     with (
         memory.current().hold("probe block", held + op.shape[0] * int(block_size)),
