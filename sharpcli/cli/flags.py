@@ -42,7 +42,6 @@ LIBRARY_ALIASES = {
     "selector": "output",  # models.outputs.select_output (session: output)
     "spec": "data",  # io.datasets.load_dataset(spec) and the data spec's parts
     "model_args": "arch_args",  # models.zoo (train has --model-args; analyses --arch-args)
-    "regs": "reg",  # training: TrainConfig.regs, training_step(regs), parse_reg
 }
 
 # `name` or `name=value` in a message: a library parameter, optionally with its value.

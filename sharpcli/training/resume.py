@@ -16,7 +16,7 @@ from sharpcli import ledger
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.bounded import loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
-from sharpcli.training.config import OPTION_OF, TrainConfig
+from sharpcli.training.config import TrainConfig
 from sharpcli.training.epochs import Run
 
 __all__ = [
@@ -170,9 +170,7 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
         saved["token_reduction"] = "samples" if _per_token(saved) else identity["token_reduction"]
     if saved != identity:
         diff = sorted(
-            f"`{OPTION_OF.get(k, k)}`"
-            for k in set(saved) | set(identity)
-            if saved.get(k) != identity.get(k)
+            f"`{k}`" for k in set(saved) | set(identity) if saved.get(k) != identity.get(k)
         )
         raise UsageError(
             f"the saved run used other settings ({', '.join(diff)}); resume with the same options "
