@@ -136,7 +136,7 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **op
     try:
         return load_dataset(spec, label_column=label_column, what=what, **options)
     except UsageError as err:
-        if from_checkpoint is None or err.source not in ("data", "spec"):
+        if from_checkpoint is None or err.source != "data":
             raise
         raise InputError(f"metadata {META_DATA}: {err.message}", source=from_checkpoint) from None
 

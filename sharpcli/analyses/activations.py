@@ -167,7 +167,7 @@ class _LayerAccumulator:
 
 
 def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from sharpcli.models.zoo import activation_modules
+    from sharpcli.models.activations import activation_modules
 
     return activation_modules(model)
 

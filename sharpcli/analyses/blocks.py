@@ -215,13 +215,12 @@ def eigen_blocks(
         result = eigen_result(
             cpass,
             operator,
-            k=k,
+            top_k=k,
             which=which,
             method=method,
             tol=tol,
             max_matvecs=max_matvecs,
             seed=seed,
-            k_name="top_k",
         ).to_dict()
         rows.append(
             {
@@ -329,9 +328,9 @@ def density_blocks(
         result = spectral_density(
             operator_of(cpass, operator),
             probes=probes,
-            lanczos_steps=min(int(steps), cpass.scope.numel),
+            steps=min(int(steps), cpass.scope.numel),
             grid_points=grid_points,
-            sigma=broadening,
+            broadening=broadening,
             seed=seed,
         ).to_dict()
         nodes = [t for probe in result["nodes"] for t in probe]

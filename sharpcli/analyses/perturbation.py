@@ -53,13 +53,14 @@ def standard_normal_directions(scope: ParamScope, count: int, seed: int) -> torc
 
 
 def check_sigmas(sigmas: list[float]) -> None:
-    """A UsageError on ``sigmas`` unless it holds at least one finite number > 0, all such."""
+    """A UsageError on ``sigma`` (the parameter that gives the noise scales) unless
+    ``sigmas`` holds at least one finite number > 0, all such."""
     if not sigmas:
-        raise UsageError("needs at least one sigma", source="sigmas")
+        raise UsageError("needs at least one sigma", source="sigma")
     for sigma in sigmas:
         if not (sigma > 0 and math.isfinite(sigma)):
             raise UsageError(
-                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigmas"
+                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigma"
             )
 
 

@@ -67,7 +67,7 @@ def measure(
         # only the eigenvalue is recorded: no product spent on an explicit residual
         top = lanczos(
             cpass.hessian(),
-            k=1,
+            top_k=1,
             tol=1e-3,
             max_matvecs=eigen_max_matvecs,
             seed=seed,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 
 
 @app.command("compare", cls=lazyhelp.LazyHelpCommand)

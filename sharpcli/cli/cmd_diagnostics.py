@@ -12,7 +12,7 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 ForceOpt = Annotated[
@@ -311,16 +311,16 @@ def bound_check_command(
     sigmas = common.parse_float_list(sigma, "--sigma")
     checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
     config = BoundCheckConfig(
-        sigmas=sigmas,
+        sigma=sigmas,
         params=params,
         perturbations=perturbations,
-        epsilon_kind=epsilon,
+        epsilon=epsilon,
         tol=tol,
         max_matvecs=max_matvecs,
         bootstrap=bootstrap,
         ci_level=ci_level,
-        checks=tuple(dict.fromkeys(checks)),
-        mc_pairs=mc_samples,
+        check=tuple(dict.fromkeys(checks)),
+        mc_samples=mc_samples,
         noise_pairs=noise_pairs,
         trace_tol=trace_tol,
         trace_max_matvecs=trace_max_matvecs,

@@ -8,7 +8,7 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 DiagonalEstimator = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]

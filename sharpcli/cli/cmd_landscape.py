@@ -17,7 +17,7 @@ import typer
 
 from sharpcli import distributed
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 

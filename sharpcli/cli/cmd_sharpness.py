@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 

@@ -9,8 +9,8 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
 from sharpcli.cli.declared import with_options
+from sharpcli.cli.group import app
 from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions
 from sharpcli.training.config import TrainConfig, validate_config
 

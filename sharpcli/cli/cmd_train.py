@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sharpcli.cli import common, lazyhelp, runner
-from sharpcli.cli.app import app
 from sharpcli.cli.declared import with_options
+from sharpcli.cli.group import app
 from sharpcli.cli.train_options import TrainOptions
 from sharpcli.errors import EXIT_NUMERICAL
 from sharpcli.report.tables import FitTable, fmt, records_table

@@ -358,6 +358,10 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     return bar(runner.stderr_console, quiet or json_path == "-", text)
 
 
+# The library's model arguments (models.specs: `model_args`, train's --model-args) are what an
+# analysis command's --arch-args gives (the arguments of --arch, a foreign state_dict's model).
+_ARCH_ARGS = {"model_args": "--arch-args"}
+
 # The common options, as the parameters analysis_command adds to each command's signature.
 _COMMON = OptionSet(CommonOptions)
 
@@ -400,6 +404,7 @@ def analysis_command(app, name: str):
                 threads=opts.threads,
                 debug=opts.debug,
                 verbose=opts.verbose,
+                aliases=_ARCH_ARGS,
             )
 
         wrapper.__signature__ = sig.replace(

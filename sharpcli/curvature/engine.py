@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sharpcli import memory
+from sharpcli import catalogue, memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.graphs import BatchGraph, ByteCounter, vjp, write_columns
@@ -538,28 +538,25 @@ class CurvatureEngine:
         """The Hessian operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine, as the operator
+            registry builds ``hessian`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import HessianOperator
-
-        return HessianOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.HESSIAN).build(self)
 
     def ggn(self) -> GGNOperator:
         """The Gauss-Newton operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine, as the operator
+            registry builds ``ggn`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import GGNOperator
-
-        return GGNOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.GGN).build(self)
 
     def nme(self) -> NMEOperator:
         """The NME operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine, as the operator
+            registry builds ``nme`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import NMEOperator
-
-        return NMEOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.NME).build(self)
