@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
+from sharpcli.curvature.density import spectral_density
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -321,7 +322,6 @@ def density_blocks(
         ``[{name, parameters, numel, grid, density, nodes, weights, sigma, lambda_min,
         lambda_max, trace_estimate, trace_stderr, matvecs}]``.
     """
-    from sharpcli.curvature.density import spectral_density
 
     rows = []
     for label, members, cpass in passes:

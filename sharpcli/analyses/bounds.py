@@ -76,6 +76,7 @@ from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
+from sharpcli.models.zoo import final_linear
 
 __all__ = [
     "BoundCheckConfig",
@@ -101,7 +102,6 @@ def corollary1_bound(H: float, epsilon: float, sigma: float) -> float:
 
 def default_bound_scope(model: nn.Module) -> str:
     """The final layer's weight (AD Fig. 1a: "Hessian is computed only w.r.t. W^(L)") as a scope spec."""
-    from sharpcli.models.zoo import final_linear
 
     name, _ = final_linear(model)
     return f"{name}.weight" if name else "weight"

@@ -27,6 +27,7 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.operators import CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -116,7 +117,6 @@ def noise_stability_check(
         "matvecs"}`` (``params`` the scope's spec, ``rows`` one
         :class:`NoiseStabilityRow` dict per sigma).
     """
-    from sharpcli.curvature.hutchpp import hutchpp
 
     sigmas = list(sigma)
     check_sigmas(sigmas)

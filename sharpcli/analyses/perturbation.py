@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import ParamScope, gaussian_like
 from sharpcli.errors import UsageError
@@ -140,7 +141,6 @@ def spectral_norm(
     op, *, tol: float, max_matvecs: int | None, seed: int
 ) -> tuple[float, float, bool]:
     """``(max |eig|, largest eig, converged)`` of a symmetric operator by Lanczos (both ends)."""
-    from sharpcli.curvature.lanczos import lanczos
 
     result = lanczos(op, 1, "both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     values = result.eigenvalues

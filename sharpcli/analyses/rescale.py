@@ -50,12 +50,15 @@ from sharpcli.analyses.rescale_plan import (
     check_mode,
     plan_rescale,
 )
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 from sharpcli.curvature.data import (
     AnalysisData,
     all_reduce_sum,
     distributed_rank_and_world,
     to_model_batch,
 )
+from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -239,7 +242,6 @@ def _curvature_row(
     seed: int,
     rho: float | None,
 ) -> tuple[RescaleRow, int]:
-    from sharpcli.curvature.lanczos import lanczos
 
     evaluation = evaluate_outputs(model, data)
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
@@ -277,7 +279,6 @@ def _worst_case_sharpness(
     model: nn.Module, data: AnalysisData, params: str | None, rho: float, adaptive: bool, seed: int
 ) -> float:
     """Worst-case l2 sharpness at ``rho`` over the whole set ([Andriushchenko2023])."""
-    from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 
     config = SharpnessConfig(rhos=(rho,), adaptive=adaptive, params=params, seed=seed)
     return sharpness(model, data, config).rows[0].sharpness
@@ -285,7 +286,6 @@ def _worst_case_sharpness(
 
 def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) -> dict:
     """Hutch++ trace of ``op`` from the curvature engine: ``{"estimate", "stderr"}``."""
-    from sharpcli.curvature.hutchpp import hutchpp
 
     result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
     stderr = (

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas
+from sharpcli.analyses.rescale import _global_max
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
+from sharpcli.models.zoo import final_linear
 
 __all__ = ["Theorem2Row", "smoothed_cross_entropy", "theorem2_check"]
 
@@ -111,7 +113,6 @@ def _smoothed_draws(
 
 def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
     """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
-    from sharpcli.models.zoo import final_linear
 
     name, head = final_linear(model, source="check")
     captured = {}
@@ -166,7 +167,6 @@ def theorem2_check(
         )
     if int(mc_samples) < 2:
         raise UsageError(f"must be >= 2, got {mc_samples}", source="mc_samples")
-    from sharpcli.analyses.rescale import _global_max
 
     ns = len(sigmas)
     sums = torch.zeros(

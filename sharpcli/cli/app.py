@@ -14,6 +14,9 @@ import time
 
 import typer
 
+from sharpcli import distributed, interrupts, ledger
+from sharpcli.atomic import write_text_atomic
+
 # each command module adds its commands to the group's app when imported: here, in one place
 from sharpcli.cli import (  # noqa: F401
     cmd_analyze,
@@ -29,7 +32,7 @@ from sharpcli.cli import (  # noqa: F401
 )
 from sharpcli.cli.flags import to_cli_error
 from sharpcli.cli.group import app
-from sharpcli.errors import SharpError
+from sharpcli.errors import SharpError, UsageError
 
 __all__ = ["app", "main"]
 
@@ -65,7 +68,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
 
     Not onto a file the command line names otherwise (``sharp eigen m.safetensors --json
     m.safetensors --bad-option`` keeps the checkpoint)."""
-    from sharpcli import ledger
 
     target = _json_requested(argv)
     if target == "-":
@@ -78,8 +80,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
             runner.silence_stdout()
     elif target is not None and not any(ledger.same_file(target, p) for p in _other_files(argv)):
         try:
-            from sharpcli.atomic import write_text_atomic
-
             ledger.check_writable(target, "--json")
             write_text_atomic(target, runner.dumps(runner.error_document(command, err)))
         except (OSError, SharpError):
@@ -88,8 +88,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
 
 def _usage_error(argv: list[str], exc) -> int:
     """One stderr line (and the JSON error object) for click's usage errors; exit 2."""
-    from sharpcli import distributed
-    from sharpcli.errors import UsageError
 
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
     # typer's value coercion prefixes a refused choice with its validator's label:
@@ -111,7 +109,6 @@ def _usage_error(argv: list[str], exc) -> int:
 
 def _run_app(argv: list[str]) -> int:
     """Run the Typer app on ``argv``; its exit status (see :func:`main`)."""
-    from sharpcli import interrupts
 
     command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
@@ -148,8 +145,6 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> None
     (``WORLD_SIZE > 1``) the process group is joined first and left on exit
     (:mod:`sharpcli.distributed`); only rank 0 prints.
     """
-    from sharpcli import distributed, interrupts
-    from sharpcli.errors import SharpError
 
     runner.state()["started"] = time.perf_counter() if started is None else started
     installed_here = interrupts.install()

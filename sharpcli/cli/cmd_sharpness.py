@@ -84,6 +84,7 @@ def sharpness_command(
 ) -> runner.Outcome:
     """Worst-case or average-case sharpness, adaptive or standard, per rho
     (Andriushchenko et al. 2023)."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 
     config = SharpnessConfig(

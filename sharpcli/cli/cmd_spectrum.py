@@ -143,6 +143,7 @@ def eigen_command(
     ] = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
@@ -165,6 +166,7 @@ def eigen_command(
             engine=engine,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -179,6 +181,7 @@ def eigen_command(
                 seed=session.seed,
             )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 29 ms
         from sharpcli.report.block_heatmap import plot_block_eigenvalues
 
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
@@ -250,6 +253,7 @@ def trace_command(
     top: TopOpt = None,
 ) -> runner.Outcome:
     """Trace of the Hessian, Gauss-Newton or NME operator with standard error and per-layer traces."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -268,6 +272,7 @@ def trace_command(
             engine=engine,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import session_block_passes, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -365,6 +370,7 @@ def gn_nme_command(
     ] = "auto",
 ) -> runner.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -381,6 +387,7 @@ def gn_nme_command(
             ggn_estimator=ggn_estimator,
         )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_gn_nme_layers
 
         plot_gn_nme_layers(results, plot)
@@ -389,6 +396,7 @@ def gn_nme_command(
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
+        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
         from sharpcli.curvature.registry import OPERATORS, SPLIT
 
         rows = [
@@ -450,6 +458,7 @@ def density_command(
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")
@@ -470,6 +479,7 @@ def density_command(
             params=params,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import density_blocks, session_block_passes
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 
@@ -486,6 +496,7 @@ def density_command(
                 results, results["blocks"], grid_points
             )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_block_densities, plot_density
 
         if blocks is not None:

@@ -303,6 +303,7 @@ def parse_json_option(text: str | None, option: str) -> dict | None:
     """
     import json
 
+    # kept out of sharp's start-up (--help, completion), which it would slow by 12 ms
     from sharpcli.bounded import JsonTooDeep, loads_json
 
     if text is None:
@@ -353,6 +354,7 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     (:mod:`sharpcli.cli.bars`): the runs that :mod:`sharpcli.progress` reports, and ``text``
     while none is open. Nothing under ``--quiet``, ``--json -``, off a terminal, or on ranks
     other than 0."""
+    # kept out of sharp's start-up (--help, completion), which it would slow by 21 ms
     from sharpcli.cli.bars import progress_bar as bar
 
     return bar(runner.stderr_console, quiet or json_path == "-", text)
@@ -427,6 +429,7 @@ def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
     carries them in ``data.notes`` either way.
     """
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.session import build_session
 
     kwargs = opts.settings()

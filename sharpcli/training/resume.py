@@ -16,6 +16,7 @@ from sharpcli import ledger
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.bounded import loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
+from sharpcli.losses import LOSSES
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.epochs import Run
 
@@ -183,7 +184,6 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
 
 def _per_token(config: dict) -> bool:
     """Whether a saved configuration's loss is a token loss (one label per position)."""
-    from sharpcli.losses import LOSSES
 
     loss = config.get("loss")
     return isinstance(loss, str) and loss in LOSSES and LOSSES.get(loss).per_token
