@@ -11,7 +11,7 @@ from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
-from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions
+from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions, regularizer_option
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.report.tables import records_table
 from sharpcli.training.config import TrainConfig, validate_config
@@ -63,11 +63,9 @@ def sweep_command(
     *,
     reg: Annotated[
         str,
-        typer.Option(
+        regularizer_option(
             "--reg",
-            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
-            autocompletion=choices.completer(catalogue.REGULARIZERS),
-            help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
+            "Regularizer whose settings are swept; fixed ones after the colon, e.g. "
             "--reg sam:rho=0.1.",
         ),
     ],
@@ -88,11 +86,8 @@ def sweep_command(
     ] = "0",
     extra_reg: Annotated[
         Optional[list[str]],
-        typer.Option(
-            "--extra-reg",
-            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
-            autocompletion=choices.completer(catalogue.REGULARIZERS),
-            help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
+        regularizer_option(
+            "--extra-reg", "Fixed regularizer of every run; repeatable, e.g. --extra-reg wd."
         ),
     ] = None,
     metrics: Annotated[

@@ -33,39 +33,44 @@ def _model_opt(flag: str, help: str, *, type_: Any = Optional[int]) -> Any:
     return Annotated[type_, typer.Option(flag, rich_help_panel="Model", help=help)]
 
 
+def _valued(panel: str, metavar: str, *flags: str, help: str, type_: Any = Optional[str]) -> Any:
+    """An option of ``panel`` whose value the placeholder ``metavar`` names."""
+    return Annotated[type_, typer.Option(*flags, metavar=metavar, rich_help_panel=panel, help=help)]
+
+
+def regularizer_option(flag: str, help: str, **panel: Any) -> Any:
+    """The typer option of an option naming regularizers ``NAME[:k=v,...]`` (train's
+    ``--reg``, sweep's ``--reg`` and ``--extra-reg``): its placeholder and completion read the
+    registry."""
+    return typer.Option(
+        flag,
+        metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
+        autocompletion=choices.completer(catalogue.REGULARIZERS),
+        help=help,
+        **panel,
+    )
+
+
 ModelOpt = Annotated[
     choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
 ]
 DepthOpt = _model_opt("--depth", "Hidden layers (mlp) or depth (resnet: 20, 56).")
 WidthOpt = _model_opt("--width", "Hidden width (mlp) or base channels.")
-ModelArgsOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model-args",
-        "--arch-args",
-        metavar="JSON",
-        rich_help_panel="Model",
-        help="Model keyword arguments (or --arch-args).",
-    ),
-]
-ModelFactoryOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model-factory",
-        metavar="MODULE:FUNCTION",
-        rich_help_panel="Model",
-        help="Function returning your nn.Module, instead of --model.",
-    ),
-]
-PenultimateOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--penultimate",
-        metavar="MODULE",
-        rich_help_panel="Model",
-        help="Module whose output ad penalises (default: last Linear).",
-    ),
-]
+ModelArgsOpt = _valued(
+    "Model", "JSON", "--model-args", "--arch-args", help="Model keyword arguments (or --arch-args)."
+)
+ModelFactoryOpt = _valued(
+    "Model",
+    "MODULE:FUNCTION",
+    "--model-factory",
+    help="Function returning your nn.Module, instead of --model.",
+)
+PenultimateOpt = _valued(
+    "Model",
+    "MODULE",
+    "--penultimate",
+    help="Module whose output ad penalises (default: last Linear).",
+)
 TrainDataOpt = Annotated[
     str,
     typer.Option(
@@ -93,39 +98,22 @@ def _data_opt(flag: str, type_: Any, help: str) -> Any:
 
 RegOpt = Annotated[
     Optional[list[str]],
-    typer.Option(
-        "--reg",
-        metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
-        autocompletion=choices.completer(catalogue.REGULARIZERS),
-        rich_help_panel="Training",
-        help="Regularizer, e.g. sam:rho=0.05; repeat to combine.",
+    regularizer_option(
+        "--reg", "Regularizer, e.g. sam:rho=0.05; repeat to combine.", rich_help_panel="Training"
     ),
 ]
-OutOpt = Annotated[
-    str,
-    typer.Option(
-        "--out",
-        "-o",
-        metavar="PATH",
-        rich_help_panel="Output",
-        help="Checkpoint to write (.safetensors).",
-    ),
-]
+OutOpt = _valued(
+    "Output", "PATH", "--out", "-o", help="Checkpoint to write (.safetensors).", type_=str
+)
 ResumeOpt = Annotated[
     bool,
     typer.Option(
         "--resume", rich_help_panel="Run", help="Continue an interrupted run of the same options."
     ),
 ]
-StopAfterOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--stop-after",
-        metavar="N",
-        rich_help_panel="Run",
-        help="Stop after epoch N, as if interrupted.",
-    ),
-]
+StopAfterOpt = _valued(
+    "Run", "N", "--stop-after", help="Stop after epoch N, as if interrupted.", type_=Optional[int]
+)
 StopOnDivergenceOpt = Annotated[
     bool,
     typer.Option("--stop-on-divergence", help="On divergence: stop, keep the best epoch, exit 3."),
@@ -144,15 +132,9 @@ TrackOpt = Annotated[
         help="Curvature recorded while training, e.g. --track eigen,trace.",
     ),
 ]
-TrainPlotOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--plot",
-        metavar="PATH",
-        rich_help_panel="Output",
-        help="PNG of the training curves (and tracked curvature).",
-    ),
-]
+TrainPlotOpt = _valued(
+    "Output", "PATH", "--plot", help="PNG of the training curves (and tracked curvature)."
+)
 TrainSeedOpt = Annotated[
     int, typer.Option("--seed", rich_help_panel="Run", help="Seed of weights, data order, noise.")
 ]
