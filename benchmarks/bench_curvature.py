@@ -31,7 +31,7 @@ run in the same process, alternating):
   (``CurvatureEngine.loss_and_gradient``): Hessian product with the first-order graph cached
   (as inside every estimator after its first product) and rebuilt (``cache_bytes=0``), and
   H and G together (``hessian_and_ggn_matvec``) relative to H alone;
-- native Lanczos (``lanczos(op, k=1)``, tol 1e-3) vs ``pyhessian.hessian(...).eigenvalues()``
+- native Lanczos (``lanczos(op, top_k=1)``, tol 1e-3) vs ``pyhessian.hessian(...).eigenvalues()``
   including each side's set-up, at the full batch (PyHessian's ``data=`` mode) and at batch
   256 (its ``dataloader=`` mode);
 - accuracy of both against a reference: Lanczos in float64 (model and data converted) to
