@@ -35,11 +35,13 @@ import copy
 import torch
 from torch import nn
 
+from sharpcli.analyses.hvp import FINITE_DIFFERENCE, check_hvp
 from sharpcli.api_methods.arguments import device_argument, dtype_argument, integer_argument
 from sharpcli.api_methods.estimates import CurvatureEstimates
 from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
@@ -97,6 +99,13 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             samples); default a DataLoader's batch size, or 256 for tensors.
         device: Where the products run; None: the model's device.
         dtype: The products' dtype; None: the model's.
+        hvp: ``"exact"`` (double backward) or ``"finite-difference"``: Hessian products as
+            central differences of gradients
+            (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`), for a
+            model without a double backward; the Hessian only (``ggn``, ``nme`` and ``blocks``
+            are refused), no second-derivative self-check, and
+            ``curvature.curvature_pass.bound_record()`` gives the step and the measured error
+            bound ``||D v - H v|| <= error_bound ||v||``.
 
     Before anything is computed, a forward pass over the set (no gradients) checks that the
     model takes every input and that the loss fits its outputs and the labels, and one
@@ -126,14 +135,15 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     def __init__(
         self,
         model: nn.Module,
-        loss,
-        data,
+        loss: str | nn.Module,
+        data: object,
         *,
         params: str | None = None,
-        device=None,
-        dtype=None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         batch_size: int | None = None,
         token_reduction: str | None = None,
+        hvp: str = "exact",
     ):
 
         if not isinstance(model, nn.Module):
@@ -144,6 +154,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             raise UsageError("the model has no parameters", source="model")
         if batch_size is not None:
             integer_argument(batch_size, "batch_size")
+        check_hvp(hvp)
+        self.hvp = hvp
         self.dtype = dtype_argument(dtype, first.dtype)
         self.device = device_argument(device, first.device)
         if self.dtype != first.dtype or self.device != first.device:
@@ -157,15 +169,25 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         self.batch_size = collected.batch_size
         self._view = self._on_data(collected)
         self._check_forward()
-        self._self_check(collected)
+        if hvp != FINITE_DIFFERENCE:  # differences of gradients never differentiate twice
+            self._self_check(collected)
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        self.curvature_pass = CurvatureEngine(self._view, self.data, self.scope)
+        engine = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
+        self.curvature_pass = engine(self._view, self.data, self.scope)
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:
-        """The model view on (the first ``rows`` of) the analysis set, on the analysis device."""
+        """The model view on (the first ``rows`` of) the analysis set, on the analysis device.
+
+        Args:
+            collected: the analysis set.
+            rows: how many of its first rows (default all).
+
+        Returns:
+            The view: a module that takes sample indices and returns the model's outputs.
+        """
         take = slice(None) if rows is None else slice(0, rows)
         x = None
         if collected.x is not None:
@@ -175,8 +197,22 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         }
         return model_on_data(self.model, x, keywords, self.loss_reading)
 
-    def _loss_and_data(self, loss, collected: CollectedData) -> tuple[str, CollectedData]:
-        """The loss name for the model's outputs, and the data with ignored labels applied."""
+    def _loss_and_data(
+        self, loss: str | nn.Module, collected: CollectedData
+    ) -> tuple[str, CollectedData]:
+        """The loss name for the model's outputs, and the data with ignored labels applied.
+
+        Args:
+            loss: the ``loss`` argument: a name or a loss module.
+            collected: the analysis set.
+
+        Returns:
+            The loss's name and the analysis set with its labels as the loss reads them.
+
+        Raises:
+            UsageError: the loss is neither, the model cannot run on the data, or the outputs
+                do not fit the loss.
+        """
         if not isinstance(loss, (str, nn.Module)):
             raise UsageError(
                 f"expected a loss module ({LOSS_MODULES}) or a name, got {type(loss).__name__}",
@@ -221,6 +257,9 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
 
         An input the model cannot take (a token id beyond its embedding, say) is a UsageError
         on ``data`` here rather than an error in the middle of a curvature product.
+
+        Raises:
+            UsageError: a batch the model cannot run on.
         """
         index = torch.arange(self.num_samples, device=self.device)
         with torch.no_grad(), eval_mode(self._view):
@@ -237,7 +276,14 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
                     ) from None
 
     def _self_check(self, collected: CollectedData) -> None:
-        """Refuse a model whose layers torch differentiates twice wrongly (8 samples)."""
+        """Refuse a model whose layers torch differentiates twice wrongly (8 samples).
+
+        Args:
+            collected: the analysis set.
+
+        Raises:
+            UsageError: torch's second derivatives of the model are wrong.
+        """
         rows = min(SECOND_DERIVATIVE_SAMPLES, self.num_samples)
         view = self._on_data(collected, rows=rows)
 

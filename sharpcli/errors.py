@@ -28,6 +28,7 @@ class SharpError(Exception):
     exit_code = EXIT_USAGE
     kind = "error"
     source_is_path = False  # True: ``source`` is a file path, False: a parameter (or a label)
+    propagated = False  # True: raised on another rank and re-raised here (sharpcli.distributed)
 
     def __init__(self, message: str, *, source: str | None = None, **details):
         super().__init__(message)

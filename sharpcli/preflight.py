@@ -138,6 +138,10 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
     """The model's outputs on the samples ``x`` (no gradients): features it cannot take, or
     outputs that are not one tensor, are an InputError on ``source`` (the data).
 
+    The pass runs in eval mode (the model's mode restored after it): a model about to train
+    keeps its BatchNorm running statistics and ``num_batches_tracked`` untouched by this check,
+    and a BatchNorm1d layer accepts the one sample :func:`check_model_accepts` sends.
+
     Args:
         model: The model (its output selector attached).
         x: A few samples.
@@ -148,15 +152,18 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
     """
     if x.shape[0] == 0:
         raise InputError("the analysis set is empty", source=source)
+    was_training = model.training
     try:
         with torch.no_grad():
-            out = model(x)
+            out = model.eval()(x)
     except (RuntimeError, ValueError, IndexError) as exc:
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise InputError(
             f"samples of shape {shape} do not fit the model ({first})", source=source
         ) from None
+    finally:
+        model.train(was_training)
     if not isinstance(out, torch.Tensor):
         raise InputError(
             f"the model returns a {type(out).__name__}, not a tensor of logits", source=source

@@ -222,6 +222,7 @@ def build_session(
     cache_mb: int | None = None,
     output: str | None = None,
     curvature: bool = True,
+    double_backward: bool = True,
     max_memory: str | int | None = None,
     token_reduction: str = "tokens",
     loss: str | None = None,
@@ -230,7 +231,10 @@ def build_session(
 
     ``curvature`` (default): the analysis differentiates the model twice, so torch's second
     derivatives of it are checked first (:func:`check_second_derivatives`); analyses of
-    first derivatives and activations only (``activation-stats``) pass False.
+    first derivatives and activations only (``activation-stats``) pass False. An analysis
+    whose Hessian products are differences of gradients (``hvp=finite-difference``) passes
+    ``double_backward=False``: it never differentiates twice, so the check is skipped (and a
+    model without a double backward is accepted).
     """
 
     if split not in ("train", "test"):
@@ -313,7 +317,7 @@ def build_session(
     per_token = get_loss(loss).per_token
     if per_token:
         mean_positions = set_token_reduction(token_reduction, y)
-    if curvature:  # the analysis differentiates the model twice
+    if curvature and double_backward:  # the analysis differentiates the model twice
         with plan.hold("second-derivative self-check", self_check_bytes(model)):
             check_second_derivatives(
                 model, x[: self_check_samples(model)], y, loss, source=checkpoint

@@ -8,6 +8,8 @@ of the model on a fixed probe set.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -72,40 +74,47 @@ class Tracker:
 
     def __init__(
         self,
-        loss,
-        data,
+        loss: str | nn.Module,
+        data: object,
         *,
         every: int = 100,
-        metrics=("eigen",),
+        metrics: str | Sequence[str] = ("eigen",),
         max_matvecs: int = 100,
         tol: float = 5e-2,
         params: str | None = None,
         batch_size: int | None = None,
         seed: int = 0,
         prefix: str = "sharpness/",
-    ):
+    ) -> None:
 
         integer_argument(every, "every")
         integer_argument(max_matvecs, "max_matvecs")
         seed_argument(seed)
         if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
             raise UsageError(f"must be a positive number, got {tol!r}", source="tol")
-        metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-        if not metrics:
+        names = [metrics] if isinstance(metrics, str) else list(metrics)
+        if not names:
             raise UsageError("name at least one metric", source="metrics")
         try:
-            check_tracked(metrics)
+            check_tracked(names)
         except UsageError as exc:
             raise UsageError(exc.message, source="metrics") from None
         self.loss, self.data, self.every = loss, data, every
-        self.metrics, self.max_matvecs, self.tol = metrics, max_matvecs, float(tol)
+        self.metrics, self.max_matvecs, self.tol = names, max_matvecs, float(tol)
         self.params, self.batch_size, self.seed, self.prefix = params, batch_size, seed, prefix
         self.steps = 0
-        self.history: list[dict] = []  # every measurement, with its "step"
+        self.history: list[dict[str, Any]] = []  # every measurement, with its "step"
         self._curvature: Curvature | None = None
 
     def _curvature_for(self, model: nn.Module) -> Curvature:
-        """One Curvature per model (data read and checked once); rebuilt for another model."""
+        """One Curvature per model (data read and checked once); rebuilt for another model.
+
+        Args:
+            model: the model being trained.
+
+        Returns:
+            Its Curvature on the tracked data.
+        """
         if self._curvature is None or self._curvature.model is not model:
             self._curvature = Curvature(
                 model, self.loss, self.data, params=self.params, batch_size=self.batch_size
@@ -123,7 +132,7 @@ class Tracker:
         """
         return step >= 1 and step % self.every == 0
 
-    def step(self, model: nn.Module, step: int | None = None) -> dict | None:
+    def step(self, model: nn.Module, step: int | None = None) -> dict[str, Any] | None:
         """Count one training step (or set the count to ``step``); measure when it is due.
 
         Args:
@@ -136,7 +145,7 @@ class Tracker:
         self.steps = self.steps + 1 if step is None else int(step)
         return self.measure(model) if self.due(self.steps) else None
 
-    def measure(self, model: nn.Module) -> dict:
+    def measure(self, model: nn.Module) -> dict[str, Any]:
         """The metrics now, keyed ``{prefix}name``, recorded in ``history``.
 
         Args:

@@ -2,8 +2,9 @@
 
 One ``torch.multiprocessing`` spawn of 2 ranks runs, through ``sharpcli.cli.app.main`` with
 torchrun's environment variables, eigen, trace and gn-nme (float64), a command that hits
-Inf on rank 1's shard, ``train`` (weight-noise + wd, exact under DDP) and a refused ``train``
-(sam). Each rank's stdout goes to its own file. The single-process references run in the
+Inf on rank 1's shard and ``train`` (weight-noise + wd, exact under DDP; the ascent family and
+the per-replica penalties: tests/training/test_data_parallel_ascent.py). Each rank's stdout
+goes to its own file. The single-process references run in the
 test process. A slow test runs the real ``torch.distributed.run`` launcher once.
 """
 
@@ -108,7 +109,6 @@ def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
             "--out",
             str(tmp_path / out_name),
         ],
-        "train-sam": [*train, "--reg", "sam", "--out", str(tmp_path / ("sam-" + out_name))],
         "sharpness": [
             "sharpness",
             str(ckpt),
@@ -334,18 +334,6 @@ def test_data_parallel_training_equals_one_process(two_ranks, capsys):
         assert _close(row_a["penalties"]["wd"], row_b["penalties"]["wd"])
 
 
-def test_data_parallel_training_refuses_sam(two_ranks):
-    from sharpcli.training.regularizers import SAM
-
-    _, _, _, outputs = two_ranks
-    out0, err0, code0 = outputs["train-sam", 0]
-    assert (code0, outputs["train-sam", 1][2]) == (2, 2)
-    assert outputs["train-sam", 1][1] == ""
-    line = err0.strip()
-    assert "--reg" in line and "sam" in line and "global gradient" in line
-    assert SAM.data_parallel in line  # the reason is the one the class declares
-
-
 def _registry():
     from sharpcli.training.regularizers import REGISTRY
 
@@ -372,23 +360,44 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
 
 
 @pytest.mark.parametrize("name", sorted(_registry()))
-def test_refusal_under_torchrun_names_the_declared_reason(name, tmp_path, monkeypatch):
-    """``train`` as one of 2 ranks: a regularizer that is not exact is refused on ``--reg`` with
-    its class's reason, before any data is read; an exact one passes the check."""
-    from sharpcli.errors import UsageError
+def test_every_regularizer_runs_under_torchrun_exactly_or_per_replica(name):
+    """Each built-in is exact under data parallelism or states what a rank computes on its own
+    rows (gp, fa, gn-trace and the ascent family), so the check lets each one through."""
     from sharpcli.training import loop
+    from sharpcli.training.data_parallel import per_replica_statement
     from sharpcli.training.regularizers import parse_reg
 
-    reason = _registry()[name].data_parallel
-    if reason is None:
-        loop.check_data_parallel_regs([parse_reg(name)])
-        return
+    reg = parse_reg(name)
+    statement = per_replica_statement(reg)
+    assert (statement is None) == (_registry()[name].data_parallel is None), name
+    if statement is not None:
+        assert "each rank" in statement and "own" in statement
+    loop.check_data_parallel_regs([reg])
+
+
+def test_refusal_under_torchrun_names_the_declared_reason(tmp_path, monkeypatch):
+    """``train`` as one of 2 ranks: a regularizer that is not exact and states no per-replica
+    semantics is refused on ``--reg`` with its class's reason, before any data is read."""
+    from sharpcli.errors import UsageError
+    from sharpcli.training import loop
+    from sharpcli.training.penalties.decay import WeightDecay
+
+    class GlobalOnly(WeightDecay):
+        """``wd-global``: weight decay, declared not exact under torchrun (for this test)."""
+
+        name = "wd-global"
+        data_parallel = "its penalty needs the whole batch"
+
     monkeypatch.setattr(loop, "data_parallel_rank_and_world", lambda: (0, 2))
-    cfg = loop.TrainConfig(data=str(tmp_path / "never-read.safetensors"), regs=[name, "wd"])
+    cfg = loop.TrainConfig(
+        data=str(tmp_path / "never-read.safetensors"), regs=[GlobalOnly(), "wd", "sam"]
+    )
     with pytest.raises(UsageError) as info:
         loop.train(cfg, tmp_path / "model.safetensors")
     assert info.value.source == "regs"
-    assert f"{name}: {reason}" in info.value.message and "wd" not in info.value.message
+    message = info.value.message
+    assert "wd-global: its penalty needs the whole batch" in message
+    assert "wd," not in message and "sam" not in message  # exact, and per replica
 
 
 @pytest.mark.slow

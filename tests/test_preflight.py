@@ -19,7 +19,9 @@ def test_build_session_takes_no_stray_keywords():
 
 
 def test_the_cli_passes_exactly_what_build_session_takes():
-    takes = set(inspect.signature(session.build_session).parameters) - {"checkpoint", "curvature"}
+    # what a command passes itself: the checkpoint and how it differentiates the model
+    passed = {"checkpoint", "curvature", "double_backward"}
+    takes = set(inspect.signature(session.build_session).parameters) - passed
     assert set(CommonOptions().settings()) == takes
 
 

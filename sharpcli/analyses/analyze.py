@@ -211,7 +211,7 @@ def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
     results: dict = {}
     data = session.analysis_data()
     if "sharpness" in metrics:
-        found = {"rho": 0.05}
+        found: dict[str, float | None] = {"rho": 0.05}
         for kind, key in (("worst-case", "worst_case"), ("average", "average")):
             config = SharpnessConfig(kind=kind, rhos=(0.05,), params=params, seed=session.seed)
             row = sharpness(session.model, data, config).rows[0]

@@ -19,6 +19,7 @@ from sharpcli import catalogue
 from sharpcli.analyses.spectrum import check_choice, curvature_pass, operator_of, scope_info
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.curvature.diagonal import (
+    DiagonalResult,
     exact_diagonal,
     gnb_diagonal,
     hutchinson_diagonal,
@@ -40,7 +41,7 @@ def diagonal_result(
     probes: int = 100,
     max_products: int = 10000,
     seed: int = 0,
-):
+) -> tuple[str, DiagonalResult]:
     """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
 
     Args:

@@ -18,6 +18,12 @@ import math
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.analyses.hvp import (
+    FINITE_DIFFERENCE,
+    add_hvp_record,
+    check_hvp,
+    finite_difference_pass,
+)
 from sharpcli.curvature import (
     CurvatureEngine,
     exact_ggn_trace,
@@ -29,6 +35,7 @@ from sharpcli.curvature.density import spectral_density
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
 from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
 from sharpcli.curvature.registry import (
     GGN,
@@ -39,6 +46,7 @@ from sharpcli.curvature.registry import (
     build_operator,
     operator_spec,
 )
+from sharpcli.curvature.ritz import EigenResult
 from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
@@ -56,9 +64,12 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
     return value
 
 
-def curvature_pass(session, params: str | None):
-    """One shared pass (H and G products with cached graphs) over the session's analysis set."""
-
+def curvature_pass(session, params: str | None, hvp: str = "exact", fsdp: bool = False):
+    """One shared pass (H and G products with cached graphs) over the session's analysis set;
+    with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
+    (:mod:`sharpcli.analyses.hvp`)."""
+    if hvp == FINITE_DIFFERENCE:
+        return finite_difference_pass(session, params, fsdp)
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
     cpass = CurvatureEngine(
@@ -101,10 +112,14 @@ def eigen(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged flags."""
+    """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged
+    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
     check_choice(method, METHODS, "method")
     check_choice(engine, ENGINES, "engine")
+    check_hvp(hvp, operator=operator, fsdp=fsdp, engine=engine)
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN:
@@ -125,7 +140,7 @@ def eigen(
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
-    cpass = curvature_pass(session, params)
+    cpass = curvature_pass(session, params, hvp, fsdp)
     result = eigen_result(
         cpass,
         operator,
@@ -140,7 +155,7 @@ def eigen(
     out.update(operator=operator, scope=scope_info(cpass.scope))
     if which != "largest":
         _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
-    return out
+    return add_hvp_record(out, cpass)
 
 
 def eigen_result(
@@ -154,7 +169,7 @@ def eigen_result(
     max_matvecs: int | None = None,
     seed: int = 0,
     return_eigenvectors: bool = False,
-):
+) -> EigenResult:
     """The ``top_k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
 
     The one dispatch behind ``sharp eigen`` (:func:`eigen`) and
@@ -245,10 +260,15 @@ def trace(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal block) traces."""
+    """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal
+    block) traces; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
     catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
+    check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
+    cpass = None
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN or square:
@@ -263,7 +283,7 @@ def trace(
         )
         scope = session.scope(params)
     else:
-        cpass = curvature_pass(session, params)
+        cpass = curvature_pass(session, params, hvp, fsdp)
         scope = cpass.scope
         result = trace_result(
             cpass,
@@ -276,13 +296,14 @@ def trace(
         )
     d = result.to_dict()
     by_layer = d.pop("by_layer")
-    return {
+    out = {
         "trace": d,
         "by_layer": by_layer,
         "operator": operator,
         "square": square,
         "scope": scope_info(scope),
     }
+    return add_hvp_record(out, cpass)
 
 
 def trace_result(
@@ -294,7 +315,7 @@ def trace_result(
     tol: float = 1e-2,
     max_matvecs: int = 1000,
     seed: int = 0,
-):
+) -> TraceResult:
     """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
@@ -331,11 +352,14 @@ def density(
     broadening: float | None = None,
     params: str | None = None,
     seed: int | None = None,
+    hvp: str = "exact",
+    fsdp: bool = False,
 ) -> dict:
-    """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened."""
-
+    """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened;
+    ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
+    check_hvp(hvp, operator=operator, fsdp=fsdp)
     seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params)
+    cpass = curvature_pass(session, params, hvp, fsdp)
     op = operator_of(cpass, operator)
     with progress.phase(f"density {_symbol(operator)}"):
         result = spectral_density(
@@ -350,7 +374,7 @@ def density(
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))
     out.update(operator=operator, scope=scope_info(cpass.scope))
-    return out
+    return add_hvp_record(out, cpass)
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:

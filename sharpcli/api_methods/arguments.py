@@ -11,19 +11,38 @@ from sharpcli.errors import UsageError
 from sharpcli.preflight import check_seed, resolve_device, resolve_dtype
 
 
-def integer_argument(value, name: str, minimum: int = 1) -> int:
-    """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise."""
+def integer_argument(value: object, name: str, minimum: int = 1) -> int:
+    """``value`` if it is an integer >= ``minimum``; a UsageError naming ``name`` otherwise.
+
+    Args:
+        value: the argument as passed.
+        name: the argument's name, the error's source.
+        minimum: the least value accepted.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        UsageError: (``name``) a bool, not an integer, or below ``minimum``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UsageError(f"must be an integer >= {minimum}, got {value!r}", source=name)
     return value
 
 
-def seed_argument(seed) -> int:
-    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`)."""
+def seed_argument(seed: object) -> int:
+    """``seed`` if it is an integer in ``0..MAX_SEED`` (:func:`sharpcli.preflight.check_seed`).
+
+    Args:
+        seed: the argument as passed.
+
+    Returns:
+        ``seed``; a UsageError on ``seed`` otherwise.
+    """
     return check_seed(seed, "seed")
 
 
-def dtype_argument(dtype, model_dtype: torch.dtype) -> torch.dtype:
+def dtype_argument(dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
     """The products' dtype: ``model_dtype`` for None, else a floating dtype or its name.
 
     Args:
@@ -48,7 +67,7 @@ def dtype_argument(dtype, model_dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def device_argument(device, model_device: torch.device) -> torch.device:
+def device_argument(device: str | torch.device | None, model_device: torch.device) -> torch.device:
     """The products' device: ``model_device`` for None, else ``device`` as torch reads it.
 
     Args:

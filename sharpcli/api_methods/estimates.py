@@ -18,7 +18,8 @@ from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.api_methods.products import CurvatureProducts
-from sharpcli.curvature import spectral_density
+from sharpcli.curvature import EigenResult, SpectralDensity, TraceResult, spectral_density
+from sharpcli.curvature.diagonal import DiagonalResult
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
@@ -40,7 +41,7 @@ class CurvatureEstimates(CurvatureProducts):
         return_eigenvectors: bool = False,
         blocks: str | Mapping[str, str] | None = None,
         k: int | None = None,
-    ):
+    ) -> EigenResult | list[dict[str, Any]]:
         r"""The ``top_k`` extreme eigenvalues of ``operator``, each certified by its residual.
 
         A Ritz pair :math:`(\theta, u)` is converged when
@@ -73,7 +74,7 @@ class CurvatureEstimates(CurvatureProducts):
         """
         if k is not None:
             warnings.warn(
-                "Curvature.eigenvalues(top_k=...) is deprecated; use top_k=...",
+                "Curvature.eigenvalues(k=...) is deprecated; use top_k=...",
                 DeprecationWarning,
                 stacklevel=2,
             )
@@ -109,7 +110,7 @@ class CurvatureEstimates(CurvatureProducts):
         max_matvecs: int = 1000,
         seed: int = 0,
         blocks: str | Mapping[str, str] | None = None,
-    ):
+    ) -> TraceResult | list[dict[str, Any]]:
         r"""``tr(A)`` of ``operator`` (or ``Tr(A^2)``), with standard error and per-layer traces.
 
         The per-layer traces are those of the diagonal blocks.
@@ -162,7 +163,7 @@ class CurvatureEstimates(CurvatureProducts):
         probes: int = 100,
         max_products: int = 10000,
         seed: int = 0,
-    ):
+    ) -> DiagonalResult:
         r"""``diag(A)`` of ``operator`` per parameter, as ``sharp diagonal`` computes it.
 
         Args:
@@ -207,7 +208,7 @@ class CurvatureEstimates(CurvatureProducts):
         broadening: float | None = None,
         seed: int = 0,
         blocks: str | Mapping[str, str] | None = None,
-    ):
+    ) -> SpectralDensity | list[dict[str, Any]]:
         r"""Spectral density of ``operator`` by stochastic Lanczos quadrature.
 
         As in [Ubaru2017] and [Ghorbani2019].
@@ -277,7 +278,7 @@ class CurvatureEstimates(CurvatureProducts):
         seed: int = 0,
         label_samples: int = 4,
         ggn_estimator: str = "auto",
-    ) -> dict:
+    ) -> dict[str, Any]:
         r"""The split of the Hessian into Gauss-Newton and nonlinear-modeling-error parts.
 
         [NME] eq. 2:

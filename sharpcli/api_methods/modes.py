@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from sharpcli.curvature import CurvatureOperator
@@ -16,19 +17,32 @@ from sharpcli.curvature.differentiable import twice_differentiable
 
 
 @contextlib.contextmanager
-def analysis_mode(model: nn.Module):
+def analysis_mode(model: nn.Module) -> Iterator[nn.Module]:
     """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
     :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
     (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
+
+    Args:
+        model: the module.
+
+    Yields:
+        ``model``, in that mode inside the block.
     """
     with eval_mode(model), twice_differentiable():
         yield model
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """``model`` in eval mode inside the block; every module's own mode restored after."""
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block; every module's own mode restored after.
+
+    Args:
+        model: the module.
+
+    Yields:
+        ``model``, in eval mode inside the block.
+    """
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -43,6 +57,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     Their parameter names carry ``module.`` or ``_orig_mod.``; curvature is taken through the
     plain module, whose forward is twice differentiable.
+
+    Args:
+        model: a module, wrapped or not.
+
+    Returns:
+        The innermost plain module.
     """
     while True:
         compiled = getattr(model, "_orig_mod", None)  # torch.compile
@@ -62,8 +82,10 @@ class EvalModeOperator(CurvatureOperator):
     """
 
     def __init__(
-        self, inner: CurvatureOperator, mode: Callable[[], contextlib.AbstractContextManager]
-    ):
+        self,
+        inner: CurvatureOperator,
+        mode: Callable[[], contextlib.AbstractContextManager[object]],
+    ) -> None:
         super().__init__(inner.shape[0], inner.dtype, inner.device)
         self.name = inner.name
         self.inner = inner
@@ -71,7 +93,7 @@ class EvalModeOperator(CurvatureOperator):
         self.curvature_pass = getattr(inner, "curvature_pass", None)
         self.scope = getattr(inner, "scope", None)
 
-    def _matmat(self, V):
+    def _matmat(self, V: torch.Tensor) -> torch.Tensor:
         with self.mode():
             return self.inner.matmat(V)
 

@@ -9,6 +9,7 @@ the loss at ``w + delta`` over the analysis set, as ``sharp sharpness`` and
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from torch import nn
 
@@ -34,7 +35,7 @@ class PerturbedLoss(CurvatureProducts):
         restarts: int = 1,
         noise_draws: int = 100,
         seed: int = 0,
-    ) -> dict:
+    ) -> dict[str, Any]:
         r"""Worst-case or average-case sharpness, adaptive or standard [Andriushchenko2023].
 
         Adaptive: c = |w|; standard: c = 1.
@@ -82,7 +83,7 @@ class PerturbedLoss(CurvatureProducts):
         span: float | None = None,
         bias_bn: str = "zero",
         seed: int = 0,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """The loss and accuracy on a line or plane through the weights [Li2018].
 
         Along filter-normalized random directions, the top Hessian eigenvectors, or the line to

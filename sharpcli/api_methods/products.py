@@ -10,15 +10,22 @@ they share (:meth:`~CurvatureProducts.refresh`) and the parameter blocks
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from sharpcli.analyses.blocks import block_passes
 from sharpcli.api_methods.modes import EvalModeOperator, analysis_mode
-from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvatureEngine,
+    CurvatureOperator,
+    ParamScope,
+    build_operator,
+)
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import token_reduction
 
@@ -38,13 +45,17 @@ class CurvatureProducts:
     data: AnalysisData  # the sample indices 0..N-1 and the labels
     scope: ParamScope
     curvature_pass: CurvatureEngine
+    hvp: str  # "exact" or "finite-difference" (sharpcli.analyses.hvp)
     _view: nn.Module  # the model on the stored inputs: forward(index)
 
-    def _analysis_mode(self) -> contextlib.AbstractContextManager:
+    def _analysis_mode(self) -> contextlib.ExitStack:
         """The model view in :func:`analysis_mode`, and the token loss's averaging.
 
         A token loss is averaged over the analysis set per :attr:`token_reduction`
         (:func:`sharpcli.losses.token_reduction`).
+
+        Returns:
+            The context manager that enters both.
         """
         stack = contextlib.ExitStack()
         stack.enter_context(analysis_mode(self._view))
@@ -57,7 +68,7 @@ class CurvatureProducts:
         """P, the number of parameters in scope (the operators are P x P)."""
         return self.scope.numel
 
-    def operator(self, operator: str = HESSIAN):
+    def operator(self, operator: str = HESSIAN) -> CurvatureOperator:
         """The curvature operator ``operator`` as a matrix-free P x P operator.
 
         ``A @ v`` for a flat vector of length P (laid out parameter by parameter,
@@ -99,7 +110,9 @@ class CurvatureProducts:
         """
         self.curvature_pass.clear_cache()
 
-    def blocks_of(self, blocks: str | Mapping[str, str]):
+    def blocks_of(
+        self, blocks: str | Mapping[str, str]
+    ) -> Iterator[tuple[str, list[str], CurvatureEngine]]:
         """The parameter blocks of ``blocks`` within ``params``, each with its own engine.
 
         ``"params"`` (each tensor), ``"modules"`` (the parameters each module owns),
@@ -115,8 +128,11 @@ class CurvatureProducts:
             An iterator of ``(block name, parameter names, engine)``.
 
         Raises:
-            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated.
+            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated,
+                or per-block products asked of ``hvp="finite-difference"``.
         """
+        if self.hvp != "exact":
+            raise UsageError("per-block products need `hvp=exact`", source="blocks")
         return block_passes(
             self.scope.names,
             blocks,

@@ -18,6 +18,8 @@ integration of ``args.report_to`` (TensorBoard, W&B, ...), like the loss.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sharpcli.callbacks import missing_framework
 from sharpcli.errors import UsageError
 from sharpcli.tracker import Tracker
@@ -41,16 +43,34 @@ class SharpnessCallback(TrainerCallback):
 
     def __init__(self, loss, data, *, every: int = 100, **tracker_options):
         self.tracker = Tracker(loss, data, every=every, **tracker_options)
-        self.trainer = None
+        self.trainer: Any = None  # a transformers.Trainer, once attached
 
     def attach(self, trainer) -> "SharpnessCallback":
-        """Add this callback to ``trainer`` and log through it; returns the callback."""
+        """Add this callback to ``trainer`` and log through it.
+
+        Args:
+            trainer: the Hugging Face ``Trainer``.
+
+        Returns:
+            The callback.
+        """
         self.trainer = trainer
         trainer.add_callback(self)
         return self
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Refuse to run without a trainer to log through."""
+        """Refuse to run without a trainer to log through.
+
+        Args:
+            args: the trainer's ``TrainingArguments``.
+            state: its ``TrainerState``.
+            control: its ``TrainerControl``.
+            **kwargs: the rest of what the trainer passes.
+
+        Raises:
+            UsageError: (``trainer``) added with ``trainer.add_callback`` instead of
+                :meth:`attach`.
+        """
         if self.trainer is None:
             raise UsageError(
                 "the callback has no trainer to log through: add it with "

@@ -39,7 +39,7 @@ class SharpnessCallback(Callback):
     def __init__(self, loss, data, *, every: int = 100, **tracker_options):
         super().__init__()
         self.tracker = Tracker(loss, data, every=every, **tracker_options)
-        self._last_step = None
+        self._last_step: int | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """After a training batch: measure when the optimizer step count is due (once a step)."""

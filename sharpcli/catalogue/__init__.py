@@ -42,16 +42,19 @@ from sharpcli.catalogue.sharpness import (
     SHARPNESS_NORMS,
 )
 from sharpcli.catalogue.values import (
+    ASCENT_SYNCS,
     CHECKS,
     DEVICES,
     DTYPES,
     ENGINES,
     EPSILON_KINDS,
     GGN_ESTIMATORS,
+    HVP_METHODS,
     METHODS,
     METRICS,
     MODEL_NAMES,
     OPTIMIZERS,
+    PRECISIONS,
     RESCALE_MODES,
     SCHEDULES,
     SPLITS,
@@ -64,6 +67,7 @@ from sharpcli.registry import Registry
 
 __all__ = [
     "ACTIVATIONS",
+    "ASCENT_SYNCS",
     "CHECKS",
     "COMMANDS",
     "DATASETS",
@@ -76,6 +80,7 @@ __all__ = [
     "ESTIMATORS",
     "GAP_KINDS",
     "GGN_ESTIMATORS",
+    "HVP_METHODS",
     "KINDS",
     "LANDSCAPE_BIAS_BN",
     "LOSSES",
@@ -88,6 +93,7 @@ __all__ = [
     "GGN",
     "NME",
     "OPTIMIZERS",
+    "PRECISIONS",
     "REGULARIZERS",
     "RESCALE_MODES",
     "SCHEDULES",

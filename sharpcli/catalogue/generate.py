@@ -5,7 +5,7 @@ Every built-in that has a name is declared once, where it is implemented
 record). This command imports every module of the package below the CLI, collects each
 declared object defined there (in module order, then in the order of definition) and writes
 their records into :mod:`sharpcli.catalogue.index`, the torch-free file that ``--help`` and
-completion read, and the tables of regularizers and operators into the pages of the
+completion read, and the tables of regularizers, trace estimators and operators into the pages of the
 repository's docs/ (between markers). ``--check`` writes nothing and exits 1 when a file is
 not what the declarations make (``.ci/run`` and ``tests/catalogue/test_generated.py`` run it).
 
@@ -30,7 +30,9 @@ from sharpcli.specs import Param
 __all__ = [
     "INDEX",
     "collect",
+    "estimator_table",
     "main",
+    "publish",
     "refresh_docs",
     "regularizer_table",
     "render",
@@ -181,9 +183,26 @@ def regularizer_table(entries: list[Entry]) -> str:
     return "\n".join(rows)
 
 
+def estimator_table(entries: list[Entry]) -> str:
+    """The Markdown table of the trace estimators (docs/commands/trace.md).
+
+    Args:
+        entries: the estimators' records, in order (the first is ``--estimator``'s default).
+
+    Returns:
+        The table: name (the default marked), what it computes, its paper key.
+    """
+    rows = ["| estimator | what it does | paper |", "|---|---|---|"]
+    for i, e in enumerate(entries):
+        shown = f"`{e.name}` (default)" if i == 0 else f"`{e.name}`"
+        rows.append(f"| {shown} | {_cell(e.summary)} | {e.paper} |")
+    return "\n".join(rows)
+
+
 # each generated table: the page, the kind and how its records become the table
 TABLES = (
     ("commands/train.md", "regularizer", regularizer_table),
+    ("commands/trace.md", "estimator", estimator_table),
     ("commands/eigen.md", "operator", operator_table),  # the --operator help's table
 )
 
@@ -217,38 +236,47 @@ def refresh_docs(found: dict[str, list[Entry]]) -> dict[Path, str]:
     return pages
 
 
+def publish(files: dict[Path, str], check: bool, command: str) -> int:
+    """Write the generated files that differ from what is on disk, or with ``check`` list them.
+
+    Args:
+        files: ``{path: text it should hold}``.
+        check: compare only, writing nothing.
+        command: the command that regenerates them, named in the message.
+
+    Returns:
+        0, or 1 when ``check`` finds a file stale.
+    """
+    stale = {
+        path: text
+        for path, text in files.items()
+        if (path.read_text(encoding="utf-8") if path.exists() else "") != text
+    }
+    if check:
+        if stale:
+            print(f"stale: {', '.join(map(str, stale))}; run `{command}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in stale.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write (or with ``--check``, compare) :mod:`sharpcli.catalogue.index`.
+    """Write (or with ``--check``, compare) :mod:`sharpcli.catalogue.index` and the docs' tables.
 
     Args:
         argv: the command line (default ``sys.argv[1:]``).
 
     Returns:
-        0, or 1 when ``--check`` finds the file stale.
+        0, or 1 when ``--check`` finds a file stale.
     """
     parser = argparse.ArgumentParser(prog="python -m sharpcli.catalogue.generate")
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     args = parser.parse_args(argv)
     found = collect()
-    text = render(found)
-    current = INDEX.read_text(encoding="utf-8") if INDEX.exists() else ""
-    pages = refresh_docs(found)
-    if args.check:
-        stale = ([str(INDEX)] if current != text else []) + [str(p) for p in pages]
-        if stale:
-            print(
-                f"stale: {', '.join(stale)}; run `python -m sharpcli.catalogue.generate`",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    if current != text:
-        INDEX.write_text(text, encoding="utf-8")
-        print(f"wrote {INDEX}")
-    for path, page in pages.items():
-        path.write_text(page, encoding="utf-8")
-        print(f"wrote {path}")
-    return 0
+    files = {INDEX: render(found), **refresh_docs(found)}
+    return publish(files, args.check, "python -m sharpcli.catalogue.generate")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,20 @@ This module imports no torch.
 from __future__ import annotations
 
 __all__ = [
+    "ASCENT_SYNC",
     "CHECKS",
     "DEVICES",
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",
     "GGN_ESTIMATORS",
+    "HVP_METHODS",
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
     "OPTIMIZERS",
+    "PRECISIONS",
+    "ASCENT_SYNCS",
     "RESCALE_MODES",
     "SCHEDULES",
     "SPLITS",
@@ -38,13 +42,22 @@ DEVICES = ("cpu", "cuda", "mps")
 WHICH = ("largest", "smallest", "both")
 METHODS = ("lanczos", "power")
 ENGINES = ("native", "pyhessian")
+# how a Hessian product is taken: sharpcli.curvature.finite_difference
+HVP_METHODS = ("exact", "finite-difference")
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
+# the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam):
+# each replica's own (m-sharpness, m the local batch) or all-reduced once;
+# sharpcli.regularizers.PerturbedOptimizer(ascent_sync=...)
+ASCENT_SYNC = ("per-replica", "global")
 SCHEDULES = ("constant", "cosine")
+# sharpcli.training.precision (--precision), sharpcli.training.data_parallel (--ascent-sync)
+PRECISIONS = ("fp32", "bf16", "fp16")
+ASCENT_SYNCS = ("per-replica", "global")
 
 # analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
 # sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists

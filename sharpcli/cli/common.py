@@ -420,10 +420,13 @@ def analysis_command(app, name: str):
     return decorate
 
 
-def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
+def open_session(
+    checkpoint: str, opts: CommonOptions, curvature: bool = True, double_backward: bool = True
+):
     """Build the analysis session from a checkpoint and the common options (``curvature``:
     whether the command differentiates the model twice, see
-    :func:`sharpcli.preflight.check_second_derivatives`).
+    :func:`sharpcli.preflight.check_second_derivatives`; ``double_backward=False``: its
+    Hessian products are differences of gradients, so that check is skipped).
 
     The session's notes (what was done to the data, e.g. float token ids converted to int64)
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
@@ -434,6 +437,8 @@ def open_session(checkpoint: str, opts: CommonOptions, curvature: bool = True):
 
     kwargs = opts.settings()
     kwargs["arch_args"] = parse_json_option(opts.arch_args, "--arch-args")
-    session = build_session(checkpoint, curvature=curvature, **kwargs)
+    session = build_session(
+        checkpoint, curvature=curvature, double_backward=double_backward, **kwargs
+    )
     runner.print_notes(session.notes, opts.quiet)
     return session

@@ -73,7 +73,8 @@ def placeholder(param) -> str:
     if descriptor is not None and descriptor.is_choice:
         return (param.name or "value").upper().replace("_", "-")
     annotation = getattr(descriptor, "annotation", None)
-    return {int: "N", float: "FLOAT"}.get(annotation, "VALUE")
+    placeholders: dict[object, str] = {int: "N", float: "FLOAT"}
+    return placeholders.get(annotation, "VALUE")
 
 
 def values_of(param, ctx) -> list[str]:

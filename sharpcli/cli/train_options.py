@@ -69,7 +69,7 @@ PenultimateOpt = _valued(
     "Model",
     "MODULE",
     "--penultimate",
-    help="Module whose output ad penalises (default: last Linear).",
+    help="Module ad penalises (default: the last Linear).",
 )
 TrainDataOpt = Annotated[
     str,
@@ -135,6 +135,16 @@ TrackOpt = Annotated[
 TrainPlotOpt = _valued(
     "Output", "PATH", "--plot", help="PNG of the training curves (and tracked curvature)."
 )
+PrecisionOpt = Annotated[
+    choices.Precision,
+    typer.Option("--precision", metavar="MODE", rich_help_panel="Run", help="Autocast."),
+]
+AscentSyncOpt = Annotated[
+    choices.AscentSync,
+    typer.Option(
+        "--ascent-sync", metavar="MODE", rich_help_panel="Run", help="Torchrun SAM ascent."
+    ),
+]
 TrainSeedOpt = Annotated[
     int, typer.Option("--seed", rich_help_panel="Run", help="Seed of weights, data order, noise.")
 ]
@@ -183,15 +193,13 @@ class TrainOptions:
     mask_ratio: float | None = option(
         _model_opt(
             "--mask-ratio",
-            "Fixed random fraction of activations zeroed (MAN Table 1).",
+            "Fraction of activations zeroed (MAN Table 1).",
             type_=Optional[float],
         ),
         None,
     )
     per_sample_norm: bool = option(
-        _model_opt(
-            "--per-sample-norm", "Per-sample normalisation, standard weights (MAN 5.1).", type_=bool
-        ),
+        _model_opt("--per-sample-norm", "Per-sample normalisation (MAN 5.1).", type_=bool),
         False,
     )
     repeat_batch: int = _setting(
@@ -218,6 +226,8 @@ class TrainOptions:
     seed: int = _setting(TrainSeedOpt, "seed")
     device: str = _setting(common.DeviceOpt, "device")
     dtype: str = _setting(common.DtypeOpt, "dtype")
+    precision: str = _setting(PrecisionOpt, "precision")
+    ascent_sync: str = _setting(AscentSyncOpt, "ascent_sync")
     json: str | None = option(common.JsonOpt, None)
     quiet: bool = option(common.QuietOpt, False)
     max_memory: str | None = option(common.MaxMemoryOpt, None)

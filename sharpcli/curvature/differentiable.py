@@ -45,7 +45,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["embedding_bag_composite", "twice_differentiable", "weight_norm_composite"]
+__all__ = [
+    "embedding_bag_composite",
+    "reentrant_checkpoints_as_plain_forward",
+    "twice_differentiable",
+    "weight_norm_composite",
+]
 
 
 def weight_norm_composite(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -165,6 +170,19 @@ def _plain_reentrant_checkpoint():
         yield
     finally:
         checkpointing.CheckpointFunction = saved
+
+
+def reentrant_checkpoints_as_plain_forward():
+    """Within the block, reentrant checkpointed functions run as plain forward passes (their
+    activations kept), so the gradients of their parameters, which torch drops with only a
+    warning when the block's inputs do not require gradients (data do not), are computed:
+    what first-order products (the finite-difference Hessian products) need of
+    :func:`twice_differentiable`, whose other substitutes only second derivatives need.
+
+    Returns:
+        The context manager.
+    """
+    return _plain_reentrant_checkpoint()
 
 
 @contextlib.contextmanager

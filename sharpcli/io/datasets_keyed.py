@@ -127,6 +127,7 @@ def _label_key(keys: list[str], y_key, inputs: tuple[str, ...], path: str) -> st
 
 def _test_keys(keys: list[str], inputs: tuple[str, ...], label: str, path: str):
     """The test split's keys (``x_test``/``y_test`` or ``<key>_test``), or None."""
+    wanted: tuple[tuple[str, ...], str]
     if inputs == ("x",) and label == "y":
         wanted = ("x_test",), "y_test"
     else:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ def _sample(keys, count: int = 5) -> str:
     return shown + (", ..." if len(keys) > count else "")
 
 
-def _is_tensor_mapping(value) -> bool:
+def _is_tensor_mapping(value: object) -> TypeGuard[Mapping[str, torch.Tensor]]:
     return (
         isinstance(value, Mapping)
         and all(isinstance(k, str) for k in value)
@@ -335,7 +336,7 @@ def half_precision_note(model: nn.Module, state: dict, path: Path) -> str | None
     """A note when float16/bfloat16 weights went into a wider model (cast exactly, and the
     analysis then runs in ``--dtype``; the weights keep only the file's precision)."""
     own = model.state_dict()
-    half = {}
+    half: dict[str, list[str]] = {}
     for key, value in state.items():
         if value.dtype in _HALF_DTYPES and own[key].dtype not in _HALF_DTYPES:
             half.setdefault(str(value.dtype).replace("torch.", ""), []).append(key)

@@ -185,7 +185,8 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
 
     if not paths:
         raise UsageError("give at least one report", source="paths")
-    rows, seen = [], set()
+    rows: list[dict] = []
+    seen: set[str] = set()
     for path, name in zip(paths, run_names(paths)):
         report = read_report(path)
         row = canonical_row(report, name)

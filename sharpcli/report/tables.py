@@ -15,6 +15,7 @@ import math
 import re
 
 from rich.cells import cell_len
+from rich.console import JustifyMethod
 from rich.table import Table
 
 # A cell that reads as one number (or a flag): never cut, never wrapped.
@@ -58,7 +59,7 @@ class FitTable:
         rows: list[list[str]],
         *,
         key: int = 1,
-        justify: list[str] | None = None,
+        justify: list[JustifyMethod] | None = None,
     ):
         self.title = title
         self.headers = list(headers)
@@ -67,7 +68,9 @@ class FitTable:
         self.text = [
             not all(_ATOM.match(r[i].strip()) for r in self.rows) for i in range(len(self.headers))
         ]
-        self.justify = list(justify or ["left" if t else "right" for t in self.text])
+        self.justify: list[JustifyMethod] = list(
+            justify or ["left" if t else "right" for t in self.text]
+        )
         self.natural = [
             max([cell_len(h), *(cell_len(r[i]) for r in self.rows)])
             for i, h in enumerate(self.headers)

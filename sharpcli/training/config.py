@@ -64,6 +64,10 @@ class TrainConfig:
     seed: int = 0
     regs: list[Regularizer] = field(default_factory=lambda: ["none"])  # type: ignore[list-item]
     dtype: str = "float32"
+    # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
+    precision: str = "fp32"
+    # under torchrun, the first gradient of sam/usam/asam: per-replica or global (all-reduced)
+    ascent_sync: str = "per-replica"
     device: str = "cpu"
     track: list[str] = field(default_factory=list)
     track_every: int = 1
@@ -161,6 +165,20 @@ def _check_types(cfg: TrainConfig) -> None:
             raise UsageError(f"must be a finite number, got {value!r}", source=name)
 
 
+def _check_step_modes(cfg: TrainConfig) -> None:
+    """UsageError on ``precision`` (unknown, or mixed with float64) or ``ascent_sync``."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    from sharpcli.training.precision import check_precision
+
+    check_precision(cfg.precision, cfg.dtype)
+    if cfg.ascent_sync not in catalogue.ASCENT_SYNCS:
+        raise UsageError(
+            f"unknown ascent sync {cfg.ascent_sync!r}; accepted: "
+            f"{', '.join(catalogue.ASCENT_SYNCS)}",
+            source="ascent_sync",
+        )
+
+
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
     # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
@@ -169,6 +187,7 @@ def validate_config(cfg: TrainConfig) -> None:
 
     _check_types(cfg)
     check_seed(cfg.seed)
+    _check_step_modes(cfg)
     if not 0.0 <= cfg.momentum < 1.0:
         raise UsageError(f"must be in [0, 1), got {cfg.momentum!r}", source="momentum")
     if cfg.track_samples < 1:

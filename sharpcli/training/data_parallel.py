@@ -1,5 +1,6 @@
-"""Data-parallel training under torchrun: which regularizers average exactly over ranks, and
-the step that splits a global batch over the ranks and all-reduces its gradient once.
+"""Data-parallel training under torchrun: which regularizers average exactly over ranks, which
+run per replica, and the step that splits a global batch over the ranks and all-reduces its
+gradient once (twice for a global ascent).
 """
 
 from __future__ import annotations
@@ -7,13 +8,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sharpcli import catalogue
 from sharpcli.curvature.data import all_reduce_sum
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import UsageError
+from sharpcli.training.penalties.sam import AscentOracle
 from sharpcli.training.regularizers import data_parallel_refusal
 from sharpcli.training.step import StepStats, training_step
 
-__all__ = ["data_parallel_rank_and_world", "check_data_parallel_regs", "data_parallel_step"]
+__all__ = [
+    "ASCENT_SYNCS",
+    "data_parallel_rank_and_world",
+    "check_data_parallel_regs",
+    "per_replica_statement",
+    "data_parallel_record",
+    "data_parallel_step",
+]
+
+# --ascent-sync: where the ascent family's first gradient comes from under torchrun
+ASCENT_SYNCS = catalogue.ASCENT_SYNCS
 
 # --------------------------------------------------------------------------- data-parallel training
 # Under torchrun (WORLD_SIZE > 1, see sharpcli.distributed) every rank runs the same loop with the
@@ -25,7 +38,16 @@ __all__ = ["data_parallel_rank_and_world", "check_data_parallel_regs", "data_par
 # share every random draw across ranks. Whether that holds is part of each regularizer's own
 # record: its class attribute ``data_parallel`` (sharpcli.training.regularizers) is None when
 # exact and otherwise the reason it is not (a penalty nonlinear in the batch gradient; an
-# ascent step that needs the global gradient first), and such regularizers are refused.
+# ascent step that needs the global gradient first). Such a regularizer runs *per replica*
+# when its class states what a rank then computes (``per_replica``): each rank's step is the
+# regularizer on its own rows, and the all-reduced gradient is the exact gradient of the
+# row-weighted mean sum_r (B_r / B) O_r of the ranks' objectives (gp, fa: the penalty at the
+# local batch; gn-trace: an unbiased estimate of the whole batch's tr(G)), or, for the ascent
+# family, the mean of the ranks' gradients at their own ascent points (m-sharpness with m the
+# local batch, [SAM] section 4; the first pass is not all-reduced, as DDP's ``no_sync``).
+# ``--ascent-sync global`` all-reduces the ascent family's first gradient once instead, so
+# every rank ascends along the whole batch's gradient: the single-process step. A regularizer
+# that states no ``per_replica`` is refused with its reason.
 # BatchNorm: batch statistics over each rank's rows (as torch DDP without SyncBatchNorm), not
 # over the global batch; running statistics are row-weighted averages of the ranks' updates,
 # so every rank keeps the same buffers. Results then differ from a single process.
@@ -38,11 +60,26 @@ def data_parallel_rank_and_world() -> tuple[int, int]:
     return rank_and_world()
 
 
+def per_replica_statement(reg) -> str | None:
+    """What each rank computes for ``reg`` under torchrun when averaging is not exact (its
+    class's ``per_replica``), None when it states none or is exact. A class that does not
+    declare ``data_parallel`` in its own body gets None (refused), whatever it inherits."""
+    family = (reg if isinstance(reg, type) else type(reg))._family
+    if "data_parallel" not in vars(family) or family.data_parallel is None:
+        return None
+    return getattr(family, "per_replica", None)
+
+
 def check_data_parallel_regs(regs) -> None:
     """Refuse (UsageError on ``--reg``) the regularizers whose per-rank gradients cannot be
-    averaged, quoting each one's ``data_parallel`` reason."""
+    averaged and that state no per-replica semantics, quoting each one's ``data_parallel``
+    reason."""
     reasons_by_name = {r.name: data_parallel_refusal(r) for r in regs}
-    refused = [name for name, reason in reasons_by_name.items() if reason is not None]
+    refused = [
+        r.name
+        for r in regs
+        if reasons_by_name[r.name] is not None and per_replica_statement(r) is None
+    ]
     if refused:
         reasons = "; ".join(f"{name}: {reasons_by_name[name]}" for name in refused)
         raise UsageError(
@@ -52,6 +89,22 @@ def check_data_parallel_regs(regs) -> None:
         )
 
 
+def data_parallel_record(regs, ascent_sync: str, world: int) -> dict | None:
+    """The report's ``results.data_parallel``: None in one process, else ``world_size``, the
+    ascent oracle with its ``ascent_sync`` (None without one), and ``per_replica``: each
+    regularizer that runs per replica with its statement."""
+    if world <= 1:
+        return None
+    ascent = [r.name for r in regs if isinstance(r, AscentOracle)]
+    statements = {r.name: per_replica_statement(r) for r in regs}
+    return {
+        "world_size": world,
+        "ascent": ascent[0] if ascent else None,
+        "ascent_sync": ascent_sync if ascent else None,
+        "per_replica": {name: text for name, text in statements.items() if text is not None},
+    }
+
+
 def data_parallel_step(
     model: nn.Module,
     xb: torch.Tensor,
@@ -59,6 +112,10 @@ def data_parallel_step(
     loss_name: str,
     regs,
     generator: torch.Generator,
+    *,
+    ascent_sync: str = "per-replica",
+    autocast_dtype: torch.dtype | None = None,
+    loss_scale: float = 1.0,
 ) -> StepStats:
     """One training step on this rank's rows of the global batch, gradients averaged over ranks.
 
@@ -67,7 +124,14 @@ def data_parallel_step(
     sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
     (BatchNorm running statistics), and the step statistics (loss, objective and penalties
     weighted by ``B_r``; correct, predictions counted and count summed). A rank with no rows
-    contributes zeros. ``grad_evals`` stays the per-rank count.
+    contributes zeros. ``grad_evals`` stays the per-rank count. With ``ascent_sync="global"``
+    an ascent oracle's clean gradient is all-reduced the same way first (one more all-reduce),
+    and every rank ascends along it.
+
+    The final all-reduce also carries the last rank's step generator state (that rank always
+    has rows), and every rank continues from it. A per-replica regularizer that draws per row
+    (``gn-trace``'s labels) draws different amounts on ranks of unequal rows: the generators
+    would drift apart, and with them the probes and noise the exact regularizers share.
 
     .. math:: g = \\sum_r \\frac{B_r}{B}\\, g_r
 
@@ -76,9 +140,12 @@ def data_parallel_step(
         xb: The global batch's inputs.
         yb: The global batch's labels.
         loss_name: The task loss.
-        regs: Parsed regularizers, all exact under data parallelism
+        regs: Parsed regularizers, each exact or per replica under data parallelism
             (:func:`check_data_parallel_regs`).
         generator: The step generator (the same state on every rank).
+        ascent_sync: ``per-replica`` (each rank's own clean gradient) or ``global``.
+        autocast_dtype: As :func:`training_step`'s.
+        loss_scale: As :func:`training_step`'s.
 
     Returns:
         The global batch's :class:`StepStats`.
@@ -89,11 +156,25 @@ def data_parallel_step(
     rows = hi - lo
     params = [p for p in model.parameters() if p.requires_grad]
     penalty_names = [r.name for r in regs if r.kind == "penalty"]
+    synced = ascent_sync == "global" and any(isinstance(r, AscentOracle) for r in regs)
+    reduce = _row_weighted_mean(rows / total) if synced else None
     if rows > 0:
-        stats = training_step(model, xb[lo:hi], yb[lo:hi], loss_name, regs, generator)
+        stats = training_step(
+            model,
+            xb[lo:hi],
+            yb[lo:hi],
+            loss_name,
+            regs,
+            generator,
+            autocast_dtype=autocast_dtype,
+            loss_scale=loss_scale,
+            ascent_reduce=reduce,
+        )
     else:
         for p in params:
             p.grad = torch.zeros_like(p)
+        if reduce is not None:  # the ranks with rows all-reduce their clean gradients
+            reduce([torch.zeros_like(p) for p in params])
         stats = StepStats(loss=0.0, objective=0.0, correct=0, count=0, grad_evals=0)
     float_buffers = [b for b in model.buffers() if b.is_floating_point()]
     int_buffers = [b for b in model.buffers() if not b.is_floating_point()]
@@ -101,8 +182,11 @@ def data_parallel_step(
     head = _local_head(stats, rows, has_rows, penalty_names)
     parts = [torch.tensor(head, dtype=torch.float64)]
     parts += _flat_parts(params, float_buffers, int_buffers, rows / total, has_rows)
+    state = generator.get_state()  # the last rank's travels with the sums (see the docstring)
+    parts.append(state.to(torch.float64) * (1.0 if rank == world - 1 else 0.0))
     flat = torch.cat(parts)
     all_reduce_sum(flat)
+    generator.set_state(flat[flat.numel() - state.numel() :].round().to(state.dtype))
     reduced_head = flat[: len(head)].tolist()
     _scatter(flat[len(head) :], params, float_buffers, int_buffers, reduced_head[4])
     count = reduced_head[3]
@@ -115,6 +199,23 @@ def data_parallel_step(
         penalties={name: reduced_head[6 + i] / count for i, name in enumerate(penalty_names)},
         counted=int(round(reduced_head[5])),
     )
+
+
+def _row_weighted_mean(weight: float):
+    """The all-reduce of a global ascent: ``grads -> sum_r (B_r / B) grads_r`` (float64 on the
+    CPU in transit, back in each gradient's dtype and device); ``weight`` is ``B_r / B``."""
+
+    def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = torch.cat([g.reshape(-1).to(torch.float64).cpu() * weight for g in grads])
+        all_reduce_sum(flat)
+        out, offset = [], 0
+        for g in grads:
+            piece = flat[offset : offset + g.numel()].view(g.shape)
+            offset += g.numel()
+            out.append(piece.to(device=g.device, dtype=g.dtype))
+        return out
+
+    return reduce
 
 
 def _local_head(

@@ -72,7 +72,7 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensor's dtype.
     """
     dtype = tensors[0].dtype
-    norms = torch._foreach_norm([t.detach() for t in tensors])
+    norms = list(torch._foreach_norm([t.detach() for t in tensors]))
     if any(n.dtype != dtype for n in norms):
         norms = [n.to(dtype) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))

@@ -200,16 +200,9 @@ class PassContext:
         Costs 1 gradient evaluation.
         """
         if self._first_grad is None:
-            grads = torch.autograd.grad(
-                self.loss,
-                self.params,
-                create_graph=self._first_grad_graph,
-                retain_graph=True,
-                allow_unused=True,
+            self._first_grad = self.engine.grad(
+                self.loss, create_graph=self._first_grad_graph, retain_graph=True
             )
-            self._first_grad = [
-                torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)
-            ]
             self.count(1)
             if self._first_grad_graph:
                 self.units += 1
@@ -224,24 +217,20 @@ class PassContext:
         """
         grads = self.first_grad()
         dot = sum((g * v).sum() for g, v in zip(grads, vectors))
-        out = torch.autograd.grad(
-            dot, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True
-        )
+        out = self.engine.grad(dot, create_graph=create_graph, retain_graph=True)
         self.count(2)
         if create_graph:
             self.units += 2
-        return [torch.zeros_like(p) if h is None else h for p, h in zip(self.params, out)]
+        return out
 
     def gradient_of(self, scalar: torch.Tensor, create_graph: bool) -> list[torch.Tensor]:
         """``grad_theta scalar`` for a scalar computed from the forward graph (1 evaluation;
         adds 1 unit when ``create_graph``)."""
-        out = torch.autograd.grad(
-            scalar, self.params, create_graph=create_graph, retain_graph=True, allow_unused=True
-        )
+        out = self.engine.grad(scalar, create_graph=create_graph, retain_graph=True)
         self.count(1)
         if create_graph:
             self.units += 1
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
+        return out
 
 
 class StepEngine:
@@ -262,6 +251,14 @@ class StepEngine:
     objectives stay tensors, and :meth:`stats` reads them all, checks that every pass's
     objective was finite (NumericalError otherwise) and builds the step's
     :class:`StepStats` in one synchronisation per step.
+
+    Mixed precision (:mod:`sharpcli.training.precision`): ``autocast_dtype`` runs every
+    forward pass under ``torch.autocast`` and casts the outputs (and captured activations)
+    back to the parameters' dtype, in which the loss and penalties are computed. ``loss_scale``
+    ``S`` multiplies the scalar of every reverse sweep, whose gradients are multiplied by
+    ``1/S`` (exact for a power of two): fp16 activations' gradients do not underflow, and
+    penalties, ascent directions and ``p.grad`` see unscaled gradients. ``ascent_reduce``
+    all-reduces an ascent oracle's clean gradient (:meth:`ascent_gradient`).
     """
 
     def __init__(
@@ -273,6 +270,10 @@ class StepEngine:
         penalties: Sequence,
         generator: torch.Generator,
         single_pass: bool = False,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        loss_scale: float = 1.0,
+        ascent_reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
     ):
         self.model = model
         self.x = x
@@ -302,8 +303,18 @@ class StepEngine:
             model_facts(model, "head") if any(p.needs_penultimate for p in self.penalties) else None
         )
         self.has_buffers = model_facts(model, "has_buffers")
+        self.autocast_dtype = autocast_dtype
+        self.loss_scale = float(loss_scale)
+        self.ascent_reduce = ascent_reduce
 
     # ----------------------------------------------------------------- state control
+    @property
+    def param_names(self) -> list[str]:
+        """The names of the trainable parameters (``model.named_parameters()``), in
+        ``self.params`` order: ASAM's scale reads them."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [names[id(p)] for p in self.params]
+
     @property
     def weights(self) -> list[torch.Tensor]:
         """Detached views of the trainable parameters (``self.params`` order), made once per
@@ -388,15 +399,68 @@ class StepEngine:
             module, where = self._head
 
             def hook(module, inputs, output):
-                captured["h"] = output if where == "output" else inputs[0]
+                captured["h"] = self._as_params(output if where == "output" else inputs[0])
 
             handle = module.register_forward_hook(hook)
         try:
-            logits = self.model(self.x)
+            logits = self._model_output()
         finally:
             if handle is not None:
                 handle.remove()
         return logits, captured.get("h")
+
+    def _model_output(self) -> torch.Tensor:
+        """``model(x)``, under ``torch.autocast`` when the step runs in mixed precision, the
+        output cast back to the parameters' dtype (the loss is computed in it)."""
+        if self.autocast_dtype is None:
+            return self.model(self.x)
+        with torch.autocast(self.params[0].device.type, dtype=self.autocast_dtype):
+            out = self.model(self.x)
+        return self._as_params(out)
+
+    def _as_params(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A floating tensor of an autocast pass in the parameters' dtype (others as given)."""
+        if self.autocast_dtype is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.params[0].dtype)
+
+    def grad(
+        self, scalar: torch.Tensor, *, create_graph: bool = False, retain_graph: bool | None = None
+    ) -> list[torch.Tensor]:
+        """``grad_theta scalar`` for every trainable parameter (zeros where unused), by a
+        reverse sweep of ``loss_scale * scalar`` divided by ``loss_scale`` (the class docstring).
+
+        Args:
+            scalar: A 0-dim tensor with a graph to the parameters.
+            create_graph: Keep the sweep's graph (to differentiate the result).
+            retain_graph: Keep the graph ``scalar`` hangs on (torch's default: ``create_graph``).
+
+        Returns:
+            One gradient tensor per trainable parameter, unscaled.
+        """
+        scale = self.loss_scale
+        out = torch.autograd.grad(
+            scalar * scale if scale != 1.0 else scalar,
+            self.params,
+            create_graph=create_graph,
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
+        return grads if scale == 1.0 else [g * (1.0 / scale) for g in grads]
+
+    def ascent_gradient(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The gradient an ascent oracle (sam, usam, asam) follows from the clean pass's
+        ``grads``: as given, or all-reduced over the torchrun ranks by ``ascent_reduce``
+        (``--ascent-sync global``); None when loss scaling is on and it is not finite (the
+        step is skipped by the scaler, and the ascent pass not run)."""
+        if self.ascent_reduce is not None:
+            grads = self.ascent_reduce(grads)
+        if self.loss_scale != 1.0:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            if not bool(finite):
+                return None
+        return grads
 
     def forward_only(self) -> None:
         """A forward pass at the current weights under ``torch.no_grad()``, its output unused:
@@ -405,7 +469,7 @@ class StepEngine:
         first = self._begin_pass()
         try:
             with torch.no_grad():
-                self.model(self.x)
+                self._model_output()
         finally:
             self._end_pass(first)
 
@@ -414,13 +478,10 @@ class StepEngine:
         first = self._begin_pass()
         try:
             with torch.enable_grad():
-                logits = self.model(self.x)
-                loss = self.loss_of(logits, self.y)
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                loss = self.loss_of(self._model_output(), self.y)
+                grads = self.grad(loss)
             self.grad_evals += 1
-            return [
-                torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads)
-            ]
+            return grads
         finally:
             self._end_pass(first)
 
@@ -525,14 +586,12 @@ class StepEngine:
             # grad L is needed alone (finite-difference directions), so keep it separate.
             grads = [g.detach().clone() for g in ctx.first_grad()]
             if graph_terms:
-                rest = torch.autograd.grad(sum(graph_terms), self.params, allow_unused=True)
+                rest = self.grad(_added(graph_terms[0], graph_terms[1:]))
                 self.grad_evals += ctx.units
-                grads = [g if r is None else g + r for g, r in zip(grads, rest)]
+                grads = [g + r for g, r in zip(grads, rest)]
         else:
-            total = _added(loss, graph_terms)
-            out = torch.autograd.grad(total, self.params, allow_unused=True)
+            grads = self.grad(_added(loss, graph_terms))
             self.grad_evals += ctx.units
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, out)]
         # without create_graph autograd returns tensors outside any graph: nothing to detach
         for pen in self.penalties:
             analytic = pen.analytic_grad(self.params)

@@ -15,6 +15,7 @@ from sharpcli.errors import NumericalError
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.data_parallel import data_parallel_step
+from sharpcli.training.precision import MixedPrecision
 from sharpcli.training.step import training_step
 
 __all__ = [
@@ -164,7 +165,8 @@ class Run:
 
     ``shuffle_gen`` orders the samples of each epoch, ``step_gen`` drives the regularizers'
     random draws (on the model's device), ``aug_gen`` the augmentation and input noise; the
-    global torch RNG is left to dropout. ``history`` holds one row per completed epoch.
+    global torch RNG is left to dropout. ``amp`` is the run's precision (autocast, the fp16
+    loss scale, skipped steps). ``history`` holds one row per completed epoch.
     """
 
     cfg: TrainConfig
@@ -175,6 +177,7 @@ class Run:
     shuffle_gen: torch.Generator
     step_gen: torch.Generator
     aug_gen: torch.Generator
+    amp: MixedPrecision
     rank: int = 0
     world: int = 1
     history: list = field(default_factory=list)
@@ -200,6 +203,7 @@ def start_run(
         shuffle_gen=torch.Generator().manual_seed(cfg.seed + 1),
         step_gen=torch.Generator(device=device).manual_seed(cfg.seed + 2),
         aug_gen=torch.Generator().manual_seed(cfg.seed + 3),
+        amp=MixedPrecision(cfg.precision, device, next(model.parameters()).dtype),
         rank=rank,
         world=world,
     )
@@ -226,6 +230,7 @@ class _EpochSums:
         self.counted = 0
         self.count = 0
         self.grad_evals = 0
+        self.skipped = 0
         self.penalties: dict = {}
 
     def add(self, stats) -> None:
@@ -266,7 +271,9 @@ def train_epoch(run: Run, epoch: int, meter: progress.Run, position: tuple[int, 
     for start in range(0, n, cfg.batch_size):
         xb, yb = _batch(run, perm[start : start + cfg.batch_size], noise_std)
         for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
-            sums.add(_optimizer_step(run, xb, yb, epoch, start))
+            stats, stepped = _optimizer_step(run, xb, yb, epoch, start)
+            sums.add(stats)
+            sums.skipped += int(not stepped)
             done += 1
             meter.update(done, estimate=sums.loss / sums.count, detail=detail)
     row = {
@@ -279,6 +286,8 @@ def train_epoch(run: Run, epoch: int, meter: progress.Run, position: tuple[int, 
         "penalties": {k: v / sums.count for k, v in sums.penalties.items()},
         "noise_finetune": finetune,
     }
+    if run.amp.scaler is not None:  # fp16: steps the GradScaler skipped (gradient not finite)
+        row["skipped_steps"] = sums.skipped
     if splits.has_test:
         ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
         row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
@@ -300,17 +309,23 @@ def _batch(run: Run, rows: torch.Tensor, noise_std: float) -> tuple[torch.Tensor
 
 
 def _optimizer_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, start: int):
-    """One regularised step on the batch (data-parallel under torchrun); returns its StepStats.
+    """One regularised step on the batch (data-parallel under torchrun, in the run's
+    precision); returns its StepStats and whether the weights moved (False: an fp16 step whose
+    gradient was not finite, skipped as the GradScaler does).
 
     NumericalError when the objective is not finite (``start``: the batch's first sample).
     """
-    step = data_parallel_step if run.world > 1 else training_step
-    stats = step(run.model, xb, yb, run.cfg.loss, run.regs, run.step_gen)
+    scale = run.amp.loss_scale()
+    precision = {"autocast_dtype": run.amp.autocast_dtype, "loss_scale": scale}
+    args = (run.model, xb, yb, run.cfg.loss, run.regs, run.step_gen)
+    if run.world > 1:
+        stats = data_parallel_step(*args, ascent_sync=run.cfg.ascent_sync, **precision)
+    else:
+        stats = training_step(*args, **precision)
     if not math.isfinite(stats.objective):
         raise NumericalError(
             f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
             "lower `lr` or the regularizer strength",
             source="train",
         )
-    run.optimizer.step()
-    return stats
+    return stats, run.amp.step(run.optimizer, scale)

@@ -56,6 +56,7 @@ from sharpcli.training.config import (
 from sharpcli.training.data_parallel import (
     check_data_parallel_regs,
     data_parallel_rank_and_world,
+    data_parallel_record,
     data_parallel_step,
 )
 from sharpcli.training.divergence import divergence
@@ -122,6 +123,10 @@ class TrainResult:
     # the first diverged epoch (sharpcli.training.divergence), None when training did not diverge
     divergence: dict | None = None
     stopped_on_divergence: bool = False  # --stop-on-divergence ended the run there
+    # MixedPrecision.record(): the mode, autocast dtype, penalties' dtype, loss scale, skips
+    precision: dict = field(default_factory=dict)
+    # data_parallel_record(): None in one process; the ranks, ascent sync, per-replica ones
+    data_parallel: dict | None = None
 
 
 def train_report(
@@ -139,6 +144,8 @@ def train_report(
         "diverged": result.divergence is not None,
         "divergence": result.divergence,
         "stopped_on_divergence": result.stopped_on_divergence,
+        "precision": result.precision,
+        "data_parallel": result.data_parallel,
     }
     return make_report(
         "train",
@@ -456,6 +463,8 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
         ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
         final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
     final["grad_evals"] = sum(r["grad_evals"] for r in history)
+    if run.amp.scaler is not None:
+        final["skipped_steps"] = run.amp.skipped_steps
     final["seconds"] = sum(r["seconds"] for r in history)
     if not math.isfinite(final["train_loss"]):
         raise NumericalError("the final training loss is not finite", source="train")
@@ -463,6 +472,8 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     records = [reg.run_record() for reg in run.regs]
     csv_path = history_csv_path_for(out)
     data_spec = splits.dataset.spec
+    data_parallel = data_parallel_record(run.regs, cfg.ascent_sync, run.world)
+    parallel = {} if data_parallel is None else {"data_parallel": data_parallel}
     sha = None  # ranks > 0 write nothing and report nothing (sharpcli.distributed)
     if run.rank == 0:
         # wall-clock seconds belong in the report, not the checkpoint: identical runs give
@@ -474,7 +485,7 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
                 model,
                 model_spec,
                 data_spec=data_spec,
-                train_config=cfg_dict | {"regularizers": records},
+                train_config=cfg_dict | {"regularizers": records} | parallel,
                 metrics=metrics,
             )
             write_history_csv(csv_path, history)
@@ -489,4 +500,6 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
         resumed_from_epoch=run.start_epoch,
         notes=splits.notes,
         regularizers=records,
+        precision=run.amp.record(),
+        data_parallel=data_parallel,
     )

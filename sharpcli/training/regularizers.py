@@ -187,13 +187,15 @@ def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
 def describe_registry() -> list[dict[str, Any]]:
     """One row per regularizer (for ``--help`` and reports): name, kind, summary, its
     hyper-parameters with defaults in positional order, ``data_parallel`` (None when exact
-    under torchrun, else why not) and ``needs_penultimate``."""
+    under torchrun, else why not), ``per_replica`` (what each rank computes when not exact;
+    None: refused under torchrun) and ``needs_penultimate``."""
     return [
         {
             "name": name,
             "kind": cls.kind,
             "summary": cls.summary,
             "data_parallel": data_parallel_refusal(cls),
+            "per_replica": getattr(cls, "per_replica", None),
             "needs_penultimate": cls.needs_penultimate,
             "hyperparameters": [
                 {

@@ -77,6 +77,7 @@ def restore_state(run: Run, state_file: Path) -> None:
         run.shuffle_gen.set_state(state["rng_shuffle"])
         run.step_gen.set_state(state["rng_step"])
         run.aug_gen.set_state(state["rng_aug"])
+        run.amp.load_state_dict(state.get("precision") or {})
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise InputError(
             f"resumable state does not fit this run ({type(exc).__name__})", source=str(state_file)
@@ -169,6 +170,9 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     identity = json.loads(json.dumps(cfg.identity()))
     if "token_reduction" not in saved:  # saved before the option: token losses per sample
         saved["token_reduction"] = "samples" if _per_token(saved) else identity["token_reduction"]
+    # saved before the options: no autocast, and the only ascent sync then allowed (one process)
+    saved.setdefault("precision", "fp32")
+    saved.setdefault("ascent_sync", "per-replica")
     if saved != identity:
         diff = sorted(
             f"`{k}`" for k in set(saved) | set(identity) if saved.get(k) != identity.get(k)
@@ -228,6 +232,7 @@ def save_state(path: Path, run: Run, epoch: int, *, last: bool = False) -> None:
         "rng_step": run.step_gen.get_state(),
         "rng_aug": run.aug_gen.get_state(),
         "history": json.dumps(run.history),
+        "precision": run.amp.state_dict(),  # the fp16 loss scale; absent in older states
     }
     with publication(own=not last):
         write_atomic(path, lambda fh: torch.save(state, fh))

@@ -39,7 +39,7 @@ all parameters per call: a step pays one generator call per probe or noise sampl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
@@ -72,6 +72,10 @@ def training_step(
     loss_name: str,
     regs: Sequence[Regularizer],
     generator: torch.Generator,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    loss_scale: float = 1.0,
+    ascent_reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> StepStats:
     """One regularised step's gradient, left in ``p.grad`` of every trainable parameter.
 
@@ -92,6 +96,13 @@ def training_step(
         loss_name: A loss of :mod:`sharpcli.losses`.
         regs: Parsed regularizers (``dropout`` and ``none`` take no part in the step).
         generator: The step's generator: every probe, noise sample and sampled label.
+        autocast_dtype: Run the model's forward passes under ``torch.autocast`` in this
+            dtype (``--precision bf16|fp16``); None: in the parameters' dtype.
+        loss_scale: The loss scale ``S`` of fp16 training: every reverse sweep differentiates
+            ``S`` times its scalar and divides by ``S`` (:class:`StepEngine`); the gradient
+            left in ``p.grad`` is unscaled.
+        ascent_reduce: All-reduces the clean gradient an ascent oracle follows
+            (``--ascent-sync global`` under torchrun); None: this process's own.
 
     Returns:
         The reported pass's :class:`StepStats` (the clean pass at theta unless a noise
@@ -103,7 +114,18 @@ def training_step(
     penalties = [r for r in regs if r.kind == "penalty"]
     oracles = [r for r in regs if r.kind == "oracle"]
     single_pass = not oracles and not any(p.needs.extra_passes for p in penalties)
-    engine = StepEngine(model, x, y, loss_name, penalties, generator, single_pass=single_pass)
+    engine = StepEngine(
+        model,
+        x,
+        y,
+        loss_name,
+        penalties,
+        generator,
+        single_pass=single_pass,
+        autocast_dtype=autocast_dtype,
+        loss_scale=loss_scale,
+        ascent_reduce=ascent_reduce,
+    )
     try:
         if oracles:
             reported, grads = oracles[0].gradient(engine)

@@ -360,3 +360,35 @@ def test_operators_know_blocks_and_rebuild_on_a_subsample():
     with pytest.raises(UsageError) as info:
         MatrixOperator(H).on_subsample(0.5)
     assert info.value.source == "operator"
+
+
+def test_rebuilt_graphs_are_freed_after_their_product(gelu_setup):
+    """A graph the cache cannot keep is freed once its product is done (tensors a node saves
+    of its own output, such as log-softmax's, once tied each rebuilt graph to itself: 0.2 GB
+    leaked per product at GPT-2 small)."""
+    import gc
+    import weakref
+
+    model, x, y = gelu_setup
+    data = AnalysisData(x, y, "cross-entropy", 5)
+    scope = ParamScope.resolve(model)
+    engine = CurvatureEngine(model, data, scope, cache_bytes=0)
+    built: list[weakref.ref] = []
+    build = engine._build_graph
+
+    def recording(*args, **kwargs):
+        graph = build(*args, **kwargs)
+        built.append(weakref.ref(graph.grads[0]))  # a gradient holding the whole first-order graph
+        return graph
+
+    engine._build_graph = recording
+    v = scope.gaussian(torch.Generator().manual_seed(1))
+    H = engine.hessian()
+    first = H.matvec(v)
+    gc.collect()
+    live = sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+    for _ in range(3):
+        assert torch.equal(H.matvec(v), first)
+    gc.collect()
+    assert len(built) == 4 * 5 and all(ref() is None for ref in built)
+    assert sum(1 for o in gc.get_objects() if torch.is_tensor(o)) <= live + 1

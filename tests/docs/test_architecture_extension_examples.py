@@ -170,12 +170,19 @@ def _package_copy(tmp_path: Path, module: str, heading: str) -> dict:
     shutil.copytree(
         root / "sharpcli", tmp_path / "sharpcli", ignore=shutil.ignore_patterns("__pycache__")
     )
+    shutil.copytree(root / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
     (tmp_path / module).write_text(example(heading), encoding="utf-8")
     env = os.environ | {"PYTHONPATH": str(tmp_path), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     generate = [sys.executable, "-m", "sharpcli.catalogue.generate"]
     subprocess.run(generate, env=env, cwd=tmp_path, check=True, capture_output=True)
-    check = subprocess.run([*generate, "--check"], env=env, cwd=tmp_path, capture_output=True)
-    assert check.returncode == 0, check.stderr
+    # the index and the docs' tables are fresh; the CLI reference, which links to those
+    # tables, needed no change
+    for command in (
+        [*generate, "--check"],
+        [sys.executable, "-m", "sharpcli.cli.reference", "--check"],
+    ):
+        check = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True)
+        assert check.returncode == 0, check.stderr
     return env
 
 
@@ -195,33 +202,74 @@ def _flat(help_text: str) -> str:
     return " ".join(help_text.replace("│", " ").split())
 
 
+def _weights(path: str) -> torch.Tensor:
+    """A checkpoint's weights, flattened in the file's key order."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    return torch.cat([tensors[k].reshape(-1).double() for k in sorted(tensors)])
+
+
+# one full-batch float64 SGD step without momentum: theta_1 = theta_0 - lr (grad L + grad P)
+ONE_STEP = [
+    *("train", "--data", "blobs:n=64,dim=4,classes=3", "--epochs", "1", "--width", "8"),
+    *("--batch-size", "1000", "--optimizer", "sgd", "--momentum", "0", "--lr", "1e-6"),
+    *("--dtype", "float64", "--quiet"),
+]
+
+
 @pytest.mark.slow
 def test_a_new_regularizer_module_is_a_builtin_after_the_one_command(tmp_path):
-    """One new file plus the regeneration command: `--reg l1` trains and `--help` lists it."""
+    """One new file plus the regeneration command: `--reg l1` trains as its formula says and
+    `--help` lists it; the CLI reference, which links to the generated tables, stays fresh."""
     env = _package_copy(tmp_path, "sharpcli/training/penalties/l1.py", "Adding a regularizer")
     assert "fa, l1, gp" in _flat(_sharp(env, "train", "--help").stdout)
-    argv = ["train", "--data", "blobs:n=64,dim=4,classes=3", "--epochs", "1", "--width", "8"]
-    out = str(tmp_path / "l1.safetensors")
-    run = _sharp(env, *argv, "--reg", "l1:lam=0.001", "--out", out, "--json", "-")
-    assert run.returncode == 0, run.stderr
-    (row,) = json.loads(run.stdout)["results"]["history"]
-    assert row["penalties"]["l1"] > 0 and row["grad_evals"] == 1
+    table = (tmp_path / "docs" / "commands" / "train.md").read_text(encoding="utf-8")
+    assert "| `l1` | L + lam \\|\\|theta\\|\\|_1 | `lam=0.0001` |  |" in table
+    lr, lam = 1e-6, 0.25
+    runs = {}
+    for value in (0.0, lam):
+        out = str(tmp_path / f"l1-{value}.safetensors")
+        run = _sharp(env, *ONE_STEP, "--reg", f"l1:lam={value}", "--out", out, "--json", "-")
+        assert run.returncode == 0, run.stderr
+        (row,) = json.loads(run.stdout)["results"]["history"]
+        assert row["grad_evals"] == 1
+        runs[value] = (row["penalties"]["l1"], _weights(out))
+    (zero, theta_plain), (penalty, theta_l1) = runs[0.0], runs[lam]
+    # the step moved every weight by lr * lam * sign(theta_0) more than the plain loss's step
+    moved = theta_plain - theta_l1
+    assert zero == 0.0 and torch.allclose(moved.abs(), torch.full_like(moved, lr * lam), rtol=1e-6)
+    # P = lam ||theta_0||_1, with theta_0 = theta_plain + lr grad L within 1e-5 relative
+    assert penalty == pytest.approx(lam * float(theta_plain.abs().sum()), rel=1e-5)
+    assert float((moved.sign() * theta_plain).sum()) == pytest.approx(penalty / lam, rel=1e-5)
 
 
 @pytest.mark.slow
 def test_a_new_estimator_module_is_a_builtin_after_the_one_command(tmp_path):
-    """One new file plus the regeneration command: `--estimator girard` runs, `--help` lists it."""
+    """One new file plus the regeneration command: `--estimator girard` runs, `--help` lists it,
+    and its estimate is within 4 of its standard errors of the dense Hessian's trace."""
+    from hessian_helpers import double_backward_hessian
+
+    from sharpcli.session import build_session
+
     env = _package_copy(tmp_path, "sharpcli/curvature/girard.py", "Adding a trace estimator")
     shown = _flat(_sharp(env, "trace", "--help").stdout)
     assert "girard (Gaussian probes averaged (Girard))" in shown
-    data = "blobs:n=64,dim=4,classes=3"
+    table = (tmp_path / "docs" / "commands" / "trace.md").read_text(encoding="utf-8")
+    assert "| `girard` | Gaussian probes averaged (Girard) | Girard1989 |" in table
     ckpt = str(tmp_path / "m.safetensors")
-    trained = _sharp(env, "train", "--data", data, "--epochs", "1", "--width", "8", "-o", ckpt)
+    trained = _sharp(env, *ONE_STEP, "--lr", "0.05", "-o", ckpt)
     assert trained.returncode == 0, trained.stderr
-    run = _sharp(env, "trace", ckpt, "--estimator", "girard", "--json", "-")
+    argv = ["trace", ckpt, "--estimator", "girard", "--dtype", "float64", "--json", "-"]
+    run = _sharp(env, *argv, "--trace-max-matvecs", "400")
     assert run.returncode == 0, run.stderr
     trace = json.loads(run.stdout)["results"]["trace"]
-    assert trace["estimator"] == "girard" and trace["matvecs"] == 1000
+    assert trace["estimator"] == "girard" and trace["matvecs"] == 400
+    session = build_session(ckpt, dtype="float64")  # the same model and analysis set
+    params = [p for p in session.model.parameters() if p.requires_grad]
+    exact = float(double_backward_hessian(session.model, params, session.x, session.y).trace())
+    assert 0 < trace["stderr"] < 0.5 * abs(exact)
+    assert abs(trace["estimate"] - exact) <= 4 * trace["stderr"]
 
 
 def test_jsonl_record_states_what_the_extension_registered(jsonl_example):

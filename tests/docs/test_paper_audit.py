@@ -10,6 +10,7 @@ list every row, so neither the code nor the page can drift from the papers' form
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -91,3 +92,69 @@ def test_the_page_lists_every_audit_row(regularizer_rows, diagnostic_rows):
     table = page[page.index("## Audit") :]
     for row in [*regularizer_rows, *diagnostic_rows]:
         assert f"| {row.item} | {row.paper} | {row.quantity} |" in table, row
+
+
+# --------------------------------------------------------------------------- the library path
+def _library_gradient(theta, x, y, activation, spec: str):
+    """The gradient sharpcli.regularizers applies on the audit's batch (SGD with lr 1:
+    theta - theta_after), and the penalty's value (None for an oracle)."""
+    import torch.nn.functional as F
+
+    from sharpcli import regularizers
+
+    net = audit.sharp_model(theta, activation)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+    sgd = torch.optim.SGD(net.parameters(), lr=1.0)
+    gen = torch.Generator().manual_seed(3)
+    made = regularizers.make(spec, sgd, model=net, generator=gen)
+    value = None
+    if isinstance(made, regularizers.PerturbedOptimizer):
+
+        def closure():
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+
+        made.step(closure)
+    else:
+        logits = net(x)
+        loss = F.cross_entropy(logits, y)
+        term = made(loss, logits, y)
+        (loss + term).backward()
+        value = float(term.detach())
+        sgd.step()
+    after = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return before - after, value
+
+
+def _library_specs() -> list[str]:
+    """Every regularizer of the catalogue usable in one's own loop, as the audit runs it."""
+    from sharpcli import regularizers
+
+    specs = {
+        "wd": "wd:sigma=0.1", "ad": "ad:sigma=0.5", "gp": "gp:rho=0.1,p=1",
+        "hessian-trace": "hessian-trace:sigma2=0.1,mode=exact", "gn-trace": "gn-trace:sigma2=0.1",
+        "fa": "fa:lambda=0.1", "sam": "sam:rho=0.05", "usam": "usam:rho=0.5",
+        "asam": "asam:rho=0.5,eta=0.01", "weight-noise": "weight-noise:sigma=0.05",
+        "nso": "nso:sigma=0.05,k=2",
+    }  # fmt: skip
+    assert set(specs) == set(regularizers.names())  # a new regularizer joins this audit
+    return [*specs.values(), "gp:rho=0.1,p=2"]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_the_library_path_takes_the_audited_step(batch, activation):
+    """sharpcli.regularizers (docs/own-loop.md) applies the gradient and the penalty value of
+    sharp train's step, which the rows above check against the papers' formulas: the audit
+    covers the library path."""
+    _, x, y = batch
+    torch.manual_seed(audit.SEED)  # the theta of regularizer_rows
+    theta = torch.randn(sum(math.prod(s) for s in audit.shapes()), dtype=torch.float64) * 0.3
+    step = audit.Step(theta, x, y, activation)
+    for spec in _library_specs():
+        want, stats = step.run(spec)
+        got, value = _library_gradient(theta, x, y, activation, spec)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=spec)
+        if value is not None:
+            (reported,) = stats.penalties.values()
+            assert abs(value - reported) <= 1e-12 * abs(reported), spec

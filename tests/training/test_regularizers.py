@@ -756,6 +756,7 @@ def test_registry_description_lists_every_regularizer():
     gp = next(r for r in rows if r["name"] == "gp")
     assert [h["name"] for h in gp["hyperparameters"]] == ["rho", "p", "mode", "eps"]
     assert gp["data_parallel"] and gp["needs_penultimate"] is False
+    assert gp["per_replica"] == R.GradientPenalty.per_replica
     assert next(r for r in rows if r["name"] == "ad")["needs_penultimate"] is True
 
 
@@ -775,8 +776,12 @@ def test_register_requires_data_parallel_in_the_class_body():
     with pytest.raises(RegistryError, match="non-empty reason"):
         R.register(_sam_variant(data_parallel=""))
     assert "sam2" not in REGISTRY
-    # a class put into the registry by hand without the declaration is refused, not exact
+    # a class put into the registry by hand without the declaration is refused, not exact,
+    # and not run per replica on the strength of the per_replica it inherits from SAM
+    from sharpcli.training.data_parallel import per_replica_statement
+
     assert "does not declare" in R.data_parallel_refusal(_sam_variant())
+    assert per_replica_statement(_sam_variant()) is None
     cls = R.register(_sam_variant(data_parallel="its ascent step needs the global gradient"))
     try:
         assert REGISTRY["sam2"] is cls and parse_reg("sam2:0.1").params == {"rho": 0.1}

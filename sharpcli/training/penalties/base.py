@@ -103,6 +103,10 @@ class Regularizer:
       registered class has it in its own namespace (its body, or its record), never by
       inheritance: a new SAM variant that inherited "exact" would silently run as local SAM
       (a mode class has its family's);
+    - ``per_replica``: for a regularizer that is not exact, the statement of what each rank
+      computes on its own rows when it runs under torchrun anyway (its gradient is then the
+      row-weighted average of the ranks' regularised gradients); ``None`` (the default)
+      keeps it refused there with its ``data_parallel`` reason;
     - ``paper``: the key of docs/references.md it implements;
     - ``needs_penultimate``: whether it needs the input of the final ``nn.Linear``;
     - :meth:`model_args`: what it changes in the model's construction.
@@ -120,6 +124,8 @@ class Regularizer:
     # Deliberately no default (see the class docstring); :func:`register` refuses a class
     # whose own body does not set it.
     data_parallel: ClassVar[str | None]
+    # what each torchrun rank computes when ``data_parallel`` is a reason: None refuses it
+    per_replica: ClassVar[str | None] = None
     # the mode this class computes, for a class made with ``mode=NAME`` (see __init_subclass__)
     mode: ClassVar[str | None] = None
     _modes: ClassVar[dict[str, type[Regularizer]]] = {}

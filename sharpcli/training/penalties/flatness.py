@@ -96,6 +96,7 @@ class FlatnessAware(Penalty):
     )
     paper = "FA"
     data_parallel = "its penalty ||H v||^2 is nonlinear in the batch Hessian product"
+    per_replica = "each rank penalises ||H_r v||^2 / B_r of its own rows (fa at the local batch)"
 
 
 class ExactFlatnessAware(FlatnessAware, mode="exact"):

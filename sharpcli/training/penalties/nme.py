@@ -78,6 +78,7 @@ class GradientPenalty(Penalty):
     )
     paper = "NME"
     data_parallel = "its penalty ||grad L||^p is nonlinear in the batch gradient"
+    per_replica = "each rank penalises the gradient norm of its own rows (gp at the local batch)"
 
     def _norm_term(self, squared: torch.Tensor) -> torch.Tensor:
         """:math:`\\rho \\|g\\|^p` from :math:`\\|g\\|^2` (clamped: a zero gradient at an
@@ -307,6 +308,10 @@ class GaussNewtonTrace(Penalty):
     )
     paper = "NME"
     data_parallel = "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient"
+    per_replica = (
+        "each rank estimates tr(G) of its own rows, B_r ||grad L_r(y^)||^2; their row-weighted "
+        "mean is unbiased for the whole batch's tr(G)"
+    )
     needs = PenaltyNeeds(autograd=True)
 
     def sample_labels(

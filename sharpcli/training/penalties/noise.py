@@ -8,7 +8,7 @@ step's generator; to second order they minimise :math:`L + \\sigma^2/2\\, \\math
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -84,10 +84,25 @@ class WeightNoise(Oracle):
             clean = engine.evaluate(want_grad=False)
         elif engine.has_buffers:
             engine.forward_only()
-        noise = gaussian_like(engine.weights, self.params["sigma"], engine.generator)
-        with engine.perturbed(noise):
+        with engine.perturbed(self.noise(engine.weights, engine.generator)):
             at_noisy = engine.evaluate(want_grad=True)
         return (clean if clean is not None else at_noisy), at_noisy.grads
+
+    def noise(
+        self, weights: Sequence[torch.Tensor], generator: torch.Generator
+    ) -> list[torch.Tensor]:
+        """:math:`U \\sim N(0, \\sigma^2 I)` shaped like ``weights``, drawn from ``generator``
+        (:func:`sharpcli.training.draws.gaussian_like`): the step of ``sharp train`` and of the
+        optimizer wrapper of :mod:`sharpcli.regularizers`.
+
+        Args:
+            weights: The trainable parameters, in order.
+            generator: The step's generator.
+
+        Returns:
+            One noise tensor per parameter.
+        """
+        return gaussian_like(weights, self.params["sigma"], generator)
 
 
 @declare_regularizer
@@ -137,18 +152,15 @@ class NSO(Oracle):
             engine.forward_only()
         total: list[torch.Tensor] | None = None  # the first pass's gradient, summed into
         passes: list[PassResult] = []
-        k = self.params["k"]
-        for _ in range(k):
-            noise = gaussian_like(engine.weights, self.params["sigma"], engine.generator)
-            for sign in (1.0, -1.0):
-                with engine.perturbed(noise, sign=sign):
-                    result = engine.evaluate(want_grad=True)
-                if total is None:
-                    total = result.grads  # a fresh list of fresh tensors: summed into in place
-                else:
-                    torch._foreach_add_(total, result.grads)
-                passes.append(result)
-        torch._foreach_div_(total, 2 * k)
+        for noise, sign in self.noise_points(engine.weights, engine.generator):
+            with engine.perturbed(noise, sign=sign):
+                result = engine.evaluate(want_grad=True)
+            if total is None:
+                total = result.grads  # a fresh list of fresh tensors: summed into in place
+            else:
+                torch._foreach_add_(total, result.grads)
+            passes.append(result)
+        torch._foreach_div_(total, 2 * self.params["k"])
         if clean is not None:
             return clean, total
         mean = PassResult(
@@ -163,3 +175,22 @@ class NSO(Oracle):
             scorer=passes[0].scorer,
         )
         return mean, total
+
+    def noise_points(
+        self, weights: Sequence[torch.Tensor], generator: torch.Generator
+    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        """The ``2k`` points :math:`\\theta \\pm U_j` as ``(U_j, sign)``, ``U_j`` drawn from
+        ``generator`` when its pair starts (the order of ``sharp train`` and of the optimizer
+        wrapper of :mod:`sharpcli.regularizers`); the gradient is their mean.
+
+        Args:
+            weights: The trainable parameters, in order.
+            generator: The step's generator.
+
+        Yields:
+            ``(noise, sign)``, ``sign`` +1 then -1 for each pair.
+        """
+        for _ in range(self.params["k"]):
+            noise = gaussian_like(weights, self.params["sigma"], generator)
+            for sign in (1.0, -1.0):
+                yield noise, sign

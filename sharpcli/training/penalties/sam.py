@@ -14,7 +14,11 @@ from sharpcli.training.draws import global_norm
 from sharpcli.training.engine import PassResult, StepEngine
 from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
 
-__all__ = ["SAM", "USAM", "ASAM"]
+__all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
+
+# the signature of perturbation(), which every ascent oracle overrides
+_Tensors = Sequence[torch.Tensor]
+_Names = Sequence[str] | None
 
 
 class _AscentOracle(Oracle):
@@ -22,16 +26,29 @@ class _AscentOracle(Oracle):
     ``e(g)``, returned gradient ``grad O(theta + e)`` ([NME] App. B eq. 42-43).
 
     2 x (evaluations of one objective gradient): **2** with no penalty.
+
+    Under torchrun (``sharpcli.training.data_parallel``) ``g`` is, by ``--ascent-sync``, this
+    rank's own clean gradient (``per-replica``, the default: m-sharpness with m the local batch,
+    [SAM] section 4) or the clean gradients all-reduced once (``global``: the single-process
+    step on the whole batch); :meth:`StepEngine.ascent_gradient` gives it.
     """
 
+    per_replica = (
+        "each rank takes its ascent from its own rows' gradient (m-sharpness, m the local "
+        "batch); the global ascent sync all-reduces that gradient first"
+    )
+
     def perturbation(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
     ) -> list[torch.Tensor]:
-        """The ascent step :math:`e(g)`.
+        """The ascent step :math:`e(g)`: what ``sharp train`` and the optimizer wrapper of
+        :mod:`sharpcli.regularizers` both apply.
 
         Args:
             params: The weights (detached), in the step's order.
             grads: The clean gradient :math:`g`, one tensor per parameter.
+            names: The parameters' names (``model.named_parameters()``), which ASAM reads;
+                None where unknown.
 
         Returns:
             One perturbation tensor per parameter.
@@ -41,10 +58,17 @@ class _AscentOracle(Oracle):
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""
         clean = engine.evaluate(want_grad=True)
-        deltas = self.perturbation(engine.weights, clean.grads)
+        ascent = engine.ascent_gradient(clean.grads)
+        if ascent is None:  # not finite under loss scaling: the scaler skips this step
+            return clean, clean.grads
+        deltas = self.perturbation(engine.weights, ascent, engine.param_names)
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
         return clean, at_perturbed.grads
+
+
+# the two-pass ascent family, by its public name (--ascent-sync applies to its members)
+AscentOracle = _AscentOracle
 
 
 def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
@@ -72,10 +96,13 @@ class SAM(_AscentOracle):
     summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
     HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
     paper = "SAM"
-    # per-rank ascent steps ("local SAM") would be a different algorithm
+    # per-rank ascent steps are m-sharpness, another algorithm: run per replica (its base's
+    # per_replica) or with --ascent-sync global
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
-    def perturbation(self, params, grads):
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho g / \\|g\\|`."""
         return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
 
@@ -98,7 +125,9 @@ class USAM(_AscentOracle):
     paper = "USAM"
     data_parallel = "its ascent step needs the global gradient before the second pass"
 
-    def perturbation(self, params, grads):
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho g`."""
         return [self.params["rho"] * g for g in grads]
 
@@ -109,12 +138,14 @@ class ASAM(_AscentOracle):
 
     .. math:: e = \\rho \\frac{T^2 g}{\\|T g\\|}, \\qquad T = \\mathrm{diag}(|w| + \\eta)
 
-    [AD] Table 1 trains it alone and combined with ``ad``. ``T = diag(|w| + eta)`` on weights
-    (parameters with ``dim > 1``) and ``T = I`` on the others (biases, normalisation scales),
-    following ASAM's reference code (whose bias handling applies a single factor; here
-    ``T = I`` on them throughout).
-    With ``eta = 0`` zero weights are never perturbed. ``e = 0`` when ``T g = 0``.
-    Defaults ``rho = 0.5`` (ASAM's recommended radius), ``eta = 0.01``. 2 evaluations.
+    [AD] Table 1 trains it alone and combined with ``ad``. As the official code
+    (github SamsungLabs/ASAM, ``asam.py``) does: ``T = diag(|w| + eta)`` on every parameter
+    whose name (``model.named_parameters()``) contains ``"weight"`` (so also the scales of
+    BatchNorm and LayerNorm, and embeddings), and ``T = I`` on the others (biases). Where
+    the names are unknown (an optimizer wrapper given no model), a parameter with
+    ``dim > 1`` counts as a weight. With ``eta = 0`` zero weights are never perturbed.
+    ``e = 0`` when ``T g = 0``. Defaults ``rho = 0.5`` (ASAM's recommended radius),
+    ``eta = 0.01``. 2 evaluations.
     """
 
     name = "asam"
@@ -126,13 +157,30 @@ class ASAM(_AscentOracle):
     paper = "ASAM"
     data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
 
-    def scales(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """``T`` per parameter: ``|w| + eta`` for ``dim > 1``, ``None`` (identity) otherwise."""
-        return [p.abs() + self.params["eta"] if p.dim() > 1 else None for p in params]
+    def scales(
+        self, params: Sequence[torch.Tensor], names: Sequence[str] | None = None
+    ) -> list[torch.Tensor | None]:
+        """``T`` per parameter: ``|w| + eta`` for a weight, ``None`` (identity) otherwise.
 
-    def perturbation(self, params, grads):
+        Args:
+            params: The weights.
+            names: Their names: a weight's contains ``"weight"`` (the official code's rule);
+                None: a weight is a parameter with ``dim > 1``.
+
+        Returns:
+            One scale tensor (or None) per parameter.
+        """
+        if names is None:
+            weights = [p.dim() > 1 for p in params]
+        else:
+            weights = ["weight" in name for name in names]
+        return [p.abs() + self.params["eta"] if w else None for p, w in zip(params, weights)]
+
+    def perturbation(
+        self, params: _Tensors, grads: _Tensors, names: _Names = None
+    ) -> list[torch.Tensor]:
         """:math:`\\rho T^2 g / \\|T g\\|`."""
-        scales = self.scales(params)
+        scales = self.scales(params, names)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
         factor = _radius_over(self.params["rho"], global_norm(scaled))
         return torch._foreach_mul(

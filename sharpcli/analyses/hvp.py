@@ -1,0 +1,124 @@
+"""How a spectrum analysis takes its Hessian products: ``hvp`` and ``fsdp`` of eigen, trace, density.
+
+``exact`` (the default): double backward through each batch's first-order graph
+(:class:`~sharpcli.curvature.CurvatureEngine`). ``finite-difference``: central differences of
+gradients (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`,
+[GranziolJuarev2026], [NocedalWright2006] section 8.1), for models without a double backward
+and for models sharded by FSDP2 (``fsdp``: the session's model sharded across the torchrun
+ranks with ``fully_shard`` first). It gives the Hessian only.
+"""
+
+from __future__ import annotations
+
+from sharpcli import catalogue, memory
+from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
+from sharpcli.curvature.registry import HESSIAN
+from sharpcli.errors import UsageError
+
+__all__ = [
+    "FINITE_DIFFERENCE",
+    "HVP_METHODS",
+    "add_hvp_record",
+    "check_hvp",
+    "finite_difference_pass",
+]
+
+HVP_METHODS = catalogue.HVP_METHODS
+FINITE_DIFFERENCE = HVP_METHODS[1]
+# an error bound above this fraction of the largest product says the products are not H
+ROUGH = 1e-2
+# estimators that need the Gauss-Newton products (tr(G) exact, then tr(N) by probes)
+_GGN_ESTIMATORS = ("gn-split", "exact")
+
+
+def check_hvp(
+    hvp: str,
+    *,
+    operator: str = HESSIAN,
+    fsdp: bool = False,
+    estimator: str | None = None,
+    engine: str = "native",
+) -> None:
+    """Refuse what the chosen product cannot give, before any work (UsageError, exit 2).
+
+    Args:
+        hvp: ``exact`` or ``finite-difference``.
+        operator: the operator asked for; the finite-difference product gives ``hessian`` only.
+        fsdp: shard the model with FSDP2 (needs ``finite-difference``: a sharded model has
+            no double backward).
+        estimator: the trace estimator, if any (``gn-split`` and ``exact`` need G products).
+        engine: ``native`` (``pyhessian`` has its own exact products).
+
+    Raises:
+        UsageError: on ``hvp`` or ``fsdp``.
+    """
+    if hvp not in HVP_METHODS:
+        raise UsageError(f"unknown value {hvp!r}; accepted: {', '.join(HVP_METHODS)}", source="hvp")
+    if hvp != FINITE_DIFFERENCE:
+        if fsdp:
+            raise UsageError(
+                "a model sharded by FSDP has no double backward: use `hvp=finite-difference`",
+                source="fsdp",
+            )
+        return
+    if operator != HESSIAN:
+        raise UsageError(
+            f"the finite-difference product gives the Hessian only, not `operator={operator}`; "
+            "use `hvp=exact`",
+            source="hvp",
+        )
+    if estimator in _GGN_ESTIMATORS:
+        raise UsageError(
+            f"`estimator={estimator}` needs the Gauss-Newton products of `hvp=exact`",
+            source="hvp",
+        )
+    if engine != "native":
+        raise UsageError(
+            f"`engine={engine}` takes its own products; the finite-difference product needs "
+            "`engine=native`",
+            source="hvp",
+        )
+
+
+def finite_difference_pass(session, params: str | None, fsdp: bool = False):
+    """The finite-difference engine over the session's analysis set (the model sharded by
+    FSDP2 first when ``fsdp``), counted in the run's memory plan.
+
+    Args:
+        session: the analysis :class:`~sharpcli.session.Session`.
+        params: the parameter scope's spec.
+        fsdp: shard the model across the process group first.
+
+    Returns:
+        A :class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`.
+    """
+    if fsdp:
+        shard_model(session.model)
+    engine = FiniteDifferenceEngine(session.model, session.analysis_data(), session.scope(params))
+    engine.plan_memory(memory.current())
+    return engine
+
+
+def add_hvp_record(results: dict, cpass) -> dict:
+    """``results`` with the ``hvp`` record of a finite-difference engine (unchanged for the
+    exact one): the steps, the measured error bound and whether the model was sharded.
+
+    Args:
+        results: an analysis's results.
+        cpass: its engine (None: none was built).
+
+    Returns:
+        ``results``.
+    """
+    record = getattr(cpass, "bound_record", None)
+    if record is None:
+        return results
+    results["hvp"] = {**record(), "sharded": bool(cpass.sharded)}
+    relative = results["hvp"]["error_bound_relative"]
+    if relative is not None and relative > ROUGH:
+        results.setdefault("notes", []).append(
+            f"the finite-difference error bound is {relative:.2g} of the largest product "
+            "measured: the gradient is not smooth at the step (kinks such as ReLU's), so "
+            "these products are not the Hessian; use `hvp=exact`"
+        )
+    return results
