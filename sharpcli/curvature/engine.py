@@ -542,6 +542,17 @@ class CurvatureEngine:
         return float(total_loss), grad
 
     # ----------------------------------------------------------------- operator views
+    def require_gauss_newton(self, operator: str) -> None:
+        """Nothing: this engine multiplies G (and N = H - G) through its first-order graphs.
+
+        Every operator with a G part calls it when built on an engine (the registry builds
+        ``ggn`` and ``nme`` so); an engine without those graphs refuses there (the
+        finite-difference one: a UsageError on ``hvp``).
+
+        Args:
+            operator: the operator's name, for the refusal.
+        """
+
     def hessian(self) -> HessianOperator:
         """The Hessian operator sharing this engine (and its cache).
 
