@@ -31,7 +31,7 @@ run in the same process, alternating):
   (``CurvatureEngine.loss_and_gradient``): Hessian product with the first-order graph cached
   (as inside every estimator after its first product) and rebuilt (``cache_bytes=0``), and
   H and G together (``hessian_and_ggn_matvec``) relative to H alone;
-- native Lanczos (``lanczos(op, k=1)``, tol 1e-3) vs ``pyhessian.hessian(...).eigenvalues()``
+- native Lanczos (``lanczos(op, top_k=1)``, tol 1e-3) vs ``pyhessian.hessian(...).eigenvalues()``
   including each side's set-up, at the full batch (PyHessian's ``data=`` mode) and at batch
   256 (its ``dataloader=`` mode);
 - accuracy of both against a reference: Lanczos in float64 (model and data converted) to
@@ -460,7 +460,7 @@ def eigen_speed(session, repeats: int) -> dict:
 
     def native(seed):
         cpass = CurvatureEngine(session.model, session.analysis_data(), scope)
-        return lanczos(cpass.hessian(), k=1, tol=1e-3, seed=seed, return_eigenvectors=True)
+        return lanczos(cpass.hessian(), top_k=1, tol=1e-3, seed=seed, return_eigenvectors=True)
 
     native(0)  # warm-up (lazy imports inside torch.autograd)
     py.eigenvalues(0)
@@ -499,7 +499,7 @@ def eigen_accuracy(ckpt: Path, speed: dict) -> dict:
     s64 = as_float64_session(ckpt)
     scope = s64.scope(None)
     op = CurvatureEngine(s64.model, s64.analysis_data(), scope).hessian()
-    ref = lanczos(op, k=1, which="both", tol=1e-10, max_matvecs=400, seed=123)
+    ref = lanczos(op, top_k=1, which="both", tol=1e-10, max_matvecs=400, seed=123)
     lam_ref, lam_min = ref.eigenvalues[0], ref.eigenvalues[-1]
 
     def rel_residual(lam, u):
@@ -621,7 +621,7 @@ def magnitude_demo() -> dict:
     dense = torch.diag(
         torch.tensor([1.0, 0.0, 0.0, -3.0], dtype=torch.float64)
     )  # W flattened row-major
-    native = lanczos(MatrixOperator(dense), k=1)
+    native = lanczos(MatrixOperator(dense), top_k=1)
     return {"pyhessian": values[0], "native": native.eigenvalues[0]}
 
 

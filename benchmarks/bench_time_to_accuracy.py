@@ -234,7 +234,7 @@ def run_sharp(w: Workload, clock, tol: float, seed: int, warm: str | None) -> di
 
     start = clock()
     op = w.cpass().hessian()
-    r = lanczos(op, k=1, tol=tol, max_matvecs=SHARP_MAX_MATVECS, seed=seed, warm_start=warm)
+    r = lanczos(op, top_k=1, tol=tol, max_matvecs=SHARP_MAX_MATVECS, seed=seed, warm_start=warm)
     seconds = clock() - start
     extra = 0.0
     if r.warm_start and r.warm_start.get("full_product_equivalents"):
@@ -401,7 +401,7 @@ def eigen_reference(ckpt: Path, device: str, clock) -> dict:
 
     w = Workload(ckpt, device, dtype="float64")
     start = clock()
-    r = lanczos(w.cpass().hessian(), k=2, tol=1e-10, max_matvecs=300, seed=123)
+    r = lanczos(w.cpass().hessian(), top_k=2, tol=1e-10, max_matvecs=300, seed=123)
     return {
         "lambda_1": r.eigenvalues[0],
         "lambda_2": r.eigenvalues[1],

@@ -67,12 +67,14 @@ def main() -> None:
     """Install signal handling and repair closed streams, then run :func:`sharpcli.cli.app.main`
     (telling it when the process started: the report's ``timing.startup_seconds``)."""
     started = time.perf_counter() - _process_age()
+    # before the CLI's start-up imports (0.3 s): a signal during them exits as documented
     from sharpcli import interrupts
 
     args = sys.argv[1:]
     command = args[0] if args and not args[0].startswith("-") else None
     interrupts.install("exit", command)  # until the command body starts: nothing written yet
     _reopen_closed_streams()
+    # the CLI's start-up imports, after the streams its consoles bind to are repaired
     from sharpcli.cli.app import main as app_main
 
     try:

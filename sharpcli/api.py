@@ -3,7 +3,7 @@
 The one object a notebook needs (docs/api.md; docs/from-pyhessian.md maps PyHessian's calls)::
 
     curvature = Curvature(model, nn.CrossEntropyLoss(), (x, y))
-    curvature.eigenvalues(k=3).eigenvalues      # top-3 Hessian eigenvalues
+    curvature.eigenvalues(top_k=3).eigenvalues      # top-3 Hessian eigenvalues
     curvature.trace().estimate                  # tr(H) by [Hutch++]
 
 Everything is about the mean loss over the samples of ``data``,
@@ -124,7 +124,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     >>> x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
     >>> curvature = Curvature(model, nn.CrossEntropyLoss(), (x, y))
     >>> H = curvature.operator().to_dense()          # 67 x 67, product by product
-    >>> top = curvature.eigenvalues(k=2, tol=1e-8)
+    >>> top = curvature.eigenvalues(top_k=2, tol=1e-8)
     >>> exact = torch.linalg.eigvalsh(H)              # ascending
     >>> torch.allclose(torch.tensor(top.eigenvalues, dtype=H.dtype), exact[-2:].flip(0))
     True

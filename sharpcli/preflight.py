@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
+from sharpcli.curvature.data import train_mode_modules
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is where callers look)
     check_embedding_ids,
@@ -442,7 +443,6 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
     first batch: two forward passes must give bit-identical logits (the global RNG state is
     restored afterwards). Raises :class:`UsageError` naming the modules or the difference.
     """
-    from sharpcli.curvature.data import train_mode_modules
 
     offenders = train_mode_modules(model)
     if offenders:

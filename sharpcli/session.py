@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from sharpcli import memory
+from sharpcli.curvature import AnalysisData, ParamScope
+from sharpcli.curvature.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.checkpoints import LoadedCheckpoint, load_checkpoint
-from sharpcli.io.loss_readings import LossReading
-from sharpcli.losses import get_loss, set_token_reduction
+from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
+from sharpcli.io.datasets import load_dataset, subset
+from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
+from sharpcli.losses import IGNORE_INDEX, LOSSES, get_loss, set_token_reduction
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 from sharpcli.preflight import (
     SECOND_DERIVATIVE_SAMPLES,
@@ -40,6 +43,7 @@ from sharpcli.preflight import (
     to_analysis_dtype,
     unreached_parameter_notes,
 )
+from sharpcli.report.envelope import environment_info, make_report
 
 
 @dataclass
@@ -92,27 +96,22 @@ class Session:
 
     def analysis_data(self):
         """The analysis set as the curvature engine streams it."""
-        from sharpcli.curvature import AnalysisData
 
         return AnalysisData(self.x, self.y, loss=self.loss, batch_size=self.batch_size)
 
     def scope(self, spec: str | None):
         """The parameter scope of ``spec`` in the model (:meth:`ParamScope.resolve`)."""
-        from sharpcli.curvature import ParamScope
 
         return ParamScope.resolve(self.model, spec)
 
     def environment(self) -> dict:
         """The report's ``environment`` section for this session's device, dtype and world size."""
-        from sharpcli.curvature.data import distributed_rank_and_world
-        from sharpcli.report.envelope import environment_info
 
         _, world = distributed_rank_and_world()
         return environment_info(str(self.device), str(self.dtype).replace("torch.", ""), world)
 
     def report(self, command: str, settings: dict, results: dict, matvecs: int = 0) -> dict:
         """The full report of ``command`` with this session's checkpoint, data and environment."""
-        from sharpcli.report.envelope import make_report
 
         return make_report(
             command,
@@ -129,14 +128,12 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **op
     """``load_dataset(spec)``; when the spec is the checkpoint's own (``from_checkpoint``, no
     ``--data`` given), a bad spec is an InputError naming the checkpoint's metadata, not the
     ``--data`` option the user never gave. How a metadata path resolves: docs/checkpoints.md."""
-    from sharpcli.io.checkpoints import META_DATA
-    from sharpcli.io.datasets import load_dataset
 
     what = "the `data` file" if from_checkpoint is None else f"the data named in {from_checkpoint}"
     try:
         return load_dataset(spec, label_column=label_column, what=what, **options)
     except UsageError as err:
-        if from_checkpoint is None or err.source not in ("data", "spec"):
+        if from_checkpoint is None or err.source != "data":
             raise
         raise InputError(f"metadata {META_DATA}: {err.message}", source=from_checkpoint) from None
 
@@ -144,8 +141,6 @@ def _load_data(spec, label_column: str | None, from_checkpoint: str | None, **op
 def _metadata_loss(ckpt: LoadedCheckpoint, checkpoint: str) -> str | None:
     """The training loss the checkpoint's metadata names (None: infer it from the outputs);
     anything but a registered loss name is an InputError naming the checkpoint."""
-    from sharpcli.io.checkpoints import META_TRAIN
-    from sharpcli.losses import LOSSES
 
     loss = (ckpt.train_config or {}).get("loss")
     if loss is not None and (not isinstance(loss, str) or loss not in LOSSES):
@@ -175,8 +170,6 @@ def _analysis_loss(
     overrides it when the stored loss chose; sharp's loss on the batch must equal torch's
     (:func:`~sharpcli.io.loss_readings.check_loss_value`).
     """
-    from sharpcli.io.loss_readings import check_loss_value, read_loss, reference_loss
-    from sharpcli.losses import IGNORE_INDEX
 
     out = model_outputs(model, x, dataset.source)
     name = loss or stored
@@ -243,7 +236,6 @@ def build_session(
     ``double_backward=False``: it never differentiates twice, so the check is skipped (and a
     model without a double backward is accepted).
     """
-    from sharpcli.io.datasets import subset
 
     if split not in ("train", "test"):
         raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")

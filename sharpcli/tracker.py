@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from sharpcli.analyses.tracking import check_tracked, measure
 from sharpcli.api import Curvature
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.errors import UsageError
@@ -85,7 +86,6 @@ class Tracker:
         seed: int = 0,
         prefix: str = "sharpness/",
     ) -> None:
-        from sharpcli.analyses.tracking import check_tracked
 
         integer_argument(every, "every")
         integer_argument(max_matvecs, "max_matvecs")
@@ -156,8 +156,6 @@ class Tracker:
             ``{prefix}seconds``.
         """
         import time
-
-        from sharpcli.analyses.tracking import measure
 
         start = time.perf_counter()
         curvature = self._curvature_for(model)

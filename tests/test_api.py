@@ -107,9 +107,9 @@ def _check_spectrum(curvature, H):
     dense = curvature.operator().to_dense()
     assert torch.allclose(dense, H, atol=1e-10, rtol=1e-8)
     exact = torch.linalg.eigvalsh(H)
-    top = curvature.eigenvalues(k=2, tol=1e-9)
+    top = curvature.eigenvalues(top_k=2, tol=1e-9)
     assert torch.allclose(torch.tensor(top.eigenvalues, dtype=D), exact[-2:].flip(0), rtol=1e-7)
-    low = curvature.eigenvalues(k=1, which="smallest", tol=1e-9)
+    low = curvature.eigenvalues(top_k=1, which="smallest", tol=1e-9)
     assert low.eigenvalues[0] == pytest.approx(float(exact[0]), rel=1e-6, abs=1e-9)
 
 
@@ -135,6 +135,16 @@ def test_mlp_tensors_match_the_dense_hessian():
     assert density.dimension == 43 and max(max(n) for n in density.nodes) == pytest.approx(
         float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6
     )
+
+
+def test_eigenvalues_former_k_keyword_still_works_with_a_deprecation_warning():
+    model, x, y = _mlp_problem()
+    H = dense_hessian(model, lambda z: F.cross_entropy(z, y), (x,))
+    curvature = Curvature(model, nn.CrossEntropyLoss(), (x, y))
+    with pytest.warns(DeprecationWarning, match="use top_k"):
+        top = curvature.eigenvalues(k=2, tol=1e-9).eigenvalues
+    exact = torch.linalg.eigvalsh(H)[-2:].flip(0).tolist()
+    assert top == pytest.approx(exact, rel=1e-7)
 
 
 def test_mlp_dataloader_and_dict_batches_match_the_dense_hessian():
@@ -246,7 +256,7 @@ def test_the_loss_module_on_variable_length_labels_is_the_mean_over_labelled_tok
     curvature = Curvature(model, module, (ids, labels), batch_size=3)
     assert curvature.token_reduction == "tokens"
     assert torch.allclose(curvature.operator().to_dense(), H, atol=1e-12)
-    top = curvature.eigenvalues(k=2, tol=1e-10).eigenvalues
+    top = curvature.eigenvalues(top_k=2, tol=1e-10).eigenvalues
     assert top == pytest.approx(torch.linalg.eigvalsh(H)[-2:].flip(0).tolist(), rel=1e-8)
     ggn = curvature.trace("ggn", estimator="exact").estimate
     G = dense_ggn(model, lambda z: module(z.reshape(-1, 6), labels.reshape(-1)), (ids,))
@@ -345,13 +355,13 @@ def test_sharpcli_exports_the_api_lazily():
         ("batch-size", "batch_size", ">= 1"),
         ("dtype", "dtype", "float"),
         ("operator", "operator", "accepted"),
-        ("k", "k", ""),
+        ("k", "top_k", ""),
         ("which", "which", "accepted"),
         ("estimator", "estimator", "accepted"),
         ("unshifted", "data", "equal its token inputs"),
         ("token-id", "data", "samples 8..9"),
-        ("k-text", "k", "integer"),
-        ("k-beyond-budget", "k", "Krylov space"),
+        ("k-text", "top_k", "integer"),
+        ("k-beyond-budget", "top_k", "Krylov space"),
         ("seed", "seed", "0.."),
         ("steps", "steps", ">= 1"),
         ("grid", "grid_points", ">= 2"),
@@ -383,12 +393,12 @@ def test_user_errors_name_their_argument(case, source, words):
         "batch-size": lambda: Curvature(model, "cross-entropy", data, batch_size=0),
         "dtype": lambda: Curvature(model, "cross-entropy", data, dtype="float16"),
         "operator": lambda: Curvature(model, "cross-entropy", data).eigenvalues(operator="X"),
-        "k": lambda: Curvature(model, "cross-entropy", data).eigenvalues(k=0),
+        "k": lambda: Curvature(model, "cross-entropy", data).eigenvalues(top_k=0),
         "which": lambda: Curvature(model, "cross-entropy", data).eigenvalues(which="middle"),
         "estimator": lambda: Curvature(model, "cross-entropy", data).trace(estimator="magic"),
-        "k-text": lambda: Curvature(model, "cross-entropy", data).eigenvalues(k="3"),
+        "k-text": lambda: Curvature(model, "cross-entropy", data).eigenvalues(top_k="3"),
         "k-beyond-budget": lambda: Curvature(model, "cross-entropy", data).eigenvalues(
-            k=6, max_matvecs=5
+            top_k=6, max_matvecs=5
         ),
         "seed": lambda: Curvature(model, "cross-entropy", data).trace(seed=-1),
         "steps": lambda: Curvature(model, "cross-entropy", data).density(steps=0),

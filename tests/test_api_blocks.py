@@ -30,7 +30,7 @@ def tiny():
 
 def test_block_eigenvalues_are_the_dense_principal_sub_blocks(tiny):
     curvature, H, slices = tiny
-    blocks = curvature.eigenvalues(k=2, which="both", tol=1e-9, blocks="params")
+    blocks = curvature.eigenvalues(top_k=2, which="both", tol=1e-9, blocks="params")
     assert [b["name"] for b in blocks] == list(slices)
     for block in blocks:
         sl = slices[block["name"]]
@@ -46,7 +46,7 @@ def test_named_blocks_as_a_mapping_and_their_exact_traces(tiny):
     """A mapping names the blocks (the top eigenvalue of each is the dense sub-block's); the
     Hessian block traces by Hutch++ are within four standard errors of the dense sub-blocks'."""
     curvature, H, slices = tiny
-    blocks = curvature.eigenvalues(k=1, tol=1e-9, blocks={"hidden": "0.*", "head": "2.*"})
+    blocks = curvature.eigenvalues(top_k=1, tol=1e-9, blocks={"hidden": "0.*", "head": "2.*"})
     hidden = torch.cat(
         [torch.arange(slices[n].start, slices[n].stop) for n in ("0.weight", "0.bias")]
     )

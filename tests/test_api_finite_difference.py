@@ -27,7 +27,7 @@ def test_eigenvalues_and_trace_within_the_bound(pair):
     exact, fd = pair
     beta = fd.curvature_pass.error_bound()
     assert 0 < beta < 1e-8
-    a, b = exact.eigenvalues(k=2, tol=1e-9), fd.eigenvalues(k=2, tol=1e-9)
+    a, b = exact.eigenvalues(top_k=2, tol=1e-9), fd.eigenvalues(top_k=2, tol=1e-9)
     for x, y, rx, ry in zip(a.eigenvalues, b.eigenvalues, a.residuals, b.residuals):
         assert abs(x - y) <= beta + rx + ry
     ta = exact.trace(estimator="hutchinson", tol=1e-9, max_matvecs=12, seed=3)

@@ -80,8 +80,8 @@ def _spectrum_operator(n=120, seed=0, dtype=torch.float64):
 @pytest.mark.parametrize("which", ["largest", "smallest", "both"])
 def test_a_restarted_basis_gives_the_unrestarted_eigenvalues(which):
     op, exact = _spectrum_operator()
-    full = lanczos(op, k=2, which=which, tol=1e-10, max_matvecs=120)
-    restarted = lanczos(op, k=2, which=which, tol=1e-10, max_matvecs=2000, max_basis=8)
+    full = lanczos(op, top_k=2, which=which, tol=1e-10, max_matvecs=120)
+    restarted = lanczos(op, top_k=2, which=which, tol=1e-10, max_matvecs=2000, max_basis=8)
     assert full.restarts == 0 and restarted.restarts > 0
     np.testing.assert_allclose(restarted.eigenvalues, full.eigenvalues, rtol=1e-8)
     wanted = {"largest": [exact[-1], exact[-2]], "smallest": [exact[1], exact[0]]}
@@ -101,7 +101,7 @@ def test_restarted_hessian_of_a_model_matches_the_dense_hessian():
     scope = ParamScope.resolve(model, None)
     op = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=16), scope).hessian()
     dense = torch.linalg.eigvalsh(op.to_dense())
-    result = lanczos(op, k=3, tol=1e-10, max_matvecs=3000, max_basis=7)
+    result = lanczos(op, top_k=3, tol=1e-10, max_matvecs=3000, max_basis=7)
     assert result.restarts > 0 and all(result.converged)
     np.testing.assert_allclose(result.eigenvalues, dense.flip(0)[:3].numpy(), rtol=1e-8)
 
@@ -115,7 +115,7 @@ def test_float32_products_and_float32_basis_land_within_tol_of_float64():
         scope = ParamScope.resolve(m, None)
         data = AnalysisData(x.to(dtype), y, "cross-entropy", batch_size=40)
         op = CurvatureEngine(m, data, scope).hessian()
-        values[dtype] = lanczos(op, k=2, tol=1e-4, max_matvecs=400, max_basis=6)
+        values[dtype] = lanczos(op, top_k=2, tol=1e-4, max_matvecs=400, max_basis=6)
     r32, r64 = values[torch.float32], values[torch.float64]
     assert r32.restarts > 0 and all(r32.converged)
     for v32, v64 in zip(r32.eigenvalues, r64.eigenvalues):
@@ -191,11 +191,11 @@ def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, mon
 
     op, dense = _spectrum_operator()
     monkeypatch.setenv("SHARP_SCRATCH", "off")
-    held = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
+    held = lanczos(op, top_k=3, tol=1e-10, max_matvecs=400, max_basis=8)
     monkeypatch.setenv("SHARP_SCRATCH", str(tmp_path))
     monkeypatch.setattr(krylov_plan, "MAX_IN_MEMORY_BYTES", 0)  # every basis to a file
     memory.activate(memory.MemoryPlan(budget=10**12))
-    spilled = lanczos(op, k=3, tol=1e-10, max_matvecs=400, max_basis=8)
+    spilled = lanczos(op, top_k=3, tol=1e-10, max_matvecs=400, max_basis=8)
     assert any("scratch file" in c for c in memory.current().choices)
     assert spilled.restarts == held.restarts > 0 and all(spilled.converged)
     np.testing.assert_allclose(spilled.eigenvalues, held.eigenvalues, rtol=1e-12)
@@ -237,7 +237,7 @@ def test_a_basis_that_cannot_fit_is_a_usage_error_naming_what_lowers_it():
     plan = memory.activate(memory.MemoryPlan(budget=10**9, stated="max_memory=1G"))
     plan.baseline = plan.budget  # nothing left
     with pytest.raises(UsageError) as err:
-        lanczos(op, k=1)
+        lanczos(op, top_k=1)
     assert err.value.source == "max_memory"
     assert "`top_k`" in err.value.message and "raise `max_memory`" in err.value.message
 

@@ -47,8 +47,10 @@ import torch
 from torch import nn
 
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.errors import NumericalError
+from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
+from sharpcli.models.activations import activation_modules, activation_spec
+from sharpcli.models.zoo import final_linear
 
 __all__ = [
     "ActivationStatsResult",
@@ -167,20 +169,16 @@ class _LayerAccumulator:
 
 
 def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from sharpcli.models.zoo import activation_modules
 
     return activation_modules(model)
 
 
 def _kind(module: nn.Module) -> str:
-    from sharpcli.models.activations import activation_spec
 
     return activation_spec(module) or type(module).__name__  # foreign types: their class name
 
 
 def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
-    from sharpcli.errors import UsageError
-    from sharpcli.models.zoo import final_linear
 
     try:
         return final_linear(model)

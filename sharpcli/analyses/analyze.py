@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from sharpcli import catalogue
+from sharpcli.analyses import spectrum
+from sharpcli.analyses.activations import activation_stats
+from sharpcli.analyses.flatness import fisher_rao_norm, pac_bayes_sigma
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+from sharpcli.curvature.data import all_reduce_sum
+from sharpcli.curvature.registry import GGN, HESSIAN, NME
 from sharpcli.errors import UsageError
+from sharpcli.losses import get_loss
 
 METRICS = catalogue.METRICS
 DEFAULT_METRICS = ("eigen", "trace")
@@ -105,8 +112,6 @@ def loss_and_accuracy(session) -> dict:
     argmax for cross-entropy, the logit's sign for binary cross-entropy, per labelled position
     for token-level cross-entropy; None for regression.
     """
-    from sharpcli.curvature.data import all_reduce_sum
-    from sharpcli.losses import get_loss
 
     loss = get_loss(session.loss)
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, predictions counted
@@ -137,8 +142,6 @@ def analyze(
     params: str | None = None,
 ) -> tuple[dict, int]:
     """Run ``metrics`` on one session; return (results, matvecs)."""
-    from sharpcli.analyses import spectrum
-    from sharpcli.curvature.registry import GGN, HESSIAN, NME
 
     results: dict = loss_and_accuracy(session)
     results["metrics"] = list(metrics)
@@ -190,8 +193,6 @@ def analyze(
         results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
         matvecs += g["matvecs"]
     if "activation-stats" in metrics:
-        from sharpcli.analyses.activations import activation_stats
-
         results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
     results.update(_flatness_metrics(session, metrics, params))
     if hessian:
@@ -210,8 +211,6 @@ def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
     results: dict = {}
     data = session.analysis_data()
     if "sharpness" in metrics:
-        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-
         found: dict[str, float | None] = {"rho": 0.05}
         for kind, key in (("worst-case", "worst_case"), ("average", "average")):
             config = SharpnessConfig(kind=kind, rhos=(0.05,), params=params, seed=session.seed)
@@ -223,8 +222,6 @@ def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
             }
         results["sharpness"] = found
     if "pac-bayes" in metrics:
-        from sharpcli.analyses.flatness import pac_bayes_sigma
-
         results["pac_bayes"] = {
             name: pac_bayes_sigma(
                 session.model, data, magnitude_aware=aware, params=params, seed=session.seed
@@ -232,8 +229,6 @@ def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
             for name, aware in (("plain", False), ("magnitude", True))
         }
     if "fisher-rao" in metrics:
-        from sharpcli.analyses.flatness import fisher_rao_norm
-
         found = fisher_rao_norm(session.model, data, params)
         results["fisher_rao"] = {
             "norm_sq": found["fisher_rao_norm_sq"],

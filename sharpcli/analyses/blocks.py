@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
+from sharpcli.curvature.density import spectral_density
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -215,13 +216,12 @@ def eigen_blocks(
         result = eigen_result(
             cpass,
             operator,
-            k=k,
+            top_k=k,
             which=which,
             method=method,
             tol=tol,
             max_matvecs=max_matvecs,
             seed=seed,
-            k_name="top_k",
         ).to_dict()
         rows.append(
             {
@@ -322,16 +322,15 @@ def density_blocks(
         ``[{name, parameters, numel, grid, density, nodes, weights, sigma, lambda_min,
         lambda_max, trace_estimate, trace_stderr, matvecs}]``.
     """
-    from sharpcli.curvature.density import spectral_density
 
     rows = []
     for label, members, cpass in passes:
         result = spectral_density(
             operator_of(cpass, operator),
             probes=probes,
-            lanczos_steps=min(int(steps), cpass.scope.numel),
+            steps=min(int(steps), cpass.scope.numel),
             grid_points=grid_points,
-            sigma=broadening,
+            broadening=broadening,
             seed=seed,
         ).to_dict()
         nodes = [t for probe in result["nodes"] for t in probe]

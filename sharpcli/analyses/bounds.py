@@ -76,6 +76,7 @@ from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
+from sharpcli.models.zoo import final_linear
 
 __all__ = [
     "BoundCheckConfig",
@@ -101,7 +102,6 @@ def corollary1_bound(H: float, epsilon: float, sigma: float) -> float:
 
 def default_bound_scope(model: nn.Module) -> str:
     """The final layer's weight (AD Fig. 1a: "Hessian is computed only w.r.t. W^(L)") as a scope spec."""
-    from sharpcli.models.zoo import final_linear
 
     name, _ = final_linear(model)
     return f"{name}.weight" if name else "weight"
@@ -228,43 +228,43 @@ class BoundCheckResult:
 class BoundCheckConfig:
     """The settings of :func:`bound_check`, with the defaults of ``sharp bound-check``.
 
-    ``sigmas``: the noise standard deviations. ``params``: a scope spec for every check;
+    ``sigma``: the noise standard deviations. ``params``: a scope spec for every check;
     ``None`` (no ``--params``): the final layer's weight for Corollary 1 (AD Fig. 1a) and all
     parameters for ``noise-stability`` (NSO perturbs every weight). ``perturbations``: m, the fixed perturbations averaged for the Monte-Carlo
-    smoothed Hessian. ``epsilon_kind``: ``full`` or ``minibatch`` gradient norm. ``tol`` and
+    smoothed Hessian. ``epsilon``: ``full`` or ``minibatch`` gradient norm. ``tol`` and
     ``max_matvecs``: Lanczos. ``bootstrap`` replicates give the ``ci_level`` percentile interval.
-    ``checks``: extra checks, ``theorem2`` (with ``mc_pairs`` antithetic pairs per sample) and
+    ``check``: extra checks, ``theorem2`` (with ``mc_samples`` antithetic pairs per sample) and
     ``noise-stability`` (``noise_pairs`` pairs, Hutch++ ``trace_tol``/``trace_max_matvecs``).
     """
 
-    sigmas: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
+    sigma: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
     params: str | None = None
     perturbations: int = 8
-    epsilon_kind: str = "full"
+    epsilon: str = "full"
     tol: float = 1e-3
     max_matvecs: int | None = None
     bootstrap: int = 1000
     ci_level: float = 0.95
-    checks: tuple[str, ...] = ()
-    mc_pairs: int = 256
+    check: tuple[str, ...] = ()
+    mc_samples: int = 256
     noise_pairs: int = 32
     trace_tol: float = 1e-2
     trace_max_matvecs: int = 300
     seed: int = 0
 
     def validate(self) -> None:
-        """UsageError naming the field (``sigmas``, ``checks``, ...) of the first bad setting."""
-        check_sigmas(self.sigmas)
-        for check in self.checks:
+        """UsageError naming the field (``sigma``, ``check``, ...) of the first bad setting."""
+        check_sigmas(self.sigma)
+        for check in self.check:
             _require(
                 check in CHECKS,
                 f"unknown check {check!r}; accepted: {', '.join(CHECKS)}",
-                "checks",
+                "check",
             )
         _require(
-            self.epsilon_kind in EPSILON_KINDS,
-            f"unknown epsilon {self.epsilon_kind!r}; accepted: {', '.join(EPSILON_KINDS)}",
-            "epsilon_kind",
+            self.epsilon in EPSILON_KINDS,
+            f"unknown epsilon {self.epsilon!r}; accepted: {', '.join(EPSILON_KINDS)}",
+            "epsilon",
         )
         positive_counts = (
             (self.perturbations, 1, "perturbations"),
@@ -273,7 +273,7 @@ class BoundCheckConfig:
         for value, least, name in positive_counts:
             _require(int(value) >= least, f"must be >= {least}, got {value}", name)
         _require(0 < self.ci_level < 1, f"must be in (0, 1), got {self.ci_level:g}", "ci_level")
-        for value, name in ((self.mc_pairs, "mc_pairs"), (self.noise_pairs, "noise_pairs")):
+        for value, name in ((self.mc_samples, "mc_samples"), (self.noise_pairs, "noise_pairs")):
             _require(int(value) >= 2, f"must be >= 2, got {value}", name)
         _require(self.tol > 0, f"must be > 0, got {self.tol:g}", "tol")
 
@@ -317,7 +317,7 @@ def _measure_at_theta(
     weights = torch.nn.functional.one_hot(draws, m).sum(1).to(torch.float64) / m  # (bootstrap, m)
     return _AtTheta(
         eps=eps,
-        epsilon=eps[config.epsilon_kind],
+        epsilon=eps[config.epsilon],
         h_theta=h_theta,
         plain_lambda_max=plain_lambda_max,
         Z=Z,
@@ -342,7 +342,7 @@ def _corollary1_row(
     operators, norms, all_converged, region_eps = [], [], True, [at_theta.epsilon]
     for j in range(m):
         twin, twin_scope = perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
-        region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon_kind])
+        region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon])
         op = CurvatureEngine(
             twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
         ).hessian()
@@ -498,7 +498,7 @@ def bound_check(
     data: AnalysisData,
     config: BoundCheckConfig | None = None,
 ) -> BoundCheckResult:
-    """AD Corollary 1 per sigma, plus ``config.checks`` ``theorem2`` and ``noise-stability``.
+    """AD Corollary 1 per sigma, plus ``config.check`` ``theorem2`` and ``noise-stability``.
 
     See the module docstring for what is measured and :class:`BoundCheckConfig` for the
     settings (UsageError on a bad one). Progress: a ``bound check`` run counting the sigmas
@@ -509,12 +509,12 @@ def bound_check(
     spec = config.params if config.params is not None else default_bound_scope(model)
     scope = ParamScope.resolve(model, spec)
     m = int(config.perturbations)
-    total_steps = len(config.sigmas) + len(config.checks)
+    total_steps = len(config.sigma) + len(config.check)
     with progress.start("bound check", total=total_steps, unit="steps", detail="at theta") as run:
         at_theta = _measure_at_theta(model, data, scope, config)
         rows: list[BoundRow] = []
         notes: list[str] = []
-        for step, sigma in enumerate(config.sigmas):
+        for step, sigma in enumerate(config.sigma):
             run.update(step, detail=f"sigma {sigma:g}")
             rows.append(_corollary1_row(model, data, scope, config, sigma, at_theta, notes))
         notes += _corollary1_notes(rows, m)
@@ -522,7 +522,7 @@ def bound_check(
             rows=rows,
             params=scope.spec,
             num_params=scope.numel,
-            epsilon_kind=config.epsilon_kind,
+            epsilon_kind=config.epsilon,
             epsilon_full=at_theta.eps["full"],
             epsilon_minibatch=at_theta.eps["minibatch"],
             perturbations=m,
@@ -544,25 +544,25 @@ def _run_extra_checks(
     config: BoundCheckConfig,
     run: progress.Run,
 ) -> None:
-    """Run ``config.checks`` (Theorem 2, noise stability) into ``result``, counting their
+    """Run ``config.check`` (Theorem 2, noise stability) into ``result``, counting their
     products; ``run`` reports which is under way."""
-    done = len(config.sigmas)
-    if "theorem2" in config.checks:
+    done = len(config.sigma)
+    if "theorem2" in config.check:
         run.update(done, detail="theorem 2")
         result.theorem2 = theorem2_check(
-            model, data, config.sigmas, mc_pairs=config.mc_pairs, seed=config.seed
+            model, data, config.sigma, mc_samples=config.mc_samples, seed=config.seed
         )
         done += 1
-    if "noise-stability" in config.checks:
+    if "noise-stability" in config.check:
         run.update(done, detail="noise stability")
         # NSO perturbs every weight: all parameters unless --params chose a scope
         noise_scope = scope if config.params is not None else ParamScope.resolve(model, "all")
         result.noise_stability = noise_stability_check(
             model,
             data,
-            config.sigmas,
+            config.sigma,
             noise_scope,
-            pairs=config.noise_pairs,
+            noise_pairs=config.noise_pairs,
             trace_tol=config.trace_tol,
             trace_max_matvecs=config.trace_max_matvecs,
             seed=config.seed,

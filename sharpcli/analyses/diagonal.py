@@ -17,7 +17,14 @@ import torch
 
 from sharpcli import catalogue
 from sharpcli.analyses.spectrum import check_choice, curvature_pass, operator_of, scope_info
-from sharpcli.curvature.diagonal import DiagonalResult
+from sharpcli.atomic import write_bytes_atomic
+from sharpcli.curvature.diagonal import (
+    DiagonalResult,
+    exact_diagonal,
+    gnb_diagonal,
+    hutchinson_diagonal,
+    per_sample_diagonal,
+)
 from sharpcli.errors import UsageError
 
 ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS.builtin_names()  # hutchinson, exact, gnb, per-sample
@@ -54,12 +61,6 @@ def diagonal_result(
     Raises:
         UsageError: an unknown estimator or operator, or one the estimator does not compute.
     """
-    from sharpcli.curvature.diagonal import (
-        exact_diagonal,
-        gnb_diagonal,
-        hutchinson_diagonal,
-        per_sample_diagonal,
-    )
 
     check_choice(estimator, ESTIMATORS, "estimator")
     operator = _DEFAULT_OPERATOR[estimator] if operator is None else operator
@@ -177,8 +178,6 @@ def save_diagonal(path: str, tensors: dict[str, torch.Tensor], metadata: dict[st
         metadata: strings stored in the file's header (operator, estimator, ...).
     """
     from safetensors.torch import save
-
-    from sharpcli.atomic import write_bytes_atomic
 
     data = save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, metadata=metadata)
     write_bytes_atomic(path, data)

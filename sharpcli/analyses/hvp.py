@@ -11,6 +11,7 @@ ranks with ``fully_shard`` first). It gives the Hessian only.
 from __future__ import annotations
 
 from sharpcli import catalogue, memory
+from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
 
@@ -91,8 +92,6 @@ def finite_difference_pass(session, params: str | None, fsdp: bool = False):
     Returns:
         A :class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`.
     """
-    from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
-
     if fsdp:
         shard_model(session.model)
     engine = FiniteDifferenceEngine(session.model, session.analysis_data(), session.scope(params))

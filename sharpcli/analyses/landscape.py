@@ -34,6 +34,8 @@ from sharpcli.analyses.landscape_directions import (
 )
 from sharpcli.analyses.perturbed import PerturbedModel, whole_analysis_set
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum
+from sharpcli.curvature.engine import CurvatureEngine
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
 
@@ -172,8 +174,6 @@ def _flat(values: list) -> list[float]:
 def _eigen_directions(
     model: nn.Module, data: AnalysisData, scope: ParamScope, k: int, config: LandscapeConfig
 ) -> tuple[list[list[torch.Tensor]], dict]:
-    from sharpcli.curvature.engine import CurvatureEngine
-    from sharpcli.curvature.lanczos import lanczos
 
     hessian = CurvatureEngine(model, data, scope).hessian()
     result = lanczos(

@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from sharpcli import ledger
+from sharpcli.atomic import write_bytes_atomic
 from sharpcli.errors import InputError, UsageError
 
 __all__ = [
@@ -110,8 +112,6 @@ def save_directions(
     """
     from safetensors.torch import save
 
-    from sharpcli.atomic import write_bytes_atomic
-
     tensors = {
         f"d{k + 1}.{name}": d.detach().to("cpu").contiguous()
         for k, direction in enumerate(directions)
@@ -138,8 +138,6 @@ def load_directions(
         InputError: not such a file, or directions for other parameters or shapes.
     """
     from safetensors import SafetensorError, safe_open
-
-    from sharpcli import ledger
 
     source = str(path)
     if not os.path.isfile(source):

@@ -27,6 +27,7 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.operators import CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -80,17 +81,17 @@ def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
 def noise_stability_check(
     model: nn.Module,
     data: AnalysisData,
-    sigmas: list[float],
+    sigma: list[float],
     scope: ParamScope,
     *,
-    pairs: int = 32,
+    noise_pairs: int = 32,
     trace_tol: float = 1e-2,
     trace_max_matvecs: int = 300,
     seed: int = 0,
 ) -> dict:
     r"""NSO eq. 4 / Fig. 2: ``E_U L(theta + U) - L(theta)`` against ``sigma^2/2 tr(H)`` (module docstring).
 
-    ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..pairs, shared by all
+    ``U_j = sigma Z_j`` over ``scope`` with fixed ``Z_j ~ N(0, I)`` (j = 1..noise_pairs, shared by all
     sigmas), each used as the antithetic pair ``+-U_j``;
     ``relative_error = (gap - predicted) / predicted``. The standard errors: the pairs' sample
     standard errors for ``gap`` and ``taylor_residual``, Hutch++'s for ``predicted`` (scaled by
@@ -104,9 +105,9 @@ def noise_stability_check(
     Args:
         model: the model (perturbed on a copy).
         data: the analysis set.
-        sigmas: the noise scales.
+        sigma: the noise scales.
         scope: the perturbed parameters.
-        pairs: antithetic pairs per sigma (>= 2).
+        noise_pairs: antithetic pairs per sigma (>= 2).
         trace_tol: the relative standard error of ``tr(H)``.
         trace_max_matvecs: the most Hessian products for ``tr(H)``.
         seed: seeds the probes and the directions.
@@ -116,46 +117,46 @@ def noise_stability_check(
         "matvecs"}`` (``params`` the scope's spec, ``rows`` one
         :class:`NoiseStabilityRow` dict per sigma).
     """
-    from sharpcli.curvature.hutchpp import hutchpp
 
+    sigmas = list(sigma)
     check_sigmas(sigmas)
-    if int(pairs) < 2:
-        raise UsageError(f"must be >= 2, got {pairs}", source="pairs")
+    if int(noise_pairs) < 2:
+        raise UsageError(f"must be >= 2, got {noise_pairs}", source="noise_pairs")
     curvature_pass = CurvatureEngine(model, data, scope)
     hessian = curvature_pass.hessian()
     trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
     trace_stderr = (
         trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None
     )
-    Z = standard_normal_directions(scope, int(pairs), int(seed) + 15485863)
+    Z = standard_normal_directions(scope, int(noise_pairs), int(seed) + 15485863)
     quadratic = (Z * hessian.matmat(Z)).sum(dim=0).to(torch.float64)  # Z_j^T H Z_j
     base = _mean_loss(model, data)
     twin = copy.deepcopy(model)
     twin_scope = scope_on(twin, scope)
     original = [p.detach().clone() for p in twin_scope.params]
     rows = []
-    for sigma in sigmas:
-        gaps = torch.zeros(int(pairs), dtype=torch.float64)
-        for j in range(int(pairs)):
+    for scale in sigmas:
+        gaps = torch.zeros(int(noise_pairs), dtype=torch.float64)
+        for j in range(int(noise_pairs)):
             values = []
             for sign in (1.0, -1.0):
                 with torch.no_grad():
                     for p, p0, d in zip(twin_scope.params, original, scope.unflatten(Z[:, j])):
-                        p.copy_(p0 + sign * sigma * d)
+                        p.copy_(p0 + sign * scale * d)
                 values.append(_mean_loss(twin, data))
             gaps[j] = (values[0] + values[1]) / 2 - base
-        quad = sigma**2 / 2 * quadratic
+        quad = scale**2 / 2 * quadratic
         residual = gaps - quad
         gap = float(gaps.mean())
-        predicted = sigma**2 / 2 * trace.estimate
-        predicted_stderr = None if trace_stderr is None else sigma**2 / 2 * trace_stderr
-        residual_stderr = float(residual.std(unbiased=True)) / math.sqrt(pairs)
+        predicted = scale**2 / 2 * trace.estimate
+        predicted_stderr = None if trace_stderr is None else scale**2 / 2 * trace_stderr
+        residual_stderr = float(residual.std(unbiased=True)) / math.sqrt(noise_pairs)
         gap_cv = predicted + float(residual.mean())
         rows.append(
             NoiseStabilityRow(
-                sigma=float(sigma),
+                sigma=float(scale),
                 gap=gap,
-                gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(pairs),
+                gap_stderr=float(gaps.std(unbiased=True)) / math.sqrt(noise_pairs),
                 gap_control_variate=gap_cv,
                 gap_control_variate_stderr=math.hypot(residual_stderr, predicted_stderr or 0.0),
                 predicted=predicted,
@@ -165,7 +166,7 @@ def noise_stability_check(
                 paired_quadratic=float(quad.mean()),
                 taylor_residual=float(residual.mean()),
                 taylor_residual_stderr=residual_stderr,
-                pairs=int(pairs),
+                pairs=int(noise_pairs),
             )
         )
     return {
@@ -175,5 +176,5 @@ def noise_stability_check(
         "trace_stderr": trace_stderr,
         "trace_estimator": "hutchpp",
         "rows": [row.to_dict() for row in rows],
-        "matvecs": trace.matvecs + int(pairs),
+        "matvecs": trace.matvecs + int(noise_pairs),
     }

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.scope import ParamScope, gaussian_like
 from sharpcli.errors import UsageError
@@ -53,13 +54,14 @@ def standard_normal_directions(scope: ParamScope, count: int, seed: int) -> torc
 
 
 def check_sigmas(sigmas: list[float]) -> None:
-    """A UsageError on ``sigmas`` unless it holds at least one finite number > 0, all such."""
+    """A UsageError on ``sigma`` (the parameter that gives the noise scales) unless
+    ``sigmas`` holds at least one finite number > 0, all such."""
     if not sigmas:
-        raise UsageError("needs at least one sigma", source="sigmas")
+        raise UsageError("needs at least one sigma", source="sigma")
     for sigma in sigmas:
         if not (sigma > 0 and math.isfinite(sigma)):
             raise UsageError(
-                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigmas"
+                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigma"
             )
 
 
@@ -139,7 +141,6 @@ def spectral_norm(
     op, *, tol: float, max_matvecs: int | None, seed: int
 ) -> tuple[float, float, bool]:
     """``(max |eig|, largest eig, converged)`` of a symmetric operator by Lanczos (both ends)."""
-    from sharpcli.curvature.lanczos import lanczos
 
     result = lanczos(op, 1, "both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     values = result.eigenvalues

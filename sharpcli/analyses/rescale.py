@@ -50,12 +50,15 @@ from sharpcli.analyses.rescale_plan import (
     check_mode,
     plan_rescale,
 )
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 from sharpcli.curvature.data import (
     AnalysisData,
     all_reduce_sum,
     distributed_rank_and_world,
     to_model_batch,
 )
+from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -98,23 +101,23 @@ class ElementwiseScaledOperator(CurvatureOperator):
         return s * self.base.matmat(s * V)
 
 
-def check_alphas(alphas: list[float]) -> None:
-    """UsageError on ``alphas`` unless there is at least one and each is finite and > 0.
+def check_alphas(alpha: list[float]) -> None:
+    """UsageError on ``alpha`` unless there is at least one and each is finite and > 0.
 
     :func:`weight_rescale` checks them itself; a caller about to load a model may check first.
 
     Args:
-        alphas: the factors.
+        alpha: the factors.
 
     Raises:
-        UsageError: none given, or one not finite or not > 0 (source ``alphas``).
+        UsageError: none given, or one not finite or not > 0 (source ``alpha``).
     """
-    if not alphas:
-        raise UsageError("needs at least one alpha", source="alphas")
-    for alpha in alphas:
-        if not (alpha > 0 and math.isfinite(alpha)):
+    if not alpha:
+        raise UsageError("needs at least one alpha", source="alpha")
+    for factor in alpha:
+        if not (factor > 0 and math.isfinite(factor)):
             raise UsageError(
-                f"every alpha must be a finite number > 0, got {alpha:g}", source="alphas"
+                f"every alpha must be a finite number > 0, got {factor:g}", source="alpha"
             )
 
 
@@ -239,7 +242,6 @@ def _curvature_row(
     seed: int,
     rho: float | None,
 ) -> tuple[RescaleRow, int]:
-    from sharpcli.curvature.lanczos import lanczos
 
     evaluation = evaluate_outputs(model, data)
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
@@ -277,7 +279,6 @@ def _worst_case_sharpness(
     model: nn.Module, data: AnalysisData, params: str | None, rho: float, adaptive: bool, seed: int
 ) -> float:
     """Worst-case l2 sharpness at ``rho`` over the whole set ([Andriushchenko2023])."""
-    from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 
     config = SharpnessConfig(rhos=(rho,), adaptive=adaptive, params=params, seed=seed)
     return sharpness(model, data, config).rows[0].sharpness
@@ -285,7 +286,6 @@ def _worst_case_sharpness(
 
 def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) -> dict:
     """Hutch++ trace of ``op`` from the curvature engine: ``{"estimate", "stderr"}``."""
-    from sharpcli.curvature.hutchpp import hutchpp
 
     result = hutchpp(op, tol=tol, max_matvecs=max_matvecs, seed=seed)
     stderr = (
@@ -297,7 +297,7 @@ def _trace(op: CurvatureOperator, *, tol: float, max_matvecs: int, seed: int) ->
 def weight_rescale(
     model: nn.Module,
     data: AnalysisData,
-    alphas: list[float],
+    alpha: list[float],
     *,
     mode: str = "layer",
     layer: str | None = None,
@@ -322,7 +322,7 @@ def weight_rescale(
     Args:
         model: the model (not changed).
         data: the analysis set.
-        alphas: the factors.
+        alpha: the factors.
         mode: ``"global"`` or ``"layer"``.
         layer: the layer to rescale (``mode="layer"``).
         force: accept a rescaling that changes the function.
@@ -341,7 +341,8 @@ def weight_rescale(
     Raises:
         UsageError: bad alphas, mode or layer, or a plan that changes the function unforced.
     """
-    check_alphas(alphas)
+    check_alphas(alpha)
+    alphas = list(alpha)
     check_mode(mode)
     if rho is not None and not (rho > 0 and math.isfinite(rho)):
         raise UsageError(f"must be a finite number > 0, got {rho:g}", source="rho")
@@ -366,11 +367,11 @@ def weight_rescale(
         baseline, numel = _curvature_row(baseline_model, data, params, 1.0, reference, **kwargs)
         del baseline_model
         rows = []
-        for i, alpha in enumerate(alphas):
-            run.update(i + 1, detail=f"alpha {alpha:g}")
+        for i, factor in enumerate(alphas):
+            run.update(i + 1, detail=f"alpha {factor:g}")
             scaled = copy.deepcopy(model)
-            apply_rescale(scaled, plan, alpha)
-            row, _ = _curvature_row(scaled, data, params, alpha, reference, **kwargs)
+            apply_rescale(scaled, plan, factor)
+            row, _ = _curvature_row(scaled, data, params, factor, reference, **kwargs)
             rows.append(row)
         run.finish(total)
     return WeightRescaleResult(

@@ -17,6 +17,7 @@ from torch import nn
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
+from sharpcli.models.activations import ACTIVATION_TYPES, is_positively_homogeneous
 
 __all__ = ["MODES", "RescalePlan", "apply_rescale", "check_mode", "plan_rescale"]
 
@@ -279,13 +280,11 @@ def _check_compensated(plan: RescalePlan, force: bool) -> None:
 
 
 def _is_activation(module: nn.Module) -> bool:
-    from sharpcli.models.activations import ACTIVATION_TYPES
 
     return isinstance(module, ACTIVATION_TYPES)
 
 
 def _is_positively_homogeneous(module: nn.Module) -> bool:
-    from sharpcli.models.activations import is_positively_homogeneous
 
     if isinstance(module, _HOMOGENEOUS_PASS_TYPES):
         return True

@@ -131,9 +131,9 @@ def eigen(
         result = pyhessian_eigenvalues(
             session.model,
             session.analysis_data(),
-            top_n=top_k,
+            top_k=top_k,
             tol=tol,
-            max_iter=max_matvecs or 100,
+            max_matvecs=max_matvecs or 100,
             seed=seed,
             params=params,
         )
@@ -144,13 +144,12 @@ def eigen(
     result = eigen_result(
         cpass,
         operator,
-        k=top_k,
+        top_k=top_k,
         which=which,
         method=method,
         tol=tol,
         max_matvecs=max_matvecs,
         seed=seed,
-        k_name="top_k",
     )
     out = result.to_dict()
     out.update(operator=operator, scope=scope_info(cpass.scope))
@@ -163,16 +162,15 @@ def eigen_result(
     cpass,
     operator: str = HESSIAN,
     *,
-    k: int = 1,
+    top_k: int = 1,
     which: str = "largest",
     method: str = "lanczos",
     tol: float = 1e-3,
     max_matvecs: int | None = None,
     seed: int = 0,
     return_eigenvectors: bool = False,
-    k_name: str = "k",
 ) -> EigenResult:
-    """The ``k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
+    """The ``top_k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
 
     The one dispatch behind ``sharp eigen`` (:func:`eigen`) and
     :meth:`sharpcli.api.Curvature.eigenvalues`: Lanczos ([Lanczos1950]) for the largest,
@@ -181,14 +179,13 @@ def eigen_result(
     Args:
         cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
-        k: Eigenvalues per end.
+        top_k: Eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
         method: ``lanczos`` or ``power``.
         tol: The relative residual each Ritz pair must reach.
         max_matvecs: The products allowed (None: the method's default).
         seed: Seed of the start vector.
         return_eigenvectors: Keep the Ritz vectors in the result.
-        k_name: The caller's name for ``k`` in errors (``top_k`` for the analyses).
 
     Returns:
         The :class:`~sharpcli.curvature.EigenResult`.
@@ -206,28 +203,28 @@ def eigen_result(
         with progress.phase(f"eigen {_symbol(operator)}"):
             return power_iteration(
                 op,
-                k=k,
+                top_k=top_k,
                 tol=tol,
-                max_iter=max_matvecs or 100,
+                max_matvecs=max_matvecs or 100,
                 seed=seed,
                 return_eigenvectors=return_eigenvectors,
             )
     dim = cpass.scope.numel
     budget = min(dim, int(max_matvecs or DEFAULT_MAX_MATVECS))
-    wanted = min(int(k) * (2 if which == "both" else 1), dim)
+    wanted = min(int(top_k) * (2 if which == "both" else 1), dim)
     if wanted > budget:
         # a Krylov space of dimension m holds at most m Ritz values: refuse rather than
         # return fewer eigenvalues than asked, none converged
         raise UsageError(
-            f"`{k_name}={k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
-            f"products (`max_matvecs`) holds at most {budget}; lower `{k_name}` or raise "
+            f"`top_k={top_k}` asks for {wanted} eigenvalues but a Krylov space of {budget} "
+            f"products (`max_matvecs`) holds at most {budget}; lower `top_k` or raise "
             "`max_matvecs`",
-            source=k_name,
+            source="top_k",
         )
     with progress.phase(f"eigen {_symbol(operator)}"):
         return lanczos(
             op,
-            k=k,
+            top_k=top_k,
             which=which,
             tol=tol,
             max_matvecs=max_matvecs,
@@ -280,7 +277,7 @@ def trace(
             session.model,
             session.analysis_data(),
             tol=tol,
-            max_iter=max_matvecs,
+            max_matvecs=max_matvecs,
             seed=seed,
             params=params,
         )
@@ -368,9 +365,9 @@ def density(
         result = spectral_density(
             op,
             probes=probes,
-            lanczos_steps=steps,
+            steps=steps,
             grid_points=grid_points,
-            sigma=broadening,
+            broadening=broadening,
             seed=seed,
         )
     out = result.to_dict()
@@ -382,7 +379,7 @@ def density(
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:
 
-    res = lanczos(op, k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
+    res = lanczos(op, top_k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     return {
         "lambda_max": res.eigenvalues[0],
         "lambda_min": res.eigenvalues[-1],

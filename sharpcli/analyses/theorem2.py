@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas
+from sharpcli.analyses.rescale import _global_max
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
+from sharpcli.models.zoo import final_linear
 
 __all__ = ["Theorem2Row", "smoothed_cross_entropy", "theorem2_check"]
 
@@ -111,9 +113,8 @@ def _smoothed_draws(
 
 def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
     """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
-    from sharpcli.models.zoo import final_linear
 
-    name, head = final_linear(model, source="checks")
+    name, head = final_linear(model, source="check")
     captured = {}
 
     def hook(module, inputs, output):
@@ -133,7 +134,7 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
                 raise UsageError(
                     f"the classifier head {name!r} is not the model's last operation, so noise on its "
                     "weight does not act on the logits as Theorem 2 assumes",
-                    source="checks",
+                    source="check",
                 )
             h = captured["h"].reshape(z.shape[0], -1)
             yield h, z, y_b
@@ -142,7 +143,12 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
 
 
 def theorem2_check(
-    model: nn.Module, data: AnalysisData, sigmas: list[float], *, mc_pairs: int = 256, seed: int = 0
+    model: nn.Module,
+    data: AnalysisData,
+    sigma: list[float],
+    *,
+    mc_samples: int = 256,
+    seed: int = 0,
 ) -> list[Theorem2Row]:
     """AD Theorem 2 (and the Theorem 3 Taylor value) per sample, for each sigma.
 
@@ -150,16 +156,17 @@ def theorem2_check(
     every sample and sigma), the bound ``CE + sigma^2/2 ||h||^2`` and the Taylor value
     ``CE + sigma^2/2 ||h||^2 sum_i p_i (1 - p_i)``; the row gives their means over the analysis set,
     the fraction of samples with ``smoothed <= bound``, the smallest margin ``bound - smoothed``
-    and the mean ``|taylor - smoothed|``. Needs cross-entropy.
+    and the mean ``|taylor - smoothed|``. Needs cross-entropy. ``sigma``: the noise scales;
+    ``mc_samples``: the antithetic pairs per sample.
     """
+    sigmas = list(sigma)
     check_sigmas(sigmas)
     if not get_loss(data.loss).softmax_per_sample:
         raise UsageError(
-            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="checks"
+            f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="check"
         )
-    if int(mc_pairs) < 2:
-        raise UsageError(f"must be >= 2, got {mc_pairs}", source="mc_pairs")
-    from sharpcli.analyses.rescale import _global_max
+    if int(mc_samples) < 2:
+        raise UsageError(f"must be >= 2, got {mc_samples}", source="mc_samples")
 
     ns = len(sigmas)
     sums = torch.zeros(
@@ -167,29 +174,29 @@ def theorem2_check(
     )  # ce, smoothed, (unused), bound, taylor, holds, |taylor-smoothed|
     # per draw k, the sum over samples of that draw's adjusted value: the same K draws serve
     # every sample, so each draw's dataset mean is one observation of the dataset mean
-    per_draw = torch.zeros(ns, int(mc_pairs), dtype=torch.float64)
+    per_draw = torch.zeros(ns, int(mc_samples), dtype=torch.float64)
     min_margin = torch.full((ns,), math.inf, dtype=torch.float64)
     generator = torch.Generator().manual_seed(int(seed) + 104729)
     g = None
     for h, z, y in _penultimate_and_logits(model, data):
         if g is None:
-            g = torch.randn(int(mc_pairs), z.shape[1], generator=generator, dtype=torch.float64)
+            g = torch.randn(int(mc_samples), z.shape[1], generator=generator, dtype=torch.float64)
         z64 = z.to(torch.float64).cpu()
         y = y.cpu()
         h_sq = (h.to(torch.float64) ** 2).sum(dim=1).cpu()
         ce = torch.logsumexp(z64, dim=1) - z64.gather(1, y[:, None]).squeeze(1)
         p = torch.softmax(z64, dim=1)
         spread = (p * (1 - p)).sum(dim=1)
-        for i, sigma in enumerate(sigmas):
+        for i, scale in enumerate(sigmas):
             rows_per_chunk = max(1, (1 << 22) // (g.shape[0] * z.shape[1]))
             for start in range(0, z64.shape[0], rows_per_chunk):
                 sl = slice(start, start + rows_per_chunk)
-                t = sigma * h_sq[sl].sqrt()
+                t = scale * h_sq[sl].sqrt()
                 draws = _smoothed_draws(z64[sl], y[sl], t, g)
                 smoothed = draws.mean(dim=1)
                 per_draw[i] += draws.sum(dim=0)
-                bound = ce[sl] + sigma**2 / 2 * h_sq[sl]
-                taylor = ce[sl] + sigma**2 / 2 * h_sq[sl] * spread[sl]
+                bound = ce[sl] + scale**2 / 2 * h_sq[sl]
+                taylor = ce[sl] + scale**2 / 2 * h_sq[sl] * spread[sl]
                 sums[i, 0] += ce[sl].sum()
                 sums[i, 1] += smoothed.sum()
                 sums[i, 3] += bound.sum()
@@ -201,14 +208,15 @@ def theorem2_check(
     n = data.num_samples
     draw_means = per_draw / n  # (ns, K): the smoothed dataset mean under each draw
     rows = []
-    for i, sigma in enumerate(sigmas):
+    for i, scale in enumerate(sigmas):
         margin = -_global_max(-float(min_margin[i]), torch.device("cpu"))
         rows.append(
             Theorem2Row(
-                sigma=float(sigma),
+                sigma=float(scale),
                 cross_entropy=float(sums[i, 0]) / n,
                 smoothed_cross_entropy=float(sums[i, 1]) / n,
-                smoothed_stderr=float(draw_means[i].std(unbiased=True)) / math.sqrt(int(mc_pairs)),
+                smoothed_stderr=float(draw_means[i].std(unbiased=True))
+                / math.sqrt(int(mc_samples)),
                 bound=float(sums[i, 3]) / n,
                 taylor=float(sums[i, 4]) / n,
                 fraction_holds=float(sums[i, 5]) / n,
@@ -216,7 +224,7 @@ def theorem2_check(
                 min_margin=margin,
                 mean_taylor_abs_error=float(sums[i, 6]) / n,
                 samples=n,
-                mc_pairs=int(mc_pairs),
+                mc_pairs=int(mc_samples),
             )
         )
     return rows

@@ -22,6 +22,17 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
+from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+from sharpcli.curvature import (
+    AnalysisData,
+    CurvatureEngine,
+    ParamScope,
+    frobenius_sq,
+    hutchpp,
+    lanczos,
+)
+from sharpcli.curvature.registry import GGN, HESSIAN, NME
+from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
 
 TRACKABLE = catalogue.TRACKABLE
@@ -56,9 +67,6 @@ def measure(
     worst-case l2 sharpness at rho 0.05 over the whole set (10 Auto-PGD steps; gradients, no
     curvature products).
     """
-    from sharpcli.curvature import frobenius_sq, hutchpp, lanczos
-    from sharpcli.curvature.registry import GGN, HESSIAN, NME
-    from sharpcli.curvature.split import gn_nme_split
 
     check_tracked(names)
     out: dict = {}
@@ -67,7 +75,7 @@ def measure(
         # only the eigenvalue is recorded: no product spent on an explicit residual
         top = lanczos(
             cpass.hessian(),
-            k=1,
+            top_k=1,
             tol=1e-3,
             max_matvecs=eigen_max_matvecs,
             seed=seed,
@@ -91,8 +99,6 @@ def measure(
         out["nme_share"] = out["nme_trace"] / h if h else None
         products += split.matvecs
     if "sharpness" in names:
-        from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-
         config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=seed)
         out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
     return out, products
@@ -111,7 +117,6 @@ def make_tracker(
     check_tracked(names)
 
     def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
-        from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 
         was_training = model.training
         model.eval()

@@ -9,6 +9,7 @@ first-order graphs and with the model in eval mode (:mod:`.products`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ class CurvatureEstimates(CurvatureProducts):
 
     def eigenvalues(
         self,
-        k: int = 1,
+        top_k: int = 1,
         which: str = "largest",
         operator: str = HESSIAN,
         *,
@@ -39,14 +40,16 @@ class CurvatureEstimates(CurvatureProducts):
         seed: int = 0,
         return_eigenvectors: bool = False,
         blocks: str | Mapping[str, str] | None = None,
+        k: int | None = None,
     ) -> EigenResult | list[dict[str, Any]]:
-        r"""The ``k`` extreme eigenvalues of ``operator``, each certified by its residual.
+        r"""The ``top_k`` extreme eigenvalues of ``operator``, each certified by its residual.
 
         A Ritz pair :math:`(\theta, u)` is converged when
         :math:`\lVert A u - \theta u \rVert \le \mathrm{tol}\,|\theta|`.
 
         Args:
-            k: How many eigenvalues (per end with ``which="both"``).
+            top_k: How many eigenvalues (per end with ``which="both"``); ``sharp eigen
+                --top-k``.
             which: ``"largest"``, ``"smallest"`` or ``"both"``.
             operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
             method: ``"lanczos"`` ([Lanczos1950], full reorthogonalisation [Parlett1998])
@@ -57,18 +60,26 @@ class CurvatureEstimates(CurvatureProducts):
             return_eigenvectors: Keep the Ritz vectors (P floats each) in the result.
             blocks: Per parameter block instead (:meth:`blocks_of`): the extreme eigenvalues
                 of each principal sub-block ``A_bb``.
+            k: The former name of ``top_k``, still accepted with a DeprecationWarning.
 
         Returns:
             An :class:`~sharpcli.curvature.EigenResult`: eigenvalues descending, their
             residuals and converged flags, the products spent. With ``blocks``: a list, per
             block, of ``{name, parameters, numel, eigenvalues, residuals, converged,
             matvecs}`` (``results.blocks`` of ``sharp eigen --blocks``; a block smaller than
-            ``k`` gives all its eigenvalues).
+            ``top_k`` gives all its eigenvalues).
 
         Raises:
             UsageError: an argument out of range, named by its keyword.
         """
-        integer_argument(k, "k")
+        if k is not None:
+            warnings.warn(
+                "Curvature.eigenvalues(k=...) is deprecated; use top_k=...",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            top_k = k
+        integer_argument(top_k, "top_k")
         seed_argument(seed)
         self.refresh()
         if blocks is not None and return_eigenvectors:
@@ -78,13 +89,14 @@ class CurvatureEstimates(CurvatureProducts):
         )
         with self._analysis_mode():
             if blocks is not None:
-                return eigen_blocks(self.blocks_of(blocks), operator=operator, top_k=k, **settings)
+                return eigen_blocks(
+                    self.blocks_of(blocks), operator=operator, top_k=top_k, **settings
+                )
             return eigen_result(
                 self.curvature_pass,
                 operator,
-                k=k,
+                top_k=top_k,
                 return_eigenvectors=return_eigenvectors,
-                k_name="k",
                 **settings,
             )
 
@@ -251,9 +263,9 @@ class CurvatureEstimates(CurvatureProducts):
             return spectral_density(
                 op,
                 probes=probes,
-                lanczos_steps=steps,
+                steps=steps,
                 grid_points=grid_points,
-                sigma=broadening,
+                broadening=broadening,
                 seed=seed,
             )
 

@@ -13,6 +13,9 @@ from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 
 __all__ = [
+    "GGN",
+    "HESSIAN",
+    "NME",
     "DIAGONAL_ESTIMATORS",
     "ESTIMATORS",
     "OPERATORS",
@@ -20,6 +23,11 @@ __all__ = [
     "operator_help",
     "operator_table",
 ]
+
+# The parts of the split H = G + N ([NME] eq. 2): the operators every curvature engine offers
+# (CurvatureEngine.hessian/ggn/nme build them through OPERATORS), declared in
+# sharpcli.curvature.registry
+HESSIAN, GGN, NME = "hessian", "ggn", "nme"
 
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it

@@ -52,7 +52,7 @@ _ARROW = "sharpcli.io.datasets_arrow"
 # train/test pair in the same folder).
 DATA_FORMATS: Registry[Any] = Registry(
     "data format",
-    source="spec",
+    source="data",
     entries=[
         _format(
             "safetensors",
@@ -178,7 +178,7 @@ DATA_FORMATS: Registry[Any] = Registry(
 # their parameters are typed and checked there
 DATASETS: Registry[Any] = Registry(
     "built-in dataset",
-    source="spec",
+    source="data",
     entries=[
         Entry("blobs", "a Gaussian mixture in R^dim", "sharpcli.io.datasets_builtin:make_blobs"),
         Entry(

@@ -11,67 +11,30 @@ import os
 import signal
 import sys
 import time
-from typing import Annotated, Optional
 
 import typer
 
-from sharpcli import __version__
-from sharpcli.cli import lazyhelp, runner
-from sharpcli.errors import SharpError
+from sharpcli import distributed, interrupts, ledger
+from sharpcli.atomic import write_text_atomic
 
-app = typer.Typer(
-    name="sharp",
-    help="Measure and control the sharpness of neural-network loss landscapes.",
-    invoke_without_command=True,  # bare ``sharp``: the help, exit 0 (see _root)
-    # --install-completion / --show-completion: completion of commands, options and their
-    # values (sharpcli/cli/choices.py) in bash, zsh, fish and PowerShell
-    add_completion=True,
-    cls=lazyhelp.SharpGroup,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+# each command module adds its commands to the group's app when imported: here, in one place
+from sharpcli.cli import (  # noqa: F401
+    cmd_analyze,
+    cmd_compare,
+    cmd_diagnostics,
+    cmd_diagonal,
+    cmd_landscape,
+    cmd_sharpness,
+    cmd_spectrum,
+    cmd_sweep,
+    cmd_train,
+    runner,
 )
+from sharpcli.cli.flags import to_cli_error
+from sharpcli.cli.group import app
+from sharpcli.errors import SharpError, UsageError
 
-
-def _version(value: bool) -> None:
-    if value:
-        print(f"sharp {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    version: Annotated[
-        Optional[bool],
-        typer.Option(
-            "--version", callback=_version, is_eager=True, help="Print the version and exit."
-        ),
-    ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
-) -> None:
-    """Measure and control the sharpness of neural-network loss landscapes."""
-    runner.state()["debug"] = debug
-    if ctx.invoked_subcommand is None:  # bare ``sharp`` (or ``sharp --debug``): the help
-        print(ctx.get_help())
-        raise typer.Exit(0)
-
-
-def _register() -> None:
-    # Each module adds its commands to ``app``; imported here, in one place.
-    from sharpcli.cli import (  # noqa: F401
-        cmd_analyze,
-        cmd_compare,
-        cmd_diagnostics,
-        cmd_diagonal,
-        cmd_landscape,
-        cmd_sharpness,
-        cmd_spectrum,
-        cmd_sweep,
-        cmd_train,
-    )
-
-
-_register()
+__all__ = ["app", "main"]
 
 
 def _json_requested(argv: list[str]) -> str | None:
@@ -105,7 +68,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
 
     Not onto a file the command line names otherwise (``sharp eigen m.safetensors --json
     m.safetensors --bad-option`` keeps the checkpoint)."""
-    from sharpcli import ledger
 
     target = _json_requested(argv)
     if target == "-":
@@ -118,8 +80,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
             runner.silence_stdout()
     elif target is not None and not any(ledger.same_file(target, p) for p in _other_files(argv)):
         try:
-            from sharpcli.atomic import write_text_atomic
-
             ledger.check_writable(target, "--json")
             write_text_atomic(target, runner.dumps(runner.error_document(command, err)))
         except (OSError, SharpError):
@@ -128,8 +88,6 @@ def _write_json_error(argv: list[str], command: str, err) -> None:
 
 def _usage_error(argv: list[str], exc) -> int:
     """One stderr line (and the JSON error object) for click's usage errors; exit 2."""
-    from sharpcli import distributed
-    from sharpcli.errors import UsageError
 
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
     # typer's value coercion prefixes a refused choice with its validator's label:
@@ -151,7 +109,6 @@ def _usage_error(argv: list[str], exc) -> int:
 
 def _run_app(argv: list[str]) -> int:
     """Run the Typer app on ``argv``; its exit status (see :func:`main`)."""
-    from sharpcli import interrupts
 
     command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
@@ -188,9 +145,6 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> None
     (``WORLD_SIZE > 1``) the process group is joined first and left on exit
     (:mod:`sharpcli.distributed`); only rank 0 prints.
     """
-    from sharpcli import distributed, interrupts
-    from sharpcli.cli.flags import to_cli_error
-    from sharpcli.errors import SharpError
 
     runner.state()["started"] = time.perf_counter() if started is None else started
     installed_here = interrupts.install()
@@ -200,7 +154,8 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> None
             distributed.init_from_environment(argv)
         except SharpError as err:
             command = argv[0] if argv and not argv[0].startswith("-") else None
-            print(f"sharp: error: {to_cli_error(err, command).one_line()}", file=sys.stderr)
+            err = to_cli_error(err, command, typer.main.get_command(app))
+            print(f"sharp: error: {err.one_line()}", file=sys.stderr)
             sys.exit(err.exit_code)
         except (RuntimeError, ValueError) as exc:  # rendezvous failed (address, port, timeout)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

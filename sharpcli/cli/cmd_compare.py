@@ -6,8 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpcli.atomic import write_text_atomic
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
+from sharpcli.report.envelope import environment_info, make_report
+from sharpcli.report.tables import records_table
 
 
 @app.command("compare", cls=lazyhelp.LazyHelpCommand)
@@ -98,10 +101,8 @@ def compare_command(
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
     def body() -> runner.Outcome:
-        from sharpcli.atomic import write_text_atomic
+        # kept out of sharp's start-up (--help, completion), which it would slow by 23 ms
         from sharpcli.report.compare import FORMATS, compare_table, render
-        from sharpcli.report.envelope import environment_info, make_report
-        from sharpcli.report.tables import records_table
 
         common.require(
             fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format"
@@ -115,6 +116,7 @@ def compare_command(
         if out is not None:
             write_text_atomic(out, text)
         if plot is not None:
+            # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
             from sharpcli.report.plots import plot_compare_scatter, scatter_axes
 
             x, y = scatter_axes(records, plot_x, plot_y)
@@ -156,6 +158,7 @@ def compare_command(
 def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -> dict | None:
     """Kendall's tau of every numeric column against the gap (``--gap``), when at least three
     runs have one; the train and test losses from each report's ``results.final``."""
+    # kept out of sharp's start-up (--help, completion), which it would slow by 23 ms
     from sharpcli.report.compare import read_report, run_names
     from sharpcli.report.rank_correlation import measure_correlations
 
@@ -170,7 +173,6 @@ def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -
 
 
 def _show_kendall(console, kendall: dict) -> None:
-    from sharpcli.report.tables import records_table
 
     gap = "test error - train error" if kendall["gap"] == "error" else "test loss - train loss"
     columns = ["measure", "tau", "p_value", "runs"]

@@ -12,7 +12,7 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 ForceOpt = Annotated[
@@ -66,6 +66,7 @@ def activation_stats_command(
 ) -> runner.Outcome:
     """How often each activation layer's units are active or dead, the output's Gini impurity
     and entropy, the AD penalty and the input-output Jacobian norm (MAN sections 2, 5)."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.activations import activation_stats
 
     session = common.open_session(checkpoint, opts, curvature=False)  # first derivatives only
@@ -159,6 +160,7 @@ def weight_rescale_command(
     plot: PlotOpt = None,
 ) -> runner.Outcome:
     """Rescale weights, keeping the function (MAN Fig. 1): lambda_max moves, adaptive sharpness not."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
 
     alphas = common.parse_float_list(alpha, "--alpha")
@@ -186,6 +188,7 @@ def weight_rescale_command(
         )
     results = result.to_dict()
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_weight_rescale
 
         plot_weight_rescale(
@@ -306,21 +309,22 @@ def bound_check_command(
 ) -> runner.Outcome:
     """Check AD Corollary 1's bound on the Hessian smoothed by weight noise, for each sigma;
     optionally AD Theorem 2 and NSO's noise-stability gap."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.bounds import BoundCheckConfig, bound_check
 
     sigmas = common.parse_float_list(sigma, "--sigma")
     checks = [c.strip() for item in (check or []) for c in item.split(",") if c.strip()]
     config = BoundCheckConfig(
-        sigmas=sigmas,
+        sigma=sigmas,
         params=params,
         perturbations=perturbations,
-        epsilon_kind=epsilon,
+        epsilon=epsilon,
         tol=tol,
         max_matvecs=max_matvecs,
         bootstrap=bootstrap,
         ci_level=ci_level,
-        checks=tuple(dict.fromkeys(checks)),
-        mc_pairs=mc_samples,
+        check=tuple(dict.fromkeys(checks)),
+        mc_samples=mc_samples,
         noise_pairs=noise_pairs,
         trace_tol=trace_tol,
         trace_max_matvecs=trace_max_matvecs,
@@ -333,6 +337,7 @@ def bound_check_command(
         result = bound_check(session.model, session.analysis_data(), config)
     results = result.to_dict()
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_bound_check
 
         noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None

@@ -8,7 +8,7 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 DiagonalEstimator = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
@@ -68,6 +68,7 @@ def diagonal_command(
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.diagonal import diagonal, save_diagonal
 
     common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")

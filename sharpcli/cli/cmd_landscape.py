@@ -15,9 +15,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli import distributed
+from sharpcli import distributed, ledger
+from sharpcli.atomic import write_text_atomic
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
+from sharpcli.errors import UsageError
 from sharpcli.report.tables import key_value_table, records_table
 
 
@@ -87,6 +89,7 @@ def landscape_command(
 ) -> runner.Outcome:
     """Loss and accuracy on a line or plane through the checkpoint (Li et al. 2018), a
     contour or line plot."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.landscape import LandscapeConfig, landscape
     from sharpcli.analyses.landscape_directions import load_directions
     from sharpcli.analyses.landscape_directions import save_directions as write_directions
@@ -134,12 +137,11 @@ def landscape_command(
     if save_directions is not None:
         results["directions_file"] = save_directions
     if csv_path is not None and writes:
-        from sharpcli.atomic import write_text_atomic
-
         write_text_atomic(csv_path, _csv_text(result.csv_rows()))
     if csv_path is not None:
         results["csv"] = csv_path
     if plot is not None and writes:
+        # imports matplotlib (0.7 s): kept out of sharp's start-up (--help, completion)
         from sharpcli.report.landscape_plot import plot_landscape
 
         plot_landscape(results, plot, title=f"loss landscape of {checkpoint} ({kind})")
@@ -151,6 +153,7 @@ def landscape_command(
 
 
 def _names(session, params: str | None) -> list[str]:
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.curvature.scope import ParamScope
 
     return ParamScope.resolve(session.model, params).names
@@ -158,8 +161,7 @@ def _names(session, params: str | None) -> list[str]:
 
 def _second_model(path: str, opts: common.CommonOptions, session):
     """The model of ``--along CKPT2``, in the session's dtype and device, eval mode."""
-    from sharpcli import ledger
-    from sharpcli.errors import UsageError
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.io.checkpoints import load_checkpoint
 
     if ledger.same_file(path, session.checkpoint.path):

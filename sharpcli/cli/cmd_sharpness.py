@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli.cli import choices, common, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 
@@ -84,6 +84,7 @@ def sharpness_command(
 ) -> runner.Outcome:
     """Worst-case or average-case sharpness, adaptive or standard, per rho
     (Andriushchenko et al. 2023)."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 
     config = SharpnessConfig(

@@ -8,7 +8,7 @@ import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
 
@@ -56,6 +56,7 @@ HvpOpt = Annotated[
 def _hvp(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple[str, bool]:
     """``--hvp`` as the library's ``(hvp, fsdp)``, checked against the other options before
     the session loads (``fsdp``: finite differences on the model sharded by FSDP2)."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.hvp import check_hvp
 
     common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")
@@ -185,6 +186,7 @@ def eigen_command(
     ] = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
@@ -210,6 +212,7 @@ def eigen_command(
             fsdp=fsdp,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -224,6 +227,7 @@ def eigen_command(
                 seed=session.seed,
             )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 29 ms
         from sharpcli.report.block_heatmap import plot_block_eigenvalues
 
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
@@ -297,6 +301,7 @@ def trace_command(
     top: TopOpt = None,
 ) -> runner.Outcome:
     """Trace of H, G, N or a Fisher, with its standard error and per-layer traces."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -318,6 +323,7 @@ def trace_command(
             fsdp=fsdp,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import session_block_passes, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -416,6 +422,7 @@ def gn_nme_command(
     ] = "auto",
 ) -> runner.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -432,6 +439,7 @@ def gn_nme_command(
             ggn_estimator=ggn_estimator,
         )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_gn_nme_layers
 
         plot_gn_nme_layers(results, plot)
@@ -440,6 +448,7 @@ def gn_nme_command(
     report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
 
     def render(console):
+        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
         from sharpcli.curvature.registry import OPERATORS, SPLIT
 
         rows = [
@@ -502,6 +511,7 @@ def density_command(
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")
@@ -525,6 +535,7 @@ def density_command(
             fsdp=fsdp,
         )
         if blocks is not None:
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
             from sharpcli.analyses.blocks import density_blocks, session_block_passes
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 
@@ -541,6 +552,7 @@ def density_command(
                 results, results["blocks"], grid_points
             )
     if plot is not None:
+        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
         from sharpcli.report.plots import plot_block_densities, plot_density
 
         if blocks is not None:

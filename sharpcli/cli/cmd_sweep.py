@@ -2,79 +2,51 @@
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import fields
 from typing import Annotated, Optional
 
 import typer
 
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, lazyhelp, runner
-from sharpcli.cli.app import app
+from sharpcli.cli.declared import with_options
+from sharpcli.cli.group import app
+from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions, regularizer_option
+from sharpcli.report.envelope import environment_info, make_report
+from sharpcli.report.tables import records_table
+from sharpcli.training.config import TrainConfig, validate_config
 
-# as train's --token-reduction (command modules import no other command module)
-TrainTokenReductionOpt = Annotated[
-    choices.TokenReduction,
-    typer.Option("--token-reduction", metavar="MODE", rich_help_panel="Data", help="Token CE."),
-]
+# the TrainConfig fields --set may set (the regularizers and the seed are the sweep's own)
+_SETTABLE = tuple(f.name for f in fields(TrainConfig) if f.name not in ("regs", "seed"))
 
 
-def _train_config(
-    model,
-    data,
-    epochs,
-    batch_size,
-    lr,
-    optimizer,
-    schedule,
-    width,
-    depth,
-    activation,
-    dtype,
-    sets,
-    device="cpu",
-    token_reduction="tokens",
-):
-    from sharpcli.training.loop import OPTION_OF, TrainConfig, config_from_options, validate_config
-
-    cfg = config_from_options(
-        model=model,
-        data=data,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        optimizer=optimizer,
-        schedule=schedule,
-        dtype=dtype,
-        device=device,
-        width=width,
-        depth=depth,
-        activation=activation,
-        token_reduction=token_reduction,
-    )
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"regs", "seed"}
-    given = {}
+def _train_config(train: TrainOptions, sets: list[str] | None) -> TrainConfig:
+    """The training configuration of every run: sweep's training options, then ``--set``."""
+    cfg = train.config()
+    given = set()
     for item in sets or []:
         if "=" not in item:
             raise common.UsageError(f"{item!r} is not KEY=VALUE", source="--set")
         key, raw = item.split("=", 1)
-        if key not in fields:
+        if key not in _SETTABLE:
             raise common.UsageError(
-                f"unknown training setting {key!r}; accepted: {', '.join(sorted(fields))}",
+                f"unknown training setting {key!r}; accepted: {', '.join(sorted(_SETTABLE))}",
                 source="--set",
             )
-        given[OPTION_OF[key]] = key
+        given.add(key)
         setattr(cfg, key, _set_value(raw, key))
     try:
         validate_config(cfg)
     except common.UsageError as err:  # a --set value: name --set and the key, not train's option
         if err.source in given:
-            raise common.UsageError(f"{given[err.source]}: {err.message}", source="--set") from None
+            raise common.UsageError(f"{err.source}: {err.message}", source="--set") from None
         raise
     return cfg
 
 
 def _set_value(raw: str, key: str):
     """The JSON value of ``--set KEY=RAW`` (nesting bounded), or RAW itself as a string."""
+    # kept out of sharp's start-up (--help, completion), which it would slow by 12 ms
     from sharpcli.bounded import JsonTooDeep, loads_json
 
     try:
@@ -86,14 +58,14 @@ def _set_value(raw: str, key: str):
 
 
 @app.command("sweep", cls=lazyhelp.LazyHelpCommand)
+@with_options(train=SWEEP_OPTIONS)
 def sweep_command(
+    *,
     reg: Annotated[
         str,
-        typer.Option(
+        regularizer_option(
             "--reg",
-            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
-            autocompletion=choices.completer(catalogue.REGULARIZERS),
-            help="Regularizer whose settings are swept; fixed ones after the colon, e.g. "
+            "Regularizer whose settings are swept; fixed ones after the colon, e.g. "
             "--reg sam:rho=0.1.",
         ),
     ],
@@ -114,11 +86,8 @@ def sweep_command(
     ] = "0",
     extra_reg: Annotated[
         Optional[list[str]],
-        typer.Option(
-            "--extra-reg",
-            metavar=choices.metavar(catalogue.REGULARIZERS, params=True),
-            autocompletion=choices.completer(catalogue.REGULARIZERS),
-            help="Fixed regularizer of every run; repeatable, e.g. --extra-reg wd.",
+        regularizer_option(
+            "--extra-reg", "Fixed regularizer of every run; repeatable, e.g. --extra-reg wd."
         ),
     ] = None,
     metrics: Annotated[
@@ -153,62 +122,7 @@ def sweep_command(
             help="Samples analysed per run (of the test split when there is one).",
         ),
     ] = 512,
-    model: Annotated[
-        choices.Model, typer.Option("--model", rich_help_panel="Model", help="Built-in model.")
-    ] = "mlp",
-    model_factory: Annotated[
-        Optional[str],
-        typer.Option(
-            "--model-factory",
-            metavar="MODULE:FUNCTION",
-            rich_help_panel="Model",
-            help="Function returning your nn.Module (arguments: --set model_args={...}).",
-        ),
-    ] = None,
-    data: Annotated[
-        str,
-        typer.Option(
-            "--data",
-            metavar="SPEC",
-            rich_help_panel="Data",
-            help="Training data, as train --data, e.g. --data blobs:n=2000.",
-        ),
-    ] = "blobs",
-    token_reduction: TrainTokenReductionOpt = "tokens",
-    epochs: Annotated[
-        int, typer.Option("--epochs", rich_help_panel="Training", help="Epochs per run.")
-    ] = 5,
-    batch_size: Annotated[
-        int, typer.Option("--batch-size", rich_help_panel="Training", help="Minibatch size.")
-    ] = 64,
-    lr: Annotated[
-        float, typer.Option("--lr", rich_help_panel="Training", help="Learning rate.")
-    ] = 0.05,
-    optimizer: Annotated[
-        choices.Optimizer,
-        typer.Option("--optimizer", rich_help_panel="Training", help="Optimizer."),
-    ] = "sgd",
-    schedule: Annotated[
-        choices.Schedule,
-        typer.Option("--schedule", rich_help_panel="Training", help="Learning-rate schedule."),
-    ] = "constant",
-    width: Annotated[
-        Optional[int],
-        typer.Option(
-            "--width", rich_help_panel="Model", help="Hidden width (mlp) or base channels."
-        ),
-    ] = None,
-    depth: Annotated[
-        Optional[int],
-        typer.Option(
-            "--depth",
-            rich_help_panel="Model",
-            help="Hidden layers (mlp) or depth (resnet: 20, 56).",
-        ),
-    ] = None,
-    activation: common.ActivationOpt = None,
-    dtype: common.DtypeOpt = "float32",
-    device: common.DeviceOpt = "cpu",
+    train: TrainOptions,
     sets: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -226,8 +140,7 @@ def sweep_command(
     """Sweep a regularizer's hyper-parameters over seeds: train, analyse, tabulate, plot."""
 
     def body() -> runner.Outcome:
-        from sharpcli.report.envelope import environment_info, make_report
-        from sharpcli.report.tables import records_table
+        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
         from sharpcli.training.sweep import parse_grid, run_sweep
 
         parsed_grid = parse_grid(grid)
@@ -237,30 +150,14 @@ def sweep_command(
             raise common.UsageError(
                 f"{seeds!r} is not a comma list of integers", source="--seeds"
             ) from None
+        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
         from sharpcli.preflight import check_seed
 
         for seed in seed_list:
             check_seed(seed, "--seeds")
         common.require(max_runs is None or max_runs >= 1, "must be at least 1", "--max-runs")
         common.require(analyze_samples >= 1, "must be at least 1", "--analyze-samples")
-        cfg = _train_config(
-            model,
-            data,
-            epochs,
-            batch_size,
-            lr,
-            optimizer,
-            schedule,
-            width,
-            depth,
-            activation,
-            dtype,
-            sets,
-            device=device,
-            token_reduction=token_reduction,
-        )
-        if model_factory is not None:
-            cfg.model_factory = model_factory
+        cfg = _train_config(train, sets)
         with common.progress_bar(quiet, json_out, "sweep"):
             result = run_sweep(
                 cfg,
@@ -296,6 +193,7 @@ def sweep_command(
             },
             "plot": result.plot,
         }
+        # kept out of sharp's start-up (--help, completion), which it would slow by 14 ms
         from sharpcli.report.rank_correlation import measure_correlations
 
         # which measure predicts generalization over the runs ([Jiang2019]'s tau table)
@@ -308,7 +206,7 @@ def sweep_command(
             "sweep",
             settings=settings,
             results=results,
-            environment=environment_info(cfg.device, dtype),
+            environment=environment_info(cfg.device, cfg.dtype),
         )
 
         def render(console):
@@ -356,17 +254,9 @@ def sweep_command(
     )
 
 
-# the training options sweep has under their own name; the rest it takes as --set KEY=VALUE
-_OWN_TRAIN_OPTIONS = ("model", "data", "epochs", "batch_size", "lr", "optimizer", "schedule")
-_OWN_TRAIN_OPTIONS += ("dtype", "device", "regs", "model_factory")
-
-
 def _set_aliases() -> dict[str, str]:
-    """``--set`` for every training option sweep lacks (``--label-column``, ``--momentum``,
-    ...), and for ``--arch-args``, the library's name of model arguments (sweep sets them with
-    ``--width``, ``--depth``, ``--activation`` or ``--set model_args=...``); ``--seeds`` for
-    ``--seed``."""
-    from sharpcli.training.loop import OPTION_OF
-
-    lacking = [name for name in OPTION_OF.values() if name not in _OWN_TRAIN_OPTIONS]
-    return {name: "--set" for name in [*lacking, "model_args"]} | {"seed": "--seeds"}
+    """``--set`` for every training setting sweep has no option of (``--label-column``,
+    ``--momentum``, ...) and for ``model_args`` (sweep sets model arguments with ``--width``,
+    ``--depth``, ``--activation`` or ``--set model_args=...``); ``--seeds`` for ``--seed``."""
+    own = {*(SWEEP_OPTIONS.names or ()), "regs"}
+    return {name: "--set" for name in _SETTABLE if name not in own} | {"seed": "--seeds"}

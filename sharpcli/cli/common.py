@@ -8,13 +8,14 @@ from them. The option parsers and checks raise usage errors on the option they a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Optional
 
 import typer
 
 from sharpcli import catalogue, ledger
 from sharpcli.cli import choices, runner
+from sharpcli.cli.declared import OptionSet, option
 from sharpcli.cli.lazyhelp import LazyHelpCommand
 from sharpcli.errors import UsageError
 
@@ -244,11 +245,6 @@ PlotOpt = Annotated[
 ]
 
 
-def _option(annotated, default):
-    """A :class:`CommonOptions` field: its default and, in its metadata, its typer option."""
-    return field(default=default, metadata={"option": annotated})
-
-
 @dataclass
 class CommonOptions:
     """The options shared by the analysis commands (docs/index.md), declared once: each field's
@@ -258,31 +254,31 @@ class CommonOptions:
     :func:`analysis_command`), from which :meth:`report_settings` builds the report's settings.
     """
 
-    data: str | None = _option(DataOpt, None)
-    label_column: str | None = _option(LabelColumnOpt, None)
-    x_key: str | None = _option(XKeyOpt, None)
-    y_key: str | None = _option(YKeyOpt, None)
-    shift_labels: bool | None = _option(ShiftLabelsOpt, None)
-    split: str = _option(SplitOpt, "train")
-    samples: int | None = _option(SamplesOpt, None)
-    batch_size: int = _option(BatchSizeOpt, 256)
-    device: str = _option(DeviceOpt, "cpu")
-    dtype: str = _option(DtypeOpt, "float32")
-    seed: int = _option(SeedOpt, 0)
-    json: str | None = _option(JsonOpt, None)
-    quiet: bool = _option(QuietOpt, False)
-    verbose: bool = _option(VerboseOpt, False)
-    arch: str | None = _option(ArchOpt, None)
-    arch_args: str | None = _option(ArchArgsOpt, None)
-    model_factory: str | None = _option(FactoryOpt, None)
-    output: str | None = _option(OutputOpt, None)
-    trust_pickle: bool = _option(TrustPickleOpt, False)
-    cache_mb: int | None = _option(CacheOpt, None)
-    max_memory: str | None = _option(MaxMemoryOpt, None)
-    token_reduction: str = _option(TokenReductionOpt, "tokens")
-    loss: str | None = _option(LossOpt, None)
-    threads: int | None = _option(ThreadsOpt, None)
-    debug: bool = _option(DebugOpt, False)
+    data: str | None = option(DataOpt, None)
+    label_column: str | None = option(LabelColumnOpt, None)
+    x_key: str | None = option(XKeyOpt, None)
+    y_key: str | None = option(YKeyOpt, None)
+    shift_labels: bool | None = option(ShiftLabelsOpt, None)
+    split: str = option(SplitOpt, "train")
+    samples: int | None = option(SamplesOpt, None)
+    batch_size: int = option(BatchSizeOpt, 256)
+    device: str = option(DeviceOpt, "cpu")
+    dtype: str = option(DtypeOpt, "float32")
+    seed: int = option(SeedOpt, 0)
+    json: str | None = option(JsonOpt, None)
+    quiet: bool = option(QuietOpt, False)
+    verbose: bool = option(VerboseOpt, False)
+    arch: str | None = option(ArchOpt, None)
+    arch_args: str | None = option(ArchArgsOpt, None)
+    model_factory: str | None = option(FactoryOpt, None)
+    output: str | None = option(OutputOpt, None)
+    trust_pickle: bool = option(TrustPickleOpt, False)
+    cache_mb: int | None = option(CacheOpt, None)
+    max_memory: str | None = option(MaxMemoryOpt, None)
+    token_reduction: str = option(TokenReductionOpt, "tokens")
+    loss: str | None = option(LossOpt, None)
+    threads: int | None = option(ThreadsOpt, None)
+    debug: bool = option(DebugOpt, False)
     command_options: dict = field(default_factory=dict, repr=False, compare=False)
 
     def settings(self) -> dict:
@@ -307,6 +303,7 @@ def parse_json_option(text: str | None, option: str) -> dict | None:
     """
     import json
 
+    # kept out of sharp's start-up (--help, completion), which it would slow by 12 ms
     from sharpcli.bounded import JsonTooDeep, loads_json
 
     if text is None:
@@ -357,17 +354,18 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     (:mod:`sharpcli.cli.bars`): the runs that :mod:`sharpcli.progress` reports, and ``text``
     while none is open. Nothing under ``--quiet``, ``--json -``, off a terminal, or on ranks
     other than 0."""
+    # kept out of sharp's start-up (--help, completion), which it would slow by 21 ms
     from sharpcli.cli.bars import progress_bar as bar
 
     return bar(runner.stderr_console, quiet or json_path == "-", text)
 
 
-# (name, typer option, default) of each common option, from the fields of CommonOptions.
-_COMMON_PARAMS = [
-    (f.name, f.metadata["option"], f.default)
-    for f in fields(CommonOptions)
-    if "option" in f.metadata
-]
+# The library's model arguments (models.specs: `model_args`, train's --model-args) are what an
+# analysis command's --arch-args gives (the arguments of --arch, a foreign state_dict's model).
+_ARCH_ARGS = {"model_args": "--arch-args"}
+
+# The common options, as the parameters analysis_command adds to each command's signature.
+_COMMON = OptionSet(CommonOptions)
 
 
 def analysis_command(app, name: str):
@@ -390,17 +388,13 @@ def analysis_command(app, name: str):
             for p in sig.parameters.values()
             if p.name != "opts"
         ]
-        extra = [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-            for n, a, d in _COMMON_PARAMS
-        ]
+        extra = _COMMON.parameters()
         positional = [p for p in own if p.kind != inspect.Parameter.KEYWORD_ONLY]
         keyword = [p for p in own if p.kind == inspect.Parameter.KEYWORD_ONLY]
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            common = {n: kwargs.pop(n) for n, _, _ in _COMMON_PARAMS}
-            opts = CommonOptions(**common)
+            opts = _COMMON.build(kwargs)
             bound = sig.bind(opts, *args, **kwargs)
             bound.apply_defaults()
             opts.command_options = {k: v for k, v in bound.arguments.items() if k != "opts"}
@@ -412,6 +406,7 @@ def analysis_command(app, name: str):
                 threads=opts.threads,
                 debug=opts.debug,
                 verbose=opts.verbose,
+                aliases=_ARCH_ARGS,
             )
 
         wrapper.__signature__ = sig.replace(
@@ -437,6 +432,7 @@ def open_session(
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
     carries them in ``data.notes`` either way.
     """
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.session import build_session
 
     kwargs = opts.settings()

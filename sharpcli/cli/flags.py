@@ -13,37 +13,18 @@ The mapping comes from the click commands themselves: each parameter's python ``
 command of the app (a checkpoint's model error names ``--model`` in ``eigen`` too). The running
 command's spelling first also lets one parameter carry a flag named by its meaning there:
 ``tol`` is ``--eig-tol`` in ``eigen`` (a Lanczos residual) and ``--trace-tol`` in ``trace`` (a
-relative standard error). A new option therefore needs no entry here; :data:`LIBRARY_ALIASES` lists only the library parameters whose
-name differs from the CLI parameter that sets them.
+relative standard error). A library parameter has the name of the CLI option's parameter
+that sets it (``top_k``, ``max_matvecs``, ``steps``, ``broadening``, ``data``, ...), so a new
+option needs no entry anywhere and no table maps one name to another.
 """
 
 from __future__ import annotations
 
 import re
 
-from sharpcli.errors import SharpError
+from typer.main import get_current_context  # the click of typer's commands (typer's own copy)
 
-# Library parameter -> the CLI parameter (python name) that sets it, where the names differ.
-# Looked up after the name itself, so a command with an option of the library's own name
-# (bound-check's --sigma) keeps it.
-LIBRARY_ALIASES = {
-    "k": "top_k",  # curvature.lanczos(op, k), power_iteration(op, k)
-    "top_n": "top_k",  # curvature.pyhessian_engine.pyhessian_eigenvalues(top_n=)
-    "max_iter": "max_matvecs",  # power_iteration, pyhessian_eigenvalues, pyhessian_trace
-    "lanczos_steps": "steps",  # curvature.spectral_density (density --steps)
-    "sigma": "broadening",  # curvature.spectral_density (density --broadening)
-    "sigmas": "sigma",  # analyses.bounds.BoundCheckConfig
-    "checks": "check",  # BoundCheckConfig
-    "epsilon_kind": "epsilon",  # BoundCheckConfig
-    "mc_pairs": "mc_samples",  # BoundCheckConfig, theorem2_check
-    "pairs": "noise_pairs",  # analyses.bounds.noise_stability_check
-    "alphas": "alpha",  # analyses.rescale.weight_rescale
-    "condition": "fail_if",  # report.gate.parse_gate
-    "selector": "output",  # models.outputs.select_output (session: output)
-    "spec": "data",  # io.datasets.load_dataset(spec) and the data spec's parts
-    "model_args": "arch_args",  # models.zoo (train has --model-args; analyses --arch-args)
-    "regs": "reg",  # training: TrainConfig.regs, training_step(regs), parse_reg
-}
+from sharpcli.errors import SharpError
 
 # `name` or `name=value` in a message: a library parameter, optionally with its value.
 _PARAMETER_IN_TEXT = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)(?:=([^`]*))?`")
@@ -80,11 +61,9 @@ class FlagSpelling:
 
     def flag(self, name: str) -> str | None:
         """The flag of library parameter ``name``, or None when no option sets it."""
-        candidates = (name, LIBRARY_ALIASES.get(name))
         for table in (self.own, self.anywhere):
-            for candidate in candidates:
-                if candidate in table:
-                    return table[candidate]
+            if name in table:
+                return table[name]
         return None
 
     def text(self, message: str) -> str:
@@ -100,38 +79,31 @@ class FlagSpelling:
         return _PARAMETER_IN_TEXT.sub(spell, message)
 
 
-def _running_commands(command_name: str | None):
+def _running_commands(command_name: str | None, root=None):
     """(the running click command, every command of the app): from click's context inside a
-    command; from the app's command tree before one runs (``command_name`` from argv)."""
-    try:
-        from typer.main import get_current_context  # typer's click
-    except ImportError:  # pragma: no cover - a typer that uses the click package
-        from click import get_current_context
+    command; before one runs (``command_name`` from argv), from ``root``, the app's click group
+    (none: no spelling)."""
     context = get_current_context(silent=True)
     if context is not None:
-        root = context.find_root().command
-        commands = list(getattr(root, "commands", {}).values()) or [context.command]
+        top = context.find_root().command
+        commands = list(getattr(top, "commands", {}).values()) or [context.command]
         return context.command, commands
-    import typer.main
-
-    from sharpcli.cli.app import app
-
-    group = typer.main.get_command(app)
-    commands = getattr(group, "commands", {})
+    commands = getattr(root, "commands", {})
     return commands.get(command_name), list(commands.values())
 
 
-def to_cli_error(err: SharpError, command_name: str | None = None) -> SharpError:
+def to_cli_error(err: SharpError, command_name: str | None = None, root=None) -> SharpError:
     """``err`` with its parameter names spelled as the running command's flags (in place).
 
     The source is rewritten when it names a known parameter and is not a path
     (``source_is_path``: InputError, OutputPathError); the message's `name` references for
     every error. An error another rank raised (``propagated``) was rewritten there. Unknown
-    names are left as the library wrote them.
+    names are left as the library wrote them. Outside a running command, ``root`` (the app's
+    click group) and ``command_name`` say which command's flags to use.
     """
     if getattr(err, "propagated", False):
         return err
-    spelling = FlagSpelling(*_running_commands(command_name))
+    spelling = FlagSpelling(*_running_commands(command_name, root))
     if not err.source_is_path and isinstance(err.source, str):
         err.source = spelling.flag(err.source) or err.source
     message = spelling.text(err.message)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from sharpcli import progress
+from sharpcli.distributed import collective, raise_if_peer_failed
 from sharpcli.errors import UsageError
 from sharpcli.losses import loss_fn
 
@@ -69,7 +70,6 @@ def all_reduce_sum(value):
     _, world = distributed_rank_and_world()
     if world == 1:
         return value
-    from sharpcli.distributed import raise_if_peer_failed
 
     raise_if_peer_failed()
     if isinstance(value, torch.Tensor):
@@ -92,7 +92,6 @@ def all_reduce_sum(value):
 
 def _all_reduce_tensor(tensor: torch.Tensor) -> None:
     """In-place SUM all-reduce; CPU tensors go through the GPU under the NCCL backend."""
-    from sharpcli.distributed import collective  # a stalled or dead peer: PeerFailure
 
     if tensor.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
         on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))

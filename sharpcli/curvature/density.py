@@ -97,9 +97,9 @@ def spectral_density(
     op,
     *,
     probes: int = 1,
-    lanczos_steps: int = 80,
+    steps: int = 80,
     grid_points: int = 1000,
-    sigma: float | None = None,
+    broadening: float | None = None,
     sigma_relative: float = 0.01,
     seed: int = 0,
 ) -> SpectralDensity:
@@ -110,17 +110,19 @@ def spectral_density(
         \phi_\sigma(t) = \frac{1}{n_v} \sum_v \sum_j \tau_j^{(v)}
             \frac{e^{-(t - \theta_j^{(v)})^2 / (2 \sigma^2)}}{\sigma \sqrt{2 \pi}}
 
-    from ``probes`` seeded Rademacher starts of ``lanczos_steps`` steps each (the module
+    from ``probes`` seeded Rademacher starts of ``steps`` steps each (the module
     docstring). The grid spans the nodes padded by ``5 sigma``. Costs
-    ``probes * lanczos_steps`` products (fewer at a breakdown).
+    ``probes * steps`` products (fewer at a breakdown).
 
     Args:
         op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matvec``).
         probes: the random starts.
-        lanczos_steps: Lanczos steps (quadrature nodes) per start.
+        steps: Lanczos steps (quadrature nodes) per start.
         grid_points: points of the density's grid.
-        sigma: the Gaussian broadening; default ``sigma_relative`` times the node range.
-        sigma_relative: the broadening relative to the node range, when ``sigma`` is None.
+        broadening: the Gaussian broadening :math:`\sigma`; default ``sigma_relative`` times
+            the node range.
+        sigma_relative: the broadening relative to the node range, when ``broadening`` is
+            None.
         seed: seeds the starts.
 
     Returns:
@@ -130,23 +132,21 @@ def spectral_density(
         >>> import torch
         >>> from sharpcli.curvature import MatrixOperator
         >>> A = MatrixOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)))
-        >>> result = spectral_density(A, lanczos_steps=3)
+        >>> result = spectral_density(A, steps=3)
         >>> [round(node, 8) for node in result.nodes[0]]  # 3 steps span R^3: the eigenvalues
         [1.0, 2.0, 3.0]
     """
     if int(probes) < 1:
         raise UsageError(f"probes must be >= 1, got {probes}", source="probes")
-    if int(lanczos_steps) < 1:
-        raise UsageError(f"Lanczos steps must be >= 1, got {lanczos_steps}", source="lanczos_steps")
+    if int(steps) < 1:
+        raise UsageError(f"Lanczos steps must be >= 1, got {steps}", source="steps")
     dim = op.shape[0]
     generator = torch.Generator().manual_seed(int(seed))
     all_nodes, all_weights = [], []
     notes: list[str] = []
     matvecs = 0
     traces: list[float] = []  # per probe: P sum_j tau_j theta_j
-    run = progress.start(
-        "slq", total=int(probes) * min(int(lanczos_steps), dim), quantity="tr", probes=0
-    )
+    run = progress.start("slq", total=int(probes) * min(int(steps), dim), quantity="tr", probes=0)
     for probe in range(int(probes)):
         # the recurrence's scalars are float64 (lanczos_tridiagonal); a float32 recurrence
         # would put ~1e-6 relative errors into the nodes and weights. The probe is passed
@@ -154,16 +154,16 @@ def spectral_density(
         alphas, betas, _ = lanczos_tridiagonal(
             op,
             rademacher_like(dim, generator, torch.float64, op.device),
-            int(lanczos_steps),
+            int(steps),
             run=None if run.finished else run,
             done=matvecs,
         )
         matvecs += len(alphas)
         m = len(alphas)
-        if m < min(int(lanczos_steps), dim):
+        if m < min(int(steps), dim):
             notes.append(
                 f"probe {probe}: Lanczos breakdown (invariant subspace) after {m} of "
-                f"{int(lanczos_steps)} steps; its {m} nodes are exact eigenvalues"
+                f"{int(steps)} steps; its {m} nodes are exact eigenvalues"
             )
         theta, S = tridiagonal_eigh(alphas, betas)
         all_nodes.append(theta.tolist())
@@ -173,10 +173,9 @@ def spectral_density(
     flat_nodes = np.concatenate([np.asarray(n) for n in all_nodes])
     lo, hi = float(flat_nodes.min()), float(flat_nodes.max())
     span = hi - lo if hi > lo else max(abs(hi), 1.0)
-    if sigma is None:
-        sigma = sigma_relative * span
+    sigma = sigma_relative * span if broadening is None else broadening
     if not sigma > 0:
-        raise UsageError(f"sigma must be > 0, got {sigma}", source="sigma")
+        raise UsageError(f"broadening must be > 0, got {sigma}", source="broadening")
     grid = np.linspace(lo - 5 * sigma, hi + 5 * sigma, int(grid_points))
     density = broadened_density(all_nodes, all_weights, float(sigma), grid)
     run.finish(matvecs, probes=len(traces), **_trace_numbers(traces))
@@ -187,7 +186,7 @@ def spectral_density(
         density=density.tolist(),
         sigma=float(sigma),
         matvecs=matvecs,
-        lanczos_steps=int(lanczos_steps),
+        lanczos_steps=int(steps),
         probes=int(probes),
         dimension=dim,
         notes=notes,

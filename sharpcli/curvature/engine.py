@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sharpcli import memory
+from sharpcli import catalogue, memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, vjp, write_columns
@@ -566,32 +566,40 @@ class CurvatureEngine:
         return float(total_loss), grad
 
     # ----------------------------------------------------------------- operator views
+    def require_gauss_newton(self, operator: str) -> None:
+        """Nothing: this engine multiplies G (and N = H - G) through its first-order graphs.
+
+        Every operator with a G part calls it when built on an engine (the registry builds
+        ``ggn`` and ``nme`` so); an engine without those graphs refuses there (the
+        finite-difference one: a UsageError on ``hvp``).
+
+        Args:
+            operator: the operator's name, for the refusal.
+        """
+
     def hessian(self) -> HessianOperator:
         """The Hessian operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine, as the operator
+            registry builds ``hessian`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import HessianOperator
-
-        return HessianOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.HESSIAN).build(self)
 
     def ggn(self) -> GGNOperator:
         """The Gauss-Newton operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine, as the operator
+            registry builds ``ggn`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import GGNOperator
-
-        return GGNOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.GGN).build(self)
 
     def nme(self) -> NMEOperator:
         """The NME operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine.
+            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine, as the operator
+            registry builds ``nme`` (:mod:`sharpcli.curvature.registry`).
         """
-        from sharpcli.curvature.operators import NMEOperator
-
-        return NMEOperator(engine=self)
+        return catalogue.OPERATORS.get(catalogue.NME).build(self)

@@ -193,13 +193,14 @@ class FiniteDifferenceEngine(CurvatureEngine):
         """Refused: the joint pass needs the first-order graph kept (UsageError on ``hvp``)."""
         self._refuse("the joint Hessian and Gauss-Newton product")
 
-    def ggn(self):
-        """Refused (UsageError on ``hvp``): see :meth:`ggn_matmat`."""
-        self._refuse("the Gauss-Newton operator `ggn`")
+    def require_gauss_newton(self, operator: str) -> None:
+        """Refused (UsageError on ``hvp``): the ``ggn`` and ``nme`` operators (and any with a G
+        part), built by the registry on this engine, need the first-order graphs.
 
-    def nme(self):
-        """Refused (UsageError on ``hvp``): see :meth:`nme_matmat`."""
-        self._refuse("the NME operator `nme`")
+        Args:
+            operator: the operator's name.
+        """
+        self._refuse(f"the {operator} operator")
 
     def _graphs(self):
         self._refuse("an operator built on the first-order graphs")

@@ -26,6 +26,7 @@ from sharpcli import progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.persample import LayerTaps
 from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError
@@ -193,7 +194,6 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
     Returns:
         A :class:`TraceResult` with ``stderr`` 0 (exact) and the per-layer traces.
     """
-    from sharpcli.curvature.persample import LayerTaps
 
     layer_of = param_to_layer(scope)
     blocks = scope.blocks()

@@ -86,22 +86,22 @@ WHICH = catalogue.WHICH
 _F64 = torch.float64
 
 
-def _check_args(op, k: int, which: str, tol: float) -> None:
+def _check_args(op, top_k: int, which: str, tol: float) -> None:
     """Check the arguments of :func:`lanczos` that need no product.
 
     Args:
         op: the operator.
-        k: the eigenvalues wanted.
+        top_k: the eigenvalues wanted.
         which: ``"largest"``, ``"smallest"`` or ``"both"``.
         tol: the relative residual tolerance.
 
     Raises:
-        UsageError: an unknown ``which``, ``k < 1``, ``tol <= 0`` or an empty scope.
+        UsageError: an unknown ``which``, ``top_k < 1``, ``tol <= 0`` or an empty scope.
     """
     if which not in WHICH:
         raise UsageError(f"which must be one of {', '.join(WHICH)}, got {which!r}", source="which")
-    if int(k) < 1:
-        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
+    if int(top_k) < 1:
+        raise UsageError(f"top-k must be >= 1, got {top_k}", source="top_k")
     if not tol > 0:
         raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
     if op.shape[0] < 1:
@@ -247,7 +247,7 @@ def _stop_notes(state: dict, limit: int, room: int) -> list[str]:
 
 def lanczos(
     op,
-    k: int = 1,
+    top_k: int = 1,
     which: str = "largest",
     *,
     tol: float = 1e-3,
@@ -262,18 +262,18 @@ def lanczos(
     max_basis: int | None = None,
     multiplicity: bool = True,
 ) -> EigenResult:
-    """The ``k`` largest, smallest or both (``k`` of each end) eigenvalues of symmetric ``op``.
+    """The ``top_k`` largest, smallest or both (``top_k`` of each end) eigenvalues of symmetric ``op``.
 
     The basis grows one vector per product in the products' dtype
     (:class:`~sharpcli.curvature.krylov.KrylovBasis`) up to what the run's memory plan
     (:mod:`sharpcli.memory`) allows, or ``max_basis`` when given; a basis that reaches that
     size is thick-restarted ([Wu2000]) keeping the wanted Ritz vectors, with the same residual
-    certificate. When P < k all P eigenvalues are returned.
+    certificate. When P < top_k all P eigenvalues are returned.
 
     Args:
         op: a symmetric operator with ``shape``, ``dtype``, ``device``, ``matvec`` (and
             ``matmat`` for explicit residuals).
-        k: the eigenvalues wanted (of each end for ``"both"``).
+        top_k: the eigenvalues wanted (of each end for ``"both"``).
         which: ``"largest"``, ``"smallest"`` or ``"both"``.
         tol: a Ritz pair converges at ``||A u - theta u|| <= tol |theta|``.
         max_matvecs: the most products (default :data:`DEFAULT_MAX_MATVECS`).
@@ -312,11 +312,11 @@ def lanczos(
         >>> [round(v, 6) for v in lanczos(A, 2, tol=1e-10).eigenvalues]
         [5.0, 4.0]
     """
-    _check_args(op, k, which, tol)
+    _check_args(op, top_k, which, tol)
     dim = op.shape[0]
     if explicit_residuals is None:
         explicit_residuals = op.dtype != _F64
-    want = min(int(k), dim)
+    want = min(int(top_k), dim)
     wanted = min(dim, want * (2 if which == "both" else 1))
     returned = wanted if (return_eigenvectors or explicit_residuals) else 0
     budget = _budget(max_matvecs)

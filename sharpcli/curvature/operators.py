@@ -275,6 +275,8 @@ class _EngineOperator(CurvatureOperator):
             if model is None or data is None or scope is None:
                 raise TypeError(f"{type(self).__name__} needs model, data and scope, or engine")
             engine = CurvatureEngine(model, data, scope, cache_bytes=cache_bytes)
+        if self._B != 0:  # G's product needs the engine's first-order graphs
+            engine.require_gauss_newton(self.name)
         super().__init__(engine.scope.numel, engine.scope.dtype, engine.scope.device)
         self.engine = engine
 

@@ -1,10 +1,10 @@
 """Power iteration with deflation, as [PyHessian] does it (kept for parity with it).
 
-For each of the top ``k`` eigenvalues: a seeded Gaussian unit vector ``v`` is repeatedly
+For each of the top ``top_k`` eigenvalues: a seeded Gaussian unit vector ``v`` is repeatedly
 orthogonalised against the eigenvectors already found (projection deflation), multiplied,
 ``lambda = v^T A v`` (Rayleigh quotient), ``v <- A v / ||A v||``; the iteration stops when
 ``|lambda_t - lambda_{t-1}| / (|lambda_{t-1}| + 1e-6) < tol`` (PyHessian's rule) or after
-``max_iter`` products. It converges to the eigenvalue of largest *magnitude* (not the
+``max_matvecs`` products. It converges to the eigenvalue of largest *magnitude* (not the
 largest algebraic one) and stalls when the spectral gap is small; the Ritz residual
 ``||A v - lambda v||`` of the last iterate is reported (free: ``A v`` was computed) and the
 ``converged`` flag uses the residual criterion ``<= tol |lambda|`` (as Lanczos does), which
@@ -32,14 +32,14 @@ from sharpcli.errors import UsageError
 __all__ = ["power_iteration"]
 
 
-def _check_args(k, tol, max_iter) -> None:
-    """Raise UsageError on ``k < 1``, ``tol <= 0`` or ``max_iter < 1``."""
-    if int(k) < 1:
-        raise UsageError(f"top-k must be >= 1, got {k}", source="k")
+def _check_args(top_k, tol, max_matvecs) -> None:
+    """Raise UsageError on ``top_k < 1``, ``tol <= 0`` or ``max_matvecs < 1``."""
+    if int(top_k) < 1:
+        raise UsageError(f"top-k must be >= 1, got {top_k}", source="top_k")
     if not tol > 0:
         raise UsageError(f"tolerance must be > 0, got {tol}", source="tol")
-    if int(max_iter) < 1:
-        raise UsageError(f"max iterations must be >= 1, got {max_iter}", source="max_iter")
+    if int(max_matvecs) < 1:
+        raise UsageError(f"max iterations must be >= 1, got {max_matvecs}", source="max_matvecs")
 
 
 @dataclass
@@ -54,16 +54,16 @@ class _Pair:
 
 
 def _iterate(
-    op, v: torch.Tensor, found: list[torch.Tensor], tol: float, max_iter: int, run, done: int
+    op, v: torch.Tensor, found: list[torch.Tensor], tol: float, max_matvecs: int, run, done: int
 ):
-    """Power iteration from ``v``, deflated against ``found``, until the stop rule or ``max_iter``.
+    """Power iteration from ``v``, deflated against ``found``, until the stop rule or ``max_matvecs``.
 
     Args:
         op: the operator.
         v: the unit float64 start vector.
         found: the unit eigenvectors already found (projected out before every product).
         tol: the relative-change stop rule's tolerance.
-        max_iter: the most products.
+        max_matvecs: the most products.
         run: the progress run (``run.update`` after every product).
         done: the products made before this one's, for the progress count.
 
@@ -72,7 +72,7 @@ def _iterate(
     """
     pair = _Pair(v)
     previous = None
-    for iteration in range(max_iter):
+    for iteration in range(max_matvecs):
         for u in found:
             v = v - (u @ v) * u
         v = v / torch.linalg.vector_norm(v)
@@ -88,20 +88,20 @@ def _iterate(
             return pair
         previous = lam
         v = Av / norm
-    pair.stalled = True  # iteration == max_iter - 1 without the stop rule
+    pair.stalled = True  # iteration == max_matvecs - 1 without the stop rule
     return pair
 
 
 def power_iteration(
     op,
-    k: int = 1,
+    top_k: int = 1,
     *,
     tol: float = 1e-3,
-    max_iter: int = 100,
+    max_matvecs: int = 100,
     seed: int = 0,
     return_eigenvectors: bool = False,
 ) -> EigenResult:
-    r"""Top-``k`` largest-magnitude eigenvalues of symmetric ``op`` by deflated power iteration.
+    r"""Top-``top_k`` largest-magnitude eigenvalues of symmetric ``op`` by deflated power iteration.
 
     Each step is the Rayleigh quotient of the deflated iterate,
 
@@ -113,9 +113,9 @@ def power_iteration(
 
     Args:
         op: a symmetric operator (``shape``, ``dtype``, ``device``, ``@``).
-        k: how many eigenvalues (at most P).
+        top_k: how many eigenvalues (at most P).
         tol: the stop rule's relative change, and the residual test ``<= tol |lambda|``.
-        max_iter: the most products per eigenvalue.
+        max_matvecs: the most products per eigenvalue.
         seed: seeds the Gaussian start vectors.
         return_eigenvectors: keep the unit float64 eigenvectors as columns.
 
@@ -126,21 +126,21 @@ def power_iteration(
         >>> import torch
         >>> from sharpcli.curvature import MatrixOperator
         >>> A = MatrixOperator(torch.diag(torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)))
-        >>> round(power_iteration(A, tol=1e-10, max_iter=200).eigenvalues[0], 6)
+        >>> round(power_iteration(A, tol=1e-10, max_matvecs=200).eigenvalues[0], 6)
         3.0
     """
-    _check_args(k, tol, max_iter)
+    _check_args(top_k, tol, max_matvecs)
     dim = op.shape[0]
-    k = min(int(k), dim)
+    k = min(int(top_k), dim)
     generator = torch.Generator().manual_seed(int(seed))
     pairs: list[_Pair] = []
-    run = progress.start("power", total=k * int(max_iter), quantity="lambda")
+    run = progress.start("power", total=k * int(max_matvecs), quantity="lambda")
     for _ in range(k):
         v = gaussian_like(dim, generator, torch.float64, op.device)
         v = v / torch.linalg.vector_norm(v)
         found = [p.vector for p in pairs]
         done = sum(p.matvecs for p in pairs)
-        pairs.append(_iterate(op, v, found, tol, int(max_iter), run, done))
+        pairs.append(_iterate(op, v, found, tol, int(max_matvecs), run, done))
     matvecs = sum(p.matvecs for p in pairs)
     stalled = sum(p.stalled for p in pairs)
     pairs.sort(key=lambda p: -p.value)
@@ -157,7 +157,7 @@ def power_iteration(
         which="largest-magnitude",
         tol=float(tol),
         notes=["power iteration: largest |eigenvalue| first, relative-change stop rule (PyHessian)"]
-        + ([f"{stalled} eigenvalue(s) hit max_iter={max_iter}"] if stalled else []),
+        + ([f"{stalled} eigenvalue(s) hit max_matvecs={max_matvecs}"] if stalled else []),
     )
     if return_eigenvectors:
         result.eigenvectors = torch.stack([p.vector for p in pairs], dim=1)

@@ -15,7 +15,7 @@ Known limitations of pyhessian 0.1, kept visible in the results' ``notes``:
   relative to the previous mean *without absolute value*: once the running mean is negative
   it stops at once (seen after 2 samples on a tiny GELU net). It reports no standard error
   (sharpcli computes one from its samples, with that caveat). ``run_all=True`` passes
-  ``tol=-inf`` so it takes exactly ``max_iter`` samples.
+  ``tol=-inf`` so it takes exactly ``max_matvecs`` samples.
 - ``density()`` calls ``torch.eig``, removed from torch: refused here.
 - It always uses every parameter with ``requires_grad``: a scope other than ``all`` is refused.
 - In dataloader mode every product redoes forward, backward and double backward per batch.
@@ -130,14 +130,14 @@ def pyhessian_eigenvalues(
     model: nn.Module,
     data: AnalysisData,
     *,
-    top_n: int = 1,
+    top_k: int = 1,
     tol: float = 1e-3,
-    max_iter: int = 100,
+    max_matvecs: int = 100,
     seed: int = 0,
     params: str | None = None,
     verify_residuals: bool = True,
 ) -> EigenResult:
-    """Top-``top_n`` eigenvalues by pyhessian's power iteration (largest |eigenvalue| first).
+    """Top-``top_k`` eigenvalues by pyhessian's power iteration (largest |eigenvalue| first).
 
     Returned descending. With ``verify_residuals`` the Ritz residual of each returned
     eigenvector is computed by the native Hessian operator (one product each, counted in
@@ -146,9 +146,9 @@ def pyhessian_eigenvalues(
     Args:
         model: the model.
         data: the analysis set.
-        top_n: how many eigenvalues.
+        top_k: how many eigenvalues.
         tol: pyhessian's relative-change tolerance.
-        max_iter: pyhessian's most iterations per eigenvalue.
+        max_matvecs: pyhessian's most iterations per eigenvalue.
         seed: seeds torch's generator for pyhessian's start vectors.
         params: the parameter scope spec (see :meth:`~sharpcli.curvature.scope.ParamScope.resolve`).
         verify_residuals: measure each eigenvector's residual with the native operator.
@@ -157,10 +157,10 @@ def pyhessian_eigenvalues(
         An :class:`~sharpcli.curvature.ritz.EigenResult` with ``engine="pyhessian"`` notes.
     """
     _check_scope(params)
-    if int(top_n) < 1:
-        raise UsageError(f"top-k must be >= 1, got {top_n}", source="top_n")
+    if int(top_k) < 1:
+        raise UsageError(f"top-k must be >= 1, got {top_k}", source="top_k")
     with _pyhessian_session(model, data, seed) as (h, counter):
-        values, vectors = h.eigenvalues(maxIter=int(max_iter), tol=float(tol), top_n=int(top_n))
+        values, vectors = h.eigenvalues(maxIter=int(max_matvecs), tol=float(tol), top_n=int(top_k))
         vectors = [[t.detach() for t in vec] for vec in vectors]
         matvecs = counter["matvecs"]
     scope = ParamScope.resolve(model, "all")
@@ -199,7 +199,7 @@ def pyhessian_trace(
     data: AnalysisData,
     *,
     tol: float = 1e-3,
-    max_iter: int = 100,
+    max_matvecs: int = 100,
     seed: int = 0,
     params: str | None = None,
     run_all: bool = False,
@@ -209,16 +209,16 @@ def pyhessian_trace(
     ``estimate`` is the mean of its samples ``v^T H v``; ``stderr`` is computed here from those
     samples (sample std / sqrt(n), ``None`` with one sample) since pyhessian gives none; its
     stop rule is not a standard-error rule, so ``converged`` only says it stopped before
-    ``max_iter``. ``run_all`` disables its stop rule (``tol=-inf``): exactly ``max_iter`` samples.
+    ``max_matvecs``. ``run_all`` disables its stop rule (``tol=-inf``): exactly ``max_matvecs`` samples.
 
     Args:
         model: the model.
         data: the analysis set.
         tol: pyhessian's running-mean tolerance.
-        max_iter: the most samples.
+        max_matvecs: the most samples.
         seed: seeds torch's generator for pyhessian's probes.
         params: the parameter scope spec.
-        run_all: take exactly ``max_iter`` samples.
+        run_all: take exactly ``max_matvecs`` samples.
 
     Returns:
         A :class:`~sharpcli.curvature.probes.TraceResult` with ``engine="pyhessian"``.
@@ -226,7 +226,7 @@ def pyhessian_trace(
     _check_scope(params)
     rule_tol = float("-inf") if run_all else float(tol)
     with _pyhessian_session(model, data, seed) as (h, counter):
-        samples = [float(s) for s in h.trace(maxIter=int(max_iter), tol=rule_tol)]
+        samples = [float(s) for s in h.trace(maxIter=int(max_matvecs), tol=rule_tol)]
         matvecs = counter["matvecs"]
     n = len(samples)
     mean = sum(samples) / n
@@ -240,7 +240,7 @@ def pyhessian_trace(
         matvecs=matvecs,
         samples=n,
         estimator="hutchinson",
-        converged=n < int(max_iter),
+        converged=n < int(max_matvecs),
         tol=float(tol),
         by_layer={},
         engine=ENGINE,

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
+from sharpcli.catalogue.curvature import GGN, HESSIAN, NME
+from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
 from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
 
@@ -50,7 +52,6 @@ __all__ = [
     "unregister_operator",
 ]
 
-HESSIAN, GGN, NME = "hessian", "ggn", "nme"
 SPLIT = (HESSIAN, GGN, NME)  # H = G + N ([NME] eq. 2), in that order
 
 
@@ -215,19 +216,19 @@ def _split(symbol: str, psd: bool) -> dict[str, object]:
 @declare("operator", HESSIAN, "Hessian of the loss", info={**_split("H", False), "default": True})
 def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``hessian``: H on the pass (``curvature_pass`` -> the operator)."""
-    return curvature_pass.hessian()
+    return HessianOperator(engine=curvature_pass)
 
 
 @declare("operator", GGN, "Gauss-Newton J^T H_z J", paper="Schraudolph2002", info=_split("G", True))
 def build_ggn(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``ggn``: G on the pass (``curvature_pass`` -> the operator)."""
-    return curvature_pass.ggn()
+    return GGNOperator(engine=curvature_pass)
 
 
 @declare("operator", NME, "nonlinear modelling error H - G", paper="NME", info=_split("N", False))
 def build_nme(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
     """``nme``: N = H - G on the pass (``curvature_pass`` -> the operator)."""
-    return curvature_pass.nme()
+    return NMEOperator(engine=curvature_pass)
 
 
 def _ggn_rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
+from sharpcli.models.zoo import final_linear
 
 __all__ = ["ParamScope", "is_frozen"]
 
@@ -307,7 +308,6 @@ def _last_linear(model: nn.Module, trainable: list) -> list:
     Raises:
         UsageError: the model has no ``nn.Linear``, or its head has no trainable parameter.
     """
-    from sharpcli.models.zoo import final_linear
 
     last_name, _ = final_linear(
         model, missing="'last' needs an nn.Linear layer, the model has none"

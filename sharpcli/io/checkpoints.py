@@ -43,6 +43,7 @@ from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
 from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
     CONTAINER_KEYS,
     check_finite_weights,
@@ -51,6 +52,7 @@ from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of th
     match_state_dict,
     state_dict_candidates,
 )
+from sharpcli.models import build_model, estimate_state_size, validate_model_spec
 
 FORMAT_VERSION = "1"
 META_FORMAT = "sharpcli.format"
@@ -360,7 +362,6 @@ def check_model_size(
     this; without it, metadata saying ``width = 10**9`` allocated 64 GB (an internal error) and
     ``depth = 200000`` spent two minutes and 1.8 GB building modules only to report missing keys.
     """
-    from sharpcli.models import estimate_state_size
 
     size = estimate_state_size(spec)
     stored_values = max(sum(int(t.numel()) for t in m.values()) for _, m in candidates)
@@ -387,7 +388,6 @@ def check_model_size(
 
 def _build_zoo_model(spec: dict, candidates, path: Path, described_by: str, *, metadata: bool):
     """Validate ``spec``, size it against the file (:func:`check_model_size`), then build it."""
-    from sharpcli.models import build_model, validate_model_spec
 
     try:
         validate_model_spec(spec)
@@ -414,7 +414,6 @@ def _is_torch_file(p: Path) -> bool:
 def _load_hf_folder(p: Path, *, arch: str | None, model_factory: str | None) -> LoadedCheckpoint:
     """A Hugging Face ``save_pretrained`` folder (:mod:`sharpcli.io.hf_models`); any other
     folder is an InputError."""
-    from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
 
     if not is_hf_model_folder(p):
         raise InputError(

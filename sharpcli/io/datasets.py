@@ -19,7 +19,7 @@ either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
 A built-in name wins over a file of the same name in the working directory (write
 ``./blobs`` for the file). ``Dataset.spec`` is always the complete dict form, so
 ``load_dataset(ds.spec)`` rebuilds the same tensors. Bad files raise
-``InputError(source=<path>)`` and bad spec arguments ``UsageError(source="spec")``,
+``InputError(source=<path>)`` and bad spec arguments ``UsageError(source="data")``,
 each with a one-line message; no library exception escapes.
 """
 
@@ -80,14 +80,14 @@ def _parse_builtin_args(name: str, text: str) -> dict:
         f"{name}:{text}",
         lambda n: tuple(BUILTIN_ARGS[n]) if n in BUILTIN_ARGS else None,
         positional=False,
-        source="spec",
+        source="data",
         unknown=DATASETS.unknown,
     )
     return args
 
 
 def parse_data_spec(
-    spec: str | dict,
+    data: str | dict,
     *,
     label_column: str | None = None,
     x_key: str | None = None,
@@ -105,15 +105,15 @@ def parse_data_spec(
     causal-LM label convention, :func:`apply_label_convention`) fill the spec the same way.
     """
     given = {"x_key": x_key, "y_key": y_key, "shift_labels": shift_labels}
-    if isinstance(spec, dict):
-        return _normalise_dict(spec, label_column, given)
-    if not isinstance(spec, str):
+    if isinstance(data, dict):
+        return _normalise_dict(data, label_column, given)
+    if not isinstance(data, str):
         raise UsageError(
-            f"a data spec is a string or a dict, got {type(spec).__name__}", source="spec"
+            f"a data spec is a string or a dict, got {type(data).__name__}", source="data"
         )
-    text = spec.strip()
+    text = data.strip()
     if not text:
-        raise UsageError("empty data spec", source="spec")
+        raise UsageError("empty data spec", source="data")
     name, sep, rest = text.partition(":")
     if name in BUILTIN_NAMES:
         if label_column is not None:
@@ -148,7 +148,7 @@ def _merge_given(spec: dict, given: dict) -> dict:
             raise UsageError(f"must be a non-empty key name, got {merged[key]!r}", source=key)
     shift = merged.get("shift_labels")
     if shift is not None and not isinstance(shift, bool):
-        raise UsageError(f"spec 'shift_labels' must be true or false, got {shift!r}", source="spec")
+        raise UsageError(f"spec 'shift_labels' must be true or false, got {shift!r}", source="data")
     return merged
 
 
@@ -161,7 +161,7 @@ def _normalise_dict(spec: dict, label_column: str | None, given: dict | None = N
         return _normalise_builtin(spec, label_column)
     if kind == "file":
         return _normalise_file(_merge_given(spec, given), label_column)
-    raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="spec")
+    raise UsageError(f"data spec 'kind' must be 'builtin' or 'file', got {kind!r}", source="data")
 
 
 def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
@@ -169,13 +169,13 @@ def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
     unknown = sorted(set(spec) - {"kind", "name", "args"})
     if unknown:
         raise UsageError(
-            f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="spec"
+            f"builtin data spec has unknown key(s) {', '.join(unknown)}", source="data"
         )
     name, args = spec.get("name"), spec.get("args") or {}
     if not isinstance(args, dict):
         raise UsageError(
             f"builtin data spec 'args' must be a dict, got {type(args).__name__}",
-            source="spec",
+            source="data",
         )
     if label_column is not None:
         raise UsageError(f"built-in {name!r} has no label column", source="label_column")
@@ -186,10 +186,10 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
     """The complete form of a file spec: absolute path, its format, the format's spec keys."""
     unknown = sorted(set(spec) - {"kind", "path", "format", "shift_labels", *optional_spec_keys()})
     if unknown:
-        raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="spec")
+        raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="data")
     given_path = spec.get("path")
     if not isinstance(given_path, str) or not given_path:
-        raise UsageError("file data spec needs a 'path' string", source="spec")
+        raise UsageError("file data spec needs a 'path' string", source="data")
     column = _label_column(spec.get("label_column"), label_column)
     named = None if spec.get("format") is None else data_format(spec["format"])
     path, fmt = route(_existing_path(given_path), named)
@@ -203,7 +203,7 @@ def _label_column(in_spec, from_option: str | None) -> str | None:
     """The label column of the spec or of the ``label_column`` argument (which must agree), or
     None."""
     if in_spec is not None and not isinstance(in_spec, str):  # a spec from a checkpoint
-        raise UsageError(f"spec 'label_column' must be a string, got {in_spec!r}", source="spec")
+        raise UsageError(f"spec 'label_column' must be a string, got {in_spec!r}", source="data")
     if from_option is not None and in_spec is not None and from_option != in_spec:
         raise UsageError(
             f"label column {from_option!r} contradicts the data spec's {in_spec!r}",
@@ -243,7 +243,7 @@ def _format_options(fmt: DataFormat, spec: dict, column: str | None) -> dict:
     if foreign:
         raise UsageError(
             f"file data spec key(s) {', '.join(foreign)} do not apply to {fmt.name} data",
-            source="spec",
+            source="data",
         )
     return {key: spec.get(key) for key in fmt.spec_keys if key != "label_column"}
 
@@ -257,7 +257,7 @@ def format_data_spec(spec: dict) -> str:
 
 
 def load_dataset(
-    spec: str | dict = DEFAULT_DATA,
+    data: str | dict = DEFAULT_DATA,
     *,
     label_column: str | None = None,
     x_key: str | None = None,
@@ -287,7 +287,7 @@ def load_dataset(
     (:func:`apply_label_convention`).
     """
     full = parse_data_spec(
-        spec, label_column=label_column, x_key=x_key, y_key=y_key, shift_labels=shift_labels
+        data, label_column=label_column, x_key=x_key, y_key=y_key, shift_labels=shift_labels
     )
     if full["kind"] == "builtin":
         return load_builtin(full["name"], full["args"])

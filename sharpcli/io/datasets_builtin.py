@@ -57,7 +57,7 @@ def _convert(name: str, key: str, value, kind: type):
     """Convert one argument (from a data spec string or a JSON value) to ``kind``."""
     if kind is int:
         if isinstance(value, bool):
-            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="spec")
+            raise UsageError(f"{name}: {key} must be an integer, got {value!r}", source="data")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -66,35 +66,35 @@ def _convert(name: str, key: str, value, kind: type):
             return int(str(value).strip())
         except ValueError:
             raise UsageError(
-                f"{name}: {key} must be an integer, got {value!r}", source="spec"
+                f"{name}: {key} must be an integer, got {value!r}", source="data"
             ) from None
     if isinstance(value, bool):
-        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec")
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="data")
     try:
         out = float(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float range
-        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="spec") from None
+        raise UsageError(f"{name}: {key} must be a number, got {value!r}", source="data") from None
     if not math.isfinite(out):
-        raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="spec")
+        raise UsageError(f"{name}: {key} must be finite, got {value!r}", source="data")
     return out
 
 
 def resolve_builtin_args(name: str, args: dict) -> dict:
     """Complete and check the arguments of built-in ``name``; returns all of them, typed.
 
-    Unknown names or keys and out-of-range values raise ``UsageError(source="spec")``.
+    Unknown names or keys and out-of-range values raise ``UsageError(source="data")``.
     """
     if not isinstance(name, str) or name not in BUILTIN_ARGS:  # a spec's name may be any JSON
         raise UsageError(
             f"unknown built-in dataset {name!r}; accepted: {', '.join(BUILTIN_NAMES)}",
-            source="spec",
+            source="data",
         )
     table = BUILTIN_ARGS[name]
     unknown = sorted(set(args) - set(table))
     if unknown:
         raise UsageError(
             f"{name}: unknown argument(s) {', '.join(unknown)}; accepted: {', '.join(table)}",
-            source="spec",
+            source="data",
         )
     out = {
         key: _convert(name, key, args.get(key, default), kind)
@@ -103,7 +103,7 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
 
     def need(condition: bool, text: str):
         if not condition:
-            raise UsageError(f"{name}: {text}", source="spec")
+            raise UsageError(f"{name}: {text}", source="data")
 
     need(out["n"] >= 2, f"n must be at least 2, got {out['n']}")
     need(out["classes"] >= 2, f"classes must be at least 2, got {out['classes']}")

@@ -103,13 +103,12 @@ class Dataset:
 def _how_to_add_test(spec: dict) -> str:
     """A hint on how the given kind of source would provide a test split (a file format's
     ``test_split`` in its registry record)."""
-    from sharpcli.io.formats import FORMATS  # the registry imports this module
-
     if isinstance(spec, dict) and spec.get("kind") == "builtin":
         return "use test_fraction > 0"
     name = spec.get("format") if isinstance(spec, dict) else None
-    fmt = FORMATS.get(name) if isinstance(name, str) else None
-    return fmt.test_split if fmt is not None else "the folder holds no test files"
+    if not isinstance(name, str) or name not in catalogue.DATA_FORMATS:
+        return "the folder holds no test files"
+    return catalogue.DATA_FORMATS.entry(name).info["test_split"]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|\x1b")  # terminal escapes (torch's ESC[1m)

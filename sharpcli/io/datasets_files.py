@@ -36,10 +36,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sharpcli.bounded import check_zip_members, data_file_size, open_data_file, read_data_file
+from sharpcli import ledger
+from sharpcli.bounded import (
+    check_data_path,
+    check_zip_members,
+    data_file_size,
+    open_data_file,
+    read_data_file,
+)
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.datasets_arrow import ArrowColumns, table_has_list_columns
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
-from sharpcli.io.datasets_keyed import dataset_from_mapping
+from sharpcli.io.datasets_keyed import LABEL_KEYS, dataset_from_mapping
 
 if TYPE_CHECKING:  # pandas (with pyarrow: ~0.4 s, ~80 MB) is imported only to read a table
     import pandas as pd
@@ -254,8 +262,6 @@ def read_npy_pair(spec: dict) -> Dataset:
             "`y_key`)",
             source=path,
         )
-    from sharpcli import ledger
-    from sharpcli.bounded import check_data_path
 
     check_data_path(partner)
     ledger.record_input(partner, "the labels of the `data` file")
@@ -302,9 +308,6 @@ def _parquet_with_lists(spec: dict) -> Dataset | None:
     (:mod:`sharpcli.io.datasets_arrow`: lists padded, ``x_key``/``y_key`` or keyword inputs; the
     label column is ``label_column`` or ``y_key``); None for a plain table of numbers."""
     import pyarrow.parquet as pq
-
-    from sharpcli.io.datasets_arrow import ArrowColumns, table_has_list_columns
-    from sharpcli.io.datasets_keyed import LABEL_KEYS
 
     path = spec["path"]
     with open_data_file(path) as handle:

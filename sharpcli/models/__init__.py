@@ -19,6 +19,7 @@ from sharpcli.models.activations import (
     BetaGELU,
     DiminishedGELU,
     ReLU,
+    activation_modules,
     activation_spec,
     canonical_activation_spec,
     is_positively_homogeneous,
@@ -33,7 +34,6 @@ from sharpcli.models.zoo import (
     CifarResNet,
     SmallCNN,
     VGGSmall,
-    activation_modules,
     build_model,
     final_linear,
 )

@@ -370,3 +370,23 @@ def intended_derivative_error(module: nn.Module, points: int = 241) -> float:
 
 
 ACTIVATIONS.load_all()  # the built-ins, resolved at import
+
+
+def activation_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every activation layer ``(name, module)`` in ``named_modules()`` order.
+
+    An activation layer is an instance of :data:`sharpcli.models.activations.ACTIVATION_TYPES`
+    (ours and torch's common ones). Its forward hook sees the pre-activation (input) and the
+    activation (output) used by activation statistics ([MAN] section 2).
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``(name, module)`` of each activation layer.
+    """
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, ACTIVATION_TYPES)
+    ]

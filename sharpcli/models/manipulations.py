@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from sharpcli.models.activations import activation_modules
+
 
 class FeatureMask(nn.Module):
     """``x -> m * x`` with a fixed 0/1 mask ``m`` over one sample's features (a persistent buffer)."""
@@ -115,8 +117,6 @@ def apply_manipulations(model: nn.Module, args: dict, input_shape: tuple) -> nn.
     Returns:
         ``model``.
     """
-    from sharpcli.models.zoo import activation_modules
-
     ratio = float(args.get("mask_ratio") or 0.0)
     normalise = bool(args.get("per_sample_norm"))
     if ratio <= 0.0 and not normalise:

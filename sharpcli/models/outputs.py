@@ -2,7 +2,7 @@
 
 Researchers' models return a tensor, a tuple or list (logits plus auxiliary outputs), a dict
 or a HuggingFace-style output object with a ``.logits`` attribute. Every analysis needs one
-logits tensor, so the model's output is mapped by a *selector* (``--output``):
+logits tensor, so the model's output is mapped by the ``output`` argument (``--output``):
 
 - absent (the default): the tensor itself; ``.logits`` or the ``"logits"`` key when there is
   one; otherwise the first tensor of a tuple, list or dict (in its order);
@@ -63,52 +63,52 @@ def _default(out):
     return None
 
 
-def select_output(out, selector: str | None = None) -> torch.Tensor:
-    """The logits in ``out`` by ``selector`` (module docstring); UsageError if there are none.
+def select_output(out, output: str | None = None) -> torch.Tensor:
+    """The logits in ``out`` by ``output`` (module docstring); UsageError if there are none.
 
     Args:
         out: what a model returned.
-        selector: where the logits are (module docstring); ``None`` for the default rule.
+        output: where the logits are (module docstring); ``None`` for the default rule.
 
     Returns:
         The logits tensor.
 
     Raises:
-        UsageError: there is no tensor where ``selector`` says, or none at all.
+        UsageError: there is no tensor where ``output`` says, or none at all.
     """
-    if isinstance(out, torch.Tensor) and selector is None:
+    if isinstance(out, torch.Tensor) and output is None:
         return out
-    if selector is None:
+    if output is None:
         chosen = _default(out)
-    elif isinstance(out, (tuple, list)) and selector.lstrip("-").isdigit():
-        index = int(selector)
+    elif isinstance(out, (tuple, list)) and output.lstrip("-").isdigit():
+        index = int(output)
         chosen = out[index] if -len(out) <= index < len(out) else None
     elif isinstance(out, dict):
-        chosen = out.get(selector)
+        chosen = out.get(output)
     else:
-        chosen = getattr(out, selector, None)
+        chosen = getattr(out, output, None)
     if not isinstance(chosen, torch.Tensor):
-        missing = "no logits tensor in it" if selector is None else f"no tensor at {selector!r}"
+        missing = "no logits tensor in it" if output is None else f"no tensor at {output!r}"
         raise UsageError(
             f"the model returns {describe_output(out)}, {missing}; choose one with "
-            "`selector` (an index, a key or an attribute)",
-            source="selector",
+            "`output` (an index, a key or an attribute)",
+            source="output",
         )
     return chosen
 
 
-def attach_output_selector(model: nn.Module, selector: str | None = None):
+def attach_output_selector(model: nn.Module, output: str | None = None):
     """Make ``model(x)`` return :func:`select_output` of its output; returns the hook handle.
 
-    Nothing is attached for a model that already returns a tensor and needs no selector.
+    Nothing is attached for a model that already returns a tensor and needs no ``output``.
 
     Args:
         model: the model.
-        selector: where the logits are.
+        output: where the logits are.
     """
 
     def hook(module, args, out):
-        return select_output(out, selector)
+        return select_output(out, output)
 
     return model.register_forward_hook(hook)
 

@@ -2,8 +2,8 @@
 
 A model is built from a JSON-serialisable spec ``{"name": NAME, "args": {...}}``
 (:mod:`sharpcli.models.specs`: the arguments, their checks and defaults) by :func:`build_model`;
-:func:`final_linear` and :func:`activation_modules` find the layers the analyses need in any
-module, zoo or foreign.
+:func:`final_linear` finds the head the analyses need in any module, zoo or foreign
+(:func:`sharpcli.models.activations.activation_modules` the activation layers).
 
 Conventions every zoo model honours (the analyses rely on them):
 
@@ -32,7 +32,8 @@ from torch import nn
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.models.activations import ACTIVATION_TYPES, make_activation
+from sharpcli.models.activations import make_activation
+from sharpcli.models.manipulations import apply_manipulations
 from sharpcli.models.specs import image_hw, model_input_shape, validate_model_spec
 
 # --------------------------------------------------------------------------------------------
@@ -365,8 +366,6 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     """
     complete = validate_model_spec(spec)
     model = _BUILDERS[complete["name"]](complete["args"])
-    from sharpcli.models.manipulations import apply_manipulations
-
     model = apply_manipulations(model, complete["args"], model_input_shape(complete))
     model = model.to(torch.float32)
     model.model_spec = complete
@@ -413,23 +412,3 @@ def final_linear(
             source=source,
         )
     return found
-
-
-def activation_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every activation layer ``(name, module)`` in ``named_modules()`` order.
-
-    An activation layer is an instance of :data:`sharpcli.models.activations.ACTIVATION_TYPES`
-    (ours and torch's common ones). Its forward hook sees the pre-activation (input) and the
-    activation (output) used by activation statistics ([MAN] section 2).
-
-    Args:
-        model: any module.
-
-    Returns:
-        ``(name, module)`` of each activation layer.
-    """
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, ACTIVATION_TYPES)
-    ]

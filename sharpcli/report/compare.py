@@ -25,6 +25,7 @@ from pathlib import Path
 from sharpcli import catalogue, ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
+from sharpcli.report.envelope import validate_report
 
 SUPPORTED_SCHEMAS = ("sharpcli.report/2", "sharpcli.report/1")
 CANONICAL = (
@@ -72,8 +73,6 @@ def read_report(path: str | Path) -> dict:
     # The shipped schema (what every command's JSON obeys): a hand-edited or truncated report
     # with, say, ``"results": "..."`` is bad input, not a crash further down.
     import jsonschema
-
-    from sharpcli.report.envelope import validate_report
 
     try:
         validate_report(report)

@@ -31,7 +31,7 @@ _PATTERN = re.compile(
 
 @dataclass(frozen=True)
 class Gate:
-    """A parsed condition (``text`` as given); its errors name the ``condition`` parameter of
+    """A parsed condition (``text`` as given); its errors name the ``fail_if`` parameter of
     :func:`parse_gate` that it came from."""
 
     key: str
@@ -46,16 +46,16 @@ class Gate:
             value = lookup(report, self.key)
         except KeyError:
             raise UsageError(
-                f"{self.text!r}: the report has no key {self.key!r}", source="condition"
+                f"{self.text!r}: the report has no key {self.key!r}", source="fail_if"
             ) from None
         if isinstance(value, dict) and "estimate" in value:
             value = value["estimate"]
         if isinstance(value, list):
             if not value:
-                raise UsageError(f"{self.text!r}: {self.key} is an empty list", source="condition")
+                raise UsageError(f"{self.text!r}: {self.key} is an empty list", source="fail_if")
             value = value[0]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise UsageError(f"{self.text!r}: {self.key} is not a number", source="condition")
+            raise UsageError(f"{self.text!r}: {self.key} is not a number", source="fail_if")
         return {
             "expr": self.text,
             "key": self.key,
@@ -64,15 +64,15 @@ class Gate:
         }
 
 
-def parse_gate(condition: str) -> Gate:
-    """The gate of ``condition`` (``"hessian.lambda_max > 500"``); a UsageError on ``condition``
-    unless it is ``KEY OP NUMBER``."""
-    m = _PATTERN.match(condition)
+def parse_gate(fail_if: str) -> Gate:
+    """The gate of the condition ``fail_if`` (``"hessian.lambda_max > 500"``); a UsageError on
+    ``fail_if`` unless it is ``KEY OP NUMBER``."""
+    m = _PATTERN.match(fail_if)
     if not m:
         raise UsageError(
-            f"{condition!r} is not KEY OP NUMBER (OP one of > >= < <= == !=)", source="condition"
+            f"{fail_if!r} is not KEY OP NUMBER (OP one of > >= < <= == !=)", source="fail_if"
         )
-    return Gate(key=m.group(1), op=m.group(2), threshold=float(m.group(3)), text=condition.strip())
+    return Gate(key=m.group(1), op=m.group(2), threshold=float(m.group(3)), text=fail_if.strip())
 
 
 def _matches(parts: list[str], pattern: str) -> bool:
@@ -127,10 +127,10 @@ def check_keys(
         needs = [w for p, w in elsewhere.items() if _known(gate.key, [p])]
         if needs:
             raise UsageError(
-                f"{gate.text!r}: {gate.key!r} is only reported with {needs[0]}", source="condition"
+                f"{gate.text!r}: {gate.key!r} is only reported with {needs[0]}", source="fail_if"
             )
         raise UsageError(
             f"{gate.text!r}: the report has no key {gate.key!r}"
             + _suggestion(gate.key, available, elsewhere),
-            source="condition",
+            source="fail_if",
         )

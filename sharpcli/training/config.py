@@ -4,19 +4,26 @@ construction from command-line options shared by ``sharp train`` and ``sharp swe
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.training.penalties.base import Regularizer
-from sharpcli.training.regularizers import parse_regs
+
+if TYPE_CHECKING:
+    from sharpcli.training.penalties.base import Regularizer
+
+# This module imports no torch: the CLI reads TrainConfig's defaults as its options' defaults
+# when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch
+# (0.3 s; torch adds 1.5 s). The regularizers (torch) are imported where they are parsed.
 
 __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
-    "OPTION_OF",
     "TrainConfig",
     "validate_config",
     "config_from_options",
@@ -37,7 +44,7 @@ class TrainConfig:
     """
 
     model: str = "mlp"
-    model_args: dict = field(default_factory=dict)
+    model_args: dict[str, Any] = field(default_factory=dict)
     model_factory: str | None = None  # module:function building the user's own model
     output: str | None = None  # which of the model's outputs are the logits
     penultimate: str | None = None  # module whose output activation decay penalises
@@ -55,14 +62,14 @@ class TrainConfig:
     repeat_batch: int = 1
     noise_finetune: float = 0.0
     seed: int = 0
-    regs: list = field(default_factory=lambda: ["none"])
+    regs: list[Regularizer] = field(default_factory=lambda: ["none"])  # type: ignore[list-item]
     dtype: str = "float32"
     # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
     precision: str = "fp32"
     # under torchrun, the first gradient of sam/usam/asam: per-replica or global (all-reduced)
     ascent_sync: str = "per-replica"
     device: str = "cpu"
-    track: list = field(default_factory=list)
+    track: list[str] = field(default_factory=list)
     track_every: int = 1
     track_samples: int = 512
     loss: str | None = None
@@ -71,6 +78,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.regs, list):  # another type: validate_config names the option
+            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            from sharpcli.training.regularizers import parse_regs
+
             self.regs = parse_regs(self.regs)
 
     def to_dict(self) -> dict:
@@ -83,7 +93,7 @@ class TrainConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "regs" and isinstance(value, list):
-                value = [r.spec() if isinstance(r, Regularizer) else r for r in value]
+                value = [r if isinstance(r, str) else r.spec() for r in value]
             out[f.name] = copy.deepcopy(value)
         return out
 
@@ -94,68 +104,70 @@ class TrainConfig:
         return d
 
 
-OPTION_OF = {name: name for name in TrainConfig.__dataclass_fields__}
-"""The parameter that sets each TrainConfig field, named by the errors about it (the CLI spells
-it as its own option; sweep's ``set`` option sets any field, and its errors name that option).
-``loss`` has none in ``train`` (the data's task picks it)."""
-
-_FIELD_TYPES = {
-    int: ("epochs", "batch_size", "repeat_batch", "seed", "track_every", "track_samples"),
-    float: ("lr", "momentum", "label_noise", "input_noise", "noise_finetune"),
-    bool: ("augment",),
-    str: (
-        "model",
-        "optimizer",
-        "schedule",
-        "dtype",
-        "precision",
-        "ascent_sync",
-        "device",
-        "token_reduction",
-    ),
-    dict: ("model_args",),
-    list: ("regs", "track"),
-}
-
-
-def _shown(value) -> str:
+def _shown(value: Any) -> str:
     """``repr(value)`` cut to 40 characters, for a message."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Each TrainConfig field's declared type (its annotation, evaluated)."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    from sharpcli.training.penalties.base import Regularizer
+
+    return typing.get_type_hints(TrainConfig, localns={"Regularizer": Regularizer})
+
+
+def _conforms(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is of the declared type ``kind``: unions, ``None``, ``list[T]`` item by
+    item, ``dict[K, V]`` as a dict; an integer is a float, a boolean is neither."""
+    origin = typing.get_origin(kind)
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, k) for k in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is not None:
+        return isinstance(value, origin)
+    if kind in (int, float):
+        numbers = (int, float) if kind is float else int
+        return isinstance(value, numbers) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _described(kind: Any) -> str:
+    """``an integer``, ``a number``, ``true or false``, ``a string or a dict``: the values of
+    type ``kind`` in words."""
+    if typing.get_origin(kind) in (Union, types.UnionType):
+        return " or ".join(_described(k) for k in typing.get_args(kind) if k is not type(None))
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return "parsed regularizers" if item is not str else "a list of strings"
+    kind = typing.get_origin(kind) or kind
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return words.get(kind, f"a {kind.__name__}")
+
+
 def _check_types(cfg: TrainConfig) -> None:
-    """UsageError naming the option of the first field whose value has the wrong type.
+    """UsageError naming the first field whose value is not of its declared type.
 
     ``sweep --set epochs=abc`` stores the string ``"abc"``; comparing it later was exit 4.
     Numbers must be finite (``--input-noise nan``); integers are not booleans.
     """
-    for kind, names in _FIELD_TYPES.items():
-        for name in names:
-            value = getattr(cfg, name)
-            wrong = isinstance(value, bool) != (kind is bool) or not isinstance(
-                value, (int, float) if kind is float else kind
-            )
-            if kind is float and not wrong and not math.isfinite(value):
-                raise UsageError(f"must be a finite number, got {value!r}", source=OPTION_OF[name])
-            if wrong:
-                what = {int: "an integer", float: "a number", bool: "true or false"}.get(
-                    kind, f"a {kind.__name__}"
-                )
-                raise UsageError(f"must be {what}, got {_shown(value)}", source=OPTION_OF[name])
-    for name in ("loss", "label_column"):
+    for name, kind in _field_types().items():
         value = getattr(cfg, name)
-        if value is not None and not isinstance(value, str):
-            raise UsageError(f"must be a string, got {_shown(value)}", source=OPTION_OF[name])
-    if not isinstance(cfg.data, (str, dict)):
-        raise UsageError("must be a data spec string", source="data")
-    for reg in cfg.regs:
-        if not isinstance(reg, Regularizer):  # set after construction, never parsed
-            raise UsageError(f"must be parsed regularizers, got {_shown(reg)}", source="regs")
+        if not _conforms(value, kind):
+            raise UsageError(f"must be {_described(kind)}, got {_shown(value)}", source=name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"must be a finite number, got {value!r}", source=name)
 
 
 def _check_step_modes(cfg: TrainConfig) -> None:
     """UsageError on ``precision`` (unknown, or mixed with float64) or ``ascent_sync``."""
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.training.precision import check_precision
 
     check_precision(cfg.precision, cfg.dtype)
@@ -169,6 +181,7 @@ def _check_step_modes(cfg: TrainConfig) -> None:
 
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
+    # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.losses import LOSSES, TOKEN_REDUCTIONS
     from sharpcli.preflight import check_seed
 

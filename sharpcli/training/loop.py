@@ -48,7 +48,6 @@ from sharpcli.preflight import (
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.training.config import (
     OPTIMIZERS,
-    OPTION_OF,
     SCHEDULES,
     TrainConfig,
     config_from_options,
@@ -87,7 +86,6 @@ from sharpcli.training.resume import (
 __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
-    "OPTION_OF",
     "STATE_VERSION",
     "TrainConfig",
     "TrainResult",

@@ -16,7 +16,8 @@ from sharpcli import ledger
 from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.bounded import loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
-from sharpcli.training.config import OPTION_OF, TrainConfig
+from sharpcli.losses import LOSSES
+from sharpcli.training.config import TrainConfig
 from sharpcli.training.epochs import Run
 
 __all__ = [
@@ -174,9 +175,7 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     saved.setdefault("ascent_sync", "per-replica")
     if saved != identity:
         diff = sorted(
-            f"`{OPTION_OF.get(k, k)}`"
-            for k in set(saved) | set(identity)
-            if saved.get(k) != identity.get(k)
+            f"`{k}`" for k in set(saved) | set(identity) if saved.get(k) != identity.get(k)
         )
         raise UsageError(
             f"the saved run used other settings ({', '.join(diff)}); resume with the same options "
@@ -189,7 +188,6 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
 
 def _per_token(config: dict) -> bool:
     """Whether a saved configuration's loss is a token loss (one label per position)."""
-    from sharpcli.losses import LOSSES
 
     loss = config.get("loss")
     return isinstance(loss, str) and loss in LOSSES and LOSSES.get(loss).per_token

@@ -29,9 +29,18 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sharpcli import ledger, progress
+from sharpcli import SCHEMA_ID, __version__, ledger, progress
+from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
 from sharpcli.atomic import publication, write_text_atomic
+from sharpcli.bounded import loads_json
 from sharpcli.errors import NumericalError, UsageError
+from sharpcli.io.datasets import parse_data_spec
+from sharpcli.report.compare import render
+from sharpcli.report.envelope import dumps, validate_report
+from sharpcli.report.plots import plot_sweep
+from sharpcli.session import build_session
+from sharpcli.training.loop import history_csv_path_for, state_path_for, train, train_report
+from sharpcli.training.regularizers import REGISTRY, parse_reg, parse_regs
 
 
 @dataclass
@@ -98,7 +107,6 @@ def run_key(cfg) -> str:
     setting get different keys, so different files. A data file's content is not hashed: a
     file replaced under the same path keeps its runs' keys.
     """
-    from sharpcli.io.datasets import parse_data_spec
 
     config = cfg.to_dict()
     config["data"] = parse_data_spec(cfg.data, label_column=cfg.label_column)
@@ -108,7 +116,6 @@ def run_key(cfg) -> str:
 
 def _run_config(base, reg: str, point: dict, seed: int, extra_regs):
     """The training configuration of one run: ``base`` with its seed and regularizers."""
-    from sharpcli.training.regularizers import parse_regs
 
     cfg = copy.deepcopy(base)
     cfg.seed = seed
@@ -120,9 +127,6 @@ def _read_json(path: Path) -> dict | None:
     """A report the sweep wrote earlier, or None when it is missing, unreadable or breaks the
     schema (a truncated or hand-edited file: the run is then trained or analysed again)."""
     import jsonschema
-
-    from sharpcli.bounded import loads_json
-    from sharpcli.report.envelope import validate_report
 
     try:
         doc = loads_json(path.read_text())
@@ -150,7 +154,6 @@ def run_sweep(
     point and seed, in order, the run is skipped (reports or a divergence record exist) or
     trained (:func:`_train_run`, resumed when interrupted) and analysed (:func:`_analyze_run`).
     """
-    from sharpcli.analyses.analyze import parse_metrics
 
     metrics = parse_metrics(",".join(metrics))
     points = _check_sweep(reg, grid, seeds, extra_regs)
@@ -218,7 +221,6 @@ def _point_regularizer(reg: str, point: dict):
     """The regularizer ``reg`` (``NAME[:k=v,...]``, its fixed settings) at a grid point: its
     class made with the point's numbers over them (typed values, checked against the
     hyper-parameters' ranges, never written out as a spec and parsed again)."""
-    from sharpcli.training.regularizers import REGISTRY
 
     entry, fixed = REGISTRY.parse(reg)
     return REGISTRY.get(entry.name)(**{**fixed, **point})
@@ -227,7 +229,6 @@ def _point_regularizer(reg: str, point: dict):
 def _check_sweep(reg: str, grid: dict, seeds: list[int], extra_regs) -> list[dict]:
     """The grid points (dicts, in product order), after checking that every regularizer spec of
     the sweep parses; UsageError otherwise."""
-    from sharpcli.training.regularizers import parse_reg
 
     if not seeds:
         raise UsageError("give at least one seed", source="seeds")
@@ -262,7 +263,6 @@ class _RunFiles:
     def written(self, trained: bool) -> list[Path]:
         """The files a run writes: the analysis report, and unless ``trained`` already, the
         checkpoint with its history CSV and state, the train report or the divergence record."""
-        from sharpcli.training.loop import history_csv_path_for, state_path_for
 
         if trained:
             return [self.analyze_json]
@@ -288,9 +288,6 @@ def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
     ``files.diverged_json`` instead (the error document of a failed ``train`` report, so it
     validates against the report schema) and returns None.
     """
-    from sharpcli import SCHEMA_ID, __version__
-    from sharpcli.report.envelope import dumps
-    from sharpcli.training.loop import state_path_for, train, train_report
 
     resume = state_path_for(files.ckpt).exists()
     try:
@@ -325,9 +322,6 @@ def _analyze_run(
     (:func:`sharpcli.analyses.analyze.analyze_report`), with the analysis settings in
     ``settings``.
     """
-    from sharpcli.analyses.analyze import analyze, analyze_report
-    from sharpcli.report.envelope import dumps
-    from sharpcli.session import build_session
 
     metrics, analyze_samples = analysis["metrics"], analysis["analyze_samples"]
     has_test = train_doc["results"]["final"].get("test_accuracy") is not None
@@ -469,9 +463,6 @@ def _finish(
     runs, out_dir: Path, reg: str, grid: dict, *, completed: bool, skipped: list, diverged: list
 ) -> SweepResult:
     import pandas as pd
-
-    from sharpcli.report.compare import render
-    from sharpcli.report.plots import plot_sweep
 
     table_csv, summary_csv, summary_md, plot_png = (out_dir / name for name in _TABLES)
     summary = _summary(runs, grid) if runs else []

@@ -180,17 +180,17 @@ def test_config_validation_names_the_field_of_the_first_bad_setting():
     """The library names its own parameter (the config field); the CLI spells it as a flag."""
     BoundCheckConfig().validate()  # the CLI defaults are valid
     cases = [
-        (dict(sigmas=[]), "sigmas"),
-        (dict(sigmas=[0.1, float("nan")]), "sigmas"),
-        (dict(checks=("theorem9",)), "checks"),
-        (dict(epsilon_kind="max"), "epsilon_kind"),
+        (dict(sigma=[]), "sigma"),
+        (dict(sigma=[0.1, float("nan")]), "sigma"),
+        (dict(check=("theorem9",)), "check"),
+        (dict(epsilon="max"), "epsilon"),
         (dict(perturbations=0), "perturbations"),
         (dict(bootstrap=0), "bootstrap"),
         (dict(ci_level=1.0), "ci_level"),
-        (dict(mc_pairs=1), "mc_pairs"),
+        (dict(mc_samples=1), "mc_samples"),
         (dict(noise_pairs=1), "noise_pairs"),
         (dict(tol=0.0), "tol"),
-        (dict(epsilon_kind="max", perturbations=0), "epsilon_kind"),
+        (dict(epsilon="max", perturbations=0), "epsilon"),
     ]
     for changes, field_name in cases:
         with pytest.raises(UsageError) as info:
@@ -230,7 +230,7 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
     model, x, y = _trained()
     data = AnalysisData(x, y, "cross-entropy", 16)
     sigmas = [0.01, 0.3, 1.0]
-    rows = theorem2_check(model, data, sigmas, mc_pairs=256)
+    rows = theorem2_check(model, data, sigmas, mc_samples=256)
     with torch.no_grad():
         h = model[:4](x)
         z = model(x)
@@ -252,7 +252,7 @@ def test_theorem2_holds_on_every_sample_with_the_taylor_value_beside_it():
     x_test = torch.randn(300, 3, dtype=torch.float64, generator=gen)
     y_test = (x_test[:, 0] > 0).long() + (x_test[:, 1] > 0).long()
     for row in theorem2_check(
-        model, AnalysisData(x_test, y_test, "cross-entropy", 64), sigmas, mc_pairs=256
+        model, AnalysisData(x_test, y_test, "cross-entropy", 64), sigmas, mc_samples=256
     ):
         assert (
             row.samples == 300
@@ -268,7 +268,9 @@ def test_noise_stability_gap_matches_half_sigma_squared_trace():
     model, x, y = _trained(steps=300, activation="gelu")
     data = AnalysisData(x, y, "cross-entropy", 40)
     scope = ParamScope.resolve(model, "all")
-    out = noise_stability_check(model, data, [1e-3, 0.3], scope, pairs=600, trace_max_matvecs=400)
+    out = noise_stability_check(
+        model, data, [1e-3, 0.3], scope, noise_pairs=600, trace_max_matvecs=400
+    )
     names = [n for n, _ in model.named_parameters()]
     trace = float(_dense_hessian(model, x, y, names).trace())
     assert (

@@ -104,8 +104,8 @@ def test_sampled_label_ggn_trace_stderr(tiny):
 def test_theorem2_smoothed_stderr_is_that_of_the_dataset_mean(tiny):
     """The K draws are shared by every sample: the standard error is over draws."""
     model, data, _, _, _ = tiny
-    reference = theorem2_check(model, data, [0.5], mc_pairs=20000, seed=999)[0]
-    rows = [theorem2_check(model, data, [0.5], mc_pairs=64, seed=seed)[0] for seed in SEEDS]
+    reference = theorem2_check(model, data, [0.5], mc_samples=20000, seed=999)[0]
+    rows = [theorem2_check(model, data, [0.5], mc_samples=64, seed=seed)[0] for seed in SEEDS]
     estimates = [r.smoothed_cross_entropy for r in rows]
     stderrs = [r.smoothed_stderr for r in rows]
     # the reference's own error, relative to one run's: sqrt(64 / 20000) = 0.06
@@ -182,9 +182,9 @@ def test_noise_stability_stderrs(tiny):
     gap = _expected_gap(model, data, sigma, 4000)
     predicted = sigma**2 / 2 * float(torch.trace(H))
     rows = [
-        noise_stability_check(model, data, [sigma], scope, pairs=32, trace_tol=0.05, seed=seed)[
-            "rows"
-        ][0]
+        noise_stability_check(
+            model, data, [sigma], scope, noise_pairs=32, trace_tol=0.05, seed=seed
+        )["rows"][0]
         for seed in range(16)
     ]
     # the reference's own error, relative to one run's: sqrt(32 / 4000) = 0.09
@@ -222,7 +222,7 @@ def test_density_trace_stderr(tiny):
 
     _, _, _, H, _ = tiny
     op = MatrixOperator(H)
-    runs = [spectral_density(op, probes=32, lanczos_steps=6, seed=seed) for seed in SEEDS]
+    runs = [spectral_density(op, probes=32, steps=6, seed=seed) for seed in SEEDS]
     _z_scores_calibrated(
         [r.trace_estimate for r in runs], [r.trace_stderr for r in runs], float(torch.trace(H))
     )

@@ -24,7 +24,7 @@ def _data(n=48, seed=1):
 
 
 def _lambda_max(model, loss, data):
-    return Curvature(model, loss, data).eigenvalues(k=1, tol=1e-3).eigenvalues[0]
+    return Curvature(model, loss, data).eigenvalues(top_k=1, tol=1e-3).eigenvalues[0]
 
 
 def test_tracker_in_a_plain_loop_measures_every_n_steps_without_touching_the_rng():

@@ -167,7 +167,7 @@ def test_the_three_specs_share_the_grammar():
     for call, text, source in [
         (parse_reg, "sam:rho=1,rho=2", "regs"),
         (parse_activation_spec, "beta-gelu:beta=1,beta=2", "activation"),
-        (parse_data_spec, "blobs:n=10,n=20", "spec"),
+        (parse_data_spec, "blobs:n=10,n=20", "data"),
     ]:
         with pytest.raises(RegistryError, match="given twice") as info:
             call(text)

@@ -1,9 +1,10 @@
 """The library speaks in parameters, the CLI in flags (docs/architecture.md, "Contracts between
 layers").
 
-A library caller's error names the library parameter (``err.source == "k"``) and refers to
+A library caller's error names the library parameter (``err.source == "top_k"``) and refers to
 parameters in messages as `name` or `name=value`; the CLI spells both as the running command's
-flags (:mod:`sharpcli.cli.flags`), derived from the click commands plus a small alias table.
+flags (:mod:`sharpcli.cli.flags`), derived from the click commands: a library parameter has the
+name of the CLI parameter that sets it, so no table maps names.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def test_power_iteration_names_its_parameters():
     from sharpcli.curvature import power_iteration
 
     op = _identity_operator()
-    assert _raise(lambda: power_iteration(op, k=0)).source == "k"
+    assert _raise(lambda: power_iteration(op, top_k=0)).source == "top_k"
     assert _raise(lambda: power_iteration(op, tol=0.0)).source == "tol"
-    assert _raise(lambda: power_iteration(op, max_iter=0)).source == "max_iter"
+    assert _raise(lambda: power_iteration(op, max_matvecs=0)).source == "max_matvecs"
 
 
 def test_density_and_trace_name_their_parameters():
@@ -57,7 +58,8 @@ def test_density_and_trace_name_their_parameters():
 
     op = _identity_operator()
     assert _raise(lambda: spectral_density(op, probes=0)).source == "probes"
-    assert _raise(lambda: spectral_density(op, lanczos_steps=0)).source == "lanczos_steps"
+    assert _raise(lambda: spectral_density(op, steps=0)).source == "steps"
+    assert _raise(lambda: spectral_density(op, broadening=-1.0)).source == "broadening"
     assert _raise(lambda: hutchpp(op, max_matvecs=1)).source == "max_matvecs"
 
 
@@ -66,8 +68,8 @@ def _curvature_errors():
     from sharpcli.curvature.registry import operator_spec
 
     return [
-        lambda: power_iteration(_identity_operator(), k=0),
-        lambda: spectral_density(_identity_operator(), probes=1, sigma=-1.0),
+        lambda: power_iteration(_identity_operator(), top_k=0),
+        lambda: spectral_density(_identity_operator(), probes=1, broadening=-1.0),
         lambda: ParamScope.resolve(_tiny_model(), "nothing.*"),
         lambda: ParamScope.resolve(nn.Linear(2, 2).requires_grad_(False)),
         lambda: operator_spec("no-such-operator"),
@@ -86,8 +88,8 @@ def _analyses_errors():
         lambda: parse_metrics("eigen,bogus"),
         lambda: check_tracked(["bogus"]),
         lambda: check_choice("bogus", METHODS, "method"),
-        lambda: BoundCheckConfig(sigmas=[]).validate(),
-        lambda: BoundCheckConfig(epsilon_kind="max").validate(),
+        lambda: BoundCheckConfig(sigma=[]).validate(),
+        lambda: BoundCheckConfig(epsilon="max").validate(),
         lambda: plan_rescale(_tiny_model(), example, mode="global", layer="0"),
         lambda: plan_rescale(_tiny_model(), example, mode="layer", layer="nope"),
     ]
@@ -255,12 +257,12 @@ def test_spelling_follows_the_running_command(commands):
 
     everything = list(commands.values())
     eigen = FlagSpelling(commands["eigen"], everything)
-    assert eigen.flag("k") == "--top-k" and eigen.flag("max_iter") == "--eig-max-matvecs"
+    assert eigen.flag("top_k") == "--top-k" and eigen.flag("max_matvecs") == "--eig-max-matvecs"
     assert eigen.flag("params") == "--params" and eigen.flag("arch_args") == "--arch-args"
     assert eigen.flag("model") == "--model"  # no --model here: the app's (train's) spelling
     assert eigen.flag("no_such_parameter") is None
     assert FlagSpelling(commands["bound-check"], everything).flag("sigma") == "--sigma"
-    assert FlagSpelling(commands["density"], everything).flag("sigma") == "--broadening"
+    assert FlagSpelling(commands["density"], everything).flag("broadening") == "--broadening"
     assert FlagSpelling(commands["train"], everything).flag("model_args") == "--model-args"
     assert FlagSpelling(commands["compare"], everything).flag("fmt") == "--format"
     assert eigen.text("lower `top_k`, use `engine=native`, keep `unknown`") == (
@@ -277,11 +279,10 @@ BY_MEANING = {
 }
 
 
-def test_aliases_name_cli_parameters(commands):
-    """Every alias points at a parameter some command has, and each CLI parameter name has one
-    flag across the commands (so the app-wide fallback is unambiguous), except the names spelled
-    by meaning (BY_MEANING)."""
-    from sharpcli.cli.flags import LIBRARY_ALIASES, FlagSpelling, _flags
+def test_each_cli_parameter_has_one_flag_or_is_spelled_by_meaning(commands):
+    """Each CLI parameter name has one flag across the commands (so the app-wide fallback is
+    unambiguous), except the names spelled by meaning (BY_MEANING)."""
+    from sharpcli.cli.flags import FlagSpelling, _flags
 
     spellings: dict[str, set[str]] = {}
     for command in commands.values():
@@ -299,17 +300,62 @@ def test_aliases_name_cli_parameters(commands):
     }.items():
         spelling = FlagSpelling(commands[name], everything)
         assert (spelling.flag("tol"), spelling.flag("max_matvecs")) == (tol, budget), name
-    assert set(LIBRARY_ALIASES.values()) <= set(spellings)
-    # Library names that are also another command's option: a command with that option keeps
-    # it (bound-check --sigma, train --model-args); the alias serves the others.
-    assert set(LIBRARY_ALIASES) & set(spellings) == {"sigma", "model_args"}
+
+
+def test_library_parameters_are_cli_parameters(commands):
+    """One name per concept: every parameter a library error names (the layers' errors above,
+    and the checks below) is the CLI parameter of the command that sets it, whose flag the
+    error is then spelled with; no table maps a library name to another."""
+    from sharpcli.analyses.bounds import BoundCheckConfig
+    from sharpcli.analyses.noise_stability import noise_stability_check
+    from sharpcli.analyses.rescale import check_alphas
+    from sharpcli.cli.flags import FlagSpelling
+    from sharpcli.curvature import lanczos, power_iteration, spectral_density
+    from sharpcli.io.datasets import load_dataset
+    from sharpcli.models.outputs import select_output
+    from sharpcli.report.gate import parse_gate
+
+    op = _identity_operator()
+    expected = [
+        ("eigen", lambda: lanczos(op, top_k=0), "--top-k"),
+        ("eigen", lambda: power_iteration(op, max_matvecs=0), "--eig-max-matvecs"),
+        ("density", lambda: spectral_density(op, steps=0), "--steps"),
+        ("density", lambda: spectral_density(op, broadening=-1.0), "--broadening"),
+        ("bound-check", lambda: BoundCheckConfig(sigma=[]).validate(), "--sigma"),
+        ("bound-check", lambda: BoundCheckConfig(check=("x",)).validate(), "--check"),
+        ("bound-check", lambda: BoundCheckConfig(epsilon="max").validate(), "--epsilon"),
+        ("bound-check", lambda: BoundCheckConfig(mc_samples=1).validate(), "--mc-samples"),
+        ("bound-check", lambda: BoundCheckConfig(noise_pairs=1).validate(), "--noise-pairs"),
+        ("bound-check", lambda: noise_stability_check(None, None, [], None), "--sigma"),
+        (
+            "bound-check",
+            lambda: noise_stability_check(None, None, [0.1], None, noise_pairs=1),
+            "--noise-pairs",
+        ),
+        ("weight-rescale", lambda: check_alphas([]), "--alpha"),
+        ("analyze", lambda: parse_gate("not a condition"), "--fail-if"),
+        ("eigen", lambda: select_output((torch.zeros(1), torch.zeros(1)), "5"), "--output"),
+        ("eigen", lambda: load_dataset("blobs:n=x"), "--data"),
+        ("train", lambda: load_dataset("blobs:n=x"), "--data"),
+    ]
+    everything = list(commands.values())
+    for command, call, flag in expected:
+        err = _raise(call)
+        assert FlagSpelling(commands[command], everything).flag(err.source) == flag, (
+            command,
+            err.source,
+        )
+    for layer in LAYERS.values():
+        for call in layer():
+            source = _raise(call).source
+            assert FlagSpelling(None, everything).flag(source) is not None, source
 
 
 def test_paths_stay_paths(commands, monkeypatch):
     """An input file or an unwritable output called like a parameter is not read as one."""
     from sharpcli.cli import flags
 
-    monkeypatch.setattr(flags, "_running_commands", lambda name: (commands["eigen"], []))
+    monkeypatch.setattr(flags, "_running_commands", lambda name, root: (commands["eigen"], []))
     assert flags.to_cli_error(InputError("no such file", source="model")).source == "model"
     assert flags.to_cli_error(OutputPathError("is a directory", source="params")).source == "params"
     err = flags.to_cli_error(UsageError("pass `params=GLOB`", source="params"))

@@ -115,6 +115,6 @@ def test_a_model_without_a_double_backward_is_measured(tmp_path, monkeypatch, ca
     assert run.code == 0, run.err
     results = run.json()["results"]
     twin = _module(custom=False).double()
-    exact = Curvature(twin, "cross-entropy", (x.double(), y)).eigenvalues(k=1, tol=1e-10)
+    exact = Curvature(twin, "cross-entropy", (x.double(), y)).eigenvalues(top_k=1, tol=1e-10)
     gap = abs(results["eigenvalues"][0] - exact.eigenvalues[0])
     assert gap <= results["hvp"]["error_bound"] + results["residuals"][0] + exact.residuals[0]

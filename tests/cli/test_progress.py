@@ -48,7 +48,7 @@ def test_lanczos_reports_each_step_and_ends_at_its_result(dtype):
     op, data = _operator(dtype)
     events = []
     with progress.reporting(events.append), progress.phase("eigen H"):
-        result = lanczos(op, k=2, tol=1e-6)
+        result = lanczos(op, top_k=2, tol=1e-6)
     steps, batches = _runs(events, "lanczos")
     _check_counts(steps, result.matvecs)
     assert len(steps) == result.krylov_dim + 2  # the start, one per step, the end
@@ -91,7 +91,7 @@ def test_slq_density_reports_its_trace_estimate():
     op, _ = _operator()
     events = []
     with progress.reporting(events.append):
-        result = spectral_density(op, probes=3, lanczos_steps=6)
+        result = spectral_density(op, probes=3, steps=6)
     steps, _ = _runs(events, "slq")
     _check_counts(steps, result.matvecs)
     assert steps[0].total == 3 * 6
@@ -105,7 +105,7 @@ def test_without_listener_nothing_is_recorded():
     op, _ = _operator()
     run = progress.start("lanczos", total=3)
     assert run.finished and not progress.active()
-    lanczos(op, k=1, tol=1e-3)  # runs as before
+    lanczos(op, top_k=1, tol=1e-3)  # runs as before
 
 
 def test_nested_runs_name_their_parent_and_a_failed_run_closes():

@@ -40,7 +40,7 @@ def test_every_command_and_shown_option_has_its_row_and_default():
             default = helptext.default_of(param, ctx)
             if default is not None and not param.required:
                 assert row.endswith(f"| {reference._code(default)} |"), row
-    assert "| <code>--top-k N</code> | Number of eigenvalues" in page
+    assert "| <code>--top-k N</code> | How many eigenvalues" in page
     assert "| <code>--which WHICH</code> |" in page and "<code>largest</code>, " in page
 
 

@@ -23,7 +23,7 @@ def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
     op = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     ).hessian()
-    result = spectral_density(op, probes=2, lanczos_steps=93, seed=0)
+    result = spectral_density(op, probes=2, steps=93, seed=0)
     v = (
         torch.randint(0, 2, (93,), generator=torch.Generator().manual_seed(0), dtype=torch.int8) * 2
         - 1
@@ -50,7 +50,7 @@ def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
 
 def test_density_of_a_known_spectrum_and_png(tmp_path):
     A = MatrixOperator(torch.diag(torch.tensor([0.0] * 8 + [5.0] * 2, dtype=torch.float64)))
-    result = spectral_density(A, probes=3, lanczos_steps=10, sigma=0.1, grid_points=501, seed=1)
+    result = spectral_density(A, probes=3, steps=10, broadening=0.1, grid_points=501, seed=1)
     grid, density = np.asarray(result.grid), np.asarray(result.density)
     mass_high = np.trapezoid(np.where(grid > 2.5, density, 0.0), grid)
     # quadrature weight at eigenvalue 5 = mean over probes of |v_top|^2 = 2/10 exactly for Rademacher
@@ -64,7 +64,7 @@ def test_density_arguments():
     A = MatrixOperator(torch.eye(3, dtype=torch.float64))
     with pytest.raises(UsageError):
         spectral_density(A, probes=0)
-    single = spectral_density(A, probes=1, lanczos_steps=5)
+    single = spectral_density(A, probes=1, steps=5)
     assert single.nodes == [[pytest.approx(1.0)]] and single.sigma > 0
 
 
@@ -75,7 +75,7 @@ def test_slq_trace_stderr_is_the_spread_of_rademacher_hutchinson_samples():
     op = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     ).hessian()
-    result = spectral_density(op, probes=40, lanczos_steps=6, seed=3)
+    result = spectral_density(op, probes=40, steps=6, seed=3)
     per_probe = [
         93 * sum(t * w for t, w in zip(n, ws)) for n, ws in zip(result.nodes, result.weights)
     ]
@@ -86,5 +86,5 @@ def test_slq_trace_stderr_is_the_spread_of_rademacher_hutchinson_samples():
     assert result.trace_stderr == pytest.approx((variance / 40) ** 0.5, rel=0.35)
     assert abs(result.trace_estimate - float(H.trace())) < 4 * result.trace_stderr
     assert result.to_dict()["trace_stderr"] == result.trace_stderr
-    one = spectral_density(op, probes=1, lanczos_steps=6, seed=3)
+    one = spectral_density(op, probes=1, steps=6, seed=3)
     assert one.trace_stderr is None and one.to_dict()["trace_stderr"] is None

@@ -264,7 +264,7 @@ def test_api_curvature_takes_the_fisher_operators():
     curvature = Curvature(model, nn.CrossEntropyLoss(), (x, y), batch_size=4)
     reference = _dense_outer(model, x, y, "cross-entropy")
     assert torch.allclose(curvature.operator("ef").to_dense(), reference, atol=1e-12, rtol=0)
-    top = curvature.eigenvalues(k=1, tol=1e-10, operator="ef")
+    top = curvature.eigenvalues(top_k=1, tol=1e-10, operator="ef")
     assert top.eigenvalues[0] == pytest.approx(
         float(torch.linalg.eigvalsh(reference)[-1]), rel=1e-8
     )

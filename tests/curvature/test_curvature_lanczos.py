@@ -93,7 +93,7 @@ def test_power_iteration_finds_largest_magnitude_with_residuals(operators):
     op, dense = operators["nme"]  # N is indefinite: its largest |eigenvalue| is negative here
     exact = torch.linalg.eigvalsh(dense)
     biggest = exact[exact.abs().argmax()]
-    result = power_iteration(op, 1, tol=1e-6, max_iter=300, seed=0, return_eigenvectors=True)
+    result = power_iteration(op, 1, tol=1e-6, max_matvecs=300, seed=0, return_eigenvectors=True)
     assert result.which == "largest-magnitude"
     assert abs(result.eigenvalues[0] - float(biggest)) <= 1e-3 * abs(float(biggest))
     explicit = ritz_residuals(MatrixOperator(dense), result.eigenvalues, result.eigenvectors)
@@ -103,12 +103,14 @@ def test_power_iteration_finds_largest_magnitude_with_residuals(operators):
 
 def test_power_iteration_deflation_on_a_known_spectrum():
     diag = torch.tensor([10.0, 6.0, 3.0, 1.0, 0.5], dtype=torch.float64)
-    result = power_iteration(MatrixOperator(torch.diag(diag)), 2, tol=1e-10, max_iter=500, seed=2)
+    result = power_iteration(
+        MatrixOperator(torch.diag(diag)), 2, tol=1e-10, max_matvecs=500, seed=2
+    )
     assert result.eigenvalues == pytest.approx([10.0, 6.0], rel=1e-8)
     # the relative-change rule stops with eigenvalue error ~1e-10 but residual ~sqrt of it:
     # the converged flag is the residual criterion and says so
     assert all(1e-7 < r < 1e-3 for r in result.residuals) and result.converged == [False, False]
-    loose = power_iteration(MatrixOperator(torch.diag(diag)), 2, tol=1e-3, max_iter=500, seed=2)
+    loose = power_iteration(MatrixOperator(torch.diag(diag)), 2, tol=1e-3, max_matvecs=500, seed=2)
     assert loose.converged == [
         r <= 1e-3 * abs(v) for r, v in zip(loose.residuals, loose.eigenvalues)
     ]
@@ -122,6 +124,6 @@ def test_bad_arguments_are_usage_errors(operators):
     assert info.value.source == "which"
     with pytest.raises(UsageError) as info:
         lanczos(op, 0)
-    assert info.value.source == "k"
+    assert info.value.source == "top_k"
     with pytest.raises(UsageError):
         power_iteration(op, 1, tol=0.0)

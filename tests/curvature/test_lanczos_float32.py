@@ -96,7 +96,7 @@ def test_lanczos_float32_operator_is_accurate_and_reports_true_residuals(rotated
 
 def test_power_iteration_float32_operator(rotated):
     op, spectrum = rotated
-    result = power_iteration(op, 1, tol=1e-9, max_iter=150, seed=0, return_eigenvectors=True)
+    result = power_iteration(op, 1, tol=1e-9, max_matvecs=150, seed=0, return_eigenvectors=True)
     explicit = _explicit(op, result.eigenvalues, result.eigenvectors)
     # Rayleigh quotient error ~ residual^2 / gap; the residual is what it says
     assert abs(result.eigenvalues[0] - spectrum[0].item()) <= 1e-6 * spectrum[0].item()
@@ -105,7 +105,7 @@ def test_power_iteration_float32_operator(rotated):
 
 def test_slq_float32_operator_moments(rotated):
     op, _ = rotated
-    result = spectral_density(op, probes=1, lanczos_steps=30, seed=3)
+    result = spectral_density(op, probes=1, steps=30, seed=3)
     theta = torch.tensor(result.nodes[0], dtype=torch.float64)
     tau = torch.tensor(result.weights[0], dtype=torch.float64)
     # the probe, as drawn by the seeded Rademacher helper, normalised

@@ -537,20 +537,20 @@ def test_missing_path_and_unknown_extension(tmp_path):
 
 
 def test_builtin_and_spec_usage_errors():
-    expect_error(UsageError, "spec", "unknown parameter 'dims'", load_dataset, "blobs:dims=3")
-    expect_error(UsageError, "spec", "n must be an integer", load_dataset, "blobs:n=ten")
+    expect_error(UsageError, "data", "unknown parameter 'dims'", load_dataset, "blobs:dims=3")
+    expect_error(UsageError, "data", "n must be an integer", load_dataset, "blobs:n=ten")
     expect_error(
         UsageError,
-        "spec",
+        "data",
         "test_fraction must be in [0, 1)",
         load_dataset,
         "blobs:test_fraction=1",
     )
-    expect_error(UsageError, "spec", "expected key=value", load_dataset, "images:size")
+    expect_error(UsageError, "data", "expected key=value", load_dataset, "images:size")
     expect_error(
-        UsageError, "spec", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1"
+        UsageError, "data", "leaves an empty split", load_dataset, "blobs:n=3,test_fraction=0.1"
     )
-    expect_error(UsageError, "spec", "kind", load_dataset, {"kind": "web", "url": "x"})
+    expect_error(UsageError, "data", "kind", load_dataset, {"kind": "web", "url": "x"})
     expect_error(
         UsageError, "label_column", "no label column", load_dataset, "blobs", label_column="y"
     )
@@ -846,7 +846,7 @@ def test_format_given_in_spec_must_fit_the_path(tmp_path):
     assert torch.equal(ds.x_train, t(table.x_train))
     expect_error(
         UsageError,
-        "spec",
+        "data",
         "unknown data format 'tsv'",
         load_dataset,
         {"kind": "file", "path": str(copy), "format": "tsv"},
@@ -930,7 +930,7 @@ def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
     assert "cifar10-python" in error.message and "mnist-idx" in error.message
     error = expect_error(
         UsageError,
-        "spec",
+        "data",
         "unknown data format 'cifar'",
         load_dataset,
         {"kind": "file", "path": str(tmp_path), "format": "cifar"},
@@ -1000,7 +1000,7 @@ def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
         assert load_dataset(table.path).spec["format"] == "csv"
         expect_error(
             UsageError,
-            "spec",
+            "data",
             "delimiter do not apply to csv data",
             load_dataset,
             {"kind": "file", "path": table.path, "delimiter": ","},
@@ -1017,7 +1017,7 @@ def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
         formats.unregister("semicolon")
     expect_error(
         UsageError,
-        "spec",
+        "data",
         "unknown key(s) delimiter",
         load_dataset,
         {"kind": "file", "path": str(toy), "delimiter": ";"},

@@ -46,7 +46,7 @@ def _assert_matches(curvature: Curvature, hessian, ggn) -> None:
     """Dense operators, the top-3 eigenvalues and the exact traces against the references."""
     torch.testing.assert_close(curvature.operator().to_dense(), hessian, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(curvature.operator("ggn").to_dense(), ggn, rtol=1e-10, atol=1e-12)
-    top = curvature.eigenvalues(k=3, tol=1e-10).eigenvalues
+    top = curvature.eigenvalues(top_k=3, tol=1e-10).eigenvalues
     exact = torch.linalg.eigvalsh(hessian).flip(0)[:3]
     torch.testing.assert_close(torch.tensor(top, dtype=torch.float64), exact, rtol=1e-8, atol=1e-10)
     trace = curvature.trace(operator="ggn", estimator="exact").estimate

@@ -102,7 +102,7 @@ def test_select_output_rules():
     assert select_output((z, h)) is z and select_output((h, z), "1") is z
     assert select_output({"a": h, "logits": z}) is z and select_output({"a": h, "b": z}) is h
     assert select_output([h, z], "-1") is z
-    with pytest.raises(UsageError, match="`selector`"):
+    with pytest.raises(UsageError, match="`output`"):
         select_output((h, z), "5")
     with pytest.raises(UsageError, match="no logits tensor"):
         select_output(("text",))

@@ -43,7 +43,6 @@ MODE = "mode"
 # --------------------------------------------------------------------------- hyper-parameters
 # One typed parameter (sharpcli.specs.Param): name, type, default, range, description.
 HyperParam = Param
-_format_value = format_value
 
 
 def regularizer_entry(cls: type[Regularizer]) -> Entry:
@@ -235,7 +234,7 @@ class Regularizer:
         """Canonical text form ``name:k=v,...`` (``name`` alone without hyper-parameters)."""
         if not self.params:
             return self.name
-        body = ",".join(f"{k}={_format_value(v)}" for k, v in self.params.items())
+        body = ",".join(f"{k}={format_value(v)}" for k, v in self.params.items())
         return f"{self.name}:{body}"
 
     def __repr__(self) -> str:
