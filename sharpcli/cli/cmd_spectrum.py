@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.cli import choices, common, lazyhelp, runner
+from sharpcli.cli import choices, common, hvp_option, lazyhelp, runner
 from sharpcli.cli.group import app
 from sharpcli.report.tables import key_value_table, records_table
 
@@ -39,50 +39,6 @@ EngineOpt = Annotated[
     choices.Engine,
     typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
-# --hvp fsdp: finite differences on the model sharded by FSDP2 (one option, one help line:
-# eigen's and trace's help stay within 80 lines); checked by _hvp (exit 2), not by click
-HVP_CHOICES = (*catalogue.HVP_METHODS, "fsdp")
-HvpOpt = Annotated[
-    str,
-    typer.Option(
-        "--hvp",
-        metavar="KIND",
-        show_default=False,
-        help="exact (default), finite-difference or fsdp products.",
-    ),
-]
-
-
-def _hvp(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple[str, bool]:
-    """``--hvp`` as the library's ``(hvp, fsdp)``, checked against the other options before
-    the session loads (``fsdp``: finite differences on the model sharded by FSDP2)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.analyses.hvp import check_hvp
-
-    common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")
-    fsdp = hvp == "fsdp"
-    hvp = catalogue.HVP_METHODS[1] if fsdp else hvp
-    check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
-    common.require(blocks is None or hvp == "exact", "needs --hvp exact", "--blocks")
-    return hvp, fsdp
-
-
-def _print_hvp(console, results: dict, notes: bool = True) -> None:
-    """One line on the finite-difference products and their error bound (none when exact),
-    and with ``notes`` the run's notes (for the commands whose table shows none)."""
-    record = results.get("hvp")
-    if record is None:
-        return
-    for note in (results.get("notes") or []) if notes else []:
-        runner.print_note(console, note)
-    console.print(
-        f"Hessian products by central differences ({record['gradients']} gradients"
-        f"{', model sharded by FSDP' if record['sharded'] else ''}): step |h v| = "
-        f"{record['step_norm']:.3g}, error bound |D v - H v| <= {record['error_bound']:.3g} |v| "
-        f"({record['error_bound_relative']:.2g} of the largest |D u|)"
-    )
-
-
 # One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
 # stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
 EigTolOpt = Annotated[
@@ -173,7 +129,7 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = "exact",
     blocks: BlocksOpt = None,
     top: TopOpt = None,
     plot: Annotated[
@@ -195,7 +151,7 @@ def eigen_command(
     _positive(max_matvecs, "--eig-max-matvecs")
     common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
     common.check_output(plot)
-    hvp, fsdp = _hvp(hvp, operator, engine, blocks)
+    hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
@@ -254,7 +210,7 @@ def eigen_command(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
         )
-        _print_hvp(console, results, notes=False)
+        hvp_option.print_products(console, results, notes=False)
         if "blocks" in results:
             shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
@@ -296,7 +252,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = "exact",
     blocks: BlocksOpt = None,
     top: TopOpt = None,
 ) -> runner.Outcome:
@@ -307,7 +263,7 @@ def trace_command(
     _positive(tol, "--trace-tol")
     _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
-    hvp, fsdp = _hvp(hvp, operator, engine, blocks, estimator)
+    hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks, estimator)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
@@ -361,7 +317,7 @@ def trace_command(
         ]
         if rows:
             console.print(records_table("per layer (diagonal blocks)", rows))
-        _print_hvp(console, results)
+        hvp_option.print_products(console, results)
         if "blocks" in results:
             shown, left = _largest_blocks(results["blocks"], top)
             block_rows = [
@@ -501,7 +457,7 @@ def density_command(
         ),
     ] = None,
     params: common.ParamsOpt = None,
-    hvp: HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = "exact",
     plot: Annotated[
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
@@ -520,7 +476,7 @@ def density_command(
     common.require(grid_points >= 8, "must be at least 8", "--grid-points")
     _positive(broadening, "--broadening")
     common.check_output(plot)
-    hvp, fsdp = _hvp(hvp, operator, "native", blocks)
+    hvp, fsdp = hvp_option.check(hvp, operator, "native", blocks)
     session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
     with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(
@@ -582,7 +538,7 @@ def density_command(
                 f"{operator} spectral density (SLQ, {probes} probes x {steps} steps)", summary
             )
         )
-        _print_hvp(console, results)
+        hvp_option.print_products(console, results)
         if "blocks" in results:
             keys = ("numel", "lambda_min", "lambda_max", "trace_estimate")
             shown, left = _largest_blocks(results["blocks"], top)

@@ -138,16 +138,8 @@ class CurvatureEngine:
         """Number of batches whose first-order graph is currently cached."""
         return len(self._cache)
 
-    def _model_storages(self) -> set:
-        """The storages of the model's parameters and buffers, as :class:`ByteCounter` keys: a
-        graph that saves a weight (every linear layer does) holds no new memory for it, and
-        counting it made a GPT-2-small graph 0.5 GB (its weights) larger than it is."""
-        return {ByteCounter.key(t) for t in (*self.model.parameters(), *self.model.buffers())} - {
-            None
-        }
-
     def _build_graph(self, x_b, y_b, weight: float, batch_index: int) -> BatchGraph:
-        counter = ByteCounter(seen=self._model_storages())
+        counter = ByteCounter.beside(self.model)
         with (
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
@@ -185,7 +177,7 @@ class CurvatureEngine:
         on the first N product and cached with the batch's graph.
         """
         if graph.nme_view is None:
-            counter = ByteCounter(seen=self._model_storages())
+            counter = ByteCounter.beside(self.model)
             with (
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),

@@ -50,6 +50,21 @@ class ByteCounter:
     seen: set = field(default_factory=set)
     nbytes: int = 0
 
+    @classmethod
+    def beside(cls, model: torch.nn.Module) -> ByteCounter:
+        """A counter that leaves out the storages of ``model``'s parameters and buffers: a
+        graph that saves a weight (every linear layer does) holds no new memory for it, and
+        counting it made a GPT-2-small graph 0.5 GB (its weights) larger than it is.
+
+        Args:
+            model: the model whose weights are held anyway.
+
+        Returns:
+            A fresh counter.
+        """
+        held = {cls.key(t) for t in (*model.parameters(), *model.buffers())}
+        return cls(seen={key for key in held if key is not None})
+
     @staticmethod
     def key(tensor: torch.Tensor) -> tuple[int, int] | None:
         """``(data pointer, bytes)`` of ``tensor``'s storage, None when it has none (sparse).
