@@ -195,7 +195,7 @@ def lanczos_tridiagonal(
             scale = max(scale, abs(alpha), beta)
             if beta <= 100 * eps * scale:
                 break
-            q = w / beta
+            q = w.div_(beta)  # in place: a new P-vector here was held beside w and the kept row
         kept = None
         if keep_basis:
             kept = basis.combine(torch.eye(len(basis), dtype=_F64))
