@@ -240,7 +240,13 @@ def check_budget(tol, max_matvecs, block_size) -> None:
 
 
 def probe_block(
-    op, block_size: int, *, vectors: int, what: str, float64_sums: bool = True
+    op,
+    block_size: int,
+    *,
+    vectors: int,
+    what: str,
+    float64_sums: bool = True,
+    reserve: int = 0,
 ) -> tuple[int, int]:
     """``(columns, bytes)``: the probe block the run's memory plan allows, at most
     ``block_size`` columns, each holding ``vectors`` P-vectors in the operator's dtype (probe,
@@ -254,6 +260,7 @@ def probe_block(
         vectors: P-vectors in the operator's dtype per column.
         what: names the estimator in the plan's notes and errors.
         float64_sums: the sums widen whole columns (False: :func:`product_segment_sums`).
+        reserve: bytes held beside the block whatever its width (the block's drawn signs).
 
     Returns:
         ``(columns, bytes)`` of the block.
@@ -262,10 +269,12 @@ def probe_block(
     itemsize = torch.empty((), dtype=op.dtype).element_size()
     per_column = dim * (itemsize * int(vectors) + (8 if float64_sums else 0))
     plan = memory.current()
-    fit = plan.count_that_fit(per_column)
+    fit = plan.count_that_fit(per_column, reserve=reserve)
     if fit < 1:
         plan.require(
-            f"{what}: one probe and its product", per_column, "lower `batch_size` or `cache_mb`"
+            f"{what}: one probe and its product",
+            per_column + int(reserve),
+            "lower `batch_size` or `cache_mb`",
         )
     columns = min(int(block_size), fit)
     if columns < int(block_size):

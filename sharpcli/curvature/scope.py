@@ -274,7 +274,8 @@ def rademacher_like(
         ``(dim,)`` or ``(dim, columns)`` entries of +-1.
     """
     shape = (dim,) if columns is None else (dim, columns)
-    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8) * 2 - 1
+    # in place: ``* 2 - 1`` made two more int8 copies (2 GB for 8 probes at 124M parameters)
+    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
     return signs.to(dtype=dtype, device=device)
 
 

@@ -100,12 +100,13 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     check_budget(tol, max_matvecs, block_size)
     budget = int(max_matvecs)
     name = "tr" if quantity == "trace" else "Tr(A^2)"
+    signs = op.shape[0] * int(block_size)  # a block's probes are drawn together, as int8
     columns, held = probe_block(
-        op, block_size, vectors=2, what="Hutchinson", float64_sums=False
+        op, block_size, vectors=2, what="Hutchinson", float64_sums=False, reserve=signs
     )  # the probe and its product: the sums are taken a chunk at a time
     probes = _Probes(op, quantity, blocks, seed, block_size, columns)
     with (
-        memory.current().hold("probe block", held + op.shape[0] * int(block_size)),
+        memory.current().hold("probe block", held + signs),
         progress.start("hutchinson", total=budget, quantity=name) as run,
     ):
         pilot = pilot_size(min_samples, budget)
