@@ -224,7 +224,7 @@ def test_hutchinson_blocks_shrunk_by_the_budget_draw_the_same_probes():
     op, _ = _spectrum_operator(n=200)
     free = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
     plan = memory.activate(memory.MemoryPlan(budget=10**12))
-    per_column = 200 * 8 * 2  # the probe and its product (sums taken a chunk at a time)
+    per_column = 200 * 8 * 3  # the probe, its product and its pieces (no float64 sums)
     plan.baseline = plan.budget - 2 * per_column - 200 * 8  # two columns beside 8 probes' signs
     tight = hutchinson(op, tol=1e-9, max_matvecs=40, seed=3)
     assert any("blocks of 2 probes" in choice for choice in plan.choices)

@@ -101,9 +101,11 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     budget = int(max_matvecs)
     name = "tr" if quantity == "trace" else "Tr(A^2)"
     signs = op.shape[0] * int(block_size)  # a block's probes are drawn together, as int8
+    # per column: the probe, its product and the product's per-parameter pieces while it is
+    # assembled (autograd's results); the per-layer sums are taken a chunk at a time
     columns, held = probe_block(
-        op, block_size, vectors=2, what="Hutchinson", float64_sums=False, reserve=signs
-    )  # the probe and its product: the sums are taken a chunk at a time
+        op, block_size, vectors=3, what="Hutchinson", float64_sums=False, reserve=signs
+    )
     probes = _Probes(op, quantity, blocks, seed, block_size, columns)
     with (
         memory.current().hold("probe block", held + signs),
