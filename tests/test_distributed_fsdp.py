@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -85,8 +86,22 @@ def sharded(tmp_path_factory):
     save_checkpoint(ckpt, build_model(spec), spec, data_spec="blobs:n=60,dim=6,classes=3,seed=3")
     manager = mp.Manager()
     codes = manager.dict()
-    ports = [_free_port() for _ in _commands(ckpt)]
-    mp.spawn(_rank_main, args=(2, ports, str(tmp), ckpt, codes), nprocs=2, join=True)
+    # the ports are picked before the ranks bind them: another process can take one in
+    # between (EADDRINUSE on rank 0, rank 1 then waits to join for good), so such a run is
+    # stopped after a deadline and retried on fresh ports
+    for _ in range(3):
+        ports = [_free_port() for _ in _commands(ckpt)]
+        ranks = mp.spawn(_rank_main, args=(2, ports, str(tmp), ckpt, codes), nprocs=2, join=False)
+        deadline = time.monotonic() + 300
+        while not ranks.join(timeout=5) and time.monotonic() < deadline:
+            pass
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+        errors = " ".join(path.read_text() for path in tmp.glob("*.err"))
+        if len(codes) == 2 * len(_commands(ckpt)) and "address already in use" not in errors:
+            break
+        codes.clear()
     outputs = {}
     for name in _commands(ckpt):
         for rank in (0, 1):
