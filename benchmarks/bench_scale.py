@@ -20,6 +20,11 @@ Cases (``--cases``, comma-separated; default all but ``medium``):
 - ``growth``: ``eigen`` at P = 1M (MLP), 11M (ResNet-18), 124M (GPT-2): peak memory and
   CPU time per product, plotted to ``--plot``.
 - ``medium``: GPT-2 medium shape (355M), for a device (``--device cuda``).
+- ``ratio-all``: ``ratio`` for a probe-product of ``trace`` and a step of ``density`` too.
+- ``converged``: GPT-2 small's lambda_max to ``sharp eigen``'s default tolerance (CPU
+  seconds, products, residual) against PyHessian ``eigenvalues(top_n=1)`` at its defaults
+  (``maxIter=100``, ``tol=1e-3``) in the same run: its value, products and whether it is the
+  largest eigenvalue at all.
 - ``ratio``: only the CPU seconds of a product inside ``eigen`` (12 products against 2)
   against the bare graph-kept HVP, on ResNet-18 and GPT-2 small.
 
@@ -168,28 +173,30 @@ def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
     return times[len(times) // 2]
 
 
-def per_product(label, argv, env, rows, few: int = 2) -> float | None:
-    """CPU seconds (wall seconds on a GPU) a product costs inside ``argv`` (an ``eigen`` run):
-    its time less a ``few``-product run's, over the products between them, so start-up,
-    loading and the planning pass cancel and each product's orthogonalisation, I/O and
-    bookkeeping count."""
+def per_product(
+    label, argv, env, rows, few: int = 2, bound_flag="--eig-max-matvecs"
+) -> float | None:
+    """CPU seconds (wall seconds on a GPU) a product costs inside ``argv`` (an ``eigen``,
+    ``trace`` or ``density`` run): its time less a run's with ``bound_flag`` set to ``few``,
+    over the products between them, so start-up, loading and the planning pass cancel and each
+    product's orthogonalisation, I/O and bookkeeping count."""
     clock = "wall" if "cuda" in argv[argv.index("--device") + 1] else "cpu"
     full = run(label, argv, env, rows)
-    bound = argv.index("--eig-max-matvecs") + 1
+    bound = argv.index(bound_flag) + 1
     short_argv = [*argv[:bound], str(few), *argv[bound + 1 :]]
-    short = run(f"{label} (at {few} products)", short_argv, env, [])
+    short = run(f"{label} (at {few})", short_argv, env, [])
     if full["report"] is None or short["report"] is None:
         return None
     extra = full["report"]["timing"]["matvecs"] - short["report"]["timing"]["matvecs"]
     return (full[clock] - short[clock]) / max(1, extra)
 
 
-def print_ratio(name: str, inside: float | None, bare: float) -> None:
-    """The per-product line of a case: inside ``eigen`` against the bare HVP."""
+def print_ratio(name: str, inside: float | None, bare: float, where: str = "eigen") -> None:
+    """The per-product line of a case: inside ``where`` against the bare HVP."""
     ratio = "" if inside is None else f"{inside / bare:.2f}x"
     inside_text = "failed" if inside is None else f"{inside:.2f}"
-    print(f"\n{name}: seconds per product (CPU; wall on a GPU) inside eigen {inside_text}, bare graph-kept "
-          f"double-backward HVP {bare:.2f}, ratio {ratio}")  # fmt: skip
+    print(f"\n{name}: seconds per product (CPU; wall on a GPU) inside {where} {inside_text}, bare "
+          f"graph-kept double-backward HVP {bare:.2f}, ratio {ratio}")  # fmt: skip
 
 
 def sharp(command: str, ckpt: Path, data: Path, *extra: str, device: str) -> list[str]:
@@ -441,10 +448,12 @@ def case_growth(workdir, env, device, plot):
     return points
 
 
-def case_ratio(workdir, env, device, products=12):
-    """``ratio``: a product inside ``eigen`` (``products`` against 2, default budget) against
-    the bare graph-kept HVP, on ResNet-18 and GPT-2 small, without the other runs of their
-    cases (issue acceptance: the per-product ratio)."""
+def case_ratio(workdir, env, device, products=12, commands=("eigen",)):
+    """``ratio``: a product inside ``eigen`` (``products`` against 2, default budget), and with
+    ``commands`` also a probe-product inside ``trace`` (Hutchinson, its tolerance out of
+    reach) and a Lanczos step inside ``density`` (1 probe), against the bare graph-kept HVP on
+    ResNet-18 and GPT-2 small, without the other runs of their cases (issue acceptance: the
+    per-product ratio)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -453,15 +462,58 @@ def case_ratio(workdir, env, device, products=12):
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
     cases.append(("gpt2", "gpt2", GPT2_SMALL, seq[:, :-1], seq[:, 1:]))
+    bound = str(products)
+    runs = {
+        "eigen": (("--top-k", "1", "--eig-max-matvecs", bound), "--eig-max-matvecs", 2),
+        "trace": (
+            ("--estimator", "hutchinson", "--trace-tol", "1e-9", "--trace-max-matvecs", bound),
+            "--trace-max-matvecs",
+            4,
+        ),
+        "density": (("--probes", "1", "--steps", bound), "--steps", 2),
+    }
     for name, factory, args, inputs, targets in cases:
         ckpt, data, _ = write_case(workdir, name, factory, args, inputs, targets)
-        bound = str(products)
-        argv = sharp("eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", bound, device=device)
-        rows: list = []
-        inside = per_product(
-            f"{name} sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv, env, rows
-        )
-        print_ratio(name, inside, bare_hvp(factory, args, ckpt, data, device))
+        bare = bare_hvp(factory, args, ckpt, data, device)
+        for command in commands:
+            options, flag, few = runs[command]
+            argv = sharp(command, ckpt, data, *options, device=device)
+            label = f"{name} sharp {command} {' '.join(options)}"
+            inside = per_product(label, argv, env, [], few=few, bound_flag=flag)
+            print_ratio(name, inside, bare, where=command)
+
+
+def case_converged(workdir, env, device, extra=()):
+    """``converged``: time to a converged lambda_max of GPT-2 small, sharp at its defaults
+    (``extra``: a method choice to compare) against PyHessian at its defaults."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
+    ckpt, data, count = write_case(workdir, "gpt2", "gpt2", GPT2_SMALL, seq[:, :-1], seq[:, 1:])
+    rows: list = []
+    label = " ".join(["sharp eigen --top-k 1", *extra]).strip()
+    mine = run(label, sharp("eigen", ckpt, data, "--top-k", "1", *extra, device=device), env, rows)
+    theirs = run(
+        "PyHessian eigenvalues(top_n=1) (maxIter=100, tol=1e-3)",
+        pyhessian("gpt2", GPT2_SMALL, ckpt, data, device),
+        env,
+        rows,
+    )
+    table(f"gpt2 shape to convergence, P = {count:,}, 4 x 64 tokens, {device}", rows)
+    report = mine["report"] or {}
+    results, timing = report.get("results", {}), report.get("timing", {})
+    top = value_of(mine)
+    print(f"\nsharp: lambda_max {top}, converged {results.get('converged')}, residuals "
+          f"{results.get('residuals')}, {timing.get('matvecs')} products, {mine['cpu']:.1f} CPU s")  # fmt: skip
+    value = value_of(theirs)
+    if value is not None and top is not None:
+        verdict = (
+            "the largest eigenvalue" if abs(value - top) <= 1e-2 * abs(top)
+            else "NOT the largest eigenvalue" + (" (negative)" if value < 0 else "")
+        )  # fmt: skip
+        print(f"PyHessian: {value} in {theirs['cpu']:.1f} CPU s: {verdict}")
+    return rows
 
 
 def main() -> None:
@@ -471,6 +523,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--plot", default=None, help="PNG of the growth with P")
     parser.add_argument("--budget", default=None, help="gpt2: eigen again under --max-memory")
+    parser.add_argument(
+        "--sharp-args", default="", help="converged: options added to sharp eigen (a method choice)"
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -493,6 +548,10 @@ def main() -> None:
             case_growth(workdir, env, args.device, args.plot)
         elif case == "ratio":
             case_ratio(workdir, env, args.device)
+        elif case == "ratio-all":
+            case_ratio(workdir, env, args.device, commands=("eigen", "trace", "density"))
+        elif case == "converged":
+            case_converged(workdir, env, args.device, tuple(args.sharp_args.split()))
         else:
             raise SystemExit(f"unknown case {case!r}")
         sys.stdout.flush()
