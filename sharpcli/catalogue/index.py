@@ -12,10 +12,10 @@ from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
     'estimator': (
-        Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.estimators:hutchpp_trace', paper='Hutch++'),
-        Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.estimators:hutchinson_trace', paper='Hutchinson1989'),
-        Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.estimators:gn_split', paper='NME'),
-        Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
+        Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True}),
+        Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),
+        Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
+        Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.ggn_trace:exact_trace'),
     ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),

@@ -15,6 +15,12 @@ __all__ = [
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",
+    "EXACT_HVP",
+    "FINITE_DIFFERENCE",
+    "GGN_AUTO",
+    "GGN_EXACT",
+    "GGN_HUTCHINSON",
+    "GGN_SAMPLED",
     "GGN_ESTIMATORS",
     "HVP_METHODS",
     "METHODS",
@@ -44,7 +50,11 @@ METHODS = ("lanczos", "power")
 ENGINES = ("native", "pyhessian")
 # how a Hessian product is taken: sharpcli.curvature.finite_difference
 HVP_METHODS = ("exact", "finite-difference")
+EXACT_HVP, FINITE_DIFFERENCE = HVP_METHODS
+# the estimators of tr(G) that `sharp gn-nme` checks the split's against:
+# sharpcli.analyses.spectrum.ggn_check_plan
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+GGN_AUTO, GGN_EXACT, GGN_SAMPLED, GGN_HUTCHINSON = GGN_ESTIMATORS
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
-from sharpcli.catalogue.curvature import GGN, HESSIAN, NME
 from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
 from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
@@ -52,7 +51,11 @@ __all__ = [
     "unregister_operator",
 ]
 
-SPLIT = (HESSIAN, GGN, NME)  # H = G + N ([NME] eq. 2), in that order
+# the parts of the split H = G + N ([NME] eq. 2), in that order: the operators every curvature
+# engine offers (CurvatureEngine.hessian/ggn/nme build them through OPERATORS), declared below;
+# torch-free modules read them from the catalogue (sharpcli.catalogue.HESSIAN, ...)
+HESSIAN, GGN, NME = "hessian", "ggn", "nme"
+SPLIT = (HESSIAN, GGN, NME)
 
 
 @dataclass(frozen=True)
