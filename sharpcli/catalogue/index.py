@@ -11,6 +11,12 @@ from sharpcli.registry import Entry
 from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
+    'diagonal estimator': (
+        Entry('hutchinson', 'mean of v * (A v) over Rademacher probes, per-entry standard errors', 'sharpcli.curvature.diagonal:hutchinson_estimate', paper='Bekas2007', info={'default': True, 'operator': 'hessian'}),
+        Entry('exact', '(A e_j)_j, one product per parameter (small scopes)', 'sharpcli.curvature.diagonal:exact_estimate', info={'operator': 'hessian'}),
+        Entry('gnb', "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)", 'sharpcli.curvature.diagonal:gnb_estimate', paper='Sophia', info={'operator': 'ggn', 'accepts': ('ggn',)}),
+        Entry('per-sample', 'squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal', 'sharpcli.curvature.diagonal:per_sample_estimate', paper='BackPACK', info={'operator': 'ggn', 'accepts': ('ggn', 'ef')}),
+    ),
     'estimator': (
         Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True}),
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),

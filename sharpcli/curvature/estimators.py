@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, cast
 
 from sharpcli import catalogue
-from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.hutchpp import HUTCHPP
-from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.registry import build_operator
+from sharpcli.curvature.registry import OperatorRequest
 
 __all__ = [
     "DEFAULT_ESTIMATOR",
@@ -40,32 +38,20 @@ DEFAULT_ESTIMATOR = HUTCHPP
 
 
 @dataclass(frozen=True)
-class TraceRequest:
+class TraceRequest(OperatorRequest):
     """What ``--estimator NAME`` is asked: ``tr(A)`` (or ``Tr(A^2)``) of a registered operator.
 
     Attributes:
-        curvature_pass: the analysis's pass (model, data, scope, cached graphs).
-        operator: a registered operator name.
         square: estimate ``Tr(A^2)`` instead of ``tr(A)``.
         tol: the relative standard error to stop at.
         max_matvecs: the products allowed.
         seed: seeds the probes.
     """
 
-    curvature_pass: CurvatureEngine
-    operator: str
     square: bool = False
     tol: float = 1e-2
     max_matvecs: int = 1000
     seed: int = 0
-
-    def build(self) -> CurvatureOperator:
-        """The operator on the pass (:func:`~sharpcli.curvature.registry.build_operator`).
-
-        Returns:
-            The operator, sharing the pass's cached graphs.
-        """
-        return build_operator(self.operator, self.curvature_pass)
 
 
 # a trace estimator: the request -> the estimate with its standard error and per-layer traces

@@ -41,6 +41,7 @@ __all__ = [
     "NME",
     "OPERATORS",
     "SPLIT",
+    "OperatorRequest",
     "OperatorSpec",
     "build_operator",
     "operator_help",
@@ -209,6 +210,31 @@ def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOp
         RegistryError: (a UsageError) an unknown name.
     """
     return operator_spec(name).build(curvature_pass)
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    """A registered operator on an analysis's pass: what an estimator is asked about.
+
+    The trace and diagonal estimators' requests
+    (:class:`~sharpcli.curvature.estimators.TraceRequest`,
+    :class:`~sharpcli.curvature.diagonal.DiagonalRequest`) add their budgets.
+
+    Attributes:
+        curvature_pass: the analysis's pass (model, data, scope, cached graphs).
+        operator: a registered operator name.
+    """
+
+    curvature_pass: "CurvatureEngine"
+    operator: str
+
+    def build(self) -> "CurvatureOperator":
+        """The operator on the pass (:func:`build_operator`).
+
+        Returns:
+            The operator, sharing the pass's cached graphs.
+        """
+        return build_operator(self.operator, self.curvature_pass)
 
 
 def _split(symbol: str, psd: bool) -> dict[str, object]:
