@@ -33,7 +33,7 @@ from sharpcli.catalogue.curvature import (
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
-from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.regularizers import NO_REGULARIZER, REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     GAP_KINDS,
     LANDSCAPE_BIAS_BN,
@@ -98,6 +98,7 @@ __all__ = [
     "METRICS",
     "MODEL_NAMES",
     "NORM_LAYERS",
+    "NO_REGULARIZER",
     "OPERATORS",
     "HESSIAN",
     "GGN",
