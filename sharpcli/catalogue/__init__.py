@@ -3,9 +3,10 @@
 One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
-implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
-estimators and curvature operators are declared beside their code
-(:func:`sharpcli.registry.declare`); :mod:`sharpcli.catalogue.index` is generated from those
+implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace and
+diagonal estimators and curvature operators are declared beside their code
+(:func:`sharpcli.registry.declare`), and the names that torch-free modules use (``HESSIAN``,
+``NO_REGULARIZER``) are read from their records; :mod:`sharpcli.catalogue.index` is generated from those
 declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
 (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
 them. Everything that lists names reads them from here: the CLI's choices, ``--help``, shell

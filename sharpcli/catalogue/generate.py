@@ -80,7 +80,7 @@ def collect() -> dict[str, list[Entry]]:
 
     Returns:
         ``{kind: [Entry, ...]}``, each kind's records in module order (the module declaring
-        the kind's default first), then definition order.
+        the kind's default first, then the modules it imports from), then definition order.
 
     Raises:
         ValueError: a name declared twice in one kind.

@@ -1,7 +1,9 @@
 """The closed value sets of options, each set once.
 
 Read by the library module that accepts its values and by the CLI, whose ``Literal`` types
-``--help`` lists and completion offers.
+``--help`` lists and completion offers. A value spelled like a built-in (``exact``, ``none``)
+is named here once (``EXACT_HVP``, ``UNREDUCED``) and imported where it is used: torch's own
+options as sharp passes them, and a message's word for an empty list, too.
 
 This module imports no torch.
 """
