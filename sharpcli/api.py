@@ -40,6 +40,7 @@ from sharpcli.api_methods.arguments import device_argument, dtype_argument, inte
 from sharpcli.api_methods.estimates import CurvatureEstimates
 from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
+from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
@@ -143,7 +144,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         dtype: str | torch.dtype | None = None,
         batch_size: int | None = None,
         token_reduction: str | None = None,
-        hvp: str = "exact",
+        hvp: str = EXACT_HVP,
     ):
 
         if not isinstance(model, nn.Module):

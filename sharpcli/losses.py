@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.errors import UsageError
 from sharpcli.registry import Entry
 
@@ -352,7 +353,7 @@ register_loss(
         "softmax cross-entropy on (batch, classes) logits and class labels",
         True,
         mean=lambda z, y: F.cross_entropy(z, y),
-        per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
+        per_sample=lambda z, y: F.cross_entropy(z, y, reduction=UNREDUCED),
         hessian_matvec=_softmax_matvec,
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
@@ -387,7 +388,7 @@ register_loss(
         False,
         mean=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape)),
         per_sample=lambda z, y: F.mse_loss(
-            z, y.to(z.dtype).reshape(z.shape), reduction="none"
+            z, y.to(z.dtype).reshape(z.shape), reduction=UNREDUCED
         ).mean(dim=1),
         hessian_matvec=lambda z, y, u: (2.0 / z.shape[-1]) * u,
         ggn_factor=_mse_factor,
@@ -428,7 +429,7 @@ register_loss(
         "binary cross-entropy with logits: one logit per sample, labels 0/1",
         True,
         mean=_bce,
-        per_sample=lambda z, y: _bce(z, y, reduction="none"),
+        per_sample=lambda z, y: _bce(z, y, reduction=UNREDUCED),
         hessian_matvec=lambda z, y, u: torch.sigmoid(z) * (1 - torch.sigmoid(z)) * u,
         ggn_factor=_bce_factor,
         correct=lambda z, y: (
@@ -518,7 +519,7 @@ def token_weights(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _token_per_sample(z, y):
     ce = F.cross_entropy(
-        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction=UNREDUCED
     ).reshape(y.shape)
     return (ce * token_weights(z, y)).sum(1)
 

@@ -52,7 +52,9 @@ class Event:
     run it was started inside (None at the top). ``done`` counts ``unit`` (matvecs, steps,
     batches, runs) out of the budget ``total`` (None: unknown); ``expected`` is the count
     at which the run projects to stop when it can tell (a trace estimator from its standard
-    error: ``n (stderr / (tol |estimate|))^2`` probes). ``probes`` counts random probes,
+    error: ``n (stderr / (tol |estimate|))^2`` probes). ``capped``: the run stops at a
+    tolerance, so ``total`` is a cap, not a plan (Lanczos, power iteration, Hutchinson,
+    Hutch++; no time left is projected from it). ``probes`` counts random probes,
     ``quantity`` names ``estimate`` ("tr", "lambda_max", "loss"), ``stderr`` is its standard
     error, ``residual`` its Ritz residual ``||A u - theta u||``, ``detail`` a short text
     ("epoch 2/5"). ``batch``/``batches``: the batch of the product under way. ``final``:
@@ -69,6 +71,7 @@ class Event:
     done: int
     total: int | None = None
     expected: int | None = None
+    capped: bool = False
     probes: int | None = None
     quantity: str | None = None
     estimate: float | None = None

@@ -16,28 +16,21 @@ import math
 import torch
 
 from sharpcli import catalogue
-from sharpcli.analyses.spectrum import check_choice, curvature_pass, operator_of, scope_info
+from sharpcli.analyses.spectrum import check_choice, curvature_pass, scope_info
 from sharpcli.atomic import write_bytes_atomic
-from sharpcli.curvature.diagonal import (
-    DiagonalResult,
-    exact_diagonal,
-    gnb_diagonal,
-    hutchinson_diagonal,
-    per_sample_diagonal,
-)
+from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
+from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
 
-ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS.builtin_names()  # hutchinson, exact, gnb, per-sample
-# the operator each estimator computes by default, and the ones it accepts (None: any)
-_DEFAULT_OPERATOR = {"exact": "hessian", "hutchinson": "hessian", "gnb": "ggn", "per-sample": "ggn"}
-_ACCEPTS = {"gnb": ("ggn",), "per-sample": ("ggn", "ef")}
+# the diagonal estimators, declared in sharpcli.curvature.diagonal (extensions too)
+ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS
 
 
 def diagonal_result(
     cpass,
     operator: str | None = None,
     *,
-    estimator: str = "hutchinson",
+    estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
     probes: int = 100,
     max_products: int = 10000,
     seed: int = 0,
@@ -62,26 +55,19 @@ def diagonal_result(
         UsageError: an unknown estimator or operator, or one the estimator does not compute.
     """
 
-    check_choice(estimator, ESTIMATORS, "estimator")
-    operator = _DEFAULT_OPERATOR[estimator] if operator is None else operator
-    accepted = _ACCEPTS.get(estimator)
+    check_choice(estimator, ESTIMATORS.names(), "estimator")
+    info = ESTIMATORS.entry(estimator).info
+    # the operator it computes by default as declared (an extension's default: the Hessian)
+    operator = info.get("operator", HESSIAN) if operator is None else operator
+    accepted = info.get("accepts")
     if accepted is not None and operator not in accepted:
         raise UsageError(
             f"the {estimator} estimator gives the diagonal of "
             f"{' or '.join(f'`operator={a}`' for a in accepted)}, not {operator!r}",
             source="operator",
         )
-    if estimator == "gnb":
-        result = gnb_diagonal(cpass.model, cpass.data, cpass.scope, samples=probes, seed=seed)
-    elif estimator == "per-sample":
-        result = per_sample_diagonal(
-            cpass.model, cpass.data, cpass.scope, operator=operator, max_products=max_products
-        )
-    elif estimator == "exact":
-        result = exact_diagonal(operator_of(cpass, operator), max_products=max_products)
-    else:
-        op = operator_of(cpass, operator)
-        result = hutchinson_diagonal(op, cpass.scope, probes=probes, seed=seed)
+    request = DiagonalRequest(cpass, operator, probes, max_products, seed)
+    result = ESTIMATORS.get(estimator)(request)
     result.scope = cpass.scope
     return operator, result
 
@@ -122,7 +108,7 @@ def diagonal(
     session,
     *,
     operator: str | None = None,
-    estimator: str = "hutchinson",
+    estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
     probes: int = 100,
     max_products: int = 10000,
     params: str | None = None,

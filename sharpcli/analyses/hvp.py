@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from sharpcli import catalogue, memory
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
+from sharpcli.curvature.ggn_trace import EXACT, GN_SPLIT
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
 
@@ -24,11 +25,11 @@ __all__ = [
 ]
 
 HVP_METHODS = catalogue.HVP_METHODS
-FINITE_DIFFERENCE = HVP_METHODS[1]
+FINITE_DIFFERENCE = catalogue.FINITE_DIFFERENCE
 # an error bound above this fraction of the largest product says the products are not H
 ROUGH = 1e-2
 # estimators that need the Gauss-Newton products (tr(G) exact, then tr(N) by probes)
-_GGN_ESTIMATORS = ("gn-split", "exact")
+_GGN_ESTIMATORS = (GN_SPLIT, EXACT)
 
 
 def check_hvp(

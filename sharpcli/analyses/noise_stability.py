@@ -27,7 +27,7 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.hutchpp import HUTCHPP, hutchpp
 from sharpcli.curvature.operators import CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -174,7 +174,7 @@ def noise_stability_check(
         "num_params": scope.numel,
         "trace": trace.estimate,
         "trace_stderr": trace_stderr,
-        "trace_estimator": "hutchpp",
+        "trace_estimator": HUTCHPP,
         "rows": [row.to_dict() for row in rows],
         "matvecs": trace.matvecs + int(noise_pairs),
     }

@@ -24,6 +24,7 @@ from sharpcli.analyses.hvp import (
     check_hvp,
     finite_difference_pass,
 )
+from sharpcli.catalogue import EXACT_HVP, GGN_EXACT, GGN_HUTCHINSON, GGN_SAMPLED
 from sharpcli.curvature import (
     CurvatureEngine,
     exact_ggn_trace,
@@ -64,7 +65,7 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
     return value
 
 
-def curvature_pass(session, params: str | None, hvp: str = "exact", fsdp: bool = False):
+def curvature_pass(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bool = False):
     """One shared pass (H and G products with cached graphs) over the session's analysis set;
     with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
     (:mod:`sharpcli.analyses.hvp`)."""
@@ -112,7 +113,7 @@ def eigen(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
-    hvp: str = "exact",
+    hvp: str = EXACT_HVP,
     fsdp: bool = False,
 ) -> dict:
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged
@@ -260,7 +261,7 @@ def trace(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
-    hvp: str = "exact",
+    hvp: str = EXACT_HVP,
     fsdp: bool = False,
 ) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal
@@ -352,7 +353,7 @@ def density(
     broadening: float | None = None,
     params: str | None = None,
     seed: int | None = None,
-    hvp: str = "exact",
+    hvp: str = EXACT_HVP,
     fsdp: bool = False,
 ) -> dict:
     """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened;
@@ -493,8 +494,8 @@ def gn_nme_result(
     # the shared probes' Hutchinson estimate; which ones run is planned from their cost
     plan = ggn_check_plan(loss, num_outputs, labels, ggn_estimator)
     checks: dict = {"estimators": plan["run"], "why": plan["why"]}
-    if "exact" in plan["run"]:
-        checks["exact"] = exact_ggn_trace(cpass.model, cpass.data, cpass.scope).estimate
+    if GGN_EXACT in plan["run"]:
+        checks[GGN_EXACT] = exact_ggn_trace(cpass.model, cpass.data, cpass.scope).estimate
     if "sampled_label" in plan["run"]:
         sampled = sampled_label_ggn_trace(
             cpass.model,
@@ -547,9 +548,9 @@ def ggn_check_plan(
     directions = int(num_outputs) * per_sample
     # the loss draws labels from one predictive distribution per sample (Loss.sample_labels)
     sampled_ok = record.sampler is not None and not record.per_token and per_sample == 1
-    if ggn_estimator == "exact":
-        return {"run": ["exact", "hutchinson"], "why": "`ggn_estimator=exact` asked"}
-    if ggn_estimator == "sampled":
+    if ggn_estimator == GGN_EXACT:
+        return {"run": [GGN_EXACT, GGN_HUTCHINSON], "why": "`ggn_estimator=exact` asked"}
+    if ggn_estimator == GGN_SAMPLED:
         if not sampled_ok:
             raise UsageError(
                 "the sampled-label estimator needs one predictive distribution per sample "
@@ -557,13 +558,17 @@ def ggn_check_plan(
                 "`exact`",
                 source="ggn_estimator",
             )
-        return {"run": ["sampled_label", "hutchinson"], "why": "`ggn_estimator=sampled` asked"}
-    if ggn_estimator == "hutchinson":
-        return {"run": ["hutchinson"], "why": "`ggn_estimator=hutchinson` asked"}
+        return {"run": ["sampled_label", GGN_HUTCHINSON], "why": "`ggn_estimator=sampled` asked"}
+    if ggn_estimator == GGN_HUTCHINSON:
+        return {"run": [GGN_HUTCHINSON], "why": "`ggn_estimator=hutchinson` asked"}
     if directions <= EXACT_GGN_MAX_DIRECTIONS:
-        run = ["exact", "sampled_label", "hutchinson"] if sampled_ok else ["exact", "hutchinson"]
+        run = (
+            [GGN_EXACT, "sampled_label", GGN_HUTCHINSON]
+            if sampled_ok
+            else [GGN_EXACT, GGN_HUTCHINSON]
+        )
         return {"run": run, "why": f"{directions} output directions per sample: exact is cheap"}
-    run = ["sampled_label", "hutchinson"] if sampled_ok else ["hutchinson"]
+    run = ["sampled_label", GGN_HUTCHINSON] if sampled_ok else [GGN_HUTCHINSON]
     return {
         "run": run,
         "why": (

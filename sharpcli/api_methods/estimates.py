@@ -19,7 +19,7 @@ from sharpcli.analyses.spectrum import eigen_result, gn_nme_result, trace_result
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.api_methods.products import CurvatureProducts
 from sharpcli.curvature import EigenResult, SpectralDensity, TraceResult, spectral_density
-from sharpcli.curvature.diagonal import DiagonalResult
+from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalResult
 from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
@@ -159,7 +159,7 @@ class CurvatureEstimates(CurvatureProducts):
         self,
         operator: str | None = None,
         *,
-        estimator: str = "hutchinson",
+        estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
         probes: int = 100,
         max_products: int = 10000,
         seed: int = 0,

@@ -17,6 +17,7 @@ from torch import nn
 
 from sharpcli.analyses.blocks import block_passes
 from sharpcli.api_methods.modes import EvalModeOperator, analysis_mode
+from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import (
     AnalysisData,
     CurvatureEngine,
@@ -131,7 +132,7 @@ class CurvatureProducts:
             UsageError: (``blocks``) a spec that names no parameter in scope, when iterated,
                 or per-block products asked of ``hvp="finite-difference"``.
         """
-        if self.hvp != "exact":
+        if self.hvp != EXACT_HVP:
             raise UsageError("per-block products need `hvp=exact`", source="blocks")
         return block_passes(
             self.scope.names,

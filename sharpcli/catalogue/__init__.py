@@ -3,9 +3,10 @@
 One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
-implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
-estimators and curvature operators are declared beside their code
-(:func:`sharpcli.registry.declare`); :mod:`sharpcli.catalogue.index` is generated from those
+implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace and
+diagonal estimators and curvature operators are declared beside their code
+(:func:`sharpcli.registry.declare`), and the names that torch-free modules use (``HESSIAN``,
+``NO_REGULARIZER``) are read from their records; :mod:`sharpcli.catalogue.index` is generated from those
 declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
 (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
 them. Everything that lists names reads them from here: the CLI's choices, ``--help``, shell
@@ -33,7 +34,7 @@ from sharpcli.catalogue.curvature import (
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
-from sharpcli.catalogue.regularizers import REGULARIZERS
+from sharpcli.catalogue.regularizers import NO_REGULARIZER, REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     GAP_KINDS,
     LANDSCAPE_BIAS_BN,
@@ -48,7 +49,12 @@ from sharpcli.catalogue.values import (
     DTYPES,
     ENGINES,
     EPSILON_KINDS,
+    EXACT_HVP,
+    FINITE_DIFFERENCE,
     GGN_ESTIMATORS,
+    GGN_EXACT,
+    GGN_HUTCHINSON,
+    GGN_SAMPLED,
     HVP_METHODS,
     METHODS,
     METRICS,
@@ -77,6 +83,11 @@ __all__ = [
     "DTYPES",
     "ENGINES",
     "EPSILON_KINDS",
+    "EXACT_HVP",
+    "FINITE_DIFFERENCE",
+    "GGN_EXACT",
+    "GGN_HUTCHINSON",
+    "GGN_SAMPLED",
     "ESTIMATORS",
     "GAP_KINDS",
     "GGN_ESTIMATORS",
@@ -88,6 +99,7 @@ __all__ = [
     "METRICS",
     "MODEL_NAMES",
     "NORM_LAYERS",
+    "NO_REGULARIZER",
     "OPERATORS",
     "HESSIAN",
     "GGN",

@@ -24,10 +24,12 @@ __all__ = [
     "operator_table",
 ]
 
-# The parts of the split H = G + N ([NME] eq. 2): the operators every curvature engine offers
-# (CurvatureEngine.hessian/ggn/nme build them through OPERATORS), declared in
-# sharpcli.curvature.registry
-HESSIAN, GGN, NME = "hessian", "ggn", "nme"
+# The parts of the split H = G + N ([NME] eq. 2), declared in sharpcli.curvature.registry: read
+# from the index by their symbols, for the torch-free modules (reports, the CLI) that name them
+_SPLIT_BY_SYMBOL = {
+    e.info["symbol"]: e.name for e in DECLARED.get("operator", ()) if e.info.get("split")
+}
+HESSIAN, GGN, NME = _SPLIT_BY_SYMBOL["H"], _SPLIT_BY_SYMBOL["G"], _SPLIT_BY_SYMBOL["N"]
 
 # ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
@@ -46,35 +48,11 @@ ESTIMATORS: Registry[Any] = Registry(
     "estimator", source="estimator", entries=DECLARED.get("estimator", ())
 )
 
-# ``sharp diagonal --estimator NAME`` (sharpcli.analyses.diagonal), the default first
+# ``sharp diagonal --estimator NAME`` (sharpcli.curvature.diagonal, declared there), the
+# default first; ``info``: the operator each computes by default, and those it accepts (all
+# when absent)
 DIAGONAL_ESTIMATORS: Registry[Any] = Registry(
-    "diagonal estimator",
-    source="estimator",
-    entries=[
-        Entry(
-            "hutchinson",
-            "mean of v * (A v) over Rademacher probes, per-entry standard errors",
-            "sharpcli.curvature.diagonal:hutchinson_diagonal",
-            paper="Bekas2007",
-        ),
-        Entry(
-            "exact",
-            "(A e_j)_j, one product per parameter (small scopes)",
-            "sharpcli.curvature.diagonal:exact_diagonal",
-        ),
-        Entry(
-            "gnb",
-            "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)",
-            "sharpcli.curvature.diagonal:gnb_diagonal",
-            paper="Sophia",
-        ),
-        Entry(
-            "per-sample",
-            "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
-            "sharpcli.curvature.diagonal:per_sample_diagonal",
-            paper="BackPACK",
-        ),
-    ],
+    "diagonal estimator", source="estimator", entries=DECLARED.get("diagonal estimator", ())
 )
 
 

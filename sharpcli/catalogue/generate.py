@@ -80,7 +80,7 @@ def collect() -> dict[str, list[Entry]]:
 
     Returns:
         ``{kind: [Entry, ...]}``, each kind's records in module order (the module declaring
-        the kind's default first), then definition order.
+        the kind's default first, then the modules it imports from), then definition order.
 
     Raises:
         ValueError: a name declared twice in one kind.
@@ -101,11 +101,15 @@ def collect() -> dict[str, list[Entry]]:
     finally:
         registry.CHECK_INDEX = checking
     for entries in found.values():
-        # the module that declares a kind's default (``info={"default": True}``) first, so the
+        # the module that declares a kind's default (``info={"default": True}``) first, then the
+        # modules it builds on (whose objects it imports: Hutch++ on Hutchinson's), so the
         # default and its siblings lead --help and completion whatever the modules' names
         home = [e.impl.split(":")[0] for e in entries if e.info.get("default")]
         if home:
-            entries.sort(key=lambda e: e.impl.split(":")[0] != home[0])
+            used = {getattr(v, "__module__", None) for v in vars(sys.modules[home[0]]).values()}
+            entries.sort(
+                key=lambda e: (e.impl.split(":")[0] != home[0], e.impl.split(":")[0] not in used)
+            )
     return dict(sorted(found.items()))
 
 

@@ -1,7 +1,9 @@
 """The closed value sets of options, each set once.
 
 Read by the library module that accepts its values and by the CLI, whose ``Literal`` types
-``--help`` lists and completion offers.
+``--help`` lists and completion offers. A value spelled like a built-in (``exact``, ``none``)
+is named here once (``EXACT_HVP``, ``UNREDUCED``) and imported where it is used: torch's own
+options as sharp passes them, and a message's word for an empty list, too.
 
 This module imports no torch.
 """
@@ -14,20 +16,34 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "ENGINES",
+    "DROPOUT_ARG",
     "EPSILON_KINDS",
+    "EXACT_GELU",
+    "EXACT_HVP",
+    "FINITE_DIFFERENCE",
+    "GELU_APPROXIMATIONS",
+    "GGN_AUTO",
+    "GGN_EXACT",
+    "GGN_HUTCHINSON",
+    "GGN_SAMPLED",
     "GGN_ESTIMATORS",
     "HVP_METHODS",
     "METHODS",
     "METRICS",
+    "MODEL_REGULARIZATION_ARGS",
     "MODEL_NAMES",
+    "NONE_LISTED",
     "OPTIMIZERS",
     "PRECISIONS",
     "ASCENT_SYNCS",
     "RESCALE_MODES",
+    "SCRATCH_OFF",
     "SCHEDULES",
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",
+    "TORCH_REDUCTIONS",
+    "UNREDUCED",
     "TRACKABLE",
     "WHICH",
 ]
@@ -42,12 +58,22 @@ DEVICES = ("cpu", "cuda", "mps")
 WHICH = ("largest", "smallest", "both")
 METHODS = ("lanczos", "power")
 ENGINES = ("native", "pyhessian")
+# SHARP_SCRATCH values that keep every Krylov basis in memory: sharpcli.curvature.krylov_plan
+SCRATCH_OFF = ("", "off", "memory", "none")
 # how a Hessian product is taken: sharpcli.curvature.finite_difference
 HVP_METHODS = ("exact", "finite-difference")
+EXACT_HVP, FINITE_DIFFERENCE = HVP_METHODS
+# the estimators of tr(G) that `sharp gn-nme` checks the split's against:
+# sharpcli.analyses.spectrum.ggn_check_plan
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+GGN_AUTO, GGN_EXACT, GGN_SAMPLED, GGN_HUTCHINSON = GGN_ESTIMATORS
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
+# the model arguments a regularizer of kind `model` sets (sharpcli.models.specs): `dropout`,
+# set by the regularizer of that name (sharpcli.training.penalties.decay:Dropout)
+MODEL_REGULARIZATION_ARGS = ("dropout",)
+DROPOUT_ARG = MODEL_REGULARIZATION_ARGS[0]
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
 # the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam):
@@ -76,3 +102,11 @@ CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
 TABLE_FORMATS = ("table", "csv", "markdown", "json")
+
+# torch's options as sharp passes them, and a message's word for an empty list: spelled like the
+# regularizer `none`, so named once, here
+TORCH_REDUCTIONS = ("none", "mean", "sum")  # a loss function's `reduction=` (sharpcli.losses)
+UNREDUCED = TORCH_REDUCTIONS[0]  # one loss per element
+GELU_APPROXIMATIONS = ("none", "tanh")  # nn.GELU's `approximate=` (sharpcli.models.activations)
+EXACT_GELU = GELU_APPROXIMATIONS[0]  # the erf form
+NONE_LISTED = "none"  # an empty list of keys or regularizers in a message

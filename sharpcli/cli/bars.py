@@ -16,7 +16,7 @@ The remaining time is shown only once it is stable (:class:`_Eta`): from the mea
 a unit after the first (which pays for caches and warm-up) and a planned count, the run's
 projection or a budget it runs to the end (training steps, SLQ steps, batches); never from
 the budget of a run that stops at a tolerance (Lanczos, power iteration, Hutchinson, Hutch++:
-:data:`CAPPED`) while it cannot project; and only after the last estimates agree.
+``Event.capped``) while it cannot project; and only after the last estimates agree.
 
 A run may report a part of it that has ended (``Event.record``: a training epoch); its line
 (:func:`record_line`: the epoch, train and test loss and accuracy) is printed above the bars
@@ -47,8 +47,6 @@ TIME_WIDTH = 10  # "0:36<18:12"
 FIXED_WIDTH = DESCRIPTION_WIDTH + BAR_WIDTH + TIME_WIDTH + 3  # and the 3 gaps between columns
 # short names of estimates on the bar
 SHORT = {"lambda_max": "max", "lambda_min": "min", "lambda": "lambda"}
-# Runs that stop at a tolerance: their total is a cap, not a plan (no ETA from it).
-CAPPED = frozenset({"lanczos", "power", "hutchinson", "hutch++", "hutchinson H,G,N"})
 # The remaining time is shown once this many units after the first are measured and the last
 # ETA_AGREE estimates of the finish time agree within ETA_SPREAD of the time left (or 1 s).
 ETA_UNITS = 2
@@ -186,10 +184,10 @@ def bar_total(event: channel.Event) -> int | None:
 
 def planned_total(event: channel.Event) -> int | None:
     """The count the run will reach: its projection, or its budget when it runs to the end
-    (not a :data:`CAPPED` run); None when it cannot tell."""
+    (not a run capped at a tolerance, ``Event.capped``); None when it cannot tell."""
     if event.expected is not None:
         return max(event.expected, event.done)
-    if event.method in CAPPED:
+    if event.capped:
         return None
     return event.total
 

@@ -51,7 +51,7 @@ def diagonal_command(
             "product per parameter), gnb (Sophia's Gauss-Newton-Bartlett, sampled labels) or "
             "per-sample (exact ggn or ef diagonal from per-sample gradients).",
         ),
-    ] = "hutchinson",
+    ] = catalogue.DIAGONAL_ESTIMATORS.names()[0],
     probes: Annotated[
         int,
         typer.Option("--probes", help="Rademacher probes (hutchinson) or label draws (gnb)."),

@@ -129,7 +129,7 @@ def eigen_command(
     max_matvecs: EigMaxMatvecsOpt = None,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: hvp_option.HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
     plot: Annotated[
@@ -152,7 +152,7 @@ def eigen_command(
     common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
     common.check_output(plot)
     hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
+    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
             session,
@@ -252,7 +252,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: hvp_option.HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
 ) -> runner.Outcome:
@@ -264,7 +264,7 @@ def trace_command(
     _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
     hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks, estimator)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
+    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
             session,
@@ -433,7 +433,7 @@ def gn_nme_command(
         check = results["ggn_trace_check"]
         numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
         console.print(key_value_table("tr(G) by each estimator", numbers))
-        if "exact" not in check["estimators"]:  # say why the exact trace did not run
+        if catalogue.GGN_EXACT not in check["estimators"]:  # say why the exact trace did not run
             runner.print_note(console, check["why"])
         console.print(records_table("per layer", results["layers"]))
 
@@ -457,7 +457,7 @@ def density_command(
         ),
     ] = None,
     params: common.ParamsOpt = None,
-    hvp: hvp_option.HvpOpt = "exact",
+    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
     plot: Annotated[
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
@@ -477,7 +477,7 @@ def density_command(
     _positive(broadening, "--broadening")
     common.check_output(plot)
     hvp, fsdp = hvp_option.check(hvp, operator, "native", blocks)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == "exact")
+    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
     with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(
             session,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sharpcli import catalogue
 from sharpcli.cli import common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
@@ -103,7 +104,7 @@ def _divergence_warning(result) -> str | None:
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
-    named = [r for r in regs if r != "none"]
+    named = [r for r in regs if r != catalogue.NO_REGULARIZER]
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
@@ -116,7 +117,9 @@ HISTORY_NOTE = (
 
 def history_title(regularizers: list[dict]) -> str:
     """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
-    specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
+    specs = [
+        r["spec"] for r in regularizers if r.get("spec") not in (None, catalogue.NO_REGULARIZER)
+    ]
     return "training history: " + (" + ".join(specs) if specs else "no regularizer")
 
 

@@ -33,9 +33,9 @@ def check(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple
 
     common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")
     fsdp = hvp == "fsdp"
-    hvp = catalogue.HVP_METHODS[1] if fsdp else hvp
+    hvp = catalogue.FINITE_DIFFERENCE if fsdp else hvp
     check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
-    common.require(blocks is None or hvp == "exact", "needs --hvp exact", "--blocks")
+    common.require(blocks is None or hvp == catalogue.EXACT_HVP, "needs --hvp exact", "--blocks")
     return hvp, fsdp
 
 

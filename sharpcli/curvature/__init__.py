@@ -20,7 +20,7 @@ from sharpcli.curvature.data import (
 from sharpcli.curvature.density import SpectralDensity, spectral_density
 from sharpcli.curvature.engine import CurvatureEngine
 from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
-from sharpcli.curvature.hutchpp import hutchpp
+from sharpcli.curvature.hutchpp import hutchpp as hutchpp
 from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.operators import (
     DEFAULT_CACHE_BYTES,
@@ -49,9 +49,12 @@ from sharpcli.curvature.registry import (
 from sharpcli.curvature.ritz import EigenResult, ritz_residuals
 from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace import frobenius_sq, hutchinson
+from sharpcli.curvature.trace import frobenius_sq
+from sharpcli.curvature.trace import hutchinson as hutchinson
 from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
 
+# and hutchinson and hutchpp, re-exported above (``x as x``): functions named like the trace
+# estimators they implement, whose names are spelled only where they are declared
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "OPERATORS",
@@ -75,8 +78,6 @@ __all__ = [
     "exact_ggn_trace",
     "gn_split_trace",
     "frobenius_sq",
-    "hutchinson",
-    "hutchpp",
     "joint_matmat",
     "lanczos",
     "lanczos_tridiagonal",

@@ -23,6 +23,12 @@ Four estimators of :math:`\mathrm{diag}(A)` for a P x P curvature matrix of the 
   (J_i^\top s_{ic})^{\odot 2}` from the loss's factor :math:`H_z = \sum_c s_c s_c^\top`
   (BackPACK's DiagGGN, [BackPACK]), C per-sample backward passes; and the empirical Fisher's
   :math:`\mathrm{diag}(F_{\mathrm{emp}}) = \frac1N \sum_i g_i^{\odot 2}`, one.
+
+Each is declared here as a diagonal estimator of ``sharp diagonal --estimator NAME``
+(:func:`sharpcli.registry.declare`, kind ``"diagonal estimator"``): a function of a
+:class:`DiagonalRequest`, reached through :data:`sharpcli.catalogue.DIAGONAL_ESTIMATORS`. Its
+record's ``info`` holds the operator it computes by default and, where it computes only some,
+those it accepts.
 """
 
 from __future__ import annotations
@@ -35,21 +41,38 @@ from torch import nn
 from sharpcli import progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.fisher import fisher_residuals
+from sharpcli.curvature.fisher import EMPIRICAL_FISHER, fisher_residuals
 from sharpcli.curvature.ggn_trace import CHUNK_BYTES, functional_logits, vmapped_or_looped
 from sharpcli.curvature.probes import mean_stderr, segment_sums
+from sharpcli.curvature.registry import GGN, HESSIAN, OperatorRequest
 from sharpcli.curvature.sampled_ggn import _per_sample_draws
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
+from sharpcli.registry import declare
 
 __all__ = [
+    "DEFAULT_DIAGONAL_ESTIMATOR",
+    "EXACT",
+    "GNB",
+    "HUTCHINSON",
+    "PER_SAMPLE",
+    "DiagonalRequest",
     "DiagonalResult",
     "exact_diagonal",
+    "exact_estimate",
     "gnb_diagonal",
+    "gnb_estimate",
     "hutchinson_diagonal",
+    "hutchinson_estimate",
     "per_sample_diagonal",
+    "per_sample_estimate",
 ]
+
+# the diagonal estimators' names (``sharp diagonal --estimator``), declared below in this
+# order (the help's); the labels of their results
+HUTCHINSON, EXACT, GNB, PER_SAMPLE = "hutchinson", "exact", "gnb", "per-sample"
+DEFAULT_DIAGONAL_ESTIMATOR = HUTCHINSON
 
 
 @dataclass
@@ -142,7 +165,7 @@ def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:
         run.update(stop)
     _check_finite(out, "the exact diagonal")
     run.finish(dim)
-    return DiagonalResult(out, None, None, "exact", matvecs=dim, notes=[f"{dim} products"])
+    return DiagonalResult(out, None, None, EXACT, matvecs=dim, notes=[f"{dim} products"])
 
 
 def hutchinson_diagonal(
@@ -191,7 +214,7 @@ def hutchinson_diagonal(
         mean,
         stderr,
         [float(e) for e in sum_err[1:]] + [float(sum_err[0])],
-        "hutchinson",
+        HUTCHINSON,
         samples=int(probes),
         matvecs=int(probes),
         notes=[f"{probes} Rademacher probes"],
@@ -273,7 +296,7 @@ def gnb_diagonal(
     draws = draws.cpu() / data.num_samples
     run.finish(data.num_batches)
     note = f"Sophia's GNB estimator, {S} label draws, batches of {data.batch_size}"
-    return _sums_result(draws, scope, "gnb", note)
+    return _sums_result(draws, scope, GNB, note)
 
 
 @twice_differentiable()
@@ -307,7 +330,7 @@ def per_sample_diagonal(
     """
     from torch.func import grad
 
-    if operator not in ("ggn", "ef"):
+    if operator not in (GGN, EMPIRICAL_FISHER):
         raise UsageError(
             f"the per-sample estimator gives the ggn and ef diagonals, not {operator!r}",
             source="operator",
@@ -328,7 +351,7 @@ def per_sample_diagonal(
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
         with torch.no_grad():
             z = model(x_b)
-        if operator == "ef":
+        if operator == EMPIRICAL_FISHER:
             leaf = z.detach().requires_grad_(True)
             with torch.enable_grad():
                 columns = list(torch.autograd.grad(loss.per_sample(leaf, y_b).sum(), leaf))
@@ -357,6 +380,104 @@ def per_sample_diagonal(
     diagonal = total.cpu() / data.num_samples
     _check_finite(diagonal, f"the per-sample {operator} diagonal")
     run.finish(data.num_batches)
-    what = "DiagGGN" if operator == "ggn" else "squared per-sample gradients"
+    what = "DiagGGN" if operator == GGN else "squared per-sample gradients"
     note = f"exact {operator} diagonal ({what}), {columns_seen} backward pass(es) per sample"
-    return DiagonalResult(diagonal, None, None, "per-sample", notes=[note])
+    return DiagonalResult(diagonal, None, None, PER_SAMPLE, notes=[note])
+
+
+@dataclass(frozen=True)
+class DiagonalRequest(OperatorRequest):
+    """What ``sharp diagonal --estimator NAME`` is asked: ``diag(A)`` of a registered operator.
+
+    Attributes:
+        probes: Rademacher probes (hutchinson) or label draws (gnb).
+        max_products: the products the exact estimator may spend, or the backward passes per
+            sample the per-sample one may.
+        seed: seeds the probes or draws.
+    """
+
+    probes: int = 100
+    max_products: int = 10000
+    seed: int = 0
+
+
+@declare(
+    "diagonal estimator",
+    HUTCHINSON,
+    "mean of v * (A v) over Rademacher probes, per-entry standard errors",
+    paper="Bekas2007",
+    info={"default": True, "operator": HESSIAN},
+)
+def hutchinson_estimate(request: DiagonalRequest) -> DiagonalResult:
+    """:func:`hutchinson_diagonal` of any operator.
+
+    Args:
+        request: the operator, the probes and their seed.
+
+    Returns:
+        The estimate with its standard errors.
+    """
+    scope = request.curvature_pass.scope
+    return hutchinson_diagonal(request.build(), scope, probes=request.probes, seed=request.seed)
+
+
+@declare(
+    "diagonal estimator",
+    EXACT,
+    "(A e_j)_j, one product per parameter (small scopes)",
+    info={"operator": HESSIAN},
+)
+def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
+    """:func:`exact_diagonal` of any operator.
+
+    Args:
+        request: the operator and the products allowed.
+
+    Returns:
+        The exact diagonal.
+    """
+    return exact_diagonal(request.build(), max_products=request.max_products)
+
+
+@declare(
+    "diagonal estimator",
+    GNB,
+    "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)",
+    paper="Sophia",
+    info={"operator": GGN, "accepts": (GGN,)},
+)
+def gnb_estimate(request: DiagonalRequest) -> DiagonalResult:
+    """:func:`gnb_diagonal`: ``diag(G)`` from label draws.
+
+    Args:
+        request: the pass, the draws and their seed.
+
+    Returns:
+        The estimate with its standard errors.
+    """
+    cpass = request.curvature_pass
+    return gnb_diagonal(
+        cpass.model, cpass.data, cpass.scope, samples=request.probes, seed=request.seed
+    )
+
+
+@declare(
+    "diagonal estimator",
+    PER_SAMPLE,
+    "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
+    paper="BackPACK",
+    info={"operator": GGN, "accepts": (GGN, EMPIRICAL_FISHER)},
+)
+def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
+    """:func:`per_sample_diagonal`: the exact ``diag(G)`` or ``diag(F_emp)``.
+
+    Args:
+        request: the pass, the operator and the backward passes allowed per sample.
+
+    Returns:
+        The exact diagonal.
+    """
+    cpass, r = request.curvature_pass, request
+    return per_sample_diagonal(
+        cpass.model, cpass.data, cpass.scope, operator=r.operator, max_products=r.max_products
+    )

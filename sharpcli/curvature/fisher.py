@@ -54,7 +54,16 @@ from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
 from sharpcli.registry import declare
 
-__all__ = ["EmpiricalFisherOperator", "FisherOperator", "fisher_residuals"]
+__all__ = [
+    "EMPIRICAL_FISHER",
+    "FISHER",
+    "EmpiricalFisherOperator",
+    "FisherOperator",
+    "fisher_residuals",
+]
+
+# the operators' names (``--operator``), declared below
+EMPIRICAL_FISHER, FISHER = "ef", "fisher"
 
 
 def fisher_residuals(
@@ -153,7 +162,7 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
 
 @declare(
     "operator",
-    "ef",
+    EMPIRICAL_FISHER,
     "empirical Fisher, data labels",
     paper="Kunstner2019",
     info={"symbol": "F_emp", "psd": True},
@@ -182,7 +191,7 @@ class EmpiricalFisherOperator(_OuterProductOperator):
 
 @declare(
     "operator",
-    "fisher",
+    FISHER,
     "Fisher, labels drawn from the model (mean: G)",
     paper="Martens2020",
     info={"symbol": "F", "psd": True},
@@ -265,5 +274,5 @@ def _rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:
     return num_samples
 
 
-register_operator("ef", EmpiricalFisherOperator, rank_bound=_rank_bound)
-register_operator("fisher", FisherOperator, rank_bound=_rank_bound)
+register_operator(EMPIRICAL_FISHER, EmpiricalFisherOperator, rank_bound=_rank_bound)
+register_operator(FISHER, FisherOperator, rank_bound=_rank_bound)

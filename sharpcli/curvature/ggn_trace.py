@@ -12,12 +12,15 @@ each term a per-sample squared gradient norm, summed per parameter and so per la
 (:func:`exact_ggn_trace`: C backward passes per batch). :func:`gn_split_trace` adds Hutch++
 on the NME :math:`N = H - G` to that exact part. The helpers for per-sample functional calls
 (:func:`functional_logits`, :func:`vmapped_or_looped`) serve the sampled-label estimator of
-:mod:`sharpcli.curvature.sampled_ggn` too.
+:mod:`sharpcli.curvature.sampled_ggn` too. :func:`gn_split` and :func:`exact_trace` are the
+trace estimators ``gn-split`` and ``exact`` of ``sharp trace --estimator``
+(:mod:`sharpcli.curvature.estimators`), declared here.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,18 +31,32 @@ from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.persample import LayerTaps
 from sharpcli.curvature.probes import TraceResult
+from sharpcli.curvature.registry import GGN, HESSIAN
 from sharpcli.curvature.scope import ParamScope
-from sharpcli.errors import NumericalError
+from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
+from sharpcli.registry import declare
+
+if TYPE_CHECKING:
+    from sharpcli.curvature.estimators import TraceRequest
 
 __all__ = [
     "CHUNK_BYTES",
+    "EXACT",
+    "GN_SPLIT",
     "exact_ggn_trace",
+    "exact_trace",
+    "gn_split",
     "functional_logits",
     "gn_split_trace",
     "param_to_layer",
     "vmapped_or_looped",
 ]
+
+# the trace estimators' names (``--estimator``), declared by :func:`gn_split` and
+# :func:`exact_trace`; the labels of the results of :func:`gn_split_trace` and
+# :func:`exact_ggn_trace`
+GN_SPLIT, EXACT = "gn-split", "exact"
 
 CHUNK_BYTES = 64 << 20  # memory for one chunk of per-sample Jacobians / gradients
 
@@ -228,7 +245,7 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
         stderr=0.0,
         matvecs=0,
         samples=N,
-        estimator="exact",
+        estimator=EXACT,
         converged=True,
         by_layer={
             name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)
@@ -287,10 +304,52 @@ def gn_split_trace(
         initial_sketch=0,
         known=known,
     )
-    nme.estimator = "gn-split"
+    nme.estimator = GN_SPLIT
     nme.notes = [
         f"tr(H) = tr(G) + tr(N): exact tr(G) = {ggn.estimate:.6g} ({data.loss}, one backward pass per class "
         f"and batch), tr(N) estimated from {nme.matvecs} H+G products",
         *nme.notes,
     ]
     return nme
+
+
+def _require(request: TraceRequest, operator: str, message: str) -> None:
+    """A UsageError (``message``) unless ``request`` asks for tr(``operator``), not squared."""
+    if request.operator != operator or request.square:
+        raise UsageError(f"{message} (`operator={operator}`, no `square`)", source="estimator")
+
+
+@declare("estimator", GN_SPLIT, "tr(G) and tr(N) from shared probes, tr(H) their sum", paper="NME")
+def gn_split(request: TraceRequest) -> TraceResult:
+    """``tr(H) = tr(G) + tr(N)``: exact ``tr(G)`` plus Hutch++ on ``N`` ([NME] eq. 2).
+
+    Args:
+        request: the operator and the budget (:class:`~sharpcli.curvature.estimators.TraceRequest`).
+
+    Returns:
+        The estimate (:func:`gn_split_trace`).
+
+    Raises:
+        UsageError: another operator, or ``square``.
+    """
+    _require(request, HESSIAN, f"the {GN_SPLIT} estimator is for the Hessian trace")
+    r = request
+    return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+
+
+@declare("estimator", EXACT, "tr(G) exactly (small models)")
+def exact_trace(request: TraceRequest) -> TraceResult:
+    """The exact Gauss-Newton trace, C backward passes per batch (:func:`exact_ggn_trace`).
+
+    Args:
+        request: the operator and the budget (:class:`~sharpcli.curvature.estimators.TraceRequest`).
+
+    Returns:
+        The trace, with zero standard error.
+
+    Raises:
+        UsageError: another operator, or ``square``.
+    """
+    _require(request, GGN, f"the {EXACT} estimator is for the Gauss-Newton trace")
+    cpass = request.curvature_pass
+    return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)

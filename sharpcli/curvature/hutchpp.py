@@ -28,11 +28,15 @@ re-valued under the final sketch (each group about its own mean,
 freedom, at no product. The mean stays the main sample's. The exact part's rounding
 (:meth:`~sharpcli.curvature.sketch.RangeSketch.rounding_stderr`) is added in quadrature: it
 is all that is left when the sketch spans the operator's range.
+
+:func:`hutchpp_trace` is the trace estimator ``hutchpp`` of ``sharp trace --estimator``
+(:mod:`sharpcli.curvature.estimators`), the default, declared here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,9 +54,17 @@ from sharpcli.curvature.probes import (
 )
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.sketch import RangeSketch
-from sharpcli.curvature.trace import hutchinson
+from sharpcli.curvature.trace import hutchinson, probed
+from sharpcli.registry import declare
 
-__all__ = ["hutchpp"]
+if TYPE_CHECKING:
+    from sharpcli.curvature.estimators import TraceRequest
+
+__all__ = ["HUTCHPP", "hutchpp", "hutchpp_trace"]
+
+# the trace estimator's name (``--estimator``, its default), declared by :func:`hutchpp_trace`;
+# the label of the results of :func:`hutchpp`
+HUTCHPP = "hutchpp"
 
 
 _FIRST_SKETCH = 16  # columns of a sketch started lazily (initial_sketch=0)
@@ -121,7 +133,7 @@ def hutchpp(
         (12.0, 4)
     """
     check_budget(tol, max_matvecs, block_size)
-    with progress.start("hutch++", total=max_matvecs, quantity="tr") as run:
+    with progress.start("hutch++", total=max_matvecs, quantity="tr", capped=True) as run:
         result = _hutchpp(
             op,
             run,
@@ -328,7 +340,7 @@ class _AdaptiveSketch:
             stderr=float(stderr[0]),
             matvecs=self.matvecs,
             samples=sum(r.shape[0] for r in self.rows),
-            estimator="hutchpp",
+            estimator=HUTCHPP,
             converged=converged,
             tol=tol,
             by_layer=by_layer,
@@ -422,3 +434,22 @@ def _hutchpp_loop(
             expected=expected,
         )
     return state.result(bool(stderr <= tol * abs(estimate)), tol)
+
+
+@declare(
+    "estimator",
+    HUTCHPP,
+    "top subspace exactly, Hutchinson on the rest",
+    paper="Hutch++",
+    info={"default": True},
+)
+def hutchpp_trace(request: TraceRequest) -> TraceResult:
+    """``tr(A)`` by Hutch++ ([Hutch++]); ``Tr(A^2)`` by Hutchinson on ``A^2`` ([FA] eq. 1).
+
+    Args:
+        request: the operator and the budget.
+
+    Returns:
+        The estimate.
+    """
+    return probed(hutchpp, request)

@@ -19,6 +19,7 @@ import tempfile
 import torch
 
 from sharpcli import memory
+from sharpcli.catalogue.values import SCRATCH_OFF
 from sharpcli.curvature.krylov import SLICE_BYTES, KrylovBasis
 from sharpcli.errors import UsageError
 
@@ -96,7 +97,7 @@ def scratch_directory() -> str | None:
     value = os.environ.get("SHARP_SCRATCH")
     if value is None:
         return tempfile.gettempdir()
-    if value.strip().lower() in ("", "off", "memory", "none"):
+    if value.strip().lower() in SCRATCH_OFF:
         return None
     return value
 

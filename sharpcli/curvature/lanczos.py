@@ -327,7 +327,7 @@ def lanczos(
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
-    run = progress.start("lanczos", total=limit, quantity=QUANTITY[which])
+    run = progress.start("lanczos", total=limit, quantity=QUANTITY[which], capped=True)
     with plan.hold("krylov basis", held):
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)

@@ -134,7 +134,7 @@ def power_iteration(
     k = min(int(top_k), dim)
     generator = torch.Generator().manual_seed(int(seed))
     pairs: list[_Pair] = []
-    run = progress.start("power", total=k * int(max_matvecs), quantity="lambda")
+    run = progress.start("power", total=k * int(max_matvecs), quantity="lambda", capped=True)
     for _ in range(k):
         v = gaussian_like(dim, generator, torch.float64, op.device)
         v = v / torch.linalg.vector_norm(v)

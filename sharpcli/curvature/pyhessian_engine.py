@@ -35,6 +35,7 @@ from sharpcli.curvature.operators import HessianOperator
 from sharpcli.curvature.probes import TraceResult
 from sharpcli.curvature.ritz import EigenResult, ritz_residuals
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace import HUTCHINSON
 from sharpcli.errors import UsageError
 from sharpcli.losses import loss_fn
 
@@ -239,7 +240,7 @@ def pyhessian_trace(
         stderr=stderr,
         matvecs=matvecs,
         samples=n,
-        estimator="hutchinson",
+        estimator=HUTCHINSON,
         converged=n < int(max_matvecs),
         tol=float(tol),
         by_layer={},

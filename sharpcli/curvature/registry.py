@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
-from sharpcli.catalogue.curvature import GGN, HESSIAN, NME
 from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
 from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
@@ -42,6 +41,7 @@ __all__ = [
     "NME",
     "OPERATORS",
     "SPLIT",
+    "OperatorRequest",
     "OperatorSpec",
     "build_operator",
     "operator_help",
@@ -52,7 +52,11 @@ __all__ = [
     "unregister_operator",
 ]
 
-SPLIT = (HESSIAN, GGN, NME)  # H = G + N ([NME] eq. 2), in that order
+# the parts of the split H = G + N ([NME] eq. 2), in that order: the operators every curvature
+# engine offers (CurvatureEngine.hessian/ggn/nme build them through OPERATORS), declared below;
+# torch-free modules read them from the catalogue (sharpcli.catalogue.HESSIAN, ...)
+HESSIAN, GGN, NME = "hessian", "ggn", "nme"
+SPLIT = (HESSIAN, GGN, NME)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,31 @@ def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOp
         RegistryError: (a UsageError) an unknown name.
     """
     return operator_spec(name).build(curvature_pass)
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    """A registered operator on an analysis's pass: what an estimator is asked about.
+
+    The trace and diagonal estimators' requests
+    (:class:`~sharpcli.curvature.estimators.TraceRequest`,
+    :class:`~sharpcli.curvature.diagonal.DiagonalRequest`) add their budgets.
+
+    Attributes:
+        curvature_pass: the analysis's pass (model, data, scope, cached graphs).
+        operator: a registered operator name.
+    """
+
+    curvature_pass: "CurvatureEngine"
+    operator: str
+
+    def build(self) -> "CurvatureOperator":
+        """The operator on the pass (:func:`build_operator`).
+
+        Returns:
+            The operator, sharing the pass's cached graphs.
+        """
+        return build_operator(self.operator, self.curvature_pass)
 
 
 def _split(symbol: str, psd: bool) -> dict[str, object]:

@@ -133,7 +133,7 @@ def gn_nme_split(
     columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
     budget = int(max_matvecs)
     with memory.current().hold("probe block", held + dim * int(block_size)):
-        run = progress.start("hutchinson H,G,N", total=budget, quantity="tr(H)")
+        run = progress.start("hutchinson H,G,N", total=budget, quantity="tr(H)", capped=True)
         # two stages as the trace estimators ([Stein1945], sharpcli.curvature.probes): the
         # pilot sizes the sample for the slower of tr(H) and tr(G); only the main sample
         # is reported, so its standard errors are fixed-n ones

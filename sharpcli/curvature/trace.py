@@ -6,6 +6,9 @@ r"""Hutchinson's trace estimator and the squared Frobenius norm, with per-layer 
 - :func:`frobenius_sq`: :math:`\mathrm{Tr}(A^2) = \lVert A \rVert_F^2 = \mathbb{E}\lVert A g
   \rVert^2` (the flatness of [FA] eq. 1); per layer
   :math:`\mathbb{E}\lVert (A g)_b \rVert^2 = \mathrm{Tr}((A^2)_{bb})`.
+- :func:`hutchinson_trace`: the trace estimator ``hutchinson`` of ``sharp trace --estimator``
+  (:mod:`sharpcli.curvature.estimators`), declared here; :func:`probed` runs an estimator of
+  ``tr(A)`` or :func:`frobenius_sq` as a request asks.
 
 Both size their sample in two stages (:mod:`sharpcli.curvature.probes`): a pilot of
 ``min_samples`` probes, then the probes it says ``tol`` needs (at most ``max_matvecs`` in
@@ -15,6 +18,8 @@ Gauss-Newton traces live in :mod:`~sharpcli.curvature.hutchpp`,
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -32,8 +37,16 @@ from sharpcli.curvature.probes import (
     report_probes,
 )
 from sharpcli.curvature.scope import rademacher_like
+from sharpcli.registry import declare
 
-__all__ = ["frobenius_sq", "hutchinson"]
+if TYPE_CHECKING:
+    from sharpcli.curvature.estimators import TraceRequest
+
+__all__ = ["HUTCHINSON", "frobenius_sq", "hutchinson", "hutchinson_trace", "probed"]
+
+# the trace estimator's name (``--estimator``), declared by :func:`hutchinson_trace`; the label
+# of the results and of the progress of :func:`hutchinson`
+HUTCHINSON = "hutchinson"
 
 
 class _Probes:
@@ -109,7 +122,7 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     probes = _Probes(op, quantity, blocks, seed, block_size, columns)
     with (
         memory.current().hold("probe block", held + signs),
-        progress.start("hutchinson", total=budget, quantity=name) as run,
+        progress.start(HUTCHINSON, total=budget, quantity=name, capped=True) as run,
     ):
         pilot = pilot_size(min_samples, budget)
         count = budget
@@ -193,7 +206,7 @@ def hutchinson(
         stderr=float(stderr[0]),
         matvecs=matvecs,
         samples=n,
-        estimator="hutchinson",
+        estimator=HUTCHINSON,
         converged=converged,
         tol=tol,
         by_layer=layer_dict(list(blocks), mean, stderr),
@@ -254,9 +267,46 @@ def frobenius_sq(
         stderr=float(stderr[0]),
         matvecs=matvecs,
         samples=n,
-        estimator="hutchinson",
+        estimator=HUTCHINSON,
         quantity="trace_of_square",
         converged=converged,
         tol=tol,
         by_layer=layer_dict(list(blocks), mean, stderr),
     )
+
+
+def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> TraceResult:
+    """``estimate`` on the request's operator, or ``Tr(A^2)`` by Hutchinson on ``A^2`` ([FA] eq. 1).
+
+    Args:
+        estimate: an estimator of ``tr(A)`` taking the operator, ``tol``, ``max_matvecs`` and
+            ``seed`` (:func:`hutchinson`, :func:`~sharpcli.curvature.hutchpp.hutchpp`).
+        request: the operator and the budget.
+
+    Returns:
+        The estimate.
+    """
+    op, r = request.build(), request
+    if r.square:
+        return frobenius_sq(op, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+    return estimate(op, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+
+
+@declare(
+    "estimator",
+    HUTCHINSON,
+    "Rademacher probes until the stderr meets tol",
+    paper="Hutchinson1989",
+)
+def hutchinson_trace(request: TraceRequest) -> TraceResult:
+    """``tr(A) = E[g^T A g]`` over Rademacher probes ([Hutchinson1989]); ``Tr(A^2)`` likewise.
+
+    The probes are counted in two stages, a pilot then what ``tol`` asks (:func:`hutchinson`).
+
+    Args:
+        request: the operator and the budget.
+
+    Returns:
+        The estimate.
+    """
+    return probed(hutchinson, request)

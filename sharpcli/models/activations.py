@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import EXACT_GELU
 from sharpcli.models.activation_functions import (
     augmented_relu,
     augmented_relu_second_derivative,
@@ -58,7 +59,7 @@ class GELU(nn.GELU):
     spec = "gelu"
 
     def __init__(self) -> None:
-        super().__init__(approximate="none")
+        super().__init__(approximate=EXACT_GELU)
 
 
 class BetaGELU(nn.Module):
@@ -297,7 +298,7 @@ def activation_spec(module: nn.Module) -> str | None:
         return spec
     if type(module) is nn.ReLU:
         return "relu"
-    if type(module) is nn.GELU and module.approximate == "none":
+    if type(module) is nn.GELU and module.approximate == EXACT_GELU:
         return "gelu"
     return None
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
 from sharpcli.models.activations import canonical_activation_spec
 
@@ -78,7 +79,7 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "width": _Arg("int", 64, minimum=1, help="hidden units per layer"),
         "activation": _ACTIVATION_ARG,
         "bias": _Arg("bool", True, help="Linear layers have biases"),
-        "dropout": _dropout_arg("after each activation"),
+        DROPOUT_ARG: _dropout_arg("after each activation"),
         **_MANIPULATION_ARGS,
     },
     "cnn": {
@@ -86,7 +87,7 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "channels": _Arg("int_list", [16, 32], help="conv channels per block"),
         "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
-        "dropout": _dropout_arg("before the head"),
+        DROPOUT_ARG: _dropout_arg("before the head"),
         **_MANIPULATION_ARGS,
     },
     "vgg-small": {
@@ -94,7 +95,7 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "width_multiplier": _Arg("float", 1.0, above=0.0, help="scales 64-128-256-512 channels"),
         "activation": _ACTIVATION_ARG,
         "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
-        "dropout": _dropout_arg("before the head"),
+        DROPOUT_ARG: _dropout_arg("before the head"),
         **_MANIPULATION_ARGS,
     },
     "resnet": {
@@ -102,7 +103,7 @@ _MODEL_ARGS: dict[str, dict[str, _Arg]] = {
         "depth": _Arg("int", 20, minimum=8, help="6n+2: 20, 32, 44, 56, 110"),
         "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
         "activation": _ACTIVATION_ARG,
-        "dropout": _dropout_arg("before fc"),
+        DROPOUT_ARG: _dropout_arg("before fc"),
         **_MANIPULATION_ARGS,
     },
 }

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
 from sharpcli.models.activations import make_activation
 from sharpcli.models.manipulations import apply_manipulations
@@ -317,7 +318,7 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
         a["width"],
         a["activation"],
         a["bias"],
-        a["dropout"],
+        a[DROPOUT_ARG],
     ),
     "cnn": lambda a: SmallCNN(
         a["in_channels"],
@@ -326,7 +327,7 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
         a["channels"],
         a["activation"],
         a["batch_norm"],
-        a["dropout"],
+        a[DROPOUT_ARG],
     ),
     "vgg-small": lambda a: VGGSmall(
         a["in_channels"],
@@ -335,10 +336,10 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
         a["width_multiplier"],
         a["activation"],
         a["batch_norm"],
-        a["dropout"],
+        a[DROPOUT_ARG],
     ),
     "resnet": lambda a: CifarResNet(
-        a["in_channels"], a["num_classes"], a["depth"], a["width"], a["activation"], a["dropout"]
+        a["in_channels"], a["num_classes"], a["depth"], a["width"], a["activation"], a[DROPOUT_ARG]
     ),
 }
 

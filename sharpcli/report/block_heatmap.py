@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from sharpcli import catalogue
 from sharpcli.report.plots import _figure, _save
 
 __all__ = ["BlockGrid", "block_grid", "block_top_eigenvalue", "plot_block_eigenvalues"]
@@ -151,7 +152,7 @@ def _bars(ax, blocks: list[dict], value_of: dict[str, float], label: str) -> int
 
 
 def plot_block_eigenvalues(
-    results: dict, path: str | Path, *, operator: str = "hessian", which: str = "largest"
+    results: dict, path: str | Path, *, operator: str = catalogue.HESSIAN, which: str = "largest"
 ) -> Path:
     """The blocks' top eigenvalues (``sharp eigen --blocks`` results) as a layers x kinds
     heatmap, or a bar chart when the blocks do not form a grid (module docstring).

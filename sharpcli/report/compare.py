@@ -130,13 +130,17 @@ def canonical_row(report: dict, name: str) -> dict:
         if res.get("loss") is not None
         else _number(_get(res, "final", "train_loss"))
     )
-    lam = _number(_get(res, "hessian", "lambda_max"))
-    if lam is None and command == "eigen" and settings.get("operator", "hessian") == "hessian":
+    lam = _number(_get(res, catalogue.HESSIAN, "lambda_max"))
+    if (
+        lam is None
+        and command == "eigen"
+        and settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN
+    ):
         lam = _number(_get(res, "eigenvalues", 0))
     row["lambda_max"] = lam
-    tr = _number(_get(res, "hessian", "trace"))
-    fro = _number(_get(res, "hessian", "frobenius_sq"))
-    if command == "trace" and settings.get("operator", "hessian") == "hessian":
+    tr = _number(_get(res, catalogue.HESSIAN, "trace"))
+    fro = _number(_get(res, catalogue.HESSIAN, "frobenius_sq"))
+    if command == "trace" and settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN:
         if settings.get("square"):
             fro = _number(_get(res, "trace"))
         else:

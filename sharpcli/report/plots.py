@@ -11,6 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
+from sharpcli import catalogue
 from sharpcli.atomic import write_atomic
 from sharpcli.errors import UsageError
 
@@ -403,7 +404,7 @@ def _log_curve(ax, grid, density, **style) -> None:
 
 
 def plot_block_densities(
-    results: dict, path: str | Path, *, operator: str = "hessian", top: int | None = None
+    results: dict, path: str | Path, *, operator: str = catalogue.HESSIAN, top: int | None = None
 ) -> Path:
     """Small multiples of the blocks' SLQ densities (``sharp density --blocks``), as
     [Zhang2024]'s figure of block spectra, and a last panel with the full density beside the

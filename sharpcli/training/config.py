@@ -62,7 +62,7 @@ class TrainConfig:
     repeat_batch: int = 1
     noise_finetune: float = 0.0
     seed: int = 0
-    regs: list[Regularizer] = field(default_factory=lambda: ["none"])  # type: ignore[list-item]
+    regs: list[Regularizer] = field(default_factory=lambda: [catalogue.NO_REGULARIZER])  # type: ignore[list-item]
     dtype: str = "float32"
     # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
     precision: str = "fp32"

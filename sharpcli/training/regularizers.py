@@ -44,7 +44,6 @@ from sharpcli.errors import UsageError
 from sharpcli.registry import Entry
 from sharpcli.training.penalties.base import (
     _PARAMETER,
-    HyperParam,
     Oracle,
     Penalty,
     Regularizer,
@@ -60,7 +59,6 @@ from sharpcli.training.step import StepStats, training_step
 
 __all__ = [
     "StepStats",
-    "HyperParam",
     "Regularizer",
     "Penalty",
     "Oracle",
@@ -96,7 +94,7 @@ __all__ = [
 # declare in their bodies (declare_regularizer; the index is generated from them).
 REGISTRY = catalogue.REGULARIZERS
 _KIND_BASES: dict[str, type[Regularizer]] = {
-    "none": Regularizer,
+    NoRegularizer.kind: Regularizer,
     "model": Regularizer,
     "penalty": Penalty,
     "oracle": Oracle,
@@ -236,7 +234,7 @@ def validate_combination(regs: Sequence[Regularizer]) -> None:
     perturbation oracle (sam, usam, asam, weight-noise, nso). Raises UsageError."""
     seen: set[str] = set()
     for reg in regs:
-        if reg.name in seen and reg.name != "none":
+        if reg.name in seen and reg.name != NoRegularizer.name:
             raise UsageError(f"{reg.name} given more than once", source=_PARAMETER)
         seen.add(reg.name)
     oracles = [r.name for r in regs if r.kind == "oracle"]

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sharpcli import SCHEMA_ID, __version__, ledger, progress
+from sharpcli import SCHEMA_ID, __version__, catalogue, ledger, progress
 from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.bounded import loads_json
@@ -386,7 +386,7 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
     """One run's row; a diverged run (no reports) has every metric None."""
     final = train_doc["results"]["final"] if train_doc else {}
     res = analyze_doc["results"] if analyze_doc else {}
-    hessian = res.get("hessian", {})
+    hessian = res.get(catalogue.HESSIAN, {})
     return {
         "run": name,
         **point,

@@ -24,9 +24,12 @@ def test_the_checked_in_index_is_fresh():
 
 def test_the_index_holds_each_kind_s_declarations_in_definition_order():
     found = generate.collect()
-    assert set(found) == {"estimator", "operator", "regularizer"}
+    assert set(found) == {"diagonal estimator", "estimator", "operator", "regularizer"}
     assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
-    assert catalogue.ESTIMATORS.builtin_names()[0] == "hutchpp"  # the default, declared first
+    # the default's module (hutchpp.py) first, then the one it builds on (trace.py), then the rest
+    # (ggn_trace.py): the order of --estimator's help
+    assert catalogue.ESTIMATORS.builtin_names() == ("hutchpp", "hutchinson", "gn-split", "exact")
+    assert catalogue.DIAGONAL_ESTIMATORS.builtin_names()[0] == "hutchinson"  # the default
     assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
     for kind, entries in found.items():
         assert tuple(entries) == DECLARED[kind]
@@ -67,3 +70,11 @@ def test_a_stale_record_is_refused_with_the_command_to_run():
         Registry("gadget", source="gadget").add(w)
     fresh = Registry("widget", source="widget", entries=[declaration(w)[1]])
     assert fresh.register("w", w) is w
+
+
+def test_the_names_torch_free_modules_read_from_the_index_are_the_declared_ones():
+    from sharpcli.curvature import registry as operators
+    from sharpcli.training.penalties.decay import NoRegularizer
+
+    assert (catalogue.HESSIAN, catalogue.GGN, catalogue.NME) == operators.SPLIT
+    assert catalogue.NO_REGULARIZER == NoRegularizer.name

@@ -85,6 +85,16 @@ def test_hutchpp_reports_estimate_and_stderr_of_its_result():
     assert probing, "no probe reported an estimate"
     for e in probing:  # the projected stop lies between the count and the budget
         assert e.expected is None or e.done <= e.expected <= 300
+    assert all(e.capped for e in steps)  # it stops at tol: its budget is no plan
+
+
+def test_slq_density_runs_to_its_budget():
+    op, _ = _operator()
+    events = []
+    with progress.reporting(events.append):
+        spectral_density(op, probes=2, steps=4)
+    steps, _ = _runs(events, "slq")
+    assert steps and not any(e.capped for e in steps)  # its total is the plan
 
 
 def test_slq_density_reports_its_trace_estimate():
@@ -247,9 +257,10 @@ def test_eta_only_once_stable_and_never_from_a_cap():
     event = progress.Event(
         phase="eigen H", method="lanczos", run=1, parent=None, unit="matvecs", done=5, total=100
     )
-    assert bars.planned_total(event) is None  # a budget Lanczos stops before: not a plan
-    assert bars.planned_total(dataclasses.replace(event, expected=40)) == 40
-    assert bars.planned_total(dataclasses.replace(event, method="train")) == 100
+    assert bars.planned_total(event) == 100  # a budget the run goes to the end of: a plan
+    capped = dataclasses.replace(event, capped=True)  # a budget Lanczos stops before: not a plan
+    assert bars.planned_total(capped) is None
+    assert bars.planned_total(dataclasses.replace(capped, expected=40)) == 40
 
 
 def test_epoch_record_line_fits_80_columns():

@@ -161,3 +161,30 @@ def test_api_diagonal_by_parameter_name_and_shape():
     assert [t.shape for t in tensors.values()] == [p.shape for p in model.parameters()]
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
     assert torch.allclose(flat, torch.diagonal(H), atol=1e-12, rtol=0)
+
+
+def test_a_declared_diagonal_estimator_is_dispatched_through_the_registry():
+    """An extension declared as a diagonal estimator is reached by name, with the operator its
+    record names by default and only those it accepts; its declaration is the built-ins'."""
+    from sharpcli.catalogue import DIAGONAL_ESTIMATORS
+    from sharpcli.curvature.diagonal import DiagonalResult, exact_diagonal
+    from sharpcli.registry import declare
+
+    @declare("diagonal estimator", "dense-ggn", "the exact ggn diagonal", info={"operator": "ggn"})
+    def dense_ggn(request):
+        """``exact_diagonal`` of the request's operator, labelled as this estimator."""
+        found = exact_diagonal(request.build(), max_products=request.max_products)
+        return DiagonalResult(found.diagonal, None, None, "dense-ggn")
+
+    model, x, y, cpass = _pass()
+    DIAGONAL_ESTIMATORS.add(dense_ggn)
+    try:
+        operator, result = diagonal_result(cpass, estimator="dense-ggn", max_products=1000)
+        _, exact = diagonal_result(cpass, "ggn", estimator="exact", max_products=1000)
+        assert operator == "ggn" and result.estimator == "dense-ggn"
+        assert torch.equal(result.diagonal, exact.diagonal)
+        assert result.scope is cpass.scope
+    finally:
+        DIAGONAL_ESTIMATORS.unregister("dense-ggn")
+    with pytest.raises(UsageError, match="accepted: hutchinson, exact, gnb, per-sample"):
+        diagonal_result(cpass, estimator="dense-ggn")

@@ -1,6 +1,6 @@
 """The base classes of the regularizers of ``sharp train``: hyper-parameters, modes, kinds.
 
-A :class:`Regularizer` is a name, typed hyper-parameters (:class:`HyperParam`) and a kind:
+A :class:`Regularizer` is a name, typed hyper-parameters (:class:`~sharpcli.specs.Param`) and a kind:
 ``"none"``, ``"model"`` (changes the model's construction), ``"penalty"`` (an additive
 :class:`Penalty` declaring its :class:`~sharpcli.training.engine.PenaltyNeeds`) or
 ``"oracle"`` (an :class:`Oracle` returning the gradient at perturbed weights). A regularizer
@@ -22,7 +22,6 @@ from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, Step
 
 __all__ = [
     "MODE",
-    "HyperParam",
     "Regularizer",
     "Penalty",
     "PenaltyNeeds",
@@ -38,11 +37,6 @@ R = TypeVar("R", bound="Regularizer")
 _PARAMETER = "regs"
 # the hyper-parameter whose value picks the class of a regularizer with modes
 MODE = "mode"
-
-
-# --------------------------------------------------------------------------- hyper-parameters
-# One typed parameter (sharpcli.specs.Param): name, type, default, range, description.
-HyperParam = Param
 
 
 def regularizer_entry(cls: type[Regularizer]) -> Entry:
@@ -160,7 +154,7 @@ class Regularizer:
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""  # "none", "model", "penalty" or "oracle"
-    HYPERPARAMS: ClassVar[tuple[HyperParam, ...]] = ()
+    HYPERPARAMS: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_penultimate: ClassVar[bool] = False  # needs the input of the final nn.Linear

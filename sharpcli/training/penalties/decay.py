@@ -10,10 +10,12 @@ from typing import Any, Sequence
 
 import torch
 
+from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
+from sharpcli.specs import Param
 from sharpcli.training.engine import PassContext
-from sharpcli.training.penalties.base import HyperParam, Penalty, Regularizer, declare_regularizer
+from sharpcli.training.penalties.base import Penalty, Regularizer, declare_regularizer
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]
 
@@ -45,7 +47,7 @@ class Dropout(Regularizer):
         "dropout p: after each hidden activation (mlp); before the head only (conv nets) (AD 4.2)"
     )
     kind = "model"
-    HYPERPARAMS = (HyperParam("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
+    HYPERPARAMS = (Param("p", "float", 0.1, "drop probability", minimum=0.0, below=1.0),)
     paper = "AD"
     # linear in the batch; the masks differ from one process's (independent per rank
     # reseeded per epoch from (seed, epoch, rank) so resume stays exact) but are a valid draw
@@ -53,7 +55,7 @@ class Dropout(Regularizer):
 
     def model_args(self) -> dict[str, Any]:
         """``{"dropout": p}``: the model is built with dropout."""
-        return {"dropout": self.params["p"]}
+        return {DROPOUT_ARG: self.params["p"]}
 
 
 @declare_regularizer
@@ -72,7 +74,7 @@ class WeightDecay(Penalty):
     name = "wd"
     summary = "L + s^2/2 ||theta||^2 (AD 2.3)"
     HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.001, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
+        Param("sigma", "float", 0.001, "smoothing scale; coefficient sigma^2/2", minimum=0.0),
     )
     paper = "AD"
     data_parallel = None  # sigma^2 theta is the same on every rank; row weights sum to 1
@@ -123,7 +125,7 @@ class ActivationDecay(Penalty):
         "CE + s^2/2 mean ||h||^2, h = the head's input (conv nets: pooled features) (AD Thm 2)"
     )
     HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
+        Param("sigma", "float", 0.1, "weight-noise scale of the final layer", minimum=0.0),
     )
     paper = "AD"
     data_parallel = None  # a mean over samples: linear in the batch

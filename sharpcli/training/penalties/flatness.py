@@ -11,10 +11,10 @@ from typing import Sequence
 
 import torch
 
+from sharpcli.specs import Param
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
 from sharpcli.training.penalties.base import (
-    HyperParam,
     Penalty,
     central_gradients,
     declare_mode,
@@ -78,15 +78,15 @@ class FlatnessAware(Penalty):
     name = "fa"
     summary = "L + lambda Tr(H^2)/B, Tr(H^2) = ||Hv||^2 (FA eq. 1); exact autograd or fd"
     HYPERPARAMS = (
-        HyperParam("lambda", "float", 0.01, "penalty strength", minimum=0.0),
-        HyperParam(
+        Param("lambda", "float", 0.01, "penalty strength", minimum=0.0),
+        Param(
             "mode",
             "choice",
             "exact",
             "exact: the FA penalty by third-order autograd; fd: central finite differences of grad L (no third-order graph; on ReLU/max-pool nets a different, kink-dominated regularizer)",
             choices=("exact", "fd"),
         ),
-        HyperParam(
+        Param(
             "eps",
             "float",
             "auto",

@@ -13,11 +13,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_weights
+from sharpcli.specs import Param
 from sharpcli.training.draws import dot, global_norm, rademacher_like
 from sharpcli.training.engine import PassContext, StepEngine
 from sharpcli.training.penalties.base import (
-    HyperParam,
     Penalty,
     PenaltyNeeds,
     central_gradients,
@@ -66,16 +67,16 @@ class GradientPenalty(Penalty):
     name = "gp"
     summary = "L + rho ||grad L||^p, p in {1,2} (NME eq. 7)"
     HYPERPARAMS = (
-        HyperParam("rho", "float", 0.01, "penalty strength", minimum=0.0),
-        HyperParam("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
-        HyperParam(
+        Param("rho", "float", 0.01, "penalty strength", minimum=0.0),
+        Param("p", "choice", 1, "power of the gradient norm", choices=(1, 2)),
+        Param(
             "mode",
             "choice",
             "exact",
             "exact double backprop or finite-difference HVP",
             choices=("exact", "fd"),
         ),
-        HyperParam("eps", "float", 0.001, "finite-difference step length (mode=fd)", positive=True),
+        Param("eps", "float", 0.001, "finite-difference step length (mode=fd)", positive=True),
     )
     paper = "NME"
     data_parallel = "its penalty ||grad L||^p is nonlinear in the batch gradient"
@@ -176,16 +177,16 @@ class HessianTrace(Penalty):
     name = "hessian-trace"
     summary = "L + s^2 v^T H v, v Rademacher (NME eq. 19; s^2 = 2x the tr(H) weight of weight-noise sigma^2); fd: finite-difference curvature at step eps, exact: autograd Hessian"
     HYPERPARAMS = (
-        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
-        HyperParam("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
-        HyperParam(
+        Param("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+        Param("probes", "int", 1, "Rademacher probes averaged per step", minimum=1),
+        Param(
             "mode",
             "choice",
             "exact",
             "exact: the autograd Hessian (zero at kinks), third-order autograd; fd: finite-difference curvature at step eps (sees ReLU kinks: on ReLU nets a different regularizer, which diverged at its defaults on the built-in nets)",
             choices=("exact", "fd"),
         ),
-        HyperParam(
+        Param(
             "eps",
             "float",
             0.1,
@@ -309,7 +310,7 @@ class GaussNewtonTrace(Penalty):
     name = "gn-trace"
     summary = "L + s^2 tr(G), sampled-label estimator (NME eq. 20; s^2 = 2x the tr weight of weight-noise sigma^2)"
     HYPERPARAMS = (
-        HyperParam("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
+        Param("sigma2", "float", 0.01, "penalty strength (noise variance)", minimum=0.0),
     )
     paper = "NME"
     data_parallel = "its estimate B ||grad L(y^)||^2 is nonlinear in the batch gradient"
@@ -360,7 +361,7 @@ class GaussNewtonTrace(Penalty):
             z.reshape(-1, z.shape[-1]),
             y_hat.reshape(-1),
             ignore_index=IGNORE_INDEX,
-            reduction="none",
+            reduction=UNREDUCED,
         ).reshape(y_hat.shape)
         return (ce * token_weights(z, ctx.y).sqrt()).sum() / z.shape[0]
 

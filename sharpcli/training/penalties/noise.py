@@ -12,15 +12,16 @@ from typing import Iterator, Sequence
 
 import torch
 
+from sharpcli.specs import Param
 from sharpcli.training.draws import gaussian_like
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
+from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["WeightNoise", "NSO"]
 
 
 # the reported loss of the noise oracles
-_REPORT = HyperParam(
+_REPORT = Param(
     "report",
     "choice",
     "perturbed",
@@ -68,7 +69,7 @@ class WeightNoise(Oracle):
     name = "weight-noise"
     summary = "gradient at theta + U, U ~ N(0, s^2 I) (NSO 2.1); to 2nd order L + s^2/2 tr(H), = hessian-trace:sigma2=s^2/2"
     HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        Param("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
         _REPORT,
     )
     paper = "NSO"
@@ -135,8 +136,8 @@ class NSO(Oracle):
     name = "nso"
     summary = "gradient averaged over theta +- U_j, j = 1..k (NSO Alg. 1)"
     HYPERPARAMS = (
-        HyperParam("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
-        HyperParam("k", "int", 1, "number of noise pairs per step", minimum=1),
+        Param("sigma", "float", 0.01, "noise standard deviation", minimum=0.0),
+        Param("k", "int", 1, "number of noise pairs per step", minimum=1),
         _REPORT,
     )
     paper = "NSO"

@@ -10,9 +10,10 @@ from typing import Sequence
 
 import torch
 
+from sharpcli.specs import Param
 from sharpcli.training.draws import global_norm
 from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import HyperParam, Oracle, declare_regularizer
+from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
 
@@ -21,11 +22,12 @@ _Tensors = Sequence[torch.Tensor]
 _Names = Sequence[str] | None
 
 
-class _AscentOracle(Oracle):
+class AscentOracle(Oracle):
     """Two-step sharpness-aware oracle: clean gradient ``g = grad O(theta)``, perturbation
     ``e(g)``, returned gradient ``grad O(theta + e)`` ([NME] App. B eq. 42-43).
 
-    2 x (evaluations of one objective gradient): **2** with no penalty.
+    2 x (evaluations of one objective gradient): **2** with no penalty. The two-pass ascent
+    family (sam, usam, asam), whose members ``--ascent-sync`` applies to.
 
     Under torchrun (``sharpcli.training.data_parallel``) ``g`` is, by ``--ascent-sync``, this
     rank's own clean gradient (``per-replica``, the default: m-sharpness with m the local batch,
@@ -67,10 +69,6 @@ class _AscentOracle(Oracle):
         return clean, at_perturbed.grads
 
 
-# the two-pass ascent family, by its public name (--ascent-sync applies to its members)
-AscentOracle = _AscentOracle
-
-
 def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
     """``rho / max(norm, tiny)`` as a 0-dim tensor (``tiny`` the smallest normal number of
     its dtype, 1.2e-38 in float32): ``rho / norm`` for every norm above it, and a zero
@@ -80,7 +78,7 @@ def _radius_over(rho: float, norm: torch.Tensor) -> torch.Tensor:
 
 
 @declare_regularizer
-class SAM(_AscentOracle):
+class SAM(AscentOracle):
     """``sam:rho``: sharpness-aware minimization [SAM] as written in [NME] eq. 42.
 
     .. math:: e = \\rho \\frac{g}{\\|g\\|}, \\qquad \\text{gradient } \\nabla O(\\theta + e)
@@ -94,7 +92,7 @@ class SAM(_AscentOracle):
 
     name = "sam"
     summary = "gradient at theta + rho g/||g|| (NME App. B eq. 42)"
-    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
+    HYPERPARAMS = (Param("rho", "float", 0.05, "radius of the ascent step", minimum=0.0),)
     paper = "SAM"
     # per-rank ascent steps are m-sharpness, another algorithm: run per replica (its base's
     # per_replica) or with --ascent-sync global
@@ -108,7 +106,7 @@ class SAM(_AscentOracle):
 
 
 @declare_regularizer
-class USAM(_AscentOracle):
+class USAM(AscentOracle):
     """``usam:rho``: unnormalised SAM [USAM] ([NME] eq. 43).
 
     .. math:: e = \\rho\\, g, \\qquad \\text{gradient } \\nabla O(\\theta + e)
@@ -121,7 +119,7 @@ class USAM(_AscentOracle):
 
     name = "usam"
     summary = "gradient at theta + rho g (NME App. B eq. 43)"
-    HYPERPARAMS = (HyperParam("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
+    HYPERPARAMS = (Param("rho", "float", 0.05, "scale of the ascent step", minimum=0.0),)
     paper = "USAM"
     data_parallel = "its ascent step needs the global gradient before the second pass"
 
@@ -133,7 +131,7 @@ class USAM(_AscentOracle):
 
 
 @declare_regularizer
-class ASAM(_AscentOracle):
+class ASAM(AscentOracle):
     """``asam:rho,eta``: adaptive SAM [ASAM] (Kwon et al. 2021).
 
     .. math:: e = \\rho \\frac{T^2 g}{\\|T g\\|}, \\qquad T = \\mathrm{diag}(|w| + \\eta)
@@ -151,8 +149,8 @@ class ASAM(_AscentOracle):
     name = "asam"
     summary = "gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)"
     HYPERPARAMS = (
-        HyperParam("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
-        HyperParam("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
+        Param("rho", "float", 0.5, "radius of the ascent step", minimum=0.0),
+        Param("eta", "float", 0.01, "offset of the adaptive scale |w| + eta", minimum=0.0),
     )
     paper = "ASAM"
     data_parallel = "its ascent step needs the global scaled gradient norm before the second pass"
