@@ -9,10 +9,19 @@ import typer
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
+ANALYZE = "analyze"
 
-@common.analysis_command(app, "analyze")
+
+@declare(
+    "command",
+    ANALYZE,
+    "Several of these measures in one report; a gate for CI.",
+    info={"order": 7},
+)
+@common.analysis_command(app, ANALYZE)
 def analyze_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,

@@ -20,10 +20,20 @@ from sharpcli.atomic import write_text_atomic
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
 from sharpcli.errors import UsageError
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
 
+LANDSCAPE = "landscape"
 
-@common.analysis_command(app, "landscape")
+
+@declare(
+    "command",
+    LANDSCAPE,
+    "Loss on a line or plane through the checkpoint, plotted.",
+    paper="Li2018",
+    info={"order": 11},
+)
+@common.analysis_command(app, LANDSCAPE)
 def landscape_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -148,7 +158,7 @@ def landscape_command(
     if plot is not None:
         results["plot"] = plot
     settings = opts.report_settings(along=along, dims=config.dims, span=config.half_width)
-    report = session.report("landscape", settings, results, matvecs=0)
+    report = session.report(LANDSCAPE, settings, results, matvecs=0)
     return runner.Outcome(report, render=lambda console: _render(console, results))
 
 

@@ -12,9 +12,12 @@ from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
 from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions, regularizer_option
+from sharpcli.registry import declare
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.report.tables import records_table
 from sharpcli.training.config import TrainConfig, validate_config
+
+SWEEP = "sweep"
 
 # the TrainConfig fields --set may set (the regularizers and the seed are the sweep's own)
 _SETTABLE = tuple(f.name for f in fields(TrainConfig) if f.name not in ("regs", "seed"))
@@ -57,7 +60,13 @@ def _set_value(raw: str, key: str):
         return raw
 
 
-@app.command("sweep", cls=lazyhelp.LazyHelpCommand)
+@declare(
+    "command",
+    SWEEP,
+    "Train and measure over a grid of regularizer settings and seeds.",
+    info={"order": 14, "panel": "Sweep"},
+)
+@app.command(SWEEP, cls=lazyhelp.LazyHelpCommand)
 @with_options(train=SWEEP_OPTIONS)
 def sweep_command(
     *,
@@ -203,7 +212,7 @@ def sweep_command(
         }
         results["kendall"] = kendall
         report = make_report(
-            "sweep",
+            SWEEP,
             settings=settings,
             results=results,
             environment=environment_info(cfg.device, cfg.dtype),
@@ -250,7 +259,7 @@ def sweep_command(
         return runner.Outcome(report, render)
 
     runner.run_command(
-        "sweep", json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
+        SWEEP, json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
     )
 
 
