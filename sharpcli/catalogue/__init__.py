@@ -12,8 +12,8 @@ them. Everything that lists names reads them from here: the CLI's choices, ``--h
 completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
-formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed
-value sets). None imports torch: ``sharp --help`` reads them.
+formats, built-in datasets), ``names`` (losses, activations, commands), ``measures`` (the
+metrics of ``analyze``), ``values`` (closed value sets). None imports torch: ``sharp --help`` reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
+from sharpcli.catalogue.measures import METRICS
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
@@ -51,7 +52,6 @@ from sharpcli.catalogue.values import (
     GGN_ESTIMATORS,
     HVP_METHODS,
     METHODS,
-    METRICS,
     MODEL_NAMES,
     OPTIMIZERS,
     PRECISIONS,

@@ -12,13 +12,13 @@ from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
     'command': (
-        Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training'}),
+        Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'sweep_report': 'training'}),
         Entry('eigen', 'Largest or smallest curvature eigenvalues (how sharp the minimum is).', 'sharpcli.cli.cmd_spectrum:eigen_command', paper='Lanczos1950', info={'order': 2}),
         Entry('trace', 'Trace of the curvature: the sum of all its eigenvalues.', 'sharpcli.cli.cmd_spectrum:trace_command', paper='Hutchinson1989', info={'order': 3}),
         Entry('gn-nme', 'Split the Hessian into its Gauss-Newton and nonlinear parts.', 'sharpcli.cli.cmd_spectrum:gn_nme_command', paper='NME', info={'order': 4}),
         Entry('density', 'The whole eigenvalue spectrum, estimated and plotted.', 'sharpcli.cli.cmd_spectrum:density_command', paper='Ghorbani2019', info={'order': 5}),
         Entry('diagonal', "The curvature's diagonal per parameter, as a .safetensors file.", 'sharpcli.cli.cmd_diagonal:diagonal_command', paper='Bekas2007', info={'order': 6}),
-        Entry('analyze', 'Several of these measures in one report; a gate for CI.', 'sharpcli.cli.cmd_analyze:analyze_command', info={'order': 7}),
+        Entry('analyze', 'Several of these measures in one report; a gate for CI.', 'sharpcli.cli.cmd_analyze:analyze_command', info={'order': 7, 'sweep_report': 'analysis'}),
         Entry('activation-stats', 'How often activations are active or dead, per layer.', 'sharpcli.cli.cmd_diagnostics:activation_stats_command', info={'order': 8, 'panel': 'Statistics'}),
         Entry('weight-rescale', 'Show which sharpness measures change when weights are rescaled.', 'sharpcli.cli.cmd_diagnostics:weight_rescale_command', paper='MAN', info={'order': 9, 'panel': 'Rescaling'}),
         Entry('sharpness', 'Worst-case and average-case sharpness, invariant to rescaling when adaptive.', 'sharpcli.cli.cmd_sharpness:sharpness_command', paper='Andriushchenko2023', info={'order': 10}),
@@ -32,6 +32,16 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.estimators:hutchinson_trace', paper='Hutchinson1989'),
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.estimators:gn_split', paper='NME'),
         Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
+    ),
+    'metric': (
+        Entry('eigen', 'the largest Hessian eigenvalues, by Lanczos', 'sharpcli.analyses.analyze:eigen_metric', paper='Lanczos1950', info={'order': 1, 'default': True, 'keys': ('hessian.lambda_max', 'hessian.eigenvalues', 'hessian.eigenvalues.*', 'hessian.eigen_residuals', 'hessian.eigen_residuals.*')}),
+        Entry('trace', 'tr(H) by Hutch++, and per layer', 'sharpcli.analyses.analyze:trace_metric', paper='Hutch++', info={'order': 2, 'default': True, 'keys': ('hessian.trace', 'hessian.trace_stderr', 'hessian.trace_by_layer.*')}),
+        Entry('frobenius', 'Tr(H^2) = ||H||_F^2, the flatness of [FA] eq. 1', 'sharpcli.analyses.analyze:frobenius_metric', paper='FA', info={'order': 3, 'keys': ('hessian.frobenius_sq', 'hessian.frobenius_sq_stderr')}),
+        Entry('gn-nme', 'the split H = G + N: traces, extreme eigenvalues, Tr(A^2) and the NME share', 'sharpcli.analyses.analyze:gn_nme_metric', paper='NME', info={'order': 4, 'keys': ('hessian.trace', 'hessian.trace_stderr', 'hessian.lambda_max', 'hessian.lambda_min', 'hessian.frobenius_sq', 'ggn.trace', 'ggn.trace_stderr', 'ggn.lambda_max', 'ggn.lambda_min', 'ggn.frobenius_sq', 'nme.trace', 'nme.trace_stderr', 'nme.lambda_max', 'nme.lambda_min', 'nme.frobenius_sq', 'nme_share', 'nme_frobenius_ratio')}),
+        Entry('activation-stats', 'per layer: dead and active outputs, mean squared norm; output statistics, ||J_x||_F', 'sharpcli.analyses.activations:activation_stats_metric', paper='MAN', info={'order': 5, 'keys': ('activations.layers.*.outputs', 'activations.layers.*.dead_outputs', 'activations.layers.*.death_frequency', 'activations.layers.*.activation_frequency', 'activations.layers.*.activation_frequency_including_dead', 'activations.layers.*.mean_sq_norm', 'activations.layers.*.output_shape', 'activations.layers.*.output_shape.*', 'activations.output.gini_impurity', 'activations.output.entropy', 'activations.output.confidence', 'activations.output.loss', 'activations.output.accuracy', 'activations.penultimate_sq_norm', 'activations.input_jacobian_fro', 'activations.input_jacobian_fro_softmax', 'activations.samples')}),
+        Entry('sharpness', 'adaptive l2 sharpness at rho 0.05: worst case (Auto-PGD) and average case', 'sharpcli.analyses.sharpness:sharpness_metric', paper='Andriushchenko2023', info={'order': 6, 'keys': ('sharpness.worst_case', 'sharpness.worst_case_stderr', 'sharpness.worst_case_loss_perturbed', 'sharpness.average', 'sharpness.average_stderr', 'sharpness.average_loss_perturbed', 'sharpness.rho')}),
+        Entry('pac-bayes', 'the PAC-Bayes sigma and flatness 1/sigma^2, plain and magnitude-aware, by bisection', 'sharpcli.analyses.analyze:pac_bayes_metric', paper='Jiang2019', info={'order': 7, 'keys': ('pac_bayes.plain.*', 'pac_bayes.magnitude.*')}),
+        Entry('fisher-rao', "the Fisher-Rao norm theta^T F theta, and with the data's labels", 'sharpcli.analyses.analyze:fisher_rao_metric', paper='Liang2019', info={'order': 8, 'keys': ('fisher_rao.norm_sq', 'fisher_rao.norm_sq_empirical')}),
     ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),

@@ -18,7 +18,6 @@ __all__ = [
     "GGN_ESTIMATORS",
     "HVP_METHODS",
     "METHODS",
-    "METRICS",
     "MODEL_NAMES",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -59,18 +58,8 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ASCENT_SYNCS = ("per-replica", "global")
 
-# analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
-# sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
-METRICS = (
-    "eigen",
-    "trace",
-    "frobenius",
-    "gn-nme",
-    "activation-stats",
-    "sharpness",
-    "pac-bayes",
-    "fisher-rao",
-)
+# analyses and reports: sharpcli.analyses.{tracking,rescale,bounds}, sharpcli.report.compare;
+# TRACKABLE and CHECKS are comma lists (analyze's metrics: sharpcli.catalogue.measures)
 TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")

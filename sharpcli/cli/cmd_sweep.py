@@ -104,7 +104,7 @@ def sweep_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(catalogue.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS.names()),
             help="Analyses per run, as analyze --metrics.",
         ),
     ] = "eigen,trace",

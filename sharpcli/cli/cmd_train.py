@@ -17,7 +17,7 @@ TRAIN = "train"
     "command",
     TRAIN,
     "Train a model, optionally under a sharpness regularizer.",
-    info={"order": 1, "panel": "Training"},
+    info={"order": 1, "panel": "Training", "sweep_report": "training"},
 )
 @app.command(TRAIN, cls=lazyhelp.LazyHelpCommand)
 @with_options(opts=TrainOptions)

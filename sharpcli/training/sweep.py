@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sharpcli import SCHEMA_ID, __version__, ledger, progress
+from sharpcli import SCHEMA_ID, __version__, catalogue, ledger, progress
 from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.bounded import loads_json
@@ -56,6 +56,13 @@ class SweepResult:
     skipped: list[str] = field(default_factory=list)
     completed: bool = True
     diverged: list[str] = field(default_factory=list)
+
+
+# the commands whose reports each run writes, by what they hold: their declarations say so
+# (``info["sweep_report"]``: "training", "analysis")
+REPORT_COMMANDS = {
+    e.info["sweep_report"]: e.name for e in catalogue.COMMANDS.entries() if "sweep_report" in e.info
+}
 
 
 def parse_grid(items: list[str]) -> dict[str, list[float]]:
@@ -300,7 +307,7 @@ def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
     except NumericalError as exc:
         record = {
             "schema": SCHEMA_ID,
-            "command": "train",
+            "command": REPORT_COMMANDS["training"],
             "version": __version__,
             "error": exc.to_json(),
             "sweep": {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
@@ -341,7 +348,9 @@ def _analyze_run(
     if analyze_samples is not None and session.num_samples > analyze_samples:
         session = session_of(analyze_samples)
     results, matvecs = analyze(session, metrics)
-    analyze_doc, _ = analyze_report(session, {**analysis, "sweep": name}, results, matvecs)
+    analyze_doc, _ = analyze_report(
+        session, REPORT_COMMANDS["analysis"], {**analysis, "sweep": name}, results, matvecs
+    )
     with publication(own=True):  # now: the run is complete, whatever happens to the sweep
         write_text_atomic(files.analyze_json, dumps(analyze_doc))
     return analyze_doc

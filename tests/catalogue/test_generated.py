@@ -24,15 +24,17 @@ def test_the_checked_in_index_is_fresh():
 
 def test_the_index_holds_each_kind_s_declarations_in_definition_order():
     found = generate.collect()
-    assert set(found) == {"command", "estimator", "operator", "regularizer"}
+    assert set(found) == {"command", "estimator", "metric", "operator", "regularizer"}
     assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
     assert catalogue.ESTIMATORS.builtin_names()[0] == "hutchpp"  # the default, declared first
     assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
     # the commands in their declared places (the workflow order of ``sharp --help``), not in
     # the order of their modules' names
-    commands = found["command"]
-    assert [e.info["order"] for e in commands] == list(range(1, len(commands) + 1))
+    for kind in ("command", "metric"):
+        placed = found[kind]
+        assert [e.info["order"] for e in placed] == list(range(1, len(placed) + 1)), kind
     assert catalogue.COMMANDS.builtin_names()[:3] == ("train", "eigen", "trace")
+    assert catalogue.METRICS.builtin_names()[:2] == ("eigen", "trace")  # across modules
     for kind, entries in found.items():
         assert tuple(entries) == DECLARED[kind]
         for entry in entries:  # each record points at the module that defines the object
