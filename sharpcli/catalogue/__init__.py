@@ -32,7 +32,7 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.measures import METRICS
+from sharpcli.catalogue.measures import METRICS, TRACKABLE
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
@@ -60,7 +60,6 @@ from sharpcli.catalogue.values import (
     SPLITS,
     TABLE_FORMATS,
     TOKEN_REDUCTIONS,
-    TRACKABLE,
     WHICH,
 )
 from sharpcli.registry import Registry

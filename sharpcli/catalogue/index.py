@@ -65,4 +65,11 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('usam', 'gradient at theta + rho g (NME App. B eq. 43)', 'sharpcli.training.penalties.sam:USAM', params=(Param('rho', 'float', 0.05, 'scale of the ascent step', minimum=0.0),), paper='USAM', data_parallel='its ascent step needs the global gradient before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
         Entry('asam', 'gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)', 'sharpcli.training.penalties.sam:ASAM', params=(Param('rho', 'float', 0.5, 'radius of the ascent step', minimum=0.0), Param('eta', 'float', 0.01, 'offset of the adaptive scale |w| + eta', minimum=0.0)), paper='ASAM', data_parallel='its ascent step needs the global scaled gradient norm before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
     ),
+    'trackable': (
+        Entry('eigen', 'lambda_max of the Hessian (Lanczos, residual tol 1e-3)', 'sharpcli.analyses.tracking:track_eigen', paper='Lanczos1950', info={'keys': ('lambda_max',)}),
+        Entry('trace', 'tr(H) by Hutch++', 'sharpcli.analyses.tracking:track_trace', paper='Hutch++', info={'keys': ('trace',)}),
+        Entry('gn-nme', 'tr(G), tr(N) and the NME share, from shared probes', 'sharpcli.analyses.tracking:track_gn_nme', paper='NME', info={'keys': ('ggn_trace', 'nme_trace', 'nme_share')}),
+        Entry('frobenius', 'Tr(H^2), the flatness of [FA] eq. 1', 'sharpcli.analyses.tracking:track_frobenius', paper='FA', info={'keys': ('frobenius_sq',)}),
+        Entry('sharpness', 'adaptive worst-case l2 sharpness at rho 0.05 (10 Auto-PGD steps)', 'sharpcli.analyses.tracking:track_sharpness', paper='Andriushchenko2023', info={'keys': ('adaptive_sharpness',)}),
+    ),
 }

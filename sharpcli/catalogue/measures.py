@@ -1,10 +1,12 @@
-"""What ``sharp analyze --metrics`` measures of a checkpoint, by name.
+"""The measures of a checkpoint by name: ``analyze --metrics`` and ``train --track``.
 
 Each metric is declared beside its code (:func:`sharpcli.registry.declare`, kind
 ``"metric"``: :mod:`sharpcli.analyses.analyze`, :mod:`sharpcli.analyses.activations`,
 :mod:`sharpcli.analyses.sharpness`) as a function of the run; its record's ``info`` gives its
 place in the list (``order``), whether ``--metrics`` runs it by default (``default``) and the
-result keys ``--fail-if`` may read (``keys``). This module reads them from the generated index.
+result keys ``--fail-if`` may read (``keys``). The quantities that training tracks are declared
+in :mod:`sharpcli.analyses.tracking` (kind ``"trackable"``), each under the name of the metric it
+follows. This module reads them from the generated index.
 
 This module imports no torch.
 """
@@ -16,7 +18,12 @@ from typing import Any
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
-__all__ = ["METRICS"]
+__all__ = ["METRICS", "TRACKABLE"]
 
 # ``sharp analyze --metrics`` and ``sharp sweep --metrics``: a comma list of these
 METRICS: Registry[Any] = Registry("metric", source="metrics", entries=DECLARED.get("metric", ()))
+
+# ``sharp train --track`` and sharpcli.Tracker's ``metrics``: a comma list of these
+TRACKABLE: Registry[Any] = Registry(
+    "trackable", source="track", entries=DECLARED.get("trackable", ())
+)

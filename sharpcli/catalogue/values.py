@@ -27,7 +27,6 @@ __all__ = [
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",
-    "TRACKABLE",
     "WHICH",
 ]
 
@@ -58,9 +57,8 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ASCENT_SYNCS = ("per-replica", "global")
 
-# analyses and reports: sharpcli.analyses.{tracking,rescale,bounds}, sharpcli.report.compare;
-# TRACKABLE and CHECKS are comma lists (analyze's metrics: sharpcli.catalogue.measures)
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
+# analyses and reports: sharpcli.analyses.{rescale,bounds}, sharpcli.report.compare; CHECKS is
+# a comma list (analyze's metrics, train's tracked quantities: sharpcli.catalogue.measures)
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")

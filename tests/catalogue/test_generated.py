@@ -24,7 +24,7 @@ def test_the_checked_in_index_is_fresh():
 
 def test_the_index_holds_each_kind_s_declarations_in_definition_order():
     found = generate.collect()
-    assert set(found) == {"command", "estimator", "metric", "operator", "regularizer"}
+    assert set(found) == {"command", "estimator", "metric", "operator", "regularizer", "trackable"}
     assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
     assert catalogue.ESTIMATORS.builtin_names()[0] == "hutchpp"  # the default, declared first
     assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
