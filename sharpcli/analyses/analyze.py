@@ -322,17 +322,14 @@ def _notes_of(parts: list, depth: int = 3) -> list[str]:
     return found
 
 
-def analyze_report(
-    session, command: str, settings: dict, results: dict, matvecs: int, gates=()
-) -> tuple:
-    """The ``analyze`` report (``command``: that command's name) of ``results`` and whether a
-    gate tripped: ``(report, tripped)``.
+def analyze_report(session, settings: dict, results: dict, matvecs: int, gates=()) -> tuple:
+    """The ``analyze`` report of ``results`` and whether a gate tripped: ``(report, tripped)``.
 
     The one place the report is made, for ``sharp analyze`` and for each run of ``sharp
     sweep``: the session's envelope with ``results.gates``, the verdict of each ``--fail-if``
     gate (an empty list without gates), which the schema requires (docs/json.md).
     """
-    report = session.report(command, settings, results, matvecs=matvecs)
+    report = session.report(catalogue.command_running(analyze), settings, results, matvecs=matvecs)
     verdicts = [gate.evaluate(report) for gate in gates]
     report["results"]["gates"] = verdicts
     return report, any(verdict["tripped"] for verdict in verdicts)

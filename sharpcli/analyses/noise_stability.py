@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.operators import CurvatureEngine
@@ -172,7 +173,7 @@ def noise_stability_check(
     return {
         "params": scope.spec,
         "num_params": scope.numel,
-        "trace": trace.estimate,
+        TRACE_KEY: trace.estimate,
         "trace_stderr": trace_stderr,
         "trace_estimator": "hutchpp",
         "rows": [row.to_dict() for row in rows],

@@ -33,10 +33,12 @@ from sharpcli.catalogue.curvature import (
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
 from sharpcli.catalogue.measures import METRICS, TRACKABLE
-from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
+from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, command_running
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
+    ALONG_EIGEN,
     GAP_KINDS,
+    LANDSCAPE_ALONG,
     LANDSCAPE_BIAS_BN,
     NORM_LAYERS,
     SHARPNESS_KINDS,
@@ -66,6 +68,7 @@ from sharpcli.registry import Registry
 
 __all__ = [
     "ACTIVATIONS",
+    "ALONG_EIGEN",
     "ASCENT_SYNCS",
     "CHECKS",
     "COMMANDS",
@@ -81,6 +84,7 @@ __all__ = [
     "GGN_ESTIMATORS",
     "HVP_METHODS",
     "KINDS",
+    "LANDSCAPE_ALONG",
     "LANDSCAPE_BIAS_BN",
     "LOSSES",
     "METHODS",
@@ -103,6 +107,7 @@ __all__ = [
     "TOKEN_REDUCTIONS",
     "TRACKABLE",
     "WHICH",
+    "command_running",
     "entries_help",
     "operator_help",
     "operator_table",

@@ -12,20 +12,20 @@ from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
     'command': (
-        Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'sweep_report': 'training'}),
-        Entry('eigen', 'Largest or smallest curvature eigenvalues (how sharp the minimum is).', 'sharpcli.cli.cmd_spectrum:eigen_command', paper='Lanczos1950', info={'order': 2}),
-        Entry('trace', 'Trace of the curvature: the sum of all its eigenvalues.', 'sharpcli.cli.cmd_spectrum:trace_command', paper='Hutchinson1989', info={'order': 3}),
+        Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'runs': 'sharpcli.training.loop:train', 'reports_regularizers': True}),
+        Entry('eigen', 'Largest or smallest curvature eigenvalues (how sharp the minimum is).', 'sharpcli.cli.cmd_spectrum:eigen_command', paper='Lanczos1950', info={'order': 2, 'reports_eigenvalues': True}),
+        Entry('trace', 'Trace of the curvature: the sum of all its eigenvalues.', 'sharpcli.cli.cmd_spectrum:trace_command', paper='Hutchinson1989', info={'order': 3, 'reports_trace': True}),
         Entry('gn-nme', 'Split the Hessian into its Gauss-Newton and nonlinear parts.', 'sharpcli.cli.cmd_spectrum:gn_nme_command', paper='NME', info={'order': 4}),
         Entry('density', 'The whole eigenvalue spectrum, estimated and plotted.', 'sharpcli.cli.cmd_spectrum:density_command', paper='Ghorbani2019', info={'order': 5}),
         Entry('diagonal', "The curvature's diagonal per parameter, as a .safetensors file.", 'sharpcli.cli.cmd_diagonal:diagonal_command', paper='Bekas2007', info={'order': 6}),
-        Entry('analyze', 'Several of these measures in one report; a gate for CI.', 'sharpcli.cli.cmd_analyze:analyze_command', info={'order': 7, 'sweep_report': 'analysis'}),
+        Entry('analyze', 'Several of these measures in one report; a gate for CI.', 'sharpcli.cli.cmd_analyze:analyze_command', info={'order': 7, 'runs': 'sharpcli.analyses.analyze:analyze'}),
         Entry('activation-stats', 'How often activations are active or dead, per layer.', 'sharpcli.cli.cmd_diagnostics:activation_stats_command', info={'order': 8, 'panel': 'Statistics'}),
-        Entry('weight-rescale', 'Show which sharpness measures change when weights are rescaled.', 'sharpcli.cli.cmd_diagnostics:weight_rescale_command', paper='MAN', info={'order': 9, 'panel': 'Rescaling'}),
+        Entry('weight-rescale', 'Show which sharpness measures change when weights are rescaled.', 'sharpcli.cli.cmd_diagnostics:weight_rescale_command', paper='MAN', info={'order': 9, 'panel': 'Rescaling', 'runs': 'sharpcli.analyses.rescale:weight_rescale'}),
         Entry('sharpness', 'Worst-case and average-case sharpness, invariant to rescaling when adaptive.', 'sharpcli.cli.cmd_sharpness:sharpness_command', paper='Andriushchenko2023', info={'order': 10}),
-        Entry('landscape', 'Loss on a line or plane through the checkpoint, plotted.', 'sharpcli.cli.cmd_landscape:landscape_command', paper='Li2018', info={'order': 11}),
-        Entry('bound-check', "Check the papers' curvature bounds on a trained model.", 'sharpcli.cli.cmd_diagnostics:bound_check_command', paper='AD', info={'order': 12, 'panel': 'Bounds'}),
+        Entry('landscape', 'Loss on a line or plane through the checkpoint, plotted.', 'sharpcli.cli.cmd_landscape:landscape_command', paper='Li2018', info={'order': 11, 'runs': 'sharpcli.analyses.landscape:loss_landscape'}),
+        Entry('bound-check', "Check the papers' curvature bounds on a trained model.", 'sharpcli.cli.cmd_diagnostics:bound_check_command', paper='AD', info={'order': 12, 'panel': 'Bounds', 'runs': 'sharpcli.analyses.bounds:bound_check'}),
         Entry('compare', 'Runs side by side in one table and plot.', 'sharpcli.cli.cmd_compare:compare_command', info={'order': 13, 'panel': 'Options'}),
-        Entry('sweep', 'Train and measure over a grid of regularizer settings and seeds.', 'sharpcli.cli.cmd_sweep:sweep_command', info={'order': 14, 'panel': 'Sweep'}),
+        Entry('sweep', 'Train and measure over a grid of regularizer settings and seeds.', 'sharpcli.cli.cmd_sweep:sweep_command', info={'order': 14, 'panel': 'Sweep', 'runs': 'sharpcli.training.sweep:run_sweep'}),
     ),
     'estimator': (
         Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.estimators:hutchpp_trace', paper='Hutch++'),

@@ -5,13 +5,13 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param
 
-__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
+__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES", "command_running"]
 
 P = Param
 
@@ -80,6 +80,30 @@ ACTIVATIONS: Registry[Any] = Registry(
 )
 
 # the ``sharp`` commands (sharpcli.cli.cmd_*, each declared beside its function), in the order
-# a person uses them (the order of ``sharp --help``); ``info``: its place in that order, and the
-# --help panel of its own options where not the default
+# a person uses them (the order of ``sharp --help``). ``info``: its place in that order, the
+# --help panel of its own options where not the default, and the library function it runs
+# (``runs``, "module:function") where that function needs the command's name
 COMMANDS: Registry[Any] = Registry("command", source="command", entries=DECLARED.get("command", ()))
+
+
+def command_running(function: Callable[..., Any]) -> str:
+    """The name of the command whose declaration says it runs ``function`` (``info["runs"]``).
+
+    How a library module names the command it implements (the ``command`` of the report it
+    makes, the label of its errors and progress) without spelling the name, which is declared
+    once, beside the command.
+
+    Args:
+        function: the library function, as the command's declaration names it.
+
+    Returns:
+        The command's name.
+
+    Raises:
+        LookupError: no command declares that it runs ``function``.
+    """
+    runs = f"{function.__module__}:{function.__qualname__}"
+    for entry in COMMANDS.entries():
+        if entry.info.get("runs") == runs:
+            return entry.name
+    raise LookupError(f"no command declares that it runs {runs}")

@@ -14,6 +14,7 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "ENGINES",
+    "FROBENIUS_SQ_KEY",
     "EPSILON_KINDS",
     "GGN_ESTIMATORS",
     "HVP_METHODS",
@@ -21,12 +22,14 @@ __all__ = [
     "MODEL_NAMES",
     "OPTIMIZERS",
     "PRECISIONS",
+    "QUANTITIES",
     "ASCENT_SYNCS",
     "RESCALE_MODES",
     "SCHEDULES",
     "SPLITS",
     "TABLE_FORMATS",
     "TOKEN_REDUCTIONS",
+    "TRACE_KEY",
     "WHICH",
 ]
 
@@ -43,6 +46,10 @@ ENGINES = ("native", "pyhessian")
 # how a Hessian product is taken: sharpcli.curvature.finite_difference
 HVP_METHODS = ("exact", "finite-difference")
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+# what a probe pass estimates of an operator A (sharpcli.curvature.probes, split): its trace
+# tr(A), or Tr(A^2) = ||A||_F^2 (``trace --square``); each is also the key of reports that hold it
+QUANTITIES = ("trace", "frobenius_sq")
+TRACE_KEY, FROBENIUS_SQ_KEY = QUANTITIES
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")

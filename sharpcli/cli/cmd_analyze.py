@@ -19,7 +19,7 @@ ANALYZE = "analyze"
     "command",
     ANALYZE,
     "Several of these measures in one report; a gate for CI.",
-    info={"order": 7, "sweep_report": "analysis"},
+    info={"order": 7, "runs": "sharpcli.analyses.analyze:analyze"},
 )
 @common.analysis_command(app, ANALYZE)
 def analyze_command(
@@ -97,7 +97,7 @@ def analyze_command(
     settings = opts.report_settings(
         skip=("checkpoint",), metrics=chosen, fail_if=[g.text for g in gates]
     )
-    report, tripped = analyze_report(session, ANALYZE, settings, results, matvecs, gates)
+    report, tripped = analyze_report(session, settings, results, matvecs, gates)
     verdicts = report["results"]["gates"]
 
     def render(console):

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
 from sharpcli.registry import declare
@@ -128,7 +129,7 @@ def _render_activation_stats(console, result) -> None:
     WEIGHT_RESCALE,
     "Show which sharpness measures change when weights are rescaled.",
     paper="MAN",
-    info={"order": 9, "panel": "Rescaling"},
+    info={"order": 9, "panel": "Rescaling", "runs": "sharpcli.analyses.rescale:weight_rescale"},
 )
 @common.analysis_command(app, WEIGHT_RESCALE)
 def weight_rescale_command(
@@ -242,7 +243,7 @@ def _render_weight_rescale(console, result) -> None:
                 "loss",
                 "max_logit_change",
                 "lambda_max",
-                "trace",
+                TRACE_KEY,
                 "trace_stderr",
                 "invariant_lambda_max",
             ]
@@ -261,7 +262,7 @@ def _render_weight_rescale(console, result) -> None:
     BOUND_CHECK,
     "Check the papers' curvature bounds on a trained model.",
     paper="AD",
-    info={"order": 12, "panel": "Bounds"},
+    info={"order": 12, "panel": "Bounds", "runs": "sharpcli.analyses.bounds:bound_check"},
 )
 @common.analysis_command(app, BOUND_CHECK)
 def bound_check_command(
@@ -438,7 +439,7 @@ def _render_bound_check(console, result) -> None:
         console.print(
             records_table(
                 f"NSO: E L(W+U) - L(W) vs sigma^2/2 tr(H) on {ns['params']}, "
-                f"tr(H) = {ns['trace']:.6g}",
+                f"tr(H) = {ns[TRACE_KEY]:.6g}",
                 ns["rows"],
                 [
                     "sigma",

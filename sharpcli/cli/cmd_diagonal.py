@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.group import app
 from sharpcli.registry import declare
@@ -105,7 +106,7 @@ def diagonal_command(
     report = session.report(DIAGONAL, settings, results, matvecs=results["matvecs"])
 
     def render(console):
-        total = results["trace"]
+        total = results[TRACE_KEY]
         console.print(
             key_value_table(
                 f"diag({results['operator']}) by {results['estimator']}",

@@ -124,7 +124,7 @@ def _positive(value, option: str, strict: bool = True) -> None:
     EIGEN,
     "Largest or smallest curvature eigenvalues (how sharp the minimum is).",
     paper="Lanczos1950",
-    info={"order": 2},
+    info={"order": 2, "reports_eigenvalues": True},
 )
 @common.analysis_command(app, EIGEN)
 def eigen_command(
@@ -250,7 +250,7 @@ def eigen_command(
     TRACE,
     "Trace of the curvature: the sum of all its eigenvalues.",
     paper="Hutchinson1989",
-    info={"order": 3},
+    info={"order": 3, "reports_trace": True},
 )
 @common.analysis_command(app, TRACE)
 def trace_command(

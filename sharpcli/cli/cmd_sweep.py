@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
@@ -64,7 +65,7 @@ def _set_value(raw: str, key: str):
     "command",
     SWEEP,
     "Train and measure over a grid of regularizer settings and seeds.",
-    info={"order": 14, "panel": "Sweep"},
+    info={"order": 14, "panel": "Sweep", "runs": "sharpcli.training.sweep:run_sweep"},
 )
 @app.command(SWEEP, cls=lazyhelp.LazyHelpCommand)
 @with_options(train=SWEEP_OPTIONS)
@@ -224,7 +225,7 @@ def sweep_command(
                 + ["seeds"]
                 + [
                     f"{k}_{s}"
-                    for k in ("test_accuracy", "lambda_max", "trace", "frobenius_sq")
+                    for k in ("test_accuracy", "lambda_max", TRACE_KEY, "frobenius_sq")
                     for s in ("mean", "std")
                 ]
             )

@@ -17,7 +17,12 @@ TRAIN = "train"
     "command",
     TRAIN,
     "Train a model, optionally under a sharpness regularizer.",
-    info={"order": 1, "panel": "Training", "sweep_report": "training"},
+    info={
+        "order": 1,
+        "panel": "Training",
+        "runs": "sharpcli.training.loop:train",
+        "reports_regularizers": True,
+    },
 )
 @app.command(TRAIN, cls=lazyhelp.LazyHelpCommand)
 @with_options(opts=TrainOptions)

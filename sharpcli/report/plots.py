@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 from sharpcli.atomic import write_atomic
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.errors import UsageError
 
 FIGSIZE = (8.0, 5.0)
@@ -111,7 +112,7 @@ def _plot_tracked(cax, history: list[dict], tracked_keys: list[str]) -> None:
     cax.set_xlabel("epoch")
     cax.set_ylabel("curvature")
     cax.set_title("tracked curvature")
-    if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
+    if any(k in tracked_keys for k in ("lambda_max", TRACE_KEY, "frobenius_sq")):
         cax.set_yscale("symlog")
         cax.set_ylabel("curvature (symlog scale)")
     cax.legend(fontsize=8)
@@ -149,7 +150,7 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
 
 
 # The columns a compare scatter uses by default, in order of preference.
-SHARPNESS_COLUMNS = ("lambda_max", "trace", "frobenius_sq", "nme_share", "loss")
+SHARPNESS_COLUMNS = ("lambda_max", TRACE_KEY, "frobenius_sq", "nme_share", "loss")
 ACCURACY_COLUMNS = ("test_accuracy", "train_accuracy")
 
 
@@ -209,7 +210,7 @@ def plot_sweep(
     param: str,
     path: str | Path,
     accuracy_key: str = "test_accuracy",
-    sharpness_keys: tuple = ("lambda_max", "trace"),
+    sharpness_keys: tuple = ("lambda_max", TRACE_KEY),
 ) -> Path:
     """Accuracy and each sharpness measure against a swept hyper-parameter, one panel each
     (their scales differ), as the activation-decay paper's Fig. 2: points are means over
@@ -223,7 +224,7 @@ def plot_sweep(
     axes = list(axes) if len(keys) > 1 else [axes]
     xs = [r[param] for r in rows]
     seeds = sorted({int(r["seeds"]) for r in rows if r.get("seeds")})
-    labels = {"lambda_max": r"$\lambda_{\max}(H)$", "trace": r"tr$(H)$"}
+    labels = {"lambda_max": r"$\lambda_{\max}(H)$", TRACE_KEY: r"tr$(H)$"}
     for ax, key, color in zip(axes, keys, ("tab:blue", "tab:red", "tab:orange")):
         means = _finite([r.get(f"{key}_mean") for r in rows])
         stds = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_std") for r in rows])]
@@ -259,7 +260,7 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     for key, label, style in (
         ("lambda_max", "lambda_max(H)", "o-"),
         ("invariant_lambda_max", "lambda_max(|w| H |w|) (ASAM)", "s--"),
-        ("trace", "tr(H)", "^:"),
+        (TRACE_KEY, "tr(H)", "^:"),
     ):
         points = [(r["alpha"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:

@@ -74,3 +74,16 @@ def test_a_stale_record_is_refused_with_the_command_to_run():
         Registry("gadget", source="gadget").add(w)
     fresh = Registry("widget", source="widget", entries=[declaration(w)[1]])
     assert fresh.register("w", w) is w
+
+
+def test_each_command_s_library_function_names_it():
+    """A command that declares the library function it runs (``info["runs"]``) is named by it:
+    the function exists, and :func:`sharpcli.catalogue.command_running` finds the command."""
+    running = [e for e in catalogue.COMMANDS.entries() if "runs" in e.info]
+    assert len(running) >= 6
+    for entry in running:
+        function = registry.resolve(entry.info["runs"])
+        assert callable(function), entry.name
+        assert catalogue.command_running(function) == entry.name
+    with pytest.raises(LookupError, match="no command declares that it runs"):
+        catalogue.command_running(test_render_round_trips_every_field)
