@@ -61,7 +61,9 @@ from sharpcli.catalogue.values import (
     SCHEDULES,
     SPLITS,
     TABLE_FORMATS,
+    TEST,
     TOKEN_REDUCTIONS,
+    TRAIN,
     WHICH,
 )
 from sharpcli.registry import Registry
@@ -104,8 +106,10 @@ __all__ = [
     "SHARPNESS_NORMS",
     "SPLITS",
     "TABLE_FORMATS",
+    "TEST",
     "TOKEN_REDUCTIONS",
     "TRACKABLE",
+    "TRAIN",
     "WHICH",
     "command_running",
     "entries_help",

@@ -11,12 +11,15 @@ from __future__ import annotations
 __all__ = [
     "ASCENT_SYNC",
     "CHECKS",
+    "DENSITY_CURVE",
+    "DENSITY_KEY",
     "DEVICES",
     "DTYPES",
     "ENGINES",
     "FROBENIUS_SQ_KEY",
     "EPSILON_KINDS",
     "GGN_ESTIMATORS",
+    "GRID_KEY",
     "HVP_METHODS",
     "METHODS",
     "MODEL_NAMES",
@@ -28,13 +31,19 @@ __all__ = [
     "SCHEDULES",
     "SPLITS",
     "TABLE_FORMATS",
+    "TEST",
     "TOKEN_REDUCTIONS",
+    "TRAIN",
     "TRACE_KEY",
     "WHICH",
 ]
 
-# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight
-SPLITS = ("train", "test")
+# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight; TRAIN and TEST also name
+# the files and folders that hold a split (CIFAR-100's train/test, a DatasetDict's splits), and
+# TRAIN what a training run is called (the train command, its report's command and progress,
+# the checkpoint's train block)
+TRAIN, TEST = "train", "test"
+SPLITS = (TRAIN, TEST)
 DTYPES = ("float32", "float64")
 # torch device types offered by completion; any torch device string is accepted (cuda:1)
 DEVICES = ("cpu", "cuda", "mps")
@@ -50,6 +59,10 @@ GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 # tr(A), or Tr(A^2) = ||A||_F^2 (``trace --square``); each is also the key of reports that hold it
 QUANTITIES = ("trace", "frobenius_sq")
 TRACE_KEY, FROBENIUS_SQ_KEY = QUANTITIES
+# a spectral density as reports hold it (sharpcli.curvature.density): the eigenvalue grid and
+# the density on it
+DENSITY_CURVE = ("grid", "density")
+GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
-from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.catalogue.values import TRACE_KEY, TRAIN
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
@@ -188,7 +188,7 @@ def sweep_command(
             "metrics": metrics,
             "out_dir": out_dir,
             "max_runs": max_runs,
-            "train": cfg.to_dict(),
+            TRAIN: cfg.to_dict(),
         }
         results = {
             "runs": result.runs,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sharpcli import catalogue, ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
-from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.catalogue.values import TRACE_KEY, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.report.envelope import validate_report
 
@@ -129,12 +129,12 @@ def canonical_row(report: dict, name: str) -> dict:
     regs = (
         settings.get("regs")
         if declared.get("reports_regularizers")
-        else _get(report, "checkpoint", "train", "regs")
+        else _get(report, "checkpoint", TRAIN, "regs")
     )
     row = {"run": name, "command": command, "regularizers": _joined(regs)}
     row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
     row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
-    if row["train_accuracy"] is None and split == "train":
+    if row["train_accuracy"] is None and split == TRAIN:
         row["train_accuracy"] = _number(res.get("accuracy"))
     if row["test_accuracy"] is None and split == "test":
         row["test_accuracy"] = _number(res.get("accuracy"))

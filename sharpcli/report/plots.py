@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 
 from sharpcli.atomic import write_atomic
-from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.catalogue.values import DENSITY_KEY, TRACE_KEY
 from sharpcli.errors import UsageError
 
 FIGSIZE = (8.0, 5.0)
@@ -369,7 +369,7 @@ def plot_density(
     logarithmic y axis by default (as in [Ghorbani2019], Fig. 1), showing 8 decades below the
     peak."""
     plt, fig, ax = _figure()
-    density = list(results["density"])
+    density = list(results[DENSITY_KEY])
     # on a log axis, values far below the peak are broadening tails: leave them out (gaps)
     # rather than draw them as flat segments at an arbitrary floor
     floor = max(density, default=0.0) * 1e-8 if log_scale else float("-inf")
@@ -382,7 +382,7 @@ def plot_density(
     if log_scale:
         ax.set_yscale("log")
     ax.set_xlabel("eigenvalue")
-    ax.set_ylabel("density")
+    ax.set_ylabel(DENSITY_KEY)
     ax.set_title(
         title
         or f"spectral density (SLQ, {results.get('probes')} probe(s), "
@@ -420,14 +420,14 @@ def plot_block_densities(
     flat = list(axes.flat) if hasattr(axes, "flat") else [axes]
     small = max(5, 9 - ncols)
     for ax, block in zip(flat, blocks):
-        _log_curve(ax, block["grid"], block["density"], color="tab:blue", linewidth=1.0)
+        _log_curve(ax, block["grid"], block[DENSITY_KEY], color="tab:blue", linewidth=1.0)
         name = block["name"] if len(block["name"]) <= 28 else "..." + block["name"][-25:]
         ax.set_title(f"{name} ({block['numel']})", fontsize=small)
     diag = results["block_diagonal"]
     ax = flat[len(blocks)]
     _log_curve(ax, diag["grid"], diag["full_density"], color="black", linewidth=1.0, label="full")
     _log_curve(
-        ax, diag["grid"], diag["density"], color="tab:red", linewidth=1.0, label="block-diag."
+        ax, diag["grid"], diag[DENSITY_KEY], color="tab:red", linewidth=1.0, label="block-diag."
     )
     ax.set_title(f"full vs block-diagonal (JS {diag['js_distance_to_full']:.3g})", fontsize=small)
     ax.legend(fontsize=small)

@@ -34,7 +34,7 @@ from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
 from sharpcli.analyses.sharpness import SHARPNESS
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.bounded import loads_json
-from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.catalogue.values import TEST, TRACE_KEY, TRAIN
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.io.datasets import parse_data_spec
 from sharpcli.report.compare import render
@@ -337,7 +337,7 @@ def _analyze_run(
     def session_of(samples: int | None):
         return build_session(
             str(files.ckpt),
-            split="test" if has_test else "train",
+            split=TEST if has_test else TRAIN,
             samples=samples,
             dtype=base.dtype,
             device=base.device,
