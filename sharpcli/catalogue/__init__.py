@@ -32,7 +32,7 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.measures import METRICS, TRACKABLE
+from sharpcli.catalogue.measures import CHECKS, METRICS, TRACKABLE
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, command_running
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
@@ -46,7 +46,6 @@ from sharpcli.catalogue.sharpness import (
 )
 from sharpcli.catalogue.values import (
     ASCENT_SYNCS,
-    CHECKS,
     DEVICES,
     DTYPES,
     ENGINES,

@@ -11,6 +11,10 @@ from sharpcli.registry import Entry
 from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
+    'check': (
+        Entry('theorem2', 'AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2', 'sharpcli.analyses.theorem2:theorem2_check', paper='AD', info={'order': 1}),
+        Entry('noise-stability', 'NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)', 'sharpcli.analyses.noise_stability:noise_stability_check', paper='NSO', info={'order': 2}),
+    ),
     'command': (
         Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'runs': 'sharpcli.training.loop:train', 'reports_regularizers': True}),
         Entry('eigen', 'Largest or smallest curvature eigenvalues (how sharp the minimum is).', 'sharpcli.cli.cmd_spectrum:eigen_command', paper='Lanczos1950', info={'order': 2, 'reports_eigenvalues': True}),

@@ -1,4 +1,4 @@
-"""The measures of a checkpoint by name: ``analyze --metrics`` and ``train --track``.
+"""The measures of a checkpoint by name: ``analyze --metrics``, ``train --track``, ``bound-check --check``.
 
 Each metric is declared beside its code (:func:`sharpcli.registry.declare`, kind
 ``"metric"``: :mod:`sharpcli.analyses.analyze`, :mod:`sharpcli.analyses.activations`,
@@ -6,7 +6,9 @@ Each metric is declared beside its code (:func:`sharpcli.registry.declare`, kind
 place in the list (``order``), whether ``--metrics`` runs it by default (``default``) and the
 result keys ``--fail-if`` may read (``keys``). The quantities that training tracks are declared
 in :mod:`sharpcli.analyses.tracking` (kind ``"trackable"``), each under the name of the metric it
-follows. This module reads them from the generated index.
+follows; the checks of ``bound-check`` on their functions (:mod:`sharpcli.analyses.theorem2`,
+:mod:`sharpcli.analyses.noise_stability`, kind ``"check"``). This module reads them from the
+generated index.
 
 This module imports no torch.
 """
@@ -18,7 +20,7 @@ from typing import Any
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
-__all__ = ["METRICS", "TRACKABLE"]
+__all__ = ["CHECKS", "METRICS", "TRACKABLE"]
 
 # ``sharp analyze --metrics`` and ``sharp sweep --metrics``: a comma list of these
 METRICS: Registry[Any] = Registry("metric", source="metrics", entries=DECLARED.get("metric", ()))
@@ -27,3 +29,6 @@ METRICS: Registry[Any] = Registry("metric", source="metrics", entries=DECLARED.g
 TRACKABLE: Registry[Any] = Registry(
     "trackable", source="track", entries=DECLARED.get("trackable", ())
 )
+
+# ``sharp bound-check --check``: a comma list of these, run after the bound of AD Corollary 1
+CHECKS: Registry[Any] = Registry("check", source="check", entries=DECLARED.get("check", ()))

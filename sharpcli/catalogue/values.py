@@ -10,7 +10,6 @@ from __future__ import annotations
 
 __all__ = [
     "ASCENT_SYNC",
-    "CHECKS",
     "DENSITY_CURVE",
     "DENSITY_KEY",
     "DEVICES",
@@ -77,9 +76,8 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ASCENT_SYNCS = ("per-replica", "global")
 
-# analyses and reports: sharpcli.analyses.{rescale,bounds}, sharpcli.report.compare; CHECKS is
-# a comma list (analyze's metrics, train's tracked quantities: sharpcli.catalogue.measures)
-CHECKS = ("theorem2", "noise-stability")
+# analyses and reports: sharpcli.analyses.rescale, sharpcli.report.compare (analyze's metrics,
+# train's tracked quantities, bound-check's checks: sharpcli.catalogue.measures)
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
 TABLE_FORMATS = ("table", "csv", "markdown", "json")

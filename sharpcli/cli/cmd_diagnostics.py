@@ -303,7 +303,7 @@ def bound_check_command(
         typer.Option(
             "--check",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(catalogue.CHECKS),
+            autocompletion=choices.list_completer(catalogue.CHECKS.names()),
             help="Extra checks, repeated or comma-separated, e.g. --check theorem2.",
         ),
     ] = None,

@@ -24,13 +24,21 @@ def test_the_checked_in_index_is_fresh():
 
 def test_the_index_holds_each_kind_s_declarations_in_definition_order():
     found = generate.collect()
-    assert set(found) == {"command", "estimator", "metric", "operator", "regularizer", "trackable"}
+    assert set(found) == {
+        "check",
+        "command",
+        "estimator",
+        "metric",
+        "operator",
+        "regularizer",
+        "trackable",
+    }
     assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
     assert catalogue.ESTIMATORS.builtin_names()[0] == "hutchpp"  # the default, declared first
     assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
     # the commands in their declared places (the workflow order of ``sharp --help``), not in
     # the order of their modules' names
-    for kind in ("command", "metric"):
+    for kind in ("check", "command", "metric"):
         placed = found[kind]
         assert [e.info["order"] for e in placed] == list(range(1, len(placed) + 1)), kind
     assert catalogue.COMMANDS.builtin_names()[:3] == ("train", "eigen", "trace")
