@@ -7,6 +7,12 @@ Results are keyed so that ``--fail-if`` reads them as dotted paths:
 ``activations.*`` (activation-stats), ``sharpness.*`` (adaptive worst-case and average-case
 sharpness, [Andriushchenko2023]), ``pac_bayes.*`` (PAC-Bayes sigma and flatness, plain and
 magnitude-aware, [Jiang2019]), ``fisher_rao.*`` ([Liang2019]).
+
+Each metric is a function of the run (:class:`MetricRun`) declared beside its code
+(``@declare("metric", ...)``: here, in :mod:`sharpcli.analyses.activations` and in
+:mod:`sharpcli.analyses.sharpness`) with its place in the list, whether it is a default and
+its result keys; :func:`analyze` calls the chosen ones through :data:`sharpcli.catalogue.METRICS`
+in that order.
 """
 
 from __future__ import annotations
@@ -162,7 +168,11 @@ def analyze(
     },
 )
 def eigen_metric(run: MetricRun) -> None:
-    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``."""
+    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     e = spectrum.eigen(
         run.session, top_k=run.top_k, which="largest", tol=run.eig_tol, params=run.params
     )
@@ -188,7 +198,11 @@ def eigen_metric(run: MetricRun) -> None:
     },
 )
 def trace_metric(run: MetricRun) -> None:
-    """``hessian.trace``, ``trace_stderr``, ``trace_by_layer``."""
+    """``hessian.trace``, ``trace_stderr``, ``trace_by_layer``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     t = spectrum.trace(run.session, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params)
     run.hessian.update(
         trace=t["trace"]["estimate"],
@@ -207,7 +221,11 @@ def trace_metric(run: MetricRun) -> None:
     info={"order": 3, "keys": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr")},
 )
 def frobenius_metric(run: MetricRun) -> None:
-    """``hessian.frobenius_sq``, ``frobenius_sq_stderr``."""
+    """``hessian.frobenius_sq``, ``frobenius_sq_stderr``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     f = spectrum.trace(
         run.session, square=True, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params
     )
@@ -236,7 +254,11 @@ def frobenius_metric(run: MetricRun) -> None:
 )
 def gn_nme_metric(run: MetricRun) -> None:
     """``ggn.*``, ``nme.*``, ``nme_share``, ``nme_frobenius_ratio``, and the Hessian's numbers
-    that eigen and trace did not already give."""
+    that eigen and trace did not already give.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     g = spectrum.gn_nme(
         run.session,
         tol=run.tol,
@@ -273,7 +295,11 @@ def gn_nme_metric(run: MetricRun) -> None:
 )
 def pac_bayes_metric(run: MetricRun) -> None:
     """``pac_bayes.plain`` and ``pac_bayes.magnitude``: [Jiang2019]'s bisection (first
-    derivatives and forward passes only)."""
+    derivatives and forward passes only).
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     run.results["pac_bayes"] = {
         name: pac_bayes_sigma(
             run.session.model,
@@ -294,7 +320,11 @@ def pac_bayes_metric(run: MetricRun) -> None:
     info={"order": 8, "keys": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical")},
 )
 def fisher_rao_metric(run: MetricRun) -> None:
-    """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only)."""
+    """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only).
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
     found = fisher_rao_norm(run.session.model, run.session.analysis_data(), run.params)
     run.results["fisher_rao"] = {
         "norm_sq": found["fisher_rao_norm_sq"],

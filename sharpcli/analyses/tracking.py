@@ -77,7 +77,16 @@ class Budget:
 )
 def track_eigen(cpass, out: dict, budget: Budget) -> int:
     """``lambda_max``; only the eigenvalue is recorded: no product spent on an explicit
-    residual."""
+    residual.
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
     top = lanczos(
         cpass.hessian(),
         top_k=1,
@@ -92,7 +101,16 @@ def track_eigen(cpass, out: dict, budget: Budget) -> int:
 
 @declare("trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",)})
 def track_trace(cpass, out: dict, budget: Budget) -> int:
-    """``trace``: tr(H) ([Hutch++])."""
+    """``trace``: tr(H) ([Hutch++]).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
     result = hutchpp(
         cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
     )
@@ -108,7 +126,16 @@ def track_trace(cpass, out: dict, budget: Budget) -> int:
     info={"keys": ("ggn_trace", "nme_trace", "nme_share")},
 )
 def track_gn_nme(cpass, out: dict, budget: Budget) -> int:
-    """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes)."""
+    """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
     split = gn_nme_split(cpass, tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed)
     h = split.values[HESSIAN]["trace"]["estimate"]
     out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
@@ -125,7 +152,16 @@ def track_gn_nme(cpass, out: dict, budget: Budget) -> int:
     info={"keys": ("frobenius_sq",)},
 )
 def track_frobenius(cpass, out: dict, budget: Budget) -> int:
-    """``frobenius_sq``: Tr(H^2)."""
+    """``frobenius_sq``: Tr(H^2).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
     result = frobenius_sq(
         cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
     )
@@ -141,7 +177,16 @@ def track_frobenius(cpass, out: dict, budget: Budget) -> int:
     info={"keys": ("adaptive_sharpness",)},
 )
 def track_sharpness(cpass, out: dict, budget: Budget) -> int:
-    """``adaptive_sharpness`` over the whole set (gradients, no curvature products)."""
+    """``adaptive_sharpness`` over the whole set (gradients, no curvature products).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
     config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=budget.seed)
     out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
     return 0
