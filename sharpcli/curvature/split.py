@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharpcli import memory, progress
-from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.catalogue.values import QUANTITIES, TRACE_KEY
 from sharpcli.curvature.operators import joint_matmat
 from sharpcli.curvature.probes import (
     check_budget,
@@ -34,8 +34,6 @@ from sharpcli.curvature.probes import (
 )
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
-
-QUANTITIES = (TRACE_KEY, "frobenius_sq")
 
 
 @dataclass
