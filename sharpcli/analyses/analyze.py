@@ -36,8 +36,7 @@ EIGEN, TRACE, FROBENIUS, GN_NME = "eigen", "trace", "frobenius", "gn-nme"
 PAC_BAYES, FISHER_RAO = "pac-bayes", "fisher-rao"
 
 METRICS = catalogue.METRICS
-# ``--metrics``' default: the metrics declared as defaults, in order
-DEFAULT_METRICS = tuple(e.name for e in METRICS.entries() if e.info.get("default"))
+DEFAULT_METRICS = catalogue.DEFAULT_METRICS
 
 _SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
 # The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:

@@ -32,7 +32,7 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.measures import CHECKS, METRICS, TRACKABLE
+from sharpcli.catalogue.measures import CHECKS, DEFAULT_METRICS, METRICS, TRACKABLE
 from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, command_running
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
@@ -75,6 +75,7 @@ __all__ = [
     "COMMANDS",
     "DATASETS",
     "DATA_FORMATS",
+    "DEFAULT_METRICS",
     "DEVICES",
     "DIAGONAL_ESTIMATORS",
     "DTYPES",

@@ -20,10 +20,12 @@ from typing import Any
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
-__all__ = ["CHECKS", "METRICS", "TRACKABLE"]
+__all__ = ["CHECKS", "DEFAULT_METRICS", "METRICS", "TRACKABLE"]
 
 # ``sharp analyze --metrics`` and ``sharp sweep --metrics``: a comma list of these
 METRICS: Registry[Any] = Registry("metric", source="metrics", entries=DECLARED.get("metric", ()))
+# what ``--metrics`` runs when not given: the metrics declared as defaults, in order
+DEFAULT_METRICS = tuple(e.name for e in METRICS.entries() if e.info.get("default"))
 
 # ``sharp train --track`` and sharpcli.Tracker's ``metrics``: a comma list of these
 TRACKABLE: Registry[Any] = Registry(

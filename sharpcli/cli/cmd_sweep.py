@@ -108,7 +108,7 @@ def sweep_command(
             autocompletion=choices.list_completer(catalogue.METRICS.names()),
             help="Analyses per run, as analyze --metrics.",
         ),
-    ] = "eigen,trace",
+    ] = ",".join(catalogue.DEFAULT_METRICS),
     out_dir: Annotated[
         str,
         typer.Option(
