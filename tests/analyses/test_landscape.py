@@ -70,7 +70,9 @@ def test_the_line_between_two_checkpoints_is_the_interpolation():
     model, other = _net(0), _net(1)
     x, y = _data()
     config = LandscapeConfig(along="checkpoint", dims=1, steps=7)
-    result, _, _ = loss_landscape(model, AnalysisData(x, y, "cross-entropy", 20), config, other=other)
+    result, _, _ = loss_landscape(
+        model, AnalysisData(x, y, "cross-entropy", 20), config, other=other
+    )
     assert result.x == pytest.approx([-0.5, -0.1666667, 0.1666667, 0.5, 0.8333333, 1.1666667, 1.5])
     w0, w1 = dict(model.named_parameters()), dict(other.named_parameters())
     for t, loss in zip(result.x, result.loss):
