@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from sharpcli.analyses.analyze import EIGEN
 from sharpcli.analyses.tracking import check_tracked, measure
 from sharpcli.api import Curvature
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
@@ -78,7 +79,7 @@ class Tracker:
         data: object,
         *,
         every: int = 100,
-        metrics: str | Sequence[str] = ("eigen",),
+        metrics: str | Sequence[str] = (EIGEN,),
         max_matvecs: int = 100,
         tol: float = 5e-2,
         params: str | None = None,

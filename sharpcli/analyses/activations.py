@@ -51,13 +51,30 @@ from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
 from sharpcli.models.activations import activation_modules, activation_spec
 from sharpcli.models.zoo import final_linear
+from sharpcli.registry import declare
 
 __all__ = [
+    "ACTIVATION_STATS",
     "ActivationStatsResult",
     "LayerActivationStats",
     "OutputStats",
     "activation_stats",
+    "activation_stats_metric",
 ]
+
+# the metric of ``sharp analyze --metrics`` (and the label of its errors)
+ACTIVATION_STATS = "activation-stats"
+# the numbers of one layer's statistics, as ``--fail-if`` reads them
+_LAYER_KEYS = (
+    "outputs",
+    "dead_outputs",
+    "death_frequency",
+    "activation_frequency",
+    "activation_frequency_including_dead",
+    "mean_sq_norm",
+    "output_shape",
+    "output_shape.*",
+)
 
 
 @dataclass
@@ -143,7 +160,7 @@ class _LayerAccumulator:
             raise NumericalError(
                 f"activation layer {self.name} changed its output size between batches "
                 f"({self.outputs} then {active.shape[1]})",
-                source="activation-stats",
+                source=ACTIVATION_STATS,
             )
         self.active_counts += active.sum(dim=0)
         a = activation.detach().reshape(batch, -1).to(torch.float64)
@@ -255,7 +272,7 @@ def _forward(model: nn.Module, x: torch.Tensor, with_graph: bool, batch_index: i
             z = model(x)
     if not torch.isfinite(z).all():
         raise NumericalError(
-            f"logits are not finite on batch {batch_index}", source="activation-stats"
+            f"logits are not finite on batch {batch_index}", source=ACTIVATION_STATS
         )
     return x, z
 
@@ -309,6 +326,38 @@ def activation_stats(
                 sums["jac_softmax"] += softmax_sq.sqrt().sum()
     all_reduce_sum(recorder.layer_sums() + list(sums.values()) + [recorder.penultimate])
     return _result(recorder, sums, data, use_jacobian, notes)
+
+
+@declare(
+    "metric",
+    ACTIVATION_STATS,
+    "per layer: dead and active outputs, mean squared norm; output statistics, ||J_x||_F",
+    paper="MAN",
+    info={
+        "order": 5,
+        "keys": (
+            *(f"activations.layers.*.{k}" for k in _LAYER_KEYS),
+            *(
+                f"activations.output.{k}"
+                for k in ("gini_impurity", "entropy", "confidence", "loss", "accuracy")
+            ),
+            "activations.penultimate_sq_norm",
+            "activations.input_jacobian_fro",
+            "activations.input_jacobian_fro_softmax",
+            "activations.samples",
+        ),
+    },
+)
+def activation_stats_metric(run) -> None:
+    """``sharp analyze``'s ``activations``: :func:`activation_stats` of the session's model on
+    its analysis set.
+
+    Args:
+        run: the :class:`sharpcli.analyses.analyze.MetricRun`, whose results it adds to.
+    """
+    run.results["activations"] = activation_stats(
+        run.session.model, run.session.analysis_data()
+    ).to_dict()
 
 
 def _result(

@@ -7,77 +7,46 @@ Results are keyed so that ``--fail-if`` reads them as dotted paths:
 ``activations.*`` (activation-stats), ``sharpness.*`` (adaptive worst-case and average-case
 sharpness, [Andriushchenko2023]), ``pac_bayes.*`` (PAC-Bayes sigma and flatness, plain and
 magnitude-aware, [Jiang2019]), ``fisher_rao.*`` ([Liang2019]).
+
+Each metric is a function of the run (:class:`MetricRun`) declared beside its code
+(``@declare("metric", ...)``: here, in :mod:`sharpcli.analyses.activations` and in
+:mod:`sharpcli.analyses.sharpness`) with its place in the list, whether it is a default and
+its result keys; :func:`analyze` calls the chosen ones through :data:`sharpcli.catalogue.METRICS`
+in that order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from sharpcli import catalogue
 from sharpcli.analyses import spectrum
-from sharpcli.analyses.activations import activation_stats
 from sharpcli.analyses.flatness import fisher_rao_norm, pac_bayes_sigma
-from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 from sharpcli.curvature.data import all_reduce_sum
 from sharpcli.curvature.registry import GGN, HESSIAN, NME
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
+from sharpcli.registry import declare
+
+# the metrics declared here; activation-stats and sharpness are declared beside their analyses
+EIGEN, TRACE, FROBENIUS, GN_NME = "eigen", "trace", "frobenius", "gn-nme"
+PAC_BAYES, FISHER_RAO = "pac-bayes", "fisher-rao"
 
 METRICS = catalogue.METRICS
-DEFAULT_METRICS = ("eigen", "trace")
+DEFAULT_METRICS = catalogue.DEFAULT_METRICS
 
 _SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
-_LAYER_KEYS = (
-    "outputs",
-    "dead_outputs",
-    "death_frequency",
-    "activation_frequency",
-    "activation_frequency_including_dead",
-    "mean_sq_norm",
-    "output_shape",
-    "output_shape.*",
-)
 # The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:
-# "*" is any one key or list index, a list also stands for its first element. ``sharp
-# analyze`` checks its gates' keys against these before any work (:mod:`sharpcli.report.gate`);
-# a test renders a full report and checks that every number in it matches one.
+# "*" is any one key or list index, a list also stands for its first element; each metric
+# declares its own (``info["keys"]``). ``sharp analyze`` checks its gates' keys against these
+# before any work (:mod:`sharpcli.report.gate`); a test renders a full report and checks that
+# every number in it matches one.
 RESULT_KEYS: dict[str, tuple[str, ...]] = {
     "": ("loss", "accuracy"),
-    "eigen": (
-        "hessian.lambda_max",
-        "hessian.eigenvalues",
-        "hessian.eigenvalues.*",
-        "hessian.eigen_residuals",
-        "hessian.eigen_residuals.*",
-    ),
-    "trace": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_by_layer.*"),
-    "frobenius": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
-    "gn-nme": (
-        *(f"hessian.{k}" for k in _SPLIT_KEYS),
-        *(f"ggn.{k}" for k in _SPLIT_KEYS),
-        *(f"nme.{k}" for k in _SPLIT_KEYS),
-        "nme_share",
-        "nme_frobenius_ratio",
-    ),
-    "activation-stats": (
-        *(f"activations.layers.*.{k}" for k in _LAYER_KEYS),
-        *(
-            f"activations.output.{k}"
-            for k in ("gini_impurity", "entropy", "confidence", "loss", "accuracy")
-        ),
-        "activations.penultimate_sq_norm",
-        "activations.input_jacobian_fro",
-        "activations.input_jacobian_fro_softmax",
-        "activations.samples",
-    ),
-    "sharpness": tuple(
-        f"sharpness.{kind}{part}"
-        for kind in ("worst_case", "average")
-        for part in ("", "_stderr", "_loss_perturbed")
-    )
-    + ("sharpness.rho",),
-    "pac-bayes": tuple(f"pac_bayes.{noise}.*" for noise in ("plain", "magnitude")),
-    "fisher-rao": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical"),
+    **{e.name: tuple(e.info["keys"]) for e in METRICS.entries()},
 }
 # Numbers outside ``results`` that a gate may read ("**": any path below).
 REPORT_KEYS = (
@@ -89,6 +58,28 @@ REPORT_KEYS = (
     "data.**",
     "checkpoint.**",
 )
+
+
+@dataclass
+class MetricRun:
+    """One ``sharp analyze`` run: its session and options, and what its metrics found so far.
+
+    Each metric (:data:`sharpcli.catalogue.METRICS`, declared beside its code as a function of
+    the run) adds its results to ``results``, its part of the Hessian's group (which several
+    metrics fill) to ``hessian``, its curvature products to ``matvecs`` and each estimator's own
+    result to ``parts``, whose notes reach the report.
+    """
+
+    session: Any
+    top_k: int
+    tol: float
+    eig_tol: float
+    max_matvecs: int
+    params: str | None
+    results: dict = field(default_factory=dict)
+    hessian: dict = field(default_factory=dict)
+    matvecs: int = 0
+    parts: list = field(default_factory=list)
 
 
 def parse_metrics(text: str | None) -> list[str]:
@@ -141,100 +132,203 @@ def analyze(
     max_matvecs: int = 1000,
     params: str | None = None,
 ) -> tuple[dict, int]:
-    """Run ``metrics`` on one session; return (results, matvecs)."""
+    """Run ``metrics`` on one session, each in the catalogue's order; return (results, matvecs)."""
 
-    results: dict = loss_and_accuracy(session)
-    results["metrics"] = list(metrics)
-    hessian: dict = {}
-    matvecs = 0
-    e = t = f = g = None  # each estimator's own result, for its notes
-    if "eigen" in metrics:
-        e = spectrum.eigen(session, top_k=top_k, which="largest", tol=eig_tol, params=params)
-        hessian.update(
-            lambda_max=e["eigenvalues"][0],
-            eigenvalues=e["eigenvalues"],
-            eigen_residuals=e["residuals"],
-            eigen_converged=e["converged"],
-        )
-        matvecs += e["matvecs"]
-    if "trace" in metrics:
-        t = spectrum.trace(session, tol=tol, max_matvecs=max_matvecs, params=params)
-        hessian.update(
-            trace=t["trace"]["estimate"],
-            trace_stderr=t["trace"]["stderr"],
-            trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()},
-        )
-        matvecs += t["trace"]["matvecs"]
-    if "frobenius" in metrics:
-        f = spectrum.trace(session, square=True, tol=tol, max_matvecs=max_matvecs, params=params)
-        hessian.update(
-            frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"]
-        )
-        matvecs += f["trace"]["matvecs"]
-    if "gn-nme" in metrics:
-        g = spectrum.gn_nme(
-            session, tol=tol, eig_tol=eig_tol, max_matvecs=max_matvecs, params=params
-        )
-        for name in (GGN, NME):
-            results[name] = {
-                "trace": g[name]["trace"]["estimate"],
-                "trace_stderr": g[name]["trace"]["stderr"],
-                "lambda_max": g[name]["lambda_max"],
-                "lambda_min": g[name]["lambda_min"],
-                "frobenius_sq": g[name]["frobenius_sq"],
-            }
-        h = g[HESSIAN]
-        hessian.setdefault("lambda_max", h["lambda_max"])
-        hessian.setdefault("trace", h["trace"]["estimate"])
-        hessian.setdefault("trace_stderr", h["trace"]["stderr"])
-        hessian.setdefault("frobenius_sq", h["frobenius_sq"])
-        hessian["lambda_min"] = h["lambda_min"]
-        results["nme_share"] = g["nme_share"]
-        results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
-        matvecs += g["matvecs"]
-    if "activation-stats" in metrics:
-        results["activations"] = activation_stats(session.model, session.analysis_data()).to_dict()
-    results.update(_flatness_metrics(session, metrics, params))
-    if hessian:
-        results[HESSIAN] = hessian
-    notes = _notes_of([part for part in (e, t, f, g) if part is not None])
+    run = MetricRun(session, top_k, tol, eig_tol, max_matvecs, params)
+    run.results = loss_and_accuracy(session)
+    run.results["metrics"] = list(metrics)
+    for name in METRICS.names():
+        if name in metrics:
+            METRICS.get(name)(run)
+    results = run.results
+    if run.hessian:
+        results[HESSIAN] = run.hessian
+    notes = _notes_of(run.parts)
     if notes:
         results["notes"] = notes
-    return results, matvecs
+    return results, run.matvecs
 
 
-def _flatness_metrics(session, metrics: list[str], params: str | None) -> dict:
-    """The sharpness, PAC-Bayes and Fisher-Rao metrics (first derivatives and forward passes
-    only): adaptive l2 sharpness at rho 0.05 (worst case: 20 Auto-PGD steps; average: 100
-    draws) over the whole set, the PAC-Bayes sigma by [Jiang2019]'s bisection, the Fisher-Rao
-    norm theta^T F theta and its empirical version."""
-    results: dict = {}
-    data = session.analysis_data()
-    if "sharpness" in metrics:
-        found: dict[str, float | None] = {"rho": 0.05}
-        for kind, key in (("worst-case", "worst_case"), ("average", "average")):
-            config = SharpnessConfig(kind=kind, rhos=(0.05,), params=params, seed=session.seed)
-            row = sharpness(session.model, data, config).rows[0]
-            found |= {
-                key: row.sharpness,
-                f"{key}_stderr": row.stderr,
-                f"{key}_loss_perturbed": row.loss_perturbed,
-            }
-        results["sharpness"] = found
-    if "pac-bayes" in metrics:
-        results["pac_bayes"] = {
-            name: pac_bayes_sigma(
-                session.model, data, magnitude_aware=aware, params=params, seed=session.seed
-            ).to_dict()
-            for name, aware in (("plain", False), ("magnitude", True))
+@declare(
+    "metric",
+    EIGEN,
+    "the largest Hessian eigenvalues, by Lanczos",
+    paper="Lanczos1950",
+    info={
+        "order": 1,
+        "default": True,
+        "keys": (
+            "hessian.lambda_max",
+            "hessian.eigenvalues",
+            "hessian.eigenvalues.*",
+            "hessian.eigen_residuals",
+            "hessian.eigen_residuals.*",
+        ),
+    },
+)
+def eigen_metric(run: MetricRun) -> None:
+    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    e = spectrum.eigen(
+        run.session, top_k=run.top_k, which="largest", tol=run.eig_tol, params=run.params
+    )
+    run.hessian.update(
+        lambda_max=e["eigenvalues"][0],
+        eigenvalues=e["eigenvalues"],
+        eigen_residuals=e["residuals"],
+        eigen_converged=e["converged"],
+    )
+    run.matvecs += e["matvecs"]
+    run.parts.append(e)
+
+
+@declare(
+    "metric",
+    TRACE,
+    "tr(H) by Hutch++, and per layer",
+    paper="Hutch++",
+    info={
+        "order": 2,
+        "default": True,
+        "keys": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_by_layer.*"),
+    },
+)
+def trace_metric(run: MetricRun) -> None:
+    """``hessian.trace``, ``trace_stderr``, ``trace_by_layer``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    t = spectrum.trace(run.session, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params)
+    run.hessian.update(
+        trace=t["trace"]["estimate"],
+        trace_stderr=t["trace"]["stderr"],
+        trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()},
+    )
+    run.matvecs += t["trace"]["matvecs"]
+    run.parts.append(t)
+
+
+@declare(
+    "metric",
+    FROBENIUS,
+    "Tr(H^2) = ||H||_F^2, the flatness of [FA] eq. 1",
+    paper="FA",
+    info={"order": 3, "keys": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr")},
+)
+def frobenius_metric(run: MetricRun) -> None:
+    """``hessian.frobenius_sq``, ``frobenius_sq_stderr``.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    f = spectrum.trace(
+        run.session, square=True, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params
+    )
+    run.hessian.update(
+        frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"]
+    )
+    run.matvecs += f["trace"]["matvecs"]
+    run.parts.append(f)
+
+
+@declare(
+    "metric",
+    GN_NME,
+    "the split H = G + N: traces, extreme eigenvalues, Tr(A^2) and the NME share",
+    paper="NME",
+    info={
+        "order": 4,
+        "keys": (
+            *(f"hessian.{k}" for k in _SPLIT_KEYS),
+            *(f"ggn.{k}" for k in _SPLIT_KEYS),
+            *(f"nme.{k}" for k in _SPLIT_KEYS),
+            "nme_share",
+            "nme_frobenius_ratio",
+        ),
+    },
+)
+def gn_nme_metric(run: MetricRun) -> None:
+    """``ggn.*``, ``nme.*``, ``nme_share``, ``nme_frobenius_ratio``, and the Hessian's numbers
+    that eigen and trace did not already give.
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    g = spectrum.gn_nme(
+        run.session,
+        tol=run.tol,
+        eig_tol=run.eig_tol,
+        max_matvecs=run.max_matvecs,
+        params=run.params,
+    )
+    for name in (GGN, NME):
+        run.results[name] = {
+            "trace": g[name]["trace"]["estimate"],
+            "trace_stderr": g[name]["trace"]["stderr"],
+            "lambda_max": g[name]["lambda_max"],
+            "lambda_min": g[name]["lambda_min"],
+            "frobenius_sq": g[name]["frobenius_sq"],
         }
-    if "fisher-rao" in metrics:
-        found = fisher_rao_norm(session.model, data, params)
-        results["fisher_rao"] = {
-            "norm_sq": found["fisher_rao_norm_sq"],
-            "norm_sq_empirical": found["fisher_rao_norm_sq_empirical"],
-        }
-    return results
+    h = g[HESSIAN]
+    run.hessian.setdefault("lambda_max", h["lambda_max"])
+    run.hessian.setdefault("trace", h["trace"]["estimate"])
+    run.hessian.setdefault("trace_stderr", h["trace"]["stderr"])
+    run.hessian.setdefault("frobenius_sq", h["frobenius_sq"])
+    run.hessian["lambda_min"] = h["lambda_min"]
+    run.results["nme_share"] = g["nme_share"]
+    run.results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
+    run.matvecs += g["matvecs"]
+    run.parts.append(g)
+
+
+@declare(
+    "metric",
+    PAC_BAYES,
+    "the PAC-Bayes sigma and flatness 1/sigma^2, plain and magnitude-aware, by bisection",
+    paper="Jiang2019",
+    info={"order": 7, "keys": tuple(f"pac_bayes.{noise}.*" for noise in ("plain", "magnitude"))},
+)
+def pac_bayes_metric(run: MetricRun) -> None:
+    """``pac_bayes.plain`` and ``pac_bayes.magnitude``: [Jiang2019]'s bisection (first
+    derivatives and forward passes only).
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    run.results["pac_bayes"] = {
+        name: pac_bayes_sigma(
+            run.session.model,
+            run.session.analysis_data(),
+            magnitude_aware=aware,
+            params=run.params,
+            seed=run.session.seed,
+        ).to_dict()
+        for name, aware in (("plain", False), ("magnitude", True))
+    }
+
+
+@declare(
+    "metric",
+    FISHER_RAO,
+    "the Fisher-Rao norm theta^T F theta, and with the data's labels",
+    paper="Liang2019",
+    info={"order": 8, "keys": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical")},
+)
+def fisher_rao_metric(run: MetricRun) -> None:
+    """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only).
+
+    Args:
+        run: the ``analyze`` run, whose results, products and notes it adds to.
+    """
+    found = fisher_rao_norm(run.session.model, run.session.analysis_data(), run.params)
+    run.results["fisher_rao"] = {
+        "norm_sq": found["fisher_rao_norm_sq"],
+        "norm_sq_empirical": found["fisher_rao_norm_sq_empirical"],
+    }
 
 
 def _notes_of(parts: list, depth: int = 3) -> list[str]:
@@ -264,7 +358,7 @@ def analyze_report(session, settings: dict, results: dict, matvecs: int, gates=(
     sweep``: the session's envelope with ``results.gates``, the verdict of each ``--fail-if``
     gate (an empty list without gates), which the schema requires (docs/json.md).
     """
-    report = session.report("analyze", settings, results, matvecs=matvecs)
+    report = session.report(catalogue.command_running(analyze), settings, results, matvecs=matvecs)
     verdicts = [gate.evaluate(report) for gate in gates]
     report["results"]["gates"] = verdicts
     return report, any(verdict["tripped"] for verdict in verdicts)

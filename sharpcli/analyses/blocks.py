@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
+from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.density import spectral_density
 from sharpcli.errors import UsageError
 
@@ -334,7 +335,7 @@ def density_blocks(
             seed=seed,
         ).to_dict()
         nodes = [t for probe in result["nodes"] for t in probe]
-        keep = ("grid", "density", "nodes", "weights", "sigma", "trace_estimate")
+        keep = ("grid", DENSITY_KEY, "nodes", "weights", "sigma", "trace_estimate")
         rows.append(
             {
                 "name": label,

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue, progress
-from sharpcli.analyses.noise_stability import noise_stability_check
+from sharpcli.analyses.noise_stability import NOISE_STABILITY, noise_stability_check
 from sharpcli.analyses.perturbation import (
     AveragedOperator,
     check_sigmas,
@@ -70,7 +70,7 @@ from sharpcli.analyses.perturbation import (
     spectral_norm,
     standard_normal_directions,
 )
-from sharpcli.analyses.theorem2 import Theorem2Row, theorem2_check
+from sharpcli.analyses.theorem2 import THEOREM2, Theorem2Row, theorem2_check
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
@@ -131,7 +131,10 @@ def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> d
             ]
         )
         if not torch.isfinite(flat).all():
-            raise NumericalError(f"gradient is not finite on batch {index}", source="bound-check")
+            raise NumericalError(
+                f"gradient is not finite on batch {index}",
+                source=catalogue.command_running(bound_check),
+            )
         full += weight * flat
         sums[0] += float(torch.linalg.vector_norm(flat))
         sums[1] += 1.0
@@ -218,7 +221,7 @@ class BoundCheckResult:
             "notes": list(self.notes),
         }
         if self.theorem2 is not None:
-            out["theorem2"] = [row.to_dict() for row in self.theorem2]
+            out[THEOREM2] = [row.to_dict() for row in self.theorem2]
         if self.noise_stability is not None:
             out["noise_stability"] = self.noise_stability
         return out
@@ -547,13 +550,13 @@ def _run_extra_checks(
     """Run ``config.check`` (Theorem 2, noise stability) into ``result``, counting their
     products; ``run`` reports which is under way."""
     done = len(config.sigma)
-    if "theorem2" in config.check:
+    if THEOREM2 in config.check:
         run.update(done, detail="theorem 2")
         result.theorem2 = theorem2_check(
             model, data, config.sigma, mc_samples=config.mc_samples, seed=config.seed
         )
         done += 1
-    if "noise-stability" in config.check:
+    if NOISE_STABILITY in config.check:
         run.update(done, detail="noise stability")
         # NSO perturbs every weight: all parameters unless --params chose a scope
         noise_scope = scope if config.params is not None else ParamScope.resolve(model, "all")

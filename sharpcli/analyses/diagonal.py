@@ -18,6 +18,7 @@ import torch
 from sharpcli import catalogue
 from sharpcli.analyses.spectrum import check_choice, curvature_pass, scope_info
 from sharpcli.atomic import write_bytes_atomic
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
 from sharpcli.curvature.registry import HESSIAN
 from sharpcli.errors import UsageError
@@ -144,7 +145,7 @@ def diagonal(
         "estimator": result.estimator,
         "probes": result.samples,
         "matvecs": result.matvecs,
-        "trace": total,
+        TRACE_KEY: total,
         "blocks": blocks,
         "notes": list(result.notes),
         "scope": scope_info(cpass.scope),

@@ -28,6 +28,7 @@ import math
 import numpy as np
 import torch
 
+from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.density import broadened_density
 
 __all__ = ["block_heterogeneity", "cell_masses", "common_grid", "js_distance"]
@@ -147,7 +148,7 @@ def block_heterogeneity(full: dict, blocks: list[dict], grid_points: int) -> tup
     mass_full = cell_masses(full["nodes"], full["weights"], full["sigma"], grid)
     diagonal = {
         "grid": grid.tolist(),
-        "density": np.asarray(block_diagonal).tolist(),
+        DENSITY_KEY: np.asarray(block_diagonal).tolist(),
         "full_density": phi_full.tolist(),
         "js_distance_to_full": js_distance(mass_diagonal, mass_full),
         "numel": numel,

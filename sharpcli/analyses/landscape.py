@@ -39,18 +39,18 @@ from sharpcli.curvature.lanczos import lanczos
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
 
-__all__ = ["LandscapeConfig", "LandscapeResult", "grid_coordinates", "landscape"]
+__all__ = ["LandscapeConfig", "LandscapeResult", "grid_coordinates", "loss_landscape"]
 
-ALONG = ("random", "eigen", "checkpoint", "file")
+ALONG = catalogue.LANDSCAPE_ALONG
 
 
 @dataclass
 class LandscapeConfig:
-    """What :func:`landscape` draws.
+    """What :func:`loss_landscape` draws.
 
     Attributes:
         along: ``"random"``, ``"eigen"``, ``"checkpoint"`` (``other`` given to
-            :func:`landscape`) or ``"file"`` (``directions`` given).
+            :func:`loss_landscape`) or ``"file"`` (``directions`` given).
         dims: 1 (a line) or 2 (a plane; along a checkpoint, the second direction is random).
         steps: grid points per axis, >= 2 (odd: the centre is on the grid).
         span: the half-width of the grid (along a checkpoint: the extrapolation beyond each end);
@@ -217,7 +217,9 @@ def _evaluate_points(
     mine = list(range(rank, len(points), world))
     # per point: loss, accuracy, has an accuracy; one more row: the passes made
     rows = torch.zeros(len(points) + 1, 3, dtype=torch.float64)
-    with progress.start("landscape", total=len(mine), unit="points") as run:
+    with progress.start(
+        catalogue.command_running(loss_landscape), total=len(mine), unit="points"
+    ) as run:
         for done, index in enumerate(mine, start=1):
             a, b = points[index]
             u = a * flat[0] if b is None else a * flat[0] + b * flat[1]
@@ -236,7 +238,7 @@ def _evaluate_points(
     return losses, accuracies, int(rows[-1, 0])
 
 
-def landscape(
+def loss_landscape(
     model: nn.Module,
     data: AnalysisData,
     config: LandscapeConfig,
@@ -278,7 +280,7 @@ def landscape(
             )
         chosen = directions[: config.dims]
         info = dict(directions_info or {}) | {"from_file": True}
-    elif config.along == "eigen":
+    elif config.along == catalogue.ALONG_EIGEN:
         chosen, found = _eigen_directions(model, data, scope, config.dims, config)
         info |= found
     else:

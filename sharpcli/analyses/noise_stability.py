@@ -26,14 +26,19 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.hutchpp import HUTCHPP, hutchpp
 from sharpcli.curvature.operators import CurvatureEngine
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
+from sharpcli.registry import declare
 
-__all__ = ["NoiseStabilityRow", "noise_stability_check"]
+__all__ = ["NOISE_STABILITY", "NoiseStabilityRow", "noise_stability_check"]
+
+# the check of ``sharp bound-check --check`` (and the label of its errors)
+NOISE_STABILITY = "noise-stability"
 
 
 @dataclass
@@ -70,14 +75,19 @@ def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
             x_b, y_b = to_model_batch(x_b, y_b, dtype, device)
             value = loss(model(x_b), y_b) * weight
             if not torch.isfinite(value):
-                raise NumericalError(
-                    f"loss is not finite on batch {index}", source="noise-stability"
-                )
+                raise NumericalError(f"loss is not finite on batch {index}", source=NOISE_STABILITY)
             total += value.to(torch.float64)
     all_reduce_sum(total)
     return float(total)
 
 
+@declare(
+    "check",
+    NOISE_STABILITY,
+    "NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)",
+    paper="NSO",
+    info={"order": 2},
+)
 def noise_stability_check(
     model: nn.Module,
     data: AnalysisData,
@@ -172,7 +182,7 @@ def noise_stability_check(
     return {
         "params": scope.spec,
         "num_params": scope.numel,
-        "trace": trace.estimate,
+        TRACE_KEY: trace.estimate,
         "trace_stderr": trace_stderr,
         "trace_estimator": HUTCHPP,
         "rows": [row.to_dict() for row in rows],

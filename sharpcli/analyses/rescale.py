@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from sharpcli import progress
+from sharpcli import catalogue, progress
 from sharpcli.analyses.rescale_plan import (
     MODES,
     RescalePlan,
@@ -154,7 +154,8 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
             z = model(x_b)
             if not torch.isfinite(z).all():
                 raise NumericalError(
-                    f"logits are not finite on batch {index}", source="weight-rescale"
+                    f"logits are not finite on batch {index}",
+                    source=catalogue.command_running(weight_rescale),
                 )
             logits.append(z)
             sums[0] += per_sample_loss(data.loss, z, y_b).to(torch.float64).sum()

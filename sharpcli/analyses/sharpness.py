@@ -61,17 +61,24 @@ from sharpcli.analyses.perturbed import (
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import UsageError
+from sharpcli.registry import declare
 
 __all__ = [
     "KINDS",
     "NORMS",
     "NORM_LAYERS",
+    "SHARPNESS",
     "SharpnessConfig",
     "SharpnessResult",
     "SharpnessRow",
     "apgd_checkpoints",
     "sharpness",
+    "sharpness_metric",
 ]
+
+# the metric of ``sharp analyze --metrics`` (and the quantity of ``train --track``), the
+# group of its results, and the name of its progress runs
+SHARPNESS = "sharpness"
 
 KINDS = catalogue.SHARPNESS_KINDS
 NORMS = catalogue.SHARPNESS_NORMS
@@ -475,7 +482,7 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
     mine = [b for b in range(len(chunks)) if b % world == rank]
     with (
         PerturbedModel(model, names, scale, data.loss, data.batch_size) as moved,
-        progress.start("sharpness", total=len(mine) * len(config.rhos), unit="batches") as run,
+        progress.start(SHARPNESS, total=len(mine) * len(config.rhos), unit="batches") as run,
     ):
         starts = [moved.evaluate(None, cx, cy) for cx, cy in chunks]
         for r, rho in enumerate(config.rhos):
@@ -507,3 +514,44 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
         evaluations=evaluations,
         notes=notes,
     )
+
+
+# analyze's sharpness: adaptive l2 at this rho, over the whole set ([Andriushchenko2023])
+METRIC_RHO = 0.05
+
+
+@declare(
+    "metric",
+    SHARPNESS,
+    "adaptive l2 sharpness at rho 0.05: worst case (Auto-PGD) and average case",
+    paper="Andriushchenko2023",
+    info={
+        "order": 6,
+        "keys": tuple(
+            f"sharpness.{kind}{part}"
+            for kind in ("worst_case", "average")
+            for part in ("", "_stderr", "_loss_perturbed")
+        )
+        + ("sharpness.rho",),
+    },
+)
+def sharpness_metric(run) -> None:
+    """``sharp analyze``'s ``sharpness``: adaptive l2 sharpness at rho 0.05 over the whole set,
+    worst case (20 Auto-PGD steps) and average case (100 draws), first derivatives and forward
+    passes only.
+
+    Args:
+        run: the :class:`sharpcli.analyses.analyze.MetricRun`, whose results it adds to.
+    """
+    found: dict[str, float | None] = {"rho": METRIC_RHO}
+    for kind, key in zip(KINDS, ("worst_case", "average")):
+        config = SharpnessConfig(
+            kind=kind, rhos=(METRIC_RHO,), params=run.params, seed=run.session.seed
+        )
+        row = sharpness(run.session.model, run.session.analysis_data(), config).rows[0]
+        found |= {
+            key: row.sharpness,
+            f"{key}_stderr": row.stderr,
+            f"{key}_loss_perturbed": row.loss_perturbed,
+        }
+    run.results[SHARPNESS] = found

@@ -25,6 +25,7 @@ from sharpcli.analyses.hvp import (
     finite_difference_pass,
 )
 from sharpcli.catalogue import EXACT_HVP, GGN_EXACT, GGN_HUTCHINSON, GGN_SAMPLED
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature import (
     CurvatureEngine,
     exact_ggn_trace,
@@ -298,7 +299,7 @@ def trace(
     d = result.to_dict()
     by_layer = d.pop("by_layer")
     out = {
-        "trace": d,
+        TRACE_KEY: d,
         "by_layer": by_layer,
         "operator": operator,
         "square": square,
@@ -465,10 +466,10 @@ def gn_nme_result(
         op = operator_of(cpass, name)
         with progress.phase(f"extremes {_symbol(name)}"):
             ext = _extremes(op, eig_tol, None, seed)
-        tr = split.values[name]["trace"]
+        tr = split.values[name][TRACE_KEY]
         fro = split.values[name]["frobenius_sq"]
         out[name] = {
-            "trace": {
+            TRACE_KEY: {
                 "estimate": tr["estimate"],
                 "stderr": tr["stderr"],
                 "matvecs": split.matvecs,
@@ -484,7 +485,7 @@ def gn_nme_result(
         total_matvecs += ext["matvecs"]
     h, n = out[HESSIAN], out[NME]
     out["nme_share"] = (
-        (n["trace"]["estimate"] / h["trace"]["estimate"]) if h["trace"]["estimate"] else None
+        (n[TRACE_KEY]["estimate"] / h[TRACE_KEY]["estimate"]) if h[TRACE_KEY]["estimate"] else None
     )
     out["nme_frobenius_ratio"] = (
         math.sqrt(max(n["frobenius_sq"], 0.0) / h["frobenius_sq"]) if h["frobenius_sq"] else None
@@ -506,7 +507,7 @@ def gn_nme_result(
         )
         checks.update(sampled_label=sampled.estimate, sampled_label_stderr=sampled.stderr)
     checks.update(
-        hutchinson=out[GGN]["trace"]["estimate"], hutchinson_stderr=out[GGN]["trace"]["stderr"]
+        hutchinson=out[GGN][TRACE_KEY]["estimate"], hutchinson_stderr=out[GGN][TRACE_KEY]["stderr"]
     )
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)

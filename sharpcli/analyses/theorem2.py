@@ -31,8 +31,12 @@ from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.models.zoo import final_linear
+from sharpcli.registry import declare
 
-__all__ = ["Theorem2Row", "smoothed_cross_entropy", "theorem2_check"]
+__all__ = ["THEOREM2", "Theorem2Row", "smoothed_cross_entropy", "theorem2_check"]
+
+# the check of ``sharp bound-check --check``
+THEOREM2 = "theorem2"
 
 
 @dataclass
@@ -142,6 +146,13 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
         handle.remove()
 
 
+@declare(
+    "check",
+    THEOREM2,
+    "AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2",
+    paper="AD",
+    info={"order": 1},
+)
 def theorem2_check(
     model: nn.Module,
     data: AnalysisData,

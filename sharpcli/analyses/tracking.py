@@ -16,13 +16,15 @@ training trajectory (resume stays bit for bit).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
+from sharpcli.analyses.analyze import EIGEN, FROBENIUS, GN_NME, TRACE
+from sharpcli.analyses.sharpness import SHARPNESS, SharpnessConfig, sharpness
 from sharpcli.curvature import (
     AnalysisData,
     CurvatureEngine,
@@ -34,6 +36,7 @@ from sharpcli.curvature import (
 from sharpcli.curvature.registry import GGN, HESSIAN, NME
 from sharpcli.curvature.split import gn_nme_split
 from sharpcli.errors import UsageError
+from sharpcli.registry import declaration, declare
 
 TRACKABLE = catalogue.TRACKABLE
 
@@ -46,6 +49,151 @@ def check_tracked(names: list[str]) -> list[str]:
             f"cannot track {', '.join(unknown)}; accepted: {', '.join(TRACKABLE)}", source="track"
         )
     return names
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a tracked quantity may spend: the seed of its probes, the relative standard error
+    ``tol`` and the products ``max_matvecs`` of each trace, the products of the eigenvalue
+    (``eigen_max_matvecs``, None: ``min(P, 100)``)."""
+
+    seed: int
+    tol: float
+    max_matvecs: int
+    eigen_max_matvecs: int | None
+
+
+# Each quantity (:data:`sharpcli.catalogue.TRACKABLE`, the names of the metrics of ``sharp
+# analyze`` it follows) is a function ``(cpass, out, budget) -> products`` that adds its
+# values to ``out``.
+
+
+@declare(
+    "trackable",
+    EIGEN,
+    "lambda_max of the Hessian (Lanczos, residual tol 1e-3)",
+    paper="Lanczos1950",
+    info={"keys": ("lambda_max",)},
+)
+def track_eigen(cpass, out: dict, budget: Budget) -> int:
+    """``lambda_max``; only the eigenvalue is recorded: no product spent on an explicit
+    residual.
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
+    top = lanczos(
+        cpass.hessian(),
+        top_k=1,
+        tol=1e-3,
+        max_matvecs=budget.eigen_max_matvecs,
+        seed=budget.seed,
+        explicit_residuals=False,
+    )
+    out["lambda_max"] = top.eigenvalues[0]
+    return top.matvecs
+
+
+@declare("trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",)})
+def track_trace(cpass, out: dict, budget: Budget) -> int:
+    """``trace``: tr(H) ([Hutch++]).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
+    result = hutchpp(
+        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
+    )
+    out["trace"] = result.estimate
+    return result.matvecs
+
+
+@declare(
+    "trackable",
+    GN_NME,
+    "tr(G), tr(N) and the NME share, from shared probes",
+    paper="NME",
+    info={"keys": ("ggn_trace", "nme_trace", "nme_share")},
+)
+def track_gn_nme(cpass, out: dict, budget: Budget) -> int:
+    """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
+    split = gn_nme_split(cpass, tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed)
+    h = split.values[HESSIAN]["trace"]["estimate"]
+    out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
+    out["nme_trace"] = split.values[NME]["trace"]["estimate"]
+    out["nme_share"] = out["nme_trace"] / h if h else None
+    return split.matvecs
+
+
+@declare(
+    "trackable",
+    FROBENIUS,
+    "Tr(H^2), the flatness of [FA] eq. 1",
+    paper="FA",
+    info={"keys": ("frobenius_sq",)},
+)
+def track_frobenius(cpass, out: dict, budget: Budget) -> int:
+    """``frobenius_sq``: Tr(H^2).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
+    result = frobenius_sq(
+        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
+    )
+    out["frobenius_sq"] = result.estimate
+    return result.matvecs
+
+
+@declare(
+    "trackable",
+    SHARPNESS,
+    "adaptive worst-case l2 sharpness at rho 0.05 (10 Auto-PGD steps)",
+    paper="Andriushchenko2023",
+    info={"keys": ("adaptive_sharpness",)},
+)
+def track_sharpness(cpass, out: dict, budget: Budget) -> int:
+    """``adaptive_sharpness`` over the whole set (gradients, no curvature products).
+
+    Args:
+        cpass: the curvature pass (model in eval mode, the tracked subset).
+        out: the values so far, which it adds to.
+        budget: what it may spend.
+
+    Returns:
+        The curvature products it took.
+    """
+    config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=budget.seed)
+    out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
+    return 0
+
+
+# the order a history row has always held the values in (its JSON and CSV keep it)
+_RECORDED = (track_eigen, track_trace, track_frobenius, track_gn_nme, track_sharpness)
 
 
 def measure(
@@ -69,38 +217,13 @@ def measure(
     """
 
     check_tracked(names)
+    budget = Budget(seed, tol, max_matvecs, eigen_max_matvecs)
     out: dict = {}
     products = 0
-    if "eigen" in names:
-        # only the eigenvalue is recorded: no product spent on an explicit residual
-        top = lanczos(
-            cpass.hessian(),
-            top_k=1,
-            tol=1e-3,
-            max_matvecs=eigen_max_matvecs,
-            seed=seed,
-            explicit_residuals=False,
-        )
-        out["lambda_max"] = top.eigenvalues[0]
-        products += top.matvecs
-    if "trace" in names:
-        result = hutchpp(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed)
-        out["trace"] = result.estimate
-        products += result.matvecs
-    if "frobenius" in names:
-        result = frobenius_sq(cpass.hessian(), tol=tol, max_matvecs=max_matvecs, seed=seed)
-        out["frobenius_sq"] = result.estimate
-        products += result.matvecs
-    if "gn-nme" in names:
-        split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
-        h = split.values[HESSIAN]["trace"]["estimate"]
-        out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
-        out["nme_trace"] = split.values[NME]["trace"]["estimate"]
-        out["nme_share"] = out["nme_trace"] / h if h else None
-        products += split.matvecs
-    if "sharpness" in names:
-        config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=seed)
-        out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
+    for track in _RECORDED:
+        declared = declaration(track)
+        if declared is not None and declared[1].name in names:
+            products += track(cpass, out, budget)
     return out, products
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from sharpcli.analyses.landscape import LandscapeConfig, landscape
+from sharpcli.analyses.landscape import LandscapeConfig, loss_landscape
 from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 from sharpcli.api_methods.arguments import seed_argument
 from sharpcli.api_methods.modes import unwrap
@@ -111,5 +111,5 @@ class PerturbedLoss(CurvatureProducts):
         if other is not None:
             other = copy.deepcopy(unwrap(other)).to(device=self.device, dtype=self.dtype)
         with self._analysis_mode():
-            result, _, _ = landscape(self._view, self.data, config, other=other)
+            result, _, _ = loss_landscape(self._view, self.data, config, other=other)
         return result.to_dict()

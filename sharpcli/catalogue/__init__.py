@@ -13,8 +13,8 @@ them. Everything that lists names reads them from here: the CLI's choices, ``--h
 completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
-formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed
-value sets). None imports torch: ``sharp --help`` reads them.
+formats, built-in datasets), ``names`` (losses, activations, commands), ``measures`` (the
+metrics of ``analyze``), ``values`` (closed value sets). None imports torch: ``sharp --help`` reads them.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
+from sharpcli.catalogue.measures import CHECKS, DEFAULT_METRICS, METRICS, TRACKABLE
+from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, command_running
 from sharpcli.catalogue.regularizers import NO_REGULARIZER, REGULARIZERS
 from sharpcli.catalogue.sharpness import (
+    ALONG_EIGEN,
     GAP_KINDS,
+    LANDSCAPE_ALONG,
     LANDSCAPE_BIAS_BN,
     NORM_LAYERS,
     SHARPNESS_KINDS,
@@ -44,7 +47,6 @@ from sharpcli.catalogue.sharpness import (
 )
 from sharpcli.catalogue.values import (
     ASCENT_SYNCS,
-    CHECKS,
     DEVICES,
     DTYPES,
     ENGINES,
@@ -57,7 +59,6 @@ from sharpcli.catalogue.values import (
     GGN_SAMPLED,
     HVP_METHODS,
     METHODS,
-    METRICS,
     MODEL_NAMES,
     OPTIMIZERS,
     PRECISIONS,
@@ -65,19 +66,22 @@ from sharpcli.catalogue.values import (
     SCHEDULES,
     SPLITS,
     TABLE_FORMATS,
+    TEST,
     TOKEN_REDUCTIONS,
-    TRACKABLE,
+    TRAIN,
     WHICH,
 )
 from sharpcli.registry import Registry
 
 __all__ = [
     "ACTIVATIONS",
+    "ALONG_EIGEN",
     "ASCENT_SYNCS",
     "CHECKS",
     "COMMANDS",
     "DATASETS",
     "DATA_FORMATS",
+    "DEFAULT_METRICS",
     "DEVICES",
     "DIAGONAL_ESTIMATORS",
     "DTYPES",
@@ -93,6 +97,7 @@ __all__ = [
     "GGN_ESTIMATORS",
     "HVP_METHODS",
     "KINDS",
+    "LANDSCAPE_ALONG",
     "LANDSCAPE_BIAS_BN",
     "LOSSES",
     "METHODS",
@@ -113,9 +118,12 @@ __all__ = [
     "SHARPNESS_NORMS",
     "SPLITS",
     "TABLE_FORMATS",
+    "TEST",
     "TOKEN_REDUCTIONS",
     "TRACKABLE",
+    "TRAIN",
     "WHICH",
+    "command_running",
     "entries_help",
     "operator_help",
     "operator_table",

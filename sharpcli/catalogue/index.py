@@ -11,6 +11,26 @@ from sharpcli.registry import Entry
 from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
+    'check': (
+        Entry('theorem2', 'AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2', 'sharpcli.analyses.theorem2:theorem2_check', paper='AD', info={'order': 1}),
+        Entry('noise-stability', 'NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)', 'sharpcli.analyses.noise_stability:noise_stability_check', paper='NSO', info={'order': 2}),
+    ),
+    'command': (
+        Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'runs': 'sharpcli.training.loop:train', 'reports_regularizers': True}),
+        Entry('eigen', 'Largest or smallest curvature eigenvalues (how sharp the minimum is).', 'sharpcli.cli.cmd_spectrum:eigen_command', paper='Lanczos1950', info={'order': 2, 'reports_eigenvalues': True}),
+        Entry('trace', 'Trace of the curvature: the sum of all its eigenvalues.', 'sharpcli.cli.cmd_spectrum:trace_command', paper='Hutchinson1989', info={'order': 3, 'reports_trace': True}),
+        Entry('gn-nme', 'Split the Hessian into its Gauss-Newton and nonlinear parts.', 'sharpcli.cli.cmd_spectrum:gn_nme_command', paper='NME', info={'order': 4}),
+        Entry('density', 'The whole eigenvalue spectrum, estimated and plotted.', 'sharpcli.cli.cmd_spectrum:density_command', paper='Ghorbani2019', info={'order': 5}),
+        Entry('diagonal', "The curvature's diagonal per parameter, as a .safetensors file.", 'sharpcli.cli.cmd_diagonal:diagonal_command', paper='Bekas2007', info={'order': 6}),
+        Entry('analyze', 'Several of these measures in one report; a gate for CI.', 'sharpcli.cli.cmd_analyze:analyze_command', info={'order': 7, 'runs': 'sharpcli.analyses.analyze:analyze'}),
+        Entry('activation-stats', 'How often activations are active or dead, per layer.', 'sharpcli.cli.cmd_diagnostics:activation_stats_command', info={'order': 8, 'panel': 'Statistics'}),
+        Entry('weight-rescale', 'Show which sharpness measures change when weights are rescaled.', 'sharpcli.cli.cmd_diagnostics:weight_rescale_command', paper='MAN', info={'order': 9, 'panel': 'Rescaling', 'runs': 'sharpcli.analyses.rescale:weight_rescale'}),
+        Entry('sharpness', 'Worst-case and average-case sharpness, invariant to rescaling when adaptive.', 'sharpcli.cli.cmd_sharpness:sharpness_command', paper='Andriushchenko2023', info={'order': 10}),
+        Entry('landscape', 'Loss on a line or plane through the checkpoint, plotted.', 'sharpcli.cli.cmd_landscape:landscape_command', paper='Li2018', info={'order': 11, 'runs': 'sharpcli.analyses.landscape:loss_landscape'}),
+        Entry('bound-check', "Check the papers' curvature bounds on a trained model.", 'sharpcli.cli.cmd_diagnostics:bound_check_command', paper='AD', info={'order': 12, 'panel': 'Bounds', 'runs': 'sharpcli.analyses.bounds:bound_check'}),
+        Entry('compare', 'Runs side by side in one table and plot.', 'sharpcli.cli.cmd_compare:compare_command', info={'order': 13, 'panel': 'Options'}),
+        Entry('sweep', 'Train and measure over a grid of regularizer settings and seeds.', 'sharpcli.cli.cmd_sweep:sweep_command', info={'order': 14, 'panel': 'Sweep', 'runs': 'sharpcli.training.sweep:run_sweep'}),
+    ),
     'diagonal estimator': (
         Entry('hutchinson', 'mean of v * (A v) over Rademacher probes, per-entry standard errors', 'sharpcli.curvature.diagonal:hutchinson_estimate', paper='Bekas2007', info={'default': True, 'operator': 'hessian'}),
         Entry('exact', '(A e_j)_j, one product per parameter (small scopes)', 'sharpcli.curvature.diagonal:exact_estimate', info={'operator': 'hessian'}),
@@ -22,6 +42,16 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
         Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.ggn_trace:exact_trace'),
+    ),
+    'metric': (
+        Entry('eigen', 'the largest Hessian eigenvalues, by Lanczos', 'sharpcli.analyses.analyze:eigen_metric', paper='Lanczos1950', info={'order': 1, 'default': True, 'keys': ('hessian.lambda_max', 'hessian.eigenvalues', 'hessian.eigenvalues.*', 'hessian.eigen_residuals', 'hessian.eigen_residuals.*')}),
+        Entry('trace', 'tr(H) by Hutch++, and per layer', 'sharpcli.analyses.analyze:trace_metric', paper='Hutch++', info={'order': 2, 'default': True, 'keys': ('hessian.trace', 'hessian.trace_stderr', 'hessian.trace_by_layer.*')}),
+        Entry('frobenius', 'Tr(H^2) = ||H||_F^2, the flatness of [FA] eq. 1', 'sharpcli.analyses.analyze:frobenius_metric', paper='FA', info={'order': 3, 'keys': ('hessian.frobenius_sq', 'hessian.frobenius_sq_stderr')}),
+        Entry('gn-nme', 'the split H = G + N: traces, extreme eigenvalues, Tr(A^2) and the NME share', 'sharpcli.analyses.analyze:gn_nme_metric', paper='NME', info={'order': 4, 'keys': ('hessian.trace', 'hessian.trace_stderr', 'hessian.lambda_max', 'hessian.lambda_min', 'hessian.frobenius_sq', 'ggn.trace', 'ggn.trace_stderr', 'ggn.lambda_max', 'ggn.lambda_min', 'ggn.frobenius_sq', 'nme.trace', 'nme.trace_stderr', 'nme.lambda_max', 'nme.lambda_min', 'nme.frobenius_sq', 'nme_share', 'nme_frobenius_ratio')}),
+        Entry('activation-stats', 'per layer: dead and active outputs, mean squared norm; output statistics, ||J_x||_F', 'sharpcli.analyses.activations:activation_stats_metric', paper='MAN', info={'order': 5, 'keys': ('activations.layers.*.outputs', 'activations.layers.*.dead_outputs', 'activations.layers.*.death_frequency', 'activations.layers.*.activation_frequency', 'activations.layers.*.activation_frequency_including_dead', 'activations.layers.*.mean_sq_norm', 'activations.layers.*.output_shape', 'activations.layers.*.output_shape.*', 'activations.output.gini_impurity', 'activations.output.entropy', 'activations.output.confidence', 'activations.output.loss', 'activations.output.accuracy', 'activations.penultimate_sq_norm', 'activations.input_jacobian_fro', 'activations.input_jacobian_fro_softmax', 'activations.samples')}),
+        Entry('sharpness', 'adaptive l2 sharpness at rho 0.05: worst case (Auto-PGD) and average case', 'sharpcli.analyses.sharpness:sharpness_metric', paper='Andriushchenko2023', info={'order': 6, 'keys': ('sharpness.worst_case', 'sharpness.worst_case_stderr', 'sharpness.worst_case_loss_perturbed', 'sharpness.average', 'sharpness.average_stderr', 'sharpness.average_loss_perturbed', 'sharpness.rho')}),
+        Entry('pac-bayes', 'the PAC-Bayes sigma and flatness 1/sigma^2, plain and magnitude-aware, by bisection', 'sharpcli.analyses.analyze:pac_bayes_metric', paper='Jiang2019', info={'order': 7, 'keys': ('pac_bayes.plain.*', 'pac_bayes.magnitude.*')}),
+        Entry('fisher-rao', "the Fisher-Rao norm theta^T F theta, and with the data's labels", 'sharpcli.analyses.analyze:fisher_rao_metric', paper='Liang2019', info={'order': 8, 'keys': ('fisher_rao.norm_sq', 'fisher_rao.norm_sq_empirical')}),
     ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
@@ -44,5 +74,12 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('sam', 'gradient at theta + rho g/||g|| (NME App. B eq. 42)', 'sharpcli.training.penalties.sam:SAM', params=(Param('rho', 'float', 0.05, 'radius of the ascent step', minimum=0.0),), paper='SAM', data_parallel='its ascent step needs the global gradient norm before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
         Entry('usam', 'gradient at theta + rho g (NME App. B eq. 43)', 'sharpcli.training.penalties.sam:USAM', params=(Param('rho', 'float', 0.05, 'scale of the ascent step', minimum=0.0),), paper='USAM', data_parallel='its ascent step needs the global gradient before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
         Entry('asam', 'gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)', 'sharpcli.training.penalties.sam:ASAM', params=(Param('rho', 'float', 0.5, 'radius of the ascent step', minimum=0.0), Param('eta', 'float', 0.01, 'offset of the adaptive scale |w| + eta', minimum=0.0)), paper='ASAM', data_parallel='its ascent step needs the global scaled gradient norm before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
+    ),
+    'trackable': (
+        Entry('eigen', 'lambda_max of the Hessian (Lanczos, residual tol 1e-3)', 'sharpcli.analyses.tracking:track_eigen', paper='Lanczos1950', info={'keys': ('lambda_max',)}),
+        Entry('trace', 'tr(H) by Hutch++', 'sharpcli.analyses.tracking:track_trace', paper='Hutch++', info={'keys': ('trace',)}),
+        Entry('gn-nme', 'tr(G), tr(N) and the NME share, from shared probes', 'sharpcli.analyses.tracking:track_gn_nme', paper='NME', info={'keys': ('ggn_trace', 'nme_trace', 'nme_share')}),
+        Entry('frobenius', 'Tr(H^2), the flatness of [FA] eq. 1', 'sharpcli.analyses.tracking:track_frobenius', paper='FA', info={'keys': ('frobenius_sq',)}),
+        Entry('sharpness', 'adaptive worst-case l2 sharpness at rho 0.05 (10 Auto-PGD steps)', 'sharpcli.analyses.tracking:track_sharpness', paper='Andriushchenko2023', info={'keys': ('adaptive_sharpness',)}),
     ),
 }

@@ -5,12 +5,13 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param
 
-__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
+__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES", "command_running"]
 
 P = Param
 
@@ -78,89 +79,31 @@ ACTIVATIONS: Registry[Any] = Registry(
     ],
 )
 
-# the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)
-COMMANDS: Registry[Any] = Registry(
-    "command",
-    source="command",
-    entries=[
-        Entry(
-            "train",
-            "Train a model, optionally under a sharpness regularizer.",
-            "sharpcli.cli.cmd_train:train_command",
-        ),
-        Entry(
-            "eigen",
-            "Largest or smallest curvature eigenvalues (how sharp the minimum is).",
-            "sharpcli.cli.cmd_spectrum:eigen_command",
-            paper="Lanczos1950",
-        ),
-        Entry(
-            "trace",
-            "Trace of the curvature: the sum of all its eigenvalues.",
-            "sharpcli.cli.cmd_spectrum:trace_command",
-            paper="Hutchinson1989",
-        ),
-        Entry(
-            "gn-nme",
-            "Split the Hessian into its Gauss-Newton and nonlinear parts.",
-            "sharpcli.cli.cmd_spectrum:gn_nme_command",
-            paper="NME",
-        ),
-        Entry(
-            "density",
-            "The whole eigenvalue spectrum, estimated and plotted.",
-            "sharpcli.cli.cmd_spectrum:density_command",
-            paper="Ghorbani2019",
-        ),
-        Entry(
-            "diagonal",
-            "The curvature's diagonal per parameter, as a .safetensors file.",
-            "sharpcli.cli.cmd_diagonal:diagonal_command",
-            paper="Bekas2007",
-        ),
-        Entry(
-            "analyze",
-            "Several of these measures in one report; a gate for CI.",
-            "sharpcli.cli.cmd_analyze:analyze_command",
-        ),
-        Entry(
-            "activation-stats",
-            "How often activations are active or dead, per layer.",
-            "sharpcli.cli.cmd_diagnostics:activation_stats_command",
-        ),
-        Entry(
-            "weight-rescale",
-            "Show which sharpness measures change when weights are rescaled.",
-            "sharpcli.cli.cmd_diagnostics:weight_rescale_command",
-            paper="MAN",
-        ),
-        Entry(
-            "sharpness",
-            "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
-            "sharpcli.cli.cmd_sharpness:sharpness_command",
-            paper="Andriushchenko2023",
-        ),
-        Entry(
-            "landscape",
-            "Loss on a line or plane through the checkpoint, plotted.",
-            "sharpcli.cli.cmd_landscape:landscape_command",
-            paper="Li2018",
-        ),
-        Entry(
-            "bound-check",
-            "Check the papers' curvature bounds on a trained model.",
-            "sharpcli.cli.cmd_diagnostics:bound_check_command",
-            paper="AD",
-        ),
-        Entry(
-            "compare",
-            "Runs side by side in one table and plot.",
-            "sharpcli.cli.cmd_compare:compare_command",
-        ),
-        Entry(
-            "sweep",
-            "Train and measure over a grid of regularizer settings and seeds.",
-            "sharpcli.cli.cmd_sweep:sweep_command",
-        ),
-    ],
-)
+# the ``sharp`` commands (sharpcli.cli.cmd_*, each declared beside its function), in the order
+# a person uses them (the order of ``sharp --help``). ``info``: its place in that order, the
+# --help panel of its own options where not the default, and the library function it runs
+# (``runs``, "module:function") where that function needs the command's name
+COMMANDS: Registry[Any] = Registry("command", source="command", entries=DECLARED.get("command", ()))
+
+
+def command_running(function: Callable[..., Any]) -> str:
+    """The name of the command whose declaration says it runs ``function`` (``info["runs"]``).
+
+    How a library module names the command it implements (the ``command`` of the report it
+    makes, the label of its errors and progress) without spelling the name, which is declared
+    once, beside the command.
+
+    Args:
+        function: the library function, as the command's declaration names it.
+
+    Returns:
+        The command's name.
+
+    Raises:
+        LookupError: no command declares that it runs ``function``.
+    """
+    runs = f"{function.__module__}:{function.__qualname__}"
+    for entry in COMMANDS.entries():
+        if entry.info.get("runs") == runs:
+            return entry.name
+    raise LookupError(f"no command declares that it runs {runs}")

@@ -9,13 +9,25 @@ This module imports no torch.
 
 from __future__ import annotations
 
-__all__ = ["GAP_KINDS", "LANDSCAPE_BIAS_BN", "NORM_LAYERS", "SHARPNESS_KINDS", "SHARPNESS_NORMS"]
+__all__ = [
+    "ALONG_EIGEN",
+    "GAP_KINDS",
+    "LANDSCAPE_ALONG",
+    "LANDSCAPE_BIAS_BN",
+    "NORM_LAYERS",
+    "SHARPNESS_KINDS",
+    "SHARPNESS_NORMS",
+]
 
 # worst case max_{||delta/c||_p <= rho}, average case E_delta ([Andriushchenko2023])
 SHARPNESS_KINDS = ("worst-case", "average")
 SHARPNESS_NORMS = ("l2", "linf")
 # whether normalization layers' affine parameters are perturbed
 NORM_LAYERS = ("include", "exclude")
+# the directions of a landscape: filter-normalized random ones, the top Hessian eigenvectors
+# (which need the curvature), the line to a second checkpoint, or read from a file
+LANDSCAPE_ALONG = ("random", "eigen", "checkpoint", "file")
+ALONG_RANDOM, ALONG_EIGEN, ALONG_CHECKPOINT, ALONG_FILE = LANDSCAPE_ALONG
 # what the random landscape directions hold on 1-D parameters (biases, normalization
 # parameters): zero (the --xignore biasbn of [Li2018]'s code) or the weights themselves
 LANDSCAPE_BIAS_BN = ("zero", "weights")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 __all__ = [
     "ASCENT_SYNC",
-    "CHECKS",
+    "DENSITY_CURVE",
+    "DENSITY_KEY",
     "DEVICES",
     "DTYPES",
     "ENGINES",
     "DROPOUT_ARG",
+    "FROBENIUS_SQ_KEY",
     "EPSILON_KINDS",
     "EXACT_GELU",
     "EXACT_HVP",
@@ -27,29 +29,36 @@ __all__ = [
     "GGN_HUTCHINSON",
     "GGN_SAMPLED",
     "GGN_ESTIMATORS",
+    "GRID_KEY",
     "HVP_METHODS",
     "METHODS",
-    "METRICS",
     "MODEL_REGULARIZATION_ARGS",
     "MODEL_NAMES",
     "NONE_LISTED",
     "OPTIMIZERS",
     "PRECISIONS",
+    "QUANTITIES",
     "ASCENT_SYNCS",
     "RESCALE_MODES",
     "SCRATCH_OFF",
     "SCHEDULES",
     "SPLITS",
     "TABLE_FORMATS",
+    "TEST",
     "TOKEN_REDUCTIONS",
     "TORCH_REDUCTIONS",
     "UNREDUCED",
-    "TRACKABLE",
+    "TRAIN",
+    "TRACE_KEY",
     "WHICH",
 ]
 
-# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight
-SPLITS = ("train", "test")
+# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight; TRAIN and TEST also name
+# the files and folders that hold a split (CIFAR-100's train/test, a DatasetDict's splits), and
+# TRAIN what a training run is called (the train command, its report's command and progress,
+# the checkpoint's train block)
+TRAIN, TEST = "train", "test"
+SPLITS = (TRAIN, TEST)
 DTYPES = ("float32", "float64")
 # torch device types offered by completion; any torch device string is accepted (cuda:1)
 DEVICES = ("cpu", "cuda", "mps")
@@ -67,6 +76,14 @@ EXACT_HVP, FINITE_DIFFERENCE = HVP_METHODS
 # sharpcli.analyses.spectrum.ggn_check_plan
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 GGN_AUTO, GGN_EXACT, GGN_SAMPLED, GGN_HUTCHINSON = GGN_ESTIMATORS
+# what a probe pass estimates of an operator A (sharpcli.curvature.probes, split): its trace
+# tr(A), or Tr(A^2) = ||A||_F^2 (``trace --square``); each is also the key of reports that hold it
+QUANTITIES = ("trace", "frobenius_sq")
+TRACE_KEY, FROBENIUS_SQ_KEY = QUANTITIES
+# a spectral density as reports hold it (sharpcli.curvature.density): the eigenvalue grid and
+# the density on it
+DENSITY_CURVE = ("grid", "density")
+GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
 # models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
 MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
@@ -85,20 +102,8 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ASCENT_SYNCS = ("per-replica", "global")
 
-# analyses and reports: sharpcli.analyses.{analyze,tracking,rescale,bounds},
-# sharpcli.report.compare; METRICS, TRACKABLE and CHECKS are comma lists
-METRICS = (
-    "eigen",
-    "trace",
-    "frobenius",
-    "gn-nme",
-    "activation-stats",
-    "sharpness",
-    "pac-bayes",
-    "fisher-rao",
-)
-TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
-CHECKS = ("theorem2", "noise-stability")
+# analyses and reports: sharpcli.analyses.rescale, sharpcli.report.compare (analyze's metrics,
+# train's tracked quantities, bound-check's checks: sharpcli.catalogue.measures)
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
 TABLE_FORMATS = ("table", "csv", "markdown", "json")

@@ -38,6 +38,7 @@ from typing import Iterator
 
 from sharpcli import distributed
 from sharpcli import progress as channel
+from sharpcli.catalogue.values import SPLITS
 
 REDRAW_SECONDS = 0.1
 # column widths (characters) at 80 columns; a wider terminal widens the bar and the text
@@ -258,7 +259,7 @@ def record_line(record: dict, width: int = 80) -> str:
     epoch = record.get("epoch")
     head = f"epoch {epoch:>{len(str(epochs))}}/{epochs}" if epochs else f"epoch {epoch}"
     parts = [head]
-    for split in ("train", "test"):
+    for split in SPLITS:
         loss, acc = record.get(f"{split}_loss"), record.get(f"{split}_accuracy")
         if loss is None:
             continue

@@ -9,10 +9,19 @@ import typer
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import fmt, key_value_table, records_table
 
+ANALYZE = "analyze"
 
-@common.analysis_command(app, "analyze")
+
+@declare(
+    "command",
+    ANALYZE,
+    "Several of these measures in one report; a gate for CI.",
+    info={"order": 7, "runs": "sharpcli.analyses.analyze:analyze"},
+)
+@common.analysis_command(app, ANALYZE)
 def analyze_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -21,7 +30,7 @@ def analyze_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(catalogue.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS.names()),
             help="Comma list, e.g. --metrics eigen,trace,gn-nme (default: eigen,trace).",
         ),
     ] = None,
@@ -64,6 +73,7 @@ def analyze_command(
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
+    from sharpcli.analyses.sharpness import SHARPNESS
     from sharpcli.curvature.registry import SPLIT
     from sharpcli.report.gate import parse_gate
 
@@ -98,7 +108,7 @@ def analyze_command(
                     flat[f"{group}.{k}"] = v
         if "nme_share" in results:
             flat["nme_share"] = results["nme_share"]
-        for group in ("sharpness", "fisher_rao"):
+        for group in (SHARPNESS, "fisher_rao"):
             flat |= {f"{group}.{k}": v for k, v in (results.get(group) or {}).items()}
         for noise, found in (results.get("pac_bayes") or {}).items():
             for k in ("sigma", "flatness", "deviation", "deviation_stderr"):

@@ -9,11 +9,20 @@ import typer
 from sharpcli.atomic import write_text_atomic
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.report.tables import records_table
 
+COMPARE = "compare"
 
-@app.command("compare", cls=lazyhelp.LazyHelpCommand)
+
+@declare(
+    "command",
+    COMPARE,
+    "Runs side by side in one table and plot.",
+    info={"order": 13, "panel": "Options"},
+)
+@app.command(COMPARE, cls=lazyhelp.LazyHelpCommand)
 def compare_command(
     reports: Annotated[
         list[str],
@@ -127,7 +136,7 @@ def compare_command(
         if kendall is not None:
             results["kendall"] = kendall
         report = make_report(
-            "compare",
+            COMPARE,
             settings={
                 "reports": list(reports),
                 "columns": cols,
@@ -152,7 +161,7 @@ def compare_command(
 
         return runner.Outcome(report, show)
 
-    runner.run_command("compare", json_out, quiet, body, uses_models=False, debug=debug)
+    runner.run_command(COMPARE, json_out, quiet, body, uses_models=False, debug=debug)
 
 
 def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -> dict | None:

@@ -11,9 +11,16 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
+
+# the commands of this module, each declared beside its function (sharpcli.catalogue.COMMANDS)
+ACTIVATION_STATS = "activation-stats"
+WEIGHT_RESCALE = "weight-rescale"
+BOUND_CHECK = "bound-check"
 
 ForceOpt = Annotated[
     bool,
@@ -52,7 +59,13 @@ TraceMaxOpt = Annotated[
 
 
 # --------------------------------------------------------------------------------------- activation-stats
-@common.analysis_command(app, "activation-stats")
+@declare(
+    "command",
+    ACTIVATION_STATS,
+    "How often activations are active or dead, per layer.",
+    info={"order": 8, "panel": "Statistics"},
+)
+@common.analysis_command(app, ACTIVATION_STATS)
 def activation_stats_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -72,7 +85,7 @@ def activation_stats_command(
     session = common.open_session(checkpoint, opts, curvature=False)  # first derivatives only
     result = activation_stats(session.model, session.analysis_data(), jacobian=jacobian)
     settings = opts.report_settings()
-    report = session.report("activation-stats", settings, result.to_dict(), matvecs=0)
+    report = session.report(ACTIVATION_STATS, settings, result.to_dict(), matvecs=0)
     return runner.Outcome(report, render=lambda console: _render_activation_stats(console, result))
 
 
@@ -111,7 +124,14 @@ def _render_activation_stats(console, result) -> None:
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
-@common.analysis_command(app, "weight-rescale")
+@declare(
+    "command",
+    WEIGHT_RESCALE,
+    "Show which sharpness measures change when weights are rescaled.",
+    paper="MAN",
+    info={"order": 9, "panel": "Rescaling", "runs": "sharpcli.analyses.rescale:weight_rescale"},
+)
+@common.analysis_command(app, WEIGHT_RESCALE)
 def weight_rescale_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -198,7 +218,7 @@ def weight_rescale_command(
         )
         results["plot"] = plot
     settings = opts.report_settings(alpha=alphas)
-    report = session.report("weight-rescale", settings, results, matvecs=result.matvecs)
+    report = session.report(WEIGHT_RESCALE, settings, results, matvecs=result.matvecs)
     return runner.Outcome(report, render=lambda console: _render_weight_rescale(console, result))
 
 
@@ -223,7 +243,7 @@ def _render_weight_rescale(console, result) -> None:
                 "loss",
                 "max_logit_change",
                 "lambda_max",
-                "trace",
+                TRACE_KEY,
                 "trace_stderr",
                 "invariant_lambda_max",
             ]
@@ -237,7 +257,14 @@ def _render_weight_rescale(console, result) -> None:
 
 
 # --------------------------------------------------------------------------------------- bound-check
-@common.analysis_command(app, "bound-check")
+@declare(
+    "command",
+    BOUND_CHECK,
+    "Check the papers' curvature bounds on a trained model.",
+    paper="AD",
+    info={"order": 12, "panel": "Bounds", "runs": "sharpcli.analyses.bounds:bound_check"},
+)
+@common.analysis_command(app, BOUND_CHECK)
 def bound_check_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -276,7 +303,7 @@ def bound_check_command(
         typer.Option(
             "--check",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(catalogue.CHECKS),
+            autocompletion=choices.list_completer(catalogue.CHECKS.names()),
             help="Extra checks, repeated or comma-separated, e.g. --check theorem2.",
         ),
     ] = None,
@@ -346,7 +373,7 @@ def bound_check_command(
         )
         results["plot"] = plot
     settings = opts.report_settings(sigma=sigmas, params=result.params, check=checks)
-    report = session.report("bound-check", settings, results, matvecs=result.matvecs)
+    report = session.report(BOUND_CHECK, settings, results, matvecs=result.matvecs)
     return runner.Outcome(report, render=lambda console: _render_bound_check(console, result))
 
 
@@ -412,7 +439,7 @@ def _render_bound_check(console, result) -> None:
         console.print(
             records_table(
                 f"NSO: E L(W+U) - L(W) vs sigma^2/2 tr(H) on {ns['params']}, "
-                f"tr(H) = {ns['trace']:.6g}",
+                f"tr(H) = {ns[TRACE_KEY]:.6g}",
                 ns["rows"],
                 [
                     "sigma",

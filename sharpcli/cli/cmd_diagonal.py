@@ -7,9 +7,13 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
+
+DIAGONAL = "diagonal"
 
 DiagonalEstimator = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
 
@@ -21,7 +25,14 @@ def _operator_help() -> str:
     )
 
 
-@common.analysis_command(app, "diagonal")
+@declare(
+    "command",
+    DIAGONAL,
+    "The curvature's diagonal per parameter, as a .safetensors file.",
+    paper="Bekas2007",
+    info={"order": 6},
+)
+@common.analysis_command(app, DIAGONAL)
 def diagonal_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -92,10 +103,10 @@ def diagonal_command(
     save_diagonal(out, tensors, metadata)
     results["output"] = out
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("diagonal", settings, results, matvecs=results["matvecs"])
+    report = session.report(DIAGONAL, settings, results, matvecs=results["matvecs"])
 
     def render(console):
-        total = results["trace"]
+        total = results[TRACE_KEY]
         console.print(
             key_value_table(
                 f"diag({results['operator']}) by {results['estimator']}",

@@ -2,7 +2,7 @@
 
 Thin command: parse and check the options before anything is read, build the session (and
 the second checkpoint's model for ``--along CKPT2``), call
-:func:`sharpcli.analyses.landscape.landscape`, write the grid (JSON, CSV), the directions and
+:func:`sharpcli.analyses.landscape.loss_landscape`, write the grid (JSON, CSV), the directions and
 the plot.
 """
 
@@ -15,15 +15,25 @@ from typing import Annotated, Optional
 
 import typer
 
-from sharpcli import distributed, ledger
+from sharpcli import catalogue, distributed, ledger
 from sharpcli.atomic import write_text_atomic
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
 from sharpcli.errors import UsageError
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
 
+LANDSCAPE = "landscape"
 
-@common.analysis_command(app, "landscape")
+
+@declare(
+    "command",
+    LANDSCAPE,
+    "Loss on a line or plane through the checkpoint, plotted.",
+    paper="Li2018",
+    info={"order": 11, "runs": "sharpcli.analyses.landscape:loss_landscape"},
+)
+@common.analysis_command(app, LANDSCAPE)
 def landscape_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -90,11 +100,11 @@ def landscape_command(
     """Loss and accuracy on a line or plane through the checkpoint (Li et al. 2018), a
     contour or line plot."""
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.analyses.landscape import LandscapeConfig, landscape
+    from sharpcli.analyses.landscape import LandscapeConfig, loss_landscape
     from sharpcli.analyses.landscape_directions import load_directions
     from sharpcli.analyses.landscape_directions import save_directions as write_directions
 
-    kind = along if along in ("random", "eigen") else "checkpoint"
+    kind = along if along in ("random", catalogue.ALONG_EIGEN) else "checkpoint"
     if directions is not None:
         kind = "file"
     config = LandscapeConfig(
@@ -113,13 +123,13 @@ def landscape_command(
     for path, option in ((save_directions, "--save-directions"), (csv_path, "--csv")):
         common.check_output(path, option)
     common.check_output(plot)
-    session = common.open_session(checkpoint, opts, curvature=kind == "eigen")
+    session = common.open_session(checkpoint, opts, curvature=kind == catalogue.ALONG_EIGEN)
     other = _second_model(along, opts, session) if kind == "checkpoint" else None
     loaded, loaded_info = None, None
     if directions is not None:
         loaded, loaded_info = load_directions(directions, session.model, _names(session, params))
     with common.progress_bar(opts.quiet, opts.json, "landscape"):
-        result, used, names = landscape(
+        result, used, names = loss_landscape(
             session.model,
             session.analysis_data(),
             config,
@@ -148,7 +158,7 @@ def landscape_command(
     if plot is not None:
         results["plot"] = plot
     settings = opts.report_settings(along=along, dims=config.dims, span=config.half_width)
-    report = session.report("landscape", settings, results, matvecs=0)
+    report = session.report(LANDSCAPE, settings, results, matvecs=0)
     return runner.Outcome(report, render=lambda console: _render(console, results))
 
 

@@ -13,10 +13,20 @@ import typer
 
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
 
+SHARPNESS = "sharpness"
 
-@common.analysis_command(app, "sharpness")
+
+@declare(
+    "command",
+    SHARPNESS,
+    "Worst-case and average-case sharpness, invariant to rescaling when adaptive.",
+    paper="Andriushchenko2023",
+    info={"order": 10},
+)
+@common.analysis_command(app, SHARPNESS)
 def sharpness_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -106,7 +116,7 @@ def sharpness_command(
     with common.progress_bar(opts.quiet, opts.json, "sharpness"):
         result = sharpness(session.model, session.analysis_data(), config)
     settings = opts.report_settings(rho=list(config.rhos))
-    report = session.report("sharpness", settings, result.to_dict(), matvecs=0)
+    report = session.report(SHARPNESS, settings, result.to_dict(), matvecs=0)
     return runner.Outcome(report, render=lambda console: _render(console, result))
 
 

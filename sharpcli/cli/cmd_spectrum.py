@@ -9,7 +9,14 @@ import typer
 from sharpcli import catalogue
 from sharpcli.cli import choices, common, hvp_option, lazyhelp, runner
 from sharpcli.cli.group import app
+from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
+
+# the commands of this module, each declared beside its function (sharpcli.catalogue.COMMANDS)
+EIGEN = "eigen"
+TRACE = "trace"
+GN_NME = "gn-nme"
+DENSITY = "density"
 
 
 def _operator_help() -> str:
@@ -112,7 +119,14 @@ def _positive(value, option: str, strict: bool = True) -> None:
     common.require(value is None or (value > 0 if strict else value >= 0), "must be > 0", option)
 
 
-@common.analysis_command(app, "eigen")
+@declare(
+    "command",
+    EIGEN,
+    "Largest or smallest curvature eigenvalues (how sharp the minimum is).",
+    paper="Lanczos1950",
+    info={"order": 2, "reports_eigenvalues": True},
+)
+@common.analysis_command(app, EIGEN)
 def eigen_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -190,7 +204,7 @@ def eigen_command(
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
-    report = session.report("eigen", settings, results, matvecs=matvecs)
+    report = session.report(EIGEN, settings, results, matvecs=matvecs)
 
     def render(console):
         rows = [
@@ -231,7 +245,14 @@ def eigen_command(
     return runner.Outcome(report, render)
 
 
-@common.analysis_command(app, "trace")
+@declare(
+    "command",
+    TRACE,
+    "Trace of the curvature: the sum of all its eigenvalues.",
+    paper="Hutchinson1989",
+    info={"order": 3, "reports_trace": True},
+)
+@common.analysis_command(app, TRACE)
 def trace_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -294,7 +315,7 @@ def trace_command(
             )
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
-    report = session.report("trace", settings, results, matvecs=matvecs)
+    report = session.report(TRACE, settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
@@ -347,7 +368,14 @@ def trace_command(
     return runner.Outcome(report, render)
 
 
-@common.analysis_command(app, "gn-nme")
+@declare(
+    "command",
+    GN_NME,
+    "Split the Hessian into its Gauss-Newton and nonlinear parts.",
+    paper="NME",
+    info={"order": 4},
+)
+@common.analysis_command(app, GN_NME)
 def gn_nme_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -401,7 +429,7 @@ def gn_nme_command(
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report("gn-nme", settings, results, matvecs=results["matvecs"])
+    report = session.report(GN_NME, settings, results, matvecs=results["matvecs"])
 
     def render(console):
         # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
@@ -440,7 +468,14 @@ def gn_nme_command(
     return runner.Outcome(report, render)
 
 
-@common.analysis_command(app, "density")
+@declare(
+    "command",
+    DENSITY,
+    "The whole eigenvalue spectrum, estimated and plotted.",
+    paper="Ghorbani2019",
+    info={"order": 5},
+)
+@common.analysis_command(app, DENSITY)
 def density_command(
     opts: common.CommonOptions,
     checkpoint: common.CheckpointArg,
@@ -518,7 +553,7 @@ def density_command(
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results.get("matvecs", 0) + sum(b["matvecs"] for b in results.get("blocks", []))
-    report = session.report("density", settings, results, matvecs=matvecs)
+    report = session.report(DENSITY, settings, results, matvecs=matvecs)
 
     def render(console):
         summary = {

@@ -8,13 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TRACE_KEY, TRAIN
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
 from sharpcli.cli.train_options import SWEEP_OPTIONS, TrainOptions, regularizer_option
+from sharpcli.registry import declare
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.report.tables import records_table
 from sharpcli.training.config import TrainConfig, validate_config
+
+SWEEP = "sweep"
 
 # the TrainConfig fields --set may set (the regularizers and the seed are the sweep's own)
 _SETTABLE = tuple(f.name for f in fields(TrainConfig) if f.name not in ("regs", "seed"))
@@ -57,7 +61,13 @@ def _set_value(raw: str, key: str):
         return raw
 
 
-@app.command("sweep", cls=lazyhelp.LazyHelpCommand)
+@declare(
+    "command",
+    SWEEP,
+    "Train and measure over a grid of regularizer settings and seeds.",
+    info={"order": 14, "panel": "Sweep", "runs": "sharpcli.training.sweep:run_sweep"},
+)
+@app.command(SWEEP, cls=lazyhelp.LazyHelpCommand)
 @with_options(train=SWEEP_OPTIONS)
 def sweep_command(
     *,
@@ -95,10 +105,10 @@ def sweep_command(
         typer.Option(
             "--metrics",
             metavar="NAME,...",
-            autocompletion=choices.list_completer(catalogue.METRICS),
+            autocompletion=choices.list_completer(catalogue.METRICS.names()),
             help="Analyses per run, as analyze --metrics.",
         ),
-    ] = "eigen,trace",
+    ] = ",".join(catalogue.DEFAULT_METRICS),
     out_dir: Annotated[
         str,
         typer.Option(
@@ -178,7 +188,7 @@ def sweep_command(
             "metrics": metrics,
             "out_dir": out_dir,
             "max_runs": max_runs,
-            "train": cfg.to_dict(),
+            TRAIN: cfg.to_dict(),
         }
         results = {
             "runs": result.runs,
@@ -203,7 +213,7 @@ def sweep_command(
         }
         results["kendall"] = kendall
         report = make_report(
-            "sweep",
+            SWEEP,
             settings=settings,
             results=results,
             environment=environment_info(cfg.device, cfg.dtype),
@@ -215,7 +225,7 @@ def sweep_command(
                 + ["seeds"]
                 + [
                     f"{k}_{s}"
-                    for k in ("test_accuracy", "lambda_max", "trace", "frobenius_sq")
+                    for k in ("test_accuracy", "lambda_max", TRACE_KEY, "frobenius_sq")
                     for s in ("mean", "std")
                 ]
             )
@@ -250,7 +260,7 @@ def sweep_command(
         return runner.Outcome(report, render)
 
     runner.run_command(
-        "sweep", json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
+        SWEEP, json_out, quiet, body, threads=threads, debug=debug, aliases=_set_aliases()
     )
 
 

@@ -8,10 +8,24 @@ from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
 from sharpcli.cli.train_options import TrainOptions
 from sharpcli.errors import EXIT_NUMERICAL
+from sharpcli.registry import declare
 from sharpcli.report.tables import FitTable, fmt, records_table
 
+TRAIN = "train"
 
-@app.command("train", cls=lazyhelp.LazyHelpCommand)
+
+@declare(
+    "command",
+    TRAIN,
+    "Train a model, optionally under a sharpness regularizer.",
+    info={
+        "order": 1,
+        "panel": "Training",
+        "runs": "sharpcli.training.loop:train",
+        "reports_regularizers": True,
+    },
+)
+@app.command(TRAIN, cls=lazyhelp.LazyHelpCommand)
 @with_options(opts=TrainOptions)
 def train_command(opts: TrainOptions) -> None:
     """Train a model, optionally under sharpness regularizers; write a checkpoint."""
@@ -67,7 +81,7 @@ def train_command(opts: TrainOptions) -> None:
     # the library names subset sizes `samples`: here they are --track-samples
     aliases = {"samples": "--track-samples"}
     runner.run_command(
-        "train",
+        TRAIN,
         opts.json,
         opts.quiet,
         body,

@@ -259,7 +259,7 @@ class CommonOptions:
     x_key: str | None = option(XKeyOpt, None)
     y_key: str | None = option(YKeyOpt, None)
     shift_labels: bool | None = option(ShiftLabelsOpt, None)
-    split: str = option(SplitOpt, "train")
+    split: str = option(SplitOpt, catalogue.TRAIN)
     samples: int | None = option(SamplesOpt, None)
     batch_size: int = option(BatchSizeOpt, 256)
     device: str = option(DeviceOpt, "cpu")

@@ -37,14 +37,9 @@ from sharpcli import catalogue
 WORKFLOW: dict[str, str] = {e.name: e.summary for e in catalogue.COMMANDS.entries()}
 # Panels in the order shown; a panel not listed here comes after the command's own.
 PANEL_ORDER = ("Arguments", "Model", "Data", "Output", "Run")
-# The panel of a command's options that declare none.
+# The panel of a command's options that declare none, where its declaration names one.
 OWN_PANEL: dict[str, str] = {
-    "train": "Training",
-    "sweep": "Sweep",
-    "compare": "Options",
-    "weight-rescale": "Rescaling",
-    "bound-check": "Bounds",
-    "activation-stats": "Statistics",
+    e.name: e.info["panel"] for e in catalogue.COMMANDS.entries() if "panel" in e.info
 }
 DEFAULT_OWN_PANEL = "Estimator"
 # The widest the names column gets; longer names wrap at the space before the placeholder.

@@ -127,7 +127,7 @@ TrackOpt = Annotated[
     typer.Option(
         "--track",
         metavar="NAME,...",
-        autocompletion=choices.list_completer(catalogue.TRACKABLE),
+        autocompletion=choices.list_completer(catalogue.TRACKABLE.names()),
         rich_help_panel="Training",
         help="Curvature recorded while training, e.g. --track eigen,trace.",
     ),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sharpcli import progress
+from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.scope import rademacher_like
 from sharpcli.curvature.tridiagonal import lanczos_tridiagonal, tridiagonal_eigh
 from sharpcli.errors import UsageError
@@ -81,7 +82,7 @@ class SpectralDensity:
             "nodes": self.nodes,
             "weights": self.weights,
             "grid": self.grid,
-            "density": self.density,
+            DENSITY_KEY: self.density,
             "sigma": self.sigma,
             "matvecs": self.matvecs,
             "lanczos_steps": self.lanczos_steps,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharpcli import memory
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.operators import CurvatureOperator
 from sharpcli.errors import UsageError
 
@@ -76,7 +77,7 @@ class TraceResult:
     matvecs: int
     samples: int
     estimator: str
-    quantity: str = "trace"
+    quantity: str = TRACE_KEY
     converged: bool = True
     tol: float | None = None
     by_layer: dict = field(default_factory=dict)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.catalogue.values import QUANTITIES, TRACE_KEY
 from sharpcli.curvature.operators import joint_matmat
 from sharpcli.curvature.probes import (
     check_budget,
@@ -33,8 +34,6 @@ from sharpcli.curvature.probes import (
 )
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import rademacher_like
-
-QUANTITIES = ("trace", "frobenius_sq")
 
 
 @dataclass
@@ -119,14 +118,14 @@ def gn_nme_split(
                 V = signs[:, first : first + columns].to(dtype=H.dtype, device=H.device)
                 HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
-                    rows[(name, "trace")].append(segment_sums(V * AV, blocks).T)
+                    rows[(name, TRACE_KEY)].append(segment_sums(V * AV, blocks).T)
                     rows[(name, "frobenius_sq")].append(segment_sums(AV * AV, blocks).T)
                 del V, HV, GV, NV
             matvecs += k
             drawn += k
             if not run.finished:  # somebody listens
-                mean, stderr = mean_stderr(torch.cat(rows[(HESSIAN, "trace")]))
-                n = sum(r.shape[0] for r in rows[(HESSIAN, "trace")])
+                mean, stderr = mean_stderr(torch.cat(rows[(HESSIAN, TRACE_KEY)]))
+                n = sum(r.shape[0] for r in rows[(HESSIAN, TRACE_KEY)])
                 report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
 
     # probe, H v, G v, N v and one elementwise product per column
@@ -143,7 +142,7 @@ def gn_nme_split(
             draw(pilot, run)
             plans = []
             for name in (HESSIAN, GGN):
-                mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
+                mean, stderr = mean_stderr(torch.cat(rows[(name, TRACE_KEY)]))
                 plans.append(
                     planned_probes(
                         float(mean[0]),
@@ -160,7 +159,7 @@ def gn_nme_split(
         draw(count, run)
         converged = True
         for name in (HESSIAN, GGN):
-            mean, stderr = mean_stderr(torch.cat(rows[(name, "trace")]))
+            mean, stderr = mean_stderr(torch.cat(rows[(name, TRACE_KEY)]))
             converged = converged and bool(stderr[0] <= tol * abs(mean[0]))
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     for name in SPLIT:
@@ -177,7 +176,7 @@ def gn_nme_split(
                     for i, layer in enumerate(blocks)
                 },
             }
-    hessian_trace = out.values[HESSIAN]["trace"]
+    hessian_trace = out.values[HESSIAN][TRACE_KEY]
     run.finish(
         matvecs,
         probes=out.samples,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.probes import (
     TraceResult,
     blocks_of,
@@ -83,7 +84,7 @@ class _Probes:
             for first in range(0, k, self.columns):
                 G = signs[:, first : first + self.columns].to(dtype=op.dtype, device=op.device)
                 AG = op.matmat(G)
-                left = G if self.quantity == "trace" else AG
+                left = G if self.quantity == TRACE_KEY else AG
                 rows.append(product_segment_sums(left, AG, self.blocks).T)
                 del G, AG, left
             drawn += k
@@ -112,7 +113,7 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     """
     check_budget(tol, max_matvecs, block_size)
     budget = int(max_matvecs)
-    name = "tr" if quantity == "trace" else "Tr(A^2)"
+    name = "tr" if quantity == TRACE_KEY else "Tr(A^2)"
     signs = op.shape[0] * int(block_size)  # a block's probes are drawn together, as int8
     # per column: the probe, its product and the product's per-parameter pieces while it is
     # assembled (autograd's results); the per-layer sums are taken a chunk at a time
@@ -193,7 +194,7 @@ def hutchinson(
     blocks = blocks_of(op, blocks)
     mean, stderr, matvecs, n, converged = _probe_loop(
         op,
-        "trace",
+        TRACE_KEY,
         tol=tol,
         max_matvecs=max_matvecs,
         seed=seed,

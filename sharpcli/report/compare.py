@@ -20,10 +20,12 @@ columns gather the same quantity from whichever command produced it, so that a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from sharpcli import catalogue, ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
+from sharpcli.catalogue.values import TRACE_KEY, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.report.envelope import validate_report
 
@@ -36,7 +38,7 @@ CANONICAL = (
     "test_accuracy",
     "loss",
     "lambda_max",
-    "trace",
+    TRACE_KEY,
     "frobenius_sq",
     "nme_share",
 )
@@ -109,19 +111,30 @@ def _joined(regs) -> str | None:
     return regs if isinstance(regs, str) and regs else None
 
 
+def _declared(command) -> Mapping:
+    """What the declaration of a report's command says of its report (``info``: whether its
+    settings hold the regularizers it trained with, its results the operator's eigenvalues or
+    trace); nothing for a command that is not built in."""
+    known = isinstance(command, str) and command in catalogue.COMMANDS.builtin_names()
+    return catalogue.COMMANDS.entry(command).info if known else {}
+
+
 def canonical_row(report: dict, name: str) -> dict:
     """The canonical columns of one report (None where the report does not say)."""
     res = report.get("results", {})
     settings = report.get("settings", {})
     command = report.get("command")
+    declared = _declared(command)
     split = _get(report, "data", "split")
     regs = (
-        settings.get("regs") if command == "train" else _get(report, "checkpoint", "train", "regs")
+        settings.get("regs")
+        if declared.get("reports_regularizers")
+        else _get(report, "checkpoint", TRAIN, "regs")
     )
     row = {"run": name, "command": command, "regularizers": _joined(regs)}
     row["train_accuracy"] = _number(_get(res, "final", "train_accuracy"))
     row["test_accuracy"] = _number(_get(res, "final", "test_accuracy"))
-    if row["train_accuracy"] is None and split == "train":
+    if row["train_accuracy"] is None and split == TRAIN:
         row["train_accuracy"] = _number(res.get("accuracy"))
     if row["test_accuracy"] is None and split == "test":
         row["test_accuracy"] = _number(res.get("accuracy"))
@@ -133,19 +146,22 @@ def canonical_row(report: dict, name: str) -> dict:
     lam = _number(_get(res, catalogue.HESSIAN, "lambda_max"))
     if (
         lam is None
-        and command == "eigen"
+        and declared.get("reports_eigenvalues")
         and settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN
     ):
         lam = _number(_get(res, "eigenvalues", 0))
     row["lambda_max"] = lam
-    tr = _number(_get(res, catalogue.HESSIAN, "trace"))
+    tr = _number(_get(res, catalogue.HESSIAN, TRACE_KEY))
     fro = _number(_get(res, catalogue.HESSIAN, "frobenius_sq"))
-    if command == "trace" and settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN:
+    if (
+        declared.get("reports_trace")
+        and settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN
+    ):
         if settings.get("square"):
-            fro = _number(_get(res, "trace"))
+            fro = _number(_get(res, TRACE_KEY))
         else:
-            tr = _number(_get(res, "trace"))
-    row["trace"], row["frobenius_sq"] = tr, fro
+            tr = _number(_get(res, TRACE_KEY))
+    row[TRACE_KEY], row["frobenius_sq"] = tr, fro
     row["nme_share"] = _number(res.get("nme_share"))
     return row
 

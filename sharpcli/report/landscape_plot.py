@@ -9,6 +9,7 @@ from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
 
+from sharpcli import catalogue
 from sharpcli.report.plots import _figure, _finite, _save
 
 __all__ = ["plot_landscape"]
@@ -34,7 +35,7 @@ def _axis_label(results: dict, axis: int) -> str:
     along = results["along"]
     if along == "checkpoint" and axis == 0:
         return "t: (1 - t) CKPT + t CKPT2"
-    if along == "eigen":
+    if along == catalogue.ALONG_EIGEN:
         return f"eigenvector {axis + 1} (unit norm)"
     return f"filter-normalized direction {axis + 1}"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sharpcli import catalogue
 from sharpcli.atomic import write_atomic
+from sharpcli.catalogue.values import DENSITY_KEY, TRACE_KEY
 from sharpcli.errors import UsageError
 
 FIGSIZE = (8.0, 5.0)
@@ -112,7 +113,7 @@ def _plot_tracked(cax, history: list[dict], tracked_keys: list[str]) -> None:
     cax.set_xlabel("epoch")
     cax.set_ylabel("curvature")
     cax.set_title("tracked curvature")
-    if any(k in tracked_keys for k in ("lambda_max", "trace", "frobenius_sq")):
+    if any(k in tracked_keys for k in ("lambda_max", TRACE_KEY, "frobenius_sq")):
         cax.set_yscale("symlog")
         cax.set_ylabel("curvature (symlog scale)")
     cax.legend(fontsize=8)
@@ -150,7 +151,7 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
 
 
 # The columns a compare scatter uses by default, in order of preference.
-SHARPNESS_COLUMNS = ("lambda_max", "trace", "frobenius_sq", "nme_share", "loss")
+SHARPNESS_COLUMNS = ("lambda_max", TRACE_KEY, "frobenius_sq", "nme_share", "loss")
 ACCURACY_COLUMNS = ("test_accuracy", "train_accuracy")
 
 
@@ -210,7 +211,7 @@ def plot_sweep(
     param: str,
     path: str | Path,
     accuracy_key: str = "test_accuracy",
-    sharpness_keys: tuple = ("lambda_max", "trace"),
+    sharpness_keys: tuple = ("lambda_max", TRACE_KEY),
 ) -> Path:
     """Accuracy and each sharpness measure against a swept hyper-parameter, one panel each
     (their scales differ), as the activation-decay paper's Fig. 2: points are means over
@@ -224,7 +225,7 @@ def plot_sweep(
     axes = list(axes) if len(keys) > 1 else [axes]
     xs = [r[param] for r in rows]
     seeds = sorted({int(r["seeds"]) for r in rows if r.get("seeds")})
-    labels = {"lambda_max": r"$\lambda_{\max}(H)$", "trace": r"tr$(H)$"}
+    labels = {"lambda_max": r"$\lambda_{\max}(H)$", TRACE_KEY: r"tr$(H)$"}
     for ax, key, color in zip(axes, keys, ("tab:blue", "tab:red", "tab:orange")):
         means = _finite([r.get(f"{key}_mean") for r in rows])
         stds = [v if v == v else 0.0 for v in _finite([r.get(f"{key}_std") for r in rows])]
@@ -260,7 +261,7 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     for key, label, style in (
         ("lambda_max", "lambda_max(H)", "o-"),
         ("invariant_lambda_max", "lambda_max(|w| H |w|) (ASAM)", "s--"),
-        ("trace", "tr(H)", "^:"),
+        (TRACE_KEY, "tr(H)", "^:"),
     ):
         points = [(r["alpha"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:
@@ -369,7 +370,7 @@ def plot_density(
     logarithmic y axis by default (as in [Ghorbani2019], Fig. 1), showing 8 decades below the
     peak."""
     plt, fig, ax = _figure()
-    density = list(results["density"])
+    density = list(results[DENSITY_KEY])
     # on a log axis, values far below the peak are broadening tails: leave them out (gaps)
     # rather than draw them as flat segments at an arbitrary floor
     floor = max(density, default=0.0) * 1e-8 if log_scale else float("-inf")
@@ -382,7 +383,7 @@ def plot_density(
     if log_scale:
         ax.set_yscale("log")
     ax.set_xlabel("eigenvalue")
-    ax.set_ylabel("density")
+    ax.set_ylabel(DENSITY_KEY)
     ax.set_title(
         title
         or f"spectral density (SLQ, {results.get('probes')} probe(s), "
@@ -420,14 +421,14 @@ def plot_block_densities(
     flat = list(axes.flat) if hasattr(axes, "flat") else [axes]
     small = max(5, 9 - ncols)
     for ax, block in zip(flat, blocks):
-        _log_curve(ax, block["grid"], block["density"], color="tab:blue", linewidth=1.0)
+        _log_curve(ax, block["grid"], block[DENSITY_KEY], color="tab:blue", linewidth=1.0)
         name = block["name"] if len(block["name"]) <= 28 else "..." + block["name"][-25:]
         ax.set_title(f"{name} ({block['numel']})", fontsize=small)
     diag = results["block_diagonal"]
     ax = flat[len(blocks)]
     _log_curve(ax, diag["grid"], diag["full_density"], color="black", linewidth=1.0, label="full")
     _log_curve(
-        ax, diag["grid"], diag["density"], color="tab:red", linewidth=1.0, label="block-diag."
+        ax, diag["grid"], diag[DENSITY_KEY], color="tab:red", linewidth=1.0, label="block-diag."
     )
     ax.set_title(f"full vs block-diagonal (JS {diag['js_distance_to_full']:.3g})", fontsize=small)
     ax.legend(fontsize=small)

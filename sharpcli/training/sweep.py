@@ -31,8 +31,10 @@ from pathlib import Path
 
 from sharpcli import SCHEMA_ID, __version__, catalogue, ledger, progress
 from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
+from sharpcli.analyses.sharpness import SHARPNESS
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.bounded import loads_json
+from sharpcli.catalogue.values import TEST, TRACE_KEY, TRAIN
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.io.datasets import parse_data_spec
 from sharpcli.report.compare import render
@@ -164,7 +166,7 @@ def run_sweep(
     ]
     _declare_outputs(out_dir, names)
     total = len(points) * len(seeds)
-    state = _SweepState(total, progress.start("sweep", total=total, unit="runs"))
+    state = _SweepState(total, progress.start(_sweep(), total=total, unit="runs"))
     analysis = {"metrics": metrics, "analyze_samples": analyze_samples}
     done_now = 0
     with state.meter:  # closed however the loop ends
@@ -191,6 +193,12 @@ def run_sweep(
             analyze_doc = _analyze_run(base, seed, analysis, name, files, train_doc)
             state.record(name, point, seed, train_doc, analyze_doc)
         return state.finish(out_dir, reg, grid, completed=True)
+
+
+def _sweep() -> str:
+    """The sweep command's name (declared beside the command, which runs :func:`run_sweep`):
+    the name of its progress run, and the key of each run's reports that names the run."""
+    return catalogue.command_running(run_sweep)
 
 
 def _declare_outputs(out_dir: Path, names: list[str]) -> None:
@@ -294,16 +302,16 @@ def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
         with publication(own=True):
             result = train(cfg, files.ckpt, resume=resume)
             train_doc = train_report(
-                result, {"sweep": name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
+                result, {_sweep(): name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
             )
             write_text_atomic(files.train_json, dumps(train_doc))
     except NumericalError as exc:
         record = {
             "schema": SCHEMA_ID,
-            "command": "train",
+            "command": catalogue.command_running(train),
             "version": __version__,
             "error": exc.to_json(),
-            "sweep": {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
+            _sweep(): {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
         }
         with publication(own=True):
             write_text_atomic(files.diverged_json, dumps(record))
@@ -329,7 +337,7 @@ def _analyze_run(
     def session_of(samples: int | None):
         return build_session(
             str(files.ckpt),
-            split="test" if has_test else "train",
+            split=TEST if has_test else TRAIN,
             samples=samples,
             dtype=base.dtype,
             device=base.device,
@@ -341,7 +349,7 @@ def _analyze_run(
     if analyze_samples is not None and session.num_samples > analyze_samples:
         session = session_of(analyze_samples)
     results, matvecs = analyze(session, metrics)
-    analyze_doc, _ = analyze_report(session, {**analysis, "sweep": name}, results, matvecs)
+    analyze_doc, _ = analyze_report(session, {**analysis, _sweep(): name}, results, matvecs)
     with publication(own=True):  # now: the run is complete, whatever happens to the sweep
         write_text_atomic(files.analyze_json, dumps(analyze_doc))
     return analyze_doc
@@ -396,7 +404,7 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
         "train_loss": final.get("train_loss"),
         "test_loss": final.get("test_loss"),
         "lambda_max": hessian.get("lambda_max"),
-        "trace": hessian.get("trace"),
+        TRACE_KEY: hessian.get(TRACE_KEY),
         "frobenius_sq": hessian.get("frobenius_sq"),
         "nme_share": res.get("nme_share"),
         **_flatness_columns(res),
@@ -406,8 +414,8 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
 # analyze's flatness metrics as sweep columns (only those the analysis reported), for the
 # Kendall tau table: (column, path in the analyze results)
 _FLATNESS_COLUMNS = (
-    ("adaptive_sharpness", ("sharpness", "worst_case")),
-    ("average_sharpness", ("sharpness", "average")),
+    ("adaptive_sharpness", (SHARPNESS, "worst_case")),
+    ("average_sharpness", (SHARPNESS, "average")),
     ("pac_bayes_flatness", ("pac_bayes", "plain", "flatness")),
     ("pac_bayes_mag_flatness", ("pac_bayes", "magnitude", "flatness")),
     ("fisher_rao_norm_sq", ("fisher_rao", "norm_sq")),
@@ -442,7 +450,7 @@ def _summary(runs: list[dict], grid: dict) -> list[dict]:
             "train_accuracy",
             "test_accuracy",
             "lambda_max",
-            "trace",
+            TRACE_KEY,
             "frobenius_sq",
             "nme_share",
         ):
@@ -475,7 +483,7 @@ def _finish(
         if completed:
             param = next(iter(grid))
             keys = (
-                ("lambda_max", "trace")
+                ("lambda_max", TRACE_KEY)
                 if any(r.get("trace_mean") is not None for r in summary)
                 else ("lambda_max",)
             )

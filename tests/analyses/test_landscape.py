@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharpcli.analyses.landscape import LandscapeConfig, grid_coordinates, landscape
+from sharpcli.analyses.landscape import LandscapeConfig, grid_coordinates, loss_landscape
 from sharpcli.analyses.landscape_directions import (
     filter_normalized_direction,
     load_directions,
@@ -51,7 +51,7 @@ def test_the_centre_is_the_checkpoint_and_every_point_a_direct_evaluation():
     x, y = _data()
     before = copy.deepcopy(model.state_dict())
     config = LandscapeConfig(dims=2, steps=5, span=0.5)
-    result, (d1, d2), names = landscape(model, AnalysisData(x, y, "cross-entropy", 7), config)
+    result, (d1, d2), names = loss_landscape(model, AnalysisData(x, y, "cross-entropy", 7), config)
     assert result.x == result.y == [-0.5, -0.25, 0.0, 0.25, 0.5]
     with torch.no_grad():
         direct = float(F.cross_entropy(model(x), y))
@@ -70,7 +70,9 @@ def test_the_line_between_two_checkpoints_is_the_interpolation():
     model, other = _net(0), _net(1)
     x, y = _data()
     config = LandscapeConfig(along="checkpoint", dims=1, steps=7)
-    result, _, _ = landscape(model, AnalysisData(x, y, "cross-entropy", 20), config, other=other)
+    result, _, _ = loss_landscape(
+        model, AnalysisData(x, y, "cross-entropy", 20), config, other=other
+    )
     assert result.x == pytest.approx([-0.5, -0.1666667, 0.1666667, 0.5, 0.8333333, 1.1666667, 1.5])
     w0, w1 = dict(model.named_parameters()), dict(other.named_parameters())
     for t, loss in zip(result.x, result.loss):
@@ -98,7 +100,7 @@ def test_eigen_directions_are_the_top_eigenvectors_of_a_dense_hessian():
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(16, 3, dtype=torch.float64, generator=gen), torch.randint(0, 3, (16,))
     config = LandscapeConfig(along="eigen", dims=2, steps=3, eig_tol=1e-10)
-    result, directions, _ = landscape(model, AnalysisData(x, y, "cross-entropy", 16), config)
+    result, directions, _ = loss_landscape(model, AnalysisData(x, y, "cross-entropy", 16), config)
     params = list(model.parameters())
     grads = torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True)
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -116,11 +118,11 @@ def test_saved_directions_redo_the_same_grid(tmp_path):
     model = _net()
     x, y = _data()
     data = AnalysisData(x, y, "cross-entropy", 20)
-    first, used, names = landscape(model, data, LandscapeConfig(dims=2, steps=3, seed=7))
+    first, used, names = loss_landscape(model, data, LandscapeConfig(dims=2, steps=3, seed=7))
     path = tmp_path / "d.safetensors"
     save_directions(path, names, used, first.directions)
     loaded, info = load_directions(path, model, names)
-    again, _, _ = landscape(
+    again, _, _ = loss_landscape(
         model, data, LandscapeConfig(along="file", dims=2, steps=3), directions=loaded,
         directions_info=info,
     )  # fmt: skip
@@ -133,7 +135,7 @@ def test_a_second_checkpoint_of_another_architecture_is_refused():
     x, y = _data()
     other = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)).double()
     with pytest.raises(UsageError) as info:
-        landscape(
+        loss_landscape(
             _net(), AnalysisData(x, y, "cross-entropy", 20),
             LandscapeConfig(along="checkpoint", dims=1, steps=3), other=other,
         )  # fmt: skip

@@ -24,13 +24,29 @@ def test_the_checked_in_index_is_fresh():
 
 def test_the_index_holds_each_kind_s_declarations_in_definition_order():
     found = generate.collect()
-    assert set(found) == {"diagonal estimator", "estimator", "operator", "regularizer"}
+    assert set(found) == {
+        "check",
+        "command",
+        "diagonal estimator",
+        "estimator",
+        "metric",
+        "operator",
+        "regularizer",
+        "trackable",
+    }
     assert [e.name for e in found["estimator"]] == list(catalogue.ESTIMATORS.builtin_names())
     # the default's module (hutchpp.py) first, then the one it builds on (trace.py), then the rest
     # (ggn_trace.py): the order of --estimator's help
     assert catalogue.ESTIMATORS.builtin_names() == ("hutchpp", "hutchinson", "gn-split", "exact")
     assert catalogue.DIAGONAL_ESTIMATORS.builtin_names()[0] == "hutchinson"  # the default
     assert catalogue.REGULARIZERS.builtin_names()[0] == "none"
+    # the commands in their declared places (the workflow order of ``sharp --help``), not in
+    # the order of their modules' names
+    for kind in ("check", "command", "metric"):
+        placed = found[kind]
+        assert [e.info["order"] for e in placed] == list(range(1, len(placed) + 1)), kind
+    assert catalogue.COMMANDS.builtin_names()[:3] == ("train", "eigen", "trace")
+    assert catalogue.METRICS.builtin_names()[:2] == ("eigen", "trace")  # across modules
     for kind, entries in found.items():
         assert tuple(entries) == DECLARED[kind]
         for entry in entries:  # each record points at the module that defines the object
@@ -78,3 +94,16 @@ def test_the_names_torch_free_modules_read_from_the_index_are_the_declared_ones(
 
     assert (catalogue.HESSIAN, catalogue.GGN, catalogue.NME) == operators.SPLIT
     assert catalogue.NO_REGULARIZER == NoRegularizer.name
+
+
+def test_each_command_s_library_function_names_it():
+    """A command that declares the library function it runs (``info["runs"]``) is named by it:
+    the function exists, and :func:`sharpcli.catalogue.command_running` finds the command."""
+    running = [e for e in catalogue.COMMANDS.entries() if "runs" in e.info]
+    assert len(running) >= 6
+    for entry in running:
+        function = registry.resolve(entry.info["runs"])
+        assert callable(function), entry.name
+        assert catalogue.command_running(function) == entry.name
+    with pytest.raises(LookupError, match="no command declares that it runs"):
+        catalogue.command_running(test_render_round_trips_every_field)

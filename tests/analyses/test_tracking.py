@@ -1,0 +1,52 @@
+"""The quantities ``sharp train --track`` records: each declared beside its code, dispatched by name.
+
+Every trackable writes the keys its declaration names, in the order a history row has always
+held them, and its numbers are the curvature's: lambda_max against the dense float64 Hessian
+by double backward, tr(G) + tr(N) = tr(H) on shared probes (the split's identity).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sharpcli import catalogue
+from sharpcli.analyses.tracking import measure
+from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+from sharpcli.errors import UsageError
+from tests.conftest import setup_and_reference
+
+RECORDED = (
+    "lambda_max",
+    "trace",
+    "frobenius_sq",
+    "ggn_trace",
+    "nme_trace",
+    "nme_share",
+    "adaptive_sharpness",
+)
+
+
+def _engine(model, x, y) -> CurvatureEngine:
+    data = AnalysisData(x, y, loss="cross-entropy", batch_size=64)
+    return CurvatureEngine(model, data, ParamScope.resolve(model, None))
+
+
+def test_every_trackable_writes_its_declared_keys_in_the_recorded_order():
+    model, x, y, H, _ = setup_and_reference("gelu")
+    names = list(catalogue.TRACKABLE.names())
+    out, products = measure(_engine(model, x, y), names)
+    assert tuple(out) == RECORDED  # the history's JSON and CSV keep this order
+    for entry in catalogue.TRACKABLE.entries():
+        alone, _ = measure(_engine(model, x, y), [entry.name])
+        assert tuple(alone) == entry.info["keys"], entry.name
+        assert all(alone[k] == out[k] for k in alone), entry.name  # seeded: the same numbers
+    assert out["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)
+    shared_trace = out["ggn_trace"] + out["nme_trace"]
+    assert out["nme_share"] == pytest.approx(out["nme_trace"] / shared_trace, rel=1e-12)
+    assert products > 0
+
+
+def test_an_unknown_quantity_names_the_accepted_ones():
+    with pytest.raises(UsageError, match="accepted: " + ", ".join(catalogue.TRACKABLE)):
+        measure(None, ["curvature"])
