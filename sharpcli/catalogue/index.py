@@ -17,6 +17,12 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.estimators:gn_split', paper='NME'),
         Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.estimators:exact_trace'),
     ),
+    'loss': (
+        Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),
+        Entry('mse', 'mean squared error (mean over the outputs) on regression targets', 'sharpcli.losses:mse', info={'classification': False}),
+        Entry('binary-cross-entropy', 'binary cross-entropy with logits: one logit per sample, labels 0/1', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
+        Entry('token-cross-entropy', 'cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored', 'sharpcli.losses:token_cross_entropy', info={'classification': True}),
+    ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
         Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 from sharpcli.specs import Param
 
@@ -14,38 +15,9 @@ __all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
 
 P = Param
 
-# the losses of the analyses and of training (sharpcli.losses); ``info``: whether the labels
-# are classes (accuracy is defined)
-LOSSES: Registry[Any] = Registry(
-    "loss",
-    source="loss",
-    entries=[
-        Entry(
-            "cross-entropy",
-            "softmax cross-entropy on (batch, classes) logits and class labels",
-            "sharpcli.losses",
-            info={"classification": True},
-        ),
-        Entry(
-            "mse",
-            "mean squared error (mean over the outputs) on regression targets",
-            "sharpcli.losses",
-            info={"classification": False},
-        ),
-        Entry(
-            "binary-cross-entropy",
-            "binary cross-entropy with logits: one logit per sample, labels 0/1",
-            "sharpcli.losses",
-            info={"classification": True},
-        ),
-        Entry(
-            "token-cross-entropy",
-            "cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored",
-            "sharpcli.losses",
-            info={"classification": True},
-        ),
-    ],
-)
+# the losses of the analyses and of training (sharpcli.losses, declared there); ``info``:
+# whether the labels are classes (accuracy is defined)
+LOSSES: Registry[Any] = Registry("loss", source="loss", entries=DECLARED.get("loss", ()))
 
 
 # ``--activation NAME[:beta=B]`` (sharpcli.models.activations), [NME] sections 4.3-4.4
