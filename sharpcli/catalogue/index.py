@@ -11,6 +11,13 @@ from sharpcli.registry import Entry
 from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
+    'activation': (
+        Entry('relu', 'ReLU', 'sharpcli.models.activations:ReLU'),
+        Entry('gelu', 'GELU', 'sharpcli.models.activations:GELU'),
+        Entry('beta-gelu', 'x Phi(beta x): GELU with sharpness beta', 'sharpcli.models.activations:BetaGELU', params=(Param('beta', 'float', 1.0, 'sharpness, > 0; 1 = GELU', positive=True),), paper='NME'),
+        Entry('augmented-relu', 'ReLU forward, a Gaussian of inverse width beta as its second derivative', 'sharpcli.models.activations:AugmentedReLU', params=(Param('beta', 'float', 1.0, 'inverse width of the Gaussian, > 0', positive=True),), paper='NME'),
+        Entry('diminished-gelu', 'GELU forward, no second derivative', 'sharpcli.models.activations:DiminishedGELU', paper='NME'),
+    ),
     'estimator': (
         Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.estimators:hutchpp_trace', paper='Hutch++'),
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.estimators:hutchinson_trace', paper='Hutchinson1989'),

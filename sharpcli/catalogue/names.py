@@ -9,45 +9,19 @@ from typing import Any
 
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
-from sharpcli.specs import Param
 
 __all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
 
-P = Param
 
 # the losses of the analyses and of training (sharpcli.losses, declared there); ``info``:
 # whether the labels are classes (accuracy is defined)
 LOSSES: Registry[Any] = Registry("loss", source="loss", entries=DECLARED.get("loss", ()))
 
 
-# ``--activation NAME[:beta=B]`` (sharpcli.models.activations), [NME] sections 4.3-4.4
+# ``--activation NAME[:beta=B]`` (sharpcli.models.activations, declared there), [NME]
+# sections 4.3-4.4
 ACTIVATIONS: Registry[Any] = Registry(
-    "activation",
-    source="activation",
-    entries=[
-        Entry("relu", "ReLU", "sharpcli.models.activations:ReLU"),
-        Entry("gelu", "GELU", "sharpcli.models.activations:GELU"),
-        Entry(
-            "beta-gelu",
-            "x Phi(beta x): GELU with sharpness beta",
-            "sharpcli.models.activations:BetaGELU",
-            (P("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
-            paper="NME",
-        ),
-        Entry(
-            "augmented-relu",
-            "ReLU forward, a Gaussian of inverse width beta as its second derivative",
-            "sharpcli.models.activations:AugmentedReLU",
-            (P("beta", "float", 1.0, "inverse width of the Gaussian, > 0", positive=True),),
-            paper="NME",
-        ),
-        Entry(
-            "diminished-gelu",
-            "GELU forward, no second derivative",
-            "sharpcli.models.activations:DiminishedGELU",
-            paper="NME",
-        ),
-    ],
+    "activation", source="activation", entries=DECLARED.get("activation", ())
 )
 
 # the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharpcli.errors import UsageError
-from sharpcli.models.activations import canonical_activation_spec
+from sharpcli.models.activations import DEFAULT_ACTIVATION, canonical_activation_spec
 
 __all__ = ["default_model_args", "image_hw", "model_input_shape", "validate_model_spec"]
 
@@ -46,7 +46,7 @@ _IMAGE_INPUT_ARGS = {
     "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
     "num_classes": _NUM_CLASSES_ARG,
 }
-_ACTIVATION_ARG = _Arg("activation", "relu", help="activation spec")
+_ACTIVATION_ARG = _Arg("activation", DEFAULT_ACTIVATION, help="activation spec")
 # The manipulations of sharpcli.models.manipulations (MAN), available on every architecture.
 _MANIPULATION_ARGS = {
     "mask_ratio": _Arg(

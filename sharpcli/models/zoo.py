@@ -32,7 +32,7 @@ from torch import nn
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.models.activations import make_activation
+from sharpcli.models.activations import DEFAULT_ACTIVATION, make_activation
 from sharpcli.models.manipulations import apply_manipulations
 from sharpcli.models.specs import image_hw, model_input_shape, validate_model_spec
 
@@ -60,7 +60,7 @@ class MLP(nn.Sequential):
         num_classes: int,
         depth: int = 2,
         width: int = 64,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         bias: bool = True,
         dropout: float = 0.0,
     ) -> None:
@@ -139,7 +139,7 @@ class SmallCNN(_FeaturesThenClassifier):
         image_size: tuple[int, int],
         num_classes: int,
         channels: Sequence[int] = (16, 32),
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         batch_norm: bool = False,
         dropout: float = 0.0,
     ) -> None:
@@ -177,7 +177,7 @@ class VGGSmall(_FeaturesThenClassifier):
         image_size: tuple[int, int],
         num_classes: int,
         width_multiplier: float = 1.0,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         batch_norm: bool = False,
         dropout: float = 0.0,
     ) -> None:
@@ -276,7 +276,7 @@ class CifarResNet(nn.Module):
         num_classes: int,
         depth: int = 20,
         width: int = 16,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
