@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ASCENT_SYNC",
     "CHECKS",
+    "CSV",
     "DEVICES",
     "DTYPES",
     "ENGINES",
@@ -27,13 +28,17 @@ __all__ = [
     "SCHEDULES",
     "SPLITS",
     "TABLE_FORMATS",
+    "TEST",
     "TOKEN_REDUCTIONS",
+    "TRAIN",
     "TRACKABLE",
     "WHICH",
 ]
 
-# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight
-SPLITS = ("train", "test")
+# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight; TRAIN and TEST also name
+# the files and folders that hold a split (CIFAR-100's train/test, a DatasetDict's splits)
+TRAIN, TEST = "train", "test"
+SPLITS = (TRAIN, TEST)
 DTYPES = ("float32", "float64")
 # torch device types offered by completion; any torch device string is accepted (cuda:1)
 DEVICES = ("cpu", "cuda", "mps")
@@ -75,4 +80,6 @@ TRACKABLE = ("eigen", "trace", "gn-nme", "frobenius", "sharpness")
 CHECKS = ("theorem2", "noise-stability")
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
-TABLE_FORMATS = ("table", "csv", "markdown", "json")
+# CSV: also the key of the landscape report's table file
+CSV = "csv"
+TABLE_FORMATS = ("table", CSV, "markdown", "json")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,6 +99,44 @@ class Dataset:
         if self.task == "classification":
             return int(self.num_classes)
         return 1 if self.y_train.dim() == 1 else int(self.y_train.shape[1])
+
+
+# the optional spec keys of the formats whose arrays are named (x and y by default)
+NAMED_KEYS = ("x_key", "y_key")
+
+
+def format_info(
+    order: int,
+    read: str,
+    *,
+    extensions: tuple[str, ...] = (),
+    spec_keys: tuple[str, ...] = (),
+    directory: bool = False,
+    test_split: str = "the folder holds no test files",
+) -> dict[str, Any]:
+    """The ``info`` of a data format's declaration (:class:`sharpcli.io.formats.DataFormat`).
+
+    Args:
+        order: where it is listed in messages and probed among the built-in formats (folder
+            layouts are probed in this order: CIFAR-10 batches win over a CIFAR-100 pair).
+        read: its reader, ``"module:function"``.
+        extensions: the lower-case file extensions, with their dot, routed to it.
+        spec_keys: the optional file-spec keys it reads.
+        directory: a folder layout rather than a single file.
+        test_split: how data in this format provides a test split (for the message when
+            one is missing).
+
+    Returns:
+        The ``info`` mapping.
+    """
+    return {
+        "order": order,
+        "read": read,
+        "extensions": extensions,
+        "spec_keys": spec_keys,
+        "directory": directory,
+        "test_split": test_split,
+    }
 
 
 def _how_to_add_test(spec: dict) -> str:
