@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from sharpcli.catalogue.index import DECLARED
-from sharpcli.registry import Entry, Registry
+from sharpcli.registry import Registry
 
-__all__ = ["DATASETS", "DATA_FORMATS"]
+__all__ = ["DATASETS", "DATA_FORMATS", "DEFAULT_DATASET"]
 
 
 # ``--data PATH`` (sharpcli.io.formats): each format declared on its probe (sharpcli.io.file_formats,
@@ -23,17 +23,11 @@ DATA_FORMATS: Registry[Any] = Registry(
     entries=sorted(DECLARED.get("data format", ()), key=lambda e: int(e.info["order"])),
 )
 
-# ``--data NAME[:k=v,...]``: the built-in synthetic datasets (sharpcli.io.datasets_builtin);
-# their parameters are typed and checked there
+# ``--data NAME[:k=v,...]``: the built-in synthetic datasets, declared on their generators in
+# sharpcli.io.datasets_builtin, which types and checks their parameters
 DATASETS: Registry[Any] = Registry(
-    "built-in dataset",
-    source="data",
-    entries=[
-        Entry("blobs", "a Gaussian mixture in R^dim", "sharpcli.io.datasets_builtin:make_blobs"),
-        Entry(
-            "images",
-            "channels x size x size images, one smooth template per class",
-            "sharpcli.io.datasets_builtin:make_images",
-        ),
-    ],
+    "built-in dataset", source="data", entries=DECLARED.get("built-in dataset", ())
 )
+# the default of ``--data`` (torch-free: TrainConfig's default); "" only while the index
+# holds no dataset (the generator remakes it)
+DEFAULT_DATASET = next((e.name for e in DATASETS.entries() if e.info.get("default")), "")

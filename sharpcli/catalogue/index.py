@@ -18,6 +18,10 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('augmented-relu', 'ReLU forward, a Gaussian of inverse width beta as its second derivative', 'sharpcli.models.activations:AugmentedReLU', params=(Param('beta', 'float', 1.0, 'inverse width of the Gaussian, > 0', positive=True),), paper='NME'),
         Entry('diminished-gelu', 'GELU forward, no second derivative', 'sharpcli.models.activations:DiminishedGELU', paper='NME'),
     ),
+    'built-in dataset': (
+        Entry('blobs', 'a Gaussian mixture in R^dim', 'sharpcli.io.datasets_builtin:make_blobs', info={'default': True}),
+        Entry('images', 'channels x size x size images, one smooth template per class', 'sharpcli.io.datasets_builtin:make_images'),
+    ),
     'data format': (
         Entry('arrow', 'Arrow file (a Hugging Face dataset shard): number and list-of-ids columns', 'sharpcli.io.datasets_arrow:is_arrow', info={'order': 4, 'read': 'sharpcli.io.datasets_arrow:read_arrow', 'extensions': ('.arrow',), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'use a save_to_disk DatasetDict folder with a test split'}),
         Entry('hf-dataset', 'Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)', 'sharpcli.io.datasets_arrow:is_hf_dataset_folder', info={'order': 7, 'read': 'sharpcli.io.datasets_arrow:read_hf_dataset_folder', 'extensions': (), 'spec_keys': ('x_key', 'y_key'), 'directory': True, 'test_split': 'save a DatasetDict with a test split'}),

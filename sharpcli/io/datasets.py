@@ -34,6 +34,7 @@ from sharpcli.bounded import check_data_path
 from sharpcli.catalogue import DATASETS
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
+    BLOBS,
     BUILTIN_ARGS,
     BUILTIN_NAMES,
     load_builtin,
@@ -57,7 +58,7 @@ __all__ = [
     "validate_for_model",
 ]
 
-DEFAULT_DATA = "blobs"
+DEFAULT_DATA = BLOBS
 
 
 def _parse_builtin_args(name: str, text: str) -> dict:

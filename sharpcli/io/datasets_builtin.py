@@ -26,12 +26,17 @@ import torch.nn.functional as F
 
 from sharpcli.errors import UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset
+from sharpcli.registry import declare
 
 MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a typo
 
+# the built-in datasets' names, each declared on its generator below; blobs is the default
+# of ``--data`` (sharpcli.io.datasets.DEFAULT_DATA, catalogue.DEFAULT_DATASET)
+BLOBS, IMAGES = "blobs", "images"
+
 # name -> {arg: (type, default)}
 BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
-    "blobs": {
+    BLOBS: {
         "n": (int, 2000),
         "dim": (int, 16),
         "classes": (int, 4),
@@ -39,7 +44,7 @@ BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
         "test_fraction": (float, 0.25),
         "separation": (float, 3.0),
     },
-    "images": {
+    IMAGES: {
         "n": (int, 1000),
         "size": (int, 8),
         "channels": (int, 3),
@@ -117,7 +122,7 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
         out["test_fraction"] == 0.0 or 1 <= n_test < out["n"],
         f"n={out['n']} with test_fraction={out['test_fraction']} leaves an empty split",
     )
-    if name == "blobs":
+    if name == BLOBS:
         need(out["dim"] >= 1, f"dim must be at least 1, got {out['dim']}")
         need(out["separation"] >= 0.0, f"separation must be >= 0, got {out['separation']}")
         elements = out["n"] * out["dim"]
@@ -138,6 +143,7 @@ def _balanced_labels(n: int, classes: int, generator: torch.Generator) -> torch.
     return (torch.arange(n, dtype=torch.int64) % classes)[torch.randperm(n, generator=generator)]
 
 
+@declare("built-in dataset", BLOBS, "a Gaussian mixture in R^dim", info={"default": True})
 def make_blobs(
     n: int, dim: int, classes: int, seed: int, separation: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +167,11 @@ def class_templates_images(
     return F.interpolate(patterns, size=(size, size), mode="bilinear", align_corners=False)
 
 
+@declare(
+    "built-in dataset",
+    IMAGES,
+    "channels x size x size images, one smooth template per class",
+)
 def make_images(
     n: int, size: int, channels: int, classes: int, seed: int, contrast: float, noise: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +190,7 @@ def make_images(
 def load_builtin(name: str, args: dict) -> Dataset:
     """Generate built-in dataset ``name`` with ``args`` (completed by ``resolve_builtin_args``)."""
     full = resolve_builtin_args(name, args)
-    if name == "blobs":
+    if name == BLOBS:
         x, y = make_blobs(full["n"], full["dim"], full["classes"], full["seed"], full["separation"])
     else:
         x, y = make_images(

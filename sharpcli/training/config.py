@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
+from sharpcli.catalogue.data import DEFAULT_DATASET
 from sharpcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class TrainConfig:
     model_factory: str | None = None  # module:function building the user's own model
     output: str | None = None  # which of the model's outputs are the logits
     penultimate: str | None = None  # module whose output activation decay penalises
-    data: str | dict = "blobs"
+    data: str | dict = DEFAULT_DATASET
     label_column: str | None = None
     epochs: int = 5
     batch_size: int = 64
