@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sharpcli import memory
+from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
 from sharpcli.curvature.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
@@ -216,7 +217,7 @@ def build_session(
     x_key: str | None = None,
     y_key: str | None = None,
     shift_labels: bool | None = None,
-    split: str = "train",
+    split: str = TRAIN,
     samples: int | None = None,
     batch_size: int = 256,
     device: str = "cpu",
@@ -244,7 +245,7 @@ def build_session(
     model without a double backward is accepted).
     """
 
-    if split not in ("train", "test"):
+    if split not in SPLITS:
         raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
     if batch_size < 1:
         raise UsageError("must be at least 1", source="batch_size")

@@ -42,6 +42,7 @@ from torch import nn
 from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
+from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.file_formats import PT
 from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
@@ -100,7 +101,7 @@ class LoadedCheckpoint:
             "sha256": self.sha256,
             "model": self.model_spec,
             "origin": self.origin,
-            "train": self.train_config,
+            TRAIN: self.train_config,
         }
         if self.notes:
             info["notes"] = list(self.notes)

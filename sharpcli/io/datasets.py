@@ -32,6 +32,7 @@ import torch
 from sharpcli import ledger
 from sharpcli.bounded import check_data_path
 from sharpcli.catalogue import DATASETS
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
     BLOBS,
@@ -408,9 +409,9 @@ def validate_for_model(
     """
     if isinstance(data, Dataset):
         source = source or data.source
-        pairs = [("train", data.x_train, data.y_train)]
+        pairs = [(TRAIN, data.x_train, data.y_train)]
         if data.x_test is not None:
-            pairs.append(("test", data.x_test, data.y_test))
+            pairs.append((TEST, data.x_test, data.y_test))
         task = data.task
     else:
         x, y = data

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from sharpcli.bounded import open_data_file, read_data_file
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import NAMED_KEYS, Dataset, format_info, read_failure
 from sharpcli.io.datasets_keyed import LABEL_KEYS, dataset_from_mapping
@@ -213,8 +214,8 @@ def _dict_splits(folder: str) -> tuple[str, str | None]:
     splits = [s for s in listed if isinstance(s, str) and os.path.basename(s) == s]
     if not splits:
         raise InputError("dataset_dict.json lists no split", source=folder)
-    train = "train" if "train" in splits else splits[0]
-    test = next((s for s in ("test", "validation") if s in splits and s != train), None)
+    train = TRAIN if TRAIN in splits else splits[0]
+    test = next((s for s in (TEST, "validation") if s in splits and s != train), None)
     return os.path.join(folder, train), (os.path.join(folder, test) if test else None)
 
 

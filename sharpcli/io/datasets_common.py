@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.losses import IGNORE_INDEX
 
@@ -73,9 +74,9 @@ class Dataset:
         A missing test split raises ``InputError`` naming the source; an unknown
         split name raises ``UsageError(source="split")``.
         """
-        if name == "train":
+        if name == TRAIN:
             return self.x_train, self.y_train
-        if name == "test":
+        if name == TEST:
             if self.x_test is None or self.y_test is None:
                 raise InputError(
                     f"has no test split ({_how_to_add_test(self.spec)})", source=self.source

@@ -41,6 +41,7 @@ from sharpcli.bounded import (
     open_data_file,
     read_data_file,
 )
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_arrow import ArrowColumns, table_has_list_columns
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
@@ -266,10 +267,10 @@ def read_npy_pair(spec: dict) -> Dataset:
     x, y = _read_npy(path), _read_npy(partner)
     x_test = y_test = None
     tests = [
-        os.path.join(os.path.dirname(p), os.path.basename(p).replace("train", "test"))
+        os.path.join(os.path.dirname(p), os.path.basename(p).replace(TRAIN, TEST))
         for p in (path, partner)
     ]
-    if "train" in os.path.basename(path) and all(os.path.isfile(t) for t in tests):
+    if TRAIN in os.path.basename(path) and all(os.path.isfile(t) for t in tests):
         for t in tests:
             check_data_path(t)
             ledger.record_input(t, "the test split of the `data` file")
@@ -508,14 +509,14 @@ def _split_rows(frame, path: str) -> tuple[np.ndarray, np.ndarray]:
         ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]],
         dtype=object,
     )
-    bad = ~np.isin(split, ["train", "test"])
+    bad = ~np.isin(split, [TRAIN, TEST])
     if bad.any():
         raise InputError(
             f"column 'split' has {int(bad.sum())} value(s) other than train or test (the first "
             f"in row {int(np.argmax(bad)) + 1}); expected train or test",
             source=path,
         )
-    is_train, is_test = split == "train", split == "test"
+    is_train, is_test = split == TRAIN, split == TEST
     if not is_train.any():
         raise InputError("column 'split' marks no row as train", source=path)
     return is_train, is_test
