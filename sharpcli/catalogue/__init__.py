@@ -32,7 +32,7 @@ from sharpcli.catalogue.curvature import (
     operator_table,
 )
 from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES
+from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, MODEL_NAMES, MODELS
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     GAP_KINDS,
@@ -52,7 +52,6 @@ from sharpcli.catalogue.values import (
     HVP_METHODS,
     METHODS,
     METRICS,
-    MODEL_NAMES,
     OPTIMIZERS,
     PRECISIONS,
     RESCALE_MODES,
@@ -87,6 +86,7 @@ __all__ = [
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
+    "MODELS",
     "NORM_LAYERS",
     "OPERATORS",
     "HESSIAN",
@@ -118,5 +118,6 @@ KINDS: dict[str, Registry[Any]] = {
     "data formats": DATA_FORMATS,
     "activations": ACTIVATIONS,
     "datasets": DATASETS,
+    "models": MODELS,
     "commands": COMMANDS,
 }

@@ -49,6 +49,12 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('binary-cross-entropy', 'binary cross-entropy with logits: one logit per sample, labels 0/1', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
         Entry('token-cross-entropy', 'cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored', 'sharpcli.losses:token_cross_entropy', info={'classification': True}),
     ),
+    'model': (
+        Entry('mlp', 'fully connected: depth hidden layers of width units, inputs flattened', 'sharpcli.models.zoo:MLP', info={'default': True}),
+        Entry('cnn', 'conv blocks with 2x2 max pooling, then a linear head', 'sharpcli.models.zoo:SmallCNN'),
+        Entry('vgg-small', 'VGG-small: four conv blocks of 64-128-256-512 channels times width_multiplier', 'sharpcli.models.zoo:VGGSmall', paper='MAN'),
+        Entry('resnet', 'CIFAR ResNet of depth 6n+2, option-A shortcuts', 'sharpcli.models.zoo:CifarResNet', paper='He2016'),
+    ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
         Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),

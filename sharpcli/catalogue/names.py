@@ -1,4 +1,4 @@
-"""The losses, the activations and the ``sharp`` commands.
+"""The losses, the activations, the models and the ``sharp`` commands.
 
 This module imports no torch.
 """
@@ -10,7 +10,7 @@ from typing import Any
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Entry, Registry
 
-__all__ = ["ACTIVATIONS", "COMMANDS", "LOSSES"]
+__all__ = ["ACTIVATIONS", "COMMANDS", "DEFAULT_MODEL", "LOSSES", "MODELS", "MODEL_NAMES"]
 
 
 # the losses of the analyses and of training (sharpcli.losses, declared there); ``info``:
@@ -23,6 +23,14 @@ LOSSES: Registry[Any] = Registry("loss", source="loss", entries=DECLARED.get("lo
 ACTIVATIONS: Registry[Any] = Registry(
     "activation", source="activation", entries=DECLARED.get("activation", ())
 )
+
+# ``--model NAME`` (sharpcli.models.zoo: each architecture declared on its class, whose ``ARGS``
+# are its spec's arguments)
+MODELS: Registry[Any] = Registry("model", source="model", entries=DECLARED.get("model", ()))
+MODEL_NAMES: tuple[str, ...] = MODELS.builtin_names()
+# the default of ``--model`` (torch-free: TrainConfig's default); "" only while the index holds
+# no model (the generator remakes it)
+DEFAULT_MODEL = next((e.name for e in MODELS.entries() if e.info.get("default")), "")
 
 # the ``sharp`` commands, in the order a person uses them (the order of ``sharp --help``)
 COMMANDS: Registry[Any] = Registry(

@@ -20,7 +20,6 @@ __all__ = [
     "HVP_METHODS",
     "METHODS",
     "METRICS",
-    "MODEL_NAMES",
     "OPTIMIZERS",
     "PRECISIONS",
     "ASCENT_SYNCS",
@@ -53,8 +52,7 @@ ENGINES = ("native", "pyhessian")
 HVP_METHODS = ("exact", "finite-difference")
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 
-# models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
-MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
+# models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
 # the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam):

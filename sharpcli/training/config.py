@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
 from sharpcli.catalogue.data import DEFAULT_DATASET
+from sharpcli.catalogue.names import DEFAULT_MODEL
 from sharpcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class TrainConfig:
     them back in their canonical spelling.
     """
 
-    model: str = "mlp"
+    model: str = DEFAULT_MODEL
     model_args: dict[str, Any] = field(default_factory=dict)
     model_factory: str | None = None  # module:function building the user's own model
     output: str | None = None  # which of the model's outputs are the logits
