@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import NONE
 from sharpcli.errors import UsageError
 from sharpcli.registry import Entry, declaration, declare
 
@@ -360,7 +361,7 @@ def cross_entropy() -> Loss:
     return _declared(
         cross_entropy,
         mean=lambda z, y: F.cross_entropy(z, y),
-        per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
+        per_sample=lambda z, y: F.cross_entropy(z, y, reduction=NONE),
         hessian_matvec=_softmax_matvec,
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
@@ -398,9 +399,9 @@ def mse() -> Loss:
     return _declared(
         mse,
         mean=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape)),
-        per_sample=lambda z, y: F.mse_loss(
-            z, y.to(z.dtype).reshape(z.shape), reduction="none"
-        ).mean(dim=1),
+        per_sample=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape), reduction=NONE).mean(
+            dim=1
+        ),
         hessian_matvec=lambda z, y, u: (2.0 / z.shape[-1]) * u,
         ggn_factor=_mse_factor,
         check=_mse_check,
@@ -445,7 +446,7 @@ def binary_cross_entropy() -> Loss:
     return _declared(
         binary_cross_entropy,
         mean=_bce,
-        per_sample=lambda z, y: _bce(z, y, reduction="none"),
+        per_sample=lambda z, y: _bce(z, y, reduction=NONE),
         hessian_matvec=lambda z, y, u: torch.sigmoid(z) * (1 - torch.sigmoid(z)) * u,
         ggn_factor=_bce_factor,
         correct=lambda z, y: (
@@ -534,7 +535,7 @@ def token_weights(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _token_per_sample(z, y):
     ce = F.cross_entropy(
-        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction=NONE
     ).reshape(y.shape)
     return (ce * token_weights(z, y)).sum(1)
 

@@ -20,6 +20,7 @@ __all__ = [
     "HVP_METHODS",
     "METHODS",
     "METRICS",
+    "NONE",
     "OPTIMIZERS",
     "PRECISIONS",
     "ASCENT_SYNCS",
@@ -28,6 +29,7 @@ __all__ = [
     "SPLITS",
     "TABLE_FORMATS",
     "TEST",
+    "TORCH_REDUCTIONS",
     "TOKEN_REDUCTIONS",
     "TRAIN",
     "TRACKABLE",
@@ -51,6 +53,12 @@ ENGINES = ("native", "pyhessian")
 # how a Hessian product is taken: sharpcli.curvature.finite_difference
 HVP_METHODS = ("exact", "finite-difference")
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
+
+# "none": torch's per-element reduction of a loss (a loss module given to sharp must take the
+# mean: sharpcli.io.in_memory; the per-sample losses are made from the per-element ones:
+# sharpcli.losses), and what a message says for an empty list
+NONE = "none"
+TORCH_REDUCTIONS = ("mean", "sum", NONE)
 
 # models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
 TOKEN_REDUCTIONS = ("tokens", "samples")

@@ -32,6 +32,7 @@ import re
 
 import torch
 
+from sharpcli.catalogue.values import NONE
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import Dataset, as_tensor, finalize_dataset
 
@@ -72,7 +73,7 @@ def show_keys(keys) -> str:
     text = ", ".join(shown[:20]) + (f" and {len(shown) - 20} more" if len(shown) > 20 else "")
     if hidden:
         text += f"{', ' if text else ''}{hidden} key(s) not shown (not plain names)"
-    return text or "none"
+    return text or NONE
 
 
 def split_key_option(value) -> tuple[str, ...] | None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from sharpcli.catalogue.values import NONE
 from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading, read_loss
 from sharpcli.losses import (
@@ -78,7 +79,7 @@ def _batch_parts(batch, index: int) -> tuple:
     if isinstance(batch, Mapping):
         found = [key for key in LABEL_KEYS if key in batch]
         if len(found) != 1:
-            keys = ", ".join(map(str, batch)) or "none"
+            keys = ", ".join(map(str, batch)) or NONE
             problem = "both" if found else "neither"
             raise UsageError(
                 f"{where} is a dict with {problem} of the label keys `labels` and `y` (keys: "

@@ -64,7 +64,10 @@ class TrainConfig:
     repeat_batch: int = 1
     noise_finetune: float = 0.0
     seed: int = 0
-    regs: list[Regularizer] = field(default_factory=lambda: ["none"])  # type: ignore[list-item]
+    # the default regularizer, declared first: plain loss
+    regs: list[Regularizer] = field(
+        default_factory=lambda: list(catalogue.REGULARIZERS.builtin_names()[:1])  # type: ignore[arg-type]
+    )
     dtype: str = "float32"
     # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
     precision: str = "fp32"

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from torch import nn
 
+from sharpcli.catalogue.values import NONE
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.training.replay import RngReplay, model_facts
@@ -508,7 +509,7 @@ class StepEngine:
         n = len(self._objectives)
         for objective_value in host[:n]:
             if not math.isfinite(objective_value):
-                regs = ", ".join(p.name for p in self.penalties) or "none"
+                regs = ", ".join(p.name for p in self.penalties) or NONE
                 raise NumericalError(
                     f"the training objective became {objective_value} (regularizers: {regs}); "
                     "lower the learning rate or the regularization strength",
