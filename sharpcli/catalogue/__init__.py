@@ -4,7 +4,8 @@ One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.re
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
 implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
-estimators and curvature operators are declared beside their code
+estimators, curvature operators, losses, activations, data formats, built-in datasets and
+models are declared beside their code
 (:func:`sharpcli.registry.declare`); :mod:`sharpcli.catalogue.index` is generated from those
 declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
 (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
@@ -12,8 +13,8 @@ them. Everything that lists names reads them from here: the CLI's choices, ``--h
 completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
-formats, built-in datasets), ``names`` (losses, activations, commands), ``values`` (closed
-value sets). None imports torch: ``sharp --help`` reads them.
+formats, built-in datasets), ``names`` (losses, activations, models, commands), ``values``
+(closed value sets). None imports torch: ``sharp --help`` reads them.
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ from sharpcli.catalogue.curvature import (
     operator_help,
     operator_table,
 )
-from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
-from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, MODEL_NAMES, MODELS
+from sharpcli.catalogue.data import DATA_FORMATS, DATASETS, DEFAULT_DATASET
+from sharpcli.catalogue.names import (
+    ACTIVATIONS,
+    COMMANDS,
+    DEFAULT_MODEL,
+    LOSSES,
+    MODEL_NAMES,
+    MODELS,
+)
 from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     GAP_KINDS,
@@ -71,6 +79,8 @@ __all__ = [
     "COMMANDS",
     "DATASETS",
     "DATA_FORMATS",
+    "DEFAULT_DATASET",
+    "DEFAULT_MODEL",
     "DEVICES",
     "DIAGONAL_ESTIMATORS",
     "DTYPES",
