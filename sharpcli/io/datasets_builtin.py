@@ -19,11 +19,13 @@ samples are the train split, the rest the test split.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset
 from sharpcli.registry import declare
@@ -190,18 +192,9 @@ def make_images(
 def load_builtin(name: str, args: dict) -> Dataset:
     """Generate built-in dataset ``name`` with ``args`` (completed by ``resolve_builtin_args``)."""
     full = resolve_builtin_args(name, args)
-    if name == BLOBS:
-        x, y = make_blobs(full["n"], full["dim"], full["classes"], full["seed"], full["separation"])
-    else:
-        x, y = make_images(
-            full["n"],
-            full["size"],
-            full["channels"],
-            full["classes"],
-            full["seed"],
-            full["contrast"],
-            full["noise"],
-        )
+    generate = catalogue.DATASETS.get(name)
+    taken = inspect.signature(generate).parameters  # test_fraction splits what it makes
+    x, y = generate(**{key: value for key, value in full.items() if key in taken})
     n_test = round(full["n"] * full["test_fraction"])
     n_train = full["n"] - n_test
     x_test, y_test = (x[n_train:], y[n_train:]) if n_test else (None, None)
