@@ -104,6 +104,8 @@ class Dataset:
 
 # the optional spec keys of the formats whose arrays are named (x and y by default)
 NAMED_KEYS = ("x_key", "y_key")
+# how a folder layout without its test files provides a test split: it does not
+_NO_TEST_FILES = "the folder holds no test files"
 
 
 def format_info(
@@ -113,7 +115,7 @@ def format_info(
     extensions: tuple[str, ...] = (),
     spec_keys: tuple[str, ...] = (),
     directory: bool = False,
-    test_split: str = "the folder holds no test files",
+    test_split: str = _NO_TEST_FILES,
 ) -> dict[str, Any]:
     """The ``info`` of a data format's declaration (:class:`sharpcli.io.formats.DataFormat`).
 
@@ -147,7 +149,7 @@ def _how_to_add_test(spec: dict) -> str:
         return "use test_fraction > 0"
     name = spec.get("format") if isinstance(spec, dict) else None
     if not isinstance(name, str) or name not in catalogue.DATA_FORMATS:
-        return "the folder holds no test files"
+        return _NO_TEST_FILES
     return catalogue.DATA_FORMATS.entry(name).info["test_split"]
 
 

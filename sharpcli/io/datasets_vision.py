@@ -63,7 +63,8 @@ _MNIST_STEMS = {
     (TEST, "image"): ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
     (TEST, "label"): ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
 }
-# what messages call an image folder's arrays: images, labels, test images, test labels
+# what messages call an image folder's arrays: images, labels, test images, test labels (made
+# from their parts: the plural alone is the built-in dataset `images`, declared elsewhere)
 _ARRAY_NAMES = tuple(f"{split}{held}s" for split in ("", "test ") for held in ("image", "label"))
 
 # the layouts' names, which read_cifar dispatches on
