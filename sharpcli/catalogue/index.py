@@ -19,8 +19,8 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('diminished-gelu', 'GELU forward, no second derivative', 'sharpcli.models.activations:DiminishedGELU', paper='NME'),
     ),
     'built-in dataset': (
-        Entry('blobs', 'a Gaussian mixture in R^dim', 'sharpcli.io.datasets_builtin:make_blobs', info={'default': True}),
-        Entry('images', 'channels x size x size images, one smooth template per class', 'sharpcli.io.datasets_builtin:make_images'),
+        Entry('blobs', 'a Gaussian mixture in R^dim', 'sharpcli.io.datasets_builtin:make_blobs', params=(Param('n', 'int', 2000, 'samples, both splits'), Param('dim', 'int', 16, 'features'), Param('classes', 'int', 4, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('separation', 'float', 3.0, 'norm of the class means')), info={'default': True}),
+        Entry('images', 'channels x size x size images, one smooth template per class', 'sharpcli.io.datasets_builtin:make_images', params=(Param('n', 'int', 1000, 'samples, both splits'), Param('size', 'int', 8, 'image side'), Param('channels', 'int', 3, 'image channels'), Param('classes', 'int', 10, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('contrast', 'float', 0.25, 'scale of the class templates'), Param('noise', 'float', 0.5, 'standard deviation of the pixel noise'))),
     ),
     'data format': (
         Entry('arrow', 'Arrow file (a Hugging Face dataset shard): number and list-of-ids columns', 'sharpcli.io.datasets_arrow:is_arrow', info={'order': 4, 'read': 'sharpcli.io.datasets_arrow:read_arrow', 'extensions': ('.arrow',), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'use a save_to_disk DatasetDict folder with a test split'}),

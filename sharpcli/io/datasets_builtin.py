@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset
-from sharpcli.registry import declare
+from sharpcli.registry import Entry, declaration, declare
+from sharpcli.specs import Param
 
 MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a typo
 
@@ -36,28 +40,13 @@ MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a
 # of ``--data`` (sharpcli.io.datasets.DEFAULT_DATA, catalogue.DEFAULT_DATASET)
 BLOBS, IMAGES = "blobs", "images"
 
-# name -> {arg: (type, default)}
-BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
-    BLOBS: {
-        "n": (int, 2000),
-        "dim": (int, 16),
-        "classes": (int, 4),
-        "seed": (int, 0),
-        "test_fraction": (float, 0.25),
-        "separation": (float, 3.0),
-    },
-    IMAGES: {
-        "n": (int, 1000),
-        "size": (int, 8),
-        "channels": (int, 3),
-        "classes": (int, 10),
-        "seed": (int, 0),
-        "test_fraction": (float, 0.25),
-        "contrast": (float, 0.25),
-        "noise": (float, 0.5),
-    },
-}
-BUILTIN_NAMES = tuple(BUILTIN_ARGS)
+# the arguments every built-in dataset takes, in the order messages list them
+_N, _CLASSES = (
+    Param("n", "int", 2000, "samples, both splits"),
+    Param("classes", "int", 4, "classes"),
+)
+_SEED = Param("seed", "int", 0, "seed of the generator")
+_TEST_FRACTION = Param("test_fraction", "float", 0.25, "share of the samples in the test split")
 
 
 def _convert(name: str, key: str, value, kind: type):
@@ -145,7 +134,20 @@ def _balanced_labels(n: int, classes: int, generator: torch.Generator) -> torch.
     return (torch.arange(n, dtype=torch.int64) % classes)[torch.randperm(n, generator=generator)]
 
 
-@declare("built-in dataset", BLOBS, "a Gaussian mixture in R^dim", info={"default": True})
+@declare(
+    "built-in dataset",
+    BLOBS,
+    "a Gaussian mixture in R^dim",
+    params=(
+        _N,
+        Param("dim", "int", 16, "features"),
+        _CLASSES,
+        _SEED,
+        _TEST_FRACTION,
+        Param("separation", "float", 3.0, "norm of the class means"),
+    ),
+    info={"default": True},
+)
 def make_blobs(
     n: int, dim: int, classes: int, seed: int, separation: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +175,16 @@ def class_templates_images(
     "built-in dataset",
     IMAGES,
     "channels x size x size images, one smooth template per class",
+    params=(
+        replace(_N, default=1000),
+        Param("size", "int", 8, "image side"),
+        Param("channels", "int", 3, "image channels"),
+        replace(_CLASSES, default=10),
+        _SEED,
+        _TEST_FRACTION,
+        Param("contrast", "float", 0.25, "scale of the class templates"),
+        Param("noise", "float", 0.5, "standard deviation of the pixel noise"),
+    ),
 )
 def make_images(
     n: int, size: int, channels: int, classes: int, seed: int, contrast: float, noise: float
@@ -187,6 +199,20 @@ def make_images(
         + noise * torch.randn(n, channels, size, size, generator=generator)
     )
     return x, y
+
+
+def _arguments(generator: Callable[..., Any]) -> dict[str, tuple[type, object]]:
+    """``{arg: (type, default)}`` of a generator's declared parameters, in their order."""
+    entry = cast("tuple[str, Entry]", declaration(generator))[1]
+    return {p.name: (int if p.kind == "int" else float, p.default) for p in entry.params}
+
+
+# name -> {arg: (type, default)}, from the declarations
+BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
+    BLOBS: _arguments(make_blobs),
+    IMAGES: _arguments(make_images),
+}
+BUILTIN_NAMES = tuple(BUILTIN_ARGS)
 
 
 def load_builtin(name: str, args: dict) -> Dataset:
