@@ -13,10 +13,10 @@ from sharpcli.registry import Registry
 __all__ = ["DATASETS", "DATA_FORMATS", "DEFAULT_DATASET"]
 
 
-# ``--data PATH`` (sharpcli.io.formats): each format declared on its probe (sharpcli.io.file_formats,
-# datasets_arrow, datasets_vision). ``info["order"]`` matters twice: it is the order of the lists
-# in messages, and folder layouts are probed in it (CIFAR-10 batches win over a CIFAR-100
-# train/test pair in the same folder).
+# ``--data PATH`` (sharpcli.io.formats): each format declared on its probe
+# (sharpcli.io.file_formats, datasets_arrow, datasets_vision). ``info["order"]`` matters twice:
+# it is the order of the lists in messages, and folder layouts are probed in it (CIFAR-10
+# batches win over a CIFAR-100 train/test pair in the same folder).
 DATA_FORMATS: Registry[Any] = Registry(
     "data format",
     source="data",

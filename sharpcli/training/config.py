@@ -35,6 +35,11 @@ OPTIMIZERS = catalogue.OPTIMIZERS
 SCHEDULES = catalogue.SCHEDULES
 
 
+def _default_regularizers() -> list[Any]:
+    """The regularizer declared first (plain loss), as a spec that TrainConfig parses."""
+    return list(catalogue.REGULARIZERS.builtin_names()[:1])
+
+
 @dataclass
 class TrainConfig:
     """Everything that determines a training run; stored in the checkpoint's ``sharpcli.train``.
@@ -64,10 +69,7 @@ class TrainConfig:
     repeat_batch: int = 1
     noise_finetune: float = 0.0
     seed: int = 0
-    # the default regularizer, declared first: plain loss
-    regs: list[Regularizer] = field(
-        default_factory=lambda: list(catalogue.REGULARIZERS.builtin_names()[:1])  # type: ignore[arg-type]
-    )
+    regs: list[Regularizer] = field(default_factory=_default_regularizers)
     dtype: str = "float32"
     # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
     precision: str = "fp32"
