@@ -5,22 +5,10 @@ The analysis loss is ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``, a mean ov
 loss is a :class:`Loss` record in :data:`LOSSES` carrying everything about itself: the batch
 mean, the per-sample loss, ``H_z u`` and a square-root factor of ``H_z = d^2 l / dz^2`` for
 the exact Gauss-Newton trace ([Schraudolph2002]; ``tr(J^T H_z J) = sum_c ||J^T s_c||^2`` when
-``H_z = sum_c s_c s_c^T``), how it counts correct predictions (accuracy is defined by the loss: correct over the
-predictions it counts, one per sample or one per labelled position), and which outputs and
-labels it accepts.
-
-- ``cross-entropy``: ``l = -log softmax(z)_y``, z (B, C), integer y; ``H_z = diag(p) - p p^T``.
-- ``mse``: ``l = (1/C) ||z - y||^2`` (torch's ``mse_loss``, mean over the C outputs);
-  ``H_z = (2/C) I``.
-- ``binary-cross-entropy``: one logit per sample, y in {0, 1}:
-  ``l = softplus(z) - y z`` (``binary_cross_entropy_with_logits``); ``H_z = s(z)(1 - s(z))``.
-- ``token-cross-entropy``: sequence outputs z (B, T, V) and token labels y (B, T), positions
-  labelled ``-100`` ignored: ``l_i = w_i sum_{t valid} -log softmax(z_it)_{y_it}`` with
-  ``w_i = 1/n_i`` (``n_i`` the sample's valid positions; per-sample averaging) or
-  ``w_i = 1/nbar`` (``nbar`` the mean valid positions per sample of the analysis or training
-  set: the mean over all labelled tokens, the default; :func:`set_token_reduction`,
-  :func:`token_reduction`);
-  ``H_z`` is block diagonal over positions, ``w_i (diag p_t - p_t p_t^T)``.
+``H_z = sum_c s_c s_c^T``), how it counts correct predictions (accuracy is defined by the
+loss: correct over the predictions it counts, one per sample or one per labelled position),
+and which outputs and labels it accepts. Each built-in is declared with its builder below,
+whose docstring gives its formula.
 """
 
 from __future__ import annotations
@@ -30,6 +18,7 @@ import contextvars
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +26,14 @@ import torch.nn.functional as F
 from sharpcli import catalogue
 from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.errors import UsageError
-from sharpcli.registry import Entry
+from sharpcli.registry import Entry, declaration, declare
 
 __all__ = [
+    "BINARY_CROSS_ENTROPY",
+    "CROSS_ENTROPY",
     "IGNORE_INDEX",
+    "MSE",
+    "TOKEN_CROSS_ENTROPY",
     "LabelSampler",
     "LOSSES",
     "TOKEN_REDUCTIONS",
@@ -57,6 +50,10 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100  # token labels to skip (the convention of torch and HuggingFace)
+
+# the built-in losses' names, each declared below with its builder (other modules import them)
+CROSS_ENTROPY, MSE = "cross-entropy", "mse"
+BINARY_CROSS_ENTROPY, TOKEN_CROSS_ENTROPY = "binary-cross-entropy", "token-cross-entropy"
 
 
 @dataclass(frozen=True)
@@ -233,13 +230,13 @@ BERNOULLI = LabelSampler("uniform", True, _bernoulli_labels)
 GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 
 
-# The losses by name: sharpcli.catalogue.LOSSES, whose records the built-ins below match.
-LOSSES = catalogue.LOSSES
+LOSSES = catalogue.LOSSES  # the losses by name, the built-ins declared below
 
 
-def _check_loss(entry: Entry, loss: Loss) -> Loss:
-    """A loss is a :class:`Loss` under its own name; a built-in's description and
-    ``classification`` are its catalogue record's."""
+def _check_loss(entry: Entry, loss: Loss | Callable[[], Loss]) -> Loss:
+    """A :class:`Loss` under its own name (a built-in's declared builder makes it), as its record."""
+    if not isinstance(loss, Loss) and declaration(loss) is not None:
+        loss = loss()
     if not isinstance(loss, Loss) or loss.name != entry.name:
         raise LOSSES.error(f"loss {entry.name!r}: register a Loss under its own name")
     declared = (entry.summary, entry.info.get("classification", loss.classification))
@@ -252,6 +249,12 @@ LOSSES.check = _check_loss
 LOSSES.make_entry = lambda name, loss: Entry(
     name, loss.description, info={"classification": loss.classification}
 )
+
+
+def _declared(builder: Callable[[], Loss], **parts) -> Loss:
+    """A built-in's Loss: name, description and ``classification`` from its builder's declaration."""
+    entry = cast("tuple[str, Entry]", declaration(builder))[1]
+    return Loss(entry.name, entry.summary, bool(entry.info["classification"]), **parts)
 
 
 def register_loss(loss: Loss, *, replace: bool = False) -> Loss:
@@ -347,11 +350,16 @@ def _class_check(z, y):
     return None
 
 
-register_loss(
-    Loss(
-        "cross-entropy",
-        "softmax cross-entropy on (batch, classes) logits and class labels",
-        True,
+@declare(
+    "loss",
+    CROSS_ENTROPY,
+    "softmax cross-entropy on (batch, classes) logits and class labels",
+    info={"classification": True},
+)
+def cross_entropy() -> Loss:
+    """``l = -log softmax(z)_y``, z (B, C), integer y; ``H_z = diag(p) - p p^T``."""
+    return _declared(
+        cross_entropy,
         mean=lambda z, y: F.cross_entropy(z, y),
         per_sample=lambda z, y: F.cross_entropy(z, y, reduction=UNREDUCED),
         hessian_matvec=_softmax_matvec,
@@ -361,7 +369,6 @@ register_loss(
         sampler=CATEGORICAL,
         softmax=True,
     )
-)
 
 
 # --------------------------------------------------------------------------- mse
@@ -381,11 +388,16 @@ def _mse_check(z, y):
     return None
 
 
-register_loss(
-    Loss(
-        "mse",
-        "mean squared error (mean over the outputs) on regression targets",
-        False,
+@declare(
+    "loss",
+    MSE,
+    "mean squared error (mean over the outputs) on regression targets",
+    info={"classification": False},
+)
+def mse() -> Loss:
+    """``l = (1/C) ||z - y||^2`` (torch's ``mse_loss``, mean over the C outputs); ``H_z = (2/C) I``."""
+    return _declared(
+        mse,
         mean=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape)),
         per_sample=lambda z, y: F.mse_loss(
             z, y.to(z.dtype).reshape(z.shape), reduction=UNREDUCED
@@ -395,7 +407,6 @@ register_loss(
         check=_mse_check,
         sampler=GAUSSIAN,
     )
-)
 
 
 # --------------------------------------------------------------------------- binary cross-entropy
@@ -423,11 +434,17 @@ def _bce_check(z, y):
     return None
 
 
-register_loss(
-    Loss(
-        "binary-cross-entropy",
-        "binary cross-entropy with logits: one logit per sample, labels 0/1",
-        True,
+@declare(
+    "loss",
+    BINARY_CROSS_ENTROPY,
+    "binary cross-entropy with logits: one logit per sample, labels 0/1",
+    info={"classification": True},
+)
+def binary_cross_entropy() -> Loss:
+    """One logit per sample, y in {0, 1}: ``l = softplus(z) - y z``
+    (``binary_cross_entropy_with_logits``); ``H_z = s(z)(1 - s(z))``."""
+    return _declared(
+        binary_cross_entropy,
         mean=_bce,
         per_sample=lambda z, y: _bce(z, y, reduction=UNREDUCED),
         hessian_matvec=lambda z, y, u: torch.sigmoid(z) * (1 - torch.sigmoid(z)) * u,
@@ -439,7 +456,6 @@ register_loss(
         check=_bce_check,
         sampler=BERNOULLI,
     )
-)
 
 
 # --------------------------------------------------------------------------- token cross-entropy
@@ -558,11 +574,21 @@ def _token_correct(z, y):
     return ((z.argmax(-1) == y) & valid).sum(), valid.sum()
 
 
-register_loss(
-    Loss(
-        "token-cross-entropy",
-        "cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored",
-        True,
+@declare(
+    "loss",
+    TOKEN_CROSS_ENTROPY,
+    "cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored",
+    info={"classification": True},
+)
+def token_cross_entropy() -> Loss:
+    """Sequence outputs z (B, T, V) and token labels y (B, T), positions labelled ``-100``
+    ignored: ``l_i = w_i sum_{t valid} -log softmax(z_it)_{y_it}`` with ``w_i = 1/n_i``
+    (``n_i`` the sample's valid positions; per-sample averaging) or ``w_i = 1/nbar`` (``nbar``
+    the mean valid positions per sample of the analysis or training set: the mean over all
+    labelled tokens, the default; :func:`set_token_reduction`, :func:`token_reduction`);
+    ``H_z`` is block diagonal over positions, ``w_i (diag p_t - p_t p_t^T)``."""
+    return _declared(
+        token_cross_entropy,
         mean=lambda z, y: _token_per_sample(z, y).mean(),
         per_sample=_token_per_sample,
         hessian_matvec=_token_matvec,
@@ -573,4 +599,3 @@ register_loss(
         per_token=True,
         softmax=True,
     )
-)

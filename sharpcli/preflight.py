@@ -28,7 +28,7 @@ from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is whe
     prepare_features,
     to_analysis_dtype,
 )
-from sharpcli.losses import get_loss
+from sharpcli.losses import BINARY_CROSS_ENTROPY, CROSS_ENTROPY, MSE, TOKEN_CROSS_ENTROPY, get_loss
 from sharpcli.models.activations import (
     ALTERED_DERIVATIVE_TYPES,
     intended_derivative_error,
@@ -91,8 +91,8 @@ def loss_for_task(task: str, per_position: bool = False) -> str:
     """The default loss of ``task``: ``mse`` for regression, ``cross-entropy`` otherwise, and
     ``token-cross-entropy`` for class labels ``per_position`` (``(N, T)``, a sequence model's)."""
     if task == "regression":
-        return "mse"
-    return "token-cross-entropy" if per_position else "cross-entropy"
+        return MSE
+    return TOKEN_CROSS_ENTROPY if per_position else CROSS_ENTROPY
 
 
 def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> str:
@@ -103,12 +103,12 @@ def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> str:
     logit per sample; ``cross-entropy`` otherwise.
     """
     if task == "regression":
-        return "mse"
+        return MSE
     if out.ndim == 3 and y.ndim == 2:
-        return "token-cross-entropy"
+        return TOKEN_CROSS_ENTROPY
     if out.ndim == 1 or (out.ndim == 2 and out.shape[1] == 1):
-        return "binary-cross-entropy"
-    return "cross-entropy"
+        return BINARY_CROSS_ENTROPY
+    return CROSS_ENTROPY
 
 
 def check_model_accepts(

@@ -18,13 +18,21 @@ import torch
 from torch import nn
 
 from sharpcli import memory
+from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
 from sharpcli.curvature.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
-from sharpcli.losses import IGNORE_INDEX, LOSSES, get_loss, set_token_reduction
+from sharpcli.losses import (
+    CROSS_ENTROPY,
+    IGNORE_INDEX,
+    LOSSES,
+    TOKEN_CROSS_ENTROPY,
+    get_loss,
+    set_token_reduction,
+)
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector
 from sharpcli.preflight import (
     SECOND_DERIVATIVE_SAMPLES,
@@ -175,7 +183,7 @@ def _analysis_loss(
     name = loss or stored
     if name is None:
         many = dataset.task != "regression" and out.ndim >= 3
-        name = "cross-entropy" if many else infer_loss(dataset.task, out, y)
+        name = CROSS_ENTROPY if many else infer_loss(dataset.task, out, y)
 
     def mismatch(problem: str) -> InputError:
         if loss is None and stored is not None:  # the checkpoint's loss does not fit the data
@@ -209,7 +217,7 @@ def build_session(
     x_key: str | None = None,
     y_key: str | None = None,
     shift_labels: bool | None = None,
-    split: str = "train",
+    split: str = TRAIN,
     samples: int | None = None,
     batch_size: int = 256,
     device: str = "cpu",
@@ -237,7 +245,7 @@ def build_session(
     model without a double backward is accepted).
     """
 
-    if split not in ("train", "test"):
+    if split not in SPLITS:
         raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
     if batch_size < 1:
         raise UsageError("must be at least 1", source="batch_size")
@@ -302,7 +310,7 @@ def build_session(
         raise UsageError(
             "cross-entropy on outputs (N, C, d1, ..., dk) is the mean over every labelled "
             "position, as torch computes it; `token_reduction=samples` is for "
-            "token-cross-entropy",
+            f"{TOKEN_CROSS_ENTROPY}",
             source="token_reduction",
         )
     if reading.reshapes:  # outputs and labels as the registered loss takes them

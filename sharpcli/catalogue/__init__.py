@@ -3,18 +3,21 @@
 One :class:`~sharpcli.registry.Registry` per kind holds the :class:`~sharpcli.registry.Entry`
 of each built-in: name, one-line summary, typed parameters with defaults and ranges, the
 paper key of docs/references.md, data-parallel exactness where it applies, and the
-implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace and
-diagonal estimators and curvature operators are declared beside their code
-(:func:`sharpcli.registry.declare`), and the names that torch-free modules use (``HESSIAN``,
-``NO_REGULARIZER``) are read from their records; :mod:`sharpcli.catalogue.index` is generated from those
+implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
+and diagonal estimators, curvature operators, losses, activations, data formats,
+built-in datasets, models, commands, metrics, tracked quantities and checks are declared
+beside their code (:func:`sharpcli.registry.declare`), and the names that torch-free
+modules use (``HESSIAN``, ``NO_REGULARIZER``) are read from their records;
+:mod:`sharpcli.catalogue.index` is generated from those
 declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
 (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
 them. Everything that lists names reads them from here: the CLI's choices, ``--help``, shell
 completion and metavars, the docs' tables and the report schema.
 
 Modules: ``regularizers`` (``--reg``), ``curvature`` (operators, estimators), ``data`` (data
-formats, built-in datasets), ``names`` (losses, activations, commands), ``measures`` (the
-metrics of ``analyze``), ``values`` (closed value sets). None imports torch: ``sharp --help`` reads them.
+formats, built-in datasets), ``names`` (losses, activations, models, commands),
+``measures`` (the metrics of ``analyze``), ``values`` (closed value sets). None imports
+torch: ``sharp --help`` reads them.
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ from sharpcli.catalogue.curvature import (
     operator_help,
     operator_table,
 )
-from sharpcli.catalogue.data import DATA_FORMATS, DATASETS
+from sharpcli.catalogue.data import DATA_FORMATS, DATASETS, DEFAULT_DATASET
 from sharpcli.catalogue.measures import CHECKS, DEFAULT_METRICS, METRICS, TRACKABLE
-from sharpcli.catalogue.names import ACTIVATIONS, COMMANDS, LOSSES, command_running
+from sharpcli.catalogue.names import (
+    ACTIVATIONS,
+    COMMANDS,
+    DEFAULT_MODEL,
+    LOSSES,
+    MODEL_NAMES,
+    MODELS,
+    command_running,
+)
 from sharpcli.catalogue.regularizers import NO_REGULARIZER, REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     ALONG_EIGEN,
@@ -59,7 +70,6 @@ from sharpcli.catalogue.values import (
     GGN_SAMPLED,
     HVP_METHODS,
     METHODS,
-    MODEL_NAMES,
     OPTIMIZERS,
     PRECISIONS,
     RESCALE_MODES,
@@ -81,7 +91,9 @@ __all__ = [
     "COMMANDS",
     "DATASETS",
     "DATA_FORMATS",
+    "DEFAULT_DATASET",
     "DEFAULT_METRICS",
+    "DEFAULT_MODEL",
     "DEVICES",
     "DIAGONAL_ESTIMATORS",
     "DTYPES",
@@ -103,6 +115,7 @@ __all__ = [
     "METHODS",
     "METRICS",
     "MODEL_NAMES",
+    "MODELS",
     "NORM_LAYERS",
     "NO_REGULARIZER",
     "OPERATORS",
@@ -138,5 +151,6 @@ KINDS: dict[str, Registry[Any]] = {
     "data formats": DATA_FORMATS,
     "activations": ACTIVATIONS,
     "datasets": DATASETS,
+    "models": MODELS,
     "commands": COMMANDS,
 }

@@ -11,6 +11,17 @@ from sharpcli.registry import Entry
 from sharpcli.specs import Param
 
 DECLARED: dict[str, tuple[Entry, ...]] = {
+    'activation': (
+        Entry('relu', 'ReLU', 'sharpcli.models.activations:ReLU'),
+        Entry('gelu', 'GELU', 'sharpcli.models.activations:GELU'),
+        Entry('beta-gelu', 'x Phi(beta x): GELU with sharpness beta', 'sharpcli.models.activations:BetaGELU', params=(Param('beta', 'float', 1.0, 'sharpness, > 0; 1 = GELU', positive=True),), paper='NME'),
+        Entry('augmented-relu', 'ReLU forward, a Gaussian of inverse width beta as its second derivative', 'sharpcli.models.activations:AugmentedReLU', params=(Param('beta', 'float', 1.0, 'inverse width of the Gaussian, > 0', positive=True),), paper='NME'),
+        Entry('diminished-gelu', 'GELU forward, no second derivative', 'sharpcli.models.activations:DiminishedGELU', paper='NME'),
+    ),
+    'built-in dataset': (
+        Entry('blobs', 'a Gaussian mixture in R^dim', 'sharpcli.io.datasets_builtin:make_blobs', params=(Param('n', 'int', 2000, 'samples, both splits'), Param('dim', 'int', 16, 'features'), Param('classes', 'int', 4, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('separation', 'float', 3.0, 'norm of the class means')), info={'default': True}),
+        Entry('images', 'channels x size x size images, one smooth template per class', 'sharpcli.io.datasets_builtin:make_images', params=(Param('n', 'int', 1000, 'samples, both splits'), Param('size', 'int', 8, 'image side'), Param('channels', 'int', 3, 'image channels'), Param('classes', 'int', 10, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('contrast', 'float', 0.25, 'scale of the class templates'), Param('noise', 'float', 0.5, 'standard deviation of the pixel noise'))),
+    ),
     'check': (
         Entry('theorem2', 'AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2', 'sharpcli.analyses.theorem2:theorem2_check', paper='AD', info={'order': 1}),
         Entry('noise-stability', 'NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)', 'sharpcli.analyses.noise_stability:noise_stability_check', paper='NSO', info={'order': 2}),
@@ -31,6 +42,21 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('compare', 'Runs side by side in one table and plot.', 'sharpcli.cli.cmd_compare:compare_command', info={'order': 13, 'panel': 'Options'}),
         Entry('sweep', 'Train and measure over a grid of regularizer settings and seeds.', 'sharpcli.cli.cmd_sweep:sweep_command', info={'order': 14, 'panel': 'Sweep', 'runs': 'sharpcli.training.sweep:run_sweep'}),
     ),
+    'data format': (
+        Entry('safetensors', 'safetensors file with tensors x, y (optional x_test, y_test) or named keys', 'sharpcli.io.file_formats:is_safetensors', info={'order': 0, 'read': 'sharpcli.io.datasets_files:read_tensor_file', 'extensions': ('.safetensors',), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'add tensors x_test and y_test (or <key>_test for named keys)'}),
+        Entry('pt', 'torch.save dict of tensors x, y (optional x_test, y_test) or named keys; a TensorDataset with trust_pickle', 'sharpcli.io.file_formats:is_torch_file', info={'order': 1, 'read': 'sharpcli.io.datasets_files:read_tensor_file', 'extensions': ('.pt', '.pth'), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'add tensors x_test and y_test (or <key>_test for named keys)'}),
+        Entry('npz', 'numpy.savez archive with arrays x, y (optional x_test, y_test) or named keys', 'sharpcli.io.file_formats:is_npz', info={'order': 2, 'read': 'sharpcli.io.datasets_files:read_tensor_file', 'extensions': ('.npz',), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'add tensors x_test and y_test (or <key>_test for named keys)'}),
+        Entry('npy', 'numpy .npy features beside their labels file (x.npy and y.npy, X_train.npy and y_train.npy)', 'sharpcli.io.file_formats:is_npy', info={'order': 3, 'read': 'sharpcli.io.datasets_files:read_npy_pair', 'extensions': ('.npy',), 'spec_keys': ('y_key',), 'directory': False, 'test_split': 'add the test files (train -> test in both names)'}),
+        Entry('arrow', 'Arrow file (a Hugging Face dataset shard): number and list-of-ids columns', 'sharpcli.io.datasets_arrow:is_arrow', info={'order': 4, 'read': 'sharpcli.io.datasets_arrow:read_arrow', 'extensions': ('.arrow',), 'spec_keys': ('x_key', 'y_key'), 'directory': False, 'test_split': 'use a save_to_disk DatasetDict folder with a test split'}),
+        Entry('csv', 'csv table: numeric feature columns, a label column, an optional split column', 'sharpcli.io.file_formats:is_csv', info={'order': 5, 'read': 'sharpcli.io.datasets_files:read_table', 'extensions': ('.csv',), 'spec_keys': ('label_column',), 'directory': False, 'test_split': "add a column named 'split' with values train/test"}),
+        Entry('parquet', 'parquet table: numeric feature columns, a label column, an optional split column; list columns (token ids) as named keys', 'sharpcli.io.file_formats:is_parquet', info={'order': 6, 'read': 'sharpcli.io.datasets_files:read_table', 'extensions': ('.parquet',), 'spec_keys': ('label_column', 'x_key', 'y_key'), 'directory': False, 'test_split': "add a column named 'split' with values train/test"}),
+        Entry('hf-dataset', 'Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)', 'sharpcli.io.datasets_arrow:is_hf_dataset_folder', info={'order': 7, 'read': 'sharpcli.io.datasets_arrow:read_hf_dataset_folder', 'extensions': (), 'spec_keys': ('x_key', 'y_key'), 'directory': True, 'test_split': 'save a DatasetDict with a test split'}),
+        Entry('cifar10-python', 'CIFAR-10 python batches (cifar-10-batches-py)', 'sharpcli.io.datasets_vision:is_cifar10_python', info={'order': 8, 'read': 'sharpcli.io.datasets_vision:read_cifar', 'extensions': (), 'spec_keys': (), 'directory': True, 'test_split': 'the folder holds no test files'}),
+        Entry('cifar10-binary', 'CIFAR-10 binary batches (cifar-10-batches-bin)', 'sharpcli.io.datasets_vision:is_cifar10_binary', info={'order': 9, 'read': 'sharpcli.io.datasets_vision:read_cifar', 'extensions': (), 'spec_keys': (), 'directory': True, 'test_split': 'the folder holds no test files'}),
+        Entry('cifar100-binary', 'CIFAR-100 binary train/test files (cifar-100-binary); fine or coarse labels', 'sharpcli.io.datasets_vision:is_cifar100_binary', info={'order': 10, 'read': 'sharpcli.io.datasets_vision:read_cifar', 'extensions': (), 'spec_keys': ('label_column',), 'directory': True, 'test_split': 'the folder holds no test files'}),
+        Entry('cifar100-python', 'CIFAR-100 python train/test pickles (cifar-100-python); fine or coarse labels', 'sharpcli.io.datasets_vision:is_cifar100_python', info={'order': 11, 'read': 'sharpcli.io.datasets_vision:read_cifar', 'extensions': (), 'spec_keys': ('label_column',), 'directory': True, 'test_split': 'the folder holds no test files'}),
+        Entry('mnist-idx', 'MNIST-family idx files, plain or .gz (MNIST, Fashion-MNIST, KMNIST)', 'sharpcli.io.datasets_vision:is_mnist_idx', info={'order': 12, 'read': 'sharpcli.io.datasets_vision:read_mnist', 'extensions': (), 'spec_keys': (), 'directory': True, 'test_split': 'the folder holds no test files'}),
+    ),
     'diagonal estimator': (
         Entry('hutchinson', 'mean of v * (A v) over Rademacher probes, per-entry standard errors', 'sharpcli.curvature.diagonal:hutchinson_estimate', paper='Bekas2007', info={'default': True, 'operator': 'hessian'}),
         Entry('exact', '(A e_j)_j, one product per parameter (small scopes)', 'sharpcli.curvature.diagonal:exact_estimate', info={'operator': 'hessian'}),
@@ -43,6 +69,12 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
         Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.ggn_trace:exact_trace'),
     ),
+    'loss': (
+        Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),
+        Entry('mse', 'mean squared error (mean over the outputs) on regression targets', 'sharpcli.losses:mse', info={'classification': False}),
+        Entry('binary-cross-entropy', 'binary cross-entropy with logits: one logit per sample, labels 0/1', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
+        Entry('token-cross-entropy', 'cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored', 'sharpcli.losses:token_cross_entropy', info={'classification': True}),
+    ),
     'metric': (
         Entry('eigen', 'the largest Hessian eigenvalues, by Lanczos', 'sharpcli.analyses.analyze:eigen_metric', paper='Lanczos1950', info={'order': 1, 'default': True, 'keys': ('hessian.lambda_max', 'hessian.eigenvalues', 'hessian.eigenvalues.*', 'hessian.eigen_residuals', 'hessian.eigen_residuals.*')}),
         Entry('trace', 'tr(H) by Hutch++, and per layer', 'sharpcli.analyses.analyze:trace_metric', paper='Hutch++', info={'order': 2, 'default': True, 'keys': ('hessian.trace', 'hessian.trace_stderr', 'hessian.trace_by_layer.*')}),
@@ -52,6 +84,12 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('sharpness', 'adaptive l2 sharpness at rho 0.05: worst case (Auto-PGD) and average case', 'sharpcli.analyses.sharpness:sharpness_metric', paper='Andriushchenko2023', info={'order': 6, 'keys': ('sharpness.worst_case', 'sharpness.worst_case_stderr', 'sharpness.worst_case_loss_perturbed', 'sharpness.average', 'sharpness.average_stderr', 'sharpness.average_loss_perturbed', 'sharpness.rho')}),
         Entry('pac-bayes', 'the PAC-Bayes sigma and flatness 1/sigma^2, plain and magnitude-aware, by bisection', 'sharpcli.analyses.analyze:pac_bayes_metric', paper='Jiang2019', info={'order': 7, 'keys': ('pac_bayes.plain.*', 'pac_bayes.magnitude.*')}),
         Entry('fisher-rao', "the Fisher-Rao norm theta^T F theta, and with the data's labels", 'sharpcli.analyses.analyze:fisher_rao_metric', paper='Liang2019', info={'order': 8, 'keys': ('fisher_rao.norm_sq', 'fisher_rao.norm_sq_empirical')}),
+    ),
+    'model': (
+        Entry('mlp', 'fully connected: depth hidden layers of width units, inputs flattened', 'sharpcli.models.zoo:MLP', info={'default': True}),
+        Entry('cnn', 'conv blocks with 2x2 max pooling, then a linear head', 'sharpcli.models.zoo:SmallCNN'),
+        Entry('vgg-small', 'VGG-small: four conv blocks of 64-128-256-512 channels times width_multiplier', 'sharpcli.models.zoo:VGGSmall', paper='MAN'),
+        Entry('resnet', 'CIFAR ResNet of depth 6n+2, option-A shortcuts', 'sharpcli.models.zoo:CifarResNet', paper='He2016'),
     ),
     'operator': (
         Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),

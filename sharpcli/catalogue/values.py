@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "ASCENT_SYNC",
+    "CSV",
     "DENSITY_CURVE",
     "DENSITY_KEY",
     "DEVICES",
@@ -33,7 +34,6 @@ __all__ = [
     "HVP_METHODS",
     "METHODS",
     "MODEL_REGULARIZATION_ARGS",
-    "MODEL_NAMES",
     "NONE_LISTED",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -85,8 +85,7 @@ TRACE_KEY, FROBENIUS_SQ_KEY = QUANTITIES
 DENSITY_CURVE = ("grid", "density")
 GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
-# models and training: sharpcli.models.zoo, sharpcli.losses, sharpcli.training.config
-MODEL_NAMES = ("mlp", "cnn", "vgg-small", "resnet")
+# models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
 # the model arguments a regularizer of kind `model` sets (sharpcli.models.specs): `dropout`,
 # set by the regularizer of that name (sharpcli.training.penalties.decay:Dropout)
 MODEL_REGULARIZATION_ARGS = ("dropout",)
@@ -106,7 +105,9 @@ ASCENT_SYNCS = ("per-replica", "global")
 # train's tracked quantities, bound-check's checks: sharpcli.catalogue.measures)
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
-TABLE_FORMATS = ("table", "csv", "markdown", "json")
+# CSV: also the key of the landscape report's table file
+CSV = "csv"
+TABLE_FORMATS = ("table", CSV, "markdown", "json")
 
 # torch's options as sharp passes them, and a message's word for an empty list: spelled like the
 # regularizer `none`, so named once, here

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sharpcli.atomic import write_text_atomic
+from sharpcli.catalogue.values import CSV
 from sharpcli.cli import choices, common, lazyhelp, runner
 from sharpcli.cli.group import app
 from sharpcli.registry import declare
@@ -121,7 +122,7 @@ def compare_command(
         cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
         frame = compare_table(list(reports), columns=cols, sort=sort)
         records = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
-        text = render(frame, "csv" if fmt == "table" else fmt)
+        text = render(frame, CSV if fmt == "table" else fmt)
         if out is not None:
             write_text_atomic(out, text)
         if plot is not None:

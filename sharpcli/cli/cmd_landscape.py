@@ -17,6 +17,7 @@ import typer
 
 from sharpcli import catalogue, distributed, ledger
 from sharpcli.atomic import write_text_atomic
+from sharpcli.catalogue.values import CSV
 from sharpcli.cli import choices, common, runner
 from sharpcli.cli.group import app
 from sharpcli.errors import UsageError
@@ -149,7 +150,7 @@ def landscape_command(
     if csv_path is not None and writes:
         write_text_atomic(csv_path, _csv_text(result.csv_rows()))
     if csv_path is not None:
-        results["csv"] = csv_path
+        results[CSV] = csv_path
     if plot is not None and writes:
         # imports matplotlib (0.7 s): kept out of sharp's start-up (--help, completion)
         from sharpcli.report.landscape_plot import plot_landscape

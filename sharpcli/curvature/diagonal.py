@@ -129,7 +129,7 @@ def _param_blocks(scope: ParamScope) -> dict[str, slice]:
 
 def _check_finite(values: torch.Tensor, what: str) -> None:
     if not torch.isfinite(values).all():
-        raise NumericalError(f"{what} is not finite", source="diagonal")
+        raise NumericalError(f"{what} is not finite")  # `what` names the diagonal
 
 
 def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:

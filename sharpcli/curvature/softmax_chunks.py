@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharpcli.losses import IGNORE_INDEX, token_weights
+from sharpcli.losses import CROSS_ENTROPY, IGNORE_INDEX, TOKEN_CROSS_ENTROPY, token_weights
 
 __all__ = [
     "CHUNKED_LOSSES",
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 # the built-in softmax cross-entropies whose mean is a weighted sum over rows of (.., V) logits
-CHUNKED_LOSSES = ("cross-entropy", "token-cross-entropy")
+CHUNKED_LOSSES = (CROSS_ENTROPY, TOKEN_CROSS_ENTROPY)
 DEFAULT_CHUNK_BYTES = 16 << 20  # one chunk of logit rows (16 MiB: 83 GPT-2 rows in float32)
 CHUNK_SHARE = 64  # an automatic chunk is at most 1/64 of what the memory budget leaves
 CHUNK_TEMPORARIES = 3  # chunks of rows alive in a chunk's work: p, p * u, the result
@@ -104,7 +104,7 @@ class SoftmaxRows:
             The rows; ``sum_t r_t CE_t`` is the batch's mean loss times ``weight``.
         """
         batch = z.shape[0]
-        if loss == "token-cross-entropy":
+        if loss == TOKEN_CROSS_ENTROPY:
             rows = token_weights(z.detach(), y) * (weight / batch)
         else:
             rows = torch.full(y.shape, weight / batch, dtype=z.dtype, device=z.device)

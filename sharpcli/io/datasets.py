@@ -32,8 +32,10 @@ import torch
 from sharpcli import ledger
 from sharpcli.bounded import check_data_path
 from sharpcli.catalogue import DATASETS
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_builtin import (
+    BLOBS,
     BUILTIN_ARGS,
     BUILTIN_NAMES,
     load_builtin,
@@ -57,7 +59,7 @@ __all__ = [
     "validate_for_model",
 ]
 
-DEFAULT_DATA = "blobs"
+DEFAULT_DATA = BLOBS
 
 
 def _parse_builtin_args(name: str, text: str) -> dict:
@@ -407,9 +409,9 @@ def validate_for_model(
     """
     if isinstance(data, Dataset):
         source = source or data.source
-        pairs = [("train", data.x_train, data.y_train)]
+        pairs = [(TRAIN, data.x_train, data.y_train)]
         if data.x_test is not None:
-            pairs.append(("test", data.x_test, data.y_test))
+            pairs.append((TEST, data.x_test, data.y_test))
         task = data.task
     else:
         x, y = data

@@ -26,9 +26,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from sharpcli.bounded import open_data_file, read_data_file
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import Dataset, read_failure
+from sharpcli.io.datasets_common import NAMED_KEYS, Dataset, format_info, read_failure
 from sharpcli.io.datasets_keyed import LABEL_KEYS, dataset_from_mapping
+from sharpcli.registry import declare
 
 __all__ = [
     "ArrowColumns",
@@ -123,6 +125,18 @@ def _read_table(path: str):
         raise read_failure("Arrow file", exc, path) from exc
 
 
+@declare(
+    "data format",
+    "arrow",
+    "Arrow file (a Hugging Face dataset shard): number and list-of-ids columns",
+    info=format_info(
+        4,
+        f"{__name__}:read_arrow",
+        extensions=(".arrow",),
+        spec_keys=NAMED_KEYS,
+        test_split="use a save_to_disk DatasetDict folder with a test split",
+    ),
+)
 def is_arrow(path: str) -> bool:
     """An Arrow IPC file (``ARROW1``) or stream (a continuation marker then a schema message)."""
     try:
@@ -170,6 +184,18 @@ def _split_table(folder: str):
         raise read_failure("save_to_disk shards", exc, folder) from exc
 
 
+@declare(
+    "data format",
+    "hf-dataset",
+    "Hugging Face datasets save_to_disk folder (Dataset or DatasetDict)",
+    info=format_info(
+        7,
+        f"{__name__}:read_hf_dataset_folder",
+        spec_keys=NAMED_KEYS,
+        directory=True,
+        test_split="save a DatasetDict with a test split",
+    ),
+)
 def is_hf_dataset_folder(path: str) -> bool:
     """A ``save_to_disk`` folder: ``state.json`` with Arrow files, or ``dataset_dict.json``."""
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
@@ -188,8 +214,8 @@ def _dict_splits(folder: str) -> tuple[str, str | None]:
     splits = [s for s in listed if isinstance(s, str) and os.path.basename(s) == s]
     if not splits:
         raise InputError("dataset_dict.json lists no split", source=folder)
-    train = "train" if "train" in splits else splits[0]
-    test = next((s for s in ("test", "validation") if s in splits and s != train), None)
+    train = TRAIN if TRAIN in splits else splits[0]
+    test = next((s for s in (TEST, "validation") if s in splits and s != train), None)
     return os.path.join(folder, train), (os.path.join(folder, test) if test else None)
 
 

@@ -19,38 +19,34 @@ samples are the train split, the rest the test split.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.io.datasets_common import Dataset, finalize_dataset
+from sharpcli.registry import Entry, declaration, declare
+from sharpcli.specs import Param
 
 MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a typo
 
-# name -> {arg: (type, default)}
-BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
-    "blobs": {
-        "n": (int, 2000),
-        "dim": (int, 16),
-        "classes": (int, 4),
-        "seed": (int, 0),
-        "test_fraction": (float, 0.25),
-        "separation": (float, 3.0),
-    },
-    "images": {
-        "n": (int, 1000),
-        "size": (int, 8),
-        "channels": (int, 3),
-        "classes": (int, 10),
-        "seed": (int, 0),
-        "test_fraction": (float, 0.25),
-        "contrast": (float, 0.25),
-        "noise": (float, 0.5),
-    },
-}
-BUILTIN_NAMES = tuple(BUILTIN_ARGS)
+# the built-in datasets' names, each declared on its generator below; blobs is the default
+# of ``--data`` (sharpcli.io.datasets.DEFAULT_DATA, catalogue.DEFAULT_DATASET)
+BLOBS, IMAGES = "blobs", "images"
+
+# the arguments every built-in dataset takes, in the order messages list them
+_N, _CLASSES = (
+    Param("n", "int", 2000, "samples, both splits"),
+    Param("classes", "int", 4, "classes"),
+)
+_SEED = Param("seed", "int", 0, "seed of the generator")
+_TEST_FRACTION = Param("test_fraction", "float", 0.25, "share of the samples in the test split")
 
 
 def _convert(name: str, key: str, value, kind: type):
@@ -117,7 +113,7 @@ def resolve_builtin_args(name: str, args: dict) -> dict:
         out["test_fraction"] == 0.0 or 1 <= n_test < out["n"],
         f"n={out['n']} with test_fraction={out['test_fraction']} leaves an empty split",
     )
-    if name == "blobs":
+    if name == BLOBS:
         need(out["dim"] >= 1, f"dim must be at least 1, got {out['dim']}")
         need(out["separation"] >= 0.0, f"separation must be >= 0, got {out['separation']}")
         elements = out["n"] * out["dim"]
@@ -138,6 +134,20 @@ def _balanced_labels(n: int, classes: int, generator: torch.Generator) -> torch.
     return (torch.arange(n, dtype=torch.int64) % classes)[torch.randperm(n, generator=generator)]
 
 
+@declare(
+    "built-in dataset",
+    BLOBS,
+    "a Gaussian mixture in R^dim",
+    params=(
+        _N,
+        Param("dim", "int", 16, "features"),
+        _CLASSES,
+        _SEED,
+        _TEST_FRACTION,
+        Param("separation", "float", 3.0, "norm of the class means"),
+    ),
+    info={"default": True},
+)
 def make_blobs(
     n: int, dim: int, classes: int, seed: int, separation: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +171,21 @@ def class_templates_images(
     return F.interpolate(patterns, size=(size, size), mode="bilinear", align_corners=False)
 
 
+@declare(
+    "built-in dataset",
+    IMAGES,
+    "channels x size x size images, one smooth template per class",
+    params=(
+        replace(_N, default=1000),
+        Param("size", "int", 8, "image side"),
+        Param("channels", "int", 3, "image channels"),
+        replace(_CLASSES, default=10),
+        _SEED,
+        _TEST_FRACTION,
+        Param("contrast", "float", 0.25, "scale of the class templates"),
+        Param("noise", "float", 0.5, "standard deviation of the pixel noise"),
+    ),
+)
 def make_images(
     n: int, size: int, channels: int, classes: int, seed: int, contrast: float, noise: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,21 +201,26 @@ def make_images(
     return x, y
 
 
+def _arguments(generator: Callable[..., Any]) -> dict[str, tuple[type, object]]:
+    """``{arg: (type, default)}`` of a generator's declared parameters, in their order."""
+    entry = cast("tuple[str, Entry]", declaration(generator))[1]
+    return {p.name: (int if p.kind == "int" else float, p.default) for p in entry.params}
+
+
+# name -> {arg: (type, default)}, from the declarations
+BUILTIN_ARGS: dict[str, dict[str, tuple[type, object]]] = {
+    BLOBS: _arguments(make_blobs),
+    IMAGES: _arguments(make_images),
+}
+BUILTIN_NAMES = tuple(BUILTIN_ARGS)
+
+
 def load_builtin(name: str, args: dict) -> Dataset:
     """Generate built-in dataset ``name`` with ``args`` (completed by ``resolve_builtin_args``)."""
     full = resolve_builtin_args(name, args)
-    if name == "blobs":
-        x, y = make_blobs(full["n"], full["dim"], full["classes"], full["seed"], full["separation"])
-    else:
-        x, y = make_images(
-            full["n"],
-            full["size"],
-            full["channels"],
-            full["classes"],
-            full["seed"],
-            full["contrast"],
-            full["noise"],
-        )
+    generate = catalogue.DATASETS.get(name)
+    taken = inspect.signature(generate).parameters  # test_fraction splits what it makes
+    x, y = generate(**{key: value for key, value in full.items() if key in taken})
     n_test = round(full["n"] * full["test_fraction"])
     n_train = full["n"] - n_test
     x_test, y_test = (x[n_train:], y[n_train:]) if n_test else (None, None)

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from sharpcli import catalogue
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.losses import IGNORE_INDEX
 
@@ -72,9 +74,9 @@ class Dataset:
         A missing test split raises ``InputError`` naming the source; an unknown
         split name raises ``UsageError(source="split")``.
         """
-        if name == "train":
+        if name == TRAIN:
             return self.x_train, self.y_train
-        if name == "test":
+        if name == TEST:
             if self.x_test is None or self.y_test is None:
                 raise InputError(
                     f"has no test split ({_how_to_add_test(self.spec)})", source=self.source
@@ -100,6 +102,46 @@ class Dataset:
         return 1 if self.y_train.dim() == 1 else int(self.y_train.shape[1])
 
 
+# the optional spec keys of the formats whose arrays are named (x and y by default)
+NAMED_KEYS = ("x_key", "y_key")
+# how a folder layout without its test files provides a test split: it does not
+_NO_TEST_FILES = "the folder holds no test files"
+
+
+def format_info(
+    order: int,
+    read: str,
+    *,
+    extensions: tuple[str, ...] = (),
+    spec_keys: tuple[str, ...] = (),
+    directory: bool = False,
+    test_split: str = _NO_TEST_FILES,
+) -> dict[str, Any]:
+    """The ``info`` of a data format's declaration (:class:`sharpcli.io.formats.DataFormat`).
+
+    Args:
+        order: where it is listed in messages and probed among the built-in formats (folder
+            layouts are probed in this order: CIFAR-10 batches win over a CIFAR-100 pair).
+        read: its reader, ``"module:function"``.
+        extensions: the lower-case file extensions, with their dot, routed to it.
+        spec_keys: the optional file-spec keys it reads.
+        directory: a folder layout rather than a single file.
+        test_split: how data in this format provides a test split (for the message when
+            one is missing).
+
+    Returns:
+        The ``info`` mapping.
+    """
+    return {
+        "order": order,
+        "read": read,
+        "extensions": extensions,
+        "spec_keys": spec_keys,
+        "directory": directory,
+        "test_split": test_split,
+    }
+
+
 def _how_to_add_test(spec: dict) -> str:
     """A hint on how the given kind of source would provide a test split (a file format's
     ``test_split`` in its registry record)."""
@@ -107,7 +149,7 @@ def _how_to_add_test(spec: dict) -> str:
         return "use test_fraction > 0"
     name = spec.get("format") if isinstance(spec, dict) else None
     if not isinstance(name, str) or name not in catalogue.DATA_FORMATS:
-        return "the folder holds no test files"
+        return _NO_TEST_FILES
     return catalogue.DATA_FORMATS.entry(name).info["test_split"]
 
 

@@ -17,11 +17,8 @@ column the whole table is the train split. Integer or boolean labels are classes
 ``0..C-1``; textual labels are mapped to classes by sorted name
 (``Dataset.class_names``); floating labels make a regression target.
 
-Each format's record (extensions, probe, reader) is in :mod:`sharpcli.io.formats`. The
-probes recognise a file by its signature when its extension routes it nowhere: the
-safetensors header, the zip archives of ``torch.save`` and ``numpy.savez`` (told apart by
-their member names), parquet's ``PAR1`` marks. Plain-text csv has no signature and is
-routed by its ``.csv`` extension only.
+Each format is declared, with its probe, in :mod:`sharpcli.io.file_formats` (its record
+names the reader here); :mod:`sharpcli.io.formats` routes a path to it.
 """
 
 from __future__ import annotations
@@ -44,10 +41,12 @@ from sharpcli.bounded import (
     open_data_file,
     read_data_file,
 )
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.datasets_arrow import ArrowColumns, table_has_list_columns
 from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
 from sharpcli.io.datasets_keyed import LABEL_KEYS, dataset_from_mapping
+from sharpcli.io.file_formats import CSV, NPZ, PARQUET, PT, SAFETENSORS
 
 if TYPE_CHECKING:  # pandas (with pyarrow: ~0.4 s, ~80 MB) is imported only to read a table
     import pandas as pd
@@ -64,7 +63,7 @@ def _read_mapping(path: str, fmt: str, trust_pickle: bool = False) -> dict:
     most its size); zip archives (``.pt``, ``.npz``) are checked by
     :func:`sharpcli.bounded.check_zip_members` before a member is read.
     """
-    if fmt == "safetensors":
+    if fmt == SAFETENSORS:
         from safetensors.torch import load as load_safetensors
 
         content = read_data_file(path)
@@ -73,9 +72,9 @@ def _read_mapping(path: str, fmt: str, trust_pickle: bool = False) -> dict:
         except Exception as exc:
             raise read_failure("safetensors file", exc, path) from exc
     with open_data_file(path) as handle:
-        if fmt == "pt":
+        if fmt == PT:
             return _read_torch_mapping(handle, path, trust_pickle)
-        if fmt == "npz":
+        if fmt == NPZ:
             return _read_npz_mapping(handle, path)
     raise ValueError(f"not a tensor file format: {fmt}")
 
@@ -268,10 +267,10 @@ def read_npy_pair(spec: dict) -> Dataset:
     x, y = _read_npy(path), _read_npy(partner)
     x_test = y_test = None
     tests = [
-        os.path.join(os.path.dirname(p), os.path.basename(p).replace("train", "test"))
+        os.path.join(os.path.dirname(p), os.path.basename(p).replace(TRAIN, TEST))
         for p in (path, partner)
     ]
-    if "train" in os.path.basename(path) and all(os.path.isfile(t) for t in tests):
+    if TRAIN in os.path.basename(path) and all(os.path.isfile(t) for t in tests):
         for t in tests:
             check_data_path(t)
             ledger.record_input(t, "the test split of the `data` file")
@@ -296,7 +295,7 @@ def _read_table(path: str, fmt: str) -> pd.DataFrame:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                if fmt == "csv":
+                if fmt == CSV:
                     return pd.read_csv(handle)
                 return pd.read_parquet(handle)
         except Exception as exc:
@@ -393,7 +392,7 @@ def read_table(spec: dict) -> Dataset:
     the table is turned into arrays is reported as an InputError naming the file.
     """
     path, fmt, label_column = spec["path"], spec["format"], spec["label_column"]
-    if fmt == "parquet":
+    if fmt == PARQUET:
         listed = _parquet_with_lists(spec)
         if listed is not None:
             return listed
@@ -510,84 +509,14 @@ def _split_rows(frame, path: str) -> tuple[np.ndarray, np.ndarray]:
         ["<missing>" if _is_missing(v) else str(v).strip().lower() for v in frame[SPLIT_COLUMN]],
         dtype=object,
     )
-    bad = ~np.isin(split, ["train", "test"])
+    bad = ~np.isin(split, [TRAIN, TEST])
     if bad.any():
         raise InputError(
             f"column 'split' has {int(bad.sum())} value(s) other than train or test (the first "
             f"in row {int(np.argmax(bad)) + 1}); expected train or test",
             source=path,
         )
-    is_train, is_test = split == "train", split == "test"
+    is_train, is_test = split == TRAIN, split == TEST
     if not is_train.any():
         raise InputError("column 'split' marks no row as train", source=path)
     return is_train, is_test
-
-
-# ----------------------------------------------------------------------------- probes
-def _head(path: str, size: int) -> bytes:
-    """The first ``size`` bytes of a file (fewer when it is shorter; none when unreadable)."""
-    try:
-        with open_data_file(path) as handle:
-            return handle.read(size)
-    except (OSError, InputError):
-        return b""
-
-
-def _zip_members(path: str) -> list[str]:
-    """Member names of a zip archive; empty for anything else."""
-    try:
-        with open_data_file(path) as handle, zipfile.ZipFile(handle) as archive:
-            return archive.namelist()
-    except (OSError, InputError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
-        return []
-
-
-def is_safetensors(path: str) -> bool:
-    """A little-endian u64 header length that fits the file, then a JSON object."""
-    head = _head(path, 9)
-    if len(head) < 9:
-        return False
-    header_length = int.from_bytes(head[:8], "little")
-    try:
-        return head[8:9] == b"{" and 0 < header_length <= os.path.getsize(path) - 8
-    except OSError:
-        return False
-
-
-# torch.save's legacy (pre-zip) files open with a pickled magic number (torch.serialization)
-_TORCH_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-
-
-def is_torch_file(path: str) -> bool:
-    """A ``torch.save`` archive (a zip holding ``<name>/data.pkl``) or a legacy torch file."""
-    head = _head(path, 14)
-    if head[:1] == b"\x80" and head[2:4] == b"\x8a\x0a" and head[4:14] == _TORCH_LEGACY_MAGIC:
-        return True
-    return any(name == "data.pkl" or name.endswith("/data.pkl") for name in _zip_members(path))
-
-
-def is_npz(path: str) -> bool:
-    """A zip archive of ``.npy`` members only (``numpy.savez``)."""
-    members = _zip_members(path)
-    return bool(members) and all(name.endswith(".npy") for name in members)
-
-
-def is_npy(path: str) -> bool:
-    """numpy's ``.npy`` magic ``\\x93NUMPY``."""
-    return _head(path, 6) == b"\x93NUMPY"
-
-
-def is_parquet(path: str) -> bool:
-    """``PAR1`` at both ends of the file."""
-    try:
-        with open_data_file(path) as handle:
-            start = handle.read(4)
-            handle.seek(-4, os.SEEK_END)
-            return start == b"PAR1" and handle.read(4) == b"PAR1"
-    except (OSError, InputError):
-        return False
-
-
-def is_csv(path: str) -> bool:
-    """Plain text carries no signature: a csv file is routed by its ``.csv`` extension only."""
-    return False

@@ -23,8 +23,9 @@ CIFAR-100 uses the 100 fine labels unless ``label_column="coarse"`` (20 classes)
 The train split of a CIFAR-10 folder is every ``data_batch_k`` present, which must be
 numbered 1..K without gaps.
 
-Each layout's record (probe, reader) is in :mod:`sharpcli.io.formats`, which also finds
-a layout in the subfolders of the directory given to ``--data``.
+Each layout is declared on its probe here (its record names its reader);
+:mod:`sharpcli.io.formats` also finds a layout in the subfolders of the directory given to
+``--data``.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ import numpy as np
 import torch
 
 from sharpcli.bounded import MAX_DEFLATE_RATIO, data_file_size, open_data_file, read_data_file
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets_common import Dataset, finalize_dataset, read_failure
+from sharpcli.io.datasets_common import Dataset, finalize_dataset, format_info, read_failure
 from sharpcli.io.safe_pickle import restricted_loads
+from sharpcli.registry import declare
 
 CIFAR_PIXELS = 3 * 32 * 32
 MAX_IDX_BYTES = 2**31  # larger than any MNIST-family file; a header promising more is corrupt
@@ -53,12 +56,20 @@ _CIFAR100_LABELS = {
     "coarse": "coarse",
     "coarse_labels": "coarse",
 }
+# an MNIST split's files by what they hold (its images, its labels)
 _MNIST_STEMS = {
-    ("train", "images"): ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
-    ("train", "labels"): ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
-    ("test", "images"): ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
-    ("test", "labels"): ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
+    (TRAIN, "image"): ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
+    (TRAIN, "label"): ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
+    (TEST, "image"): ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
+    (TEST, "label"): ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
 }
+# what messages call an image folder's arrays: images, labels, test images, test labels (made
+# from their parts: the plural alone is the built-in dataset `images`, declared elsewhere)
+_ARRAY_NAMES = tuple(f"{split}{held}s" for split in ("", "test ") for held in ("image", "label"))
+
+# the layouts' names, which read_cifar dispatches on
+CIFAR10_PYTHON, CIFAR10_BINARY = "cifar10-python", "cifar10-binary"
+CIFAR100_BINARY, CIFAR100_PYTHON = "cifar100-binary", "cifar100-python"
 
 
 # ----------------------------------------------------------------------------- layout probing
@@ -95,29 +106,59 @@ def _has_files(folder: str, *names: str) -> bool:
     return all(os.path.isfile(os.path.join(folder, name)) for name in names)
 
 
+@declare(
+    "data format",
+    CIFAR10_PYTHON,
+    "CIFAR-10 python batches (cifar-10-batches-py)",
+    info=format_info(8, f"{__name__}:read_cifar", directory=True),
+)
 def is_cifar10_python(folder: str) -> bool:
     """``data_batch_1`` (python pickle batches of ``cifar-10-batches-py``)."""
     return _has_files(folder, "data_batch_1")
 
 
+@declare(
+    "data format",
+    CIFAR10_BINARY,
+    "CIFAR-10 binary batches (cifar-10-batches-bin)",
+    info=format_info(9, f"{__name__}:read_cifar", directory=True),
+)
 def is_cifar10_binary(folder: str) -> bool:
     """``data_batch_1.bin`` (binary records of ``cifar-10-batches-bin``)."""
     return _has_files(folder, "data_batch_1.bin")
 
 
+@declare(
+    "data format",
+    CIFAR100_BINARY,
+    "CIFAR-100 binary train/test files (cifar-100-binary); fine or coarse labels",
+    info=format_info(10, f"{__name__}:read_cifar", spec_keys=("label_column",), directory=True),
+)
 def is_cifar100_binary(folder: str) -> bool:
     """``train.bin`` and ``test.bin`` (``cifar-100-binary``)."""
     return _has_files(folder, "train.bin", "test.bin")
 
 
+@declare(
+    "data format",
+    CIFAR100_PYTHON,
+    "CIFAR-100 python train/test pickles (cifar-100-python); fine or coarse labels",
+    info=format_info(11, f"{__name__}:read_cifar", spec_keys=("label_column",), directory=True),
+)
 def is_cifar100_python(folder: str) -> bool:
     """``train`` and ``test`` pickles (``cifar-100-python``)."""
-    return _has_files(folder, "train", "test")
+    return _has_files(folder, TRAIN, TEST)
 
 
+@declare(
+    "data format",
+    "mnist-idx",
+    "MNIST-family idx files, plain or .gz (MNIST, Fashion-MNIST, KMNIST)",
+    info=format_info(12, f"{__name__}:read_mnist", directory=True),
+)
 def is_mnist_idx(folder: str) -> bool:
     """A training-images idx file, plain or ``.gz``, under either of its usual names."""
-    return os.path.isdir(folder) and _mnist_file(folder, "train", "images") is not None
+    return os.path.isdir(folder) and _mnist_file(folder, TRAIN, "image") is not None
 
 
 # ----------------------------------------------------------------------------- CIFAR
@@ -217,7 +258,7 @@ def _cifar_dataset(train_parts, test_parts, num_classes: int, source: str, spec:
         spec=spec,
         task="classification",
         num_classes=num_classes,
-        names=("images", "labels", "test images", "test labels"),
+        names=_ARRAY_NAMES,
     )
 
 
@@ -234,32 +275,32 @@ def read_cifar(spec: dict) -> Dataset:
             f"CIFAR-100 labels are 'fine' (100 classes) or 'coarse' (20), got {label_column!r}",
             source="label_column",
         )
-    if fmt == "cifar10-python":
+    if fmt == CIFAR10_PYTHON:
         train = [_python_batch(p, "labels") for p in _numbered_batches(folder, "")]
         test_path = os.path.join(folder, "test_batch")
         test = [_python_batch(test_path, "labels")] if os.path.isfile(test_path) else []
         return _cifar_dataset(train, test, 10, folder, spec)
-    if fmt == "cifar10-binary":
+    if fmt == CIFAR10_BINARY:
         train = [_binary_batch(p, 1, 0) for p in _numbered_batches(folder, ".bin")]
         test_path = os.path.join(folder, "test_batch.bin")
         test = [_binary_batch(test_path, 1, 0)] if os.path.isfile(test_path) else []
         return _cifar_dataset(train, test, 10, folder, spec)
     coarse = _CIFAR100_LABELS[label_column] == "coarse"
     classes = 20 if coarse else 100
-    extension = ".bin" if fmt == "cifar100-binary" else ""
-    paths = {split: os.path.join(folder, split + extension) for split in ("train", "test")}
-    if not os.path.isfile(paths["train"]):
+    extension = ".bin" if fmt == CIFAR100_BINARY else ""
+    paths = {split: os.path.join(folder, split + extension) for split in (TRAIN, TEST)}
+    if not os.path.isfile(paths[TRAIN]):
         raise InputError(
-            f"CIFAR-100 folder has no {os.path.basename(paths['train'])!r} file", source=folder
+            f"CIFAR-100 folder has no {os.path.basename(paths[TRAIN])!r} file", source=folder
         )
 
     def read(path: str) -> tuple[np.ndarray, np.ndarray]:
-        if fmt == "cifar100-python":
+        if fmt == CIFAR100_PYTHON:
             return _python_batch(path, "coarse_labels" if coarse else "fine_labels")
         return _binary_batch(path, 2, 0 if coarse else 1)  # record: coarse byte, fine byte, pixels
 
-    train = [read(paths["train"])]
-    test = [read(paths["test"])] if os.path.isfile(paths["test"]) else []
+    train = [read(paths[TRAIN])]
+    test = [read(paths[TEST])] if os.path.isfile(paths[TEST]) else []
     return _cifar_dataset(train, test, classes, folder, spec)
 
 
@@ -351,13 +392,13 @@ def _idx_payload(
 def _mnist_split(folder: str, split: str) -> tuple[torch.Tensor, np.ndarray] | None:
     """``(images (n, 1, H, W) in [0, 1], labels (n,))`` of one split, or None if its files are absent."""
     images_path, labels_path = (
-        _mnist_file(folder, split, "images"),
-        _mnist_file(folder, split, "labels"),
+        _mnist_file(folder, split, "image"),
+        _mnist_file(folder, split, "label"),
     )
-    if images_path is None and labels_path is None and split == "test":
+    if images_path is None and labels_path is None and split == TEST:
         return None
     if images_path is None or labels_path is None:
-        missing = _MNIST_STEMS[(split, "images" if images_path is None else "labels")][0]
+        missing = _MNIST_STEMS[(split, "image" if images_path is None else "label")][0]
         raise InputError(f"MNIST folder has no {missing}(.gz)", source=folder)
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.ndim != 3:
@@ -391,8 +432,8 @@ def read_mnist(spec: dict) -> Dataset:
             "MNIST idx folders have one label set; `label_column` does not apply",
             source="label_column",
         )
-    train = _mnist_split(folder, "train")
-    test = _mnist_split(folder, "test")
+    train = _mnist_split(folder, TRAIN)
+    test = _mnist_split(folder, TEST)
     labels = [train[1]] + ([test[1]] if test else [])
     largest = max(int(part.max()) if part.size else 0 for part in labels)
     return finalize_dataset(
@@ -404,5 +445,5 @@ def read_mnist(spec: dict) -> Dataset:
         spec=spec,
         task="classification",
         num_classes=max(10, largest + 1),
-        names=("images", "labels", "test images", "test labels"),
+        names=_ARRAY_NAMES,
     )

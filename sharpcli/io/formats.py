@@ -5,8 +5,10 @@ that route a file to it, ``probe(path)`` recognising its files or folder layout,
 ``read(spec) -> Dataset``, the optional spec keys it takes, whether it is a folder layout,
 a one-line description and how it provides a test split. A new format (an ImageFolder,
 JSON lines) is a module with its probe and reader plus one :func:`register` call; a
-built-in one is that module plus its record in :data:`sharpcli.catalogue.DATA_FORMATS`
-(:data:`FORMATS` *is* that registry); see docs/architecture.md, "Adding a data format".
+built-in one is that module with its probe declared (:func:`sharpcli.registry.declare`, kind
+``"data format"``, its ``info`` made by :func:`sharpcli.io.datasets_common.format_info`), from
+which :data:`sharpcli.catalogue.DATA_FORMATS` lists it (:data:`FORMATS` *is* that registry);
+see docs/architecture.md, "Adding a data format".
 
 Routing a path whose spec names no format (:func:`route`):
 
@@ -33,7 +35,7 @@ from typing import Callable
 from sharpcli import catalogue
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import Dataset, read_failure
-from sharpcli.registry import Entry, resolve
+from sharpcli.registry import Entry, declaration, resolve
 
 __all__ = [
     "DataFormat",
@@ -82,10 +84,15 @@ class DataFormat:
 FORMATS = catalogue.DATA_FORMATS
 
 
-def _check(entry: Entry, fmt: DataFormat) -> DataFormat:
-    """The registry's check of a format record (see :func:`register`)."""
+def _check(entry: Entry, fmt: DataFormat | Callable[[str], bool]) -> DataFormat:
+    """The registry's check of a format record (see :func:`register`); a built-in's declared
+    probe is made into its record here."""
+    if not isinstance(fmt, DataFormat):
+        if declaration(fmt) is None:
+            raise FORMATS.error(f"data format {entry.name!r}: register a DataFormat")
+        fmt = _builtin(entry, fmt)
     where = f"data format {fmt.name!r}"
-    if not isinstance(fmt, DataFormat) or fmt.name != entry.name:
+    if fmt.name != entry.name:
         raise FORMATS.error(f"{where}: register a DataFormat under its own name")
     if not callable(fmt.probe) or not callable(fmt.read):
         raise FORMATS.error(f"{where}: probe and read must be callables")
@@ -249,14 +256,13 @@ def _find_layout(folder: str) -> tuple[str, DataFormat]:
     )
 
 
-# --------------------------------------------------------------------------- the built-in formats
-def _builtin(entry: Entry) -> DataFormat:
-    """A built-in format made from its catalogue record."""
+def _builtin(entry: Entry, probe: Callable[[str], bool]) -> DataFormat:
+    """A built-in format made from its declared ``probe`` and its record."""
     info = entry.info
     return DataFormat(
         entry.name,
         info["extensions"],
-        resolve(info["probe"]),
+        probe,
         resolve(info["read"]),
         info["spec_keys"],
         entry.summary,
@@ -265,7 +271,6 @@ def _builtin(entry: Entry) -> DataFormat:
     )
 
 
-# In the catalogue's order: the order of the lists in messages and of probing folder layouts.
-for _name in FORMATS.builtin_names():
-    register(_builtin(FORMATS.entry(_name)))
-del _name
+# the built-ins now (their names taken before any extension's), listed and probed in the
+# catalogue's order
+FORMATS.load_all()

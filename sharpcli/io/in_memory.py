@@ -19,7 +19,15 @@ from torch import nn
 from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading, read_loss
-from sharpcli.losses import IGNORE_INDEX, LOSSES, TOKEN_REDUCTIONS, get_loss
+from sharpcli.losses import (
+    BINARY_CROSS_ENTROPY,
+    CROSS_ENTROPY,
+    IGNORE_INDEX,
+    LOSSES,
+    MSE,
+    TOKEN_REDUCTIONS,
+    get_loss,
+)
 from sharpcli.models.outputs import select_output
 
 __all__ = [
@@ -318,15 +326,15 @@ def loss_name(loss) -> tuple[str, int | None]:
         _check_reduction(loss)
         _refuse_attribute(loss, "weight", None)
         _refuse_attribute(loss, "label_smoothing", 0.0)
-        return "cross-entropy", int(loss.ignore_index)
+        return CROSS_ENTROPY, int(loss.ignore_index)
     if isinstance(loss, nn.BCEWithLogitsLoss):
         _check_reduction(loss)
         _refuse_attribute(loss, "weight", None)
         _refuse_attribute(loss, "pos_weight", None)
-        return "binary-cross-entropy", None
+        return BINARY_CROSS_ENTROPY, None
     if isinstance(loss, nn.MSELoss):
         _check_reduction(loss)
-        return "mse", None
+        return MSE, None
     raise UsageError(
         f"{type(loss).__name__} is not a supported loss; pass one of {LOSS_MODULES} or a name: "
         f"{', '.join(LOSSES)}",

@@ -37,7 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharpcli.errors import UsageError, first_line
-from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
+from sharpcli.losses import (
+    BINARY_CROSS_ENTROPY,
+    CROSS_ENTROPY,
+    IGNORE_INDEX,
+    MSE,
+    TOKEN_CROSS_ENTROPY,
+    get_loss,
+    token_reduction,
+)
 
 __all__ = [
     "LAYOUTS",
@@ -103,7 +111,7 @@ def _shape(t: torch.Tensor) -> str:
 def _cross_entropy_reading(z: torch.Tensor, y: torch.Tensor, named: bool) -> LossReading:
     """Cross-entropy on ``z`` with integer labels ``y`` (see the module docstring)."""
     if z.ndim <= 2:
-        return LossReading("cross-entropy")
+        return LossReading(CROSS_ENTROPY)
     classes_on_dim_1 = tuple(y.shape) == (z.shape[0], *z.shape[2:])
     classes_last = z.ndim == 3 and y.ndim == 2 and y.shape[1] == z.shape[1]
     if classes_on_dim_1 and classes_last and not named:
@@ -116,9 +124,9 @@ def _cross_entropy_reading(z: torch.Tensor, y: torch.Tensor, named: bool) -> Los
             source="loss",
         )
     if classes_on_dim_1:
-        return LossReading("token-cross-entropy", "classes-last")
+        return LossReading(TOKEN_CROSS_ENTROPY, "classes-last")
     if classes_last and not named:
-        return LossReading("token-cross-entropy")
+        return LossReading(TOKEN_CROSS_ENTROPY)
     last = (
         " (labels per position of (batch, length, vocabulary) logits: `loss=token-cross-entropy`)"
     )
@@ -149,16 +157,16 @@ def read_loss(name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool) -> Lo
         UsageError: (``loss``) both cross-entropy readings fit and none was named; (``data``)
             labels or targets that fit no reading of the loss.
     """
-    if name == "cross-entropy" and not y.is_floating_point():
+    if name == CROSS_ENTROPY and not y.is_floating_point():
         return _cross_entropy_reading(z, y, named)
-    if name == "mse" and z.ndim > 2:
+    if name == MSE and z.ndim > 2:
         if tuple(y.shape) != tuple(z.shape):
             raise UsageError(
                 f"outputs {_shape(z)} with targets {_shape(y)}: mse takes targets of the "
                 "outputs' shape (torch's MSELoss would broadcast them into another loss)",
                 source="data",
             )
-        return LossReading("mse", "flat")
+        return LossReading(MSE, "flat")
     return LossReading(name)
 
 
@@ -175,14 +183,14 @@ def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor
     Returns:
         ``f(z, y)``, the mean loss over a batch as torch computes it.
     """
-    if reading.name in ("mse", "binary-cross-entropy"):
-        torch_loss = F.mse_loss if reading.name == "mse" else F.binary_cross_entropy_with_logits
+    if reading.name in (MSE, BINARY_CROSS_ENTROPY):
+        torch_loss = F.mse_loss if reading.name == MSE else F.binary_cross_entropy_with_logits
 
         def regression(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return torch_loss(z, y.to(z.dtype).reshape(z.shape))
 
         return regression
-    if reading == LossReading("token-cross-entropy"):
+    if reading == LossReading(TOKEN_CROSS_ENTROPY):
         return lambda z, y: F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1))
     return F.cross_entropy
 
@@ -217,7 +225,7 @@ def _module_value(module, reading: LossReading, z, y) -> torch.Tensor:
         return module(z, y)
     except (RuntimeError, ValueError, IndexError):
         language_model = isinstance(module, nn.CrossEntropyLoss) and z.ndim == 3
-        if not (language_model and reading == LossReading("token-cross-entropy")):
+        if not (language_model and reading == LossReading(TOKEN_CROSS_ENTROPY)):
             raise
     return module(z.reshape(-1, z.shape[-1]), y.reshape(-1))
 

@@ -169,7 +169,7 @@ class _HeavisideWithGaussianDerivative(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_tangent, beta_tangent):
-        _refuse_forward_over_forward("augmented-relu")
+        _refuse_forward_over_forward("augmented_relu")
         (x,) = ctx.saved_tensors
         return x_tangent * augmented_relu_second_derivative(x, ctx.beta)
 
@@ -197,7 +197,7 @@ class _AugmentedReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_tangent, beta_tangent):
-        _refuse_forward_over_forward("augmented-relu")
+        _refuse_forward_over_forward("augmented_relu")
         (x,) = ctx.saved_tensors
         return x_tangent * _HeavisideWithGaussianDerivative.apply(x, ctx.beta)
 
@@ -246,7 +246,7 @@ class _DiminishedGELUFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, x_tangent):
-        _refuse_forward_over_forward("diminished-gelu")
+        _refuse_forward_over_forward("diminished_gelu")
         (x,) = ctx.saved_tensors
         return x_tangent * _GeluDerivativeWithZeroDerivative.apply(x)
 

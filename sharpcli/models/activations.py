@@ -36,6 +36,8 @@ from sharpcli.models.activation_functions import (
     diminished_gelu,
     gelu_derivative,
 )
+from sharpcli.registry import declaration, declare
+from sharpcli.specs import Param
 
 # --------------------------------------------------------------------------------------------
 # Modules
@@ -47,21 +49,49 @@ def _format_number(value: float) -> str:
     return repr(float(value))
 
 
+def _declared_name(module: nn.Module) -> str:
+    """The name declared by ``module``'s class, or by its nearest declared base class."""
+    for cls in type(module).__mro__:
+        declared = declaration(cls)
+        if declared is not None:
+            return declared[1].name
+    raise TypeError(f"{type(module).__name__} is not a declared activation")
+
+
+# the activation of the built-in models unless one is given (sharpcli.models.specs, zoo)
+DEFAULT_ACTIVATION = "relu"
+
+
+@declare("activation", DEFAULT_ACTIVATION, "ReLU")
 class ReLU(nn.ReLU):
     """``max(x, 0)`` as ``nn.ReLU`` (AD: ``phi' = Theta(x)``, ``phi'' = 0``); spec ``relu``."""
 
-    spec = "relu"
+    @property
+    def spec(self) -> str:
+        """Canonical spec string: the name."""
+        return _declared_name(self)
 
 
+@declare("activation", "gelu", "GELU")
 class GELU(nn.GELU):
-    """Exact GELU ``x Phi(x)`` (erf form, ``approximate='none'``); spec ``gelu``."""
-
-    spec = "gelu"
+    """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
 
     def __init__(self) -> None:
         super().__init__(approximate=EXACT_GELU)
 
+    @property
+    def spec(self) -> str:
+        """Canonical spec string: the name."""
+        return _declared_name(self)
 
+
+@declare(
+    "activation",
+    "beta-gelu",
+    "x Phi(beta x): GELU with sharpness beta",
+    params=(Param("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
+    paper="NME",
+)
 class BetaGELU(nn.Module):
     """beta-GELU ``x Phi(beta x)`` ([NME] eq. 13); spec ``beta-gelu:beta=B``.
 
@@ -76,7 +106,7 @@ class BetaGELU(nn.Module):
     @property
     def spec(self) -> str:
         """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
-        return f"beta-gelu:beta={_format_number(self.beta)}"
+        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise ``x Phi(beta x)``."""
@@ -87,6 +117,13 @@ class BetaGELU(nn.Module):
         return f"beta={self.beta}"
 
 
+@declare(
+    "activation",
+    "augmented-relu",
+    "ReLU forward, a Gaussian of inverse width beta as its second derivative",
+    params=(Param("beta", "float", 1.0, "inverse width of the Gaussian, > 0", positive=True),),
+    paper="NME",
+)
 class AugmentedReLU(nn.Module):
     """Augmented ReLU ([NME] 4.4, eq. 15); spec ``augmented-relu:beta=B``.
 
@@ -102,7 +139,7 @@ class AugmentedReLU(nn.Module):
     @property
     def spec(self) -> str:
         """Canonical spec string, e.g. ``augmented-relu:beta=4.0``."""
-        return f"augmented-relu:beta={_format_number(self.beta)}"
+        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise ``max(x, 0)`` with the augmented AD derivatives."""
@@ -132,6 +169,7 @@ class AugmentedReLU(nn.Module):
         return f"beta={self.beta}"
 
 
+@declare("activation", "diminished-gelu", "GELU forward, no second derivative", paper="NME")
 class DiminishedGELU(nn.Module):
     """Diminished GELU ([NME] 4.4, eq. 16); spec ``diminished-gelu``.
 
@@ -139,7 +177,10 @@ class DiminishedGELU(nn.Module):
     activation's contribution to the NME diagonal is switched off as for ReLU.
     """
 
-    spec = "diminished-gelu"
+    @property
+    def spec(self) -> str:
+        """Canonical spec string: the name."""
+        return _declared_name(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise GELU with the diminished AD derivatives."""
@@ -297,9 +338,9 @@ def activation_spec(module: nn.Module) -> str | None:
     if isinstance(spec, str):
         return spec
     if type(module) is nn.ReLU:
-        return "relu"
-    if type(module) is nn.GELU and module.approximate == EXACT_GELU:
-        return "gelu"
+        return ReLU().spec
+    if type(module) is nn.GELU and module.approximate == GELU().approximate:
+        return GELU().spec
     return None
 
 

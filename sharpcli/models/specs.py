@@ -16,19 +16,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sharpcli.catalogue.values import DROPOUT_ARG
+from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.models.activations import canonical_activation_spec
+from sharpcli.models.activations import DEFAULT_ACTIVATION, canonical_activation_spec
 
-__all__ = ["default_model_args", "image_hw", "model_input_shape", "validate_model_spec"]
+__all__ = [
+    "ACTIVATION_ARG",
+    "IMAGE_INPUT_ARGS",
+    "MANIPULATION_ARGS",
+    "NUM_CLASSES_ARG",
+    "ModelArg",
+    "default_model_args",
+    "dropout_arg",
+    "image_hw",
+    "model_input_shape",
+    "validate_model_spec",
+]
 
 
 _ARGS_PARAMETER = "model_args"  # the args of a model spec, as TrainConfig.model_args
 
 
 @dataclass(frozen=True)
-class _Arg:
-    """One architecture argument: how to check and canonicalise it, and its default."""
+class ModelArg:
+    """One architecture argument: how to check and canonicalise it, and its default.
+
+    A zoo model states its arguments as its class's ``ARGS`` (name -> ModelArg, in schema
+    order) and may check them together in its ``check_args(args)``
+    (:mod:`sharpcli.models.zoo`).
+    """
 
     kind: str  # "int", "float", "bool", "activation", "int_list", "image_size"
     default: Any = None
@@ -41,24 +57,24 @@ class _Arg:
 
 # Arguments several architectures share, declared once. Order matters: a model spec's ``args``
 # (and so a checkpoint's metadata) lists them in schema order.
-_NUM_CLASSES_ARG = _Arg("int", required=True, minimum=1, help="number of logits")
-_IMAGE_INPUT_ARGS = {
-    "in_channels": _Arg("int", required=True, minimum=1, help="image channels"),
-    "image_size": _Arg("image_size", required=True, help="H (square) or [H, W]"),
-    "num_classes": _NUM_CLASSES_ARG,
+NUM_CLASSES_ARG = ModelArg("int", required=True, minimum=1, help="number of logits")
+IMAGE_INPUT_ARGS = {
+    "in_channels": ModelArg("int", required=True, minimum=1, help="image channels"),
+    "image_size": ModelArg("image_size", required=True, help="H (square) or [H, W]"),
+    "num_classes": NUM_CLASSES_ARG,
 }
-_ACTIVATION_ARG = _Arg("activation", "relu", help="activation spec")
+ACTIVATION_ARG = ModelArg("activation", DEFAULT_ACTIVATION, help="activation spec")
 # The manipulations of sharpcli.models.manipulations (MAN), available on every architecture.
-_MANIPULATION_ARGS = {
-    "mask_ratio": _Arg(
+MANIPULATION_ARGS = {
+    "mask_ratio": ModelArg(
         "float",
         0.0,
         minimum=0.0,
         below=1.0,
         help="fixed fraction of activation outputs zeroed (MAN Table 1)",
     ),
-    "mask_seed": _Arg("int", 0, minimum=0, help="seed of the fixed masks"),
-    "per_sample_norm": _Arg(
+    "mask_seed": ModelArg("int", 0, minimum=0, help="seed of the fixed masks"),
+    "per_sample_norm": ModelArg(
         "bool",
         False,
         help="per-sample mean-variance normalisation of activations and He-standardised weights (MAN 5.1)",
@@ -66,49 +82,22 @@ _MANIPULATION_ARGS = {
 }
 
 
-def _dropout_arg(where: str) -> _Arg:
+def dropout_arg(where: str) -> ModelArg:
     """The dropout probability in [0, 1), applied ``where``."""
-    return _Arg("float", 0.0, minimum=0.0, below=1.0, help=f"dropout {where}")
+    return ModelArg("float", 0.0, minimum=0.0, below=1.0, help=f"dropout {where}")
 
 
-_MODEL_ARGS: dict[str, dict[str, _Arg]] = {
-    "mlp": {
-        "in_features": _Arg("int", required=True, minimum=1, help="flattened input size"),
-        "num_classes": _NUM_CLASSES_ARG,
-        "depth": _Arg("int", 2, minimum=0, help="number of hidden layers"),
-        "width": _Arg("int", 64, minimum=1, help="hidden units per layer"),
-        "activation": _ACTIVATION_ARG,
-        "bias": _Arg("bool", True, help="Linear layers have biases"),
-        DROPOUT_ARG: _dropout_arg("after each activation"),
-        **_MANIPULATION_ARGS,
-    },
-    "cnn": {
-        **_IMAGE_INPUT_ARGS,
-        "channels": _Arg("int_list", [16, 32], help="conv channels per block"),
-        "activation": _ACTIVATION_ARG,
-        "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv"),
-        DROPOUT_ARG: _dropout_arg("before the head"),
-        **_MANIPULATION_ARGS,
-    },
-    "vgg-small": {
-        **_IMAGE_INPUT_ARGS,
-        "width_multiplier": _Arg("float", 1.0, above=0.0, help="scales 64-128-256-512 channels"),
-        "activation": _ACTIVATION_ARG,
-        "batch_norm": _Arg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
-        DROPOUT_ARG: _dropout_arg("before the head"),
-        **_MANIPULATION_ARGS,
-    },
-    "resnet": {
-        **_IMAGE_INPUT_ARGS,
-        "depth": _Arg("int", 20, minimum=8, help="6n+2: 20, 32, 44, 56, 110"),
-        "width": _Arg("int", 16, minimum=1, help="channels of the first stage"),
-        "activation": _ACTIVATION_ARG,
-        DROPOUT_ARG: _dropout_arg("before fc"),
-        **_MANIPULATION_ARGS,
-    },
-}
+def _model(name: Any) -> Any:
+    """The zoo class of model ``name`` (:data:`sharpcli.catalogue.MODELS`, declared in
+    :mod:`sharpcli.models.zoo`): its ``ARGS`` and ``check_args``."""
+    if not isinstance(name, str) or name not in catalogue.MODELS:
+        raise _unknown_model(name)
+    return catalogue.MODELS.get(name)
 
-_IMAGE_MODELS = frozenset({"cnn", "vgg-small", "resnet"})
+
+def _is_image_model(name: str) -> bool:
+    """Whether model ``name`` takes images (its arguments include the image size)."""
+    return "image_size" in _model(name).ARGS
 
 
 def _bad(message: str) -> UsageError:
@@ -123,7 +112,7 @@ def _show_number(value: float) -> str:
     return f"{value:g}"
 
 
-def _check_number(model: str, key: str, spec: _Arg, value: float) -> None:
+def _check_number(model: str, key: str, spec: ModelArg, value: float) -> None:
     # math.isfinite(int) converts to float and overflows beyond 1e308; an int is always finite
     if not isinstance(value, int) and not math.isfinite(value):
         raise _bad(f"{model}: {key} must be finite, got {value}")
@@ -144,13 +133,13 @@ def _as_int(model: str, key: str, value: Any) -> int:
     return int(value)
 
 
-def _int_value(model: str, key: str, spec: _Arg, value: Any) -> int:
+def _int_value(model: str, key: str, spec: ModelArg, value: Any) -> int:
     number = _as_int(model, key, value)
     _check_number(model, key, spec, number)
     return number
 
 
-def _float_value(model: str, key: str, spec: _Arg, value: Any) -> float:
+def _float_value(model: str, key: str, spec: ModelArg, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"{model}: {key} must be a number, got {value!r}")
     number = float(value)
@@ -158,17 +147,17 @@ def _float_value(model: str, key: str, spec: _Arg, value: Any) -> float:
     return number
 
 
-def _bool_value(model: str, key: str, spec: _Arg, value: Any) -> bool:
+def _bool_value(model: str, key: str, spec: ModelArg, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _bad(f"{model}: {key} must be true or false, got {value!r}")
     return value
 
 
-def _activation_value(model: str, key: str, spec: _Arg, value: Any) -> Any:
+def _activation_value(model: str, key: str, spec: ModelArg, value: Any) -> Any:
     return canonical_activation_spec(value)
 
 
-def _int_list_value(model: str, key: str, spec: _Arg, value: Any) -> list[int]:
+def _int_list_value(model: str, key: str, spec: ModelArg, value: Any) -> list[int]:
     problem = f"{model}: {key} must be a non-empty list of positive integers, got {value!r}"
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
         raise _bad(problem)
@@ -178,7 +167,7 @@ def _int_list_value(model: str, key: str, spec: _Arg, value: Any) -> list[int]:
     return items
 
 
-def _image_size_value(model: str, key: str, spec: _Arg, value: Any) -> int | list[int]:
+def _image_size_value(model: str, key: str, spec: ModelArg, value: Any) -> int | list[int]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         sides = [_as_int(model, key, value)] * 2
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2:
@@ -201,7 +190,7 @@ _CANONICAL = {
 """Each argument kind's check: ``f(model, key, spec, value)`` -> the canonical value."""
 
 
-def _canonical_value(model: str, key: str, spec: _Arg, value: Any) -> Any:
+def _canonical_value(model: str, key: str, spec: ModelArg, value: Any) -> Any:
     """Check one argument's type and range; return its canonical JSON-serialisable form."""
     check = _CANONICAL.get(spec.kind)
     if check is None:
@@ -227,25 +216,9 @@ def image_hw(image_size: int | list[int]) -> tuple[int, int]:
     return int(image_size[0]), int(image_size[1])
 
 
-def _check_architecture(name: str, args: dict[str, Any]) -> None:
-    """Cross-argument checks (the network must fit the input)."""
-    if name == "cnn":
-        height, width = image_hw(args["image_size"])
-        blocks = len(args["channels"])
-        if min(height, width) >> blocks < 1:
-            raise _bad(
-                f"cnn: {blocks} pooling blocks need images of at least "
-                f"{2**blocks if blocks < 50 else f'2**{blocks}'} pixels a side, "
-                f"got {height}x{width}; use fewer channels entries"
-            )
-    if name == "resnet":
-        depth = args["depth"]
-        if (depth - 2) % 6 != 0:
-            raise _bad(f"resnet: depth must be 6n+2 (20, 32, 44, 56, 110), got {depth}")
-
-
 def _unknown_model(name: Any) -> UsageError:
-    return UsageError(f"unknown model {name!r}; accepted: {', '.join(_MODEL_ARGS)}", source="model")
+    accepted = ", ".join(catalogue.MODELS.names())
+    return UsageError(f"unknown model {name!r}; accepted: {accepted}", source="model")
 
 
 def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -272,12 +245,11 @@ def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
             source="model",
         )
     name = spec["name"]
-    if not isinstance(name, str) or name not in _MODEL_ARGS:
-        raise _unknown_model(name)
+    model = _model(name)
     args = spec.get("args") or {}
     if not isinstance(args, dict):
         raise _bad(f"{name}: args must be a JSON object, got {args!r}")
-    schema = _MODEL_ARGS[name]
+    schema = model.ARGS
     unknown = sorted(set(args) - set(schema))
     if unknown:
         raise _bad(
@@ -291,7 +263,11 @@ def validate_model_spec(spec: dict[str, Any]) -> dict[str, Any]:
             raise _bad(f"{name}: missing required argument {key} ({arg.help})")
         else:
             complete[key] = copy.deepcopy(arg.default)
-    _check_architecture(name, complete)
+    check_args = getattr(model, "check_args", None)
+    if check_args is not None:
+        problem = check_args(complete)
+        if problem is not None:
+            raise _bad(f"{name}: {problem}")
     return {"name": name, "args": complete}
 
 
@@ -322,11 +298,10 @@ def default_model_args(
         >>> default_model_args("mlp", (2, 3), 4)["in_features"]
         6
     """
-    if not isinstance(name, str) or name not in _MODEL_ARGS:
-        raise _unknown_model(name)
+    schema = _model(name).ARGS
     shape = tuple(int(side) for side in input_shape)
     derived: dict[str, Any] = {"num_classes": int(num_classes)}
-    if name in _IMAGE_MODELS:
+    if _is_image_model(name):
         if len(shape) != 3:
             raise UsageError(
                 f"model {name!r} needs image inputs of shape (channels, height, width); the data's "
@@ -343,7 +318,7 @@ def default_model_args(
         if value is None:
             continue
         if key in derived:
-            canonical = _canonical_value(name, key, _MODEL_ARGS[name][key], value)
+            canonical = _canonical_value(name, key, schema[key], value)
             if canonical != derived[key]:
                 raise _bad(
                     f"{name}: {key}={value!r} contradicts the data (input shape {shape}, "
@@ -368,6 +343,6 @@ def model_input_shape(spec: dict[str, Any]) -> tuple[int, ...]:
     """
     complete = validate_model_spec(spec)
     args = complete["args"]
-    if complete["name"] in _IMAGE_MODELS:
+    if _is_image_model(complete["name"]):
         return (args["in_channels"], *image_hw(args["image_size"]))
     return (args["in_features"],)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from sharpcli import catalogue
 from sharpcli.models.specs import image_hw, validate_model_spec
-from sharpcli.models.zoo import VGG_SMALL_CHANNELS, vgg_small_width
+from sharpcli.models.zoo import MLP, VGG_SMALL_CHANNELS, SmallCNN, VGGSmall, vgg_small_width
 
 __all__ = ["StateSize", "estimate_state_size"]
 
@@ -73,9 +74,9 @@ def estimate_state_size(spec: dict[str, Any]) -> StateSize:
         StateSize(tensors=4, values=23)
     """
     complete = validate_model_spec(spec)
-    name, a = complete["name"], complete["args"]
+    architecture, a = catalogue.MODELS.get(complete["name"]), complete["args"]
     masked = a.get("mask_ratio", 0.0) > 0.0
-    if name == "mlp":
+    if architecture is MLP:
         depth, width, bias = a["depth"], a["width"], a["bias"]
         head_in = width if depth > 0 else a["in_features"]
         parts = [_linear(head_in, a["num_classes"], bias)]
@@ -84,8 +85,8 @@ def estimate_state_size(spec: dict[str, Any]) -> StateSize:
             parts.append(_total(_linear(width, width, bias), _mask(width, masked), times=depth - 1))
         return _total(*parts)
     height, width_px = image_hw(a["image_size"])
-    if name in ("cnn", "vgg-small"):
-        if name == "cnn":
+    if architecture in (SmallCNN, VGGSmall):
+        if architecture is SmallCNN:
             channels = a["channels"]
         else:
             channels = [vgg_small_width(base, a["width_multiplier"]) for base in VGG_SMALL_CHANNELS]
@@ -94,10 +95,12 @@ def estimate_state_size(spec: dict[str, Any]) -> StateSize:
             pixels = out * height * width_px  # the mask covers the pre-activation before pooling
             parts += [_conv3x3(prev, out, True), _batch_norm(out, a["batch_norm"])]
             parts.append(_mask(pixels, masked))
-            if name == "cnn" or min(height, width_px) >= 2:  # vgg-small skips a too-small pool
+            if (
+                architecture is SmallCNN or min(height, width_px) >= 2
+            ):  # VGG-small skips a too-small pool
                 height, width_px = height // 2, width_px // 2
             prev = out
-        if name == "cnn":
+        if architecture is SmallCNN:
             parts.append(_linear(prev * height * width_px, a["num_classes"], True))
         else:
             parts.append(_linear(prev * 4, a["num_classes"], False))

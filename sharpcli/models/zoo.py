@@ -22,8 +22,9 @@ Conventions every zoo model honours (the analyses rely on them):
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,17 +32,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
-from sharpcli.models.activations import make_activation
+from sharpcli.models.activations import DEFAULT_ACTIVATION, make_activation
 from sharpcli.models.manipulations import apply_manipulations
-from sharpcli.models.specs import image_hw, model_input_shape, validate_model_spec
+from sharpcli.models.specs import (
+    ACTIVATION_ARG,
+    IMAGE_INPUT_ARGS,
+    MANIPULATION_ARGS,
+    NUM_CLASSES_ARG,
+    ModelArg,
+    dropout_arg,
+    image_hw,
+    model_input_shape,
+    validate_model_spec,
+)
+from sharpcli.registry import declare
 
 # --------------------------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------------------------
 
 
+@declare(
+    "model",
+    "mlp",
+    "fully connected: depth hidden layers of width units, inputs flattened",
+    info={"default": True},
+)
 class MLP(nn.Sequential):
     """Fully connected network ``x -> W_1 -> phi -> ... -> W_{depth+1} -> logits``.
 
@@ -55,13 +72,25 @@ class MLP(nn.Sequential):
     module, so indices stay as above).
     """
 
+    # the spec's arguments (sharpcli.models.specs), in schema order
+    ARGS = dict(
+        in_features=ModelArg("int", required=True, minimum=1, help="flattened input size"),
+        num_classes=NUM_CLASSES_ARG,
+        depth=ModelArg("int", 2, minimum=0, help="number of hidden layers"),
+        width=ModelArg("int", 64, minimum=1, help="hidden units per layer"),
+        activation=ACTIVATION_ARG,
+        bias=ModelArg("bool", True, help="Linear layers have biases"),
+        dropout=dropout_arg("after each activation"),
+        **MANIPULATION_ARGS,
+    )
+
     def __init__(
         self,
         in_features: int,
         num_classes: int,
         depth: int = 2,
         width: int = 64,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         bias: bool = True,
         dropout: float = 0.0,
     ) -> None:
@@ -125,6 +154,7 @@ class _FeaturesThenClassifier(nn.Module):
         return self.classifier(self.features(x))
 
 
+@declare("model", "cnn", "conv blocks with 2x2 max pooling, then a linear head")
 class SmallCNN(_FeaturesThenClassifier):
     """A small conv net: ``features`` blocks ``Conv3x3 -> (BatchNorm) -> act -> MaxPool2d(2)``,
     then ``classifier = [Flatten, (Dropout), Linear(c_last * h * w, num_classes)]``.
@@ -134,20 +164,42 @@ class SmallCNN(_FeaturesThenClassifier):
     input (flattened last pooled feature map) is the penultimate representation.
     """
 
+    ARGS = dict(
+        **IMAGE_INPUT_ARGS,
+        channels=ModelArg("int_list", [16, 32], help="conv channels per block"),
+        activation=ACTIVATION_ARG,
+        batch_norm=ModelArg("bool", False, help="BatchNorm2d after each conv"),
+        dropout=dropout_arg("before the head"),
+        **MANIPULATION_ARGS,
+    )
+
+    @staticmethod
+    def check_args(args: dict[str, Any]) -> str | None:
+        """Whether the images survive the pooling blocks: a problem, or None."""
+        height, width = image_hw(args["image_size"])
+        blocks = len(args["channels"])
+        if min(height, width) >> blocks < 1:
+            return (
+                f"{blocks} pooling blocks need images of at least "
+                f"{2**blocks if blocks < 50 else f'2**{blocks}'} pixels a side, "
+                f"got {height}x{width}; use fewer channels entries"
+            )
+        return None
+
     def __init__(
         self,
         in_channels: int,
-        image_size: tuple[int, int],
+        image_size: int | Sequence[int],
         num_classes: int,
         channels: Sequence[int] = (16, 32),
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         batch_norm: bool = False,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         prev = in_channels
-        size = tuple(image_size)
+        size = image_hw(image_size)
         for width in channels:
             blocks += _conv_act(prev, width, activation, batch_norm)
             blocks.append(nn.MaxPool2d(2))
@@ -160,6 +212,12 @@ class SmallCNN(_FeaturesThenClassifier):
 VGG_SMALL_CHANNELS = (64, 128, 256, 512)
 
 
+@declare(
+    "model",
+    "vgg-small",
+    "VGG-small: four conv blocks of 64-128-256-512 channels times width_multiplier",
+    paper="MAN",
+)
 class VGGSmall(_FeaturesThenClassifier):
     """The custom VGG-small of MAN Appendix B.2, Table 6 (no batch norm, no residuals).
 
@@ -172,20 +230,29 @@ class VGGSmall(_FeaturesThenClassifier):
     as the table's global pooling and bias-free classifier.
     """
 
+    ARGS = dict(
+        **IMAGE_INPUT_ARGS,
+        width_multiplier=ModelArg("float", 1.0, above=0.0, help="scales 64-128-256-512 channels"),
+        activation=ACTIVATION_ARG,
+        batch_norm=ModelArg("bool", False, help="BatchNorm2d after each conv (MAN uses none)"),
+        dropout=dropout_arg("before the head"),
+        **MANIPULATION_ARGS,
+    )
+
     def __init__(
         self,
         in_channels: int,
-        image_size: tuple[int, int],
+        image_size: int | Sequence[int],
         num_classes: int,
         width_multiplier: float = 1.0,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         batch_norm: bool = False,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         prev = in_channels
-        size = tuple(image_size)
+        size = image_hw(image_size)
         for base in VGG_SMALL_CHANNELS:
             width = vgg_small_width(base, width_multiplier)
             blocks += _conv_act(prev, width, activation, batch_norm)
@@ -261,6 +328,7 @@ class BasicBlock(nn.Module):
         return self.act2(out + self.shortcut(x))
 
 
+@declare("model", "resnet", "CIFAR ResNet of depth 6n+2, option-A shortcuts", paper="He2016")
 class CifarResNet(nn.Module):
     """CIFAR ResNet of [He2016] (section 4.2): depth ``6n + 2``.
 
@@ -271,13 +339,29 @@ class CifarResNet(nn.Module):
     Convolutions have no bias; conv and linear weights use Kaiming-normal initialisation.
     """
 
+    ARGS = dict(
+        **IMAGE_INPUT_ARGS,
+        depth=ModelArg("int", 20, minimum=8, help="6n+2: 20, 32, 44, 56, 110"),
+        width=ModelArg("int", 16, minimum=1, help="channels of the first stage"),
+        activation=ACTIVATION_ARG,
+        dropout=dropout_arg("before fc"),
+        **MANIPULATION_ARGS,
+    )
+
+    @staticmethod
+    def check_args(args: dict[str, Any]) -> str | None:
+        """Whether the depth is 6n+2: a problem, or None."""
+        if (args["depth"] - 2) % 6 != 0:
+            return f"depth must be 6n+2 (20, 32, 44, 56, 110), got {args['depth']}"
+        return None
+
     def __init__(
         self,
         in_channels: int,
         num_classes: int,
         depth: int = 20,
         width: int = 16,
-        activation: str = "relu",
+        activation: str = DEFAULT_ACTIVATION,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -310,39 +394,6 @@ class CifarResNet(nn.Module):
         return self.fc(self.dropout(self.flatten(self.pool(out))))
 
 
-_BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
-    "mlp": lambda a: MLP(
-        a["in_features"],
-        a["num_classes"],
-        a["depth"],
-        a["width"],
-        a["activation"],
-        a["bias"],
-        a[DROPOUT_ARG],
-    ),
-    "cnn": lambda a: SmallCNN(
-        a["in_channels"],
-        image_hw(a["image_size"]),
-        a["num_classes"],
-        a["channels"],
-        a["activation"],
-        a["batch_norm"],
-        a[DROPOUT_ARG],
-    ),
-    "vgg-small": lambda a: VGGSmall(
-        a["in_channels"],
-        image_hw(a["image_size"]),
-        a["num_classes"],
-        a["width_multiplier"],
-        a["activation"],
-        a["batch_norm"],
-        a[DROPOUT_ARG],
-    ),
-    "resnet": lambda a: CifarResNet(
-        a["in_channels"], a["num_classes"], a["depth"], a["width"], a["activation"], a[DROPOUT_ARG]
-    ),
-}
-
 MODEL_NAMES: tuple[str, ...] = catalogue.MODEL_NAMES
 
 
@@ -366,7 +417,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
         (4,)
     """
     complete = validate_model_spec(spec)
-    model = _BUILDERS[complete["name"]](complete["args"])
+    architecture = catalogue.MODELS.get(complete["name"])
+    taken = inspect.signature(architecture).parameters  # the rest are manipulations
+    model = architecture(**{k: v for k, v in complete["args"].items() if k in taken})
     model = apply_manipulations(model, complete["args"], model_input_shape(complete))
     model = model.to(torch.float32)
     model.model_spec = complete

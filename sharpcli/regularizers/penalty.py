@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.losses import get_loss
+from sharpcli.losses import CROSS_ENTROPY, get_loss
 from sharpcli.training.engine import PassContext, StepEngine
 from sharpcli.training.penalties.base import Penalty
 from sharpcli.training.replay import model_facts
@@ -88,7 +88,7 @@ class LossPenalty:
         regularizer: Penalty,
         model: nn.Module,
         *,
-        loss: str = "cross-entropy",
+        loss: str = CROSS_ENTROPY,
         generator: torch.Generator | None = None,
     ):
         if not isinstance(regularizer, Penalty):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sharpcli import catalogue, ledger
 from sharpcli.bounded import JsonTooDeep, loads_json, read_data_file
-from sharpcli.catalogue.values import TRACE_KEY, TRAIN
+from sharpcli.catalogue.values import CSV, TRACE_KEY, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.report.envelope import validate_report
 
@@ -238,7 +238,7 @@ def compare_table(paths: list[str], *, columns: list[str] | None = None, sort: s
 
 def render(frame, fmt: str) -> str:
     """The table as CSV, Markdown or JSON text."""
-    if fmt == "csv":
+    if fmt == CSV:
         return frame.to_csv(index=False)
     if fmt == "markdown":
         cols = list(frame.columns)

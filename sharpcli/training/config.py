@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
+from sharpcli.catalogue.data import DEFAULT_DATASET
+from sharpcli.catalogue.names import DEFAULT_MODEL
 from sharpcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -33,6 +35,11 @@ OPTIMIZERS = catalogue.OPTIMIZERS
 SCHEDULES = catalogue.SCHEDULES
 
 
+def _default_regularizers() -> list[Any]:
+    """The regularizer declared first (plain loss), as a spec that TrainConfig parses."""
+    return [catalogue.NO_REGULARIZER]
+
+
 @dataclass
 class TrainConfig:
     """Everything that determines a training run; stored in the checkpoint's ``sharpcli.train``.
@@ -43,12 +50,12 @@ class TrainConfig:
     them back in their canonical spelling.
     """
 
-    model: str = "mlp"
+    model: str = DEFAULT_MODEL
     model_args: dict[str, Any] = field(default_factory=dict)
     model_factory: str | None = None  # module:function building the user's own model
     output: str | None = None  # which of the model's outputs are the logits
     penultimate: str | None = None  # module whose output activation decay penalises
-    data: str | dict = "blobs"
+    data: str | dict = DEFAULT_DATASET
     label_column: str | None = None
     epochs: int = 5
     batch_size: int = 64
@@ -62,7 +69,7 @@ class TrainConfig:
     repeat_batch: int = 1
     noise_finetune: float = 0.0
     seed: int = 0
-    regs: list[Regularizer] = field(default_factory=lambda: [catalogue.NO_REGULARIZER])  # type: ignore[list-item]
+    regs: list[Regularizer] = field(default_factory=_default_regularizers)
     dtype: str = "float32"
     # mixed precision (sharpcli.training.precision): fp32 (none), bf16 or fp16 autocast
     precision: str = "fp32"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sharpcli import progress
+from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import NumericalError
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.training.config import TrainConfig
@@ -326,6 +327,6 @@ def _optimizer_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, st
         raise NumericalError(
             f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "
             "lower `lr` or the regularizer strength",
-            source="train",
+            source=TRAIN,
         )
     return stats, run.amp.step(run.optimizer, scale)

@@ -27,6 +27,7 @@ from torch import nn
 
 from sharpcli import memory, progress
 from sharpcli.atomic import publication
+from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import NumericalError, SharpError, UsageError
@@ -83,27 +84,6 @@ from sharpcli.training.resume import (
     write_history_csv,
 )
 
-__all__ = [
-    "OPTIMIZERS",
-    "SCHEDULES",
-    "STATE_VERSION",
-    "TrainConfig",
-    "TrainResult",
-    "validate_config",
-    "config_from_options",
-    "train",
-    "train_report",
-    "evaluate",
-    "apply_label_noise",
-    "augment_images",
-    "state_path_for",
-    "history_csv_path_for",
-    "declare_outputs",
-    "check_data_parallel_regs",
-    "data_parallel_rank_and_world",
-    "data_parallel_step",
-]
-
 
 @dataclass
 class TrainResult:
@@ -148,11 +128,11 @@ def train_report(
         "data_parallel": result.data_parallel,
     }
     return make_report(
-        "train",
+        TRAIN,
         settings=result.config | settings | {"out": str(out)},
         results=results,
-        checkpoint=result.checkpoint | {"train": result.config},
-        data={"spec": result.data_spec, "split": "train", "samples": None}
+        checkpoint=result.checkpoint | {TRAIN: result.config},
+        data={"spec": result.data_spec, "split": TRAIN, "samples": None}
         | ({"notes": list(result.notes)} if result.notes else {}),
         timing={"seconds": 0.0, "matvecs": 0},
         environment=environment_info(device, dtype, rank_and_world()[1]),
@@ -230,7 +210,7 @@ def train(
     with (
         twice_differentiable(),
         _token_mean(cfg, splits.y_train),
-        progress.start("train", total=last_epoch * steps, unit="steps", quantity="loss") as meter,
+        progress.start(TRAIN, total=last_epoch * steps, unit="steps", quantity="loss") as meter,
     ):
         for epoch in range(run.start_epoch, last_epoch):
             row = _train_epoch(run, epoch, meter, (epoch * steps, total_epochs))
@@ -305,8 +285,8 @@ def _load_splits(cfg: TrainConfig) -> Splits:
     cfg.data = dataset.spec
     if per_position or dataset.task == "regression":
         cfg.loss = cfg.loss or loss_for_task(dataset.task, per_position=per_position)
-    x_train, y_train = dataset.split("train")
-    x_test, y_test = dataset.split("test") if dataset.x_test is not None else (None, None)
+    x_train, y_train = dataset.split(TRAIN)
+    x_test, y_test = dataset.split(TEST) if dataset.x_test is not None else (None, None)
     if dataset.task == "classification":
         num_outputs = int(dataset.num_classes)
         y_train = apply_label_noise(y_train, cfg.label_noise, num_outputs, cfg.seed)
@@ -467,7 +447,7 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
         final["skipped_steps"] = run.amp.skipped_steps
     final["seconds"] = sum(r["seconds"] for r in history)
     if not math.isfinite(final["train_loss"]):
-        raise NumericalError("the final training loss is not finite", source="train")
+        raise NumericalError("the final training loss is not finite", source=TRAIN)
     cfg_dict = json.loads(json.dumps(cfg.to_dict()))
     records = [reg.run_record() for reg in run.regs]
     csv_path = history_csv_path_for(out)
@@ -503,3 +483,27 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
         precision=run.amp.record(),
         data_parallel=data_parallel,
     )
+
+
+# the public names (``train`` by its function: the word is spelled once, in
+# sharpcli.catalogue.values)
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "STATE_VERSION",
+    "TrainConfig",
+    "TrainResult",
+    "validate_config",
+    "config_from_options",
+    train.__name__,
+    "train_report",
+    "evaluate",
+    "apply_label_noise",
+    "augment_images",
+    "state_path_for",
+    "history_csv_path_for",
+    "declare_outputs",
+    "check_data_parallel_regs",
+    "data_parallel_rank_and_world",
+    "data_parallel_step",
+]

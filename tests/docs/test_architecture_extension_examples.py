@@ -277,10 +277,13 @@ def test_jsonl_record_states_what_the_extension_registered(jsonl_example):
     entry, fmt = FORMATS.entry("jsonl"), FORMATS["jsonl"]
     assert (record.name, record.summary) == (entry.name, entry.summary)
     assert {k: record.info[k] for k in entry.info} == entry.info
-    assert record.info["extensions"] == fmt.extensions and record.impl == "sharpcli.io.formats"
-    for key in ("probe", "read"):
-        module, _, attr = record.info[key].partition(":")
-        assert module.startswith("sharpcli.io.") and attr == getattr(fmt, key).__name__
+    assert record.info["extensions"] == fmt.extensions
+    assert record.impl.partition(":")[2] == fmt.probe.__name__
+    module, _, attr = record.info["read"].partition(":")
+    assert module.startswith("sharpcli.io.") and attr == fmt.read.__name__
+    # its place among the built-ins: after every one of them
+    builtins = [FORMATS.entry(name) for name in FORMATS.builtin_names()]
+    assert record.info["order"] > max(e.info["order"] for e in builtins)
 
 
 def test_examples_leave_the_registries_as_they_were(tmp_path):

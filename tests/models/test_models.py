@@ -56,12 +56,19 @@ def resnet_parameter_count(depth: int, width: int, in_channels: int, classes: in
 
 
 def test_model_names():
-    from sharpcli.models import specs, zoo
+    from sharpcli import catalogue
+    from sharpcli.catalogue.names import DEFAULT_MODEL
+    from sharpcli.models import zoo
+    from sharpcli.registry import declaration
 
     assert MODEL_NAMES == ("mlp", "cnn", "vgg-small", "resnet")
     assert set(TINY) == set(MODEL_NAMES)
-    # the catalogue's names are the ones with a builder and an argument table, in that order
-    assert tuple(zoo._BUILDERS) == MODEL_NAMES == tuple(specs._MODEL_ARGS)
+    # the catalogue's names are the zoo's declared classes, in their order, each with its
+    # argument table; mlp is the default
+    declared = [zoo.MLP, zoo.SmallCNN, zoo.VGGSmall, zoo.CifarResNet]
+    assert tuple(declaration(cls)[1].name for cls in declared) == MODEL_NAMES
+    assert [catalogue.MODELS.get(name) for name in MODEL_NAMES] == declared
+    assert all(cls.ARGS for cls in declared) and DEFAULT_MODEL == "mlp"
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
