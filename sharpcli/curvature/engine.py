@@ -373,13 +373,17 @@ class CurvatureEngine:
         Each result is released once copied (when the caller holds no other reference), so
         the results and the block are not both held whole."""
         scope = self.scope
-        out = torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
+        # uninitialised: every slice is written below (zeroing the whole block first mapped and
+        # wrote P x k entries once more per product)
+        out = torch.empty(scope.numel, k, dtype=scope.dtype, device=scope.device)
         tensors = list(tensors)
+        tensors += [None] * (len(scope.offsets) - 1 - len(tensors))
         for i in range(len(tensors)):
             t, tensors[i] = tensors[i], None
-            if t is None:
-                continue
             a, b = scope.offsets[i], scope.offsets[i + 1]
+            if t is None:
+                out[a:b].zero_()
+                continue
             out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
             del t
         return out

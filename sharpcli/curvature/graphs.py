@@ -127,22 +127,24 @@ def check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> N
         operator: the operator's name.
         index: the batch.
     """
+    # One pass: a column's norm is finite only when its entries are and their sum of squares
+    # stays in the dtype's range (float32: entries above ~1e19 overflow it). Every estimator
+    # normalises or squares the product, so an overflowing norm would turn into Inf/NaN there
+    # and the NEXT product would be blamed on its first batch; stop here, naming the batch that
+    # did it. Only a failing block is read again, to say which of the two it is.
+    if torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
+        return
     if not torch.isfinite(block).all():
         raise NumericalError(
             f"{operator} product ({part} part) is not finite on batch {index}",
             source=f"{operator} operator",
         )
-    # Finite entries can still have a norm beyond the dtype's range (float32: entries
-    # above ~1e19 overflow the sum of squares). Every estimator normalises or squares
-    # the product, so it would turn into Inf/NaN there and the NEXT product would be
-    # blamed on its first batch; stop here, naming the batch that did it.
-    if not torch.isfinite(torch.linalg.vector_norm(block, dim=0)).all():
-        raise NumericalError(
-            f"{operator} product ({part} part) on batch {index} is too large for "
-            f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
-            "`dtype=float64`)",
-            source=f"{operator} operator",
-        )
+    raise NumericalError(
+        f"{operator} product ({part} part) on batch {index} is too large for "
+        f"{str(block.dtype).replace('torch.', '')} (its norm overflows; try "
+        "`dtype=float64`)",
+        source=f"{operator} operator",
+    )
 
 
 def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:

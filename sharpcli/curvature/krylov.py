@@ -445,7 +445,7 @@ class KrylovBasis:
             w[s] -= acc
         return w
 
-    def orthogonalize(self, w: torch.Tensor, passes: int = 2) -> torch.Tensor:
+    def orthogonalize(self, w: torch.Tensor, passes: int = 2) -> float:
         """``w`` made orthogonal to every row by classical Gram-Schmidt, in place:
         ``w <- w - Q^T (Q w)``, repeated (up to ``passes`` times) only while a pass removes
         more than :data:`REPEAT_BELOW` of ``w``'s norm.
@@ -461,18 +461,19 @@ class KrylovBasis:
             passes: Gram-Schmidt passes (two: CGS2).
 
         Returns:
-            ``w``.
+            ``||w||`` afterwards, summed in float64 (the criterion computes it: Lanczos's
+            ``beta_j`` without another pass over ``w``).
         """
-        if self._size == 0:
-            return w
         norm = norm64(w)
+        if self._size == 0:
+            return norm
         for _ in range(passes):
             self.subtract(w, self.coefficients(w))
             after = norm64(w)
             if after >= REPEAT_BELOW * norm:
-                break
+                return after
             norm = after
-        return w
+        return norm
 
     def combine(self, S: torch.Tensor, dtype: torch.dtype = _F64) -> torch.Tensor:
         """``Q^T S``: the ``(P, k)`` combinations of the rows with coefficients ``S`` (``(m, k)``,

@@ -118,8 +118,7 @@ def lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], step
     for i, value in coupling:
         if value != 0.0:
             basis.axpy(w, i, value)
-    basis.orthogonalize(w)
-    return alpha, norm64(w), w
+    return alpha, basis.orthogonalize(w), w
 
 
 def lanczos_tridiagonal(
