@@ -31,3 +31,22 @@ def test_finite_entries_whose_norm_overflows_the_dtype_are_refused_as_too_large(
     with pytest.raises(NumericalError, match="on batch 2 is too large for float32"):
         check_finite(block, "Gauss-Newton", "ggn", 2)
     check_finite(block.double(), "Gauss-Newton", "ggn", 2)  # float64 holds it
+
+
+def test_vjp_through_grad_outputs_equals_the_dot_product_path(monkeypatch) -> None:
+    """Large outputs take ``grad_outputs`` (no P-sized dot-product temporaries): the same
+    Hessian-vector product, to the last bit in float64, as the dot-product path."""
+    from sharpcli.curvature import graphs
+
+    torch.manual_seed(0)
+    w = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(11, 7, dtype=torch.float64)
+    loss = torch.tanh(x @ w + b).pow(3).sum()
+    grads = torch.autograd.grad(loss, [w, b], create_graph=True)
+    v = [torch.randn_like(w), torch.randn_like(b)]
+    by_dot = graphs.vjp(grads, [w, b], v, retain_graph=True)
+    monkeypatch.setattr(graphs, "GRAD_OUTPUTS_FROM", 0)
+    by_grad_outputs = graphs.vjp(grads, [w, b], v, retain_graph=True)
+    for a, c in zip(by_dot, by_grad_outputs):
+        torch.testing.assert_close(a, c, rtol=1e-14, atol=1e-14)
