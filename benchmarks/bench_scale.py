@@ -452,7 +452,7 @@ def case_growth(workdir, env, device, plot):
     return points
 
 
-def case_ratio(workdir, env, device, products=12, commands=("eigen",)):
+def case_ratio(workdir, env, device, products=12, commands=("eigen",), models=("resnet18", "gpt2")):
     """``ratio``: a product inside ``eigen`` (``products`` against 2, default budget), and with
     ``commands`` also a probe-product inside ``trace`` (Hutchinson, its tolerance out of
     reach) and a Lanczos step inside ``density`` (1 probe), against the bare graph-kept HVP on
@@ -477,6 +477,8 @@ def case_ratio(workdir, env, device, products=12, commands=("eigen",)):
         "density": (("--probes", "1", "--steps", bound), "--steps", 2),
     }
     for name, factory, args, inputs, targets in cases:
+        if name not in models:
+            continue
         ckpt, data, _ = write_case(workdir, name, factory, args, inputs, targets)
         bare = bare_hvp(factory, args, ckpt, data, device)
         for command in commands:
@@ -527,6 +529,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--plot", default=None, help="PNG of the growth with P")
     parser.add_argument("--budget", default=None, help="gpt2: eigen again under --max-memory")
+    parser.add_argument("--models", default="resnet18,gpt2", help="ratio-all: the models")
     parser.add_argument(
         "--sharp-args", default="", help="converged: options added to sharp eigen (a method choice)"
     )
@@ -553,7 +556,10 @@ def main() -> None:
         elif case == "ratio":
             case_ratio(workdir, env, args.device)
         elif case == "ratio-all":
-            case_ratio(workdir, env, args.device, commands=("eigen", "trace", "density"))
+            case_ratio(
+                workdir, env, args.device, commands=("eigen", "trace", "density"),
+                models=tuple(args.models.split(",")),
+            )  # fmt: skip
         elif case == "converged":
             case_converged(workdir, env, args.device, tuple(args.sharp_args.split()))
         else:
