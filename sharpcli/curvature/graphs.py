@@ -180,6 +180,9 @@ def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
     if sum(o.numel() for o in outputs) >= GRAD_OUTPUTS_FROM:
         # at this size the dot product's P-sized temporaries cost more per product (0.2-0.5
         # CPU s at GPT-2 small, its strided probe columns the most) than sympy's import once
+        # contiguous: a probe block's column is a strided view, and every layer's backward
+        # would read it strided (1.4 CPU s more a product at GPT-2 small than one copy)
+        vectors = [v.contiguous() for v in vectors]
         return torch.autograd.grad(
             outputs, inputs, grad_outputs=vectors, allow_unused=allow_unused, **kw
         )
