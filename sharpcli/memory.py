@@ -145,7 +145,11 @@ HEAP_TRIM_THRESHOLD = 64 << 20  # free memory at the heap's top beyond this goes
 # glibc's own ceiling for its dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit):
 # blocks below it are reused from the heap once freed, as glibc does by default
 REUSE_MMAP_THRESHOLD = 32 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallopt (malloc.h)
+# how many blocks glibc may map on their own: its default, and none when freed blocks are
+# reused (every block from the heap: a product's 0.1-0.5 GB temporaries were otherwise mapped
+# and zeroed afresh each product, 0.8 CPU s a product of GPT-2 small's 7.1)
+GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # What glibc keeps resident, as freed blocks it reuses, beyond what a run holds when the heap
 # is left at its reuse thresholds, as a fraction of the run's planned work (planned peak less
 # baseline): measured at most 0.03 beyond the plan (GPT-2 small, 4944M: 4.66 GB against a
@@ -174,7 +178,9 @@ def settle_heap() -> str | None:
         return None
     if plan.heap is None:
         slack = int(ALLOCATOR_SLACK * max(0, plan.planned_peak - plan.baseline))
-        if plan.planned_peak + slack <= plan.budget and _set_heap(REUSE_MMAP_THRESHOLD):
+        if plan.planned_peak + slack <= plan.budget and _set_heap(
+            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX
+        ):
             plan.add_to_peak(ALLOCATOR_SLACK_ITEM, slack)
             plan.heap = "reuse"
             plan.note(
@@ -188,9 +194,9 @@ def settle_heap() -> str | None:
     return plan.heap
 
 
-def _set_heap(mmap_threshold: int) -> bool:
-    """glibc's mmap threshold to ``mmap_threshold`` and its trim threshold to
-    :data:`HEAP_TRIM_THRESHOLD`; False off glibc."""
+def _set_heap(mmap_threshold: int, mmap_max: int = GLIBC_MMAP_MAX) -> bool:
+    """glibc's mmap threshold to ``mmap_threshold``, the most blocks it maps on their own to
+    ``mmap_max`` and its trim threshold to :data:`HEAP_TRIM_THRESHOLD`; False off glibc."""
     libc = _glibc()
     if libc is None:
         return False
@@ -198,6 +204,7 @@ def _set_heap(mmap_threshold: int) -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok = mallopt(_M_MMAP_MAX, mmap_max) == 1 and ok
     return mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD) == 1 and ok
 
 
