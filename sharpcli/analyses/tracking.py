@@ -63,6 +63,15 @@ class Budget:
     eigen_max_matvecs: int | None
 
 
+def _probed(estimator, cpass, budget: Budget) -> tuple[float, int]:
+    """A probe estimator of the Hessian (``hutchpp``, ``frobenius_sq``) at the budget's
+    tolerance, products and seed: its estimate and the products it took."""
+    result = estimator(
+        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
+    )
+    return result.estimate, result.matvecs
+
+
 # Each quantity (:data:`sharpcli.catalogue.TRACKABLE`, the names of the metrics of ``sharp
 # analyze`` it follows) is a function ``(cpass, out, budget) -> products`` that adds its
 # values to ``out``.
@@ -111,11 +120,8 @@ def track_trace(cpass, out: dict, budget: Budget) -> int:
     Returns:
         The curvature products it took.
     """
-    result = hutchpp(
-        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
-    )
-    out["trace"] = result.estimate
-    return result.matvecs
+    out["trace"], products = _probed(hutchpp, cpass, budget)
+    return products
 
 
 @declare(
@@ -162,11 +168,8 @@ def track_frobenius(cpass, out: dict, budget: Budget) -> int:
     Returns:
         The curvature products it took.
     """
-    result = frobenius_sq(
-        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
-    )
-    out["frobenius_sq"] = result.estimate
-    return result.matvecs
+    out["frobenius_sq"], products = _probed(frobenius_sq, cpass, budget)
+    return products
 
 
 @declare(
