@@ -531,6 +531,9 @@ def main() -> None:
     parser.add_argument("--budget", default=None, help="gpt2: eigen again under --max-memory")
     parser.add_argument("--models", default="resnet18,gpt2", help="ratio-all: the models")
     parser.add_argument(
+        "--commands", default="eigen,trace,density", help="ratio-all: the commands measured"
+    )
+    parser.add_argument(
         "--sharp-args", default="", help="converged: options added to sharp eigen (a method choice)"
     )
     args = parser.parse_args()
@@ -557,7 +560,7 @@ def main() -> None:
             case_ratio(workdir, env, args.device)
         elif case == "ratio-all":
             case_ratio(
-                workdir, env, args.device, commands=("eigen", "trace", "density"),
+                workdir, env, args.device, commands=tuple(args.commands.split(",")),
                 models=tuple(args.models.split(",")),
             )  # fmt: skip
         elif case == "converged":

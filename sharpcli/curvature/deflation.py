@@ -520,5 +520,6 @@ class DeflatedRounds:
         )
         spent["matvecs"] += state["matvecs"]
         spent["restarts"] += state["restarts"]
+        spent["reorthogonalized"] += state["reorthogonalized"]
         spent["exact_level"] = max(spent["exact_level"], state["exact_level"])
         return state

@@ -67,7 +67,7 @@ from sharpcli.curvature.ritz import (
     reported_numbers,
     select_ritz,
 )
-from sharpcli.curvature.tridiagonal import lanczos_step, unit_random
+from sharpcli.curvature.tridiagonal import lanczos_step, skip_when_semiorthogonal, unit_random
 from sharpcli.curvature.warm_start import (
     DEFAULT_WARM_FRACTION,
     DEFAULT_WARM_STEPS,
@@ -338,7 +338,7 @@ def lanczos(
         state = _run_lanczos(
             op, basis, want, which, tol, limit, room, generator, eps, run, whole=whole
         )
-        spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level")}
+        spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level", "reorthogonalized")}
         if multiplicity:
             rounds = DeflatedRounds(
                 _run_lanczos, op, basis, (want, which, tol, limit, room), generator, eps, run, spent
@@ -397,6 +397,7 @@ def lanczos(
         krylov_dim=m,
         breakdown=breakdown,
         restarts=int(spent["restarts"]),
+        reorthogonalized=int(spent["reorthogonalized"]),
         max_basis=int(room),
         notes=notes,
         warm_start=warm_info,
@@ -501,7 +502,8 @@ def _run_lanczos(
 
     Returns:
         The final state: ``theta``, ``S``, ``idx``, ``converged``, ``residuals``,
-        ``exact_level``, ``matvecs``, ``basis``, ``restarts``, ``breakdown``, ``complete``.
+        ``exact_level``, ``matvecs``, ``basis``, ``restarts``, ``reorthogonalized`` (steps
+        that ran Gram-Schmidt), ``breakdown``, ``complete``.
 
     Raises:
         NumericalError: a product is not finite.
@@ -524,8 +526,19 @@ def _run_lanczos(
     exhaust = whole  # after a breakdown on a problem that fits: run to dimension P
     complete = False
     scale = 0.0
+    reorthogonalized = 0
     while True:
-        alpha, beta, w = lanczos_step(op, basis, coupling, done + matvecs)
+        # Gram-Schmidt may be skipped only in a plain recurrence (tridiagonal T, no locked or
+        # restarted rows, not spanning the whole space), where Paige's relation holds as stated
+        plain = round_ is None and restarts == 0 and not (exhaust or exhaustive)
+        settled = None
+        if plain:
+            coupled = [(i - locked, value) for i, value in coupling]
+            settled = skip_when_semiorthogonal(
+                lambda a, T=T, c=coupled: _extend_projection(T, a, c), scale, eps
+            )
+        alpha, beta, w, full = lanczos_step(op, basis, coupling, done + matvecs, settled)
+        reorthogonalized += full
         matvecs += 1
         T = _extend_projection(T, alpha, [(i - locked, value) for i, value in coupling])
         theta, S = torch.linalg.eigh(torch.from_numpy(T))
@@ -558,7 +571,6 @@ def _run_lanczos(
         stop = converged.all() if enough is None else enough(theta[idx], residuals[idx], converged)
         if (stop and not exhaust) or matvecs >= limit:
             break
-        w.div_(beta)
         if (
             len(basis) == room
         ):  # thick restart: keep the wanted Ritz vectors, continue from w / beta
@@ -569,7 +581,7 @@ def _run_lanczos(
             restarts += 1
         else:
             coupling = [(len(basis) - 1, beta)]
-        basis.append(w)
+        basis.append(w, divisor=beta)  # q_{j+1} = w / beta_j, divided as it is stored
     return {
         "theta": theta,
         "S": S,
@@ -580,6 +592,7 @@ def _run_lanczos(
         "matvecs": matvecs,
         "basis": basis,
         "restarts": restarts,
+        "reorthogonalized": reorthogonalized,
         "breakdown": breakdown,
         "complete": complete,
     }

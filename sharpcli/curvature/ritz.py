@@ -67,6 +67,10 @@ class EigenResult:
         eigenvectors: a float64 ``(P, m)`` tensor whose columns match ``eigenvalues`` when asked.
         warm_start: the warm-start phase, when there was one (its products and cost).
         restarts: thick restarts ([Wu2000]).
+        reorthogonalized: Lanczos steps that ran Gram-Schmidt against the whole basis (the
+            others were semi-orthogonal without it,
+            :func:`~sharpcli.curvature.tridiagonal.semiorthogonal`); ``None`` for power
+            iteration.
         max_basis: the most basis vectors the run kept.
         multiplicity: how repeated eigenvalues were counted (Lanczos,
             :func:`~sharpcli.curvature.deflation.multiplicity_record`): ``resolved`` (the
@@ -89,6 +93,7 @@ class EigenResult:
     eigenvectors: torch.Tensor | None = None
     warm_start: dict | None = None
     restarts: int = 0
+    reorthogonalized: int | None = None
     max_basis: int | None = None
     multiplicity: dict | None = None
 
@@ -112,6 +117,7 @@ class EigenResult:
             "breakdown": self.breakdown,
             "notes": list(self.notes),
             "restarts": self.restarts,
+            "reorthogonalized": self.reorthogonalized,
             "max_basis": self.max_basis,
         }
         if self.warm_start is not None:
@@ -147,8 +153,29 @@ def select_ritz(theta: np.ndarray, which: str, count: int) -> np.ndarray:
     return idx[::-1].copy()
 
 
+def product_not_finite(op, source: str, where: str = "") -> NumericalError:
+    """The error of a product with a NaN or Inf entry.
+
+    Args:
+        op: the operator (its ``name`` is in the message).
+        source: the parameter the product is blamed on.
+        where: appended to the message (``" at Lanczos step 3"``).
+
+    Returns:
+        The :class:`~sharpcli.errors.NumericalError` to raise.
+    """
+    name = getattr(op, "name", "operator")
+    return NumericalError(f"{name} product is not finite{where}", source=source)
+
+
 def apply_operator(
-    op, V: torch.Tensor, *, source: str, where: str = "", widen: bool = True
+    op,
+    V: torch.Tensor,
+    *,
+    source: str,
+    where: str = "",
+    widen: bool = True,
+    checked: bool = True,
 ) -> torch.Tensor:
     """The product ``A V``, checked finite.
 
@@ -161,6 +188,8 @@ def apply_operator(
         source: the parameter a non-finite product is blamed on.
         where: appended to the error message (``" at Lanczos step 3"``).
         widen: return float64 rather than the operator's dtype.
+        checked: check the product here; ``False`` when the caller checks it in a pass of its
+            own (:func:`product_not_finite` gives its error).
 
     Returns:
         ``A V``, float64 when ``widen``, else in the operator's dtype.
@@ -172,10 +201,8 @@ def apply_operator(
     out = op.matvec(X) if X.dim() == 1 else op.matmat(X)
     del X
     # a float64 norm is finite exactly when every entry is (no P-sized mask at 124M params)
-    if not math.isfinite(norm64(out)):
-        raise NumericalError(
-            f"{getattr(op, 'name', 'operator')} product is not finite{where}", source=source
-        )
+    if checked and not math.isfinite(norm64(out)):
+        raise product_not_finite(op, source, where)
     return out.to(_F64) if widen else out
 
 

@@ -6,8 +6,11 @@ After m steps from a unit start vector ``q_1`` the Lanczos relation [Lanczos1950
 
     A Q_m = Q_m T_m + \beta_m q_{m+1} e_m^T,
 
-with ``T_m`` tridiagonal (alphas on the diagonal, betas beside it). Full reorthogonalisation
-(classical Gram-Schmidt applied twice, "CGS2", [Parlett1998]) keeps ``Q_m`` orthonormal.
+with ``T_m`` tridiagonal (alphas on the diagonal, betas beside it). Reorthogonalisation
+(classical Gram-Schmidt applied twice, "CGS2", [Parlett1998]) keeps ``Q_m`` orthonormal; it
+reads the whole basis twice, so a step whose new vector is provably semi-orthogonal to the
+basis without it skips it (:func:`semiorthogonal`: Paige's relation, [Paige1980]; semi-
+orthogonality keeps ``T_m`` the projection of ``A`` to rounding, [Simon1984]).
 
 Precision: every scalar of the recurrence (alpha, beta, the reorthogonalisation coefficients,
 the norms) is a float64 sum whatever the operator's dtype; the products ``A q_j`` run in the
@@ -24,18 +27,53 @@ and breaks the Lanczos relation (the measurements: docs/benchmarks.md, "Float32 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from sharpcli import memory, progress
 from sharpcli.curvature.krylov import KrylovBasis, norm64
 from sharpcli.curvature.krylov_plan import basis_room, krylov_work_bytes, storage_dtype
-from sharpcli.curvature.ritz import apply_operator
+from sharpcli.curvature.ritz import apply_operator, product_not_finite
 from sharpcli.curvature.scope import gaussian_like
 
-__all__ = ["lanczos_step", "lanczos_tridiagonal", "tridiagonal_eigh", "unit_random"]
+__all__ = [
+    "SEMIORTHOGONAL_MARGIN",
+    "lanczos_step",
+    "lanczos_tridiagonal",
+    "semiorthogonal",
+    "skip_when_semiorthogonal",
+    "tridiagonal_eigh",
+    "tridiagonal_matrix",
+    "unit_random",
+]
 
 _F64 = torch.float64
+# the predicted loss of orthogonality allowed without Gram-Schmidt, in units of sqrt(eps)
+# (semi-orthogonality, [Simon1984]); the loss measured against this prediction was 0.01-0.17
+# of it (tests/curvature/test_semiorthogonal.py, float32 and float64): the basis stays a
+# factor of five or more inside semi-orthogonality
+SEMIORTHOGONAL_MARGIN = 1.0
+
+
+def tridiagonal_matrix(alphas, betas) -> np.ndarray:
+    """``tridiag(betas[:m-1], alphas, betas[:m-1])`` as a dense float64 matrix, ``m =
+    len(alphas)``.
+
+    Args:
+        alphas: the diagonal.
+        betas: the off-diagonal (entries past ``m - 1`` are ignored).
+
+    Returns:
+        The ``(m, m)`` matrix.
+    """
+    m = len(alphas)
+    T = np.diag(np.asarray(alphas, dtype=np.float64))
+    if m > 1:
+        off = np.asarray(betas[: m - 1], dtype=np.float64)
+        T += np.diag(off, 1) + np.diag(off, -1)
+    return T
 
 
 def tridiagonal_eigh(alphas, betas) -> tuple[np.ndarray, np.ndarray]:
@@ -56,11 +94,7 @@ def tridiagonal_eigh(alphas, betas) -> tuple[np.ndarray, np.ndarray]:
         >>> theta.tolist()
         [1.0, 3.0]
     """
-    m = len(alphas)
-    T = np.diag(np.asarray(alphas, dtype=np.float64))
-    if m > 1:
-        off = np.asarray(betas[: m - 1], dtype=np.float64)
-        T += np.diag(off, 1) + np.diag(off, -1)
+    T = tridiagonal_matrix(alphas, betas)
     theta, S = torch.linalg.eigh(torch.from_numpy(T))
     return theta.numpy(), S.numpy()
 
@@ -83,7 +117,77 @@ def unit_random(dim, generator, device, basis: KrylovBasis | None = None):
     return q / torch.linalg.vector_norm(q)
 
 
-def lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], step: int):
+def semiorthogonal(last_row: np.ndarray, beta: float, error: float, eps: float) -> bool:
+    r"""Whether ``q_{j+1} = w / beta_j`` from the three-term recurrence alone is semi-orthogonal
+    to the basis, so that a Gram-Schmidt pass can be skipped.
+
+    Paige's relation [Paige1980]: for every Ritz pair ``(theta_i, y_i = Q_j s_i)`` of ``T_j``,
+
+    .. math::
+
+        |y_i^T q_{j+1}| \approx \frac{\gamma}{\beta_j |s_{ji}|},
+
+    with ``gamma`` the local error of the recurrence (``eps ||A||`` in exact products; the
+    products' own error when it is larger), so the new vector loses orthogonality only towards
+    Ritz vectors that have converged (``beta_j |s_ji|`` is pair i's residual), and, through
+    ``i`` with ``s_ji`` of order one, towards the newest rows when ``beta_j`` is tiny. The
+    ``y_i`` span the basis, so when ``gamma / min_i beta_j |s_ji| <= margin sqrt(eps)`` every
+    ``|q_k^T q_{j+1}|`` is below semi-orthogonality, which keeps ``T_j`` the projection of
+    ``A`` onto the basis to ``O(eps ||A||)`` and its Ritz values as accurate as with full
+    reorthogonalisation ([Simon1984]; selective orthogonalisation, [ParlettScott1979], rests
+    on the same relation).
+
+    Args:
+        last_row: ``s_{j,:}``, the last components of ``T_j``'s eigenvectors.
+        beta: ``beta_j = ||w||`` after the three-term recurrence.
+        error: ``gamma``, the local error level (at least ``eps ||A||``).
+        eps: the rounding unit of the stored vectors.
+
+    Returns:
+        ``True`` when the prediction is within :data:`SEMIORTHOGONAL_MARGIN` ``sqrt(eps)``.
+
+    Example:
+        >>> semiorthogonal(np.array([0.6, 0.8]), 1.0, 2.0 * 2.0**-23, 2.0**-23)
+        True
+        >>> semiorthogonal(np.array([1e-6, 1.0]), 1.0, 2.0 * 2.0**-23, 2.0**-23)  # converged
+        False
+    """
+    smallest = beta * float(np.abs(last_row).min()) if len(last_row) else beta
+    return error <= SEMIORTHOGONAL_MARGIN * eps**0.5 * smallest
+
+
+def skip_when_semiorthogonal(project, scale: float, eps: float):
+    """The ``skip_gram_schmidt`` test of :func:`lanczos_step` for a plain recurrence.
+
+    The local error ``gamma`` of :func:`semiorthogonal` is the larger of ``eps ||A||`` and
+    the step's measured ``|q_{j-1}^T A q_j - beta_{j-1}|`` (zero in exact arithmetic with
+    exact orthogonality; the products' asymmetric rounding and the loss so far otherwise).
+
+    Args:
+        project: ``alpha -> T_j`` (dense), the projected matrix with the step's ``alpha``.
+        scale: ``||A||`` as far as known before the step.
+        eps: the rounding unit of the products.
+
+    Returns:
+        ``(alpha, beta, local) -> bool``: :func:`semiorthogonal` for ``T_j``'s last
+        eigenvector row.
+    """
+
+    def settled(alpha: float, beta: float, local: float) -> bool:
+        theta, S = np.linalg.eigh(project(alpha))
+        known = max(scale, abs(alpha), float(np.abs(theta).max()))
+        return semiorthogonal(S[-1], beta, max(eps * known, local), eps)
+
+    return settled
+
+
+def lanczos_step(
+    op,
+    basis: KrylovBasis,
+    coupling: list[tuple[int, float]],
+    step: int,
+    skip_gram_schmidt=None,
+):
     r"""One step of the recurrence from the basis's last row ``q_j``.
 
     .. math::
@@ -93,7 +197,8 @@ def lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], step
     with the couplings ``T_ij`` of ``q_j`` to earlier rows (``beta_{j-1}`` alone in plain
     Lanczos; every kept Ritz vector right after a thick restart), then
     ``w <- w - Q (Q^T w)`` twice (CGS2) and ``beta_j = ||w||``; the next vector is
-    ``w / beta_j``. ``w`` stays in the basis's storage dtype (the product's own: updating it in
+    ``w / beta_j``. With ``skip_gram_schmidt`` the Gram-Schmidt passes run only when it returns
+    ``False`` for ``(alpha_j, ||w||, local)`` (:func:`skip_when_semiorthogonal`). ``w`` stays in the basis's storage dtype (the product's own: updating it in
     place rounds each term to the products' precision, the order of their own rounding, while
     every coefficient is a float64 sum, so no float64 P-vector is ever made).
 
@@ -102,23 +207,38 @@ def lanczos_step(op, basis: KrylovBasis, coupling: list[tuple[int, float]], step
         basis: the Krylov basis, ``q_j`` its last row.
         coupling: ``(i, T_ij)`` for the earlier rows ``q_j`` is coupled to.
         step: the step's number, for the error message.
+        skip_gram_schmidt: ``(alpha, beta, local) -> bool``, ``True`` when ``w`` needs no
+            Gram-Schmidt pass (``local``: the largest ``|q_i^T A q_j - T_ij|`` over the
+            couplings); ``None`` always runs it.
 
     Returns:
-        ``(alpha_j, beta_j, w)``: the scalars float64, ``w`` in the basis's dtype.
+        ``(alpha_j, beta_j, w, reorthogonalized)``: the scalars float64, ``w`` in the basis's
+        dtype, and whether Gram-Schmidt ran.
 
     Raises:
         NumericalError: the product is not finite.
     """
     j = len(basis) - 1
+    where = f" at Lanczos step {step}"
     w = apply_operator(
-        op, basis.row(j), source="lanczos", where=f" at Lanczos step {step}", widen=False
+        op, basis.row(j), source="lanczos", where=where, widen=False, checked=False
     ).to(basis.dtype)
-    alpha = basis.dot(j, w)
+    coupled = [(i, value) for i, value in coupling if value != 0.0]
+    # alpha_j, the couplings as the product measures them, and the finite check: one pass
+    products, squares = basis.dots([j] + [i for i, _ in coupled], w)
+    if not math.isfinite(squares) and not math.isfinite(norm64(w)):
+        raise product_not_finite(op, "lanczos", where)
+    alpha = products[0]
+    # |q_i^T A q_j - T_ij|: the local error of the products and the recurrence, which drives
+    # the loss of orthogonality (Paige's relation), measured rather than assumed to be eps
+    local = max((abs(p - value) for p, (_, value) in zip(products[1:], coupled)), default=0.0)
     basis.axpy(w, j, alpha)
-    for i, value in coupling:
-        if value != 0.0:
-            basis.axpy(w, i, value)
-    return alpha, basis.orthogonalize(w), w
+    for i, value in coupled:
+        basis.axpy(w, i, value)
+    norm = norm64(w)
+    if skip_gram_schmidt is not None and skip_gram_schmidt(alpha, norm, local):
+        return alpha, norm, w, False
+    return alpha, basis.orthogonalize(w, norm=norm), w, True
 
 
 def lanczos_tridiagonal(
@@ -172,7 +292,8 @@ def lanczos_tridiagonal(
     # the start in the basis's dtype, normalised there: no float64 copy of a P-vector is held
     # through the products (a caller passing its probe inline holds none either)
     norm = norm64(start)
-    q = start.reshape(-1).to(dtype=storage_dtype(op.dtype), device=op.device) / norm
+    q = start.reshape(-1).to(dtype=storage_dtype(op.dtype), device=op.device)
+    divisor = norm
     del start
     alphas: list[float] = []
     betas: list[float] = []
@@ -184,9 +305,15 @@ def lanczos_tridiagonal(
             if len(basis) == window:  # keep the newest window - 1 rows, in order
                 keep = torch.eye(window, dtype=_F64)[:, 1:]
                 basis.rotate(keep)
-            basis.append(q)
+            basis.append(q, divisor=divisor)
             coupling = [(len(basis) - 2, betas[-1])] if j and len(basis) > 1 else []
-            alpha, beta, w = lanczos_step(op, basis, coupling, j)
+            # a kept basis is returned to the caller: orthonormal to rounding, every step
+            settled = None
+            if not keep_basis:
+                settled = skip_when_semiorthogonal(
+                    lambda a: tridiagonal_matrix([*alphas, a], betas), scale, eps
+                )
+            alpha, beta, w, _ = lanczos_step(op, basis, coupling, j, settled)
             alphas.append(alpha)
             betas.append(beta)
             if run is not None:
@@ -194,7 +321,7 @@ def lanczos_tridiagonal(
             scale = max(scale, abs(alpha), beta)
             if beta <= 100 * eps * scale:
                 break
-            q = w.div_(beta)  # in place: a new P-vector here was held beside w and the kept row
+            q, divisor = w, beta  # divided as it is stored: no new P-vector beside w and the row
         kept = None
         if keep_basis:
             kept = basis.combine(torch.eye(len(basis), dtype=_F64))
