@@ -17,8 +17,10 @@ the norms) is a float64 sum whatever the operator's dtype; the products ``A q_j`
 operator's dtype, and the basis and the work vector are stored in it (float32 for a float32
 model: ``q_j`` is rounded to float32 before its product anyway, and each update of ``w`` adds a
 rounding of the order of the product's own). A float32 recurrence is not good enough: a
-float32 dot product or norm over P entries carries a relative error that moves the Ritz values
-and breaks the Lanczos relation (the measurements: docs/benchmarks.md, "Float32 Lanczos").
+float32 dot product or norm accumulated over P entries carries a relative error that moves the
+Ritz values and breaks the Lanczos relation (the measurements: docs/benchmarks.md, "Float32
+Lanczos"); float32 products over chunks of 32K entries with float64 totals
+(:func:`~sharpcli.curvature.krylov.dot64`) stay below float32's rounding unit.
 
 :func:`lanczos_tridiagonal` serves stochastic Lanczos quadrature
 (:mod:`sharpcli.curvature.density`); :func:`sharpcli.curvature.lanczos.lanczos` runs
@@ -232,10 +234,7 @@ def lanczos_step(
     # |q_i^T A q_j - T_ij|: the local error of the products and the recurrence, which drives
     # the loss of orthogonality (Paige's relation), measured rather than assumed to be eps
     local = max((abs(p - value) for p, (_, value) in zip(products[1:], coupled)), default=0.0)
-    basis.axpy(w, j, alpha)
-    for i, value in coupled:
-        basis.axpy(w, i, value)
-    norm = norm64(w)
+    norm = basis.subtract_rows(w, [(j, alpha), *coupled])
     if skip_gram_schmidt is not None and skip_gram_schmidt(alpha, norm, local):
         return alpha, norm, w, False
     return alpha, basis.orthogonalize(w, norm=norm), w, True
