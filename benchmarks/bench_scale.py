@@ -511,7 +511,8 @@ def case_converged(workdir, env, device, extra=()):
     results, timing = report.get("results", {}), report.get("timing", {})
     top = value_of(mine)
     print(f"\nsharp: lambda_max {top}, converged {results.get('converged')}, residuals "
-          f"{results.get('residuals')}, {timing.get('matvecs')} products, {mine['cpu']:.1f} CPU s")  # fmt: skip
+          f"{results.get('residuals')}, {timing.get('matvecs')} products, {mine['cpu']:.1f} CPU s, "
+          f"Gram-Schmidt at {results.get('reorthogonalized')} steps")  # fmt: skip
     value = value_of(theirs)
     if value is not None and top is not None:
         verdict = (
