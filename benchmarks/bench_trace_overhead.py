@@ -96,6 +96,11 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def system_seconds() -> float:
+    """System CPU seconds of this process so far (page faults: memory mapped afresh)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 class DiagonalOperator(CurvatureOperator):
     """``d * V`` over GPT-2's pieces; ``product_seconds`` accumulates the product's CPU time."""
 
@@ -219,7 +224,7 @@ def main() -> None:
             profiler = cProfile.Profile(time.process_time)
         if isinstance(op, DiagonalOperator):
             op.product_seconds = 0.0
-        start = cpu_seconds()
+        start, start_system = cpu_seconds(), system_seconds()
         if profiler is not None:
             profiler.enable()
         result = hutchinson(
@@ -228,11 +233,12 @@ def main() -> None:
         if profiler is not None:
             profiler.disable()
         total = (cpu_seconds() - start) / result.matvecs
+        system = (system_seconds() - start_system) / result.matvecs
         product = op.product_seconds / result.matvecs if isinstance(op, DiagonalOperator) else bare
         results.append((total, product))
         print(
             f"repeat {repeat}: {total:.3f} CPU s a probe in all, product {product:.3f}, "
-            f"beyond the product {total - product:.3f} (estimate {result.estimate:.6g}, "
+            f"beyond the product {total - product:.3f}, system {system:.3f} (estimate {result.estimate:.6g}, "
             f"{result.matvecs} probes; {'; '.join(memory.current().choices) or 'full blocks'})"
         )
         memory.clear()
