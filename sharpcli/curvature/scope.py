@@ -300,15 +300,16 @@ def rademacher_bits_bytes(dim: int, columns: int = 1) -> int:
     return 8 * (-(-int(dim) // SIGNS_PER_WORD)) * int(columns)
 
 
-_SIGN_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _sign_table(dtype: torch.dtype) -> torch.Tensor:
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``(256, 8)``: row ``b`` holds ``1 - 2 bit_i(b)`` for ``i = 0..7``, in ``dtype``."""
-    table = _SIGN_TABLES.get(dtype)
+    key = (dtype, device)
+    table = _SIGN_TABLES.get(key)
     if table is None:
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        table = _SIGN_TABLES[dtype] = (1 - 2 * bits).to(dtype).contiguous()
+        table = _SIGN_TABLES[key] = (1 - 2 * bits).to(dtype=dtype, device=device).contiguous()
     return table
 
 
@@ -320,14 +321,14 @@ def rademacher_signs(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     write of ``out`` (0.08 CPU s at 124M float32 entries), no int8 copy and no conversion.
 
     Args:
-        bits: ``(bytes,)`` uint8 with ``8 * bytes >= len(out)``.
-        out: a contiguous CPU vector of any real dtype, written whole.
+        bits: ``(bytes,)`` uint8 with ``8 * bytes >= len(out)``, on ``out``'s device.
+        out: a contiguous vector of any real dtype, written whole.
 
     Returns:
         ``out``.
     """
     dim = out.shape[0]
-    table = _sign_table(out.dtype)
+    table = _sign_table(out.dtype, out.device)
     whole = dim // 8
     grouped = out[: whole * 8].view(whole, 8)
     for start in range(0, whole, _EXPAND_BYTES):
@@ -335,7 +336,7 @@ def rademacher_signs(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         index = bits[start:stop].to(torch.int32)
         torch.index_select(table, 0, index, out=grouped[start:stop])
     if dim > whole * 8:
-        out[whole * 8 :] = table[int(bits[whole])][: dim - whole * 8]
+        out[whole * 8 :] = table[bits[whole].long()][: dim - whole * 8]
     return out
 
 
@@ -344,8 +345,9 @@ def rademacher_like(
 ):
     """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper).
 
-    Each vector is expanded from :func:`rademacher_bits` (:func:`rademacher_signs`), so a seed
-    gives the same ``m``-th vector whatever the number of columns drawn together.
+    Each vector is expanded from :func:`rademacher_bits` (:func:`rademacher_signs`) on
+    ``device``, so a seed gives the same ``m``-th vector whatever the number of columns drawn
+    together, on every device.
 
     Args:
         dim: the length.
@@ -359,11 +361,10 @@ def rademacher_like(
         is column-major), as a product reads them.
     """
     count = 1 if columns is None else int(columns)
-    bits = rademacher_bits(dim, generator, count)
-    signs = torch.empty(count, int(dim), dtype=dtype)
+    bits = rademacher_bits(dim, generator, count).to(device)
+    signs = torch.empty(count, int(dim), dtype=dtype, device=device)
     for j in range(count):
         rademacher_signs(bits[j], signs[j])
-    signs = signs.to(device=device)
     return signs[0] if columns is None else signs.T
 
 

@@ -81,17 +81,18 @@ class _Probes:
         drawn = 0
         # the probes' columns, refilled for every product: a fresh P x columns block was
         # mapped and faulted in afresh each time (0.2 CPU s a probe at 124M parameters)
-        columns = torch.empty(min(self.columns, count), dim, dtype=op.dtype)
+        columns = torch.empty(min(self.columns, count), dim, dtype=op.dtype, device=op.device)
         while drawn < count:
             k = min(self.block_size, count - drawn)
-            bits = rademacher_bits(dim, self.generator, k)  # the block's probes, packed
+            # the block's probes, packed 8 to a byte
+            bits = rademacher_bits(dim, self.generator, k).to(op.device)
             for first in range(0, k, self.columns):
                 # each probe expanded straight into its contiguous column of the block the
                 # product reads (column-major): no int8 block, conversion or strided gather
                 width = min(self.columns, k - first)
                 for j in range(width):
                     rademacher_signs(bits[first + j], columns[j])
-                G = columns[:width].to(device=op.device).T
+                G = columns[:width].T
                 AG = op.matmat(G)
                 left = G if self.quantity == TRACE_KEY else AG
                 rows.append(product_segment_sums(left, AG, self.blocks).T)
