@@ -9,15 +9,16 @@ overhead without the model, so that it can be profiled on a small machine:
 - ``--operator diagonal`` (default): a :class:`~sharpcli.curvature.CurvatureOperator` whose
   product is ``d * v`` (one memory-bound pass), its layout that of GPT-2 small's 148
   parameter pieces (one per-layer block each). Like the engine it reads each probe column
-  contiguous and writes each product into a column-major block; the multiplication's own CPU
-  time is measured inside it and subtracted: what is left is the estimator's
-  (``trace.hutchinson``) and those two copies.
+  contiguous (a gather when the probe block is row-major); it multiplies into a column-major
+  block kept between products, and that multiplication's CPU time is measured and
+  subtracted: what is left is the estimator's own (``trace.hutchinson``).
 - ``--operator engine``: the real :class:`~sharpcli.curvature.CurvatureEngine` Hessian of a
   model with GPT-2 small's 148 parameter pieces (named like them, so 75 per-layer blocks)
   whose loss is a cross-entropy over logits quadratic in each piece: its double backward is
   a few P-vector passes. The bare graph-kept HVP (``torch.autograd.grad`` of the cached
-  gradient with contiguous vectors) is measured on its own and subtracted: what is left is
-  the estimator's and the engine's overhead, as inside ``sharp trace`` at GPT-2.
+  gradient with contiguous vectors, the least of two before and two after each run) is
+  measured on its own and subtracted: what is left is the estimator's and the engine's
+  overhead, as inside ``sharp trace`` at GPT-2.
 
 Usage (one thread, as the research-scale figures in docs/benchmarks.md)::
 
@@ -115,22 +116,25 @@ class DiagonalOperator(CurvatureOperator):
             self.layer_blocks[name] = slice(start, start + n)
             start += n
         self.product_seconds = 0.0
+        self.out: torch.Tensor | None = None
 
     def blocks(self) -> dict[str, slice]:
         return dict(self.layer_blocks)
 
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:
-        # as the engine: a column is read contiguous, multiplied into a fresh vector (the
-        # product: timed), and written into a column-major block (both copies overhead)
-        out = torch.empty(V.shape[1], V.shape[0], dtype=V.dtype).T
-        for j in range(V.shape[1]):
+        # a column is read contiguous (the engine's reverse pass does), and multiplied into its
+        # column of a block kept between products (timed: the product), so that what is left
+        # is the estimator's own work, not this operator's allocations
+        k = V.shape[1]
+        if self.out is None or self.out.shape[1] < k:
+            self.out = torch.empty(k, V.shape[0], dtype=V.dtype).T
+        for j in range(k):
             column = V[:, j].contiguous()
             start = cpu_seconds()
-            product = self.d * column
+            torch.mul(self.d, column, out=self.out[:, j])
             self.product_seconds += cpu_seconds() - start
-            out[:, j] = product
-            del column, product
-        return out
+            del column
+        return self.out[:, :k]
 
 
 class QuadraticPieces(nn.Module):
@@ -159,7 +163,8 @@ class QuadraticPieces(nn.Module):
 
 
 def engine_operator(pieces):
-    """The Hessian operator of :class:`QuadraticPieces` and the bare HVP's CPU seconds."""
+    """The Hessian operator of :class:`QuadraticPieces` and a function that returns the bare
+    HVP's CPU seconds (the least of ``count`` products)."""
     model = QuadraticPieces(pieces)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(16, 8, generator=gen)
@@ -170,15 +175,19 @@ def engine_operator(pieces):
     vector = torch.randn(scope.numel, generator=gen)
     pieces_v = [vector[a:b] for a, b in zip(scope.offsets[:-1], scope.offsets[1:])]
     vectors = [pieces_v[i] for i in graph.grad_index]
-    seconds = []
-    for _ in range(3):
-        start = cpu_seconds()
-        out = torch.autograd.grad(
-            graph.grads, list(scope.params), grad_outputs=vectors, retain_graph=True
-        )
-        seconds.append(cpu_seconds() - start)
-        del out
-    return engine.hessian(), min(seconds)
+
+    def bare(count: int = 2) -> float:
+        seconds = []
+        for _ in range(count):
+            start = cpu_seconds()
+            out = torch.autograd.grad(
+                graph.grads, list(scope.params), grad_outputs=vectors, retain_graph=True
+            )
+            seconds.append(cpu_seconds() - start)
+            del out
+        return min(seconds)
+
+    return engine.hessian(), bare
 
 
 def plan_for(dim: int, block_size: int, columns: int, heap: str) -> None:
@@ -206,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     pieces = scaled_pieces(args.synthetic)
-    bare = 0.0
+    bare = None
     if args.operator == "diagonal":
         op = DiagonalOperator(pieces)
     else:
@@ -224,6 +233,7 @@ def main() -> None:
             profiler = cProfile.Profile(time.process_time)
         if isinstance(op, DiagonalOperator):
             op.product_seconds = 0.0
+        bare_seconds = 0.0 if bare is None else bare()  # in this repeat's conditions
         start, start_system = cpu_seconds(), system_seconds()
         if profiler is not None:
             profiler.enable()
@@ -234,7 +244,9 @@ def main() -> None:
             profiler.disable()
         total = (cpu_seconds() - start) / result.matvecs
         system = (system_seconds() - start_system) / result.matvecs
-        product = op.product_seconds / result.matvecs if isinstance(op, DiagonalOperator) else bare
+        if bare is not None:  # and once more after it: the least of the four
+            bare_seconds = min(bare_seconds, bare())
+        product = op.product_seconds / result.matvecs if bare is None else bare_seconds
         results.append((total, product))
         print(
             f"repeat {repeat}: {total:.3f} CPU s a probe in all, product {product:.3f}, "
