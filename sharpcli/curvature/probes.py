@@ -164,8 +164,8 @@ def _chunk_bounds(cuts: list[int], chunk: int) -> list[tuple[int, int]]:
 
 def chunked_dots(a: torch.Tensor, b: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
     r"""The dot products :math:`\sum_{i=s}^{e-1} a_i b_i` of the chunks ``bounds``, each in the
-    inputs' dtype (BLAS), with no temporary and no widened copy; on the inputs' device (no
-    synchronisation per chunk).
+    inputs' dtype (BLAS; float32 for half-precision inputs), with no P-sized temporary and no
+    widened copy; on the inputs' device (no synchronisation per chunk).
 
     Args:
         a: a vector (contiguous or strided).
@@ -175,9 +175,12 @@ def chunked_dots(a: torch.Tensor, b: torch.Tensor, bounds: list[tuple[int, int]]
     Returns:
         ``(len(bounds),)`` in float64.
     """
-    dots = torch.empty(len(bounds), dtype=a.dtype, device=a.device)
+    # half-precision inputs: each chunk widened to float32 (a float16/bfloat16 dot product
+    # of 2^15 entries may round in its own dtype)
+    dtype = a.dtype if a.element_size() >= 4 else torch.float32
+    dots = torch.empty(len(bounds), dtype=dtype, device=a.device)
     for i, (start, stop) in enumerate(bounds):
-        torch.dot(a[start:stop], b[start:stop], out=dots[i])
+        torch.dot(a[start:stop].to(dtype), b[start:stop].to(dtype), out=dots[i])
     return dots.to(torch.float64)
 
 

@@ -154,3 +154,17 @@ def test_hutchinson_is_the_same_whatever_the_block_size():
     square = frobenius_sq(op, tol=1e-9, max_matvecs=400, seed=4, blocks=blocks)
     exact = float(((M + M.T) ** 2).sum())
     assert abs(square.estimate - exact) <= 4 * square.stderr
+
+
+def test_half_precision_sums_accumulate_in_float32():
+    """bfloat16 columns: each chunk's dot product is taken in float32, so the sums match the
+    float64 sums of the same (bfloat16) values to float32 accuracy."""
+    gen = torch.Generator().manual_seed(4)
+    a = (torch.randn(100_000, 1, generator=gen) + 1).to(torch.bfloat16)
+    signs = rademacher_like(100_000, gen, torch.bfloat16, "cpu", 1)
+    blocks = {"a": slice(0, 40_000), "b": slice(40_000, 100_000)}
+    for left in (signs, a):
+        got = product_segment_sums(left, a, blocks)
+        exact = segment_sums(left.double() * a.double(), blocks)
+        scale = segment_sums((left.double() * a.double()).abs(), blocks)
+        assert ((got - exact).abs() <= 1e-6 * scale).all(), (got - exact) / scale
