@@ -42,7 +42,7 @@ from torch import nn
 from sharpcli import catalogue, memory
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, vjp, write_columns
+from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, flat_block, vjp
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.curvature.softmax_chunks import VocabChunking
 from sharpcli.errors import NumericalError
@@ -318,18 +318,18 @@ class CurvatureEngine:
                 is_grads_batched=True,
             )
 
-    def _ggn_from_jv(self, graph: BatchGraph, jv, k: int, batched: bool) -> torch.Tensor:
+    def _ggn_from_jv(self, graph: BatchGraph, jv, k: int, batched: bool, into=None) -> torch.Tensor:
         """``G v = J^T H_z (J v)`` [Schraudolph2002] from ``J v``: a backward through the tiny ``g_z(z)``
-        graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta."""
+        graph gives ``H_z J v``, one vector-Jacobian product of the logits maps it to theta
+        (written into ``into``, a ``(P, k)`` view, when given)."""
         if jv is None:  # g does not depend on g_z here: no Gauss-Newton part on this batch
-            scope = self.scope
-            return torch.zeros(scope.numel, k, dtype=scope.dtype, device=scope.device)
+            return self._flat_block([], k, batched, into)  # zeros
         params = list(self.scope.params)
         if graph.softmax is not None:  # H_z by chunks of rows, written over J v (ours alone)
             out = jv if jv.is_contiguous() else None  # not over a broadcast gradient
             hz_jv = graph.softmax.hessian_matvec(graph.z, jv, out=out)
             gv = graph.softmax.vjp(graph.z, params, hz_jv, retain_graph=True, batched=batched)
-            return self._flat_block(gv, k, batched)
+            return self._flat_block(gv, k, batched, out=into)
         with torch.enable_grad():
             if batched:
                 kw = {"retain_graph": True, "is_grads_batched": True}
@@ -340,57 +340,44 @@ class CurvatureEngine:
             else:
                 (hz_jv,) = vjp([graph.gz], [graph.z], [jv], allow_unused=False, retain_graph=True)
                 gv = vjp([graph.z], params, [hz_jv], retain_graph=True)
-        return self._flat_block(gv, k, batched)
+        return self._flat_block(gv, k, batched, out=into)
 
-    def _hessian_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+    def _hessian_batch(self, graph: BatchGraph, V, batched: bool, out=None) -> tuple[torch.Tensor]:
         """``(H_b V,)``: ``<g, v>`` differentiated w.r.t. theta (through ``J^T`` and ``g_z(z)``)."""
+        params, (into,) = list(self.scope.params), out or (None,)
         return (  # no local name for the results: _flat_block releases them as it copies
             self._flat_block(
-                self._reverse_through_gradient(graph, V, batched, list(self.scope.params)),
-                V.shape[1],
-                batched,
+                self._reverse_through_gradient(graph, V, batched, params), V.shape[1], batched, into
             ),
         )
 
-    def _ggn_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor]:
+    def _ggn_batch(self, graph: BatchGraph, V, batched: bool, out=None) -> tuple[torch.Tensor]:
         """``(G_b V,)``: ``J v`` from a reverse pass w.r.t. ``g_z`` alone, then ``J^T H_z J v``."""
         (jv,) = self._reverse_through_gradient(graph, V, batched, [graph.gz])
-        return (self._ggn_from_jv(graph, jv, V.shape[1], batched),)
+        (into,) = out or (None,)
+        return (self._ggn_from_jv(graph, jv, V.shape[1], batched, into),)
 
-    def _joint_batch(self, graph: BatchGraph, V, batched: bool) -> tuple[torch.Tensor, ...]:
+    def _joint_batch(self, graph: BatchGraph, V, batched: bool, out=None) -> tuple:
         """``(H_b V, G_b V)`` from ONE reverse pass w.r.t. the parameters and ``g_z`` together."""
         params = list(self.scope.params)
         outs = self._reverse_through_gradient(graph, V, batched, params + [graph.gz])
         k = V.shape[1]
+        h_out, g_out = out or (None, None)
         return (
-            self._flat_block(outs[: len(params)], k, batched),
-            self._ggn_from_jv(graph, outs[-1], k, batched),
+            self._flat_block(outs[: len(params)], k, batched, out=h_out),
+            self._ggn_from_jv(graph, outs[-1], k, batched, g_out),
         )
 
-    def _flat_block(self, tensors, k, batched) -> torch.Tensor:
-        """Parameter-shaped results (leading k dim when batched) -> (P, k); None -> zeros.
-
-        Each result is released once copied (when the caller holds no other reference), so
-        the results and the block are not both held whole."""
-        scope = self.scope
-        # uninitialised: every slice is written below (zeroing the whole block first mapped and
-        # wrote P x k entries once more per product)
-        out = torch.empty(scope.numel, k, dtype=scope.dtype, device=scope.device)
-        tensors = list(tensors)
-        tensors += [None] * (len(scope.offsets) - 1 - len(tensors))
-        for i in range(len(tensors)):
-            t, tensors[i] = tensors[i], None
-            a, b = scope.offsets[i], scope.offsets[i + 1]
-            if t is None:
-                out[a:b].zero_()
-                continue
-            out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
-            del t
-        return out
+    def _flat_block(self, tensors, k, batched, out=None) -> torch.Tensor:
+        """:func:`~sharpcli.curvature.graphs.flat_block` over this engine's scope."""
+        return flat_block(self.scope, tensors, k, batched, out)
 
     # ----------------------------------------------------------------- the pass over the data
     def _batch_blocks(self, graph: BatchGraph, V, batch_product, count: int) -> list:
         """``batch_product`` of one batch for every column of ``V``, as ``count`` blocks.
+
+        ``batch_product(graph, V, batched, out)`` writes its results into ``out``, one
+        ``(P, k)`` view of the blocks each (None: new blocks).
 
         ``vectorize`` columns go through one vmapped reverse pass; column by column when
         ``vectorize`` is 1 (the CPU default) or once a layer without a batched backward rule
@@ -400,8 +387,9 @@ class CurvatureEngine:
         if k == 1:  # one column: its products are the blocks (no zeroed copies to fill)
             return list(batch_product(graph, V, False))
         # column-major (P, k) views: each product fills a contiguous column (a row-major
-        # block took a strided write of P entries, 0.5 CPU s a product at GPT-2 small), and
-        # every column is written, so nothing is zeroed first
+        # block took a strided write of P entries, 0.5 CPU s a product at GPT-2 small), written
+        # straight into it (its own vector then a copy: 0.26 s more), and every column is
+        # written, so nothing is zeroed first
         blocks = [
             torch.empty(k, V.shape[0], dtype=V.dtype, device=V.device).T for _ in range(count)
         ]
@@ -409,13 +397,13 @@ class CurvatureEngine:
             cols = slice(start, min(k, start + self.vectorize))
             if self._batched_ok and cols.stop - cols.start > 1:
                 try:
-                    write_columns(blocks, cols, batch_product(graph, V[:, cols], True))
+                    batch_product(graph, V[:, cols], True, out=[b[:, cols] for b in blocks])
                     continue
                 except RuntimeError:  # an op without a batched (vmap) backward rule
                     self._batched_ok = False
             for j in range(cols.start, cols.stop):
                 column = slice(j, j + 1)
-                write_columns(blocks, column, batch_product(graph, V[:, column], False))
+                batch_product(graph, V[:, column], False, out=[b[:, column] for b in blocks])
         return blocks
 
     _check_finite = staticmethod(check_finite)

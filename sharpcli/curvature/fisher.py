@@ -112,13 +112,18 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
     def _residuals(self, index: int, graph: BatchGraph) -> torch.Tensor:
         """The residuals ``r_is / sqrt(N S)`` of batch ``index`` (shape ``(S, B, ...)``)."""
 
-    def _batch_product(self, R: torch.Tensor, graph: BatchGraph, V, batched: bool) -> tuple:
-        """``(A_b V,)`` on one batch: ``J v`` by the engine's reverse pass, then ``J^T u``."""
+    def _batch_product(
+        self, R: torch.Tensor, graph: BatchGraph, V, batched: bool, out=None
+    ) -> tuple:
+        """``(A_b V,)`` on one batch: ``J v`` by the engine's reverse pass, then ``J^T u``
+        (written into ``out[0]``, a ``(P, k)`` view, when given)."""
         engine = self.engine
         assert engine is not None  # set in __init__
         (jv,) = engine._reverse_through_gradient(graph, V, batched, [graph.gz])
         k = V.shape[1]
         if jv is None:  # the loss does not reach the outputs through theta on this batch
+            if out is not None:
+                return (out[0].zero_(),)
             return (torch.zeros(self.shape[0], k, dtype=self.dtype, device=self.device),)
         jv = jv if batched else jv[None]  # (k, B, ...)
         tail = (1,) * (jv.dim() - 2)
@@ -139,7 +144,7 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
                 fv = torch.autograd.grad(
                     (graph.z * u[0]).sum(), params, allow_unused=True, retain_graph=True
                 )
-        return (engine._flat_block(fv, k, batched),)
+        return (engine._flat_block(fv, k, batched, out=None if out is None else out[0]),)
 
     @twice_differentiable()
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:
@@ -151,8 +156,8 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
                 continue
             R = self._residuals(index, graph)
 
-            def product(graph, V, batched, R=R):
-                return self._batch_product(R, graph, V, batched)
+            def product(graph, V, batched, out=None, R=R):
+                return self._batch_product(R, graph, V, batched, out)
 
             (block,) = engine._batch_blocks(graph, V, product, 1)
             engine._check_finite(block, self.name, self.name, index)

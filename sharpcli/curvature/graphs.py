@@ -2,7 +2,8 @@
 
 :class:`BatchGraph` holds what one batch's forward and backward pass leave for the products
 (:class:`~sharpcli.curvature.engine.CurvatureEngine`); :class:`ByteCounter` measures what such a
-graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is made of.
+graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is made of, and :func:`flat_block`
+lays its parameter-shaped results out as a block of flat columns.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 from sharpcli.errors import NumericalError
 
 if TYPE_CHECKING:
+    from sharpcli.curvature.scope import ParamScope
     from sharpcli.curvature.softmax_chunks import SoftmaxRows
 
-__all__ = ["BatchGraph", "ByteCounter", "check_finite", "vjp", "write_columns"]
+__all__ = ["BatchGraph", "ByteCounter", "check_finite", "flat_block", "vjp"]
 
 
 @dataclass
@@ -105,16 +107,38 @@ class ByteCounter:
         return tensor
 
 
-def write_columns(blocks: list, cols: slice, results: tuple) -> None:
-    """Write each product of ``results`` into the columns ``cols`` of its block.
+def flat_block(scope: ParamScope, tensors, k: int, batched: bool, out=None) -> torch.Tensor:
+    """Parameter-shaped results (leading k dim when batched) -> ``(P, k)``; None -> zeros.
+
+    Each result is released once copied (when the caller holds no other reference), so the
+    results and the block are not both held whole.
 
     Args:
-        blocks: the ``(P, k)`` result blocks.
-        cols: the columns this batch of products fills.
-        results: one product per block.
+        scope: the parameters, whose layout the block takes.
+        tensors: one result (or None) per parameter in scope, in order (missing ones: None).
+        k: the columns.
+        batched: the results carry a leading dimension of k columns.
+        out: a ``(P, k)`` view to write into (a column of a caller's block: no vector of its
+            own, then copied), or None for a new block.
+
+    Returns:
+        The block (``out`` when given).
     """
-    for block, result in zip(blocks, results):
-        block[:, cols] = result
+    if out is None:
+        # uninitialised: every slice is written below (zeroing the whole block first mapped and
+        # wrote P x k entries once more per product)
+        out = torch.empty(scope.numel, k, dtype=scope.dtype, device=scope.device)
+    tensors = list(tensors)
+    tensors += [None] * (len(scope.offsets) - 1 - len(tensors))
+    for i in range(len(tensors)):
+        t, tensors[i] = tensors[i], None
+        a, b = scope.offsets[i], scope.offsets[i + 1]
+        if t is None:
+            out[a:b].zero_()
+            continue
+        out[a:b] = t.reshape(k, -1).T if batched else t.reshape(-1, 1)
+        del t
+    return out
 
 
 def check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> None:

@@ -258,10 +258,96 @@ class ParamScope:
         return gaussian_like(self.numel, generator, self.dtype, self.device, columns)
 
 
+# Signs per generator draw: one full-range int64 word gives 64 independent fair bits, so a
+# probe takes P / 64 draws (0.015 CPU s at 124M entries) where one int8 ``randint`` per entry
+# took 0.55 s.
+SIGNS_PER_WORD = 64
+# Bytes of bits expanded into signs at a time: a small index buffer that stays in cache.
+_EXPAND_BYTES = 1 << 16
+
+
+def rademacher_bits(dim: int, generator: torch.Generator, columns: int = 1) -> torch.Tensor:
+    """The random bits of ``columns`` Rademacher vectors of length ``dim``, packed 8 to a byte.
+
+    Column ``j`` takes the next ``ceil(dim / 64)`` full-range int64 words of ``generator``
+    after column ``j - 1``'s, so the ``m``-th vector drawn from a seed is the same whether the
+    vectors are drawn one at a time or in blocks of any size. Every bit is an independent fair
+    coin (the generator's 64-bit outputs, uniform over all words).
+
+    Args:
+        dim: the vectors' length.
+        generator: a seeded CPU generator.
+        columns: the vectors.
+
+    Returns:
+        ``(columns, 8 * ceil(dim / 64))`` uint8: the words' bytes, little-endian.
+    """
+    drawn = torch.empty(int(columns), rademacher_bits_bytes(dim) // 8, dtype=torch.int64)
+    drawn.random_(-(1 << 63), None, generator=generator)  # the full 64-bit range
+    return drawn.view(torch.uint8)
+
+
+def rademacher_bits_bytes(dim: int, columns: int = 1) -> int:
+    """The bytes :func:`rademacher_bits` holds for ``columns`` vectors of length ``dim``.
+
+    Args:
+        dim: the vectors' length.
+        columns: the vectors.
+
+    Returns:
+        ``8 * ceil(dim / 64) * columns``.
+    """
+    return 8 * (-(-int(dim) // SIGNS_PER_WORD)) * int(columns)
+
+
+_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(256, 8)``: row ``b`` holds ``1 - 2 bit_i(b)`` for ``i = 0..7``, in ``dtype``."""
+    key = (dtype, device)
+    table = _SIGN_TABLES.get(key)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = _SIGN_TABLES[key] = (1 - 2 * bits).to(dtype=dtype, device=device).contiguous()
+    return table
+
+
+def rademacher_signs(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Expand one vector's packed bits into its signs: ``out_i = 1 - 2 bit_i``, in ``out``.
+
+    Bit ``i`` is bit ``i mod 8`` of byte ``i // 8`` of ``bits`` (a row of
+    :func:`rademacher_bits`). Each byte selects a row of 8 signs from a 256-row table: one
+    write of ``out`` (0.08 CPU s at 124M float32 entries), no int8 copy and no conversion.
+
+    Args:
+        bits: ``(bytes,)`` uint8 with ``8 * bytes >= len(out)``, on ``out``'s device.
+        out: a contiguous vector of any real dtype, written whole.
+
+    Returns:
+        ``out``.
+    """
+    dim = out.shape[0]
+    table = _sign_table(out.dtype, out.device)
+    whole = dim // 8
+    grouped = out[: whole * 8].view(whole, 8)
+    for start in range(0, whole, _EXPAND_BYTES):
+        stop = min(start + _EXPAND_BYTES, whole)
+        index = bits[start:stop].to(torch.int32)
+        torch.index_select(table, 0, index, out=grouped[start:stop])
+    if dim > whole * 8:
+        out[whole * 8 :] = table[bits[whole].long()][: dim - whole * 8]
+    return out
+
+
 def rademacher_like(
     dim: int, generator: torch.Generator, dtype, device, columns: int | None = None
 ):
     """Rademacher vector(s) of length ``dim`` drawn from a CPU ``generator`` (the one probe helper).
+
+    Each vector is expanded from :func:`rademacher_bits` (:func:`rademacher_signs`) on
+    ``device``, so a seed gives the same ``m``-th vector whatever the number of columns drawn
+    together, on every device.
 
     Args:
         dim: the length.
@@ -271,12 +357,15 @@ def rademacher_like(
         columns: that many columns, or None for one vector.
 
     Returns:
-        ``(dim,)`` or ``(dim, columns)`` entries of +-1.
+        ``(dim,)`` or ``(dim, columns)`` entries of +-1; the columns are contiguous (the block
+        is column-major), as a product reads them.
     """
-    shape = (dim,) if columns is None else (dim, columns)
-    # in place: ``* 2 - 1`` made two more int8 copies (2 GB for 8 probes at 124M parameters)
-    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
-    return signs.to(dtype=dtype, device=device)
+    count = 1 if columns is None else int(columns)
+    bits = rademacher_bits(dim, generator, count).to(device)
+    signs = torch.empty(count, int(dim), dtype=dtype, device=device)
+    for j in range(count):
+        rademacher_signs(bits[j], signs[j])
+    return signs[0] if columns is None else signs.T
 
 
 def gaussian_like(dim: int, generator: torch.Generator, dtype, device, columns: int | None = None):

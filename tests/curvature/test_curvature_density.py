@@ -14,6 +14,7 @@ from sharpcli.curvature import (
     ParamScope,
     spectral_density,
 )
+from sharpcli.curvature.scope import rademacher_like
 from sharpcli.errors import UsageError
 from sharpcli.report.plots import PIXELS, plot_density, png_size
 
@@ -24,11 +25,8 @@ def test_full_krylov_quadrature_reproduces_the_spectrum_moments():
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     ).hessian()
     result = spectral_density(op, probes=2, steps=93, seed=0)
-    v = (
-        torch.randint(0, 2, (93,), generator=torch.Generator().manual_seed(0), dtype=torch.int8) * 2
-        - 1
-    )
-    v = v.double() / 93**0.5  # the first probe, as drawn by the seeded Rademacher helper
+    # the first probe, drawn by the seeded Rademacher helper itself, normalised
+    v = rademacher_like(93, torch.Generator().manual_seed(0), torch.float64, "cpu") / 93**0.5
     exact = torch.linalg.eigvalsh(H)
     for nodes, weights in zip(result.nodes, result.weights):
         assert sum(weights) == pytest.approx(1.0, abs=1e-12)

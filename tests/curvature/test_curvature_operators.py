@@ -265,10 +265,10 @@ def test_layer_without_batched_backward_falls_back_to_columns():
     model, x, y, data, scope, H, G = _setup("gelu")
 
     class NoBatchedBackward(CurvatureEngine):  # as a layer lacking a vmap rule makes autograd do
-        def _joint_batch(self, graph, V, batched):
+        def _joint_batch(self, graph, V, batched, out=None):
             if batched:
                 raise RuntimeError("Batching rule not implemented")
-            return super()._joint_batch(graph, V, batched)
+            return super()._joint_batch(graph, V, batched, out)
 
     V = torch.randn(scope.numel, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     cp = NoBatchedBackward(model, data, scope, vectorize=4)

@@ -94,7 +94,9 @@ def test_an_extension_that_lost_orthogonality_is_discarded(monkeypatch):
     result = hutchpp(MatrixOperator(A), tol=1e-9, max_matvecs=80, seed=0, initial_sketch=8)
     assert result.sketch_size == 0
     assert any("lost orthogonality" in note for note in result.notes), result.notes
-    assert abs(result.estimate - float(A.trace())) <= 4 * result.stderr
+    # a diagonal A: every probe gives tr(A) up to the rounding of its sum (~1e-15), which a
+    # standard error of that size need not cover
+    assert abs(result.estimate - float(A.trace())) <= 4 * result.stderr + 1e-13
     sketch = RangeSketch(30, torch.float64, "cpu")
     assert sketch.extend(MatrixOperator(A), 4, generator) == 4 and sketch.lost is not None
 

@@ -12,6 +12,7 @@ import torch
 
 from sharpcli.curvature import lanczos, power_iteration, spectral_density
 from sharpcli.curvature.operators import CurvatureOperator
+from sharpcli.curvature.scope import rademacher_like
 
 DIM = 400_000
 TOP = (10.0, 9.0, 8.25)  # above a bulk spread uniformly over [0, 7]
@@ -109,8 +110,7 @@ def test_slq_float32_operator_moments(rotated):
     theta = torch.tensor(result.nodes[0], dtype=torch.float64)
     tau = torch.tensor(result.weights[0], dtype=torch.float64)
     # the probe, as drawn by the seeded Rademacher helper, normalised
-    v = torch.randint(0, 2, (DIM,), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
-    v = (v.double() * 2 - 1) / DIM**0.5
+    v = rademacher_like(DIM, torch.Generator().manual_seed(3), torch.float64, "cpu") / DIM**0.5
     Av = op.exact(v)
     # Gauss quadrature reproduces v^T A v and v^T A^2 v (float32 products: ~1e-7 relative)
     assert float((tau * theta).sum()) == pytest.approx(float(v @ Av), rel=5e-7)
