@@ -37,7 +37,6 @@ float32 results (:mod:`sharpcli.curvature.lanczos`).
 from __future__ import annotations
 
 import errno
-import math
 import os
 import tempfile
 import typing
@@ -45,17 +44,10 @@ import weakref
 
 import torch
 
+from sharpcli.curvature.totals import DOT_CHUNK, dot64, norm64
 from sharpcli.errors import UsageError
 
-__all__ = [
-    "CHUNK_BYTES",
-    "DOT_CHUNK",
-    "GEMV_COLUMNS",
-    "SLICE_BYTES",
-    "KrylovBasis",
-    "dot64",
-    "norm64",
-]
+__all__ = ["CHUNK_BYTES", "GEMV_COLUMNS", "SLICE_BYTES", "KrylovBasis"]
 
 _F64 = torch.float64
 CHUNK_BYTES = 64 << 20  # rows allocated together (one row at least)
@@ -64,72 +56,10 @@ GEMV_COLUMNS = 1 << 20  # columns of one storage-dtype matrix-vector product (mo
 _MAX_CHUNK_ROWS = 16
 REPEAT_BELOW = 0.5**0.5  # a Gram-Schmidt pass that keeps less of the norm is repeated
 _IO_BYTES = 1 << 30  # one read or write call at most (Linux caps one call near 2 GiB)
-# norm64's float64 pieces (1 MiB) for dtypes other than float32: blocks this small are reused
-# from the heap, where a fresh 32 MiB block per slice was mapped and zeroed by the kernel
-_NORM_CHUNK = 1 << 17
-# float32 entries of one BLAS dot product in dot64 (128 KiB: both operands stay in cache)
-DOT_CHUNK = 1 << 15
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == _F64 else t.to(_F64)
-
-
-def dot64(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``x^T y`` with a float64 total: float64 operands directly; float32 ones as float32 BLAS
-    dot products over :data:`DOT_CHUNK` entries whose results are summed in float64.
-
-    A chunk's float32 accumulation errs by ~``sqrt(DOT_CHUNK / lanes) eps32`` of its sum of
-    ``|x_i y_i|``, with random signs across chunks: measured 8e-9 relative for ``x^T x`` at 4e5
-    entries and 7e-9 at 1.2e8, and 4e-10 ``||x|| ||y||`` for ``x^T y``, below float32's unit
-    roundoff (6e-8), i.e. below the rounding of the stored vectors themselves, at memory speed
-    (0.08 CPU s at 124M entries against 0.27 for widening each slice to float64 first). Other
-    dtypes are widened a slice of :data:`_NORM_CHUNK` entries at a time.
-
-    Args:
-        x: a tensor of any shape and floating dtype.
-        y: a tensor of ``x``'s size and dtype.
-
-    Returns:
-        The inner product of the flattened tensors; NaN or Inf when an entry is, or when a
-        float32 chunk overflows (:func:`norm64` tells those apart).
-    """
-    a, b = x.reshape(-1), y.reshape(-1)
-    if a.dtype == _F64 and b.dtype == _F64:
-        return float(a @ b)
-    total = 0.0
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        for start in range(0, a.numel(), DOT_CHUNK):
-            stop = start + DOT_CHUNK
-            total += float(torch.dot(a[start:stop], b[start:stop]))
-        return total
-    for start in range(0, a.numel(), _NORM_CHUNK):
-        stop = start + _NORM_CHUNK
-        total += float(_f64(a[start:stop]) @ _f64(b[start:stop]))
-    return total
-
-
-def norm64(x: torch.Tensor) -> float:
-    """``||x||`` summed in float64 (:func:`dot64` of ``x`` with itself; a float32 vector whose
-    squares overflow float32 is summed again widened, so the norm is Inf only when an entry
-    is); NaN or Inf when an entry is. ``torch.linalg.vector_norm(x, dtype=float64)`` makes a
-    whole float64 copy of ``x`` first (1 GB at 124M parameters), and float32
-    ``torch.linalg.vector_norm`` accumulates in float32 (1% off at 1e8 entries on one thread).
-
-    Args:
-        x: a tensor of any shape and floating dtype.
-
-    Returns:
-        The 2-norm of ``x``'s entries.
-    """
-    flat = x.reshape(-1)
-    squares = dot64(flat, flat)
-    if flat.dtype == torch.float32 and not math.isfinite(squares):
-        squares = 0.0  # an overflow of the float32 chunks, or a non-finite entry: widen
-        for a in range(0, flat.numel(), _NORM_CHUNK):
-            piece = flat[a : a + _NORM_CHUNK].to(_F64)
-            squares += float(piece @ piece)
-    return squares**0.5
 
 
 def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
@@ -433,19 +363,27 @@ class KrylovBasis:
             w: a P-vector.
 
         Returns:
-            ``([q_i^T w for i in rows], w^T w)``; the last is NaN or Inf when ``w`` is not
-            finite (or a float32 chunk overflows: :func:`norm64` tells those apart).
+            ``([q_i^T w for i in rows], w^T w)``; the last is NaN or Inf exactly when an
+            entry of ``w`` is.
         """
         flat = w.reshape(-1)
         if self._file is not None or flat.dtype != self.dtype or flat.dtype != torch.float32:
             return [self.dot(i, flat) for i in rows], dot64(flat, flat)
         views = [self._row(i % self._size) for i in rows]
-        totals = [0.0] * (len(rows) + 1)
-        for start in range(0, self.dim, DOT_CHUNK):
-            piece = flat[start : start + DOT_CHUNK]
+        starts = range(0, self.dim, DOT_CHUNK)
+        # each chunk of w widened once, each row's beside it (float64 products are exact);
+        # each chunk's sums written into a tensor: no synchronisation per chunk
+        parts = torch.empty(len(rows) + 1, len(starts), dtype=_F64, device=flat.device)
+        wide_w = torch.empty(min(self.dim, DOT_CHUNK), dtype=_F64, device=flat.device)
+        wide_row = torch.empty_like(wide_w)
+        for c, start in enumerate(starts):
+            stop = min(start + DOT_CHUNK, self.dim)
+            x = wide_w[: stop - start].copy_(flat[start:stop])
             for k, view in enumerate(views):
-                totals[k] += float(torch.dot(view[start : start + DOT_CHUNK], piece))
-            totals[-1] += float(torch.dot(piece, piece))
+                y = wide_row[: stop - start].copy_(view[start:stop])
+                torch.dot(y, x, out=parts[k, c])
+            torch.dot(x, x, out=parts[-1, c])
+        totals = parts.sum(dim=1).tolist()
         return totals[:-1], totals[-1]
 
     def axpy(self, w: torch.Tensor, i: int, alpha: float) -> torch.Tensor:
@@ -465,9 +403,9 @@ class KrylovBasis:
 
     def subtract_rows(self, w: torch.Tensor, pairs: list[tuple[int, float]]) -> float:
         """``w <- w - sum_i c_i q_i`` in place for the ``(i, c_i)`` in ``pairs`` (the
-        three-term recurrence), then ``||w||`` with a float64 total: one pass over ``w`` when
+        three-term recurrence), then ``||w||`` to float64 accuracy: one pass over ``w`` when
         the rows are in memory and ``w`` has the storage dtype (each piece of
-        :data:`DOT_CHUNK` entries updated and summed while it is in cache).
+        :data:`DOT_CHUNK` entries updated, widened and summed while it is in cache).
 
         Args:
             w: the P-vector updated in place.
@@ -482,13 +420,17 @@ class KrylovBasis:
                 self.axpy(w, i, c)
             return norm64(w)
         views = [(self._row(i % self._size), c) for i, c in pairs]
-        squares = 0.0
-        for start in range(0, self.dim, DOT_CHUNK):
-            piece = flat[start : start + DOT_CHUNK]
+        starts = range(0, self.dim, DOT_CHUNK)
+        parts = torch.empty(len(starts), dtype=_F64, device=flat.device)
+        wide = torch.empty(min(self.dim, DOT_CHUNK), dtype=_F64, device=flat.device)
+        for n, start in enumerate(starts):
+            stop = min(start + DOT_CHUNK, self.dim)
+            piece = flat[start:stop]
             for view, c in views:
-                piece.sub_(view[start : start + DOT_CHUNK], alpha=c)
-            squares += float(torch.dot(piece, piece))
-        return squares**0.5 if math.isfinite(squares) else norm64(w)
+                piece.sub_(view[start:stop], alpha=c)
+            x = wide[: stop - start].copy_(piece)
+            torch.dot(x, x, out=parts[n])
+        return float(parts.sum()) ** 0.5
 
     def coefficients(self, w: torch.Tensor) -> torch.Tensor:
         """``Q w`` (float64, one entry per row).

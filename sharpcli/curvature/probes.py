@@ -37,6 +37,7 @@ import torch
 from sharpcli import memory
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.operators import CurvatureOperator
+from sharpcli.curvature.totals import DOT_CHUNK, chunk_bounds, chunked_dots
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
     "TraceResult",
     "blocks_of",
     "check_budget",
-    "chunked_dots",
     "layer_dict",
     "mean_stderr",
     "pilot_size",
@@ -145,43 +145,9 @@ def segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
     return torch.stack(rows)
 
 
-# Entries of one float32 (BLAS) dot product of :func:`product_segment_sums`; the chunks' dot
-# products are summed in float64. A dot product's own rounding grows with its length: at
-# 2^15 entries it is ~1e-11 of sum |a_i b_i| (measured at 124M entries), far below a probe's
-# spread, and each chunk is read at memory speed.
-SUM_CHUNK = 1 << 15
-
-
-def _chunk_bounds(cuts: list[int], chunk: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of the chunks of at most ``chunk`` entries that tile each segment
-    between consecutive ``cuts`` (a chunk never crosses a cut)."""
-    return [
-        (first, min(first + chunk, stop))
-        for start, stop in zip(cuts[:-1], cuts[1:])
-        for first in range(start, stop, chunk)
-    ]
-
-
-def chunked_dots(a: torch.Tensor, b: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    r"""The dot products :math:`\sum_{i=s}^{e-1} a_i b_i` of the chunks ``bounds``, each in the
-    inputs' dtype (BLAS; float32 for half-precision inputs), with no P-sized temporary and no
-    widened copy; on the inputs' device (no synchronisation per chunk).
-
-    Args:
-        a: a vector (contiguous or strided).
-        b: a vector like ``a``.
-        bounds: ``(start, stop)`` of each chunk.
-
-    Returns:
-        ``(len(bounds),)`` in float64.
-    """
-    # half-precision inputs: each chunk widened to float32 (a float16/bfloat16 dot product
-    # of 2^15 entries may round in its own dtype)
-    dtype = a.dtype if a.element_size() >= 4 else torch.float32
-    dots = torch.empty(len(bounds), dtype=dtype, device=a.device)
-    for i, (start, stop) in enumerate(bounds):
-        torch.dot(a[start:stop].to(dtype), b[start:stop].to(dtype), out=dots[i])
-    return dots.to(torch.float64)
+# Entries of one float32 (BLAS) dot product of :func:`product_segment_sums` (module
+# :mod:`~sharpcli.curvature.totals`: their float64 totals stay below float32's rounding)
+SUM_CHUNK = DOT_CHUNK
 
 
 def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torch.Tensor:
@@ -205,7 +171,7 @@ def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torc
     dim = a.shape[0]
     spans = [sl.indices(dim)[:2] for sl in blocks.values()]
     cuts = sorted({0, dim, *(bound for span in spans for bound in span)})
-    bounds = _chunk_bounds(cuts, SUM_CHUNK)
+    bounds = chunk_bounds(cuts, SUM_CHUNK)
     first_chunk = {start: i for i, (start, _) in enumerate(bounds)}
     first_chunk[dim] = len(bounds)
     columns = []

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sharpcli.curvature.krylov import SLICE_BYTES, norm64
+from sharpcli.curvature.krylov import SLICE_BYTES
+from sharpcli.curvature.totals import norm64
 from sharpcli.errors import NumericalError
 
 __all__ = [

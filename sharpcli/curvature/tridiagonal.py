@@ -19,8 +19,8 @@ model: ``q_j`` is rounded to float32 before its product anyway, and each update 
 rounding of the order of the product's own). A float32 recurrence is not good enough: a
 float32 dot product or norm accumulated over P entries carries a relative error that moves the
 Ritz values and breaks the Lanczos relation (the measurements: docs/benchmarks.md, "Float32
-Lanczos"); float32 products over chunks of 32K entries with float64 totals
-(:func:`~sharpcli.curvature.krylov.dot64`) stay below float32's rounding unit.
+Lanczos"); the scalars are float64 sums of chunks widened in cache
+(:mod:`~sharpcli.curvature.totals`), at about the cost of a float32 pass.
 
 :func:`lanczos_tridiagonal` serves stochastic Lanczos quadrature
 (:mod:`sharpcli.curvature.density`); :func:`sharpcli.curvature.lanczos.lanczos` runs
@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from sharpcli import memory, progress
-from sharpcli.curvature.krylov import KrylovBasis, norm64
+from sharpcli.curvature.krylov import KrylovBasis
 from sharpcli.curvature.krylov_plan import basis_room, krylov_work_bytes, storage_dtype
 from sharpcli.curvature.ritz import apply_operator, product_not_finite
 from sharpcli.curvature.scope import gaussian_like
+from sharpcli.curvature.totals import norm64
 
 __all__ = [
     "SEMIORTHOGONAL_MARGIN",
@@ -228,7 +229,7 @@ def lanczos_step(
     coupled = [(i, value) for i, value in coupling if value != 0.0]
     # alpha_j, the couplings as the product measures them, and the finite check: one pass
     products, squares = basis.dots([j] + [i for i, _ in coupled], w)
-    if not math.isfinite(squares) and not math.isfinite(norm64(w)):
+    if not math.isfinite(squares):
         raise product_not_finite(op, "lanczos", where)
     alpha = products[0]
     # |q_i^T A q_j - T_ij|: the local error of the products and the recurrence, which drives

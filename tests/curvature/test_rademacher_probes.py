@@ -7,13 +7,14 @@ import torch
 
 from sharpcli.curvature import MatrixOperator
 from sharpcli.curvature import probes as probes_module
-from sharpcli.curvature.probes import chunked_dots, product_segment_sums, segment_sums
+from sharpcli.curvature.probes import product_segment_sums, segment_sums
 from sharpcli.curvature.scope import (
     rademacher_bits,
     rademacher_bits_bytes,
     rademacher_like,
     rademacher_signs,
 )
+from sharpcli.curvature.totals import chunked_dots
 from sharpcli.curvature.trace import frobenius_sq, hutchinson
 
 
