@@ -29,11 +29,11 @@ from sharpcli.curvature.probes import (
     pilot_size,
     planned_probes,
     probe_block,
+    product_segment_sums,
     report_probes,
-    segment_sums,
 )
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
-from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.scope import RademacherColumns, rademacher_bits_bytes
 
 
 @dataclass
@@ -112,14 +112,13 @@ def gn_nme_split(
         drawn = 0
         while drawn < count:
             k = min(int(block_size), count - drawn)
-            # drawn together whatever the budget: the same seed gives the same probes
-            signs = rademacher_like(dim, generator, torch.int8, "cpu", k)
-            for first in range(0, k, columns):
-                V = signs[:, first : first + columns].to(dtype=H.dtype, device=H.device)
+            # the same seed gives the same probes whatever the block size and budget
+            for V in probes.blocks(k):
                 HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
-                    rows[(name, TRACE_KEY)].append(segment_sums(V * AV, blocks).T)
-                    rows[(name, "frobenius_sq")].append(segment_sums(AV * AV, blocks).T)
+                    # chunked dot products: no (P, k) product and float64 copy per sum
+                    rows[(name, TRACE_KEY)].append(product_segment_sums(V, AV, blocks).T)
+                    rows[(name, "frobenius_sq")].append(product_segment_sums(AV, AV, blocks).T)
                 del V, HV, GV, NV
             matvecs += k
             drawn += k
@@ -128,10 +127,12 @@ def gn_nme_split(
                 n = sum(r.shape[0] for r in rows[(HESSIAN, TRACE_KEY)])
                 report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
 
-    # probe, H v, G v, N v and one elementwise product per column
-    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
+    # probe, H v, G v, N v and the product's pieces per column
+    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split", float64_sums=False)
+    probes = RademacherColumns(dim, generator, H.dtype, H.device, columns)
     budget = int(max_matvecs)
-    with memory.current().hold("probe block", held + dim * int(block_size)):
+    # beside the block: a block's probes drawn together, as bits
+    with memory.current().hold("probe block", held + rademacher_bits_bytes(dim, block_size)):
         run = progress.start("hutchinson H,G,N", total=budget, quantity="tr(H)", capped=True)
         # two stages as the trace estimators ([Stein1945], sharpcli.curvature.probes): the
         # pilot sizes the sample for the slower of tr(H) and tr(G); only the main sample

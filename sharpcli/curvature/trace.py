@@ -37,7 +37,7 @@ from sharpcli.curvature.probes import (
     product_segment_sums,
     report_probes,
 )
-from sharpcli.curvature.scope import rademacher_bits, rademacher_bits_bytes, rademacher_signs
+from sharpcli.curvature.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.registry import declare
 
 if TYPE_CHECKING:
@@ -56,8 +56,9 @@ class _Probes:
 
     def __init__(self, op, quantity: str, blocks: dict, seed: int, block_size: int, columns: int):
         self.op, self.quantity, self.blocks = op, quantity, blocks
-        self.generator = torch.Generator().manual_seed(int(seed))
-        self.block_size, self.columns = int(block_size), int(columns)
+        generator = torch.Generator().manual_seed(int(seed))
+        self.probes = RademacherColumns(op.shape[0], generator, op.dtype, op.device, columns)
+        self.block_size = int(block_size)
         self.matvecs = 0
         self.expected: int | None = None  # the products planned, once the pilot has run
 
@@ -65,8 +66,8 @@ class _Probes:
         """``count`` probes' rows, reported to ``run`` block by block.
 
         Each probe is expanded from the next bits of the generator
-        (:func:`~sharpcli.curvature.scope.rademacher_bits`), so the same seed gives the same
-        probes whatever the block size and the memory budget.
+        (:class:`~sharpcli.curvature.scope.RademacherColumns`), so the same seed gives the
+        same probes whatever the block size and the memory budget.
 
         Args:
             count: the probes.
@@ -76,23 +77,12 @@ class _Probes:
         Returns:
             ``(count, 1 + L)`` float64 rows.
         """
-        op, dim = self.op, self.op.shape[0]
+        op = self.op
         rows: list[torch.Tensor] = []
         drawn = 0
-        # the probes' columns, refilled for every product: a fresh P x columns block was
-        # mapped and faulted in afresh each time (0.2 CPU s a probe at 124M parameters)
-        columns = torch.empty(min(self.columns, count), dim, dtype=op.dtype, device=op.device)
         while drawn < count:
             k = min(self.block_size, count - drawn)
-            # the block's probes, packed 8 to a byte
-            bits = rademacher_bits(dim, self.generator, k).to(op.device)
-            for first in range(0, k, self.columns):
-                # each probe expanded straight into its contiguous column of the block the
-                # product reads (column-major): no int8 block, conversion or strided gather
-                width = min(self.columns, k - first)
-                for j in range(width):
-                    rademacher_signs(bits[first + j], columns[j])
-                G = columns[:width].T
+            for G in self.probes.blocks(k):
                 AG = op.matmat(G)
                 left = G if self.quantity == TRACE_KEY else AG
                 rows.append(product_segment_sums(left, AG, self.blocks).T)

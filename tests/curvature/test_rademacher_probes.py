@@ -9,6 +9,7 @@ from sharpcli.curvature import MatrixOperator
 from sharpcli.curvature import probes as probes_module
 from sharpcli.curvature.probes import product_segment_sums, segment_sums
 from sharpcli.curvature.scope import (
+    RademacherColumns,
     rademacher_bits,
     rademacher_bits_bytes,
     rademacher_like,
@@ -169,3 +170,24 @@ def test_half_precision_sums_accumulate_in_float32():
         exact = segment_sums(left.double() * a.double(), blocks)
         scale = segment_sums((left.double() * a.double()).abs(), blocks)
         assert ((got - exact).abs() <= 1e-6 * scale).all(), (got - exact) / scale
+
+
+@pytest.mark.parametrize("block, columns", [(8, 8), (8, 3), (5, 2), (1, 1)])
+def test_probe_columns_hand_out_the_seeds_probes(block, columns):
+    """Blocks of ``block`` probes, ``columns`` a product, from one reused buffer: the same
+    probes as one draw, each block contiguous by column, never wider than ``columns``."""
+    dim, count, seed = 77, 13, 9
+    expected = rademacher_like(
+        dim, torch.Generator().manual_seed(seed), torch.float64, "cpu", count
+    )
+    probes = RademacherColumns(
+        dim, torch.Generator().manual_seed(seed), torch.float64, "cpu", columns
+    )
+    got, drawn = [], 0
+    while drawn < count:
+        k = min(block, count - drawn)
+        for G in probes.blocks(k):
+            assert G.shape[0] == dim and G.shape[1] <= columns and G[:, 0].is_contiguous()
+            got.append(G.clone())  # the buffer is refilled by the next block
+        drawn += k
+    assert torch.equal(torch.cat(got, 1), expected)
