@@ -145,8 +145,10 @@ def segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
     return torch.stack(rows)
 
 
-# Entries of one float32 (BLAS) dot product of :func:`product_segment_sums` (module
-# :mod:`~sharpcli.curvature.totals`: their float64 totals stay below float32's rounding)
+# Entries of one float32 (BLAS) dot product of :func:`product_segment_sums`
+# (:func:`~sharpcli.curvature.totals.chunked_dots`); the chunks' dot products are summed in
+# float64: within 4e-11 (a probe's signed sum, 124M entries) and 6e-9 (a sum of squares) of
+# sum |a_i b_i|, far below a probe's spread, each chunk read at memory speed.
 SUM_CHUNK = DOT_CHUNK
 
 
@@ -158,7 +160,7 @@ def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torc
     product in ``a``'s dtype (:func:`chunked_dots`), and the total and each layer's part are
     float64 sums of chunks. One read of each column, no P-sized temporaries: the elementwise
     product and its float64 widening cost 0.5 CPU s a probe at GPT-2 small (124M
-    parameters), the dot products 0.07.
+    parameters), the dot products 0.1.
 
     Args:
         a: ``(P, k)``.
@@ -172,13 +174,14 @@ def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torc
     spans = [sl.indices(dim)[:2] for sl in blocks.values()]
     cuts = sorted({0, dim, *(bound for span in spans for bound in span)})
     bounds = chunk_bounds(cuts, SUM_CHUNK)
+    # every cut is where a chunk starts, P where none does
     first_chunk = {start: i for i, (start, _) in enumerate(bounds)}
     first_chunk[dim] = len(bounds)
     columns = []
     for j in range(a.shape[1]):
         dots = chunked_dots(a[:, j], b[:, j], bounds)
         rows = [dots.sum()]
-        rows += [dots[first_chunk.get(lo, 0) : first_chunk.get(hi, 0)].sum() for lo, hi in spans]
+        rows += [dots[first_chunk[lo] : first_chunk[hi]].sum() for lo, hi in spans]
         columns.append(torch.stack(rows))
     return torch.stack(columns, 1)
 

@@ -29,8 +29,8 @@ from sharpcli.curvature.probes import (
     pilot_size,
     planned_probes,
     probe_block,
-    product_segment_sums,
     report_probes,
+    segment_sums,
 )
 from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.scope import RademacherColumns, rademacher_bits_bytes
@@ -116,9 +116,11 @@ def gn_nme_split(
             for V in probes.blocks(k):
                 HV, GV, NV = joint_matmat(operators, V)
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
-                    # chunked dot products: no (P, k) product and float64 copy per sum
-                    rows[(name, TRACE_KEY)].append(product_segment_sums(V, AV, blocks).T)
-                    rows[(name, "frobenius_sq")].append(product_segment_sums(AV, AV, blocks).T)
+                    # float64 sums of the exact products, not product_segment_sums' float32
+                    # dot products: those broke tr(H) = tr(G) + tr(N) by 5e-9 relative on a
+                    # float32 MLP, these keep it to the products' own rounding
+                    rows[(name, TRACE_KEY)].append(segment_sums(V * AV, blocks).T)
+                    rows[(name, "frobenius_sq")].append(segment_sums(AV * AV, blocks).T)
                 del V, HV, GV, NV
             matvecs += k
             drawn += k
@@ -127,8 +129,8 @@ def gn_nme_split(
                 n = sum(r.shape[0] for r in rows[(HESSIAN, TRACE_KEY)])
                 report_probes(run, matvecs, n, mean[0], stderr[0], tol, 0)
 
-    # probe, H v, G v, N v and the product's pieces per column
-    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split", float64_sums=False)
+    # probe, H v, G v, N v and one elementwise product per column
+    columns, held = probe_block(H, block_size, vectors=5, what="H,G,N split")
     probes = RademacherColumns(dim, generator, H.dtype, H.device, columns)
     budget = int(max_matvecs)
     # beside the block: a block's probes drawn together, as bits
