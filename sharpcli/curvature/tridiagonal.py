@@ -227,14 +227,17 @@ def lanczos_step(
         op, basis.row(j), source="lanczos", where=where, widen=False, checked=False
     ).to(basis.dtype)
     coupled = [(i, value) for i, value in coupling if value != 0.0]
-    # alpha_j, the couplings as the product measures them, and the finite check: one pass
-    products, squares = basis.dots([j] + [i for i, _ in coupled], w)
+    # alpha_j, the couplings as the product measures them (only where they decide a skip:
+    # a step that always reorthogonalises reads those rows in Gram-Schmidt), and the finite
+    # check: one pass
+    measured = coupled if skip_gram_schmidt is not None else []
+    products, squares = basis.dots([j] + [i for i, _ in measured], w)
     if not math.isfinite(squares):
         raise product_not_finite(op, "lanczos", where)
     alpha = products[0]
     # |q_i^T A q_j - T_ij|: the local error of the products and the recurrence, which drives
     # the loss of orthogonality (Paige's relation), measured rather than assumed to be eps
-    local = max((abs(p - value) for p, (_, value) in zip(products[1:], coupled)), default=0.0)
+    local = max((abs(p - value) for p, (_, value) in zip(products[1:], measured)), default=0.0)
     norm = basis.subtract_rows(w, [(j, alpha), *coupled])
     if skip_gram_schmidt is not None and skip_gram_schmidt(alpha, norm, local):
         return alpha, norm, w, False
