@@ -95,20 +95,59 @@ def loss_for_task(task: str, per_position: bool = False) -> str:
     return TOKEN_CROSS_ENTROPY if per_position else CROSS_ENTROPY
 
 
-def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> str:
-    """The loss a model's outputs and labels call for, when the checkpoint names none.
+def _binary_values(y: torch.Tensor) -> bool:
+    """Whether every label or target in ``y`` is 0 or 1 (and there is at least one)."""
+    return y.numel() > 0 and bool(((y == 0) | (y == 1)).all())
 
-    Regression targets: ``mse``. Class labels: ``token-cross-entropy`` for sequence outputs
-    (batch, length, vocabulary) with labels (batch, length); ``binary-cross-entropy`` for one
-    logit per sample; ``cross-entropy`` otherwise.
+
+def infer_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> tuple[str, str]:
+    """The loss a model's outputs and labels call for when nothing names one, and why.
+
+    Only a reading that no other loss shares is taken; where two losses fit the same outputs
+    and labels, the caller must name one (``loss``), and a UsageError says so:
+
+    - one output per sample with labels 0 and 1 (integers or floats), or integer labels:
+      ``binary-cross-entropy`` (a logit per sample; an ``mse`` regression on 0/1 targets is a
+      rare choice that must be named; integer labels beyond 0/1 are refused by its check);
+    - class labels ``(batch, length)`` for outputs ``(batch, length, vocabulary)``:
+      ``token-cross-entropy``;
+    - integer class labels one per sample and several outputs: ``cross-entropy``;
+    - floating targets that are not all 0/1: ``mse``, the one loss of real-valued targets;
+    - floating 0/1 targets shaped as several outputs per sample (one-hot or multi-label): three
+      losses fit (``mse``, ``binary-cross-entropy`` element-wise, cross-entropy with
+      probability targets), so none is picked.
+
+    Args:
+        task: ``"classification"`` (integer labels) or ``"regression"`` (floating targets).
+        out: The model's outputs on the first rows, batch first.
+        y: Their labels or targets (the same rows).
+
+    Returns:
+        ``(loss name, the reason in words)`` for the report.
+
+    Raises:
+        UsageError: (``loss``) two losses fit equally.
     """
+    one_output = out.ndim == 1 or out[0].numel() == 1
+    binary = _binary_values(y)
+    if one_output and (binary or task != "regression"):
+        kind = "float" if y.is_floating_point() else "integer"
+        return BINARY_CROSS_ENTROPY, f"inferred: one output per sample, {kind} labels 0/1"
     if task == "regression":
-        return MSE
+        if binary and not one_output:
+            raise UsageError(
+                f"targets 0/1 for {out[0].numel()} outputs per sample fit several losses "
+                "(mse, binary-cross-entropy element-wise, cross-entropy on probability "
+                "targets); name it with `loss`",
+                source="loss",
+            )
+        return MSE, "inferred: real-valued targets"
     if out.ndim == 3 and y.ndim == 2:
-        return TOKEN_CROSS_ENTROPY
-    if out.ndim == 1 or (out.ndim == 2 and out.shape[1] == 1):
-        return BINARY_CROSS_ENTROPY
-    return CROSS_ENTROPY
+        return (
+            TOKEN_CROSS_ENTROPY,
+            "inferred: labels per position of (batch, length, classes) outputs",
+        )
+    return CROSS_ENTROPY, f"inferred: integer class labels, {out[0].numel()} outputs per sample"
 
 
 def check_model_accepts(
@@ -127,7 +166,7 @@ def check_model_accepts(
     loss :func:`infer_loss` picks.
     """
     out = model_outputs(model, x[:1], source)
-    loss = loss or infer_loss(task, out, y)
+    loss = loss or infer_loss(task, out, y)[0]
     problem = get_loss(loss).check(out, y)
     if problem:
         raise InputError(problem, source=source)

@@ -54,6 +54,17 @@ from sharpcli.preflight import (
 from sharpcli.report.envelope import environment_info, make_report
 
 
+@dataclass(frozen=True)
+class LossOrigin:
+    """Where the loss of an analysis came from, for the report: ``source`` is ``"option"``
+    (``--loss``), ``"checkpoint"`` (the training loss its metadata stores), ``"inferred"``
+    (from the model's outputs and the labels, :func:`sharpcli.preflight.infer_loss`) or
+    ``"model"`` (the model's own loss on a batch with labels); ``reason`` says it in words."""
+
+    source: str
+    reason: str
+
+
 @dataclass
 class Session:
     """A model in analysis mode and its analysis set, with what produced them."""
@@ -70,6 +81,7 @@ class Session:
     dtype: torch.dtype
     seed: int
     num_outputs: int
+    loss_origin: LossOrigin | None = None  # None: a session built by hand (tests)
     # budget of cached first-order graphs in curvature passes; None: up to what the memory
     # plan leaves (sharpcli.curvature.operators.CurvatureEngine.plan_memory)
     cache_bytes: int | None = None
@@ -95,6 +107,9 @@ class Session:
             "samples": self.num_samples,
             "loss": self.loss,
         }
+        if self.loss_origin is not None:
+            info["loss_source"] = self.loss_origin.source
+            info["loss_reason"] = self.loss_origin.reason
         if self.token_reduction is not None:
             info["token_reduction"] = self.token_reduction
         notes = [note for note in self.notes if note not in self.checkpoint.notes]
@@ -167,9 +182,10 @@ def _analysis_loss(
     *,
     loss: str | None,
     stored: str | None,
-) -> tuple[LossReading, tuple[int, ...]]:
-    """The loss of the analysis and how it reads the model's outputs on the first batch ``x``
-    and the labels ``y`` (:func:`sharpcli.io.loss_readings.read_loss`), with the outputs' shape.
+) -> tuple[LossReading, tuple[int, ...], LossOrigin]:
+    """The loss of the analysis, how it reads the model's outputs on the first batch ``x``
+    and the labels ``y`` (:func:`sharpcli.io.loss_readings.read_loss`), the outputs' shape, and
+    where the loss came from (:class:`LossOrigin`).
 
     ``loss`` (the option) over the checkpoint's ``stored`` loss; neither: cross-entropy read
     from the outputs' shape for K-dimensional outputs, else the loss
@@ -181,9 +197,16 @@ def _analysis_loss(
 
     out = model_outputs(model, x, dataset.source)
     name = loss or stored
-    if name is None:
-        many = dataset.task != "regression" and out.ndim >= 3
-        name = CROSS_ENTROPY if many else infer_loss(dataset.task, out, y)
+    if loss is not None:
+        origin = LossOrigin("option", "named by --loss")
+    elif stored is not None:
+        origin = LossOrigin("checkpoint", f"the training loss stored in {checkpoint}")
+    elif dataset.task != "regression" and out.ndim >= 3:
+        name = CROSS_ENTROPY  # torch's cross-entropy; read_loss finds where its classes lie
+        origin = LossOrigin("inferred", "inferred: class labels per position")
+    else:
+        name, reason = infer_loss(dataset.task, out, y)
+        origin = LossOrigin("inferred", reason)
 
     def mismatch(problem: str) -> InputError:
         if loss is None and stored is not None:  # the checkpoint's loss does not fit the data
@@ -206,7 +229,14 @@ def _analysis_loss(
         raise mismatch(problem)
     ignore = IGNORE_INDEX if get_loss(reading.name).softmax else None
     check_loss_value(reference_loss(reading), reading, out, head, ignore, f"torch's {name}")
-    return reading, tuple(out.shape)
+    if origin.source == "inferred" and name == CROSS_ENTROPY and out.ndim >= 3:
+        origin = LossOrigin(
+            "inferred",
+            "inferred: class labels per position, classes on dim 1 as torch's cross_entropy"
+            if reading.layout == "classes-last"
+            else "inferred: labels (batch, length) for outputs (batch, length, vocabulary)",
+        )
+    return reading, tuple(out.shape), origin
 
 
 def build_session(
@@ -303,7 +333,7 @@ def build_session(
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
     stored = _metadata_loss(ckpt, checkpoint)
-    reading, out_shape = _analysis_loss(
+    reading, out_shape, origin = _analysis_loss(
         model, x[:batch_size], y, dataset, checkpoint, loss=loss, stored=stored
     )
     if reading.layout == "classes-last" and token_reduction == "samples":
@@ -345,6 +375,7 @@ def build_session(
         dtype=torch_dtype,
         seed=seed,
         num_outputs=n_out,
+        loss_origin=origin,
         cache_bytes=None if cache_mb is None else int(cache_mb) << 20,
         token_reduction=token_reduction if per_token else None,
         mean_positions=mean_positions,

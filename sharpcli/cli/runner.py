@@ -187,6 +187,9 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
             console = table_console()
             with console.capture() as captured:  # rich exits 1 on a closed pipe: write it here
                 outcome.render(console)
+                loss_line = loss_provenance(outcome.report)
+                if loss_line:
+                    console.print(loss_line, markup=False)
                 for note in scope_notes(outcome.report.get("results")):
                     print_note(console, note)
                 plot = written_plot(outcome.report)
@@ -201,6 +204,17 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
         silence_stdout()
         return True
     return False
+
+
+def loss_provenance(report: dict) -> str | None:
+    """The line under an analysis's tables that names the loss differentiated and where it
+    came from (the report's ``data.loss`` and ``data.loss_reason``); None for a report
+    without one."""
+    data = report.get("data")
+    if not isinstance(data, dict) or not data.get("loss"):
+        return None
+    reason = data.get("loss_reason")
+    return f"loss: {data['loss']}" + (f" ({reason})" if reason else "")
 
 
 def stdout_gone(exc: BaseException) -> bool:
