@@ -55,7 +55,7 @@ def chunk_bounds(cuts: list[int], chunk: int) -> list[tuple[int, int]]:
 
 def chunked_dots(a: torch.Tensor, b: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
     r"""The dot products :math:`\sum_{i=s}^{e-1} a_i b_i` of the chunks ``bounds``, each in the
-    inputs' dtype (BLAS; float32 for half-precision inputs), with no P-sized temporary and no
+    inputs' dtype (BLAS; float64 for half-precision inputs), with no P-sized temporary and no
     widened copy; on the inputs' device (no synchronisation per chunk).
 
     Args:
@@ -66,9 +66,11 @@ def chunked_dots(a: torch.Tensor, b: torch.Tensor, bounds: list[tuple[int, int]]
     Returns:
         ``(len(bounds),)`` in float64.
     """
-    # half-precision inputs: each chunk widened to float32 (a float16/bfloat16 dot product
-    # of 2^15 entries may round in its own dtype)
-    dtype = a.dtype if a.element_size() >= 4 else torch.float32
+    # half-precision inputs: each chunk widened to float64 (a float16/bfloat16 dot product
+    # of 2^15 entries may round in its own dtype, and a float32 one drifts by 50 ulps with
+    # some BLAS kernels, OpenBLAS's Haswell sdot among them); the chunk is in cache, so the
+    # wider dot costs no extra pass over memory
+    dtype = a.dtype if a.element_size() >= 4 else _F64
     dots = torch.empty(len(bounds), dtype=dtype, device=a.device)
     for i, (start, stop) in enumerate(bounds):
         torch.dot(a[start:stop].to(dtype), b[start:stop].to(dtype), out=dots[i])
