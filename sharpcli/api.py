@@ -51,11 +51,13 @@ from sharpcli.io.in_memory import (
     apply_ignore_index,
     collect_data,
     model_on_data,
+    own_loss_labels,
     refuse_unshifted_labels,
     resolve_loss,
     to_device,
     token_reduction_of,
 )
+from sharpcli.io.causal_lm import check_model_own_loss
 from sharpcli.io.loss_readings import check_loss_value
 from sharpcli.losses import get_loss
 from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
@@ -136,8 +138,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     def __init__(
         self,
         model: nn.Module,
-        loss: str | nn.Module,
-        data: object,
+        loss: str | nn.Module | None = None,
+        data: object = None,
         *,
         params: str | None = None,
         device: str | torch.device | None = None,
@@ -163,7 +165,14 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         self.model = model
         self.loss_reading = None  # how the loss reads the outputs
+        if data is None:
+            raise UsageError("no data: pass `data`, the batches the loss is taken over", source="data")
         collected = collect_data(data, batch_size)
+        # loss None: a Hugging Face causal LM's own loss (sharpcli.io.causal_lm), noted here
+        self.loss_note: str | None = None
+        if loss is None:
+            loss, collected, self.loss_note = own_loss_labels(model, collected, token_reduction)
+        self.loss_from_model = self.loss_note is not None
         self.loss, collected = self._loss_and_data(loss, collected)
         self.token_reduction = token_reduction_of(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
@@ -238,7 +247,10 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         labels = reading.labels(collected.y)
         collected = CollectedData(collected.x, collected.keywords, labels, collected.batch_size)
         collected = apply_ignore_index(collected, name, ignore_index)
-        if not reading.reshapes:
+        if self.loss_from_model:  # the number differentiated is the model's own `loss`
+            inputs = self._first_inputs(collected, rows)
+            check_model_own_loss(self.model, inputs, logits, collected.y[:rows].to(logits.device))
+        elif not reading.reshapes:
             refuse_unshifted_labels(collected, name)
         few = collected.y[: min(2, collected.num_samples)].to(logits.device)
         probe = self._on_data(collected, rows=few.shape[0])
@@ -252,6 +264,15 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             check_loss_value(loss, reading, logits, head, ignore_index)
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
+
+    def _first_inputs(self, collected: CollectedData, rows: int):
+        """The model's inputs on the first ``rows`` samples: a dict of keyword inputs, or the
+        positional input, on the analysis device."""
+        if collected.x is not None:
+            return to_device(collected.x[:rows], self.dtype, self.device)
+        return {
+            k: to_device(v[:rows], self.dtype, self.device) for k, v in collected.keywords.items()
+        }
 
     def _check_forward(self) -> None:
         """One forward pass over the whole set without gradients, batch by batch.

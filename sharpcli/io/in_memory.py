@@ -18,6 +18,13 @@ from torch import nn
 
 from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import UsageError
+from sharpcli.io.causal_lm import (
+    causal_lm_name,
+    input_ids_of,
+    labels_shifted_by_hand,
+    own_loss_note,
+    shift_token_labels,
+)
 from sharpcli.io.loss_readings import LossReading, read_loss
 from sharpcli.losses import (
     BINARY_CROSS_ENTROPY,
@@ -25,6 +32,7 @@ from sharpcli.losses import (
     IGNORE_INDEX,
     LOSSES,
     MSE,
+    TOKEN_CROSS_ENTROPY,
     TOKEN_REDUCTIONS,
     get_loss,
 )
@@ -39,6 +47,7 @@ __all__ = [
     "collect_data",
     "loss_name",
     "model_on_data",
+    "own_loss_labels",
     "refuse_unshifted_labels",
     "resolve_loss",
     "to_device",
@@ -439,3 +448,64 @@ def token_reduction_of(loss, name: str, reduction: str | None) -> str | None:
             source="token_reduction",
         )
     return reduction or "tokens"
+
+
+def own_loss_labels(
+    model: nn.Module, collected: CollectedData, reduction: str | None
+) -> tuple[str, CollectedData, str]:
+    """No loss given: a Hugging Face causal LM's own loss (:mod:`sharpcli.io.causal_lm`).
+
+    The labels of ``data`` are Hugging Face's, aligned with the inputs and shifted by the model;
+    sharp's ``token-cross-entropy`` over them shifted once is the model's ``loss``. Labels
+    already shifted by hand (label ``t`` is input ``t + 1``, the last position ``-100``) give
+    that loss as they are and are kept.
+
+    Args:
+        model: The model handed in.
+        collected: The analysis set, its labels as given.
+        reduction: The ``token_reduction`` argument: the model's loss is the mean over every
+            labelled token, so ``"samples"`` is refused.
+
+    Returns:
+        ``token-cross-entropy``, the set with the labels the loss compares output ``t`` with,
+        and the note saying the loss is the model's own.
+
+    Raises:
+        UsageError: (``loss``) the model is not a causal LM; (``token_reduction``)
+            ``"samples"``; (``data``) labels that are not one token per position, or none
+            labelled once shifted.
+    """
+    name = causal_lm_name(model)
+    if name is None:
+        raise UsageError(
+            f"no loss given, and {type(model).__name__} is not a Hugging Face causal LM whose own "
+            f"loss sharp reads; pass `loss`: a loss module ({LOSS_MODULES}) or a name "
+            f"({', '.join(LOSSES)})",
+            source="loss",
+        )
+    if reduction == "samples":
+        raise UsageError(
+            f"{name}'s own loss is the mean over every labelled token; for the mean of "
+            "per-sample means pass loss='token-cross-entropy' with token_reduction='samples'",
+            source="token_reduction",
+        )
+    y = collected.y
+    if y.is_floating_point() or y.ndim != 2:
+        raise UsageError(
+            f"labels of shape {tuple(y.shape)} ({y.dtype}): {name}'s own loss takes token labels "
+            "(N, T), one per input position; pass `loss` for other labels",
+            source="data",
+        )
+    ids = collected.x if collected.x is not None else collected.keywords.get("input_ids")
+    ids = None if ids is None else input_ids_of(ids, None)
+    if labels_shifted_by_hand(ids, y):
+        return TOKEN_CROSS_ENTROPY, collected, own_loss_note(name, shifted_here=False)
+    shifted = shift_token_labels(y)
+    if not bool((shifted != IGNORE_INDEX).any()):
+        raise UsageError(
+            f"no label of `data` is left once shifted as {name} shifts them (every label but "
+            "the first of each row is -100)",
+            source="data",
+        )
+    labelled = CollectedData(collected.x, collected.keywords, shifted, collected.batch_size)
+    return TOKEN_CROSS_ENTROPY, labelled, own_loss_note(name, shifted_here=True)
