@@ -11,6 +11,7 @@ runs its own ``forward`` on the indexed rows of the stored inputs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -137,6 +138,9 @@ def _batches(data) -> tuple[list, bool]:
         raise UsageError(
             "`data` is one tensor; pass the inputs with their labels, (x, y)", source="data"
         )
+    columns = _hugging_face_columns(data)
+    if columns is not None:
+        return [columns], True
     if isinstance(data, Mapping):
         return [data], True
     if isinstance(data, (tuple, list)) and len(data) == 2:
@@ -160,6 +164,34 @@ def _batches(data) -> tuple[list, bool]:
     if not batches:
         raise UsageError("`data` holds no batches", source="data")
     return batches, False
+
+
+def _hugging_face_columns(data) -> dict | None:
+    """A Hugging Face ``datasets.Dataset`` as one dict batch, its columns as tensors (the
+    rows a ``DataLoader`` over it would collate; its labels under ``labels`` or ``y``), or None
+    for any other ``data``. Iterating it would give single rows, which are not batches."""
+    datasets = sys.modules.get("datasets")
+    if datasets is None:
+        return None
+    if isinstance(data, getattr(datasets, "DatasetDict", ())):
+        raise UsageError(
+            f"`data` is a DatasetDict with the splits {', '.join(data)}; pass one split, "
+            "data['train']",
+            source="data",
+        )
+    if not isinstance(data, getattr(datasets, "Dataset", ())):
+        return None
+    if len(data) == 0:
+        raise UsageError("`data` holds no samples", source="data")
+    columns = data.with_format("torch")[:]
+    for name, column in columns.items():
+        if not isinstance(column, torch.Tensor):
+            raise UsageError(
+                f"`data` column {name!r} is not one tensor (strings, or rows of unequal length); "
+                "keep the model's columns (dataset.select_columns) padded to one length",
+                source="data",
+            )
+    return dict(columns)
 
 
 def _concatenate(parts: list, name: str) -> torch.Tensor:
@@ -423,7 +455,9 @@ def refuse_unshifted_labels(collected: CollectedData, name: str) -> None:
                     "the labels of `data` equal its token inputs (a causal LM's labels before "
                     "the shift Hugging Face models make inside); sharp compares output t with "
                     "label t: pass labels = input_ids[:, 1:] with -100 appended, or "
-                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100",
+                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100 (a Hugging "
+                    "Face causal LM's own loss, which shifts them, is used when `loss` is left "
+                    "out)",
                     source="data",
                 )
 
