@@ -44,6 +44,7 @@ from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
+from sharpcli.io.causal_lm import check_model_own_loss
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
@@ -57,7 +58,6 @@ from sharpcli.io.in_memory import (
     to_device,
     token_reduction_of,
 )
-from sharpcli.io.causal_lm import check_model_own_loss
 from sharpcli.io.loss_readings import check_loss_value
 from sharpcli.losses import get_loss
 from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
@@ -88,14 +88,17 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
             ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
             tabulates the shapes. A module's value on the first batch must equal sharp's
-            (:func:`sharpcli.io.loss_readings.check_loss_value`).
+            (:func:`sharpcli.io.loss_readings.check_loss_value`). None (left out): a Hugging
+            Face causal LM's own loss, its labels shifted as it shifts them and the value
+            checked against its ``loss`` (:mod:`sharpcli.io.causal_lm`;
+            ``loss_from_model`` and ``loss_note`` say so); refused for any other model.
         token_reduction: How a token loss averages over the set
             (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
             all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
             labelled positions, then the mean over samples; with the name
             ``"token-cross-entropy"`` only). Ignored by the other losses.
         data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-            iterable of batches (module docstring).
+            iterable of batches (module docstring), or a ``datasets.Dataset`` (one batch).
         params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
             comma-separated globs on parameter names (``"fc.*,head.weight"``).
         batch_size: Samples per product batch (memory only: the results are means over
@@ -166,7 +169,9 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         self.model = model
         self.loss_reading = None  # how the loss reads the outputs
         if data is None:
-            raise UsageError("no data: pass `data`, the batches the loss is taken over", source="data")
+            raise UsageError(
+                "no data: pass `data`, the batches the loss is taken over", source="data"
+            )
         collected = collect_data(data, batch_size)
         # loss None: a Hugging Face causal LM's own loss (sharpcli.io.causal_lm), noted here
         self.loss_note: str | None = None
@@ -265,9 +270,18 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 
-    def _first_inputs(self, collected: CollectedData, rows: int):
-        """The model's inputs on the first ``rows`` samples: a dict of keyword inputs, or the
-        positional input, on the analysis device."""
+    def _first_inputs(
+        self, collected: CollectedData, rows: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's inputs on the first ``rows`` samples, on the analysis device.
+
+        Args:
+            collected: the analysis set.
+            rows: how many of its first rows.
+
+        Returns:
+            A dict of keyword inputs, or the positional input.
+        """
         if collected.x is not None:
             return to_device(collected.x[:rows], self.dtype, self.device)
         return {
