@@ -22,7 +22,10 @@ naming rule, which also picks ``ForCausalLMLoss`` as the model's ``loss_function
 
 Labels already shifted by hand (label ``t`` is input ``t + 1`` wherever labelled, the last
 position ``-100``: :func:`labels_shifted_by_hand`) give the same loss read as they are, so
-they keep working unchanged. Whatever the reading, the value on the first batch is compared
+they keep working unchanged. Other labels are shifted by the library, as the model's
+``loss`` does (:func:`sharpcli.io.in_memory.own_loss_labels`); a data file's are refused naming
+``shift_labels`` and ``loss``, where sharp read them as given before
+(:func:`sharpcli.io.datasets.apply_label_convention`). Whatever the reading, the value on the first batch is compared
 with the model's own ``loss`` before anything is computed (:func:`check_model_own_loss`).
 """
 
@@ -189,7 +192,8 @@ def check_model_own_loss(
         got = float(get_loss(TOKEN_CROSS_ENTROPY).mean(logits, shifted))
     if not math.isfinite(want):
         return want  # a non-finite loss is reported where it is met
-    rtol = _AGREEMENT.get(own.dtype, 1e-2)
+    # the coarser of the two precisions (half-precision logits, transformers' float32 loss)
+    rtol = max(_AGREEMENT.get(own.dtype, 1e-2), _AGREEMENT.get(logits.dtype, 1e-2))
     if abs(got - want) > rtol * max(1.0, abs(want)):
         raise UsageError(
             f"{type(model).__name__}'s own loss is {want:.10g} on the first batch but "
