@@ -44,6 +44,7 @@ from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
+from sharpcli.io.causal_lm import check_model_own_loss
 from sharpcli.io.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
@@ -51,6 +52,7 @@ from sharpcli.io.in_memory import (
     apply_ignore_index,
     collect_data,
     model_on_data,
+    own_loss_labels,
     refuse_unshifted_labels,
     resolve_loss,
     to_device,
@@ -86,14 +88,17 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
             ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
             tabulates the shapes. A module's value on the first batch must equal sharp's
-            (:func:`sharpcli.io.loss_readings.check_loss_value`).
+            (:func:`sharpcli.io.loss_readings.check_loss_value`). None (left out): a Hugging
+            Face causal LM's own loss, its labels shifted as it shifts them and the value
+            checked against its ``loss`` (:mod:`sharpcli.io.causal_lm`;
+            ``loss_from_model`` and ``loss_note`` say so); refused for any other model.
         token_reduction: How a token loss averages over the set
             (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
             all labelled tokens, Hugging Face's loss) or ``"samples"`` (each sample's mean over its
             labelled positions, then the mean over samples; with the name
             ``"token-cross-entropy"`` only). Ignored by the other losses.
         data: ``(x, y)``, a dict of tensors with ``labels`` (or ``y``), a DataLoader or an
-            iterable of batches (module docstring).
+            iterable of batches (module docstring), or a ``datasets.Dataset`` (one batch).
         params: ``None`` (every trainable parameter), ``"last"`` (the last ``nn.Linear``) or
             comma-separated globs on parameter names (``"fc.*,head.weight"``).
         batch_size: Samples per product batch (memory only: the results are means over
@@ -136,8 +141,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
     def __init__(
         self,
         model: nn.Module,
-        loss: str | nn.Module,
-        data: object,
+        loss: str | nn.Module | None = None,
+        data: object = None,
         *,
         params: str | None = None,
         device: str | torch.device | None = None,
@@ -163,7 +168,16 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         self.model = model
         self.loss_reading = None  # how the loss reads the outputs
+        if data is None:
+            raise UsageError(
+                "no data: pass `data`, the batches the loss is taken over", source="data"
+            )
         collected = collect_data(data, batch_size)
+        # loss None: a Hugging Face causal LM's own loss (sharpcli.io.causal_lm), noted here
+        self.loss_note: str | None = None
+        if loss is None:
+            loss, collected, self.loss_note = own_loss_labels(model, collected, token_reduction)
+        self.loss_from_model = self.loss_note is not None
         self.loss, collected = self._loss_and_data(loss, collected)
         self.token_reduction = token_reduction_of(loss, self.loss, token_reduction)
         self.num_samples = collected.num_samples
@@ -238,7 +252,10 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         labels = reading.labels(collected.y)
         collected = CollectedData(collected.x, collected.keywords, labels, collected.batch_size)
         collected = apply_ignore_index(collected, name, ignore_index)
-        if not reading.reshapes:
+        if self.loss_from_model:  # the number differentiated is the model's own `loss`
+            inputs = self._first_inputs(collected, rows)
+            check_model_own_loss(self.model, inputs, logits, collected.y[:rows].to(logits.device))
+        elif not reading.reshapes:
             refuse_unshifted_labels(collected, name)
         few = collected.y[: min(2, collected.num_samples)].to(logits.device)
         probe = self._on_data(collected, rows=few.shape[0])
@@ -252,6 +269,24 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             check_loss_value(loss, reading, logits, head, ignore_index)
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
+
+    def _first_inputs(
+        self, collected: CollectedData, rows: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model's inputs on the first ``rows`` samples, on the analysis device.
+
+        Args:
+            collected: the analysis set.
+            rows: how many of its first rows.
+
+        Returns:
+            A dict of keyword inputs, or the positional input.
+        """
+        if collected.x is not None:
+            return to_device(collected.x[:rows], self.dtype, self.device)
+        return {
+            k: to_device(v[:rows], self.dtype, self.device) for k, v in collected.keywords.items()
+        }
 
     def _check_forward(self) -> None:
         """One forward pass over the whole set without gradients, batch by batch.

@@ -22,6 +22,13 @@ from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
 from sharpcli.curvature.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.causal_lm import (
+    causal_lm_name,
+    check_own_loss_of_batch,
+    input_ids_of,
+    labels_shifted_by_hand,
+    own_loss_note,
+)
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
@@ -93,6 +100,9 @@ class Session:
     # what was done to the checkpoint and the data (stderr); the report keeps the checkpoint's
     # in checkpoint.notes and the rest in data.notes
     notes: list[str] = field(default_factory=list)
+    # the loss is a Hugging Face causal LM's own (sharpcli.io.causal_lm), checked against its
+    # `loss` on the first batch; the note saying so is in notes
+    loss_from_model: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -298,6 +308,9 @@ def build_session(
         model_factory=model_factory,
         trust_pickle=trust_pickle,
     )
+    stored = _metadata_loss(ckpt, checkpoint)
+    # a Hugging Face causal LM with no loss named: its own loss, its labels read as it reads them
+    causal_lm = causal_lm_name(ckpt.model) if loss is None and stored is None else None
     data_spec = data if data is not None else ckpt.data_spec
     if data_spec is None:
         raise UsageError(
@@ -311,6 +324,7 @@ def build_session(
         y_key=y_key,
         shift_labels=shift_labels,
         trust_pickle=trust_pickle,
+        causal_lm=causal_lm,
     )
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
@@ -332,10 +346,22 @@ def build_session(
     y = y.to(device=torch_device)
     if dataset.task == "regression":
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
-    stored = _metadata_loss(ckpt, checkpoint)
-    reading, out_shape, origin = _analysis_loss(
-        model, x[:batch_size], y, dataset, checkpoint, loss=loss, stored=stored
+    shifted_here = bool((dataset.spec or {}).get("shift_labels"))
+    own_loss = causal_lm is not None and (
+        shifted_here or labels_shifted_by_hand(input_ids_of(x, dataset.input_keys), y)
     )
+    reading, out_shape, origin = _analysis_loss(
+        model,
+        x[:batch_size],
+        y,
+        dataset,
+        checkpoint,
+        loss=TOKEN_CROSS_ENTROPY if own_loss else loss,
+        stored=stored,
+    )
+    if own_loss:  # the number differentiated is the model's own `loss` (sharpcli.io.causal_lm)
+        check_own_loss_of_batch(model, x[:batch_size], dataset.input_keys, y, token_reduction)
+        origin = LossOrigin("model", own_loss_note(str(causal_lm), shifted_here))
     if reading.layout == "classes-last" and token_reduction == "samples":
         raise UsageError(
             "cross-entropy on outputs (N, C, d1, ..., dk) is the mean over every labelled "
@@ -380,4 +406,5 @@ def build_session(
         token_reduction=token_reduction if per_token else None,
         mean_positions=mean_positions,
         notes=[*ckpt.notes, *notes],
+        loss_from_model=own_loss,
     )

@@ -34,6 +34,7 @@ from sharpcli.bounded import check_data_path
 from sharpcli.catalogue import DATASETS
 from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
+from sharpcli.io.causal_lm import input_ids_of, labels_shifted_by_hand, shift_token_labels
 from sharpcli.io.datasets_builtin import (
     BLOBS,
     BUILTIN_ARGS,
@@ -267,6 +268,7 @@ def load_dataset(
     shift_labels: bool | None = None,
     trust_pickle: bool = False,
     what: str = "the `data` file",
+    causal_lm: str | None = None,
 ) -> Dataset:
     """Load the dataset a spec names (module docstring); the result's ``spec`` reproduces it.
 
@@ -286,7 +288,8 @@ def load_dataset(
     ``trust_pickle`` lets a ``.pt`` file holding a pickled ``TensorDataset`` be unpickled (it
     runs code from the file); it is never stored in the spec, so a checkpoint naming such a
     file needs it again. Token labels equal to the input ids are refused or shifted
-    (:func:`apply_label_convention`).
+    (:func:`apply_label_convention`; ``causal_lm``, the class of a Hugging Face causal LM whose
+    own loss is analysed, reads them as that model does).
     """
     full = parse_data_spec(
         data, label_column=label_column, x_key=x_key, y_key=y_key, shift_labels=shift_labels
@@ -297,48 +300,42 @@ def load_dataset(
     fmt = data_format(full["format"])
     dataset = fmt.read({**full, "trust_pickle": True} if trust_pickle else full)
     dataset.spec = full
-    return apply_label_convention(dataset, full.get("shift_labels"))
-
-
-def _token_ids(x: torch.Tensor, input_keys) -> torch.Tensor | None:
-    """The input token ids of ``x`` (``input_ids`` of keyword inputs), or None (float inputs)."""
-    if x.is_floating_point():
-        return None
-    if input_keys is None:
-        return x
-    if "input_ids" not in input_keys:
-        return None
-    return x if len(input_keys) == 1 else x[:, input_keys.index("input_ids")]
+    return apply_label_convention(dataset, full.get("shift_labels"), causal_lm)
 
 
 def labels_equal_inputs(x: torch.Tensor, y: torch.Tensor, input_keys=None) -> bool:
     """Whether token labels ``y`` (N, T) equal the input ids at every labelled position:
     Hugging Face's causal-LM habit (``labels=input_ids``, the model shifts inside)."""
-    ids = _token_ids(x, input_keys)
+    ids = input_ids_of(x, input_keys)
     if ids is None or y.is_floating_point() or y.ndim != 2 or ids.shape != y.shape:
         return False
     labelled = y != IGNORE_INDEX
     return bool(labelled.any()) and bool((ids[labelled] == y[labelled]).all())
 
 
-def shift_token_labels(y: torch.Tensor) -> torch.Tensor:
-    """Labels for next-token prediction from labels aligned with the inputs: position ``t``
-    gets label ``t + 1``, the last position ``-100`` (what a Hugging Face causal LM does with
-    ``labels=input_ids``: ``logits[:, :-1]`` against ``labels[:, 1:]``)."""
-    shifted = torch.full_like(y, IGNORE_INDEX)
-    shifted[:, :-1] = y[:, 1:]
-    return shifted
-
-
-def apply_label_convention(dataset: Dataset, shift_labels: bool | None) -> Dataset:
+def apply_label_convention(
+    dataset: Dataset, shift_labels: bool | None, causal_lm: str | None = None
+) -> Dataset:
     """Token labels and the causal-LM convention (``--shift-labels``).
 
     ``shift_labels`` True: every split's ``(N, T)`` labels are shifted
-    (:func:`shift_token_labels`). False: labels are used as given. None (the default): labels
-    equal to the input ids (:func:`labels_equal_inputs`) are refused with an ``InputError``
-    saying what to do, since a model that predicts position ``t`` from tokens ``<= t`` would
-    be analysed against its own input (lambda_max 134 instead of 8.6 on a tiny GPT-2).
+    (:func:`~sharpcli.io.causal_lm.shift_token_labels`). False: labels are used as given.
+    None (the default): labels equal to the input ids (:func:`labels_equal_inputs`) are refused
+    with an ``InputError`` saying what to do, since a model that predicts position ``t`` from
+    tokens ``<= t`` would be analysed against its own input (lambda_max 134 instead of 8.6 on a
+    tiny GPT-2).
+
+    ``causal_lm`` (the class name of a Hugging Face causal LM whose own loss is analysed, no
+    loss named: :mod:`sharpcli.io.causal_lm`) reads the labels as that model does when
+    ``shift_labels`` is None: labels equal to the input ids are Hugging Face's and are shifted
+    (the spec records ``shift_labels`` true), labels already shifted by hand are kept
+    (:func:`~sharpcli.io.causal_lm.labels_shifted_by_hand`), and any other labels are refused
+    naming ``shift_labels`` and ``loss``, the two readings that fit.
     """
+    if shift_labels is None and causal_lm is not None:
+        shift_labels = _causal_lm_labels(dataset, causal_lm)
+        if shift_labels:
+            dataset.spec = {**(dataset.spec or {}), "shift_labels": True}
     if shift_labels is True:
         if dataset.y_train.ndim != 2 or dataset.y_train.is_floating_point():
             raise UsageError(
@@ -361,6 +358,23 @@ def apply_label_convention(dataset: Dataset, shift_labels: bool | None) -> Datas
             source=dataset.source,
         )
     return dataset
+
+
+def _causal_lm_labels(dataset: Dataset, causal_lm: str) -> bool:
+    """Whether the labels of a Hugging Face causal LM's data are shifted (True: they are the
+    input ids, Hugging Face's labels) or read as given (False: shifted by hand already);
+    InputError for any other labels (two readings fit)."""
+    if labels_equal_inputs(dataset.x_train, dataset.y_train, dataset.input_keys):
+        return True
+    ids = input_ids_of(dataset.x_train, dataset.input_keys)
+    if labels_shifted_by_hand(ids, dataset.y_train):
+        return False
+    raise InputError(
+        f"the labels are neither the input ids (Hugging Face's causal-LM labels, which "
+        f"{causal_lm} shifts inside to compute its own loss) nor the ids shifted by one: pass "
+        "`shift_labels` to shift them as the model does, or name a `loss` to read them as given",
+        source=dataset.source,
+    )
 
 
 def subset(

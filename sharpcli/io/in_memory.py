@@ -11,6 +11,7 @@ runs its own ``forward`` on the indexed rows of the stored inputs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -18,6 +19,13 @@ from torch import nn
 
 from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import UsageError
+from sharpcli.io.causal_lm import (
+    causal_lm_name,
+    input_ids_of,
+    labels_shifted_by_hand,
+    own_loss_note,
+    shift_token_labels,
+)
 from sharpcli.io.loss_readings import LossReading, read_loss
 from sharpcli.losses import (
     BINARY_CROSS_ENTROPY,
@@ -25,6 +33,7 @@ from sharpcli.losses import (
     IGNORE_INDEX,
     LOSSES,
     MSE,
+    TOKEN_CROSS_ENTROPY,
     TOKEN_REDUCTIONS,
     get_loss,
 )
@@ -39,6 +48,7 @@ __all__ = [
     "collect_data",
     "loss_name",
     "model_on_data",
+    "own_loss_labels",
     "refuse_unshifted_labels",
     "resolve_loss",
     "to_device",
@@ -128,6 +138,9 @@ def _batches(data) -> tuple[list, bool]:
         raise UsageError(
             "`data` is one tensor; pass the inputs with their labels, (x, y)", source="data"
         )
+    columns = _hugging_face_columns(data)
+    if columns is not None:
+        return [columns], True
     if isinstance(data, Mapping):
         return [data], True
     if isinstance(data, (tuple, list)) and len(data) == 2:
@@ -151,6 +164,34 @@ def _batches(data) -> tuple[list, bool]:
     if not batches:
         raise UsageError("`data` holds no batches", source="data")
     return batches, False
+
+
+def _hugging_face_columns(data) -> dict | None:
+    """A Hugging Face ``datasets.Dataset`` as one dict batch, its columns as tensors (the
+    rows a ``DataLoader`` over it would collate; its labels under ``labels`` or ``y``), or None
+    for any other ``data``. Iterating it would give single rows, which are not batches."""
+    datasets = sys.modules.get("datasets")
+    if datasets is None:
+        return None
+    if isinstance(data, getattr(datasets, "DatasetDict", ())):
+        raise UsageError(
+            f"`data` is a DatasetDict with the splits {', '.join(data)}; pass one split, "
+            "data['train']",
+            source="data",
+        )
+    if not isinstance(data, getattr(datasets, "Dataset", ())):
+        return None
+    if len(data) == 0:
+        raise UsageError("`data` holds no samples", source="data")
+    columns = data.with_format("torch")[:]
+    for name, column in columns.items():
+        if not isinstance(column, torch.Tensor):
+            raise UsageError(
+                f"`data` column {name!r} is not one tensor (strings, or rows of unequal length); "
+                "keep the model's columns (dataset.select_columns) padded to one length",
+                source="data",
+            )
+    return dict(columns)
 
 
 def _concatenate(parts: list, name: str) -> torch.Tensor:
@@ -414,7 +455,9 @@ def refuse_unshifted_labels(collected: CollectedData, name: str) -> None:
                     "the labels of `data` equal its token inputs (a causal LM's labels before "
                     "the shift Hugging Face models make inside); sharp compares output t with "
                     "label t: pass labels = input_ids[:, 1:] with -100 appended, or "
-                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100",
+                    "labels[:, :-1] = input_ids[:, 1:] and labels[:, -1] = -100 (a Hugging "
+                    "Face causal LM's own loss, which shifts them, is used when `loss` is left "
+                    "out)",
                     source="data",
                 )
 
@@ -439,3 +482,64 @@ def token_reduction_of(loss, name: str, reduction: str | None) -> str | None:
             source="token_reduction",
         )
     return reduction or "tokens"
+
+
+def own_loss_labels(
+    model: nn.Module, collected: CollectedData, reduction: str | None
+) -> tuple[str, CollectedData, str]:
+    """No loss given: a Hugging Face causal LM's own loss (:mod:`sharpcli.io.causal_lm`).
+
+    The labels of ``data`` are Hugging Face's, aligned with the inputs and shifted by the model;
+    sharp's ``token-cross-entropy`` over them shifted once is the model's ``loss``. Labels
+    already shifted by hand (label ``t`` is input ``t + 1``, the last position ``-100``) give
+    that loss as they are and are kept.
+
+    Args:
+        model: The model handed in.
+        collected: The analysis set, its labels as given.
+        reduction: The ``token_reduction`` argument: the model's loss is the mean over every
+            labelled token, so ``"samples"`` is refused.
+
+    Returns:
+        ``token-cross-entropy``, the set with the labels the loss compares output ``t`` with,
+        and the note saying the loss is the model's own.
+
+    Raises:
+        UsageError: (``loss``) the model is not a causal LM; (``token_reduction``)
+            ``"samples"``; (``data``) labels that are not one token per position, or none
+            labelled once shifted.
+    """
+    name = causal_lm_name(model)
+    if name is None:
+        raise UsageError(
+            f"no loss given, and {type(model).__name__} is not a Hugging Face causal LM whose own "
+            f"loss sharp reads; pass `loss`: a loss module ({LOSS_MODULES}) or a name "
+            f"({', '.join(LOSSES)})",
+            source="loss",
+        )
+    if reduction == "samples":
+        raise UsageError(
+            f"{name}'s own loss is the mean over every labelled token; for the mean of "
+            "per-sample means pass loss='token-cross-entropy' with token_reduction='samples'",
+            source="token_reduction",
+        )
+    y = collected.y
+    if y.is_floating_point() or y.ndim != 2:
+        raise UsageError(
+            f"labels of shape {tuple(y.shape)} ({y.dtype}): {name}'s own loss takes token labels "
+            "(N, T), one per input position; pass `loss` for other labels",
+            source="data",
+        )
+    ids = collected.x if collected.x is not None else collected.keywords.get("input_ids")
+    ids = None if ids is None else input_ids_of(ids, None)
+    if labels_shifted_by_hand(ids, y):
+        return TOKEN_CROSS_ENTROPY, collected, own_loss_note(name, shifted_here=False)
+    shifted = shift_token_labels(y)
+    if not bool((shifted != IGNORE_INDEX).any()):
+        raise UsageError(
+            f"no label of `data` is left once shifted as {name} shifts them (every label but "
+            "the first of each row is -100)",
+            source="data",
+        )
+    labelled = CollectedData(collected.x, collected.keywords, shifted, collected.batch_size)
+    return TOKEN_CROSS_ENTROPY, labelled, own_loss_note(name, shifted_here=True)

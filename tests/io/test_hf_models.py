@@ -2,8 +2,8 @@
 ``fixtures/make_hf_fixtures.py``; no download) through the CLI: a ``save_pretrained`` folder is
 the checkpoint, keyword inputs come from the data file's keys, and the eigenvalues match the
 dense float64 Hessian of the same loss by double backward. Causal-LM labels equal to the inputs
-are refused unless ``--shift-labels``; a checkpoint trained with ``--model-factory`` loads back
-into transformers.
+are the model's own loss (shifted as it shifts them) unless a loss is named; a checkpoint
+trained with ``--model-factory`` loads back into transformers.
 """
 
 from __future__ import annotations
@@ -69,17 +69,23 @@ def _tensors(arrays: dict) -> dict:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
-def test_gpt2_labels_equal_to_inputs_are_refused_then_shifted(tmp_path, capsys):
+def test_gpt2_labels_equal_to_inputs_are_the_models_own_loss(tmp_path, capsys):
+    """Hugging Face's labels (= input_ids), no --loss: the model's own loss, its shift applied
+    (tests/io/test_hf_causal_lm.py); --shift-labels says the same; a named loss refuses them."""
     folder = hf.save_model(hf.gpt2(), tmp_path / "gpt2")
     arrays = hf.gpt2_data()
     data = hf.write_npz(tmp_path / "lm.npz", arrays)
-    refused = eigen(capsys, folder, data)
+    refused = eigen(capsys, folder, data, "--loss", "token-cross-entropy")
     assert_one_line_error(
         refused, 2, "lm.npz", "token labels equal the input ids", "--shift-labels"
     )
+    own = eigen(capsys, folder, data)
+    assert own.code == 0, own.err
+    assert own.json()["data"]["loss_source"] == "model"
     run = eigen(capsys, folder, data, "--shift-labels")
     assert run.code == 0, run.err
     report = run.json()
+    assert report["results"]["eigenvalues"] == own.json()["results"]["eigenvalues"]
     assert report["checkpoint"]["origin"] == "huggingface"
     assert report["checkpoint"]["model"]["name"] == "hf:GPT2LMHeadModel"
     assert report["data"]["loss"] == "token-cross-entropy"
