@@ -312,7 +312,8 @@ def build_session(
     if output is None:
         output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
-    attach_keyword_inputs(model, dataset.input_keys)  # model(**batch) (sharpcli.models.outputs)
+    # model(**batch), or model(batch) for forward(self, batch) (sharpcli.models.outputs)
+    attach_keyword_inputs(model, dataset.input_keys, shapes=dataset.input_shapes)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )

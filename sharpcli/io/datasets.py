@@ -47,6 +47,7 @@ from sharpcli.io.datasets_builtin import (
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
 from sharpcli.losses import IGNORE_INDEX
+from sharpcli.models.outputs import keyword_batch
 from sharpcli.specs import parse_spec
 
 __all__ = [
@@ -390,21 +391,24 @@ def load_dataset(
     return apply_label_convention(dataset, full.get("shift_labels"))
 
 
-def _token_ids(x: torch.Tensor, input_keys) -> torch.Tensor | None:
-    """The input token ids of ``x`` (``input_ids`` of keyword inputs), or None (float inputs)."""
+def _token_ids(x: torch.Tensor, input_keys, input_shapes=None) -> torch.Tensor | None:
+    """The input token ids of ``x`` (``input_ids`` of keyword inputs, stacked or concatenated
+    as ``Dataset.input_shapes`` says), or None (float inputs)."""
     if x.is_floating_point():
         return None
     if input_keys is None:
         return x
     if "input_ids" not in input_keys:
         return None
-    return x if len(input_keys) == 1 else x[:, input_keys.index("input_ids")]
+    return keyword_batch(x, input_keys, input_shapes)["input_ids"]
 
 
-def labels_equal_inputs(x: torch.Tensor, y: torch.Tensor, input_keys=None) -> bool:
+def labels_equal_inputs(
+    x: torch.Tensor, y: torch.Tensor, input_keys=None, input_shapes=None
+) -> bool:
     """Whether token labels ``y`` (N, T) equal the input ids at every labelled position:
     Hugging Face's causal-LM habit (``labels=input_ids``, the model shifts inside)."""
-    ids = _token_ids(x, input_keys)
+    ids = _token_ids(x, input_keys, input_shapes)
     if ids is None or y.is_floating_point() or y.ndim != 2 or ids.shape != y.shape:
         return False
     labelled = y != IGNORE_INDEX
@@ -441,7 +445,7 @@ def apply_label_convention(dataset: Dataset, shift_labels: bool | None) -> Datas
             dataset.y_test = shift_token_labels(dataset.y_test)
         return dataset
     if shift_labels is None and labels_equal_inputs(
-        dataset.x_train, dataset.y_train, dataset.input_keys
+        dataset.x_train, dataset.y_train, dataset.input_keys, dataset.input_shapes
     ):
         raise InputError(
             "token labels equal the input ids (Hugging Face's labels=input_ids, which the "

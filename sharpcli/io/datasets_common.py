@@ -69,6 +69,10 @@ class Dataset:
     # keyword inputs (sharpcli.io.datasets_keyed): the forward arguments x holds, stacked on
     # axis 1 when there are several; None: x is the model's one positional input
     input_keys: tuple[str, ...] | None = field(default=None)
+    # several keyword inputs of different per-sample shapes: x holds each flattened, concatenated
+    # on axis 1 in input_keys' order, and these are their shapes (sharpcli.models.outputs.
+    # keyword_batch views them back); None: one key, or keys of one shape stacked on axis 1
+    input_shapes: tuple[tuple[int, ...], ...] | None = field(default=None)
 
     def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(x, y)`` of split ``"train"`` or ``"test"``.
@@ -375,6 +379,7 @@ def finalize_dataset(
     names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
     keep_float64: bool = False,
     input_keys: tuple[str, ...] | None = None,
+    input_shapes: tuple[tuple[int, ...], ...] | None = None,
 ) -> Dataset:
     """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
 
@@ -452,4 +457,5 @@ def finalize_dataset(
         source=source,
         class_names=class_names,
         input_keys=tuple(input_keys) if input_keys else None,
+        input_shapes=input_shapes,
     )

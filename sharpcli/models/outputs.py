@@ -16,6 +16,7 @@ so parameter names, ``functional_call`` and ``torch.func`` transforms are unchan
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -118,13 +119,17 @@ def attach_output_selector(model: nn.Module, output: str | None = None):
     return model.register_forward_hook(hook)
 
 
-def keyword_batch(x: torch.Tensor, keys) -> dict:
+def keyword_batch(x: torch.Tensor, keys, shapes=None) -> dict:
     """The keyword arguments one batch tensor holds: ``{keys[0]: x}`` for one key, else
-    ``{keys[i]: x[:, i]}`` (several inputs stacked on axis 1, see ``Dataset.input_keys``).
+    ``{keys[i]: x[:, i]}`` (several inputs of one shape stacked on axis 1, see
+    ``Dataset.input_keys``), or, with ``shapes`` (inputs of different shapes, each flattened
+    and concatenated on axis 1, see ``Dataset.input_shapes``), ``keys[i]``'s columns of ``x``
+    viewed as ``(B, *shapes[i])``.
 
     Args:
         x: a batch tensor.
         keys: the model's keyword input names.
+        shapes: the inputs' per-sample shapes when they travel concatenated, else None.
 
     Returns:
         The keyword arguments.
@@ -134,6 +139,13 @@ def keyword_batch(x: torch.Tensor, keys) -> dict:
         ['input_ids']
     """
     keys = tuple(keys)
+    if shapes is not None:
+        sizes = [math.prod(shape) for shape in shapes]
+        parts = x.split(sizes, dim=1)
+        return {
+            key: part.reshape(x.shape[0], *shape)
+            for key, part, shape in zip(keys, parts, shapes)
+        }
     if len(keys) == 1:
         return {keys[0]: x}
     return {key: x[:, i] for i, key in enumerate(keys)}
@@ -203,7 +215,9 @@ def input_call_style(forward, keys, source: str = "data") -> str:
     )
 
 
-def attach_keyword_inputs(model: nn.Module, keys, source: str = "x_key") -> object | None:
+def attach_keyword_inputs(
+    model: nn.Module, keys, source: str = "x_key", shapes=None
+) -> object | None:
     """Make ``model(x)`` call ``model(**keyword_batch(x, keys))``, or ``model(keyword_batch(x,
     keys))`` for a ``forward`` that takes the batch dict as its one argument
     (:func:`input_call_style`); returns the hook handle.
@@ -217,6 +231,8 @@ def attach_keyword_inputs(model: nn.Module, keys, source: str = "x_key") -> obje
         model: the model.
         keys: its keyword input names.
         source: what a signature that takes neither style is a UsageError on.
+        shapes: the inputs' per-sample shapes when they travel concatenated
+            (:func:`keyword_batch`), else None.
 
     Returns:
         The hook handle, or ``None`` when nothing was attached.
@@ -228,7 +244,7 @@ def attach_keyword_inputs(model: nn.Module, keys, source: str = "x_key") -> obje
 
     def hook(module, args, kwargs):
         if len(args) == 1 and isinstance(args[0], torch.Tensor) and not kwargs:
-            batch = keyword_batch(args[0], keys)
+            batch = keyword_batch(args[0], keys, shapes)
             return ((batch,), {}) if style == ONE_DICT else ((), batch)
         return None
 

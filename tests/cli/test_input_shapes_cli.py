@@ -76,7 +76,7 @@ class {name}(nn.Module):
         self.head = nn.Linear(3, 3)
 
     def logits(self, x1, x2):
-        return self.head(torch.tanh(self.left(x1) + self.right(x2)))
+        return self.head(torch.tanh(self.left(x1) + self.right(x2.flatten(1))))
 
     {forward}
 
@@ -169,17 +169,21 @@ def test_token_ids_n_t_into_an_embedding_from_pt(tmp_path, capsys, monkeypatch):
     assert trace == pytest.approx(float(ggn.trace()), rel=1e-9)
 
 
+@pytest.mark.parametrize("x2_shape", [(4,), (2, 2)], ids=["stacked", "concatenated"])
 @pytest.mark.parametrize(
     ("name", "forward"), [("KeywordPair", KEYWORD_FORWARD), ("DictPair", DICT_FORWARD)]
 )
-def test_two_named_inputs_as_keywords_or_as_one_dict(tmp_path, capsys, monkeypatch, name, forward):
-    """Keys x1, x2 of a file: `forward(self, x1, x2)` takes them as keyword arguments,
-    `forward(self, batch)` as one dict; the signature decides and both give torch's numbers."""
+def test_two_named_inputs_as_keywords_or_as_one_dict(
+    tmp_path, capsys, monkeypatch, name, forward, x2_shape
+):
+    """Keys x1 (N, 4), x2 (N, 4) or (N, 2, 2) of a file: `forward(self, x1, x2)` takes them as
+    keyword arguments, `forward(self, batch)` as one dict; the signature decides and both give
+    torch's numbers, whether the inputs share a shape or not (they were refused when not)."""
     source = textwrap.dedent(TWO_INPUTS).format(name=name, forward=forward)
     model, weights = _model(tmp_path, monkeypatch, f"pair_{name.lower()}", source)
     gen = torch.Generator().manual_seed(4)
     x1 = torch.randn(11, 4, dtype=torch.float64, generator=gen)
-    x2 = torch.randn(11, 4, dtype=torch.float64, generator=gen)
+    x2 = torch.randn(11, *x2_shape, dtype=torch.float64, generator=gen)
     y = _labels(11)
     data = tmp_path / "pairs.safetensors"
     save_file({"x1": x1, "x2": x2, "y": y}, str(data))
