@@ -160,8 +160,7 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise InputError(
-            f"samples of shape {shape} do not fit the model ({first})"
-            + _images_hint(model, x),
+            f"samples of shape {shape} do not fit the model ({first})" + _images_hint(model, x),
             source=source,
         ) from None
     finally:
@@ -186,7 +185,9 @@ def _images_hint(model: nn.Module, x: torch.Tensor) -> str:
     except Exception:  # the hint only: the refusal above stands either way
         return ""
     height, width = x.shape[1:]
-    return f"; as one-channel images (1, {height}, {width}) it fits: pass `x_shape=1,{height},{width}`"
+    return (
+        f"; as one-channel images (1, {height}, {width}) it fits: pass `x_shape=1,{height},{width}`"
+    )
 
 
 SECOND_DERIVATIVE_SAMPLES = (

@@ -252,9 +252,7 @@ def _integer_features(x: torch.Tensor) -> bool:
     return True
 
 
-def _features(
-    x: torch.Tensor, name: str, source: str, keep_float64: bool = False
-) -> torch.Tensor:
+def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = False) -> torch.Tensor:
     """Features ``(N, ...)`` in their stored shape (a 1-D array as ``(N, 1)``), non-empty and
     finite: int64 or float32.
 

@@ -143,8 +143,7 @@ def keyword_batch(x: torch.Tensor, keys, shapes=None) -> dict:
         sizes = [math.prod(shape) for shape in shapes]
         parts = x.split(sizes, dim=1)
         return {
-            key: part.reshape(x.shape[0], *shape)
-            for key, part, shape in zip(keys, parts, shapes)
+            key: part.reshape(x.shape[0], *shape) for key, part, shape in zip(keys, parts, shapes)
         }
     if len(keys) == 1:
         return {keys[0]: x}

@@ -102,7 +102,9 @@ def _run(capsys, command: str, weights, data, factory: str, *extra: str):
 
 
 def _eigen(capsys, weights, data, factory, *extra: str) -> list[float]:
-    run = _run(capsys, "eigen", weights, data, factory, "--top-k", "2", "--eig-tol", "1e-10", *extra)
+    run = _run(
+        capsys, "eigen", weights, data, factory, "--top-k", "2", "--eig-tol", "1e-10", *extra
+    )
     assert run.code == 0, run.err
     return run.json()["results"]["eigenvalues"]
 
