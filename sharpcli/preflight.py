@@ -199,7 +199,8 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise InputError(
-            f"samples of shape {shape} do not fit the model ({first})", source=source
+            f"samples of shape {shape} do not fit the model ({first})" + _images_hint(model, x),
+            source=source,
         ) from None
     finally:
         model.train(was_training)
@@ -208,6 +209,24 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
             f"the model returns a {type(out).__name__}, not a tensor of logits", source=source
         )
     return out
+
+
+def _images_hint(model: nn.Module, x: torch.Tensor) -> str:
+    """For inputs ``(N, H, W)`` the model refused: the option that reads them as one-channel
+    images ``(N, 1, H, W)``, when the model takes that shape (a refusal's hint, never a
+    reshape: a 3-D array is a Conv1d's ``(N, C, L)`` as much as images, so the data's shape is
+    not changed without ``x_shape``)."""
+    if x.ndim != 3 or not x.is_floating_point():
+        return ""
+    try:
+        with torch.no_grad():
+            model(x[:1].unsqueeze(1))
+    except Exception:  # the hint only: the refusal above stands either way
+        return ""
+    height, width = x.shape[1:]
+    return (
+        f"; as one-channel images (1, {height}, {width}) it fits: pass `x_shape=1,{height},{width}`"
+    )
 
 
 SECOND_DERIVATIVE_SAMPLES = (

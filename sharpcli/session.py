@@ -183,6 +183,23 @@ def _metadata_loss(ckpt: LoadedCheckpoint, checkpoint: str) -> str | None:
     return loss
 
 
+def _labels_problem(reading: LossReading, out: torch.Tensor, y: torch.Tensor) -> str | None:
+    """The loss's check (:attr:`sharpcli.losses.Loss.check`) of every label of the set against
+    the model's outputs ``out`` on its first rows: the first rows' labels with their own
+    outputs, then each following block of as many rows against outputs of as many rows (the
+    checks compare shapes per sample and the labels' values, so an outputs-labels pair always
+    has one row count; one sample's outputs against all labels would compare (1, 1) with
+    (N, 1)). The first problem found, or None."""
+    check = get_loss(reading.name).check
+    rows = int(out.shape[0])
+    for start in range(0, int(y.shape[0]), rows):
+        labels = y[start : start + rows]
+        problem = check(reading.outputs(out[: labels.shape[0]]), reading.labels(labels))
+        if problem:
+            return problem
+    return None
+
+
 def _analysis_loss(
     model: nn.Module,
     x: torch.Tensor,
@@ -234,7 +251,7 @@ def _analysis_loss(
         if err.source != "data":
             raise
         raise mismatch(err.message) from None
-    problem = get_loss(reading.name).check(reading.outputs(out[:1]), reading.labels(y))
+    problem = _labels_problem(reading, out, y)
     if problem:
         raise mismatch(problem)
     ignore = IGNORE_INDEX if get_loss(reading.name).softmax else None
@@ -257,6 +274,7 @@ def build_session(
     x_key: str | None = None,
     y_key: str | None = None,
     shift_labels: bool | None = None,
+    x_shape: str | None = None,
     split: str = TRAIN,
     samples: int | None = None,
     batch_size: int = 256,
@@ -323,6 +341,7 @@ def build_session(
         x_key=x_key,
         y_key=y_key,
         shift_labels=shift_labels,
+        x_shape=x_shape,
         trust_pickle=trust_pickle,
         causal_lm=causal_lm,
     )
@@ -337,7 +356,8 @@ def build_session(
     if output is None:
         output = (ckpt.train_config or {}).get("output")
     attach_output_selector(model, output)
-    attach_keyword_inputs(model, dataset.input_keys)  # model(**batch) (sharpcli.models.outputs)
+    # model(**batch), or model(batch) for forward(self, batch) (sharpcli.models.outputs)
+    attach_keyword_inputs(model, dataset.input_keys, shapes=dataset.input_shapes)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
@@ -348,7 +368,8 @@ def build_session(
         y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
     shifted_here = bool((dataset.spec or {}).get("shift_labels"))
     own_loss = causal_lm is not None and (
-        shifted_here or labels_shifted_by_hand(input_ids_of(x, dataset.input_keys), y)
+        shifted_here
+        or labels_shifted_by_hand(input_ids_of(x, dataset.input_keys, dataset.input_shapes), y)
     )
     reading, out_shape, origin = _analysis_loss(
         model,

@@ -72,6 +72,15 @@ ShiftLabelsOpt = Annotated[
         show_default=False,
     ),
 ]
+XShapeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--x-shape",
+        rich_help_panel="Data",
+        metavar="DIMS",
+        help="Reshape each sample's input, e.g. 1,28,28 (default: as the file stores it).",
+    ),
+]
 SplitOpt = Annotated[
     choices.Split,
     typer.Option("--split", rich_help_panel="Data", help="The dataset split that is analysed."),
@@ -259,6 +268,7 @@ class CommonOptions:
     x_key: str | None = option(XKeyOpt, None)
     y_key: str | None = option(YKeyOpt, None)
     shift_labels: bool | None = option(ShiftLabelsOpt, None)
+    x_shape: str | None = option(XShapeOpt, None)
     split: str = option(SplitOpt, catalogue.TRAIN)
     samples: int | None = option(SamplesOpt, None)
     batch_size: int = option(BatchSizeOpt, 256)

@@ -154,8 +154,8 @@ TrainSeedOpt = Annotated[
 class TrainOptions:
     """The options of ``sharp train`` in the order its help lists them. The fields that
     name a :class:`TrainConfig` field set it; ``depth``, ``width``, ``activation``,
-    ``mask_ratio`` and ``per_sample_norm`` go into its ``model_args``; ``x_key``, ``y_key``
-    and ``shift_labels`` into its data spec; the others steer the run."""
+    ``mask_ratio`` and ``per_sample_norm`` go into its ``model_args``; ``x_key``, ``y_key``,
+    ``shift_labels`` and ``x_shape`` into its data spec; the others steer the run."""
 
     model: str = _setting(ModelOpt, "model")
     depth: int | None = option(DepthOpt, None)
@@ -170,6 +170,7 @@ class TrainOptions:
     x_key: str | None = option(common.XKeyOpt, None)
     y_key: str | None = option(common.YKeyOpt, None)
     shift_labels: bool | None = option(common.ShiftLabelsOpt, None)
+    x_shape: str | None = option(common.XShapeOpt, None)
     token_reduction: str = _setting(TrainTokenReductionOpt, "token_reduction")
     epochs: int = _setting(_training_opt("--epochs", int, "Training epochs."), "epochs")
     batch_size: int = _setting(_training_opt("--batch-size", int, "Minibatch size."), "batch_size")
@@ -263,15 +264,21 @@ class TrainOptions:
         return config_from_options(**settings, **sizes)
 
     def _data_spec(self) -> str | dict:
-        """``--data`` with ``--x-key``/``--y-key``/``--shift-labels`` folded into its spec dict
-        (the checkpoint stores it, so analyses of the trained model read the same arrays)."""
-        if self.x_key is None and self.y_key is None and self.shift_labels is None:
+        """``--data`` with ``--x-key``/``--y-key``/``--shift-labels``/``--x-shape`` folded into
+        its spec dict (the checkpoint stores it, so analyses of the trained model read the same
+        arrays in the same shape)."""
+        given = (self.x_key, self.y_key, self.shift_labels, self.x_shape)
+        if all(value is None for value in given):
             return self.data
         # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
         from sharpcli.io.datasets import parse_data_spec
 
         return parse_data_spec(
-            self.data, x_key=self.x_key, y_key=self.y_key, shift_labels=self.shift_labels
+            self.data,
+            x_key=self.x_key,
+            y_key=self.y_key,
+            shift_labels=self.shift_labels,
+            x_shape=self.x_shape,
         )
 
 

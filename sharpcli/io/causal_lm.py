@@ -77,17 +77,18 @@ def causal_lm_name(model: nn.Module) -> str | None:
     return None
 
 
-def input_ids_of(x: torch.Tensor, input_keys) -> torch.Tensor | None:
-    """The input token ids of ``x`` (``input_ids`` of keyword inputs stacked on axis 1, as a
-    data file's :attr:`~sharpcli.io.datasets_common.Dataset.input_keys` name them), or None
-    (float inputs, or keyword inputs without ``input_ids``)."""
+def input_ids_of(x: torch.Tensor, input_keys, input_shapes=None) -> torch.Tensor | None:
+    """The input token ids of ``x`` (``input_ids`` of keyword inputs stacked on axis 1, or
+    concatenated as ``input_shapes`` say, as a data file's
+    :attr:`~sharpcli.io.datasets_common.Dataset.input_keys` name them), or None (float inputs,
+    or keyword inputs without ``input_ids``)."""
     if x.is_floating_point():
         return None
     if input_keys is None:
         return x
     if "input_ids" not in input_keys:
         return None
-    return x if len(input_keys) == 1 else x[:, list(input_keys).index("input_ids")]
+    return keyword_batch(x, input_keys, input_shapes)["input_ids"]
 
 
 def shift_token_labels(y: torch.Tensor) -> torch.Tensor:

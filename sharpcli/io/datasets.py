@@ -14,7 +14,9 @@ either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
   ``{"kind": "file", "path": "<absolute path>", "format": "<format>", "label_column": ...}``
   with the format a name in the registry ``sharpcli.io.formats.FORMATS``, which routes a
   path to its format and holds each format's reader (plus the optional spec keys the
-  format reads).
+  format reads). Any file spec may hold ``x_shape`` (``--x-shape``): every sample's input
+  reshaped to it, e.g. ``[1, 28, 28]`` for ``(N, 28, 28)`` arrays fed to a Conv2d; without
+  it the inputs reach the model in the shape the file stores (:func:`apply_x_shape`).
 
 A built-in name wins over a file of the same name in the working directory (write
 ``./blobs`` for the file). ``Dataset.spec`` is always the complete dict form, so
@@ -25,6 +27,7 @@ each with a one-line message; no library exception escapes.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -52,6 +55,7 @@ __all__ = [
     "BUILTIN_NAMES",
     "DEFAULT_DATA",
     "Dataset",
+    "apply_x_shape",
     "FORMATS",
     "format_data_spec",
     "load_dataset",
@@ -96,6 +100,7 @@ def parse_data_spec(
     x_key: str | None = None,
     y_key: str | None = None,
     shift_labels: bool | None = None,
+    x_shape: str | list | tuple | None = None,
 ) -> dict:
     """Turn a ``--data`` string or a spec dict into the complete dict form (without loading data).
 
@@ -105,9 +110,15 @@ def parse_data_spec(
     that is unset; a conflicting value raises ``UsageError(source="label_column")``. ``x_key``,
     ``y_key`` (the arrays of a tensor file or the columns of an Arrow table that are the
     inputs and the labels, :mod:`sharpcli.io.datasets_keyed`) and ``shift_labels`` (the
-    causal-LM label convention, :func:`apply_label_convention`) fill the spec the same way.
+    causal-LM label convention, :func:`apply_label_convention`) and ``x_shape`` (one sample's
+    input shape, ``"1,28,28"`` or a list, :func:`apply_x_shape`) fill the spec the same way.
     """
-    given = {"x_key": x_key, "y_key": y_key, "shift_labels": shift_labels}
+    given = {
+        "x_key": x_key,
+        "y_key": y_key,
+        "shift_labels": shift_labels,
+        "x_shape": None if x_shape is None else parse_x_shape(x_shape, "x_shape"),
+    }
     if isinstance(data, dict):
         return _normalise_dict(data, label_column, given)
     if not isinstance(data, str):
@@ -127,8 +138,73 @@ def parse_data_spec(
     return _normalise_dict({"kind": "file", "path": text}, label_column, given)
 
 
+def parse_x_shape(value, source: str) -> list[int]:
+    """One sample's input shape from ``"1,28,28"`` (``--x-shape``) or a list of sizes (a
+    spec's ``x_shape``): positive integers, at least one; else a UsageError on ``source``."""
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.split(",")]
+        sizes: list = []
+        for part in parts:
+            if not part.isdigit():
+                sizes = []
+                break
+            sizes.append(int(part))
+    elif isinstance(value, (list, tuple)):
+        sizes = list(value)
+    else:
+        sizes = []
+    if not sizes or not all(
+        isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes
+    ):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise UsageError(
+            f"must be one sample's input shape, positive sizes separated by commas (e.g. "
+            f"1,28,28), got {shown}",
+            source=source,
+        )
+    return [int(size) for size in sizes]
+
+
+def apply_x_shape(dataset: Dataset, shape) -> Dataset:
+    """``dataset`` with every sample's input reshaped to ``shape`` (the spec's ``x_shape``),
+    both splits: ``x.reshape(N, *shape)``, the values in their stored (row-major) order.
+
+    This is the one place an axis is added to a data file's inputs: ``(N, 28, 28)`` with
+    ``[1, 28, 28]`` gives single-channel images; nothing is reshaped without it (a 3-D array
+    is a Conv1d's ``(N, C, L)`` as much as images). A shape holding another number of values
+    than a sample is an InputError naming the file; several keyword inputs (travelling
+    stacked) are a UsageError: reshape them in the file.
+    """
+    if shape is None:
+        return dataset
+    shape = parse_x_shape(shape, "x_shape")
+    if dataset.input_keys is not None and len(dataset.input_keys) > 1:
+        raise UsageError(
+            f"reshapes one input, but {dataset.source} gives the model "
+            f"{len(dataset.input_keys)} ({', '.join(dataset.input_keys)}); store them in the "
+            "shapes the model takes",
+            source="x_shape",
+        )
+    wanted = math.prod(shape)
+    for name in ("x_train", "x_test"):
+        x = getattr(dataset, name)
+        if x is None:
+            continue
+        per_sample = int(x[0].numel())
+        if per_sample != wanted:
+            shown = ",".join(str(size) for size in shape)
+            raise InputError(
+                f"samples of shape {tuple(x.shape[1:])} hold {per_sample} values but `x_shape` "
+                f"{shown} holds {wanted}",
+                source=dataset.source,
+            )
+        setattr(dataset, name, x.reshape(x.shape[0], *shape).contiguous())
+    return dataset
+
+
 def _no_file_options(name, given: dict) -> None:
-    """UsageError for a file option (``x_key``, ``y_key``, ``shift_labels``) given with a built-in."""
+    """UsageError for a file option (``x_key``, ``y_key``, ``shift_labels``, ``x_shape``) given
+    with a built-in."""
     for key, value in given.items():
         if value is not None:
             raise UsageError(f"applies to data files, not to built-in {name!r}", source=key)
@@ -149,6 +225,8 @@ def _merge_given(spec: dict, given: dict) -> dict:
             not isinstance(merged[key], str) or not merged[key].strip()
         ):
             raise UsageError(f"must be a non-empty key name, got {merged[key]!r}", source=key)
+    if merged.get("x_shape") is not None:
+        merged["x_shape"] = parse_x_shape(merged["x_shape"], "x_shape")
     shift = merged.get("shift_labels")
     if shift is not None and not isinstance(shift, bool):
         raise UsageError(f"spec 'shift_labels' must be true or false, got {shift!r}", source="data")
@@ -187,7 +265,9 @@ def _normalise_builtin(spec: dict, label_column: str | None) -> dict:
 
 def _normalise_file(spec: dict, label_column: str | None) -> dict:
     """The complete form of a file spec: absolute path, its format, the format's spec keys."""
-    unknown = sorted(set(spec) - {"kind", "path", "format", "shift_labels", *optional_spec_keys()})
+    unknown = sorted(
+        set(spec) - {"kind", "path", "format", "shift_labels", "x_shape", *optional_spec_keys()}
+    )
     if unknown:
         raise UsageError(f"file data spec has unknown key(s) {', '.join(unknown)}", source="data")
     given_path = spec.get("path")
@@ -199,6 +279,8 @@ def _normalise_file(spec: dict, label_column: str | None) -> dict:
     options = _format_options(fmt, spec, column)
     if spec.get("shift_labels") is not None:
         options["shift_labels"] = spec["shift_labels"]
+    if spec.get("x_shape") is not None:
+        options["x_shape"] = spec["x_shape"]
     return {"kind": "file", "path": path, "format": fmt.name, "label_column": column, **options}
 
 
@@ -266,6 +348,7 @@ def load_dataset(
     x_key: str | None = None,
     y_key: str | None = None,
     shift_labels: bool | None = None,
+    x_shape: str | list | None = None,
     trust_pickle: bool = False,
     what: str = "the `data` file",
     causal_lm: str | None = None,
@@ -279,7 +362,8 @@ def load_dataset(
     path no format claims is an ``InputError`` and an unknown format a ``UsageError``,
     both listing the accepted ones.
 
-    Returns a ``Dataset`` whose features are float32 ``(N, D)`` or ``(N, C, H, W)`` (int64
+    Returns a ``Dataset`` whose features are float32 ``(N, ...)`` in the shape the source
+    stores them, or the spec's ``x_shape`` (:func:`apply_x_shape`) (int64
     when the file stores integers: token ids stay exact; see ``datasets_common``) and
     whose targets are int64 class labels or float32 regression targets, checked for
     matching lengths, finiteness and non-emptiness. Raises ``InputError`` (bad file)
@@ -292,7 +376,12 @@ def load_dataset(
     own loss is analysed, reads them as that model does).
     """
     full = parse_data_spec(
-        data, label_column=label_column, x_key=x_key, y_key=y_key, shift_labels=shift_labels
+        data,
+        label_column=label_column,
+        x_key=x_key,
+        y_key=y_key,
+        shift_labels=shift_labels,
+        x_shape=x_shape,
     )
     if full["kind"] == "builtin":
         return load_builtin(full["name"], full["args"])
@@ -300,13 +389,16 @@ def load_dataset(
     fmt = data_format(full["format"])
     dataset = fmt.read({**full, "trust_pickle": True} if trust_pickle else full)
     dataset.spec = full
+    dataset = apply_x_shape(dataset, full.get("x_shape"))
     return apply_label_convention(dataset, full.get("shift_labels"), causal_lm)
 
 
-def labels_equal_inputs(x: torch.Tensor, y: torch.Tensor, input_keys=None) -> bool:
+def labels_equal_inputs(
+    x: torch.Tensor, y: torch.Tensor, input_keys=None, input_shapes=None
+) -> bool:
     """Whether token labels ``y`` (N, T) equal the input ids at every labelled position:
     Hugging Face's causal-LM habit (``labels=input_ids``, the model shifts inside)."""
-    ids = input_ids_of(x, input_keys)
+    ids = input_ids_of(x, input_keys, input_shapes)
     if ids is None or y.is_floating_point() or y.ndim != 2 or ids.shape != y.shape:
         return False
     labelled = y != IGNORE_INDEX
@@ -348,7 +440,7 @@ def apply_label_convention(
             dataset.y_test = shift_token_labels(dataset.y_test)
         return dataset
     if shift_labels is None and labels_equal_inputs(
-        dataset.x_train, dataset.y_train, dataset.input_keys
+        dataset.x_train, dataset.y_train, dataset.input_keys, dataset.input_shapes
     ):
         raise InputError(
             "token labels equal the input ids (Hugging Face's labels=input_ids, which the "
@@ -364,9 +456,11 @@ def _causal_lm_labels(dataset: Dataset, causal_lm: str) -> bool:
     """Whether the labels of a Hugging Face causal LM's data are shifted (True: they are the
     input ids, Hugging Face's labels) or read as given (False: shifted by hand already);
     InputError for any other labels (two readings fit)."""
-    if labels_equal_inputs(dataset.x_train, dataset.y_train, dataset.input_keys):
+    if labels_equal_inputs(
+        dataset.x_train, dataset.y_train, dataset.input_keys, dataset.input_shapes
+    ):
         return True
-    ids = input_ids_of(dataset.x_train, dataset.input_keys)
+    ids = input_ids_of(dataset.x_train, dataset.input_keys, dataset.input_shapes)
     if labels_shifted_by_hand(ids, dataset.y_train):
         return False
     raise InputError(

@@ -7,11 +7,13 @@ the rest of sharpcli relies on (docs/architecture.md, "datasets"):
 - features ``x``: ``float32``; ``float64`` when a tensor file stores float64 (a
   ``--dtype float64`` analysis then sees them unrounded; every analysis casts them to its
   own dtype, and refuses values beyond the float32 range in a float32 one); or ``int64`` when the source stores integers
-  (token ids for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), shape
-  ``(N, D)`` for vectors or ``(N, C, H, W)`` for images (a 1-D array becomes ``(N, 1)``,
-  a 3-D float or uint8 array ``(N, H, W)`` becomes single-channel images ``(N, 1, H, W)``;
-  wider integers are ids, never given a channel axis: ``(N, K, T)`` stays as it is);
-  keyword inputs (``Dataset.input_keys``) keep the shape they were stored with;
+  (token ids for an ``nn.Embedding``, counts, raw bytes: kept exact, see ``_features``), in
+  the shape they were stored with, any rank: ``(N, D)`` vectors, ``(N, C, L)`` for a Conv1d,
+  ``(N, T)`` token ids, ``(N, C, H, W)`` images, ``(N, C, D, H, W)`` for a Conv3d (only a 1-D
+  array becomes ``(N, 1)``). Nothing is given a channel axis here: image formats (CIFAR,
+  MNIST folders) make their own ``(N, C, H, W)``, and a file's ``(N, H, W)`` reaches the model
+  as ``(N, H, W)`` unless the data spec's ``x_shape`` reshapes it
+  (:func:`sharpcli.io.datasets.apply_x_shape`);
 - classification targets (integer or boolean ``y``): ``int64`` labels of shape
   ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
 - regression targets (floating ``y``): ``float32`` (``float64`` as features) of shape
@@ -45,8 +47,8 @@ MAX_CLASSES = 1_000_000  # a label above this is a corrupt file, not a class
 class Dataset:
     """A loaded dataset: train split, optional test split, task and provenance.
 
-    ``x_*`` are float32 (or, for integer sources, int64) feature tensors ``(N, D)`` or
-    ``(N, C, H, W)``; ``y_*`` are int64 labels ``(N,)`` (or per-position token labels ``(N, T)``, -100 for padding) for ``task == "classification"``
+    ``x_*`` are float32 (or, for integer sources, int64) feature tensors ``(N, ...)`` of the
+    shape the source stores (``(N, D)``, ``(N, C, L)``, ``(N, C, H, W)``, ...); ``y_*`` are int64 labels ``(N,)`` (or per-position token labels ``(N, T)``, -100 for padding) for ``task == "classification"``
     (with ``num_classes`` classes) or float32 targets ``(N,)``/``(N, K)`` for
     ``task == "regression"`` (``num_classes is None``). ``x_test``/``y_test`` are both
     ``None`` when the source has no test split. ``spec`` is a JSON-serialisable dict that
@@ -67,6 +69,10 @@ class Dataset:
     # keyword inputs (sharpcli.io.datasets_keyed): the forward arguments x holds, stacked on
     # axis 1 when there are several; None: x is the model's one positional input
     input_keys: tuple[str, ...] | None = field(default=None)
+    # several keyword inputs of different per-sample shapes: x holds each flattened, concatenated
+    # on axis 1 in input_keys' order, and these are their shapes (sharpcli.models.outputs.
+    # keyword_batch views them back); None: one key, or keys of one shape stacked on axis 1
+    input_shapes: tuple[tuple[int, ...], ...] | None = field(default=None)
 
     def split(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(x, y)`` of split ``"train"`` or ``"test"``.
@@ -246,10 +252,13 @@ def _integer_features(x: torch.Tensor) -> bool:
     return True
 
 
-def _features(
-    x: torch.Tensor, name: str, source: str, keep_float64: bool = False, keyword: bool = False
-) -> torch.Tensor:
-    """Features as ``(N, D)`` or ``(N, C, H, W)``, non-empty and finite: int64 or float32.
+def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = False) -> torch.Tensor:
+    """Features ``(N, ...)`` in their stored shape (a 1-D array as ``(N, 1)``), non-empty and
+    finite: int64 or float32.
+
+    No axis is added or removed: a 3-D array is ``(N, C, L)`` for a Conv1d as much as
+    ``(N, H, W)`` images, so it reaches the model as stored (the data spec's ``x_shape``
+    reshapes it explicitly, :func:`sharpcli.io.datasets.apply_x_shape`).
 
     Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
     to float32: a model whose first layer is an ``nn.Embedding`` needs the ids as integers,
@@ -260,16 +269,8 @@ def _features(
     """
     if x.dim() == 0:
         raise InputError(f"{name} is a scalar, expected one row per sample", source=source)
-    pixels = x.is_floating_point() or x.dtype in (torch.uint8, torch.bool)
     if x.dim() == 1:
         x = x.unsqueeze(1)
-    elif x.dim() == 3 and pixels and not keyword:
-        x = x.unsqueeze(1)  # (N, H, W) single-channel images; int ids (N, K, T) stay
-    elif x.dim() > 4 and not keyword:
-        raise InputError(
-            f"{name} has shape {tuple(x.shape)}; expected (N, D) vectors or (N, C, H, W) images",
-            source=source,
-        )
     if x.shape[0] == 0:
         raise InputError(f"{name} is empty (0 samples)", source=source)
     if x[0].numel() == 0:
@@ -376,6 +377,7 @@ def finalize_dataset(
     names: tuple[str, str, str, str] = ("x", "y", "x_test", "y_test"),
     keep_float64: bool = False,
     input_keys: tuple[str, ...] | None = None,
+    input_shapes: tuple[tuple[int, ...], ...] | None = None,
 ) -> Dataset:
     """Check and convert raw arrays into a ``Dataset`` (rules in the module docstring).
 
@@ -393,8 +395,7 @@ def finalize_dataset(
     if (x_test is None) != (y_test is None):
         present, missing = (n_xt, n_yt) if y_test is None else (n_yt, n_xt)
         raise InputError(f"has {present} but no {missing}; give both or neither", source=source)
-    keyword = input_keys is not None
-    x_train = _features(as_tensor(x_train, n_x, source), n_x, source, keep_float64, keyword)
+    x_train = _features(as_tensor(x_train, n_x, source), n_x, source, keep_float64)
     y_train = as_tensor(y_train, n_y, source)
     task = task or infer_task(y_train)
     if task not in TASKS:
@@ -405,7 +406,7 @@ def finalize_dataset(
     else:
         y_train = _targets(y_train, n_y, n, source, keep_float64)
     if x_test is not None:
-        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source, keep_float64, keyword)
+        x_test = _features(as_tensor(x_test, n_xt, source), n_xt, source, keep_float64)
         if x_test.shape[1:] != x_train.shape[1:]:
             raise InputError(
                 f"{n_xt} has per-sample shape {tuple(x_test.shape[1:])} but {n_x} has {tuple(x_train.shape[1:])}",
@@ -454,4 +455,5 @@ def finalize_dataset(
         source=source,
         class_names=class_names,
         input_keys=tuple(input_keys) if input_keys else None,
+        input_shapes=input_shapes,
     )

@@ -13,11 +13,13 @@ Face ``save_to_disk`` folders and tables with list columns all come down to a ma
   chosen key (all or none).
 
 Inputs named after forward arguments, or several inputs, are *keyword inputs*: the model is
-called as ``model(input_ids=..., attention_mask=...)`` batch by batch
-(:func:`sharpcli.models.outputs.attach_keyword_inputs`). They travel as one tensor: one key
-as it is, several keys of one per-sample shape stacked on axis 1 (``(N, K, T)`` for ids and
-masks), which is why they must share a shape and be all integers or all floats;
-``Dataset.input_keys`` names them in order. With the default ``x``/``y`` keys any other key
+called as ``model(input_ids=..., attention_mask=...)`` batch by batch, or as
+``model({"input_ids": ..., ...})`` when its ``forward`` takes the batch dict as its one
+argument (:func:`sharpcli.models.outputs.attach_keyword_inputs`, which reads the signature).
+They travel as one tensor: one key as it is, several keys of one per-sample shape stacked on
+axis 1 (``(N, K, T)`` for ids and masks), several of different shapes each flattened and
+concatenated on axis 1 (``Dataset.input_shapes`` holds their shapes); so they must be all
+integers or all floats; ``Dataset.input_keys`` names them in order. With the default ``x``/``y`` keys any other key
 is refused (a misspelt ``x_tset`` would drop the test split silently); with keys named on
 the command line, or keyword inputs, other keys (a text column) are left alone.
 
@@ -146,27 +148,32 @@ def _test_keys(keys: list[str], inputs: tuple[str, ...], label: str, path: str):
 
 
 def _stack_inputs(arrays: list, keys: tuple[str, ...], path: str):
-    """One tensor from the keyword inputs: one key as it is, several stacked on axis 1."""
+    """``(tensor, shapes)`` of the keyword inputs: one key as it is, several of one shape
+    stacked on axis 1 (shapes None), several of different shapes each flattened and
+    concatenated on axis 1 (``shapes`` their per-sample shapes)."""
     tensors = [as_tensor(a, k, path) for a, k in zip(arrays, keys)]
     if len(tensors) == 1:
-        return tensors[0]
+        return tensors[0], None
     first, first_key = tensors[0], keys[0]
     for tensor, key in zip(tensors[1:], keys[1:]):
-        if tensor.shape != first.shape:
+        if tensor.dim() == 0 or tensor.shape[0] != first.shape[0]:
             raise InputError(
-                f"inputs {first_key} {tuple(first.shape)} and {key} {tuple(tensor.shape)} differ "
-                "in shape; keyword inputs travel stacked and need one shape (pad them alike)",
+                f"inputs {first_key} {tuple(first.shape)} and {key} {tuple(tensor.shape)} hold "
+                "different numbers of samples",
                 source=path,
             )
         if tensor.is_floating_point() != first.is_floating_point():
             raise InputError(
                 f"inputs {first_key} ({first.dtype}) and {key} ({tensor.dtype}) mix integers and "
-                "floats; keyword inputs travel stacked and need one kind",
+                "floats; keyword inputs travel as one tensor and need one kind",
                 source=path,
             )
-    if first.is_floating_point():
-        return torch.stack([t.to(torch.float64) for t in tensors], dim=1)
-    return torch.stack([t.to(torch.int64) for t in tensors], dim=1)
+    dtype = torch.float64 if first.is_floating_point() else torch.int64
+    if all(t.shape == first.shape for t in tensors):
+        return torch.stack([t.to(dtype) for t in tensors], dim=1), None
+    shapes = tuple(tuple(int(d) for d in t.shape[1:]) for t in tensors)
+    flat = [t.to(dtype).reshape(t.shape[0], -1) for t in tensors]
+    return torch.cat(flat, dim=1), shapes
 
 
 def dataset_from_mapping(content: dict, spec: dict, path: str, *, default_keys: bool) -> Dataset:
@@ -189,10 +196,15 @@ def dataset_from_mapping(content: dict, spec: dict, path: str, *, default_keys: 
                 f"({show_keys(unexpected)}); name the arrays to use with `x_key` and `y_key`",
                 source=path,
             )
-    x = _stack_inputs([content[k] for k in inputs], inputs, path)
+    x, shapes = _stack_inputs([content[k] for k in inputs], inputs, path)
     x_test = y_test = None
     if test is not None:
-        x_test = _stack_inputs([content[k] for k in test[0]], test[0], path)
+        x_test, test_shapes = _stack_inputs([content[k] for k in test[0]], test[0], path)
+        if test_shapes != shapes:
+            raise InputError(
+                f"test inputs have per-sample shapes {test_shapes} but the inputs {shapes}",
+                source=path,
+            )
         y_test = content[test[1]]
     names = (
         ", ".join(inputs),
@@ -210,4 +222,5 @@ def dataset_from_mapping(content: dict, spec: dict, path: str, *, default_keys: 
         spec=spec,
         names=names,
         input_keys=inputs if keyword else None,
+        input_shapes=shapes,
     )

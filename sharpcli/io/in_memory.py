@@ -2,7 +2,8 @@
 the model seen through a view that indexes it, and loss modules resolved to loss records.
 
 ``data`` is read once: ``(x, y)`` tensors, a ``dict`` of tensors (one batch: its label under
-``labels`` or ``y``, every other key a keyword argument of ``model.forward``), a
+``labels`` or ``y``, every other key a keyword argument of ``model.forward``, or the keys
+together one dict argument when ``forward(self, batch)`` takes them so), a
 ``DataLoader`` or any iterable of such batches; batches are concatenated in order
 (:func:`collect_data`). The analysis set streamed by the curvature engine is the sample
 *indices* ``0..N-1``, and :func:`model_on_data` gives the model a ``forward(index)`` that
@@ -37,7 +38,7 @@ from sharpcli.losses import (
     TOKEN_REDUCTIONS,
     get_loss,
 )
-from sharpcli.models.outputs import select_output
+from sharpcli.models.outputs import ONE_DICT, input_call_style, select_output
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -285,6 +286,8 @@ class _IndexedInputs:
 
         args = () if self._sharp_positional is None else (rows(self._sharp_positional),)
         kwargs = {name: rows(tensor) for name, tensor in self._sharp_keywords.items()}
+        if self._sharp_call_style == ONE_DICT:  # forward(self, batch): the dict as one argument
+            args, kwargs = (kwargs,), {}
         logits = select_output(super().forward(*args, **kwargs))
         return logits if self._sharp_layout is None else self._sharp_layout.outputs(logits)
 
@@ -305,7 +308,9 @@ def model_on_data(
 ) -> nn.Module:
     """A view of ``model`` (its modules, parameters and buffers, not copies) whose
     ``forward(index)`` is ``logits(model(x[index], **{k: v[index]}))``, laid out as the loss
-    ``layout`` reads them (:meth:`LossReading.outputs`; None: as they are).
+    ``layout`` reads them (:meth:`LossReading.outputs`; None: as they are). Keyword inputs
+    reach a ``forward`` that takes the batch dict as its one argument as that dict,
+    ``model({k: v[index]})``, as its signature says (:func:`sharpcli.models.outputs.input_call_style`).
 
     The view is an instance of a subclass of ``type(model)`` sharing ``model``'s attributes
     (shallow), so parameter names, ``functional_call`` and ``torch.func`` see the model's own;
@@ -318,6 +323,10 @@ def model_on_data(
     view.__dict__.pop("forward", None)
     object.__setattr__(view, "_sharp_positional", x)
     object.__setattr__(view, "_sharp_keywords", dict(keywords))
+    style = None
+    if x is None and keywords:  # the view runs the class's forward: its signature decides
+        style = input_call_style(type(model).forward.__get__(model), tuple(keywords))
+    object.__setattr__(view, "_sharp_call_style", style)
     object.__setattr__(view, "_sharp_layout", layout if layout and layout.reshapes else None)
     return view
 

@@ -15,15 +15,21 @@ so parameter names, ``functional_call`` and ``torch.func`` transforms are unchan
 
 from __future__ import annotations
 
+import inspect
+import math
+
 import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
 
 __all__ = [
+    "KEYWORDS",
+    "ONE_DICT",
     "attach_keyword_inputs",
     "attach_output_selector",
     "describe_output",
+    "input_call_style",
     "keyword_batch",
     "select_output",
 ]
@@ -113,13 +119,17 @@ def attach_output_selector(model: nn.Module, output: str | None = None):
     return model.register_forward_hook(hook)
 
 
-def keyword_batch(x: torch.Tensor, keys) -> dict:
+def keyword_batch(x: torch.Tensor, keys, shapes=None) -> dict:
     """The keyword arguments one batch tensor holds: ``{keys[0]: x}`` for one key, else
-    ``{keys[i]: x[:, i]}`` (several inputs stacked on axis 1, see ``Dataset.input_keys``).
+    ``{keys[i]: x[:, i]}`` (several inputs of one shape stacked on axis 1, see
+    ``Dataset.input_keys``), or, with ``shapes`` (inputs of different shapes, each flattened
+    and concatenated on axis 1, see ``Dataset.input_shapes``), ``keys[i]``'s columns of ``x``
+    viewed as ``(B, *shapes[i])``.
 
     Args:
         x: a batch tensor.
         keys: the model's keyword input names.
+        shapes: the inputs' per-sample shapes when they travel concatenated, else None.
 
     Returns:
         The keyword arguments.
@@ -129,13 +139,87 @@ def keyword_batch(x: torch.Tensor, keys) -> dict:
         ['input_ids']
     """
     keys = tuple(keys)
+    if shapes is not None:
+        sizes = [math.prod(shape) for shape in shapes]
+        parts = x.split(sizes, dim=1)
+        return {
+            key: part.reshape(x.shape[0], *shape) for key, part, shape in zip(keys, parts, shapes)
+        }
     if len(keys) == 1:
         return {keys[0]: x}
     return {key: x[:, i] for i, key in enumerate(keys)}
 
 
-def attach_keyword_inputs(model: nn.Module, keys) -> object | None:
-    """Make ``model(x)`` call ``model(**keyword_batch(x, keys))``; returns the hook handle.
+KEYWORDS = "keywords"
+"""Call style: the batch's inputs as keyword arguments, ``model(x1=..., x2=...)``."""
+ONE_DICT = "dict"
+"""Call style: the batch's inputs as one dict argument, ``model({"x1": ..., "x2": ...})``."""
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def input_call_style(forward, keys, source: str = "data") -> str:
+    """How a ``forward`` takes named inputs ``keys``, read from its signature (never tried):
+    :data:`KEYWORDS` or :data:`ONE_DICT`.
+
+    1. **keywords** (``forward(self, x1, x2)``, ``forward(self, input_ids=None, **kwargs)``):
+       every key names a parameter (or ``forward`` takes ``**kwargs``), and every parameter
+       without a default is one of the keys;
+    2. otherwise **one dict** (``forward(self, batch)`` reading ``batch["x1"]``): ``forward``
+       has exactly one parameter without a default, positional and not named after a key;
+    3. anything else is a UsageError on ``source`` naming the signature and the keys.
+
+    Keywords win where both could be read (they are the first rule): a ``forward(self, x1,
+    batch=None)`` with keys ``x1``, ``x2`` gets neither, and a signature that cannot be read
+    (a built-in) gets keywords, as Hugging Face models take them.
+
+    Args:
+        forward: the bound ``forward`` of the model (``self`` already bound).
+        keys: the input names.
+        source: the parameter or file the refusal names.
+
+    Returns:
+        The call style.
+
+    Example:
+        >>> def forward(batch): ...
+        >>> input_call_style(forward, ["x1", "x2"])
+        'dict'
+    """
+    keys = tuple(keys)
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: Hugging Face's convention
+        return KEYWORDS
+    named = {p.name for p in parameters if p.kind in _NAMED}
+    takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+    required = [
+        p
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if (takes_any or all(k in named for k in keys)) and all(p.name in keys for p in required):
+        return KEYWORDS
+    if len(required) == 1 and required[0].kind in _POSITIONAL and required[0].name not in keys:
+        return ONE_DICT
+    shown = ", ".join(str(p) for p in parameters)
+    raise UsageError(
+        f"the model's forward({shown}) takes neither the inputs {', '.join(keys)} as keyword "
+        "arguments (every parameter without a default one of them) nor one dict of them (exactly "
+        "one parameter without a default, positional, named after none of them); name its "
+        "parameters after the inputs or take the batch dict as the one argument",
+        source=source,
+    )
+
+
+def attach_keyword_inputs(
+    model: nn.Module, keys, source: str = "x_key", shapes=None
+) -> object | None:
+    """Make ``model(x)`` call ``model(**keyword_batch(x, keys))``, or ``model(keyword_batch(x,
+    keys))`` for a ``forward`` that takes the batch dict as its one argument
+    (:func:`input_call_style`); returns the hook handle.
 
     Data with keyword inputs (``input_ids``, ``attention_mask``, ``pixel_values``, ...) travels
     as one tensor through every batch loop, shard and subset; a forward pre-hook on the root
@@ -145,6 +229,9 @@ def attach_keyword_inputs(model: nn.Module, keys) -> object | None:
     Args:
         model: the model.
         keys: its keyword input names.
+        source: what a signature that takes neither style is a UsageError on.
+        shapes: the inputs' per-sample shapes when they travel concatenated
+            (:func:`keyword_batch`), else None.
 
     Returns:
         The hook handle, or ``None`` when nothing was attached.
@@ -152,10 +239,12 @@ def attach_keyword_inputs(model: nn.Module, keys) -> object | None:
     if not keys:
         return None
     keys = tuple(keys)
+    style = input_call_style(model.forward, keys, source)
 
     def hook(module, args, kwargs):
         if len(args) == 1 and isinstance(args[0], torch.Tensor) and not kwargs:
-            return (), keyword_batch(args[0], keys)
+            batch = keyword_batch(args[0], keys, shapes)
+            return ((batch,), {}) if style == ONE_DICT else ((), batch)
         return None
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -303,9 +303,14 @@ def default_model_args(
     derived: dict[str, Any] = {"num_classes": int(num_classes)}
     if _is_image_model(name):
         if len(shape) != 3:
+            images = (
+                f" (or `x_shape=1,{shape[0]},{shape[1]}` for one-channel images)"
+                if len(shape) == 2
+                else ""
+            )
             raise UsageError(
                 f"model {name!r} needs image inputs of shape (channels, height, width); the data's "
-                f"examples have shape {shape}; use `model=mlp`",
+                f"examples have shape {shape}; use `model=mlp`{images}",
                 source="model",
             )
         channels, height, width = shape

@@ -326,7 +326,8 @@ def _build_model(
         model = build_model(model_spec)
     model = model.to(device=device, dtype=dtype)
     attach_output_selector(model, cfg.output)
-    attach_keyword_inputs(model, splits.dataset.input_keys)  # model(**batch) for keyed data
+    # model(**batch), or model(batch) for forward(self, batch): keyed data
+    attach_keyword_inputs(model, splits.dataset.input_keys, shapes=splits.dataset.input_shapes)
     if cfg.penultimate is not None:
         set_penultimate(model, cfg.penultimate)
     return model, model_spec

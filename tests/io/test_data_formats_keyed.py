@@ -46,13 +46,17 @@ def test_npz_any_key_names_with_x_key_and_y_key(tmp_path):
         load_dataset("blobs", x_key="x")
 
 
-def test_integer_ids_never_get_a_channel_axis_but_uint8_pixels_do(tmp_path):
+def test_no_3d_array_gets_a_channel_axis_unless_x_shape_says_so(tmp_path):
+    """Integer ids, uint8 pixels and floats (N, 3, 4) stay as stored (a Conv1d's (N, C, L) as
+    much as images); `x_shape` 1,3,4 is the one way to one-channel images."""
     ids = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
     ds = load_dataset(hf.write_npz(tmp_path / "i.npz", {"x": ids, "y": np.array([0, 1])}))
     assert ds.x_train.shape == (2, 3, 4)
-    pixels = ids.astype(np.uint8)
-    ds = load_dataset(hf.write_npz(tmp_path / "p.npz", {"x": pixels, "y": np.array([0, 1])}))
-    assert ds.x_train.shape == (2, 1, 3, 4)
+    for dtype in (np.uint8, np.float32):
+        path = hf.write_npz(tmp_path / "p.npz", {"x": ids.astype(dtype), "y": np.array([0, 1])})
+        assert load_dataset(path).x_train.shape == (2, 3, 4)
+        images = load_dataset(path, x_shape="1,3,4").x_train
+        assert images.shape == (2, 1, 3, 4) and images[1, 0, 2, 3].item() == 23
 
 
 def test_npy_pairs_with_test_split(tmp_path):

@@ -243,14 +243,24 @@ def test_pth_extension_and_regression_targets(tmp_path):
 
 
 def test_tensor_file_shape_conventions(tmp_path):
-    """(N, H, W) uint8 -> (N, 1, H, W) int64 (values kept), (N, 1) integer labels -> (N,), bool labels -> 0/1."""
+    """(N, H, W) uint8 stays (N, H, W) int64 (values kept; `x_shape` 1,H,W makes one-channel
+    images), (N, C, D, H, W) stays as stored, (N, 1) integer labels -> (N,), bool labels -> 0/1."""
     x = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     written = fx.write_npz(
         str(tmp_path), arrays={"x": x, "y": np.array([[1], [0]], dtype=np.int32)}
     )
     ds = load_dataset(written.path)
-    assert ds.x_train.shape == (2, 1, 3, 4) and ds.x_train[1, 0, 2, 3].item() == 23
+    assert ds.x_train.shape == (2, 3, 4) and ds.x_train[1, 2, 3].item() == 23
     assert ds.x_train.dtype == torch.int64  # integer features stay exact (token ids)
+    ds = load_dataset(written.path, x_shape="1,3,4")
+    assert ds.x_train.shape == (2, 1, 3, 4) and ds.x_train[1, 0, 2, 3].item() == 23
+    assert ds.spec["x_shape"] == [1, 3, 4] and ds.input_shape == (1, 3, 4)
+    assert load_dataset(ds.spec).x_train.shape == (2, 1, 3, 4)  # the spec reproduces it
+    volumes = np.arange(2 * 2 * 3 * 3 * 3, dtype=np.float32).reshape(2, 2, 3, 3, 3)
+    written = fx.write_npz(
+        str(tmp_path), name="v.npz", arrays={"x": volumes, "y": np.array([0, 1])}
+    )
+    assert torch.equal(load_dataset(written.path).x_train, torch.from_numpy(volumes))
     assert ds.y_train.tolist() == [1, 0] and ds.y_train.dtype == torch.int64
     written = fx.write_safetensors(
         str(tmp_path),
@@ -651,10 +661,6 @@ def test_pt_with_pickled_code_is_refused(tmp_path):
         (
             {"x": np.ones((2, 2)), "y": np.full((2, 2, 2), -100, np.int64)},
             "y has no labelled position (every label is -100)",
-        ),
-        (
-            {"x": np.ones((2, 2, 2, 2, 2)), "y": np.zeros(2, np.int64)},
-            "expected (N, D) vectors or (N, C, H, W)",
         ),
         (
             {
