@@ -195,7 +195,9 @@ def model_outputs(model: nn.Module, x: torch.Tensor, source: str) -> torch.Tenso
     try:
         with torch.no_grad():
             out = model.eval()(x)
-    except (RuntimeError, ValueError, IndexError) as exc:
+    # TypeError/KeyError: a forward that indexes or calls what the data does not hold (a
+    # missing key of a dict batch, an argument the inputs do not give) is the data's misfit
+    except (RuntimeError, ValueError, IndexError, TypeError, KeyError) as exc:
         shape = tuple(x.shape[1:])
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise InputError(

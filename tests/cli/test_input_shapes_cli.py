@@ -262,3 +262,31 @@ def test_a_forward_that_takes_neither_style_is_refused(tmp_path, capsys, monkeyp
     save_file({"x1": x, "x2": x.clone(), "y": _labels(4)}, str(data))
     run = _run(capsys, "eigen", weights, data, "pair_neither", "--x-key", "x1,x2")
     assert_one_line_error(run, 2, "--x-key", "forward(a, b)", "x1, x2")
+
+
+ARRAY_FORWARD = """
+from torch import nn
+
+class WantsArrays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x.numpy())  # written for numpy inputs: torch raises a TypeError
+
+def build():
+    return WantsArrays()
+"""
+
+
+def test_a_forward_raising_type_error_on_the_data_is_a_data_error(tmp_path, capsys, monkeypatch):
+    """The model's TypeError on the samples is the data's misfit (exit 2 naming the file), not
+    an internal error of sharp (exit 4)."""
+    _, weights = _model(tmp_path, monkeypatch, "wants_arrays", ARRAY_FORWARD)
+    data = tmp_path / "arrays.npz"
+    np.savez(data, x=np.random.default_rng(0).normal(size=(8, 4)), y=np.arange(8) % 3)
+    run = run_cli(
+        capsys, "eigen", weights, "--model-factory", "wants_arrays:build", "--data", data
+    )  # fmt: skip
+    assert_one_line_error(run, 2, "arrays.npz", "do not fit the model")
