@@ -13,8 +13,8 @@ from __future__ import annotations
 from sharpcli import catalogue, memory
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
 from sharpcli.curvature.ggn_trace import GN_SPLIT
-from sharpcli.curvature.trace_exact import EXACT
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.trace_exact import EXACT
 from sharpcli.errors import UsageError
 
 __all__ = [

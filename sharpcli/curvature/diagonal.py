@@ -44,13 +44,13 @@ from torch import nn
 from sharpcli import progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
 from sharpcli.curvature.fisher import EMPIRICAL_FISHER, FISHER, FisherOperator, fisher_residuals
 from sharpcli.curvature.ggn_trace import CHUNK_BYTES, functional_logits, vmapped_or_looped
 from sharpcli.curvature.probes import mean_stderr, segment_sums
 from sharpcli.curvature.registry import GGN, HESSIAN, OperatorRequest
 from sharpcli.curvature.sampled_ggn import _per_sample_draws
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare

@@ -1,7 +1,7 @@
 """The trace estimator ``exact`` and the exact diagonals of every operator (H, G, N = H - G,
 the empirical Fisher, the sampled-label Fisher) against dense float64 matrices built from
 double backward and per-sample gradients of torch's own losses, on an MLP with cross-entropy
-and mse and on a conv net; H = G + N for the exact traces and diagonals; the unit-vector
+and mse, on a conv net and on a layer without a ghost-norm rule; H = G + N for the exact traces and diagonals; the unit-vector
 route's size limit."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_cnn, make_data, make_mlp
 from hessian_helpers import double_backward_hessian, jacobian_ggn
+from torch import nn
 
 from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import trace_result
@@ -23,10 +24,26 @@ OPERATORS = ("hessian", "ggn", "nme", "ef", "fisher")
 TORCH_LOSS = {"cross-entropy": F.cross_entropy, "mse": F.mse_loss}
 
 
+class _Head(nn.Module):
+    """A layer without a ghost-norm rule (its weight used by ``matmul``): the per-sample
+    Jacobian route of the outer-product traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 3, dtype=torch.float64) / 3)
+
+    def forward(self, h):
+        return torch.tanh(h) @ self.weight
+
+
 def _case(kind: str, loss: str, batch_size: int = 7):
     """The model, its data (23 samples, batches of 7: the last one short) and the pass."""
-    model = make_mlp("gelu") if kind == "mlp" else make_cnn()
-    x, y = make_data("vector" if kind == "mlp" else "image", n=23)
+    if kind == "custom":
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Linear(4, 6), _Head()).double().eval()
+    else:
+        model = make_mlp("gelu") if kind == "mlp" else make_cnn()
+    x, y = make_data("image" if kind == "cnn" else "vector", n=23)
     if loss == "mse":
         y = torch.randn(23, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     data = AnalysisData(x, y, loss, batch_size=batch_size)
@@ -79,7 +96,8 @@ def _layer_traces(matrix: torch.Tensor, scope) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "loss"), [("mlp", "cross-entropy"), ("mlp", "mse"), ("cnn", "cross-entropy")]
+    ("kind", "loss"),
+    [("mlp", "cross-entropy"), ("mlp", "mse"), ("cnn", "cross-entropy"), ("custom", "mse")],
 )
 def test_exact_traces_and_diagonals_equal_the_dense_matrices(kind, loss):
     model, x, y, cpass = _case(kind, loss)
@@ -151,3 +169,45 @@ def test_the_unit_vector_route_is_refused_past_its_limit(monkeypatch, operator):
         assert trace_result(cpass, cheap, estimator="exact").matvecs == 0
     monkeypatch.setattr(exact_module, "EXACT_MAX_PARAMS", P)
     assert trace_result(cpass, operator, estimator="exact").matvecs == P
+
+
+def test_the_library_gives_every_exact_trace_and_diagonal():
+    """``sharpcli.Curvature``: ``trace(op, estimator="exact")`` and ``diagonal(op, "exact")``
+    for every operator, on a torch loss module, equal the dense ones; per-layer blocks too."""
+    from sharpcli import Curvature
+
+    model, x, y, cpass = _case("cnn", "cross-entropy")
+    dense = _dense(model, x, y, "cross-entropy", cpass)
+    curvature = Curvature(model, torch.nn.CrossEntropyLoss(), (x, y), batch_size=7)
+    for operator in OPERATORS:
+        want = dense[operator]
+        result = curvature.trace(operator, estimator="exact")
+        assert result.estimate == pytest.approx(float(want.trace()), abs=1e-11), operator
+        diag = curvature.diagonal(operator, estimator="exact").diagonal
+        assert torch.allclose(diag, torch.diagonal(want), atol=1e-12, rtol=0), operator
+    blocks = curvature.trace("hessian", estimator="exact", blocks="conv=0.*,head=4.*")
+    prefix = {"conv": "0.", "head": "4."}
+    flat_diagonal = torch.diagonal(dense["hessian"])
+    layout = cpass.scope  # the model's parameters in order, as the dense matrices
+    assert [b["name"] for b in blocks] == list(prefix)
+    for block in blocks:
+        owned = [
+            flat_diagonal[a:b].sum()
+            for name, a, b in zip(layout.names, layout.offsets[:-1], layout.offsets[1:])
+            if name.startswith(prefix[block["name"]])
+        ]
+        assert block["estimate"] == pytest.approx(float(sum(owned)), abs=1e-11)
+
+
+def test_exact_fisher_trace_with_several_draws_is_the_operators_trace():
+    """S = 3 label draws per sample (the 1/S of the average in the directions): the
+    per-sample trace equals the trace of the operator's own products, e_j^T F e_j summed."""
+    from sharpcli.curvature.diagonal import exact_diagonal
+    from sharpcli.curvature.trace_exact import exact_fisher_trace
+
+    _, _, _, cpass = _case("mlp", "cross-entropy")
+    op = FisherOperator(cpass, samples=3, seed=4)
+    by_products = exact_diagonal(op, max_products=cpass.scope.numel).diagonal
+    result = exact_fisher_trace(op)
+    assert result.estimate == pytest.approx(float(by_products.sum()), abs=1e-12)
+    assert any("3 label draw(s)" in note for note in result.notes)
