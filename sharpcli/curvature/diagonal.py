@@ -136,13 +136,16 @@ def _check_finite(values: torch.Tensor, what: str) -> None:
         raise NumericalError(f"{what} is not finite")  # `what` names the diagonal
 
 
-def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:
+def exact_diagonal(
+    op, *, max_products: int, block: int = 32, instead: str = f"`estimator={HUTCHINSON}`"
+) -> DiagonalResult:
     """:math:`A_{jj} = (A e_j)_j`, one product per coordinate, ``block`` columns per pass.
 
     Args:
         op: a P x P curvature operator.
         max_products: the products allowed; P above it is refused.
         block: identity columns per product pass.
+        instead: the estimators the refusal names.
 
     Returns:
         The exact diagonal.
@@ -154,8 +157,7 @@ def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:
     if dim > max_products:
         raise UsageError(
             f"the exact diagonal needs {dim} products (one per parameter in scope) but "
-            f"`max_products` is {max_products}: raise it, narrow `params`, or use "
-            "`estimator=hutchinson`",
+            f"`max_products` is {max_products}: raise it, narrow `params`, or use {instead}",
             source="max_products",
         )
     out = torch.zeros(dim, dtype=torch.float64)
@@ -452,7 +454,8 @@ def hutchinson_estimate(request: DiagonalRequest) -> DiagonalResult:
     info={"operator": HESSIAN},
 )
 def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
-    """:func:`exact_diagonal` of any operator.
+    """:func:`exact_diagonal` of any operator; its refusal names ``per-sample`` too where that
+    gives the same diagonal without products (``ggn``, ``ef``, ``fisher``).
 
     Args:
         request: the operator and the products allowed.
@@ -460,7 +463,10 @@ def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The exact diagonal.
     """
-    return exact_diagonal(request.build(), max_products=request.max_products)
+    instead = f"`estimator={HUTCHINSON}`"
+    if request.operator in (GGN, EMPIRICAL_FISHER, FISHER):
+        instead += f" (or `estimator={PER_SAMPLE}`, exact without products)"
+    return exact_diagonal(request.build(), max_products=request.max_products, instead=instead)
 
 
 @declare(

@@ -118,3 +118,16 @@ def test_exact_route_of_p_products_is_refused_past_its_limit(tmp_path, capsys):
     for operator in ("ggn", "ef"):
         run = run_cli(capsys, "trace", path, "--operator", operator, "--estimator", "exact")
         assert run.code == 0, run.err
+
+
+def test_exact_diagonal_refusal_names_the_per_sample_route_where_it_exists(tiny, tmp_path, capsys):
+    path = tiny[0]
+    out = tmp_path / "d.safetensors"
+    for operator in ("ggn", "ef", "fisher"):
+        run = run_cli(capsys, "diagonal", path, "--operator", operator, "--estimator", "exact",
+                      "--max-products", "10", "--out", out)  # fmt: skip
+        assert_one_line_error(run, 2, "--max-products", "--estimator per-sample")
+    run = run_cli(capsys, "diagonal", path, "--estimator", "exact", "--max-products", "10",
+                  "--out", out)  # fmt: skip
+    assert_one_line_error(run, 2, "--estimator hutchinson")
+    assert "per-sample" not in run.err and not out.exists()

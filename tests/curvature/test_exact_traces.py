@@ -211,3 +211,41 @@ def test_exact_fisher_trace_with_several_draws_is_the_operators_trace():
     result = exact_fisher_trace(op)
     assert result.estimate == pytest.approx(float(by_products.sum()), abs=1e-12)
     assert any("3 label draw(s)" in note for note in result.notes)
+
+
+class _Tokens(nn.Module):
+    """Embedding -> tanh -> Linear: ``(B, T, V)`` logits for token cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(5, 4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embed(x)))
+
+
+@pytest.mark.parametrize("loss", ["token-cross-entropy", "binary-cross-entropy"])
+def test_exact_trace_is_the_sum_of_the_operators_own_diagonal(loss):
+    """For the losses whose per-sample reading differs (a sequence's weighted positions, -100
+    unlabelled; one logit per sample): each operator's exact trace is the sum of the diagonal
+    its own products give, e_j^T A e_j, so the per-sample routes use the products'
+    normalisation."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    if loss == "token-cross-entropy":
+        model = _Tokens().double().eval()
+        x, y = (
+            torch.randint(0, 5, (9, 6), generator=gen),
+            torch.randint(0, 5, (9, 6), generator=gen),
+        )
+        y[0, :3], y[3, 4:] = -100, -100
+    else:
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double().eval()
+        x = torch.randn(9, 4, dtype=torch.float64, generator=gen)
+        y = torch.randint(0, 2, (9,), generator=gen).double()
+    data = AnalysisData(x, y, loss, batch_size=4)
+    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
+    for operator in OPERATORS:
+        trace = trace_result(cpass, operator, estimator="exact").estimate
+        _, diag = diagonal_result(cpass, operator, estimator="exact")
+        assert trace == pytest.approx(float(diag.diagonal.sum()), abs=1e-12), operator
