@@ -103,11 +103,11 @@ def _ggn_directions(z: torch.Tensor, y: torch.Tensor, loss: str) -> list[torch.T
     return list(get_loss(loss).ggn_factor(z, y))
 
 
-def _jacobian_sums(model, scope, indices, x_b, S_b, per_param) -> None:
+def _jacobian_sums(model, scope, indices, x_b, columns, per_param) -> None:
     """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
     per-sample Jacobians (``vmap(jacrev)``, one backward pass per output entry and sample), in
-    memory-bounded chunks; ``S_b`` holds the batch's output directions, ``(B, columns,
-    outputs)``.
+    memory-bounded chunks; ``columns`` are the batch's output directions (each shaped like its
+    outputs), stacked a chunk at a time into ``S`` (``(rows, columns, outputs)``).
 
     Some layers have no vmap batching rule, or one that fails (``nn.LSTM``/``nn.GRU`` on CPU:
     ``mkldnn_rnn_layer`` breaks in its backward under vmap); a chunk where vmap raises is done
@@ -118,12 +118,14 @@ def _jacobian_sums(model, scope, indices, x_b, S_b, per_param) -> None:
     logits = functional_logits(model, [scope.names[i] for i in indices])
     jac = vmap(jacrev(logits), in_dims=(None, 0))
     params = tuple(scope.params[i].detach() for i in indices)
-    outputs = S_b.shape[2]  # C, or T x V for sequence outputs
+    outputs = columns[0][0].numel()  # C, or T x V for sequence outputs
     numel = sum(p.numel() for p in params)
-    rows = max(1, CHUNK_BYTES // max(1, outputs * numel * S_b.element_size()))
+    rows = max(1, CHUNK_BYTES // max(1, outputs * numel * columns[0].element_size()))
     vectorised = True
     for start in range(0, x_b.shape[0], rows):
-        x_c, S = x_b[start : start + rows], S_b[start : start + rows]
+        x_c = x_b[start : start + rows]
+        S = torch.stack([s[start : start + rows] for s in columns], dim=1)
+        S = S.reshape(S.shape[0], S.shape[1], outputs)  # (rows, columns, outputs)
         if vectorised:
             try:
                 with torch.no_grad(), warnings.catch_warnings():
@@ -253,8 +255,7 @@ def outer_product_trace(
             taps.accumulate(z_b, direction, per_param)
         rest = taps.uncovered
         if rest and columns:
-            S_b = torch.stack(columns, dim=1).reshape(z_b.shape[0], len(columns), -1)
-            _jacobian_sums(model, scope, rest, x_b, S_b, per_param)
+            _jacobian_sums(model, scope, rest, x_b, columns, per_param)
         del z_b, columns
         if not torch.isfinite(per_param).all():
             raise NumericalError(
