@@ -21,6 +21,7 @@ from sharpcli.atomic import write_bytes_atomic
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
 from sharpcli.errors import UsageError
 
 # the diagonal estimators, declared in sharpcli.curvature.diagonal (extensions too)
@@ -33,7 +34,7 @@ def diagonal_result(
     *,
     estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
     probes: int = 100,
-    max_products: int = 10000,
+    max_products: int = EXACT_MAX_PARAMS,
     seed: int = 0,
 ) -> tuple[str, DiagonalResult]:
     """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
@@ -43,7 +44,7 @@ def diagonal_result(
         operator: a registered operator; None: ``hessian`` for ``exact`` and ``hutchinson``,
             ``ggn`` for ``gnb`` and ``per-sample``.
         estimator: ``exact``, ``hutchinson``, ``gnb`` (``ggn`` only) or ``per-sample``
-            (``ggn`` and ``ef``).
+            (``ggn``, ``ef`` and ``fisher``).
         probes: Rademacher probes (``hutchinson``) or label draws (``gnb``).
         max_products: the products ``exact`` may spend (P of them), or the backward passes per
             sample ``per-sample`` may (the loss's output directions).
@@ -111,7 +112,7 @@ def diagonal(
     operator: str | None = None,
     estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
     probes: int = 100,
-    max_products: int = 10000,
+    max_products: int = EXACT_MAX_PARAMS,
     params: str | None = None,
     seed: int | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from sharpcli import catalogue, memory
 from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
-from sharpcli.curvature.ggn_trace import EXACT, GN_SPLIT
+from sharpcli.curvature.ggn_trace import GN_SPLIT
 from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.trace_exact import EXACT
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -28,7 +29,8 @@ HVP_METHODS = catalogue.HVP_METHODS
 FINITE_DIFFERENCE = catalogue.FINITE_DIFFERENCE
 # an error bound above this fraction of the largest product says the products are not H
 ROUGH = 1e-2
-# estimators that need the Gauss-Newton products (tr(G) exact, then tr(N) by probes)
+# estimators that need the exact products: gn-split the Gauss-Newton ones (tr(G) exact, then
+# tr(N) by probes), exact double-backward ones (a finite-difference product is not exact)
 _GGN_ESTIMATORS = (GN_SPLIT, EXACT)
 
 
@@ -70,7 +72,8 @@ def check_hvp(
         )
     if estimator in _GGN_ESTIMATORS:
         raise UsageError(
-            f"`estimator={estimator}` needs the Gauss-Newton products of `hvp=exact`",
+            f"`estimator={estimator}` needs the double-backward and Gauss-Newton products of "
+            "`hvp=exact`",
             source="hvp",
         )
     if engine != "native":

@@ -323,8 +323,9 @@ def trace_result(
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
     :meth:`sharpcli.api.Curvature.trace`: the registered trace estimator ``estimator``
     (:mod:`sharpcli.curvature.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
-    [Hutchinson1989], ``exact`` (the Gauss-Newton trace), ``gn-split`` (tr(H) as exact tr(G)
-    plus an estimated tr(N)), or an extension) on the registered operator ``operator``.
+    [Hutchinson1989], ``exact`` (every operator by its cheapest exact route,
+    :mod:`sharpcli.curvature.trace_exact`), ``gn-split`` (tr(H) as exact tr(G) plus an estimated
+    tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
         cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.

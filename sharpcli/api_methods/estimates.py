@@ -126,8 +126,11 @@ class CurvatureEstimates(CurvatureProducts):
         Args:
             operator: ``"hessian"``, ``"ggn"``, ``"nme"`` or any registered operator.
             estimator: ``"hutchpp"`` ([Hutch++]), ``"hutchinson"`` ([Hutchinson1989]),
-                ``"exact"`` (the Gauss-Newton trace, ``operator="ggn"``, C backward passes
-                per batch) or ``"gn-split"`` (tr(H) as exact tr(G) plus an estimated tr(N)).
+                ``"exact"`` (any operator: per-sample squared gradient norms for ``ggn``,
+                ``ef`` and ``fisher``; ``tr(H) - tr(G)`` for ``nme``; one product per
+                parameter for the Hessian, other operators and ``square``, refused above
+                :data:`~sharpcli.curvature.trace_exact.EXACT_MAX_PARAMS` parameters) or
+                ``"gn-split"`` (tr(H) as exact tr(G) plus an estimated tr(N)).
             square: Estimate ``Tr(A^2)`` instead of ``tr(A)``.
             tol: The relative standard error wanted.
             max_matvecs: The most products.
@@ -172,7 +175,8 @@ class CurvatureEstimates(CurvatureProducts):
             estimator: ``"hutchinson"`` (mean of :math:`v \odot A v` over Rademacher probes,
                 [Bekas2007]), ``"exact"`` (one product per parameter), ``"gnb"`` (Sophia's
                 Gauss-Newton-Bartlett estimator of diag(G), [Sophia]) or ``"per-sample"``
-                (the exact ggn diagonal as BackPACK's DiagGGN, [BackPACK], or the ef's).
+                (the exact ggn diagonal as BackPACK's DiagGGN, [BackPACK], the ef's or the
+                fisher's at its own label draws).
             probes: Rademacher probes or label draws (at least 2).
             max_products: the products ``exact`` may spend, or the backward passes per sample
                 ``per-sample`` may.

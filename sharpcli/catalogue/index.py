@@ -61,13 +61,13 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('hutchinson', 'mean of v * (A v) over Rademacher probes, per-entry standard errors', 'sharpcli.curvature.diagonal:hutchinson_estimate', paper='Bekas2007', info={'default': True, 'operator': 'hessian'}),
         Entry('exact', '(A e_j)_j, one product per parameter (small scopes)', 'sharpcli.curvature.diagonal:exact_estimate', info={'operator': 'hessian'}),
         Entry('gnb', "Sophia's Gauss-Newton-Bartlett B g^2 at sampled labels (ggn)", 'sharpcli.curvature.diagonal:gnb_estimate', paper='Sophia', info={'operator': 'ggn', 'accepts': ('ggn',)}),
-        Entry('per-sample', 'squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal', 'sharpcli.curvature.diagonal:per_sample_estimate', paper='BackPACK', info={'operator': 'ggn', 'accepts': ('ggn', 'ef')}),
+        Entry('per-sample', 'squared per-sample gradients: exact ggn (DiagGGN), ef or fisher diagonal', 'sharpcli.curvature.diagonal:per_sample_estimate', paper='BackPACK', info={'operator': 'ggn', 'accepts': ('ggn', 'ef', 'fisher')}),
     ),
     'estimator': (
         Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True}),
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
-        Entry('exact', 'tr(G) exactly (small models)', 'sharpcli.curvature.ggn_trace:exact_trace'),
+        Entry('exact', 'any operator exactly: per-sample norms (ggn, ef, fisher), else one product per parameter (small models)', 'sharpcli.curvature.trace_exact:exact_trace'),
     ),
     'loss': (
         Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),

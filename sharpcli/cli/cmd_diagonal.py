@@ -60,7 +60,7 @@ def diagonal_command(
             "--estimator",
             help="hutchinson (Rademacher probes, per-entry standard errors), exact (one "
             "product per parameter), gnb (Sophia's Gauss-Newton-Bartlett, sampled labels) or "
-            "per-sample (exact ggn or ef diagonal from per-sample gradients).",
+            "per-sample (exact ggn, ef or fisher diagonal from per-sample gradients).",
         ),
     ] = catalogue.DIAGONAL_ESTIMATORS.names()[0],
     probes: Annotated[

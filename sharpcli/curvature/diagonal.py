@@ -21,8 +21,10 @@ Four estimators of :math:`\mathrm{diag}(A)` for a P x P curvature matrix of the 
   (:func:`~sharpcli.curvature.fisher.fisher_residuals`).
 - :func:`per_sample_diagonal`: exact :math:`\mathrm{diag}(G) = \frac1N \sum_i \sum_c
   (J_i^\top s_{ic})^{\odot 2}` from the loss's factor :math:`H_z = \sum_c s_c s_c^\top`
-  (BackPACK's DiagGGN, [BackPACK]), C per-sample backward passes; and the empirical Fisher's
-  :math:`\mathrm{diag}(F_{\mathrm{emp}}) = \frac1N \sum_i g_i^{\odot 2}`, one.
+  (BackPACK's DiagGGN, [BackPACK]), C per-sample backward passes; the empirical Fisher's
+  :math:`\mathrm{diag}(F_{\mathrm{emp}}) = \frac1N \sum_i g_i^{\odot 2}`, one; and the
+  sampled-label Fisher's :math:`\frac1{NS} \sum_i \sum_s (J_i^\top \hat r_{is})^{\odot 2}`
+  at the operator's own label draws, S.
 
 Each is declared here as a diagonal estimator of ``sharp diagonal --estimator NAME``
 (:func:`sharpcli.registry.declare`, kind ``"diagonal estimator"``): a function of a
@@ -33,6 +35,7 @@ those it accepts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +44,13 @@ from torch import nn
 from sharpcli import progress
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.fisher import EMPIRICAL_FISHER, fisher_residuals
+from sharpcli.curvature.fisher import EMPIRICAL_FISHER, FISHER, FisherOperator, fisher_residuals
 from sharpcli.curvature.ggn_trace import CHUNK_BYTES, functional_logits, vmapped_or_looped
 from sharpcli.curvature.probes import mean_stderr, segment_sums
 from sharpcli.curvature.registry import GGN, HESSIAN, OperatorRequest
 from sharpcli.curvature.sampled_ggn import _per_sample_draws
 from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare
@@ -132,13 +136,16 @@ def _check_finite(values: torch.Tensor, what: str) -> None:
         raise NumericalError(f"{what} is not finite")  # `what` names the diagonal
 
 
-def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:
+def exact_diagonal(
+    op, *, max_products: int, block: int = 32, instead: str = f"`estimator={HUTCHINSON}`"
+) -> DiagonalResult:
     """:math:`A_{jj} = (A e_j)_j`, one product per coordinate, ``block`` columns per pass.
 
     Args:
         op: a P x P curvature operator.
         max_products: the products allowed; P above it is refused.
         block: identity columns per product pass.
+        instead: the estimators the refusal names.
 
     Returns:
         The exact diagonal.
@@ -150,8 +157,7 @@ def exact_diagonal(op, *, max_products: int, block: int = 32) -> DiagonalResult:
     if dim > max_products:
         raise UsageError(
             f"the exact diagonal needs {dim} products (one per parameter in scope) but "
-            f"`max_products` is {max_products}: raise it, narrow `params`, or use "
-            "`estimator=hutchinson`",
+            f"`max_products` is {max_products}: raise it, narrow `params`, or use {instead}",
             source="max_products",
         )
     out = torch.zeros(dim, dtype=torch.float64)
@@ -301,10 +307,16 @@ def gnb_diagonal(
 
 @twice_differentiable()
 def per_sample_diagonal(
-    model: nn.Module, data: AnalysisData, scope: ParamScope, *, operator: str, max_products: int
+    model: nn.Module,
+    data: AnalysisData,
+    scope: ParamScope,
+    *,
+    operator: str,
+    max_products: int,
+    fisher: FisherOperator | None = None,
 ) -> DiagonalResult:
-    r"""Exact ``diag(G)`` (BackPACK's DiagGGN, [BackPACK]) or ``diag(F_emp)`` from per-sample
-    gradients.
+    r"""Exact ``diag(G)`` (BackPACK's DiagGGN, [BackPACK]), ``diag(F_emp)`` or ``diag(F)`` from
+    per-sample gradients.
 
     .. math::
 
@@ -312,15 +324,19 @@ def per_sample_diagonal(
         \mathrm{diag}(F_{\mathrm{emp}}) = \frac1N \sum_i (J_i^\top r_i)^{\odot 2}
 
     with :math:`H_{z,i} = \sum_c s_{ic} s_{ic}^\top` the loss's factor and :math:`r_i` the
-    per-sample loss's output gradient; each :math:`J_i^\top s` is a per-sample gradient
+    per-sample loss's output gradient; for the sampled-label Fisher ``fisher`` the directions
+    are :math:`\hat r_{is} / \sqrt S`, the output gradients at its S label draws per sample
+    (:meth:`~sharpcli.curvature.fisher.FisherOperator.labels`), so the diagonal is that of the
+    matrix whose products the operator takes. Each :math:`J_i^\top s` is a per-sample gradient
     (``vmap(grad)``, per sample when vmap fails).
 
     Args:
         model: the model.
         data: the analysis set.
         scope: the parameters.
-        operator: ``ggn`` or ``ef``.
+        operator: ``ggn``, ``ef`` or ``fisher``.
         max_products: the factor's columns per sample allowed (backward passes per sample).
+        fisher: the Fisher operator whose label draws to use (``operator="fisher"``).
 
     Returns:
         The exact diagonal.
@@ -330,9 +346,11 @@ def per_sample_diagonal(
     """
     from torch.func import grad
 
-    if operator not in (GGN, EMPIRICAL_FISHER):
+    if operator not in (GGN, EMPIRICAL_FISHER, FISHER) or (operator == FISHER) != (
+        fisher is not None
+    ):
         raise UsageError(
-            f"the per-sample estimator gives the ggn and ef diagonals, not {operator!r}",
+            f"the per-sample estimator gives the ggn, ef and fisher diagonals, not {operator!r}",
             source="operator",
         )
     loss = get_loss(data.loss)
@@ -355,6 +373,12 @@ def per_sample_diagonal(
             leaf = z.detach().requires_grad_(True)
             with torch.enable_grad():
                 columns = list(torch.autograd.grad(loss.per_sample(leaf, y_b).sum(), leaf))
+        elif fisher is not None:
+            scale = 1.0 / math.sqrt(fisher.samples)
+            columns = [
+                fisher_residuals(data.loss, z, labels, y_b) * scale
+                for labels in fisher.labels(index, z)
+            ]
         else:
             columns = list(loss.ggn_factor(z, y_b))
         columns_seen = max(columns_seen, len(columns))
@@ -380,7 +404,9 @@ def per_sample_diagonal(
     diagonal = total.cpu() / data.num_samples
     _check_finite(diagonal, f"the per-sample {operator} diagonal")
     run.finish(data.num_batches)
-    what = "DiagGGN" if operator == GGN else "squared per-sample gradients"
+    what = {GGN: "DiagGGN", FISHER: f"{fisher.samples if fisher else 0} label draw(s)"}.get(
+        operator, "squared per-sample gradients"
+    )
     note = f"exact {operator} diagonal ({what}), {columns_seen} backward pass(es) per sample"
     return DiagonalResult(diagonal, None, None, PER_SAMPLE, notes=[note])
 
@@ -397,7 +423,7 @@ class DiagonalRequest(OperatorRequest):
     """
 
     probes: int = 100
-    max_products: int = 10000
+    max_products: int = EXACT_MAX_PARAMS
     seed: int = 0
 
 
@@ -428,7 +454,8 @@ def hutchinson_estimate(request: DiagonalRequest) -> DiagonalResult:
     info={"operator": HESSIAN},
 )
 def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
-    """:func:`exact_diagonal` of any operator.
+    """:func:`exact_diagonal` of any operator; its refusal names ``per-sample`` too where that
+    gives the same diagonal without products (``ggn``, ``ef``, ``fisher``).
 
     Args:
         request: the operator and the products allowed.
@@ -436,7 +463,10 @@ def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The exact diagonal.
     """
-    return exact_diagonal(request.build(), max_products=request.max_products)
+    instead = f"`estimator={HUTCHINSON}`"
+    if request.operator in (GGN, EMPIRICAL_FISHER, FISHER):
+        instead += f" (or `estimator={PER_SAMPLE}`, exact without products)"
+    return exact_diagonal(request.build(), max_products=request.max_products, instead=instead)
 
 
 @declare(
@@ -464,12 +494,13 @@ def gnb_estimate(request: DiagonalRequest) -> DiagonalResult:
 @declare(
     "diagonal estimator",
     PER_SAMPLE,
-    "squared per-sample gradients: exact ggn (DiagGGN) or ef diagonal",
+    "squared per-sample gradients: exact ggn (DiagGGN), ef or fisher diagonal",
     paper="BackPACK",
-    info={"operator": GGN, "accepts": (GGN, EMPIRICAL_FISHER)},
+    info={"operator": GGN, "accepts": (GGN, EMPIRICAL_FISHER, FISHER)},
 )
 def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
-    """:func:`per_sample_diagonal`: the exact ``diag(G)`` or ``diag(F_emp)``.
+    """:func:`per_sample_diagonal`: the exact ``diag(G)``, ``diag(F_emp)`` or ``diag(F)`` (the
+    sampled-label Fisher at the operator's own draws).
 
     Args:
         request: the pass, the operator and the backward passes allowed per sample.
@@ -478,6 +509,21 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
         The exact diagonal.
     """
     cpass, r = request.curvature_pass, request
+    fisher = None
+    if r.operator == FISHER:
+        op = r.build()
+        if not isinstance(op, FisherOperator):
+            raise UsageError(
+                f"the per-sample estimator needs sharp's own {FISHER} operator, not an extension "
+                "registered under its name",
+                source="operator",
+            )
+        fisher = op
     return per_sample_diagonal(
-        cpass.model, cpass.data, cpass.scope, operator=r.operator, max_products=r.max_products
+        cpass.model,
+        cpass.data,
+        cpass.scope,
+        operator=r.operator,
+        max_products=r.max_products,
+        fisher=fisher,
     )

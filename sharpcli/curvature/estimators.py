@@ -6,8 +6,8 @@ registered operator to estimate (``request.build()`` makes it), whether ``Tr(A^2
 instead of ``tr(A)``, and the budget (``tol``, ``max_matvecs``, ``seed``). Each is declared with
 :func:`sharpcli.registry.declare` (kind ``"estimator"``) beside its implementation:
 ``hutchpp`` (the default) in :mod:`sharpcli.curvature.hutchpp`, ``hutchinson`` in
-:mod:`sharpcli.curvature.trace`, ``gn-split`` and ``exact`` in
-:mod:`sharpcli.curvature.ggn_trace`. ``python -m sharpcli.catalogue.generate`` writes the
+:mod:`sharpcli.curvature.trace`, ``gn-split`` in :mod:`sharpcli.curvature.ggn_trace`,
+``exact`` in :mod:`sharpcli.curvature.trace_exact`. ``python -m sharpcli.catalogue.generate`` writes the
 declarations into the catalogue's index, and :data:`ESTIMATORS` (the catalogue's registry)
 imports an estimator when it is first asked for, so ``sharp trace --estimator NAME`` and
 :meth:`sharpcli.api.Curvature.trace` reach a built-in and an extension (``ESTIMATORS.add(fn)``)

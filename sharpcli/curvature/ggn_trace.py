@@ -12,26 +12,29 @@ each term a per-sample squared gradient norm, summed per parameter and so per la
 (:func:`exact_ggn_trace`: C backward passes per batch). :func:`gn_split_trace` adds Hutch++
 on the NME :math:`N = H - G` to that exact part. The helpers for per-sample functional calls
 (:func:`functional_logits`, :func:`vmapped_or_looped`) serve the sampled-label estimator of
-:mod:`sharpcli.curvature.sampled_ggn` too. :func:`gn_split` and :func:`exact_trace` are the
-trace estimators ``gn-split`` and ``exact`` of ``sharp trace --estimator``
-(:mod:`sharpcli.curvature.estimators`), declared here.
+:mod:`sharpcli.curvature.sampled_ggn` too. :func:`gn_split` is the trace estimator ``gn-split``
+of ``sharp trace --estimator`` (:mod:`sharpcli.curvature.estimators`), declared here; the
+estimator ``exact`` (:mod:`sharpcli.curvature.trace_exact`) takes :func:`exact_ggn_trace` for G and
+:func:`outer_product_trace` for the Fisher matrices.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from sharpcli import progress
+from sharpcli.catalogue import GGN_EXACT
 from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.differentiable import twice_differentiable
 from sharpcli.curvature.hutchpp import hutchpp
 from sharpcli.curvature.persample import LayerTaps
 from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.registry import GGN, HESSIAN
+from sharpcli.curvature.registry import HESSIAN
 from sharpcli.curvature.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
@@ -42,21 +45,19 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK_BYTES",
-    "EXACT",
     "GN_SPLIT",
     "exact_ggn_trace",
-    "exact_trace",
     "gn_split",
     "functional_logits",
     "gn_split_trace",
+    "outer_product_trace",
     "param_to_layer",
     "vmapped_or_looped",
 ]
 
-# the trace estimators' names (``--estimator``), declared by :func:`gn_split` and
-# :func:`exact_trace`; the labels of the results of :func:`gn_split_trace` and
-# :func:`exact_ggn_trace`
-GN_SPLIT, EXACT = "gn-split", "exact"
+# the trace estimator's name (``--estimator``), declared by :func:`gn_split`; the label of the
+# results of :func:`gn_split_trace`
+GN_SPLIT = "gn-split"
 
 CHUNK_BYTES = 64 << 20  # memory for one chunk of per-sample Jacobians / gradients
 
@@ -102,27 +103,29 @@ def _ggn_directions(z: torch.Tensor, y: torch.Tensor, loss: str) -> list[torch.T
     return list(get_loss(loss).ggn_factor(z, y))
 
 
-def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) -> None:
+def _jacobian_sums(model, scope, indices, x_b, columns, per_param) -> None:
     """``per_param[i] += sum_b ||S_b^T J_b,i||_F^2`` for the scope parameters ``indices``, from
-    per-sample Jacobians (``vmap(jacrev)``, C backward passes per sample), in memory-bounded chunks.
+    per-sample Jacobians (``vmap(jacrev)``, one backward pass per output entry and sample), in
+    memory-bounded chunks; ``columns`` are the batch's output directions (each shaped like its
+    outputs), stacked a chunk at a time into ``S`` (``(rows, columns, outputs)``).
 
     Some layers have no vmap batching rule, or one that fails (``nn.LSTM``/``nn.GRU`` on CPU:
     ``mkldnn_rnn_layer`` breaks in its backward under vmap); a chunk where vmap raises is done
-    by :func:`_looped_ggn_sums` instead, one sample at a time, and so is the rest of the batch.
+    by :func:`_looped_sums` instead, one sample at a time, and so is the rest of the batch.
     """
     from torch.func import jacrev, vmap
 
     logits = functional_logits(model, [scope.names[i] for i in indices])
     jac = vmap(jacrev(logits), in_dims=(None, 0))
     params = tuple(scope.params[i].detach() for i in indices)
-    outputs = z_b[0].numel()  # C, or T x V for sequence outputs
+    outputs = columns[0][0].numel()  # C, or T x V for sequence outputs
     numel = sum(p.numel() for p in params)
-    rows = max(1, CHUNK_BYTES // max(1, outputs * numel * z_b.element_size()))
+    rows = max(1, CHUNK_BYTES // max(1, outputs * numel * columns[0].element_size()))
     vectorised = True
     for start in range(0, x_b.shape[0], rows):
-        x_c, z_c = x_b[start : start + rows], z_b[start : start + rows]
-        S = torch.stack(_ggn_directions(z_c, y_b[start : start + rows], loss), dim=1)
-        S = S.reshape(S.shape[0], S.shape[1], outputs)  # (B, columns, outputs)
+        x_c = x_b[start : start + rows]
+        S = torch.stack([s[start : start + rows] for s in columns], dim=1)
+        S = S.reshape(S.shape[0], S.shape[1], outputs)  # (rows, columns, outputs)
         if vectorised:
             try:
                 with torch.no_grad(), warnings.catch_warnings():
@@ -133,7 +136,7 @@ def _jacobian_ggn_sums(model, scope, indices, x_b, z_b, y_b, loss, per_param) ->
             except RuntimeError:
                 vectorised = False
         if not vectorised:
-            _looped_ggn_sums(model, scope, indices, x_c, S, per_param)
+            _looped_sums(model, scope, indices, x_c, S, per_param)
             continue
         for i, Ji in zip(indices, J):  # Ji: (B, C, *shape)
             M = S @ Ji.reshape(Ji.shape[0], outputs, -1)  # rows s^T J
@@ -167,8 +170,8 @@ def vmapped_or_looped(fn, in_dims: tuple):
     return call
 
 
-def _looped_ggn_sums(model, scope, indices, x_c, S, per_param) -> None:
-    """:func:`_jacobian_ggn_sums` for one chunk without vmap: per sample one forward pass and,
+def _looped_sums(model, scope, indices, x_c, S, per_param) -> None:
+    """:func:`_jacobian_sums` for one chunk without vmap: per sample one forward pass and,
     per column ``s`` of ``S`` (``(B, columns, outputs)``), one backward pass of ``<s, z>``
     giving ``J^T s``, whose squared norm is summed per parameter."""
     params = [scope.params[i] for i in indices]
@@ -184,6 +187,100 @@ def _looped_ggn_sums(model, scope, indices, x_c, S, per_param) -> None:
                         per_param[i] += (g * g).sum().to(torch.float64)
 
 
+# ``directions(batch_index, z_b, y_b) -> [s_c]``: output directions of a batch, each shaped like
+# its outputs ``z_b``, with the operator's per-sample output factor ``sum_c s_c s_c^T``
+Directions = Callable[[int, torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+
+
+def outer_product_trace(
+    model: nn.Module,
+    data: AnalysisData,
+    scope: ParamScope,
+    directions: Directions,
+    *,
+    symbol: str,
+    what: str,
+    source: str,
+    estimator: str,
+) -> TraceResult:
+    r"""The exact trace of :math:`A = \frac1N \sum_i J_i^\top \big(\sum_c s_{ic}
+    s_{ic}^\top\big) J_i`, with per-layer traces:
+
+    .. math::
+
+        \mathrm{tr}(A) = \frac1N \sum_i \sum_c \lVert J_i^\top s_{ic} \rVert^2,
+
+    each term a per-sample squared gradient norm (of :math:`\langle s_{ic}, z_i \rangle`),
+    summed per parameter and so per layer. For ``nn.Linear``, ``nn.Conv2d`` and eval-mode
+    BatchNorm layers it comes from one backward pass per direction and batch to the layers'
+    outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no per-sample gradients
+    formed, [Goodfellow2015]); any other parameter (custom layers, shared weights) from
+    per-sample Jacobians (``vmap(jacrev)``). The Gauss-Newton matrix, the empirical Fisher and
+    the sampled-label Fisher are all of this form (:func:`exact_ggn_trace`,
+    :mod:`sharpcli.curvature.trace_exact`).
+
+    Args:
+        model: the model.
+        data: the analysis set.
+        scope: the parameters.
+        directions: the output directions ``s_c`` of each batch (``Directions``).
+        symbol: the operator's letter in the progress line (``"G"``).
+        what: the operator in the progress line and the notes (``"Gauss-Newton"``).
+        source: the error's ``source`` if the trace is not finite.
+        estimator: the result's label.
+
+    Returns:
+        A :class:`TraceResult` with ``stderr`` 0 (exact), ``samples`` N and the per-layer traces.
+
+    Raises:
+        NumericalError: a batch's sums are not finite.
+    """
+
+    layer_of = param_to_layer(scope)
+    blocks = scope.blocks()
+    per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
+    taps = LayerTaps(model, scope)
+    N = data.num_samples
+    run = progress.start(
+        f"exact tr({symbol})", total=data.num_batches, unit="batches", quantity="tr"
+    )
+    for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
+        run.update(batch_index)
+        x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
+        with torch.enable_grad(), taps:
+            z_b = model(x_b)
+        taps.resolve(z_b)
+        columns = [s.to(z_b.dtype) for s in directions(batch_index, z_b.detach(), y_b)]
+        for direction in columns:
+            taps.accumulate(z_b, direction, per_param)
+        rest = taps.uncovered
+        if rest and columns:
+            _jacobian_sums(model, scope, rest, x_b, columns, per_param)
+        del z_b, columns
+        if not torch.isfinite(per_param).all():
+            raise NumericalError(
+                f"exact {what} trace is not finite on batch {batch_index}", source=source
+            )
+    all_reduce_sum(per_param)
+    per_param /= N
+    per_layer = torch.zeros(len(blocks), dtype=torch.float64)
+    for i, j in enumerate(layer_of):
+        per_layer[j] += float(per_param[i])
+    run.finish(data.num_batches, estimate=float(per_param.sum()), stderr=0.0)
+    return TraceResult(
+        estimate=float(per_param.sum()),
+        stderr=0.0,
+        matvecs=0,
+        samples=N,
+        estimator=estimator,
+        converged=True,
+        by_layer={
+            name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)
+        },
+        notes=[f"exact {what} trace over {N} samples ({data.loss})"],
+    )
+
+
 @twice_differentiable()
 def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> TraceResult:
     r"""The exact Gauss-Newton trace with per-layer traces.
@@ -197,11 +294,8 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
 
     and for cross-entropy ``J^T s_c = sqrt(p_c) grad_theta l(z, c)``, so this is
     ``sum_c p_c ||grad_theta l(z, c)||^2``, the exact expectation of NME eq. 20.
-    Each ``||J_i^T s_c||^2`` is a per-sample squared gradient norm: for ``nn.Linear``,
-    ``nn.Conv2d`` and eval-mode BatchNorm layers it comes from one backward pass per class and
-    batch to the layers' outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no
-    per-sample gradients formed); any other parameter (custom layers, shared weights) from
-    per-sample Jacobians (``vmap(jacrev)``).
+    Each ``||J_i^T s_c||^2`` is a per-sample squared gradient norm
+    (:func:`outer_product_trace`: one backward pass per class and batch).
 
     Args:
         model: the model.
@@ -209,48 +303,22 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
         scope: the parameters.
 
     Returns:
-        A :class:`TraceResult` with ``stderr`` 0 (exact) and the per-layer traces.
+        A :class:`TraceResult` with ``stderr`` 0 (exact) and the per-layer traces, labelled as
+        the exact estimator of tr(G) (``sharp gn-nme --ggn-estimator exact``).
     """
 
-    layer_of = param_to_layer(scope)
-    blocks = scope.blocks()
-    per_param = torch.zeros(len(scope.params), dtype=torch.float64, device=scope.device)
-    taps = LayerTaps(model, scope)
-    N = data.num_samples
-    run = progress.start("exact tr(G)", total=data.num_batches, unit="batches", quantity="tr")
-    for batch_index, (x_b, y_b, _) in enumerate(data.batches()):
-        run.update(batch_index)
-        x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
-        with torch.enable_grad(), taps:
-            z_b = model(x_b)
-        taps.resolve(z_b)
-        for direction in _ggn_directions(z_b, y_b, data.loss):
-            taps.accumulate(z_b, direction, per_param)
-        rest = taps.uncovered
-        if rest:
-            _jacobian_ggn_sums(model, scope, rest, x_b, z_b.detach(), y_b, data.loss, per_param)
-        del z_b
-        if not torch.isfinite(per_param).all():
-            raise NumericalError(
-                f"exact GGN trace is not finite on batch {batch_index}", source="Gauss-Newton"
-            )
-    all_reduce_sum(per_param)
-    per_param /= N
-    per_layer = torch.zeros(len(blocks), dtype=torch.float64)
-    for i, j in enumerate(layer_of):
-        per_layer[j] += float(per_param[i])
-    run.finish(data.num_batches, estimate=float(per_param.sum()), stderr=0.0)
-    return TraceResult(
-        estimate=float(per_param.sum()),
-        stderr=0.0,
-        matvecs=0,
-        samples=N,
-        estimator=EXACT,
-        converged=True,
-        by_layer={
-            name: {"estimate": float(per_layer[j]), "stderr": 0.0} for j, name in enumerate(blocks)
-        },
-        notes=[f"exact Gauss-Newton trace over {N} samples ({data.loss})"],
+    def directions(index: int, z_b: torch.Tensor, y_b: torch.Tensor) -> list[torch.Tensor]:
+        return _ggn_directions(z_b, y_b, data.loss)
+
+    return outer_product_trace(
+        model,
+        data,
+        scope,
+        directions,
+        symbol="G",
+        what="Gauss-Newton",
+        source="Gauss-Newton",
+        estimator=GGN_EXACT,
     )
 
 
@@ -335,21 +403,3 @@ def gn_split(request: TraceRequest) -> TraceResult:
     _require(request, HESSIAN, f"the {GN_SPLIT} estimator is for the Hessian trace")
     r = request
     return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
-
-
-@declare("estimator", EXACT, "tr(G) exactly (small models)")
-def exact_trace(request: TraceRequest) -> TraceResult:
-    """The exact Gauss-Newton trace, C backward passes per batch (:func:`exact_ggn_trace`).
-
-    Args:
-        request: the operator and the budget (:class:`~sharpcli.curvature.estimators.TraceRequest`).
-
-    Returns:
-        The trace, with zero standard error.
-
-    Raises:
-        UsageError: another operator, or ``square``.
-    """
-    _require(request, GGN, f"the {EXACT} estimator is for the Gauss-Newton trace")
-    cpass = request.curvature_pass
-    return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
