@@ -50,13 +50,15 @@ from sharpcli.io.in_memory import (
     CollectedData,
     apply_ignore_index,
     collect_data,
+    loss_spec,
     model_on_data,
     refuse_unshifted_labels,
     resolve_loss,
     to_device,
     token_reduction_of,
 )
-from sharpcli.io.loss_readings import check_loss_value
+from sharpcli.io.loss_options import configure_loss, reference
+from sharpcli.io.loss_readings import LossReading, check_loss_value
 from sharpcli.losses import get_loss
 from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
@@ -240,6 +242,10 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         collected = apply_ignore_index(collected, name, ignore_index)
         if not reading.reshapes:
             refuse_unshifted_labels(collected, name)
+        # torch's options (reduction, weight, label_smoothing, ...) over the whole set
+        spec = loss_spec(loss)
+        name = configure_loss(spec, name, collected.y)
+        reading = self.loss_reading = LossReading(name, reading.layout)
         few = collected.y[: min(2, collected.num_samples)].to(logits.device)
         probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
@@ -250,6 +256,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             raise UsageError(f"{problem} (loss {name})", source="data")
         if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
             check_loss_value(loss, reading, logits, head, ignore_index)
+        elif reference(spec) is not None:  # a spec with options: torch's module for it
+            check_loss_value(reference(spec), reading, logits, head, ignore_index, spec.text)
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 
