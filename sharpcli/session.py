@@ -24,6 +24,7 @@ from sharpcli.curvature.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
+from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
 from sharpcli.losses import (
     CROSS_ENTROPY,
@@ -180,7 +181,8 @@ def _analysis_loss(
     """
 
     out = model_outputs(model, x, dataset.source)
-    name = loss or stored
+    spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
+    name = spec.name if spec is not None else stored
     if name is None:
         many = dataset.task != "regression" and out.ndim >= 3
         name = CROSS_ENTROPY if many else infer_loss(dataset.task, out, y)
@@ -201,11 +203,16 @@ def _analysis_loss(
         if err.source != "data":
             raise
         raise mismatch(err.message) from None
+    torch_loss = reference(spec) or reference_loss(reading)
+    # torch's options over the whole set (sharpcli.io.loss_options)
+    configured = configure_loss(spec or LossSpec(name), reading.name, reading.labels(y))
+    reading = LossReading(configured, reading.layout)
     problem = get_loss(reading.name).check(reading.outputs(out[:1]), reading.labels(y))
     if problem:
         raise mismatch(problem)
     ignore = IGNORE_INDEX if get_loss(reading.name).softmax else None
-    check_loss_value(reference_loss(reading), reading, out, head, ignore, f"torch's {name}")
+    label = f"torch's {spec.text if spec is not None else name}"
+    check_loss_value(torch_loss, reading, out, head, ignore, label)
     return reading, tuple(out.shape)
 
 
@@ -254,8 +261,13 @@ def build_session(
     if cache_mb is not None and cache_mb < 0:
         raise UsageError("must be >= 0", source="cache_mb")
     check_seed(seed)
-    if loss is not None:
-        get_loss(loss)  # an unknown name, listing the accepted ones, before anything loads
+    if loss is not None:  # an unknown name or option, listing the accepted, before anything loads
+        if parse_loss_spec(loss).get("ignore_index") != IGNORE_INDEX:
+            raise UsageError(
+                "ignore_index is the library's (nn.CrossEntropyLoss(ignore_index=...)); in a "
+                f"data file label the ignored samples or positions {IGNORE_INDEX}",
+                source="loss",
+            )
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     # the run's memory plan (sharpcli.memory): estimators size themselves from it

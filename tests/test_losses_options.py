@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hessian_helpers import double_backward_hessian, jacobian_ggn
 from torch import nn
 

@@ -561,7 +561,10 @@ def configure_loss(spec: LossSpec, reading_name: str, y: torch.Tensor) -> str:
     softmax = reading_name in (CROSS_ENTROPY, TOKEN_CROSS_ENTROPY, NLL)
     soft = softmax and y.is_floating_point()
     nll_per_position = spec.name == NLL and reading_name == TOKEN_CROSS_ENTROPY
-    if not options.options and not soft and not nll_per_position:
+    # per-sample labels -100 (a data file's ignored samples): the mean over the others
+    ignored = softmax and not soft and reading_name != TOKEN_CROSS_ENTROPY
+    ignored = ignored and bool((y == IGNORE_INDEX).any())
+    if not options.options and not (soft or nll_per_position or ignored):
         return reading_name
     base = reading_name
     if softmax:

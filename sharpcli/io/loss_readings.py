@@ -255,8 +255,8 @@ def _module_value(module, reading: LossReading, z, y) -> torch.Tensor:
     it: on the flattened positions."""
     if isinstance(module, nn.Module):  # its weights in the analysis' dtype and device
         module = copy.deepcopy(module).to(device=z.device, dtype=z.dtype)
-    if isinstance(module, nn.BCEWithLogitsLoss) and not y.is_floating_point():
-        y = y.to(z.dtype)  # 0/1 labels as integers: the same loss, a dtype torch refuses
+    if y.is_floating_point() or isinstance(module, nn.BCEWithLogitsLoss):
+        y = y.to(z.dtype)  # targets in another float dtype, 0/1 labels as integers: the same loss
     try:
         return module(z, y)
     except (RuntimeError, ValueError, IndexError):
