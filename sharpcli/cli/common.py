@@ -204,8 +204,7 @@ LossOpt = Annotated[
         metavar=choices.metavar(catalogue.LOSSES, params=True),
         # one help line, no values listed (every analysis command's --help fits 80 lines);
         # an unknown name or option is refused listing them (sharpcli.io.loss_options)
-        help="Loss and torch's options, e.g. cross-entropy:label_smoothing=0.1,reduction=sum "
-        "(default: the checkpoint's, else inferred).",
+        help="Loss (default: the checkpoint's, else inferred).",
     ),
 ]
 MaxMemoryOpt = Annotated[

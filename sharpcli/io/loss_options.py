@@ -438,7 +438,9 @@ def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
 
     base_loss = get_loss(base)
     return Loss(
-        _configured_name(spec, scale, base_loss.per_token),
+        _configured_name(
+            spec, scale, base_loss.per_token, "probability targets" if y_set.is_floating_point() else ""
+        ),
         f"{base_loss.description} ({spec.text})",
         True,
         mean=lambda z, y: scale * unreduced(z, y).sum() / z.shape[0],
@@ -524,11 +526,12 @@ def _elementwise_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
     )
 
 
-def _configured_name(spec: LossSpec, scale: float, per_position: bool) -> str:
+def _configured_name(spec: LossSpec, scale: float, per_position: bool, targets: str = "") -> str:
     """The name a configured loss is filed under: its spec (a weight given as a tensor by its
     digest), ``@c`` for the constant ``c`` the per-sample losses carry where it is not 1 (it
     may depend on the analysis set, whose records must not be shared), `` per position``
-    for cross-entropy over the positions of each sample."""
+    for cross-entropy over the positions of each sample, `` probability targets`` for
+    cross-entropy's soft targets; never a registered loss's name (which it would shadow)."""
     options = []
     for key, value in spec.options:
         if isinstance(value, torch.Tensor):
@@ -537,7 +540,9 @@ def _configured_name(spec: LossSpec, scale: float, per_position: bool) -> str:
         options.append(f"{key}={_text(value)}")
     text = spec.name + (":" + ",".join(options) if options else "")
     text += "" if scale == 1.0 else f"@{scale!r}"
-    return text + (" per position" if per_position else "")
+    text += " per position" if per_position else ""
+    text += f" {targets}" if targets else ""
+    return text if text not in LOSSES else f"{text} (configured)"
 
 
 def configure_loss(spec: LossSpec, reading_name: str, y: torch.Tensor) -> str:
