@@ -256,8 +256,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             raise UsageError(f"{problem} (loss {name})", source="data")
         if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
             check_loss_value(loss, reading, logits, head, ignore_index)
-        elif reference(spec) is not None:  # a spec with options: torch's module for it
-            check_loss_value(reference(spec), reading, logits, head, ignore_index, spec.text)
+        elif (module := reference(spec)) is not None:  # a spec with options: torch's module
+            check_loss_value(module, reading, logits, head, ignore_index, spec.text)
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 

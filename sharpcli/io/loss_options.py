@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -338,28 +338,37 @@ def _rows(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return z, y, soft
 
 
-def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
-    """Cross-entropy (or NLL on log-probabilities) with ``spec``'s options, over ``y_set``
-    (module docstring): ``l_i = c sum_r u_ir``, ``H_z = c a_r (diag p_r - p_r p_r^T)`` per row."""
-    eps = float(spec.get("label_smoothing"))  # type: ignore[arg-type]
-    weight, reduction = spec.get("weight"), spec.get("reduction")
-    log_probabilities = spec.name == NLL
+class _SoftmaxOptions:
+    """Cross-entropy (or NLL on log-probabilities) with ``spec``'s options over the set's
+    labels ``y_set`` (module docstring): ``l_i = c sum_r u_ir``, ``H_z = c a_r (diag p_r -
+    p_r p_r^T)`` per row, ``a_r = sum_c w_c q'_c``."""
 
-    def unreduced(z, y):
+    def __init__(self, spec: LossSpec, y_set: torch.Tensor):
+        self.eps = float(spec.get("label_smoothing"))
+        self.weight = spec.get("weight")
+        self.reduction = spec.get("reduction")
+        self.log_probabilities = spec.name == NLL
+        samples = int(y_set.shape[0])
+        total = self.normaliser(y_set)
+        self.scale = float(samples) if self.reduction == "sum" else samples / max(total, 1e-300)
+
+    def unreduced(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """torch's ``u`` per row, ``(B, R)`` (0 on ignored rows)."""
         rows, targets, soft = _rows(z, y)
         classes = rows.shape[-1]
-        flat_targets = targets.reshape(-1, classes) if soft else targets.reshape(-1)
+        flat = targets.reshape(-1, classes).to(z.dtype) if soft else targets.reshape(-1)
         u = F.cross_entropy(
             rows.reshape(-1, classes),
-            flat_targets.to(z.dtype) if soft else flat_targets,
-            weight=_on(weight, z),
+            flat,
+            weight=_on(self.weight, z),
             ignore_index=IGNORE_INDEX,
-            label_smoothing=eps,
+            label_smoothing=self.eps,
             reduction=UNREDUCED,
         )
         return u.reshape(rows.shape[:2])
 
-    def target_weights(z, y):  # a_r = sum_c w_c q'_c per row, 0 on ignored rows
+    def target_weights(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``a_r = sum_c w_c q'_c`` per row, ``(B, R)``, 0 on ignored rows."""
         rows, targets, soft = _rows(z, y)
         classes = rows.shape[-1]
         if soft:
@@ -368,34 +377,33 @@ def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
             labelled = targets != IGNORE_INDEX
             q = F.one_hot(torch.where(labelled, targets, 0), classes).to(z.dtype)
             q = q * labelled.unsqueeze(-1)
-        smoothed = (1 - eps) * q + (eps / classes) * q.sum(-1, keepdim=True)
-        w = _on(weight, z)
+        smoothed = (1 - self.eps) * q + (self.eps / classes) * q.sum(-1, keepdim=True)
+        w = _on(self.weight, z)
         return (smoothed if w is None else smoothed * w).sum(-1)
 
-    def normaliser(y) -> float:  # torch's D over the labels y, for reduction "mean"
+    def normaliser(self, y: torch.Tensor) -> float:
+        """torch's ``D`` of the mean over the labels ``y`` (rows laid out as :func:`_rows`'s)."""
         if y.is_floating_point():
             return float(math.prod(y.shape[:-1]))
         labelled = y != IGNORE_INDEX
-        if weight is None:
+        if self.weight is None:
             return float(labelled.sum())
-        w = _on(weight, torch.empty(0, dtype=torch.float64, device=y.device))
+        w = _on(self.weight, torch.empty(0, dtype=torch.float64, device=y.device))
         return float(w[torch.where(labelled, y, 0)][labelled].sum())  # type: ignore[index]
 
-    samples = int(y_set.shape[0])
-    total = normaliser(y_set)
-    scale = float(samples) if reduction == "sum" else samples / max(total, 1e-300)
-
-    def hessian_matvec(z, y, u):
+    def hessian_matvec(self, z: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``H_z u`` of ``l_i``, shaped like ``z``."""
         rows, _, _ = _rows(z, y)
         v = u.reshape(rows.shape)
         p = torch.softmax(rows, dim=-1)
         hv = p * v - p * (p * v).sum(-1, keepdim=True)
-        return (scale * target_weights(z, y).unsqueeze(-1) * hv).reshape(z.shape)
+        return (self.scale * self.target_weights(z, y).unsqueeze(-1) * hv).reshape(z.shape)
 
-    def ggn_factor(z, y) -> Iterator[torch.Tensor]:
+    def ggn_factor(self, z: torch.Tensor, y: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Columns ``sqrt(c a_r p_rc) (e_c - p_r)`` at row ``r``, one per (row, class)."""
         rows, _, _ = _rows(z.detach(), y)
-        root = scale * target_weights(rows, y if z.ndim == 3 else y.unsqueeze(1))
-        root = root.clamp_min(0).sqrt().unsqueeze(-1)
+        a = self.target_weights(rows, y if z.ndim == 3 else y.unsqueeze(1))
+        root = (self.scale * a).clamp_min(0).sqrt().unsqueeze(-1)
         p = torch.softmax(rows, dim=-1)
         eye = torch.eye(rows.shape[-1], dtype=z.dtype, device=z.device)
         for r in range(rows.shape[1]):
@@ -404,7 +412,8 @@ def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
                 column[:, r] = root[:, r] * p[:, r, c : c + 1].sqrt() * (eye[c] - p[:, r])
                 yield column.reshape(z.shape)
 
-    def check(z, y):
+    def check(self, z: torch.Tensor, y: torch.Tensor) -> str | None:
+        """Labels or targets that do not fit (a check may see fewer outputs than labels)."""
         classes = z.shape[-1]
         if y.is_floating_point():
             if y.shape[1:] != z.shape[1:]:
@@ -421,37 +430,44 @@ def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
                     f"labels range over [{int(labelled.min())}, {int(labelled.max())}] but the "
                     f"model has {classes} classes"
                 )
-        if weight is not None and len(weight) != classes:
-            return f"weight has {len(weight)} entries but the model has {classes} classes"
-        return log_probability_problem(z) if log_probabilities else None
+        if self.weight is not None and len(self.weight) != classes:
+            return f"weight has {len(self.weight)} entries but the model has {classes} classes"
+        return log_probability_problem(z) if self.log_probabilities else None
 
-    def correct(z, y):
+    @staticmethod
+    def correct(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Argmax hits over the labelled rows (a probability target's argmax as its class)."""
         rows, targets, soft = _rows(z, y)
         if soft:
             return (rows.argmax(-1) == targets.argmax(-1)).sum(), targets.shape[0] * rows.shape[1]
         labelled = targets != IGNORE_INDEX
         return ((rows.argmax(-1) == targets) & labelled).sum(), labelled.sum()
 
-    def batch_value(z, y):
-        d = normaliser(_rows(z, y)[1]) if reduction == "mean" else 1.0
-        return unreduced(z, y).sum() / d
+    def batch_value(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss on one batch as torch's module reduces it (its own ``D``)."""
+        d = self.normaliser(_rows(z, y)[1]) if self.reduction == "mean" else 1.0
+        return self.unreduced(z, y).sum() / d
 
+
+def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
+    """The :class:`~sharpcli.losses.Loss` of :class:`_SoftmaxOptions`."""
+    rows = _SoftmaxOptions(spec, y_set)
+    scale = rows.scale
     base_loss = get_loss(base)
+    targets = "probability targets" if y_set.is_floating_point() else ""
     return Loss(
-        _configured_name(
-            spec, scale, base_loss.per_token, "probability targets" if y_set.is_floating_point() else ""
-        ),
+        _configured_name(spec, scale, base_loss.per_token, targets),
         f"{base_loss.description} ({spec.text})",
         True,
-        mean=lambda z, y: scale * unreduced(z, y).sum() / z.shape[0],
-        per_sample=lambda z, y: scale * unreduced(z, y).sum(1),
-        hessian_matvec=hessian_matvec,
-        ggn_factor=ggn_factor,
-        correct=correct,
-        check=check,
+        mean=lambda z, y: scale * rows.unreduced(z, y).sum() / z.shape[0],
+        per_sample=lambda z, y: scale * rows.unreduced(z, y).sum(1),
+        hessian_matvec=rows.hessian_matvec,
+        ggn_factor=rows.ggn_factor,
+        correct=rows.correct,
+        check=rows.check,
         per_token=base_loss.per_token,
         softmax=True,
-        batch_value=batch_value,
+        batch_value=rows.batch_value,
     )
 
 
@@ -460,7 +476,7 @@ def _elementwise_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
     reduction = spec.get("reduction")
     weight, pos_weight = spec.get("weight"), spec.get("pos_weight")
     samples = int(y_set.shape[0])
-    delta, beta = float(spec.get("delta")), float(spec.get("beta"))  # type: ignore[arg-type]
+    delta, beta = float(spec.get("delta")), float(spec.get("beta"))
 
     def elements(z, y):
         t = targets_as_outputs(z, y)
@@ -580,7 +596,7 @@ def configure_loss(spec: LossSpec, reading_name: str, y: torch.Tensor) -> str:
     return loss.name
 
 
-def reference(spec: LossSpec | None) -> Callable | None:
+def reference(spec: LossSpec | None) -> nn.Module | None:
     """torch's module for a named loss with options (None without: the registered loss's own
     reference, :func:`sharpcli.io.loss_readings.reference_loss`)."""
     if spec is None or not spec.without("ignore_index").options:

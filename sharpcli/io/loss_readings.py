@@ -203,7 +203,7 @@ def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor
     Returns:
         ``f(z, y)``, the mean loss over a batch as torch computes it.
     """
-    elementwise = {
+    elementwise: dict[str, Callable[..., torch.Tensor]] = {
         MSE: F.mse_loss,
         BINARY_CROSS_ENTROPY: F.binary_cross_entropy_with_logits,
         HUBER: F.huber_loss,
