@@ -81,13 +81,17 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             are the ones differentiated), except that ``device``/``dtype`` other than its own make a
             converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
             untouched (and later changes to its weights unseen).
-        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
-            (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
-            (batch, length, vocabulary) logits on the flattened positions; where both fit, a
-            name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
-            all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
-            ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
-            tabulates the shapes. A module's value on the first batch must equal sharp's
+        loss: A torch loss module with its options, as torch defines them:
+            ``nn.CrossEntropyLoss`` (``weight``, ``ignore_index``, ``label_smoothing``,
+            probability targets; classes on dim 1 of (batch, classes, d1, ..., dk) outputs as
+            torch reads them, a language model's (batch, length, vocabulary) logits on the
+            flattened positions), ``nn.NLLLoss`` after a ``LogSoftmax`` head,
+            ``nn.BCEWithLogitsLoss`` (any shape; ``weight``, ``pos_weight``), ``nn.MSELoss``
+            (any output shape), ``nn.HuberLoss``, ``nn.SmoothL1Loss``, each with
+            ``reduction`` ``'mean'`` or ``'sum'``; or a spec ``NAME[:k=v,...]`` of a
+            registered loss with the same options (``"cross-entropy:label_smoothing=0.1"``;
+            :mod:`sharpcli.io.loss_options`); docs/api.md tabulates the shapes. A module's
+            value on the first batch must equal sharp's
             (:func:`sharpcli.io.loss_readings.check_loss_value`).
         token_reduction: How a token loss averages over the set
             (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over

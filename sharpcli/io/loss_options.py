@@ -138,6 +138,10 @@ class LossSpec:
 
 
 def _text(value) -> str:
+    if isinstance(value, torch.Tensor):  # a module's weight: its numbers, or its shape
+        if value.numel() > 16:
+            return f"<tensor {tuple(value.shape)}>"
+        value = tuple(value.detach().reshape(-1).tolist())
     if isinstance(value, tuple):
         return ";".join(repr(float(v)) for v in value)
     return repr(value) if isinstance(value, float) else str(value)
