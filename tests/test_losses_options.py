@@ -276,3 +276,31 @@ def test_unsupported_losses_are_refused_in_one_line(loss, needle):
         Curvature(_mlp(C), loss, (x, y))
     assert needle in err.value.message and "\n" not in err.value.message
     assert err.value.source == "loss"
+
+
+def test_nll_per_position_after_log_softmax_over_dim_1():
+    """(N, C, d) log-probabilities with (N, d) labels and class weights: the Hessian is the
+    module's, the GGN the weighted cross-entropy's on the logits before the log-softmax."""
+    x, gen = _data()
+    y = torch.randint(0, C, (12, 2), generator=gen)
+    logits = _PerPosition()
+    model = nn.Sequential(logits, nn.LogSoftmax(dim=1))
+    loss = nn.NLLLoss(weight=WEIGHT)
+    curvature = _dense_check(model, loss, x, y, ggn=False)
+    assert curvature.loss.endswith(" per position")
+    G = jacobian_ggn(logits, list(logits.parameters()), x, y, nn.CrossEntropyLoss(weight=WEIGHT))
+    G_sharp = curvature.operator("ggn").to_dense()
+    assert torch.allclose(G_sharp, G, atol=1e-10 * G.abs().max(), rtol=0)
+
+
+def test_options_leave_the_fisher_refused_and_the_registered_losses_unshadowed():
+    from sharpcli.losses import get_loss
+
+    x, gen = _data()
+    q = torch.softmax(torch.randn(12, C, generator=gen, dtype=torch.float64), -1)
+    curvature = Curvature(_mlp(C), nn.CrossEntropyLoss(), (x, q))
+    assert curvature.loss == "cross-entropy probability targets"
+    assert get_loss("cross-entropy").check is not None
+    assert get_loss("cross-entropy").batch_value is None  # the registered record
+    with pytest.raises(UsageError, match="predictive distribution"):
+        curvature.trace("fisher", max_matvecs=20)
