@@ -40,9 +40,18 @@ def test_one_hot_float_labels_are_probability_targets(classifier, capsys):
     np.savez(folder / "onehot_probabilities.npz", x=x, y=np.eye(3)[y].astype(np.float32))
     runs = [
         run_cli(
-            capsys, "eigen", str(ckpt), "--data", str(folder / name), "--dtype", "float64",
-            "--tol", "1e-10", "--json", "-",
-        )  # fmt: skip
+            capsys,
+            "eigen",
+            str(ckpt),
+            "--data",
+            str(folder / name),
+            "--dtype",
+            "float64",
+            "--tol",
+            "1e-10",
+            "--json",
+            "-",
+        )
         for name in ("classes.npz", "onehot_probabilities.npz")
     ]
     assert [r.code for r in runs] == [0, 0], runs[1].err
