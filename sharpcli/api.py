@@ -86,7 +86,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             probability targets; classes on dim 1 of (batch, classes, d1, ..., dk) outputs as
             torch reads them, a language model's (batch, length, vocabulary) logits on the
             flattened positions), ``nn.NLLLoss`` after a ``LogSoftmax`` head,
-            ``nn.BCEWithLogitsLoss`` (any shape; ``weight``, ``pos_weight``), ``nn.MSELoss``
+            ``nn.BCEWithLogitsLoss`` (any shape; ``weight``, ``pos_weight``), ``nn.BCELoss``
+            (a Sigmoid head's probabilities), ``nn.MSELoss``
             (any output shape), ``nn.HuberLoss``, ``nn.SmoothL1Loss``, each with
             ``reduction`` ``'mean'`` or ``'sum'``; or a spec ``NAME[:k=v,...]`` of a
             registered loss with the same options (``"cross-entropy:label_smoothing=0.1"``;

@@ -29,6 +29,7 @@ from sharpcli.errors import UsageError
 from sharpcli.registry import Entry, declaration, declare
 
 __all__ = [
+    "BCE_PROBABILITIES",
     "BINARY_CROSS_ENTROPY",
     "CONFIGURED",
     "CROSS_ENTROPY",
@@ -59,6 +60,7 @@ IGNORE_INDEX = -100  # token labels to skip (the convention of torch and Hugging
 CROSS_ENTROPY, MSE = "cross-entropy", "mse"
 BINARY_CROSS_ENTROPY, TOKEN_CROSS_ENTROPY = "binary-cross-entropy", "token-cross-entropy"
 NLL, HUBER, SMOOTH_L1 = "nll", "huber", "smooth-l1"
+BCE_PROBABILITIES = "bce-probabilities"
 
 
 @dataclass(frozen=True)
@@ -523,6 +525,60 @@ def binary_cross_entropy() -> Loss:
         ),
         check=_bce_check,
         sampler=LabelSampler("uniform", True, _bernoulli_outputs_labels),
+    )
+
+
+def bce_probabilities_curvature(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``d^2/dp^2`` of ``-(y log p + (1 - y) log(1 - p))`` per element, ``y/p^2 + (1 - y)/(1 - p)^2``
+    (``>= 0`` for targets in [0, 1]), without the mean's ``1/M``."""
+    t = targets_as_outputs(z, y)
+    return t / z.square() + (1 - t) / (1 - z).square()
+
+
+def _bce_probabilities_check(z, y):
+    problem = _bce_check(z, y)
+    if problem:
+        return problem.replace("binary cross-entropy", "bce-probabilities")
+    if z.numel() and not bool(((z >= 0) & (z <= 1)).all()):
+        return (
+            "bce-probabilities takes probabilities (a Sigmoid head) but the outputs range over "
+            f"[{float(z.min()):.3g}, {float(z.max()):.3g}]; for logits use binary-cross-entropy "
+            "(nn.BCEWithLogitsLoss)"
+        )
+    return None
+
+
+@declare(
+    "loss",
+    BCE_PROBABILITIES,
+    "binary cross-entropy on probabilities (a Sigmoid head), element-wise, as torch's BCELoss",
+    info={"classification": True},
+)
+def bce_probabilities() -> Loss:
+    """Outputs ``p`` in [0, 1] of any shape (a model ending in ``nn.Sigmoid``), targets of the
+    same shape in [0, 1]: ``l_i = (1/M) sum_m -(y_m log p_m + (1 - y_m) log(1 - p_m))``, the
+    mean over all elements as ``nn.BCELoss()``; ``H_z = diag(y/p^2 + (1 - y)/(1 - p)^2)/M``, the
+    curvature in the probabilities (so the Gauss-Newton matrix is the one through ``p``, not
+    the logits': the Hessian is the same, the split differs). ``H_z`` depends on the
+    observed target, so it draws no labels (no Fisher)."""
+
+    def curvature(z, y):
+        return bce_probabilities_curvature(z, y) / outputs_per_sample(z)
+
+    def elements(z, y):
+        return F.binary_cross_entropy(z, targets_as_outputs(z, y), reduction=UNREDUCED)
+
+    return _declared(
+        bce_probabilities,
+        mean=lambda z, y: elements(z, y).mean(),
+        per_sample=lambda z, y: elements(z, y).reshape(z.shape[0], -1).mean(1),
+        hessian_matvec=lambda z, y, u: curvature(z, y) * u,
+        ggn_factor=elementwise_factor(curvature),
+        correct=lambda z, y: (
+            ((z > 0.5) == (targets_as_outputs(z, y) > 0.5)).sum(),
+            _count(z, y),
+        ),
+        check=_bce_probabilities_check,
     )
 
 

@@ -227,6 +227,28 @@ def test_bce_pos_weight_output_hessian_formula():
     assert torch.allclose(loss.hessian_matvec(z, y, ones) / 5, diagonal, atol=1e-14)
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [nn.BCELoss(), nn.BCELoss(weight=torch.tensor([1.0, 0.2, 4.0]), reduction="sum")],
+    ids=["mean", "weight-sum"],
+)
+def test_bce_on_probabilities_after_a_sigmoid(loss):
+    """``nn.BCELoss`` on a Sigmoid head's probabilities, soft targets: the Hessian is the
+    module's; the GGN is the one through the probabilities, ``H_z = y/p^2 + (1-y)/(1-p)^2``."""
+    x, gen = _data()
+    y = torch.rand(12, 3, generator=gen, dtype=torch.float64)
+    loss = loss.double()
+    curvature = _dense_check(_mlp(3, nn.Sigmoid()), loss, x, y)
+    assert curvature.loss.startswith("bce-probabilities")
+
+
+def test_bce_on_logits_given_to_bce_probabilities_is_refused():
+    x, gen = _data()
+    y = torch.randint(0, 2, (12, 3), generator=gen).double()
+    with pytest.raises(UsageError, match="takes probabilities"):
+        Curvature(_mlp(3), "bce-probabilities", (x, y))
+
+
 # --------------------------------------------------------------------------- regression
 @pytest.mark.parametrize(
     "loss",
@@ -263,7 +285,6 @@ def test_loss_options_as_a_spec_string():
     [
         (nn.CrossEntropyLoss(reduction="none"), "reduction='none'"),
         (nn.GaussianNLLLoss(), "variance"),
-        (nn.BCELoss(), "BCEWithLogitsLoss"),
         (nn.KLDivLoss(), "nn.CrossEntropyLoss, nn.NLLLoss"),
         ("cross-entropy:smoothing=0.1", "accepted: reduction, weight, label_smoothing"),
         ("mse:reduction=max", "reduction must be one of mean, sum"),

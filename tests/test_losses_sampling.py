@@ -32,7 +32,7 @@ def _outputs(name: str) -> torch.Tensor:
 
 # losses whose output Hessian depends on the observed target (a piecewise second derivative):
 # no distribution's gradients give it in expectation, so they draw no labels
-NO_SAMPLER = ("huber", "smooth-l1")
+NO_SAMPLER = ("huber", "smooth-l1", "bce-probabilities")
 
 
 def test_every_loss_has_a_sampler():

@@ -31,7 +31,8 @@ The output Hessians ([Schraudolph2002]):
   ``eps = 0`` on ``z`` itself (:func:`sharpcli.losses.nll`).
 - binary cross-entropy with logits, ``pos_weight`` ``pw`` and ``weight`` ``w``:
   ``u = -w (pw y log s + (1 - y) log(1 - s))``, ``s = sigmoid(z)``, so
-  ``du/dz = w (s (pw y + 1 - y) - pw y)`` and ``H_z = diag(w s (1 - s) (pw y + 1 - y))``.
+  ``du/dz = w (s (pw y + 1 - y) - pw y)`` and ``H_z = diag(w s (1 - s) (pw y + 1 - y))``;
+  on probabilities (``nn.BCELoss``) ``H_z = diag(w (y / p^2 + (1 - y) / (1 - p)^2))``.
 - MSE ``(z - y)^2``: ``2``; Huber: ``1[|r| < delta]``; smooth L1: ``1[|r| < beta] / beta``;
   each times ``c`` on the diagonal.
 
@@ -53,6 +54,7 @@ from torch import nn
 from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.errors import UsageError
 from sharpcli.losses import (
+    BCE_PROBABILITIES,
     BINARY_CROSS_ENTROPY,
     CONFIGURED,
     CROSS_ENTROPY,
@@ -64,6 +66,7 @@ from sharpcli.losses import (
     SMOOTH_L1,
     TOKEN_CROSS_ENTROPY,
     Loss,
+    bce_probabilities_curvature,
     elementwise_factor,
     get_loss,
     log_probability_problem,
@@ -84,8 +87,8 @@ __all__ = [
 
 # the modules a loss may be handed as, for messages
 LOSS_MODULES = (
-    "nn.CrossEntropyLoss, nn.NLLLoss, nn.BCEWithLogitsLoss, nn.MSELoss, nn.HuberLoss, "
-    "nn.SmoothL1Loss"
+    "nn.CrossEntropyLoss, nn.NLLLoss, nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, "
+    "nn.HuberLoss, nn.SmoothL1Loss"
 )
 REDUCTIONS = ("mean", "sum")
 LISTS = ("weight", "pos_weight")  # options holding one number per class: `;`-separated in a spec
@@ -106,6 +109,7 @@ LOSS_OPTIONS: dict[str, tuple[str, ...]] = {
     CROSS_ENTROPY: ("reduction", "weight", "label_smoothing", "ignore_index"),
     NLL: ("reduction", "weight", "ignore_index"),
     BINARY_CROSS_ENTROPY: ("reduction", "weight", "pos_weight"),
+    BCE_PROBABILITIES: ("reduction", "weight"),
     MSE: ("reduction",),
     HUBER: ("reduction", "delta"),
     SMOOTH_L1: ("reduction", "beta"),
@@ -222,23 +226,15 @@ def module_spec(loss: nn.Module) -> LossSpec:
 
     ``nn.CrossEntropyLoss`` (``weight``, ``ignore_index``, ``label_smoothing``, ``reduction``),
     ``nn.NLLLoss`` (after a ``LogSoftmax`` head), ``nn.BCEWithLogitsLoss`` (``weight``,
-    ``pos_weight``), ``nn.MSELoss``, ``nn.HuberLoss`` (``delta``), ``nn.SmoothL1Loss``
+    ``pos_weight``), ``nn.BCELoss`` (``weight``; on probabilities), ``nn.MSELoss``, ``nn.HuberLoss`` (``delta``), ``nn.SmoothL1Loss``
     (``beta``), each with ``reduction`` ``"mean"`` or ``"sum"``.
 
     Raises:
-        UsageError: (``loss``) ``reduction="none"``, ``nn.BCELoss`` (probabilities),
-            ``nn.GaussianNLLLoss`` (a variance argument), any other module; one line naming
-            what is supported.
+        UsageError: (``loss``) ``reduction="none"``, ``nn.GaussianNLLLoss`` (a variance
+            argument), any other module; one line naming what is supported.
     """
     reduction = getattr(loss, "reduction", "mean")
     kind = type(loss).__name__
-    if isinstance(loss, nn.BCELoss):
-        raise UsageError(
-            "nn.BCELoss takes probabilities, whose saturation makes its float32 value and "
-            "curvature unreliable; give the model's logits to nn.BCEWithLogitsLoss (the same "
-            "loss, its output Hessian sigmoid'(z))",
-            source="loss",
-        )
     if isinstance(loss, nn.GaussianNLLLoss):
         raise UsageError(
             "nn.GaussianNLLLoss takes a variance besides the outputs and targets, which sharp's "
@@ -249,6 +245,7 @@ def module_spec(loss: nn.Module) -> LossSpec:
         nn.CrossEntropyLoss: CROSS_ENTROPY,
         nn.NLLLoss: NLL,
         nn.BCEWithLogitsLoss: BINARY_CROSS_ENTROPY,
+        nn.BCELoss: BCE_PROBABILITIES,
         nn.MSELoss: MSE,
         nn.HuberLoss: HUBER,
         nn.SmoothL1Loss: SMOOTH_L1,
@@ -272,8 +269,9 @@ def module_spec(loss: nn.Module) -> LossSpec:
         given["ignore_index"] = int(loss.ignore_index)  # type: ignore[arg-type]
     if name == CROSS_ENTROPY:
         given["label_smoothing"] = float(loss.label_smoothing)  # type: ignore[arg-type]
-    if name == BINARY_CROSS_ENTROPY:
+    if name in (BINARY_CROSS_ENTROPY, BCE_PROBABILITIES):
         given["weight"] = _weight_tensor(loss, "weight")
+    if name == BINARY_CROSS_ENTROPY:
         given["pos_weight"] = _weight_tensor(loss, "pos_weight")
     if name == HUBER:
         given["delta"] = float(loss.delta)  # type: ignore[arg-type]
@@ -316,6 +314,8 @@ def torch_module(spec: LossSpec) -> nn.Module:
         return nn.BCEWithLogitsLoss(
             weight=tensor("weight"), pos_weight=tensor("pos_weight"), reduction=reduction
         )
+    if spec.name == BCE_PROBABILITIES:
+        return nn.BCELoss(weight=tensor("weight"), reduction=reduction)
     if spec.name == HUBER:
         return nn.HuberLoss(reduction=reduction, delta=spec.get("delta"))
     if spec.name == SMOOTH_L1:
@@ -475,74 +475,100 @@ def _softmax_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
     )
 
 
-def _elementwise_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
-    """An element-wise loss with ``spec``'s options (module docstring): ``l_i = c sum_m u_im``."""
-    reduction = spec.get("reduction")
-    weight, pos_weight = spec.get("weight"), spec.get("pos_weight")
-    samples = int(y_set.shape[0])
-    delta, beta = float(spec.get("delta")), float(spec.get("beta"))
+class _ElementwiseOptions:
+    """An element-wise loss with ``spec``'s options (module docstring): ``l_i = c sum_m u_im``
+    with ``c = 1/M`` (the mean over all elements) or ``N`` (the sum over the set)."""
 
-    def elements(z, y):
-        t = targets_as_outputs(z, y)
-        if base == BINARY_CROSS_ENTROPY:
+    def __init__(self, spec: LossSpec, base: str, samples: int):
+        self.base, self.samples = base, samples
+        self.reduction = spec.get("reduction")
+        self.weight, self.pos_weight = spec.get("weight"), spec.get("pos_weight")
+        self.delta, self.beta = float(spec.get("delta")), float(spec.get("beta"))
+
+    def elements(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """torch's unreduced loss, shaped like ``z``."""
+        t, w = targets_as_outputs(z, y), _on(self.weight, z)
+        if self.base == BINARY_CROSS_ENTROPY:
+            pw = _on(self.pos_weight, z)
             return F.binary_cross_entropy_with_logits(
-                z, t, weight=_on(weight, z), pos_weight=_on(pos_weight, z), reduction=UNREDUCED
+                z, t, weight=w, pos_weight=pw, reduction=UNREDUCED
             )
-        if base == HUBER:
-            return F.huber_loss(z, t, reduction=UNREDUCED, delta=delta)
-        if base == SMOOTH_L1:
-            return F.smooth_l1_loss(z, t, reduction=UNREDUCED, beta=beta)
+        if self.base == BCE_PROBABILITIES:
+            return F.binary_cross_entropy(z, t, weight=w, reduction=UNREDUCED)
+        if self.base == HUBER:
+            return F.huber_loss(z, t, reduction=UNREDUCED, delta=self.delta)
+        if self.base == SMOOTH_L1:
+            return F.smooth_l1_loss(z, t, reduction=UNREDUCED, beta=self.beta)
         return F.mse_loss(z, t, reduction=UNREDUCED)
 
-    def second_derivative(z, y):  # d^2 u / dz^2 per element
-        t = targets_as_outputs(z, y)
-        if base == BINARY_CROSS_ENTROPY:
-            s = torch.sigmoid(z)
-            pw = _on(pos_weight, z)
-            h = s * (1 - s) if pw is None else s * (1 - s) * (pw * t + 1 - t)
-            w = _on(weight, z)
+    def second_derivative(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``d^2 u / dz^2`` per element (module docstring)."""
+        t, w = targets_as_outputs(z, y), _on(self.weight, z)
+        if self.base in (BINARY_CROSS_ENTROPY, BCE_PROBABILITIES):
+            if self.base == BCE_PROBABILITIES:
+                h = bce_probabilities_curvature(z, t)
+            else:
+                s, pw = torch.sigmoid(z), _on(self.pos_weight, z)
+                h = s * (1 - s) if pw is None else s * (1 - s) * (pw * t + 1 - t)
             return torch.broadcast_to(h if w is None else h * w, z.shape)
         r = z - t
-        if base == HUBER:
-            return (r.abs() < delta).to(z.dtype)
-        if base == SMOOTH_L1:
-            return (r.abs() < beta).to(z.dtype) / beta if beta > 0 else torch.zeros_like(z)
+        if self.base == HUBER:
+            return (r.abs() < self.delta).to(z.dtype)
+        if self.base == SMOOTH_L1:
+            if self.beta == 0:
+                return torch.zeros_like(z)
+            return (r.abs() < self.beta).to(z.dtype) / self.beta
         return torch.full_like(z, 2.0)
 
-    def factor_of(z) -> float:  # c: 1/M for the mean over elements, N for the sum
-        return float(samples) if reduction == "sum" else 1.0 / outputs_per_sample(z)
+    def factor(self, z: torch.Tensor) -> float:
+        """``c``: ``1/M`` for the mean over elements, ``N`` for the sum over the set."""
+        return float(self.samples) if self.reduction == "sum" else 1.0 / outputs_per_sample(z)
 
-    def curvature(z, y):
-        return factor_of(z) * second_derivative(z, y)
+    def curvature(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The diagonal of ``H_z`` of ``l_i``."""
+        return self.factor(z) * self.second_derivative(z, y)
 
-    def check(z, y):
-        problem = get_loss(base).check
-        found = problem(z, y) if problem is not None else None
+    def per_sample(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``l_i = c sum_m u_im``, ``(B,)``."""
+        return self.factor(z) * self.elements(z, y).reshape(z.shape[0], -1).sum(1)
+
+    def check(self, z: torch.Tensor, y: torch.Tensor) -> str | None:
+        """The registered loss's check, and a weight that would weigh a batch's samples."""
+        own = get_loss(self.base).check
+        found = own(z, y) if own is not None else None
         if found:
             return found
-        if weight is not None and isinstance(weight, torch.Tensor):
-            if weight.ndim >= z.ndim and weight.shape[0] > 1:
-                return (
-                    f"weight of shape {tuple(weight.shape)} weighs the samples of one batch; "
-                    "sharp batches the set its own way: give a weight that broadcasts over "
-                    "one sample's outputs"
-                )
+        weight = self.weight
+        if isinstance(weight, torch.Tensor) and weight.ndim >= z.ndim and weight.shape[0] > 1:
+            return (
+                f"weight of shape {tuple(weight.shape)} weighs the samples of one batch; "
+                "sharp batches the set its own way: give a weight that broadcasts over "
+                "one sample's outputs"
+            )
         return None
 
+    def batch_value(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss on one batch as torch's module reduces it."""
+        u = self.elements(z, y)
+        return u.sum() if self.reduction == "sum" else u.mean()
+
+
+def _elementwise_loss(spec: LossSpec, base: str, y_set: torch.Tensor) -> Loss:
+    """The :class:`~sharpcli.losses.Loss` of :class:`_ElementwiseOptions`."""
+    parts = _ElementwiseOptions(spec, base, int(y_set.shape[0]))
     base_loss = get_loss(base)
+    scale = float(parts.samples) if parts.reduction == "sum" else 1.0
     return Loss(
-        _configured_name(spec, float(samples) if reduction == "sum" else 1.0, False),
+        _configured_name(spec, scale, False),
         f"{base_loss.description} ({spec.text})",
         base_loss.classification,
-        mean=lambda z, y: factor_of(z) * elements(z, y).reshape(z.shape[0], -1).sum(1).mean(),
-        per_sample=lambda z, y: factor_of(z) * elements(z, y).reshape(z.shape[0], -1).sum(1),
-        hessian_matvec=lambda z, y, u: curvature(z, y) * u,
-        ggn_factor=elementwise_factor(curvature),
+        mean=lambda z, y: parts.per_sample(z, y).mean(),
+        per_sample=parts.per_sample,
+        hessian_matvec=lambda z, y, u: parts.curvature(z, y) * u,
+        ggn_factor=elementwise_factor(parts.curvature),
         correct=base_loss.correct,
-        check=check,
-        batch_value=lambda z, y: (
-            elements(z, y).sum() if reduction == "sum" else elements(z, y).mean()
-        ),
+        check=parts.check,
+        batch_value=parts.batch_value,
     )
 
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from sharpcli.errors import UsageError, first_line
 from sharpcli.losses import (
+    BCE_PROBABILITIES,
     BINARY_CROSS_ENTROPY,
     CROSS_ENTROPY,
     HUBER,
@@ -206,6 +207,7 @@ def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor
     elementwise: dict[str, Callable[..., torch.Tensor]] = {
         MSE: F.mse_loss,
         BINARY_CROSS_ENTROPY: F.binary_cross_entropy_with_logits,
+        BCE_PROBABILITIES: F.binary_cross_entropy,
         HUBER: F.huber_loss,
         SMOOTH_L1: F.smooth_l1_loss,
     }
