@@ -45,7 +45,8 @@ def _dense_check(model, loss, x, y, *, ggn: bool = True, sharp_loss=None):
     """Sharp's dense H (and G, exact tr G) equal the double-backward references of ``loss``."""
     params = list(model.parameters())
     H = double_backward_hessian(model, params, x, y, loss_fn=loss)
-    curvature = Curvature(model, sharp_loss if sharp_loss is not None else loss, (x, y))
+    chosen = sharp_loss if sharp_loss is not None else loss
+    curvature = Curvature(model, chosen, (x, y), batch_size=5)  # batches of 5, 5, 2
     H_sharp = curvature.operator().to_dense()
     scale = H.abs().max()
     assert torch.allclose(H_sharp, H, atol=1e-10 * scale, rtol=0), (H_sharp - H).abs().max()

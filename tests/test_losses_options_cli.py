@@ -42,6 +42,8 @@ def _eigen(capsys, weights, factory, data, loss, *extra):
         data,
         "--dtype",
         "float64",
+        "--batch-size",
+        "5",
         "--top-k",
         "2",
         "--tol",
