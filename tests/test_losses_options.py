@@ -91,6 +91,9 @@ def test_cross_entropy_probability_targets_and_weight():
     q = torch.softmax(torch.randn(12, C, generator=gen, dtype=torch.float64), -1)
     _dense_check(_mlp(C), nn.CrossEntropyLoss(), x, q)
     _dense_check(_mlp(C), nn.CrossEntropyLoss(weight=WEIGHT, label_smoothing=0.1), x, q)
+    # rows that do not sum to 1: torch takes them as they are (H_z scales by sum_c w_c q'_c)
+    unnormalised = torch.rand(12, C, generator=gen, dtype=torch.float64) * 2
+    _dense_check(_mlp(C), nn.CrossEntropyLoss(weight=WEIGHT, label_smoothing=0.3), x, unnormalised)
 
 
 @pytest.mark.parametrize(

@@ -375,13 +375,13 @@ class _SoftmaxOptions:
         """``a_r = sum_c w_c q'_c`` per row, ``(B, R)``, 0 on ignored rows."""
         rows, targets, soft = _rows(z, y)
         classes = rows.shape[-1]
-        if soft:
-            q = targets.to(z.dtype)
-        else:
+        if soft:  # torch smooths probabilities as (1 - eps) q + eps / C, whatever sum q
+            smoothed = (1 - self.eps) * targets.to(z.dtype) + self.eps / classes
+        else:  # a class index: its one-hot row; an ignored row 0
             labelled = targets != IGNORE_INDEX
             q = F.one_hot(torch.where(labelled, targets, 0), classes).to(z.dtype)
             q = q * labelled.unsqueeze(-1)
-        smoothed = (1 - self.eps) * q + (self.eps / classes) * q.sum(-1, keepdim=True)
+            smoothed = (1 - self.eps) * q + (self.eps / classes) * q.sum(-1, keepdim=True)
         w = _on(self.weight, z)
         return (smoothed if w is None else smoothed * w).sum(-1)
 
