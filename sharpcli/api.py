@@ -51,6 +51,7 @@ from sharpcli.io.in_memory import (
     CollectedData,
     apply_ignore_index,
     collect_data,
+    loss_spec,
     model_on_data,
     own_loss_labels,
     refuse_unshifted_labels,
@@ -58,7 +59,8 @@ from sharpcli.io.in_memory import (
     to_device,
     token_reduction_of,
 )
-from sharpcli.io.loss_readings import check_loss_value
+from sharpcli.io.loss_options import configure_loss, reference
+from sharpcli.io.loss_readings import LossReading, check_loss_value
 from sharpcli.losses import get_loss
 from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
@@ -81,13 +83,18 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             are the ones differentiated), except that ``device``/``dtype`` other than its own make a
             converted copy (``copy.deepcopy(model).to(device, dtype)``) taken here, leaving ``model``
             untouched (and later changes to its weights unseen).
-        loss: ``nn.CrossEntropyLoss()`` (``ignore_index`` honoured; classes on dim 1 of
-            (batch, classes, d1, ..., dk) outputs as torch reads them, a language model's
-            (batch, length, vocabulary) logits on the flattened positions; where both fit, a
-            name chooses), ``nn.BCEWithLogitsLoss()``, ``nn.MSELoss()`` (any output shape),
-            all with ``reduction='mean'``, or a registered loss name (``"cross-entropy"``,
-            ``"mse"``, ``"binary-cross-entropy"``, ``"token-cross-entropy"``); docs/api.md
-            tabulates the shapes. A module's value on the first batch must equal sharp's
+        loss: A torch loss module with its options, as torch defines them:
+            ``nn.CrossEntropyLoss`` (``weight``, ``ignore_index``, ``label_smoothing``,
+            probability targets; classes on dim 1 of (batch, classes, d1, ..., dk) outputs as
+            torch reads them, a language model's (batch, length, vocabulary) logits on the
+            flattened positions), ``nn.NLLLoss`` after a ``LogSoftmax`` head,
+            ``nn.BCEWithLogitsLoss`` (any shape; ``weight``, ``pos_weight``), ``nn.BCELoss``
+            (a Sigmoid head's probabilities), ``nn.MSELoss``
+            (any output shape), ``nn.HuberLoss``, ``nn.SmoothL1Loss``, each with
+            ``reduction`` ``'mean'`` or ``'sum'``; or a spec ``NAME[:k=v,...]`` of a
+            registered loss with the same options (``"cross-entropy:label_smoothing=0.1"``;
+            :mod:`sharpcli.io.loss_options`); docs/api.md tabulates the shapes. A module's
+            value on the first batch must equal sharp's
             (:func:`sharpcli.io.loss_readings.check_loss_value`). None (left out): a Hugging
             Face causal LM's own loss, its labels shifted as it shifts them and the value
             checked against its ``loss`` (:mod:`sharpcli.io.causal_lm`;
@@ -257,6 +264,10 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             check_model_own_loss(self.model, inputs, logits, collected.y[:rows].to(logits.device))
         elif not reading.reshapes:
             refuse_unshifted_labels(collected, name)
+        # torch's options (reduction, weight, label_smoothing, ...) over the whole set
+        spec = loss_spec(loss)
+        name = configure_loss(spec, name, collected.y)
+        reading = self.loss_reading = LossReading(name, reading.layout)
         few = collected.y[: min(2, collected.num_samples)].to(logits.device)
         probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
@@ -267,6 +278,8 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             raise UsageError(f"{problem} (loss {name})", source="data")
         if isinstance(loss, nn.Module):  # the loss differentiated is the module's own
             check_loss_value(loss, reading, logits, head, ignore_index)
+        elif (module := reference(spec)) is not None:  # a spec with options: torch's module
+            check_loss_value(module, reading, logits, head, ignore_index, spec.text)
         self.num_outputs = int(laid_out[0].numel())  # model outputs per sample
         return name, collected
 

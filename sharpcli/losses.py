@@ -29,8 +29,13 @@ from sharpcli.errors import UsageError
 from sharpcli.registry import Entry, declaration, declare
 
 __all__ = [
+    "BCE_PROBABILITIES",
     "BINARY_CROSS_ENTROPY",
+    "CONFIGURED",
     "CROSS_ENTROPY",
+    "HUBER",
+    "NLL",
+    "SMOOTH_L1",
     "IGNORE_INDEX",
     "MSE",
     "TOKEN_CROSS_ENTROPY",
@@ -54,6 +59,8 @@ IGNORE_INDEX = -100  # token labels to skip (the convention of torch and Hugging
 # the built-in losses' names, each declared below with its builder (other modules import them)
 CROSS_ENTROPY, MSE = "cross-entropy", "mse"
 BINARY_CROSS_ENTROPY, TOKEN_CROSS_ENTROPY = "binary-cross-entropy", "token-cross-entropy"
+NLL, HUBER, SMOOTH_L1 = "nll", "huber", "smooth-l1"
+BCE_PROBABILITIES = "bce-probabilities"
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ class Loss:
     sampler: LabelSampler | None = None
     per_token: bool = False  # one label per position of (batch, length, ...) outputs
     softmax: bool = False  # the outputs are the logits of a softmax over the last axis
+    # the loss on one batch reduced as torch's module reduces it (its own normaliser, not the
+    # analysis set's; the value guard compares it with the module): None: ``mean``
+    batch_value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def is_classification(self) -> bool:
@@ -274,8 +284,14 @@ def register_loss(loss: Loss, *, replace: bool = False) -> Loss:
     return LOSSES.register(loss.name, loss, replace=replace)
 
 
+# losses configured with options over one analysis set (sharpcli.loss_options), by their
+# spec: looked up before the registry, never listed as names
+CONFIGURED: dict[str, Loss] = {}
+
+
 def get_loss(name: str) -> Loss:
-    """The registered loss ``name``.
+    """The registered loss ``name``, or a loss configured with options
+    (:func:`sharpcli.loss_options.configure_loss`) under its spec.
 
     Args:
         name: the loss.
@@ -286,7 +302,8 @@ def get_loss(name: str) -> Loss:
     Raises:
         RegistryError: (a UsageError, source ``loss``) an unknown name, listing the accepted.
     """
-    return LOSSES.get(name)
+    configured = CONFIGURED.get(name) if isinstance(name, str) else None
+    return configured if configured is not None else LOSSES.get(name)
 
 
 def loss_fn(name: str):
@@ -409,52 +426,289 @@ def mse() -> Loss:
     )
 
 
+# --------------------------------------------------------------------------- element-wise losses
+def outputs_per_sample(z: torch.Tensor) -> int:
+    """``M``, the outputs of one sample of ``z`` (batch first): the product of ``z.shape[1:]``."""
+    return math.prod(z.shape[1:])
+
+
+def targets_as_outputs(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Targets in ``z``'s dtype and shape (sharp's one target per sample ``(B,)`` of a
+    one-output model ``(B, 1)`` included)."""
+    y = y.to(z.dtype)
+    return y if y.shape == z.shape else y.reshape(z.shape)
+
+
+def elementwise_factor(
+    curvature: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], Iterator[torch.Tensor]]:
+    """The square-root factor of a diagonal ``H_z = diag(h)``, ``h = curvature(z, y) >= 0``
+    shaped like ``z``: one column per output ``m``, ``sqrt(h_m) e_m``."""
+
+    def factor(z: torch.Tensor, y: torch.Tensor) -> Iterator[torch.Tensor]:
+        h = curvature(z.detach(), y).reshape(z.shape[0], -1).clamp_min(0).sqrt()
+        for m in range(h.shape[1]):
+            column = torch.zeros_like(h)
+            column[:, m] = h[:, m]
+            yield column.reshape(z.shape)
+
+    return factor
+
+
+def _same_shape_check(what: str) -> Callable[[torch.Tensor, torch.Tensor], str | None]:
+    def check(z: torch.Tensor, y: torch.Tensor) -> str | None:
+        # per sample: a check may see one sample's outputs with the whole set's targets
+        if y.shape[1:] == z.shape[1:] or (y.ndim == 1 and outputs_per_sample(z) == 1):
+            return None
+        outputs = "(N, " + ", ".join(str(d) for d in z.shape[1:]) + ")"
+        return (
+            f"targets have shape {tuple(y.shape)} but the model returns outputs {outputs}: "
+            f"{what} takes targets of the outputs' shape (element-wise, as torch's module)"
+        )
+
+    return check
+
+
 # --------------------------------------------------------------------------- binary cross-entropy
-def _bce(z, y, reduction="mean"):
-    return F.binary_cross_entropy_with_logits(
-        z.reshape(-1), y.to(z.dtype).reshape(-1), reduction=reduction
-    )
+def _bce_elements(z, y):
+    return F.binary_cross_entropy_with_logits(z, targets_as_outputs(z, y), reduction=UNREDUCED)
 
 
-def _bce_factor(z, y=None):
-    s = torch.sigmoid(z.detach())
-    yield (s * (1 - s)).sqrt()
+def _bce_curvature(z, y=None):
+    s = torch.sigmoid(z)
+    return s * (1 - s) / outputs_per_sample(z)
 
 
 def _bce_check(z, y):
-    if z.ndim not in (1, 2) or z[0].numel() != 1:
-        return f"the model returns outputs of shape {tuple(z.shape)}, expected one logit per sample"
-    if y.ndim != 1 and tuple(y.shape) != tuple(z.shape):
-        return (
-            f"labels have shape {tuple(y.shape)}; binary cross-entropy takes one 0/1 label per "
-            f"sample, (batch,) or shaped as the outputs {tuple(z.shape)}"
-        )
-    if y.numel() and not bool(((y == 0) | (y == 1)).all()):
-        return "binary cross-entropy needs labels 0 and 1"
+    problem = _same_shape_check("binary cross-entropy")(z, y)
+    if problem:
+        return problem
+    if y.numel() and not bool(((y >= 0) & (y <= 1)).all()):
+        return "binary cross-entropy needs labels in [0, 1] (0/1 labels or probabilities)"
     return None
+
+
+def _bernoulli_outputs_labels(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    # y^ ~ Bernoulli(sigmoid z) per output; with M outputs per sample the loss is the mean over
+    # them, l = (1/M) sum_m b_m, H_z = diag(s(1 - s))/M, while the gradient at y^ carries 1/M
+    # twice: y~ = s + sqrt(M)(y^ - s) (the gradient s - y is linear in the target, which
+    # binary_cross_entropy_with_logits takes as any number) gives E[r r^T] = H_z; y^ for M = 1
+    labels = _bernoulli_labels(z, u)
+    m = outputs_per_sample(z)
+    if m == 1:
+        return labels
+    s = torch.sigmoid(z)
+    return s + math.sqrt(m) * (labels - s)
 
 
 @declare(
     "loss",
     BINARY_CROSS_ENTROPY,
-    "binary cross-entropy with logits: one logit per sample, labels 0/1",
+    "binary cross-entropy with logits, element-wise on outputs of any shape, labels in [0, 1]",
     info={"classification": True},
 )
 def binary_cross_entropy() -> Loss:
-    """One logit per sample, y in {0, 1}: ``l = softplus(z) - y z``
-    (``binary_cross_entropy_with_logits``); ``H_z = s(z)(1 - s(z))``."""
+    """Logits of any shape ``(B, ...)``, targets of the same shape in [0, 1] (one logit per
+    sample: ``(B,)`` or ``(B, 1)`` with labels ``(B,)``; multi-label ``(B, K)``; per position
+    ``(B, T, K)``): the mean over all elements, as ``nn.BCEWithLogitsLoss()``, so
+    ``l_i = (1/M) sum_m softplus(z_m) - y_m z_m`` over the sample's ``M`` outputs;
+    ``H_z = diag(s(z)(1 - s(z)))/M``, ``s`` the sigmoid."""
     return _declared(
         binary_cross_entropy,
-        mean=_bce,
-        per_sample=lambda z, y: _bce(z, y, reduction=UNREDUCED),
-        hessian_matvec=lambda z, y, u: torch.sigmoid(z) * (1 - torch.sigmoid(z)) * u,
-        ggn_factor=_bce_factor,
+        mean=lambda z, y: _bce_elements(z, y).mean(),
+        per_sample=lambda z, y: _bce_elements(z, y).reshape(z.shape[0], -1).mean(1),
+        hessian_matvec=lambda z, y, u: _bce_curvature(z) * u,
+        ggn_factor=elementwise_factor(_bce_curvature),
         correct=lambda z, y: (
-            ((z.reshape(-1) > 0).long() == y.reshape(-1).long()).sum(),
+            ((z > 0) == (targets_as_outputs(z, y) > 0.5)).sum(),
             _count(z, y),
         ),
         check=_bce_check,
-        sampler=BERNOULLI,
+        sampler=LabelSampler("uniform", True, _bernoulli_outputs_labels),
+    )
+
+
+def bce_probabilities_curvature(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``d^2/dp^2`` of ``-(y log p + (1 - y) log(1 - p))`` per element, ``y/p^2 + (1 - y)/(1 - p)^2``
+    (``>= 0`` for targets in [0, 1]), without the mean's ``1/M``."""
+    t = targets_as_outputs(z, y)
+    return t / z.square() + (1 - t) / (1 - z).square()
+
+
+def _bce_probabilities_check(z, y):
+    problem = _bce_check(z, y)
+    if problem:
+        return problem.replace("binary cross-entropy", "bce-probabilities")
+    if z.numel() and not bool(((z >= 0) & (z <= 1)).all()):
+        return (
+            "bce-probabilities takes probabilities (a Sigmoid head) but the outputs range over "
+            f"[{float(z.min()):.3g}, {float(z.max()):.3g}]; for logits use binary-cross-entropy "
+            "(nn.BCEWithLogitsLoss)"
+        )
+    return None
+
+
+@declare(
+    "loss",
+    BCE_PROBABILITIES,
+    "binary cross-entropy on probabilities (a Sigmoid head), element-wise, as torch's BCELoss",
+    info={"classification": True},
+)
+def bce_probabilities() -> Loss:
+    """Outputs ``p`` in [0, 1] of any shape (a model ending in ``nn.Sigmoid``), targets of the
+    same shape in [0, 1]: ``l_i = (1/M) sum_m -(y_m log p_m + (1 - y_m) log(1 - p_m))``, the
+    mean over all elements as ``nn.BCELoss()``; ``H_z = diag(y/p^2 + (1 - y)/(1 - p)^2)/M``, the
+    curvature in the probabilities (so the Gauss-Newton matrix is the one through ``p``, not
+    the logits': the Hessian is the same, the split differs). ``H_z`` depends on the
+    observed target, so it draws no labels (no Fisher)."""
+
+    def curvature(z, y):
+        return bce_probabilities_curvature(z, y) / outputs_per_sample(z)
+
+    def elements(z, y):
+        return F.binary_cross_entropy(z, targets_as_outputs(z, y), reduction=UNREDUCED)
+
+    return _declared(
+        bce_probabilities,
+        mean=lambda z, y: elements(z, y).mean(),
+        per_sample=lambda z, y: elements(z, y).reshape(z.shape[0], -1).mean(1),
+        hessian_matvec=lambda z, y, u: curvature(z, y) * u,
+        ggn_factor=elementwise_factor(curvature),
+        correct=lambda z, y: (
+            ((z > 0.5) == (targets_as_outputs(z, y) > 0.5)).sum(),
+            _count(z, y),
+        ),
+        check=_bce_probabilities_check,
+    )
+
+
+# --------------------------------------------------------------------------- Huber, smooth L1
+def _huber_curvature(delta: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    # torch's huber_loss: 0.5 r^2 where |r| < delta, delta (|r| - delta/2) elsewhere; its second
+    # derivative 1 inside, 0 outside (and at |r| = delta, as torch's double backward)
+    def curvature(z, y):
+        r = z - targets_as_outputs(z, y)
+        return (r.abs() < delta).to(z.dtype) / outputs_per_sample(z)
+
+    return curvature
+
+
+def _smooth_l1_curvature(beta: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    # torch's smooth_l1_loss: 0.5 r^2 / beta where |r| < beta, |r| - beta/2 elsewhere (beta = 0:
+    # the L1 loss, second derivative 0 wherever it is defined)
+    def curvature(z, y):
+        if beta == 0:
+            return torch.zeros_like(z)
+        r = z - targets_as_outputs(z, y)
+        return (r.abs() < beta).to(z.dtype) / (beta * outputs_per_sample(z))
+
+    return curvature
+
+
+def robust_regression(
+    builder: Callable[[], Loss],
+    elements: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    curvature: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    what: str,
+) -> Loss:
+    """An element-wise regression loss averaged over every output, ``l_i = (1/M) sum_m
+    e(z_m, y_m)``, with ``H_z = diag(curvature(z, y))`` (the ``1/M`` included)."""
+    return _declared(
+        builder,
+        mean=lambda z, y: elements(z, targets_as_outputs(z, y)).mean(),
+        per_sample=lambda z, y: (
+            elements(z, targets_as_outputs(z, y)).reshape(z.shape[0], -1).mean(1)
+        ),
+        hessian_matvec=lambda z, y, u: curvature(z, y) * u,
+        ggn_factor=elementwise_factor(curvature),
+        check=_same_shape_check(what),
+    )
+
+
+@declare(
+    "loss",
+    HUBER,
+    "Huber loss (delta 1), element-wise on outputs of any shape, as torch's HuberLoss",
+    info={"classification": False},
+)
+def huber() -> Loss:
+    """``e(r) = r^2/2`` for ``|r| < delta``, ``delta (|r| - delta/2)`` elsewhere, ``r = z - y``,
+    ``delta = 1`` (``huber:delta=...`` for another), the mean over all outputs
+    (``nn.HuberLoss``); ``H_z = diag(1[|r| < delta])/M``: piecewise, the GGN is the Hessian's
+    part through the outputs as for MSE, and the NME vanishes where ``z`` is linear."""
+    return robust_regression(
+        huber,
+        lambda z, y: F.huber_loss(z, y, reduction=UNREDUCED),
+        _huber_curvature(1.0),
+        "huber",
+    )
+
+
+@declare(
+    "loss",
+    SMOOTH_L1,
+    "smooth L1 loss (beta 1), element-wise on outputs of any shape, as torch's SmoothL1Loss",
+    info={"classification": False},
+)
+def smooth_l1() -> Loss:
+    """``e(r) = r^2/(2 beta)`` for ``|r| < beta``, ``|r| - beta/2`` elsewhere, ``r = z - y``,
+    ``beta = 1`` (``smooth-l1:beta=...`` for another), the mean over all outputs
+    (``nn.SmoothL1Loss``); ``H_z = diag(1[|r| < beta]/beta)/M`` (0 for ``beta = 0``, the L1 loss)."""
+    return robust_regression(
+        smooth_l1,
+        lambda z, y: F.smooth_l1_loss(z, y, reduction=UNREDUCED),
+        _smooth_l1_curvature(1.0),
+        "smooth-l1",
+    )
+
+
+# --------------------------------------------------------------------------- negative log-likelihood
+def log_probability_problem(z: torch.Tensor, dim: int = -1) -> str | None:
+    """Why ``z`` are not normalised log-probabilities over ``dim`` (``logsumexp = 0``), or None.
+
+    The tolerance is the rounding of a log-softmax in ``z``'s dtype (1e-8 in float64, 1e-3
+    below), far below what unnormalised logits give."""
+    if not z.numel():
+        return None
+    lse = torch.logsumexp(z.detach().to(torch.float64), dim=dim)
+    worst = float(lse.abs().max())
+    tol = 1e-8 if z.dtype == torch.float64 else 1e-3
+    if math.isfinite(worst) and worst <= tol:
+        return None
+    return (
+        "nll takes log-probabilities (a LogSoftmax head) but the outputs' logsumexp over the "
+        f"classes is {worst:.3g} away from 0; for logits use cross-entropy (nn.CrossEntropyLoss)"
+    )
+
+
+def _nll_check(z, y):
+    return _class_check(z, y) or log_probability_problem(z)
+
+
+@declare(
+    "loss",
+    NLL,
+    "negative log-likelihood of log-probability outputs (a LogSoftmax head), as cross-entropy",
+    info={"classification": True},
+)
+def nll() -> Loss:
+    """``l = -z_y`` on log-probabilities ``z = log_softmax(a)`` (``nn.NLLLoss`` after
+    ``nn.LogSoftmax``), differentiated as the cross-entropy ``-log softmax(z)_y``, which equals
+    it wherever ``z`` is normalised (``log_softmax`` is idempotent): the same function of the
+    parameters, the same Hessian. ``H_z = diag(p) - p p^T`` with ``p = exp(z)``, so the
+    Gauss-Newton matrix is the one through the log-softmax, ``J_a^T (diag p - p p^T) J_a``
+    (``(I - 1 p^T)`` of the log-softmax's Jacobian is annihilated), not ``0`` as the
+    NLL's own Hessian in ``z`` would give; the outputs must be normalised (checked)."""
+    return _declared(
+        nll,
+        mean=lambda z, y: F.cross_entropy(z, y),
+        per_sample=lambda z, y: F.cross_entropy(z, y, reduction=UNREDUCED),
+        hessian_matvec=_softmax_matvec,
+        ggn_factor=_softmax_factor,
+        correct=_argmax_correct,
+        check=_nll_check,
+        sampler=CATEGORICAL,
+        softmax=True,
     )
 
 

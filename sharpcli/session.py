@@ -31,6 +31,7 @@ from sharpcli.io.causal_lm import (
 )
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
+from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
 from sharpcli.losses import (
     CROSS_ENTROPY,
@@ -223,7 +224,8 @@ def _analysis_loss(
     """
 
     out = model_outputs(model, x, dataset.source)
-    name = loss or stored
+    spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
+    name = spec.name if spec is not None else stored
     if loss is not None:
         origin = LossOrigin("option", "named by --loss")
     elif stored is not None:
@@ -251,11 +253,16 @@ def _analysis_loss(
         if err.source != "data":
             raise
         raise mismatch(err.message) from None
+    torch_loss = reference(spec) or reference_loss(reading)
+    # torch's options over the whole set (sharpcli.io.loss_options)
+    configured = configure_loss(spec or LossSpec(name), reading.name, reading.labels(y))
+    reading = LossReading(configured, reading.layout)
     problem = _labels_problem(reading, out, y)
     if problem:
         raise mismatch(problem)
     ignore = IGNORE_INDEX if get_loss(reading.name).softmax else None
-    check_loss_value(reference_loss(reading), reading, out, head, ignore, f"torch's {name}")
+    label = f"torch's {spec.text if spec is not None else name}"
+    check_loss_value(torch_loss, reading, out, head, ignore, label)
     if origin.source == "inferred" and name == CROSS_ENTROPY and out.ndim >= 3:
         origin = LossOrigin(
             "inferred",
@@ -264,6 +271,34 @@ def _analysis_loss(
             else "inferred: labels (batch, length) for outputs (batch, length, vocabulary)",
         )
     return reading, tuple(out.shape), origin
+
+
+def _check_options(
+    split: str,
+    batch_size: int,
+    samples: int | None,
+    cache_mb: int | None,
+    seed: int,
+    loss: str | None,
+) -> None:
+    """The options a user can get wrong, refused before anything loads (UsageError naming
+    each): an unknown split, sizes below their minimum, a seed out of range, an unknown loss
+    or loss option (listing the accepted ones)."""
+    if split not in SPLITS:
+        raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
+    if batch_size < 1:
+        raise UsageError("must be at least 1", source="batch_size")
+    if samples is not None and samples < 1:
+        raise UsageError("must be at least 1", source="samples")
+    if cache_mb is not None and cache_mb < 0:
+        raise UsageError("must be >= 0", source="cache_mb")
+    check_seed(seed)
+    if loss is not None and parse_loss_spec(loss).get("ignore_index") != IGNORE_INDEX:
+        raise UsageError(
+            "ignore_index is the library's (nn.CrossEntropyLoss(ignore_index=...)); in a "
+            f"data file label the ignored samples or positions {IGNORE_INDEX}",
+            source="loss",
+        )
 
 
 def build_session(
@@ -303,17 +338,7 @@ def build_session(
     model without a double backward is accepted).
     """
 
-    if split not in SPLITS:
-        raise UsageError(f"unknown split {split!r}; accepted: train, test", source="split")
-    if batch_size < 1:
-        raise UsageError("must be at least 1", source="batch_size")
-    if samples is not None and samples < 1:
-        raise UsageError("must be at least 1", source="samples")
-    if cache_mb is not None and cache_mb < 0:
-        raise UsageError("must be >= 0", source="cache_mb")
-    check_seed(seed)
-    if loss is not None:
-        get_loss(loss)  # an unknown name, listing the accepted ones, before anything loads
+    _check_options(split, batch_size, samples, cache_mb, seed, loss)
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     # the run's memory plan (sharpcli.memory): estimators size themselves from it

@@ -271,10 +271,14 @@ def test_the_loss_module_on_variable_length_labels_is_the_mean_over_labelled_tok
     assert torch.equal(token_weights(ids.double(), labels)[0, 0], torch.tensor(1.0, dtype=D))
 
 
-def test_a_token_loss_module_refuses_other_reductions_naming_the_argument():
+def test_a_token_loss_module_with_reduction_sum_and_the_refusals_naming_the_argument():
     model, ids, labels = _padded_lm_problem()
-    with pytest.raises(UsageError, match="reduction='mean'") as info:
-        Curvature(model, nn.CrossEntropyLoss(reduction="sum"), (ids, labels))
+    module = nn.CrossEntropyLoss(reduction="sum")
+    H = dense_hessian(model, lambda z: module(z.reshape(-1, 6), labels.reshape(-1)), (ids,))
+    summed = Curvature(model, module, (ids, labels), batch_size=3)
+    assert torch.allclose(summed.operator().to_dense(), H, atol=1e-11 * float(H.abs().max()))
+    with pytest.raises(UsageError, match="reduction='none'") as info:
+        Curvature(model, nn.CrossEntropyLoss(reduction="none"), (ids, labels))
     assert info.value.source == "loss"
     with pytest.raises(UsageError, match="token_reduction='samples'") as info:
         Curvature(model, nn.CrossEntropyLoss(), (ids, labels), token_reduction="samples")
@@ -337,9 +341,9 @@ def test_sharpcli_exports_the_api_lazily():
 @pytest.mark.parametrize(
     "case, source, words",
     [
-        ("loss-module", "loss", "NLLLoss is not a supported loss"),
-        ("loss-sum", "loss", "reduction='sum'"),
-        ("loss-weight", "loss", "weight"),
+        ("loss-module", "loss", "KLDivLoss is not a supported loss"),
+        ("loss-sum", "loss", "reduction='none'"),
+        ("loss-weight", "loss", "negative entries"),
         ("loss-name", "loss", "unknown loss"),
         ("loss-function", "loss", "function"),
         ("data-tensor", "data", "one tensor"),
@@ -373,9 +377,9 @@ def test_user_errors_name_their_argument(case, source, words):
     model, x, y = _mlp_problem()
     data = (x, y)
     calls = {
-        "loss-module": lambda: Curvature(model, nn.NLLLoss(), data),
-        "loss-sum": lambda: Curvature(model, nn.CrossEntropyLoss(reduction="sum"), data),
-        "loss-weight": lambda: Curvature(model, nn.CrossEntropyLoss(weight=torch.ones(3)), data),
+        "loss-module": lambda: Curvature(model, nn.KLDivLoss(), data),
+        "loss-sum": lambda: Curvature(model, nn.CrossEntropyLoss(reduction="none"), data),
+        "loss-weight": lambda: Curvature(model, nn.CrossEntropyLoss(weight=-torch.ones(3)), data),
         "loss-name": lambda: Curvature(model, "hinge", data),
         "loss-function": lambda: Curvature(model, F.cross_entropy, data),
         "data-tensor": lambda: Curvature(model, "cross-entropy", x),

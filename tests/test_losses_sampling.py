@@ -30,8 +30,13 @@ def _outputs(name: str) -> torch.Tensor:
     return torch.randn(3, 4, generator=gen, dtype=torch.float64)
 
 
+# losses whose output Hessian depends on the observed target (a piecewise second derivative):
+# no distribution's gradients give it in expectation, so they draw no labels
+NO_SAMPLER = ("huber", "smooth-l1", "bce-probabilities")
+
+
 def test_every_loss_has_a_sampler():
-    assert all(loss.sampler is not None for loss in LOSSES.values())
+    assert all((loss.sampler is None) == (name in NO_SAMPLER) for name, loss in LOSSES.items())
 
 
 @pytest.mark.parametrize("name", ["cross-entropy", "token-cross-entropy"])
@@ -48,14 +53,14 @@ def test_categorical_frequencies_are_the_softmax(name):
 
 
 def test_bernoulli_frequencies_are_the_sigmoid():
-    z = _outputs("binary-cross-entropy")
+    z = _outputs("binary-cross-entropy")  # one logit for each of 4 samples
     labels = get_loss("binary-cross-entropy").sample_labels(
-        z.expand(DRAWS, *z.shape), torch.Generator().manual_seed(11)
+        z.repeat(DRAWS), torch.Generator().manual_seed(11)
     )
     assert set(labels.unique().tolist()) <= {0.0, 1.0} and labels.dtype == z.dtype
     p = torch.sigmoid(z)
     stderr = (p * (1 - p) / DRAWS).sqrt()
-    assert ((labels.mean(0) - p).abs() <= 4.5 * stderr).all()
+    assert ((labels.reshape(DRAWS, -1).mean(0) - p).abs() <= 4.5 * stderr).all()
 
 
 def test_gaussian_moments_are_the_mse_likelihood():
@@ -81,6 +86,8 @@ def test_draws_are_a_map_of_keyed_random_numbers():
     """labels_from_noise is deterministic: the same numbers give the same labels, on any
     split of the batch (what makes sampled traces independent of batch size and ranks)."""
     for name in LOSSES:
+        if name in NO_SAMPLER:
+            continue
         loss = get_loss(name)
         z = _outputs(name)
         gen = torch.Generator().manual_seed(5)
@@ -93,6 +100,20 @@ def test_draws_are_a_map_of_keyed_random_numbers():
         assert torch.equal(whole, halves), name
         again = loss.sample_labels(z, torch.Generator().manual_seed(5))
         assert torch.equal(again, whole), name
+
+
+def test_multi_label_draws_give_the_output_hessian():
+    """(B, K) logits, the mean over K labels: the drawn targets' output gradients have second
+    moment H_z = diag(s (1 - s)) / K (a plain Bernoulli draw would give 1/K^2)."""
+    loss = get_loss("binary-cross-entropy")
+    z = torch.tensor([[0.3, -1.2, 2.0]], dtype=torch.float64).expand(DRAWS, 3).clone()
+    labels = loss.sample_labels(z, torch.Generator().manual_seed(4))
+    zz = z.clone().requires_grad_(True)
+    (r,) = torch.autograd.grad(loss.per_sample(zz, labels).sum(), zz)
+    s = torch.sigmoid(z[0])
+    second_moment = r.T @ r / DRAWS
+    expected = torch.diag(s * (1 - s) / 3)
+    assert torch.allclose(second_moment, expected, atol=5 * float(expected.max()) / DRAWS**0.5)
 
 
 @pytest.mark.parametrize("name", ["cross-entropy", "binary-cross-entropy", "mse"])

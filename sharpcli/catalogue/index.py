@@ -72,7 +72,11 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
     'loss': (
         Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),
         Entry('mse', 'mean squared error (mean over the outputs) on regression targets', 'sharpcli.losses:mse', info={'classification': False}),
-        Entry('binary-cross-entropy', 'binary cross-entropy with logits: one logit per sample, labels 0/1', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
+        Entry('binary-cross-entropy', 'binary cross-entropy with logits, element-wise on outputs of any shape, labels in [0, 1]', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
+        Entry('bce-probabilities', "binary cross-entropy on probabilities (a Sigmoid head), element-wise, as torch's BCELoss", 'sharpcli.losses:bce_probabilities', info={'classification': True}),
+        Entry('huber', "Huber loss (delta 1), element-wise on outputs of any shape, as torch's HuberLoss", 'sharpcli.losses:huber', info={'classification': False}),
+        Entry('smooth-l1', "smooth L1 loss (beta 1), element-wise on outputs of any shape, as torch's SmoothL1Loss", 'sharpcli.losses:smooth_l1', info={'classification': False}),
+        Entry('nll', 'negative log-likelihood of log-probability outputs (a LogSoftmax head), as cross-entropy', 'sharpcli.losses:nll', info={'classification': True}),
         Entry('token-cross-entropy', 'cross-entropy per position of (batch, length, vocabulary) outputs, labels -100 ignored', 'sharpcli.losses:token_cross_entropy', info={'classification': True}),
     ),
     'metric': (

@@ -210,9 +210,9 @@ LossOpt = Annotated[
     typer.Option(
         "--loss",
         rich_help_panel="Data",
-        metavar=choices.metavar(catalogue.LOSSES),
+        metavar=choices.metavar(catalogue.LOSSES, params=True),
         # one help line, no values listed (every analysis command's --help fits 80 lines);
-        # an unknown name is refused listing them
+        # an unknown name or option is refused listing them (sharpcli.io.loss_options)
         help="Loss (default: the checkpoint's, else inferred).",
     ),
 ]

@@ -27,13 +27,13 @@ from sharpcli.io.causal_lm import (
     own_loss_note,
     shift_token_labels,
 )
+from sharpcli.io.loss_options import LOSS_MODULES, LossSpec, module_spec, parse_loss_spec
 from sharpcli.io.loss_readings import LossReading, read_loss
 from sharpcli.losses import (
-    BINARY_CROSS_ENTROPY,
     CROSS_ENTROPY,
     IGNORE_INDEX,
     LOSSES,
-    MSE,
+    NLL,
     TOKEN_CROSS_ENTROPY,
     TOKEN_REDUCTIONS,
     get_loss,
@@ -48,6 +48,7 @@ __all__ = [
     "apply_ignore_index",
     "collect_data",
     "loss_name",
+    "loss_spec",
     "model_on_data",
     "own_loss_labels",
     "refuse_unshifted_labels",
@@ -58,7 +59,6 @@ __all__ = [
 
 LABEL_KEYS = ("labels", "y")  # where a dict batch keeps its labels
 DEFAULT_BATCH_SIZE = 256  # tensors given whole: products batch them by this many samples
-LOSS_MODULES = "nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.MSELoss"
 
 
 # --------------------------------------------------------------------------- data
@@ -339,57 +339,34 @@ def to_device(tensor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- losses
-def _check_reduction(loss: nn.Module) -> None:
-    reduction = getattr(loss, "reduction", "mean")
-    if reduction != "mean":
-        raise UsageError(
-            f"{type(loss).__name__}(reduction={reduction!r}) is not supported: curvature is "
-            "taken of the mean loss; use reduction='mean' (the sum is the mean times the number "
-            "of terms it adds: labelled samples or tokens, or elements for MSELoss, so multiply "
-            "eigenvalues and traces by it)",
-            source="loss",
-        )
+def loss_spec(loss) -> LossSpec:
+    """The loss and its options: a module's (:func:`sharpcli.io.loss_options.module_spec`) or
+    a spec's ``NAME[:k=v,...]`` (:func:`sharpcli.io.loss_options.parse_loss_spec`).
 
-
-def _refuse_attribute(loss: nn.Module, name: str, default) -> None:
-    value = getattr(loss, name, default)
-    if value is not default and not (isinstance(value, float) and value == default):
-        raise UsageError(
-            f"{type(loss).__name__}({name}=...) is not supported: sharp's losses have no "
-            f"`{name}`; leave it at its default",
-            source="loss",
-        )
+    Raises:
+        UsageError: (``loss``) an unsupported module or option, an unknown name.
+    """
+    if isinstance(loss, str):
+        return parse_loss_spec(loss)
+    return module_spec(loss)
 
 
 def loss_name(loss) -> tuple[str, int | None]:
-    """``(loss name, ignore_index or None)`` for a loss module or name.
+    """``(loss name, ignore_index or None)`` for a loss module or a spec.
 
     ``nn.CrossEntropyLoss`` is ``cross-entropy`` (whose reading of the outputs' shape,
     classes on dim 1 or a language model's classes last, is
-    :func:`sharpcli.io.loss_readings.read_loss`'s), ``nn.BCEWithLogitsLoss``
-    ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``. Refused clearly: another reduction than
-    the mean, class weights, ``pos_weight``, label smoothing, other modules.
+    :func:`sharpcli.io.loss_readings.read_loss`'s), ``nn.NLLLoss`` ``nll``,
+    ``nn.BCEWithLogitsLoss`` ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``,
+    ``nn.HuberLoss`` ``huber``, ``nn.SmoothL1Loss`` ``smooth-l1``; their options are
+    :func:`loss_spec`'s. Refused clearly: ``reduction="none"``, other modules.
     """
-    if isinstance(loss, str):
-        return get_loss(loss).name, None
-    if isinstance(loss, nn.CrossEntropyLoss):
-        _check_reduction(loss)
-        _refuse_attribute(loss, "weight", None)
-        _refuse_attribute(loss, "label_smoothing", 0.0)
-        return CROSS_ENTROPY, int(loss.ignore_index)
-    if isinstance(loss, nn.BCEWithLogitsLoss):
-        _check_reduction(loss)
-        _refuse_attribute(loss, "weight", None)
-        _refuse_attribute(loss, "pos_weight", None)
-        return BINARY_CROSS_ENTROPY, None
-    if isinstance(loss, nn.MSELoss):
-        _check_reduction(loss)
-        return MSE, None
-    raise UsageError(
-        f"{type(loss).__name__} is not a supported loss; pass one of {LOSS_MODULES} or a name: "
-        f"{', '.join(LOSSES)}",
-        source="loss",
-    )
+    spec = loss_spec(loss)
+    if spec.name not in (CROSS_ENTROPY, NLL):
+        return spec.name, None
+    if isinstance(loss, str) and "ignore_index" not in dict(spec.options):
+        return spec.name, None  # a name: labels -100 are the token loss's own marker
+    return spec.name, int(spec.get("ignore_index"))  # type: ignore[call-overload]
 
 
 def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReading, int | None]:
@@ -406,14 +383,17 @@ def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReadi
         The reading and the ``ignore_index`` (None but for ``nn.CrossEntropyLoss``).
     """
     name, ignore_index = loss_name(loss)
-    if isinstance(loss, nn.MSELoss) and tuple(y.shape) != tuple(logits.shape):
+    regression = (nn.MSELoss, nn.HuberLoss, nn.SmoothL1Loss)
+    if isinstance(loss, regression) and tuple(y.shape) != tuple(logits.shape):
         raise UsageError(
             f"targets of shape {tuple(y.shape)} for outputs {tuple(logits.shape)}: "
-            "nn.MSELoss would broadcast them into another loss; give the targets the outputs' "
-            "shape (or pass `loss=mse`, which takes one target per sample of one output)",
+            f"nn.{type(loss).__name__} would broadcast them into another loss; give the "
+            f"targets the outputs' shape (or pass `loss={name}`, which takes one target per "
+            "sample of one output)",
             source="data",
         )
-    return read_loss(name, logits, y, named=isinstance(loss, str)), ignore_index
+    module = isinstance(loss, nn.Module)
+    return read_loss(name, logits, y, named=not module, module=module), ignore_index
 
 
 def apply_ignore_index(collected: CollectedData, name: str, ignore_index: int | None):
@@ -482,7 +462,8 @@ def token_reduction_of(loss, name: str, reduction: str | None) -> str | None:
         )
     if not get_loss(name).per_token:
         return None
-    if reduction == "samples" and not (isinstance(loss, str) and get_loss(loss).per_token):
+    named = isinstance(loss, str) and get_loss(loss_spec(loss).name).per_token
+    if reduction == "samples" and not named:
         what = f"{type(loss).__name__}()" if isinstance(loss, nn.Module) else repr(loss)
         raise UsageError(
             f"{what} averages over every labelled position of the set; for the "

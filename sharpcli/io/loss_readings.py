@@ -28,6 +28,7 @@ module's own value on it.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +39,14 @@ from torch import nn
 
 from sharpcli.errors import UsageError, first_line
 from sharpcli.losses import (
+    BCE_PROBABILITIES,
     BINARY_CROSS_ENTROPY,
     CROSS_ENTROPY,
+    HUBER,
     IGNORE_INDEX,
     MSE,
+    NLL,
+    SMOOTH_L1,
     TOKEN_CROSS_ENTROPY,
     get_loss,
     token_reduction,
@@ -80,7 +85,10 @@ class LossReading:
         return z
 
     def labels(self, y: torch.Tensor) -> torch.Tensor:
-        """The labels ``y`` (batch first) as the registered loss takes them."""
+        """The labels ``y`` (batch first) as the registered loss takes them (probability
+        targets ``(N, C, d1, ..., dk)`` with their classes moved last, as the outputs)."""
+        if self.layout == "classes-last" and y.is_floating_point() and y.ndim >= 3:
+            return y.movedim(1, -1).reshape(y.shape[0], -1, y.shape[1])
         if self.layout in ("flat", "classes-last") and y.ndim != 2:
             return y.reshape(y.shape[0], -1)
         return y
@@ -108,13 +116,16 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape)).replace(",)", ")")
 
 
-def _cross_entropy_reading(z: torch.Tensor, y: torch.Tensor, named: bool) -> LossReading:
-    """Cross-entropy on ``z`` with integer labels ``y`` (see the module docstring)."""
+def _cross_entropy_reading(
+    z: torch.Tensor, y: torch.Tensor, named: bool, module: bool = False
+) -> LossReading:
+    """Cross-entropy on ``z`` with integer labels ``y`` (see the module docstring); a module
+    reads the classes on dim 1 wherever that fits, as torch's module does."""
     if z.ndim <= 2:
         return LossReading(CROSS_ENTROPY)
     classes_on_dim_1 = tuple(y.shape) == (z.shape[0], *z.shape[2:])
     classes_last = z.ndim == 3 and y.ndim == 2 and y.shape[1] == z.shape[1]
-    if classes_on_dim_1 and classes_last and not named:
+    if classes_on_dim_1 and classes_last and not (named or module):
         raise UsageError(
             f"outputs {_shape(z)} with labels {_shape(y)} read two ways: classes on dim 1 "
             f"({z.shape[1]} classes at each of {z.shape[2]} positions, as torch's "
@@ -138,7 +149,9 @@ def _cross_entropy_reading(z: torch.Tensor, y: torch.Tensor, named: bool) -> Los
     )
 
 
-def read_loss(name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool) -> LossReading:
+def read_loss(
+    name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool, module: bool = False
+) -> LossReading:
     """How the loss ``name`` reads outputs ``z`` and labels ``y`` (module docstring).
 
     Args:
@@ -148,7 +161,9 @@ def read_loss(name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool) -> Lo
         y: Their labels.
         named: Whether the user named the loss (a name, ``--loss``, a checkpoint's stored loss)
             rather than handing a module or leaving it to sharp: a named ``cross-entropy``
-            reads classes on dim 1, where a module's would be ambiguous.
+            reads classes on dim 1, where an inferred one would be ambiguous.
+        module: Whether a loss module was handed in: ``nn.CrossEntropyLoss`` has one reading,
+            the classes on dim 1 (a language model's classes last only where that does not fit).
 
     Returns:
         The reading: the registered loss and the layout of its outputs.
@@ -157,8 +172,14 @@ def read_loss(name: str, z: torch.Tensor, y: torch.Tensor, *, named: bool) -> Lo
         UsageError: (``loss``) both cross-entropy readings fit and none was named; (``data``)
             labels or targets that fit no reading of the loss.
     """
-    if name == CROSS_ENTROPY and not y.is_floating_point():
-        return _cross_entropy_reading(z, y, named)
+    if name in (CROSS_ENTROPY, NLL) and y.is_floating_point():
+        # probability targets (N, C, d1, ..., dk), the outputs' shape (cross-entropy only)
+        if name == CROSS_ENTROPY and z.ndim > 2 and tuple(y.shape) == tuple(z.shape):
+            return LossReading(TOKEN_CROSS_ENTROPY, "classes-last")
+        return LossReading(name)
+    if name in (CROSS_ENTROPY, NLL):
+        reading = _cross_entropy_reading(z, y, named, module)
+        return LossReading(NLL) if name == NLL and reading.name == CROSS_ENTROPY else reading
     if name == MSE and z.ndim > 2:
         if tuple(y.shape) != tuple(z.shape):
             raise UsageError(
@@ -183,8 +204,17 @@ def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor
     Returns:
         ``f(z, y)``, the mean loss over a batch as torch computes it.
     """
-    if reading.name in (MSE, BINARY_CROSS_ENTROPY):
-        torch_loss = F.mse_loss if reading.name == MSE else F.binary_cross_entropy_with_logits
+    elementwise: dict[str, Callable[..., torch.Tensor]] = {
+        MSE: F.mse_loss,
+        BINARY_CROSS_ENTROPY: F.binary_cross_entropy_with_logits,
+        BCE_PROBABILITIES: F.binary_cross_entropy,
+        HUBER: F.huber_loss,
+        SMOOTH_L1: F.smooth_l1_loss,
+    }
+    if reading.name == NLL:
+        return F.nll_loss
+    if reading.name in elementwise:
+        torch_loss = elementwise[reading.name]
 
         def regression(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return torch_loss(z, y.to(z.dtype).reshape(z.shape))
@@ -202,9 +232,15 @@ def _sharp_value(
     (None: every label of the batch is ignored)."""
     loss = get_loss(reading.name)
     z, y = reading.outputs(z), reading.labels(y)
-    if loss.softmax_per_sample and ignore_index is not None:
+    if loss.softmax_per_sample and ignore_index is not None and not y.is_floating_point():
         keep = y != ignore_index
         z, y = z[keep], y[keep]
+    if loss.batch_value is not None:  # a loss with options, reduced as torch's module
+        if loss.per_token and ignore_index is not None and not y.is_floating_point():
+            y = torch.where(y == ignore_index, torch.full_like(y, IGNORE_INDEX), y)
+        if not y.is_floating_point() and loss.softmax and not bool((y != IGNORE_INDEX).any()):
+            return None
+        return loss.batch_value(z, y)
     if not loss.per_token:
         return loss.mean(z, y) if y.shape[0] else None
     if ignore_index is not None and ignore_index != IGNORE_INDEX:
@@ -219,13 +255,16 @@ def _module_value(module, reading: LossReading, z, y) -> torch.Tensor:
     """The module's own loss on the batch, ``module(z, y)``; a language model's (N, T, V)
     logits with (N, T) labels, which torch's module refuses as they are, as such models apply
     it: on the flattened positions."""
-    if isinstance(module, nn.BCEWithLogitsLoss) and not y.is_floating_point():
-        y = y.to(z.dtype)  # 0/1 labels as integers: the same loss, a dtype torch refuses
+    if isinstance(module, nn.Module):  # its weights in the analysis' dtype and device
+        module = copy.deepcopy(module).to(device=z.device, dtype=z.dtype)
+    if y.is_floating_point() or isinstance(module, nn.BCEWithLogitsLoss):
+        y = y.to(z.dtype)  # targets in another float dtype, 0/1 labels as integers: the same loss
     try:
         return module(z, y)
     except (RuntimeError, ValueError, IndexError):
-        language_model = isinstance(module, nn.CrossEntropyLoss) and z.ndim == 3
-        if not (language_model and reading == LossReading(TOKEN_CROSS_ENTROPY)):
+        language_model = isinstance(module, (nn.CrossEntropyLoss, nn.NLLLoss)) and z.ndim == 3
+        per_position = reading.layout == "as-is" and get_loss(reading.name).per_token
+        if not (language_model and per_position):
             raise
     return module(z.reshape(-1, z.shape[-1]), y.reshape(-1))
 

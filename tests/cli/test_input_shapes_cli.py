@@ -229,7 +229,7 @@ def test_bce_labels_outside_0_1_past_the_first_batch_are_refused(tmp_path, capsy
         capsys, "eigen", weights, data, "bce_net2", "--loss", "binary-cross-entropy",
         "--batch-size", "8",
     )  # fmt: skip
-    assert_one_line_error(run, 2, str(data), "labels 0 and 1")
+    assert_one_line_error(run, 2, str(data), "labels in [0, 1]")
 
 
 def test_n_h_w_arrays_are_not_images_without_x_shape(tmp_path, capsys, monkeypatch):

@@ -14,7 +14,7 @@ from torch import nn
 
 from sharpcli import Curvature
 from sharpcli.errors import UsageError
-from sharpcli.io.loss_readings import LossReading, check_loss_value
+from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss
 from tests.hessian_helpers import double_backward_hessian, jacobian_ggn
 
 
@@ -64,14 +64,16 @@ def test_k_dim_cross_entropy_module_reads_classes_on_dim_1(classes, positions):
     _assert_matches(curvature, *_references(model, x, y, nn.CrossEntropyLoss()))
 
 
-def test_square_outputs_are_refused_from_a_module_and_named_either_way():
-    """(N, 3, 3) with (N, 3): both readings fit; the module is refused naming `loss`, and each
-    name gives its own loss exactly (classes on dim 1, or last)."""
+def test_square_outputs_read_as_the_module_and_named_either_way():
+    """(N, 3, 3) with (N, 3): both readings fit; torch's module has one (classes on dim 1),
+    an inferred loss is refused naming `loss`, and each name gives its own loss exactly."""
     model = _model((3, 3))
     x = torch.randn(8, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (8, 3))
+    module = Curvature(model, nn.CrossEntropyLoss(), (x, y))
+    _assert_matches(module, *_references(model, x, y, F.cross_entropy))
     with pytest.raises(UsageError, match="read two ways") as caught:
-        Curvature(model, nn.CrossEntropyLoss(), (x, y))
+        read_loss("cross-entropy", model(x), y, named=False)
     assert caught.value.source == "loss"
     assert "`loss=cross-entropy`" in caught.value.message
     assert "`loss=token-cross-entropy`" in caught.value.message
