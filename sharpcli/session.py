@@ -227,7 +227,7 @@ def _analysis_loss(
     spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
     name = spec.name if spec is not None else stored
     if loss is not None:
-        origin = LossOrigin("option", "named by --loss")
+        origin = LossOrigin("option", "named by the user")
     elif stored is not None:
         origin = LossOrigin("checkpoint", f"the training loss stored in {checkpoint}")
     elif dataset.task != "regression" and out.ndim >= 3:

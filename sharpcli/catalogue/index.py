@@ -67,7 +67,7 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True}),
         Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),
         Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
-        Entry('exact', 'any operator exactly: per-sample norms (ggn, ef, fisher), else one product per parameter (small models)', 'sharpcli.curvature.trace_exact:exact_trace'),
+        Entry('exact', 'every operator exactly (small models)', 'sharpcli.curvature.trace_exact:exact_trace'),
     ),
     'loss': (
         Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),

@@ -78,12 +78,12 @@ XShapeOpt = Annotated[
         "--x-shape",
         rich_help_panel="Data",
         metavar="DIMS",
-        help="Reshape each sample's input, e.g. 1,28,28 (default: as the file stores it).",
+        help="Reshape each sample's input, e.g. 1,28,28.",
     ),
 ]
 SplitOpt = Annotated[
     choices.Split,
-    typer.Option("--split", rich_help_panel="Data", help="The dataset split that is analysed."),
+    typer.Option("--split", rich_help_panel="Data", help="The split."),
 ]
 SamplesOpt = Annotated[
     Optional[int],

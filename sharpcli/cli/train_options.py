@@ -77,8 +77,7 @@ TrainDataOpt = Annotated[
         "--data",
         metavar="SPEC",
         rich_help_panel="Data",
-        help="blobs[:k=v,..], images[:k=v,..] or a path (tensor file, .csv, .parquet, "
-        "CIFAR or MNIST folder), e.g. --data images:n=2000.",
+        help="blobs[:k=v,..], images[:k=v,..], a file (tensors, .csv, .parquet) or folder.",
     ),
 ]
 # The token loss a sequence model trains on (sharpcli.losses.token_reduction): one line of help

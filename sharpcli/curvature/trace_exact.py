@@ -283,8 +283,7 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
 @declare(
     "estimator",
     EXACT,
-    "any operator exactly: per-sample norms (ggn, ef, fisher), else one product per "
-    "parameter (small models)",
+    "every operator exactly (small models)",
 )
 def exact_trace(request: TraceRequest) -> TraceResult:
     """The exact trace of any operator by its cheapest exact route (module docstring).
