@@ -391,12 +391,6 @@ CASES = [
         ("--operator", "jacobian"),
     ),
     C(
-        "trace-exact-needs-ggn",
-        ("trace", "$own", "--estimator", "exact", "--operator", "hessian"),
-        2,
-        ("--estimator", "--operator ggn"),
-    ),
-    C(
         "trace-unknown-estimator",
         ("trace", "$own", "--estimator", "magic"),
         2,
