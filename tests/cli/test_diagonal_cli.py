@@ -103,3 +103,25 @@ def test_bad_input_is_one_line_and_exit_2(tiny, tmp_path, capsys):
     assert_one_line_error(run, 2, "--out")
     run = run_cli(capsys, "diagonal", tiny)
     assert run.code == 2 and "--out" in run.err
+
+
+def test_a_diagonal_that_overflows_is_exit_3_with_its_source(tiny, tmp_path, capsys):
+    """A sample at 1e160 (float64) labelled with each class: its gradient is finite (the
+    mislabelled ones' not zero), its square overflows, so the per-sample empirical-Fisher
+    diagonal is Inf. A numerical error (exit 3, one line) whose
+    JSON error names its ``source`` like every other numerical error (docs/json.md)."""
+    from safetensors.torch import save_file
+
+    x, y = load_dataset(DATA).split("train")
+    x = x.to(torch.float64).clone()
+    y = y.clone()
+    x[-3:], y[-3:] = 1e160, torch.arange(3)  # the last rows: the self-check reads the first
+    bad = tmp_path / "overflow.safetensors"
+    save_file({"x": x, "y": y}, str(bad))
+    out = tmp_path / "diag.safetensors"
+    run = run_cli(capsys, "diagonal", tiny, "--data", bad, "--dtype", "float64", "--operator",
+                  "ef", "--estimator", "per-sample", "--out", out, "--json", "-")  # fmt: skip
+    assert_one_line_error(run, 3, "per-sample ef diagonal", "not finite")
+    error = run.json()["error"]
+    assert error["type"] == "numerical" and error["source"] == "per-sample ef diagonal", error
+    assert not out.exists()
