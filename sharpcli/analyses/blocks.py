@@ -123,12 +123,15 @@ def block_partition(names: list[str], spec: BlockSpec, model=None) -> list[tuple
         ``[(block name, [parameter names])]``.
 
     Raises:
-        UsageError: (source ``blocks``) an empty spec, a repeated block name, or a glob that
-            matches no parameter in scope.
+        UsageError: (source ``blocks``) an empty spec, a repeated block name, a glob that
+            matches no parameter in scope, or two blocks that share a parameter.
     """
     text = spec if isinstance(spec, Mapping) else str(spec).strip()
     if not text:
-        raise UsageError("give `params`, `modules`, `layers` or NAME=GLOB,...", source="blocks")
+        # the values unquoted: `params` would be read as the parameter (option) of that name
+        raise UsageError(
+            "is empty: give one of params, modules, layers or NAME=GLOB,...", source="blocks"
+        )
     if text == "params":
         return [(n, [n]) for n in names]
     if text == "modules":
@@ -146,6 +149,16 @@ def block_partition(names: list[str], spec: BlockSpec, model=None) -> list[tuple
             )
         if label in (b for b, _ in out):
             raise UsageError(f"block {label!r} is named twice", source="blocks")
+        for other, members in out:
+            shared = [n for n in matched if n in members]
+            if shared:
+                # the blocks' sum (of traces) would count the shared parameters twice
+                raise UsageError(
+                    f"blocks {other!r} and {label!r} overlap ({', '.join(shared[:3])}"
+                    f"{', ...' if len(shared) > 3 else ''}): give blocks that share no "
+                    "parameter",
+                    source="blocks",
+                )
         out.append((label, matched))
     return out
 

@@ -120,6 +120,25 @@ def test_bad_blocks_are_one_line_and_exit_2(tiny, capsys):
     assert_one_line_error(run, 2, "--blocks")
 
 
+@pytest.mark.parametrize("command", ["trace", "eigen"])
+def test_an_empty_blocks_value_is_told_about_blocks_not_params(tiny, capsys, command):
+    """The refusal of ``--blocks ''`` lists the values of --blocks: the spec ``params`` is
+    one of them, not the option --params (the word was rewritten into an option)."""
+    run = run_cli(capsys, command, tiny[0], "--blocks", "")
+    assert_one_line_error(run, 2, "--blocks", "params, modules, layers")
+    assert "--params" not in run.err, run.err
+
+
+def test_overlapping_blocks_are_refused_not_counted_twice(tiny, capsys):
+    """``a=0.*,b=0.weight``: 0.weight in both blocks, so the blocks' sum would count its
+    trace twice (45 of 43 parameters): refused naming both blocks and the parameter."""
+    run = run_cli(capsys, "trace", tiny[0], "--blocks", "a=0.*,b=0.weight")
+    assert_one_line_error(run, 2, "--blocks", "'a'", "'b'", "0.weight")
+    with pytest.raises(UsageError) as info:
+        block_partition(["0.weight", "0.bias"], {"all": "0.*", "w": "0.weight"})
+    assert info.value.source == "blocks"
+
+
 def test_layers_of_a_tiny_gpt2_are_named_as_the_model_names_them():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=12, n_positions=8, n_embd=8, n_layer=3, n_head=2)
