@@ -125,3 +125,27 @@ def test_a_diagonal_that_overflows_is_exit_3_with_its_source(tiny, tmp_path, cap
     error = run.json()["error"]
     assert error["type"] == "numerical" and error["source"] == "per-sample ef diagonal", error
     assert not out.exists()
+
+
+def test_an_npz_out_is_an_npz_file_with_the_same_diagonal(tiny, tmp_path, capsys):
+    """``--out diag.npz`` writes a NumPy archive (was: a safetensors file under that name):
+    the same arrays as the .safetensors file, loadable without pickle, the metadata as JSON.
+    Another format's extension is refused before the work, naming --out."""
+    import json
+
+    import numpy as np
+
+    common = ("diagonal", tiny, "--estimator", "exact", "--dtype", "float64")
+    st, npz = tmp_path / "diag.safetensors", tmp_path / "diag.npz"
+    assert run_cli(capsys, *common, "--out", st).code == 0
+    assert run_cli(capsys, *common, "--out", npz).code == 0
+    want = load_file(str(st))
+    with np.load(npz) as archive:  # allow_pickle=False, numpy's default
+        assert sorted(archive.files) == sorted([*want, "__metadata__"])
+        for name, tensor in want.items():
+            np.testing.assert_array_equal(archive[name], tensor.numpy())
+        metadata = json.loads(str(archive["__metadata__"]))
+    assert metadata["operator"] == "hessian" and metadata["estimator"] == "exact"
+    pt = tmp_path / "diag.pt"
+    assert_one_line_error(run_cli(capsys, *common, "--out", pt), 2, "--out", ".pt")
+    assert not pt.exists()
