@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -213,7 +214,7 @@ def save_diagonal_npz(
 
     import numpy as np
 
-    arrays = {n: t.detach().cpu().contiguous().numpy() for n, t in tensors.items()}
+    arrays: dict[str, Any] = {n: t.detach().cpu().contiguous().numpy() for n, t in tensors.items()}
     arrays["__metadata__"] = np.array(json.dumps(metadata, sort_keys=True))
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

@@ -159,6 +159,9 @@ class RegularizedTrainer(Trainer):
 
         Returns:
             The loss, or ``(loss, outputs)``.
+
+        Raises:
+            UsageError: penalties on a batch without ``labels``.
         """
         labels = inputs.get("labels") if hasattr(inputs, "get") else None
         items = self._labelled_items(inputs) if num_items_in_batch is not None else None
@@ -169,6 +172,11 @@ class RegularizedTrainer(Trainer):
         )
         penalty = None
         if self.penalties:
+            if labels is None:
+                raise UsageError(
+                    "the penalties read the batch's labels: give the batches `labels`",
+                    source="penalties",
+                )
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
             terms = [term(loss, logits, labels) for term in self.penalties]
             penalty = terms[0] if len(terms) == 1 else torch.stack(terms).sum()
