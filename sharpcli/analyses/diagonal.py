@@ -173,7 +173,7 @@ def save_diagonal(path: str, tensors: dict[str, torch.Tensor], metadata: dict[st
 
 
 DIAGONAL_FORMATS = {".safetensors": "safetensors", ".npz": "npz"}
-"""``--out``'s extensions and the format each writes (any other name: ``.safetensors``)."""
+"""The output's extensions and the format each writes (any other name: ``.safetensors``)."""
 OTHER_FORMATS = (".npy", ".pt", ".pth", ".bin", ".pkl", ".pickle", ".json", ".csv", ".txt")
 """Extensions of formats the diagonal is not written in: refused, never written as another."""
 
