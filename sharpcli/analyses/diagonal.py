@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -172,14 +172,13 @@ def save_diagonal(path: str, tensors: dict[str, torch.Tensor], metadata: dict[st
     write_bytes_atomic(path, data)
 
 
-DIAGONAL_FORMATS = {".safetensors": "safetensors", ".npz": "npz"}
-"""The output's extensions and the format each writes (any other name: ``.safetensors``)."""
 OTHER_FORMATS = (".npy", ".pt", ".pth", ".bin", ".pkl", ".pickle", ".json", ".csv", ".txt")
 """Extensions of formats the diagonal is not written in: refused, never written as another."""
 
 
-def diagonal_format(path: str) -> str:
-    """The format ``path``'s extension asks for: ``npz`` for ``.npz``, else ``safetensors``.
+def diagonal_writer(path: str) -> Callable[[str, dict[str, torch.Tensor], dict[str, str]], None]:
+    """The writer ``path``'s extension asks for: :func:`save_diagonal_npz` for ``.npz``,
+    else :func:`save_diagonal` (``.safetensors``, or a name without another format's).
 
     Raises:
         UsageError: (source ``out``) an extension of another format (``.pt``, ``.npy``, ...),
@@ -192,7 +191,7 @@ def diagonal_format(path: str) -> str:
             "or .npz: name the file so",
             source="out",
         )
-    return DIAGONAL_FORMATS.get(suffix, "safetensors")
+    return save_diagonal_npz if suffix == ".npz" else save_diagonal
 
 
 def save_diagonal_npz(
