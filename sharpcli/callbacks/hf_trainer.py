@@ -189,9 +189,10 @@ class RegularizedTrainer(Trainer):
             total = loss / steps
         else:
             total = loss * (items / num_items_in_batch)
-            if self.args.average_tokens_across_devices:
+            if getattr(self.args, "average_tokens_across_devices", False):
                 # N is the count over every rank, and the ranks' gradients are averaged
-                total = total * (self.accelerator.num_processes // self.get_tp_size())
+                tensor_parallel = getattr(self, "get_tp_size", lambda: 1)()
+                total = total * (self.accelerator.num_processes // tensor_parallel)
         if penalty is not None:
             total = total + penalty / steps
         return (total, outputs) if return_outputs else total
@@ -228,7 +229,7 @@ class RegularizedTrainer(Trainer):
         if not counts or any(count is None for count in counts):
             return None
         total = torch.stack(counts).sum().to(device)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if getattr(self.args, "average_tokens_across_devices", False) and self.args.world_size > 1:
             total = self.accelerator.gather(total).sum()
         return total
 
