@@ -73,7 +73,11 @@ def _contender(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None
         return plain
     if name == "sam-by-hand":
         return _sam_by_hand(model, sgd, x, y)
-    made = regularizers.make(name, sgd, model=model, generator=torch.Generator().manual_seed(0))
+    # an oracle wraps the optimizer; a penalty takes none (it is added to the loss)
+    oracle = regularizers.names()[name.split(":")[0]] == "oracle"
+    made = regularizers.make(
+        name, sgd if oracle else None, model=model, generator=torch.Generator().manual_seed(0)
+    )
     if isinstance(made, regularizers.PerturbedOptimizer):
 
         def closure() -> torch.Tensor:

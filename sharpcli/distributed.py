@@ -226,12 +226,57 @@ def init_from_environment(argv: list[str] | None = None) -> bool:
         if torch.cuda.is_available() and torch.distributed.is_nccl_available():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             backend = "nccl"
-    timeout = datetime.timedelta(seconds=timeout_seconds())
-    torch.distributed.init_process_group(
-        backend=backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
-    )
+    _join(backend, rank, world, local_rank)
     _STATE.update(owned=True, broken=False, step=0)
     return True
+
+
+def _join(backend: str, rank: int, world: int, local_rank: int) -> None:
+    """``init_process_group`` through ``env://``, given at most :func:`timeout_seconds`.
+
+    The rendezvous runs in a daemon thread: torch's store client, connected to a port whose
+    holder accepts and never answers (rank 0 stopped, or a foreign server on a reused
+    ``MASTER_PORT``), waits for the handshake's answer without a timeout. Torch's own errors
+    (a peer that never comes, a port in use) are raised as they are.
+
+    Raises:
+        UsageError: the join did not end within the timeout (naming the master's address and
+            :data:`TIMEOUT_ENV`).
+    """
+    import torch
+
+    seconds = timeout_seconds()
+    outcome: dict[str, BaseException | None] = {}
+
+    def rendezvous() -> None:
+        try:
+            if backend == "nccl":  # the current device is per thread
+                torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            torch.distributed.init_process_group(
+                backend=backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=seconds),
+            )
+            outcome["error"] = None
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    joining = threading.Thread(target=rendezvous, name="sharp-join", daemon=True)
+    joining.start()
+    joining.join(seconds)
+    if "error" not in outcome:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise UsageError(
+            f"rank {rank} of {world} could not join the process group at {address} within "
+            f"{seconds:g} s (nothing answered there: start every rank, e.g. with torchrun, "
+            f"or pick a free MASTER_PORT; {TIMEOUT_ENV} sets the wait)",
+            source="MASTER_PORT",
+        )
+    error = outcome["error"]
+    if error is not None:
+        raise error
 
 
 def barrier() -> None:

@@ -91,5 +91,5 @@ def test_bad_blocks_name_the_argument(tiny):
     with pytest.raises(UsageError) as info:
         curvature.eigenvalues(blocks="params", return_eigenvectors=True)
     assert info.value.source == "return_eigenvectors"
-    with pytest.raises(UsageError, match="give `params`"):
+    with pytest.raises(UsageError, match="give one of params, modules"):
         curvature.density(blocks=" ")

@@ -554,3 +554,45 @@ def test_dist_timeout_must_be_a_positive_number(monkeypatch):
         with pytest.raises(UsageError) as info:
             timeout_seconds()
         assert info.value.source == "SHARP_DIST_TIMEOUT"
+
+
+def test_joining_a_master_that_never_answers_fails_within_the_timeout(tmp_path):
+    """Outside torchrun, rank 1 of 2 whose MASTER_PORT is held by a process that accepts the
+    connection and never answers (a stopped rank 0, or a foreign server on a reused port):
+    the join ends within ``SHARP_DIST_TIMEOUT`` with one line naming the master's address and
+    the variable, exit 2, instead of waiting for good (torch's store client waits for the
+    handshake's answer without a timeout)."""
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # the kernel accepts connections; nobody ever reads or answers
+        port = silent.getsockname()[1]
+        env = {
+            **os.environ,
+            "WORLD_SIZE": "2",
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "SHARP_DIST_TIMEOUT": "2",
+        }
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "sharpcli", "trace", str(tmp_path / "none.safetensors")],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=45,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the rank still waits to join after 45 s (SHARP_DIST_TIMEOUT=2)")
+        seconds = time.monotonic() - start
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "SHARP_DIST_TIMEOUT" in lines[0], lines[0]
+    assert "within 2 s" in lines[0], lines[0]
+    assert seconds < 40, seconds  # the 2 s bound plus start-up, not a hang

@@ -39,6 +39,7 @@ __all__ = [
     "block_passes",
     "density_blocks",
     "eigen_blocks",
+    "refuse_overlaps",
     "session_block_passes",
     "trace_blocks",
 ]
@@ -128,7 +129,10 @@ def block_partition(names: list[str], spec: BlockSpec, model=None) -> list[tuple
     """
     text = spec if isinstance(spec, Mapping) else str(spec).strip()
     if not text:
-        raise UsageError("give `params`, `modules`, `layers` or NAME=GLOB,...", source="blocks")
+        # the values unquoted: `params` would be read as the parameter (option) of that name
+        raise UsageError(
+            "is empty: give one of params, modules, layers or NAME=GLOB,...", source="blocks"
+        )
     if text == "params":
         return [(n, [n]) for n in names]
     if text == "modules":
@@ -150,13 +154,49 @@ def block_partition(names: list[str], spec: BlockSpec, model=None) -> list[tuple
     return out
 
 
+def refuse_overlaps(partition: list[tuple[str, list[str]]]) -> None:
+    """UsageError (source ``blocks``) when two blocks share a parameter: a sum over the
+    blocks (``trace``'s ``blocks_sum``) would count it twice. Overlapping blocks are fine
+    where each block stands alone (eigenvalues, densities)."""
+    seen: dict[str, str] = {}
+    for label, members in partition:
+        shared = [n for n in members if n in seen]
+        if shared:
+            raise UsageError(
+                f"blocks {seen[shared[0]]!r} and {label!r} overlap ({', '.join(shared[:3])}"
+                f"{', ...' if len(shared) > 3 else ''}): their traces' sum would count them "
+                "twice; give blocks that share no parameter",
+                source="blocks",
+            )
+        seen.update((n, label) for n in members)
+
+
 BlockPasses = Iterable[tuple[str, list[str], Any]]
+
+
+class _BlockPasses:
+    """The blocks' engines, built one at a time as iterated; the partition known up front
+    (:func:`trace_blocks` checks it before any block's work)."""
+
+    def __init__(self, partition: list[tuple[str, list[str]]], make_pass: Callable[[str], Any]):
+        self.partition = partition
+        self._make_pass = make_pass
+
+    def __iter__(self) -> Iterator[tuple[str, list[str], Any]]:
+        for label, members in self.partition:
+            cpass = self._make_pass(",".join(_escape(n) for n in members))
+            try:
+                yield label, members, cpass
+            finally:
+                cpass.clear_cache()
 
 
 def block_passes(
     names: list[str], spec: BlockSpec, model, make_pass: Callable[[str], Any]
-) -> Iterator[tuple[str, list[str], Any]]:
-    """Yield ``(block name, parameter names, curvature engine on the block)``, one at a time.
+) -> BlockPasses:
+    """``(block name, parameter names, curvature engine on the block)``, one at a time.
+
+    The spec is resolved here (its errors before any work); the engines as iterated.
 
     Each engine's cached graphs are dropped before the next is built, so one block's graphs
     are held at a time.
@@ -167,12 +207,7 @@ def block_passes(
         model: the model (``layers`` reads its module tree).
         make_pass: a ``params`` glob -> a curvature engine on those parameters.
     """
-    for label, members in block_partition(names, spec, model):
-        cpass = make_pass(",".join(_escape(n) for n in members))
-        try:
-            yield label, members, cpass
-        finally:
-            cpass.clear_cache()
+    return _BlockPasses(block_partition(names, spec, model), make_pass)
 
 
 def session_block_passes(session, params: str | None, blocks: BlockSpec) -> BlockPasses:
@@ -246,6 +281,7 @@ def trace_blocks(
     max_matvecs: int,
     square: bool,
     seed: int,
+    summed: bool = True,
 ) -> tuple[list[dict], dict]:
     """Each block's trace with its standard error, and their sum.
 
@@ -262,13 +298,23 @@ def trace_blocks(
         max_matvecs: products per block.
         square: estimate ``Tr(A_bb^2)`` instead.
         seed: the probes' seed.
+        summed: the sum is wanted: blocks that share a parameter are refused before any
+            block's work (:func:`refuse_overlaps`; a lazy iterable of passes without a
+            ``partition`` is checked as it goes).
 
     Returns:
         ``([{name, parameters, numel, estimate, stderr, matvecs, converged}], {estimate,
         stderr, numel})``.
     """
-    rows = []
+    partition = getattr(passes, "partition", None)
+    if summed and partition is not None:
+        refuse_overlaps(partition)
+    rows: list[dict] = []
+    taken: list[tuple[str, list[str]]] = []
     for label, members, cpass in passes:
+        if summed and partition is None:
+            refuse_overlaps([*taken, (label, members)])
+            taken.append((label, members))
         result = trace_result(
             cpass,
             operator,

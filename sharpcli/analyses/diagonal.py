@@ -12,6 +12,8 @@ gives each parameter tensor's sum (its block's trace), sum of squares and extrem
 from __future__ import annotations
 
 import math
+import os
+from typing import Any, Callable
 
 import torch
 
@@ -169,3 +171,51 @@ def save_diagonal(path: str, tensors: dict[str, torch.Tensor], metadata: dict[st
 
     data = save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, metadata=metadata)
     write_bytes_atomic(path, data)
+
+
+OTHER_FORMATS = (".npy", ".pt", ".pth", ".bin", ".pkl", ".pickle", ".json", ".csv", ".txt")
+"""Extensions of formats the diagonal is not written in: refused, never written as another."""
+
+
+def diagonal_writer(path: str) -> Callable[[str, dict[str, torch.Tensor], dict[str, str]], None]:
+    """The writer ``path``'s extension asks for: :func:`save_diagonal_npz` for ``.npz``,
+    else :func:`save_diagonal` (``.safetensors``, or a name without another format's).
+
+    Raises:
+        UsageError: (source ``out``) an extension of another format (``.pt``, ``.npy``, ...),
+            which a safetensors file under that name would contradict.
+    """
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix in OTHER_FORMATS:
+        raise UsageError(
+            f"{str(path)!r} asks for {suffix} but the diagonal is written as .safetensors "
+            "or .npz: name the file so",
+            source="out",
+        )
+    return save_diagonal_npz if suffix == ".npz" else save_diagonal
+
+
+def save_diagonal_npz(
+    path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """Write ``{name: tensor}`` as a NumPy ``.npz`` file, atomically (:mod:`sharpcli.atomic`).
+
+    One array per parameter name (float64, the parameter's shape) and ``__metadata__``, a
+    0-d string array holding the metadata as JSON: the file loads with ``numpy.load``
+    without ``allow_pickle``.
+
+    Args:
+        path: the file.
+        tensors: the diagonal, by parameter name.
+        metadata: strings stored under ``__metadata__`` (operator, estimator, ...).
+    """
+    import io
+    import json
+
+    import numpy as np
+
+    arrays: dict[str, Any] = {n: t.detach().cpu().contiguous().numpy() for n, t in tensors.items()}
+    arrays["__metadata__"] = np.array(json.dumps(metadata, sort_keys=True))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_bytes_atomic(path, buffer.getvalue())

@@ -258,21 +258,33 @@ def apgd_checkpoints(steps: int) -> list[int]:
     return [s for s in dict.fromkeys(marks) if 1 <= s < steps]
 
 
+def _l2(u: torch.Tensor) -> float:
+    """``||u||_2`` accumulated in float64: a float32 norm overflows to Inf from ``~1.8e19`` (its
+    square past float32's largest), and ``u * rho / Inf`` silently turned a huge ball into the
+    point ``w`` (sharpness 0 for a larger radius)."""
+    return float(torch.linalg.vector_norm(u, dtype=torch.float64))
+
+
+def _l1(u: torch.Tensor) -> float:
+    """``||u||_1`` accumulated in float64 (see :func:`_l2`)."""
+    return float(torch.linalg.vector_norm(u, ord=1, dtype=torch.float64))
+
+
 def _norm(u: torch.Tensor, norm: str) -> float:
-    return float(u.abs().max()) if norm == "linf" else float(u.norm())
+    return float(u.abs().max()) if norm == "linf" else _l2(u)
 
 
 def _project(u: torch.Tensor, rho: float, norm: str) -> torch.Tensor:
     if norm == "linf":
         return u.clamp(-rho, rho)
-    length = float(u.norm())
+    length = _l2(u)
     return u * (rho / length) if length > rho else u
 
 
 def _ascent_direction(g: torch.Tensor, norm: str) -> torch.Tensor:
     if norm == "linf":
         return g.sign()
-    length = float(g.norm())
+    length = _l2(g)
     return g / length if length > 0 else torch.zeros_like(g)
 
 
@@ -280,7 +292,7 @@ def _accumulate(previous: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     """``mu a / ||a||_1 + g / ||g||_1`` ([Dong2018]); ``g`` itself when there is no ``a``."""
     if previous is None:
         return g
-    g_l1, a_l1 = float(g.abs().sum()), float(previous.abs().sum())
+    g_l1, a_l1 = _l1(g), _l1(previous)
     step = g / g_l1 if g_l1 > 0 else torch.zeros_like(g)
     return step + (GRADIENT_MOMENTUM / a_l1) * previous if a_l1 > 0 else step
 
@@ -471,7 +483,14 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
     scale = weights.abs() if config.adaptive else None
     x, y = whole_analysis_set(data)
     n = int(x.shape[0])
-    m = n if config.m is None else min(int(config.m), n)
+    if config.m is not None and int(config.m) > n:
+        # cutting m to n would measure another m-sharpness than the one asked for
+        raise UsageError(
+            f"is {config.m}, above the {n} samples of the analysis set (leave it out to "
+            "perturb the whole set as one batch)",
+            source="m",
+        )
+    m = n if config.m is None else int(config.m)
     chunks = [(x[s : s + m], y[s : s + m]) for s in range(0, n, m)]
     gen = torch.Generator().manual_seed(int(config.seed))
     rank, world = data.rank, data.world_size

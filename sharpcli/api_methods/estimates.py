@@ -155,7 +155,9 @@ class CurvatureEstimates(CurvatureProducts):
         with self._analysis_mode():
             if blocks is not None:
                 passes = self.blocks_of(blocks)
-                return trace_blocks(passes, operator=operator, seed=seed, **settings)[0]
+                return trace_blocks(passes, operator=operator, seed=seed, summed=False, **settings)[
+                    0
+                ]
             return trace_result(self.curvature_pass, operator, seed=seed, **settings)
 
     def diagonal(

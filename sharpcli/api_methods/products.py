@@ -10,7 +10,7 @@ they share (:meth:`~CurvatureProducts.refresh`) and the parameter blocks
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -113,7 +113,7 @@ class CurvatureProducts:
 
     def blocks_of(
         self, blocks: str | Mapping[str, str]
-    ) -> Iterator[tuple[str, list[str], CurvatureEngine]]:
+    ) -> Iterable[tuple[str, list[str], CurvatureEngine]]:
         """The parameter blocks of ``blocks`` within ``params``, each with its own engine.
 
         ``"params"`` (each tensor), ``"modules"`` (the parameters each module owns),
@@ -126,11 +126,12 @@ class CurvatureProducts:
             blocks: the spec.
 
         Returns:
-            An iterator of ``(block name, parameter names, engine)``.
+            An iterable of ``(block name, parameter names, engine)``, each engine built as
+            it is reached.
 
         Raises:
-            UsageError: (``blocks``) a spec that names no parameter in scope, when iterated,
-                or per-block products asked of ``hvp="finite-difference"``.
+            UsageError: (``blocks``) a spec that names no parameter in scope, or per-block
+                products asked of ``hvp="finite-difference"``.
         """
         if self.hvp != EXACT_HVP:
             raise UsageError("per-block products need `hvp=exact`", source="blocks")

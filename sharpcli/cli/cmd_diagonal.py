@@ -41,8 +41,8 @@ def diagonal_command(
         typer.Option(
             "--out",
             metavar="PATH",
-            help="Write the diagonal to PATH (.safetensors, the model's parameter names and "
-            "shapes).",
+            help="Write the diagonal to PATH (.safetensors, or .npz for a PATH ending so; "
+            "the model's parameter names and shapes).",
         ),
     ],
     operator: Annotated[
@@ -80,11 +80,12 @@ def diagonal_command(
 ) -> runner.Outcome:
     """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.analyses.diagonal import diagonal, save_diagonal
+    from sharpcli.analyses.diagonal import diagonal, diagonal_writer
 
     common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")
     common.require(max_products >= 1, "must be at least 1", "--max-products")
     common.check_output(out, "--out")
+    write = diagonal_writer(out)  # before the work: a .pt name is refused, not mislabelled
     session = common.open_session(checkpoint, opts)
     with common.progress_bar(opts.quiet, opts.json, "curvature diagonal"):
         results, tensors = diagonal(
@@ -100,7 +101,7 @@ def diagonal_command(
         "estimator": results["estimator"],
         "checkpoint": str(checkpoint),
     }
-    save_diagonal(out, tensors, metadata)
+    write(out, tensors, metadata)
     results["output"] = out
     settings = opts.report_settings(skip=("checkpoint",))
     report = session.report(DIAGONAL, settings, results, matvecs=results["matvecs"])

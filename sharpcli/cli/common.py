@@ -333,9 +333,14 @@ def parse_json_option(text: str | None, option: str) -> dict | None:
 
 def parse_float_list(text: str, option: str) -> list[float]:
     """The numbers of comma-separated ``text``; a UsageError on ``option`` unless there is at
-    least one."""
+    least one and every item is one (an empty item is refused, not dropped)."""
+    items = text.split(",")
+    if text.strip() and not all(t.strip() for t in items):
+        raise UsageError(
+            f"{text!r} has an empty item: give numbers separated by single commas", source=option
+        )
     try:
-        values = [float(t) for t in text.split(",") if t.strip()]
+        values = [float(t) for t in items if t.strip()]
     except ValueError:
         raise UsageError(
             f"{text!r} is not a comma-separated list of numbers", source=option

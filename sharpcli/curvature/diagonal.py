@@ -133,7 +133,8 @@ def _param_blocks(scope: ParamScope) -> dict[str, slice]:
 
 def _check_finite(values: torch.Tensor, what: str) -> None:
     if not torch.isfinite(values).all():
-        raise NumericalError(f"{what} is not finite")  # `what` names the diagonal
+        # `what` names the diagonal: the error's source, as every numerical error has one
+        raise NumericalError(f"{what} is not finite", source=what.removeprefix("the "))
 
 
 def exact_diagonal(

@@ -26,7 +26,12 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.regularizers.oracle import ASCENT_SYNC, WRAPPED_ORACLES, PerturbedOptimizer
+from sharpcli.regularizers.oracle import (
+    ASCENT_SYNC,
+    WRAPPED_ORACLES,
+    PerturbedOptimizer,
+    check_optimizer,
+)
 from sharpcli.regularizers.penalty import LossPenalty
 from sharpcli.training.penalties.base import Oracle, Penalty, Regularizer
 from sharpcli.training.regularizers import REGISTRY, parse_reg
@@ -62,7 +67,8 @@ def make(
     Args:
         spec: ``NAME[:k=v,...]`` exactly as ``--reg`` takes it (``"sam:rho=0.1"``,
             ``"asam"``, ``"gp:rho=0.01,p=2"``), or a parsed regularizer.
-        optimizer: The base optimizer an oracle wraps (oracles only).
+        optimizer: The base optimizer an oracle wraps (a ``torch.optim`` optimizer; oracles
+            only: a penalty refuses one rather than leave it unused).
         model: The model: a penalty's parameters; an oracle's parameter names, buffers and
             ``no_sync`` (optional for oracles).
         **options: Keyword arguments of :class:`PerturbedOptimizer` (``grad_scaler``,
@@ -75,7 +81,8 @@ def make(
     Raises:
         UsageError: an unknown name or hyper-parameter (the message of ``--reg``), a
             regularizer that changes the model (``dropout``: add ``nn.Dropout``) or none,
-            a missing optimizer or model.
+            a missing optimizer or model, something else than an optimizer for an oracle
+            (the model, its parameters; source ``optimizer``), an optimizer for a penalty.
     """
     reg = parse_reg(spec) if isinstance(spec, str) else spec
     if isinstance(reg, Oracle):
@@ -84,8 +91,18 @@ def make(
                 f"{reg.name} wraps an optimizer: make({reg.spec()!r}, optimizer)",
                 source="optimizer",
             )
+        check_optimizer(optimizer, reg.spec())  # a model or its parameters in its place
         return PerturbedOptimizer(optimizer, reg, model=model, **options)
     if isinstance(reg, Penalty):
+        if optimizer is not None:
+            # a penalty is a loss term: an optimizer handed to it would be silently unused
+            handed = "the model" if isinstance(optimizer, nn.Module) else "an optimizer"
+            raise UsageError(
+                f"{reg.name} is a penalty added to the loss and takes no optimizer, got "
+                f"{handed} in its place: make({reg.spec()!r}, model=model), and step your "
+                "optimizer as usual",
+                source="optimizer",
+            )
         if model is None:
             raise UsageError(
                 f"{reg.name} is a penalty on the model's parameters: make({reg.spec()!r}, "

@@ -37,6 +37,7 @@ Training conditions (docs/own-loop.md):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
@@ -72,6 +73,36 @@ class _DefersGradientSync(Protocol):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """The context in which backward passes accumulate local gradients only."""
         ...
+
+
+def check_optimizer(optimizer: Any, spec: str) -> None:
+    """UsageError on ``optimizer`` unless it is an optimizer (``param_groups`` and ``step``).
+
+    What was passed in its place is named: the model, its parameters (an iterator or a list:
+    not yet an optimizer) or None, each with the call that works.
+
+    Args:
+        optimizer: what was passed as the optimizer an oracle wraps.
+        spec: the oracle's spec, quoted in the message.
+
+    Raises:
+        UsageError: (source ``optimizer``) anything else than an optimizer.
+    """
+    if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
+        return
+    if optimizer is None:
+        got = "None"
+    elif isinstance(optimizer, nn.Module):
+        got = f"the model ({type(optimizer).__name__})"
+    elif isinstance(optimizer, (Iterator, list, tuple)):
+        got = f"parameters ({type(optimizer).__name__}), not yet an optimizer"
+    else:
+        got = f"a {type(optimizer).__name__} object"
+    raise UsageError(
+        f"{spec.split(':')[0]} wraps a torch.optim optimizer, got {got}: "
+        f"make({spec!r}, torch.optim.SGD(model.parameters(), lr=0.1), model=model)",
+        source="optimizer",
+    )
 
 
 class PerturbedOptimizer(torch.optim.Optimizer):
@@ -138,6 +169,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
                 f"ascent_sync {ascent_sync!r} is not one of {', '.join(ASCENT_SYNC)}",
                 source="ascent_sync",
             )
+        check_optimizer(base_optimizer, regularizer.spec())
         super().__init__(base_optimizer.param_groups, dict(base_optimizer.defaults))
         self.base_optimizer = base_optimizer
         self.param_groups = base_optimizer.param_groups  # one set of groups: lr schedules

@@ -10,7 +10,7 @@ from cli_helpers import assert_one_line_error, run_cli
 from hessian_helpers import double_backward_hessian
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
-from sharpcli.analyses.blocks import block_partition
+from sharpcli.analyses.blocks import block_partition, refuse_overlaps
 from sharpcli.errors import UsageError
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
@@ -118,6 +118,30 @@ def test_bad_blocks_are_one_line_and_exit_2(tiny, capsys):
     assert_one_line_error(run, 2, "--blocks", "matches no parameter")
     run = run_cli(capsys, "trace", path, "--blocks", "params", "--engine", "pyhessian")
     assert_one_line_error(run, 2, "--blocks")
+
+
+@pytest.mark.parametrize("command", ["trace", "eigen"])
+def test_an_empty_blocks_value_is_told_about_blocks_not_params(tiny, capsys, command):
+    """The refusal of ``--blocks ''`` lists the values of --blocks: the spec ``params`` is
+    one of them, not the option --params (the word was rewritten into an option)."""
+    run = run_cli(capsys, command, tiny[0], "--blocks", "")
+    assert_one_line_error(run, 2, "--blocks", "params, modules, layers")
+    assert "--params" not in run.err, run.err
+
+
+def test_overlapping_blocks_are_refused_by_trace_not_counted_twice(tiny, capsys):
+    """``a=0.*,b=0.weight``: 0.weight in both blocks, so trace's blocks_sum would count its
+    trace twice (45 of 43 parameters): refused naming both blocks and the parameter, before
+    any block's work. eigen takes them (each block stands alone: no sum)."""
+    run = run_cli(capsys, "trace", tiny[0], "--blocks", "a=0.*,b=0.weight")
+    assert_one_line_error(run, 2, "--blocks", "'a'", "'b'", "0.weight")
+    with pytest.raises(UsageError) as info:
+        refuse_overlaps([("all", ["0.weight", "0.bias"]), ("w", ["0.weight"])])
+    assert info.value.source == "blocks"
+    refuse_overlaps([("w", ["0.weight"]), ("b", ["0.bias"])])  # disjoint: no error
+    run = run_cli(capsys, "eigen", tiny[0], "--blocks", "a=0.*,b=0.weight", "--json", "-")
+    assert run.code == 0, run.err
+    assert [b["name"] for b in run.json()["results"]["blocks"]] == ["a", "b"]
 
 
 def test_layers_of_a_tiny_gpt2_are_named_as_the_model_names_them():

@@ -234,3 +234,18 @@ def test_bad_settings_name_their_parameter(field, value, source):
     with pytest.raises(UsageError) as info:
         SharpnessConfig(**{field: value}).validate()
     assert info.value.source == source
+
+
+def test_the_l2_projection_of_a_float32_vector_past_1e19_keeps_its_radius():
+    """The float32 norm of a vector of entries 1e25 overflows (its square is past float32's
+    largest): the norm is accumulated in float64, so the projection onto the ball of radius
+    1e24 has that norm, not 0, and the ascent direction is a unit vector, not 0."""
+    from sharpcli.analyses.sharpness import _ascent_direction, _project
+
+    u = torch.full((10,), 1e25, dtype=torch.float32)
+    assert not torch.isfinite(u.norm())  # the overflow the projection must not inherit
+    projected = _project(u, 1e24, "l2")
+    norm = float(torch.linalg.vector_norm(projected, dtype=torch.float64))
+    assert norm == pytest.approx(1e24, rel=1e-6)
+    unit = _ascent_direction(u, "l2")
+    assert float(torch.linalg.vector_norm(unit, dtype=torch.float64)) == pytest.approx(1.0)

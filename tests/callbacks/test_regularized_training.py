@@ -60,9 +60,8 @@ def _token_batch(n=8, length=6, seed=3):
 
 def _hf_args(transformers, tmp_path, **options):
     return transformers.TrainingArguments(
-        **options,
+        **{"max_steps": 2, **options},
         output_dir=str(tmp_path),
-        max_steps=2,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         max_grad_norm=0.0,
@@ -94,9 +93,6 @@ def test_hugging_face_trainer_with_accumulation_takes_the_plain_loop_steps(tmp_p
         train_dataset=rows,
         optimizers=(optimizer, constant),
     )
-    # BertForSequenceClassification takes **kwargs but ignores num_items_in_batch: told so, the
-    # Trainer divides each micro-batch's loss by the accumulation steps itself
-    trainer.model_accepts_loss_kwargs = False
     trainer.train()
     want = _plain_loop(reference, lambda: reference(**data).loss, spec=spec)
     torch.testing.assert_close(_flat(model), want, rtol=0, atol=1e-13)
@@ -123,7 +119,6 @@ def test_hugging_face_trainer_under_bf16_autocast_is_the_float32_step_within_pre
             torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0),
         ),
     )
-    trainer.model_accepts_loss_kwargs = False  # as above
     trainer.train()
     want = _plain_loop(reference, lambda: reference(**data).loss)
     moved, error = (want - start).norm(), (_flat(model) - want).norm()
@@ -147,7 +142,6 @@ def test_hugging_face_trainer_adds_a_penalty_per_micro_batch(tmp_path):
         optimizers=(sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)),
         penalties=[regularizers.make("gp:rho=0.1", model=model)],
     )
-    trainer.model_accepts_loss_kwargs = False  # as above
     trainer.train()
     plain = torch.optim.SGD(reference.parameters(), lr=LR)
     penalty = regularizers.make("gp:rho=0.1", model=reference)
@@ -212,3 +206,80 @@ def test_a_plain_step_without_the_perturbed_pass_is_refused():
     opt = regularizers.make("sam", torch.optim.SGD(model.parameters(), lr=LR))
     with pytest.raises(UsageError, match="step\\(closure\\)"):
         opt.step()
+
+
+def _tiny_gpt2(transformers):
+    config = transformers.GPT2Config(
+        vocab_size=20,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        n_positions=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+class _GradientAtStep:
+    """A Trainer callback keeping the accumulated gradient the optimizer is about to apply."""
+
+    def __init__(self, transformers, model):
+        class Callback(transformers.TrainerCallback):
+            def on_pre_optimizer_step(inner, args, state, control, **kwargs):
+                self.grads.append(
+                    torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
+                )
+
+        self.grads: list[torch.Tensor] = []
+        self.callback = Callback()
+
+
+def _causal_batch(n=8, length=6, seed=5):
+    """Token rows whose labels are the ids with -100 (unlabelled) at uneven counts per row:
+    the two micro-batches of 4 rows hold different numbers of labelled tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (n, length), generator=gen)
+    labels = ids.clone()
+    for row, cut in enumerate([6, 6, 6, 6, 2, 3, 6, 4]):
+        labels[row, cut:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("which", ["bert-ignores-num-items", "gpt2-reads-num-items"])
+def test_hugging_face_trainer_accumulated_gradient_is_the_full_batch_gradient(tmp_path, which):
+    """2 micro-batches of 4 accumulated into one update: the gradient the optimizer applies
+    is the float64 reference, the full 8-row batch's loss gradient plus
+    the (batch-independent) ``wd`` penalty's. The Trainer decides the accumulation scaling
+    from ``model_accepts_loss_kwargs`` alone: both models take ``**kwargs``; BERT's
+    sequence-classification loss ignores ``num_items_in_batch`` (a per-micro-batch mean, to be
+    divided by the steps), GPT-2's causal-LM loss divides by it (the token mean over the whole
+    update, uneven token counts per micro-batch here)."""
+    transformers = pytest.importorskip("transformers")
+    from sharpcli.callbacks.hf_trainer import RegularizedTrainer
+
+    build, data = (
+        (_tiny_bert, _token_batch()) if which.startswith("bert") else (_tiny_gpt2, _causal_batch())
+    )
+    model, reference = build(transformers), build(transformers)
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    seen = _GradientAtStep(transformers, model)
+    trainer = RegularizedTrainer(
+        model=model,
+        args=_hf_args(transformers, tmp_path, max_steps=1, train_sampling_strategy="sequential"),
+        train_dataset=[{k: v[i] for k, v in data.items()} for i in range(8)],
+        optimizers=(sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)),
+        penalties=[regularizers.make("wd:sigma=0.3", model=model)],
+        callbacks=[seen.callback],
+    )
+    assert trainer.model_accepts_loss_kwargs  # the case the Trainer gets wrong for BERT
+    trainer.train()
+    params = list(reference.parameters())
+    full = reference(**data).loss + 0.5 * 0.3**2 * sum(p.square().sum() for p in params)
+    want = torch.cat([g.reshape(-1) for g in torch.autograd.grad(full, params)])
+    assert len(seen.grads) == 1
+    # GPT-2's causal-LM loss upcasts the logits to float32: float32 precision there
+    torch.testing.assert_close(seen.grads[0], want, rtol=0, atol=1e-13 if "bert" in which else 1e-6)

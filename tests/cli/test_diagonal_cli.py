@@ -103,3 +103,49 @@ def test_bad_input_is_one_line_and_exit_2(tiny, tmp_path, capsys):
     assert_one_line_error(run, 2, "--out")
     run = run_cli(capsys, "diagonal", tiny)
     assert run.code == 2 and "--out" in run.err
+
+
+def test_a_diagonal_that_overflows_is_exit_3_with_its_source(tiny, tmp_path, capsys):
+    """A sample at 1e160 (float64) labelled with each class: its gradient is finite (the
+    mislabelled ones' not zero), its square overflows, so the per-sample empirical-Fisher
+    diagonal is Inf. A numerical error (exit 3, one line) whose
+    JSON error names its ``source`` like every other numerical error (docs/json.md)."""
+    from safetensors.torch import save_file
+
+    x, y = load_dataset(DATA).split("train")
+    x = x.to(torch.float64).clone()
+    y = y.clone()
+    x[-3:], y[-3:] = 1e160, torch.arange(3)  # the last rows: the self-check reads the first
+    bad = tmp_path / "overflow.safetensors"
+    save_file({"x": x, "y": y}, str(bad))
+    out = tmp_path / "diag.safetensors"
+    run = run_cli(capsys, "diagonal", tiny, "--data", bad, "--dtype", "float64", "--operator",
+                  "ef", "--estimator", "per-sample", "--out", out, "--json", "-")  # fmt: skip
+    assert_one_line_error(run, 3, "per-sample ef diagonal", "not finite")
+    error = run.json()["error"]
+    assert error["type"] == "numerical" and error["source"] == "per-sample ef diagonal", error
+    assert not out.exists()
+
+
+def test_an_npz_out_is_an_npz_file_with_the_same_diagonal(tiny, tmp_path, capsys):
+    """``--out diag.npz`` writes a NumPy archive (was: a safetensors file under that name):
+    the same arrays as the .safetensors file, loadable without pickle, the metadata as JSON.
+    Another format's extension is refused before the work, naming --out."""
+    import json
+
+    import numpy as np
+
+    common = ("diagonal", tiny, "--estimator", "exact", "--dtype", "float64")
+    st, npz = tmp_path / "diag.safetensors", tmp_path / "diag.npz"
+    assert run_cli(capsys, *common, "--out", st).code == 0
+    assert run_cli(capsys, *common, "--out", npz).code == 0
+    want = load_file(str(st))
+    with np.load(npz) as archive:  # allow_pickle=False, numpy's default
+        assert sorted(archive.files) == sorted([*want, "__metadata__"])
+        for name, tensor in want.items():
+            np.testing.assert_array_equal(archive[name], tensor.numpy())
+        metadata = json.loads(str(archive["__metadata__"]))
+    assert metadata["operator"] == "hessian" and metadata["estimator"] == "exact"
+    pt = tmp_path / "diag.pt"
+    assert_one_line_error(run_cli(capsys, *common, "--out", pt), 2, "--out", ".pt")
+    assert not pt.exists()

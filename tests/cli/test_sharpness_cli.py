@@ -74,10 +74,33 @@ def test_json_report_per_rho(checkpoint, capsys):
         (("--kind", "best"), "--kind"),
         (("--norm", "l1"), "--norm"),
         (("--params", "nothing.*"), "--params"),
+        # an empty item is refused, not dropped
+        (("--rho", "0.01,,0.05"), "--rho"),
+        (("--rho", "0.05,"), "--rho"),
+        # m above the 30 samples is refused, not cut to 30 (another m-sharpness)
+        (("--m", "31"), "--m"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(checkpoint, capsys, args, needle):
     assert_one_line_error(run_cli(capsys, "sharpness", checkpoint, *args), 2, needle)
+
+
+def test_m_above_the_data_names_the_data_size(checkpoint, capsys):
+    run = run_cli(capsys, "sharpness", checkpoint, "--m", "31", "--json", "-")
+    assert_one_line_error(run, 2, "--m", "31", "30 samples")
+    assert run.json()["error"]["source"] == "--m"
+
+
+@pytest.mark.parametrize("adaptive", ["--adaptive", "--no-adaptive"])
+def test_a_radius_past_float32_is_a_numerical_failure_not_sharpness_0(checkpoint, capsys, adaptive):
+    """rho 1e30 in a float32 model: the ball's points have an infinite loss, exit 3 naming
+    --rho. (The float32 norm of the perturbation overflowed to Inf, the projection scaled it
+    to 0: worst-case sharpness 0 with exit 0, a larger ball with a smaller maximum.)"""
+    run = run_cli(capsys, "sharpness", checkpoint, "--rho", "1e30", adaptive, "--steps", "3",
+                  "--json", "-")  # fmt: skip
+    assert_one_line_error(run, 3, "--rho", "not finite")
+    error = run.json()["error"]
+    assert error["type"] == "numerical" and error["source"] == "--rho"
 
 
 # ----------------------------------------------------------------------------------- landscape

@@ -106,7 +106,9 @@ def _library_gradient(theta, x, y, activation, spec: str):
     before = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
     sgd = torch.optim.SGD(net.parameters(), lr=1.0)
     gen = torch.Generator().manual_seed(3)
-    made = regularizers.make(spec, sgd, model=net, generator=gen)
+    # an oracle wraps the optimizer; a penalty takes none (it is added to the loss)
+    oracle = regularizers.names()[spec.split(":")[0]] == "oracle"
+    made = regularizers.make(spec, sgd if oracle else None, model=net, generator=gen)
     value = None
     if isinstance(made, regularizers.PerturbedOptimizer):
 

@@ -43,7 +43,9 @@ def _library_loop(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
     draws = torch.Generator().manual_seed(cfg.seed + 2)
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    made = regularizers.make(cfg.regs[0], sgd, model=model, generator=draws)
+    # an oracle wraps the optimizer; a penalty takes none (it is added to the loss)
+    oracle = regularizers.names()[cfg.regs[0].name] == "oracle"
+    made = regularizers.make(cfg.regs[0], sgd if oracle else None, model=model, generator=draws)
     model.train()
     x, y = splits.x_train, splits.y_train
     for _ in range(cfg.epochs):

@@ -192,6 +192,41 @@ def test_the_wrapper_refuses_what_it_cannot_run():
     assert opt.param_groups is sgd.param_groups
 
 
+@pytest.mark.parametrize(
+    "handed, words",
+    [
+        ("model", r"got the model \(Sequential\)"),
+        ("iterator", r"got parameters \(generator\)"),
+        ("list", r"got parameters \(list\)"),
+    ],
+)
+def test_something_else_than_an_optimizer_is_named_not_an_attribute_error(handed, words):
+    """The model or its parameters in the optimizer's place: a UsageError on ``optimizer``
+    saying what it got and the call that works (was an AttributeError on ``param_groups``
+    from inside the wrapper); the same from the wrapper's own constructor, None too."""
+    model = _mlp()
+    wrong = {"model": model, "iterator": model.parameters(), "list": list(model.parameters())}
+    with pytest.raises(UsageError, match=words) as info:
+        regularizers.make("sam:rho=0.1", wrong[handed], model=model)
+    assert info.value.source == "optimizer"
+    assert "torch.optim.SGD(model.parameters()" in info.value.message
+    with pytest.raises(UsageError, match="got None") as info:
+        regularizers.PerturbedOptimizer(None, parse_reg("sam"))
+    assert info.value.source == "optimizer"
+
+
+def test_a_penalty_handed_an_optimizer_refuses_it_rather_than_ignore_it():
+    """A penalty is a loss term: an optimizer (or the model) in the optimizer's place was
+    silently unused; now a UsageError on ``optimizer`` with the call that works."""
+    model = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for handed, words in ((sgd, "got an optimizer"), (model, "got the model")):
+        with pytest.raises(UsageError, match=words) as info:
+            regularizers.make("gp:rho=0.1", handed, model=model)
+        assert info.value.source == "optimizer" and "model=model" in info.value.message
+    assert isinstance(regularizers.make("gp:rho=0.1", model=model), regularizers.LossPenalty)
+
+
 # --------------------------------------------------------------------------- mixed precision
 def _sam_step_update(dtype, autocast=None, scaler=None, rho=0.05, lr=0.1):
     model = _mlp(torch.float32)
@@ -281,7 +316,8 @@ def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
         n for n, r in rows.items() if r["kind"] in ("oracle", "penalty")
     }
     for name, kind in regularizers.names().items():
-        made = regularizers.make(name, torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1) if kind == "oracle" else None
+        made = regularizers.make(name, sgd, model=model)
         assert isinstance(
             made, regularizers.PerturbedOptimizer if kind == "oracle" else regularizers.LossPenalty
         )
