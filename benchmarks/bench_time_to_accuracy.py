@@ -15,7 +15,7 @@ cost more products did not halve its error (its float32 floor).
 
 lambda_max (the largest eigenvalue of the Hessian of the mean loss over the analysis set):
 
-- ``sharp``: :func:`sharpcli.curvature.lanczos` (Lanczos [Lanczos1950] with full
+- ``sharp``: :func:`sharpcli.curvature.eigen.lanczos` (Lanczos [Lanczos1950] with full
   reorthogonalisation [Parlett1998]), ``k=1``,
   ``tol`` = the relative residual ``||H u - theta u|| <= tol |theta|`` it certifies (float32
   products: the residual is an explicit extra product, counted);

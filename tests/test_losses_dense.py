@@ -161,7 +161,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     match dense float64 matrices built from torch's own cross_entropy."""
     from safetensors.torch import save_file
 
-    from sharpcli.curvature.differentiable import twice_differentiable
+    from sharpcli.curvature.products.differentiable import twice_differentiable
 
     model, weights = factory_checkpoint(tmp_path, monkeypatch, "causal_lm", CAUSAL_LM, seed=4)
     x, y = next_token_data(9, seed=5)  # predict the next token; y[2, 3:], y[6, 2:] padded

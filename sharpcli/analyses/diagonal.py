@@ -20,8 +20,8 @@ from sharpcli.analyses.spectrum import check_choice, curvature_pass, scope_info
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
-from sharpcli.curvature.registry import HESSIAN
-from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.trace.exact import EXACT_MAX_PARAMS
 from sharpcli.errors import UsageError
 
 # the diagonal estimators, declared in sharpcli.curvature.diagonal (extensions too)

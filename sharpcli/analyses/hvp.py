@@ -2,7 +2,7 @@
 
 ``exact`` (the default): double backward through each batch's first-order graph
 (:class:`~sharpcli.curvature.CurvatureEngine`). ``finite-difference``: central differences of
-gradients (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`,
+gradients (:class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`,
 [GranziolJuarev2026], [NocedalWright2006] section 8.1), for models without a double backward
 and for models sharded by FSDP2 (``fsdp``: the session's model sharded across the torchrun
 ranks with ``fully_shard`` first). It gives the Hessian only.
@@ -11,10 +11,10 @@ ranks with ``fully_shard`` first). It gives the Hessian only.
 from __future__ import annotations
 
 from sharpcli import catalogue, memory
-from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
-from sharpcli.curvature.ggn_trace import GN_SPLIT
-from sharpcli.curvature.registry import HESSIAN
-from sharpcli.curvature.trace_exact import EXACT
+from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine, shard_model
+from sharpcli.curvature.trace.ggn import GN_SPLIT
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.trace.exact import EXACT
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -94,7 +94,7 @@ def finite_difference_pass(session, params: str | None, fsdp: bool = False):
         fsdp: shard the model across the process group first.
 
     Returns:
-        A :class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`.
+        A :class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`.
     """
     if fsdp:
         shard_model(session.model)

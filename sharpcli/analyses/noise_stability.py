@@ -27,10 +27,10 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.hutchpp import HUTCHPP, hutchpp
-from sharpcli.curvature.operators import CurvatureEngine
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.trace.hutchpp import HUTCHPP, hutchpp
+from sharpcli.curvature.operators.hessian import CurvatureEngine
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
 from sharpcli.registry import declare

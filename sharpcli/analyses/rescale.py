@@ -51,16 +51,16 @@ from sharpcli.analyses.rescale_plan import (
     plan_rescale,
 )
 from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-from sharpcli.curvature.data import (
+from sharpcli.curvature.products.data import (
     AnalysisData,
     all_reduce_sum,
     distributed_rank_and_world,
     to_model_batch,
 )
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.lanczos import lanczos
-from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace.hutchpp import hutchpp
+from sharpcli.curvature.eigen.lanczos import lanczos
+from sharpcli.curvature.operators.hessian import CurvatureEngine, CurvatureOperator
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
 

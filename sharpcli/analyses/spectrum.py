@@ -6,7 +6,7 @@ through one :class:`~sharpcli.curvature.CurvatureEngine` per call, so H, G and N
 share their cached first-order graphs.
 
 Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``operator`` name in
-:mod:`sharpcli.curvature.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
+:mod:`sharpcli.curvature.operators.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
 the Gauss-Newton matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
 modeling error, and any operator registered there.
 """
@@ -34,12 +34,12 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
-from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
-from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
-from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
-from sharpcli.curvature.registry import (
+from sharpcli.curvature.trace.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
+from sharpcli.curvature.eigen.lanczos import DEFAULT_MAX_MATVECS, WHICH
+from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.trace.probes import TraceResult
+from sharpcli.parity import pyhessian_eigenvalues, pyhessian_trace
+from sharpcli.curvature.operators.registry import (
     GGN,
     HESSIAN,
     NME,
@@ -48,8 +48,8 @@ from sharpcli.curvature.registry import (
     build_operator,
     operator_spec,
 )
-from sharpcli.curvature.ritz import EigenResult
-from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.eigen.ritz import EigenResult
+from sharpcli.curvature.trace.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 
@@ -180,7 +180,7 @@ def eigen_result(
 
     Args:
         cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
-        operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
+        operator: A registered operator name (:mod:`sharpcli.curvature.operators.registry`).
         top_k: Eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
         method: ``lanczos`` or ``power``.
@@ -239,7 +239,7 @@ def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     """Note a null space the operator's rank bound proves (e.g. G: rank <= N * rank(H_z)).
 
     Lanczos counts the repeated 0 among the smallest eigenvalues by deflated restarts
-    (:mod:`sharpcli.curvature.deflation`); the bound says how many copies there are at least.
+    (:mod:`sharpcli.curvature.eigen.lanczos`); the bound says how many copies there are at least.
     """
     if spec.rank_bound is None:
         return
@@ -322,9 +322,9 @@ def trace_result(
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
     :meth:`sharpcli.api.Curvature.trace`: the registered trace estimator ``estimator``
-    (:mod:`sharpcli.curvature.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
+    (:mod:`sharpcli.curvature.trace.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
     [Hutchinson1989], ``exact`` (every operator by its cheapest exact route,
-    :mod:`sharpcli.curvature.trace_exact`), ``gn-split`` (tr(H) as exact tr(G) plus an estimated
+    :mod:`sharpcli.curvature.trace.exact`), ``gn-split`` (tr(H) as exact tr(G) plus an estimated
     tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
@@ -409,7 +409,7 @@ def gn_nme(
     (NME eq. 20) estimators.
 
     Traces and ``Tr(A^2)`` come from shared probes and joint H/G products
-    (:func:`sharpcli.curvature.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
+    (:func:`sharpcli.curvature.trace.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
     for the estimates. ``ggn_estimator`` picks the cross-checks of tr(G)
     (:func:`ggn_check_plan`)."""
     seed = session.seed if seed is None else seed

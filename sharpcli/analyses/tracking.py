@@ -33,8 +33,8 @@ from sharpcli.curvature import (
     hutchpp,
     lanczos,
 )
-from sharpcli.curvature.registry import GGN, HESSIAN, NME
-from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME
+from sharpcli.curvature.trace.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.registry import declaration, declare
 

@@ -25,7 +25,7 @@ from sharpcli.curvature import (
     ParamScope,
     build_operator,
 )
-from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.operators.registry import HESSIAN
 from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import token_reduction

@@ -433,7 +433,7 @@ def gn_nme_command(
 
     def render(console):
         # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-        from sharpcli.curvature.registry import OPERATORS, SPLIT
+        from sharpcli.curvature.operators.registry import OPERATORS, SPLIT
 
         rows = [
             {

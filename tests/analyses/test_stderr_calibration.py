@@ -19,14 +19,14 @@ from torch import nn
 
 from sharpcli.analyses.noise_stability import noise_stability_check
 from sharpcli.analyses.theorem2 import theorem2_check
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
-from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.split import gn_nme_split
-from sharpcli.curvature.trace import frobenius_sq, hutchinson
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.trace.ggn import exact_ggn_trace, gn_split_trace
+from sharpcli.curvature.trace.hutchpp import hutchpp
+from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
+from sharpcli.curvature.trace.sampled_ggn import sampled_label_ggn_trace
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.split import gn_nme_split
+from sharpcli.curvature.trace.hutchinson import frobenius_sq, hutchinson
 
 SEEDS = range(32)
 

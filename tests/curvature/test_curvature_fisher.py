@@ -1,4 +1,4 @@
-"""The Fisher operators (sharpcli/curvature/fisher.py) against dense float64 references.
+"""The Fisher operators (sharpcli/curvature/operators/fisher.py) against dense float64 references.
 
 EF: ``(1/N) sum_i g_i g_i^T`` from per-sample gradients of the per-sample loss (one backward
 pass per sample). Fisher: the same at the operator's drawn labels, and its expectation over
@@ -16,8 +16,12 @@ from torch import nn
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
-from sharpcli.curvature.fisher import EmpiricalFisherOperator, FisherOperator, fisher_residuals
-from sharpcli.curvature.registry import OPERATORS
+from sharpcli.curvature.operators.fisher import (
+    EmpiricalFisherOperator,
+    FisherOperator,
+    fisher_residuals,
+)
+from sharpcli.curvature.operators.registry import OPERATORS
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_reduction
 

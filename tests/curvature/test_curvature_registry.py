@@ -1,4 +1,4 @@
-"""The operator registry (sharpcli/curvature/registry.py): built-ins against dense matrices,
+"""The operator registry (sharpcli/curvature/operators/registry.py): built-ins against dense matrices,
 registering and removing an operator, the UsageError for unknown names, and the ``--operator``
 help and docs that are made from it."""
 
@@ -13,7 +13,7 @@ from cli_helpers import run_cli
 from conftest import setup_and_reference
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, MatrixOperator, ParamScope
-from sharpcli.curvature.registry import (
+from sharpcli.curvature.operators.registry import (
     OPERATORS,
     SPLIT,
     build_operator,
@@ -127,7 +127,7 @@ def test_docs_operator_table_and_synopses_match_the_registry():
 
 
 def test_gn_nme_split_is_keyed_by_the_registry_names():
-    from sharpcli.curvature.split import gn_nme_split
+    from sharpcli.curvature.trace.split import gn_nme_split
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))

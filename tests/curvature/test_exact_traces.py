@@ -17,7 +17,7 @@ from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import trace_result
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature import trace_exact as exact_module
-from sharpcli.curvature.fisher import FisherOperator
+from sharpcli.curvature.operators.fisher import FisherOperator
 from sharpcli.errors import UsageError
 
 OPERATORS = ("hessian", "ggn", "nme", "ef", "fisher")
@@ -203,7 +203,7 @@ def test_exact_fisher_trace_with_several_draws_is_the_operators_trace():
     """S = 3 label draws per sample (the 1/S of the average in the directions): the
     per-sample trace equals the trace of the operator's own products, e_j^T F e_j summed."""
     from sharpcli.curvature.diagonal import exact_diagonal
-    from sharpcli.curvature.trace_exact import exact_fisher_trace
+    from sharpcli.curvature.trace.exact import exact_fisher_trace
 
     _, _, _, cpass = _case("mlp", "cross-entropy")
     op = FisherOperator(cpass, samples=3, seed=4)

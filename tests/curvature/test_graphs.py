@@ -1,11 +1,11 @@
-"""The per-batch product check of sharpcli.curvature.graphs: one norm pass, both failures named."""
+"""The per-batch product check of sharpcli.curvature.products.graphs: one norm pass, both failures named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sharpcli.curvature.graphs import check_finite
+from sharpcli.curvature.products.graphs import check_finite
 from sharpcli.errors import NumericalError
 
 

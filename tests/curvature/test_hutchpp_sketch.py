@@ -18,11 +18,10 @@ from hessian_helpers import cross_entropy_ggn, double_backward_hessian
 from torch import nn
 
 from sharpcli.curvature import sketch as sketch_module
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.sketch import RangeSketch
+from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.hutchpp import RangeSketch, hutchpp
 
 SEEDS = range(32)
 

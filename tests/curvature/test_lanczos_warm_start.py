@@ -15,9 +15,9 @@ from sharpcli.curvature import (
     ParamScope,
     lanczos,
 )
-from sharpcli.curvature.data import subsample_data
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.warm_start import subsample_operator
+from sharpcli.curvature.eigen.warm_start import subsample_operator
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.data import subsample_data
 from sharpcli.errors import UsageError
 
 

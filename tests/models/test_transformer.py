@@ -18,7 +18,7 @@ from cli_helpers import run_cli
 from conftest import dense_reference
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, exact_ggn_trace
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 
 FACTORY = textwrap.dedent("""
     import torch

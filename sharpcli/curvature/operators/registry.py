@@ -16,7 +16,7 @@ Built in, for the analysis loss ``L = (1/N) sum_i l(f(theta, x_i), y_i)``:
 - ``nme``     N = H - G, the nonlinear modelling error [NME] eq. 2.
 
 ``SPLIT`` names the three parts of ``H = G + N``, which ``sharp gn-nme`` estimates together
-from shared probes (:mod:`sharpcli.curvature.split`).
+from shared probes (:mod:`sharpcli.curvature.trace.split`).
 
 Paper keys resolve in docs/references.md.
 """
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
-from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
+from sharpcli.curvature.operators.hessian import GGNOperator, HessianOperator, NMEOperator
 from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
+    from sharpcli.curvature.operators.hessian import CurvatureEngine, CurvatureOperator
 
 __all__ = [
     "GGN",
@@ -217,7 +217,7 @@ class OperatorRequest:
     """A registered operator on an analysis's pass: what an estimator is asked about.
 
     The trace and diagonal estimators' requests
-    (:class:`~sharpcli.curvature.estimators.TraceRequest`,
+    (:class:`~sharpcli.curvature.trace.estimators.TraceRequest`,
     :class:`~sharpcli.curvature.diagonal.DiagonalRequest`) add their budgets.
 
     Attributes:

@@ -26,13 +26,13 @@ binary cross-entropy (``Bernoulli(sigmoid z)``) and mse, whose
 Gaussian likelihood, whose Fisher is :math:`J^\top J = \frac C2 G`) the Fisher equals G.
 
 Products reuse the curvature engine's cached first-order graph of each batch
-(:mod:`sharpcli.curvature.engine`): :math:`J v` comes from the same reverse pass as the
+(:mod:`sharpcli.curvature.products.engine`): :math:`J v` comes from the same reverse pass as the
 Gauss-Newton product, then :math:`u_i = \sum_s r_{is} (r_{is} \cdot J_i v)` and one
 vector-Jacobian product :math:`J^\top u`: the cost of a G product. The empirical Fisher's
 :math:`r_i` is the cached :math:`g_z = \partial L_b / \partial z` times N (a batch enters with
 weight :math:`B_b / N`, so :math:`g_{z,i} = r_i / N`); the Fisher's labels are drawn once per
 operator from random numbers keyed by each sample's global index (as the sampled-label trace of
-:mod:`sharpcli.curvature.sampled_ggn`), so the operator is one fixed symmetric matrix whatever
+:mod:`sharpcli.curvature.trace.sampled_ggn`), so the operator is one fixed symmetric matrix whatever
 the batch size or the ranks.
 """
 
@@ -43,13 +43,12 @@ import math
 
 import torch
 
-from sharpcli.curvature.data import all_reduce_sum
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.engine import CurvatureEngine
-from sharpcli.curvature.graphs import BatchGraph
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.registry import register_operator
-from sharpcli.curvature.sampled_ggn import _per_sample_draws
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.operators.registry import register_operator
+from sharpcli.curvature.products.data import all_reduce_sum, per_sample_draws
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.engine import CurvatureEngine
+from sharpcli.curvature.products.graphs import BatchGraph
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
 from sharpcli.registry import declare
@@ -259,7 +258,7 @@ class FisherOperator(_OuterProductOperator):
         start, y_b = self._batch_labels(index, z.shape[0])
         tail = tuple(loss.label_noise_shape(z)[1:])
         assert loss.sampler is not None  # checked in __init__
-        noise = _per_sample_draws(
+        noise = per_sample_draws(
             self.seed, start, start + z.shape[0], self.samples, loss.sampler.noise, tail
         )
         y_b = y_b.to(z.device)
