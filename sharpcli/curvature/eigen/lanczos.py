@@ -1,10 +1,11 @@
 r"""Lanczos with full reorthogonalisation for extreme eigenvalues of a symmetric operator.
 
 The method is [Lanczos1950]; the reorthogonalisation and the Ritz residual follow
-[Parlett1998]. User guide: docs/commands/eigen.md. The pieces: the recurrence
-(:mod:`~sharpcli.curvature.eigen.ritz`), Ritz values and residuals
-(:mod:`~sharpcli.curvature.eigen.ritz`), where the basis lives (:mod:`~sharpcli.curvature.eigen.krylov`)
-and warm starts (:mod:`~sharpcli.curvature.eigen.warm_start`); this module runs the iteration.
+[Parlett1998]. User guide: docs/commands/eigen.md. This module runs the iteration, its thick
+restarts and its deflated rounds (:class:`LanczosRounds`, each round's :class:`LanczosState`);
+the recurrence's step, Ritz values and residuals are in :mod:`~sharpcli.curvature.eigen.ritz`,
+the basis and where it lives in :mod:`~sharpcli.curvature.eigen.krylov`, warm starts in
+:mod:`~sharpcli.curvature.eigen.warm_start`.
 
 A Ritz pair ``(theta, u)`` is *converged* when its reported residual satisfies
 
@@ -30,7 +31,7 @@ dimension P whatever converges first); otherwise it stops and says so in ``break
 Repeated eigenvalues. One start vector gives one direction of each eigenspace, so the first
 round finds each distinct eigenvalue about once; for k >= 2 the converged wanted Ritz pairs are
 then locked and Lanczos restarts orthogonal to them until a round finds no further copy
-(:mod:`~sharpcli.curvature.eigen.lanczos`), and ``result.multiplicity`` says whether the k values
+(deflated restarts, below), and ``result.multiplicity`` says whether the k values
 are counted with multiplicity or the budget ran out first.
 
 When the basis is full (memory plan, disk space or ``max_basis``) the iteration is
@@ -39,12 +40,12 @@ from the last residual direction, and its Lanczos relation, Ritz estimates and e
 residuals keep their meaning, so a restarted result carries the same certificate as an
 unrestarted one.
 
-Deflated restarts: the k extreme eigenvalues of a symmetric operator counted with multiplicity.
+Deflated restarts: the k extreme eigenvalues counted with multiplicity.
 
 A Krylov space ``K_m(A, q)`` holds one direction of each eigenspace (``q``'s projection onto
 it), so Lanczos from one start vector finds each distinct eigenvalue once in exact arithmetic;
 in floating point further copies of a repeated eigenvalue appear only where rounding has fed
-them, haphazardly. :func:`sharpcli.curvature.eigen.lanczos.lanczos` therefore *locks*
+them, haphazardly. :func:`lanczos` therefore *locks*
 ([Parlett1998], [ARPACK]): once the wanted Ritz pairs of a round have converged, they stay in
 the basis as locked rows ``Y`` and Lanczos restarts from a fresh random vector orthogonal to
 them. Every new vector is orthogonalised against the locked rows, so the next round iterates
@@ -81,8 +82,10 @@ measured with one product (:func:`bounded_residuals`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,9 +122,9 @@ __all__ = [
     "bounded_residuals",
     "deflated_residual",
     "deflated_rounds",
-    "DeflatedRounds",
     "first_breakdown",
-    "first_round_pairs",
+    "LanczosRounds",
+    "LanczosState",
     "lanczos",
     "merge_round",
     "multiplicity_note",
@@ -271,26 +274,27 @@ def _start_vector(op, start, warm_start, k, which, generator, fraction, steps, s
     return q / torch.linalg.vector_norm(q), warm_info
 
 
-def _stop_notes(state: dict, limit: int, room: int) -> list[str]:
+def _stop_notes(rounds: LanczosRounds, converged: np.ndarray, complete: bool) -> list[str]:
     """The notes on how a run stopped: its product budget spent, its restarts.
 
     Args:
-        state: the iteration's final state (:func:`_run_lanczos`).
-        limit: the product budget.
-        room: the most basis rows.
+        rounds: the run's rounds (what they spent).
+        converged: whether each returned pair converged.
+        complete: whether the basis spans the whole space.
 
     Returns:
         The notes, possibly none.
     """
     notes = []
-    if not state["converged"].all() and state["matvecs"] >= limit and not state["complete"]:
+    if not converged.all() and rounds.matvecs >= rounds.limit and not complete:
         notes.append(
-            f"stopped at the matvec budget ({limit}) before all requested eigenvalues converged"
+            f"stopped at the matvec budget ({rounds.limit}) before all requested eigenvalues "
+            "converged"
         )
-    if state["restarts"]:
+    if rounds.restarts:
         notes.append(
-            f"thick-restarted Lanczos: a basis of at most {room} vectors (memory plan), "
-            f"{state['restarts']} restart(s)"
+            f"thick-restarted Lanczos: a basis of at most {rounds.room} vectors (memory plan), "
+            f"{rounds.restarts} restart(s)"
         )
     return notes
 
@@ -346,7 +350,7 @@ def lanczos(
         max_basis: the most basis vectors kept before a thick restart.
         multiplicity: count repeated eigenvalues: once the wanted Ritz pairs converge, lock
             them and restart orthogonal to them until a round finds no further copy
-            (:mod:`~sharpcli.curvature.eigen.lanczos`; ``result.multiplicity`` says how it went).
+            (:func:`deflated_rounds`; ``result.multiplicity`` says how it went).
             ``False`` returns the first round's values, each distinct eigenvalue about once.
 
     Returns:
@@ -368,12 +372,11 @@ def lanczos(
         explicit_residuals = op.dtype != _F64
     want = min(int(top_k), dim)
     wanted = min(dim, want * (2 if which == "both" else 1))
-    returned = wanted if (return_eigenvectors or explicit_residuals) else 0
-    budget = _budget(max_matvecs)
-    room, held, scratch, limit = plan_basis(op, wanted, returned, budget, max_basis)
+    keep_vectors = bool(return_eigenvectors or explicit_residuals)
+    returned = wanted if keep_vectors else 0
+    room, held, scratch, limit = plan_basis(op, wanted, returned, _budget(max_matvecs), max_basis)
     plan = memory.current()
     generator = torch.Generator().manual_seed(int(seed))
-    eps = torch.finfo(op.dtype).eps  # rounding level of the products, not of the recurrence
     q, warm_info = _start_vector(
         op, start, warm_start, want, which, generator, warm_fraction, warm_steps, seed
     )
@@ -382,58 +385,32 @@ def lanczos(
         basis = KrylovBasis(dim, storage_dtype(op.dtype), op.device, scratch=scratch)
         basis.append(q)
         del q  # the basis holds it (in the products' dtype)
+        rounds = LanczosRounds(op, basis, want, which, tol, limit, room, generator, run)
         # when the whole space fits the budget (P <= max_matvecs), copies are counted by
         # spanning it: every eigenvalue exact, no deflated round needed
-        whole = multiplicity and want >= 2 and room >= dim and limit == dim
-        state = _run_lanczos(
-            op, basis, want, which, tol, limit, room, generator, eps, run, whole=whole
-        )
-        spent = {k: state[k] for k in ("matvecs", "restarts", "exact_level", "reorthogonalized")}
+        first = rounds.first_round(whole=multiplicity and want >= 2 and rounds.exhaustive)
         if multiplicity:
-            rounds = DeflatedRounds(
-                _run_lanczos, op, basis, (want, which, tol, limit, room), generator, eps, run, spent
-            )
-            pairs, last, locked, record = deflated_rounds(
-                state, rounds.next_round, rounds.lock, which=which, want=want, room=room, tol=tol
-            )
+            pairs, last, locked, record = deflated_rounds(first, rounds)
         else:
-            pairs, last, locked, record = first_round_pairs(state), state, 0, None
-        notes: list[str] = []
-        values = np.array([p.value for p in pairs])
-        reported = np.array([p.residual for p in pairs])
-        converged = np.array([p.converged for p in pairs], dtype=bool)
-        matvecs, exact_level = spent["matvecs"], spent["exact_level"]
-        coefficients = torch.from_numpy(pair_coefficients(pairs, last["S"], locked))
-        if not explicit_residuals:  # deflated rounds' bounds: measure those that fail the test
-            reported, converged, extra = bounded_residuals(
-                op, basis, coefficients, values, reported, converged, tol, exact_level
-            )
-            matvecs += extra
-        vectors = None
-        if return_eigenvectors or explicit_residuals:
-            # the residual is checked on the vector the operator multiplies (rounded to its
-            # dtype); float64 copies only when the caller asked for the eigenvectors
-            keep = _F64 if return_eigenvectors else storage_dtype(op.dtype)
-            vectors = basis.combine(coefficients, dtype=keep)
-        m = spent["matvecs"]  # the Lanczos steps of every round
+            pairs, last, locked, record = _ritz_pairs(first, 0.0, 0), first, 0, None
+        values, reported, converged, vectors, extra = _returned_pairs(
+            rounds, pairs, last, locked, explicit_residuals, return_eigenvectors
+        )
         basis.close()
-    breakdown = first_breakdown(state["breakdown"], record, last["complete"])
-    del basis, state
-    notes += _stop_notes(
-        {**spent, "converged": converged, "complete": last["complete"]}, limit, room
-    )
+    matvecs = rounds.matvecs + extra
+    notes = _stop_notes(rounds, converged, last.complete)
     if record is not None and (note := multiplicity_note(record, wanted, limit)):
         notes.append(note)
     if explicit_residuals:
         reported, converged = measured_residuals(
-            op, values, vectors, converged, tol, exact_level, notes
+            op, values, vectors, converged, tol, rounds.exact_level, notes
         )
         matvecs += len(values)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())
     if at_rounding:
         notes.append(
             f"{at_rounding} eigenvalue(s) converged at the products' rounding level "
-            f"(residual <= 100 eps ||T|| = {exact_level:.3g}), not at tol |eigenvalue|"
+            f"(residual <= 100 eps ||T|| = {rounds.exact_level:.3g}), not at tol |eigenvalue|"
         )
     notes += [warm_note(warm_info)] if warm_info is not None else []
     result = EigenResult(
@@ -444,10 +421,10 @@ def lanczos(
         method="lanczos",
         which=which,
         tol=float(tol),
-        krylov_dim=m,
-        breakdown=breakdown,
-        restarts=int(spent["restarts"]),
-        reorthogonalized=int(spent["reorthogonalized"]),
+        krylov_dim=rounds.matvecs,  # the Lanczos steps of every round
+        breakdown=first_breakdown(first.breakdown, record, last.complete),
+        restarts=int(rounds.restarts),
+        reorthogonalized=int(rounds.reorthogonalized),
         max_basis=int(room),
         notes=notes,
         warm_start=warm_info,
@@ -457,6 +434,49 @@ def lanczos(
         result.eigenvectors = vectors
     run.finish(matvecs, **reported_numbers(result.eigenvalues, result.residuals, which))
     return result
+
+
+def _returned_pairs(rounds, pairs, last, locked, explicit_residuals, return_eigenvectors):
+    """The returned pairs' values, residuals, flags and (when needed) vectors.
+
+    A deflated round's residual is a bound; without explicit residuals the pairs whose bound
+    fails the test have their residual measured (:func:`bounded_residuals`).
+
+    Args:
+        rounds: the run's rounds (the operator, the basis, what they spent).
+        pairs: the returned pairs, descending.
+        last: the last round's state (its Ritz coefficients).
+        locked: the locked rows before the last round's.
+        explicit_residuals: whether every residual is measured afterwards.
+        return_eigenvectors: whether the caller wants the float64 Ritz vectors.
+
+    Returns:
+        ``(values, residuals, converged, vectors, products spent)``; ``vectors`` ``None``
+        unless asked for or needed by explicit residuals.
+    """
+    values = np.array([p.value for p in pairs])
+    reported = np.array([p.residual for p in pairs])
+    converged = np.array([p.converged for p in pairs], dtype=bool)
+    coefficients = torch.from_numpy(pair_coefficients(pairs, last.S, locked))
+    extra = 0
+    if not explicit_residuals:  # deflated rounds' bounds: measure those that fail the test
+        reported, converged, extra = bounded_residuals(
+            rounds.op,
+            rounds.basis,
+            coefficients,
+            values,
+            reported,
+            converged,
+            rounds.tol,
+            rounds.exact_level,
+        )
+    vectors = None
+    if return_eigenvectors or explicit_residuals:
+        # the residual is checked on the vector the operator multiplies (rounded to its
+        # dtype); float64 copies only when the caller asked for the eigenvectors
+        keep = _F64 if return_eigenvectors else storage_dtype(rounds.op.dtype)
+        vectors = rounds.basis.combine(coefficients, dtype=keep)
+    return values, reported, converged, vectors, extra
 
 
 def _keep_after_restart(theta: np.ndarray, which: str, want: int, size: int) -> np.ndarray:
@@ -521,17 +541,44 @@ def _beside_locked(locked: int, S: np.ndarray) -> torch.Tensor:
     return out
 
 
-def _run_lanczos(
-    op, basis, want, which, tol, limit, room, generator, eps, run, *, round_=None, whole=False
-) -> dict:
-    """The Lanczos iteration of :func:`lanczos`, thick-restarted at ``room`` rows ([Wu2000]).
+@dataclass
+class LanczosState:
+    """Where a Lanczos round stopped: its projection's Ritz pairs and what it spent.
 
-    Plain steps keep ``T`` tridiagonal. A restart keeps the Ritz pairs
-    ``(theta_i, y_i = Q s_i)`` of the wanted end(s) (:func:`_keep_after_restart`), continues
-    from ``q_{m+1} = w / beta_m`` and couples it to each kept vector by ``beta_m s_{m,i}``:
-    ``A Y = Y diag(theta) + beta_m q_{m+1} s_m^T`` holds exactly as the Lanczos relation did,
-    so the Ritz estimate ``beta |e_m^T s|`` and the explicit residuals mean the same after a
-    restart. The projected matrix is then arrowhead plus tridiagonal, kept dense (it is tiny).
+    Attributes:
+        theta: the Ritz values of the round's projected matrix, ascending.
+        S: their coefficients in the round's basis rows (a column each).
+        idx: the wanted Ritz values, indices into ``theta`` (:func:`select_ritz`).
+        converged: whether each wanted one passed the residual test.
+        residuals: the Ritz estimates ``beta_m |s_m|`` of every Ritz value.
+        exact_level: the products' rounding level ``100 eps ||T||``.
+        matvecs: the round's products.
+        restarts: the round's thick restarts.
+        reorthogonalized: the round's steps that ran Gram-Schmidt.
+        breakdown: the round's breakdown, if any.
+        complete: whether the basis spans the whole space.
+    """
+
+    theta: np.ndarray
+    S: np.ndarray
+    idx: np.ndarray
+    converged: np.ndarray
+    residuals: np.ndarray
+    exact_level: float
+    matvecs: int
+    restarts: int
+    reorthogonalized: int
+    breakdown: str | None
+    complete: bool
+
+
+class LanczosRounds:
+    """The Lanczos rounds of one :func:`lanczos` run, on one basis and product budget.
+
+    The first round runs from the start vector the basis holds; each deflated round
+    (:func:`deflated_rounds`) from a fresh random vector orthogonal to the locked rows. Each
+    is thick-restarted at ``room`` rows ([Wu2000]). The attributes ``matvecs``, ``restarts``,
+    ``reorthogonalized`` and ``exact_level`` sum (or take the largest of) every round's.
 
     Args:
         op: the operator.
@@ -539,113 +586,185 @@ def _run_lanczos(
         want: the wanted values of each end.
         which: ``"largest"``, ``"smallest"`` or ``"both"``.
         tol: the relative residual tolerance.
-        limit: the product budget.
+        limit: the product budget of all rounds.
         room: the most basis rows before a restart.
-        generator: draws fresh vectors after a breakdown.
-        eps: the products' rounding unit.
+        generator: draws fresh vectors (after a breakdown, for a deflated round).
         run: the progress run.
-        round_: a deflated round (:mod:`~sharpcli.curvature.eigen.lanczos`): ``locked`` (the
-            locked rows ahead of the round's, left as they are), ``enough`` (the stop test of
-            the wanted values, descending, and their converged flags), ``done`` (products
-            spent before it), ``exhaustive`` (the first round's rule after a breakdown).
-        whole: run to dimension P (restarting after breakdowns) whatever converges.
-
-    Returns:
-        The final state: ``theta``, ``S``, ``idx``, ``converged``, ``residuals``,
-        ``exact_level``, ``matvecs``, ``basis``, ``restarts``, ``reorthogonalized`` (steps
-        that ran Gram-Schmidt), ``breakdown``, ``complete``.
-
-    Raises:
-        NumericalError: a product is not finite.
     """
-    dim = op.shape[0]
-    locked, enough, done = 0, None, 0
-    exhaustive = room >= dim and limit == dim
-    if round_ is not None:
-        locked, enough, done, exhaustive = (
-            round_["locked"],
-            round_["enough"],
-            round_["done"],
-            round_["exhaustive"],
+
+    def __init__(self, op, basis, want, which, tol, limit, room, generator, run):
+        self.op, self.basis, self.want, self.which, self.tol = op, basis, want, which, tol
+        self.limit, self.room, self.generator, self.run = limit, room, generator, run
+        self.dim = op.shape[0]
+        self.eps = torch.finfo(op.dtype).eps  # rounding of the products, not of the recurrence
+        # the whole space fits the budget: after a breakdown, run on to dimension P
+        self.exhaustive = room >= self.dim and limit == self.dim
+        self.matvecs = self.restarts = self.reorthogonalized = 0
+        self.exact_level = 0.0
+
+    def first_round(self, whole: bool) -> LanczosState:
+        """The first round, from the basis's start vector.
+
+        Args:
+            whole: run to dimension P (restarting after breakdowns) whatever converges.
+
+        Returns:
+            Its state.
+        """
+        return self._spent(self._iterate(self.limit, whole=whole))
+
+    def next_round(self, locked: int, enough: Callable) -> LanczosState | None:
+        """A round on the deflated operator, orthogonal to the first ``locked`` basis rows.
+
+        Args:
+            locked: the locked rows, left as they are.
+            enough: ``enough(values_desc, residuals, converged)``, the round's stop test.
+
+        Returns:
+            Its state, or ``None`` when the product budget is spent.
+        """
+        if self.matvecs >= self.limit:
+            return None
+        self.basis.append(unit_random(self.dim, self.generator, self.op.device, self.basis))
+        return self._spent(self._iterate(self.limit - self.matvecs, locked=locked, enough=enough))
+
+    def lock(self, S_full: np.ndarray) -> None:
+        """Keep the basis combinations ``S_full`` (the locked Ritz vectors) as its rows."""
+        self.basis.rotate(torch.from_numpy(np.ascontiguousarray(S_full)))
+
+    def _spent(self, state: LanczosState) -> LanczosState:
+        self.matvecs += state.matvecs
+        self.restarts += state.restarts
+        self.reorthogonalized += state.reorthogonalized
+        self.exact_level = max(self.exact_level, state.exact_level)
+        return state
+
+    def _restart(self, theta, S, beta: float, m: int, locked: int):
+        """A thick restart: keep the wanted Ritz vectors, continue from ``w / beta``.
+
+        Returns:
+            ``(T, coupling)``: the kept Ritz values' diagonal and the new vector's couplings
+            ``beta s_{m,i}`` to the kept rows.
+        """
+        keep = _keep_after_restart(theta, self.which, self.want, m)
+        self.basis.rotate(_beside_locked(locked, S[:, keep]))
+        coupling = [(locked + i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
+        return np.diag(theta[keep]), coupling
+
+    def _iterate(self, limit, *, locked=0, enough=None, whole=False) -> LanczosState:
+        """One round of the iteration, thick-restarted at ``room`` rows ([Wu2000]).
+
+        Plain steps keep ``T`` tridiagonal. A restart keeps the Ritz pairs
+        ``(theta_i, y_i = Q s_i)`` of the wanted end(s) (:func:`_keep_after_restart`), continues
+        from ``q_{m+1} = w / beta_m`` and couples it to each kept vector by ``beta_m s_{m,i}``:
+        ``A Y = Y diag(theta) + beta_m q_{m+1} s_m^T`` holds exactly as the Lanczos relation did,
+        so the Ritz estimate ``beta |e_m^T s|`` and the explicit residuals mean the same after a
+        restart. The projected matrix is then arrowhead plus tridiagonal, kept dense (it is
+        tiny).
+
+        Args:
+            limit: the round's product budget.
+            locked: the locked rows ahead of the round's (a deflated round), left as they are.
+            enough: a deflated round's stop test (``None``: every wanted value converged).
+            whole: run to dimension P (restarting after breakdowns) whatever converges.
+
+        Returns:
+            The round's final state.
+
+        Raises:
+            NumericalError: a product is not finite.
+        """
+        op, basis, dim, done, which, tol = (
+            self.op,
+            self.basis,
+            self.dim,
+            self.matvecs,
+            self.which,
+            self.tol,
         )
-    T = np.zeros((0, 0))
-    coupling: list[tuple[int, float]] = []
-    history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
-    matvecs = restarts = 0
-    breakdown = None
-    exhaust = whole  # after a breakdown on a problem that fits: run to dimension P
-    complete = False
-    scale = 0.0
-    reorthogonalized = 0
-    while True:
-        # Gram-Schmidt may be skipped only in a plain recurrence (tridiagonal T, no locked or
-        # restarted rows, not spanning the whole space), where Paige's relation holds as stated
-        plain = round_ is None and restarts == 0 and not (exhaust or exhaustive)
-        settled = None
-        if plain:
-            coupled = [(i - locked, value) for i, value in coupling]
-            settled = skip_when_semiorthogonal(
-                lambda a, T=T, c=coupled: _extend_projection(T, a, c), scale, eps
+        T = np.zeros((0, 0))
+        coupling: list[tuple[int, float]] = []
+        history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
+        matvecs = restarts = reorthogonalized = 0
+        breakdown = None
+        exhaust = whole  # after a breakdown on a problem that fits: run to dimension P
+        complete = False
+        scale = 0.0
+        while True:
+            # Gram-Schmidt may be skipped only in a plain recurrence (tridiagonal T, no locked or
+            # restarted rows, not spanning the whole space), where Paige's relation holds as stated
+            plain = enough is None and restarts == 0 and not (exhaust or self.exhaustive)
+            settled = _settled(T, coupling, scale, self.eps) if plain else None
+            alpha, beta, w, full = lanczos_step(op, basis, coupling, done + matvecs, settled)
+            reorthogonalized += full
+            matvecs += 1
+            T = _extend_projection(T, alpha, [(i - locked, value) for i, value in coupling])
+            theta, S = (a.numpy() for a in torch.linalg.eigh(torch.from_numpy(T)))
+            scale = max(scale, float(np.abs(theta).max()), abs(alpha))
+            exact_level = 100 * self.eps * max(scale, np.finfo(np.float64).tiny)
+            residuals = beta * np.abs(S[-1, :])
+            idx = select_ritz(theta, which, self.want)
+            converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (
+                residuals[idx] <= exact_level
             )
-        alpha, beta, w, full = lanczos_step(op, basis, coupling, done + matvecs, settled)
-        reorthogonalized += full
-        matvecs += 1
-        T = _extend_projection(T, alpha, [(i - locked, value) for i, value in coupling])
-        theta, S = torch.linalg.eigh(torch.from_numpy(T))
-        theta, S = theta.numpy(), S.numpy()
-        scale = max(scale, float(np.abs(theta).max()), abs(alpha))
-        exact_level = 100 * eps * max(scale, np.finfo(np.float64).tiny)
-        residuals = beta * np.abs(S[-1, :])
-        idx = select_ritz(theta, which, want)
-        converged = (residuals[idx] <= tol * np.abs(theta[idx])) | (residuals[idx] <= exact_level)
-        m = len(basis) - locked
-        if not run.finished:
-            report_step(
-                run, done + matvecs, theta[idx], residuals[idx], which, tol, history, done + limit
-            )
-        if len(basis) == dim:
-            complete = True
-            break
-        if beta <= exact_level:
-            if exhaustive:
+            m = len(basis) - locked
+            if not self.run.finished:
+                report_step(
+                    self.run,
+                    done + matvecs,
+                    theta[idx],
+                    residuals[idx],
+                    which,
+                    tol,
+                    history,
+                    done + limit,
+                )
+            if len(basis) == dim:
+                complete = True
+                break
+            if beta <= exact_level:
+                if not self.exhaustive:
+                    breakdown = (
+                        f"invariant subspace after {m} steps: Ritz values are exact eigenvalues"
+                    )
+                    break
                 exhaust = True
                 if breakdown is None:
                     breakdown = (
                         f"invariant subspace after {m} steps; restarted to reach dimension {dim}"
                     )
                 coupling = []
-                basis.append(unit_random(dim, generator, op.device, basis))
+                basis.append(unit_random(dim, self.generator, op.device, basis))
                 continue
-            breakdown = f"invariant subspace after {m} steps: Ritz values are exact eigenvalues"
-            break
-        stop = converged.all() if enough is None else enough(theta[idx], residuals[idx], converged)
-        if (stop and not exhaust) or matvecs >= limit:
-            break
-        if (
-            len(basis) == room
-        ):  # thick restart: keep the wanted Ritz vectors, continue from w / beta
-            keep = _keep_after_restart(theta, which, want, m)
-            basis.rotate(_beside_locked(locked, S[:, keep]))
-            T = np.diag(theta[keep])
-            coupling = [(locked + i, float(beta * S[-1, j])) for i, j in enumerate(keep)]
-            restarts += 1
-        else:
-            coupling = [(len(basis) - 1, beta)]
-        basis.append(w, divisor=beta)  # q_{j+1} = w / beta_j, divided as it is stored
-    return {
-        "theta": theta,
-        "S": S,
-        "idx": idx,
-        "converged": converged,
-        "residuals": residuals,
-        "exact_level": exact_level,
-        "matvecs": matvecs,
-        "basis": basis,
-        "restarts": restarts,
-        "reorthogonalized": reorthogonalized,
-        "breakdown": breakdown,
-        "complete": complete,
-    }
+            stop = (
+                converged.all() if enough is None else enough(theta[idx], residuals[idx], converged)
+            )
+            if (stop and not exhaust) or matvecs >= limit:
+                break
+            if len(basis) == self.room:
+                T, coupling = self._restart(theta, S, beta, m, locked)
+                restarts += 1
+            else:
+                coupling = [(len(basis) - 1, beta)]
+            basis.append(w, divisor=beta)  # q_{j+1} = w / beta_j, divided as it is stored
+        return LanczosState(
+            theta,
+            S,
+            idx,
+            converged,
+            residuals,
+            exact_level,
+            matvecs,
+            restarts,
+            reorthogonalized,
+            breakdown,
+            complete,
+        )
+
+
+def _settled(T: np.ndarray, coupling, scale: float, eps: float):
+    """Whether a plain step may skip Gram-Schmidt (:func:`skip_when_semiorthogonal`)."""
+    return skip_when_semiorthogonal(lambda a: _extend_projection(T, a, coupling), scale, eps)
 
 
 _ENDS = {"largest": ("largest",), "smallest": ("smallest",), "both": ("largest", "smallest")}
@@ -855,23 +974,17 @@ def multiplicity_note(record: dict, wanted: int, limit: int) -> str | None:
     return text
 
 
-def _ritz_pairs(state: dict, locked_squares: float, found_in: int) -> list[Pair]:
+def _ritz_pairs(state: LanczosState, locked_squares: float, found_in: int) -> list[Pair]:
     """A round's wanted Ritz pairs, residuals bounded for the locked rows (module docstring)."""
-    theta, idx, converged, residuals = (
-        state["theta"],
-        state["idx"],
-        state["converged"],
-        state["residuals"],
-    )
     return [
         Pair(
-            float(theta[j]),
-            deflated_residual(float(residuals[j]), locked_squares),
+            float(state.theta[j]),
+            deflated_residual(float(state.residuals[j]), locked_squares),
             bool(c),
             column=int(j),
             found_in=found_in,
         )
-        for j, c in zip(idx, converged)
+        for j, c in zip(state.idx, state.converged)
     ]
 
 
@@ -879,18 +992,6 @@ def _returned(kept: dict, which: str) -> list[Pair]:
     """The kept pairs of every end once each, by descending value."""
     unique = {id(p): p for end in _ENDS[which] for p in kept[end]}
     return sorted(unique.values(), key=lambda p: -p.value)
-
-
-def first_round_pairs(state: dict) -> list[Pair]:
-    """The first round's wanted Ritz pairs, descending, when multiplicity is not checked.
-
-    Args:
-        state: the round's state.
-
-    Returns:
-        The pairs.
-    """
-    return _ritz_pairs(state, 0.0, 0)
 
 
 def pair_coefficients(pairs: list[Pair], S: np.ndarray, locked: int) -> np.ndarray:
@@ -935,71 +1036,98 @@ def _tied_with_last(kept: dict, ties: list[Pair], want: int) -> list[float]:
     return out
 
 
-def deflated_rounds(first: dict, next_round, lock, *, which: str, want: int, room: int, tol):
+def deflated_rounds(first: LanczosState, rounds: LanczosRounds):
     """Lanczos rounds with locking until the k values of each end are verified.
 
     Args:
-        first: the first round's state (:func:`sharpcli.curvature.eigen.lanczos._run_lanczos`).
-        next_round: ``next_round(locked, enough)`` appends a fresh vector orthogonal to the
-            ``locked`` rows, runs a round on the deflated operator that stops at
-            ``enough(values_desc, residuals, converged)`` or its budget, and returns its state, or
-            returns ``None`` when the product budget is spent.
-        lock: ``lock(S_full)`` rotates the basis to the columns of ``S_full`` (the locked rows).
-        which: ``"largest"``, ``"smallest"`` or ``"both"``.
-        want: the wanted values of each end.
-        room: the most basis rows.
-        tol: the relative residual tolerance.
+        first: the first round's state.
+        rounds: the run's rounds: :meth:`LanczosRounds.next_round` runs a round on the
+            deflated operator, :meth:`LanczosRounds.lock` rotates the basis to the locked rows.
 
     Returns:
         ``(pairs, state, locked, record)``: the returned pairs (descending), the last round's
         state, the locked rows before that round's, and the multiplicity record
         (:func:`multiplicity_record`).
     """
+    which, want, tol = rounds.which, rounds.want, rounds.tol
+    pairs = _ritz_pairs(first, 0.0, 0)
+    if not all(p.converged for p in pairs):  # not converged: nothing to verify
+        resolved = want == 1 or first.complete
+        why = None if resolved else "not converged"
+        return pairs, first, 0, multiplicity_record(resolved, 0, 0, [], why)
     kept: dict = {end: [] for end in _ENDS[which]}
     ties: list = []
     why: str | None = "budget"
-    state, locked, restarts, locked_squares = first, 0, 0, 0.0
+    state, locked, restarts = first, 0, 0
     wanted = want * len(_ENDS[which])
     while True:
-        pairs = _ritz_pairs(state, locked_squares, restarts)
-        values = np.array([p.value for p in pairs])
-        bounds = np.array([p.residual for p in pairs])
-        flags = np.array([p.converged for p in pairs])
-        if not restarts and not flags.all():  # not converged: nothing to verify
-            resolved = want == 1 or state["complete"]
-            why = None if resolved else "not converged"
-            return pairs, state, locked, multiplicity_record(resolved, 0, 0, [], why)
-        enough = bool(
-            restarts == 0 or round_is_enough(values, bounds, flags, which, want, kept, tol)
-        )
+        enough = restarts == 0 or round_is_enough(*_arrays(pairs), which, want, kept, tol)
         entries, found = merge_round(kept, [p for p in pairs if p.converged], which, want)
         ties += found
         verified = enough and (restarts > 0 and entries == 0 or want == 1)
-        if verified or state["complete"] or not enough:
+        if verified or state.complete or not enough:
             break
         returned = _returned(kept, which)
-        S_full = pair_coefficients(returned, state["S"], locked)
-        if len(returned) + wanted + 2 > room:
+        if len(returned) + wanted + 2 > rounds.room:
             enough, why = False, "basis room"  # no room for a round beside the locked rows
             break
-        lock(S_full)
-        for row, pair in enumerate(returned):
-            pair.row, pair.column = row, None
-        locked = len(returned)
-        locked_squares = sum(p.residual**2 for p in returned)
+        locked = _lock(rounds, returned, state, locked)
         checked = functools.partial(round_is_enough, which=which, want=want, kept=kept, tol=tol)
-        following = next_round(locked, checked)
+        following = rounds.next_round(locked, checked)
         if following is None:  # the budget is spent: every returned pair is a locked row
-            state, enough = {**state, "S": np.zeros((0, 0)), "complete": False}, False
+            state, enough = dataclasses.replace(state, S=np.zeros((0, 0)), complete=False), False
             break
         state = following
         restarts += 1
+        pairs = _ritz_pairs(state, sum(p.residual**2 for p in returned), restarts)
     returned = _returned(kept, which)
+    resolved = bool(enough or state.complete)
+    return returned, state, locked, _record(returned, kept, ties, want, restarts, resolved, why)
+
+
+def _lock(rounds: LanczosRounds, returned: list[Pair], state: LanczosState, locked: int) -> int:
+    """Lock ``returned``: rotate the basis to their vectors, which become its first rows.
+
+    Args:
+        rounds: the run's rounds (the basis).
+        returned: the pairs to lock.
+        state: the round that found the unlocked ones (its Ritz coefficients).
+        locked: the locked rows before that round's.
+
+    Returns:
+        The locked rows now.
+    """
+    rounds.lock(pair_coefficients(returned, state.S, locked))
+    for row, pair in enumerate(returned):
+        pair.row, pair.column = row, None
+    return len(returned)
+
+
+def _record(returned, kept, ties, want, restarts, resolved, why) -> dict:
+    """The multiplicity record of :func:`deflated_rounds` (:func:`multiplicity_record`).
+
+    Args:
+        returned: the returned pairs.
+        kept: the kept pairs of each end.
+        ties: the candidates that tied a k-th value.
+        want: the wanted values of each end.
+        restarts: the deflated restarts run.
+        resolved: whether the k values are counted with multiplicity.
+        why: why not, when not.
+
+    Returns:
+        The record.
+    """
     copies = sum(1 for p in returned if p.found_in > 0)
     ties = _tied_with_last(kept, ties, want)
-    resolved = bool(enough or state["complete"])
-    record = multiplicity_record(resolved, restarts, copies, ties, None if resolved else why)
-    return returned, state, locked, record
+    return multiplicity_record(resolved, restarts, copies, ties, None if resolved else why)
+
+
+def _arrays(pairs: list[Pair]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs' values, residuals and converged flags."""
+    values = np.array([p.value for p in pairs])
+    bounds = np.array([p.residual for p in pairs])
+    return values, bounds, np.array([p.converged for p in pairs])
 
 
 def bounded_residuals(op, basis, coefficients, values, residuals, converged, tol, exact_level):
@@ -1046,63 +1174,3 @@ def first_breakdown(text: str | None, record: dict | None, complete: bool) -> st
     if text is None or complete or (record is not None and record["resolved"]):
         return text
     return text + ", repeated eigenvalues may appear once"
-
-
-class DeflatedRounds:
-    """The rounds of :func:`deflated_rounds` for :func:`~sharpcli.curvature.eigen.lanczos.lanczos`:
-    each a Lanczos run from a fresh random vector orthogonal to the locked rows, on the same
-    basis and product budget.
-
-    Args:
-        run_round: the thick-restarted iteration (``lanczos._run_lanczos``).
-        op: the operator.
-        basis: the Krylov basis (locked rows first).
-        wanted: ``(want, which, tol, limit, room)``: the wanted values of each end, which
-            end(s), the tolerance, the product budget of all rounds, the most basis rows.
-        generator: draws the fresh start vectors.
-        eps: the products' rounding unit.
-        run: the progress run.
-        spent: ``matvecs``, ``restarts`` and ``exact_level`` so far, updated by each round.
-    """
-
-    def __init__(self, run_round, op, basis, wanted, generator, eps, run, spent):
-        self.run_round, self.op, self.basis = run_round, op, basis
-        self.want, self.which, self.tol, self.limit, self.room = wanted
-        self.generator, self.eps, self.run, self.spent = generator, eps, run, spent
-        self.exhaustive = self.room >= op.shape[0] and self.limit == op.shape[0]
-
-    def lock(self, S_full: np.ndarray) -> None:
-        """Keep the basis combinations ``S_full`` (the locked Ritz vectors) as its rows."""
-        self.basis.rotate(torch.from_numpy(np.ascontiguousarray(S_full)))
-
-    def next_round(self, locked: int, enough):
-        """A round on the deflated operator, or ``None`` when the budget is spent."""
-        spent = self.spent
-        if spent["matvecs"] >= self.limit:
-            return None
-        op = self.op
-        self.basis.append(unit_random(op.shape[0], self.generator, op.device, self.basis))
-        round_ = {
-            "locked": locked,
-            "enough": enough,
-            "done": spent["matvecs"],
-            "exhaustive": self.exhaustive,
-        }
-        state = self.run_round(
-            op,
-            self.basis,
-            self.want,
-            self.which,
-            self.tol,
-            self.limit - spent["matvecs"],
-            self.room,
-            self.generator,
-            self.eps,
-            self.run,
-            round_=round_,
-        )
-        spent["matvecs"] += state["matvecs"]
-        spent["restarts"] += state["restarts"]
-        spent["reorthogonalized"] += state["reorthogonalized"]
-        spent["exact_level"] = max(spent["exact_level"], state["exact_level"])
-        return state
