@@ -117,7 +117,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             (:class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`), for a
             model without a double backward; the Hessian only (``ggn``, ``nme`` and ``blocks``
             are refused), no second-derivative self-check, and
-            ``curvature.curvature_pass.bound_record()`` gives the step and the measured error
+            ``curvature.engine.bound_record()`` gives the step and the measured error
             bound ``||D v - H v|| <= error_bound ||v||``.
 
     Before anything is computed, a forward pass over the set (no gradients) checks that the
@@ -196,8 +196,13 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        engine = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
-        self.curvature_pass = engine(self._view, self.data, self.scope)
+        engine_class = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
+        self.engine = engine_class(self._view, self.data, self.scope)
+
+    @property
+    def curvature_pass(self) -> CurvatureEngine:
+        """The engine (:attr:`engine`), by the name docs/api.md gave it first."""
+        return self.engine
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:

@@ -101,11 +101,11 @@ def test_products_and_exact_ggn_trace_match_dense(loss):
     with torch.no_grad():
         assert float(LOSSES[loss].mean(model(x), y)) == pytest.approx(float(mean_loss(model(x), y)))
     scope = ParamScope.resolve(model)
-    cpass = CurvatureEngine(model, AnalysisData(x, y, loss, batch_size=4), scope)
+    engine = CurvatureEngine(model, AnalysisData(x, y, loss, batch_size=4), scope)
     eye = torch.eye(scope.numel, dtype=torch.float64)
-    assert float((cpass.hessian().matmat(eye) - H).abs().max()) < 1e-10
-    assert float((cpass.ggn().matmat(eye) - G).abs().max()) < 1e-10
-    assert float((cpass.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10
+    assert float((engine.hessian().matmat(eye) - H).abs().max()) < 1e-10
+    assert float((engine.ggn().matmat(eye) - G).abs().max()) < 1e-10
+    assert float((engine.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10
     trace = exact_ggn_trace(model, AnalysisData(x, y, loss, batch_size=3), scope)
     assert trace.estimate == pytest.approx(float(G.trace()), rel=1e-10)
     for name, sl in scope.blocks().items():

@@ -16,7 +16,7 @@ import math
 import torch
 
 from sharpcli import catalogue
-from sharpcli.analyses.spectrum import check_choice, curvature_pass, scope_info
+from sharpcli.analyses.spectrum import check_choice, curvature_engine, scope_info
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
@@ -29,7 +29,7 @@ ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS
 
 
 def diagonal_result(
-    cpass,
+    engine,
     operator: str | None = None,
     *,
     estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
@@ -37,10 +37,10 @@ def diagonal_result(
     max_products: int = EXACT_MAX_PARAMS,
     seed: int = 0,
 ) -> tuple[str, DiagonalResult]:
-    """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
+    """``diag(A)`` of the registered operator ``operator`` on ``engine`` by ``estimator``.
 
     Args:
-        cpass: the :class:`~sharpcli.curvature.CurvatureEngine`.
+        engine: the :class:`~sharpcli.curvature.CurvatureEngine`.
         operator: a registered operator; None: ``hessian`` for ``exact`` and ``hutchinson``,
             ``ggn`` for ``gnb`` and ``per-sample``.
         estimator: ``exact``, ``hutchinson``, ``gnb`` (``ggn`` only) or ``per-sample``
@@ -68,9 +68,9 @@ def diagonal_result(
             f"{' or '.join(f'`operator={a}`' for a in accepted)}, not {operator!r}",
             source="operator",
         )
-    request = DiagonalRequest(cpass, operator, probes, max_products, seed)
+    request = DiagonalRequest(engine, operator, probes, max_products, seed)
     result = ESTIMATORS.get(estimator)(request)
-    result.scope = cpass.scope
+    result.scope = engine.scope
     return operator, result
 
 
@@ -131,16 +131,16 @@ def diagonal(
         ``(results, {name: tensor})``.
     """
     seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params)
+    engine = curvature_engine(session, params)
     operator, result = diagonal_result(
-        cpass,
+        engine,
         operator,
         estimator=estimator,
         probes=probes,
         max_products=max_products,
         seed=seed,
     )
-    blocks, total = block_summary(result, cpass.scope)
+    blocks, total = block_summary(result, engine.scope)
     results = {
         "operator": operator,
         "estimator": result.estimator,
@@ -149,7 +149,7 @@ def diagonal(
         TRACE_KEY: total,
         "blocks": blocks,
         "notes": list(result.notes),
-        "scope": scope_info(cpass.scope),
+        "scope": scope_info(engine.scope),
     }
     if result.stderr is not None:
         finite = result.stderr[torch.isfinite(result.stderr)]

@@ -20,8 +20,8 @@ from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.api_methods.products import CurvatureProducts
 from sharpcli.curvature import EigenResult, SpectralDensity, TraceResult, spectral_density
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalResult
-from sharpcli.curvature.trace.estimators import DEFAULT_ESTIMATOR
 from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.trace.estimators import DEFAULT_ESTIMATOR
 from sharpcli.errors import UsageError
 
 
@@ -93,7 +93,7 @@ class CurvatureEstimates(CurvatureProducts):
                     self.blocks_of(blocks), operator=operator, top_k=top_k, **settings
                 )
             return eigen_result(
-                self.curvature_pass,
+                self.engine,
                 operator,
                 top_k=top_k,
                 return_eigenvectors=return_eigenvectors,
@@ -156,7 +156,7 @@ class CurvatureEstimates(CurvatureProducts):
             if blocks is not None:
                 passes = self.blocks_of(blocks)
                 return trace_blocks(passes, operator=operator, seed=seed, **settings)[0]
-            return trace_result(self.curvature_pass, operator, seed=seed, **settings)
+            return trace_result(self.engine, operator, seed=seed, **settings)
 
     def diagonal(
         self,
@@ -194,7 +194,7 @@ class CurvatureEstimates(CurvatureProducts):
         self.refresh()
         with self._analysis_mode():
             return diagonal_result(
-                self.curvature_pass,
+                self.engine,
                 operator,
                 estimator=estimator,
                 probes=probes,
@@ -316,7 +316,7 @@ class CurvatureEstimates(CurvatureProducts):
         self.refresh()
         with self._analysis_mode():
             return gn_nme_result(
-                self.curvature_pass,
+                self.engine,
                 loss=self.loss,
                 num_outputs=self.num_outputs,
                 labels=self.data.y,

@@ -90,7 +90,7 @@ class EvalModeOperator(CurvatureOperator):
         self.name = inner.name
         self.inner = inner
         self.mode = mode  # Curvature._analysis_mode
-        self.curvature_pass = getattr(inner, "curvature_pass", None)
+        self.engine = getattr(inner, "engine", None)
         self.scope = getattr(inner, "scope", None)
 
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:

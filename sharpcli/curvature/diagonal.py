@@ -452,7 +452,7 @@ def hutchinson_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The estimate with its standard errors.
     """
-    scope = request.curvature_pass.scope
+    scope = request.engine.scope
     return hutchinson_diagonal(request.build(), scope, probes=request.probes, seed=request.seed)
 
 
@@ -494,9 +494,9 @@ def gnb_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The estimate with its standard errors.
     """
-    cpass = request.curvature_pass
+    engine = request.engine
     return gnb_diagonal(
-        cpass.model, cpass.data, cpass.scope, samples=request.probes, seed=request.seed
+        engine.model, engine.data, engine.scope, samples=request.probes, seed=request.seed
     )
 
 
@@ -517,7 +517,7 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The exact diagonal.
     """
-    cpass, r = request.curvature_pass, request
+    engine, r = request.engine, request
     fisher = None
     if r.operator == FISHER:
         op = r.build()
@@ -529,9 +529,9 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
             )
         fisher = op
     return per_sample_diagonal(
-        cpass.model,
-        cpass.data,
-        cpass.scope,
+        engine.model,
+        engine.data,
+        engine.scope,
         operator=r.operator,
         max_products=r.max_products,
         fisher=fisher,

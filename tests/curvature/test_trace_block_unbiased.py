@@ -152,14 +152,15 @@ def test_gn_split_layer_traces_unbiased(monkeypatch):
         return TraceResult(float(G.trace()), 0.0, 0, 1, "exact", by_layer=by_layer)
 
     monkeypatch.setattr(ggn_trace_module, "exact_ggn_trace", exact_ggn)
-    cpass = SimpleNamespace(
+    engine = SimpleNamespace(
         model=None,
         data=SimpleNamespace(loss="cross-entropy"),
         scope=None,
         nme=lambda: _ScopedMatrix(N, BLOCKS),
     )
     results = [
-        gn_split_trace(cpass, tol=1e-9, max_matvecs=100, seed=s, block_size=8) for s in range(SEEDS)
+        gn_split_trace(engine, tol=1e-9, max_matvecs=100, seed=s, block_size=8)
+        for s in range(SEEDS)
     ]
     assert min(r.sketch_size for r in results) > 0  # the sketch (and its layer split) is used
     _assert_unbiased(results, _exact(H, BLOCKS))

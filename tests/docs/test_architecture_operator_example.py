@@ -84,8 +84,8 @@ def test_registered_operator_equals_dense_empirical_fisher(example, loss, params
     model, x, y = tiny_problem(loss)
     scope = ParamScope.resolve(model, params)
     # batch size 4 over 11 samples: unequal batches, so the 1/N weighting is checked too
-    cpass = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
-    fisher = build_operator(NAME, cpass)
+    engine = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
+    fisher = build_operator(NAME, engine)
     dense = fisher.to_dense()
     reference = dense_empirical_fisher(model, x, y, loss, scope.names)
     assert dense.dtype == torch.float64 and dense.shape == reference.shape

@@ -1053,8 +1053,8 @@ def deflated_rounds(first: LanczosState, rounds: LanczosRounds):
     pairs = _ritz_pairs(first, 0.0, 0)
     if not all(p.converged for p in pairs):  # not converged: nothing to verify
         resolved = want == 1 or first.complete
-        why = None if resolved else "not converged"
-        return pairs, first, 0, multiplicity_record(resolved, 0, 0, [], why)
+        reason = None if resolved else "not converged"
+        return pairs, first, 0, multiplicity_record(resolved, 0, 0, [], reason)
     kept: dict = {end: [] for end in _ENDS[which]}
     ties: list = []
     why: str | None = "budget"

@@ -101,11 +101,11 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
     the 1/N and 1/S of the average folded in as ``1/sqrt(N S)``).
     """
 
-    def __init__(self, curvature_pass: CurvatureEngine):
-        scope = curvature_pass.scope
+    def __init__(self, engine: CurvatureEngine):
+        scope = engine.scope
         super().__init__(scope.numel, scope.dtype, scope.device)
-        self.engine = curvature_pass
-        self.model, self.data, self.scope = curvature_pass.model, curvature_pass.data, scope
+        self.engine = engine
+        self.model, self.data, self.scope = engine.model, engine.data, scope
 
     @abc.abstractmethod
     def _residuals(self, index: int, graph: BatchGraph) -> torch.Tensor:
@@ -183,7 +183,7 @@ class EmpiricalFisherOperator(_OuterProductOperator):
     weighted loss). PSD, rank at most N; ``tr(F_emp) = (1/N) sum_i ||g_i||^2``.
 
     Args:
-        curvature_pass: the analysis's engine (its cached graphs are shared).
+        engine: the analysis's engine (its cached graphs are shared).
     """
 
     name = "empirical Fisher"
@@ -214,7 +214,7 @@ class FisherOperator(_OuterProductOperator):
     the Gauss-Newton matrix G.
 
     Args:
-        curvature_pass: the analysis's engine (its cached graphs are shared).
+        engine: the analysis's engine (its cached graphs are shared).
         samples: label draws per data point.
         seed: seeds the label draws.
 
@@ -224,8 +224,8 @@ class FisherOperator(_OuterProductOperator):
 
     name = "Fisher"
 
-    def __init__(self, curvature_pass: CurvatureEngine, samples: int = 1, seed: int = 0):
-        super().__init__(curvature_pass)
+    def __init__(self, engine: CurvatureEngine, samples: int = 1, seed: int = 0):
+        super().__init__(engine)
         if int(samples) < 1:
             raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
         self.loss = get_loss(self.data.loss)

@@ -147,15 +147,6 @@ class CurvatureOperator:
         if self.engine is not None:
             self.engine.clear_cache()
 
-    @property
-    def curvature_pass(self) -> CurvatureEngine | None:
-        """The engine's former name (:attr:`engine`)."""
-        return self.engine
-
-    @curvature_pass.setter
-    def curvature_pass(self, engine: CurvatureEngine | None) -> None:
-        self.engine = engine
-
     # ----------------------------------------------------------------- analysis set
     def blocks(self) -> dict[str, slice]:
         """The per-layer diagonal blocks of the parameter vector.

@@ -1,7 +1,7 @@
 """The trace estimators of ``sharp trace --estimator NAME``, each declared where it is defined.
 
 A trace estimator is a function ``estimate(request) -> TraceResult``: the
-:class:`TraceRequest` holds the analysis's pass (model, data, scope, cached graphs), the
+:class:`TraceRequest` holds the analysis's engine (model, data, scope, cached graphs), the
 registered operator to estimate (``request.build()`` makes it), whether ``Tr(A^2)`` is asked
 instead of ``tr(A)``, and the budget (``tol``, ``max_matvecs``, ``seed``). Each is declared with
 :func:`sharpcli.registry.declare` (kind ``"estimator"``) beside its implementation:

@@ -162,7 +162,7 @@ def unit_vector_trace(
     )
 
 
-def exact_ef_trace(curvature_pass: CurvatureEngine) -> TraceResult:
+def exact_ef_trace(engine: CurvatureEngine) -> TraceResult:
     r"""``tr(F_emp) = (1/N) sum_i ||g_i||^2``, the per-sample gradients' squared norms.
 
     :math:`g_i = J_i^\top r_i` with :math:`r_i = \partial l(z_i, y_i) / \partial z_i`, one
@@ -171,12 +171,12 @@ def exact_ef_trace(curvature_pass: CurvatureEngine) -> TraceResult:
     pass per batch ([Kunstner2019]).
 
     Args:
-        curvature_pass: the analysis's engine (model, data, scope).
+        engine: the analysis's engine (model, data, scope).
 
     Returns:
         The exact trace with its per-layer parts.
     """
-    data = curvature_pass.data
+    data = engine.data
     loss = get_loss(data.loss)
 
     def directions(index: int, z_b: torch.Tensor, y_b: torch.Tensor) -> list[torch.Tensor]:
@@ -186,9 +186,9 @@ def exact_ef_trace(curvature_pass: CurvatureEngine) -> TraceResult:
         return [r]
 
     result = outer_product_trace(
-        curvature_pass.model,
+        engine.model,
         data,
-        curvature_pass.scope,
+        engine.scope,
         directions,
         symbol="F_emp",
         what="empirical Fisher",
@@ -246,11 +246,11 @@ def exact_fisher_trace(op: FisherOperator) -> TraceResult:
     return result
 
 
-def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
+def exact_nme_trace(engine: CurvatureEngine) -> TraceResult:
     """``tr(N) = tr(H) - tr(G)`` ([NME] eq. 2): P Hessian products and the exact tr(G).
 
     Args:
-        curvature_pass: the analysis's engine.
+        engine: the analysis's engine.
 
     Returns:
         The exact trace with its per-layer parts (each layer's H part less its G part).
@@ -258,9 +258,9 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
     Raises:
         UsageError: more parameters than :data:`EXACT_MAX_PARAMS`.
     """
-    check_exact_size(curvature_pass.scope.numel, NME)
-    hessian = unit_vector_trace(build_operator(HESSIAN, curvature_pass))
-    ggn = exact_ggn_trace(curvature_pass.model, curvature_pass.data, curvature_pass.scope)
+    check_exact_size(engine.scope.numel, NME)
+    hessian = unit_vector_trace(build_operator(HESSIAN, engine))
+    ggn = exact_ggn_trace(engine.model, engine.data, engine.scope)
     by_layer = {
         name: {"estimate": part["estimate"] - ggn.by_layer[name]["estimate"], "stderr": 0.0}
         for name, part in hessian.by_layer.items()
@@ -275,7 +275,7 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
         by_layer=by_layer,
         notes=[
             f"tr(N) = tr(H) - tr(G): exact tr(H) = {hessian.estimate:.6g} ({hessian.matvecs} "
-            f"products), exact tr(G) = {ggn.estimate:.6g} ({curvature_pass.data.loss})"
+            f"products), exact tr(G) = {ggn.estimate:.6g} ({engine.data.loss})"
         ],
     )
 
@@ -302,18 +302,18 @@ def exact_trace(request: TraceRequest) -> TraceResult:
     Raises:
         UsageError: a route of P products on more than :data:`EXACT_MAX_PARAMS` parameters.
     """
-    cpass, operator = request.curvature_pass, request.operator
+    engine, operator = request.engine, request.operator
     operator_spec(operator)  # an unknown operator: the accepted names, before any work
     if not request.square:
         if operator == GGN:
-            return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
+            return exact_ggn_trace(engine.model, engine.data, engine.scope)
         if operator == EMPIRICAL_FISHER:
-            return exact_ef_trace(cpass)
+            return exact_ef_trace(engine)
         if operator == NME:
-            return exact_nme_trace(cpass)
+            return exact_nme_trace(engine)
         if operator == FISHER:
             op = request.build()
             if isinstance(op, FisherOperator):  # not an extension registered under the name
                 return exact_fisher_trace(op)
-    check_exact_size(cpass.scope.numel, operator, square=request.square)
+    check_exact_size(engine.scope.numel, operator, square=request.square)
     return unit_vector_trace(request.build(), square=request.square)

@@ -323,7 +323,7 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
 
 
 def gn_split_trace(
-    curvature_pass,
+    engine,
     *,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -346,7 +346,7 @@ def gn_split_trace(
     products; the exact part's cost is in ``notes``.
 
     Args:
-        curvature_pass: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its model,
+        engine: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its model,
             data and scope give the exact part, its NME operator the estimated one).
         tol: the standard error relative to ``tr(H)`` the probes are sized for.
         max_matvecs: the most NME products.
@@ -357,13 +357,13 @@ def gn_split_trace(
     Returns:
         A :class:`TraceResult` of ``tr(H)`` (``estimator="gn-split"``).
     """
-    data, scope = curvature_pass.data, curvature_pass.scope
-    ggn = exact_ggn_trace(curvature_pass.model, data, scope)
+    data, scope = engine.data, engine.scope
+    ggn = exact_ggn_trace(engine.model, data, scope)
     known = torch.tensor(
         [ggn.estimate] + [v["estimate"] for v in ggn.by_layer.values()], dtype=torch.float64
     )
     nme = hutchpp(
-        curvature_pass.nme(),
+        engine.nme(),
         tol=tol,
         max_matvecs=max_matvecs,
         seed=seed,
@@ -408,4 +408,4 @@ def gn_split(request: TraceRequest) -> TraceResult:
     """
     _require(request, HESSIAN, f"the {GN_SPLIT} estimator is for the Hessian trace")
     r = request
-    return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+    return gn_split_trace(r.engine, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)

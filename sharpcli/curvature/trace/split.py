@@ -50,7 +50,7 @@ class SplitEstimate:
 
 
 def gn_nme_split(
-    cpass,
+    engine,
     *,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -71,7 +71,7 @@ def gn_nme_split(
     so :math:`\mathrm{tr}(H) = \mathrm{tr}(G) + \mathrm{tr}(N)` holds for the estimates.
 
     Args:
-        cpass: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its H and G operators).
+        engine: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its H and G operators).
         tol: the relative standard error wanted of ``tr(H)`` and ``tr(G)``: a pilot sizes
             the reported sample for it ([Stein1945], :mod:`sharpcli.curvature.trace.probes`).
         max_matvecs: the most joint products, the pilot's included.
@@ -97,7 +97,7 @@ def gn_nme_split(
         True
     """
     check_budget(tol, max_matvecs, block_size)
-    H, G = cpass.hessian(), cpass.ggn()
+    H, G = engine.hessian(), engine.ggn()
     operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
     dim, blocks = H.shape[0], H.blocks()
     generator = torch.Generator().manual_seed(int(seed))
