@@ -16,7 +16,7 @@ from torch import nn
 from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import trace_result
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
-from sharpcli.curvature import trace_exact as exact_module
+from sharpcli.curvature.trace import exact as exact_module
 from sharpcli.curvature.operators.fisher import FisherOperator
 from sharpcli.errors import UsageError
 

@@ -17,7 +17,7 @@ import torch
 from hessian_helpers import cross_entropy_ggn, double_backward_hessian
 from torch import nn
 
-from sharpcli.curvature import sketch as sketch_module
+from sharpcli.curvature.trace import hutchpp as hutchpp_module
 from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
 from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.curvature.products.scope import ParamScope
@@ -87,7 +87,7 @@ def test_a_parallel_sketch_is_not_taken_for_a_spanned_range():
 def test_an_extension_that_lost_orthogonality_is_discarded(monkeypatch):
     """With a tolerance no basis meets, every extension counts as having lost orthogonality:
     none is used, the note says so, and the probes alone give an unbiased estimate."""
-    monkeypatch.setattr(sketch_module, "ORTH_TOL", 0.0)
+    monkeypatch.setattr(hutchpp_module, "ORTH_TOL", 0.0)
     generator = torch.Generator().manual_seed(0)
     A = torch.diag(torch.linspace(0.1, 2.0, 30, dtype=torch.float64))
     result = hutchpp(MatrixOperator(A), tol=1e-9, max_matvecs=80, seed=0, initial_sketch=8)

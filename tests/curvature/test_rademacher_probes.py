@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sharpcli.curvature import MatrixOperator
-from sharpcli.curvature import probes as probes_module
+from sharpcli.curvature.trace import probes as probes_module
 from sharpcli.curvature.products.scope import (
     RademacherColumns,
     rademacher_bits,

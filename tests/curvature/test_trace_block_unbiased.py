@@ -24,7 +24,7 @@ from sharpcli.curvature import (
     hutchinson,
     hutchpp,
 )
-from sharpcli.curvature import ggn_trace as ggn_trace_module
+from sharpcli.curvature.trace import ggn as ggn_module
 
 SEEDS = 300
 Z_MAX = 3.5
@@ -151,7 +151,7 @@ def test_gn_split_layer_traces_unbiased(monkeypatch):
         }
         return TraceResult(float(G.trace()), 0.0, 0, 1, "exact", by_layer=by_layer)
 
-    monkeypatch.setattr(ggn_trace_module, "exact_ggn_trace", exact_ggn)
+    monkeypatch.setattr(ggn_module, "exact_ggn_trace", exact_ggn)
     engine = SimpleNamespace(
         model=None,
         data=SimpleNamespace(loss="cross-entropy"),
