@@ -142,23 +142,9 @@ def eigen(
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
-    return _native_eigen(
-        session,
-        curvature_engine(session, params, hvp, fsdp),
-        operator,
-        top_k,
-        which,
-        method,
-        tol,
-        max_matvecs,
-        seed,
-    )
-
-
-def _native_eigen(session, engine, operator, top_k, which, method, tol, max_matvecs, seed):
-    """:func:`eigen` on the native engine's products (its arguments, ``engine`` built)."""
+    native = curvature_engine(session, params, hvp, fsdp)  # the native engine (`engine`: its name)
     result = eigen_result(
-        engine,
+        native,
         operator,
         top_k=top_k,
         which=which,
@@ -168,10 +154,10 @@ def _native_eigen(session, engine, operator, top_k, which, method, tol, max_matv
         seed=seed,
     )
     out = result.to_dict()
-    out.update(operator=operator, scope=scope_info(engine.scope))
+    out.update(operator=operator, scope=scope_info(native.scope))
     if which != "largest":
-        _note_rank_bound(out, operator_spec(operator), session, engine.scope.numel)
-    return add_hvp_record(out, engine)
+        _note_rank_bound(out, operator_spec(operator), session, native.scope.numel)
+    return add_hvp_record(out, native)
 
 
 def eigen_result(
@@ -297,21 +283,9 @@ def trace(
             params=params,
         )
         return _trace_report(result, operator, square, session.scope(params), None)
-    return _native_trace(
-        curvature_engine(session, params, hvp, fsdp),
-        operator,
-        estimator,
-        square,
-        tol,
-        max_matvecs,
-        seed,
-    )
-
-
-def _native_trace(engine, operator, estimator, square, tol, max_matvecs, seed) -> dict:
-    """:func:`trace` on the native engine's products (its arguments, ``engine`` built)."""
+    native = curvature_engine(session, params, hvp, fsdp)  # the native engine (`engine`: its name)
     result = trace_result(
-        engine,
+        native,
         operator,
         estimator=estimator,
         square=square,
@@ -319,7 +293,7 @@ def _native_trace(engine, operator, estimator, square, tol, max_matvecs, seed) -
         max_matvecs=max_matvecs,
         seed=seed,
     )
-    return _trace_report(result, operator, square, engine.scope, engine)
+    return _trace_report(result, operator, square, native.scope, native)
 
 
 def _trace_report(result, operator: str, square: bool, scope, engine) -> dict:

@@ -1,2 +1,1 @@
-"""Extreme eigenvalues: Lanczos (with thick restarts and deflated rounds), its Krylov basis,
-Ritz pairs and warm starts, and power iteration."""
+"""Extreme eigenvalues: Lanczos (its basis, Ritz pairs, warm starts) and power iteration."""

@@ -13,10 +13,9 @@ The Lanczos iterations (:mod:`sharpcli.curvature.eigen.lanczos`) keep their orth
   sum. The Gram-Schmidt products ``Q w`` and ``Q^T h`` of a float32 ``w`` run as float32
   matrix-vector products over column slices of at most :data:`GEMV_COLUMNS` entries whose
   results are summed in float64: the error of a coefficient is that of a ``2^20``-term float32
-  dot product, measured at 3e-9 of ``||q|| ||w||`` on 11M parameters (below the products' own
-  rounding), at a quarter of the cost of widening the rows to float64 first (which read and
-  wrote every stored entry three more times: 0.56 against 0.13 CPU s a pass at 11M
-  parameters and 10 rows). Other operations (Ritz vectors, restarts) widen the rows a slice
+  dot product, about 3e-9 of ``||q|| ||w||`` at 11M parameters (below the products' own
+  rounding), at a quarter of the cost of widening the rows to float64 first, which would
+  read and write every stored entry three more times. Other operations (Ritz vectors, restarts) widen the rows a slice
   of at most :data:`SLICE_BYTES` at a time, so the widening costs no more memory than one
   slice.
 - **Out of core.** With ``scratch`` (a directory) the rows live in an anonymous temporary file
@@ -619,7 +618,6 @@ BASIS_FLOOR_BYTES = 1 << 30  # a Krylov basis may always take this much (budget 
 IN_MEMORY_BASIS_BYTES = 256 << 20  # a larger basis kept in memory is a reported choice
 MAX_IN_MEMORY_BYTES: int | None = None  # a cap on the rows kept in memory (tests: 0, disk)
 RESTART_ROWS = 20  # a basis restarted in memory keeps at least this many rows; fewer: disk
-_F64 = torch.float64
 
 
 def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:

@@ -28,11 +28,8 @@ problems) the iteration restarts with a fresh random vector orthogonal to Q and 
 dimension P, so multiplicities are found and every eigenvalue is exact (for k >= 2 it runs to
 dimension P whatever converges first); otherwise it stops and says so in ``breakdown``.
 
-Repeated eigenvalues. One start vector gives one direction of each eigenspace, so the first
-round finds each distinct eigenvalue about once; for k >= 2 the converged wanted Ritz pairs are
-then locked and Lanczos restarts orthogonal to them until a round finds no further copy
-(deflated restarts, below), and ``result.multiplicity`` says whether the k values
-are counted with multiplicity or the budget ran out first.
+Repeated eigenvalues are counted by deflated restarts (below); ``result.multiplicity`` says
+whether the k values are counted with multiplicity or the budget ran out first.
 
 When the basis is full (memory plan, disk space or ``max_basis``) the iteration is
 thick-restarted [Wu2000]: it keeps the wanted Ritz vectors (about half the basis), continues
@@ -40,9 +37,7 @@ from the last residual direction, and its Lanczos relation, Ritz estimates and e
 residuals keep their meaning, so a restarted result carries the same certificate as an
 unrestarted one.
 
-Deflated restarts: the k extreme eigenvalues counted with multiplicity.
-
-A Krylov space ``K_m(A, q)`` holds one direction of each eigenspace (``q``'s projection onto
+Deflated restarts. A Krylov space ``K_m(A, q)`` holds one direction of each eigenspace (``q``'s projection onto
 it), so Lanczos from one start vector finds each distinct eigenvalue once in exact arithmetic;
 in floating point further copies of a repeated eigenvalue appear only where rounding has fed
 them, haphazardly. :func:`lanczos` therefore *locks*
@@ -461,14 +456,7 @@ def _returned_pairs(rounds, pairs, last, locked, explicit_residuals, return_eige
     extra = 0
     if not explicit_residuals:  # deflated rounds' bounds: measure those that fail the test
         reported, converged, extra = bounded_residuals(
-            rounds.op,
-            rounds.basis,
-            coefficients,
-            values,
-            reported,
-            converged,
-            rounds.tol,
-            rounds.exact_level,
+            rounds, coefficients, values, reported, converged
         )
     vectors = None
     if return_eigenvectors or explicit_residuals:
@@ -674,14 +662,8 @@ class LanczosRounds:
         Raises:
             NumericalError: a product is not finite.
         """
-        op, basis, dim, done, which, tol = (
-            self.op,
-            self.basis,
-            self.dim,
-            self.matvecs,
-            self.which,
-            self.tol,
-        )
+        op, basis, dim, done = self.op, self.basis, self.dim, self.matvecs
+        which, tol = self.which, self.tol
         T = np.zeros((0, 0))
         coupling: list[tuple[int, float]] = []
         history: list[float] = []  # worst residual / (tol |theta|) of each step, for the projection
@@ -1086,17 +1068,8 @@ def deflated_rounds(first: LanczosState, rounds: LanczosRounds):
 
 
 def _lock(rounds: LanczosRounds, returned: list[Pair], state: LanczosState, locked: int) -> int:
-    """Lock ``returned``: rotate the basis to their vectors, which become its first rows.
-
-    Args:
-        rounds: the run's rounds (the basis).
-        returned: the pairs to lock.
-        state: the round that found the unlocked ones (its Ritz coefficients).
-        locked: the locked rows before that round's.
-
-    Returns:
-        The locked rows now.
-    """
+    """Rotate the basis to the vectors of ``returned`` (of ``state``'s round or locked rows
+    before its ``locked``), which become its first rows: the locked rows now."""
     rounds.lock(pair_coefficients(returned, state.S, locked))
     for row, pair in enumerate(returned):
         pair.row, pair.column = row, None
@@ -1104,20 +1077,8 @@ def _lock(rounds: LanczosRounds, returned: list[Pair], state: LanczosState, lock
 
 
 def _record(returned, kept, ties, want, restarts, resolved, why) -> dict:
-    """The multiplicity record of :func:`deflated_rounds` (:func:`multiplicity_record`).
-
-    Args:
-        returned: the returned pairs.
-        kept: the kept pairs of each end.
-        ties: the candidates that tied a k-th value.
-        want: the wanted values of each end.
-        restarts: the deflated restarts run.
-        resolved: whether the k values are counted with multiplicity.
-        why: why not, when not.
-
-    Returns:
-        The record.
-    """
+    """:func:`multiplicity_record` of :func:`deflated_rounds`'s ``returned`` pairs, ``kept`` by end,
+    ``ties`` with the k-th values, ``restarts``, ``resolved`` and, when not, ``why``."""
     copies = sum(1 for p in returned if p.found_in > 0)
     ties = _tied_with_last(kept, ties, want)
     return multiplicity_record(resolved, restarts, copies, ties, None if resolved else why)
@@ -1130,7 +1091,7 @@ def _arrays(pairs: list[Pair]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, bounds, np.array([p.converged for p in pairs])
 
 
-def bounded_residuals(op, basis, coefficients, values, residuals, converged, tol, exact_level):
+def bounded_residuals(rounds: LanczosRounds, coefficients, values, residuals, converged):
     """The reported residuals: a deflated round's bound, or measured where the bound fails.
 
     A pair that converged by its round's Ritz estimate but whose bound
@@ -1138,24 +1099,22 @@ def bounded_residuals(op, basis, coefficients, values, residuals, converged, tol
     ``||A u - theta u||`` with one product (:func:`~sharpcli.curvature.eigen.ritz.ritz_residuals`).
 
     Args:
-        op: the operator.
-        basis: the Krylov basis.
+        rounds: the run's rounds (the operator, the basis, the tolerance, the rounding level).
         coefficients: the pairs' basis coefficients (``(rows, pairs)`` float64 tensor).
         values: the Ritz values.
         residuals: their residuals (estimates or bounds).
         converged: whether each converged by its round's estimate.
-        tol: the relative tolerance.
-        exact_level: the products' rounding level.
 
     Returns:
         ``(residuals, converged, products spent)``.
     """
+    tol, exact_level, basis = rounds.tol, rounds.exact_level, rounds.basis
     passes = (residuals <= tol * np.abs(values)) | (residuals <= exact_level)
     measure = np.flatnonzero(converged & ~passes)
     residuals = residuals.copy()
     if len(measure):
         vectors = basis.combine(coefficients[:, torch.from_numpy(measure)], dtype=basis.dtype)
-        residuals[measure] = ritz_residuals(op, values[measure].tolist(), vectors)
+        residuals[measure] = ritz_residuals(rounds.op, values[measure].tolist(), vectors)
     passes = (residuals <= tol * np.abs(values)) | (residuals <= exact_level)
     return residuals, converged & passes, len(measure)
 

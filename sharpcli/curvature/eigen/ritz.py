@@ -1,26 +1,5 @@
-r"""Ritz pairs: the eigenvalue result, the choice of wanted Ritz values and their residuals.
-
-A Lanczos run (:mod:`sharpcli.curvature.eigen.lanczos`, [Lanczos1950]) projects a symmetric operator
-``A`` onto an orthonormal basis ``Q_m``; an eigenpair ``T_m s = theta s`` of the projection gives
-the Ritz pair ``(theta, u = Q_m s)``, whose residual ([Parlett1998])
-
-.. math::
-
-    \|A u - \theta u\| = \beta_m |e_m^T s|
-
-is free as long as ``Q_m`` is orthonormal and the products are exact. When the products are
-rounded (float32 models) the relation holds only up to the products' own rounding,
-
-.. math::
-
-    A Q_m = Q_m T_m + \beta_m q_{m+1} e_m^T + F_m, \qquad
-    \|F_m e_j\| \sim \epsilon(\mathrm{dtype}) \|A\|,
-
-so the estimate keeps falling below that floor while the true residual does not: the
-residuals reported for such operators are measured explicitly (:func:`ritz_residuals`, one
-product per pair).
-
-The Lanczos recurrence: one step, and a plain tridiagonalisation for quadrature.
+r"""The Lanczos recurrence and its Ritz pairs: one step, the eigenvalue result, the wanted Ritz
+values and their residuals, and a plain tridiagonalisation for quadrature.
 
 After m steps from a unit start vector ``q_1`` the Lanczos relation [Lanczos1950] reads
 
@@ -34,15 +13,23 @@ reads the whole basis twice, so a step whose new vector is provably semi-orthogo
 basis without it skips it (:func:`semiorthogonal`: Paige's relation, [Paige1980]; semi-
 orthogonality keeps ``T_m`` the projection of ``A`` to rounding, [Simon1984]).
 
+An eigenpair ``T_m s = theta s`` of the projection gives the Ritz pair
+``(theta, u = Q_m s)``, whose residual ([Parlett1998]) ``||A u - theta u|| = beta_m |e_m^T s|``
+is free as long as ``Q_m`` is orthonormal and the products are exact. When the products are
+rounded (float32 models) the relation holds only up to the products' own rounding,
+``||F_m e_j|| ~ eps(dtype) ||A||`` added to its right side, so the estimate keeps falling
+below that floor while the true residual does not: the residuals reported for such
+operators are measured explicitly (:func:`ritz_residuals`, one product per pair).
+
 Precision: every scalar of the recurrence (alpha, beta, the reorthogonalisation coefficients,
 the norms) is a float64 sum whatever the operator's dtype; the products ``A q_j`` run in the
 operator's dtype, and the basis and the work vector are stored in it (float32 for a float32
 model: ``q_j`` is rounded to float32 before its product anyway, and each update of ``w`` adds a
-rounding of the order of the product's own). A float32 recurrence is not good enough: a
-float32 dot product or norm accumulated over P entries carries a relative error that moves the
-Ritz values and breaks the Lanczos relation (the measurements: docs/benchmarks.md, "Float32
-Lanczos"); the scalars are float64 sums of chunks widened in cache
-(:mod:`~sharpcli.curvature.products.totals`), at about the cost of a float32 pass.
+rounding of the order of the product's own). A float32 dot product or norm accumulated over
+P entries carries a relative error that moves the Ritz values and breaks the Lanczos
+relation (docs/benchmarks.md, "Float32 Lanczos"); the scalars are float64 sums of chunks
+widened in cache (:mod:`~sharpcli.curvature.products.totals`), at about the cost of a float32
+pass.
 
 :func:`lanczos_tridiagonal` serves stochastic Lanczos quadrature
 (:mod:`sharpcli.curvature.density`); :func:`sharpcli.curvature.eigen.lanczos.lanczos` runs
@@ -372,11 +359,10 @@ def report_step(run, matvecs, values, residuals, which, tol, history, limit) -> 
     run.update(matvecs, expected=expected, **reported_numbers(values, residuals, which))
 
 
-_F64 = torch.float64
 # the predicted loss of orthogonality allowed without Gram-Schmidt, in units of sqrt(eps)
-# (semi-orthogonality, [Simon1984]); the loss measured against this prediction was 0.01-0.17
-# of it (tests/curvature/test_semiorthogonal.py, float32 and float64): the basis stays a
-# factor of five or more inside semi-orthogonality
+# (semi-orthogonality, [Simon1984]); the actual loss stays at 0.01-0.17 of the prediction
+# (tests/curvature/test_semiorthogonal.py, float32 and float64), so a margin of 1 keeps the
+# basis a factor of five or more inside semi-orthogonality
 SEMIORTHOGONAL_MARGIN = 1.0
 
 

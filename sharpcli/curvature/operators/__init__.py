@@ -1,2 +1,1 @@
-"""The curvature operators by name: H, G, N, the Fisher and the empirical Fisher, and their
-registry (``--operator NAME``)."""
+"""The curvature operators by ``--operator`` name: H, G, N, the Fisher, the empirical Fisher."""

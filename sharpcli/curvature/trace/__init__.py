@@ -1,2 +1,1 @@
-"""Trace estimators (``--estimator NAME``): Hutchinson, Hutch++, the Gauss-Newton split and the
-exact traces, with the probes they share."""
+"""Trace estimators (``--estimator NAME``) and the probes they share."""

@@ -17,16 +17,16 @@ The standard error. For ANY orthonormal ``Q`` the split is an identity,
 :math:`\mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P) = \mathrm{tr}(A)`, so given the sketch the
 estimate is unbiased and its whole error is the residual probes' mean: the sketch's
 randomness adds no variance term, only a different residual per sketch, and the probes'
-spread under that sketch is the error to report. What made it under-cover was (a) a ``Q``
-that had lost orthogonality (the identity then fails: a bias no probe count removes; the
-basis is kept orthonormal by :class:`~sharpcli.curvature.trace.hutchpp.RangeSketch`) and (b) a
-variance taken from the main sample alone, often its floor of ``min_samples`` probes when
-the sketch holds most of the trace: 9 degrees of freedom of a skewed quadratic form, whose
-z-scores spread with sd 1.2 to 1.5. The variance is therefore pooled with the pilot's probes,
-re-valued under the final sketch (each group about its own mean,
-:func:`~sharpcli.curvature.trace.probes.pooled_stderr`): 30 + 10 probes give 38 degrees of
-freedom, at no product. The mean stays the main sample's. The exact part's rounding
-(:meth:`~sharpcli.curvature.trace.hutchpp.RangeSketch.rounding_stderr`) is added in quadrature: it
+spread under that sketch is the error to report. Two things keep that error honest. The
+identity needs an orthonormal ``Q`` (one that has lost orthogonality biases the estimate by
+more than any probe count removes), so :class:`RangeSketch` keeps it orthonormal and checks
+it. And a variance from the main sample alone would rest on as few as ``min_samples``
+probes when the sketch holds most of the trace, too few degrees of freedom for a skewed
+quadratic form, so it is pooled with the pilot's probes re-valued under the final sketch
+(each group about its own mean, :func:`~sharpcli.curvature.trace.probes.pooled_stderr`):
+30 + 10 probes give 38 degrees of freedom, at no product. The mean stays the main
+sample's. The exact part's rounding
+(:meth:`RangeSketch.rounding_stderr`) is added in quadrature: it
 is all that is left when the sketch spans the operator's range.
 
 :func:`hutchpp_trace` is the trace estimator ``hutchpp`` of ``sharp trace --estimator``
