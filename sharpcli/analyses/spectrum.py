@@ -142,7 +142,8 @@ def eigen(
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
-    native = curvature_engine(session, params, hvp, fsdp)  # the native engine (`engine`: its name)
+    # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
+    native = curvature_engine(session, params, hvp, fsdp)
     result = eigen_result(
         native,
         operator,
@@ -283,7 +284,8 @@ def trace(
             params=params,
         )
         return _trace_report(result, operator, square, session.scope(params), None)
-    native = curvature_engine(session, params, hvp, fsdp)  # the native engine (`engine`: its name)
+    # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
+    native = curvature_engine(session, params, hvp, fsdp)
     result = trace_result(
         native,
         operator,
