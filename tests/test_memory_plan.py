@@ -18,10 +18,9 @@ from conftest import make_data, make_mlp
 
 from sharpcli import memory
 from sharpcli.curvature import CurvatureEngine, ParamScope, lanczos
-from sharpcli.curvature.products.data import AnalysisData
-from sharpcli.curvature.eigen.krylov import KrylovBasis
-from sharpcli.curvature.eigen.krylov import krylov_work_bytes
+from sharpcli.curvature.eigen.krylov import KrylovBasis, krylov_work_bytes
 from sharpcli.curvature.operators.hessian import MatrixOperator
+from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.curvature.trace.hutchinson import hutchinson
 from sharpcli.errors import UsageError
 

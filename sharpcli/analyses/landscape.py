@@ -33,9 +33,9 @@ from sharpcli.analyses.landscape_directions import (
     filter_normalized_direction,
 )
 from sharpcli.analyses.perturbed import PerturbedModel, whole_analysis_set
+from sharpcli.curvature.eigen.lanczos import lanczos
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.products.engine import CurvatureEngine
-from sharpcli.curvature.eigen.lanczos import lanczos
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 

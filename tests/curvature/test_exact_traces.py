@@ -16,8 +16,8 @@ from torch import nn
 from sharpcli.analyses.diagonal import diagonal_result
 from sharpcli.analyses.spectrum import trace_result
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
-from sharpcli.curvature.trace import exact as exact_module
 from sharpcli.curvature.operators.fisher import FisherOperator
+from sharpcli.curvature.trace import exact as exact_module
 from sharpcli.errors import UsageError
 
 OPERATORS = ("hessian", "ggn", "nme", "ef", "fisher")

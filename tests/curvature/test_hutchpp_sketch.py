@@ -17,10 +17,10 @@ import torch
 from hessian_helpers import cross_entropy_ggn, double_backward_hessian
 from torch import nn
 
-from sharpcli.curvature.trace import hutchpp as hutchpp_module
 from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
 from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace import hutchpp as hutchpp_module
 from sharpcli.curvature.trace.hutchpp import RangeSketch, hutchpp
 
 SEEDS = range(32)

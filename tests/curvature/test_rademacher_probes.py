@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sharpcli.curvature import MatrixOperator
-from sharpcli.curvature.trace import probes as probes_module
 from sharpcli.curvature.products.scope import (
     RademacherColumns,
     rademacher_bits,
@@ -15,6 +14,7 @@ from sharpcli.curvature.products.scope import (
     rademacher_signs,
 )
 from sharpcli.curvature.products.totals import chunked_dots
+from sharpcli.curvature.trace import probes as probes_module
 from sharpcli.curvature.trace.hutchinson import frobenius_sq, hutchinson
 from sharpcli.curvature.trace.probes import product_segment_sums, segment_sums
 
