@@ -459,8 +459,8 @@ def eigen_speed(session, repeats: int) -> dict:
     scope = session.scope(None)
 
     def native(seed):
-        cpass = CurvatureEngine(session.model, session.analysis_data(), scope)
-        return lanczos(cpass.hessian(), top_k=1, tol=1e-3, seed=seed, return_eigenvectors=True)
+        engine = CurvatureEngine(session.model, session.analysis_data(), scope)
+        return lanczos(engine.hessian(), top_k=1, tol=1e-3, seed=seed, return_eigenvectors=True)
 
     native(0)  # warm-up (lazy imports inside torch.autograd)
     py.eigenvalues(0)
@@ -539,15 +539,15 @@ def trace_study(session, repeats: int, reference_tol: float) -> dict:
     )
 
     scope = session.scope(None)
-    cpass = CurvatureEngine(session.model, session.analysis_data(), scope)
-    H = cpass.hessian()
+    engine = CurvatureEngine(session.model, session.analysis_data(), scope)
+    H = engine.hessian()
     ref_t, ref = timed(lambda: hutchpp(H, tol=reference_tol, max_matvecs=20000, seed=10_000))
     runs = {"hutchpp": ([], []), "hutchinson": ([], []), "gn-split": ([], [])}
     estimators = {
         "hutchpp": lambda seed: hutchpp(H, tol=1e-2, max_matvecs=20000, seed=seed),
         "hutchinson": lambda seed: hutchinson(H, tol=1e-2, max_matvecs=20000, seed=seed),
         # includes the exact Gauss-Newton trace (one backward pass per class and batch)
-        "gn-split": lambda seed: gn_split_trace(cpass, tol=1e-2, max_matvecs=20000, seed=seed),
+        "gn-split": lambda seed: gn_split_trace(engine, tol=1e-2, max_matvecs=20000, seed=seed),
     }
     names = list(estimators)
     for seed in range(repeats):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
-from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
+from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine
 
 
 class TinyTransformer(nn.Module):

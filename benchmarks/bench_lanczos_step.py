@@ -18,8 +18,8 @@ import resource
 
 import torch
 
-from sharpcli.curvature.krylov import KrylovBasis
-from sharpcli.curvature.tridiagonal import lanczos_step
+from sharpcli.curvature.eigen.krylov import KrylovBasis
+from sharpcli.curvature.eigen.ritz import lanczos_step
 
 
 def cpu() -> float:

@@ -110,7 +110,7 @@ x, y = data["x"].to({device!r}), data["y"].to({device!r})
 def criterion(out, target):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 # torch's fused CPU attention kernel has no double backward: PyHessian users must pick the
-# math kernel themselves (sharp does it for them, sharpcli.curvature.differentiable)
+# math kernel themselves (sharp does it for them, sharpcli.curvature.products.differentiable)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 with sdpa_kernel(SDPBackend.MATH):
     h = hessian(model, criterion, data=(x, y), cuda={cuda!r})

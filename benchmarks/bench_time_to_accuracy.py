@@ -15,7 +15,7 @@ cost more products did not halve its error (its float32 floor).
 
 lambda_max (the largest eigenvalue of the Hessian of the mean loss over the analysis set):
 
-- ``sharp``: :func:`sharpcli.curvature.lanczos` (Lanczos [Lanczos1950] with full
+- ``sharp``: :func:`sharpcli.curvature.eigen.lanczos` (Lanczos [Lanczos1950] with full
   reorthogonalisation [Parlett1998]), ``k=1``,
   ``tol`` = the relative residual ``||H u - theta u|| <= tol |theta|`` it certifies (float32
   products: the residual is an explicit extra product, counted);
@@ -222,7 +222,7 @@ class Workload:
     def data(self):
         return self.session.analysis_data()
 
-    def cpass(self):
+    def engine(self):
         from sharpcli.curvature import CurvatureEngine
 
         return CurvatureEngine(self.model, self.data(), self.scope)
@@ -233,7 +233,7 @@ def run_sharp(w: Workload, clock, tol: float, seed: int, warm: str | None) -> di
     from sharpcli.curvature import lanczos
 
     start = clock()
-    op = w.cpass().hessian()
+    op = w.engine().hessian()
     r = lanczos(op, top_k=1, tol=tol, max_matvecs=SHARP_MAX_MATVECS, seed=seed, warm_start=warm)
     seconds = clock() - start
     extra = 0.0
@@ -354,7 +354,7 @@ def run_hutchpp(w: Workload, clock, tol: float, seed: int) -> dict:
     from sharpcli.curvature import hutchpp
 
     start = clock()
-    r = hutchpp(w.cpass().hessian(), tol=tol, max_matvecs=4000, seed=seed)
+    r = hutchpp(w.engine().hessian(), tol=tol, max_matvecs=4000, seed=seed)
     return {"value": r.estimate, "products": r.matvecs, "seconds": clock() - start}
 
 
@@ -362,7 +362,7 @@ def run_gn_split(w: Workload, clock, tol: float, seed: int) -> dict:
     from sharpcli.curvature import gn_split_trace
 
     start = clock()
-    r = gn_split_trace(w.cpass(), tol=tol, max_matvecs=4000, seed=seed)
+    r = gn_split_trace(w.engine(), tol=tol, max_matvecs=4000, seed=seed)
     return {
         "value": r.estimate,
         "products": r.matvecs,
@@ -401,7 +401,7 @@ def eigen_reference(ckpt: Path, device: str, clock) -> dict:
 
     w = Workload(ckpt, device, dtype="float64")
     start = clock()
-    r = lanczos(w.cpass().hessian(), top_k=2, tol=1e-10, max_matvecs=300, seed=123)
+    r = lanczos(w.engine().hessian(), top_k=2, tol=1e-10, max_matvecs=300, seed=123)
     return {
         "lambda_1": r.eigenvalues[0],
         "lambda_2": r.eigenvalues[1],
@@ -416,7 +416,7 @@ def product_seconds(w: Workload, clock, repeats: int = 3) -> float:
     """Median seconds of one Hessian product with the first-order graph cached."""
     import torch
 
-    op = w.cpass().hessian()
+    op = w.engine().hessian()
     v = torch.randn(w.P, generator=torch.Generator().manual_seed(0)).to(op.dtype).to(op.device)
     op.matvec(v)
     times = []
@@ -847,7 +847,7 @@ def main(argv=None) -> int:
             from sharpcli.curvature import gn_split_trace
 
             start = clock()
-            r = gn_split_trace(w.cpass(), tol=args.trace_ref_tol, max_matvecs=20000, seed=99)
+            r = gn_split_trace(w.engine(), tol=args.trace_ref_tol, max_matvecs=20000, seed=99)
             info["trace_reference"] = {
                 "trace": r.estimate,
                 "stderr": r.stderr,

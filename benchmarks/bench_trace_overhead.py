@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from sharpcli import memory  # noqa: E402
 from sharpcli.curvature import AnalysisData, CurvatureEngine, CurvatureOperator  # noqa: E402
-from sharpcli.curvature.scope import ParamScope  # noqa: E402
-from sharpcli.curvature.trace import hutchinson  # noqa: E402
+from sharpcli.curvature.products.scope import ParamScope  # noqa: E402
+from sharpcli.curvature.trace.hutchinson import hutchinson  # noqa: E402
 
 GPT2_SMALL = 124_439_808
 

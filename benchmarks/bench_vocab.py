@@ -15,7 +15,7 @@ computes ONE product of ``--what``:
 
 ``--vocab-chunk 0`` is the engine before chunking (autograd's cross-entropy differentiated
 twice); ``auto`` (the default) chunks the cross-entropy's part by rows of 16 MiB
-(:mod:`sharpcli.curvature.softmax_chunks`). The parent reads each child's peak resident set
+(:mod:`sharpcli.curvature.products.softmax_chunks`). The parent reads each child's peak resident set
 and CPU seconds from ``os.wait4`` (``resource.getrusage`` of the child), prints them beside
 the planned peak the child's memory plan reports, the CPU seconds of the product alone, and
 the relative difference of the chunked products from the unchunked ones (``<v', H v>`` for a

@@ -8,7 +8,7 @@ The one object a notebook needs (docs/api.md; docs/from-pyhessian.md maps PyHess
 
 Everything is about the mean loss over the samples of ``data``,
 ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)`` (the analysis loss of
-:mod:`sharpcli.curvature.data`), at the model's current weights, in eval mode (dropout off,
+:mod:`sharpcli.curvature.products.data`), at the model's current weights, in eval mode (dropout off,
 BatchNorm on running statistics, as [PyHessian] does): every method switches the model to
 eval mode for its products and restores each module's mode afterwards.
 
@@ -42,7 +42,7 @@ from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
 from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
-from sharpcli.curvature.finite_difference import FiniteDifferenceEngine
+from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
 from sharpcli.io.causal_lm import check_model_own_loss
 from sharpcli.io.in_memory import (
@@ -114,10 +114,10 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         dtype: The products' dtype; None: the model's.
         hvp: ``"exact"`` (double backward) or ``"finite-difference"``: Hessian products as
             central differences of gradients
-            (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`), for a
+            (:class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`), for a
             model without a double backward; the Hessian only (``ggn``, ``nme`` and ``blocks``
             are refused), no second-derivative self-check, and
-            ``curvature.curvature_pass.bound_record()`` gives the step and the measured error
+            ``curvature.engine.bound_record()`` gives the step and the measured error
             bound ``||D v - H v|| <= error_bound ||v||``.
 
     Before anything is computed, a forward pass over the set (no gradients) checks that the
@@ -196,8 +196,13 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         index = torch.arange(self.num_samples)
         self.data = AnalysisData(index, collected.y, self.loss, self.batch_size)
         self.scope = ParamScope.resolve(self._view, params)
-        engine = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
-        self.curvature_pass = engine(self._view, self.data, self.scope)
+        engine_class = FiniteDifferenceEngine if hvp == FINITE_DIFFERENCE else CurvatureEngine
+        self.engine = engine_class(self._view, self.data, self.scope)
+
+    @property
+    def curvature_pass(self) -> CurvatureEngine:
+        """The engine (:attr:`engine`), by the name docs/api.md gave it first."""
+        return self.engine
 
     # ----------------------------------------------------------------- set-up
     def _on_data(self, collected: CollectedData, rows: int | None = None) -> nn.Module:

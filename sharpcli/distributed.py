@@ -8,7 +8,7 @@ the start of ``sharp``'s ``main``) joins the process group they describe when
 ``gloo`` otherwise. From there on
 
 - the analysis set is sharded by rank and every sum over data is all-reduced in ONE place,
-  :func:`sharpcli.curvature.data.all_reduce_sum`; random probes come from CPU generators
+  :func:`sharpcli.curvature.products.data.all_reduce_sum`; random probes come from CPU generators
   seeded identically on every rank, so every rank holds the same result;
 - only rank 0 (:func:`is_main_process`) prints, writes JSON, tables and files;
 - a failure on any rank reaches every rank (:func:`announce_failure` /

@@ -1,7 +1,7 @@
 """Losses ``l(z, y)`` on model outputs, their Hessians with respect to the outputs, one registry.
 
 The analysis loss is ``L(theta) = (1/N) sum_i l(f(theta, x_i), y_i)``, a mean over samples
-(a batch of size B contributes with weight B/N; see :mod:`sharpcli.curvature.data`). Each
+(a batch of size B contributes with weight B/N; see :mod:`sharpcli.curvature.products.data`). Each
 loss is a :class:`Loss` record in :data:`LOSSES` carrying everything about itself: the batch
 mean, the per-sample loss, ``H_z u`` and a square-root factor of ``H_z = d^2 l / dz^2`` for
 the exact Gauss-Newton trace ([Schraudolph2002]; ``tr(J^T H_z J) = sum_c ||J^T s_c||^2`` when

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.curvature.data import train_mode_modules
+from sharpcli.curvature.products.data import train_mode_modules
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is where callers look)
     check_embedding_ids,
@@ -267,7 +267,7 @@ def check_second_derivatives(
     and some layers get it wrong without an error: a custom ``autograd.Function`` whose
     backward is not itself differentiable (``@once_differentiable``, a backward under
     ``no_grad``) simply contributes nothing to it, so Hessian products come out silently wrong
-    (sharp substitutes the torch kernels found wrong, :mod:`sharpcli.curvature.differentiable`,
+    (sharp substitutes the torch kernels found wrong, :mod:`sharpcli.curvature.products.differentiable`,
     but cannot know a user's own). Check, on a float64 copy of the model and the first
     ``len(x)`` samples: one Hessian-vector product ``H v`` by double backward (``v`` a seeded
     unit Gaussian over the trainable parameters) against the central difference of the
@@ -497,7 +497,7 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
 
     The analysis loss ``L(theta)`` must be a function of ``theta``: a module still in training
     mode that behaves differently there (dropout with p > 0, BatchNorm on batch statistics,
-    see :func:`sharpcli.curvature.data.train_mode_modules`; possible when a foreign model
+    see :func:`sharpcli.curvature.products.data.train_mode_modules`; possible when a foreign model
     overrides ``train()``), or a forward that draws random numbers whatever the mode (e.g.
     ``F.dropout(x, training=True)``), would make every curvature product random. Checked on the
     first batch: two forward passes must give bit-identical logits (the global RNG state is

@@ -7,8 +7,8 @@ else connects the two.
 
 Why a context variable and not ``progress=`` parameters: the counts live several calls deep
 (``sharp analyze`` -> :func:`sharpcli.analyses.spectrum.gn_nme` ->
-:func:`sharpcli.curvature.lanczos.lanczos` -> an operator's ``matmat`` ->
-:meth:`sharpcli.curvature.data.AnalysisData.batches`), and a callback parameter would have to
+:func:`sharpcli.curvature.eigen.lanczos.lanczos` -> an operator's ``matmat`` ->
+:meth:`sharpcli.curvature.products.data.AnalysisData.batches`), and a callback parameter would have to
 grow on every function between the command and the loop, registered operators included. A
 :class:`contextvars.ContextVar` reaches them all, stays per thread (two analyses in two
 threads do not mix their counts), and costs one ``ContextVar.get`` per report when nobody

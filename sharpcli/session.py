@@ -20,7 +20,7 @@ from torch import nn
 from sharpcli import memory
 from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
-from sharpcli.curvature.data import distributed_rank_and_world
+from sharpcli.curvature.products.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.causal_lm import (
     causal_lm_name,
@@ -91,7 +91,7 @@ class Session:
     num_outputs: int
     loss_origin: LossOrigin | None = None  # None: a session built by hand (tests)
     # budget of cached first-order graphs in curvature passes; None: up to what the memory
-    # plan leaves (sharpcli.curvature.operators.CurvatureEngine.plan_memory)
+    # plan leaves (sharpcli.curvature.operators.hessian.CurvatureEngine.plan_memory)
     cache_bytes: int | None = None
     # token-cross-entropy: "tokens" (mean over all labelled tokens) or "samples", and the mean
     # labelled positions per sample that the token mean divides by
@@ -374,7 +374,7 @@ def build_session(
     x, y = subset(x, y, samples, seed)
 
     # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
-    # outside the default scope (sharpcli.curvature.scope.ParamScope.resolve)
+    # outside the default scope (sharpcli.curvature.products.scope.ParamScope.resolve)
     model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
     # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs);
     # the selector a training run used is recorded in its checkpoint

@@ -163,7 +163,7 @@ class Tracker:
         curvature.refresh()  # the weights moved since the last measurement
         with curvature._analysis_mode():
             values, matvecs = measure(
-                curvature.curvature_pass,
+                curvature.engine,
                 self.metrics,
                 seed=self.seed,
                 tol=self.tol,

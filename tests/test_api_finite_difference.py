@@ -25,7 +25,7 @@ def pair():
 
 def test_eigenvalues_and_trace_within_the_bound(pair):
     exact, fd = pair
-    beta = fd.curvature_pass.error_bound()
+    beta = fd.engine.error_bound()
     assert 0 < beta < 1e-8
     a, b = exact.eigenvalues(top_k=2, tol=1e-9), fd.eigenvalues(top_k=2, tol=1e-9)
     for x, y, rx, ry in zip(a.eigenvalues, b.eigenvalues, a.residuals, b.residuals):

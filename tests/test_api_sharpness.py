@@ -12,7 +12,7 @@ from torch import nn
 
 from sharpcli import Curvature
 from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 
 
 def _setup():

@@ -42,7 +42,7 @@ def test_the_walk_finds_the_modules_with_examples():
         "sharpcli.memory",
         "sharpcli.registry",
         "sharpcli.tracker",
-        "sharpcli.curvature.trace",
+        "sharpcli.curvature.trace.hutchinson",
     } <= set(WITH_EXAMPLES)
 
 

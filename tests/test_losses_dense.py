@@ -101,11 +101,11 @@ def test_products_and_exact_ggn_trace_match_dense(loss):
     with torch.no_grad():
         assert float(LOSSES[loss].mean(model(x), y)) == pytest.approx(float(mean_loss(model(x), y)))
     scope = ParamScope.resolve(model)
-    cpass = CurvatureEngine(model, AnalysisData(x, y, loss, batch_size=4), scope)
+    engine = CurvatureEngine(model, AnalysisData(x, y, loss, batch_size=4), scope)
     eye = torch.eye(scope.numel, dtype=torch.float64)
-    assert float((cpass.hessian().matmat(eye) - H).abs().max()) < 1e-10
-    assert float((cpass.ggn().matmat(eye) - G).abs().max()) < 1e-10
-    assert float((cpass.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10
+    assert float((engine.hessian().matmat(eye) - H).abs().max()) < 1e-10
+    assert float((engine.ggn().matmat(eye) - G).abs().max()) < 1e-10
+    assert float((engine.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10
     trace = exact_ggn_trace(model, AnalysisData(x, y, loss, batch_size=3), scope)
     assert trace.estimate == pytest.approx(float(G.trace()), rel=1e-10)
     for name, sl in scope.blocks().items():
@@ -161,7 +161,7 @@ def test_causal_language_model_through_the_cli(tmp_path, capsys, monkeypatch):
     match dense float64 matrices built from torch's own cross_entropy."""
     from safetensors.torch import save_file
 
-    from sharpcli.curvature.differentiable import twice_differentiable
+    from sharpcli.curvature.products.differentiable import twice_differentiable
 
     model, weights = factory_checkpoint(tmp_path, monkeypatch, "causal_lm", CAUSAL_LM, seed=4)
     x, y = next_token_data(9, seed=5)  # predict the next token; y[2, 3:], y[6, 2:] padded

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from sharpcli.curvature import AnalysisData, ParamScope
-from sharpcli.curvature.ggn_trace import exact_ggn_trace
-from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
+from sharpcli.curvature.trace.ggn import exact_ggn_trace
+from sharpcli.curvature.trace.sampled_ggn import sampled_label_ggn_trace
 from sharpcli.errors import UsageError
 from sharpcli.losses import IGNORE_INDEX, LOSSES, get_loss
 

@@ -18,11 +18,10 @@ from conftest import make_data, make_mlp
 
 from sharpcli import memory
 from sharpcli.curvature import CurvatureEngine, ParamScope, lanczos
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.krylov import KrylovBasis
-from sharpcli.curvature.krylov_plan import krylov_work_bytes
-from sharpcli.curvature.operators import MatrixOperator
-from sharpcli.curvature.trace import hutchinson
+from sharpcli.curvature.eigen.krylov import KrylovBasis, krylov_work_bytes
+from sharpcli.curvature.operators.hessian import MatrixOperator
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.trace.hutchinson import hutchinson
 from sharpcli.errors import UsageError
 
 
@@ -153,7 +152,7 @@ def test_the_basis_is_stored_in_the_products_dtype_and_grows_as_needed():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_basis_in_a_scratch_file_computes_what_one_in_memory_does(tmp_path, dtype, monkeypatch):
-    import sharpcli.curvature.krylov as krylov
+    import sharpcli.curvature.eigen.krylov as krylov
 
     monkeypatch.setattr(krylov, "SLICE_BYTES", 4096)  # many slices: every boundary is crossed
     torch.manual_seed(0)
@@ -195,7 +194,7 @@ def test_a_basis_in_a_scratch_file_computes_what_one_in_memory_does(tmp_path, dt
 
 
 def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, monkeypatch):
-    krylov_plan = importlib.import_module("sharpcli.curvature.krylov_plan")
+    krylov_plan = importlib.import_module("sharpcli.curvature.eigen.krylov")
 
     op, dense = _spectrum_operator()
     monkeypatch.setenv("SHARP_SCRATCH", "off")
@@ -211,9 +210,9 @@ def test_a_restarted_lanczos_out_of_core_matches_the_one_in_memory(tmp_path, mon
 
 
 def test_slq_out_of_core_gives_the_same_quadrature(tmp_path, monkeypatch):
-    from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
+    from sharpcli.curvature.eigen.ritz import lanczos_tridiagonal
 
-    krylov_plan = importlib.import_module("sharpcli.curvature.krylov_plan")
+    krylov_plan = importlib.import_module("sharpcli.curvature.eigen.krylov")
     op, _ = _spectrum_operator()
     start = torch.randn(120, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("SHARP_SCRATCH", "off")
@@ -407,7 +406,7 @@ def test_gn_nme_reports_which_tr_g_estimators_ran_and_why(capsys, tmp_path):
 
 
 def test_hutchpp_without_room_for_its_sketch_runs_plain_hutchinson():
-    from sharpcli.curvature.hutchpp import hutchpp
+    from sharpcli.curvature.trace.hutchpp import hutchpp
 
     op, _ = _spectrum_operator(n=300)
     exact = float(op.to_dense().trace())

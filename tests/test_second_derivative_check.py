@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fixtures.weight_norm_model import wn_model
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.errors import InputError
 from sharpcli.preflight import check_second_derivatives
 from tests.cli_helpers import assert_one_line_error, run_cli

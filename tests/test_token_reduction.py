@@ -28,7 +28,7 @@ def _global_token_mean(mean_positions: float):
 def padded_lm(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from sharpcli.curvature.differentiable import twice_differentiable
+    from sharpcli.curvature.products.differentiable import twice_differentiable
 
     folder = tmp_path_factory.mktemp("token_reduction")
     monkeypatch = pytest.MonkeyPatch()

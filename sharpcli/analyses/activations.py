@@ -34,7 +34,7 @@ Both come from C + 1 reverse passes per batch, ``r_c = d (sum_i z_ic) / dx`` (ro
 sample's Jacobian, since samples do not interact in eval mode) and ``rbar = d (sum_i p_i . z_i)/dx``
 with ``p`` held constant.
 
-All sums over samples go through :func:`sharpcli.curvature.data.all_reduce_sum`, so the
+All sums over samples go through :func:`sharpcli.curvature.products.data.all_reduce_sum`, so the
 statistics are the same under data parallelism.
 """
 
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
 from sharpcli.models.activations import activation_modules, activation_spec

@@ -25,8 +25,8 @@ import torch
 from sharpcli import catalogue
 from sharpcli.analyses import spectrum
 from sharpcli.analyses.flatness import fisher_rao_norm, pac_bayes_sigma
-from sharpcli.curvature.data import all_reduce_sum
-from sharpcli.curvature.registry import GGN, HESSIAN, NME
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME
+from sharpcli.curvature.products.data import all_reduce_sum
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare

@@ -1,7 +1,7 @@
 """Curvature per parameter block in one run: ``--blocks`` of ``sharp eigen``, ``trace`` and ``density``.
 
 A block is a set of parameters; its curvature is the principal sub-block ``A_bb`` of the
-operator (the rows and columns of its parameters), multiplied by a curvature pass whose scope
+operator (the rows and columns of its parameters), multiplied by a curvature engine whose scope
 is the block alone. ``A_bb``'s eigenvalues are those Zhang et al. compare across the blocks of
 a transformer ([Zhang2024]: "block heterogeneity"); the block traces of a partition add up to
 the full trace. The session (model, data) is loaded once for every block.
@@ -18,8 +18,8 @@ the full trace. The session (model, data) is loaded once for every block.
   ``{"attn": "*.attn.*", "mlp": "*.mlp.*"}``.
 
 The figures (:func:`eigen_blocks`, :func:`trace_blocks`, :func:`density_blocks`) are computed
-over :func:`block_passes`, one engine per block, whether the command's session
-(:func:`session_block_passes`) or ``Curvature``'s in-memory data builds them.
+over :func:`block_engines`, one engine per block, whether the command's session
+(:func:`session_block_engines`) or ``Curvature``'s in-memory data builds them.
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from sharpcli.analyses.spectrum import curvature_pass, eigen_result, operator_of, trace_result
+from sharpcli.analyses.spectrum import curvature_engine, eigen_result, operator_of, trace_result
 from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.density import spectral_density
 from sharpcli.errors import UsageError
 
 __all__ = [
     "block_partition",
-    "block_passes",
+    "block_engines",
     "density_blocks",
     "eigen_blocks",
     "refuse_overlaps",
-    "session_block_passes",
+    "session_block_engines",
     "trace_blocks",
 ]
 
@@ -171,29 +171,29 @@ def refuse_overlaps(partition: list[tuple[str, list[str]]]) -> None:
         seen.update((n, label) for n in members)
 
 
-BlockPasses = Iterable[tuple[str, list[str], Any]]
+BlockEngines = Iterable[tuple[str, list[str], Any]]
 
 
-class _BlockPasses:
+class _BlockEngines:
     """The blocks' engines, built one at a time as iterated; the partition known up front
     (:func:`trace_blocks` checks it before any block's work)."""
 
-    def __init__(self, partition: list[tuple[str, list[str]]], make_pass: Callable[[str], Any]):
+    def __init__(self, partition: list[tuple[str, list[str]]], make_engine: Callable[[str], Any]):
         self.partition = partition
-        self._make_pass = make_pass
+        self._make_engine = make_engine
 
     def __iter__(self) -> Iterator[tuple[str, list[str], Any]]:
         for label, members in self.partition:
-            cpass = self._make_pass(",".join(_escape(n) for n in members))
+            engine = self._make_engine(",".join(_escape(n) for n in members))
             try:
-                yield label, members, cpass
+                yield label, members, engine
             finally:
-                cpass.clear_cache()
+                engine.clear_cache()
 
 
-def block_passes(
-    names: list[str], spec: BlockSpec, model, make_pass: Callable[[str], Any]
-) -> BlockPasses:
+def block_engines(
+    names: list[str], spec: BlockSpec, model, make_engine: Callable[[str], Any]
+) -> BlockEngines:
     """``(block name, parameter names, curvature engine on the block)``, one at a time.
 
     The spec is resolved here (its errors before any work); the engines as iterated.
@@ -205,20 +205,20 @@ def block_passes(
         names: the scope's parameter names (the blocks partition them).
         spec: the blocks' spec (:func:`block_partition`).
         model: the model (``layers`` reads its module tree).
-        make_pass: a ``params`` glob -> a curvature engine on those parameters.
+        make_engine: a ``params`` glob -> a curvature engine on those parameters.
     """
-    return _BlockPasses(block_partition(names, spec, model), make_pass)
+    return _BlockEngines(block_partition(names, spec, model), make_engine)
 
 
-def session_block_passes(session, params: str | None, blocks: BlockSpec) -> BlockPasses:
-    """:func:`block_passes` over a command's session: its ``params`` scope, one engine per
-    block as the command's own (:func:`~sharpcli.analyses.spectrum.curvature_pass`)."""
+def session_block_engines(session, params: str | None, blocks: BlockSpec) -> BlockEngines:
+    """:func:`block_engines` over a command's session: its ``params`` scope, one engine per
+    block as the command's own (:func:`~sharpcli.analyses.spectrum.curvature_engine`)."""
     names = session.scope(params).names
-    return block_passes(names, blocks, session.model, lambda glob: curvature_pass(session, glob))
+    return block_engines(names, blocks, session.model, lambda glob: curvature_engine(session, glob))
 
 
 def eigen_blocks(
-    passes: BlockPasses,
+    passes: BlockEngines,
     *,
     operator: str,
     top_k: int,
@@ -231,7 +231,7 @@ def eigen_blocks(
     """Each block's extreme eigenvalues, residual-certified as ``sharp eigen``'s.
 
     Args:
-        passes: the blocks and their engines (:func:`block_passes`).
+        passes: the blocks and their engines (:func:`block_engines`).
         operator: a registered operator.
         top_k: eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
@@ -245,12 +245,12 @@ def eigen_blocks(
         smaller than ``top_k`` gives all its eigenvalues.
     """
     rows = []
-    for label, members, cpass in passes:
-        k = min(int(top_k), cpass.scope.numel)
+    for label, members, engine in passes:
+        k = min(int(top_k), engine.scope.numel)
         if which == "both":
-            k = max(1, min(k, cpass.scope.numel // 2))
+            k = max(1, min(k, engine.scope.numel // 2))
         result = eigen_result(
-            cpass,
+            engine,
             operator,
             top_k=k,
             which=which,
@@ -263,7 +263,7 @@ def eigen_blocks(
             {
                 "name": label,
                 "parameters": members,
-                "numel": cpass.scope.numel,
+                "numel": engine.scope.numel,
                 **{
                     key: result[key] for key in ("eigenvalues", "residuals", "converged", "matvecs")
                 },
@@ -273,7 +273,7 @@ def eigen_blocks(
 
 
 def trace_blocks(
-    passes: BlockPasses,
+    passes: BlockEngines,
     *,
     operator: str,
     estimator: str,
@@ -291,7 +291,7 @@ def trace_blocks(
     at most ``Tr(A^2)``.
 
     Args:
-        passes: the blocks and their engines (:func:`block_passes`).
+        passes: the blocks and their engines (:func:`block_engines`).
         operator: a registered operator.
         estimator: as ``sharp trace``'s.
         tol: the relative standard error to stop at.
@@ -311,12 +311,12 @@ def trace_blocks(
         refuse_overlaps(partition)
     rows: list[dict] = []
     taken: list[tuple[str, list[str]]] = []
-    for label, members, cpass in passes:
+    for label, members, engine in passes:
         if summed and partition is None:
             refuse_overlaps([*taken, (label, members)])
             taken.append((label, members))
         result = trace_result(
-            cpass,
+            engine,
             operator,
             estimator=estimator,
             square=square,
@@ -328,7 +328,7 @@ def trace_blocks(
             {
                 "name": label,
                 "parameters": members,
-                "numel": cpass.scope.numel,
+                "numel": engine.scope.numel,
                 "estimate": result.estimate,
                 "stderr": result.stderr,
                 "matvecs": result.matvecs,
@@ -344,7 +344,7 @@ def trace_blocks(
 
 
 def density_blocks(
-    passes: BlockPasses,
+    passes: BlockEngines,
     *,
     operator: str,
     probes: int,
@@ -357,7 +357,7 @@ def density_blocks(
     ``sharp density`` computes the full one ([Zhang2024] compares these across blocks).
 
     Args:
-        passes: the blocks and their engines (:func:`block_passes`).
+        passes: the blocks and their engines (:func:`block_engines`).
         operator: a registered operator.
         probes: SLQ probes per block.
         steps: Lanczos steps per probe (at most the block's size).
@@ -371,11 +371,11 @@ def density_blocks(
     """
 
     rows = []
-    for label, members, cpass in passes:
+    for label, members, engine in passes:
         result = spectral_density(
-            operator_of(cpass, operator),
+            operator_of(engine, operator),
             probes=probes,
-            steps=min(int(steps), cpass.scope.numel),
+            steps=min(int(steps), engine.scope.numel),
             grid_points=grid_points,
             broadening=broadening,
             seed=seed,
@@ -386,7 +386,7 @@ def density_blocks(
             {
                 "name": label,
                 "parameters": members,
-                "numel": cpass.scope.numel,
+                "numel": engine.scope.numel,
                 **{key: result[key] for key in keep},
                 "trace_stderr": result["trace_stderr"],
                 "lambda_min": min(nodes),

@@ -71,9 +71,9 @@ from sharpcli.analyses.perturbation import (
     standard_normal_directions,
 )
 from sharpcli.analyses.theorem2 import THEOREM2, Theorem2Row, theorem2_check
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES, CurvatureEngine
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES, CurvatureEngine
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
 from sharpcli.models.zoo import final_linear

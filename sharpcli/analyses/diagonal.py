@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 
 from sharpcli import catalogue
-from sharpcli.analyses.spectrum import check_choice, curvature_pass, scope_info
+from sharpcli.analyses.spectrum import check_choice, curvature_engine, scope_info
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalRequest, DiagonalResult
-from sharpcli.curvature.registry import HESSIAN
-from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.trace.exact import EXACT_MAX_PARAMS
 from sharpcli.errors import UsageError
 
 # the diagonal estimators, declared in sharpcli.curvature.diagonal (extensions too)
@@ -31,7 +31,7 @@ ESTIMATORS = catalogue.DIAGONAL_ESTIMATORS
 
 
 def diagonal_result(
-    cpass,
+    engine,
     operator: str | None = None,
     *,
     estimator: str = DEFAULT_DIAGONAL_ESTIMATOR,
@@ -39,10 +39,10 @@ def diagonal_result(
     max_products: int = EXACT_MAX_PARAMS,
     seed: int = 0,
 ) -> tuple[str, DiagonalResult]:
-    """``diag(A)`` of the registered operator ``operator`` on ``cpass`` by ``estimator``.
+    """``diag(A)`` of the registered operator ``operator`` on ``engine`` by ``estimator``.
 
     Args:
-        cpass: the :class:`~sharpcli.curvature.CurvatureEngine`.
+        engine: the :class:`~sharpcli.curvature.CurvatureEngine`.
         operator: a registered operator; None: ``hessian`` for ``exact`` and ``hutchinson``,
             ``ggn`` for ``gnb`` and ``per-sample``.
         estimator: ``exact``, ``hutchinson``, ``gnb`` (``ggn`` only) or ``per-sample``
@@ -70,9 +70,9 @@ def diagonal_result(
             f"{' or '.join(f'`operator={a}`' for a in accepted)}, not {operator!r}",
             source="operator",
         )
-    request = DiagonalRequest(cpass, operator, probes, max_products, seed)
+    request = DiagonalRequest(engine, operator, probes, max_products, seed)
     result = ESTIMATORS.get(estimator)(request)
-    result.scope = cpass.scope
+    result.scope = engine.scope
     return operator, result
 
 
@@ -133,16 +133,16 @@ def diagonal(
         ``(results, {name: tensor})``.
     """
     seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params)
+    engine = curvature_engine(session, params)
     operator, result = diagonal_result(
-        cpass,
+        engine,
         operator,
         estimator=estimator,
         probes=probes,
         max_products=max_products,
         seed=seed,
     )
-    blocks, total = block_summary(result, cpass.scope)
+    blocks, total = block_summary(result, engine.scope)
     results = {
         "operator": operator,
         "estimator": result.estimator,
@@ -151,7 +151,7 @@ def diagonal(
         TRACE_KEY: total,
         "blocks": blocks,
         "notes": list(result.notes),
-        "scope": scope_info(cpass.scope),
+        "scope": scope_info(engine.scope),
     }
     if result.stderr is not None:
         finite = result.stderr[torch.isfinite(result.stderr)]

@@ -29,8 +29,8 @@ from torch import nn
 
 from sharpcli import progress
 from sharpcli.analyses.perturbed import PerturbedModel
-from sharpcli.curvature.data import AnalysisData, to_model_batch
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.data import AnalysisData, to_model_batch
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, per_sample_loss
 

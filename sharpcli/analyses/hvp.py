@@ -2,7 +2,7 @@
 
 ``exact`` (the default): double backward through each batch's first-order graph
 (:class:`~sharpcli.curvature.CurvatureEngine`). ``finite-difference``: central differences of
-gradients (:class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`,
+gradients (:class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`,
 [GranziolJuarev2026], [NocedalWright2006] section 8.1), for models without a double backward
 and for models sharded by FSDP2 (``fsdp``: the session's model sharded across the torchrun
 ranks with ``fully_shard`` first). It gives the Hessian only.
@@ -11,10 +11,10 @@ ranks with ``fully_shard`` first). It gives the Hessian only.
 from __future__ import annotations
 
 from sharpcli import catalogue, memory
-from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, shard_model
-from sharpcli.curvature.ggn_trace import GN_SPLIT
-from sharpcli.curvature.registry import HESSIAN
-from sharpcli.curvature.trace_exact import EXACT
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine, shard_model
+from sharpcli.curvature.trace.exact import EXACT
+from sharpcli.curvature.trace.ggn import GN_SPLIT
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "HVP_METHODS",
     "add_hvp_record",
     "check_hvp",
-    "finite_difference_pass",
+    "finite_difference_engine",
 ]
 
 HVP_METHODS = catalogue.HVP_METHODS
@@ -84,7 +84,7 @@ def check_hvp(
         )
 
 
-def finite_difference_pass(session, params: str | None, fsdp: bool = False):
+def finite_difference_engine(session, params: str | None, fsdp: bool = False):
     """The finite-difference engine over the session's analysis set (the model sharded by
     FSDP2 first when ``fsdp``), counted in the run's memory plan.
 
@@ -94,7 +94,7 @@ def finite_difference_pass(session, params: str | None, fsdp: bool = False):
         fsdp: shard the model across the process group first.
 
     Returns:
-        A :class:`~sharpcli.curvature.finite_difference.FiniteDifferenceEngine`.
+        A :class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`.
     """
     if fsdp:
         shard_model(session.model)
@@ -103,21 +103,21 @@ def finite_difference_pass(session, params: str | None, fsdp: bool = False):
     return engine
 
 
-def add_hvp_record(results: dict, cpass) -> dict:
+def add_hvp_record(results: dict, engine) -> dict:
     """``results`` with the ``hvp`` record of a finite-difference engine (unchanged for the
     exact one): the steps, the measured error bound and whether the model was sharded.
 
     Args:
         results: an analysis's results.
-        cpass: its engine (None: none was built).
+        engine: its engine (None: none was built).
 
     Returns:
         ``results``.
     """
-    record = getattr(cpass, "bound_record", None)
+    record = getattr(engine, "bound_record", None)
     if record is None:
         return results
-    results["hvp"] = {**record(), "sharded": bool(cpass.sharded)}
+    results["hvp"] = {**record(), "sharded": bool(engine.sharded)}
     relative = results["hvp"]["error_bound_relative"]
     if relative is not None and relative > ROUGH:
         results.setdefault("notes", []).append(

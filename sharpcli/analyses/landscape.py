@@ -33,10 +33,10 @@ from sharpcli.analyses.landscape_directions import (
     filter_normalized_direction,
 )
 from sharpcli.analyses.perturbed import PerturbedModel, whole_analysis_set
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum
-from sharpcli.curvature.engine import CurvatureEngine
-from sharpcli.curvature.lanczos import lanczos
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.eigen.lanczos import lanczos
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum
+from sharpcli.curvature.products.engine import CurvatureEngine
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 
 __all__ = ["LandscapeConfig", "LandscapeResult", "grid_coordinates", "loss_landscape"]

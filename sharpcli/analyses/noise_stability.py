@@ -27,10 +27,10 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.hutchpp import HUTCHPP, hutchpp
-from sharpcli.curvature.operators import CurvatureEngine
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.operators.hessian import CurvatureEngine
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.hutchpp import HUTCHPP, hutchpp
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
 from sharpcli.registry import declare
@@ -132,8 +132,8 @@ def noise_stability_check(
     check_sigmas(sigmas)
     if int(noise_pairs) < 2:
         raise UsageError(f"must be >= 2, got {noise_pairs}", source="noise_pairs")
-    curvature_pass = CurvatureEngine(model, data, scope)
-    hessian = curvature_pass.hessian()
+    engine = CurvatureEngine(model, data, scope)
+    hessian = engine.hessian()
     trace = hutchpp(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
     trace_stderr = (
         trace.stderr if trace.stderr is not None and math.isfinite(trace.stderr) else None

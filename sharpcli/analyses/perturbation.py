@@ -14,9 +14,9 @@ import math
 import torch
 from torch import nn
 
-from sharpcli.curvature.lanczos import lanczos
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.scope import ParamScope, gaussian_like
+from sharpcli.curvature.eigen.lanczos import lanczos
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.scope import ParamScope, gaussian_like
 from sharpcli.errors import UsageError
 
 __all__ = [

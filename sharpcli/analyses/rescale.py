@@ -51,16 +51,16 @@ from sharpcli.analyses.rescale_plan import (
     plan_rescale,
 )
 from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
-from sharpcli.curvature.data import (
+from sharpcli.curvature.eigen.lanczos import lanczos
+from sharpcli.curvature.operators.hessian import CurvatureEngine, CurvatureOperator
+from sharpcli.curvature.products.data import (
     AnalysisData,
     all_reduce_sum,
     distributed_rank_and_world,
     to_model_batch,
 )
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.lanczos import lanczos
-from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.hutchpp import hutchpp
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss, per_sample_loss
 
@@ -248,8 +248,8 @@ def _curvature_row(
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
     change = _global_max(local_change, evaluation.logits.device)
     scope = ParamScope.resolve(model, params)
-    curvature_pass = CurvatureEngine(model, data, scope)
-    hessian = curvature_pass.hessian()
+    engine = CurvatureEngine(model, data, scope)
+    hessian = engine.hessian()
     top = lanczos(hessian, 1, "largest", tol=tol, max_matvecs=max_matvecs, seed=seed)
     trace = _trace(hessian, tol=trace_tol, max_matvecs=trace_max_matvecs, seed=seed)
     weights = scope.flatten([p.detach() for p in scope.params]).abs()

@@ -58,8 +58,8 @@ from sharpcli.analyses.perturbed import (
     normalization_parameters,
     whole_analysis_set,
 )
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.registry import declare
 

@@ -6,7 +6,7 @@ through one :class:`~sharpcli.curvature.CurvatureEngine` per call, so H, G and N
 share their cached first-order graphs.
 
 Operators ([NME] eq. 2; docs/commands/gn-nme.md), looked up by their ``operator`` name in
-:mod:`sharpcli.curvature.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
+:mod:`sharpcli.curvature.operators.registry`: ``H`` the Hessian of the analysis loss, ``G = J^T H_z J``
 the Gauss-Newton matrix, ``N = H - G = sum_c (dl/dz_c) d^2 z_c / dtheta^2`` the nonlinear
 modeling error, and any operator registered there.
 """
@@ -22,7 +22,7 @@ from sharpcli.analyses.hvp import (
     FINITE_DIFFERENCE,
     add_hvp_record,
     check_hvp,
-    finite_difference_pass,
+    finite_difference_engine,
 )
 from sharpcli.catalogue import EXACT_HVP, GGN_EXACT, GGN_HUTCHINSON, GGN_SAMPLED
 from sharpcli.catalogue.values import TRACE_KEY
@@ -34,12 +34,10 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
-from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
-from sharpcli.curvature.lanczos import DEFAULT_MAX_MATVECS, WHICH
-from sharpcli.curvature.operators import DEFAULT_CACHE_BYTES
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.pyhessian_engine import pyhessian_eigenvalues, pyhessian_trace
-from sharpcli.curvature.registry import (
+from sharpcli.curvature.eigen.lanczos import DEFAULT_MAX_MATVECS, WHICH
+from sharpcli.curvature.eigen.ritz import EigenResult
+from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES
+from sharpcli.curvature.operators.registry import (
     GGN,
     HESSIAN,
     NME,
@@ -48,10 +46,12 @@ from sharpcli.curvature.registry import (
     build_operator,
     operator_spec,
 )
-from sharpcli.curvature.ritz import EigenResult
-from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.trace.estimators import DEFAULT_ESTIMATOR, TraceRequest, trace_estimator
+from sharpcli.curvature.trace.probes import TraceResult
+from sharpcli.curvature.trace.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
+from sharpcli.parity import pyhessian_eigenvalues, pyhessian_trace
 
 METHODS = catalogue.METHODS
 ENGINES = catalogue.ENGINES
@@ -66,27 +66,27 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
     return value
 
 
-def curvature_pass(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bool = False):
-    """One shared pass (H and G products with cached graphs) over the session's analysis set;
+def curvature_engine(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bool = False):
+    """The curvature engine (H and G products with cached graphs) over the session's analysis set;
     with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
     (:mod:`sharpcli.analyses.hvp`)."""
     if hvp == FINITE_DIFFERENCE:
-        return finite_difference_pass(session, params, fsdp)
+        return finite_difference_engine(session, params, fsdp)
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
-    cpass = CurvatureEngine(
+    engine = CurvatureEngine(
         session.model,
         session.analysis_data(),
         scope,
         cache_bytes=DEFAULT_CACHE_BYTES if auto else session.cache_bytes,
     )
-    cpass.plan_memory(memory.current(), auto_cache=auto)
-    return cpass
+    engine.plan_memory(memory.current(), auto_cache=auto)
+    return engine
 
 
-def operator_of(cpass, operator: str):
-    """The registered operator ``operator`` on ``cpass``; UsageError naming the accepted ones."""
-    return build_operator(operator, cpass)
+def operator_of(engine, operator: str):
+    """The registered operator ``operator`` on ``engine``; UsageError naming the accepted ones."""
+    return build_operator(operator, engine)
 
 
 def _symbol(operator: str) -> str:
@@ -142,9 +142,10 @@ def eigen(
         out = result.to_dict()
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
-    cpass = curvature_pass(session, params, hvp, fsdp)
+    # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
+    native = curvature_engine(session, params, hvp, fsdp)
     result = eigen_result(
-        cpass,
+        native,
         operator,
         top_k=top_k,
         which=which,
@@ -154,14 +155,14 @@ def eigen(
         seed=seed,
     )
     out = result.to_dict()
-    out.update(operator=operator, scope=scope_info(cpass.scope))
+    out.update(operator=operator, scope=scope_info(native.scope))
     if which != "largest":
-        _note_rank_bound(out, operator_spec(operator), session, cpass.scope.numel)
-    return add_hvp_record(out, cpass)
+        _note_rank_bound(out, operator_spec(operator), session, native.scope.numel)
+    return add_hvp_record(out, native)
 
 
 def eigen_result(
-    cpass,
+    engine,
     operator: str = HESSIAN,
     *,
     top_k: int = 1,
@@ -172,15 +173,15 @@ def eigen_result(
     seed: int = 0,
     return_eigenvectors: bool = False,
 ) -> EigenResult:
-    """The ``top_k`` extreme eigenvalues of the registered operator ``operator`` on ``cpass``.
+    """The ``top_k`` extreme eigenvalues of the registered operator ``operator`` on ``engine``.
 
     The one dispatch behind ``sharp eigen`` (:func:`eigen`) and
     :meth:`sharpcli.api.Curvature.eigenvalues`: Lanczos ([Lanczos1950]) for the largest,
     smallest or both ends, or power iteration ([PyHessian]) for the largest only.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
-        operator: A registered operator name (:mod:`sharpcli.curvature.registry`).
+        engine: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
+        operator: A registered operator name (:mod:`sharpcli.curvature.operators.registry`).
         top_k: Eigenvalues per end.
         which: ``largest``, ``smallest`` or ``both``.
         method: ``lanczos`` or ``power``.
@@ -195,7 +196,7 @@ def eigen_result(
 
     check_choice(method, METHODS, "method")
     check_choice(which, WHICH, "which")
-    op = operator_of(cpass, operator)
+    op = operator_of(engine, operator)
     if method == "power":
         if which != "largest":
             raise UsageError(
@@ -211,7 +212,7 @@ def eigen_result(
                 seed=seed,
                 return_eigenvectors=return_eigenvectors,
             )
-    dim = cpass.scope.numel
+    dim = engine.scope.numel
     budget = min(dim, int(max_matvecs or DEFAULT_MAX_MATVECS))
     wanted = min(int(top_k) * (2 if which == "both" else 1), dim)
     if wanted > budget:
@@ -239,7 +240,7 @@ def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
     """Note a null space the operator's rank bound proves (e.g. G: rank <= N * rank(H_z)).
 
     Lanczos counts the repeated 0 among the smallest eigenvalues by deflated restarts
-    (:mod:`sharpcli.curvature.deflation`); the bound says how many copies there are at least.
+    (:mod:`sharpcli.curvature.eigen.lanczos`); the bound says how many copies there are at least.
     """
     if spec.rank_bound is None:
         return
@@ -270,7 +271,6 @@ def trace(
     catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
     check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
-    cpass = None
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN or square:
@@ -283,19 +283,24 @@ def trace(
             seed=seed,
             params=params,
         )
-        scope = session.scope(params)
-    else:
-        cpass = curvature_pass(session, params, hvp, fsdp)
-        scope = cpass.scope
-        result = trace_result(
-            cpass,
-            operator,
-            estimator=estimator,
-            square=square,
-            tol=tol,
-            max_matvecs=max_matvecs,
-            seed=seed,
-        )
+        return _trace_report(result, operator, square, session.scope(params), None)
+    # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
+    native = curvature_engine(session, params, hvp, fsdp)
+    result = trace_result(
+        native,
+        operator,
+        estimator=estimator,
+        square=square,
+        tol=tol,
+        max_matvecs=max_matvecs,
+        seed=seed,
+    )
+    return _trace_report(result, operator, square, native.scope, native)
+
+
+def _trace_report(result, operator: str, square: bool, scope, engine) -> dict:
+    """The ``results`` of :func:`trace`: the estimate, its per-layer traces, the scope and
+    (``engine`` not None) the products' ``hvp`` record."""
     d = result.to_dict()
     by_layer = d.pop("by_layer")
     out = {
@@ -305,11 +310,11 @@ def trace(
         "square": square,
         "scope": scope_info(scope),
     }
-    return add_hvp_record(out, cpass)
+    return add_hvp_record(out, engine)
 
 
 def trace_result(
-    cpass,
+    engine,
     operator: str = HESSIAN,
     *,
     estimator: str = DEFAULT_ESTIMATOR,
@@ -318,17 +323,17 @@ def trace_result(
     max_matvecs: int = 1000,
     seed: int = 0,
 ) -> TraceResult:
-    """``tr(A)`` of the registered operator ``operator`` on ``cpass``, or ``Tr(A^2)``.
+    """``tr(A)`` of the registered operator ``operator`` on ``engine``, or ``Tr(A^2)``.
 
     The one dispatch behind ``sharp trace`` (:func:`trace`) and
     :meth:`sharpcli.api.Curvature.trace`: the registered trace estimator ``estimator``
-    (:mod:`sharpcli.curvature.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
+    (:mod:`sharpcli.curvature.trace.estimators`: ``hutchpp`` [Hutch++], ``hutchinson``
     [Hutchinson1989], ``exact`` (every operator by its cheapest exact route,
-    :mod:`sharpcli.curvature.trace_exact`), ``gn-split`` (tr(H) as exact tr(G) plus an estimated
+    :mod:`sharpcli.curvature.trace.exact`), ``gn-split`` (tr(H) as exact tr(G) plus an estimated
     tr(N)), or an extension) on the registered operator ``operator``.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
+        engine: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         operator: A registered operator name.
         estimator: A registered trace estimator name.
         square: Estimate ``Tr(A^2)`` instead.
@@ -342,7 +347,7 @@ def trace_result(
     estimate = trace_estimator(estimator)
     symbol = _symbol(operator)
     with progress.phase(f"Tr({symbol}^2)" if square else f"tr({symbol})"):
-        return estimate(TraceRequest(cpass, operator, square, tol, max_matvecs, seed))
+        return estimate(TraceRequest(engine, operator, square, tol, max_matvecs, seed))
 
 
 def density(
@@ -362,8 +367,8 @@ def density(
     ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
     check_hvp(hvp, operator=operator, fsdp=fsdp)
     seed = session.seed if seed is None else seed
-    cpass = curvature_pass(session, params, hvp, fsdp)
-    op = operator_of(cpass, operator)
+    engine = curvature_engine(session, params, hvp, fsdp)
+    op = operator_of(engine, operator)
     with progress.phase(f"density {_symbol(operator)}"):
         result = spectral_density(
             op,
@@ -376,8 +381,8 @@ def density(
     out = result.to_dict()
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))
-    out.update(operator=operator, scope=scope_info(cpass.scope))
-    return add_hvp_record(out, cpass)
+    out.update(operator=operator, scope=scope_info(engine.scope))
+    return add_hvp_record(out, engine)
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:
@@ -409,12 +414,12 @@ def gn_nme(
     (NME eq. 20) estimators.
 
     Traces and ``Tr(A^2)`` come from shared probes and joint H/G products
-    (:func:`sharpcli.curvature.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
+    (:func:`sharpcli.curvature.trace.split.gn_nme_split`), so ``tr(H) = tr(G) + tr(N)`` holds exactly
     for the estimates. ``ggn_estimator`` picks the cross-checks of tr(G)
     (:func:`ggn_check_plan`)."""
     seed = session.seed if seed is None else seed
     return gn_nme_result(
-        curvature_pass(session, params),
+        curvature_engine(session, params),
         loss=session.loss,
         num_outputs=session.num_outputs,
         labels=session.y,
@@ -428,7 +433,7 @@ def gn_nme(
 
 
 def gn_nme_result(
-    cpass,
+    engine,
     *,
     loss: str,
     num_outputs: int,
@@ -440,11 +445,11 @@ def gn_nme_result(
     label_samples: int = 4,
     ggn_estimator: str = "auto",
 ) -> dict:
-    """The split ``H = G + N`` ([NME] eq. 2) on ``cpass``: the one computation behind
+    """The split ``H = G + N`` ([NME] eq. 2) on ``engine``: the one computation behind
     ``sharp gn-nme`` (:func:`gn_nme`) and :meth:`sharpcli.api.Curvature.gn_nme`.
 
     Args:
-        cpass: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
+        engine: The :class:`~sharpcli.curvature.CurvatureEngine` whose products to use.
         loss: The registered loss name of the analysis set.
         num_outputs: Model outputs per sample.
         labels: The analysis set's labels (their shape plans the tr(G) cross-checks).
@@ -460,11 +465,11 @@ def gn_nme_result(
     """
 
     with progress.phase("traces H,G,N"):
-        split = gn_nme_split(cpass, tol=tol, max_matvecs=max_matvecs, seed=seed)
+        split = gn_nme_split(engine, tol=tol, max_matvecs=max_matvecs, seed=seed)
     out: dict = {}
     total_matvecs = split.matvecs
     for name in SPLIT:
-        op = operator_of(cpass, name)
+        op = operator_of(engine, name)
         with progress.phase(f"extremes {_symbol(name)}"):
             ext = _extremes(op, eig_tol, None, seed)
         tr = split.values[name][TRACE_KEY]
@@ -497,12 +502,12 @@ def gn_nme_result(
     plan = ggn_check_plan(loss, num_outputs, labels, ggn_estimator)
     checks: dict = {"estimators": plan["run"], "why": plan["why"]}
     if GGN_EXACT in plan["run"]:
-        checks[GGN_EXACT] = exact_ggn_trace(cpass.model, cpass.data, cpass.scope).estimate
+        checks[GGN_EXACT] = exact_ggn_trace(engine.model, engine.data, engine.scope).estimate
     if "sampled_label" in plan["run"]:
         sampled = sampled_label_ggn_trace(
-            cpass.model,
-            cpass.data,
-            cpass.scope,
+            engine.model,
+            engine.data,
+            engine.scope,
             samples=label_samples,
             generator=torch.Generator().manual_seed(seed),
         )
@@ -512,7 +517,7 @@ def gn_nme_result(
     )
     out["ggn_trace_check"] = checks
     out["layers"] = _layer_rows(out)
-    out["scope"] = scope_info(cpass.scope)
+    out["scope"] = scope_info(engine.scope)
     out["matvecs"] = total_matvecs
     return out
 

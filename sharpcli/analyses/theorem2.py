@@ -27,7 +27,7 @@ from torch import nn
 
 from sharpcli.analyses.perturbation import check_sigmas
 from sharpcli.analyses.rescale import _global_max
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.models.zoo import final_linear

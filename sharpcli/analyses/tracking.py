@@ -33,8 +33,8 @@ from sharpcli.curvature import (
     hutchpp,
     lanczos,
 )
-from sharpcli.curvature.registry import GGN, HESSIAN, NME
-from sharpcli.curvature.split import gn_nme_split
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME
+from sharpcli.curvature.trace.split import gn_nme_split
 from sharpcli.errors import UsageError
 from sharpcli.registry import declaration, declare
 
@@ -63,17 +63,17 @@ class Budget:
     eigen_max_matvecs: int | None
 
 
-def _probed(estimator, cpass, budget: Budget) -> tuple[float, int]:
+def _probed(estimator, engine, budget: Budget) -> tuple[float, int]:
     """A probe estimator of the Hessian (``hutchpp``, ``frobenius_sq``) at the budget's
     tolerance, products and seed: its estimate and the products it took."""
     result = estimator(
-        cpass.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
+        engine.hessian(), tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed
     )
     return result.estimate, result.matvecs
 
 
 # Each quantity (:data:`sharpcli.catalogue.TRACKABLE`, the names of the metrics of ``sharp
-# analyze`` it follows) is a function ``(cpass, out, budget) -> products`` that adds its
+# analyze`` it follows) is a function ``(engine, out, budget) -> products`` that adds its
 # values to ``out``.
 
 
@@ -84,12 +84,12 @@ def _probed(estimator, cpass, budget: Budget) -> tuple[float, int]:
     paper="Lanczos1950",
     info={"keys": ("lambda_max",)},
 )
-def track_eigen(cpass, out: dict, budget: Budget) -> int:
+def track_eigen(engine, out: dict, budget: Budget) -> int:
     """``lambda_max``; only the eigenvalue is recorded: no product spent on an explicit
     residual.
 
     Args:
-        cpass: the curvature pass (model in eval mode, the tracked subset).
+        engine: the curvature engine (model in eval mode, the tracked subset).
         out: the values so far, which it adds to.
         budget: what it may spend.
 
@@ -97,7 +97,7 @@ def track_eigen(cpass, out: dict, budget: Budget) -> int:
         The curvature products it took.
     """
     top = lanczos(
-        cpass.hessian(),
+        engine.hessian(),
         top_k=1,
         tol=1e-3,
         max_matvecs=budget.eigen_max_matvecs,
@@ -109,18 +109,18 @@ def track_eigen(cpass, out: dict, budget: Budget) -> int:
 
 
 @declare("trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",)})
-def track_trace(cpass, out: dict, budget: Budget) -> int:
+def track_trace(engine, out: dict, budget: Budget) -> int:
     """``trace``: tr(H) ([Hutch++]).
 
     Args:
-        cpass: the curvature pass (model in eval mode, the tracked subset).
+        engine: the curvature engine (model in eval mode, the tracked subset).
         out: the values so far, which it adds to.
         budget: what it may spend.
 
     Returns:
         The curvature products it took.
     """
-    out["trace"], products = _probed(hutchpp, cpass, budget)
+    out["trace"], products = _probed(hutchpp, engine, budget)
     return products
 
 
@@ -131,18 +131,18 @@ def track_trace(cpass, out: dict, budget: Budget) -> int:
     paper="NME",
     info={"keys": ("ggn_trace", "nme_trace", "nme_share")},
 )
-def track_gn_nme(cpass, out: dict, budget: Budget) -> int:
+def track_gn_nme(engine, out: dict, budget: Budget) -> int:
     """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes).
 
     Args:
-        cpass: the curvature pass (model in eval mode, the tracked subset).
+        engine: the curvature engine (model in eval mode, the tracked subset).
         out: the values so far, which it adds to.
         budget: what it may spend.
 
     Returns:
         The curvature products it took.
     """
-    split = gn_nme_split(cpass, tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed)
+    split = gn_nme_split(engine, tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed)
     h = split.values[HESSIAN]["trace"]["estimate"]
     out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
     out["nme_trace"] = split.values[NME]["trace"]["estimate"]
@@ -157,18 +157,18 @@ def track_gn_nme(cpass, out: dict, budget: Budget) -> int:
     paper="FA",
     info={"keys": ("frobenius_sq",)},
 )
-def track_frobenius(cpass, out: dict, budget: Budget) -> int:
+def track_frobenius(engine, out: dict, budget: Budget) -> int:
     """``frobenius_sq``: Tr(H^2).
 
     Args:
-        cpass: the curvature pass (model in eval mode, the tracked subset).
+        engine: the curvature engine (model in eval mode, the tracked subset).
         out: the values so far, which it adds to.
         budget: what it may spend.
 
     Returns:
         The curvature products it took.
     """
-    out["frobenius_sq"], products = _probed(frobenius_sq, cpass, budget)
+    out["frobenius_sq"], products = _probed(frobenius_sq, engine, budget)
     return products
 
 
@@ -179,19 +179,19 @@ def track_frobenius(cpass, out: dict, budget: Budget) -> int:
     paper="Andriushchenko2023",
     info={"keys": ("adaptive_sharpness",)},
 )
-def track_sharpness(cpass, out: dict, budget: Budget) -> int:
+def track_sharpness(engine, out: dict, budget: Budget) -> int:
     """``adaptive_sharpness`` over the whole set (gradients, no curvature products).
 
     Args:
-        cpass: the curvature pass (model in eval mode, the tracked subset).
+        engine: the curvature engine (model in eval mode, the tracked subset).
         out: the values so far, which it adds to.
         budget: what it may spend.
 
     Returns:
         The curvature products it took.
     """
-    config = SharpnessConfig(rhos=(0.05,), steps=10, params=cpass.scope.spec, seed=budget.seed)
-    out["adaptive_sharpness"] = sharpness(cpass.model, cpass.data, config).rows[0].sharpness
+    config = SharpnessConfig(rhos=(0.05,), steps=10, params=engine.scope.spec, seed=budget.seed)
+    out["adaptive_sharpness"] = sharpness(engine.model, engine.data, config).rows[0].sharpness
     return 0
 
 
@@ -200,7 +200,7 @@ _RECORDED = (track_eigen, track_trace, track_frobenius, track_gn_nme, track_shar
 
 
 def measure(
-    cpass,
+    engine,
     names: list[str],
     *,
     seed: int = 0,
@@ -209,7 +209,7 @@ def measure(
     eigen_max_matvecs: int | None = None,
 ) -> tuple[dict, int]:
     """``(values, products)``: the quantities ``names`` (:data:`TRACKABLE`) of the curvature
-    pass ``cpass`` (model already in eval mode) and the curvature products they took.
+    pass ``engine`` (model already in eval mode) and the curvature products they took.
 
     Keys: ``lambda_max`` (Lanczos, residual tol 1e-3, at most ``eigen_max_matvecs`` products,
     default ``min(P, 100)``), ``trace`` ([Hutch++]), ``frobenius_sq`` and ``ggn_trace``,
@@ -226,7 +226,7 @@ def measure(
     for track in _RECORDED:
         declared = declaration(track)
         if declared is not None and declared[1].name in names:
-            products += track(cpass, out, budget)
+            products += track(engine, out, budget)
     return out, products
 
 
@@ -247,12 +247,12 @@ def make_tracker(
         was_training = model.training
         model.eval()
         try:
-            cpass = CurvatureEngine(
+            engine = CurvatureEngine(
                 model,
                 AnalysisData(x, y, loss=loss, batch_size=batch_size),
                 ParamScope.resolve(model, None),
             )
-            return measure(cpass, names, seed=seed, tol=tol, max_matvecs=max_matvecs)[0]
+            return measure(engine, names, seed=seed, tol=tol, max_matvecs=max_matvecs)[0]
         finally:
             model.train(was_training)
 

@@ -20,8 +20,8 @@ from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.api_methods.products import CurvatureProducts
 from sharpcli.curvature import EigenResult, SpectralDensity, TraceResult, spectral_density
 from sharpcli.curvature.diagonal import DEFAULT_DIAGONAL_ESTIMATOR, DiagonalResult
-from sharpcli.curvature.estimators import DEFAULT_ESTIMATOR
-from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.trace.estimators import DEFAULT_ESTIMATOR
 from sharpcli.errors import UsageError
 
 
@@ -93,7 +93,7 @@ class CurvatureEstimates(CurvatureProducts):
                     self.blocks_of(blocks), operator=operator, top_k=top_k, **settings
                 )
             return eigen_result(
-                self.curvature_pass,
+                self.engine,
                 operator,
                 top_k=top_k,
                 return_eigenvectors=return_eigenvectors,
@@ -129,7 +129,7 @@ class CurvatureEstimates(CurvatureProducts):
                 ``"exact"`` (any operator: per-sample squared gradient norms for ``ggn``,
                 ``ef`` and ``fisher``; ``tr(H) - tr(G)`` for ``nme``; one product per
                 parameter for the Hessian, other operators and ``square``, refused above
-                :data:`~sharpcli.curvature.trace_exact.EXACT_MAX_PARAMS` parameters) or
+                :data:`~sharpcli.curvature.trace.exact.EXACT_MAX_PARAMS` parameters) or
                 ``"gn-split"`` (tr(H) as exact tr(G) plus an estimated tr(N)).
             square: Estimate ``Tr(A^2)`` instead of ``tr(A)``.
             tol: The relative standard error wanted.
@@ -158,7 +158,7 @@ class CurvatureEstimates(CurvatureProducts):
                 return trace_blocks(passes, operator=operator, seed=seed, summed=False, **settings)[
                     0
                 ]
-            return trace_result(self.curvature_pass, operator, seed=seed, **settings)
+            return trace_result(self.engine, operator, seed=seed, **settings)
 
     def diagonal(
         self,
@@ -196,7 +196,7 @@ class CurvatureEstimates(CurvatureProducts):
         self.refresh()
         with self._analysis_mode():
             return diagonal_result(
-                self.curvature_pass,
+                self.engine,
                 operator,
                 estimator=estimator,
                 probes=probes,
@@ -318,7 +318,7 @@ class CurvatureEstimates(CurvatureProducts):
         self.refresh()
         with self._analysis_mode():
             return gn_nme_result(
-                self.curvature_pass,
+                self.engine,
                 loss=self.loss,
                 num_outputs=self.num_outputs,
                 labels=self.data.y,

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from sharpcli.curvature import CurvatureOperator
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 
 
 @contextlib.contextmanager
 def analysis_mode(model: nn.Module) -> Iterator[nn.Module]:
     """The model as the ``sharp`` commands analyse it: eval mode, twice differentiable.
 
-    :func:`eval_mode` and :func:`~sharpcli.curvature.differentiable.twice_differentiable`
+    :func:`eval_mode` and :func:`~sharpcli.curvature.products.differentiable.twice_differentiable`
     (SDPA on its math kernel, the MHA fast path off, ...: the layers' double backward).
 
     Args:
@@ -90,7 +90,7 @@ class EvalModeOperator(CurvatureOperator):
         self.name = inner.name
         self.inner = inner
         self.mode = mode  # Curvature._analysis_mode
-        self.curvature_pass = getattr(inner, "curvature_pass", None)
+        self.engine = getattr(inner, "engine", None)
         self.scope = getattr(inner, "scope", None)
 
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:

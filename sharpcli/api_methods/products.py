@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from sharpcli.analyses.blocks import block_passes
+from sharpcli.analyses.blocks import block_engines
 from sharpcli.api_methods.modes import EvalModeOperator, analysis_mode
 from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import (
@@ -25,7 +25,7 @@ from sharpcli.curvature import (
     ParamScope,
     build_operator,
 )
-from sharpcli.curvature.registry import HESSIAN
+from sharpcli.curvature.operators.registry import HESSIAN
 from sharpcli.errors import UsageError
 from sharpcli.io.loss_readings import LossReading
 from sharpcli.losses import token_reduction
@@ -45,7 +45,7 @@ class CurvatureProducts:
     device: torch.device
     data: AnalysisData  # the sample indices 0..N-1 and the labels
     scope: ParamScope
-    curvature_pass: CurvatureEngine
+    engine: CurvatureEngine
     hvp: str  # "exact" or "finite-difference" (sharpcli.analyses.hvp)
     _view: nn.Module  # the model on the stored inputs: forward(index)
 
@@ -98,7 +98,7 @@ class CurvatureProducts:
         >>> torch.allclose(H @ v, G @ v + N @ v)     # H = G + N ([NME] eq. 2)
         True
         """
-        op = EvalModeOperator(build_operator(operator, self.curvature_pass), self._analysis_mode)
+        op = EvalModeOperator(build_operator(operator, self.engine), self._analysis_mode)
         self.refresh()
         return op
 
@@ -109,7 +109,7 @@ class CurvatureProducts:
         counter moves, but a fused optimizer step (``torch.optim.AdamW(fused=True)``, the
         Hugging Face Trainer's default) updates weights in place without moving it.
         """
-        self.curvature_pass.clear_cache()
+        self.engine.clear_cache()
 
     def blocks_of(
         self, blocks: str | Mapping[str, str]
@@ -135,7 +135,7 @@ class CurvatureProducts:
         """
         if self.hvp != EXACT_HVP:
             raise UsageError("per-block products need `hvp=exact`", source="blocks")
-        return block_passes(
+        return block_engines(
             self.scope.names,
             blocks,
             self.model,

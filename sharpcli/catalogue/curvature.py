@@ -24,14 +24,14 @@ __all__ = [
     "operator_table",
 ]
 
-# The parts of the split H = G + N ([NME] eq. 2), declared in sharpcli.curvature.registry: read
+# The parts of the split H = G + N ([NME] eq. 2), declared in sharpcli.curvature.operators.registry: read
 # from the index by their symbols, for the torch-free modules (reports, the CLI) that name them
 _SPLIT_BY_SYMBOL = {
     e.info["symbol"]: e.name for e in DECLARED.get("operator", ()) if e.info.get("split")
 }
 HESSIAN, GGN, NME = _SPLIT_BY_SYMBOL["H"], _SPLIT_BY_SYMBOL["G"], _SPLIT_BY_SYMBOL["N"]
 
-# ``--operator NAME`` (sharpcli.curvature.registry): the curvature operators, declared there.
+# ``--operator NAME`` (sharpcli.curvature.operators.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it
 # is a part of the split H = G + N (which cannot be unregistered).
 OPERATORS: Registry[Any] = Registry(
@@ -42,7 +42,7 @@ OPERATORS: Registry[Any] = Registry(
     protected_reason="it is part of the H = G + N split",
 )
 
-# ``sharp trace --estimator NAME`` (sharpcli.curvature.estimators, declared there), the
+# ``sharp trace --estimator NAME`` (sharpcli.curvature.trace.estimators, declared there), the
 # default first
 ESTIMATORS: Registry[Any] = Registry(
     "estimator", source="estimator", entries=DECLARED.get("estimator", ())

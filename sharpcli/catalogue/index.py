@@ -64,10 +64,10 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('per-sample', 'squared per-sample gradients: exact ggn (DiagGGN), ef or fisher diagonal', 'sharpcli.curvature.diagonal:per_sample_estimate', paper='BackPACK', info={'operator': 'ggn', 'accepts': ('ggn', 'ef', 'fisher')}),
     ),
     'estimator': (
-        Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True}),
-        Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace:hutchinson_trace', paper='Hutchinson1989'),
-        Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.ggn_trace:gn_split', paper='NME'),
-        Entry('exact', 'every operator exactly (small models)', 'sharpcli.curvature.trace_exact:exact_trace'),
+        Entry('hutchpp', 'top subspace exactly, Hutchinson on the rest', 'sharpcli.curvature.trace.hutchpp:hutchpp_trace', paper='Hutch++', info={'default': True, 'order': 1}),
+        Entry('hutchinson', 'Rademacher probes until the stderr meets tol', 'sharpcli.curvature.trace.hutchinson:hutchinson_trace', paper='Hutchinson1989', info={'order': 2}),
+        Entry('gn-split', 'tr(G) and tr(N) from shared probes, tr(H) their sum', 'sharpcli.curvature.trace.ggn:gn_split', paper='NME', info={'order': 3}),
+        Entry('exact', 'every operator exactly (small models)', 'sharpcli.curvature.trace.exact:exact_trace', info={'order': 4}),
     ),
     'loss': (
         Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),
@@ -96,11 +96,11 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('resnet', 'CIFAR ResNet of depth 6n+2, option-A shortcuts', 'sharpcli.models.zoo:CifarResNet', paper='He2016'),
     ),
     'operator': (
-        Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
-        Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),
-        Entry('nme', 'nonlinear modelling error H - G', 'sharpcli.curvature.registry:build_nme', paper='NME', info={'symbol': 'N', 'psd': False, 'split': True}),
-        Entry('ef', 'empirical Fisher, data labels', 'sharpcli.curvature.fisher:EmpiricalFisherOperator', paper='Kunstner2019', info={'symbol': 'F_emp', 'psd': True}),
-        Entry('fisher', 'Fisher, labels drawn from the model (mean: G)', 'sharpcli.curvature.fisher:FisherOperator', paper='Martens2020', info={'symbol': 'F', 'psd': True}),
+        Entry('hessian', 'Hessian of the loss', 'sharpcli.curvature.operators.registry:build_hessian', info={'symbol': 'H', 'psd': False, 'split': True, 'default': True}),
+        Entry('ggn', 'Gauss-Newton J^T H_z J', 'sharpcli.curvature.operators.registry:build_ggn', paper='Schraudolph2002', info={'symbol': 'G', 'psd': True, 'split': True}),
+        Entry('nme', 'nonlinear modelling error H - G', 'sharpcli.curvature.operators.registry:build_nme', paper='NME', info={'symbol': 'N', 'psd': False, 'split': True}),
+        Entry('ef', 'empirical Fisher, data labels', 'sharpcli.curvature.operators.fisher:EmpiricalFisherOperator', paper='Kunstner2019', info={'symbol': 'F_emp', 'psd': True}),
+        Entry('fisher', 'Fisher, labels drawn from the model (mean: G)', 'sharpcli.curvature.operators.fisher:FisherOperator', paper='Martens2020', info={'symbol': 'F', 'psd': True}),
     ),
     'regularizer': (
         Entry('none', 'plain loss', 'sharpcli.training.penalties.decay:NoRegularizer', info={'kind': 'none', 'needs_penultimate': False}),

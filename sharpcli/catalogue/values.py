@@ -63,20 +63,20 @@ DTYPES = ("float32", "float64")
 # torch device types offered by completion; any torch device string is accepted (cuda:1)
 DEVICES = ("cpu", "cuda", "mps")
 
-# curvature and spectra: sharpcli.curvature.lanczos, sharpcli.analyses.spectrum
+# curvature and spectra: sharpcli.curvature.eigen.lanczos, sharpcli.analyses.spectrum
 WHICH = ("largest", "smallest", "both")
 METHODS = ("lanczos", "power")
 ENGINES = ("native", "pyhessian")
-# SHARP_SCRATCH values that keep every Krylov basis in memory: sharpcli.curvature.krylov_plan
+# SHARP_SCRATCH values that keep every Krylov basis in memory: sharpcli.curvature.eigen.krylov
 SCRATCH_OFF = ("", "off", "memory", "none")
-# how a Hessian product is taken: sharpcli.curvature.finite_difference
+# how a Hessian product is taken: sharpcli.curvature.products.finite_difference
 HVP_METHODS = ("exact", "finite-difference")
 EXACT_HVP, FINITE_DIFFERENCE = HVP_METHODS
 # the estimators of tr(G) that `sharp gn-nme` checks the split's against:
 # sharpcli.analyses.spectrum.ggn_check_plan
 GGN_ESTIMATORS = ("auto", "exact", "sampled", "hutchinson")
 GGN_AUTO, GGN_EXACT, GGN_SAMPLED, GGN_HUTCHINSON = GGN_ESTIMATORS
-# what a probe pass estimates of an operator A (sharpcli.curvature.probes, split): its trace
+# what a probe pass estimates of an operator A (sharpcli.curvature.trace.probes, split): its trace
 # tr(A), or Tr(A^2) = ||A||_F^2 (``trace --square``); each is also the key of reports that hold it
 QUANTITIES = ("trace", "frobenius_sq")
 TRACE_KEY, FROBENIUS_SQ_KEY = QUANTITIES

@@ -74,7 +74,7 @@ def analyze_command(
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
     from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
     from sharpcli.analyses.sharpness import SHARPNESS
-    from sharpcli.curvature.registry import SPLIT
+    from sharpcli.curvature.operators.registry import SPLIT
     from sharpcli.report.gate import parse_gate
 
     chosen = parse_metrics(metrics)

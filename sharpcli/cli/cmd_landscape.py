@@ -165,7 +165,7 @@ def landscape_command(
 
 def _names(session, params: str | None) -> list[str]:
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.curvature.scope import ParamScope
+    from sharpcli.curvature.products.scope import ParamScope
 
     return ParamScope.resolve(session.model, params).names
 

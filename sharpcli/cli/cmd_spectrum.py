@@ -183,11 +183,11 @@ def eigen_command(
         )
         if blocks is not None:
             # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-            from sharpcli.analyses.blocks import eigen_blocks, session_block_passes
+            from sharpcli.analyses.blocks import eigen_blocks, session_block_engines
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"] = eigen_blocks(
-                session_block_passes(session, params, blocks),
+                session_block_engines(session, params, blocks),
                 operator=operator,
                 top_k=top_k,
                 which=which,
@@ -301,11 +301,11 @@ def trace_command(
         )
         if blocks is not None:
             # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-            from sharpcli.analyses.blocks import session_block_passes, trace_blocks
+            from sharpcli.analyses.blocks import session_block_engines, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
             results["blocks"], results["blocks_sum"] = trace_blocks(
-                session_block_passes(session, params, blocks),
+                session_block_engines(session, params, blocks),
                 operator=operator,
                 estimator=estimator,
                 tol=tol,
@@ -433,7 +433,7 @@ def gn_nme_command(
 
     def render(console):
         # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-        from sharpcli.curvature.registry import OPERATORS, SPLIT
+        from sharpcli.curvature.operators.registry import OPERATORS, SPLIT
 
         rows = [
             {
@@ -527,11 +527,11 @@ def density_command(
         )
         if blocks is not None:
             # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-            from sharpcli.analyses.blocks import density_blocks, session_block_passes
+            from sharpcli.analyses.blocks import density_blocks, session_block_engines
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 
             results["blocks"] = density_blocks(
-                session_block_passes(session, params, blocks),
+                session_block_engines(session, params, blocks),
                 operator=operator,
                 probes=probes,
                 steps=steps,

@@ -94,7 +94,7 @@ def run_command(
     A command that runs models (``uses_models``) runs on ``threads`` CPU threads
     (:func:`use_threads`) with forward passes that can be differentiated twice (attention,
     weight normalisation, embedding bags, reentrant checkpoints:
-    :func:`sharpcli.curvature.differentiable.twice_differentiable`). ``debug`` (the command's
+    :func:`sharpcli.curvature.products.differentiable.twice_differentiable`). ``debug`` (the command's
     own ``--debug``) shows tracebacks as ``sharp --debug`` does. ``aliases`` maps an option the
     library names (model arguments are ``--arch-args``) to the option of this command that set
     the value (``train``: ``--model-args``), so an error never names an option the command lacks.
@@ -143,7 +143,7 @@ def _run_body(
             # torch, the curvature engine and the session's library (checkpoints, data,
             # models) are imported here, before the computation's clock starts: start-up
             import sharpcli.session  # noqa: F401
-            from sharpcli.curvature.differentiable import twice_differentiable
+            from sharpcli.curvature.products.differentiable import twice_differentiable
 
             stack.enter_context(twice_differentiable())
         compute_start = time.perf_counter()

@@ -1,28 +1,21 @@
-"""Curvature engine: the analysis set, parameter scopes, matrix-free H/G/N products (the
-operators by name: :mod:`sharpcli.curvature.registry`) and the estimators built on them
-(Lanczos, power iteration, Hutchinson/Hutch++ traces, Gauss-Newton traces, stochastic Lanczos
-quadrature) plus the PyHessian parity engine.
+"""Curvature: matrix-free H/G/N products and the estimators built on them, by algorithm.
+
+``products/`` (the analysis set, the parameter scope, the engine and its graphs),
+``operators/`` (the operators by ``--operator`` name), ``eigen/`` (Lanczos, power iteration),
+``trace/`` (Hutchinson, Hutch++, the Gauss-Newton split, exact traces), ``diagonal`` and
+``density`` (stochastic Lanczos quadrature).
 
 Methods, by paper key: the H = G + N split [NME] eq. 2, Gauss-Newton products
 [Schraudolph2002], Lanczos [Lanczos1950] with full reorthogonalisation [Parlett1998], traces by
 [Hutchinson1989] and [Hutch++], per-sample gradient norms [Goodfellow2015] [Rochette2019],
-spectral density [Ubaru2017] [Ghorbani2019], parity with [PyHessian]. The commands that use
+spectral density [Ubaru2017] [Ghorbani2019]. The commands that use
 them: ``sharp eigen``, ``trace``, ``gn-nme`` and ``density``."""
 
-from sharpcli.curvature.data import (
-    AnalysisData,
-    all_reduce_sum,
-    determinism_check,
-    distributed_rank_and_world,
-    prepare_model_for_analysis,
-    train_mode_modules,
-)
 from sharpcli.curvature.density import SpectralDensity, spectral_density
-from sharpcli.curvature.engine import CurvatureEngine
-from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
-from sharpcli.curvature.hutchpp import hutchpp as hutchpp
-from sharpcli.curvature.lanczos import lanczos
-from sharpcli.curvature.operators import (
+from sharpcli.curvature.eigen.lanczos import lanczos
+from sharpcli.curvature.eigen.power import power_iteration
+from sharpcli.curvature.eigen.ritz import EigenResult, lanczos_tridiagonal, ritz_residuals
+from sharpcli.curvature.operators.hessian import (
     DEFAULT_CACHE_BYTES,
     CurvatureOperator,
     GGNOperator,
@@ -32,26 +25,29 @@ from sharpcli.curvature.operators import (
     NMEOperator,
     joint_matmat,
 )
-from sharpcli.curvature.power import power_iteration
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.pyhessian_engine import (
-    pyhessian_density,
-    pyhessian_eigenvalues,
-    pyhessian_trace,
-)
-from sharpcli.curvature.registry import (
+from sharpcli.curvature.operators.registry import (
     OPERATORS,
     OperatorSpec,
     build_operator,
     register_operator,
     unregister_operator,
 )
-from sharpcli.curvature.ritz import EigenResult, ritz_residuals
-from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace import frobenius_sq
-from sharpcli.curvature.trace import hutchinson as hutchinson
-from sharpcli.curvature.tridiagonal import lanczos_tridiagonal
+from sharpcli.curvature.products.data import (
+    AnalysisData,
+    all_reduce_sum,
+    determinism_check,
+    distributed_rank_and_world,
+    prepare_model_for_analysis,
+    train_mode_modules,
+)
+from sharpcli.curvature.products.engine import CurvatureEngine
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.ggn import exact_ggn_trace, gn_split_trace
+from sharpcli.curvature.trace.hutchinson import frobenius_sq
+from sharpcli.curvature.trace.hutchinson import hutchinson as hutchinson
+from sharpcli.curvature.trace.hutchpp import hutchpp as hutchpp
+from sharpcli.curvature.trace.probes import TraceResult
+from sharpcli.curvature.trace.sampled_ggn import sampled_label_ggn_trace
 
 # and hutchinson and hutchpp, re-exported above (``x as x``): functions named like the trace
 # estimators they implement, whose names are spelled only where they are declared
@@ -83,9 +79,6 @@ __all__ = [
     "lanczos_tridiagonal",
     "power_iteration",
     "prepare_model_for_analysis",
-    "pyhessian_density",
-    "pyhessian_eigenvalues",
-    "pyhessian_trace",
     "register_operator",
     "ritz_residuals",
     "sampled_label_ggn_trace",

@@ -11,7 +11,7 @@ of width ``sigma`` gives the plotted density
 which integrates to 1. The same quadrature gives a trace estimate ``P * mean_v sum_j tau_j theta_j``.
 
 The probe, the Lanczos basis and the tridiagonal ``T_m`` are float64 whatever the operator's
-dtype (only the products run in it; :mod:`sharpcli.curvature.tridiagonal`), so a float32 model's
+dtype (only the products run in it; :mod:`sharpcli.curvature.eigen.ritz`), so a float32 model's
 nodes and weights carry the products' rounding only. The basis costs ``8 P m`` bytes.
 """
 
@@ -25,8 +25,8 @@ import torch
 
 from sharpcli import progress
 from sharpcli.catalogue.values import DENSITY_KEY
-from sharpcli.curvature.scope import rademacher_like
-from sharpcli.curvature.tridiagonal import lanczos_tridiagonal, tridiagonal_eigh
+from sharpcli.curvature.eigen.ritz import lanczos_tridiagonal, tridiagonal_eigh
+from sharpcli.curvature.products.scope import rademacher_like
 from sharpcli.errors import UsageError
 
 __all__ = ["SpectralDensity", "broadened_density", "spectral_density"]

@@ -18,7 +18,7 @@ Four estimators of :math:`\mathrm{diag}(A)` for a P x P curvature matrix of the 
   :math:`\mathrm{diag}(G)` in expectation (unbiased whatever the batch size, whose choice
   changes only the variance). Labels are drawn as the sampled-label trace draws them (keyed by
   each sample's global index); a per-token loss's positions are weighted by :math:`\sqrt{w_t}`
-  (:func:`~sharpcli.curvature.fisher.fisher_residuals`).
+  (:func:`~sharpcli.curvature.operators.fisher.fisher_residuals`).
 - :func:`per_sample_diagonal`: exact :math:`\mathrm{diag}(G) = \frac1N \sum_i \sum_c
   (J_i^\top s_{ic})^{\odot 2}` from the loss's factor :math:`H_z = \sum_c s_c s_c^\top`
   (BackPACK's DiagGGN, [BackPACK]), C per-sample backward passes; the empirical Fisher's
@@ -42,15 +42,24 @@ import torch
 from torch import nn
 
 from sharpcli import progress
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.fisher import EMPIRICAL_FISHER, FISHER, FisherOperator, fisher_residuals
-from sharpcli.curvature.ggn_trace import CHUNK_BYTES, functional_logits, vmapped_or_looped
-from sharpcli.curvature.probes import mean_stderr, segment_sums
-from sharpcli.curvature.registry import GGN, HESSIAN, OperatorRequest
-from sharpcli.curvature.sampled_ggn import _per_sample_draws
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace_exact import EXACT_MAX_PARAMS
+from sharpcli.curvature.operators.fisher import (
+    EMPIRICAL_FISHER,
+    FISHER,
+    FisherOperator,
+    fisher_residuals,
+)
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, OperatorRequest
+from sharpcli.curvature.products.data import (
+    AnalysisData,
+    all_reduce_sum,
+    per_sample_draws,
+    to_model_batch,
+)
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.exact import EXACT_MAX_PARAMS
+from sharpcli.curvature.trace.ggn import CHUNK_BYTES, functional_logits, vmapped_or_looped
+from sharpcli.curvature.trace.probes import mean_stderr, segment_sums
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare
@@ -287,7 +296,7 @@ def gnb_diagonal(
             z = model(x_b)
             tail = tuple(loss.label_noise_shape(z)[1:])
             assert loss.sampler is not None
-            noise = _per_sample_draws(seed, first, first + z.shape[0], S, loss.sampler.noise, tail)
+            noise = per_sample_draws(seed, first, first + z.shape[0], S, loss.sampler.noise, tail)
             for s in range(S):
                 labels = loss.labels_from_noise(z, noise[s], y_b)
                 r = fisher_residuals(data.loss, z, labels, y_b)
@@ -327,7 +336,7 @@ def per_sample_diagonal(
     with :math:`H_{z,i} = \sum_c s_{ic} s_{ic}^\top` the loss's factor and :math:`r_i` the
     per-sample loss's output gradient; for the sampled-label Fisher ``fisher`` the directions
     are :math:`\hat r_{is} / \sqrt S`, the output gradients at its S label draws per sample
-    (:meth:`~sharpcli.curvature.fisher.FisherOperator.labels`), so the diagonal is that of the
+    (:meth:`~sharpcli.curvature.operators.fisher.FisherOperator.labels`), so the diagonal is that of the
     matrix whose products the operator takes. Each :math:`J_i^\top s` is a per-sample gradient
     (``vmap(grad)``, per sample when vmap fails).
 
@@ -444,7 +453,7 @@ def hutchinson_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The estimate with its standard errors.
     """
-    scope = request.curvature_pass.scope
+    scope = request.engine.scope
     return hutchinson_diagonal(request.build(), scope, probes=request.probes, seed=request.seed)
 
 
@@ -486,9 +495,9 @@ def gnb_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The estimate with its standard errors.
     """
-    cpass = request.curvature_pass
+    engine = request.engine
     return gnb_diagonal(
-        cpass.model, cpass.data, cpass.scope, samples=request.probes, seed=request.seed
+        engine.model, engine.data, engine.scope, samples=request.probes, seed=request.seed
     )
 
 
@@ -509,7 +518,7 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
     Returns:
         The exact diagonal.
     """
-    cpass, r = request.curvature_pass, request
+    engine, r = request.engine, request
     fisher = None
     if r.operator == FISHER:
         op = r.build()
@@ -521,9 +530,9 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
             )
         fisher = op
     return per_sample_diagonal(
-        cpass.model,
-        cpass.data,
-        cpass.scope,
+        engine.model,
+        engine.data,
+        engine.scope,
         operator=r.operator,
         max_products=r.max_products,
         fisher=fisher,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.curvature.data import all_reduce_sum
+from sharpcli.curvature.products.data import all_reduce_sum
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import UsageError
 from sharpcli.training.penalties.base import family_of
@@ -121,7 +121,7 @@ def data_parallel_step(
     """One training step on this rank's rows of the global batch, gradients averaged over ranks.
 
     Rank ``r`` of ``W`` takes rows ``[floor(r B / W), floor((r+1) B / W))`` (``B_r`` of them) and
-    runs :func:`training_step`; then ONE all-reduce (``sharpcli.curvature.data.all_reduce_sum``)
+    runs :func:`training_step`; then ONE all-reduce (``sharpcli.curvature.products.data.all_reduce_sum``)
     sums ``(B_r / B) grad_r`` (left in ``.grad``), ``(B_r / B)`` times each floating buffer
     (BatchNorm running statistics), and the step statistics (loss, objective and penalties
     weighted by ``B_r``; correct, predictions counted and count summed). A rank with no rows

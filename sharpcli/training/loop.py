@@ -28,7 +28,7 @@ from torch import nn
 from sharpcli import memory, progress
 from sharpcli.atomic import publication
 from sharpcli.catalogue.values import TEST, TRAIN
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import NumericalError, SharpError, UsageError
 from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string, save_checkpoint

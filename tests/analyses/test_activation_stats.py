@@ -10,7 +10,7 @@ from torch.func import jacrev
 
 from sharpcli.analyses.activations import activation_stats
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model
 from sharpcli.report.envelope import validate_report

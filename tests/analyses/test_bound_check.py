@@ -17,8 +17,8 @@ from sharpcli.analyses.noise_stability import noise_stability_check
 from sharpcli.analyses.perturbation import AveragedOperator, standard_normal_directions
 from sharpcli.analyses.theorem2 import smoothed_cross_entropy, theorem2_check
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model
@@ -165,7 +165,7 @@ def test_smoothed_estimate_tends_to_plain_lambda_max_as_sigma_vanishes():
 def test_bootstrap_ritz_values_reproduce_the_average():
     a = torch.diag(torch.tensor([3.0, 1.0, -0.5], dtype=torch.float64))
     b = torch.diag(torch.tensor([1.0, 2.0, -4.0], dtype=torch.float64))
-    from sharpcli.curvature.operators import MatrixOperator
+    from sharpcli.curvature.operators.hessian import MatrixOperator
 
     avg = AveragedOperator([MatrixOperator(a), MatrixOperator(b)])
     for v in torch.eye(3, dtype=torch.float64):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharpcli.analyses.flatness import fisher_rao_norm, pac_bayes_sigma
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 
 
 def _net() -> nn.Module:

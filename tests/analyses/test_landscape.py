@@ -16,7 +16,7 @@ from sharpcli.analyses.landscape_directions import (
     load_directions,
     save_directions,
 )
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.errors import InputError, UsageError
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from sharpcli.analyses.rescale_plan import apply_rescale, plan_rescale
 from sharpcli.analyses.sharpness import SharpnessConfig, apgd_checkpoints, sharpness
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.errors import UsageError
 
 

@@ -19,14 +19,14 @@ from torch import nn
 
 from sharpcli.analyses.noise_stability import noise_stability_check
 from sharpcli.analyses.theorem2 import theorem2_check
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.ggn_trace import exact_ggn_trace, gn_split_trace
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
-from sharpcli.curvature.sampled_ggn import sampled_label_ggn_trace
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.split import gn_nme_split
-from sharpcli.curvature.trace import frobenius_sq, hutchinson
+from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.ggn import exact_ggn_trace, gn_split_trace
+from sharpcli.curvature.trace.hutchinson import frobenius_sq, hutchinson
+from sharpcli.curvature.trace.hutchpp import hutchpp
+from sharpcli.curvature.trace.sampled_ggn import sampled_label_ggn_trace
+from sharpcli.curvature.trace.split import gn_nme_split
 
 SEEDS = range(32)
 
@@ -75,8 +75,8 @@ def test_hutchinson_and_square_stderrs(tiny):
 def test_gn_nme_split_stderrs(tiny):
     """Traces and Tr(A^2) of H, G and N from shared probes, each against its dense value."""
     model, data, scope, H, G = tiny
-    cpass = CurvatureEngine(model, data, scope)
-    runs = [gn_nme_split(cpass, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+    engine = CurvatureEngine(model, data, scope)
+    runs = [gn_nme_split(engine, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
     N = H - G
     for name, A in (("hessian", H), ("ggn", G), ("nme", N)):
         for quantity, truth in (("trace", torch.trace(A)), ("frobenius_sq", (A * A).sum())):
@@ -150,8 +150,8 @@ def test_hutchpp_exact_part_plus_residual_stderr(tiny):
     assert all(r.sketch_size == 24 and r.samples >= 20 for r in runs)
     truth = float(torch.trace(H))
     _z_scores_calibrated([r.estimate for r in runs], [r.stderr for r in runs], truth)
-    cpass = CurvatureEngine(model, data, scope)
-    split = [gn_split_trace(cpass, tol=0.05, seed=seed) for seed in range(16)]
+    engine = CurvatureEngine(model, data, scope)
+    split = [gn_split_trace(engine, tol=0.05, seed=seed) for seed in range(16)]
     _z_scores_calibrated([r.estimate for r in split], [r.stderr for r in split], truth)
 
 
@@ -203,9 +203,9 @@ def test_gn_nme_split_stderrs_when_the_tolerance_sizes_the_sample(tiny):
     """gn-nme's joint estimates sized by a pilot for the slower of tr(H) and tr(G): the
     reported standard errors are fixed-n ones, calibrated over seeds, and mostly reach tol."""
     model, data, scope, H, G = tiny
-    cpass = CurvatureEngine(model, data, scope)
+    engine = CurvatureEngine(model, data, scope)
     tol = 0.1
-    runs = [gn_nme_split(cpass, tol=tol, seed=seed) for seed in range(24)]
+    runs = [gn_nme_split(engine, tol=tol, seed=seed) for seed in range(24)]
     assert all(r.matvecs < 1000 and r.samples <= r.matvecs - 10 for r in runs)
     for name, A in (("hessian", H), ("ggn", G)):
         values = [r.values[name]["trace"] for r in runs]
@@ -302,20 +302,20 @@ def test_gn_nme_estimates_on_a_tied_module(tied_module):
     model, data, scope, H = tied_module
     params = list(model.parameters())
     G = cross_entropy_ggn(model, params, data.x)
-    cpass = CurvatureEngine(model, data, scope)
+    engine = CurvatureEngine(model, data, scope)
     exact = exact_ggn_trace(model, data, scope)
     assert exact.estimate == pytest.approx(float(G.trace()), rel=1e-12)
     for layer, block in scope.blocks().items():
         assert exact.by_layer[layer]["estimate"] == pytest.approx(
             float(G[block, block].trace()), rel=1e-12
         )
-    runs = [gn_nme_split(cpass, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
+    runs = [gn_nme_split(engine, tol=1e-9, max_matvecs=32, seed=seed) for seed in SEEDS]
     for name, A in (("hessian", H), ("ggn", G), ("nme", H - G)):
         values = [r.values[name]["trace"] for r in runs]
         _z_scores_calibrated(
             [v["estimate"] for v in values], [v["stderr"] for v in values], float(A.trace())
         )
-    split = [gn_split_trace(cpass, tol=0.05, max_matvecs=100, seed=seed) for seed in SEEDS]
+    split = [gn_split_trace(engine, tol=0.05, max_matvecs=100, seed=seed) for seed in SEEDS]
     _z_scores_calibrated(
         [r.estimate for r in split], [r.stderr for r in split], float(torch.trace(H))
     )

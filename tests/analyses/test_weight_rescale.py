@@ -13,7 +13,7 @@ from torch.func import functional_call, hessian
 from sharpcli.analyses.rescale import weight_rescale
 from sharpcli.analyses.rescale_plan import apply_rescale, plan_rescale
 from sharpcli.cli import cmd_diagnostics  # noqa: F401  (registers the commands)
-from sharpcli.curvature.data import AnalysisData
+from sharpcli.curvature.products.data import AnalysisData
 from sharpcli.errors import UsageError
 from sharpcli.io.checkpoints import save_checkpoint
 from sharpcli.models.zoo import build_model

@@ -170,7 +170,7 @@ _REQUIRED = {"sweep": ("--reg", "wd", "--grid", "sigma=0.1")}
 def test_the_library_reads_the_catalogue_s_sets():
     """The library modules that accept these values hold the catalogue's tuples, not copies."""
     from sharpcli.analyses import analyze, bounds, rescale, spectrum, tracking
-    from sharpcli.curvature.lanczos import WHICH
+    from sharpcli.curvature.eigen.lanczos import WHICH
     from sharpcli.io import datasets_common
     from sharpcli.losses import TOKEN_REDUCTIONS
     from sharpcli.models.zoo import MODEL_NAMES

@@ -30,7 +30,7 @@ def _tiny_model():
 
 
 def _identity_operator():
-    from sharpcli.curvature.operators import MatrixOperator
+    from sharpcli.curvature.operators.hessian import MatrixOperator
 
     return MatrixOperator(torch.eye(4, dtype=torch.float64))
 
@@ -65,7 +65,7 @@ def test_density_and_trace_name_their_parameters():
 
 def _curvature_errors():
     from sharpcli.curvature import ParamScope, power_iteration, spectral_density
-    from sharpcli.curvature.registry import operator_spec
+    from sharpcli.curvature.operators.registry import operator_spec
 
     return [
         lambda: power_iteration(_identity_operator(), top_k=0),
@@ -198,10 +198,10 @@ FLAGS_ALLOWED = {
     ("sharpcli/distributed.py", "--device="),
     # report notes (results.scope.notes in the JSON report), not errors
     (
-        "sharpcli/curvature/scope.py",
+        "sharpcli/curvature/products/scope.py",
         " values, requires_grad=False in the model) because --params ",
     ),
-    ("sharpcli/curvature/scope.py", "; name them with --params to include them"),
+    ("sharpcli/curvature/products/scope.py", "; name them with --params to include them"),
 }
 
 

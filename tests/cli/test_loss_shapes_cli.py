@@ -160,7 +160,7 @@ def test_k_dim_cross_entropy_by_chunks_of_rows(tmp_path, capsys, monkeypatch):
     """The cross-entropy's gradient and Hessian by chunks of one row (the automatic chunk
     lowered to 24 bytes, one row of 3 float64 logits): the dense references' eigenvalues, the
     unchunked run's to 1e-10, and the run's memory choices say so."""
-    from sharpcli.curvature import softmax_chunks
+    from sharpcli.curvature.products import softmax_chunks
 
     model, weights = _factory(tmp_path, monkeypatch, (3, 4), "kdim_chunks")
     gen = torch.Generator().manual_seed(2)

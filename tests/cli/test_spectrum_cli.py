@@ -259,8 +259,8 @@ def test_analyze_keeps_what_its_estimators_note(tiny, capsys):
 def test_an_added_estimator_is_reached_by_trace_estimator(tiny, capsys):
     """`--estimator NAME` dispatches through the catalogue's registry: an estimator declared and
     added in this process runs, and `--help` lists it, like a built-in."""
-    from sharpcli.curvature.estimators import ESTIMATORS
-    from sharpcli.curvature.probes import TraceResult
+    from sharpcli.curvature.trace.estimators import ESTIMATORS
+    from sharpcli.curvature.trace.probes import TraceResult
     from sharpcli.registry import declare
 
     @declare("estimator", "dense-diagonal", "sum of A e_i . e_i over every basis vector")

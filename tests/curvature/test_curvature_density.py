@@ -14,7 +14,7 @@ from sharpcli.curvature import (
     ParamScope,
     spectral_density,
 )
-from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.products.scope import rademacher_like
 from sharpcli.errors import UsageError
 from sharpcli.report.plots import PIXELS, plot_density, png_size
 

@@ -42,15 +42,15 @@ def _z_scores(result, truth: torch.Tensor) -> torch.Tensor:
 
 
 def test_exact_diagonal_equals_the_double_backward_hessians():
-    model, x, y, cpass = _pass()
+    model, x, y, engine = _pass()
     H = double_backward_hessian(model, list(model.parameters()), x, y)
-    _, result = diagonal_result(cpass, "hessian", estimator="exact", max_products=1000)
+    _, result = diagonal_result(engine, "hessian", estimator="exact", max_products=1000)
     assert torch.allclose(result.diagonal, torch.diagonal(H), atol=1e-12, rtol=0)
     assert result.matvecs == H.shape[0] and result.stderr is None
     # each parameter's sum is its block's trace, the total the full trace
-    blocks, total = block_summary(result, cpass.scope)
+    blocks, total = block_summary(result, engine.scope)
     assert total["sum"] == pytest.approx(float(H.trace()), abs=1e-12)
-    offsets = cpass.scope.offsets
+    offsets = engine.scope.offsets
     for b, a, z in zip(blocks, offsets[:-1], offsets[1:]):
         block = torch.diagonal(H)[a:z]
         assert b["sum"] == pytest.approx(float(block.sum()), abs=1e-12)
@@ -61,34 +61,34 @@ def test_exact_diagonal_equals_the_double_backward_hessians():
 
 @pytest.mark.parametrize("operator", ["ggn", "nme", "ef"])
 def test_exact_diagonal_of_the_other_operators(operator):
-    model, x, y, cpass = _pass()
+    model, x, y, engine = _pass()
     dense = {
-        "ggn": lambda: cpass.ggn().to_dense(),
+        "ggn": lambda: engine.ggn().to_dense(),
         "nme": lambda: (
-            double_backward_hessian(model, list(model.parameters()), x, y) - cpass.ggn().to_dense()
+            double_backward_hessian(model, list(model.parameters()), x, y) - engine.ggn().to_dense()
         ),
         "ef": lambda: _dense_ef(model, x, y, "cross-entropy"),
     }[operator]()
-    _, result = diagonal_result(cpass, operator, estimator="exact", max_products=1000)
+    _, result = diagonal_result(engine, operator, estimator="exact", max_products=1000)
     assert torch.allclose(result.diagonal, torch.diagonal(dense), atol=1e-12, rtol=0)
 
 
 def test_exact_diagonal_is_refused_beyond_its_budget_naming_the_cost():
-    _, _, _, cpass = _pass()
+    _, _, _, engine = _pass()
     with pytest.raises(UsageError, match="needs 93 products") as info:
-        diagonal_result(cpass, "hessian", estimator="exact", max_products=92)
+        diagonal_result(engine, "hessian", estimator="exact", max_products=92)
     assert info.value.source == "max_products"
 
 
 def test_hutchinson_diagonal_is_within_its_standard_errors():
     """z-scores of the 93 entries: mean near 0, spread near 1 (the errors are calibrated)."""
-    model, x, y, cpass = _pass()
+    model, x, y, engine = _pass()
     H = double_backward_hessian(model, list(model.parameters()), x, y)
-    _, result = diagonal_result(cpass, "hessian", estimator="hutchinson", probes=400, seed=3)
+    _, result = diagonal_result(engine, "hessian", estimator="hutchinson", probes=400, seed=3)
     z = _z_scores(result, torch.diagonal(H))
     assert abs(float(z.mean())) < 0.35 and 0.7 < float(z.std()) < 1.3, (z.mean(), z.std())
     # the stderr of each parameter's sum and of the total are those of Hutchinson traces
-    blocks, total = block_summary(result, cpass.scope)
+    blocks, total = block_summary(result, engine.scope)
     assert abs(total["sum"] - float(H.trace())) < 4 * total["sum_stderr"]
     assert all(b["sum_stderr"] > 0 for b in blocks)
     assert result.samples == 400 and result.matvecs == 400
@@ -96,19 +96,19 @@ def test_hutchinson_diagonal_is_within_its_standard_errors():
 
 @pytest.mark.parametrize("loss", ["cross-entropy", "mse"])
 def test_per_sample_diagonal_is_the_exact_gauss_newton_diagonal(loss):
-    _, _, _, cpass = _pass(loss)
-    _, result = diagonal_result(cpass, estimator="per-sample")
-    G = cpass.ggn().to_dense()
+    _, _, _, engine = _pass(loss)
+    _, result = diagonal_result(engine, estimator="per-sample")
+    G = engine.ggn().to_dense()
     assert torch.allclose(result.diagonal, torch.diagonal(G), atol=1e-12, rtol=0)
 
 
 def test_per_sample_diagonal_of_the_empirical_fisher():
-    model, x, y, cpass = _pass()
-    _, result = diagonal_result(cpass, "ef", estimator="per-sample")
+    model, x, y, engine = _pass()
+    _, result = diagonal_result(engine, "ef", estimator="per-sample")
     F = _dense_ef(model, x, y, "cross-entropy")
     assert torch.allclose(result.diagonal, torch.diagonal(F), atol=1e-12, rtol=0)
     with pytest.raises(UsageError, match="needs 3 backward passes per sample") as info:
-        diagonal_result(cpass, "ggn", estimator="per-sample", max_products=2)
+        diagonal_result(engine, "ggn", estimator="per-sample", max_products=2)
     assert info.value.source == "max_products"
 
 
@@ -117,14 +117,14 @@ def test_gnb_estimates_the_gauss_newton_diagonal_within_its_standard_errors(loss
     """Sophia's B g^2 at sampled labels, batches of 4 (so the cross terms between a batch's
     samples must cancel in the mean): the mean of 1500 draws within its per-entry stderr of
     diag(G), and the empirical Fisher's diagonal is not what it estimates."""
-    model, x, y, cpass = _pass(loss, batch_size=4, n=12)
-    G = torch.diagonal(cpass.ggn().to_dense())
-    _, result = diagonal_result(cpass, estimator="gnb", probes=1500, seed=1)
+    model, x, y, engine = _pass(loss, batch_size=4, n=12)
+    G = torch.diagonal(engine.ggn().to_dense())
+    _, result = diagonal_result(engine, estimator="gnb", probes=1500, seed=1)
     # the entries share the draws, so their z-scores are correlated: their spread, not their
     # mean, checks the per-entry errors; the total's z-score checks the mean
     z = _z_scores(result, G)
     assert 0.6 < float(z.std()) < 1.4, z.std()
-    _, total = block_summary(result, cpass.scope)
+    _, total = block_summary(result, engine.scope)
     assert abs(total["sum"] - float(G.sum())) < 4 * total["sum_stderr"]
     assert float((result.diagonal - G).abs().max()) < 0.15 * float(G.abs().max())
     if loss == "cross-entropy":
@@ -133,18 +133,18 @@ def test_gnb_estimates_the_gauss_newton_diagonal_within_its_standard_errors(loss
 
 
 def test_estimators_refuse_operators_they_do_not_compute_and_bad_probes():
-    _, _, _, cpass = _pass()
+    _, _, _, engine = _pass()
     with pytest.raises(UsageError, match="`operator=ggn`") as info:
-        diagonal_result(cpass, "hessian", estimator="gnb")
+        diagonal_result(engine, "hessian", estimator="gnb")
     assert info.value.source == "operator"
     with pytest.raises(UsageError) as info:
-        diagonal_result(cpass, "nme", estimator="per-sample")
+        diagonal_result(engine, "nme", estimator="per-sample")
     assert info.value.source == "operator"
     with pytest.raises(UsageError) as info:
-        diagonal_result(cpass, estimator="hutchinson", probes=1)
+        diagonal_result(engine, estimator="hutchinson", probes=1)
     assert info.value.source == "probes"
     with pytest.raises(UsageError, match="accepted") as info:
-        diagonal_result(cpass, estimator="bartlett")
+        diagonal_result(engine, estimator="bartlett")
     assert info.value.source == "estimator"
 
 
@@ -176,15 +176,15 @@ def test_a_declared_diagonal_estimator_is_dispatched_through_the_registry():
         found = exact_diagonal(request.build(), max_products=request.max_products)
         return DiagonalResult(found.diagonal, None, None, "dense-ggn")
 
-    model, x, y, cpass = _pass()
+    model, x, y, engine = _pass()
     DIAGONAL_ESTIMATORS.add(dense_ggn)
     try:
-        operator, result = diagonal_result(cpass, estimator="dense-ggn", max_products=1000)
-        _, exact = diagonal_result(cpass, "ggn", estimator="exact", max_products=1000)
+        operator, result = diagonal_result(engine, estimator="dense-ggn", max_products=1000)
+        _, exact = diagonal_result(engine, "ggn", estimator="exact", max_products=1000)
         assert operator == "ggn" and result.estimator == "dense-ggn"
         assert torch.equal(result.diagonal, exact.diagonal)
-        assert result.scope is cpass.scope
+        assert result.scope is engine.scope
     finally:
         DIAGONAL_ESTIMATORS.unregister("dense-ggn")
     with pytest.raises(UsageError, match="accepted: hutchinson, exact, gnb, per-sample"):
-        diagonal_result(cpass, estimator="dense-ggn")
+        diagonal_result(engine, estimator="dense-ggn")

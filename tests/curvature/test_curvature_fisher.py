@@ -1,4 +1,4 @@
-"""The Fisher operators (sharpcli/curvature/fisher.py) against dense float64 references.
+"""The Fisher operators (sharpcli/curvature/operators/fisher.py) against dense float64 references.
 
 EF: ``(1/N) sum_i g_i g_i^T`` from per-sample gradients of the per-sample loss (one backward
 pass per sample). Fisher: the same at the operator's drawn labels, and its expectation over
@@ -16,8 +16,12 @@ from torch import nn
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
-from sharpcli.curvature.fisher import EmpiricalFisherOperator, FisherOperator, fisher_residuals
-from sharpcli.curvature.registry import OPERATORS
+from sharpcli.curvature.operators.fisher import (
+    EmpiricalFisherOperator,
+    FisherOperator,
+    fisher_residuals,
+)
+from sharpcli.curvature.operators.registry import OPERATORS
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_reduction
 
@@ -76,10 +80,10 @@ def test_empirical_fisher_equals_the_mean_outer_product_of_per_sample_gradients(
     with token_reduction("tokens", y if loss == "token-cross-entropy" else None):
         reference = _dense_outer(model, x, y, loss)
         data = AnalysisData(x, y, loss, batch_size=batch_size)
-        cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
-        F = build_operator("ef", cpass).to_dense()
-        cpass.vectorize, cpass._batched_ok = 4, True  # the vmapped columns give the same matrix
-        F_vmapped = EmpiricalFisherOperator(cpass).to_dense()
+        engine = CurvatureEngine(model, data, ParamScope.resolve(model))
+        F = build_operator("ef", engine).to_dense()
+        engine.vectorize, engine._batched_ok = 4, True  # the vmapped columns give the same matrix
+        F_vmapped = EmpiricalFisherOperator(engine).to_dense()
     assert reference.abs().max() > 1e-3
     assert torch.allclose(F, reference, atol=1e-12, rtol=0)
     assert torch.allclose(F_vmapped, reference, atol=1e-12, rtol=0)
@@ -92,8 +96,8 @@ def test_fisher_equals_the_outer_products_at_its_drawn_labels(loss):
     model, x, y = _setup(loss)
     with token_reduction("tokens", y if loss == "token-cross-entropy" else None):
         data = AnalysisData(x, y, loss, batch_size=3)
-        cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
-        fisher = FisherOperator(cpass, samples=2, seed=5)
+        engine = CurvatureEngine(model, data, ParamScope.resolve(model))
+        fisher = FisherOperator(engine, samples=2, seed=5)
         F = fisher.to_dense()
         with torch.no_grad():
             z = model(x)
@@ -198,14 +202,14 @@ def test_mse_fisher_residuals_have_the_logit_hessian_as_covariance():
 def test_many_draws_approach_the_gauss_newton_matrix_and_the_empirical_fisher_does_not():
     model, x, y = _setup("cross-entropy", n=6)
     data = AnalysisData(x, y, "cross-entropy", batch_size=6)
-    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
-    G = cpass.ggn().to_dense()
+    engine = CurvatureEngine(model, data, ParamScope.resolve(model))
+    G = engine.ggn().to_dense()
     errors = []
     for samples in (50, 3200):
-        F = FisherOperator(cpass, samples=samples, seed=1).to_dense()
+        F = FisherOperator(engine, samples=samples, seed=1).to_dense()
         errors.append(float((F - G).norm() / G.norm()))
     assert errors[1] < 0.05 and errors[1] < errors[0] / 3  # 1/sqrt(S): 8x fewer expected
-    ef = EmpiricalFisherOperator(cpass).to_dense()
+    ef = EmpiricalFisherOperator(engine).to_dense()
     assert float((ef - G).norm() / G.norm()) > 0.1
 
 
@@ -213,14 +217,14 @@ def test_registry_records_and_bad_input():
     assert OPERATORS["ef"].psd and OPERATORS["fisher"].psd
     assert OPERATORS["ef"].rank_bound(23, 3, "cross-entropy") == 23
     model, x, y = _setup("cross-entropy")
-    cpass = CurvatureEngine(
+    engine = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 3), ParamScope.resolve(model)
     )
     with pytest.raises(UsageError) as info:
-        FisherOperator(cpass, samples=0)
+        FisherOperator(engine, samples=0)
     assert info.value.source == "samples"
     # the subsample rebuild keeps the draws' settings
-    sub, kept, total = FisherOperator(cpass, samples=3, seed=2).on_subsample(0.5, seed=0)
+    sub, kept, total = FisherOperator(engine, samples=3, seed=2).on_subsample(0.5, seed=0)
     assert isinstance(sub, FisherOperator) and (sub.samples, sub.seed) == (3, 2) and kept < total
 
 

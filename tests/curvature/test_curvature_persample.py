@@ -9,7 +9,7 @@ from conftest import dense_reference
 from torch import nn
 
 from sharpcli.curvature import AnalysisData, ParamScope, exact_ggn_trace
-from sharpcli.curvature.persample import LayerTaps
+from sharpcli.curvature.products.persample import LayerTaps
 
 
 class _Tokens(nn.Module):

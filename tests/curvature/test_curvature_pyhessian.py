@@ -6,13 +6,9 @@ import pytest
 import torch
 from conftest import setup_and_reference
 
-from sharpcli.curvature import (
-    AnalysisData,
-    pyhessian_density,
-    pyhessian_eigenvalues,
-    pyhessian_trace,
-)
+from sharpcli.curvature import AnalysisData
 from sharpcli.errors import UsageError
+from sharpcli.parity import pyhessian_density, pyhessian_eigenvalues, pyhessian_trace
 
 
 def test_pyhessian_top_eigenvalue_agrees_with_exact_largest_magnitude():

@@ -1,4 +1,4 @@
-"""The operator registry (sharpcli/curvature/registry.py): built-ins against dense matrices,
+"""The operator registry (sharpcli/curvature/operators/registry.py): built-ins against dense matrices,
 registering and removing an operator, the UsageError for unknown names, and the ``--operator``
 help and docs that are made from it."""
 
@@ -13,7 +13,7 @@ from cli_helpers import run_cli
 from conftest import setup_and_reference
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, MatrixOperator, ParamScope
-from sharpcli.curvature.registry import (
+from sharpcli.curvature.operators.registry import (
     OPERATORS,
     SPLIT,
     build_operator,
@@ -37,16 +37,16 @@ def _gelu_pass():
 
 
 def test_builtin_operators_equal_dense_h_g_and_n():
-    cpass, H, G = _gelu_pass()
+    engine, H, G = _gelu_pass()
     dense = {"hessian": H, "ggn": G, "nme": H - G}
     assert operator_names()[:3] == SPLIT == ("hessian", "ggn", "nme")
     for name in SPLIT:
-        op = build_operator(name, cpass)
+        op = build_operator(name, engine)
         assert torch.allclose(op.to_dense(), dense[name], atol=1e-10, rtol=0)
     assert [OPERATORS[n].symbol for n in SPLIT] == ["H", "G", "N"]
     assert [OPERATORS[n].psd for n in SPLIT] == [False, True, False]
     # the built-ins share the pass (and its cached first-order graphs)
-    assert build_operator("ggn", cpass).curvature_pass is cpass
+    assert build_operator("ggn", engine).engine is engine
 
 
 def test_ggn_rank_bound_counts_c_minus_one_for_cross_entropy():
@@ -63,10 +63,10 @@ def test_unknown_name_is_a_usage_error_listing_the_choices():
 
 
 def test_register_then_unregister_an_operator(capsys):
-    cpass, H, _ = _gelu_pass()
+    engine, H, _ = _gelu_pass()
     spec = register_operator(
         "hessian-twice",
-        lambda cpass: MatrixOperator(2 * cpass.hessian().to_dense(), name="2H"),
+        lambda engine: MatrixOperator(2 * engine.hessian().to_dense(), name="2H"),
         symbol="2H",
         description="twice the   Hessian",  # whitespace is normalised for one-line help
         psd=False,
@@ -74,7 +74,7 @@ def test_register_then_unregister_an_operator(capsys):
     try:
         assert spec.description == "twice the Hessian"
         assert operator_names()[-1] == "hessian-twice"
-        op = build_operator("hessian-twice", cpass)
+        op = build_operator("hessian-twice", engine)
         assert torch.allclose(op.to_dense(), 2 * H, atol=1e-10, rtol=0)
         assert "hessian-twice (2H: twice the Hessian)" in operator_help()
         assert "| `hessian-twice` | 2H | twice the Hessian | no |" in operator_table()
@@ -127,15 +127,15 @@ def test_docs_operator_table_and_synopses_match_the_registry():
 
 
 def test_gn_nme_split_is_keyed_by_the_registry_names():
-    from sharpcli.curvature.split import gn_nme_split
+    from sharpcli.curvature.trace.split import gn_nme_split
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))
     model = model.double().eval()
     x, y = torch.randn(9, 3, dtype=torch.float64), torch.randint(0, 2, (9,))
     data = AnalysisData(x, y, loss="cross-entropy", batch_size=4)
-    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
-    split = gn_nme_split(cpass, tol=1e-1, max_matvecs=16, seed=0)
+    engine = CurvatureEngine(model, data, ParamScope.resolve(model))
+    split = gn_nme_split(engine, tol=1e-1, max_matvecs=16, seed=0)
     assert tuple(split.values) == SPLIT
     h, g, n = (split.values[name]["trace"]["estimate"] for name in SPLIT)
     assert h == pytest.approx(g + n, abs=1e-12)

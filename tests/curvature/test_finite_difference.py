@@ -1,4 +1,4 @@
-"""Hessian products by central differences of gradients (sharpcli.curvature.finite_difference):
+"""Hessian products by central differences of gradients (sharpcli.curvature.products.finite_difference):
 within their stated bound of exact double-backward products, weights restored bit for bit."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
-from sharpcli.curvature.finite_difference import FiniteDifferenceEngine, relative_step
+from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine, relative_step
 from sharpcli.errors import InputError, UsageError
 from sharpcli.preflight import check_second_derivatives
 

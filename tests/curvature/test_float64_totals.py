@@ -1,4 +1,4 @@
-"""Inner products and norms of float32 vectors to float64 accuracy (``sharpcli.curvature.totals``).
+"""Inner products and norms of float32 vectors to float64 accuracy (``sharpcli.curvature.products.totals``).
 
 Lanczos's ``alpha``, ``beta`` and every finite check are sums over P entries; a float32
 accumulation over 1e8 entries is percent-level wrong (``torch.linalg.vector_norm`` on one
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from sharpcli.curvature.krylov import KrylovBasis
-from sharpcli.curvature.totals import DOT_CHUNK, dot64, norm64
+from sharpcli.curvature.eigen.krylov import KrylovBasis
+from sharpcli.curvature.products.totals import DOT_CHUNK, dot64, norm64
 
 UNIT_ROUNDOFF_32 = 2.0**-24
 

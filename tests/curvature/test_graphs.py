@@ -1,11 +1,11 @@
-"""The per-batch product check of sharpcli.curvature.graphs: one norm pass, both failures named."""
+"""The per-batch product check of sharpcli.curvature.products.graphs: one norm pass, both failures named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sharpcli.curvature.graphs import check_finite
+from sharpcli.curvature.products.graphs import check_finite
 from sharpcli.errors import NumericalError
 
 
@@ -36,7 +36,7 @@ def test_finite_entries_whose_norm_overflows_the_dtype_are_refused_as_too_large(
 def test_vjp_through_grad_outputs_equals_the_dot_product_path(monkeypatch) -> None:
     """Large outputs take ``grad_outputs`` (no P-sized dot-product temporaries): the same
     Hessian-vector product, to the last bit in float64, as the dot-product path."""
-    from sharpcli.curvature import graphs
+    from sharpcli.curvature.products import graphs
 
     torch.manual_seed(0)
     w = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)

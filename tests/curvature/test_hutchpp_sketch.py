@@ -17,12 +17,11 @@ import torch
 from hessian_helpers import cross_entropy_ggn, double_backward_hessian
 from torch import nn
 
-from sharpcli.curvature import sketch as sketch_module
-from sharpcli.curvature.data import AnalysisData
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.operators import CurvatureEngine, MatrixOperator
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.sketch import RangeSketch
+from sharpcli.curvature.operators.hessian import CurvatureEngine, MatrixOperator
+from sharpcli.curvature.products.data import AnalysisData
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace import hutchpp as hutchpp_module
+from sharpcli.curvature.trace.hutchpp import RangeSketch, hutchpp
 
 SEEDS = range(32)
 
@@ -88,7 +87,7 @@ def test_a_parallel_sketch_is_not_taken_for_a_spanned_range():
 def test_an_extension_that_lost_orthogonality_is_discarded(monkeypatch):
     """With a tolerance no basis meets, every extension counts as having lost orthogonality:
     none is used, the note says so, and the probes alone give an unbiased estimate."""
-    monkeypatch.setattr(sketch_module, "ORTH_TOL", 0.0)
+    monkeypatch.setattr(hutchpp_module, "ORTH_TOL", 0.0)
     generator = torch.Generator().manual_seed(0)
     A = torch.diag(torch.linspace(0.1, 2.0, 30, dtype=torch.float64))
     result = hutchpp(MatrixOperator(A), tol=1e-9, max_matvecs=80, seed=0, initial_sketch=8)
@@ -105,12 +104,12 @@ def test_hutchpp_on_the_zero_trace_nme_of_a_relu_network():
     """tr(N) = 0, rank(N) < P: over 32 seeds the sketch stops at the rank, the estimate is 0
     within its standard error (the exact part's rounding, ~1e-16), no run claims exactness,
     every layer's block trace (0 too) is within its error, and the layers sum to the total."""
-    cpass, H, G = _relu_model([5, 6, 3], samples=20)
+    engine, H, G = _relu_model([5, 6, 3], samples=20)
     N = H - G
     assert abs(float(N.trace())) <= 1e-14
     rank = int(torch.linalg.matrix_rank(N))
     assert rank < N.shape[0]
-    operator = cpass.nme()
+    operator = engine.nme()
     for seed in SEEDS:
         result = hutchpp(operator, seed=seed)
         assert result.sketch_size == rank, (seed, result.sketch_size, rank)
@@ -118,7 +117,7 @@ def test_hutchpp_on_the_zero_trace_nme_of_a_relu_network():
         assert 0 < result.stderr <= 1e-13 and abs(result.estimate) <= 4 * result.stderr
         assert result.matvecs < 200  # the range spanned, the probes are not sized for tol x 0
         _layers_sum_to_total(result)
-        for layer, block in cpass.scope.blocks().items():
+        for layer, block in engine.scope.blocks().items():
             value = result.by_layer[layer]
             assert abs(float(N[block, block].trace())) <= 1e-14
             assert abs(value["estimate"]) <= 4 * value["stderr"] + 1e-14, (layer, value)
@@ -127,9 +126,9 @@ def test_hutchpp_on_the_zero_trace_nme_of_a_relu_network():
 def test_hutchpp_zero_trace_stderr_calibrated_when_the_sketch_cannot_span():
     """A deeper ReLU network's NME (tr 0, rank above the sketch's 16 columns): the residual
     carries the error, and the z-scores over 32 seeds are calibrated."""
-    cpass, H, G = _relu_model([5, 8, 8, 3], samples=12)
+    engine, H, G = _relu_model([5, 8, 8, 3], samples=12)
     N = H - G
-    blocks = cpass.scope.blocks()
+    blocks = engine.scope.blocks()
     assert abs(float(N.trace())) <= 1e-14 and int(torch.linalg.matrix_rank(N)) > 16
     runs = [
         hutchpp(
@@ -150,11 +149,11 @@ def test_hutchpp_on_a_low_rank_ggn():
     """4 samples x 3 classes: rank(G) <= 8 in R^57. The sketch spans the range, so tr(G)
     comes out to rounding in few products, the per-layer traces with it; nothing says
     "exact", and the error is within the reported standard error."""
-    cpass, _, G = _relu_model([5, 6, 3], samples=4)
+    engine, _, G = _relu_model([5, 6, 3], samples=4)
     rank = int(torch.linalg.matrix_rank(G))
     assert rank <= 8
     truth = float(G.trace())
-    operator = cpass.ggn()
+    operator = engine.ggn()
     for seed in SEEDS:
         result = hutchpp(operator, tol=1e-2, seed=seed)
         assert result.sketch_size == rank and result.converged
@@ -164,6 +163,6 @@ def test_hutchpp_on_a_low_rank_ggn():
         # the sketch, its products, a pilot of 30 probes (in blocks of 8) and 10 main ones
         assert result.matvecs <= 16 + rank + 32 + 10
         _layers_sum_to_total(result)
-        for layer, block in cpass.scope.blocks().items():
+        for layer, block in engine.scope.blocks().items():
             exact = float(G[block, block].trace())
             assert result.by_layer[layer]["estimate"] == pytest.approx(exact, abs=1e-12)

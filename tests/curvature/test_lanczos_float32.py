@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sharpcli.curvature import lanczos, power_iteration, spectral_density
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.scope import rademacher_like
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.scope import rademacher_like
 
 DIM = 400_000
 TOP = (10.0, 9.0, 8.25)  # above a bulk spread uniformly over [0, 7]

@@ -15,23 +15,23 @@ from sharpcli.curvature import (
     ParamScope,
     lanczos,
 )
-from sharpcli.curvature.data import subsample_data
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.warm_start import subsample_operator
+from sharpcli.curvature.eigen.warm_start import subsample_operator
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.data import subsample_data
 from sharpcli.errors import UsageError
 
 
 def _pass(kind="gelu"):
     model, x, y, H, G = setup_and_reference(kind)
-    cpass = CurvatureEngine(
+    engine = CurvatureEngine(
         model, AnalysisData(x, y, "cross-entropy", 23), ParamScope.resolve(model)
     )
     norms = {
         name: float(torch.linalg.matrix_norm(A, 2))
         for name, A in (("hessian", H), ("ggn", G), ("nme", H - G))
     }
-    cpass.test_norms = norms  # ||A||_2 of the exact matrices: the scale of "equal to 1e-8"
-    return cpass
+    engine.test_norms = norms  # ||A||_2 of the exact matrices: the scale of "equal to 1e-8"
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -82,21 +82,21 @@ def test_subsample_warm_start_reports_its_cost(passes):
 def test_subsample_operator_is_the_mean_curvature_of_its_subset():
     model, x, y = make_cnn(), *make_data("image")
     data = AnalysisData(x, y, "cross-entropy", 5)  # several batches: weights B_b / N_S
-    cpass = CurvatureEngine(model, data, ParamScope.resolve(model))
+    engine = CurvatureEngine(model, data, ParamScope.resolve(model))
     sub = subsample_data(data, 0.4, seed=3)
     assert sub.num_samples == sub.local_num_samples == 9 and data.num_samples == 23
     rows = [int((x == row).all(dim=(1, 2, 3)).nonzero()) for row in sub.x]
     assert rows == sorted(rows) and len(set(rows)) == 9  # distinct samples, original order
     H_S, G_S, _ = dense_reference(model, x[rows], y[rows], "cross-entropy")
     for name, dense in (("hessian", H_S), ("ggn", G_S), ("nme", H_S - G_S)):
-        sub_op = subsample_operator(getattr(cpass, name)(), 0.4, seed=3)
-        assert type(sub_op) is type(getattr(cpass, name)())
+        sub_op = subsample_operator(getattr(engine, name)(), 0.4, seed=3)
+        assert type(sub_op) is type(getattr(engine, name)())
         assert torch.allclose(sub_op.to_dense(), dense, atol=1e-10)
-    whole = subsample_operator(cpass.hessian(), 1.0)
+    whole = subsample_operator(engine.hessian(), 1.0)
     v = torch.randn(
-        cpass.scope.numel, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+        engine.scope.numel, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
     )
-    assert torch.equal(whole.matvec(v), cpass.hessian().matvec(v))
+    assert torch.equal(whole.matvec(v), engine.hessian().matvec(v))
     assert subsample_data(data, 1e-6).num_samples == 1  # at least one sample
 
 
@@ -142,8 +142,8 @@ def test_zero_gradient_falls_back_to_a_cold_start():
     x = torch.randn(10, 4, dtype=torch.float64)
     with torch.no_grad():
         y = model(x)  # mse targets = outputs: the gradient is exactly zero
-    cpass = CurvatureEngine(model, AnalysisData(x, y, "mse", 10), ParamScope.resolve(model))
-    op = cpass.hessian()
+    engine = CurvatureEngine(model, AnalysisData(x, y, "mse", 10), ParamScope.resolve(model))
+    op = engine.hessian()
     result = lanczos(op, 2, tol=1e-10, seed=4, warm_start="gradient")
     assert "fallback" in result.warm_start
     assert result.eigenvalues == lanczos(op, 2, tol=1e-10, seed=4).eigenvalues
@@ -152,12 +152,12 @@ def test_zero_gradient_falls_back_to_a_cold_start():
 def test_float32_warm_start_keeps_the_explicit_residual():
     model, x, y, H, _ = setup_and_reference("cnn")
     model = model.float()
-    cpass = CurvatureEngine(
+    engine = CurvatureEngine(
         model, AnalysisData(x.float(), y, "cross-entropy", 23), ParamScope.resolve(model)
     )
     exact = float(torch.linalg.eigvalsh(H)[-1])
     for warm in ("subsample", "gradient"):
-        result = lanczos(cpass.hessian(), 1, tol=1e-4, seed=0, warm_start=warm)
+        result = lanczos(engine.hessian(), 1, tol=1e-4, seed=0, warm_start=warm)
         assert result.matvecs == result.krylov_dim + 1  # the certificate: one explicit product
         assert result.converged == [True]
         assert result.eigenvalues[0] == pytest.approx(exact, rel=1e-5)
@@ -191,11 +191,11 @@ class _RegisteredStyle(CurvatureOperator):
 
     name = "registered-style Gauss-Newton"
 
-    def __init__(self, curvature_pass):
-        scope = curvature_pass.scope
+    def __init__(self, engine):
+        scope = engine.scope
         super().__init__(scope.numel, scope.dtype, scope.device)
-        self.model, self.data, self.scope = curvature_pass.model, curvature_pass.data, scope
-        self._pass = curvature_pass
+        self.model, self.data, self.scope = engine.model, engine.data, scope
+        self._pass = engine
 
     def _matmat(self, V):
         return self._pass.ggn_matmat(V)

@@ -5,7 +5,7 @@ normalisation wrong (tests/models/test_weight_norm.py) and ``torch.func.hessian`
 (tests/curvature/test_reference_hessian.py). This audit builds a tiny float64 classifier around each
 layer a user's model commonly holds (activations, normalisations, convolutions, pooling,
 attention, parametrizations), takes its Hessian by double backward inside
-:func:`sharpcli.curvature.differentiable.twice_differentiable` (as every analysis does) and
+:func:`sharpcli.curvature.products.differentiable.twice_differentiable` (as every analysis does) and
 compares it with central differences of the gradient, which need first derivatives only. A
 torch upgrade (pyproject allows a range) that breaks a layer's second derivative fails here.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 from tests.hessian_helpers import central_difference_hessian, double_backward_hessian
 
 D = 8  # features of the data; layers reshape them as they need
@@ -214,7 +214,7 @@ def test_double_backward_hessian_matchescentral_difference_hessian(name):
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("padding_idx", [None, 2])
 def test_embedding_bag_composite_is_torchs_embedding_bag(mode, padding_idx):
-    from sharpcli.curvature.differentiable import embedding_bag_composite
+    from sharpcli.curvature.products.differentiable import embedding_bag_composite
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(11, 4, dtype=torch.float64, generator=generator)

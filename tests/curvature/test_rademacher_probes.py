@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from sharpcli.curvature import MatrixOperator
-from sharpcli.curvature import probes as probes_module
-from sharpcli.curvature.probes import product_segment_sums, segment_sums
-from sharpcli.curvature.scope import (
+from sharpcli.curvature.products.scope import (
     RademacherColumns,
     rademacher_bits,
     rademacher_bits_bytes,
     rademacher_like,
     rademacher_signs,
 )
-from sharpcli.curvature.totals import chunked_dots
-from sharpcli.curvature.trace import frobenius_sq, hutchinson
+from sharpcli.curvature.products.totals import chunked_dots
+from sharpcli.curvature.trace import probes as probes_module
+from sharpcli.curvature.trace.hutchinson import frobenius_sq, hutchinson
+from sharpcli.curvature.trace.probes import product_segment_sums, segment_sums
 
 
 def _signs_bit_by_bit(seed: int, dim: int, count: int) -> torch.Tensor:

@@ -72,8 +72,8 @@ def test_reference_hessian_matches_central_differences(case):
     assert float((H - fd).abs().max()) < 1e-7 * max(1.0, float(H.abs().max()))
     # sharp's products (eager double backward through cached first-order graphs) agree
     scope = ParamScope.resolve(model)
-    cpass = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=4), scope)
+    engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=4), scope)
     eye = torch.eye(scope.numel, dtype=torch.float64)
-    assert float((cpass.hessian().matmat(eye) - H).abs().max()) < 1e-10
-    assert float((cpass.ggn().matmat(eye) - G).abs().max()) < 1e-10
-    assert float((cpass.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10
+    assert float((engine.hessian().matmat(eye) - H).abs().max()) < 1e-10
+    assert float((engine.ggn().matmat(eye) - G).abs().max()) < 1e-10
+    assert float((engine.nme().matmat(eye) - (H - G)).abs().max()) < 1e-10

@@ -1,6 +1,6 @@
 """Gram-Schmidt skipped where Paige's relation predicts semi-orthogonality.
 
-:func:`sharpcli.curvature.tridiagonal.semiorthogonal` lets a Lanczos step skip its
+:func:`sharpcli.curvature.eigen.ritz.semiorthogonal` lets a Lanczos step skip its
 Gram-Schmidt pass when no Ritz pair has converged far enough to pull the new vector towards
 it. These tests measure the basis itself (``Q^T Q`` in float64) at every step, on operators
 whose Ritz values converge within the run, and the eigenvalues against the exact spectrum.
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from sharpcli.curvature import lanczos
-from sharpcli.curvature.krylov import KrylovBasis
-from sharpcli.curvature.operators import CurvatureOperator, MatrixOperator
-from sharpcli.curvature.tridiagonal import (
+from sharpcli.curvature.eigen.krylov import KrylovBasis
+from sharpcli.curvature.eigen.ritz import (
     lanczos_step,
     skip_when_semiorthogonal,
     tridiagonal_matrix,
 )
+from sharpcli.curvature.operators.hessian import CurvatureOperator, MatrixOperator
 
 
 def _operator(dtype, dim=600, seed=0):

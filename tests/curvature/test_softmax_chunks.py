@@ -16,8 +16,8 @@ from torch import nn
 from fixtures.causal_lm import build_causal_lm, next_token_data
 from sharpcli import memory
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.softmax_chunks import SoftmaxRows, VocabChunking
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.softmax_chunks import SoftmaxRows, VocabChunking
 from sharpcli.losses import get_loss, token_reduction
 from tests.hessian_helpers import double_backward_hessian
 

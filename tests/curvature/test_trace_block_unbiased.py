@@ -24,7 +24,7 @@ from sharpcli.curvature import (
     hutchinson,
     hutchpp,
 )
-from sharpcli.curvature import ggn_trace as ggn_trace_module
+from sharpcli.curvature.trace import ggn as ggn_module
 
 SEEDS = 300
 Z_MAX = 3.5
@@ -151,15 +151,16 @@ def test_gn_split_layer_traces_unbiased(monkeypatch):
         }
         return TraceResult(float(G.trace()), 0.0, 0, 1, "exact", by_layer=by_layer)
 
-    monkeypatch.setattr(ggn_trace_module, "exact_ggn_trace", exact_ggn)
-    cpass = SimpleNamespace(
+    monkeypatch.setattr(ggn_module, "exact_ggn_trace", exact_ggn)
+    engine = SimpleNamespace(
         model=None,
         data=SimpleNamespace(loss="cross-entropy"),
         scope=None,
         nme=lambda: _ScopedMatrix(N, BLOCKS),
     )
     results = [
-        gn_split_trace(cpass, tol=1e-9, max_matvecs=100, seed=s, block_size=8) for s in range(SEEDS)
+        gn_split_trace(engine, tol=1e-9, max_matvecs=100, seed=s, block_size=8)
+        for s in range(SEEDS)
     ]
     assert min(r.sketch_size for r in results) > 0  # the sketch (and its layer split) is used
     _assert_unbiased(results, _exact(H, BLOCKS))

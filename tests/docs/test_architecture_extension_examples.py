@@ -252,7 +252,7 @@ def test_a_new_estimator_module_is_a_builtin_after_the_one_command(tmp_path):
 
     from sharpcli.session import build_session
 
-    env = _package_copy(tmp_path, "sharpcli/curvature/girard.py", "Adding a trace estimator")
+    env = _package_copy(tmp_path, "sharpcli/curvature/trace/girard.py", "Adding a trace estimator")
     shown = _flat(_sharp(env, "trace", "--help").stdout)
     assert "girard (Gaussian probes averaged (Girard))" in shown
     table = (tmp_path / "docs" / "commands" / "trace.md").read_text(encoding="utf-8")

@@ -16,7 +16,7 @@ from torch.func import functional_call, jacrev
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
-from sharpcli.curvature.registry import OPERATORS, unregister_operator
+from sharpcli.curvature.operators.registry import OPERATORS, unregister_operator
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
 from sharpcli.losses import per_sample_loss
@@ -84,8 +84,8 @@ def test_registered_operator_equals_dense_empirical_fisher(example, loss, params
     model, x, y = tiny_problem(loss)
     scope = ParamScope.resolve(model, params)
     # batch size 4 over 11 samples: unequal batches, so the 1/N weighting is checked too
-    cpass = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
-    fisher = build_operator(NAME, cpass)
+    engine = CurvatureEngine(model, AnalysisData(x, y, loss=loss, batch_size=4), scope)
+    fisher = build_operator(NAME, engine)
     dense = fisher.to_dense()
     reference = dense_empirical_fisher(model, x, y, loss, scope.names)
     assert dense.dtype == torch.float64 and dense.shape == reference.shape
@@ -138,7 +138,7 @@ def test_cli_lists_and_runs_the_registered_operator(example, tmp_path, capsys):
 
 
 def test_unknown_operator_error_lists_the_registered_one(example):
-    from sharpcli.curvature.registry import operator_spec
+    from sharpcli.curvature.operators.registry import operator_spec
     from sharpcli.errors import UsageError
 
     with pytest.raises(UsageError, match=NAME) as info:
@@ -151,7 +151,7 @@ def test_as_a_builtin_the_declaration_gives_symbol_description_and_psd(example):
     (``OPERATORS.add(cls)``), the class is an operator whose symbol, description and PSD come
     from the declaration, and the --operator help lists it."""
     from sharpcli import catalogue
-    from sharpcli.curvature.registry import operator_spec, register_operator
+    from sharpcli.curvature.operators.registry import operator_spec, register_operator
 
     cls = example["EmpiricalFisherOperator"]
     namespace = dict(example)

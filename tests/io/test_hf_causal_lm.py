@@ -141,7 +141,7 @@ def test_library_uses_the_models_own_loss_on_hugging_face_batches():
     assert top == pytest.approx(float(torch.linalg.eigvalsh(H64)[-1]), rel=1e-8)
 
     with token_reduction("tokens", curvature.data.y):  # as the Curvature methods average
-        value, gradient = curvature.curvature_pass.loss_and_gradient()
+        value, gradient = curvature.engine.loss_and_gradient()
     own = model(**batch).loss
     params = [dict(model.named_parameters())[name] for name in NAMES]
     expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(own, params)])

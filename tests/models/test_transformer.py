@@ -18,7 +18,7 @@ from cli_helpers import run_cli
 from conftest import dense_reference
 
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, exact_ggn_trace
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 
 FACTORY = textwrap.dedent("""
     import torch
@@ -81,9 +81,9 @@ def test_products_and_exact_ggn_trace_match_dense(transformer):
     scope = ParamScope.resolve(model)
     assert list(scope.names) == t["names"]
     # the library switches attention itself: no context needed around library calls
-    cpass = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=10), scope)
+    engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", batch_size=10), scope)
     V = torch.randn(scope.numel, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    HV, GV, NV = (op.matmat(V) for op in (cpass.hessian(), cpass.ggn(), cpass.nme()))
+    HV, GV, NV = (op.matmat(V) for op in (engine.hessian(), engine.ggn(), engine.nme()))
     trace = exact_ggn_trace(model, AnalysisData(x, y, "cross-entropy", batch_size=7), scope)
     assert torch.backends.mha.get_fastpath_enabled()  # the user's setting, restored
     H, G = t["H"], t["G"]

@@ -2,7 +2,7 @@
 
 torch 2.13 gets the second derivative of ``torch._weight_norm`` wrong (a non-symmetric
 double-backward Hessian); sharp computes weight norm from differentiable operations inside
-:func:`sharpcli.curvature.differentiable.twice_differentiable`, which every model-running
+:func:`sharpcli.curvature.products.differentiable.twice_differentiable`, which every model-running
 command and :func:`sharpcli.training.loop.train` enter. The reference is central differences
 of the float64 gradient, which involve first derivatives only.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fixtures.weight_norm_model import wn_model, write_wn_checkpoint, write_wn_data, write_wn_module
-from sharpcli.curvature.differentiable import twice_differentiable, weight_norm_composite
+from sharpcli.curvature.products.differentiable import twice_differentiable, weight_norm_composite
 from tests.cli_helpers import run_cli
 from tests.hessian_helpers import central_difference_hessian, double_backward_hessian
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacrev
 
 from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
-from sharpcli.curvature.differentiable import twice_differentiable
+from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.errors import UsageError
 from sharpcli.losses import IGNORE_INDEX, token_reduction
 from sharpcli.training.loop import TrainConfig, apply_label_noise, evaluate, train

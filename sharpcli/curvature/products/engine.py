@@ -2,7 +2,7 @@ r"""The curvature engine: a cache of first-order graphs and the H, G, N products
 
 For the analysis loss :math:`L(\theta) = \frac{1}{N} \sum_i \ell(z_i, y_i)`,
 :math:`z_i = f(\theta, x_i)`, the matrices H, G and N = H - G of
-:mod:`sharpcli.curvature.operators` ([NME] eq. 2; the matrix-free Gauss-Newton product
+:mod:`sharpcli.curvature.operators.hessian` ([NME] eq. 2; the matrix-free Gauss-Newton product
 :math:`J^\top H_z J v` follows [Schraudolph2002], see also [Martens2020]).
 
 How the products are computed (one pass over the data per product or block of products).
@@ -27,9 +27,9 @@ through the tiny ``g_z(z)`` graph) and one vector-Jacobian product ``J^T u``; th
 ``N v = H v - G v`` from the same pass, so ``H = G + N`` holds per vector to rounding.
 The NME operator on its own differentiates a second graph, ``g_N = J^T g_z`` with ``g_z``
 held constant, whose ``d<g_N, v>/dtheta = N v`` costs about one Hessian product.
-The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.data`), so every
+The batch loss carries the weight ``B_b/N`` (see :mod:`sharpcli.curvature.products.data`), so every
 product is the mean over samples; results are summed over ranks with ``all_reduce_sum``.
-The operators by ``--operator`` name: :mod:`sharpcli.curvature.registry`.
+The operators by ``--operator`` name: :mod:`sharpcli.curvature.operators.registry`.
 """
 
 from __future__ import annotations
@@ -40,16 +40,22 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue, memory
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.graphs import BatchGraph, ByteCounter, check_finite, flat_block, vjp
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.softmax_chunks import VocabChunking
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.graphs import (
+    BatchGraph,
+    ByteCounter,
+    check_finite,
+    flat_block,
+    vjp,
+)
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.products.softmax_chunks import VocabChunking
 from sharpcli.errors import NumericalError
 from sharpcli.losses import loss_fn
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
+    from sharpcli.curvature.operators.hessian import GGNOperator, HessianOperator, NMEOperator
 
 __all__ = ["DEFAULT_CACHE_BYTES", "CurvatureEngine"]
 
@@ -77,7 +83,7 @@ class CurvatureEngine:
         cache_bytes: the budget of cached graphs (0: no cache).
         vectorize: columns per vmapped reverse pass (default 1 on CPU, 32 elsewhere).
         vocab_chunk: rows of logits per chunk of the cross-entropy's gradient and Hessian
-            (:mod:`sharpcli.curvature.softmax_chunks`): None (default) chunks a batch whose
+            (:mod:`sharpcli.curvature.products.softmax_chunks`): None (default) chunks a batch whose
             logits exceed ``chunk_bytes`` (16 MiB, lowered by :meth:`plan_memory` to what
             the budget leaves), 0 never chunks (autograd's cross-entropy, differentiated
             twice), a positive count chunks every batch by that many rows.
@@ -233,7 +239,7 @@ class CurvatureEngine:
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product). A cross-entropy over large logits goes by chunks of rows
-        (:mod:`~sharpcli.curvature.softmax_chunks`; the automatic chunk at most 1/64 of what
+        (:mod:`~sharpcli.curvature.products.softmax_chunks`; the automatic chunk at most 1/64 of what
         the budget leaves): the product adds a chunk's work.
 
         Args:
@@ -369,7 +375,7 @@ class CurvatureEngine:
         )
 
     def _flat_block(self, tensors, k, batched, out=None) -> torch.Tensor:
-        """:func:`~sharpcli.curvature.graphs.flat_block` over this engine's scope."""
+        """:func:`~sharpcli.curvature.products.graphs.flat_block` over this engine's scope."""
         return flat_block(self.scope, tensors, k, batched, out)
 
     # ----------------------------------------------------------------- the pass over the data
@@ -570,8 +576,8 @@ class CurvatureEngine:
         """The Hessian operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.HessianOperator` on this engine, as the operator
-            registry builds ``hessian`` (:mod:`sharpcli.curvature.registry`).
+            A :class:`~sharpcli.curvature.operators.hessian.HessianOperator` on this engine, as the operator
+            registry builds ``hessian`` (:mod:`sharpcli.curvature.operators.registry`).
         """
         return catalogue.OPERATORS.get(catalogue.HESSIAN).build(self)
 
@@ -579,8 +585,8 @@ class CurvatureEngine:
         """The Gauss-Newton operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.GGNOperator` on this engine, as the operator
-            registry builds ``ggn`` (:mod:`sharpcli.curvature.registry`).
+            A :class:`~sharpcli.curvature.operators.hessian.GGNOperator` on this engine, as the operator
+            registry builds ``ggn`` (:mod:`sharpcli.curvature.operators.registry`).
         """
         return catalogue.OPERATORS.get(catalogue.GGN).build(self)
 
@@ -588,7 +594,7 @@ class CurvatureEngine:
         """The NME operator sharing this engine (and its cache).
 
         Returns:
-            A :class:`~sharpcli.curvature.operators.NMEOperator` on this engine, as the operator
-            registry builds ``nme`` (:mod:`sharpcli.curvature.registry`).
+            A :class:`~sharpcli.curvature.operators.hessian.NMEOperator` on this engine, as the operator
+            registry builds ``nme`` (:mod:`sharpcli.curvature.operators.registry`).
         """
         return catalogue.OPERATORS.get(catalogue.NME).build(self)

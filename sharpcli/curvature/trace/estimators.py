@@ -1,17 +1,18 @@
 """The trace estimators of ``sharp trace --estimator NAME``, each declared where it is defined.
 
 A trace estimator is a function ``estimate(request) -> TraceResult``: the
-:class:`TraceRequest` holds the analysis's pass (model, data, scope, cached graphs), the
+:class:`TraceRequest` holds the analysis's engine (model, data, scope, cached graphs), the
 registered operator to estimate (``request.build()`` makes it), whether ``Tr(A^2)`` is asked
 instead of ``tr(A)``, and the budget (``tol``, ``max_matvecs``, ``seed``). Each is declared with
 :func:`sharpcli.registry.declare` (kind ``"estimator"``) beside its implementation:
-``hutchpp`` (the default) in :mod:`sharpcli.curvature.hutchpp`, ``hutchinson`` in
-:mod:`sharpcli.curvature.trace`, ``gn-split`` in :mod:`sharpcli.curvature.ggn_trace`,
-``exact`` in :mod:`sharpcli.curvature.trace_exact`. ``python -m sharpcli.catalogue.generate`` writes the
+``hutchpp`` (the default) in :mod:`sharpcli.curvature.trace.hutchpp`, ``hutchinson`` in
+:mod:`sharpcli.curvature.trace.hutchinson`, ``gn-split`` in :mod:`sharpcli.curvature.trace.ggn`,
+``exact`` in :mod:`sharpcli.curvature.trace.exact`. ``python -m sharpcli.catalogue.generate`` writes the
 declarations into the catalogue's index, and :data:`ESTIMATORS` (the catalogue's registry)
 imports an estimator when it is first asked for, so ``sharp trace --estimator NAME`` and
 :meth:`sharpcli.api.Curvature.trace` reach a built-in and an extension (``ESTIMATORS.add(fn)``)
-alike. The index's order is the help's order; the first is the default.
+alike. The index's order (each declares its place, ``info={"order": n}``) is the help's
+order; the first is the default.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, cast
 
 from sharpcli import catalogue
-from sharpcli.curvature.hutchpp import HUTCHPP
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.registry import OperatorRequest
+from sharpcli.curvature.operators.registry import OperatorRequest
+from sharpcli.curvature.trace.hutchpp import HUTCHPP
+from sharpcli.curvature.trace.probes import TraceResult
 
 __all__ = [
     "DEFAULT_ESTIMATOR",

@@ -36,8 +36,8 @@ import torch
 
 from sharpcli import memory
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.totals import DOT_CHUNK, chunk_bounds, chunked_dots
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.totals import DOT_CHUNK, chunk_bounds, chunked_dots
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -117,7 +117,7 @@ def blocks_of(op, blocks) -> dict:
     Args:
         op: the operator.
         blocks: ``{layer: slice}``, or None for the operator's own
-            (:meth:`~sharpcli.curvature.operators.CurvatureOperator.blocks`; none for other
+            (:meth:`~sharpcli.curvature.operators.hessian.CurvatureOperator.blocks`; none for other
             objects).
 
     Returns:
@@ -146,7 +146,7 @@ def segment_sums(values: torch.Tensor, blocks: dict) -> torch.Tensor:
 
 
 # Entries of one float32 (BLAS) dot product of :func:`product_segment_sums`
-# (:func:`~sharpcli.curvature.totals.chunked_dots`); the chunks' dot products are summed in
+# (:func:`~sharpcli.curvature.products.totals.chunked_dots`); the chunks' dot products are summed in
 # float64: within 4e-11 (a probe's signed sum, 124M entries) and 6e-9 (a sum of squares) of
 # sum |a_i b_i|, far below a probe's spread, each chunk read at memory speed.
 SUM_CHUNK = DOT_CHUNK

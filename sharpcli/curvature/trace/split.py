@@ -22,8 +22,10 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.catalogue.values import QUANTITIES, TRACE_KEY
-from sharpcli.curvature.operators import joint_matmat
-from sharpcli.curvature.probes import (
+from sharpcli.curvature.operators.hessian import joint_matmat
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, SPLIT
+from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
+from sharpcli.curvature.trace.probes import (
     check_budget,
     mean_stderr,
     pilot_size,
@@ -32,8 +34,6 @@ from sharpcli.curvature.probes import (
     report_probes,
     segment_sums,
 )
-from sharpcli.curvature.registry import GGN, HESSIAN, SPLIT
-from sharpcli.curvature.scope import RademacherColumns, rademacher_bits_bytes
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SplitEstimate:
 
 
 def gn_nme_split(
-    cpass,
+    engine,
     *,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -61,7 +61,7 @@ def gn_nme_split(
     r"""Traces and squared Frobenius norms of H, G and N = H - G from shared probes.
 
     For each Rademacher probe :math:`v`, one joint pass gives :math:`H v` and :math:`G v`
-    (:func:`~sharpcli.curvature.operators.joint_matmat` of ``H``, ``G`` and ``H - G``), and
+    (:func:`~sharpcli.curvature.operators.hessian.joint_matmat` of ``H``, ``G`` and ``H - G``), and
 
     .. math::
 
@@ -71,9 +71,9 @@ def gn_nme_split(
     so :math:`\mathrm{tr}(H) = \mathrm{tr}(G) + \mathrm{tr}(N)` holds for the estimates.
 
     Args:
-        cpass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its H and G operators).
+        engine: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its H and G operators).
         tol: the relative standard error wanted of ``tr(H)`` and ``tr(G)``: a pilot sizes
-            the reported sample for it ([Stein1945], :mod:`sharpcli.curvature.probes`).
+            the reported sample for it ([Stein1945], :mod:`sharpcli.curvature.trace.probes`).
         max_matvecs: the most joint products, the pilot's included.
         seed: seeds the probes.
         block_size: probes per product block.
@@ -97,7 +97,7 @@ def gn_nme_split(
         True
     """
     check_budget(tol, max_matvecs, block_size)
-    H, G = cpass.hessian(), cpass.ggn()
+    H, G = engine.hessian(), engine.ggn()
     operators = (H, G, H - G)  # N = H - G ([NME] eq. 2): one joint pass gives all three
     dim, blocks = H.shape[0], H.blocks()
     generator = torch.Generator().manual_seed(int(seed))
@@ -136,7 +136,7 @@ def gn_nme_split(
     # beside the block: a block's probes drawn together, as bits
     with memory.current().hold("probe block", held + rademacher_bits_bytes(dim, block_size)):
         run = progress.start("hutchinson H,G,N", total=budget, quantity="tr(H)", capped=True)
-        # two stages as the trace estimators ([Stein1945], sharpcli.curvature.probes): the
+        # two stages as the trace estimators ([Stein1945], sharpcli.curvature.trace.probes): the
         # pilot sizes the sample for the slower of tr(H) and tr(G); only the main sample
         # is reported, so its standard errors are fixed-n ones
         pilot = pilot_size(min_samples, budget)

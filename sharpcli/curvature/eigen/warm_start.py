@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from sharpcli.curvature.operators import CurvatureOperator
+from sharpcli.curvature.operators.hessian import CurvatureOperator
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -87,8 +87,8 @@ def subsample_operator(op, fraction: float = DEFAULT_WARM_FRACTION, seed: int = 
     """The same curvature operator as ``op`` over a seeded ``fraction`` of its analysis set.
 
     Args:
-        op: a :class:`~sharpcli.curvature.operators.CurvatureOperator` over an analysis set.
-        fraction: the fraction of samples kept (:func:`~sharpcli.curvature.data.subsample_data`).
+        op: a :class:`~sharpcli.curvature.operators.hessian.CurvatureOperator` over an analysis set.
+        fraction: the fraction of samples kept (:func:`~sharpcli.curvature.products.data.subsample_data`).
         seed: seeds the choice of samples.
 
     Returns:

@@ -5,14 +5,14 @@ Each operator by its cheapest exact route, for the analysis loss
 
 - ``ggn``: :math:`\mathrm{tr}(G) = \frac1N \sum_i \sum_c \lVert J_i^\top s_{ic} \rVert^2` from the
   loss's factor :math:`H_z = \sum_c s_c s_c^\top`, C backward passes per batch
-  (:func:`~sharpcli.curvature.ggn_trace.exact_ggn_trace`);
+  (:func:`~sharpcli.curvature.trace.ggn.exact_ggn_trace`);
 - ``ef``: :math:`\mathrm{tr}(F_{\mathrm{emp}}) = \frac1N \sum_i \lVert g_i \rVert^2`, the
   per-sample gradients' squared norms, one backward pass per batch ([Kunstner2019]);
 - ``fisher``: the operator as its products define it, the Monte Carlo Fisher of its fixed
   label draws :math:`\hat y_{is} \sim p(\cdot \mid z_i)`:
   :math:`\mathrm{tr}(F) = \frac1{NS} \sum_i \sum_s \lVert J_i^\top \hat r_{is} \rVert^2`, S
   backward passes per batch. Its expectation over the draws is G for every built-in loss
-  (:mod:`sharpcli.curvature.fisher`); the exact trace of that expectation is ``ggn``'s;
+  (:mod:`sharpcli.curvature.operators.fisher`); the exact trace of that expectation is ``ggn``'s;
 - ``hessian`` and any other operator: :math:`\mathrm{tr}(A) = \sum_j (A e_j)_j`, one product
   per parameter in scope, the identity's columns taken in blocks (a dense block of A's
   columns per pass), per layer the sums over its coordinates; :math:`\mathrm{Tr}(A^2) =
@@ -24,7 +24,7 @@ Each operator by its cheapest exact route, for the analysis loss
 The three outer-product operators (G, the empirical and the sampled Fisher) are
 :math:`\frac1N \sum_i J_i^\top (\sum_c s_{ic} s_{ic}^\top) J_i` for their own output directions
 :math:`s_{ic}`, whose trace is a sum of per-sample squared gradient norms
-(:func:`~sharpcli.curvature.ggn_trace.outer_product_trace`): exact whatever P. The routes that
+(:func:`~sharpcli.curvature.trace.ggn.outer_product_trace`): exact whatever P. The routes that
 take P products are refused above :data:`EXACT_MAX_PARAMS` parameters in scope, naming the
 stochastic estimators to use instead.
 """
@@ -38,24 +38,24 @@ import torch
 
 from sharpcli import progress
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.fisher import (
+from sharpcli.curvature.operators.fisher import (
     EMPIRICAL_FISHER,
     FISHER,
     FisherOperator,
     fisher_residuals,
 )
-from sharpcli.curvature.ggn_trace import exact_ggn_trace, outer_product_trace
-from sharpcli.curvature.hutchpp import HUTCHPP
-from sharpcli.curvature.probes import TraceResult, blocks_of, product_segment_sums
-from sharpcli.curvature.registry import GGN, HESSIAN, NME, build_operator, operator_spec
-from sharpcli.curvature.trace import HUTCHINSON
+from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME, build_operator, operator_spec
+from sharpcli.curvature.trace.ggn import exact_ggn_trace, outer_product_trace
+from sharpcli.curvature.trace.hutchinson import HUTCHINSON
+from sharpcli.curvature.trace.hutchpp import HUTCHPP
+from sharpcli.curvature.trace.probes import TraceResult, blocks_of, product_segment_sums
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.engine import CurvatureEngine
-    from sharpcli.curvature.estimators import TraceRequest
+    from sharpcli.curvature.products.engine import CurvatureEngine
+    from sharpcli.curvature.trace.estimators import TraceRequest
 
 __all__ = [
     "EXACT",
@@ -162,21 +162,21 @@ def unit_vector_trace(
     )
 
 
-def exact_ef_trace(curvature_pass: CurvatureEngine) -> TraceResult:
+def exact_ef_trace(engine: CurvatureEngine) -> TraceResult:
     r"""``tr(F_emp) = (1/N) sum_i ||g_i||^2``, the per-sample gradients' squared norms.
 
     :math:`g_i = J_i^\top r_i` with :math:`r_i = \partial l(z_i, y_i) / \partial z_i`, one
-    output direction per sample (:func:`~sharpcli.curvature.ggn_trace.outer_product_trace`):
-    the trace of :class:`~sharpcli.curvature.fisher.EmpiricalFisherOperator`, one backward
+    output direction per sample (:func:`~sharpcli.curvature.trace.ggn.outer_product_trace`):
+    the trace of :class:`~sharpcli.curvature.operators.fisher.EmpiricalFisherOperator`, one backward
     pass per batch ([Kunstner2019]).
 
     Args:
-        curvature_pass: the analysis's engine (model, data, scope).
+        engine: the analysis's engine (model, data, scope).
 
     Returns:
         The exact trace with its per-layer parts.
     """
-    data = curvature_pass.data
+    data = engine.data
     loss = get_loss(data.loss)
 
     def directions(index: int, z_b: torch.Tensor, y_b: torch.Tensor) -> list[torch.Tensor]:
@@ -186,9 +186,9 @@ def exact_ef_trace(curvature_pass: CurvatureEngine) -> TraceResult:
         return [r]
 
     result = outer_product_trace(
-        curvature_pass.model,
+        engine.model,
         data,
-        curvature_pass.scope,
+        engine.scope,
         directions,
         symbol="F_emp",
         what="empirical Fisher",
@@ -207,8 +207,8 @@ def exact_fisher_trace(op: FisherOperator) -> TraceResult:
         \mathrm{tr}(F) = \frac1{NS} \sum_i \sum_{s=1}^S \lVert J_i^\top \hat r_{is} \rVert^2
 
     with the operator's labels :math:`\hat y_{is}` (drawn keyed by each sample's global index
-    and the operator's seed, :meth:`~sharpcli.curvature.fisher.FisherOperator.labels`) and
-    :math:`\hat r_{is}` their output gradients (:func:`~sharpcli.curvature.fisher.fisher_residuals`):
+    and the operator's seed, :meth:`~sharpcli.curvature.operators.fisher.FisherOperator.labels`) and
+    :math:`\hat r_{is}` their output gradients (:func:`~sharpcli.curvature.operators.fisher.fisher_residuals`):
     the sum of the diagonal of the matrix whose products ``op`` takes, S backward passes per
     batch. Its expectation over the draws is ``tr(G)`` ([Martens2020]).
 
@@ -246,11 +246,11 @@ def exact_fisher_trace(op: FisherOperator) -> TraceResult:
     return result
 
 
-def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
+def exact_nme_trace(engine: CurvatureEngine) -> TraceResult:
     """``tr(N) = tr(H) - tr(G)`` ([NME] eq. 2): P Hessian products and the exact tr(G).
 
     Args:
-        curvature_pass: the analysis's engine.
+        engine: the analysis's engine.
 
     Returns:
         The exact trace with its per-layer parts (each layer's H part less its G part).
@@ -258,9 +258,9 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
     Raises:
         UsageError: more parameters than :data:`EXACT_MAX_PARAMS`.
     """
-    check_exact_size(curvature_pass.scope.numel, NME)
-    hessian = unit_vector_trace(build_operator(HESSIAN, curvature_pass))
-    ggn = exact_ggn_trace(curvature_pass.model, curvature_pass.data, curvature_pass.scope)
+    check_exact_size(engine.scope.numel, NME)
+    hessian = unit_vector_trace(build_operator(HESSIAN, engine))
+    ggn = exact_ggn_trace(engine.model, engine.data, engine.scope)
     by_layer = {
         name: {"estimate": part["estimate"] - ggn.by_layer[name]["estimate"], "stderr": 0.0}
         for name, part in hessian.by_layer.items()
@@ -275,7 +275,7 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
         by_layer=by_layer,
         notes=[
             f"tr(N) = tr(H) - tr(G): exact tr(H) = {hessian.estimate:.6g} ({hessian.matvecs} "
-            f"products), exact tr(G) = {ggn.estimate:.6g} ({curvature_pass.data.loss})"
+            f"products), exact tr(G) = {ggn.estimate:.6g} ({engine.data.loss})"
         ],
     )
 
@@ -284,6 +284,7 @@ def exact_nme_trace(curvature_pass: CurvatureEngine) -> TraceResult:
     "estimator",
     EXACT,
     "every operator exactly (small models)",
+    info={"order": 4},
 )
 def exact_trace(request: TraceRequest) -> TraceResult:
     """The exact trace of any operator by its cheapest exact route (module docstring).
@@ -293,7 +294,7 @@ def exact_trace(request: TraceRequest) -> TraceResult:
     per parameter, refused above :data:`EXACT_MAX_PARAMS` parameters.
 
     Args:
-        request: the operator (:class:`~sharpcli.curvature.estimators.TraceRequest`).
+        request: the operator (:class:`~sharpcli.curvature.trace.estimators.TraceRequest`).
 
     Returns:
         The trace, with zero standard error.
@@ -301,18 +302,18 @@ def exact_trace(request: TraceRequest) -> TraceResult:
     Raises:
         UsageError: a route of P products on more than :data:`EXACT_MAX_PARAMS` parameters.
     """
-    cpass, operator = request.curvature_pass, request.operator
+    engine, operator = request.engine, request.operator
     operator_spec(operator)  # an unknown operator: the accepted names, before any work
     if not request.square:
         if operator == GGN:
-            return exact_ggn_trace(cpass.model, cpass.data, cpass.scope)
+            return exact_ggn_trace(engine.model, engine.data, engine.scope)
         if operator == EMPIRICAL_FISHER:
-            return exact_ef_trace(cpass)
+            return exact_ef_trace(engine)
         if operator == NME:
-            return exact_nme_trace(cpass)
+            return exact_nme_trace(engine)
         if operator == FISHER:
             op = request.build()
             if isinstance(op, FisherOperator):  # not an extension registered under the name
                 return exact_fisher_trace(op)
-    check_exact_size(cpass.scope.numel, operator, square=request.square)
+    check_exact_size(engine.scope.numel, operator, square=request.square)
     return unit_vector_trace(request.build(), square=request.square)

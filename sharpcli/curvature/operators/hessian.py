@@ -13,7 +13,7 @@ Hessians :math:`H_{z,i} = \\partial^2 \\ell / \\partial z_i^2`:
 
 (the Gauss-Newton matrix of [Schraudolph2002], see also [Martens2020]; the split and the name
 NME, nonlinear modelling error, are [NME] eq. 2). :class:`HessianOperator`, :class:`GGNOperator`
-and :class:`NMEOperator` multiply through one shared :class:`~sharpcli.curvature.engine.CurvatureEngine`
+and :class:`NMEOperator` multiply through one shared :class:`~sharpcli.curvature.products.engine.CurvatureEngine`
 (the cache of first-order graphs). Operators add, subtract and scale (``A + B``, ``A - B``,
 ``c * A``, ``-A``, ``A / c``): the result is a :class:`LinearCombination`, and terms on one
 engine are multiplied in one pass over the data (``H - G`` in the NME's own product, ``a H + b G``
@@ -44,9 +44,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sharpcli.curvature.data import AnalysisData, subsample_data
-from sharpcli.curvature.engine import DEFAULT_CACHE_BYTES, CurvatureEngine
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.data import AnalysisData, subsample_data
+from sharpcli.curvature.products.engine import DEFAULT_CACHE_BYTES, CurvatureEngine
+from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -72,7 +72,7 @@ class CurvatureOperator:
     (``matvecs``), and gives ``matvec``, ``@``, ``to_dense`` and the algebra ``A + B``,
     ``A - B``, ``c * A``, ``-A``, ``A / c`` (a :class:`LinearCombination`).
 
-    An operator built on a :class:`~sharpcli.curvature.engine.CurvatureEngine` (``engine``)
+    An operator built on a :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (``engine``)
     also knows its per-layer blocks (:meth:`blocks`), the loss gradient of its analysis set
     (:meth:`loss_and_gradient`) and itself on a data subsample (:meth:`on_subsample`). A
     class in the registry's convention (its constructor takes the engine and it keeps
@@ -147,15 +147,6 @@ class CurvatureOperator:
         if self.engine is not None:
             self.engine.clear_cache()
 
-    @property
-    def curvature_pass(self) -> CurvatureEngine | None:
-        """The engine's former name (:attr:`engine`)."""
-        return self.engine
-
-    @curvature_pass.setter
-    def curvature_pass(self, engine: CurvatureEngine | None) -> None:
-        self.engine = engine
-
     # ----------------------------------------------------------------- analysis set
     def blocks(self) -> dict[str, slice]:
         """The per-layer diagonal blocks of the parameter vector.
@@ -193,7 +184,7 @@ class CurvatureOperator:
         """The same operator over a seeded random subsample of its analysis set.
 
         On its own engine (same model, scope, cache budget and vectorisation) over
-        :func:`~sharpcli.curvature.data.subsample_data`: the mean curvature over the subset,
+        :func:`~sharpcli.curvature.products.data.subsample_data`: the mean curvature over the subset,
         :math:`A_S = \\frac{1}{|S|} \\sum_{i \\in S} A_i`.
 
         Args:

@@ -12,9 +12,9 @@ each term a per-sample squared gradient norm, summed per parameter and so per la
 (:func:`exact_ggn_trace`: C backward passes per batch). :func:`gn_split_trace` adds Hutch++
 on the NME :math:`N = H - G` to that exact part. The helpers for per-sample functional calls
 (:func:`functional_logits`, :func:`vmapped_or_looped`) serve the sampled-label estimator of
-:mod:`sharpcli.curvature.sampled_ggn` too. :func:`gn_split` is the trace estimator ``gn-split``
-of ``sharp trace --estimator`` (:mod:`sharpcli.curvature.estimators`), declared here; the
-estimator ``exact`` (:mod:`sharpcli.curvature.trace_exact`) takes :func:`exact_ggn_trace` for G and
+:mod:`sharpcli.curvature.trace.sampled_ggn` too. :func:`gn_split` is the trace estimator ``gn-split``
+of ``sharp trace --estimator`` (:mod:`sharpcli.curvature.trace.estimators`), declared here; the
+estimator ``exact`` (:mod:`sharpcli.curvature.trace.exact`) takes :func:`exact_ggn_trace` for G and
 :func:`outer_product_trace` for the Fisher matrices.
 """
 
@@ -29,19 +29,19 @@ from torch import nn
 
 from sharpcli import progress
 from sharpcli.catalogue import GGN_EXACT
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.hutchpp import hutchpp
-from sharpcli.curvature.persample import LayerTaps
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.registry import HESSIAN
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.operators.registry import HESSIAN
+from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.persample import LayerTaps
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.hutchpp import hutchpp
+from sharpcli.curvature.trace.probes import TraceResult
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.estimators import TraceRequest
+    from sharpcli.curvature.trace.estimators import TraceRequest
 
 __all__ = [
     "CHUNK_BYTES",
@@ -213,11 +213,11 @@ def outer_product_trace(
     each term a per-sample squared gradient norm (of :math:`\langle s_{ic}, z_i \rangle`),
     summed per parameter and so per layer. For ``nn.Linear``, ``nn.Conv2d`` and eval-mode
     BatchNorm layers it comes from one backward pass per direction and batch to the layers'
-    outputs (:class:`~sharpcli.curvature.persample.LayerTaps`, no per-sample gradients
+    outputs (:class:`~sharpcli.curvature.products.persample.LayerTaps`, no per-sample gradients
     formed, [Goodfellow2015]); any other parameter (custom layers, shared weights) from
     per-sample Jacobians (``vmap(jacrev)``). The Gauss-Newton matrix, the empirical Fisher and
     the sampled-label Fisher are all of this form (:func:`exact_ggn_trace`,
-    :mod:`sharpcli.curvature.trace_exact`).
+    :mod:`sharpcli.curvature.trace.exact`).
 
     Args:
         model: the model.
@@ -323,7 +323,7 @@ def exact_ggn_trace(model: nn.Module, data: AnalysisData, scope: ParamScope) -> 
 
 
 def gn_split_trace(
-    curvature_pass,
+    engine,
     *,
     tol: float = 1e-2,
     max_matvecs: int = 1000,
@@ -346,7 +346,7 @@ def gn_split_trace(
     products; the exact part's cost is in ``notes``.
 
     Args:
-        curvature_pass: the :class:`~sharpcli.curvature.engine.CurvatureEngine` (its model,
+        engine: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its model,
             data and scope give the exact part, its NME operator the estimated one).
         tol: the standard error relative to ``tr(H)`` the probes are sized for.
         max_matvecs: the most NME products.
@@ -357,13 +357,13 @@ def gn_split_trace(
     Returns:
         A :class:`TraceResult` of ``tr(H)`` (``estimator="gn-split"``).
     """
-    data, scope = curvature_pass.data, curvature_pass.scope
-    ggn = exact_ggn_trace(curvature_pass.model, data, scope)
+    data, scope = engine.data, engine.scope
+    ggn = exact_ggn_trace(engine.model, data, scope)
     known = torch.tensor(
         [ggn.estimate] + [v["estimate"] for v in ggn.by_layer.values()], dtype=torch.float64
     )
     nme = hutchpp(
-        curvature_pass.nme(),
+        engine.nme(),
         tol=tol,
         max_matvecs=max_matvecs,
         seed=seed,
@@ -387,12 +387,18 @@ def _require(request: TraceRequest, operator: str, message: str) -> None:
         raise UsageError(f"{message} (`operator={operator}`, no `square`)", source="estimator")
 
 
-@declare("estimator", GN_SPLIT, "tr(G) and tr(N) from shared probes, tr(H) their sum", paper="NME")
+@declare(
+    "estimator",
+    GN_SPLIT,
+    "tr(G) and tr(N) from shared probes, tr(H) their sum",
+    paper="NME",
+    info={"order": 3},
+)
 def gn_split(request: TraceRequest) -> TraceResult:
     """``tr(H) = tr(G) + tr(N)``: exact ``tr(G)`` plus Hutch++ on ``N`` ([NME] eq. 2).
 
     Args:
-        request: the operator and the budget (:class:`~sharpcli.curvature.estimators.TraceRequest`).
+        request: the operator and the budget (:class:`~sharpcli.curvature.trace.estimators.TraceRequest`).
 
     Returns:
         The estimate (:func:`gn_split_trace`).
@@ -402,4 +408,4 @@ def gn_split(request: TraceRequest) -> TraceResult:
     """
     _require(request, HESSIAN, f"the {GN_SPLIT} estimator is for the Hessian trace")
     r = request
-    return gn_split_trace(r.curvature_pass, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)
+    return gn_split_trace(r.engine, tol=r.tol, max_matvecs=r.max_matvecs, seed=r.seed)

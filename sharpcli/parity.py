@@ -30,12 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from sharpcli.curvature.data import AnalysisData, prepare_model_for_analysis, to_model_batch
-from sharpcli.curvature.operators import HessianOperator
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.ritz import EigenResult, ritz_residuals
-from sharpcli.curvature.scope import ParamScope
-from sharpcli.curvature.trace import HUTCHINSON
+from sharpcli.curvature.eigen.ritz import EigenResult, ritz_residuals
+from sharpcli.curvature.operators.hessian import HessianOperator
+from sharpcli.curvature.products.data import (
+    AnalysisData,
+    prepare_model_for_analysis,
+    to_model_batch,
+)
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.hutchinson import HUTCHINSON
+from sharpcli.curvature.trace.probes import TraceResult
 from sharpcli.errors import UsageError
 from sharpcli.losses import loss_fn
 
@@ -151,11 +155,11 @@ def pyhessian_eigenvalues(
         tol: pyhessian's relative-change tolerance.
         max_matvecs: pyhessian's most iterations per eigenvalue.
         seed: seeds torch's generator for pyhessian's start vectors.
-        params: the parameter scope spec (see :meth:`~sharpcli.curvature.scope.ParamScope.resolve`).
+        params: the parameter scope spec (see :meth:`~sharpcli.curvature.products.scope.ParamScope.resolve`).
         verify_residuals: measure each eigenvector's residual with the native operator.
 
     Returns:
-        An :class:`~sharpcli.curvature.ritz.EigenResult` with ``engine="pyhessian"`` notes.
+        An :class:`~sharpcli.curvature.eigen.ritz.EigenResult` with ``engine="pyhessian"`` notes.
     """
     _check_scope(params)
     if int(top_k) < 1:
@@ -222,7 +226,7 @@ def pyhessian_trace(
         run_all: take exactly ``max_matvecs`` samples.
 
     Returns:
-        A :class:`~sharpcli.curvature.probes.TraceResult` with ``engine="pyhessian"``.
+        A :class:`~sharpcli.curvature.trace.probes.TraceResult` with ``engine="pyhessian"``.
     """
     _check_scope(params)
     rule_tol = float("-inf") if run_all else float(tol)

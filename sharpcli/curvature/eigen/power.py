@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from sharpcli import progress
-from sharpcli.curvature.ritz import EigenResult, apply_operator
-from sharpcli.curvature.scope import gaussian_like
+from sharpcli.curvature.eigen.ritz import EigenResult, apply_operator
+from sharpcli.curvature.products.scope import gaussian_like
 from sharpcli.errors import UsageError
 
 __all__ = ["power_iteration"]
@@ -120,7 +120,7 @@ def power_iteration(
         return_eigenvectors: keep the unit float64 eigenvectors as columns.
 
     Returns:
-        An :class:`~sharpcli.curvature.ritz.EigenResult`, eigenvalues descending.
+        An :class:`~sharpcli.curvature.eigen.ritz.EigenResult`, eigenvalues descending.
 
     Example:
         >>> import torch

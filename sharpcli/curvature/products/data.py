@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ __all__ = [
     "distributed_rank_and_world",
     "determinism_check",
     "prepare_model_for_analysis",
+    "per_sample_draws",
     "train_mode_modules",
 ]
 
@@ -260,18 +261,6 @@ def to_model_batch(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, device)
     return x, y
 
 
-def batch_list(data: AnalysisData) -> Sequence[tuple[torch.Tensor, torch.Tensor, float]]:
-    """All batches of this rank as a list (for engines that need a re-iterable loader).
-
-    Args:
-        data: the analysis set.
-
-    Returns:
-        ``[(x_b, y_b, B_b / N), ...]``.
-    """
-    return list(data.batches())
-
-
 def subsample_data(data: AnalysisData, fraction: float, seed: int = 0) -> AnalysisData:
     """The analysis set restricted to a seeded random fraction of its samples.
 
@@ -316,3 +305,42 @@ def subsample_data(data: AnalysisData, fraction: float, seed: int = 0) -> Analys
     sub.local_num_samples = keep
     sub.num_samples = int(round(all_reduce_sum(float(keep))))
     return sub
+
+
+_DRAW_BLOCK = 1024  # samples per independently seeded block of label draws
+
+
+def per_sample_draws(
+    base_seed: int, start: int, stop: int, samples: int, kind: str, tail: tuple
+) -> torch.Tensor:
+    """Random numbers for the global sample indices ``[start, stop)``, shape ``(samples, stop - start, *tail)``.
+
+    Sample ``i`` takes its numbers from block ``i // 1024``, whose CPU generator is seeded with
+    ``base_seed * 2**20 + block``: every rank and every batch size sees the same numbers for
+    the same sample. ``kind`` is ``"uniform"`` (U[0, 1)) or ``"normal"`` (N(0, 1)), float64.
+
+    Args:
+        base_seed: the seed of the draws.
+        start: the first global sample index.
+        stop: one past the last.
+        samples: the draws per sample.
+        kind: ``"uniform"`` or ``"normal"``.
+        tail: the shape of one draw.
+
+    Returns:
+        The float64 draws.
+    """
+    draw = torch.rand if kind == "uniform" else torch.randn
+    parts = []
+    for block in range(
+        start // _DRAW_BLOCK,
+        (stop - 1) // _DRAW_BLOCK + 1 if stop > start else start // _DRAW_BLOCK,
+    ):
+        generator = torch.Generator().manual_seed(base_seed * 2**20 + block)
+        values = draw((samples, _DRAW_BLOCK, *tail), generator=generator, dtype=torch.float64)
+        lo = max(start, block * _DRAW_BLOCK) - block * _DRAW_BLOCK
+        hi = min(stop, (block + 1) * _DRAW_BLOCK) - block * _DRAW_BLOCK
+        parts.append(values[:, lo:hi])
+    if not parts:
+        return torch.zeros((samples, 0, *tail), dtype=torch.float64)
+    return torch.cat(parts, dim=1)

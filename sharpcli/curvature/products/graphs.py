@@ -1,7 +1,7 @@
 """The first-order graph of a batch and the autograd pieces the curvature engine builds on.
 
 :class:`BatchGraph` holds what one batch's forward and backward pass leave for the products
-(:class:`~sharpcli.curvature.engine.CurvatureEngine`); :class:`ByteCounter` measures what such a
+(:class:`~sharpcli.curvature.products.engine.CurvatureEngine`); :class:`ByteCounter` measures what such a
 graph keeps alive; :func:`vjp` is the vector-Jacobian product every product is made of, and :func:`flat_block`
 lays its parameter-shaped results out as a block of flat columns.
 """
@@ -16,8 +16,8 @@ import torch
 from sharpcli.errors import NumericalError
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.scope import ParamScope
-    from sharpcli.curvature.softmax_chunks import SoftmaxRows
+    from sharpcli.curvature.products.scope import ParamScope
+    from sharpcli.curvature.products.softmax_chunks import SoftmaxRows
 
 __all__ = ["BatchGraph", "ByteCounter", "check_finite", "flat_block", "vjp"]
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.products.scope import ParamScope
 
 __all__ = ["LayerTaps", "autograd_uses"]
 
@@ -106,11 +106,6 @@ class _Tap:
     def clear(self):
         self.inputs.clear()
         self.outputs.clear()
-
-
-def _sum_positions(t: torch.Tensor) -> torch.Tensor:
-    """(B, ..., d) -> (B, d): a bias-like gradient sums over every position."""
-    return t.reshape(t.shape[0], -1, t.shape[-1]).sum(1)
 
 
 def _use_gradients(module: nn.Module, a: torch.Tensor, delta: torch.Tensor):

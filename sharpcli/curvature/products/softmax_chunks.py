@@ -2,7 +2,7 @@ r"""Softmax cross-entropy over large vocabularies: its logit gradient and Hessia
 
 A language model's logits ``z`` are ``(B, T, V)``: at a GPT-2 vocabulary (``V = 50257``) and
 8 x 512 tokens one float32 copy is 823 MB. Differentiating ``F.cross_entropy`` twice with
-autograd (the curvature engine's first-order graph, :mod:`sharpcli.curvature.engine`) keeps
+autograd (the curvature engine's first-order graph, :mod:`sharpcli.curvature.products.engine`) keeps
 its log-softmax and the gradient of the negative log-likelihood in the graph and makes several
 more logit-sized tensors in every product (the exponential, ``H_z u`` and the terms of the
 log-softmax's double backward). Here the loss's part is written out instead, one chunk of
@@ -220,7 +220,7 @@ class SoftmaxRows:
     @staticmethod
     def vjp(z: torch.Tensor, params, u: torch.Tensor, *, batched: bool = False, **kw) -> tuple:
         """``J^T u`` from the logits' graph with ``u`` as the gradient fed in (no logits-sized
-        ``<z, u>`` to differentiate, unlike :func:`sharpcli.curvature.graphs.vjp`).
+        ``<z, u>`` to differentiate, unlike :func:`sharpcli.curvature.products.graphs.vjp`).
 
         Args:
             z: the logits.

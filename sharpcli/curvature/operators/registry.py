@@ -16,7 +16,7 @@ Built in, for the analysis loss ``L = (1/N) sum_i l(f(theta, x_i), y_i)``:
 - ``nme``     N = H - G, the nonlinear modelling error [NME] eq. 2.
 
 ``SPLIT`` names the three parts of ``H = G + N``, which ``sharp gn-nme`` estimates together
-from shared probes (:mod:`sharpcli.curvature.split`).
+from shared probes (:mod:`sharpcli.curvature.trace.split`).
 
 Paper keys resolve in docs/references.md.
 """
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Callable
 
 from sharpcli import catalogue
 from sharpcli.catalogue import operator_help, operator_table
-from sharpcli.curvature.operators import GGNOperator, HessianOperator, NMEOperator
+from sharpcli.curvature.operators.hessian import GGNOperator, HessianOperator, NMEOperator
 from sharpcli.losses import get_loss
 from sharpcli.registry import Entry, declaration, declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.operators import CurvatureEngine, CurvatureOperator
+    from sharpcli.curvature.operators.hessian import CurvatureEngine, CurvatureOperator
 
 __all__ = [
     "GGN",
@@ -63,8 +63,8 @@ SPLIT = (HESSIAN, GGN, NME)
 class OperatorSpec:
     """What the code knows about one curvature operator.
 
-    ``build(curvature_pass)`` returns the operator (a
-    :class:`~sharpcli.curvature.CurvatureOperator` of size ``scope.numel``) sharing the pass's
+    ``build(engine)`` returns the operator (a
+    :class:`~sharpcli.curvature.CurvatureOperator` of size ``scope.numel``) sharing the engine's
     model, data, scope and cached graphs. ``symbol`` is its letter in tables (``"H"``);
     ``description`` one line for ``--help`` and the docs. ``psd``: positive semi-definite, so
     its smallest eigenvalue is >= 0 (negative Ritz values are rounding). ``rank_bound``, when
@@ -85,7 +85,7 @@ OPERATORS = catalogue.OPERATORS
 
 def _as_spec(entry: Entry, obj: object) -> OperatorSpec:
     """The registry's check: an :class:`OperatorSpec` as it is; a declared builder (a class or
-    function taking the pass, resolved from the index or added with ``OPERATORS.add``) made
+    function taking the engine, resolved from the index or added with ``OPERATORS.add``) made
     into one from its record (its ``rank_bound`` attribute, if any, kept)."""
     if isinstance(obj, OperatorSpec):
         return obj
@@ -118,7 +118,7 @@ def register_operator(
     Args:
         name: a CLI value (lower case letters, digits and '-').
         build: called with the :class:`~sharpcli.curvature.CurvatureEngine` of the analysis; a
-            class whose constructor takes that pass is a valid ``build``.
+            class whose constructor takes that engine is a valid ``build``.
         symbol: its letter in tables; a built-in's comes from its catalogue record.
         description: one line for ``--help`` and the docs (whitespace is normalised); a
             built-in's comes from its catalogue record.
@@ -196,12 +196,12 @@ def operator_spec(name: str, parameter: str = "operator") -> OperatorSpec:
     return OPERATORS.get(name, source=parameter)
 
 
-def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """The operator ``name`` on ``curvature_pass`` (sharing its cache).
+def build_operator(name: str, engine: "CurvatureEngine") -> "CurvatureOperator":
+    """The operator ``name`` on ``engine`` (sharing its cache).
 
     Args:
         name: the operator.
-        curvature_pass: the analysis' pass.
+        engine: the analysis's engine.
 
     Returns:
         The operator.
@@ -209,32 +209,32 @@ def build_operator(name: str, curvature_pass: "CurvatureEngine") -> "CurvatureOp
     Raises:
         RegistryError: (a UsageError) an unknown name.
     """
-    return operator_spec(name).build(curvature_pass)
+    return operator_spec(name).build(engine)
 
 
 @dataclass(frozen=True)
 class OperatorRequest:
-    """A registered operator on an analysis's pass: what an estimator is asked about.
+    """A registered operator on an analysis's engine: what an estimator is asked about.
 
     The trace and diagonal estimators' requests
-    (:class:`~sharpcli.curvature.estimators.TraceRequest`,
+    (:class:`~sharpcli.curvature.trace.estimators.TraceRequest`,
     :class:`~sharpcli.curvature.diagonal.DiagonalRequest`) add their budgets.
 
     Attributes:
-        curvature_pass: the analysis's pass (model, data, scope, cached graphs).
+        engine: the analysis's engine (model, data, scope, cached graphs).
         operator: a registered operator name.
     """
 
-    curvature_pass: "CurvatureEngine"
+    engine: "CurvatureEngine"
     operator: str
 
     def build(self) -> "CurvatureOperator":
-        """The operator on the pass (:func:`build_operator`).
+        """The operator on the engine (:func:`build_operator`).
 
         Returns:
-            The operator, sharing the pass's cached graphs.
+            The operator, sharing the engine's cached graphs.
         """
-        return build_operator(self.operator, self.curvature_pass)
+        return build_operator(self.operator, self.engine)
 
 
 def _split(symbol: str, psd: bool) -> dict[str, object]:
@@ -243,21 +243,21 @@ def _split(symbol: str, psd: bool) -> dict[str, object]:
 
 
 @declare("operator", HESSIAN, "Hessian of the loss", info={**_split("H", False), "default": True})
-def build_hessian(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``hessian``: H on the pass (``curvature_pass`` -> the operator)."""
-    return HessianOperator(engine=curvature_pass)
+def build_hessian(engine: "CurvatureEngine") -> "CurvatureOperator":
+    """``hessian``: H on the engine (``engine`` -> the operator)."""
+    return HessianOperator(engine=engine)
 
 
 @declare("operator", GGN, "Gauss-Newton J^T H_z J", paper="Schraudolph2002", info=_split("G", True))
-def build_ggn(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``ggn``: G on the pass (``curvature_pass`` -> the operator)."""
-    return GGNOperator(engine=curvature_pass)
+def build_ggn(engine: "CurvatureEngine") -> "CurvatureOperator":
+    """``ggn``: G on the engine (``engine`` -> the operator)."""
+    return GGNOperator(engine=engine)
 
 
 @declare("operator", NME, "nonlinear modelling error H - G", paper="NME", info=_split("N", False))
-def build_nme(curvature_pass: "CurvatureEngine") -> "CurvatureOperator":
-    """``nme``: N = H - G on the pass (``curvature_pass`` -> the operator)."""
-    return NMEOperator(engine=curvature_pass)
+def build_nme(engine: "CurvatureEngine") -> "CurvatureOperator":
+    """``nme``: N = H - G on the engine (``engine`` -> the operator)."""
+    return NMEOperator(engine=engine)
 
 
 def _ggn_rank_bound(num_samples: int, num_outputs: int, loss: str) -> int:

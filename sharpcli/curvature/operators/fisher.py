@@ -26,13 +26,13 @@ binary cross-entropy (``Bernoulli(sigmoid z)``) and mse, whose
 Gaussian likelihood, whose Fisher is :math:`J^\top J = \frac C2 G`) the Fisher equals G.
 
 Products reuse the curvature engine's cached first-order graph of each batch
-(:mod:`sharpcli.curvature.engine`): :math:`J v` comes from the same reverse pass as the
+(:mod:`sharpcli.curvature.products.engine`): :math:`J v` comes from the same reverse pass as the
 Gauss-Newton product, then :math:`u_i = \sum_s r_{is} (r_{is} \cdot J_i v)` and one
 vector-Jacobian product :math:`J^\top u`: the cost of a G product. The empirical Fisher's
 :math:`r_i` is the cached :math:`g_z = \partial L_b / \partial z` times N (a batch enters with
 weight :math:`B_b / N`, so :math:`g_{z,i} = r_i / N`); the Fisher's labels are drawn once per
 operator from random numbers keyed by each sample's global index (as the sampled-label trace of
-:mod:`sharpcli.curvature.sampled_ggn`), so the operator is one fixed symmetric matrix whatever
+:mod:`sharpcli.curvature.trace.sampled_ggn`), so the operator is one fixed symmetric matrix whatever
 the batch size or the ranks.
 """
 
@@ -43,13 +43,12 @@ import math
 
 import torch
 
-from sharpcli.curvature.data import all_reduce_sum
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.engine import CurvatureEngine
-from sharpcli.curvature.graphs import BatchGraph
-from sharpcli.curvature.operators import CurvatureOperator
-from sharpcli.curvature.registry import register_operator
-from sharpcli.curvature.sampled_ggn import _per_sample_draws
+from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.operators.registry import register_operator
+from sharpcli.curvature.products.data import all_reduce_sum, per_sample_draws
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.engine import CurvatureEngine
+from sharpcli.curvature.products.graphs import BatchGraph
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
 from sharpcli.registry import declare
@@ -102,11 +101,11 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
     the 1/N and 1/S of the average folded in as ``1/sqrt(N S)``).
     """
 
-    def __init__(self, curvature_pass: CurvatureEngine):
-        scope = curvature_pass.scope
+    def __init__(self, engine: CurvatureEngine):
+        scope = engine.scope
         super().__init__(scope.numel, scope.dtype, scope.device)
-        self.engine = curvature_pass
-        self.model, self.data, self.scope = curvature_pass.model, curvature_pass.data, scope
+        self.engine = engine
+        self.model, self.data, self.scope = engine.model, engine.data, scope
 
     @abc.abstractmethod
     def _residuals(self, index: int, graph: BatchGraph) -> torch.Tensor:
@@ -184,7 +183,7 @@ class EmpiricalFisherOperator(_OuterProductOperator):
     weighted loss). PSD, rank at most N; ``tr(F_emp) = (1/N) sum_i ||g_i||^2``.
 
     Args:
-        curvature_pass: the analysis's engine (its cached graphs are shared).
+        engine: the analysis's engine (its cached graphs are shared).
     """
 
     name = "empirical Fisher"
@@ -215,7 +214,7 @@ class FisherOperator(_OuterProductOperator):
     the Gauss-Newton matrix G.
 
     Args:
-        curvature_pass: the analysis's engine (its cached graphs are shared).
+        engine: the analysis's engine (its cached graphs are shared).
         samples: label draws per data point.
         seed: seeds the label draws.
 
@@ -225,8 +224,8 @@ class FisherOperator(_OuterProductOperator):
 
     name = "Fisher"
 
-    def __init__(self, curvature_pass: CurvatureEngine, samples: int = 1, seed: int = 0):
-        super().__init__(curvature_pass)
+    def __init__(self, engine: CurvatureEngine, samples: int = 1, seed: int = 0):
+        super().__init__(engine)
         if int(samples) < 1:
             raise UsageError(f"samples must be >= 1, got {samples}", source="samples")
         self.loss = get_loss(self.data.loss)
@@ -259,7 +258,7 @@ class FisherOperator(_OuterProductOperator):
         start, y_b = self._batch_labels(index, z.shape[0])
         tail = tuple(loss.label_noise_shape(z)[1:])
         assert loss.sampler is not None  # checked in __init__
-        noise = _per_sample_draws(
+        noise = per_sample_draws(
             self.seed, start, start + z.shape[0], self.samples, loss.sampler.noise, tail
         )
         y_b = y_b.to(z.device)

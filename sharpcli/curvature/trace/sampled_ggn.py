@@ -16,47 +16,25 @@ import torch
 from torch import nn
 
 from sharpcli import progress
-from sharpcli.curvature.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.curvature.differentiable import twice_differentiable
-from sharpcli.curvature.ggn_trace import (
+from sharpcli.curvature.products.data import (
+    AnalysisData,
+    all_reduce_sum,
+    per_sample_draws,
+    to_model_batch,
+)
+from sharpcli.curvature.products.differentiable import twice_differentiable
+from sharpcli.curvature.products.scope import ParamScope
+from sharpcli.curvature.trace.ggn import (
     CHUNK_BYTES,
     functional_logits,
     param_to_layer,
     vmapped_or_looped,
 )
-from sharpcli.curvature.probes import TraceResult
-from sharpcli.curvature.scope import ParamScope
+from sharpcli.curvature.trace.probes import TraceResult
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 
 __all__ = ["sampled_label_ggn_trace"]
-
-_DRAW_BLOCK = 1024  # samples per independently seeded block of label draws
-
-
-def _per_sample_draws(
-    base_seed: int, start: int, stop: int, samples: int, kind: str, tail: tuple
-) -> torch.Tensor:
-    """Random numbers for the global sample indices ``[start, stop)``, shape ``(samples, stop - start, *tail)``.
-
-    Sample ``i`` takes its numbers from block ``i // 1024``, whose CPU generator is seeded with
-    ``base_seed * 2**20 + block``: every rank and every batch size sees the same numbers for
-    the same sample. ``kind`` is ``"uniform"`` (U[0, 1)) or ``"normal"`` (N(0, 1)), float64.
-    """
-    draw = torch.rand if kind == "uniform" else torch.randn
-    parts = []
-    for block in range(
-        start // _DRAW_BLOCK,
-        (stop - 1) // _DRAW_BLOCK + 1 if stop > start else start // _DRAW_BLOCK,
-    ):
-        generator = torch.Generator().manual_seed(base_seed * 2**20 + block)
-        values = draw((samples, _DRAW_BLOCK, *tail), generator=generator, dtype=torch.float64)
-        lo = max(start, block * _DRAW_BLOCK) - block * _DRAW_BLOCK
-        hi = min(stop, (block + 1) * _DRAW_BLOCK) - block * _DRAW_BLOCK
-        parts.append(values[:, lo:hi])
-    if not parts:
-        return torch.zeros((samples, 0, *tail), dtype=torch.float64)
-    return torch.cat(parts, dim=1)
 
 
 @twice_differentiable()
@@ -79,7 +57,7 @@ def sampled_label_ggn_trace(
     mse (``l = (1/C)||z - y||^2``) ``y^ ~ N(z_i, (C/2) I)``, for which
     ``E||J^T (2/C)(z - y^)||^2 = (2/C)||J||_F^2`` as well. ``samples`` labels are drawn
     per data point from random numbers keyed by the point's global index in the analysis set
-    (:func:`_per_sample_draws`, base seed from the CPU ``generator``), so the draws, and the
+    (:func:`per_sample_draws`, base seed from the CPU ``generator``), so the draws, and the
     result, do not depend on the batch size or on how ranks shard the set; per-sample
     gradients come from ``vmap(grad)``. Standard
     error of the mean over the label draws, the data set being fixed: with ``samples >= 2``,
@@ -94,7 +72,7 @@ def sampled_label_ggn_trace(
         generator: the CPU generator of the base seed (default seeded with 0).
 
     Returns:
-        A :class:`~sharpcli.curvature.probes.TraceResult` (``estimator="sampled-label"``)
+        A :class:`~sharpcli.curvature.trace.probes.TraceResult` (``estimator="sampled-label"``)
         with the per-layer traces.
     """
     from torch.func import grad
@@ -135,7 +113,7 @@ def sampled_label_ggn_trace(
         with torch.no_grad():
             z_b = model(x_b)
         tail = tuple(loss.label_noise_shape(z_b)[1:])
-        batch_draws = _per_sample_draws(
+        batch_draws = per_sample_draws(
             base_seed, first, first + x_b.shape[0], S, loss.sampler.noise, tail
         )
         first += x_b.shape[0]

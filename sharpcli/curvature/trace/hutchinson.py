@@ -7,14 +7,14 @@ r"""Hutchinson's trace estimator and the squared Frobenius norm, with per-layer 
   \rVert^2` (the flatness of [FA] eq. 1); per layer
   :math:`\mathbb{E}\lVert (A g)_b \rVert^2 = \mathrm{Tr}((A^2)_{bb})`.
 - :func:`hutchinson_trace`: the trace estimator ``hutchinson`` of ``sharp trace --estimator``
-  (:mod:`sharpcli.curvature.estimators`), declared here; :func:`probed` runs an estimator of
+  (:mod:`sharpcli.curvature.trace.estimators`), declared here; :func:`probed` runs an estimator of
   ``tr(A)`` or :func:`frobenius_sq` as a request asks.
 
-Both size their sample in two stages (:mod:`sharpcli.curvature.probes`): a pilot of
+Both size their sample in two stages (:mod:`sharpcli.curvature.trace.probes`): a pilot of
 ``min_samples`` probes, then the probes it says ``tol`` needs (at most ``max_matvecs`` in
 all), whose mean and standard error are reported. Hutch++, the exact and the sampled-label
-Gauss-Newton traces live in :mod:`~sharpcli.curvature.hutchpp`,
-:mod:`~sharpcli.curvature.ggn_trace` and :mod:`~sharpcli.curvature.sampled_ggn`.
+Gauss-Newton traces live in :mod:`~sharpcli.curvature.trace.hutchpp`,
+:mod:`~sharpcli.curvature.trace.ggn` and :mod:`~sharpcli.curvature.trace.sampled_ggn`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.probes import (
+from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
+from sharpcli.curvature.trace.probes import (
     TraceResult,
     blocks_of,
     check_budget,
@@ -37,11 +38,10 @@ from sharpcli.curvature.probes import (
     product_segment_sums,
     report_probes,
 )
-from sharpcli.curvature.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.registry import declare
 
 if TYPE_CHECKING:
-    from sharpcli.curvature.estimators import TraceRequest
+    from sharpcli.curvature.trace.estimators import TraceRequest
 
 __all__ = ["HUTCHINSON", "frobenius_sq", "hutchinson", "hutchinson_trace", "probed"]
 
@@ -66,7 +66,7 @@ class _Probes:
         """``count`` probes' rows, reported to ``run`` block by block.
 
         Each probe is expanded from the next bits of the generator
-        (:class:`~sharpcli.curvature.scope.RademacherColumns`), so the same seed gives the
+        (:class:`~sharpcli.curvature.products.scope.RademacherColumns`), so the same seed gives the
         same probes whatever the block size and the memory budget.
 
         Args:
@@ -105,7 +105,7 @@ class _Probes:
 
 def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks):
     """Shared Hutchinson-type loop, the sample sized in two stages
-    (:mod:`sharpcli.curvature.probes`).
+    (:mod:`sharpcli.curvature.trace.probes`).
 
     Returns:
         ``(mean, stderr, matvecs, probes, converged)`` of the main sample; ``converged``
@@ -179,7 +179,7 @@ def hutchinson(
         block_size: probes per product block (fewer when the memory plan says so).
         min_samples: the pilot's probes, and the fewest main probes.
         blocks: ``{layer: slice}`` of the per-layer traces; default the operator's own
-            (:meth:`~sharpcli.curvature.operators.CurvatureOperator.blocks`).
+            (:meth:`~sharpcli.curvature.operators.hessian.CurvatureOperator.blocks`).
 
     Returns:
         A :class:`TraceResult` with the standard error and the per-layer traces.
@@ -282,7 +282,7 @@ def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> Trace
 
     Args:
         estimate: an estimator of ``tr(A)`` taking the operator, ``tol``, ``max_matvecs`` and
-            ``seed`` (:func:`hutchinson`, :func:`~sharpcli.curvature.hutchpp.hutchpp`).
+            ``seed`` (:func:`hutchinson`, :func:`~sharpcli.curvature.trace.hutchpp.hutchpp`).
         request: the operator and the budget.
 
     Returns:
@@ -299,6 +299,7 @@ def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> Trace
     HUTCHINSON,
     "Rademacher probes until the stderr meets tol",
     paper="Hutchinson1989",
+    info={"order": 2},
 )
 def hutchinson_trace(request: TraceRequest) -> TraceResult:
     """``tr(A) = E[g^T A g]`` over Rademacher probes ([Hutchinson1989]); ``Tr(A^2)`` likewise.

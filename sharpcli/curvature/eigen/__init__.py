@@ -1,0 +1,1 @@
+"""Extreme eigenvalues: Lanczos (its basis, Ritz pairs, warm starts) and power iteration."""

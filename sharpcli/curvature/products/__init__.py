@@ -1,0 +1,1 @@
+"""Curvature products: the analysis set, the parameter scope, the engine and its graphs."""

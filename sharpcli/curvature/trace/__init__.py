@@ -1,0 +1,1 @@
+"""Trace estimators (``--estimator NAME``) and the probes they share."""
