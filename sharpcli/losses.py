@@ -45,7 +45,6 @@ __all__ = [
     "Loss",
     "clear_token_reduction",
     "get_loss",
-    "logit_hessian_matvec",
     "loss_fn",
     "per_sample_loss",
     "register_loss",
@@ -103,6 +102,11 @@ class Loss:
         """Whether each sample has one softmax over the classes and one class label
         (``cross-entropy``; ``token-cross-entropy`` has one per position)."""
         return self.softmax and not self.per_token
+
+    def problem(self, z: torch.Tensor, y: torch.Tensor) -> str | None:
+        """What is wrong with outputs ``z`` against labels ``y`` (the loss's ``check``); None
+        when nothing is, or the loss has no check."""
+        return None if self.check is None else self.check(z, y)
 
     def logit_hessian_rank(self, num_outputs: int) -> int:
         """An upper bound on the rank of ``H_z`` for ``num_outputs`` outputs per sample:
@@ -314,13 +318,6 @@ def loss_fn(name: str):
 def per_sample_loss(name: str, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Loss per sample, shape (B,)."""
     return get_loss(name).per_sample(z, y)
-
-
-def logit_hessian_matvec(
-    name: str, z: torch.Tensor, u: torch.Tensor, y: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``H_z u`` per sample for the *per-sample* loss (no 1/B factor), shaped like ``z``."""
-    return get_loss(name).hessian_matvec(z, y, u)
 
 
 # --------------------------------------------------------------------------- cross-entropy

@@ -31,6 +31,7 @@ from sharpcli.io.causal_lm import (
 )
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
+from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
 from sharpcli.losses import (
@@ -79,7 +80,7 @@ class Session:
 
     checkpoint: LoadedCheckpoint
     model: nn.Module
-    dataset: object  # sharpcli.io.datasets.Dataset
+    dataset: Dataset
     x: torch.Tensor
     y: torch.Tensor
     loss: str
@@ -191,11 +192,11 @@ def _labels_problem(reading: LossReading, out: torch.Tensor, y: torch.Tensor) ->
     checks compare shapes per sample and the labels' values, so an outputs-labels pair always
     has one row count; one sample's outputs against all labels would compare (1, 1) with
     (N, 1)). The first problem found, or None."""
-    check = get_loss(reading.name).check
+    declared = get_loss(reading.name)
     rows = int(out.shape[0])
     for start in range(0, int(y.shape[0]), rows):
         labels = y[start : start + rows]
-        problem = check(reading.outputs(out[: labels.shape[0]]), reading.labels(labels))
+        problem = declared.problem(reading.outputs(out[: labels.shape[0]]), reading.labels(labels))
         if problem:
             return problem
     return None
@@ -225,10 +226,11 @@ def _analysis_loss(
 
     out = model_outputs(model, x, dataset.source)
     spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
-    name = spec.name if spec is not None else stored
-    if loss is not None:
+    if spec is not None:
+        name = spec.name
         origin = LossOrigin("option", "named by the user")
     elif stored is not None:
+        name = stored
         origin = LossOrigin("checkpoint", f"the training loss stored in {checkpoint}")
     elif dataset.task != "regression" and out.ndim >= 3:
         name = CROSS_ENTROPY  # torch's cross-entropy; read_loss finds where its classes lie
@@ -418,7 +420,9 @@ def build_session(
     if reading.reshapes:  # outputs and labels as the registered loss takes them
         model.register_forward_hook(lambda module, args, out: reading.outputs(out))
         y = reading.labels(y)
-        notes.append(reading.note(out_shape))
+        note = reading.note(out_shape)  # every reshaping layout says what it did
+        if note is not None:
+            notes.append(note)
     loss, n_out = reading.name, math.prod(out_shape[1:])
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # modules whose parameters are a normalization layer's affine (gamma, beta)
-NORMALIZATION_TYPES: tuple[type, ...] = (
+NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
     nn.GroupNorm,
