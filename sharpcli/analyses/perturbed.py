@@ -84,6 +84,12 @@ class Evaluation:
     gradient: torch.Tensor | None
     accuracy: float | None
 
+    def required_gradient(self) -> torch.Tensor:
+        """``gradient``, of an evaluation that asked for it (``evaluate(..., gradient=True)``)."""
+        if self.gradient is None:
+            raise TypeError("an evaluation made without gradient=True has no gradient")
+        return self.gradient
+
 
 class PerturbedModel:
     """The model with chosen parameters at ``w0 + scale * u`` (``u`` a flat vector).

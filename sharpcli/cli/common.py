@@ -419,11 +419,11 @@ def analysis_command(app, name: str):
                 aliases=_ARCH_ARGS,
             )
 
-        wrapper.__signature__ = sig.replace(
+        # the signature typer reads (inspect honours __signature__; typeshed does not declare it)
+        wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
             parameters=positional + keyword + extra, return_annotation=None
         )
         wrapper.__annotations__ = {p.name: p.annotation for p in positional + keyword + extra}
-        wrapper.__wrapped__ = None
         del wrapper.__wrapped__
         return app.command(name, cls=LazyHelpCommand)(wrapper)
 

@@ -31,6 +31,7 @@ other key is counted, not shown (docs/json.md, "Inputs").
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -176,7 +177,7 @@ def _stack_inputs(arrays: list, keys: tuple[str, ...], path: str):
     return torch.cat(flat, dim=1), shapes
 
 
-def dataset_from_mapping(content: dict, spec: dict, path: str, *, default_keys: bool) -> Dataset:
+def dataset_from_mapping(content: Mapping, spec: dict, path: str, *, default_keys: bool) -> Dataset:
     """The :class:`Dataset` of a ``name -> array`` mapping (rules in the module docstring).
 
     ``spec`` holds the optional ``x_key``/``y_key``; ``default_keys`` says the format's
