@@ -90,6 +90,14 @@ class TrainConfig:
 
             self.regs = parse_regs(self.regs)
 
+    @property
+    def chosen_loss(self) -> str:
+        """``loss`` once chosen: by the option, the data or the model's outputs (when the
+        training data is placed on the model, :func:`sharpcli.training.loop.train`)."""
+        if self.loss is None:
+            raise RuntimeError("the training loss is chosen when the data is placed")
+        return self.loss
+
     def to_dict(self) -> dict:
         """Every field as JSON-ready values, the regularizers as their canonical specs.
 

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def run_sweep(
     out_dir: str | Path,
     *,
     metrics: list[str],
-    extra_regs: list[str] = (),
+    extra_regs: Sequence[str] = (),
     analyze_samples: int | None = 512,
     max_runs: int | None = None,
 ) -> SweepResult:
@@ -426,7 +427,7 @@ _FLATNESS_COLUMNS = (
 def _flatness_columns(res: dict) -> dict:
     out = {}
     for column, path in _FLATNESS_COLUMNS:
-        node = res
+        node: object = res
         for key in path:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
