@@ -155,13 +155,8 @@ class Splits:
     num_outputs: int
     notes: list = field(default_factory=list)
 
-    @property
-    def has_test(self) -> bool:
-        """Whether the dataset has a test split (evaluated after every epoch)."""
-        return self.x_test is not None
-
     def test_split(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(x_test, y_test)``, or None without a test split."""
+        """``(x_test, y_test)``, or None without a test split (evaluated after every epoch)."""
         if self.x_test is None or self.y_test is None:
             return None
         return self.x_test, self.y_test
