@@ -93,11 +93,6 @@ class Loss:
     batch_value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
-    def is_classification(self) -> bool:
-        """Whether labels are classes (accuracy is defined)."""
-        return self.classification
-
-    @property
     def softmax_per_sample(self) -> bool:
         """Whether each sample has one softmax over the classes and one class label
         (``cross-entropy``; ``token-cross-entropy`` has one per position)."""

@@ -131,10 +131,6 @@ class PerturbedModel:
         # the parameter a non-finite loss is blamed on: the size of the move
         self.error_source = "rho"
 
-    def flat_origin(self) -> torch.Tensor:
-        """``w0`` as one flat vector."""
-        return torch.cat([w.reshape(-1) for w in self.origin])
-
     def __enter__(self) -> PerturbedModel:
         return self
 
