@@ -77,7 +77,7 @@ def diagonal_command(
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.diagonal import diagonal, save_diagonal
 
     common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")

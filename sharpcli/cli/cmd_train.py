@@ -32,7 +32,7 @@ def train_command(opts: TrainOptions) -> None:
     stop_on_divergence = opts.stop_on_divergence or opts.stop_diverged
 
     def body() -> runner.Outcome:
-        # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.analyses.tracking import check_tracked, make_tracker
         from sharpcli.report.plots import plot_training_history
         from sharpcli.training.loop import train, train_report

@@ -442,7 +442,7 @@ def open_session(
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
     carries them in ``data.notes`` either way.
     """
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.session import build_session
 
     kwargs = opts.settings()

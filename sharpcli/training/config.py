@@ -85,7 +85,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.regs, list):  # another type: validate_config names the option
-            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            # imports torch: kept out of start-up
             from sharpcli.training.regularizers import parse_regs
 
             self.regs = parse_regs(self.regs)
@@ -128,7 +128,7 @@ def _shown(value: Any) -> str:
 @functools.cache
 def _field_types() -> dict[str, Any]:
     """Each TrainConfig field's declared type (its annotation, evaluated)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.training.penalties.base import Regularizer
 
     return typing.get_type_hints(TrainConfig, localns={"Regularizer": Regularizer})
@@ -182,7 +182,7 @@ def _check_types(cfg: TrainConfig) -> None:
 
 def _check_step_modes(cfg: TrainConfig) -> None:
     """UsageError on ``precision`` (unknown, or mixed with float64) or ``ascent_sync``."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.training.precision import check_precision
 
     check_precision(cfg.precision, cfg.dtype)
@@ -196,7 +196,7 @@ def _check_step_modes(cfg: TrainConfig) -> None:
 
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
-    # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.losses import LOSSES, TOKEN_REDUCTIONS
     from sharpcli.preflight import check_seed
 
