@@ -133,7 +133,7 @@ def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> d
         if not torch.isfinite(flat).all():
             raise NumericalError(
                 f"gradient is not finite on batch {index}",
-                source=catalogue.command_running(bound_check),
+                source="bound-check",
             )
         full += weight * flat
         sums[0] += float(torch.linalg.vector_norm(flat))

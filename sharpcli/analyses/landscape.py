@@ -218,9 +218,7 @@ def _evaluate_points(
     mine = list(range(rank, len(points), world))
     # per point: loss, accuracy, has an accuracy; one more row: the passes made
     rows = torch.zeros(len(points) + 1, 3, dtype=torch.float64)
-    with progress.start(
-        catalogue.command_running(loss_landscape), total=len(mine), unit="points"
-    ) as run:
+    with progress.start("landscape", total=len(mine), unit="points") as run:
         for done, index in enumerate(mine, start=1):
             a, b = points[index]
             u = a * flat[0] if b is None else a * flat[0] + b * flat[1]

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from sharpcli import catalogue, progress
+from sharpcli import progress
 from sharpcli.analyses.rescale_plan import (
     MODES,
     RescalePlan,
@@ -155,7 +155,7 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
             if not torch.isfinite(z).all():
                 raise NumericalError(
                     f"logits are not finite on batch {index}",
-                    source=catalogue.command_running(weight_rescale),
+                    source="weight-rescale",
                 )
             logits.append(z)
             sums[0] += per_sample_loss(data.loss, z, y_b).to(torch.float64).sum()

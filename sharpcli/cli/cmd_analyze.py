@@ -19,7 +19,7 @@ ANALYZE = "analyze"
     "command",
     ANALYZE,
     "Several of these measures in one report; a gate for CI.",
-    info={"order": 7, "runs": "sharpcli.analyses.analyze:analyze"},
+    info={"order": 7},
 )
 @common.analysis_command(app, ANALYZE)
 def analyze_command(

@@ -129,7 +129,7 @@ def _render_activation_stats(console, result) -> None:
     WEIGHT_RESCALE,
     "Show which sharpness measures change when weights are rescaled.",
     paper="MAN",
-    info={"order": 9, "panel": "Rescaling", "runs": "sharpcli.analyses.rescale:weight_rescale"},
+    info={"order": 9, "panel": "Rescaling"},
 )
 @common.analysis_command(app, WEIGHT_RESCALE)
 def weight_rescale_command(
@@ -262,7 +262,7 @@ def _render_weight_rescale(console, result) -> None:
     BOUND_CHECK,
     "Check the papers' curvature bounds on a trained model.",
     paper="AD",
-    info={"order": 12, "panel": "Bounds", "runs": "sharpcli.analyses.bounds:bound_check"},
+    info={"order": 12, "panel": "Bounds"},
 )
 @common.analysis_command(app, BOUND_CHECK)
 def bound_check_command(

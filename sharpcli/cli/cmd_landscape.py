@@ -32,7 +32,7 @@ LANDSCAPE = "landscape"
     LANDSCAPE,
     "Loss on a line or plane through the checkpoint, plotted.",
     paper="Li2018",
-    info={"order": 11, "runs": "sharpcli.analyses.landscape:loss_landscape"},
+    info={"order": 11},
 )
 @common.analysis_command(app, LANDSCAPE)
 def landscape_command(

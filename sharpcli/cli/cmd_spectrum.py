@@ -31,8 +31,7 @@ def _estimator_help() -> str:
     return catalogue.entries_help(catalogue.ESTIMATORS) + "."
 
 
-# the first declared operator, the Hessian
-DEFAULT_OPERATOR = catalogue.OPERATORS.builtin_names()[0]
+DEFAULT_OPERATOR = catalogue.HESSIAN
 OperatorOpt = Annotated[
     str,
     typer.Option(

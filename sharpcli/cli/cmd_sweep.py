@@ -65,7 +65,7 @@ def _set_value(raw: str, key: str):
     "command",
     SWEEP,
     "Train and measure over a grid of regularizer settings and seeds.",
-    info={"order": 14, "panel": "Sweep", "runs": "sharpcli.training.sweep:run_sweep"},
+    info={"order": 14, "panel": "Sweep"},
 )
 @app.command(SWEEP, cls=lazyhelp.LazyHelpCommand)
 @with_options(train=SWEEP_OPTIONS)

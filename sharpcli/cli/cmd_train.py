@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sharpcli import catalogue
 from sharpcli.cli import common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
@@ -21,7 +20,6 @@ TRAIN = "train"
     info={
         "order": 1,
         "panel": "Training",
-        "runs": "sharpcli.training.loop:train",
         "reports_regularizers": True,
     },
 )
@@ -118,7 +116,7 @@ def _divergence_warning(result) -> str | None:
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
-    named = [r for r in regs if r != catalogue.NO_REGULARIZER]
+    named = [r for r in regs if r != "none"]
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
@@ -131,9 +129,7 @@ HISTORY_NOTE = (
 
 def history_title(regularizers: list[dict]) -> str:
     """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
-    specs = [
-        r["spec"] for r in regularizers if r.get("spec") not in (None, catalogue.NO_REGULARIZER)
-    ]
+    specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
     return "training history: " + (" + ".join(specs) if specs else "no regularizer")
 
 

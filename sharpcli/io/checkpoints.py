@@ -44,7 +44,6 @@ from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.file_formats import PT
 from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
 from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
     CONTAINER_KEYS,
@@ -164,7 +163,7 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
 
     try:
         tensors = {}
-        with safe_open(str(path), framework=PT) as fh:
+        with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)

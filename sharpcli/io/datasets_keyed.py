@@ -35,7 +35,6 @@ from collections.abc import Mapping
 
 import torch
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import Dataset, as_tensor, finalize_dataset
 
@@ -76,7 +75,7 @@ def show_keys(keys) -> str:
     text = ", ".join(shown[:20]) + (f" and {len(shown) - 20} more" if len(shown) > 20 else "")
     if hidden:
         text += f"{', ' if text else ''}{hidden} key(s) not shown (not plain names)"
-    return text or NONE_LISTED
+    return text or "none"
 
 
 def split_key_option(value) -> tuple[str, ...] | None:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import UsageError
 from sharpcli.io.causal_lm import (
     causal_lm_name,
@@ -91,7 +90,7 @@ def _batch_parts(batch, index: int) -> tuple:
     if isinstance(batch, Mapping):
         found = [key for key in LABEL_KEYS if key in batch]
         if len(found) != 1:
-            keys = ", ".join(map(str, batch)) or NONE_LISTED
+            keys = ", ".join(map(str, batch)) or "none"
             problem = "both" if found else "neither"
             raise UsageError(
                 f"{where} is a dict with {problem} of the label keys `labels` and `y` (keys: "

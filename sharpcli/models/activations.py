@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.catalogue.values import EXACT_GELU
 from sharpcli.models.activation_functions import (
     augmented_relu,
     augmented_relu_second_derivative,
@@ -77,7 +76,7 @@ class GELU(nn.GELU):
     """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
 
     def __init__(self) -> None:
-        super().__init__(approximate=EXACT_GELU)
+        super().__init__(approximate="none")
 
     @property
     def spec(self) -> str:

@@ -36,8 +36,8 @@ SCHEDULES = catalogue.SCHEDULES
 
 
 def _default_regularizers() -> list[Any]:
-    """The regularizer declared first (plain loss), as a spec that TrainConfig parses."""
-    return [catalogue.NO_REGULARIZER]
+    """The plain loss (the regularizer ``none``), as a spec that TrainConfig parses."""
+    return ["none"]
 
 
 @dataclass

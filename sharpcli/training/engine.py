@@ -18,7 +18,6 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from torch import nn
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.training.replay import RngReplay, model_facts
@@ -511,7 +510,7 @@ class StepEngine:
         n = len(self._objectives)
         for objective_value in host[:n]:
             if not math.isfinite(objective_value):
-                regs = ", ".join(p.name for p in self.penalties) or NONE_LISTED
+                regs = ", ".join(p.name for p in self.penalties) or "none"
                 raise NumericalError(
                     f"the training objective became {objective_value} (regularizers: {regs}); "
                     "lower the learning rate or the regularization strength",

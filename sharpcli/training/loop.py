@@ -488,8 +488,6 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     )
 
 
-# the public names (``train`` by its function: the word is spelled once, in
-# sharpcli.catalogue.values)
 __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
@@ -498,7 +496,7 @@ __all__ = [
     "TrainResult",
     "validate_config",
     "config_from_options",
-    train.__name__,
+    "train",
     "train_report",
     "evaluate",
     "apply_label_noise",
