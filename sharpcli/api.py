@@ -277,8 +277,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
         probe = self._on_data(collected, rows=few.shape[0])
         with torch.no_grad(), eval_mode(probe):
             laid_out = probe(torch.arange(few.shape[0], device=self.device))
-        check = get_loss(name).check
-        problem = check(laid_out, few) if check is not None else None
+        problem = get_loss(name).problem(laid_out, few)
         if problem:
             raise UsageError(f"{problem} (loss {name})", source="data")
         if isinstance(loss, nn.Module):  # the loss differentiated is the module's own

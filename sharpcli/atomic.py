@@ -31,7 +31,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, cast
 
 from sharpcli import interrupts, ledger
 from sharpcli.errors import UsageError
@@ -120,11 +120,12 @@ def _unlink(name: str) -> None:
     _LIVE.discard(name)
 
 
-def _fill(fd: int, target: Path, write: Callable[[BinaryIO], None]) -> None:
+def _fill(fd: int, target: Path, write: Callable[[BinaryIO], object]) -> None:
     """Run ``write`` on the descriptor and fsync; an OSError of the file is a UsageError."""
     sink = _Sink(fd)
     try:
-        write(sink)
+        # _Sink has the part of a binary file that serialisers call (write, flush, writable)
+        write(cast(BinaryIO, sink))
         os.fsync(fd)
     except (interrupts.Interrupted, KeyboardInterrupt):
         raise
@@ -142,7 +143,7 @@ class Publication:
         self._staged: list[tuple[str, Path, Path]] = []  # (temporary, real target, target)
         self._direct: list[tuple[Path, bytes]] = []
 
-    def stage(self, path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    def stage(self, path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
         """Write ``write(file)``'s bytes to a temporary file for ``path`` (see module doc)."""
         target = Path(path)
         ledger.check_write(target)
@@ -258,7 +259,7 @@ def publication(*, own: bool = False, final: bool = False) -> Iterator[Publicati
         pub.discard()
 
 
-def write_atomic(path: str | os.PathLike, writer: Callable[[BinaryIO], None]) -> None:
+def write_atomic(path: str | os.PathLike, writer: Callable[[BinaryIO], object]) -> None:
     """Stage ``writer(file)``'s bytes for ``path`` in the publication in effect."""
     with publication() as pub:
         pub.stage(path, writer)

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from sharpcli import catalogue
-from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.errors import UsageError
 from sharpcli.registry import Entry, declaration, declare
 
@@ -45,7 +44,6 @@ __all__ = [
     "Loss",
     "clear_token_reduction",
     "get_loss",
-    "logit_hessian_matvec",
     "loss_fn",
     "per_sample_loss",
     "register_loss",
@@ -94,15 +92,15 @@ class Loss:
     batch_value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
-    def is_classification(self) -> bool:
-        """Whether labels are classes (accuracy is defined)."""
-        return self.classification
-
-    @property
     def softmax_per_sample(self) -> bool:
         """Whether each sample has one softmax over the classes and one class label
         (``cross-entropy``; ``token-cross-entropy`` has one per position)."""
         return self.softmax and not self.per_token
+
+    def problem(self, z: torch.Tensor, y: torch.Tensor) -> str | None:
+        """What is wrong with outputs ``z`` against labels ``y`` (the loss's ``check``); None
+        when nothing is, or the loss has no check."""
+        return None if self.check is None else self.check(z, y)
 
     def logit_hessian_rank(self, num_outputs: int) -> int:
         """An upper bound on the rank of ``H_z`` for ``num_outputs`` outputs per sample:
@@ -316,13 +314,6 @@ def per_sample_loss(name: str, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return get_loss(name).per_sample(z, y)
 
 
-def logit_hessian_matvec(
-    name: str, z: torch.Tensor, u: torch.Tensor, y: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``H_z u`` per sample for the *per-sample* loss (no 1/B factor), shaped like ``z``."""
-    return get_loss(name).hessian_matvec(z, y, u)
-
-
 # --------------------------------------------------------------------------- cross-entropy
 def _softmax_factor(z: torch.Tensor, y=None) -> Iterator[torch.Tensor]:
     # H_z = diag(p) - p p^T = S S^T with column c: s_c = sqrt(p_c) (e_c - p)
@@ -378,7 +369,7 @@ def cross_entropy() -> Loss:
     return _declared(
         cross_entropy,
         mean=lambda z, y: F.cross_entropy(z, y),
-        per_sample=lambda z, y: F.cross_entropy(z, y, reduction=UNREDUCED),
+        per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
         hessian_matvec=_softmax_matvec,
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
@@ -417,7 +408,7 @@ def mse() -> Loss:
         mse,
         mean=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape)),
         per_sample=lambda z, y: F.mse_loss(
-            z, y.to(z.dtype).reshape(z.shape), reduction=UNREDUCED
+            z, y.to(z.dtype).reshape(z.shape), reduction="none"
         ).mean(dim=1),
         hessian_matvec=lambda z, y, u: (2.0 / z.shape[-1]) * u,
         ggn_factor=_mse_factor,
@@ -471,7 +462,7 @@ def _same_shape_check(what: str) -> Callable[[torch.Tensor, torch.Tensor], str |
 
 # --------------------------------------------------------------------------- binary cross-entropy
 def _bce_elements(z, y):
-    return F.binary_cross_entropy_with_logits(z, targets_as_outputs(z, y), reduction=UNREDUCED)
+    return F.binary_cross_entropy_with_logits(z, targets_as_outputs(z, y), reduction="none")
 
 
 def _bce_curvature(z, y=None):
@@ -566,7 +557,7 @@ def bce_probabilities() -> Loss:
         return bce_probabilities_curvature(z, y) / outputs_per_sample(z)
 
     def elements(z, y):
-        return F.binary_cross_entropy(z, targets_as_outputs(z, y), reduction=UNREDUCED)
+        return F.binary_cross_entropy(z, targets_as_outputs(z, y), reduction="none")
 
     return _declared(
         bce_probabilities,
@@ -638,7 +629,7 @@ def huber() -> Loss:
     part through the outputs as for MSE, and the NME vanishes where ``z`` is linear."""
     return robust_regression(
         huber,
-        lambda z, y: F.huber_loss(z, y, reduction=UNREDUCED),
+        lambda z, y: F.huber_loss(z, y, reduction="none"),
         _huber_curvature(1.0),
         "huber",
     )
@@ -656,7 +647,7 @@ def smooth_l1() -> Loss:
     (``nn.SmoothL1Loss``); ``H_z = diag(1[|r| < beta]/beta)/M`` (0 for ``beta = 0``, the L1 loss)."""
     return robust_regression(
         smooth_l1,
-        lambda z, y: F.smooth_l1_loss(z, y, reduction=UNREDUCED),
+        lambda z, y: F.smooth_l1_loss(z, y, reduction="none"),
         _smooth_l1_curvature(1.0),
         "smooth-l1",
     )
@@ -702,7 +693,7 @@ def nll() -> Loss:
     return _declared(
         nll,
         mean=lambda z, y: F.cross_entropy(z, y),
-        per_sample=lambda z, y: F.cross_entropy(z, y, reduction=UNREDUCED),
+        per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
         hessian_matvec=_softmax_matvec,
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
@@ -789,7 +780,7 @@ def token_weights(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _token_per_sample(z, y):
     ce = F.cross_entropy(
-        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction=UNREDUCED
+        z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).reshape(y.shape)
     return (ce * token_weights(z, y)).sum(1)
 

@@ -14,6 +14,9 @@ and the features as the model takes them (:func:`prepare_features`, from
 from __future__ import annotations
 
 import copy
+import functools
+import operator
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -167,7 +170,7 @@ def check_model_accepts(
     """
     out = model_outputs(model, x[:1], source)
     loss = loss or infer_loss(task, out, y)[0]
-    problem = get_loss(loss).check(out, y)
+    problem = get_loss(loss).problem(out, y)
     if problem:
         raise InputError(problem, source=source)
     return int(out[0].numel()), loss
@@ -296,7 +299,7 @@ def check_second_derivatives(
     twin = _float64_twin(model, source)
     if twin is None:
         return None
-    params = [p for p in twin.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in twin.parameters() if p.requires_grad]
     x = x.to(torch.float64) if x.is_floating_point() else x
     y = y[: x.shape[0]]
     y = y.to(torch.float64) if y.is_floating_point() else y
@@ -312,7 +315,7 @@ def check_second_derivatives(
     v = _unit_direction(params, seed)
     g, hv = _double_backward_product(gradient, params, v)
     theta = [p.detach().clone() for p in params]
-    norm_theta = float(torch.sqrt(sum((t * t).sum() for t in theta)))
+    norm_theta = float(torch.sqrt(_squared_norm(theta)))
 
     def central_difference(h: float) -> torch.Tensor:
         sides = []
@@ -377,8 +380,13 @@ def _unit_direction(params: list[torch.Tensor], seed: int) -> list[torch.Tensor]
     """A seeded unit Gaussian direction over ``params`` (drawn on the CPU in float64)."""
     generator = torch.Generator().manual_seed(seed)
     v = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params]
-    norm_v = torch.sqrt(sum((t * t).sum() for t in v))
+    norm_v = torch.sqrt(_squared_norm(v))
     return [(t / norm_v).to(p.device) for t, p in zip(v, params)]
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_t ||t||^2`` over a non-empty list, added in the list's order (0-dim)."""
+    return functools.reduce(operator.add, [(t * t).sum() for t in tensors])
 
 
 def _double_backward_product(gradient, params: list[torch.Tensor], v: list[torch.Tensor]):
@@ -414,7 +422,7 @@ def _wrong_derivative_cause(model: nn.Module) -> str:
     )
 
 
-def padding_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def padding_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
     """``(name, module)`` of every ``nn.Embedding`` with a ``padding_idx``."""
     return [
         (name, module)
@@ -476,10 +484,11 @@ def unreached_parameter_notes(
         return []
     with torch.enable_grad():
         value = get_loss(loss).mean(model(x), y[: x.shape[0]])
-        if not value.requires_grad:
-            grads = [None] * len(named)
-        else:
-            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+        grads: Sequence[torch.Tensor | None] = (
+            torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+            if value.requires_grad
+            else [None] * len(named)
+        )
     unreached = [n for (n, _), g in zip(named, grads) if g is None]
     if not unreached:
         return []

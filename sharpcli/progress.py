@@ -141,14 +141,14 @@ class Run:
 
     def update(self, done: int, **numbers) -> None:
         """Report ``done`` units so far and any :class:`Event` field in ``numbers``."""
-        if self.finished:
+        if self.finished or self._last is None:  # no listener (then _last is None too)
             return
         numbers.setdefault("record", None)
         self._emit(dataclasses.replace(self._last, done=int(done), batch=None, **numbers))
 
     def finish(self, done: int, **numbers) -> None:
         """Report the run's end: ``done`` and the numbers of its result."""
-        if self.finished:
+        if self.finished or self._channel is None or self._last is None:
             return
         numbers.setdefault("record", None)
         self._emit(
@@ -165,7 +165,7 @@ class Run:
 
     def close(self) -> None:
         """Finish the run with its last numbers unless it finished already."""
-        if not self.finished:
+        if not self.finished and self._last is not None:
             self.finish(self._last.done)
 
     def __enter__(self) -> Run:
@@ -175,11 +175,14 @@ class Run:
         self.close()
 
     def _batch(self, done: int, total: int) -> None:
+        if self._last is None:  # no listener
+            return
         self._emit(dataclasses.replace(self._last, batch=done, batches=total, record=None))
 
     def _emit(self, event: Event) -> None:
         self._last = event
-        self._channel.callback(event)
+        if self._channel is not None:
+            self._channel.callback(event)
 
 
 _NO_RUN = Run(None, None)
@@ -198,7 +201,8 @@ def start(
     channel = _CHANNEL.get()
     if channel is None:
         return _NO_RUN
-    parent = channel.open[-1]._last.run if channel.open else None
+    innermost = channel.open[-1]._last if channel.open else None
+    parent = None if innermost is None else innermost.run
     first = Event(
         phase=_PHASE.get() or method,
         method=method,

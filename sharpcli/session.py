@@ -31,6 +31,7 @@ from sharpcli.io.causal_lm import (
 )
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
 from sharpcli.io.datasets import load_dataset, subset
+from sharpcli.io.datasets_common import Dataset
 from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
 from sharpcli.losses import (
@@ -79,7 +80,7 @@ class Session:
 
     checkpoint: LoadedCheckpoint
     model: nn.Module
-    dataset: object  # sharpcli.io.datasets.Dataset
+    dataset: Dataset
     x: torch.Tensor
     y: torch.Tensor
     loss: str
@@ -191,11 +192,11 @@ def _labels_problem(reading: LossReading, out: torch.Tensor, y: torch.Tensor) ->
     checks compare shapes per sample and the labels' values, so an outputs-labels pair always
     has one row count; one sample's outputs against all labels would compare (1, 1) with
     (N, 1)). The first problem found, or None."""
-    check = get_loss(reading.name).check
+    declared = get_loss(reading.name)
     rows = int(out.shape[0])
     for start in range(0, int(y.shape[0]), rows):
         labels = y[start : start + rows]
-        problem = check(reading.outputs(out[: labels.shape[0]]), reading.labels(labels))
+        problem = declared.problem(reading.outputs(out[: labels.shape[0]]), reading.labels(labels))
         if problem:
             return problem
     return None
@@ -225,10 +226,11 @@ def _analysis_loss(
 
     out = model_outputs(model, x, dataset.source)
     spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
-    name = spec.name if spec is not None else stored
-    if loss is not None:
+    if spec is not None:
+        name = spec.name
         origin = LossOrigin("option", "named by the user")
     elif stored is not None:
+        name = stored
         origin = LossOrigin("checkpoint", f"the training loss stored in {checkpoint}")
     elif dataset.task != "regression" and out.ndim >= 3:
         name = CROSS_ENTROPY  # torch's cross-entropy; read_loss finds where its classes lie
@@ -299,6 +301,64 @@ def _check_options(
             f"data file label the ignored samples or positions {IGNORE_INDEX}",
             source="loss",
         )
+
+
+def _placed_model(
+    ckpt: LoadedCheckpoint,
+    dataset: Dataset,
+    output: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The checkpoint's model on ``device`` in ``dtype``, in eval mode, called as the data
+    asks and returning one logits tensor."""
+    # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
+    # outside the default scope (sharpcli.curvature.products.scope.ParamScope.resolve)
+    model = ckpt.model.to(device=device, dtype=dtype).eval()
+    # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs);
+    # the selector a training run used is recorded in its checkpoint
+    if output is None:
+        output = (ckpt.train_config or {}).get("output")
+    attach_output_selector(model, output)
+    # model(**batch), or model(batch) for forward(self, batch) (sharpcli.models.outputs)
+    attach_keyword_inputs(model, dataset.input_keys, shapes=dataset.input_shapes)
+    return model
+
+
+def _placed_targets(
+    y: torch.Tensor, dataset: Dataset, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The labels on ``device``; regression targets in the analysis dtype too."""
+    y = y.to(device=device)
+    if dataset.task == "regression":
+        y = to_analysis_dtype(y, dtype, device, dataset.source, "targets")
+    return y
+
+
+def _read_as_loss(
+    model: nn.Module,
+    reading: LossReading,
+    out_shape: tuple,
+    y: torch.Tensor,
+    token_reduction: str,
+    notes: list[str],
+) -> torch.Tensor:
+    """The labels as the registered loss takes them; a model whose outputs the loss reads
+    reshaped returns them so (a forward hook) and ``notes`` says what was done."""
+    if reading.layout == "classes-last" and token_reduction == "samples":
+        raise UsageError(
+            "cross-entropy on outputs (N, C, d1, ..., dk) is the mean over every labelled "
+            "position, as torch computes it; `token_reduction=samples` is for "
+            f"{TOKEN_CROSS_ENTROPY}",
+            source="token_reduction",
+        )
+    if not reading.reshapes:
+        return y
+    model.register_forward_hook(lambda module, args, out: reading.outputs(out))
+    note = reading.note(out_shape)  # every reshaping layout says what it did
+    if note is not None:
+        notes.append(note)
+    return reading.labels(y)
 
 
 def build_session(
@@ -373,24 +433,13 @@ def build_session(
     x, y = dataset.split(split)
     x, y = subset(x, y, samples, seed)
 
-    # requires_grad stays as the model sets it: frozen parameters (a fine-tuned backbone) are
-    # outside the default scope (sharpcli.curvature.products.scope.ParamScope.resolve)
-    model = ckpt.model.to(device=torch_device, dtype=torch_dtype).eval()
-    # a tuple, dict or .logits output becomes one logits tensor (sharpcli.models.outputs);
-    # the selector a training run used is recorded in its checkpoint
-    if output is None:
-        output = (ckpt.train_config or {}).get("output")
-    attach_output_selector(model, output)
-    # model(**batch), or model(batch) for forward(self, batch) (sharpcli.models.outputs)
-    attach_keyword_inputs(model, dataset.input_keys, shapes=dataset.input_shapes)
+    model = _placed_model(ckpt, dataset, output, torch_device, torch_dtype)
     x, notes = prepare_features(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
     if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
         notes += release_padding_rows(model)
-    y = y.to(device=torch_device)
-    if dataset.task == "regression":
-        y = to_analysis_dtype(y, torch_dtype, torch_device, dataset.source, "targets")
+    y = _placed_targets(y, dataset, torch_device, torch_dtype)
     shifted_here = bool((dataset.spec or {}).get("shift_labels"))
     own_loss = causal_lm is not None and (
         shifted_here
@@ -408,17 +457,7 @@ def build_session(
     if own_loss:  # the number differentiated is the model's own `loss` (sharpcli.io.causal_lm)
         check_own_loss_of_batch(model, x[:batch_size], dataset.input_keys, y, token_reduction)
         origin = LossOrigin("model", own_loss_note(str(causal_lm), shifted_here))
-    if reading.layout == "classes-last" and token_reduction == "samples":
-        raise UsageError(
-            "cross-entropy on outputs (N, C, d1, ..., dk) is the mean over every labelled "
-            "position, as torch computes it; `token_reduction=samples` is for "
-            f"{TOKEN_CROSS_ENTROPY}",
-            source="token_reduction",
-        )
-    if reading.reshapes:  # outputs and labels as the registered loss takes them
-        model.register_forward_hook(lambda module, args, out: reading.outputs(out))
-        y = reading.labels(y)
-        notes.append(reading.note(out_shape))
+    y = _read_as_loss(model, reading, out_shape, y, token_reduction, notes)
     loss, n_out = reading.name, math.prod(out_shape[1:])
     check_deterministic_forward(model, x[: min(int(batch_size), 64)], source=checkpoint)
     plan.baseline = memory.allocated_bytes(str(torch_device))  # model and data now loaded

@@ -1,6 +1,8 @@
 """Imports at the top (docs/architecture.md, "no import cycles"): a module that imports torch at
 the top imports the rest of sharpcli there too; a function-local sharpcli import is in a
-torch-free module and says, in a comment above it, what it keeps out of ``sharp``'s start-up.
+torch-free module and says, in a comment above it, what it keeps out of ``sharp``'s start-up
+(``# imports torch: kept out of start-up``: torch takes seconds to import, where ``--help`` and
+completion take 0.3 s; another import, the milliseconds it saves).
 (The cycles themselves: the "No import cycles" contract of ``lint-imports``.)"""
 
 from __future__ import annotations

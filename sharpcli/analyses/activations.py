@@ -374,7 +374,7 @@ def _result(
         gini_impurity=mean("gini", softmax_stats),
         entropy=mean("entropy", softmax_stats),
         confidence=mean("confidence", softmax_stats),
-        loss=mean("loss"),
+        loss=float(sums["loss"]) / n,
         accuracy=float(sums["correct"] / sums["counted"]) if float(sums["counted"]) else None,
     )
     if not recorder.layers:

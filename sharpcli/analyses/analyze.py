@@ -358,7 +358,7 @@ def analyze_report(session, settings: dict, results: dict, matvecs: int, gates=(
     sweep``: the session's envelope with ``results.gates``, the verdict of each ``--fail-if``
     gate (an empty list without gates), which the schema requires (docs/json.md).
     """
-    report = session.report(catalogue.command_running(analyze), settings, results, matvecs=matvecs)
+    report = session.report("analyze", settings, results, matvecs=matvecs)
     verdicts = [gate.evaluate(report) for gate in gates]
     report["results"]["gates"] = verdicts
     return report, any(verdict["tripped"] for verdict in verdicts)

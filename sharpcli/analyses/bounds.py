@@ -71,7 +71,11 @@ from sharpcli.analyses.perturbation import (
     standard_normal_directions,
 )
 from sharpcli.analyses.theorem2 import THEOREM2, Theorem2Row, theorem2_check
-from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES, CurvatureEngine
+from sharpcli.curvature.operators.hessian import (
+    DEFAULT_CACHE_BYTES,
+    CurvatureEngine,
+    CurvatureOperator,
+)
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import NumericalError, UsageError
@@ -133,7 +137,7 @@ def gradient_norms(model: nn.Module, data: AnalysisData, scope: ParamScope) -> d
         if not torch.isfinite(flat).all():
             raise NumericalError(
                 f"gradient is not finite on batch {index}",
-                source=catalogue.command_running(bound_check),
+                source="bound-check",
             )
         full += weight * flat
         sums[0] += float(torch.linalg.vector_norm(flat))
@@ -341,20 +345,24 @@ def _corollary1_row(
     """AD Corollary 1 at ``sigma``: the smoothed Hessian's norm on the m perturbed copies, its
     bootstrap interval and the bound (module docstring); a note when no interval can be had."""
     m = int(config.perturbations)
-    lanczos_kw = dict(tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed)
-    operators, norms, all_converged, region_eps = [], [], True, [at_theta.epsilon]
+
+    def norm_of(op: CurvatureOperator) -> tuple[float, float, bool]:
+        return spectral_norm(op, tol=config.tol, max_matvecs=config.max_matvecs, seed=config.seed)
+
+    operators: list[CurvatureOperator] = []
+    norms, all_converged, region_eps = [], True, [at_theta.epsilon]
     for j in range(m):
         twin, twin_scope = perturbed_copy(model, scope, sigma * at_theta.Z[:, j])
         region_eps.append(gradient_norms(twin, data, twin_scope)[config.epsilon])
         op = CurvatureEngine(
             twin, data, twin_scope, cache_bytes=DEFAULT_CACHE_BYTES // (m + 1)
         ).hessian()
-        norm_j, _, conv_j = spectral_norm(op, **lanczos_kw)
+        norm_j, _, conv_j = norm_of(op)
         norms.append(norm_j)
         all_converged &= conv_j
         operators.append(op)
     averaged = AveragedOperator(operators)
-    empirical, _, conv = spectral_norm(averaged, **lanczos_kw)
+    empirical, _, conv = norm_of(averaged)
     all_converged &= conv
     ci = _bootstrap_interval(averaged, empirical, at_theta.weights, config.ci_level)
     if ci is None:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from sharpcli import progress
-from sharpcli.analyses.perturbed import PerturbedModel
+from sharpcli.analyses.perturbed import Evaluation, PerturbedModel
 from sharpcli.curvature.products.data import AnalysisData, to_model_batch
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
@@ -62,7 +62,7 @@ def fisher_rao_norm(model: nn.Module, data: AnalysisData, params: str | None = N
 
     for x_b, y_b, _ in data.batches():
         x_b, y_b = to_model_batch(x_b, y_b, scope.dtype, scope.device)
-        _, dz = jvp(lambda w: logits(w, x_b), (chosen,), (chosen,))
+        dz = jvp(lambda w: logits(w, x_b), (chosen,), (chosen,))[1]
         z = logits(chosen, x_b).detach().requires_grad_(True)
         dl_dz = torch.autograd.grad(per_sample_loss(data.loss, z, y_b).sum(), z, create_graph=True)[
             0
@@ -151,12 +151,20 @@ def pac_bayes_sigma(
     scope = ParamScope.resolve(model, params)
     weights = torch.cat([p.detach().reshape(-1) for p in scope.params])
     use_accuracy = get_loss(data.loss).correct is not None
+
+    def measured(found: Evaluation) -> float:
+        if not use_accuracy:
+            return found.loss
+        if found.accuracy is None:  # accuracy of no labelled sample
+            raise UsageError("has no labelled sample to measure the accuracy on", source="data")
+        return found.accuracy
+
     gen = torch.Generator().manual_seed(int(seed))
     lower, high = 0.0, float(upper)
     sigma, mean, stderr, converged, done = high / 2, 0.0, 0.0, False, 0
     with PerturbedModel(model, scope.names, None, data.loss, data.batch_size) as moved:
         start = moved.evaluate(None, data.x, data.y)
-        reference = start.accuracy if use_accuracy else start.loss
+        reference = measured(start)
         with progress.start("pac-bayes sigma", total=max_halvings, unit="halvings") as run:
             for done in range(1, max_halvings + 1):
                 sigma = (lower + high) / 2
@@ -169,8 +177,7 @@ def pac_bayes_sigma(
                     else:
                         scale = torch.full_like(weights, sigma)
                     found = moved.evaluate(scale * noise, data.x, data.y)
-                    value = found.accuracy if use_accuracy else found.loss
-                    values.append(value - reference)
+                    values.append(measured(found) - reference)
                 signed = math.fsum(values) / samples
                 var = math.fsum((v - signed) ** 2 for v in values) / (samples - 1)
                 mean, stderr = abs(signed), math.sqrt(var / samples)

@@ -186,6 +186,7 @@ def _eigen_directions(
         return_eigenvectors=True,
     )
     vectors = result.eigenvectors
+    assert vectors is not None  # asked for (return_eigenvectors)
     directions = [
         [t.to(dtype=scope.dtype) for t in scope.unflatten(vectors[:, i].to(scope.device))]
         for i in range(k)
@@ -217,9 +218,7 @@ def _evaluate_points(
     mine = list(range(rank, len(points), world))
     # per point: loss, accuracy, has an accuracy; one more row: the passes made
     rows = torch.zeros(len(points) + 1, 3, dtype=torch.float64)
-    with progress.start(
-        catalogue.command_running(loss_landscape), total=len(mine), unit="points"
-    ) as run:
+    with progress.start("landscape", total=len(mine), unit="points") as run:
         for done, index in enumerate(mine, start=1):
             a, b = points[index]
             u = a * flat[0] if b is None else a * flat[0] + b * flat[1]
@@ -236,6 +235,66 @@ def _evaluate_points(
     losses = [float(v) for v in rows[:-1, 0]]
     accuracies = [float(r[1]) if r[2] > 0 else None for r in rows[:-1]]
     return losses, accuracies, int(rows[-1, 0])
+
+
+def _grid_directions(
+    model: nn.Module,
+    data: AnalysisData,
+    scope: ParamScope,
+    config: LandscapeConfig,
+    other: nn.Module | None,
+    directions: list[list[torch.Tensor]] | None,
+    directions_info: dict | None,
+) -> tuple[list[list[torch.Tensor]], dict]:
+    """The grid's directions, one per axis, by ``config.along`` (module docstring), and how
+    they were made (the result's ``directions``, before their norms)."""
+    info: dict = {"along": config.along, "seed": config.seed, "bias_bn": config.bias_bn}
+    if config.along == "file":
+        if directions is None or len(directions) < config.dims:
+            raise UsageError(
+                f"the directions file holds fewer than {config.dims}", source="directions"
+            )
+        return directions[: config.dims], dict(directions_info or {}) | {"from_file": True}
+    if config.along == catalogue.ALONG_EIGEN:
+        chosen, found = _eigen_directions(model, data, scope, config.dims, config)
+        return chosen, info | found
+    gen = torch.Generator().manual_seed(int(config.seed))
+    chosen = []
+    if config.along == "checkpoint":
+        if other is None:
+            raise UsageError("needs the second checkpoint", source="along")
+        chosen.append(checkpoint_direction(model, scope.names, other))
+    weights = [p.detach() for p in scope.params]
+    while len(chosen) < config.dims:
+        chosen.append(filter_normalized_direction(weights, gen, config.bias_bn))
+    return chosen, info
+
+
+def _grid_axes(config: LandscapeConfig) -> tuple[list[float], list[float] | None]:
+    """The grid's coordinates along the first direction and, on a plane, the second (None on
+    a line); beside a checkpoint's line the first spans ``[-w, 1 + w]`` and the random axis
+    ``[-1, 1]``."""
+    span = config.half_width
+    high = 1 + span if config.along == "checkpoint" else span
+    xs = grid_coordinates(config.steps, -span, high)
+    if config.dims != 2:
+        return xs, None
+    width = 1.0 if config.along == "checkpoint" else span
+    return xs, grid_coordinates(config.steps, -width, width)
+
+
+def _as_grid(
+    losses: list[float], accuracies: list[float | None], columns: int, ys: list[float] | None
+) -> tuple[list, list | None]:
+    """The losses and accuracies of the points (row after row) as the result holds them: a
+    list on a line, a row per ``ys`` on a plane; no accuracies unless every point has one."""
+    loss_grid: list = losses
+    acc_grid: list | None = None if any(a is None for a in accuracies) else accuracies
+    if ys is not None:
+        loss_grid = [losses[j * columns : (j + 1) * columns] for j in range(len(ys))]
+        if acc_grid is not None:
+            acc_grid = [accuracies[j * columns : (j + 1) * columns] for j in range(len(ys))]
+    return loss_grid, acc_grid
 
 
 def loss_landscape(
@@ -270,37 +329,13 @@ def loss_landscape(
     """
     config.validate()
     scope = ParamScope.resolve(model, config.params)
-    names, weights = scope.names, [p.detach() for p in scope.params]
-    gen = torch.Generator().manual_seed(int(config.seed))
-    info: dict = {"along": config.along, "seed": config.seed, "bias_bn": config.bias_bn}
-    if config.along == "file":
-        if directions is None or len(directions) < config.dims:
-            raise UsageError(
-                f"the directions file holds fewer than {config.dims}", source="directions"
-            )
-        chosen = directions[: config.dims]
-        info = dict(directions_info or {}) | {"from_file": True}
-    elif config.along == catalogue.ALONG_EIGEN:
-        chosen, found = _eigen_directions(model, data, scope, config.dims, config)
-        info |= found
-    else:
-        chosen = []
-        if config.along == "checkpoint":
-            if other is None:
-                raise UsageError("needs the second checkpoint", source="along")
-            chosen.append(checkpoint_direction(model, names, other))
-        while len(chosen) < config.dims:
-            chosen.append(filter_normalized_direction(weights, gen, config.bias_bn))
+    names = scope.names
+    chosen, info = _grid_directions(model, data, scope, config, other, directions, directions_info)
     info["norms"] = [math.sqrt(sum(float(t.double().pow(2).sum()) for t in d)) for d in chosen]
-    span = config.half_width
-    high = 1 + span if config.along == "checkpoint" else span
-    xs = grid_coordinates(config.steps, -span, high)
-    ys = None
-    if config.dims == 2:  # beside a checkpoint's line, the random axis spans [-1, 1]
-        width = 1.0 if config.along == "checkpoint" else span
-        ys = grid_coordinates(config.steps, -width, width)
+    xs, ys = _grid_axes(config)
     flat = [torch.cat([t.reshape(-1) for t in d]) for d in chosen]
-    points: list[tuple[float, float | None]] = [(a, b) for b in (ys or [None]) for a in xs]
+    rows: list[float | None] = list(ys) if ys else [None]  # a line: one row
+    points: list[tuple[float, float | None]] = [(a, b) for b in rows for a in xs]
     x, y = whole_analysis_set(data)
     with PerturbedModel(model, names, None, data.loss, data.batch_size) as moved:
         moved.error_source = "span"
@@ -308,13 +343,7 @@ def loss_landscape(
         losses, accuracies, evaluations = _evaluate_points(
             moved, x, y, flat, points, data.rank, data.world_size
         )
-    loss_grid: list = losses
-    acc_grid: list | None = None if any(a is None for a in accuracies) else accuracies
-    if ys is not None:
-        n = len(xs)
-        loss_grid = [losses[j * n : (j + 1) * n] for j in range(len(ys))]
-        if acc_grid is not None:
-            acc_grid = [accuracies[j * n : (j + 1) * n] for j in range(len(ys))]
+    loss_grid, acc_grid = _as_grid(losses, accuracies, len(xs), ys)
     notes = []
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         notes.append("BatchNorm running statistics are CKPT's at every grid point (eval mode)")

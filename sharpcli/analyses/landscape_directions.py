@@ -25,7 +25,6 @@ from torch import nn
 from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.file_formats import PT
 
 __all__ = [
     "checkpoint_direction",
@@ -145,7 +144,7 @@ def load_directions(
         raise InputError("no such file", source=source)
     ledger.record_input(source, "the directions")
     try:
-        with safe_open(source, framework=PT) as handle:
+        with safe_open(source, framework="pt") as handle:
             keys = list(handle.keys())
             tensors = {k: handle.get_tensor(k) for k in keys}
             metadata = handle.metadata() or {}

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # modules whose parameters are a normalization layer's affine (gamma, beta)
-NORMALIZATION_TYPES: tuple[type, ...] = (
+NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
     nn.GroupNorm,
@@ -84,6 +84,12 @@ class Evaluation:
     gradient: torch.Tensor | None
     accuracy: float | None
 
+    def required_gradient(self) -> torch.Tensor:
+        """``gradient``, of an evaluation that asked for it (``evaluate(..., gradient=True)``)."""
+        if self.gradient is None:
+            raise TypeError("an evaluation made without gradient=True has no gradient")
+        return self.gradient
+
 
 class PerturbedModel:
     """The model with chosen parameters at ``w0 + scale * u`` (``u`` a flat vector).
@@ -124,10 +130,6 @@ class PerturbedModel:
         self.evaluations = 0  # forward passes over a set (with or without a backward)
         # the parameter a non-finite loss is blamed on: the size of the move
         self.error_source = "rho"
-
-    def flat_origin(self) -> torch.Tensor:
-        """``w0`` as one flat vector."""
-        return torch.cat([w.reshape(-1) for w in self.origin])
 
     def __enter__(self) -> PerturbedModel:
         return self

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from sharpcli import catalogue, progress
+from sharpcli import progress
 from sharpcli.analyses.rescale_plan import (
     MODES,
     RescalePlan,
@@ -155,7 +155,7 @@ def evaluate_outputs(model: nn.Module, data: AnalysisData) -> OutputEvaluation:
             if not torch.isfinite(z).all():
                 raise NumericalError(
                     f"logits are not finite on batch {index}",
-                    source=catalogue.command_running(weight_rescale),
+                    source="weight-rescale",
                 )
             logits.append(z)
             sums[0] += per_sample_loss(data.loss, z, y_b).to(torch.float64).sum()
@@ -353,26 +353,36 @@ def weight_rescale(
         device=p0.device, dtype=p0.dtype if example.is_floating_point() else example.dtype
     )
     plan = plan_rescale(model, example, mode, layer, force=force)
-    kwargs = dict(
-        tol=tol,
-        max_matvecs=max_matvecs,
-        trace_tol=trace_tol,
-        trace_max_matvecs=trace_max_matvecs,
-        seed=seed,
-        rho=rho,
-    )
+
+    def curvature_row(
+        at: nn.Module, factor: float, reference: torch.Tensor | None
+    ) -> tuple[RescaleRow, int]:
+        return _curvature_row(
+            at,
+            data,
+            params,
+            factor,
+            reference,
+            tol=tol,
+            max_matvecs=max_matvecs,
+            trace_tol=trace_tol,
+            trace_max_matvecs=trace_max_matvecs,
+            seed=seed,
+            rho=rho,
+        )
+
     total = len(alphas) + 1
     with progress.start("weight rescale", total=total, unit="models", detail="baseline") as run:
         baseline_model = copy.deepcopy(model)
         reference = evaluate_outputs(baseline_model, data).logits
-        baseline, numel = _curvature_row(baseline_model, data, params, 1.0, reference, **kwargs)
+        baseline, numel = curvature_row(baseline_model, 1.0, reference)
         del baseline_model
         rows = []
         for i, factor in enumerate(alphas):
             run.update(i + 1, detail=f"alpha {factor:g}")
             scaled = copy.deepcopy(model)
             apply_rescale(scaled, plan, factor)
-            row, _ = _curvature_row(scaled, data, params, factor, reference, **kwargs)
+            row, _ = curvature_row(scaled, factor, reference)
             rows.append(row)
         run.finish(total)
     return WeightRescaleResult(

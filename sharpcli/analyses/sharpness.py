@@ -332,7 +332,7 @@ def _auto_pgd(
         u = zero.clone() if restart == 0 else _random_start(model.dim, rho, norm, gen, zero)
         current = model.evaluate(u, x, y, gradient=True)
         best_u, best = u, current
-        direction = current.gradient
+        direction = current.required_gradient()
         history = [max(best.loss, start_loss)]
         previous = u
         eta = config.step_size * rho
@@ -342,7 +342,7 @@ def _auto_pgd(
             moved = u + MOMENTUM * (z - u) + (1 - MOMENTUM) * (u - previous)
             u, previous = _project(moved, rho, norm), u
             current = model.evaluate(u, x, y, gradient=True)
-            direction = _accumulate(direction, current.gradient)
+            direction = _accumulate(direction, current.required_gradient())
             if current.loss > best.loss:
                 best_u, best = u, current
                 improved += 1
@@ -354,7 +354,7 @@ def _auto_pgd(
                 if too_few or stalled:
                     eta /= 2
                     u, previous, current = best_u, best_u, best
-                    direction = best.gradient
+                    direction = best.required_gradient()
         for i, value in enumerate(history):
             overall.history[i] = max(overall.history[i], value)
         if best.loss > overall.loss:
@@ -448,6 +448,56 @@ def _row(rho: float, table: torch.Tensor, starts: list, config: SharpnessConfig)
     )
 
 
+def _perturbed_names(
+    model: nn.Module, scope: ParamScope, config: SharpnessConfig
+) -> tuple[list[str], list[str]]:
+    """(the parameters perturbed, the normalization layers' left out by ``norm_layers``)."""
+    norm_names = normalization_parameters(model)
+    excluded = (
+        [n for n in scope.names if n in norm_names] if config.norm_layers == "exclude" else []
+    )
+    names = [n for n in scope.names if n not in excluded]
+    if not names:
+        raise UsageError(
+            "no parameter is left to perturb once normalization layers are excluded",
+            source="norm_layers",
+        )
+    return names, excluded
+
+
+def _batch_table(
+    moved: PerturbedModel,
+    chunks: list[tuple[torch.Tensor, torch.Tensor]],
+    starts: list[Evaluation],
+    mine: list[int],
+    config: SharpnessConfig,
+    gen: torch.Generator,
+    weights: torch.Tensor,
+    run: progress.Run,
+) -> torch.Tensor:
+    """The measures per rho and batch (:func:`_batch_row`) of this rank's batches ``mine``,
+    zeros elsewhere (summed over the ranks after); the other ranks' random draws are skipped
+    so that every batch sees the draws of a single process.
+
+    Columns: sharpness, loss_perturbed, accuracy, has accuracy, norm, noise variance, then
+    worst-case's history.
+    """
+    width = 6 + (config.steps + 1 if config.kind == "worst-case" else 0)
+    table = torch.zeros(len(config.rhos), len(chunks), width, dtype=torch.float64)
+    for r, rho in enumerate(config.rhos):
+        for b, ((cx, cy), start) in enumerate(zip(chunks, starts)):
+            if b not in mine:
+                _skip_draws(moved.dim, rho, config, gen, weights)
+                continue
+            table[r, b] = torch.tensor(
+                _batch_row(moved, cx, cy, start, rho, config, gen, weights),
+                dtype=torch.float64,
+            )
+            run.update(r * len(mine) + mine.index(b) + 1, detail=f"rho {rho:g}")
+    run.finish(len(mine) * len(config.rhos))
+    return table
+
+
 def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> SharpnessResult:
     """Worst-case or average-case sharpness of ``model`` on ``data`` for each rho
     ([Andriushchenko2023]; module docstring).
@@ -468,16 +518,7 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
     """
     config.validate()
     scope = ParamScope.resolve(model, config.params)
-    norm_names = normalization_parameters(model)
-    excluded = (
-        [n for n in scope.names if n in norm_names] if config.norm_layers == "exclude" else []
-    )
-    names = [n for n in scope.names if n not in excluded]
-    if not names:
-        raise UsageError(
-            "no parameter is left to perturb once normalization layers are excluded",
-            source="norm_layers",
-        )
+    names, excluded = _perturbed_names(model, scope, config)
     named = dict(model.named_parameters())
     weights = torch.cat([named[n].detach().reshape(-1) for n in names])
     scale = weights.abs() if config.adaptive else None
@@ -493,28 +534,13 @@ def sharpness(model: nn.Module, data: AnalysisData, config: SharpnessConfig) -> 
     m = n if config.m is None else int(config.m)
     chunks = [(x[s : s + m], y[s : s + m]) for s in range(0, n, m)]
     gen = torch.Generator().manual_seed(int(config.seed))
-    rank, world = data.rank, data.world_size
-    # per rho and batch: sharpness, loss_perturbed, accuracy, has accuracy, norm, noise
-    # variance, history; filled by the batch's rank, zeros elsewhere, summed over the ranks
-    width = 6 + (config.steps + 1 if config.kind == "worst-case" else 0)
-    table = torch.zeros(len(config.rhos), len(chunks), width, dtype=torch.float64)
-    mine = [b for b in range(len(chunks)) if b % world == rank]
+    mine = [b for b in range(len(chunks)) if b % data.world_size == data.rank]
     with (
         PerturbedModel(model, names, scale, data.loss, data.batch_size) as moved,
         progress.start(SHARPNESS, total=len(mine) * len(config.rhos), unit="batches") as run,
     ):
         starts = [moved.evaluate(None, cx, cy) for cx, cy in chunks]
-        for r, rho in enumerate(config.rhos):
-            for b, ((cx, cy), start) in enumerate(zip(chunks, starts)):
-                if b % world != rank:
-                    _skip_draws(moved.dim, rho, config, gen, weights)
-                    continue
-                table[r, b] = torch.tensor(
-                    _batch_row(moved, cx, cy, start, rho, config, gen, weights),
-                    dtype=torch.float64,
-                )
-                run.update(r * len(mine) + mine.index(b) + 1, detail=f"rho {rho:g}")
-        run.finish(len(mine) * len(config.rhos))
+        table = _batch_table(moved, chunks, starts, mine, config, gen, weights, run)
         evaluations = int(all_reduce_sum(float(moved.evaluations)))
     all_reduce_sum(table)
     rows = [_row(float(rho), table[r], starts, config) for r, rho in enumerate(config.rhos)]

@@ -119,7 +119,7 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
     """Yield ``(h, z, y)`` per batch: the classifier head's input (flattened) and the logits."""
 
     name, head = final_linear(model, source="check")
-    captured = {}
+    captured: dict[str, torch.Tensor] = {}
 
     def hook(module, inputs, output):
         captured["h"] = inputs[0].detach()
@@ -134,7 +134,7 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
             captured.clear()
             with torch.no_grad():
                 z = model(x_b)
-            if captured.get("out") is not z:
+            if "out" not in captured or captured["out"] is not z:
                 raise UsageError(
                     f"the classifier head {name!r} is not the model's last operation, so noise on its "
                     "weight does not act on the logits as Theorem 2 assumes",

@@ -6,8 +6,7 @@ paper key of docs/references.md, data-parallel exactness where it applies, and t
 implementation as ``"module:attr"``, imported only when it is used. Regularizers, trace
 and diagonal estimators, curvature operators, losses, activations, data formats,
 built-in datasets, models, commands, metrics, tracked quantities and checks are declared
-beside their code (:func:`sharpcli.registry.declare`), and the names that torch-free
-modules use (``HESSIAN``, ``NO_REGULARIZER``) are read from their records;
+beside their code (:func:`sharpcli.registry.declare`);
 :mod:`sharpcli.catalogue.index` is generated from those
 declarations by ``python -m sharpcli.catalogue.generate``. The closed value sets of options
 (:mod:`sharpcli.catalogue.values`) are here too, read by the library modules that accept
@@ -44,9 +43,8 @@ from sharpcli.catalogue.names import (
     LOSSES,
     MODEL_NAMES,
     MODELS,
-    command_running,
 )
-from sharpcli.catalogue.regularizers import NO_REGULARIZER, REGULARIZERS
+from sharpcli.catalogue.regularizers import REGULARIZERS
 from sharpcli.catalogue.sharpness import (
     ALONG_EIGEN,
     GAP_KINDS,
@@ -117,7 +115,6 @@ __all__ = [
     "MODEL_NAMES",
     "MODELS",
     "NORM_LAYERS",
-    "NO_REGULARIZER",
     "OPERATORS",
     "HESSIAN",
     "GGN",
@@ -136,7 +133,6 @@ __all__ = [
     "TRACKABLE",
     "TRAIN",
     "WHICH",
-    "command_running",
     "entries_help",
     "operator_help",
     "operator_table",

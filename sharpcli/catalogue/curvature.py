@@ -24,12 +24,9 @@ __all__ = [
     "operator_table",
 ]
 
-# The parts of the split H = G + N ([NME] eq. 2), declared in sharpcli.curvature.operators.registry: read
-# from the index by their symbols, for the torch-free modules (reports, the CLI) that name them
-_SPLIT_BY_SYMBOL = {
-    e.info["symbol"]: e.name for e in DECLARED.get("operator", ()) if e.info.get("split")
-}
-HESSIAN, GGN, NME = _SPLIT_BY_SYMBOL["H"], _SPLIT_BY_SYMBOL["G"], _SPLIT_BY_SYMBOL["N"]
+# The parts of the split H = G + N ([NME] eq. 2), declared in sharpcli.curvature.operators.registry, for
+# the torch-free modules (reports, the CLI) that name them
+HESSIAN, GGN, NME = "hessian", "ggn", "nme"
 
 # ``--operator NAME`` (sharpcli.curvature.operators.registry): the curvature operators, declared there.
 # ``info``: the symbol in tables, whether the operator is positive semi-definite, and whether it

@@ -5,7 +5,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
@@ -17,7 +17,6 @@ __all__ = [
     "LOSSES",
     "MODELS",
     "MODEL_NAMES",
-    "command_running",
 ]
 
 
@@ -41,30 +40,6 @@ MODEL_NAMES: tuple[str, ...] = MODELS.builtin_names()
 DEFAULT_MODEL = next((e.name for e in MODELS.entries() if e.info.get("default")), "")
 
 # the ``sharp`` commands (sharpcli.cli.cmd_*, each declared beside its function), in the order
-# a person uses them (the order of ``sharp --help``). ``info``: its place in that order, the
-# --help panel of its own options where not the default, and the library function it runs
-# (``runs``, "module:function") where that function needs the command's name
+# a person uses them (the order of ``sharp --help``). ``info``: its place in that order and the
+# --help panel of its own options where not the default
 COMMANDS: Registry[Any] = Registry("command", source="command", entries=DECLARED.get("command", ()))
-
-
-def command_running(function: Callable[..., Any]) -> str:
-    """The name of the command whose declaration says it runs ``function`` (``info["runs"]``).
-
-    How a library module names the command it implements (the ``command`` of the report it
-    makes, the label of its errors and progress) without spelling the name, which is declared
-    once, beside the command.
-
-    Args:
-        function: the library function, as the command's declaration names it.
-
-    Returns:
-        The command's name.
-
-    Raises:
-        LookupError: no command declares that it runs ``function``.
-    """
-    runs = f"{function.__module__}:{function.__qualname__}"
-    for entry in COMMANDS.entries():
-        if entry.info.get("runs") == runs:
-            return entry.name
-    raise LookupError(f"no command declares that it runs {runs}")

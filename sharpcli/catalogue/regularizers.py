@@ -17,12 +17,9 @@ from typing import Any
 from sharpcli.catalogue.index import DECLARED
 from sharpcli.registry import Registry
 
-__all__ = ["NO_REGULARIZER", "REGULARIZERS"]
+__all__ = ["REGULARIZERS"]
 
 # ``--reg NAME[:k=v,...]`` (sharpcli.training.regularizers); parameters in positional order
 REGULARIZERS: Registry[Any] = Registry(
     "regularizer", source="regs", entries=DECLARED.get("regularizer", ())
 )
-# the plain loss, ``--reg``'s default: declared first (sharpcli.training.penalties.decay), read
-# from the index for the torch-free modules (the CLI, the training config) that name it
-NO_REGULARIZER: str = REGULARIZERS.builtin_names()[0]

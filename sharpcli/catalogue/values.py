@@ -1,9 +1,7 @@
 """The closed value sets of options, each set once.
 
 Read by the library module that accepts its values and by the CLI, whose ``Literal`` types
-``--help`` lists and completion offers. A value spelled like a built-in (``exact``, ``none``)
-is named here once (``EXACT_HVP``, ``UNREDUCED``) and imported where it is used: torch's own
-options as sharp passes them, and a message's word for an empty list, too.
+``--help`` lists and completion offers.
 
 This module imports no torch.
 """
@@ -21,10 +19,8 @@ __all__ = [
     "DROPOUT_ARG",
     "FROBENIUS_SQ_KEY",
     "EPSILON_KINDS",
-    "EXACT_GELU",
     "EXACT_HVP",
     "FINITE_DIFFERENCE",
-    "GELU_APPROXIMATIONS",
     "GGN_AUTO",
     "GGN_EXACT",
     "GGN_HUTCHINSON",
@@ -34,7 +30,6 @@ __all__ = [
     "HVP_METHODS",
     "METHODS",
     "MODEL_REGULARIZATION_ARGS",
-    "NONE_LISTED",
     "OPTIMIZERS",
     "PRECISIONS",
     "QUANTITIES",
@@ -46,7 +41,6 @@ __all__ = [
     "TABLE_FORMATS",
     "TEST",
     "TOKEN_REDUCTIONS",
-    "TORCH_REDUCTIONS",
     "UNREDUCED",
     "TRAIN",
     "TRACE_KEY",
@@ -109,10 +103,5 @@ EPSILON_KINDS = ("full", "minibatch")
 CSV = "csv"
 TABLE_FORMATS = ("table", CSV, "markdown", "json")
 
-# torch's options as sharp passes them, and a message's word for an empty list: spelled like the
-# regularizer `none`, so named once, here
-TORCH_REDUCTIONS = ("none", "mean", "sum")  # a loss function's `reduction=` (sharpcli.losses)
-UNREDUCED = TORCH_REDUCTIONS[0]  # one loss per element
-GELU_APPROXIMATIONS = ("none", "tanh")  # nn.GELU's `approximate=` (sharpcli.models.activations)
-EXACT_GELU = GELU_APPROXIMATIONS[0]  # the erf form
-NONE_LISTED = "none"  # an empty list of keys or regularizers in a message
+# torch's reduction="none" (one loss per element), as sharpcli.training.penalties.nme passes it
+UNREDUCED = "none"

@@ -193,14 +193,6 @@ def planned_total(event: channel.Event) -> int | None:
     return event.total
 
 
-def finish_time(started: float, now: float, done: int, total: int | None) -> float | None:
-    """When the run reaches ``total`` at its mean rate so far (``time.monotonic`` clock), or
-    None before the first unit or without a total."""
-    if total is None or done <= 0 or now <= started:
-        return None
-    return now + (now - started) * max(total - done, 0) / done
-
-
 def line_text(event: channel.Event, width: int | None = None) -> str:
     """The counts, padded to the widest this run can show (they do not move the numbers
     while it runs), then as many of the numbers as fit ``width``, each whole."""

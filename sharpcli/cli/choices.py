@@ -14,7 +14,7 @@ its registries, so the help and completion list exactly what the library accepts
 registered in this process included.
 """
 
-from typing import Callable, Literal, Union
+from typing import Callable, Literal, TypeAlias, Union
 
 from sharpcli import catalogue
 from sharpcli.registry import Registry
@@ -41,6 +41,7 @@ SharpnessNorm = Literal[catalogue.SHARPNESS_NORMS]  # type: ignore[valid-type]
 NormLayers = Literal[catalogue.NORM_LAYERS]  # type: ignore[valid-type]
 LandscapeBiasBN = Literal[catalogue.LANDSCAPE_BIAS_BN]  # type: ignore[valid-type]
 GapKind = Literal[catalogue.GAP_KINDS]  # type: ignore[valid-type]
+DiagonalEstimator: TypeAlias = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
 
 Values = Union[tuple[str, ...], Registry]
 

@@ -19,7 +19,7 @@ ANALYZE = "analyze"
     "command",
     ANALYZE,
     "Several of these measures in one report; a gate for CI.",
-    info={"order": 7, "runs": "sharpcli.analyses.analyze:analyze"},
+    info={"order": 7},
 )
 @common.analysis_command(app, ANALYZE)
 def analyze_command(
@@ -71,7 +71,7 @@ def analyze_command(
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
     from sharpcli.analyses.sharpness import SHARPNESS
     from sharpcli.curvature.operators.registry import SPLIT
@@ -137,7 +137,7 @@ def analyze_command(
 def _check_gate_keys(gates, chosen: list[str]) -> None:
     """Every gate's key must be one this run reports (``RESULT_KEYS`` of the chosen metrics);
     a key of another metric names the ``--metrics`` that adds it."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, RESULT_KEYS
     from sharpcli.report.gate import check_keys
 

@@ -79,7 +79,7 @@ def activation_stats_command(
 ) -> runner.Outcome:
     """How often each activation layer's units are active or dead, the output's Gini impurity
     and entropy, the AD penalty and the input-output Jacobian norm (MAN sections 2, 5)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.activations import activation_stats
 
     session = common.open_session(checkpoint, opts, curvature=False)  # first derivatives only
@@ -129,7 +129,7 @@ def _render_activation_stats(console, result) -> None:
     WEIGHT_RESCALE,
     "Show which sharpness measures change when weights are rescaled.",
     paper="MAN",
-    info={"order": 9, "panel": "Rescaling", "runs": "sharpcli.analyses.rescale:weight_rescale"},
+    info={"order": 9, "panel": "Rescaling"},
 )
 @common.analysis_command(app, WEIGHT_RESCALE)
 def weight_rescale_command(
@@ -180,7 +180,7 @@ def weight_rescale_command(
     plot: PlotOpt = None,
 ) -> runner.Outcome:
     """Rescale weights, keeping the function (MAN Fig. 1): lambda_max moves, adaptive sharpness not."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.rescale import check_alphas, check_mode, weight_rescale
 
     alphas = common.parse_float_list(alpha, "--alpha")
@@ -262,7 +262,7 @@ def _render_weight_rescale(console, result) -> None:
     BOUND_CHECK,
     "Check the papers' curvature bounds on a trained model.",
     paper="AD",
-    info={"order": 12, "panel": "Bounds", "runs": "sharpcli.analyses.bounds:bound_check"},
+    info={"order": 12, "panel": "Bounds"},
 )
 @common.analysis_command(app, BOUND_CHECK)
 def bound_check_command(
@@ -336,7 +336,7 @@ def bound_check_command(
 ) -> runner.Outcome:
     """Check AD Corollary 1's bound on the Hessian smoothed by weight noise, for each sigma;
     optionally AD Theorem 2 and NSO's noise-stability gap."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.bounds import BoundCheckConfig, bound_check
 
     sigmas = common.parse_float_list(sigma, "--sigma")

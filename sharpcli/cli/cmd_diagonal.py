@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -14,8 +14,6 @@ from sharpcli.registry import declare
 from sharpcli.report.tables import key_value_table, records_table
 
 DIAGONAL = "diagonal"
-
-DiagonalEstimator = Literal[catalogue.DIAGONAL_ESTIMATORS.builtin_names()]  # type: ignore[valid-type]
 
 
 def _operator_help() -> str:
@@ -55,7 +53,7 @@ def diagonal_command(
         ),
     ] = None,
     estimator: Annotated[
-        DiagonalEstimator,
+        choices.DiagonalEstimator,
         typer.Option(
             "--estimator",
             help="hutchinson (Rademacher probes, per-entry standard errors), exact (one "
@@ -79,7 +77,7 @@ def diagonal_command(
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Per-parameter diagonal of the Hessian, GGN or a Fisher, as .safetensors."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.diagonal import diagonal, diagonal_writer
 
     common.require(probes >= 2, "must be at least 2 (standard errors need two)", "--probes")

@@ -32,7 +32,7 @@ LANDSCAPE = "landscape"
     LANDSCAPE,
     "Loss on a line or plane through the checkpoint, plotted.",
     paper="Li2018",
-    info={"order": 11, "runs": "sharpcli.analyses.landscape:loss_landscape"},
+    info={"order": 11},
 )
 @common.analysis_command(app, LANDSCAPE)
 def landscape_command(
@@ -100,7 +100,7 @@ def landscape_command(
 ) -> runner.Outcome:
     """Loss and accuracy on a line or plane through the checkpoint (Li et al. 2018), a
     contour or line plot."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.landscape import LandscapeConfig, loss_landscape
     from sharpcli.analyses.landscape_directions import load_directions
     from sharpcli.analyses.landscape_directions import save_directions as write_directions
@@ -164,7 +164,7 @@ def landscape_command(
 
 
 def _names(session, params: str | None) -> list[str]:
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.curvature.products.scope import ParamScope
 
     return ParamScope.resolve(session.model, params).names
@@ -172,7 +172,7 @@ def _names(session, params: str | None) -> list[str]:
 
 def _second_model(path: str, opts: common.CommonOptions, session):
     """The model of ``--along CKPT2``, in the session's dtype and device, eval mode."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.io.checkpoints import load_checkpoint
 
     if ledger.same_file(path, session.checkpoint.path):

@@ -94,7 +94,7 @@ def sharpness_command(
 ) -> runner.Outcome:
     """Worst-case or average-case sharpness, adaptive or standard, per rho
     (Andriushchenko et al. 2023)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.sharpness import SharpnessConfig, sharpness
 
     config = SharpnessConfig(

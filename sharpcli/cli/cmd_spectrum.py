@@ -31,8 +31,7 @@ def _estimator_help() -> str:
     return catalogue.entries_help(catalogue.ESTIMATORS) + "."
 
 
-# the first declared operator, the Hessian
-DEFAULT_OPERATOR = catalogue.OPERATORS.builtin_names()[0]
+DEFAULT_OPERATOR = catalogue.HESSIAN
 OperatorOpt = Annotated[
     str,
     typer.Option(
@@ -156,7 +155,7 @@ def eigen_command(
     ] = None,
 ) -> runner.Outcome:
     """Largest and/or smallest eigenvalues of the Hessian, GGN, NME or a Fisher."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses import spectrum
 
     common.require(top_k >= 1, "must be at least 1", "--top-k")
@@ -182,7 +181,7 @@ def eigen_command(
             fsdp=fsdp,
         )
         if blocks is not None:
-            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            # imports torch: kept out of start-up
             from sharpcli.analyses.blocks import eigen_blocks, session_block_engines
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -278,7 +277,7 @@ def trace_command(
     top: TopOpt = None,
 ) -> runner.Outcome:
     """Trace of H, G, N or a Fisher, with its standard error and per-layer traces."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -300,7 +299,7 @@ def trace_command(
             fsdp=fsdp,
         )
         if blocks is not None:
-            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            # imports torch: kept out of start-up
             from sharpcli.analyses.blocks import session_block_engines, trace_blocks
 
             common.require(engine == "native", "needs --engine native", "--blocks")
@@ -406,7 +405,7 @@ def gn_nme_command(
     ] = "auto",
 ) -> runner.Outcome:
     """The NME paper's split H = G + N: traces, extreme eigenvalues, Tr(A^2), NME share, per layer."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses import spectrum
 
     _positive(tol, "--trace-tol")
@@ -432,7 +431,7 @@ def gn_nme_command(
     report = session.report(GN_NME, settings, results, matvecs=results["matvecs"])
 
     def render(console):
-        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.curvature.operators.registry import OPERATORS, SPLIT
 
         rows = [
@@ -502,7 +501,7 @@ def density_command(
 ) -> runner.Outcome:
     """Spectral density of the Hessian (or G, N) by stochastic Lanczos quadrature; --plot
     writes it as a PNG."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses import spectrum
 
     common.require(probes >= 1, "must be at least 1", "--probes")
@@ -526,7 +525,7 @@ def density_command(
             fsdp=fsdp,
         )
         if blocks is not None:
-            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            # imports torch: kept out of start-up
             from sharpcli.analyses.blocks import density_blocks, session_block_engines
             from sharpcli.analyses.heterogeneity import block_heterogeneity
 

@@ -65,7 +65,7 @@ def _set_value(raw: str, key: str):
     "command",
     SWEEP,
     "Train and measure over a grid of regularizer settings and seeds.",
-    info={"order": 14, "panel": "Sweep", "runs": "sharpcli.training.sweep:run_sweep"},
+    info={"order": 14, "panel": "Sweep"},
 )
 @app.command(SWEEP, cls=lazyhelp.LazyHelpCommand)
 @with_options(train=SWEEP_OPTIONS)
@@ -150,7 +150,7 @@ def sweep_command(
     """Sweep a regularizer's hyper-parameters over seeds: train, analyse, tabulate, plot."""
 
     def body() -> runner.Outcome:
-        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.training.sweep import parse_grid, run_sweep
 
         parsed_grid = parse_grid(grid)
@@ -160,7 +160,7 @@ def sweep_command(
             raise common.UsageError(
                 f"{seeds!r} is not a comma list of integers", source="--seeds"
             ) from None
-        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.preflight import check_seed
 
         for seed in seed_list:

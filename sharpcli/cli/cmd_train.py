@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sharpcli import catalogue
 from sharpcli.cli import common, lazyhelp, runner
 from sharpcli.cli.declared import with_options
 from sharpcli.cli.group import app
@@ -21,7 +20,6 @@ TRAIN = "train"
     info={
         "order": 1,
         "panel": "Training",
-        "runs": "sharpcli.training.loop:train",
         "reports_regularizers": True,
     },
 )
@@ -32,7 +30,7 @@ def train_command(opts: TrainOptions) -> None:
     stop_on_divergence = opts.stop_on_divergence or opts.stop_diverged
 
     def body() -> runner.Outcome:
-        # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.analyses.tracking import check_tracked, make_tracker
         from sharpcli.report.plots import plot_training_history
         from sharpcli.training.loop import train, train_report
@@ -118,7 +116,7 @@ def _divergence_warning(result) -> str | None:
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
-    named = [r for r in regs if r != catalogue.NO_REGULARIZER]
+    named = [r for r in regs if r != "none"]
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
 
 
@@ -131,9 +129,7 @@ HISTORY_NOTE = (
 
 def history_title(regularizers: list[dict]) -> str:
     """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
-    specs = [
-        r["spec"] for r in regularizers if r.get("spec") not in (None, catalogue.NO_REGULARIZER)
-    ]
+    specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
     return "training history: " + (" + ".join(specs) if specs else "no regularizer")
 
 

@@ -424,11 +424,11 @@ def analysis_command(app, name: str):
                 aliases=_ARCH_ARGS,
             )
 
-        wrapper.__signature__ = sig.replace(
+        # the signature typer reads (inspect honours __signature__; typeshed does not declare it)
+        wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
             parameters=positional + keyword + extra, return_annotation=None
         )
         wrapper.__annotations__ = {p.name: p.annotation for p in positional + keyword + extra}
-        wrapper.__wrapped__ = None
         del wrapper.__wrapped__
         return app.command(name, cls=LazyHelpCommand)(wrapper)
 
@@ -447,7 +447,7 @@ def open_session(
     go to stderr as ``sharp: note: ...`` lines (rank 0, not under ``--quiet``); the report
     carries them in ``data.notes`` either way.
     """
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.session import build_session
 
     kwargs = opts.settings()

@@ -88,8 +88,8 @@ def _running_commands(command_name: str | None, root=None):
         top = context.find_root().command
         commands = list(getattr(top, "commands", {}).values()) or [context.command]
         return context.command, commands
-    commands = getattr(root, "commands", {})
-    return commands.get(command_name), list(commands.values())
+    by_name = getattr(root, "commands", {})
+    return by_name.get(command_name), list(by_name.values())
 
 
 def to_cli_error(err: SharpError, command_name: str | None = None, root=None) -> SharpError:

@@ -28,7 +28,7 @@ HvpOpt = Annotated[
 def check(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple[str, bool]:
     """``--hvp`` as the library's ``(hvp, fsdp)``, checked against the other options before
     the session loads (``fsdp``: finite differences on the model sharded by FSDP2)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.hvp import check_hvp
 
     common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")

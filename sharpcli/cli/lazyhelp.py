@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 # Option helps listed from the catalogue, by the text they showed when the option was made.
 _LAZY_HELP: dict[str, Callable[[], str]] = {}
@@ -85,7 +85,9 @@ class LazyHelpCommand(TyperCommand):
     def format_help(self, ctx, formatter) -> None:
         """Read the lazy option helps again, then format the help."""
         for param in self.params:
-            make = _LAZY_HELP.get(getattr(param, "help", None) or "")
+            if not isinstance(param, (TyperOption, TyperArgument)):
+                continue
+            make = _LAZY_HELP.get(param.help or "")
             if make is not None:
                 param.help = make()
                 _LAZY_HELP[param.help] = make

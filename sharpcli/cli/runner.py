@@ -262,11 +262,11 @@ def _failure_code(command: str, json_path: str | None, exc: BaseException) -> in
         )
         return _report_error(command, json_path, err).exit_code
     # a bug, not a user error: say so (the traceback under --debug, by _report_error)
-    err = SharpError(
+    bug = SharpError(
         f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
     )
-    err.exit_code = EXIT_INTERNAL
-    return _report_error(command, json_path, err).exit_code
+    bug.exit_code = EXIT_INTERNAL
+    return _report_error(command, json_path, bug).exit_code
 
 
 def written_plot(report: dict) -> str | None:

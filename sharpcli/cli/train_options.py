@@ -269,7 +269,7 @@ class TrainOptions:
         given = (self.x_key, self.y_key, self.shift_labels, self.x_shape)
         if all(value is None for value in given):
             return self.data
-        # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+        # imports torch: kept out of start-up
         from sharpcli.io.datasets import parse_data_spec
 
         return parse_data_spec(

@@ -44,7 +44,6 @@ from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.file_formats import PT
 from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
 from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
     CONTAINER_KEYS,
@@ -87,7 +86,7 @@ class LoadedCheckpoint:
     path: str
     sha256: str
     model_spec: dict | None = None
-    data_spec: dict | None = None
+    data_spec: dict | str | None = None  # the training data's spec, as stored
     train_config: dict | None = None
     metrics: dict | None = None
     origin: str = "sharpcli"  # sharpcli | state_dict | pickle | huggingface
@@ -96,7 +95,7 @@ class LoadedCheckpoint:
 
     def info(self) -> dict:
         """The ``checkpoint`` block of the JSON report (``notes`` only when there are any)."""
-        info = {
+        info: dict[str, object] = {
             "path": self.path,
             "sha256": self.sha256,
             "model": self.model_spec,
@@ -164,7 +163,7 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
 
     try:
         tensors = {}
-        with safe_open(str(path), framework=PT) as fh:
+        with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)
@@ -399,7 +398,8 @@ def _build_zoo_model(spec: dict, candidates, path: Path, described_by: str, *, m
                 f"metadata names a model that cannot be built ({exc.message})", source=str(path)
             ) from exc
         # the zoo names its model and model_args; here they came as arch and arch_args
-        source = {"model": "arch", "model_args": "arch_args"}.get(exc.source, exc.source)
+        renamed = {"model": "arch", "model_args": "arch_args"}
+        source = renamed.get(exc.source, exc.source) if exc.source is not None else None
         raise UsageError(exc.message, source=source) from exc
     check_model_size(spec, candidates, path, described_by)
     return build_model(spec)
@@ -429,6 +429,7 @@ def _load_hf_folder(p: Path, *, arch: str | None, model_factory: str | None) -> 
             "a Hugging Face folder builds its model from its config.json", source=option
         )
     weights = weights_file(p)
+    assert weights is not None  # is_hf_model_folder found it
     ledger.record_input(p / "config.json", "the checkpoint's config")
     ledger.record_input(weights, "the checkpoint")
     model, name = load_hf_model(p)
@@ -552,11 +553,11 @@ def _model_for(
         model = factory_from_string(model_factory, arch_args)
         return model, {"name": f"factory:{model_factory}", "args": arch_args or {}}, contents.origin
     if arch is not None:
-        spec = {"name": arch, "args": arch_args or {}}
+        given = {"name": arch, "args": arch_args or {}}
         model = _build_zoo_model(
-            spec, contents.candidates, p, "given by `arch` and `arch_args`", metadata=False
+            given, contents.candidates, p, "given by `arch` and `arch_args`", metadata=False
         )
-        return model, spec, contents.origin
+        return model, given, contents.origin
     spec = contents.model_spec
     if spec is None:
         raise InputError(

@@ -518,7 +518,7 @@ def validate_for_model(
     if isinstance(data, Dataset):
         source = source or data.source
         pairs = [(TRAIN, data.x_train, data.y_train)]
-        if data.x_test is not None:
+        if data.x_test is not None and data.y_test is not None:  # both or neither
             pairs.append((TEST, data.x_test, data.y_test))
         task = data.task
     else:

@@ -75,7 +75,7 @@ def _convert(name: str, key: str, value, kind: type):
     return out
 
 
-def resolve_builtin_args(name: str, args: dict) -> dict:
+def resolve_builtin_args(name: object, args: dict) -> dict:
     """Complete and check the arguments of built-in ``name``; returns all of them, typed.
 
     Unknown names or keys and out-of-range values raise ``UsageError(source="data")``.

@@ -96,14 +96,9 @@ class Dataset:
         return tuple(self.x_train.shape[1:])
 
     @property
-    def has_test(self) -> bool:
-        """Whether the dataset has a test split."""
-        return self.x_test is not None
-
-    @property
     def output_size(self) -> int:
         """Number of model outputs the data calls for: classes, or regression targets per sample."""
-        if self.task == "classification":
+        if self.num_classes is not None:  # classification
             return int(self.num_classes)
         return 1 if self.y_train.dim() == 1 else int(self.y_train.shape[1])
 

@@ -159,8 +159,10 @@ def _read_npz_mapping(handle, path: str) -> dict:
         raise InputError("is not an .npz archive with keys x and y", source=path)
     try:
         with archive:
-            for info in archive.zip.infolist():
-                _check_npy_member(archive.zip, info, path)
+            members = archive.zip
+            assert members is not None  # an open archive's zip file
+            for info in members.infolist():
+                _check_npy_member(members, info, path)
             return {key: archive[key] for key in archive.files}
     except InputError:
         raise
@@ -415,37 +417,35 @@ def _table_dataset(
     feature_names = _table_feature_names(frame, columns, label, path)
     features = _table_features(frame, columns, feature_names, path)
     labels, class_names = _label_array(frame[label], label, path)
-    common = dict(
-        source=path,
-        spec=spec,
-        class_names=class_names,
-        task="classification" if class_names else None,
-        num_classes=len(class_names) if class_names else None,
-    )
     if SPLIT_COLUMN not in columns:
-        names = ("features", f"label column {label!r}", "test features")
-        return finalize_dataset(
-            features,
-            labels,
-            None,
-            None,
-            names=(*names, f"test label column {label!r}"),
-            **common,
+        x_train, y_train, x_test, y_test = features, labels, None, None
+        names = (
+            "features",
+            f"label column {label!r}",
+            "test features",
+            f"test label column {label!r}",
         )
-    is_train, is_test = _split_rows(frame, path)
-    x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
-    return finalize_dataset(
-        features[is_train],
-        labels[is_train],
-        x_test,
-        y_test,
-        names=(
+    else:
+        is_train, is_test = _split_rows(frame, path)
+        x_train, y_train = features[is_train], labels[is_train]
+        x_test, y_test = (features[is_test], labels[is_test]) if is_test.any() else (None, None)
+        names = (
             "train features",
             f"label column {label!r}",
             "test features",
             f"test labels in column {label!r}",
-        ),
-        **common,
+        )
+    return finalize_dataset(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        source=path,
+        spec=spec,
+        task="classification" if class_names else None,
+        num_classes=len(class_names) if class_names else None,
+        class_names=class_names,
+        names=names,
     )
 
 

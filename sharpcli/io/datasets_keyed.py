@@ -31,10 +31,10 @@ other key is counted, not shown (docs/json.md, "Inputs").
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import Dataset, as_tensor, finalize_dataset
 
@@ -75,7 +75,7 @@ def show_keys(keys) -> str:
     text = ", ".join(shown[:20]) + (f" and {len(shown) - 20} more" if len(shown) > 20 else "")
     if hidden:
         text += f"{', ' if text else ''}{hidden} key(s) not shown (not plain names)"
-    return text or NONE_LISTED
+    return text or "none"
 
 
 def split_key_option(value) -> tuple[str, ...] | None:
@@ -176,7 +176,7 @@ def _stack_inputs(arrays: list, keys: tuple[str, ...], path: str):
     return torch.cat(flat, dim=1), shapes
 
 
-def dataset_from_mapping(content: dict, spec: dict, path: str, *, default_keys: bool) -> Dataset:
+def dataset_from_mapping(content: Mapping, spec: dict, path: str, *, default_keys: bool) -> Dataset:
     """The :class:`Dataset` of a ``name -> array`` mapping (rules in the module docstring).
 
     ``spec`` holds the optional ``x_key``/``y_key``; ``default_keys`` says the format's

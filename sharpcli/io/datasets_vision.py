@@ -65,7 +65,7 @@ _MNIST_STEMS = {
 }
 # what messages call an image folder's arrays: images, labels, test images, test labels (made
 # from their parts: the plural alone is the built-in dataset `images`, declared elsewhere)
-_ARRAY_NAMES = tuple(f"{split}{held}s" for split in ("", "test ") for held in ("image", "label"))
+_ARRAY_NAMES = ("images", "labels", "test images", "test labels")
 
 # the layouts' names, which read_cifar dispatches on
 CIFAR10_PYTHON, CIFAR10_BINARY = "cifar10-python", "cifar10-binary"
@@ -433,6 +433,7 @@ def read_mnist(spec: dict) -> Dataset:
             source="label_column",
         )
     train = _mnist_split(folder, TRAIN)
+    assert train is not None  # only the test split may be absent
     test = _mnist_split(folder, TEST)
     labels = [train[1]] + ([test[1]] if test else [])
     largest = max(int(part.max()) if part.size else 0 for part in labels)

@@ -16,7 +16,7 @@ from sharpcli.errors import InputError
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 
 
-def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
     """``(name, module)`` of every ``nn.Embedding``/``nn.EmbeddingBag`` in ``model``."""
     return [
         (name or type(model).__name__, module)

@@ -37,8 +37,7 @@ __all__ = [
     "is_torch_file",
 ]
 
-# the formats' names, which the readers of sharpcli.io.datasets_files dispatch on; PT is also
-# safetensors' name for torch tensors (``safe_open(path, framework=PT)``)
+# the formats' names, which the readers of sharpcli.io.datasets_files dispatch on
 SAFETENSORS, PT, NPZ, NPY, CSV, PARQUET = "safetensors", "pt", "npz", "npy", "csv", "parquet"
 
 _READERS = "sharpcli.io.datasets_files"

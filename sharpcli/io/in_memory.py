@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import UsageError
 from sharpcli.io.causal_lm import (
     causal_lm_name,
@@ -90,7 +90,7 @@ def _batch_parts(batch, index: int) -> tuple:
     if isinstance(batch, Mapping):
         found = [key for key in LABEL_KEYS if key in batch]
         if len(found) != 1:
-            keys = ", ".join(map(str, batch)) or NONE_LISTED
+            keys = ", ".join(map(str, batch)) or "none"
             problem = "both" if found else "neither"
             raise UsageError(
                 f"{where} is a dict with {problem} of the label keys `labels` and `y` (keys: "
@@ -174,13 +174,18 @@ def _hugging_face_columns(data) -> dict | None:
     datasets = sys.modules.get("datasets")
     if datasets is None:
         return None
-    if isinstance(data, getattr(datasets, "DatasetDict", ())):
+    # the classes by name: a module of that name without them is not Hugging Face's
+    dataset_dict, dataset = (
+        getattr(datasets, "DatasetDict", None),
+        getattr(datasets, "Dataset", None),
+    )
+    if dataset_dict is not None and isinstance(data, dataset_dict):
         raise UsageError(
             f"`data` is a DatasetDict with the splits {', '.join(data)}; pass one split, "
             "data['train']",
             source="data",
         )
-    if not isinstance(data, getattr(datasets, "Dataset", ())):
+    if dataset is None or not isinstance(data, dataset):
         return None
     if len(data) == 0:
         raise UsageError("`data` holds no samples", source="data")
@@ -271,9 +276,21 @@ def collect_data(data, batch_size: int | None = None) -> CollectedData:
 
 
 # --------------------------------------------------------------------------- the model view
-class _IndexedInputs:
+if TYPE_CHECKING:  # the mixin's methods see the model's (it comes before an nn.Module's class)
+    _MixedIntoModule = nn.Module
+else:
+    _MixedIntoModule = object
+
+
+class _IndexedInputs(_MixedIntoModule):
     """Mixed in before the model's class: ``forward(index)`` runs the model's own ``forward``
     on rows ``index`` of the stored inputs and returns the logits tensor."""
+
+    # set on each view by model_on_data
+    _sharp_positional: torch.Tensor | None
+    _sharp_keywords: dict[str, torch.Tensor]
+    _sharp_call_style: str
+    _sharp_layout: LossReading | None
 
     def forward(self, index: torch.Tensor) -> torch.Tensor:
         """The model's logits on the samples ``index`` of the analysis set."""
@@ -284,7 +301,7 @@ class _IndexedInputs:
             taken = tensor[index]
             return taken.to(dtype) if taken.is_floating_point() else taken
 
-        args = () if self._sharp_positional is None else (rows(self._sharp_positional),)
+        args: tuple = () if self._sharp_positional is None else (rows(self._sharp_positional),)
         kwargs = {name: rows(tensor) for name, tensor in self._sharp_keywords.items()}
         if self._sharp_call_style == ONE_DICT:  # forward(self, batch): the dict as one argument
             args, kwargs = (kwargs,), {}
@@ -292,10 +309,10 @@ class _IndexedInputs:
         return logits if self._sharp_layout is None else self._sharp_layout.outputs(logits)
 
 
-_VIEW_CLASSES: dict[type, type] = {}
+_VIEW_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
-def _view_class(cls: type) -> type:
+def _view_class(cls: type[nn.Module]) -> type[nn.Module]:
     view = _VIEW_CLASSES.get(cls)
     if view is None:
         view = type(f"{cls.__name__}OnData", (_IndexedInputs, cls), {"__module__": __name__})
@@ -366,7 +383,7 @@ def loss_name(loss) -> tuple[str, int | None]:
         return spec.name, None
     if isinstance(loss, str) and "ignore_index" not in dict(spec.options):
         return spec.name, None  # a name: labels -100 are the token loss's own marker
-    return spec.name, int(spec.get("ignore_index"))  # type: ignore[call-overload]
+    return spec.name, int(spec.get("ignore_index"))
 
 
 def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReading, int | None]:

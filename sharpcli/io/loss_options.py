@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.errors import UsageError
 from sharpcli.losses import (
     BCE_PROBABILITIES,
@@ -367,7 +366,7 @@ class _SoftmaxOptions:
             weight=_on(self.weight, z),
             ignore_index=IGNORE_INDEX,
             label_smoothing=self.eps,
-            reduction=UNREDUCED,
+            reduction="none",
         )
         return u.reshape(rows.shape[:2])
 
@@ -491,15 +490,15 @@ class _ElementwiseOptions:
         if self.base == BINARY_CROSS_ENTROPY:
             pw = _on(self.pos_weight, z)
             return F.binary_cross_entropy_with_logits(
-                z, t, weight=w, pos_weight=pw, reduction=UNREDUCED
+                z, t, weight=w, pos_weight=pw, reduction="none"
             )
         if self.base == BCE_PROBABILITIES:
-            return F.binary_cross_entropy(z, t, weight=w, reduction=UNREDUCED)
+            return F.binary_cross_entropy(z, t, weight=w, reduction="none")
         if self.base == HUBER:
-            return F.huber_loss(z, t, reduction=UNREDUCED, delta=self.delta)
+            return F.huber_loss(z, t, reduction="none", delta=self.delta)
         if self.base == SMOOTH_L1:
-            return F.smooth_l1_loss(z, t, reduction=UNREDUCED, beta=self.beta)
-        return F.mse_loss(z, t, reduction=UNREDUCED)
+            return F.smooth_l1_loss(z, t, reduction="none", beta=self.beta)
+        return F.mse_loss(z, t, reduction="none")
 
     def second_derivative(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``d^2 u / dz^2`` per element (module docstring)."""

@@ -53,6 +53,7 @@ opcode, a memory or recursion error from a hostile stream) surfaces as one
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import pickle
@@ -60,11 +61,11 @@ import pickle
 import numpy as np
 
 try:  # numpy >= 2
-    from numpy._core import multiarray as _np_multiarray
-    from numpy._core import numeric as _np_numeric
+    _np_multiarray = importlib.import_module("numpy._core.multiarray")
+    _np_numeric = importlib.import_module("numpy._core.numeric")
 except ImportError:  # numpy 1.x
-    from numpy.core import multiarray as _np_multiarray
-    from numpy.core import numeric as _np_numeric
+    _np_multiarray = importlib.import_module("numpy.core.multiarray")
+    _np_numeric = importlib.import_module("numpy.core.numeric")
 
 from sharpcli.errors import InputError
 from sharpcli.io.datasets_common import describe_exception
@@ -169,6 +170,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    stack: list[object]  # the pure-Python unpickler's stack (pickle._Unpickler.load sets it)
 
     def __init__(self, file, *, file_size: int, **kwargs):
         super().__init__(file, **kwargs)
@@ -183,7 +185,9 @@ class RestrictedUnpickler(pickle._Unpickler):
             "frozenset": self._frozenset,
             "bytearray": self._bytearray,
         }
-        self.dispatch = {
+        # an instance's table of charged opcodes: the pure-Python unpickler looks dispatch up on
+        # the instance, which typeshed declares a class variable
+        self.dispatch = {  # type: ignore[misc]
             code: self._charged(load) for code, load in RestrictedUnpickler.dispatch.items()
         }
 
@@ -264,9 +268,10 @@ class RestrictedUnpickler(pickle._Unpickler):
         elif not isinstance(inst, np.dtype):
             kind = type(inst).__name__ if inst is not None else "nothing"
             raise pickle.UnpicklingError(f"refusing to set the state of a {kind}")
-        pickle._Unpickler.load_build(self)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # typeshed omits the opcode methods
 
-    dispatch[pickle.BUILD[0]] = load_build
+    # typeshed types the table's entries as methods of the base class (any Unpickler)
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
 
 
 def restricted_loads(data: bytes, *, source: str, encoding: str = "bytes"):

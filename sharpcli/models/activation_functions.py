@@ -35,9 +35,10 @@ __all__ = [
 try:  # private, but the only way to see the functorch transform stack; absent -> no check
     from torch._C._functorch import TransformType as _TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _functorch_stack
+
+    _SEES_TRANSFORMS = True
 except ImportError:  # pragma: no cover - depends on the torch build
-    _functorch_stack = None
-    _TransformType = None
+    _SEES_TRANSFORMS = False
 
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -129,7 +130,7 @@ def _refuse_forward_over_forward(name: str) -> None:
     nesting (``hessian`` = ``jacfwd(jacrev)``, ``jacrev(jacrev)``, ``jacrev(jacfwd)``, double
     backward, forward-over-double-backward) is exact.
     """
-    if _functorch_stack is None:
+    if not _SEES_TRANSFORMS:
         return
     forward_levels = sum(1 for interp in _functorch_stack() if interp.key() == _TransformType.Jvp)
     if forward_levels >= 2:

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue
-from sharpcli.catalogue.values import EXACT_GELU
 from sharpcli.models.activation_functions import (
     augmented_relu,
     augmented_relu_second_derivative,
@@ -77,7 +76,7 @@ class GELU(nn.GELU):
     """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
 
     def __init__(self) -> None:
-        super().__init__(approximate=EXACT_GELU)
+        super().__init__(approximate="none")
 
     @property
     def spec(self) -> str:
@@ -319,7 +318,9 @@ def canonical_activation_spec(spec: str) -> str:
     Raises:
         RegistryError: (a UsageError, source ``activation``) an unknown name or a bad parameter.
     """
-    return make_activation(spec).spec
+    canonical = activation_spec(make_activation(spec))
+    assert canonical is not None  # every built-in activation has its ``spec``
+    return canonical
 
 
 def activation_spec(module: nn.Module) -> str | None:
@@ -348,11 +349,14 @@ def activation_spec(module: nn.Module) -> str | None:
 # Deliberately altered second derivatives, for the self-check of a model's second derivatives
 # --------------------------------------------------------------------------------------------
 
-ALTERED_DERIVATIVE_TYPES: tuple[type[nn.Module], ...] = (AugmentedReLU, DiminishedGELU)
+ALTERED_DERIVATIVE_TYPES: tuple[type[AugmentedReLU], type[DiminishedGELU]] = (
+    AugmentedReLU,
+    DiminishedGELU,
+)
 """Modules whose autograd second derivative differs from the true one by design ([NME] 4.4)."""
 
 
-def replace_altered_activations(model: nn.Module) -> list[nn.Module]:
+def replace_altered_activations(model: nn.Module) -> list[AugmentedReLU | DiminishedGELU]:
     """Swap every :data:`ALTERED_DERIVATIVE_TYPES` layer of ``model`` (in place) for its
     ``true_derivative_twin()``; return the replaced modules (each once).
 
@@ -367,7 +371,7 @@ def replace_altered_activations(model: nn.Module) -> list[nn.Module]:
     Returns:
         The replaced modules, each once.
     """
-    replaced: list[nn.Module] = []
+    replaced: list[AugmentedReLU | DiminishedGELU] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, ALTERED_DERIVATIVE_TYPES):
@@ -377,7 +381,7 @@ def replace_altered_activations(model: nn.Module) -> list[nn.Module]:
     return replaced
 
 
-def intended_derivative_error(module: nn.Module, points: int = 241) -> float:
+def intended_derivative_error(module: AugmentedReLU | DiminishedGELU, points: int = 241) -> float:
     """Largest deviation of ``module``'s AD derivatives from its ``intended_derivatives``.
 
     On ``points`` float64 inputs spread over ``[-6, 6] / beta`` (beta of augmented ReLU, 1

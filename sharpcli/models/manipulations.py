@@ -31,6 +31,8 @@ from sharpcli.models.activations import activation_modules
 class FeatureMask(nn.Module):
     """``x -> m * x`` with a fixed 0/1 mask ``m`` over one sample's features (a persistent buffer)."""
 
+    mask: torch.Tensor
+
     def __init__(self, mask: torch.Tensor):
         super().__init__()
         self.register_buffer("mask", mask)

@@ -198,7 +198,7 @@ def _canonical_value(model: str, key: str, spec: ModelArg, value: Any) -> Any:
     return check(model, key, spec, value)
 
 
-def image_hw(image_size: int | list[int]) -> tuple[int, int]:
+def image_hw(image_size: int | Sequence[int]) -> tuple[int, int]:
     """An ``image_size`` argument as ``(height, width)``.
 
     Args:

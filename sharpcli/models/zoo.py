@@ -135,7 +135,7 @@ def _conv_act(
 
 
 def _classifier(
-    pool: list[nn.Module], features: int, num_classes: int, dropout: float, bias: bool = True
+    pool: Sequence[nn.Module], features: int, num_classes: int, dropout: float, bias: bool = True
 ) -> nn.Sequential:
     """``[*pool, Flatten, (Dropout), Linear(features, num_classes)]``: a conv net's head, whose
     ``Linear`` input is the penultimate representation."""
@@ -148,6 +148,9 @@ def _classifier(
 
 class _FeaturesThenClassifier(nn.Module):
     """A conv net made of ``features`` and ``classifier`` (SmallCNN, VGG-small)."""
+
+    features: nn.Module
+    classifier: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of an image batch ``(N, C, H, W)``."""
@@ -422,8 +425,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     model = architecture(**{k: v for k, v in complete["args"].items() if k in taken})
     model = apply_manipulations(model, complete["args"], model_input_shape(complete))
     model = model.to(torch.float32)
-    model.model_spec = complete
-    model.input_shape = model_input_shape(complete)
+    # torch's Module.__setattr__ is typed for tensors and modules; any attribute is allowed
+    model.model_spec = complete  # type: ignore[assignment]
+    model.input_shape = model_input_shape(complete)  # type: ignore[assignment]
     return model
 
 

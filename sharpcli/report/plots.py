@@ -180,7 +180,7 @@ def plot_compare_scatter(
     """Sharpness against accuracy, one labelled point per run."""
     plt, fig, ax = _figure()
     points = [
-        (r.get(x), r.get(y), r.get("run"))
+        (r[x], r[y], r.get("run"))
         for r in records
         if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))
     ]

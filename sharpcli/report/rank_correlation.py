@@ -159,8 +159,8 @@ def measure_correlations(
         "granulated_per_axis"}], "notes"}``; rows sorted by |tau|, largest first.
     """
     axes = list(axes or [])
-    usable = [(r, _gap(r, gap)) for r in records]
-    usable = [(r, g) for r, g in usable if g is not None]
+    gaps = [(r, _gap(r, gap)) for r in records]
+    usable = [(r, g) for r, g in gaps if g is not None]
     columns = list(dict.fromkeys(k for r, _ in usable for k in r))
     skip = set(NOT_MEASURES) | set(axes)
     rows = []

@@ -36,8 +36,8 @@ SCHEDULES = catalogue.SCHEDULES
 
 
 def _default_regularizers() -> list[Any]:
-    """The regularizer declared first (plain loss), as a spec that TrainConfig parses."""
-    return [catalogue.NO_REGULARIZER]
+    """The plain loss (the regularizer ``none``), as a spec that TrainConfig parses."""
+    return ["none"]
 
 
 @dataclass
@@ -85,10 +85,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.regs, list):  # another type: validate_config names the option
-            # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+            # imports torch: kept out of start-up
             from sharpcli.training.regularizers import parse_regs
 
             self.regs = parse_regs(self.regs)
+
+    @property
+    def chosen_loss(self) -> str:
+        """``loss`` once chosen: by the option, the data or the model's outputs (when the
+        training data is placed on the model, :func:`sharpcli.training.loop.train`)."""
+        if self.loss is None:
+            raise RuntimeError("the training loss is chosen when the data is placed")
+        return self.loss
 
     def to_dict(self) -> dict:
         """Every field as JSON-ready values, the regularizers as their canonical specs.
@@ -120,7 +128,7 @@ def _shown(value: Any) -> str:
 @functools.cache
 def _field_types() -> dict[str, Any]:
     """Each TrainConfig field's declared type (its annotation, evaluated)."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.training.penalties.base import Regularizer
 
     return typing.get_type_hints(TrainConfig, localns={"Regularizer": Regularizer})
@@ -174,7 +182,7 @@ def _check_types(cfg: TrainConfig) -> None:
 
 def _check_step_modes(cfg: TrainConfig) -> None:
     """UsageError on ``precision`` (unknown, or mixed with float64) or ``ascent_sync``."""
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.training.precision import check_precision
 
     check_precision(cfg.precision, cfg.dtype)
@@ -188,7 +196,7 @@ def _check_step_modes(cfg: TrainConfig) -> None:
 
 def validate_config(cfg: TrainConfig) -> None:
     """UsageError naming the option of the first setting out of its type or range."""
-    # import torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.losses import LOSSES, TOKEN_REDUCTIONS
     from sharpcli.preflight import check_seed
 

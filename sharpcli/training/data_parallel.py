@@ -155,7 +155,7 @@ def data_parallel_step(
     total = xb.shape[0]
     lo, hi = (rank * total) // world, ((rank + 1) * total) // world
     rows = hi - lo
-    params = [p for p in model.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     penalty_names = [r.name for r in regs if r.kind == "penalty"]
     synced = ascent_sync == "global" and any(isinstance(r, AscentOracle) for r in regs)
     reduce = _row_weighted_mean(rows / total) if synced else None

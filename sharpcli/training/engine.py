@@ -9,14 +9,15 @@ step as a whole and its cost accounting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 from torch import nn
 
-from sharpcli.catalogue.values import NONE_LISTED
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.training.replay import RngReplay, model_facts
@@ -187,7 +188,7 @@ class PassContext:
         units to the graph that a later backward traverses.
         """
         grads = self.first_grad()
-        dot = sum((g * v).sum() for g, v in zip(grads, vectors))
+        dot = functools.reduce(operator.add, [(g * v).sum() for g, v in zip(grads, vectors)])
         out = self.engine.grad(dot, create_graph=create_graph, retain_graph=True)
         self.count(2)
         if create_graph:
@@ -476,7 +477,7 @@ class StepEngine:
                 value, extra = pen.extra_passes(self, ctx, want_grad)
                 if value is not None:
                     deferred[pen.name] = value.detach()
-                if want_grad and extra is not None:
+                if want_grad and extra is not None and result.grads is not None:
                     torch._foreach_add_(result.grads, extra)
         if deferred:
             result.penalties = {
@@ -496,9 +497,9 @@ class StepEngine:
         names = list(reported.penalties)
         values = [*self._objectives, reported.loss, reported.objective]
         values += [reported.penalties[name] for name in names]
-        scores = [reported.correct, reported.counted]  # tensors or host ints
-        read = [i for i, score in enumerate(scores) if torch.is_tensor(score)]
-        values += [scores[i] for i in read]
+        scores: list[torch.Tensor | float] = [reported.correct, reported.counted]  # or host ints
+        read = [i for i, score in enumerate(scores) if isinstance(score, torch.Tensor)]
+        values += [score for score in scores if isinstance(score, torch.Tensor)]
         if self._on_cpu:  # reading a CPU tensor waits for nothing
             host = [v.item() for v in values]
         else:  # one device-to-host copy for the whole step
@@ -509,7 +510,7 @@ class StepEngine:
         n = len(self._objectives)
         for objective_value in host[:n]:
             if not math.isfinite(objective_value):
-                regs = ", ".join(p.name for p in self.penalties) or NONE_LISTED
+                regs = ", ".join(p.name for p in self.penalties) or "none"
                 raise NumericalError(
                     f"the training objective became {objective_value} (regularizers: {regs}); "
                     "lower the learning rate or the regularization strength",

@@ -13,6 +13,7 @@ from torch import nn
 from sharpcli import progress
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import NumericalError
+from sharpcli.io.datasets_common import Dataset
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.data_parallel import data_parallel_step
@@ -146,7 +147,7 @@ class Splits:
     :func:`sharpcli.training.loop._place_splits` converts the tensors in place to the model's dtype and device.
     """
 
-    dataset: object
+    dataset: Dataset
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor | None
@@ -154,10 +155,11 @@ class Splits:
     num_outputs: int
     notes: list = field(default_factory=list)
 
-    @property
-    def has_test(self) -> bool:
-        """Whether the dataset has a test split (evaluated after every epoch)."""
-        return self.x_test is not None
+    def test_split(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(x_test, y_test)``, or None without a test split (evaluated after every epoch)."""
+        if self.x_test is None or self.y_test is None:
+            return None
+        return self.x_test, self.y_test
 
 
 @dataclass
@@ -282,15 +284,16 @@ def train_epoch(run: Run, epoch: int, meter: progress.Run, position: tuple[int, 
         "lr": lr,
         "train_loss": sums.loss / sums.count,
         "train_objective": sums.objective / sums.count,
-        "train_accuracy": accuracy(cfg.loss, sums.correct, sums.counted),
+        "train_accuracy": accuracy(cfg.chosen_loss, sums.correct, sums.counted),
         "grad_evals": sums.grad_evals,
         "penalties": {k: v / sums.count for k, v in sums.penalties.items()},
         "noise_finetune": finetune,
     }
     if run.amp.scaler is not None:  # fp16: steps the GradScaler skipped (gradient not finite)
         row["skipped_steps"] = sums.skipped
-    if splits.has_test:
-        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
+    test = splits.test_split()
+    if test is not None:
+        ev = evaluate(model, *test, cfg.chosen_loss, reduction=cfg.token_reduction)
         row["test_loss"], row["test_accuracy"] = ev["loss"], ev["accuracy"]
     row["seconds"] = time.perf_counter() - t0
     return row
@@ -317,12 +320,16 @@ def _optimizer_step(run: Run, xb: torch.Tensor, yb: torch.Tensor, epoch: int, st
     NumericalError when the objective is not finite (``start``: the batch's first sample).
     """
     scale = run.amp.loss_scale()
-    precision = {"autocast_dtype": run.amp.autocast_dtype, "loss_scale": scale}
-    args = (run.model, xb, yb, run.cfg.loss, run.regs, run.step_gen)
+    args = (run.model, xb, yb, run.cfg.chosen_loss, run.regs, run.step_gen)
     if run.world > 1:
-        stats = data_parallel_step(*args, ascent_sync=run.cfg.ascent_sync, **precision)
+        stats = data_parallel_step(
+            *args,
+            ascent_sync=run.cfg.ascent_sync,
+            autocast_dtype=run.amp.autocast_dtype,
+            loss_scale=scale,
+        )
     else:
-        stats = training_step(*args, **precision)
+        stats = training_step(*args, autocast_dtype=run.amp.autocast_dtype, loss_scale=scale)
     if not math.isfinite(stats.objective):
         raise NumericalError(
             f"the training objective became {stats.objective} in epoch {epoch + 1} at sample {start}; "

@@ -190,7 +190,7 @@ def train(
                 model,
                 splits.x_train[:SECOND_DERIVATIVE_SAMPLES],
                 splits.y_train,
-                cfg.loss,
+                cfg.chosen_loss,
                 source=model_spec["name"],
             )
     run = start_run(cfg, regs, splits, model, device, (rank, world))
@@ -249,7 +249,8 @@ class _BestWeights:
     """A copy of the model's weights (and buffers) at the epoch with the lowest training loss."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.loss, self.state = model, math.inf, None
+        self.model, self.loss = model, math.inf
+        self.state: dict | None = None
 
     def update(self, row: dict) -> None:
         """Keep the weights now if ``row``'s training loss is the lowest so far."""
@@ -287,7 +288,7 @@ def _load_splits(cfg: TrainConfig) -> Splits:
         cfg.loss = cfg.loss or loss_for_task(dataset.task, per_position=per_position)
     x_train, y_train = dataset.split(TRAIN)
     x_test, y_test = dataset.split(TEST) if dataset.x_test is not None else (None, None)
-    if dataset.task == "classification":
+    if dataset.num_classes is not None:  # classification
         num_outputs = int(dataset.num_classes)
         y_train = apply_label_noise(y_train, cfg.label_noise, num_outputs, cfg.seed)
     else:
@@ -393,16 +394,16 @@ def _place_splits(
     splits.y_train = splits.y_train.to(device)
     if regression:
         splits.y_train = to_analysis_dtype(splits.y_train, dtype, device, dataset.source, "targets")
-    if splits.has_test:
+    test = splits.test_split()
+    if test is not None:
         splits.x_test, test_notes = prepare_features(
-            model, splits.x_test, dtype, device, dataset.source, batch_size=cfg.batch_size
+            model, test[0], dtype, device, dataset.source, batch_size=cfg.batch_size
         )
         splits.notes += [note for note in test_notes if note not in splits.notes]
-        splits.y_test = splits.y_test.to(device)
+        y_test = test[1].to(device)
         if regression:
-            splits.y_test = to_analysis_dtype(
-                splits.y_test, dtype, device, dataset.source, "test targets"
-            )
+            y_test = to_analysis_dtype(y_test, dtype, device, dataset.source, "test targets")
+        splits.y_test = y_test
     if not splits.x_train.is_floating_point():
         _refuse_input_perturbations(cfg)
     _, cfg.loss = check_model_accepts(
@@ -433,15 +434,16 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     """
     cfg, model, splits, history = run.cfg, run.model, run.splits, run.history
     final_train = evaluate(
-        model, splits.x_train, splits.y_train, cfg.loss, reduction=cfg.token_reduction
+        model, splits.x_train, splits.y_train, cfg.chosen_loss, reduction=cfg.token_reduction
     )
     final = {
         "epochs_completed": len(history),
         "train_loss": final_train["loss"],
         "train_accuracy": final_train["accuracy"],
     }
-    if splits.has_test:
-        ev = evaluate(model, splits.x_test, splits.y_test, cfg.loss, reduction=cfg.token_reduction)
+    test = splits.test_split()
+    if test is not None:
+        ev = evaluate(model, *test, cfg.chosen_loss, reduction=cfg.token_reduction)
         final["test_loss"], final["test_accuracy"] = ev["loss"], ev["accuracy"]
     final["grad_evals"] = sum(r["grad_evals"] for r in history)
     if run.amp.scaler is not None:
@@ -486,8 +488,6 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     )
 
 
-# the public names (``train`` by its function: the word is spelled once, in
-# sharpcli.catalogue.values)
 __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
@@ -496,7 +496,7 @@ __all__ = [
     "TrainResult",
     "validate_config",
     "config_from_options",
-    train.__name__,
+    "train",
     "train_report",
     "evaluate",
     "apply_label_noise",

@@ -97,6 +97,7 @@ class RngReplay:
 
     def replay(self) -> None:
         """Rewind to the state before the first pass (before an extra pass)."""
+        assert self.before is not None, "start() records the state replayed"
         self._set(self.before)
 
     def finish(self) -> None:

@@ -39,7 +39,7 @@ all parameters per call: a step pays one generator call per probe or noise sampl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, Step
 from sharpcli.training.replay import set_penultimate
 
 if TYPE_CHECKING:
-    from sharpcli.training.penalties.base import Regularizer
+    from sharpcli.training.penalties.base import Oracle, Penalty, Regularizer
 
 __all__ = [
     "training_step",
@@ -111,8 +111,9 @@ def training_step(
     Raises:
         NumericalError: the objective of a pass of the step was not finite.
     """
-    penalties = [r for r in regs if r.kind == "penalty"]
-    oracles = [r for r in regs if r.kind == "oracle"]
+    # a regularizer's kind says which base class it has
+    penalties = [cast("Penalty", r) for r in regs if r.kind == "penalty"]
+    oracles = [cast("Oracle", r) for r in regs if r.kind == "oracle"]
     single_pass = not oracles and not any(p.needs.extra_passes for p in penalties)
     engine = StepEngine(
         model,
@@ -131,6 +132,7 @@ def training_step(
             reported, grads = oracles[0].gradient(engine)
         else:
             reported = engine.evaluate(want_grad=True)
+            assert reported.grads is not None  # asked for (want_grad)
             grads = reported.grads
     finally:
         engine.finish()

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def run_sweep(
     out_dir: str | Path,
     *,
     metrics: list[str],
-    extra_regs: list[str] = (),
+    extra_regs: Sequence[str] = (),
     analyze_samples: int | None = 512,
     max_runs: int | None = None,
 ) -> SweepResult:
@@ -166,7 +167,7 @@ def run_sweep(
     ]
     _declare_outputs(out_dir, names)
     total = len(points) * len(seeds)
-    state = _SweepState(total, progress.start(_sweep(), total=total, unit="runs"))
+    state = _SweepState(total, progress.start("sweep", total=total, unit="runs"))
     analysis = {"metrics": metrics, "analyze_samples": analyze_samples}
     done_now = 0
     with state.meter:  # closed however the loop ends
@@ -193,12 +194,6 @@ def run_sweep(
             analyze_doc = _analyze_run(base, seed, analysis, name, files, train_doc)
             state.record(name, point, seed, train_doc, analyze_doc)
         return state.finish(out_dir, reg, grid, completed=True)
-
-
-def _sweep() -> str:
-    """The sweep command's name (declared beside the command, which runs :func:`run_sweep`):
-    the name of its progress run, and the key of each run's reports that names the run."""
-    return catalogue.command_running(run_sweep)
 
 
 def _declare_outputs(out_dir: Path, names: list[str]) -> None:
@@ -302,16 +297,16 @@ def _train_run(cfg, name: str, files: _RunFiles) -> dict | None:
         with publication(own=True):
             result = train(cfg, files.ckpt, resume=resume)
             train_doc = train_report(
-                result, {_sweep(): name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
+                result, {"sweep": name}, out=str(files.ckpt), device=cfg.device, dtype=cfg.dtype
             )
             write_text_atomic(files.train_json, dumps(train_doc))
     except NumericalError as exc:
         record = {
             "schema": SCHEMA_ID,
-            "command": catalogue.command_running(train),
+            "command": "train",
             "version": __version__,
             "error": exc.to_json(),
-            _sweep(): {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
+            "sweep": {"run": name, "regs": cfg.to_dict()["regs"], "seed": cfg.seed},
         }
         with publication(own=True):
             write_text_atomic(files.diverged_json, dumps(record))
@@ -349,7 +344,7 @@ def _analyze_run(
     if analyze_samples is not None and session.num_samples > analyze_samples:
         session = session_of(analyze_samples)
     results, matvecs = analyze(session, metrics)
-    analyze_doc, _ = analyze_report(session, {**analysis, _sweep(): name}, results, matvecs)
+    analyze_doc, _ = analyze_report(session, {**analysis, "sweep": name}, results, matvecs)
     with publication(own=True):  # now: the run is complete, whatever happens to the sweep
         write_text_atomic(files.analyze_json, dumps(analyze_doc))
     return analyze_doc
@@ -426,7 +421,7 @@ _FLATNESS_COLUMNS = (
 def _flatness_columns(res: dict) -> dict:
     out = {}
     for column, path in _FLATNESS_COLUMNS:
-        node = res
+        node: object = res
         for key in path:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
