@@ -72,9 +72,7 @@ def analyze_command(
 ) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
-    from sharpcli.analyses.sharpness import SHARPNESS
-    from sharpcli.curvature.registry import SPLIT
+    from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics, table_rows
     from sharpcli.report.gate import parse_gate
 
     chosen = parse_metrics(metrics)
@@ -101,19 +99,7 @@ def analyze_command(
     verdicts = report["results"]["gates"]
 
     def render(console):
-        flat = {"loss": results["loss"], "accuracy": results["accuracy"]}
-        for group in SPLIT:  # the result groups named after the operators of H = G + N
-            for k, v in (results.get(group) or {}).items():
-                if not isinstance(v, (dict, list)):
-                    flat[f"{group}.{k}"] = v
-        if "nme_share" in results:
-            flat["nme_share"] = results["nme_share"]
-        for group in (SHARPNESS, "fisher_rao"):
-            flat |= {f"{group}.{k}": v for k, v in (results.get(group) or {}).items()}
-        for noise, found in (results.get("pac_bayes") or {}).items():
-            for k in ("sigma", "flatness", "deviation", "deviation_stderr"):
-                flat[f"pac_bayes.{noise}.{k}"] = found[k]
-        console.print(key_value_table(f"sharpness of {checkpoint}", flat))
+        console.print(key_value_table(f"sharpness of {checkpoint}", table_rows(results)))
         if verdicts:
             console.print(
                 records_table(
