@@ -23,8 +23,8 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('images', 'channels x size x size images, one smooth template per class', 'sharpcli.io.datasets_builtin:make_images', params=(Param('n', 'int', 1000, 'samples, both splits'), Param('size', 'int', 8, 'image side'), Param('channels', 'int', 3, 'image channels'), Param('classes', 'int', 10, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('contrast', 'float', 0.25, 'scale of the class templates'), Param('noise', 'float', 0.5, 'standard deviation of the pixel noise'))),
     ),
     'check': (
-        Entry('theorem2', 'AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2', 'sharpcli.analyses.theorem2:theorem2_check', paper='AD', info={'order': 1}),
-        Entry('noise-stability', 'NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)', 'sharpcli.analyses.noise_stability:noise_stability_check', paper='NSO', info={'order': 2}),
+        Entry('theorem2', 'AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2', 'sharpcli.analyses.theorem2:theorem2_bound_check', paper='AD', info={'order': 1, 'progress': 'theorem 2'}),
+        Entry('noise-stability', 'NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)', 'sharpcli.analyses.noise_stability:noise_stability_bound_check', paper='NSO', info={'order': 2, 'progress': 'noise stability'}),
     ),
     'command': (
         Entry('train', 'Train a model, optionally under a sharpness regularizer.', 'sharpcli.cli.cmd_train:train_command', info={'order': 1, 'panel': 'Training', 'runs': 'sharpcli.training.loop:train', 'reports_regularizers': True}),
