@@ -40,6 +40,7 @@ OPERATORS: Registry[Any] = Registry(
     entries=DECLARED.get("operator", ()),
     protected=tuple(e.name for e in DECLARED.get("operator", ()) if e.info.get("split")),
     protected_reason="it is part of the H = G + N split",
+    check="sharpcli.curvature.registry:_as_spec",
 )
 
 # ``sharp trace --estimator NAME`` (sharpcli.curvature.estimators, declared there), the

@@ -21,7 +21,11 @@ __all__ = ["NO_REGULARIZER", "REGULARIZERS"]
 
 # ``--reg NAME[:k=v,...]`` (sharpcli.training.regularizers); parameters in positional order
 REGULARIZERS: Registry[Any] = Registry(
-    "regularizer", source="regs", entries=DECLARED.get("regularizer", ())
+    "regularizer",
+    source="regs",
+    entries=DECLARED.get("regularizer", ()),
+    check="sharpcli.training.regularizers:check_regularizer_class",
+    make_entry="sharpcli.training.regularizers:regularizer_class_entry",
 )
 # the plain loss, ``--reg``'s default: declared first (sharpcli.training.penalties.decay), read
 # from the index for the torch-free modules (the CLI, the training config) that name it

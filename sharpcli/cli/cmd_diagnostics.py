@@ -378,6 +378,9 @@ def bound_check_command(
 
 
 def _render_bound_check(console, result) -> None:
+    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    from sharpcli.analyses.theorem2 import THEOREM2
+
     rows = []
     for row in result.rows:
         d = row.to_dict()
@@ -417,11 +420,11 @@ def _render_bound_check(console, result) -> None:
     )
     for row in result.rows:
         console.print(f"sigma {row.sigma:g}: {row.note}", markup=False)
-    if "theorem2" in result.checks:
+    if THEOREM2 in result.checks:
         console.print(
             records_table(
                 "AD Theorem 2: smoothed CE <= CE + sigma^2/2 ||h||^2 (sample means)",
-                result.checks["theorem2"],
+                result.checks[THEOREM2],
                 [
                     "sigma",
                     "cross_entropy",
