@@ -40,15 +40,28 @@ METRICS = catalogue.METRICS
 DEFAULT_METRICS = catalogue.DEFAULT_METRICS
 
 _SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
-# The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:
-# "*" is any one key or list index, a list also stands for its first element; each metric
-# declares its own (``info["keys"]``). ``sharp analyze`` checks its gates' keys against these
-# before any work (:mod:`sharpcli.report.gate`); a test renders a full report and checks that
-# every number in it matches one.
-RESULT_KEYS: dict[str, tuple[str, ...]] = {
-    "": ("loss", "accuracy"),
-    **{e.name: tuple(e.info["keys"]) for e in METRICS.entries()},
-}
+
+
+def result_keys(metric: str) -> tuple[str, ...]:
+    """The numeric result keys of ``metric`` ("" for those of every run), as ``--fail-if``
+    reads them: "*" is any one key or list index, a list also stands for its first element.
+
+    Each metric declares its own (``info["keys"]``; an extension registered at run time too).
+    ``sharp analyze`` checks its gates' keys against these before any work
+    (:mod:`sharpcli.report.gate`); a test renders a full report and checks that every number
+    in it matches one.
+
+    Args:
+        metric: a name of :data:`METRICS`, or "".
+
+    Returns:
+        The key patterns.
+    """
+    if not metric:
+        return ("loss", "accuracy")
+    return tuple(METRICS.entry(metric).info.get("keys", ()))
+
+
 # Numbers outside ``results`` that a gate may read ("**": any path below).
 REPORT_KEYS = (
     "timing.seconds",

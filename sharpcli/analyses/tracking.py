@@ -111,7 +111,9 @@ def track_eigen(cpass, out: dict, budget: Budget) -> int:
     return top.matvecs
 
 
-@declare("trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",), "column": 2})
+@declare(
+    "trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",), "column": 2}
+)
 def track_trace(cpass, out: dict, budget: Budget) -> int:
     """``trace``: tr(H) ([Hutch++]).
 

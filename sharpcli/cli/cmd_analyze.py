@@ -121,16 +121,16 @@ def analyze_command(
 
 
 def _check_gate_keys(gates, chosen: list[str]) -> None:
-    """Every gate's key must be one this run reports (``RESULT_KEYS`` of the chosen metrics);
+    """Every gate's key must be one this run reports (``result_keys`` of the chosen metrics);
     a key of another metric names the ``--metrics`` that adds it."""
     # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
-    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, RESULT_KEYS
+    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, result_keys
     from sharpcli.report.gate import check_keys
 
-    available = [*RESULT_KEYS[""], *(k for m in chosen for k in RESULT_KEYS[m]), *REPORT_KEYS]
+    available = [*result_keys(""), *(k for m in chosen for k in result_keys(m)), *REPORT_KEYS]
     elsewhere: dict[str, str] = {}
     for metric in METRICS:
-        for key in RESULT_KEYS[metric] if metric not in chosen else ():
+        for key in result_keys(metric) if metric not in chosen else ():
             if key not in available:
                 elsewhere.setdefault(key, f"--metrics {','.join([*chosen, metric])}")
     check_keys(gates, available, elsewhere)

@@ -459,12 +459,12 @@ def test_a_check_registered_beside_the_builtins_is_run_through_the_registry():
 
     model, x, y = _trained(steps=50)
     data = AnalysisData(x, y, loss="cross-entropy", batch_size=40)
-    config = BoundCheckConfig(
-        sigma=[0.1], perturbations=2, bootstrap=20, check=("gradient-norm",)
-    )
+    config = BoundCheckConfig(sigma=[0.1], perturbations=2, bootstrap=20, check=("gradient-norm",))
     catalogue.CHECKS.add(gradient_norm_check)
     try:
-        plain = bound_check(model, data, BoundCheckConfig(sigma=[0.1], perturbations=2, bootstrap=20))
+        plain = bound_check(
+            model, data, BoundCheckConfig(sigma=[0.1], perturbations=2, bootstrap=20)
+        )
         result = bound_check(model, data, config)
     finally:
         catalogue.CHECKS.unregister("gradient-norm")

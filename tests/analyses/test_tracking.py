@@ -64,7 +64,9 @@ def test_a_quantity_registered_beside_the_builtins_is_run_and_recorded_after_the
         info={"keys": ("param_norm_sq",)},
     )
     def track_param_norm(engine, out: dict, budget) -> int:
-        out["param_norm_sq"] = float(sum((p.detach().double() ** 2).sum() for p in engine.scope.params))
+        out["param_norm_sq"] = float(
+            sum((p.detach().double() ** 2).sum() for p in engine.scope.params)
+        )
         return 0
 
     model, x, y, H, _ = setup_and_reference("gelu")
