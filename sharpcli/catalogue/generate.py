@@ -212,8 +212,17 @@ def estimator_table(entries: list[Entry]) -> str:
 
 
 def _keys_text(keys: tuple[str, ...]) -> str:
-    """Result keys as a docs cell: ``a.{b, c}`` for dotted keys in a row that share ``a.``; a list's
-    ``KEY.*`` (its elements, for ``--fail-if``) left out beside ``KEY``."""
+    """Result keys as one cell of a docs table.
+
+    Dotted keys in a row that share ``a.`` are written ``a.{b, c}``; a list's ``KEY.*`` (its
+    elements, for ``--fail-if``) is left out beside ``KEY``.
+
+    Args:
+        keys: the result keys, as a metric declares them.
+
+    Returns:
+        The cell's Markdown.
+    """
     shown = [k for k in keys if not (k.endswith(".*") and k[:-2] in keys)]
     groups: list[tuple[str, list[str]]] = []
     for key in shown:
