@@ -138,6 +138,14 @@ def test_jsonl_format_loads_the_written_records(jsonl_example, tmp_path):
         load_dataset(str(broken))
 
 
+def _tiny_mlp():
+    """A seeded float64 3-5-2 tanh MLP and 24 Gaussian points with binary labels."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+    return model.double(), x, y
+
+
 def test_girard_estimate_is_within_its_stderr_of_the_dense_trace():
     """The example estimator added at run time: ``Curvature.trace(estimator="girard")`` against
     the dense Hessian's trace (double backward, float64), and ``Tr(H^2)`` against ``||H||_F^2``."""
@@ -147,11 +155,7 @@ def test_girard_estimate_is_within_its_stderr_of_the_dense_trace():
     namespace = run_example("Adding a trace estimator")
     ESTIMATORS.add(namespace["girard_trace"])
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
-        ).double()
-        x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+        model, x, y = _tiny_mlp()
         curvature = Curvature(model, "cross-entropy", (x, y))
         H = curvature.operator().to_dense()
         for square, exact in ((False, H.trace()), (True, (H * H).sum())):
@@ -353,11 +357,7 @@ def test_grad_norm_tracked_in_a_history_row_and_by_measure(capsys, tmp_path):
     namespace = run_example("Adding a tracked quantity")
     TRACKABLE.add(namespace["track_grad_norm"])
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
-        ).double()
-        x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+        model, x, y = _tiny_mlp()
         engine = CurvatureEngine(
             model, AnalysisData(x, y, loss="cross-entropy", batch_size=8), ParamScope.resolve(model)
         )
