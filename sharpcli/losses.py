@@ -241,8 +241,9 @@ GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 LOSSES = catalogue.LOSSES  # the losses by name, the built-ins declared below
 
 
-def _check_loss(entry: Entry, loss: Loss | Callable[[], Loss]) -> Loss:
-    """A :class:`Loss` under its own name (a built-in's declared builder makes it), as its record."""
+def check_loss(entry: Entry, loss: Loss | Callable[[], Loss]) -> Loss:
+    """A :class:`Loss` under its own name (a built-in's declared builder makes it), as its
+    record: the kind's ``check`` (:data:`sharpcli.catalogue.LOSSES`)."""
     if not isinstance(loss, Loss) and declaration(loss) is not None:
         loss = loss()
     if not isinstance(loss, Loss) or loss.name != entry.name:
@@ -253,10 +254,9 @@ def _check_loss(entry: Entry, loss: Loss | Callable[[], Loss]) -> Loss:
     return loss
 
 
-LOSSES.check = _check_loss
-LOSSES.make_entry = lambda name, loss: Entry(
-    name, loss.description, info={"classification": loss.classification}
-)
+def loss_entry(name: str, loss: Loss) -> Entry:
+    """The record of a :class:`Loss` registered without one (the kind's ``make_entry``)."""
+    return Entry(name, loss.description, info={"classification": loss.classification})
 
 
 def _declared(builder: Callable[[], Loss], **parts) -> Loss:

@@ -155,9 +155,9 @@ class Registry(Generic[T]):
     It reads like a dict of the implementations (``name in r``, ``r[name]``, ``list(r)``,
     ``r.items()``), where ``r[name]`` imports a built-in's module on first use and an unknown
     name is a :class:`RegistryError`. :meth:`register` adds an implementation (its entry is
-    the built-in record of that name, or one given or made by ``make_entry``), refusing a
-    taken name unless ``replace=True``; :meth:`unregister` removes one, except the
-    ``protected`` names.
+    the built-in record of that name, or one given or made by ``make_entry``) once the kind's
+    ``check`` accepts it, refusing a taken name unless ``replace=True``; :meth:`unregister`
+    removes one, except the ``protected`` names.
 
     Args:
         kind: what one entry is, as messages say it (``"regularizer"``).
@@ -166,6 +166,12 @@ class Registry(Generic[T]):
         protected: names :meth:`unregister` refuses.
         protected_reason: why, for its message.
         name_pattern: the names :meth:`register` accepts.
+        check: the kind's validation, ``"module:attr"`` of a function ``(entry, obj) -> obj``
+            that every implementation passes before it is added (it may make a built-in's
+            declared object into the kind's record); imported at the first :meth:`register`,
+            so a torch-free registry may name a torch module's function. "" accepts anything.
+        make_entry: ``"module:attr"`` of a function ``(name, obj) -> Entry``: the record of
+            an extension registered without one ("": a record with no summary).
     """
 
     def __init__(
@@ -177,6 +183,8 @@ class Registry(Generic[T]):
         protected: Sequence[str] = (),
         protected_reason: str = "it is built in",
         name_pattern: re.Pattern[str] = NAME_PATTERN,
+        check: str = "",
+        make_entry: str = "",
     ):
         self.kind = kind
         self.source = source
@@ -185,10 +193,8 @@ class Registry(Generic[T]):
         self.name_pattern = name_pattern
         self._entries: dict[str, Entry] = {}
         self._objects: dict[str, T] = {}
-        # checks an implementation against its entry before it is added: (entry, obj) -> obj
-        self.check: Callable[[Entry, T], T] | None = None
-        # the entry of an extension registered without one: (name, obj) -> Entry
-        self.make_entry: Callable[[str, T], Entry] | None = None
+        self.check_impl = check
+        self.make_entry_impl = make_entry
         self._builtins: tuple[str, ...] = ()
         for entry in entries:
             self.declare(entry)
@@ -363,9 +369,10 @@ class Registry(Generic[T]):
         if entry is None:
             entry = builtin
         if entry is None:
-            entry = self.make_entry(name, obj) if self.make_entry else Entry(name, "")
-        if self.check is not None:
-            obj = self.check(entry, obj)
+            made = resolve(self.make_entry_impl) if self.make_entry_impl else None
+            entry = made(name, obj) if made else Entry(name, "")
+        if self.check_impl:
+            obj = resolve(self.check_impl)(entry, obj)
         self._entries[name] = entry
         self._objects[name] = obj
         return obj

@@ -26,9 +26,11 @@ class Tracker:
     ``tracker.step(model)`` after each optimizer step counts the step and, every ``every``
     steps, measures ``metrics`` on ``data`` with the model in eval mode (each module's mode
     restored after) and returns them (else ``None``); ``tracker.measure(model)`` measures now.
-    Metrics (:data:`sharpcli.analyses.tracking.TRACKABLE`): ``eigen`` (``lambda_max`` of the
-    Hessian, Lanczos), ``trace`` (``tr(H)``, [Hutch++]), ``gn-nme`` (``tr(G)``, ``tr(N)`` and
-    the NME share from shared probes, [NME] eq. 2) and ``frobenius`` (``Tr(H^2)``, [FA] eq. 1).
+    Metrics (:data:`sharpcli.analyses.tracking.TRACKABLE`, each run through that registry):
+    ``eigen`` (``lambda_max`` of the Hessian, Lanczos), ``trace`` (``tr(H)``, [Hutch++]),
+    ``gn-nme`` (``tr(G)``, ``tr(N)`` and the NME share from shared probes, [NME] eq. 2),
+    ``frobenius`` (``Tr(H^2)``, [FA] eq. 1), ``sharpness`` (adaptive worst-case sharpness,
+    [Andriushchenko2023]) and any quantity registered there (docs/tracking.md's table).
     The cost budget: ``max_matvecs`` Hessian-vector products per metric (each about two
     backward passes over ``data``; ``tol`` may stop a trace sooner), so one measurement costs
     at most ``len(metrics) * max_matvecs`` products over the probe set; keep ``data`` small

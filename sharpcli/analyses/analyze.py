@@ -10,9 +10,10 @@ magnitude-aware, [Jiang2019]), ``fisher_rao.*`` ([Liang2019]).
 
 Each metric is a function of the run (:class:`MetricRun`) declared beside its code
 (``@declare("metric", ...)``: here, in :mod:`sharpcli.analyses.activations` and in
-:mod:`sharpcli.analyses.sharpness`) with its place in the list, whether it is a default and
-its result keys; :func:`analyze` calls the chosen ones through :data:`sharpcli.catalogue.METRICS`
-in that order.
+:mod:`sharpcli.analyses.sharpness`) with its place in the list, whether it is a default, its
+result keys (``keys``, what ``--fail-if`` reads and the docs' table lists) and the rows it adds
+to the command's table (``rows``); :func:`analyze` calls the chosen ones through
+:data:`sharpcli.catalogue.METRICS` in that order and :func:`table_rows` shows their rows.
 """
 
 from __future__ import annotations
@@ -39,15 +40,28 @@ METRICS = catalogue.METRICS
 DEFAULT_METRICS = catalogue.DEFAULT_METRICS
 
 _SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
-# The numeric result keys of each metric ("" for every run), as ``--fail-if`` reads them:
-# "*" is any one key or list index, a list also stands for its first element; each metric
-# declares its own (``info["keys"]``). ``sharp analyze`` checks its gates' keys against these
-# before any work (:mod:`sharpcli.report.gate`); a test renders a full report and checks that
-# every number in it matches one.
-RESULT_KEYS: dict[str, tuple[str, ...]] = {
-    "": ("loss", "accuracy"),
-    **{e.name: tuple(e.info["keys"]) for e in METRICS.entries()},
-}
+
+
+def result_keys(metric: str) -> tuple[str, ...]:
+    """The numeric result keys of ``metric`` ("" for those of every run), as ``--fail-if``
+    reads them: "*" is any one key or list index, a list also stands for its first element.
+
+    Each metric declares its own (``info["keys"]``; an extension registered at run time too).
+    ``sharp analyze`` checks its gates' keys against these before any work
+    (:mod:`sharpcli.report.gate`); a test renders a full report and checks that every number
+    in it matches one.
+
+    Args:
+        metric: a name of :data:`METRICS`, or "".
+
+    Returns:
+        The key patterns.
+    """
+    if not metric:
+        return ("loss", "accuracy")
+    return tuple(METRICS.entry(metric).info.get("keys", ()))
+
+
 # Numbers outside ``results`` that a gate may read ("**": any path below).
 REPORT_KEYS = (
     "timing.seconds",
@@ -164,6 +178,7 @@ def analyze(
             "hessian.eigen_residuals",
             "hessian.eigen_residuals.*",
         ),
+        "rows": ("hessian.lambda_max",),
     },
 )
 def eigen_metric(run: MetricRun) -> None:
@@ -194,6 +209,7 @@ def eigen_metric(run: MetricRun) -> None:
         "order": 2,
         "default": True,
         "keys": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_by_layer.*"),
+        "rows": ("hessian.trace", "hessian.trace_stderr"),
     },
 )
 def trace_metric(run: MetricRun) -> None:
@@ -217,7 +233,11 @@ def trace_metric(run: MetricRun) -> None:
     FROBENIUS,
     "Tr(H^2) = ||H||_F^2, the flatness of [FA] eq. 1",
     paper="FA",
-    info={"order": 3, "keys": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr")},
+    info={
+        "order": 3,
+        "keys": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
+        "rows": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
+    },
 )
 def frobenius_metric(run: MetricRun) -> None:
     """``hessian.frobenius_sq``, ``frobenius_sq_stderr``.
@@ -248,6 +268,14 @@ def frobenius_metric(run: MetricRun) -> None:
             *(f"nme.{k}" for k in _SPLIT_KEYS),
             "nme_share",
             "nme_frobenius_ratio",
+        ),
+        # the Hessian's rows in the order the metric fills them in where eigen and trace did not
+        "rows": (
+            *(f"hessian.{k}" for k in ("lambda_max", "trace", "trace_stderr", "frobenius_sq")),
+            "hessian.lambda_min",
+            "ggn.*",
+            "nme.*",
+            "nme_share",
         ),
     },
 )
@@ -290,7 +318,15 @@ def gn_nme_metric(run: MetricRun) -> None:
     PAC_BAYES,
     "the PAC-Bayes sigma and flatness 1/sigma^2, plain and magnitude-aware, by bisection",
     paper="Jiang2019",
-    info={"order": 7, "keys": tuple(f"pac_bayes.{noise}.*" for noise in ("plain", "magnitude"))},
+    info={
+        "order": 7,
+        "keys": tuple(f"pac_bayes.{noise}.*" for noise in ("plain", "magnitude")),
+        "rows": tuple(
+            f"pac_bayes.{noise}.{k}"
+            for noise in ("plain", "magnitude")
+            for k in ("sigma", "flatness", "deviation", "deviation_stderr")
+        ),
+    },
 )
 def pac_bayes_metric(run: MetricRun) -> None:
     """``pac_bayes.plain`` and ``pac_bayes.magnitude``: [Jiang2019]'s bisection (first
@@ -316,7 +352,11 @@ def pac_bayes_metric(run: MetricRun) -> None:
     FISHER_RAO,
     "the Fisher-Rao norm theta^T F theta, and with the data's labels",
     paper="Liang2019",
-    info={"order": 8, "keys": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical")},
+    info={
+        "order": 8,
+        "keys": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical"),
+        "rows": ("fisher_rao.*",),
+    },
 )
 def fisher_rao_metric(run: MetricRun) -> None:
     """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only).
@@ -329,6 +369,46 @@ def fisher_rao_metric(run: MetricRun) -> None:
         "norm_sq": found["fisher_rao_norm_sq"],
         "norm_sq_empirical": found["fisher_rao_norm_sq_empirical"],
     }
+
+
+def table_rows(results: dict) -> dict:
+    """The rows of ``sharp analyze``'s table: ``loss``, ``accuracy``, then the ``rows`` that
+    each metric run (``results["metrics"]``) declares, in the catalogue's order, each once.
+
+    A row is a dotted path into ``results``, shown where the run holds it; ``GROUP.*`` stands
+    for every value of ``results[GROUP]`` that is not a list or a dict, in its order.
+
+    Args:
+        results: what :func:`analyze` returned.
+
+    Returns:
+        ``{row: value}``, in the table's order.
+    """
+    rows = {"loss": results["loss"], "accuracy": results["accuracy"]}
+    chosen = results.get("metrics") or ()
+    for entry in METRICS.entries():
+        for row in entry.info.get("rows", ()) if entry.name in chosen else ():
+            group, _, leaf = row.rpartition(".")
+            if leaf == "*":
+                found = _at(results, group)
+                for k, v in (found if isinstance(found, dict) else {}).items():
+                    if not isinstance(v, (dict, list)):
+                        rows.setdefault(f"{group}.{k}", v)
+            elif (value := _at(results, row)) is not _ABSENT:
+                rows.setdefault(row, value)
+    return rows
+
+
+# a row's value where the run holds none
+_ABSENT = object()
+
+
+def _at(results: dict, path: str) -> Any:
+    """The value at the dotted ``path`` of ``results``, or ``_ABSENT``."""
+    node: Any = results
+    for part in path.split("."):
+        node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+    return node
 
 
 def _notes_of(parts: list, depth: int = 3) -> list[str]:

@@ -50,7 +50,9 @@ points behind the region's ``H`` and ``eps``. ``empirical_ci`` is widened to con
 ``empirical`` when the percentile interval does not.
 
 Theorems 2 and 3 are checked in :mod:`sharpcli.analyses.theorem2`, NSO's noise stability in
-:mod:`sharpcli.analyses.noise_stability`; :func:`bound_check` runs them on request.
+:mod:`sharpcli.analyses.noise_stability`: each is a check declared there (kind ``"check"``, a
+function of the :class:`CheckRun`), which :func:`bound_check` runs through
+:data:`sharpcli.catalogue.CHECKS` on request.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ import torch
 from torch import nn
 
 from sharpcli import catalogue, progress
-from sharpcli.analyses.noise_stability import NOISE_STABILITY, noise_stability_check
 from sharpcli.analyses.perturbation import (
     AveragedOperator,
     check_sigmas,
@@ -70,7 +71,6 @@ from sharpcli.analyses.perturbation import (
     spectral_norm,
     standard_normal_directions,
 )
-from sharpcli.analyses.theorem2 import THEOREM2, Theorem2Row, theorem2_check
 from sharpcli.curvature.operators.hessian import (
     DEFAULT_CACHE_BYTES,
     CurvatureEngine,
@@ -86,6 +86,7 @@ __all__ = [
     "BoundCheckConfig",
     "BoundCheckResult",
     "BoundRow",
+    "CheckRun",
     "bound_check",
     "corollary1_bound",
     "corollary1_verdict",
@@ -194,7 +195,8 @@ class BoundRow:
 
 @dataclass
 class BoundCheckResult:
-    """Everything ``sharp bound-check`` reports: ``rows`` (docs/json.md) and the optional checks."""
+    """Everything ``sharp bound-check`` reports: ``rows`` (docs/json.md) and, in ``checks``, what
+    each check of ``--check`` found, under its key of the report's results (JSON-ready)."""
 
     rows: list[BoundRow]
     params: str
@@ -205,13 +207,12 @@ class BoundCheckResult:
     perturbations: int
     ci_level: float
     lambda_max_at_theta: float
-    theorem2: list[Theorem2Row] | None = None
-    noise_stability: dict | None = None
+    checks: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     matvecs: int = 0
 
     def to_dict(self) -> dict:
-        """JSON-ready dict; ``theorem2``/``noise_stability`` only when those checks ran."""
+        """JSON-ready dict; the checks' keys (``theorem2``, ``noise_stability``) where they ran."""
         out = {
             "rows": [row.to_dict() for row in self.rows],
             "params": self.params,
@@ -224,11 +225,7 @@ class BoundCheckResult:
             "lambda_max_at_theta": self.lambda_max_at_theta,
             "notes": list(self.notes),
         }
-        if self.theorem2 is not None:
-            out[THEOREM2] = [row.to_dict() for row in self.theorem2]
-        if self.noise_stability is not None:
-            out["noise_stability"] = self.noise_stability
-        return out
+        return out | self.checks
 
 
 @dataclass
@@ -547,6 +544,25 @@ def bound_check(
     return result
 
 
+@dataclass
+class CheckRun:
+    """One run of the checks of ``bound-check --check``: the model, the analysis set, Corollary
+    1's scope and the settings, and what the checks found so far.
+
+    Each check (:data:`sharpcli.catalogue.CHECKS`, declared beside its code as a function of
+    the run, its ``info`` giving its place in the list and its ``progress`` text) adds what it
+    found to ``found`` under its key of the report's results (JSON-ready) and its curvature
+    products to ``matvecs``.
+    """
+
+    model: nn.Module
+    data: AnalysisData
+    scope: ParamScope
+    config: BoundCheckConfig
+    found: dict = field(default_factory=dict)
+    matvecs: int = 0
+
+
 def _run_extra_checks(
     result: BoundCheckResult,
     model: nn.Module,
@@ -555,27 +571,14 @@ def _run_extra_checks(
     config: BoundCheckConfig,
     run: progress.Run,
 ) -> None:
-    """Run ``config.check`` (Theorem 2, noise stability) into ``result``, counting their
-    products; ``run`` reports which is under way."""
+    """Run ``config.check`` into ``result`` in the catalogue's order, counting their products;
+    ``run`` reports which is under way."""
+    checks = CheckRun(model, data, scope, config)
     done = len(config.sigma)
-    if THEOREM2 in config.check:
-        run.update(done, detail="theorem 2")
-        result.theorem2 = theorem2_check(
-            model, data, config.sigma, mc_samples=config.mc_samples, seed=config.seed
-        )
-        done += 1
-    if NOISE_STABILITY in config.check:
-        run.update(done, detail="noise stability")
-        # NSO perturbs every weight: all parameters unless --params chose a scope
-        noise_scope = scope if config.params is not None else ParamScope.resolve(model, "all")
-        result.noise_stability = noise_stability_check(
-            model,
-            data,
-            config.sigma,
-            noise_scope,
-            noise_pairs=config.noise_pairs,
-            trace_tol=config.trace_tol,
-            trace_max_matvecs=config.trace_max_matvecs,
-            seed=config.seed,
-        )
-        result.matvecs += result.noise_stability["matvecs"]
+    for entry in CHECKS.entries():
+        if entry.name in config.check:
+            run.update(done, detail=entry.info.get("progress", entry.name))
+            CHECKS.get(entry.name)(checks)
+            done += 1
+    result.checks = checks.found
+    result.matvecs += checks.matvecs

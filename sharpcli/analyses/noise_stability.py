@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from sharpcli.analyses.bounds import CheckRun
 from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.operators.hessian import CurvatureEngine
@@ -35,7 +36,12 @@ from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import loss_fn
 from sharpcli.registry import declare
 
-__all__ = ["NOISE_STABILITY", "NoiseStabilityRow", "noise_stability_check"]
+__all__ = [
+    "NOISE_STABILITY",
+    "NoiseStabilityRow",
+    "noise_stability_bound_check",
+    "noise_stability_check",
+]
 
 # the check of ``sharp bound-check --check`` (and the label of its errors)
 NOISE_STABILITY = "noise-stability"
@@ -81,13 +87,6 @@ def _mean_loss(model: nn.Module, data: AnalysisData) -> float:
     return float(total)
 
 
-@declare(
-    "check",
-    NOISE_STABILITY,
-    "NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)",
-    paper="NSO",
-    info={"order": 2},
-)
 def noise_stability_check(
     model: nn.Module,
     data: AnalysisData,
@@ -188,3 +187,34 @@ def noise_stability_check(
         "rows": [row.to_dict() for row in rows],
         "matvecs": trace.matvecs + int(noise_pairs),
     }
+
+
+@declare(
+    "check",
+    NOISE_STABILITY,
+    "NSO eq. 4: the loss gap under weight noise against s^2/2 tr(H)",
+    paper="NSO",
+    info={"order": 2, "progress": "noise stability"},
+)
+def noise_stability_bound_check(run: CheckRun) -> None:
+    """``bound-check --check noise-stability``: :func:`noise_stability_check` at the run's
+    sigmas, under ``noise_stability``, its products counted.
+
+    Args:
+        run: the checks' run, whose findings and products it adds to.
+    """
+    config = run.config
+    # NSO perturbs every weight: all parameters unless --params chose a scope
+    scope = run.scope if config.params is not None else ParamScope.resolve(run.model, "all")
+    found = noise_stability_check(
+        run.model,
+        run.data,
+        config.sigma,
+        scope,
+        noise_pairs=config.noise_pairs,
+        trace_tol=config.trace_tol,
+        trace_max_matvecs=config.trace_max_matvecs,
+        seed=config.seed,
+    )
+    run.found["noise_stability"] = found
+    run.matvecs += found["matvecs"]

@@ -578,6 +578,7 @@ METRIC_RHO = 0.05
             for part in ("", "_stderr", "_loss_perturbed")
         )
         + ("sharpness.rho",),
+        "rows": ("sharpness.*",),
     },
 )
 def sharpness_metric(run) -> None:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from sharpcli.analyses.bounds import CheckRun
 from sharpcli.analyses.perturbation import check_sigmas
 from sharpcli.analyses.rescale import _global_max
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
@@ -33,7 +34,13 @@ from sharpcli.losses import get_loss
 from sharpcli.models.zoo import final_linear
 from sharpcli.registry import declare
 
-__all__ = ["THEOREM2", "Theorem2Row", "smoothed_cross_entropy", "theorem2_check"]
+__all__ = [
+    "THEOREM2",
+    "Theorem2Row",
+    "smoothed_cross_entropy",
+    "theorem2_bound_check",
+    "theorem2_check",
+]
 
 # the check of ``sharp bound-check --check``
 THEOREM2 = "theorem2"
@@ -146,13 +153,6 @@ def _penultimate_and_logits(model: nn.Module, data: AnalysisData):
         handle.remove()
 
 
-@declare(
-    "check",
-    THEOREM2,
-    "AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2",
-    paper="AD",
-    info={"order": 1},
-)
 def theorem2_check(
     model: nn.Module,
     data: AnalysisData,
@@ -239,3 +239,24 @@ def theorem2_check(
             )
         )
     return rows
+
+
+@declare(
+    "check",
+    THEOREM2,
+    "AD Theorem 2 per sample: the smoothed cross-entropy under the bound CE + s^2/2 ||h||^2",
+    paper="AD",
+    info={"order": 1, "progress": "theorem 2"},
+)
+def theorem2_bound_check(run: CheckRun) -> None:
+    """``bound-check --check theorem2``: :func:`theorem2_check` at the run's sigmas, its rows
+    under ``theorem2``.
+
+    Args:
+        run: the checks' run, whose findings it adds to.
+    """
+    config = run.config
+    rows = theorem2_check(
+        run.model, run.data, config.sigma, mc_samples=config.mc_samples, seed=config.seed
+    )
+    run.found[THEOREM2] = [row.to_dict() for row in rows]

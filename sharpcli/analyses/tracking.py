@@ -16,6 +16,7 @@ training trajectory (resume stays bit for bit).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +37,7 @@ from sharpcli.curvature import (
 from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME
 from sharpcli.curvature.trace.split import gn_nme_split
 from sharpcli.errors import UsageError
-from sharpcli.registry import declaration, declare
+from sharpcli.registry import Entry, declare
 
 TRACKABLE = catalogue.TRACKABLE
 
@@ -74,7 +75,9 @@ def _probed(estimator, engine, budget: Budget) -> tuple[float, int]:
 
 # Each quantity (:data:`sharpcli.catalogue.TRACKABLE`, the names of the metrics of ``sharp
 # analyze`` it follows) is a function ``(engine, out, budget) -> products`` that adds its
-# values to ``out``.
+# values to ``out``, declared here with the keys it adds and their ``column``: where they sit
+# in a history row (its JSON and CSV keep that order, which is not the order ``--track``
+# lists the names in). :func:`measure` runs the chosen ones through the registry.
 
 
 @declare(
@@ -82,7 +85,7 @@ def _probed(estimator, engine, budget: Budget) -> tuple[float, int]:
     EIGEN,
     "lambda_max of the Hessian (Lanczos, residual tol 1e-3)",
     paper="Lanczos1950",
-    info={"keys": ("lambda_max",)},
+    info={"keys": ("lambda_max",), "column": 1},
 )
 def track_eigen(engine, out: dict, budget: Budget) -> int:
     """``lambda_max``; only the eigenvalue is recorded: no product spent on an explicit
@@ -108,7 +111,9 @@ def track_eigen(engine, out: dict, budget: Budget) -> int:
     return top.matvecs
 
 
-@declare("trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",)})
+@declare(
+    "trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",), "column": 2}
+)
 def track_trace(engine, out: dict, budget: Budget) -> int:
     """``trace``: tr(H) ([Hutch++]).
 
@@ -129,7 +134,7 @@ def track_trace(engine, out: dict, budget: Budget) -> int:
     GN_NME,
     "tr(G), tr(N) and the NME share, from shared probes",
     paper="NME",
-    info={"keys": ("ggn_trace", "nme_trace", "nme_share")},
+    info={"keys": ("ggn_trace", "nme_trace", "nme_share"), "column": 4},
 )
 def track_gn_nme(engine, out: dict, budget: Budget) -> int:
     """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes).
@@ -155,7 +160,7 @@ def track_gn_nme(engine, out: dict, budget: Budget) -> int:
     FROBENIUS,
     "Tr(H^2), the flatness of [FA] eq. 1",
     paper="FA",
-    info={"keys": ("frobenius_sq",)},
+    info={"keys": ("frobenius_sq",), "column": 3},
 )
 def track_frobenius(engine, out: dict, budget: Budget) -> int:
     """``frobenius_sq``: Tr(H^2).
@@ -177,7 +182,7 @@ def track_frobenius(engine, out: dict, budget: Budget) -> int:
     SHARPNESS,
     "adaptive worst-case l2 sharpness at rho 0.05 (10 Auto-PGD steps)",
     paper="Andriushchenko2023",
-    info={"keys": ("adaptive_sharpness",)},
+    info={"keys": ("adaptive_sharpness",), "column": 5},
 )
 def track_sharpness(engine, out: dict, budget: Budget) -> int:
     """``adaptive_sharpness`` over the whole set (gradients, no curvature products).
@@ -193,10 +198,6 @@ def track_sharpness(engine, out: dict, budget: Budget) -> int:
     config = SharpnessConfig(rhos=(0.05,), steps=10, params=engine.scope.spec, seed=budget.seed)
     out["adaptive_sharpness"] = sharpness(engine.model, engine.data, config).rows[0].sharpness
     return 0
-
-
-# the order a history row has always held the values in (its JSON and CSV keep it)
-_RECORDED = (track_eigen, track_trace, track_frobenius, track_gn_nme, track_sharpness)
 
 
 def measure(
@@ -223,11 +224,15 @@ def measure(
     budget = Budget(seed, tol, max_matvecs, eigen_max_matvecs)
     out: dict = {}
     products = 0
-    for track in _RECORDED:
-        declared = declaration(track)
-        if declared is not None and declared[1].name in names:
-            products += track(engine, out, budget)
+    for entry in sorted(TRACKABLE.entries(), key=_column):
+        if entry.name in names:
+            products += TRACKABLE.get(entry.name)(engine, out, budget)
     return out, products
+
+
+def _column(entry: Entry) -> float:
+    """Where a quantity's keys sit in a history row (an extension without one: last)."""
+    return entry.info.get("column", math.inf)
 
 
 def make_tracker(

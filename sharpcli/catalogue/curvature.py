@@ -37,6 +37,7 @@ OPERATORS: Registry[Any] = Registry(
     entries=DECLARED.get("operator", ()),
     protected=tuple(e.name for e in DECLARED.get("operator", ()) if e.info.get("split")),
     protected_reason="it is part of the H = G + N split",
+    check="sharpcli.curvature.operators.registry:_as_spec",
 )
 
 # ``sharp trace --estimator NAME`` (sharpcli.curvature.trace.estimators, declared there), the

@@ -21,6 +21,8 @@ DATA_FORMATS: Registry[Any] = Registry(
     "data format",
     source="data",
     entries=sorted(DECLARED.get("data format", ()), key=lambda e: int(e.info["order"])),
+    check="sharpcli.io.formats:check_format",
+    make_entry="sharpcli.io.formats:format_entry",
 )
 
 # ``--data NAME[:k=v,...]``: the built-in synthetic datasets, declared on their generators in

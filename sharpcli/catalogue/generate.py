@@ -5,8 +5,8 @@ Every built-in that has a name is declared once, where it is implemented
 record). This command imports every module of the package below the CLI, collects each
 declared object defined there (in module order, then in the order of definition) and writes
 their records into :mod:`sharpcli.catalogue.index`, the torch-free file that ``--help`` and
-completion read, and the tables of regularizers, trace estimators and operators into the pages of the
-repository's docs/ (between markers). ``--check`` writes nothing and exits 1 when a file is
+completion read, and the tables of regularizers, trace estimators, operators, ``analyze``'s
+metrics and the tracked quantities into the pages of the repository's docs/ (between markers). ``--check`` writes nothing and exits 1 when a file is
 not what the declarations make (``.ci/run`` and ``tests/catalogue/test_generated.py`` run it).
 
 Run it after adding, removing or changing a declaration; the file is checked in.
@@ -32,10 +32,12 @@ __all__ = [
     "collect",
     "estimator_table",
     "main",
+    "metric_table",
     "publish",
     "refresh_docs",
     "regularizer_table",
     "render",
+    "tracked_table",
 ]
 
 INDEX = Path(__file__).with_name("index.py")
@@ -209,11 +211,75 @@ def estimator_table(entries: list[Entry]) -> str:
     return "\n".join(rows)
 
 
+def _keys_text(keys: tuple[str, ...]) -> str:
+    """Result keys as one cell of a docs table.
+
+    Dotted keys in a row that share ``a.`` are written ``a.{b, c}``; a list's ``KEY.*`` (its
+    elements, for ``--fail-if``) is left out beside ``KEY``.
+
+    Args:
+        keys: the result keys, as a metric declares them.
+
+    Returns:
+        The cell's Markdown.
+    """
+    shown = [k for k in keys if not (k.endswith(".*") and k[:-2] in keys)]
+    groups: list[tuple[str, list[str]]] = []
+    for key in shown:
+        head, _, leaf = key.rpartition(".")
+        if groups and head and groups[-1][0] == head:
+            groups[-1][1].append(leaf)
+        else:
+            groups.append((head, [leaf]))
+    parts = []
+    for head, leaves in groups:
+        prefix = f"{head}." if head else ""
+        body = leaves[0] if len(leaves) == 1 else "{" + ", ".join(leaves) + "}"
+        parts.append(f"`{prefix}{body}`")
+    return ", ".join(parts)
+
+
+def metric_table(entries: list[Entry]) -> str:
+    """The Markdown table of the metrics of ``sharp analyze`` (docs/commands/analyze.md).
+
+    Args:
+        entries: the metrics' records, in order.
+
+    Returns:
+        The table: name (the defaults marked), what it measures, the keys it adds to
+        ``results`` (those ``--fail-if`` reads), its paper key.
+    """
+    rows = ["| metric | what it measures | adds to `results` | paper |", "|---|---|---|---|"]
+    for e in entries:
+        shown = f"`{e.name}` (default)" if e.info.get("default") else f"`{e.name}`"
+        keys = _keys_text(tuple(e.info.get("keys", ())))
+        rows.append(f"| {shown} | {_cell(e.summary)} | {keys} | {e.paper} |")
+    return "\n".join(rows)
+
+
+def tracked_table(entries: list[Entry]) -> str:
+    """The Markdown table of the quantities ``--track`` and ``Tracker`` measure (docs/tracking.md).
+
+    Args:
+        entries: the tracked quantities' records, in ``--track``'s order.
+
+    Returns:
+        The table: name, the keys it records, what it computes, its paper key.
+    """
+    rows = ["| metric | records | what it computes | paper |", "|---|---|---|---|"]
+    for e in entries:
+        keys = ", ".join(f"`{k}`" for k in e.info.get("keys", ()))
+        rows.append(f"| `{e.name}` | {keys} | {_cell(e.summary)} | {e.paper} |")
+    return "\n".join(rows)
+
+
 # each generated table: the page, the kind and how its records become the table
 TABLES = (
     ("commands/train.md", "regularizer", regularizer_table),
     ("commands/trace.md", "estimator", estimator_table),
     ("commands/eigen.md", "operator", operator_table),  # the --operator help's table
+    ("commands/analyze.md", "metric", metric_table),
+    ("tracking.md", "trackable", tracked_table),
 )
 
 

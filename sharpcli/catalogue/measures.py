@@ -3,12 +3,14 @@
 Each metric is declared beside its code (:func:`sharpcli.registry.declare`, kind
 ``"metric"``: :mod:`sharpcli.analyses.analyze`, :mod:`sharpcli.analyses.activations`,
 :mod:`sharpcli.analyses.sharpness`) as a function of the run; its record's ``info`` gives its
-place in the list (``order``), whether ``--metrics`` runs it by default (``default``) and the
-result keys ``--fail-if`` may read (``keys``). The quantities that training tracks are declared
-in :mod:`sharpcli.analyses.tracking` (kind ``"trackable"``), each under the name of the metric it
-follows; the checks of ``bound-check`` on their functions (:mod:`sharpcli.analyses.theorem2`,
-:mod:`sharpcli.analyses.noise_stability`, kind ``"check"``). This module reads them from the
-generated index.
+place in the list (``order``), whether ``--metrics`` runs it by default (``default``), the
+result keys ``--fail-if`` may read (``keys``) and the rows of the command's table (``rows``).
+The quantities that training tracks are declared in :mod:`sharpcli.analyses.tracking` (kind
+``"trackable"``), each under the name of the metric it follows, with the keys it records and
+their place in a history row (``column``); the checks of ``bound-check`` as functions of its
+run (:mod:`sharpcli.analyses.theorem2`, :mod:`sharpcli.analyses.noise_stability`, kind
+``"check"``). Each command runs the chosen ones through these registries. This module reads
+them from the generated index.
 
 This module imports no torch.
 """

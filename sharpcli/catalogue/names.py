@@ -22,7 +22,13 @@ __all__ = [
 
 # the losses of the analyses and of training (sharpcli.losses, declared there); ``info``:
 # whether the labels are classes (accuracy is defined)
-LOSSES: Registry[Any] = Registry("loss", source="loss", entries=DECLARED.get("loss", ()))
+LOSSES: Registry[Any] = Registry(
+    "loss",
+    source="loss",
+    entries=DECLARED.get("loss", ()),
+    check="sharpcli.losses:check_loss",
+    make_entry="sharpcli.losses:loss_entry",
+)
 
 
 # ``--activation NAME[:beta=B]`` (sharpcli.models.activations, declared there), [NME]

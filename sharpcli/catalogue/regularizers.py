@@ -21,5 +21,9 @@ __all__ = ["REGULARIZERS"]
 
 # ``--reg NAME[:k=v,...]`` (sharpcli.training.regularizers); parameters in positional order
 REGULARIZERS: Registry[Any] = Registry(
-    "regularizer", source="regs", entries=DECLARED.get("regularizer", ())
+    "regularizer",
+    source="regs",
+    entries=DECLARED.get("regularizer", ()),
+    check="sharpcli.training.regularizers:check_regularizer_class",
+    make_entry="sharpcli.training.regularizers:regularizer_class_entry",
 )

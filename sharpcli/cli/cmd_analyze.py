@@ -72,9 +72,7 @@ def analyze_command(
 ) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
     # imports torch: kept out of start-up
-    from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics
-    from sharpcli.analyses.sharpness import SHARPNESS
-    from sharpcli.curvature.operators.registry import SPLIT
+    from sharpcli.analyses.analyze import analyze, analyze_report, parse_metrics, table_rows
     from sharpcli.report.gate import parse_gate
 
     chosen = parse_metrics(metrics)
@@ -101,19 +99,7 @@ def analyze_command(
     verdicts = report["results"]["gates"]
 
     def render(console):
-        flat = {"loss": results["loss"], "accuracy": results["accuracy"]}
-        for group in SPLIT:  # the result groups named after the operators of H = G + N
-            for k, v in (results.get(group) or {}).items():
-                if not isinstance(v, (dict, list)):
-                    flat[f"{group}.{k}"] = v
-        if "nme_share" in results:
-            flat["nme_share"] = results["nme_share"]
-        for group in (SHARPNESS, "fisher_rao"):
-            flat |= {f"{group}.{k}": v for k, v in (results.get(group) or {}).items()}
-        for noise, found in (results.get("pac_bayes") or {}).items():
-            for k in ("sigma", "flatness", "deviation", "deviation_stderr"):
-                flat[f"pac_bayes.{noise}.{k}"] = found[k]
-        console.print(key_value_table(f"sharpness of {checkpoint}", flat))
+        console.print(key_value_table(f"sharpness of {checkpoint}", table_rows(results)))
         if verdicts:
             console.print(
                 records_table(
@@ -135,16 +121,16 @@ def analyze_command(
 
 
 def _check_gate_keys(gates, chosen: list[str]) -> None:
-    """Every gate's key must be one this run reports (``RESULT_KEYS`` of the chosen metrics);
+    """Every gate's key must be one this run reports (``result_keys`` of the chosen metrics);
     a key of another metric names the ``--metrics`` that adds it."""
     # imports torch: kept out of start-up
-    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, RESULT_KEYS
+    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, result_keys
     from sharpcli.report.gate import check_keys
 
-    available = [*RESULT_KEYS[""], *(k for m in chosen for k in RESULT_KEYS[m]), *REPORT_KEYS]
+    available = [*result_keys(""), *(k for m in chosen for k in result_keys(m)), *REPORT_KEYS]
     elsewhere: dict[str, str] = {}
     for metric in METRICS:
-        for key in RESULT_KEYS[metric] if metric not in chosen else ():
+        for key in result_keys(metric) if metric not in chosen else ():
             if key not in available:
                 elsewhere.setdefault(key, f"--metrics {','.join([*chosen, metric])}")
     check_keys(gates, available, elsewhere)

@@ -5,9 +5,10 @@ catalogue's summaries, in the order of the workflow) and, for each command, its 
 one table of options per help panel, each row the option's names and placeholder, its help,
 the values it takes and its default, exactly as ``--help`` states them
 (:mod:`sharpcli.cli.helptext`). Where an option's values are the names of a kind declared
-beside its code (regularizers, trace estimators, operators), the row links to that kind's
-generated table instead of listing them, so adding one such built-in leaves this page as it
-is: ``python -m sharpcli.catalogue.generate`` rewrites the tables. ``--check`` writes nothing
+beside its code (regularizers, trace estimators, operators, metrics, tracked quantities), the
+row links to that kind's generated table instead of listing them, so adding one such
+built-in leaves this page as it is: ``python -m sharpcli.catalogue.generate`` rewrites the
+tables. ``--check`` writes nothing
 and exits 1 when the page is not what the commands make (``.ci/run`` runs it).
 
 Run it after adding, removing or changing a command or an option.
@@ -39,6 +40,8 @@ KIND_TABLES = {
     "regularizer": (catalogue.REGULARIZERS, "regularizers", "commands/train.md#regularizers"),
     "estimator": (catalogue.ESTIMATORS, "trace estimators", "commands/trace.md"),
     "operator": (catalogue.OPERATORS, "operators", "commands/eigen.md"),
+    "metric": (catalogue.METRICS, "metrics", "commands/analyze.md"),
+    "trackable": (catalogue.TRACKABLE, "tracked quantities", "tracking.md"),
 }
 
 HEADER = """# Command-line reference

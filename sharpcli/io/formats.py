@@ -84,9 +84,10 @@ class DataFormat:
 FORMATS = catalogue.DATA_FORMATS
 
 
-def _check(entry: Entry, fmt: DataFormat | Callable[[str], bool]) -> DataFormat:
-    """The registry's check of a format record (see :func:`register`); a built-in's declared
-    probe is made into its record here."""
+def check_format(entry: Entry, fmt: DataFormat | Callable[[str], bool]) -> DataFormat:
+    """The registry's check of a format record (see :func:`register`), the kind's ``check``
+    (:data:`sharpcli.catalogue.DATA_FORMATS`); a built-in's declared probe is made into its
+    record here."""
     if not isinstance(fmt, DataFormat):
         if declaration(fmt) is None:
             raise FORMATS.error(f"data format {entry.name!r}: register a DataFormat")
@@ -105,8 +106,9 @@ def _check(entry: Entry, fmt: DataFormat | Callable[[str], bool]) -> DataFormat:
     return fmt
 
 
-def _entry_of(name: str, fmt: DataFormat) -> Entry:
-    """The record of an extension: its description and routing facts."""
+def format_entry(name: str, fmt: DataFormat) -> Entry:
+    """The record of an extension: its description and routing facts (the kind's
+    ``make_entry``)."""
     info = {
         "extensions": fmt.extensions,
         "spec_keys": fmt.spec_keys,
@@ -114,10 +116,6 @@ def _entry_of(name: str, fmt: DataFormat) -> Entry:
         "test_split": fmt.test_split,
     }
     return Entry(name, fmt.description, getattr(fmt.read, "__module__", ""), info=info)
-
-
-FORMATS.check = _check
-FORMATS.make_entry = _entry_of
 
 
 def register(fmt: DataFormat, *, replace: bool = False) -> DataFormat:

@@ -101,8 +101,9 @@ _KIND_BASES: dict[str, type[Regularizer]] = {
 }
 
 
-def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
-    """The registry's check of a regularizer class (see :func:`register`)."""
+def check_regularizer_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
+    """The registry's check of a regularizer class (see :func:`register`): the kind's ``check``
+    (:data:`sharpcli.catalogue.REGULARIZERS`)."""
     where = f"regularizer class {getattr(cls, '__name__', cls)!r}"
     if not (isinstance(cls, type) and issubclass(cls, Regularizer)):
         raise REGISTRY.error(f"{where}: a regularizer is a subclass of Regularizer")
@@ -129,8 +130,10 @@ def _check_class(entry: Entry, cls: type[Regularizer]) -> type[Regularizer]:
     return cls
 
 
-REGISTRY.check = _check_class
-REGISTRY.make_entry = lambda name, cls: regularizer_entry(cls)
+def regularizer_class_entry(name: str, cls: type[Regularizer]) -> Entry:
+    """The record of a regularizer class registered without one: its class body's
+    (:func:`~sharpcli.training.penalties.base.regularizer_entry`); the kind's ``make_entry``."""
+    return regularizer_entry(cls)
 
 
 def register(cls: type[Regularizer], *, replace: bool = False) -> type[Regularizer]:

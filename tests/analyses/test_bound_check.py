@@ -438,3 +438,40 @@ def test_corollary1_holds_with_eps_over_the_sampled_points_on_builtin_models(tmp
     large = result.rows[-1]
     assert not large.holds_at_theta and large.verdict_at_theta == "fails"
     assert large.empirical > large.bound_at_theta and "at theta: ||E H||" in large.note
+
+
+def test_a_check_registered_beside_the_builtins_is_run_through_the_registry():
+    """``bound_check`` runs what CHECKS lists: an extension declared as a function of the
+    CheckRun reaches the results under its key, its products counted; its number is the
+    dense float64 gradient's norm over the whole set."""
+    from sharpcli import catalogue
+    from sharpcli.analyses.bounds import CheckRun
+    from sharpcli.registry import declare
+
+    @declare("check", "gradient-norm", "the full gradient's norm over the scope")
+    def gradient_norm_check(run: CheckRun) -> None:
+        with torch.enable_grad():
+            x, y = run.data.x, run.data.y
+            loss = F.cross_entropy(run.model(x), y)
+            grads = torch.autograd.grad(loss, run.scope.params)
+        run.found["gradient_norm"] = float(torch.cat([g.reshape(-1) for g in grads]).norm())
+        run.matvecs += 7
+
+    model, x, y = _trained(steps=50)
+    data = AnalysisData(x, y, loss="cross-entropy", batch_size=40)
+    config = BoundCheckConfig(sigma=[0.1], perturbations=2, bootstrap=20, check=("gradient-norm",))
+    catalogue.CHECKS.add(gradient_norm_check)
+    try:
+        plain = bound_check(
+            model, data, BoundCheckConfig(sigma=[0.1], perturbations=2, bootstrap=20)
+        )
+        result = bound_check(model, data, config)
+    finally:
+        catalogue.CHECKS.unregister("gradient-norm")
+    report = result.to_dict()
+    assert list(report)[-1] == "gradient_norm"
+    weight = dict(model.named_parameters())[result.params]
+    (reference,) = torch.autograd.grad(F.cross_entropy(model(x), y), [weight])
+    assert report["gradient_norm"] == pytest.approx(float(reference.norm()), rel=1e-12)
+    assert result.matvecs == plain.matvecs + 7
+    assert "gradient-norm" not in catalogue.CHECKS

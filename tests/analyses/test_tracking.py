@@ -14,6 +14,7 @@ from sharpcli import catalogue
 from sharpcli.analyses.tracking import measure
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.errors import UsageError
+from sharpcli.registry import declare
 from tests.conftest import setup_and_reference
 
 RECORDED = (
@@ -50,3 +51,32 @@ def test_every_trackable_writes_its_declared_keys_in_the_recorded_order():
 def test_an_unknown_quantity_names_the_accepted_ones():
     with pytest.raises(UsageError, match="accepted: " + ", ".join(catalogue.TRACKABLE)):
         measure(None, ["curvature"])
+
+
+def test_a_quantity_registered_beside_the_builtins_is_run_and_recorded_after_them():
+    """A new quantity is one declared function: ``measure`` runs it from the registry, its
+    keys after the built-ins' (no column declared), its value the dense reference's."""
+
+    @declare(
+        "trackable",
+        "param-norm",
+        "the squared norm of the parameters",
+        info={"keys": ("param_norm_sq",)},
+    )
+    def track_param_norm(engine, out: dict, budget) -> int:
+        out["param_norm_sq"] = float(
+            sum((p.detach().double() ** 2).sum() for p in engine.scope.params)
+        )
+        return 0
+
+    model, x, y, H, _ = setup_and_reference("gelu")
+    catalogue.TRACKABLE.add(track_param_norm)
+    try:
+        out, _ = measure(_engine(model, x, y), ["param-norm", "eigen"])
+    finally:
+        catalogue.TRACKABLE.unregister("param-norm")
+    assert tuple(out) == ("lambda_max", "param_norm_sq")
+    reference = sum(float((p.detach().double() ** 2).sum()) for p in model.parameters())
+    assert out["param_norm_sq"] == pytest.approx(reference, rel=1e-12)
+    assert out["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)
+    assert "param-norm" not in catalogue.TRACKABLE

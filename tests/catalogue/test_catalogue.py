@@ -86,11 +86,49 @@ def test_registration_is_uniform_duplicates_replace_and_removal():
     with pytest.raises(RegistryError, match="widget 'cog' is not registered"):
         toy.unregister("cog")
     assert toy.pop("cog", None) is None
-    # an extension without an entry gets one from make_entry, and a check may refuse it
-    toy.make_entry = lambda name, obj: Entry(name, obj.__doc__.splitlines()[0])
-    toy.check = lambda entry, obj: obj if entry.summary else (_ for _ in ()).throw(toy.error("no"))
-    toy.register("list", list)
-    assert toy.entry("list").summary == list.__doc__.splitlines()[0]
+    # the kind declares its validation ("module:attr", imported at the first registration): an
+    # extension without an entry gets one from make_entry, and the check may refuse it
+    kind = Registry(
+        "widget",
+        source="widget",
+        check=f"{__name__}:_summarised",
+        make_entry=f"{__name__}:_first_doc_line",
+    )
+    kind.register("list", list)
+    assert kind.entry("list").summary == list.__doc__.splitlines()[0]
+    with pytest.raises(RegistryError, match="widget 'blank': no summary"):
+        kind.register("blank", object, entry=Entry("blank", ""))
+    assert "blank" not in kind
+
+
+def _first_doc_line(name: str, obj: object) -> Entry:
+    """The widget kind's make_entry: the object's docstring's first line as its summary."""
+    return Entry(name, (obj.__doc__ or "").splitlines()[0])
+
+
+def _summarised(entry: Entry, obj: object) -> object:
+    """The widget kind's check: an entry needs a summary."""
+    if not entry.summary:
+        raise RegistryError(f"widget {entry.name!r}: no summary", source="widget")
+    return obj
+
+
+def test_each_kind_of_the_package_declares_its_validation_where_it_can_be_imported():
+    """The kinds whose implementations are checked name their validation in the torch-free
+    registry, not patched on by the implementing module; each name resolves to a function."""
+    from sharpcli.registry import resolve
+
+    checked = {
+        catalogue.REGULARIZERS: True,
+        catalogue.OPERATORS: False,
+        catalogue.DATA_FORMATS: True,
+        catalogue.LOSSES: True,
+    }
+    for registry, makes_entries in checked.items():
+        assert callable(resolve(registry.check_impl)), registry.kind
+        assert bool(registry.make_entry_impl) == makes_entries, registry.kind
+        if makes_entries:
+            assert callable(resolve(registry.make_entry_impl)), registry.kind
 
 
 def test_implementations_resolve_lazily_from_module_attr():
@@ -102,7 +140,8 @@ def test_implementations_resolve_lazily_from_module_attr():
         "print(catalogue.REGULARIZERS.names()[:3], catalogue.REGULARIZERS.entry('sam').paper); "
         "cls = catalogue.REGULARIZERS['sam']; "
         "assert 'sharpcli.training.penalties.sam' in sys.modules; "
-        "assert 'sharpcli.training.penalties.nme' not in sys.modules; "
+        # the kind's check, which the registry names, was imported to validate it
+        "assert 'sharpcli.training.regularizers' in sys.modules; "
         "print(cls.__name__, cls.summary == catalogue.REGULARIZERS.entry('sam').summary)"
     )
     out = subprocess.run(

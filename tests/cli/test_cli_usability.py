@@ -404,14 +404,14 @@ def test_tables_never_fold_a_number(runs, name, width):
 
 
 def test_gate_result_keys_cover_every_number_of_a_full_report(runs):
-    """analyze's RESULT_KEYS (what --fail-if is checked against before any work) match every
+    """analyze's result_keys (what --fail-if is checked against before any work) match every
     number of a report with all metrics, and no key of a metric that was not requested."""
-    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, RESULT_KEYS
+    from sharpcli.analyses.analyze import METRICS, REPORT_KEYS, result_keys
     from sharpcli.report.gate import _known
 
     code, report, _ = runs["analyze"]
     assert code == 1  # the first gate trips
-    patterns = [*REPORT_KEYS, *(k for m in ("", *METRICS) for k in RESULT_KEYS[m])]
+    patterns = [*REPORT_KEYS, *(k for m in ("", *METRICS) for k in result_keys(m))]
 
     def leaves(node, prefix=""):
         if isinstance(node, dict):

@@ -138,6 +138,14 @@ def test_jsonl_format_loads_the_written_records(jsonl_example, tmp_path):
         load_dataset(str(broken))
 
 
+def _tiny_mlp():
+    """A seeded float64 3-5-2 tanh MLP and 24 Gaussian points with binary labels."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+    return model.double(), x, y
+
+
 def test_girard_estimate_is_within_its_stderr_of_the_dense_trace():
     """The example estimator added at run time: ``Curvature.trace(estimator="girard")`` against
     the dense Hessian's trace (double backward, float64), and ``Tr(H^2)`` against ``||H||_F^2``."""
@@ -147,11 +155,7 @@ def test_girard_estimate_is_within_its_stderr_of_the_dense_trace():
     namespace = run_example("Adding a trace estimator")
     ESTIMATORS.add(namespace["girard_trace"])
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
-        ).double()
-        x, y = torch.randn(24, 3, dtype=torch.float64), torch.randint(0, 2, (24,))
+        model, x, y = _tiny_mlp()
         curvature = Curvature(model, "cross-entropy", (x, y))
         H = curvature.operator().to_dense()
         for square, exact in ((False, H.trace()), (True, (H * H).sum())):
@@ -292,3 +296,119 @@ def test_examples_leave_the_registries_as_they_were(tmp_path):
     stray.write_text('{"x": [1], "y": 0}\n')
     with pytest.raises(InputError, match="unknown data file extension '.jsonl'"):
         load_dataset(str(stray))
+
+
+def _gradient_norm(model, x, y) -> float:
+    """The float64 norm of the mean cross-entropy's gradient over ``(x, y)``, every parameter."""
+    from hessian_helpers import flat_gradient
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return float(flat_gradient(model, params, x, y).norm())
+
+
+@pytest.fixture
+def grad_norm_checkpoint(tmp_path, capsys):
+    """A float64 checkpoint of a small MLP after one epoch on the built-in blobs."""
+    ckpt = str(tmp_path / "m.safetensors")
+    argv = ["train", "--data", "blobs:n=64,dim=4,classes=3", "--epochs", "1", "--width", "8"]
+    result = run_cli(capsys, *argv, "--dtype", "float64", "--quiet", "--out", ckpt)
+    assert result.code == 0, result.err
+    return ckpt
+
+
+def test_grad_norm_metric_reaches_analyze_json_table_and_gates(grad_norm_checkpoint, capsys):
+    """The example metric added at run time: ``sharp analyze --metrics grad-norm`` reports the
+    float64 gradient's norm over the analysis set in its JSON and its table, and a gate on it
+    is accepted before any work."""
+    from sharpcli.catalogue import METRICS
+    from sharpcli.session import build_session
+
+    namespace = run_example("Adding an analyze metric")
+    METRICS.add(namespace["grad_norm_metric"])
+    try:
+        argv = ["analyze", grad_norm_checkpoint, "--metrics", "eigen,grad-norm", "--dtype"]
+        run = run_cli(capsys, *argv, "float64", "--json", "-", "--fail-if", "gradient.norm > 1e9")
+        table = run_cli(capsys, *argv, "float64", "--metrics", "grad-norm")
+        typo = run_cli(capsys, *argv, "float64", "--fail-if", "gradient.nrom > 1")
+    finally:
+        METRICS.unregister("grad-norm")
+    assert run.code == 0, run.err
+    results = run.json()["results"]
+    assert results["metrics"] == ["eigen", "grad-norm"] and results["gates"][0]["tripped"] is False
+    session = build_session(grad_norm_checkpoint, dtype="float64")
+    exact = _gradient_norm(session.model, session.x, session.y)
+    assert results["gradient"]["norm"] == pytest.approx(exact, rel=1e-10)
+    assert 0 < results["gradient"]["minibatch_norm"]
+    assert (
+        table.code == 0 and "gradient.norm" in table.out and "gradient.minibatch_norm" in table.out
+    )
+    assert typo.code == 2 and "did you mean 'gradient.norm'" in typo.err
+    assert "grad-norm" not in METRICS
+
+
+def test_grad_norm_tracked_in_a_history_row_and_by_measure(capsys, tmp_path):
+    """The example quantity added at run time: ``measure`` gives the float64 gradient's norm on
+    the tracked set, and ``sharp train --track grad-norm`` records it in each epoch's row after
+    the built-ins' keys."""
+    from sharpcli.analyses.tracking import measure
+    from sharpcli.catalogue import TRACKABLE
+    from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+
+    namespace = run_example("Adding a tracked quantity")
+    TRACKABLE.add(namespace["track_grad_norm"])
+    try:
+        model, x, y = _tiny_mlp()
+        engine = CurvatureEngine(
+            model, AnalysisData(x, y, loss="cross-entropy", batch_size=8), ParamScope.resolve(model)
+        )
+        out, products = measure(engine, ["grad-norm"])
+        argv = ["train", "--data", "blobs:n=64,dim=4,classes=3", "--epochs", "2", "--width", "8"]
+        ckpt = str(tmp_path / "m.safetensors")
+        run = run_cli(capsys, *argv, "--track", "grad-norm,trace", "--out", ckpt, "--json", "-")
+    finally:
+        TRACKABLE.unregister("grad-norm")
+    assert products == 0 and out["gradient_norm"] == pytest.approx(
+        _gradient_norm(model, x, y), rel=1e-10
+    )
+    assert run.code == 0, run.err
+    for row in run.json()["results"]["history"]:
+        assert (
+            list(row["tracked"]) == ["trace", "gradient_norm"]
+            and row["tracked"]["gradient_norm"] > 0
+        )
+    assert "grad-norm" not in TRACKABLE
+
+
+@pytest.mark.slow
+def test_a_new_metric_and_tracked_quantity_are_builtins_after_the_one_command(tmp_path):
+    """Two new files plus the regeneration command: ``--metrics grad-norm`` and ``--track
+    grad-norm`` run, and the generated tables of docs/commands/analyze.md and docs/tracking.md
+    list them."""
+    env = _package_copy(tmp_path, "sharpcli/analyses/grad_norm.py", "Adding an analyze metric")
+    tracked = tmp_path / "sharpcli" / "analyses" / "grad_norm_tracked.py"
+    tracked.write_text(example("Adding a tracked quantity"), encoding="utf-8")
+    generate = [sys.executable, "-m", "sharpcli.catalogue.generate"]
+    subprocess.run(generate, env=env, cwd=tmp_path, check=True, capture_output=True)
+    docs = tmp_path / "docs"
+    analyze_md = (docs / "commands" / "analyze.md").read_text(encoding="utf-8")
+    assert "| `grad-norm` | \\|\\|grad L(theta)\\|\\| over the analysis set" in analyze_md
+    assert "`gradient.{norm, minibatch_norm}` | AD |" in analyze_md
+    tracking_md = (docs / "tracking.md").read_text(encoding="utf-8")
+    assert (
+        "| `grad-norm` | `gradient_norm` | \\|\\|grad L(theta)\\|\\| on the tracked subset | AD |"
+        in tracking_md
+    )
+    ckpt = str(tmp_path / "m.safetensors")
+    trained = _sharp(env, *ONE_STEP, "--track", "grad-norm", "-o", ckpt, "--json", "-")
+    assert trained.returncode == 0, trained.stderr
+    (row,) = json.loads(trained.stdout)["results"]["history"]
+    assert list(row["tracked"]) == ["gradient_norm"] and row["tracked"]["gradient_norm"] > 0
+    run = _sharp(
+        env, "analyze", ckpt, "--metrics", "grad-norm", "--dtype", "float64", "--json", "-"
+    )
+    assert run.returncode == 0, run.stderr
+    from sharpcli.session import build_session
+
+    session = build_session(ckpt, dtype="float64")
+    exact = _gradient_norm(session.model, session.x, session.y)
+    assert json.loads(run.stdout)["results"]["gradient"]["norm"] == pytest.approx(exact, rel=1e-10)

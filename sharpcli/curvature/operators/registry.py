@@ -100,9 +100,6 @@ def _as_spec(entry: Entry, obj: object) -> OperatorSpec:
     )
 
 
-OPERATORS.check = _as_spec
-
-
 def register_operator(
     name: str,
     build: Callable[["CurvatureEngine"], "CurvatureOperator"],
