@@ -1,7 +1,7 @@
-"""The regularizers' registry: ``--reg NAME[:k=v,...]`` (:mod:`sharpcli.training.regularizers`).
+"""The regularizers' registry: ``--reg NAME[:k=v,...]`` (:mod:`sharpcli.regularizers.registry`).
 
 Each built-in's record is its class body in :mod:`sharpcli.training.penalties`
-(:func:`~sharpcli.training.penalties.base.declare_regularizer`): its summary, its
+(:func:`~sharpcli.regularizers.base.declare_regularizer`): its summary, its
 hyper-parameters in positional order with defaults and ranges, its paper key, whether
 averaging its gradient over torchrun ranks is exact (``data_parallel``: None, else the reason
 it is not) and, in ``info``, its ``kind`` (none, model, penalty or oracle) and whether it
@@ -19,10 +19,10 @@ from sharpcli.registry import Registry
 
 __all__ = ["NO_REGULARIZER", "REGULARIZERS"]
 
-# ``--reg NAME[:k=v,...]`` (sharpcli.training.regularizers); parameters in positional order
+# ``--reg NAME[:k=v,...]`` (sharpcli.regularizers.registry); parameters in positional order
 REGULARIZERS: Registry[Any] = Registry(
     "regularizer", source="regs", entries=DECLARED.get("regularizer", ())
 )
-# the plain loss, ``--reg``'s default: declared first (sharpcli.training.penalties.decay), read
+# the plain loss, ``--reg``'s default: declared first (sharpcli.regularizers.penalties.decay), read
 # from the index for the torch-free modules (the CLI, the training config) that name it
 NO_REGULARIZER: str = REGULARIZERS.builtin_names()[0]

@@ -87,7 +87,7 @@ GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
 # models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
 # the model arguments a regularizer of kind `model` sets (sharpcli.models.specs): `dropout`,
-# set by the regularizer of that name (sharpcli.training.penalties.decay:Dropout)
+# set by the regularizer of that name (sharpcli.regularizers.penalties.decay:Dropout)
 MODEL_REGULARIZATION_ARGS = ("dropout",)
 DROPOUT_ARG = MODEL_REGULARIZATION_ARGS[0]
 TOKEN_REDUCTIONS = ("tokens", "samples")

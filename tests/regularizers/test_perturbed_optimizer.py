@@ -13,9 +13,11 @@ from torch import nn
 
 from sharpcli import regularizers
 from sharpcli.errors import UsageError
-from sharpcli.training import regularizers as registry
-from sharpcli.training.penalties.base import Oracle
-from sharpcli.training.regularizers import parse_reg, training_step
+from sharpcli.regularizers import registry as registry
+from sharpcli.regularizers.base import Oracle
+from sharpcli.regularizers.perturbed.sam import SAM
+from sharpcli.regularizers.registry import parse_reg
+from sharpcli.regularizers.step import training_step
 
 
 def _mlp(dtype=torch.float64, seed=0) -> nn.Module:
@@ -308,7 +310,7 @@ def _closure_scaled(model, x, y, scaler):
 
 def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
     """make(NAME) holds the hyper-parameters --reg NAME holds (one declaration for both)."""
-    from sharpcli.training.regularizers import describe_registry
+    from sharpcli.regularizers.registry import describe_registry
 
     model = _mlp()
     rows = {row["name"]: row for row in describe_registry()}
@@ -341,7 +343,7 @@ def test_an_extension_oracle_is_refused_and_a_sam_variant_runs():
     )
     variant = type(
         "SAM2",
-        (registry.SAM,),
+        (SAM,),
         {"__doc__": "``sam2:rho``: a SAM variant.", "name": "sam2", "data_parallel": "global"},
     )
     registry.register(own)

@@ -6,14 +6,14 @@ gradient, as [NME] App. B eq. 42-43 write them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from sharpcli.regularizers.base import Oracle, declare_regularizer
+from sharpcli.regularizers.draws import global_norm
+from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
-from sharpcli.training.draws import global_norm
-from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
 
@@ -56,6 +56,30 @@ class AscentOracle(Oracle):
             One perturbation tensor per parameter.
         """
         raise TypeError(f"{type(self).__name__} defines no perturbation()")
+
+    def reads_clean_gradient(self) -> bool:
+        """True: the ascent step is taken from the clean gradient (the wrapper's protocol)."""
+        return True
+
+    def perturbed_passes(self) -> int:
+        """1: the gradient at :math:`\\theta + e(g)` (the wrapper's protocol)."""
+        return 1
+
+    def perturbations(
+        self,
+        weights: _Tensors,
+        grads: _Tensors | None,
+        names: _Names,
+        generator: torch.Generator,
+    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        """The one point :math:`\\theta + e(g)`, for the optimizer wrapper.
+
+        Yields:
+            ``(e(g), 1.0)``, :meth:`perturbation` of the clean gradient.
+        """
+        if grads is None:
+            raise TypeError(f"{self.name} takes its ascent step from the clean gradient")
+        yield self.perturbation(weights, grads, names), 1.0
 
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""

@@ -12,10 +12,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from sharpcli.regularizers.base import Oracle, declare_regularizer
+from sharpcli.regularizers.draws import gaussian_like
+from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
-from sharpcli.training.draws import gaussian_like
-from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["WeightNoise", "NSO"]
 
@@ -50,7 +50,7 @@ class WeightNoise(Oracle):
     not to ``sigma2=s^2``.
 
     **1** evaluation with no penalty. ``U`` is drawn over all trainable parameters in
-    order with :func:`sharpcli.training.step.gaussian_like`. What the step reports:
+    order with :func:`sharpcli.regularizers.step.gaussian_like`. What the step reports:
 
     - ``report=perturbed`` (default): the pass at ``theta + U`` whose gradient is returned
       (loss, objective, penalties, accuracy): a one-sample estimate of the smoothed
@@ -89,11 +89,33 @@ class WeightNoise(Oracle):
             at_noisy = engine.evaluate(want_grad=True)
         return (clean if clean is not None else at_noisy), at_noisy.grads
 
+    def reads_clean_gradient(self) -> bool:
+        """False: its one pass is at the noisy weights (the optimizer wrapper's protocol)."""
+        return False
+
+    def perturbed_passes(self) -> int:
+        """1: the pass at :math:`\\theta + U` (the optimizer wrapper's protocol)."""
+        return 1
+
+    def perturbations(
+        self,
+        weights: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        names: Sequence[str] | None,
+        generator: torch.Generator,
+    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        """The one point :math:`\\theta + U`, for the optimizer wrapper.
+
+        Yields:
+            ``(U, 1.0)``, :meth:`noise` drawn from ``generator``.
+        """
+        yield self.noise(weights, generator), 1.0
+
     def noise(
         self, weights: Sequence[torch.Tensor], generator: torch.Generator
     ) -> list[torch.Tensor]:
         """:math:`U \\sim N(0, \\sigma^2 I)` shaped like ``weights``, drawn from ``generator``
-        (:func:`sharpcli.training.draws.gaussian_like`): the step of ``sharp train`` and of the
+        (:func:`sharpcli.regularizers.draws.gaussian_like`): the step of ``sharp train`` and of the
         optimizer wrapper of :mod:`sharpcli.regularizers`.
 
         Args:
@@ -117,7 +139,7 @@ class NSO(Oracle):
     parameter (the authors' code). The two-point average cancels the first-order term of
     the perturbation, leaving ``grad [L + sigma^2/2 tr(H)]`` to second order (NSO eq. 4).
     The clean gradient is not used. ``U_j`` drawn with
-    :func:`sharpcli.training.step.gaussian_like`, ``j = 1..k`` in order. **2k**
+    :func:`sharpcli.regularizers.step.gaussian_like`, ``j = 1..k`` in order. **2k**
     evaluations with no penalty. What the step reports:
 
     - ``report=perturbed`` (default): loss, objective and penalties are the means over
@@ -176,6 +198,28 @@ class NSO(Oracle):
             scorer=passes[0].scorer,
         )
         return mean, total
+
+    def reads_clean_gradient(self) -> bool:
+        """False: the clean gradient is not used (the optimizer wrapper's protocol)."""
+        return False
+
+    def perturbed_passes(self) -> int:
+        """``2k``: the points :math:`\\theta \\pm U_j` (the optimizer wrapper's protocol)."""
+        return 2 * int(self.params["k"])
+
+    def perturbations(
+        self,
+        weights: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        names: Sequence[str] | None,
+        generator: torch.Generator,
+    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        """The ``2k`` points of :meth:`noise_points`, for the optimizer wrapper.
+
+        Yields:
+            ``(U_j, sign)``, ``sign`` +1 then -1 for each pair.
+        """
+        yield from self.noise_points(weights, generator)
 
     def noise_points(
         self, weights: Sequence[torch.Tensor], generator: torch.Generator

@@ -13,9 +13,9 @@ import torch
 from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
+from sharpcli.regularizers.base import Penalty, Regularizer, declare_regularizer
+from sharpcli.regularizers.engine import PassContext
 from sharpcli.specs import Param
-from sharpcli.training.engine import PassContext
-from sharpcli.training.penalties.base import Penalty, Regularizer, declare_regularizer
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]
 

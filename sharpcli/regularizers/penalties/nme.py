@@ -15,16 +15,16 @@ import torch.nn.functional as F
 
 from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_weights
-from sharpcli.specs import Param
-from sharpcli.training.draws import dot, global_norm, rademacher_like
-from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import (
+from sharpcli.regularizers.base import (
     Penalty,
     PenaltyNeeds,
     central_gradients,
     declare_mode,
     declare_regularizer,
 )
+from sharpcli.regularizers.draws import dot, global_norm, rademacher_like
+from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.specs import Param
 
 __all__ = [
     "GradientPenalty",

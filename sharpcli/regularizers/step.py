@@ -7,7 +7,7 @@ A training step evaluates the regularised objective
 (``L`` the batch-mean task loss of :mod:`sharpcli.losses`, ``P_k`` the additive
 penalties of :mod:`sharpcli.training.penalties`) once at the clean point and,
 for the perturbation oracles, at perturbed points ``theta + delta``. :func:`training_step` runs it on
-one batch with the engine of :mod:`sharpcli.training.engine`:
+one batch with the engine of :mod:`sharpcli.regularizers.engine`:
 
 - :class:`StepEngine`: one batch, one model; ``evaluate`` runs a forward pass and
   the penalties, returns values and (optionally) the gradient of ``O`` as tensors;
@@ -44,12 +44,18 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch import nn
 
-from sharpcli.training.draws import gaussian_like, global_norm, rademacher_like
-from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine, StepStats
-from sharpcli.training.replay import set_penultimate
+from sharpcli.regularizers.draws import gaussian_like, global_norm, rademacher_like
+from sharpcli.regularizers.engine import (
+    PassContext,
+    PassResult,
+    PenaltyNeeds,
+    StepEngine,
+    StepStats,
+)
+from sharpcli.regularizers.replay import set_penultimate
 
 if TYPE_CHECKING:
-    from sharpcli.training.penalties.base import Regularizer
+    from sharpcli.regularizers.base import Regularizer
 
 __all__ = [
     "training_step",
@@ -86,7 +92,7 @@ def training_step(
 
     :math:`\\delta = 0` without an oracle. The weights are unchanged on return (restored
     by copy); the optimizer is not called; the model's train/eval mode is left as given.
-    ``regs`` is a combination :func:`sharpcli.training.regularizers.validate_combination`
+    ``regs`` is a combination :func:`sharpcli.regularizers.registry.validate_combination`
     accepted (``TrainConfig`` checks it once, when it is built).
 
     Args:
