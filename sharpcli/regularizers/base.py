@@ -173,8 +173,9 @@ class Regularizer:
         convert leaves ``cls``, whose ``__init__`` reports it in hyper-parameter order."""
         chosen = cls
         modes = modes_of(cls)
-        if cls.mode is None and modes:
-            chosen = modes.get(cls._given_mode(params), cls)
+        mode = cls._given_mode(params) if cls.mode is None and modes else None
+        if mode is not None:
+            chosen = modes.get(mode, cls)
         return super().__new__(chosen)
 
     @classmethod
@@ -321,7 +322,6 @@ class Oracle(Regularizer):
             ``(reported PassResult, one gradient tensor per trainable parameter)``.
         """
         raise TypeError(f"{type(self).__name__} is an oracle without gradient()")
-
 
 
 @runtime_checkable

@@ -183,7 +183,7 @@ class FiniteDifferenceFlatnessAware(FlatnessAware):
         v_plus_u = torch._foreach_add(step_v, step_u)
         v_minus_u = torch._foreach_sub(step_v, step_u)
 
-        def gradient_at(delta: list[torch.Tensor], sign: float) -> list[torch.Tensor]:
+        def gradient_at(delta: Sequence[torch.Tensor], sign: float) -> list[torch.Tensor]:
             with engine.perturbed(delta, sign=sign):
                 return engine.loss_gradient()
 

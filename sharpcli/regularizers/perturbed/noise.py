@@ -87,6 +87,7 @@ class WeightNoise(Oracle):
             engine.forward_only()
         with engine.perturbed(self.noise(engine.weights, engine.generator)):
             at_noisy = engine.evaluate(want_grad=True)
+        assert at_noisy.grads is not None  # asked for (want_grad)
         return (clean if clean is not None else at_noisy), at_noisy.grads
 
     def reads_clean_gradient(self) -> bool:
@@ -178,11 +179,13 @@ class NSO(Oracle):
         for noise, sign in self.noise_points(engine.weights, engine.generator):
             with engine.perturbed(noise, sign=sign):
                 result = engine.evaluate(want_grad=True)
+            assert result.grads is not None  # asked for (want_grad)
             if total is None:
                 total = result.grads  # a fresh list of fresh tensors: summed into in place
             else:
                 torch._foreach_add_(total, result.grads)
             passes.append(result)
+        assert total is not None  # k >= 1 pairs
         torch._foreach_div_(total, 2 * self.params["k"])
         if clean is not None:
             return clean, total

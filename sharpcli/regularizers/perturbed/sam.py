@@ -84,12 +84,14 @@ class AscentOracle(Oracle):
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""
         clean = engine.evaluate(want_grad=True)
+        assert clean.grads is not None  # asked for (want_grad)
         ascent = engine.ascent_gradient(clean.grads)
         if ascent is None:  # not finite under loss scaling: the scaler skips this step
             return clean, clean.grads
         deltas = self.perturbation(engine.weights, ascent, engine.param_names)
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
+        assert at_perturbed.grads is not None  # asked for (want_grad)
         return clean, at_perturbed.grads
 
 
@@ -126,7 +128,9 @@ class SAM(AscentOracle):
         self, params: _Tensors, grads: _Tensors, names: _Names = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho g / \\|g\\|`."""
-        return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
+        return list(
+            torch._foreach_mul(list(grads), _radius_over(self.params["rho"], global_norm(grads)))
+        )
 
 
 @declare_regularizer
@@ -205,6 +209,6 @@ class ASAM(AscentOracle):
         scales = self.scales(params, names)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
         factor = _radius_over(self.params["rho"], global_norm(scaled))
-        return torch._foreach_mul(
-            [s if t is None else t * s for t, s in zip(scales, scaled)], factor
+        return list(
+            torch._foreach_mul([s if t is None else t * s for t, s in zip(scales, scaled)], factor)
         )
