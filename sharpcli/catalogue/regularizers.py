@@ -1,6 +1,7 @@
-"""The regularizers' registry: ``--reg NAME[:k=v,...]`` (:mod:`sharpcli.regularizers.registry`).
+"""The regularizers' torch-free records: ``--reg NAME[:k=v,...]`` (:mod:`sharpcli.regularizers`).
 
-Each built-in's record is its class body in :mod:`sharpcli.training.penalties`
+Each built-in's record is its class body in :mod:`sharpcli.regularizers.penalties` or
+:mod:`sharpcli.regularizers.perturbed`
 (:func:`~sharpcli.regularizers.base.declare_regularizer`): its summary, its
 hyper-parameters in positional order with defaults and ranges, its paper key, whether
 averaging its gradient over torchrun ranks is exact (``data_parallel``: None, else the reason

@@ -4,8 +4,9 @@
 into a :class:`Regularizer`, :func:`validate_combination` checks a list (once, when a
 ``TrainConfig`` is built), and :func:`sharpcli.regularizers.step.training_step` leaves the
 gradient of the regularised objective at theta in ``p.grad`` of every trainable parameter.
-The classes live in :mod:`sharpcli.training.penalties`, one module per paper family; this
-module registers them. The optimizer and the schedule stay plain: each
+The classes live in :mod:`sharpcli.regularizers.penalties` and
+:mod:`sharpcli.regularizers.perturbed`, one module per paper family; this module checks and
+parses them. The optimizer and the schedule stay plain: each
 regularizer is a gradient oracle. User guide: docs/commands/train.md ("Regularizers").
 
 Sources, by key of docs/references.md: ``wd`` [AD] section 2.3; ``dropout`` [AD] section 4.2;

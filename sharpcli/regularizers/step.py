@@ -5,7 +5,7 @@ A training step evaluates the regularised objective
     O(theta) = L(theta) + sum_k P_k(theta)
 
 (``L`` the batch-mean task loss of :mod:`sharpcli.losses`, ``P_k`` the additive
-penalties of :mod:`sharpcli.training.penalties`) once at the clean point and,
+penalties of :mod:`sharpcli.regularizers.penalties`) once at the clean point and,
 for the perturbation oracles, at perturbed points ``theta + delta``. :func:`training_step` runs it on
 one batch with the engine of :mod:`sharpcli.regularizers.engine`:
 
