@@ -307,7 +307,9 @@ class Penalty(Regularizer):
 class Oracle(Regularizer):
     """A perturbation oracle: returns the gradient of the objective at perturbed weights.
 
-    ``gradient(engine) -> (clean PassResult at theta, gradient list)``.
+    ``gradient(engine) -> (clean PassResult at theta, gradient list)``, what ``sharp train``
+    runs. With ``perturbations()`` too (:class:`PerturbationOracle`; one point not reading the
+    clean gradient unless it overrides the two methods below) it runs in one's own loop.
     """
 
     kind = "oracle"
@@ -322,6 +324,14 @@ class Oracle(Regularizer):
             ``(reported PassResult, one gradient tensor per trainable parameter)``.
         """
         raise TypeError(f"{type(self).__name__} is an oracle without gradient()")
+
+    def reads_clean_gradient(self) -> bool:
+        """Whether its points read the clean gradient (:class:`PerturbationOracle`): no."""
+        return False
+
+    def perturbed_passes(self) -> int:
+        """The points of a step (:class:`PerturbationOracle`): one."""
+        return 1
 
 
 @runtime_checkable

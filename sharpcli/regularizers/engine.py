@@ -22,7 +22,7 @@ from sharpcli.losses import get_loss
 from sharpcli.regularizers.replay import RngReplay, model_facts
 from sharpcli.regularizers.stats import StepStats
 
-__all__ = ["StepStats", "PenaltyNeeds", "PassContext", "PassResult", "StepEngine"]
+__all__ = ["PenaltyNeeds", "PassContext", "PassResult", "StepEngine"]
 
 
 LossGradGraph = Literal["never", "to_differentiate", "always"]

@@ -33,7 +33,7 @@ finite-difference scheme (:meth:`StepEngine.loss_gradient`, a plain ``grad L`` a
 perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and the
 central-difference one of ``||H v||^2`` 1 + 2 + 4 = 7.
 
-Random draws (:func:`rademacher_like`, :func:`gaussian_like`) are one flat draw over
+Random draws (:mod:`sharpcli.regularizers.draws`: Rademacher, Gaussian) are one flat draw over
 all parameters per call: a step pays one generator call per probe or noise sample.
 """
 
@@ -44,31 +44,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch import nn
 
-from sharpcli.regularizers.draws import gaussian_like, global_norm, rademacher_like
-from sharpcli.regularizers.engine import (
-    PassContext,
-    PassResult,
-    PenaltyNeeds,
-    StepEngine,
-    StepStats,
-)
-from sharpcli.regularizers.replay import set_penultimate
+from sharpcli.regularizers.engine import StepEngine
+from sharpcli.regularizers.stats import StepStats
 
 if TYPE_CHECKING:
     from sharpcli.regularizers.base import Regularizer
 
-__all__ = [
-    "training_step",
-    "StepStats",
-    "PenaltyNeeds",
-    "PassContext",
-    "PassResult",
-    "StepEngine",
-    "rademacher_like",
-    "gaussian_like",
-    "global_norm",
-    "set_penultimate",
-]
+__all__ = ["training_step"]
 
 
 def training_step(

@@ -15,7 +15,8 @@ from sharpcli.errors import UsageError
 from sharpcli.regularizers.base import family_of
 from sharpcli.regularizers.perturbed.sam import AscentOracle
 from sharpcli.regularizers.registry import data_parallel_refusal
-from sharpcli.regularizers.step import StepStats, training_step
+from sharpcli.regularizers.stats import StepStats
+from sharpcli.regularizers.step import training_step
 
 __all__ = [
     "ASCENT_SYNCS",

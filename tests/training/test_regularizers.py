@@ -19,6 +19,7 @@ from torch.func import functional_call
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.regularizers import registry as R
+from sharpcli.regularizers.engine import StepEngine
 from sharpcli.regularizers.penalties.nme import GradientPenalty
 from sharpcli.regularizers.perturbed.sam import SAM
 from sharpcli.regularizers.registry import (
@@ -27,7 +28,8 @@ from sharpcli.regularizers.registry import (
     parse_reg,
     validate_combination,
 )
-from sharpcli.regularizers.step import StepEngine, StepStats, training_step
+from sharpcli.regularizers.stats import StepStats
+from sharpcli.regularizers.step import training_step
 from sharpcli.specs import RegistryError
 
 DT = torch.float64

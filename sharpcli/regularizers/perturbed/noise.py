@@ -50,7 +50,7 @@ class WeightNoise(Oracle):
     not to ``sigma2=s^2``.
 
     **1** evaluation with no penalty. ``U`` is drawn over all trainable parameters in
-    order with :func:`sharpcli.regularizers.step.gaussian_like`. What the step reports:
+    order with :func:`sharpcli.regularizers.draws.gaussian_like`. What the step reports:
 
     - ``report=perturbed`` (default): the pass at ``theta + U`` whose gradient is returned
       (loss, objective, penalties, accuracy): a one-sample estimate of the smoothed
@@ -89,14 +89,6 @@ class WeightNoise(Oracle):
             at_noisy = engine.evaluate(want_grad=True)
         assert at_noisy.grads is not None  # asked for (want_grad)
         return (clean if clean is not None else at_noisy), at_noisy.grads
-
-    def reads_clean_gradient(self) -> bool:
-        """False: its one pass is at the noisy weights (the optimizer wrapper's protocol)."""
-        return False
-
-    def perturbed_passes(self) -> int:
-        """1: the pass at :math:`\\theta + U` (the optimizer wrapper's protocol)."""
-        return 1
 
     def perturbations(
         self,
@@ -140,7 +132,7 @@ class NSO(Oracle):
     parameter (the authors' code). The two-point average cancels the first-order term of
     the perturbation, leaving ``grad [L + sigma^2/2 tr(H)]`` to second order (NSO eq. 4).
     The clean gradient is not used. ``U_j`` drawn with
-    :func:`sharpcli.regularizers.step.gaussian_like`, ``j = 1..k`` in order. **2k**
+    :func:`sharpcli.regularizers.draws.gaussian_like`, ``j = 1..k`` in order. **2k**
     evaluations with no penalty. What the step reports:
 
     - ``report=perturbed`` (default): loss, objective and penalties are the means over
@@ -201,10 +193,6 @@ class NSO(Oracle):
             scorer=passes[0].scorer,
         )
         return mean, total
-
-    def reads_clean_gradient(self) -> bool:
-        """False: the clean gradient is not used (the optimizer wrapper's protocol)."""
-        return False
 
     def perturbed_passes(self) -> int:
         """``2k``: the points :math:`\\theta \\pm U_j` (the optimizer wrapper's protocol)."""

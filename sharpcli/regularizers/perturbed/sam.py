@@ -61,10 +61,6 @@ class AscentOracle(Oracle):
         """True: the ascent step is taken from the clean gradient (the wrapper's protocol)."""
         return True
 
-    def perturbed_passes(self) -> int:
-        """1: the gradient at :math:`\\theta + e(g)` (the wrapper's protocol)."""
-        return 1
-
     def perturbations(
         self,
         weights: _Tensors,
