@@ -8,7 +8,7 @@ ascent step from the clean gradient) and the weight-noise family (``weight-noise
 read the clean gradient): the perturbations are the regularizer class's own
 (:meth:`~sharpcli.regularizers.perturbed.sam.SAM.perturbation`,
 :meth:`~sharpcli.regularizers.perturbed.noise.WeightNoise.noise`,
-:meth:`~sharpcli.regularizers.perturbed.noise.NSO.noise_points`), the same code ``sharp train``
+:meth:`~sharpcli.regularizers.perturbed.noise.NSO.perturbations`), the same code ``sharp train``
 runs; the weights are restored by copy, as there.
 
 Training conditions (docs/own-loop.md):

@@ -168,7 +168,7 @@ class NSO(Oracle):
             engine.forward_only()
         total: list[torch.Tensor] | None = None  # the first pass's gradient, summed into
         passes: list[PassResult] = []
-        for noise, sign in self.noise_points(engine.weights, engine.generator):
+        for noise, sign in self.perturbations(engine.weights, None, None, engine.generator):
             with engine.perturbed(noise, sign=sign):
                 result = engine.evaluate(want_grad=True)
             assert result.grads is not None  # asked for (want_grad)
@@ -205,22 +205,14 @@ class NSO(Oracle):
         names: Sequence[str] | None,
         generator: torch.Generator,
     ) -> Iterator[tuple[list[torch.Tensor], float]]:
-        """The ``2k`` points of :meth:`noise_points`, for the optimizer wrapper.
-
-        Yields:
-            ``(U_j, sign)``, ``sign`` +1 then -1 for each pair.
-        """
-        yield from self.noise_points(weights, generator)
-
-    def noise_points(
-        self, weights: Sequence[torch.Tensor], generator: torch.Generator
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
         """The ``2k`` points :math:`\\theta \\pm U_j` as ``(U_j, sign)``, ``U_j`` drawn from
         ``generator`` when its pair starts (the order of ``sharp train`` and of the optimizer
         wrapper of :mod:`sharpcli.regularizers`); the gradient is their mean.
 
         Args:
             weights: The trainable parameters, in order.
+            grads: Not read (None from the wrapper).
+            names: Not read.
             generator: The step's generator.
 
         Yields:
