@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 R = TypeVar("R", bound="Regularizer")
+# the signature of the oracles' perturbations: one tensor per trainable parameter, their names
+# (None where unknown), and the points of a step as (displacement, sign)
+Tensors = Sequence[torch.Tensor]
+ParamNames = Sequence[str] | None
+Points = Iterator[tuple[list[torch.Tensor], float]]
 
 # The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
 _PARAMETER = "regs"
@@ -356,12 +361,8 @@ class PerturbationOracle(Protocol):
         ...
 
     def perturbations(
-        self,
-        weights: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor] | None,
-        names: Sequence[str] | None,
-        generator: torch.Generator,
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
         """The points of one step, as displacements from the weights.
 
         Args:

@@ -8,11 +8,11 @@ step's generator; to second order they minimise :math:`L + \\sigma^2/2\\, \\math
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-from sharpcli.regularizers.base import Oracle, declare_regularizer
+from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
 from sharpcli.regularizers.draws import gaussian_like
 from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
@@ -91,12 +91,8 @@ class WeightNoise(Oracle):
         return (clean if clean is not None else at_noisy), at_noisy.grads
 
     def perturbations(
-        self,
-        weights: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor] | None,
-        names: Sequence[str] | None,
-        generator: torch.Generator,
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
         """The one point :math:`\\theta + U`, for the optimizer wrapper.
 
         Yields:
@@ -199,12 +195,8 @@ class NSO(Oracle):
         return 2 * int(self.params["k"])
 
     def perturbations(
-        self,
-        weights: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor] | None,
-        names: Sequence[str] | None,
-        generator: torch.Generator,
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
         """The ``2k`` points :math:`\\theta \\pm U_j` as ``(U_j, sign)``, ``U_j`` drawn from
         ``generator`` when its pair starts (the order of ``sharp train`` and of the optimizer
         wrapper of :mod:`sharpcli.regularizers`); the gradient is their mean.

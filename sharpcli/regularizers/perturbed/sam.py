@@ -6,20 +6,16 @@ gradient, as [NME] App. B eq. 42-43 write them.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-from sharpcli.regularizers.base import Oracle, declare_regularizer
+from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
 from sharpcli.regularizers.draws import global_norm
 from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
-
-# the signature of perturbation(), which every ascent oracle overrides
-_Tensors = Sequence[torch.Tensor]
-_Names = Sequence[str] | None
 
 
 class AscentOracle(Oracle):
@@ -41,7 +37,7 @@ class AscentOracle(Oracle):
     )
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """The ascent step :math:`e(g)`: what ``sharp train`` and the optimizer wrapper of
         :mod:`sharpcli.regularizers` both apply.
@@ -62,12 +58,8 @@ class AscentOracle(Oracle):
         return True
 
     def perturbations(
-        self,
-        weights: _Tensors,
-        grads: _Tensors | None,
-        names: _Names,
-        generator: torch.Generator,
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
         """The one point :math:`\\theta + e(g)`, for the optimizer wrapper.
 
         Yields:
@@ -121,7 +113,7 @@ class SAM(AscentOracle):
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho g / \\|g\\|`."""
         return list(
@@ -148,7 +140,7 @@ class USAM(AscentOracle):
     data_parallel = "its ascent step needs the global gradient before the second pass"
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho g`."""
         return [self.params["rho"] * g for g in grads]
@@ -199,7 +191,7 @@ class ASAM(AscentOracle):
         return [p.abs() + self.params["eta"] if w else None for p, w in zip(params, weights)]
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho T^2 g / \\|T g\\|`."""
         scales = self.scales(params, names)
