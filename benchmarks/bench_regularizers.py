@@ -378,7 +378,8 @@ def in_process(args: argparse.Namespace) -> str:
 
     from sharpcli.io.datasets import load_dataset
     from sharpcli.models import build_model, default_model_args
-    from sharpcli.training.regularizers import parse_reg, training_step
+    from sharpcli.regularizers.registry import parse_reg
+    from sharpcli.regularizers.step import training_step
 
     torch.set_num_threads(args.threads)
     data = load_dataset(args.data)

@@ -335,7 +335,7 @@ def test_data_parallel_training_equals_one_process(two_ranks, capsys):
 
 
 def _registry():
-    from sharpcli.training.regularizers import REGISTRY
+    from sharpcli.regularizers.registry import REGISTRY
 
     return REGISTRY
 
@@ -346,8 +346,8 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
     (never inherited), as its catalogue record states; the ones not exact are the regularizers whose penalty or ascent step is nonlinear in the
     batch gradient or Hessian."""
     from sharpcli import catalogue
-    from sharpcli.training.penalties.base import modes_of
-    from sharpcli.training.regularizers import data_parallel_refusal
+    from sharpcli.regularizers.base import modes_of
+    from sharpcli.regularizers.registry import data_parallel_refusal
 
     cls = _registry()[name]
     assert "data_parallel" in vars(cls), f"{name} must set data_parallel in its own class body"
@@ -364,9 +364,9 @@ def test_every_regularizer_declares_data_parallel_exactness(name):
 def test_every_regularizer_runs_under_torchrun_exactly_or_per_replica(name):
     """Each built-in is exact under data parallelism or states what a rank computes on its own
     rows (gp, fa, gn-trace and the ascent family), so the check lets each one through."""
+    from sharpcli.regularizers.registry import parse_reg
     from sharpcli.training import loop
     from sharpcli.training.data_parallel import per_replica_statement
-    from sharpcli.training.regularizers import parse_reg
 
     reg = parse_reg(name)
     statement = per_replica_statement(reg)
@@ -380,8 +380,8 @@ def test_refusal_under_torchrun_names_the_declared_reason(tmp_path, monkeypatch)
     """``train`` as one of 2 ranks: a regularizer that is not exact and states no per-replica
     semantics is refused on ``--reg`` with its class's reason, before any data is read."""
     from sharpcli.errors import UsageError
+    from sharpcli.regularizers.penalties.decay import WeightDecay
     from sharpcli.training import loop
-    from sharpcli.training.penalties.decay import WeightDecay
 
     class GlobalOnly(WeightDecay):
         """``wd-global``: weight decay, declared not exact under torchrun (for this test)."""

@@ -7,10 +7,10 @@ digits (``fixtures/make_digits_data.py``). The models are tiny so that the Hessi
 formed explicitly: MLPs 64-4-4-10 (330 parameters) in float64.
 
 - *Regularizers* (``sharp train --reg``): the penalty's value and its part of the step
-  gradient from :func:`sharpcli.training.regularizers.training_step` (step gradient minus
+  gradient from :func:`sharpcli.regularizers.registry.training_step` (step gradient minus
   the plain gradient; for an oracle the whole gradient) on one batch of 64 digits, against
   the formula evaluated independently with the same random draw (the draw is reproduced
-  from the step's seeded generator as ``sharpcli.training.step`` documents it).
+  from the step's seeded generator as ``sharpcli.regularizers.step`` documents it).
 - *Diagnostics* (``sharp gn-nme``, ``bound-check``, ``weight-rescale``,
   ``activation-stats``): the ``--json`` report of the command run in-process on a tiny
   checkpoint trained on the digits file (``--dtype float64``), against the same quantity
@@ -197,7 +197,8 @@ class Step:
         self.theta, self.x, self.y, self.activation = theta, x, y, activation
 
     def run(self, spec: str, seed: int = 3):
-        from sharpcli.training.regularizers import parse_reg, training_step
+        from sharpcli.regularizers.registry import parse_reg
+        from sharpcli.regularizers.step import training_step
 
         net = sharp_model(self.theta, self.activation)
         gen = torch.Generator().manual_seed(seed)

@@ -61,7 +61,6 @@ import torch
 from sharpcli.callbacks import missing_framework
 from sharpcli.errors import UsageError
 from sharpcli.regularizers import LossPenalty, PerturbedOptimizer
-from sharpcli.training.penalties.noise import NSO, WeightNoise
 
 try:
     from transformers import Trainer
@@ -118,10 +117,10 @@ class RegularizedTrainer(Trainer):
                     source="optimizers",
                 )
             return
-        if isinstance(oracle.regularizer, NSO):
+        if oracle.perturbed_passes > 1:
             raise UsageError(
-                "nso averages 2k passes per update: train it with optimizer.step(closure) in "
-                "your own loop",
+                f"{oracle.regularizer.name} averages {oracle.perturbed_passes} passes per "
+                "update: train it with optimizer.step(closure) in your own loop",
                 source="optimizers",
             )
         oracle.host_runs_passes = True
@@ -259,7 +258,7 @@ class RegularizedTrainer(Trainer):
         oracle = self._oracle()
         if oracle is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        if isinstance(oracle.regularizer, WeightNoise):
+        if not oracle.reads_clean_gradient:  # weight-noise: its one pass at the noisy weights
             if not oracle.pending:
                 oracle.first_step()
             loss = super().training_step(model, inputs, num_items_in_batch)

@@ -9,14 +9,12 @@ This module imports no torch.
 from __future__ import annotations
 
 __all__ = [
-    "ASCENT_SYNC",
     "CSV",
     "DENSITY_CURVE",
     "DENSITY_KEY",
     "DEVICES",
     "DTYPES",
     "ENGINES",
-    "DROPOUT_ARG",
     "FROBENIUS_SQ_KEY",
     "EPSILON_KINDS",
     "EXACT_HVP",
@@ -29,7 +27,6 @@ __all__ = [
     "GRID_KEY",
     "HVP_METHODS",
     "METHODS",
-    "MODEL_REGULARIZATION_ARGS",
     "OPTIMIZERS",
     "PRECISIONS",
     "QUANTITIES",
@@ -41,7 +38,6 @@ __all__ = [
     "TABLE_FORMATS",
     "TEST",
     "TOKEN_REDUCTIONS",
-    "UNREDUCED",
     "TRAIN",
     "TRACE_KEY",
     "WHICH",
@@ -80,19 +76,14 @@ DENSITY_CURVE = ("grid", "density")
 GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
 # models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
-# the model arguments a regularizer of kind `model` sets (sharpcli.models.specs): `dropout`,
-# set by the regularizer of that name (sharpcli.training.penalties.decay:Dropout)
-MODEL_REGULARIZATION_ARGS = ("dropout",)
-DROPOUT_ARG = MODEL_REGULARIZATION_ARGS[0]
 TOKEN_REDUCTIONS = ("tokens", "samples")
 OPTIMIZERS = ("sgd", "adam")
-# the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam):
-# each replica's own (m-sharpness, m the local batch) or all-reduced once;
-# sharpcli.regularizers.PerturbedOptimizer(ascent_sync=...)
-ASCENT_SYNC = ("per-replica", "global")
 SCHEDULES = ("constant", "cosine")
 # sharpcli.training.precision (--precision), sharpcli.training.data_parallel (--ascent-sync)
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam): each
+# replica's own (m-sharpness, m the local batch) or all-reduced once (sharp train
+# --ascent-sync; sharpcli.regularizers.PerturbedOptimizer(ascent_sync=...))
 ASCENT_SYNCS = ("per-replica", "global")
 
 # analyses and reports: sharpcli.analyses.rescale, sharpcli.report.compare (analyze's metrics,
@@ -102,6 +93,3 @@ EPSILON_KINDS = ("full", "minibatch")
 # CSV: also the key of the landscape report's table file
 CSV = "csv"
 TABLE_FORMATS = ("table", CSV, "markdown", "json")
-
-# torch's reduction="none" (one loss per element), as sharpcli.training.penalties.nme passes it
-UNREDUCED = "none"

@@ -1,7 +1,8 @@
 """The regularizers of ``sharp train`` in one's own PyTorch loop (docs/own-loop.md).
 
 Every regularizer ``sharp train --reg`` lists, under the same names, hyper-parameters and
-defaults (one declaration serves both: the classes of :mod:`sharpcli.training.penalties`):
+defaults (one declaration serves both: the classes of :mod:`sharpcli.regularizers.penalties`
+and :mod:`sharpcli.regularizers.perturbed`):
 
 - the perturbation oracles (``sam``, ``usam``, ``asam``, ``weight-noise``, ``nso``) as an
   optimizer wrapper, :class:`PerturbedOptimizer`, around any ``torch.optim`` optimizer:
@@ -26,15 +27,10 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.regularizers.oracle import (
-    ASCENT_SYNC,
-    WRAPPED_ORACLES,
-    PerturbedOptimizer,
-    check_optimizer,
-)
-from sharpcli.regularizers.penalty import LossPenalty
-from sharpcli.training.penalties.base import Oracle, Penalty, Regularizer
-from sharpcli.training.regularizers import REGISTRY, parse_reg
+from sharpcli.regularizers.base import Oracle, Penalty, PerturbationOracle, Regularizer
+from sharpcli.regularizers.loss_penalty import LossPenalty
+from sharpcli.regularizers.optimizer import ASCENT_SYNC, PerturbedOptimizer, check_optimizer
+from sharpcli.regularizers.registry import REGISTRY, parse_reg
 
 __all__ = ["ASCENT_SYNC", "LossPenalty", "PerturbedOptimizer", "make", "names"]
 
@@ -44,14 +40,16 @@ def names() -> dict[str, str]:
 
     Returns:
         ``{name: kind}`` over the registry of ``sharp train --reg``, extensions included:
-        kind ``"oracle"`` (an optimizer wrapper, :func:`make` with an optimizer; the
-        built-in oracles and their subclasses, as an extension's own oracle runs under
-        ``sharp train`` only) or ``"penalty"`` (a loss term, :func:`make` with ``model=``).
+        kind ``"oracle"`` (an optimizer wrapper, :func:`make` with an optimizer: the oracles
+        with the methods of :class:`~sharpcli.regularizers.base.PerturbationOracle`, as one
+        defining only ``gradient(engine)`` runs under ``sharp train`` only) or ``"penalty"``
+        (a loss term, :func:`make` with ``model=``).
     """
     return {
         name: cls.kind
         for name, cls in REGISTRY.items()
-        if issubclass(cls, Penalty) or issubclass(cls, WRAPPED_ORACLES)
+        if issubclass(cls, Penalty)
+        or (issubclass(cls, Oracle) and issubclass(cls, PerturbationOracle))
     }
 
 

@@ -1,1 +1,1 @@
-"""Training: the loop, the step, regularizers and hyper-parameter sweeps."""
+"""Training: the loop around the regularised step, its epochs, resume and sweeps."""

@@ -17,7 +17,7 @@ from sharpcli.catalogue.names import DEFAULT_MODEL
 from sharpcli.errors import UsageError
 
 if TYPE_CHECKING:
-    from sharpcli.training.penalties.base import Regularizer
+    from sharpcli.regularizers.base import Regularizer
 
 # This module imports no torch: the CLI reads TrainConfig's defaults as its options' defaults
 # when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch
@@ -44,9 +44,9 @@ def _default_regularizers() -> list[Any]:
 class TrainConfig:
     """Everything that determines a training run; stored in the checkpoint's ``sharpcli.train``.
 
-    ``regs`` holds parsed regularizers (:class:`~sharpcli.training.penalties.base.Regularizer`):
+    ``regs`` holds parsed regularizers (:class:`~sharpcli.regularizers.base.Regularizer`):
     ``NAME[:k=v,...]`` texts given at construction are parsed and their combination checked
-    then, once (:func:`sharpcli.training.regularizers.parse_regs`); :meth:`to_dict` writes
+    then, once (:func:`sharpcli.regularizers.registry.parse_regs`); :meth:`to_dict` writes
     them back in their canonical spelling.
     """
 
@@ -86,7 +86,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.regs, list):  # another type: validate_config names the option
             # imports torch: kept out of start-up
-            from sharpcli.training.regularizers import parse_regs
+            from sharpcli.regularizers.registry import parse_regs
 
             self.regs = parse_regs(self.regs)
 
@@ -129,7 +129,7 @@ def _shown(value: Any) -> str:
 def _field_types() -> dict[str, Any]:
     """Each TrainConfig field's declared type (its annotation, evaluated)."""
     # imports torch: kept out of start-up
-    from sharpcli.training.penalties.base import Regularizer
+    from sharpcli.regularizers.base import Regularizer
 
     return typing.get_type_hints(TrainConfig, localns={"Regularizer": Regularizer})
 

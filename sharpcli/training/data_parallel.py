@@ -12,10 +12,11 @@ from sharpcli import catalogue
 from sharpcli.curvature.products.data import all_reduce_sum
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import UsageError
-from sharpcli.training.penalties.base import family_of
-from sharpcli.training.penalties.sam import AscentOracle
-from sharpcli.training.regularizers import data_parallel_refusal
-from sharpcli.training.step import StepStats, training_step
+from sharpcli.regularizers.base import family_of
+from sharpcli.regularizers.perturbed.sam import AscentOracle
+from sharpcli.regularizers.registry import data_parallel_refusal
+from sharpcli.regularizers.stats import StepStats
+from sharpcli.regularizers.step import training_step
 
 __all__ = [
     "ASCENT_SYNCS",
@@ -37,7 +38,7 @@ ASCENT_SYNCS = catalogue.ASCENT_SYNCS
 # all-reduced as the row-weighted average sum_r (B_r / B) grad_r, which is the gradient of the
 # global batch whenever the regularised objective is an average over samples of terms that
 # share every random draw across ranks. Whether that holds is part of each regularizer's own
-# record: its class attribute ``data_parallel`` (sharpcli.training.regularizers) is None when
+# record: its class attribute ``data_parallel`` (sharpcli.regularizers.registry) is None when
 # exact and otherwise the reason it is not (a penalty nonlinear in the batch gradient; an
 # ascent step that needs the global gradient first). Such a regularizer runs *per replica*
 # when its class states what a rank then computes (``per_replica``): each rank's step is the

@@ -15,10 +15,10 @@ from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import NumericalError
 from sharpcli.io.datasets_common import Dataset
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
+from sharpcli.regularizers.step import training_step
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.data_parallel import data_parallel_step
 from sharpcli.training.precision import MixedPrecision
-from sharpcli.training.step import training_step
 
 __all__ = [
     "Splits",
@@ -237,7 +237,7 @@ class _EpochSums:
         self.penalties: dict = {}
 
     def add(self, stats) -> None:
-        """Add one step's :class:`~sharpcli.training.regularizers.StepStats`."""
+        """Add one step's :class:`~sharpcli.regularizers.registry.StepStats`."""
         b = stats.count
         self.loss += stats.loss * b
         self.objective += stats.objective * b

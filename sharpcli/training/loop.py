@@ -46,6 +46,9 @@ from sharpcli.preflight import (
     resolve_dtype,
     to_analysis_dtype,
 )
+from sharpcli.regularizers.base import Penalty
+from sharpcli.regularizers.registry import model_overrides
+from sharpcli.regularizers.replay import set_penultimate
 from sharpcli.report.envelope import environment_info, make_report
 from sharpcli.training.config import (
     OPTIMIZERS,
@@ -71,9 +74,6 @@ from sharpcli.training.epochs import (
     tracking_subset,
 )
 from sharpcli.training.epochs import train_epoch as _train_epoch
-from sharpcli.training.penalties.base import Penalty
-from sharpcli.training.regularizers import model_overrides
-from sharpcli.training.replay import set_penultimate
 from sharpcli.training.resume import (
     STATE_VERSION,
     declare_outputs,

@@ -38,12 +38,12 @@ from sharpcli.bounded import loads_json
 from sharpcli.catalogue.values import TEST, TRACE_KEY, TRAIN
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.io.datasets import parse_data_spec
+from sharpcli.regularizers.registry import REGISTRY, parse_reg, parse_regs
 from sharpcli.report.compare import render
 from sharpcli.report.envelope import dumps, validate_report
 from sharpcli.report.plots import plot_sweep
 from sharpcli.session import build_session
 from sharpcli.training.loop import history_csv_path_for, state_path_for, train, train_report
-from sharpcli.training.regularizers import REGISTRY, parse_reg, parse_regs
 
 
 @dataclass

@@ -136,12 +136,12 @@ def test_implementations_resolve_lazily_from_module_attr():
     code = (
         "import sys; from sharpcli import catalogue, registry; "
         "assert 'torch' not in sys.modules; "
-        "assert 'sharpcli.training.regularizers' not in sys.modules; "
+        "assert 'sharpcli.regularizers.registry' not in sys.modules; "
         "print(catalogue.REGULARIZERS.names()[:3], catalogue.REGULARIZERS.entry('sam').paper); "
         "cls = catalogue.REGULARIZERS['sam']; "
-        "assert 'sharpcli.training.penalties.sam' in sys.modules; "
+        "assert 'sharpcli.regularizers.perturbed.sam' in sys.modules; "
         # the kind's check, which the registry names, was imported to validate it
-        "assert 'sharpcli.training.regularizers' in sys.modules; "
+        "assert 'sharpcli.regularizers.registry' in sys.modules; "
         "print(cls.__name__, cls.summary == catalogue.REGULARIZERS.entry('sam').summary)"
     )
     out = subprocess.run(
@@ -201,7 +201,7 @@ def test_the_three_specs_share_the_grammar():
     """--reg, --activation and a built-in --data report the same problem in the same words."""
     from sharpcli.io.datasets import parse_data_spec
     from sharpcli.models.activations import parse_activation_spec
-    from sharpcli.training.regularizers import parse_reg
+    from sharpcli.regularizers.registry import parse_reg
 
     for call, text, source in [
         (parse_reg, "sam:rho=1,rho=2", "regs"),

@@ -98,7 +98,7 @@ def test_a_stale_record_is_refused_with_the_command_to_run():
 
 def test_the_names_torch_free_modules_use_are_the_declared_ones():
     from sharpcli.curvature.operators import registry as operators
-    from sharpcli.training.penalties.decay import NoRegularizer
+    from sharpcli.regularizers.penalties.decay import NoRegularizer
 
     assert (catalogue.HESSIAN, catalogue.GGN, catalogue.NME) == operators.SPLIT
     assert NoRegularizer.name == "none"  # --reg's default (TrainConfig, sharp train's report)

@@ -129,7 +129,7 @@ def _models_errors():
 
 
 def _training_errors():
-    from sharpcli.training.regularizers import parse_reg, validate_combination
+    from sharpcli.regularizers.registry import parse_reg, validate_combination
 
     return [
         lambda: parse_reg("no-such-regularizer"),

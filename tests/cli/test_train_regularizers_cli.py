@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run_cli
 
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.training.regularizers import REGISTRY
+from sharpcli.regularizers.registry import REGISTRY
 
 DATA = "blobs:n=128,dim=6,classes=3"
 REG_OPTIONS = {

@@ -26,7 +26,8 @@ from cli_helpers import run_cli
 from sharpcli.errors import InputError
 from sharpcli.io.datasets import load_dataset
 from sharpcli.io.formats import FORMATS
-from sharpcli.training.regularizers import REGISTRY, parse_reg, training_step
+from sharpcli.regularizers.registry import REGISTRY, parse_reg
+from sharpcli.regularizers.step import training_step
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -226,7 +227,7 @@ ONE_STEP = [
 def test_a_new_regularizer_module_is_a_builtin_after_the_one_command(tmp_path):
     """One new file plus the regeneration command: `--reg l1` trains as its formula says and
     `--help` lists it; the CLI reference, which links to the generated tables, stays fresh."""
-    env = _package_copy(tmp_path, "sharpcli/training/penalties/l1.py", "Adding a regularizer")
+    env = _package_copy(tmp_path, "sharpcli/regularizers/penalties/l1.py", "Adding a regularizer")
     assert "fa, l1, gp" in _flat(_sharp(env, "train", "--help").stdout)
     table = (tmp_path / "docs" / "commands" / "train.md").read_text(encoding="utf-8")
     assert "| `l1` | L + lam \\|\\|theta\\|\\|_1 | `lam=0.0001` |  |" in table

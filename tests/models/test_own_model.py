@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
 
-from sharpcli.training.regularizers import describe_registry
+from sharpcli.regularizers.registry import describe_registry
 
 FACTORIES = textwrap.dedent("""
     import torch

@@ -13,9 +13,12 @@ from torch import nn
 
 from sharpcli import regularizers
 from sharpcli.errors import UsageError
-from sharpcli.training import regularizers as registry
-from sharpcli.training.penalties.base import Oracle
-from sharpcli.training.regularizers import parse_reg, training_step
+from sharpcli.regularizers import registry as registry
+from sharpcli.regularizers.base import Oracle, PerturbationOracle
+from sharpcli.regularizers.perturbed.sam import SAM
+from sharpcli.regularizers.registry import parse_reg
+from sharpcli.regularizers.step import training_step
+from sharpcli.specs import Param
 
 
 def _mlp(dtype=torch.float64, seed=0) -> nn.Module:
@@ -308,7 +311,7 @@ def _closure_scaled(model, x, y, scaler):
 
 def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
     """make(NAME) holds the hyper-parameters --reg NAME holds (one declaration for both)."""
-    from sharpcli.training.regularizers import describe_registry
+    from sharpcli.regularizers.registry import describe_registry
 
     model = _mlp()
     rows = {row["name"]: row for row in describe_registry()}
@@ -341,7 +344,7 @@ def test_an_extension_oracle_is_refused_and_a_sam_variant_runs():
     )
     variant = type(
         "SAM2",
-        (registry.SAM,),
+        (SAM,),
         {"__doc__": "``sam2:rho``: a SAM variant.", "name": "sam2", "data_parallel": "global"},
     )
     registry.register(own)
@@ -363,3 +366,68 @@ def test_an_extension_oracle_is_refused_and_a_sam_variant_runs():
     finally:
         registry.unregister("own-oracle")
         registry.unregister("sam2")
+
+
+def _mirror_oracle(reads_clean_gradient: bool) -> type[Oracle]:
+    """An oracle of one's own, no built-in's subclass: the gradients at the two points
+    ``theta +- c sign(theta)`` averaged, told to the wrapper by PerturbationOracle's methods."""
+
+    def perturbations(self, weights, grads, names, generator):
+        delta = [self.params["c"] * torch.sign(w) for w in weights]
+        yield delta, 1.0
+        yield delta, -1.0
+
+    return type(
+        "Mirror",
+        (Oracle,),
+        {
+            "__doc__": "``mirror:c``: gradients at theta +- c sign(theta), averaged.",
+            "name": "mirror",
+            "summary": "mean gradient at theta +- c sign(theta)",
+            "HYPERPARAMS": (Param("c", "float", 0.1, "offset", minimum=0.0),),
+            "data_parallel": None,
+            "reads_clean_gradient": lambda self: reads_clean_gradient,
+            "perturbed_passes": lambda self: 2,
+            "perturbations": perturbations,
+        },
+    )
+
+
+def test_an_oracle_with_the_protocol_methods_runs_in_ones_own_loop():
+    """A new oracle needs no edit of the wrapper: the step is SGD on the mean of the gradients
+    at its points, computed here by autograd in float64; one reading the clean gradient at
+    several points is refused (the wrapper runs no clean pass there)."""
+    mirror = _mirror_oracle(reads_clean_gradient=False)
+    assert isinstance(mirror(), PerturbationOracle)
+    registry.register(mirror)
+    try:
+        assert regularizers.names()["mirror"] == "oracle"
+        model, (x, y), c, lr = _mlp(), _batch(), 0.1, 0.1
+        theta = [p.detach().clone() for p in model.parameters()]
+        grads = []
+        for sign in (1.0, -1.0):
+            moved = copy.deepcopy(model)
+            with torch.no_grad():
+                for p in moved.parameters():
+                    p.add_(sign * c * torch.sign(p))
+            grads.append(
+                torch.autograd.grad(F.cross_entropy(moved(x), y), list(moved.parameters()))
+            )
+        expected = torch.cat(
+            [(t - lr * (gp + gm) / 2).reshape(-1) for t, gp, gm in zip(theta, *grads)]
+        )
+        optimizer = regularizers.make(
+            "mirror:c=0.1", torch.optim.SGD(model.parameters(), lr=lr), model=model
+        )
+        assert optimizer.perturbed_passes == 2 and not optimizer.reads_clean_gradient
+        optimizer.step(_closure(model, x, y))
+        torch.testing.assert_close(_flat(model), expected, rtol=1e-14, atol=1e-15)
+        with pytest.raises(UsageError, match="averages 2 passes"):
+            optimizer.first_step()
+    finally:
+        registry.unregister("mirror")
+    with pytest.raises(UsageError, match="reads no clean gradient"):
+        regularizers.make(
+            _mirror_oracle(reads_clean_gradient=True)(),
+            torch.optim.SGD(_mlp().parameters(), lr=0.1),
+        )

@@ -1,6 +1,6 @@
 """BatchNorm running statistics under two-pass regularizers: updated once per training step, by
 the clean pass at theta; the perturbed pass of sam, usam and asam (and any extra pass) leaves
-them as the clean pass left them (sharpcli.training.engine.StepEngine's buffer snapshot).
+them as the clean pass left them (sharpcli.regularizers.engine.StepEngine's buffer snapshot).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from cli_helpers import run_cli
 
-from sharpcli.training.regularizers import parse_regs
-from sharpcli.training.step import training_step
+from sharpcli.regularizers.registry import parse_regs
+from sharpcli.regularizers.step import training_step
 
 
 def _bn_model():

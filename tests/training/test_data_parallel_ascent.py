@@ -91,8 +91,8 @@ def two_ranks(tmp_path_factory):
 def _per_shard_step(world: int):
     """A single-process step: the real ``training_step`` on each rank's rows from the same
     generator state, gradients averaged with the row weights B_r / B (float64)."""
-    from sharpcli.training import step as step_module
-    from sharpcli.training.engine import StepStats
+    from sharpcli.regularizers import step as step_module
+    from sharpcli.regularizers.stats import StepStats
 
     def step(model, xb, yb, loss_name, regs, generator, **precision):
         params = [p for p in model.parameters() if p.requires_grad]

@@ -10,16 +10,14 @@ import dataclasses
 import pytest
 
 from sharpcli.errors import UsageError
-from sharpcli.training import loop
-from sharpcli.training.config import TrainConfig, config_from_options
-from sharpcli.training.engine import PenaltyNeeds
-from sharpcli.training.penalties.base import family_of
-from sharpcli.training.penalties.flatness import (
+from sharpcli.regularizers.base import family_of
+from sharpcli.regularizers.engine import PenaltyNeeds
+from sharpcli.regularizers.penalties.flatness import (
     ExactFlatnessAware,
     FiniteDifferenceFlatnessAware,
     FlatnessAware,
 )
-from sharpcli.training.penalties.nme import (
+from sharpcli.regularizers.penalties.nme import (
     ExactGradientPenalty,
     ExactHessianTrace,
     FiniteDifferenceGradientPenalty,
@@ -27,7 +25,9 @@ from sharpcli.training.penalties.nme import (
     GradientPenalty,
     HessianTrace,
 )
-from sharpcli.training.regularizers import REGISTRY, data_parallel_refusal, parse_reg
+from sharpcli.regularizers.registry import REGISTRY, data_parallel_refusal, parse_reg
+from sharpcli.training import loop
+from sharpcli.training.config import TrainConfig, config_from_options
 
 MODES = [
     ("gp", GradientPenalty, {"exact": ExactGradientPenalty, "fd": FiniteDifferenceGradientPenalty}),

@@ -21,7 +21,9 @@ from cli_helpers import run_cli
 from sharpcli.io.checkpoints import load_checkpoint
 from sharpcli.io.datasets import load_dataset
 from sharpcli.models import build_model, default_model_args
-from sharpcli.training.regularizers import auto_step_length, parse_reg, training_step
+from sharpcli.regularizers.penalties.flatness import auto_step_length
+from sharpcli.regularizers.registry import parse_reg
+from sharpcli.regularizers.step import training_step
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,17 +18,19 @@ from torch.func import functional_call
 
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
-from sharpcli.specs import RegistryError
-from sharpcli.training import regularizers as R
-from sharpcli.training.regularizers import (
+from sharpcli.regularizers import registry as R
+from sharpcli.regularizers.engine import StepEngine
+from sharpcli.regularizers.penalties.nme import GradientPenalty
+from sharpcli.regularizers.perturbed.sam import SAM
+from sharpcli.regularizers.registry import (
     REGISTRY,
-    StepStats,
     model_overrides,
     parse_reg,
-    training_step,
     validate_combination,
 )
-from sharpcli.training.step import StepEngine
+from sharpcli.regularizers.stats import StepStats
+from sharpcli.regularizers.step import training_step
+from sharpcli.specs import RegistryError
 
 DT = torch.float64
 
@@ -756,7 +758,7 @@ def test_registry_description_lists_every_regularizer():
     gp = next(r for r in rows if r["name"] == "gp")
     assert [h["name"] for h in gp["hyperparameters"]] == ["rho", "p", "mode", "eps"]
     assert gp["data_parallel"] and gp["needs_penultimate"] is False
-    assert gp["per_replica"] == R.GradientPenalty.per_replica
+    assert gp["per_replica"] == GradientPenalty.per_replica
     assert next(r for r in rows if r["name"] == "ad")["needs_penultimate"] is True
 
 
@@ -766,7 +768,7 @@ ALL_NAMES = "none wd dropout ad sam usam asam gp hessian-trace gn-trace weight-n
 def _sam_variant(**body):
     """A new SAM variant class (not registered); ``body`` its own class attributes."""
     attributes = {"__doc__": "``sam2:rho``: a SAM variant.", "name": "sam2", **body}
-    return type("SAM2", (R.SAM,), attributes)
+    return type("SAM2", (SAM,), attributes)
 
 
 def test_register_requires_data_parallel_in_the_class_body():

@@ -10,9 +10,9 @@ import pytest
 import torch
 from cli_helpers import run_cli
 
+from sharpcli.regularizers.registry import parse_regs
+from sharpcli.regularizers.step import training_step
 from sharpcli.training.precision import MixedPrecision
-from sharpcli.training.regularizers import parse_regs
-from sharpcli.training.step import training_step
 
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 

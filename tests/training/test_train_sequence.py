@@ -25,8 +25,10 @@ from fixtures.causal_lm import CAUSAL_LM, build_causal_lm, next_token_data
 from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.errors import UsageError
 from sharpcli.losses import IGNORE_INDEX, token_reduction
+from sharpcli.regularizers.penalties.nme import GaussNewtonTrace
+from sharpcli.regularizers.registry import parse_reg
+from sharpcli.regularizers.step import training_step
 from sharpcli.training.loop import TrainConfig, apply_label_noise, evaluate, train
-from sharpcli.training.regularizers import GaussNewtonTrace, parse_reg, training_step
 
 
 @pytest.fixture(autouse=True, scope="module")

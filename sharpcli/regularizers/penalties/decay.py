@@ -10,12 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
-from sharpcli.catalogue.values import DROPOUT_ARG
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
+from sharpcli.regularizers.base import Penalty, Regularizer, declare_regularizer
+from sharpcli.regularizers.engine import PassContext
 from sharpcli.specs import Param
-from sharpcli.training.engine import PassContext
-from sharpcli.training.penalties.base import Penalty, Regularizer, declare_regularizer
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]
 
@@ -55,7 +54,7 @@ class Dropout(Regularizer):
 
     def model_args(self) -> dict[str, Any]:
         """``{"dropout": p}``: the model is built with dropout."""
-        return {DROPOUT_ARG: self.params["p"]}
+        return {"dropout": self.params["p"]}
 
 
 @declare_regularizer

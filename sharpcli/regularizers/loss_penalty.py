@@ -4,7 +4,7 @@ r"""The additive penalties of ``sharp train`` as terms added to the loss of one'
 ``gn-trace``, ``fa``): calling it with the batch's loss, logits and labels returns
 :math:`P(\theta)` as a 0-dim tensor whose gradient is the penalty's, to add to the loss
 before the backward. The value is the penalty class's own ``term`` (the code ``sharp train``
-runs, on the same :class:`~sharpcli.training.engine.PassContext`); a term computed in
+runs, on the same :class:`~sharpcli.regularizers.engine.PassContext`); a term computed in
 closed form without a graph (``wd``) carries its closed-form gradient
 (``analytic_grad``) into the backward.
 
@@ -28,9 +28,9 @@ from torch import nn
 
 from sharpcli.errors import UsageError
 from sharpcli.losses import CROSS_ENTROPY, get_loss
-from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import Penalty
-from sharpcli.training.replay import model_facts
+from sharpcli.regularizers.base import Penalty
+from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.regularizers.replay import model_facts
 
 __all__ = ["LossPenalty"]
 

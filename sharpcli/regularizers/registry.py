@@ -2,10 +2,11 @@
 
 ``--reg NAME[:k=v,...]`` (repeatable) selects them; :func:`parse_reg` turns one option
 into a :class:`Regularizer`, :func:`validate_combination` checks a list (once, when a
-``TrainConfig`` is built), and :func:`sharpcli.training.step.training_step` leaves the
+``TrainConfig`` is built), and :func:`sharpcli.regularizers.step.training_step` leaves the
 gradient of the regularised objective at theta in ``p.grad`` of every trainable parameter.
-The classes live in :mod:`sharpcli.training.penalties`, one module per paper family; this
-module registers them. The optimizer and the schedule stay plain: each
+The classes live in :mod:`sharpcli.regularizers.penalties` and
+:mod:`sharpcli.regularizers.perturbed`, one module per paper family; this module checks and
+parses them. The optimizer and the schedule stay plain: each
 regularizer is a gradient oracle. User guide: docs/commands/train.md ("Regularizers").
 
 Sources, by key of docs/references.md: ``wd`` [AD] section 2.3; ``dropout`` [AD] section 4.2;
@@ -31,7 +32,7 @@ step's ``generator`` so a resumed run reproduces bit-for-bit; dropout masks come
 the global torch RNG and every pass of a step replays the same masks. Extra passes
 leave BatchNorm running statistics as the clean pass left them; perturbed weights are
 restored by copy. ``StepStats.grad_evals`` counts gradient evaluations as defined in
-:mod:`sharpcli.training.step` (plain gradient 1, double-backward 2, triple 4); each
+:mod:`sharpcli.regularizers.step` (plain gradient 1, double-backward 2, triple 4); each
 class documents its count.
 """
 
@@ -42,7 +43,7 @@ from typing import Any, Sequence
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
 from sharpcli.registry import Entry
-from sharpcli.training.penalties.base import (
+from sharpcli.regularizers.base import (
     _PARAMETER,
     Oracle,
     Penalty,
@@ -50,18 +51,9 @@ from sharpcli.training.penalties.base import (
     family_of,
     regularizer_entry,
 )
-from sharpcli.training.penalties.decay import ActivationDecay, Dropout, NoRegularizer, WeightDecay
-from sharpcli.training.penalties.flatness import FlatnessAware, auto_step_length
-from sharpcli.training.penalties.nme import GaussNewtonTrace, GradientPenalty, HessianTrace
-from sharpcli.training.penalties.noise import NSO, WeightNoise
-from sharpcli.training.penalties.sam import ASAM, SAM, USAM
-from sharpcli.training.step import StepStats, training_step
+from sharpcli.regularizers.penalties.decay import NoRegularizer
 
 __all__ = [
-    "StepStats",
-    "Regularizer",
-    "Penalty",
-    "Oracle",
     "REGISTRY",
     "register",
     "unregister",
@@ -70,22 +62,7 @@ __all__ = [
     "parse_regs",
     "validate_combination",
     "model_overrides",
-    "training_step",
     "describe_registry",
-    "auto_step_length",
-    "NoRegularizer",
-    "Dropout",
-    "WeightDecay",
-    "ActivationDecay",
-    "GradientPenalty",
-    "HessianTrace",
-    "GaussNewtonTrace",
-    "FlatnessAware",
-    "SAM",
-    "USAM",
-    "ASAM",
-    "WeightNoise",
-    "NSO",
 ]
 
 
@@ -132,7 +109,7 @@ def check_regularizer_class(entry: Entry, cls: type[Regularizer]) -> type[Regula
 
 def regularizer_class_entry(name: str, cls: type[Regularizer]) -> Entry:
     """The record of a regularizer class registered without one: its class body's
-    (:func:`~sharpcli.training.penalties.base.regularizer_entry`); the kind's ``make_entry``."""
+    (:func:`~sharpcli.regularizers.base.regularizer_entry`); the kind's ``make_entry``."""
     return regularizer_entry(cls)
 
 
@@ -140,7 +117,7 @@ def register(cls: type[Regularizer], *, replace: bool = False) -> type[Regulariz
     """Add a regularizer class to :data:`REGISTRY` as ``cls.name`` (usable as a class decorator).
 
     A built-in's class is declared by
-    :func:`~sharpcli.training.penalties.base.declare_regularizer` and found in the catalogue's
+    :func:`~sharpcli.regularizers.base.declare_regularizer` and found in the catalogue's
     index; an extension is registered here. Both state their record in the class body (see
     :class:`Regularizer`): the class must carry a name ``--reg`` can parse, a known ``kind`` with the matching base class, a
     summary, a docstring naming the regularizer, ``data_parallel`` (``None`` or a non-empty

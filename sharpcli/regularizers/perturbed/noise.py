@@ -8,14 +8,14 @@ step's generator; to second order they minimise :math:`L + \\sigma^2/2\\, \\math
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
+from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
+from sharpcli.regularizers.draws import gaussian_like
+from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
-from sharpcli.training.draws import gaussian_like
-from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["WeightNoise", "NSO"]
 
@@ -50,7 +50,7 @@ class WeightNoise(Oracle):
     not to ``sigma2=s^2``.
 
     **1** evaluation with no penalty. ``U`` is drawn over all trainable parameters in
-    order with :func:`sharpcli.training.step.gaussian_like`. What the step reports:
+    order with :func:`sharpcli.regularizers.draws.gaussian_like`. What the step reports:
 
     - ``report=perturbed`` (default): the pass at ``theta + U`` whose gradient is returned
       (loss, objective, penalties, accuracy): a one-sample estimate of the smoothed
@@ -87,13 +87,24 @@ class WeightNoise(Oracle):
             engine.forward_only()
         with engine.perturbed(self.noise(engine.weights, engine.generator)):
             at_noisy = engine.evaluate(want_grad=True)
+        assert at_noisy.grads is not None  # asked for (want_grad)
         return (clean if clean is not None else at_noisy), at_noisy.grads
+
+    def perturbations(
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
+        """The one point :math:`\\theta + U`, for the optimizer wrapper.
+
+        Yields:
+            ``(U, 1.0)``, :meth:`noise` drawn from ``generator``.
+        """
+        yield self.noise(weights, generator), 1.0
 
     def noise(
         self, weights: Sequence[torch.Tensor], generator: torch.Generator
     ) -> list[torch.Tensor]:
         """:math:`U \\sim N(0, \\sigma^2 I)` shaped like ``weights``, drawn from ``generator``
-        (:func:`sharpcli.training.draws.gaussian_like`): the step of ``sharp train`` and of the
+        (:func:`sharpcli.regularizers.draws.gaussian_like`): the step of ``sharp train`` and of the
         optimizer wrapper of :mod:`sharpcli.regularizers`.
 
         Args:
@@ -117,7 +128,7 @@ class NSO(Oracle):
     parameter (the authors' code). The two-point average cancels the first-order term of
     the perturbation, leaving ``grad [L + sigma^2/2 tr(H)]`` to second order (NSO eq. 4).
     The clean gradient is not used. ``U_j`` drawn with
-    :func:`sharpcli.training.step.gaussian_like`, ``j = 1..k`` in order. **2k**
+    :func:`sharpcli.regularizers.draws.gaussian_like`, ``j = 1..k`` in order. **2k**
     evaluations with no penalty. What the step reports:
 
     - ``report=perturbed`` (default): loss, objective and penalties are the means over
@@ -153,14 +164,16 @@ class NSO(Oracle):
             engine.forward_only()
         total: list[torch.Tensor] | None = None  # the first pass's gradient, summed into
         passes: list[PassResult] = []
-        for noise, sign in self.noise_points(engine.weights, engine.generator):
+        for noise, sign in self.perturbations(engine.weights, None, None, engine.generator):
             with engine.perturbed(noise, sign=sign):
                 result = engine.evaluate(want_grad=True)
+            assert result.grads is not None  # asked for (want_grad)
             if total is None:
                 total = result.grads  # a fresh list of fresh tensors: summed into in place
             else:
                 torch._foreach_add_(total, result.grads)
             passes.append(result)
+        assert total is not None  # k >= 1 pairs
         torch._foreach_div_(total, 2 * self.params["k"])
         if clean is not None:
             return clean, total
@@ -177,15 +190,21 @@ class NSO(Oracle):
         )
         return mean, total
 
-    def noise_points(
-        self, weights: Sequence[torch.Tensor], generator: torch.Generator
-    ) -> Iterator[tuple[list[torch.Tensor], float]]:
+    def perturbed_passes(self) -> int:
+        """``2k``: the points :math:`\\theta \\pm U_j` (the optimizer wrapper's protocol)."""
+        return 2 * int(self.params["k"])
+
+    def perturbations(
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
         """The ``2k`` points :math:`\\theta \\pm U_j` as ``(U_j, sign)``, ``U_j`` drawn from
         ``generator`` when its pair starts (the order of ``sharp train`` and of the optimizer
         wrapper of :mod:`sharpcli.regularizers`); the gradient is their mean.
 
         Args:
             weights: The trainable parameters, in order.
+            grads: Not read (None from the wrapper).
+            names: Not read.
             generator: The step's generator.
 
         Yields:

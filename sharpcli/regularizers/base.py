@@ -2,7 +2,7 @@
 
 A :class:`Regularizer` is a name, typed hyper-parameters (:class:`~sharpcli.specs.Param`) and a kind:
 ``"none"``, ``"model"`` (changes the model's construction), ``"penalty"`` (an additive
-:class:`Penalty` declaring its :class:`~sharpcli.training.engine.PenaltyNeeds`) or
+:class:`Penalty` declaring its :class:`~sharpcli.regularizers.engine.PenaltyNeeds`) or
 ``"oracle"`` (an :class:`Oracle` returning the gradient at perturbed weights). A regularizer
 whose ``mode`` hyper-parameter selects different computations is a family: one class per mode,
 declared by :func:`declare_mode` (``@declare_mode("exact") class Exact(Family)``), picked when
@@ -11,14 +11,14 @@ the regularizer is parsed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
 from sharpcli.errors import UsageError
 from sharpcli.registry import DECLARATION, Entry
+from sharpcli.regularizers.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
 from sharpcli.specs import Param, format_value
-from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
 
 __all__ = [
     "MODE",
@@ -26,12 +26,18 @@ __all__ = [
     "Penalty",
     "PenaltyNeeds",
     "Oracle",
+    "PerturbationOracle",
     "central_gradients",
     "declare_regularizer",
     "regularizer_entry",
 ]
 
 R = TypeVar("R", bound="Regularizer")
+# the signature of the oracles' perturbations: one tensor per trainable parameter, their names
+# (None where unknown), and the points of a step as (displacement, sign)
+Tensors = Sequence[torch.Tensor]
+ParamNames = Sequence[str] | None
+Points = Iterator[tuple[list[torch.Tensor], float]]
 
 # The parameter regularizer errors name: TrainConfig.regs, training_step(regs); the CLI's --reg.
 _PARAMETER = "regs"
@@ -172,8 +178,9 @@ class Regularizer:
         convert leaves ``cls``, whose ``__init__`` reports it in hyper-parameter order."""
         chosen = cls
         modes = modes_of(cls)
-        if cls.mode is None and modes:
-            chosen = modes.get(cls._given_mode(params), cls)
+        mode = cls._given_mode(params) if cls.mode is None and modes else None
+        if mode is not None:
+            chosen = modes.get(mode, cls)
         return super().__new__(chosen)
 
     @classmethod
@@ -253,7 +260,7 @@ class Penalty(Regularizer):
 
     What it needs from the step is its class's :class:`PenaltyNeeds` record ``needs`` (one per
     class: a regularizer whose modes compute differently has one class per mode). The engine
-    (:class:`sharpcli.training.engine.StepEngine`) calls :meth:`term` for the value (unless
+    (:class:`sharpcli.regularizers.engine.StepEngine`) calls :meth:`term` for the value (unless
     ``needs.deferred_value``), differentiates a value returned with a graph, adds
     :meth:`analytic_grad`, and runs :meth:`extra_passes` after the pass when
     ``needs.extra_passes``.
@@ -305,7 +312,9 @@ class Penalty(Regularizer):
 class Oracle(Regularizer):
     """A perturbation oracle: returns the gradient of the objective at perturbed weights.
 
-    ``gradient(engine) -> (clean PassResult at theta, gradient list)``.
+    ``gradient(engine) -> (clean PassResult at theta, gradient list)``, what ``sharp train``
+    runs. With ``perturbations()`` too (:class:`PerturbationOracle`; one point not reading the
+    clean gradient unless it overrides the two methods below) it runs in one's own loop.
     """
 
     kind = "oracle"
@@ -320,6 +329,53 @@ class Oracle(Regularizer):
             ``(reported PassResult, one gradient tensor per trainable parameter)``.
         """
         raise TypeError(f"{type(self).__name__} is an oracle without gradient()")
+
+    def reads_clean_gradient(self) -> bool:
+        """Whether its points read the clean gradient (:class:`PerturbationOracle`): no."""
+        return False
+
+    def perturbed_passes(self) -> int:
+        """The points of a step (:class:`PerturbationOracle`): one."""
+        return 1
+
+
+@runtime_checkable
+class PerturbationOracle(Protocol):
+    """An oracle that one's own loop runs, through :class:`sharpcli.regularizers.PerturbedOptimizer`.
+
+    The wrapper calls these methods and nothing else of the oracle's algorithm: a step moves
+    the weights to each point :math:`\\theta + s\\,\\delta` that :meth:`perturbations`
+    yields, runs the backward there, restores :math:`\\theta` by copy and steps with the mean of
+    those gradients. An oracle that defines them (the ascent family by
+    :meth:`~sharpcli.regularizers.perturbed.sam.AscentOracle.perturbation`, ``weight-noise``,
+    ``nso``) runs in one's own loop as in ``sharp train``; one that defines only
+    :meth:`Oracle.gradient` runs under ``sharp train`` only.
+    """
+
+    def reads_clean_gradient(self) -> bool:
+        """Whether the points depend on the gradient at :math:`\\theta` (a clean backward first)."""
+        ...
+
+    def perturbed_passes(self) -> int:
+        """How many points a step averages the gradient over (``first_step`` needs 1)."""
+        ...
+
+    def perturbations(
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
+        """The points of one step, as displacements from the weights.
+
+        Args:
+            weights: The trainable parameters (detached), in order.
+            grads: The clean gradient at :math:`\\theta` when :meth:`reads_clean_gradient`,
+                else None.
+            names: The parameters' names (``model.named_parameters()``), None where unknown.
+            generator: The generator of the oracle's random draws.
+
+        Yields:
+            ``(delta, sign)``: the point :math:`\\theta + s\\,\\delta`, one tensor per parameter.
+        """
+        ...
 
 
 def central_gradients(

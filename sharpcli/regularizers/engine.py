@@ -2,7 +2,7 @@
 
 :class:`StepEngine` evaluates the regularised objective on one batch at theta or at perturbed
 weights; :class:`PassContext` is what a penalty sees during one pass; :class:`PenaltyNeeds`
-is what a penalty declares it needs from the pass. :mod:`sharpcli.training.step` describes the
+is what a penalty declares it needs from the pass. :mod:`sharpcli.regularizers.step` describes the
 step as a whole and its cost accounting.
 """
 
@@ -20,10 +20,10 @@ from torch import nn
 
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
-from sharpcli.training.replay import RngReplay, model_facts
-from sharpcli.training.stats import StepStats
+from sharpcli.regularizers.replay import RngReplay, model_facts
+from sharpcli.regularizers.stats import StepStats
 
-__all__ = ["StepStats", "PenaltyNeeds", "PassContext", "PassResult", "StepEngine"]
+__all__ = ["PenaltyNeeds", "PassContext", "PassResult", "StepEngine"]
 
 
 LossGradGraph = Literal["never", "to_differentiate", "always"]
@@ -208,7 +208,7 @@ class PassContext:
 class StepEngine:
     """Evaluates the regularised objective on one batch, at theta or at perturbed points.
 
-    ``penalties`` are :class:`sharpcli.training.penalties.base.Penalty` objects: a ``name``,
+    ``penalties`` are :class:`sharpcli.regularizers.base.Penalty` objects: a ``name``,
     ``needs_penultimate``, a :class:`PenaltyNeeds` record ``needs``, ``term(ctx)``,
     ``analytic_grad(params)`` and ``extra_passes(engine, ctx, want_grad)``.
 

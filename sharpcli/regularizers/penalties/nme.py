@@ -8,23 +8,24 @@ class: ``exact`` (autograd) and ``fd`` (finite differences of ``grad L``).
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
 
-from sharpcli.catalogue.values import UNREDUCED
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_weights
-from sharpcli.specs import Param
-from sharpcli.training.draws import dot, global_norm, rademacher_like
-from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import (
+from sharpcli.regularizers.base import (
     Penalty,
     PenaltyNeeds,
     central_gradients,
     declare_mode,
     declare_regularizer,
 )
+from sharpcli.regularizers.draws import dot, global_norm, rademacher_like
+from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.specs import Param
 
 __all__ = [
     "GradientPenalty",
@@ -90,6 +91,11 @@ class GradientPenalty(Penalty):
         return self.params["rho"] * torch.sqrt(squared.clamp_min(torch.finfo(squared.dtype).tiny))
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """:math:`\\|g\\|^2` summed parameter by parameter, in order (a 0-dim tensor)."""
+    return functools.reduce(operator.add, [(g * g).sum() for g in grads])
+
+
 @declare_mode("exact")
 class ExactGradientPenalty(GradientPenalty):
     """``gp`` with ``mode=exact``: the gradient by double backprop.
@@ -108,7 +114,7 @@ class ExactGradientPenalty(GradientPenalty):
     def term(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\rho \\|\\nabla L\\|^p`, differentiable through ``grad L`` when the step
         differentiates the objective."""
-        return self._norm_term(sum((g * g).sum() for g in ctx.first_grad()))
+        return self._norm_term(_sum_of_squares(ctx.first_grad()))
 
 
 @declare_mode("fd")
@@ -134,7 +140,7 @@ class FiniteDifferenceGradientPenalty(GradientPenalty):
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\rho \\|\\nabla L\\|^p` as a value (its gradient comes from extra passes)."""
-        return self._norm_term(sum((g * g).sum() for g in ctx.first_grad()).detach())
+        return self._norm_term(_sum_of_squares(ctx.first_grad()).detach())
 
     def extra_passes(self, engine: StepEngine, ctx: PassContext, want_grad: bool):
         """No value; with ``want_grad`` the gradient :math:`\\rho p \\|g\\|^{p-1} H u`."""
@@ -219,7 +225,7 @@ class ExactHessianTrace(HessianTrace):
 
     def term(self, ctx: PassContext) -> torch.Tensor:
         """:math:`\\sigma^2 \\frac1m \\sum_j v_j^T H v_j` with its third-order graph."""
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         m = self.params["probes"]
         for _ in range(m):
             v = rademacher_like(ctx.params, ctx.generator)
@@ -269,11 +275,12 @@ class FiniteDifferenceHessianTrace(HessianTrace):
             plus, minus = central_gradients(engine, torch._foreach_mul(v, s))
             value = value + dot(v, torch._foreach_sub(plus, minus)) / (2 * s)
             if want_grad:
+                assert g0 is not None and curvature is not None  # made with want_grad
                 # (g+ - g0) + (g- - g0): each difference of nearby values is exact in floating point
                 second = torch._foreach_sub(plus, g0)
                 torch._foreach_add_(second, torch._foreach_sub(minus, g0))
                 torch._foreach_add_(curvature, second, alpha=1.0 / s**2)
-        grad = torch._foreach_mul(curvature, sigma2 / m) if want_grad else None
+        grad = list(torch._foreach_mul(curvature, sigma2 / m)) if curvature is not None else None
         return sigma2 * value / m, grad
 
 
@@ -361,7 +368,7 @@ class GaussNewtonTrace(Penalty):
             z.reshape(-1, z.shape[-1]),
             y_hat.reshape(-1),
             ignore_index=IGNORE_INDEX,
-            reduction=UNREDUCED,
+            reduction="none",
         ).reshape(y_hat.shape)
         return (ce * token_weights(z, ctx.y).sqrt()).sum() / z.shape[0]
 

@@ -10,16 +10,12 @@ from typing import Sequence
 
 import torch
 
+from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
+from sharpcli.regularizers.draws import global_norm
+from sharpcli.regularizers.engine import PassResult, StepEngine
 from sharpcli.specs import Param
-from sharpcli.training.draws import global_norm
-from sharpcli.training.engine import PassResult, StepEngine
-from sharpcli.training.penalties.base import Oracle, declare_regularizer
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
-
-# the signature of perturbation(), which every ascent oracle overrides
-_Tensors = Sequence[torch.Tensor]
-_Names = Sequence[str] | None
 
 
 class AscentOracle(Oracle):
@@ -41,7 +37,7 @@ class AscentOracle(Oracle):
     )
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """The ascent step :math:`e(g)`: what ``sharp train`` and the optimizer wrapper of
         :mod:`sharpcli.regularizers` both apply.
@@ -57,15 +53,33 @@ class AscentOracle(Oracle):
         """
         raise TypeError(f"{type(self).__name__} defines no perturbation()")
 
+    def reads_clean_gradient(self) -> bool:
+        """True: the ascent step is taken from the clean gradient (the wrapper's protocol)."""
+        return True
+
+    def perturbations(
+        self, weights: Tensors, grads: Tensors | None, names: ParamNames, generator: torch.Generator
+    ) -> Points:
+        """The one point :math:`\\theta + e(g)`, for the optimizer wrapper.
+
+        Yields:
+            ``(e(g), 1.0)``, :meth:`perturbation` of the clean gradient.
+        """
+        if grads is None:
+            raise TypeError(f"{self.name} takes its ascent step from the clean gradient")
+        yield self.perturbation(weights, grads, names), 1.0
+
     def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""
         clean = engine.evaluate(want_grad=True)
+        assert clean.grads is not None  # asked for (want_grad)
         ascent = engine.ascent_gradient(clean.grads)
         if ascent is None:  # not finite under loss scaling: the scaler skips this step
             return clean, clean.grads
         deltas = self.perturbation(engine.weights, ascent, engine.param_names)
         with engine.perturbed(deltas):
             at_perturbed = engine.evaluate(want_grad=True)
+        assert at_perturbed.grads is not None  # asked for (want_grad)
         return clean, at_perturbed.grads
 
 
@@ -99,10 +113,12 @@ class SAM(AscentOracle):
     data_parallel = "its ascent step needs the global gradient norm before the second pass"
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho g / \\|g\\|`."""
-        return torch._foreach_mul(grads, _radius_over(self.params["rho"], global_norm(grads)))
+        return list(
+            torch._foreach_mul(list(grads), _radius_over(self.params["rho"], global_norm(grads)))
+        )
 
 
 @declare_regularizer
@@ -124,7 +140,7 @@ class USAM(AscentOracle):
     data_parallel = "its ascent step needs the global gradient before the second pass"
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho g`."""
         return [self.params["rho"] * g for g in grads]
@@ -175,12 +191,12 @@ class ASAM(AscentOracle):
         return [p.abs() + self.params["eta"] if w else None for p, w in zip(params, weights)]
 
     def perturbation(
-        self, params: _Tensors, grads: _Tensors, names: _Names = None
+        self, params: Tensors, grads: Tensors, names: ParamNames = None
     ) -> list[torch.Tensor]:
         """:math:`\\rho T^2 g / \\|T g\\|`."""
         scales = self.scales(params, names)
         scaled = [g if t is None else t * g for t, g in zip(scales, grads)]
         factor = _radius_over(self.params["rho"], global_norm(scaled))
-        return torch._foreach_mul(
-            [s if t is None else t * s for t, s in zip(scales, scaled)], factor
+        return list(
+            torch._foreach_mul([s if t is None else t * s for t, s in zip(scales, scaled)], factor)
         )

@@ -11,16 +11,16 @@ from typing import Sequence
 
 import torch
 
-from sharpcli.specs import Param
-from sharpcli.training.draws import dot, global_norm, rademacher_like
-from sharpcli.training.engine import PassContext, StepEngine
-from sharpcli.training.penalties.base import (
+from sharpcli.regularizers.base import (
     Penalty,
     central_gradients,
     declare_mode,
     declare_regularizer,
 )
-from sharpcli.training.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
+from sharpcli.regularizers.draws import dot, global_norm, rademacher_like
+from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.regularizers.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
+from sharpcli.specs import Param
 
 __all__ = [
     "auto_step_length",
@@ -183,7 +183,7 @@ class FiniteDifferenceFlatnessAware(FlatnessAware):
         v_plus_u = torch._foreach_add(step_v, step_u)
         v_minus_u = torch._foreach_sub(step_v, step_u)
 
-        def gradient_at(delta: list[torch.Tensor], sign: float) -> list[torch.Tensor]:
+        def gradient_at(delta: Sequence[torch.Tensor], sign: float) -> list[torch.Tensor]:
             with engine.perturbed(delta, sign=sign):
                 return engine.loss_gradient()
 

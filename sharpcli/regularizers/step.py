@@ -5,9 +5,9 @@ A training step evaluates the regularised objective
     O(theta) = L(theta) + sum_k P_k(theta)
 
 (``L`` the batch-mean task loss of :mod:`sharpcli.losses`, ``P_k`` the additive
-penalties of :mod:`sharpcli.training.penalties`) once at the clean point and,
+penalties of :mod:`sharpcli.regularizers.penalties`) once at the clean point and,
 for the perturbation oracles, at perturbed points ``theta + delta``. :func:`training_step` runs it on
-one batch with the engine of :mod:`sharpcli.training.engine`:
+one batch with the engine of :mod:`sharpcli.regularizers.engine`:
 
 - :class:`StepEngine`: one batch, one model; ``evaluate`` runs a forward pass and
   the penalties, returns values and (optionally) the gradient of ``O`` as tensors;
@@ -33,7 +33,7 @@ finite-difference scheme (:meth:`StepEngine.loss_gradient`, a plain ``grad L`` a
 perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and the
 central-difference one of ``||H v||^2`` 1 + 2 + 4 = 7.
 
-Random draws (:func:`rademacher_like`, :func:`gaussian_like`) are one flat draw over
+Random draws (:mod:`sharpcli.regularizers.draws`: Rademacher, Gaussian) are one flat draw over
 all parameters per call: a step pays one generator call per probe or noise sample.
 """
 
@@ -44,25 +44,13 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 import torch
 from torch import nn
 
-from sharpcli.training.draws import gaussian_like, global_norm, rademacher_like
-from sharpcli.training.engine import PassContext, PassResult, PenaltyNeeds, StepEngine, StepStats
-from sharpcli.training.replay import set_penultimate
+from sharpcli.regularizers.engine import StepEngine
+from sharpcli.regularizers.stats import StepStats
 
 if TYPE_CHECKING:
-    from sharpcli.training.penalties.base import Oracle, Penalty, Regularizer
+    from sharpcli.regularizers.base import Oracle, Penalty, Regularizer
 
-__all__ = [
-    "training_step",
-    "StepStats",
-    "PenaltyNeeds",
-    "PassContext",
-    "PassResult",
-    "StepEngine",
-    "rademacher_like",
-    "gaussian_like",
-    "global_norm",
-    "set_penultimate",
-]
+__all__ = ["training_step"]
 
 
 def training_step(
@@ -86,7 +74,7 @@ def training_step(
 
     :math:`\\delta = 0` without an oracle. The weights are unchanged on return (restored
     by copy); the optimizer is not called; the model's train/eval mode is left as given.
-    ``regs`` is a combination :func:`sharpcli.training.regularizers.validate_combination`
+    ``regs`` is a combination :func:`sharpcli.regularizers.registry.validate_combination`
     accepted (``TrainConfig`` checks it once, when it is built).
 
     Args:

@@ -3,10 +3,12 @@ r"""The perturbation oracles of ``sharp train`` as a wrapper around any ``torch.
 :class:`PerturbedOptimizer` applies the gradient at perturbed weights :math:`\theta + e` at
 :math:`\theta`: the ascent family (``sam`` [SAM], ``usam`` [USAM], ``asam`` [ASAM]: ``e`` the
 ascent step from the clean gradient) and the weight-noise family (``weight-noise``, ``nso``
-[NSO]: ``e`` Gaussian noise). The perturbation is the regularizer class's own
-(:meth:`~sharpcli.training.penalties.sam.SAM.perturbation`,
-:meth:`~sharpcli.training.penalties.noise.WeightNoise.noise`,
-:meth:`~sharpcli.training.penalties.noise.NSO.noise_points`), the same code ``sharp train``
+[NSO]: ``e`` Gaussian noise). The wrapper calls the oracle through
+:class:`~sharpcli.regularizers.base.PerturbationOracle` (the points of a step, and whether they
+read the clean gradient): the perturbations are the regularizer class's own
+(:meth:`~sharpcli.regularizers.perturbed.sam.SAM.perturbation`,
+:meth:`~sharpcli.regularizers.perturbed.noise.WeightNoise.noise`,
+:meth:`~sharpcli.regularizers.perturbed.noise.NSO.perturbations`), the same code ``sharp train``
 runs; the weights are restored by copy, as there.
 
 Training conditions (docs/own-loop.md):
@@ -45,22 +47,14 @@ from torch import nn
 
 from sharpcli.catalogue import values
 from sharpcli.errors import UsageError
-from sharpcli.training.draws import global_norm
-from sharpcli.training.penalties.base import Oracle
-from sharpcli.training.penalties.noise import NSO, WeightNoise
-from sharpcli.training.penalties.sam import ASAM, SAM, USAM
+from sharpcli.regularizers.base import Oracle, PerturbationOracle
+from sharpcli.regularizers.draws import global_norm
 
 __all__ = ["ASCENT_SYNC", "PerturbedOptimizer"]
 
 #: The semantics of the clean gradient under data parallelism (``ascent_sync``), the value
 #: set of :mod:`sharpcli.catalogue.values`.
-ASCENT_SYNC = values.ASCENT_SYNC
-
-# the oracles this wrapper runs (and their subclasses): the ascent family moves along the
-# class's perturbation(), the weight-noise family along its noise() / noise_points(); an
-# extension's oracle defines only gradient(engine), which `sharp train` runs
-_ASCENT = (SAM, USAM, ASAM)
-WRAPPED_ORACLES: tuple[type[Oracle], ...] = (*_ASCENT, WeightNoise, NSO)
+ASCENT_SYNC = values.ASCENT_SYNCS  # the accepted values of ascent_sync
 
 #: what a closure returns (the loss), handed back by :meth:`PerturbedOptimizer.step`
 _Loss = TypeVar("_Loss")
@@ -137,8 +131,10 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             ``torch.initial_seed()`` on the parameters' device).
 
     Raises:
-        UsageError: a regularizer that is not one of the oracles above (a penalty, or an
-            extension's oracle, which ``sharp train`` runs), or an unknown ``ascent_sync``.
+        UsageError: a regularizer that is not an oracle (a penalty), an oracle without the
+            methods of :class:`~sharpcli.regularizers.base.PerturbationOracle` (which
+            ``sharp train`` runs), a multi-point oracle that reads the clean gradient, or an
+            unknown ``ascent_sync``.
     """
 
     def __init__(
@@ -158,10 +154,16 @@ class PerturbedOptimizer(torch.optim.Optimizer):
                 "nso); a penalty is added to the loss (sharpcli.regularizers.make(spec, model=))",
                 source="regularizer",
             )
-        if not isinstance(regularizer, WRAPPED_ORACLES):
+        if not isinstance(regularizer, PerturbationOracle):
             raise UsageError(
-                f"{regularizer.name}: the optimizer wrapper runs sam, usam, asam, weight-noise "
-                "and nso; train this oracle with `sharp train`",
+                f"{regularizer.name} defines no perturbations() for the optimizer wrapper; "
+                "train this oracle with `sharp train`",
+                source="regularizer",
+            )
+        if regularizer.perturbed_passes() > 1 and regularizer.reads_clean_gradient():
+            raise UsageError(
+                f"{regularizer.name}: the optimizer wrapper averages several points only for an "
+                "oracle that reads no clean gradient; train this oracle with `sharp train`",
                 source="regularizer",
             )
         if ascent_sync not in ASCENT_SYNC:
@@ -176,6 +178,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self.state = base_optimizer.state
         self.defaults = base_optimizer.defaults
         self.regularizer = regularizer
+        self.oracle: PerturbationOracle = regularizer  # what the steps call
         self.model = model
         self.grad_scaler = grad_scaler
         self.ascent_sync = ascent_sync
@@ -214,6 +217,19 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         return self.generator
 
     @property
+    def reads_clean_gradient(self) -> bool:
+        """Whether :meth:`first_step` comes after a clean backward (the ascent family).
+
+        ``weight-noise`` reads none: its :meth:`first_step` comes before its one backward.
+        """
+        return self.oracle.reads_clean_gradient()
+
+    @property
+    def perturbed_passes(self) -> int:
+        """The backward passes of one step at perturbed weights (``nso``: ``2k``)."""
+        return self.oracle.perturbed_passes()
+
+    @property
     def pending(self) -> bool:
         """Whether the weights are perturbed (a :meth:`first_step` awaits its second)."""
         return self._saved is not None
@@ -242,36 +258,42 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             zero_grad: Zero the gradients afterwards (for the perturbed backward).
 
         Raises:
-            UsageError: a :meth:`first_step` already pending, or ``nso`` (its ``2k`` passes
-                need ``step(closure)``).
+            UsageError: a :meth:`first_step` already pending, or an oracle averaging several
+                points (``nso``: its ``2k`` passes need ``step(closure)``).
         """
         if self.pending:
             raise UsageError("first_step twice without a second_step", source="optimizer")
+        passes = self.perturbed_passes
+        if passes != 1:
+            raise UsageError(
+                f"{self.regularizer.name} averages {passes} passes: train it with "
+                "optimizer.step(closure)",
+                source="optimizer",
+            )
         params = self._params()
         weights = [p.detach() for p in params]
-        reg = self.regularizer
-        if isinstance(reg, NSO):
-            raise UsageError(
-                "nso averages 2k passes: train it with optimizer.step(closure)", source="optimizer"
-            )
-        if isinstance(reg, WeightNoise):  # its one pass is at the noisy weights: kept
-            deltas = reg.noise(weights, self._generator(weights[0].device))
-        else:
-            assert isinstance(reg, _ASCENT)  # the constructor admits no other oracle
+        grads = None
+        if self.reads_clean_gradient:  # else its one pass is at the perturbed weights: kept
             self._save_buffers()
             grads = self._clean_gradient(params)
-            deltas = reg.perturbation(weights, grads, self._names(params))
-            # with a scaler an inf/NaN gradient is an expected event (the scale was too high):
-            # no perturbation, and the step is skipped; without one it propagates as in any
-            # optimizer step
-            if self._scaler() is not None and not bool(torch.isfinite(global_norm(grads))):
-                self._non_finite = True
-                deltas = [torch.zeros_like(w) for w in weights]
+        ((deltas, sign),) = self.oracle.perturbations(
+            weights, grads, self._names(params), self._generator(weights[0].device)
+        )
+        # with a scaler an inf/NaN gradient is an expected event (the scale was too high): no
+        # perturbation, and the step is skipped; without one it propagates as in any optimizer
+        # step
+        if (
+            grads is not None
+            and self._scaler() is not None
+            and not bool(torch.isfinite(global_norm(grads)))
+        ):
+            self._non_finite = True
+            deltas = [torch.zeros_like(w) for w in weights]
         if [t.shape for t in self._theta] != [w.shape for w in weights]:
             self._theta = [torch.empty_like(w) for w in weights]
         torch._foreach_copy_(self._theta, weights)
         self._saved = self._theta
-        torch._foreach_add_(weights, deltas)
+        torch._foreach_add_(weights, deltas, alpha=sign)
         if zero_grad:
             self.zero_grad()
 
@@ -388,9 +410,9 @@ class PerturbedOptimizer(torch.optim.Optimizer):
             return None
         closure = torch.enable_grad()(closure)
         self.zero_grad()
-        if isinstance(self.regularizer, NSO):
-            return self._noise_points_step(closure)
-        if isinstance(self.regularizer, WeightNoise):
+        if self.perturbed_passes > 1:
+            return self._averaged_step(closure)
+        if not self.reads_clean_gradient:
             self.first_step()
             loss = closure()
         else:
@@ -401,21 +423,25 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         self.second_step()
         return loss
 
-    def _noise_points_step(self, closure: Callable[[], _Loss]) -> _Loss:
-        r"""``nso``: the mean gradient over :math:`\theta \pm U_j` (NSO Alg. 1), then the step.
+    def _averaged_step(self, closure: Callable[[], _Loss]) -> _Loss:
+        r"""The mean gradient over the oracle's points, then the step.
+
+        ``nso``: the points :math:`\theta \pm U_j` (NSO Alg. 1).
 
         Returns:
-            What the closure returned at the first noise point.
+            What the closure returned at the first point.
         """
-        reg = self.regularizer
-        assert isinstance(reg, NSO)
+        passes = self.perturbed_passes
         params = self._params()
         weights = [p.detach() for p in params]
         theta = [w.clone() for w in weights]
         total: list[torch.Tensor] | None = None
         first: list[_Loss] = []  # the first point's loss (a list: the loss may be None)
         buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        for noise, sign in reg.noise_points(weights, self._generator(weights[0].device)):
+        points = self.oracle.perturbations(
+            weights, None, self._names(params), self._generator(weights[0].device)
+        )
+        for noise, sign in points:
             with torch.no_grad():
                 torch._foreach_add_(weights, noise, alpha=sign)
             value = closure()
@@ -434,7 +460,7 @@ class PerturbedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for live, saved in buffers or []:
                 live.copy_(saved)
-        torch._foreach_div_(total, 2 * reg.params["k"])
+        torch._foreach_div_(total, passes)
         for p, g in zip(params, total):
             p.grad = g
         self._base_step()
