@@ -2,7 +2,7 @@
 
 A :class:`Regularizer` is a name, typed hyper-parameters (:class:`~sharpcli.specs.Param`) and a kind:
 ``"none"``, ``"model"`` (changes the model's construction), ``"penalty"`` (an additive
-:class:`Penalty` declaring its :class:`~sharpcli.regularizers.engine.PenaltyNeeds`) or
+:class:`Penalty` declaring its :class:`~sharpcli.regularizers.passes.PenaltyNeeds`) or
 ``"oracle"`` (an :class:`Oracle` returning the gradient at perturbed weights). A regularizer
 whose ``mode`` hyper-parameter selects different computations is a family: one class per mode,
 declared by :func:`declare_mode` (``@declare_mode("exact") class Exact(Family)``), picked when
@@ -17,7 +17,7 @@ import torch
 
 from sharpcli.errors import UsageError
 from sharpcli.registry import DECLARATION, Entry
-from sharpcli.regularizers.engine import PassContext, PassResult, PenaltyNeeds, StepEngine
+from sharpcli.regularizers.passes import PassContext, PassResult, PenaltyNeeds, StepPasses
 from sharpcli.specs import Param, format_value
 
 __all__ = [
@@ -260,7 +260,7 @@ class Penalty(Regularizer):
 
     What it needs from the step is its class's :class:`PenaltyNeeds` record ``needs`` (one per
     class: a regularizer whose modes compute differently has one class per mode). The engine
-    (:class:`sharpcli.regularizers.engine.StepEngine`) calls :meth:`term` for the value (unless
+    (:class:`sharpcli.regularizers.passes.StepPasses`) calls :meth:`term` for the value (unless
     ``needs.deferred_value``), differentiates a value returned with a graph, adds
     :meth:`analytic_grad`, and runs :meth:`extra_passes` after the pass when
     ``needs.extra_passes``.
@@ -294,7 +294,7 @@ class Penalty(Regularizer):
         return None
 
     def extra_passes(
-        self, engine: StepEngine, ctx: PassContext, want_grad: bool
+        self, engine: StepPasses, ctx: PassContext, want_grad: bool
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """Value and/or gradient from passes run after the pass (``needs.extra_passes``).
 
@@ -319,7 +319,7 @@ class Oracle(Regularizer):
 
     kind = "oracle"
 
-    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+    def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The reported pass and the gradient of the objective at perturbed weights.
 
         Args:
@@ -379,7 +379,7 @@ class PerturbationOracle(Protocol):
 
 
 def central_gradients(
-    engine: StepEngine, step: Sequence[torch.Tensor]
+    engine: StepPasses, step: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``grad L`` on both sides of the current weights, for a central finite difference.
 

@@ -4,7 +4,7 @@ r"""The additive penalties of ``sharp train`` as terms added to the loss of one'
 ``gn-trace``, ``fa``): calling it with the batch's loss, logits and labels returns
 :math:`P(\theta)` as a 0-dim tensor whose gradient is the penalty's, to add to the loss
 before the backward. The value is the penalty class's own ``term`` (the code ``sharp train``
-runs, on the same :class:`~sharpcli.regularizers.engine.PassContext`); a term computed in
+runs, on the same :class:`~sharpcli.regularizers.passes.PassContext`); a term computed in
 closed form without a graph (``wd``) carries its closed-form gradient
 (``analytic_grad``) into the backward.
 
@@ -29,7 +29,7 @@ from torch import nn
 from sharpcli.errors import UsageError
 from sharpcli.losses import CROSS_ENTROPY, get_loss
 from sharpcli.regularizers.base import Penalty
-from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.regularizers.passes import PassContext, StepPasses
 from sharpcli.regularizers.replay import model_facts
 
 __all__ = ["LossPenalty"]
@@ -114,7 +114,7 @@ class LossPenalty:
             torch.initial_seed()
         )
         self._captured: torch.Tensor | None = None
-        self._engine: StepEngine | None = None
+        self._engine: StepPasses | None = None
         self._hook = None
         if regularizer.needs_penultimate:
             module, _ = model_facts(model, "head")
@@ -149,7 +149,7 @@ class LossPenalty:
         """
         reg = self.regularizer
         if self._engine is None:  # what a PassContext reads: params, loss, generator
-            self._engine = StepEngine(
+            self._engine = StepPasses(
                 self.model, None, None, self.loss_name, [reg], self.generator, single_pass=True
             )
         engine = self._engine

@@ -7,9 +7,9 @@ A training step evaluates the regularised objective
 (``L`` the batch-mean task loss of :mod:`sharpcli.losses`, ``P_k`` the additive
 penalties of :mod:`sharpcli.regularizers.penalties`) once at the clean point and,
 for the perturbation oracles, at perturbed points ``theta + delta``. :func:`training_step` runs it on
-one batch with the engine of :mod:`sharpcli.regularizers.engine`:
+one batch with the engine of :mod:`sharpcli.regularizers.passes`:
 
-- :class:`StepEngine`: one batch, one model; ``evaluate`` runs a forward pass and
+- :class:`StepPasses`: one batch, one model; ``evaluate`` runs a forward pass and
   the penalties, returns values and (optionally) the gradient of ``O`` as tensors;
   ``perturbed(deltas)`` moves the weights to ``theta + delta`` and restores them
   *by copy* (never by subtraction, which does not give theta back exactly in floating point).
@@ -29,7 +29,7 @@ plain gradient costs 1, a gradient penalty ``||grad L||^p`` costs 1 (``grad L``
 with graph) + 2 (backward through the doubled graph) = 3, a Hessian-vector product
 taken from that graph costs 2, and the exact gradient of ``v^T H v`` costs
 1 + 2 + 4 = 7. A forward pass without a backward costs 0, and every extra pass of a
-finite-difference scheme (:meth:`StepEngine.loss_gradient`, a plain ``grad L`` at
+finite-difference scheme (:meth:`StepPasses.loss_gradient`, a plain ``grad L`` at
 perturbed weights) costs 1: the fd gradient of ``v^T H v`` costs 1 + 2 = 3 and the
 central-difference one of ``||H v||^2`` 1 + 2 + 4 = 7.
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 import torch
 from torch import nn
 
-from sharpcli.regularizers.engine import StepEngine
+from sharpcli.regularizers.passes import StepPasses
 from sharpcli.regularizers.stats import StepStats
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def training_step(
         autocast_dtype: Run the model's forward passes under ``torch.autocast`` in this
             dtype (``--precision bf16|fp16``); None: in the parameters' dtype.
         loss_scale: The loss scale ``S`` of fp16 training: every reverse sweep differentiates
-            ``S`` times its scalar and divides by ``S`` (:class:`StepEngine`); the gradient
+            ``S`` times its scalar and divides by ``S`` (:class:`StepPasses`); the gradient
             left in ``p.grad`` is unscaled.
         ascent_reduce: All-reduces the clean gradient an ascent oracle follows
             (``--ascent-sync global`` under torchrun); None: this process's own.
@@ -103,7 +103,7 @@ def training_step(
     penalties = [cast("Penalty", r) for r in regs if r.kind == "penalty"]
     oracles = [cast("Oracle", r) for r in regs if r.kind == "oracle"]
     single_pass = not oracles and not any(p.needs.extra_passes for p in penalties)
-    engine = StepEngine(
+    engine = StepPasses(
         model,
         x,
         y,

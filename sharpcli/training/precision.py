@@ -10,7 +10,7 @@ the optimizer step that skips a step whose gradient is not finite, as torch's Gr
 
 The weights, the optimizer and the gradients stay in ``--dtype`` (float32): the model's outputs
 (and activations a penalty captures) are cast back to it, so the task loss and every penalty
-are computed and accumulated in float32 (:class:`sharpcli.regularizers.engine.StepEngine`). Under
+are computed and accumulated in float32 (:class:`sharpcli.regularizers.passes.StepPasses`). Under
 fp16 every reverse sweep of a step differentiates ``S`` times its scalar and divides by ``S``
 (exact: ``S`` is a power of two), so the penalties and the ascent direction of sam, usam and asam
 see unscaled gradients; an ascent whose clean gradient is not finite is not taken. The step's

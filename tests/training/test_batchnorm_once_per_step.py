@@ -1,6 +1,6 @@
 """BatchNorm running statistics under two-pass regularizers: updated once per training step, by
 the clean pass at theta; the perturbed pass of sam, usam and asam (and any extra pass) leaves
-them as the clean pass left them (sharpcli.regularizers.engine.StepEngine's buffer snapshot).
+them as the clean pass left them (sharpcli.regularizers.passes.StepPasses's buffer snapshot).
 """
 
 from __future__ import annotations

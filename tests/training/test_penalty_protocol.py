@@ -11,7 +11,7 @@ import pytest
 
 from sharpcli.errors import UsageError
 from sharpcli.regularizers.base import family_of
-from sharpcli.regularizers.engine import PenaltyNeeds
+from sharpcli.regularizers.passes import PenaltyNeeds
 from sharpcli.regularizers.penalties.flatness import (
     ExactFlatnessAware,
     FiniteDifferenceFlatnessAware,

@@ -19,7 +19,7 @@ from torch.func import functional_call
 from sharpcli.errors import NumericalError, UsageError
 from sharpcli.losses import get_loss
 from sharpcli.regularizers import registry as R
-from sharpcli.regularizers.engine import StepEngine
+from sharpcli.regularizers.passes import StepPasses
 from sharpcli.regularizers.penalties.nme import GradientPenalty
 from sharpcli.regularizers.perturbed.sam import SAM
 from sharpcli.regularizers.registry import (
@@ -310,7 +310,7 @@ def _sample_stats(values):
 
 def _estimator_values(model, x, y, reg_text, n, loss="cross-entropy", seed=0):
     reg = parse_reg(reg_text)
-    engine = StepEngine(model, x, y, loss, [reg], torch.Generator().manual_seed(seed))
+    engine = StepPasses(model, x, y, loss, [reg], torch.Generator().manual_seed(seed))
     return [float(engine.evaluate(want_grad=False).penalties[reg.name]) for _ in range(n)]
 
 
@@ -661,7 +661,7 @@ def test_sam_with_a_zero_gradient_is_a_plain_step():
 
 def test_single_pass_engine_refuses_a_second_pass():
     model, (x, y) = tiny_model(nn.GELU), batch()
-    engine = StepEngine(model, x, y, "cross-entropy", [], torch.Generator(), single_pass=True)
+    engine = StepPasses(model, x, y, "cross-entropy", [], torch.Generator(), single_pass=True)
     engine.evaluate(want_grad=True)
     with pytest.raises(RuntimeError, match="single_pass"):
         engine.evaluate(want_grad=True)

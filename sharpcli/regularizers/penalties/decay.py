@@ -13,7 +13,7 @@ import torch
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss, token_weights
 from sharpcli.regularizers.base import Penalty, Regularizer, declare_regularizer
-from sharpcli.regularizers.engine import PassContext
+from sharpcli.regularizers.passes import PassContext
 from sharpcli.specs import Param
 
 __all__ = ["NoRegularizer", "Dropout", "WeightDecay", "ActivationDecay"]

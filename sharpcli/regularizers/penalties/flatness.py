@@ -18,7 +18,7 @@ from sharpcli.regularizers.base import (
     declare_regularizer,
 )
 from sharpcli.regularizers.draws import dot, global_norm, rademacher_like
-from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.regularizers.passes import PassContext, StepPasses
 from sharpcli.regularizers.penalties.nme import FINITE_DIFFERENCES, THIRD_ORDER_AUTOGRAD
 from sharpcli.specs import Param
 
@@ -162,7 +162,7 @@ class FiniteDifferenceFlatnessAware(FlatnessAware):
         eps = self.params["eps"]
         return auto_step_length(params) if eps == "auto" else float(eps)
 
-    def extra_passes(self, engine: StepEngine, ctx: PassContext, want_grad: bool):
+    def extra_passes(self, engine: StepPasses, ctx: PassContext, want_grad: bool):
         """The value from 2 extra passes and, with ``want_grad``, the gradient from 4 more."""
         lam, batch = self.params["lambda"], ctx.logits.shape[0]
         h = self.step_length([p.detach() for p in ctx.params])

@@ -24,7 +24,7 @@ from sharpcli.regularizers.base import (
     declare_regularizer,
 )
 from sharpcli.regularizers.draws import dot, global_norm, rademacher_like
-from sharpcli.regularizers.engine import PassContext, StepEngine
+from sharpcli.regularizers.passes import PassContext, StepPasses
 from sharpcli.specs import Param
 
 __all__ = [
@@ -142,7 +142,7 @@ class FiniteDifferenceGradientPenalty(GradientPenalty):
         """:math:`\\rho \\|\\nabla L\\|^p` as a value (its gradient comes from extra passes)."""
         return self._norm_term(_sum_of_squares(ctx.first_grad()).detach())
 
-    def extra_passes(self, engine: StepEngine, ctx: PassContext, want_grad: bool):
+    def extra_passes(self, engine: StepPasses, ctx: PassContext, want_grad: bool):
         """No value; with ``want_grad`` the gradient :math:`\\rho p \\|g\\|^{p-1} H u`."""
         if not want_grad:
             return None, None
@@ -263,7 +263,7 @@ class FiniteDifferenceHessianTrace(HessianTrace):
             "regularizer there)"
         )
 
-    def extra_passes(self, engine: StepEngine, ctx: PassContext, want_grad: bool):
+    def extra_passes(self, engine: StepPasses, ctx: PassContext, want_grad: bool):
         """The value and, with ``want_grad``, the gradient, from ``2m`` extra passes."""
         m, eps, sigma2 = self.params["probes"], self.params["eps"], self.params["sigma2"]
         g0 = [g.detach() for g in ctx.first_grad()] if want_grad else None

@@ -14,7 +14,7 @@ import torch
 
 from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
 from sharpcli.regularizers.draws import gaussian_like
-from sharpcli.regularizers.engine import PassResult, StepEngine
+from sharpcli.regularizers.passes import PassResult, StepPasses
 from sharpcli.specs import Param
 
 __all__ = ["WeightNoise", "NSO"]
@@ -77,7 +77,7 @@ class WeightNoise(Oracle):
     # in the batch
     data_parallel = None
 
-    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+    def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The gradient at :math:`\\theta + U` and the reported pass (see the class)."""
         report = self.params["report"]
         clean = None
@@ -154,7 +154,7 @@ class NSO(Oracle):
     paper = "NSO"
     data_parallel = None  # as weight-noise: the same U_j on every rank
 
-    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+    def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The mean gradient over :math:`\\theta \\pm U_j` and the reported pass."""
         report = self.params["report"]
         clean = None

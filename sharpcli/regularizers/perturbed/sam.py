@@ -12,7 +12,7 @@ import torch
 
 from sharpcli.regularizers.base import Oracle, ParamNames, Points, Tensors, declare_regularizer
 from sharpcli.regularizers.draws import global_norm
-from sharpcli.regularizers.engine import PassResult, StepEngine
+from sharpcli.regularizers.passes import PassResult, StepPasses
 from sharpcli.specs import Param
 
 __all__ = ["AscentOracle", "SAM", "USAM", "ASAM"]
@@ -28,7 +28,7 @@ class AscentOracle(Oracle):
     Under torchrun (``sharpcli.training.data_parallel``) ``g`` is, by ``--ascent-sync``, this
     rank's own clean gradient (``per-replica``, the default: m-sharpness with m the local batch,
     [SAM] section 4) or the clean gradients all-reduced once (``global``: the single-process
-    step on the whole batch); :meth:`StepEngine.ascent_gradient` gives it.
+    step on the whole batch); :meth:`StepPasses.ascent_gradient` gives it.
     """
 
     per_replica = (
@@ -69,7 +69,7 @@ class AscentOracle(Oracle):
             raise TypeError(f"{self.name} takes its ascent step from the clean gradient")
         yield self.perturbation(weights, grads, names), 1.0
 
-    def gradient(self, engine: StepEngine) -> tuple[PassResult, list[torch.Tensor]]:
+    def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The clean pass and the gradient at :math:`\\theta + e(g)`."""
         clean = engine.evaluate(want_grad=True)
         assert clean.grads is not None  # asked for (want_grad)

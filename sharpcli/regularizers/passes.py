@@ -1,6 +1,6 @@
 """The engine of one regularised training step: passes, perturbations, accounting.
 
-:class:`StepEngine` evaluates the regularised objective on one batch at theta or at perturbed
+:class:`StepPasses` evaluates the regularised objective on one batch at theta or at perturbed
 weights; :class:`PassContext` is what a penalty sees during one pass; :class:`PenaltyNeeds`
 is what a penalty declares it needs from the pass. :mod:`sharpcli.regularizers.step` describes the
 step as a whole and its cost accounting.
@@ -23,7 +23,7 @@ from sharpcli.losses import get_loss
 from sharpcli.regularizers.replay import RngReplay, model_facts
 from sharpcli.regularizers.stats import StepStats
 
-__all__ = ["PenaltyNeeds", "PassContext", "PassResult", "StepEngine"]
+__all__ = ["PenaltyNeeds", "PassContext", "PassResult", "StepPasses"]
 
 
 LossGradGraph = Literal["never", "to_differentiate", "always"]
@@ -32,7 +32,7 @@ LossGradGraph = Literal["never", "to_differentiate", "always"]
 @dataclass(frozen=True)
 class PenaltyNeeds:
     """What an additive penalty needs from the pass that evaluates it: the whole protocol
-    between a penalty and :class:`StepEngine`, fixed per class (each mode of a regularizer is
+    between a penalty and :class:`StepPasses`, fixed per class (each mode of a regularizer is
     its own class, so nothing here depends on its hyper-parameters).
 
     A penalty's value is ``term(ctx)``; a value returned with an autograd graph is
@@ -91,11 +91,11 @@ class PassResult:
     """Values of one evaluation of the objective (tensors detached, on the model's device).
 
     ``grads`` is the gradient of the objective with respect to each trainable parameter
-    (in ``StepEngine.params`` order) when it was asked for, else ``None``. ``logits``,
+    (in ``StepPasses.params`` order) when it was asked for, else ``None``. ``logits``,
     ``labels`` and ``scorer`` (the loss's :attr:`sharpcli.losses.Loss.correct`; losses with an
     accuracy only) give :attr:`correct` and :attr:`counted`, computed when read: most passes
     of a step (perturbed, finite-difference) are never reported. Values stay tensors so
-    that a step reads them back from the device once, in :meth:`StepEngine.stats`.
+    that a step reads them back from the device once, in :meth:`StepPasses.stats`.
     """
 
     loss: torch.Tensor
@@ -137,7 +137,7 @@ class PassContext:
 
     def __init__(
         self,
-        engine: "StepEngine",
+        engine: "StepPasses",
         logits,
         loss,
         penultimate,
@@ -205,7 +205,7 @@ class PassContext:
         return out
 
 
-class StepEngine:
+class StepPasses:
     """Evaluates the regularised objective on one batch, at theta or at perturbed points.
 
     ``penalties`` are :class:`sharpcli.regularizers.base.Penalty` objects: a ``name``,
