@@ -376,7 +376,7 @@ def in_process(args: argparse.Namespace) -> str:
     machine; it leaves out data loading and evaluation."""
     import torch
 
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
     from sharpcli.models import build_model, default_model_args
     from sharpcli.regularizers.registry import parse_reg
     from sharpcli.regularizers.step import training_step

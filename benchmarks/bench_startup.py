@@ -78,7 +78,7 @@ def export_bundle(ckpt: Path, bundle: Path) -> None:
     import torch
 
     from sharpcli.io.checkpoints import load_checkpoint
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
 
     loaded = load_checkpoint(str(ckpt))
     x, y = load_dataset(loaded.data_spec).split("train")

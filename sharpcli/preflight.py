@@ -8,7 +8,7 @@ source: a seed, dtype or device that cannot be used (:func:`check_seed`,
 deterministic in eval mode (:func:`check_model_accepts`, :func:`check_deterministic_forward`),
 a model whose second derivatives torch computes wrongly (:func:`check_second_derivatives`),
 and the features as the model takes them (:func:`prepare_features`, from
-:mod:`sharpcli.io.features`).
+:mod:`sharpcli.io.data.features`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from sharpcli import catalogue
 from sharpcli.curvature.products.data import train_mode_modules
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.features import (  # noqa: F401  (re-exported: preflight is where callers look)
+from sharpcli.io.data.features import (  # noqa: F401  (re-exported: preflight is where callers look)
     check_embedding_ids,
     embedding_modules,
     embeddings_fed_by_input,

@@ -30,8 +30,8 @@ from sharpcli.io.causal_lm import (
     own_loss_note,
 )
 from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
-from sharpcli.io.datasets import load_dataset, subset
-from sharpcli.io.datasets_common import Dataset
+from sharpcli.io.data.dataset import Dataset
+from sharpcli.io.data.loading import load_dataset, subset
 from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
 from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
 from sharpcli.losses import (

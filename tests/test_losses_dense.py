@@ -257,7 +257,7 @@ def test_token_label_files(tmp_path, labels, needle):
     from safetensors.torch import save_file
 
     from sharpcli.errors import InputError
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
 
     path = tmp_path / "tokens.safetensors"
     save_file({"x": torch.zeros(3, 2, dtype=torch.int64), "y": torch.tensor(labels)}, str(path))

@@ -13,20 +13,20 @@ from sharpcli.registry import Registry
 __all__ = ["DATASETS", "DATA_FORMATS", "DEFAULT_DATASET"]
 
 
-# ``--data PATH`` (sharpcli.io.formats): each format declared on its probe
-# (sharpcli.io.file_formats, datasets_arrow, datasets_vision). ``info["order"]`` matters twice:
+# ``--data PATH`` (sharpcli.io.data.formats): each format declared on its probe
+# (sharpcli.io.data: tensor_files, tables, arrow, vision). ``info["order"]`` matters twice:
 # it is the order of the lists in messages, and folder layouts are probed in it (CIFAR-10
 # batches win over a CIFAR-100 train/test pair in the same folder).
 DATA_FORMATS: Registry[Any] = Registry(
     "data format",
     source="data",
     entries=sorted(DECLARED.get("data format", ()), key=lambda e: int(e.info["order"])),
-    check="sharpcli.io.formats:check_format",
-    make_entry="sharpcli.io.formats:format_entry",
+    check="sharpcli.io.data.formats:check_format",
+    make_entry="sharpcli.io.data.formats:format_entry",
 )
 
 # ``--data NAME[:k=v,...]``: the built-in synthetic datasets, declared on their generators in
-# sharpcli.io.datasets_builtin, which types and checks their parameters
+# sharpcli.io.data.builtin, which types and checks their parameters
 DATASETS: Registry[Any] = Registry(
     "built-in dataset", source="data", entries=DECLARED.get("built-in dataset", ())
 )

@@ -43,7 +43,7 @@ __all__ = [
     "WHICH",
 ]
 
-# data and numbers: sharpcli.io.datasets_common, sharpcli.preflight; TRAIN and TEST also name
+# data and numbers: sharpcli.io.data.dataset, sharpcli.preflight; TRAIN and TEST also name
 # the files and folders that hold a split (CIFAR-100's train/test, a DatasetDict's splits), and
 # TRAIN what a training run is called (the train command, its report's command and progress,
 # the checkpoint's train block)

@@ -270,7 +270,7 @@ class TrainOptions:
         if all(value is None for value in given):
             return self.data
         # imports torch: kept out of start-up
-        from sharpcli.io.datasets import parse_data_spec
+        from sharpcli.io.data.loading import parse_data_spec
 
         return parse_data_spec(
             self.data,

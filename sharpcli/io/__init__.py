@@ -1,1 +1,2 @@
-"""Reading and writing: checkpoints, datasets (built-in, vision, files) and safe unpickling."""
+"""Reading and writing, by job: datasets and their formats (``data/``), checkpoints
+(``checkpoints/``), and the library's in-memory data and torch losses."""

@@ -25,7 +25,7 @@ position ``-100``: :func:`labels_shifted_by_hand`) give the same loss read as th
 they keep working unchanged. Other labels are shifted by the library, as the model's
 ``loss`` does (:func:`sharpcli.io.in_memory.own_loss_labels`); a data file's are refused naming
 ``shift_labels`` and ``loss``, where sharp read them as given before
-(:func:`sharpcli.io.datasets.apply_label_convention`). Whatever the reading, the value on the first batch is compared
+(:func:`sharpcli.io.data.loading.apply_label_convention`). Whatever the reading, the value on the first batch is compared
 with the model's own ``loss`` before anything is computed (:func:`check_model_own_loss`).
 """
 
@@ -80,7 +80,7 @@ def causal_lm_name(model: nn.Module) -> str | None:
 def input_ids_of(x: torch.Tensor, input_keys, input_shapes=None) -> torch.Tensor | None:
     """The input token ids of ``x`` (``input_ids`` of keyword inputs stacked on axis 1, or
     concatenated as ``input_shapes`` say, as a data file's
-    :attr:`~sharpcli.io.datasets_common.Dataset.input_keys` name them), or None (float inputs,
+    :attr:`~sharpcli.io.data.dataset.Dataset.input_keys` name them), or None (float inputs,
     or keyword inputs without ``input_ids``)."""
     if x.is_floating_point():
         return None

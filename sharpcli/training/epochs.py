@@ -13,7 +13,7 @@ from torch import nn
 from sharpcli import progress
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import NumericalError
-from sharpcli.io.datasets_common import Dataset
+from sharpcli.io.data.dataset import Dataset
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.regularizers.step import training_step
 from sharpcli.training.config import TrainConfig

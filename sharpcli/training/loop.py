@@ -32,7 +32,7 @@ from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.distributed import rank_and_world
 from sharpcli.errors import NumericalError, SharpError, UsageError
 from sharpcli.io.checkpoints import FACTORY_PREFIX, factory_from_string, save_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.losses import get_loss, token_reduction
 from sharpcli.models import build_model, default_model_args
 from sharpcli.models.outputs import attach_keyword_inputs, attach_output_selector

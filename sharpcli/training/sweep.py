@@ -37,7 +37,7 @@ from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.bounded import loads_json
 from sharpcli.catalogue.values import TEST, TRACE_KEY, TRAIN
 from sharpcli.errors import NumericalError, UsageError
-from sharpcli.io.datasets import parse_data_spec
+from sharpcli.io.data.loading import parse_data_spec
 from sharpcli.regularizers.registry import REGISTRY, parse_reg, parse_regs
 from sharpcli.report.compare import render
 from sharpcli.report.envelope import dumps, validate_report

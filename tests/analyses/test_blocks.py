@@ -13,7 +13,7 @@ from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoin
 from sharpcli.analyses.blocks import block_partition, refuse_overlaps
 from sharpcli.errors import UsageError
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.report.envelope import validate_report
 
 DATA = "blobs:n=48,dim=4,classes=3,seed=4"

@@ -416,7 +416,7 @@ def test_corollary1_holds_with_eps_over_the_sampled_points_on_builtin_models(tmp
     """AD Corollary 1 with eps estimated like H (largest gradient norm over theta and the
     perturbed points) holds at sigma 0.01, 0.1 and 1; at 0.01 it holds by construction."""
     from sharpcli.io.checkpoints import load_checkpoint
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
 
     cfg, train = _builtin_briefly_trained(name)
     train(cfg, tmp_path / "m.safetensors")

@@ -199,7 +199,7 @@ def test_grammar_errors_name_what_is_accepted(text, message):
 
 def test_the_three_specs_share_the_grammar():
     """--reg, --activation and a built-in --data report the same problem in the same words."""
-    from sharpcli.io.datasets import parse_data_spec
+    from sharpcli.io.data.loading import parse_data_spec
     from sharpcli.models.activations import parse_activation_spec
     from sharpcli.regularizers.registry import parse_reg
 
@@ -220,7 +220,7 @@ def test_the_three_specs_share_the_grammar():
 # ----------------------------------------------------------------------------- the one check of copies
 def test_docs_tables_schema_and_commands_agree_with_the_catalogue():
     """Where names are written down outside the catalogue, they are the catalogue's."""
-    from sharpcli.io.datasets_builtin import BUILTIN_ARGS
+    from sharpcli.io.data.builtin import BUILTIN_ARGS
 
     # the tables of regularizers, estimators and operators are generated from the
     # declarations (python -m sharpcli.catalogue.generate --check: tests/catalogue/test_generated.py)

@@ -646,7 +646,7 @@ def test_restricted_unpickler_budget_admits_real_batches_and_refuses_requests():
     import pickle
 
     from sharpcli.errors import InputError
-    from sharpcli.io.safe_pickle import _np_multiarray, restricted_loads
+    from sharpcli.io.data.safe_pickle import _np_multiarray, restricted_loads
 
     _reconstruct = _np_multiarray._reconstruct
     rows = np.random.default_rng(0).integers(0, 256, (500, 3072), dtype=np.uint8)
@@ -687,7 +687,7 @@ def test_bounded_reader_stops_at_the_size_at_open(tmp_path):
 
 
 def test_library_messages_lose_quoted_content():
-    from sharpcli.io.datasets_common import describe_exception
+    from sharpcli.io.data.dataset import describe_exception
 
     text = describe_exception(ValueError(f"could not convert string to float: '{SECRET}'"))
     assert "AWS" not in text and "could not convert string to float" in text

@@ -97,8 +97,8 @@ def _analyses_errors():
 
 def _io_errors():
     from sharpcli.io.checkpoints import factory_from_string
-    from sharpcli.io.datasets import load_dataset, parse_data_spec, subset
-    from sharpcli.io.formats import data_format
+    from sharpcli.io.data.formats import data_format
+    from sharpcli.io.data.loading import load_dataset, parse_data_spec, subset
 
     x, y = torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64)
     return [
@@ -311,7 +311,7 @@ def test_library_parameters_are_cli_parameters(commands):
     from sharpcli.analyses.rescale import check_alphas
     from sharpcli.cli.flags import FlagSpelling
     from sharpcli.curvature import lanczos, power_iteration, spectral_density
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
     from sharpcli.models.outputs import select_output
     from sharpcli.report.gate import parse_gate
 

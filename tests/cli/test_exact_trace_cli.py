@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.report.envelope import validate_report
 
 DATA = "blobs:n=40,dim=4,classes=3,seed=4"

@@ -136,7 +136,7 @@ def test_nested_runs_name_their_parent_and_a_failed_run_closes():
 
 
 def test_train_reports_every_optimizer_step(tmp_path):
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
     from sharpcli.training.loop import TrainConfig, train
 
     cfg = TrainConfig(

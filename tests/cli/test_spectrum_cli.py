@@ -10,7 +10,7 @@ from torch.func import functional_call, hessian
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.report.envelope import validate_report
 
 DATA = "blobs:n=96,dim=5,classes=3,seed=4"

@@ -10,7 +10,7 @@ from cli_helpers import assert_one_line_error, run_cli
 from safetensors.torch import load_file
 
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.report.envelope import validate_report
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.numpy import save_file
 
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.session import build_session
 from tests.cli_helpers import assert_one_line_error, run_cli
 

@@ -24,8 +24,8 @@ import torch
 from cli_helpers import run_cli
 
 from sharpcli.errors import InputError
-from sharpcli.io.datasets import load_dataset
-from sharpcli.io.formats import FORMATS
+from sharpcli.io.data.formats import FORMATS
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.regularizers.registry import REGISTRY, parse_reg
 from sharpcli.regularizers.step import training_step
 

@@ -18,7 +18,7 @@ from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoin
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope, build_operator
 from sharpcli.curvature.operators.registry import OPERATORS, unregister_operator
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.losses import per_sample_loss
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"

@@ -11,7 +11,7 @@ import torch
 
 from fixtures import make_hf_fixtures as hf
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 
 BERT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 

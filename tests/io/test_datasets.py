@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets import (
+from sharpcli.io.data.loading import (
     Dataset,
     format_data_spec,
     load_dataset,
@@ -27,7 +27,7 @@ from sharpcli.io.datasets import (
     subset,
     validate_for_model,
 )
-from sharpcli.io.safe_pickle import restricted_loads
+from sharpcli.io.data.safe_pickle import restricted_loads
 from sharpcli.specs import RegistryError
 
 _FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "make_data_fixtures.py"
@@ -880,7 +880,7 @@ def test_pt_tensor_kinds_refused(tmp_path, x, message):
 
 
 def test_every_format_record_is_complete_and_routes_in_order():
-    from sharpcli.io.formats import FORMATS
+    from sharpcli.io.data.formats import FORMATS
 
     assert list(FORMATS) == [
         "safetensors",
@@ -957,8 +957,8 @@ def test_unroutable_paths_and_formats_list_the_accepted_ones(tmp_path):
 def test_a_registered_format_routes_reads_and_owns_its_spec_keys(tmp_path):
     """A toy ``.csv`` rival with its own spec key: the probe decides between the claimants,
     the key is completed into the spec and refused for other formats."""
-    from sharpcli.io import formats
-    from sharpcli.io.datasets_common import finalize_dataset
+    from sharpcli.io.data import formats
+    from sharpcli.io.data.dataset import finalize_dataset
 
     def is_semicolon_table(path):
         with open(path, encoding="utf-8") as handle:

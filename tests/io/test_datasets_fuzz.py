@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from sharpcli.errors import InputError
-from sharpcli.io.datasets import Dataset, load_dataset
-from sharpcli.io.safe_pickle import restricted_loads
+from sharpcli.io.data.loading import Dataset, load_dataset
+from sharpcli.io.data.safe_pickle import restricted_loads
 
 _FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "make_data_fixtures.py"
 if "make_data_fixtures" not in sys.modules:  # fixtures/ is a script folder, not a package

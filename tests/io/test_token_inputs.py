@@ -120,7 +120,7 @@ def test_float_ids_are_converted_with_a_note(token_dir, capsys):
 )
 def test_every_format_keeps_integer_ids_to_the_model(token_dir, name, dtype):
     """Loader: int64 features; session: int64 on the model's device beside a float64 model."""
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
     from sharpcli.session import build_session
 
     x, y = token_arrays()
@@ -215,7 +215,7 @@ def test_train_and_analyse_an_mlp_on_integer_features(tmp_path, capsys):
 def test_loader_keeps_integers_exact_and_splits_consistent(tmp_path):
     """int64 beyond float32's exact range stays exact; a split mix, uint64 >= 2**63, a float
     or bool column keep the float32 path."""
-    from sharpcli.io.datasets import load_dataset
+    from sharpcli.io.data.loading import load_dataset
 
     y = np.array([0, 1], dtype=np.int64)
     big = np.array([[2**40 + 1], [3]], dtype=np.int64)

@@ -17,7 +17,7 @@ from torch import nn
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.errors import InputError
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.models.activations import (
     AugmentedReLU,
     DiminishedGELU,

@@ -19,7 +19,7 @@ import torch
 from cli_helpers import run_cli
 
 from sharpcli.io.checkpoints import load_checkpoint
-from sharpcli.io.datasets import load_dataset
+from sharpcli.io.data.loading import load_dataset
 from sharpcli.models import build_model, default_model_args
 from sharpcli.regularizers.penalties.flatness import auto_step_length
 from sharpcli.regularizers.registry import parse_reg

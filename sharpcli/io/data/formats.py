@@ -6,7 +6,7 @@ that route a file to it, ``probe(path)`` recognising its files or folder layout,
 a one-line description and how it provides a test split. A new format (an ImageFolder,
 JSON lines) is a module with its probe and reader plus one :func:`register` call; a
 built-in one is that module with its probe declared (:func:`sharpcli.registry.declare`, kind
-``"data format"``, its ``info`` made by :func:`sharpcli.io.datasets_common.format_info`), from
+``"data format"``, its ``info`` made by :func:`sharpcli.io.data.dataset.format_info`), from
 which :data:`sharpcli.catalogue.DATA_FORMATS` lists it (:data:`FORMATS` *is* that registry);
 see docs/architecture.md, "Adding a data format".
 
@@ -34,7 +34,7 @@ from typing import Callable
 
 from sharpcli import catalogue
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import Dataset, read_failure
+from sharpcli.io.data.dataset import Dataset, read_failure
 from sharpcli.registry import Entry, declaration, resolve
 
 __all__ = [
@@ -61,7 +61,7 @@ class DataFormat:
       as "no"; anything else it raises is a bug;
     - ``read(spec) -> Dataset``: load the complete file spec (its ``path``, ``format``,
       ``label_column`` and this format's ``spec_keys``), raising ``InputError`` for a bad
-      file; the arrays go through ``datasets_common.finalize_dataset``;
+      file; the arrays go through ``dataset.finalize_dataset``;
     - ``spec_keys``: the optional file-spec keys this format reads (``"label_column"``:
       tables pick their target column, CIFAR-100 its label set); given to another
       format they are a ``UsageError``;

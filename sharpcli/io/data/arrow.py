@@ -1,7 +1,7 @@
 """Arrow data: ``.arrow`` files, Hugging Face ``save_to_disk`` folders, parquet list columns.
 
 Every column becomes one array of the name -> array mapping that
-:func:`sharpcli.io.datasets_keyed.dataset_from_mapping` picks inputs and labels from; a
+:func:`sharpcli.io.data.keyed.dataset_from_mapping` picks inputs and labels from; a
 column is converted only when it is picked, so text columns beside the ids do no harm:
 
 - numbers (integers, floats, booleans): ``(N,)``;
@@ -28,8 +28,8 @@ import numpy as np
 from sharpcli.bounded import open_data_file, read_data_file
 from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import NAMED_KEYS, Dataset, format_info, read_failure
-from sharpcli.io.datasets_keyed import LABEL_KEYS, dataset_from_mapping
+from sharpcli.io.data.dataset import NAMED_KEYS, Dataset, format_info, read_failure
+from sharpcli.io.data.keyed import LABEL_KEYS, dataset_from_mapping
 from sharpcli.registry import declare
 
 __all__ = [

@@ -44,8 +44,13 @@ from sharpcli.atomic import write_bytes_atomic
 from sharpcli.bounded import check_data_path
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.hf_models import HF_PREFIX, is_hf_model_folder, load_hf_model, weights_file
-from sharpcli.io.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
+from sharpcli.io.checkpoints.hf_models import (
+    HF_PREFIX,
+    is_hf_model_folder,
+    load_hf_model,
+    weights_file,
+)
+from sharpcli.io.checkpoints.state_dicts import (  # noqa: F401  (CONTAINER_KEYS: part of this module's account)
     CONTAINER_KEYS,
     check_finite_weights,
     half_precision_note,
@@ -414,7 +419,7 @@ def _is_torch_file(p: Path) -> bool:
 
 
 def _load_hf_folder(p: Path, *, arch: str | None, model_factory: str | None) -> LoadedCheckpoint:
-    """A Hugging Face ``save_pretrained`` folder (:mod:`sharpcli.io.hf_models`); any other
+    """A Hugging Face ``save_pretrained`` folder (:mod:`sharpcli.io.checkpoints.hf_models`); any other
     folder is an InputError."""
 
     if not is_hf_model_folder(p):

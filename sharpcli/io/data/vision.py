@@ -24,7 +24,7 @@ The train split of a CIFAR-10 folder is every ``data_batch_k`` present, which mu
 numbered 1..K without gaps.
 
 Each layout is declared on its probe here (its record names its reader);
-:mod:`sharpcli.io.formats` also finds a layout in the subfolders of the directory given to
+:mod:`sharpcli.io.data.formats` also finds a layout in the subfolders of the directory given to
 ``--data``.
 """
 
@@ -42,8 +42,8 @@ import torch
 from sharpcli.bounded import MAX_DEFLATE_RATIO, data_file_size, open_data_file, read_data_file
 from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.datasets_common import Dataset, finalize_dataset, format_info, read_failure
-from sharpcli.io.safe_pickle import restricted_loads
+from sharpcli.io.data.dataset import Dataset, finalize_dataset, format_info, read_failure
+from sharpcli.io.data.safe_pickle import restricted_loads
 from sharpcli.registry import declare
 
 CIFAR_PIXELS = 3 * 32 * 32

@@ -13,7 +13,7 @@ the rest of sharpcli relies on (docs/architecture.md, "datasets"):
   array becomes ``(N, 1)``). Nothing is given a channel axis here: image formats (CIFAR,
   MNIST folders) make their own ``(N, C, H, W)``, and a file's ``(N, H, W)`` reaches the model
   as ``(N, H, W)`` unless the data spec's ``x_shape`` reshapes it
-  (:func:`sharpcli.io.datasets.apply_x_shape`);
+  (:func:`sharpcli.io.data.loading.apply_x_shape`);
 - classification targets (integer or boolean ``y``): ``int64`` labels of shape
   ``(N,)`` (an ``(N, 1)`` column is squeezed) in ``[0, num_classes)``;
 - regression targets (floating ``y``): ``float32`` (``float64`` as features) of shape
@@ -66,7 +66,7 @@ class Dataset:
     spec: dict
     source: str
     class_names: list[str] | None = field(default=None)
-    # keyword inputs (sharpcli.io.datasets_keyed): the forward arguments x holds, stacked on
+    # keyword inputs (sharpcli.io.data.keyed): the forward arguments x holds, stacked on
     # axis 1 when there are several; None: x is the model's one positional input
     input_keys: tuple[str, ...] | None = field(default=None)
     # several keyword inputs of different per-sample shapes: x holds each flattened, concatenated
@@ -118,7 +118,7 @@ def format_info(
     directory: bool = False,
     test_split: str = _NO_TEST_FILES,
 ) -> dict[str, Any]:
-    """The ``info`` of a data format's declaration (:class:`sharpcli.io.formats.DataFormat`).
+    """The ``info`` of a data format's declaration (:class:`sharpcli.io.data.formats.DataFormat`).
 
     Args:
         order: where it is listed in messages and probed among the built-in formats (folder
@@ -253,13 +253,13 @@ def _features(x: torch.Tensor, name: str, source: str, keep_float64: bool = Fals
 
     No axis is added or removed: a 3-D array is ``(N, C, L)`` for a Conv1d as much as
     ``(N, H, W)`` images, so it reaches the model as stored (the data spec's ``x_shape``
-    reshapes it explicitly, :func:`sharpcli.io.datasets.apply_x_shape`).
+    reshapes it explicitly, :func:`sharpcli.io.data.loading.apply_x_shape`).
 
     Integer features (token ids, counts, raw bytes) are kept exact as int64 rather than cast
     to float32: a model whose first layer is an ``nn.Embedding`` needs the ids as integers,
     and float32 holds integers exactly only up to 2**24. Whether they reach the model as
     int64 or in the analysis dtype is decided against the model in
-    :func:`sharpcli.io.features.prepare_features`. float64 stays float64 when ``keep_float64``
+    :func:`sharpcli.io.data.features.prepare_features`. float64 stays float64 when ``keep_float64``
     (a tensor file's stored dtype); every other dtype becomes float32.
     """
     if x.dim() == 0:

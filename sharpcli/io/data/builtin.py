@@ -30,14 +30,14 @@ import torch.nn.functional as F
 
 from sharpcli import catalogue
 from sharpcli.errors import UsageError
-from sharpcli.io.datasets_common import Dataset, finalize_dataset
+from sharpcli.io.data.dataset import Dataset, finalize_dataset
 from sharpcli.registry import Entry, declaration, declare
 from sharpcli.specs import Param
 
 MAX_ELEMENTS = 200_000_000  # 800 MB of float32: beyond this a built-in set is a typo
 
 # the built-in datasets' names, each declared on its generator below; blobs is the default
-# of ``--data`` (sharpcli.io.datasets.DEFAULT_DATA, catalogue.DEFAULT_DATASET)
+# of ``--data`` (sharpcli.io.data.loading.DEFAULT_DATA, catalogue.DEFAULT_DATASET)
 BLOBS, IMAGES = "blobs", "images"
 
 # the arguments every built-in dataset takes, in the order messages list them

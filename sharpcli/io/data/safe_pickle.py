@@ -68,7 +68,7 @@ except ImportError:  # numpy 1.x
     _np_numeric = importlib.import_module("numpy.core.numeric")
 
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import describe_exception
+from sharpcli.io.data.dataset import describe_exception
 
 ALLOCATION_FACTOR = 2
 """Bytes a load may allocate per byte of the file (pixels encoded, then copied: twice)."""

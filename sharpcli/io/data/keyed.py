@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import torch
 
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import Dataset, as_tensor, finalize_dataset
+from sharpcli.io.data.dataset import Dataset, as_tensor, finalize_dataset
 
 __all__ = [
     "KEYWORD_INPUTS",

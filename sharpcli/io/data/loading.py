@@ -6,13 +6,13 @@ either a string (what ``--data`` takes) or a dict (what a checkpoint stores):
 - built-ins, no download, the default: ``blobs[:k=v,...]`` (Gaussian mixture; args
   n, dim, classes, seed, test_fraction, separation) and ``images[:k=v,...]`` (small
   class-template images; args n, size, channels, classes, seed, test_fraction,
-  contrast, noise); see ``datasets_builtin``. As a dict:
+  contrast, noise); see ``builtin``. As a dict:
   ``{"kind": "builtin", "name": "blobs", "args": {...}}``.
 - a path: ``.safetensors``/``.pt``/``.pth``/``.npz`` tensor files and ``.csv``/``.parquet``
-  tables (``datasets_files``), or a directory holding a CIFAR-10/100 (python or
-  binary) or MNIST idx layout (``datasets_vision``). As a dict:
+  tables (``tensor_files``, ``tables``), or a directory holding a CIFAR-10/100 (python or
+  binary) or MNIST idx layout (``vision``). As a dict:
   ``{"kind": "file", "path": "<absolute path>", "format": "<format>", "label_column": ...}``
-  with the format a name in the registry ``sharpcli.io.formats.FORMATS``, which routes a
+  with the format a name in the registry ``sharpcli.io.data.formats.FORMATS``, which routes a
   path to its format and holds each format's reader (plus the optional spec keys the
   format reads). Any file spec may hold ``x_shape`` (``--x-shape``): every sample's input
   reshaped to it, e.g. ``[1, 28, 28]`` for ``(N, 28, 28)`` arrays fed to a Conv2d; without
@@ -38,15 +38,15 @@ from sharpcli.catalogue import DATASETS
 from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.causal_lm import input_ids_of, labels_shifted_by_hand, shift_token_labels
-from sharpcli.io.datasets_builtin import (
+from sharpcli.io.data.builtin import (
     BLOBS,
     BUILTIN_ARGS,
     BUILTIN_NAMES,
     load_builtin,
     resolve_builtin_args,
 )
-from sharpcli.io.datasets_common import Dataset
-from sharpcli.io.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
+from sharpcli.io.data.dataset import Dataset
+from sharpcli.io.data.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
 from sharpcli.losses import IGNORE_INDEX
 from sharpcli.specs import parse_spec
 
@@ -109,7 +109,7 @@ def parse_data_spec(
     for CIFAR/MNIST layouts). ``label_column`` fills the dict's ``label_column`` when
     that is unset; a conflicting value raises ``UsageError(source="label_column")``. ``x_key``,
     ``y_key`` (the arrays of a tensor file or the columns of an Arrow table that are the
-    inputs and the labels, :mod:`sharpcli.io.datasets_keyed`) and ``shift_labels`` (the
+    inputs and the labels, :mod:`sharpcli.io.data.keyed`) and ``shift_labels`` (the
     causal-LM label convention, :func:`apply_label_convention`) and ``x_shape`` (one sample's
     input shape, ``"1,28,28"`` or a list, :func:`apply_x_shape`) fill the spec the same way.
     """
@@ -358,13 +358,13 @@ def load_dataset(
     A file (or folder) is recorded as an input of the command (:mod:`sharpcli.ledger`,
     ``what`` says where it was named), so that no output of the command replaces it.
 
-    A file spec is read by its format's ``read`` in ``sharpcli.io.formats.FORMATS``; a
+    A file spec is read by its format's ``read`` in ``sharpcli.io.data.formats.FORMATS``; a
     path no format claims is an ``InputError`` and an unknown format a ``UsageError``,
     both listing the accepted ones.
 
     Returns a ``Dataset`` whose features are float32 ``(N, ...)`` in the shape the source
     stores them, or the spec's ``x_shape`` (:func:`apply_x_shape`) (int64
-    when the file stores integers: token ids stay exact; see ``datasets_common``) and
+    when the file stores integers: token ids stay exact; see ``dataset``) and
     whose targets are int64 class labels or float32 regression targets, checked for
     matching lengths, finiteness and non-emptiness. Raises ``InputError`` (bad file)
     or ``UsageError`` (bad spec or option); nothing else escapes for a bad input.

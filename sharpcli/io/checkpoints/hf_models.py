@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from sharpcli.errors import InputError
-from sharpcli.io.datasets_common import describe_exception
+from sharpcli.io.data.dataset import describe_exception
 
 __all__ = ["HF_PREFIX", "is_hf_model_folder", "load_hf_model", "weights_file"]
 
