@@ -44,8 +44,7 @@ from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine
 from sharpcli.errors import InputError, UsageError, first_line
-from sharpcli.io.causal_lm import check_model_own_loss
-from sharpcli.io.in_memory import (
+from sharpcli.io.data.in_memory import (
     LABEL_KEYS,
     LOSS_MODULES,
     CollectedData,
@@ -59,8 +58,9 @@ from sharpcli.io.in_memory import (
     to_device,
     token_reduction_of,
 )
-from sharpcli.io.loss_options import configure_loss, reference
-from sharpcli.io.loss_readings import LossReading, check_loss_value
+from sharpcli.io.torch_losses.causal_lm import check_model_own_loss
+from sharpcli.io.torch_losses.options import configure_loss, reference
+from sharpcli.io.torch_losses.readings import LossReading, check_loss_value
 from sharpcli.losses import get_loss
 from sharpcli.preflight import SECOND_DERIVATIVE_SAMPLES, check_second_derivatives
 
@@ -93,11 +93,11 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
             (any output shape), ``nn.HuberLoss``, ``nn.SmoothL1Loss``, each with
             ``reduction`` ``'mean'`` or ``'sum'``; or a spec ``NAME[:k=v,...]`` of a
             registered loss with the same options (``"cross-entropy:label_smoothing=0.1"``;
-            :mod:`sharpcli.io.loss_options`); docs/api.md tabulates the shapes. A module's
+            :mod:`sharpcli.io.torch_losses.options`); docs/api.md tabulates the shapes. A module's
             value on the first batch must equal sharp's
-            (:func:`sharpcli.io.loss_readings.check_loss_value`). None (left out): a Hugging
+            (:func:`sharpcli.io.torch_losses.readings.check_loss_value`). None (left out): a Hugging
             Face causal LM's own loss, its labels shifted as it shifts them and the value
-            checked against its ``loss`` (:mod:`sharpcli.io.causal_lm`;
+            checked against its ``loss`` (:mod:`sharpcli.io.torch_losses.causal_lm`;
             ``loss_from_model`` and ``loss_note`` say so); refused for any other model.
         token_reduction: How a token loss averages over the set
             (:func:`sharpcli.losses.set_token_reduction`): ``"tokens"`` (the default; the mean over
@@ -180,7 +180,7 @@ class Curvature(PerturbedLoss, CurvatureEstimates):
                 "no data: pass `data`, the batches the loss is taken over", source="data"
             )
         collected = collect_data(data, batch_size)
-        # loss None: a Hugging Face causal LM's own loss (sharpcli.io.causal_lm), noted here
+        # loss None: a Hugging Face causal LM's own loss (sharpcli.io.torch_losses.causal_lm), noted here
         self.loss_note: str | None = None
         if loss is None:
             loss, collected, self.loss_note = own_loss_labels(model, collected, token_reduction)

@@ -282,14 +282,14 @@ def register_loss(loss: Loss, *, replace: bool = False) -> Loss:
     return LOSSES.register(loss.name, loss, replace=replace)
 
 
-# losses configured with options over one analysis set (sharpcli.loss_options), by their
+# losses configured with options over one analysis set (sharpcli.io.torch_losses.options), by their
 # spec: looked up before the registry, never listed as names
 CONFIGURED: dict[str, Loss] = {}
 
 
 def get_loss(name: str) -> Loss:
     """The registered loss ``name``, or a loss configured with options
-    (:func:`sharpcli.loss_options.configure_loss`) under its spec.
+    (:func:`sharpcli.io.torch_losses.options.configure_loss`) under its spec.
 
     Args:
         name: the loss.

@@ -22,18 +22,23 @@ from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
 from sharpcli.curvature.products.data import distributed_rank_and_world
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.causal_lm import (
+from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
+from sharpcli.io.data.dataset import Dataset
+from sharpcli.io.data.loading import load_dataset, subset
+from sharpcli.io.torch_losses.causal_lm import (
     causal_lm_name,
     check_own_loss_of_batch,
     input_ids_of,
     labels_shifted_by_hand,
     own_loss_note,
 )
-from sharpcli.io.checkpoints import META_DATA, META_TRAIN, LoadedCheckpoint, load_checkpoint
-from sharpcli.io.data.dataset import Dataset
-from sharpcli.io.data.loading import load_dataset, subset
-from sharpcli.io.loss_options import LossSpec, configure_loss, parse_loss_spec, reference
-from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss, reference_loss
+from sharpcli.io.torch_losses.options import LossSpec, configure_loss, parse_loss_spec, reference
+from sharpcli.io.torch_losses.readings import (
+    LossReading,
+    check_loss_value,
+    read_loss,
+    reference_loss,
+)
 from sharpcli.losses import (
     CROSS_ENTROPY,
     IGNORE_INDEX,
@@ -102,7 +107,7 @@ class Session:
     # what was done to the checkpoint and the data (stderr); the report keeps the checkpoint's
     # in checkpoint.notes and the rest in data.notes
     notes: list[str] = field(default_factory=list)
-    # the loss is a Hugging Face causal LM's own (sharpcli.io.causal_lm), checked against its
+    # the loss is a Hugging Face causal LM's own (sharpcli.io.torch_losses.causal_lm), checked against its
     # `loss` on the first batch; the note saying so is in notes
     loss_from_model: bool = False
 
@@ -213,7 +218,7 @@ def _analysis_loss(
     stored: str | None,
 ) -> tuple[LossReading, tuple[int, ...], LossOrigin]:
     """The loss of the analysis, how it reads the model's outputs on the first batch ``x``
-    and the labels ``y`` (:func:`sharpcli.io.loss_readings.read_loss`), the outputs' shape, and
+    and the labels ``y`` (:func:`sharpcli.io.torch_losses.readings.read_loss`), the outputs' shape, and
     where the loss came from (:class:`LossOrigin`).
 
     ``loss`` (the option) over the checkpoint's ``stored`` loss; neither: cross-entropy read
@@ -221,7 +226,7 @@ def _analysis_loss(
     :func:`~sharpcli.preflight.infer_loss` picks. Labels that do not fit the loss are an
     InputError on the data, or on the checkpoint naming its stored loss and the option that
     overrides it when the stored loss chose; sharp's loss on the batch must equal torch's
-    (:func:`~sharpcli.io.loss_readings.check_loss_value`).
+    (:func:`~sharpcli.io.torch_losses.readings.check_loss_value`).
     """
 
     out = model_outputs(model, x, dataset.source)
@@ -256,7 +261,7 @@ def _analysis_loss(
             raise
         raise mismatch(err.message) from None
     torch_loss = reference(spec) or reference_loss(reading)
-    # torch's options over the whole set (sharpcli.io.loss_options)
+    # torch's options over the whole set (sharpcli.io.torch_losses.options)
     configured = configure_loss(spec or LossSpec(name), reading.name, reading.labels(y))
     reading = LossReading(configured, reading.layout)
     problem = _labels_problem(reading, out, y)
@@ -454,7 +459,9 @@ def build_session(
         loss=TOKEN_CROSS_ENTROPY if own_loss else loss,
         stored=stored,
     )
-    if own_loss:  # the number differentiated is the model's own `loss` (sharpcli.io.causal_lm)
+    if (
+        own_loss
+    ):  # the number differentiated is the model's own `loss` (sharpcli.io.torch_losses.causal_lm)
         check_own_loss_of_batch(model, x[:batch_size], dataset.input_keys, y, token_reduction)
         origin = LossOrigin("model", own_loss_note(str(causal_lm), shifted_here))
     y = _read_as_loss(model, reading, out_shape, y, token_reduction, notes)

@@ -123,7 +123,7 @@ def test_cross_entropy_module_on_square_outputs_reads_classes_on_dim_1():
 
 
 def _inferred(model, x, y):
-    from sharpcli.io.loss_readings import read_loss
+    from sharpcli.io.torch_losses.readings import read_loss
 
     read_loss("cross-entropy", model(x), y, named=False)
 
@@ -170,7 +170,7 @@ def test_nll_on_logits_is_refused():
 
 def test_value_guard_trips_on_a_wrong_reading():
     """A loss record whose value is not the module's: the guard refuses before any product."""
-    from sharpcli.io.loss_readings import LossReading, check_loss_value
+    from sharpcli.io.torch_losses.readings import LossReading, check_loss_value
 
     x, gen = _data()
     y = torch.randint(0, C, (12,), generator=gen)
@@ -206,7 +206,7 @@ def test_bce_with_logits_any_shape(shape, loss):
 
 def test_bce_pos_weight_output_hessian_formula():
     """H_z = w s (1 - s) (pw y + 1 - y) element-wise, against double backward of torch's."""
-    from sharpcli.io.loss_options import configure_loss, module_spec
+    from sharpcli.io.torch_losses.options import configure_loss, module_spec
     from sharpcli.losses import get_loss
 
     gen = torch.Generator().manual_seed(4)

@@ -27,7 +27,7 @@ from sharpcli.curvature import (
 )
 from sharpcli.curvature.operators.registry import HESSIAN
 from sharpcli.errors import UsageError
-from sharpcli.io.loss_readings import LossReading
+from sharpcli.io.torch_losses.readings import LossReading
 from sharpcli.losses import token_reduction
 
 

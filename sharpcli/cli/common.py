@@ -212,7 +212,7 @@ LossOpt = Annotated[
         rich_help_panel="Data",
         metavar=choices.metavar(catalogue.LOSSES, params=True),
         # one help line, no values listed (every analysis command's --help fits 80 lines);
-        # an unknown name or option is refused listing them (sharpcli.io.loss_options)
+        # an unknown name or option is refused listing them (sharpcli.io.torch_losses.options)
         help="Loss (default: the checkpoint's, else inferred).",
     ),
 ]

@@ -1,2 +1,2 @@
 """Reading and writing, by job: datasets and their formats (``data/``), checkpoints
-(``checkpoints/``), and the library's in-memory data and torch losses."""
+(``checkpoints/``), and torch's losses read as sharp's (``torch_losses/``)."""

@@ -1,4 +1,4 @@
-"""Hugging Face causal-LM batches as Hugging Face defines them (sharpcli.io.causal_lm).
+"""Hugging Face causal-LM batches as Hugging Face defines them (sharpcli.io.torch_losses.causal_lm).
 
 ``{"input_ids": ids, "labels": ids}`` with ``-100`` on padding: with no loss named, the loss is
 the model's own (transformers' ``ForCausalLMLoss``: logits ``t`` against label ``t + 1``, the mean
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from sharpcli import Curvature  # noqa: E402
 from sharpcli.errors import UsageError  # noqa: E402
-from sharpcli.io.causal_lm import causal_lm_name, model_labels, shift_token_labels  # noqa: E402
+from sharpcli.io.torch_losses.causal_lm import causal_lm_name, model_labels, shift_token_labels  # noqa: E402
 from sharpcli.losses import token_reduction  # noqa: E402
 from tests.cli_helpers import assert_one_line_error, run_cli  # noqa: E402
 

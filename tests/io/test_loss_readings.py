@@ -14,7 +14,7 @@ from torch import nn
 
 from sharpcli import Curvature
 from sharpcli.errors import UsageError
-from sharpcli.io.loss_readings import LossReading, check_loss_value, read_loss
+from sharpcli.io.torch_losses.readings import LossReading, check_loss_value, read_loss
 from tests.hessian_helpers import double_backward_hessian, jacobian_ggn
 
 

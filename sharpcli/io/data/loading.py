@@ -37,7 +37,6 @@ from sharpcli.bounded import check_data_path
 from sharpcli.catalogue import DATASETS
 from sharpcli.catalogue.values import TEST, TRAIN
 from sharpcli.errors import InputError, UsageError
-from sharpcli.io.causal_lm import input_ids_of, labels_shifted_by_hand, shift_token_labels
 from sharpcli.io.data.builtin import (
     BLOBS,
     BUILTIN_ARGS,
@@ -47,6 +46,11 @@ from sharpcli.io.data.builtin import (
 )
 from sharpcli.io.data.dataset import Dataset
 from sharpcli.io.data.formats import FORMATS, DataFormat, data_format, optional_spec_keys, route
+from sharpcli.io.torch_losses.causal_lm import (
+    input_ids_of,
+    labels_shifted_by_hand,
+    shift_token_labels,
+)
 from sharpcli.losses import IGNORE_INDEX
 from sharpcli.specs import parse_spec
 
@@ -411,17 +415,17 @@ def apply_label_convention(
     """Token labels and the causal-LM convention (``--shift-labels``).
 
     ``shift_labels`` True: every split's ``(N, T)`` labels are shifted
-    (:func:`~sharpcli.io.causal_lm.shift_token_labels`). False: labels are used as given.
+    (:func:`~sharpcli.io.torch_losses.causal_lm.shift_token_labels`). False: labels are used as given.
     None (the default): labels equal to the input ids (:func:`labels_equal_inputs`) are refused
     with an ``InputError`` saying what to do, since a model that predicts position ``t`` from
     tokens ``<= t`` would be analysed against its own input (lambda_max 134 instead of 8.6 on a
     tiny GPT-2).
 
     ``causal_lm`` (the class name of a Hugging Face causal LM whose own loss is analysed, no
-    loss named: :mod:`sharpcli.io.causal_lm`) reads the labels as that model does when
+    loss named: :mod:`sharpcli.io.torch_losses.causal_lm`) reads the labels as that model does when
     ``shift_labels`` is None: labels equal to the input ids are Hugging Face's and are shifted
     (the spec records ``shift_labels`` true), labels already shifted by hand are kept
-    (:func:`~sharpcli.io.causal_lm.labels_shifted_by_hand`), and any other labels are refused
+    (:func:`~sharpcli.io.torch_losses.causal_lm.labels_shifted_by_hand`), and any other labels are refused
     naming ``shift_labels`` and ``loss``, the two readings that fit.
     """
     if shift_labels is None and causal_lm is not None:

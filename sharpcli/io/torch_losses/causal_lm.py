@@ -23,7 +23,7 @@ naming rule, which also picks ``ForCausalLMLoss`` as the model's ``loss_function
 Labels already shifted by hand (label ``t`` is input ``t + 1`` wherever labelled, the last
 position ``-100``: :func:`labels_shifted_by_hand`) give the same loss read as they are, so
 they keep working unchanged. Other labels are shifted by the library, as the model's
-``loss`` does (:func:`sharpcli.io.in_memory.own_loss_labels`); a data file's are refused naming
+``loss`` does (:func:`sharpcli.io.data.in_memory.own_loss_labels`); a data file's are refused naming
 ``shift_labels`` and ``loss``, where sharp read them as given before
 (:func:`sharpcli.io.data.loading.apply_label_convention`). Whatever the reading, the value on the first batch is compared
 with the model's own ``loss`` before anything is computed (:func:`check_model_own_loss`).

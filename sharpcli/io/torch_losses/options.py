@@ -627,7 +627,7 @@ def configure_loss(spec: LossSpec, reading_name: str, y: torch.Tensor) -> str:
 
 def reference(spec: LossSpec | None) -> nn.Module | None:
     """torch's module for a named loss with options (None without: the registered loss's own
-    reference, :func:`sharpcli.io.loss_readings.reference_loss`)."""
+    reference, :func:`sharpcli.io.torch_losses.readings.reference_loss`)."""
     if spec is None or not spec.without("ignore_index").options:
         return None
     return torch_module(spec)

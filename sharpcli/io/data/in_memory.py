@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from sharpcli.errors import UsageError
-from sharpcli.io.causal_lm import (
+from sharpcli.io.torch_losses.causal_lm import (
     causal_lm_name,
     input_ids_of,
     labels_shifted_by_hand,
     own_loss_note,
     shift_token_labels,
 )
-from sharpcli.io.loss_options import LOSS_MODULES, LossSpec, module_spec, parse_loss_spec
-from sharpcli.io.loss_readings import LossReading, read_loss
+from sharpcli.io.torch_losses.options import LOSS_MODULES, LossSpec, module_spec, parse_loss_spec
+from sharpcli.io.torch_losses.readings import LossReading, read_loss
 from sharpcli.losses import (
     CROSS_ENTROPY,
     IGNORE_INDEX,
@@ -357,8 +357,8 @@ def to_device(tensor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- losses
 def loss_spec(loss) -> LossSpec:
-    """The loss and its options: a module's (:func:`sharpcli.io.loss_options.module_spec`) or
-    a spec's ``NAME[:k=v,...]`` (:func:`sharpcli.io.loss_options.parse_loss_spec`).
+    """The loss and its options: a module's (:func:`sharpcli.io.torch_losses.options.module_spec`) or
+    a spec's ``NAME[:k=v,...]`` (:func:`sharpcli.io.torch_losses.options.parse_loss_spec`).
 
     Raises:
         UsageError: (``loss``) an unsupported module or option, an unknown name.
@@ -373,7 +373,7 @@ def loss_name(loss) -> tuple[str, int | None]:
 
     ``nn.CrossEntropyLoss`` is ``cross-entropy`` (whose reading of the outputs' shape,
     classes on dim 1 or a language model's classes last, is
-    :func:`sharpcli.io.loss_readings.read_loss`'s), ``nn.NLLLoss`` ``nll``,
+    :func:`sharpcli.io.torch_losses.readings.read_loss`'s), ``nn.NLLLoss`` ``nll``,
     ``nn.BCEWithLogitsLoss`` ``binary-cross-entropy``, ``nn.MSELoss`` ``mse``,
     ``nn.HuberLoss`` ``huber``, ``nn.SmoothL1Loss`` ``smooth-l1``; their options are
     :func:`loss_spec`'s. Refused clearly: ``reduction="none"``, other modules.
@@ -388,7 +388,7 @@ def loss_name(loss) -> tuple[str, int | None]:
 
 def resolve_loss(loss, logits: torch.Tensor, y: torch.Tensor) -> tuple[LossReading, int | None]:
     """How sharp reads the loss ``loss`` (a module or a name) on outputs ``logits`` and labels
-    ``y`` (:func:`sharpcli.io.loss_readings.read_loss`; a name is one the user chose), and the
+    ``y`` (:func:`sharpcli.io.torch_losses.readings.read_loss`; a name is one the user chose), and the
     module's ``ignore_index``.
 
     Args:
@@ -494,7 +494,7 @@ def token_reduction_of(loss, name: str, reduction: str | None) -> str | None:
 def own_loss_labels(
     model: nn.Module, collected: CollectedData, reduction: str | None
 ) -> tuple[str, CollectedData, str]:
-    """No loss given: a Hugging Face causal LM's own loss (:mod:`sharpcli.io.causal_lm`).
+    """No loss given: a Hugging Face causal LM's own loss (:mod:`sharpcli.io.torch_losses.causal_lm`).
 
     The labels of ``data`` are Hugging Face's, aligned with the inputs and shifted by the model;
     sharp's ``token-cross-entropy`` over them shifted once is the model's ``loss``. Labels
