@@ -171,14 +171,14 @@ def test_the_library_reads_the_catalogue_s_sets():
     """The library modules that accept these values hold the catalogue's tuples, not copies."""
     from sharpcli.analyses import analyze, bounds, rescale, spectrum, tracking
     from sharpcli.curvature.eigen.lanczos import WHICH
-    from sharpcli.io.data import dataset as datasets_common
+    from sharpcli.io.data.dataset import SPLITS
     from sharpcli.losses import TOKEN_REDUCTIONS
     from sharpcli.models.zoo import MODEL_NAMES
     from sharpcli.preflight import DTYPES
     from sharpcli.report import compare
     from sharpcli.training import config
 
-    assert datasets_common.SPLITS is catalogue.SPLITS
+    assert SPLITS is catalogue.SPLITS
     assert tuple(DTYPES) == catalogue.DTYPES
     assert WHICH is catalogue.WHICH
     assert spectrum.METHODS is catalogue.METHODS
