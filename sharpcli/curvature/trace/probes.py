@@ -140,12 +140,19 @@ class PerBatchTrace:
         values, self.sizes = recorded
         self.values.append(values)
 
+    @staticmethod
+    def exact(per_batch: torch.Tensor, sizes: list[int]) -> DataError | None:
+        """The batch-means error of an exact per-batch split (no probes), None without one."""
+        if per_batch.numel() == 0:
+            return None
+        return batch_means_stderr(per_batch, sizes)
+
     def error(self, constant: torch.Tensor | None = None) -> DataError | None:
         """The batch-means error of ``constant_b + mean_j values_bj`` (None if lost)."""
         if not self.values:
             return None
         per_batch = torch.cat(self.values, 1).mean(1)
-        if constant is not None:
+        if constant is not None and constant.numel():
             per_batch = per_batch + constant
         return batch_means_stderr(per_batch, self.sizes)
 
