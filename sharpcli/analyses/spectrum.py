@@ -18,6 +18,7 @@ import math
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.analyses.data_advice import annotate_eigen, annotate_trace
 from sharpcli.analyses.hvp import (
     FINITE_DIFFERENCE,
     add_hvp_record,
@@ -155,7 +156,7 @@ def eigen(
         max_matvecs=max_matvecs,
         seed=seed,
     )
-    out = result.to_dict()
+    out = annotate_eigen(result.to_dict(), native.data.num_samples, _symbol(operator))
     out.update(operator=operator, scope=scope_info(native.scope))
     if which != "largest":
         _note_rank_bound(out, operator_spec(operator), session, native.scope.numel)
@@ -338,6 +339,8 @@ def _trace_report(result, operator: str, square: bool, scope, engine) -> dict:
     """The ``results`` of :func:`trace`: the estimate, its per-layer traces, the scope and
     (``engine`` not None) the products' ``hvp`` record."""
     d = result.to_dict()
+    symbol = _symbol(operator)
+    annotate_trace(d, f"Tr({symbol}^2)" if square else f"tr({symbol})", result.tol or 1e-2)
     by_layer = d.pop("by_layer")
     out = {
         TRACE_KEY: d,

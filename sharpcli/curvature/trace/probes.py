@@ -116,6 +116,7 @@ class TraceResult:
             "data_stderr": None if self.data is None else self.data.stderr,
             "data_method": None if self.data is None else self.data.method,
             "data_batches": None if self.data is None else self.data.batches,
+            "data_samples": None if self.data is None else self.data.samples,
         }
 
 
