@@ -109,7 +109,7 @@ def annotate_trace(trace: dict, name: str, data_tol: float) -> dict:
 
 
 def annotate_eigen(out: dict, samples: int, name: str, data_tol: float = DEFAULT_DATA_TOL) -> dict:
-    """Add ``combined_stderr`` (per eigenvalue: residual and data error in quadrature) and the
+    r"""Add ``combined_stderr`` (per eigenvalue: residual and data error in quadrature) and the
     largest-magnitude first eigenvalue's ``data_advice`` to an eigen result's dict.
 
     The residual :math:`\lVert A u - \theta u \rVert` bounds the distance from the Ritz value

@@ -1,4 +1,4 @@
-"""Gates (``sharp analyze --fail-if``): a condition ``KEY OP NUMBER [at K se]`` over a report's
+r"""Gates (``sharp analyze --fail-if``): a condition ``KEY OP NUMBER [at K se]`` over a report's
 dotted key paths.
 
 ``hessian.lambda_max > 500`` holds when the value at that key is greater than
