@@ -20,7 +20,14 @@ import math
 
 from sharpcli.curvature.products.batch_forms import combined_stderr
 
-__all__ = ["DEFAULT_DATA_TOL", "FEW_BATCHES", "TOO_NOISY", "annotate_eigen", "annotate_trace", "data_advice"]
+__all__ = [
+    "DEFAULT_DATA_TOL",
+    "FEW_BATCHES",
+    "TOO_NOISY",
+    "annotate_eigen",
+    "annotate_trace",
+    "data_advice",
+]
 
 #: The relative data error the eigenvalue reports size their sample advice for.
 DEFAULT_DATA_TOL = 0.05

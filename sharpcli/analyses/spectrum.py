@@ -35,8 +35,8 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
-from sharpcli.curvature.eigen.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.eigen.data_error import eigen_data_error
+from sharpcli.curvature.eigen.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.eigen.ritz import EigenResult
 from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES
 from sharpcli.curvature.operators.registry import (
@@ -261,7 +261,11 @@ def with_data_error(op, result: EigenResult, wanted: bool, keep_vectors: bool) -
             values, errors = result.eigenvalues, error.stderr
             for i in range(len(values) - 1):
                 e1, e2 = errors[i], errors[i + 1]
-                if e1 is not None and e2 is not None and abs(values[i] - values[i + 1]) < 2 * math.hypot(e1, e2):
+                if (
+                    e1 is not None
+                    and e2 is not None
+                    and abs(values[i] - values[i + 1]) < 2 * math.hypot(e1, e2)
+                ):
                     result.notes.append(
                         f"eigenvalues {i + 1} and {i + 2} differ by less than twice their data "
                         "error: which is which is not resolved by the data, and their first-order "

@@ -195,7 +195,10 @@ def canonical_errors(report: dict) -> dict:
         _first_number(hessian.get("eigen_residuals")),
         _first_number(hessian.get("eigen_data_stderr")),
     ]
-    tr = [_first_number(hessian.get("trace_stderr")), _first_number(hessian.get("trace_data_stderr"))]
+    tr = [
+        _first_number(hessian.get("trace_stderr")),
+        _first_number(hessian.get("trace_data_stderr")),
+    ]
     of_hessian = settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN
     if declared.get("reports_eigenvalues") and of_hessian and lam == [None, None]:
         lam = [_first_number(res.get("residuals")), _first_number(res.get("data_stderr"))]

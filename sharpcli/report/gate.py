@@ -155,7 +155,9 @@ def value_errors(report: dict, key: str) -> tuple[float | None, float | None]:
         if probe is None:
             probe = _first(parent.get("residuals", parent.get("eigen_residuals")))
         if data is None:
-            data = _first(parent.get("data_stderr" if name == "eigenvalues" else "eigen_data_stderr"))
+            data = _first(
+                parent.get("data_stderr" if name == "eigenvalues" else "eigen_data_stderr")
+            )
     return probe, data
 
 

@@ -64,7 +64,9 @@ def test_analyze_gate_at_k_se_and_compare_knows_the_noise(tiny, capsys, tmp_path
     common = ("--dtype", "float64", "--batch-size", "8", "--quiet")
     # lambda_max exceeds lam - se by se: trips at 0.5 se, not at 2 se
     gate = f"hessian.lambda_max > {lam - se}"
-    assert run_cli(capsys, "analyze", str(tiny), *common, "--fail-if", gate + " at 0.5 se").code == 1
+    assert (
+        run_cli(capsys, "analyze", str(tiny), *common, "--fail-if", gate + " at 0.5 se").code == 1
+    )
     assert run_cli(capsys, "analyze", str(tiny), *common, "--fail-if", gate + " at 2 se").code == 0
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(report))

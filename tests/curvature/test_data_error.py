@@ -12,12 +12,12 @@ import torch
 from hessian_helpers import double_backward_hessian
 from torch import nn
 
+from sharpcli.analyses.spectrum import eigen_result, trace_result
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.eigen.data_error import eigen_data_error
 from sharpcli.curvature.products.batch_forms import batch_means_stderr
 from sharpcli.curvature.trace.hutchinson import hutchinson
 from sharpcli.curvature.trace.hutchpp import hutchpp
-from sharpcli.analyses.spectrum import eigen_result, trace_result
 
 
 def _mlp_and_data(n=10, seed=0):
@@ -57,7 +57,9 @@ def test_batch_means_by_hand():
 
 def test_trace_data_error_equals_closed_form_on_dense_batch_hessians():
     model, x, y = _mlp_and_data(n=10)
-    engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 4), ParamScope.resolve(model))
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 4), ParamScope.resolve(model)
+    )
     dense = _per_batch_hessians(model, x, y, 4)  # batches of 4, 4, 2
     traces = [float(torch.trace(H)) for H, _ in dense]
     sizes = [B for _, B in dense]
@@ -73,7 +75,9 @@ def test_trace_data_error_equals_closed_form_on_dense_batch_hessians():
 
 def test_hutchinson_per_batch_parts_sum_to_the_estimate_at_no_extra_product():
     model, x, y = _mlp_and_data(n=12, seed=1)
-    engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model))
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 5), ParamScope.resolve(model)
+    )
     columns = []
     apply = engine._apply
 
@@ -95,7 +99,9 @@ def test_hutchinson_per_batch_parts_sum_to_the_estimate_at_no_extra_product():
 
 def test_eigen_data_error_equals_closed_form_of_rayleigh_quotients():
     model, x, y = _mlp_and_data(n=10, seed=2)
-    engine = CurvatureEngine(model, AnalysisData(x, y, "cross-entropy", 4), ParamScope.resolve(model))
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 4), ParamScope.resolve(model)
+    )
     dense = _per_batch_hessians(model, x, y, 4)
     sizes = [B for _, B in dense]
     H = sum(B / 10 * Hb for Hb, B in dense)

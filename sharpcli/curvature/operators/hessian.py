@@ -505,6 +505,7 @@ def _engine_product(
     A recorder of per-batch forms on the engine (``engine.forms``) gets the same coefficients.
     """
     forms = engine.forms
+    coefficients: tuple[float, ...]
     if b == 0.0:
         HV = engine.hessian_matmat(V, operator=name)
         coefficients, out = (a,), (HV if a == 1.0 else a * HV)

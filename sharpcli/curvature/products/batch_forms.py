@@ -173,8 +173,8 @@ class BatchForms:
         batches (a batch that gave no blocks, its loss not depending on the scope: zeros)."""
         shape = (batches, parts, self.left.shape[1], columns)
         out = torch.zeros(shape, dtype=torch.float64)
-        for index, parts in zip(self._indices, self._batches):
-            out[index] = torch.stack(parts).cpu()
+        for index, blocks in zip(self._indices, self._batches):
+            out[index] = torch.stack(blocks).cpu()
         self._calls.append(out)
         self._combined.append(False)
         self._batches, self._indices = [], []

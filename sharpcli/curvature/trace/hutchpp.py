@@ -514,6 +514,11 @@ RANK_RTOL = 1.0
 ORTH_TOL = 1.0
 
 
+#: The most bytes of the per-batch sketch matrices ``Q^T A_b Q`` (K s^2 float64) kept for the
+#: data error; beyond it (thousands of batches with a large sketch) the data error is not given.
+BATCH_SKETCH_BYTES = 256 << 20
+
+
 class RangeSketch:
     """Orthonormal ``Q`` (P, s) spanning ``A S`` for Gaussian ``S``, with ``AQ``; the exact part
     ``tr(Q^T A Q)`` and its layer split, and the residual's per-probe values (module docstring).
@@ -579,6 +584,9 @@ class RangeSketch:
             self.batch_M = None
             return
         block, self.batch_sizes = taken  # (K, s + n, n)
+        if block.shape[0] * block.shape[1] ** 2 * 8 > BATCH_SKETCH_BYTES:
+            self.batch_M = None  # too many batches times too large a sketch: no data error
+            return
         old = self.size
         if self.batch_M.shape[0] == 0:
             self.batch_M = torch.zeros(block.shape[0], 0, 0, dtype=torch.float64)
