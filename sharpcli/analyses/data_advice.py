@@ -85,7 +85,7 @@ def _batches_note(batches: int | None) -> str | None:
         rough = 1 / math.sqrt(2 * (batches - 1))
         return (
             f"the data error rests on {batches} batches: itself uncertain by about "
-            f"{rough:.0%} (more batches: a lower --batch-size)"
+            f"{rough:.0%} (smaller batches give more)"
         )
     return None
 
