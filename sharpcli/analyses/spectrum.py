@@ -339,6 +339,19 @@ def trace(
     return _trace_report(result, operator, square, native.scope, native)
 
 
+def _data_fields(error) -> dict:
+    """``data_stderr``, ``data_method``, ``data_batches``, ``data_samples`` of a data error
+    (all None without one), as a trace result's dict has them."""
+    if error is None:
+        return dict.fromkeys(("data_stderr", "data_method", "data_batches", "data_samples"))
+    return {
+        "data_stderr": error.stderr,
+        "data_method": error.method,
+        "data_batches": error.batches,
+        "data_samples": error.samples,
+    }
+
+
 def _trace_report(result, operator: str, square: bool, scope, engine) -> dict:
     """The ``results`` of :func:`trace`: the estimate, its per-layer traces, the scope and
     (``engine`` not None) the products' ``hvp`` record."""
@@ -525,6 +538,7 @@ def gn_nme_result(
                 "samples": split.samples,
                 "estimator": "hutchinson (shared probes)",
                 "converged": split.converged,
+                **_data_fields(split.data.get(name)),
             },
             "by_layer": tr["by_layer"],
             "frobenius_sq": fro["estimate"],

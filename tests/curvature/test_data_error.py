@@ -144,3 +144,20 @@ def test_data_error_calibrated_over_disjoint_samples():
         print(f"z: mean {float(z.mean()):.3f}, sd {float(z.std()):.3f}")
         assert abs(float(z.mean())) < 0.3
         assert 0.7 <= float(z.std()) <= 1.4
+
+
+def test_gn_nme_split_per_batch_parts_keep_h_equal_g_plus_n():
+    from sharpcli.curvature.trace.split import gn_nme_split
+
+    model, x, y = _mlp_and_data(n=12, seed=4)
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 4), ParamScope.resolve(model)
+    )
+    split = gn_nme_split(engine, max_matvecs=40, tol=1e-6)
+    parts = {name: split.data[name] for name in ("hessian", "ggn", "nme")}
+    assert all(p is not None and p.batches == 3 for p in parts.values())
+    for name, error in parts.items():  # equal batches: the estimate is the batch means' mean
+        mean = sum(error.per_batch) / 3
+        assert mean == pytest.approx(split.values[name]["trace"]["estimate"], rel=1e-9, abs=1e-12)
+    h, g, n = (torch.tensor(parts[k].per_batch) for k in ("hessian", "ggn", "nme"))
+    assert torch.allclose(h, g + n, rtol=1e-10, atol=1e-12)

@@ -205,6 +205,13 @@ class BatchForms:
         sizes = local_batch_sizes(self.data)
         return gather_batches(forms, sizes, self.data)
 
+    def take_parts(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The ``(K, parts, m, k)`` forms of the one product recorded, its parts apart (a joint
+        H and G pass read as both), over all ranks' batches; None unless one product."""
+        if len(self._calls) != 1:
+            return None
+        return gather_batches(self._calls[0], local_batch_sizes(self.data), self.data)
+
 
 def local_batch_sizes(data) -> list[int]:
     """This rank's batch sizes ``B_b`` in the order of ``data.batches()``."""
