@@ -164,7 +164,7 @@ class BatchForms:
             index: the batch (its place in the data's order).
             blocks: the batch's products.
         """
-        left = self.left.to(blocks[0].dtype)
+        left = self.left if self.left.dtype == blocks[0].dtype else self.left.to(blocks[0].dtype)
         self._indices.append(index)
         self._batches.append([(left.T @ b).to(torch.float64) for b in blocks])
 

@@ -145,6 +145,8 @@ class CurvatureEngine:
         Yields:
             The :class:`~sharpcli.curvature.products.batch_forms.BatchForms` recorder.
         """
+        scope = self.scope  # the products' dtype and device, once (not a copy per batch)
+        left = left.to(dtype=scope.dtype, device=scope.device)
         outer, self.forms = self.forms, BatchForms(left, self.data)
         try:
             yield self.forms
