@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharpcli.curvature.products.batch_forms import batch_means_stderr, recording
+from sharpcli.curvature.products.batch_forms import batch_means_stderr, can_record, recording
 
 __all__ = ["EigenDataError", "eigen_data_error"]
 
@@ -63,6 +63,8 @@ def eigen_data_error(op, eigenvectors: torch.Tensor) -> EigenDataError | None:
         >>> eigen_data_error(engine.hessian(), u).method
         'batch means of u^T A_b u over 3 batches (first order)'
     """
+    if not can_record(op):  # no batches: spend no product
+        return None
     U = eigenvectors.to(dtype=op.dtype, device=op.device)
     if U.dim() == 1:
         U = U[:, None]

@@ -41,6 +41,7 @@ from sharpcli.curvature.products.data import all_reduce_sum, distributed_rank_an
 
 __all__ = [
     "BatchForms",
+    "can_record",
     "DataError",
     "batch_means_stderr",
     "combined_stderr",
@@ -79,12 +80,19 @@ def combined_stderr(*errors: float | None) -> float | None:
     return math.sqrt(sum(e * e for e in known)) if known else None
 
 
+def can_record(op) -> bool:
+    """Whether :func:`recording` gives ``op``'s per-batch forms (before any product)."""
+    coordinates = getattr(op, "_coordinates", lambda: None)()
+    return coordinates is not None and bool(coordinates[0].records_batch_forms)
+
+
 @contextmanager
 def recording(op, left: torch.Tensor) -> Iterator[BatchForms | None]:
     """Record per-batch forms ``left^T (A_b V)`` of ``op``'s products inside the block.
 
     Yields None for an operator that is not ``a H + b G`` of one engine (a dense matrix, terms
-    of several engines): it has no batches to split.
+    of several engines) and on an engine whose products are not sums over batches (finite
+    differences of whole-set gradients): there are no batches to split.
 
     Args:
         op: the operator.
@@ -93,11 +101,10 @@ def recording(op, left: torch.Tensor) -> Iterator[BatchForms | None]:
     Yields:
         The recorder, or None.
     """
-    coordinates = getattr(op, "_coordinates", lambda: None)()
-    if coordinates is None:
+    if not can_record(op):
         yield None
         return
-    with coordinates[0].recording_forms(left) as forms:
+    with op._coordinates()[0].recording_forms(left) as forms:
         yield forms
 
 

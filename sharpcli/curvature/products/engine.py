@@ -105,6 +105,9 @@ class CurvatureEngine:
         (True, 2)
     """
 
+    # whether the products go through the batch sum of ``_apply`` (per-batch forms recorded)
+    records_batch_forms = True
+
     def __init__(
         self,
         model: nn.Module,
