@@ -56,7 +56,9 @@ def _make_files(tmp_path):
 
 
 def _commands(tmp_path, ckpt, bad, out_name: str) -> dict[str, list[str]]:
-    common = ["--dtype", "float64", "--batch-size", "16", "--json", "-", "--quiet"]
+    # batches of 15: each rank's 45 of the 90 training samples make 3 whole batches, the same
+    # 6 batches as one process's (the data error's batch means then agree too)
+    common = ["--dtype", "float64", "--batch-size", "15", "--json", "-", "--quiet"]
     train = [
         "train",
         "--data",
@@ -234,11 +236,16 @@ def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, na
         norm = max(abs(v) for v in ref["eigenvalues"])
         assert all(_close(a, b, norm) for a, b in zip(ref["eigenvalues"], par["eigenvalues"]))
         assert ref["converged"] == par["converged"] and ref["matvecs"] == par["matvecs"]
+        # the data error's per-batch parts gathered from both ranks: the same batches
+        assert ref["data_method"] == par["data_method"]
+        assert all(_close(a, b) for a, b in zip(ref["data_stderr"], par["data_stderr"]))
     elif name == "trace":
         # a pilot of 10 probes sizes the sample: the estimate is the other 14 of 24 products
         assert ref["trace"]["samples"] == par["trace"]["samples"] == 14
         assert _close(ref["trace"]["estimate"], par["trace"]["estimate"])
         assert _close(ref["trace"]["stderr"], par["trace"]["stderr"])
+        assert ref["trace"]["data_batches"] == par["trace"]["data_batches"] > 1
+        assert _close(ref["trace"]["data_stderr"], par["trace"]["data_stderr"])
         for layer, value in ref["by_layer"].items():
             assert _close(value["estimate"], par["by_layer"][layer]["estimate"])
     else:

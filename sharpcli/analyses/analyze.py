@@ -195,8 +195,9 @@ def eigen_metric(run: MetricRun) -> None:
         eigenvalues=e["eigenvalues"],
         eigen_residuals=e["residuals"],
         eigen_converged=e["converged"],
+        eigen_data_stderr=e.get("data_stderr"),  # batch means (the gate's "at K se")
     )
-    run.matvecs += e["matvecs"]
+    run.matvecs += e["matvecs"] + (e.get("data_matvecs") or 0)
     run.parts.append(e)
 
 
@@ -222,6 +223,7 @@ def trace_metric(run: MetricRun) -> None:
     run.hessian.update(
         trace=t["trace"]["estimate"],
         trace_stderr=t["trace"]["stderr"],
+        trace_data_stderr=t["trace"]["data_stderr"],
         trace_by_layer={k: v["estimate"] for k, v in t["by_layer"].items()},
     )
     run.matvecs += t["trace"]["matvecs"]

@@ -18,6 +18,7 @@ import math
 import torch
 
 from sharpcli import catalogue, memory, progress
+from sharpcli.analyses.data_advice import annotate_eigen, annotate_trace
 from sharpcli.analyses.hvp import (
     FINITE_DIFFERENCE,
     add_hvp_record,
@@ -34,6 +35,7 @@ from sharpcli.curvature import (
     sampled_label_ggn_trace,
 )
 from sharpcli.curvature.density import spectral_density
+from sharpcli.curvature.eigen.data_error import eigen_data_error
 from sharpcli.curvature.eigen.lanczos import DEFAULT_MAX_MATVECS, WHICH
 from sharpcli.curvature.eigen.ritz import EigenResult
 from sharpcli.curvature.operators.hessian import DEFAULT_CACHE_BYTES
@@ -154,7 +156,7 @@ def eigen(
         max_matvecs=max_matvecs,
         seed=seed,
     )
-    out = result.to_dict()
+    out = annotate_eigen(result.to_dict(), native.data.num_samples, _symbol(operator))
     out.update(operator=operator, scope=scope_info(native.scope))
     if which != "largest":
         _note_rank_bound(out, operator_spec(operator), session, native.scope.numel)
@@ -172,6 +174,7 @@ def eigen_result(
     max_matvecs: int | None = None,
     seed: int = 0,
     return_eigenvectors: bool = False,
+    data_error: bool = True,
 ) -> EigenResult:
     """The ``top_k`` extreme eigenvalues of the registered operator ``operator`` on ``engine``.
 
@@ -189,6 +192,8 @@ def eigen_result(
         max_matvecs: The products allowed (None: the method's default).
         seed: Seed of the start vector.
         return_eigenvectors: Keep the Ritz vectors in the result.
+        data_error: Add each eigenvalue's data standard error (one product per eigenvalue,
+            :func:`with_data_error`).
 
     Returns:
         The :class:`~sharpcli.curvature.EigenResult`.
@@ -204,14 +209,15 @@ def eigen_result(
                 source="which",
             )
         with progress.phase(f"eigen {_symbol(operator)}"):
-            return power_iteration(
+            result = power_iteration(
                 op,
                 top_k=top_k,
                 tol=tol,
                 max_matvecs=max_matvecs or 100,
                 seed=seed,
-                return_eigenvectors=return_eigenvectors,
+                return_eigenvectors=return_eigenvectors or data_error,
             )
+        return with_data_error(op, result, data_error, return_eigenvectors)
     dim = engine.scope.numel
     budget = min(dim, int(max_matvecs or DEFAULT_MAX_MATVECS))
     wanted = min(int(top_k) * (2 if which == "both" else 1), dim)
@@ -225,15 +231,50 @@ def eigen_result(
             source="top_k",
         )
     with progress.phase(f"eigen {_symbol(operator)}"):
-        return lanczos(
+        result = lanczos(
             op,
             top_k=top_k,
             which=which,
             tol=tol,
             max_matvecs=max_matvecs,
             seed=seed,
-            return_eigenvectors=return_eigenvectors,
+            return_eigenvectors=return_eigenvectors or data_error,
         )
+    return with_data_error(op, result, data_error, return_eigenvectors)
+
+
+def with_data_error(op, result: EigenResult, wanted: bool, keep_vectors: bool) -> EigenResult:
+    """``result`` with each eigenvalue's data standard error (``wanted``), its vectors kept
+    only when ``keep_vectors``.
+
+    Batch means of the Rayleigh quotients ``u^T A_b u`` (first order,
+    :mod:`sharpcli.curvature.eigen.data_error`): one product of the eigenvectors' block,
+    counted in ``data_matvecs``. A note where two eigenvalues are closer than twice their
+    data errors (the first order is then rough, and their order is not resolved by the data).
+    """
+    vectors = result.eigenvectors
+    if wanted and vectors is not None and vectors.shape[1]:
+        error = eigen_data_error(op, vectors)
+        if error is not None:
+            result.data_stderr, result.data_method = error.stderr, error.method
+            result.data_matvecs = error.matvecs
+            values, errors = result.eigenvalues, error.stderr
+            for i in range(len(values) - 1):
+                e1, e2 = errors[i], errors[i + 1]
+                if (
+                    e1 is not None
+                    and e2 is not None
+                    and abs(values[i] - values[i + 1]) < 2 * math.hypot(e1, e2)
+                ):
+                    result.notes.append(
+                        f"eigenvalues {i + 1} and {i + 2} differ by less than twice their data "
+                        "error: which is which is not resolved by the data, and their first-order "
+                        "errors are rough"
+                    )
+                    break
+    if not keep_vectors:
+        result.eigenvectors = None
+    return result
 
 
 def _note_rank_bound(out: dict, spec, session, numel: int) -> None:
@@ -298,10 +339,25 @@ def trace(
     return _trace_report(result, operator, square, native.scope, native)
 
 
+def _data_fields(error) -> dict:
+    """``data_stderr``, ``data_method``, ``data_batches``, ``data_samples`` of a data error
+    (all None without one), as a trace result's dict has them."""
+    if error is None:
+        return dict.fromkeys(("data_stderr", "data_method", "data_batches", "data_samples"))
+    return {
+        "data_stderr": error.stderr,
+        "data_method": error.method,
+        "data_batches": error.batches,
+        "data_samples": error.samples,
+    }
+
+
 def _trace_report(result, operator: str, square: bool, scope, engine) -> dict:
     """The ``results`` of :func:`trace`: the estimate, its per-layer traces, the scope and
     (``engine`` not None) the products' ``hvp`` record."""
     d = result.to_dict()
+    symbol = _symbol(operator)
+    annotate_trace(d, f"Tr({symbol}^2)" if square else f"tr({symbol})", result.tol or 1e-2)
     by_layer = d.pop("by_layer")
     out = {
         TRACE_KEY: d,
@@ -482,6 +538,7 @@ def gn_nme_result(
                 "samples": split.samples,
                 "estimator": "hutchinson (shared probes)",
                 "converged": split.converged,
+                **_data_fields(split.data.get(name)),
             },
             "by_layer": tr["by_layer"],
             "frobenius_sq": fro["estimate"],

@@ -112,7 +112,13 @@ def compare_command(
 
     def body() -> runner.Outcome:
         # kept out of sharp's start-up (--help, completion), which it would slow by 23 ms
-        from sharpcli.report.compare import FORMATS, compare_table, render
+        from sharpcli.report.compare import (
+            FORMATS,
+            compare_table,
+            difference_note,
+            differences,
+            render,
+        )
 
         common.require(
             fmt in FORMATS, f"unknown format {fmt!r}; accepted: {', '.join(FORMATS)}", "--format"
@@ -134,6 +140,7 @@ def compare_command(
         axis_list = [a.strip() for a in axes.split(",") if a.strip()] if axes else []
         kendall = _kendall(list(reports), records, gap, axis_list)
         results = {"rows": records, "columns": list(frame.columns)}
+        results["differences"] = differences(list(reports))
         if kendall is not None:
             results["kendall"] = kendall
         report = make_report(
@@ -159,6 +166,9 @@ def compare_command(
                 console.file.write(text)
             if kendall is not None and fmt == "table" and out is None:
                 _show_kendall(console, kendall)
+            if fmt == "table" and out is None:
+                for row in results["differences"]:
+                    runner.print_note(console, difference_note(row))
 
         return runner.Outcome(report, show)
 

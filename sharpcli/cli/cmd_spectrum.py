@@ -203,22 +203,28 @@ def eigen_command(
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
     matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    matvecs += results.get("data_matvecs") or 0
     report = session.report(EIGEN, settings, results, matvecs=matvecs)
 
     def render(console):
+        data = results.get("data_stderr") or [None] * len(results["eigenvalues"])
         rows = [
-            {"#": i, "eigenvalue": v, "residual": r, "converged": c}
-            for i, (v, r, c) in enumerate(
-                zip(results["eigenvalues"], results["residuals"], results["converged"]), 1
+            {"#": i, "eigenvalue": v, "residual": r, "data stderr": d, "converged": c}
+            for i, (v, r, d, c) in enumerate(
+                zip(results["eigenvalues"], results["residuals"], data, results["converged"]), 1
             )
         ]
         console.print(
             records_table(
                 f"{operator} eigenvalues ({results['method']}, engine {results['engine']})",
                 rows,
-                digits={"eigenvalue": 8, "residual": 3},
+                digits={"eigenvalue": 8, "residual": 3, "data stderr": 3},
             )
         )
+        if results.get("data_method"):
+            console.print(
+                f"data stderr: {results['data_method']}, {results['data_matvecs']} more matvecs"
+            )
         console.print(
             f"{results['matvecs']} matvecs over {session.num_samples} samples, "
             f"{results['scope']['numel']} parameters"
@@ -325,6 +331,8 @@ def trace_command(
                 {
                     "estimate": t["estimate"],
                     "stderr": t["stderr"],
+                    "data stderr": t.get("data_stderr"),
+                    "data method": t.get("data_method"),
                     "matvecs": t["matvecs"],
                     "probes": t["samples"],
                     "converged": t["converged"],

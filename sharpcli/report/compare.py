@@ -15,11 +15,17 @@ columns gather the same quantity from whichever command produced it, so that a
 | trace         | results.hessian.trace(.estimate), results.trace.estimate (trace of H)         |
 | frobenius_sq  | results.hessian.frobenius_sq, results.trace.estimate (trace --square)         |
 | nme_share     | results.nme_share                                                             |
+
+:func:`differences` tests each run's ``lambda_max`` and ``trace`` against the first run's:
+the difference against its combined standard error (each run's probe or residual and data
+errors, :func:`canonical_errors`, in quadrature over both runs); ``results.differences`` of
+``sharp compare`` and its notes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -164,6 +170,98 @@ def canonical_row(report: dict, name: str) -> dict:
     row[TRACE_KEY], row["frobenius_sq"] = tr, fro
     row["nme_share"] = _number(res.get("nme_share"))
     return row
+
+
+def _first_number(value):
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def canonical_errors(report: dict) -> dict:
+    """``{"lambda_max": se, "trace": se}``: each canonical number's combined standard error,
+    the probes' (or the eigenvalue's residual) and the data's in quadrature (None where the
+    report gives neither).
+
+    From ``results.hessian`` (``trace_stderr``, ``trace_data_stderr``, ``eigen_residuals``,
+    ``eigen_data_stderr``) or an ``eigen`` / ``trace`` report of the Hessian
+    (``residuals`` and ``data_stderr``; ``trace.stderr`` and ``trace.data_stderr``).
+    """
+    res = report.get("results", {})
+    settings = report.get("settings", {})
+    declared = _declared(report.get("command"))
+    hessian = res.get(catalogue.HESSIAN) if isinstance(res.get(catalogue.HESSIAN), dict) else {}
+    lam = [
+        _first_number(hessian.get("eigen_residuals")),
+        _first_number(hessian.get("eigen_data_stderr")),
+    ]
+    tr = [
+        _first_number(hessian.get("trace_stderr")),
+        _first_number(hessian.get("trace_data_stderr")),
+    ]
+    of_hessian = settings.get("operator", catalogue.HESSIAN) == catalogue.HESSIAN
+    if declared.get("reports_eigenvalues") and of_hessian and lam == [None, None]:
+        lam = [_first_number(res.get("residuals")), _first_number(res.get("data_stderr"))]
+    trace = res.get(TRACE_KEY)
+    if declared.get("reports_trace") and of_hessian and isinstance(trace, dict):
+        if not settings.get("square"):
+            tr = [_first_number(trace.get("stderr")), _first_number(trace.get("data_stderr"))]
+
+    def quadrature(errors):
+        known = [e for e in errors if e is not None]
+        return math.sqrt(sum(e * e for e in known)) if known else None
+
+    return {"lambda_max": quadrature(lam), TRACE_KEY: quadrature(tr)}
+
+
+def differences(paths: list[str], sigmas: float = 2.0) -> list[dict]:
+    r"""Each later run's ``lambda_max`` and ``trace`` against the first run's, with the noise.
+
+    For values :math:`a` (first run) and :math:`b` with combined standard errors
+    :math:`s_a, s_b` (:func:`canonical_errors`), :math:`z = (b - a) / \sqrt{s_a^2 + s_b^2}`;
+    ``"differs"`` when :math:`|z|` exceeds ``sigmas``, else ``"within noise"``.
+
+    Args:
+        paths: the reports, the first the reference.
+        sigmas: the threshold on :math:`|z|`.
+
+    Returns:
+        One ``{"run", "against", "quantity", "difference", "stderr", "z", "verdict"}`` per
+        pair where both values and at least one error are known.
+    """
+    names = run_names(paths)
+    reports = [read_report(p) for p in paths]
+    rows = [canonical_row(r, n) for r, n in zip(reports, names)]
+    errors = [canonical_errors(r) for r in reports]
+    out = []
+    for i in range(1, len(rows)):
+        for quantity in ("lambda_max", TRACE_KEY):
+            a, b = rows[0][quantity], rows[i][quantity]
+            known = [e for e in (errors[0][quantity], errors[i][quantity]) if e is not None]
+            if a is None or b is None or not known:
+                continue
+            stderr = math.sqrt(sum(e * e for e in known))
+            z = (b - a) / stderr if stderr > 0 else math.copysign(math.inf, b - a)
+            out.append(
+                {
+                    "run": names[i],
+                    "against": names[0],
+                    "quantity": quantity,
+                    "difference": b - a,
+                    "stderr": stderr,
+                    "z": z,
+                    "verdict": "differs" if abs(z) > sigmas else "within noise",
+                }
+            )
+    return out
+
+
+def difference_note(row: dict) -> str:
+    """One line of :func:`differences`: the difference, its error and the verdict."""
+    return (
+        f"{row['quantity']}: {row['run']} - {row['against']} = {row['difference']:.4g} "
+        f"+- {row['stderr']:.2g} (z = {row['z']:.2g}): {row['verdict']}"
+    )
 
 
 def _flat_scalars(report: dict) -> dict:

@@ -1,13 +1,22 @@
-"""Gates (``sharp analyze --fail-if``): a condition ``KEY OP NUMBER`` over a report's dotted key
-paths.
+r"""Gates (``sharp analyze --fail-if``): a condition ``KEY OP NUMBER [at K se]`` over a report's
+dotted key paths.
 
 ``hessian.lambda_max > 500`` holds when the value at that key is greater than
 500; the command then exits 1. OP is one of ``> >= < <= == !=``.
+
+``hessian.lambda_max > 500 at 2 se`` holds only when the value exceeds 500 by more than 2
+combined standard errors, :math:`v - 500 > 2\,\mathrm{se}`, with
+:math:`\mathrm{se} = \sqrt{\mathrm{se}_{\mathrm{probe}}^2 + \mathrm{se}_{\mathrm{data}}^2}`
+from the report's error fields beside the value (:func:`value_errors`): a difference the
+noise could make does not trip it. ``<`` and ``<=`` mirror it (:math:`500 - v > 2\,\mathrm{se}`);
+``!=`` trips when :math:`|v - 500| > K\,\mathrm{se}` and ``==`` when
+:math:`|v - 500| \le K\,\mathrm{se}`. A value without error fields is a UsageError.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -24,8 +33,11 @@ _OPS = {
     "==": operator.eq,
     "!=": operator.ne,
 }
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _PATTERN = re.compile(
-    r"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|==|!=|>|<)\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)\s*$"
+    rf"^\s*([A-Za-z_][\w.\-]*)\s*(>=|<=|==|!=|>|<)\s*({_NUMBER})"
+    rf"(?:\s+at\s+({_NUMBER})\s*se)?\s*$",
+    re.IGNORECASE,
 )
 
 
@@ -38,6 +50,7 @@ class Gate:
     op: str
     threshold: float
     text: str
+    sigmas: float | None = None  # ``at K se``: the margin in combined standard errors
 
     def evaluate(self, report: dict) -> dict:
         """The gate on ``report``: the value at ``key`` and whether the condition tripped;
@@ -56,23 +69,117 @@ class Gate:
             value = value[0]
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise UsageError(f"{self.text!r}: {self.key} is not a number", source="fail_if")
+        verdict = {"expr": self.text, "key": self.key, "value": value}
+        if self.sigmas is None:
+            return {**verdict, "tripped": bool(_OPS[self.op](value, self.threshold))}
+        probe, data = value_errors(report, self.key)
+        if probe is None and data is None:
+            raise UsageError(
+                f"{self.text!r}: the report gives no standard error for {self.key}",
+                source="fail_if",
+            )
+        stderr = math.hypot(probe or 0.0, data or 0.0)
         return {
-            "expr": self.text,
-            "key": self.key,
-            "value": value,
-            "tripped": bool(_OPS[self.op](value, self.threshold)),
+            **verdict,
+            "stderr": stderr,
+            "probe_stderr": probe,
+            "data_stderr": data,
+            "tripped": beyond(value, self.op, self.threshold, self.sigmas * stderr),
         }
 
 
+def beyond(value: float, op: str, threshold: float, margin: float) -> bool:
+    """Whether ``value OP threshold`` holds by more than ``margin`` (module docstring)."""
+    gap = value - threshold
+    if op in (">", ">="):
+        return gap > margin if op == ">" else gap >= margin
+    if op in ("<", "<="):
+        return -gap > margin if op == "<" else -gap >= margin
+    if op == "!=":
+        return abs(gap) > margin
+    return abs(gap) <= margin
+
+
+def _first(value):
+    """A number, or the first of a list of numbers, else None."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _entry(values, index: int) -> float | None:
+    """Entry ``index`` of a list of numbers, None when there is none."""
+    if not isinstance(values, list) or not -len(values) <= index < len(values):
+        return None
+    return _first(values[index])
+
+
+def value_errors(report: dict, key: str) -> tuple[float | None, float | None]:
+    """``(probe error, data error)`` of the value at ``key``, from the fields beside it.
+
+    The probes' error: ``stderr`` of a value ``{"estimate", "stderr", "data_stderr"}``, else
+    the sibling ``NAME_stderr``, else the eigenvalue's residual (``residuals`` or
+    ``eigen_residuals``, first entry, for ``eigenvalues`` and ``lambda_max``: it bounds the
+    distance to an eigenvalue). The data's: ``data_stderr`` of such a value, else the sibling
+    ``NAME_data_stderr``, else ``data_stderr`` beside ``eigenvalues`` (first entry).
+
+    Args:
+        report: the report.
+        key: the dotted key.
+
+    Returns:
+        Each error, None where the report has none.
+    """
+    value = lookup(report, key)
+    if isinstance(value, dict):
+        return _first(value.get("stderr")), _first(value.get("data_stderr"))
+    parent_key, _, name = key.rpartition(".")
+    if name.lstrip("-").isdigit() and parent_key.rpartition(".")[2] == "eigenvalues":
+        # an eigenvalue by index: its residual and data error by the same index
+        owner_key = parent_key.rpartition(".")[0]
+        owner = lookup(report, owner_key) if owner_key else report.get("results", report)
+        prefix = "eigen_" if "eigen_residuals" in owner else ""
+        return (
+            _entry(owner.get(f"{prefix}residuals"), int(name)),
+            _entry(owner.get(f"{prefix}data_stderr"), int(name)),
+        )
+    try:
+        parent = lookup(report, parent_key) if parent_key else report.get("results", report)
+    except KeyError:
+        return None, None
+    if not isinstance(parent, dict):
+        return None, None
+    probe = _first(parent.get(f"{name}_stderr"))
+    data = _first(parent.get(f"{name}_data_stderr"))
+    if name in ("eigenvalues", "lambda_max"):
+        if probe is None:
+            probe = _first(parent.get("residuals", parent.get("eigen_residuals")))
+        if data is None:
+            data = _first(
+                parent.get("data_stderr" if name == "eigenvalues" else "eigen_data_stderr")
+            )
+    return probe, data
+
+
 def parse_gate(fail_if: str) -> Gate:
-    """The gate of the condition ``fail_if`` (``"hessian.lambda_max > 500"``); a UsageError on
-    ``fail_if`` unless it is ``KEY OP NUMBER``."""
+    """The gate of the condition ``fail_if`` (``"hessian.lambda_max > 500"``, ``"... at 2 se"``);
+    a UsageError on ``fail_if`` unless it is ``KEY OP NUMBER [at K se]``."""
     m = _PATTERN.match(fail_if)
     if not m:
         raise UsageError(
-            f"{fail_if!r} is not KEY OP NUMBER (OP one of > >= < <= == !=)", source="fail_if"
+            f"{fail_if!r} is not KEY OP NUMBER [at K se] (OP one of > >= < <= == !=)",
+            source="fail_if",
         )
-    return Gate(key=m.group(1), op=m.group(2), threshold=float(m.group(3)), text=fail_if.strip())
+    sigmas = None if m.group(4) is None else float(m.group(4))
+    if sigmas is not None and not sigmas >= 0:
+        raise UsageError(f"{fail_if!r}: K of 'at K se' must be >= 0", source="fail_if")
+    return Gate(
+        key=m.group(1),
+        op=m.group(2),
+        threshold=float(m.group(3)),
+        text=fail_if.strip(),
+        sigmas=sigmas,
+    )
 
 
 def _matches(parts: list[str], pattern: str) -> bool:

@@ -109,6 +109,10 @@ class EigenResult:
             values are the k extreme ones counted with multiplicity, as far as the run shows),
             ``unresolved_because``, ``deflated_restarts``, ``copies_found``,
             ``more_copies_of``; ``None`` when not checked.
+        data_stderr: each eigenvalue's standard error over the analysis set's samples
+            (:mod:`sharpcli.curvature.eigen.data_error`), None where not computed.
+        data_method: how ``data_stderr`` was computed.
+        data_matvecs: the products it took (not in ``matvecs``).
     """
 
     eigenvalues: list[float]
@@ -128,6 +132,9 @@ class EigenResult:
     reorthogonalized: int | None = None
     max_basis: int | None = None
     multiplicity: dict | None = None
+    data_stderr: list[float | None] | None = None
+    data_method: str | None = None
+    data_matvecs: int = 0
 
     def to_dict(self) -> dict:
         """The result as JSON-ready data.
@@ -151,6 +158,9 @@ class EigenResult:
             "restarts": self.restarts,
             "reorthogonalized": self.reorthogonalized,
             "max_basis": self.max_basis,
+            "data_stderr": None if self.data_stderr is None else list(self.data_stderr),
+            "data_method": self.data_method,
+            "data_matvecs": self.data_matvecs,
         }
         if self.warm_start is not None:
             out["warm_start"] = dict(self.warm_start)

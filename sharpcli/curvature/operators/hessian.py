@@ -500,18 +500,27 @@ class LinearCombination(CurvatureOperator):
 def _engine_product(
     engine: CurvatureEngine, a: float, b: float, V: torch.Tensor, name: str
 ) -> torch.Tensor:
-    """:math:`(a H + b G) V` of one engine in one pass over the data, the cheapest way."""
+    """:math:`(a H + b G) V` of one engine in one pass over the data, the cheapest way.
+
+    A recorder of per-batch forms on the engine (``engine.forms``) gets the same coefficients.
+    """
+    forms = engine.forms
+    coefficients: tuple[float, ...]
     if b == 0.0:
         HV = engine.hessian_matmat(V, operator=name)
-        return HV if a == 1.0 else a * HV
-    if a == 0.0:
+        coefficients, out = (a,), (HV if a == 1.0 else a * HV)
+    elif a == 0.0:
         GV = engine.ggn_matmat(V, operator=name)
-        return GV if b == 1.0 else b * GV
-    if a == -b:
+        coefficients, out = (b,), (GV if b == 1.0 else b * GV)
+    elif a == -b:
         NV = engine.nme_matmat(V, operator=name)
-        return NV if a == 1.0 else a * NV
-    HV, GV = engine.hessian_and_ggn_matmat(V)
-    return a * HV + b * GV
+        coefficients, out = (a,), (NV if a == 1.0 else a * NV)
+    else:
+        HV, GV = engine.hessian_and_ggn_matmat(V)
+        coefficients, out = (a, b), a * HV + b * GV
+    if forms is not None:
+        forms.combine(coefficients)
+    return out
 
 
 def joint_matmat(

@@ -34,12 +34,15 @@ The operators by ``--operator`` name: :mod:`sharpcli.curvature.operators.registr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from sharpcli import catalogue, memory
+from sharpcli.curvature.products.batch_forms import BatchForms
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.products.differentiable import twice_differentiable
 from sharpcli.curvature.products.graphs import (
@@ -102,6 +105,9 @@ class CurvatureEngine:
         (True, 2)
     """
 
+    # whether the products go through the batch sum of ``_apply`` (per-batch forms recorded)
+    records_batch_forms = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -126,6 +132,29 @@ class CurvatureEngine:
         self._batched_ok = self.vectorize > 1
         self.matvecs = 0  # joint (H, G) products computed through hessian_and_ggn_matvec/matmat
         self.chunking = VocabChunking(data.loss, vocab_chunk)
+        self.forms: BatchForms | None = None  # per-batch forms while recording_forms is on
+
+    @contextmanager
+    def recording_forms(self, left: torch.Tensor) -> Iterator[BatchForms]:
+        """Keep ``left^T (A_b V)`` per batch of the products made inside the block.
+
+        The per-batch parts of a quantity linear in the operator, for its data error
+        (:mod:`sharpcli.curvature.products.batch_forms`): no extra product, one small matrix
+        product per batch.
+
+        Args:
+            left: a ``(P, m)`` block.
+
+        Yields:
+            The :class:`~sharpcli.curvature.products.batch_forms.BatchForms` recorder.
+        """
+        scope = self.scope  # the products' dtype and device, once (not a copy per batch)
+        left = left.to(dtype=scope.dtype, device=scope.device)
+        outer, self.forms = self.forms, BatchForms(left, self.data)
+        try:
+            yield self.forms
+        finally:
+            self.forms = outer
 
     # ----------------------------------------------------------------- cache management
     def _state_versions(self):
@@ -444,6 +473,8 @@ class CurvatureEngine:
             blocks = self._batch_blocks(graph, V, batch_product, len(parts))
             for part, block in zip(parts, blocks):
                 self._check_finite(block, part, operator, index)
+            if self.forms is not None:
+                self.forms.add(index, blocks)
             if totals is None:
                 totals = blocks
                 continue
@@ -451,6 +482,8 @@ class CurvatureEngine:
                 total += block
             del blocks  # at 124M parameters each block is 0.5 GB
         memory.trim_heap()  # what the product freed leaves the resident set (sharpcli.memory)
+        if self.forms is not None:
+            self.forms.close_product(self.data.num_batches, len(parts), V.shape[1])
         if totals is None:
             totals = [torch.zeros_like(V) for _ in parts]
         for total in totals:

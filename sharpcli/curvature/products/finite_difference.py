@@ -204,6 +204,9 @@ class FiniteDifferenceEngine(CurvatureEngine):
         True
     """
 
+    # differences of whole-set gradients: no per-batch parts to record (no data error)
+    records_batch_forms = False
+
     def __init__(self, model, data, scope):
         super().__init__(model, data, scope, cache_bytes=0, vectorize=1)
         self.sharded = is_sharded(scope.params)

@@ -25,8 +25,10 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.catalogue.values import TRACE_KEY
+from sharpcli.curvature.products.batch_forms import recording
 from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.curvature.trace.probes import (
+    PerBatchTrace,
     TraceResult,
     blocks_of,
     check_budget,
@@ -61,6 +63,8 @@ class _Probes:
         self.block_size = int(block_size)
         self.matvecs = 0
         self.expected: int | None = None  # the products planned, once the pilot has run
+        # the main sample's per-batch values g^T A_b g (the trace's data error; none for A^2)
+        self.per_batch = PerBatchTrace()
 
     def draw(self, count: int, run, tol: float) -> torch.Tensor:
         """``count`` probes' rows, reported to ``run`` block by block.
@@ -83,7 +87,15 @@ class _Probes:
         while drawn < count:
             k = min(self.block_size, count - drawn)
             for G in self.probes.blocks(k):
-                AG = op.matmat(G)
+                if self.expected is None or self.quantity != TRACE_KEY:
+                    AG = op.matmat(G)
+                else:  # the main sample: its per-batch quadratic forms, at no product
+                    with recording(op, G) as forms:
+                        AG = op.matmat(G)
+                    taken = None if forms is None else forms.take()
+                    self.per_batch.add(
+                        None if taken is None else (taken[0].diagonal(dim1=1, dim2=2), taken[1])
+                    )
                 left = G if self.quantity == TRACE_KEY else AG
                 rows.append(product_segment_sums(left, AG, self.blocks).T)
                 del G, AG, left
@@ -108,8 +120,10 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     (:mod:`sharpcli.curvature.trace.probes`).
 
     Returns:
-        ``(mean, stderr, matvecs, probes, converged)`` of the main sample; ``converged``
-        says whether its standard error reached ``tol`` relative to its mean.
+        ``(mean, stderr, matvecs, probes, converged, data)`` of the main sample; ``converged``
+        says whether its standard error reached ``tol`` relative to its mean, ``data`` is the
+        trace's batch-means data error (None for ``Tr(A^2)``, not linear in the data, and
+        for an operator without batches).
     """
     check_budget(tol, max_matvecs, block_size)
     budget = int(max_matvecs)
@@ -128,6 +142,8 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
     ):
         pilot = pilot_size(min_samples, budget)
         count = budget
+        if not pilot:
+            probes.expected = budget
         if pilot:
             mean, stderr = mean_stderr(probes.draw(pilot, run, tol))
             count = planned_probes(
@@ -148,7 +164,7 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
             stderr=float(stderr[0]),
         )
     converged = bool(stderr[0] <= tol * abs(mean[0]))
-    return mean, stderr, probes.matvecs, samples.shape[0], converged
+    return mean, stderr, probes.matvecs, samples.shape[0], converged, probes.per_batch.error()
 
 
 def hutchinson(
@@ -193,7 +209,7 @@ def hutchinson(
         (10.0, 7.0)
     """
     blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged = _probe_loop(
+    mean, stderr, matvecs, n, converged, data = _probe_loop(
         op,
         TRACE_KEY,
         tol=tol,
@@ -212,6 +228,7 @@ def hutchinson(
         converged=converged,
         tol=tol,
         by_layer=layer_dict(list(blocks), mean, stderr),
+        data=data,
     )
 
 
@@ -254,7 +271,7 @@ def frobenius_sq(
         5.0
     """
     blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged = _probe_loop(
+    mean, stderr, matvecs, n, converged, _ = _probe_loop(
         op,
         "square",
         tol=tol,

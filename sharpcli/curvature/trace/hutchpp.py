@@ -70,9 +70,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from sharpcli import memory, progress
+from sharpcli.curvature.products.batch_forms import recording
 from sharpcli.curvature.products.scope import gaussian_like, rademacher_like
 from sharpcli.curvature.trace.hutchinson import hutchinson, probed
 from sharpcli.curvature.trace.probes import (
+    PerBatchTrace,
     TraceResult,
     blocks_of,
     check_budget,
@@ -264,6 +266,8 @@ class _AdaptiveSketch:
         self.stored: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.growing = True
         self.pilot_rows: torch.Tensor | None = None
+        # the main sample's per-batch residual values (the data error); None while piloting
+        self.per_batch: PerBatchTrace | None = None
 
     def extend(self, count: int) -> None:
         """Grow the sketch by ``count`` columns (``2 count`` products); its exact part with it.
@@ -286,7 +290,12 @@ class _AdaptiveSketch:
         """
         op = self.op
         G = rademacher_like(op.shape[0], self.generator, op.dtype, op.device, k)
-        AG = op.matmat(G)
+        if self.per_batch is None:
+            AG = op.matmat(G)
+        else:  # the main sample: [G Q]^T A_b G per batch, at no product
+            with recording(op, torch.cat([G, self.sketch.Q], 1)) as forms:
+                AG = op.matmat(G)
+            self.per_batch.add(self.sketch.batch_residuals(G, forms))
         self.matvecs += k
         if self.growing:
             self.stored.append((G, AG))
@@ -364,6 +373,14 @@ class _AdaptiveSketch:
             name: {"estimate": float(total[i + 1]), "stderr": float(stderr[i + 1])}
             for i, name in enumerate(self.blocks)
         }
+        data = None
+        exact_per_batch = self.sketch.batch_exact_part()
+        if exact_per_batch is not None and not bool(self.offset.any()):  # no known part
+            data = (
+                self.per_batch.error(exact_per_batch)
+                if self.per_batch is not None and self.rows
+                else PerBatchTrace.exact(exact_per_batch, self.sketch.batch_sizes)
+            )
         return TraceResult(
             estimate=float(total[0]),
             stderr=float(stderr[0]),
@@ -375,6 +392,7 @@ class _AdaptiveSketch:
             by_layer=by_layer,
             sketch_size=self.sketch.size,
             notes=notes,
+            data=data,
         )
 
 
@@ -451,6 +469,7 @@ def _hutchpp_loop(
         )
     state.pilot_rows = torch.cat(state.rows) if state.rows else None
     state.growing, state.stored, state.rows = False, [], []
+    state.per_batch = PerBatchTrace()
     expected = state.matvecs + count
     drawn, estimate, stderr = 0, state.exact[0], torch.tensor(float("inf"))
     while drawn < count:
@@ -495,6 +514,11 @@ RANK_RTOL = 1.0
 ORTH_TOL = 1.0
 
 
+#: The most bytes of the per-batch sketch matrices ``Q^T A_b Q`` (K s^2 float64) kept for the
+#: data error; beyond it (thousands of batches with a large sketch) the data error is not given.
+BATCH_SKETCH_BYTES = 256 << 20
+
+
 class RangeSketch:
     """Orthonormal ``Q`` (P, s) spanning ``A S`` for Gaussian ``S``, with ``AQ``; the exact part
     ``tr(Q^T A Q)`` and its layer split, and the residual's per-probe values (module docstring).
@@ -509,6 +533,9 @@ class RangeSketch:
         self.scale = 0.0
         self.exhausted = False
         self.lost: float | None = None
+        # per batch Q^T A_b Q, (K, s, s), recorded with A Q (the data error); None if lost
+        self.batch_M: torch.Tensor | None = torch.zeros(0, 0, 0, dtype=torch.float64)
+        self.batch_sizes: list[int] = []
 
     @property
     def size(self) -> int:
@@ -544,9 +571,65 @@ class RangeSketch:
             self.lost = error
             self.exhausted = True
             return columns
-        self.AQ = torch.cat([self.AQ, op.matmat(new)], 1)
+        with recording(op, torch.cat([self.Q, new], 1)) as forms:
+            self.AQ = torch.cat([self.AQ, op.matmat(new)], 1)
+        self._add_batch_forms(forms)
         self.Q = torch.cat([self.Q, new], 1)
         return columns + new.shape[1]
+
+    def _add_batch_forms(self, forms) -> None:
+        """Grow the per-batch ``Q^T A_b Q`` by the new columns' ``[Q new]^T A_b new``."""
+        taken = None if forms is None else forms.take()
+        if taken is None or self.batch_M is None:
+            self.batch_M = None
+            return
+        block, self.batch_sizes = taken  # (K, s + n, n)
+        if block.shape[0] * block.shape[1] ** 2 * 8 > BATCH_SKETCH_BYTES:
+            self.batch_M = None  # too many batches times too large a sketch: no data error
+            return
+        old = self.size
+        if self.batch_M.shape[0] == 0:
+            self.batch_M = torch.zeros(block.shape[0], 0, 0, dtype=torch.float64)
+        M = torch.zeros(block.shape[0], block.shape[1], block.shape[1], dtype=torch.float64)
+        M[:, :old, :old] = self.batch_M
+        M[:, :, old:] = block
+        M[:, old:, :old] = block[:, :old].transpose(1, 2)
+        self.batch_M = M
+
+    def batch_exact_part(self) -> torch.Tensor | None:
+        """``(K,)``: the sketch's exact trace per batch, ``tr(Q^T A_b Q)`` (None if unknown)."""
+        if self.batch_M is None:
+            return None
+        if self.size == 0:
+            return torch.zeros(0, dtype=torch.float64) if not self.batch_sizes else None
+        return self.batch_M.diagonal(dim1=1, dim2=2).sum(1)
+
+    def batch_residuals(self, G: torch.Tensor, forms) -> tuple[torch.Tensor, list[int]] | None:
+        r"""``(K, k)`` per-batch residual values :math:`(P g)^\top A_b (P g)` of probes ``G``.
+
+        With :math:`c = Q^\top g`: :math:`g^\top A_b g - 2 c^\top Q^\top A_b g +
+        c^\top (Q^\top A_b Q) c`, from the recorded :math:`[G\ Q]^\top A_b G`; summed over the
+        batches, the residual value of :meth:`residual_values`.
+
+        Args:
+            G: ``(P, k)`` probes.
+            forms: the recorder of their product (None: not recorded).
+
+        Returns:
+            ``(values, batch sizes)``, or None.
+        """
+        taken = None if forms is None else forms.take()
+        if taken is None or self.batch_M is None:
+            return None
+        block, sizes = taken
+        k = G.shape[1]
+        plain = block[:, :k].diagonal(dim1=1, dim2=2)  # g^T A_b g
+        if self.size == 0:
+            return plain, sizes
+        c = (self.Q.T @ G).to(torch.float64).cpu()  # (s, k)
+        cross = (c[None] * block[:, k:]).sum(1)  # c^T Q^T A_b g
+        quad = (c[None] * (self.batch_M @ c[None])).sum(1)  # c^T M_b c
+        return plain - 2 * cross + quad, sizes
 
     def _orthonormal_columns(self, Y: torch.Tensor) -> torch.Tensor:
         """The columns of ``Y`` that add a direction, orthonormal and orthogonal to ``Q``.

@@ -37,12 +37,14 @@ import torch
 from sharpcli import memory
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.operators.hessian import CurvatureOperator
+from sharpcli.curvature.products.batch_forms import DataError, batch_means_stderr
 from sharpcli.curvature.products.totals import DOT_CHUNK, chunk_bounds, chunked_dots
 from sharpcli.errors import UsageError
 
 __all__ = [
     "PILOT_MARGIN",
     "PILOT_PROBES",
+    "PerBatchTrace",
     "TraceResult",
     "blocks_of",
     "check_budget",
@@ -70,7 +72,9 @@ class TraceResult:
     """A trace (or ``Tr(A^2)``) estimate with standard error and per-layer breakdown.
 
     ``by_layer`` maps a layer (module) name to ``{"estimate", "stderr"}``; layer estimates
-    sum to ``estimate``. ``stderr`` is ``None`` when the engine gives none.
+    sum to ``estimate``. ``stderr`` is ``None`` when the engine gives none; it is the probes'
+    error given the analysis set. ``data`` is the error over the set's samples (batch means,
+    :mod:`sharpcli.curvature.products.batch_forms`), None where it was not computed.
     """
 
     estimate: float
@@ -85,6 +89,7 @@ class TraceResult:
     engine: str = "native"
     sketch_size: int = 0
     notes: list[str] = field(default_factory=list)
+    data: DataError | None = None
 
     @property
     def relative_stderr(self) -> float | None:
@@ -108,7 +113,49 @@ class TraceResult:
             "engine": self.engine,
             "sketch_size": self.sketch_size,
             "notes": list(self.notes),
+            "data_stderr": None if self.data is None else self.data.stderr,
+            "data_method": None if self.data is None else self.data.method,
+            "data_batches": None if self.data is None else self.data.batches,
+            "data_samples": None if self.data is None else self.data.samples,
         }
+
+
+class PerBatchTrace:
+    """The per-batch parts of a probe estimate, collected block by block of probes.
+
+    Each block adds a ``(K, k)`` matrix of per-batch, per-probe values whose sum over the
+    batches is the probes' values; :meth:`error` averages over the probes and gives the
+    batch-means standard error of the estimate (plus ``constant`` per batch, the exact part
+    of Hutch++). Lost (None) when any block could not be recorded.
+    """
+
+    def __init__(self):
+        self.values: list[torch.Tensor] | None = []
+        self.sizes: list[int] = []
+
+    def add(self, recorded) -> None:
+        """Add a block's ``(forms, sizes)`` values (None: the recording failed)."""
+        if recorded is None or self.values is None:
+            self.values = None
+            return
+        values, self.sizes = recorded
+        self.values.append(values)
+
+    @staticmethod
+    def exact(per_batch: torch.Tensor, sizes: list[int]) -> DataError | None:
+        """The batch-means error of an exact per-batch split (no probes), None without one."""
+        if per_batch.numel() == 0:
+            return None
+        return batch_means_stderr(per_batch, sizes)
+
+    def error(self, constant: torch.Tensor | None = None) -> DataError | None:
+        """The batch-means error of ``constant_b + mean_j values_bj`` (None if lost)."""
+        if not self.values:
+            return None
+        per_batch = torch.cat(self.values, 1).mean(1)
+        if constant is not None and constant.numel():
+            per_batch = per_batch + constant
+        return batch_means_stderr(per_batch, self.sizes)
 
 
 def blocks_of(op, blocks) -> dict:

@@ -26,6 +26,7 @@ from sharpcli.curvature.operators.hessian import joint_matmat
 from sharpcli.curvature.operators.registry import GGN, HESSIAN, SPLIT
 from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.curvature.trace.probes import (
+    PerBatchTrace,
     check_budget,
     mean_stderr,
     pilot_size,
@@ -47,6 +48,8 @@ class SplitEstimate:
     samples: int = 0
     converged: bool = False
     tol: float = 0.0
+    # per operator: the trace's data error (batch means), None where not recorded
+    data: dict = field(default_factory=dict)
 
 
 def gn_nme_split(
@@ -105,6 +108,8 @@ def gn_nme_split(
         (o, q): [] for o in SPLIT for q in QUANTITIES
     }
     matvecs = 0
+    # the main sample's per-batch v^T H_b v and v^T G_b v (the traces' data errors)
+    per_batch: dict[str, PerBatchTrace] | None = None
 
     def draw(count: int, run) -> None:
         """``count`` more probes into ``rows``, ``block_size`` drawn together at a time."""
@@ -114,7 +119,12 @@ def gn_nme_split(
             k = min(int(block_size), count - drawn)
             # the same seed gives the same probes whatever the block size and budget
             for V in probes.blocks(k):
-                HV, GV, NV = joint_matmat(operators, V)
+                if per_batch is None:
+                    HV, GV, NV = joint_matmat(operators, V)
+                else:  # the main sample: per-batch forms of the joint pass, no extra product
+                    with engine.recording_forms(V) as forms:
+                        HV, GV, NV = joint_matmat(operators, V)
+                    _add_split_forms(per_batch, forms.take_parts())
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
                     # float64 sums of the exact products, not product_segment_sums' float32
                     # dot products: those broke tr(H) = tr(G) + tr(N) by 5e-9 relative on a
@@ -159,12 +169,14 @@ def gn_nme_split(
             count = max(plans)
             for key in rows:
                 rows[key] = []
+        per_batch = {name: PerBatchTrace() for name in SPLIT}
         draw(count, run)
         converged = True
         for name in (HESSIAN, GGN):
             mean, stderr = mean_stderr(torch.cat(rows[(name, TRACE_KEY)]))
             converged = converged and bool(stderr[0] <= tol * abs(mean[0]))
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
+    out.data = {name: per_batch[name].error() for name in SPLIT}
     for name in SPLIT:
         out.values[name] = {}
         for quantity in QUANTITIES:
@@ -187,3 +199,16 @@ def gn_nme_split(
         stderr=hessian_trace["stderr"],
     )
     return out
+
+
+def _add_split_forms(per_batch: dict, taken) -> None:
+    """Add a joint pass's per-batch ``v^T H_b v``, ``v^T G_b v`` and their difference (N)."""
+    if taken is None or taken[0].shape[1] != 2:  # not one joint H and G pass
+        for name in per_batch:
+            per_batch[name].add(None)
+        return
+    forms, sizes = taken
+    h = forms[:, 0].diagonal(dim1=1, dim2=2)
+    g = forms[:, 1].diagonal(dim1=1, dim2=2)
+    for name, values in zip(SPLIT, (h, g, h - g)):
+        per_batch[name].add((values, sizes))
