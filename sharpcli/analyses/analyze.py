@@ -177,6 +177,8 @@ def analyze(
             "hessian.eigenvalues.*",
             "hessian.eigen_residuals",
             "hessian.eigen_residuals.*",
+            "hessian.eigen_data_stderr",
+            "hessian.eigen_data_stderr.*",
         ),
         "rows": ("hessian.lambda_max",),
     },
@@ -209,12 +211,18 @@ def eigen_metric(run: MetricRun) -> None:
     info={
         "order": 2,
         "default": True,
-        "keys": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_by_layer.*"),
-        "rows": ("hessian.trace", "hessian.trace_stderr"),
+        "keys": (
+            "hessian.trace",
+            "hessian.trace_stderr",
+            "hessian.trace_data_stderr",
+            "hessian.trace_by_layer.*",
+        ),
+        "rows": ("hessian.trace", "hessian.trace_stderr", "hessian.trace_data_stderr"),
     },
 )
 def trace_metric(run: MetricRun) -> None:
-    """``hessian.trace``, ``trace_stderr``, ``trace_by_layer``.
+    """``hessian.trace``, ``trace_stderr``, ``trace_data_stderr`` (the data's error, batch
+    means: :mod:`sharpcli.curvature.products.batch_forms`), ``trace_by_layer``.
 
     Args:
         run: the ``analyze`` run, whose results, products and notes it adds to.
