@@ -126,6 +126,14 @@ def test_checkpoint_loss_is_named_as_stored(tmp_path, capsys):
     data = run.json()["data"]
     assert (data["loss"], data["loss_source"]) == ("cross-entropy", "checkpoint")
     assert str(weights) in data["loss_reason"]
+    # the schema holds the provenance keys: a source it does not know is refused
+    from sharpcli.report.envelope import validate_report
+
+    report = run.json()
+    validate_report(report)
+    report["data"]["loss_source"] = "guessed"
+    with pytest.raises(Exception, match="guessed"):
+        validate_report(report)
 
 
 def test_two_cross_entropy_readings_are_refused_unless_named(tmp_path, capsys, monkeypatch):
