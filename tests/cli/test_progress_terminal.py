@@ -88,6 +88,8 @@ def test_train_progress_and_epoch_lines_in_an_80_column_terminal(tmp_path):
     assert done == sorted(done), done
     total = int(frames[0].group(2))
     assert {int(m.group(2)) for m in frames} == {total} and total % EPOCHS == 0
+    # The first frame drawn can come late when the steps are fast (a loaded machine drew its
+    # first at step 180 of 216), so only the frames drawn before the estimate is stable are
+    # checked for having none.
     with_eta = [int(m.group(1)) for m in frames if m.group(4)]
-    assert frames[0].group(4) is None  # not at the start
     assert all(d >= 1 + bars.ETA_UNITS for d in with_eta), with_eta
