@@ -17,8 +17,8 @@ training trajectory (resume stays bit for bit).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -52,16 +52,39 @@ def check_tracked(names: list[str]) -> list[str]:
     return names
 
 
+@dataclass
+class StepContext:
+    """The training step a measurement follows: what the stability quantities read besides
+    the model, and what a quantity keeps from one measurement to the next.
+
+    ``optimizer`` is the torch optimizer as it stands after the step (its ``param_groups``
+    hold the hyper-parameters in force at that step, schedules included; its ``state`` holds
+    Adam's second moments); None outside a training loop (``sharp analyze``, a bare
+    :func:`measure`), where the quantities that need it are refused. ``step`` counts
+    optimizer steps from 1, ``batch_size`` is the training mini-batch size (batch sharpness
+    draws mini-batches of it from the tracked set). ``warm`` is each quantity's state carried
+    between measurements, keyed by the quantity's name (the top eigenvector that warm-starts
+    the next Lanczos run); one context is kept for a whole run so that it persists.
+    """
+
+    optimizer: Any = None
+    step: int | None = None
+    batch_size: int | None = None
+    warm: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Budget:
     """What a tracked quantity may spend: the seed of its probes, the relative standard error
     ``tol`` and the products ``max_matvecs`` of each trace, the products of the eigenvalue
-    (``eigen_max_matvecs``, None: ``min(P, 100)``)."""
+    (``eigen_max_matvecs``, None: ``min(P, 100)``); and ``step``, the training step the
+    measurement follows (:class:`StepContext`: the optimizer, the warm starts)."""
 
     seed: int
     tol: float
     max_matvecs: int
     eigen_max_matvecs: int | None
+    step: StepContext = field(default_factory=StepContext)
 
 
 def _probed(estimator, engine, budget: Budget) -> tuple[float, int]:
@@ -208,6 +231,7 @@ def measure(
     tol: float = 5e-2,
     max_matvecs: int = 200,
     eigen_max_matvecs: int | None = None,
+    step: StepContext | None = None,
 ) -> tuple[dict, int]:
     """``(values, products)``: the quantities ``names`` (:data:`TRACKABLE`) of the curvature
     pass ``engine`` (model already in eval mode) and the curvature products they took.
@@ -217,11 +241,12 @@ def measure(
     ``nme_trace``, ``nme_share`` (shared probes), the traces to relative standard error ``tol``
     or ``max_matvecs`` products each; ``adaptive_sharpness``: [Andriushchenko2023]'s adaptive
     worst-case l2 sharpness at rho 0.05 over the whole set (10 Auto-PGD steps; gradients, no
-    curvature products).
+    curvature products). ``step``: the training step the measurement follows
+    (:class:`StepContext`; None: none, as outside a training loop).
     """
 
     check_tracked(names)
-    budget = Budget(seed, tol, max_matvecs, eigen_max_matvecs)
+    budget = Budget(seed, tol, max_matvecs, eigen_max_matvecs, step or StepContext())
     out: dict = {}
     products = 0
     for entry in sorted(TRACKABLE.entries(), key=_column):
