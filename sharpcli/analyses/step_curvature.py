@@ -746,8 +746,9 @@ def track_batch_sharpness(engine, out: dict, budget) -> int:
     out["batch_sharpness"] = result.estimate
     out["batch_sharpness_stderr"] = result.stderr
     out["batch_sharpness_batches"] = result.batches
-    if step.optimizer is not None:
-        out["batch_sharpness_threshold"] = _sgd_threshold(step.optimizer)
+    threshold = None if step.optimizer is None else _sgd_threshold(step.optimizer)
+    if threshold is not None:
+        out["batch_sharpness_threshold"] = threshold
     return result.matvecs
 
 

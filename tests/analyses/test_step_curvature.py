@@ -161,13 +161,14 @@ def test_critical_sharpness_is_the_mean_curvature_along_the_step_by_finite_diffe
     # the direction, independently: the step a copy of the optimizer takes, per unit rate
     params = params_of(model)
     g = flat_gradient(model, params, x, y)
-    twin, twin_optimizer = copy.deepcopy(model), torch.optim.SGD([], lr=0.3)
+    twin = copy.deepcopy(model)
     twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.3, momentum=0.9, nesterov=True)
     twin_optimizer.load_state_dict(optimizer.state_dict())
     twin_optimizer.zero_grad()
     F.cross_entropy(twin(x), y).backward()
     twin_optimizer.step()
-    d = torch.cat([(a - b).reshape(-1) for a, b in zip(twin.parameters(), model.parameters())])
+    pairs = zip(twin.parameters(), model.parameters())
+    d = torch.cat([(a - b).detach().reshape(-1) for a, b in pairs])
     d = d / 0.3
     lo, hi = result.bracket
     L0 = exact_loss(model, x, y)
