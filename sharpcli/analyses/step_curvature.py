@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from sharpcli.analyses.stability import stability_threshold
 from sharpcli.analyses.update_direction import optimizer_learning_rate, update_direction
 from sharpcli.curvature import AnalysisData, CurvatureEngine, all_reduce_sum, lanczos
 from sharpcli.curvature.products.data import to_model_batch
@@ -181,7 +182,7 @@ def batch_sharpness(
     *,
     seed: int = 0,
     max_batches: int | None = None,
-    batch_context: Callable[[AnalysisData], contextlib.AbstractContextManager] | None = None,
+    batch_context: Callable[[AnalysisData], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> BatchSharpness:
     r"""Batch sharpness ([Andreyev2024]) of the analysis set of ``engine``: the mean over
     mini-batches B of :math:`g_B^\top H_B g_B / \lVert g_B \rVert^2` (module docstring).
@@ -704,8 +705,6 @@ def _sgd_threshold(optimizer: Any) -> float | None:
     """The stability threshold of lambda_max for a non-adaptive optimizer (2/lr, (2 + 2 mu)/lr
     with momentum: :func:`sharpcli.analyses.stability.stability_threshold`), None for an
     adaptive one, whose threshold is that of its preconditioned sharpness."""
-    from sharpcli.analyses.stability import stability_threshold
-
     threshold = stability_threshold(optimizer)
     return None if threshold.preconditioned else float(threshold.value)
 

@@ -63,7 +63,7 @@ class StepCurvature(CurvatureProducts):
         self.refresh()
         reduction = self.token_reduction
 
-        def own_tokens(data: AnalysisData) -> contextlib.AbstractContextManager:
+        def own_tokens(data: AnalysisData) -> contextlib.AbstractContextManager[Any]:
             # a token loss averaged over the mini-batch's own labelled tokens
             if reduction is None:
                 return contextlib.nullcontext()
