@@ -763,14 +763,15 @@ def track_batch_sharpness(engine, out: dict, budget) -> int:
             "critical_sharpness_forward_passes",
             "critical_sharpness_threshold",
         ),
-        "column": 8,
+        "column": 9,
     },
 )
 def track_critical_sharpness(engine, out: dict, budget) -> int:
     """``critical_sharpness`` along the optimizer's next step (gradient descent without one),
     to 5% of the rate, with ``critical_sharpness_forward_passes``; ``critical_sharpness_threshold``
     = 2/lr (above it the next step raises the loss) when the optimizer is known. The search
-    starts from the previous measurement's rate (kept in ``budget.step.warm``).
+    starts from the previous measurement's rate (kept in ``budget.step.warm``). It runs last
+    of the built-ins (its column): moving the weights drops the engine's cached graphs.
 
     Args:
         engine: the curvature engine (model in eval mode, the tracked subset).
@@ -807,7 +808,7 @@ def _warm_vector(warm: dict, numel: int) -> torch.Tensor | None:
     "||V_k^T g||^2 / ||g||^2, the gradient's share in the top-k Hessian eigenspace (k = "
     "number of classes)",
     paper="GurAri2018",
-    info={"keys": ("gradient_share", "gradient_share_k"), "column": 9},
+    info={"keys": ("gradient_share", "gradient_share_k"), "column": 8},
 )
 def track_gradient_share(engine, out: dict, budget) -> int:
     """``gradient_share`` and ``gradient_share_k`` (k = the number of classes), Lanczos to a

@@ -332,3 +332,12 @@ def test_adaptive_optimizers_have_no_batch_sharpness_threshold():
         values, _ = measure(curvature.engine, [BATCH_SHARPNESS], step=context)
     assert values["batch_sharpness"] is not None
     assert "batch_sharpness_threshold" not in values
+
+
+def test_batch_sharpness_by_finite_differences_of_gradients_agrees():
+    model = tanh_net(9)
+    x, y = blobs(24)
+    exact = Curvature(model, nn.CrossEntropyLoss(), (x, y)).batch_sharpness(6, seed=1)
+    differences = Curvature(model, nn.CrossEntropyLoss(), (x, y), hvp="finite-difference")
+    result = differences.batch_sharpness(6, seed=1)
+    assert result.values == pytest.approx(exact.values, rel=1e-6)

@@ -29,10 +29,10 @@ RECORDED = (
     "batch_sharpness",
     "batch_sharpness_stderr",
     "batch_sharpness_batches",
-    "critical_sharpness",
-    "critical_sharpness_forward_passes",
     "gradient_share",
     "gradient_share_k",
+    "critical_sharpness",
+    "critical_sharpness_forward_passes",
 )
 
 
