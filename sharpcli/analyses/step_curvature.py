@@ -729,7 +729,9 @@ def track_batch_sharpness(engine, out: dict, budget) -> int:
     """``batch_sharpness`` with ``batch_sharpness_stderr`` and ``batch_sharpness_batches``,
     over mini-batches of ``budget.step.batch_size`` (the analysis batch size when unset), at
     most ``budget.max_matvecs`` of them; ``batch_sharpness_threshold`` (2/lr, (2 + 2 mu)/lr
-    with momentum) when the optimizer is known and not adaptive.
+    with momentum) when the optimizer is known and not adaptive. A token loss keeps the
+    tracked set's token averaging here (``Curvature.batch_sharpness`` averages each batch over
+    its own labelled tokens).
 
     Args:
         engine: the curvature engine (model in eval mode, the tracked subset).

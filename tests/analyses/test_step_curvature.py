@@ -341,3 +341,24 @@ def test_batch_sharpness_by_finite_differences_of_gradients_agrees():
     differences = Curvature(model, nn.CrossEntropyLoss(), (x, y), hvp="finite-difference")
     result = differences.batch_sharpness(6, seed=1)
     assert result.values == pytest.approx(exact.values, rel=1e-6)
+
+
+def test_batch_sharpness_of_a_token_loss_averages_each_batch_over_its_own_tokens():
+    from tests.test_api import _padded_lm_problem
+
+    model, ids, labels = _padded_lm_problem()
+    module = nn.CrossEntropyLoss(ignore_index=-100)
+    curvature = Curvature(model, module, (ids, labels), batch_size=3)
+    result = curvature.batch_sharpness(4, seed=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = []
+    for indices in minibatch_indices(8, 4, seed=2):
+        xb, yb = ids[indices], labels[indices]
+
+        def batch_loss(z, target, yb=yb):  # the mean over the batch's labelled tokens
+            return module(z.reshape(-1, z.shape[-1]), yb.reshape(-1))
+
+        g = flat_gradient(model, params, xb, yb, loss_fn=batch_loss)
+        H = double_backward_hessian(model, params, xb, yb, loss_fn=batch_loss)
+        expected.append(float(g @ H @ g / (g @ g)))
+    assert result.values == pytest.approx(expected, rel=1e-8)
