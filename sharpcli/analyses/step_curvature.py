@@ -16,7 +16,9 @@ in the top eigenspace; each a tracked quantity of ``sharp train --track`` and ``
   product per batch (:math:`H_B g_B`, whose dot with :math:`g_B` is the numerator), with the
   standard error :math:`s / \sqrt{n}` over the ``n`` batches (:math:`s` their sample standard
   deviation; the error of a mean of independent draws, which the draws without replacement
-  can only make smaller).
+  can only make smaller). It is the mean of the ratios, as the paper's estimator, not the
+  ratio of the means :math:`\mathbb{E}[g_B^\top H_B g_B] / \mathbb{E}[\lVert g_B \rVert^2]`
+  (each batch's numerator and denominator are kept: :class:`BatchSharpness`).
 - **Critical sharpness** ([Kalra2026]): :math:`\lambda_c = 2 / \eta_c`, :math:`\eta_c` the
   smallest learning rate at which one step along the update direction :math:`d` raises the
   loss, :math:`L(\theta + \eta_c d) = L(\theta)`. On a quadratic model of the loss along
@@ -784,9 +786,12 @@ def track_critical_sharpness(engine, out: dict, budget) -> int:
         0: no curvature product (forward passes only).
     """
     step = budget.step
-    result = critical_sharpness(engine, step.optimizer, start=step.warm.get(CRITICAL_SHARPNESS))
+    last = step.warm.get(CRITICAL_SHARPNESS)
+    start = float(last) if last is not None and float(last) > 0 else None
+    result = critical_sharpness(engine, step.optimizer, start=start)
     if result.rate is not None:
-        step.warm[CRITICAL_SHARPNESS] = result.rate
+        # a tensor, as every warm start: a resumable run saves the tensors among them
+        step.warm[CRITICAL_SHARPNESS] = torch.tensor(result.rate, dtype=torch.float64)
     out["critical_sharpness"] = result.estimate
     out["critical_sharpness_forward_passes"] = result.forward_passes
     if result.threshold is not None:
