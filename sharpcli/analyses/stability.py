@@ -41,13 +41,14 @@ correction of ``m`` (``1 / (1 - b1^t)``) tends to 1 and is left out, as in [Cohe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from sharpcli.errors import UsageError
 
-__all__ = ["Threshold", "stability_threshold"]
+__all__ = ["Threshold", "scope_threshold", "stability_threshold"]
 
 
 @dataclass(frozen=True)
@@ -200,3 +201,35 @@ def stability_threshold(optimizer: torch.optim.Optimizer, group: int = 0) -> Thr
         "Nesterov), Adam, AdamW, RMSprop",
         source="optimizer",
     )
+
+
+def scope_threshold(optimizer: torch.optim.Optimizer, params) -> Threshold:
+    """The threshold of the param groups that hold ``params`` (a scope's parameters): the one
+    :func:`stability_threshold` of those groups when they agree.
+
+    Raises:
+        UsageError: (source ``optimizer``) what :func:`stability_threshold` refuses; no group
+            holding any of ``params``; groups with different thresholds (different learning
+            rates, momenta or weight decays: no single number bounds the sharpness then).
+    """
+    wanted = {id(p) for p in params}
+    groups = [
+        i
+        for i, group in enumerate(getattr(optimizer, "param_groups", []))
+        if any(id(p) in wanted for p in group["params"])
+    ]
+    if not groups:
+        raise UsageError(
+            f"the {type(optimizer).__name__} optimizer holds none of the measured parameters",
+            source="optimizer",
+        )
+    thresholds = [stability_threshold(optimizer, i) for i in groups]
+    first = thresholds[0]
+    if any(not math.isclose(t.value, first.value, rel_tol=1e-12) for t in thresholds[1:]):
+        values = ", ".join(f"group {i}: {t.value:.6g}" for i, t in zip(groups, thresholds))
+        raise UsageError(
+            f"the measured parameters' param groups have different stability thresholds "
+            f"({values}); measure one group's parameters (a parameter scope) instead",
+            source="optimizer",
+        )
+    return first

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharpcli.analyses.stability import Threshold, stability_threshold
+from sharpcli.analyses.stability import Threshold, scope_threshold, stability_threshold
 from sharpcli.errors import UsageError
 
 D = torch.float64
@@ -200,3 +200,14 @@ def test_refusals_name_the_problem(make, words):
     assert caught.value.source == "optimizer"
     with pytest.raises(UsageError, match="no group 3"):
         stability_threshold(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 3)
+
+
+def test_scope_threshold_reads_the_groups_holding_the_parameters():
+    a, b, c = (torch.zeros(2, requires_grad=True) for _ in range(3))
+    opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
+    assert scope_threshold(opt, [a, b]).value == pytest.approx(20.0)
+    assert scope_threshold(opt, [c]).value == pytest.approx(4.0)
+    with pytest.raises(UsageError, match="group 0: 20, group 1: 4"):
+        scope_threshold(opt, [a, c])
+    with pytest.raises(UsageError, match="holds none of the measured parameters"):
+        scope_threshold(opt, [torch.zeros(1, requires_grad=True)])
