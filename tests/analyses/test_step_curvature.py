@@ -364,3 +364,65 @@ def test_batch_sharpness_of_a_token_loss_averages_each_batch_over_its_own_tokens
         H = double_backward_hessian(model, params, xb, yb, loss_fn=batch_loss)
         expected.append(float(g @ H @ g / (g @ g)))
     assert result.values == pytest.approx(expected, rel=1e-8)
+
+
+# ------------------------------------------------------------------ two gloo ranks on CPU
+def _step_quantities(engine) -> dict:
+    """The three quantities on ``engine`` (every rank runs the same calls)."""
+    from sharpcli.analyses.step_curvature import (
+        batch_sharpness,
+        critical_sharpness,
+        gradient_share,
+    )
+
+    bs = batch_sharpness(engine, 7, seed=4)
+    critical = critical_sharpness(engine, tol=0.01)
+    share = gradient_share(engine, 2, tol=1e-10, max_matvecs=38)
+    return {
+        "values": bs.values,
+        "estimate": bs.estimate,
+        "rate": critical.rate,
+        "passes": critical.forward_passes,
+        "share": share.share,
+    }
+
+
+def _ranked_engine(rank: int = 0):
+    from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
+
+    model = tanh_net(11)
+    x, y = blobs(30, seed=5)
+    data = AnalysisData(x, y, "cross-entropy", batch_size=4)  # sharded by the process group
+    return CurvatureEngine(model, data, ParamScope.resolve(model))
+
+
+def _rank_main(rank: int, port: int, results) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results[rank] = _step_quantities(_ranked_engine(rank))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_measure_what_one_process_does():
+    """Each mini-batch's samples are split by the ranks' shards and the products summed."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(port, results), nprocs=2, join=True)
+    single = _step_quantities(_ranked_engine())
+    for rank in (0, 1):
+        ranked = results[rank]
+        assert ranked["values"] == pytest.approx(single["values"], rel=1e-10)
+        assert ranked["rate"] == pytest.approx(single["rate"], rel=1e-10)
+        assert ranked["passes"] == single["passes"]
+        assert ranked["share"] == pytest.approx(single["share"], rel=1e-8)
