@@ -128,7 +128,7 @@ TrackOpt = Annotated[
         metavar="NAME,...",
         autocompletion=choices.list_completer(catalogue.TRACKABLE.names()),
         rich_help_panel="Training",
-        help="Curvature recorded while training, e.g. --track eigen,trace.",
+        help="Curvature to track, e.g. eigen,trace.",
     ),
 ]
 TrainPlotOpt = _valued(
