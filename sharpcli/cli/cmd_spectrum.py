@@ -202,7 +202,8 @@ def eigen_command(
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    blocks_run = results.get("blocks", [])
+    matvecs = results["matvecs"] + sum(b["matvecs"] + b["data_matvecs"] for b in blocks_run)
     matvecs += results.get("data_matvecs") or 0
     report = session.report(EIGEN, settings, results, matvecs=matvecs)
 
@@ -237,6 +238,7 @@ def eigen_command(
                     "block": b["name"],
                     "numel": b["numel"],
                     "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
+                    "data stderr": ", ".join(f"{d:.3g}" for d in b["data_stderr"] or [] if d),
                     "converged": all(b["converged"]),
                 }
                 for b in shown
@@ -354,6 +356,7 @@ def trace_command(
                     "numel": b["numel"],
                     "estimate": b["estimate"],
                     "stderr": b["stderr"],
+                    "data stderr": b.get("data_stderr"),
                     "converged": b["converged"],
                 }
                 for b in shown
@@ -363,10 +366,12 @@ def trace_command(
                     "numel": results["blocks_sum"]["numel"],
                     "estimate": results["blocks_sum"]["estimate"],
                     "stderr": results["blocks_sum"]["stderr"],
+                    "data stderr": results["blocks_sum"].get("data_stderr"),
                     "converged": None,
                 }
             ]
-            console.print(records_table(f"{quantity} per block", block_rows))
+            digits = {"data stderr": 3}
+            console.print(records_table(f"{quantity} per block", block_rows, digits=digits))
             if left:
                 console.print(left)
         for note in t.get("notes") or []:

@@ -47,6 +47,7 @@ __all__ = [
     "combined_stderr",
     "method_name",
     "recording",
+    "summed_error",
 ]
 
 
@@ -65,6 +66,8 @@ class DataError:
         batches: the batches K.
         samples: the samples N.
         per_batch: the batch means :math:`x_b` (per sample), for the advisor and the tests.
+        sizes: the batches' sample counts :math:`B_b`, in the order of ``per_batch`` (the
+            parts of a sum over blocks are summed batch by batch: :func:`summed_error`).
     """
 
     stderr: float | None
@@ -72,6 +75,7 @@ class DataError:
     batches: int
     samples: int
     per_batch: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 def combined_stderr(*errors: float | None) -> float | None:
@@ -140,7 +144,37 @@ def batch_means_stderr(contributions, sizes) -> DataError:
     stderr = None
     if K >= 2:
         stderr = math.sqrt(float((w * (x - total) ** 2).sum()) / (K - 1))
-    return DataError(stderr, method_name(K), K, int(N), x.tolist())
+    return DataError(stderr, method_name(K), K, int(N), x.tolist(), [int(b) for b in B])
+
+
+def summed_error(errors: list[DataError | None]) -> DataError | None:
+    r"""The batch-means error of a sum of numbers over the same batches (blocks' traces).
+
+    The numbers share the batches, so their data errors are correlated: the sum's per-batch
+    mean is the sum of theirs, :math:`x_b = \sum_i x_{i,b}`, and its error the batch means of
+    those (not the errors in quadrature).
+
+    Args:
+        errors: the numbers' errors (None: the sum has none).
+
+    Returns:
+        The sum's :class:`DataError`, or None when one is missing or the batches differ.
+
+    Example:
+        >>> a = batch_means_stderr([0.5, 1.5], [2, 2])  # batch means 1 and 3
+        >>> b = batch_means_stderr([1.5, 0.5], [2, 2])  # 3 and 1: the sum is 4 on both
+        >>> summed_error([a, b]).stderr
+        0.0
+    """
+    if not errors or any(e is None or not e.sizes for e in errors):
+        return None
+    known = [e for e in errors if e is not None]
+    sizes = known[0].sizes
+    if any(e.sizes != sizes for e in known):
+        return None
+    x = torch.tensor([e.per_batch for e in known], dtype=torch.float64).sum(0)
+    w = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+    return batch_means_stderr(x * w, sizes)
 
 
 class BatchForms:
