@@ -317,10 +317,11 @@ def trace_blocks(
             ``partition`` is checked as it goes).
 
     Returns:
-        ``([{name, parameters, numel, estimate, stderr, data_stderr, data_method, matvecs,
-        converged}], {estimate, stderr, data_stderr, numel})``: ``data_stderr`` the data's
-        error by batch means (None for ``Tr(A^2)``'s blocks without one, with one batch);
-        the sum's from the blocks' summed per-batch parts.
+        ``([{name, parameters, numel, estimate, stderr, data_stderr, data_method,
+        data_matvecs, matvecs, converged}], {estimate, stderr, data_stderr, numel})``:
+        ``data_stderr`` the data's error by batch means (None with one batch), the sum's from
+        the blocks' summed per-batch parts; ``data_matvecs`` its products beyond ``matvecs``
+        (``Tr(A^2)``'s one block).
     """
     partition = getattr(passes, "partition", None)
     if summed and partition is not None:
@@ -351,6 +352,7 @@ def trace_blocks(
                 "stderr": result.stderr,
                 "data_stderr": None if result.data is None else result.data.stderr,
                 "data_method": None if result.data is None else result.data.method,
+                "data_matvecs": result.data_matvecs,
                 "matvecs": result.matvecs,
                 "converged": result.converged,
             }
@@ -389,7 +391,7 @@ def density_blocks(
 
     Returns:
         ``[{name, parameters, numel, grid, density, nodes, weights, sigma, lambda_min,
-        lambda_max, trace_estimate, trace_stderr, matvecs}]``.
+        lambda_max, trace_estimate, trace_stderr, trace_data_stderr, matvecs}]``.
     """
 
     rows = []
@@ -411,6 +413,7 @@ def density_blocks(
                 "numel": engine.scope.numel,
                 **{key: result[key] for key in keep},
                 "trace_stderr": result["trace_stderr"],
+                "trace_data_stderr": result["trace_data_stderr"],
                 "lambda_min": min(nodes),
                 "lambda_max": max(nodes),
                 "matvecs": result["matvecs"],

@@ -321,26 +321,26 @@ def trace_command(
                 seed=session.seed,
             )
     settings = opts.report_settings(skip=("checkpoint",))
-    matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    matvecs = results["trace"]["matvecs"] + (results["trace"].get("data_matvecs") or 0)
+    matvecs += sum(b["matvecs"] + (b.get("data_matvecs") or 0) for b in results.get("blocks", []))
     report = session.report(TRACE, settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
         quantity = f"Tr({operator}^2)" if square else f"tr({operator})"
-        console.print(
-            key_value_table(
-                f"{quantity} ({t['estimator']}, engine {t['engine']})",
-                {
-                    "estimate": t["estimate"],
-                    "stderr": t["stderr"],
-                    "data stderr": t.get("data_stderr"),
-                    "data method": t.get("data_method"),
-                    "matvecs": t["matvecs"],
-                    "probes": t["samples"],
-                    "converged": t["converged"],
-                },
-            )
-        )
+        numbers = {
+            "estimate": t["estimate"],
+            "stderr": t["stderr"],
+            "data stderr": t.get("data_stderr"),
+            "data method": t.get("data_method"),
+            "matvecs": t["matvecs"],
+            "probes": t["samples"],
+            "converged": t["converged"],
+        }
+        if t.get("data_matvecs"):  # Tr(A^2)'s data error: one more block of products
+            numbers["data matvecs"] = t["data_matvecs"]
+        title = f"{quantity} ({t['estimator']}, engine {t['engine']})"
+        console.print(key_value_table(title, numbers))
         rows = [
             {"layer": k, "estimate": v["estimate"], "stderr": v.get("stderr")}
             for k, v in results["by_layer"].items()
@@ -441,7 +441,8 @@ def gn_nme_command(
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report(GN_NME, settings, results, matvecs=results["matvecs"])
+    matvecs = results["matvecs"] + results["data_matvecs"]
+    report = session.report(GN_NME, settings, results, matvecs=matvecs)
 
     def render(console):
         # imports torch: kept out of start-up
@@ -452,15 +453,16 @@ def gn_nme_command(
                 "operator": OPERATORS[name].symbol,
                 "trace": results[name]["trace"]["estimate"],
                 "± stderr": results[name]["trace"]["stderr"],
+                "± data": results[name]["trace"]["data_stderr"],
                 "lambda_max": results[name]["lambda_max"],
                 "lambda_min": results[name]["lambda_min"],
                 "Tr(A^2)": results[name]["frobenius_sq"],
+                "Tr(A^2) ± data": results[name]["frobenius_sq_data_stderr"],
             }
             for name in SPLIT
         ]
-        console.print(
-            records_table("H = G + N (NME paper, section 2)", rows, digits={"± stderr": 3})
-        )
+        digits = {"± stderr": 3, "± data": 3, "Tr(A^2) ± data": 3}
+        console.print(records_table("H = G + N (NME paper, section 2)", rows, digits=digits))
         console.print(
             key_value_table(
                 "NME share",
@@ -575,6 +577,7 @@ def density_command(
                 "lambda_max",
                 "trace_estimate",
                 "trace_stderr",
+                "trace_data_stderr",
                 "sigma",
                 "matvecs",
             )

@@ -47,6 +47,8 @@ __all__ = [
     "combined_stderr",
     "method_name",
     "recording",
+    "square_error",
+    "square_method_name",
     "summed_error",
 ]
 
@@ -145,6 +147,42 @@ def batch_means_stderr(contributions, sizes) -> DataError:
     if K >= 2:
         stderr = math.sqrt(float((w * (x - total) ** 2).sum()) / (K - 1))
     return DataError(stderr, method_name(K), K, int(N), x.tolist(), [int(b) for b in B])
+
+
+def square_method_name(batches: int) -> str:
+    """The method of ``Tr(A^2)``'s data error (:func:`square_error`) in the reports."""
+    return f"batch means of 2 (A v)^T A_b v over {batches} batches (first order)"
+
+
+def square_error(cross: torch.Tensor, sizes: list[int]) -> DataError:
+    r"""The data error of :math:`\mathrm{Tr}(A^2)` to first order (the delta method).
+
+    With :math:`A = \sum_b A_b`, a change :math:`dA` of the data moves
+    :math:`\mathrm{Tr}(A^2)` by :math:`2\,\mathrm{Tr}(A\, dA)`, so near the analysis set
+    :math:`\mathrm{Tr}(A^2) \approx \sum_b 2\, \mathrm{Tr}(A A_b) - \mathrm{Tr}(A^2)`, linear
+    in the batches, and :math:`\mathrm{Tr}(A A_b) = \mathbb{E}_v [(A v)^\top A_b v]` for
+    Rademacher :math:`v`. The batch-means error of the parts
+    :math:`t_b = 2\, \overline{(A v)^\top A_b v}` (mean over the probes) is the data error
+    ([BatchMeans]); the constant :math:`-\mathrm{Tr}(A^2)` moves nothing. The parts need the
+    product :math:`A v` before the per-batch forms: one more product of a block of probes
+    whose :math:`A v` is known, recorded with ``left`` :math:`= A V`.
+
+    Args:
+        cross: ``(K, k)``: per batch and probe, :math:`(A v_j)^\top A_b v_j` (weighted by
+            :math:`w_b` as the engine's batch products are).
+        sizes: the batches' sample counts.
+
+    Returns:
+        The :class:`DataError` (``method`` named by :func:`square_method_name`).
+
+    Example:
+        >>> error = square_error(torch.tensor([[0.5], [1.5]]), [2, 2])  # 2 x (1, 3) per sample
+        >>> error.stderr  # sqrt(((2 - 4)^2 + (6 - 4)^2) / (2 * 1))
+        2.0
+    """
+    error = batch_means_stderr(2 * cross.to(torch.float64).mean(1), sizes)
+    error.method = square_method_name(error.batches)
+    return error
 
 
 def summed_error(errors: list[DataError | None]) -> DataError | None:
