@@ -357,11 +357,11 @@ def trace_blocks(
                 "converged": result.converged,
             }
         )
-    summed = summed_error(errors)
+    sum_error = summed_error(errors)
     total = {
         "estimate": sum(r["estimate"] for r in rows),
         "stderr": math.sqrt(sum((r["stderr"] or 0.0) ** 2 for r in rows)),
-        "data_stderr": None if summed is None else summed.stderr,
+        "data_stderr": None if sum_error is None else sum_error.stderr,
         "numel": sum(r["numel"] for r in rows),
     }
     return rows, total

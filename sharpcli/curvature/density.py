@@ -231,8 +231,9 @@ class _FirstProductRecorded:
     read); every other product and attribute is ``op``'s."""
 
     def __init__(self, op, left: torch.Tensor):
-        self._op, self._left = op, left.reshape(-1, 1)
-        self.taken = None
+        self._op = op
+        self._left: torch.Tensor | None = left.reshape(-1, 1)
+        self.taken: tuple[torch.Tensor, list[int]] | None = None
 
     def __getattr__(self, name):
         return getattr(self._op, name)

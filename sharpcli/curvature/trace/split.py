@@ -236,8 +236,7 @@ def _square_data_errors(engine, operators, kept) -> tuple[dict, int]:
     h, g = values[:, 0], values[:, 1]
     parts = (h[:, :k], g[:, k : 2 * k], (h - g)[:, 2 * k :])
     return {
-        name: square_error(part.diagonal(dim1=1, dim2=2), sizes)
-        for name, part in zip(SPLIT, parts)
+        name: square_error(part.diagonal(dim1=1, dim2=2), sizes) for name, part in zip(SPLIT, parts)
     }, k
 
 
