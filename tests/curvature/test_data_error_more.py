@@ -274,3 +274,33 @@ def test_lambda_max_first_order_agrees_with_the_delete_one_batch_jackknife():
     ]
     result = eigen_result(_engine(model, x, y, 25), top_k=1, tol=1e-10)
     assert result.data_stderr[0] == pytest.approx(_jackknife(left_out), rel=JACKKNIFE_LAMBDA_RTOL)
+
+
+SCALES = torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)
+# single-output linear regression with mse: H = 2 E[(x, 1)(x, 1)^T] = 2 diag(9, 1, 0.25, 1)
+POPULATION_SQUARE = 4 * (float((SCALES**4).sum()) + 1)  # Tr(H^2) = 332.25
+
+
+def test_square_data_error_calibrated_over_disjoint_samples():
+    """Over 120 disjoint samples of a task with a known population Hessian,
+    (Tr(H^2) - truth) / data_stderr has sd within 0.7-1.4 (measured 0.98), and the reported
+    errors' root mean square is the estimates' spread (measured 1.16 times): the first order
+    and its 8 probes' per-batch parts cover. (Tr(H^2) of a sample is biased up by about
+    Tr(Var H_hat), here 0.2 of an error.) 8 CPU s."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    scope = ParamScope.resolve(model)
+    estimates, errors = [], []
+    for replicate in range(120):
+        x = torch.randn(96, 3, dtype=torch.float64, generator=generator) * SCALES
+        y = torch.randn(96, 1, dtype=torch.float64, generator=generator)
+        engine = CurvatureEngine(model, AnalysisData(x, y, "mse", 6), scope)  # 16 batches
+        result = frobenius_sq(engine.hessian(), max_matvecs=20, tol=1e-9, seed=replicate)
+        estimates.append(result.estimate)
+        errors.append(result.data.stderr)
+    estimates_t = torch.tensor(estimates, dtype=torch.float64)
+    errors_t = torch.tensor(errors, dtype=torch.float64)
+    z = (estimates_t - POPULATION_SQUARE) / errors_t
+    assert 0.7 <= float(z.std()) <= 1.4, float(z.std())
+    ratio = float((errors_t**2).mean().sqrt() / estimates_t.std())
+    assert 0.7 <= ratio <= 1.4, ratio
