@@ -255,6 +255,12 @@ def test_two_ranks_equal_one_process_and_only_rank0_prints(two_ranks, capsys, na
                 assert _close(ref[op][key], par[op][key], norm), (op, key)
             assert _close(ref[op]["frobenius_sq"], par[op]["frobenius_sq"]), op
             assert _close(ref[op]["trace"]["estimate"], par[op]["trace"]["estimate"])
+            # the data errors' per-batch parts gathered from both ranks: the same batches
+            for error in (ref[op]["trace"]["data_stderr"], ref[op]["frobenius_sq_data_stderr"]):
+                assert error is not None and error > 0, op
+            assert _close(ref[op]["trace"]["data_stderr"], par[op]["trace"]["data_stderr"]), op
+            assert _close(ref[op]["frobenius_sq_data_stderr"], par[op]["frobenius_sq_data_stderr"])
+        assert ref["data_matvecs"] == par["data_matvecs"] > 0
         assert _close(ref["nme_share"], par["nme_share"])
         # exact GN trace (all-reduced per-parameter sums) and the sampled-label estimator, whose
         # label draws are keyed by the global sample index, hence rank-independent

@@ -39,7 +39,15 @@ PAC_BAYES, FISHER_RAO = "pac-bayes", "fisher-rao"
 METRICS = catalogue.METRICS
 DEFAULT_METRICS = catalogue.DEFAULT_METRICS
 
-_SPLIT_KEYS = ("trace", "trace_stderr", "lambda_max", "lambda_min", "frobenius_sq")
+_SPLIT_KEYS = (
+    "trace",
+    "trace_stderr",
+    "trace_data_stderr",
+    "lambda_max",
+    "lambda_min",
+    "frobenius_sq",
+    "frobenius_sq_data_stderr",
+)
 
 
 def result_keys(metric: str) -> tuple[str, ...]:
@@ -245,12 +253,22 @@ def trace_metric(run: MetricRun) -> None:
     paper="FA",
     info={
         "order": 3,
-        "keys": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
-        "rows": ("hessian.frobenius_sq", "hessian.frobenius_sq_stderr"),
+        "keys": (
+            "hessian.frobenius_sq",
+            "hessian.frobenius_sq_stderr",
+            "hessian.frobenius_sq_data_stderr",
+        ),
+        "rows": (
+            "hessian.frobenius_sq",
+            "hessian.frobenius_sq_stderr",
+            "hessian.frobenius_sq_data_stderr",
+        ),
     },
 )
 def frobenius_metric(run: MetricRun) -> None:
-    """``hessian.frobenius_sq``, ``frobenius_sq_stderr``.
+    """``hessian.frobenius_sq``, ``frobenius_sq_stderr``, ``frobenius_sq_data_stderr`` (the
+    data's error to first order, from one more block of products:
+    :func:`~sharpcli.curvature.products.batch_forms.square_error`).
 
     Args:
         run: the ``analyze`` run, whose results, products and notes it adds to.
@@ -259,9 +277,11 @@ def frobenius_metric(run: MetricRun) -> None:
         run.session, square=True, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params
     )
     run.hessian.update(
-        frobenius_sq=f["trace"]["estimate"], frobenius_sq_stderr=f["trace"]["stderr"]
+        frobenius_sq=f["trace"]["estimate"],
+        frobenius_sq_stderr=f["trace"]["stderr"],
+        frobenius_sq_data_stderr=f["trace"]["data_stderr"],
     )
-    run.matvecs += f["trace"]["matvecs"]
+    run.matvecs += f["trace"]["matvecs"] + f["trace"]["data_matvecs"]
     run.parts.append(f)
 
 
@@ -281,7 +301,17 @@ def frobenius_metric(run: MetricRun) -> None:
         ),
         # the Hessian's rows in the order the metric fills them in where eigen and trace did not
         "rows": (
-            *(f"hessian.{k}" for k in ("lambda_max", "trace", "trace_stderr", "frobenius_sq")),
+            *(
+                f"hessian.{k}"
+                for k in (
+                    "lambda_max",
+                    "trace",
+                    "trace_stderr",
+                    "trace_data_stderr",
+                    "frobenius_sq",
+                    "frobenius_sq_data_stderr",
+                )
+            ),
             "hessian.lambda_min",
             "ggn.*",
             "nme.*",
@@ -307,19 +337,23 @@ def gn_nme_metric(run: MetricRun) -> None:
         run.results[name] = {
             "trace": g[name]["trace"]["estimate"],
             "trace_stderr": g[name]["trace"]["stderr"],
+            "trace_data_stderr": g[name]["trace"]["data_stderr"],
             "lambda_max": g[name]["lambda_max"],
             "lambda_min": g[name]["lambda_min"],
             "frobenius_sq": g[name]["frobenius_sq"],
+            "frobenius_sq_data_stderr": g[name]["frobenius_sq_data_stderr"],
         }
     h = g[HESSIAN]
     run.hessian.setdefault("lambda_max", h["lambda_max"])
     run.hessian.setdefault("trace", h["trace"]["estimate"])
     run.hessian.setdefault("trace_stderr", h["trace"]["stderr"])
+    run.hessian.setdefault("trace_data_stderr", h["trace"]["data_stderr"])
     run.hessian.setdefault("frobenius_sq", h["frobenius_sq"])
+    run.hessian.setdefault("frobenius_sq_data_stderr", h["frobenius_sq_data_stderr"])
     run.hessian["lambda_min"] = h["lambda_min"]
     run.results["nme_share"] = g["nme_share"]
     run.results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
-    run.matvecs += g["matvecs"]
+    run.matvecs += g["matvecs"] + g["data_matvecs"]
     run.parts.append(g)
 
 
@@ -364,12 +398,18 @@ def pac_bayes_metric(run: MetricRun) -> None:
     paper="Liang2019",
     info={
         "order": 8,
-        "keys": ("fisher_rao.norm_sq", "fisher_rao.norm_sq_empirical"),
+        "keys": (
+            "fisher_rao.norm_sq",
+            "fisher_rao.norm_sq_empirical",
+            "fisher_rao.norm_sq_data_stderr",
+            "fisher_rao.norm_sq_empirical_data_stderr",
+        ),
         "rows": ("fisher_rao.*",),
     },
 )
 def fisher_rao_metric(run: MetricRun) -> None:
-    """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only).
+    """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only),
+    each with its data error (``_data_stderr``: batch means of the per-batch means).
 
     Args:
         run: the ``analyze`` run, whose results, products and notes it adds to.
@@ -378,6 +418,8 @@ def fisher_rao_metric(run: MetricRun) -> None:
     run.results["fisher_rao"] = {
         "norm_sq": found["fisher_rao_norm_sq"],
         "norm_sq_empirical": found["fisher_rao_norm_sq_empirical"],
+        "norm_sq_data_stderr": found["fisher_rao_norm_sq_data_stderr"],
+        "norm_sq_empirical_data_stderr": found["fisher_rao_norm_sq_empirical_data_stderr"],
     }
 
 

@@ -6,6 +6,15 @@ is the block alone. ``A_bb``'s eigenvalues are those Zhang et al. compare across
 a transformer ([Zhang2024]: "block heterogeneity"); the block traces of a partition add up to
 the full trace. The session (model, data) is loaded once for every block.
 
+Each block's number carries its data error as the whole model's does
+(:mod:`sharpcli.curvature.products.batch_forms`): a block's trace by batch means of its
+probes' per-batch parts (no extra product), a block's eigenvalues by batch means of their
+Rayleigh quotients per batch (one product per eigenvalue,
+:mod:`sharpcli.curvature.eigen.data_error`). The blocks see the same batches, so the data
+error of the blocks' trace sum is the batch means of the summed per-batch parts
+(:func:`~sharpcli.curvature.products.batch_forms.summed_error`), not the blocks' errors in
+quadrature.
+
 ``blocks`` specs (:func:`block_partition`), within the command's ``params`` scope:
 
 - ``params``: each parameter tensor ([Zhang2024]'s choice);
@@ -32,6 +41,7 @@ from typing import Any
 from sharpcli.analyses.spectrum import curvature_engine, eigen_result, operator_of, trace_result
 from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.density import spectral_density
+from sharpcli.curvature.products.batch_forms import summed_error
 from sharpcli.errors import UsageError
 
 __all__ = [
@@ -241,8 +251,10 @@ def eigen_blocks(
         seed: the start vectors' seed.
 
     Returns:
-        ``[{name, parameters, numel, eigenvalues, residuals, converged, matvecs}]``; a block
-        smaller than ``top_k`` gives all its eigenvalues.
+        ``[{name, parameters, numel, eigenvalues, residuals, converged, matvecs, data_stderr,
+        data_method, data_matvecs}]``; a block smaller than ``top_k`` gives all its
+        eigenvalues; ``data_stderr`` (each eigenvalue's data error, first order) costs
+        ``data_matvecs`` products, one per eigenvalue, not in ``matvecs``.
     """
     rows = []
     for label, members, engine in passes:
@@ -258,16 +270,17 @@ def eigen_blocks(
             tol=tol,
             max_matvecs=max_matvecs,
             seed=seed,
-            data_error=False,  # the blocks report no data error: spend no product on one
         ).to_dict()
+        keys = ("eigenvalues", "residuals", "converged", "matvecs")
         rows.append(
             {
                 "name": label,
                 "parameters": members,
                 "numel": engine.scope.numel,
-                **{
-                    key: result[key] for key in ("eigenvalues", "residuals", "converged", "matvecs")
-                },
+                **{key: result[key] for key in keys},
+                "data_stderr": result.get("data_stderr"),
+                "data_method": result.get("data_method"),
+                "data_matvecs": result.get("data_matvecs") or 0,
             }
         )
     return rows
@@ -304,13 +317,17 @@ def trace_blocks(
             ``partition`` is checked as it goes).
 
     Returns:
-        ``([{name, parameters, numel, estimate, stderr, matvecs, converged}], {estimate,
-        stderr, numel})``.
+        ``([{name, parameters, numel, estimate, stderr, data_stderr, data_method,
+        data_matvecs, matvecs, converged}], {estimate, stderr, data_stderr, numel})``:
+        ``data_stderr`` the data's error by batch means (None with one batch), the sum's from
+        the blocks' summed per-batch parts; ``data_matvecs`` its products beyond ``matvecs``
+        (``Tr(A^2)``'s one block).
     """
     partition = getattr(passes, "partition", None)
     if summed and partition is not None:
         refuse_overlaps(partition)
     rows: list[dict] = []
+    errors = []
     taken: list[tuple[str, list[str]]] = []
     for label, members, engine in passes:
         if summed and partition is None:
@@ -325,6 +342,7 @@ def trace_blocks(
             max_matvecs=max_matvecs,
             seed=seed,
         )
+        errors.append(result.data)
         rows.append(
             {
                 "name": label,
@@ -332,13 +350,18 @@ def trace_blocks(
                 "numel": engine.scope.numel,
                 "estimate": result.estimate,
                 "stderr": result.stderr,
+                "data_stderr": None if result.data is None else result.data.stderr,
+                "data_method": None if result.data is None else result.data.method,
+                "data_matvecs": result.data_matvecs,
                 "matvecs": result.matvecs,
                 "converged": result.converged,
             }
         )
+    sum_error = summed_error(errors)
     total = {
         "estimate": sum(r["estimate"] for r in rows),
         "stderr": math.sqrt(sum((r["stderr"] or 0.0) ** 2 for r in rows)),
+        "data_stderr": None if sum_error is None else sum_error.stderr,
         "numel": sum(r["numel"] for r in rows),
     }
     return rows, total
@@ -368,7 +391,7 @@ def density_blocks(
 
     Returns:
         ``[{name, parameters, numel, grid, density, nodes, weights, sigma, lambda_min,
-        lambda_max, trace_estimate, trace_stderr, matvecs}]``.
+        lambda_max, trace_estimate, trace_stderr, trace_data_stderr, matvecs}]``.
     """
 
     rows = []
@@ -390,6 +413,7 @@ def density_blocks(
                 "numel": engine.scope.numel,
                 **{key: result[key] for key in keep},
                 "trace_stderr": result["trace_stderr"],
+                "trace_data_stderr": result["trace_data_stderr"],
                 "lambda_min": min(nodes),
                 "lambda_max": max(nodes),
                 "matvecs": result["matvecs"],

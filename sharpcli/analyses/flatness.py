@@ -7,7 +7,13 @@ cross-entropy equals the generalized Gauss-Newton matrix ``G = (1/N) sum_i J_i^T
 ``theta^T G theta = (1/N) sum_i (J_i theta)^T H_z,i (J_i theta)``: one Jacobian-vector product
 per batch (forward mode) and the logit Hessian's product, exact over the set (no sampling).
 The **empirical** version puts the data's labels in the Fisher,
-``(1/N) sum_i (grad l_i . theta)^2 = (1/N) sum_i (dl_i/dz . J_i theta)^2``.
+``(1/N) sum_i (grad l_i . theta)^2 = (1/N) sum_i (dl_i/dz . J_i theta)^2``. Both are means
+over the samples: their data errors are the batch means of the per-batch means
+([BatchMeans]; :func:`~sharpcli.curvature.products.batch_forms.batch_means_stderr`).
+
+The PAC-Bayes sigma has none: it is the root of a bisection on a Monte-Carlo mean accuracy,
+not a mean over the samples; its data error would take a jackknife over the batches, K
+bisections of 10 noise draws each. ``deviation_stderr`` is the noise draws' error.
 
 **PAC-Bayes sigma** ([Jiang2019] section C, the "sharpness/flatness" measures, and the code
 that accompanied it): the largest ``sigma`` such that the mean training accuracy under weight
@@ -29,6 +35,11 @@ from torch import nn
 
 from sharpcli import progress
 from sharpcli.analyses.perturbed import Evaluation, PerturbedModel
+from sharpcli.curvature.products.batch_forms import (
+    batch_means_stderr,
+    gather_batches,
+    local_batch_sizes,
+)
 from sharpcli.curvature.products.data import AnalysisData, to_model_batch
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.errors import UsageError
@@ -48,7 +59,8 @@ def fisher_rao_norm(model: nn.Module, data: AnalysisData, params: str | None = N
         params: the scope of theta (the other parameters' tangent is zero).
 
     Returns:
-        ``{"fisher_rao_norm_sq", "fisher_rao_norm_sq_empirical", "params"}``.
+        ``{"fisher_rao_norm_sq", "fisher_rao_norm_sq_empirical", "params"}`` and each one's
+        ``_data_stderr`` (batch means; None with one batch).
     """
     from torch.func import functional_call, jvp
 
@@ -56,6 +68,7 @@ def fisher_rao_norm(model: nn.Module, data: AnalysisData, params: str | None = N
     chosen = dict(zip(scope.names, [p.detach() for p in scope.params]))
     model_sums = torch.zeros((), dtype=torch.float64)
     empirical_sums = torch.zeros((), dtype=torch.float64)
+    per_batch: list[torch.Tensor] = []  # per batch: its two sums (the data errors)
 
     def logits(weights: dict, x):
         return functional_call(model, weights, (x,))
@@ -69,12 +82,23 @@ def fisher_rao_norm(model: nn.Module, data: AnalysisData, params: str | None = N
         ]
         h_dz = torch.autograd.grad((dl_dz * dz.detach()).sum(), z)[0]
         dims = tuple(range(1, dz.dim()))
-        model_sums += (dz * h_dz).sum(dim=dims).double().sum().cpu()
-        empirical_sums += ((dl_dz.detach() * dz).sum(dim=dims) ** 2).double().sum().cpu()
+        model_part = (dz * h_dz).sum(dim=dims).double().sum().cpu()
+        empirical_part = ((dl_dz.detach() * dz).sum(dim=dims) ** 2).double().sum().cpu()
+        model_sums += model_part
+        empirical_sums += empirical_part
+        per_batch.append(torch.stack([model_part, empirical_part]))
     n = data.num_samples
+    parts, sizes = gather_batches(
+        torch.stack(per_batch) / n if per_batch else torch.zeros(0, 2, dtype=torch.float64),
+        local_batch_sizes(data),
+        data,
+    )
+    errors = [batch_means_stderr(parts[:, i], sizes) for i in range(2)]
     return {
         "fisher_rao_norm_sq": float(model_sums) / n,
         "fisher_rao_norm_sq_empirical": float(empirical_sums) / n,
+        "fisher_rao_norm_sq_data_stderr": errors[0].stderr,
+        "fisher_rao_norm_sq_empirical_data_stderr": errors[1].stderr,
         "params": scope.spec,
     }
 

@@ -339,6 +339,11 @@ def trace(
     return _trace_report(result, operator, square, native.scope, native)
 
 
+def _stderr_of(error) -> float | None:
+    """A data error's standard error (None without one)."""
+    return None if error is None else error.stderr
+
+
 def _data_fields(error) -> dict:
     """``data_stderr``, ``data_method``, ``data_batches``, ``data_samples`` of a data error
     (all None without one), as a trace result's dict has them."""
@@ -543,6 +548,8 @@ def gn_nme_result(
             "by_layer": tr["by_layer"],
             "frobenius_sq": fro["estimate"],
             "frobenius_sq_stderr": fro["stderr"],
+            # first order, from one more joint pass of a block (gn_nme_split)
+            "frobenius_sq_data_stderr": _stderr_of(split.square_data.get(name)),
             **ext,
         }
         total_matvecs += ext["matvecs"]
@@ -576,6 +583,7 @@ def gn_nme_result(
     out["layers"] = _layer_rows(out)
     out["scope"] = scope_info(engine.scope)
     out["matvecs"] = total_matvecs
+    out["data_matvecs"] = split.data_matvecs  # Tr(A^2)'s data errors, not in matvecs
     return out
 
 

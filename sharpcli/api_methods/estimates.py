@@ -141,7 +141,8 @@ class CurvatureEstimates(CurvatureProducts):
         Returns:
             A :class:`~sharpcli.curvature.TraceResult` (``estimate``, ``stderr``,
             ``by_layer``, ``matvecs``, ``samples``, ``converged``). With ``blocks``: a list,
-            per block, of ``{name, parameters, numel, estimate, stderr, matvecs, converged}``
+            per block, of ``{name, parameters, numel, estimate, stderr, data_stderr,
+            data_method, matvecs, converged}``
             (``results.blocks`` of ``sharp trace --blocks``).
 
         Raises:

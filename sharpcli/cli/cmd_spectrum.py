@@ -202,7 +202,8 @@ def eigen_command(
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    matvecs = results["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    blocks_run = results.get("blocks", [])
+    matvecs = results["matvecs"] + sum(b["matvecs"] + b["data_matvecs"] for b in blocks_run)
     matvecs += results.get("data_matvecs") or 0
     report = session.report(EIGEN, settings, results, matvecs=matvecs)
 
@@ -237,6 +238,7 @@ def eigen_command(
                     "block": b["name"],
                     "numel": b["numel"],
                     "eigenvalues": ", ".join(f"{v:.6g}" for v in b["eigenvalues"]),
+                    "data stderr": ", ".join(f"{d:.3g}" for d in b["data_stderr"] or [] if d),
                     "converged": all(b["converged"]),
                 }
                 for b in shown
@@ -319,26 +321,26 @@ def trace_command(
                 seed=session.seed,
             )
     settings = opts.report_settings(skip=("checkpoint",))
-    matvecs = results["trace"]["matvecs"] + sum(b["matvecs"] for b in results.get("blocks", []))
+    matvecs = results["trace"]["matvecs"] + (results["trace"].get("data_matvecs") or 0)
+    matvecs += sum(b["matvecs"] + (b.get("data_matvecs") or 0) for b in results.get("blocks", []))
     report = session.report(TRACE, settings, results, matvecs=matvecs)
 
     def render(console):
         t = results["trace"]
         quantity = f"Tr({operator}^2)" if square else f"tr({operator})"
-        console.print(
-            key_value_table(
-                f"{quantity} ({t['estimator']}, engine {t['engine']})",
-                {
-                    "estimate": t["estimate"],
-                    "stderr": t["stderr"],
-                    "data stderr": t.get("data_stderr"),
-                    "data method": t.get("data_method"),
-                    "matvecs": t["matvecs"],
-                    "probes": t["samples"],
-                    "converged": t["converged"],
-                },
-            )
-        )
+        numbers = {
+            "estimate": t["estimate"],
+            "stderr": t["stderr"],
+            "data stderr": t.get("data_stderr"),
+            "data method": t.get("data_method"),
+            "matvecs": t["matvecs"],
+            "probes": t["samples"],
+            "converged": t["converged"],
+        }
+        if t.get("data_matvecs"):  # Tr(A^2)'s data error: one more block of products
+            numbers["data matvecs"] = t["data_matvecs"]
+        title = f"{quantity} ({t['estimator']}, engine {t['engine']})"
+        console.print(key_value_table(title, numbers))
         rows = [
             {"layer": k, "estimate": v["estimate"], "stderr": v.get("stderr")}
             for k, v in results["by_layer"].items()
@@ -354,6 +356,7 @@ def trace_command(
                     "numel": b["numel"],
                     "estimate": b["estimate"],
                     "stderr": b["stderr"],
+                    "data stderr": b.get("data_stderr"),
                     "converged": b["converged"],
                 }
                 for b in shown
@@ -363,10 +366,12 @@ def trace_command(
                     "numel": results["blocks_sum"]["numel"],
                     "estimate": results["blocks_sum"]["estimate"],
                     "stderr": results["blocks_sum"]["stderr"],
+                    "data stderr": results["blocks_sum"].get("data_stderr"),
                     "converged": None,
                 }
             ]
-            console.print(records_table(f"{quantity} per block", block_rows))
+            digits = {"data stderr": 3}
+            console.print(records_table(f"{quantity} per block", block_rows, digits=digits))
             if left:
                 console.print(left)
         for note in t.get("notes") or []:
@@ -436,7 +441,8 @@ def gn_nme_command(
         plot_gn_nme_layers(results, plot)
         results["plot"] = plot
     settings = opts.report_settings(skip=("checkpoint",))
-    report = session.report(GN_NME, settings, results, matvecs=results["matvecs"])
+    matvecs = results["matvecs"] + results["data_matvecs"]
+    report = session.report(GN_NME, settings, results, matvecs=matvecs)
 
     def render(console):
         # imports torch: kept out of start-up
@@ -447,15 +453,16 @@ def gn_nme_command(
                 "operator": OPERATORS[name].symbol,
                 "trace": results[name]["trace"]["estimate"],
                 "± stderr": results[name]["trace"]["stderr"],
+                "± data": results[name]["trace"]["data_stderr"],
                 "lambda_max": results[name]["lambda_max"],
                 "lambda_min": results[name]["lambda_min"],
                 "Tr(A^2)": results[name]["frobenius_sq"],
+                "Tr(A^2) ± data": results[name]["frobenius_sq_data_stderr"],
             }
             for name in SPLIT
         ]
-        console.print(
-            records_table("H = G + N (NME paper, section 2)", rows, digits={"± stderr": 3})
-        )
+        digits = {"± stderr": 3, "± data": 3, "Tr(A^2) ± data": 3}
+        console.print(records_table("H = G + N (NME paper, section 2)", rows, digits=digits))
         console.print(
             key_value_table(
                 "NME share",
@@ -570,6 +577,7 @@ def density_command(
                 "lambda_max",
                 "trace_estimate",
                 "trace_stderr",
+                "trace_data_stderr",
                 "sigma",
                 "matvecs",
             )

@@ -10,6 +10,14 @@ of width ``sigma`` gives the plotted density
 
 which integrates to 1. The same quadrature gives a trace estimate ``P * mean_v sum_j tau_j theta_j``.
 
+Its data error (the first moment's, ``trace_data_stderr``): Gauss quadrature is exact for
+``f(t) = t``, so each probe's value is ``P v^T A v`` with ``v`` the unit start, and
+``v^T A v = sum_b v^T A_b v`` splits over the analysis set's batches. The first Lanczos step
+multiplies ``v`` itself, so its per-batch forms (recorded against ``v``,
+:mod:`sharpcli.curvature.products.batch_forms`) give the parts at no extra product; their
+batch means over the probes' mean give the error [BatchMeans]. The higher moments
+(``v^T A^k v``) are not linear in the data and have none.
+
 The probe, the Lanczos basis and the tridiagonal ``T_m`` are float64 whatever the operator's
 dtype (only the products run in it; :mod:`sharpcli.curvature.eigen.ritz`), so a float32 model's
 nodes and weights carry the products' rounding only. The basis costs ``8 P m`` bytes.
@@ -26,6 +34,12 @@ import torch
 from sharpcli import progress
 from sharpcli.catalogue.values import DENSITY_KEY
 from sharpcli.curvature.eigen.ritz import lanczos_tridiagonal, tridiagonal_eigh
+from sharpcli.curvature.products.batch_forms import (
+    DataError,
+    batch_means_stderr,
+    can_record,
+    recording,
+)
 from sharpcli.curvature.products.scope import rademacher_like
 from sharpcli.errors import UsageError
 
@@ -47,6 +61,7 @@ class SpectralDensity:
     dimension: int
     engine: str = "native"
     notes: list[str] = field(default_factory=list)
+    data: DataError | None = None  # the trace estimate's data error (module docstring)
 
     def _per_probe_traces(self) -> np.ndarray:
         """``P sum_j tau_j theta_j`` per probe: ``P v^T A v`` for the unit probe ``v``."""
@@ -89,6 +104,8 @@ class SpectralDensity:
             "probes": self.probes,
             "trace_estimate": self.trace_estimate,
             "trace_stderr": self.trace_stderr,
+            "trace_data_stderr": None if self.data is None else self.data.stderr,
+            "trace_data_method": None if self.data is None else self.data.method,
             "engine": self.engine,
             "notes": list(self.notes),
         }
@@ -147,18 +164,31 @@ def spectral_density(
     notes: list[str] = []
     matvecs = 0
     traces: list[float] = []  # per probe: P sum_j tau_j theta_j
+    # per probe: P v^T A_b v per batch, and the batches' sizes (the trace's data error)
+    per_batch: list[torch.Tensor] | None = [] if can_record(op) else None
+    sizes: list[int] = []
     run = progress.start("slq", total=int(probes) * min(int(steps), dim), quantity="tr", probes=0)
     for probe in range(int(probes)):
         # the recurrence's scalars are float64 (lanczos_tridiagonal); a float32 recurrence
         # would put ~1e-6 relative errors into the nodes and weights. The probe is passed
         # inline so that no float64 copy of it is held through the products.
+        start = rademacher_like(dim, generator, torch.float64, op.device)
+        recorded = op if per_batch is None else _FirstProductRecorded(op, start / math.sqrt(dim))
         alphas, betas, _ = lanczos_tridiagonal(
-            op,
-            rademacher_like(dim, generator, torch.float64, op.device),
+            op if per_batch is None else recorded,
+            start,
             int(steps),
             run=None if run.finished else run,
             done=matvecs,
         )
+        del start
+        if per_batch is not None:
+            taken = getattr(recorded, "taken", None)
+            if taken is None:
+                per_batch = None
+            else:
+                per_batch.append(dim * taken[0].reshape(-1))
+                sizes = taken[1]
         matvecs += len(alphas)
         m = len(alphas)
         if m < min(int(steps), dim):
@@ -191,7 +221,36 @@ def spectral_density(
         probes=int(probes),
         dimension=dim,
         notes=notes,
+        data=None if not per_batch else batch_means_stderr(torch.stack(per_batch).mean(0), sizes),
     )
+
+
+class _FirstProductRecorded:
+    """``op`` whose first product, of the unit start ``left``, records its per-batch forms
+    ``left^T A_b left`` (``taken``: ``((K, 1, 1) forms, sizes)``, None if they could not be
+    read); every other product and attribute is ``op``'s."""
+
+    def __init__(self, op, left: torch.Tensor):
+        self._op = op
+        self._left: torch.Tensor | None = left.reshape(-1, 1)
+        self.taken: tuple[torch.Tensor, list[int]] | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+    def matmat(self, V: torch.Tensor) -> torch.Tensor:
+        """``A V``, the first time with its per-batch forms recorded."""
+        if self._left is None:
+            return self._op.matmat(V)
+        with recording(self._op, self._left) as forms:
+            out = self._op.matmat(V)
+        self._left = None
+        self.taken = None if forms is None else forms.take()
+        return out
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``A v`` (:meth:`matmat` of one column)."""
+        return self.matmat(v.reshape(-1, 1)).reshape(-1)
 
 
 def broadened_density(nodes: list, weights: list, sigma: float, grid) -> np.ndarray:

@@ -47,6 +47,9 @@ __all__ = [
     "combined_stderr",
     "method_name",
     "recording",
+    "square_error",
+    "square_method_name",
+    "summed_error",
 ]
 
 
@@ -65,6 +68,8 @@ class DataError:
         batches: the batches K.
         samples: the samples N.
         per_batch: the batch means :math:`x_b` (per sample), for the advisor and the tests.
+        sizes: the batches' sample counts :math:`B_b`, in the order of ``per_batch`` (the
+            parts of a sum over blocks are summed batch by batch: :func:`summed_error`).
     """
 
     stderr: float | None
@@ -72,6 +77,7 @@ class DataError:
     batches: int
     samples: int
     per_batch: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 def combined_stderr(*errors: float | None) -> float | None:
@@ -140,7 +146,73 @@ def batch_means_stderr(contributions, sizes) -> DataError:
     stderr = None
     if K >= 2:
         stderr = math.sqrt(float((w * (x - total) ** 2).sum()) / (K - 1))
-    return DataError(stderr, method_name(K), K, int(N), x.tolist())
+    return DataError(stderr, method_name(K), K, int(N), x.tolist(), [int(b) for b in B])
+
+
+def square_method_name(batches: int) -> str:
+    """The method of ``Tr(A^2)``'s data error (:func:`square_error`) in the reports."""
+    return f"batch means of 2 (A v)^T A_b v over {batches} batches (first order)"
+
+
+def square_error(cross: torch.Tensor, sizes: list[int]) -> DataError:
+    r"""The data error of :math:`\mathrm{Tr}(A^2)` to first order (the delta method).
+
+    With :math:`A = \sum_b A_b`, a change :math:`dA` of the data moves
+    :math:`\mathrm{Tr}(A^2)` by :math:`2\,\mathrm{Tr}(A\, dA)`, so near the analysis set
+    :math:`\mathrm{Tr}(A^2) \approx \sum_b 2\, \mathrm{Tr}(A A_b) - \mathrm{Tr}(A^2)`, linear
+    in the batches, and :math:`\mathrm{Tr}(A A_b) = \mathbb{E}_v [(A v)^\top A_b v]` for
+    Rademacher :math:`v`. The batch-means error of the parts
+    :math:`t_b = 2\, \overline{(A v)^\top A_b v}` (mean over the probes) is the data error
+    ([BatchMeans]); the constant :math:`-\mathrm{Tr}(A^2)` moves nothing. The parts need the
+    product :math:`A v` before the per-batch forms: one more product of a block of probes
+    whose :math:`A v` is known, recorded with ``left`` :math:`= A V`.
+
+    Args:
+        cross: ``(K, k)``: per batch and probe, :math:`(A v_j)^\top A_b v_j` (weighted by
+            :math:`w_b` as the engine's batch products are).
+        sizes: the batches' sample counts.
+
+    Returns:
+        The :class:`DataError` (``method`` named by :func:`square_method_name`).
+
+    Example:
+        >>> error = square_error(torch.tensor([[0.5], [1.5]]), [2, 2])  # 2 x (1, 3) per sample
+        >>> error.stderr  # sqrt(((2 - 4)^2 + (6 - 4)^2) / (2 * 1))
+        2.0
+    """
+    error = batch_means_stderr(2 * cross.to(torch.float64).mean(1), sizes)
+    error.method = square_method_name(error.batches)
+    return error
+
+
+def summed_error(errors: list[DataError | None]) -> DataError | None:
+    r"""The batch-means error of a sum of numbers over the same batches (blocks' traces).
+
+    The numbers share the batches, so their data errors are correlated: the sum's per-batch
+    mean is the sum of theirs, :math:`x_b = \sum_i x_{i,b}`, and its error the batch means of
+    those (not the errors in quadrature).
+
+    Args:
+        errors: the numbers' errors (None: the sum has none).
+
+    Returns:
+        The sum's :class:`DataError`, or None when one is missing or the batches differ.
+
+    Example:
+        >>> a = batch_means_stderr([0.5, 1.5], [2, 2])  # batch means 1 and 3
+        >>> b = batch_means_stderr([1.5, 0.5], [2, 2])  # 3 and 1: the sum is 4 on both
+        >>> summed_error([a, b]).stderr
+        0.0
+    """
+    if not errors or any(e is None or not e.sizes for e in errors):
+        return None
+    known = [e for e in errors if e is not None]
+    sizes = known[0].sizes
+    if any(e.sizes != sizes for e in known):
+        return None
+    x = torch.tensor([e.per_batch for e in known], dtype=torch.float64).sum(0)
+    w = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+    return batch_means_stderr(x * w, sizes)
 
 
 class BatchForms:

@@ -25,7 +25,7 @@ import torch
 
 from sharpcli import memory, progress
 from sharpcli.catalogue.values import TRACE_KEY
-from sharpcli.curvature.products.batch_forms import recording
+from sharpcli.curvature.products.batch_forms import can_record, recording, square_error
 from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.curvature.trace.probes import (
     PerBatchTrace,
@@ -56,15 +56,29 @@ class _Probes:
     """Rademacher probes of ``op`` drawn in blocks: per probe the (1 + L) row of
     ``g^T A g`` (``quantity="trace"``) or ``||A g||^2`` values, total then per layer."""
 
-    def __init__(self, op, quantity: str, blocks: dict, seed: int, block_size: int, columns: int):
+    def __init__(
+        self,
+        op,
+        quantity: str,
+        blocks: dict,
+        seed: int,
+        block_size: int,
+        columns: int,
+        data_error: bool = True,
+    ):
         self.op, self.quantity, self.blocks = op, quantity, blocks
         generator = torch.Generator().manual_seed(int(seed))
         self.probes = RademacherColumns(op.shape[0], generator, op.dtype, op.device, columns)
         self.block_size = int(block_size)
         self.matvecs = 0
         self.expected: int | None = None  # the products planned, once the pilot has run
-        # the main sample's per-batch values g^T A_b g (the trace's data error; none for A^2)
+        # the main sample's per-batch values g^T A_b g (the trace's data error)
         self.per_batch = PerBatchTrace()
+        # Tr(A^2)'s data error: the main sample's first block (G, A G), multiplied once more
+        # with its per-batch forms (A G)^T A_b G recorded (square_data_error)
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.keep = quantity != TRACE_KEY and data_error and can_record(op)
+        self.data_matvecs = 0
 
     def draw(self, count: int, run, tol: float) -> torch.Tensor:
         """``count`` probes' rows, reported to ``run`` block by block.
@@ -98,6 +112,8 @@ class _Probes:
                     )
                 left = G if self.quantity == TRACE_KEY else AG
                 rows.append(product_segment_sums(left, AG, self.blocks).T)
+                if self.keep and self.expected is not None and self.kept is None:
+                    self.kept = (G.clone(), AG)  # G is a view the next block overwrites
                 del G, AG, left
             drawn += k
             self.matvecs += k
@@ -114,21 +130,38 @@ class _Probes:
                 )
         return torch.cat(rows)
 
+    def square_data_error(self):
+        """``Tr(A^2)``'s data error from the kept block: one more product of its probes ``G``
+        with the per-batch forms ``(A G)^T A_b G`` recorded
+        (:func:`~sharpcli.curvature.products.batch_forms.square_error`); None without a kept
+        block."""
+        if self.kept is None:
+            return None
+        G, AG = self.kept
+        self.kept = None
+        with recording(self.op, AG) as forms:
+            self.op.matmat(G)
+        self.data_matvecs = int(G.shape[1])
+        taken = None if forms is None else forms.take()
+        if taken is None:
+            return None
+        return square_error(taken[0].diagonal(dim1=1, dim2=2), taken[1])
+
 
 def _probe_loop(
-    op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks
-) -> TraceResult:
+    op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks, data_error=True
+):
     """Shared Hutchinson-type loop, the sample sized in two stages
     (:mod:`sharpcli.curvature.trace.probes`).
 
     Returns:
-        The :class:`TraceResult` of the main sample, per layer over ``blocks`` (default the
-        operator's own); ``converged`` says whether its standard error reached ``tol`` relative
-        to its mean, ``data`` is the trace's batch-means data error (None for ``Tr(A^2)``, not
-        linear in the data, and for an operator without batches).
+        ``(mean, stderr, matvecs, probes, converged, data, data_matvecs)`` of the main
+        sample; ``converged`` says whether its standard error reached ``tol`` relative to its
+        mean, ``data`` is the batch-means data error (None for an operator without batches,
+        and for ``Tr(A^2)`` without ``data_error``): the trace's from the probes' own
+        products, ``Tr(A^2)``'s to first order from ``data_matvecs`` more products (one block).
     """
     check_budget(tol, max_matvecs, block_size)
-    blocks = blocks_of(op, blocks)
     budget = int(max_matvecs)
     name = "tr" if quantity == TRACE_KEY else "Tr(A^2)"
     # a block's probes are drawn together, as bits (rademacher_bits)
@@ -138,7 +171,7 @@ def _probe_loop(
     columns, held = probe_block(
         op, block_size, vectors=3, what="Hutchinson", float64_sums=False, reserve=signs
     )
-    probes = _Probes(op, quantity, blocks, seed, block_size, columns)
+    probes = _Probes(op, quantity, blocks, seed, block_size, columns, data_error)
     with (
         memory.current().hold("probe block", held + signs),
         progress.start(HUTCHINSON, total=budget, quantity=name, capped=True) as run,
@@ -160,24 +193,15 @@ def _probe_loop(
             probes.expected = pilot + count
         samples = probes.draw(count, run, tol)
         mean, stderr = mean_stderr(samples)
+        data = probes.per_batch.error() if quantity == TRACE_KEY else probes.square_data_error()
         run.finish(
             probes.matvecs,
             probes=samples.shape[0],
             estimate=float(mean[0]),
             stderr=float(stderr[0]),
         )
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=probes.matvecs,
-        samples=samples.shape[0],
-        estimator=HUTCHINSON,
-        quantity=TRACE_KEY if quantity == TRACE_KEY else "trace_of_square",
-        converged=bool(stderr[0] <= tol * abs(mean[0])),
-        tol=tol,
-        by_layer=layer_dict(list(blocks), mean, stderr),
-        data=probes.per_batch.error(),
-    )
+    converged = bool(stderr[0] <= tol * abs(mean[0]))
+    return mean, stderr, probes.matvecs, samples.shape[0], converged, data, probes.data_matvecs
 
 
 def hutchinson(
@@ -221,7 +245,8 @@ def hutchinson(
         >>> result.estimate, result.by_layer["b"]["estimate"]  # a diagonal A: exact per probe
         (10.0, 7.0)
     """
-    return _probe_loop(
+    blocks = blocks_of(op, blocks)
+    mean, stderr, matvecs, n, converged, data, _ = _probe_loop(
         op,
         TRACE_KEY,
         tol=tol,
@@ -230,6 +255,17 @@ def hutchinson(
         block_size=block_size,
         min_samples=min_samples,
         blocks=blocks,
+    )
+    return TraceResult(
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=n,
+        estimator=HUTCHINSON,
+        converged=converged,
+        tol=tol,
+        by_layer=layer_dict(list(blocks), mean, stderr),
+        data=data,
     )
 
 
@@ -242,6 +278,7 @@ def frobenius_sq(
     block_size: int = 8,
     min_samples: int = 10,
     blocks: dict | None = None,
+    data_error: bool = True,
 ) -> TraceResult:
     r"""The squared Frobenius norm, the flatness of [FA] eq. 1, with per-layer parts.
 
@@ -251,6 +288,10 @@ def frobenius_sq(
         \mathrm{Tr}((A^2)_{bb}) = \mathbb{E}_g \lVert (A g)_b \rVert^2
 
     for Rademacher :math:`g` (the per-layer part is the squared norm of block b's rows).
+    Its data error (``data_error``, an operator with batches) is first order: batch means of
+    :math:`2 (A g)^\top A_b g` over the main sample's first block of probes, multiplied once
+    more (``data_matvecs``: ``block_size`` products at most, beyond ``max_matvecs``;
+    :func:`~sharpcli.curvature.products.batch_forms.square_error`).
 
     Args:
         op: a symmetric operator (``shape``, ``dtype``, ``device``, ``matmat``).
@@ -260,6 +301,7 @@ def frobenius_sq(
         block_size: probes per product block.
         min_samples: the pilot's probes, and the fewest main probes.
         blocks: ``{layer: slice}``; default the operator's own.
+        data_error: compute the data error (one more block of products).
 
     Returns:
         A :class:`TraceResult` with ``quantity="trace_of_square"``.
@@ -271,7 +313,8 @@ def frobenius_sq(
         >>> frobenius_sq(A, max_matvecs=16).estimate  # |g_i| = 1: exact per probe
         5.0
     """
-    return _probe_loop(
+    blocks = blocks_of(op, blocks)
+    mean, stderr, matvecs, n, converged, data, data_matvecs = _probe_loop(
         op,
         "square",
         tol=tol,
@@ -280,6 +323,20 @@ def frobenius_sq(
         block_size=block_size,
         min_samples=min_samples,
         blocks=blocks,
+        data_error=data_error,
+    )
+    return TraceResult(
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=matvecs,
+        samples=n,
+        estimator=HUTCHINSON,
+        quantity="trace_of_square",
+        converged=converged,
+        tol=tol,
+        by_layer=layer_dict(list(blocks), mean, stderr),
+        data=data,
+        data_matvecs=data_matvecs,
     )
 
 

@@ -74,7 +74,9 @@ class TraceResult:
     ``by_layer`` maps a layer (module) name to ``{"estimate", "stderr"}``; layer estimates
     sum to ``estimate``. ``stderr`` is ``None`` when the engine gives none; it is the probes'
     error given the analysis set. ``data`` is the error over the set's samples (batch means,
-    :mod:`sharpcli.curvature.products.batch_forms`), None where it was not computed.
+    :mod:`sharpcli.curvature.products.batch_forms`), None where it was not computed;
+    ``data_matvecs`` the products it took beyond ``matvecs`` (none for a trace, one block of
+    probes for ``Tr(A^2)``).
     """
 
     estimate: float
@@ -90,6 +92,7 @@ class TraceResult:
     sketch_size: int = 0
     notes: list[str] = field(default_factory=list)
     data: DataError | None = None
+    data_matvecs: int = 0
 
     def to_dict(self) -> dict:
         """The result as a JSON-serialisable dict."""
@@ -110,6 +113,7 @@ class TraceResult:
             "data_method": None if self.data is None else self.data.method,
             "data_batches": None if self.data is None else self.data.batches,
             "data_samples": None if self.data is None else self.data.samples,
+            "data_matvecs": self.data_matvecs,
         }
 
 

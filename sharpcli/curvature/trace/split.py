@@ -24,6 +24,7 @@ from sharpcli import memory, progress
 from sharpcli.catalogue.values import QUANTITIES, TRACE_KEY
 from sharpcli.curvature.operators.hessian import joint_matmat
 from sharpcli.curvature.operators.registry import GGN, HESSIAN, SPLIT
+from sharpcli.curvature.products.batch_forms import square_error
 from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits_bytes
 from sharpcli.curvature.trace.probes import (
     PerBatchTrace,
@@ -51,6 +52,9 @@ class SplitEstimate:
     tol: float = 0.0
     # per operator: the trace's data error (batch means), None where not recorded
     data: dict = field(default_factory=dict)
+    # per operator: Tr(A^2)'s data error (first order), and the products it took
+    square_data: dict = field(default_factory=dict)
+    data_matvecs: int = 0
 
 
 def gn_nme_split(
@@ -73,6 +77,13 @@ def gn_nme_split(
         \qquad A \in \{H, G, N\},
 
     so :math:`\mathrm{tr}(H) = \mathrm{tr}(G) + \mathrm{tr}(N)` holds for the estimates.
+
+    The data errors: the traces' by batch means of the main sample's per-batch forms (no
+    extra product); each :math:`\mathrm{Tr}(A^2)`'s to first order, batch means of
+    :math:`2 (A v)^\top A_b v` over the main sample's first block, which one more joint pass
+    of that block gives with its forms recorded against :math:`[HV, GV, NV]`
+    (:func:`~sharpcli.curvature.products.batch_forms.square_error`; ``data_matvecs``, at most
+    ``block_size`` joint products beyond ``max_matvecs``).
 
     Args:
         engine: the :class:`~sharpcli.curvature.products.engine.CurvatureEngine` (its H and G operators).
@@ -111,10 +122,12 @@ def gn_nme_split(
     matvecs = 0
     # the main sample's per-batch v^T H_b v and v^T G_b v (the traces' data errors)
     per_batch: dict[str, PerBatchTrace] | None = None
+    # the main sample's first block (V, [HV, GV, NV]), for Tr(A^2)'s data errors
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def draw(count: int, run) -> None:
         """``count`` more probes into ``rows``, ``block_size`` drawn together at a time."""
-        nonlocal matvecs
+        nonlocal matvecs, kept
         drawn = 0
         while drawn < count:
             k = min(int(block_size), count - drawn)
@@ -126,6 +139,8 @@ def gn_nme_split(
                     with engine.recording_forms(V) as forms:
                         HV, GV, NV = joint_matmat(operators, V)
                     _add_split_forms(per_batch, forms.take_parts())
+                    if kept is None:  # V is a view the next block overwrites
+                        kept = (V.clone(), torch.cat([HV, GV, NV], 1))
                 for name, AV in zip(SPLIT, (HV, GV, NV)):
                     # float64 sums of the exact products, not product_segment_sums' float32
                     # dot products: those broke tr(H) = tr(G) + tr(N) by 5e-9 relative on a
@@ -172,12 +187,14 @@ def gn_nme_split(
                 rows[key] = []
         per_batch = {name: PerBatchTrace() for name in SPLIT}
         draw(count, run)
+        square_data, data_matvecs = _square_data_errors(engine, operators, kept)
         converged = True
         for name in (HESSIAN, GGN):
             mean, stderr = mean_stderr(torch.cat(rows[(name, TRACE_KEY)]))
             converged = converged and bool(stderr[0] <= tol * abs(mean[0]))
     out = SplitEstimate(matvecs=matvecs, converged=converged, tol=tol)
     out.data = {name: per_batch[name].error() for name in SPLIT}
+    out.square_data, out.data_matvecs = square_data, data_matvecs
     for name in SPLIT:
         out.values[name] = {}
         for quantity in QUANTITIES:
@@ -197,6 +214,28 @@ def gn_nme_split(
         stderr=hessian_trace["stderr"],
     )
     return out
+
+
+def _square_data_errors(engine, operators, kept) -> tuple[dict, int]:
+    """Each ``Tr(A^2)``'s data error from the kept block ``(V, [HV, GV, NV])``: one more joint
+    pass of ``V`` with its forms recorded against ``[HV, GV, NV]``, so that the parts give
+    ``(A v)^T A_b v`` for A = H, G and N = H - G (:func:`square_error`). ``({}, 0)`` without a
+    kept block (no batches)."""
+    if kept is None:
+        return {}, 0
+    V, left = kept
+    with engine.recording_forms(left) as forms:
+        joint_matmat(operators, V)
+    k = V.shape[1]
+    taken = forms.take_parts()
+    if taken is None or taken[0].shape[1] != 2:
+        return {}, k
+    values, sizes = taken  # (K, 2, 3k, k): [HV, GV, NV]^T H_b V and ^T G_b V
+    h, g = values[:, 0], values[:, 1]
+    parts = (h[:, :k], g[:, k : 2 * k], (h - g)[:, 2 * k :])
+    return {
+        name: square_error(part.diagonal(dim1=1, dim2=2), sizes) for name, part in zip(SPLIT, parts)
+    }, k
 
 
 def _add_split_forms(per_batch: dict, taken) -> None:
