@@ -56,6 +56,7 @@ def train_command(opts: TrainOptions) -> None:
                 result.history,
                 opts.plot,
                 title=_plot_title(opts.model_factory or opts.model, result.config["regs"]),
+                tracked=result.tracked if _per_step(result.config) else None,
             )
         report = train_report(
             result,
@@ -113,6 +114,14 @@ def _divergence_warning(result) -> str | None:
         else "--stop-on-divergence stops such a run and keeps its best epoch"
     )
     return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
+
+
+def _per_step(config: dict) -> bool:
+    """Whether the run tracked curvature per step (``--track-every Nsteps``)."""
+    # imports torch: kept out of start-up
+    from sharpcli.training.config import parse_track_every
+
+    return parse_track_every(config["track_every"])[1] == "steps"
 
 
 def _plot_title(model: str, regs: list[str]) -> str:
