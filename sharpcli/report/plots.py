@@ -118,9 +118,18 @@ def plot_training_history(
     return _save(plt, fig, path)
 
 
+def _plot_present(ax, epochs: list, history: list[dict], keys: tuple, **style) -> None:
+    """One line per key that some row of ``history`` has: the train key solid, the test one
+    dashed."""
+    for key, line in zip(keys, ("-", "--")):
+        if any(row.get(key) is not None for row in history):
+            values = _finite([row.get(key) for row in history])
+            ax.plot(epochs, values, line, label=key.replace("_", " "), **style)
+
+
 def _is_tracked_key(key: str, row: dict) -> bool:
-    """A tracked quantity's key: a number, not the row's place (step, epoch, lr)."""
-    if key in ("step", "epoch", "lr"):
+    """A tracked quantity's key: a number, not the row's place (step, epoch, lr) or cost."""
+    if key in ("step", "epoch", "lr", "matvecs"):
         return False
     value = row.get(key)
     return isinstance(value, (int, float)) and not isinstance(value, bool)

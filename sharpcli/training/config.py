@@ -214,16 +214,12 @@ class TrainConfig:
         """The fields a resumed run must share with the run it continues."""
         d = self.to_dict()
         d.pop("epochs")
-        # settings added since: absent from the states of older runs, which ran without them
-        for key, value in _ADDED_SETTINGS.items():
-            if d.get(key) == value:
-                d.pop(key)
         return d
 
 
 # settings added after the resumable state's first version, with the value that older runs
-# (which did not record them) ran with: TrainConfig.identity leaves them out at that value
-_ADDED_SETTINGS: dict[str, Any] = {"steps": None, "warmup": 0, "track_on": "subset"}
+# (which did not record them) ran with (sharpcli.training.resume compares identities)
+ADDED_SETTINGS: dict[str, Any] = {"steps": None, "warmup": 0, "track_on": "subset"}
 
 
 def _shown(value: Any) -> str:

@@ -255,8 +255,9 @@ class _Tracking:
     """The curvature tracked during one run: the tracker (one curvature engine and one
     :class:`~sharpcli.analyses.tracking.StepContext` kept for the run, so warm starts
     persist), the probe set (``cfg.track_on``: the fixed seeded subset, or each step's
-    training batch), and the rows it adds to ``run.tracked``: ``{step, epoch, lr, ...}``,
-    ``lr`` the rate the optimizer's ``param_groups`` held for that step."""
+    training batch), and the rows it adds to ``run.tracked``: ``{step, epoch, lr, ...,
+    matvecs}``, ``lr`` the rate the optimizer's ``param_groups`` held for that step,
+    ``matvecs`` the curvature products the measurement took."""
 
     def __init__(self, run: Run, tracker: Callable[..., dict], every: int, unit: str, device):
         self.run, self.tracker, self.every, self.unit = run, tracker, every, unit
@@ -281,7 +282,8 @@ class _Tracking:
             )
         self.seconds += time.perf_counter() - t1
         lr = run.optimizer.param_groups[0]["lr"]
-        run.tracked.append({"step": step, "epoch": epoch, "lr": lr, **values})
+        products = getattr(self.tracker, "products", None)  # the measurement's products
+        run.tracked.append({"step": step, "epoch": epoch, "lr": lr, **values, "matvecs": products})
         return values
 
     def after_step(self, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:

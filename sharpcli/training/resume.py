@@ -17,7 +17,7 @@ from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.bounded import loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.losses import LOSSES
-from sharpcli.training.config import TrainConfig
+from sharpcli.training.config import ADDED_SETTINGS, TrainConfig
 from sharpcli.training.epochs import Run
 
 __all__ = [
@@ -202,6 +202,8 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     # saved before the options: no autocast, and the only ascent sync then allowed (one process)
     saved.setdefault("precision", "fp32")
     saved.setdefault("ascent_sync", "per-replica")
+    for key, value in ADDED_SETTINGS.items():  # saved before these options: run without them
+        saved.setdefault(key, value)
     if saved != identity:
         diff = sorted(
             f"`{k}`" for k in set(saved) | set(identity) if saved.get(k) != identity.get(k)
