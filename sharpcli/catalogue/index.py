@@ -119,7 +119,8 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('asam', 'gradient at theta + rho T^2 g/||T g||, T = |w| + eta (ASAM, Kwon et al. 2021)', 'sharpcli.regularizers.perturbed.sam:ASAM', params=(Param('rho', 'float', 0.5, 'radius of the ascent step', minimum=0.0), Param('eta', 'float', 0.01, 'offset of the adaptive scale |w| + eta', minimum=0.0)), paper='ASAM', data_parallel='its ascent step needs the global scaled gradient norm before the second pass', info={'kind': 'oracle', 'needs_penultimate': False}),
     ),
     'trackable': (
-        Entry('eigen', 'lambda_max of the Hessian (Lanczos, residual tol 1e-3)', 'sharpcli.analyses.tracking:track_eigen', paper='Lanczos1950', info={'keys': ('lambda_max',), 'column': 1}),
+        Entry('eigen', 'lambda_max of the Hessian (Lanczos, residual tol 1e-3, warm-started from the previous measurement) and, in training with SGD, its stability threshold', 'sharpcli.analyses.tracking:track_eigen', paper='Cohen2021', info={'keys': ('lambda_max', 'lambda_max_threshold'), 'column': 1}),
+        Entry('preconditioned', "lambda_max of P^-1 H, P the adaptive optimizer's diag(sqrt(v_hat) + eps) at that step, and its threshold (2 + 2 beta1)/((1 - beta1) lr)", 'sharpcli.analyses.tracking:track_preconditioned', paper='Cohen2022', info={'keys': ('preconditioned_sharpness', 'preconditioned_threshold'), 'column': 1.5}),
         Entry('trace', 'tr(H) by Hutch++', 'sharpcli.analyses.tracking:track_trace', paper='Hutch++', info={'keys': ('trace',), 'column': 2}),
         Entry('gn-nme', 'tr(G), tr(N) and the NME share, from shared probes', 'sharpcli.analyses.tracking:track_gn_nme', paper='NME', info={'keys': ('ggn_trace', 'nme_trace', 'nme_share'), 'column': 4}),
         Entry('frobenius', 'Tr(H^2), the flatness of [FA] eq. 1', 'sharpcli.analyses.tracking:track_frobenius', paper='FA', info={'keys': ('frobenius_sq',), 'column': 3}),

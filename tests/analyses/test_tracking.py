@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sharpcli import catalogue
-from sharpcli.analyses.tracking import measure
+from sharpcli.analyses.tracking import StepContext, measure
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.registry import declare
@@ -19,6 +19,8 @@ from tests.conftest import setup_and_reference
 
 RECORDED = (
     "lambda_max",
+    "preconditioned_sharpness",
+    "preconditioned_threshold",
     "trace",
     "frobenius_sq",
     "ggn_trace",
@@ -33,14 +35,26 @@ def _engine(model, x, y) -> CurvatureEngine:
     return CurvatureEngine(model, data, ParamScope.resolve(model, None))
 
 
+def _adam_step(model) -> StepContext:
+    """A training step's context with an Adam optimizer that has state but left the weights
+    where they were (a step on zero gradients moves nothing), so the cached references hold."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return StepContext(optimizer=optimizer, step=1)
+
+
 def test_every_trackable_writes_its_declared_keys_in_the_recorded_order():
     model, x, y, H, _ = setup_and_reference("gelu")
     names = list(catalogue.TRACKABLE.names())
-    out, products = measure(_engine(model, x, y), names)
+    out, products = measure(_engine(model, x, y), names, step=_adam_step(model))
     assert tuple(out) == RECORDED  # the history's JSON and CSV keep this order
     for entry in catalogue.TRACKABLE.entries():
-        alone, _ = measure(_engine(model, x, y), [entry.name])
-        assert tuple(alone) == entry.info["keys"], entry.name
+        alone, _ = measure(_engine(model, x, y), [entry.name], step=_adam_step(model))
+        # lambda_max_threshold is SGD's: with Adam it is left out
+        declared = tuple(k for k in entry.info["keys"] if k != "lambda_max_threshold")
+        assert tuple(alone) == declared, entry.name
         assert all(alone[k] == out[k] for k in alone), entry.name  # seeded: the same numbers
     assert out["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)
     shared_trace = out["ggn_trace"] + out["nme_trace"]
