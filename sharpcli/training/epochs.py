@@ -213,8 +213,11 @@ class Run:
     world: int = 1
     history: list = field(default_factory=list)
     start_epoch: int = 0
-    # the rows of per-step tracking (``--track-every Nsteps``), each with its step
+    # the tracked rows (``results.tracked``), each with its step, and the tracked quantities'
+    # warm starts (StepContext.warm: the previous top eigenvector), saved with the state so
+    # that a resumed run measures what the uninterrupted one did
     tracked: list = field(default_factory=list)
+    warm: dict = field(default_factory=dict)
 
 
 def start_run(

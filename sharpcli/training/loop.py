@@ -262,6 +262,9 @@ class _Tracking:
     def __init__(self, run: Run, tracker: Callable[..., dict], every: int, unit: str, device):
         self.run, self.tracker, self.every, self.unit = run, tracker, every, unit
         self.subset = tracking_subset(run.cfg, run.splits, device)
+        context = getattr(tracker, "context", None)  # a RunTracker's StepContext
+        if context is not None:  # its warm starts live in the run (saved with its state)
+            context.warm = run.warm
         self.batch_size = batch_size_for(run.cfg, run.splits.x_train.shape[0])
         self.seconds = 0.0
 

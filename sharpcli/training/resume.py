@@ -95,6 +95,11 @@ def restore_state(run: Run, state_file: Path) -> None:
         ) from None
     run.history = state["history"]
     run.tracked = _tracked_rows(state, state_file)
+    device = next(run.model.parameters()).device
+    warm = state.get("warm") or {}
+    run.warm = {
+        k: v.to(device) for k, v in warm.items() if isinstance(k, str) and torch.is_tensor(v)
+    }
     run.start_epoch = state["epoch"]
 
 
@@ -263,7 +268,9 @@ def save_state(path: Path, run: Run, epoch: int, *, last: bool = False) -> None:
         "rng_step": run.step_gen.get_state(),
         "rng_aug": run.aug_gen.get_state(),
         "history": json.dumps(run.history),
-        "tracked": json.dumps(run.tracked),  # per-step tracking's rows; absent in older states
+        "tracked": json.dumps(run.tracked),  # the tracked rows; absent in older states
+        # the tracked quantities' warm starts (tensors only); absent in older states
+        "warm": {k: v.detach().cpu() for k, v in run.warm.items() if torch.is_tensor(v)},
         "precision": run.amp.state_dict(),  # the fp16 loss scale; absent in older states
     }
     with publication(own=not last):

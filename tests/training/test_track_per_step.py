@@ -54,13 +54,17 @@ def test_per_step_rows_each_step_and_tracking_leaves_the_trajectory(tmp_path):
         assert _same_weights(out, tmp_path / "plain.safetensors"), track_on
         assert [r["step"] for r in result.tracked] == [2, 4, 6]  # 3 batches of 32, 2 epochs
         assert [r["epoch"] for r in result.tracked] == [1, 2, 2]
-        assert all(
-            set(r) == {"step", "epoch", "lr", "lambda_max", "matvecs"} for r in result.tracked
-        )
+        keys = {"step", "epoch", "lr", "lambda_max", "lambda_max_threshold", "matvecs"}
+        assert all(set(r) == keys for r in result.tracked)
         assert all(r["matvecs"] > 0 for r in result.tracked)
+        # the run's optimizer reached the quantity: heavy ball's (2 + 2 mu) / lr
+        assert all(
+            r["lambda_max_threshold"] == pytest.approx((2 + 2 * 0.9) / 0.05, rel=1e-12)
+            for r in result.tracked
+        )
         assert all("tracked" not in row for row in result.history)
         assert (tmp_path / f"{track_on}.tracked.csv").read_text().splitlines()[0] == (
-            "step,epoch,lr,lambda_max,matvecs"
+            "step,epoch,lr,lambda_max,lambda_max_threshold,matvecs"
         )
     assert plain.tracked == [] and plain.tracked_csv is None
 
@@ -68,7 +72,8 @@ def test_per_step_rows_each_step_and_tracking_leaves_the_trajectory(tmp_path):
 def test_epoch_tracking_keeps_its_history_rows_and_adds_the_tracked_list(tmp_path):
     cfg = _cfg(track=["eigen"], track_every=1)
     result = train(cfg, tmp_path / "m.safetensors", tracker=RunTracker(["eigen"], seed=3))
-    assert [set(row["tracked"]) for row in result.history] == [{"lambda_max"}] * 2
+    keys = {"lambda_max", "lambda_max_threshold"}
+    assert [set(row["tracked"]) for row in result.history] == [keys] * 2
     assert [r["step"] for r in result.tracked] == [3, 6]
     assert [r["lambda_max"] for r in result.tracked] == [
         row["tracked"]["lambda_max"] for row in result.history
@@ -143,6 +148,8 @@ def test_warmup_and_the_cosine_per_step_are_in_force_when_a_step_is_tracked(tmp_
         t = row["step"] - 1  # the rate of the step just taken
         want = 0.2 * 0.5 * (1 + math.cos(math.pi * t / 8)) * min(1.0, (t + 1) / 3)
         assert row["lr"] == pytest.approx(want, rel=1e-12), row["step"]
+        # the threshold read that step's rate from the optimizer: (2 + 2 mu) / lr
+        assert row["lambda_max_threshold"] == pytest.approx(3.8 / want, rel=1e-12)
 
 
 @pytest.mark.parametrize(
