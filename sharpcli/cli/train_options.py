@@ -191,7 +191,7 @@ class TrainOptions:
         _training_opt("--steps", Optional[int], "Optimizer steps, instead of --epochs."), "steps"
     )
     batch_size: str = option(
-        _training_opt("--batch-size", str, "Minibatch size, or full.", metavar="N|full"),
+        _training_opt("--batch-size", str, "Minibatch size, or full.", metavar="N"),
         str(_DEFAULTS["batch_size"]),
     )
     loss: str | None = _setting(TrainLossOpt, "loss")

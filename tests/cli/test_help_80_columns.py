@@ -98,8 +98,20 @@ def test_train_help_has_its_panels_and_lists_the_catalogues(capsys, monkeypatch)
     panels = _panels(lines)
     assert list(panels) == ["Model", "Data", "Training", "Output", "Run"]
     flat = " ".join(" ".join(lines).replace("│", " ").split())
-    for values in (catalogue.REGULARIZERS, catalogue.TRACKABLE, catalogue.ACTIVATIONS):
-        assert "Values: " + ", ".join(values) + "." in flat
+    # the help column only: a placeholder wrapped onto a second line of the names column
+    # (--activation NAME[:beta=B]) sits beside the values
+    command = _group().commands["train"]
+    ctx = command.make_context("train", [], resilient_parsing=True, help_option_names=HELP)
+    params = [p for p in command.get_params(ctx) if not p.hidden]
+    width = min(max(len(helptext.names_of(p)) for p in params), helptext.NAMES_WIDTH)
+    texts = " ".join(text for body in panels.values() for _, text in _rows(body, width))
+    for values in (
+        catalogue.REGULARIZERS,
+        catalogue.TRACKABLE,
+        catalogue.ACTIVATIONS,
+        catalogue.OPTIMIZERS,
+    ):
+        assert "Values: " + ", ".join(values) + "." in texts
     assert "--no-augment" not in flat  # on/off flags have one form
 
 
