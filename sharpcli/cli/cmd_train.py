@@ -142,6 +142,27 @@ def history_title(regularizers: list[dict]) -> str:
     return "training history: " + (" + ".join(specs) if specs else "no regularizer")
 
 
+# the last rows of per-step tracking shown under the history (all in results.tracked and
+# the tracked CSV)
+TRACKED_SHOWN = 5
+
+
+def _render_tracked(console, result) -> None:
+    """The last :data:`TRACKED_SHOWN` rows of per-step tracking, and where the others are."""
+    rows = result.tracked[-TRACKED_SHOWN:]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "epoch"))
+    console.print(
+        records_table(
+            f"tracked steps: the last {len(rows)} of {len(result.tracked)}", rows, columns
+        )
+    )
+    console.print(
+        f"every tracked step: results.tracked and {result.tracked_csv}",
+        markup=False,
+        highlight=False,
+    )
+
+
 def _render(console, result) -> None:
     tracked_keys = sorted({k for row in result.history for k in (row.get("tracked") or {})})
     penalty_names = list(
@@ -164,6 +185,8 @@ def _render(console, result) -> None:
         )
     )
     console.print(HISTORY_NOTE, markup=False, highlight=False)
+    if result.tracked and _per_step(result.config):
+        _render_tracked(console, result)
     final = [(k, v) for k, v in result.final.items()]
     final += [
         ("checkpoint", result.checkpoint["path"]),

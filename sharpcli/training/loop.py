@@ -232,8 +232,9 @@ def train(
             if tracking is not None and unit == "epochs":
                 if (epoch + 1) % every == 0 or epoch + 1 == total_epochs:
                     tracking.track_epoch(row, _steps_before(cfg, epoch + 1, steps))
-            elif tracking is not None:
+            elif tracking is not None:  # measured inside the epoch: its seconds left out
                 row["tracking_seconds"] = tracking.take_seconds()
+                row["seconds"] = max(0.0, row["seconds"] - row["tracking_seconds"])
             run.history.append(row)
             meter.update(
                 _steps_before(cfg, epoch + 1, steps), record={**row, "epochs": total_epochs}
