@@ -58,8 +58,14 @@ class SharpnessCallback(Callback):
 
 
 def _batch_size(batch) -> int | None:
-    """The samples in a training batch: the first dimension of its first tensor (a tensor,
-    a tuple or list, or a dict of them); None when it holds none."""
+    """The samples in a training batch.
+
+    Args:
+        batch: a tensor, a tuple or list, or a dict of tensors.
+
+    Returns:
+        The first dimension of its first tensor; None when it holds none.
+    """
     import torch
 
     if isinstance(batch, torch.Tensor):

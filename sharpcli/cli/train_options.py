@@ -240,7 +240,9 @@ class TrainOptions:
     stop_diverged: bool = option(StopDivergedOpt, False)
     track: str | None = option(TrackOpt, None)
     track_every: str = option(
-        _training_opt("--track-every", str, "Track every N epochs (or Nsteps).", metavar="N[steps]"),
+        _training_opt(
+            "--track-every", str, "Track every N epochs (or Nsteps).", metavar="N[steps]"
+        ),
         str(_DEFAULTS["track_every"]),
     )
     track_samples: int = _setting(

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.tracking import RunTracker
-from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.report.plots import _threshold_pairs, plot_training_history, png_size
