@@ -97,7 +97,9 @@ def _data_opt(flag: str, type_: Any, help: str) -> Any:
 
 RegOpt = Annotated[
     Optional[list[str]],
-    regularizer_option("--reg", "Regularizer; repeat to combine.", rich_help_panel="Training"),
+    regularizer_option(
+        "--reg", "Regularizer, e.g. sam:rho=0.05 (repeatable).", rich_help_panel="Training"
+    ),
 ]
 OutOpt = _valued("Output", "PATH", "--out", "-o", help="Checkpoint file.", type_=str)
 # the loss the model trains on: one help line, no values listed (an unknown name is refused
@@ -143,7 +145,7 @@ TrackOpt = Annotated[
         metavar="NAME,...",
         autocompletion=choices.list_completer(catalogue.TRACKABLE.names()),
         rich_help_panel="Training",
-        help="Curvature to record while training.",
+        help="Curvature, e.g. eigen,trace.",
     ),
 ]
 TrainPlotOpt = _valued(
