@@ -92,7 +92,8 @@ def test_tracker_hands_one_step_context_with_the_optimizer_to_each_measurement()
     assert (context.optimizer, context.step, context.batch_size) == (optimizer, 1, 32)
     other = torch.optim.Adam(model.parameters(), lr=0.1)
     tracker.step(model, optimizer=other)
-    assert tracker.context is context and context.warm == {"probe": "kept"}
+    assert tracker.context is context and context.warm["probe"] == "kept"
+    assert set(context.warm) == {"probe", "eigen"}  # eigen's warm start, kept beside it
     assert (context.optimizer, context.step) == (other, 2)
 
 
