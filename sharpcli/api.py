@@ -41,6 +41,7 @@ from sharpcli.api_methods.estimates import CurvatureEstimates
 from sharpcli.api_methods.modes import analysis_mode, eval_mode, unwrap
 from sharpcli.api_methods.perturbed import PerturbedLoss
 from sharpcli.api_methods.preconditioned import PreconditionedEstimates
+from sharpcli.api_methods.step_curvature import StepCurvature
 from sharpcli.catalogue import EXACT_HVP
 from sharpcli.curvature import AnalysisData, CurvatureEngine, ParamScope
 from sharpcli.curvature.products.finite_difference import FiniteDifferenceEngine
@@ -72,7 +73,7 @@ __all__ = ["Curvature", "LABEL_KEYS"]
 # inherited, grouped by job (sharpcli.api_methods): the operators and their cache (products),
 # the curvature estimates (estimates), the loss at moved weights (perturbed). The bases' order
 # makes docs/reference.md list them in that order.
-class Curvature(PerturbedLoss, CurvatureEstimates, PreconditionedEstimates):
+class Curvature(PerturbedLoss, CurvatureEstimates, PreconditionedEstimates, StepCurvature):
     """Curvature of ``loss`` over ``data`` at ``model``'s weights.
 
     Eigenvalues, traces, density, the Gauss-Newton/NME split and the matrix-free products

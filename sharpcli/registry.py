@@ -217,21 +217,6 @@ class Registry(Generic[T]):
         self._entries[entry.name] = entry
         self._builtins += (entry.name,)
 
-    def undeclare(self, name: str) -> None:
-        """Remove a record added by :meth:`declare`, and its implementation if registered.
-
-        Args:
-            name: the name.
-
-        Raises:
-            RegistryError: a name not declared.
-        """
-        if name not in self._builtins:
-            raise self.error(f"{self.kind} {name!r} is not declared")
-        self._builtins = tuple(n for n in self._builtins if n != name)
-        self._objects.pop(name, None)
-        del self._entries[name]
-
     def error(self, message: str, source: str | None = None) -> RegistryError:
         """A :class:`RegistryError` with this registry's default source.
 

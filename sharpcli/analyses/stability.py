@@ -36,7 +36,9 @@ Weight decay added to the gradient (``weight_decay`` of SGD, Adam, RMSprop) adds
 every curvature the optimizer sees: for SGD the threshold of the loss's ``lambda_max`` is the
 formula minus ``wd``, exactly; for the adaptive methods it adds ``wd P^-1``, not a shift of
 the preconditioned sharpness, and the formula (which leaves it out) says so. Adam's bias
-correction of ``m`` (``1 / (1 - b1^t)``) tends to 1 and is left out, as in [Cohen2022].
+correction of ``m`` (``1 / (1 - b1^t)``) tends to 1 and is left out, as in [Cohen2022]; so is
+torch's first SGD step with dampening, which fills the buffer with the undamped gradient (a
+transient that does not change the iteration's spectrum).
 """
 
 from __future__ import annotations

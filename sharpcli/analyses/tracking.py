@@ -169,7 +169,7 @@ def _threshold(budget: Budget, scope, source: str):
     "lambda_max of the Hessian (Lanczos, residual tol 1e-3, warm-started from the previous "
     "measurement) and, in training with SGD, its stability threshold",
     paper="Cohen2021",
-    info={"keys": ("lambda_max", "lambda_max_threshold"), "column": 1},
+    info={"keys": ("lambda_max", "lambda_max_threshold"), "column": 1, "default": True},
 )
 def track_eigen(engine, out: dict, budget: Budget) -> int:
     """``lambda_max``; only the eigenvalue is recorded: no product spent on an explicit

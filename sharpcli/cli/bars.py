@@ -220,7 +220,9 @@ def counts_text(event: channel.Event) -> str:
 
 
 def number_parts(event: channel.Event) -> list[str]:
-    """The numbers of :func:`numbers_text`, most important first."""
+    """``tr 11.36 ±0.1 n=104``, ``max 2.719 res 2e-04``, ``loss 0.3121 epoch 2/5`` in parts: the
+    estimate with its standard error or residual, the probes (when they are not the count) and
+    the run's detail, most important first."""
     parts = []
     if event.estimate is not None:
         name = event.quantity or "estimate"
@@ -234,13 +236,6 @@ def number_parts(event: channel.Event) -> list[str]:
     if event.detail:
         parts.append(event.detail)
     return parts
-
-
-def numbers_text(event: channel.Event) -> str:
-    """``tr 11.36 ±0.1 n=104``, ``max 2.719 res 2e-04``, ``loss 0.3121 epoch 2/5``: the
-    estimate with its standard error or residual, the probes (when they are not the count) and
-    the run's detail, most important first."""
-    return " ".join(number_parts(event))
 
 
 def record_line(record: dict, width: int = 80) -> str:

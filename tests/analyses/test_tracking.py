@@ -27,6 +27,15 @@ RECORDED = (
     "nme_trace",
     "nme_share",
     "adaptive_sharpness",
+    # the curvature along the step (under Adam: batch sharpness has no threshold)
+    "batch_sharpness",
+    "batch_sharpness_stderr",
+    "batch_sharpness_batches",
+    "gradient_share",
+    "gradient_share_k",
+    "critical_sharpness",
+    "critical_sharpness_forward_passes",
+    "critical_sharpness_threshold",
 )
 
 
@@ -52,8 +61,9 @@ def test_every_trackable_writes_its_declared_keys_in_the_recorded_order():
     assert tuple(out) == RECORDED  # the history's JSON and CSV keep this order
     for entry in catalogue.TRACKABLE.entries():
         alone, _ = measure(_engine(model, x, y), [entry.name], step=_adam_step(model))
-        # lambda_max_threshold is SGD's: with Adam it is left out
-        declared = tuple(k for k in entry.info["keys"] if k != "lambda_max_threshold")
+        # lambda_max's and batch sharpness's thresholds are SGD's: with Adam they are left out
+        sgd_only = ("lambda_max_threshold", "batch_sharpness_threshold")
+        declared = tuple(k for k in entry.info["keys"] if k not in sgd_only)
         assert tuple(alone) == declared, entry.name
         assert all(alone[k] == out[k] for k in alone), entry.name  # seeded: the same numbers
     assert out["lambda_max"] == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-6)

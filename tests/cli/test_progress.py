@@ -232,7 +232,7 @@ def test_bar_text_fits_80_columns():
         batches=12,
     )
     assert bars.counts_text(event) == "1000/1000 matvecs b12/12"
-    assert bars.numbers_text(event) == "tr(H) 11.23 ±0.01"  # probes == matvecs: not repeated
+    assert bars.number_parts(event) == ["tr(H) 11.23", "±0.01"]  # probes == matvecs: not repeated
     bar, width = bars.widths(80)
     assert bar >= 10 and width == 80 - bars.FIXED_WIDTH - 1
     assert bars.line_text(event, width) == "1000/1000 matvecs b12/12 tr(H) 11.23 ±0.01"

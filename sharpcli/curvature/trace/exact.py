@@ -48,7 +48,7 @@ from sharpcli.curvature.operators.registry import GGN, HESSIAN, NME, build_opera
 from sharpcli.curvature.trace.ggn import exact_ggn_trace, outer_product_trace
 from sharpcli.curvature.trace.hutchinson import HUTCHINSON
 from sharpcli.curvature.trace.hutchpp import HUTCHPP
-from sharpcli.curvature.trace.probes import TraceResult, blocks_of, product_segment_sums
+from sharpcli.curvature.trace.probes import TraceResult, blocks_of, layer_dict, product_segment_sums
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
 from sharpcli.registry import declare
@@ -155,9 +155,7 @@ def unit_vector_trace(
         estimator=EXACT,
         quantity="trace_of_square" if square else TRACE_KEY,
         converged=True,
-        by_layer={
-            name: {"estimate": float(sums[1 + j]), "stderr": 0.0} for j, name in enumerate(layers)
-        },
+        by_layer=layer_dict(list(layers), sums, torch.zeros_like(sums)),
         notes=[f"exact: {dim} products, one per unit vector"],
     )
 

@@ -115,17 +115,20 @@ class _Probes:
         return torch.cat(rows)
 
 
-def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks):
+def _probe_loop(
+    op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks
+) -> TraceResult:
     """Shared Hutchinson-type loop, the sample sized in two stages
     (:mod:`sharpcli.curvature.trace.probes`).
 
     Returns:
-        ``(mean, stderr, matvecs, probes, converged, data)`` of the main sample; ``converged``
-        says whether its standard error reached ``tol`` relative to its mean, ``data`` is the
-        trace's batch-means data error (None for ``Tr(A^2)``, not linear in the data, and
-        for an operator without batches).
+        The :class:`TraceResult` of the main sample, per layer over ``blocks`` (default the
+        operator's own); ``converged`` says whether its standard error reached ``tol`` relative
+        to its mean, ``data`` is the trace's batch-means data error (None for ``Tr(A^2)``, not
+        linear in the data, and for an operator without batches).
     """
     check_budget(tol, max_matvecs, block_size)
+    blocks = blocks_of(op, blocks)
     budget = int(max_matvecs)
     name = "tr" if quantity == TRACE_KEY else "Tr(A^2)"
     # a block's probes are drawn together, as bits (rademacher_bits)
@@ -163,8 +166,18 @@ def _probe_loop(op, quantity, *, tol, max_matvecs, seed, block_size, min_samples
             estimate=float(mean[0]),
             stderr=float(stderr[0]),
         )
-    converged = bool(stderr[0] <= tol * abs(mean[0]))
-    return mean, stderr, probes.matvecs, samples.shape[0], converged, probes.per_batch.error()
+    return TraceResult(
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=probes.matvecs,
+        samples=samples.shape[0],
+        estimator=HUTCHINSON,
+        quantity=TRACE_KEY if quantity == TRACE_KEY else "trace_of_square",
+        converged=bool(stderr[0] <= tol * abs(mean[0])),
+        tol=tol,
+        by_layer=layer_dict(list(blocks), mean, stderr),
+        data=probes.per_batch.error(),
+    )
 
 
 def hutchinson(
@@ -208,8 +221,7 @@ def hutchinson(
         >>> result.estimate, result.by_layer["b"]["estimate"]  # a diagonal A: exact per probe
         (10.0, 7.0)
     """
-    blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged, data = _probe_loop(
+    return _probe_loop(
         op,
         TRACE_KEY,
         tol=tol,
@@ -218,17 +230,6 @@ def hutchinson(
         block_size=block_size,
         min_samples=min_samples,
         blocks=blocks,
-    )
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=n,
-        estimator=HUTCHINSON,
-        converged=converged,
-        tol=tol,
-        by_layer=layer_dict(list(blocks), mean, stderr),
-        data=data,
     )
 
 
@@ -270,8 +271,7 @@ def frobenius_sq(
         >>> frobenius_sq(A, max_matvecs=16).estimate  # |g_i| = 1: exact per probe
         5.0
     """
-    blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged, _ = _probe_loop(
+    return _probe_loop(
         op,
         "square",
         tol=tol,
@@ -280,17 +280,6 @@ def frobenius_sq(
         block_size=block_size,
         min_samples=min_samples,
         blocks=blocks,
-    )
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=n,
-        estimator=HUTCHINSON,
-        quantity="trace_of_square",
-        converged=converged,
-        tol=tol,
-        by_layer=layer_dict(list(blocks), mean, stderr),
     )
 
 

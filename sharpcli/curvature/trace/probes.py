@@ -91,13 +91,6 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     data: DataError | None = None
 
-    @property
-    def relative_stderr(self) -> float | None:
-        """``|stderr / estimate|``, or None without a stderr or for a zero estimate."""
-        if self.stderr is None or self.estimate == 0:
-            return None
-        return abs(self.stderr / self.estimate)
-
     def to_dict(self) -> dict:
         """The result as a JSON-serialisable dict."""
         return {

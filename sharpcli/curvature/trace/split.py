@@ -28,6 +28,7 @@ from sharpcli.curvature.products.scope import RademacherColumns, rademacher_bits
 from sharpcli.curvature.trace.probes import (
     PerBatchTrace,
     check_budget,
+    layer_dict,
     mean_stderr,
     pilot_size,
     planned_probes,
@@ -186,10 +187,7 @@ def gn_nme_split(
             out.values[name][quantity] = {
                 "estimate": float(mean[0]),
                 "stderr": float(stderr[0]),
-                "by_layer": {
-                    layer: {"estimate": float(mean[i + 1]), "stderr": float(stderr[i + 1])}
-                    for i, layer in enumerate(blocks)
-                },
+                "by_layer": layer_dict(list(blocks), mean, stderr),
             }
     hessian_trace = out.values[HESSIAN][TRACE_KEY]
     run.finish(

@@ -41,7 +41,7 @@ from torch import nn
 
 from sharpcli import ledger
 from sharpcli.atomic import write_bytes_atomic
-from sharpcli.bounded import check_data_path
+from sharpcli.bounded import JsonTooDeep, check_data_path, loads_json
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import InputError, UsageError
 from sharpcli.io.checkpoints.hf_models import (
@@ -208,21 +208,6 @@ def _read_torch_file(path: Path, trust_pickle: bool):
         raise InputError(f"could not unpickle ({_first_line(exc)})", source=str(path)) from exc
 
 
-def _json_depth(value, limit: int) -> int:
-    """Nesting depth of parsed JSON (``[]`` is 1), iteratively; stops counting past ``limit``."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                break
-            stack.extend(
-                (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
-            )
-    return deepest
-
-
 def _json_kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
         type(value), "a number"
@@ -242,8 +227,8 @@ def _parse_json_meta(meta: dict, key: str, path: Path, kinds: tuple[type, ...] =
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except RecursionError:
+        value = loads_json(raw, MAX_METADATA_DEPTH)
+    except JsonTooDeep:
         raise InputError(
             f"metadata {key} is nested too deeply (more than {MAX_METADATA_DEPTH} levels)",
             source=str(path),
@@ -254,11 +239,6 @@ def _parse_json_meta(meta: dict, key: str, path: Path, kinds: tuple[type, ...] =
         raise InputError(
             f"metadata {key} holds a number too long to read", source=str(path)
         ) from exc
-    if _json_depth(value, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
-        raise InputError(
-            f"metadata {key} is nested too deeply (more than {MAX_METADATA_DEPTH} levels)",
-            source=str(path),
-        )
     if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
         wanted = " or ".join(_json_kind(kind()) for kind in kinds)
         raise InputError(
