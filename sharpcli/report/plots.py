@@ -69,10 +69,17 @@ def plot_training_history(
         unit = "epoch"
     keys = list(dict.fromkeys(k for _, row in points for k in row if _is_tracked_key(k, row)))
     pairs = _threshold_pairs(keys)
-    rest = [k for k in keys if k not in {k for pair in pairs for k in pair}]
+    paired = {k for pair in pairs for k in pair}
+    # a quantity's own companions (batch_sharpness_stderr, ..._batches): not curves of their own
+    rest = [k for k in keys if k not in paired and not any(k.startswith(q + "_") for q in keys)]
     panels = len(pairs) + (1 if rest else 0)
-    plt, fig, axes = _figure(1, 1 + panels)
-    axes = list(axes) if panels else [axes]
+    # up to two panels side by side; more in two rows
+    nrows = 1 if panels <= 1 else 2
+    ncols = -(-(1 + panels) // nrows)
+    plt, fig, grid = _figure(nrows, ncols)
+    axes = list(grid.flat) if panels else [grid]
+    for unused in axes[1 + panels :]:
+        unused.set_visible(False)
     ax = axes[0]
     epochs = [row["epoch"] for row in history]
     _plot_present(ax, epochs, history, ("train_loss", "test_loss"))
@@ -87,7 +94,7 @@ def plot_training_history(
     for cax, (key, threshold) in zip(axes[1:], pairs):
         _plot_against_threshold(cax, points, key, threshold, unit)
     if rest:
-        _plot_tracked(axes[-1], points, rest, unit)
+        _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -136,9 +143,8 @@ def _plot_against_threshold(cax, points: list, key: str, threshold: str, unit: s
     cax.plot(xs, values, style, color="tab:blue", label=key, markersize=3)
     cax.plot(xs, limits, "--", color="tab:red", label=threshold)
     cax.set_xlabel(unit)
-    cax.set_ylabel(key)
-    cax.set_title(f"{key} against its threshold")
-    cax.legend(fontsize=8)
+    cax.set_title(f"{key} vs threshold", fontsize=9)
+    cax.legend(fontsize=7)
 
 
 def _plot_tracked(cax, points: list, tracked_keys: list[str], unit: str) -> None:
