@@ -387,9 +387,35 @@ def _mse_factor(z, y=None):
         yield scale * eye[c].expand_as(z)
 
 
+def _is_class_labels(z, y) -> bool:
+    """Whether ``y`` holds one integer class index per sample for outputs ``z`` of several
+    columns (MSE then regresses the outputs on the one-hot rows)."""
+    return not y.is_floating_point() and y.ndim == 1 and z.ndim == 2 and z.shape[1] > 1
+
+
+def _mse_targets(z, y):
+    """The regression targets of ``y`` in ``z``'s dtype and shape: real targets as they are,
+    class labels as one-hot rows ``e_y`` (the MSE on one-hot targets of [Cohen2021]'s
+    classification experiments)."""
+    if _is_class_labels(z, y):
+        return F.one_hot(y.long(), z.shape[1]).to(z.dtype)
+    return y.to(z.dtype).reshape(z.shape)
+
+
+def _mse_correct(z, y):
+    """Class labels: the argmax of the outputs against the label; real targets count none."""
+    if _is_class_labels(z, y):
+        return _argmax_correct(z, y)
+    return 0, 0
+
+
 def _mse_check(z, y):
     if z.ndim != 2:
         return f"the model returns outputs of shape {tuple(z.shape)}, expected (batch, outputs)"
+    if _is_class_labels(z, y):
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= z.shape[1]):
+            return f"class labels must be in [0, {z.shape[1]}) for the model's {z.shape[1]} outputs"
+        return None
     width = 1 if y.ndim == 1 else y.shape[1]
     if width != z.shape[1]:
         return f"targets have {width} columns but the model has {z.shape[1]} outputs"
@@ -399,19 +425,23 @@ def _mse_check(z, y):
 @declare(
     "loss",
     MSE,
-    "mean squared error (mean over the outputs) on regression targets",
+    "mean squared error (mean over the outputs); class labels as one-hot targets",
     info={"classification": False},
 )
 def mse() -> Loss:
-    """``l = (1/C) ||z - y||^2`` (torch's ``mse_loss``, mean over the C outputs); ``H_z = (2/C) I``."""
+    """``l = (1/C) ||z - y||^2`` (torch's ``mse_loss``, mean over the C outputs); ``H_z = (2/C) I``.
+
+    Integer class labels (one per sample, ``C > 1`` outputs) are regressed as one-hot rows
+    ``y = e_label``, as [Cohen2021] train classifiers under MSE; their accuracy is the
+    argmax's.
+    """
     return _declared(
         mse,
-        mean=lambda z, y: F.mse_loss(z, y.to(z.dtype).reshape(z.shape)),
-        per_sample=lambda z, y: F.mse_loss(
-            z, y.to(z.dtype).reshape(z.shape), reduction="none"
-        ).mean(dim=1),
+        mean=lambda z, y: F.mse_loss(z, _mse_targets(z, y)),
+        per_sample=lambda z, y: F.mse_loss(z, _mse_targets(z, y), reduction="none").mean(dim=1),
         hessian_matvec=lambda z, y, u: (2.0 / z.shape[-1]) * u,
         ggn_factor=_mse_factor,
+        correct=_mse_correct,
         check=_mse_check,
         sampler=GAUSSIAN,
     )

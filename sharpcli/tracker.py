@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from sharpcli.analyses.analyze import EIGEN
-from sharpcli.analyses.tracking import check_tracked, measure
+from sharpcli.analyses.tracking import StepContext, check_tracked, measure
 from sharpcli.api import Curvature
 from sharpcli.api_methods.arguments import integer_argument, seed_argument
 from sharpcli.errors import UsageError
@@ -36,7 +36,11 @@ class Tracker:
     at most ``len(metrics) * max_matvecs`` products over the probe set; keep ``data`` small
     (a few hundred samples). Returned keys carry ``prefix`` (``sharpness/lambda_max``), with
     ``{prefix}matvecs`` and ``{prefix}seconds`` of the measurement. Nothing draws from the
-    global RNG, so tracking does not change the training trajectory.
+    global RNG, so tracking does not change the training trajectory. One
+    :class:`~sharpcli.analyses.tracking.StepContext` (``tracker.context``) is kept for the
+    Tracker's life and filled at each measurement with the optimizer, the step count and
+    the training batch size, so that the quantities' warm starts persist between
+    measurements.
 
     Args:
         loss: A torch loss module or a registered loss name, as :class:`~sharpcli.api.Curvature`.
@@ -49,6 +53,12 @@ class Tracker:
         batch_size: Samples per product batch.
         seed: Seeds the probes and start vectors (the same at every measurement).
         prefix: Prepended to every returned key.
+        optimizer: The training loop's torch optimizer, which the stability quantities read
+            (the learning rate and momentum of its ``param_groups`` for thresholds, Adam's
+            and RMSprop's second moments for the preconditioned sharpness); None: those
+            quantities are refused. :meth:`step` and :meth:`measure` may also pass it.
+        train_batch_size: The training mini-batch size (batch sharpness draws batches of
+            it from ``data``); None: unknown.
 
     Raises:
         UsageError: an argument out of range, named in ``error.source``.
@@ -88,11 +98,15 @@ class Tracker:
         batch_size: int | None = None,
         seed: int = 0,
         prefix: str = "sharpness/",
+        optimizer: Any = None,
+        train_batch_size: int | None = None,
     ) -> None:
 
         integer_argument(every, "every")
         integer_argument(max_matvecs, "max_matvecs")
         seed_argument(seed)
+        if train_batch_size is not None:
+            integer_argument(train_batch_size, "train_batch_size")
         if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
             raise UsageError(f"must be a positive number, got {tol!r}", source="tol")
         names = [metrics] if isinstance(metrics, str) else list(metrics)
@@ -106,6 +120,8 @@ class Tracker:
         self.metrics, self.max_matvecs, self.tol = names, max_matvecs, float(tol)
         self.params, self.batch_size, self.seed, self.prefix = params, batch_size, seed, prefix
         self.steps = 0
+        self.optimizer, self.train_batch_size = optimizer, train_batch_size
+        self.context = StepContext()  # one per Tracker: warm starts persist
         self.history: list[dict[str, Any]] = []  # every measurement, with its "step"
         self._curvature: Curvature | None = None
 
@@ -135,24 +151,28 @@ class Tracker:
         """
         return step >= 1 and step % self.every == 0
 
-    def step(self, model: nn.Module, step: int | None = None) -> dict[str, Any] | None:
+    def step(
+        self, model: nn.Module, step: int | None = None, *, optimizer: Any = None
+    ) -> dict[str, Any] | None:
         """Count one training step (or set the count to ``step``); measure when it is due.
 
         Args:
             model: The model being trained (measured in eval mode, its modes restored).
             step: The step number to set; None: one more than the last.
+            optimizer: The optimizer, if not given to the Tracker (kept from now on).
 
         Returns:
             The metrics (:meth:`measure`) when the step is due, else None.
         """
         self.steps = self.steps + 1 if step is None else int(step)
-        return self.measure(model) if self.due(self.steps) else None
+        return self.measure(model, optimizer=optimizer) if self.due(self.steps) else None
 
-    def measure(self, model: nn.Module) -> dict[str, Any]:
+    def measure(self, model: nn.Module, *, optimizer: Any = None) -> dict[str, Any]:
         """The metrics now, keyed ``{prefix}name``, recorded in ``history``.
 
         Args:
             model: The model to measure (in eval mode, its modes restored).
+            optimizer: The optimizer, if not given to the Tracker (kept from now on).
 
         Returns:
             ``{prefix}name -> value`` for each metric, with ``{prefix}matvecs`` and
@@ -161,6 +181,11 @@ class Tracker:
         import time
 
         start = time.perf_counter()
+        if optimizer is not None:
+            self.optimizer = optimizer
+        self.context.optimizer = self.optimizer
+        self.context.step = self.steps
+        self.context.batch_size = self.train_batch_size
         curvature = self._curvature_for(model)
         curvature.refresh()  # the weights moved since the last measurement
         with curvature._analysis_mode():
@@ -171,6 +196,7 @@ class Tracker:
                 tol=self.tol,
                 max_matvecs=self.max_matvecs,
                 eigen_max_matvecs=self.max_matvecs,
+                step=self.context,
             )
         values.update(matvecs=matvecs, seconds=time.perf_counter() - start)
         out = {f"{self.prefix}{k}": v for k, v in values.items() if v is not None}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -383,6 +383,86 @@ def _column(entry: Entry) -> float:
     return entry.info.get("column", math.inf)
 
 
+class RunTracker:
+    """The curvature tracked through one training run (``sharp train --track``): one
+    :class:`CurvatureEngine` kept for the run and refreshed (its cached graphs dropped) at each
+    measurement, and one :class:`StepContext` filled at each tracked step with the optimizer,
+    the step count and the training batch size, so that the quantities' warm starts
+    (``StepContext.warm``) persist from one measurement to the next. The in-memory tracker for
+    one's own loop is :class:`sharpcli.Tracker`.
+
+    ``tracker(model, x, y, loss, optimizer=..., step=..., batch_size=...)`` measures the
+    quantities ``names`` of ``model`` (put in eval mode, its mode restored) on ``(x, y)``: the
+    same tensors as last time reuse the engine's data, other tensors (the training batch of
+    ``--track-on batch``) replace it. Nothing draws from the global RNG.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        seed: int = 0,
+        batch_size: int = 256,
+        tol: float = 5e-2,
+        max_matvecs: int = 200,
+    ) -> None:
+        self.names = check_tracked(names)
+        self.seed, self.batch_size, self.tol, self.max_matvecs = seed, batch_size, tol, max_matvecs
+        self.context = StepContext()
+        self.engine: CurvatureEngine | None = None
+        self._probe: tuple[torch.Tensor, torch.Tensor] | None = None  # the engine's (x, y)
+        self.products = 0  # the curvature products of the last measurement
+
+    def _engine_for(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str
+    ) -> CurvatureEngine:
+        """The run's engine, on ``(x, y)``, its cached graphs dropped (the weights moved)."""
+        engine = self.engine
+        if engine is None or engine.model is not model:
+            engine = CurvatureEngine(
+                model,
+                AnalysisData(x, y, loss=loss, batch_size=self.batch_size),
+                ParamScope.resolve(model, None),
+            )
+            self.engine, self._probe = engine, (x, y)
+        elif self._probe is None or self._probe[0] is not x or self._probe[1] is not y:
+            engine.data = AnalysisData(x, y, loss=loss, batch_size=self.batch_size)
+            self._probe = (x, y)
+        engine.clear_cache()
+        return engine
+
+    def __call__(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        loss: str,
+        *,
+        optimizer: Any = None,
+        step: int | None = None,
+        batch_size: int | None = None,
+    ) -> dict:
+        """The tracked quantities now (:func:`measure`), after optimizer step ``step``."""
+        self.context.optimizer = optimizer
+        self.context.step = step
+        self.context.batch_size = batch_size
+        was_training = model.training
+        model.eval()
+        try:
+            engine = self._engine_for(model, x, y, loss)
+            values, self.products = measure(
+                engine,
+                self.names,
+                seed=self.seed,
+                tol=self.tol,
+                max_matvecs=self.max_matvecs,
+                step=self.context,
+            )
+            return values
+        finally:
+            model.train(was_training)
+
+
 def make_tracker(
     names: list[str],
     *,
@@ -390,23 +470,6 @@ def make_tracker(
     batch_size: int = 256,
     tol: float = 5e-2,
     max_matvecs: int = 200,
-) -> Callable:
-    """``tracker(model, x, y, loss, epoch) -> dict`` of the tracked quantities (``sharp train
-    --track``); the in-memory tracker for one's own loop is :class:`sharpcli.Tracker`."""
-    check_tracked(names)
-
-    def tracker(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, epoch: int) -> dict:
-
-        was_training = model.training
-        model.eval()
-        try:
-            engine = CurvatureEngine(
-                model,
-                AnalysisData(x, y, loss=loss, batch_size=batch_size),
-                ParamScope.resolve(model, None),
-            )
-            return measure(engine, names, seed=seed, tol=tol, max_matvecs=max_matvecs)[0]
-        finally:
-            model.train(was_training)
-
-    return tracker
+) -> RunTracker:
+    """The :class:`RunTracker` of the quantities ``names`` for one ``sharp train`` run."""
+    return RunTracker(names, seed=seed, batch_size=batch_size, tol=tol, max_matvecs=max_matvecs)

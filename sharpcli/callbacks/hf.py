@@ -13,7 +13,10 @@
 compares output t with label t). Every ``every`` optimizer steps (``state.global_step``) the
 metrics of :class:`sharpcli.Tracker` are measured on it with the trainer's model and passed to
 ``trainer.log``, so they land in ``trainer.state.log_history`` and in every reporting
-integration of ``args.report_to`` (TensorBoard, W&B, ...), like the loss.
+integration of ``args.report_to`` (TensorBoard, W&B, ...), like the loss. The trainer's
+optimizer (unwrapped from accelerate's wrapper) and its training batch size
+(``per_device_train_batch_size x gradient_accumulation_steps x world_size``) are handed to
+the tracker, so the stability quantities work here as in ``sharp train``.
 """
 
 from __future__ import annotations
@@ -84,4 +87,11 @@ class SharpnessCallback(TrainerCallback):
         if model is None or not self.tracker.due(step):
             return
         self.tracker.steps = step
-        self.trainer.log(self.tracker.measure(model))
+        if self.tracker.train_batch_size is None:
+            per_device = int(getattr(args, "per_device_train_batch_size", 0) or 0)
+            accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+            world = max(1, int(getattr(args, "world_size", 1) or 1))
+            self.tracker.train_batch_size = per_device * accumulation * world or None
+        optimizer = kwargs.get("optimizer") or getattr(self.trainer, "optimizer", None)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        self.trainer.log(self.tracker.measure(model, optimizer=optimizer))

@@ -12,7 +12,9 @@ metrics of :class:`sharpcli.Tracker` are measured on the probe data with the
 ``LightningModule`` itself as the model (its ``forward`` must return the logits, or an output
 with ``.logits``) and logged under ``sharpness/...`` at that step, so every logger the
 ``Trainer`` has (TensorBoard, CSV, W&B, ...) records them and ``trainer.callback_metrics``
-holds the last ones.
+holds the last ones. The trainer's optimizer (``trainer.optimizers[0]``) and the training
+batch's size are handed to the tracker, so the stability quantities (thresholds from the
+learning rate, preconditioned sharpness from Adam's state) work here as in ``sharp train``.
 """
 
 from __future__ import annotations
@@ -48,5 +50,33 @@ class SharpnessCallback(Callback):
             return
         self._last_step = step
         self.tracker.steps = step
-        metrics = self.tracker.measure(pl_module)
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        if self.tracker.train_batch_size is None:
+            self.tracker.train_batch_size = _batch_size(batch)
+        metrics = self.tracker.measure(pl_module, optimizer=optimizers[0] if optimizers else None)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+
+def _batch_size(batch) -> int | None:
+    """The samples in a training batch.
+
+    Args:
+        batch: a tensor, a tuple or list, or a dict of tensors.
+
+    Returns:
+        The first dimension of its first tensor; None when it holds none.
+    """
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        items = [batch]
+    elif isinstance(batch, dict):
+        items = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        return None
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.ndim > 0:
+            return int(item.shape[0])
+    return None

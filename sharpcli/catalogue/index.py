@@ -17,6 +17,7 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
         Entry('beta-gelu', 'x Phi(beta x): GELU with sharpness beta', 'sharpcli.models.activations:BetaGELU', params=(Param('beta', 'float', 1.0, 'sharpness, > 0; 1 = GELU', positive=True),), paper='NME'),
         Entry('augmented-relu', 'ReLU forward, a Gaussian of inverse width beta as its second derivative', 'sharpcli.models.activations:AugmentedReLU', params=(Param('beta', 'float', 1.0, 'inverse width of the Gaussian, > 0', positive=True),), paper='NME'),
         Entry('diminished-gelu', 'GELU forward, no second derivative', 'sharpcli.models.activations:DiminishedGELU', paper='NME'),
+        Entry('tanh', 'tanh', 'sharpcli.models.activations:Tanh', paper='Cohen2021'),
     ),
     'built-in dataset': (
         Entry('blobs', 'a Gaussian mixture in R^dim', 'sharpcli.io.data.builtin:make_blobs', params=(Param('n', 'int', 2000, 'samples, both splits'), Param('dim', 'int', 16, 'features'), Param('classes', 'int', 4, 'classes'), Param('seed', 'int', 0, 'seed of the generator'), Param('test_fraction', 'float', 0.25, 'share of the samples in the test split'), Param('separation', 'float', 3.0, 'norm of the class means')), info={'default': True}),
@@ -71,7 +72,7 @@ DECLARED: dict[str, tuple[Entry, ...]] = {
     ),
     'loss': (
         Entry('cross-entropy', 'softmax cross-entropy on (batch, classes) logits and class labels', 'sharpcli.losses:cross_entropy', info={'classification': True}),
-        Entry('mse', 'mean squared error (mean over the outputs) on regression targets', 'sharpcli.losses:mse', info={'classification': False}),
+        Entry('mse', 'mean squared error (mean over the outputs); class labels as one-hot targets', 'sharpcli.losses:mse', info={'classification': False}),
         Entry('binary-cross-entropy', 'binary cross-entropy with logits, element-wise on outputs of any shape, labels in [0, 1]', 'sharpcli.losses:binary_cross_entropy', info={'classification': True}),
         Entry('bce-probabilities', "binary cross-entropy on probabilities (a Sigmoid head), element-wise, as torch's BCELoss", 'sharpcli.losses:bce_probabilities', info={'classification': True}),
         Entry('huber', "Huber loss (delta 1), element-wise on outputs of any shape, as torch's HuberLoss", 'sharpcli.losses:huber', info={'classification': False}),

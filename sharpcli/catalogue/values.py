@@ -28,6 +28,7 @@ __all__ = [
     "HVP_METHODS",
     "METHODS",
     "OPTIMIZERS",
+    "OPTIMIZER_DECLARATIONS",
     "PRECISIONS",
     "QUANTITIES",
     "ASCENT_SYNCS",
@@ -38,6 +39,7 @@ __all__ = [
     "TABLE_FORMATS",
     "TEST",
     "TOKEN_REDUCTIONS",
+    "TRACK_ON",
     "TRAIN",
     "TRACE_KEY",
     "WHICH",
@@ -77,8 +79,19 @@ GRID_KEY, DENSITY_KEY = DENSITY_CURVE
 
 # models and training: sharpcli.losses, sharpcli.training.config (the models: catalogue.MODELS)
 TOKEN_REDUCTIONS = ("tokens", "samples")
-OPTIMIZERS = ("sgd", "adam")
+# each optimizer once: the torch.optim class it is and the hyper-parameters its spec
+# ``--optimizer NAME[:k=v,...]`` may set (their types and ranges: sharpcli.training.config)
+OPTIMIZER_DECLARATIONS = {
+    "sgd": ("SGD", ("nesterov", "weight_decay")),
+    "adam": ("Adam", ("beta1", "beta2", "eps", "weight_decay")),
+    "adamw": ("AdamW", ("beta1", "beta2", "eps", "weight_decay")),
+    "rmsprop": ("RMSprop", ("alpha", "eps", "momentum", "weight_decay")),
+}
+OPTIMIZERS = tuple(OPTIMIZER_DECLARATIONS)
 SCHEDULES = ("constant", "cosine")
+# what ``sharp train --track`` measures on: a fixed seeded subset of the training set, or the
+# training batch of the step just taken (--track-on)
+TRACK_ON = ("subset", "batch")
 # sharpcli.training.precision (--precision), sharpcli.training.data_parallel (--ascent-sync)
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the data-parallel semantics of the ascent oracles' clean gradient (sam, usam, asam): each

@@ -56,6 +56,7 @@ def train_command(opts: TrainOptions) -> None:
                 result.history,
                 opts.plot,
                 title=_plot_title(opts.model_factory or opts.model, result.config["regs"]),
+                tracked=result.tracked if _per_step(result.config) else None,
             )
         report = train_report(
             result,
@@ -115,6 +116,14 @@ def _divergence_warning(result) -> str | None:
     return f"warning: training diverged at epoch {d['epoch']}: {d['reason']}; {kept}"
 
 
+def _per_step(config: dict) -> bool:
+    """Whether the run tracked curvature per step (``--track-every Nsteps``)."""
+    # imports torch: kept out of start-up
+    from sharpcli.training.config import parse_track_every
+
+    return parse_track_every(config["track_every"])[1] == "steps"
+
+
 def _plot_title(model: str, regs: list[str]) -> str:
     named = [r for r in regs if r != "none"]
     return f"{model}, " + (f"regularized by {' + '.join(named)}" if named else "no regularizer")
@@ -131,6 +140,27 @@ def history_title(regularizers: list[dict]) -> str:
     """``training history: ad:sigma=0.1 + sam:rho=0.05`` (``no regularizer`` for none)."""
     specs = [r["spec"] for r in regularizers if r.get("spec") not in (None, "none")]
     return "training history: " + (" + ".join(specs) if specs else "no regularizer")
+
+
+# the last rows of per-step tracking shown under the history (all in results.tracked and
+# the tracked CSV)
+TRACKED_SHOWN = 5
+
+
+def _render_tracked(console, result) -> None:
+    """The last :data:`TRACKED_SHOWN` rows of per-step tracking, and where the others are."""
+    rows = result.tracked[-TRACKED_SHOWN:]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "epoch"))
+    console.print(
+        records_table(
+            f"tracked steps: the last {len(rows)} of {len(result.tracked)}", rows, columns
+        )
+    )
+    console.print(
+        f"every tracked step: results.tracked and {result.tracked_csv}",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _render(console, result) -> None:
@@ -155,6 +185,8 @@ def _render(console, result) -> None:
         )
     )
     console.print(HISTORY_NOTE, markup=False, highlight=False)
+    if result.tracked and _per_step(result.config):
+        _render_tracked(console, result)
     final = [(k, v) for k, v in result.final.items()]
     final += [
         ("checkpoint", result.checkpoint["path"]),

@@ -118,8 +118,9 @@ ActivationOpt = Annotated[
         rich_help_panel="Model",
         metavar=choices.metavar(catalogue.ACTIVATIONS, params=True),
         autocompletion=choices.completer(catalogue.ACTIVATIONS),
-        help="Activation (default: the model's); beta-gelu and augmented-relu take :beta=B, "
-        "e.g. beta-gelu:beta=4.",
+        # the placeholder shows beta-gelu's and augmented-relu's :beta=B; the default is
+        # the model's own
+        help="Activation.",
     ),
 ]
 SeedOpt = Annotated[

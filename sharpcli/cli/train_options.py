@@ -98,12 +98,29 @@ def _data_opt(flag: str, type_: Any, help: str) -> Any:
 RegOpt = Annotated[
     Optional[list[str]],
     regularizer_option(
-        "--reg", "Regularizer, e.g. sam:rho=0.05; repeat to combine.", rich_help_panel="Training"
+        "--reg", "Regularizer, e.g. sam:rho=0.05 (repeatable).", rich_help_panel="Training"
     ),
 ]
-OutOpt = _valued(
-    "Output", "PATH", "--out", "-o", help="Checkpoint to write (.safetensors).", type_=str
+OutOpt = _valued("Output", "PATH", "--out", "-o", help="Checkpoint file.", type_=str)
+# the loss the model trains on: one help line, no values listed (an unknown name is refused
+# listing them); mse on class labels regresses one-hot rows (sharpcli.losses)
+TrainLossOpt = _valued(
+    "Training", "NAME", "--loss", help="Loss (default: inferred from the data and model)."
 )
+OptimizerOpt = Annotated[
+    str,
+    typer.Option(
+        "--optimizer",
+        metavar="NAME[:k=v,...]",
+        autocompletion=choices.completer(catalogue.OPTIMIZERS),
+        rich_help_panel="Training",
+        help="Optimizer, e.g. adamw:weight_decay=0.01.",
+    ),
+]
+TrackOnOpt = Annotated[
+    choices.TrackOn,
+    typer.Option("--track-on", metavar="SET", rich_help_panel="Training", help="Probe set."),
+]
 ResumeOpt = Annotated[
     bool,
     typer.Option(
@@ -128,7 +145,7 @@ TrackOpt = Annotated[
         metavar="NAME,...",
         autocompletion=choices.list_completer(catalogue.TRACKABLE.names()),
         rich_help_panel="Training",
-        help="Curvature to track, e.g. eigen,trace.",
+        help="Curvature, e.g. eigen,trace.",
     ),
 ]
 TrainPlotOpt = _valued(
@@ -172,14 +189,22 @@ class TrainOptions:
     x_shape: str | None = option(common.XShapeOpt, None)
     token_reduction: str = _setting(TrainTokenReductionOpt, "token_reduction")
     epochs: int = _setting(_training_opt("--epochs", int, "Training epochs."), "epochs")
-    batch_size: int = _setting(_training_opt("--batch-size", int, "Minibatch size."), "batch_size")
-    optimizer: str = _setting(
-        _training_opt("--optimizer", choices.Optimizer, "Optimizer."), "optimizer"
+    steps: int | None = _setting(
+        _training_opt("--steps", Optional[int], "Optimizer steps, instead of --epochs."), "steps"
     )
+    batch_size: str = option(
+        _training_opt("--batch-size", str, "Minibatch size, or full.", metavar="N"),
+        str(_DEFAULTS["batch_size"]),
+    )
+    loss: str | None = _setting(TrainLossOpt, "loss")
+    optimizer: str = _setting(OptimizerOpt, "optimizer")
     lr: float = _setting(_training_opt("--lr", float, "Learning rate."), "lr")
     momentum: float = _setting(_training_opt("--momentum", float, "SGD momentum."), "momentum")
     schedule: str = _setting(
         _training_opt("--schedule", choices.Schedule, "Learning-rate schedule."), "schedule"
+    )
+    warmup: int = _setting(
+        _training_opt("--warmup", int, "Steps of linear learning-rate warm-up."), "warmup"
     )
     label_noise: float = _setting(
         _data_opt("--label-noise", float, "Fraction of labels flipped."), "label_noise"
@@ -216,12 +241,16 @@ class TrainOptions:
     stop_on_divergence: bool = option(StopOnDivergenceOpt, False)
     stop_diverged: bool = option(StopDivergedOpt, False)
     track: str | None = option(TrackOpt, None)
-    track_every: int = _setting(
-        _training_opt("--track-every", int, "Track every N epochs.", metavar="N"), "track_every"
+    track_every: str = option(
+        _training_opt(
+            "--track-every", str, "Track every N epochs (or Nsteps).", metavar="N[steps]"
+        ),
+        str(_DEFAULTS["track_every"]),
     )
     track_samples: int = _setting(
         _training_opt("--track-samples", int, "Training samples for tracking."), "track_samples"
     )
+    track_on: str = _setting(TrackOnOpt, "track_on")
     plot: str | None = option(TrainPlotOpt, None)
     seed: int = _setting(TrainSeedOpt, "seed")
     device: str = _setting(common.DeviceOpt, "device")

@@ -13,6 +13,7 @@ second derivative ``phi''`` of every activation ([NME] eq. 11-12). This module p
                      smoothed Dirac delta of unit mass. Default ``beta = 1.0`` (the paper's
                      "beta of O(1)", numerically stable).
 ``diminished-gelu``  forward and first AD derivative of GELU, second AD derivative 0 ([NME] eq. 16).
+``tanh``             ``tanh x`` ([Cohen2021]'s edge-of-stability networks), true derivatives.
 
 The two custom-derivative activations are ``torch.autograd.Function`` s
 (:mod:`sharpcli.models.activation_functions`) whose second derivatives every autograd and
@@ -205,6 +206,18 @@ class DiminishedGELU(nn.Module):
         return GELU()
 
 
+@declare("activation", "tanh", "tanh", paper="Cohen2021")
+class Tanh(nn.Tanh):
+    """``tanh x`` as ``nn.Tanh``, the activation of [Cohen2021]'s edge-of-stability networks;
+    spec ``tanh``. Its autograd derivatives are the true ones: ``phi' = 1 - tanh^2 x`` and
+    ``phi'' = -2 tanh x (1 - tanh^2 x)``, so N has a nonzero diagonal ([NME] eq. 11-12)."""
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string: the name."""
+        return _declared_name(self)
+
+
 # The activations by name: sharpcli.catalogue.ACTIVATIONS (name, parameters, module class).
 ACTIVATIONS = catalogue.ACTIVATIONS
 ACTIVATION_NAMES: tuple[str, ...] = ACTIVATIONS.builtin_names()
@@ -285,7 +298,7 @@ def make_activation(spec: str) -> nn.Module:
     """Build a fresh activation module from ``name[:k=v,...]``.
 
     Names: ``relu``, ``gelu``, ``beta-gelu[:beta=B]``, ``augmented-relu[:beta=B]``,
-    ``diminished-gelu`` ([NME] 4.3-4.4). The module's ``.spec`` is the canonical form (parameters
+    ``diminished-gelu`` ([NME] 4.3-4.4), ``tanh``. The module's ``.spec`` is the canonical form (parameters
     written out), and ``make_activation(m.spec)`` rebuilds an identical module. Unknown names or
     bad parameters raise ``UsageError(source="activation")`` listing the accepted names.
 
@@ -340,6 +353,8 @@ def activation_spec(module: nn.Module) -> str | None:
         return spec
     if type(module) is nn.ReLU:
         return ReLU().spec
+    if type(module) is nn.Tanh:
+        return Tanh().spec
     if type(module) is nn.GELU and module.approximate == GELU().approximate:
         return GELU().spec
     return None

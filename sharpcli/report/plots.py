@@ -45,11 +45,42 @@ def _finite(values):
     ]
 
 
-def plot_training_history(history: list[dict], path: str | Path, title: str = "training") -> Path:
-    """Loss and accuracy per epoch (train and test); tracked curvature in a second panel."""
-    tracked_keys = sorted({k for row in history for k in (row.get("tracked") or {})})
-    plt, fig, axes = _figure(1, 2 if tracked_keys else 1)
-    ax = axes[0] if tracked_keys else axes
+def plot_training_history(
+    history: list[dict],
+    path: str | Path,
+    title: str = "training",
+    tracked: list[dict] | None = None,
+) -> Path:
+    """Loss and accuracy per epoch (train and test); the tracked curvature beside them.
+
+    The tracked values come from ``tracked`` (``results.tracked``: one row per tracked step,
+    plotted against the step) when given, else from each history row's ``tracked`` (against
+    the epoch). Each quantity that has a threshold in the rows (a key ``NAME_threshold``,
+    paired with the key ``NAME`` or ``NAME_...``: ``lambda_max_threshold`` with
+    ``lambda_max``, ``preconditioned_threshold`` with ``preconditioned_sharpness``) gets its
+    own panel, the value against its threshold line on a linear scale (the edge of stability
+    shows as the value hovering at the line); the others share one panel (symlog for
+    eigenvalues and traces).
+    """
+    if tracked:
+        points, unit = [(row["step"], row) for row in tracked], "step"
+    else:
+        points = [(row["epoch"], row["tracked"]) for row in history if row.get("tracked")]
+        unit = "epoch"
+    keys = list(dict.fromkeys(k for _, row in points for k in row if _is_tracked_key(k, row)))
+    pairs = _threshold_pairs(keys)
+    paired = {k for pair in pairs for k in pair}
+    # a quantity's own companions (batch_sharpness_stderr, ..._batches): not curves of their own
+    rest = [k for k in keys if k not in paired and not any(k.startswith(q + "_") for q in keys)]
+    panels = len(pairs) + (1 if rest else 0)
+    # up to two panels side by side; more in two rows
+    nrows = 1 if panels <= 1 else 2
+    ncols = -(-(1 + panels) // nrows)
+    plt, fig, grid = _figure(nrows, ncols)
+    axes = list(grid.flat) if panels else [grid]
+    for unused in axes[1 + panels :]:
+        unused.set_visible(False)
+    ax = axes[0]
     epochs = [row["epoch"] for row in history]
     _plot_present(ax, epochs, history, ("train_loss", "test_loss"))
     ax.set_xlabel("epoch")
@@ -60,8 +91,10 @@ def plot_training_history(history: list[dict], path: str | Path, title: str = "t
     ax.legend(loc="upper left", fontsize=8)
     acc.legend(loc="lower left", fontsize=8)
     ax.set_title(title)
-    if tracked_keys:
-        _plot_tracked(axes[1], history, tracked_keys)
+    for cax, (key, threshold) in zip(axes[1:], pairs):
+        _plot_against_threshold(cax, points, key, threshold, unit)
+    if rest:
+        _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -75,16 +108,51 @@ def _plot_present(ax, epochs: list, history: list[dict], keys: tuple, **style) -
             ax.plot(epochs, values, line, label=key.replace("_", " "), **style)
 
 
-def _plot_tracked(cax, history: list[dict], tracked_keys: list[str]) -> None:
-    """The tracked curvature per epoch (symlog for eigenvalues and traces)."""
-    for key in tracked_keys:
-        points = [
-            (row["epoch"], (row.get("tracked") or {}).get(key))
-            for row in history
-            if row.get("tracked")
+def _is_tracked_key(key: str, row: dict) -> bool:
+    """A tracked quantity's key: a number, not the row's place (step, epoch, lr) or cost."""
+    if key in ("step", "epoch", "lr", "matvecs"):
+        return False
+    value = row.get(key)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _threshold_pairs(keys: list[str]) -> list[tuple[str, str]]:
+    """``(quantity, its threshold)`` for each key ``NAME_threshold`` whose quantity is among
+    ``keys``: ``NAME`` itself, else the first ``NAME_...`` that is not a threshold."""
+    pairs = []
+    for threshold in keys:
+        if not threshold.endswith("_threshold"):
+            continue
+        base = threshold[: -len("_threshold")]
+        match = [
+            k
+            for k in keys
+            if not k.endswith("_threshold") and (k == base or k.startswith(base + "_"))
         ]
-        cax.plot([p[0] for p in points], _finite([p[1] for p in points]), "o-", label=key)
-    cax.set_xlabel("epoch")
+        if match:
+            pairs.append((base if base in match else match[0], threshold))
+    return pairs
+
+
+def _plot_against_threshold(cax, points: list, key: str, threshold: str, unit: str) -> None:
+    """One quantity against its threshold line (dashed), on a linear scale."""
+    xs = [x for x, row in points if row.get(key) is not None]
+    values = _finite([row.get(key) for _, row in points if row.get(key) is not None])
+    limits = _finite([row.get(threshold) for _, row in points if row.get(key) is not None])
+    style = "-" if len(xs) > 30 else "o-"
+    cax.plot(xs, values, style, color="tab:blue", label=key, markersize=3)
+    cax.plot(xs, limits, "--", color="tab:red", label=threshold)
+    cax.set_xlabel(unit)
+    cax.set_title(f"{key} vs threshold", fontsize=9)
+    cax.legend(fontsize=7)
+
+
+def _plot_tracked(cax, points: list, tracked_keys: list[str], unit: str) -> None:
+    """The tracked curvature per step or epoch (symlog for eigenvalues and traces)."""
+    style = "-" if len(points) > 30 else "o-"
+    for key in tracked_keys:
+        cax.plot([p[0] for p in points], _finite([p[1].get(key) for p in points]), style, label=key)
+    cax.set_xlabel(unit)
     cax.set_ylabel("curvature")
     cax.set_title("tracked curvature")
     if any(k in tracked_keys for k in ("lambda_max", TRACE_KEY, "frobenius_sq")):

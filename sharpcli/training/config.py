@@ -15,6 +15,7 @@ from sharpcli import catalogue
 from sharpcli.catalogue.data import DEFAULT_DATASET
 from sharpcli.catalogue.names import DEFAULT_MODEL
 from sharpcli.errors import UsageError
+from sharpcli.specs import Param, parse_spec
 
 if TYPE_CHECKING:
     from sharpcli.regularizers.base import Regularizer
@@ -29,10 +30,96 @@ __all__ = [
     "TrainConfig",
     "validate_config",
     "config_from_options",
+    "parse_optimizer",
+    "parse_track_every",
+    "batch_size_for",
 ]
 
 OPTIMIZERS = catalogue.OPTIMIZERS
 SCHEDULES = catalogue.SCHEDULES
+FULL_BATCH = "full"  # --batch-size full: the whole training set, one step per epoch
+
+# The hyper-parameters an optimizer spec sets (``adamw:weight_decay=0.01,beta2=0.99``); which
+# optimizer takes which is declared with the optimizer (catalogue.OPTIMIZER_DECLARATIONS).
+# A value not given keeps torch's default for that optimizer (AdamW's weight decay 0.01,
+# Adam's 0), so the defaults shown here are torch's for Adam and RMSprop.
+OPTIMIZER_PARAMS = {
+    p.name: p
+    for p in (
+        Param("beta1", "float", 0.9, "first-moment decay (Adam, AdamW)", minimum=0.0, below=1.0),
+        Param("beta2", "float", 0.999, "second-moment decay (Adam, AdamW)", minimum=0.0, below=1.0),
+        Param("eps", "float", 1e-8, "added to the root of the second moment", positive=True),
+        Param("weight_decay", "float", 0.0, "weight decay (AdamW: decoupled)", minimum=0.0),
+        Param("alpha", "float", 0.99, "RMSprop's squared-gradient decay", minimum=0.0, below=1.0),
+        Param("momentum", "float", 0.0, "RMSprop's momentum", minimum=0.0, below=1.0),
+        Param("nesterov", "choice", 0, "Nesterov momentum (SGD; 1: on)", choices=(0, 1)),
+    )
+}
+
+
+def _unknown_optimizer(name: str) -> UsageError:
+    return UsageError(
+        f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}", source="optimizer"
+    )
+
+
+def parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:k=v,...]`` of ``--optimizer`` as the optimizer's name and the hyper-parameters
+    given, typed and checked (:data:`OPTIMIZER_PARAMS`; those not given keep torch's defaults).
+
+    Args:
+        spec: e.g. ``adamw:weight_decay=0.01,beta2=0.99``.
+
+    Returns:
+        ``("adamw", {"weight_decay": 0.01, "beta2": 0.99})``.
+
+    Raises:
+        UsageError: (source ``optimizer``) an unknown name or key, a value out of range.
+
+    >>> parse_optimizer("AdamW:beta2=0.99")
+    ('adamw', {'beta2': 0.99})
+    """
+
+    def keys_of(name: str):
+        declared = catalogue.OPTIMIZER_DECLARATIONS.get(name)
+        return None if declared is None else declared[1]
+
+    name, given = parse_spec(
+        spec, keys_of, positional=False, source="optimizer", unknown=_unknown_optimizer
+    )
+    return name, {k: OPTIMIZER_PARAMS[k].convert(name, v, "optimizer") for k, v in given.items()}
+
+
+def parse_track_every(value: int | str) -> tuple[int, str]:
+    """``--track-every`` as ``(count, unit)``: ``N`` or ``Nepochs`` every N epochs (the
+    meaning of a plain number since the option exists), ``Nsteps`` every N optimizer steps.
+
+    Raises:
+        UsageError: (source ``track_every``) anything else, or a count below 1.
+
+    >>> parse_track_every("10steps"), parse_track_every(2)
+    ((10, 'steps'), (2, 'epochs'))
+    """
+    text = str(value).strip().lower()
+    unit = "epochs"
+    for suffix in ("steps", "step", "epochs", "epoch"):
+        if text.endswith(suffix):
+            text, unit = text[: -len(suffix)].strip(), suffix.rstrip("s") + "s"
+            break
+    if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+        raise UsageError(
+            f"must be N (epochs) or Nsteps with N >= 1, e.g. 10steps; got {value!r}",
+            source="track_every",
+        )
+    return int(text), unit
+
+
+def batch_size_for(cfg: TrainConfig, samples: int) -> int:
+    """The training batch size over ``samples`` training samples: ``full`` (or any size
+    beyond it) is the whole set, one step per epoch."""
+    if cfg.batch_size == FULL_BATCH:
+        return samples
+    return min(int(cfg.batch_size), max(samples, 1))
 
 
 def _default_regularizers() -> list[Any]:
@@ -58,11 +145,14 @@ class TrainConfig:
     data: str | dict = DEFAULT_DATASET
     label_column: str | None = None
     epochs: int = 5
-    batch_size: int = 64
-    optimizer: str = "sgd"
+    # a run counted in optimizer steps instead (its last epoch partial); None: epochs
+    steps: int | None = None
+    batch_size: int | str = 64  # or "full": the whole training set
+    optimizer: str = "sgd"  # NAME[:k=v,...] (parse_optimizer)
     lr: float = 0.05
     momentum: float = 0.9
     schedule: str = "constant"
+    warmup: int = 0  # steps of linear learning-rate warm-up
     label_noise: float = 0.0
     augment: bool = False
     input_noise: float = 0.0
@@ -77,13 +167,21 @@ class TrainConfig:
     ascent_sync: str = "per-replica"
     device: str = "cpu"
     track: list[str] = field(default_factory=list)
-    track_every: int = 1
+    track_every: int | str = 1  # N epochs, or "Nsteps" (parse_track_every)
     track_samples: int = 512
+    track_on: str = "subset"  # catalogue.TRACK_ON
     loss: str | None = None
     # token-cross-entropy: the mean over all labelled tokens ("tokens") or per sample
     token_reduction: str = "tokens"
 
     def __post_init__(self) -> None:
+        # the command line gives these as text: a number stays the integer it always was
+        # (the saved configurations of older runs hold integers), the word its lower case
+        for name in ("batch_size", "track_every"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                text = value.strip().lower()
+                setattr(self, name, int(text) if text.isdigit() else text)
         if isinstance(self.regs, list):  # another type: validate_config names the option
             # imports torch: kept out of start-up
             from sharpcli.regularizers.registry import parse_regs
@@ -117,6 +215,11 @@ class TrainConfig:
         d = self.to_dict()
         d.pop("epochs")
         return d
+
+
+# settings added after the resumable state's first version, with the value that older runs
+# (which did not record them) ran with (sharpcli.training.resume compares identities)
+ADDED_SETTINGS: dict[str, Any] = {"steps": None, "warmup": 0, "track_on": "subset"}
 
 
 def _shown(value: Any) -> str:
@@ -211,13 +314,12 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UsageError(f"unknown loss {cfg.loss!r}; accepted: {', '.join(LOSSES)}", source="loss")
     if cfg.epochs < 1:
         raise UsageError("must be at least 1", source="epochs")
-    if cfg.batch_size < 1:
-        raise UsageError("must be at least 1", source="batch_size")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise UsageError(
-            f"unknown optimizer {cfg.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}",
-            source="optimizer",
-        )
+    if cfg.steps is not None and cfg.steps < 1:
+        raise UsageError("must be at least 1", source="steps")
+    if cfg.warmup < 0:
+        raise UsageError("must be >= 0", source="warmup")
+    _check_batch_size(cfg.batch_size)
+    _check_optimizer(cfg)
     if cfg.schedule not in SCHEDULES:
         raise UsageError(
             f"unknown schedule {cfg.schedule!r}; accepted: {', '.join(SCHEDULES)}",
@@ -233,14 +335,38 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UsageError("must be >= 0", source="noise_finetune")
     if cfg.input_noise < 0:
         raise UsageError("must be >= 0", source="input_noise")
-    if cfg.track_every < 1:
-        raise UsageError("must be at least 1", source="track_every")
+    parse_track_every(cfg.track_every)
+    if cfg.track_on not in catalogue.TRACK_ON:
+        raise UsageError(
+            f"unknown probe set {cfg.track_on!r}; accepted: {', '.join(catalogue.TRACK_ON)}",
+            source="track_on",
+        )
     if cfg.token_reduction not in TOKEN_REDUCTIONS:
         raise UsageError(
             f"unknown token reduction {cfg.token_reduction!r}; accepted: "
             f"{', '.join(TOKEN_REDUCTIONS)}",
             source="token_reduction",
         )
+
+
+def _check_batch_size(batch_size: int | str) -> None:
+    """UsageError (``batch_size``) unless it is a positive integer or ``full``."""
+    if isinstance(batch_size, str):
+        if batch_size.strip().lower() != FULL_BATCH:
+            raise UsageError(
+                f"must be a positive integer or {FULL_BATCH!r}, got {batch_size!r}",
+                source="batch_size",
+            )
+    elif batch_size < 1:
+        raise UsageError("must be at least 1", source="batch_size")
+
+
+def _check_optimizer(cfg: TrainConfig) -> None:
+    """UsageError (``optimizer``) on a spec that does not parse or an SGD momentum that
+    Nesterov's form cannot take (torch refuses Nesterov without momentum)."""
+    name, params = parse_optimizer(cfg.optimizer)
+    if name == "sgd" and params.get("nesterov") and cfg.momentum <= 0:
+        raise UsageError("sgd: nesterov=1 needs a momentum > 0 (`momentum`)", source="optimizer")
 
 
 # Size options of the command line that go into ``TrainConfig.model_args``, in this order.

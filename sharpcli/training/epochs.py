@@ -6,17 +6,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
-from sharpcli import progress
+from sharpcli import catalogue, progress
 from sharpcli.catalogue.values import TRAIN
 from sharpcli.errors import NumericalError
 from sharpcli.io.data.dataset import Dataset
 from sharpcli.losses import IGNORE_INDEX, get_loss, token_reduction
 from sharpcli.regularizers.step import training_step
-from sharpcli.training.config import TrainConfig
+from sharpcli.training.config import TrainConfig, batch_size_for, parse_optimizer
 from sharpcli.training.data_parallel import data_parallel_step
 from sharpcli.training.precision import MixedPrecision
 
@@ -126,17 +127,44 @@ def accuracy(loss_name: str, correct: int, counted: int) -> float | None:
     return correct / counted
 
 
-def _lr_at(cfg: TrainConfig, epoch: int) -> float:
+def _lr_at(cfg: TrainConfig, epoch: int, step: int | None = None) -> float:
+    """The learning rate of the optimizer step ``step`` (0-based, counted over the run) in
+    the 0-based ``epoch``.
+
+    The schedule: ``constant`` is ``lr``; ``cosine`` is ``lr (1 + cos(pi t)) / 2`` with
+    ``t`` the fraction of the run done, per step ``step / steps`` in a run counted in steps
+    (``cfg.steps``), per epoch ``epoch / epochs`` otherwise (as it always was). A warm-up of
+    ``cfg.warmup`` steps multiplies it by ``min(1, (step + 1) / warmup)`` (linear, the first
+    step at ``lr / warmup``). ``step`` None: the epoch's rate without warm-up.
+    """
+    rate = cfg.lr
     if cfg.schedule == "cosine":
-        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / cfg.epochs))
-    return cfg.lr
+        if cfg.steps is not None and step is not None:
+            done = min(step, cfg.steps - 1) / cfg.steps
+        else:
+            done = min(epoch, cfg.epochs - 1) / cfg.epochs
+        rate = cfg.lr * 0.5 * (1.0 + math.cos(math.pi * done))
+    if cfg.warmup > 0 and step is not None:
+        rate *= min(1.0, (step + 1) / cfg.warmup)
+    return rate
 
 
-def _make_optimizer(cfg: TrainConfig, model: nn.Module):
+def _make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The torch optimizer of ``cfg.optimizer`` (``NAME[:k=v,...]``,
+    :func:`~sharpcli.training.config.parse_optimizer`) at ``cfg.lr``: SGD with
+    ``cfg.momentum`` (and ``nesterov``), Adam, AdamW (decoupled weight decay) and RMSprop
+    with the hyper-parameters the spec gives, torch's defaults for the others."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.Adam(params, lr=cfg.lr)
+    name, given = parse_optimizer(cfg.optimizer)
+    class_name, _ = catalogue.OPTIMIZER_DECLARATIONS[name]
+    kwargs: dict = {"lr": cfg.lr}
+    if name == "sgd":
+        kwargs["momentum"] = cfg.momentum
+        kwargs["nesterov"] = bool(given.pop("nesterov", 0))
+    if "beta1" in given or "beta2" in given:
+        kwargs["betas"] = (given.pop("beta1", 0.9), given.pop("beta2", 0.999))
+    kwargs.update(given)
+    return getattr(torch.optim, class_name)(params, **kwargs)
 
 
 @dataclass
@@ -185,6 +213,11 @@ class Run:
     world: int = 1
     history: list = field(default_factory=list)
     start_epoch: int = 0
+    # the tracked rows (``results.tracked``), each with its step, and the tracked quantities'
+    # warm starts (StepContext.warm: the previous top eigenvector), saved with the state so
+    # that a resumed run measures what the uninterrupted one did
+    tracked: list = field(default_factory=list)
+    warm: dict = field(default_factory=dict)
 
 
 def start_run(
@@ -249,36 +282,64 @@ class _EpochSums:
             self.penalties[k] = self.penalties.get(k, 0.0) + v * b
 
 
-def train_epoch(run: Run, epoch: int, meter: progress.Run, position: tuple[int, int]) -> dict:
-    """One epoch (0-based ``epoch``): the learning rate, a seeded shuffle, every batch's steps.
+# after_step(step, xb, yb): called after each optimizer step (counted from 1 over the run)
+AfterStep = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train_epoch(
+    run: Run,
+    epoch: int,
+    meter: progress.Run,
+    position: tuple[int, int],
+    after_step: AfterStep | None = None,
+) -> dict:
+    """One epoch (0-based ``epoch``): a seeded shuffle, every batch's steps, each at its
+    learning rate (:func:`_lr_at`, set on the optimizer before the step).
 
     Returns the history row (without the tracked curvature, which the caller adds): means over
     the epoch's steps, and the test split's loss and accuracy after it. Each step is reported
-    to ``meter``; ``position`` is ``(steps before this epoch, epochs in the run)``.
+    to ``meter`` and then to ``after_step``; ``position`` is ``(steps before this epoch,
+    epochs in the run)``. A run counted in steps (``cfg.steps``) ends its last training
+    epoch at that step (the ``noise_finetune`` epoch after it is whole).
     """
     cfg, model, splits = run.cfg, run.model, run.splits
     t0 = time.perf_counter()
     finetune = epoch >= cfg.epochs
     noise_std = cfg.noise_finetune if finetune else cfg.input_noise
-    lr = _lr_at(cfg, min(epoch, cfg.epochs - 1))
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    done, epochs = position
+    lr = _lr_at(cfg, epoch, done if cfg.warmup or cfg.steps is not None else None)
+    _set_lr(run.optimizer, lr)
     model.train()
     if run.world > 1:  # dropout masks: independent per rank, reproducible per epoch (resume)
         torch.manual_seed(cfg.seed * 1_000_003 + 7 * epoch * run.world + run.rank + 11)
     n = splits.x_train.shape[0]
     perm = torch.randperm(n, generator=run.shuffle_gen)
     sums = _EpochSums()
-    done, epochs = position
     detail = f"epoch {epoch + 1}/{epochs}"
-    for start in range(0, n, cfg.batch_size):
-        xb, yb = _batch(run, perm[start : start + cfg.batch_size], noise_std)
+    batch_size = batch_size_for(cfg, n)
+    last = cfg.steps if cfg.steps is not None and not finetune else None
+    per_step = cfg.warmup > 0 or (cfg.steps is not None and cfg.schedule != "constant")
+    for start in range(0, n, batch_size):
+        if last is not None and done >= last:
+            break
+        xb, yb = _batch(run, perm[start : start + batch_size], noise_std)
         for _ in range(cfg.repeat_batch):  # MAN Table 2: R optimizer steps on each batch
+            if last is not None and done >= last:
+                break
+            if per_step:  # the rate of this step, in force before it (and its tracking)
+                _set_lr(run.optimizer, _lr_at(cfg, epoch, done))
             stats, stepped = _optimizer_step(run, xb, yb, epoch, start)
             sums.add(stats)
             sums.skipped += int(not stepped)
             done += 1
             meter.update(done, estimate=sums.loss / sums.count, detail=detail)
+            if after_step is not None:
+                after_step(done, xb, yb)
     row = {
         "epoch": epoch + 1,
         "lr": lr,

@@ -54,7 +54,9 @@ from sharpcli.training.config import (
     OPTIMIZERS,
     SCHEDULES,
     TrainConfig,
+    batch_size_for,
     config_from_options,
+    parse_track_every,
     validate_config,
 )
 from sharpcli.training.data_parallel import (
@@ -81,6 +83,7 @@ from sharpcli.training.resume import (
     restore_state,
     save_state,
     state_path_for,
+    tracked_csv_path_for,
     write_history_csv,
 )
 
@@ -107,6 +110,9 @@ class TrainResult:
     precision: dict = field(default_factory=dict)
     # data_parallel_record(): None in one process; the ranks, ascent sync, per-replica ones
     data_parallel: dict | None = None
+    # one row per tracked step ({step, epoch, lr, ...tracked keys}) and their CSV (None: none)
+    tracked: list = field(default_factory=list)
+    tracked_csv: str | None = None
 
 
 def train_report(
@@ -126,6 +132,8 @@ def train_report(
         "stopped_on_divergence": result.stopped_on_divergence,
         "precision": result.precision,
         "data_parallel": result.data_parallel,
+        "tracked": result.tracked,
+        "tracked_csv": result.tracked_csv,
     }
     return make_report(
         TRAIN,
@@ -193,36 +201,44 @@ def train(
                 cfg.chosen_loss,
                 source=model_spec["name"],
             )
+    steps = _steps_per_epoch(cfg, splits)
+    if cfg.steps is not None:  # counted in steps: the epochs that hold them, the last partial
+        cfg.epochs = -(-cfg.steps // steps)
     run = start_run(cfg, regs, splits, model, device, (rank, world))
     if resume:
         restore_state(run, state_file)
     else:
         torch.manual_seed(cfg.seed + 4)
 
-    x_track, y_track = tracking_subset(cfg, splits, device)
     # MAN Table 4: one extra final epoch with input noise of std ``noise_finetune``
     total_epochs = cfg.epochs + (1 if cfg.noise_finetune > 0 else 0)
     last_epoch = total_epochs if stop_after is None else min(total_epochs, stop_after)
-    steps = _steps_per_epoch(cfg, splits)
     best = _BestWeights(model) if stop_on_divergence else None
+    every, unit = parse_track_every(cfg.track_every)
+    tracking = None if tracker is None else _Tracking(run, tracker, every, unit, device)
     # second-order regularizers differentiate the backward pass: attention and weight norm
     # must be computed by kernels whose second derivative exists and is right
     with (
         twice_differentiable(),
         _token_mean(cfg, splits.y_train),
-        progress.start(TRAIN, total=last_epoch * steps, unit="steps", quantity="loss") as meter,
+        progress.start(
+            TRAIN, total=_steps_before(cfg, last_epoch, steps), unit="steps", quantity="loss"
+        ) as meter,
     ):
         for epoch in range(run.start_epoch, last_epoch):
-            row = _train_epoch(run, epoch, meter, (epoch * steps, total_epochs))
-            if tracker is not None and (
-                (epoch + 1) % cfg.track_every == 0 or epoch + 1 == total_epochs
-            ):
-                t1 = time.perf_counter()
-                with _token_mean(cfg, y_track):  # the subset's own, as an analysis of it
-                    row["tracked"] = tracker(model, x_track, y_track, cfg.loss, epoch + 1)
-                row["tracking_seconds"] = time.perf_counter() - t1
+            before = _steps_before(cfg, epoch, steps)
+            after_step = None if tracking is None or unit != "steps" else tracking.after_step
+            row = _train_epoch(run, epoch, meter, (before, total_epochs), after_step)
+            if tracking is not None and unit == "epochs":
+                if (epoch + 1) % every == 0 or epoch + 1 == total_epochs:
+                    tracking.track_epoch(row, _steps_before(cfg, epoch + 1, steps))
+            elif tracking is not None:  # measured inside the epoch: its seconds left out
+                row["tracking_seconds"] = tracking.take_seconds()
+                row["seconds"] = max(0.0, row["seconds"] - row["tracking_seconds"])
             run.history.append(row)
-            meter.update((epoch + 1) * steps, record={**row, "epochs": total_epochs})
+            meter.update(
+                _steps_before(cfg, epoch + 1, steps), record={**row, "epochs": total_epochs}
+            )
             if rank == 0:
                 save_state(state_file, run, epoch + 1, last=epoch + 1 == last_epoch)
             if best is not None:
@@ -234,6 +250,74 @@ def train(
     result.divergence = divergence(run.history, splits.num_outputs)
     result.stopped_on_divergence = best is not None and result.divergence is not None
     return result
+
+
+class _Tracking:
+    """The curvature tracked during one run: the tracker (one curvature engine and one
+    :class:`~sharpcli.analyses.tracking.StepContext` kept for the run, so warm starts
+    persist), the probe set (``cfg.track_on``: the fixed seeded subset, or each step's
+    training batch), and the rows it adds to ``run.tracked``: ``{step, epoch, lr, ...,
+    matvecs}``, ``lr`` the rate the optimizer's ``param_groups`` held for that step,
+    ``matvecs`` the curvature products the measurement took."""
+
+    def __init__(self, run: Run, tracker: Callable[..., dict], every: int, unit: str, device):
+        self.run, self.tracker, self.every, self.unit = run, tracker, every, unit
+        self.subset = tracking_subset(run.cfg, run.splits, device)
+        context = getattr(tracker, "context", None)  # a RunTracker's StepContext
+        if context is not None:  # its warm starts live in the run (saved with its state)
+            context.warm = run.warm
+        self.batch_size = batch_size_for(run.cfg, run.splits.x_train.shape[0])
+        self.seconds = 0.0
+
+    def _measure(self, step: int, epoch: int, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """The tracked quantities after optimizer step ``step`` (in ``epoch``, from 1),
+        recorded in ``run.tracked``; the model's mode is restored by the tracker."""
+        run = self.run
+        t1 = time.perf_counter()
+        with _token_mean(run.cfg, y):  # the probe set's own, as an analysis of it
+            values = self.tracker(
+                run.model,
+                x,
+                y,
+                run.cfg.loss,
+                optimizer=run.optimizer,
+                step=step,
+                batch_size=self.batch_size,
+            )
+        self.seconds += time.perf_counter() - t1
+        lr = run.optimizer.param_groups[0]["lr"]
+        products = getattr(self.tracker, "products", None)  # the measurement's products
+        run.tracked.append({"step": step, "epoch": epoch, "lr": lr, **values, "matvecs": products})
+        return values
+
+    def after_step(self, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        """Per-step tracking: measure after every ``every``-th optimizer step."""
+        if step % self.every == 0:
+            x, y = (xb, yb) if self.run.cfg.track_on == "batch" else self.subset
+            self._measure(step, len(self.run.history) + 1, x, y)
+
+    def track_epoch(self, row: dict, step: int) -> None:
+        """Per-epoch tracking: measure now, in ``row["tracked"]`` as ever (and in
+        ``run.tracked``), with the seconds it took. ``track_on`` ``batch`` has no batch
+        between epochs: the subset is measured."""
+        self.seconds = 0.0
+        row["tracked"] = self._measure(step, row["epoch"], *self.subset)
+        row["tracking_seconds"] = self.take_seconds()
+
+    def take_seconds(self) -> float:
+        """The seconds spent measuring since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _steps_before(cfg: TrainConfig, epoch: int, steps_per_epoch: int) -> int:
+    """Optimizer steps taken before the 0-based ``epoch`` (a run counted in steps stops at
+    ``cfg.steps``; its ``noise_finetune`` epoch comes after them)."""
+    if cfg.steps is None:
+        return epoch * steps_per_epoch
+    if epoch > cfg.epochs:  # past the noise-finetune epoch
+        return cfg.steps + (epoch - cfg.epochs) * steps_per_epoch
+    return min(epoch * steps_per_epoch, cfg.steps)
 
 
 def _token_mean(cfg: TrainConfig, y: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -267,7 +351,8 @@ class _BestWeights:
 def _steps_per_epoch(cfg: TrainConfig, splits) -> int:
     """Optimizer steps per epoch: ``repeat_batch`` on each of the ``ceil(n / batch_size)``
     batches."""
-    return -(-splits.x_train.shape[0] // cfg.batch_size) * cfg.repeat_batch
+    n = splits.x_train.shape[0]
+    return -(-n // batch_size_for(cfg, n)) * cfg.repeat_batch
 
 
 def _load_splits(cfg: TrainConfig) -> Splits:
@@ -388,8 +473,9 @@ def _place_splits(
 
     dataset = splits.dataset
     regression = dataset.task == "regression"
+    n = splits.x_train.shape[0]
     splits.x_train, splits.notes = prepare_features(
-        model, splits.x_train, dtype, device, dataset.source, batch_size=cfg.batch_size
+        model, splits.x_train, dtype, device, dataset.source, batch_size=batch_size_for(cfg, n)
     )
     splits.y_train = splits.y_train.to(device)
     if regression:
@@ -397,7 +483,7 @@ def _place_splits(
     test = splits.test_split()
     if test is not None:
         splits.x_test, test_notes = prepare_features(
-            model, test[0], dtype, device, dataset.source, batch_size=cfg.batch_size
+            model, test[0], dtype, device, dataset.source, batch_size=batch_size_for(cfg, n)
         )
         splits.notes += [note for note in test_notes if note not in splits.notes]
         y_test = test[1].to(device)
@@ -454,6 +540,7 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
     cfg_dict = json.loads(json.dumps(cfg.to_dict()))
     records = [reg.run_record() for reg in run.regs]
     csv_path = history_csv_path_for(out)
+    tracked_csv = tracked_csv_path_for(out)
     data_spec = splits.dataset.spec
     data_parallel = data_parallel_record(run.regs, cfg.ascent_sync, run.world)
     parallel = {} if data_parallel is None else {"data_parallel": data_parallel}
@@ -472,6 +559,8 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
                 metrics=metrics,
             )
             write_history_csv(csv_path, history)
+            if run.tracked:
+                write_history_csv(tracked_csv, run.tracked)
     return TrainResult(
         history=history,
         final=final,
@@ -485,6 +574,8 @@ def _finish_run(run: Run, out: Path, model_spec: dict) -> TrainResult:
         regularizers=records,
         precision=run.amp.record(),
         data_parallel=data_parallel,
+        tracked=run.tracked,
+        tracked_csv=str(tracked_csv) if run.tracked else None,
     )
 
 

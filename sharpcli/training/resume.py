@@ -17,13 +17,14 @@ from sharpcli.atomic import publication, write_atomic, write_text_atomic
 from sharpcli.bounded import loads_json, read_data_file
 from sharpcli.errors import InputError, UsageError
 from sharpcli.losses import LOSSES
-from sharpcli.training.config import TrainConfig
+from sharpcli.training.config import ADDED_SETTINGS, TrainConfig
 from sharpcli.training.epochs import Run
 
 __all__ = [
     "STATE_VERSION",
     "state_path_for",
     "history_csv_path_for",
+    "tracked_csv_path_for",
     "declare_outputs",
     "write_history_csv",
     "restore_state",
@@ -45,6 +46,13 @@ def history_csv_path_for(out: str | Path) -> Path:
     return out.with_name(out.stem + ".history.csv")
 
 
+def tracked_csv_path_for(out: str | Path) -> Path:
+    """The CSV of the tracked rows beside checkpoint ``out`` (its stem + ``.tracked.csv``):
+    one row per tracked step, written when curvature is tracked."""
+    out = Path(out)
+    return out.with_name(out.stem + ".tracked.csv")
+
+
 def declare_outputs(out: str | Path) -> Path:
     """Declare (:mod:`sharpcli.ledger`) every file a run writes, before any work: the
     checkpoint ``out``, its history CSV and its resumable state beside it. UsageError naming the
@@ -52,6 +60,9 @@ def declare_outputs(out: str | Path) -> Path:
     out = ledger.declare_output(out, "out")
     ledger.declare_output(history_csv_path_for(out), "out", role="the history CSV beside `out`")
     ledger.declare_output(state_path_for(out), "out", role="the resumable state beside `out`")
+    ledger.declare_output(
+        tracked_csv_path_for(out), "out", role="the tracked curvature's CSV beside `out`"
+    )
     return out
 
 
@@ -83,7 +94,30 @@ def restore_state(run: Run, state_file: Path) -> None:
             f"resumable state does not fit this run ({type(exc).__name__})", source=str(state_file)
         ) from None
     run.history = state["history"]
+    run.tracked = _tracked_rows(state, state_file)
+    device = next(run.model.parameters()).device
+    warm = state.get("warm") or {}
+    run.warm = {
+        k: v.to(device) for k, v in warm.items() if isinstance(k, str) and torch.is_tensor(v)
+    }
     run.start_epoch = state["epoch"]
+
+
+def _tracked_rows(state: dict, state_file: Path) -> list:
+    """The per-step tracked rows of a state (absent in older states: none)."""
+    text = state.get("tracked")
+    if text is None:
+        return []
+    try:
+        rows = loads_json(text) if isinstance(text, str) else None
+    except ValueError:
+        rows = None
+    if not isinstance(rows, list):
+        raise InputError(
+            "is not a resumable state of sharp train (its tracked rows are not a JSON list)",
+            source=str(state_file),
+        )
+    return rows
 
 
 _STATE_FIELDS = {
@@ -173,6 +207,8 @@ def _check_same_identity(cfg: TrainConfig, state: dict) -> None:
     # saved before the options: no autocast, and the only ascent sync then allowed (one process)
     saved.setdefault("precision", "fp32")
     saved.setdefault("ascent_sync", "per-replica")
+    for key, value in ADDED_SETTINGS.items():  # saved before these options: run without them
+        saved.setdefault(key, value)
     if saved != identity:
         diff = sorted(
             f"`{k}`" for k in set(saved) | set(identity) if saved.get(k) != identity.get(k)
@@ -232,6 +268,9 @@ def save_state(path: Path, run: Run, epoch: int, *, last: bool = False) -> None:
         "rng_step": run.step_gen.get_state(),
         "rng_aug": run.aug_gen.get_state(),
         "history": json.dumps(run.history),
+        "tracked": json.dumps(run.tracked),  # the tracked rows; absent in older states
+        # the tracked quantities' warm starts (tensors only); absent in older states
+        "warm": {k: v.detach().cpu() for k, v in run.warm.items() if torch.is_tensor(v)},
         "precision": run.amp.state_dict(),  # the fp16 loss scale; absent in older states
     }
     with publication(own=not last):

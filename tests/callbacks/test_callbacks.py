@@ -75,6 +75,28 @@ def test_tracker_options_are_checked(options, source):
     assert info.value.source == source
 
 
+def test_tracker_hands_one_step_context_with_the_optimizer_to_each_measurement():
+    """``Tracker(optimizer=...)``: one StepContext for the Tracker's life (warm starts kept
+    in it persist), filled at each measurement with the optimizer, the step count and the
+    training batch size; an optimizer given to ``step`` replaces it."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = _data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = Tracker(
+        nn.CrossEntropyLoss(), (x[:16], y[:16]), every=1, optimizer=optimizer, train_batch_size=32
+    )
+    context = tracker.context
+    tracker.step(model)
+    context.warm["probe"] = "kept"
+    assert (context.optimizer, context.step, context.batch_size) == (optimizer, 1, 32)
+    other = torch.optim.Adam(model.parameters(), lr=0.1)
+    tracker.step(model, optimizer=other)
+    assert tracker.context is context and context.warm["probe"] == "kept"
+    assert set(context.warm) == {"probe", "eigen"}  # eigen's warm start, kept beside it
+    assert (context.optimizer, context.step) == (other, 2)
+
+
 def test_lightning_callback_logs_through_the_trainers_loggers(tmp_path):
     lightning = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.loggers import Logger
@@ -134,6 +156,10 @@ def test_lightning_callback_logs_through_the_trainers_loggers(tmp_path):
         _lambda_max(module, "cross-entropy", probe), rel=1e-5
     )
     assert "sharpness/lambda_max" in trainer.callback_metrics
+    # the trainer's optimizer and batch size reach the stability quantities (StepContext)
+    context = callback.tracker.context
+    assert context.optimizer is trainer.optimizers[0] and context.step == 2
+    assert context.batch_size == 16
 
 
 def _tiny_bert():
@@ -203,6 +229,11 @@ def test_hugging_face_trainer_callback_logs_through_trainer_log(tmp_path):
     assert logged[-1]["sharpness/lambda_max"] == pytest.approx(
         _lambda_max(model, nn.CrossEntropyLoss(), probe), rel=1e-5
     )
+    # the trainer's own torch optimizer (accelerate's wrapper taken off) and batch size
+    context = callback.tracker.context
+    assert isinstance(context.optimizer, torch.optim.AdamW) and context.step == 2
+    assert context.optimizer.param_groups[0]["params"][0] is next(model.parameters())
+    assert context.batch_size == 8
 
 
 def test_hugging_face_callback_without_attach_is_refused(tmp_path):

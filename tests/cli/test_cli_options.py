@@ -82,6 +82,7 @@ def test_choices_are_listed_and_no_type_noise(capsys, monkeypatch):
     ("name", "option", "metavar"),
     [
         ("train", "--reg", "NAME[:k=v,...]"),
+        ("train", "--optimizer", "NAME[:k=v,...]"),
         ("sweep", "--reg", "NAME[:k=v,...]"),
         ("sweep", "--extra-reg", "NAME[:k=v,...]"),
         ("sweep", "--grid", "NAME=V1,V2,..."),
@@ -119,8 +120,8 @@ CLOSED_SETS = [
     ("eigen", "--token-reduction", catalogue.TOKEN_REDUCTIONS),
     ("gn-nme", "--ggn-estimator", catalogue.GGN_ESTIMATORS),
     ("train", "--model", catalogue.MODEL_NAMES),
-    ("train", "--optimizer", catalogue.OPTIMIZERS),
     ("sweep", "--schedule", catalogue.SCHEDULES),
+    ("train", "--track-on", catalogue.TRACK_ON),
     ("weight-rescale", "--mode", catalogue.RESCALE_MODES),
     ("bound-check", "--epsilon", catalogue.EPSILON_KINDS),
     ("compare", "--format", catalogue.TABLE_FORMATS),
@@ -130,6 +131,7 @@ LIST_SETS = [
     ("analyze", "--metrics", catalogue.METRICS),
     ("sweep", "--metrics", catalogue.METRICS),
     ("train", "--track", catalogue.TRACKABLE),
+    ("train", "--optimizer", catalogue.OPTIMIZERS),  # NAME[:k=v,...]: an open spec
     ("bound-check", "--check", catalogue.CHECKS),
     ("eigen", "--device", catalogue.DEVICES),
 ]

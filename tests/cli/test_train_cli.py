@@ -83,7 +83,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--optimizer", "rmsprop"], "--optimizer"),
+        (["--optimizer", "lion"], "--optimizer"),
         (["--schedule", "step"], "--schedule"),
         (["--epochs", "0"], "--epochs"),
         (["--reg", "nosuchreg"], "--reg"),

@@ -61,9 +61,12 @@ def test_the_page_runs_every_claim_on_both_datasets():
         "corollary1-digits-gelu.json",
     }
     assert digits <= targets, digits - targets
+    assert {"eos-lr1.json", "eos-lr05.json"} <= targets  # the edge of stability, two rates
+    # the papers' claims on the two datasets; the edge of stability on its own blobs
+    data = ("blobs:n=800", "digits.npz", "blobs:n=640,separation=1")
     for command in commands:
         if command.program == "sharp" and command.option("--data"):
-            assert command.option("--data") in ("blobs:n=800", "digits.npz"), command.text
+            assert command.option("--data") in data, command.text
 
 
 # ----------------------------------------------------------------------------- the claims
@@ -287,3 +290,14 @@ def test_reproduce_guide_claims(tmp_path, monkeypatch):  # noqa: C901 - one bloc
     assert abs(relu_n["estimate"]) <= 3 * relu_n["stderr"]
     assert augmented_n["estimate"] < -3 * augmented_n["stderr"]
     assert final["sam-gelu"] - final["sam-relu"] > 0.01  # SAM depends on the activation too
+
+    # The edge of stability [Cohen2021]: full-batch GD at two rates; lambda_max starts below
+    # 2/lr, reaches it, and over the last quarter its mean is within 10 % of it
+    for name, lr in (("eos-lr1.json", 1.0), ("eos-lr05.json", 0.5)):
+        tracked = report(name)["results"]["tracked"]
+        assert [row["step"] for row in tracked] == list(range(1, 801)), name
+        ratios = [row["lambda_max"] / row["lambda_max_threshold"] for row in tracked]
+        assert all(row["lambda_max_threshold"] == 2 / lr for row in tracked), name
+        assert ratios[0] < 0.6 and max(ratios) > 1.0, name
+        last = ratios[-200:]
+        assert abs(sum(last) / len(last) - 1) < 0.10, name
