@@ -29,8 +29,9 @@ Three tasks, each at one accuracy for every tool:
   num_matvecs=m, method="hutch++")`` (its default method; ``num_matvecs=100`` by default, no
   stopping rule), ``m`` = sharp's product count rounded up to a multiple of 3, doubled until
   its reported standard error is at most 1%. PyHessian: ``trace(maxIter, tol)`` (Hutchinson,
-  stops when the running mean changes by less than ``tol``); at its defaults first, then with
-  ``tol=0`` and ``maxIter`` = the probes its first run's sample variance says 1% needs (capped
+  stops when the running mean changes by less than ``tol``, relative to the *signed* previous
+  mean, so a negative mean stops it at once); at its defaults first, then with ``tol=-1e300``
+  (every probe taken) and ``maxIter`` = the probes its first run's sample variance says 1% needs (capped
   by ``--max-probes``; the row says so). Standard errors are each tool's own (sample standard
   deviation of the probes over sqrt(probes); for PyHessian computed here from the probe
   values it returns). The estimates are compared with sharp's, in units of their combined
@@ -45,6 +46,12 @@ Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_peers.py --cases resnet18 --workdir DIR \
         [--tasks eigen,trace,density] [--timeout 3600] [--json OUT.json]
+    python benchmarks/bench_peers.py --workdir DIR --from-json A.json B.json  # the tables again
+
+``--trace-products N`` runs every trace at N products instead of to 1% (a 1% trace of an
+untrained ResNet-18 takes thousands of products) and reads the products 1% needs from the
+standard error reached. ``--reference`` skips the reference run; ``--pyhessian-tol`` sets
+PyHessian's first ``tol`` of the ladder. ``--cases mlp`` is a smoke run of seconds.
 
 Needs ``pip install -c constraints.txt -e .[bench]`` (PyHessian 0.1, hessian-eigenthings
 1.0.0a5). GPT-2 small rows hold 4-14 GiB each. Prints Markdown tables; progress on stderr.
@@ -68,6 +75,10 @@ GPT2_SMALL = {"vocab": 50257, "positions": 1024, "d": 768, "layers": 12, "heads"
 EIGEN_TOL = 1e-3
 TRACE_TOL = 0.01
 DENSITY_STEPS = 12
+# PyHessian's trace stops when |mean_k - mean_(k-1)| / (mean_(k-1) + 1e-6) < tol: the signed
+# mean divides, so with tol=0 it stops at the second probe whenever the running mean is negative.
+# A tol no quotient reaches makes it take all maxIter probes.
+EVERY_PROBE = -1e300
 
 CASES = {
     "resnet18": {"factory": "resnet18", "args": {}, "label": "CIFAR ResNet-18, 64 images 3x32x32"},
@@ -277,7 +288,7 @@ class Bench:
         path = self.workdir / f"reference-{self.name}.json"
         if given is not None:
             self.reference = given
-            self.reference_note = "given by --reference"
+            self.reference_note = f"{given:.7g}, given by --reference"
             return
         if not path.exists():
             info = self.run(
@@ -356,8 +367,8 @@ class Bench:
             matvecs *= 2
         if cap:
             self.run(
-                "trace", "PyHessian", f"trace(maxIter={cap}, tol=0)",
-                self.peer(PYHESSIAN, "trace", max_iter=cap, tol=0.0, seed=0),
+                "trace", "PyHessian", f"trace(maxIter={cap}, tol={EVERY_PROBE:g})",
+                self.peer(PYHESSIAN, "trace", max_iter=cap, tol=EVERY_PROBE, seed=0),
             )  # fmt: skip
             return
         first = self.run(
@@ -370,8 +381,8 @@ class Bench:
         needed = math.ceil((res["sample_std"] / (TRACE_TOL * abs(res["value"]))) ** 2)
         probes = min(needed, self.max_probes)
         info = self.run(
-            "trace", "PyHessian", f"trace(maxIter={probes}, tol=0)",
-            self.peer(PYHESSIAN, "trace", max_iter=probes, tol=0.0, seed=1),
+            "trace", "PyHessian", f"trace(maxIter={probes}, tol={EVERY_PROBE:g})",
+            self.peer(PYHESSIAN, "trace", max_iter=probes, tol=EVERY_PROBE, seed=1),
         )  # fmt: skip
         info["needed"] = needed
 
@@ -467,9 +478,27 @@ def main() -> None:
         help="every trace at this many products; 1%% extrapolated from the stderr reached",
     )  # fmt: skip
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument(
+        "--from-json", nargs="+", default=None, help="print the tables of earlier --json runs"
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        merged: dict = {}
+        for path in args.from_json:
+            for name, saved in json.loads(Path(path).read_text()).items():
+                merged.setdefault(name, {**saved, "rows": []})["rows"] += saved["rows"]
+        for name, saved in merged.items():
+            bench = Bench(name, workdir, args.timeout, args.max_probes)
+            bench.reference = saved["reference"]
+            bench.reference_note = saved.get(
+                "reference_note", f"{bench.reference:.7g}, given by --reference"
+            )
+            order = {"eigen": 0, "density": 1, "trace": 2}
+            bench.rows = sorted(saved["rows"], key=lambda r: order.get(r["task"], 3))
+            table(bench)
+        return
     import hessian_eigenthings
     import torch
 
@@ -491,7 +520,10 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown task {task!r}")
             if args.json_path:
-                everything[name] = {"reference": bench.reference, "rows": bench.rows}
+                everything[name] = {
+                    "reference": bench.reference, "reference_note": bench.reference_note,
+                    "rows": bench.rows,
+                }  # fmt: skip
                 Path(args.json_path).write_text(json.dumps(everything, indent=1))
         table(bench)
         sys.stdout.flush()
