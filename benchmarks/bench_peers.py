@@ -75,6 +75,7 @@ GPT2_SMALL = {"vocab": 50257, "positions": 1024, "d": 768, "layers": 12, "heads"
 EIGEN_TOL = 1e-3
 TRACE_TOL = 0.01
 DENSITY_STEPS = 12
+TOOLS = ("sharp", "hessian-eigenthings", "PyHessian")
 # PyHessian's trace stops when |mean_k - mean_(k-1)| / (mean_(k-1) + 1e-6) < tol: the signed
 # mean divides, so with tol=0 it stops at the second probe whenever the running mean is negative.
 # A tol no quotient reaches makes it take all maxIter probes.
@@ -245,6 +246,7 @@ class Bench:
         self.env["PYTHONPATH"] = os.pathsep.join([str(HERE), self.env.get("PYTHONPATH", "")])
         self.rows: list[dict] = []
         self.reference: float | None = None
+        self.tools = TOOLS
 
     def sharp(self, command: str, *extra: str) -> list[str]:
         return [
@@ -261,6 +263,8 @@ class Bench:
         return [sys.executable, "-c", code + script]
 
     def run(self, task: str, tool: str, label: str, argv: list[str], keep: bool = True) -> dict:
+        if tool not in self.tools and task != "reference":  # --tools: the others' rows only
+            return {"result": None, "skipped": True}
         info = measure(argv, self.env, self.timeout)
         info.update(task=task, tool=tool, label=label, result=None)
         if info["code"] == 0:
@@ -477,6 +481,7 @@ def main() -> None:
         "--trace-products", type=int, default=None,
         help="every trace at this many products; 1%% extrapolated from the stderr reached",
     )  # fmt: skip
+    parser.add_argument("--tools", default=",".join(TOOLS), help="run only these tools' rows")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument(
         "--from-json", nargs="+", default=None, help="print the tables of earlier --json runs"
@@ -510,6 +515,7 @@ def main() -> None:
     for name in args.cases.split(","):
         bench = Bench(name, workdir, args.timeout, args.max_probes)
         bench.ensure_reference(args.reference)
+        bench.tools = tuple(args.tools.split(","))
         for task in args.tasks.split(","):
             if task == "eigen":
                 bench.eigen(args.eigenthings_steps, args.pyhessian_tol)
