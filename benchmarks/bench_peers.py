@@ -75,7 +75,8 @@ GPT2_SMALL = {"vocab": 50257, "positions": 1024, "d": 768, "layers": 12, "heads"
 EIGEN_TOL = 1e-3
 TRACE_TOL = 0.01
 DENSITY_STEPS = 12
-TOOLS = ("sharp", "hessian-eigenthings", "PyHessian")
+BUDGETED = "sharp --max-memory"  # --budget's row; --tools names it so
+TOOLS = ("sharp", BUDGETED, "hessian-eigenthings", "PyHessian")
 # PyHessian's trace stops when |mean_k - mean_(k-1)| / (mean_(k-1) + 1e-6) < tol: the signed
 # mean divides, so with tol=0 it stops at the second probe whenever the running mean is negative.
 # A tol no quotient reaches makes it take all maxIter probes.
@@ -247,6 +248,7 @@ class Bench:
         self.rows: list[dict] = []
         self.reference: float | None = None
         self.tools = TOOLS
+        self.budget: str | None = None
 
     def sharp(self, command: str, *extra: str) -> list[str]:
         return [
@@ -327,6 +329,13 @@ class Bench:
             "eigen", "sharp", f"sharp eigen --top-k 1 --eig-tol {EIGEN_TOL:g}",
             self.sharp("eigen", "--top-k", "1", "--eig-tol", f"{EIGEN_TOL:g}"),
         )  # fmt: skip
+        if self.budget:  # the same run held to a memory budget (PyHessian's peak, say)
+            self.run(
+                "eigen", BUDGETED,
+                f"sharp eigen --top-k 1 --eig-tol {EIGEN_TOL:g} --max-memory {self.budget}",
+                self.sharp("eigen", "--top-k", "1", "--eig-tol", f"{EIGEN_TOL:g}",
+                           "--max-memory", self.budget),
+            )  # fmt: skip
         steps = eigenthings_steps
         while True:
             info = self.run(
@@ -481,6 +490,9 @@ def main() -> None:
         "--trace-products", type=int, default=None,
         help="every trace at this many products; 1%% extrapolated from the stderr reached",
     )  # fmt: skip
+    parser.add_argument(
+        "--budget", default=None, help="eigen: sharp again under --max-memory BUDGET (e.g. 1931M)"
+    )
     parser.add_argument("--tools", default=",".join(TOOLS), help="run only these tools' rows")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument(
@@ -516,6 +528,7 @@ def main() -> None:
         bench = Bench(name, workdir, args.timeout, args.max_probes)
         bench.ensure_reference(args.reference)
         bench.tools = tuple(args.tools.split(","))
+        bench.budget = args.budget
         for task in args.tasks.split(","):
             if task == "eigen":
                 bench.eigen(args.eigenthings_steps, args.pyhessian_tol)
