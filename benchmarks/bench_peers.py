@@ -453,7 +453,8 @@ def table(bench: Bench) -> None:
         if r["task"] == "eigen" and value is not None:
             acc = f"rel. error {bench.error(value):.1e}"
             if s.get("residual") is not None:
-                acc += f"; residual {s['residual'] / abs(value):.1e} rel."
+                kind = "residual estimate" if r["tool"] == "hessian-eigenthings" else "residual"
+                acc += f"; {kind} {s['residual'] / abs(value):.1e} rel."
                 acc += " (converged)" if s.get("converged") else " (not converged)"
         elif r["task"] == "trace" and value is not None:
             acc = f"rel. stderr {s['stderr'] / abs(value):.2%}"
