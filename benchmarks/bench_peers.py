@@ -21,7 +21,8 @@ Three tasks, each at one accuracy for every tool:
   set (every try is a row). Its defaults are ``k=10``, ``max_iter=2k`` (2 steps for ``k=1``),
   ``which="LM"`` (largest *magnitude*), ``tol=1e-4``. PyHessian: ``eigenvalues(top_n=1,
   maxIter, tol)`` (power iteration; ``tol`` is the relative change between iterates, not an
-  error), first at its defaults (``maxIter=100, tol=1e-3``), then at ``tol=1e-3/10^j`` until
+  error), first at ``--pyhessian-tol`` (default its own 1e-3, ``maxIter=100``), then ten times
+  tighter at each step until
   its error against the reference is at most 1e-3 (power iteration has no certificate: only the
   reference says when it got there).
 - ``trace``: tr(H) to 1% relative standard error. sharp: ``trace --trace-tol 0.01`` (Hutch++,
@@ -49,9 +50,11 @@ Usage::
     python benchmarks/bench_peers.py --workdir DIR --from-json A.json B.json  # the tables again
 
 ``--trace-products N`` runs every trace at N products instead of to 1% (a 1% trace of an
-untrained ResNet-18 takes thousands of products) and reads the products 1% needs from the
+untrained ResNet-18 takes tens of thousands of products) and reads the products 1% needs from the
 standard error reached. ``--reference`` skips the reference run; ``--pyhessian-tol`` sets
-PyHessian's first ``tol`` of the ladder. ``--cases mlp`` is a smoke run of seconds.
+PyHessian's first ``tol`` of the ladder. ``--tools`` runs only the named tools' rows (a run
+split across processes); ``--budget SIZE`` adds sharp's eigen row under ``--max-memory SIZE``
+(tool ``sharp --max-memory``). ``--cases mlp`` is a smoke run of seconds.
 
 Needs ``pip install -c constraints.txt -e .[bench]`` (PyHessian 0.1, hessian-eigenthings
 1.0.0a5). GPT-2 small rows hold 4-14 GiB each. Prints Markdown tables; progress on stderr.
