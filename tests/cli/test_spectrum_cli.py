@@ -84,6 +84,27 @@ def test_timing_reports_startup_and_compute_apart(tiny):
     assert timing["startup_seconds"] > 0.1
 
 
+def test_cpu_seconds_by_phase_add_up_and_verbose_prints_them(tiny):
+    """``timing.cpu_seconds`` splits the process's CPU seconds (user + system) by phase, in the
+    order a run goes through them; the phases add up to ``total``, which is the CPU the
+    process spent up to the report (at least the start-up, torch's import among it), and
+    ``--verbose`` prints the same split on stderr."""
+    path = tiny[0]
+    run = run_process("eigen", path, "--top-k", "1", "--verbose", "--json", "-")
+    assert run.code == 0, run.err
+    report = run.json()
+    validate_report(report)
+    split = report["timing"]["cpu_seconds"]
+    phases = ["startup", "load", "preflight", "first_graph", "products", "report"]
+    assert list(split) == [*phases, "total"]
+    assert all(split[p] >= 0 for p in phases)
+    assert split["total"] == pytest.approx(sum(split[p] for p in phases), abs=0.01)
+    assert split["startup"] > 0.1  # the interpreter and torch's import, in CPU seconds
+    err = " ".join(run.err.split())  # notes are wrapped at 80 columns off a terminal
+    shown = ", ".join(f"{p.replace('_', ' ')} {split[p]:.1f}" for p in phases)
+    assert f"CPU seconds by phase: {shown} (total {split['total']:.1f})" in err
+
+
 def test_trace_exact_ggn_and_hutchpp_within_stderr(tiny, capsys):
     path, _, H = tiny
     run = run_cli(capsys, "trace", path, "--dtype", "float64", "--tol", "0.02", "--json", "-")
