@@ -79,7 +79,7 @@ def write_case(workdir: Path, name: str, factory: str, args: dict, x, y) -> tupl
 TIME = "/usr/bin/time"  # GNU time: the peak RSS of its own child, read from outside it
 
 
-def measure(argv: list[str], env: dict) -> dict:
+def measure(argv: list[str], env: dict, cwd=None) -> dict:
     """Run ``argv`` as a child; its CPU seconds, peak RSS, wall seconds, exit code, stdout.
 
     The peak RSS is that child's alone, read by GNU ``time`` (``%M``) from outside it. The
@@ -95,7 +95,7 @@ def measure(argv: list[str], env: dict) -> dict:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r") as peak:  # fmt: skip
         wrapped = [TIME, "-f", "%M", "-o", peak.name, *argv] if outside else argv
-        child = subprocess.Popen(wrapped, stdout=out, stderr=err, env=env)
+        child = subprocess.Popen(wrapped, stdout=out, stderr=err, env=env, cwd=cwd)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
@@ -267,8 +267,8 @@ def save_eigen_run(name: str, info: dict) -> dict:
     return info
 
 
-def run(label: str, argv: list[str], env: dict, rows: list) -> dict:
-    info = measure(argv, env)
+def run(label: str, argv: list[str], env: dict, rows: list, cwd=None) -> dict:
+    info = measure(argv, env, cwd)
     if info["code"] != 0:
         print(f"{label}: exit {info['code']}: {info['err'].strip()[-400:]}", file=sys.stderr)
         info["report"] = None
@@ -554,31 +554,29 @@ def case_fixed(workdir, env, device, products=20, trees=()):
           f"{bare_info['graph_cpu']:.2f}, whole child {bare_info['cpu']:.1f} CPU s, peak RSS "
           f"{bare_info['rss'] / 2**30:.2f} GiB")  # fmt: skip
     sources = [("this tree", env)]
-    for tree in trees:
+    for tree in trees:  # `python -m` puts its working directory first: run in the tree
         tree_env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), env["PYTHONPATH"]]))
         sources.append((str(tree), tree_env))
-    runs = []
-    for source, source_env in sources:
-        for bound in (products, 2):
-            argv = sharp(
-                "eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", str(bound),
-                "--verbose", device=device,
-            )  # fmt: skip
-            info = run(f"{source}: sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv,
-                       source_env, [])  # fmt: skip
-            runs.append((source, bound, info))
-    own_startup = next(
-        ((i["report"] or {}).get("timing", {}).get("cpu_seconds", {}).get("startup")
-         for _, _, i in runs if i["report"]), None,
-    )  # fmt: skip
     print(f"\nWhole runs, GPT-2 small (P = {count:,}, 4 x 64 tokens), {device}, one thread; "
           "CPU seconds (user + system)\n")  # fmt: skip
     print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | products | "
           "compute s / product | x bare HVP | whole run / (3 bare + loading) | "
-          + " | ".join(PHASES) + " |")  # fmt: skip
-    print("|---" * (10 + len(PHASES)) + "|")
-    for source, bound, info in runs:
+          + " | ".join(PHASES) + " |", flush=True)  # fmt: skip
+    print("|---" * (10 + len(PHASES)) + "|", flush=True)
+    runs: list = []
+    own_startup = None
+    for (source, source_env), bound in [(s, b) for s in sources for b in (products, 2)]:
+        argv = sharp(
+            "eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", str(bound),
+            "--verbose", device=device,
+        )  # fmt: skip
+        cwd = None if source == "this tree" else source
+        info = run(f"{source}: sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv,
+                   source_env, [], cwd=cwd)  # fmt: skip
+        runs.append((source, bound, info))
         rep = info["report"] or {}
+        if own_startup is None:
+            own_startup = rep.get("timing", {}).get("cpu_seconds", {}).get("startup")
         timing = rep.get("timing", {})
         split = timing.get("cpu_seconds", {})
         matvecs = timing.get("matvecs") or 0
@@ -588,7 +586,7 @@ def case_fixed(workdir, env, device, products=20, trees=()):
         phases = " | ".join(f"{split[p]:.1f}" if p in split else "" for p in PHASES)
         print(f"| {source} | {bound} | {info['cpu']:.1f} | {info['user']:.1f} | "
               f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {matvecs} | {per:.2f} | "
-              f"{per / bare:.2f}x | {short} | {phases} |")  # fmt: skip
+              f"{per / bare:.2f}x | {short} | {phases} |", flush=True)  # fmt: skip
     return runs
 
 
