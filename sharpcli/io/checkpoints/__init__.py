@@ -486,10 +486,14 @@ def load_checkpoint(
             origin="pickle",
             model_spec={"name": type(contents.module).__name__, "args": {}},
         )
-    with skipped_initialisation():  # every weight is about to be loaded (strict)
-        model, model_spec, origin = _model_for(contents, p, arch, arch_args, model_factory)
-    if _non_persistent_buffers(model):  # a buffer the file does not hold: built as written
-        model, model_spec, origin = _model_for(contents, p, arch, arch_args, model_factory)
+    try:
+        with skipped_initialisation():  # every weight is about to be loaded (strict)
+            built = _model_for(contents, p, arch, arch_args, model_factory)
+    except Exception:  # a constructor that computes with its initial weights: as written
+        built = None
+    if built is None or _non_persistent_buffers(built[0]):  # a buffer the file lacks
+        built = _model_for(contents, p, arch, arch_args, model_factory)
+    model, model_spec, origin = built
     state, how = match_state_dict(model, contents.candidates, p)
     notes = [f"{p}: loaded {how}"] if how else []
     half = half_precision_note(model, state, p)
@@ -535,8 +539,10 @@ def skipped_initialisation():
     ``load_state_dict(strict=True)`` writes every parameter and persistent buffer. On GPT-2
     small (124M parameters) the draws were 2.3 of the 4.4 CPU seconds of loading. The same
     idea as ``transformers``' ``no_init_weights``. A model with non-persistent buffers (which
-    the file does not hold, and which an initialiser might have filled) is built again
-    outside the block (:func:`load_checkpoint`). The initialisers are restored on exit.
+    the file does not hold, and which an initialiser might have filled), or whose
+    construction fails inside the block (a constructor computing with its initial weights),
+    is built again outside it (:func:`load_checkpoint`), so the block never changes what is
+    loaded or which errors are raised. The initialisers are restored on exit.
     """
     init = torch.nn.init
     saved = {name: getattr(init, name) for name in _RANDOM_INITIALISERS if hasattr(init, name)}
