@@ -2,10 +2,10 @@
 
 Builds the models of ``benchmarks/scale_models.py`` by hand (no downloads), writes them as
 ``--model-factory`` checkpoints with seeded random data of the right shapes, and runs every
-command as a whole child process on one thread, reading its CPU time (user + system) and
-peak resident memory from ``os.wait4``. PyHessian 0.1 runs the way its users run it
-(``hessian(model, criterion, data=(x, y)).eigenvalues(top_n=1)``, its defaults) in the same
-run. Accuracy: each top eigenvalue against a long reference run of sharp (``--eig-tol
+command as a whole child process on one thread, reading its CPU time (user + system) from
+``os.wait4`` and its peak resident memory from outside it (GNU ``time``, :func:`measure`).
+PyHessian 0.1 runs the way its users run it (``hessian(model, criterion, data=(x,
+y)).eigenvalues(top_n=1)``, its defaults) in the same run. Accuracy: each top eigenvalue against a long reference run of sharp (``--eig-tol
 1e-6``, residual-certified).
 
 Cases (``--cases``, comma-separated; default all but ``medium``):
@@ -27,6 +27,10 @@ Cases (``--cases``, comma-separated; default all but ``medium``):
   largest eigenvalue at all.
 - ``ratio``: only the CPU seconds of a product inside ``eigen`` (12 products against 2)
   against the bare graph-kept HVP, on ResNet-18 and GPT-2 small.
+- ``fixed``: whole runs of GPT-2 small's ``eigen`` (20 matvecs and 2) against the bare HVP:
+  compute seconds over products, the 3-product run against three bare HVPs plus loading,
+  the CPU seconds by phase (``timing.cpu_seconds``), peak RSS from outside; ``--trees
+  /path/to/other/checkout`` runs another tree's sharp beside this one (before/after).
 
 Usage: ``python benchmarks/bench_scale.py [--cases resnet18,gpt2] [--workdir DIR]
 [--device cpu|cuda] [--plot docs/scale.png] [--budget 4944M]``; prints Markdown tables and, per
@@ -72,21 +76,40 @@ def write_case(workdir: Path, name: str, factory: str, args: dict, x, y) -> tupl
     return ckpt, data, count
 
 
-def measure(argv: list[str], env: dict) -> dict:
-    """Run ``argv`` as a child; its CPU seconds, peak RSS, wall seconds, exit code, stdout."""
+TIME = "/usr/bin/time"  # GNU time: the peak RSS of its own child, read from outside it
+
+
+def measure(argv: list[str], env: dict, cwd=None) -> dict:
+    """Run ``argv`` as a child; its CPU seconds, peak RSS, wall seconds, exit code, stdout.
+
+    The peak RSS is that child's alone, read by GNU ``time`` (``%M``) from outside it. The
+    ``ru_maxrss`` this process's ``os.wait4`` reads is not: Linux starts an exec'd child's
+    high-water mark at the resident set of the process that forked it (``vfork``: this one's
+    own peak), and this process has built the largest model so far, so every later row read
+    at least that (the column showed the largest model built so far, not the run). Without
+    GNU time the ``wait4`` figure is kept, marked as an upper bound. CPU seconds (user +
+    system) are ``wait4``'s: the child's, with GNU time's few milliseconds.
+    """
     start = time.perf_counter()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+    outside = os.path.exists(TIME)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as peak:  # fmt: skip
+        wrapped = [TIME, "-f", "%M", "-o", peak.name, *argv] if outside else argv
+        child = subprocess.Popen(wrapped, stdout=out, stderr=err, env=env, cwd=cwd)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(), err.read().decode()
+        lines = [ln for ln in peak.read().splitlines() if ln.strip().isdigit()]
+    # GNU time exits with its child's status; a child killed by a signal leaves a line before %M
+    rss = int(lines[-1]) * 1024 if outside and lines else usage.ru_maxrss * 1024
     return {
         "cpu": usage.ru_utime + usage.ru_stime,
         "user": usage.ru_utime,
         "sys": usage.ru_stime,
-        "rss": usage.ru_maxrss * 1024,
+        "rss": rss,
+        "rss_outside": bool(outside and lines),
         "wall": time.perf_counter() - start,
         "code": child.returncode,
         "out": stdout,
@@ -135,11 +158,13 @@ model = model.to({device!r}).eval()
 data = load_file({data!r})
 x, y = data["x"].to({device!r}), data["y"].to({device!r})
 params = [p for p in model.parameters() if p.requires_grad]
+loaded = time.process_time()  # the interpreter, torch, the checkpoint, the model and the data
 from torch.nn.attention import SDPBackend, sdpa_kernel
 with sdpa_kernel(SDPBackend.MATH):
     out = model(x)
     loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     grads = torch.autograd.grad(loss, params, create_graph=True)
+    graph = time.process_time() - loaded  # the first-order graph the products reuse
     v = [torch.randn_like(p) for p in params]
     times = []
     # on a GPU the kernels run asynchronously: wall seconds after a synchronisation
@@ -155,14 +180,16 @@ with sdpa_kernel(SDPBackend.MATH):
         # it per piece made this benchmark's floor O(pieces x P): 4x the HVP on GPT-2 small)
         norm = sum(float((t * t).sum()) for t in hv) ** 0.5
         v = [h / norm for h in hv]
-print(json.dumps({{"seconds": times}}))
+print(json.dumps({{"seconds": times, "load_cpu": loaded, "graph_cpu": graph}}))
 """
 
 
-def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
+def bare_hvp(factory, args, ckpt, data, device, count=3, details=None) -> float:
     """CPU seconds (wall seconds on a GPU) of one graph-kept double-backward HVP (the median of
     ``count``), in a child on one thread: the floor a product inside ``sharp`` is measured
-    against."""
+    against. ``details`` (a dict) receives the child's CPU seconds to load (interpreter,
+    torch, checkpoint, model, data: ``load_cpu``), of its first-order graph (``graph_cpu``),
+    its whole run (``cpu``) and its peak RSS (``rss``)."""
     code = BARE_HVP.format(
         here=str(HERE), factory=factory, args=args, ckpt=str(ckpt), data=str(data),
         device=device, count=count,
@@ -173,7 +200,13 @@ def bare_hvp(factory, args, ckpt, data, device, count=3) -> float:
     info = measure([sys.executable, "-c", code], env)
     if info["code"] != 0:
         raise SystemExit(f"bare HVP failed: {info['err'][-400:]}")
-    times = sorted(json.loads(info["out"])["seconds"])
+    found = json.loads(info["out"])
+    times = sorted(found["seconds"])
+    if details is not None:
+        details.update(
+            load_cpu=found["load_cpu"], graph_cpu=found["graph_cpu"], cpu=info["cpu"],
+            rss=info["rss"], seconds=found["seconds"],
+        )  # fmt: skip
     return times[len(times) // 2]
 
 
@@ -234,8 +267,8 @@ def save_eigen_run(name: str, info: dict) -> dict:
     return info
 
 
-def run(label: str, argv: list[str], env: dict, rows: list) -> dict:
-    info = measure(argv, env)
+def run(label: str, argv: list[str], env: dict, rows: list, cwd=None) -> dict:
+    info = measure(argv, env, cwd)
     if info["code"] != 0:
         print(f"{label}: exit {info['code']}: {info['err'].strip()[-400:]}", file=sys.stderr)
         info["report"] = None
@@ -489,6 +522,74 @@ def case_ratio(workdir, env, device, products=12, commands=("eigen",), models=("
             print_ratio(name, inside, bare, where=command)
 
 
+PHASES = ("startup", "load", "preflight", "first_graph", "products", "report")
+
+
+def case_fixed(workdir, env, device, products=20, trees=()):
+    """``fixed``: whole runs of GPT-2 small (4 x 64 tokens) against the bare graph-kept HVP of
+    the same checkpoint, in one run: ``sharp eigen --top-k 1`` at ``products`` matvecs and at 2
+    (a 3-product run: two Lanczos steps and the residual check), their CPU seconds (user and
+    system), peak RSS read from outside each child, CPU seconds by phase (the report's
+    ``timing.cpu_seconds``) and the ratios of the issue's targets:
+
+    - compute seconds over products (the run's CPU less its start-up, over ``timing.matvecs``)
+      against the bare HVP (target 1.25x at 20 matvecs);
+    - the 3-product run's whole CPU against three bare HVPs plus the bare child's loading (the
+      interpreter, torch, the checkpoint and the data; target 1.5x).
+
+    ``trees``: other source trees of sharp (e.g. the main branch's checkout) run the same two
+    commands with their ``sharpcli`` first on the path, for a before/after in one run; a tree
+    whose reports have no ``timing.cpu_seconds`` gets this tree's start-up CPU seconds.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
+    ckpt, data, count = write_case(workdir, "gpt2", "gpt2", GPT2_SMALL, seq[:, :-1], seq[:, 1:])
+    bare_info: dict = {}
+    bare = bare_hvp("gpt2", GPT2_SMALL, ckpt, data, device, count=3, details=bare_info)
+    print(f"\nbare graph-kept HVP (GPT-2 small, P = {count:,}): median {bare:.2f} CPU s of "
+          f"{', '.join(f'{t:.2f}' for t in bare_info['seconds'])}; loading (interpreter, torch, "
+          f"checkpoint, data) {bare_info['load_cpu']:.2f} CPU s, first-order graph "
+          f"{bare_info['graph_cpu']:.2f}, whole child {bare_info['cpu']:.1f} CPU s, peak RSS "
+          f"{bare_info['rss'] / 2**30:.2f} GiB")  # fmt: skip
+    sources = [("this tree", env)]
+    for tree in trees:  # `python -m` puts its working directory first: run in the tree
+        tree_env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), env["PYTHONPATH"]]))
+        sources.append((str(tree), tree_env))
+    print(f"\nWhole runs, GPT-2 small (P = {count:,}, 4 x 64 tokens), {device}, one thread; "
+          "CPU seconds (user + system)\n")  # fmt: skip
+    print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | products | "
+          "compute s / product | x bare HVP | whole run / (3 bare + loading) | "
+          + " | ".join(PHASES) + " |", flush=True)  # fmt: skip
+    print("|---" * (10 + len(PHASES)) + "|", flush=True)
+    runs: list = []
+    own_startup = None
+    for (source, source_env), bound in [(s, b) for s in sources for b in (products, 2)]:
+        argv = sharp(
+            "eigen", ckpt, data, "--top-k", "1", "--eig-max-matvecs", str(bound),
+            "--verbose", device=device,
+        )  # fmt: skip
+        cwd = None if source == "this tree" else source
+        info = run(f"{source}: sharp eigen --top-k 1 --eig-max-matvecs {bound}", argv,
+                   source_env, [], cwd=cwd)  # fmt: skip
+        runs.append((source, bound, info))
+        rep = info["report"] or {}
+        if own_startup is None:
+            own_startup = rep.get("timing", {}).get("cpu_seconds", {}).get("startup")
+        timing = rep.get("timing", {})
+        split = timing.get("cpu_seconds", {})
+        matvecs = timing.get("matvecs") or 0
+        startup = split.get("startup", own_startup) or 0.0
+        per = (info["cpu"] - startup) / matvecs if matvecs else float("nan")
+        short = f"{info['cpu'] / (3 * bare + bare_info['load_cpu']):.2f}x" if bound == 2 else ""
+        phases = " | ".join(f"{split[p]:.1f}" if p in split else "" for p in PHASES)
+        print(f"| {source} | {bound} | {info['cpu']:.1f} | {info['user']:.1f} | "
+              f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {matvecs} | {per:.2f} | "
+              f"{per / bare:.2f}x | {short} | {phases} |", flush=True)  # fmt: skip
+    return runs
+
+
 def case_converged(workdir, env, device, extra=()):
     """``converged``: time to a converged lambda_max of GPT-2 small, sharp at its defaults
     (``extra``: a method choice to compare) against PyHessian at its defaults."""
@@ -537,6 +638,9 @@ def main() -> None:
     parser.add_argument(
         "--sharp-args", default="", help="converged: options added to sharp eigen (a method choice)"
     )
+    parser.add_argument(
+        "--trees", default="", help="fixed: other sharp source trees to run too (before/after)"
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -564,6 +668,10 @@ def main() -> None:
                 workdir, env, args.device, commands=tuple(args.commands.split(",")),
                 models=tuple(args.models.split(",")),
             )  # fmt: skip
+        elif case == "fixed":
+            case_fixed(
+                workdir, env, args.device, trees=[Path(t) for t in args.trees.split(",") if t]
+            )
         elif case == "converged":
             case_converged(workdir, env, args.device, tuple(args.sharp_args.split()))
         else:

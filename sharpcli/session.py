@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sharpcli import memory
+from sharpcli import memory, phases
 from sharpcli.catalogue.values import SPLITS, TRAIN
 from sharpcli.curvature import AnalysisData, ParamScope
 from sharpcli.curvature.products.data import distributed_rank_and_world
@@ -445,6 +445,7 @@ def build_session(
     if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
         notes += release_padding_rows(model)
     y = _placed_targets(y, dataset, torch_device, torch_dtype)
+    phases.mark(phases.LOAD)  # the checkpoint, the data and the model on its device
     shifted_here = bool((dataset.spec or {}).get("shift_labels"))
     own_loss = causal_lm is not None and (
         shifted_here
@@ -480,6 +481,7 @@ def build_session(
             )
         notes += altered_derivative_notes(model)
     notes += unreached_parameter_notes(model, x[:SECOND_DERIVATIVE_SAMPLES], y, loss)
+    phases.mark(phases.PREFLIGHT)
     return Session(
         checkpoint=ckpt,
         model=model,

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from sharpcli import catalogue, memory, progress
+from sharpcli import catalogue, memory, phases, progress
 from sharpcli.analyses.data_advice import annotate_eigen, annotate_trace
 from sharpcli.analyses.hvp import (
     FINITE_DIFFERENCE,
@@ -73,7 +73,9 @@ def curvature_engine(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bo
     with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
     (:mod:`sharpcli.analyses.hvp`)."""
     if hvp == FINITE_DIFFERENCE:
-        return finite_difference_engine(session, params, fsdp)
+        engine = finite_difference_engine(session, params, fsdp)
+        phases.mark(phases.FIRST_GRAPH)
+        return engine
     scope = session.scope(params)
     auto = session.cache_bytes is None  # no `cache_mb` given: as large as the budget allows
     engine = CurvatureEngine(
@@ -82,7 +84,8 @@ def curvature_engine(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bo
         scope,
         cache_bytes=DEFAULT_CACHE_BYTES if auto else session.cache_bytes,
     )
-    engine.plan_memory(memory.current(), auto_cache=auto)
+    engine.plan_memory(memory.current(), auto_cache=auto)  # builds the first graph
+    phases.mark(phases.FIRST_GRAPH)
     return engine
 
 
@@ -156,6 +159,7 @@ def eigen(
         max_matvecs=max_matvecs,
         seed=seed,
     )
+    phases.mark(phases.PRODUCTS)
     out = annotate_eigen(result.to_dict(), native.data.num_samples, _symbol(operator))
     out.update(operator=operator, scope=scope_info(native.scope))
     if which != "largest":
@@ -230,6 +234,9 @@ def eigen_result(
             "`max_matvecs`",
             source="top_k",
         )
+    # the explicit residuals' product of the returned vectors is the data error's product too:
+    # its per-batch forms are recorded there, sparing one product per eigenvalue
+    recorded: list = []
     with progress.phase(f"eigen {_symbol(operator)}"):
         result = lanczos(
             op,
@@ -239,22 +246,28 @@ def eigen_result(
             max_matvecs=max_matvecs,
             seed=seed,
             return_eigenvectors=return_eigenvectors or data_error,
+            batch_forms=recorded if data_error else None,
         )
-    return with_data_error(op, result, data_error, return_eigenvectors)
+    return with_data_error(
+        op, result, data_error, return_eigenvectors, recorded[0] if recorded else None
+    )
 
 
-def with_data_error(op, result: EigenResult, wanted: bool, keep_vectors: bool) -> EigenResult:
+def with_data_error(
+    op, result: EigenResult, wanted: bool, keep_vectors: bool, recorded=None
+) -> EigenResult:
     """``result`` with each eigenvalue's data standard error (``wanted``), its vectors kept
     only when ``keep_vectors``.
 
     Batch means of the Rayleigh quotients ``u^T A_b u`` (first order,
     :mod:`sharpcli.curvature.eigen.data_error`): one product of the eigenvectors' block,
-    counted in ``data_matvecs``. A note where two eigenvalues are closer than twice their
+    counted in ``data_matvecs``, or none where ``recorded`` holds the per-batch forms of the
+    residual check's product of the same vectors. A note where two eigenvalues are closer than twice their
     data errors (the first order is then rough, and their order is not resolved by the data).
     """
     vectors = result.eigenvectors
     if wanted and vectors is not None and vectors.shape[1]:
-        error = eigen_data_error(op, vectors)
+        error = eigen_data_error(op, vectors, recorded)
         if error is not None:
             result.data_stderr, result.data_method = error.stderr, error.method
             result.data_matvecs = error.matvecs
@@ -336,6 +349,7 @@ def trace(
         max_matvecs=max_matvecs,
         seed=seed,
     )
+    phases.mark(phases.PRODUCTS)
     return _trace_report(result, operator, square, native.scope, native)
 
 
@@ -439,6 +453,7 @@ def density(
             broadening=broadening,
             seed=seed,
         )
+    phases.mark(phases.PRODUCTS)
     out = result.to_dict()
     nodes = [t for probe in result.nodes for t in probe]
     out.update(lambda_min=min(nodes), lambda_max=max(nodes))

@@ -23,7 +23,7 @@ from typing import Callable
 import typer
 from rich.console import Console
 
-from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger, memory
+from sharpcli import SCHEMA_ID, __version__, distributed, interrupts, ledger, memory, phases
 from sharpcli.atomic import publication, write_text_atomic
 from sharpcli.cli.flags import spell_flags, to_cli_error
 from sharpcli.errors import EXIT_GATE, EXIT_OK, SharpError, UsageError
@@ -135,7 +135,7 @@ def _run_body(
     if json_path not in (None, "-"):
         ledger.declare_output(json_path, "json")
     interrupts.start()
-    start = time.perf_counter()
+    start, cpu_at_start = time.perf_counter(), time.process_time()
     with contextlib.ExitStack() as stack:
         if uses_models:
             memory.bound_heap()  # freed tensors leave the resident set: the plan bounds it
@@ -147,15 +147,27 @@ def _run_body(
 
             stack.enter_context(twice_differentiable())
         compute_start = time.perf_counter()
+        # CPU seconds by phase (sharpcli.phases): what ran before the computation is start-up,
+        # the whole process's for a command line, this call's for an in-process caller
+        cpu_start = time.process_time()
+        from_process_start = _STATE.get("started") is not None
+        cpu_phases = phases.start(cpu_start - (0.0 if from_process_start else cpu_at_start))
         try:
             outcome = body()
+            # what follows the products (or the whole analysis of a command without them)
+            cpu_phases.mark(phases.REPORT if phases.marked(phases.PRODUCTS) else phases.ANALYSIS)
+            timing_out = outcome.report.setdefault("timing", {})
+            timing_out["cpu_seconds"] = cpu_phases.split()
             plan = memory.active()
             if plan is not None:  # what was planned beside what was measured
-                outcome.report.setdefault("timing", {})["memory"] = plan.to_dict()
+                timing_out["memory"] = plan.to_dict()
                 if _STATE["verbose"]:
                     _STATE["notes"].append(plan.summary())
+            if _STATE["verbose"]:
+                _STATE["notes"].append(cpu_phases.summary())
         finally:
             memory.clear()  # the next command (in this process: tests, sweeps) plans anew
+            phases.clear()
             if "sharpcli.losses" in sys.modules:  # and averages token losses per its options
                 sys.modules["sharpcli.losses"].clear_token_reduction()
     end = time.perf_counter()

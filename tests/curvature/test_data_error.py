@@ -118,6 +118,31 @@ def test_eigen_data_error_equals_closed_form_of_rayleigh_quotients():
     assert result.data_matvecs == 1 and result.eigenvectors is None
 
 
+def test_float32_eigen_reads_its_data_error_from_the_residual_product():
+    """In float32 the residuals are explicit: that product of the returned vectors is the data
+    error's product too, recorded batch by batch, so no product is spent on the data error and
+    its value is the one a product of its own gives (and the float64 closed form's, to float32
+    rounding)."""
+    model64, x64, y = _mlp_and_data(n=10, seed=2)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    model.load_state_dict({k: v.float() for k, v in model64.state_dict().items()})
+    engine = CurvatureEngine(
+        model, AnalysisData(x64.float(), y, "cross-entropy", 4), ParamScope.resolve(model)
+    )
+    result = eigen_result(engine, top_k=2, tol=1e-4, return_eigenvectors=True)
+    assert result.data_matvecs == 0 and any("residuals are explicit" in n for n in result.notes)
+    own = eigen_data_error(engine.hessian(), result.eigenvectors)
+    assert own is not None and own.matvecs == 2
+    assert result.data_stderr == pytest.approx(own.stderr, rel=1e-6)
+    dense = _per_batch_hessians(model64, x64, y, 4)
+    sizes = [B for _, B in dense]
+    u = result.eigenvectors.to(torch.float64)
+    for i in range(2):
+        quotients = [float(u[:, i] @ Hb @ u[:, i]) for Hb, _ in dense]
+        _, expected = _closed_form(quotients, sizes)
+        assert result.data_stderr[i] == pytest.approx(expected, rel=1e-3)
+
+
 SCALES = torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64)
 # single-output linear regression with mse: H = 2 E[(x, 1)(x, 1)^T], x ~ N(0, diag(SCALES^2))
 POPULATION_TRACE = 2 * (float((SCALES**2).sum()) + 1)  # 22.5

@@ -54,6 +54,56 @@ def test_model_factory_loads_users_state_dict(tmp_path, monkeypatch):
     assert torch.equal(ckpt.model(x), wide(x))
 
 
+NON_PERSISTENT_MODULE = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        # drawn by an initialiser and left out of the state dict: only construction sets it
+        self.register_buffer("scale", nn.init.uniform_(torch.empty(3), 1.0, 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def make():
+    torch.manual_seed(3)
+    return Scaled()
+"""
+
+
+def test_loading_skips_initial_draws_but_not_a_buffer_the_file_lacks(tmp_path, monkeypatch):
+    """A factory model is built without torch.nn.init's random draws (every weight is then
+    loaded, strictly), the initialisers are restored afterwards, and a model with a
+    non-persistent buffer (not in the file, set only by its construction) is built as written."""
+    from torch import nn
+
+    from sharpcli.io.checkpoints import skipped_initialisation
+
+    uniform = nn.init.uniform_
+    with skipped_initialisation():
+        assert nn.init.uniform_ is not uniform
+        assert torch.equal(nn.init.normal_(torch.zeros(3)), torch.zeros(3))  # untouched
+    assert nn.init.uniform_ is uniform
+    (tmp_path / "scaledmodel.py").write_text(NON_PERSISTENT_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    model = importlib.import_module("scaledmodel").make()
+    assert 1.0 <= float(model.scale.min()) and float(model.scale.max()) <= 2.0
+    path = write_foreign_state_dict(tmp_path / "scaled.safetensors", model)
+    ckpt = load_checkpoint(path, model_factory="scaledmodel:make")
+    assert torch.equal(ckpt.model.scale, model.scale)
+    x = torch.randn(5, 4)
+    assert torch.equal(ckpt.model(x), model(x))
+    assert nn.init.uniform_ is uniform
+
+
 def test_arch_and_arch_args_load_plain_state_dict(tmp_path):
     spec = tiny_mlp_spec(width=6)
     torch.manual_seed(2)

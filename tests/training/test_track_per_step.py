@@ -20,11 +20,10 @@ from torch import nn
 from sharpcli.analyses.tracking import RunTracker
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
-from sharpcli.report.plots import _threshold_pairs, plot_training_history
+from sharpcli.report.plots import _threshold_pairs, plot_training_history, png_size
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.epochs import _make_optimizer
 from sharpcli.training.loop import train
-from tests.report.test_plots_and_sweep import png_size
 
 SMALL = "blobs:n=96,dim=4,classes=3"
 

@@ -14,7 +14,8 @@ of those per-batch parts is the data error of :math:`\lambda`:
     (t_b / w_b - \textstyle\sum_c t_c)^2 .
 
 Cost: one product of the block of returned eigenvectors (one product per eigenvalue, one pass
-over the data), recorded batch by batch. A jackknife over batches (K eigen solves) measures
+over the data), recorded batch by batch; none where Lanczos's explicit residual check already
+multiplied the same vectors (its product is recorded instead). A jackknife over batches (K eigen solves) measures
 the same spread without the linearisation, at about K times the solve's products; the first
 order misses the eigenvector's own movement, which matters where eigenvalues are close
 (a gap comparable to their data error), and is noted there.
@@ -41,12 +42,18 @@ class EigenDataError:
     rayleigh: list[float]
 
 
-def eigen_data_error(op, eigenvectors: torch.Tensor) -> EigenDataError | None:
+def eigen_data_error(
+    op, eigenvectors: torch.Tensor, recorded: tuple[torch.Tensor, list[int]] | None = None
+) -> EigenDataError | None:
     """The batch-means data error of each eigenvalue from its eigenvector (module docstring).
 
     Args:
         op: the operator (``a H + b G`` of one engine; other operators have no batches).
         eigenvectors: ``(P, m)`` unit columns.
+        recorded: the per-batch forms ``(values, sizes)`` of a product of these same
+            vectors (rounded to the operator's dtype) already taken: Lanczos's explicit
+            residuals record them (:func:`~sharpcli.curvature.eigen.ritz.ritz_residuals`), and
+            then no product is spent here (``matvecs`` 0).
 
     Returns:
         The :class:`EigenDataError`, or None for an operator without batches.
@@ -65,12 +72,15 @@ def eigen_data_error(op, eigenvectors: torch.Tensor) -> EigenDataError | None:
     """
     if not can_record(op):  # no batches: spend no product
         return None
-    U = eigenvectors.to(dtype=op.dtype, device=op.device)
-    if U.dim() == 1:
-        U = U[:, None]
-    with recording(op, U) as forms:
-        op.matmat(U)
-    taken = None if forms is None else forms.take()
+    U = eigenvectors if eigenvectors.dim() == 2 else eigenvectors[:, None]
+    matvecs = 0
+    taken = recorded
+    if taken is None:
+        U = U.to(dtype=op.dtype, device=op.device)
+        with recording(op, U) as forms:
+            op.matmat(U)
+        taken = None if forms is None else forms.take()
+        matvecs = U.shape[1]
     if taken is None:
         return None
     values, sizes = taken
@@ -80,6 +90,6 @@ def eigen_data_error(op, eigenvectors: torch.Tensor) -> EigenDataError | None:
     return EigenDataError(
         stderr=[e.stderr for e in errors],
         method=f"batch means of u^T A_b u over {batches} batches (first order)",
-        matvecs=U.shape[1],
+        matvecs=matvecs,
         rayleigh=per_batch.sum(0).tolist(),
     )

