@@ -196,6 +196,8 @@ def _show_kendall(console, kendall: dict) -> None:
 
     gap = "test error - train error" if kendall["gap"] == "error" else "test loss - train loss"
     columns = ["measure", "tau", "p_value", "runs"]
+    if any("tau_noise_sd" in row for row in kendall["rows"]):
+        columns.insert(2, "tau_noise_sd")
     if any("granulated" in row for row in kendall["rows"]):
         columns.append("granulated")
     console.print(

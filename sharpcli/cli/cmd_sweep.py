@@ -243,7 +243,12 @@ def sweep_command(
                     records_table(
                         f"Kendall's tau against test error - train error, {table['runs']} runs",
                         table["rows"],
-                        ["measure", "tau", "p_value", "runs", "granulated"],
+                        [
+                            c
+                            for c in ("measure", "tau", "tau_noise_sd", "p_value", "runs")
+                            if c != "tau_noise_sd" or any(c in r for r in table["rows"])
+                        ]
+                        + ["granulated"],
                     )
                 )
                 for note in table["notes"]:

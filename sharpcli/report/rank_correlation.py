@@ -11,6 +11,13 @@ n <= 8, else 10,000 seeded random ones (the observed labelling counted, so p >= 
 [Jiang2019]'s granulated tau: for each hyper-parameter axis i, the mean over the groups of runs
 that share every other axis of the tau within the group (along axis i), ``psi_i``; their mean
 over the axes is ``Psi``. A group of fewer than two runs, or whose tau is undefined, is left out.
+
+The measures are estimates: where a run's record carries a measure's standard errors
+(``{measure}_stderr``, the probes', and ``{measure}_data_stderr``, the data's), tau is
+recomputed over ``NOISE_DRAWS`` seeded redraws of every run's measure within its combined error
+``mu_r + sqrt(se_r^2 + de_r^2) z_r``, ``z_r ~ N(0, 1)`` independent; the standard deviation of
+those taus, ``tau_noise_sd``, is how far the ranking would move on other probes and another
+sample of the data. A tau within about two of them of another measure's does not rank above it.
 """
 
 from __future__ import annotations
@@ -19,10 +26,20 @@ import itertools
 import math
 import random
 
-__all__ = ["granulated_tau", "kendall_tau", "measure_correlations", "permutation_p_value"]
+__all__ = [
+    "granulated_tau",
+    "kendall_tau",
+    "measure_correlations",
+    "measure_error",
+    "permutation_p_value",
+    "tau_noise_sd",
+]
 
 EXACT_UP_TO = 8
 PERMUTATIONS = 10_000
+NOISE_DRAWS = 200
+# the columns of a measure's standard errors: the probes' and the data's (not measures themselves)
+ERROR_SUFFIXES = ("_stderr", "_data_stderr")
 # columns that are not measures: identity, the gap's inputs, the hyper-parameters
 NOT_MEASURES = (
     "run",
@@ -129,6 +146,50 @@ def granulated_tau(
     return {"per_axis": per_axis, "mean": sum(per_axis.values()) / len(per_axis)}
 
 
+def measure_error(record: dict, measure: str) -> float | None:
+    """The combined standard error of ``record[measure]``: the root sum of squares of its
+    ``{measure}_stderr`` and ``{measure}_data_stderr`` (module docstring); None with neither.
+
+    Args:
+        record: one run.
+        measure: the column.
+
+    Returns:
+        The error, or None.
+    """
+    parts = [record.get(measure + suffix) for suffix in ERROR_SUFFIXES]
+    known = [float(p) for p in parts if _is_number(p)]
+    return math.sqrt(sum(p * p for p in known)) if known else None
+
+
+def tau_noise_sd(
+    x: list[float], errors: list[float], y: list[float], *, seed: int = 0
+) -> float | None:
+    """The standard deviation of Kendall's tau over ``NOISE_DRAWS`` seeded redraws of ``x``
+    within its standard errors (module docstring).
+
+    Args:
+        x: the measure.
+        errors: each run's combined standard error of it (0 where exact).
+        y: the gap.
+        seed: seeds the redraws.
+
+    Returns:
+        The standard deviation, or None where fewer than two redraws give a tau.
+    """
+    rng = random.Random(seed)
+    taus = []
+    for _ in range(NOISE_DRAWS):
+        drawn = [v + e * rng.gauss(0.0, 1.0) for v, e in zip(x, errors)]
+        tau = kendall_tau(drawn, y)
+        if tau is not None:
+            taus.append(tau)
+    if len(taus) < 2:
+        return None
+    mean = sum(taus) / len(taus)
+    return math.sqrt(sum((t - mean) ** 2 for t in taus) / (len(taus) - 1))
+
+
 def _gap(record: dict, kind: str) -> float | None:
     if kind == "error":
         train, test = record.get("train_accuracy"), record.get("test_accuracy")
@@ -155,8 +216,10 @@ def measure_correlations(
         seed: seeds the permutation p-values.
 
     Returns:
-        ``{"gap", "runs", "rows": [{"measure", "tau", "p_value", "runs", "granulated",
-        "granulated_per_axis"}], "notes"}``; rows sorted by |tau|, largest first.
+        ``{"gap", "runs", "rows": [{"measure", "tau", "p_value", "runs", "tau_noise_sd",
+        "granulated", "granulated_per_axis"}], "notes"}``; rows sorted by |tau|, largest
+        first; ``tau_noise_sd`` (module docstring) only for a measure whose runs carry
+        standard errors.
     """
     axes = list(axes or [])
     gaps = [(r, _gap(r, gap)) for r in records]
@@ -165,7 +228,7 @@ def measure_correlations(
     skip = set(NOT_MEASURES) | set(axes)
     rows = []
     for column in columns:
-        if column in skip:
+        if column in skip or column.endswith(ERROR_SUFFIXES):
             continue
         pairs = [(r[column], g, r) for r, g in usable if _is_number(r.get(column))]
         if len(pairs) < 3:
@@ -180,6 +243,9 @@ def measure_correlations(
             "p_value": permutation_p_value(xs, gs, seed=seed),
             "runs": len(pairs),
         }
+        errors = [measure_error(p[2], column) for p in pairs]
+        if any(e is not None for e in errors):
+            row["tau_noise_sd"] = tau_noise_sd(xs, [e or 0.0 for e in errors], gs, seed=seed)
         if axes:
             found = granulated_tau([p[2] for p in pairs], column, gs, axes)
             row["granulated"] = None if found is None else found["mean"]

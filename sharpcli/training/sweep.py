@@ -401,9 +401,20 @@ def _row(name, point, seed, train_doc, analyze_doc) -> dict:
         "lambda_max": hessian.get("lambda_max"),
         TRACE_KEY: hessian.get(TRACE_KEY),
         "frobenius_sq": hessian.get("frobenius_sq"),
+        # the measures' errors, which the Kendall tau table's tau_noise_sd reads
+        "lambda_max_data_stderr": _first(hessian.get("eigen_data_stderr")),
+        "trace_stderr": hessian.get("trace_stderr"),
+        "trace_data_stderr": hessian.get("trace_data_stderr"),
+        "frobenius_sq_stderr": hessian.get("frobenius_sq_stderr"),
+        "frobenius_sq_data_stderr": hessian.get("frobenius_sq_data_stderr"),
         "nme_share": res.get("nme_share"),
         **_flatness_columns(res),
     }
+
+
+def _first(values):
+    """The first of a list (lambda_max's among the top eigenvalues' errors), else ``values``."""
+    return values[0] if isinstance(values, list) and values else values
 
 
 # analyze's flatness metrics as sweep columns (only those the analysis reported), for the

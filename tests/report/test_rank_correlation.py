@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -13,7 +14,9 @@ from sharpcli.report.rank_correlation import (
     granulated_tau,
     kendall_tau,
     measure_correlations,
+    measure_error,
     permutation_p_value,
+    tau_noise_sd,
 )
 
 
@@ -94,3 +97,48 @@ def test_compare_reports_the_tau_table(tmp_path, capsys):
     assert row["tau"] == -1.0 and row["p_value"] == pytest.approx(2 / 24)
     table = run_cli(capsys, "compare", *paths)
     assert "Kendall's tau against the gap (test error - train error), 4 runs" in table.out
+
+
+def test_measure_error_combines_the_probes_and_the_datas_errors():
+    record = {"trace": 10.0, "trace_stderr": 0.3, "trace_data_stderr": 0.4, "lambda_max": 2.0}
+    assert measure_error(record, "trace") == pytest.approx(0.5, rel=1e-12)
+    assert measure_error({"trace": 1.0, "trace_data_stderr": 0.25}, "trace") == 0.25
+    assert measure_error(record, "lambda_max") is None
+
+
+def test_tau_noise_sd_is_zero_for_exact_or_far_apart_measures_and_matches_two_runs_closed_form():
+    x, y = [1.0, 2.0, 3.0, 4.0], [0.1, 0.3, 0.2, 0.4]
+    assert tau_noise_sd(x, [0.0] * 4, y) == pytest.approx(0.0, abs=1e-12)
+    assert tau_noise_sd(x, [1e-6] * 4, y) == pytest.approx(
+        0.0, abs=1e-12
+    )  # errors far below the gaps: the order holds
+    # two runs d = e sqrt(2) apart: tau = +1 with probability p = Phi(1), else -1, so its
+    # standard deviation is 2 sqrt(p (1 - p)) = 0.7307
+    p = 0.5 * (1 + math.erf(1 / math.sqrt(2)))
+    expected = 2 * math.sqrt(p * (1 - p))
+    found = [tau_noise_sd([0.0, math.sqrt(2)], [1.0, 1.0], [0.0, 1.0], seed=s) for s in range(8)]
+    assert sum(found) / len(found) == pytest.approx(expected, abs=0.03)
+
+
+def test_measure_correlations_give_the_tau_noise_of_measures_with_errors_only():
+    rng = random.Random(3)
+    records = []
+    for i in range(8):
+        gap = i / 10
+        records.append(
+            {
+                "train_accuracy": 1.0,
+                "test_accuracy": 1.0 - gap,
+                "trace": 10 * gap + rng.gauss(0, 0.1),
+                "trace_stderr": 0.5,
+                "trace_data_stderr": 0.5,
+                "lambda_max": gap + rng.gauss(0, 0.01),
+            }
+        )
+    rows = {r["measure"]: r for r in measure_correlations(records)["rows"]}
+    assert set(rows) == {"trace", "lambda_max"}  # the errors are not measures
+    assert "tau_noise_sd" not in rows["lambda_max"]
+    # trace's runs are 1 apart with a combined error of 0.71 each: the ranking moves
+    assert 0.02 < rows["trace"]["tau_noise_sd"] < 0.5
+    exact = [dict(r, trace_stderr=0.0, trace_data_stderr=0.0) for r in records]
+    assert measure_correlations(exact)["rows"][0]["tau_noise_sd"] == pytest.approx(0.0, abs=1e-12)
