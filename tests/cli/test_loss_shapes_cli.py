@@ -127,8 +127,9 @@ def test_mse_on_any_output_shape_from_a_data_file(tmp_path, capsys, monkeypatch,
 
 
 def test_stored_loss_that_does_not_fit_names_checkpoint_loss_and_option(tmp_path, capsys):
-    """A checkpoint trained with mse analysed on class labels: the message names the
-    checkpoint, its stored loss and --loss; --loss cross-entropy then runs."""
+    """A checkpoint trained with mse on 3 targets analysed on 2-column targets: the message
+    names the checkpoint, its stored loss and --loss. On class labels the stored mse fits (it
+    regresses the one-hot rows, as torch's mse_loss on them), and --loss cross-entropy runs."""
     from sharpcli.io.checkpoints import META_TRAIN
     from tests.cli_helpers import run_in_process
 
@@ -148,11 +149,16 @@ def test_stored_loss_that_does_not_fit_names_checkpoint_loss_and_option(tmp_path
 
     with safe_open(str(ckpt), "pt") as handle:
         assert json.loads(handle.metadata()[META_TRAIN])["loss"] == "mse"
-    labels = tmp_path / "classes.npz"
-    np.savez(labels, x=x.numpy(), y=(x[:, 0] > 0).long().numpy())
+    labels = tmp_path / "targets2.npz"
+    np.savez(labels, x=x.numpy(), y=torch.randn(40, 2, generator=gen).numpy())  # 2 columns, not 3
     run = run_cli(capsys, "eigen", ckpt, "--data", labels, "--quiet")
     assert_one_line_error(run, 2, str(ckpt), "stored loss 'mse'", str(labels), "--loss")
-    run = run_cli(capsys, "eigen", ckpt, "--data", labels, "--loss", "cross-entropy", "--quiet")
+    classes = tmp_path / "classes.npz"
+    np.savez(classes, x=x.numpy(), y=(x[:, 0] > 0).long().numpy())
+    run = run_cli(capsys, "eigen", ckpt, "--data", classes, "--json", "-")
+    assert run.code == 0, run.err
+    assert run.json()["data"]["loss"] == "mse" and run.json()["data"]["loss_source"] == "checkpoint"
+    run = run_cli(capsys, "eigen", ckpt, "--data", classes, "--loss", "cross-entropy", "--quiet")
     assert run.code == 0, run.err
 
 

@@ -217,12 +217,27 @@ def reference_loss(reading: LossReading) -> Callable[[torch.Tensor, torch.Tensor
         torch_loss = elementwise[reading.name]
 
         def regression(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if reading.name == MSE and _class_labels_of(z, y):
+                # sharp's mse regresses class labels on their one-hot rows ([Cohen2021])
+                return torch_loss(z, F.one_hot(y.long(), z.shape[1]).to(z.dtype))
             return torch_loss(z, y.to(z.dtype).reshape(z.shape))
 
         return regression
     if reading == LossReading(TOKEN_CROSS_ENTROPY):
         return lambda z, y: F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1))
     return F.cross_entropy
+
+
+def _class_labels_of(z: torch.Tensor, y: torch.Tensor) -> bool:
+    """One integer class index per sample for outputs of several columns, in range (what
+    sharp's mse reads as one-hot rows)."""
+    return (
+        not y.is_floating_point()
+        and y.ndim == 1
+        and z.ndim == 2
+        and z.shape[1] > 1
+        and (y.numel() == 0 or (int(y.min()) >= 0 and int(y.max()) < z.shape[1]))
+    )
 
 
 def _sharp_value(
