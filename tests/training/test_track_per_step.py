@@ -288,9 +288,9 @@ def test_mini_batch_sgd_settles_its_batch_sharpness_at_2_over_lr(tmp_path):
     """[Andreyev2024]'s edge of stochastic stability, small (docs/reproduce.md runs 3000
     steps): SGD without momentum, batches of 32, lr 2, on the network above. Batch sharpness,
     the mean over the tracked set's mini-batches of g_B^T H_B g_B / ||g_B||^2, starts near
-    0.55 x 2/lr (the first ten), reaches 2/lr at step 1240 and hovers about it. The band is 25 % on the mean
-    of the last quarter (steps 1520-2000), wider than for the full-batch runs, because the
-    measure is noisy: each measurement averages 15 batches whose ratios spread (standard
+    0.55 x 2/lr (the first ten), reaches 2/lr at step 1240 and hovers about it. The band is
+    25 % on the mean of the last quarter (steps 1520-2000), wider than for the full-batch
+    runs, because the measure is noisy: each measurement averages 15 batches whose ratios spread (standard
     error 0.01-0.34 x 2/lr) and the trajectory itself is stochastic (measured: mean 0.94,
     0.64-1.59 x 2/lr; seeds 1 and 2 give means 0.84 and 1.06)."""
     lr = 2.0
