@@ -62,6 +62,7 @@ def test_the_page_runs_every_claim_on_both_datasets():
     }
     assert digits <= targets, digits - targets
     assert {"eos-lr1.json", "eos-lr05.json"} <= targets  # the edge of stability, two rates
+    assert {"eos-adam.json", "eos-sgd.json"} <= targets  # Adam's, and mini-batch SGD's
     # the papers' claims on the two datasets; the edge of stability on its own blobs
     data = ("blobs:n=800", "digits.npz", "blobs:n=640,separation=1")
     for command in commands:
@@ -301,3 +302,24 @@ def test_reproduce_guide_claims(tmp_path, monkeypatch):  # noqa: C901 - one bloc
         assert ratios[0] < 0.6 and max(ratios) > 1.0, name
         last = ratios[-200:]
         assert abs(sum(last) / len(last) - 1) < 0.10, name
+
+    # [Cohen2022]: full-batch Adam at lr 0.003, tracked every 10 steps; the preconditioned
+    # sharpness starts far below 38/lr, reaches it, and its last-quarter mean is within 15 %
+    tracked = report("eos-adam.json")["results"]["tracked"]
+    assert [row["step"] for row in tracked] == list(range(10, 2401, 10))
+    assert all(row["preconditioned_threshold"] == pytest.approx(38 / 0.003) for row in tracked)
+    ratios = [row["preconditioned_sharpness"] * 0.003 / 38 for row in tracked]
+    last = ratios[-60:]
+    assert ratios[0] < 0.2 and max(ratios) > 1.0
+    assert abs(sum(last) / len(last) - 1) < 0.15
+
+    # [Andreyev2024]: SGD on batches of 32 at lr 2, tracked every 10 steps; batch sharpness
+    # starts near half of 2/lr, and its last-quarter mean is within 25 % (noisy per batch)
+    tracked = report("eos-sgd.json")["results"]["tracked"]
+    assert [row["step"] for row in tracked] == list(range(10, 3001, 10))
+    assert all(row["batch_sharpness_threshold"] == pytest.approx(2 / 2.0) for row in tracked)
+    assert all(row["batch_sharpness_batches"] == 15 for row in tracked)
+    ratios = [row["batch_sharpness"] * 2.0 / 2 for row in tracked]
+    last = ratios[-75:]
+    assert sum(ratios[:10]) / 10 < 0.75
+    assert abs(sum(last) / len(last) - 1) < 0.25

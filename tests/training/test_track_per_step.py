@@ -243,3 +243,74 @@ def test_a_tanh_mlp_under_full_batch_gd_settles_lambda_max_at_2_over_lr(tmp_path
     assert ratios[0] < 0.6  # well below the threshold at the start: it sharpens
     assert sum(last) / len(last) == pytest.approx(1.0, abs=0.10), [round(v, 3) for v in last]
     assert all(abs(v - 1) < 0.25 for v in last), [round(v, 3) for v in last]
+
+
+# the edge of stability's network ([Cohen2021]): a tanh MLP 16-16-16-4 under MSE on one-hot
+# targets of blobs that are not linearly separable, so that it sharpens instead of memorising
+_EOS_DATA = "blobs:n=640,separation=1"
+_EOS_MODEL = {"depth": 3, "width": 16, "activation": "tanh"}
+
+
+def test_full_batch_adam_settles_its_preconditioned_sharpness_at_38_over_lr(tmp_path):
+    """[Cohen2022]'s adaptive edge of stability, small (docs/reproduce.md runs lr 0.003 for
+    2400 steps): full-batch Adam (beta1 0.9) at lr 0.01 on the network above. The
+    preconditioned sharpness lambda_max(P^-1 H), P = diag(sqrt(v_hat) + eps) from Adam's state
+    at the step, starts near a fifth of (2 + 2 beta1)/((1 - beta1) lr) = 38/lr, rises to it
+    by step ~310 and hovers there: over the last quarter (steps 460-600) its mean is within
+    15 % of 38/lr, each value within 30 % (measured: mean 1.00, 0.97-1.03 x 38/lr; seeds 1
+    and 2 give means 0.98 and 0.99)."""
+    lr = 0.01
+    cfg = TrainConfig(
+        data=_EOS_DATA,
+        model_args=_EOS_MODEL,
+        batch_size="full",
+        optimizer="adam",
+        lr=lr,
+        loss="mse",
+        steps=600,
+        track=["preconditioned"],
+        track_every="10steps",
+    )
+    tracker = RunTracker(["preconditioned"])
+    result = train(cfg, tmp_path / "adam.safetensors", tracker=tracker)
+    assert [r["step"] for r in result.tracked] == list(range(10, 601, 10))
+    # the threshold is Adam's, from its own hyper-parameters: 38/lr at beta1 = 0.9
+    assert all(r["preconditioned_threshold"] == pytest.approx(38 / lr) for r in result.tracked)
+    ratios = [r["preconditioned_sharpness"] * lr / 38 for r in result.tracked]
+    last = ratios[-len(ratios) // 4 :]
+    assert ratios[0] < 0.5  # well below the threshold at the start: it sharpens
+    assert sum(last) / len(last) == pytest.approx(1.0, abs=0.15), [round(v, 3) for v in last]
+    assert all(abs(v - 1) < 0.30 for v in last), [round(v, 3) for v in last]
+
+
+def test_mini_batch_sgd_settles_its_batch_sharpness_at_2_over_lr(tmp_path):
+    """[Andreyev2024]'s edge of stochastic stability, small (docs/reproduce.md runs 3000
+    steps): SGD without momentum, batches of 32, lr 2, on the network above. Batch sharpness,
+    the mean over the tracked set's mini-batches of g_B^T H_B g_B / ||g_B||^2, starts near
+    0.55 x 2/lr (the first ten), reaches 2/lr at step 1240 and hovers about it. The band is
+    25 % on the mean of the last quarter (steps 1520-2000), wider than for the full-batch
+    runs, because the measure is noisy: each measurement averages 15 batches whose ratios spread (standard
+    error 0.01-0.34 x 2/lr) and the trajectory itself is stochastic (measured: mean 0.94,
+    0.64-1.59 x 2/lr; seeds 1 and 2 give means 0.84 and 1.06)."""
+    lr = 2.0
+    cfg = TrainConfig(
+        data=_EOS_DATA,
+        model_args=_EOS_MODEL,
+        batch_size=32,
+        momentum=0.0,
+        lr=lr,
+        loss="mse",
+        steps=2000,
+        track=["batch-sharpness"],
+        track_every="20steps",
+    )
+    tracker = RunTracker(["batch-sharpness"])
+    result = train(cfg, tmp_path / "sgd.safetensors", tracker=tracker)
+    assert [r["step"] for r in result.tracked] == list(range(20, 2001, 20))
+    # 480 training samples: 15 batches of 32 per measurement, and plain SGD's threshold 2/lr
+    assert all(r["batch_sharpness_batches"] == 15 for r in result.tracked)
+    assert all(r["batch_sharpness_threshold"] == pytest.approx(2 / lr) for r in result.tracked)
+    ratios = [r["batch_sharpness"] * lr / 2 for r in result.tracked]
+    last = ratios[-len(ratios) // 4 :]
+    assert sum(ratios[:10]) / 10 < 0.75  # below the threshold at the start: it sharpens
+    assert sum(last) / len(last) == pytest.approx(1.0, abs=0.25), [round(v, 3) for v in last]
