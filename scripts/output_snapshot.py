@@ -9,8 +9,8 @@ the change and on the tree after, then diff the two folders::
     python scripts/output_snapshot.py write AFTER      # on the new tree
     python scripts/output_snapshot.py diff BEFORE AFTER
 
-``write`` runs ``python -m sharpcli`` from the current interpreter, so the tree on
-``PYTHONPATH`` (or the installed one) is the one snapshotted. What varies from run to run
+``write`` runs ``python -m sharpcli`` from the current interpreter in a scratch folder, so
+the tree on ``PYTHONPATH`` (or the installed one) is the one snapshotted, wherever it is run. What varies from run to run
 (timings, the environment, memory readings, paths and checksums) is dropped from the JSON;
 everything else is kept byte for byte. ``diff`` prints a unified diff of each file that
 differs and exits 1 when any does (0 when the folders agree), so it can gate a refactoring.
@@ -60,7 +60,9 @@ RUNS = {
 VOLATILE = {"timing", "environment", "seconds", "tracking_seconds", "sha256", "path", "memory"}
 
 
-def _sharp(args: list[str], cwd: str | None = None) -> subprocess.CompletedProcess:
+def _sharp(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    # always from a scratch folder: ``python -m`` puts the working folder first on the path,
+    # so run from a checkout it would import that checkout's sharpcli, not PYTHONPATH's
     env = {**os.environ, "COLUMNS": "80", "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     return subprocess.run(
         [sys.executable, "-m", "sharpcli", *args], capture_output=True, text=True, env=env, cwd=cwd
@@ -83,10 +85,10 @@ def _json_text(doc) -> str:
 def write(out: Path) -> None:
     """Every help page, and each run's table and JSON on a freshly trained README model."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "help_sharp.txt").write_text(_sharp(["--help"]).stdout)
-    for command in COMMANDS:
-        (out / f"help_{command}.txt").write_text(_sharp([command, "--help"]).stdout)
     with tempfile.TemporaryDirectory() as work:
+        (out / "help_sharp.txt").write_text(_sharp(["--help"], work).stdout)
+        for command in COMMANDS:
+            (out / f"help_{command}.txt").write_text(_sharp([command, "--help"], work).stdout)
         trained = _sharp(["train", "--out", "model.safetensors", "--quiet", "--json", "-"], work)
         if trained.returncode != 0:
             sys.exit(f"sharp train failed ({trained.returncode}): {trained.stderr.strip()}")
