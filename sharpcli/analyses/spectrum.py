@@ -121,9 +121,11 @@ def eigen(
     seed: int | None = None,
     hvp: str = EXACT_HVP,
     fsdp: bool = False,
+    data_error: bool = True,
 ) -> dict:
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged
-    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
+    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`);
+    ``data_error``: each eigenvalue's error over the data's samples (:func:`eigen_result`)."""
     check_choice(method, METHODS, "method")
     check_choice(engine, ENGINES, "engine")
     check_hvp(hvp, operator=operator, fsdp=fsdp, engine=engine)
@@ -158,6 +160,7 @@ def eigen(
         tol=tol,
         max_matvecs=max_matvecs,
         seed=seed,
+        data_error=data_error,
     )
     phases.mark(phases.PRODUCTS)
     out = annotate_eigen(result.to_dict(), native.data.num_samples, _symbol(operator))

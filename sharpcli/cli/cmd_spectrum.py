@@ -61,8 +61,8 @@ EigMaxMatvecsOpt = Annotated[
         "--eig-max-matvecs",
         "--max-matvecs",
         metavar="N",
-        help="Products of the eigensolver at most (default: min(P, 100) for Lanczos, 100 for "
-        "power; --max-matvecs: former name).",
+        help="Eigensolver products at most (default min(P, 100), power 100; --max-matvecs: "
+        "former name).",
     ),
 ]
 TraceTolOpt = Annotated[
@@ -140,6 +140,10 @@ def eigen_command(
     ] = "lanczos",
     tol: EigTolOpt = 1e-3,
     max_matvecs: EigMaxMatvecsOpt = None,
+    no_data_error: Annotated[
+        bool,
+        typer.Option("--no-data-error", help="No data error (float64: a product per eigenvalue)."),
+    ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
     hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
@@ -179,6 +183,7 @@ def eigen_command(
             engine=engine,
             hvp=hvp,
             fsdp=fsdp,
+            data_error=not no_data_error,
         )
         if blocks is not None:
             # imports torch: kept out of start-up

@@ -56,6 +56,18 @@ def test_eigen_reports_data_errors_beside_the_eigenvalues(tiny, capsys):
     assert len(r["combined_stderr"]) == 2 and r["data_advice"]["data_tol"] == 0.05
 
 
+def test_no_data_error_saves_its_products_and_leaves_the_eigenvalues(tiny, capsys):
+    """``--no-data-error``: no data error, its product per eigenvalue (float64) not taken, the
+    eigenvalues and the solver's products as with it."""
+    with_error = _json(capsys, "eigen", str(tiny), "--top-k", "2")
+    without = _json(capsys, "eigen", str(tiny), "--top-k", "2", "--no-data-error")
+    r, q = with_error["results"], without["results"]
+    assert q["eigenvalues"] == pytest.approx(r["eigenvalues"], rel=1e-12)
+    assert q["matvecs"] == r["matvecs"] and not q.get("data_stderr")
+    assert not q.get("data_matvecs")
+    assert without["timing"]["matvecs"] == with_error["timing"]["matvecs"] - 2
+
+
 def test_analyze_gate_at_k_se_and_compare_knows_the_noise(tiny, capsys, tmp_path):
     report = _json(capsys, "analyze", str(tiny))
     h = report["results"]["hessian"]
