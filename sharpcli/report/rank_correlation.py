@@ -158,7 +158,7 @@ def measure_error(record: dict, measure: str) -> float | None:
         The error, or None.
     """
     parts = [record.get(measure + suffix) for suffix in ERROR_SUFFIXES]
-    known = [float(p) for p in parts if _is_number(p)]
+    known = [float(p) for p in parts if p is not None and _is_number(p)]
     return math.sqrt(sum(p * p for p in known)) if known else None
 
 
