@@ -249,6 +249,25 @@ def test_a_basis_that_cannot_fit_is_a_usage_error_naming_what_lowers_it():
     assert "`top_k`" in err.value.message and "raise `max_memory`" in err.value.message
 
 
+def test_a_products_workspace_counts_the_kept_gradient_once():
+    """A wide MLP on 2 samples: its first-order graph is mostly the gradient it keeps (one
+    P-vector); the double backward adds activation-sized temporaries, not a second gradient
+    (its P-sized results are counted beside the Lanczos vectors, krylov_work_bytes)."""
+    model = make_mlp("tanh", sizes=(4, 512, 512, 3))
+    x, y = make_data(n=2)
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 2), ParamScope.resolve(model)
+    )
+    plan = memory.MemoryPlan(budget=memory.rss_bytes() + (1 << 30))
+    engine.plan_memory(plan)
+    graph = next(iter(engine._cache.values()))
+    gradient = engine.scope.numel * 8
+    assert sum(g.numel() * g.element_size() for g in graph.grads) == gradient
+    workspace = plan.items[memory.PRODUCT_WORKSPACE]
+    assert workspace == 2 * graph.nbytes - gradient
+    assert gradient < workspace < 1.2 * gradient  # the activations of 2 samples are small
+
+
 @pytest.fixture(scope="module")
 def mlp3m(tmp_path_factory):
     """A 3.0M-parameter MLP checkpoint: its Krylov basis dominates the run's memory."""

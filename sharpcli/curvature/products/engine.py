@@ -260,8 +260,13 @@ class CurvatureEngine:
         """Count this engine in the run's memory plan (:mod:`sharpcli.memory`) before any product.
 
         Builds the first batch's first-order graph (kept in the cache when it fits, so it is
-        not wasted) and measures its bytes ``b``; a product holds that graph and about as much
-        again for the double backward, ``2 b``, and the cache holds up to
+        not wasted) and measures its bytes ``b``, of which ``g`` are the gradient ``J^T g_z``
+        it keeps (one parameter-sized vector); a product holds that graph and about as much
+        again, less ``g``, for the double backward, ``2 b - g``: the double backward's
+        temporaries are activation-sized, and its parameter-sized results are counted by the
+        caller beside the vectors it multiplies (``krylov_work_bytes``, a probe block's
+        columns). Counting ``g`` twice planned 2.9 GiB too many at GPT-2 large (774M
+        parameters), which refused a 20G budget that holds the run. The cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
         is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
         hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
@@ -277,14 +282,15 @@ class CurvatureEngine:
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
         self.chunking.fit_budget(plan.room())
-        graph_bytes = chunk_bytes = 0
+        graph_bytes = gradient_bytes = chunk_bytes = 0
         for _, graph in self._graphs():
             graph_bytes = graph.nbytes
+            gradient_bytes = sum(g.numel() * g.element_size() for g in graph.grads)
             if graph.softmax is not None:
                 chunk_bytes = self.chunking.workspace(graph.softmax, graph.z)
                 plan.note(self.chunking.describe(graph.softmax, graph.z))
             break
-        workspace = 2 * graph_bytes + chunk_bytes
+        workspace = 2 * graph_bytes - min(gradient_bytes, graph_bytes) + chunk_bytes
         plan.require(
             "one batch's Hessian product (its first-order graph and double backward)",
             workspace - (graph_bytes if self._cache else 0),
