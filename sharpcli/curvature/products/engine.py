@@ -274,7 +274,9 @@ class CurvatureEngine:
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product). A cross-entropy over large logits goes by chunks of rows
         (:mod:`~sharpcli.curvature.products.softmax_chunks`; the automatic chunk at most 1/64 of what
-        the budget leaves): the product adds a chunk's work.
+        the budget leaves): the product adds a chunk's work. The double backward also holds
+        the largest parameter's size once more, and with several batches the batch's block
+        beside the running sum (:meth:`_double_backward_extra_bytes`).
 
         Args:
             plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
@@ -290,7 +292,12 @@ class CurvatureEngine:
                 chunk_bytes = self.chunking.workspace(graph.softmax, graph.z)
                 plan.note(self.chunking.describe(graph.softmax, graph.z))
             break
-        workspace = 2 * graph_bytes - min(gradient_bytes, graph_bytes) + chunk_bytes
+        workspace = (
+            2 * graph_bytes
+            - min(gradient_bytes, graph_bytes)
+            + chunk_bytes
+            + self._double_backward_extra_bytes(batches)
+        )
         plan.require(
             "one batch's Hessian product (its first-order graph and double backward)",
             workspace - (graph_bytes if self._cache else 0),
@@ -313,6 +320,19 @@ class CurvatureEngine:
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
         )
+
+    def _double_backward_extra_bytes(self, batches: int) -> int:
+        """What a product holds beyond its graph, its activation-sized temporaries and the
+        P-vectors its caller counts (:meth:`plan_memory`): the largest parameter's
+        gradient-of-gradient, summed by autograd from the paths through that parameter (a
+        parameter-sized temporary beside its result), and with more than one batch the batch's
+        block of one column beside the running sum (a block of probes counts its columns
+        itself). Measured on a 21.5M-parameter MLP whose one 4600 x 4600 weight is most of P:
+        each was about one such tensor beyond the plan (tests/test_memory_plan.py)."""
+        scope = self.scope
+        itemsize = torch.empty((), dtype=scope.dtype).element_size()
+        largest = max((p.numel() for p in scope.params), default=0) * itemsize
+        return int(largest + (scope.numel * itemsize if batches > 1 else 0))
 
     # ----------------------------------------------------------------- products
     def _flat(self, tensors, like_index=None) -> torch.Tensor:
