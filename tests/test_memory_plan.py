@@ -539,9 +539,7 @@ def _run_with_own_peak(*args, env: dict | None = None) -> tuple[int, dict | None
         ("960M", ("--batch-size", 64, "--cache-mb", 0)),
     ],
 )
-def test_an_eigen_run_under_a_tight_budget_peaks_within_its_plan(
-    mlp21m, tmp_path, budget, extra
-):
+def test_an_eigen_run_under_a_tight_budget_peaks_within_its_plan(mlp21m, tmp_path, budget, extra):
     """The plan bounds the whole run, its end included: the peak resident set, read by the
     child as it ends, is at most the planned peak, which is within the budget; the basis is
     in a scratch file and the heap bounded, as at GPT-2 large under 20G."""
