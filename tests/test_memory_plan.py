@@ -249,6 +249,28 @@ def test_a_basis_that_cannot_fit_is_a_usage_error_naming_what_lowers_it():
     assert "`top_k`" in err.value.message and "raise `max_memory`" in err.value.message
 
 
+def test_a_products_workspace_counts_the_kept_gradient_once():
+    """A wide MLP on 2 samples: its first-order graph is mostly the gradient it keeps (one
+    P-vector); the double backward adds activation-sized temporaries and the largest
+    parameter's gradient-of-gradient, not a second gradient (its P-sized results are counted
+    beside the Lanczos vectors, krylov_work_bytes)."""
+    model = make_mlp("tanh", sizes=(4, 512, 512, 3))
+    x, y = make_data(n=2)
+    engine = CurvatureEngine(
+        model, AnalysisData(x, y, "cross-entropy", 2), ParamScope.resolve(model)
+    )
+    plan = memory.MemoryPlan(budget=memory.rss_bytes() + (1 << 30))
+    engine.plan_memory(plan)
+    graph = next(iter(engine._cache.values()))
+    gradient = engine.scope.numel * 8
+    assert sum(g.numel() * g.element_size() for g in graph.grads) == gradient
+    workspace = plan.items[memory.PRODUCT_WORKSPACE]
+    largest = 512 * 512 * 8  # the 512 x 512 weight, float64; one batch: no batch block
+    assert workspace == 2 * graph.nbytes - gradient + largest
+    # the activations of 2 samples are small
+    assert gradient + largest < workspace < 1.2 * (gradient + largest)
+
+
 @pytest.fixture(scope="module")
 def mlp3m(tmp_path_factory):
     """A 3.0M-parameter MLP checkpoint: its Krylov basis dominates the run's memory."""
@@ -456,3 +478,81 @@ def test_the_heap_reuses_freed_memory_only_where_the_budget_holds_the_slack():
     finally:
         memory.clear()
         memory.bound_heap()
+
+
+@pytest.fixture(scope="module")
+def mlp21m(tmp_path_factory):
+    """A 21.5M-parameter float32 MLP checkpoint whose 4600 x 4600 weight is most of P (above
+    the float64 self-check's size): P-vectors, not activations, fill its memory."""
+    from sharpcli.io.checkpoints import save_checkpoint
+    from sharpcli.models import build_model, default_model_args
+
+    args = default_model_args("mlp", (64,), 10, depth=2, width=4600)
+    spec = {"name": "mlp", "args": args}
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mlp21m") / "mlp21m.safetensors"
+    save_checkpoint(path, build_model(spec), spec, data_spec="blobs:n=256,dim=64,classes=10")
+    return path
+
+
+# the child's own high-water mark (VmHWM), read as it ends: ru_maxrss after exec starts at
+# the parent's resident set, which a long test session can make the larger
+_PEAK_CHILD = """
+import sys
+import sharpcli.__main__ as entry
+entry._exit_now = lambda code: None  # back to the finally below (os._exit skips it)
+sys.argv = ["sharp", *sys.argv[1:]]
+try:
+    entry.main()
+finally:
+    with open("/proc/self/status") as status:
+        peak = next(int(ln.split()[1]) for ln in status if ln.startswith("VmHWM:"))
+    print(f"VmHWM {peak * 1024}", file=sys.stderr)
+"""
+
+
+def _run_with_own_peak(*args, env: dict | None = None) -> tuple[int, dict | None, int]:
+    """``sharp ARGS`` as a child: its exit code, its JSON report and its own peak resident
+    set (``VmHWM``)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        check=False,
+    )
+    peaks = [int(ln.split()[1]) for ln in done.stderr.splitlines() if ln.startswith("VmHWM ")]
+    assert peaks, done.stderr
+    return done.returncode, json.loads(done.stdout) if done.returncode == 0 else None, peaks[-1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM (Linux)")
+@pytest.mark.parametrize(
+    "budget, extra",
+    [
+        # one batch, its graph cached: the end (Ritz vector, residual check, data error) held
+        # a float64 copy of the Ritz vector through the check's product, two P-vectors of
+        # float32 beyond the plan (970 MiB measured against 783 planned, budget 800M)
+        ("880M", ()),
+        # three batches, graphs rebuilt for every product: a batch's block was held through
+        # the next batch's graph and double backward (953 MiB against 770 planned, 800M)
+        ("960M", ("--batch-size", 64, "--cache-mb", 0)),
+    ],
+)
+def test_an_eigen_run_under_a_tight_budget_peaks_within_its_plan(mlp21m, tmp_path, budget, extra):
+    """The plan bounds the whole run, its end included: the peak resident set, read by the
+    child as it ends, is at most the planned peak, which is within the budget; the basis is
+    in a scratch file and the heap bounded, as at GPT-2 large under 20G."""
+    code, report, peak = _run_with_own_peak(
+        "eigen", mlp21m, "--top-k", 1, "--eig-max-matvecs", 2, "--max-memory", budget,
+        *extra, "--json", "-", "--quiet", env={"SHARP_SCRATCH": str(tmp_path)},
+    )  # fmt: skip
+    assert code == 0
+    plan = report["timing"]["memory"]
+    assert any("scratch file" in c for c in plan["choices"]), plan["choices"]
+    assert any("returned to the system" in c for c in plan["choices"]), plan["choices"]
+    assert peak <= plan["planned_peak_bytes"] <= plan["budget_bytes"], (peak >> 20, plan)
+    results = report["results"]
+    assert results["eigenvalues"][0] == pytest.approx(0.39396784, rel=1e-5)
+    if extra:  # the data error read from the residual check's product, none of its own
+        assert results["data_stderr"][0] > 0 and results["data_matvecs"] == 0

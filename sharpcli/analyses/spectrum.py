@@ -238,8 +238,12 @@ def eigen_result(
             source="top_k",
         )
     # the explicit residuals' product of the returned vectors is the data error's product too:
-    # its per-batch forms are recorded there, sparing one product per eigenvalue
+    # its per-batch forms are recorded there, sparing one product per eigenvalue, and the
+    # vectors themselves are not needed after it (Lanczos checks its residuals explicitly
+    # where the products are narrower than float64: there, returned vectors would be float64
+    # copies, two P-vectors of float32 more at the run's end)
     recorded: list = []
+    checked = op.dtype != torch.float64  # lanczos's explicit_residuals default
     with progress.phase(f"eigen {_symbol(operator)}"):
         result = lanczos(
             op,
@@ -248,7 +252,7 @@ def eigen_result(
             tol=tol,
             max_matvecs=max_matvecs,
             seed=seed,
-            return_eigenvectors=return_eigenvectors or data_error,
+            return_eigenvectors=return_eigenvectors or (data_error and not checked),
             batch_forms=recorded if data_error else None,
         )
     return with_data_error(
@@ -269,7 +273,7 @@ def with_data_error(
     data errors (the first order is then rough, and their order is not resolved by the data).
     """
     vectors = result.eigenvectors
-    if wanted and vectors is not None and vectors.shape[1]:
+    if wanted and (recorded is not None or (vectors is not None and vectors.shape[1])):
         error = eigen_data_error(op, vectors, recorded)
         if error is not None:
             result.data_stderr, result.data_method = error.stderr, error.method

@@ -43,13 +43,15 @@ class EigenDataError:
 
 
 def eigen_data_error(
-    op, eigenvectors: torch.Tensor, recorded: tuple[torch.Tensor, list[int]] | None = None
+    op,
+    eigenvectors: torch.Tensor | None,
+    recorded: tuple[torch.Tensor, list[int]] | None = None,
 ) -> EigenDataError | None:
     """The batch-means data error of each eigenvalue from its eigenvector (module docstring).
 
     Args:
         op: the operator (``a H + b G`` of one engine; other operators have no batches).
-        eigenvectors: ``(P, m)`` unit columns.
+        eigenvectors: ``(P, m)`` unit columns (may be None with ``recorded``).
         recorded: the per-batch forms ``(values, sizes)`` of a product of these same
             vectors (rounded to the operator's dtype) already taken: Lanczos's explicit
             residuals record them (:func:`~sharpcli.curvature.eigen.ritz.ritz_residuals`), and
@@ -72,10 +74,12 @@ def eigen_data_error(
     """
     if not can_record(op):  # no batches: spend no product
         return None
-    U = eigenvectors if eigenvectors.dim() == 2 else eigenvectors[:, None]
     matvecs = 0
     taken = recorded
     if taken is None:
+        if eigenvectors is None:
+            raise ValueError("eigen_data_error needs the eigenvectors or their recorded forms")
+        U = eigenvectors if eigenvectors.dim() == 2 else eigenvectors[:, None]
         U = U.to(dtype=op.dtype, device=op.device)
         with recording(op, U) as forms:
             op.matmat(U)

@@ -70,6 +70,7 @@ __all__ = [
     "SLICE_BYTES",
     "basis_room",
     "krylov_work_bytes",
+    "ritz_end_bytes",
     "KrylovBasis",
     "plan_basis",
     "scratch_directory",
@@ -637,7 +638,34 @@ def storage_dtype(op_dtype: torch.dtype) -> torch.dtype:
     return op_dtype if op_dtype in (torch.float32, _F64) else torch.float32
 
 
-def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
+def ritz_end_bytes(dim: int, dtype: torch.dtype, returned: int, widened: bool = False) -> int:
+    """Bytes the end of a Lanczos run holds, after its basis is released: each of the
+    ``returned`` Ritz vectors (in the storage dtype, the vector the operator multiplies) with
+    its explicit residual's product and that product's per-parameter pieces; then, where the
+    vectors are returned ``widened`` to float64, the float64 copies beside the storage ones
+    (the product freed).
+
+    Args:
+        dim: the number of parameters P.
+        dtype: the dtype the products run in.
+        returned: Ritz vectors returned or checked explicitly.
+        widened: the vectors are returned as float64 copies.
+
+    Returns:
+        The larger of the residual product's and the widening's bytes (0 without vectors).
+    """
+    if not returned:
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
+    product = int(returned) * dim * (stored + itemsize) + dim * itemsize
+    widening = int(returned) * dim * (stored + 8) if widened and stored != 8 else 0
+    return int(max(product, widening))
+
+
+def krylov_work_bytes(
+    dim: int, dtype: torch.dtype, returned: int = 0, widened: bool = False
+) -> int:
     """Bytes a Lanczos run holds beside its basis's rows.
 
     A step holds the vector multiplied (the newest row, kept in memory also when the basis is
@@ -646,12 +674,14 @@ def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     the end of the double backward), plus the three slice buffers of
     :mod:`~sharpcli.curvature.eigen.krylov` (rows read from the file, the widened rows and the
     vector's slice); the end, after the basis is released, holds each of the ``returned``
-    Ritz vectors with its explicit residual's product, assembled the same way.
+    Ritz vectors with its explicit residual's product, assembled the same way, and their
+    float64 copies where they are returned ``widened`` (:func:`ritz_end_bytes`).
 
     Args:
         dim: the number of parameters P.
         dtype: the dtype the products run in.
         returned: Ritz vectors returned or checked explicitly at the end.
+        widened: the returned vectors are float64 copies of storage-dtype ones.
 
     Returns:
         The larger of the step's and the end's bytes.
@@ -660,7 +690,7 @@ def krylov_work_bytes(dim: int, dtype: torch.dtype, returned: int = 0) -> int:
     stored = torch.empty((), dtype=storage_dtype(dtype)).element_size()
     pieces = dim * itemsize  # the product's per-parameter results before they are copied
     step = dim * (2 * stored + (itemsize if dtype != storage_dtype(dtype) else 0)) + pieces
-    end = int(returned) * dim * (stored + itemsize) + (pieces if returned else 0)
+    end = ritz_end_bytes(dim, dtype, returned, widened)
     return int(max(step, end) + 3 * SLICE_BYTES)
 
 
@@ -680,7 +710,9 @@ def scratch_directory() -> str | None:
     return value
 
 
-def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lower: str):
+def basis_room(
+    op, steps: int, *, extra_vectors: int = 0, widened: bool = False, minimum: int = 1, lower: str
+):
     """How many basis rows a run keeps, and where: memory buys speed, disk only as needed.
 
     In the order tried:
@@ -700,6 +732,7 @@ def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lowe
         op: the operator (``shape``, ``dtype``, ``device``).
         steps: the most rows the run could use.
         extra_vectors: Ritz vectors returned at the end.
+        widened: they are returned as float64 copies (:func:`ritz_end_bytes`).
         minimum: the fewest rows the run can work with.
         lower: what the user may lower, for the error message.
 
@@ -712,7 +745,7 @@ def basis_room(op, steps: int, *, extra_vectors: int = 0, minimum: int = 1, lowe
     dim = op.shape[0]
     steps = int(steps)
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
-    work = krylov_work_bytes(dim, op.dtype, extra_vectors)
+    work = krylov_work_bytes(dim, op.dtype, extra_vectors, widened)
     plan = memory.current()
     fit = plan.count_that_fit(per_vector, reserve=work)
     if MAX_IN_MEMORY_BYTES is not None:
@@ -767,7 +800,9 @@ def _scratch_basis(plan, dim, steps, per_vector, work, minimum, scratch, lower):
     return vectors, work, scratch
 
 
-def plan_basis(op, wanted: int, returned: int, budget: int, max_basis: int | None):
+def plan_basis(
+    op, wanted: int, returned: int, budget: int, max_basis: int | None, widened: bool = False
+):
     """The basis and product budget of a :func:`~sharpcli.curvature.eigen.lanczos.lanczos` run.
 
     A thick restart keeps the ``wanted`` Ritz vectors and needs room for two more.
@@ -778,6 +813,7 @@ def plan_basis(op, wanted: int, returned: int, budget: int, max_basis: int | Non
         returned: Ritz vectors returned or checked explicitly at the end.
         budget: the most products (``max_matvecs``).
         max_basis: the user's bound on the basis rows, if any.
+        widened: the returned vectors are float64 copies (:func:`ritz_end_bytes`).
 
     Returns:
         ``(room, held, scratch, limit)``: the basis rows the run may keep, the bytes it holds
@@ -794,6 +830,7 @@ def plan_basis(op, wanted: int, returned: int, budget: int, max_basis: int | Non
         op,
         min(dim, budget),
         extra_vectors=returned,
+        widened=widened,
         minimum=min(dim, budget, wanted + 2),
         lower="lower `top_k`, `batch_size` or `cache_mb`",
     )

@@ -87,7 +87,12 @@ import numpy as np
 import torch
 
 from sharpcli import catalogue, memory, progress
-from sharpcli.curvature.eigen.krylov import KrylovBasis, plan_basis, storage_dtype
+from sharpcli.curvature.eigen.krylov import (
+    KrylovBasis,
+    plan_basis,
+    ritz_end_bytes,
+    storage_dtype,
+)
 from sharpcli.curvature.eigen.ritz import (
     QUANTITY,
     EigenResult,
@@ -373,7 +378,12 @@ def lanczos(
     wanted = min(dim, want * (2 if which == "both" else 1))
     keep_vectors = bool(return_eigenvectors or explicit_residuals)
     returned = wanted if keep_vectors else 0
-    room, held, scratch, limit = plan_basis(op, wanted, returned, _budget(max_matvecs), max_basis)
+    # the vectors an explicit check multiplies stay in the storage dtype through its product;
+    # float64 copies are made after it, when the caller wants them (ritz_end_bytes)
+    widened = bool(return_eigenvectors and explicit_residuals)
+    room, held, scratch, limit = plan_basis(
+        op, wanted, returned, _budget(max_matvecs), max_basis, widened
+    )
     plan = memory.current()
     generator = torch.Generator().manual_seed(int(seed))
     q, warm_info = _start_vector(
@@ -401,9 +411,14 @@ def lanczos(
     if record is not None and (note := multiplicity_note(record, wanted, limit)):
         notes.append(note)
     if explicit_residuals:
-        reported, converged = measured_residuals(
-            op, values, vectors, converged, tol, rounds.exact_level, notes, batch_forms
-        )
+        # the end's vectors and their product, held in the plan now that the basis is gone
+        end = ritz_end_bytes(dim, op.dtype, len(values), widened)
+        with plan.hold("krylov basis", end):
+            reported, converged = measured_residuals(
+                op, values, vectors, converged, tol, rounds.exact_level, notes, batch_forms
+            )
+            if return_eigenvectors:
+                vectors = vectors.to(_F64)
         matvecs += len(values)
     at_rounding = int((converged & (reported > tol * np.abs(values))).sum())
     if at_rounding:
@@ -465,8 +480,12 @@ def _returned_pairs(rounds, pairs, last, locked, explicit_residuals, return_eige
     vectors = None
     if return_eigenvectors or explicit_residuals:
         # the residual is checked on the vector the operator multiplies (rounded to its
-        # dtype); float64 copies only when the caller asked for the eigenvectors
-        keep = _F64 if return_eigenvectors else storage_dtype(rounds.op.dtype)
+        # dtype), widened to float64 after its product when the caller wants the
+        # eigenvectors: a float64 copy held through that product was two P-vectors of float32
+        # beyond the plan (GPT-2 large: 5.8 GiB, past a 20 GiB budget); float64 sums only for
+        # returned vectors nobody multiplies
+        narrow = explicit_residuals or not return_eigenvectors
+        keep = storage_dtype(rounds.op.dtype) if narrow else _F64
         vectors = rounds.basis.combine(coefficients, dtype=keep)
     return values, reported, converged, vectors, extra
 

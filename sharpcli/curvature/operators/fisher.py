@@ -159,8 +159,10 @@ class _OuterProductOperator(CurvatureOperator, abc.ABC):
                 return self._batch_product(R, graph, V, batched, out)
 
             (block,) = engine._batch_blocks(graph, V, product, 1)
+            del graph  # freed before the next batch's is built (engine._apply)
             engine._check_finite(block, self.name, self.name, index)
             total += block
+            del block  # nor held through the next batch's product
         return all_reduce_sum(total)
 
 

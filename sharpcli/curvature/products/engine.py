@@ -260,8 +260,13 @@ class CurvatureEngine:
         """Count this engine in the run's memory plan (:mod:`sharpcli.memory`) before any product.
 
         Builds the first batch's first-order graph (kept in the cache when it fits, so it is
-        not wasted) and measures its bytes ``b``; a product holds that graph and about as much
-        again for the double backward, ``2 b``, and the cache holds up to
+        not wasted) and measures its bytes ``b``, of which ``g`` are the gradient ``J^T g_z``
+        it keeps (one parameter-sized vector); a product holds that graph and about as much
+        again, less ``g``, for the double backward, ``2 b - g``: the double backward's
+        temporaries are activation-sized, and its parameter-sized results are counted by the
+        caller beside the vectors it multiplies (``krylov_work_bytes``, a probe block's
+        columns). Counting ``g`` twice planned 2.9 GiB too many at GPT-2 large (774M
+        parameters), which refused a 20G budget that holds the run. The cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
         is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
         hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
@@ -269,7 +274,9 @@ class CurvatureEngine:
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product). A cross-entropy over large logits goes by chunks of rows
         (:mod:`~sharpcli.curvature.products.softmax_chunks`; the automatic chunk at most 1/64 of what
-        the budget leaves): the product adds a chunk's work.
+        the budget leaves): the product adds a chunk's work. The double backward also holds
+        the largest parameter's size once more, and with several batches the batch's block
+        beside the running sum (:meth:`_double_backward_extra_bytes`).
 
         Args:
             plan: the run's :class:`~sharpcli.memory.MemoryPlan`.
@@ -277,14 +284,20 @@ class CurvatureEngine:
         """
         batches = max(1, -(-int(self.data.local_num_samples) // max(1, int(self.data.batch_size))))
         self.chunking.fit_budget(plan.room())
-        graph_bytes = chunk_bytes = 0
+        graph_bytes = gradient_bytes = chunk_bytes = 0
         for _, graph in self._graphs():
             graph_bytes = graph.nbytes
+            gradient_bytes = sum(g.numel() * g.element_size() for g in graph.grads)
             if graph.softmax is not None:
                 chunk_bytes = self.chunking.workspace(graph.softmax, graph.z)
                 plan.note(self.chunking.describe(graph.softmax, graph.z))
             break
-        workspace = 2 * graph_bytes + chunk_bytes
+        workspace = (
+            2 * graph_bytes
+            - min(gradient_bytes, graph_bytes)
+            + chunk_bytes
+            + self._double_backward_extra_bytes(batches)
+        )
         plan.require(
             "one batch's Hessian product (its first-order graph and double backward)",
             workspace - (graph_bytes if self._cache else 0),
@@ -307,6 +320,19 @@ class CurvatureEngine:
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
         )
+
+    def _double_backward_extra_bytes(self, batches: int) -> int:
+        """What a product holds beyond its graph, its activation-sized temporaries and the
+        P-vectors its caller counts (:meth:`plan_memory`): the largest parameter's
+        gradient-of-gradient, summed by autograd from the paths through that parameter (a
+        parameter-sized temporary beside its result), and with more than one batch the batch's
+        block of one column beside the running sum (a block of probes counts its columns
+        itself). Measured on a 21.5M-parameter MLP whose one 4600 x 4600 weight is most of P:
+        each was about one such tensor beyond the plan (tests/test_memory_plan.py)."""
+        scope = self.scope
+        itemsize = torch.empty((), dtype=scope.dtype).element_size()
+        largest = max((p.numel() for p in scope.params), default=0) * itemsize
+        return int(largest + (scope.numel * itemsize if batches > 1 else 0))
 
     # ----------------------------------------------------------------- products
     def _flat(self, tensors, like_index=None) -> torch.Tensor:
@@ -469,8 +495,12 @@ class CurvatureEngine:
             if view is not None:
                 graph = view(graph)
             if not graph.grads:  # the loss does not depend on theta in scope on this batch
+                del graph
                 continue
             blocks = self._batch_blocks(graph, V, batch_product, len(parts))
+            # a graph not cached is freed before the next batch's is built: the loop variable
+            # kept it through that build, two graphs (two gradients) at once beyond the plan
+            del graph
             for part, block in zip(parts, blocks):
                 self._check_finite(block, part, operator, index)
             if self.forms is not None:
@@ -480,7 +510,9 @@ class CurvatureEngine:
                 continue
             for total, block in zip(totals, blocks):
                 total += block
-            del blocks  # at 124M parameters each block is 0.5 GB
+            # at 124M parameters each block is 0.5 GB: none is held (the loop variables kept
+            # the last) through the next batch's graph and double backward
+            del blocks, block
         memory.trim_heap()  # what the product freed leaves the resident set (sharpcli.memory)
         if self.forms is not None:
             self.forms.close_product(self.data.num_batches, len(parts), V.shape[1])
