@@ -88,16 +88,8 @@ def plot_training_history(
     shows as the value hovering at the line); the others share one panel (symlog for
     eigenvalues and traces).
     """
-    if tracked:
-        points, unit = [(row["step"], row) for row in tracked], "step"
-    else:
-        points = [(row["epoch"], row["tracked"]) for row in history if row.get("tracked")]
-        unit = "epoch"
-    keys = list(dict.fromkeys(k for _, row in points for k in row if _is_tracked_key(k, row)))
-    pairs = _threshold_pairs(keys)
-    paired = {k for pair in pairs for k in pair}
-    # a quantity's own companions (batch_sharpness_stderr, ..._batches): not curves of their own
-    rest = [k for k in keys if k not in paired and not any(k.startswith(q + "_") for q in keys)]
+    points, unit = _tracked_points(history, tracked)
+    pairs, rest = _tracked_panels(points)
     panels = len(pairs) + (1 if rest else 0)
     # up to two panels side by side; more in two rows
     nrows = 1 if panels <= 1 else 2
@@ -106,7 +98,36 @@ def plot_training_history(
     axes = list(grid.flat) if panels else [grid]
     for unused in axes[1 + panels :]:
         unused.set_visible(False)
-    ax = axes[0]
+    _plot_losses_and_accuracies(axes[0], history, title)
+    for cax, (key, threshold) in zip(axes[1:], pairs):
+        _plot_against_threshold(cax, points, key, threshold, unit)
+    if rest:
+        _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def _tracked_points(history: list[dict], tracked: list[dict] | None) -> tuple[list, str]:
+    """``([(x, row), ...], unit)``: the per-step rows against the step when given, else each
+    history row's ``tracked`` against the epoch."""
+    if tracked:
+        return [(row["step"], row) for row in tracked], "step"
+    return [(row["epoch"], row["tracked"]) for row in history if row.get("tracked")], "epoch"
+
+
+def _tracked_panels(points: list) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(pairs, rest)``: the quantities with a threshold (:func:`_threshold_pairs`), each on
+    its own panel, and the other tracked keys, which share one."""
+    keys = list(dict.fromkeys(k for _, row in points for k in row if _is_tracked_key(k, row)))
+    pairs = _threshold_pairs(keys)
+    paired = {k for pair in pairs for k in pair}
+    # a quantity's own companions (batch_sharpness_stderr, ..._batches): not curves of their own
+    rest = [k for k in keys if k not in paired and not any(k.startswith(q + "_") for q in keys)]
+    return pairs, rest
+
+
+def _plot_losses_and_accuracies(ax, history: list[dict], title: str) -> None:
+    """Train and test loss per epoch, their accuracies on a second axis."""
     epochs = [row["epoch"] for row in history]
     _plot_present(ax, epochs, history, ("train_loss", "test_loss"))
     ax.set_xlabel("epoch")
@@ -117,12 +138,6 @@ def plot_training_history(
     ax.legend(loc="upper left", fontsize=8)
     acc.legend(loc="lower left", fontsize=8)
     ax.set_title(title)
-    for cax, (key, threshold) in zip(axes[1:], pairs):
-        _plot_against_threshold(cax, points, key, threshold, unit)
-    if rest:
-        _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
-    fig.tight_layout()
-    return _save(plt, fig, path)
 
 
 def _plot_present(ax, epochs: list, history: list[dict], keys: tuple, **style) -> None:

@@ -203,6 +203,32 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _measure_row(column: str, usable: list, axes: list[str], seed: int) -> dict | None:
+    """The tau row of one measure over the runs that give a gap and a number for it (None
+    with fewer than three, or where tau is undefined): :func:`measure_correlations`."""
+    pairs = [(r[column], g, r) for r, g in usable if _is_number(r.get(column))]
+    if len(pairs) < 3:
+        return None
+    xs, gs = [float(p[0]) for p in pairs], [p[1] for p in pairs]
+    tau = kendall_tau(xs, gs)
+    if tau is None:
+        return None
+    row = {
+        "measure": column,
+        "tau": tau,
+        "p_value": permutation_p_value(xs, gs, seed=seed),
+        "runs": len(pairs),
+    }
+    errors = [measure_error(p[2], column) for p in pairs]
+    if any(e is not None for e in errors):
+        row["tau_noise_sd"] = tau_noise_sd(xs, [e or 0.0 for e in errors], gs, seed=seed)
+    if axes:
+        found = granulated_tau([p[2] for p in pairs], column, gs, axes)
+        row["granulated"] = None if found is None else found["mean"]
+        row["granulated_per_axis"] = None if found is None else found["per_axis"]
+    return row
+
+
 def measure_correlations(
     records: list[dict], *, gap: str = "error", axes: list[str] | None = None, seed: int = 0
 ) -> dict:
@@ -230,27 +256,9 @@ def measure_correlations(
     for column in columns:
         if column in skip or column.endswith(ERROR_SUFFIXES):
             continue
-        pairs = [(r[column], g, r) for r, g in usable if _is_number(r.get(column))]
-        if len(pairs) < 3:
-            continue
-        xs, gs = [float(p[0]) for p in pairs], [p[1] for p in pairs]
-        tau = kendall_tau(xs, gs)
-        if tau is None:
-            continue
-        row = {
-            "measure": column,
-            "tau": tau,
-            "p_value": permutation_p_value(xs, gs, seed=seed),
-            "runs": len(pairs),
-        }
-        errors = [measure_error(p[2], column) for p in pairs]
-        if any(e is not None for e in errors):
-            row["tau_noise_sd"] = tau_noise_sd(xs, [e or 0.0 for e in errors], gs, seed=seed)
-        if axes:
-            found = granulated_tau([p[2] for p in pairs], column, gs, axes)
-            row["granulated"] = None if found is None else found["mean"]
-            row["granulated_per_axis"] = None if found is None else found["per_axis"]
-        rows.append(row)
+        row = _measure_row(column, usable, axes, seed)
+        if row is not None:
+            rows.append(row)
     rows.sort(key=lambda r: -abs(r["tau"]))
     notes = []
     if len(usable) < 10:

@@ -192,15 +192,7 @@ def train(
     plan.baseline = memory.allocated_bytes(str(device))  # the data now loaded
     model, model_spec = _build_model(cfg, splits, regs, dtype, device)
     _place_splits(cfg, splits, model, dtype, device)
-    if any(isinstance(reg, Penalty) and reg.needs.autograd for reg in regs):  # second order
-        with twice_differentiable():
-            check_second_derivatives(
-                model,
-                splits.x_train[:SECOND_DERIVATIVE_SAMPLES],
-                splits.y_train,
-                cfg.chosen_loss,
-                source=model_spec["name"],
-            )
+    _check_second_order(cfg, regs, model, splits, model_spec["name"])
     steps = _steps_per_epoch(cfg, splits)
     if cfg.steps is not None:  # counted in steps: the epochs that hold them, the last partial
         cfg.epochs = -(-cfg.steps // steps)
@@ -229,12 +221,8 @@ def train(
             before = _steps_before(cfg, epoch, steps)
             after_step = None if tracking is None or unit != "steps" else tracking.after_step
             row = _train_epoch(run, epoch, meter, (before, total_epochs), after_step)
-            if tracking is not None and unit == "epochs":
-                if (epoch + 1) % every == 0 or epoch + 1 == total_epochs:
-                    tracking.track_epoch(row, _steps_before(cfg, epoch + 1, steps))
-            elif tracking is not None:  # measured inside the epoch: its seconds left out
-                row["tracking_seconds"] = tracking.take_seconds()
-                row["seconds"] = max(0.0, row["seconds"] - row["tracking_seconds"])
+            if tracking is not None:
+                tracking.end_epoch(row, epoch, total_epochs, _steps_before(cfg, epoch + 1, steps))
             run.history.append(row)
             meter.update(
                 _steps_before(cfg, epoch + 1, steps), record={**row, "epochs": total_epochs}
@@ -250,6 +238,20 @@ def train(
     result.divergence = divergence(run.history, splits.num_outputs)
     result.stopped_on_divergence = best is not None and result.divergence is not None
     return result
+
+
+def _check_second_order(cfg: TrainConfig, regs: list, model: nn.Module, splits, name: str):
+    """A second-order penalty differentiates the backward pass: the model's second
+    derivatives are checked first (:func:`check_second_derivatives`)."""
+    if any(isinstance(reg, Penalty) and reg.needs.autograd for reg in regs):
+        with twice_differentiable():
+            check_second_derivatives(
+                model,
+                splits.x_train[:SECOND_DERIVATIVE_SAMPLES],
+                splits.y_train,
+                cfg.chosen_loss,
+                source=name,
+            )
 
 
 class _Tracking:
@@ -289,6 +291,24 @@ class _Tracking:
         products = getattr(self.tracker, "products", None)  # the measurement's products
         run.tracked.append({"step": step, "epoch": epoch, "lr": lr, **values, "matvecs": products})
         return values
+
+    def end_epoch(self, row: dict, epoch: int, total_epochs: int, steps_done: int) -> None:
+        """After epoch ``epoch`` (0-based): measure when epochs are counted and this one is
+        due (every ``every``-th, and the last); with steps counted, take the seconds measured
+        inside the epoch out of its ``seconds``.
+
+        Args:
+            row: the epoch's history row, which this adds to.
+            epoch: the epoch just ended.
+            total_epochs: the epochs of the run.
+            steps_done: the optimizer steps taken so far.
+        """
+        if self.unit == "epochs":
+            if (epoch + 1) % self.every == 0 or epoch + 1 == total_epochs:
+                self.track_epoch(row, steps_done)
+        else:  # measured inside the epoch: its seconds left out
+            row["tracking_seconds"] = self.take_seconds()
+            row["seconds"] = max(0.0, row["seconds"] - row["tracking_seconds"])
 
     def after_step(self, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         """Per-step tracking: measure after every ``every``-th optimizer step."""
