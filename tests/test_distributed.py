@@ -453,8 +453,10 @@ def test_torchrun_launcher_prints_one_json_document(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- peers
 # A rank that stalls (SIGSTOP) or dies without torchrun: the others fail after SHARP_DIST_TIMEOUT
-# (not gloo's 30 minutes) with exit 3 and one line naming the rank, never exit 4.
-PEER_TIMEOUT = "4"
+# (not gloo's 30 minutes) with exit 3 and one line naming the rank, never exit 4. The same
+# wait bounds the join: 4 s let a loaded machine's rank 1 give up before rank 0 had started
+# (exit 2, "could not join"), so the wait is 8 s.
+PEER_TIMEOUT = "8"
 
 
 def _peer_rank_main(rank: int, port: int, tmp: str, ckpt: str, culprit: int, fate: str, codes):
