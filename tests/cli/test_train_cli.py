@@ -205,3 +205,27 @@ def test_track_every_k_tracks_every_kth_and_the_last_epoch(tmp_path, capsys):
     assert all(row["tracked"]["trace"] > 0 for row in history if row.get("tracked"))
     rows = list(csv.DictReader(open(run.json()["results"]["history_csv"])))
     assert [r["tracked.trace"] != "" for r in rows] == [False, True, False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--optimizer", "adamw:beta3=0.9"), ("--optimizer", "unknown parameter 'beta3'")),
+        (("--track-every", "10minutes"), ("--track-every", "Nsteps")),
+        (("--batch-size", "half"), ("--batch-size", "'full'")),
+        (("--track-on", "test"), ("--track-on", "subset")),
+        (("--steps", "0"), ("--steps", "at least 1")),
+        (("--track", "preconditioned", "--optimizer", "sgd"), ("--track", "adaptive optimizer")),
+    ],
+)
+def test_bad_per_step_training_options_are_exit_2_in_one_line_and_write_nothing(
+    args, words, tmp_path, capsys
+):
+    """The edge-of-stability options: refused in one line naming the option, before any
+    checkpoint is written (the tracked quantity that needs Adam is refused before training)."""
+    out = tmp_path / "m.safetensors"
+    run = run_cli(
+        capsys, "train", "--data", "blobs:n=64", "--epochs", "1", "--out", str(out), *args
+    )
+    assert_one_line_error(run, 2, *words)
+    assert list(tmp_path.iterdir()) == []
