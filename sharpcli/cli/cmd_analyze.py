@@ -59,15 +59,7 @@ def analyze_command(
             help="Converged when ||A u - lambda u|| <= tol |lambda|.",
         ),
     ] = 1e-3,
-    max_matvecs: Annotated[
-        int,
-        typer.Option(
-            "--trace-max-matvecs",
-            "--max-matvecs",
-            metavar="N",
-            help="Products per trace estimate at most (--max-matvecs: former name).",
-        ),
-    ] = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""

@@ -30,16 +30,7 @@ ForceOpt = Annotated[
     ),
 ]
 PlotOpt = common.PlotOpt
-# One name per meaning: --eig-* bound Lanczos, --trace-* the Hutch++ traces; the old --tol and
-# --max-matvecs (Lanczos here) stay as second names.
-TolOpt = Annotated[
-    float,
-    typer.Option(
-        "--eig-tol",
-        "--tol",
-        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
-    ),
-]
+# --eig-* bound Lanczos, --trace-* the Hutch++ traces (common.EigTolOpt)
 MaxMatvecsOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -158,7 +149,7 @@ def weight_rescale_command(
     ] = None,
     force: ForceOpt = False,
     params: common.ParamsOpt = None,
-    tol: TolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 200,
@@ -328,7 +319,7 @@ def bound_check_command(
         int,
         typer.Option("--noise-pairs", help="Antithetic weight-noise pairs (noise-stability)."),
     ] = 32,
-    tol: TolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 300,

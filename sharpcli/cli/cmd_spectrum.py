@@ -45,16 +45,7 @@ EngineOpt = Annotated[
     choices.Engine,
     typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
-# One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
-# stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
-EigTolOpt = Annotated[
-    float,
-    typer.Option(
-        "--eig-tol",
-        "--tol",
-        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
-    ),
-]
+# --eig-* bound the eigensolver, --trace-* the trace estimators (common.EigTolOpt)
 EigMaxMatvecsOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -71,15 +62,6 @@ TraceTolOpt = Annotated[
         "--trace-tol",
         "--tol",
         help="Stop at this relative standard error (--tol: former name).",
-    ),
-]
-TraceMaxMatvecsOpt = Annotated[
-    int,
-    typer.Option(
-        "--trace-max-matvecs",
-        "--max-matvecs",
-        metavar="N",
-        help="Products per trace estimate at most (--max-matvecs: former name).",
     ),
 ]
 
@@ -138,7 +120,7 @@ def eigen_command(
         choices.Method,
         typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
     ] = "lanczos",
-    tol: EigTolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: EigMaxMatvecsOpt = None,
     no_data_error: Annotated[
         bool,
@@ -280,7 +262,7 @@ def trace_command(
         ),
     ] = catalogue.ESTIMATORS.names()[0],
     tol: TraceTolOpt = 1e-2,
-    max_matvecs: TraceMaxMatvecsOpt = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     square: Annotated[
         bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")
     ] = False,
@@ -406,7 +388,7 @@ def gn_nme_command(
             "||A u - lambda u|| <= tol |lambda|.",
         ),
     ] = 1e-3,
-    max_matvecs: TraceMaxMatvecsOpt = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     params: common.ParamsOpt = None,
     plot: Annotated[
         Optional[str],

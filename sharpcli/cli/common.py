@@ -253,6 +253,25 @@ PlotOpt = Annotated[
         "--plot", rich_help_panel="Output", metavar="PATH", help="Write a PNG plot to PATH."
     ),
 ]
+# One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
+# stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
+EigTolOpt = Annotated[
+    float,
+    typer.Option(
+        "--eig-tol",
+        "--tol",
+        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
+    ),
+]
+TraceMaxMatvecsOpt = Annotated[
+    int,
+    typer.Option(
+        "--trace-max-matvecs",
+        "--max-matvecs",
+        metavar="N",
+        help="Products per trace estimate at most (--max-matvecs: former name).",
+    ),
+]
 
 
 @dataclass
