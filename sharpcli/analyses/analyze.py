@@ -192,11 +192,7 @@ def analyze(
     },
 )
 def eigen_metric(run: MetricRun) -> None:
-    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``."""
     e = spectrum.eigen(
         run.session, top_k=run.top_k, which="largest", tol=run.eig_tol, params=run.params
     )
@@ -230,11 +226,7 @@ def eigen_metric(run: MetricRun) -> None:
 )
 def trace_metric(run: MetricRun) -> None:
     """``hessian.trace``, ``trace_stderr``, ``trace_data_stderr`` (the data's error, batch
-    means: :mod:`sharpcli.curvature.products.batch_forms`), ``trace_by_layer``.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    means: :mod:`sharpcli.curvature.products.batch_forms`), ``trace_by_layer``."""
     t = spectrum.trace(run.session, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params)
     run.hessian.update(
         trace=t["trace"]["estimate"],
@@ -268,11 +260,7 @@ def trace_metric(run: MetricRun) -> None:
 def frobenius_metric(run: MetricRun) -> None:
     """``hessian.frobenius_sq``, ``frobenius_sq_stderr``, ``frobenius_sq_data_stderr`` (the
     data's error to first order, from one more block of products:
-    :func:`~sharpcli.curvature.products.batch_forms.square_error`).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    :func:`~sharpcli.curvature.products.batch_forms.square_error`)."""
     f = spectrum.trace(
         run.session, square=True, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params
     )
@@ -321,11 +309,7 @@ def frobenius_metric(run: MetricRun) -> None:
 )
 def gn_nme_metric(run: MetricRun) -> None:
     """``ggn.*``, ``nme.*``, ``nme_share``, ``nme_frobenius_ratio``, and the Hessian's numbers
-    that eigen and trace did not already give.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    that eigen and trace did not already give."""
     g = spectrum.gn_nme(
         run.session,
         tol=run.tol,
@@ -374,11 +358,7 @@ def gn_nme_metric(run: MetricRun) -> None:
 )
 def pac_bayes_metric(run: MetricRun) -> None:
     """``pac_bayes.plain`` and ``pac_bayes.magnitude``: [Jiang2019]'s bisection (first
-    derivatives and forward passes only).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    derivatives and forward passes only)."""
     run.results["pac_bayes"] = {
         name: pac_bayes_sigma(
             run.session.model,
@@ -409,11 +389,7 @@ def pac_bayes_metric(run: MetricRun) -> None:
 )
 def fisher_rao_metric(run: MetricRun) -> None:
     """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only),
-    each with its data error (``_data_stderr``: batch means of the per-batch means).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    each with its data error (``_data_stderr``: batch means of the per-batch means)."""
     found = fisher_rao_norm(run.session.model, run.session.analysis_data(), run.params)
     run.results["fisher_rao"] = {
         "norm_sq": found["fisher_rao_norm_sq"],
