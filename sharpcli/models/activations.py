@@ -49,7 +49,7 @@ def _format_number(value: float) -> str:
     return repr(float(value))
 
 
-def _declared_name(module: nn.Module) -> str:
+def _declared_name(module: object) -> str:
     """The name declared by ``module``'s class, or by its nearest declared base class."""
     for cls in type(module).__mro__:
         declared = declaration(cls)
@@ -58,13 +58,8 @@ def _declared_name(module: nn.Module) -> str:
     raise TypeError(f"{type(module).__name__} is not a declared activation")
 
 
-# the activation of the built-in models unless one is given (sharpcli.models.specs, zoo)
-DEFAULT_ACTIVATION = "relu"
-
-
-@declare("activation", DEFAULT_ACTIVATION, "ReLU")
-class ReLU(nn.ReLU):
-    """``max(x, 0)`` as ``nn.ReLU`` (AD: ``phi' = Theta(x)``, ``phi'' = 0``); spec ``relu``."""
+class _Named:
+    """A parameter-free activation: its canonical spec string is its declared name."""
 
     @property
     def spec(self) -> str:
@@ -72,32 +67,8 @@ class ReLU(nn.ReLU):
         return _declared_name(self)
 
 
-@declare("activation", "gelu", "GELU")
-class GELU(nn.GELU):
-    """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
-
-    def __init__(self) -> None:
-        super().__init__(approximate="none")
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
-
-
-@declare(
-    "activation",
-    "beta-gelu",
-    "x Phi(beta x): GELU with sharpness beta",
-    params=(Param("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
-    paper="NME",
-)
-class BetaGELU(nn.Module):
-    """beta-GELU ``x Phi(beta x)`` ([NME] eq. 13); spec ``beta-gelu:beta=B``.
-
-    ``phi''(x) = beta phi(beta x)(2 - beta^2 x^2)`` ([NME] eq. 14, see
-    :func:`~sharpcli.models.activation_functions.beta_gelu_second_derivative`); beta = 1 is GELU, beta -> inf approaches ReLU.
-    """
+class _WithBeta(nn.Module):
+    """An activation of one parameter ``beta``; spec ``NAME:beta=B``."""
 
     def __init__(self, beta: float = 1.0) -> None:
         super().__init__()
@@ -108,13 +79,45 @@ class BetaGELU(nn.Module):
         """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
         return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Elementwise ``x Phi(beta x)``."""
-        return beta_gelu(x, self.beta)
-
     def extra_repr(self) -> str:
         """``beta=B`` in the module's repr."""
         return f"beta={self.beta}"
+
+
+# the activation of the built-in models unless one is given (sharpcli.models.specs, zoo)
+DEFAULT_ACTIVATION = "relu"
+
+
+@declare("activation", DEFAULT_ACTIVATION, "ReLU")
+class ReLU(_Named, nn.ReLU):
+    """``max(x, 0)`` as ``nn.ReLU`` (AD: ``phi' = Theta(x)``, ``phi'' = 0``); spec ``relu``."""
+
+
+@declare("activation", "gelu", "GELU")
+class GELU(_Named, nn.GELU):
+    """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
+
+    def __init__(self) -> None:
+        super().__init__(approximate="none")
+
+
+@declare(
+    "activation",
+    "beta-gelu",
+    "x Phi(beta x): GELU with sharpness beta",
+    params=(Param("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
+    paper="NME",
+)
+class BetaGELU(_WithBeta):
+    """beta-GELU ``x Phi(beta x)`` ([NME] eq. 13); spec ``beta-gelu:beta=B``.
+
+    ``phi''(x) = beta phi(beta x)(2 - beta^2 x^2)`` ([NME] eq. 14, see
+    :func:`~sharpcli.models.activation_functions.beta_gelu_second_derivative`); beta = 1 is GELU, beta -> inf approaches ReLU.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise ``x Phi(beta x)``."""
+        return beta_gelu(x, self.beta)
 
 
 @declare(
@@ -124,22 +127,13 @@ class BetaGELU(nn.Module):
     params=(Param("beta", "float", 1.0, "inverse width of the Gaussian, > 0", positive=True),),
     paper="NME",
 )
-class AugmentedReLU(nn.Module):
+class AugmentedReLU(_WithBeta):
     """Augmented ReLU ([NME] 4.4, eq. 15); spec ``augmented-relu:beta=B``.
 
     Forward ``max(x, 0)``; first AD derivative ``Theta(x)``; second AD derivative
     ``beta / sqrt(2 pi) exp(-beta^2 x^2 / 2)``, so Hessian-vector products see a Gaussian-smoothed
     delta at every ReLU kink while the forward pass and the gradient stay those of ReLU.
     """
-
-    def __init__(self, beta: float = 1.0) -> None:
-        super().__init__()
-        self.beta = float(beta)
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string, e.g. ``augmented-relu:beta=4.0``."""
-        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise ``max(x, 0)`` with the augmented AD derivatives."""
@@ -164,23 +158,14 @@ class AugmentedReLU(nn.Module):
         """
         return ReLU()
 
-    def extra_repr(self) -> str:
-        """``beta=B`` in the module's repr."""
-        return f"beta={self.beta}"
-
 
 @declare("activation", "diminished-gelu", "GELU forward, no second derivative", paper="NME")
-class DiminishedGELU(nn.Module):
+class DiminishedGELU(_Named, nn.Module):
     """Diminished GELU ([NME] 4.4, eq. 16); spec ``diminished-gelu``.
 
     Forward ``x Phi(x)``; first AD derivative ``Phi(x) + x phi(x)``; second AD derivative 0, so the
     activation's contribution to the NME diagonal is switched off as for ReLU.
     """
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise GELU with the diminished AD derivatives."""
@@ -207,15 +192,10 @@ class DiminishedGELU(nn.Module):
 
 
 @declare("activation", "tanh", "tanh", paper="Cohen2021")
-class Tanh(nn.Tanh):
+class Tanh(_Named, nn.Tanh):
     """``tanh x`` as ``nn.Tanh``, the activation of [Cohen2021]'s edge-of-stability networks;
     spec ``tanh``. Its autograd derivatives are the true ones: ``phi' = 1 - tanh^2 x`` and
     ``phi'' = -2 tanh x (1 - tanh^2 x)``, so N has a nonzero diagonal ([NME] eq. 11-12)."""
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
 
 # The activations by name: sharpcli.catalogue.ACTIVATIONS (name, parameters, module class).
