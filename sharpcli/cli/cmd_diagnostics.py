@@ -199,7 +199,7 @@ def weight_rescale_command(
         )
     results = result.to_dict()
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_weight_rescale
 
         plot_weight_rescale(
@@ -355,7 +355,7 @@ def bound_check_command(
         result = bound_check(session.model, session.analysis_data(), config)
     results = result.to_dict()
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_bound_check
 
         noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
@@ -369,7 +369,7 @@ def bound_check_command(
 
 
 def _render_bound_check(console, result) -> None:
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.theorem2 import THEOREM2
 
     rows = []

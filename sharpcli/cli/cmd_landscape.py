@@ -152,7 +152,7 @@ def landscape_command(
     if csv_path is not None:
         results[CSV] = csv_path
     if plot is not None and writes:
-        # imports matplotlib (0.7 s): kept out of sharp's start-up (--help, completion)
+        # imports matplotlib: kept out of sharp's start-up (--help, completion)
         from sharpcli.report.landscape_plot import plot_landscape
 
         plot_landscape(results, plot, title=f"loss landscape of {checkpoint} ({kind})")

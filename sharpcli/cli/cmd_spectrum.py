@@ -183,7 +183,7 @@ def eigen_command(
                 seed=session.seed,
             )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 29 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.block_heatmap import plot_block_eigenvalues
 
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
@@ -423,7 +423,7 @@ def gn_nme_command(
             ggn_estimator=ggn_estimator,
         )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_gn_nme_layers
 
         plot_gn_nme_layers(results, plot)
@@ -545,7 +545,7 @@ def density_command(
                 results, results["blocks"], grid_points
             )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_block_densities, plot_density
 
         if blocks is not None:

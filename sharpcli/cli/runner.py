@@ -298,9 +298,8 @@ def _print_notice(command: str, notice: str | None) -> None:
 def default_threads() -> int:
     """``--threads``' default: ``OMP_NUM_THREADS`` when set to a positive integer, else 1.
 
-    Torch's own default (one thread per core) oversubscribes a shared or busy machine: on a
-    loaded 2-core machine ``sharp analyze`` took 227 s with it and 18.5 s with one thread;
-    docs/benchmarks.md ("Threads") has the measurements behind this choice.
+    Torch's own default (one thread per core) oversubscribes a shared or busy machine, where
+    one thread runs several times faster (docs/benchmarks.md, "Threads").
     """
     text = os.environ.get("OMP_NUM_THREADS", "").strip()
     return int(text) if text.isdigit() and int(text) >= 1 else 1

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from sharpcli.regularizers.base import Regularizer
 
 # This module imports no torch: the CLI reads TrainConfig's defaults as its options' defaults
-# when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch
-# (0.3 s; torch adds 1.5 s). The regularizers (torch) are imported where they are parsed.
+# when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch.
+# The regularizers (torch) are imported where they are parsed.
 
 __all__ = [
     "OPTIMIZERS",
