@@ -234,7 +234,6 @@ def _gaussian_labels(z: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 CATEGORICAL = LabelSampler("uniform", False, _categorical_labels)
-BERNOULLI = LabelSampler("uniform", True, _bernoulli_labels)
 GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 
 
