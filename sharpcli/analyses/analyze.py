@@ -61,9 +61,6 @@ def result_keys(metric: str) -> tuple[str, ...]:
 
     Args:
         metric: a name of :data:`METRICS`, or "".
-
-    Returns:
-        The key patterns.
     """
     if not metric:
         return ("loss", "accuracy")

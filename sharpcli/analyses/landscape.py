@@ -108,9 +108,6 @@ def grid_coordinates(steps: int, low: float, high: float) -> list[float]:
         steps: the points, >= 2.
         low: the first.
         high: the last.
-
-    Returns:
-        The coordinates.
     """
     return [low + (high - low) * i / (steps - 1) for i in range(steps)]
 

@@ -150,9 +150,6 @@ def plan_rescale(
         mode: ``"global"`` or ``"layer"``.
         layer: the layer to rescale (``mode="layer"``).
         force: accept a rescaling that changes the function.
-
-    Returns:
-        The plan.
     """
     check_mode(mode)
     if mode == "global":

@@ -167,9 +167,6 @@ def engine_on(engine: CurvatureEngine, data: AnalysisData) -> CurvatureEngine:
     Args:
         engine: the engine of the whole analysis set.
         data: the samples of the new one.
-
-    Returns:
-        The engine.
     """
     if isinstance(engine, FiniteDifferenceEngine):
         return FiniteDifferenceEngine(engine.model, data, engine.scope)

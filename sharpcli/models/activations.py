@@ -151,11 +151,7 @@ class AugmentedReLU(_WithBeta):
         return (x > 0).to(x.dtype), augmented_relu_second_derivative(x, self.beta)
 
     def true_derivative_twin(self) -> nn.Module:
-        """``nn.ReLU``: the same forward and first derivative, with torch's true (zero) second one.
-
-        Returns:
-            A new ``nn.ReLU``.
-        """
+        """``nn.ReLU``: the same forward and first derivative, with torch's true (zero) second one."""
         return ReLU()
 
 
@@ -183,11 +179,7 @@ class DiminishedGELU(_Named, nn.Module):
         return gelu_derivative(x), torch.zeros_like(x)
 
     def true_derivative_twin(self) -> nn.Module:
-        """Exact GELU: the same forward and first derivative, with its true second derivative.
-
-        Returns:
-            A new exact GELU.
-        """
+        """Exact GELU: the same forward and first derivative, with its true second derivative."""
         return GELU()
 
 

@@ -334,9 +334,6 @@ def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> Trace
         estimate: an estimator of ``tr(A)`` taking the operator, ``tol``, ``max_matvecs`` and
             ``seed`` (:func:`hutchinson`, :func:`~sharpcli.curvature.trace.hutchpp.hutchpp`).
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     op, r = request.build(), request
     if r.square:
@@ -358,8 +355,5 @@ def hutchinson_trace(request: TraceRequest) -> TraceResult:
 
     Args:
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     return probed(hutchinson, request)

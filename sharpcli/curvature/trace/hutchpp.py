@@ -496,9 +496,6 @@ def hutchpp_trace(request: TraceRequest) -> TraceResult:
 
     Args:
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     return probed(hutchpp, request)
 
