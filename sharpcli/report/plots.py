@@ -32,6 +32,8 @@ def _figure(nrows: int = 1, ncols: int = 1):
 
 
 def _save(plt, fig, path: str | Path) -> Path:
+    """Lay ``fig`` out tightly, write it to ``path`` as a PNG (atomically) and close it."""
+    fig.tight_layout()
     path = Path(path)
     try:
         write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=DPI))
@@ -103,7 +105,6 @@ def plot_training_history(
         _plot_against_threshold(cax, points, key, threshold, unit)
     if rest:
         _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -229,7 +230,6 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     ax.set_ylabel("diagonal-block trace (error bars: one standard error)")
     ax.set_title(rf"$H = G + N$ per layer (NME share {results.get('nme_share', float('nan')):.3g})")
     ax.legend()
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -285,7 +285,6 @@ def plot_compare_scatter(
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.set_title(f"{y} against {x} ({len(points)} runs)")
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -319,7 +318,6 @@ def plot_sweep(
         ax.grid(True, alpha=0.3)
     count = f"{seeds[0]} seed(s)" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)} seeds"
     fig.suptitle(f"against {param}: mean and one standard deviation over {count}", fontsize=10)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -356,7 +354,6 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     ax.set_title(title or "weight rescaling")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -411,7 +408,6 @@ def plot_bound_check(
     ax.legend()
     if noise_rows:
         _plot_noise_stability(axes[1], sorted(noise_rows, key=lambda r: r["sigma"]))
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -473,7 +469,6 @@ def plot_density(
         f"{results.get('lanczos_steps')} steps)"
     )
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -527,5 +522,4 @@ def plot_block_densities(
         f"JS distance between blocks: mean {mean}",
         fontsize=9,
     )
-    fig.tight_layout()
     return _save(plt, fig, path)
