@@ -28,12 +28,9 @@ Three kinds of regularizer combine:
   applied at theta. Without an oracle the gradient is ``grad O(theta)``.
 
 Every random draw (weight noise, Hutchinson probes, sampled labels) comes from the
-step's ``generator`` so a resumed run reproduces bit-for-bit; dropout masks come from
-the global torch RNG and every pass of a step replays the same masks. Extra passes
-leave BatchNorm running statistics as the clean pass left them; perturbed weights are
-restored by copy. ``StepStats.grad_evals`` counts gradient evaluations as defined in
-:mod:`sharpcli.regularizers.step` (plain gradient 1, double-backward 2, triple 4); each
-class documents its count.
+step's ``generator``, so a resumed run reproduces bit-for-bit. How a step runs the passes
+(dropout masks, BatchNorm statistics, perturbed weights) and counts their cost
+(``StepStats.grad_evals``, each class documenting its own): :mod:`sharpcli.regularizers.step`.
 """
 
 from __future__ import annotations
