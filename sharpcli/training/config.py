@@ -12,8 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
-from sharpcli.catalogue.data import DEFAULT_DATASET
-from sharpcli.catalogue.names import DEFAULT_MODEL
+from sharpcli.catalogue import DEFAULT_DATASET, DEFAULT_MODEL
 from sharpcli.errors import UsageError
 from sharpcli.specs import Param, parse_spec
 
