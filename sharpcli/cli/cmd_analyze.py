@@ -103,7 +103,7 @@ def analyze_command(
                 )
             )
         for note in results.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     notice = None
     if tripped:  # one line on stderr, even under --quiet or --json -

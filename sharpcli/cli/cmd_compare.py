@@ -168,7 +168,7 @@ def compare_command(
                 _show_kendall(console, kendall)
             if fmt == "table" and out is None:
                 for row in results["differences"]:
-                    runner.print_note(console, difference_note(row))
+                    runner.print_note(difference_note(row))
 
         return runner.Outcome(report, show)
 
@@ -208,4 +208,4 @@ def _show_kendall(console, kendall: dict) -> None:
         )
     )
     for note in kendall["notes"]:
-        runner.print_note(console, note)
+        runner.print_note(note)

@@ -111,7 +111,7 @@ def _render_activation_stats(console, result) -> None:
     summary["input-output Jacobian ||dp/dx||_F"] = result.input_jacobian_fro_softmax
     console.print(key_value_table("output", summary))
     for note in result.notes:
-        runner.print_note(console, note)
+        runner.print_note(note)
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
@@ -448,4 +448,4 @@ def _render_bound_check(console, result) -> None:
             )
         )
     for note in result.notes:
-        runner.print_note(console, note)
+        runner.print_note(note)

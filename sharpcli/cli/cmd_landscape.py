@@ -220,4 +220,4 @@ def _render(console, results: dict) -> None:
         shown = rows[::every] + ([rows[-1]] if (len(rows) - 1) % every else [])
         console.print(records_table("loss along the line", shown))
     for note in results["notes"]:
-        runner.print_note(console, note)
+        runner.print_note(note)

@@ -235,7 +235,7 @@ def eigen_command(
             if left:
                 console.print(left)
         for note in results.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     return runner.Outcome(report, render)
 
@@ -363,7 +363,7 @@ def trace_command(
             if left:
                 console.print(left)
         for note in t.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     return runner.Outcome(report, render)
 
@@ -464,7 +464,7 @@ def gn_nme_command(
         numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
         console.print(key_value_table("tr(G) by each estimator", numbers))
         if catalogue.GGN_EXACT not in check["estimators"]:  # say why the exact trace did not run
-            runner.print_note(console, check["why"])
+            runner.print_note(check["why"])
         console.print(records_table("per layer", results["layers"]))
 
     return runner.Outcome(report, render)

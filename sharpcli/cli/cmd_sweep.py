@@ -252,7 +252,7 @@ def sweep_command(
                     )
                 )
                 for note in table["notes"]:
-                    runner.print_note(console, note)
+                    runner.print_note(note)
             if result.diverged:
                 console.print(
                     f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}"
