@@ -59,7 +59,6 @@ __all__ = [
     "parse_regs",
     "validate_combination",
     "model_overrides",
-    "describe_registry",
 ]
 
 
@@ -158,33 +157,6 @@ def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
     if "data_parallel" not in vars(cls):
         return "it does not declare whether averaging per-rank gradients is exact (data_parallel)"
     return cls.data_parallel
-
-
-def describe_registry() -> list[dict[str, Any]]:
-    """One row per regularizer (for ``--help`` and reports): name, kind, summary, its
-    hyper-parameters with defaults in positional order, ``data_parallel`` (None when exact
-    under torchrun, else why not), ``per_replica`` (what each rank computes when not exact;
-    None: refused under torchrun) and ``needs_penultimate``."""
-    return [
-        {
-            "name": name,
-            "kind": cls.kind,
-            "summary": cls.summary,
-            "data_parallel": data_parallel_refusal(cls),
-            "per_replica": getattr(cls, "per_replica", None),
-            "needs_penultimate": cls.needs_penultimate,
-            "hyperparameters": [
-                {
-                    "name": h.name,
-                    "default": h.default,
-                    "doc": h.doc,
-                    "choices": list(h.choices) or None,
-                }
-                for h in cls.HYPERPARAMS
-            ],
-        }
-        for name, cls in REGISTRY.items()
-    ]
 
 
 def parse_reg(text: str) -> Regularizer:
