@@ -129,26 +129,35 @@ __all__ = [
     "operator_table",
 ]
 
+
+def _declared(kind: str, source: str, check: str = "", make_entry: str = "") -> Registry[Any]:
+    """The registry of ``kind`` over its built-ins' declarations in the generated index.
+
+    An unknown name is reported on ``source``; ``check`` and ``make_entry`` as
+    :class:`~sharpcli.registry.Registry` takes them.
+    """
+    entries = DECLARED.get(kind, ())
+    return Registry(kind, source=source, entries=entries, check=check, make_entry=make_entry)
+
+
 # ``--reg NAME[:k=v,...]`` (sharpcli.regularizers): each built-in's record is its class body
 # in sharpcli.regularizers.penalties or .perturbed (declare_regularizer): its summary, its
 # hyper-parameters in positional order with defaults and ranges, its paper key, whether
 # averaging its gradient over torchrun ranks is exact (``data_parallel``: None, else the reason
 # it is not) and, in ``info``, its ``kind`` (none, model, penalty or oracle) and whether it
 # needs the input of the final ``nn.Linear``.
-REGULARIZERS: Registry[Any] = Registry(
+REGULARIZERS: Registry[Any] = _declared(
     "regularizer",
-    source="regs",
-    entries=DECLARED.get("regularizer", ()),
+    "regs",
     check="sharpcli.regularizers.registry:check_regularizer_class",
     make_entry="sharpcli.regularizers.registry:regularizer_class_entry",
 )
 
 # the losses of the analyses and of training (sharpcli.losses, declared there); ``info``:
 # whether the labels are classes (accuracy is defined)
-LOSSES: Registry[Any] = Registry(
+LOSSES: Registry[Any] = _declared(
     "loss",
-    source="loss",
-    entries=DECLARED.get("loss", ()),
+    "loss",
     check="sharpcli.losses:check_loss",
     make_entry="sharpcli.losses:loss_entry",
 )
@@ -156,13 +165,11 @@ LOSSES: Registry[Any] = Registry(
 
 # ``--activation NAME[:beta=B]`` (sharpcli.models.activations, declared there), [NME]
 # sections 4.3-4.4
-ACTIVATIONS: Registry[Any] = Registry(
-    "activation", source="activation", entries=DECLARED.get("activation", ())
-)
+ACTIVATIONS: Registry[Any] = _declared("activation", "activation")
 
 # ``--model NAME`` (sharpcli.models.zoo: each architecture declared on its class, whose ``ARGS``
 # are its spec's arguments)
-MODELS: Registry[Any] = Registry("model", source="model", entries=DECLARED.get("model", ()))
+MODELS: Registry[Any] = _declared("model", "model")
 MODEL_NAMES: tuple[str, ...] = MODELS.builtin_names()
 # the default of ``--model`` (torch-free: TrainConfig's default); "" only while the index holds
 # no model (the generator remakes it)
@@ -171,7 +178,7 @@ DEFAULT_MODEL = next((e.name for e in MODELS.entries() if e.info.get("default"))
 # the ``sharp`` commands (sharpcli.cli.cmd_*, each declared beside its function), in the order
 # a person uses them (the order of ``sharp --help``). ``info``: its place in that order and the
 # --help panel of its own options where not the default
-COMMANDS: Registry[Any] = Registry("command", source="command", entries=DECLARED.get("command", ()))
+COMMANDS: Registry[Any] = _declared("command", "command")
 
 # ``--data PATH`` (sharpcli.io.data.formats): each format declared on its probe
 # (sharpcli.io.data: tensor_files, tables, arrow, vision). ``info["order"]`` matters twice:
@@ -187,9 +194,7 @@ DATA_FORMATS: Registry[Any] = Registry(
 
 # ``--data NAME[:k=v,...]``: the built-in synthetic datasets, declared on their generators in
 # sharpcli.io.data.builtin, which types and checks their parameters
-DATASETS: Registry[Any] = Registry(
-    "built-in dataset", source="data", entries=DECLARED.get("built-in dataset", ())
-)
+DATASETS: Registry[Any] = _declared("built-in dataset", "data")
 # the default of ``--data`` (torch-free: TrainConfig's default); "" only while the index
 # holds no dataset (the generator remakes it)
 DEFAULT_DATASET = next((e.name for e in DATASETS.entries() if e.info.get("default")), "")
@@ -205,17 +210,15 @@ DEFAULT_DATASET = next((e.name for e in DATASETS.entries() if e.info.get("defaul
 # .noise_stability) as a function of its run. Each command runs the chosen ones through these
 # registries.
 # ``sharp analyze --metrics`` and ``sharp sweep --metrics``: a comma list of these
-METRICS: Registry[Any] = Registry("metric", source="metrics", entries=DECLARED.get("metric", ()))
+METRICS: Registry[Any] = _declared("metric", "metrics")
 # what ``--metrics`` runs when not given: the metrics declared as defaults, in order
 DEFAULT_METRICS = tuple(e.name for e in METRICS.entries() if e.info.get("default"))
 
 # ``sharp train --track`` and sharpcli.Tracker's ``metrics``: a comma list of these
-TRACKABLE: Registry[Any] = Registry(
-    "trackable", source="track", entries=DECLARED.get("trackable", ())
-)
+TRACKABLE: Registry[Any] = _declared("trackable", "track")
 
 # ``sharp bound-check --check``: a comma list of these, run after the bound of AD Corollary 1
-CHECKS: Registry[Any] = Registry("check", source="check", entries=DECLARED.get("check", ()))
+CHECKS: Registry[Any] = _declared("check", "check")
 
 # every kind, by the name the docs' tables use
 KINDS: dict[str, Registry[Any]] = {
