@@ -185,11 +185,6 @@ class _LayerAccumulator:
         )
 
 
-def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-
-    return activation_modules(model)
-
-
 def _kind(module: nn.Module) -> str:
 
     return activation_spec(module) or type(module).__name__  # foreign types: their class name
@@ -209,7 +204,7 @@ class _ActivationRecorder:
     head summing ``||h||^2`` of its input. A context manager: the hooks live inside ``with``."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.layers = _activation_layers(model)
+        self.layers = activation_modules(model)
         self.head = _head(model)
         self.accumulators: dict[tuple[str, int], _LayerAccumulator] = {}
         self.order: list[tuple[str, int]] = []
