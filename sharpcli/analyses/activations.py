@@ -186,12 +186,10 @@ class _LayerAccumulator:
 
 
 def _kind(module: nn.Module) -> str:
-
     return activation_spec(module) or type(module).__name__  # foreign types: their class name
 
 
 def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
-
     try:
         return final_linear(model)
     except UsageError:

@@ -171,7 +171,6 @@ def _flat(values: list) -> list[float]:
 def _eigen_directions(
     model: nn.Module, data: AnalysisData, scope: ParamScope, k: int, config: LandscapeConfig
 ) -> tuple[list[list[torch.Tensor]], dict]:
-
     hessian = CurvatureEngine(model, data, scope).hessian()
     result = lanczos(
         hessian,

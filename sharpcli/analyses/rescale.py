@@ -237,7 +237,6 @@ def _curvature_row(
     seed: int,
     rho: float | None,
 ) -> tuple[RescaleRow, int]:
-
     evaluation = evaluate_outputs(model, data)
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
     change = _global_max(local_change, evaluation.logits.device)

@@ -193,7 +193,6 @@ def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -
 
 
 def _show_kendall(console, kendall: dict) -> None:
-
     gap = "test error - train error" if kendall["gap"] == "error" else "test loss - train loss"
     columns = ["measure", "tau", "p_value", "runs"]
     if any("tau_noise_sd" in row for row in kendall["rows"]):

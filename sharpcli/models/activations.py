@@ -37,16 +37,11 @@ from sharpcli.models.activation_functions import (
     gelu_derivative,
 )
 from sharpcli.registry import declaration, declare
-from sharpcli.specs import Param
+from sharpcli.specs import Param, format_value
 
 # --------------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------------
-
-
-def _format_number(value: float) -> str:
-    """Shortest round-tripping text of a float (``repr``), used in canonical specs."""
-    return repr(float(value))
 
 
 def _declared_name(module: object) -> str:
@@ -77,7 +72,7 @@ class _WithBeta(nn.Module):
     @property
     def spec(self) -> str:
         """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
-        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
+        return f"{_declared_name(self)}:beta={format_value(self.beta)}"
 
     def extra_repr(self) -> str:
         """``beta=B`` in the module's repr."""
