@@ -17,6 +17,7 @@ command's flags (``--max-matvecs``, ``--engine native``; :mod:`sharpcli.cli.flag
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 EXIT_OK = 0
 EXIT_GATE = 1
@@ -91,7 +92,7 @@ class GateTripped(SharpError):
     kind = "gate"
 
 
-def check_positive(values: list[float], name: str) -> None:
+def check_positive(values: Sequence[float], name: str) -> None:
     """A UsageError on ``name`` (``sigma``, ``rho``, ``alpha``: the option or parameter giving
     the scales) unless ``values`` holds at least one number, each finite and > 0."""
     if not values:
