@@ -115,9 +115,7 @@ def beta_gelu_second_derivative(x: torch.Tensor, beta: float) -> torch.Tensor:
     return beta * gaussian_pdf(bx) * (2.0 - bx * bx)
 
 
-# --------------------------------------------------------------------------------------------
-# autograd.Functions
-# --------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------ autograd.Functions
 
 
 def _refuse_forward_over_forward(name: str) -> None:

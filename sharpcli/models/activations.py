@@ -39,9 +39,7 @@ from sharpcli.models.activation_functions import (
 from sharpcli.registry import declaration, declare
 from sharpcli.specs import Param, format_value
 
-# --------------------------------------------------------------------------------------------
-# Modules
-# --------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- Modules
 
 
 def _declared_name(module: object) -> str:
@@ -327,9 +325,7 @@ def activation_spec(module: nn.Module) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Deliberately altered second derivatives, for the self-check of a model's second derivatives
-# --------------------------------------------------------------------------------------------
+# --- Deliberately altered second derivatives, for the self-check of a model's second derivatives
 
 ALTERED_DERIVATIVE_TYPES: tuple[type[AugmentedReLU], type[DiminishedGELU]] = (
     AugmentedReLU,
