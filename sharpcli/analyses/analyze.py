@@ -48,6 +48,15 @@ _SPLIT_KEYS = (
     "frobenius_sq",
     "frobenius_sq_data_stderr",
 )
+# the Hessian's numbers that gn-nme fills in, in this order, where eigen and trace did not
+_HESSIAN_FILLED = (
+    "lambda_max",
+    "trace",
+    "trace_stderr",
+    "trace_data_stderr",
+    "frobenius_sq",
+    "frobenius_sq_data_stderr",
+)
 
 
 def result_keys(metric: str) -> tuple[str, ...]:
@@ -270,6 +279,15 @@ def frobenius_metric(run: MetricRun) -> None:
     run.parts.append(f)
 
 
+def _split_numbers(part: dict) -> dict:
+    """One operator's numbers of the split (``sharp gn-nme``'s results), keyed as
+    :data:`_SPLIT_KEYS`."""
+    trace = part["trace"]
+    numbers = {"trace": trace["estimate"], "trace_stderr": trace["stderr"]}
+    numbers["trace_data_stderr"] = trace["data_stderr"]
+    return numbers | {key: part[key] for key in _SPLIT_KEYS[3:]}
+
+
 @declare(
     "metric",
     GN_NME,
@@ -284,19 +302,8 @@ def frobenius_metric(run: MetricRun) -> None:
             "nme_share",
             "nme_frobenius_ratio",
         ),
-        # the Hessian's rows in the order the metric fills them in where eigen and trace did not
         "rows": (
-            *(
-                f"hessian.{k}"
-                for k in (
-                    "lambda_max",
-                    "trace",
-                    "trace_stderr",
-                    "trace_data_stderr",
-                    "frobenius_sq",
-                    "frobenius_sq_data_stderr",
-                )
-            ),
+            *(f"hessian.{k}" for k in _HESSIAN_FILLED),
             "hessian.lambda_min",
             "ggn.*",
             "nme.*",
@@ -315,22 +322,10 @@ def gn_nme_metric(run: MetricRun) -> None:
         params=run.params,
     )
     for name in (GGN, NME):
-        run.results[name] = {
-            "trace": g[name]["trace"]["estimate"],
-            "trace_stderr": g[name]["trace"]["stderr"],
-            "trace_data_stderr": g[name]["trace"]["data_stderr"],
-            "lambda_max": g[name]["lambda_max"],
-            "lambda_min": g[name]["lambda_min"],
-            "frobenius_sq": g[name]["frobenius_sq"],
-            "frobenius_sq_data_stderr": g[name]["frobenius_sq_data_stderr"],
-        }
-    h = g[HESSIAN]
-    run.hessian.setdefault("lambda_max", h["lambda_max"])
-    run.hessian.setdefault("trace", h["trace"]["estimate"])
-    run.hessian.setdefault("trace_stderr", h["trace"]["stderr"])
-    run.hessian.setdefault("trace_data_stderr", h["trace"]["data_stderr"])
-    run.hessian.setdefault("frobenius_sq", h["frobenius_sq"])
-    run.hessian.setdefault("frobenius_sq_data_stderr", h["frobenius_sq_data_stderr"])
+        run.results[name] = _split_numbers(g[name])
+    h = _split_numbers(g[HESSIAN])
+    for key in _HESSIAN_FILLED:
+        run.hessian.setdefault(key, h[key])
     run.hessian["lambda_min"] = h["lambda_min"]
     run.results["nme_share"] = g["nme_share"]
     run.results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
