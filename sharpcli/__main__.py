@@ -67,7 +67,7 @@ def main() -> None:
     """Install signal handling and repair closed streams, then run :func:`sharpcli.cli.app.main`
     (telling it when the process started: the report's ``timing.startup_seconds``)."""
     started = time.perf_counter() - _process_age()
-    # before the CLI's start-up imports (0.3 s): a signal during them exits as documented
+    # before the CLI's start-up imports: a signal during them exits as documented
     from sharpcli import interrupts
 
     args = sys.argv[1:]

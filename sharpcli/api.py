@@ -160,7 +160,6 @@ class Curvature(PerturbedLoss, CurvatureEstimates, PreconditionedEstimates, Step
         token_reduction: str | None = None,
         hvp: str = EXACT_HVP,
     ):
-
         if not isinstance(model, nn.Module):
             raise UsageError(f"expected an nn.Module, got {type(model).__name__}", source="model")
         model = unwrap(model)

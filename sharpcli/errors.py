@@ -16,6 +16,9 @@ command's flags (``--max-matvecs``, ``--engine native``; :mod:`sharpcli.cli.flag
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 EXIT_OK = 0
 EXIT_GATE = 1
 EXIT_USAGE = 2
@@ -87,6 +90,18 @@ class GateTripped(SharpError):
 
     exit_code = EXIT_GATE
     kind = "gate"
+
+
+def check_positive(values: Sequence[float], name: str) -> None:
+    """A UsageError on ``name`` (``sigma``, ``rho``, ``alpha``: the option or parameter giving
+    the scales) unless ``values`` holds at least one number, each finite and > 0."""
+    if not values:
+        raise UsageError(f"needs at least one {name}", source=name)
+    for value in values:
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(
+                f"every {name} must be a finite number > 0, got {value:g}", source=name
+            )
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

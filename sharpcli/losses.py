@@ -234,7 +234,6 @@ def _gaussian_labels(z: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 CATEGORICAL = LabelSampler("uniform", False, _categorical_labels)
-BERNOULLI = LabelSampler("uniform", True, _bernoulli_labels)
 GAUSSIAN = LabelSampler("normal", True, _gaussian_labels)
 
 
@@ -366,14 +365,17 @@ def _class_check(z, y):
 )
 def cross_entropy() -> Loss:
     """``l = -log softmax(z)_y``, z (B, C), integer y; ``H_z = diag(p) - p p^T``."""
-    return _declared(
-        cross_entropy,
+    return _declared(cross_entropy, check=_class_check, **_softmax_cross_entropy())
+
+
+def _softmax_cross_entropy() -> dict:
+    """The parts of ``-log softmax(z)_y`` that cross-entropy and nll share (all but the check)."""
+    return dict(
         mean=lambda z, y: F.cross_entropy(z, y),
         per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
         hessian_matvec=_softmax_matvec,
         ggn_factor=_softmax_factor,
         correct=_argmax_correct,
-        check=_class_check,
         sampler=CATEGORICAL,
         softmax=True,
     )
@@ -720,17 +722,7 @@ def nll() -> Loss:
     Gauss-Newton matrix is the one through the log-softmax, ``J_a^T (diag p - p p^T) J_a``
     (``(I - 1 p^T)`` of the log-softmax's Jacobian is annihilated), not ``0`` as the
     NLL's own Hessian in ``z`` would give; the outputs must be normalised (checked)."""
-    return _declared(
-        nll,
-        mean=lambda z, y: F.cross_entropy(z, y),
-        per_sample=lambda z, y: F.cross_entropy(z, y, reduction="none"),
-        hessian_matvec=_softmax_matvec,
-        ggn_factor=_softmax_factor,
-        correct=_argmax_correct,
-        check=_nll_check,
-        sampler=CATEGORICAL,
-        softmax=True,
-    )
+    return _declared(nll, check=_nll_check, **_softmax_cross_entropy())
 
 
 # --------------------------------------------------------------------------- token cross-entropy

@@ -101,7 +101,6 @@ class Tracker:
         optimizer: Any = None,
         train_batch_size: int | None = None,
     ) -> None:
-
         integer_argument(every, "every")
         integer_argument(max_matvecs, "max_matvecs")
         seed_argument(seed)

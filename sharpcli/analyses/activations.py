@@ -185,18 +185,11 @@ class _LayerAccumulator:
         )
 
 
-def _activation_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-
-    return activation_modules(model)
-
-
 def _kind(module: nn.Module) -> str:
-
     return activation_spec(module) or type(module).__name__  # foreign types: their class name
 
 
 def _head(model: nn.Module) -> tuple[str, nn.Module] | None:
-
     try:
         return final_linear(model)
     except UsageError:
@@ -209,7 +202,7 @@ class _ActivationRecorder:
     head summing ``||h||^2`` of its input. A context manager: the hooks live inside ``with``."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.layers = _activation_layers(model)
+        self.layers = activation_modules(model)
         self.head = _head(model)
         self.accumulators: dict[tuple[str, int], _LayerAccumulator] = {}
         self.order: list[tuple[str, int]] = []

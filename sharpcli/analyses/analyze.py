@@ -48,6 +48,15 @@ _SPLIT_KEYS = (
     "frobenius_sq",
     "frobenius_sq_data_stderr",
 )
+# the Hessian's numbers that gn-nme fills in, in this order, where eigen and trace did not
+_HESSIAN_FILLED = (
+    "lambda_max",
+    "trace",
+    "trace_stderr",
+    "trace_data_stderr",
+    "frobenius_sq",
+    "frobenius_sq_data_stderr",
+)
 
 
 def result_keys(metric: str) -> tuple[str, ...]:
@@ -61,9 +70,6 @@ def result_keys(metric: str) -> tuple[str, ...]:
 
     Args:
         metric: a name of :data:`METRICS`, or "".
-
-    Returns:
-        The key patterns.
     """
     if not metric:
         return ("loss", "accuracy")
@@ -192,11 +198,7 @@ def analyze(
     },
 )
 def eigen_metric(run: MetricRun) -> None:
-    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    """``hessian.lambda_max``, ``eigenvalues``, ``eigen_residuals``, ``eigen_converged``."""
     e = spectrum.eigen(
         run.session, top_k=run.top_k, which="largest", tol=run.eig_tol, params=run.params
     )
@@ -230,11 +232,7 @@ def eigen_metric(run: MetricRun) -> None:
 )
 def trace_metric(run: MetricRun) -> None:
     """``hessian.trace``, ``trace_stderr``, ``trace_data_stderr`` (the data's error, batch
-    means: :mod:`sharpcli.curvature.products.batch_forms`), ``trace_by_layer``.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    means: :mod:`sharpcli.curvature.products.batch_forms`), ``trace_by_layer``."""
     t = spectrum.trace(run.session, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params)
     run.hessian.update(
         trace=t["trace"]["estimate"],
@@ -268,11 +266,7 @@ def trace_metric(run: MetricRun) -> None:
 def frobenius_metric(run: MetricRun) -> None:
     """``hessian.frobenius_sq``, ``frobenius_sq_stderr``, ``frobenius_sq_data_stderr`` (the
     data's error to first order, from one more block of products:
-    :func:`~sharpcli.curvature.products.batch_forms.square_error`).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    :func:`~sharpcli.curvature.products.batch_forms.square_error`)."""
     f = spectrum.trace(
         run.session, square=True, tol=run.tol, max_matvecs=run.max_matvecs, params=run.params
     )
@@ -283,6 +277,15 @@ def frobenius_metric(run: MetricRun) -> None:
     )
     run.matvecs += f["trace"]["matvecs"] + f["trace"]["data_matvecs"]
     run.parts.append(f)
+
+
+def _split_numbers(part: dict) -> dict:
+    """One operator's numbers of the split (``sharp gn-nme``'s results), keyed as
+    :data:`_SPLIT_KEYS`."""
+    trace = part["trace"]
+    numbers = {"trace": trace["estimate"], "trace_stderr": trace["stderr"]}
+    numbers["trace_data_stderr"] = trace["data_stderr"]
+    return numbers | {key: part[key] for key in _SPLIT_KEYS[3:]}
 
 
 @declare(
@@ -299,19 +302,8 @@ def frobenius_metric(run: MetricRun) -> None:
             "nme_share",
             "nme_frobenius_ratio",
         ),
-        # the Hessian's rows in the order the metric fills them in where eigen and trace did not
         "rows": (
-            *(
-                f"hessian.{k}"
-                for k in (
-                    "lambda_max",
-                    "trace",
-                    "trace_stderr",
-                    "trace_data_stderr",
-                    "frobenius_sq",
-                    "frobenius_sq_data_stderr",
-                )
-            ),
+            *(f"hessian.{k}" for k in _HESSIAN_FILLED),
             "hessian.lambda_min",
             "ggn.*",
             "nme.*",
@@ -321,11 +313,7 @@ def frobenius_metric(run: MetricRun) -> None:
 )
 def gn_nme_metric(run: MetricRun) -> None:
     """``ggn.*``, ``nme.*``, ``nme_share``, ``nme_frobenius_ratio``, and the Hessian's numbers
-    that eigen and trace did not already give.
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    that eigen and trace did not already give."""
     g = spectrum.gn_nme(
         run.session,
         tol=run.tol,
@@ -334,22 +322,10 @@ def gn_nme_metric(run: MetricRun) -> None:
         params=run.params,
     )
     for name in (GGN, NME):
-        run.results[name] = {
-            "trace": g[name]["trace"]["estimate"],
-            "trace_stderr": g[name]["trace"]["stderr"],
-            "trace_data_stderr": g[name]["trace"]["data_stderr"],
-            "lambda_max": g[name]["lambda_max"],
-            "lambda_min": g[name]["lambda_min"],
-            "frobenius_sq": g[name]["frobenius_sq"],
-            "frobenius_sq_data_stderr": g[name]["frobenius_sq_data_stderr"],
-        }
-    h = g[HESSIAN]
-    run.hessian.setdefault("lambda_max", h["lambda_max"])
-    run.hessian.setdefault("trace", h["trace"]["estimate"])
-    run.hessian.setdefault("trace_stderr", h["trace"]["stderr"])
-    run.hessian.setdefault("trace_data_stderr", h["trace"]["data_stderr"])
-    run.hessian.setdefault("frobenius_sq", h["frobenius_sq"])
-    run.hessian.setdefault("frobenius_sq_data_stderr", h["frobenius_sq_data_stderr"])
+        run.results[name] = _split_numbers(g[name])
+    h = _split_numbers(g[HESSIAN])
+    for key in _HESSIAN_FILLED:
+        run.hessian.setdefault(key, h[key])
     run.hessian["lambda_min"] = h["lambda_min"]
     run.results["nme_share"] = g["nme_share"]
     run.results["nme_frobenius_ratio"] = g["nme_frobenius_ratio"]
@@ -374,11 +350,7 @@ def gn_nme_metric(run: MetricRun) -> None:
 )
 def pac_bayes_metric(run: MetricRun) -> None:
     """``pac_bayes.plain`` and ``pac_bayes.magnitude``: [Jiang2019]'s bisection (first
-    derivatives and forward passes only).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    derivatives and forward passes only)."""
     run.results["pac_bayes"] = {
         name: pac_bayes_sigma(
             run.session.model,
@@ -409,11 +381,7 @@ def pac_bayes_metric(run: MetricRun) -> None:
 )
 def fisher_rao_metric(run: MetricRun) -> None:
     """``fisher_rao.norm_sq`` and ``norm_sq_empirical`` (forward and backward passes only),
-    each with its data error (``_data_stderr``: batch means of the per-batch means).
-
-    Args:
-        run: the ``analyze`` run, whose results, products and notes it adds to.
-    """
+    each with its data error (``_data_stderr``: batch means of the per-batch means)."""
     found = fisher_rao_norm(run.session.model, run.session.analysis_data(), run.params)
     run.results["fisher_rao"] = {
         "norm_sq": found["fisher_rao_norm_sq"],

@@ -66,7 +66,6 @@ from torch import nn
 from sharpcli import catalogue, progress
 from sharpcli.analyses.perturbation import (
     AveragedOperator,
-    check_sigmas,
     perturbed_copy,
     spectral_norm,
     standard_normal_directions,
@@ -78,7 +77,7 @@ from sharpcli.curvature.operators.hessian import (
 )
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.products.scope import ParamScope
-from sharpcli.errors import NumericalError, UsageError
+from sharpcli.errors import NumericalError, UsageError, check_positive
 from sharpcli.losses import loss_fn
 from sharpcli.models.zoo import final_linear
 
@@ -258,7 +257,7 @@ class BoundCheckConfig:
 
     def validate(self) -> None:
         """UsageError naming the field (``sigma``, ``check``, ...) of the first bad setting."""
-        check_sigmas(self.sigma)
+        check_positive(self.sigma, "sigma")
         for check in self.check:
             _require(
                 check in CHECKS,

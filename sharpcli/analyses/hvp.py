@@ -92,9 +92,6 @@ def finite_difference_engine(session, params: str | None, fsdp: bool = False):
         session: the analysis :class:`~sharpcli.session.Session`.
         params: the parameter scope's spec.
         fsdp: shard the model across the process group first.
-
-    Returns:
-        A :class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine`.
     """
     if fsdp:
         shard_model(session.model)
@@ -110,9 +107,6 @@ def add_hvp_record(results: dict, engine) -> dict:
     Args:
         results: an analysis's results.
         engine: its engine (None: none was built).
-
-    Returns:
-        ``results``.
     """
     record = getattr(engine, "bound_record", None)
     if record is None:

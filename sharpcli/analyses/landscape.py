@@ -108,9 +108,6 @@ def grid_coordinates(steps: int, low: float, high: float) -> list[float]:
         steps: the points, >= 2.
         low: the first.
         high: the last.
-
-    Returns:
-        The coordinates.
     """
     return [low + (high - low) * i / (steps - 1) for i in range(steps)]
 
@@ -174,7 +171,6 @@ def _flat(values: list) -> list[float]:
 def _eigen_directions(
     model: nn.Module, data: AnalysisData, scope: ParamScope, k: int, config: LandscapeConfig
 ) -> tuple[list[list[torch.Tensor]], dict]:
-
     hessian = CurvatureEngine(model, data, scope).hessian()
     result = lanczos(
         hessian,

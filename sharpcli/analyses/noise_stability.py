@@ -26,13 +26,13 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.bounds import CheckRun
-from sharpcli.analyses.perturbation import check_sigmas, scope_on, standard_normal_directions
+from sharpcli.analyses.perturbation import scope_on, standard_normal_directions
 from sharpcli.catalogue.values import TRACE_KEY
 from sharpcli.curvature.operators.hessian import CurvatureEngine
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.curvature.trace.hutchpp import HUTCHPP, hutchpp
-from sharpcli.errors import NumericalError, UsageError
+from sharpcli.errors import NumericalError, UsageError, check_positive
 from sharpcli.losses import loss_fn
 from sharpcli.registry import declare
 
@@ -128,7 +128,7 @@ def noise_stability_check(
     """
 
     sigmas = list(sigma)
-    check_sigmas(sigmas)
+    check_positive(sigmas, "sigma")
     if int(noise_pairs) < 2:
         raise UsageError(f"must be >= 2, got {noise_pairs}", source="noise_pairs")
     engine = CurvatureEngine(model, data, scope)

@@ -9,7 +9,6 @@ the Hessian averaged over perturbed copies (:class:`AveragedOperator`) with its 
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
@@ -17,11 +16,9 @@ from torch import nn
 from sharpcli.curvature.eigen.lanczos import lanczos
 from sharpcli.curvature.operators.hessian import CurvatureOperator
 from sharpcli.curvature.products.scope import ParamScope, gaussian_like
-from sharpcli.errors import UsageError
 
 __all__ = [
     "AveragedOperator",
-    "check_sigmas",
     "perturbed_copy",
     "scope_on",
     "spectral_norm",
@@ -51,18 +48,6 @@ def standard_normal_directions(scope: ParamScope, count: int, seed: int) -> torc
     """``count`` fixed ``N(0, I)`` vectors over the scope, shape ``(P, count)``, from ``seed`` (CPU draw)."""
     generator = torch.Generator().manual_seed(int(seed))
     return gaussian_like(scope.numel, generator, scope.dtype, scope.device, count)
-
-
-def check_sigmas(sigmas: list[float]) -> None:
-    """A UsageError on ``sigma`` (the parameter that gives the noise scales) unless
-    ``sigmas`` holds at least one finite number > 0, all such."""
-    if not sigmas:
-        raise UsageError("needs at least one sigma", source="sigma")
-    for sigma in sigmas:
-        if not (sigma > 0 and math.isfinite(sigma)):
-            raise UsageError(
-                f"every sigma must be a finite number > 0, got {sigma:g}", source="sigma"
-            )
 
 
 class AveragedOperator(CurvatureOperator):

@@ -61,7 +61,7 @@ from sharpcli.curvature.products.data import (
 )
 from sharpcli.curvature.products.scope import ParamScope
 from sharpcli.curvature.trace.hutchpp import hutchpp
-from sharpcli.errors import NumericalError, UsageError
+from sharpcli.errors import NumericalError, UsageError, check_positive
 from sharpcli.losses import get_loss, per_sample_loss
 
 # the mode checks of :func:`weight_rescale` are the plan's (MODES, check_mode)
@@ -112,13 +112,7 @@ def check_alphas(alpha: list[float]) -> None:
     Raises:
         UsageError: none given, or one not finite or not > 0 (source ``alpha``).
     """
-    if not alpha:
-        raise UsageError("needs at least one alpha", source="alpha")
-    for factor in alpha:
-        if not (factor > 0 and math.isfinite(factor)):
-            raise UsageError(
-                f"every alpha must be a finite number > 0, got {factor:g}", source="alpha"
-            )
+    check_positive(alpha, "alpha")
 
 
 @dataclass
@@ -243,7 +237,6 @@ def _curvature_row(
     seed: int,
     rho: float | None,
 ) -> tuple[RescaleRow, int]:
-
     evaluation = evaluate_outputs(model, data)
     local_change = 0.0 if reference is None else float((evaluation.logits - reference).abs().max())
     change = _global_max(local_change, evaluation.logits.device)

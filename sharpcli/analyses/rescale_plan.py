@@ -150,9 +150,6 @@ def plan_rescale(
         mode: ``"global"`` or ``"layer"``.
         layer: the layer to rescale (``mode="layer"``).
         force: accept a rescaling that changes the function.
-
-    Returns:
-        The plan.
     """
     check_mode(mode)
     if mode == "global":
@@ -250,7 +247,7 @@ def _scaling_problem(name: str, module: nn.Module) -> str | None:
     """Why scaling does not pass through ``module`` unchanged, or None when it does."""
     if _is_positively_homogeneous(module):
         return None
-    if _is_activation(module):
+    if isinstance(module, ACTIVATION_TYPES):
         return (
             f"activation {name} ({_describe(module)}) is not positively homogeneous "
             "(phi(a u) != a phi(u))"
@@ -279,13 +276,7 @@ def _check_compensated(plan: RescalePlan, force: bool) -> None:
         )
 
 
-def _is_activation(module: nn.Module) -> bool:
-
-    return isinstance(module, ACTIVATION_TYPES)
-
-
 def _is_positively_homogeneous(module: nn.Module) -> bool:
-
     if isinstance(module, _HOMOGENEOUS_PASS_TYPES):
         return True
     return is_positively_homogeneous(module)

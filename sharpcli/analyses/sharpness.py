@@ -60,7 +60,7 @@ from sharpcli.analyses.perturbed import (
 )
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum
 from sharpcli.curvature.products.scope import ParamScope
-from sharpcli.errors import UsageError
+from sharpcli.errors import UsageError, check_positive
 from sharpcli.registry import declare
 
 __all__ = [
@@ -128,13 +128,7 @@ class SharpnessConfig:
         _one_of(self.kind, KINDS, "kind")
         _one_of(self.norm, NORMS, "norm")
         _one_of(self.norm_layers, NORM_LAYERS, "norm_layers")
-        if not self.rhos:
-            raise UsageError("needs at least one rho", source="rho")
-        for rho in self.rhos:
-            if not (rho > 0 and math.isfinite(rho)):
-                raise UsageError(
-                    f"every rho must be a finite number > 0, got {rho:g}", source="rho"
-                )
+        check_positive(self.rhos, "rho")
         checks = [
             (self.m is None or self.m >= 1, "m", f"must be >= 1, got {self.m}"),
             (self.steps >= 1, "steps", f"must be >= 1, got {self.steps}"),

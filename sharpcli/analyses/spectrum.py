@@ -469,7 +469,6 @@ def density(
 
 
 def _extremes(op, tol, max_matvecs, seed) -> dict:
-
     res = lanczos(op, top_k=1, which="both", tol=tol, max_matvecs=max_matvecs, seed=seed)
     return {
         "lambda_max": res.eigenvalues[0],

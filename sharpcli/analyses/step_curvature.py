@@ -167,9 +167,6 @@ def engine_on(engine: CurvatureEngine, data: AnalysisData) -> CurvatureEngine:
     Args:
         engine: the engine of the whole analysis set.
         data: the samples of the new one.
-
-    Returns:
-        The engine.
     """
     if isinstance(engine, FiniteDifferenceEngine):
         return FiniteDifferenceEngine(engine.model, data, engine.scope)
@@ -733,16 +730,7 @@ def track_batch_sharpness(engine, out: dict, budget) -> int:
     most ``budget.max_matvecs`` of them; ``batch_sharpness_threshold`` (2/lr, (2 + 2 mu)/lr
     with momentum) when the optimizer is known and not adaptive. A token loss keeps the
     tracked set's token averaging here (``Curvature.batch_sharpness`` averages each batch over
-    its own labelled tokens).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend (:class:`sharpcli.analyses.tracking.Budget`).
-
-    Returns:
-        The curvature products it took (one per mini-batch).
-    """
+    its own labelled tokens). One curvature product per mini-batch."""
     step = budget.step
     size = step.batch_size or engine.data.batch_size
     result = batch_sharpness(engine, size, seed=budget.seed, max_batches=budget.max_matvecs)
@@ -775,16 +763,7 @@ def track_critical_sharpness(engine, out: dict, budget) -> int:
     to 5% of the rate, with ``critical_sharpness_forward_passes``; ``critical_sharpness_threshold``
     = 2/lr (above it the next step raises the loss) when the optimizer is known. The search
     starts from the previous measurement's rate (kept in ``budget.step.warm``). It runs last
-    of the built-ins (its column): moving the weights drops the engine's cached graphs.
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend (:class:`sharpcli.analyses.tracking.Budget`).
-
-    Returns:
-        0: no curvature product (forward passes only).
-    """
+    of the built-ins (its column): moving the weights drops the engine's cached graphs. No curvature product (forward passes only)."""
     step = budget.step
     last = step.warm.get(CRITICAL_SHARPNESS)
     start = float(last) if last is not None and float(last) > 0 else None
@@ -820,16 +799,7 @@ def _warm_vector(warm: dict, numel: int) -> torch.Tensor | None:
 def track_gradient_share(engine, out: dict, budget) -> int:
     """``gradient_share`` and ``gradient_share_k`` (k = the number of classes), Lanczos to a
     relative residual of 1e-3 within the budget's eigen products, warm-started from the
-    previous measurement's top eigenvector (``budget.step.warm``).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend (:class:`sharpcli.analyses.tracking.Budget`).
-
-    Returns:
-        The curvature products it took.
-    """
+    previous measurement's top eigenvector (``budget.step.warm``)."""
     warm = budget.step.warm
     result = gradient_share(
         engine,

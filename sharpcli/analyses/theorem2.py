@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 from sharpcli.analyses.bounds import CheckRun
-from sharpcli.analyses.perturbation import check_sigmas
 from sharpcli.analyses.rescale import _global_max
 from sharpcli.curvature.products.data import AnalysisData, all_reduce_sum, to_model_batch
-from sharpcli.errors import UsageError
+from sharpcli.errors import UsageError, check_positive
 from sharpcli.losses import get_loss
 from sharpcli.models.zoo import final_linear
 from sharpcli.registry import declare
@@ -171,7 +170,7 @@ def theorem2_check(
     ``mc_samples``: the antithetic pairs per sample.
     """
     sigmas = list(sigma)
-    check_sigmas(sigmas)
+    check_positive(sigmas, "sigma")
     if not get_loss(data.loss).softmax_per_sample:
         raise UsageError(
             f"Theorem 2 is about cross-entropy; this model's loss is {data.loss}", source="check"

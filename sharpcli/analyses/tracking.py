@@ -106,10 +106,12 @@ def _probed(estimator, engine, budget: Budget) -> tuple[float, int]:
 
 
 # Each quantity (:data:`sharpcli.catalogue.TRACKABLE`, the names of the metrics of ``sharp
-# analyze`` it follows) is a function ``(engine, out, budget) -> products`` that adds its
-# values to ``out``, declared here with the keys it adds and their ``column``: where they sit
-# in a history row (its JSON and CSV keep that order, which is not the order ``--track``
-# lists the names in). :func:`measure` runs the chosen ones through the registry.
+# analyze`` it follows) is a function ``(engine, out, budget) -> products``: ``engine`` the
+# curvature engine (model in eval mode, the tracked subset), ``out`` the values so far, which
+# it adds its own to, ``budget`` what it may spend (:class:`Budget`); it returns the curvature
+# products it took. Each is declared here with the keys it adds and their ``column``: where
+# they sit in a history row (its JSON and CSV keep that order, which is not the order
+# ``--track`` lists the names in). :func:`measure` runs the chosen ones through the registry.
 
 
 def _top_eigenpair(op, name: str, budget: Budget):
@@ -182,16 +184,7 @@ def track_eigen(engine, out: dict, budget: Budget) -> int:
     ([Cohen2021]; :func:`~sharpcli.analyses.stability.stability_threshold`). For an adaptive
     optimizer (Adam, AdamW, RMSprop) the threshold bounds the preconditioned sharpness (the
     ``preconditioned`` quantity), not lambda_max, and the key is left out; so it is for an
-    optimizer of unknown threshold and for param groups with different thresholds.
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
-    """
+    optimizer of unknown threshold and for param groups with different thresholds."""
     top = _top_eigenpair(engine.hessian(), EIGEN, budget)
     out["lambda_max"] = top.eigenvalues[0]
     if budget.step.optimizer is not None:
@@ -219,14 +212,6 @@ def track_preconditioned(engine, out: dict, budget: Budget) -> int:
     ``sqrt(v / (1 - beta2^t)) + eps``; RMSprop: ``sqrt(v) + eps``); and
     ``preconditioned_threshold``, where training holds it ([Cohen2022]): ``(2 + 2 beta1)/((1 -
     beta1) lr)`` (38/lr at beta1 = 0.9), 2/lr for RMSprop ((2 + 2 mu)/lr with momentum).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
 
     Raises:
         UsageError: (``track``) no optimizer (outside a training loop), an optimizer that is
@@ -261,16 +246,7 @@ def track_preconditioned(engine, out: dict, budget: Budget) -> int:
     "trackable", TRACE, "tr(H) by Hutch++", paper="Hutch++", info={"keys": ("trace",), "column": 2}
 )
 def track_trace(engine, out: dict, budget: Budget) -> int:
-    """``trace``: tr(H) ([Hutch++]).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
-    """
+    """``trace``: tr(H) ([Hutch++])."""
     out["trace"], products = _probed(hutchpp, engine, budget)
     return products
 
@@ -283,16 +259,7 @@ def track_trace(engine, out: dict, budget: Budget) -> int:
     info={"keys": ("ggn_trace", "nme_trace", "nme_share"), "column": 4},
 )
 def track_gn_nme(engine, out: dict, budget: Budget) -> int:
-    """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
-    """
+    """``ggn_trace``, ``nme_trace``, ``nme_share`` (shared probes)."""
     split = gn_nme_split(engine, tol=budget.tol, max_matvecs=budget.max_matvecs, seed=budget.seed)
     h = split.values[HESSIAN]["trace"]["estimate"]
     out["ggn_trace"] = split.values[GGN]["trace"]["estimate"]
@@ -309,16 +276,7 @@ def track_gn_nme(engine, out: dict, budget: Budget) -> int:
     info={"keys": ("frobenius_sq",), "column": 3},
 )
 def track_frobenius(engine, out: dict, budget: Budget) -> int:
-    """``frobenius_sq``: Tr(H^2).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
-    """
+    """``frobenius_sq``: Tr(H^2)."""
     out["frobenius_sq"], products = _probed(frobenius_sq, engine, budget)
     return products
 
@@ -331,16 +289,7 @@ def track_frobenius(engine, out: dict, budget: Budget) -> int:
     info={"keys": ("adaptive_sharpness",), "column": 5},
 )
 def track_sharpness(engine, out: dict, budget: Budget) -> int:
-    """``adaptive_sharpness`` over the whole set (gradients, no curvature products).
-
-    Args:
-        engine: the curvature engine (model in eval mode, the tracked subset).
-        out: the values so far, which it adds to.
-        budget: what it may spend.
-
-    Returns:
-        The curvature products it took.
-    """
+    """``adaptive_sharpness`` over the whole set (gradients, no curvature products)."""
     config = SharpnessConfig(rhos=(0.05,), steps=10, params=engine.scope.spec, seed=budget.seed)
     out["adaptive_sharpness"] = sharpness(engine.model, engine.data, config).rows[0].sharpness
     return 0

@@ -43,6 +43,13 @@ __all__ = [
     "TRAIN",
     "TRACE_KEY",
     "WHICH",
+    "ALONG_EIGEN",
+    "GAP_KINDS",
+    "LANDSCAPE_ALONG",
+    "LANDSCAPE_BIAS_BN",
+    "NORM_LAYERS",
+    "SHARPNESS_KINDS",
+    "SHARPNESS_NORMS",
 ]
 
 # data and numbers: sharpcli.io.data.dataset, sharpcli.preflight; TRAIN and TEST also name
@@ -100,9 +107,26 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ASCENT_SYNCS = ("per-replica", "global")
 
 # analyses and reports: sharpcli.analyses.rescale, sharpcli.report.compare (analyze's metrics,
-# train's tracked quantities, bound-check's checks: sharpcli.catalogue.measures)
+# train's tracked quantities, bound-check's checks: sharpcli.catalogue)
 RESCALE_MODES = ("global", "layer")
 EPSILON_KINDS = ("full", "minibatch")
 # CSV: also the key of the landscape report's table file
 CSV = "csv"
 TABLE_FORMATS = ("table", CSV, "markdown", "json")
+
+# sharp sharpness and sharp landscape (sharpcli.analyses.sharpness, sharpcli.analyses.landscape)
+# worst case max_{||delta/c||_p <= rho}, average case E_delta ([Andriushchenko2023])
+SHARPNESS_KINDS = ("worst-case", "average")
+SHARPNESS_NORMS = ("l2", "linf")
+# whether normalization layers' affine parameters are perturbed
+NORM_LAYERS = ("include", "exclude")
+# the directions of a landscape: filter-normalized random ones, the top Hessian eigenvectors
+# (which need the curvature), the line to a second checkpoint, or read from a file
+LANDSCAPE_ALONG = ("random", "eigen", "checkpoint", "file")
+ALONG_EIGEN = LANDSCAPE_ALONG[1]  # the directions that need the curvature
+# what the random landscape directions hold on 1-D parameters (biases, normalization
+# parameters): zero (the --xignore biasbn of [Li2018]'s code) or the weights themselves
+LANDSCAPE_BIAS_BN = ("zero", "weights")
+# the generalization gap of compare's and sweep's Kendall tau: test error - train error, or
+# test loss - train loss (sharpcli.report.rank_correlation)
+GAP_KINDS = ("error", "loss")

@@ -52,9 +52,6 @@ def names_of(values: Values) -> tuple[str, ...]:
 
     Args:
         values: a tuple or a registry of :mod:`sharpcli.catalogue`.
-
-    Returns:
-        The values.
     """
     return values.names() if isinstance(values, Registry) else values
 
@@ -67,9 +64,6 @@ def metavar(values: Values, *, params: bool = False) -> str:
     Args:
         values: the set.
         params: whether its names take parameters.
-
-    Returns:
-        The placeholder.
     """
     if not params:
         return "NAME"
@@ -89,9 +83,6 @@ def completer(values: Values) -> Callable[[str], list[str]]:
 
     Args:
         values: a tuple or a registry of :mod:`sharpcli.catalogue`.
-
-    Returns:
-        The completion function.
     """
 
     def complete(incomplete: str) -> list[str]:
@@ -106,9 +97,6 @@ def list_completer(values: tuple[str, ...]) -> Callable[[str], list[str]]:
 
     Args:
         values: the values.
-
-    Returns:
-        The completion function.
     """
 
     def complete(incomplete: str) -> list[str]:

@@ -59,15 +59,7 @@ def analyze_command(
             help="Converged when ||A u - lambda u|| <= tol |lambda|.",
         ),
     ] = 1e-3,
-    max_matvecs: Annotated[
-        int,
-        typer.Option(
-            "--trace-max-matvecs",
-            "--max-matvecs",
-            metavar="N",
-            help="Products per trace estimate at most (--max-matvecs: former name).",
-        ),
-    ] = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     params: common.ParamsOpt = None,
 ) -> runner.Outcome:
     """Several sharpness metrics in one report; with --fail-if, a CI gate (exit 1 when a condition holds)."""
@@ -111,7 +103,7 @@ def analyze_command(
                 )
             )
         for note in results.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     notice = None
     if tripped:  # one line on stderr, even under --quiet or --json -

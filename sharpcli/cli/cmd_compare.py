@@ -111,7 +111,7 @@ def compare_command(
     """Compare runs side by side: regularizer, accuracies, lambda_max, trace, Tr(H^2), NME share, ..."""
 
     def body() -> runner.Outcome:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 23 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.compare import (
             FORMATS,
             compare_table,
@@ -132,7 +132,7 @@ def compare_command(
         if out is not None:
             write_text_atomic(out, text)
         if plot is not None:
-            # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+            # kept out of sharp's start-up (--help, completion)
             from sharpcli.report.plots import plot_compare_scatter, scatter_axes
 
             x, y = scatter_axes(records, plot_x, plot_y)
@@ -168,7 +168,7 @@ def compare_command(
                 _show_kendall(console, kendall)
             if fmt == "table" and out is None:
                 for row in results["differences"]:
-                    runner.print_note(console, difference_note(row))
+                    runner.print_note(difference_note(row))
 
         return runner.Outcome(report, show)
 
@@ -178,7 +178,7 @@ def compare_command(
 def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -> dict | None:
     """Kendall's tau of every numeric column against the gap (``--gap``), when at least three
     runs have one; the train and test losses from each report's ``results.final``."""
-    # kept out of sharp's start-up (--help, completion), which it would slow by 23 ms
+    # kept out of sharp's start-up (--help, completion)
     from sharpcli.report.compare import read_report, run_names
     from sharpcli.report.rank_correlation import measure_correlations
 
@@ -193,7 +193,6 @@ def _kendall(paths: list[str], records: list[dict], gap: str, axes: list[str]) -
 
 
 def _show_kendall(console, kendall: dict) -> None:
-
     gap = "test error - train error" if kendall["gap"] == "error" else "test loss - train loss"
     columns = ["measure", "tau", "p_value", "runs"]
     if any("tau_noise_sd" in row for row in kendall["rows"]):
@@ -208,4 +207,4 @@ def _show_kendall(console, kendall: dict) -> None:
         )
     )
     for note in kendall["notes"]:
-        runner.print_note(console, note)
+        runner.print_note(note)

@@ -30,16 +30,7 @@ ForceOpt = Annotated[
     ),
 ]
 PlotOpt = common.PlotOpt
-# One name per meaning: --eig-* bound Lanczos, --trace-* the Hutch++ traces; the old --tol and
-# --max-matvecs (Lanczos here) stay as second names.
-TolOpt = Annotated[
-    float,
-    typer.Option(
-        "--eig-tol",
-        "--tol",
-        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
-    ),
-]
+# --eig-* bound Lanczos, --trace-* the Hutch++ traces (common.EigTolOpt)
 MaxMatvecsOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -120,7 +111,7 @@ def _render_activation_stats(console, result) -> None:
     summary["input-output Jacobian ||dp/dx||_F"] = result.input_jacobian_fro_softmax
     console.print(key_value_table("output", summary))
     for note in result.notes:
-        runner.print_note(console, note)
+        runner.print_note(note)
 
 
 # --------------------------------------------------------------------------------------- weight-rescale
@@ -158,7 +149,7 @@ def weight_rescale_command(
     ] = None,
     force: ForceOpt = False,
     params: common.ParamsOpt = None,
-    tol: TolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 200,
@@ -208,7 +199,7 @@ def weight_rescale_command(
         )
     results = result.to_dict()
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_weight_rescale
 
         plot_weight_rescale(
@@ -328,7 +319,7 @@ def bound_check_command(
         int,
         typer.Option("--noise-pairs", help="Antithetic weight-noise pairs (noise-stability)."),
     ] = 32,
-    tol: TolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: MaxMatvecsOpt = None,
     trace_tol: TraceTolOpt = 1e-2,
     trace_max_matvecs: TraceMaxOpt = 300,
@@ -364,7 +355,7 @@ def bound_check_command(
         result = bound_check(session.model, session.analysis_data(), config)
     results = result.to_dict()
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_bound_check
 
         noise_rows = results["noise_stability"]["rows"] if "noise_stability" in results else None
@@ -378,7 +369,7 @@ def bound_check_command(
 
 
 def _render_bound_check(console, result) -> None:
-    # imports torch (seconds): kept out of sharp's start-up (--help, completion: 0.3 s)
+    # imports torch: kept out of start-up
     from sharpcli.analyses.theorem2 import THEOREM2
 
     rows = []
@@ -457,4 +448,4 @@ def _render_bound_check(console, result) -> None:
             )
         )
     for note in result.notes:
-        runner.print_note(console, note)
+        runner.print_note(note)

@@ -132,6 +132,6 @@ def diagonal_command(
         ]
         console.print(records_table("per parameter tensor", rows, digits={"± stderr": 2}))
         for note in results.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     return runner.Outcome(report, render)

@@ -152,7 +152,7 @@ def landscape_command(
     if csv_path is not None:
         results[CSV] = csv_path
     if plot is not None and writes:
-        # imports matplotlib (0.7 s): kept out of sharp's start-up (--help, completion)
+        # imports matplotlib: kept out of sharp's start-up (--help, completion)
         from sharpcli.report.landscape_plot import plot_landscape
 
         plot_landscape(results, plot, title=f"loss landscape of {checkpoint} ({kind})")
@@ -220,4 +220,4 @@ def _render(console, results: dict) -> None:
         shown = rows[::every] + ([rows[-1]] if (len(rows) - 1) % every else [])
         console.print(records_table("loss along the line", shown))
     for note in results["notes"]:
-        runner.print_note(console, note)
+        runner.print_note(note)

@@ -145,4 +145,4 @@ def _render(console, result) -> None:
             console.print(f"rho {row.rho:g}, best after step {steps}: {values}", markup=False)
     console.print(key_value_table("definition", definition))
     for note in notes:
-        runner.print_note(console, note)
+        runner.print_note(note)

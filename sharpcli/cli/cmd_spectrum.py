@@ -45,16 +45,7 @@ EngineOpt = Annotated[
     choices.Engine,
     typer.Option("--engine", help="Engine: pyhessian (PyPI pyhessian 0.1) for parity."),
 ]
-# One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
-# stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
-EigTolOpt = Annotated[
-    float,
-    typer.Option(
-        "--eig-tol",
-        "--tol",
-        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
-    ),
-]
+# --eig-* bound the eigensolver, --trace-* the trace estimators (common.EigTolOpt)
 EigMaxMatvecsOpt = Annotated[
     Optional[int],
     typer.Option(
@@ -71,15 +62,6 @@ TraceTolOpt = Annotated[
         "--trace-tol",
         "--tol",
         help="Stop at this relative standard error (--tol: former name).",
-    ),
-]
-TraceMaxMatvecsOpt = Annotated[
-    int,
-    typer.Option(
-        "--trace-max-matvecs",
-        "--max-matvecs",
-        metavar="N",
-        help="Products per trace estimate at most (--max-matvecs: former name).",
     ),
 ]
 
@@ -138,7 +120,7 @@ def eigen_command(
         choices.Method,
         typer.Option("--method", help="lanczos, or power iteration (PyHessian's method)."),
     ] = "lanczos",
-    tol: EigTolOpt = 1e-3,
+    tol: common.EigTolOpt = 1e-3,
     max_matvecs: EigMaxMatvecsOpt = None,
     no_data_error: Annotated[
         bool,
@@ -201,7 +183,7 @@ def eigen_command(
                 seed=session.seed,
             )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 29 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.block_heatmap import plot_block_eigenvalues
 
         plot_block_eigenvalues(results, plot, operator=operator, which=which)
@@ -253,7 +235,7 @@ def eigen_command(
             if left:
                 console.print(left)
         for note in results.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     return runner.Outcome(report, render)
 
@@ -280,7 +262,7 @@ def trace_command(
         ),
     ] = catalogue.ESTIMATORS.names()[0],
     tol: TraceTolOpt = 1e-2,
-    max_matvecs: TraceMaxMatvecsOpt = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     square: Annotated[
         bool, typer.Option("--square", help="Estimate Tr(A^2) = E||A v||^2 instead of tr(A).")
     ] = False,
@@ -381,7 +363,7 @@ def trace_command(
             if left:
                 console.print(left)
         for note in t.get("notes") or []:
-            runner.print_note(console, note)
+            runner.print_note(note)
 
     return runner.Outcome(report, render)
 
@@ -406,7 +388,7 @@ def gn_nme_command(
             "||A u - lambda u|| <= tol |lambda|.",
         ),
     ] = 1e-3,
-    max_matvecs: TraceMaxMatvecsOpt = 1000,
+    max_matvecs: common.TraceMaxMatvecsOpt = 1000,
     params: common.ParamsOpt = None,
     plot: Annotated[
         Optional[str],
@@ -441,7 +423,7 @@ def gn_nme_command(
             ggn_estimator=ggn_estimator,
         )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_gn_nme_layers
 
         plot_gn_nme_layers(results, plot)
@@ -482,7 +464,7 @@ def gn_nme_command(
         numbers = {k: v for k, v in check.items() if k not in ("estimators", "why")}
         console.print(key_value_table("tr(G) by each estimator", numbers))
         if catalogue.GGN_EXACT not in check["estimators"]:  # say why the exact trace did not run
-            runner.print_note(console, check["why"])
+            runner.print_note(check["why"])
         console.print(records_table("per layer", results["layers"]))
 
     return runner.Outcome(report, render)
@@ -563,7 +545,7 @@ def density_command(
                 results, results["blocks"], grid_points
             )
     if plot is not None:
-        # kept out of sharp's start-up (--help, completion), which it would slow by 18 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.plots import plot_block_densities, plot_density
 
         if blocks is not None:

@@ -50,7 +50,7 @@ def _train_config(train: TrainOptions, sets: list[str] | None) -> TrainConfig:
 
 def _set_value(raw: str, key: str):
     """The JSON value of ``--set KEY=RAW`` (nesting bounded), or RAW itself as a string."""
-    # kept out of sharp's start-up (--help, completion), which it would slow by 12 ms
+    # kept out of sharp's start-up (--help, completion)
     from sharpcli.bounded import JsonTooDeep, loads_json
 
     try:
@@ -203,7 +203,7 @@ def sweep_command(
             },
             "plot": result.plot,
         }
-        # kept out of sharp's start-up (--help, completion), which it would slow by 14 ms
+        # kept out of sharp's start-up (--help, completion)
         from sharpcli.report.rank_correlation import measure_correlations
 
         # which measure predicts generalization over the runs ([Jiang2019]'s tau table)
@@ -252,7 +252,7 @@ def sweep_command(
                     )
                 )
                 for note in table["notes"]:
-                    runner.print_note(console, note)
+                    runner.print_note(note)
             if result.diverged:
                 console.print(
                     f"diverged (NaN/Inf in training, empty in the tables): {', '.join(result.diverged)}"

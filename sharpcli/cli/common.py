@@ -253,6 +253,25 @@ PlotOpt = Annotated[
         "--plot", rich_help_panel="Output", metavar="PATH", help="Write a PNG plot to PATH."
     ),
 ]
+# One name per meaning: --eig-* bound the Lanczos (or power) eigensolver, --trace-* the
+# stochastic trace estimators; the old --tol / --max-matvecs stay as second names.
+EigTolOpt = Annotated[
+    float,
+    typer.Option(
+        "--eig-tol",
+        "--tol",
+        help="Converged when ||A u - lambda u|| <= tol |lambda| (--tol: former name).",
+    ),
+]
+TraceMaxMatvecsOpt = Annotated[
+    int,
+    typer.Option(
+        "--trace-max-matvecs",
+        "--max-matvecs",
+        metavar="N",
+        help="Products per trace estimate at most (--max-matvecs: former name).",
+    ),
+]
 
 
 @dataclass
@@ -314,7 +333,7 @@ def parse_json_option(text: str | None, option: str) -> dict | None:
     """
     import json
 
-    # kept out of sharp's start-up (--help, completion), which it would slow by 12 ms
+    # kept out of sharp's start-up (--help, completion)
     from sharpcli.bounded import JsonTooDeep, loads_json
 
     if text is None:
@@ -370,7 +389,7 @@ def progress_bar(quiet: bool, json_path: str | None, text: str):
     (:mod:`sharpcli.cli.bars`): the runs that :mod:`sharpcli.progress` reports, and ``text``
     while none is open. Nothing under ``--quiet``, ``--json -``, off a terminal, or on ranks
     other than 0."""
-    # kept out of sharp's start-up (--help, completion), which it would slow by 21 ms
+    # kept out of sharp's start-up (--help, completion)
     from sharpcli.cli.bars import progress_bar as bar
 
     return bar(runner.stderr_console, quiet or json_path == "-", text)

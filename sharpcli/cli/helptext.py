@@ -35,8 +35,6 @@ from sharpcli import catalogue
 
 # The commands in the order a person uses them, each with a summary in plain words.
 WORKFLOW: dict[str, str] = {e.name: e.summary for e in catalogue.COMMANDS.entries()}
-# Panels in the order shown; a panel not listed here comes after the command's own.
-PANEL_ORDER = ("Arguments", "Model", "Data", "Output", "Run")
 # The panel of a command's options that declare none, where its declaration names one.
 OWN_PANEL: dict[str, str] = {
     e.name: e.info["panel"] for e in catalogue.COMMANDS.entries() if "panel" in e.info

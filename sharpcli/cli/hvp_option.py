@@ -46,7 +46,7 @@ def print_products(console, results: dict, notes: bool = True) -> None:
     if record is None:
         return
     for note in (results.get("notes") or []) if notes else []:
-        runner.print_note(console, note)
+        runner.print_note(note)
     console.print(
         f"Hessian products by central differences ({record['gradients']} gradients"
         f"{', model sharded by FSDP' if record['sharded'] else ''}): step |h v| = "

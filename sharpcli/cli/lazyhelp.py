@@ -91,7 +91,7 @@ class LazyHelpCommand(TyperCommand):
             if make is not None:
                 param.help = make()
                 _LAZY_HELP[param.help] = make
-        # loaded when help is shown: every other start-up is 3 ms shorter without it
+        # loaded only when help is shown, not at every start-up
         from sharpcli.cli.helptext import format_command_help
 
         format_command_help(self, ctx)
@@ -103,7 +103,7 @@ class SharpGroup(TyperGroup):
 
     def format_help(self, ctx, formatter) -> None:
         """Blank the flags' value type (:func:`plain_flags`), then format the help."""
-        # loaded when help is shown: every other start-up is 3 ms shorter without it
+        # loaded only when help is shown, not at every start-up
         from sharpcli.cli.helptext import format_group_help
 
         format_group_help(self, ctx)

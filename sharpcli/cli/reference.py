@@ -112,11 +112,7 @@ def _params_table(params, ctx, command_name: str | None) -> list[str]:
 
 
 def render() -> str:
-    """The text of docs/cli-reference.md.
-
-    Returns:
-        The page.
-    """
+    """The text of docs/cli-reference.md."""
     group = typer.main.get_command(app)
     root = typer.Context(group, info_name="sharp")
     names = list(group.list_commands(root))  # type: ignore[attr-defined]

@@ -203,7 +203,7 @@ def _deliver(outcome: Outcome, json_path: str | None, quiet: bool) -> bool:
                 if loss_line:
                     console.print(loss_line, markup=False)
                 for note in scope_notes(outcome.report.get("results")):
-                    print_note(console, note)
+                    print_note(note)
                 plot = written_plot(outcome.report)
                 if plot:
                     console.print(f"plot written to {plot}", markup=False)
@@ -298,9 +298,8 @@ def _print_notice(command: str, notice: str | None) -> None:
 def default_threads() -> int:
     """``--threads``' default: ``OMP_NUM_THREADS`` when set to a positive integer, else 1.
 
-    Torch's own default (one thread per core) oversubscribes a shared or busy machine: on a
-    loaded 2-core machine ``sharp analyze`` took 227 s with it and 18.5 s with one thread;
-    docs/benchmarks.md ("Threads") has the measurements behind this choice.
+    Torch's own default (one thread per core) oversubscribes a shared or busy machine, where
+    one thread runs several times faster (docs/benchmarks.md, "Threads").
     """
     text = os.environ.get("OMP_NUM_THREADS", "").strip()
     return int(text) if text.isdigit() and int(text) >= 1 else 1
@@ -386,11 +385,10 @@ def is_detail(note: str) -> bool:
     return note.startswith(DETAIL_NOTES)
 
 
-def print_note(console, note: str) -> None:
+def print_note(note: str) -> None:
     """A note of the results: held until the report is printed, then one
     ``sharp: note: ...`` line on stderr (the library's `name` references spelled as this
-    command's flags); a detail (:func:`is_detail`) only under ``--verbose``. ``console`` is
-    the table console the note used to be printed on (stdout is the report's alone)."""
+    command's flags); a detail (:func:`is_detail`) only under ``--verbose``."""
     if is_detail(note) and not _STATE["verbose"]:
         return
     if note not in _STATE["notes"]:

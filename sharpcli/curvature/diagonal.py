@@ -469,9 +469,6 @@ def exact_estimate(request: DiagonalRequest) -> DiagonalResult:
 
     Args:
         request: the operator and the products allowed.
-
-    Returns:
-        The exact diagonal.
     """
     instead = f"`estimator={HUTCHINSON}`"
     if request.operator in (GGN, EMPIRICAL_FISHER, FISHER):
@@ -514,9 +511,6 @@ def per_sample_estimate(request: DiagonalRequest) -> DiagonalResult:
 
     Args:
         request: the pass, the operator and the backward passes allowed per sample.
-
-    Returns:
-        The exact diagonal.
     """
     engine, r = request.engine, request
     fisher = None

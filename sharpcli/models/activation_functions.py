@@ -115,9 +115,7 @@ def beta_gelu_second_derivative(x: torch.Tensor, beta: float) -> torch.Tensor:
     return beta * gaussian_pdf(bx) * (2.0 - bx * bx)
 
 
-# --------------------------------------------------------------------------------------------
-# autograd.Functions
-# --------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------ autograd.Functions
 
 
 def _refuse_forward_over_forward(name: str) -> None:
@@ -142,7 +140,19 @@ def _refuse_forward_over_forward(name: str) -> None:
         )
 
 
-class _HeavisideWithGaussianDerivative(torch.autograd.Function):
+class _KeepsInput(torch.autograd.Function):
+    """A function whose backward and jvp read its input ``x`` (and ``beta`` where it takes one)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+        ctx.beta = inputs[1] if len(inputs) > 1 else None
+
+
+class _HeavisideWithGaussianDerivative(_KeepsInput):
     """``Theta(x)`` (1 for x > 0, else 0) whose AD derivative is ``beta phi(beta x)`` ([NME] eq. 15).
 
     This is the first AD derivative of the augmented ReLU; differentiating it once more gives the
@@ -150,18 +160,9 @@ class _HeavisideWithGaussianDerivative(torch.autograd.Function):
     derivatives are the true derivatives of that Gaussian.
     """
 
-    generate_vmap_rule = True
-
     @staticmethod
     def forward(x: torch.Tensor, beta: float) -> torch.Tensor:
         return (x > 0).to(x.dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, beta = inputs
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        ctx.beta = beta
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -175,21 +176,12 @@ class _HeavisideWithGaussianDerivative(torch.autograd.Function):
         return x_tangent * augmented_relu_second_derivative(x, ctx.beta)
 
 
-class _AugmentedReLUFunction(torch.autograd.Function):
+class _AugmentedReLUFunction(_KeepsInput):
     """``ReLU(x)`` with first AD derivative ``Theta(x)`` and second AD derivative ``beta phi(beta x)``."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, beta: float) -> torch.Tensor:
         return torch.clamp_min(x, 0.0)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, beta = inputs
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-        ctx.beta = beta
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -225,20 +217,12 @@ class _GeluDerivativeWithZeroDerivative(torch.autograd.Function):
         return torch.zeros_like(x_tangent)
 
 
-class _DiminishedGELUFunction(torch.autograd.Function):
+class _DiminishedGELUFunction(_KeepsInput):
     """``GELU(x)`` with first AD derivative ``g(x) = Phi(x) + x phi(x)`` and second AD derivative 0."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(x)  # bit-identical to nn.GELU()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        (x,) = inputs
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -37,19 +37,12 @@ from sharpcli.models.activation_functions import (
     gelu_derivative,
 )
 from sharpcli.registry import declaration, declare
-from sharpcli.specs import Param
+from sharpcli.specs import Param, format_value
 
-# --------------------------------------------------------------------------------------------
-# Modules
-# --------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- Modules
 
 
-def _format_number(value: float) -> str:
-    """Shortest round-tripping text of a float (``repr``), used in canonical specs."""
-    return repr(float(value))
-
-
-def _declared_name(module: nn.Module) -> str:
+def _declared_name(module: object) -> str:
     """The name declared by ``module``'s class, or by its nearest declared base class."""
     for cls in type(module).__mro__:
         declared = declaration(cls)
@@ -58,31 +51,47 @@ def _declared_name(module: nn.Module) -> str:
     raise TypeError(f"{type(module).__name__} is not a declared activation")
 
 
+class _Named:
+    """A parameter-free activation: its canonical spec string is its declared name."""
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string: the name."""
+        return _declared_name(self)
+
+
+class _WithBeta(nn.Module):
+    """An activation of one parameter ``beta``; spec ``NAME:beta=B``."""
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        self.beta = float(beta)
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
+        return f"{_declared_name(self)}:beta={format_value(self.beta)}"
+
+    def extra_repr(self) -> str:
+        """``beta=B`` in the module's repr."""
+        return f"beta={self.beta}"
+
+
 # the activation of the built-in models unless one is given (sharpcli.models.specs, zoo)
 DEFAULT_ACTIVATION = "relu"
 
 
 @declare("activation", DEFAULT_ACTIVATION, "ReLU")
-class ReLU(nn.ReLU):
+class ReLU(_Named, nn.ReLU):
     """``max(x, 0)`` as ``nn.ReLU`` (AD: ``phi' = Theta(x)``, ``phi'' = 0``); spec ``relu``."""
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
 
 @declare("activation", "gelu", "GELU")
-class GELU(nn.GELU):
+class GELU(_Named, nn.GELU):
     """Exact GELU ``x Phi(x)`` (erf form, torch's default ``approximate``); spec ``gelu``."""
 
     def __init__(self) -> None:
         super().__init__(approximate="none")
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
 
 @declare(
@@ -92,29 +101,16 @@ class GELU(nn.GELU):
     params=(Param("beta", "float", 1.0, "sharpness, > 0; 1 = GELU", positive=True),),
     paper="NME",
 )
-class BetaGELU(nn.Module):
+class BetaGELU(_WithBeta):
     """beta-GELU ``x Phi(beta x)`` ([NME] eq. 13); spec ``beta-gelu:beta=B``.
 
     ``phi''(x) = beta phi(beta x)(2 - beta^2 x^2)`` ([NME] eq. 14, see
     :func:`~sharpcli.models.activation_functions.beta_gelu_second_derivative`); beta = 1 is GELU, beta -> inf approaches ReLU.
     """
 
-    def __init__(self, beta: float = 1.0) -> None:
-        super().__init__()
-        self.beta = float(beta)
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string, e.g. ``beta-gelu:beta=4.0``."""
-        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise ``x Phi(beta x)``."""
         return beta_gelu(x, self.beta)
-
-    def extra_repr(self) -> str:
-        """``beta=B`` in the module's repr."""
-        return f"beta={self.beta}"
 
 
 @declare(
@@ -124,22 +120,13 @@ class BetaGELU(nn.Module):
     params=(Param("beta", "float", 1.0, "inverse width of the Gaussian, > 0", positive=True),),
     paper="NME",
 )
-class AugmentedReLU(nn.Module):
+class AugmentedReLU(_WithBeta):
     """Augmented ReLU ([NME] 4.4, eq. 15); spec ``augmented-relu:beta=B``.
 
     Forward ``max(x, 0)``; first AD derivative ``Theta(x)``; second AD derivative
     ``beta / sqrt(2 pi) exp(-beta^2 x^2 / 2)``, so Hessian-vector products see a Gaussian-smoothed
     delta at every ReLU kink while the forward pass and the gradient stay those of ReLU.
     """
-
-    def __init__(self, beta: float = 1.0) -> None:
-        super().__init__()
-        self.beta = float(beta)
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string, e.g. ``augmented-relu:beta=4.0``."""
-        return f"{_declared_name(self)}:beta={_format_number(self.beta)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise ``max(x, 0)`` with the augmented AD derivatives."""
@@ -157,30 +144,17 @@ class AugmentedReLU(nn.Module):
         return (x > 0).to(x.dtype), augmented_relu_second_derivative(x, self.beta)
 
     def true_derivative_twin(self) -> nn.Module:
-        """``nn.ReLU``: the same forward and first derivative, with torch's true (zero) second one.
-
-        Returns:
-            A new ``nn.ReLU``.
-        """
+        """``nn.ReLU``: the same forward and first derivative, with torch's true (zero) second one."""
         return ReLU()
-
-    def extra_repr(self) -> str:
-        """``beta=B`` in the module's repr."""
-        return f"beta={self.beta}"
 
 
 @declare("activation", "diminished-gelu", "GELU forward, no second derivative", paper="NME")
-class DiminishedGELU(nn.Module):
+class DiminishedGELU(_Named, nn.Module):
     """Diminished GELU ([NME] 4.4, eq. 16); spec ``diminished-gelu``.
 
     Forward ``x Phi(x)``; first AD derivative ``Phi(x) + x phi(x)``; second AD derivative 0, so the
     activation's contribution to the NME diagonal is switched off as for ReLU.
     """
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise GELU with the diminished AD derivatives."""
@@ -198,24 +172,15 @@ class DiminishedGELU(nn.Module):
         return gelu_derivative(x), torch.zeros_like(x)
 
     def true_derivative_twin(self) -> nn.Module:
-        """Exact GELU: the same forward and first derivative, with its true second derivative.
-
-        Returns:
-            A new exact GELU.
-        """
+        """Exact GELU: the same forward and first derivative, with its true second derivative."""
         return GELU()
 
 
 @declare("activation", "tanh", "tanh", paper="Cohen2021")
-class Tanh(nn.Tanh):
+class Tanh(_Named, nn.Tanh):
     """``tanh x`` as ``nn.Tanh``, the activation of [Cohen2021]'s edge-of-stability networks;
     spec ``tanh``. Its autograd derivatives are the true ones: ``phi' = 1 - tanh^2 x`` and
     ``phi'' = -2 tanh x (1 - tanh^2 x)``, so N has a nonzero diagonal ([NME] eq. 11-12)."""
-
-    @property
-    def spec(self) -> str:
-        """Canonical spec string: the name."""
-        return _declared_name(self)
 
 
 # The activations by name: sharpcli.catalogue.ACTIVATIONS (name, parameters, module class).
@@ -360,9 +325,7 @@ def activation_spec(module: nn.Module) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Deliberately altered second derivatives, for the self-check of a model's second derivatives
-# --------------------------------------------------------------------------------------------
+# --- Deliberately altered second derivatives, for the self-check of a model's second derivatives
 
 ALTERED_DERIVATIVE_TYPES: tuple[type[AugmentedReLU], type[DiminishedGELU]] = (
     AugmentedReLU,

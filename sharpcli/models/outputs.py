@@ -40,9 +40,6 @@ def describe_output(out) -> str:
 
     Args:
         out: what a model returned.
-
-    Returns:
-        The description.
     """
     if isinstance(out, torch.Tensor):
         return f"Tensor{tuple(out.shape)}"

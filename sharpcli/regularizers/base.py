@@ -95,9 +95,6 @@ def declare_mode(mode: str) -> Callable[[type[R]], type[R]]:
 
     Args:
         mode: the value of the family's ``mode`` hyper-parameter this class computes.
-
-    Returns:
-        The decorator.
     """
 
     def decorate(cls: type[R]) -> type[R]:

@@ -28,12 +28,9 @@ Three kinds of regularizer combine:
   applied at theta. Without an oracle the gradient is ``grad O(theta)``.
 
 Every random draw (weight noise, Hutchinson probes, sampled labels) comes from the
-step's ``generator`` so a resumed run reproduces bit-for-bit; dropout masks come from
-the global torch RNG and every pass of a step replays the same masks. Extra passes
-leave BatchNorm running statistics as the clean pass left them; perturbed weights are
-restored by copy. ``StepStats.grad_evals`` counts gradient evaluations as defined in
-:mod:`sharpcli.regularizers.step` (plain gradient 1, double-backward 2, triple 4); each
-class documents its count.
+step's ``generator``, so a resumed run reproduces bit-for-bit. How a step runs the passes
+(dropout masks, BatchNorm statistics, perturbed weights) and counts their cost
+(``StepStats.grad_evals``, each class documenting its own): :mod:`sharpcli.regularizers.step`.
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ __all__ = [
     "parse_regs",
     "validate_combination",
     "model_overrides",
-    "describe_registry",
 ]
 
 
@@ -161,33 +157,6 @@ def data_parallel_refusal(reg: Regularizer | type[Regularizer]) -> str | None:
     if "data_parallel" not in vars(cls):
         return "it does not declare whether averaging per-rank gradients is exact (data_parallel)"
     return cls.data_parallel
-
-
-def describe_registry() -> list[dict[str, Any]]:
-    """One row per regularizer (for ``--help`` and reports): name, kind, summary, its
-    hyper-parameters with defaults in positional order, ``data_parallel`` (None when exact
-    under torchrun, else why not), ``per_replica`` (what each rank computes when not exact;
-    None: refused under torchrun) and ``needs_penultimate``."""
-    return [
-        {
-            "name": name,
-            "kind": cls.kind,
-            "summary": cls.summary,
-            "data_parallel": data_parallel_refusal(cls),
-            "per_replica": getattr(cls, "per_replica", None),
-            "needs_penultimate": cls.needs_penultimate,
-            "hyperparameters": [
-                {
-                    "name": h.name,
-                    "default": h.default,
-                    "doc": h.doc,
-                    "choices": list(h.choices) or None,
-                }
-                for h in cls.HYPERPARAMS
-            ],
-        }
-        for name, cls in REGISTRY.items()
-    ]
 
 
 def parse_reg(text: str) -> Regularizer:

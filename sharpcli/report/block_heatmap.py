@@ -181,5 +181,4 @@ def plot_block_eigenvalues(
         left = f"; {hidden} smaller blocks not shown" if hidden else ""
         title = f"{operator}: {end} eigenvalue per block{left}"
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
     return _save(plt, fig, path)

@@ -52,7 +52,6 @@ def _line(results: dict, path, title: str) -> Path:
     for mark in [0.0] + ([1.0] if results["along"] == "checkpoint" else []):
         ax.axvline(mark, color="grey", linewidth=0.6)
     ax.set_title(title)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -82,5 +81,4 @@ def _plane(results: dict, path, title: str) -> Path:
         axis.set_major_locator(MaxNLocator(5))
     surface.set_box_aspect(None, zoom=0.85)  # room for the z label
     fig.suptitle(title)
-    fig.tight_layout()
     return _save(plt, fig, path)

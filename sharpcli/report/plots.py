@@ -7,8 +7,6 @@ Every function writes one PNG atomically at a fixed size (``FIGSIZE`` inches at
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from pathlib import Path
 
 from sharpcli import catalogue
@@ -32,36 +30,14 @@ def _figure(nrows: int = 1, ncols: int = 1):
 
 
 def _save(plt, fig, path: str | Path) -> Path:
+    """Lay ``fig`` out tightly, write it to ``path`` as a PNG (atomically) and close it."""
+    fig.tight_layout()
     path = Path(path)
     try:
         write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=DPI))
     finally:
         plt.close(fig)
     return path
-
-
-def png_size(path: str | Path) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk; raises ValueError if the file is not a complete,
-    valid PNG (signature, IHDR first, every chunk's CRC, image data, IEND last)."""
-    data = Path(path).read_bytes()
-    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
-        raise ValueError(f"{path} is not a PNG file")
-    pos, kinds = 8, []
-    while pos + 12 <= len(data):
-        (length,), kind = struct.unpack(">I", data[pos : pos + 4]), data[pos + 4 : pos + 8]
-        end = pos + 8 + length
-        if (
-            end + 4 > len(data)
-            or zlib.crc32(data[pos + 4 : end]) != struct.unpack(">I", data[end : end + 4])[0]
-        ):
-            raise ValueError(
-                f"{path} is not a valid PNG file (chunk {kind!r} is truncated or corrupt)"
-            )
-        kinds.append(kind)
-        pos = end + 4
-    if b"IDAT" not in kinds or kinds[-1] != b"IEND" or pos != len(data):
-        raise ValueError(f"{path} is not a complete PNG file")
-    return struct.unpack(">II", data[16:24])
 
 
 def _finite(values):
@@ -103,7 +79,6 @@ def plot_training_history(
         _plot_against_threshold(cax, points, key, threshold, unit)
     if rest:
         _plot_tracked(axes[1 + len(pairs)], points, rest, unit)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -229,7 +204,6 @@ def plot_gn_nme_layers(results: dict, path: str | Path) -> Path:
     ax.set_ylabel("diagonal-block trace (error bars: one standard error)")
     ax.set_title(rf"$H = G + N$ per layer (NME share {results.get('nme_share', float('nan')):.3g})")
     ax.legend()
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -285,7 +259,6 @@ def plot_compare_scatter(
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.set_title(f"{y} against {x} ({len(points)} runs)")
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -319,7 +292,6 @@ def plot_sweep(
         ax.grid(True, alpha=0.3)
     count = f"{seeds[0]} seed(s)" if len(seeds) == 1 else f"{min(seeds)}-{max(seeds)} seeds"
     fig.suptitle(f"against {param}: mean and one standard deviation over {count}", fontsize=10)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -356,7 +328,6 @@ def plot_weight_rescale(rows: list[dict], path: str | Path, *, title: str = "") 
     ax.set_title(title or "weight rescaling")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -411,7 +382,6 @@ def plot_bound_check(
     ax.legend()
     if noise_rows:
         _plot_noise_stability(axes[1], sorted(noise_rows, key=lambda r: r["sigma"]))
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -473,7 +443,6 @@ def plot_density(
         f"{results.get('lanczos_steps')} steps)"
     )
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
     return _save(plt, fig, path)
 
 
@@ -527,5 +496,4 @@ def plot_block_densities(
         f"JS distance between blocks: mean {mean}",
         fontsize=9,
     )
-    fig.tight_layout()
     return _save(plt, fig, path)

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from sharpcli import catalogue
-from sharpcli.catalogue.data import DEFAULT_DATASET
-from sharpcli.catalogue.names import DEFAULT_MODEL
+from sharpcli.catalogue import DEFAULT_DATASET, DEFAULT_MODEL
 from sharpcli.errors import UsageError
 from sharpcli.specs import Param, parse_spec
 
@@ -21,8 +20,8 @@ if TYPE_CHECKING:
     from sharpcli.regularizers.base import Regularizer
 
 # This module imports no torch: the CLI reads TrainConfig's defaults as its options' defaults
-# when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch
-# (0.3 s; torch adds 1.5 s). The regularizers (torch) are imported where they are parsed.
+# when ``sharp`` starts (sharpcli.cli.train_options), and ``sharp --help`` stays free of torch.
+# The regularizers (torch) are imported where they are parsed.
 
 __all__ = [
     "OPTIMIZERS",

@@ -1,10 +1,9 @@
 """When a training run has diverged: the rule ``train`` applies to its history after every epoch.
 
 A run that collapses (the objective blows up for a few steps and the weights land where the
-loss is many times larger) still ends with a finite loss, so nothing else stops it: ``fa`` at
-its defaults on the built-in CNN with 900 training images went from a training loss of 1.31
-to 47.6 between epochs 4 and 5, and ended at 11-45 % test accuracy against 90-96 % for plain
-SGD. An epoch has diverged when either
+loss is many times larger) still ends with a finite loss, so nothing else stops it (a
+regularizer such as ``fa`` at too large a strength can do this). An epoch has diverged when
+either
 
 - its mean training loss exceeds :data:`LOSS_FACTOR` times the best (lowest) epoch before it
   and also the first epoch's (so a net trained to a tiny loss that wobbles is not flagged), or

@@ -348,7 +348,9 @@ def test_cli_json_checks_plot_and_errors(tmp_path, capsys):
     assert results["noise_stability"]["params"] == "all"
     assert results["noise_stability"]["num_params"] == sum(p.numel() for p in model.parameters())
     assert report["settings"]["params"] == "4.weight" and report["timing"]["matvecs"] > 0
-    from sharpcli.report.plots import PIXELS, png_size
+    from png_helpers import png_size
+
+    from sharpcli.report.plots import PIXELS
 
     assert png_size(plot) == PIXELS
     minibatch = run_cli(

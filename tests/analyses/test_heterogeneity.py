@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
+from png_helpers import png_size
 from scipy.spatial.distance import jensenshannon
 from scipy.stats import norm
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.analyses.heterogeneity import cell_masses, js_distance
 from sharpcli.report.envelope import validate_report
-from sharpcli.report.plots import png_size
 
 DATA = "blobs:n=48,dim=4,classes=3,seed=4"
 SLQ = ("--steps", "12", "--probes", "2", "--grid-points", "256", "--dtype", "float64")

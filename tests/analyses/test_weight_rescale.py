@@ -256,7 +256,9 @@ def test_cli_json_plot_and_errors(tmp_path, capsys, monkeypatch):
     assert [r["alpha"] for r in rows] == [0.1, 10.0]
     assert all(r["max_logit_change"] <= 1e-10 for r in rows)
     assert report["settings"]["alpha"] == [0.1, 10.0] and report["timing"]["matvecs"] > 0
-    from sharpcli.report.plots import PIXELS, png_size
+    from png_helpers import png_size
+
+    from sharpcli.report.plots import PIXELS
 
     assert png_size(plot) == PIXELS
     table = run_cli(capsys, "weight-rescale", ckpt, "--alpha", "10", "--dtype", "float64")

@@ -105,7 +105,7 @@ def test_a_radius_past_float32_is_a_numerical_failure_not_sharpness_0(checkpoint
 
 # ----------------------------------------------------------------------------------- landscape
 def test_landscape_json_csv_plot_and_saved_directions(checkpoint, tmp_path, capsys):
-    from sharpcli.report.plots import png_size
+    from png_helpers import png_size
 
     out = tmp_path / "out"
     out.mkdir()

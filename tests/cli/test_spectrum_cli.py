@@ -214,7 +214,9 @@ def test_density_integrates_to_one_and_plots(tiny, capsys, tmp_path):
     # the extreme Ritz values bracket the spectrum and reach its ends (Lanczos converges there first)
     assert r["lambda_max"] == pytest.approx(float(evals[-1]), rel=1e-6)
     assert r["lambda_min"] == pytest.approx(float(evals[0]), rel=1e-6, abs=1e-8)
-    from sharpcli.report.plots import PIXELS, png_size
+    from png_helpers import png_size
+
+    from sharpcli.report.plots import PIXELS
 
     assert png_size(plot) == PIXELS
 

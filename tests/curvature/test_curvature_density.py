@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import setup_and_reference
+from png_helpers import png_size
 
 from sharpcli.curvature import (
     AnalysisData,
@@ -16,7 +17,7 @@ from sharpcli.curvature import (
 )
 from sharpcli.curvature.products.scope import rademacher_like
 from sharpcli.errors import UsageError
-from sharpcli.report.plots import PIXELS, plot_density, png_size
+from sharpcli.report.plots import PIXELS, plot_density
 
 
 def test_full_krylov_quadrature_reproduces_the_spectrum_moments():

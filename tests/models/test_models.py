@@ -57,7 +57,7 @@ def resnet_parameter_count(depth: int, width: int, in_channels: int, classes: in
 
 def test_model_names():
     from sharpcli import catalogue
-    from sharpcli.catalogue.names import DEFAULT_MODEL
+    from sharpcli.catalogue import DEFAULT_MODEL
     from sharpcli.models import zoo
     from sharpcli.registry import declaration
 

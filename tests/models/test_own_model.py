@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
 
-from sharpcli.regularizers.registry import describe_registry
+from sharpcli.regularizers.registry import REGISTRY
 
 FACTORIES = textwrap.dedent("""
     import torch
@@ -78,7 +78,7 @@ def _train(capsys, *args):
     return run, (run.json() if run.out.strip() else None)
 
 
-REGS = [row["name"] for row in describe_registry()]
+REGS = list(REGISTRY)
 
 
 @pytest.mark.parametrize("reg", REGS)

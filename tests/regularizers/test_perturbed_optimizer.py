@@ -311,12 +311,10 @@ def _closure_scaled(model, x, y, scaler):
 
 def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
     """make(NAME) holds the hyper-parameters --reg NAME holds (one declaration for both)."""
-    from sharpcli.regularizers.registry import describe_registry
-
     model = _mlp()
-    rows = {row["name"]: row for row in describe_registry()}
+    classes = dict(registry.REGISTRY.items())
     assert set(regularizers.names()) == {
-        n for n, r in rows.items() if r["kind"] in ("oracle", "penalty")
+        n for n, cls in classes.items() if cls.kind in ("oracle", "penalty")
     }
     for name, kind in regularizers.names().items():
         sgd = torch.optim.SGD(model.parameters(), lr=0.1) if kind == "oracle" else None
@@ -324,7 +322,7 @@ def test_every_regularizer_has_the_names_and_defaults_of_sharp_train_reg():
         assert isinstance(
             made, regularizers.PerturbedOptimizer if kind == "oracle" else regularizers.LossPenalty
         )
-        defaults = {h["name"]: h["default"] for h in rows[name]["hyperparameters"]}
+        defaults = {h.name: h.default for h in classes[name].HYPERPARAMS}
         assert made.regularizer.params == defaults
         assert made.regularizer == parse_reg(name)
 

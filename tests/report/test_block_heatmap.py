@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
+from png_helpers import png_size
 
 from fixtures.make_checkpoint_fixtures import tiny_mlp_spec, write_own_checkpoint
 from sharpcli.analyses.blocks import block_partition
 from sharpcli.report.block_heatmap import block_grid, block_top_eigenvalue
 from sharpcli.report.envelope import validate_report
-from sharpcli.report.plots import png_size
 
 DATA = "blobs:n=48,dim=4,classes=3,seed=4"
 GPT2_KINDS = [

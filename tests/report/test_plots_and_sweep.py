@@ -7,9 +7,10 @@ import json
 
 import pytest
 from cli_helpers import run_cli
+from png_helpers import png_size
 
 from sharpcli.report.envelope import validate_report
-from sharpcli.report.plots import PIXELS, png_size
+from sharpcli.report.plots import PIXELS
 
 DATA = "blobs:n=160,dim=6,classes=3"
 

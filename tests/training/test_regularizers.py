@@ -752,14 +752,12 @@ def test_activation_decay_needs_a_final_linear():
         step(model, *batch(), ["ad"])
 
 
-def test_registry_description_lists_every_regularizer():
-    rows = R.describe_registry()
-    assert [r["name"] for r in rows] == list(REGISTRY)
-    gp = next(r for r in rows if r["name"] == "gp")
-    assert [h["name"] for h in gp["hyperparameters"]] == ["rho", "p", "mode", "eps"]
-    assert gp["data_parallel"] and gp["needs_penultimate"] is False
-    assert gp["per_replica"] == GradientPenalty.per_replica
-    assert next(r for r in rows if r["name"] == "ad")["needs_penultimate"] is True
+def test_registry_records_every_regularizer():
+    gp = REGISTRY["gp"]
+    assert gp is GradientPenalty
+    assert [h.name for h in gp.HYPERPARAMS] == ["rho", "p", "mode", "eps"]
+    assert R.data_parallel_refusal(gp) and gp.needs_penultimate is False
+    assert REGISTRY["ad"].needs_penultimate is True
 
 
 ALL_NAMES = "none wd dropout ad sam usam asam gp hessian-trace gn-trace weight-noise nso fa".split()

@@ -15,12 +15,13 @@ import math
 
 import pytest
 import torch
+from png_helpers import png_size
 from torch import nn
 
 from sharpcli.analyses.tracking import RunTracker
 from sharpcli.errors import UsageError
 from sharpcli.losses import get_loss
-from sharpcli.report.plots import _threshold_pairs, plot_training_history, png_size
+from sharpcli.report.plots import _threshold_pairs, plot_training_history
 from sharpcli.training.config import TrainConfig
 from sharpcli.training.epochs import _make_optimizer
 from sharpcli.training.loop import train

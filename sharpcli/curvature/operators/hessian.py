@@ -333,12 +333,7 @@ class GGNOperator(_EngineOperator):
     to :math:`g_z`; :math:`H_{z,i}` is the logit Hessian of the loss (cross-entropy:
     :math:`\\mathrm{diag}(p) - p p^\\top`; mse: :math:`(2/C) I`). G is positive semi-definite.
 
-    Args:
-        model: the model (with ``data`` and ``scope``, when no ``engine`` is given).
-        data: the analysis set.
-        scope: the parameters differentiated.
-        engine: an engine to share (its cache with it) instead of a new one.
-        cache_bytes: the new engine's cache budget.
+    Constructed as :class:`HessianOperator`.
     """
 
     name = "Gauss-Newton"
@@ -357,12 +352,7 @@ class NMEOperator(_EngineOperator):
     constant (one double backward, about the cost of :math:`H v`); equal to ``H - G`` of the
     same engine, which the algebra multiplies the same way.
 
-    Args:
-        model: the model (with ``data`` and ``scope``, when no ``engine`` is given).
-        data: the analysis set.
-        scope: the parameters differentiated.
-        engine: an engine to share (its cache with it) instead of a new one.
-        cache_bytes: the new engine's cache budget.
+    Constructed as :class:`HessianOperator`.
     """
 
     name = "NME"

@@ -169,11 +169,7 @@ def unregister_operator(name: str) -> OperatorSpec:
 
 
 def operator_names() -> tuple[str, ...]:
-    """The registered names, in registration order (the built-ins first).
-
-    Returns:
-        The names.
-    """
+    """The registered names, in registration order (the built-ins first)."""
     return OPERATORS.names()
 
 

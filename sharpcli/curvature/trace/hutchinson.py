@@ -150,17 +150,19 @@ class _Probes:
 
 def _probe_loop(
     op, quantity, *, tol, max_matvecs, seed, block_size, min_samples, blocks, data_error=True
-):
+) -> TraceResult:
     """Shared Hutchinson-type loop, the sample sized in two stages
-    (:mod:`sharpcli.curvature.trace.probes`).
+    (:mod:`sharpcli.curvature.trace.probes`), ``blocks`` resolved by
+    :func:`~sharpcli.curvature.trace.probes.blocks_of`.
 
     Returns:
-        ``(mean, stderr, matvecs, probes, converged, data, data_matvecs)`` of the main
-        sample; ``converged`` says whether its standard error reached ``tol`` relative to its
-        mean, ``data`` is the batch-means data error (None for an operator without batches,
-        and for ``Tr(A^2)`` without ``data_error``): the trace's from the probes' own
-        products, ``Tr(A^2)``'s to first order from ``data_matvecs`` more products (one block).
+        The main sample's :class:`TraceResult`: ``converged`` says whether its standard error
+        reached ``tol`` relative to its mean, ``data`` is the batch-means data error (None for
+        an operator without batches, and for ``Tr(A^2)`` without ``data_error``): the trace's
+        from the probes' own products, ``Tr(A^2)``'s to first order from ``data_matvecs`` more
+        products (one block).
     """
+    blocks = blocks_of(op, blocks)
     check_budget(tol, max_matvecs, block_size)
     budget = int(max_matvecs)
     name = "tr" if quantity == TRACE_KEY else "Tr(A^2)"
@@ -200,8 +202,19 @@ def _probe_loop(
             estimate=float(mean[0]),
             stderr=float(stderr[0]),
         )
-    converged = bool(stderr[0] <= tol * abs(mean[0]))
-    return mean, stderr, probes.matvecs, samples.shape[0], converged, data, probes.data_matvecs
+    return TraceResult(
+        estimate=float(mean[0]),
+        stderr=float(stderr[0]),
+        matvecs=probes.matvecs,
+        samples=samples.shape[0],
+        estimator=HUTCHINSON,
+        quantity=TRACE_KEY if quantity == TRACE_KEY else "trace_of_square",
+        converged=bool(stderr[0] <= tol * abs(mean[0])),
+        tol=tol,
+        by_layer=layer_dict(list(blocks), mean, stderr),
+        data=data,
+        data_matvecs=probes.data_matvecs,
+    )
 
 
 def hutchinson(
@@ -245,8 +258,7 @@ def hutchinson(
         >>> result.estimate, result.by_layer["b"]["estimate"]  # a diagonal A: exact per probe
         (10.0, 7.0)
     """
-    blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged, data, _ = _probe_loop(
+    return _probe_loop(
         op,
         TRACE_KEY,
         tol=tol,
@@ -255,17 +267,6 @@ def hutchinson(
         block_size=block_size,
         min_samples=min_samples,
         blocks=blocks,
-    )
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=n,
-        estimator=HUTCHINSON,
-        converged=converged,
-        tol=tol,
-        by_layer=layer_dict(list(blocks), mean, stderr),
-        data=data,
     )
 
 
@@ -313,8 +314,7 @@ def frobenius_sq(
         >>> frobenius_sq(A, max_matvecs=16).estimate  # |g_i| = 1: exact per probe
         5.0
     """
-    blocks = blocks_of(op, blocks)
-    mean, stderr, matvecs, n, converged, data, data_matvecs = _probe_loop(
+    return _probe_loop(
         op,
         "square",
         tol=tol,
@@ -325,19 +325,6 @@ def frobenius_sq(
         blocks=blocks,
         data_error=data_error,
     )
-    return TraceResult(
-        estimate=float(mean[0]),
-        stderr=float(stderr[0]),
-        matvecs=matvecs,
-        samples=n,
-        estimator=HUTCHINSON,
-        quantity="trace_of_square",
-        converged=converged,
-        tol=tol,
-        by_layer=layer_dict(list(blocks), mean, stderr),
-        data=data,
-        data_matvecs=data_matvecs,
-    )
 
 
 def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> TraceResult:
@@ -347,9 +334,6 @@ def probed(estimate: Callable[..., TraceResult], request: TraceRequest) -> Trace
         estimate: an estimator of ``tr(A)`` taking the operator, ``tol``, ``max_matvecs`` and
             ``seed`` (:func:`hutchinson`, :func:`~sharpcli.curvature.trace.hutchpp.hutchpp`).
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     op, r = request.build(), request
     if r.square:
@@ -371,8 +355,5 @@ def hutchinson_trace(request: TraceRequest) -> TraceResult:
 
     Args:
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     return probed(hutchinson, request)

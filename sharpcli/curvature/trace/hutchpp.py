@@ -32,21 +32,11 @@ is all that is left when the sketch spans the operator's range.
 :func:`hutchpp_trace` is the trace estimator ``hutchpp`` of ``sharp trace --estimator``
 (:mod:`sharpcli.curvature.trace.estimators`), the default, declared here.
 
-Hutch++'s range sketch: an orthonormal basis of :math:`A S` and the trace it makes exact.
-
-Hutch++ [Hutch++] splits, for any ``Q`` with orthonormal columns, :math:`\Pi = Q Q^\top`,
-:math:`P = I - \Pi` and symmetric :math:`A`,
-
-.. math::
-
-    A = (\Pi A + A \Pi - \Pi A \Pi) + P A P, \qquad
-    \mathrm{tr}(A) = \mathrm{tr}(Q^\top A Q) + \mathrm{tr}(P A P),
-
-the first term exact, the second left to probes; ``Q`` spans :math:`A S` for a Gaussian
-:math:`S`. The identity needs :math:`Q^\top Q = I`:
-with a ``Q`` that is not orthonormal, :math:`\mathrm{tr}(Q^\top A Q) + \mathrm{E}[g^\top P A P g]`
-is no longer :math:`\mathrm{tr}(A)`, whatever the number of probes. Hence the sketch keeps
-its basis orthonormal:
+The range sketch (:class:`RangeSketch`): ``Q`` spans :math:`A S` for a Gaussian :math:`S`,
+with :math:`A = (\Pi A + A \Pi - \Pi A \Pi) + P A P`. With a ``Q`` that is not orthonormal,
+:math:`\mathrm{tr}(Q^\top A Q) + \mathrm{E}[g^\top P A P g]` is no longer
+:math:`\mathrm{tr}(A)`, whatever the number of probes; hence the sketch keeps its basis
+orthonormal:
 
 - the new columns of :math:`A S` are orthogonalised against the basis by classical
   Gram-Schmidt applied twice ("twice is enough", [Parlett1998] section 6.9), as a block, then
@@ -496,9 +486,6 @@ def hutchpp_trace(request: TraceRequest) -> TraceResult:
 
     Args:
         request: the operator and the budget.
-
-    Returns:
-        The estimate.
     """
     return probed(hutchpp, request)
 

@@ -202,9 +202,8 @@ def product_segment_sums(a: torch.Tensor, b: torch.Tensor, blocks: dict) -> torc
     The layers' boundaries cut ``[0, P)`` into segments, tiled by chunks of at most
     :data:`SUM_CHUNK` entries; per column each chunk's :math:`\sum_i a_i b_i` is one dot
     product in ``a``'s dtype (:func:`chunked_dots`), and the total and each layer's part are
-    float64 sums of chunks. One read of each column, no P-sized temporaries: the elementwise
-    product and its float64 widening cost 0.5 CPU s a probe at GPT-2 small (124M
-    parameters), the dot products 0.1.
+    float64 sums of chunks. One read of each column, no P-sized temporaries (an elementwise
+    product and its float64 widening would cost several times the dot products).
 
     Args:
         a: ``(P, k)``.

@@ -129,9 +129,6 @@ def format_info(
         directory: a folder layout rather than a single file.
         test_split: how data in this format provides a test split (for the message when
             one is missing).
-
-    Returns:
-        The ``info`` mapping.
     """
     return {
         "order": order,

@@ -164,11 +164,6 @@ def is_mnist_idx(folder: str) -> bool:
 # ----------------------------------------------------------------------------- CIFAR
 
 
-def _read_bytes(path: str) -> bytes:
-    """Whole file content (a regular file, at most its size: ``bounded.read_data_file``)."""
-    return read_data_file(path)
-
-
 def _entry(batch: dict, key: str, path: str):
     """``batch[b"key"]`` (Python 2 pickles) or ``batch["key"]`` (re-pickled by Python 3)."""
     for candidate in (key.encode(), key):
@@ -189,7 +184,7 @@ def _pixels_to_images(data: np.ndarray) -> torch.Tensor:
 
 def _python_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     """``(data uint8 (n, 3072), labels (n,))`` of one CIFAR python batch, checked."""
-    batch = restricted_loads(_read_bytes(path), source=path)
+    batch = restricted_loads(read_data_file(path), source=path)
     if not isinstance(batch, dict):
         raise InputError(
             f"CIFAR batch holds a {type(batch).__name__}, expected a dict", source=path
@@ -229,7 +224,7 @@ def _python_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _binary_batch(path: str, label_bytes: int, label_index: int) -> tuple[np.ndarray, np.ndarray]:
     """``(data, labels)`` of a CIFAR binary file: records of ``label_bytes`` + 3072 bytes."""
-    raw = _read_bytes(path)
+    raw = read_data_file(path)
     record = label_bytes + CIFAR_PIXELS
     if len(raw) == 0 or len(raw) % record:
         raise InputError(

@@ -286,9 +286,6 @@ def torch_module(spec: LossSpec) -> nn.Module:
 
     Args:
         spec: A spec whose loss is one of :data:`LOSS_OPTIONS`.
-
-    Returns:
-        The module.
     """
     reduction = spec.get("reduction")
 

@@ -36,6 +36,16 @@ def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(values)).mean(dim=0)
 
 
+def _clean_pass(engine: StepPasses, report: str) -> PassResult | None:
+    """``report=clean``: the reported pass at theta; else None, after a forward at theta where
+    the model has buffers (BatchNorm: running statistics of theta, not of the noisy weights)."""
+    if report == "clean":
+        return engine.evaluate(want_grad=False)
+    if engine.has_buffers:
+        engine.forward_only()
+    return None
+
+
 @declare_regularizer
 class WeightNoise(Oracle):
     """``weight-noise:sigma,report``: WP-SGD ([NSO] section 2.1), the gradient at noisy weights.
@@ -79,12 +89,7 @@ class WeightNoise(Oracle):
 
     def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The gradient at :math:`\\theta + U` and the reported pass (see the class)."""
-        report = self.params["report"]
-        clean = None
-        if report == "clean":
-            clean = engine.evaluate(want_grad=False)
-        elif engine.has_buffers:
-            engine.forward_only()
+        clean = _clean_pass(engine, self.params["report"])
         with engine.perturbed(self.noise(engine.weights, engine.generator)):
             at_noisy = engine.evaluate(want_grad=True)
         assert at_noisy.grads is not None  # asked for (want_grad)
@@ -156,12 +161,7 @@ class NSO(Oracle):
 
     def gradient(self, engine: StepPasses) -> tuple[PassResult, list[torch.Tensor]]:
         """The mean gradient over :math:`\\theta \\pm U_j` and the reported pass."""
-        report = self.params["report"]
-        clean = None
-        if report == "clean":
-            clean = engine.evaluate(want_grad=False)
-        elif engine.has_buffers:
-            engine.forward_only()
+        clean = _clean_pass(engine, self.params["report"])
         total: list[torch.Tensor] | None = None  # the first pass's gradient, summed into
         passes: list[PassResult] = []
         for noise, sign in self.perturbations(engine.weights, None, None, engine.generator):
