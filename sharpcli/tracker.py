@@ -16,7 +16,7 @@ from torch import nn
 from sharpcli.analyses.analyze import EIGEN
 from sharpcli.analyses.tracking import StepContext, check_tracked, measure
 from sharpcli.api import Curvature
-from sharpcli.api_methods.arguments import integer_argument, seed_argument
+from sharpcli.api_arguments import integer_argument, seed_argument
 from sharpcli.errors import UsageError
 
 
