@@ -49,6 +49,7 @@ __all__ = [
     "trim_heap",
     "current",
     "format_bytes",
+    "heap_slack",
     "parse_size",
     "peak_rss_bytes",
     "rss_bytes",
@@ -151,12 +152,30 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallop
 # and zeroed afresh each product, 0.8 CPU s a product of GPT-2 small's 7.1)
 GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # What glibc keeps resident, as freed blocks it reuses, beyond what a run holds when the heap
-# is left at its reuse thresholds, as a fraction of the run's planned work (planned peak less
-# baseline): measured at most 0.03 beyond the plan (GPT-2 small, 4944M: 4.66 GB against a
-# planned 4.55) and up to 0.24 beyond the bounded heap's peak (ResNet-18 eigen); the margin
-# keeps the plan an upper bound (docs/memory.md, "What the budget bounds")
-ALLOCATOR_SLACK = 0.25
+# is left at its reuse thresholds, as a fraction of the product workspace (the blocks a product
+# allocates and frees are what the heap keeps): measured at most 0.05 of it beyond the plan
+# (GPT-2 small, 4944M: 4.66 GB against a planned 4.55, a 2.18 GB workspace) and none on
+# ResNet-18 (3 and 15 products: 1.73 and 2.14 GiB against 1.77 and 2.31 planned without it);
+# the margin keeps the plan an upper bound (docs/memory.md, "What the budget bounds")
+ALLOCATOR_SLACK = 0.2
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
+
+
+def heap_slack(plan: MemoryPlan) -> int:
+    """Bytes :func:`settle_heap` will plan beside the peak to leave the heap reusing freed
+    blocks: :data:`ALLOCATOR_SLACK` of the product workspace (of the planned work, planned
+    peak less baseline, before any product is planned); 0 where the heap is settled already
+    (its slack, if any, is held) or is not glibc's on the CPU.
+
+    Planners that could take the room it needs for something that buys less time (a Krylov
+    basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
+    saves the kernel's zeroing of every block a product maps, 2.5 CPU s of system time a
+    product on ResNet-18, where a basis read back from a scratch file costs about 3% of a run.
+    """
+    if plan.heap is not None or plan.device.startswith("cuda") or _glibc() is None:
+        return 0
+    work = plan.items.get(PRODUCT_WORKSPACE) or max(0, plan.planned_peak - plan.baseline)
+    return int(ALLOCATOR_SLACK * work)
 
 
 def settle_heap() -> str | None:
@@ -166,9 +185,9 @@ def settle_heap() -> str | None:
     resident set at what the run holds, but every block of 1 MiB or more is then mapped and
     zeroed by the kernel afresh for every product: on ResNet-18 2.5 CPU s of system time a
     product, 1.45x the bare product's cost. So when the budget holds the planned peak plus
-    :data:`ALLOCATOR_SLACK` of the planned work, the heap is left to reuse freed blocks
-    (thresholds at glibc's defaults' ceiling) and that slack is planned as an item; otherwise
-    it is bounded. Runs once per plan, on the CPU under glibc.
+    :func:`heap_slack` (:data:`ALLOCATOR_SLACK` of the product workspace), the heap is left to
+    reuse freed blocks (thresholds at glibc's defaults' ceiling) and that slack is planned as
+    an item; otherwise it is bounded. Runs once per plan, on the CPU under glibc.
 
     Returns:
         ``"reuse"`` or ``"bounded"`` (the plan's ``heap``), None without an active CPU plan.
@@ -177,7 +196,7 @@ def settle_heap() -> str | None:
     if plan is None or plan.device.startswith("cuda"):
         return None
     if plan.heap is None:
-        slack = int(ALLOCATOR_SLACK * max(0, plan.planned_peak - plan.baseline))
+        slack = heap_slack(plan)
         if plan.planned_peak + slack <= plan.budget and _set_heap(
             REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX
         ):
@@ -185,7 +204,8 @@ def settle_heap() -> str | None:
             plan.heap = "reuse"
             plan.note(
                 "freed memory reused by the allocator (the budget holds "
-                f"{ALLOCATOR_SLACK:.0%} more than the plan): no heap trimming"
+                f"{ALLOCATOR_SLACK:.0%} of the product workspace more than the plan): "
+                "no heap trimming"
             )
         else:
             bound_heap()

@@ -747,7 +747,8 @@ def basis_room(
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
     work = krylov_work_bytes(dim, op.dtype, extra_vectors, widened)
     plan = memory.current()
-    fit = plan.count_that_fit(per_vector, reserve=work)
+    # the heap's reuse slack first: it saves more time a byte than rows kept in memory
+    fit = plan.count_that_fit(per_vector, reserve=work + memory.heap_slack(plan))
     if MAX_IN_MEMORY_BYTES is not None:
         fit = min(fit, MAX_IN_MEMORY_BYTES // per_vector)
     if fit >= steps:
