@@ -460,17 +460,20 @@ def test_the_heap_is_trimmed_under_a_plan_on_the_cpu():
 def test_the_heap_reuses_freed_memory_only_where_the_budget_holds_the_slack():
     try:
         roomy = memory.MemoryPlan(budget=10 << 30, baseline=1 << 30)
-        roomy.reserve("work", 2 << 30)
+        roomy.reserve(memory.PRODUCT_WORKSPACE, 2 << 30)
         memory.activate(roomy)
+        # the heap's untrimmed top and a fraction of the work products free
+        slack = memory.HEAP_TRIM_THRESHOLD + int(memory.ALLOCATOR_SLACK * (2 << 30))
+        assert memory.heap_slack(roomy) == slack  # what a planner sets aside before settling
         assert memory.settle_heap() == "reuse"
-        slack = int(memory.ALLOCATOR_SLACK * (2 << 30))
+        assert memory.heap_slack(roomy) == 0  # settled: the slack is held, not set aside again
         assert roomy.items[memory.ALLOCATOR_SLACK_ITEM] == slack
         assert roomy.planned_peak == (3 << 30) + slack  # planned beside the peak
         assert not memory.trim_heap()  # nothing trimmed: the point is not to re-fault it
         assert memory.settle_heap() == "reuse"  # chosen once
         assert roomy.items[memory.ALLOCATOR_SLACK_ITEM] == slack
         tight = memory.MemoryPlan(budget=(3 << 30) + slack - 1, baseline=1 << 30)
-        tight.reserve("work", 2 << 30)
+        tight.reserve(memory.PRODUCT_WORKSPACE, 2 << 30)
         memory.activate(tight)
         assert memory.settle_heap() == "bounded"
         assert memory.ALLOCATOR_SLACK_ITEM not in tight.items

@@ -323,6 +323,7 @@ class CurvatureEngine:
             wanted = self.cache_bytes
         plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
         kept = min(batches, wanted // max(1, graph_bytes))
+        plan.kept_graph_bytes = kept * graph_bytes  # not freed: no heap slack for them
         plan.note(
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
