@@ -153,31 +153,35 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallop
 GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # What glibc keeps resident, as freed blocks it reuses, beyond what a run holds when the heap
 # is left at its reuse thresholds: the free top it does not trim (HEAP_TRIM_THRESHOLD) and a
-# fraction of the planned work that is freed and allocated again (planned peak less baseline,
-# less the graphs kept between products, which are never freed). Measured beyond the plan
-# without it: 3% of that work on GPT-2 small (4944M), 1% on ResNet-18 (one batch, its graph
-# kept), 57 % on a 3M-parameter MLP of 12 batches (P-vectors of every batch's product: 648
-# MiB against 592 planned); the margin keeps the plan an upper bound (docs/memory.md, "What
-# the budget bounds")
-ALLOCATOR_SLACK = 0.25
+# fraction of the planned work (planned peak less baseline) less the first batch's graph,
+# built before any product and kept through them all (the other cached graphs are built
+# during the first product, between blocks it frees). Measured beyond the plan without it:
+# 3% of that work on GPT-2 small (4944M), 1% on ResNet-18 (one batch, 11 of 891 MiB), 29% on
+# a 3M-parameter MLP of 12 batches (91 of 315 MiB); the margin keeps the plan an upper bound
+# (docs/memory.md, "What the budget bounds")
+ALLOCATOR_SLACK = 0.2
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
 
 
-def heap_slack(plan: MemoryPlan) -> int:
+def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
     """Bytes :func:`settle_heap` will plan beside the peak to leave the heap reusing freed
     blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and :data:`ALLOCATOR_SLACK`
-    of the planned work that products free (planned peak less baseline, less the first-order
-    graphs kept between products, ``kept_graph_bytes``); 0 where the heap is settled already
+    of the planned work (planned peak less baseline) less the first batch's first-order graph
+    when it is kept between products (``first_graph_bytes``: built before any product and
+    never freed); 0 where the heap is settled already
     (its slack, if any, is held) or is not glibc's on the CPU.
 
     Planners that could take the room it needs for something that buys less time (a Krylov
     basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
     saves the kernel's zeroing of every block a product maps, 2.5 CPU s of system time a
     product on ResNet-18, where a basis read back from a scratch file costs about 3% of a run.
+    ``beside``: work such a planner will add to the plan whatever it chooses (counted as
+    work, so that the slack reserved is the one :func:`settle_heap` will ask for).
     """
     if plan.heap is not None or plan.device.startswith("cuda") or _glibc() is None:
         return 0
-    freed = max(0, plan.planned_peak - plan.baseline - plan.kept_graph_bytes)
+    peak = max(plan.planned_peak, plan.in_use + int(beside))
+    freed = max(0, peak - plan.baseline - plan.first_graph_bytes)
     return int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
 
 
@@ -188,8 +192,8 @@ def settle_heap() -> str | None:
     resident set at what the run holds, but every block of 1 MiB or more is then mapped and
     zeroed by the kernel afresh for every product: on ResNet-18 2.5 CPU s of system time a
     product, 1.45x the bare product's cost. So when the budget holds the planned peak plus
-    :func:`heap_slack` (:data:`ALLOCATOR_SLACK` of the work products free, and the heap's
-    untrimmed top), the heap is left to
+    :func:`heap_slack` (the heap's untrimmed top and :data:`ALLOCATOR_SLACK` of the work), the
+    heap is left to
     reuse freed blocks (thresholds at glibc's defaults' ceiling) and that slack is planned as
     an item; otherwise it is bounded. Runs once per plan, on the CPU under glibc.
 
@@ -329,7 +333,7 @@ class MemoryPlan:
     planned_peak: int = 0
     choices: list[str] = field(default_factory=list)
     heap: str | None = None  # how the C heap treats freed memory (settle_heap), once chosen
-    kept_graph_bytes: int = 0  # first-order graphs kept between products (never freed)
+    first_graph_bytes: int = 0  # the first batch's graph when kept between products (heap_slack)
 
     @classmethod
     def for_run(cls, max_memory: str | int | None = None, device: str = "cpu") -> MemoryPlan:

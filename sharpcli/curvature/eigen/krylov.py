@@ -749,7 +749,7 @@ def basis_room(
     plan = memory.current()
     # the heap's reuse slack first, where the budget can hold it at all: it saves more time a
     # byte than rows kept in memory rather than in a scratch file
-    slack = memory.heap_slack(plan)
+    slack = memory.heap_slack(plan, beside=work)
     slack = slack if work + slack <= plan.room() else 0
     fit = plan.count_that_fit(per_vector, reserve=work + slack)
     if MAX_IN_MEMORY_BYTES is not None:

@@ -321,9 +321,11 @@ class CurvatureEngine:
                 self.clear_cache()
             plan.note(f"graph cache lowered to {self.cache_bytes >> 20} MiB by the memory budget")
             wanted = self.cache_bytes
-        plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
         kept = min(batches, wanted // max(1, graph_bytes))
-        plan.kept_graph_bytes = kept * graph_bytes  # not freed: no heap slack for them
+        # whole graphs only are kept; the first is counted in the workspace
+        plan.reserve("cached first-order graphs", max(0, kept - 1) * graph_bytes)
+        # built before any product and never freed: no blocks for the heap to keep
+        plan.first_graph_bytes = graph_bytes if kept else 0
         plan.note(
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
