@@ -159,7 +159,7 @@ GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # 3% of that work on GPT-2 small (4944M), 1% on ResNet-18 (one batch, 11 of 891 MiB), 29% on
 # a 3M-parameter MLP of 12 batches (91 of 315 MiB); the margin keeps the plan an upper bound
 # (docs/memory.md, "What the budget bounds")
-ALLOCATOR_SLACK = 0.2
+ALLOCATOR_SLACK = 0.15
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
 
 
