@@ -311,9 +311,7 @@ class CurvatureEngine:
         # backward each, for no byte saved)
         room = max(0, plan.room() // 2)
         if auto_cache:
-            self.cache_bytes = max(
-                self.cache_bytes, min(batches * graph_bytes, graph_bytes + room)
-            )
+            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, graph_bytes + room))
         wanted = min(self.cache_bytes, batches * graph_bytes)
         if wanted - graph_bytes > room:
             self.cache_bytes = int(graph_bytes + room)
