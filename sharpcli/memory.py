@@ -168,8 +168,8 @@ def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
     blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and :data:`ALLOCATOR_SLACK`
     of the planned work (planned peak less baseline) less the first batch's first-order graph
     when it is kept between products (``first_graph_bytes``: built before any product and
-    never freed); 0 where the heap is settled already
-    (its slack, if any, is held) or is not glibc's on the CPU.
+    never freed); 0 where the heap is settled already (its slack, if any, is held) or is not
+    glibc's on the CPU.
 
     Planners that could take the room it needs for something that buys less time (a Krylov
     basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
@@ -193,9 +193,8 @@ def settle_heap() -> str | None:
     zeroed by the kernel afresh for every product: on ResNet-18 2.5 CPU s of system time a
     product, 1.45x the bare product's cost. So when the budget holds the planned peak plus
     :func:`heap_slack` (the heap's untrimmed top and :data:`ALLOCATOR_SLACK` of the work), the
-    heap is left to
-    reuse freed blocks (thresholds at glibc's defaults' ceiling) and that slack is planned as
-    an item; otherwise it is bounded. Runs once per plan, on the CPU under glibc.
+    heap is left to reuse freed blocks (thresholds at glibc's defaults' ceiling) and that slack
+    is planned as an item; otherwise it is bounded. Runs once per plan, on the CPU under glibc.
 
     Returns:
         ``"reuse"`` or ``"bounded"`` (the plan's ``heap``), None without an active CPU plan.
@@ -212,8 +211,7 @@ def settle_heap() -> str | None:
             plan.heap = "reuse"
             plan.note(
                 "freed memory reused by the allocator (the budget holds "
-                f"{format_bytes(slack)} more than the plan): "
-                "no heap trimming"
+                f"{format_bytes(slack)} more than the plan): no heap trimming"
             )
         else:
             bound_heap()

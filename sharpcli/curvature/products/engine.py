@@ -268,9 +268,9 @@ class CurvatureEngine:
         columns). Counting ``g`` twice planned 2.9 GiB too many at GPT-2 large (774M
         parameters), which refused a 20G budget that holds the run. The cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
-        is shrunk (products then rebuild the graphs they cannot keep), counting only the graphs beyond
-        the first, which the workspace holds already; a budget that does not
-        hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
+        is shrunk (products then rebuild the graphs they cannot keep), counting only the graphs
+        beyond the first, which the workspace holds already; a budget that does not hold one
+        batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product). A cross-entropy over large logits goes by chunks of rows
