@@ -49,6 +49,7 @@ __all__ = [
     "trim_heap",
     "current",
     "format_bytes",
+    "heap_slack",
     "parse_size",
     "peak_rss_bytes",
     "rss_bytes",
@@ -151,12 +152,37 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc's mallop
 # and zeroed afresh each product, 0.8 CPU s a product of GPT-2 small's 7.1)
 GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # What glibc keeps resident, as freed blocks it reuses, beyond what a run holds when the heap
-# is left at its reuse thresholds, as a fraction of the run's planned work (planned peak less
-# baseline): measured at most 0.03 beyond the plan (GPT-2 small, 4944M: 4.66 GB against a
-# planned 4.55) and up to 0.24 beyond the bounded heap's peak (ResNet-18 eigen); the margin
-# keeps the plan an upper bound (docs/memory.md, "What the budget bounds")
-ALLOCATOR_SLACK = 0.25
+# is left at its reuse thresholds: the free top it does not trim (HEAP_TRIM_THRESHOLD) and a
+# fraction of the planned work (planned peak less baseline) less the first batch's graph,
+# built before any product and kept through them all (the other cached graphs are built
+# during the first product, between blocks it frees). Measured beyond the plan without it:
+# 3% of that work on GPT-2 small (4944M), 1% on ResNet-18 (one batch, 11 of 891 MiB), 29% on
+# a 3M-parameter MLP of 12 batches (91 of 315 MiB); the margin keeps the plan an upper bound
+# (docs/memory.md, "What the budget bounds")
+ALLOCATOR_SLACK = 0.15
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
+
+
+def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
+    """Bytes :func:`settle_heap` will plan beside the peak to leave the heap reusing freed
+    blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and :data:`ALLOCATOR_SLACK`
+    of the planned work (planned peak less baseline) less the first batch's first-order graph
+    when it is kept between products (``first_graph_bytes``: built before any product and
+    never freed); 0 where the heap is settled already (its slack, if any, is held) or is not
+    glibc's on the CPU.
+
+    Planners that could take the room it needs for something that buys less time (a Krylov
+    basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
+    saves the kernel's zeroing of every block a product maps, 2.5 CPU s of system time a
+    product on ResNet-18, where a basis read back from a scratch file costs about 3% of a run.
+    ``beside``: work such a planner will add to the plan whatever it chooses (counted as
+    work, so that the slack reserved is the one :func:`settle_heap` will ask for).
+    """
+    if plan.heap is not None or plan.device.startswith("cuda") or _glibc() is None:
+        return 0
+    peak = max(plan.planned_peak, plan.in_use + int(beside))
+    freed = max(0, peak - plan.baseline - plan.first_graph_bytes)
+    return int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
 
 
 def settle_heap() -> str | None:
@@ -166,9 +192,9 @@ def settle_heap() -> str | None:
     resident set at what the run holds, but every block of 1 MiB or more is then mapped and
     zeroed by the kernel afresh for every product: on ResNet-18 2.5 CPU s of system time a
     product, 1.45x the bare product's cost. So when the budget holds the planned peak plus
-    :data:`ALLOCATOR_SLACK` of the planned work, the heap is left to reuse freed blocks
-    (thresholds at glibc's defaults' ceiling) and that slack is planned as an item; otherwise
-    it is bounded. Runs once per plan, on the CPU under glibc.
+    :func:`heap_slack` (the heap's untrimmed top and :data:`ALLOCATOR_SLACK` of the work), the
+    heap is left to reuse freed blocks (thresholds at glibc's defaults' ceiling) and that slack
+    is planned as an item; otherwise it is bounded. Runs once per plan, on the CPU under glibc.
 
     Returns:
         ``"reuse"`` or ``"bounded"`` (the plan's ``heap``), None without an active CPU plan.
@@ -177,7 +203,7 @@ def settle_heap() -> str | None:
     if plan is None or plan.device.startswith("cuda"):
         return None
     if plan.heap is None:
-        slack = int(ALLOCATOR_SLACK * max(0, plan.planned_peak - plan.baseline))
+        slack = heap_slack(plan)
         if plan.planned_peak + slack <= plan.budget and _set_heap(
             REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX
         ):
@@ -185,7 +211,7 @@ def settle_heap() -> str | None:
             plan.heap = "reuse"
             plan.note(
                 "freed memory reused by the allocator (the budget holds "
-                f"{ALLOCATOR_SLACK:.0%} more than the plan): no heap trimming"
+                f"{format_bytes(slack)} more than the plan): no heap trimming"
             )
         else:
             bound_heap()
@@ -305,6 +331,7 @@ class MemoryPlan:
     planned_peak: int = 0
     choices: list[str] = field(default_factory=list)
     heap: str | None = None  # how the C heap treats freed memory (settle_heap), once chosen
+    first_graph_bytes: int = 0  # the first batch's graph when kept between products (heap_slack)
 
     @classmethod
     def for_run(cls, max_memory: str | int | None = None, device: str = "cpu") -> MemoryPlan:

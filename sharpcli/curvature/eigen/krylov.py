@@ -747,7 +747,11 @@ def basis_room(
     per_vector = KrylovBasis.bytes_for(dim, storage_dtype(op.dtype), 1)
     work = krylov_work_bytes(dim, op.dtype, extra_vectors, widened)
     plan = memory.current()
-    fit = plan.count_that_fit(per_vector, reserve=work)
+    # the heap's reuse slack first, where the budget can hold it at all: it saves more time a
+    # byte than rows kept in memory rather than in a scratch file
+    slack = memory.heap_slack(plan, beside=work)
+    slack = slack if work + slack <= plan.room() else 0
+    fit = plan.count_that_fit(per_vector, reserve=work + slack)
     if MAX_IN_MEMORY_BYTES is not None:
         fit = min(fit, MAX_IN_MEMORY_BYTES // per_vector)
     if fit >= steps:

@@ -268,8 +268,9 @@ class CurvatureEngine:
         columns). Counting ``g`` twice planned 2.9 GiB too many at GPT-2 large (774M
         parameters), which refused a 20G budget that holds the run. The cache holds up to
         ``min(cache_bytes, batches * b)``. A cache larger than half of what the budget leaves
-        is shrunk (products then rebuild the graphs they cannot keep); a budget that does not
-        hold one batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
+        is shrunk (products then rebuild the graphs they cannot keep), counting only the graphs
+        beyond the first, which the workspace holds already; a budget that does not hold one
+        batch's product is a UsageError on ``max_memory``. ``auto_cache``: the cache
         may also grow beyond ``cache_bytes`` to hold every batch's graph when that fits in
         half of what the budget leaves (each cached graph saves a forward and a backward pass
         per product). A cross-entropy over large logits goes by chunks of rows
@@ -304,18 +305,25 @@ class CurvatureEngine:
             "lower `batch_size`",
         )
         plan.reserve(memory.PRODUCT_WORKSPACE, workspace)
+        # the first batch's graph is inside the workspace, held for the whole run: keeping it
+        # between products costs the plan nothing, and only the other batches' graphs take
+        # room (a budget that dropped it rebuilt the graph for every product, +1 forward and
+        # backward each, for no byte saved)
         room = max(0, plan.room() // 2)
         if auto_cache:
-            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, room))
+            self.cache_bytes = max(self.cache_bytes, min(batches * graph_bytes, graph_bytes + room))
         wanted = min(self.cache_bytes, batches * graph_bytes)
-        if wanted > room:
-            self.cache_bytes = int(room)
+        if wanted - graph_bytes > room:
+            self.cache_bytes = int(graph_bytes + room)
             if self._cached_bytes > self.cache_bytes:
                 self.clear_cache()
-            plan.note(f"graph cache lowered to {room >> 20} MiB by the memory budget")
-            wanted = room
-        plan.reserve("cached first-order graphs", max(0, wanted - graph_bytes))
+            plan.note(f"graph cache lowered to {self.cache_bytes >> 20} MiB by the memory budget")
+            wanted = self.cache_bytes
         kept = min(batches, wanted // max(1, graph_bytes))
+        # whole graphs only are kept; the first is counted in the workspace
+        plan.reserve("cached first-order graphs", max(0, kept - 1) * graph_bytes)
+        # built before any product and never freed: no blocks for the heap to keep
+        plan.first_graph_bytes = graph_bytes if kept else 0
         plan.note(
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
