@@ -73,6 +73,7 @@ def test_grad_with_outputs_is_torchs_grad_bit_for_bit_and_keeps_its_errors() -> 
     theirs = torch.autograd.grad(grads, [w1, w2], grad_outputs=v, retain_graph=True)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     h = 1e-5  # H v by central differences of the gradient, float64
+
     def shifted(sign):
         return [(p + sign * h * d).detach().requires_grad_() for p, d in zip((w1, w2), v)]
 
