@@ -566,8 +566,8 @@ def case_fixed(workdir, env, device, products=20, trees=(), shape=None):
           "CPU seconds (user + system)\n")  # fmt: skip
     print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | products | "
           "compute s / product | x bare HVP | whole run / (3 bare + loading) | "
-          + " | ".join(PHASES) + " |", flush=True)  # fmt: skip
-    print("|---" * (10 + len(PHASES)) + "|", flush=True)
+          + " | ".join(PHASES) + " | lambda_max |", flush=True)  # fmt: skip
+    print("|---" * (11 + len(PHASES)) + "|", flush=True)
     runs: list = []
     own_startup = None
     for (source, source_env), bound in [(s, b) for s in sources for b in (products, 2)]:
@@ -591,7 +591,7 @@ def case_fixed(workdir, env, device, products=20, trees=(), shape=None):
         phases = " | ".join(f"{split[p]:.1f}" if p in split else "" for p in PHASES)
         print(f"| {source} | {bound} | {info['cpu']:.1f} | {info['user']:.1f} | "
               f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {matvecs} | {per:.2f} | "
-              f"{per / bare:.2f}x | {short} | {phases} |", flush=True)  # fmt: skip
+              f"{per / bare:.2f}x | {short} | {phases} | {value_of(info)!r} |", flush=True)  # fmt: skip
     return runs
 
 
