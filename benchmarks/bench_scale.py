@@ -525,7 +525,7 @@ def case_ratio(workdir, env, device, products=12, commands=("eigen",), models=("
 PHASES = ("startup", "load", "preflight", "first_graph", "products", "report")
 
 
-def case_fixed(workdir, env, device, products=20, trees=()):
+def case_fixed(workdir, env, device, products=20, trees=(), shape=None):
     """``fixed``: whole runs of GPT-2 small (4 x 64 tokens) against the bare graph-kept HVP of
     the same checkpoint, in one run: ``sharp eigen --top-k 1`` at ``products`` matvecs and at 2
     (a 3-product run: two Lanczos steps and the residual check), their CPU seconds (user and
@@ -540,15 +540,20 @@ def case_fixed(workdir, env, device, products=20, trees=()):
     ``trees``: other source trees of sharp (e.g. the main branch's checkout) run the same two
     commands with their ``sharpcli`` first on the path, for a before/after in one run; a tree
     whose reports have no ``timing.cpu_seconds`` gets this tree's start-up CPU seconds.
+
+    ``shape``: GPT-2 small's shape with these entries changed (``--fixed-shape
+    d=384,layers=4,heads=6``: a 27M-parameter model that fits in 4 GiB, to iterate on).
     """
     import torch
 
+    args = {**GPT2_SMALL, **(shape or {})}
+    name = "gpt2" if not shape else "gpt2-" + "-".join(f"{k}{v}" for k, v in shape.items())
     g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
-    ckpt, data, count = write_case(workdir, "gpt2", "gpt2", GPT2_SMALL, seq[:, :-1], seq[:, 1:])
+    seq = torch.randint(0, args["vocab"], (4, 65), generator=g)
+    ckpt, data, count = write_case(workdir, name, "gpt2", args, seq[:, :-1], seq[:, 1:])
     bare_info: dict = {}
-    bare = bare_hvp("gpt2", GPT2_SMALL, ckpt, data, device, count=3, details=bare_info)
-    print(f"\nbare graph-kept HVP (GPT-2 small, P = {count:,}): median {bare:.2f} CPU s of "
+    bare = bare_hvp("gpt2", args, ckpt, data, device, count=3, details=bare_info)
+    print(f"\nbare graph-kept HVP ({name}, P = {count:,}): median {bare:.2f} CPU s of "
           f"{', '.join(f'{t:.2f}' for t in bare_info['seconds'])}; loading (interpreter, torch, "
           f"checkpoint, data) {bare_info['load_cpu']:.2f} CPU s, first-order graph "
           f"{bare_info['graph_cpu']:.2f}, whole child {bare_info['cpu']:.1f} CPU s, peak RSS "
@@ -557,12 +562,12 @@ def case_fixed(workdir, env, device, products=20, trees=()):
     for tree in trees:  # `python -m` puts its working directory first: run in the tree
         tree_env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), env["PYTHONPATH"]]))
         sources.append((str(tree), tree_env))
-    print(f"\nWhole runs, GPT-2 small (P = {count:,}, 4 x 64 tokens), {device}, one thread; "
+    print(f"\nWhole runs, {name} (P = {count:,}, 4 x 64 tokens), {device}, one thread; "
           "CPU seconds (user + system)\n")  # fmt: skip
     print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | products | "
           "compute s / product | x bare HVP | whole run / (3 bare + loading) | "
-          + " | ".join(PHASES) + " |", flush=True)  # fmt: skip
-    print("|---" * (10 + len(PHASES)) + "|", flush=True)
+          + " | ".join(PHASES) + " | lambda_max |", flush=True)  # fmt: skip
+    print("|---" * (11 + len(PHASES)) + "|", flush=True)
     runs: list = []
     own_startup = None
     for (source, source_env), bound in [(s, b) for s in sources for b in (products, 2)]:
@@ -586,7 +591,7 @@ def case_fixed(workdir, env, device, products=20, trees=()):
         phases = " | ".join(f"{split[p]:.1f}" if p in split else "" for p in PHASES)
         print(f"| {source} | {bound} | {info['cpu']:.1f} | {info['user']:.1f} | "
               f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {matvecs} | {per:.2f} | "
-              f"{per / bare:.2f}x | {short} | {phases} |", flush=True)  # fmt: skip
+              f"{per / bare:.2f}x | {short} | {phases} | {value_of(info)!r} |", flush=True)  # fmt: skip
     return runs
 
 
@@ -641,6 +646,11 @@ def main() -> None:
     parser.add_argument(
         "--trees", default="", help="fixed: other sharp source trees to run too (before/after)"
     )
+    parser.add_argument(
+        "--fixed-shape",
+        default="",
+        help="fixed: GPT-2 small's shape with entries changed, e.g. d=384,layers=4,heads=6",
+    )
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -670,8 +680,9 @@ def main() -> None:
             )  # fmt: skip
         elif case == "fixed":
             case_fixed(
-                workdir, env, args.device, trees=[Path(t) for t in args.trees.split(",") if t]
-            )
+                workdir, env, args.device, trees=[Path(t) for t in args.trees.split(",") if t],
+                shape={k: int(v) for k, v in (e.split("=") for e in args.fixed_shape.split(",") if e)},
+            )  # fmt: skip
         elif case == "converged":
             case_converged(workdir, env, args.device, tuple(args.sharp_args.split()))
         else:

@@ -204,8 +204,12 @@ def settle_heap() -> str | None:
         return None
     if plan.heap is None:
         slack = heap_slack(plan)
+        # the heap's free top is kept up to the slack the plan counts: trimmed beyond 64 MiB,
+        # a product's freed temporaries (0.5 GB at GPT-2 small) went back to the system and
+        # the next product faulted and zeroed them afresh (8 of 11 CPU s of system time in a
+        # 20-matvec run of a 27M-parameter GPT-2 shape)
         if plan.planned_peak + slack <= plan.budget and _set_heap(
-            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX
+            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack)
         ):
             plan.add_to_peak(ALLOCATOR_SLACK_ITEM, slack)
             plan.heap = "reuse"
@@ -220,9 +224,12 @@ def settle_heap() -> str | None:
     return plan.heap
 
 
-def _set_heap(mmap_threshold: int, mmap_max: int = GLIBC_MMAP_MAX) -> bool:
+def _set_heap(
+    mmap_threshold: int, mmap_max: int = GLIBC_MMAP_MAX, trim_threshold: int = HEAP_TRIM_THRESHOLD
+) -> bool:
     """glibc's mmap threshold to ``mmap_threshold``, the most blocks it maps on their own to
-    ``mmap_max`` and its trim threshold to :data:`HEAP_TRIM_THRESHOLD`; False off glibc."""
+    ``mmap_max`` and its trim threshold (free memory at the heap's top kept beyond it goes
+    back) to ``trim_threshold``; False off glibc."""
     libc = _glibc()
     if libc is None:
         return False
@@ -231,7 +238,7 @@ def _set_heap(mmap_threshold: int, mmap_max: int = GLIBC_MMAP_MAX) -> bool:
     mallopt.restype = ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
     ok = mallopt(_M_MMAP_MAX, mmap_max) == 1 and ok
-    return mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD) == 1 and ok
+    return mallopt(_M_TRIM_THRESHOLD, min(trim_threshold, 2**31 - 1)) == 1 and ok
 
 
 def bound_heap() -> bool:

@@ -519,7 +519,9 @@ def _graph_leaves(root) -> set[int]:
     return leaves
 
 
-def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) -> None:
+def check_deterministic_forward(
+    model: nn.Module, x: torch.Tensor, source: str, first: torch.Tensor | None = None
+) -> None:
     """Refuse a model that is not deterministic in analysis mode (eval mode, as [PyHessian]).
 
     The analysis loss ``L(theta)`` must be a function of ``theta``: a module still in training
@@ -529,6 +531,8 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
     ``F.dropout(x, training=True)``), would make every curvature product random. Checked on the
     first batch: two forward passes must give bit-identical logits (the global RNG state is
     restored afterwards). Raises :class:`UsageError` naming the modules or the difference.
+    ``first``: the outputs of an earlier forward pass on the same ``x`` (without gradients, in
+    the same mode), which then stands for the first of the two passes.
     """
 
     offenders = train_mode_modules(model)
@@ -543,7 +547,8 @@ def check_deterministic_forward(model: nn.Module, x: torch.Tensor, source: str) 
         return
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        first = model(x)
+        if first is None:
+            first = model(x)
         second = model(x)
     if not torch.equal(first, second):
         both_nan = torch.isnan(first) & torch.isnan(second)

@@ -99,6 +99,39 @@ def test_session_refuses_batchnorm_stuck_in_training_mode():
     check_deterministic_forward(make_mlp(), x, source="model.pt")  # a plain eval-mode MLP passes
 
 
+def test_the_determinism_check_reuses_a_given_first_pass():
+    """With ``first`` (an earlier no-grad pass on the same samples, as the session's loss read
+    gives it) the check runs one forward pass, and still refuses a model that is random."""
+    from sharpcli.errors import InputError
+    from sharpcli.preflight import check_deterministic_forward
+
+    calls = []
+    model = make_mlp().eval()
+    model.register_forward_hook(lambda module, args, out: calls.append(1))
+    x, _ = make_data("vector")
+    with torch.no_grad():
+        first = model(x)
+    check_deterministic_forward(model, x, source="model.pt", first=first)
+    assert len(calls) == 2  # the given pass and one more
+    check_deterministic_forward(model, x, source="model.pt")
+    assert len(calls) == 4  # two of its own without it
+
+    class AlwaysDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(x.shape[1], 8).double()
+
+        def forward(self, inputs):
+            return torch.nn.functional.dropout(self.first(inputs), 0.5, training=True)
+
+    noisy = AlwaysDropout().eval()
+    with torch.no_grad():
+        given = noisy(x)
+    with pytest.raises(InputError) as info:
+        check_deterministic_forward(noisy, x, source="model.pt", first=given)
+    assert "not deterministic" in info.value.message
+
+
 def test_cli_refuses_a_model_that_is_random_in_eval_mode(tmp_path, capsys, monkeypatch):
     from safetensors.torch import save_file
 

@@ -452,7 +452,9 @@ def unit_random(dim, generator, device, basis: KrylovBasis | None = None):
     q = gaussian_like(dim, generator, _F64, device)
     if basis is not None and len(basis) > 0:
         basis.orthogonalize(q)
-    return q / torch.linalg.vector_norm(q)
+    # in place (the same IEEE quotients): a second float64 P-vector was 1 GB of fresh pages
+    # at GPT-2 small
+    return q.div_(torch.linalg.vector_norm(q))
 
 
 def semiorthogonal(last_row: np.ndarray, beta: float, error: float, eps: float) -> bool:

@@ -179,6 +179,59 @@ def check_finite(block: torch.Tensor, part: str, operator: str, index: int) -> N
 GRAD_OUTPUTS_FROM = 1 << 22
 
 
+def grad_with_outputs(
+    outputs, inputs, vectors, *, allow_unused: bool = True, retain_graph=None, create_graph=False
+) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs=vectors, ...)``, the same engine
+    call with the same tensors, without the shape check of torch's ``_make_grads``.
+
+    That check imports ``torch.fx``'s symbolic-shape module and with it sympy, about 1 CPU s
+    of every process that takes a product (docs/benchmarks.md, "Fixed costs, second pass");
+    the shapes and dtypes are compared here instead, and anything else (a tensor subclass
+    with its own ``__torch_function__``, a mismatch whose error torch words, a torch without
+    the engine entry point) goes through ``torch.autograd.grad`` itself.
+
+    Args:
+        outputs: the tensors differentiated.
+        inputs: the tensors differentiated with respect to.
+        vectors: one tensor per output, shaped like it (``grad_outputs``).
+        allow_unused: return ``None`` for an input the outputs do not depend on.
+        retain_graph: keep the graph (default: ``create_graph``).
+        create_graph: build the graph of the result.
+
+    Returns:
+        One tensor (or ``None``) per input.
+    """
+    outputs, inputs, vectors = tuple(outputs), tuple(inputs), tuple(vectors)
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    plain = (
+        run is not None
+        and len(vectors) == len(outputs)
+        and all(
+            type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+            for t in (*outputs, *inputs, *vectors)
+        )
+        and all(
+            o.shape == v.shape and o.dtype == v.dtype and o.device == v.device and o.requires_grad
+            for o, v in zip(outputs, vectors)
+        )
+    )
+    if not plain:
+        return torch.autograd.grad(
+            outputs,
+            inputs,
+            grad_outputs=vectors,
+            allow_unused=allow_unused,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+        )
+    if retain_graph is None:
+        retain_graph = create_graph
+    return run(  # type: ignore[misc]
+        outputs, vectors, retain_graph, create_graph, inputs, allow_unused, accumulate_grad=False
+    )
+
+
 def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
     """``d/d inputs sum_i <outputs_i, vectors_i>``: the vector-Jacobian product ``J^T v``.
 
@@ -187,8 +240,8 @@ def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
     module and with it sympy to compare shapes (a part of a command's start-up:
     docs/benchmarks.md, "Start-up"), and the dot product costs one elementwise product and sum
     per output. From :data:`GRAD_OUTPUTS_FROM` entries on (4M: a model where a product takes
-    seconds) the outputs are passed as ``grad_outputs``: there the dot product's temporaries
-    cost more every product than the import once. The ``vectors`` must not depend on ``inputs`` (they are constants of the
+    seconds) the outputs are passed as ``grad_outputs`` (:func:`grad_with_outputs`, which
+    skips that import too): there the dot product's temporaries cost more every product. The ``vectors`` must not depend on ``inputs`` (they are constants of the
     product).
 
     Args:
@@ -207,8 +260,6 @@ def vjp(outputs, inputs, vectors, *, allow_unused: bool = True, **kw) -> tuple:
         # contiguous: a probe block's column is a strided view, and every layer's backward
         # would read it strided (1.4 CPU s more a product at GPT-2 small than one copy)
         vectors = [v.contiguous() for v in vectors]
-        return torch.autograd.grad(
-            outputs, inputs, grad_outputs=vectors, allow_unused=allow_unused, **kw
-        )
+        return grad_with_outputs(outputs, inputs, vectors, allow_unused=allow_unused, **kw)
     dot = sum((o * v).sum() for o, v in zip(outputs, vectors))
     return torch.autograd.grad(dot, inputs, allow_unused=allow_unused, **kw)

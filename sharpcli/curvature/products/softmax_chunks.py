@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sharpcli.curvature.products.graphs import grad_with_outputs
 from sharpcli.losses import CROSS_ENTROPY, IGNORE_INDEX, TOKEN_CROSS_ENTROPY, token_weights
 
 __all__ = [
@@ -233,6 +234,8 @@ class SoftmaxRows:
             One tensor (or None) per parameter.
         """
         with torch.enable_grad():
+            if not batched:  # without the import of sympy (graphs.grad_with_outputs)
+                return grad_with_outputs([z], params, [u], allow_unused=True, **kw)
             return torch.autograd.grad(
                 z, params, grad_outputs=u, allow_unused=True, is_grads_batched=batched, **kw
             )
