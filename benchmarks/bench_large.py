@@ -15,9 +15,10 @@ how the products were taken (exact or finite differences with their error bound)
 the Krylov basis was kept (the report's memory choices).
 
 Usage: ``python benchmarks/bench_large.py [--models medium,large] [--commands eigen,trace]
-[--products 20] [--budget 20G] [--workdir DIR] [--lock /tmp/bigmem.lock]``. ``--lock``
-takes that file's lock (``flock``) around each child only, so that other large runs on a
-shared machine take turns between them. A GPT-2-large product takes about a minute of one
+[--products 20] [--budget 20G] [--workdir DIR] [--lock /tmp/bigmem.lock] [--timeout S]``.
+``--lock`` takes that file's lock (``flock``) around each child only, so that other large runs
+on a shared machine take turns between them; ``--timeout`` kills a child after S seconds
+(exit 124), counted inside the lock. A GPT-2-large product takes about a minute of one
 core: measure with ``--products 2`` first.
 """
 
@@ -83,6 +84,9 @@ def main() -> None:
     parser.add_argument("--budget", default="20G")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--lock", default=None, help="flock this file around each child")
+    parser.add_argument(
+        "--timeout", type=int, default=None, help="kill a child after this many seconds"
+    )
     args = parser.parse_args()
 
     import os
@@ -110,6 +114,8 @@ def main() -> None:
             )
         for kind in args.commands.split(","):
             argv = command(kind, ckpt, data, args.products, args.budget)
+            if args.timeout:  # inside the lock: the wait for it is not counted
+                argv = ["timeout", str(args.timeout), *argv]
             if args.lock:
                 argv = ["flock", args.lock, *argv]
             info = measure(argv, env)
