@@ -21,7 +21,7 @@ HvpOpt = Annotated[
         "--hvp",
         metavar="KIND",
         show_default=False,
-        help="exact, finite-difference or fsdp products (default: exact where it fits).",
+        help="exact, finite-difference (if only it fits) or fsdp.",
     ),
 ]
 
