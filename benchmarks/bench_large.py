@@ -69,7 +69,8 @@ def describe(report: dict) -> tuple[str, str, str]:
     how = (
         "exact (double backward)"
         if hvp is None
-        else f"finite differences, |D v - H v| <= {hvp['error_bound']:.3g} |v|"
+        else f"finite differences{' (chosen by the budget)' if hvp.get('by_budget') else ''}, "
+        f"|D v - H v| <= {hvp['error_bound']:.3g} |v|"
     )
     choices = report.get("timing", {}).get("memory", {}).get("choices", [])
     where = "; ".join(c for c in choices if "basis" in c or "heap" in c or "freed" in c)
