@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--budget", default="20G")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--lock", default=None, help="flock this file around each child")
+    parser.add_argument("--save", default=None, help="write each run's JSON report here")
     parser.add_argument(
         "--timeout", type=int, default=None, help="kill a child after this many seconds"
     )
@@ -131,6 +132,9 @@ def main() -> None:
             }
             if info["code"] == 0:
                 report = json.loads(info["out"])
+                if args.save:
+                    Path(args.save).mkdir(parents=True, exist_ok=True)
+                    (Path(args.save) / f"gpt2-{name}-{kind}.json").write_text(info["out"])
                 row["products"] = report.get("timing", {}).get("matvecs", "")
                 row["value"], row["how"], row["where"] = describe(report)
                 memory = report.get("timing", {}).get("memory", {})
