@@ -15,9 +15,10 @@ how the products were taken (exact or finite differences with their error bound)
 the Krylov basis was kept (the report's memory choices).
 
 Usage: ``python benchmarks/bench_large.py [--models medium,large] [--commands eigen,trace]
-[--products 20] [--budget 20G] [--workdir DIR] [--lock /tmp/bigmem.lock]``. ``--lock``
-takes that file's lock (``flock``) around each child only, so that other large runs on a
-shared machine take turns between them. A GPT-2-large product takes about a minute of one
+[--products 20] [--budget 20G] [--workdir DIR] [--lock /tmp/bigmem.lock] [--timeout S]``.
+``--lock`` takes that file's lock (``flock``) around each child only, so that other large runs
+on a shared machine take turns between them; ``--timeout`` kills a child after S seconds
+(exit 124), counted inside the lock. A GPT-2-large product takes about a minute of one
 core: measure with ``--products 2`` first.
 """
 
@@ -68,7 +69,8 @@ def describe(report: dict) -> tuple[str, str, str]:
     how = (
         "exact (double backward)"
         if hvp is None
-        else f"finite differences, |D v - H v| <= {hvp['error_bound']:.3g} |v|"
+        else f"finite differences{' (chosen by the budget)' if hvp.get('by_budget') else ''}, "
+        f"|D v - H v| <= {hvp['error_bound']:.3g} |v|"
     )
     choices = report.get("timing", {}).get("memory", {}).get("choices", [])
     where = "; ".join(c for c in choices if "basis" in c or "heap" in c or "freed" in c)
@@ -83,6 +85,10 @@ def main() -> None:
     parser.add_argument("--budget", default="20G")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--lock", default=None, help="flock this file around each child")
+    parser.add_argument("--save", default=None, help="write each run's JSON report here")
+    parser.add_argument(
+        "--timeout", type=int, default=None, help="kill a child after this many seconds"
+    )
     args = parser.parse_args()
 
     import os
@@ -110,6 +116,8 @@ def main() -> None:
             )
         for kind in args.commands.split(","):
             argv = command(kind, ckpt, data, args.products, args.budget)
+            if args.timeout:  # inside the lock: the wait for it is not counted
+                argv = ["timeout", str(args.timeout), *argv]
             if args.lock:
                 argv = ["flock", args.lock, *argv]
             info = measure(argv, env)
@@ -124,6 +132,9 @@ def main() -> None:
             }
             if info["code"] == 0:
                 report = json.loads(info["out"])
+                if args.save:
+                    Path(args.save).mkdir(parents=True, exist_ok=True)
+                    (Path(args.save) / f"gpt2-{name}-{kind}.json").write_text(info["out"])
                 row["products"] = report.get("timing", {}).get("matvecs", "")
                 row["value"], row["how"], row["where"] = describe(report)
                 memory = report.get("timing", {}).get("memory", {})

@@ -22,8 +22,8 @@ from sharpcli.analyses.data_advice import annotate_eigen, annotate_trace
 from sharpcli.analyses.hvp import (
     FINITE_DIFFERENCE,
     add_hvp_record,
-    check_hvp,
     finite_difference_engine,
+    hvp_and_fallback,
 )
 from sharpcli.catalogue import EXACT_HVP, GGN_EXACT, GGN_HUTCHINSON, GGN_SAMPLED
 from sharpcli.catalogue.values import TRACE_KEY
@@ -68,10 +68,18 @@ def check_choice(value: str, accepted: tuple, parameter: str) -> str:
     return value
 
 
-def curvature_engine(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bool = False):
+def curvature_engine(
+    session,
+    params: str | None,
+    hvp: str = EXACT_HVP,
+    fsdp: bool = False,
+    fallback: bool = False,
+):
     """The curvature engine (H and G products with cached graphs) over the session's analysis set;
     with ``hvp="finite-difference"`` Hessian products by differences of gradients instead
-    (:mod:`sharpcli.analyses.hvp`)."""
+    (:mod:`sharpcli.analyses.hvp`). ``fallback``: where the memory budget does not hold the
+    exact product's workspace but holds the finite-difference one's, the latter, its engine's
+    ``refused_exact`` saying why (the report's ``hvp.by_budget`` and note)."""
     if hvp == FINITE_DIFFERENCE:
         engine = finite_difference_engine(session, params, fsdp)
         phases.mark(phases.FIRST_GRAPH)
@@ -84,9 +92,83 @@ def curvature_engine(session, params: str | None, hvp: str = EXACT_HVP, fsdp: bo
         scope,
         cache_bytes=DEFAULT_CACHE_BYTES if auto else session.cache_bytes,
     )
-    engine.plan_memory(memory.current(), auto_cache=auto)  # builds the first graph
+    if not fallback:
+        engine.plan_memory(memory.current(), auto_cache=auto)  # builds the first graph
+        phases.mark(phases.FIRST_GRAPH)
+        return engine
+    chosen = _exact_or_finite_difference(session, params, engine, auto)
     phases.mark(phases.FIRST_GRAPH)
-    return engine
+    return chosen
+
+
+# the plan item of the exact product's first graph, built to plan it and freed (measured)
+EXACT_TRIED = "exact product's first graph, built to plan it and freed"
+
+
+def _plan_state(plan) -> tuple:
+    """What planning an engine changes in ``plan``, to be put back (:func:`_restore_plan`)."""
+    return dict(plan.items), dict(plan.held), plan.planned_peak, list(plan.choices)
+
+
+def _restore_plan(plan, state: tuple) -> None:
+    plan.items, plan.held = dict(state[0]), dict(state[1])
+    plan.planned_peak, plan.choices = state[2], list(state[3])
+
+
+def _exact_or_finite_difference(session, params: str | None, exact, auto: bool):
+    """``exact`` (a :class:`~sharpcli.curvature.CurvatureEngine`) planned in the run's budget,
+    or, where the budget does not hold its product's workspace (its first-order graph and
+    about as much again for the double backward) but holds the finite-difference product's
+    (four parameter-sized vectors and one batch's forward activations), a
+    :class:`~sharpcli.curvature.products.finite_difference.FiniteDifferenceEngine` whose
+    ``refused_exact`` says why. The exact product's check leaves out a first graph it keeps
+    cached; a workspace that then takes the plan past the budget does not fit either.
+    Neither fitting: the exact product's refusal (UsageError on ``max_memory``), or the exact
+    engine as planned when only the cached graph's part was past the budget.
+
+    Planning the exact product builds its first graph, freed before the finite-difference
+    product is planned; that moment is counted in the plan's peak as measured (the resident
+    set's high-water mark where it rose while the graph was built, else the resident set
+    with the graph held), as the item :data:`EXACT_TRIED`."""
+    plan = memory.current()
+    before = _plan_state(plan)
+    held_before = plan.in_use
+    high_before = memory.peak_rss_bytes()
+    refusal: UsageError | None = None
+    try:
+        exact.plan_memory(plan, auto_cache=auto)  # builds the first graph
+    except UsageError as exc:
+        if exc.source != "max_memory":
+            raise
+        refusal = exc
+    if refusal is None and plan.in_use <= plan.budget:
+        return exact
+    workspace = plan.held.get(memory.PRODUCT_WORKSPACE, 0)
+    planned = _plan_state(plan)
+    high = memory.peak_rss_bytes()
+    tried = (high if high > high_before else memory.rss_bytes()) - held_before
+    exact.clear_cache()  # its graphs are built again at the first product if it stays
+    _restore_plan(plan, before)
+    with plan.hold(EXACT_TRIED, max(0, tried)):
+        pass
+    try:
+        fd = finite_difference_engine(session, params)
+    except UsageError:
+        if refusal is not None:
+            raise refusal from None  # neither fits: the refusal of the product asked for
+        _restore_plan(plan, planned)
+        return exact
+    fd.refused_exact = (
+        str(refusal).split("; ")[0]
+        if refusal is not None
+        else f"one batch's Hessian product (its first-order graph and double backward) needs "
+        f"{memory.format_bytes(workspace)} but the memory budget "
+        f"({memory.format_bytes(plan.budget)}, {plan.stated}) leaves "
+        f"{memory.format_bytes(max(plan.budget - held_before, 0))} after "
+        f"{memory.format_bytes(held_before)} already held"
+    )
+    plan.note("exact Hessian products do not fit the budget: central differences of gradients")
+    return fd
 
 
 def operator_of(engine, operator: str):
@@ -119,16 +201,17 @@ def eigen(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
-    hvp: str = EXACT_HVP,
+    hvp: str | None = EXACT_HVP,
     fsdp: bool = False,
     data_error: bool = True,
 ) -> dict:
     """Top-k (largest, smallest or both ends) eigenvalues with Ritz residuals and converged
-    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`);
+    flags; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`;
+    None: exact, or finite differences where the budget holds only theirs);
     ``data_error``: each eigenvalue's error over the data's samples (:func:`eigen_result`)."""
     check_choice(method, METHODS, "method")
     check_choice(engine, ENGINES, "engine")
-    check_hvp(hvp, operator=operator, fsdp=fsdp, engine=engine)
+    hvp, fallback = hvp_and_fallback(hvp, operator=operator, fsdp=fsdp, engine=engine)
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN:
@@ -150,7 +233,7 @@ def eigen(
         out.update(operator=operator, scope=scope_info(session.scope(params)))
         return out
     # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
-    native = curvature_engine(session, params, hvp, fsdp)
+    native = curvature_engine(session, params, hvp, fsdp, fallback)
     result = eigen_result(
         native,
         operator,
@@ -324,14 +407,17 @@ def trace(
     params: str | None = None,
     engine: str = "native",
     seed: int | None = None,
-    hvp: str = EXACT_HVP,
+    hvp: str | None = EXACT_HVP,
     fsdp: bool = False,
 ) -> dict:
     """``tr(A)`` (or ``Tr(A^2)`` with ``square``) with standard error and per-layer (diagonal
-    block) traces; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
+    block) traces; ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`;
+    None: exact, or finite differences where the budget holds only theirs)."""
     catalogue.ESTIMATORS.entry(estimator, source="estimator")  # an unknown name before any work
     check_choice(engine, ENGINES, "engine")
-    check_hvp(hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine)
+    hvp, fallback = hvp_and_fallback(
+        hvp, operator=operator, fsdp=fsdp, estimator=estimator, engine=engine
+    )
     seed = session.seed if seed is None else seed
     if engine == "pyhessian":
         if operator != HESSIAN or square:
@@ -346,7 +432,7 @@ def trace(
         )
         return _trace_report(result, operator, square, session.scope(params), None)
     # ``engine`` is the implementation's name (``--engine``): this is the native one's engine
-    native = curvature_engine(session, params, hvp, fsdp)
+    native = curvature_engine(session, params, hvp, fsdp, fallback)
     result = trace_result(
         native,
         operator,
@@ -442,14 +528,15 @@ def density(
     broadening: float | None = None,
     params: str | None = None,
     seed: int | None = None,
-    hvp: str = EXACT_HVP,
+    hvp: str | None = EXACT_HVP,
     fsdp: bool = False,
 ) -> dict:
     """Spectral density by stochastic Lanczos quadrature ([Ghorbani2019]), Gaussian-broadened;
-    ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`)."""
-    check_hvp(hvp, operator=operator, fsdp=fsdp)
+    ``hvp``, ``fsdp``: how the products are taken (:mod:`sharpcli.analyses.hvp`; None: exact,
+    or finite differences where the budget holds only theirs)."""
+    hvp, fallback = hvp_and_fallback(hvp, operator=operator, fsdp=fsdp)
     seed = session.seed if seed is None else seed
-    engine = curvature_engine(session, params, hvp, fsdp)
+    engine = curvature_engine(session, params, hvp, fsdp, fallback)
     op = operator_of(engine, operator)
     with progress.phase(f"density {_symbol(operator)}"):
         result = spectral_density(

@@ -128,7 +128,7 @@ def eigen_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
+    hvp: hvp_option.HvpOpt = None,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
     plot: Annotated[
@@ -151,7 +151,9 @@ def eigen_command(
     common.require(plot is None or blocks is not None, "needs --blocks", "--plot")
     common.check_output(plot)
     hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
+    session = common.open_session(
+        checkpoint, opts, double_backward=hvp != catalogue.FINITE_DIFFERENCE
+    )
     with common.progress_bar(opts.quiet, opts.json, f"eigenvalues of the {operator}"):
         results = spectrum.eigen(
             session,
@@ -268,7 +270,7 @@ def trace_command(
     ] = False,
     params: common.ParamsOpt = None,
     engine: EngineOpt = "native",
-    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
+    hvp: hvp_option.HvpOpt = None,
     blocks: BlocksOpt = None,
     top: TopOpt = None,
 ) -> runner.Outcome:
@@ -280,7 +282,9 @@ def trace_command(
     _positive(top, "--top")
     common.require(max_matvecs >= 2, "must be at least 2", "--trace-max-matvecs")
     hvp, fsdp = hvp_option.check(hvp, operator, engine, blocks, estimator)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
+    session = common.open_session(
+        checkpoint, opts, double_backward=hvp != catalogue.FINITE_DIFFERENCE
+    )
     with common.progress_bar(opts.quiet, opts.json, f"trace of the {operator}"):
         results = spectrum.trace(
             session,
@@ -494,7 +498,7 @@ def density_command(
         ),
     ] = None,
     params: common.ParamsOpt = None,
-    hvp: hvp_option.HvpOpt = catalogue.EXACT_HVP,
+    hvp: hvp_option.HvpOpt = None,
     plot: Annotated[
         Optional[str],
         typer.Option("--plot", metavar="PATH", help="Write a PNG plot of the density to PATH."),
@@ -514,7 +518,9 @@ def density_command(
     _positive(broadening, "--broadening")
     common.check_output(plot)
     hvp, fsdp = hvp_option.check(hvp, operator, "native", blocks)
-    session = common.open_session(checkpoint, opts, double_backward=hvp == catalogue.EXACT_HVP)
+    session = common.open_session(
+        checkpoint, opts, double_backward=hvp != catalogue.FINITE_DIFFERENCE
+    )
     with common.progress_bar(opts.quiet, opts.json, "stochastic Lanczos quadrature"):
         results = spectrum.density(
             session,

@@ -4,7 +4,7 @@ its check before the session loads, and the line that reports finite-difference 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -14,23 +14,29 @@ from sharpcli.cli import common, runner
 # --hvp fsdp: finite differences on the model sharded by FSDP2 (one option, one help line:
 # eigen's and trace's help stay within 80 lines); checked by check (exit 2), not by click
 HVP_CHOICES = (*catalogue.HVP_METHODS, "fsdp")
+# left out: exact, or finite differences where --max-memory holds only their workspace
 HvpOpt = Annotated[
-    str,
+    Optional[str],
     typer.Option(
         "--hvp",
         metavar="KIND",
         show_default=False,
-        help="exact (default), finite-difference or fsdp products.",
+        help="exact, finite-difference (if only it fits) or fsdp.",
     ),
 ]
 
 
-def check(hvp: str, operator: str, engine: str, blocks, estimator=None) -> tuple[str, bool]:
+def check(
+    hvp: str | None, operator: str, engine: str, blocks, estimator=None
+) -> tuple[str | None, bool]:
     """``--hvp`` as the library's ``(hvp, fsdp)``, checked against the other options before
-    the session loads (``fsdp``: finite differences on the model sharded by FSDP2)."""
+    the session loads (``fsdp``: finite differences on the model sharded by FSDP2; left out:
+    None, exact products or, where the budget holds only theirs, finite differences)."""
     # imports torch: kept out of start-up
     from sharpcli.analyses.hvp import check_hvp
 
+    if hvp is None:
+        return (None if blocks is None else catalogue.EXACT_HVP), False
     common.require(hvp in HVP_CHOICES, f"must be one of {', '.join(HVP_CHOICES)}", "--hvp")
     fsdp = hvp == "fsdp"
     hvp = catalogue.FINITE_DIFFERENCE if fsdp else hvp
