@@ -172,7 +172,8 @@ x, y = data["x"], data["y"]
 def criterion(out, target):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 from torch.nn.attention import SDPBackend, sdpa_kernel
-sdpa_kernel(SDPBackend.MATH).__enter__()
+math_attention = sdpa_kernel(SDPBackend.MATH)  # kept: collected, it would restore the fused kernel
+math_attention.__enter__()
 products = 0
 params = dict(task={task!r}, **{params!r})
 def stderr_of(values):
