@@ -54,7 +54,9 @@ untrained ResNet-18 takes tens of thousands of products) and reads the products 
 standard error reached. ``--reference`` skips the reference run; ``--pyhessian-tol`` sets
 PyHessian's first ``tol`` of the ladder. ``--tools`` runs only the named tools' rows (a run
 split across processes); ``--budget SIZE`` adds sharp's eigen row under ``--max-memory SIZE``
-(tool ``sharp --max-memory``). ``--cases mlp`` is a smoke run of seconds.
+(tool ``sharp --max-memory``). ``--lock FILE`` holds that file's ``flock`` around each child
+only (its ``--timeout`` starts once the lock is held), so that large runs on a shared machine
+take turns. ``--cases mlp`` is a smoke run of seconds.
 
 Needs ``pip install -c constraints.txt -e .[bench]`` (PyHessian 0.1, hessian-eigenthings
 1.0.0a5). GPT-2 small rows hold 4-14 GiB each. Prints Markdown tables; progress on stderr.
