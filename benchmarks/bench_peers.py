@@ -56,7 +56,7 @@ PyHessian's first ``tol`` of the ladder. ``--tools`` runs only the named tools' 
 split across processes); ``--budget SIZE`` adds sharp's eigen row under ``--max-memory SIZE``
 (tool ``sharp --max-memory``). ``--lock FILE`` holds that file's ``flock`` around each child
 only (its ``--timeout`` starts once the lock is held), so that large runs on a shared machine
-take turns. ``--cases mlp`` is a smoke run of seconds.
+take turns. ``--cases mlp,gpt2-tiny`` is a smoke run of seconds.
 
 Needs ``pip install -c constraints.txt -e .[bench]`` (PyHessian 0.1, hessian-eigenthings
 1.0.0a5). GPT-2 small rows hold 4-14 GiB each. Prints Markdown tables; progress on stderr.
@@ -92,6 +92,12 @@ CASES = {
     "gpt2": {"factory": "gpt2", "args": GPT2_SMALL, "label": "GPT-2 small shape, 4 x 64 tokens"},
     # a smoke case (seconds): every child and the tables, not a measurement
     "mlp": {"factory": "mlp", "args": {"width": 64, "depth": 2}, "label": "ReLU MLP 256-64-64-10"},
+    # a smoke case of the attention path (the peers' double backward through causal attention)
+    "gpt2-tiny": {
+        "factory": "gpt2",
+        "args": {"vocab": 500, "positions": 128, "d": 64, "layers": 2, "heads": 2},
+        "label": "GPT-2-shaped smoke model, 4 x 64 tokens",
+    },
 }
 
 
@@ -113,7 +119,7 @@ def write_case(workdir: Path, name: str) -> tuple[Path, Path, int]:
     elif name == "mlp":
         x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
     else:
-        seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
+        seq = torch.randint(0, case["args"]["vocab"], (4, 65), generator=g)
         x, y = seq[:, :-1], seq[:, 1:]
     model = getattr(scale_models, case["factory"])(**case["args"])
     ckpt, data = workdir / f"{name}.safetensors", workdir / f"{name}-data.safetensors"
