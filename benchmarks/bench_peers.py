@@ -54,7 +54,9 @@ untrained ResNet-18 takes tens of thousands of products) and reads the products 
 standard error reached. ``--reference`` skips the reference run; ``--pyhessian-tol`` sets
 PyHessian's first ``tol`` of the ladder. ``--tools`` runs only the named tools' rows (a run
 split across processes); ``--budget SIZE`` adds sharp's eigen row under ``--max-memory SIZE``
-(tool ``sharp --max-memory``). ``--cases mlp`` is a smoke run of seconds.
+(tool ``sharp --max-memory``). ``--lock FILE`` holds that file's ``flock`` around each child
+only (its ``--timeout`` starts once the lock is held), so that large runs on a shared machine
+take turns. ``--cases mlp,gpt2-tiny`` is a smoke run of seconds.
 
 Needs ``pip install -c constraints.txt -e .[bench]`` (PyHessian 0.1, hessian-eigenthings
 1.0.0a5). GPT-2 small rows hold 4-14 GiB each. Prints Markdown tables; progress on stderr.
@@ -90,6 +92,12 @@ CASES = {
     "gpt2": {"factory": "gpt2", "args": GPT2_SMALL, "label": "GPT-2 small shape, 4 x 64 tokens"},
     # a smoke case (seconds): every child and the tables, not a measurement
     "mlp": {"factory": "mlp", "args": {"width": 64, "depth": 2}, "label": "ReLU MLP 256-64-64-10"},
+    # a smoke case of the attention path (the peers' double backward through causal attention)
+    "gpt2-tiny": {
+        "factory": "gpt2",
+        "args": {"vocab": 500, "positions": 128, "d": 64, "layers": 2, "heads": 2},
+        "label": "GPT-2-shaped smoke model, 4 x 64 tokens",
+    },
 }
 
 
@@ -111,7 +119,7 @@ def write_case(workdir: Path, name: str) -> tuple[Path, Path, int]:
     elif name == "mlp":
         x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
     else:
-        seq = torch.randint(0, GPT2_SMALL["vocab"], (4, 65), generator=g)
+        seq = torch.randint(0, case["args"]["vocab"], (4, 65), generator=g)
         x, y = seq[:, :-1], seq[:, 1:]
     model = getattr(scale_models, case["factory"])(**case["args"])
     ckpt, data = workdir / f"{name}.safetensors", workdir / f"{name}-data.safetensors"
@@ -172,7 +180,8 @@ x, y = data["x"], data["y"]
 def criterion(out, target):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 from torch.nn.attention import SDPBackend, sdpa_kernel
-sdpa_kernel(SDPBackend.MATH).__enter__()
+math_attention = sdpa_kernel(SDPBackend.MATH)  # kept: collected, it would restore the fused kernel
+math_attention.__enter__()
 products = 0
 params = dict(task={task!r}, **{params!r})
 def stderr_of(values):
@@ -239,8 +248,11 @@ print(json.dumps(out))
 class Bench:
     """One case's runs: the child processes, their rows and the reference."""
 
-    def __init__(self, name: str, workdir: Path, timeout: float, max_probes: int) -> None:
+    def __init__(
+        self, name: str, workdir: Path, timeout: float, max_probes: int, lock: str | None = None
+    ) -> None:
         self.name = name
+        self.lock = lock
         self.workdir = workdir
         self.timeout = timeout
         self.max_probes = max_probes
@@ -270,7 +282,12 @@ class Bench:
     def run(self, task: str, tool: str, label: str, argv: list[str], keep: bool = True) -> dict:
         if tool not in self.tools and task != "reference":  # --tools: the others' rows only
             return {"result": None, "skipped": True}
-        info = measure(argv, self.env, self.timeout)
+        wait = self.timeout
+        if self.lock:  # the lock is held for this child only; its time limit starts once held
+            limit = f"{self.timeout:.0f}"
+            argv = ["flock", self.lock, "timeout", "--kill-after=30", limit, *argv]
+            wait = self.timeout + 4 * 3600  # the outer limit also waits for the lock
+        info = measure(argv, self.env, wait)
         info.update(task=task, tool=tool, label=label, result=None)
         if info["code"] == 0:
             report = json.loads(info["out"])
@@ -293,11 +310,11 @@ class Bench:
         return info
 
     # -- the reference ------------------------------------------------------------------------
-    def ensure_reference(self, given: float | None) -> None:
+    def ensure_reference(self, given: float | None, note: str | None = None) -> None:
         path = self.workdir / f"reference-{self.name}.json"
         if given is not None:
             self.reference = given
-            self.reference_note = f"{given:.7g}, given by --reference"
+            self.reference_note = note or f"{given:.7g}, given by --reference"
             return
         if not path.exists():
             info = self.run(
@@ -327,7 +344,14 @@ class Bench:
         return abs(value - self.reference) / abs(self.reference)
 
     # -- the tasks ----------------------------------------------------------------------------
-    def eigen(self, eigenthings_steps: int, pyhessian_tol: float) -> None:
+    def eigen(
+        self, eigenthings_steps: int, pyhessian_tol: float, eigenthings_last: int | None = None
+    ) -> None:
+        """lambda_max rows: sharp to its residual, hessian-eigenthings from ``eigenthings_steps``
+        steps growing by 4 (to ``eigenthings_last``, default 24 more) until its flag is set, and
+        PyHessian down its ladder of ``tol`` (see the module's docstring)."""
+        if eigenthings_last is None:
+            eigenthings_last = eigenthings_steps + 24
         self.run(
             "eigen", "sharp", f"sharp eigen --top-k 1 --eig-tol {EIGEN_TOL:g}",
             self.sharp("eigen", "--top-k", "1", "--eig-tol", f"{EIGEN_TOL:g}"),
@@ -347,7 +371,7 @@ class Bench:
                 self.peer(EIGENTHINGS, "eigen", steps=steps, tol=EIGEN_TOL, seed=0),
             )  # fmt: skip
             res = info["result"]
-            if res is None or res["converged"] or steps >= eigenthings_steps + 24:
+            if res is None or res["converged"] or steps >= eigenthings_last:
                 break
             steps += 4
         tol = pyhessian_tol
@@ -357,7 +381,9 @@ class Bench:
                 self.peer(PYHESSIAN, "eigen", max_iter=100, tol=tol, seed=0),
             )  # fmt: skip
             err = self.error((info["result"] or {}).get("value"))
-            if err is None or err <= EIGEN_TOL or tol <= 1e-6:
+            # err > 0.5: power iteration settled on another eigenvalue (the largest magnitude,
+            # negative on GPT-2 small); a tighter tol converges further to that one
+            if err is None or err <= EIGEN_TOL or err > 0.5 or tol <= 1e-6:
                 break
             tol /= 10
 
@@ -467,8 +493,11 @@ def table(bench: Bench) -> None:
             if r.get("needed") and r["needed"] > (s.get("probes") or 0):
                 acc += f"; 1% needs about {r['needed']} probes, capped"
             elif s["stderr"] > TRACE_TOL * abs(value) and s.get("products"):
+                # the standard error falls as one over the square root of the products; the
+                # CPU time is this run's seconds a product (its fixed costs included) times those
                 needed = s["products"] * (s["stderr"] / (TRACE_TOL * abs(value))) ** 2
-                acc += f"; 1% needs about {needed:.0f} products"
+                hours = needed * r["cpu"] / s["products"] / 3600
+                acc += f"; 1% needs about {needed:.3g} products, {hours:.3g} CPU h"
         elif r["task"] == "density" and value is not None:
             acc = f"top node rel. error {bench.error(value):.1e}"
         shown = "" if value is None else f"{value:.6g}"
@@ -484,9 +513,18 @@ def main() -> None:
     parser.add_argument("--tasks", default="eigen,trace,density")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--reference", type=float, default=None, help="lambda_max, not computed")
+    parser.add_argument(
+        "--reference-note", default=None, help="how --reference was certified (the tables say)"
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="wall seconds per child")
     parser.add_argument("--max-probes", type=int, default=400, help="PyHessian's trace at most")
     parser.add_argument("--eigenthings-steps", type=int, default=16, help="its first max_iter")
+    parser.add_argument(
+        "--eigenthings-max-steps", type=int, default=None, help="its last max_iter (first + 24)"
+    )
+    parser.add_argument(
+        "--lock", default=None, help="flock this file around each child only (a shared machine)"
+    )
     parser.add_argument(
         "--pyhessian-tol", type=float, default=1e-3, help="its first tol (its default 1e-3)"
     )
@@ -516,6 +554,9 @@ def main() -> None:
             bench.reference_note = saved.get(
                 "reference_note", f"{bench.reference:.7g}, given by --reference"
             )
+            if args.reference is not None:  # a reference computed after the rows ran
+                bench.reference = args.reference
+                bench.reference_note = args.reference_note or f"{args.reference:.7g}, given"
             order = {"eigen": 0, "density": 1, "trace": 2}
             bench.rows = sorted(saved["rows"], key=lambda r: order.get(r["task"], 3))
             table(bench)
@@ -529,13 +570,13 @@ def main() -> None:
     )
     everything = {}
     for name in args.cases.split(","):
-        bench = Bench(name, workdir, args.timeout, args.max_probes)
-        bench.ensure_reference(args.reference)
+        bench = Bench(name, workdir, args.timeout, args.max_probes, args.lock)
+        bench.ensure_reference(args.reference, args.reference_note)
         bench.tools = tuple(args.tools.split(","))
         bench.budget = args.budget
         for task in args.tasks.split(","):
             if task == "eigen":
-                bench.eigen(args.eigenthings_steps, args.pyhessian_tol)
+                bench.eigen(args.eigenthings_steps, args.pyhessian_tol, args.eigenthings_max_steps)
             elif task == "trace":
                 bench.trace(args.trace_products)
             elif task == "density":
