@@ -160,16 +160,25 @@ GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # a 3M-parameter MLP of 12 batches (91 of 315 MiB); the margin keeps the plan an upper bound
 # (docs/memory.md, "What the budget bounds")
 ALLOCATOR_SLACK = 0.15
+# every batch's graph kept between products: each product frees and asks again for the same
+# blocks, nothing is built between them (measured beyond the plan: 1% of the work on
+# ResNet-18, 3% on GPT-2 small; twice the larger)
+ALLOCATOR_SLACK_GRAPHS_KEPT = 0.06
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
 
 
 def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
     """Bytes :func:`settle_heap` will plan beside the peak to leave the heap reusing freed
-    blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and :data:`ALLOCATOR_SLACK`
-    of the planned work (planned peak less baseline) less the first batch's first-order graph
-    when it is kept between products (``first_graph_bytes``: built before any product and
-    never freed); 0 where the heap is settled already (its slack, if any, is held) or is not
-    glibc's on the CPU.
+    blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and a share of the planned
+    work (planned peak less baseline) less the first batch's first-order graph when it is
+    kept between products (``first_graph_bytes``: built before any product and never freed);
+    0 where the heap is settled already (its slack, if any, is held) or is not glibc's on the
+    CPU. The share is :data:`ALLOCATOR_SLACK`, or :data:`ALLOCATOR_SLACK_GRAPHS_KEPT` where
+    every batch's graph is kept between products (``every_graph_kept``): then no graph is
+    built between the blocks a product frees, the source of the fragmentation the larger
+    share covers (a 12-batch MLP's graphs rebuilt during each product, 29% of its work beyond
+    the plan, against 1-3% for one kept graph; at GPT-2 small under PyHessian's peak the
+    larger share was 30 MiB more than the budget left, and the heap was bounded).
 
     Planners that could take the room it needs for something that buys less time (a Krylov
     basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
@@ -182,7 +191,8 @@ def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
         return 0
     peak = max(plan.planned_peak, plan.in_use + int(beside))
     freed = max(0, peak - plan.baseline - plan.first_graph_bytes)
-    return int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
+    share = ALLOCATOR_SLACK_GRAPHS_KEPT if plan.every_graph_kept is True else ALLOCATOR_SLACK
+    return int(HEAP_TRIM_THRESHOLD + share * freed)
 
 
 def settle_heap() -> str | None:
@@ -204,12 +214,14 @@ def settle_heap() -> str | None:
         return None
     if plan.heap is None:
         slack = heap_slack(plan)
-        # the heap's free top is kept up to the slack the plan counts: trimmed beyond 64 MiB,
-        # a product's freed temporaries (0.5 GB at GPT-2 small) went back to the system and
-        # the next product faulted and zeroed them afresh (8 of 11 CPU s of system time in a
-        # 20-matvec run of a 27M-parameter GPT-2 shape)
+        # the heap's free top is kept up to the slack the plan counts and a product's
+        # temporaries (its workspace beside the kept graph, planned for the whole run): trimmed
+        # beyond 64 MiB, a product's freed temporaries (0.5 GB at GPT-2 small) went back to
+        # the system and the next product faulted and zeroed them afresh (8 of 11 CPU s of
+        # system time in a 20-matvec run of a 27M-parameter GPT-2 shape)
+        temporaries = plan.items.get(PRODUCT_WORKSPACE, 0) - plan.first_graph_bytes
         if plan.planned_peak + slack <= plan.budget and _set_heap(
-            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack)
+            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack, temporaries)
         ):
             plan.add_to_peak(ALLOCATOR_SLACK_ITEM, slack)
             plan.heap = "reuse"
@@ -339,6 +351,9 @@ class MemoryPlan:
     choices: list[str] = field(default_factory=list)
     heap: str | None = None  # how the C heap treats freed memory (settle_heap), once chosen
     first_graph_bytes: int = 0  # the first batch's graph when kept between products (heap_slack)
+    # no graph rebuilt during products (heap_slack's share); None until an engine plans, False
+    # once any engine rebuilds one
+    every_graph_kept: bool | None = None
 
     @classmethod
     def for_run(cls, max_memory: str | int | None = None, device: str = "cpu") -> MemoryPlan:

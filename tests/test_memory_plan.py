@@ -295,6 +295,18 @@ def test_a_budget_that_holds_the_product_keeps_the_first_graph_between_products(
     assert list(engine._cache) == [0] and plan.first_graph_bytes == engine._cache[0].nbytes
     assert plan.items["cached first-order graphs"] == 0  # nothing beyond the workspace
     assert plan.planned_peak <= plan.budget
+    # the heap's reuse slack: the smaller share of the work only where no graph is rebuilt
+    every_kept = kept == "1 of 1"
+    assert plan.every_graph_kept is every_kept
+    share = memory.ALLOCATOR_SLACK_GRAPHS_KEPT if every_kept else memory.ALLOCATOR_SLACK
+    work = plan.planned_peak - plan.baseline - plan.first_graph_bytes
+    if memory._glibc() is not None:
+        assert memory.heap_slack(plan) == int(memory.HEAP_TRIM_THRESHOLD + share * work)
+    # a later engine that keeps every graph does not undo an earlier one that rebuilds
+    engine.plan_memory(memory.MemoryPlan(budget=1 << 40), auto_cache=True)
+    again = memory.MemoryPlan(budget=1 << 40, every_graph_kept=plan.every_graph_kept)
+    engine.plan_memory(again, auto_cache=True)
+    assert again.every_graph_kept is every_kept
 
 
 def test_an_in_memory_basis_leaves_the_heaps_reuse_slack():
