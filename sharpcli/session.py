@@ -233,8 +233,10 @@ def _analysis_loss(
     check's first batch), which then stand for this one.
     """
 
-    reusable = isinstance(outputs, torch.Tensor) and outputs.shape[0] == x.shape[0]
-    out = outputs if reusable else model_outputs(model, x, dataset.source)
+    if isinstance(outputs, torch.Tensor) and outputs.shape[0] == x.shape[0]:
+        out = outputs
+    else:
+        out = model_outputs(model, x, dataset.source)
     spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
     if spec is not None:
         name = spec.name

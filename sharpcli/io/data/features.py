@@ -283,7 +283,9 @@ def prepare_features_and_outputs(
             first_outputs = _probe_and_check_ids(model, ids, batch_size, source)
             if first_outputs is not None:
                 return PreparedFeatures(ids, [], first_outputs)
-        return PreparedFeatures(*_prepare_for_embeddings(model, x, dtype, device, source, batch_size))
+        return PreparedFeatures(
+            *_prepare_for_embeddings(model, x, dtype, device, source, batch_size)
+        )
     finally:
         for module, training in modes:
             module.training = training
