@@ -214,14 +214,14 @@ def settle_heap() -> str | None:
         return None
     if plan.heap is None:
         slack = heap_slack(plan)
-        # the heap's free top is kept up to the slack the plan counts and a product's
-        # temporaries (its workspace beside the kept graph, planned for the whole run): trimmed
-        # beyond 64 MiB, a product's freed temporaries (0.5 GB at GPT-2 small) went back to
-        # the system and the next product faulted and zeroed them afresh (8 of 11 CPU s of
-        # system time in a 20-matvec run of a 27M-parameter GPT-2 shape)
-        temporaries = plan.items.get(PRODUCT_WORKSPACE, 0) - plan.first_graph_bytes
+        # the heap's free top is kept up to the slack the plan counts: trimmed beyond 64 MiB,
+        # a product's freed temporaries (0.5 GB at GPT-2 small) went back to the system and
+        # the next product faulted and zeroed them afresh (8 of 11 CPU s of system time in a
+        # 20-matvec run of a 27M-parameter GPT-2 shape). Kept beyond the slack (up to a
+        # product's temporaries, 600 MiB), GPT-2 small under 4120M peaked 157 MiB above its
+        # plan: the free top is resident beside the Lanczos step's vectors
         if plan.planned_peak + slack <= plan.budget and _set_heap(
-            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack, temporaries)
+            REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack)
         ):
             plan.add_to_peak(ALLOCATOR_SLACK_ITEM, slack)
             plan.heap = "reuse"
