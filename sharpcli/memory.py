@@ -173,12 +173,15 @@ def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
     work (planned peak less baseline) less the first batch's first-order graph when it is
     kept between products (``first_graph_bytes``: built before any product and never freed);
     0 where the heap is settled already (its slack, if any, is held) or is not glibc's on the
-    CPU. The share is :data:`ALLOCATOR_SLACK`, or :data:`ALLOCATOR_SLACK_GRAPHS_KEPT` where
-    every batch's graph is kept between products (``every_graph_kept``): then no graph is
-    built between the blocks a product frees, the source of the fragmentation the larger
-    share covers (a 12-batch MLP's graphs rebuilt during each product, 29% of its work beyond
-    the plan, against 1-3% for one kept graph; at GPT-2 small under PyHessian's peak the
-    larger share was 30 MiB more than the budget left, and the heap was bounded).
+    CPU. The share is :data:`ALLOCATOR_SLACK`; where the budget does not hold that and every
+    batch's graph is kept between products (``every_graph_kept``), it is
+    :data:`ALLOCATOR_SLACK_GRAPHS_KEPT`: then no graph is built between the blocks a product
+    frees, the source of the fragmentation the larger share covers (a 12-batch MLP's graphs
+    rebuilt during each product, 29% of its work beyond the plan, against 1-3% for one kept
+    graph; at GPT-2 small under PyHessian's peak the larger share was 30 MiB more than the
+    budget left, and the heap was bounded). The larger share where it fits: the slack is also
+    the free top the heap keeps (:func:`settle_heap`), and a smaller one trims and faults more
+    (GPT-2 small's 20-matvec run at the default budget: 18 against 10 s of system time).
 
     Planners that could take the room it needs for something that buys less time (a Krylov
     basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
@@ -191,8 +194,10 @@ def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
         return 0
     peak = max(plan.planned_peak, plan.in_use + int(beside))
     freed = max(0, peak - plan.baseline - plan.first_graph_bytes)
-    share = ALLOCATOR_SLACK_GRAPHS_KEPT if plan.every_graph_kept is True else ALLOCATOR_SLACK
-    return int(HEAP_TRIM_THRESHOLD + share * freed)
+    slack = int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
+    if plan.every_graph_kept is True and peak + slack > plan.budget:
+        slack = int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK_GRAPHS_KEPT * freed)
+    return slack
 
 
 def settle_heap() -> str | None:
