@@ -160,28 +160,16 @@ GLIBC_MMAP_MAX, REUSE_MMAP_MAX = 65536, 0
 # a 3M-parameter MLP of 12 batches (91 of 315 MiB); the margin keeps the plan an upper bound
 # (docs/memory.md, "What the budget bounds")
 ALLOCATOR_SLACK = 0.15
-# every batch's graph kept between products: each product frees and asks again for the same
-# blocks, nothing is built between them (measured beyond the plan: 1% of the work on
-# ResNet-18, 3% on GPT-2 small; twice the larger)
-ALLOCATOR_SLACK_GRAPHS_KEPT = 0.06
 ALLOCATOR_SLACK_ITEM = "freed blocks the allocator keeps for reuse"
 
 
 def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
     """Bytes :func:`settle_heap` will plan beside the peak to leave the heap reusing freed
-    blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and a share of the planned
-    work (planned peak less baseline) less the first batch's first-order graph when it is
-    kept between products (``first_graph_bytes``: built before any product and never freed);
-    0 where the heap is settled already (its slack, if any, is held) or is not glibc's on the
-    CPU. The share is :data:`ALLOCATOR_SLACK`; where the budget does not hold that and every
-    batch's graph is kept between products (``every_graph_kept``), it is
-    :data:`ALLOCATOR_SLACK_GRAPHS_KEPT`: then no graph is built between the blocks a product
-    frees, the source of the fragmentation the larger share covers (a 12-batch MLP's graphs
-    rebuilt during each product, 29% of its work beyond the plan, against 1-3% for one kept
-    graph; at GPT-2 small under PyHessian's peak the larger share was 30 MiB more than the
-    budget left, and the heap was bounded). The larger share where it fits: the slack is also
-    the free top the heap keeps (:func:`settle_heap`), and a smaller one trims and faults more
-    (GPT-2 small's 20-matvec run at the default budget: 18 against 10 s of system time).
+    blocks: the heap's untrimmed top (:data:`HEAP_TRIM_THRESHOLD`) and :data:`ALLOCATOR_SLACK`
+    of the planned work (planned peak less baseline) less the first batch's first-order graph
+    when it is kept between products (``first_graph_bytes``: built before any product and
+    never freed); 0 where the heap is settled already (its slack, if any, is held) or is not
+    glibc's on the CPU.
 
     Planners that could take the room it needs for something that buys less time (a Krylov
     basis kept in memory rather than in a scratch file) reserve it first: reusing freed blocks
@@ -194,10 +182,7 @@ def heap_slack(plan: MemoryPlan, beside: int = 0) -> int:
         return 0
     peak = max(plan.planned_peak, plan.in_use + int(beside))
     freed = max(0, peak - plan.baseline - plan.first_graph_bytes)
-    slack = int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
-    if plan.every_graph_kept is True and peak + slack > plan.budget:
-        slack = int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK_GRAPHS_KEPT * freed)
-    return slack
+    return int(HEAP_TRIM_THRESHOLD + ALLOCATOR_SLACK * freed)
 
 
 def settle_heap() -> str | None:
@@ -222,9 +207,7 @@ def settle_heap() -> str | None:
         # the heap's free top is kept up to the slack the plan counts: trimmed beyond 64 MiB,
         # a product's freed temporaries (0.5 GB at GPT-2 small) went back to the system and
         # the next product faulted and zeroed them afresh (8 of 11 CPU s of system time in a
-        # 20-matvec run of a 27M-parameter GPT-2 shape). Kept beyond the slack (up to a
-        # product's temporaries, 600 MiB), GPT-2 small under 4120M peaked 157 MiB above its
-        # plan: the free top is resident beside the Lanczos step's vectors
+        # 20-matvec run of a 27M-parameter GPT-2 shape)
         if plan.planned_peak + slack <= plan.budget and _set_heap(
             REUSE_MMAP_THRESHOLD, REUSE_MMAP_MAX, max(HEAP_TRIM_THRESHOLD, slack)
         ):
@@ -356,9 +339,6 @@ class MemoryPlan:
     choices: list[str] = field(default_factory=list)
     heap: str | None = None  # how the C heap treats freed memory (settle_heap), once chosen
     first_graph_bytes: int = 0  # the first batch's graph when kept between products (heap_slack)
-    # no graph rebuilt during products (heap_slack's share); None until an engine plans, False
-    # once any engine rebuilds one
-    every_graph_kept: bool | None = None
 
     @classmethod
     def for_run(cls, max_memory: str | int | None = None, device: str = "cpu") -> MemoryPlan:

@@ -324,7 +324,6 @@ class CurvatureEngine:
         plan.reserve("cached first-order graphs", max(0, kept - 1) * graph_bytes)
         # built before any product and never freed: no blocks for the heap to keep
         plan.first_graph_bytes = graph_bytes if kept else 0
-        plan.every_graph_kept = kept == batches and plan.every_graph_kept is not False
         plan.note(
             f"first-order graphs kept between products: {kept} of {batches} batches"
             + ("" if kept == batches else " (the others rebuilt for every product)")
