@@ -564,10 +564,11 @@ def case_fixed(workdir, env, device, products=20, trees=(), shape=None):
         sources.append((str(tree), tree_env))
     print(f"\nWhole runs, {name} (P = {count:,}, 4 x 64 tokens), {device}, one thread; "
           "CPU seconds (user + system)\n")  # fmt: skip
-    print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | products | "
-          "compute s / product | x bare HVP | whole run / (3 bare + loading) | "
-          + " | ".join(PHASES) + " | lambda_max |", flush=True)  # fmt: skip
-    print("|---" * (11 + len(PHASES)) + "|", flush=True)
+    print("| tree | matvecs bound | CPU s | user s | sys s | peak RSS GiB (outside) | "
+          "planned peak GiB (report) | products | compute s / product | x bare HVP | "
+          "whole run / (3 bare + loading) | " + " | ".join(PHASES) + " | lambda_max |",
+          flush=True)  # fmt: skip
+    print("|---" * (12 + len(PHASES)) + "|", flush=True)
     runs: list = []
     own_startup = None
     for (source, source_env), bound in [(s, b) for s in sources for b in (products, 2)]:
@@ -589,8 +590,11 @@ def case_fixed(workdir, env, device, products=20, trees=(), shape=None):
         per = (info["cpu"] - startup) / matvecs if matvecs else float("nan")
         short = f"{info['cpu'] / (3 * bare + bare_info['load_cpu']):.2f}x" if bound == 2 else ""
         phases = " | ".join(f"{split[p]:.1f}" if p in split else "" for p in PHASES)
+        # the memory plan's upper bound, to hold against the peak read from outside
+        planned = timing.get("memory", {}).get("planned_peak_bytes")
+        planned_text = f"{planned / 2**30:.2f}" if planned else ""
         print(f"| {source} | {bound} | {info['cpu']:.1f} | {info['user']:.1f} | "
-              f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {matvecs} | {per:.2f} | "
+              f"{info['sys']:.1f} | {info['rss'] / 2**30:.2f} | {planned_text} | {matvecs} | {per:.2f} | "
               f"{per / bare:.2f}x | {short} | {phases} | {value_of(info)!r} |", flush=True)  # fmt: skip
     return runs
 

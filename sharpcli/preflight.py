@@ -28,6 +28,7 @@ from sharpcli.io.data.features import (  # noqa: F401  (re-exported: preflight i
     embedding_modules,
     embeddings_fed_by_input,
     prepare_features,
+    prepare_features_and_outputs,
     to_analysis_dtype,
 )
 from sharpcli.losses import BINARY_CROSS_ENTROPY, CROSS_ENTROPY, MSE, TOKEN_CROSS_ENTROPY, get_loss

@@ -56,7 +56,7 @@ from sharpcli.preflight import (
     check_seed,
     infer_loss,
     model_outputs,
-    prepare_features,
+    prepare_features_and_outputs,
     release_padding_rows,
     resolve_device,
     resolve_dtype,
@@ -216,6 +216,7 @@ def _analysis_loss(
     *,
     loss: str | None,
     stored: str | None,
+    outputs: torch.Tensor | None = None,
 ) -> tuple[LossReading, torch.Tensor, LossOrigin]:
     """The loss of the analysis, how it reads the model's outputs on the first batch ``x``
     and the labels ``y`` (:func:`sharpcli.io.torch_losses.readings.read_loss`), the outputs
@@ -227,10 +228,15 @@ def _analysis_loss(
     :func:`~sharpcli.preflight.infer_loss` picks. Labels that do not fit the loss are an
     InputError on the data, or on the checkpoint naming its stored loss and the option that
     overrides it when the stored loss chose; sharp's loss on the batch must equal torch's
-    (:func:`~sharpcli.io.torch_losses.readings.check_loss_value`).
+    (:func:`~sharpcli.io.torch_losses.readings.check_loss_value`). ``outputs``: the model's
+    outputs on ``x`` from an earlier forward pass (no gradients, eval mode: the token-id
+    check's first batch), which then stand for this one.
     """
 
-    out = model_outputs(model, x, dataset.source)
+    if isinstance(outputs, torch.Tensor) and outputs.shape[0] == x.shape[0]:
+        out = outputs
+    else:
+        out = model_outputs(model, x, dataset.source)
     spec = parse_loss_spec(loss) if loss is not None else None  # NAME[:k=v,...]
     if spec is not None:
         name = spec.name
@@ -440,9 +446,11 @@ def build_session(
     x, y = subset(x, y, samples, seed)
 
     model = _placed_model(ckpt, dataset, output, torch_device, torch_dtype)
-    x, notes = prepare_features(
+    # for token ids the id check's first batch is the loss read's forward pass too
+    prepared = prepare_features_and_outputs(
         model, x, torch_dtype, torch_device, dataset.source, batch_size=batch_size
     )
+    x, notes = prepared.x, prepared.notes
     if curvature:  # pad rows' zeroed gradients are no derivative (release_padding_rows)
         notes += release_padding_rows(model)
     y = _placed_targets(y, dataset, torch_device, torch_dtype)
@@ -460,7 +468,9 @@ def build_session(
         checkpoint,
         loss=TOKEN_CROSS_ENTROPY if own_loss else loss,
         stored=stored,
+        outputs=prepared.first_outputs,
     )
+    del prepared
     if (
         own_loss
     ):  # the number differentiated is the model's own `loss` (sharpcli.io.torch_losses.causal_lm)

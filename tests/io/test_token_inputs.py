@@ -287,3 +287,46 @@ def test_views_and_model_side_conversion(tmp_path, monkeypatch, convert):
     with pytest.raises(InputError, match=r"\[0, 9\].*'emb' has 7 rows") as info:
         prepare_features(model, features, torch.float64, torch.device("cpu"), "f.npz")
     assert info.value.source == "f.npz"
+
+
+@pytest.mark.parametrize("convert", [False, True])
+def test_integer_ids_take_one_pass_whose_first_batch_is_the_loss_read(
+    tmp_path, monkeypatch, convert
+):
+    """Integer ids that feed the embedding (a view of the input, or ``x.long()`` of int64
+    ids, the same storage): the probe and the id check are one pass over the data (one
+    forward per batch), and its outputs on the first batch are the model's in eval mode, bit
+    for bit. An id out of range in the first batch takes the two passes, whose error names
+    it as before."""
+    from sharpcli.errors import InputError
+    from sharpcli.preflight import prepare_features_and_outputs
+
+    (tmp_path / "slicedmodel2.py").write_text(CONVERTING_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    model = importlib.import_module("slicedmodel2").make(convert).double().train()
+    x, _ = token_arrays()
+    features = torch.from_numpy(x)
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    before = model.norm.running_mean.clone()
+    prepared = prepare_features_and_outputs(
+        model, features, torch.float64, torch.device("cpu"), "f", batch_size=5
+    )
+    assert model.training and torch.equal(model.norm.running_mean, before)
+    assert prepared.x.dtype == torch.int64 and torch.equal(prepared.x, features)
+    assert prepared.notes == []
+    batches = [min(5, len(x) - start) for start in range(0, len(x), 5)]
+    assert calls == batches
+    with torch.no_grad():
+        expected = model.eval()(prepared.x[:5])
+    assert prepared.first_outputs is not None
+    assert torch.equal(prepared.first_outputs, expected)
+    features[1, 0] = VOCAB
+    calls.clear()
+    with pytest.raises(InputError, match=rf"\[0, {VOCAB}\].*'emb' has 7 rows"):
+        prepare_features_and_outputs(
+            model, features, torch.float64, torch.device("cpu"), "f", batch_size=5
+        )
+    assert calls == [5, 2, *batches]  # the shared first batch, then the probe and the check

@@ -8,6 +8,8 @@ analysis session both prepare their data here (through :mod:`sharpcli.preflight`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -94,6 +96,25 @@ def check_embedding_ids(model: nn.Module, x: torch.Tensor, batch_size: int, sour
     if not embeddings or x.shape[0] == 0:
         return
     seen: dict[str, list[int]] = {}
+    handles = _id_range_hooks(embeddings, seen, [])
+    devices = [x.device] if x.device.type == "cuda" else []
+    step = max(1, int(batch_size))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for start in range(0, x.shape[0], step):
+                model(x[start : start + step])
+    except Exception:  # a model that does not fit the data: preflight.check_model_accepts
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    _raise_out_of_range(embeddings, seen, source)
+
+
+def _id_range_hooks(embeddings: list, seen: dict[str, list[int]], clamped: list[str]) -> list:
+    """Forward pre-hooks of :func:`check_embedding_ids` on ``embeddings``: each records the
+    range of the integer ids its embedding receives in ``seen`` and clamps ids out of range
+    (naming the embedding in ``clamped``) so that the pass finishes; the handles."""
 
     def make_hook(name: str):
         def hook(module, args, kwargs):
@@ -106,27 +127,23 @@ def check_embedding_ids(model: nn.Module, x: torch.Tensor, batch_size: int, sour
             rows = int(module.num_embeddings)
             if low >= 0 and high < rows:
                 return None
-            clamped = ids.clamp(0, rows - 1)
+            clamped.append(name)
+            within = ids.clamp(0, rows - 1)
             if args:
-                return (clamped, *args[1:]), kwargs
-            return args, {**kwargs, "input": clamped}
+                return (within, *args[1:]), kwargs
+            return args, {**kwargs, "input": within}
 
         return hook
 
-    handles = [
+    return [
         module.register_forward_pre_hook(make_hook(name), with_kwargs=True)
         for name, module in embeddings
     ]
-    devices = [x.device] if x.device.type == "cuda" else []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for start in range(0, x.shape[0], max(1, int(batch_size))):
-                model(x[start : start + batch_size])
-    except Exception:  # a model that does not fit the data: preflight.check_model_accepts
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
+
+
+def _raise_out_of_range(embeddings: list, seen: dict[str, list[int]], source: str) -> None:
+    """The ``InputError`` of :func:`check_embedding_ids` for the first embedding (in
+    ``embeddings``' order) whose ids in ``seen`` fall outside its rows."""
     for name, module in embeddings:
         if name not in seen:
             continue
@@ -138,6 +155,61 @@ def check_embedding_ids(model: nn.Module, x: torch.Tensor, batch_size: int, sour
                 f"{type(module).__name__} {name!r} has {rows} rows (ids 0..{rows - 1})",
                 source=source,
             )
+
+
+def _probe_and_check_ids(
+    model: nn.Module, ids: torch.Tensor, batch_size: int, source: str
+) -> torch.Tensor | None:
+    """The one pass of :func:`prepare_features_and_outputs` over int64 ``ids``: the model's
+    outputs on the first batch, or None where the two passes must decide (the first batch
+    fed no embedding with ``ids`` themselves, held an id out of range, or failed)."""
+    embeddings = embedding_modules(model)
+    storage = ids.untyped_storage().data_ptr()
+    fed: list[str] = []
+
+    def make_fed_hook(name: str):
+        def hook(module, args, kwargs):  # embeddings_fed_by_input's test: the input's storage
+            looked_up = _lookup_input(args, kwargs)
+            if (
+                isinstance(looked_up, torch.Tensor)
+                and looked_up.device == ids.device
+                and looked_up.untyped_storage().data_ptr() == storage
+            ):
+                fed.append(name)
+
+        return hook
+
+    # registered before the id hooks, so that each sees the ids the model passes, unclamped
+    fed_handles = [
+        module.register_forward_pre_hook(make_fed_hook(name), with_kwargs=True)
+        for name, module in embeddings
+    ]
+    seen: dict[str, list[int]] = {}
+    clamped: list[str] = []
+    handles = _id_range_hooks(embeddings, seen, clamped)
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    step = max(1, int(batch_size))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            try:
+                first = model(ids[:step])
+            except Exception:  # the two passes report it as before
+                return None
+            finally:
+                for handle in fed_handles:
+                    handle.remove()
+            if not fed or clamped:
+                return None
+            try:
+                for start in range(step, ids.shape[0], step):
+                    model(ids[start : start + step])
+            except Exception:  # as check_embedding_ids: preflight.check_model_accepts
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    _raise_out_of_range(embeddings, seen, source)
+    return first
 
 
 def prepare_features(
@@ -164,12 +236,56 @@ def prepare_features(
       set against the embeddings' rows, so an out-of-range id is an ``InputError`` naming
       ``source`` (exit 2) instead of an ``IndexError`` deep inside an analysis.
     """
+    prepared = prepare_features_and_outputs(model, x, dtype, device, source, batch_size)
+    return prepared.x, prepared.notes
+
+
+@dataclass
+class PreparedFeatures:
+    """What :func:`prepare_features_and_outputs` returns: the features as the model takes
+    them, the notes on their conversion, and the model's outputs on the first batch
+    ``x[:batch_size]`` (no gradients, eval mode) where the token-id check computed them,
+    else None."""
+
+    x: torch.Tensor
+    notes: list[str]
+    first_outputs: torch.Tensor | None = None
+
+
+def prepare_features_and_outputs(
+    model: nn.Module,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    batch_size: int = 256,
+) -> PreparedFeatures:
+    """:func:`prepare_features`, with the first batch's outputs of the token-id check.
+
+    Integer features (token ids) of a model with embeddings take one pass over the data
+    where :func:`prepare_features` describes two: the first batch, as int64, is the probe of
+    :func:`embeddings_fed_by_input` and the first batch of :func:`check_embedding_ids` at
+    once (the probe's answer does not depend on how many samples it holds: an embedding is
+    fed by the input when it receives the input's storage). Where that pass finds an
+    embedding fed by the input, every id in range and a forward that completes, its outputs
+    on the first batch are returned (``first_outputs``: the loss read takes them as its
+    forward pass); anything else (floating features, no embedding fed by the input, an id
+    out of range, a forward that fails) takes the two passes, which name the problem as
+    before. The features, the notes and any error are those of :func:`prepare_features`.
+    """
     if not embedding_modules(model):
-        return to_analysis_dtype(x, dtype, device, source, "features"), []
+        return PreparedFeatures(to_analysis_dtype(x, dtype, device, source, "features"), [])
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # the probes must not touch BatchNorm statistics of a model about to train
     try:
-        return _prepare_for_embeddings(model, x, dtype, device, source, batch_size)
+        if not x.is_floating_point() and x.shape[0] > 0:
+            ids = x.to(device=device, dtype=torch.int64)
+            first_outputs = _probe_and_check_ids(model, ids, batch_size, source)
+            if first_outputs is not None:
+                return PreparedFeatures(ids, [], first_outputs)
+        return PreparedFeatures(
+            *_prepare_for_embeddings(model, x, dtype, device, source, batch_size)
+        )
     finally:
         for module, training in modes:
             module.training = training
