@@ -53,6 +53,8 @@ def _eigen(wide_batch, tmp_path, budget: str, *hvp: str):
     )  # fmt: skip
 
 
+# one batch of 300,000 samples, three whole runs (about a minute of CPU): the slow tier
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM (Linux)")
 def test_a_budget_that_holds_only_finite_differences_takes_them(wide_batch, tmp_path):
     code, roomy, _ = _eigen(wide_batch, tmp_path, "4G")

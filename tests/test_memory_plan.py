@@ -361,7 +361,12 @@ def test_planned_peak_is_within_25_percent_of_the_measured_peak(mlp3m, matvecs):
     plan = report["timing"]["memory"]
     assert report["results"]["krylov_dim"] == matvecs  # the basis was used in full
     assert plan["planned"]["krylov basis"] >= matvecs * 3_019_210 * 8
-    ratio = plan["planned_peak_bytes"] / plan["peak_rss_bytes"]
+    # the plan bounds the run; its own items, without the allocator's reuse slack (a fixed
+    # 64 MiB of untrimmed heap top plus a share of the work: 9-18% of a run this small, and
+    # only as much of it used as the heap happens to keep), are within 25% of the measurement
+    assert plan["planned_peak_bytes"] >= plan["peak_rss_bytes"], plan
+    slack = plan["planned"].get(memory.ALLOCATOR_SLACK_ITEM, 0)
+    ratio = (plan["planned_peak_bytes"] - slack) / plan["peak_rss_bytes"]
     assert 0.75 <= ratio <= 1.25, (ratio, plan)
 
 
